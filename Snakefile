@@ -1,0 +1,33 @@
+# coldset: usage-aware MoE expert offload, as one declarative experiment workflow.
+# Stages and file contracts: ../shared/DESIGN.md §1 and docs/architecture.md.
+#   snakemake --cores all report    the whole pipeline (the default profile sets cores)
+#   snakemake parity_gate           the token-exact gate alone
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/fixtures.smk"
+include: "workflow/rules/routing.smk"
+include: "workflow/rules/stats.smk"
+include: "workflow/rules/placement.smk"
+include: "workflow/rules/autotune.smk"
+include: "workflow/rules/parity.smk"
+include: "workflow/rules/bench.smk"
+include: "workflow/rules/track.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        LAYOUT.report,
+    default_target: True

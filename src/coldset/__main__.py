@@ -1,0 +1,3 @@
+from coldset.cli import main
+
+raise SystemExit(main())

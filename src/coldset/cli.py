@@ -1,0 +1,38 @@
+"""``python -m coldset STAGE``: run one stage where Snakemake is not installed (the GPU host).
+
+Stages read and write exactly the files the Snakefile's rules do (coldset.config.Layout), through
+the same functions (coldset.pipeline), so results made here are picked up by a later
+``snakemake`` run on another machine (copy results/ over; Snakemake judges them by time stamps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from coldset.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    from coldset import pipeline
+
+    parser = argparse.ArgumentParser(prog="python -m coldset", description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=[*pipeline.STAGES, "gpu-stages"],
+                        help="a stage, or gpu-stages: model, fixtures, routing, stats, placement, "
+                             "autotune, parity (every placement), parity_gate, bench in order")
+    parser.add_argument("--config", default="config/config.yaml", help="workflow config (YAML)")
+    parser.add_argument("--placement", action="append",
+                        help="for parity/bench: a placement name such as usage_global-0.50 "
+                             "(repeatable; default: every configured placement)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = load_config(args.config)
+        stages = pipeline.GPU_STAGES if args.stage == "gpu-stages" else [args.stage]
+        for stage in stages:
+            pipeline.run_stage(stage, config, placements=args.placement)
+    except (ConfigError, pipeline.StageError) as exc:
+        print(f"coldset: {exc}", file=sys.stderr)
+        return 1
+    return 0

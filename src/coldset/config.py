@@ -1,0 +1,157 @@
+"""The workflow configuration: load, validate against config/schema.yaml, fill defaults, lay out paths.
+
+The Snakefile validates with ``snakemake.utils.validate``; ``python -m coldset`` (for machines
+without Snakemake) uses :func:`load_config`, which applies the same JSON Schema with the same
+default filling. :class:`Layout` is the one place that names every stage's files, so the
+Snakefile and the CLI cannot disagree about where a stage reads or writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that does not match config/schema.yaml."""
+
+
+def _defaults_filling_validator(schema: dict):
+    import jsonschema
+
+    base = jsonschema.validators.validator_for(schema)
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = json.loads(json.dumps(sub["default"]))
+        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(base, {"properties": set_defaults})(schema)
+
+
+def validate_config(config: dict, schema_path: Path = SCHEMA_PATH, source: str = "config") -> dict:
+    """Fill schema defaults into ``config`` (in place) and validate it; errors name the field."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    validator = _defaults_filling_validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [
+            f"  {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}" for e in errors
+        ]
+        raise ConfigError(f"{source} does not match {schema_path}:\n" + "\n".join(lines))
+    return config
+
+
+def load_config(path: str | Path, schema_path: Path = SCHEMA_PATH) -> dict:
+    """Read a YAML workflow config, validate it and fill defaults."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    return validate_config(config, schema_path, source=str(path))
+
+
+def config_hash(config: dict) -> str:
+    """A short stable hash of the validated config (MLflow tag and experiment suffix)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def resolve_device(config: dict) -> str:
+    """``auto`` is cuda when torch sees a GPU, else cpu; ``cuda`` without a GPU is an error."""
+    import torch
+
+    device = config.get("device", "auto")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config device: cuda, but torch sees no CUDA device")
+    return device
+
+
+def residency_label(residency: float) -> str:
+    """File-name form of a residency: 0.5 -> '0.50'."""
+    return f"{float(residency):.2f}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each stage's files live, from the validated config (DESIGN.md §1)."""
+
+    results: Path
+    model: str
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Layout":
+        return cls(results=Path(config["results"]), model=config["model"]["name"])
+
+    @property
+    def model_dir(self) -> Path:
+        return self.results / "model" / self.model
+
+    @property
+    def fixtures_dir(self) -> Path:
+        return self.results / "fixtures"
+
+    def fixtures(self, domain: str) -> Path:
+        return self.fixtures_dir / f"{domain}.jsonl"
+
+    @property
+    def trace(self) -> Path:
+        return self.results / "routing" / self.model / "trace.parquet"
+
+    @property
+    def stats_dir(self) -> Path:
+        return self.results / "stats" / self.model
+
+    @property
+    def placement_dir(self) -> Path:
+        return self.results / "placement" / self.model
+
+    def placement(self, policy: str, residency: float | str) -> Path:
+        label = residency if isinstance(residency, str) else residency_label(residency)
+        return self.placement_dir / f"{policy}-{label}.json"
+
+    @property
+    def autotune(self) -> Path:
+        return self.results / "autotune" / f"{self.model}.json"
+
+    def parity(self, policy: str, residency: float | str) -> Path:
+        label = residency if isinstance(residency, str) else residency_label(residency)
+        return self.results / "parity" / self.model / f"{policy}-{label}.json"
+
+    @property
+    def parity_gate(self) -> Path:
+        return self.results / "parity" / self.model / "gate.json"
+
+    def bench(self, policy: str, residency: float | str) -> Path:
+        label = residency if isinstance(residency, str) else residency_label(residency)
+        return self.results / "bench" / self.model / f"{policy}-{label}.json"
+
+    @property
+    def track_done(self) -> Path:
+        return self.results / "track" / f"{self.model}.done"
+
+    @property
+    def report(self) -> Path:
+        return self.results / "report" / "index.html"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.results / "mlflow.db"
+
+    def tracking_uri(self, config: dict) -> str:
+        """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
+        return config["tracking"]["uri"] or f"sqlite:///{self.mlflow_db.resolve()}"

@@ -1,0 +1,15 @@
+# The tune itself is cached outside results/ by a content key (DESIGN.md §5): a rerun after a
+# script change or on a fresh clone is a cache hit in seconds, never a new tune.
+rule autotune:
+    input:
+        manifest=model_inputs,
+    output:
+        entry=f"{RESULTS}/autotune/{MODEL}.json",
+    log:
+        f"logs/autotune/{MODEL}.log",
+    params:
+        autotune=config["autotune"],
+    resources:
+        gpu=1,
+    script:
+        "../scripts/autotune.py"

@@ -1,0 +1,9 @@
+rule fixtures:
+    output:
+        expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+    log:
+        "logs/fixtures/fixtures.log",
+    params:
+        fixtures=config["fixtures"],
+    script:
+        "../scripts/fixtures.py"

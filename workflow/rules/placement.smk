@@ -1,0 +1,13 @@
+rule placement:
+    input:
+        manifest=model_inputs,
+        histogram=rules.stats.output.histogram,
+    output:
+        placements=expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        coverage=f"{RESULTS}/placement/{MODEL}/coverage.csv",
+    log:
+        f"logs/placement/{MODEL}.log",
+    params:
+        placement=config["placement"],
+    script:
+        "../scripts/placement.py"

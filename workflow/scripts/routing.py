@@ -1,0 +1,5 @@
+"""Snakemake script of the `routing` rule: thin, the work is coldset.pipeline.routing."""
+
+from coldset.pipeline import run_from_snakemake
+
+run_from_snakemake(snakemake, "routing")  # noqa: F821 (snakemake is injected)

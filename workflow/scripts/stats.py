@@ -1,0 +1,5 @@
+"""Snakemake script of the `stats` rule: thin, the work is coldset.pipeline.stats."""
+
+from coldset.pipeline import run_from_snakemake
+
+run_from_snakemake(snakemake, "stats")  # noqa: F821 (snakemake is injected)
