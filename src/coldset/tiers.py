@@ -8,13 +8,75 @@ map, never code: the model and the kernel are the same for every placement.
 
 The unmodified path is the all-hot layout: the hot pool is the model's stacked expert tensor in
 module order, so (layer, expert) is row ``layer * E + expert``.
+
+On CUDA the cold pool is pinned host memory that kernels read in place (zero-copy over UVA): the
+Triton kernel takes the pinned CPU tensor as a pointer. The pool tensors and the row map never
+change address after :func:`build_pools`, so a captured CUDA graph stays valid when a placement
+changes: a new placement is a write into the row map (:meth:`ExpertPools.set_row_map`), or a
+move of weights plus that write (:meth:`ExpertPools.apply_placement`).
+
+Every row map is validated before a kernel can read through it (rows inside the pools, no row
+used twice): an out-of-range read of host memory must be impossible.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import resource
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+class PoolAllocationError(MemoryError):
+    """The host cannot give the pinned (or plain) memory the cold pool needs."""
+
+
+def _check_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
+    """Validate a row map with the placement module's validator when it exists, else a local check.
+
+    The local check is the same rule (DESIGN.md §3): int32 ``[num_moe_layers, num_experts]``,
+    hot rows in ``[0, num_hot)``, cold rows in ``[-num_cold, -1]``, no row used twice.
+    """
+    try:
+        from coldset.placement import validate_row_map  # the one validator, once it exists
+    except ImportError:
+        validate_row_map = None
+    if validate_row_map is not None:
+        validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
+        return
+    _local_validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
+
+
+def _local_validate_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
+    if isinstance(row_map, torch.Tensor):
+        if row_map.dtype != torch.int32:
+            raise ValueError(f"row_map: dtype must be int32, got {row_map.dtype}")
+        arr = row_map.detach().cpu().numpy()
+    else:
+        arr = np.asarray(row_map)
+        if arr.dtype != np.int32:
+            raise ValueError(f"row_map: dtype must be int32, got {arr.dtype}")
+    if arr.shape != (num_moe_layers, num_experts):
+        raise ValueError(
+            f"row_map: shape must be [num_moe_layers, num_experts] = {(num_moe_layers, num_experts)}, "
+            f"got {tuple(arr.shape)}"
+        )
+    flat = arr.reshape(-1).astype(np.int64)
+    bad = (flat >= num_hot) | (flat < -num_cold)
+    if bad.any():
+        i = int(np.argmax(bad))
+        layer, expert = divmod(i, num_experts)
+        raise ValueError(
+            f"row_map: entry (layer {layer}, expert {expert}) = {int(flat[i])} falls outside the pools "
+            f"(hot rows 0..{num_hot - 1}, cold rows -1..-{num_cold})"
+        )
+    values, counts = np.unique(flat, return_counts=True)
+    if (counts > 1).any():
+        row = int(values[np.argmax(counts > 1)])
+        where = [divmod(int(i), num_experts) for i in np.flatnonzero(flat == row)[:3]]
+        raise ValueError(f"row_map: row {row} is used more than once, by (layer, expert) {where}")
 
 
 @dataclass
@@ -26,6 +88,8 @@ class ExpertPools:
     w13_cold: torch.Tensor  # [num_cold, 2I, H], pinned host memory on CUDA, plain on CPU
     w2_cold: torch.Tensor  # [num_cold, H, I]
     row_map: torch.Tensor  # int32 [num_moe_layers, num_experts], on the compute device
+    # row_map._version when it was last validated; a kernel re-validates if it moved.
+    validated_version: int = field(default=-1, repr=False, compare=False)
 
     @classmethod
     def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertPools":
@@ -40,13 +104,15 @@ class ExpertPools:
             )
         num_layers, num_experts = w13.shape[:2]
         row_map = torch.arange(num_layers * num_experts, dtype=torch.int32, device=w13.device)
-        return cls(
+        pools = cls(
             w13_hot=w13.reshape(num_layers * num_experts, *w13.shape[2:]),
             w2_hot=w2.reshape(num_layers * num_experts, *w2.shape[2:]),
             w13_cold=w13.new_empty((0, *w13.shape[2:])),
             w2_cold=w2.new_empty((0, *w2.shape[2:])),
             row_map=row_map.reshape(num_layers, num_experts),
         )
+        pools.validated_version = pools.row_map._version  # valid by construction
+        return pools
 
     @property
     def num_moe_layers(self) -> int:
@@ -70,3 +136,162 @@ class ExpertPools:
         if row >= 0:
             return self.w13_hot[row], self.w2_hot[row]
         return self.w13_cold[-row - 1], self.w2_cold[-row - 1]
+
+    def validate(self, row_map=None) -> None:
+        """Refuse a row map (default: the current one) that reads outside the pools or reuses a row."""
+        rm = self.row_map if row_map is None else row_map
+        _check_row_map(rm, self.num_hot, self.num_cold, self.num_moe_layers, self.num_experts)
+        if row_map is None:
+            self.validated_version = self.row_map._version
+
+    def ensure_validated(self) -> None:
+        """Validate the row map if it was written since the last validation (cheap when it was not).
+
+        Called by the kernels before launching. Writes through :meth:`set_row_map` validate first;
+        a direct in-place write bumps the tensor's version counter and is caught here.
+        """
+        if self.row_map._version != self.validated_version:
+            self.validate()
+
+    def set_row_map(self, new_row_map) -> None:
+        """Switch placement by writing a new row map in place (same address: graphs stay valid).
+
+        The caller guarantees the rows named hold the right experts (e.g. pools that keep every
+        expert in both tiers, as the benchmark does); use :meth:`apply_placement` to move weights.
+        The new map is validated before anything is written.
+        """
+        new = torch.as_tensor(np.asarray(new_row_map) if not isinstance(new_row_map, torch.Tensor) else new_row_map)
+        self.validate(new)
+        self.row_map.copy_(new.to(self.row_map.device))
+        self.validated_version = self.row_map._version
+
+    def apply_placement(self, new_row_map) -> None:
+        """Move every expert into the row the new map gives it, then write the map (pools unchanged).
+
+        Gathers all experts first (so cycles of moves are safe), validates before writing anything.
+        """
+        new = torch.as_tensor(np.asarray(new_row_map) if not isinstance(new_row_map, torch.Tensor) else new_row_map)
+        self.validate(new)
+        new_cpu = new.cpu()
+        saved = [
+            [tuple(t.to("cpu", copy=True) for t in self.expert_weights(layer, expert)) for expert in range(self.num_experts)]
+            for layer in range(self.num_moe_layers)
+        ]
+        for layer in range(self.num_moe_layers):
+            for expert in range(self.num_experts):
+                row = int(new_cpu[layer, expert])
+                w13, w2 = saved[layer][expert]
+                if row >= 0:
+                    self.w13_hot[row].copy_(w13)
+                    self.w2_hot[row].copy_(w2)
+                else:
+                    self.w13_cold[-row - 1].copy_(w13)
+                    self.w2_cold[-row - 1].copy_(w2)
+        self.row_map.copy_(new_cpu.to(self.row_map.device))
+        self.validated_version = self.row_map._version
+
+
+def host_memory_available() -> tuple[int, int | None]:
+    """(MemAvailable bytes from /proc/meminfo, RLIMIT_MEMLOCK soft limit or None if unlimited)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:  # not Linux: fall back to physical pages
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    return int(available), memlock
+
+
+def check_host_allocation(nbytes: int, what: str, available: int | None = None) -> None:
+    """Fail early, naming both sizes, if ``nbytes`` of host memory exceeds what the host can give.
+
+    Compared with /proc/meminfo MemAvailable. RLIMIT_MEMLOCK is reported but not enforced:
+    cudaHostAlloc pins through the NVIDIA driver, which that limit does not bound, so enforcing it
+    would refuse allocations that succeed (many systems set it to 8 MiB).
+    """
+    avail, memlock = host_memory_available()
+    if available is not None:
+        avail = available
+    if nbytes > avail:
+        lock = "unlimited" if memlock is None else f"{memlock / 2**30:.2f} GiB"
+        raise PoolAllocationError(
+            f"{what}: needs {nbytes / 2**30:.2f} GiB ({nbytes} bytes) of host memory but only "
+            f"{avail / 2**30:.2f} GiB ({avail} bytes) is available (MemAvailable; RLIMIT_MEMLOCK {lock}); "
+            f"raise the residency (more experts in HBM) or free host memory"
+        )
+
+
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def build_pools(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    row_map,
+    device,
+    num_hot: int | None = None,
+    num_cold: int | None = None,
+    host_available_bytes: int | None = None,
+) -> ExpertPools:
+    """Place each expert of ``w13`` ``[L, E, 2I, H]`` / ``w2`` ``[L, E, H, I]`` where ``row_map`` says.
+
+    Hot rows go to one device allocation per weight; cold rows to pinned host memory on CUDA
+    (read in place by the kernel), a plain CPU tensor on CPU. Pool sizes default to the number of
+    hot / cold entries in the map; larger ``num_hot`` / ``num_cold`` leave spare rows for later
+    placements. The map is validated and the host allocation checked before anything is allocated.
+    ``host_available_bytes`` overrides MemAvailable (for tests).
+    """
+    device = torch.device(device)
+    if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
+        raise ValueError(
+            f"build_pools needs w13 [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"build_pools: w13 dtype {w13.dtype} differs from w2 dtype {w2.dtype}")
+    num_layers, num_experts = w13.shape[:2]
+    rm = torch.as_tensor(np.asarray(row_map)) if not isinstance(row_map, torch.Tensor) else row_map.detach().cpu()
+    if rm.dtype != torch.int32:
+        raise ValueError(f"row_map: dtype must be int32, got {rm.dtype}")
+    if tuple(rm.shape) != (num_layers, num_experts):
+        raise ValueError(f"row_map: shape {tuple(rm.shape)} does not match the weights' [L, E] = {(num_layers, num_experts)}")
+    n_hot = int((rm >= 0).sum()) if num_hot is None else int(num_hot)
+    n_cold = int((rm < 0).sum()) if num_cold is None else int(num_cold)
+    _check_row_map(rm, n_hot, n_cold, num_layers, num_experts)
+
+    per_expert = (w13[0, 0].numel() + w2[0, 0].numel()) * w13.element_size()
+    host_rows = n_cold + (n_hot if device.type == "cpu" else 0)
+    pin = device.type == "cuda"
+    check_host_allocation(
+        host_rows * per_expert, "pinned cold pool" if pin else "host expert pools", host_available_bytes
+    )
+
+    w13_hot = torch.empty((n_hot, *w13.shape[2:]), dtype=w13.dtype, device=device)
+    w2_hot = torch.empty((n_hot, *w2.shape[2:]), dtype=w2.dtype, device=device)
+    w13_cold = _host_empty((n_cold, *w13.shape[2:]), w13.dtype, pin)
+    w2_cold = _host_empty((n_cold, *w2.shape[2:]), w2.dtype, pin)
+    flat = rm.reshape(-1).tolist()
+    for i, row in enumerate(flat):
+        layer, expert = divmod(i, num_experts)
+        if row >= 0:
+            w13_hot[row].copy_(w13[layer, expert])
+            w2_hot[row].copy_(w2[layer, expert])
+        else:
+            w13_cold[-row - 1].copy_(w13[layer, expert])
+            w2_cold[-row - 1].copy_(w2[layer, expert])
+    pools = ExpertPools(
+        w13_hot=w13_hot,
+        w2_hot=w2_hot,
+        w13_cold=w13_cold,
+        w2_cold=w2_cold,
+        row_map=rm.to(device=device, dtype=torch.int32).contiguous(),
+    )
+    pools.validated_version = pools.row_map._version
+    return pools
