@@ -1,0 +1,742 @@
+"""The embedded engine: a one-file MoE transformer for Hugging Face qwen3_moe and mixtral folders.
+
+What it is for: profiling routing on a person's own prompts and serving as the unmodified path
+the offload machinery is checked against. It reads a local HF folder (config.json, safetensors,
+tokenizer.json), holds every routed expert in one :class:`~coldset.tiers.ExpertPools` (so later
+stages move experts between tiers without touching this file), decodes greedily with a static KV
+cache and records which experts every token was routed to.
+
+Layout of the decode state (why it looks like this): a batch of prompts of different lengths is
+left-padded to a common length ``P``; cache *slot* ``s`` holds the token at column ``s`` of every
+sequence, while each sequence has its own *position* ``s - pad[b]`` (so RoPE sees the same
+positions as an unpadded run). Decode step ``t`` writes slot ``P + t`` for every sequence. The
+attention mask is explicit (``key slot >= pad[b]``, causal, optional sliding window), the cache is
+preallocated ``[B, max_seq, kv_heads, head_dim]`` per layer and written by index, so the decode
+step has no data-dependent Python control flow or host sync outside ``experts_fn``: a later issue
+can CUDA-graph-capture it.
+
+Numerics follow transformers: RMSNorm in float32 then cast, router logits in the model dtype,
+softmax in float32, top-k, renormalisation (mixtral always, qwen3_moe when ``norm_topk_prob``),
+router weights cast to the activation dtype before the weighted sum (transformers does this for
+qwen3_moe; for mixtral it multiplies in float32, which only differs in bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coldset.kernels import torch_experts
+from coldset.tiers import ExpertPools
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+
+class ModelLoadError(ValueError):
+    """A local model folder could not be read; the message names the file, field or tensor."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a checkpoint, parsed from its HF config.json.
+
+    Other modules (placement's byte counts, kernels' shapes) read these fields by name.
+    ``moe_layers`` holds the *model* layer indices of the MoE layers, in order; MoE-layer index
+    ``i`` (the row-map index) is ``moe_layers[i]``. ``intermediate_size`` is the dense MLP width
+    of non-MoE layers (qwen3_moe ``mlp_only_layers`` / ``decoder_sparse_step``).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    sliding_window: int | None = None  # mixtral: implemented in the attention mask
+    max_position_embeddings: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse an HF config dict; ``source`` names the file in error messages."""
+
+        def need(*names, default=...):
+            for name in names:
+                if name in raw and raw[name] is not None:
+                    return raw[name]
+            if default is ...:
+                raise ModelLoadError(f"{source}: missing field {' or '.join(repr(n) for n in names)}")
+            return default
+
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"{source}: unsupported model_type {model_type!r}; coldset's engine supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} (only 'silu')")
+        if raw.get("attention_bias"):
+            raise ModelLoadError(f"{source}: attention_bias=true is not supported")
+
+        # RoPE: transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(
+                f"{source}: unsupported RoPE scaling {rope_type!r} (rope_parameters/rope_scaling); "
+                "only plain RoPE is implemented"
+            )
+        if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+        hidden = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+
+        if model_type == "qwen3_moe":
+            num_experts = int(need("num_experts", "num_local_experts"))
+            step = int(raw.get("decoder_sparse_step") or 1)
+            mlp_only = set(raw.get("mlp_only_layers") or [])
+            moe_layers = tuple(
+                i
+                for i in range(num_layers)
+                if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+            )
+            norm_topk = bool(raw.get("norm_topk_prob", False))
+            qk_norm = True
+            moe_inter = int(need("moe_intermediate_size"))
+            inter = int(raw.get("intermediate_size") or 0)
+            sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+            if sliding is not None:
+                raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for qwen3_moe")
+        else:  # mixtral
+            num_experts = int(need("num_local_experts", "num_experts"))
+            moe_layers = tuple(range(num_layers))
+            norm_topk = True  # mixtral renormalises the top-k probabilities, always
+            qk_norm = False
+            moe_inter = int(need("intermediate_size"))
+            inter = moe_inter
+            sliding = raw.get("sliding_window")
+        if num_experts <= 0 or not moe_layers:
+            raise ModelLoadError(f"{source}: the model has no MoE layers")
+
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(need("num_key_value_heads", default=num_heads)),
+            head_dim=head_dim,
+            num_experts=num_experts,
+            top_k=int(need("num_experts_per_tok")),
+            moe_intermediate_size=moe_inter,
+            intermediate_size=inter,
+            moe_layers=moe_layers,
+            norm_topk_prob=norm_topk,
+            rms_norm_eps=float(need("rms_norm_eps", default=1e-6)),
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+            sliding_window=None if sliding is None else int(sliding),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read ``path/config.json`` (``path`` a local HF folder)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ModelLoadError(f"model folder {folder} does not exist")
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{cfg_path}: missing (every HF model folder has a config.json)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
+        return cls.from_dict(raw, source=str(cfg_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(out_features: int, in_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device="meta")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with RoPE, optional per-head qk RMSNorm, writing a static KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.k_proj = _linear(cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self.v_proj = _linear(cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_cache: torch.Tensor | None = None  # [B, max_seq, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, slots, mask):
+        """``x`` [B, T, H]; ``cos``/``sin`` [B, T, D]; ``slots`` [T] cache slots; ``mask`` [B, 1, T, S]."""
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache.index_copy_(1, slots, k)
+        self.v_cache.index_copy_(1, slots, v)
+        kv_len = mask.shape[-1]  # attend over the first kv_len slots (a shape, not data)
+        keys = self.k_cache[:, :kv_len].transpose(1, 2)
+        values = self.v_cache[:, :kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    """The SwiGLU MLP of qwen3_moe's non-MoE layers."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.up_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts. The experts' weights live in the model's pools, not here."""
+
+    def __init__(self, cfg: ModelConfig, moe_index: int, model: "MoEModel"):
+        super().__init__()
+        self.gate = _linear(cfg.num_experts, cfg.hidden_size)  # the router
+        self.moe_index = moe_index
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self._model = [model]  # a list, so the parent is not registered as a submodule
+
+    def forward(self, x):
+        bsz, seq, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        logits = F.linear(flat, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        model = self._model[0]
+        if model.routing_sink is not None:
+            model.routing_sink.append((topk_ids, topk_weights))
+        topk_weights = topk_weights.to(x.dtype)
+        out = model.experts_fn(model.pools, self.moe_index, flat, topk_ids, topk_weights)
+        return out.view(bsz, seq, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, model: "MoEModel"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        if layer_idx in cfg.moe_layers:
+            self.mlp = MoEBlock(cfg, cfg.moe_layers.index(layer_idx), model)
+        else:
+            self.mlp = DenseMLP(cfg)
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEModel(nn.Module):
+    """A decoder-only MoE transformer (qwen3_moe or mixtral) with a static KV cache.
+
+    ``pools`` holds every routed expert (``ExpertPools``); ``experts_fn(pools, moe_index, x,
+    topk_ids, topk_weights)`` is the one replaceable experts computation (default
+    :func:`coldset.kernels.torch_experts`). Set ``routing_sink`` to a list to have every MoE
+    block append ``(topk_ids, topk_weights)`` (float32, before the cast) in call order.
+    Build it with :func:`load_model`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size)
+        self.pools: ExpertPools | None = None
+        self.experts_fn: Callable = torch_experts
+        self.routing_sink: list | None = None
+        self.cache_shape: tuple[int, int] | None = None  # (batch, max_seq)
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def setup_cache(self, batch_size: int, max_seq: int) -> None:
+        """Preallocate each layer's KV cache ``[batch_size, max_seq, kv_heads, head_dim]``."""
+        cfg = self.config
+        if self.cache_shape == (batch_size, max_seq):
+            return
+        shape = (batch_size, max_seq, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache_shape = (batch_size, max_seq)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``) in the model dtype.
+
+        ``tokens``/``positions`` ``[B, T]``; ``slots`` ``[T]`` the cache slots these tokens are
+        written to; ``mask`` bool ``[B, 1, T, S]``: which of the first ``S`` cache slots each
+        query may attend to. Call :meth:`setup_cache` first.
+        """
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+class _TensorSource:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self._handles: dict[Path, object] = {}
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ModelLoadError(f"{index}: not a valid safetensors index ({err})") from err
+            self.key_to_file = {k: folder / v for k, v in weight_map.items()}
+        elif single.is_file():
+            self.key_to_file = {k: single for k in self._open(single).keys()}
+        else:
+            shards = sorted(folder.glob("*.safetensors"))
+            if not shards:
+                raise ModelLoadError(
+                    f"{folder}: no weights (model.safetensors or model.safetensors.index.json)"
+                )
+            self.key_to_file = {}
+            for shard in shards:
+                for key in self._open(shard).keys():
+                    self.key_to_file[key] = shard
+
+    def _open(self, path: Path):
+        if path in self._handles:
+            return self._handles[path]
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: weight file missing (listed in the safetensors index)")
+        try:
+            handle = self._safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors raises its own SafetensorError and OSError
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({err})") from err
+        self._handles[path] = handle
+        return handle
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_to_file
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in self.key_to_file:
+            raise ModelLoadError(f"{self.folder}: missing tensor {key!r}")
+        path = self.key_to_file[key]
+        handle = self._open(path)
+        try:
+            tensor = handle.get_tensor(key)
+        except Exception as err:
+            raise ModelLoadError(f"{path}: cannot read tensor {key!r} ({err})") from err
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
+        return tensor
+
+
+def _expert_keys(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
+    if cfg.model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _load_experts(cfg, src: _TensorSource, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack routed experts into w13 ``[L, E, 2I, H]`` and w2 ``[L, E, H, I]``, one expert at a time.
+
+    Accepts the per-expert layout real checkpoints use and the fused 3-D layout
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``).
+    """
+    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w13 = torch.empty((L, E, 2 * I, H), dtype=dtype, device=device)
+    w2 = torch.empty((L, E, H, I), dtype=dtype, device=device)
+    for m, layer in enumerate(cfg.moe_layers):
+        prefix, (gate, up, down) = _expert_keys(cfg, layer)
+        fused = f"{prefix}.experts.gate_up_proj"
+        if fused in src:
+            w13[m].copy_(src.get(fused, (E, 2 * I, H)))
+            w2[m].copy_(src.get(f"{prefix}.experts.down_proj", (E, H, I)))
+            continue
+        for e in range(E):
+            base = f"{prefix}.experts.{e}"
+            w13[m, e, :I].copy_(src.get(f"{base}.{gate}.weight", (I, H)))
+            w13[m, e, I:].copy_(src.get(f"{base}.{up}.weight", (I, H)))
+            w2[m, e].copy_(src.get(f"{base}.{down}.weight", (H, I)))
+    return w13, w2
+
+
+def load_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> MoEModel:
+    """Load a local HF folder (config.json, model.safetensors or a sharded index) into MoEModel.
+
+    Tensors are read lazily (safetensors ``safe_open``) and cast/moved one at a time, so peak
+    memory is about one copy of the model. Routed experts end up only in ``model.pools``
+    (``ExpertPools.all_hot``). Raises :class:`ModelLoadError` naming the file or tensor.
+    """
+    folder = Path(path)
+    cfg = ModelConfig.from_pretrained(folder)
+    src = _TensorSource(folder)
+    device = torch.device(device)
+    model = MoEModel(cfg)
+
+    def put(param_owner: nn.Module, name: str, key: str):
+        shape = tuple(getattr(param_owner, name).shape)
+        tensor = src.get(key, shape).to(device=device, dtype=dtype)
+        setattr(param_owner, name, nn.Parameter(tensor, requires_grad=False))
+
+    put(model.embed_tokens, "weight", "model.embed_tokens.weight")
+    put(model.norm, "weight", "model.norm.weight")
+    if cfg.tie_word_embeddings and "lm_head.weight" not in src:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        put(model.lm_head, "weight", "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
+        put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(getattr(attn, proj), "weight", f"{p}.self_attn.{proj}.weight")
+        if cfg.qk_norm:
+            put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
+            put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
+        if isinstance(layer.mlp, MoEBlock):
+            prefix, _ = _expert_keys(cfg, i)
+            put(layer.mlp.gate, "weight", f"{prefix}.gate.weight")
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                put(getattr(layer.mlp, proj), "weight", f"{p}.mlp.{proj}.weight")
+    model.inv_freq = model.inv_freq.to(device)
+    w13, w2 = _load_experts(cfg, src, device, dtype)
+    model.pools = ExpertPools.all_hot(w13, w2)
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The folder's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, BOS handled as HF would.
+
+    ``tokenizer.encode(text).ids`` gives the prompt ids. If ``tokenizer_config.json`` says
+    ``add_bos_token: true`` and the tokenizer's own post-processor does not already add the BOS
+    token, a post-processor that prepends it is installed (what HF's Llama-style fast tokenizers
+    do). Otherwise the tokenizer.json's post-processor decides (Qwen adds nothing).
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    folder = Path(path)
+    tok_path = folder / "tokenizer.json"
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    if not tok_path.is_file():
+        raise ModelLoadError(f"{tok_path}: missing (coldset reads tokenizers through tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as err:
+        raise ModelLoadError(f"{tok_path}: cannot be read by the tokenizers library ({err})") from err
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            tcfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
+        bos = tcfg.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        if tcfg.get("add_bos_token") and bos is not None:
+            bos_id = tokenizer.token_to_id(bos)
+            if bos_id is None:
+                raise ModelLoadError(f"{cfg_path}: bos_token {bos!r} is not in {tok_path}")
+            probe = tokenizer.encode("a").ids
+            if not probe or probe[0] != bos_id:
+                tokenizer.post_processor = TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+                )
+    return tokenizer
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (special tokens as :func:`load_tokenizer` configured them)."""
+    return [enc.ids for enc in tokenizer.encode_batch(list(texts))]
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy decode
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRouting:
+    """Routed experts of one request: rows ``[:num_prompt_tokens]`` prefill, the rest decode."""
+
+    experts: torch.Tensor  # int16 [n_tokens, num_moe_layers, top_k]
+    weights: torch.Tensor  # float32 [n_tokens, num_moe_layers, top_k]
+    num_prompt_tokens: int
+
+
+@dataclass
+class Generation:
+    """Result of :func:`generate` (docs/architecture.md, engine -> routing)."""
+
+    tokens: list[list[int]]
+    final_logits: torch.Tensor  # float32 [B, V]: the logits that chose each last new token
+    routing: list[RequestRouting] | None = None
+    all_logits: torch.Tensor | None = field(default=None, repr=False)  # [B, new, V] if asked
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)
+
+
+@torch.inference_mode()
+def generate(
+    model: MoEModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    capture_routing: bool = False,
+    progress: bool = True,
+    return_all_logits: bool = False,
+) -> Generation:
+    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt, batched.
+
+    Prompts are left-padded to a common length (see the module docstring); padded positions are
+    masked out of attention and excluded from the captured routing. No EOS stopping: every
+    prompt gets ``max_new_tokens`` tokens, which keeps the trace shapes simple. Ties go to the
+    lowest token id (``torch.argmax``). ``return_all_logits`` also returns ``all_logits``
+    float32 ``[B, max_new_tokens, V]``, the logits behind every new token (for tests).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+    cfg = model.config
+    vocab = cfg.vocab_size
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i} has a token id outside [0, {vocab})")
+    device = model.device
+    bsz = len(prompts)
+    lengths = [len(p) for p in prompts]
+    plen = max(lengths)
+    max_seq = plen + max_new_tokens
+    model.setup_cache(bsz, max_seq)
+
+    pad = torch.tensor([plen - n for n in lengths], device=device)  # [B]
+    tokens = torch.zeros((bsz, plen), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+    tokens = tokens.to(device)
+    all_slots = torch.arange(max_seq, device=device)
+    key_valid = all_slots[None, :] >= pad[:, None]  # [B, max_seq]
+    if cfg.sliding_window is not None:
+        window_ok = all_slots[None, :] > all_slots[:, None] - cfg.sliding_window  # [q, k]
+    else:
+        window_ok = None
+
+    # Prefill: every padded query may at least see itself (keeps softmax finite; its output is unused).
+    slots = all_slots[:plen]
+    causal = all_slots[:plen, None] >= all_slots[None, :plen]
+    if window_ok is not None:
+        causal = causal & window_ok[:plen, :plen]
+    mask = (causal[None] & key_valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool, device=device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0)
+    sink: list | None = [] if capture_routing else None
+    model.routing_sink = sink
+    bar = _progress(bsz * max_new_tokens, progress, "decode")
+    step_logits: list[torch.Tensor] = []
+    out_tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long, device=device)
+    try:
+        logits = model(tokens, positions, slots, mask[:, None], last_only=True)[:, -1]
+        prefill_routing = sink[:] if sink is not None else None
+        if sink is not None:
+            sink.clear()
+        nxt = torch.argmax(logits, dim=-1)
+        out_tokens[:, 0] = nxt
+        if return_all_logits:
+            step_logits.append(logits.float())
+        if bar is not None:
+            bar.update(bsz)
+        for t in range(1, max_new_tokens):
+            slot = plen + t - 1
+            step_slots = all_slots[slot:slot + 1]
+            step_mask = key_valid[:, None, None, :slot + 1]
+            if window_ok is not None:
+                step_mask = step_mask & window_ok[slot, :slot + 1]
+            step_pos = step_slots[None, :] - pad[:, None]
+            logits = model(nxt[:, None], step_pos, step_slots, step_mask)[:, -1]
+            nxt = torch.argmax(logits, dim=-1)
+            out_tokens[:, t] = nxt
+            if return_all_logits:
+                step_logits.append(logits.float())
+            if bar is not None:
+                bar.update(bsz)
+    finally:
+        model.routing_sink = None
+        if bar is not None:
+            bar.close()
+
+    routing = None
+    if capture_routing:
+        routing = _assemble_routing(cfg, prefill_routing, sink, bsz, plen, lengths)
+    return Generation(
+        tokens=out_tokens.cpu().tolist(),
+        final_logits=logits.float(),
+        routing=routing,
+        all_logits=torch.stack(step_logits, dim=1) if return_all_logits else None,
+    )
+
+
+def _assemble_routing(cfg, prefill, decode, bsz, plen, lengths) -> list[RequestRouting]:
+    """Per-request routing tensors from the MoE blocks' appends (layer-major within each call)."""
+    n_moe, k = cfg.num_moe_layers, cfg.top_k
+
+    def stack(entries, seq):  # entries: n_calls * n_moe tuples of [bsz*seq, k]
+        ids = torch.stack([e[0] for e in entries]).view(-1, n_moe, bsz, seq, k)
+        wts = torch.stack([e[1] for e in entries]).view(-1, n_moe, bsz, seq, k)
+        # -> [bsz, calls*seq, n_moe, k]
+        ids = ids.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
+        wts = wts.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
+        return ids.to(torch.int16).cpu(), wts.float().cpu()
+
+    pre_ids, pre_w = stack(prefill, plen)
+    if decode:
+        dec_ids, dec_w = stack(decode, 1)
+    else:
+        dec_ids = torch.empty((bsz, 0, n_moe, k), dtype=torch.int16)
+        dec_w = torch.empty((bsz, 0, n_moe, k), dtype=torch.float32)
+    out = []
+    for b, n in enumerate(lengths):
+        out.append(
+            RequestRouting(
+                experts=torch.cat([pre_ids[b, plen - n:], dec_ids[b]]).contiguous(),
+                weights=torch.cat([pre_w[b, plen - n:], dec_w[b]]).contiguous(),
+                num_prompt_tokens=n,
+            )
+        )
+    return out
