@@ -1,0 +1,1119 @@
+"""Cold-set selection: placement policies, budgets, the row map file and a decode speed model.
+
+Given the routing histogram (``stats`` stage) and the model's shapes, decide which routed experts
+live in HBM (the hot pool) and which in pinned host memory (the cold pool), and write that decision
+as an int32 row map (DESIGN.md §3) beside a JSON that records how it was chosen and what it is
+expected to do. The row map is what the kernel, the parity gate and the benchmark consume, so it is
+validated on every load.
+
+Policies (DESIGN.md §3):
+
+- ``positional``: vLLM ``--cpu-offload-gb`` semantics restricted to routed experts: whole MoE
+  layers' expert tensors go to host memory in module order (first MoE layer first) until the
+  host bytes reach the target. vLLM offloads whole parameters, so a layer that is only partly
+  needed still goes to host whole: the number of cold layers is ``ceil(cold_target / E)`` and the
+  achieved residency is at most the requested one. (vLLM's unit is one parameter, w13 or w2 of a
+  layer, and it also offloads non-expert parameters; the row map places an expert's w13 and w2
+  together, so the unit here is one layer's experts.)
+- ``usage_layer``: every MoE layer keeps the same number, ``floor(num_hot / num_moe_layers)``, of
+  its most selected experts hot (ties: lower expert id first); the remainder of the budget is not
+  used, so that every layer has the same count.
+- ``usage_global``: the ``num_hot`` (layer, expert) pairs with the most profile selections are hot,
+  ties broken by (layer, expert) ascending. With equal bytes per expert this maximises the covered
+  profile selections for the budget (the tests check it against brute force).
+- ``permute``: the expert_map reordering: the same hot and cold layers as ``positional`` at that
+  residency, with rows inside each layer reordered by popularity. Its coverage equals
+  ``positional``'s: it exists to show that reordering is not placement.
+
+Rounding: a residency ``r`` gives ``num_hot = floor(r * num_moe_layers * num_experts)``, computed
+exactly on the decimal value of ``r`` (``Fraction(str(r))``, so 0.29 of 100 experts is 29, not 28);
+a budget in GiB (2**30 bytes) for the whole model gives ``num_hot = floor((budget - non-expert
+bytes) / bytes_per_expert)``, capped at the number of experts.
+
+Row numbering: hot rows ``0..num_hot-1`` and cold rows ``0..num_cold-1`` (encoded ``-1..-num_cold``)
+are handed out in layer-major, expert-minor order; for ``permute`` in each layer's popularity
+order instead.
+
+The speed model (``predict_step``) is a bandwidth bound for one decode step, see its docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+
+POLICIES = ("positional", "usage_layer", "usage_global", "permute")
+PHASES = ("prefill", "decode")
+SPLITS = ("profile", "heldout")
+HISTOGRAM_COLUMNS = ("domain", "split", "phase", "layer", "expert", "count")
+GIB = 2**30
+FORMAT_VERSION = 1
+
+
+class PlacementError(ValueError):
+    """Bad input to placement (histogram, budget, row map, placement file); the message says what."""
+
+
+class ModelShape(Protocol):
+    """The attributes of ``coldset.model.ModelConfig`` that placement reads.
+
+    Any object with these attributes works (placement does not import the engine). An optional
+    ``shared_expert_intermediate_size`` attribute (0 when absent) adds an always-hot shared expert
+    per MoE layer to the non-expert bytes (Llama 4 has one; qwen3_moe and mixtral do not).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    tie_word_embeddings: bool
+    qk_norm: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight formats and bytes
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one weight matrix ``[rows, cols]`` (out, in) is stored: element bytes plus scales.
+
+    ``scale_block = (block_rows, block_cols)`` gives one scale of ``scale_bytes`` per block;
+    ``None`` in a block dimension means the whole dimension (per-channel scales are
+    ``(1, None)``). ``scale_block=None`` means no scales (bf16, fp16, fp32).
+    """
+
+    name: str
+    bytes_per_element: float
+    scale_bytes: int = 0
+    scale_block: tuple[int | None, int | None] | None = None
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        data = math.ceil(rows * cols * self.bytes_per_element)
+        if self.scale_block is None:
+            return data
+        block_rows, block_cols = self.scale_block
+        block_rows = rows if block_rows is None else block_rows
+        block_cols = cols if block_cols is None else block_cols
+        num_scales = math.ceil(rows / block_rows) * math.ceil(cols / block_cols)
+        return data + num_scales * self.scale_bytes
+
+    @property
+    def has_scales(self) -> bool:
+        return self.scale_block is not None
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "float32": WeightFormat("float32", 4),
+    "bfloat16": WeightFormat("bfloat16", 2),
+    "float16": WeightFormat("float16", 2),
+    # DeepSeek-V3 style: float8_e4m3 with one float32 scale per 128 x 128 block.
+    "fp8_block128": WeightFormat("fp8_block128", 1, scale_bytes=4, scale_block=(128, 128)),
+    # One float32 scale per output channel (row).
+    "fp8_channel": WeightFormat("fp8_channel", 1, scale_bytes=4, scale_block=(1, None)),
+    # OCP MX: e2m1 elements (half a byte) and one e8m0 (1 byte) scale per 32 along the input dim.
+    "mxfp4": WeightFormat("mxfp4", 0.5, scale_bytes=1, scale_block=(1, 32)),
+}
+_FORMAT_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+
+
+def get_weight_format(fmt: str | WeightFormat) -> WeightFormat:
+    """A ``WeightFormat`` by name (``bfloat16``, ``bf16``, ``fp8_block128``, ``mxfp4``, ...)."""
+    if isinstance(fmt, WeightFormat):
+        return fmt
+    name = _FORMAT_ALIASES.get(fmt, fmt)
+    if name not in WEIGHT_FORMATS:
+        raise PlacementError(
+            f"unknown weight format {fmt!r}; known: {', '.join(sorted(WEIGHT_FORMATS))}"
+        )
+    return WEIGHT_FORMATS[name]
+
+
+def expert_bytes(config: ModelShape, fmt: str | WeightFormat = "bfloat16") -> int:
+    """Bytes of one routed expert: w13 ``[2I, H]`` (gate and up fused) plus w2 ``[H, I]``."""
+    f = get_weight_format(fmt)
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    return f.matrix_bytes(2 * inter, hidden) + f.matrix_bytes(hidden, inter)
+
+
+def nonexpert_bytes_breakdown(
+    config: ModelShape, fmt: str | WeightFormat = "bfloat16"
+) -> dict[str, int]:
+    """Bytes of everything that always stays in HBM, by part.
+
+    Embeddings, lm_head (not counted again when tied), per layer the attention projections
+    (q, k, v, o without biases), two RMSNorms and, with ``qk_norm``, the per-head q and k norms;
+    per MoE layer the router ``[E, H]`` and the shared expert if the config has
+    ``shared_expert_intermediate_size``; per dense layer the MLP ``3 * H * intermediate_size``;
+    the final norm. ``fmt`` must be a format without scales (non-expert weights in scaled formats
+    are not modelled).
+    """
+    f = get_weight_format(fmt)
+    if f.has_scales:
+        raise PlacementError(
+            f"non-expert weights in the scaled format {f.name!r} are not modelled; "
+            "use bfloat16, float16 or float32"
+        )
+    h = config.hidden_size
+    moe_layers = set(int(x) for x in config.moe_layers)
+    num_moe = len(moe_layers)
+    num_dense = config.num_layers - num_moe
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    shared_inter = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    b = f.bytes_per_element
+    parts = {
+        "embed_tokens": config.vocab_size * h * b,
+        "lm_head": 0 if config.tie_word_embeddings else config.vocab_size * h * b,
+        "attention": config.num_layers * (h * q_out + 2 * h * kv_out + q_out * h) * b,
+        "norms": (config.num_layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h)
+        * b,
+        "routers": num_moe * config.num_experts * h * b,
+        "shared_experts": num_moe * 3 * h * shared_inter * b,
+        "dense_mlp": num_dense * 3 * h * config.intermediate_size * b,
+    }
+    return {k: int(math.ceil(v)) for k, v in parts.items()}
+
+
+def nonexpert_bytes(config: ModelShape, fmt: str | WeightFormat = "bfloat16") -> int:
+    """Total of ``nonexpert_bytes_breakdown``."""
+    return sum(nonexpert_bytes_breakdown(config, fmt).values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Histogram and profile
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """Which traffic the profile is taken from, and how domains are weighted.
+
+    ``domains``: the profile split of these domains (``None``: all domains in the histogram).
+    ``phase``: ``decode`` (default) or ``prefill``.
+    ``weighting``: ``"none"`` (raw counts: each domain weighs by its share of the traffic),
+    ``"equal"`` (each domain's counts normalised to the same total), or a mapping
+    ``{domain: weight}`` (each domain's counts normalised to ``weight / sum(weights)`` of the
+    total; stored as sorted pairs so the spec stays hashable).
+    """
+
+    domains: tuple[str, ...] | None = None
+    phase: str = "decode"
+    weighting: str | tuple[tuple[str, float], ...] = "none"
+
+    @classmethod
+    def make(
+        cls,
+        domains: str | Iterable[str] | None = None,
+        phase: str = "decode",
+        weighting: str | Mapping[str, float] | None = None,
+    ) -> "ProfileSpec":
+        if isinstance(domains, str):
+            domains = (domains,)
+        doms = None if domains is None else tuple(sorted(set(domains)))
+        if doms is not None and not doms:
+            raise PlacementError("profile_domains is empty; give at least one domain or None (all)")
+        if phase not in PHASES:
+            raise PlacementError(f"phase must be one of {PHASES}, got {phase!r}")
+        if weighting is None:
+            w: str | tuple[tuple[str, float], ...] = "none"
+        elif isinstance(weighting, str):
+            if weighting not in ("none", "equal"):
+                raise PlacementError(
+                    f"domain weighting must be 'none', 'equal' or a mapping domain -> weight, "
+                    f"got {weighting!r}"
+                )
+            w = weighting
+        else:
+            items = tuple(sorted((str(k), float(v)) for k, v in dict(weighting).items()))
+            if not items or any(not math.isfinite(v) or v < 0 for _, v in items):
+                raise PlacementError(f"domain weights must be finite and >= 0, got {dict(items)}")
+            if sum(v for _, v in items) <= 0:
+                raise PlacementError("domain weights sum to 0")
+            w = items
+        return cls(doms, phase, w)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "split": "profile",
+            "domains": None if self.domains is None else list(self.domains),
+            "phase": self.phase,
+            "weighting": self.weighting if isinstance(self.weighting, str) else dict(self.weighting),
+        }
+
+    @classmethod
+    def from_description(cls, d: Mapping[str, Any]) -> "ProfileSpec":
+        return cls.make(d.get("domains"), d.get("phase", "decode"), d.get("weighting"))
+
+
+def validate_histogram(df: pd.DataFrame, source: str = "histogram") -> pd.DataFrame:
+    """Check the histogram contract (architecture.md) and return it with clean dtypes."""
+    missing = [c for c in HISTOGRAM_COLUMNS if c not in df.columns]
+    if missing:
+        raise PlacementError(
+            f"{source}: missing column(s) {missing}; expected {list(HISTOGRAM_COLUMNS)}"
+        )
+    out = df.loc[:, list(HISTOGRAM_COLUMNS)].copy()
+    out["domain"] = out["domain"].astype(str)
+    for col, allowed in (("split", SPLITS), ("phase", PHASES)):
+        out[col] = out[col].astype(str)
+        bad = sorted(set(out[col]) - set(allowed))
+        if bad:
+            raise PlacementError(f"{source}: column {col!r} has values {bad}; allowed {allowed}")
+    for col in ("layer", "expert"):
+        vals = pd.to_numeric(out[col], errors="coerce")
+        if vals.isna().any() or (vals != np.floor(vals)).any():
+            raise PlacementError(f"{source}: column {col!r} must hold integers")
+        out[col] = vals.astype(np.int64)
+    counts = pd.to_numeric(out["count"], errors="coerce")
+    if counts.isna().any() or (counts < 0).any() or not np.isfinite(counts).all():
+        raise PlacementError(f"{source}: column 'count' must hold finite numbers >= 0")
+    out["count"] = counts.astype(np.float64)
+    return out
+
+
+def read_histogram(path: str | os.PathLike) -> pd.DataFrame:
+    """Read and validate ``stats/{model}/histogram.csv``."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlacementError(f"{path}: histogram file not found")
+    return validate_histogram(pd.read_csv(path), str(path))
+
+
+def _as_histogram(histogram: pd.DataFrame | str | os.PathLike) -> pd.DataFrame:
+    if isinstance(histogram, pd.DataFrame):
+        return validate_histogram(histogram)
+    return read_histogram(histogram)
+
+
+def count_matrix(
+    histogram: pd.DataFrame,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    *,
+    split: str,
+    phase: str,
+    domains: Iterable[str] | None = None,
+) -> np.ndarray:
+    """Selections as float64 ``[num_moe_layers, num_experts]`` for one split, phase and domains.
+
+    Rows of ``histogram`` use the model's layer index; they are mapped to MoE-layer positions
+    through ``moe_layers``. A layer that is not a MoE layer or an expert out of range is an error.
+    """
+    df = histogram[(histogram["split"] == split) & (histogram["phase"] == phase)]
+    if domains is not None:
+        df = df[df["domain"].isin(list(domains))]
+    index = {int(layer): i for i, layer in enumerate(moe_layers)}
+    bad_layers = sorted(set(df["layer"].tolist()) - set(index))
+    if bad_layers:
+        raise PlacementError(
+            f"histogram: layer(s) {bad_layers[:5]} are not MoE layers of the model "
+            f"(moe_layers {list(moe_layers)[:8]}{'...' if len(moe_layers) > 8 else ''})"
+        )
+    bad = df[(df["expert"] < 0) | (df["expert"] >= num_experts)]
+    if len(bad):
+        r = bad.iloc[0]
+        raise PlacementError(
+            f"histogram: expert {int(r['expert'])} in layer {int(r['layer'])} is out of range "
+            f"[0, {num_experts})"
+        )
+    out = np.zeros((len(moe_layers), num_experts), dtype=np.float64)
+    rows = df["layer"].map(index).to_numpy(dtype=np.int64)
+    np.add.at(out, (rows, df["expert"].to_numpy(dtype=np.int64)), df["count"].to_numpy())
+    return out
+
+
+def profile_counts(
+    histogram: pd.DataFrame, moe_layers: Sequence[int], num_experts: int, spec: ProfileSpec
+) -> np.ndarray:
+    """The profile the policies rank by: profile split, chosen domains, phase, domain weighting."""
+    prof = histogram[(histogram["split"] == "profile") & (histogram["phase"] == spec.phase)]
+    available = sorted(set(prof["domain"]))
+    domains = list(spec.domains) if spec.domains is not None else available
+    missing = [d for d in domains if d not in available]
+    if missing:
+        raise PlacementError(
+            f"histogram: profile domain(s) {missing} have no {spec.phase} selections on the "
+            f"profile split; available: {available}"
+        )
+    if spec.weighting == "none":
+        counts = count_matrix(
+            histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=domains
+        )
+    else:
+        if spec.weighting == "equal":
+            weights = {d: 1.0 for d in domains}
+        else:
+            weights = dict(spec.weighting)
+            unknown = [d for d in weights if d not in domains]
+            unweighted = [d for d in domains if d not in weights]
+            if unknown or unweighted:
+                raise PlacementError(
+                    f"domain weights {weights} must name exactly the profile domains {domains}"
+                )
+        total_w = sum(weights.values())
+        counts = np.zeros((len(moe_layers), num_experts), dtype=np.float64)
+        for d in domains:
+            c = count_matrix(
+                histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=[d]
+            )
+            counts += c * (weights[d] / total_w / c.sum())
+    if counts.sum() <= 0:
+        raise PlacementError(f"histogram: the profile ({spec.describe()}) has no selections")
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Budgets
+
+
+def hot_count_for_residency(residency: float, total_experts: int) -> int:
+    """``floor(residency * total_experts)`` on the decimal value of ``residency``."""
+    try:
+        r = float(residency)
+    except (TypeError, ValueError):
+        raise PlacementError(f"residency must be a number in [0, 1], got {residency!r}") from None
+    if not math.isfinite(r) or r < 0 or r > 1:
+        raise PlacementError(
+            f"residency must be a fraction of routed-expert bytes in [0, 1], got {residency!r}"
+        )
+    return math.floor(Fraction(str(r)) * total_experts)
+
+
+def hot_count_for_budget(
+    budget_gib: float,
+    config: ModelShape,
+    fmt: str | WeightFormat = "bfloat16",
+    nonexpert_format: str | WeightFormat = "bfloat16",
+) -> int:
+    """Hot experts that fit in an HBM budget for the whole model (non-expert weights first)."""
+    b = float(budget_gib)
+    if not math.isfinite(b) or b < 0:
+        raise PlacementError(f"budget_gib must be a finite number >= 0, got {budget_gib!r}")
+    need = nonexpert_bytes(config, nonexpert_format)
+    budget = Fraction(str(b)) * GIB
+    if budget < need:
+        raise PlacementError(
+            f"an HBM budget of {b:g} GiB cannot hold the non-expert weights, which need "
+            f"{need / GIB:.3f} GiB ({need} bytes); give at least that much"
+        )
+    total = len(config.moe_layers) * config.num_experts
+    return min(total, math.floor((budget - need) / expert_bytes(config, fmt)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Policies (pure functions on count matrices) and the row map
+
+
+def hot_mask_positional(num_moe_layers: int, num_experts: int, num_hot: int) -> np.ndarray:
+    """Whole layers to host in module order until host experts >= the cold target."""
+    total = num_moe_layers * num_experts
+    cold_target = total - num_hot
+    cold_layers = math.ceil(cold_target / num_experts)
+    mask = np.ones((num_moe_layers, num_experts), dtype=bool)
+    mask[:cold_layers] = False
+    return mask
+
+
+def _layer_order(counts: np.ndarray) -> np.ndarray:
+    """Per layer, expert ids from most to least selected (ties: lower expert id first)."""
+    # A stable sort on -count keeps ascending expert order among ties.
+    return np.argsort(-counts, axis=1, kind="stable")
+
+
+def hot_mask_usage_layer(counts: np.ndarray, num_hot: int) -> np.ndarray:
+    """Each layer's ``num_hot // num_moe_layers`` most selected experts."""
+    num_layers, _ = counts.shape
+    per_layer = num_hot // num_layers
+    order = _layer_order(counts)
+    mask = np.zeros(counts.shape, dtype=bool)
+    np.put_along_axis(mask, order[:, :per_layer], True, axis=1)
+    return mask
+
+
+def hot_mask_usage_global(counts: np.ndarray, num_hot: int) -> np.ndarray:
+    """The ``num_hot`` most selected (layer, expert) pairs; ties by (layer, expert) ascending."""
+    flat = counts.reshape(-1)
+    order = np.argsort(-flat, kind="stable")  # stable: ties keep ascending flat (layer, expert)
+    mask = np.zeros(flat.shape, dtype=bool)
+    mask[order[:num_hot]] = True
+    return mask.reshape(counts.shape)
+
+
+def row_map_from_mask(hot_mask: np.ndarray, expert_order: np.ndarray | None = None) -> np.ndarray:
+    """The DESIGN.md §3 row map for a hot mask.
+
+    Rows are handed out layer by layer; inside a layer in ``expert_order[layer]`` (default: by
+    expert id). Hot experts get ``0, 1, ...``; cold ones ``-1, -2, ...``.
+    """
+    num_layers, num_experts = hot_mask.shape
+    if expert_order is None:
+        expert_order = np.broadcast_to(np.arange(num_experts), hot_mask.shape)
+    row_map = np.empty(hot_mask.shape, dtype=np.int32)
+    hot = cold = 0
+    for layer in range(num_layers):
+        for expert in expert_order[layer]:
+            if hot_mask[layer, expert]:
+                row_map[layer, expert] = hot
+                hot += 1
+            else:
+                row_map[layer, expert] = -cold - 1
+                cold += 1
+    return row_map
+
+
+def validate_row_map(
+    row_map: Any,
+    num_hot: int,
+    num_cold: int,
+    num_moe_layers: int,
+    num_experts: int,
+    source: str = "row map",
+) -> None:
+    """Check a row map against its pools; raise ``PlacementError`` naming the first problem.
+
+    Checks: numpy int32, shape ``[num_moe_layers, num_experts]`` (so every (layer, expert) has one
+    entry), pool sizes consistent with the entries, every row in range, no pool row used twice,
+    every pool row used.
+    """
+    if not isinstance(row_map, np.ndarray):
+        raise PlacementError(f"{source}: must be a numpy array, got {type(row_map).__name__}")
+    if row_map.dtype != np.int32:
+        raise PlacementError(f"{source}: dtype must be int32, got {row_map.dtype}")
+    if row_map.shape != (num_moe_layers, num_experts):
+        raise PlacementError(
+            f"{source}: shape must be [num_moe_layers, num_experts] = "
+            f"[{num_moe_layers}, {num_experts}], got {list(row_map.shape)}"
+        )
+    if num_hot < 0 or num_cold < 0:
+        raise PlacementError(f"{source}: pool sizes must be >= 0, got hot {num_hot}, cold {num_cold}")
+    flat = row_map.reshape(-1).astype(np.int64)
+
+    def where(i: int) -> str:
+        return f"(layer {i // num_experts}, expert {i % num_experts})"
+
+    out_of_range = np.flatnonzero((flat >= num_hot) | (flat < -num_cold))
+    if out_of_range.size:
+        i = int(out_of_range[0])
+        r = int(flat[i])
+        what = (
+            f"hot row {r} but the hot pool has {num_hot} rows"
+            if r >= 0
+            else f"cold row {-r - 1} (encoded {r}) but the cold pool has {num_cold} rows"
+        )
+        raise PlacementError(f"{source}: row out of range at {where(i)}: {what}")
+    seen: dict[int, int] = {}
+    for i, r in enumerate(flat.tolist()):
+        if r in seen:
+            pool = f"hot row {r}" if r >= 0 else f"cold row {-r - 1} (encoded {r})"
+            raise PlacementError(
+                f"{source}: {pool} used twice: at {where(seen[r])} and again at {where(i)}"
+            )
+        seen[r] = i
+    if num_hot + num_cold != flat.size:
+        used = set(seen)
+        unused_hot = [r for r in range(num_hot) if r not in used]
+        unused_cold = [c for c in range(num_cold) if -c - 1 not in used]
+        first = (
+            f"hot row {unused_hot[0]}" if unused_hot else f"cold row {unused_cold[0]}"
+        )
+        raise PlacementError(
+            f"{source}: pool sizes inconsistent: hot {num_hot} + cold {num_cold} rows but the map "
+            f"has {flat.size} entries; {first} is not used by any (layer, expert)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Bandwidths and the speed model
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Read bandwidths in GB/s (1e9 bytes/s) of HBM and of the host link, and where they are from."""
+
+    name: str
+    hbm_gb_s: float
+    link_gb_s: float
+    source: str = "user"
+
+
+BANDWIDTH_PRESETS: dict[str, Bandwidths] = {
+    "h200": Bandwidths(
+        "h200",
+        3400.0,
+        51.0,
+        "measured on the lent H200, PCIe Gen5 x16 (DESIGN.md §6): HBM streaming read 3.4 TB/s, "
+        "Triton kernel reading pinned host memory in place 51 GB/s",
+    ),
+    "gb300": Bandwidths(
+        "gb300",
+        8000.0,
+        340.0,
+        "not measured: host link about 340 GB/s over NVLink-C2C (DESIGN.md §6); HBM 8 TB/s is "
+        "the GB300 datasheet figure (a lead, peak not sustained)",
+    ),
+}
+
+
+def get_bandwidths(spec: str | Bandwidths | Mapping[str, Any]) -> Bandwidths:
+    """A preset by name, a ``Bandwidths``, or a mapping ``{hbm_gb_s, link_gb_s[, name]}``."""
+    if isinstance(spec, Bandwidths):
+        bw = spec
+    elif isinstance(spec, str):
+        if spec not in BANDWIDTH_PRESETS:
+            raise PlacementError(
+                f"unknown bandwidth preset {spec!r}; known: {', '.join(BANDWIDTH_PRESETS)} "
+                "(or give {'hbm_gb_s': ..., 'link_gb_s': ...})"
+            )
+        bw = BANDWIDTH_PRESETS[spec]
+    else:
+        try:
+            bw = Bandwidths(
+                str(spec.get("name", "user")),
+                float(spec["hbm_gb_s"]),
+                float(spec["link_gb_s"]),
+                str(spec.get("source", "user")),
+            )
+        except KeyError as e:
+            raise PlacementError(f"bandwidths need hbm_gb_s and link_gb_s, missing {e}") from None
+    if not (bw.hbm_gb_s > 0 and bw.link_gb_s > 0):
+        raise PlacementError(f"bandwidths must be > 0, got {bw}")
+    return bw
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted bytes and time of one decode step of ``batch_size`` tokens (one per sequence)."""
+
+    preset: str
+    batch_size: int
+    hbm_gb_s: float
+    link_gb_s: float
+    hbm_bytes: float
+    link_bytes: float
+    expected_hot_experts: float  # distinct hot experts touched per step, all MoE layers
+    expected_cold_experts: float
+    hbm_s: float
+    link_s: float
+    step_s_lower: float  # max(hbm_s, link_s): perfect overlap
+    step_s_sum: float  # hbm_s + link_s: no overlap
+    tok_s_lower: float  # batch_size / step_s_lower: tokens/s of the whole batch
+    tok_s_sum: float  # batch_size / step_s_sum
+
+
+def expected_touched(counts: np.ndarray, top_k: int, batch_size: int) -> np.ndarray:
+    """Probability that each (layer, expert) is used by at least one of ``batch_size`` tokens.
+
+    Per layer, ``p_e = count_e / tokens`` with ``tokens = sum(count) / top_k`` (one token selects
+    ``top_k`` distinct experts), and tokens are independent: ``1 - (1 - p_e) ** batch_size``.
+    """
+    if batch_size < 1:
+        raise PlacementError(f"batch_size must be >= 1, got {batch_size}")
+    selections = counts.sum(axis=1)
+    empty = np.flatnonzero(selections <= 0)
+    if empty.size:
+        raise PlacementError(
+            f"the profile has no selections in MoE layer position {int(empty[0])}; the speed "
+            "model cannot estimate its experts' use"
+        )
+    tokens = selections / top_k
+    p = np.clip(counts / tokens[:, None], 0.0, 1.0)
+    return 1.0 - (1.0 - p) ** batch_size
+
+
+def predict_step(
+    placement: "Placement",
+    histogram: pd.DataFrame | np.ndarray | str | os.PathLike,
+    config: ModelShape,
+    bandwidths: str | Bandwidths | Mapping[str, Any],
+    batch_size: int,
+) -> StepPrediction:
+    """Bandwidth bound of one decode step under ``placement``.
+
+    Bytes per step: the non-expert weights once, from HBM; per MoE layer, each expert's bytes
+    times the probability that the batch touches it (``expected_touched``), from HBM if hot and
+    over the host link if cold (a cold expert is read once per step in place, whatever the
+    number of its tokens). Times: ``bytes / bandwidth``; the step is at least
+    ``max(hbm_s, link_s)`` (perfect overlap) and at most about ``hbm_s + link_s`` (none). KV cache,
+    activations and launch overheads are not modelled, so these are lower bounds on real steps.
+
+    ``histogram`` is the histogram (then the placement's profile spec selects the counts) or
+    the profile counts ``[num_moe_layers, num_experts]`` themselves.
+    """
+    bw = get_bandwidths(bandwidths)
+    if isinstance(histogram, np.ndarray):
+        counts = np.asarray(histogram, dtype=np.float64)
+    else:
+        counts = profile_counts(
+            _as_histogram(histogram), placement.moe_layers, placement.num_experts, placement.profile
+        )
+    if counts.shape != placement.row_map.shape:
+        raise PlacementError(
+            f"profile counts have shape {list(counts.shape)}, the placement's row map "
+            f"{list(placement.row_map.shape)}"
+        )
+    touched = expected_touched(counts, config.top_k, int(batch_size))
+    hot = placement.row_map >= 0
+    hot_experts = float(touched[hot].sum())
+    cold_experts = float(touched[~hot].sum())
+    per_expert = placement.bytes_per_expert
+    hbm_bytes = nonexpert_bytes(config, placement.nonexpert_format) + hot_experts * per_expert
+    link_bytes = cold_experts * per_expert
+    hbm_s = hbm_bytes / (bw.hbm_gb_s * 1e9)
+    link_s = link_bytes / (bw.link_gb_s * 1e9)
+    lower, total = max(hbm_s, link_s), hbm_s + link_s
+    return StepPrediction(
+        preset=bw.name,
+        batch_size=int(batch_size),
+        hbm_gb_s=bw.hbm_gb_s,
+        link_gb_s=bw.link_gb_s,
+        hbm_bytes=hbm_bytes,
+        link_bytes=link_bytes,
+        expected_hot_experts=hot_experts,
+        expected_cold_experts=cold_experts,
+        hbm_s=hbm_s,
+        link_s=link_s,
+        step_s_lower=lower,
+        step_s_sum=total,
+        tok_s_lower=batch_size / lower,
+        tok_s_sum=batch_size / total,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The placement
+
+
+@dataclass
+class Placement:
+    """One placement: the row map plus how it was chosen and what it is expected to do.
+
+    ``residency`` is the requested fraction (``None`` when a budget was given); the achieved
+    fraction of routed-expert bytes in HBM is ``achieved_residency = num_hot / (num_hot +
+    num_cold)`` (positional and usage_layer round down to whole layers / equal counts).
+    ``coverage_profile`` is the share of the profile's (weighted) selections that hit hot experts;
+    ``coverage_heldout`` the same on the held-out split of all domains (``None`` without held-out
+    data), per domain in ``coverage_heldout_by_domain``.
+    """
+
+    policy: str
+    residency: float | None
+    budget_gib: float | None
+    row_map: np.ndarray
+    num_hot: int
+    num_cold: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    weight_format: str
+    nonexpert_format: str
+    bytes_per_expert: int
+    nonexpert_gib: float
+    hbm_expert_gib: float
+    host_expert_gib: float
+    profile: ProfileSpec
+    profile_selections: float
+    coverage_profile: float
+    coverage_heldout: float | None
+    coverage_heldout_by_domain: dict[str, float] = field(default_factory=dict)
+    predictions: list[StepPrediction] = field(default_factory=list)
+    model: str | None = None
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def achieved_residency(self) -> float:
+        return self.num_hot / (self.num_hot + self.num_cold)
+
+    @property
+    def label(self) -> str:
+        """``{residency}`` as in file names (``0.5``, ``1.0``), or ``{budget}gib``."""
+        if self.residency is not None:
+            return residency_label(self.residency)
+        return f"{self.budget_gib:g}gib"
+
+    def prediction(self, preset: str, batch_size: int) -> StepPrediction:
+        for p in self.predictions:
+            if p.preset == preset and p.batch_size == batch_size:
+                return p
+        raise KeyError(f"no prediction for preset {preset!r} at batch size {batch_size}")
+
+
+def residency_label(residency: float) -> str:
+    """How a residency appears in file names: ``repr(float(r))``, so 0.5 -> ``0.5``, 1 -> ``1.0``."""
+    return repr(float(residency))
+
+
+def placement_filename(policy: str, label: str) -> str:
+    """``{policy}-{label}.json`` (DESIGN.md §1)."""
+    return f"{policy}-{label}.json"
+
+
+def _coverage(counts: np.ndarray, hot_mask: np.ndarray) -> float | None:
+    total = counts.sum()
+    return None if total <= 0 else float(counts[hot_mask].sum() / total)
+
+
+def place(
+    histogram: pd.DataFrame | str | os.PathLike,
+    config: ModelShape,
+    policy: str,
+    residency: float | None = None,
+    *,
+    budget_gib: float | None = None,
+    profile_domains: str | Iterable[str] | None = None,
+    phase: str = "decode",
+    domain_weights: str | Mapping[str, float] | None = None,
+    weight_format: str | WeightFormat = "bfloat16",
+    nonexpert_format: str | WeightFormat = "bfloat16",
+    bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
+    batch_sizes: Sequence[int] = (1,),
+    model: str | None = None,
+) -> Placement:
+    """Choose the cold set for one policy and one residency (or HBM budget) and predict its speed.
+
+    Exactly one of ``residency`` (fraction of routed-expert bytes in HBM) and ``budget_gib`` (HBM
+    for the whole model, GiB) is given. The profile is the ``profile`` split of
+    ``profile_domains`` (``None``: all) in ``phase``, weighted per ``domain_weights`` (see
+    ``ProfileSpec``).
+    """
+    if policy not in POLICIES:
+        raise PlacementError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    if (residency is None) == (budget_gib is None):
+        raise PlacementError("give exactly one of residency (fraction) and budget_gib")
+    hist = _as_histogram(histogram)
+    spec = ProfileSpec.make(profile_domains, phase, domain_weights)
+    fmt = get_weight_format(weight_format)
+    nfmt = get_weight_format(nonexpert_format)
+    moe_layers = tuple(int(x) for x in config.moe_layers)
+    num_layers, num_experts = len(moe_layers), int(config.num_experts)
+    if num_layers == 0 or num_experts == 0:
+        raise PlacementError("the model has no routed experts (moe_layers or num_experts empty)")
+    total = num_layers * num_experts
+    if residency is not None:
+        target_hot = hot_count_for_residency(residency, total)
+    else:
+        target_hot = hot_count_for_budget(budget_gib, config, fmt, nfmt)
+    counts = profile_counts(hist, moe_layers, num_experts, spec)
+
+    if policy in ("positional", "permute"):
+        mask = hot_mask_positional(num_layers, num_experts, target_hot)
+    elif policy == "usage_layer":
+        mask = hot_mask_usage_layer(counts, target_hot)
+    else:
+        mask = hot_mask_usage_global(counts, target_hot)
+    order = _layer_order(counts) if policy == "permute" else None
+    row_map = row_map_from_mask(mask, order)
+    num_hot = int(mask.sum())
+    num_cold = total - num_hot
+    validate_row_map(row_map, num_hot, num_cold, num_layers, num_experts, f"{policy} row map")
+
+    heldout = count_matrix(hist, moe_layers, num_experts, split="heldout", phase=spec.phase)
+    by_domain = {}
+    for d in sorted(set(hist.loc[(hist["split"] == "heldout") & (hist["phase"] == spec.phase), "domain"])):
+        c = count_matrix(
+            hist, moe_layers, num_experts, split="heldout", phase=spec.phase, domains=[d]
+        )
+        cov = _coverage(c, mask)
+        if cov is not None:
+            by_domain[d] = cov
+    per_expert = expert_bytes(config, fmt)
+    placement = Placement(
+        policy=policy,
+        residency=None if residency is None else float(residency),
+        budget_gib=None if budget_gib is None else float(budget_gib),
+        row_map=row_map,
+        num_hot=num_hot,
+        num_cold=num_cold,
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        weight_format=fmt.name,
+        nonexpert_format=nfmt.name,
+        bytes_per_expert=per_expert,
+        nonexpert_gib=nonexpert_bytes(config, nfmt) / GIB,
+        hbm_expert_gib=num_hot * per_expert / GIB,
+        host_expert_gib=num_cold * per_expert / GIB,
+        profile=spec,
+        profile_selections=float(counts.sum()),
+        coverage_profile=float(_coverage(counts, mask)),
+        coverage_heldout=_coverage(heldout, mask),
+        coverage_heldout_by_domain=by_domain,
+        model=model,
+    )
+    for bw in bandwidths:
+        for b in batch_sizes:
+            placement.predictions.append(predict_step(placement, counts, config, bw, int(b)))
+    return placement
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def row_map_path(json_path: str | os.PathLike) -> Path:
+    """``x/{policy}-{residency}.json`` -> ``x/{policy}-{residency}.rowmap.npy``."""
+    p = Path(json_path)
+    if p.suffix != ".json":
+        raise PlacementError(f"{p}: a placement file name must end in .json")
+    return p.with_name(p.name[: -len(".json")] + ".rowmap.npy")
+
+
+def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": placement.model,
+        "policy": placement.policy,
+        "residency": placement.residency,
+        "budget_gib": placement.budget_gib,
+        "achieved_residency": placement.achieved_residency,
+        "num_hot": placement.num_hot,
+        "num_cold": placement.num_cold,
+        "moe_layers": list(placement.moe_layers),
+        "num_experts": placement.num_experts,
+        "weight_format": placement.weight_format,
+        "nonexpert_format": placement.nonexpert_format,
+        "bytes_per_expert": placement.bytes_per_expert,
+        "nonexpert_gib": placement.nonexpert_gib,
+        "hbm_expert_gib": placement.hbm_expert_gib,
+        "host_expert_gib": placement.host_expert_gib,
+        "profile": placement.profile.describe(),
+        "profile_selections": placement.profile_selections,
+        "coverage_profile": placement.coverage_profile,
+        "coverage_heldout": placement.coverage_heldout,
+        "coverage_heldout_by_domain": placement.coverage_heldout_by_domain,
+        "predictions": [asdict(p) for p in placement.predictions],
+        "row_map_file": npy_name,
+        "row_map_sha256": npy_sha256,
+    }
+
+
+def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
+    """Write ``{name}.json`` and ``{name}.rowmap.npy`` atomically; returns the JSON path.
+
+    Both files are written to temporary names in the target folder first, then renamed (npy, then
+    JSON). The JSON records the npy's sha256, so a crash between the two renames leaves a pair
+    that ``load_placement`` refuses rather than a silently mismatched one; on any error before the
+    renames nothing is left behind.
+    """
+    validate_row_map(
+        placement.row_map,
+        placement.num_hot,
+        placement.num_cold,
+        placement.num_moe_layers,
+        placement.num_experts,
+        f"{placement.policy} row map",
+    )
+    json_path = Path(json_path)
+    npy_path = row_map_path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    temps: list[str] = []
+    try:
+        fd, tmp_npy = tempfile.mkstemp(dir=json_path.parent, prefix=f".{npy_path.name}.", suffix=".tmp")
+        temps.append(tmp_npy)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, placement.row_map, allow_pickle=False)
+        sha = hashlib.sha256(Path(tmp_npy).read_bytes()).hexdigest()
+        doc = _placement_to_json(placement, npy_path.name, sha)
+        fd, tmp_json = tempfile.mkstemp(dir=json_path.parent, prefix=f".{json_path.name}.", suffix=".tmp")
+        temps.append(tmp_json)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+        os.replace(tmp_npy, npy_path)
+        os.replace(tmp_json, json_path)
+        temps.clear()
+    finally:
+        for t in temps:
+            try:
+                os.unlink(t)
+            except FileNotFoundError:
+                pass
+    return json_path
+
+
+def load_placement(json_path: str | os.PathLike) -> Placement:
+    """Read a placement and validate its row map against the JSON; errors name the file."""
+    json_path = Path(json_path)
+    if not json_path.is_file():
+        raise PlacementError(f"{json_path}: placement file not found")
+    try:
+        doc = json.loads(json_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlacementError(f"{json_path}: not valid JSON ({e})") from None
+    required = (
+        "policy", "num_hot", "num_cold", "moe_layers", "num_experts", "row_map_file",
+        "row_map_sha256", "bytes_per_expert", "profile", "coverage_profile",
+    )
+    missing = [k for k in required if k not in doc]
+    if missing:
+        raise PlacementError(f"{json_path}: missing field(s) {missing}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise PlacementError(
+            f"{json_path}: format_version {doc.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
+    if doc["policy"] not in POLICIES:
+        raise PlacementError(f"{json_path}: field 'policy' is {doc['policy']!r}; known {POLICIES}")
+    npy_path = json_path.with_name(doc["row_map_file"])
+    if not npy_path.is_file():
+        raise PlacementError(f"{json_path}: its row map file {npy_path} is missing")
+    raw = npy_path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != doc["row_map_sha256"]:
+        raise PlacementError(
+            f"{npy_path}: sha256 differs from the one recorded in {json_path}; the pair is "
+            "mismatched (an interrupted write or an edited file): rerun the placement stage"
+        )
+    try:
+        row_map = np.load(npy_path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise PlacementError(f"{npy_path}: not a readable .npy file ({e})") from None
+    moe_layers = tuple(int(x) for x in doc["moe_layers"])
+    validate_row_map(
+        row_map, int(doc["num_hot"]), int(doc["num_cold"]), len(moe_layers),
+        int(doc["num_experts"]), f"{npy_path} (for {json_path.name})",
+    )
+    return Placement(
+        policy=doc["policy"],
+        residency=doc.get("residency"),
+        budget_gib=doc.get("budget_gib"),
+        row_map=row_map,
+        num_hot=int(doc["num_hot"]),
+        num_cold=int(doc["num_cold"]),
+        moe_layers=moe_layers,
+        num_experts=int(doc["num_experts"]),
+        weight_format=doc.get("weight_format", "bfloat16"),
+        nonexpert_format=doc.get("nonexpert_format", "bfloat16"),
+        bytes_per_expert=int(doc["bytes_per_expert"]),
+        nonexpert_gib=float(doc.get("nonexpert_gib", float("nan"))),
+        hbm_expert_gib=float(doc.get("hbm_expert_gib", float("nan"))),
+        host_expert_gib=float(doc.get("host_expert_gib", float("nan"))),
+        profile=ProfileSpec.from_description(doc["profile"]),
+        profile_selections=float(doc.get("profile_selections", float("nan"))),
+        coverage_profile=float(doc["coverage_profile"]),
+        coverage_heldout=doc.get("coverage_heldout"),
+        coverage_heldout_by_domain=dict(doc.get("coverage_heldout_by_domain", {})),
+        predictions=[StepPrediction(**p) for p in doc.get("predictions", [])],
+        model=doc.get("model"),
+    )
+
+
+def coverage_table(placements: Sequence[Placement]) -> pd.DataFrame:
+    """One row per placement: tiers, coverage and predicted step times (ms) and tokens/s."""
+    rows = []
+    for p in placements:
+        row: dict[str, Any] = {
+            "policy": p.policy,
+            "residency": p.residency,
+            "budget_gib": p.budget_gib,
+            "achieved_residency": p.achieved_residency,
+            "num_hot": p.num_hot,
+            "num_cold": p.num_cold,
+            "hbm_expert_gib": p.hbm_expert_gib,
+            "host_expert_gib": p.host_expert_gib,
+            "coverage_profile": p.coverage_profile,
+            "coverage_heldout": p.coverage_heldout,
+        }
+        for d, c in sorted(p.coverage_heldout_by_domain.items()):
+            row[f"coverage_heldout_{d}"] = c
+        for s in p.predictions:
+            tag = f"{s.preset}_b{s.batch_size}"
+            row[f"step_ms_lower_{tag}"] = s.step_s_lower * 1e3
+            row[f"step_ms_sum_{tag}"] = s.step_s_sum * 1e3
+            row[f"tok_s_lower_{tag}"] = s.tok_s_lower
+            row[f"link_gb_per_step_{tag}"] = s.link_bytes / 1e9
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            df.to_csv(f, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _resolve_config(model_dir_or_config: Any) -> ModelShape:
+    if isinstance(model_dir_or_config, (str, os.PathLike)):
+        from coldset import model as model_mod  # lazy: the engine is not needed otherwise
+
+        loader = getattr(model_mod, "load_config", None)
+        if loader is None:
+            raise PlacementError(
+                f"{model_dir_or_config}: coldset.model has no load_config(path) to read the "
+                "model's shape; pass a ModelConfig instead"
+            )
+        return loader(model_dir_or_config)
+    return model_dir_or_config
+
+
+def run_placement(
+    histogram_csv: str | os.PathLike,
+    model_dir_or_config: Any,
+    out_dir: str | os.PathLike,
+    policies: Sequence[str] = POLICIES,
+    residencies: Sequence[float] = (0.25, 0.5, 0.75, 1.0),
+    profile_domains: str | Iterable[str] | None = None,
+    *,
+    budgets_gib: Sequence[float] = (),
+    phase: str = "decode",
+    domain_weights: str | Mapping[str, float] | None = None,
+    weight_format: str | WeightFormat = "bfloat16",
+    nonexpert_format: str | WeightFormat = "bfloat16",
+    bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
+    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    model: str | None = None,
+    progress: bool = True,
+) -> list[Placement]:
+    """The placement stage: every policy x residency (and budget) to ``out_dir``, plus coverage.csv.
+
+    Writes ``{policy}-{residency}.json`` + ``.rowmap.npy`` per placement (``residency_label``
+    names the residency; budgets are named ``{budget}gib``) and ``coverage.csv``
+    (``coverage_table``). Returns the placements in the order written.
+    """
+    from tqdm import tqdm
+
+    hist = read_histogram(histogram_csv)
+    config = _resolve_config(model_dir_or_config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for p in policies:
+        if p not in POLICIES:
+            raise PlacementError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+    jobs = [(p, r, None) for p in policies for r in residencies]
+    jobs += [(p, None, b) for p in policies for b in budgets_gib]
+    placements = []
+    for policy, r, b in tqdm(jobs, desc="placement", disable=not progress):
+        pl = place(
+            hist, config, policy, r, budget_gib=b, profile_domains=profile_domains, phase=phase,
+            domain_weights=domain_weights, weight_format=weight_format,
+            nonexpert_format=nonexpert_format, bandwidths=bandwidths,
+            batch_sizes=batch_sizes, model=model,
+        )
+        save_placement(pl, out / placement_filename(policy, pl.label))
+        placements.append(pl)
+    _write_csv_atomic(coverage_table(placements), out / "coverage.csv")
+    return placements
