@@ -493,8 +493,14 @@ def validate_row_map(
     entry), pool sizes consistent with the entries, every row in range, no pool row used twice,
     every pool row used.
     """
+    if hasattr(row_map, "detach") and hasattr(row_map, "cpu"):  # a torch tensor (tiers' pools)
+        if str(row_map.dtype) != "torch.int32":
+            raise PlacementError(f"{source}: dtype must be int32, got {row_map.dtype}")
+        row_map = row_map.detach().cpu().numpy()
     if not isinstance(row_map, np.ndarray):
-        raise PlacementError(f"{source}: must be a numpy array, got {type(row_map).__name__}")
+        raise PlacementError(
+            f"{source}: must be a numpy array or torch tensor, got {type(row_map).__name__}"
+        )
     if row_map.dtype != np.int32:
         raise PlacementError(f"{source}: dtype must be int32, got {row_map.dtype}")
     if row_map.shape != (num_moe_layers, num_experts):
@@ -518,13 +524,16 @@ def validate_row_map(
             if r >= 0
             else f"cold row {-r - 1} (encoded {r}) but the cold pool has {num_cold} rows"
         )
-        raise PlacementError(f"{source}: row out of range at {where(i)}: {what}")
+        raise PlacementError(
+            f"{source}: row out of range (falls outside the pools) at {where(i)}: {what}"
+        )
     seen: dict[int, int] = {}
     for i, r in enumerate(flat.tolist()):
         if r in seen:
             pool = f"hot row {r}" if r >= 0 else f"cold row {-r - 1} (encoded {r})"
             raise PlacementError(
-                f"{source}: {pool} used twice: at {where(seen[r])} and again at {where(i)}"
+                f"{source}: {pool} is used more than once: at {where(seen[r])} and again at "
+                f"{where(i)}"
             )
         seen[r] = i
     if num_hot + num_cold != flat.size:
@@ -909,9 +918,9 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
     """Write ``{name}.json`` and ``{name}.rowmap.npy`` atomically; returns the JSON path.
 
     Both files are written to temporary names in the target folder first, then renamed (npy, then
-    JSON). The JSON records the npy's sha256, so a crash between the two renames leaves a pair
-    that ``load_placement`` refuses rather than a silently mismatched one; on any error before the
-    renames nothing is left behind.
+    JSON); if the JSON rename fails the new npy is removed again, and on any earlier error nothing
+    is left behind. The JSON records the npy's sha256, so even a crash between the two renames
+    leaves a pair that ``load_placement`` refuses rather than a silently mismatched one.
     """
     validate_row_map(
         placement.row_map,
@@ -938,7 +947,12 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
             json.dump(doc, f, indent=2)
             f.write("\n")
         os.replace(tmp_npy, npy_path)
-        os.replace(tmp_json, json_path)
+        temps.remove(tmp_npy)
+        try:
+            os.replace(tmp_json, json_path)
+        except BaseException:
+            npy_path.unlink(missing_ok=True)  # no new row map without its JSON
+            raise
         temps.clear()
     finally:
         for t in temps:
@@ -1058,15 +1072,9 @@ def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
 
 def _resolve_config(model_dir_or_config: Any) -> ModelShape:
     if isinstance(model_dir_or_config, (str, os.PathLike)):
-        from coldset import model as model_mod  # lazy: the engine is not needed otherwise
+        from coldset.model import ModelConfig  # lazy: imports torch, not needed otherwise
 
-        loader = getattr(model_mod, "load_config", None)
-        if loader is None:
-            raise PlacementError(
-                f"{model_dir_or_config}: coldset.model has no load_config(path) to read the "
-                "model's shape; pass a ModelConfig instead"
-            )
-        return loader(model_dir_or_config)
+        return ModelConfig.from_pretrained(model_dir_or_config)
     return model_dir_or_config
 
 
