@@ -1,0 +1,864 @@
+"""The HTML report: one self-contained page (figures inline) over everything the workflow wrote.
+
+``render_report`` reads the result files of the stats, placement, parity, bench and autotune
+stages (DESIGN.md §1; paths below), re-plots every figure with matplotlib (Agg, no display) so
+that each one states the device, batch size and dtype it describes, embeds them as base64 data
+URIs (the page needs no network and no side files) and writes ``results/report/index.html``
+atomically.
+
+Inputs, relative to ``results_dir``, for ``model = config["model"]["name"]``:
+
+- ``stats/{model}/skew.json`` and ``stats/{model}/histogram.csv`` (required);
+- ``placement/{model}/{policy}-{residency}.json`` for every configured policy and residency
+  (required);
+- ``parity/{model}/{policy}-{residency}.json`` (required: the report depends on a passed gate);
+- ``bench/{model}/{policy}-{residency}.json`` (required);
+- ``autotune/*.json`` (optional: a CPU run has no Triton kernel to tune; the section then says so).
+
+A missing required file is an error naming it; a section whose stage legitimately did not run
+says so in the page, never renders empty. The loaders here (``load_bench``, ``load_parity``,
+``load_placement_summary``, ``load_skew``) are shared with ``coldset.track``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Metric names of DESIGN.md §6, as they appear in bench JSON, MLflow and the report.
+BENCH_METRICS: tuple[str, ...] = (
+    "tok_s",
+    "step_ms_p50",
+    "step_ms_p90",
+    "prefill_ms",
+    "hbm_expert_gib",
+    "host_expert_gib",
+    "cold_share",
+    "link_gb_per_token",
+    "tok_s_per_gib",
+    "fetch_tax",
+)
+# Bench metrics that are legitimately undefined for some placements: tok_s_per_gib has no
+# smaller residency to compare with at a policy's smallest residency, fetch_tax needs the
+# policy's residency-1.0 run, predicted_step_ms needs a speed-model preset for the device.
+NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms"})
+REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(
+    m for m in BENCH_METRICS if m not in NULLABLE_BENCH_FIELDS
+) + ("batch_size", "device", "dtype")
+REQUIRED_PLACEMENT_FIELDS: tuple[str, ...] = (
+    "policy",
+    "residency",
+    "num_hot",
+    "num_cold",
+    "hbm_expert_gib",
+    "host_expert_gib",
+    "coverage_profile",
+    "coverage_heldout",
+)
+REQUIRED_PARITY_FIELDS: tuple[str, ...] = ("passed", "tokens_matched", "tokens_total")
+
+
+class ReportInputError(ValueError):
+    """A result file the report or the tracker needs is missing or malformed (names the file)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loaders (shared with coldset.track)
+# ----------------------------------------------------------------------------------------------
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """JSON from ``path``; a missing or unparsable file is a ``ReportInputError`` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"missing required input: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def placement_key_from_path(path: str | os.PathLike) -> tuple[str, str, str]:
+    """``(model, policy, residency)`` from ``.../{model}/{policy}-{residency}.json``.
+
+    Policy names use underscores (``usage_global``), so the residency is after the last ``-``.
+    The residency stays the string of the file name: it is the join key between stages.
+    """
+    path = Path(path)
+    stem = path.stem
+    if "-" not in stem:
+        raise ReportInputError(f"{path}: file name is not {{policy}}-{{residency}}.json")
+    policy, residency = stem.rsplit("-", 1)
+    try:
+        float(residency)
+    except ValueError as exc:
+        raise ReportInputError(f"{path}: residency {residency!r} in the file name is not a number") from exc
+    return path.parent.name, policy, residency
+
+
+def _check_key_fields(doc: dict, path: Path, policy: str, residency: str) -> None:
+    """A file's own policy/residency fields, where present, must agree with its name."""
+    if "policy" in doc and doc["policy"] != policy:
+        raise ReportInputError(f"{path}: field policy={doc['policy']!r} disagrees with the file name ({policy!r})")
+    if "residency" in doc and doc["residency"] is not None:
+        try:
+            same = math.isclose(float(doc["residency"]), float(residency), abs_tol=1e-9)
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise ReportInputError(
+                f"{path}: field residency={doc['residency']!r} disagrees with the file name ({residency!r})"
+            )
+
+
+def _require(doc: dict, fields: tuple[str, ...], where: str) -> None:
+    missing = [f for f in fields if f not in doc]
+    if missing:
+        raise ReportInputError(f"{where}: missing field(s) {', '.join(missing)}")
+
+
+@dataclass
+class PlacementSummary:
+    """The parts of a placement JSON the report and the tracker use."""
+
+    path: Path
+    model: str
+    policy: str
+    residency: str  # as in the file name (the join key)
+    num_hot: int
+    num_cold: int
+    hbm_expert_gib: float
+    host_expert_gib: float
+    coverage_profile: float
+    coverage_heldout: float
+    predicted: dict = field(default_factory=dict)  # {preset: {batch_size: {step_ms_lower, ...}}}
+
+
+def load_placement_summary(path: str | os.PathLike) -> PlacementSummary:
+    path = Path(path)
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    model, policy, residency = placement_key_from_path(path)
+    _require(doc, REQUIRED_PLACEMENT_FIELDS, str(path))
+    _check_key_fields(doc, path, policy, residency)
+    predicted = doc.get("predicted") or {}
+    if not isinstance(predicted, dict):
+        raise ReportInputError(f"{path}: field predicted must be an object {{preset: {{batch_size: ...}}}}")
+    return PlacementSummary(
+        path=path,
+        model=model,
+        policy=policy,
+        residency=residency,
+        num_hot=int(doc["num_hot"]),
+        num_cold=int(doc["num_cold"]),
+        hbm_expert_gib=float(doc["hbm_expert_gib"]),
+        host_expert_gib=float(doc["host_expert_gib"]),
+        coverage_profile=float(doc["coverage_profile"]),
+        coverage_heldout=float(doc["coverage_heldout"]),
+        predicted=predicted,
+    )
+
+
+@dataclass
+class ParityResult:
+    """One placement's parity gate outcome."""
+
+    path: Path
+    model: str
+    policy: str
+    residency: str
+    passed: bool
+    tokens_matched: int
+    tokens_total: int
+    mismatches: list[dict]
+    max_abs_logit_diff: float | None
+    device: str
+    dtype: str
+
+
+def load_parity(path: str | os.PathLike) -> ParityResult:
+    path = Path(path)
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    model, policy, residency = placement_key_from_path(path)
+    _require(doc, REQUIRED_PARITY_FIELDS, str(path))
+    mismatches = doc.get("mismatches") or []
+    if not isinstance(mismatches, list):
+        raise ReportInputError(f"{path}: field mismatches must be a list")
+    mad = doc.get("max_abs_logit_diff")
+    return ParityResult(
+        path=path,
+        model=model,
+        policy=policy,
+        residency=residency,
+        passed=bool(doc["passed"]),
+        tokens_matched=int(doc["tokens_matched"]),
+        tokens_total=int(doc["tokens_total"]),
+        mismatches=mismatches,
+        max_abs_logit_diff=None if mad is None else float(mad),
+        device=str(doc.get("device", "unknown")),
+        dtype=str(doc.get("dtype", "unknown")),
+    )
+
+
+@dataclass
+class BenchResult:
+    """One (placement, batch size) decode measurement; ``metrics`` holds DESIGN.md §6 names."""
+
+    path: Path
+    model: str
+    policy: str
+    residency: str
+    batch_size: int
+    device: str
+    dtype: str
+    metrics: dict[str, float | None]  # every BENCH_METRICS name; None where undefined
+    predicted_step_ms: float | None
+    extra: dict[str, Any]  # any other scalar fields of the entry (e.g. autotune_key)
+
+
+def _bench_entries(doc: Any, path: Path) -> list[dict]:
+    """The per-batch-size entries of a bench JSON, top-level scalars merged in as defaults.
+
+    Accepted containers (the entry fields are the contract, the container is not yet fixed):
+    ``{"batches": [entry, ...], ...}`` (preferred), ``{"results": [...]}``, ``{"1": entry, ...}``
+    keyed by batch size, a bare list of entries, or one entry at the top level.
+    """
+    if isinstance(doc, list):
+        entries, top = doc, {}
+    elif isinstance(doc, dict):
+        list_key = next((k for k in ("batches", "results") if isinstance(doc.get(k), list)), None)
+        if list_key is not None:
+            entries = doc[list_key]
+            top = {k: v for k, v in doc.items() if k != list_key}
+        elif "batch_size" in doc:
+            entries, top = [doc], {}
+        else:
+            by_batch = {k: v for k, v in doc.items() if str(k).isdigit() and isinstance(v, dict)}
+            if not by_batch:
+                raise ReportInputError(
+                    f"{path}: no per-batch-size entries (expected 'batches': [...], "
+                    "entries keyed by batch size, or a list)"
+                )
+            entries = [{"batch_size": int(k), **v} for k, v in by_batch.items()]
+            top = {k: v for k, v in doc.items() if k not in by_batch}
+    else:
+        raise ReportInputError(f"{path}: expected a JSON object or list")
+    top_scalars = {k: v for k, v in top.items() if not isinstance(v, (dict, list))}
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ReportInputError(f"{path}: entry {i} is not an object")
+        out.append({**top_scalars, **entry})
+    if not out:
+        raise ReportInputError(f"{path}: no per-batch-size entries")
+    return out
+
+
+def load_bench(path: str | os.PathLike) -> list[BenchResult]:
+    """Every batch size's measurement in one bench JSON, sorted by batch size."""
+    path = Path(path)
+    doc = read_json(path)
+    model, policy, residency = placement_key_from_path(path)
+    results = []
+    for entry in _bench_entries(doc, path):
+        where = f"{path} (batch_size={entry.get('batch_size', '?')})"
+        _require(entry, REQUIRED_BENCH_FIELDS, where)
+        _check_key_fields(entry, path, policy, residency)
+        metrics: dict[str, float | None] = {}
+        for name in BENCH_METRICS:
+            value = entry.get(name)
+            if value is None:
+                metrics[name] = None
+                continue
+            try:
+                metrics[name] = float(value)
+            except (TypeError, ValueError) as exc:
+                raise ReportInputError(f"{where}: field {name}={value!r} is not a number") from exc
+        pred = entry.get("predicted_step_ms")
+        used = set(BENCH_METRICS) | {"batch_size", "device", "dtype", "predicted_step_ms", "policy", "residency", "model"}
+        results.append(
+            BenchResult(
+                path=path,
+                model=model,
+                policy=policy,
+                residency=residency,
+                batch_size=int(entry["batch_size"]),
+                device=str(entry["device"]),
+                dtype=str(entry["dtype"]),
+                metrics=metrics,
+                predicted_step_ms=None if pred is None else float(pred),
+                extra={k: v for k, v in entry.items() if k not in used and not isinstance(v, (dict, list))},
+            )
+        )
+    batch_sizes = [r.batch_size for r in results]
+    if len(set(batch_sizes)) != len(batch_sizes):
+        raise ReportInputError(f"{path}: batch sizes repeat ({batch_sizes})")
+    return sorted(results, key=lambda r: r.batch_size)
+
+
+@dataclass
+class SkewRow:
+    phase: str
+    domain: str
+    mean_gini: float
+    top_share: dict[str, float]
+    oracle_cache_hit_rate: float | None
+
+
+def load_skew(path: str | os.PathLike) -> tuple[list[SkewRow], dict[str, Any]]:
+    """``skew.json``: the per (phase, domain) statistic rows, and every other entry (spearman,
+    held-out coverage, ...) as ``{"phase/name": value}`` for generic display."""
+    path = Path(path)
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ReportInputError(f"{path}: expected an object keyed by phase")
+    rows: list[SkewRow] = []
+    other: dict[str, Any] = {}
+    for phase, by_domain in doc.items():
+        if not isinstance(by_domain, dict):
+            other[str(phase)] = by_domain
+            continue
+        for domain, stats in by_domain.items():
+            if isinstance(stats, dict) and "mean_gini" in stats:
+                top = stats.get("top_share") or {}
+                if not isinstance(top, dict):
+                    raise ReportInputError(f"{path}: {phase}/{domain}/top_share must be an object")
+                ochr = stats.get("oracle_cache_hit_rate")
+                rows.append(
+                    SkewRow(
+                        phase=str(phase),
+                        domain=str(domain),
+                        mean_gini=float(stats["mean_gini"]),
+                        top_share={str(k): float(v) for k, v in top.items()},
+                        oracle_cache_hit_rate=None if isinstance(ochr, (dict, list)) or ochr is None else float(ochr),
+                    )
+                )
+                shown = {"mean_gini", "top_share"} | ({"oracle_cache_hit_rate"} if rows[-1].oracle_cache_hit_rate is not None else set())
+                for k, v in stats.items():
+                    if k not in shown:
+                        other[f"{phase}/{domain}/{k}"] = v
+            else:
+                other[f"{phase}/{domain}"] = stats
+    if not rows:
+        raise ReportInputError(f"{path}: no phase/domain entry with mean_gini")
+    return rows, other
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine
+# ----------------------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def collect_machine_info(device: str = "auto") -> dict[str, str]:
+    """What the report shows about the machine it was rendered on: device, torch version,
+    CPU and GPU names, OS and Python. Torch is imported here (it is a core dependency)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    resolved = ("cuda" if cuda else "cpu") if device == "auto" else device
+    info = {
+        "device": resolved,
+        "torch": torch.__version__,
+        "cpu": _cpu_name(),
+        "cpu_count": str(os.cpu_count()),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+        "cuda": str(torch.version.cuda) if cuda else "none",
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+    try:
+        import triton  # noqa: PLC0415
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "not installed"
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FigureOut:
+    """One inline figure: what it shows, the conditions it was measured under, the PNG."""
+
+    id: str
+    title: str
+    caption: str
+    device: str
+    batch_size: str
+    dtype: str
+    png: bytes
+
+    @property
+    def data_uri(self) -> str:
+        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
+
+    @property
+    def conditions(self) -> str:
+        return f"device: {self.device} · batch size: {self.batch_size} · dtype: {self.dtype}"
+
+
+def _new_figure(width: float = 7.0, height: float = 4.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig, conditions: str) -> bytes:
+    fig.text(0.99, 0.005, conditions, ha="right", va="bottom", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _join(values) -> str:
+    vals = sorted({str(v) for v in values})
+    return ", ".join(vals) if vals else "unknown"
+
+
+def _routing_figures(histogram_csv: Path, device: str, batch: str, dtype: str, model: str) -> list[FigureOut]:
+    import numpy as np
+    import pandas as pd
+
+    try:
+        hist = pd.read_csv(histogram_csv)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ReportInputError(f"{histogram_csv}: cannot read ({exc})") from exc
+    need = ["domain", "phase", "layer", "expert", "count"]
+    missing = [c for c in need if c not in hist.columns]
+    if missing:
+        raise ReportInputError(f"{histogram_csv}: missing column(s) {', '.join(missing)}")
+    if hist.empty:
+        raise ReportInputError(f"{histogram_csv}: no rows")
+    phase = "decode" if (hist["phase"] == "decode").any() else str(hist["phase"].iloc[0])
+    h = hist[hist["phase"] == phase]
+    conditions = f"device: {device} · batch size: {batch} · dtype: {dtype}"
+    figs = []
+
+    grid = h.pivot_table(index="layer", columns="expert", values="count", aggfunc="sum", fill_value=0)
+    counts = grid.to_numpy(dtype=np.float64)
+    share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    fig = _new_figure(7.5, max(2.8, min(8.0, 0.9 + 0.18 * counts.shape[0])))
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(len(grid.index)))
+    ax.set_yticklabels([str(v) for v in grid.index], fontsize=6 if len(grid.index) > 16 else 8)
+    ax.set_title(f"{model}: share of {phase} selections per layer")
+    fig.colorbar(im, ax=ax, label="share of the layer's selections")
+    figs.append(
+        FigureOut(
+            "heatmap",
+            "Routing heatmap",
+            f"Share of each layer's {phase} routing selections that went to each expert "
+            f"(all domains and splits). A flat row is uniform routing; bright columns are hot experts.",
+            device, batch, dtype, _png(fig, conditions),
+        )
+    )
+
+    fig = _new_figure(6.0, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([0, 1], [0, 1], color="#999999", linestyle=":", label="uniform")
+    domains = sorted(h["domain"].astype(str).unique())
+    for dom in ["all", *domains] if len(domains) > 1 else domains:
+        sub = h if dom == "all" else h[h["domain"].astype(str) == dom]
+        per_pair = sub.groupby(["layer", "expert"])["count"].sum()
+        # Every (layer, expert) of the model counts, also the never-selected ones.
+        per_pair = per_pair.reindex(grid.stack().index, fill_value=0).to_numpy(dtype=np.float64)
+        c = np.sort(per_pair)
+        total = c.sum()
+        if total <= 0:
+            continue
+        y = np.concatenate([[0.0], np.cumsum(c) / total])
+        x = np.linspace(0.0, 1.0, len(y))
+        ax.plot(x, y, label=dom, linewidth=2.2 if dom == "all" else 1.4)
+    ax.set_xlabel("fraction of (layer, expert) pairs, least used first")
+    ax.set_ylabel(f"fraction of {phase} selections")
+    ax.set_title(f"{model}: Lorenz curves of expert use")
+    ax.legend(fontsize=8)
+    figs.append(
+        FigureOut(
+            "lorenz",
+            "Lorenz curves",
+            f"Cumulative share of {phase} selections against the share of (layer, expert) pairs, "
+            "per traffic domain. The further below the diagonal, the more skewed the routing and "
+            "the more a cold set can hold without being read.",
+            device, batch, dtype, _png(fig, conditions),
+        )
+    )
+    return figs
+
+
+def _policy_styles(policies: list[str]) -> dict[str, str]:
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+    return {p: colors[i % len(colors)] for i, p in enumerate(policies)}
+
+
+def _coverage_figure(placements: list[PlacementSummary], device: str, batch: str, dtype: str, model: str) -> FigureOut:
+    policies = sorted({p.policy for p in placements})
+    color = _policy_styles(policies)
+    fig = _new_figure(7.0, 4.4)
+    ax = fig.add_subplot(1, 1, 1)
+    for pol in policies:
+        pts = sorted((float(p.residency), p.coverage_profile, p.coverage_heldout) for p in placements if p.policy == pol)
+        xs = [t[0] for t in pts]
+        ax.plot(xs, [t[1] for t in pts], marker="o", color=color[pol], label=f"{pol} (profile)")
+        ax.plot(xs, [t[2] for t in pts], marker="s", linestyle="--", color=color[pol], label=f"{pol} (held-out)")
+    ax.set_xlabel("residency (fraction of routed-expert bytes in HBM)")
+    ax.set_ylabel("coverage (fraction of selections served from HBM)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{model}: coverage vs residency")
+    ax.legend(fontsize=7, ncol=2)
+    return FigureOut(
+        "coverage",
+        "Coverage vs residency",
+        "Fraction of routing selections whose expert is in HBM, on the profiling traffic (solid) and "
+        "on held-out traffic (dashed), per placement policy.",
+        device, batch, dtype, _png(fig, f"device: {device} · batch size: {batch} · dtype: {dtype}"),
+    )
+
+
+def _residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut:
+    rows = [b for b in bench if b.batch_size == batch_size]
+    device, dtype = _join(b.device for b in rows), _join(b.dtype for b in rows)
+    policies = sorted({b.policy for b in rows})
+    color = _policy_styles(policies)
+    fig = _new_figure(7.5, 4.6)
+    ax = fig.add_subplot(1, 1, 1)
+    slope_texts = []
+    for pol in policies:
+        pts = sorted((b.metrics["hbm_expert_gib"], b.metrics["tok_s"]) for b in rows if b.policy == pol)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        ax.plot(xs, ys, marker="o", color=color[pol], label=pol)
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x1 - x0 > 1e-12:
+                # tok_s_per_gib by its DESIGN.md §6 definition: the slope from the same policy's
+                # next smaller residency, i.e. of this segment.
+                slope = (y1 - y0) / (x1 - x0)
+                slope_texts.append(f"{pol} {x0:.3g}→{x1:.3g} GiB: {slope:+.3g} tok/s per GiB")
+                ax.annotate(
+                    f"{slope:+.3g}/GiB",
+                    ((x0 + x1) / 2, (y0 + y1) / 2),
+                    fontsize=7,
+                    color=color[pol],
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                )
+    ax.set_xlabel("GiB of routed experts in HBM")
+    ax.set_ylabel("decode tok/s per sequence")
+    ax.set_title(f"{model}: residency curve, batch size {batch_size}")
+    ax.legend(fontsize=8)
+    return FigureOut(
+        f"residency-b{batch_size}",
+        f"tok/s vs GiB of experts in HBM (batch size {batch_size})",
+        "Decode speed per sequence against the HBM spent on routed experts, per policy. Each segment "
+        "is annotated with its slope: tok/s gained per GiB moved into HBM (tok_s_per_gib). Slopes: "
+        + ("; ".join(slope_texts) if slope_texts else "none (a single residency per policy)")
+        + ".",
+        device, str(batch_size), dtype,
+        _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
+    )
+
+
+def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
+    rows = [b for b in bench if b.batch_size == batch_size and b.predicted_step_ms is not None]
+    if not rows:
+        return None
+    device, dtype = _join(b.device for b in rows), _join(b.dtype for b in rows)
+    policies = sorted({b.policy for b in rows})
+    color = _policy_styles(policies)
+    fig = _new_figure(6.0, 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    lo = min(min(b.predicted_step_ms, b.metrics["step_ms_p50"]) for b in rows)
+    hi = max(max(b.predicted_step_ms, b.metrics["step_ms_p50"]) for b in rows)
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(hi, 1e-3)
+    ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="#999999", linestyle=":", label="measured = predicted")
+    for pol in policies:
+        sub = [b for b in rows if b.policy == pol]
+        ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol], label=pol)
+        for b in sub:
+            ax.annotate(b.residency, (b.predicted_step_ms, b.metrics["step_ms_p50"]), fontsize=6,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("predicted step time (ms, speed model)")
+    ax.set_ylabel("measured step time p50 (ms)")
+    ax.set_title(f"{model}: measured vs predicted, batch size {batch_size}")
+    ax.legend(fontsize=8)
+    return FigureOut(
+        f"step-time-b{batch_size}",
+        f"Measured vs predicted step time (batch size {batch_size})",
+        "Median decode step time measured against the placement stage's speed-model prediction, "
+        "one point per placement (labelled with its residency). Points above the diagonal ran "
+        "slower than predicted.",
+        device, str(batch_size), dtype,
+        _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _expected_paths(results_dir: Path, stage: str, model: str, config: dict) -> list[Path] | None:
+    """``{stage}/{model}/{policy}-{residency}.json`` for every configured placement, or None
+    when the config names no policies (then the stage's files are discovered by glob)."""
+    placement_cfg = (config or {}).get("placement") or {}
+    policies, residencies = placement_cfg.get("policies"), placement_cfg.get("residency")
+    if not policies or not residencies:
+        return None
+    return [results_dir / stage / model / f"{p}-{r}.json" for p in policies for r in residencies]
+
+
+def _stage_files(results_dir: Path, stage: str, model: str, config: dict) -> list[Path]:
+    expected = _expected_paths(results_dir, stage, model, config)
+    if expected is None:
+        found = sorted((results_dir / stage / model).glob("*-*.json"))
+        if not found:
+            raise ReportInputError(f"missing required input: no {stage} results under {results_dir / stage / model}")
+        return found
+    for p in expected:
+        if not p.is_file():
+            raise ReportInputError(f"missing required input: {p}")
+    return expected
+
+
+def _autotune_rows(results_dir: Path) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted((results_dir / "autotune").glob("*.json")):
+        doc = read_json(path)
+        if not isinstance(doc, dict):
+            raise ReportInputError(f"{path}: expected a JSON object")
+        _require(doc, ("key", "hit"), str(path))
+        rest = {k: v for k, v in doc.items() if k not in ("key", "hit", "device")}
+        best = next((rest[k] for k in ("best", "best_config", "best_configs", "configs", "config") if k in rest), rest)
+        rows.append(
+            {
+                "key": str(doc["key"]),
+                "hit": "hit" if doc["hit"] else "miss",
+                "device": str(doc.get("device", "unknown")),
+                "best": json.dumps(best, sort_keys=True, separators=(", ", ": ")),
+                "file": path.name,
+            }
+        )
+    return rows
+
+
+def render_report(
+    results_dir: str | os.PathLike,
+    out_html: str | os.PathLike,
+    config: dict,
+    machine_info: dict[str, Any] | None = None,
+    *,
+    figures_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Render ``out_html`` (normally ``results/report/index.html``) from the result tree.
+
+    ``config`` is the validated workflow config (defaults filled): ``model.name``,
+    ``model.dtype``, ``placement.policies``/``residency`` (to know which files must exist),
+    ``bench.batch_sizes``, ``routing.batch_size``. ``machine_info`` is shown as the machine
+    section (``collect_machine_info()`` when None). ``figures_dir``, when given, also receives
+    every figure as a PNG (for Snakemake's ``--report``). The page is written atomically.
+    """
+    import jinja2
+
+    results_dir = Path(results_dir)
+    out_html = Path(out_html)
+    config = config or {}
+    model_cfg = config.get("model") or {}
+    model = model_cfg.get("name")
+    if not model:
+        models = sorted(p.name for p in (results_dir / "stats").glob("*") if p.is_dir())
+        if len(models) != 1:
+            raise ReportInputError(
+                f"config names no model.name and {results_dir / 'stats'} holds {len(models)} models ({models})"
+            )
+        model = models[0]
+    if machine_info is None:
+        machine_info = collect_machine_info(str(config.get("device", "auto")))
+    machine_device = str(machine_info.get("device", "unknown"))
+
+    stats_dir = results_dir / "stats" / model
+    skew_rows, skew_other = load_skew(stats_dir / "skew.json")
+    placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
+    parity = [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
+    bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
+    configured_batches = (config.get("bench") or {}).get("batch_sizes")
+    if configured_batches:
+        for pl in {(b.path, b.policy, b.residency) for b in bench}:
+            have = {b.batch_size for b in bench if b.path == pl[0]}
+            missing = sorted(set(int(x) for x in configured_batches) - have)
+            if missing:
+                raise ReportInputError(f"{pl[0]}: no measurement for configured batch size(s) {missing}")
+    autotune = _autotune_rows(results_dir)
+
+    run_device = _join(b.device for b in bench) if bench else machine_device
+    dtype = str(model_cfg.get("dtype") or _join(b.dtype for b in bench))
+    routing_batch = str((config.get("routing") or {}).get("batch_size", "n/a"))
+    routing_batch_label = f"{routing_batch} (routing capture)"
+
+    figures: dict[str, list[FigureOut]] = {}
+    figures["routing"] = _routing_figures(stats_dir / "histogram.csv", machine_device, routing_batch_label, dtype, model)
+    figures["coverage"] = [_coverage_figure(placements, machine_device, routing_batch_label, dtype, model)]
+    batch_sizes = sorted({b.batch_size for b in bench})
+    figures["residency"] = [_residency_figure(bench, bs, model) for bs in batch_sizes]
+    step_figs = [_step_time_figure(bench, bs, model) for bs in batch_sizes]
+    figures["step_time"] = [f for f in step_figs if f is not None]
+
+    failed = [p for p in parity if not p.passed]
+    bench_rows = []
+    for b in sorted(bench, key=lambda b: (b.batch_size, b.policy, float(b.residency))):
+        bench_rows.append(
+            {
+                "policy": b.policy,
+                "residency": b.residency,
+                "batch_size": b.batch_size,
+                **{m: _fmt(b.metrics[m]) for m in BENCH_METRICS},
+                "predicted_step_ms": _fmt(b.predicted_step_ms),
+                "device": b.device,
+                "dtype": b.dtype,
+            }
+        )
+    placement_rows = [
+        {
+            "policy": p.policy,
+            "residency": p.residency,
+            "num_hot": p.num_hot,
+            "num_cold": p.num_cold,
+            "hbm_expert_gib": _fmt(p.hbm_expert_gib),
+            "host_expert_gib": _fmt(p.host_expert_gib),
+            "coverage_profile": _fmt(p.coverage_profile),
+            "coverage_heldout": _fmt(p.coverage_heldout),
+            "predicted": "; ".join(
+                f"{preset} b{bs}: "
+                + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(vals.items()) if not isinstance(v, (dict, list)))
+                for preset, by_bs in sorted(p.predicted.items())
+                if isinstance(by_bs, dict)
+                for bs, vals in sorted(by_bs.items())
+                if isinstance(vals, dict)
+            )
+            or "—",
+        }
+        for p in sorted(placements, key=lambda p: (p.policy, float(p.residency)))
+    ]
+    parity_rows = [
+        {
+            "placement": f"{p.policy}-{p.residency}",
+            "passed": p.passed,
+            "tokens": f"{p.tokens_matched} / {p.tokens_total}",
+            "max_abs_logit_diff": _fmt(p.max_abs_logit_diff),
+            "mismatches": "; ".join(
+                f"{m.get('fixture')}@{m.get('position')}: expected {m.get('expected')}, got {m.get('got')}"
+                f" (gap {_fmt(m.get('logit_gap'))})"
+                for m in p.mismatches[:5]
+            )
+            + (f"; … {len(p.mismatches) - 5} more" if len(p.mismatches) > 5 else "")
+            or "none",
+            "device": p.device,
+            "dtype": p.dtype,
+        }
+        for p in sorted(parity, key=lambda p: (p.policy, float(p.residency)))
+    ]
+    top_keys = sorted({k for r in skew_rows for k in r.top_share}, key=lambda k: float(k) if k.replace(".", "").isdigit() else k)
+    skew_table = [
+        {
+            "phase": r.phase,
+            "domain": r.domain,
+            "mean_gini": _fmt(r.mean_gini),
+            "top": [_fmt(r.top_share.get(k)) for k in top_keys],
+            "oracle": _fmt(r.oracle_cache_hit_rate),
+        }
+        for r in skew_rows
+    ]
+    skew_extra = [{"name": k, "value": json.dumps(v, sort_keys=True)} for k, v in sorted(skew_other.items())]
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("coldset", "report_templates"),
+        autoescape=jinja2.select_autoescape(["html", "j2"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    html = env.get_template("index.html.j2").render(
+        model=model,
+        dtype=dtype,
+        run_device=run_device,
+        machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],
+        config_json=json.dumps(config, sort_keys=True, indent=1, default=str),
+        figures=figures,
+        bench_metrics=BENCH_METRICS,
+        bench_rows=bench_rows,
+        placement_rows=placement_rows,
+        parity_rows=parity_rows,
+        parity_failed=[f"{p.policy}-{p.residency}" for p in failed],
+        autotune_rows=autotune,
+        skew_table=skew_table,
+        skew_top_keys=top_keys,
+        skew_extra=skew_extra,
+        batch_sizes=batch_sizes,
+    )
+
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(out_html, html.encode("utf-8"))
+    if figures_dir is not None:
+        figures_dir = Path(figures_dir)
+        figures_dir.mkdir(parents=True, exist_ok=True)
+        for figs in figures.values():
+            for f in figs:
+                _atomic_write_bytes(figures_dir / f"{f.id}.png", f.png)
+    return out_html
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the page is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,301 @@
+"""The HTML report: rendered from a small synthetic results tree, then opened in headless Chromium.
+
+The tree follows the stage file contracts (DESIGN.md §1, §6, docs/architecture.md). Chromium is
+the independent reference for "every figure renders": the page's own inline script records how
+many images decoded (naturalWidth > 0) and which sections are empty, and ``--dump-dom`` returns
+the DOM after the load event. A second page with a corrupted image and an emptied section proves
+the check can fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coldset.report import (
+    BENCH_METRICS,
+    ReportInputError,
+    load_bench,
+    load_skew,
+    placement_key_from_path,
+    render_report,
+)
+
+MODEL = "tiny-moe"
+POLICIES = ["positional", "usage_global"]
+RESIDENCIES = [0.5, 1.0]
+BATCH_SIZES = [1, 4]
+LAYERS, EXPERTS = 3, 8
+GIB_PER_EXPERT = 0.125
+
+CONFIG = {
+    "model": {"name": MODEL, "dtype": "bfloat16"},
+    "device": "cpu",
+    "routing": {"batch_size": 8},
+    "placement": {"policies": POLICIES, "residency": RESIDENCIES},
+    "bench": {"batch_sizes": BATCH_SIZES},
+}
+MACHINE = {"device": "cpu", "torch": "2.13.0", "cpu": "Test CPU", "gpu": "none"}
+
+
+def _tok_s(policy: str, residency: float, batch: int) -> float:
+    base = 100.0 if policy == "usage_global" else 60.0
+    return base * residency + 20.0 / batch
+
+
+def build_results_tree(root: Path, *, with_autotune: bool = True, with_prediction: bool = True) -> Path:
+    """A complete, small results tree as the producing stages write it."""
+    res = root / "results"
+    stats = res / "stats" / MODEL
+    stats.mkdir(parents=True)
+    lines = ["domain,split,phase,layer,expert,count"]
+    for domain in ("code", "prose"):
+        for phase in ("prefill", "decode"):
+            for layer in range(LAYERS):
+                for expert in range(EXPERTS):
+                    # skewed: expert e gets (e+1)^2 selections, shifted per domain
+                    e = (expert + (3 if domain == "prose" else 0)) % EXPERTS
+                    lines.append(f"{domain},profile,{phase},{layer},{expert},{(e + 1) ** 2}")
+    (stats / "histogram.csv").write_text("\n".join(lines) + "\n")
+    (stats / "skew.json").write_text(
+        json.dumps(
+            {
+                "decode": {
+                    "code": {"mean_gini": 0.41, "top_share": {"10": 0.2, "25": 0.45, "50": 0.75, "73": 0.9}, "oracle_cache_hit_rate": 0.66},
+                    "prose": {"mean_gini": 0.39, "top_share": {"10": 0.19, "25": 0.44, "50": 0.74, "73": 0.9}, "oracle_cache_hit_rate": 0.64},
+                    "spearman": {"code~prose": 0.12},
+                },
+                "prefill": {
+                    "all": {"mean_gini": 0.30, "top_share": {"10": 0.15, "25": 0.35, "50": 0.66, "73": 0.85}, "oracle_cache_hit_rate": 0.5},
+                },
+            }
+        )
+    )
+    for stage in ("placement", "parity", "bench"):
+        (res / stage / MODEL).mkdir(parents=True)
+    total = LAYERS * EXPERTS
+    for policy in POLICIES:
+        for r in RESIDENCIES:
+            num_hot = int(round(total * r))
+            name = f"{policy}-{r}.json"
+            (res / "placement" / MODEL / name).write_text(
+                json.dumps(
+                    {
+                        "policy": policy,
+                        "residency": r,
+                        "num_hot": num_hot,
+                        "num_cold": total - num_hot,
+                        "hbm_expert_gib": num_hot * GIB_PER_EXPERT,
+                        "host_expert_gib": (total - num_hot) * GIB_PER_EXPERT,
+                        "coverage_profile": min(1.0, r * (1.5 if policy == "usage_global" else 1.0)),
+                        "coverage_heldout": min(1.0, r * (1.4 if policy == "usage_global" else 1.0)),
+                        "predicted": {"h200": {str(b): {"step_ms_lower": 1.0, "step_ms_sum": 2.0} for b in BATCH_SIZES}},
+                    }
+                )
+            )
+            (res / "parity" / MODEL / name).write_text(
+                json.dumps(
+                    {
+                        "placement": name,
+                        "passed": True,
+                        "tokens_matched": 96,
+                        "tokens_total": 96,
+                        "mismatches": [],
+                        "max_abs_logit_diff": 0.0,
+                        "device": "cpu",
+                        "dtype": "bfloat16",
+                    }
+                )
+            )
+            batches = []
+            for b in BATCH_SIZES:
+                tok_s = _tok_s(policy, r, b)
+                batches.append(
+                    {
+                        "batch_size": b,
+                        "tok_s": tok_s,
+                        "step_ms_p50": 1000.0 / tok_s,
+                        "step_ms_p90": 1100.0 / tok_s,
+                        "prefill_ms": 12.5,
+                        "hbm_expert_gib": num_hot * GIB_PER_EXPERT,
+                        "host_expert_gib": (total - num_hot) * GIB_PER_EXPERT,
+                        "cold_share": 1.0 - r,
+                        "link_gb_per_token": 0.01 * (1.0 - r),
+                        "tok_s_per_gib": None if r == RESIDENCIES[0] else (tok_s - _tok_s(policy, RESIDENCIES[0], b))
+                        / ((r - RESIDENCIES[0]) * total * GIB_PER_EXPERT),
+                        "fetch_tax": 1.0 - tok_s / _tok_s(policy, 1.0, b),
+                        "predicted_step_ms": (900.0 / tok_s) if with_prediction else None,
+                        "device": "cpu",
+                        "dtype": "bfloat16",
+                    }
+                )
+            (res / "bench" / MODEL / name).write_text(
+                json.dumps({"model": MODEL, "policy": policy, "residency": r, "batches": batches})
+            )
+    if with_autotune:
+        (res / "autotune").mkdir()
+        (res / "autotune" / "abc123.json").write_text(
+            json.dumps({"key": "abc123", "hit": False, "device": "NVIDIA H200", "best": {"1": {"BLOCK_M": 16, "num_warps": 4}}})
+        )
+    return res
+
+
+# ---------------------------------------------------------------- Chromium
+
+
+def _chromium() -> str | None:
+    path = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed but CI is set: install it (apt-get install -y chromium)")
+        pytest.skip("headless Chromium not installed (apt-get install -y chromium); not in CI, so skipped")
+    return path
+
+
+def _dump_dom(chromium: str, html: Path, profile: Path) -> dict[str, str]:
+    """Load ``html`` in headless Chromium and return the self-check attributes of <body>."""
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+        "--dump-dom", html.resolve().as_uri(),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    body = re.search(r"<body([^>]*)>", proc.stdout)
+    assert body, f"no <body> in the dumped DOM: {proc.stdout[:500]}"
+    return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body.group(1)))
+
+
+def _count(pattern: str, text: str) -> int:
+    return len(re.findall(pattern, text))
+
+
+def test_report_renders_every_figure_in_headless_chromium(tmp_path):
+    chromium = _chromium()
+    res = build_results_tree(tmp_path)
+    out = render_report(res, res / "report" / "index.html", CONFIG, MACHINE, figures_dir=res / "report" / "figures")
+    assert out == res / "report" / "index.html"
+    html = out.read_text()
+
+    # heatmap + lorenz + coverage + (residency + step time) per batch size
+    expected_figures = 3 + 2 * len(BATCH_SIZES)
+    assert _count(r'<img src="data:image/png;base64,', html) == expected_figures
+    assert "http://" not in html and "https://" not in html, "the page must need no network"
+    assert sorted(p.name for p in (res / "report" / "figures").glob("*.png")) == sorted(
+        ["heatmap.png", "lorenz.png", "coverage.png"]
+        + [f"residency-b{b}.png" for b in BATCH_SIZES]
+        + [f"step-time-b{b}.png" for b in BATCH_SIZES]
+    )
+    # every figure states device, batch size and dtype
+    assert _count(r'class="conditions">device: [^<]+ · batch size: [^<]+ · dtype: bfloat16<', html) == expected_figures
+    for b in BATCH_SIZES:
+        assert f"device: cpu · batch size: {b} · dtype: bfloat16" in html
+    # the residency curve's slopes, by hand: positional 50 -> 80 tok/s and usage_global 70 -> 120
+    # tok/s over 1.5 -> 3.0 GiB at batch size 1
+    assert "positional 1.5→3 GiB: +20 tok/s per GiB" in html
+    assert "usage_global 1.5→3 GiB: +33.3 tok/s per GiB" in html
+    # tables carry the data: every placement's parity row, the autotune entry, the machine
+    for policy in POLICIES:
+        for r in RESIDENCIES:
+            assert f"<td>{policy}-{r}</td>" in html
+    assert "abc123" in html and "BLOCK_M" in html and ">miss<" in html
+    assert "Test CPU" in html and "2.13.0" in html
+
+    check = _dump_dom(chromium, out, tmp_path / "profile")
+    assert check.get("check") == "done", f"the page's self-check did not run: {check}"
+    assert int(check["images-total"]) == expected_figures
+    assert check["images-ok"] == check["images-total"], f"figures that did not decode: {check}"
+    assert int(check["sections-total"]) == 8
+    assert check["sections-empty"] == "", f"empty sections: {check['sections-empty']}"
+
+
+def test_chromium_check_catches_a_broken_figure_and_an_empty_section(tmp_path):
+    """The self-check is not vacuous: a corrupted image and an emptied section are reported."""
+    chromium = _chromium()
+    res = build_results_tree(tmp_path)
+    html = render_report(res, tmp_path / "good.html", CONFIG, MACHINE).read_text()
+    first = re.search(r'src="data:image/png;base64,([^"]+)"', html)
+    corrupt = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"not a png at all" * 8).decode()
+    html = html.replace(first.group(1), corrupt, 1)
+    # empty the autotune section's body, keeping its heading
+    html = re.sub(
+        r'(<section id="autotune" data-section="autotune">\s*<h2>[^<]*</h2>).*?(</section>)',
+        r"\1\2", html, count=1, flags=re.S,
+    )
+    bad = tmp_path / "bad.html"
+    bad.write_text(html)
+    check = _dump_dom(chromium, bad, tmp_path / "profile")
+    assert int(check["images-ok"]) == int(check["images-total"]) - 1
+    assert check["sections-empty"] == "autotune"
+
+
+def test_optional_stages_say_so_instead_of_rendering_empty(tmp_path):
+    res = build_results_tree(tmp_path, with_autotune=False, with_prediction=False)
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "Autotune did not run" in html
+    assert "No prediction to compare with" in html
+    assert _count(r'<img src="data:image/png;base64,', html) == 3 + len(BATCH_SIZES)
+
+
+def test_missing_required_input_is_an_error_naming_the_file(tmp_path):
+    res = build_results_tree(tmp_path)
+    missing = res / "parity" / MODEL / "usage_global-1.0.json"
+    missing.unlink()
+    out = res / "report" / "index.html"
+    with pytest.raises(ReportInputError, match=re.escape(str(missing))):
+        render_report(res, out, CONFIG, MACHINE)
+    assert not out.exists(), "nothing half-written"
+
+    res2 = build_results_tree(tmp_path / "b")
+    bench = res2 / "bench" / MODEL / "positional-0.5.json"
+    doc = json.loads(bench.read_text())
+    del doc["batches"][1]["cold_share"]
+    bench.write_text(json.dumps(doc))
+    with pytest.raises(ReportInputError, match=r"positional-0\.5\.json \(batch_size=4\): missing field\(s\) cold_share"):
+        render_report(res2, res2 / "report" / "index.html", CONFIG, MACHINE)
+
+    res3 = build_results_tree(tmp_path / "c")
+    (res3 / "stats" / MODEL / "histogram.csv").unlink()
+    with pytest.raises(ReportInputError, match="histogram.csv"):
+        render_report(res3, res3 / "report" / "index.html", CONFIG, MACHINE)
+
+
+def test_failed_parity_is_shown_as_a_failure(tmp_path):
+    res = build_results_tree(tmp_path)
+    p = res / "parity" / MODEL / "usage_global-0.5.json"
+    doc = json.loads(p.read_text())
+    doc.update(passed=False, tokens_matched=95, mismatches=[{"fixture": "code-3", "position": 17, "expected": 11, "got": 42, "logit_gap": 0.03}])
+    p.write_text(json.dumps(doc))
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "parity gate FAILED for usage_global-0.5" in html
+    assert "code-3@17: expected 11, got 42" in html
+    assert "95 / 96" in html
+
+
+def test_loaders_accept_bench_containers_and_keep_the_join_key(tmp_path):
+    assert placement_key_from_path("results/bench/m/usage_global-0.25.json") == ("m", "usage_global", "0.25")
+    entry = {m: 1.0 for m in BENCH_METRICS} | {"device": "cpu", "dtype": "float32"}
+    d = tmp_path / "m"
+    d.mkdir()
+    keyed = d / "permute-0.5.json"
+    keyed.write_text(json.dumps({"policy": "permute", "2": entry, "1": entry}))
+    assert [r.batch_size for r in load_bench(keyed)] == [1, 2]
+    as_list = d / "permute-0.75.json"
+    as_list.write_text(json.dumps([entry | {"batch_size": 8, "tok_s_per_gib": None}]))
+    (r,) = load_bench(as_list)
+    assert r.batch_size == 8 and r.metrics["tok_s_per_gib"] is None and r.metrics["tok_s"] == 1.0
+    wrong = d / "positional-0.5.json"
+    wrong.write_text(json.dumps({"policy": "permute", "batches": [entry | {"batch_size": 1}]}))
+    with pytest.raises(ReportInputError, match="disagrees with the file name"):
+        load_bench(wrong)
+    rows, other = load_skew(build_results_tree(tmp_path / "t") / "stats" / MODEL / "skew.json")
+    assert {(r.phase, r.domain) for r in rows} == {("decode", "code"), ("decode", "prose"), ("prefill", "all")}
+    assert other == {"decode/spearman": {"code~prose": 0.12}}
