@@ -6,9 +6,18 @@ One function signature for every backend, so the engine calls one replaceable fu
 is the MoE layer's index into the row map (not the model's layer index).
 
 ``torch_experts`` (the CPU path and the GPU reference) lives in :mod:`coldset.kernels.reference`;
-the Triton kernel is imported lazily, only on CUDA.
+the Triton kernel (:mod:`coldset.kernels.triton_moe`) is imported lazily, on first call, so the
+package imports without triton.
 """
 
 from coldset.kernels.reference import torch_experts
 
-__all__ = ["torch_experts"]
+
+def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row_map=True):
+    """The Triton kernel (CUDA); same contract as :func:`torch_experts`. Imports triton on first use."""
+    from coldset.kernels.triton_moe import triton_experts as _triton_experts
+
+    return _triton_experts(pools, layer, x, topk_ids, topk_weights, config=config, use_row_map=use_row_map)
+
+
+__all__ = ["torch_experts", "triton_experts"]

@@ -1,0 +1,325 @@
+"""The fused MoE experts kernel in Triton, reading each expert through the int32 row map.
+
+Three launches per call, all with grid shapes fixed by the batch size (CUDA-graph capturable):
+
+1. ``_w13_act_kernel``: for each (expert, block of ``block_n1`` columns of I), the tokens routed to
+   that expert times the gate and up rows of w13, then SiLU(gate) * up, written to a per-pair
+   activation scratch ``[T*k, I]`` in the activation dtype;
+2. ``_w2_kernel``: for each (expert, block of ``block_n2`` rows of H), that scratch times w2,
+   scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
+3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
+
+Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
+over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
+one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
+reduction has a fixed order, so outputs are bitwise reproducible.
+
+The expert id enters in exactly one place, :func:`_expert_base`: one load of the row map picks the
+pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the whole block.
+With ``USE_ROW_MAP=False`` that helper compiles to ``row = layer * E + expert`` on the hot pool:
+the unmodified path the parity gate compares against. Tiling and accumulation order do not depend
+on where an expert lives, so both give bitwise the same output for any placement.
+
+Tokens are grouped by expert in one of two ways (same per-expert pair order, ascending pair index):
+- ``MODE_SLOTS`` (T*k <= E, decode): grid dimension 0 is min(E, T*k) *slots*; block s finds the
+  s-th distinct selected expert and compacts that expert's pairs inside the kernel: no host-side
+  preparation at all, so a decode step is exactly three launches;
+- ``MODE_SORTED`` (larger batches, prefill): a stable torch sort of the pair expert ids and a
+  searchsorted give each expert its contiguous pair range; grid dimension 0 is E.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.tiers import ExpertPools
+
+MODE_SLOTS = 0
+MODE_SORTED = 1
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the three kernels (the autotune search space's elements).
+
+    ``block_m``: tokens per tile; ``block_n1``: columns of I per block in the w13 step (the split
+    of w13's rows); ``block_k1``: slice of H per step; ``block_n2``: rows of H per block in the w2
+    step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton.
+    """
+
+    block_m: int = 16
+    block_n1: int = 32
+    block_k1: int = 128
+    block_n2: int = 32
+    block_k2: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelConfig":
+        return cls(**{k: int(v) for k, v in d.items()})
+
+
+# Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
+# decode, where the weights' bytes bound the time; larger tiles for prefill.
+DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 32, 128, 4, 3)
+DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 64, 64, 64, 4, 3)
+
+
+def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
+    """The documented default: decode tiles up to 64 tokens, prefill tiles above."""
+    return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
+
+
+@triton.jit
+def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
+                 E: tl.constexpr, USE_ROW_MAP: tl.constexpr):
+    """Base pointer of one expert's weight matrix: the only place the expert id is used."""
+    if USE_ROW_MAP:
+        row = tl.load(row_map_ptr + layer * E + expert).to(tl.int64)
+        if row >= 0:
+            base = hot_ptr + row * row_stride
+        else:
+            base = cold_ptr + (-row - 1) * row_stride
+    else:
+        base = hot_ptr + (layer * E + expert).to(tl.int64) * row_stride
+    return base
+
+
+@triton.jit
+def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
+                  EP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr):
+    """(expert, number of pairs routed to it, start of its range in the sorted pair list)."""
+    if MODE == 0:
+        offs_p = tl.arange(0, NP)
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
+        offs_e = tl.arange(0, EP)
+        present = tl.max((ids[None, :] == offs_e[:, None]).to(tl.int32), axis=1)
+        rank = tl.cumsum(present, 0) - 1
+        hit = (present > 0) & (rank == slot)
+        found = tl.sum(hit.to(tl.int32), axis=0)
+        expert = tl.sum(tl.where(hit, offs_e, 0), axis=0)
+        cnt = tl.sum((ids == expert).to(tl.int32), axis=0) * found
+        start = 0
+    else:
+        expert = slot
+        start = tl.load(expert_off_ptr + slot)
+        cnt = tl.load(expert_off_ptr + slot + 1) - start
+    return expert, cnt, start
+
+
+@triton.jit
+def _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt,
+                 BM: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr):
+    """Pair indices (t * k + rank) of the chunk [c, c + BM) of this expert's pairs, and a mask."""
+    offs_m = c + tl.arange(0, BM)
+    valid = offs_m < cnt
+    if MODE == 0:
+        offs_p = tl.arange(0, NP)
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
+        match = ids == expert
+        pos = tl.cumsum(match.to(tl.int32), 0) - 1
+        sel = match[None, :] & (pos[None, :] == offs_m[:, None])
+        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)
+    else:
+        pair = tl.load(sorted_pairs_ptr + start + offs_m, mask=valid, other=0)
+    return pair, valid
+
+
+@triton.jit
+def _w13_act_kernel(
+    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr,
+    num_pairs, layer, stride_xt,
+    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < I
+    wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
+    wu_ptrs = wg_ptrs + I * H  # up rows I + n
+    c = cnt * 0
+    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+        pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+        tok = (pair // TOPK).to(tl.int64)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+                if EVEN_N:
+                    wg = tl.load(wg_ptrs + k0)
+                    wu = tl.load(wu_ptrs + k0)
+                else:
+                    wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                    wu = tl.load(wu_ptrs + k0, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_k) < H
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        c += BM
+
+
+@triton.jit
+def _w2_kernel(
+    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr, buf_ptr,
+    num_pairs, layer,
+    E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < H
+    w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
+    c = cnt * 0
+    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+        pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+        pair64 = pair.to(tl.int64)
+        a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs + k0)
+                else:
+                    w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_k) < I
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+        wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+        tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+        c += BM
+
+
+@triton.jit
+def _sum_topk_kernel(buf_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(TOPK):  # fixed order over ranks: deterministic
+        acc += tl.load(buf_ptr + (t * TOPK + r) * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def triton_experts(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> torch.Tensor:
+    """Routed-expert output ``[T, H]`` for tokens ``x`` ``[T, H]`` of MoE layer ``layer`` (CUDA).
+
+    Same contract as :func:`coldset.kernels.torch_experts`. ``use_row_map=False`` compiles the
+    row-map indirection out and reads (layer, expert) from hot row ``layer * E + expert``: valid
+    only for the all-hot module-order layout (:meth:`ExpertPools.all_hot`), it is the unmodified
+    path. The row map is validated here only when it was written since its last validation (no
+    host sync otherwise, so the call can be captured in a CUDA graph).
+    """
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"triton_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "
+            f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16) or pools.w13_hot.dtype != x.dtype:
+        raise ValueError(
+            f"triton_experts: x dtype {x.dtype} must be bfloat16 or float16 and equal the pools' "
+            f"{pools.w13_hot.dtype}"
+        )
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = pools.num_experts
+    inter = pools.w2_hot.shape[2]
+    if pools.w13_hot.shape[1:] != (2 * inter, hidden) or pools.w2_hot.shape[1:] != (hidden, inter):
+        raise ValueError(
+            f"triton_experts: pools hold w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
+            f"{tuple(pools.w2_hot.shape[1:])}, x has H = {hidden}"
+        )
+    if use_row_map:
+        pools.ensure_validated()
+    elif pools.num_hot < pools.num_moe_layers * num_experts:
+        raise ValueError("triton_experts: use_row_map=False needs every expert in the hot pool (all_hot layout)")
+    if config is None:
+        config = default_config(num_tokens, top_k)
+    elif isinstance(config, dict):
+        config = KernelConfig.from_dict(config)
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    num_pairs = num_tokens * top_k
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    device = x.device
+    if num_pairs <= num_experts:
+        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
+        sorted_pairs = expert_off = ids  # unused in this mode
+    else:
+        mode, slots, np_ = MODE_SORTED, num_experts, 1
+        sorted_ids, order = torch.sort(ids, stable=True)
+        sorted_pairs = order.to(torch.int32)
+        bounds = torch.arange(num_experts + 1, device=device, dtype=sorted_ids.dtype)
+        expert_off = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
+    w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
+    ep = _next_pow2(num_experts)
+    c = config
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
+    buf = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
+    _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
+        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
+        num_pairs, layer, x.stride(0),
+        E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
+        BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
+        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    _w2_kernel[(slots, triton.cdiv(hidden, c.block_n2))](
+        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf,
+        num_pairs, layer,
+        E=num_experts, EP=ep, H=hidden, I=inter,
+        BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
+        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    block = min(1024, _next_pow2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](buf, out, H=hidden, TOPK=top_k, BLOCK=block, num_warps=4)
+    return out
