@@ -29,9 +29,11 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from coldset.placement import (
+    count_matrix,
     expert_bytes,
     nonexpert_bytes,
     nonexpert_bytes_breakdown,
+    predict_step,
     run_placement,
 )
 
@@ -84,6 +86,10 @@ def main() -> None:
     ap.add_argument("--heldout", default="astronomy")
     ap.add_argument("--out", type=Path, default=Path("results/placement/maverick-mmlu"))
     ap.add_argument("--all-rotations", action="store_true", help="also hold out each other subject")
+    ap.add_argument(
+        "--hash-split", action="store_true",
+        help="also: profile on all subjects with coldset.stats' request-hash split (25%% held out)",
+    )
     args = ap.parse_args()
 
     heldouts = [args.heldout]
@@ -105,32 +111,84 @@ def main() -> None:
             profile_domains=profile,
             batch_sizes=(1, 8, 32),
             model=meta.get("model"),
+            progress=False,
         )
-        print(f"\n## profile {profile} (decode), held out {heldout}")
+        heldout_counts = count_matrix(
+            pd.read_csv(hist_csv), config.moe_layers, config.num_experts,
+            split="heldout", phase="decode",
+        )
+        report(placements, config, profile, heldout, heldout_counts)
+    if args.hash_split:
+        in_domain(args)
+
+
+def in_domain(args) -> None:
+    """Profile and held-out split inside every subject (coldset.stats' request-hash split)."""
+    from coldset.stats import histogram_from_trace
+
+    meta = {k.decode(): v.decode() for k, v in pq.read_schema(args.trace).metadata.items()}
+    config = MaverickShape(moe_layers=tuple(json.loads(meta["moe_layers"])))
+    out = args.out / "hash-split"
+    out.mkdir(parents=True, exist_ok=True)
+    hist_csv = out / "histogram.csv"
+    histogram_from_trace(args.trace, progress=False).to_csv(hist_csv, index=False)
+    placements = run_placement(
+        hist_csv, config, out, policies=("positional", "usage_layer", "usage_global"),
+        residencies=(0.25, 0.5, 0.75, 1.0), profile_domains=None, batch_sizes=(1,),
+        model=meta.get("model"), progress=False,
+    )
+    print("\n## Profile: all subjects, request-hash split (25% of requests held out)\n")
+    domains = sorted(placements[0].coverage_heldout_by_domain)
+    print("| policy | residency | coverage profile | coverage held-out | "
+          + " | ".join(f"held-out {d}" for d in domains) + " |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in domains) + " |")
+    for p in placements:
         print(
-            f"expert {expert_bytes(config) / 2**20:.1f} MiB bf16; all routed experts "
-            f"{expert_bytes(config) * len(config.moe_layers) * config.num_experts / 2**30:.1f} GiB; "
-            f"non-expert {nonexpert_bytes(config) / 2**30:.2f} GiB "
-            f"({ {k: round(v / 2**30, 2) for k, v in nonexpert_bytes_breakdown(config).items()} })"
+            f"| {p.policy} | {p.residency:.2f} | {p.coverage_profile:.4f} | "
+            f"{p.coverage_heldout:.4f} | "
+            + " | ".join(f"{p.coverage_heldout_by_domain[d]:.4f}" for d in domains) + " |"
         )
-        print("policy        res   achieved  hbm_GiB  host_GiB  cov_profile  cov_heldout")
-        for p in placements:
+
+
+def report(placements, config, profile, heldout, heldout_counts) -> None:
+    """Markdown tables: coverage per policy and residency; predicted step times at 0.5."""
+    per = expert_bytes(config)
+    print(f"\n## Profile {' + '.join(profile)} (decode), held out {heldout}\n")
+    print(
+        f"Expert {per / 2**20:.1f} MiB (bf16); all routed experts "
+        f"{per * len(config.moe_layers) * config.num_experts / 2**30:.1f} GiB; non-expert "
+        f"{nonexpert_bytes(config) / 2**30:.2f} GiB (approximate: "
+        + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in nonexpert_bytes_breakdown(config).items())
+        + ")\n"
+    )
+    print("| policy | residency | achieved | HBM experts GiB | host experts GiB "
+          "| coverage profile | coverage held-out |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for p in placements:
+        print(
+            f"| {p.policy} | {p.residency:.2f} | {p.achieved_residency:.3f} | "
+            f"{p.hbm_expert_gib:.1f} | {p.host_expert_gib:.1f} | {p.coverage_profile:.4f} | "
+            f"{p.coverage_heldout:.4f} |"
+        )
+    print(
+        "\nResidency 0.5, predicted decode step (ms): lower = max(HBM, link), sum = no overlap; "
+        "tok/s = B / lower. Expert use from the profile histogram (as placement records it) and, "
+        "in the last two columns, from the held-out histogram.\n"
+    )
+    print("| policy | preset | B | HBM GB/step | link GB/step | step lower ms | step sum ms "
+          "| tok/s (lower) | held-out: step lower ms | held-out: step sum ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for p in placements:
+        if p.residency != 0.5:
+            continue
+        for s in p.predictions:
+            h = predict_step(p, heldout_counts, config, s.preset, s.batch_size)
             print(
-                f"{p.policy:13s} {p.residency:4.2f}  {p.achieved_residency:8.3f}  "
-                f"{p.hbm_expert_gib:7.1f}  {p.host_expert_gib:8.1f}  {p.coverage_profile:11.4f}  "
-                f"{p.coverage_heldout:11.4f}"
+                f"| {p.policy} | {s.preset} | {s.batch_size} | {s.hbm_bytes / 1e9:.2f} | "
+                f"{s.link_bytes / 1e9:.2f} | {s.step_s_lower * 1e3:.2f} | "
+                f"{s.step_s_sum * 1e3:.2f} | {s.tok_s_lower:.1f} | {h.step_s_lower * 1e3:.2f} | "
+                f"{h.step_s_sum * 1e3:.2f} |"
             )
-        print("\nresidency 0.5: predicted decode step (ms, lower = max(HBM, link), sum = no overlap)")
-        print("policy        preset  B   hbm_GB  link_GB  step_lower  step_sum  tok/s(lower)")
-        for p in placements:
-            if p.residency != 0.5:
-                continue
-            for s in p.predictions:
-                print(
-                    f"{p.policy:13s} {s.preset:6s} {s.batch_size:2d}  {s.hbm_bytes / 1e9:6.2f}  "
-                    f"{s.link_bytes / 1e9:7.2f}  {s.step_s_lower * 1e3:10.2f}  "
-                    f"{s.step_s_sum * 1e3:8.2f}  {s.tok_s_lower:11.1f}"
-                )
 
 
 if __name__ == "__main__":

@@ -254,9 +254,6 @@ def test_validate_row_map_accepts_good_maps_and_torch_tensors():
 
 
 def test_weight_format_bytes_hand_computed():
-    class Big(Shape):
-        pass
-
     big = Shape(hidden_size=5120, moe_intermediate_size=8192)
     elements = 3 * 8192 * 5120
     assert expert_bytes(big, "bfloat16") == elements * 2 == 251_658_240
@@ -361,6 +358,8 @@ def test_profile_domain_weighting_and_heldout_coverage_by_domain():
     assert np.allclose(profile_counts(hist, s.moe_layers, 3, spec), a / 20 * 0.75 + b / 60 * 0.25)
     spec = ProfileSpec.make("a")
     assert np.allclose(profile_counts(hist, s.moe_layers, 3, spec), a)
+    assert ProfileSpec.make("all") == ProfileSpec.make(None)
+    assert np.allclose(profile_counts(hist, s.moe_layers, 3, ProfileSpec.make("all")), a + b)
 
     # Profile a only, 3 hot: (0,0)=6, (1,0)=5, (1,1)=5 (tie with (1,0) kept by order).
     p = place(hist, s, "usage_global", 0.5, profile_domains=["a"], batch_sizes=())

@@ -206,7 +206,8 @@ def nonexpert_bytes(config: ModelShape, fmt: str | WeightFormat = "bfloat16") ->
 class ProfileSpec:
     """Which traffic the profile is taken from, and how domains are weighted.
 
-    ``domains``: the profile split of these domains (``None``: all domains in the histogram).
+    ``domains``: the profile split of these domains (``None`` or ``"all"``: every domain in the
+    histogram).
     ``phase``: ``decode`` (default) or ``prefill``.
     ``weighting``: ``"none"`` (raw counts: each domain weighs by its share of the traffic),
     ``"equal"`` (each domain's counts normalised to the same total), or a mapping
@@ -225,7 +226,9 @@ class ProfileSpec:
         phase: str = "decode",
         weighting: str | Mapping[str, float] | None = None,
     ) -> "ProfileSpec":
-        if isinstance(domains, str):
+        if domains == "all":
+            domains = None
+        elif isinstance(domains, str):
             domains = (domains,)
         doms = None if domains is None else tuple(sorted(set(domains)))
         if doms is not None and not doms:
