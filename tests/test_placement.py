@@ -552,7 +552,8 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
     assert list(table["policy"]) == [p for p in pm.POLICIES for _ in range(3)]
     assert list(table["residency"]) == [0.25, 0.5, 1.0] * 4
     for col in ("coverage_profile", "coverage_heldout", "coverage_heldout_b",
-                "step_ms_lower_h200_b1", "step_ms_sum_gb300_b8", "tok_s_lower_h200_b8"):
+                "step_ms_lower_h200_b1", "step_ms_sum_gb300_b8", "tok_s_lower_h200_b8",
+                "link_gb_per_token_h200_b8"):
         assert col in table.columns, col
     for p in placements:
         q = load_placement(out / f"{p.policy}-{p.label}.json")

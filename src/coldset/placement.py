@@ -1054,7 +1054,7 @@ def coverage_table(placements: Sequence[Placement]) -> pd.DataFrame:
             row[f"step_ms_lower_{tag}"] = s.step_s_lower * 1e3
             row[f"step_ms_sum_{tag}"] = s.step_s_sum * 1e3
             row[f"tok_s_lower_{tag}"] = s.tok_s_lower
-            row[f"link_gb_per_step_{tag}"] = s.link_bytes / 1e9
+            row[f"link_gb_per_token_{tag}"] = s.link_bytes / s.batch_size / 1e9  # DESIGN.md §6
         rows.append(row)
     return pd.DataFrame(rows)
 
