@@ -540,7 +540,7 @@ def validate_trace(path: str | os.PathLike, expect: Any = None) -> TraceMeta:
 
 
 def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str | os.PathLike],
-                    out_path: str | os.PathLike, *, device: str = "cpu", dtype: str = "float32",
+                    out_path: str | os.PathLike, *, device: str = "cpu", dtype: Any = "float32",
                     batch_size: int = 8, model_name: str | None = None,
                     max_new_tokens: int | None = None, progress: bool = True) -> Path:
     """Run the embedded engine over the fixtures and write the routing trace.
@@ -558,7 +558,12 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
     fixtures = read_fixtures(fixtures_paths)
     if not fixtures:
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")
-    mdl = engine.load_model(model_dir, device=device, dtype=dtype)
+    import torch
+
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
+    mdl = engine.load_model(model_dir, device=device, dtype=torch_dtype)
     tok = engine.load_tokenizer(model_dir)
     cfg = mdl.config
     meta = TraceMeta.from_model_config(cfg, model_name or model_dir.name, f"coldset embedded engine ({device}, {dtype})")
@@ -570,7 +575,7 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
         for n_new, fxs in groups.items():
             for start in range(0, len(fxs), batch_size):
                 chunk = fxs[start:start + batch_size]
-                ids = [_encode(tok, fx.prompt) for fx in chunk]
+                ids = engine.encode_prompts(tok, [fx.prompt for fx in chunk])
                 for fx, toks in zip(chunk, ids):
                     if not toks:
                         raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")
@@ -581,11 +586,6 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
                 bar.update(len(chunk))
         bar.close()
     return Path(out_path)
-
-
-def _encode(tok: Any, text: str) -> list[int]:
-    enc = tok.encode(text)
-    return list(getattr(enc, "ids", enc))
 
 
 def _progress(total: int, desc: str, enabled: bool):
