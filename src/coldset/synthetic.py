@@ -1,0 +1,413 @@
+"""The default synthetic checkpoint: a small qwen3_moe HF folder whose routing behaves like a real MoE.
+
+Why synthetic: the pipeline must run end to end on a laptop CPU without downloading weights, and
+what this tool measures (skewed expert popularity that differs between traffic domains) must be
+present. Random weights route almost uniformly, so the weights here are built with structure:
+
+- An orthonormal basis of the hidden space splits into a shared *popularity* direction ``u``, one
+  *domain* direction ``c_k`` per domain of the built-in corpus (agent tool-call JSON, prose, code,
+  plus any ``domain_texts``), and a *noise* subspace.
+- Token embeddings are ``a*u + b*sum_k p_k(t) c_k + noise_t``: ``p_k(t)`` is how much more often
+  token ``t`` occurs in domain ``k``'s text than in the others (measured on the tokenised corpus),
+  so tokens cluster by the kind of text they come from.
+- Each MoE layer's router row ``e`` is ``s_pop*z_e*u + s_dom*A[e]·c + s_rand*g_e``: ``z_e`` are
+  Zipf magnitudes over a per-layer permutation of the experts (global popularity, knob
+  ``zipf_exponent``), ``A`` a per-layer random expert-by-domain affinity (knob
+  ``domain_affinity``) and ``g_e`` random (token-level spread, knob ``router_noise``).
+- Attention values read the domain directions and the outputs write them back, so each token's
+  residual carries the domain mix of its context: decode tokens route like their prompt's domain.
+- The LM head prefers tokens of the context's domain plus a random token-to-token term, so greedy
+  decode wanders within a domain instead of repeating one token.
+
+The result is written exactly like a real checkpoint (per-expert HF keys, config.json with
+``rope_theta``, a byte-level BPE tokenizer.json trained deterministically on the built-in corpus),
+so :func:`coldset.model.load_model` and transformers read it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape and routing-skew knobs of a synthetic qwen3_moe checkpoint.
+
+    ``vocab_size`` is the BPE trainer's target; the written config holds the trained
+    tokenizer's actual size (at most this). ``zipf_exponent`` sets how unequal the experts'
+    global popularity is, ``domain_affinity`` how strongly a domain pulls its own experts,
+    ``router_noise`` the token-level spread; ``attention_context`` how much of the context's
+    domain mix each token carries, ``qk_gain`` how peaked attention is, ``expert_gain`` the
+    scale of expert outputs.
+    """
+
+    layers: int = 6
+    experts: int = 32
+    top_k: int = 4
+    hidden: int = 256
+    moe_intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab_size: int = 4096
+    seed: int = 0
+    zipf_exponent: float = 1.0
+    popularity_scale: float = 3.0
+    domain_affinity: float = 1.0
+    router_noise: float = 3.0
+    attention_context: float = 1.0
+    qk_gain: float = 1.0
+    expert_gain: float = 0.25
+    lm_domain_gain: float = 2.0
+    lm_successor_gain: float = 6.0
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in corpus (deterministic): the tokenizer's training text and the token-domain statistics
+# --------------------------------------------------------------------------------------------
+
+_NOUNS = (
+    "river city garden teacher window market forest engine letter mountain village doctor story "
+    "morning winter harbor station painter kitchen library island bridge farmer ocean lantern "
+    "machine student journey festival meadow orchard museum valley sailor castle desert voice "
+    "evening summer mirror feather candle blanket storm season friend neighbor child traveler"
+).split()
+_VERBS = (
+    "walked opened carried found watched followed remembered painted crossed reached noticed "
+    "gathered built repaired wrote described explored visited answered promised discovered "
+    "climbed shared lifted counted finished wandered borrowed listened learned"
+).split()
+_ADJS = (
+    "quiet old bright small golden narrow heavy gentle distant broken warm silver patient "
+    "curious tired careful sudden empty crowded ancient green simple strange"
+).split()
+_ADVS = "slowly quietly finally suddenly carefully together again always often rarely".split()
+_PREPS = "across beside under over near behind through toward along past".split()
+
+_TOOLS = (
+    "search_flights get_weather send_email create_event lookup_order query_database "
+    "translate_text book_hotel get_stock_price list_files read_file run_tests fetch_url "
+    "convert_currency schedule_meeting cancel_booking"
+).split()
+_ARG_KEYS = (
+    "city origin destination date unit query limit order_id email subject body currency amount "
+    "path url timeout language start end attendees user_id status format"
+).split()
+_ARG_VALUES = (
+    "Paris Tokyo Berlin Lima Oslo celsius fahrenheit USD EUR JPY pending shipped open json csv "
+    "en de fr ja ascending descending"
+).split()
+
+_IDENTS = (
+    "items values result total count index buffer config request response data node parent "
+    "child queue stack cache key value path size offset limit token batch model state"
+).split()
+_FUNCS = (
+    "parse_args load_config compute_total merge_sorted read_lines flatten apply_patch "
+    "normalize tokenize build_index find_max update_cache retry fetch_page validate"
+).split()
+
+
+def _prose_line(rng: random.Random) -> str:
+    def phrase():
+        return f"the {rng.choice(_ADJS)} {rng.choice(_NOUNS)}"
+
+    sentences = []
+    for _ in range(rng.randint(2, 4)):
+        s = (
+            f"{phrase()} {rng.choice(_VERBS)} {phrase()} {rng.choice(_PREPS)} {phrase()}"
+            + (f" {rng.choice(_ADVS)}" if rng.random() < 0.5 else "")
+        )
+        sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", ".", "!", "?"]))
+    return " ".join(sentences)
+
+
+def _agent_line(rng: random.Random) -> str:
+    args = {}
+    for key in rng.sample(_ARG_KEYS, rng.randint(1, 4)):
+        r = rng.random()
+        if r < 0.4:
+            args[key] = rng.choice(_ARG_VALUES)
+        elif r < 0.7:
+            args[key] = rng.randint(0, 5000)
+        elif r < 0.85:
+            args[key] = f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        else:
+            args[key] = [rng.choice(_ARG_VALUES) for _ in range(rng.randint(1, 3))]
+    call = {"name": rng.choice(_TOOLS), "arguments": args}
+    if rng.random() < 0.5:
+        call = {"role": "assistant", "tool_calls": [{"id": f"call_{rng.randint(0, 99999)}",
+                                                      "type": "function", "function": call}]}
+    return json.dumps(call)
+
+
+def _code_line(rng: random.Random) -> str:
+    f, a, b, c = rng.choice(_FUNCS), *rng.sample(_IDENTS, 3)
+    body = rng.choice(
+        [
+            f"    for {a} in {b}:\n        {c}.append({a} * 2)\n    return {c}",
+            f"    if not {a}:\n        return None\n    {b} = {a}[0]\n    return {b} + {c}",
+            f"    {c} = {{}}\n    for i, {a} in enumerate({b}):\n        {c}[i] = {a}\n    return {c}",
+            f"    while {a} < len({b}):\n        {a} += 1\n    return {b}[{a} - 1]",
+            f"    try:\n        {c} = int({a})\n    except ValueError:\n        {c} = 0\n    return {c}",
+            f"    {c} = [{a} for {a} in {b} if {a} is not None]\n    return sorted({c})",
+        ]
+    )
+    return f"def {f}({a}, {b}):\n{body}\n"
+
+
+_GENERATORS = {"agent": _agent_line, "prose": _prose_line, "code": _code_line}
+
+
+def builtin_corpus(lines_per_domain: int = 400, seed: int = 1234) -> dict[str, list[str]]:
+    """The built-in training text per domain (deterministic for a given seed)."""
+    rng = random.Random(seed)
+    return {d: [gen(rng) for _ in range(lines_per_domain)] for d, gen in _GENERATORS.items()}
+
+
+def sample_prompts(domain: str, n: int, seed: int = 99) -> list[str]:
+    """``n`` prompts of a built-in domain (``agent``, ``prose``, ``code``), for tests and demos."""
+    rng = random.Random(f"{seed}-{domain}")
+    return [_GENERATORS[domain](rng) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (deterministic, exact round trip)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _domain_affinity(tokenizer, corpus: dict[str, list[str]], vocab: int) -> torch.Tensor:
+    """``p [V, K]``: per token, its relative frequency in each domain, rows summing to 1.
+
+    Tokens never seen in the corpus get a uniform row.
+    """
+    freqs = []
+    for texts in corpus.values():
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        for enc in tokenizer.encode_batch(texts):
+            counts += torch.bincount(torch.tensor(enc.ids, dtype=torch.long), minlength=vocab).double()
+        freqs.append(counts / counts.sum().clamp(min=1))
+    f = torch.stack(freqs, dim=1)  # [V, K]
+    total = f.sum(dim=1, keepdim=True)
+    uniform = torch.full_like(f, 1.0 / f.shape[1])
+    return torch.where(total > 0, f / total.clamp(min=1e-30), uniform).float()
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _build_tensors(spec: SyntheticSpec, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, in HF qwen3_moe key layout (per-expert keys)."""
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    H, V, K = spec.hidden, p.shape[0], p.shape[1]
+    E, I, D = spec.experts, spec.moe_intermediate, spec.head_dim
+    if H < K + 8:
+        raise ValueError(f"SyntheticSpec.hidden={H} is too small for {K} domains")
+    basis, _ = torch.linalg.qr(randn(H, H))
+    u = basis[:, 0]
+    dom = basis[:, 1:1 + K]  # [H, K]
+    noise_basis = basis[:, 1 + K:]  # [H, H-1-K]
+    n_noise = noise_basis.shape[1]
+
+    def noise_vectors(n):  # unit-norm-ish random vectors in the noise subspace
+        return randn(n, n_noise) @ noise_basis.T / n_noise**0.5
+
+    # Sharpen the affinity so a token's cluster is clear; centred so a uniform token has none.
+    p_sharp = p**2 / (p**2).sum(dim=1, keepdim=True)
+    p_centred = p_sharp - 1.0 / K
+    t: dict[str, torch.Tensor] = {}
+    token_noise = noise_vectors(V)
+    # Scaled to RMS about 1 (norm about sqrt(H)), the scale every layer's output is on.
+    embed = (1.0 * u[None, :] + 1.5 * p_centred @ dom.T + 1.0 * token_noise) * H**0.5 / 1.6
+    t["model.embed_tokens.weight"] = embed
+    t["model.norm.weight"] = torch.ones(H)
+    # LM head: prefer tokens of the hidden state's domain, and within it the current token's
+    # successor under a random cyclic order of each domain's tokens (row t' reads the noise of
+    # its predecessor), so greedy decode walks through a domain's tokens instead of looping.
+    cluster = p.argmax(dim=1)
+    predecessor = torch.arange(V)
+    for k in range(K):
+        members = torch.nonzero(cluster == k).flatten()
+        if len(members) > 1:
+            order = members[torch.randperm(len(members), generator=gen)]
+            predecessor[order] = torch.roll(order, 1)
+    t["lm_head.weight"] = (
+        spec.lm_domain_gain * p_centred @ dom.T + spec.lm_successor_gain * token_noise[predecessor]
+    )
+
+    nh, nkv = spec.heads, spec.kv_heads
+    rep = nh // nkv
+    ranks = torch.arange(1, E + 1, dtype=torch.float32)
+    zipf = ranks ** (-spec.zipf_exponent)
+    zipf = (zipf - zipf.mean()) / zipf.std()
+    for layer in range(spec.layers):
+        pre = f"model.layers.{layer}"
+        t[f"{pre}.input_layernorm.weight"] = torch.ones(H)
+        t[f"{pre}.post_attention_layernorm.weight"] = torch.ones(H)
+        t[f"{pre}.self_attn.q_norm.weight"] = torch.full((D,), spec.qk_gain)
+        t[f"{pre}.self_attn.k_norm.weight"] = torch.full((D,), spec.qk_gain)
+        t[f"{pre}.self_attn.q_proj.weight"] = randn(nh * D, H) / H**0.5
+        t[f"{pre}.self_attn.k_proj.weight"] = randn(nkv * D, H) / H**0.5
+        # Values: the first K dims of every kv head read the domain directions; the rest random.
+        v = 0.3 * randn(nkv * D, H) / H**0.5
+        o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
+        for g in range(nkv):
+            v[g * D:g * D + K] = dom.T
+        for h in range(nh):
+            o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
+        t[f"{pre}.self_attn.v_proj.weight"] = v
+        t[f"{pre}.self_attn.o_proj.weight"] = o
+        # Router: Zipf popularity along u, domain affinity along dom, token-level spread.
+        popularity = zipf[torch.randperm(E, generator=gen)]
+        affinity = randn(E, K)
+        # Token-level spread reads only the noise subspace (the token-specific part of the
+        # state), so it varies the choice per token without adding a fixed per-expert offset.
+        spread = randn(E, n_noise) @ noise_basis.T
+        # The router sees an RMS-normalised state (norm sqrt(H)): divide so the knobs are in
+        # units of the unit-norm state's components.
+        router = (
+            spec.popularity_scale * popularity[:, None] * u[None, :]
+            + spec.domain_affinity * affinity @ dom.T
+            + spec.router_noise * spread
+        ) / H**0.5
+        t[f"{pre}.mlp.gate.weight"] = router
+        for e in range(E):
+            base = f"{pre}.mlp.experts.{e}"
+            t[f"{base}.gate_proj.weight"] = randn(I, H) / H**0.5
+            t[f"{base}.up_proj.weight"] = randn(I, H) / H**0.5
+            t[f"{base}.down_proj.weight"] = spec.expert_gain * randn(H, I) / I**0.5
+    return {k: v.contiguous().float() for k, v in t.items()}
+
+
+def _config(spec: SyntheticSpec, vocab: int, eos_id: int) -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": 2 * spec.hidden,
+        "moe_intermediate_size": spec.moe_intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "num_experts": spec.experts,
+        "num_experts_per_tok": spec.top_k,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "use_cache": True,
+        "coldset_synthetic": asdict(spec),
+    }
+
+
+def write_synthetic_checkpoint(
+    spec: SyntheticSpec,
+    out_dir: str | os.PathLike,
+    domain_texts: dict[str, list[str]] | None = None,
+) -> Path:
+    """Write a qwen3_moe HF folder for ``spec`` at ``out_dir``, atomically; return its path.
+
+    The folder holds config.json, model.safetensors (per-expert keys, float32), tokenizer.json
+    (byte-level BPE trained on the built-in corpus plus ``domain_texts``) and
+    tokenizer_config.json. ``domain_texts`` (domain -> texts) add training text and, for new
+    domain names, new domain clusters. Everything is written to a temporary sibling folder that
+    replaces ``out_dir`` only when complete; a failure leaves ``out_dir`` as it was.
+    """
+    from safetensors.torch import save_file
+
+    if spec.heads % spec.kv_heads:
+        raise ValueError(f"SyntheticSpec.heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+    if spec.top_k > spec.experts:
+        raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    corpus = builtin_corpus()
+    for domain, texts in (domain_texts or {}).items():
+        corpus[domain] = corpus.get(domain, []) + [str(x) for x in texts]
+    all_texts = [x for texts in corpus.values() for x in texts]
+    tokenizer = train_tokenizer(all_texts, spec.vocab_size)
+    vocab = tokenizer.get_vocab_size()
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    p = _domain_affinity(tokenizer, corpus, vocab)
+    tensors = _build_tensors(spec, p)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(_config(spec, vocab, eos_id), indent=2) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "bos_token": None,
+            "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN,
+            "model_max_length": spec.max_position_embeddings,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"do_sample": False, "eos_token_id": eos_id}, indent=2) + "\n"
+        )
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
