@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import pandas as pd
+
+from coldset.config import Layout
 from coldset.report import (
     BENCH_METRICS,
     ReportInputError,
@@ -27,6 +30,8 @@ from coldset.report import (
     placement_key_from_path,
     render_report,
 )
+from coldset.routing import TraceMeta
+from coldset.stats import skew_stats
 
 MODEL = "tiny-moe"
 POLICIES = ["positional", "usage_global"]
@@ -53,54 +58,52 @@ def _tok_s(policy: str, residency: float, batch: int) -> float:
 def build_results_tree(root: Path, *, with_autotune: bool = True, with_prediction: bool = True) -> Path:
     """A complete, small results tree as the producing stages write it."""
     res = root / "results"
-    stats = res / "stats" / MODEL
+    layout = Layout(results=res, model=MODEL)
+    stats = layout.stats_dir
     stats.mkdir(parents=True)
-    lines = ["domain,split,phase,layer,expert,count"]
+    rows = []
     for domain in ("code", "prose"):
-        for phase in ("prefill", "decode"):
-            for layer in range(LAYERS):
-                for expert in range(EXPERTS):
-                    # skewed: expert e gets (e+1)^2 selections, shifted per domain
-                    e = (expert + (3 if domain == "prose" else 0)) % EXPERTS
-                    lines.append(f"{domain},profile,{phase},{layer},{expert},{(e + 1) ** 2}")
-    (stats / "histogram.csv").write_text("\n".join(lines) + "\n")
-    (stats / "skew.json").write_text(
-        json.dumps(
-            {
-                "decode": {
-                    "code": {"mean_gini": 0.41, "top_share": {"10": 0.2, "25": 0.45, "50": 0.75, "73": 0.9}, "oracle_cache_hit_rate": 0.66},
-                    "prose": {"mean_gini": 0.39, "top_share": {"10": 0.19, "25": 0.44, "50": 0.74, "73": 0.9}, "oracle_cache_hit_rate": 0.64},
-                    "spearman": {"code~prose": 0.12},
-                },
-                "prefill": {
-                    "all": {"mean_gini": 0.30, "top_share": {"10": 0.15, "25": 0.35, "50": 0.66, "73": 0.85}, "oracle_cache_hit_rate": 0.5},
-                },
-            }
-        )
-    )
+        for split in ("profile", "heldout"):
+            for phase in ("prefill", "decode"):
+                for layer in range(LAYERS):
+                    for expert in range(EXPERTS):
+                        # skewed: expert e gets (e+1)^2 selections, shifted per domain
+                        e = (expert + (3 if domain == "prose" else 0)) % EXPERTS
+                        rows.append((domain, split, phase, layer, expert, (e + 1) ** 2))
+    hist = pd.DataFrame(rows, columns=["domain", "split", "phase", "layer", "expert", "count"])
+    hist.to_csv(stats / "histogram.csv", index=False)
+    # skew.json exactly as the stats stage writes it (no oracle: that needs a trace)
+    meta = TraceMeta(model=MODEL, num_layers=LAYERS, num_experts=EXPERTS, top_k=2, moe_layers=list(range(LAYERS)))
+    (stats / "skew.json").write_text(json.dumps(skew_stats(hist, meta), allow_nan=False))
     for stage in ("placement", "parity", "bench"):
         (res / stage / MODEL).mkdir(parents=True)
     total = LAYERS * EXPERTS
     for policy in POLICIES:
         for r in RESIDENCIES:
             num_hot = int(round(total * r))
-            name = f"{policy}-{r}.json"
-            (res / "placement" / MODEL / name).write_text(
+            name = layout.placement(policy, r).name
+            layout.placement(policy, r).write_text(
                 json.dumps(
                     {
+                        "format_version": 1,
+                        "model": MODEL,
                         "policy": policy,
                         "residency": r,
+                        "achieved_residency": num_hot / total,
                         "num_hot": num_hot,
                         "num_cold": total - num_hot,
                         "hbm_expert_gib": num_hot * GIB_PER_EXPERT,
                         "host_expert_gib": (total - num_hot) * GIB_PER_EXPERT,
                         "coverage_profile": min(1.0, r * (1.5 if policy == "usage_global" else 1.0)),
                         "coverage_heldout": min(1.0, r * (1.4 if policy == "usage_global" else 1.0)),
-                        "predicted": {"h200": {str(b): {"step_ms_lower": 1.0, "step_ms_sum": 2.0} for b in BATCH_SIZES}},
+                        "predictions": [
+                            {"preset": "h200", "batch_size": b, "step_s_lower": 0.001, "step_s_sum": 0.002, "tok_s_lower": 1000.0 * b}
+                            for b in BATCH_SIZES
+                        ],
                     }
                 )
             )
-            (res / "parity" / MODEL / name).write_text(
+            layout.parity(policy, r).write_text(
                 json.dumps(
                     {
                         "placement": name,
@@ -136,7 +139,7 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         "dtype": "bfloat16",
                     }
                 )
-            (res / "bench" / MODEL / name).write_text(
+            layout.bench(policy, r).write_text(
                 json.dumps({"model": MODEL, "policy": policy, "residency": r, "batches": batches})
             )
     if with_autotune:
@@ -205,7 +208,7 @@ def test_report_renders_every_figure_in_headless_chromium(tmp_path):
     # tables carry the data: every placement's parity row, the autotune entry, the machine
     for policy in POLICIES:
         for r in RESIDENCIES:
-            assert f"<td>{policy}-{r}</td>" in html
+            assert f"<td>{Layout(res, MODEL).parity(policy, r).stem}</td>" in html
     assert "abc123" in html and "BLOCK_M" in html and ">miss<" in html
     assert "Test CPU" in html and "2.13.0" in html
 
@@ -247,7 +250,7 @@ def test_optional_stages_say_so_instead_of_rendering_empty(tmp_path):
 
 def test_missing_required_input_is_an_error_naming_the_file(tmp_path):
     res = build_results_tree(tmp_path)
-    missing = res / "parity" / MODEL / "usage_global-1.0.json"
+    missing = Layout(res, MODEL).parity("usage_global", 1.0)
     missing.unlink()
     out = res / "report" / "index.html"
     with pytest.raises(ReportInputError, match=re.escape(str(missing))):
@@ -255,11 +258,11 @@ def test_missing_required_input_is_an_error_naming_the_file(tmp_path):
     assert not out.exists(), "nothing half-written"
 
     res2 = build_results_tree(tmp_path / "b")
-    bench = res2 / "bench" / MODEL / "positional-0.5.json"
+    bench = Layout(res2, MODEL).bench("positional", 0.5)
     doc = json.loads(bench.read_text())
     del doc["batches"][1]["cold_share"]
     bench.write_text(json.dumps(doc))
-    with pytest.raises(ReportInputError, match=r"positional-0\.5\.json \(batch_size=4\): missing field\(s\) cold_share"):
+    with pytest.raises(ReportInputError, match=re.escape(f"{bench} (batch_size=4): missing field(s) cold_share")):
         render_report(res2, res2 / "report" / "index.html", CONFIG, MACHINE)
 
     res3 = build_results_tree(tmp_path / "c")
@@ -270,12 +273,12 @@ def test_missing_required_input_is_an_error_naming_the_file(tmp_path):
 
 def test_failed_parity_is_shown_as_a_failure(tmp_path):
     res = build_results_tree(tmp_path)
-    p = res / "parity" / MODEL / "usage_global-0.5.json"
+    p = Layout(res, MODEL).parity("usage_global", 0.5)
     doc = json.loads(p.read_text())
     doc.update(passed=False, tokens_matched=95, mismatches=[{"fixture": "code-3", "position": 17, "expected": 11, "got": 42, "logit_gap": 0.03}])
     p.write_text(json.dumps(doc))
     html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
-    assert "parity gate FAILED for usage_global-0.5" in html
+    assert f"parity gate FAILED for {p.stem}" in html
     assert "code-3@17: expected 11, got 42" in html
     assert "95 / 96" in html
 
@@ -296,6 +299,19 @@ def test_loaders_accept_bench_containers_and_keep_the_join_key(tmp_path):
     wrong.write_text(json.dumps({"policy": "permute", "batches": [entry | {"batch_size": 1}]}))
     with pytest.raises(ReportInputError, match="disagrees with the file name"):
         load_bench(wrong)
-    rows, other = load_skew(build_results_tree(tmp_path / "t") / "stats" / MODEL / "skew.json")
-    assert {(r.phase, r.domain) for r in rows} == {("decode", "code"), ("decode", "prose"), ("prefill", "all")}
-    assert other == {"decode/spearman": {"code~prose": 0.12}}
+    skew = load_skew(build_results_tree(tmp_path / "t") / "stats" / MODEL / "skew.json")
+    assert {(r.phase, r.domain) for r in skew.rows} == {
+        (ph, d) for ph in ("prefill", "decode") for d in ("code", "prose", "(all)")
+    }
+    # hand-computed: every layer has counts (e+1)^2, e = 0..7 -> sum 204, top 10% = ceil(0.8) = 1
+    # expert = 64/204; Gini of 1,4,...,64 over 8 experts = sum|xi-xj| / (2 n^2 mean)
+    counts = [(e + 1) ** 2 for e in range(EXPERTS)]
+    gini = sum(abs(a - b) for a in counts for b in counts) / (2 * EXPERTS**2 * (sum(counts) / EXPERTS))
+    row = skew.row("decode", "code")
+    assert row.top_share["10"] == pytest.approx(64 / 204)
+    assert row.mean_gini == pytest.approx(gini)
+    assert skew.xs == ["10", "25", "50", "73"]
+    assert [(d["phase"], d["a"], d["b"]) for d in skew.spearman_between_domains] == [
+        ("prefill", "code", "prose"), ("decode", "code", "prose")
+    ]
+    assert skew.heldout_coverage["10"]["code"]["code"] == pytest.approx(64 / 204)

@@ -127,19 +127,60 @@ def _require(doc: dict, fields: tuple[str, ...], where: str) -> None:
 
 @dataclass
 class PlacementSummary:
-    """The parts of a placement JSON the report and the tracker use."""
+    """The parts of a placement JSON (``coldset.placement.save_placement``) the report and the
+    tracker use."""
 
     path: Path
     model: str
     policy: str
     residency: str  # as in the file name (the join key)
+    achieved_residency: float  # num_hot / (num_hot + num_cold); positional may fall short
     num_hot: int
     num_cold: int
     hbm_expert_gib: float
     host_expert_gib: float
     coverage_profile: float
-    coverage_heldout: float
-    predicted: dict = field(default_factory=dict)  # {preset: {batch_size: {step_ms_lower, ...}}}
+    coverage_heldout: float | None  # None when the trace has no held-out split
+    predictions: list[dict[str, Any]] = field(default_factory=list)  # {preset, batch_size, step_ms_lower, step_ms_sum}
+
+
+def _placement_predictions(doc: dict, path: Path) -> list[dict[str, Any]]:
+    """Speed-model predictions as ``[{preset, batch_size, step_ms_lower, step_ms_sum}]`` from the
+    placement JSON's ``predictions`` list (``StepPrediction`` fields, seconds) or a
+    ``predicted: {preset: {batch_size: {step_ms_lower, step_ms_sum}}}`` object."""
+    out = []
+    preds = doc.get("predictions")
+    if preds is not None:
+        if not isinstance(preds, list):
+            raise ReportInputError(f"{path}: field predictions must be a list")
+        for i, p in enumerate(preds):
+            if not isinstance(p, dict) or not {"preset", "batch_size", "step_s_lower", "step_s_sum"} <= p.keys():
+                raise ReportInputError(f"{path}: predictions[{i}] lacks preset, batch_size, step_s_lower or step_s_sum")
+            out.append(
+                {
+                    "preset": str(p["preset"]),
+                    "batch_size": int(p["batch_size"]),
+                    "step_ms_lower": float(p["step_s_lower"]) * 1e3,
+                    "step_ms_sum": float(p["step_s_sum"]) * 1e3,
+                }
+            )
+    predicted = doc.get("predicted")
+    if predicted is not None:
+        if not isinstance(predicted, dict):
+            raise ReportInputError(f"{path}: field predicted must be an object {{preset: {{batch_size: ...}}}}")
+        for preset, by_bs in predicted.items():
+            for bs, vals in (by_bs or {}).items():
+                if not isinstance(vals, dict) or not {"step_ms_lower", "step_ms_sum"} <= vals.keys():
+                    raise ReportInputError(f"{path}: predicted/{preset}/{bs} lacks step_ms_lower or step_ms_sum")
+                out.append(
+                    {
+                        "preset": str(preset),
+                        "batch_size": int(bs),
+                        "step_ms_lower": float(vals["step_ms_lower"]),
+                        "step_ms_sum": float(vals["step_ms_sum"]),
+                    }
+                )
+    return sorted(out, key=lambda p: (p["preset"], p["batch_size"]))
 
 
 def load_placement_summary(path: str | os.PathLike) -> PlacementSummary:
@@ -150,21 +191,23 @@ def load_placement_summary(path: str | os.PathLike) -> PlacementSummary:
     model, policy, residency = placement_key_from_path(path)
     _require(doc, REQUIRED_PLACEMENT_FIELDS, str(path))
     _check_key_fields(doc, path, policy, residency)
-    predicted = doc.get("predicted") or {}
-    if not isinstance(predicted, dict):
-        raise ReportInputError(f"{path}: field predicted must be an object {{preset: {{batch_size: ...}}}}")
+    num_hot, num_cold = int(doc["num_hot"]), int(doc["num_cold"])
+    if num_hot < 0 or num_cold < 0 or num_hot + num_cold == 0:
+        raise ReportInputError(f"{path}: num_hot={num_hot}, num_cold={num_cold} is not a placement")
+    held = doc["coverage_heldout"]
     return PlacementSummary(
         path=path,
         model=model,
         policy=policy,
         residency=residency,
-        num_hot=int(doc["num_hot"]),
-        num_cold=int(doc["num_cold"]),
+        achieved_residency=float(doc.get("achieved_residency", num_hot / (num_hot + num_cold))),
+        num_hot=num_hot,
+        num_cold=num_cold,
         hbm_expert_gib=float(doc["hbm_expert_gib"]),
         host_expert_gib=float(doc["host_expert_gib"]),
         coverage_profile=float(doc["coverage_profile"]),
-        coverage_heldout=float(doc["coverage_heldout"]),
-        predicted=predicted,
+        coverage_heldout=None if held is None else float(held),
+        predictions=_placement_predictions(doc, path),
     )
 
 
@@ -309,50 +352,114 @@ def load_bench(path: str | os.PathLike) -> list[BenchResult]:
 
 @dataclass
 class SkewRow:
+    """One (phase, domain) row of ``skew.json`` (``coldset.stats.skew_stats``)."""
+
     phase: str
     domain: str
-    mean_gini: float
-    top_share: dict[str, float]
-    oracle_cache_hit_rate: float | None
+    selections: int | None
+    mean_gini: float | None
+    top_share: dict[str, float | None]  # x -> mean over layers of the top-x% share
+    top_share_model_wide: dict[str, float | None]
+    oracle_cache_hit_rate: float | None  # decode only
 
 
-def load_skew(path: str | os.PathLike) -> tuple[list[SkewRow], dict[str, Any]]:
-    """``skew.json``: the per (phase, domain) statistic rows, and every other entry (spearman,
-    held-out coverage, ...) as ``{"phase/name": value}`` for generic display."""
+@dataclass
+class SkewSummary:
+    """What the report and the tracker take from ``skew.json``."""
+
+    rows: list[SkewRow]
+    xs: list[str]
+    spearman_between_domains: list[dict[str, Any]]  # {phase, a, b, mean, layers_defined}
+    spearman_prefill_vs_decode: dict[str, float | None]  # domain -> mean
+    heldout_coverage: dict[str, dict[str, dict[str, float | None]]]  # x -> profile dom -> heldout dom
+    trace: dict[str, Any]
+
+    def row(self, phase: str, domain: str) -> SkewRow | None:
+        return next((r for r in self.rows if r.phase == phase and r.domain == domain), None)
+
+
+def _opt_float(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ReportInputError(f"{where}: {value!r} is not a number") from exc
+
+
+def load_skew(path: str | os.PathLike) -> SkewSummary:
+    """Read ``stats/{model}/skew.json`` as written by ``coldset.stats.run_stats``:
+    ``{"phases": {phase: {"domains": {name: {selections, gini: {mean}, top_share: {x:
+    {mean_over_layers, model_wide}}, oracle_cache: {hit_rate}}}, "spearman_between_domains":
+    [{a, b, mean, layers_defined}]}}, "spearman_prefill_vs_decode": {name: {mean}}, "coverage":
+    {x: {profile_domain: {heldout_domain: value}}}, "xs": [...], "trace": {...}}``."""
     path = Path(path)
     doc = read_json(path)
-    if not isinstance(doc, dict):
-        raise ReportInputError(f"{path}: expected an object keyed by phase")
+    if not isinstance(doc, dict) or not isinstance(doc.get("phases"), dict):
+        raise ReportInputError(f"{path}: missing field phases (expected coldset.stats.skew_stats output)")
     rows: list[SkewRow] = []
-    other: dict[str, Any] = {}
-    for phase, by_domain in doc.items():
-        if not isinstance(by_domain, dict):
-            other[str(phase)] = by_domain
-            continue
-        for domain, stats in by_domain.items():
-            if isinstance(stats, dict) and "mean_gini" in stats:
-                top = stats.get("top_share") or {}
-                if not isinstance(top, dict):
-                    raise ReportInputError(f"{path}: {phase}/{domain}/top_share must be an object")
-                ochr = stats.get("oracle_cache_hit_rate")
-                rows.append(
-                    SkewRow(
-                        phase=str(phase),
-                        domain=str(domain),
-                        mean_gini=float(stats["mean_gini"]),
-                        top_share={str(k): float(v) for k, v in top.items()},
-                        oracle_cache_hit_rate=None if isinstance(ochr, (dict, list)) or ochr is None else float(ochr),
-                    )
+    spearman_dom: list[dict[str, Any]] = []
+    for phase, pdoc in doc["phases"].items():
+        where = f"{path}: phases/{phase}"
+        if not isinstance(pdoc, dict) or not isinstance(pdoc.get("domains"), dict):
+            raise ReportInputError(f"{where}: missing field domains")
+        for name, d in pdoc["domains"].items():
+            w = f"{where}/domains/{name}"
+            if not isinstance(d, dict) or "gini" not in d or "top_share" not in d:
+                raise ReportInputError(f"{w}: missing field gini or top_share")
+            gini = d["gini"]["mean"] if isinstance(d["gini"], dict) else d["gini"]
+            tops = d["top_share"]
+            if not isinstance(tops, dict):
+                raise ReportInputError(f"{w}/top_share: expected an object keyed by x")
+            oracle = d.get("oracle_cache")
+            rows.append(
+                SkewRow(
+                    phase=str(phase),
+                    domain=str(name),
+                    selections=None if d.get("selections") is None else int(d["selections"]),
+                    mean_gini=_opt_float(gini, f"{w}/gini/mean"),
+                    top_share={
+                        str(x): _opt_float(v.get("mean_over_layers") if isinstance(v, dict) else v, f"{w}/top_share/{x}")
+                        for x, v in tops.items()
+                    },
+                    top_share_model_wide={
+                        str(x): _opt_float(v.get("model_wide"), f"{w}/top_share/{x}/model_wide")
+                        for x, v in tops.items()
+                        if isinstance(v, dict)
+                    },
+                    oracle_cache_hit_rate=_opt_float(oracle.get("hit_rate"), f"{w}/oracle_cache/hit_rate")
+                    if isinstance(oracle, dict)
+                    else None,
                 )
-                shown = {"mean_gini", "top_share"} | ({"oracle_cache_hit_rate"} if rows[-1].oracle_cache_hit_rate is not None else set())
-                for k, v in stats.items():
-                    if k not in shown:
-                        other[f"{phase}/{domain}/{k}"] = v
-            else:
-                other[f"{phase}/{domain}"] = stats
+            )
+        for pair in pdoc.get("spearman_between_domains") or []:
+            spearman_dom.append(
+                {
+                    "phase": str(phase),
+                    "a": str(pair.get("a")),
+                    "b": str(pair.get("b")),
+                    "mean": _opt_float(pair.get("mean"), f"{where}/spearman_between_domains"),
+                    "layers_defined": pair.get("layers_defined"),
+                }
+            )
     if not rows:
-        raise ReportInputError(f"{path}: no phase/domain entry with mean_gini")
-    return rows, other
+        raise ReportInputError(f"{path}: no phase/domain statistics")
+    xs = [str(x) for x in doc.get("xs") or sorted({x for r in rows for x in r.top_share}, key=float)]
+    pvd = {
+        str(name): _opt_float(v.get("mean") if isinstance(v, dict) else v, f"{path}: spearman_prefill_vs_decode/{name}")
+        for name, v in (doc.get("spearman_prefill_vs_decode") or {}).items()
+    }
+    coverage = doc.get("coverage") or {}
+    if not isinstance(coverage, dict):
+        raise ReportInputError(f"{path}: field coverage must be an object {{x: {{profile: {{heldout: value}}}}}}")
+    return SkewSummary(
+        rows=rows,
+        xs=xs,
+        spearman_between_domains=spearman_dom,
+        spearman_prefill_vs_decode=pvd,
+        heldout_coverage=coverage,
+        trace=doc.get("trace") or {},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,8 +596,8 @@ def _routing_figures(histogram_csv: Path, device: str, batch: str, dtype: str, m
     ax = fig.add_subplot(1, 1, 1)
     ax.plot([0, 1], [0, 1], color="#999999", linestyle=":", label="uniform")
     domains = sorted(h["domain"].astype(str).unique())
-    for dom in ["all", *domains] if len(domains) > 1 else domains:
-        sub = h if dom == "all" else h[h["domain"].astype(str) == dom]
+    for dom in ["(all)", *domains] if len(domains) > 1 else domains:
+        sub = h if dom == "(all)" else h[h["domain"].astype(str) == dom]
         per_pair = sub.groupby(["layer", "expert"])["count"].sum()
         # Every (layer, expert) of the model counts, also the never-selected ones.
         per_pair = per_pair.reindex(grid.stack().index, fill_value=0).to_numpy(dtype=np.float64)
@@ -500,7 +607,7 @@ def _routing_figures(histogram_csv: Path, device: str, batch: str, dtype: str, m
             continue
         y = np.concatenate([[0.0], np.cumsum(c) / total])
         x = np.linspace(0.0, 1.0, len(y))
-        ax.plot(x, y, label=dom, linewidth=2.2 if dom == "all" else 1.4)
+        ax.plot(x, y, label=dom, linewidth=2.2 if dom == "(all)" else 1.4)
     ax.set_xlabel("fraction of (layer, expert) pairs, least used first")
     ax.set_ylabel(f"fraction of {phase} selections")
     ax.set_title(f"{model}: Lorenz curves of expert use")
@@ -528,12 +635,19 @@ def _coverage_figure(placements: list[PlacementSummary], device: str, batch: str
     color = _policy_styles(policies)
     fig = _new_figure(7.0, 4.4)
     ax = fig.add_subplot(1, 1, 1)
+    any_heldout = False
     for pol in policies:
-        pts = sorted((float(p.residency), p.coverage_profile, p.coverage_heldout) for p in placements if p.policy == pol)
+        pts = sorted(
+            (p.achieved_residency, p.coverage_profile, p.coverage_heldout) for p in placements if p.policy == pol
+        )
         xs = [t[0] for t in pts]
         ax.plot(xs, [t[1] for t in pts], marker="o", color=color[pol], label=f"{pol} (profile)")
-        ax.plot(xs, [t[2] for t in pts], marker="s", linestyle="--", color=color[pol], label=f"{pol} (held-out)")
-    ax.set_xlabel("residency (fraction of routed-expert bytes in HBM)")
+        held = [(x, t[2]) for x, t in zip(xs, pts) if t[2] is not None]
+        if held:
+            any_heldout = True
+            ax.plot([h[0] for h in held], [h[1] for h in held], marker="s", linestyle="--", color=color[pol],
+                    label=f"{pol} (held-out)")
+    ax.set_xlabel("achieved residency (fraction of routed experts in HBM)")
     ax.set_ylabel("coverage (fraction of selections served from HBM)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{model}: coverage vs residency")
@@ -541,8 +655,10 @@ def _coverage_figure(placements: list[PlacementSummary], device: str, batch: str
     return FigureOut(
         "coverage",
         "Coverage vs residency",
-        "Fraction of routing selections whose expert is in HBM, on the profiling traffic (solid) and "
-        "on held-out traffic (dashed), per placement policy.",
+        "Fraction of decode routing selections whose expert is in HBM, on the profiling traffic (solid)"
+        + (" and on held-out traffic (dashed)" if any_heldout else "; there is no held-out coverage (the trace has no held-out split)")
+        + ", per placement policy, against the residency each placement achieved (positional offloads "
+        "whole layers, so it can fall short of the requested residency).",
         device, batch, dtype, _png(fig, f"device: {device} · batch size: {batch} · dtype: {dtype}"),
     )
 
@@ -642,19 +758,24 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def _expected_paths(results_dir: Path, stage: str, model: str, config: dict) -> list[Path] | None:
-    """``{stage}/{model}/{policy}-{residency}.json`` for every configured placement, or None
-    when the config names no policies (then the stage's files are discovered by glob)."""
+    """Every configured placement's file of ``stage`` (placement, parity or bench), named by
+    ``coldset.config.Layout`` (the one place that names stage files), or None when the config
+    names no policies (then the stage's files are discovered by glob)."""
+    from coldset.config import Layout
+
     placement_cfg = (config or {}).get("placement") or {}
     policies, residencies = placement_cfg.get("policies"), placement_cfg.get("residency")
     if not policies or not residencies:
         return None
-    return [results_dir / stage / model / f"{p}-{r}.json" for p in policies for r in residencies]
+    layout = Layout(results=results_dir, model=model)
+    name = getattr(layout, stage)
+    return [name(p, r) for p in policies for r in residencies]
 
 
 def _stage_files(results_dir: Path, stage: str, model: str, config: dict) -> list[Path]:
     expected = _expected_paths(results_dir, stage, model, config)
     if expected is None:
-        found = sorted((results_dir / stage / model).glob("*-*.json"))
+        found = sorted(p for p in (results_dir / stage / model).glob("*-*.json"))
         if not found:
             raise ReportInputError(f"missing required input: no {stage} results under {results_dir / stage / model}")
         return found
@@ -720,7 +841,7 @@ def render_report(
     machine_device = str(machine_info.get("device", "unknown"))
 
     stats_dir = results_dir / "stats" / model
-    skew_rows, skew_other = load_skew(stats_dir / "skew.json")
+    skew = load_skew(stats_dir / "skew.json")
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
     parity = [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
     bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
@@ -771,12 +892,8 @@ def render_report(
             "coverage_profile": _fmt(p.coverage_profile),
             "coverage_heldout": _fmt(p.coverage_heldout),
             "predicted": "; ".join(
-                f"{preset} b{bs}: "
-                + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(vals.items()) if not isinstance(v, (dict, list)))
-                for preset, by_bs in sorted(p.predicted.items())
-                if isinstance(by_bs, dict)
-                for bs, vals in sorted(by_bs.items())
-                if isinstance(vals, dict)
+                f"{q['preset']} b{q['batch_size']}: {_fmt(q['step_ms_lower'])}–{_fmt(q['step_ms_sum'])} ms"
+                for q in p.predictions
             )
             or "—",
         }
@@ -800,18 +917,41 @@ def render_report(
         }
         for p in sorted(parity, key=lambda p: (p.policy, float(p.residency)))
     ]
-    top_keys = sorted({k for r in skew_rows for k in r.top_share}, key=lambda k: float(k) if k.replace(".", "").isdigit() else k)
+    top_keys = skew.xs
     skew_table = [
         {
             "phase": r.phase,
             "domain": r.domain,
+            "selections": _fmt(r.selections),
             "mean_gini": _fmt(r.mean_gini),
             "top": [_fmt(r.top_share.get(k)) for k in top_keys],
+            "top_model_wide": [_fmt(r.top_share_model_wide.get(k)) for k in top_keys],
             "oracle": _fmt(r.oracle_cache_hit_rate),
         }
-        for r in skew_rows
+        for r in skew.rows
     ]
-    skew_extra = [{"name": k, "value": json.dumps(v, sort_keys=True)} for k, v in sorted(skew_other.items())]
+    spearman_rows = [
+        {"what": f"{d['phase']}: {d['a']} vs {d['b']}", "mean": _fmt(d["mean"]), "layers": _fmt(d["layers_defined"])}
+        for d in skew.spearman_between_domains
+    ] + [
+        {"what": f"{name}: prefill vs decode", "mean": _fmt(v), "layers": "—"}
+        for name, v in sorted(skew.spearman_prefill_vs_decode.items())
+    ]
+    coverage_tables = []
+    for x, by_profile in skew.heldout_coverage.items():
+        if not isinstance(by_profile, dict):
+            continue
+        heldout_names = sorted({b for row in by_profile.values() if isinstance(row, dict) for b in row})
+        coverage_tables.append(
+            {
+                "x": x,
+                "columns": heldout_names,
+                "rows": [
+                    {"profile": a, "values": [_fmt((row or {}).get(b)) for b in heldout_names]}
+                    for a, row in by_profile.items()
+                ],
+            }
+        )
 
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("coldset", "report_templates"),
@@ -835,7 +975,8 @@ def render_report(
         autotune_rows=autotune,
         skew_table=skew_table,
         skew_top_keys=top_keys,
-        skew_extra=skew_extra,
+        spearman_rows=spearman_rows,
+        coverage_tables=coverage_tables,
         batch_sizes=batch_sizes,
     )
 
