@@ -14,6 +14,7 @@ def torch_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    token_chunk: int | None = None,
 ) -> torch.Tensor:
     """Routed-expert output for tokens ``x`` ``[T, H]`` of MoE layer ``layer``.
 
@@ -21,7 +22,27 @@ def torch_experts(
     each expert's weights through the row map, and accumulates ``weight * expert(x)`` per token in
     ``x``'s dtype. The loop order depends only on the expert ids, never on where an expert lives,
     so any placement gives bitwise the same result as the all-hot layout.
+
+    ``token_chunk`` (the CPU path's tunable knob, see :mod:`coldset.tune`) processes the tokens
+    in chunks of that many rows; ``None`` is one chunk. For a fixed chunk size the result is still
+    placement-independent bit for bit; different chunk sizes may differ in the last bits (the
+    GEMM library may pick different kernels for different row counts).
     """
+    if token_chunk is not None and token_chunk <= 0:
+        raise ValueError(f"torch_experts: token_chunk must be positive, got {token_chunk}")
+    num_tokens = x.shape[0]
+    if token_chunk is None or token_chunk >= num_tokens:
+        return _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights)
+    return torch.cat(
+        [
+            _torch_experts_chunk(pools, layer, x[s : s + token_chunk], topk_ids[s : s + token_chunk],
+                                 topk_weights[s : s + token_chunk])
+            for s in range(0, num_tokens, token_chunk)
+        ]
+    )
+
+
+def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights):
     out = torch.zeros_like(x)
     rows = pools.row_map[layer].tolist()
     weights = topk_weights.to(x.dtype)

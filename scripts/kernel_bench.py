@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Fused-MoE kernel benchmark on one CUDA GPU at Qwen3-30B-A3B shapes (E=128, H=2048, I=768, top-8).
+
+Measures in ONE process, so every ratio compares numbers taken on the same machine minutes apart:
+the HBM streaming-read bandwidth and the pinned zero-copy read bandwidth (a Triton read kernel),
+then the Triton experts kernel per MoE layer, CUDA-graph replayed, median of repeats, on fresh
+random weights and activations, with ``--layers`` layers' experts rotated inside each graph so that
+no layer's weights are served from L2 (8 layers x 75 MB selected at batch 1, L2 is 60 MB):
+all-hot with the row map, with the indirection compiled out, all-cold (every expert read in place
+from pinned host memory), mixed (4 hot + 4 cold) against the sum of its two parts, and batch 1, 4,
+16, 64 and a 2048-token prefill against the torch reference (eager) and the measured bound.
+Also checks bitwise identity across placements and the error against the torch path.
+
+    PYTHONPATH=src python3 scripts/kernel_bench.py --out results_dir
+
+Writes ``kernel_bench.json`` under --out and prints a short markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.kernels.reference import torch_experts
+from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
+from coldset.tiers import ExpertPools, check_host_allocation
+
+
+@triton.jit
+def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    base = pid * BLOCK * ITERS
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def graph_time_us(fn, reps: int) -> float:
+    """Median over ``reps`` replays of a CUDA graph capturing ``fn`` (after eager warm-up), in µs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def eager_time_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def read_bandwidth(buf: torch.Tensor, block: int, iters: int, reps: int) -> float:
+    """Bytes/s of a streaming read of ``buf`` (flat) by many blocks; graph-replayed median."""
+    n = buf.numel()
+    grid = triton.cdiv(n, block * iters)
+    out = torch.empty(grid, dtype=torch.float32, device="cuda")
+    us = graph_time_us(lambda: _read_kernel[(grid,)](buf, out, n, BLOCK=block, ITERS=iters, num_warps=8), reps)
+    return n * buf.element_size() / (us * 1e-6)
+
+
+def routing(num_tokens, num_experts, top_k, gen):
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
+    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    return ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--batches", default="1,4,16,64,2048")
+    p.add_argument("--sweep", type=int, default=1)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, H, I, K, L = 128, 2048, 768, 8, args.layers
+    dtype = torch.bfloat16
+    dev = torch.cuda.get_device_properties(0)
+    res = {"device": torch.cuda.get_device_name(0), "sms": dev.multi_processor_count,
+           "torch": torch.__version__, "triton": triton.__version__, "shape": dict(E=E, H=H, I=I, top_k=K, dtype="bfloat16", layers=L)}
+    n = L * E
+    expert_bytes = (2 * I * H + H * I) * 2
+    t0 = time.time()
+    w13_hot = torch.randn(n, 2 * I, H, device="cuda", dtype=dtype) / H**0.5
+    w2_hot = torch.randn(n, H, I, device="cuda", dtype=dtype) / I**0.5
+    check_host_allocation(n * expert_bytes, "benchmark pinned cold pool")
+    w13_cold = torch.empty(w13_hot.shape, dtype=dtype, pin_memory=True)
+    w2_cold = torch.empty(w2_hot.shape, dtype=dtype, pin_memory=True)
+    w13_cold.copy_(w13_hot)
+    w2_cold.copy_(w2_hot)
+    torch.cuda.synchronize()
+    log(f"pools: {n} experts in each tier, {n * expert_bytes / 2**30:.1f} GiB each, {time.time() - t0:.1f}s")
+    all_hot_map = torch.arange(n, dtype=torch.int32).reshape(L, E)
+    all_cold_map = -all_hot_map - 1
+    pools = ExpertPools(w13_hot, w2_hot, w13_cold, w2_cold, all_hot_map.clone().cuda())
+    pools.validate()
+    unmodified = ExpertPools.all_hot(w13_hot.view(L, E, 2 * I, H), w2_hot.view(L, E, H, I))
+
+    # --- ceilings, measured now
+    hbm = max(read_bandwidth(w13_hot.view(-1), 4096, it, args.reps) for it in (4, 16))
+    pinned_candidates = {f"block{b}_iters{it}": read_bandwidth(w13_cold.view(-1)[: 2**29], b, it, 10)
+                         for b, it in ((1024, 1), (4096, 1), (4096, 4), (8192, 8))}
+    pinned = max(pinned_candidates.values())
+    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    bmat = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    mm_us = eager_time_us(lambda: a @ bmat, 10)
+    mm_rate = 2 * 8192**3 / (mm_us * 1e-6)
+    del a, bmat
+    res["ceilings"] = {"hbm_read_GBps": hbm / 1e9, "pinned_read_GBps": pinned / 1e9,
+                       "pinned_candidates_GBps": {k: v / 1e9 for k, v in pinned_candidates.items()},
+                       "bf16_matmul_TFLOPs": mm_rate / 1e12}
+    log("ceilings", res["ceilings"])
+
+    def make_case(num_tokens, top_k=K):
+        xs = [torch.randn(num_tokens, H, device="cuda", generator=gen).to(dtype) for _ in range(L)]
+        rs = [routing(num_tokens, E, top_k, gen) for _ in range(L)]
+        return xs, rs
+
+    def run_all(pl, xs, rs, cfg, use_row_map=True, outs=None):
+        def fn():
+            res_ = [triton_experts(pl, layer, xs[layer], rs[layer][0], rs[layer][1], cfg, use_row_map) for layer in range(L)]
+            if outs is not None:
+                outs[:] = res_
+        return fn
+
+    def distinct_bytes(rs):
+        return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
+
+    checks = []
+    # --- config sweep at batch 1 (hot and cold): the split of weight rows over blocks
+    sweep = []
+    if args.sweep:
+        xs, rs = make_case(1)
+        cands = [KernelConfig(16, n1, k1, n2, k2, w, s) for (n1, n2) in ((16, 16), (32, 32), (64, 64), (16, 32), (32, 64))
+                 for (k1, k2) in ((128, 128), (256, 256)) for (w, s) in ((4, 3),)]
+        cands += [KernelConfig(16, 32, 128, 32, 128, 4, 4), KernelConfig(16, 16, 128, 16, 128, 2, 4),
+                  KernelConfig(16, 32, 64, 32, 64, 4, 5)]
+        for cfg in cands:
+            pools.set_row_map(all_hot_map)
+            hot_us = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+            pools.set_row_map(all_cold_map)
+            cold_us = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
+            sweep.append({"config": cfg.to_dict(), "hot_us": hot_us, "cold_us": cold_us})
+            log("sweep", cfg, f"hot {hot_us:.1f} us cold {cold_us:.1f} us")
+        res["sweep_batch1"] = sweep
+    best_hot = min(sweep, key=lambda r: r["hot_us"])["config"] if sweep else DEFAULT_DECODE_CONFIG.to_dict()
+    best_cold = min(sweep, key=lambda r: r["cold_us"])["config"] if sweep else DEFAULT_DECODE_CONFIG.to_dict()
+    res["best_hot_config"], res["best_cold_config"] = best_hot, best_cold
+
+    # --- per batch size
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        cfg = DEFAULT_DECODE_CONFIG if B <= 64 else DEFAULT_PREFILL_CONFIG
+        xs, rs = make_case(B)
+        nbytes = distinct_bytes(rs)
+        flops = 2 * B * K * (2 * I * H + H * I)
+        bound_us = max(nbytes / hbm, flops / mm_rate) * 1e6
+        out_on, out_off, out_cold = [], [], []
+        pools.set_row_map(all_hot_map)
+        on_us = graph_time_us(run_all(pools, xs, rs, cfg, True, out_on), args.reps) / L
+        off_us = graph_time_us(run_all(unmodified, xs, rs, cfg, False, out_off), args.reps) / L
+        on2_us = graph_time_us(run_all(pools, xs, rs, cfg, True), args.reps) / L
+        off2_us = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
+        row = {"batch": B, "config": cfg.to_dict(), "distinct_expert_MB": nbytes / 1e6, "bound_us": bound_us,
+               "hot_us": min(on_us, on2_us), "hot_us_runs": [on_us, on2_us], "off_us": min(off_us, off2_us),
+               "off_us_runs": [off_us, off2_us]}
+        row["hot_GBps"] = nbytes / (row["hot_us"] * 1e-6) / 1e9
+        row["rowmap_cost_pct"] = 100 * (row["hot_us"] / row["off_us"] - 1)
+        if B <= 64:
+            pools.set_row_map(all_cold_map)
+            row["cold_us"] = graph_time_us(run_all(pools, xs, rs, cfg, True, out_cold), max(5, args.reps // 3)) / L
+            row["cold_GBps"] = nbytes / (row["cold_us"] * 1e-6) / 1e9
+            row["cold_pct_pinned"] = 100 * row["cold_GBps"] * 1e9 / pinned
+            pools.set_row_map(all_hot_map)
+        row["torch_us"] = eager_time_us(lambda: [torch_experts(pools, l, xs[l], *rs[l]) for l in range(L)], 5 if B > 64 else 10) / L
+        # correctness: bitwise across placements, error vs torch
+        bit_cold = all(torch.equal(a_, b_) for a_, b_ in zip(out_on, out_cold)) if out_cold else None
+        bit_off = all(torch.equal(a_, b_) for a_, b_ in zip(out_on, out_off))
+        errs = []
+        for l in range(L):
+            ref = torch_experts(pools, l, xs[l], *rs[l]).float()
+            errs.append(float((out_on[l].float() - ref).norm() / ref.norm()))
+        row.update({"bitwise_rowmap_vs_off": bit_off, "bitwise_cold_vs_hot": bit_cold, "max_rel_err_vs_torch": max(errs)})
+        checks.append((B, bit_off, bit_cold, max(errs)))
+        rows.append(row)
+        log("batch", B, {k: v for k, v in row.items() if k != "config"})
+    res["batches"] = rows
+
+    # --- tuned decode config at batch 1 (from the sweep) for hot, cold, off
+    r1 = {}
+    if sweep:
+        xs, rs = make_case(1)
+        nbytes = distinct_bytes(rs)
+        for name, cfgd in (("best_hot", best_hot), ("best_cold", best_cold)):
+            cfg = KernelConfig.from_dict(cfgd)
+            pools.set_row_map(all_hot_map)
+            on = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+            off = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
+            on2 = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+            off2 = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
+            pools.set_row_map(all_cold_map)
+            cold = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
+            pools.set_row_map(all_hot_map)
+            r1[name] = {"config": cfgd, "hot_us": min(on, on2), "off_us": min(off, off2), "runs": [on, off, on2, off2],
+                        "cold_us": cold, "hot_pct_hbm": 100 * nbytes / (min(on, on2) * 1e-6) / hbm,
+                        "cold_pct_pinned": 100 * nbytes / (cold * 1e-6) / pinned,
+                        "rowmap_cost_pct": 100 * (min(on, on2) / min(off, off2) - 1)}
+        res["batch1_tuned"] = r1
+        log("batch1 tuned", r1)
+
+    # --- mixed: 4 hot + 4 cold of the 8 selected, against the sum of the two parts (top-4 each)
+    cfg = KernelConfig.from_dict(best_cold) if sweep else DEFAULT_DECODE_CONFIG
+    xs, rs = make_case(1)
+    mixed_map = all_hot_map.clone()
+    for l in range(L):
+        for e in rs[l][0][0, 4:].tolist():
+            mixed_map[l, e] = -(l * E + e) - 1
+    hot_part = [(r[0][:, :4].contiguous(), r[1][:, :4].contiguous()) for r in rs]
+    cold_part = [(r[0][:, 4:].contiguous(), r[1][:, 4:].contiguous()) for r in rs]
+    pools.set_row_map(mixed_map)
+    out_mixed = []
+    mixed_us = graph_time_us(run_all(pools, xs, rs, cfg, True, out_mixed), max(5, args.reps // 3)) / L
+    pools.set_row_map(all_hot_map)
+    hot4_us = graph_time_us(run_all(pools, xs, hot_part, cfg), args.reps) / L
+    out_hot = []
+    graph_time_us(run_all(pools, xs, rs, cfg, True, out_hot), 3)
+    pools.set_row_map(all_cold_map)
+    cold4_us = graph_time_us(run_all(pools, xs, cold_part, cfg), max(5, args.reps // 3)) / L
+    pools.set_row_map(all_hot_map)
+    res["mixed"] = {"config": cfg.to_dict(), "mixed_us": mixed_us, "hot4_us": hot4_us, "cold4_us": cold4_us,
+                    "sum_parts_us": hot4_us + cold4_us, "mixed_over_sum": mixed_us / (hot4_us + cold4_us),
+                    "bitwise_mixed_vs_hot": all(torch.equal(a_, b_) for a_, b_ in zip(out_mixed, out_hot))}
+    log("mixed", res["mixed"])
+
+    with open(f"{args.out}/kernel_bench.json", "w") as f:
+        json.dump(res, f, indent=1)
+
+    c = res["ceilings"]
+    print(f"\n## {res['device']} ({res['sms']} SMs), torch {res['torch']}, triton {res['triton']}")
+    print(f"HBM read {c['hbm_read_GBps']:.0f} GB/s; pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s; "
+          f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print("\n| batch | distinct expert MB/layer | bound µs | Triton hot µs | hot GB/s (% HBM) | row map off µs | row-map cost | "
+          "Triton all-cold µs | cold % pinned | torch ref µs | bitwise off/cold | rel err vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cold = f"{r['cold_us']:.0f} | {r['cold_pct_pinned']:.0f}%" if "cold_us" in r else "- | -"
+        print(f"| {r['batch']} | {r['distinct_expert_MB']:.1f} | {r['bound_us']:.1f} | {r['hot_us']:.1f} | "
+              f"{r['hot_GBps']:.0f} ({100 * r['hot_GBps'] * 1e9 / hbm:.0f}%) | {r['off_us']:.1f} | {r['rowmap_cost_pct']:+.1f}% | "
+              f"{cold} | {r['torch_us']:.0f} | {r['bitwise_rowmap_vs_off']}/{r['bitwise_cold_vs_hot']} | {r['max_rel_err_vs_torch']:.1e} |")
+    for name, r in r1.items():
+        print(f"\nbatch 1 {name} {r['config']}: hot {r['hot_us']:.1f} µs ({r['hot_pct_hbm']:.0f}% HBM), off {r['off_us']:.1f} µs "
+              f"(row-map cost {r['rowmap_cost_pct']:+.1f}%), cold {r['cold_us']:.0f} µs ({r['cold_pct_pinned']:.0f}% pinned)")
+    m = res["mixed"]
+    print(f"\nmixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs hot part {m['hot4_us']:.1f} + cold part {m['cold4_us']:.0f} = "
+          f"{m['sum_parts_us']:.0f} µs (ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
+
+
+if __name__ == "__main__":
+    main()
