@@ -177,10 +177,14 @@ def main():
         cands += [KernelConfig(16, 32, 128, 32, 128, 4, 4), KernelConfig(16, 16, 128, 16, 128, 2, 4),
                   KernelConfig(16, 32, 64, 32, 64, 4, 5)]
         for cfg in cands:
-            pools.set_row_map(all_hot_map)
-            hot_us = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
-            pools.set_row_map(all_cold_map)
-            cold_us = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
+            try:
+                pools.set_row_map(all_hot_map)
+                hot_us = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+                pools.set_row_map(all_cold_map)
+                cold_us = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
+            except Exception as exc:  # e.g. out of shared memory for a large tile: skip that config
+                log("sweep", cfg, "failed:", repr(exc)[:200])
+                continue
             sweep.append({"config": cfg.to_dict(), "hot_us": hot_us, "cold_us": cold_us})
             log("sweep", cfg, f"hot {hot_us:.1f} us cold {cold_us:.1f} us")
         res["sweep_batch1"] = sweep
