@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from coldset.placement import residency_label  # the one file-name form of a residency
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
 
@@ -79,11 +81,6 @@ def resolve_device(config: dict) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config device: cuda, but torch sees no CUDA device")
     return device
-
-
-def residency_label(residency: float) -> str:
-    """File-name form of a residency: 0.5 -> '0.50'."""
-    return f"{float(residency):.2f}"
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
+# One job benchmarks every placement (the model is loaded once); tok_s_per_gib and fetch_tax
+# compare placements, so they are computed here over all of them.
 rule bench:
     input:
         manifest=model_inputs,
-        placement=f"{RESULTS}/placement/{MODEL}/{{placement}}.json",
+        fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+        placements=rules.placement.output.placements,
         autotune=rules.autotune.output.entry,
         gate=rules.parity_gate.output.gate,
     output:
-        bench=f"{RESULTS}/bench/{MODEL}/{{placement}}.json",
+        results=expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
     log:
-        f"logs/bench/{MODEL}/{{placement}}.log",
+        f"logs/bench/{MODEL}.log",
     params:
         bench=config["bench"],
     resources:

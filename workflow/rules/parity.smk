@@ -1,13 +1,15 @@
+# One job decodes the fixtures once on the unmodified path, then once per placement (the model
+# and the reference are loaded and computed once, which matters at real model sizes).
 rule parity:
     input:
         manifest=model_inputs,
         fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
-        placement=f"{RESULTS}/placement/{MODEL}/{{placement}}.json",
+        placements=rules.placement.output.placements,
         autotune=rules.autotune.output.entry,
     output:
-        report=f"{RESULTS}/parity/{MODEL}/{{placement}}.json",
+        reports=expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
     log:
-        f"logs/parity/{MODEL}/{{placement}}.log",
+        f"logs/parity/{MODEL}.log",
     params:
         parity=config["parity"],
     resources:
@@ -19,7 +21,7 @@ rule parity:
 # The gate: fails, naming every placement whose tokens differ; bench and report depend on it.
 rule parity_gate:
     input:
-        expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        rules.parity.output.reports,
     output:
         gate=f"{RESULTS}/parity/{MODEL}/gate.json",
     log:

@@ -1,7 +1,16 @@
+def routing_inputs(wildcards):
+    """An imported trace needs only its file; a capture needs the model and the fixtures."""
+    if config["routing"]["trace"]:
+        return {"trace": config["routing"]["trace"]}
+    return {
+        "manifest": model_inputs(),
+        "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+    }
+
+
 rule routing:
     input:
-        manifest=model_inputs,
-        fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+        unpack(routing_inputs),
     output:
         trace=f"{RESULTS}/routing/{MODEL}/trace.parquet",
     log:

@@ -1,0 +1,351 @@
+"""Decode benchmark of one placement: tok/s, step times, bytes over the host link, cold share.
+
+The engine decodes the same greedy tokens as in the parity gate, through the row-map experts
+path over pools built from the placement. On CUDA the decode step (every layer, the row-map
+kernel included) is captured once in a CUDA graph and replayed, with no host synchronisation
+inside the step; on CPU it runs eagerly. Timings are medians over repeats after warm-up.
+
+``cold_share`` and ``link_gb_per_token`` are measured from the routing of the benchmarked decode
+tokens (an eager pass with routing capture over the same tokens), not predicted: per step and MoE
+layer, each distinct cold expert the batch touched is read over the host link once.
+Derived metrics that need several placements (``tok_s_per_gib``, ``fetch_tax``) are computed by
+:func:`derive_metrics` over all of a model's results (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+GIB = 1024**3
+
+
+@dataclass
+class BenchResult:
+    """One (placement, batch size) measurement; names as DESIGN.md §6."""
+
+    placement: str
+    policy: str
+    residency: float
+    batch_size: int
+    tok_s: float  # decode tokens per second per sequence
+    step_ms_p50: float
+    step_ms_p90: float
+    prefill_ms: float
+    hbm_expert_gib: float
+    host_expert_gib: float
+    cold_share: float
+    link_gb_per_token: float
+    predicted_step_ms: float | None  # the speed model's lower bound, for the preset named
+    predicted_step_ms_sum: float | None
+    predicted_preset: str | None
+    prompt_tokens: int
+    new_tokens: int
+    repeats: int
+    device: str
+    dtype: str
+    backend: str
+    graphed: bool
+    routing_source: str
+    tok_s_per_gib: float | None = None
+    fetch_tax: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:
+    """``[batch_size, prompt_tokens]`` prompts cut from a token stream (fixtures concatenated)."""
+    need = batch_size * prompt_tokens
+    if not token_stream:
+        raise ValueError("bench needs a non-empty token stream to cut prompts from")
+    reps = -(-need // len(token_stream))
+    return torch.tensor((token_stream * reps)[:need], dtype=torch.long).view(batch_size, prompt_tokens)
+
+
+class Decoder:
+    """Prefill then greedy decode of equal-length prompts, the step optionally CUDA-graphed.
+
+    Every input of the step lives in a static buffer (token, position, cache slot, full-length
+    attention mask), so one captured graph serves every step and every placement whose pools
+    keep their addresses.
+    """
+
+    def __init__(self, model, batch_size: int, prompt_tokens: int, new_tokens: int, use_graph: bool):
+        self.model = model
+        self.bsz, self.plen, self.new = batch_size, prompt_tokens, new_tokens
+        self.max_seq = prompt_tokens + new_tokens
+        dev = model.device
+        model.setup_cache(batch_size, self.max_seq)
+        self.all_slots = torch.arange(self.max_seq, device=dev)
+        self.tok = torch.zeros((batch_size, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((batch_size, 1), dtype=torch.long, device=dev)
+        self.slot = torch.zeros((1,), dtype=torch.long, device=dev)
+        self.mask = torch.zeros((batch_size, 1, 1, self.max_seq), dtype=torch.bool, device=dev)
+        self.logits = None
+        self.graph = None
+        self.use_graph = use_graph
+
+    def _step(self):
+        return self.model(self.tok, self.pos, self.slot, self.mask)[:, -1]
+
+    def prefill(self, prompts: torch.Tensor) -> torch.Tensor:
+        plen = self.plen
+        slots = self.all_slots[:plen]
+        mask = (slots[:, None] >= slots[None, :])[None, None].expand(self.bsz, 1, plen, plen)
+        positions = slots[None, :].expand(self.bsz, plen)
+        logits = self.model(prompts.to(self.model.device), positions, slots, mask, last_only=True)[:, -1]
+        return torch.argmax(logits, dim=-1)
+
+    def set_step(self, token: torch.Tensor, t: int) -> None:
+        """Write step ``t``'s inputs (the token at sequence slot plen + t - 1) into the buffers."""
+        slot = self.plen + t - 1
+        self.tok.copy_(token[:, None])
+        self.pos.fill_(slot)
+        self.slot.fill_(slot)
+        self.mask.copy_((self.all_slots <= slot)[None, None, None, :].expand_as(self.mask))
+
+    def capture(self) -> None:
+        """Capture the decode step in a CUDA graph (after a warm-up on a side stream)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+
+    def step(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self._step()
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return ev.elapsed_time(end)
+    else:
+        def start():
+            return time.perf_counter()
+
+        def stop(t0):
+            return (time.perf_counter() - t0) * 1000.0
+    return start, stop
+
+
+def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
+    """(cold_share, link bytes per decoded token) from the routing of the benchmarked decode tokens."""
+    from coldset.model import generate
+
+    gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
+    row_map = model.pools.row_map.cpu().numpy()
+    plen = prompts.shape[1]
+    decode = np.stack([r.experts.cpu().numpy()[plen:] for r in gen.routing])  # [B, steps, L, k]
+    if decode.shape[1] == 0:
+        raise ValueError("bench needs at least 2 new tokens to observe decode routing")
+    layers = np.arange(row_map.shape[0])[None, None, :, None]
+    cold = row_map[layers, decode.astype(np.int64)] < 0
+    cold_share = float(cold.mean())
+    link_bytes = 0
+    for step in range(decode.shape[1]):
+        for layer in range(decode.shape[2]):
+            ids = decode[:, step, layer, :]
+            link_bytes += len(set(ids[cold[:, step, layer, :]].tolist()))
+    link_bytes *= bytes_per_expert
+    tokens = decode.shape[0] * decode.shape[1]
+    return cold_share, link_bytes / tokens
+
+
+def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
+                 prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
+                 replay=None) -> BenchResult:
+    """Benchmark ``model`` decoding with ``placed_pools`` (the placement's row map) at one batch size.
+
+    ``placement`` is a :class:`coldset.placement.Placement`; ``replay`` an optional
+    :class:`RoutingReplay` that replaces the router's choices with a recorded trace's.
+    """
+    from coldset.gate import experts_functions
+
+    device = model.device
+    _, rowmap_fn, backend = experts_functions(device)
+    saved = model.pools, model.experts_fn
+    model.pools, model.experts_fn = placed_pools, rowmap_fn
+    if replay is not None:
+        model.experts_fn = replay.wrap(rowmap_fn)
+    try:
+        prompts = bench_prompts(token_stream, batch_size, prompt_tokens)
+        per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
+            * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
+            (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
+        if replay is None:
+            cold_share, link_per_token = measure_routing(model, prompts, new_tokens, per_expert)
+        else:
+            cold_share, link_per_token = replay.cold_stats(placed_pools.row_map.cpu().numpy(), batch_size,
+                                                           new_tokens - 1, per_expert)
+        use_graph = device.type == "cuda" and backend == "triton"
+        dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
+        start, stop = _timer(device)
+        prefill_ms, step_ms = [], []
+        for rep in range(warmup + repeats):
+            if replay is not None:
+                replay.reset()
+            t0 = start()
+            token = dec.prefill(prompts)
+            p_ms = stop(t0)
+            if use_graph and dec.graph is None:
+                dec.set_step(token, 1)
+                dec.capture()
+            steps = []
+            for t in range(1, new_tokens):
+                dec.set_step(token, t)
+                if replay is not None:
+                    replay.advance()
+                t0 = start()
+                logits = dec.step()
+                steps.append(stop(t0))
+                token = torch.argmax(logits, dim=-1)
+            if rep >= warmup:
+                prefill_ms.append(p_ms)
+                step_ms.extend(steps)
+    finally:
+        model.pools, model.experts_fn = saved
+    p50 = statistics.median(step_ms)
+    p90 = float(np.percentile(step_ms, 90))
+    preset, pred_lower, pred_sum = _prediction(placement, batch_size)
+    return BenchResult(
+        placement=f"{placement.policy}-{placement.label}",
+        policy=placement.policy,
+        residency=float(placement.residency if placement.residency is not None else placement.achieved_residency),
+        batch_size=batch_size,
+        tok_s=1000.0 / p50,
+        step_ms_p50=p50,
+        step_ms_p90=p90,
+        prefill_ms=statistics.median(prefill_ms),
+        hbm_expert_gib=float(placement.hbm_expert_gib),
+        host_expert_gib=float(placement.host_expert_gib),
+        cold_share=cold_share,
+        link_gb_per_token=link_per_token / 1e9,
+        predicted_step_ms=pred_lower,
+        predicted_step_ms_sum=pred_sum,
+        predicted_preset=preset,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        dtype=str(model.dtype).removeprefix("torch."),
+        backend=backend,
+        graphed=use_graph,
+        routing_source="trace" if replay is not None else "router",
+    )
+
+
+def _prediction(placement, batch_size: int):
+    """(preset, lower-bound ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
+    for preset in dict.fromkeys(["h200", *(p.preset for p in placement.predictions)]):
+        try:
+            pred = placement.prediction(preset, batch_size)
+        except KeyError:
+            continue
+        return preset, pred.step_s_lower * 1e3, pred.step_s_sum * 1e3
+    return None, None, None
+
+
+def derive_metrics(records: list[dict]) -> list[dict]:
+    """Fill ``tok_s_per_gib`` and ``fetch_tax`` across one model's results (DESIGN.md §6).
+
+    ``tok_s_per_gib``: (tok/s - tok/s at the same policy's next smaller residency) / (GiB of
+    experts in HBM added), at the same batch size; None for the smallest residency.
+    ``fetch_tax``: 1 - tok/s / tok/s at residency 1.0 of the same policy and batch size.
+    """
+    out = [dict(r) for r in records]
+    groups: dict[tuple, list[dict]] = {}
+    for r in out:
+        groups.setdefault((r["policy"], r["batch_size"]), []).append(r)
+    for rows in groups.values():
+        rows.sort(key=lambda r: r["residency"])
+        full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
+        prev = None
+        for r in rows:
+            r["fetch_tax"] = None if full is None else 1.0 - r["tok_s"] / full["tok_s"]
+            gib = r["hbm_expert_gib"] - prev["hbm_expert_gib"] if prev else 0.0
+            r["tok_s_per_gib"] = (r["tok_s"] - prev["tok_s"]) / gib if prev and gib > 0 else None
+            prev = r
+    return out
+
+
+class RoutingReplay:
+    """Replays a recorded trace's decode routing instead of the model's router (speed only).
+
+    The trace's decode selections, per MoE layer, are laid out as steps of ``batch_size`` tokens
+    (requests side by side, in trace order). Before every step, the next step's ids are written
+    into one static buffer per layer, so the replay also works inside a CUDA graph.
+    """
+
+    def __init__(self, steps: np.ndarray, device):
+        # steps: int64 [num_steps, num_moe_layers, batch, top_k]
+        self.steps = torch.as_tensor(steps, dtype=torch.long)
+        self.buffers = torch.zeros(self.steps.shape[1:], dtype=torch.long, device=device)
+        self.index = 0
+
+    @classmethod
+    def from_trace(cls, trace_path, model_config, batch_size: int, num_steps: int, device) -> "RoutingReplay":
+        import pandas as pd
+
+        from coldset.routing import read_trace_meta
+
+        meta = read_trace_meta(trace_path, model_config)
+        df = pd.read_parquet(trace_path, columns=["request", "position", "phase", "layer", "rank", "expert"],
+                             filters=[("phase", "==", "decode")])
+        moe = {layer: i for i, layer in enumerate(meta.moe_layers)}
+        df = df.sort_values(["request", "position", "layer", "rank"])
+        k = meta.top_k
+        per_token = df["expert"].to_numpy().reshape(-1, len(moe), k)  # [tokens, L, k]
+        need = num_steps * batch_size
+        if len(per_token) < need:
+            raise ValueError(f"routing trace {trace_path} has {len(per_token)} decode tokens; "
+                             f"the benchmark needs {need} ({num_steps} steps x batch {batch_size})")
+        steps = per_token[:need].reshape(num_steps, batch_size, len(moe), k).transpose(0, 2, 1, 3)
+        return cls(np.ascontiguousarray(steps), device)
+
+    def reset(self) -> None:
+        self.index = 0
+
+    def advance(self) -> None:
+        self.buffers.copy_(self.steps[self.index % len(self.steps)].to(self.buffers.device))
+        self.index += 1
+
+    def wrap(self, experts_fn):
+        buffers = self.buffers
+
+        def replayed(pools, layer, x, topk_ids, topk_weights):
+            if x.shape[0] == buffers.shape[1]:  # decode steps replay; prefill keeps the router
+                topk_ids = buffers[layer]
+            return experts_fn(pools, layer, x, topk_ids, topk_weights)
+
+        return replayed
+
+    def cold_stats(self, row_map: np.ndarray, batch_size: int, num_steps: int, bytes_per_expert: int):
+        steps = self.steps[:num_steps].numpy()  # [S, L, B, k]
+        layers = np.arange(row_map.shape[0])[None, :, None, None]
+        cold = row_map[layers, steps] < 0
+        link = sum(len(set(steps[s, l][cold[s, l]].tolist()))
+                   for s in range(steps.shape[0]) for l in range(steps.shape[1]))
+        return float(cold.mean()), link * bytes_per_expert / (steps.shape[0] * batch_size)

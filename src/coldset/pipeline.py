@@ -1,0 +1,306 @@
+"""The stages of the workflow as functions of the validated config (DESIGN.md §1).
+
+Each stage reads and writes the files :class:`coldset.config.Layout` names, so the Snakemake
+rules (through workflow/scripts/, which only call :func:`run_from_snakemake`) and
+``python -m coldset STAGE`` (for the GPU host, which has no Snakemake) run the same code on the
+same paths. The stage bodies only translate config into library calls; logic lives in the
+modules named in each body.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from coldset.config import Layout, config_hash, resolve_device
+from coldset.files import read_json, write_json
+
+log = logging.getLogger("coldset")
+
+
+class StageError(RuntimeError):
+    """A stage could not run with this configuration (the message says why)."""
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def model_dir(config: dict) -> Path:
+    """The Hugging Face folder every model-reading stage loads."""
+    if config["model"]["path"]:
+        return Path(config["model"]["path"])
+    return Layout.from_config(config).model_dir / "hf"
+
+
+def _torch_dtype(config: dict):
+    import torch
+
+    return getattr(torch, config["model"]["dtype"])
+
+
+def _fixture_paths(config: dict) -> list[Path]:
+    layout = Layout.from_config(config)
+    return [layout.fixtures(d) for d in config["fixtures"]["domains"]]
+
+
+def _placement_names(config: dict, only: list[str] | None) -> list[str]:
+    from coldset.placement import residency_label
+
+    names = [f"{p}-{residency_label(r)}" for p in config["placement"]["policies"]
+             for r in config["placement"]["residency"]]
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise StageError(f"unknown placement(s) {unknown}; configured: {names}")
+        names = [n for n in names if n in only]
+    return names
+
+
+def _load_engine(config: dict):
+    from coldset.model import load_model, load_tokenizer
+
+    device = resolve_device(config)
+    path = model_dir(config)
+    log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
+    return load_model(path, device=device, dtype=_torch_dtype(config)), load_tokenizer(path)
+
+
+def _placed_pools(model, placement):
+    """Pools holding the model's experts at the placement's rows (cold rows pinned on CUDA)."""
+    from coldset.tiers import build_pools
+
+    cfg = model.config
+    ref = model.pools
+    w13 = ref.w13_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w13_hot.shape[1:])
+    w2 = ref.w2_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w2_hot.shape[1:])
+    return build_pools(w13, w2, placement.row_map, model.device)
+
+
+# ------------------------------------------------------------------------------------ stages
+
+def model(config: dict, **_) -> None:
+    """Generate the synthetic checkpoint, or check the configured local folder; write the manifest."""
+    from coldset.model import ModelConfig
+
+    layout = Layout.from_config(config)
+    path = model_dir(config)
+    if config["model"]["path"]:
+        if config["model"]["synthetic"]:
+            raise StageError("config sets both model.path and model.synthetic: choose one")
+        source = "local"
+    else:
+        from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+
+        known = {f.name for f in fields(SyntheticSpec)}
+        unknown = sorted(set(config["model"]["synthetic"]) - known)
+        if unknown:
+            raise StageError(f"config model.synthetic: unknown setting(s) {unknown}; known: {sorted(known)}")
+        spec = SyntheticSpec(**config["model"]["synthetic"])
+        log.info("writing synthetic checkpoint %s to %s", spec, path)
+        write_synthetic_checkpoint(spec, path)
+        source = "synthetic"
+    cfg = ModelConfig.from_pretrained(path)  # the loader's own checks: clear errors on a bad folder
+    if not (path / "tokenizer.json").is_file():
+        raise StageError(f"model folder {path} has no tokenizer.json")
+    write_json(layout.model_dir / "manifest.json", {
+        "name": config["model"]["name"], "path": str(path.resolve()), "source": source,
+        "config": {k: v for k, v in asdict(cfg).items()},
+    })
+
+
+def fixtures(config: dict, **_) -> None:
+    from coldset.fixtures import make_fixtures
+
+    fx = config["fixtures"]
+    make_fixtures(Layout.from_config(config).fixtures_dir, fx["domains"], fx["per_domain"],
+                  fx["heldout_fraction"], fx["max_new_tokens"], fx["seed"],
+                  template_dir=fx["template_dir"], user_prompts=fx["prompts"])
+
+
+def routing(config: dict, **_) -> None:
+    """Capture the trace with the embedded engine, or import the configured one."""
+    import shutil
+
+    from coldset import routing as trace
+
+    layout = Layout.from_config(config)
+    out = layout.trace
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rc = config["routing"]
+    if rc["trace"]:
+        src = Path(rc["trace"])
+        fmt = rc["trace_format"]
+        if fmt == "auto":
+            fmt = "coldset" if src.suffix == ".parquet" else None
+            if fmt is None:
+                raise StageError(f"routing.trace {src}: set routing.trace_format (vllm or sglang) for a "
+                                 f"{src.suffix or 'suffix-less'} file")
+        heldout = config["stats"]["heldout_fraction"]
+        if fmt == "coldset":
+            trace.validate_trace(src)
+            shutil.copyfile(src, out)
+        elif fmt == "vllm":
+            report = trace.import_vllm(src, out, heldout_fraction=heldout)
+            log.info("imported %s: %s", src, report)
+        else:
+            report = trace.import_sglang(src, out, heldout_fraction=heldout)
+            log.info("imported %s: %s", src, report)
+        return
+    trace.capture_routing(model_dir(config), _fixture_paths(config), out, device=resolve_device(config),
+                          dtype=config["model"]["dtype"], batch_size=rc["batch_size"],
+                          model_name=config["model"]["name"])
+
+
+def stats(config: dict, **_) -> None:
+    from coldset.stats import run_stats
+
+    layout = Layout.from_config(config)
+    run_stats(layout.trace, layout.stats_dir, heldout_fraction=config["stats"]["heldout_fraction"])
+
+
+def placement(config: dict, **_) -> None:
+    from coldset.placement import run_placement
+
+    layout = Layout.from_config(config)
+    pc = config["placement"]
+    run_placement(layout.stats_dir / "histogram.csv", model_dir(config), layout.placement_dir,
+                  pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
+                  domain_weights="equal" if pc["weight_domains"] else None,
+                  bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
+                  batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"])
+
+
+def autotune(config: dict, **_) -> None:
+    from coldset.model import ModelConfig
+    from coldset.tune import run_autotune
+
+    layout = Layout.from_config(config)
+    run_autotune(ModelConfig.from_pretrained(model_dir(config)), config["model"]["dtype"],
+                 config["bench"]["batch_sizes"], resolve_device(config),
+                 config["autotune"]["cache_dir"], layout.autotune)
+
+
+def parity(config: dict, placements: list[str] | None = None, **_) -> None:
+    """Decode the parity fixtures on the unmodified path once, then with every placement."""
+    from coldset import gate
+    from coldset.fixtures import read_fixtures
+    from coldset.model import encode_prompts
+    from coldset.placement import load_placement
+
+    layout = Layout.from_config(config)
+    pc = config["parity"]
+    fxs = read_fixtures(_fixture_paths(config))
+    if pc["fixtures_per_domain"]:
+        seen: dict[str, int] = {}
+        fxs = [f for f in fxs if seen.setdefault(f.domain, 0) < pc["fixtures_per_domain"]
+               and not seen.__setitem__(f.domain, seen[f.domain] + 1)]
+    engine, tokenizer = _load_engine(config)
+    prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
+    ids = [f.id for f in fxs]
+    batch = config["routing"]["batch_size"]
+    reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch)
+    for name in _placement_names(config, placements):
+        pl = load_placement(layout.placement_dir / f"{name}.json")
+        pools = _placed_pools(engine, pl)
+        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch)
+        result = gate.compare(name, ids, reference, got, pools, engine)
+        log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
+                 result.tokens_total, result.max_abs_logit_diff)
+        write_json(layout.parity(*name.rsplit("-", 1)), result.to_dict())
+        del pools
+
+
+def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:
+    from coldset.gate import gate_verdict
+
+    layout = Layout.from_config(config)
+    results = [read_json(layout.parity(*n.rsplit("-", 1)), "parity report")
+               for n in _placement_names(config, placements)]
+    summary = gate_verdict(results)  # raises, naming the failed placements
+    write_json(layout.parity_gate, summary)
+    log.info("parity gate passed: %d placements token-exact", len(results))
+
+
+def bench(config: dict, placements: list[str] | None = None, **_) -> None:
+    from coldset import bench as bn
+    from coldset.fixtures import read_fixtures
+    from coldset.model import encode_prompts
+    from coldset.placement import load_placement
+
+    layout = Layout.from_config(config)
+    bc = config["bench"]
+    engine, tokenizer = _load_engine(config)
+    stream = [t for ids in encode_prompts(tokenizer, [f.prompt for f in read_fixtures(_fixture_paths(config))])
+              for t in ids]
+    records: dict[str, list[dict]] = {}
+    for name in _placement_names(config, placements):
+        pl = load_placement(layout.placement_dir / f"{name}.json")
+        pools = _placed_pools(engine, pl)
+        for batch_size in bc["batch_sizes"]:
+            replay = None
+            if bc["routing_trace"]:
+                replay = bn.RoutingReplay.from_trace(bc["routing_trace"], engine.config, batch_size,
+                                                     bc["new_tokens"] - 1, engine.device)
+            r = bn.bench_decode(engine, pools, pl, stream, batch_size, bc["prompt_tokens"], bc["new_tokens"],
+                                bc["warmup"], bc["repeats"], replay=replay)
+            log.info("bench %s batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name, batch_size,
+                     r.tok_s, r.step_ms_p50, r.cold_share)
+            records.setdefault(name, []).append(r.to_dict())
+        del pools
+    derived = bn.derive_metrics([r for rs in records.values() for r in rs])
+    for name in records:
+        write_json(layout.bench(*name.rsplit("-", 1)),
+                   {"placement": name, "batches": [r for r in derived if r["placement"] == name]})
+
+
+def track(config: dict, **_) -> None:
+    from coldset.track import run_track
+
+    layout = Layout.from_config(config)
+    names = _placement_names(config, None)
+    run_track(
+        bench_jsons=[layout.bench(*n.rsplit("-", 1)) for n in names],
+        parity_jsons=[layout.parity(*n.rsplit("-", 1)) for n in names],
+        placement_jsons=[layout.placement_dir / f"{n}.json" for n in names],
+        stats_json=layout.stats_dir / "skew.json",
+        tracking_uri=layout.tracking_uri(config),
+        experiment=config["tracking"]["experiment"],
+        tags={"config_hash": config_hash(config), "autotune_key": read_json(layout.autotune)["key"]},
+        done_path=layout.track_done,
+    )
+
+
+def report(config: dict, **_) -> None:
+    from coldset.report import render_report
+
+    layout = Layout.from_config(config)
+    render_report(layout.results, layout.report, config)
+
+
+STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, autotune, parity,
+                                  parity_gate, bench, track, report)}
+GPU_STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate", "bench"]
+
+
+def run_stage(name: str, config: dict, placements: list[str] | None = None) -> None:
+    """Run one stage; the stage's own errors propagate with their messages."""
+    if name not in STAGES:
+        raise StageError(f"unknown stage {name!r}; stages: {list(STAGES)}")
+    log.info("stage %s", name)
+    STAGES[name](config, placements=placements)
+
+
+def run_from_snakemake(smk, name: str) -> None:
+    """Entry of every workflow script: log to the rule's log file, run the stage."""
+    log_path = Path(smk.log[0])
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stream = open(log_path, "w", buffering=1)
+    sys.stderr = stream  # progress bars and warnings go to the rule's log too
+    logging.basicConfig(level=logging.INFO, stream=stream, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    try:
+        run_stage(name, smk.config)
+    except Exception:
+        log.exception("stage %s failed", name)
+        raise
