@@ -34,18 +34,23 @@ class PoolAllocationError(MemoryError):
 
 
 def _check_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
-    """Validate a row map with the placement module's validator when it exists, else a local check.
+    """Refuse a row map that reads outside the pools or uses a row twice (raises ValueError).
 
-    The local check is the same rule (DESIGN.md §3): int32 ``[num_moe_layers, num_experts]``,
-    hot rows in ``[0, num_hot)``, cold rows in ``[-num_cold, -1]``, no row used twice.
+    Pools sized exactly for one placement (num_hot + num_cold == L * E, what :func:`build_pools`
+    makes by default) are checked by :func:`coldset.placement.validate_row_map`, the project's
+    one row-map validator, which also requires every pool row to be used. Pools with spare rows
+    (``build_pools(num_hot=..., num_cold=...)``, or every expert kept in both tiers so a
+    placement switch is a row-map write) cannot meet that completeness rule, so they get the
+    same range and reuse rules from :func:`_local_validate_row_map`.
     """
-    try:
-        from coldset.placement import validate_row_map  # the one validator, once it exists
-    except ImportError:
-        validate_row_map = None
-    if validate_row_map is not None:
-        validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
-        return
+    if num_hot + num_cold == num_moe_layers * num_experts:
+        try:
+            from coldset.placement import validate_row_map
+        except ImportError:  # placement module absent (partial install): same rules, locally
+            validate_row_map = None
+        if validate_row_map is not None:
+            validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
+            return
     _local_validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
 
 
