@@ -56,7 +56,6 @@ import pyarrow.parquet as pq
 
 from coldset.routing import (
     PHASES,
-    ROW_GROUP_ROWS,
     SPLITS,
     TraceError,
     TraceMeta,
@@ -68,7 +67,9 @@ from coldset.routing import (
 DEFAULT_XS = (10, 25, 50, 73)
 ALL = "(all)"
 #: Decode rows gathered before the oracle cache simulation runs on finished requests.
-_ORACLE_CHUNK_ROWS = 4_000_000
+_ORACLE_CHUNK_ROWS = 1_000_000
+#: Rows per batch read by the streaming pass (bounds its working memory).
+_SCAN_BATCH_ROWS = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,49 +163,49 @@ def oracle_cache_hits(steps: np.ndarray, slots: int) -> tuple[np.ndarray, np.nda
 
     ``steps`` is int ``[S, T, k]``: for sequence s, decode step t, the k selected experts
     (-1 = no selection: padding past a sequence's end). Returns (hits [S], selections [S]).
-    See the module docstring for the exact rule.
+    See the module docstring for the exact rule. Vectorised over sequences and ranks: one pass
+    backwards for next uses, one pass forwards over steps.
     """
-    steps = np.asarray(steps, dtype=np.int64)
+    steps = np.asarray(steps)
     S, T, k = steps.shape
     if slots < k:
         raise ValueError(f"a cache of {slots} slots cannot hold one step's {k} experts")
     valid = steps >= 0
     never = T + 1
-    next_use = np.full((S, T, k), never, dtype=np.int64)
-    s_idx, t_idx, r_idx = np.nonzero(valid)
-    if s_idx.size:
-        e = steps[s_idx, t_idx, r_idx]
-        order = np.lexsort((t_idx, e, s_idx))
-        ss, ee, tt = s_idx[order], e[order], t_idx[order]
-        nxt = np.full(order.size, never, dtype=np.int64)
-        same = (ss[1:] == ss[:-1]) & (ee[1:] == ee[:-1])
-        nxt[:-1][same] = tt[1:][same]
-        next_use[ss, tt, r_idx[order]] = nxt
+    n_ids = int(steps.max(initial=0)) + 2  # last column collects the -1 padding
+    ids = np.where(valid, steps, n_ids - 1).astype(np.int64)
+    rows_sk = np.broadcast_to(np.arange(S)[:, None], (S, k))
+    # next_use[s, t, r]: the next step after t whose selections include steps[s, t, r]
+    next_use = np.empty((S, T, k), dtype=np.int32)
+    upcoming = np.full((S, n_ids), never, dtype=np.int32)
+    for t in range(T - 1, -1, -1):
+        next_use[:, t] = upcoming[rows_sk, ids[:, t]]
+        upcoming[rows_sk, ids[:, t]] = t
     cache_e = np.full((S, slots), -1, dtype=np.int64)
-    cache_nu = np.full((S, slots), never + 1, dtype=np.int64)  # empty slots are taken first
+    cache_nu = np.full((S, slots), never + 1, dtype=np.int32)  # empty slots are taken first
     hits = np.zeros(S, dtype=np.int64)
     for t in range(T):
+        e_t, v_t = steps[:, t], valid[:, t]
+        match = (cache_e[:, None, :] == e_t[:, :, None]) & v_t[:, :, None]  # [S, k, slots]
+        hit = match.any(axis=2)
+        hits += hit.sum(axis=1)
         protected = np.zeros((S, slots), dtype=bool)
-        misses = []
-        for r in range(k):
-            e = steps[:, t, r]
-            match = (cache_e == e[:, None]) & (e >= 0)[:, None]
-            hit = match.any(axis=1)
-            rows = np.flatnonzero(hit)
-            if rows.size:
-                slot = match[rows].argmax(axis=1)
-                cache_nu[rows, slot] = next_use[rows, t, r]
-                protected[rows, slot] = True
-                hits[rows] += 1
-            misses.append(np.flatnonzero((e >= 0) & ~hit))
-        for r, rows in enumerate(misses):
-            if not rows.size:
-                continue
-            cand = np.where(protected[rows], -1, cache_nu[rows])
-            slot = cand.argmax(axis=1)
-            cache_e[rows, slot] = steps[rows, t, r]
-            cache_nu[rows, slot] = next_use[rows, t, r]
-            protected[rows, slot] = True
+        hs, hr = np.nonzero(hit)
+        if hs.size:
+            slot = match[hs, hr].argmax(axis=1)
+            cache_nu[hs, slot] = next_use[hs, t, hr]
+            protected[hs, slot] = True
+        miss = v_t & ~hit
+        ms, mr = np.nonzero(miss)
+        if ms.size:
+            # the j-th miss of a sequence takes its j-th most evictable slot: farthest next use
+            # among slots not needed at this step (same as evicting one by one)
+            cand = np.where(protected, -1, cache_nu)
+            order = np.argsort(-cand, axis=1, kind="stable")
+            j = (np.cumsum(miss, axis=1) - 1)[ms, mr]
+            slot = order[ms, j]
+            cache_e[ms, slot] = e_t[ms, mr]
+            cache_nu[ms, slot] = next_use[ms, t, mr]
     return hits, valid.sum(axis=(1, 2))
 
 
@@ -215,7 +216,9 @@ def _oracle_rows(req: np.ndarray, li: np.ndarray, pos: np.ndarray, rank: np.ndar
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, z
     seqkey = req.astype(np.int64) * num_moe_layers + li
-    order = np.lexsort((rank, pos, seqkey))
+    # one int64 sort key (sequence, position, rank) instead of a three-key lexsort
+    span_pos = int(pos.max()) + 1
+    order = np.argsort((seqkey * span_pos + pos) * top_k + rank)
     seqkey, pos, rank, expert = seqkey[order], pos[order], rank[order], expert[order]
     new_seq = np.r_[True, seqkey[1:] != seqkey[:-1]]
     new_step = new_seq | np.r_[True, pos[1:] != pos[:-1]]
@@ -233,22 +236,19 @@ def _oracle_rows(req: np.ndarray, li: np.ndarray, pos: np.ndarray, rank: np.ndar
     steps_per_seq = step[np.r_[np.flatnonzero(new_seq)[1:] - 1, step.size - 1]] + 1
     # Simulate sequences in groups of similar length so padding stays small.
     by_len = np.argsort(steps_per_seq, kind="stable")
+    lens_sorted = steps_per_seq[by_len]
     group_cells = 2_000_000
     start = 0
     while start < n_seq:
-        t_max = int(steps_per_seq[by_len[start]])
-        stop = start
-        while stop < n_seq:
-            t_max = int(steps_per_seq[by_len[stop]])
-            if (stop - start + 1) * t_max * top_k > group_cells and stop > start:
-                break
-            stop += 1
+        # ascending lengths: a group's padded size is (members) x (its last member's length)
+        cost = (np.arange(1, n_seq - start + 1)) * lens_sorted[start:] * top_k
+        stop = start + max(1, int(np.searchsorted(cost, group_cells, side="right")))
         group = by_len[start:stop]
         t_max = int(steps_per_seq[group].max())
         local = np.full(n_seq, -1, dtype=np.int64)
         local[group] = np.arange(group.size)
         sel = local[seq_idx] >= 0
-        grid = np.full((group.size, t_max, top_k), -1, dtype=np.int64)
+        grid = np.full((group.size, t_max, top_k), -1, dtype=np.int32)
         grid[local[seq_idx[sel]], step[sel], rank[sel]] = expert[sel]
         h, s = oracle_cache_hits(grid, slots)
         hits[group] = h
@@ -307,7 +307,7 @@ def _decode_value_codes(column: pa.Array, allowed: Sequence[str]) -> np.ndarray:
 
 def scan_trace(trace_path: str | os.PathLike, heldout_fraction: float = 0.25, *, oracle: bool = True,
                cache_slots: int | None = None, expect: Any = None, progress: bool = True,
-               batch_rows: int = ROW_GROUP_ROWS) -> TraceScan:
+               batch_rows: int = _SCAN_BATCH_ROWS) -> TraceScan:
     """One streaming pass: the histogram and (if ``oracle``) the oracle cache hits.
 
     ``cache_slots`` defaults to 3 * top_k. The oracle needs each request's decode rows in
