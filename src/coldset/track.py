@@ -1,0 +1,429 @@
+"""MLflow sink: one run per (model, policy, residency, batch size), idempotent across reruns.
+
+MLflow is where people compare runs (``mlflow ui --backend-store-uri sqlite:///$PWD/results/
+mlflow.db``); it is never a dependency of a computing stage, so it is imported only inside the
+functions here and ``import coldset.track`` works without it.
+
+Store: by default SQLite under results/ with an absolute URI (``default_tracking_uri``), created
+with its experiment once by ``ensure_store`` before jobs run in parallel (six processes creating a
+fresh SQLite store at once fail in the schema migration; parallel writers to an existing one are
+fine). ``tracking.uri`` in the config may name any tracking server instead.
+
+Idempotency: MLflow does not let users choose run ids, so each run carries the tag
+``coldset.run_key = {model}/{policy}/{residency}/{batch_size}``, searched before a run is created.
+A rerun updates that run: new tags overwrite, only metrics whose value changed get a new
+(later-timestamped) point, so the run shows the new value as its latest. Parameters are immutable
+in MLflow: if a rerun brings a different value for one (the placement or the model changed under
+the same key), the old run is deleted and a fresh one created, so there is still exactly one
+active run per key. Duplicates left by an earlier race are deleted, keeping the oldest.
+
+Run contents:
+
+- params: model, policy, residency, batch_size, dtype, num_hot, num_cold;
+- metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_p50, step_ms_p90, prefill_ms,
+  hbm_expert_gib, host_expert_gib, cold_share, link_gb_per_token, tok_s_per_gib, fetch_tax),
+  predicted_step_ms; from the placement coverage_profile, coverage_heldout, achieved_residency;
+  from the parity gate parity_passed (1/0), parity_tokens_matched, parity_tokens_total,
+  parity_max_abs_logit_diff; from the routing statistics (decode, all domains)
+  routing_gini_decode, routing_top{x}_share_decode, oracle_cache_hit_rate_decode;
+- tags: coldset.run_key, device, dtype, commit (and mlflow.source.git.commit), config_hash,
+  autotune_key, plus any the caller passes;
+- artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
+  stats/skew.json and autotune/{entry} when given.
+
+A metric undefined for a run (tok_s_per_gib at a policy's smallest residency, for one) is not
+logged; if the run had a value for it from an earlier run, NaN is logged so it does not keep
+showing a stale number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from coldset.report import (
+    BENCH_METRICS,
+    ReportInputError,
+    load_bench,
+    load_parity,
+    load_placement_summary,
+    load_skew,
+    read_json,
+)
+
+RUN_KEY_TAG = "coldset.run_key"
+DEFAULT_DB_NAME = "mlflow.db"
+ARTIFACT_DIR_NAME = "mlartifacts"
+
+
+class TrackingError(RuntimeError):
+    """The tracking store or a run could not be written as asked."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Store
+# ----------------------------------------------------------------------------------------------
+
+
+def default_tracking_uri(results_dir: str | os.PathLike = "results") -> str:
+    """``sqlite:////abs/path/results/mlflow.db``: one absolute URI for every rule and the UI
+    (a relative SQLite URI resolves against each process's working directory)."""
+    return "sqlite:///" + str((Path(results_dir) / DEFAULT_DB_NAME).resolve())
+
+
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, else None (a server or another database)."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    path = tracking_uri[len(prefix):]
+    if not path or path == ":memory:":
+        return None
+    return Path(path if path.startswith("/") else path)
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def ensure_store(tracking_uri: str, experiment: str) -> str:
+    """Create (or find) the tracking store and the experiment; returns the experiment id.
+
+    For a SQLite URI the database's folder is created and the experiment's artifacts go to
+    ``mlartifacts/`` beside the database (absolute ``file://`` location), so the results folder
+    holds everything. For a tracking server the server decides where artifacts go. Safe to call
+    again and from a process racing another one for the experiment.
+    """
+    from mlflow.exceptions import MlflowException
+
+    db = _sqlite_path(tracking_uri)
+    artifact_location = None
+    if db is not None:
+        if not db.is_absolute():
+            raise TrackingError(f"tracking URI {tracking_uri!r}: use an absolute SQLite path (sqlite:////abs/path)")
+        db.parent.mkdir(parents=True, exist_ok=True)
+        artifact_location = (db.parent / ARTIFACT_DIR_NAME / experiment).as_uri()
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        try:
+            return client.create_experiment(experiment, artifact_location=artifact_location)
+        except MlflowException as exc:  # created meanwhile by another process
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise TrackingError(f"cannot create experiment {experiment!r} in {tracking_uri}: {exc}") from exc
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+# ----------------------------------------------------------------------------------------------
+# Records
+# ----------------------------------------------------------------------------------------------
+
+
+def canonical_residency(residency: str | float) -> str:
+    """Residency as it appears in run keys and params, independent of the file-name label
+    (``0.50`` and ``0.5`` are the same run): ``repr(float(r))``."""
+    return repr(float(residency))
+
+
+@dataclass
+class RunRecord:
+    """Everything one MLflow run holds; ``run_key`` identifies it across reruns."""
+
+    model: str
+    policy: str
+    residency: str
+    batch_size: int
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    artifacts: dict[str, list[Path]] = field(default_factory=dict)  # artifact folder -> local files
+
+    @property
+    def run_key(self) -> str:
+        return f"{self.model}/{self.policy}/{canonical_residency(self.residency)}/{self.batch_size}"
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.policy}-{canonical_residency(self.residency)}-b{self.batch_size}"
+
+
+def _skew_metrics(stats_json: Path) -> dict[str, float | None]:
+    skew = load_skew(stats_json)
+    row = skew.row("decode", "(all)")
+    if row is None:
+        raise ReportInputError(f"{stats_json}: no decode statistics for all domains pooled ('(all)')")
+    out: dict[str, float | None] = {
+        "routing_gini_decode": row.mean_gini,
+        "oracle_cache_hit_rate_decode": row.oracle_cache_hit_rate,
+    }
+    for x, v in row.top_share.items():
+        out[f"routing_top{x}_share_decode"] = v
+    return out
+
+
+def _autotune_key(autotune_jsons: Sequence[Path]) -> str | None:
+    keys = []
+    for path in autotune_jsons:
+        doc = read_json(path)
+        if not isinstance(doc, dict) or "key" not in doc:
+            raise ReportInputError(f"{path}: missing field key")
+        keys.append(str(doc["key"]))
+    return ",".join(sorted(set(keys))) if keys else None
+
+
+def records_from_results(
+    bench_jsons: Iterable[str | os.PathLike],
+    parity_jsons: Iterable[str | os.PathLike],
+    placement_jsons: Iterable[str | os.PathLike],
+    stats_json: str | os.PathLike,
+    autotune_jsons: Iterable[str | os.PathLike] = (),
+) -> list[RunRecord]:
+    """One ``RunRecord`` per (bench placement, batch size), joined with that placement's parity
+    report and placement JSON by ``(model, policy, residency)`` from the file names. A bench
+    result without its parity report or placement is an error naming the missing one."""
+    stats_json = Path(stats_json)
+    skew_metrics = _skew_metrics(stats_json)
+    autotune_paths = [Path(p) for p in autotune_jsons]
+    autotune_key = _autotune_key(autotune_paths)
+
+    def by_key(paths, loader):
+        out = {}
+        for p in paths:
+            item = loader(p)
+            key = (item.model, item.policy, canonical_residency(item.residency))
+            if key in out:
+                raise ReportInputError(f"{p}: same placement as {out[key].path}")
+            out[key] = item
+        return out
+
+    parity = by_key(parity_jsons, load_parity)
+    placements = by_key(placement_jsons, load_placement_summary)
+    records: list[RunRecord] = []
+    for bench_path in bench_jsons:
+        for b in load_bench(bench_path):
+            key = (b.model, b.policy, canonical_residency(b.residency))
+            if key not in parity:
+                raise ReportInputError(f"{b.path}: no parity report for {'/'.join(key)} among the parity inputs")
+            if key not in placements:
+                raise ReportInputError(f"{b.path}: no placement JSON for {'/'.join(key)} among the placement inputs")
+            par, pl = parity[key], placements[key]
+            metrics: dict[str, float | None] = {m: b.metrics[m] for m in BENCH_METRICS}
+            metrics["predicted_step_ms"] = b.predicted_step_ms
+            metrics.update(
+                coverage_profile=pl.coverage_profile,
+                coverage_heldout=pl.coverage_heldout,
+                achieved_residency=pl.achieved_residency,
+                parity_passed=1.0 if par.passed else 0.0,
+                parity_tokens_matched=float(par.tokens_matched),
+                parity_tokens_total=float(par.tokens_total),
+                parity_max_abs_logit_diff=par.max_abs_logit_diff,
+            )
+            metrics.update(skew_metrics)
+            tags = {"device": b.device, "dtype": b.dtype}
+            run_autotune = b.extra.get("autotune_key") or autotune_key
+            if run_autotune:
+                tags["autotune_key"] = str(run_autotune)
+            artifacts = {
+                "placement": [pl.path],
+                "parity": [par.path],
+                "bench": [b.path],
+                "stats": [stats_json],
+            }
+            if autotune_paths:
+                artifacts["autotune"] = autotune_paths
+            records.append(
+                RunRecord(
+                    model=b.model,
+                    policy=b.policy,
+                    residency=b.residency,
+                    batch_size=b.batch_size,
+                    params={
+                        "model": b.model,
+                        "policy": b.policy,
+                        "residency": canonical_residency(b.residency),
+                        "batch_size": str(b.batch_size),
+                        "dtype": b.dtype,
+                        "num_hot": str(pl.num_hot),
+                        "num_cold": str(pl.num_cold),
+                    },
+                    metrics=metrics,
+                    tags=tags,
+                    artifacts=artifacts,
+                )
+            )
+    keys = [r.run_key for r in records]
+    if len(set(keys)) != len(keys):
+        raise ReportInputError(f"bench inputs repeat a run key: {sorted(k for k in keys if keys.count(k) > 1)}")
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------
+
+
+def _find_runs(client, experiment_id: str, run_key: str):
+    from mlflow.entities import ViewType
+
+    if "'" in run_key or "\\" in run_key:
+        raise TrackingError(f"run key {run_key!r} holds a quote or backslash")
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+        run_view_type=ViewType.ACTIVE_ONLY,
+        max_results=100,
+        order_by=["attributes.start_time ASC"],
+    )
+    return list(runs)
+
+
+def _same_float(a: float, b: float) -> bool:
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def log_runs(
+    tracking_uri: str,
+    experiment: str,
+    records: Sequence[RunRecord],
+    tags: dict[str, str] | None = None,
+    artifacts: Sequence[str | os.PathLike] = (),
+) -> list[str]:
+    """Create or update one run per record; returns the run ids in record order.
+
+    ``tags`` are added to every run (commit, config_hash, ...), ``artifacts`` are logged to every
+    run under ``common/``. See the module docstring for how reruns update instead of duplicating.
+    """
+    import time
+
+    from mlflow.entities import Metric, Param, RunTag
+
+    experiment_id = ensure_store(tracking_uri, experiment)
+    client = _client(tracking_uri)
+    common_tags = {str(k): str(v) for k, v in (tags or {}).items() if v is not None}
+    if "commit" in common_tags:
+        common_tags.setdefault("mlflow.source.git.commit", common_tags["commit"])
+    common_artifacts = [Path(a) for a in artifacts]
+    for a in common_artifacts:
+        if not a.is_file():
+            raise ReportInputError(f"missing artifact: {a}")
+
+    run_ids = []
+    for rec in _progress(records, "mlflow runs"):
+        key = rec.run_key
+        found = _find_runs(client, experiment_id, key)
+        for dup in found[1:]:
+            warnings.warn(f"MLflow: deleting duplicate run {dup.info.run_id} for {key} (keeping the oldest)")
+            client.delete_run(dup.info.run_id)
+        run = found[0] if found else None
+        if run is not None:
+            conflicts = {
+                k: (run.data.params[k], v) for k, v in rec.params.items() if k in run.data.params and run.data.params[k] != v
+            }
+            if conflicts:
+                warnings.warn(
+                    f"MLflow: run {run.info.run_id} ({key}) has different params {conflicts} (old, new); "
+                    "params are immutable, so it is replaced by a new run"
+                )
+                client.delete_run(run.info.run_id)
+                run = None
+        if run is None:
+            run = client.create_run(experiment_id, run_name=rec.run_name, tags={RUN_KEY_TAG: key})
+        run_id = run.info.run_id
+        old_params, old_metrics = run.data.params, run.data.metrics
+
+        now = int(time.time() * 1000)
+        metrics = []
+        for name, value in rec.metrics.items():
+            if value is None:
+                if name in old_metrics and not math.isnan(old_metrics[name]):
+                    metrics.append(Metric(name, float("nan"), now, 0))
+                continue
+            value = float(value)
+            if name in old_metrics and _same_float(old_metrics[name], value):
+                continue
+            metrics.append(Metric(name, value, now, 0))
+        params = [Param(k, v) for k, v in rec.params.items() if k not in old_params]
+        all_tags = {**common_tags, **rec.tags, RUN_KEY_TAG: key, "mlflow.runName": rec.run_name}
+        client.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag(k, v) for k, v in all_tags.items()])
+        for folder, paths in rec.artifacts.items():
+            for p in paths:
+                if not Path(p).is_file():
+                    raise ReportInputError(f"missing artifact for {key}: {p}")
+                client.log_artifact(run_id, str(p), artifact_path=folder)
+        for p in common_artifacts:
+            client.log_artifact(run_id, str(p), artifact_path="common")
+        client.set_terminated(run_id, "FINISHED")
+        run_ids.append(run_id)
+    return run_ids
+
+
+def _progress(items: Sequence, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, file=sys.stderr, disable=len(items) < 2)
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """The checkout's commit (with ``-dirty`` when tracked files changed), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+        return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def run_track(
+    bench_jsons: Iterable[str | os.PathLike],
+    parity_jsons: Iterable[str | os.PathLike],
+    placement_jsons: Iterable[str | os.PathLike],
+    stats_json: str | os.PathLike,
+    tracking_uri: str,
+    experiment: str,
+    tags: dict[str, str] | None,
+    done_path: str | os.PathLike,
+    autotune_jsons: Iterable[str | os.PathLike] = (),
+) -> list[str]:
+    """The ``track`` stage: log every (placement, batch size) to MLflow, then write ``done_path``
+    (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` should carry
+    ``commit`` and ``config_hash``; a missing ``commit`` is read from git."""
+    records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons)
+    tags = dict(tags or {})
+    tags.setdefault("commit", git_commit())
+    run_ids = log_runs(tracking_uri, experiment, records, tags)
+    done = Path(done_path)
+    done.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "tracking_uri": tracking_uri,
+        "experiment": experiment,
+        "runs": {rec.run_key: run_id for rec, run_id in zip(records, run_ids)},
+    }
+    fd, tmp = tempfile.mkstemp(dir=done.parent, prefix=f".{done.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, done)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return run_ids

@@ -1,0 +1,241 @@
+"""MLflow tracking: idempotent runs in a SQLite store, read back through the real MLflow server.
+
+The results tree is the one test_report.py builds (stage file contracts). The reference for
+"what was logged" is independent of coldset.track: the MLflow client's own search, and in the slow
+test the MLflow server's REST API read with urllib.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from coldset.config import Layout
+from coldset.track import RUN_KEY_TAG, default_tracking_uri, ensure_store, run_track
+
+_spec = importlib.util.spec_from_file_location("_coldset_results_tree", Path(__file__).with_name("test_report.py"))
+_tree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tree)
+MODEL, POLICIES, RESIDENCIES, BATCH_SIZES = _tree.MODEL, _tree.POLICIES, _tree.RESIDENCIES, _tree.BATCH_SIZES
+EXPERIMENT = "coldset-test"
+TAGS = {"commit": "0123abcd", "config_hash": "cfg42"}
+
+
+def _inputs(res: Path) -> dict:
+    layout = Layout(results=res, model=MODEL)
+    placements = [(p, r) for p in POLICIES for r in RESIDENCIES]
+    return {
+        "bench_jsons": [layout.bench(p, r) for p, r in placements],
+        "parity_jsons": [layout.parity(p, r) for p, r in placements],
+        "placement_jsons": [layout.placement(p, r) for p, r in placements],
+        "stats_json": layout.stats_dir / "skew.json",
+        "autotune_jsons": sorted((res / "autotune").glob("*.json")),
+    }
+
+
+def _track(res: Path, uri: str) -> list[str]:
+    return run_track(**_inputs(res), tracking_uri=uri, experiment=EXPERIMENT, tags=TAGS,
+                     done_path=res / "track" / f"{MODEL}.done")
+
+
+def _bench_value(res: Path, policy: str, r: float, batch: int, name: str) -> float:
+    doc = json.loads(Layout(res, MODEL).bench(policy, r).read_text())
+    return next(e[name] for e in doc["batches"] if e["batch_size"] == batch)
+
+
+def _active_runs(uri: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    return list(client.search_runs([exp.experiment_id], max_results=1000))
+
+
+def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
+    res = _tree.build_results_tree(tmp_path)
+    uri = default_tracking_uri(res)
+    assert uri == "sqlite:///" + str((res / "mlflow.db").resolve()) and uri.startswith("sqlite:////")
+    exp_id = ensure_store(uri, EXPERIMENT)
+    assert ensure_store(uri, EXPERIMENT) == exp_id  # a second call finds it
+
+    first = _track(res, uri)
+    expected_runs = len(POLICIES) * len(RESIDENCIES) * len(BATCH_SIZES)
+    assert len(first) == len(set(first)) == expected_runs
+    runs = _active_runs(uri)
+    assert len(runs) == expected_runs
+    by_key = {r.data.tags[RUN_KEY_TAG]: r for r in runs}
+    run = by_key[f"{MODEL}/usage_global/0.5/4"]
+    assert run.data.params == {
+        "model": MODEL, "policy": "usage_global", "residency": "0.5", "batch_size": "4",
+        "dtype": "bfloat16", "num_hot": "12", "num_cold": "12",
+    }
+    assert run.data.metrics["tok_s"] == pytest.approx(_bench_value(res, "usage_global", 0.5, 4, "tok_s"))
+    assert run.data.metrics["cold_share"] == pytest.approx(0.5)
+    assert run.data.metrics["parity_passed"] == 1.0 and run.data.metrics["parity_tokens_total"] == 96
+    assert run.data.metrics["coverage_heldout"] == pytest.approx(0.7)
+    assert "tok_s_per_gib" not in run.data.metrics  # undefined at the smallest residency
+    assert by_key[f"{MODEL}/usage_global/1.0/1"].data.metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
+    # hand-computed, all domains pooled: expert j gets (j+1)^2 from code and ((j+3)%8+1)^2 from
+    # prose: 17, 29, 45, 65, 89, 37, 53, 73 (sum 408); the top 10% (1 of 8) is expert 4 with 89
+    assert run.data.metrics["routing_top10_share_decode"] == pytest.approx(89 / 408)
+    tags = run.data.tags
+    assert (tags["device"], tags["dtype"], tags["commit"], tags["config_hash"], tags["autotune_key"]) == (
+        "cpu", "bfloat16", "0123abcd", "cfg42", "abc123")
+    assert tags["mlflow.runName"] == "usage_global-0.5-b4"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    listed = {f.path for folder in ("placement", "parity", "bench", "stats")
+              for f in client.list_artifacts(run.info.run_id, folder)}
+    name = Layout(res, MODEL).placement("usage_global", 0.5).name
+    assert listed == {f"placement/{name}", f"parity/{name}", f"bench/{name}", "stats/skew.json"}
+    done = json.loads((res / "track" / f"{MODEL}.done").read_text())
+    assert done["runs"][f"{MODEL}/usage_global/0.5/4"] == run.info.run_id
+
+    # rerun with one changed measurement: same runs, the new value is the latest, no duplicate
+    bench = Layout(res, MODEL).bench("usage_global", 0.5)
+    doc = json.loads(bench.read_text())
+    doc["batches"][1]["tok_s"] = 123.25
+    bench.write_text(json.dumps(doc))
+    second = _track(res, uri)
+    assert second == first
+    runs = _active_runs(uri)
+    assert len(runs) == expected_runs
+    rerun = {r.data.tags[RUN_KEY_TAG]: r for r in runs}[f"{MODEL}/usage_global/0.5/4"]
+    assert rerun.data.metrics["tok_s"] == 123.25
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "tok_s")] == [
+        pytest.approx(_tree._tok_s("usage_global", 0.5, 4)), 123.25]
+    assert len(client.get_metric_history(run.info.run_id, "cold_share")) == 1  # unchanged: not re-logged
+
+    # a changed placement under the same key (params are immutable in MLflow): replaced, not duplicated
+    pl = Layout(res, MODEL).placement("positional", 1.0)
+    doc = json.loads(pl.read_text())
+    doc["num_hot"], doc["num_cold"] = 23, 1
+    pl.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="params are immutable"):
+        third = _track(res, uri)
+    changed = {i for i, (a, b) in enumerate(zip(first, third)) if a != b}
+    assert len(changed) == len(BATCH_SIZES)
+    runs = _active_runs(uri)
+    assert len(runs) == expected_runs
+    assert {r.data.tags[RUN_KEY_TAG]: r for r in runs}[f"{MODEL}/positional/1.0/1"].data.params["num_hot"] == "23"
+
+
+def test_track_names_the_missing_input(tmp_path):
+    res = _tree.build_results_tree(tmp_path)
+    inputs = _inputs(res)
+    inputs["parity_jsons"] = inputs["parity_jsons"][1:]
+    missing_for = inputs["bench_jsons"][0]
+    with pytest.raises(ValueError, match=f"{missing_for}: no parity report"):
+        run_track(**inputs, tracking_uri=default_tracking_uri(res), experiment=EXPERIMENT, tags=TAGS,
+                  done_path=res / "track" / "x.done")
+    assert not (res / "track" / "x.done").exists()
+
+
+def test_package_imports_without_mlflow():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('mlflow', 'snakemake'): raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import coldset.track, coldset.report\n"
+        "assert 'mlflow' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ---------------------------------------------------------------- the real MLflow server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.slow
+def test_mlflow_server_serves_the_logged_runs(tmp_path):
+    res = _tree.build_results_tree(tmp_path)
+    uri = default_tracking_uri(res)
+    ensure_store(uri, EXPERIMENT)  # the store exists before the server opens it
+
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [str(mlflow_bin), "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"},
+    )
+    try:
+        run_ids = _track(res, uri)  # while the server starts (15-20 s here): it reads the database per request
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                exp = _get(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name={EXPERIMENT}")
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail(f"mlflow server did not answer: {(tmp_path / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+        exp_id = exp["experiment"]["experiment_id"]
+        found = _post(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp_id], "max_results": 1000})
+        runs = found["runs"]
+        assert sorted(r["info"]["run_id"] for r in runs) == sorted(run_ids)
+        key = f"{MODEL}/usage_global/1.0/1"
+        (run,) = [r for r in runs if {"key": RUN_KEY_TAG, "value": key} in r["data"]["tags"]]
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert params["policy"] == "usage_global" and params["residency"] == "1.0" and params["batch_size"] == "1"
+        assert metrics["tok_s"] == pytest.approx(_bench_value(res, "usage_global", 1.0, 1, "tok_s"))
+        assert metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
+        assert metrics["fetch_tax"] == 0.0 and math.isclose(metrics["hbm_expert_gib"], 3.0)
+        assert tags["device"] == "cpu" and tags["commit"] == "0123abcd" and tags["autotune_key"] == "abc123"
+
+        # compare tok_s_per_gib across runs server-side, as the README shows in the UI
+        best = _post(f"{base}/api/2.0/mlflow/runs/search", {
+            "experiment_ids": [exp_id], "filter": "params.batch_size = '1' and metrics.tok_s_per_gib > 0",
+            "order_by": ["metrics.tok_s_per_gib DESC"],
+        })["runs"]
+        assert [{t["key"]: t["value"] for t in r["data"]["tags"]}[RUN_KEY_TAG] for r in best] == [
+            f"{MODEL}/usage_global/1.0/1", f"{MODEL}/positional/1.0/1"]
+
+        arts = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=placement")
+        assert [f["path"] for f in arts["files"]] == [f"placement/{Layout(res, MODEL).placement('usage_global', 1.0).name}"]
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait(timeout=5)
+        log.close()
