@@ -1,0 +1,509 @@
+"""Autotune the experts kernel for a model's shapes, with a cache keyed by content (DESIGN.md §5).
+
+The key is a sha256 over everything that can change the best configuration or its validity: the
+source text of the kernel module and of every ``coldset`` module it imports (transitively), the
+search space, the problem shape (E, hot/cold row counts, H, I, top_k, dtype, layers), the batch
+sizes, the device (name, compute capability, driver; on CPU the processor and thread count) and
+the torch and triton versions. Entries live outside results/ (default: ``$COLDSET_AUTOTUNE_CACHE``,
+else ``$XDG_CACHE_HOME/coldset/autotune``, else ``~/.cache/coldset/autotune``), one JSON file
+per key, written atomically (temp file + ``os.replace``) and verified on read: the stored key must
+equal the file's key and a sha256 of the content must match the stored checksum. A damaged or
+mismatched entry is re-tuned with a warning, never used. A hit reads one small file.
+
+On CUDA the Triton kernel's launch parameters are tuned (:class:`KernelConfig`: tile sizes, the
+split of the weight rows over blocks, warps, stages), timed by CUDA-graph replay, median of
+repeats, rotating over several layers' experts so L2 does not serve repeats; every candidate's
+output is checked against the torch path first (a wrong configuration is excluded with a warning).
+On CPU the torch path's one knob, ``token_chunk``, is tuned by the same machinery.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
+DECODE_MAX_TOKENS = 64
+
+TRITON_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    # block_m, block_n1, block_k1, block_n2, block_k2, num_warps, num_stages
+    "decode": [
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=3),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=4),
+        dict(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
+    ],
+    "prefill": [
+        dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3),
+        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
+        dict(block_m=128, block_n1=64, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
+        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4),
+    ],
+}
+
+TORCH_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    "decode": [{"token_chunk": None}],
+    "prefill": [{"token_chunk": None}, {"token_chunk": 64}, {"token_chunk": 256}, {"token_chunk": 1024}],
+}
+
+TORCH_DEFAULT_CONFIG = {"token_chunk": None}
+
+
+class AutotuneCacheWarning(UserWarning):
+    """A cache entry was damaged or mismatched (re-tuned), or a batch size had no tuned entry."""
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """The problem the kernel is tuned for: one model's routed experts and their placement sizes."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    num_moe_layers: int
+    num_hot: int
+    num_cold: int
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"TuneShape.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.num_hot + self.num_cold < self.num_moe_layers * self.num_experts:
+            raise ValueError(
+                f"TuneShape: num_hot {self.num_hot} + num_cold {self.num_cold} rows cannot hold "
+                f"{self.num_moe_layers} x {self.num_experts} experts"
+            )
+
+
+@dataclass
+class TuneResult:
+    """The outcome of :func:`autotune`: the best config per batch size and how each candidate timed."""
+
+    key: str
+    hit: bool
+    backend: str  # "triton" | "torch"
+    shape: TuneShape
+    batch_sizes: list[int]
+    configs: dict[int, dict]  # batch size -> best config
+    timings_us: dict[int, dict[str, float]] = field(default_factory=dict)  # batch -> config json -> µs
+    path: Path | None = None  # the cache entry
+
+
+def default_cache_dir() -> Path:
+    """``$COLDSET_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME/coldset/autotune``, else ``~/.cache/...``."""
+    env = os.environ.get("COLDSET_AUTOTUNE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "coldset" / "autotune"
+
+
+def _backend(device) -> str:
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def kernel_module(backend: str) -> str:
+    return "coldset.kernels.triton_moe" if backend == "triton" else "coldset.kernels.reference"
+
+
+def _module_source(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"autotune key: cannot find the source of {module}")
+    return Path(spec.origin).read_text()
+
+
+def _module_level_nodes(tree: ast.AST):
+    """AST nodes outside function bodies: the imports a module makes when it is imported.
+
+    Imports inside functions (lazy ones, such as tiers' call into the placement validator) are
+    not the kernel's code path and would make every edit of an unrelated module a cache miss.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                stack.append(child)
+
+
+def _coldset_imports(module: str, source: str) -> set[str]:
+    """The ``coldset`` modules a module imports at module level (absolute or relative), from its AST."""
+    found: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in _module_level_nodes(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "coldset")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            if name.split(".")[0] != "coldset":
+                continue
+            found.add(name)
+            for a in node.names:  # `from coldset.kernels import reference` imports a module
+                sub = f"{name}.{a.name}"
+                if importlib.util.find_spec(sub.rsplit(".", 1)[0]) and _is_module(sub):
+                    found.add(sub)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def source_digests(backend: str) -> dict[str, str]:
+    """sha256 of the kernel module's source and of every coldset module it imports, transitively."""
+    todo = [kernel_module(backend)]
+    digests: dict[str, str] = {}
+    while todo:
+        mod = todo.pop()
+        if mod in digests:
+            continue
+        text = _module_source(mod)
+        digests[mod] = hashlib.sha256(text.encode()).hexdigest()
+        todo.extend(sorted(_coldset_imports(mod, text) - set(digests)))
+    return dict(sorted(digests.items()))
+
+
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            line = f.readline()
+        for tok in line.split():
+            if tok.count(".") >= 1 and tok.replace(".", "").isdigit():
+                return tok
+    except OSError:
+        pass
+    try:
+        import pynvml  # nvidia-ml-py, where installed
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        return "unknown"
+
+
+def device_fingerprint(device) -> dict:
+    """What identifies the hardware and software stack a tuning result is valid for."""
+    device = torch.device(device)
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    info = {"type": device.type, "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version()}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(index)
+        info.update(name=torch.cuda.get_device_name(index), capability=f"{cap[0]}.{cap[1]}",
+                    driver=_driver_version(), cuda=torch.version.cuda)
+    else:
+        info.update(name=platform.processor() or platform.machine(), machine=platform.machine(),
+                    cpus=os.cpu_count(), threads=torch.get_num_threads())
+    return info
+
+
+def default_search_space(device) -> dict:
+    return TRITON_SEARCH_SPACE if _backend(device) == "triton" else TORCH_SEARCH_SPACE
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def autotune_key(shape: TuneShape, batch_sizes, device, search_space: dict | None = None) -> str:
+    """sha256 (hex) over kernel sources, search space, shape, batch sizes, device and versions."""
+    backend = _backend(device)
+    material = {
+        "backend": backend,
+        "sources": source_digests(backend),
+        "search_space": default_search_space(device) if search_space is None else search_space,
+        "shape": asdict(shape),
+        "batch_sizes": sorted(int(b) for b in batch_sizes),
+        "device": device_fingerprint(device),
+    }
+    return hashlib.sha256(_canonical(material).encode()).hexdigest()
+
+
+def _checksum(entry: dict) -> str:
+    return hashlib.sha256(_canonical({k: v for k, v in entry.items() if k != "checksum"}).encode()).hexdigest()
+
+
+def _read_entry(path: Path, key: str) -> dict | None:
+    """The verified entry, or None (with a warning) if it is absent, damaged or mismatched."""
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if not isinstance(entry, dict):
+            raise ValueError("not a JSON object")
+        if entry.get("key") != key:
+            raise ValueError(f"stored key {str(entry.get('key'))[:16]}... differs from {key[:16]}...")
+        if entry.get("checksum") != _checksum(entry):
+            raise ValueError("checksum mismatch (content altered or truncated)")
+        if not isinstance(entry.get("configs"), dict):
+            raise ValueError("no configs")
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"autotune cache entry {path} is damaged or mismatched ({exc}); re-tuning",
+                      AutotuneCacheWarning, stacklevel=3)
+        return None
+    return entry
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write JSON to a temp file in the same folder, then os.replace: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def graph_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Median over ``reps`` replays of a CUDA graph of ``fn`` (warmed up eagerly first), in µs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def _cpu_time_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
+    """Random experts for ``layers`` layers, with the shape's cold fraction in pinned/host memory."""
+    from coldset.tiers import build_pools
+
+    dtype = getattr(torch, shape.dtype)
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    w13 = (torch.randn(layers, E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(layers, E, H, I, generator=g) / I**0.5).to(dtype)
+    cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
+    n = layers * E
+    n_cold = int(round(cold_fraction * n))
+    perm = torch.randperm(n, generator=g)
+    is_cold = torch.zeros(n, dtype=torch.bool)
+    is_cold[perm[:n_cold]] = True
+    rows = torch.empty(n, dtype=torch.int32)
+    rows[~is_cold] = torch.arange(n - n_cold, dtype=torch.int32)
+    rows[is_cold] = -torch.arange(n_cold, dtype=torch.int32) - 1
+    return build_pools(w13, w2, rows.reshape(layers, E), device)
+
+
+def _routing(num_tokens, shape: TuneShape, device, g):
+    dtype = getattr(torch, shape.dtype)
+    x = torch.randn(num_tokens, shape.hidden, generator=g).to(dtype).to(device)
+    w, ids = torch.softmax(torch.randn(num_tokens, shape.num_experts, generator=g), -1).topk(shape.top_k, -1)
+    return x, ids.to(device), (w / w.sum(-1, keepdim=True)).to(dtype).to(device)
+
+
+def _candidates(space: dict, batch_size: int) -> list[dict]:
+    regime = "decode" if batch_size <= int(space.get("decode_max_tokens", DECODE_MAX_TOKENS)) else "prefill"
+    cands = space.get(regime) or []
+    if not cands:
+        raise ValueError(f"autotune search space has no {regime!r} candidates for batch size {batch_size}")
+    return cands
+
+
+def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps: int):
+    from tqdm import tqdm
+
+    from coldset.kernels.reference import torch_experts
+
+    backend = _backend(device)
+    pools = _tuning_pools(shape, device, layers)
+    g = torch.Generator().manual_seed(1)
+    configs: dict[int, dict] = {}
+    timings: dict[int, dict[str, float]] = {}
+    total = sum(len(_candidates(space, b)) for b in batch_sizes)
+    bar = tqdm(total=total, desc=f"autotune ({backend})", file=sys.stderr, disable=None)
+    for bs in batch_sizes:
+        cases = [_routing(bs, shape, device, g) for _ in range(layers)]
+        refs = [torch_experts(pools, l, *cases[l]).float() for l in range(layers)]
+        timings[bs] = {}
+        for cand in _candidates(space, bs):
+            label = _canonical(cand)
+            if backend == "triton":
+                from coldset.kernels.triton_moe import triton_experts
+
+                def fn(cand=cand):
+                    return [triton_experts(pools, l, *cases[l], config=cand) for l in range(layers)]
+            else:
+                chunk = cand.get("token_chunk")
+
+                def fn(chunk=chunk):
+                    return [torch_experts(pools, l, *cases[l], token_chunk=chunk) for l in range(layers)]
+            try:
+                outs = fn()
+                errs = [float((o.float() - r).norm() / r.norm().clamp_min(1e-30)) for o, r in zip(outs, refs)]
+                if not all(e < 2e-2 for e in errs):  # a config computing the wrong function is never used
+                    raise ValueError(f"output differs from the torch path (rel err {max(errs):.2e})")
+                t = graph_time_us(fn, reps) if backend == "triton" else _cpu_time_us(fn, reps)
+                timings[bs][label] = t / layers
+            except Exception as exc:  # out of resources, wrong output: excluded, not fatal
+                warnings.warn(f"autotune: config {label} at batch {bs} excluded: {exc!r}"[:400],
+                              AutotuneCacheWarning, stacklevel=2)
+            bar.update(1)
+        if not timings[bs]:
+            raise RuntimeError(f"autotune: no candidate config worked for batch size {bs}")
+        configs[bs] = json.loads(min(timings[bs], key=timings[bs].get))
+    bar.close()
+    return configs, timings
+
+
+def autotune(
+    shape: TuneShape,
+    batch_sizes,
+    device,
+    cache_dir: str | os.PathLike | None = None,
+    search_space: dict | None = None,
+    layers: int | None = None,
+    reps: int | None = None,
+) -> TuneResult:
+    """The best config per batch size for ``shape`` on ``device``, from the cache or by timing.
+
+    ``layers`` (default: min(num_moe_layers, 4) on CUDA, 1 on CPU) layers' worth of random
+    experts are rotated while timing. A verified cache entry for the key is returned at once
+    (``hit=True``); a damaged or mismatched one is re-tuned with a warning.
+    """
+    batch_sizes = sorted({int(b) for b in batch_sizes})
+    if not batch_sizes or batch_sizes[0] <= 0:
+        raise ValueError(f"autotune: batch_sizes must be positive integers, got {batch_sizes}")
+    backend = _backend(device)
+    space = default_search_space(device) if search_space is None else search_space
+    key = autotune_key(shape, batch_sizes, device, space)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    entry = _read_entry(path, key)
+    if entry is not None:
+        return TuneResult(key=key, hit=True, backend=backend, shape=shape, batch_sizes=batch_sizes,
+                          configs={int(b): c for b, c in entry["configs"].items()},
+                          timings_us={int(b): t for b, t in entry.get("timings_us", {}).items()}, path=path)
+    if layers is None:
+        layers = min(shape.num_moe_layers, 4) if backend == "triton" else 1
+    if reps is None:
+        reps = 20 if backend == "triton" else 3
+    configs, timings = _tune(shape, batch_sizes, device, space, layers, reps)
+    entry = {
+        "key": key,
+        "backend": backend,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shape": asdict(shape),
+        "batch_sizes": batch_sizes,
+        "search_space": space,
+        "device": device_fingerprint(device),
+        "configs": {str(b): c for b, c in configs.items()},
+        "timings_us": {str(b): t for b, t in timings.items()},
+    }
+    entry["checksum"] = _checksum(entry)
+    write_json_atomic(path, entry)
+    return TuneResult(key=key, hit=False, backend=backend, shape=shape, batch_sizes=batch_sizes,
+                      configs=configs, timings_us=timings, path=path)
+
+
+def config_for(result: TuneResult, batch_size: int) -> dict:
+    """The tuned config for ``batch_size``; if none was tuned for it, the documented default, with a warning.
+
+    Defaults: on CUDA :func:`coldset.kernels.triton_moe.default_config` (decode tiles up to 64
+    tokens, prefill tiles above); on CPU ``{"token_chunk": None}`` (one chunk).
+    """
+    cfg = result.configs.get(int(batch_size))
+    if cfg is not None:
+        return dict(cfg)
+    warnings.warn(
+        f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
+        f"using the default", AutotuneCacheWarning, stacklevel=2)
+    if result.backend == "triton":
+        from coldset.kernels.triton_moe import default_config
+
+        return default_config(int(batch_size), result.shape.top_k).to_dict()
+    return dict(TORCH_DEFAULT_CONFIG)
+
+
+def tuned_experts(result: TuneResult) -> Callable:
+    """An experts function (the engine's contract) that runs each call with its batch size's config."""
+    from coldset.kernels import torch_experts, triton_experts
+
+    chosen: dict[int, dict] = {}
+
+    def experts(pools, layer, x, topk_ids, topk_weights):
+        bs = int(x.shape[0])
+        if bs not in chosen:
+            chosen[bs] = config_for(result, bs)  # warns once per missing batch size
+        if result.backend == "triton":
+            return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs])
+        return torch_experts(pools, layer, x, topk_ids, topk_weights, token_chunk=chosen[bs].get("token_chunk"))
+
+    return experts
+
+
+def write_entry(result: TuneResult, path: str | os.PathLike) -> None:
+    """Copy the verified cache entry of ``result`` to ``path`` atomically (the workflow rule's output)."""
+    entry = _read_entry(Path(result.path), result.key) if result.path else None
+    if entry is None:
+        raise FileNotFoundError(f"autotune: cache entry for key {result.key} is missing or damaged at {result.path}")
+    write_json_atomic(Path(path), entry)
