@@ -228,9 +228,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.k_proj = _linear(cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
-        self.v_proj = _linear(cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one GEMM (rows: q, then k, then v).
+        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size)
         self.o_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -240,9 +241,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, slots, mask):
         """``x`` [B, T, H]; ``cos``/``sin`` [B, T, D]; ``slots`` [T] cache slots; ``mask`` [B, 1, T, S]."""
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(bsz, seq, self.num_heads, self.head_dim)
+        k = k.view(bsz, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(bsz, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -251,13 +253,17 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(1, slots, k)
         self.v_cache.index_copy_(1, slots, v)
         kv_len = mask.shape[-1]  # attend over the first kv_len slots (a shape, not data)
-        keys = self.k_cache[:, :kv_len].transpose(1, 2)
+        keys = self.k_cache[:, :kv_len].transpose(1, 2)  # [B, KV, S, D]
         values = self.v_cache[:, :kv_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+        # GQA without repeating K/V: the `rep` query heads of one kv head become `rep * T` query
+        # rows against that kv head (q head h uses kv head h // rep, as in transformers).
+        rep = self.num_heads // self.num_kv_heads
+        q = q.transpose(1, 2).reshape(bsz, self.num_kv_heads, rep * seq, self.head_dim)
+        if rep > 1:
+            mask = mask[:, :, None].expand(bsz, 1, rep, seq, kv_len).reshape(bsz, 1, rep * seq, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(bsz, seq, self.num_heads * self.head_dim))
 
 
 class DenseMLP(nn.Module):
@@ -517,8 +523,14 @@ def load_model(
         put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
         put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
         attn = layer.self_attn
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(getattr(attn, proj), "weight", f"{p}.self_attn.{proj}.weight")
+        qkv = [
+            src.get(f"{p}.self_attn.{name}.weight", (size, cfg.hidden_size))
+            for name, size in (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size))
+        ]
+        attn.qkv_proj.weight = nn.Parameter(
+            torch.cat(qkv).to(device=device, dtype=dtype), requires_grad=False
+        )
+        put(attn.o_proj, "weight", f"{p}.self_attn.o_proj.weight")
         if cfg.qk_norm:
             put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
             put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
