@@ -1,0 +1,91 @@
+"""Decode benchmark: measured cold share and link bytes against a brute-force count; derived metrics."""
+
+import numpy as np
+import pytest
+
+from coldset import bench
+from coldset.model import generate, load_model
+from coldset.placement import place, row_map_from_mask
+from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.tiers import build_pools
+
+SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
+                     head_dim=32, vocab_size=512, seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return load_model(write_synthetic_checkpoint(SPEC, tmp_path_factory.mktemp("bench") / "ckpt"))
+
+
+def _pools(model, mask):
+    cfg, ref = model.config, model.pools
+    w13 = ref.w13_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w13_hot.shape[1:])
+    w2 = ref.w2_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w2_hot.shape[1:])
+    return build_pools(w13, w2, row_map_from_mask(mask), model.device)
+
+
+def test_cold_share_and_link_bytes_match_brute_force(engine):
+    cfg = engine.config
+    rng = np.random.default_rng(1)
+    mask = rng.random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = _pools(engine, mask)
+    prompts = bench.bench_prompts(list(range(3, 200)), batch_size=3, prompt_tokens=7)
+    per_expert = 1000
+    saved = engine.pools
+    engine.pools = pools
+    try:
+        share, link = bench.measure_routing(engine, prompts, 6, per_expert)
+    finally:
+        engine.pools = saved
+    # Brute force over the same greedy tokens' decode routing, from the all-hot model.
+    routing = generate(engine, prompts.tolist(), 6, capture_routing=True, progress=False).routing
+    cold_sel = total = link_experts = 0
+    for step in range(5):
+        for layer in range(cfg.num_moe_layers):
+            touched_cold = set()
+            for r in routing:
+                for e in r.experts[7 + step, layer].tolist():
+                    total += 1
+                    if not mask[layer, e]:
+                        cold_sel += 1
+                        touched_cold.add(e)
+            link_experts += len(touched_cold)
+    assert share == pytest.approx(cold_sel / total)
+    assert link == pytest.approx(link_experts * per_expert / (3 * 5))
+    assert 0 < share < 1
+
+
+def test_bench_decode_reports_the_placement(engine, tmp_path):
+    cfg = engine.config
+    import pandas as pd
+
+    rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e, "count": (e + 1) * (layer + 1)}
+            for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    hist = pd.DataFrame(rows)
+    for residency, expect_cold in ((1.0, False), (0.0, True)):
+        pl = place(hist, cfg, "usage_global", residency, batch_sizes=(2,))
+        pools = build_pools(*(t.view(cfg.num_moe_layers, cfg.num_experts, *t.shape[1:])
+                              for t in (engine.pools.w13_hot, engine.pools.w2_hot)), pl.row_map, engine.device)
+        r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
+                               new_tokens=4, warmup=0, repeats=1)
+        assert r.batch_size == 2 and r.step_ms_p50 > 0 and r.tok_s == pytest.approx(1000 / r.step_ms_p50)
+        assert r.cold_share == (1.0 if expect_cold else 0.0)
+        assert (r.link_gb_per_token > 0) == expect_cold
+        assert r.predicted_preset == "h200" and r.predicted_step_ms > 0
+
+
+def test_derive_metrics_by_hand():
+    recs = [
+        {"policy": "p", "batch_size": 1, "residency": 0.5, "hbm_expert_gib": 1.0, "tok_s": 10.0},
+        {"policy": "p", "batch_size": 1, "residency": 1.0, "hbm_expert_gib": 2.0, "tok_s": 40.0},
+        {"policy": "p", "batch_size": 1, "residency": 0.25, "hbm_expert_gib": 0.5, "tok_s": 5.0},
+        {"policy": "q", "batch_size": 1, "residency": 0.5, "hbm_expert_gib": 1.0, "tok_s": 7.0},
+    ]
+    out = {(r["policy"], r["residency"]): r for r in bench.derive_metrics(recs)}
+    assert out[("p", 0.25)]["tok_s_per_gib"] is None
+    assert out[("p", 0.5)]["tok_s_per_gib"] == pytest.approx((10 - 5) / 0.5)
+    assert out[("p", 1.0)]["tok_s_per_gib"] == pytest.approx((40 - 10) / 1.0)
+    assert out[("p", 0.5)]["fetch_tax"] == pytest.approx(0.75)
+    assert out[("p", 1.0)]["fetch_tax"] == 0.0
+    assert out[("q", 0.5)]["fetch_tax"] is None
