@@ -135,17 +135,37 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         / ((r - RESIDENCIES[0]) * total * GIB_PER_EXPERT),
                         "fetch_tax": 1.0 - tok_s / _tok_s(policy, 1.0, b),
                         "predicted_step_ms": (900.0 / tok_s) if with_prediction else None,
+                        "predicted_step_ms_sum": (1000.0 / tok_s) if with_prediction else None,
+                        "predicted_preset": "h200" if with_prediction else None,
                         "device": "cpu",
                         "dtype": "bfloat16",
+                        # the rest of coldset.bench.BenchResult
+                        "placement": name[: -len(".json")],
+                        "policy": policy,
+                        "residency": r,
+                        "prompt_tokens": 64,
+                        "new_tokens": 32,
+                        "repeats": 3,
+                        "backend": "torch",
+                        "graphed": False,
+                        "routing_source": "router",
                     }
                 )
             layout.bench(policy, r).write_text(
-                json.dumps({"model": MODEL, "policy": policy, "residency": r, "batches": batches})
+                json.dumps({"placement": name[: -len(".json")], "batches": batches})
             )
     if with_autotune:
         (res / "autotune").mkdir()
-        (res / "autotune" / "abc123.json").write_text(
-            json.dumps({"key": "abc123", "hit": False, "device": "NVIDIA H200", "best": {"1": {"BLOCK_M": 16, "num_warps": 4}}})
+        # a coldset.tune cache entry as the autotune rule copies it, plus the hit flag
+        (res / "autotune" / f"{MODEL}.json").write_text(
+            json.dumps({
+                "key": "abc123", "hit": False, "backend": "triton", "created_utc": "2026-11-30T04:00:00Z",
+                "shape": {"num_experts": EXPERTS}, "batch_sizes": BATCH_SIZES, "search_space": {},
+                "device": {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0", "driver": "580.1",
+                           "torch": "2.11.0", "triton": "3.6.0"},
+                "configs": {"1": {"BLOCK_M": 16, "num_warps": 4}, "4": {"BLOCK_M": 16, "num_warps": 8}},
+                "timings_us": {}, "checksum": "0" * 64,
+            })
         )
     return res
 
@@ -209,7 +229,10 @@ def test_report_renders_every_figure_in_headless_chromium(tmp_path):
     for policy in POLICIES:
         for r in RESIDENCIES:
             assert f"<td>{Layout(res, MODEL).parity(policy, r).stem}</td>" in html
-    assert "abc123" in html and "BLOCK_M" in html and ">miss<" in html
+    assert "abc123" in html and "miss (tuned in this run)" in html and "NVIDIA H200 · 9.0" in html
+    assert 'batch 4: {&#34;BLOCK_M&#34;: 16, &#34;num_warps&#34;: 8}' in html
+    # the speed model's preset is named, and a CPU measurement is not passed off as an H200 one
+    assert "preset h200" in html and "not for the measuring device (cpu)" in html
     assert "Test CPU" in html and "2.13.0" in html
 
     check = _dump_dom(chromium, out, tmp_path / "profile")
@@ -315,3 +338,17 @@ def test_loaders_accept_bench_containers_and_keep_the_join_key(tmp_path):
         ("prefill", "code", "prose"), ("decode", "code", "prose")
     ]
     assert skew.heldout_coverage["10"]["code"]["code"] == pytest.approx(64 / 204)
+
+
+def test_autotune_entry_without_hit_flag_says_so(tmp_path):
+    res = build_results_tree(tmp_path)
+    entry = res / "autotune" / f"{MODEL}.json"
+    doc = json.loads(entry.read_text())
+    del doc["hit"]
+    entry.write_text(json.dumps(doc))
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "<td>not recorded</td>" in html and "miss (tuned" not in html
+    del doc["configs"]
+    entry.write_text(json.dumps(doc))
+    with pytest.raises(ReportInputError, match=re.escape(f"{entry}: missing field configs")):
+        render_report(res, res / "report" / "index.html", CONFIG, MACHINE)

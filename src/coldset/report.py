@@ -715,26 +715,46 @@ def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> 
     color = _policy_styles(policies)
     fig = _new_figure(6.0, 4.8)
     ax = fig.add_subplot(1, 1, 1)
+    def upper(b):
+        u = b.extra.get("predicted_step_ms_sum")
+        return float(u) if isinstance(u, (int, float)) else b.predicted_step_ms
+
     lo = min(min(b.predicted_step_ms, b.metrics["step_ms_p50"]) for b in rows)
-    hi = max(max(b.predicted_step_ms, b.metrics["step_ms_p50"]) for b in rows)
-    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(hi, 1e-3)
-    ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="#999999", linestyle=":", label="measured = predicted")
+    hi = max(max(upper(b), b.metrics["step_ms_p50"]) for b in rows)
+    if lo > 0 and hi / lo > 20:  # e.g. a CPU measurement against a GPU preset: log-log keeps both visible
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ends = [lo / 1.2, hi * 1.2]
+    else:
+        pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(hi, 1e-3)
+        ends = [lo - pad, hi + pad]
+    ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
         ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol], label=pol)
         for b in sub:
+            upper = b.extra.get("predicted_step_ms_sum")
+            if isinstance(upper, (int, float)) and upper > b.predicted_step_ms:
+                ax.plot([b.predicted_step_ms, upper], [b.metrics["step_ms_p50"]] * 2, color=color[pol], alpha=0.5)
+        for b in sub:
             ax.annotate(b.residency, (b.predicted_step_ms, b.metrics["step_ms_p50"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
-    ax.set_xlabel("predicted step time (ms, speed model)")
-    ax.set_ylabel("measured step time p50 (ms)")
+    presets = _join(b.extra.get("predicted_preset", "unnamed") for b in rows)
+    ax.set_xlabel(f"predicted step time (ms, speed model preset {presets})")
+    ax.set_ylabel(f"measured step time p50 (ms, {device})")
     ax.set_title(f"{model}: measured vs predicted, batch size {batch_size}")
     ax.legend(fontsize=8)
+    mismatch = ""
+    if device.lower() == "cpu" or all(p.lower() not in device.lower() for p in presets.split(", ")):
+        mismatch = (f" The prediction is for the preset's hardware ({presets}), not for the measuring "
+                    f"device ({device}): compare shapes across placements, not absolute times.")
     return FigureOut(
         f"step-time-b{batch_size}",
         f"Measured vs predicted step time (batch size {batch_size})",
-        "Median decode step time measured against the placement stage's speed-model prediction, "
-        "one point per placement (labelled with its residency). Points above the diagonal ran "
-        "slower than predicted.",
+        "Median decode step time measured against the placement stage's speed-model prediction "
+        f"(lower bound, preset {presets}), one point per placement (labelled with its residency); "
+        "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
+        "above the diagonal ran slower than predicted." + mismatch,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
     )
@@ -786,20 +806,36 @@ def _stage_files(results_dir: Path, stage: str, model: str, config: dict) -> lis
 
 
 def _autotune_rows(results_dir: Path) -> list[dict[str, str]]:
+    """The autotune entries under ``results/autotune/`` (``coldset.tune`` cache entries copied by
+    the rule: key, backend, device fingerprint, configs per batch size, and ``hit`` when the
+    writer records it)."""
     rows = []
     for path in sorted((results_dir / "autotune").glob("*.json")):
         doc = read_json(path)
         if not isinstance(doc, dict):
             raise ReportInputError(f"{path}: expected a JSON object")
-        _require(doc, ("key", "hit"), str(path))
-        rest = {k: v for k, v in doc.items() if k not in ("key", "hit", "device")}
-        best = next((rest[k] for k in ("best", "best_config", "best_configs", "configs", "config") if k in rest), rest)
+        _require(doc, ("key",), str(path))
+        best = next((doc[k] for k in ("configs", "best", "best_configs") if k in doc), None)
+        if best is None:
+            raise ReportInputError(f"{path}: missing field configs (best configuration per batch size)")
+        device = doc.get("device", "unknown")
+        if isinstance(device, dict):
+            device = " · ".join(
+                str(device[k]) for k in ("name", "capability", "driver", "torch", "triton") if device.get(k)
+            )
+        hit = doc.get("hit")
         rows.append(
             {
                 "key": str(doc["key"]),
-                "hit": "hit" if doc["hit"] else "miss",
-                "device": str(doc.get("device", "unknown")),
-                "best": json.dumps(best, sort_keys=True, separators=(", ", ": ")),
+                "hit": "not recorded" if hit is None else ("hit" if hit else "miss"),
+                "backend": str(doc.get("backend", "—")),
+                "device": str(device),
+                "best": "; ".join(
+                    f"batch {bs}: " + json.dumps(cfg, sort_keys=True, separators=(", ", ": "))
+                    for bs, cfg in sorted(best.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0)
+                )
+                if isinstance(best, dict)
+                else json.dumps(best),
                 "file": path.name,
             }
         )
