@@ -31,6 +31,7 @@ import triton.language as tl
 from coldset.kernels.reference import torch_experts
 from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
 from coldset.tiers import ExpertPools, check_host_allocation
+from coldset.tune import TuneShape, autotune, config_for, graph_time_us
 
 
 @triton.jit
@@ -46,33 +47,6 @@ def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def graph_time_us(fn, reps: int) -> float:
-    """Median over ``reps`` replays of a CUDA graph capturing ``fn`` (after eager warm-up), in µs."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
-    return statistics.median(times)
 
 
 def eager_time_us(fn, reps: int) -> float:
@@ -110,7 +84,8 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--batches", default="1,4,16,64,2048")
-    p.add_argument("--sweep", type=int, default=1)
+    p.add_argument("--sweep", type=int, default=0)
+    p.add_argument("--cache-dir", default="/tmp/coldset-autotune")
     args = p.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -167,6 +142,22 @@ def main():
     def distinct_bytes(rs):
         return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
 
+    # --- autotune (the package's cache machinery), then the same call again: a hit
+    batches = [int(b) for b in args.batches.split(",")]
+    shape = TuneShape(num_experts=E, hidden=H, intermediate=I, top_k=K, dtype="bfloat16", num_moe_layers=48,
+                      num_hot=48 * E, num_cold=0)
+    t0 = time.time()
+    tuned = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+    miss_s = time.time() - t0
+    t0 = time.time()
+    tuned2 = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+    hit_s = time.time() - t0
+    res["autotune"] = {"key": tuned.key, "first_hit": tuned.hit, "first_s": miss_s, "second_hit": tuned2.hit,
+                       "second_s": hit_s, "configs": {str(b): c for b, c in tuned.configs.items()},
+                       "timings_us": {str(b): t for b, t in tuned.timings_us.items()}}
+    log("autotune", res["autotune"])
+    torch.cuda.empty_cache()
+
     checks = []
     # --- config sweep at batch 1 (hot and cold): the split of weight rows over blocks
     sweep = []
@@ -188,14 +179,15 @@ def main():
             sweep.append({"config": cfg.to_dict(), "hot_us": hot_us, "cold_us": cold_us})
             log("sweep", cfg, f"hot {hot_us:.1f} us cold {cold_us:.1f} us")
         res["sweep_batch1"] = sweep
-    best_hot = min(sweep, key=lambda r: r["hot_us"])["config"] if sweep else DEFAULT_DECODE_CONFIG.to_dict()
-    best_cold = min(sweep, key=lambda r: r["cold_us"])["config"] if sweep else DEFAULT_DECODE_CONFIG.to_dict()
+    best_hot = min(sweep, key=lambda r: r["hot_us"])["config"] if sweep else tuned.configs.get(1, DEFAULT_DECODE_CONFIG.to_dict())
+    best_cold = min(sweep, key=lambda r: r["cold_us"])["config"] if sweep else best_hot
     res["best_hot_config"], res["best_cold_config"] = best_hot, best_cold
 
     # --- per batch size
     rows = []
-    for B in [int(b) for b in args.batches.split(",")]:
-        cfg = DEFAULT_DECODE_CONFIG if B <= 64 else DEFAULT_PREFILL_CONFIG
+    for B in batches:
+        cfg = KernelConfig.from_dict(config_for(tuned, B))
+        dflt = DEFAULT_DECODE_CONFIG if B <= 64 else DEFAULT_PREFILL_CONFIG
         xs, rs = make_case(B)
         nbytes = distinct_bytes(rs)
         flops = 2 * B * K * (2 * I * H + H * I)
@@ -206,7 +198,9 @@ def main():
         off_us = graph_time_us(run_all(unmodified, xs, rs, cfg, False, out_off), args.reps) / L
         on2_us = graph_time_us(run_all(pools, xs, rs, cfg, True), args.reps) / L
         off2_us = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
-        row = {"batch": B, "config": cfg.to_dict(), "distinct_expert_MB": nbytes / 1e6, "bound_us": bound_us,
+        pools.set_row_map(all_hot_map)
+        dflt_us = graph_time_us(run_all(pools, xs, rs, dflt), args.reps) / L
+        row = {"batch": B, "config": cfg.to_dict(), "default_config_us": dflt_us, "distinct_expert_MB": nbytes / 1e6, "bound_us": bound_us,
                "hot_us": min(on_us, on2_us), "hot_us_runs": [on_us, on2_us], "off_us": min(off_us, off2_us),
                "off_us_runs": [off_us, off2_us]}
         row["hot_GBps"] = nbytes / (row["hot_us"] * 1e-6) / 1e9
@@ -231,7 +225,19 @@ def main():
         log("batch", B, {k: v for k, v in row.items() if k != "config"})
     res["batches"] = rows
 
-    # --- tuned decode config at batch 1 (from the sweep) for hot, cold, off
+    # --- batch 1 stage breakdown (w13+act alone, + w2, + top-k sum), tuned config, all hot
+    xs, rs = make_case(1)
+    cfg1 = KernelConfig.from_dict(best_hot)
+    pools.set_row_map(all_hot_map)
+    stages = {}
+    for stop in (1, 2, 3):
+        stages[stop] = graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg1, True, stop)
+                                              for l in range(L)], args.reps) / L
+    res["batch1_stages_us"] = {"w13_act": stages[1], "w13_act+w2": stages[2], "all_three": stages[3],
+                               "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
+    log("stages", res["batch1_stages_us"])
+
+    # --- best decode config at batch 1 for hot, cold, off (from the sweep, if run)
     r1 = {}
     if sweep:
         xs, rs = make_case(1)
@@ -254,7 +260,7 @@ def main():
         log("batch1 tuned", r1)
 
     # --- mixed: 4 hot + 4 cold of the 8 selected, against the sum of the two parts (top-4 each)
-    cfg = KernelConfig.from_dict(best_cold) if sweep else DEFAULT_DECODE_CONFIG
+    cfg = KernelConfig.from_dict(best_cold)
     xs, rs = make_case(1)
     mixed_map = all_hot_map.clone()
     for l in range(L):
@@ -278,20 +284,26 @@ def main():
     log("mixed", res["mixed"])
 
     with open(f"{args.out}/kernel_bench.json", "w") as f:
-        json.dump(res, f, indent=1)
+        json.dump(res, f, indent=1, default=str)
 
     c = res["ceilings"]
     print(f"\n## {res['device']} ({res['sms']} SMs), torch {res['torch']}, triton {res['triton']}")
+    at = res["autotune"]
+    print(f"autotune: first call hit={at['first_hit']} {at['first_s']:.1f} s, second call hit={at['second_hit']} "
+          f"{at['second_s']:.2f} s; key {at['key'][:16]}")
+    st = res["batch1_stages_us"]
+    print(f"batch 1 stages (µs/layer): w13+act {st['w13_act']:.1f} ({st['w13_MB']:.0f} MB), +w2 {st['w13_act+w2']:.1f} "
+          f"({st['w2_MB']:.0f} MB), +sum {st['all_three']:.1f}")
     print(f"HBM read {c['hbm_read_GBps']:.0f} GB/s; pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s; "
           f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print("\n| batch | distinct expert MB/layer | bound µs | Triton hot µs | hot GB/s (% HBM) | row map off µs | row-map cost | "
-          "Triton all-cold µs | cold % pinned | torch ref µs | bitwise off/cold | rel err vs torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "Triton all-cold µs | cold % pinned | torch ref µs | default cfg µs | bitwise off/cold | rel err vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cold = f"{r['cold_us']:.0f} | {r['cold_pct_pinned']:.0f}%" if "cold_us" in r else "- | -"
         print(f"| {r['batch']} | {r['distinct_expert_MB']:.1f} | {r['bound_us']:.1f} | {r['hot_us']:.1f} | "
               f"{r['hot_GBps']:.0f} ({100 * r['hot_GBps'] * 1e9 / hbm:.0f}%) | {r['off_us']:.1f} | {r['rowmap_cost_pct']:+.1f}% | "
-              f"{cold} | {r['torch_us']:.0f} | {r['bitwise_rowmap_vs_off']}/{r['bitwise_cold_vs_hot']} | {r['max_rel_err_vs_torch']:.1e} |")
+              f"{cold} | {r['torch_us']:.0f} | {r['default_config_us']:.1f} | {r['bitwise_rowmap_vs_off']}/{r['bitwise_cold_vs_hot']} | {r['max_rel_err_vs_torch']:.1e} |")
     for name, r in r1.items():
         print(f"\nbatch 1 {name} {r['config']}: hot {r['hot_us']:.1f} µs ({r['hot_pct_hbm']:.0f}% HBM), off {r['off_us']:.1f} µs "
               f"(row-map cost {r['rowmap_cost_pct']:+.1f}%), cold {r['cold_us']:.0f} µs ({r['cold_pct_pinned']:.0f}% pinned)")

@@ -146,7 +146,8 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16)
     unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
     x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
-    configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2), KernelConfig(32, 64, 32, 32, 32, 4, 3)]
+    configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2, 1), KernelConfig(16, 16, 64, 16, 64, 4, 2, 128),
+               KernelConfig(32, 64, 32, 32, 32, 4, 3)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -157,6 +158,12 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
             for layer in range(L):
                 out = triton_experts(pools, layer, x, ids, w, cfg)
                 assert torch.equal(out, refs[layer]), (cfg, seed, layer)
+    # in-kernel grouping (slots) and sorted grouping give the same pair order and chunks: same bits
+    sorted_grouping = KernelConfig(16, 16, 64, 16, 64, 4, 2, 1)
+    slot_grouping = KernelConfig(16, 16, 64, 16, 64, 4, 2, 128)
+    for layer in range(L):
+        assert torch.equal(triton_experts(unmodified, layer, x, ids, w, sorted_grouping),
+                           triton_experts(unmodified, layer, x, ids, w, slot_grouping))
 
 
 @gpu

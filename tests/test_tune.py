@@ -129,3 +129,21 @@ def test_bad_inputs_are_refused():
         TuneShape(4, 16, 8, 2, "float32", 2, 4, 2)
     with pytest.raises(ValueError, match="batch_sizes"):
         autotune(SHAPE, [], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_triton_autotune_on_gpu_hits_the_cache(tmp_path):
+    shape = TuneShape(num_experts=16, hidden=256, intermediate=128, top_k=4, dtype="bfloat16",
+                      num_moe_layers=2, num_hot=24, num_cold=8)
+    space = {"decode_max_tokens": 4,
+             "decode": [dict(block_m=16, block_n1=32, block_k1=64, block_n2=32, block_k2=64, num_warps=4, num_stages=3),
+                        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3,
+                             slot_max_pairs=1)],
+             "prefill": [dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3)]}
+    first = autotune(shape, [1, 4, 100], "cuda", cache_dir=tmp_path, search_space=space, reps=3)
+    assert not first.hit and first.backend == "triton" and set(first.configs) == {1, 4, 100}
+    assert all(len(first.timings_us[b]) == (1 if b == 100 else 2) for b in first.configs)
+    t0 = time.perf_counter()
+    second = autotune(shape, [1, 4, 100], "cuda", cache_dir=tmp_path, search_space=space)
+    assert second.hit and second.configs == first.configs and time.perf_counter() - t0 < 5

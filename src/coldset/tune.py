@@ -42,20 +42,23 @@ DECODE_MAX_TOKENS = 64
 
 TRITON_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
-    # block_m, block_n1, block_k1, block_n2, block_k2, num_warps, num_stages
+    # KernelConfig fields: block_m, block_n1 (split of w13's rows), block_k1, block_n2 (split of
+    # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort)
     "decode": [
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=3),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=4),
-        dict(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=128),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32),
+        dict(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, num_warps=4, num_stages=3, slot_max_pairs=32),
+        dict(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1),
     ],
     "prefill": [
-        dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3),
-        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
-        dict(block_m=128, block_n1=64, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3),
-        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4),
+        dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3, slot_max_pairs=1),
+        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
+        dict(block_m=128, block_n1=64, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
+        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),
     ],
 }
 
@@ -338,14 +341,15 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     from coldset.tiers import build_pools
 
     dtype = getattr(torch, shape.dtype)
-    g = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the pools live: fast on a GPU
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
-    w13 = (torch.randn(layers, E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    w2 = (torch.randn(layers, E, H, I, generator=g) / I**0.5).to(dtype)
+    w13 = (torch.randn(layers, E, 2 * I, H, generator=g, device=device) / H**0.5).to(dtype)
+    w2 = (torch.randn(layers, E, H, I, generator=g, device=device) / I**0.5).to(dtype)
     cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
     n = layers * E
     n_cold = int(round(cold_fraction * n))
-    perm = torch.randperm(n, generator=g)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     is_cold = torch.zeros(n, dtype=torch.bool)
     is_cold[perm[:n_cold]] = True
     rows = torch.empty(n, dtype=torch.int32)

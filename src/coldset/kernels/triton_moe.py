@@ -21,7 +21,7 @@ the unmodified path the parity gate compares against. Tiling and accumulation or
 on where an expert lives, so both give bitwise the same output for any placement.
 
 Tokens are grouped by expert in one of two ways (same per-expert pair order, ascending pair index):
-- ``MODE_SLOTS`` (T*k <= E, decode): grid dimension 0 is min(E, T*k) *slots*; block s finds the
+- ``MODE_SLOTS`` (T*k <= min(E, config.slot_max_pairs), decode): grid dimension 0 is min(E, T*k) *slots*; block s finds the
   s-th distinct selected expert and compacts that expert's pairs inside the kernel: no host-side
   preparation at all, so a decode step is exactly three launches;
 - ``MODE_SORTED`` (larger batches, prefill): a stable torch sort of the pair expert ids and a
@@ -48,7 +48,11 @@ class KernelConfig:
 
     ``block_m``: tokens per tile; ``block_n1``: columns of I per block in the w13 step (the split
     of w13's rows); ``block_k1``: slice of H per step; ``block_n2``: rows of H per block in the w2
-    step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton.
+    step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton;
+    ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
+    inside the kernel (``MODE_SLOTS``, no host preparation), above it by a torch sort
+    (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
+    not results.
     """
 
     block_m: int = 16
@@ -58,6 +62,7 @@ class KernelConfig:
     block_k2: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    slot_max_pairs: int = 32
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,8 +74,8 @@ class KernelConfig:
 
 # Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
 # decode, where the weights' bytes bound the time; larger tiles for prefill.
-DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 32, 128, 4, 3)
-DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 64, 64, 64, 4, 3)
+DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
+DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 64, 64, 64, 4, 3, 32)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
@@ -242,6 +247,7 @@ def triton_experts(
     topk_weights: torch.Tensor,
     config: KernelConfig | dict | None = None,
     use_row_map: bool = True,
+    _stop_after: int = 3,
 ) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` for tokens ``x`` ``[T, H]`` of MoE layer ``layer`` (CUDA).
 
@@ -249,7 +255,8 @@ def triton_experts(
     row-map indirection out and reads (layer, expert) from hot row ``layer * E + expert``: valid
     only for the all-hot module-order layout (:meth:`ExpertPools.all_hot`), it is the unmodified
     path. The row map is validated here only when it was written since its last validation (no
-    host sync otherwise, so the call can be captured in a CUDA graph).
+    host sync otherwise, so the call can be captured in a CUDA graph). ``_stop_after`` (1 or 2)
+    skips the later launches: for timing the stages separately in the benchmark only.
     """
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
@@ -289,7 +296,7 @@ def triton_experts(
         ids = ids.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     device = x.device
-    if num_pairs <= num_experts:
+    if num_pairs <= min(num_experts, config.slot_max_pairs):
         mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
         sorted_pairs = expert_off = ids  # unused in this mode
     else:
@@ -312,6 +319,8 @@ def triton_experts(
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if _stop_after < 2:
+        return out
     _w2_kernel[(slots, triton.cdiv(hidden, c.block_n2))](
         act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf,
         num_pairs, layer,
@@ -320,6 +329,8 @@ def triton_experts(
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if _stop_after < 3:
+        return out
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](buf, out, H=hidden, TOPK=top_k, BLOCK=block, num_warps=4)
     return out
