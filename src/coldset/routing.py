@@ -491,8 +491,12 @@ def _validate_batch(batch: pa.RecordBatch, meta: TraceMeta, where: str, row_offs
             fail("position", i, f"holds position {pos[i].as_py()}; positions are >= 0")
     for name, allowed in (("phase", PHASES), ("split", SPLITS)):
         if name in names:
-            col = batch.column(name).cast(pa.string())
-            ok = pc.fill_null(pc.is_in(col, value_set=pa.array(allowed)), False)
+            col = batch.column(name)
+            if pa.types.is_dictionary(col.type):  # check the few dictionary values, not every row
+                ok = pc.take(pc.is_in(col.dictionary.cast(pa.string()), value_set=pa.array(allowed)), col.indices)
+            else:
+                ok = pc.is_in(col.cast(pa.string()), value_set=pa.array(allowed))
+            ok = pc.fill_null(ok, False)
             if not pc.all(ok).as_py():
                 i = _first_bad(pc.invert(ok))
                 fail(name, i, f"holds {col[i].as_py()!r}, expected one of {list(allowed)}")
@@ -545,6 +549,7 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
                     max_new_tokens: int | None = None, progress: bool = True) -> Path:
     """Run the embedded engine over the fixtures and write the routing trace.
 
+    ``device`` is ``cpu``, ``cuda`` or ``auto``; ``dtype`` a torch dtype or its name.
     Prompts are tokenized with the checkpoint's tokenizer and decoded greedily in batches of
     ``batch_size`` (fixtures grouped by their ``max_new_tokens``, or all with ``max_new_tokens``
     if given). Prefill rows are the prompt tokens; decode rows are the generated tokens that were
@@ -560,6 +565,8 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")
     import torch
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype name (float32, bfloat16, float16)")
