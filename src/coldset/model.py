@@ -455,14 +455,16 @@ class _TensorSource:
         path = self.key_to_file[key]
         handle = self._open(path)
         try:
-            tensor = handle.get_tensor(key)
+            stored = tuple(handle.get_slice(key).get_shape())  # header only: check before reading
+            if stored != tuple(shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {key!r} has shape {stored}, expected {tuple(shape)}"
+                )
+            return handle.get_tensor(key)
+        except ModelLoadError:
+            raise
         except Exception as err:
             raise ModelLoadError(f"{path}: cannot read tensor {key!r} ({err})") from err
-        if tuple(tensor.shape) != tuple(shape):
-            raise ModelLoadError(
-                f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
-            )
-        return tensor
 
 
 def _expert_keys(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
