@@ -191,7 +191,7 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
     server = subprocess.Popen(
         [str(mlflow_bin), "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,  # its ./mlartifacts
         env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"},
     )
     try:
@@ -231,6 +231,18 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
 
         arts = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=placement")
         assert [f["path"] for f in arts["files"]] == [f"placement/{Layout(res, MODEL).placement('usage_global', 1.0).name}"]
+
+        # config may name a tracking server instead of the SQLite store: the same stage, twice
+        inputs = _inputs(res)
+        inputs["bench_jsons"] = inputs["bench_jsons"][:1]  # one placement's batch sizes keep it quick
+        via = [run_track(**inputs, tracking_uri=base, experiment="via-server", tags=TAGS,
+                         done_path=tmp_path / f"via{i}.done") for i in range(2)]
+        assert via[0] == via[1] and len(via[0]) == len(BATCH_SIZES)
+        exp2 = _get(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=via-server")["experiment"]
+        runs2 = _post(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp2["experiment_id"]]})["runs"]
+        assert sorted(r["info"]["run_id"] for r in runs2) == sorted(via[0])
+        arts2 = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={via[0][0]}&path=stats")
+        assert [f["path"] for f in arts2["files"]] == ["stats/skew.json"]
     finally:
         os.killpg(server.pid, 15)
         try:
