@@ -165,7 +165,7 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
             text = template.render(index=i, domain=domain, max_new_tokens=max_new_tokens)
         except jinja2.TemplateError as e:
             raise FixtureError(f"template {template.filename}: rendering prompt {i} failed: {e}") from None
-        text = re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+        text = re.sub(r"\n{3,}", "\n\n", text).strip()
         if not text.strip():
             raise FixtureError(f"template {template.filename} rendered an empty prompt (index {i})")
         out.append(Fixture(f"{domain}-{i:04d}", domain, "heldout" if i in heldout else "profile", text,
