@@ -281,3 +281,29 @@ def test_error_corrupt_safetensors(mixtral_copy, qwen_copy):
     shard.unlink()
     with pytest.raises(ModelLoadError, match=f"{shard.name}: weight file missing"):
         load_model(qwen_copy)
+
+
+def test_fixed_shape_decode_step_matches_generate(tiny_hf_checkpoint):
+    """The decode step CUDA graphs would capture (full-length mask, tensors only) gives generate's logits."""
+    path = tiny_hf_checkpoint("qwen3_moe")
+    model = load_model(path)
+    prompts = encode_prompts(load_tokenizer(path), TEXTS[:3])
+    new = 6
+    ref = generate(model, prompts, new, progress=False, return_all_logits=True)
+    bsz, plen = len(prompts), max(len(p) for p in prompts)
+    max_seq = plen + new
+    model.setup_cache(bsz, max_seq)
+    pad = torch.tensor([plen - len(p) for p in prompts])
+    tokens = torch.tensor([[0] * (plen - len(p)) + p for p in prompts])
+    slots = torch.arange(max_seq)
+    valid = slots[None, :] >= pad[:, None]
+    causal = slots[:plen, None] >= slots[None, :plen]
+    mask = (causal[None] & valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool)
+    logits = model(tokens, (slots[:plen] - pad[:, None]).clamp(min=0), slots[:plen], mask[:, None])
+    nxt = logits[:, -1].argmax(-1)
+    for t in range(1, new):
+        slot = plen + t - 1
+        full_mask = (valid & (slots[None, :] <= slot))[:, None, None, :]  # [B, 1, 1, max_seq]
+        step = model(nxt[:, None], slot - pad[:, None], slots[slot:slot + 1], full_mask)[:, -1]
+        assert (step.float() - ref.all_logits[:, t]).abs().max().item() < 1e-5
+        nxt = step.argmax(-1)

@@ -647,6 +647,10 @@ def generate(
     prompt gets ``max_new_tokens`` tokens, which keeps the trace shapes simple. Ties go to the
     lowest token id (``torch.argmax``). ``return_all_logits`` also returns ``all_logits``
     float32 ``[B, max_new_tokens, V]``, the logits behind every new token (for tests).
+
+    Each decode step attends over the first ``slot + 1`` cache slots (the mask's last dimension),
+    which is cheapest eagerly; a CUDA-graph capture would instead call ``model.forward`` with a
+    fixed ``[B, 1, 1, max_seq]`` mask (slots beyond the current one masked out), same result.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
