@@ -896,8 +896,12 @@ def render_report(
     routing_batch_label = f"{routing_batch} (routing capture)"
 
     figures: dict[str, list[FigureOut]] = {}
-    figures["routing"] = _routing_figures(stats_dir / "histogram.csv", machine_device, routing_batch_label, dtype, model)
-    figures["coverage"] = [_coverage_figure(placements, machine_device, routing_batch_label, dtype, model)]
+    # Routing is captured where the GPU stages run (the bench's device), or imported from a trace
+    # recorded elsewhere, which the trace's source names.
+    source = str(skew.trace.get("source") or "")
+    routing_device = run_device if (not source or "embedded" in source) else f"external trace: {source}"
+    figures["routing"] = _routing_figures(stats_dir / "histogram.csv", routing_device, routing_batch_label, dtype, model)
+    figures["coverage"] = [_coverage_figure(placements, routing_device, routing_batch_label, dtype, model)]
     batch_sizes = sorted({b.batch_size for b in bench})
     figures["residency"] = [_residency_figure(bench, bs, model) for bs in batch_sizes]
     step_figs = [_step_time_figure(bench, bs, model) for bs in batch_sizes]
