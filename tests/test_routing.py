@@ -18,6 +18,7 @@ from coldset.routing import (
     TraceMeta,
     TraceWriter,
     import_sglang,
+    import_trace,
     import_vllm,
     iter_trace_batches,
     read_trace_meta,
@@ -261,6 +262,30 @@ def test_import_sglang_matches_vllm(tmp_path):
     bad.write_text(json.dumps({"id": "x", "num_prompt_tokens": 1, "routed_experts": "@@@"}) + "\n")
     with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'routed_experts' is not valid base64"):
         import_sglang(bad, tmp_path / "b.parquet", META)
+
+
+def test_import_trace_dispatches_by_kind(tmp_path):
+    reqs = _vllm_requests()
+    vllm = tmp_path / "export.jsonl"
+    vllm.write_text("".join(json.dumps({"id": i, "domain": d, "num_prompt_tokens": n, "routed_experts": a.tolist()}) + "\n"
+                            for i, d, n, a in reqs))
+    sgl = tmp_path / "export_sgl.jsonl"
+    sgl.write_text("".join(json.dumps({"id": i, "domain": d, "num_prompt_tokens": n, "routed_experts":
+                                       base64.b64encode(a.astype("<i4").tobytes()).decode()}) + "\n"
+                           for i, d, n, a in reqs if a.dtype == np.uint8))
+    model = {"num_experts": 8, "top_k": 2, "moe_layers": [1, 3], "num_layers": 4}
+    rep = import_trace(vllm, tmp_path / "a.parquet", expect=model, model_name="toy", heldout_fraction=0.5)
+    assert read_trace_meta(rep.path).source.startswith("vllm") and rep.cached_prefix_tokens_skipped == 3
+    splits = dict(_frame(rep.path)[["request", "split"]].drop_duplicates().itertuples(index=False))
+    assert splits == {i: split_of(i, 0.5) for i, *_ in reqs}
+    rep = import_trace(sgl, tmp_path / "b.parquet", expect=model)
+    assert read_trace_meta(rep.path).source.startswith("sglang") and rep.requests == 1
+    rep = import_trace(tmp_path / "a.parquet", tmp_path / "c.parquet", expect=model)
+    assert rep.requests == 2 and rep.rows == pq.ParquetFile(tmp_path / "a.parquet").metadata.num_rows
+    assert (tmp_path / "c.parquet").read_bytes() == (tmp_path / "a.parquet").read_bytes()
+    with pytest.raises(TraceError, match=r"a.parquet: trace metadata num_experts=8 disagrees with the model"):
+        import_trace(tmp_path / "a.parquet", tmp_path / "d.parquet", expect={**model, "num_experts": 16})
+    assert not (tmp_path / "d.parquet").exists()
 
 
 # ---------------------------------------------------------------------------------------------

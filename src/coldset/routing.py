@@ -771,3 +771,63 @@ def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike, m
         return arr
 
     return _import(export_path, out_path, meta, heldout_fraction, "sglang", decode)
+
+
+def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
+                 expect: Any = None, model_name: str | None = None, heldout_fraction: float | None = None
+                 ) -> ImportReport:
+    """The ``routing`` stage when config names an existing trace (``routing.trace``).
+
+    ``kind``: ``parquet`` (a trace in this format: validated in full, then copied), ``vllm`` or
+    ``sglang`` (a JSONL export, see :func:`import_vllm` / :func:`import_sglang`), or ``auto``
+    (by suffix ``.parquet``; for JSONL by the first request's ``routed_experts``: nested lists
+    = vLLM, a string = SGLang). ``expect`` (the pipeline's ModelConfig) is checked against the
+    trace's model shape and, for exports without a ``trace_meta`` header, supplies it
+    (``model_name`` names the model then).
+    """
+    import shutil
+
+    source, out_path = Path(source), Path(out_path)
+    if not source.is_file():
+        raise TraceError(f"{source}: routing trace not found")
+    if kind == "auto":
+        if source.suffix == ".parquet":
+            kind = "parquet"
+        else:
+            kind = ""
+            for lineno, obj in _read_export_lines(source):
+                if "trace_meta" in obj:
+                    continue
+                value = obj.get("routed_experts")
+                kind = "vllm" if isinstance(value, list) else "sglang" if isinstance(value, str) else ""
+                if not kind:
+                    raise TraceError(f"{source}:{lineno}: field 'routed_experts' is neither nested lists (vLLM) "
+                                     "nor a base64 string (SGLang)")
+                break
+            if not kind:
+                raise TraceError(f"{source}: no request lines to import")
+    if kind == "parquet":
+        meta = validate_trace(source, expect)
+        rows = pq.ParquetFile(source).metadata.num_rows
+        requests = set()
+        for batch in iter_trace_batches(source, ["request"], validate=False):
+            col = batch.column("request")
+            used = col.dictionary.take(pc.unique(col.indices)) if pa.types.is_dictionary(col.type) else pc.unique(col)
+            requests.update(used.to_pylist())
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, out_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return ImportReport(out_path, len(requests), rows, int(meta.extra.get("cached_prefix_tokens_skipped", 0)))
+    if kind not in ("vllm", "sglang"):
+        raise TraceError(f"unknown trace kind {kind!r}; one of auto, parquet, vllm, sglang")
+    meta = None
+    if expect is not None:
+        meta = TraceMeta.from_model_config(expect, model_name or "model", "")
+    importer = import_vllm if kind == "vllm" else import_sglang
+    return importer(source, out_path, meta, heldout_fraction)
