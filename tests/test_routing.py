@@ -229,6 +229,14 @@ def test_import_vllm_errors(tmp_path):
         import_vllm(export, tmp_path / "t.parquet", META)
     with pytest.raises(TraceError, match="no trace_meta header line and no model metadata"):
         import_vllm(export, tmp_path / "t.parquet")
+    export.write_text('{"id": "x", "num_prompt_tokens": 1, "routed_experts": [[[1, 2], [1, 3]]], "split": "heldout"}\n'
+                      '{"id": "y", "num_prompt_tokens": 1, "routed_experts": [[[1, 2], [1, 3]]]}\n')
+    with pytest.raises(TraceError, match=r"vllm.jsonl:2: field 'split' must be on every request line or on none"):
+        import_vllm(export, tmp_path / "t.parquet", META)
+    export.write_text(json.dumps({"trace_meta": {"model": "toy", "num_layers": 4, "num_experts": 8, "top_k": 2,
+                                                 "moe_layers": [1, 3]}}) + "\n")
+    with pytest.raises(TraceError, match=r"vllm.jsonl: no request lines"):
+        import_vllm(export, tmp_path / "t.parquet")
     assert not (tmp_path / "t.parquet").exists()
 
 
@@ -274,10 +282,9 @@ def test_import_trace_dispatches_by_kind(tmp_path):
                                        base64.b64encode(a.astype("<i4").tobytes()).decode()}) + "\n"
                            for i, d, n, a in reqs if a.dtype == np.uint8))
     model = {"num_experts": 8, "top_k": 2, "moe_layers": [1, 3], "num_layers": 4}
-    rep = import_trace(vllm, tmp_path / "a.parquet", expect=model, model_name="toy", heldout_fraction=0.5)
+    rep = import_trace(vllm, tmp_path / "a.parquet", expect=model, model_name="toy")
     assert read_trace_meta(rep.path).source.startswith("vllm") and rep.cached_prefix_tokens_skipped == 3
-    splits = dict(_frame(rep.path)[["request", "split"]].drop_duplicates().itertuples(index=False))
-    assert splits == {i: split_of(i, 0.5) for i, *_ in reqs}
+    assert "split" not in pq.read_schema(rep.path).names  # no split in the export: readers assign it
     rep = import_trace(sgl, tmp_path / "b.parquet", expect=model)
     assert read_trace_meta(rep.path).source.startswith("sglang") and rep.requests == 1
     rep = import_trace(tmp_path / "a.parquet", tmp_path / "c.parquet", expect=model)

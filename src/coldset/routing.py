@@ -376,8 +376,10 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, tables: pa.Table | Ite
     try:
         for i, t in enumerate(tables):
             t = _normalise_table(t, f"{path} (table {i})")
+            offset = 0
             for batch in t.to_batches():
-                _validate_batch(batch, meta, f"{path} (table {i})", 0)
+                _validate_batch(batch, meta, f"{path} (table {i})", offset)
+                offset += batch.num_rows
             if writer is None:
                 schema = _schema(meta, "weight" in t.column_names, "split" in t.column_names)
                 writer = pq.ParquetWriter(tmp, schema, compression="zstd")
@@ -641,7 +643,7 @@ def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
 
 
 def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None,
-            heldout_fraction: float | None, kind: str, decode_line) -> ImportReport:
+            kind: str, decode_line) -> ImportReport:
     export_path = Path(export_path)
     if not export_path.exists():
         raise TraceError(f"{export_path}: {kind} export not found")
@@ -655,17 +657,21 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
         if meta is not None:
             check_meta_against_model(header, meta, f"{export_path}:{first[0]} (trace_meta header vs the given model)")
         meta = header
-        first = None
+        first = next(lines, None)
+    if first is None:
+        raise TraceError(f"{export_path}: no request lines in the {kind} export")
+    # Splits come from the export on every line or on none; with none, the trace has no split
+    # column and the statistics assign splits by split_of with their own heldout_fraction.
+    with_split = "split" in first[1]
     if meta is None:
         raise TraceError(f"{export_path}: no trace_meta header line and no model metadata given")
     meta = TraceMeta(meta.model, meta.num_layers, meta.num_experts, meta.top_k, list(meta.moe_layers), source)
 
     def requests():
-        if first is not None:
-            yield first
+        yield first
         yield from lines
 
-    with TraceWriter(out_path, meta, with_weight=False, with_split=True) as w:
+    with TraceWriter(out_path, meta, with_weight=False, with_split=with_split) as w:
         for lineno, obj in requests():
             where = f"{export_path}:{lineno}"
             for key in ("id", "num_prompt_tokens", "routed_experts"):
@@ -676,10 +682,11 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
             npt = obj["num_prompt_tokens"]
             if not isinstance(npt, int) or npt < 0:
                 raise TraceError(f"{where}: num_prompt_tokens must be a non-negative integer, got {npt!r}")
+            if ("split" in obj) != with_split:
+                raise TraceError(f"{where}: field 'split' must be on every request line or on none "
+                                 f"(line {first[0]} {'has' if with_split else 'lacks'} it)")
             split = obj.get("split")
-            if split is None:
-                split = split_of(rid, 0.25 if heldout_fraction is None else heldout_fraction)
-            elif split not in SPLITS:
+            if with_split and split not in SPLITS:
                 raise TraceError(f"{where}: field 'split' is {split!r}, expected one of {list(SPLITS)}")
             experts = decode_line(obj, meta, where)
             w.add(RequestRows(rid, domain, experts, npt, None, split), where)
@@ -690,8 +697,8 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
     return report
 
 
-def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None = None,
-                heldout_fraction: float | None = None) -> ImportReport:
+def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
+                meta: TraceMeta | None = None) -> ImportReport:
     """Convert a vLLM routed-experts export (JSONL) into a trace.
 
     Container, one JSON object per line::
@@ -706,7 +713,8 @@ def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike, met
     -1: they are skipped, counted, and the count is returned and stored in the trace metadata
     (``cached_prefix_tokens_skipped``). The model shape comes from ``meta`` or an optional
     first line ``{"trace_meta": {"model", "num_layers", "num_experts", "top_k", "moe_layers"}}``
-    (both given: they must agree). Without ``split``, requests are split by :func:`split_of`.
+    (both given: they must agree). ``split`` is on every line or on none; with none the trace
+    has no split column and readers split requests by :func:`split_of`.
     """
 
     def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
@@ -721,11 +729,11 @@ def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike, met
                              f"[tokens, {meta.num_moe_layers}, {meta.top_k}]")
         return arr
 
-    return _import(export_path, out_path, meta, heldout_fraction, "vllm", decode)
+    return _import(export_path, out_path, meta, "vllm", decode)
 
 
-def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None = None,
-                  heldout_fraction: float | None = None) -> ImportReport:
+def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
+                  meta: TraceMeta | None = None) -> ImportReport:
     """Convert an SGLang routed-experts export (JSONL) into a trace.
 
     Container, one JSON object per line::
@@ -770,12 +778,11 @@ def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike, m
                              f"{meta.num_layers} (all layers)")
         return arr
 
-    return _import(export_path, out_path, meta, heldout_fraction, "sglang", decode)
+    return _import(export_path, out_path, meta, "sglang", decode)
 
 
 def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
-                 expect: Any = None, model_name: str | None = None, heldout_fraction: float | None = None
-                 ) -> ImportReport:
+                 expect: Any = None, model_name: str | None = None) -> ImportReport:
     """The ``routing`` stage when config names an existing trace (``routing.trace``).
 
     ``kind``: ``parquet`` (a trace in this format: validated in full, then copied), ``vllm`` or
@@ -830,4 +837,4 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
     if expect is not None:
         meta = TraceMeta.from_model_config(expect, model_name or "model", "")
     importer = import_vllm if kind == "vllm" else import_sglang
-    return importer(source, out_path, meta, heldout_fraction)
+    return importer(source, out_path, meta)
