@@ -237,6 +237,19 @@ def main():
                                "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
     log("stages", res["batch1_stages_us"])
 
+    # --- programmatic dependent launch on/off at batch 1, otherwise the tuned config (hot and cold)
+    pdl_ab = {}
+    for pdl in (0, 1):
+        cfgp = KernelConfig.from_dict({**best_hot, "pdl": pdl})
+        pools.set_row_map(all_hot_map)
+        hot = [graph_time_us(run_all(pools, xs, rs, cfgp), args.reps) / L for _ in range(2)]
+        pools.set_row_map(all_cold_map)
+        cold = graph_time_us(run_all(pools, xs, rs, cfgp), max(5, args.reps // 3)) / L
+        pools.set_row_map(all_hot_map)
+        pdl_ab[pdl] = {"hot_us": min(hot), "hot_runs": hot, "cold_us": cold}
+    res["batch1_pdl_ab"] = pdl_ab
+    log("pdl a/b", pdl_ab)
+
     # --- best decode config at batch 1 for hot, cold, off (from the sweep, if run)
     r1 = {}
     if sweep:
@@ -292,6 +305,9 @@ def main():
     print(f"autotune: first call hit={at['first_hit']} {at['first_s']:.1f} s, second call hit={at['second_hit']} "
           f"{at['second_s']:.2f} s; key {at['key'][:16]}")
     st = res["batch1_stages_us"]
+    ab = res["batch1_pdl_ab"]
+    print(f"batch 1, tuned tiles, pdl=0: hot {ab[0]['hot_us']:.1f} µs cold {ab[0]['cold_us']:.0f} µs; "
+          f"pdl=1: hot {ab[1]['hot_us']:.1f} µs cold {ab[1]['cold_us']:.0f} µs")
     print(f"batch 1 stages (µs/layer): w13+act {st['w13_act']:.1f} ({st['w13_MB']:.0f} MB), +w2 {st['w13_act+w2']:.1f} "
           f"({st['w2_MB']:.0f} MB), +sum {st['all_three']:.1f}")
     print(f"HBM read {c['hbm_read_GBps']:.0f} GB/s; pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s; "

@@ -147,7 +147,7 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
     unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
     x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
     configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2, 1), KernelConfig(16, 16, 64, 16, 64, 4, 2, 128),
-               KernelConfig(32, 64, 32, 32, 32, 4, 3)]
+               KernelConfig(32, 64, 32, 32, 32, 4, 3), KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 1)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -169,8 +169,14 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("num_tokens", [2, 40])
-def test_cuda_graph_replay_after_row_map_change(num_tokens):
-    from coldset.kernels.triton_moe import triton_experts
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
+    from functools import partial
+
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.kernels.triton_moe import triton_experts as _triton_experts
+
+    triton_experts = partial(_triton_experts, config=KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl))
 
     E, H, I, K, L = 16, 256, 128, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16, seed=5)

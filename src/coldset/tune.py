@@ -51,6 +51,8 @@ TRITON_SEARCH_SPACE: dict = {
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32),
         dict(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, num_warps=4, num_stages=3, slot_max_pairs=32),
         dict(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
     ],
     "prefill": [
         dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3, slot_max_pairs=1),

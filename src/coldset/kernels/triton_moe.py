@@ -38,6 +38,11 @@ import triton.language as tl
 
 from coldset.tiers import ExpertPools
 
+try:  # grid dependency control (programmatic dependent launch, sm90+), in triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: configs with pdl=1 cannot be used
+    gdc_launch_dependents = gdc_wait = None
+
 MODE_SLOTS = 0
 MODE_SORTED = 1
 
@@ -52,7 +57,10 @@ class KernelConfig:
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
     inside the kernel (``MODE_SLOTS``, no host preparation), above it by a torch sort
     (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
-    not results.
+    not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
+    (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
+    L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
+    activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
     """
 
     block_m: int = 16
@@ -63,6 +71,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     slot_max_pairs: int = 32
+    pdl: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,8 +153,10 @@ def _w13_act_kernel(
     num_pairs, layer, stride_xt,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
-    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:
+        gdc_launch_dependents()  # the w2 kernel may start now and prefetch its weights
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
@@ -166,8 +177,12 @@ def _w13_act_kernel(
             if EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
                 if EVEN_N:
-                    wg = tl.load(wg_ptrs + k0)
-                    wu = tl.load(wu_ptrs + k0)
+                    if USE_GDC:  # read once: do not push the w2 prefetch out of L2
+                        wg = tl.load(wg_ptrs + k0, eviction_policy="evict_first")
+                        wu = tl.load(wu_ptrs + k0, eviction_policy="evict_first")
+                    else:
+                        wg = tl.load(wg_ptrs + k0)
+                        wu = tl.load(wu_ptrs + k0)
                 else:
                     wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
                     wu = tl.load(wu_ptrs + k0, mask=n_ok[None, :], other=0.0)
@@ -187,10 +202,11 @@ def _w13_act_kernel(
 @triton.jit
 def _w2_kernel(
     act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr, buf_ptr,
+    sink_ptr,
     num_pairs, layer,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
-    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -200,6 +216,24 @@ def _w2_kernel(
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
+    if USE_GDC:
+        # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
+        # the step, ready before the w13 kernel began; the activations are not. Stream this
+        # block's weight slice into L2 now, keep a trivial reduction of it in a sink so the loads
+        # are not removed, then wait for the w13 kernel to finish before reading activations.
+        gdc_launch_dependents()
+        sink = tl.zeros((BN,), dtype=tl.float32)
+        if cnt > 0:
+            for k0 in range(0, I, BK):
+                if EVEN_K and EVEN_N:
+                    wp = tl.load(w_ptrs + k0, eviction_policy="evict_last")
+                else:
+                    k_ok = (k0 + offs_k) < I
+                    wp = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0,
+                                 eviction_policy="evict_last")
+                sink = tl.maximum(sink, tl.max(wp.to(tl.float32), axis=0))
+        tl.store(sink_ptr + (slot * tl.num_programs(1) + pid_n).to(tl.int64) * BN + tl.arange(0, BN), sink)
+        gdc_wait()
     c = cnt * 0
     while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
@@ -225,7 +259,10 @@ def _w2_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(buf_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_topk_kernel(buf_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_GDC: tl.constexpr):
+    if USE_GDC:
+        gdc_wait()  # launched early: wait for the w2 kernel's buffer
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
@@ -311,26 +348,32 @@ def triton_experts(
     c = config
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
     buf = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
+    pdl = bool(c.pdl)
+    if pdl and gdc_wait is None:
+        raise RuntimeError("triton_experts: config pdl=1 needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+    grid2 = (slots, triton.cdiv(hidden, c.block_n2))
+    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if pdl else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
         num_pairs, layer, x.stride(0),
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0,
+        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if _stop_after < 2:
         return out
-    _w2_kernel[(slots, triton.cdiv(hidden, c.block_n2))](
-        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf,
+    _w2_kernel[grid2](
+        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
         num_pairs, layer,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
         return out
     block = min(1024, _next_pow2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](buf, out, H=hidden, TOPK=top_k, BLOCK=block, num_warps=4)
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        buf, out, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
     return out
