@@ -327,6 +327,11 @@ def test_run_stats_writes_all_outputs(tmp_path):
     assert set(cov.x) == {10, 25, 50, 73}
     hist = pd.read_csv(out["histogram"])
     assert int(hist["count"].sum()) == sum(r.experts.size for r in reqs)
+    # the stage's dense path agrees with skew_stats on the written histogram
+    scan = scan_trace(path, progress=False)
+    again = skew_stats(hist, scan.meta, scan.oracle)
+    skew.pop("trace")
+    assert json.loads(json.dumps(again)) == skew
     # the agent domain was generated skewed toward low ids, the others uniform
     g = {d: skew["phases"]["decode"]["domains"][d]["gini"]["mean"] for d in ("agent", "prose")}
     assert g["agent"] > g["prose"]

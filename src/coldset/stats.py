@@ -106,24 +106,25 @@ def average_ranks(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     order = np.argsort(x, kind="mergesort")
     xs = x[order]
-    boundaries = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1], True])
-    ranks_sorted = np.empty(x.size, dtype=np.float64)
-    for start, stop in zip(boundaries[:-1], boundaries[1:]):
-        ranks_sorted[start:stop] = (start + stop + 1) / 2.0
-    ranks = np.empty_like(ranks_sorted)
-    ranks[order] = ranks_sorted
+    bounds = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1], True])
+    starts, stops = bounds[:-1], bounds[1:]
+    ranks = np.empty(x.size, dtype=np.float64)
+    ranks[order] = np.repeat((starts + stops + 1) / 2.0, stops - starts)
     return ranks
+
+
+def _spearman_rows(ranks_a: np.ndarray, ranks_b: np.ndarray) -> np.ndarray:
+    """Row-wise Pearson correlation of rank matrices ``[L, E]``; NaN where a row is constant."""
+    a = ranks_a - ranks_a.mean(axis=-1, keepdims=True)
+    b = ranks_b - ranks_b.mean(axis=-1, keepdims=True)
+    den = np.sqrt((a * a).sum(axis=-1) * (b * b).sum(axis=-1))
+    num = (a * b).sum(axis=-1)
+    return np.divide(num, den, out=np.full(num.shape, np.nan), where=den > 0)
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman rank correlation with average ranks for ties; NaN if either vector is constant."""
-    ra, rb = average_ranks(a), average_ranks(b)
-    ra -= ra.mean()
-    rb -= rb.mean()
-    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
-    if den == 0:
-        return float("nan")
-    return float((ra * rb).sum() / den)
+    return float(_spearman_rows(average_ranks(a)[None], average_ranks(b)[None])[0])
 
 
 def lorenz_curve(counts: np.ndarray) -> np.ndarray:
@@ -274,6 +275,8 @@ class TraceScan:
     cached_prefix_rows_skipped: int
     split_source: str  # "column" or "hash"
     heldout_fraction: float
+    counts: np.ndarray | None = None  # int64 [domain, split, phase, moe layer, expert]
+    domains: list[str] | None = None  # names of counts' first axis
 
 
 class _Codes:
@@ -443,7 +446,7 @@ def scan_trace(trace_path: str | os.PathLike, heldout_fraction: float = 0.25, *,
             "selections": sels.ravel().astype(np.int64),
         })
     return TraceScan(meta, histogram, oracle_df, rows, len(requests.names), cached,
-                     "column" if has_split else "hash", heldout_fraction)
+                     "column" if has_split else "hash", heldout_fraction, hist, list(domains.names))
 
 
 def _histogram_frame(hist: np.ndarray, domain_names: list[str], meta: TraceMeta) -> pd.DataFrame:
@@ -475,31 +478,41 @@ def histogram_from_trace(trace_path: str | os.PathLike, heldout_fraction: float 
 class _Hist:
     """Dense view of a histogram frame: counts[domain, split, phase, moe_layer_idx, expert]."""
 
-    def __init__(self, histogram: pd.DataFrame, meta: TraceMeta):
+    def __init__(self, counts: np.ndarray, domains: Sequence[str], meta: TraceMeta):
+        self.meta = meta
+        self.domains = list(domains)
+        self.counts = counts
+        self._all = counts.sum(axis=0)
+
+    @classmethod
+    def from_frame(cls, histogram: pd.DataFrame, meta: TraceMeta) -> "_Hist":
         missing = [c for c in ("domain", "split", "phase", "layer", "expert", "count") if c not in histogram.columns]
         if missing:
             raise ValueError(f"histogram lacks column(s) {missing}")
-        self.meta = meta
-        self.domains = sorted(histogram["domain"].astype(str).unique().tolist())
         L, E = meta.num_moe_layers, meta.num_experts
-        lut = {layer: i for i, layer in enumerate(meta.moe_layers)}
-        d = histogram["domain"].astype(str).map({n: i for i, n in enumerate(self.domains)}).to_numpy()
-        s = histogram["split"].map({n: i for i, n in enumerate(SPLITS)}).to_numpy()
-        p = histogram["phase"].map({n: i for i, n in enumerate(PHASES)}).to_numpy()
-        li = histogram["layer"].map(lut).to_numpy()
-        e = histogram["expert"].to_numpy()
-        for name, arr in (("split", s), ("phase", p), ("layer", li)):
-            if pd.isna(arr).any():
-                raise ValueError(f"histogram column {name!r} holds a value outside the trace contract")
+        domains = sorted(histogram["domain"].astype(str).unique().tolist())
+        lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)
+        lut[meta.moe_layers] = np.arange(L)
+        d = pd.Categorical(histogram["domain"].astype(str), categories=domains).codes.astype(np.int64)
+        sp = pd.Categorical(histogram["split"], categories=list(SPLITS)).codes.astype(np.int64)
+        ph = pd.Categorical(histogram["phase"], categories=list(PHASES)).codes.astype(np.int64)
+        layer = histogram["layer"].to_numpy().astype(np.int64)
+        e = histogram["expert"].to_numpy().astype(np.int64)
+        for name, arr in (("split", sp), ("phase", ph)):
+            if (arr < 0).any():
+                raise ValueError(f"histogram column {name!r} holds a value outside {SPLITS if name == 'split' else PHASES}")
+        if ((layer < 0) | (layer >= lut.size)).any() or (lut[np.clip(layer, 0, lut.size - 1)] < 0).any():
+            raise ValueError(f"histogram column 'layer' holds a layer outside the MoE layers {meta.moe_layers}")
         if ((e < 0) | (e >= E)).any():
             raise ValueError(f"histogram column 'expert' holds ids outside 0..{E - 1}")
-        self.counts = np.zeros((len(self.domains), 2, 2, L, E), dtype=np.int64)
-        np.add.at(self.counts, (d, s.astype(int), p.astype(int), li.astype(int), e.astype(int)),
-                  histogram["count"].to_numpy().astype(np.int64))
+        shape = (len(domains), 2, 2, L, E)
+        flat = np.ravel_multi_index((d, sp, ph, lut[layer], e), shape)
+        counts = np.bincount(flat, weights=histogram["count"].to_numpy().astype(np.float64),
+                             minlength=int(np.prod(shape))).reshape(shape)
+        return cls(np.rint(counts).astype(np.int64), domains, meta)
 
     def get(self, phase: str, domain: str = ALL, split: str | None = None) -> np.ndarray:
-        c = self.counts if domain == ALL else self.counts[[self.domains.index(domain)]]
-        c = c.sum(axis=0)
+        c = self._all if domain == ALL else self.counts[self.domains.index(domain)]
         c = c.sum(axis=0) if split is None else c[SPLITS.index(split)]
         return c[PHASES.index(phase)]
 
@@ -518,8 +531,12 @@ def _nanmean(values: Sequence[float]) -> float | None:
     return float(arr.mean()) if arr.size else None
 
 
-def _spearman_layers(a: np.ndarray, b: np.ndarray, meta: TraceMeta) -> dict[str, Any]:
-    per = [spearman(a[i], b[i]) for i in range(a.shape[0])]
+def _rank_rows(counts: np.ndarray) -> np.ndarray:
+    return np.stack([average_ranks(row) for row in counts])
+
+
+def _spearman_layers(ranks_a: np.ndarray, ranks_b: np.ndarray, meta: TraceMeta) -> dict[str, Any]:
+    per = _spearman_rows(ranks_a, ranks_b)
     return {"mean": _nanmean(per), "layers_defined": int(np.sum(~np.isnan(per))), "per_layer": _layer_dict(meta, per)}
 
 
@@ -529,18 +546,29 @@ def coverage_table(histogram: pd.DataFrame, meta: TraceMeta, xs: Sequence[float]
     Columns: x, profile_domain, heldout_domain, coverage, cold_share (= 1 - coverage),
     profile_selections, heldout_selections (decode rows only).
     """
-    h = histogram if isinstance(histogram, _Hist) else _Hist(histogram, meta)
+    h = histogram if isinstance(histogram, _Hist) else _Hist.from_frame(histogram, meta)
     names = h.domains + [ALL]
-    out = []
-    for x in xs:
-        for a in names:
-            prof = h.get("decode", a, "profile")
-            for b in names:
-                held = h.get("decode", b, "heldout")
-                cov = coverage(prof, held, x)
-                out.append({"x": x, "profile_domain": a, "heldout_domain": b, "coverage": cov,
-                            "cold_share": 1.0 - cov, "profile_selections": int(prof.sum()),
-                            "heldout_selections": int(held.sum())})
+    L, E = meta.num_moe_layers, meta.num_experts
+    held = np.stack([h.get("decode", b, "heldout") for b in names]).astype(np.float64)  # [D+1, L, E]
+    held_total = held.sum(axis=(1, 2))
+    n_top = {x: top_count(x, E) for x in xs}
+    rows = {x: [] for x in xs}
+    for a in names:
+        prof = h.get("decode", a, "profile")
+        # hot set for x = the first top_count(x, E) experts of this order (ties to lower id)
+        order = np.argsort(-prof, axis=1, kind="stable")
+        cum = np.cumsum(held[:, np.arange(L)[:, None], order], axis=2).sum(axis=1)  # [D+1, E]
+        for x in xs:
+            if prof.sum() > 0:
+                cov = np.divide(cum[:, n_top[x] - 1], held_total, out=np.full(len(names), np.nan),
+                                where=held_total > 0)
+            else:
+                cov = np.full(len(names), np.nan)
+            for b, value, total in zip(names, cov, held_total):
+                rows[x].append({"x": x, "profile_domain": a, "heldout_domain": b, "coverage": float(value),
+                                "cold_share": 1.0 - float(value), "profile_selections": int(prof.sum()),
+                                "heldout_selections": int(total)})
+    out = [r for x in xs for r in rows[x]]
     return pd.DataFrame(out, columns=["x", "profile_domain", "heldout_domain", "coverage", "cold_share",
                                       "profile_selections", "heldout_selections"])
 
@@ -571,7 +599,12 @@ def skew_stats(histogram: pd.DataFrame, meta: TraceMeta, oracle: pd.DataFrame | 
     oracle cache entry is omitted. Definitions are in the module docstring and in the result's
     ``definitions``.
     """
-    h = _Hist(histogram, meta)
+    h = _Hist.from_frame(histogram, meta)
+    return _skew_stats(h, meta, oracle, xs, cache_slots, coverage_table(h, meta, xs))
+
+
+def _skew_stats(h: "_Hist", meta: TraceMeta, oracle: pd.DataFrame | None, xs: Sequence[float],
+                cache_slots: int | None, cov: pd.DataFrame) -> dict[str, Any]:
     names = h.domains + [ALL]
     result: dict[str, Any] = {"definitions": DEFINITIONS, "xs": list(xs), "phases": {}}
     for phase in PHASES:
@@ -604,15 +637,16 @@ def skew_stats(histogram: pd.DataFrame, meta: TraceMeta, oracle: pd.DataFrame | 
                                   for layer, r in by_layer.iterrows()},
                 }
             per_domain[name] = entry
+        ranks = {name: _rank_rows(h.get(phase, name)) for name in h.domains}
         pairs = []
         for i, a in enumerate(h.domains):
             for b in h.domains[i + 1:]:
-                pairs.append({"a": a, "b": b, **_spearman_layers(h.get(phase, a), h.get(phase, b), meta)})
+                pairs.append({"a": a, "b": b, **_spearman_layers(ranks[a], ranks[b], meta)})
         result["phases"][phase] = {"domains": per_domain, "spearman_between_domains": pairs}
     result["spearman_prefill_vs_decode"] = {
-        name: _spearman_layers(h.get("prefill", name), h.get("decode", name), meta) for name in names
+        name: _spearman_layers(_rank_rows(h.get("prefill", name)), _rank_rows(h.get("decode", name)), meta)
+        for name in names
     }
-    cov = coverage_table(h, meta, xs)
     result["coverage"] = {
         str(x): {a: {b: _num(v) for b, v in zip(g["heldout_domain"], g["coverage"])}
                  for a, g in sub.groupby("profile_domain", sort=False)}
@@ -699,6 +733,14 @@ def _save(fig, path: Path) -> None:
 # the stage
 
 
+def _write_csv(df: pd.DataFrame, path: str) -> None:
+    """CSV through pyarrow (several times faster than pandas for million-row histograms)."""
+    import pyarrow.csv as pcsv
+
+    pcsv.write_csv(pa.Table.from_pandas(df, preserve_index=False), path,
+                   write_options=pcsv.WriteOptions(quoting_style="needed"))
+
+
 def _write_atomic(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -726,7 +768,10 @@ def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, held
     meta = read_trace_meta(trace_path, expect)
     slots = cache_slots_factor * meta.top_k
     scan = scan_trace(trace_path, heldout_fraction, oracle=True, cache_slots=slots, progress=progress)
-    stats = skew_stats(scan.histogram, scan.meta, scan.oracle, xs=xs, cache_slots=slots)
+    order = np.argsort(scan.domains, kind="stable")  # domains sorted by name, as from a frame
+    h = _Hist(scan.counts[order], [scan.domains[i] for i in order], meta)
+    cov = coverage_table(h, meta, xs)
+    stats = _skew_stats(h, meta, scan.oracle, xs, slots, cov)
     stats["trace"] = {
         "path": str(trace_path),
         "model": meta.model,
@@ -743,12 +788,10 @@ def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, held
         "heldout_fraction": heldout_fraction if scan.split_source == "hash" else None,
     }
     paths = {"histogram": out / "histogram.csv", "skew": out / "skew.json", "coverage": out / "coverage.csv"}
-    _write_atomic(paths["histogram"], lambda p: scan.histogram.to_csv(p, index=False))
+    _write_atomic(paths["histogram"], lambda p: _write_csv(scan.histogram, p))
     _write_atomic(paths["skew"], lambda p: Path(p).write_text(json.dumps(stats, indent=1, allow_nan=False)))
-    cov = coverage_table(scan.histogram, meta, xs)
     _write_atomic(paths["coverage"], lambda p: cov.to_csv(p, index=False))
     if figures:
-        h = _Hist(scan.histogram, meta)
         for phase in PHASES:
             paths[f"heatmap_{phase}"] = out / f"heatmap_{phase}.png"
             _figure_heatmaps(h, meta, phase, paths[f"heatmap_{phase}"])
