@@ -14,6 +14,9 @@ configfile: "config/config.yaml"
 validate(config, "config/schema.yaml")
 
 
+report: "report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/fixtures.smk"

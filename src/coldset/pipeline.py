@@ -172,13 +172,25 @@ def placement(config: dict, **_) -> None:
 
 
 def autotune(config: dict, **_) -> None:
+    """Tune the experts kernel for the model's shape (cache hit in seconds); copy the entry to results/.
+
+    The kernel is the same for every placement, so it is tuned once per model, on the all-hot
+    layout, for the configured bench batch sizes; every placement then runs with that entry.
+    """
     from coldset.model import ModelConfig
-    from coldset.tune import run_autotune
+    from coldset.tune import TuneShape, autotune as tune, write_entry
 
     layout = Layout.from_config(config)
-    run_autotune(ModelConfig.from_pretrained(model_dir(config)), config["model"]["dtype"],
-                 config["bench"]["batch_sizes"], resolve_device(config),
-                 config["autotune"]["cache_dir"], layout.autotune)
+    cfg = ModelConfig.from_pretrained(model_dir(config))
+    shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=cfg.num_moe_layers,
+                      num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0)
+    result = tune(shape, config["bench"]["batch_sizes"], resolve_device(config), config["autotune"]["cache_dir"])
+    log.info("autotune key %s: %s (%s)", result.key[:16], "cache hit" if result.hit else "tuned", result.path)
+    write_entry(result, layout.autotune)
+    entry = read_json(layout.autotune)
+    entry["hit"] = result.hit
+    write_json(layout.autotune, entry)
 
 
 def parity(config: dict, placements: list[str] | None = None, **_) -> None:
@@ -268,6 +280,7 @@ def track(config: dict, **_) -> None:
         experiment=config["tracking"]["experiment"],
         tags={"config_hash": config_hash(config), "autotune_key": read_json(layout.autotune)["key"]},
         done_path=layout.track_done,
+        autotune_jsons=[layout.autotune],
     )
 
 
@@ -275,7 +288,7 @@ def report(config: dict, **_) -> None:
     from coldset.report import render_report
 
     layout = Layout.from_config(config)
-    render_report(layout.results, layout.report, config)
+    render_report(layout.results, layout.report, config, figures_dir=layout.report.parent / "figures")
 
 
 STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, autotune, parity,

@@ -4,7 +4,7 @@ rule autotune:
     input:
         manifest=model_inputs,
     output:
-        entry=f"{RESULTS}/autotune/{MODEL}.json",
+        entry=report(f"{RESULTS}/autotune/{MODEL}.json", caption="../../report/autotune.rst", category="Autotune"),
     log:
         f"logs/autotune/{MODEL}.log",
     params:

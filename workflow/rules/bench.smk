@@ -8,7 +8,11 @@ rule bench:
         autotune=rules.autotune.output.entry,
         gate=rules.parity_gate.output.gate,
     output:
-        results=expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        results=report(
+            expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+            caption="../../report/bench.rst",
+            category="Benchmark",
+        ),
     log:
         f"logs/bench/{MODEL}.log",
     params:

@@ -7,7 +7,11 @@ rule parity:
         placements=rules.placement.output.placements,
         autotune=rules.autotune.output.entry,
     output:
-        reports=expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        reports=report(
+            expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+            caption="../../report/parity.rst",
+            category="Parity",
+        ),
     log:
         f"logs/parity/{MODEL}.log",
     params:

@@ -4,7 +4,7 @@ rule placement:
         histogram=rules.stats.output.histogram,
     output:
         placements=expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        coverage=f"{RESULTS}/placement/{MODEL}/coverage.csv",
+        coverage=report(f"{RESULTS}/placement/{MODEL}/coverage.csv", caption="../../report/coverage.rst", category="Placement"),
     log:
         f"logs/placement/{MODEL}.log",
     params:

@@ -5,7 +5,17 @@ rule report:
         skew=rules.stats.output.skew,
         coverage=rules.placement.output.coverage,
     output:
-        html=f"{RESULTS}/report/index.html",
+        html=report(f"{RESULTS}/report/index.html", caption="../../report/report.rst", category="Report"),
+        residency=report(
+            expand(f"{RESULTS}/report/figures/residency-b{{bs}}.png", bs=config["bench"]["batch_sizes"]),
+            caption="../../report/residency.rst",
+            category="Benchmark",
+        ),
+        step_time=report(
+            expand(f"{RESULTS}/report/figures/step-time-b{{bs}}.png", bs=config["bench"]["batch_sizes"]),
+            caption="../../report/step_time.rst",
+            category="Benchmark",
+        ),
     log:
         f"logs/report/{MODEL}.log",
     script:

@@ -4,6 +4,9 @@ rule stats:
     output:
         histogram=f"{RESULTS}/stats/{MODEL}/histogram.csv",
         skew=f"{RESULTS}/stats/{MODEL}/skew.json",
+        coverage=f"{RESULTS}/stats/{MODEL}/coverage.csv",
+        heatmap=report(f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"),
+        lorenz=report(f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"),
     log:
         f"logs/stats/{MODEL}.log",
     params:
