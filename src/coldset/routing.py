@@ -546,15 +546,15 @@ def validate_trace(path: str | os.PathLike, expect: Any = None) -> TraceMeta:
 
 
 def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str | os.PathLike],
-                    out_path: str | os.PathLike, *, device: str = "cpu", dtype: Any = "float32",
-                    batch_size: int = 8, model_name: str | None = None,
+                    out_path: str | os.PathLike, device: str = "cpu", dtype: Any = "float32",
+                    batch_size: int = 8, *, model_name: str | None = None,
                     max_new_tokens: int | None = None, progress: bool = True) -> Path:
     """Run the embedded engine over the fixtures and write the routing trace.
 
     ``device`` is ``cpu``, ``cuda`` or ``auto``; ``dtype`` a torch dtype or its name.
     Prompts are tokenized with the checkpoint's tokenizer and decoded greedily in batches of
     ``batch_size`` (fixtures grouped by their ``max_new_tokens``, or all with ``max_new_tokens``
-    if given). Prefill rows are the prompt tokens; decode rows are the generated tokens that were
+    if given, and batched in order of prompt length). Prefill rows are the prompt tokens; decode rows are the generated tokens that were
     fed back (the last generated token never is). Each row keeps the fixture's split and the
     router's weight. Layer numbers are the model's layer indices.
     """
@@ -576,20 +576,21 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
     tok = engine.load_tokenizer(model_dir)
     cfg = mdl.config
     meta = TraceMeta.from_model_config(cfg, model_name or model_dir.name, f"coldset embedded engine ({device}, {dtype})")
+    all_ids = engine.encode_prompts(tok, [fx.prompt for fx in fixtures])
     groups: dict[int, list] = {}
-    for fx in fixtures:
-        groups.setdefault(max_new_tokens or fx.max_new_tokens, []).append(fx)
+    for fx, ids in zip(fixtures, all_ids):
+        if not ids:
+            raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")
+        groups.setdefault(max_new_tokens or fx.max_new_tokens, []).append((fx, ids))
     with TraceWriter(out_path, meta, with_weight=True, with_split=True) as w:
         bar = _progress(len(fixtures), "capture routing", progress)
-        for n_new, fxs in groups.items():
-            for start in range(0, len(fxs), batch_size):
-                chunk = fxs[start:start + batch_size]
-                ids = engine.encode_prompts(tok, [fx.prompt for fx in chunk])
-                for fx, toks in zip(chunk, ids):
-                    if not toks:
-                        raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")
-                gen = engine.generate(mdl, ids, n_new, capture_routing=True, progress=False)
-                for fx, rr in zip(chunk, gen.routing):
+        for n_new, items in groups.items():
+            # similar lengths share a batch: less left padding to compute and mask
+            items.sort(key=lambda item: len(item[1]))
+            for start in range(0, len(items), batch_size):
+                chunk = items[start:start + batch_size]
+                gen = engine.generate(mdl, [ids for _, ids in chunk], n_new, capture_routing=True, progress=False)
+                for (fx, _), rr in zip(chunk, gen.routing):
                     w.add(RequestRows(fx.id, fx.domain, np.asarray(rr.experts), int(rr.num_prompt_tokens),
                                       np.asarray(rr.weights, dtype=np.float32), fx.split), f"fixture {fx.id!r}")
                 bar.update(len(chunk))
