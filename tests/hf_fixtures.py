@@ -4,7 +4,8 @@
 with ``save_pretrained`` (safetensors, float32) plus a small byte-level BPE ``tokenizer.json``.
 head_dim is 32 so that vLLM's CPU backend can load the same folders in a later test.
 Variants: ``qwen3_moe`` (sharded, layer 1 dense via ``mlp_only_layers``, ``norm_topk_prob``),
-``qwen3_moe_nonorm`` (``decoder_sparse_step=2``: odd layers MoE, no renormalisation),
+``qwen3_moe_nonorm`` (``decoder_sparse_step=2``: odd layers MoE, no renormalisation, tied
+embeddings),
 ``mixtral`` (single file), ``mixtral_sliding`` (``sliding_window=8``).
 """
 
@@ -73,9 +74,12 @@ def build_tiny_checkpoint(arch: str, out_dir: str | Path, seed: int = 0) -> Path
             if arch == "qwen3_moe"
             else dict(decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4)
         )
+        settings = {**common, **extra}
+        if arch == "qwen3_moe_nonorm":
+            settings["tie_word_embeddings"] = True  # lm_head.weight absent from the file
         cfg = Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=48, num_experts=8, rope_theta=10000.0,
-            **extra, **common,
+            **settings,
         )
         model = Qwen3MoeForCausalLM(cfg)
         shard = "200KB" if arch == "qwen3_moe" else None

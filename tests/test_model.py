@@ -101,7 +101,9 @@ def test_config_and_pools(tiny_hf_checkpoint):
         "qwen3_moe", (0, 2), 8, 2, True, True)
     assert (q.intermediate_size, q.moe_intermediate_size, q.head_dim, q.num_kv_heads) == (96, 48, 32, 2)
     q2 = ModelConfig.from_pretrained(tiny_hf_checkpoint("qwen3_moe_nonorm"))
-    assert q2.moe_layers == (1, 3) and q2.norm_topk_prob is False
+    assert q2.moe_layers == (1, 3) and q2.norm_topk_prob is False and q2.tie_word_embeddings
+    tied = load_model(tiny_hf_checkpoint("qwen3_moe_nonorm"))
+    assert tied.lm_head.weight is tied.embed_tokens.weight
     m = ModelConfig.from_pretrained(tiny_hf_checkpoint("mixtral"))
     assert (m.moe_layers, m.num_experts, m.qk_norm, m.norm_topk_prob, m.rope_theta) == (
         (0, 1), 6, False, True, 1e6)
