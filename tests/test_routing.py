@@ -285,6 +285,9 @@ def test_import_trace_dispatches_by_kind(tmp_path):
     rep = import_trace(vllm, tmp_path / "a.parquet", expect=model, model_name="toy")
     assert read_trace_meta(rep.path).source.startswith("vllm") and rep.cached_prefix_tokens_skipped == 3
     assert "split" not in pq.read_schema(rep.path).names  # no split in the export: readers assign it
+    rep = import_trace(vllm, tmp_path / "h.parquet", expect=model, heldout_fraction=0.5)
+    splits = dict(_frame(rep.path)[["request", "split"]].drop_duplicates().itertuples(index=False))
+    assert splits == {i: split_of(i, 0.5) for i, *_ in reqs}
     rep = import_trace(sgl, tmp_path / "b.parquet", expect=model)
     assert read_trace_meta(rep.path).source.startswith("sglang") and rep.requests == 1
     rep = import_trace(tmp_path / "a.parquet", tmp_path / "c.parquet", expect=model)

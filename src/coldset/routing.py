@@ -644,7 +644,7 @@ def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
 
 
 def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None,
-            kind: str, decode_line) -> ImportReport:
+            heldout_fraction: float | None, kind: str, decode_line) -> ImportReport:
     export_path = Path(export_path)
     if not export_path.exists():
         raise TraceError(f"{export_path}: {kind} export not found")
@@ -661,9 +661,11 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
         first = next(lines, None)
     if first is None:
         raise TraceError(f"{export_path}: no request lines in the {kind} export")
-    # Splits come from the export on every line or on none; with none, the trace has no split
-    # column and the statistics assign splits by split_of with their own heldout_fraction.
-    with_split = "split" in first[1]
+    # Splits come from the export on every line or on none. With none, the trace gets no split
+    # column (the statistics assign splits by split_of with their heldout_fraction), unless
+    # heldout_fraction is given here: then the column holds split_of(id, heldout_fraction).
+    export_splits = "split" in first[1]
+    with_split = export_splits or heldout_fraction is not None
     if meta is None:
         raise TraceError(f"{export_path}: no trace_meta header line and no model metadata given")
     meta = TraceMeta(meta.model, meta.num_layers, meta.num_experts, meta.top_k, list(meta.moe_layers), source)
@@ -683,11 +685,13 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
             npt = obj["num_prompt_tokens"]
             if not isinstance(npt, int) or npt < 0:
                 raise TraceError(f"{where}: num_prompt_tokens must be a non-negative integer, got {npt!r}")
-            if ("split" in obj) != with_split:
+            if ("split" in obj) != export_splits:
                 raise TraceError(f"{where}: field 'split' must be on every request line or on none "
-                                 f"(line {first[0]} {'has' if with_split else 'lacks'} it)")
+                                 f"(line {first[0]} {'has' if export_splits else 'lacks'} it)")
             split = obj.get("split")
-            if with_split and split not in SPLITS:
+            if split is None and heldout_fraction is not None:
+                split = split_of(rid, heldout_fraction)
+            elif export_splits and split not in SPLITS:
                 raise TraceError(f"{where}: field 'split' is {split!r}, expected one of {list(SPLITS)}")
             experts = decode_line(obj, meta, where)
             w.add(RequestRows(rid, domain, experts, npt, None, split), where)
@@ -699,7 +703,7 @@ def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: T
 
 
 def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
-                meta: TraceMeta | None = None) -> ImportReport:
+                meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
     """Convert a vLLM routed-experts export (JSONL) into a trace.
 
     Container, one JSON object per line::
@@ -714,8 +718,9 @@ def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
     -1: they are skipped, counted, and the count is returned and stored in the trace metadata
     (``cached_prefix_tokens_skipped``). The model shape comes from ``meta`` or an optional
     first line ``{"trace_meta": {"model", "num_layers", "num_experts", "top_k", "moe_layers"}}``
-    (both given: they must agree). ``split`` is on every line or on none; with none the trace
-    has no split column and readers split requests by :func:`split_of`.
+    (both given: they must agree). ``split`` is on every line or on none; with none, the trace
+    holds ``split_of(id, heldout_fraction)`` if ``heldout_fraction`` is given, else no split
+    column (readers then split requests by :func:`split_of` with their own fraction).
     """
 
     def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
@@ -730,11 +735,11 @@ def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
                              f"[tokens, {meta.num_moe_layers}, {meta.top_k}]")
         return arr
 
-    return _import(export_path, out_path, meta, "vllm", decode)
+    return _import(export_path, out_path, meta, heldout_fraction, "vllm", decode)
 
 
 def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
-                  meta: TraceMeta | None = None) -> ImportReport:
+                  meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
     """Convert an SGLang routed-experts export (JSONL) into a trace.
 
     Container, one JSON object per line::
@@ -779,14 +784,15 @@ def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
                              f"{meta.num_layers} (all layers)")
         return arr
 
-    return _import(export_path, out_path, meta, "sglang", decode)
+    return _import(export_path, out_path, meta, heldout_fraction, "sglang", decode)
 
 
 def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
-                 expect: Any = None, model_name: str | None = None) -> ImportReport:
+                 expect: Any = None, model_name: str | None = None,
+                 heldout_fraction: float | None = None) -> ImportReport:
     """The ``routing`` stage when config names an existing trace (``routing.trace``).
 
-    ``kind``: ``parquet`` (a trace in this format: validated in full, then copied), ``vllm`` or
+    ``kind``: ``parquet`` or ``coldset`` (a trace in this format: validated in full, then copied), ``vllm`` or
     ``sglang`` (a JSONL export, see :func:`import_vllm` / :func:`import_sglang`), or ``auto``
     (by suffix ``.parquet``; for JSONL by the first request's ``routed_experts``: nested lists
     = vLLM, a string = SGLang). ``expect`` (the pipeline's ModelConfig) is checked against the
@@ -798,6 +804,7 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
     source, out_path = Path(source), Path(out_path)
     if not source.is_file():
         raise TraceError(f"{source}: routing trace not found")
+    kind = "parquet" if kind == "coldset" else kind  # config's name for this package's format
     if kind == "auto":
         if source.suffix == ".parquet":
             kind = "parquet"
@@ -838,4 +845,4 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
     if expect is not None:
         meta = TraceMeta.from_model_config(expect, model_name or "model", "")
     importer = import_vllm if kind == "vllm" else import_sglang
-    return importer(source, out_path, meta)
+    return importer(source, out_path, meta, heldout_fraction)
