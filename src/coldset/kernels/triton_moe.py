@@ -82,9 +82,10 @@ class KernelConfig:
 
 
 # Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
-# decode, where the weights' bytes bound the time; larger tiles for prefill.
+# decode, where the weights' bytes bound the time; large tiles (wgmma) for prefill. Both are the
+# autotuner's picks on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issue 5).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 64, 64, 64, 4, 3, 32)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 128, 64, 8, 4, 1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
