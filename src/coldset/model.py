@@ -242,19 +242,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [B, max_seq, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm_weight: torch.Tensor | None = None  # [nh + nkv, D], set by fuse_qk_norm()
+
+    def fuse_qk_norm(self) -> None:
+        """Stack the q_norm and k_norm weights per head, for the one-op qk-norm in forward."""
+        if self.q_norm is not None:
+            self.qk_norm_weight = torch.cat([
+                self.q_norm.weight.expand(self.num_heads, self.head_dim),
+                self.k_norm.weight.expand(self.num_kv_heads, self.head_dim),
+            ])
 
     def forward(self, x, cos, sin, slots, mask):
         """``x`` [B, T, H]; ``cos``/``sin`` [B, T, D]; ``slots`` [T] cache slots; ``mask`` [B, 1, T, S]."""
         bsz, seq, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(bsz, seq, self.num_heads, self.head_dim)
-        k = k.view(bsz, seq, self.num_kv_heads, self.head_dim)
-        v = v.view(bsz, seq, self.num_kv_heads, self.head_dim)
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side [B, T, nh + nkv, D]: qk-norm and RoPE are per head and
+        # elementwise, so one op on both is the same arithmetic as transformers' two.
+        qk = qk.view(bsz, seq, nh + nkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = self.qk_norm_weight * F.rms_norm(qk, (d,), eps=self.eps)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([nh, nkv], dim=2)
+        v = v.view(bsz, seq, nkv, d)
         self.k_cache.index_copy_(1, slots, k)
         self.v_cache.index_copy_(1, slots, v)
         kv_len = mask.shape[-1]  # attend over the first kv_len slots (a shape, not data)
@@ -543,6 +555,7 @@ def load_model(
         if cfg.qk_norm:
             put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
             put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
+            attn.fuse_qk_norm()
         if isinstance(layer.mlp, MoEBlock):
             prefix, _ = _expert_keys(cfg, i)
             put(layer.mlp.gate, "weight", f"{prefix}.gate.weight")
