@@ -77,6 +77,21 @@ def _placed_pools(model, placement):
     return build_pools(w13, w2, placement.row_map, model.device)
 
 
+def _domain_texts(config: dict) -> dict[str, list[str]]:
+    """Training text per traffic domain for the synthetic checkpoint (its tokenizer and domain
+    clusters), so the default model routes the fixture domains differently, as real MoEs do.
+    Rendered from the same templates with another seed than the fixtures, or the user's prompts."""
+    from coldset.fixtures import read_user_prompts, template_texts
+
+    fx = config["fixtures"]
+    if fx["prompts"]:
+        texts: dict[str, list[str]] = {}
+        for f in read_user_prompts(fx["prompts"], fx["heldout_fraction"], fx["max_new_tokens"]):
+            texts.setdefault(f.domain, []).append(f.prompt)
+        return texts
+    return template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
+
+
 # ------------------------------------------------------------------------------------ stages
 
 def model(config: dict, **_) -> None:
@@ -98,7 +113,7 @@ def model(config: dict, **_) -> None:
             raise StageError(f"config model.synthetic: unknown setting(s) {unknown}; known: {sorted(known)}")
         spec = SyntheticSpec(**config["model"]["synthetic"])
         log.info("writing synthetic checkpoint %s to %s", spec, path)
-        write_synthetic_checkpoint(spec, path)
+        write_synthetic_checkpoint(spec, path, domain_texts=_domain_texts(config))
         source = "synthetic"
     cfg = ModelConfig.from_pretrained(path)  # the loader's own checks: clear errors on a bad folder
     if not (path / "tokenizer.json").is_file():
@@ -120,8 +135,6 @@ def fixtures(config: dict, **_) -> None:
 
 def routing(config: dict, **_) -> None:
     """Capture the trace with the embedded engine, or import the configured one."""
-    import shutil
-
     from coldset import routing as trace
 
     layout = Layout.from_config(config)
@@ -129,23 +142,15 @@ def routing(config: dict, **_) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rc = config["routing"]
     if rc["trace"]:
-        src = Path(rc["trace"])
-        fmt = rc["trace_format"]
-        if fmt == "auto":
-            fmt = "coldset" if src.suffix == ".parquet" else None
-            if fmt is None:
-                raise StageError(f"routing.trace {src}: set routing.trace_format (vllm or sglang) for a "
-                                 f"{src.suffix or 'suffix-less'} file")
-        heldout = config["stats"]["heldout_fraction"]
-        if fmt == "coldset":
-            trace.validate_trace(src)
-            shutil.copyfile(src, out)
-        elif fmt == "vllm":
-            report = trace.import_vllm(src, out, heldout_fraction=heldout)
-            log.info("imported %s: %s", src, report)
-        else:
-            report = trace.import_sglang(src, out, heldout_fraction=heldout)
-            log.info("imported %s: %s", src, report)
+        # An external trace must match a configured real model (model.path); with the synthetic
+        # default it stands alone (statistics of another model's traffic, e.g. a public trace).
+        from coldset.model import ModelConfig
+
+        expect = ModelConfig.from_pretrained(config["model"]["path"]) if config["model"]["path"] else None
+        report = trace.import_trace(rc["trace"], out, kind=rc["trace_format"], expect=expect,
+                                    model_name=config["model"]["name"],
+                                    heldout_fraction=config["stats"]["heldout_fraction"])
+        log.info("imported %s: %s", rc["trace"], report)
         return
     trace.capture_routing(model_dir(config), _fixture_paths(config), out, device=resolve_device(config),
                           dtype=config["model"]["dtype"], batch_size=rc["batch_size"],

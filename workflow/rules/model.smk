@@ -5,5 +5,6 @@ rule model:
         f"logs/model/{MODEL}.log",
     params:
         model=config["model"],
+        fixtures=config["fixtures"],  # the synthetic model learns its domains from the fixtures' text
     script:
         "../scripts/model.py"

@@ -1,7 +1,7 @@
 def routing_inputs(wildcards):
     """An imported trace needs only its file; a capture needs the model and the fixtures."""
     if config["routing"]["trace"]:
-        return {"trace": config["routing"]["trace"]}
+        return {"trace": config["routing"]["trace"]}  # checked against model.path when set
     return {
         "manifest": model_inputs(),
         "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
