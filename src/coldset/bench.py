@@ -176,7 +176,7 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
-                 replay=None) -> BenchResult:
+                 replay=None, tuned=None) -> BenchResult:
     """Benchmark ``model`` decoding with ``placed_pools`` (the placement's row map) at one batch size.
 
     ``placement`` is a :class:`coldset.placement.Placement`; ``replay`` an optional
@@ -185,7 +185,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     from coldset.gate import experts_functions
 
     device = model.device
-    _, rowmap_fn, backend = experts_functions(device)
+    _, rowmap_fn, backend = experts_functions(device, tuned)
     saved = model.pools, model.experts_fn
     model.pools, model.experts_fn = placed_pools, rowmap_fn
     if replay is not None:

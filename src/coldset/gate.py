@@ -53,10 +53,18 @@ class ParityResult:
         return asdict(self)
 
 
-def experts_functions(device: torch.device):
-    """(unmodified, row-map) experts functions for the device: Triton on CUDA, torch on CPU."""
+def experts_functions(device: torch.device, tuned=None):
+    """(unmodified, row-map, backend) experts functions: Triton on CUDA, torch on CPU.
+
+    ``tuned`` (a :class:`coldset.tune.TuneResult`) gives each batch size its tuned launch
+    configuration, the same for both paths; without it the kernels' documented defaults apply.
+    """
     from coldset.kernels import torch_experts, triton_experts
 
+    if tuned is not None:
+        from coldset.tune import tuned_experts
+
+        return tuned_experts(tuned, use_row_map=False), tuned_experts(tuned), tuned.backend
     if device.type == "cuda":
         return functools.partial(triton_experts, use_row_map=False), triton_experts, "triton"
     return torch_experts, torch_experts, "torch"
@@ -84,9 +92,9 @@ def decode_fixtures(model, prompts: list[list[int]], max_new_tokens: int, batch_
     return Decoded(tokens, logits)
 
 
-def reference_decode(model, prompts, max_new_tokens, batch_size=8, progress=True) -> Decoded:
+def reference_decode(model, prompts, max_new_tokens, batch_size=8, progress=True, tuned=None) -> Decoded:
     """The unmodified path: the model's all-hot pools, the experts function without indirection."""
-    reference_fn, _, _ = experts_functions(model.device)
+    reference_fn, _, _ = experts_functions(model.device, tuned)
     saved = model.experts_fn
     model.experts_fn = reference_fn
     try:
@@ -95,9 +103,10 @@ def reference_decode(model, prompts, max_new_tokens, batch_size=8, progress=True
         model.experts_fn = saved
 
 
-def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8, progress=True) -> Decoded:
+def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8, progress=True,
+                     tuned=None) -> Decoded:
     """The row-map path over ``placed_pools`` (the placement's hot and cold pools)."""
-    _, rowmap_fn, _ = experts_functions(model.device)
+    _, rowmap_fn, _ = experts_functions(model.device, tuned)
     saved = model.pools, model.experts_fn
     model.pools, model.experts_fn = placed_pools, rowmap_fn
     try:
@@ -107,7 +116,7 @@ def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8,
 
 
 def compare(placement_name: str, fixture_ids: list[str], reference: Decoded, placed: Decoded,
-            placed_pools, model) -> ParityResult:
+            placed_pools, model, backend: str | None = None) -> ParityResult:
     """Token-by-token verdict of one placement against the unmodified path."""
     matched, mismatches, max_diff = 0, [], 0.0
     for fid, ref, got, ref_l, got_l in zip(fixture_ids, reference.tokens, placed.tokens,
@@ -136,7 +145,7 @@ def compare(placement_name: str, fixture_ids: list[str], reference: Decoded, pla
         logits_bitwise_equal=max_diff == 0.0,
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
-        backend=experts_functions(model.device)[2],
+        backend=backend or experts_functions(model.device)[2],
         num_hot=placed_pools.num_hot,
         num_cold=placed_pools.num_cold,
         mismatches=mismatches,

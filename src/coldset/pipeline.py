@@ -66,6 +66,13 @@ def _load_engine(config: dict):
     return load_model(path, device=device, dtype=_torch_dtype(config)), load_tokenizer(path)
 
 
+def _tuned(config: dict):
+    """The autotune stage's entry for this model, as a TuneResult (the tuned launch configs)."""
+    from coldset.tune import result_from_entry
+
+    return result_from_entry(read_json(Layout.from_config(config).autotune, "autotune entry"))
+
+
 def _placed_pools(model, placement):
     """Pools holding the model's experts at the placement's rows (cold rows pinned on CUDA)."""
     from coldset.tiers import build_pools
@@ -216,12 +223,13 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
     batch = config["routing"]["batch_size"]
-    reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch)
+    tuned = _tuned(config)
+    reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = _placed_pools(engine, pl)
-        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch)
-        result = gate.compare(name, ids, reference, got, pools, engine)
+        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
+        result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
         write_json(layout.parity(*name.rsplit("-", 1)), result.to_dict())
@@ -248,6 +256,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
     layout = Layout.from_config(config)
     bc = config["bench"]
     engine, tokenizer = _load_engine(config)
+    tuned = _tuned(config)
     stream = [t for ids in encode_prompts(tokenizer, [f.prompt for f in read_fixtures(_fixture_paths(config))])
               for t in ids]
     records: dict[str, list[dict]] = {}
@@ -260,7 +269,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                 replay = bn.RoutingReplay.from_trace(bc["routing_trace"], engine.config, batch_size,
                                                      bc["new_tokens"] - 1, engine.device)
             r = bn.bench_decode(engine, pools, pl, stream, batch_size, bc["prompt_tokens"], bc["new_tokens"],
-                                bc["warmup"], bc["repeats"], replay=replay)
+                                bc["warmup"], bc["repeats"], replay=replay, tuned=tuned)
             log.info("bench %s batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name, batch_size,
                      r.tok_s, r.step_ms_p50, r.cold_share)
             records.setdefault(name, []).append(r.to_dict())
@@ -317,6 +326,11 @@ def run_from_snakemake(smk, name: str) -> None:
     sys.stderr = stream  # progress bars and warnings go to the rule's log too
     logging.basicConfig(level=logging.INFO, stream=stream, force=True,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # Torch's CPU threads = the rule's threads: Snakemake then never runs two jobs whose threads
+    # fight for one core (decode on 2 threads slows about tenfold when the other core is busy).
+    import torch
+
+    torch.set_num_threads(max(1, int(smk.threads)))
     try:
         run_stage(name, smk.config)
     except Exception:

@@ -489,12 +489,14 @@ def validate_row_map(
     num_moe_layers: int,
     num_experts: int,
     source: str = "row map",
+    allow_unused_rows: bool = False,
 ) -> None:
     """Check a row map against its pools; raise ``PlacementError`` naming the first problem.
 
     Checks: numpy int32, shape ``[num_moe_layers, num_experts]`` (so every (layer, expert) has one
     entry), pool sizes consistent with the entries, every row in range, no pool row used twice,
-    every pool row used.
+    every pool row used. ``allow_unused_rows`` drops the last rule, for pools built with spare rows
+    (e.g. every expert in both tiers, so that a placement switch is only a row-map write).
     """
     if hasattr(row_map, "detach") and hasattr(row_map, "cpu"):  # a torch tensor (tiers' pools)
         if str(row_map.dtype) != "torch.int32":
@@ -539,7 +541,7 @@ def validate_row_map(
                 f"{where(i)}"
             )
         seen[r] = i
-    if num_hot + num_cold != flat.size:
+    if num_hot + num_cold != flat.size and not allow_unused_rows:
         used = set(seen)
         unused_hot = [r for r in range(num_hot) if r not in used]
         unused_cold = [c for c in range(num_cold) if -c - 1 not in used]

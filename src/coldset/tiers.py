@@ -34,54 +34,16 @@ class PoolAllocationError(MemoryError):
 
 
 def _check_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
-    """Refuse a row map that reads outside the pools or uses a row twice (raises ValueError).
+    """Refuse a row map that reads outside the pools or uses a row twice, before any launch.
 
-    Pools sized exactly for one placement (num_hot + num_cold == L * E, what :func:`build_pools`
-    makes by default) are checked by :func:`coldset.placement.validate_row_map`, the project's
-    one row-map validator, which also requires every pool row to be used. Pools with spare rows
-    (``build_pools(num_hot=..., num_cold=...)``, or every expert kept in both tiers so a
-    placement switch is a row-map write) cannot meet that completeness rule, so they get the
-    same range and reuse rules from :func:`_local_validate_row_map`.
+    The project's one row-map validator, :func:`coldset.placement.validate_row_map`; pools with
+    spare rows (``build_pools(num_hot=..., num_cold=...)``, or every expert kept in both tiers so
+    a placement switch is a row-map write) may leave rows unused.
     """
-    if num_hot + num_cold == num_moe_layers * num_experts:
-        try:
-            from coldset.placement import validate_row_map
-        except ImportError:  # placement module absent (partial install): same rules, locally
-            validate_row_map = None
-        if validate_row_map is not None:
-            validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
-            return
-    _local_validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts)
+    from coldset.placement import validate_row_map
 
-
-def _local_validate_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
-    if isinstance(row_map, torch.Tensor):
-        if row_map.dtype != torch.int32:
-            raise ValueError(f"row_map: dtype must be int32, got {row_map.dtype}")
-        arr = row_map.detach().cpu().numpy()
-    else:
-        arr = np.asarray(row_map)
-        if arr.dtype != np.int32:
-            raise ValueError(f"row_map: dtype must be int32, got {arr.dtype}")
-    if arr.shape != (num_moe_layers, num_experts):
-        raise ValueError(
-            f"row_map: shape must be [num_moe_layers, num_experts] = {(num_moe_layers, num_experts)}, "
-            f"got {tuple(arr.shape)}"
-        )
-    flat = arr.reshape(-1).astype(np.int64)
-    bad = (flat >= num_hot) | (flat < -num_cold)
-    if bad.any():
-        i = int(np.argmax(bad))
-        layer, expert = divmod(i, num_experts)
-        raise ValueError(
-            f"row_map: entry (layer {layer}, expert {expert}) = {int(flat[i])} falls outside the pools "
-            f"(hot rows 0..{num_hot - 1}, cold rows -1..-{num_cold})"
-        )
-    values, counts = np.unique(flat, return_counts=True)
-    if (counts > 1).any():
-        row = int(values[np.argmax(counts > 1)])
-        where = [divmod(int(i), num_experts) for i in np.flatnonzero(flat == row)[:3]]
-        raise ValueError(f"row_map: row {row} is used more than once, by (layer, expert) {where}")
+    validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts, source="row_map",
+                     allow_unused_rows=num_hot + num_cold > num_moe_layers * num_experts)
 
 
 @dataclass

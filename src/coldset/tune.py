@@ -490,8 +490,20 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
     return dict(TORCH_DEFAULT_CONFIG)
 
 
-def tuned_experts(result: TuneResult) -> Callable:
-    """An experts function (the engine's contract) that runs each call with its batch size's config."""
+def result_from_entry(entry: dict) -> TuneResult:
+    """The :class:`TuneResult` a workflow's copy of a cache entry (results/autotune/{model}.json) holds."""
+    return TuneResult(key=entry["key"], hit=bool(entry.get("hit", True)), backend=entry["backend"],
+                      shape=TuneShape(**entry["shape"]), batch_sizes=[int(b) for b in entry["batch_sizes"]],
+                      configs={int(b): c for b, c in entry["configs"].items()},
+                      timings_us={int(b): t for b, t in entry.get("timings_us", {}).items()})
+
+
+def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
+    """An experts function (the engine's contract) that runs each call with its batch size's config.
+
+    ``use_row_map=False`` is the unmodified path (Triton: the indirection compiled out); with the
+    same result both paths use the same tiles, which is what makes them bitwise comparable.
+    """
     from coldset.kernels import torch_experts, triton_experts
 
     chosen: dict[int, dict] = {}
@@ -501,7 +513,8 @@ def tuned_experts(result: TuneResult) -> Callable:
         if bs not in chosen:
             chosen[bs] = config_for(result, bs)  # warns once per missing batch size
         if result.backend == "triton":
-            return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs])
+            return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs],
+                                  use_row_map=use_row_map)
         return torch_experts(pools, layer, x, topk_ids, topk_weights, token_chunk=chosen[bs].get("token_chunk"))
 
     return experts

@@ -17,6 +17,7 @@ rule bench:
         f"logs/bench/{MODEL}.log",
     params:
         bench=config["bench"],
+    threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
     script:

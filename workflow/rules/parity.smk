@@ -16,6 +16,7 @@ rule parity:
         f"logs/parity/{MODEL}.log",
     params:
         parity=config["parity"],
+    threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
     script:

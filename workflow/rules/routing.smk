@@ -17,6 +17,7 @@ rule routing:
         f"logs/routing/{MODEL}.log",
     params:
         routing=config["routing"],
+    threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
     script:
