@@ -1,0 +1,41 @@
+"""Runs coldset.vllm_backend in its own process for tests_vllm (vLLM spawns processes and sets
+global state, so it never runs inside pytest's process).
+
+    python run_vllm_capture.py JOB.json RESULT.json
+
+JOB.json: ``{"runs": [{"model_dir", "fixtures", "out", "tokens_out", "method"}...],
+"refuse_routed_experts": model_dir or null}``. RESULT.json gets the seconds each run took and,
+for ``refuse_routed_experts``, the error vLLM gave when asked for its routed-experts output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(job_path: str, result_path: str) -> None:
+    from coldset.vllm_backend import VllmCaptureError, capture_routing_vllm
+
+    job = json.loads(open(job_path).read())
+    result = {"runs": []}
+    for run in job["runs"]:
+        t0 = time.perf_counter()
+        capture_routing_vllm(run["model_dir"], [run["fixtures"]], run["out"], dtype="float32",
+                             method=run["method"], tokens_out=run["tokens_out"], progress=False)
+        result["runs"].append({"out": run["out"], "seconds": time.perf_counter() - t0})
+    if job.get("refuse_routed_experts"):
+        run = job["runs"][0]
+        try:
+            capture_routing_vllm(job["refuse_routed_experts"], [run["fixtures"]], run["out"] + ".refused",
+                                 dtype="float32", method="routed_experts", progress=False)
+            result["routed_experts_error"] = None
+        except VllmCaptureError as err:
+            result["routed_experts_error"] = str(err)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
