@@ -35,7 +35,7 @@ def test_cold_share_and_link_bytes_match_brute_force(engine):
     saved = engine.pools
     engine.pools = pools
     try:
-        share, link = bench.measure_routing(engine, prompts, 6, per_expert)
+        share, link, _ = bench.measure_routing(engine, prompts, 6, per_expert)
     finally:
         engine.pools = saved
     # Brute force over the same greedy tokens' decode routing, from the all-hot model.
@@ -73,6 +73,7 @@ def test_bench_decode_reports_the_placement(engine, tmp_path):
         assert r.cold_share == (1.0 if expect_cold else 0.0)
         assert (r.link_gb_per_token > 0) == expect_cold
         assert r.predicted_preset == "h200" and r.predicted_step_ms > 0
+        assert r.timed_token_match == 1.0  # the timed loop decodes what generate() decodes
 
 
 def test_derive_metrics_by_hand():

@@ -53,6 +53,7 @@ class BenchResult:
     backend: str
     graphed: bool
     routing_source: str
+    timed_token_match: float | None = None  # share of the timed loop's tokens equal to generate()'s
     tok_s_per_gib: float | None = None
     fetch_tax: float | None = None
 
@@ -152,7 +153,8 @@ def _timer(device: torch.device):
 
 
 def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
-    """(cold_share, link bytes per decoded token) from the routing of the benchmarked decode tokens."""
+    """(cold_share, link bytes per decoded token, greedy tokens) from an eager pass with routing
+    capture over the benchmarked decode tokens."""
     from coldset.model import generate
 
     gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
@@ -171,7 +173,7 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
             link_bytes += len(set(ids[cold[:, step, layer, :]].tolist()))
     link_bytes *= bytes_per_expert
     tokens = decode.shape[0] * decode.shape[1]
-    return cold_share, link_bytes / tokens
+    return cold_share, link_bytes / tokens, gen.tokens
 
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
@@ -195,8 +197,9 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
+        eager_tokens = None
         if replay is None:
-            cold_share, link_per_token = measure_routing(model, prompts, new_tokens, per_expert)
+            cold_share, link_per_token, eager_tokens = measure_routing(model, prompts, new_tokens, per_expert)
         else:
             cold_share, link_per_token = replay.cold_stats(placed_pools.row_map.cpu().numpy(), batch_size,
                                                            new_tokens - 1, per_expert)
@@ -213,7 +216,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             if use_graph and dec.graph is None:
                 dec.set_step(token, 1)
                 dec.capture()
-            steps = []
+            steps, decoded = [], [token]
             for t in range(1, new_tokens):
                 dec.set_step(token, t)
                 if replay is not None:
@@ -222,11 +225,22 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
                 logits = dec.step()
                 steps.append(stop(t0))
                 token = torch.argmax(logits, dim=-1)
+                decoded.append(token)
             if rep >= warmup:
                 prefill_ms.append(p_ms)
                 step_ms.extend(steps)
     finally:
         model.pools, model.experts_fn = saved
+    # The timed loop (graphed on CUDA, full-length attention mask) must decode what the engine's
+    # generate decodes; report the share of identical tokens rather than time a wrong loop silently.
+    timed_tokens = torch.stack(decoded, dim=1).cpu().tolist()
+    token_match = None
+    if eager_tokens is not None:
+        same = sum(a == b for x, y in zip(eager_tokens, timed_tokens) for a, b in zip(x, y))
+        token_match = same / (batch_size * new_tokens)
+        if token_match < 1.0:
+            log.warning("bench %s batch %d: the timed decode loop matches generate() on %.1f%% of tokens",
+                        placement.label, batch_size, 100 * token_match)
     p50 = statistics.median(step_ms)
     p90 = float(np.percentile(step_ms, 90))
     preset, pred_lower, pred_sum = _prediction(placement, batch_size)
@@ -254,6 +268,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         backend=backend,
         graphed=use_graph,
         routing_source="trace" if replay is not None else "router",
+        timed_token_match=token_match,
     )
 
 
