@@ -18,8 +18,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

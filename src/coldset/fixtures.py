@@ -29,11 +29,12 @@ import json
 import os
 import random
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from coldset.files import atomic_path
 
 from coldset.routing import SPLITS, split_of
 
@@ -265,15 +266,9 @@ def write_fixtures(path: str | os.PathLike, fixtures: Sequence[Fixture]) -> Path
     """Write fixtures as JSONL, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for fx in fixtures:
-                f.write(json.dumps(asdict(fx), ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for fx in fixtures:
+            f.write(json.dumps(asdict(fx), ensure_ascii=False) + "\n")
     return path
 
 

@@ -24,7 +24,6 @@ qwen3_moe; for mixtral it multiplies in float32, which only differs in bf16/fp16
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field

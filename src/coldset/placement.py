@@ -53,6 +53,8 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from coldset.files import atomic_path
+
 POLICIES = ("positional", "usage_layer", "usage_global", "permute")
 PHASES = ("prefill", "decode")
 SPLITS = ("profile", "heldout")
@@ -1062,17 +1064,8 @@ def coverage_table(placements: Sequence[Placement]) -> pd.DataFrame:
 
 
 def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            df.to_csv(f, index=False)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
 
 
 def _resolve_config(model_dir_or_config: Any) -> ModelShape:

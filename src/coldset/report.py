@@ -28,10 +28,11 @@ import json
 import math
 import os
 import platform
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from coldset.files import write_bytes
 
 # Metric names of DESIGN.md §6, as they appear in bench JSON, MLflow and the report.
 BENCH_METRICS: tuple[str, ...] = (
@@ -1021,25 +1022,13 @@ def render_report(
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(out_html, html.encode("utf-8"))
+    write_bytes(out_html, html.encode("utf-8"))
     if figures_dir is not None:
         figures_dir = Path(figures_dir)
         figures_dir.mkdir(parents=True, exist_ok=True)
         for figs in figures.values():
             for f in figs:
-                _atomic_write_bytes(figures_dir / f"{f.id}.png", f.png)
+                write_bytes(figures_dir / f"{f.id}.png", f.png)
     return out_html
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the page is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

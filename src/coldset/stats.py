@@ -42,7 +42,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +52,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from coldset.files import atomic_path
 
 from coldset.routing import (
     PHASES,
@@ -718,15 +719,11 @@ def _figure_lorenz(h: _Hist, meta: TraceMeta, phase: str, path: Path, max_lines:
 def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -742,14 +739,8 @@ def _write_csv(df: pd.DataFrame, path: str) -> None:
 
 
 def _write_atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, heldout_fraction: float = 0.25,

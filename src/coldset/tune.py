@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from coldset.files import write_json
 
 # Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
 DECODE_MAX_TOKENS = 64
@@ -284,23 +285,6 @@ def _read_entry(path: Path, key: str) -> dict | None:
     return entry
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write JSON to a temp file in the same folder, then os.replace: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def graph_time_us(fn: Callable[[], object], reps: int) -> float:
     """Median over ``reps`` replays of a CUDA graph of ``fn`` (warmed up eagerly first), in µs."""
     s = torch.cuda.Stream()
@@ -466,7 +450,7 @@ def autotune(
         "timings_us": {str(b): t for b, t in timings.items()},
     }
     entry["checksum"] = _checksum(entry)
-    write_json_atomic(path, entry)
+    write_json(path, entry)
     return TuneResult(key=key, hit=False, backend=backend, shape=shape, batch_sizes=batch_sizes,
                       configs=configs, timings_us=timings, path=path)
 
@@ -525,4 +509,4 @@ def write_entry(result: TuneResult, path: str | os.PathLike) -> None:
     entry = _read_entry(Path(result.path), result.key) if result.path else None
     if entry is None:
         raise FileNotFoundError(f"autotune: cache entry for key {result.key} is missing or damaged at {result.path}")
-    write_json_atomic(Path(path), entry)
+    write_json(path, entry)

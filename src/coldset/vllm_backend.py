@@ -133,9 +133,10 @@ def _take_records(model=None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 # driver side
 
 
-def _engine(model_dir: Path, dtype: str, max_model_len: int, method: str, llm_kwargs: dict[str, Any]):
-    """Start vllm.LLM configured for ``method``; raises the engine's own error if it refuses."""
-    from vllm import LLM
+def _engine_kwargs(model_dir: Path, dtype: str, max_model_len: int, method: str,
+                   llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of vllm.LLM for ``method`` (the caller's ``llm_kwargs`` win)."""
+    from vllm.platforms import current_platform
 
     kwargs: dict[str, Any] = dict(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True,
                                   max_model_len=max_model_len)
@@ -144,13 +145,26 @@ def _engine(model_dir: Path, dtype: str, max_model_len: int, method: str, llm_kw
     else:
         # eager: hooks fire on every call; no prefix cache: every prompt token is routed and seen
         kwargs.update(enforce_eager=True, enable_prefix_caching=False)
-    from vllm.platforms import current_platform
-
     if current_platform.is_cpu() and "kv_cache_memory_bytes" not in llm_kwargs and "gpu_memory_utilization" not in llm_kwargs:
         # vLLM on CPU otherwise reserves 92% of free RAM and refuses to start when page cache holds more
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     kwargs.update(llm_kwargs)
-    return LLM(**kwargs)
+    return kwargs
+
+
+def routed_experts_refusal(kwargs: dict[str, Any]) -> str | None:
+    """Why this vLLM refuses ``enable_return_routed_experts`` with these LLM arguments, or None.
+
+    Only builds the engine configuration (where vLLM checks Model Runner V2, prefix caching and
+    the rest), so no model is loaded and a refusal costs a second, not an engine start.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        EngineArgs(**kwargs).create_engine_config()
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        return str(err)
+    return None
 
 
 def _set_env_for_hooks() -> None:
@@ -291,21 +305,22 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
         _set_env_for_hooks()
     import vllm
 
-    llm = None
     chosen = method
     if method in ("auto", "routed_experts"):
-        try:
-            llm = _engine(model_dir, dtype, max_len, "routed_experts", llm_kwargs)
+        reason = routed_experts_refusal(_engine_kwargs(model_dir, dtype, max_len, "routed_experts", llm_kwargs))
+        if reason is None:
             chosen = "routed_experts"
-        except ValueError as err:
-            if method == "routed_experts":
-                raise VllmCaptureError(f"vLLM {vllm.__version__} refuses enable_return_routed_experts: {err}") from err
-            print(f"vLLM {vllm.__version__} cannot return routed experts here ({err}); capturing with router "
+        elif method == "routed_experts":
+            raise VllmCaptureError(f"vLLM {vllm.__version__} refuses enable_return_routed_experts: {reason}")
+        else:
+            print(f"vLLM {vllm.__version__} cannot return routed experts here ({reason}); capturing with router "
                   "forward hooks instead", file=sys.stderr)
             chosen = "router_hooks"
             _set_env_for_hooks()
+    from vllm import LLM
+
+    llm = LLM(**_engine_kwargs(model_dir, dtype, max_len, chosen, llm_kwargs))
     if chosen == "router_hooks":
-        llm = _engine(model_dir, dtype, max_len, "router_hooks", llm_kwargs)
         results = _run_router_hooks(llm, prompts, new_tokens, meta, cfg.norm_topk_prob, fixture_ids, progress)
         how = "router forward hooks via LLM.apply_model, one request at a time"
     else:
