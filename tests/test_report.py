@@ -306,18 +306,22 @@ def test_failed_parity_is_shown_as_a_failure(tmp_path):
     assert "95 / 96" in html
 
 
-def test_loaders_accept_bench_containers_and_keep_the_join_key(tmp_path):
+def test_loaders_read_the_bench_container_and_keep_the_join_key(tmp_path):
     assert placement_key_from_path("results/bench/m/usage_global-0.25.json") == ("m", "usage_global", "0.25")
     entry = {m: 1.0 for m in BENCH_METRICS} | {"device": "cpu", "dtype": "float32"}
     d = tmp_path / "m"
     d.mkdir()
-    keyed = d / "permute-0.5.json"
-    keyed.write_text(json.dumps({"policy": "permute", "2": entry, "1": entry}))
-    assert [r.batch_size for r in load_bench(keyed)] == [1, 2]
-    as_list = d / "permute-0.75.json"
-    as_list.write_text(json.dumps([entry | {"batch_size": 8, "tok_s_per_gib": None}]))
-    (r,) = load_bench(as_list)
+    two = d / "permute-0.5.json"
+    two.write_text(json.dumps({"policy": "permute", "batches": [entry | {"batch_size": 2}, entry | {"batch_size": 1}]}))
+    assert [r.batch_size for r in load_bench(two)] == [1, 2]
+    one = d / "permute-0.75.json"
+    one.write_text(json.dumps({"batches": [entry | {"batch_size": 8, "tok_s_per_gib": None}]}))
+    (r,) = load_bench(one)
     assert r.batch_size == 8 and r.metrics["tok_s_per_gib"] is None and r.metrics["tok_s"] == 1.0
+    bare = d / "permute-1.0.json"
+    bare.write_text(json.dumps([entry | {"batch_size": 8}]))
+    with pytest.raises(ReportInputError, match="'batches' list"):
+        load_bench(bare)
     wrong = d / "positional-0.5.json"
     wrong.write_text(json.dumps({"policy": "permute", "batches": [entry | {"batch_size": 1}]}))
     with pytest.raises(ReportInputError, match="disagrees with the file name"):

@@ -144,10 +144,8 @@ class Layout:
     def report(self) -> Path:
         return self.results / "report" / "index.html"
 
-    @property
-    def mlflow_db(self) -> Path:
-        return self.results / "mlflow.db"
-
     def tracking_uri(self, config: dict) -> str:
         """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
-        return config["tracking"]["uri"] or f"sqlite:///{self.mlflow_db.resolve()}"
+        from coldset.track import default_tracking_uri
+
+        return config["tracking"]["uri"] or default_tracking_uri(self.results)

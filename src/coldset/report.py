@@ -272,40 +272,16 @@ class BenchResult:
 
 
 def _bench_entries(doc: Any, path: Path) -> list[dict]:
-    """The per-batch-size entries of a bench JSON, top-level scalars merged in as defaults.
-
-    Accepted containers (the entry fields are the contract, the container is not yet fixed):
-    ``{"batches": [entry, ...], ...}`` (preferred), ``{"results": [...]}``, ``{"1": entry, ...}``
-    keyed by batch size, a bare list of entries, or one entry at the top level.
-    """
-    if isinstance(doc, list):
-        entries, top = doc, {}
-    elif isinstance(doc, dict):
-        list_key = next((k for k in ("batches", "results") if isinstance(doc.get(k), list)), None)
-        if list_key is not None:
-            entries = doc[list_key]
-            top = {k: v for k, v in doc.items() if k != list_key}
-        elif "batch_size" in doc:
-            entries, top = [doc], {}
-        else:
-            by_batch = {k: v for k, v in doc.items() if str(k).isdigit() and isinstance(v, dict)}
-            if not by_batch:
-                raise ReportInputError(
-                    f"{path}: no per-batch-size entries (expected 'batches': [...], "
-                    "entries keyed by batch size, or a list)"
-                )
-            entries = [{"batch_size": int(k), **v} for k, v in by_batch.items()]
-            top = {k: v for k, v in doc.items() if k not in by_batch}
-    else:
-        raise ReportInputError(f"{path}: expected a JSON object or list")
-    top_scalars = {k: v for k, v in top.items() if not isinstance(v, (dict, list))}
+    """The per-batch-size entries of a bench JSON (``{"placement": ..., "batches": [entry, ...]}``,
+    as the bench stage writes it), top-level scalars merged in as defaults."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("batches"), list) or not doc["batches"]:
+        raise ReportInputError(f"{path}: expected an object with a non-empty 'batches' list")
+    top = {k: v for k, v in doc.items() if k != "batches" and not isinstance(v, (dict, list))}
     out = []
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(doc["batches"]):
         if not isinstance(entry, dict):
-            raise ReportInputError(f"{path}: entry {i} is not an object")
-        out.append({**top_scalars, **entry})
-    if not out:
-        raise ReportInputError(f"{path}: no per-batch-size entries")
+            raise ReportInputError(f"{path}: batches[{i}] is not an object")
+        out.append({**top, **entry})
     return out
 
 

@@ -72,6 +72,15 @@ class SyntheticSpec:
     lm_successor_gain: float = 6.0
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
+    # The model's vocabulary (embedding and LM-head rows) when it must be larger than the trained
+    # tokenizer's, e.g. a real model's 151,936 rows for real-shape byte counts; None = the
+    # tokenizer's size. Ids past the tokenizer never occur in prompts and are never anyone's
+    # successor, so greedy decode stays inside the tokenizer's vocabulary.
+    model_vocab_size: int | None = None
+    # Build the weights in memory on the compute device from the seed (build_synthetic_model)
+    # instead of writing a checkpoint: for real shapes (61 GB at Qwen3-30B-A3B's) that are
+    # never worth writing to disk. write_synthetic_checkpoint refuses such a spec.
+    in_memory: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,6 +376,11 @@ def write_synthetic_checkpoint(
     """
     from safetensors.torch import save_file
 
+    if spec.in_memory or spec.model_vocab_size is not None:
+        raise ValueError(
+            "SyntheticSpec.in_memory / model_vocab_size are for build_synthetic_model (weights made "
+            "in memory on the device); write_synthetic_checkpoint writes the tokenizer-sized model only"
+        )
     if spec.heads % spec.kv_heads:
         raise ValueError(f"SyntheticSpec.heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
     if spec.top_k > spec.experts:
@@ -411,3 +425,153 @@ def write_synthetic_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# In memory, on the device (real shapes)
+# --------------------------------------------------------------------------------------------
+
+
+def synthetic_tokenizer(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None):
+    """(tokenizer, affinity ``p [V_tok, K]``, domain names) as :func:`write_synthetic_checkpoint` makes them."""
+    corpus = builtin_corpus()
+    for domain, texts in (domain_texts or {}).items():
+        corpus[domain] = corpus.get(domain, []) + [str(x) for x in texts]
+    tokenizer = train_tokenizer([x for texts in corpus.values() for x in texts], spec.vocab_size)
+    vocab = tokenizer.get_vocab_size()
+    return tokenizer, _domain_affinity(tokenizer, corpus, vocab), list(corpus)
+
+
+def _check_spec(spec: SyntheticSpec) -> None:
+    if spec.heads % spec.kv_heads:
+        raise ValueError(f"SyntheticSpec.heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+    if spec.top_k > spec.experts:
+        raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
+
+
+@torch.inference_mode()
+def build_synthetic_model(
+    spec: SyntheticSpec,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    domain_texts: dict[str, list[str]] | None = None,
+    progress: bool = False,
+):
+    """``(MoEModel, tokenizer)`` for ``spec``, every weight generated on ``device`` from ``spec.seed``.
+
+    Why: at real shapes (Qwen3-30B-A3B: 48 layers x 128 experts, 61 GB in bf16) writing and
+    reloading a checkpoint costs minutes and disk the GPU host does not have, while a device
+    generator fills 61 GB in seconds. The construction is the file writer's (module docstring:
+    popularity direction ``u``, domain directions, noise subspace; Zipf popularity, domain
+    affinity and token-level spread in the router; attention carrying the context's domain; an
+    LM head walking a domain's tokens), drawn in whole-layer batches from one generator on the
+    device, so the weights are deterministic for a (seed, device type) but are not the same
+    numbers the CPU file writer draws. The tokenizer is trained on the CPU exactly as for the
+    file; ``spec.model_vocab_size`` pads the model's vocabulary past it (see SyntheticSpec).
+    The model is assembled like :func:`coldset.model.load_model` does it (fused qkv, fused
+    qk-norm, routed experts only in ``model.pools`` as ``ExpertPools.all_hot``).
+    """
+    from torch import nn
+
+    from coldset.model import ModelConfig, MoEModel
+    from coldset.tiers import ExpertPools
+
+    _check_spec(spec)
+    device = torch.device(device)
+    tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
+    v_tok, K = p_tok.shape
+    V = v_tok if spec.model_vocab_size is None else int(spec.model_vocab_size)
+    if V < v_tok:
+        raise ValueError(f"SyntheticSpec.model_vocab_size={V} is smaller than the tokenizer's {v_tok} tokens")
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    cfg = ModelConfig.from_dict(_config(spec, V, eos_id), source="build_synthetic_model")
+    H, E, I, D = spec.hidden, spec.experts, spec.moe_intermediate, spec.head_dim
+    if H < K + 8:
+        raise ValueError(f"SyntheticSpec.hidden={H} is too small for {K} domains")
+    f32 = dict(device=device, dtype=torch.float32)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    basis, _ = torch.linalg.qr(randn(H, H))
+    u, dom, noise_basis = basis[:, 0], basis[:, 1:1 + K], basis[:, 1 + K:]
+    n_noise = noise_basis.shape[1]
+
+    def noise_vectors(n):
+        return randn(n, n_noise) @ noise_basis.T / n_noise**0.5
+
+    p = torch.full((V, K), 1.0 / K, **f32)
+    p[:v_tok] = p_tok.to(device)
+    p_sharp = p**2 / (p**2).sum(dim=1, keepdim=True)
+    p_centred = p_sharp - 1.0 / K
+    model = MoEModel(cfg)
+
+    def param(t):
+        return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
+
+    token_noise = noise_vectors(V)
+    model.embed_tokens.weight = param((u[None, :] + 1.5 * p_centred @ dom.T + token_noise) * H**0.5 / 1.6)
+    model.norm.weight = param(torch.ones(H, **f32))
+    # Successor cycles over each domain's tokens (tokenizer ids only); padded ids get their own
+    # random rows, which no token's state points at.
+    cluster = p_tok.argmax(dim=1)
+    predecessor = torch.arange(V)
+    cpu_gen = torch.Generator().manual_seed(spec.seed)
+    for k in range(K):
+        members = torch.nonzero(cluster == k).flatten()
+        if len(members) > 1:
+            order = members[torch.randperm(len(members), generator=cpu_gen)]
+            predecessor[order] = torch.roll(order, 1)
+    succ_noise = token_noise[predecessor.to(device)]
+    if V > v_tok:
+        succ_noise[v_tok:] = noise_vectors(V - v_tok)
+    model.lm_head.weight = param(spec.lm_domain_gain * p_centred @ dom.T + spec.lm_successor_gain * succ_noise)
+    del token_noise, succ_noise
+
+    nh, nkv = spec.heads, spec.kv_heads
+    ranks = torch.arange(1, E + 1, **f32)
+    zipf = ranks ** (-spec.zipf_exponent)
+    zipf = (zipf - zipf.mean()) / zipf.std()
+    L = cfg.num_moe_layers
+    w13 = torch.empty((L, E, 2 * I, H), device=device, dtype=dtype)
+    w2 = torch.empty((L, E, H, I), device=device, dtype=dtype)
+    layers = range(spec.layers)
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="synthetic layers", file=sys.stderr, leave=False)
+    for layer in layers:
+        block = model.layers[layer]
+        block.input_layernorm.weight = param(torch.ones(H, **f32))
+        block.post_attention_layernorm.weight = param(torch.ones(H, **f32))
+        attn = block.self_attn
+        attn.q_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
+        attn.k_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
+        attn.fuse_qk_norm()
+        q = randn(nh * D, H) / H**0.5
+        k = randn(nkv * D, H) / H**0.5
+        v = 0.3 * randn(nkv * D, H) / H**0.5
+        o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
+        for g in range(nkv):
+            v[g * D:g * D + K] = dom.T
+        for h in range(nh):
+            o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
+        attn.qkv_proj.weight = param(torch.cat([q, k, v]))
+        attn.o_proj.weight = param(o)
+        popularity = zipf[torch.randperm(E, generator=gen, device=device)]
+        affinity = randn(E, K)
+        spread = randn(E, n_noise) @ noise_basis.T
+        router = (spec.popularity_scale * popularity[:, None] * u[None, :]
+                  + spec.domain_affinity * affinity @ dom.T + spec.router_noise * spread) / H**0.5
+        block.mlp.gate.weight = param(router)
+        # Experts straight in the model dtype: w13 rows [:I] gate, [I:] up (as the loader stacks them).
+        m = cfg.moe_layers.index(layer)
+        w13[m].normal_(0.0, 1.0 / H**0.5, generator=gen)
+        w2[m].normal_(0.0, spec.expert_gain / I**0.5, generator=gen)
+    model.inv_freq = model.inv_freq.to(device)
+    model.pools = ExpertPools.all_hot(w13, w2)
+    model.eval()
+    return model, tokenizer

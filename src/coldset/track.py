@@ -38,17 +38,16 @@ showing a stale number.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from coldset.files import write_json
 from coldset.report import (
     BENCH_METRICS,
     ReportInputError,
@@ -410,20 +409,9 @@ def run_track(
     tags = dict(tags or {})
     tags.setdefault("commit", git_commit())
     run_ids = log_runs(tracking_uri, experiment, records, tags)
-    done = Path(done_path)
-    done.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
+    write_json(done_path, {
         "tracking_uri": tracking_uri,
         "experiment": experiment,
         "runs": {rec.run_key: run_id for rec, run_id in zip(records, run_ids)},
-    }
-    fd, tmp = tempfile.mkstemp(dir=done.parent, prefix=f".{done.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, done)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    })
     return run_ids
