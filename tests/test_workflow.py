@@ -74,6 +74,11 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
     assert len(runs) == len(PLACEMENTS)
     assert set(runs["params.policy"]) == {"positional", "usage_global"}
 
+    # Snakemake's own report, with the captions in report/, also builds.
+    smk_report = snakemake(workdir, "--report", "smk-report.html")
+    assert smk_report.returncode == 0, smk_report.stderr[-2000:]
+    assert (workdir / "smk-report.html").stat().st_size > 10_000
+
     # The gate fails, naming the placement, when a parity report says a token differed.
     path = results / "parity/tiny/usage_global-0.5.json"
     doc = json.loads(path.read_text())
