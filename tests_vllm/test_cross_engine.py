@@ -126,7 +126,7 @@ def test_routing_identical_at_every_token_and_layer(engines, arch, tmp_path):
     mismatch = np.flatnonzero(v["expert"] != r["expert"])
     assert mismatch.size == 0, (f"{arch}: {mismatch.size} of {len(mismatch)} routed experts differ, first at "
                                 f"{[(k, v[k][mismatch[0]]) for k in KEY]}")
-    np.testing.assert_allclose(v["weight"], r["weight"], rtol=0, atol=2e-6)
+    np.testing.assert_allclose(v["weight"], r["weight"], rtol=0, atol=1e-5)
     # not a vacuous comparison: the routing spreads over the experts in every MoE layer
     for layer in cfg.moe_layers:
         assert len(np.unique(v["expert"][v["layer"] == layer])) >= cfg.top_k + 2
