@@ -90,3 +90,36 @@ def test_derive_metrics_by_hand():
     assert out[("p", 0.5)]["fetch_tax"] == pytest.approx(0.75)
     assert out[("p", 1.0)]["fetch_tax"] == 0.0
     assert out[("q", 0.5)]["fetch_tax"] is None
+
+
+def test_replayed_trace_drives_the_cold_share(engine, tmp_path):
+    """Routing replayed from a recorded trace: the cold share is the trace's, counted by hand."""
+    import pandas as pd
+
+    from coldset.fixtures import make_fixtures
+    from coldset.routing import capture_routing
+
+    cfg = engine.config
+    ckpt = write_synthetic_checkpoint(SPEC, tmp_path / "ckpt")
+    paths = make_fixtures(tmp_path / "fx", ["code"], 2, 0.5, 6, seed=0)
+    trace = capture_routing(ckpt, paths, tmp_path / "trace.parquet", progress=False)
+    steps = 4  # new_tokens 5 -> 4 decode steps, batch 2 -> 8 decode tokens from the trace
+    replay = bench.RoutingReplay.from_trace(trace, cfg, batch_size=2, num_steps=steps, device=engine.device)
+
+    rng = np.random.default_rng(3)
+    mask = rng.random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": 1} for layer in cfg.moe_layers for e in range(cfg.num_experts)])
+    pl = place(hist, cfg, "usage_global", 0.5, batch_sizes=(2,))
+    pools = _pools(engine, mask)
+    r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
+                           new_tokens=steps + 1, warmup=0, repeats=1, replay=replay)
+    assert r.routing_source == "trace"
+
+    df = pd.read_parquet(trace)
+    dec = df[df.phase == "decode"].sort_values(["request", "position", "layer", "rank"])
+    tokens = dec.drop_duplicates(["request", "position"])[["request", "position"]].head(2 * steps)
+    chosen = dec.merge(tokens, on=["request", "position"])
+    moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    cold = [not mask[moe_index[layer], e] for layer, e in zip(chosen.layer, chosen.expert)]
+    assert r.cold_share == pytest.approx(sum(cold) / len(cold))
