@@ -27,3 +27,15 @@ def tiny_hf_checkpoint(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster on 2 cores and avoids spin-wait stalls when the
+    other core is busy (subprocesses, such as the workflow test's Snakemake, set their own)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

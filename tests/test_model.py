@@ -29,16 +29,6 @@ TEXTS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread is faster on 2 cores and avoids spin-wait stalls when the
-    other core is busy (restored afterwards, so other modules keep their setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 

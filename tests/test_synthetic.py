@@ -42,16 +42,6 @@ PROMPTS = {
 NEW_TOKENS = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread is faster on 2 cores and avoids spin-wait stalls when the
-    other core is busy (restored afterwards, so other modules keep their setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def gini(counts) -> float:
     """Gini coefficient of non-negative counts (0 = all equal, 1 - 1/n = all in one)."""
     c = np.sort(np.asarray(counts, dtype=float))
