@@ -26,19 +26,9 @@ TOKENIZER_TEXT = [
 
 def build_tokenizer(vocab_size: int = 300):
     """A deterministic byte-level BPE tokenizer trained on a few lines (exact round trip)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from coldset.synthetic import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer=trainer)
-    return tok
+    return train_tokenizer(TOKENIZER_TEXT * 4, vocab_size)
 
 
 def build_tiny_checkpoint(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
