@@ -159,6 +159,13 @@ def routing(config: dict, **_) -> None:
                                     heldout_fraction=config["stats"]["heldout_fraction"])
         log.info("imported %s: %s", rc["trace"], report)
         return
+    if rc["backend"] == "vllm":
+        from coldset.vllm_backend import capture_routing_vllm
+
+        capture_routing_vllm(model_dir(config), _fixture_paths(config), out, dtype=config["model"]["dtype"],
+                             model_name=config["model"]["name"], method=rc["vllm_method"],
+                             llm_kwargs=rc["vllm_args"])
+        return
     trace.capture_routing(model_dir(config), _fixture_paths(config), out, device=resolve_device(config),
                           dtype=config["model"]["dtype"], batch_size=rc["batch_size"],
                           model_name=config["model"]["name"])
