@@ -449,7 +449,7 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the row map must keep a version counter
 def build_synthetic_model(
     spec: SyntheticSpec,
     device: str | torch.device = "cpu",
