@@ -10,6 +10,7 @@ modules named in each body.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -321,6 +322,9 @@ def run_stage(name: str, config: dict, placements: list[str] | None = None) -> N
     """Run one stage; the stage's own errors propagate with their messages."""
     if name not in STAGES:
         raise StageError(f"unknown stage {name!r}; stages: {list(STAGES)}")
+    # Before torch loads its OpenMP runtime: idle threads sleep instead of spinning, so a stage
+    # sharing the CPU with another job slows down in proportion instead of about tenfold.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log.info("stage %s", name)
     STAGES[name](config, placements=placements)
 
