@@ -224,9 +224,10 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     pc = config["parity"]
     fxs = read_fixtures(_fixture_paths(config))
     if pc["fixtures_per_domain"]:
-        seen: dict[str, int] = {}
-        fxs = [f for f in fxs if seen.setdefault(f.domain, 0) < pc["fixtures_per_domain"]
-               and not seen.__setitem__(f.domain, seen[f.domain] + 1)]
+        kept: dict[str, list] = {}
+        for f in fxs:
+            kept.setdefault(f.domain, []).append(f)
+        fxs = [f for group in kept.values() for f in group[:pc["fixtures_per_domain"]]]
     engine, tokenizer = _load_engine(config)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
