@@ -103,6 +103,37 @@ def pinned_read_GBps(pinned: torch.Tensor) -> float:
     return read_bandwidth(pinned.view(-1)[: 2**29], 4096, 4, 5) / 1e9
 
 
+def step_breakdown(model, ids, bench_cfg) -> dict:
+    """Graph-replayed batch-1 decode step on the all-HBM model (unmodified experts path), and the
+    same step with the routed experts replaced by zeros (router still runs): the difference is
+    what the experts cost inside the step, the rest is attention, norms, router and LM head."""
+    from coldset import bench as bn
+    from coldset.gate import experts_functions
+
+    unmodified = experts_functions(model.device, None)[0]
+
+    def no_experts(pools, layer, x, topk_ids, topk_weights):
+        return torch.zeros_like(x)
+
+    stream = [t for x in ids for t in x]
+    prompts = bn.bench_prompts(stream, 1, bench_cfg["prompt_tokens"])
+    saved = model.experts_fn
+    out = {}
+    try:
+        for name, fn in (("full_ms", unmodified), ("no_experts_ms", no_experts), ("full_again_ms", unmodified)):
+            model.experts_fn = fn
+            dec = bn.Decoder(model, 1, bench_cfg["prompt_tokens"], bench_cfg["new_tokens"], True)
+            token = dec.prefill(prompts)
+            dec.set_step(token, 1)
+            dec.capture()
+            out[name] = cuda_ms(dec.step, 30)
+            del dec
+    finally:
+        model.experts_fn = saved
+    out["experts_ms"] = out["full_ms"] - out["no_experts_ms"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml")
@@ -248,18 +279,27 @@ def main() -> int:
     t = time.perf_counter()
     ref = model.pools
     n13, n2 = ref.w13_hot.numel(), ref.w2_hot.numel()
-    pinned = torch.empty(ref.w13_hot.element_size() * (n13 + n2), dtype=torch.uint8, pin_memory=on_gpu)
+    # One pinned copy of every expert: a placement is then a compact hot pool plus a row map.
+    # (torch's host allocator may round this up to a power of two: 64 GiB for 58 GB.)
+    try:
+        pinned = torch.empty(ref.w13_hot.element_size() * (n13 + n2), dtype=torch.uint8, pin_memory=on_gpu)
+    except RuntimeError as exc:  # then each placement pins only its cold rows (tiers.build_pools)
+        pinned = None
+        R["errors"].append({"placement": "pinned_tier", "error": repr(exc), "traceback": traceback.format_exc()})
+        log("ERROR pinned tier; falling back to build_pools per placement", repr(exc))
     t_alloc = time.perf_counter() - t
-    flat = pinned.view(dtype)
-    w13_pin = flat[:n13].view(ref.w13_hot.shape)
-    w2_pin = flat[n13:n13 + n2].view(ref.w2_hot.shape)
-    t1 = time.perf_counter()
-    w13_pin.copy_(ref.w13_hot)
-    w2_pin.copy_(ref.w2_hot)
-    sync()
-    R["pinned"] = {"gb": pinned.numel() / 1e9, "alloc_s": round(t_alloc, 2),
-                   "d2h_copy_s": round(time.perf_counter() - t1, 2), "is_pinned": bool(pinned.is_pinned())}
-    R["ceilings"]["pinned_read_GBps"] = pinned_read_GBps(w13_pin) if on_gpu else 51.0
+    R["pinned"] = {"gb": 0.0, "alloc_s": round(t_alloc, 2), "d2h_copy_s": None, "is_pinned": False}
+    if pinned is not None:
+        flat = pinned.view(dtype)
+        w13_pin = flat[:n13].view(ref.w13_hot.shape)
+        w2_pin = flat[n13:n13 + n2].view(ref.w2_hot.shape)
+        t1 = time.perf_counter()
+        w13_pin.copy_(ref.w13_hot)
+        w2_pin.copy_(ref.w2_hot)
+        sync()
+        R["pinned"] = {"gb": pinned.numel() / 1e9, "alloc_s": round(t_alloc, 2),
+                       "d2h_copy_s": round(time.perf_counter() - t1, 2), "is_pinned": bool(pinned.is_pinned())}
+    R["ceilings"]["pinned_read_GBps"] = pinned_read_GBps(w13_pin) if on_gpu and pinned is not None else 51.0
     log("pinned", R["pinned"], "pinned read GB/s", R["ceilings"]["pinned_read_GBps"])
     measured_bw = {"name": "measured", "hbm_gb_s": R["ceilings"]["hbm_read_GBps"],
                    "link_gb_s": R["ceilings"]["pinned_read_GBps"],
@@ -289,6 +329,17 @@ def main() -> int:
     R["gate_setup"] = {"fixtures": gate_ids, "max_new_tokens": par["max_new_tokens"]}
     stage_done("gate_reference", t)
 
+    # ---------------------------------------------------------------- where the all-HBM step goes
+    if on_gpu:
+        t = time.perf_counter()
+        try:
+            R["step_breakdown_b1"] = step_breakdown(model, ids, config["bench"])
+            log("step breakdown b1", R["step_breakdown_b1"])
+        except Exception as exc:
+            R["errors"].append({"placement": "step_breakdown", "error": repr(exc), "traceback": traceback.format_exc()})
+            log("ERROR step breakdown", repr(exc))
+        stage_done("step_breakdown", t)
+
     # ---------------------------------------------------------------- per placement: gate + bench
     bc = config["bench"]
     stream = [tok for x in ids for tok in x]
@@ -304,15 +355,21 @@ def main() -> int:
         pl = placements[(policy, res)]
         t = time.perf_counter()
         try:
-            rm = torch.as_tensor(pl.row_map).to(torch.int64)
-            flat_idx = torch.arange(L * E).view(L, E)
-            hot = rm >= 0
-            hot_src = torch.empty(pl.num_hot, dtype=torch.int64)
-            hot_src[rm[hot]] = flat_idx[hot]  # hot row r of the placement holds (layer, expert)
-            phys = torch.where(hot, rm, -flat_idx - 1).to(torch.int32)  # cold -> row of the pinned copy
-            idx = hot_src.to(dev)
-            pools = ExpertPools(w13_hot=ref.w13_hot.index_select(0, idx), w2_hot=ref.w2_hot.index_select(0, idx),
-                                w13_cold=w13_pin, w2_cold=w2_pin, row_map=phys.to(dev).contiguous())
+            if pinned is None:
+                from coldset.tiers import build_pools
+                pools = build_pools(ref.w13_hot.view(L, E, *ref.w13_hot.shape[1:]),
+                                    ref.w2_hot.view(L, E, *ref.w2_hot.shape[1:]), pl.row_map, dev)
+            else:
+                rm = torch.as_tensor(pl.row_map).to(torch.int64)
+                flat_idx = torch.arange(L * E).view(L, E)
+                hot = rm >= 0
+                hot_src = torch.empty(pl.num_hot, dtype=torch.int64)
+                hot_src[rm[hot]] = flat_idx[hot]  # hot row r of the placement holds (layer, expert)
+                phys = torch.where(hot, rm, -flat_idx - 1).to(torch.int32)  # cold -> row of the pinned copy
+                idx = hot_src.to(dev)
+                pools = ExpertPools(w13_hot=ref.w13_hot.index_select(0, idx),
+                                    w2_hot=ref.w2_hot.index_select(0, idx),
+                                    w13_cold=w13_pin, w2_cold=w2_pin, row_map=phys.to(dev).contiguous())
             pools.validate()
             sync()
             build_s = time.perf_counter() - t
