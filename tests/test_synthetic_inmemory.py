@@ -14,7 +14,7 @@ import torch
 from coldset.model import encode_prompts, generate
 from coldset.stats import gini
 from coldset.synthetic import (SyntheticSpec, _config, build_synthetic_model, sample_prompts,
-                               write_synthetic_checkpoint)
+                               synthetic_model_config, write_synthetic_checkpoint)
 
 SMALL = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=4, kv_heads=2,
                       head_dim=32, vocab_size=800, model_vocab_size=1000, seed=3, in_memory=True)
@@ -63,6 +63,7 @@ def test_inmemory_model_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model, tok = build_synthetic_model(SMALL, "cpu", torch.float32)
     assert model.config.vocab_size == 1000 and tok.get_vocab_size() <= 800
+    assert synthetic_model_config(SMALL) == model.config
     assert model.pools.w13_hot.shape == (2 * 8, 64, 64) and model.pools.w2_hot.shape == (2 * 8, 64, 32)
     prompts = encode_prompts(tok, [sample_prompts("prose", 1)[0], sample_prompts("agent", 1)[0][:80]])
     gen = generate(model, prompts, 8, progress=False, return_all_logits=True)

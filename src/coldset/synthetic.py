@@ -449,6 +449,17 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
 
 
+def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None):
+    """The :class:`coldset.model.ModelConfig` that :func:`build_synthetic_model` gives ``spec``
+    (trains the tokenizer, seconds; no weights), for stages that need only the shape."""
+    from coldset.model import ModelConfig
+
+    _check_spec(spec)
+    tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
+    vocab = p_tok.shape[0] if spec.model_vocab_size is None else int(spec.model_vocab_size)
+    return ModelConfig.from_dict(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN)), source="synthetic spec")
+
+
 @torch.no_grad()  # not inference_mode: the row map must keep a version counter
 def build_synthetic_model(
     spec: SyntheticSpec,
