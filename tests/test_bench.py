@@ -7,7 +7,6 @@ from coldset import bench
 from coldset.model import generate, load_model
 from coldset.placement import place, row_map_from_mask
 from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
-from coldset.tiers import build_pools
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
                      head_dim=32, vocab_size=512, seed=5)
@@ -18,18 +17,11 @@ def engine(tmp_path_factory):
     return load_model(write_synthetic_checkpoint(SPEC, tmp_path_factory.mktemp("bench") / "ckpt"))
 
 
-def _pools(model, mask):
-    cfg, ref = model.config, model.pools
-    w13 = ref.w13_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w13_hot.shape[1:])
-    w2 = ref.w2_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w2_hot.shape[1:])
-    return build_pools(w13, w2, row_map_from_mask(mask), model.device)
-
-
 def test_cold_share_and_link_bytes_match_brute_force(engine):
     cfg = engine.config
     rng = np.random.default_rng(1)
     mask = rng.random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-    pools = _pools(engine, mask)
+    pools = engine.pools.placed(row_map_from_mask(mask))
     prompts = bench.bench_prompts(list(range(3, 200)), batch_size=3, prompt_tokens=7)
     per_expert = 1000
     saved = engine.pools
@@ -65,8 +57,7 @@ def test_bench_decode_reports_the_placement(engine, tmp_path):
     hist = pd.DataFrame(rows)
     for residency, expect_cold in ((1.0, False), (0.0, True)):
         pl = place(hist, cfg, "usage_global", residency, batch_sizes=(2,))
-        pools = build_pools(*(t.view(cfg.num_moe_layers, cfg.num_experts, *t.shape[1:])
-                              for t in (engine.pools.w13_hot, engine.pools.w2_hot)), pl.row_map, engine.device)
+        pools = engine.pools.placed(pl.row_map)
         r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
                                new_tokens=4, warmup=0, repeats=1)
         assert r.batch_size == 2 and r.step_ms_p50 > 0 and r.tok_s == pytest.approx(1000 / r.step_ms_p50)
@@ -111,7 +102,7 @@ def test_replayed_trace_drives_the_cold_share(engine, tmp_path):
     hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
                           "count": 1} for layer in cfg.moe_layers for e in range(cfg.num_experts)])
     pl = place(hist, cfg, "usage_global", 0.5, batch_sizes=(2,))
-    pools = _pools(engine, mask)
+    pools = engine.pools.placed(row_map_from_mask(mask))
     r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
                            new_tokens=steps + 1, warmup=0, repeats=1, replay=replay)
     assert r.routing_source == "trace"

@@ -8,7 +8,6 @@ from coldset import gate
 from coldset.model import load_model
 from coldset.placement import row_map_from_mask
 from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
-from coldset.tiers import build_pools
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
                      head_dim=32, vocab_size=512, seed=3, expert_gain=2.0, lm_successor_gain=1.0)
@@ -26,12 +25,6 @@ def _prompts(vocab, n=4, seed=0):
             for _ in range(n)]
 
 
-def _all_layers(model):
-    cfg, ref = model.config, model.pools
-    return (ref.w13_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w13_hot.shape[1:]),
-            ref.w2_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w2_hot.shape[1:]))
-
-
 def test_every_random_placement_is_token_exact(engine):
     prompts = _prompts(engine.config.vocab_size)
     ids = [f"p{i}" for i in range(len(prompts))]
@@ -39,7 +32,7 @@ def test_every_random_placement_is_token_exact(engine):
     rng = np.random.default_rng(0)
     for trial in range(3):
         mask = rng.random((engine.config.num_moe_layers, engine.config.num_experts)) < 0.5
-        pools = build_pools(*_all_layers(engine), row_map_from_mask(mask), engine.device)
+        pools = engine.pools.placed(row_map_from_mask(mask))
         assert pools.num_cold > 0 and pools.num_hot > 0
         got = gate.placement_decode(engine, pools, prompts, 16, progress=False)
         result = gate.compare(f"random-{trial}", ids, reference, got, pools, engine)
@@ -54,7 +47,7 @@ def test_gate_catches_two_swapped_experts(engine):
     mask = np.ones((engine.config.num_moe_layers, engine.config.num_experts), dtype=bool)
     mask[:, ::2] = False
     row_map = row_map_from_mask(mask)
-    pools = build_pools(*_all_layers(engine), row_map, engine.device)
+    pools = engine.pools.placed(row_map)
     # Corrupt: every layer's two most-used experts read each other's rows (a valid-looking map).
     from coldset.model import generate
 
@@ -76,3 +69,12 @@ def test_gate_catches_two_swapped_experts(engine):
     assert first.expected != first.got and first.logit_gap >= 0
     with pytest.raises(gate.ParityGateError, match="swapped"):
         gate.gate_verdict([result.to_dict()])
+
+
+def test_placing_needs_the_unmodified_layout(engine):
+    mask = np.zeros((engine.config.num_moe_layers, engine.config.num_experts), dtype=bool)
+    mask[:, :3] = True
+    pools = engine.pools.placed(row_map_from_mask(mask))
+    assert pools.num_hot == 3 * engine.config.num_moe_layers
+    with pytest.raises(ValueError, match="all-hot layout"):
+        pools.placed(row_map_from_mask(mask))

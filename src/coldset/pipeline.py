@@ -74,17 +74,6 @@ def _tuned(config: dict):
     return result_from_entry(read_json(Layout.from_config(config).autotune, "autotune entry"))
 
 
-def _placed_pools(model, placement):
-    """Pools holding the model's experts at the placement's rows (cold rows pinned on CUDA)."""
-    from coldset.tiers import build_pools
-
-    cfg = model.config
-    ref = model.pools
-    w13 = ref.w13_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w13_hot.shape[1:])
-    w2 = ref.w2_hot.view(cfg.num_moe_layers, cfg.num_experts, *ref.w2_hot.shape[1:])
-    return build_pools(w13, w2, placement.row_map, model.device)
-
-
 def _domain_texts(config: dict) -> dict[str, list[str]]:
     """Training text per traffic domain for the synthetic checkpoint (its tokenizer and domain
     clusters), so the default model routes the fixture domains differently, as real MoEs do.
@@ -236,7 +225,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = _placed_pools(engine, pl)
+        pools = engine.pools.placed(pl.row_map)
         got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
@@ -271,7 +260,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
     records: dict[str, list[dict]] = {}
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = _placed_pools(engine, pl)
+        pools = engine.pools.placed(pl.row_map)
         for batch_size in bc["batch_sizes"]:
             replay = None
             if bc["routing_trace"]:

@@ -97,6 +97,19 @@ class ExpertPools:
     def num_cold(self) -> int:
         return int(self.w13_cold.shape[0])
 
+    def placed(self, row_map, device=None) -> "ExpertPools":
+        """New pools holding these all-hot pools' experts at ``row_map``'s rows (:func:`build_pools`).
+
+        These pools must be the unmodified layout (:meth:`all_hot`: row = layer * E + expert).
+        """
+        identity = torch.arange(self.num_hot, dtype=torch.int32, device=self.row_map.device)
+        if self.num_cold or not torch.equal(self.row_map.reshape(-1), identity):
+            raise ValueError("ExpertPools.placed needs the all-hot layout (row = layer * E + expert)")
+        shape = (self.num_moe_layers, self.num_experts)
+        return build_pools(self.w13_hot.view(*shape, *self.w13_hot.shape[1:]),
+                           self.w2_hot.view(*shape, *self.w2_hot.shape[1:]), row_map,
+                           self.w13_hot.device if device is None else device)
+
     def expert_weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of one expert, wherever it lives; for tests and the torch path."""
         row = int(self.row_map[layer, expert])
