@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -31,7 +30,7 @@ import triton.language as tl
 from coldset.kernels.reference import torch_experts
 from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
 from coldset.tiers import ExpertPools, check_host_allocation
-from coldset.tune import TuneShape, autotune, config_for, graph_time_us
+from coldset.tune import TuneShape, autotune, config_for, eager_time_us, graph_time_us
 
 
 @triton.jit
@@ -47,20 +46,6 @@ def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def eager_time_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def read_bandwidth(buf: torch.Tensor, block: int, iters: int, reps: int) -> float:

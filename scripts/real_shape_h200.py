@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +37,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from coldset.files import write_json
+from coldset.tune import eager_time_us
 
 T0 = time.perf_counter()
 GIB = 1024**3
@@ -53,28 +53,6 @@ def log(*a) -> None:
     print(f"[{elapsed():7.1f}s]", *a, file=sys.stderr, flush=True)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
-def cuda_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def measure_ceilings(pinned_view: torch.Tensor | None = None) -> dict:
     """HBM: a Triton streaming read (the kernel benchmark's) and a device-to-device copy (read +
     write bytes), over 8 GiB of random bf16; optionally the in-place read of pinned host memory."""
@@ -86,7 +64,7 @@ def measure_ceilings(pinned_view: torch.Tensor | None = None) -> dict:
     dst = torch.empty_like(src)
     out = {}
     out["hbm_read_GBps"] = max(read_bandwidth(src, 4096, it, 20) for it in (4, 16)) / 1e9
-    ms = cuda_ms(lambda: dst.copy_(src), 10)
+    ms = eager_time_us(lambda: dst.copy_(src), 10) / 1e3
     out["hbm_copy_GBps"] = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9  # bytes read + written
     del src, dst
     torch.cuda.empty_cache()
@@ -126,7 +104,7 @@ def step_breakdown(model, ids, bench_cfg) -> dict:
             token = dec.prefill(prompts)
             dec.set_step(token, 1)
             dec.capture()
-            out[name] = cuda_ms(dec.step, 30)
+            out[name] = eager_time_us(dec.step, 30) / 1e3
             del dec
     finally:
         model.experts_fn = saved
@@ -166,7 +144,7 @@ def main() -> int:
 
     R: dict = {"config_path": args.config, "config": config, "stages_s": {}, "placements": {},
                "gate": {}, "bench": [], "skipped": [], "errors": [], "notes": []}
-    dump = lambda: write_json_atomic(out / "real_shape.json", R)  # noqa: E731
+    dump = lambda: write_json(out / "real_shape.json", R)  # noqa: E731
 
     def stage_done(name: str, t: float) -> None:
         R["stages_s"][name] = round(time.perf_counter() - t, 2)

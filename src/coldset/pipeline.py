@@ -197,9 +197,6 @@ def autotune(config: dict, **_) -> None:
     result = tune(shape, config["bench"]["batch_sizes"], resolve_device(config), config["autotune"]["cache_dir"])
     log.info("autotune key %s: %s (%s)", result.key[:16], "cache hit" if result.hit else "tuned", result.path)
     write_entry(result, layout.autotune)
-    entry = read_json(layout.autotune)
-    entry["hit"] = result.hit
-    write_json(layout.autotune, entry)
 
 
 def parity(config: dict, placements: list[str] | None = None, **_) -> None:

@@ -312,6 +312,21 @@ def graph_time_us(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def eager_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Median microseconds of eager calls of ``fn`` by CUDA events, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def _cpu_time_us(fn, reps: int) -> float:
     fn()
     times = []
@@ -505,8 +520,9 @@ def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
 
 
 def write_entry(result: TuneResult, path: str | os.PathLike) -> None:
-    """Copy the verified cache entry of ``result`` to ``path`` atomically (the workflow rule's output)."""
+    """Copy the verified cache entry of ``result`` to ``path`` atomically (the workflow rule's output),
+    with ``hit``: whether this run was served from the cache."""
     entry = _read_entry(Path(result.path), result.key) if result.path else None
     if entry is None:
         raise FileNotFoundError(f"autotune: cache entry for key {result.key} is missing or damaged at {result.path}")
-    write_json(path, entry)
+    write_json(path, {**entry, "hit": result.hit})
