@@ -1,20 +1,20 @@
-"""The in-memory synthetic model (real shapes on the GPU): same architecture as a real qwen3_moe,
-checked against Hugging Face transformers; seeded; its skew knob moves routing skew; a padded
-vocabulary is never decoded."""
+"""The synthetic model's one construction, build_synthetic_model (in memory; real shapes on the GPU):
+same architecture as a real qwen3_moe, checked against Hugging Face transformers; the checkpoint
+write_synthetic_checkpoint writes loads to exactly it; seeded; its skew knob moves routing skew; a
+padded vocabulary is never decoded."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from coldset.model import encode_prompts, generate
+from coldset.model import encode_prompts, generate, load_model, load_tokenizer
 from coldset.stats import gini
-from coldset.synthetic import (SyntheticSpec, _config, build_synthetic_model, sample_prompts,
-                               synthetic_model_config, write_synthetic_checkpoint)
+from coldset.synthetic import (SyntheticSpec, build_synthetic_model, sample_prompts, synthetic_model_config,
+                               write_synthetic_checkpoint)
 
 SMALL = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=4, kv_heads=2,
                       head_dim=32, vocab_size=800, model_vocab_size=1000, seed=3, in_memory=True)
@@ -28,47 +28,31 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _export_hf(model, tokenizer, spec, folder):
-    """Write the in-memory model as an HF qwen3_moe folder (per-expert keys) for transformers."""
-    from safetensors.torch import save_file
-
-    cfg = model.config
-    t = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-         "lm_head.weight": model.lm_head.weight}
-    I = cfg.moe_intermediate_size
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}"
-        a = layer.self_attn
-        q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
-        t.update({f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
-                  f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.o_proj.weight": a.o_proj.weight,
-                  f"{p}.self_attn.q_norm.weight": a.q_norm.weight, f"{p}.self_attn.k_norm.weight": a.k_norm.weight,
-                  f"{p}.input_layernorm.weight": layer.input_layernorm.weight,
-                  f"{p}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-                  f"{p}.mlp.gate.weight": layer.mlp.gate.weight})
-        for e in range(cfg.num_experts):
-            w13, w2 = model.pools.expert_weights(layer.mlp.moe_index, e)
-            t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = w13[:I]
-            t[f"{p}.mlp.experts.{e}.up_proj.weight"] = w13[I:]
-            t[f"{p}.mlp.experts.{e}.down_proj.weight"] = w2
-    folder.mkdir()
-    save_file({k: v.detach().contiguous().clone() for k, v in t.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    raw = _config(spec, cfg.vocab_size, tokenizer.token_to_id("<|endoftext|>"))
-    (folder / "config.json").write_text(json.dumps(raw))
-    return folder
-
-
-def test_inmemory_model_matches_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def small_model():
+    """SMALL built in memory (CPU, float32) and its prompts."""
     model, tok = build_synthetic_model(SMALL, "cpu", torch.float32)
+    prompts = encode_prompts(tok, [sample_prompts("prose", 1)[0], sample_prompts("agent", 1)[0][:80]])
+    return model, tok, prompts
+
+
+@pytest.fixture(scope="module")
+def small_written(tmp_path_factory):
+    """SMALL without in_memory written by write_synthetic_checkpoint (padded vocabulary included)."""
+    return write_synthetic_checkpoint(dataclasses.replace(SMALL, in_memory=False),
+                                      tmp_path_factory.mktemp("small") / "hf")
+
+
+def test_inmemory_model_matches_transformers(small_model, small_written):
+    transformers = pytest.importorskip("transformers")
+    model, tok, prompts = small_model
     assert model.config.vocab_size == 1000 and tok.get_vocab_size() <= 800
     assert synthetic_model_config(SMALL) == model.config
     assert model.pools.w13_hot.shape == (2 * 8, 64, 64) and model.pools.w2_hot.shape == (2 * 8, 64, 32)
-    prompts = encode_prompts(tok, [sample_prompts("prose", 1)[0], sample_prompts("agent", 1)[0][:80]])
     gen = generate(model, prompts, 8, progress=False, return_all_logits=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(_export_hf(model, tok, SMALL, tmp_path / "hf"),
-                                                           dtype=torch.float32).eval()
+    # transformers reads the written folder: its own qwen3_moe code against the in-memory model
+    hf = transformers.AutoModelForCausalLM.from_pretrained(small_written, dtype=torch.float32).eval()
+    assert hf.config.vocab_size == 1000
     for i, prompt in enumerate(prompts):
         seq = list(prompt)
         with torch.no_grad():
@@ -77,6 +61,30 @@ def test_inmemory_model_matches_transformers(tmp_path):
                 assert (logits - gen.all_logits[i, step]).abs().max().item() < 1e-3
                 seq.append(int(torch.argmax(logits)))
         assert seq[len(prompt):] == gen.tokens[i]
+
+
+def test_written_checkpoint_loads_to_exactly_the_inmemory_model(small_model, small_written):
+    """One construction: load_model on the file gives bitwise the logits of build_synthetic_model."""
+    model, tok, prompts = small_model
+    loaded = load_model(small_written, "cpu", torch.float32)
+    assert loaded.config == model.config
+    assert load_tokenizer(small_written).get_vocab() == tok.get_vocab()
+    assert torch.equal(loaded.pools.w13_hot, model.pools.w13_hot) and torch.equal(loaded.pools.w2_hot, model.pools.w2_hot)
+    a = generate(model, prompts, 8, progress=False, return_all_logits=True, capture_routing=True)
+    b = generate(loaded, prompts, 8, progress=False, return_all_logits=True, capture_routing=True)
+    assert torch.equal(a.all_logits, b.all_logits) and a.tokens == b.tokens
+    for ra, rb in zip(a.routing, b.routing):
+        assert torch.equal(ra.experts, rb.experts) and torch.equal(ra.weights, rb.weights)
+    # domain_texts reach the written model exactly as the in-memory one (tokenizer and clusters)
+    spec = dataclasses.replace(SMALL, in_memory=False, model_vocab_size=None, layers=1, seed=5)
+    texts = {"sql": ["SELECT quuxfrobnicate FROM zorbletable WHERE quuxfrobnicate > 3;"] * 50}
+    built, built_tok = build_synthetic_model(spec, "cpu", torch.float32, domain_texts=texts)
+    path = write_synthetic_checkpoint(spec, small_written.parent / "sql", domain_texts=texts)
+    ids = encode_prompts(built_tok, ["SELECT quuxfrobnicate FROM zorbletable;", sample_prompts("code", 1)[0][:60]])
+    assert encode_prompts(load_tokenizer(path), ["SELECT quuxfrobnicate FROM zorbletable;"])[0] == ids[0]
+    a = generate(built, ids, 4, progress=False, return_all_logits=True)
+    b = generate(load_model(path, "cpu", torch.float32), ids, 4, progress=False, return_all_logits=True)
+    assert torch.equal(a.all_logits, b.all_logits)
 
 
 def test_inmemory_model_is_seeded():
@@ -122,3 +130,6 @@ def test_file_writer_refuses_in_memory_specs(tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         build_synthetic_model(dataclasses.replace(SMALL, model_vocab_size=10), "cpu")
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        write_synthetic_checkpoint(dataclasses.replace(SMALL, model_vocab_size=10, in_memory=False), tmp_path / "y")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written

@@ -19,9 +19,12 @@ present. Random weights route almost uniformly, so the weights here are built wi
 - The LM head prefers tokens of the context's domain plus a random token-to-token term, so greedy
   decode wanders within a domain instead of repeating one token.
 
-The result is written exactly like a real checkpoint (per-expert HF keys, config.json with
-``rope_theta``, a byte-level BPE tokenizer.json trained deterministically on the built-in corpus),
-so :func:`coldset.model.load_model` and transformers read it the same way.
+One construction, :func:`build_synthetic_model`, makes the model in memory on any device (real
+shapes on the GPU, ``SyntheticSpec.in_memory``). :func:`write_synthetic_checkpoint`, the default
+workflow's checkpoint, is that model built on the CPU in float32 and written exactly like a real
+checkpoint (per-expert HF keys, config.json with ``rope_theta``, a byte-level BPE tokenizer.json
+trained deterministically on the built-in corpus), so :func:`coldset.model.load_model` and
+transformers read it, and the loaded model gives the in-memory model's logits exactly.
 """
 
 from __future__ import annotations
@@ -77,9 +80,10 @@ class SyntheticSpec:
     # tokenizer's size. Ids past the tokenizer never occur in prompts and are never anyone's
     # successor, so greedy decode stays inside the tokenizer's vocabulary.
     model_vocab_size: int | None = None
-    # Build the weights in memory on the compute device from the seed (build_synthetic_model)
-    # instead of writing a checkpoint: for real shapes (61 GB at Qwen3-30B-A3B's) that are
-    # never worth writing to disk. write_synthetic_checkpoint refuses such a spec.
+    # The weights live only in memory, built on the compute device from the seed
+    # (build_synthetic_model), never written: for real shapes (61 GB at Qwen3-30B-A3B's) that are
+    # not worth writing to disk. write_synthetic_checkpoint refuses such a spec (the same
+    # construction without this flag is what it writes).
     in_memory: bool = False
 
 
@@ -232,95 +236,8 @@ def _domain_affinity(tokenizer, corpus: dict[str, list[str]], vocab: int) -> tor
 
 
 # --------------------------------------------------------------------------------------------
-# Weights
+# The model: one construction (build_synthetic_model); the checkpoint is its serialization
 # --------------------------------------------------------------------------------------------
-
-
-def _build_tensors(spec: SyntheticSpec, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, in HF qwen3_moe key layout (per-expert keys)."""
-    gen = torch.Generator().manual_seed(spec.seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    H, V, K = spec.hidden, p.shape[0], p.shape[1]
-    E, I, D = spec.experts, spec.moe_intermediate, spec.head_dim
-    if H < K + 8:
-        raise ValueError(f"SyntheticSpec.hidden={H} is too small for {K} domains")
-    basis, _ = torch.linalg.qr(randn(H, H))
-    u = basis[:, 0]
-    dom = basis[:, 1:1 + K]  # [H, K]
-    noise_basis = basis[:, 1 + K:]  # [H, H-1-K]
-    n_noise = noise_basis.shape[1]
-
-    def noise_vectors(n):  # unit-norm-ish random vectors in the noise subspace
-        return randn(n, n_noise) @ noise_basis.T / n_noise**0.5
-
-    # Sharpen the affinity so a token's cluster is clear; centred so a uniform token has none.
-    p_sharp = p**2 / (p**2).sum(dim=1, keepdim=True)
-    p_centred = p_sharp - 1.0 / K
-    t: dict[str, torch.Tensor] = {}
-    token_noise = noise_vectors(V)
-    # Scaled to RMS about 1 (norm about sqrt(H)), the scale every layer's output is on.
-    embed = (1.0 * u[None, :] + 1.5 * p_centred @ dom.T + 1.0 * token_noise) * H**0.5 / 1.6
-    t["model.embed_tokens.weight"] = embed
-    t["model.norm.weight"] = torch.ones(H)
-    # LM head: prefer tokens of the hidden state's domain, and within it the current token's
-    # successor under a random cyclic order of each domain's tokens (row t' reads the noise of
-    # its predecessor), so greedy decode walks through a domain's tokens instead of looping.
-    cluster = p.argmax(dim=1)
-    predecessor = torch.arange(V)
-    for k in range(K):
-        members = torch.nonzero(cluster == k).flatten()
-        if len(members) > 1:
-            order = members[torch.randperm(len(members), generator=gen)]
-            predecessor[order] = torch.roll(order, 1)
-    t["lm_head.weight"] = (
-        spec.lm_domain_gain * p_centred @ dom.T + spec.lm_successor_gain * token_noise[predecessor]
-    )
-
-    nh, nkv = spec.heads, spec.kv_heads
-    rep = nh // nkv
-    ranks = torch.arange(1, E + 1, dtype=torch.float32)
-    zipf = ranks ** (-spec.zipf_exponent)
-    zipf = (zipf - zipf.mean()) / zipf.std()
-    for layer in range(spec.layers):
-        pre = f"model.layers.{layer}"
-        t[f"{pre}.input_layernorm.weight"] = torch.ones(H)
-        t[f"{pre}.post_attention_layernorm.weight"] = torch.ones(H)
-        t[f"{pre}.self_attn.q_norm.weight"] = torch.full((D,), spec.qk_gain)
-        t[f"{pre}.self_attn.k_norm.weight"] = torch.full((D,), spec.qk_gain)
-        t[f"{pre}.self_attn.q_proj.weight"] = randn(nh * D, H) / H**0.5
-        t[f"{pre}.self_attn.k_proj.weight"] = randn(nkv * D, H) / H**0.5
-        # Values: the first K dims of every kv head read the domain directions; the rest random.
-        v = 0.3 * randn(nkv * D, H) / H**0.5
-        o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
-        for g in range(nkv):
-            v[g * D:g * D + K] = dom.T
-        for h in range(nh):
-            o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
-        t[f"{pre}.self_attn.v_proj.weight"] = v
-        t[f"{pre}.self_attn.o_proj.weight"] = o
-        # Router: Zipf popularity along u, domain affinity along dom, token-level spread.
-        popularity = zipf[torch.randperm(E, generator=gen)]
-        affinity = randn(E, K)
-        # Token-level spread reads only the noise subspace (the token-specific part of the
-        # state), so it varies the choice per token without adding a fixed per-expert offset.
-        spread = randn(E, n_noise) @ noise_basis.T
-        # The router sees an RMS-normalised state (norm sqrt(H)): divide so the knobs are in
-        # units of the unit-norm state's components.
-        router = (
-            spec.popularity_scale * popularity[:, None] * u[None, :]
-            + spec.domain_affinity * affinity @ dom.T
-            + spec.router_noise * spread
-        ) / H**0.5
-        t[f"{pre}.mlp.gate.weight"] = router
-        for e in range(E):
-            base = f"{pre}.mlp.experts.{e}"
-            t[f"{base}.gate_proj.weight"] = randn(I, H) / H**0.5
-            t[f"{base}.up_proj.weight"] = randn(I, H) / H**0.5
-            t[f"{base}.down_proj.weight"] = spec.expert_gain * randn(H, I) / I**0.5
-    return {k: v.contiguous().float() for k, v in t.items()}
 
 
 def _config(spec: SyntheticSpec, vocab: int, eos_id: int) -> dict:
@@ -361,79 +278,10 @@ def _config(spec: SyntheticSpec, vocab: int, eos_id: int) -> dict:
     }
 
 
-def write_synthetic_checkpoint(
-    spec: SyntheticSpec,
-    out_dir: str | os.PathLike,
-    domain_texts: dict[str, list[str]] | None = None,
-) -> Path:
-    """Write a qwen3_moe HF folder for ``spec`` at ``out_dir``, atomically; return its path.
-
-    The folder holds config.json, model.safetensors (per-expert keys, float32), tokenizer.json
-    (byte-level BPE trained on the built-in corpus plus ``domain_texts``) and
-    tokenizer_config.json. ``domain_texts`` (domain -> texts) add training text and, for new
-    domain names, new domain clusters. Everything is written to a temporary sibling folder that
-    replaces ``out_dir`` only when complete; a failure leaves ``out_dir`` as it was.
-    """
-    from safetensors.torch import save_file
-
-    if spec.in_memory or spec.model_vocab_size is not None:
-        raise ValueError(
-            "SyntheticSpec.in_memory / model_vocab_size are for build_synthetic_model (weights made "
-            "in memory on the device); write_synthetic_checkpoint writes the tokenizer-sized model only"
-        )
-    if spec.heads % spec.kv_heads:
-        raise ValueError(f"SyntheticSpec.heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
-    if spec.top_k > spec.experts:
-        raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    corpus = builtin_corpus()
-    for domain, texts in (domain_texts or {}).items():
-        corpus[domain] = corpus.get(domain, []) + [str(x) for x in texts]
-    all_texts = [x for texts in corpus.values() for x in texts]
-    tokenizer = train_tokenizer(all_texts, spec.vocab_size)
-    vocab = tokenizer.get_vocab_size()
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    p = _domain_affinity(tokenizer, corpus, vocab)
-    tensors = _build_tensors(spec, p)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(_config(spec, vocab, eos_id), indent=2) + "\n")
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        tok_cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "add_bos_token": False,
-            "bos_token": None,
-            "eos_token": EOS_TOKEN,
-            "pad_token": EOS_TOKEN,
-            "model_max_length": spec.max_position_embeddings,
-        }
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"do_sample": False, "eos_token_id": eos_id}, indent=2) + "\n"
-        )
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# In memory, on the device (real shapes)
-# --------------------------------------------------------------------------------------------
-
-
 def synthetic_tokenizer(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None):
-    """(tokenizer, affinity ``p [V_tok, K]``, domain names) as :func:`write_synthetic_checkpoint` makes them."""
+    """(tokenizer, affinity ``p [V_tok, K]``, domain names): the BPE tokenizer trained on the
+    built-in corpus plus ``domain_texts`` (domain -> texts; new names add domains), and how much
+    more often each token occurs in each domain's text than in the others."""
     corpus = builtin_corpus()
     for domain, texts in (domain_texts or {}).items():
         corpus[domain] = corpus.get(domain, []) + [str(x) for x in texts]
@@ -470,17 +318,17 @@ def build_synthetic_model(
 ):
     """``(MoEModel, tokenizer)`` for ``spec``, every weight generated on ``device`` from ``spec.seed``.
 
-    Why: at real shapes (Qwen3-30B-A3B: 48 layers x 128 experts, 61 GB in bf16) writing and
-    reloading a checkpoint costs minutes and disk the GPU host does not have, while a device
-    generator fills 61 GB in seconds. The construction is the file writer's (module docstring:
-    popularity direction ``u``, domain directions, noise subspace; Zipf popularity, domain
-    affinity and token-level spread in the router; attention carrying the context's domain; an
-    LM head walking a domain's tokens), drawn in whole-layer batches from one generator on the
-    device, so the weights are deterministic for a (seed, device type) but are not the same
-    numbers the CPU file writer draws. The tokenizer is trained on the CPU exactly as for the
-    file; ``spec.model_vocab_size`` pads the model's vocabulary past it (see SyntheticSpec).
-    The model is assembled like :func:`coldset.model.load_model` does it (fused qkv, fused
-    qk-norm, routed experts only in ``model.pools`` as ``ExpertPools.all_hot``).
+    The one construction of the synthetic model (module docstring): the default workflow's
+    checkpoint is this model built on the CPU in float32 and serialized by
+    :func:`write_synthetic_checkpoint`; at real shapes (Qwen3-30B-A3B: 48 layers x 128 experts,
+    61 GB in bf16) it is built straight on the GPU, since writing and reloading a checkpoint costs
+    minutes and disk the GPU host does not have, while a device generator fills 61 GB in seconds.
+    Weights are drawn in whole-layer batches from one generator on ``device`` (experts straight
+    in ``dtype``), so they are deterministic for a (seed, device type, dtype); a CUDA build draws
+    other numbers than the CPU build the checkpoint holds. The tokenizer is trained on the CPU;
+    ``spec.model_vocab_size`` pads the model's vocabulary past it (see SyntheticSpec). The model is
+    assembled like :func:`coldset.model.load_model` does it (fused qkv, fused qk-norm, routed
+    experts only in ``model.pools`` as ``ExpertPools.all_hot``).
     """
     from torch import nn
 
@@ -509,9 +357,11 @@ def build_synthetic_model(
     u, dom, noise_basis = basis[:, 0], basis[:, 1:1 + K], basis[:, 1 + K:]
     n_noise = noise_basis.shape[1]
 
-    def noise_vectors(n):
+    def noise_vectors(n):  # unit-norm-ish random vectors in the noise subspace
         return randn(n, n_noise) @ noise_basis.T / n_noise**0.5
 
+    # Padded ids (past the tokenizer) belong to no domain. Sharpen the affinity so a token's
+    # cluster is clear; centred so a uniform token has none.
     p = torch.full((V, K), 1.0 / K, **f32)
     p[:v_tok] = p_tok.to(device)
     p_sharp = p**2 / (p**2).sum(dim=1, keepdim=True)
@@ -522,10 +372,14 @@ def build_synthetic_model(
         return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
 
     token_noise = noise_vectors(V)
+    # Scaled to RMS about 1 (norm about sqrt(H)), the scale every layer's output is on.
     model.embed_tokens.weight = param((u[None, :] + 1.5 * p_centred @ dom.T + token_noise) * H**0.5 / 1.6)
     model.norm.weight = param(torch.ones(H, **f32))
-    # Successor cycles over each domain's tokens (tokenizer ids only); padded ids get their own
-    # random rows, which no token's state points at.
+    # LM head: prefer tokens of the hidden state's domain, and within it the current token's
+    # successor under a random cyclic order of each domain's tokens (row t' reads the noise of
+    # its predecessor), so greedy decode walks through a domain's tokens instead of looping.
+    # Cycles over tokenizer ids only; padded ids get their own random rows, which no token's
+    # state points at.
     cluster = p_tok.argmax(dim=1)
     predecessor = torch.arange(V)
     cpu_gen = torch.Generator().manual_seed(spec.seed)
@@ -564,6 +418,8 @@ def build_synthetic_model(
         attn.fuse_qk_norm()
         q = randn(nh * D, H) / H**0.5
         k = randn(nkv * D, H) / H**0.5
+        # Values: the first K dims of every kv head read the domain directions; the rest random.
+        # Outputs write them back, so the residual carries the context's domain mix.
         v = 0.3 * randn(nkv * D, H) / H**0.5
         o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
         for g in range(nkv):
@@ -572,6 +428,11 @@ def build_synthetic_model(
             o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
         attn.qkv_proj.weight = param(torch.cat([q, k, v]))
         attn.o_proj.weight = param(o)
+        # Router: Zipf popularity along u, domain affinity along dom, token-level spread. The
+        # spread reads only the noise subspace (the token-specific part of the state), so it
+        # varies the choice per token without adding a fixed per-expert offset. The router sees
+        # an RMS-normalised state (norm sqrt(H)): divide so the knobs are in units of the
+        # unit-norm state's components.
         popularity = zipf[torch.randperm(E, generator=gen, device=device)]
         affinity = randn(E, K)
         spread = randn(E, n_noise) @ noise_basis.T
@@ -586,3 +447,96 @@ def build_synthetic_model(
     model.pools = ExpertPools.all_hot(w13, w2)
     model.eval()
     return model, tokenizer
+
+
+def _hf_tensors(model) -> dict[str, torch.Tensor]:
+    """The synthetic model's weights under Hugging Face qwen3_moe keys (per-expert, q/k/v split),
+    as views of the model's own tensors: serializing them needs no second copy of the model."""
+    cfg = model.config
+    I = cfg.moe_intermediate_size
+    t = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+         "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.layers):
+        pre = f"model.layers.{i}"
+        attn = block.self_attn
+        q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        t.update({
+            f"{pre}.input_layernorm.weight": block.input_layernorm.weight,
+            f"{pre}.post_attention_layernorm.weight": block.post_attention_layernorm.weight,
+            f"{pre}.self_attn.q_proj.weight": q,
+            f"{pre}.self_attn.k_proj.weight": k,
+            f"{pre}.self_attn.v_proj.weight": v,
+            f"{pre}.self_attn.o_proj.weight": attn.o_proj.weight,
+            f"{pre}.self_attn.q_norm.weight": attn.q_norm.weight,
+            f"{pre}.self_attn.k_norm.weight": attn.k_norm.weight,
+            f"{pre}.mlp.gate.weight": block.mlp.gate.weight,
+        })
+        for e in range(cfg.num_experts):
+            w13, w2 = model.pools.expert_weights(block.mlp.moe_index, e)
+            base = f"{pre}.mlp.experts.{e}"
+            t[f"{base}.gate_proj.weight"] = w13[:I]
+            t[f"{base}.up_proj.weight"] = w13[I:]
+            t[f"{base}.down_proj.weight"] = w2
+    return {key: value.detach() for key, value in t.items()}
+
+
+def write_synthetic_checkpoint(
+    spec: SyntheticSpec,
+    out_dir: str | os.PathLike,
+    domain_texts: dict[str, list[str]] | None = None,
+) -> Path:
+    """Write :func:`build_synthetic_model`'s CPU float32 model for ``spec`` as a qwen3_moe HF
+    folder at ``out_dir``, atomically; return its path.
+
+    The folder holds config.json, model.safetensors (per-expert keys, float32), tokenizer.json
+    (byte-level BPE trained on the built-in corpus plus ``domain_texts``), tokenizer_config.json
+    and generation_config.json; :func:`coldset.model.load_model` on it gives exactly the logits
+    of ``build_synthetic_model(spec, "cpu", torch.float32, domain_texts)``. ``domain_texts``
+    (domain -> texts) add training text and, for new domain names, new domain clusters.
+    ``spec.model_vocab_size`` is written as the config's vocab_size (larger than the tokenizer's,
+    as real checkpoints do). A spec with ``in_memory=True`` is refused: it says the weights are
+    made on the device and never written (61 GB at real shapes). Everything is written to a
+    temporary sibling folder that replaces ``out_dir`` only when complete; a failure leaves
+    ``out_dir`` as it was.
+    """
+    from safetensors.torch import save_file
+
+    if spec.in_memory:
+        raise ValueError(
+            "SyntheticSpec.in_memory=True: the weights are made on the device by build_synthetic_model "
+            "and never written; write_synthetic_checkpoint needs in_memory=False"
+        )
+    model, tokenizer = build_synthetic_model(spec, "cpu", torch.float32, domain_texts)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    config = _config(spec, model.config.vocab_size, eos_id)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(_hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del model
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "bos_token": None,
+            "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN,
+            "model_max_length": spec.max_position_embeddings,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"do_sample": False, "eos_token_id": eos_id}, indent=2) + "\n"
+        )
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
