@@ -9,11 +9,14 @@ modules named in each body.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from dataclasses import asdict, fields
+import time
+from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Any
 
 from coldset.config import Layout, config_hash, resolve_device
 from coldset.files import read_json, write_json
@@ -27,11 +30,94 @@ class StageError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ helpers
 
+IN_MEMORY_SOURCE = "synthetic-in-memory"
+
+
+def in_memory(config: dict) -> bool:
+    """Whether the model is generated in memory by each process that uses it (no folder, no files).
+
+    ``model.synthetic.in_memory: true``: real shapes (61 GB at Qwen3-30B-A3B's) are cheaper to
+    regenerate from the seed on the GPU than to write and reload.
+    """
+    return not config["model"]["path"] and bool((config["model"]["synthetic"] or {}).get("in_memory"))
+
+
+def synthetic_spec(config: dict):
+    """The config's ``model.synthetic`` as a :class:`coldset.synthetic.SyntheticSpec` (unknown keys refused)."""
+    from coldset.synthetic import SyntheticSpec
+
+    known = {f.name for f in fields(SyntheticSpec)}
+    unknown = sorted(set(config["model"]["synthetic"]) - known)
+    if unknown:
+        raise StageError(f"config model.synthetic: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return SyntheticSpec(**config["model"]["synthetic"])
+
+
 def model_dir(config: dict) -> Path:
-    """The Hugging Face folder every model-reading stage loads."""
+    """The Hugging Face folder every model-reading stage loads (refused for an in-memory model)."""
+    if in_memory(config):
+        raise StageError(
+            f"config model.synthetic.in_memory is true: model {config['model']['name']!r} is generated in "
+            "memory by each process that uses it and has no folder (stages read its shape with "
+            "coldset.pipeline.model_config and its weights through the engine); a stage that needs a "
+            "folder (e.g. routing.backend: vllm) cannot run it: set in_memory: false to write a checkpoint")
     if config["model"]["path"]:
         return Path(config["model"]["path"])
     return Layout.from_config(config).model_dir / "hf"
+
+
+def _manifest_path(config: dict) -> Path:
+    return Layout.from_config(config).model_dir / "manifest.json"
+
+
+def model_config(config: dict):
+    """The model's architecture (:class:`coldset.model.ModelConfig`) for stages that need only its shape.
+
+    A folder's ``config.json``; for an in-memory model, the model stage's manifest (the config
+    :func:`coldset.synthetic.synthetic_model_config` gave), refused if its spec is not the config's.
+    """
+    from coldset.model import ModelConfig
+
+    if not in_memory(config):
+        return ModelConfig.from_pretrained(model_dir(config))
+    path = _manifest_path(config)
+    try:
+        manifest = read_json(path, "model manifest")
+    except FileNotFoundError as exc:
+        raise StageError(f"{exc}: run the model stage first") from None
+    spec = asdict(synthetic_spec(config))
+    if manifest.get("source") != IN_MEMORY_SOURCE or manifest.get("spec") != spec:
+        raise StageError(f"model manifest {path} was not written for this config's in-memory model "
+                         f"(source {manifest.get('source')!r}, spec {manifest.get('spec')}); run the model stage again")
+    raw = dict(manifest["config"])
+    raw["moe_layers"] = tuple(raw["moe_layers"])
+    try:
+        return ModelConfig(**raw)
+    except TypeError as exc:
+        raise StageError(f"model manifest {path}: field 'config' is not a ModelConfig ({exc}); "
+                         "run the model stage again") from None
+
+
+# The engine of this process: (model, tokenizer) and the host tier of its experts, built or loaded
+# once for every stage that runs here (gpu-stages: routing, parity and bench share one 61 GB
+# model). Snakemake runs each rule in its own process, so there it holds one stage's engine.
+_ENGINE: dict[str, Any] = {}
+
+
+def _engine_key(config: dict) -> str:
+    """What determines the engine: the model section, the device and dtype, and for an in-memory
+    model the fixtures (its tokenizer and domain directions learn from their text) or else the folder."""
+    where = {"fixtures": config["fixtures"]} if in_memory(config) else {"folder": str(model_dir(config).resolve())}
+    return json.dumps({"model": config["model"], "device": resolve_device(config), **where},
+                      sort_keys=True, default=str)
+
+
+def release_engine() -> None:
+    """Forget this process's engine and host tier (their memory is freed once nothing else holds them)."""
+    _ENGINE.clear()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _torch_dtype(config: dict):
@@ -59,12 +145,52 @@ def _placement_names(config: dict, only: list[str] | None) -> list[str]:
 
 
 def _load_engine(config: dict):
-    from coldset.model import load_model, load_tokenizer
+    """``(model, tokenizer)`` of the configured model, loaded or built once per process (see ``_ENGINE``).
 
-    device = resolve_device(config)
-    path = model_dir(config)
-    log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
-    return load_model(path, device=device, dtype=_torch_dtype(config)), load_tokenizer(path)
+    An in-memory synthetic model is generated on the configured device from its seed
+    (:func:`coldset.synthetic.build_synthetic_model`) and must have the manifest's config.
+    """
+    key = _engine_key(config)
+    if _ENGINE.get("key") == key:
+        return _ENGINE["model"], _ENGINE["tokenizer"]
+    release_engine()  # one engine per process: free the previous one before making another
+    device, dtype = resolve_device(config), _torch_dtype(config)
+    t0 = time.perf_counter()
+    if in_memory(config):
+        from coldset.synthetic import build_synthetic_model
+
+        expected = model_config(config)
+        log.info("building in-memory synthetic model %s on %s (%s)", config["model"]["name"], device,
+                 config["model"]["dtype"])
+        mdl, tok = build_synthetic_model(synthetic_spec(config), device, dtype,
+                                         domain_texts=_domain_texts(config), progress=True)
+        if mdl.config != expected:
+            raise StageError(f"the in-memory model built here has config {mdl.config}, but the model "
+                             f"manifest {_manifest_path(config)} says {expected}; run the model stage again")
+    else:
+        from coldset.model import load_model, load_tokenizer
+
+        path = model_dir(config)
+        log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
+        mdl, tok = load_model(path, device=device, dtype=dtype), load_tokenizer(path)
+    log.info("engine ready in %.1f s", time.perf_counter() - t0)
+    _ENGINE.update(key=key, model=mdl, tokenizer=tok, host=None)
+    return mdl, tok
+
+
+def _host_tier(config: dict):
+    """The engine's host tier (:func:`coldset.tiers.host_tier`), made once per process: every
+    placement's cold rows point into it, so parity and bench pin host memory once in all."""
+    from coldset.tiers import host_tier
+
+    engine, _ = _load_engine(config)
+    if _ENGINE.get("host") is None:
+        t0 = time.perf_counter()
+        _ENGINE["host"] = host_tier(engine.pools)
+        tier = _ENGINE["host"]
+        log.info("host tier: %.2f GB of experts (%s, %.2f GB reserved) in %.1f s", tier.nbytes / 1e9,
+                 "pinned" if tier.pinned else "plain memory", tier.reserved_bytes / 1e9, time.perf_counter() - t0)
+    return _ENGINE["host"]
 
 
 def _tuned(config: dict):
@@ -92,23 +218,36 @@ def _domain_texts(config: dict) -> dict[str, list[str]]:
 # ------------------------------------------------------------------------------------ stages
 
 def model(config: dict, **_) -> None:
-    """Generate the synthetic checkpoint, or check the configured local folder; write the manifest."""
+    """Generate the synthetic checkpoint, or check the configured local folder; write the manifest.
+
+    An in-memory synthetic model (``model.synthetic.in_memory``) writes only the manifest (its
+    spec and the config its build will have): its weights are made by each process that uses it.
+    """
     from coldset.model import ModelConfig
 
+    release_engine()  # a cached engine may come from the checkpoint this stage rewrites
     layout = Layout.from_config(config)
+    if config["model"]["path"] and config["model"]["synthetic"]:
+        raise StageError("config sets both model.path and model.synthetic: choose one")
+    if in_memory(config):
+        from coldset.synthetic import synthetic_model_config
+
+        spec = synthetic_spec(config)
+        cfg = synthetic_model_config(spec, _domain_texts(config))
+        log.info("in-memory synthetic model %s: manifest only (%d layers x %d experts, hidden %d)",
+                 config["model"]["name"], cfg.num_layers, cfg.num_experts, cfg.hidden_size)
+        write_json(layout.model_dir / "manifest.json", {
+            "name": config["model"]["name"], "path": None, "source": IN_MEMORY_SOURCE,
+            "config": asdict(cfg), "spec": asdict(spec),
+        })
+        return
     path = model_dir(config)
     if config["model"]["path"]:
-        if config["model"]["synthetic"]:
-            raise StageError("config sets both model.path and model.synthetic: choose one")
         source = "local"
     else:
-        from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+        from coldset.synthetic import write_synthetic_checkpoint
 
-        known = {f.name for f in fields(SyntheticSpec)}
-        unknown = sorted(set(config["model"]["synthetic"]) - known)
-        if unknown:
-            raise StageError(f"config model.synthetic: unknown setting(s) {unknown}; known: {sorted(known)}")
-        spec = SyntheticSpec(**config["model"]["synthetic"])
+        spec = synthetic_spec(config)
         log.info("writing synthetic checkpoint %s to %s", spec, path)
         write_synthetic_checkpoint(spec, path, domain_texts=_domain_texts(config))
         source = "synthetic"
@@ -156,9 +295,19 @@ def routing(config: dict, **_) -> None:
                              model_name=config["model"]["name"], method=rc["vllm_method"],
                              llm_kwargs=rc["vllm_args"])
         return
-    trace.capture_routing(model_dir(config), _fixture_paths(config), out, device=resolve_device(config),
-                          dtype=config["model"]["dtype"], batch_size=rc["batch_size"],
-                          model_name=config["model"]["name"])
+    from coldset.gate import experts_functions
+
+    engine, tokenizer = _load_engine(config)
+    saved = engine.experts_fn
+    # The unmodified experts path (Triton on CUDA, the torch path on the CPU): what serving without
+    # offload computes, and what the parity gate's reference decodes.
+    engine.experts_fn = experts_functions(engine.device, None)[0]
+    try:
+        trace.capture_routing_engine(engine, tokenizer, _fixture_paths(config), out, batch_size=rc["batch_size"],
+                                     model_name=config["model"]["name"],
+                                     source_detail="in-memory synthetic" if in_memory(config) else None)
+    finally:
+        engine.experts_fn = saved
 
 
 def stats(config: dict, **_) -> None:
@@ -173,7 +322,7 @@ def placement(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     pc = config["placement"]
-    run_placement(layout.stats_dir / "histogram.csv", model_dir(config), layout.placement_dir,
+    run_placement(layout.stats_dir / "histogram.csv", model_config(config), layout.placement_dir,
                   pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
                   domain_weights="equal" if pc["weight_domains"] else None,
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
@@ -186,11 +335,10 @@ def autotune(config: dict, **_) -> None:
     The kernel is the same for every placement, so it is tuned once per model, on the all-hot
     layout, for the configured bench batch sizes; every placement then runs with that entry.
     """
-    from coldset.model import ModelConfig
     from coldset.tune import TuneShape, autotune as tune, write_entry
 
     layout = Layout.from_config(config)
-    cfg = ModelConfig.from_pretrained(model_dir(config))
+    cfg = model_config(config)
     shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                       top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=cfg.num_moe_layers,
                       num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0)
@@ -220,11 +368,14 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     batch = config["routing"]["batch_size"]
     tuned = _tuned(config)
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
+    host = _host_tier(config)
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = engine.pools.placed(pl.row_map)
+        pools = engine.pools.placed(pl.row_map, host)
         got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
+        # The pools' cold tier holds every expert (the shared host tier): report the placement's split.
+        result = replace(result, num_hot=pl.num_hot, num_cold=pl.num_cold)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
         write_json(layout.parity(*name.rsplit("-", 1)), result.to_dict())
@@ -255,9 +406,10 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
     stream = [t for ids in encode_prompts(tokenizer, [f.prompt for f in read_fixtures(_fixture_paths(config))])
               for t in ids]
     records: dict[str, list[dict]] = {}
+    host = _host_tier(config)
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = engine.pools.placed(pl.row_map)
+        pools = engine.pools.placed(pl.row_map, host)
         for batch_size in bc["batch_sizes"]:
             replay = None
             if bc["routing_trace"]:
@@ -313,7 +465,9 @@ def run_stage(name: str, config: dict, placements: list[str] | None = None) -> N
     # sharing the CPU with another job slows down in proportion instead of about tenfold.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log.info("stage %s", name)
+    t0 = time.perf_counter()
     STAGES[name](config, placements=placements)
+    log.info("stage %s done in %.1f s", name, time.perf_counter() - t0)
 
 
 def run_from_snakemake(smk, name: str) -> None:

@@ -15,6 +15,13 @@ change address after :func:`build_pools`, so a captured CUDA graph stays valid w
 changes: a new placement is a write into the row map (:meth:`ExpertPools.set_row_map`), or a
 move of weights plus that write (:meth:`ExpertPools.apply_placement`).
 
+A model evaluated at many placements (the parity and bench stages) pins its cold tier once:
+:func:`host_tier` copies every expert of the all-hot pools into one host allocation (pinned on
+CUDA), and :meth:`ExpertPools.placed` makes each placement a compact hot pool in device memory
+plus a row map whose cold entries point at that copy's row ``layer * E + expert``. Pinning is the
+slow part (58 GB took 38.5 s on the H200 host, 1.5 GB/s); a placement then costs only its hot
+pool's device copy.
+
 Every row map is validated before a kernel can read through it (rows inside the pools, no row
 used twice): an out-of-range read of host memory must be impossible.
 """
@@ -97,18 +104,55 @@ class ExpertPools:
     def num_cold(self) -> int:
         return int(self.w13_cold.shape[0])
 
-    def placed(self, row_map, device=None) -> "ExpertPools":
-        """New pools holding these all-hot pools' experts at ``row_map``'s rows (:func:`build_pools`).
-
-        These pools must be the unmodified layout (:meth:`all_hot`: row = layer * E + expert).
-        """
+    def _require_all_hot(self, who: str) -> None:
         identity = torch.arange(self.num_hot, dtype=torch.int32, device=self.row_map.device)
-        if self.num_cold or not torch.equal(self.row_map.reshape(-1), identity):
-            raise ValueError("ExpertPools.placed needs the all-hot layout (row = layer * E + expert)")
-        shape = (self.num_moe_layers, self.num_experts)
-        return build_pools(self.w13_hot.view(*shape, *self.w13_hot.shape[1:]),
-                           self.w2_hot.view(*shape, *self.w2_hot.shape[1:]), row_map,
-                           self.w13_hot.device if device is None else device)
+        if self.num_cold or self.num_hot != self.num_moe_layers * self.num_experts \
+                or not torch.equal(self.row_map.reshape(-1), identity):
+            raise ValueError(f"{who} needs the all-hot layout (row = layer * E + expert)")
+
+    def placed(self, row_map, host: "HostTier | None" = None) -> "ExpertPools":
+        """These all-hot pools' experts laid out at a placement's ``row_map``.
+
+        ``row_map`` is in the placement encoding (DESIGN.md §3: hot rows ``0..num_hot-1``, cold
+        rows ``-1..-num_cold``) and is validated first. The result's hot pool is a compact device
+        copy of the hot experts at the rows the map gives them (``index_select`` from these
+        pools); its cold pool is ``host`` (every expert, row ``layer * E + expert``, see
+        :func:`host_tier`) and its row map sends each cold (layer, expert) to that row, so no host
+        memory is allocated per placement and the hot/cold split is exactly the placement's.
+        ``host`` defaults to a fresh host copy for this one call; a caller placing more than once
+        makes it once with :func:`host_tier` and passes it. These pools must be the unmodified
+        layout (:meth:`all_hot`). The result shares ``host``'s tensors: move weights in it with
+        :meth:`set_row_map` maps only, never :meth:`apply_placement`, which would write into the
+        shared copy.
+        """
+        self._require_all_hot("ExpertPools.placed")
+        if host is None:
+            host = host_tier(self)
+        host.check_matches(self)
+        L, E = self.num_moe_layers, self.num_experts
+        if isinstance(row_map, torch.Tensor):
+            rm = row_map.detach().cpu()
+        else:
+            rm = torch.as_tensor(np.asarray(row_map))
+        n_hot, n_cold = int((rm >= 0).sum()), int((rm < 0).sum())
+        _check_row_map(rm, n_hot, n_cold, L, E)  # dtype, shape, range, each row once, every row used
+        rm = rm.to(torch.int64)
+        flat_idx = torch.arange(L * E, dtype=torch.int64).view(L, E)
+        hot = rm >= 0
+        hot_src = torch.empty(n_hot, dtype=torch.int64)
+        hot_src[rm[hot]] = flat_idx[hot]  # hot row r holds (layer, expert) = divmod(hot_src[r], E)
+        physical = torch.where(hot, rm, -flat_idx - 1).to(torch.int32)  # cold -> host row l*E+e
+        device = self.w13_hot.device
+        idx = hot_src.to(device)
+        pools = ExpertPools(
+            w13_hot=self.w13_hot.index_select(0, idx),
+            w2_hot=self.w2_hot.index_select(0, idx),
+            w13_cold=host.w13,
+            w2_cold=host.w2,
+            row_map=physical.to(device).contiguous(),
+        )
+        pools.validate()
+        return pools
 
     def expert_weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of one expert, wherever it lives; for tests and the torch path."""
@@ -206,6 +250,69 @@ def check_host_allocation(nbytes: int, what: str, available: int | None = None) 
             f"{avail / 2**30:.2f} GiB ({avail} bytes) is available (MemAvailable; RLIMIT_MEMLOCK {lock}); "
             f"raise the residency (more experts in HBM) or free host memory"
         )
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """Every routed expert of one model once in host memory, in the all-hot order (row ``layer * E
+    + expert``): the cold tier that every placement of that model shares (:meth:`ExpertPools.placed`).
+
+    ``w13`` ``[L * E, 2I, H]`` and ``w2`` ``[L * E, H, I]`` are views of one allocation, pinned
+    when the model's experts are on CUDA (kernels read it in place), plain memory otherwise.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    num_moe_layers: int
+    num_experts: int
+    pinned: bool
+    reserved_bytes: int  # what the host allocation takes (pinned blocks round up to a power of two)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+
+    def check_matches(self, pools: "ExpertPools") -> None:
+        """Refuse a tier made from another model's experts (shape or dtype differ)."""
+        want = ((pools.num_moe_layers * pools.num_experts, *pools.w13_hot.shape[1:]),
+                (pools.num_moe_layers * pools.num_experts, *pools.w2_hot.shape[1:]), pools.w13_hot.dtype)
+        got = (tuple(self.w13.shape), tuple(self.w2.shape), self.w13.dtype)
+        if (self.num_moe_layers, self.num_experts) != (pools.num_moe_layers, pools.num_experts) or got != want:
+            raise ValueError(f"host tier w13 {got[0]}, w2 {got[1]} ({got[2]}) does not hold these pools' "
+                             f"experts: w13 {want[0]}, w2 {want[1]} ({want[2]})")
+
+
+def _pinned_block_bytes(nbytes: int) -> int:
+    """Bytes torch's caching host allocator reserves for a pinned request of ``nbytes`` (it rounds
+    each block up to a power of two unless configured otherwise): 58 GB takes 64 GiB."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+def host_tier(pools: ExpertPools, host_available_bytes: int | None = None) -> HostTier:
+    """Copy every expert of the all-hot ``pools`` into one host allocation (see :class:`HostTier`).
+
+    Pinned when the pools are on CUDA, plain memory on the CPU. The host allocation is checked
+    (:func:`check_host_allocation`, against the bytes the pinned allocator really reserves) before
+    anything is allocated; ``host_available_bytes`` overrides MemAvailable (for tests). One
+    allocation rather than one per weight: pinned blocks round up to a power of two each.
+    """
+    pools._require_all_hot("host_tier")
+    pin = pools.w13_hot.device.type == "cuda"
+    n13, n2 = pools.w13_hot.numel(), pools.w2_hot.numel()
+    dtype = pools.w13_hot.dtype
+    if pools.w2_hot.dtype != dtype:
+        raise ValueError(f"host_tier: w13 dtype {dtype} differs from w2 dtype {pools.w2_hot.dtype}")
+    nbytes = (n13 + n2) * pools.w13_hot.element_size()
+    reserved = _pinned_block_bytes(nbytes) if pin else nbytes
+    check_host_allocation(reserved, "pinned host tier (every routed expert)" if pin else "host tier (every routed expert)",
+                          host_available_bytes)
+    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).view(dtype)
+    w13 = flat[:n13].view(pools.w13_hot.shape)
+    w2 = flat[n13:].view(pools.w2_hot.shape)
+    w13.copy_(pools.w13_hot)
+    w2.copy_(pools.w2_hot)
+    return HostTier(w13=w13, w2=w2, num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts,
+                    pinned=pin, reserved_bytes=reserved)
 
 
 def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:

@@ -1,0 +1,216 @@
+"""The GPU stages on an in-memory synthetic model (``model.synthetic.in_memory``), through the CLI,
+on the CPU at tiny shapes: nothing written but the manifest, the model built once per process, the
+routing equal to Hugging Face transformers' router on the same weights, the gate passing; and the
+host tier every placement shares: the same experts computation as the all-hot layout, with no
+host memory allocated per placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from coldset import cli, pipeline
+from coldset.kernels import torch_experts
+from coldset.placement import row_map_from_mask
+from coldset.synthetic import SyntheticSpec
+from coldset.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
+
+SYNTHETIC = dict(in_memory=True, layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2,
+                 kv_heads=1, head_dim=32, vocab_size=512, seed=3)
+PLACEMENTS = ["positional-0.5", "positional-1.0", "usage_global-0.5", "usage_global-1.0"]
+
+
+def _config(root: Path) -> dict:
+    return {
+        "results": str(root / "results"),
+        "model": {"name": "tiny-mem", "synthetic": dict(SYNTHETIC)},
+        "device": "cpu",
+        "fixtures": {"per_domain": 2, "max_new_tokens": 6},
+        "placement": {"policies": ["positional", "usage_global"], "residency": [0.5, 1.0]},
+        "parity": {"max_new_tokens": 6},
+        "bench": {"new_tokens": 4, "prompt_tokens": 8, "repeats": 1, "warmup": 0},
+        "autotune": {"cache_dir": str(root / "autotune-cache")},
+    }
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``python -m coldset gpu-stages`` once, counting model builds and host tiers."""
+    import coldset.synthetic
+    import coldset.tiers
+
+    root = tmp_path_factory.mktemp("inmem")
+    cfg_path = root / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(_config(root)))
+    built, tiers = [], []
+    real_build, real_tier = coldset.synthetic.build_synthetic_model, coldset.tiers.host_tier
+
+    def counting_build(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    def counting_tier(*args, **kwargs):
+        tiers.append(real_tier(*args, **kwargs))
+        return tiers[-1]
+
+    pipeline.release_engine()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(coldset.synthetic, "build_synthetic_model", counting_build)
+        mp.setattr(coldset.tiers, "host_tier", counting_tier)
+        rc = cli.main(["gpu-stages", "--config", str(cfg_path)])
+    yield {"rc": rc, "root": root, "results": root / "results", "built": built, "tiers": tiers}
+    pipeline.release_engine()
+
+
+def test_gpu_stages_write_no_weights_and_build_the_model_once(run):
+    assert run["rc"] == 0
+    assert len(run["built"]) == 1, "routing, parity and bench must share one engine"
+    assert len(run["tiers"]) == 1, "parity and bench must share one host tier"
+    files = [p for p in run["root"].rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    assert not (run["results"] / "model" / "tiny-mem" / "hf").exists()
+    assert sorted(p.name for p in (run["results"] / "model" / "tiny-mem").iterdir()) == ["manifest.json"]
+    manifest = json.loads((run["results"] / "model" / "tiny-mem" / "manifest.json").read_text())
+    model, _ = run["built"][0]
+    assert manifest["source"] == "synthetic-in-memory" and manifest["path"] is None
+    assert manifest["spec"] == dataclasses.asdict(SyntheticSpec(**SYNTHETIC))
+    assert manifest["config"] == json.loads(json.dumps(dataclasses.asdict(model.config)))
+
+
+def test_gate_passes_and_every_placement_is_benchmarked(run):
+    res = run["results"]
+    gate = json.loads((res / "parity" / "tiny-mem" / "gate.json").read_text())
+    assert gate["passed"] and sorted(gate["placements"]) == PLACEMENTS
+    for name in PLACEMENTS:
+        parity = json.loads((res / "parity" / "tiny-mem" / f"{name}.json").read_text())
+        placement = json.loads((res / "placement" / "tiny-mem" / f"{name}.json").read_text())
+        assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
+        # the placement's own hot/cold split, not the shared host tier's row count
+        assert (parity["num_hot"], parity["num_cold"]) == (placement["num_hot"], placement["num_cold"])
+        bench = json.loads((res / "bench" / "tiny-mem" / f"{name}.json").read_text())
+        assert bench["placement"] == name and [b["batch_size"] for b in bench["batches"]] == [1]
+        assert bench["batches"][0]["tok_s"] > 0
+        # residency 1.0 reads nothing from the host tier; 0.5 does, on this routing
+        assert (bench["batches"][0]["cold_share"] > 0) == name.endswith("0.5")
+    assert (res / "autotune" / "tiny-mem.json").is_file()
+
+
+def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
+    """The trace's experts at every position of two fixtures = top-k of Hugging Face transformers'
+    router logits over HF's own greedy continuation, on the weights the pipeline's engine had."""
+    transformers = pytest.importorskip("transformers")
+    from coldset.config import validate_config
+    from coldset.fixtures import read_fixtures
+    from coldset.model import encode_prompts
+    from coldset.routing import read_trace_meta
+    from coldset.synthetic import write_synthetic_checkpoint
+
+    res = run["results"]
+    trace = res / "routing" / "tiny-mem" / "trace.parquet"
+    meta = read_trace_meta(trace)
+    assert "in-memory synthetic" in meta.source
+    df = pd.read_parquet(trace)
+    df["request"] = df["request"].astype(str)
+    model, tok = run["built"][0]
+    # The same spec written to a folder for transformers (the file writer serializes the CPU
+    # float32 build); checked below to hold exactly the engine's weights.
+    config = validate_config(_config(run["root"]))
+    folder = write_synthetic_checkpoint(SyntheticSpec(**{**SYNTHETIC, "in_memory": False}), tmp_path / "hf",
+                                        domain_texts=pipeline._domain_texts(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_w = dict(hf.named_parameters())
+    assert torch.equal(hf_w["model.embed_tokens.weight"], model.embed_tokens.weight)
+    assert torch.equal(hf_w["lm_head.weight"], model.lm_head.weight)
+    for layer in model.config.moe_layers:
+        assert torch.equal(hf.model.layers[layer].mlp.gate.weight, model.layers[layer].mlp.gate.weight)
+    fixtures = read_fixtures(sorted((res / "fixtures").glob("*.jsonl")))
+    checked = [next(f for f in fixtures if f.domain == d) for d in ("agent", "code")]
+    k = SYNTHETIC["top_k"]
+    for fx in checked:
+        prompt = encode_prompts(tok, [fx.prompt])[0]
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            for _ in range(fx.max_new_tokens):
+                ids = torch.cat([ids, hf(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+            router = hf(ids[:, :len(prompt) + fx.max_new_tokens - 1], output_router_logits=True).router_logits
+        rows = df[df.request == fx.id]
+        assert rows.position.max() == len(prompt) + fx.max_new_tokens - 2
+        assert len(rows) == (len(prompt) + fx.max_new_tokens - 1) * len(meta.moe_layers) * k
+        for li, layer in enumerate(meta.moe_layers):
+            want = torch.topk(router[li].float(), k, dim=-1).indices.numpy()
+            got = rows[rows.layer == layer].sort_values(["position", "rank"]).expert.to_numpy().reshape(-1, k)
+            np.testing.assert_array_equal(got, want)
+
+
+def test_in_memory_model_has_no_folder(tmp_path):
+    from coldset.config import validate_config
+
+    config = validate_config(_config(tmp_path))
+    with pytest.raises(pipeline.StageError, match="in_memory.*no folder"):
+        pipeline.model_dir(config)
+    with pytest.raises(pipeline.StageError, match="run the model stage"):
+        pipeline.model_config(config)  # no manifest yet
+
+
+# ---------------------------------------------------------------------------------- host tier
+
+def _all_hot(L=3, E=8, H=16, I=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return ExpertPools.all_hot(torch.randn(L, E, 2 * I, H, generator=g).to(dtype),
+                               torch.randn(L, E, H, I, generator=g).to(dtype))
+
+
+def test_host_tier_pools_compute_what_the_all_hot_pools_compute():
+    ref = _all_hot()
+    L, E = ref.num_moe_layers, ref.num_experts
+    tier = host_tier(ref)
+    assert isinstance(tier, HostTier) and not tier.pinned  # plain memory on the CPU
+    assert tier.w13.data_ptr() != ref.w13_hot.data_ptr() and torch.equal(tier.w13, ref.w13_hot)
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 16, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(11)])
+    w = torch.rand(11, 3, generator=g)
+    placed = []
+    for frac in (0.0, 0.4, 1.0):
+        mask = rng.random((L, E)) < frac  # True = hot
+        pools = ref.placed(row_map_from_mask(mask), tier)
+        placed.append(pools)
+        assert pools.num_hot == int(mask.sum())  # a compact hot pool: only this placement's hot experts
+        rm = pools.row_map.numpy()
+        flat = np.arange(L * E).reshape(L, E)
+        np.testing.assert_array_equal(rm[~mask], -flat[~mask] - 1)  # cold -> host row layer * E + expert
+        for layer in range(L):
+            for e in range(E):
+                a, b = pools.expert_weights(layer, e), ref.expert_weights(layer, e)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert torch.equal(torch_experts(pools, layer, x, ids, w), torch_experts(ref, layer, x, ids, w))
+    # every placement's cold pool is the tier itself: no host allocation per placement
+    for pools in placed:
+        assert pools.w13_cold.untyped_storage().data_ptr() == tier.w13.untyped_storage().data_ptr()
+        assert pools.w2_cold.untyped_storage().data_ptr() == tier.w2.untyped_storage().data_ptr()
+        assert pools.w13_cold.data_ptr() == tier.w13.data_ptr() and pools.w2_cold.data_ptr() == tier.w2.data_ptr()
+
+
+def test_host_tier_refuses_bad_input():
+    ref = _all_hot()
+    L, E = ref.num_moe_layers, ref.num_experts
+    tier = host_tier(ref)
+    with pytest.raises(PoolAllocationError, match="host tier"):
+        host_tier(ref, host_available_bytes=tier.nbytes - 1)
+    bad = row_map_from_mask(np.ones((L, E), dtype=bool))
+    bad[0, 1] = bad[0, 0]  # one hot row used twice
+    with pytest.raises(ValueError, match="row_map"):
+        ref.placed(bad, tier)
+    with pytest.raises(ValueError, match="does not hold these pools"):
+        ref.placed(row_map_from_mask(np.ones((L, E), dtype=bool)), host_tier(_all_hot(E=4)))
+    placed = ref.placed(row_map_from_mask(np.ones((L, E), dtype=bool)), tier)
+    with pytest.raises(ValueError, match="all-hot layout"):
+        host_tier(placed)
