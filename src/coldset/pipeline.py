@@ -299,8 +299,8 @@ def routing(config: dict, **_) -> None:
 
     engine, tokenizer = _load_engine(config)
     saved = engine.experts_fn
-    # The unmodified experts path (Triton on CUDA, the torch path on the CPU): what serving without
-    # offload computes, and what the parity gate's reference decodes.
+    # The unmodified experts path with its default launch configs (Triton on CUDA, the torch path
+    # on the CPU): what serving without offload computes; the torch path on CUDA would be far slower.
     engine.experts_fn = experts_functions(engine.device, None)[0]
     try:
         trace.capture_routing_engine(engine, tokenizer, _fixture_paths(config), out, batch_size=rc["batch_size"],
