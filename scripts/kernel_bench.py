@@ -25,36 +25,16 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
+from coldset.kernels.bandwidth import read_bandwidth
 from coldset.kernels.reference import torch_experts
 from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
 from coldset.tiers import ExpertPools, check_host_allocation
 from coldset.tune import TuneShape, autotune, config_for, eager_time_us, graph_time_us
 
 
-@triton.jit
-def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    base = pid * BLOCK * ITERS
-    for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def read_bandwidth(buf: torch.Tensor, block: int, iters: int, reps: int) -> float:
-    """Bytes/s of a streaming read of ``buf`` (flat) by many blocks; graph-replayed median."""
-    n = buf.numel()
-    grid = triton.cdiv(n, block * iters)
-    out = torch.empty(grid, dtype=torch.float32, device="cuda")
-    us = graph_time_us(lambda: _read_kernel[(grid,)](buf, out, n, BLOCK=block, ITERS=iters, num_warps=8), reps)
-    return n * buf.element_size() / (us * 1e-6)
 
 
 def routing(num_tokens, num_experts, top_k, gen):

@@ -27,24 +27,28 @@ def test_cold_share_and_link_bytes_match_brute_force(engine):
     saved = engine.pools
     engine.pools = pools
     try:
-        share, link, _ = bench.measure_routing(engine, prompts, 6, per_expert)
+        share, link, hot, _ = bench.measure_routing(engine, prompts, 6, per_expert)
     finally:
         engine.pools = saved
     # Brute force over the same greedy tokens' decode routing, from the all-hot model.
     routing = generate(engine, prompts.tolist(), 6, capture_routing=True, progress=False).routing
-    cold_sel = total = link_experts = 0
+    cold_sel = total = link_experts = hbm_experts = 0
     for step in range(5):
         for layer in range(cfg.num_moe_layers):
-            touched_cold = set()
+            touched_cold, touched_hot = set(), set()
             for r in routing:
                 for e in r.experts[7 + step, layer].tolist():
                     total += 1
                     if not mask[layer, e]:
                         cold_sel += 1
                         touched_cold.add(e)
+                    else:
+                        touched_hot.add(e)
             link_experts += len(touched_cold)
+            hbm_experts += len(touched_hot)
     assert share == pytest.approx(cold_sel / total)
     assert link == pytest.approx(link_experts * per_expert / (3 * 5))
+    assert hot == pytest.approx(hbm_experts * per_expert / (3 * 5))
     assert 0 < share < 1
 
 
@@ -81,6 +85,24 @@ def test_derive_metrics_by_hand():
     assert out[("p", 0.5)]["fetch_tax"] == pytest.approx(0.75)
     assert out[("p", 1.0)]["fetch_tax"] == 0.0
     assert out[("q", 0.5)]["fetch_tax"] is None
+
+
+def test_derive_metrics_against_measured_ceilings_by_hand():
+    """Bytes floor and the calibrated prediction (all-HBM step + the cold bytes' link time)."""
+    recs = [
+        {"policy": "p", "batch_size": 2, "residency": 1.0, "hbm_expert_gib": 2.0, "tok_s": 200.0,
+         "step_ms_p50": 10.0, "hbm_gb_per_token": 6.0, "link_gb_per_token": 0.0},
+        {"policy": "p", "batch_size": 2, "residency": 0.5, "hbm_expert_gib": 1.0, "tok_s": 50.0,
+         "step_ms_p50": 40.0, "hbm_gb_per_token": 5.0, "link_gb_per_token": 0.5},
+    ]
+    out = {r["residency"]: r for r in bench.derive_metrics(recs, {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0})}
+    assert out[1.0]["bytes_step_ms"] == pytest.approx(1e3 * 12.0 / 4000.0)  # 2 tokens x 6 GB at 4 TB/s
+    assert out[1.0]["fraction_of_bytes_bound"] == pytest.approx(3.0 / 10.0)
+    assert out[0.5]["bytes_step_ms"] == pytest.approx(1e3 * (10.0 / 4000.0 + 1.0 / 50.0))
+    # 1 GB per step over the link instead of HBM: 10 ms + 1000 * (1/50 - 1/4000) ms
+    assert out[0.5]["predicted_step_ms_calibrated"] == pytest.approx(10.0 + 1e3 * (1 / 50 - 1 / 4000))
+    assert out[1.0]["predicted_step_ms_calibrated"] == pytest.approx(10.0)
+    assert "bytes_step_ms" not in bench.derive_metrics(recs)[0]  # no ceilings (CPU): not filled
 
 
 def test_replayed_trace_drives_the_cold_share(engine, tmp_path):

@@ -42,6 +42,7 @@ class BenchResult:
     host_expert_gib: float
     cold_share: float
     link_gb_per_token: float
+    hbm_gb_per_token: float | None  # weights read from HBM per token (non-expert + hot experts touched)
     predicted_step_ms: float | None  # the speed model's lower bound, for the preset named
     predicted_step_ms_sum: float | None
     predicted_preset: str | None
@@ -56,6 +57,10 @@ class BenchResult:
     timed_token_match: float | None = None  # share of the timed loop's tokens equal to generate()'s
     tok_s_per_gib: float | None = None
     fetch_tax: float | None = None
+    # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
+    bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
+    fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_p50
+    predicted_step_ms_calibrated: float | None = None  # residency 1.0's step + the cold bytes' extra time
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,8 +158,10 @@ def _timer(device: torch.device):
 
 
 def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
-    """(cold_share, link bytes per decoded token, greedy tokens) from an eager pass with routing
-    capture over the benchmarked decode tokens."""
+    """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, greedy
+    tokens) from an eager pass with routing capture over the benchmarked decode tokens: per step
+    and MoE layer each distinct expert the batch touched is read once, over the host link if cold,
+    from HBM if hot."""
     from coldset.model import generate
 
     gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
@@ -166,14 +173,31 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
     layers = np.arange(row_map.shape[0])[None, None, :, None]
     cold = row_map[layers, decode.astype(np.int64)] < 0
     cold_share = float(cold.mean())
-    link_bytes = 0
+    cold_reads = hot_reads = 0
     for step in range(decode.shape[1]):
         for layer in range(decode.shape[2]):
             ids = decode[:, step, layer, :]
-            link_bytes += len(set(ids[cold[:, step, layer, :]].tolist()))
-    link_bytes *= bytes_per_expert
+            cold_reads += len(set(ids[cold[:, step, layer, :]].tolist()))
+            hot_reads += len(set(ids[~cold[:, step, layer, :]].tolist()))
     tokens = decode.shape[0] * decode.shape[1]
-    return cold_share, link_bytes / tokens, gen.tokens
+    return (cold_share, cold_reads * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
+            gen.tokens)
+
+
+def measure_ceilings(pools=None) -> dict[str, float]:
+    """The read bandwidths this run's ratios are taken against (CUDA): HBM (a streaming read of
+    4 GiB of random bf16) and, when ``pools`` has a cold tier, the in-place read of its pinned
+    host memory (up to 1 GiB of it), in GB/s. Measured by :func:`coldset.kernels.bandwidth.read_bandwidth`."""
+    from coldset.kernels.bandwidth import read_bandwidth
+
+    buf = torch.randn(2 * GIB, device="cuda", dtype=torch.bfloat16)
+    out = {"hbm_read_gb_s": max(read_bandwidth(buf, 4096, iters) for iters in (4, 16)) / 1e9}
+    del buf
+    torch.cuda.empty_cache()
+    if pools is not None and pools.num_cold and pools.w13_cold.is_pinned():
+        sample = pools.w13_cold.reshape(-1)[: GIB // pools.w13_cold.element_size()]
+        out["link_read_gb_s"] = read_bandwidth(sample, 4096, 4, 5) / 1e9
+    return out
 
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
@@ -197,9 +221,10 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
-        eager_tokens = None
+        eager_tokens = hot_per_token = None
         if replay is None:
-            cold_share, link_per_token, eager_tokens = measure_routing(model, prompts, new_tokens, per_expert)
+            cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
+                model, prompts, new_tokens, per_expert)
         else:
             cold_share, link_per_token = replay.cold_stats(placed_pools.row_map.cpu().numpy(), batch_size,
                                                            new_tokens - 1, per_expert)
@@ -257,6 +282,8 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         host_expert_gib=float(placement.host_expert_gib),
         cold_share=cold_share,
         link_gb_per_token=link_per_token / 1e9,
+        hbm_gb_per_token=None if hot_per_token is None else
+        (hot_per_token + _nonexpert_read_bytes(model.config, batch_size, model.dtype) / batch_size) / 1e9,
         predicted_step_ms=pred_lower,
         predicted_step_ms_sum=pred_sum,
         predicted_preset=preset,
@@ -283,17 +310,40 @@ def _prediction(placement, batch_size: int):
     return None, None, None
 
 
-def derive_metrics(records: list[dict]) -> list[dict]:
-    """Fill ``tok_s_per_gib`` and ``fetch_tax`` across one model's results (DESIGN.md §6).
+def _nonexpert_read_bytes(cfg, batch_size: int, dtype: torch.dtype) -> int:
+    """Non-expert weight bytes one decode step reads: every weight once (the LM head included),
+    but of the embedding table only the batch's rows (unless it is tied to the LM head)."""
+    from coldset.placement import nonexpert_bytes_breakdown
+
+    fmt = str(dtype).removeprefix("torch.")
+    parts = nonexpert_bytes_breakdown(cfg, fmt)
+    total = sum(parts.values())
+    if not cfg.tie_word_embeddings:
+        total -= parts["embed_tokens"] - batch_size * cfg.hidden_size * torch.finfo(dtype).bits // 8
+    return total
+
+
+def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None) -> list[dict]:
+    """Fill the metrics that need several placements or this run's ceilings (DESIGN.md §6).
 
     ``tok_s_per_gib``: (tok/s - tok/s at the same policy's next smaller residency) / (GiB of
     experts in HBM added), at the same batch size; None for the smallest residency.
     ``fetch_tax``: 1 - tok/s / tok/s at residency 1.0 of the same policy and batch size.
+    With ``ceilings`` (:func:`measure_ceilings`): ``bytes_step_ms``, the step's bytes over the
+    measured read rates (HBM bytes / HBM rate + link bytes / link rate: a floor), its
+    ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``:
+    the same policy's measured residency-1.0 step plus the time the cold bytes take over the link
+    instead of HBM. Why this shape: layers run in sequence and each waits for its experts, so
+    link time adds to the step rather than hiding under HBM time, and the all-HBM step's time
+    beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
+    that only a measurement gives.
     """
     out = [dict(r) for r in records]
     groups: dict[tuple, list[dict]] = {}
     for r in out:
         groups.setdefault((r["policy"], r["batch_size"]), []).append(r)
+    hbm = (ceilings or {}).get("hbm_read_gb_s")
+    link = (ceilings or {}).get("link_read_gb_s")
     for rows in groups.values():
         rows.sort(key=lambda r: r["residency"])
         full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
@@ -303,6 +353,13 @@ def derive_metrics(records: list[dict]) -> list[dict]:
             gib = r["hbm_expert_gib"] - prev["hbm_expert_gib"] if prev else 0.0
             r["tok_s_per_gib"] = (r["tok_s"] - prev["tok_s"]) / gib if prev and gib > 0 else None
             prev = r
+            b = r["batch_size"]
+            link_gb = r.get("link_gb_per_token", 0.0) * b
+            if hbm and r.get("hbm_gb_per_token") is not None and (link or link_gb == 0):
+                r["bytes_step_ms"] = 1e3 * (r["hbm_gb_per_token"] * b / hbm + (link_gb / link if link_gb else 0.0))
+                r["fraction_of_bytes_bound"] = r["bytes_step_ms"] / r["step_ms_p50"]
+            if hbm and link and full is not None:
+                r["predicted_step_ms_calibrated"] = full["step_ms_p50"] + 1e3 * link_gb * (1 / link - 1 / hbm)
     return out
 
 

@@ -239,8 +239,10 @@ class Attention(nn.Module):
         self.o_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_cache: torch.Tensor | None = None  # [B, max_seq, kv_heads, head_dim]
-        self.v_cache: torch.Tensor | None = None
+        # [B, max_seq, kv_heads, head_dim], set by MoEModel.setup_cache. Buffers, so that a
+        # compiled decode region treats them as inputs it writes, not as constants.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
         self.eps = cfg.rms_norm_eps
         self.qk_norm_weight: torch.Tensor | None = None  # [nh + nkv, D], set by fuse_qk_norm()
 
@@ -306,20 +308,43 @@ class MoEBlock(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self._model = [model]  # a list, so the parent is not registered as a submodule
 
-    def forward(self, x):
-        bsz, seq, hidden = x.shape
-        flat = x.reshape(-1, hidden)
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids [N, k] int64, topk_weights [N, k] float32)`` for tokens ``flat`` [N, H]."""
         logits = F.linear(flat, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_ids, topk_weights
+
+    def experts(self, flat: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum ``[N, H]`` through the model's ``experts_fn``."""
         model = self._model[0]
         if model.routing_sink is not None:
             model.routing_sink.append((topk_ids, topk_weights))
-        topk_weights = topk_weights.to(x.dtype)
-        out = model.experts_fn(model.pools, self.moe_index, flat, topk_ids, topk_weights)
-        return out.view(bsz, seq, hidden)
+        return model.experts_fn(model.pools, self.moe_index, flat, topk_ids, topk_weights.to(flat.dtype))
+
+
+def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask):
+    """One layer up to its routed experts: ``(x, h, topk_ids, topk_weights)``.
+
+    ``x + delta`` is the layer's input (``delta`` = the previous layer's MLP output), so the
+    residual add that ends one layer runs in the same region as the next layer's attention. The
+    layer's output is ``x + mlp(h)``; ``topk_*`` are ``None`` for a dense layer. Why a free
+    function of the layer: everything between two experts calls is one region that
+    :meth:`MoEModel.compile_decode` hands to ``torch.compile`` (one compiled graph serves every
+    layer, since the layers differ only in their tensors), while the experts call, with its
+    host-side dispatch and Triton launches, stays outside it.
+    """
+    x = x + delta
+    bsz, seq, hidden = x.shape
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, slots, mask)
+    h = layer.post_attention_layernorm(x)
+    if isinstance(layer.mlp, MoEBlock):
+        flat = h.reshape(bsz * seq, hidden)
+        topk_ids, topk_weights = layer.mlp.route(flat)
+        return x, flat, topk_ids, topk_weights
+    return x, h, None, None
 
 
 class DecoderLayer(nn.Module):
@@ -333,9 +358,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg)
 
-    def forward(self, x, cos, sin, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def mlp_out(self, h, topk_ids, topk_weights):
+        """The MLP's output for :func:`layer_before_experts`'s ``h`` (shaped like the layer input's)."""
+        if topk_ids is None:
+            return self.mlp(h)
+        return self.mlp.experts(h, topk_ids, topk_weights)
 
 
 class MoEModel(nn.Module):
@@ -359,6 +386,7 @@ class MoEModel(nn.Module):
         self.experts_fn: Callable = torch_experts
         self.routing_sink: list | None = None
         self.cache_shape: tuple[int, int] | None = None  # (batch, max_seq)
+        self._compiled_before_experts: Callable | None = None  # set by compile_decode()
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
         )
@@ -371,6 +399,27 @@ class MoEModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def compile_decode(self) -> None:
+        """Run decode steps (one token per sequence) through a ``torch.compile``d
+        :func:`layer_before_experts`.
+
+        Why: at batch 1 the step outside the experts is ~25 small kernels a layer (norms, qk-norm,
+        RoPE, KV write, router softmax/top-k, residual adds), launch latency rather than bytes;
+        Inductor fuses them into a few. One compiled graph serves all layers (they differ in
+        tensors, not code); the experts call stays eager between the regions, and the whole step
+        can still be captured in one CUDA graph (:class:`coldset.bench.Decoder`). Prefill is not
+        compiled. Compiled numerics are not bitwise those of the eager step (Inductor fuses the
+        float32 normalisations), so every run that compares tokens (parity gate, bench) runs one
+        engine, compiled or not, on both sides.
+        """
+        import torch._dynamo.config as dynamo_config
+
+        # A region past the recompile limit would silently run eagerly (other numerics): fail.
+        dynamo_config.fail_on_recompile_limit_hit = True
+        # dynamic=None: the first shape compiles static; a second (batch size, key length) makes
+        # those sizes symbolic, so generate()'s growing mask costs one more compile, not one a step.
+        self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True)
 
     def setup_cache(self, batch_size: int, max_seq: int) -> None:
         """Preallocate each layer's KV cache ``[batch_size, max_seq, kv_heads, head_dim]``."""
@@ -405,10 +454,15 @@ class MoEModel(nn.Module):
         """
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
+        delta = torch.zeros_like(x)
+        before_experts = self._compiled_before_experts if tokens.shape[1] == 1 else None
+        before_experts = before_experts or layer_before_experts
         # Not cuDNN attention: it plans anew for every key length (8 ms a call on an H200 in bf16).
         with sdpa_kernel(_SDPA_BACKENDS):
             for layer in self.layers:
-                x = layer(x, cos, sin, slots, mask)
+                x, h, topk_ids, topk_weights = before_experts(layer, x, delta, cos, sin, slots, mask)
+                delta = layer.mlp_out(h, topk_ids, topk_weights).view(x.shape)
+        x = x + delta
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
