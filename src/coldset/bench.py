@@ -184,19 +184,21 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
             gen.tokens)
 
 
-def measure_ceilings(pools=None) -> dict[str, float]:
-    """The read bandwidths this run's ratios are taken against (CUDA): HBM (a streaming read of
-    4 GiB of random bf16) and, when ``pools`` has a cold tier, the in-place read of its pinned
-    host memory (up to 1 GiB of it), in GB/s. Measured by :func:`coldset.kernels.bandwidth.read_bandwidth`."""
+def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
+    """The read rates this run's ratios are taken against (CUDA), in GB/s: HBM (a streaming read
+    of 4 GiB of random bf16) and, given a tensor in pinned host memory (the cold tier), its
+    in-place read over the host link (up to 1 GiB of it), both by
+    :func:`coldset.kernels.bandwidth.read_bandwidth`."""
     from coldset.kernels.bandwidth import read_bandwidth
 
     buf = torch.randn(2 * GIB, device="cuda", dtype=torch.bfloat16)
     out = {"hbm_read_gb_s": max(read_bandwidth(buf, 4096, iters) for iters in (4, 16)) / 1e9}
     del buf
     torch.cuda.empty_cache()
-    if pools is not None and pools.num_cold and pools.w13_cold.is_pinned():
-        sample = pools.w13_cold.reshape(-1)[: GIB // pools.w13_cold.element_size()]
-        out["link_read_gb_s"] = read_bandwidth(sample, 4096, 4, 5) / 1e9
+    if pinned is not None:
+        if not pinned.is_pinned():
+            raise ValueError("measure_ceilings: the host tensor is not pinned; its read rate would not be the link's")
+        out["link_read_gb_s"] = read_bandwidth(pinned.reshape(-1)[: GIB // pinned.element_size()], 4096, 4, 5) / 1e9
     return out
 
 

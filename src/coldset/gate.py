@@ -146,8 +146,9 @@ def compare(placement_name: str, fixture_ids: list[str], reference: Decoded, pla
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         backend=backend or experts_functions(model.device)[2],
-        num_hot=placed_pools.num_hot,
-        num_cold=placed_pools.num_cold,
+        # Experts per tier from the row map (a shared host tier holds more rows than are cold).
+        num_hot=int((placed_pools.row_map >= 0).sum()),
+        num_cold=int((placed_pools.row_map < 0).sum()),
         mismatches=mismatches,
     )
 

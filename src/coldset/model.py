@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coldset.kernels import torch_experts
+from coldset.kernels import softmax_topk, torch_experts
 from coldset.tiers import ExpertPools
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -310,12 +310,7 @@ class MoEBlock(nn.Module):
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [N, k] int64, topk_weights [N, k] float32)`` for tokens ``flat`` [N, H]."""
-        logits = F.linear(flat, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_ids, topk_weights
+        return softmax_topk(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob)
 
     def experts(self, flat: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum ``[N, H]`` through the model's ``experts_fn``."""

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,8 @@ def _load_engine(config: dict):
         path = model_dir(config)
         log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
         mdl, tok = load_model(path, device=device, dtype=dtype), load_tokenizer(path)
+    if mdl.device.type == "cuda":
+        mdl.compile_decode()  # every stage's decode steps (routing, parity, bench) run compiled
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
     _ENGINE.update(key=key, model=mdl, tokenizer=tok, host=None)
     return mdl, tok
@@ -374,8 +376,6 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
         pools = engine.pools.placed(pl.row_map, host)
         got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
-        # The pools' cold tier holds every expert (the shared host tier): report the placement's split.
-        result = replace(result, num_hot=pl.num_hot, num_cold=pl.num_cold)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
         write_json(layout.parity(*name.rsplit("-", 1)), result.to_dict())
@@ -407,6 +407,10 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
               for t in ids]
     records: dict[str, list[dict]] = {}
     host = _host_tier(config)
+    ceilings = None
+    if engine.device.type == "cuda":  # the read rates this run's ratios are taken against
+        ceilings = bn.measure_ceilings(host.w13 if host.pinned else None)
+        log.info("ceilings (GB/s): %s", ceilings)
     for name in _placement_names(config, placements):
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = engine.pools.placed(pl.row_map, host)
@@ -421,10 +425,11 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                      r.tok_s, r.step_ms_p50, r.cold_share)
             records.setdefault(name, []).append(r.to_dict())
         del pools
-    derived = bn.derive_metrics([r for rs in records.values() for r in rs])
+    derived = bn.derive_metrics([r for rs in records.values() for r in rs], ceilings)
     for name in records:
         write_json(layout.bench(*name.rsplit("-", 1)),
-                   {"placement": name, "batches": [r for r in derived if r["placement"] == name]})
+                   {"placement": name, "ceilings": ceilings,
+                    "batches": [r for r in derived if r["placement"] == name]})
 
 
 def track(config: dict, **_) -> None:

@@ -10,7 +10,7 @@ the Triton kernel (:mod:`coldset.kernels.triton_moe`) is imported lazily, on fir
 package imports without triton.
 """
 
-from coldset.kernels.reference import torch_experts
+from coldset.kernels.reference import torch_experts, torch_softmax_topk
 
 
 def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row_map=True):
@@ -20,4 +20,14 @@ def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row
     return _triton_experts(pools, layer, x, topk_ids, topk_weights, config=config, use_row_map=use_row_map)
 
 
-__all__ = ["torch_experts", "triton_experts"]
+def softmax_topk(logits, k: int, renormalize: bool):
+    """The router's ``(topk_ids, topk_weights)`` for ``logits`` ``[T, E]``: one Triton launch on
+    CUDA (:mod:`coldset.kernels.triton_route`), :func:`torch_softmax_topk` elsewhere."""
+    if logits.is_cuda:
+        from coldset.kernels.triton_route import triton_softmax_topk
+
+        return triton_softmax_topk(logits, k, renormalize)
+    return torch_softmax_topk(logits, k, renormalize)
+
+
+__all__ = ["softmax_topk", "torch_experts", "torch_softmax_topk", "triton_experts"]

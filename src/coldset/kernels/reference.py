@@ -8,6 +8,17 @@ import torch.nn.functional as F
 from coldset.tiers import ExpertPools
 
 
+def torch_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``: the router's choice as Hugging
+    Face computes it (softmax in float32 over ``logits`` ``[T, E]``, top-k, optional
+    renormalisation over the k). The CPU path and the reference for the Triton kernel."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_ids, topk_weights
+
+
 def torch_experts(
     pools: ExpertPools,
     layer: int,
