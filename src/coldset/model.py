@@ -412,6 +412,9 @@ class MoEModel(nn.Module):
 
         # A region past the recompile limit would silently run eagerly (other numerics): fail.
         dynamo_config.fail_on_recompile_limit_hit = True
+        # Routing, gate and bench batches differ in batch size, key length and mask strides: each
+        # new kind of difference recompiles once (then that size is symbolic); 8 is too few.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         # dynamic=None: the first shape compiles static; a second (batch size, key length) makes
         # those sizes symbolic, so generate()'s growing mask costs one more compile, not one a step.
         self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True)
