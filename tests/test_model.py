@@ -178,6 +178,11 @@ def test_generate_rejects_bad_requests(tiny_hf_checkpoint):
         generate(model, [[1], []], 2, progress=False)
     with pytest.raises(ValueError, match="outside"):
         generate(model, [[model.config.vocab_size]], 2, progress=False)
+    limit = model.config.max_position_embeddings
+    assert limit is not None
+    generate(model, [[1] * (limit - 2), [1]], 2, progress=False)  # exactly at the limit: fine
+    with pytest.raises(ValueError, match=rf"prompt 1 has {limit - 1} tokens.*max_position_embeddings \({limit}\)"):
+        generate(model, [[1], [1] * (limit - 1)], 2, progress=False)
 
 
 def test_tokenizer_bos_from_tokenizer_config(tiny_hf_checkpoint, tmp_path):

@@ -734,6 +734,11 @@ def generate(
     lengths = [len(p) for p in prompts]
     plen = max(lengths)
     max_seq = plen + max_new_tokens
+    limit = cfg.max_position_embeddings
+    if limit is not None and max(lengths) + max_new_tokens > limit:
+        worst = lengths.index(plen)
+        raise ValueError(f"prompt {worst} has {plen} tokens: with {max_new_tokens} new tokens it passes the "
+                         f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
     model.setup_cache(bsz, max_seq)
 
     pad = torch.tensor([plen - n for n in lengths], device=device)  # [B]
