@@ -34,7 +34,18 @@ from typing import Any
 
 from coldset.files import write_bytes
 
-# Metric names of DESIGN.md §6, as they appear in bench JSON, MLflow and the report.
+# Weight bytes read per token and what coldset.bench.derive_metrics makes of them with the read
+# ceilings measured in the same run (CUDA only; hbm_gb_per_token is also filled on CPU when the
+# router is not replayed): the bytes floor of a step, the measured step's fraction of it, and the
+# calibrated prediction (the policy's measured all-HBM step + the cold bytes' extra link time).
+BYTES_METRICS: tuple[str, ...] = (
+    "hbm_gb_per_token",
+    "bytes_step_ms",
+    "fraction_of_bytes_bound",
+    "predicted_step_ms_calibrated",
+)
+# Metric names of DESIGN.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
+# the report.
 BENCH_METRICS: tuple[str, ...] = (
     "tok_s",
     "step_ms_p50",
@@ -46,11 +57,16 @@ BENCH_METRICS: tuple[str, ...] = (
     "link_gb_per_token",
     "tok_s_per_gib",
     "fetch_tax",
+    *BYTES_METRICS,
 )
 # Bench metrics that are legitimately undefined for some placements: tok_s_per_gib has no
 # smaller residency to compare with at a policy's smallest residency, fetch_tax needs the
-# policy's residency-1.0 run, predicted_step_ms needs a speed-model preset for the device.
-NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms"})
+# policy's residency-1.0 run, predicted_step_ms needs a speed-model preset for the device, and
+# the bytes metrics need this run's measured read ceilings (None on CPU, absent in bench files
+# written before they existed).
+NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", *BYTES_METRICS})
+# The read-rate ceilings a CUDA bench measures once per run (top-level "ceilings" of a bench JSON).
+CEILING_FIELDS: tuple[str, ...] = ("hbm_read_gb_s", "link_read_gb_s")
 REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(
     m for m in BENCH_METRICS if m not in NULLABLE_BENCH_FIELDS
 ) + ("batch_size", "device", "dtype")
@@ -269,6 +285,19 @@ class BenchResult:
     metrics: dict[str, float | None]  # every BENCH_METRICS name; None where undefined
     predicted_step_ms: float | None
     extra: dict[str, Any]  # any other scalar fields of the entry (e.g. autotune_key)
+    # The file's measured read ceilings {hbm_read_gb_s, link_read_gb_s} (GB/s); None on CPU runs
+    # and in bench files written before the bench measured them.
+    ceilings: dict[str, float | None] | None = None
+
+    def prediction(self) -> tuple[str, float] | None:
+        """The prediction the report compares this measurement with: the calibrated one
+        (``"calibrated"``) where the run measured its ceilings, else the speed model's lower
+        bound (``"speed model"``), else None."""
+        if self.metrics.get("predicted_step_ms_calibrated") is not None:
+            return "calibrated", self.metrics["predicted_step_ms_calibrated"]
+        if self.predicted_step_ms is not None:
+            return "speed model", self.predicted_step_ms
+        return None
 
 
 def _bench_entries(doc: Any, path: Path) -> list[dict]:
@@ -285,13 +314,32 @@ def _bench_entries(doc: Any, path: Path) -> list[dict]:
     return out
 
 
+def _bench_ceilings(doc: dict, path: Path) -> dict[str, float | None] | None:
+    """The top-level ``ceilings`` object of a bench JSON: None when absent or null (CPU runs,
+    older files); otherwise each of ``CEILING_FIELDS`` a number or null."""
+    ceilings = doc.get("ceilings")
+    if ceilings is None:
+        return None
+    if not isinstance(ceilings, dict):
+        raise ReportInputError(f"{path}: field ceilings must be an object {{{', '.join(CEILING_FIELDS)}}} or null")
+    out = {}
+    for name in CEILING_FIELDS:
+        value = ceilings.get(name)
+        if isinstance(value, bool):
+            raise ReportInputError(f"{path}: field ceilings/{name}={value!r} is not a number")
+        out[name] = _opt_float(value, f"{path}: field ceilings/{name}")
+    return out
+
+
 def load_bench(path: str | os.PathLike) -> list[BenchResult]:
     """Every batch size's measurement in one bench JSON, sorted by batch size."""
     path = Path(path)
     doc = read_json(path)
     model, policy, residency = placement_key_from_path(path)
+    entries = _bench_entries(doc, path)
+    ceilings = _bench_ceilings(doc, path)
     results = []
-    for entry in _bench_entries(doc, path):
+    for entry in entries:
         where = f"{path} (batch_size={entry.get('batch_size', '?')})"
         _require(entry, REQUIRED_BENCH_FIELDS, where)
         _check_key_fields(entry, path, policy, residency)
@@ -302,6 +350,8 @@ def load_bench(path: str | os.PathLike) -> list[BenchResult]:
                 metrics[name] = None
                 continue
             try:
+                if isinstance(value, bool):
+                    raise TypeError("a boolean")
                 metrics[name] = float(value)
             except (TypeError, ValueError) as exc:
                 raise ReportInputError(f"{where}: field {name}={value!r} is not a number") from exc
@@ -317,8 +367,9 @@ def load_bench(path: str | os.PathLike) -> list[BenchResult]:
                 device=str(entry["device"]),
                 dtype=str(entry["dtype"]),
                 metrics=metrics,
-                predicted_step_ms=None if pred is None else float(pred),
+                predicted_step_ms=_opt_float(pred, f"{where}: field predicted_step_ms"),
                 extra={k: v for k, v in entry.items() if k not in used and not isinstance(v, (dict, list))},
+                ceilings=ceilings,
             )
         )
     batch_sizes = [r.batch_size for r in results]
@@ -683,8 +734,107 @@ def _residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> 
     )
 
 
+def _ratio_range(pairs: list[tuple[float, float]]) -> str:
+    """``lo–hi×`` of measured / predicted over ``(measured, predicted)`` pairs."""
+    ratios = [m / p for m, p in pairs if p > 0]
+    if not ratios:
+        return "undefined"
+    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
+
+
+def _step_axes_ends(ax, values: list[float]) -> list[float]:
+    """Axis ends covering ``values``; log-log when they span more than 20× (e.g. a CPU
+    measurement against a GPU preset) so that every point stays visible."""
+    lo, hi = min(values), max(values)
+    if lo > 0 and hi / lo > 20:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 × 10^k (ms reads better than 2×10^0)
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
+        return [lo / 1.2, hi * 1.2]
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(hi, 1e-3)
+    return [lo - pad, hi + pad]
+
+
 def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
-    rows = [b for b in bench if b.batch_size == batch_size and b.predicted_step_ms is not None]
+    """Measured step time against a prediction, one point per placement at ``batch_size``.
+
+    Where the run measured its read ceilings (CUDA), the calibrated prediction is plotted (the
+    policy's measured all-HBM step plus the cold bytes' extra time over the link), with the
+    speed model's bytes-only lower bound beside it as hollow markers; otherwise the speed model
+    alone, as before the bench measured ceilings. None when there is neither."""
+    at_batch = [b for b in bench if b.batch_size == batch_size]
+    if any(b.metrics.get("predicted_step_ms_calibrated") is not None for b in at_batch):
+        return _calibrated_step_time_figure(at_batch, batch_size, model)
+    return _speed_model_step_time_figure(at_batch, batch_size, model)
+
+
+def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, model: str) -> FigureOut:
+    rows = [b for b in at_batch if b.metrics.get("predicted_step_ms_calibrated") is not None]
+    left_out = sorted(f"{b.policy}-{b.residency}" for b in at_batch if b not in rows)
+    device, dtype = _join(b.device for b in rows), _join(b.dtype for b in rows)
+    policies = sorted({b.policy for b in rows})
+    color = _policy_styles(policies)
+    fig = _new_figure(6.4, 5.0)
+    ax = fig.add_subplot(1, 1, 1)
+    cal = {id(b): b.metrics["predicted_step_ms_calibrated"] for b in rows}
+    speed = [b for b in rows if b.predicted_step_ms is not None]
+    values = [v for b in rows for v in (cal[id(b)], b.metrics["step_ms_p50"])] + [b.predicted_step_ms for b in speed]
+    ends = _step_axes_ends(ax, values)
+    ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
+    for pol in policies:
+        sub = [b for b in rows if b.policy == pol]
+        ax.scatter([cal[id(b)] for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol],
+                   label=f"{pol}: calibrated", zorder=3)
+        sub_speed = [b for b in sub if b.predicted_step_ms is not None]
+        if sub_speed:
+            ax.scatter([b.predicted_step_ms for b in sub_speed], [b.metrics["step_ms_p50"] for b in sub_speed],
+                       facecolors="none", edgecolors=color[pol], label=f"{pol}: speed model", zorder=2)
+            for b in sub_speed:
+                ax.plot([b.predicted_step_ms, cal[id(b)]], [b.metrics["step_ms_p50"]] * 2, color=color[pol],
+                        alpha=0.3, linewidth=0.8)
+        for b in sub:
+            ax.annotate(b.residency, (cal[id(b)], b.metrics["step_ms_p50"]), fontsize=6,
+                        textcoords="offset points", xytext=(3, 3))
+    presets = _join(b.extra.get("predicted_preset", "unnamed") for b in speed) if speed else None
+    xlabel = "predicted step time (ms): calibrated (filled)"
+    if presets:
+        xlabel += f"; speed model lower bound, preset {presets} (hollow)"
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(f"measured step time p50 (ms, {device})")
+    ax.set_title(f"{model}: measured vs calibrated prediction\nbatch size {batch_size}", fontsize=10)
+    ax.legend(fontsize=7)
+    caption = (
+        "Median decode step time measured against the calibrated prediction (filled markers, labelled "
+        "with the residency): the same policy's measured residency-1.0 step at this batch size plus the "
+        "time the cold bytes take over the host link instead of HBM, at the read rates measured in the "
+        f"same run. Measured / calibrated: {_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} "
+        f"over {len(rows)} placements."
+    )
+    if speed:
+        caption += (
+            f" Hollow markers: the placement stage's speed model (bytes-only lower bound, preset {presets}) "
+            f"for the same measurements; measured / speed model: "
+            f"{_ratio_range([(b.metrics['step_ms_p50'], b.predicted_step_ms) for b in speed])}."
+        )
+    if left_out:
+        caption += f" Not plotted (no calibrated prediction: no residency-1.0 run of the policy): {', '.join(left_out)}."
+    caption += " Points above the diagonal ran slower than predicted."
+    return FigureOut(
+        f"step-time-b{batch_size}",
+        f"Measured vs calibrated prediction of step time (batch size {batch_size})",
+        caption,
+        device, str(batch_size), dtype,
+        _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
+    )
+
+
+def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
+    rows = [b for b in at_batch if b.predicted_step_ms is not None]
     if not rows:
         return None
     device, dtype = _join(b.device for b in rows), _join(b.dtype for b in rows)
@@ -696,23 +846,14 @@ def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> 
         u = b.extra.get("predicted_step_ms_sum")
         return float(u) if isinstance(u, (int, float)) else b.predicted_step_ms
 
-    lo = min(min(b.predicted_step_ms, b.metrics["step_ms_p50"]) for b in rows)
-    hi = max(max(upper(b), b.metrics["step_ms_p50"]) for b in rows)
-    if lo > 0 and hi / lo > 20:  # e.g. a CPU measurement against a GPU preset: log-log keeps both visible
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ends = [lo / 1.2, hi * 1.2]
-    else:
-        pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(hi, 1e-3)
-        ends = [lo - pad, hi + pad]
+    ends = _step_axes_ends(ax, [v for b in rows for v in (b.predicted_step_ms, upper(b), b.metrics["step_ms_p50"])])
     ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
         ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol], label=pol)
         for b in sub:
-            upper = b.extra.get("predicted_step_ms_sum")
-            if isinstance(upper, (int, float)) and upper > b.predicted_step_ms:
-                ax.plot([b.predicted_step_ms, upper], [b.metrics["step_ms_p50"]] * 2, color=color[pol], alpha=0.5)
+            if upper(b) > b.predicted_step_ms:
+                ax.plot([b.predicted_step_ms, upper(b)], [b.metrics["step_ms_p50"]] * 2, color=color[pol], alpha=0.5)
         for b in sub:
             ax.annotate(b.residency, (b.predicted_step_ms, b.metrics["step_ms_p50"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
@@ -731,7 +872,8 @@ def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> 
         "Median decode step time measured against the placement stage's speed-model prediction "
         f"(lower bound, preset {presets}), one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
-        "above the diagonal ran slower than predicted." + mismatch,
+        "above the diagonal ran slower than predicted. No calibrated prediction: the run measured "
+        "no read ceilings (CPU run, or a bench file from before they were measured)." + mismatch,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
     )
@@ -752,6 +894,21 @@ def _fmt(value: Any, digits: int = 4) -> str:
             return "nan"
         return f"{value:.{digits}g}"
     return str(value)
+
+
+def _ceilings_rows(bench: list[BenchResult]) -> list[dict[str, str]]:
+    """One row per distinct pair of measured read ceilings: ``{hbm, link, placements}``. A run
+    measures them once, so normally there is one row; several mean the bench files come from
+    different runs (the page then says which placement used which)."""
+    seen: dict[tuple, set[str]] = {}
+    for b in bench:
+        if b.ceilings is not None:
+            key = tuple(b.ceilings.get(name) for name in CEILING_FIELDS)
+            seen.setdefault(key, set()).add(f"{b.policy}-{b.residency}")
+    return [
+        {"hbm": _fmt(hbm), "link": _fmt(link), "placements": ", ".join(sorted(names))}
+        for (hbm, link), names in sorted(seen.items(), key=lambda kv: sorted(kv[1]))
+    ]
 
 
 def _expected_paths(results_dir: Path, stage: str, model: str, config: dict) -> list[Path] | None:
@@ -898,6 +1055,11 @@ def render_report(
                 "dtype": b.dtype,
             }
         )
+    # Bench table columns: the measured metrics, then the two predictions side by side.
+    bench_columns = [m for m in BENCH_METRICS if m != "predicted_step_ms_calibrated"] + [
+        "predicted_step_ms", "predicted_step_ms_calibrated"]
+    ceilings_rows = _ceilings_rows(bench)
+    no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows = [
         {
             "policy": p.policy,
@@ -984,7 +1146,9 @@ def render_report(
         machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],
         config_json=json.dumps(config, sort_keys=True, indent=1, default=str),
         figures=figures,
-        bench_metrics=BENCH_METRICS,
+        bench_columns=bench_columns,
+        ceilings_rows=ceilings_rows,
+        no_ceilings=no_ceilings,
         bench_rows=bench_rows,
         placement_rows=placement_rows,
         parity_rows=parity_rows,

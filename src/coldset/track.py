@@ -22,7 +22,10 @@ Run contents:
 - params: model, policy, residency, batch_size, dtype, num_hot, num_cold;
 - metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_p50, step_ms_p90, prefill_ms,
   hbm_expert_gib, host_expert_gib, cold_share, link_gb_per_token, tok_s_per_gib, fetch_tax),
-  predicted_step_ms; from the placement coverage_profile, coverage_heldout, achieved_residency;
+  predicted_step_ms, the bytes metrics (hbm_gb_per_token, bytes_step_ms, fraction_of_bytes_bound,
+  predicted_step_ms_calibrated) and the read ceilings the bench measured in the same run
+  (hbm_read_gb_s, link_read_gb_s; metrics, not params: they are remeasured on every run, and a
+  changed param would replace the run); from the placement coverage_profile, coverage_heldout, achieved_residency;
   from the parity gate parity_passed (1/0), parity_tokens_matched, parity_tokens_total,
   parity_max_abs_logit_diff; from the routing statistics (decode, all domains)
   routing_gini_decode, routing_top{x}_share_decode, oracle_cache_hit_rate_decode;
@@ -31,8 +34,8 @@ Run contents:
 - artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
   stats/skew.json and autotune/{entry} when given.
 
-A metric undefined for a run (tok_s_per_gib at a policy's smallest residency, for one) is not
-logged; if the run had a value for it from an earlier run, NaN is logged so it does not keep
+A metric undefined for a run (tok_s_per_gib at a policy's smallest residency, for one; the bytes
+metrics and ceilings of a CPU run) is not logged; if the run had a value for it from an earlier run, NaN is logged so it does not keep
 showing a stale number.
 """
 
@@ -50,6 +53,7 @@ from typing import Iterable, Sequence
 from coldset.files import write_json
 from coldset.report import (
     BENCH_METRICS,
+    CEILING_FIELDS,
     ReportInputError,
     load_bench,
     load_parity,
@@ -221,6 +225,8 @@ def records_from_results(
             par, pl = parity[key], placements[key]
             metrics: dict[str, float | None] = {m: b.metrics[m] for m in BENCH_METRICS}
             metrics["predicted_step_ms"] = b.predicted_step_ms
+            for name in CEILING_FIELDS:
+                metrics[name] = None if b.ceilings is None else b.ceilings.get(name)
             metrics.update(
                 coverage_profile=pl.coverage_profile,
                 coverage_heldout=pl.coverage_heldout,
