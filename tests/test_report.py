@@ -55,8 +55,38 @@ def _tok_s(policy: str, residency: float, batch: int) -> float:
     return base * residency + 20.0 / batch
 
 
-def build_results_tree(root: Path, *, with_autotune: bool = True, with_prediction: bool = True) -> Path:
-    """A complete, small results tree as the producing stages write it."""
+# Read ceilings of the GPU-like tree (GB/s), as coldset.bench.measure_ceilings reports them.
+HBM_GB_S, LINK_GB_S = 4000.0, 50.0
+
+
+def _hbm_gb_per_token(residency: float) -> float:
+    return 0.05 + 0.01 * residency
+
+
+def bytes_fields(policy: str, residency: float, batch: int) -> dict[str, float]:
+    """The GPU-like tree's bytes metrics, by their definitions (coldset.bench.derive_metrics'
+    docstring) written out here: floor = HBM bytes / HBM rate + link bytes / link rate; calibrated
+    = the policy's residency-1.0 step + the cold bytes' time over the link instead of HBM."""
+    step = 1000.0 / _tok_s(policy, residency, batch)
+    hbm_gb, link_gb = _hbm_gb_per_token(residency) * batch, 0.01 * (1.0 - residency) * batch
+    floor = 1e3 * (hbm_gb / HBM_GB_S + link_gb / LINK_GB_S)
+    return {
+        "hbm_gb_per_token": _hbm_gb_per_token(residency),
+        "bytes_step_ms": floor,
+        "fraction_of_bytes_bound": floor / step,
+        "predicted_step_ms_calibrated": 1000.0 / _tok_s(policy, 1.0, batch) + 1e3 * link_gb * (1 / LINK_GB_S - 1 / HBM_GB_S),
+    }
+
+
+def build_results_tree(root: Path, *, with_autotune: bool = True, with_prediction: bool = True,
+                       bytes_run: str = "absent") -> Path:
+    """A complete, small results tree as the producing stages write it.
+
+    ``bytes_run``: ``"absent"``, bench files from before the bench wrote the bytes metrics and
+    ceilings; ``"cpu"``, a CPU bench (hbm_gb_per_token filled, the ceiling-derived metrics and
+    ``ceilings`` null); ``"gpu"``, a CUDA bench (all filled, ceilings measured, device H200).
+    """
+    assert bytes_run in ("absent", "cpu", "gpu")
     res = root / "results"
     layout = Layout(results=res, model=MODEL)
     stats = layout.stats_dir
@@ -151,9 +181,17 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         "routing_source": "router",
                     }
                 )
-            layout.bench(policy, r).write_text(
-                json.dumps({"placement": name[: -len(".json")], "batches": batches})
-            )
+                if bytes_run == "cpu":
+                    batches[-1].update(hbm_gb_per_token=_hbm_gb_per_token(r), bytes_step_ms=None,
+                                       fraction_of_bytes_bound=None, predicted_step_ms_calibrated=None)
+                elif bytes_run == "gpu":
+                    batches[-1].update(bytes_fields(policy, r, b), device="NVIDIA H200")
+            doc = {"placement": name[: -len(".json")], "batches": batches}
+            if bytes_run != "absent":
+                doc["ceilings"] = (
+                    {"hbm_read_gb_s": HBM_GB_S, "link_read_gb_s": LINK_GB_S} if bytes_run == "gpu" else None
+                )
+            layout.bench(policy, r).write_text(json.dumps(doc))
     if with_autotune:
         (res / "autotune").mkdir()
         # a coldset.tune cache entry as the autotune rule copies it, plus the hit flag
@@ -356,3 +394,122 @@ def test_autotune_entry_without_hit_flag_says_so(tmp_path):
     entry.write_text(json.dumps(doc))
     with pytest.raises(ReportInputError, match=re.escape(f"{entry}: missing field configs")):
         render_report(res, res / "report" / "index.html", CONFIG, MACHINE)
+
+
+# ---------------------------------------------------------------- bytes metrics and ceilings
+
+
+def _bench_table(html: str) -> dict[tuple[str, str, int], dict[str, str]]:
+    """The bench table as {(policy, residency, batch): {column header: cell text}}."""
+    table = re.search(r'<table id="bench-table">(.*?)</table>', html, re.S).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
+    header = re.findall(r"<th>(.*?)</th>", rows[0])
+    out = {}
+    for row in rows[1:]:
+        cells = dict(zip(header, re.findall(r"<td[^>]*>(.*?)</td>", row)))
+        out[(cells["policy"], cells["residency"], int(cells["batch size"]))] = cells
+    return out
+
+
+def _render_capturing_figures(res: Path, monkeypatch) -> tuple[str, dict[str, object]]:
+    """Render the report, keeping each matplotlib figure (by title) to read back what it plots."""
+    import coldset.report as report
+
+    figures = {}
+    original = report._png
+
+    def keep(fig, conditions):
+        figures[fig.axes[0].get_title()] = fig
+        return original(fig, conditions)
+
+    monkeypatch.setattr(report, "_png", keep)
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    return html, figures
+
+
+def _step_points(figures: dict, batch: int) -> tuple[str, list[tuple[float, float]], list[tuple[float, float]]]:
+    """(x label, filled points, hollow points) of the step-time figure at ``batch``."""
+    import numpy as np
+
+    (fig,) = [f for t, f in figures.items() if "measured vs" in t and f"batch size {batch}" in t]
+    ax = fig.axes[0]
+    filled, hollow = [], []
+    for coll in ax.collections:
+        pts = [tuple(map(float, xy)) for xy in np.asarray(coll.get_offsets())]
+        (hollow if len(coll.get_facecolors()) == 0 else filled).extend(pts)
+    return ax.get_xlabel(), sorted(filled), sorted(hollow)
+
+
+def _flat(points) -> list[float]:
+    return [v for xy in points for v in xy]
+
+
+def test_gpu_run_shows_ceilings_and_plots_the_calibrated_prediction(tmp_path, monkeypatch):
+    res = build_results_tree(tmp_path, bytes_run="gpu")
+    html, figures = _render_capturing_figures(res, monkeypatch)
+    assert "HBM read <b>4000 GB/s</b>, host link read (pinned host memory) <b>50 GB/s</b>" in html
+    table = _bench_table(html)
+    assert len(table) == len(POLICIES) * len(RESIDENCIES) * len(BATCH_SIZES)
+    # usage_global 0.5 at batch 4: step 1000/55 ms; residency 1.0 step 1000/105 ms; 0.02 GB over
+    # the link at 50 vs 4000 GB/s adds 0.395 ms -> 9.918 ms; floor 0.055*4/4000 + 0.02/50 s = 0.455 ms
+    row = table[("usage_global", "0.5", 4)]
+    assert row["predicted_step_ms_calibrated"] == "9.919"
+    assert row["bytes_step_ms"] == "0.455"
+    assert float(row["fraction_of_bytes_bound"]) == pytest.approx(0.455 * 55 / 1000, rel=1e-3)  # 4 digits shown
+    assert row["hbm_gb_per_token"] == "0.055"
+    assert row["predicted_step_ms"] == "16.36"  # the speed model's column stays: 900 / 55
+    for b in BATCH_SIZES:
+        label, filled, hollow = _step_points(figures, b)
+        assert "calibrated (filled)" in label and "speed model lower bound, preset h200 (hollow)" in label
+        expect = [(bytes_fields(p, r, b)["predicted_step_ms_calibrated"], 1000.0 / _tok_s(p, r, b))
+                  for p in POLICIES for r in RESIDENCIES]
+        assert _flat(filled) == pytest.approx(_flat(sorted(expect)))
+        assert _flat(hollow) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, b), 1000.0 / _tok_s(p, r, b))
+                                                           for p in POLICIES for r in RESIDENCIES)))
+        ratios = [m / c for c, m in expect]
+        assert f"Measured / calibrated: {min(ratios):.2f}–{max(ratios):.2f}× over 4 placements" in html
+    # speed model at 900/tok_s: measured / predicted is 1/0.9 everywhere
+    assert "measured / speed model: 1.11–1.11×" in html
+    assert "No calibrated prediction" not in html
+
+
+def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
+    for kind in ("cpu", "absent"):
+        res = build_results_tree(tmp_path / kind, bytes_run=kind, with_autotune=False)
+        html, figures = _render_capturing_figures(res, monkeypatch)
+        assert "carry no measured read ceilings" in html and 'id="ceilings"' not in html
+        row = _bench_table(html)[("positional", "0.5", 1)]
+        assert row["predicted_step_ms_calibrated"] == row["bytes_step_ms"] == row["fraction_of_bytes_bound"] == "—"
+        assert row["hbm_gb_per_token"] == ("0.055" if kind == "cpu" else "—")
+        label, filled, hollow = _step_points(figures, 1)
+        assert label == "predicted step time (ms, speed model preset h200)" and hollow == []
+        assert _flat(filled) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, 1), 1000.0 / _tok_s(p, r, 1))
+                                                           for p in POLICIES for r in RESIDENCIES)))
+        assert "No calibrated prediction: the run measured no read ceilings" in html
+
+
+def test_bench_validation_of_bytes_metrics_and_ceilings(tmp_path):
+    res = build_results_tree(tmp_path, bytes_run="gpu", with_autotune=False)
+    bench = Layout(res, MODEL).bench("positional", 0.5)
+    (r1, r4) = load_bench(bench)
+    assert r1.ceilings == {"hbm_read_gb_s": HBM_GB_S, "link_read_gb_s": LINK_GB_S}
+    assert r4.metrics["predicted_step_ms_calibrated"] == pytest.approx(
+        bytes_fields("positional", 0.5, 4)["predicted_step_ms_calibrated"])
+    good = json.loads(bench.read_text())
+
+    def write(doc):
+        bench.write_text(json.dumps(doc))
+
+    write({**good, "batches": [dict(e, bytes_step_ms=None) for e in good["batches"]], "ceilings": None})
+    assert [r.metrics["bytes_step_ms"] for r in load_bench(bench)] == [None, None]
+    assert load_bench(bench)[0].ceilings is None
+    for bad, match in [
+        ({**good, "ceilings": 4000.0}, "field ceilings must be an object"),
+        ({**good, "ceilings": {"hbm_read_gb_s": "fast", "link_read_gb_s": 50.0}}, "ceilings/hbm_read_gb_s"),
+        ({**good, "ceilings": {"hbm_read_gb_s": 4000.0, "link_read_gb_s": True}}, "ceilings/link_read_gb_s"),
+        ({**good, "batches": [dict(good["batches"][0], fraction_of_bytes_bound="0.9x")]}, "fraction_of_bytes_bound"),
+        ({**good, "batches": [dict(good["batches"][0], predicted_step_ms_calibrated=[1.0])]}, "predicted_step_ms_calibrated"),
+    ]:
+        write(bad)
+        with pytest.raises(ReportInputError, match=re.escape(str(bench)) + ".*" + re.escape(match)):
+            load_bench(bench)

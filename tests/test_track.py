@@ -251,3 +251,49 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
             os.killpg(server.pid, 9)
             server.wait(timeout=5)
         log.close()
+
+
+# ---------------------------------------------------------------- bytes metrics and ceilings
+
+BYTES_METRICS = ("hbm_gb_per_token", "bytes_step_ms", "fraction_of_bytes_bound", "predicted_step_ms_calibrated")
+
+
+def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
+    gpu = _tree.build_results_tree(tmp_path / "gpu", bytes_run="gpu", with_autotune=False)
+    uri = default_tracking_uri(gpu)
+    first = _track(gpu, uri)
+    by_key = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}
+    run = by_key[f"{MODEL}/usage_global/0.5/4"]
+    expect = _tree.bytes_fields("usage_global", 0.5, 4)
+    for name in BYTES_METRICS:
+        assert run.data.metrics[name] == pytest.approx(expect[name]), name
+    assert run.data.metrics["hbm_read_gb_s"] == _tree.HBM_GB_S
+    assert run.data.metrics["link_read_gb_s"] == _tree.LINK_GB_S
+    assert run.data.tags["device"] == "NVIDIA H200"
+
+    # a rerun with remeasured ceilings updates the same runs (ceilings are metrics, not immutable
+    # params); unchanged metrics get no new point
+    for policy in POLICIES:
+        for r in RESIDENCIES:
+            bench = Layout(gpu, MODEL).bench(policy, r)
+            doc = json.loads(bench.read_text())
+            doc["ceilings"]["link_read_gb_s"] = 51.5
+            bench.write_text(json.dumps(doc))
+    assert _track(gpu, uri) == first
+    runs = _active_runs(uri)
+    assert len(runs) == len(first)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "link_read_gb_s")] == [_tree.LINK_GB_S, 51.5]
+    assert len(client.get_metric_history(run.info.run_id, "predicted_step_ms_calibrated")) == 1
+
+    # a CPU run: hbm_gb_per_token only; nothing logged for the undefined ones
+    cpu = _tree.build_results_tree(tmp_path / "cpu", bytes_run="cpu", with_autotune=False)
+    uri = default_tracking_uri(cpu)
+    _track(cpu, uri)
+    run = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}[f"{MODEL}/usage_global/0.5/4"]
+    assert run.data.metrics["hbm_gb_per_token"] == pytest.approx(0.055)
+    absent = {"bytes_step_ms", "fraction_of_bytes_bound", "predicted_step_ms_calibrated", "hbm_read_gb_s",
+              "link_read_gb_s"}
+    assert absent.isdisjoint(run.data.metrics)
