@@ -289,16 +289,6 @@ class BenchResult:
     # and in bench files written before the bench measured them.
     ceilings: dict[str, float | None] | None = None
 
-    def prediction(self) -> tuple[str, float] | None:
-        """The prediction the report compares this measurement with: the calibrated one
-        (``"calibrated"``) where the run measured its ceilings, else the speed model's lower
-        bound (``"speed model"``), else None."""
-        if self.metrics.get("predicted_step_ms_calibrated") is not None:
-            return "calibrated", self.metrics["predicted_step_ms_calibrated"]
-        if self.predicted_step_ms is not None:
-            return "speed model", self.predicted_step_ms
-        return None
-
 
 def _bench_entries(doc: Any, path: Path) -> list[dict]:
     """The per-batch-size entries of a bench JSON (``{"placement": ..., "batches": [entry, ...]}``,
