@@ -27,7 +27,7 @@ import torch
 import triton
 
 from coldset.kernels.bandwidth import read_bandwidth
-from coldset.kernels.reference import torch_experts
+from coldset.kernels.reference import torch_experts, torch_softmax_topk
 from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
 from coldset.tiers import ExpertPools, check_host_allocation
 from coldset.tune import TuneShape, autotune, config_for, eager_time_us, graph_time_us
@@ -39,8 +39,8 @@ def log(*a):
 
 def routing(num_tokens, num_experts, top_k, gen):
     logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
-    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
-    return ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    ids, w = torch_softmax_topk(logits, top_k, renormalize=True)
+    return ids, w.to(torch.bfloat16)
 
 
 def main():

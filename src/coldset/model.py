@@ -453,8 +453,8 @@ class MoEModel(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
         delta = torch.zeros_like(x)
-        before_experts = self._compiled_before_experts if tokens.shape[1] == 1 else None
-        before_experts = before_experts or layer_before_experts
+        decode = tokens.shape[1] == 1 and self._compiled_before_experts is not None
+        before_experts = self._compiled_before_experts if decode else layer_before_experts
         # Not cuDNN attention: it plans anew for every key length (8 ms a call on an H200 in bf16).
         with sdpa_kernel(_SDPA_BACKENDS):
             for layer in self.layers:
