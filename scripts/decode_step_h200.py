@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
-GIB = 1024**3
 
 
 def log(*a) -> None:
@@ -72,18 +71,13 @@ def main() -> int:
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.tune import TuneShape, autotune, eager_time_us, tuned_experts
 
-    from coldset.kernels.bandwidth import read_bandwidth
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = load_config(args.config)
     dev = torch.device("cuda")
     R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "config": args.config}
 
-    src = torch.randn(2 * GIB, device=dev, dtype=torch.bfloat16)
-    R["hbm_read_GBps"] = max(read_bandwidth(src, 4096, it, 20) for it in (4, 16)) / 1e9
-    del src
-    torch.cuda.empty_cache()
+    R["hbm_read_GBps"] = bn.measure_ceilings()["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
