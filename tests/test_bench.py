@@ -136,3 +136,28 @@ def test_replayed_trace_drives_the_cold_share(engine, tmp_path):
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     cold = [not mask[moe_index[layer], e] for layer, e in zip(chosen.layer, chosen.expert)]
     assert r.cold_share == pytest.approx(sum(cold) / len(cold))
+
+
+@pytest.mark.parametrize("expert,msg", [
+    (-7, r"column 'expert' holds expert id -7 outside 0..7"),  # once wrapped around to expert 1: "cold share 0.5"
+    (8, r"column 'expert' holds expert id 8 outside 0..7"),  # once a bare numpy IndexError
+])
+def test_routing_replay_refuses_an_invalid_trace(tmp_path, expert, msg):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from coldset.routing import TraceError, TraceMeta
+
+    meta = TraceMeta("toy", num_layers=2, num_experts=8, top_k=2, moe_layers=[0, 1], source="test")
+    n = 4 * 2 * 2  # 4 decode tokens, 2 layers, top 2
+    ex = np.tile([0, 1], n // 2).astype(np.int16)
+    ex[5] = expert
+    t = pa.table({"request": ["r"] * n, "domain": ["d"] * n,
+                  "position": np.repeat(np.arange(4), 4).astype(np.int32), "phase": ["decode"] * n,
+                  "layer": np.tile([0, 0, 1, 1], 4).astype(np.int16), "rank": np.tile([0, 1], n // 2).astype(np.int8),
+                  "expert": ex})
+    path = tmp_path / "t.parquet"
+    pq.write_table(t.replace_schema_metadata(meta.to_metadata()), path)
+    cfg = {"num_experts": 8, "top_k": 2, "moe_layers": [0, 1]}
+    with pytest.raises(TraceError, match=msg):
+        bench.RoutingReplay.from_trace(path, cfg, batch_size=1, num_steps=2, device="cpu")

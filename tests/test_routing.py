@@ -61,7 +61,8 @@ def _table(n=16, **over):
         "request": ["r0"] * n, "domain": ["d"] * n, "position": np.repeat(np.arange(n // 4), 4).astype(np.int32),
         "phase": ["prefill"] * (n // 2) + ["decode"] * (n - n // 2),
         "layer": np.tile([1, 1, 3, 3], n // 4).astype(np.int16), "rank": np.tile([0, 1], n // 2).astype(np.int8),
-        "expert": rng.integers(0, 8, n).astype(np.int16),
+        # two distinct experts per token (a valid top-2 routing)
+        "expert": np.concatenate([rng.permutation(8)[:2] for _ in range(n // 2)]).astype(np.int16),
     }
     d.update(over)
     return pa.table(d)
@@ -71,9 +72,14 @@ def _table(n=16, **over):
 # writer and reader
 
 
+def _topk(rng, tokens, layers=2, k=2, experts=8):
+    """Routed experts [tokens, layers, k]: k distinct experts per (token, layer), as a router picks them."""
+    return np.stack([rng.permutation(experts)[:k] for _ in range(tokens * layers)]).reshape(tokens, layers, k)
+
+
 def test_writer_round_trip_and_row_groups(tmp_path):
     rng = np.random.default_rng(1)
-    reqs = [RequestRows(f"q{i}", ["a", "b"][i % 2], rng.integers(0, 8, (5 + i, 2, 2)), 3,
+    reqs = [RequestRows(f"q{i}", ["a", "b"][i % 2], _topk(rng, 5 + i), 3,
                         rng.random((5 + i, 2, 2)).astype(np.float32), ["profile", "heldout"][i % 2])
             for i in range(6)]
     path = tmp_path / "t.parquet"
@@ -132,10 +138,17 @@ def test_write_trace_from_table(tmp_path):
 # validation errors: each names the file and the place
 
 
+def _with(row, expert):
+    """_table()'s expert column with one row changed."""
+    ex = _table().column("expert").to_numpy().copy()
+    ex[row] = expert
+    return ex
+
+
 @pytest.mark.parametrize("over,msg", [
-    ({"expert": np.r_[np.zeros(9), 8, np.zeros(6)].astype(np.int16)}, r"row 9: column 'expert' holds expert id 8 outside 0..7"),
-    ({"expert": np.r_[np.zeros(3), -2, np.zeros(12)].astype(np.int16)}, r"row 3: column 'expert' holds expert id -2"),
-    ({"expert": np.r_[np.zeros(12), -1, np.zeros(3)].astype(np.int16)}, r"row 12: column 'expert' holds -1 \(cached prefix\) in a decode row"),
+    ({"expert": _with(9, 8)}, r"row 9: column 'expert' holds expert id 8 outside 0..7"),
+    ({"expert": _with(3, -2)}, r"row 3: column 'expert' holds expert id -2"),
+    ({"expert": _with(12, -1)}, r"row 12: column 'expert' holds -1 \(cached prefix\) in a decode row"),
     ({"layer": np.r_[np.ones(5), 2, np.ones(10)].astype(np.int16)}, r"row 5: column 'layer' holds layer 2, not one of the MoE layers \[1, 3\]"),
     ({"rank": np.r_[np.zeros(7), 2, np.zeros(8)].astype(np.int8)}, r"row 7: column 'rank' holds rank 2 outside 0..1"),
     ({"phase": ["prefill"] * 15 + ["generate"]}, r"row 15: column 'phase' holds 'generate'"),
@@ -191,9 +204,12 @@ def test_split_of_is_a_stable_hash():
 
 def _vllm_requests():
     rng = np.random.default_rng(7)
-    a = rng.integers(0, 8, (9, 2, 2)).astype(np.int16)  # int16 [tokens, moe_layers, k]
+    def topk(tokens):  # distinct experts per (token, layer), as a router selects them
+        return np.stack([rng.permutation(8)[:2] for _ in range(tokens * 2)]).reshape(tokens, 2, 2)
+
+    a = topk(9).astype(np.int16)  # int16 [tokens, moe_layers, k]
     a[:3] = -1  # three prompt tokens served from the prefix cache
-    b = rng.integers(0, 8, (5, 2, 2)).astype(np.uint8)  # uint8 when <= 256 experts
+    b = topk(5).astype(np.uint8)  # uint8 when <= 256 experts
     return [("agent-1", "agent", 6, a), ("prose-2", "prose", 2, b)]
 
 
@@ -341,3 +357,61 @@ def test_capture_routing_matches_transformers_router(tmp_path, tiny_hf_checkpoin
             want = torch.topk(router[li].float(), 2, dim=-1).indices.numpy()  # [tokens, k], rank order
             got = rows[rows.layer == layer].sort_values(["position", "rank"]).expert.to_numpy().reshape(-1, 2)
             np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16 item 3: every reader goes through the one validator, which also checks whole tokens
+
+
+def _raw_trace(path, table, meta=META):
+    """Written with pyarrow directly: what an external tool may hand us (write_trace would refuse)."""
+    pq.write_table(table.replace_schema_metadata(meta.to_metadata()), path, row_group_size=8)
+    return path
+
+
+@pytest.mark.parametrize("over,msg", [
+    # every row relabelled to one MoE layer: each token then repeats its ranks
+    ({"layer": np.ones(16, np.int16)}, r"request 'r0', position 0, layer 1 \(rows \[0, 1, 2, 3\]\) repeats a rank"),
+    # one token selects expert 5 at both ranks
+    ({"expert": np.r_[[1, 2, 3, 4, 5, 5], np.arange(10) % 8].astype(np.int16)},
+     r"position 1, layer 1 \(rows \[4, 5\]\) selects the same expert twice \(\[5, 5\]\)"),
+    # a top-2 trace whose row 6 says rank 0 again: the token at rows 6-7 misses rank 1
+    ({"rank": np.r_[np.tile([0, 1], 3), [0, 0], np.tile([0, 1], 4)].astype(np.int8),
+      "expert": np.r_[np.tile([0, 1], 3), [2, 3], np.tile([0, 1], 4)].astype(np.int16)},
+     r"position 1, layer 3 \(rows \[6, 7\]\) repeats a rank"),
+    ({"weight": np.full(16, np.nan, np.float32)}, r"row 0: column 'weight' holds router weight nan"),
+    ({"domain": ["(all)"] * 16}, r"row 0: column 'domain' holds domain '\(all\)', not a valid name"),
+    ({"domain": ["d"] * 8 + ["$\\frac{a$"] * 8}, r"row 8: column 'domain' holds domain"),
+])
+def test_validator_refuses_tokens_no_single_row_shows(tmp_path, over, msg):
+    base = {"expert": np.tile([0, 1], 8).astype(np.int16)}
+    path = _raw_trace(tmp_path / "bad.parquet", _table(**{**base, **over}))
+    with pytest.raises(TraceError, match=msg):
+        validate_trace(path)
+
+
+def test_validator_refuses_a_token_missing_a_rank_at_the_end(tmp_path):
+    # the last token of the file has rank 0 only (its rank-1 row was dropped)
+    t = _table(expert=np.tile([0, 1], 8).astype(np.int16)).slice(0, 15)
+    path = _raw_trace(tmp_path / "bad.parquet", t)
+    with pytest.raises(TraceError, match=r"position 3, layer 3 \(rows \[14\]\) has ranks \[0\], missing some of 0..1"):
+        validate_trace(path)
+
+
+def test_validator_joins_a_token_split_across_row_groups(tmp_path):
+    # 8-row groups starting at row 1: every row group boundary cuts a token in two; still valid
+    t = _table(n=24, expert=np.tile([0, 1], 12).astype(np.int16))
+    t = pa.concat_tables([t.slice(0, 1), t.slice(1)])
+    path = tmp_path / "t.parquet"
+    pq.write_table(t.replace_schema_metadata(META.to_metadata()).combine_chunks(), path, row_group_size=7)
+    assert pq.ParquetFile(path).num_row_groups == 4
+    assert validate_trace(path).top_k == 2
+
+
+def test_writer_refuses_a_domain_that_is_not_a_name(tmp_path):
+    ex = np.zeros((3, 2, 2), np.int16)
+    ex[..., 1] = 1
+    with pytest.raises(TraceError, match=r"domain '\.\./\.\./victim' is not a valid name"):
+        with TraceWriter(tmp_path / "t.parquet", META, with_weight=False, with_split=False) as w:
+            w.add(RequestRows("r0", "../../victim", ex, 2))
+    assert not (tmp_path / "t.parquet").exists()

@@ -385,9 +385,9 @@ class RoutingReplay:
     def from_trace(cls, trace_path, model_config, batch_size: int, num_steps: int, device) -> "RoutingReplay":
         import pandas as pd
 
-        from coldset.routing import read_trace_meta
+        from coldset.routing import validate_trace
 
-        meta = read_trace_meta(trace_path, model_config)
+        meta = validate_trace(trace_path, model_config)  # the one trace validator: ids, ranks, layers
         df = pd.read_parquet(trace_path, columns=["request", "position", "phase", "layer", "rank", "expert"],
                              filters=[("phase", "==", "decode")])
         moe = {layer: i for i, layer in enumerate(meta.moe_layers)}

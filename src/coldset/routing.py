@@ -46,6 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from coldset.names import NAME_PATTERN, is_name
+
 PHASES = ("prefill", "decode")
 SPLITS = ("profile", "heldout")
 REQUIRED_COLUMNS = ("request", "domain", "position", "phase", "layer", "rank", "expert")
@@ -271,6 +273,9 @@ class TraceWriter:
         if ex.ndim != 3 or ex.shape[1:] != (L, k):
             raise TraceError(f"{where}: routed experts have shape {tuple(ex.shape)}, expected [tokens, {L}, {k}] "
                              f"(tokens, MoE layers, top_k)")
+        if not is_name(req.domain):
+            raise TraceError(f"{where}: domain {req.domain!r} is not a valid name (domains become file names and "
+                             f"labels; they must match {NAME_PATTERN})")
         if req.request in self._seen:
             raise TraceError(f"{where}: request id {req.request!r} appears twice")
         self._seen.add(req.request)
@@ -290,6 +295,11 @@ class TraceWriter:
                 f"{where}: expert id {int(ex[t, l, r])} at token {t}, MoE layer {l}, rank {r} is outside "
                 f"0..{meta.num_experts - 1} (only whole tokens of -1 are accepted, as cached prefix)"
             )
+        srt = np.sort(ex, axis=2)
+        dup = (srt[..., 1:] == srt[..., :-1]).any(axis=2) & ~cached_tok[:, None]
+        if dup.any():
+            t, l = (int(v) for v in np.argwhere(dup)[0])
+            raise TraceError(f"{where}: token {t}, MoE layer {l} selects the same expert twice ({ex[t, l].tolist()})")
         positions = np.arange(ex.shape[0], dtype=np.int64) + req.first_position
         if (cached_tok & (positions >= req.num_prompt_tokens + req.first_position)).any():
             t = int(np.flatnonzero(cached_tok & (positions >= req.num_prompt_tokens + req.first_position))[0])
@@ -505,6 +515,20 @@ def _validate_batch(batch: pa.RecordBatch, meta: TraceMeta, where: str, row_offs
     for name in ("request", "domain"):
         if name in names and batch.column(name).null_count:
             fail(name, _first_bad(batch.column(name).is_null()), "is null")
+    if "domain" in names:  # domains become file names and figure labels: one rule (coldset.names)
+        col = batch.column("domain")
+        values = col.dictionary if pa.types.is_dictionary(col.type) else pc.unique(col)
+        for value in values.cast(pa.string()).to_pylist():
+            if value is not None and not is_name(value):
+                i = _first_bad(pc.equal(col.cast(pa.string()), value))
+                fail("domain", i, f"holds domain {value!r}, not a valid name (domains become file names and "
+                                  f"labels; they must match {NAME_PATTERN})")
+    if "weight" in names:
+        w = batch.column("weight")
+        bad = pc.invert(pc.fill_null(pc.is_finite(w), True))
+        if pc.any(bad).as_py():
+            i = _first_bad(bad)
+            fail("weight", i, f"holds router weight {w[i].as_py()}; router weights are finite numbers")
 
 
 def iter_trace_batches(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
@@ -533,11 +557,75 @@ def iter_trace_batches(path: str | os.PathLike, columns: Sequence[str] | None = 
             yield batch
 
 
+_TOKEN_COLUMNS = ["request", "position", "layer", "rank", "expert"]
+
+
+def _check_tokens(t: pa.Table, meta: TraceMeta, where: str, final: bool) -> pa.Table:
+    """Every routed (request, position, MoE layer) of ``t`` has ranks 0..top_k-1 once each and
+    ``top_k`` distinct experts. ``t`` carries a file-global ``_row`` column. Returns the rows of
+    tokens that may still be completed by later rows (fewer than top_k rows, distinct so far);
+    with ``final`` those are errors too. Cached-prefix rows (-1) were routed by nobody: skipped."""
+    t = t.filter(pc.not_equal(t.column("expert"), CACHED_EXPERT))
+    if not t.num_rows:
+        return t
+    key = ["request", "position", "layer"]
+    keyed = t.select(key + ["rank", "expert", "_row"])
+    if pa.types.is_dictionary(keyed.schema.field("request").type):
+        keyed = keyed.set_column(0, "request", keyed.column("request").cast(pa.string()))
+    g = keyed.group_by(key).aggregate([("rank", "count"), ("rank", "count_distinct"), ("expert", "count_distinct"),
+                                       ("_row", "min")])
+    k = meta.top_k
+    n, ranks, experts = (g.column(c).to_numpy() for c in ("rank_count", "rank_count_distinct",
+                                                          "expert_count_distinct"))
+    bad = (ranks < n) | (experts < n) | (n > k)
+    if final:
+        bad |= n < k
+    if bad.any():
+        order = np.argsort(g.column("_row_min").to_numpy()[bad], kind="stable")
+        i = int(np.flatnonzero(bad)[order[0]])
+        req, pos, layer = (g.column(c)[i].as_py() for c in key)
+        rows = keyed.filter(pc.and_(pc.and_(pc.equal(keyed.column("request"), req),
+                                            pc.equal(keyed.column("position"), pos)),
+                                    pc.equal(keyed.column("layer"), layer)))
+        row_ids = rows.column("_row").to_pylist()
+        what = (f"request {req!r}, position {pos}, layer {layer} (rows {row_ids[:2 * k]})")
+        if ranks[i] < n[i] or n[i] > k:
+            msg = f"repeats a rank ({rows.column('rank').to_pylist()}; top_k={k})"
+        elif experts[i] < n[i]:
+            msg = f"selects the same expert twice ({rows.column('expert').to_pylist()})"
+        else:
+            msg = f"has ranks {sorted(rows.column('rank').to_pylist())}, missing some of 0..{k - 1}"
+        raise TraceError(f"{where}: {what} {msg}")
+    open_keys = g.filter(pc.less(g.column("rank_count"), k)).select(key)
+    if not open_keys.num_rows:
+        return keyed.slice(0, 0)
+    return keyed.join(open_keys, key, join_type="inner")
+
+
 def validate_trace(path: str | os.PathLike, expect: Any = None) -> TraceMeta:
-    """Read a whole trace once, streaming, and raise :class:`TraceError` on the first defect."""
+    """Read a whole trace once, streaming, and raise :class:`TraceError` on the first defect.
+
+    The one validator every reader of a trace calls (import, statistics, the bench's routing
+    replay): the row checks of :func:`iter_trace_batches` (expert range, MoE layer, rank, phase,
+    split, domain names, finite weights) and the token checks no single row shows: every routed
+    (request, position, MoE layer) has each rank 0..top_k-1 once and top_k distinct experts
+    (rows relabelled to one layer repeat ranks; negative ids never wrap around). Memory is a row
+    group plus the rows of tokens left open across row groups (none for coldset's writers).
+    """
     meta = read_trace_meta(path, expect)
-    for _ in iter_trace_batches(path, expect=None):
-        pass
+    open_rows: pa.Table | None = None
+    offset = 0
+    for batch in iter_trace_batches(path, expect=None):
+        t = pa.Table.from_batches([batch]).select(_TOKEN_COLUMNS)
+        t = t.append_column("_row", pa.array(np.arange(offset, offset + batch.num_rows, dtype=np.int64)))
+        offset += batch.num_rows
+        if pa.types.is_dictionary(t.schema.field("request").type):
+            t = t.set_column(0, "request", t.column("request").cast(pa.string()))
+        if open_rows is not None and open_rows.num_rows:
+            t = pa.concat_tables([open_rows.select(t.column_names).cast(t.schema), t])
+        open_rows = _check_tokens(t, meta, str(path), final=False)
+    if open_rows is not None and open_rows.num_rows:
+        _check_tokens(open_rows, meta, str(path), final=True)
     return meta
 
 

@@ -61,6 +61,7 @@ from coldset.routing import (
     TraceError,
     TraceMeta,
     iter_trace_batches,
+    validate_trace,
     read_trace_meta,
     split_of,
 )
@@ -323,7 +324,7 @@ def scan_trace(trace_path: str | os.PathLike, heldout_fraction: float = 0.25, *,
     from tqdm import tqdm
 
     path = Path(trace_path)
-    meta = read_trace_meta(path, expect)
+    meta = validate_trace(path, expect)  # the one trace validator (rows and whole tokens)
     L, E, k = meta.num_moe_layers, meta.num_experts, meta.top_k
     slots = cache_slots if cache_slots is not None else 3 * k
     lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)
@@ -352,7 +353,7 @@ def scan_trace(trace_path: str | os.PathLike, heldout_fraction: float = 0.25, *,
         cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
         oracle_parts.append(_oracle_rows(*cols, L, k, slots, requests.names, str(path)))
 
-    for batch in iter_trace_batches(path, columns, expect=None, batch_rows=batch_rows):
+    for batch in iter_trace_batches(path, columns, validate=False, batch_rows=batch_rows):
         n = batch.num_rows
         rows += n
         dom = domains.encode(batch.column("domain"))
