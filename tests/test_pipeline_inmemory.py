@@ -214,3 +214,84 @@ def test_host_tier_refuses_bad_input():
     placed = ref.placed(row_map_from_mask(np.ones((L, E), dtype=bool)), tier)
     with pytest.raises(ValueError, match="all-hot layout"):
         host_tier(placed)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16 item 2: a parity verdict is about the files it checked, never about their successors
+
+
+def _copy_run(run, tmp_path) -> Path:
+    """A copy of the run's results (the module's run stays untouched) and a config pointing at it."""
+    import shutil
+
+    shutil.copytree(run["results"], tmp_path / "results")
+    cfg = _config(run["root"])
+    cfg["results"] = str(tmp_path / "results")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
+    from coldset.fingerprint import file_sha256
+
+    res = run["results"]
+    manifest = res / "model" / "tiny-mem" / "manifest.json"
+    gate = json.loads((res / "parity" / "tiny-mem" / "gate.json").read_text())
+    for name in PLACEMENTS:
+        fp = json.loads((res / "parity" / "tiny-mem" / f"{name}.json").read_text())["fingerprint"]
+        placement = json.loads((res / "placement" / "tiny-mem" / f"{name}.json").read_text())
+        assert fp["row_map_sha256"] == file_sha256(res / "placement" / "tiny-mem" / f"{name}.rowmap.npy")
+        assert fp["row_map_sha256"] == placement["row_map_sha256"]
+        assert fp["model"] == file_sha256(manifest)
+        assert len(fp["kernel"]) == 64
+        assert gate["fingerprints"][name] == fp
+
+
+def test_rewritten_placement_stale_reports_refused_by_gate_and_bench(run, tmp_path, capsys):
+    from coldset.placement import load_placement, save_placement
+
+    cfg_path = _copy_run(run, tmp_path)
+    res = tmp_path / "results"
+    # the placement stage rewrites usage_global-0.5 with another (valid) row map: swap two layers' rows
+    path = res / "placement" / "tiny-mem" / "usage_global-0.5.json"
+    pl = load_placement(path)
+    assert not np.array_equal(pl.row_map[0], pl.row_map[1])
+    pl.row_map = np.ascontiguousarray(pl.row_map[::-1])
+    save_placement(pl, path)
+    capsys.readouterr()
+    assert cli.main(["parity_gate", "--config", str(cfg_path)]) == 1
+    err = capsys.readouterr().err
+    assert "parity/tiny-mem/usage_global-0.5.json is stale" in err and "usage_global-0.5.rowmap.npy" in err
+    # the bench refuses the placement the gate passed in its old form, before loading any model
+    assert cli.main(["bench", "--config", str(cfg_path)]) == 1
+    err = capsys.readouterr().err
+    assert "gate.json (placement usage_global-0.5) is stale" in err and "row_map_sha256" in err
+    # untouched placements still pass, and a report without a fingerprint is refused too
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "positional-0.5"]) == 0
+    report = res / "parity" / "tiny-mem" / "positional-0.5.json"
+    doc = json.loads(report.read_text())
+    del doc["fingerprint"]
+    report.write_text(json.dumps(doc))
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "positional-0.5"]) == 1
+    assert "has no fingerprint" in capsys.readouterr().err
+
+
+def test_changed_kernel_or_model_make_reports_stale(run, tmp_path, capsys):
+    cfg_path = _copy_run(run, tmp_path)
+    res = tmp_path / "results"
+    entry = res / "autotune" / "tiny-mem.json"
+    doc = json.loads(entry.read_text())
+    doc["configs"] = {b: {**c, "changed": 1} for b, c in doc["configs"].items()}
+    entry.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli.main(["parity_gate", "--config", str(cfg_path)]) == 1
+    assert "changed: kernel" in capsys.readouterr().err
+    entry.write_text(json.dumps({**doc, "configs": json.loads((run["results"] / "autotune" / "tiny-mem.json")
+                                                             .read_text())["configs"]}))
+    assert cli.main(["parity_gate", "--config", str(cfg_path)]) == 0
+    manifest = res / "model" / "tiny-mem" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**m, "spec": {**m["spec"], "seed": 4}}))
+    assert cli.main(["parity_gate", "--config", str(cfg_path)]) == 1
+    assert "changed: model" in capsys.readouterr().err

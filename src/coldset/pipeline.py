@@ -256,9 +256,12 @@ def model(config: dict, **_) -> None:
     cfg = ModelConfig.from_pretrained(path)  # the loader's own checks: clear errors on a bad folder
     if not (path / "tokenizer.json").is_file():
         raise StageError(f"model folder {path} has no tokenizer.json")
+    from coldset.fingerprint import model_files
+
     write_json(layout.model_dir / "manifest.json", {
         "name": config["model"]["name"], "path": str(path.resolve()), "source": source,
         "config": {k: v for k, v in asdict(cfg).items()},
+        "files": model_files(path),  # what the parity fingerprint's model digest covers
     })
 
 
@@ -372,25 +375,78 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     host = _host_tier(config)
     for name in _placement_names(config, placements):
+        fingerprint = _fingerprint(config, name)  # of the files this decode reads, taken before it
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = engine.pools.placed(pl.row_map, host)
         got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
-        write_json(layout.parity(*name.rsplit("-", 1)), result.to_dict())
+        write_json(layout.parity(*name.rsplit("-", 1)), {**result.to_dict(), "fingerprint": fingerprint})
         del pools
+
+
+def _fingerprint_files(config: dict, name: str) -> dict[str, Path]:
+    """The file each fingerprint field digests (coldset.fingerprint), for placement ``name``."""
+    from coldset.placement import row_map_path
+
+    layout = Layout.from_config(config)
+    return {"row_map_sha256": row_map_path(layout.placement_dir / f"{name}.json"),
+            "model": _manifest_path(config), "kernel": layout.autotune}
+
+
+def _fingerprint(config: dict, name: str) -> dict[str, str]:
+    """What placement ``name``'s parity verdict depends on, as on disk now (coldset.fingerprint)."""
+    from coldset.fingerprint import StaleReportError, current_fingerprint
+
+    files = _fingerprint_files(config, name)
+    try:
+        return current_fingerprint(files["row_map_sha256"], files["model"], files["kernel"])
+    except (StaleReportError, FileNotFoundError, ValueError) as exc:
+        raise StageError(f"placement {name}: {exc}") from None
+
+
+def _check_report(config: dict, name: str, report: dict, where: Path | str) -> dict[str, str]:
+    """Refuse a parity report whose fingerprint is not that of the files on disk; returns it."""
+    from coldset.fingerprint import StaleReportError, check_fingerprint
+
+    current = _fingerprint(config, name)
+    try:
+        check_fingerprint(report.get("fingerprint"), current, str(where),
+                          _fingerprint_files(config, name))
+    except StaleReportError as exc:
+        raise StageError(str(exc)) from None
+    return current
 
 
 def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:
     from coldset.gate import gate_verdict
 
     layout = Layout.from_config(config)
-    results = [read_json(layout.parity(*n.rsplit("-", 1)), "parity report")
-               for n in _placement_names(config, placements)]
+    names = _placement_names(config, placements)
+    paths = [layout.parity(*n.rsplit("-", 1)) for n in names]
+    results = [read_json(p, "parity report") for p in paths]
+    # A verdict about other files than those on disk now is refused before it is counted.
+    fingerprints = {n: _check_report(config, n, r, p) for n, r, p in zip(names, results, paths)}
     summary = gate_verdict(results)  # raises, naming the failed placements
-    write_json(layout.parity_gate, summary)
+    write_json(layout.parity_gate, {**summary, "fingerprints": fingerprints})
     log.info("parity gate passed: %d placements token-exact", len(results))
+
+
+def _check_gate_passed(config: dict, names: list[str]) -> None:
+    """The bench runs only placements the gate passed in their current form (coldset.fingerprint)."""
+    layout = Layout.from_config(config)
+    try:
+        gate = read_json(layout.parity_gate, "parity gate summary")
+    except FileNotFoundError as exc:
+        raise StageError(f"{exc}: run the parity gate first (the bench runs only gated placements)") from None
+    for name in names:
+        entry = (gate.get("placements") or {}).get(name)
+        if not gate.get("passed") or not entry or not entry.get("passed"):
+            raise StageError(f"placement {name}: the parity gate {layout.parity_gate} did not pass it; "
+                             "run the parity stage and the gate")
+        _check_report(config, name, {"fingerprint": (gate.get("fingerprints") or {}).get(name)},
+                      f"{layout.parity_gate} (placement {name})")
 
 
 def bench(config: dict, placements: list[str] | None = None, **_) -> None:
@@ -401,6 +457,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
 
     layout = Layout.from_config(config)
     bc = config["bench"]
+    _check_gate_passed(config, _placement_names(config, placements))  # before the engine loads
     engine, tokenizer = _load_engine(config)
     tuned = _tuned(config)
     stream = [t for ids in encode_prompts(tokenizer, [f.prompt for f in read_fixtures(_fixture_paths(config))])

@@ -5,6 +5,7 @@ rule bench:
         manifest=model_inputs,
         fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
         placements=rules.placement.output.placements,
+        rowmaps=rules.placement.output.rowmaps,
         autotune=rules.autotune.output.entry,
         gate=rules.parity_gate.output.gate,
     output:

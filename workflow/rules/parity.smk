@@ -5,6 +5,7 @@ rule parity:
         manifest=model_inputs,
         fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
         placements=rules.placement.output.placements,
+        rowmaps=rules.placement.output.rowmaps,
         autotune=rules.autotune.output.entry,
     output:
         reports=report(
@@ -26,7 +27,12 @@ rule parity:
 # The gate: fails, naming every placement whose tokens differ; bench and report depend on it.
 rule parity_gate:
     input:
-        rules.parity.output.reports,
+        reports=rules.parity.output.reports,
+        # the files each report's fingerprint digests (coldset.fingerprint): the gate refuses a
+        # report about other files than these
+        rowmaps=rules.placement.output.rowmaps,
+        manifest=model_inputs,
+        autotune=rules.autotune.output.entry,
     output:
         gate=f"{RESULTS}/parity/{MODEL}/gate.json",
     log:
