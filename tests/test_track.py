@@ -297,3 +297,61 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     absent = {"bytes_step_ms", "fraction_of_bytes_bound", "predicted_step_ms_calibrated", "hbm_read_gb_s",
               "link_read_gb_s"}
     assert absent.isdisjoint(run.data.metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16 item 7: the store heals
+
+
+def _half_made_store(db, runs=0):
+    """What an interrupted creation leaves: some of MLflow's tables (here the one the race names)."""
+    import sqlite3
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE secrets (secret_id TEXT PRIMARY KEY)")
+    if runs:
+        con.execute("CREATE TABLE runs (run_uuid TEXT PRIMARY KEY)")
+        con.executemany("INSERT INTO runs VALUES (?)", [(f"r{i}",) for i in range(runs)])
+    con.commit()
+    con.close()
+
+
+def test_half_made_store_is_moved_aside_and_rebuilt_with_a_warning(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from coldset.track import ensure_store
+
+    db = tmp_path / "results" / "mlflow.db"
+    _half_made_store(db)
+    with pytest.raises(Exception, match="table secrets already exists"):  # what every invocation hit
+        MlflowClient(f"sqlite:///{db}").search_experiments()
+    (db.parent / ".mlflow.db.12345.tmp").write_bytes(b"half a store of a killed creator")
+    with pytest.warns(UserWarning, match=rf"MLflow store {db} was half-made .* moved it to {db}.broken-"):
+        exp_id = ensure_store(f"sqlite:///{db}", "coldset")
+    assert MlflowClient(f"sqlite:///{db}").get_experiment(exp_id).name == "coldset"
+    assert len(list(db.parent.glob("mlflow.db.broken-*"))) == 1  # kept, not deleted
+    assert not list(db.parent.glob(".mlflow.db.*.tmp"))
+
+
+def test_unopenable_store_with_runs_is_never_touched(tmp_path):
+    from coldset.track import TrackingError, ensure_store
+
+    db = tmp_path / "mlflow.db"
+    _half_made_store(db, runs=2)
+    before = db.read_bytes()
+    with pytest.raises(TrackingError, match=rf"MLflow store {db} cannot be opened .* holds 2 runs"):
+        ensure_store(f"sqlite:///{db}", "coldset")
+    assert db.read_bytes() == before and not list(tmp_path.glob("mlflow.db.broken-*"))
+
+
+def test_done_file_is_stale_once_its_store_is_gone(tmp_path):
+    from coldset.track import done_is_stale
+
+    db = tmp_path / "mlflow.db"
+    done = tmp_path / "tiny.done"
+    done.write_text(json.dumps({"tracking_uri": f"sqlite:///{db}", "experiment": "coldset", "runs": {}}))
+    assert done_is_stale(done) == f"its MLflow store {db} no longer exists"
+    db.write_bytes(b"")
+    assert done_is_stale(done) is None
+    assert done_is_stale(tmp_path / "absent.done") is None

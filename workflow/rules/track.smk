@@ -1,9 +1,14 @@
-onstart:
-    # Create the MLflow store and experiment once, before jobs could race to migrate it (NOTES.md).
-    if config["tracking"]["uri"] is None:
-        from coldset.track import ensure_store
+# The track stage creates (or heals) the MLflow store itself, atomically under a lock
+# (coldset.track.ensure_store): stages that never touch MLflow cannot fail on it. A done file whose
+# SQLite store was deleted is stale: removing it before the DAG is built makes `snakemake report`
+# log the runs again instead of answering "Nothing to be done".
+from snakemake.logging import logger
 
-        ensure_store(LAYOUT.tracking_uri(config), config["tracking"]["experiment"])
+from coldset.track import done_is_stale
+
+if (_why := done_is_stale(LAYOUT.track_done)) is not None:
+    logger.warning(f"{LAYOUT.track_done}: {_why}; the track stage will run again to recreate the runs")
+    Path(LAYOUT.track_done).unlink()
 
 
 rule track:
