@@ -139,47 +139,75 @@ class AccessStream:
         return int(np.diff(self.group_ptr).max(initial=0))
 
 
+def _codes(column: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, names) of a string column, codes ascending with the names' string order."""
+    cat = column if isinstance(column, pd.Categorical) else pd.Categorical(np.asarray(column).astype(str))
+    names = np.asarray(cat.categories).astype(str)
+    order = np.argsort(names, kind="stable")
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    codes = np.asarray(cat.codes, dtype=np.int64)
+    if (codes < 0).any():
+        raise CacheError("request column holds missing values")
+    return rank[codes], names[order]
+
+
 def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
                       num_experts: int) -> AccessStream:
-    """The replay stream of decode rows: columns ``request`` (str), ``position``,
-    ``layer_index`` (MoE-layer index 0..L-1), ``rank``, ``expert``.
+    """The replay stream of decode rows: columns ``request`` (str or categorical),
+    ``position``, ``layer_index`` (MoE-layer index 0..L-1), ``rank``, ``expert``.
 
     Order: request id (string order), position, layer index, rank; one group per (request,
     position, layer index); tokens = distinct (request, position). Two rows with the same
-    (request, position, layer index, rank) are an error.
+    (request, position, layer index, rank) are an error. Rows already in that order (as traces
+    are written) skip the sort.
     """
-    req = np.asarray(rows["request"]).astype(str)
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
     pos = np.asarray(rows["position"], dtype=np.int64)
     li = np.asarray(rows["layer_index"], dtype=np.int64)
     rank = np.asarray(rows["rank"], dtype=np.int64)
     exp = np.asarray(rows["expert"], dtype=np.int64)
-    if not (req.size == pos.size == li.size == rank.size == exp.size):
+    if not (len(req_col) == pos.size == li.size == rank.size == exp.size):
         raise CacheError("stream_from_frame: columns differ in length")
-    if req.size == 0:
+    if pos.size == 0:
         return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, num_moe_layers, num_experts)
     if li.min() < 0 or li.max() >= num_moe_layers:
         raise CacheError(f"stream_from_frame: layer_index outside [0, {num_moe_layers})")
     if exp.min() < 0 or exp.max() >= num_experts:
         raise CacheError(f"stream_from_frame: expert outside [0, {num_experts})")
-    names, req_code = np.unique(req, return_inverse=True)  # sorted names: string order
-    order = np.lexsort((rank, li, pos, req_code))
-    rc, pos, li, rank, exp = req_code[order], pos[order], li[order], rank[order], exp[order]
-    same_group = np.r_[False, (rc[1:] == rc[:-1]) & (pos[1:] == pos[:-1]) & (li[1:] == li[:-1])]
-    dup = same_group & np.r_[False, rank[1:] == rank[:-1]]
-    if dup.any():
-        i = int(np.flatnonzero(dup)[0])
-        raise CacheError(f"stream_from_frame: request {names[rc[i]]!r} has two rows for position {int(pos[i])}, "
-                         f"MoE layer index {int(li[i])}, rank {int(rank[i])}")
-    new_token = np.r_[True, (rc[1:] != rc[:-1]) | (pos[1:] != pos[:-1])]
-    ptr = np.r_[np.flatnonzero(~same_group), exp.size]
-    return AccessStream(li * num_experts + exp, ptr, int(new_token.sum()), num_moe_layers, num_experts)
+    if pos.min() < 0 or rank.min() < 0:
+        raise CacheError("stream_from_frame: position and rank must be >= 0")
+    rc, names = _codes(req_col)
+    # one int64 key (request, position, layer, rank)
+    n_rank = int(rank.max()) + 1
+    n_pos = int(pos.max()) + 1
+    key = ((rc * n_pos + pos) * num_moe_layers + li) * n_rank + rank
+    if not (key[1:] > key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        key, rc, pos, li, rank, exp = key[order], rc[order], pos[order], li[order], rank[order], exp[order]
+        dup = np.flatnonzero(key[1:] == key[:-1])
+        if dup.size:
+            i = int(dup[0]) + 1
+            raise CacheError(f"stream_from_frame: request {names[rc[i]]!r} has two rows for position {int(pos[i])}, "
+                             f"MoE layer index {int(li[i])}, rank {int(rank[i])}")
+    group_key = key // n_rank
+    new_group = np.r_[True, group_key[1:] != group_key[:-1]]
+    token_key = group_key // num_moe_layers
+    tokens = int(np.count_nonzero(np.r_[True, token_key[1:] != token_key[:-1]]))
+    ptr = np.r_[np.flatnonzero(new_group), exp.size]
+    return AccessStream(li * num_experts + exp, ptr, tokens, num_moe_layers, num_experts)
 
 
 def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0.25,
                       expect: Any = None) -> tuple[pd.DataFrame, Any]:
-    """Decode rows of a trace as a frame (request, domain, split, position, layer_index, rank,
-    expert) and its :class:`coldset.routing.TraceMeta`. ``split`` comes from the trace's column
-    or, without one, from :func:`coldset.routing.split_of` (as the stats stage does)."""
+    """Decode rows of a trace as a frame (request and domain categorical, split, position,
+    layer_index, rank, expert) and its :class:`coldset.routing.TraceMeta`. ``split`` comes from
+    the trace's column or, without one, from :func:`coldset.routing.split_of` on the request id
+    (as the stats stage does). Read column-wise through pyarrow (validated batch by batch)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from coldset.routing import iter_trace_batches, read_trace_meta, split_of
@@ -189,24 +217,39 @@ def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0
     cols = ["request", "domain", "position", "phase", "layer", "rank", "expert"] + (["split"] if has_split else [])
     lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)
     lut[list(meta.moe_layers)] = np.arange(meta.num_moe_layers)
-    parts = []
-    for batch in iter_trace_batches(trace_path, cols):
-        df = batch.to_pandas()
-        df = df[(df["phase"].astype(str) == "decode") & (df["expert"] >= 0)]
-        parts.append(pd.DataFrame({
-            "request": df["request"].astype(str).to_numpy(),
-            "domain": df["domain"].astype(str).to_numpy(),
-            "split": (df["split"].astype(str).to_numpy() if has_split else None),
-            "position": df["position"].to_numpy(np.int64),
-            "layer_index": lut[df["layer"].to_numpy(np.int64)],
-            "rank": df["rank"].to_numpy(np.int64),
-            "expert": df["expert"].to_numpy(np.int64),
-        }))
-    rows = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
-        columns=["request", "domain", "split", "position", "layer_index", "rank", "expert"])
-    if not has_split:
-        split = {r: split_of(r, heldout_fraction) for r in rows["request"].unique()}
-        rows["split"] = rows["request"].map(split)
+    batches = []
+    for batch in iter_trace_batches(trace_path, cols, batch_rows=1 << 22):
+        keep = pc.and_(pc.equal(batch.column("phase").cast(pa.string()), "decode"),
+                       pc.greater_equal(batch.column("expert"), 0))
+        batches.append(batch.filter(keep))
+    table = pa.Table.from_batches(batches, schema=batches[0].schema).unify_dictionaries() if batches else None
+
+    def strings(name: str) -> pd.Categorical:
+        col = table.column(name).combine_chunks()
+        if not pa.types.is_dictionary(col.type):
+            col = col.dictionary_encode()
+        return pd.Categorical.from_codes(col.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+                                         col.dictionary.cast(pa.string()).to_pylist())
+
+    if table is None or table.num_rows == 0:
+        empty = {c: np.zeros(0, np.int64) for c in ("position", "layer_index", "rank", "expert")}
+        return pd.DataFrame({"request": pd.Categorical([]), "domain": pd.Categorical([]),
+                             "split": np.zeros(0, dtype=object), **empty}), meta
+    request = strings("request")
+    if has_split:
+        split = strings("split")
+    else:
+        by_request = np.asarray([split_of(str(r), heldout_fraction) for r in request.categories], dtype=object)
+        split = pd.Categorical(by_request[np.asarray(request.codes)])
+    rows = pd.DataFrame({
+        "request": request,
+        "domain": strings("domain"),
+        "split": split,
+        "position": table.column("position").to_numpy().astype(np.int64),
+        "layer_index": lut[table.column("layer").to_numpy().astype(np.int64)],
+        "rank": table.column("rank").to_numpy().astype(np.int64),
+        "expert": table.column("expert").to_numpy().astype(np.int64),
+    })
     return rows, meta
 
 
