@@ -319,7 +319,8 @@ def stats(config: dict, **_) -> None:
     from coldset.stats import run_stats
 
     layout = Layout.from_config(config)
-    run_stats(layout.trace, layout.stats_dir, heldout_fraction=config["stats"]["heldout_fraction"])
+    run_stats(layout.trace, layout.stats_dir, heldout_fraction=config["stats"]["heldout_fraction"],
+              locality_seed=config["stats"]["locality_seed"])
 
 
 def placement(config: dict, **_) -> None:

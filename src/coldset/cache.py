@@ -1,0 +1,675 @@
+"""Expert cache simulation over routing traces: static, LRU, LFU and Belady slot pools.
+
+Why: a static cold set serves a fixed share of selections; a cache that follows the traffic serves
+more where consecutive tokens reuse experts. This module replays a trace's decode selections
+through one pool of ``C`` slots shared by every MoE layer and counts hits, misses and link bytes,
+so a user can compare static and dynamic placement at the same HBM budget on their own traffic
+before touching a GPU, and so the engine's slot cache (CUDA) can be checked step by step against
+an independent implementation of the same rules.
+
+Semantics (``/work/coord/CACHE_SEMANTICS.md``, restated here because this module is its
+reference implementation):
+
+- Instance = (MoE-layer index, expert), id ``moe_layer_index * E + expert`` (the row-map row,
+  not the model's layer index).
+- Pool of ``C`` slots, ``C = capacity_for_residency(residency, L, E)`` (placement's rounding,
+  :func:`coldset.placement.hot_count_for_residency`). The online policies need ``C`` at least
+  the largest group (``top_k`` x tokens per step), else :class:`CacheError`.
+- Warm start: the pool holds the ``usage_global`` hot set of size ``C`` chosen on the profile
+  counts (:func:`coldset.placement.hot_mask_usage_global`). Initial order: profile count
+  ascending, ties by instance id ascending (:func:`warm_order`); warm instances get ticks
+  ``-C..-1`` in that order, so the least-used warm instance is the first victim.
+- The stream is a sequence of *groups* (:class:`AccessStream`): a (token, MoE layer) group of
+  ``top_k`` selections for the simulator's own streams (:func:`stream_from_frame`), or any grouping
+  a caller builds (an engine step at batch ``B`` processes (step, layer) groups of ``B * k``).
+  Ticks count selections in stream order from 0; every access sets ``last_use`` to its tick.
+- Per group: every selection whose instance is resident at the group's start is a hit
+  (duplicates of one instance count once per selection). Then the distinct missed instances are
+  admitted (online policies always admit), each evicting one victim among residents *not used by
+  this group* (the hazard guard). Victims are taken in the policy's order and assigned to the
+  missed instances in rank order (first occurrence).
+- ``lru``: victim = smallest ``last_use``.
+- ``lfu``: victim = smallest ``(count, last_use)``; ``count`` = profile count for warm instances
+  (0 for others) + accesses during replay, kept across evictions (an instance's frequency is a
+  property of the traffic, not of its stay in the pool).
+- ``belady``: victim = the resident whose next use after this group is furthest away (never used
+  again = infinitely far; ties by instance id ascending). Offline optimum for the miss count.
+- ``static``: no admission, no eviction: the hit rate is the warm set's coverage of the replay.
+
+Link traffic: each distinct missed instance of a group crosses the link once (``fills``); for
+``static`` these are the cold reads, for the online policies the slot fills.
+``link_gb_per_token = fills * bytes_per_expert / tokens / 1e9``.
+
+API (plain functions, numpy arrays):
+
+- :func:`stream_from_frame` (columns ``request, position, layer_index, rank, expert``) and
+  :func:`stream_from_trace` (a trace file, decode rows, a split / domain selection) build an
+  :class:`AccessStream` in replay order (request id as a string, position, layer, rank).
+- :func:`simulate` ``(stream, policy, capacity, profile_counts, *, record_victims=False)`` ->
+  :class:`CacheResult` with per-selection ``hit`` ``bool [N]``, per-group ``hits``, ``misses``
+  and ``fills`` ``int64 [G]`` (step-by-step comparison with the engine), optionally per-group
+  victims, and :meth:`CacheResult.stats` -> :class:`CacheStats` (the CSV row).
+- :func:`simulation_table` runs policies x residencies into the ``simulation.csv`` frame;
+  :func:`run_cache` is the workflow stage (``results/cache/{model}/simulation.csv`` + figure).
+
+The replay loops are compiled with numba when it is importable (the same Python source runs
+uncompiled otherwise: same results, slower); everything around them is vectorised numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from coldset.placement import hot_count_for_residency, hot_mask_usage_global
+
+POLICIES = ("static", "lru", "lfu", "belady")
+ONLINE_POLICIES = ("lru", "lfu", "belady")
+SIMULATION_COLUMNS = ("policy", "residency", "capacity", "accesses", "tokens", "hit_rate",
+                      "misses_per_token", "link_gb_per_token")
+
+try:  # numba compiles the replay loops; without it the same code runs as plain Python
+    from numba import njit as _njit
+
+    def _jit(fn):
+        return _njit(cache=True, nogil=True)(fn)
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    def _jit(fn):
+        return fn
+
+
+class CacheError(ValueError):
+    """Bad input to the cache simulation (policy, capacity, stream, profile); the message says what."""
+
+
+# --------------------------------------------------------------------------------------------
+# The access stream
+
+
+@dataclass(frozen=True)
+class AccessStream:
+    """Selections in replay order, cut into groups.
+
+    ``instances`` int64 ``[N]``: instance id ``moe_layer_index * num_experts + expert`` of each
+    selection; ``group_ptr`` int64 ``[G + 1]``: group ``g`` is ``instances[group_ptr[g]:
+    group_ptr[g + 1]]`` (non-empty); ``tokens``: decoded tokens the stream covers (the divisor of
+    the per-token metrics).
+    """
+
+    instances: np.ndarray
+    group_ptr: np.ndarray
+    tokens: int
+    num_moe_layers: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        ids = np.ascontiguousarray(self.instances, dtype=np.int64)
+        ptr = np.ascontiguousarray(self.group_ptr, dtype=np.int64)
+        object.__setattr__(self, "instances", ids)
+        object.__setattr__(self, "group_ptr", ptr)
+        n_inst = self.num_moe_layers * self.num_experts
+        if ids.ndim != 1 or ptr.ndim != 1 or ptr.size < 1:
+            raise CacheError("AccessStream: instances and group_ptr must be 1-D, group_ptr non-empty")
+        if ptr[0] != 0 or ptr[-1] != ids.size or (np.diff(ptr) <= 0).any():
+            raise CacheError(f"AccessStream: group_ptr must rise strictly from 0 to {ids.size} "
+                             "(every group non-empty)")
+        if ids.size and (ids.min() < 0 or ids.max() >= n_inst):
+            raise CacheError(f"AccessStream: instance ids must lie in [0, {n_inst}) "
+                             f"({self.num_moe_layers} MoE layers x {self.num_experts} experts)")
+        if self.tokens < 0 or (ids.size and self.tokens == 0):
+            raise CacheError(f"AccessStream: tokens must be > 0 for a non-empty stream, got {self.tokens}")
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_ptr.size - 1)
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def max_group(self) -> int:
+        return int(np.diff(self.group_ptr).max(initial=0))
+
+
+def _codes(column: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, names) of a string column, codes ascending with the names' string order."""
+    cat = column if isinstance(column, pd.Categorical) else pd.Categorical(np.asarray(column).astype(str))
+    names = np.asarray(cat.categories).astype(str)
+    order = np.argsort(names, kind="stable")
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    codes = np.asarray(cat.codes, dtype=np.int64)
+    if (codes < 0).any():
+        raise CacheError("request column holds missing values")
+    return rank[codes], names[order]
+
+
+def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
+                      num_experts: int) -> AccessStream:
+    """The replay stream of decode rows: columns ``request`` (str or categorical),
+    ``position``, ``layer_index`` (MoE-layer index 0..L-1), ``rank``, ``expert``.
+
+    Order: request id (string order), position, layer index, rank; one group per (request,
+    position, layer index); tokens = distinct (request, position). Two rows with the same
+    (request, position, layer index, rank) are an error. Rows already in that order (as traces
+    are written) skip the sort.
+    """
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
+    pos = np.asarray(rows["position"], dtype=np.int64)
+    li = np.asarray(rows["layer_index"], dtype=np.int64)
+    rank = np.asarray(rows["rank"], dtype=np.int64)
+    exp = np.asarray(rows["expert"], dtype=np.int64)
+    if not (len(req_col) == pos.size == li.size == rank.size == exp.size):
+        raise CacheError("stream_from_frame: columns differ in length")
+    if pos.size == 0:
+        return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, num_moe_layers, num_experts)
+    if li.min() < 0 or li.max() >= num_moe_layers:
+        raise CacheError(f"stream_from_frame: layer_index outside [0, {num_moe_layers})")
+    if exp.min() < 0 or exp.max() >= num_experts:
+        raise CacheError(f"stream_from_frame: expert outside [0, {num_experts})")
+    if pos.min() < 0 or rank.min() < 0:
+        raise CacheError("stream_from_frame: position and rank must be >= 0")
+    rc, names = _codes(req_col)
+    # one int64 key (request, position, layer, rank)
+    n_rank = int(rank.max()) + 1
+    n_pos = int(pos.max()) + 1
+    key = ((rc * n_pos + pos) * num_moe_layers + li) * n_rank + rank
+    if not (key[1:] > key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        key, rc, pos, li, rank, exp = key[order], rc[order], pos[order], li[order], rank[order], exp[order]
+        dup = np.flatnonzero(key[1:] == key[:-1])
+        if dup.size:
+            i = int(dup[0]) + 1
+            raise CacheError(f"stream_from_frame: request {names[rc[i]]!r} has two rows for position {int(pos[i])}, "
+                             f"MoE layer index {int(li[i])}, rank {int(rank[i])}")
+    group_key = key // n_rank
+    new_group = np.r_[True, group_key[1:] != group_key[:-1]]
+    token_key = group_key // num_moe_layers
+    tokens = int(np.count_nonzero(np.r_[True, token_key[1:] != token_key[:-1]]))
+    ptr = np.r_[np.flatnonzero(new_group), exp.size]
+    return AccessStream(li * num_experts + exp, ptr, tokens, num_moe_layers, num_experts)
+
+
+def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0.25,
+                      expect: Any = None) -> tuple[pd.DataFrame, Any]:
+    """Decode rows of a trace as a frame (request and domain categorical, split, position,
+    layer_index, rank, expert) and its :class:`coldset.routing.TraceMeta`. ``split`` comes from
+    the trace's column or, without one, from :func:`coldset.routing.split_of` on the request id
+    (as the stats stage does). Read column-wise through pyarrow (validated batch by batch)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from coldset.routing import iter_trace_batches, read_trace_meta, split_of
+
+    meta = read_trace_meta(trace_path, expect)
+    has_split = "split" in pq.read_schema(trace_path).names
+    cols = ["request", "domain", "position", "phase", "layer", "rank", "expert"] + (["split"] if has_split else [])
+    lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)
+    lut[list(meta.moe_layers)] = np.arange(meta.num_moe_layers)
+    batches = []
+    for batch in iter_trace_batches(trace_path, cols, batch_rows=1 << 22):
+        keep = pc.and_(pc.equal(batch.column("phase").cast(pa.string()), "decode"),
+                       pc.greater_equal(batch.column("expert"), 0))
+        batches.append(batch.filter(keep))
+    table = pa.Table.from_batches(batches, schema=batches[0].schema).unify_dictionaries() if batches else None
+
+    def strings(name: str) -> pd.Categorical:
+        col = table.column(name).combine_chunks()
+        if not pa.types.is_dictionary(col.type):
+            col = col.dictionary_encode()
+        return pd.Categorical.from_codes(col.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+                                         col.dictionary.cast(pa.string()).to_pylist())
+
+    if table is None or table.num_rows == 0:
+        empty = {c: np.zeros(0, np.int64) for c in ("position", "layer_index", "rank", "expert")}
+        return pd.DataFrame({"request": pd.Categorical([]), "domain": pd.Categorical([]),
+                             "split": np.zeros(0, dtype=object), **empty}), meta
+    request = strings("request")
+    if has_split:
+        split = strings("split")
+    else:
+        by_request = np.asarray([split_of(str(r), heldout_fraction) for r in request.categories], dtype=object)
+        split = pd.Categorical(by_request[np.asarray(request.codes)])
+    rows = pd.DataFrame({
+        "request": request,
+        "domain": strings("domain"),
+        "split": split,
+        "position": table.column("position").to_numpy().astype(np.int64),
+        "layer_index": lut[table.column("layer").to_numpy().astype(np.int64)],
+        "rank": table.column("rank").to_numpy().astype(np.int64),
+        "expert": table.column("expert").to_numpy().astype(np.int64),
+    })
+    return rows, meta
+
+
+def select_rows(rows: pd.DataFrame, split: str | None = None,
+                domains: Sequence[str] | None = None) -> pd.DataFrame:
+    """Rows of one split (``None``: both) and of the given domains (``None``: all)."""
+    keep = np.ones(len(rows), dtype=bool)
+    if split is not None:
+        keep &= (rows["split"] == split).to_numpy()
+    if domains is not None:
+        missing = sorted(set(domains) - set(rows["domain"].unique()))
+        if missing:
+            raise CacheError(f"domain(s) {missing} have no decode rows; available "
+                             f"{sorted(rows['domain'].unique())}")
+        keep &= rows["domain"].isin(list(domains)).to_numpy()
+    return rows[keep]
+
+
+def counts_from_rows(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> np.ndarray:
+    """Selections per instance, float64 ``[L, E]`` (a profile for :func:`simulate`)."""
+    flat = rows["layer_index"].to_numpy(np.int64) * num_experts + rows["expert"].to_numpy(np.int64)
+    return np.bincount(flat, minlength=num_moe_layers * num_experts).astype(np.float64).reshape(
+        num_moe_layers, num_experts)
+
+
+# --------------------------------------------------------------------------------------------
+# Warm start and capacity
+
+
+def capacity_for_residency(residency: float, num_moe_layers: int, num_experts: int) -> int:
+    """Slots of the pool at ``residency``: the static placements' hot count for the same residency."""
+    return hot_count_for_residency(residency, num_moe_layers * num_experts)
+
+
+def warm_order(profile_counts: np.ndarray, capacity: int) -> np.ndarray:
+    """The warm pool's instance ids, first victim first: the ``usage_global`` hot set of size
+    ``capacity`` ordered by profile count ascending, ties by instance id ascending."""
+    counts = np.asarray(profile_counts, dtype=np.float64)
+    hot = np.flatnonzero(hot_mask_usage_global(counts, capacity).reshape(-1))
+    flat = counts.reshape(-1)
+    return hot[np.lexsort((hot, flat[hot]))]
+
+
+# --------------------------------------------------------------------------------------------
+# Replay kernels (numba-compiled when available). All share the per-group protocol:
+#   pass 1: hit = resident at the group's start; mark the group's resident instances protected;
+#   pass 2: take one victim per distinct missed instance from the policy's order, skipping
+#           protected residents;
+#   pass 3: in rank order, admit missed instances into the victims' slots and update keys.
+# A binary min-heap over (key1, key2, instance) with lazy deletion serves lfu and belady: every
+# access pushes the instance's new key, so an entry is live only while it equals the current key
+# of a resident, unprotected instance (a protected instance is accessed in this group, so its old
+# entry is stale anyway).
+
+
+@_jit
+def _heap_less(k1, k2, ins, i, j):
+    if k1[i] != k1[j]:
+        return k1[i] < k1[j]
+    if k2[i] != k2[j]:
+        return k2[i] < k2[j]
+    return ins[i] < ins[j]
+
+
+@_jit
+def _heap_swap(k1, k2, ins, i, j):
+    t1 = k1[i]
+    k1[i] = k1[j]
+    k1[j] = t1
+    t2 = k2[i]
+    k2[i] = k2[j]
+    k2[j] = t2
+    t3 = ins[i]
+    ins[i] = ins[j]
+    ins[j] = t3
+
+
+@_jit
+def _heap_push(k1, k2, ins, size, a, b, x):
+    k1[size] = a
+    k2[size] = b
+    ins[size] = x
+    i = size
+    while i > 0:
+        p = (i - 1) // 2
+        if _heap_less(k1, k2, ins, i, p):
+            _heap_swap(k1, k2, ins, i, p)
+            i = p
+        else:
+            break
+    return size + 1
+
+
+@_jit
+def _heap_pop(k1, k2, ins, size):
+    """Remove the minimum (moved to index ``size - 1``); return the new size."""
+    size -= 1
+    _heap_swap(k1, k2, ins, 0, size)
+    i = 0
+    while True:
+        l = 2 * i + 1
+        if l >= size:
+            break
+        c = l
+        if l + 1 < size and _heap_less(k1, k2, ins, l + 1, l):
+            c = l + 1
+        if _heap_less(k1, k2, ins, c, i):
+            _heap_swap(k1, k2, ins, c, i)
+            i = c
+        else:
+            break
+    return size
+
+
+@_jit
+def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims):
+    """lfu (policy 0) or belady (policy 1). Keys: lfu (count, last_use); belady (-next_use, 0)
+    with ties by instance id. Returns (hit [N], fills [G]); ``victims[i]`` (when ``record``) is
+    the instance evicted to admit selection ``i`` (its first occurrence in the group)."""
+    n = ids.size
+    n_groups = ptr.size - 1
+    hit = np.zeros(n, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    protected = np.zeros(n_inst, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    key1 = np.zeros(n_inst, dtype=np.float64)
+    key2 = np.zeros(n_inst, dtype=np.float64)
+    count = np.zeros(n_inst, dtype=np.float64)
+    cap = warm.size
+    max_group = 0
+    for g in range(n_groups):
+        max_group = max(max_group, ptr[g + 1] - ptr[g])
+    heap_cap = 4 * n_inst + max_group + 64
+    h1 = np.empty(heap_cap, dtype=np.float64)
+    h2 = np.empty(heap_cap, dtype=np.float64)
+    hi = np.empty(heap_cap, dtype=np.int64)
+    size = 0
+    # first use of every instance (belady's key for the warm pool)
+    first = np.full(n_inst, np.inf)
+    for i in range(n - 1, -1, -1):
+        first[ids[i]] = i
+    for j in range(cap):
+        x = warm[j]
+        resident[x] = True
+        count[x] = warm_count[j]
+        if policy == 0:
+            key1[x] = count[x]
+            key2[x] = j - cap
+        else:
+            key1[x] = -first[x]
+            key2[x] = 0.0
+        size = _heap_push(h1, h2, hi, size, key1[x], key2[x], x)
+    missed = np.empty(max(max_group, 1), dtype=np.int64)
+    for g in range(n_groups):
+        s = ptr[g]
+        e = ptr[g + 1]
+        n_miss = 0
+        for i in range(s, e):
+            x = ids[i]
+            if resident[x]:
+                hit[i] = True
+                protected[x] = True
+            elif not in_group[x]:
+                in_group[x] = True
+                missed[n_miss] = i
+                n_miss += 1
+        fills[g] = n_miss
+        for m in range(n_miss):
+            while True:
+                size = _heap_pop(h1, h2, hi, size)
+                v = hi[size]
+                if resident[v] and not protected[v] and h1[size] == key1[v] and h2[size] == key2[v]:
+                    break
+            resident[v] = False
+            i = missed[m]
+            resident[ids[i]] = True
+            protected[ids[i]] = True  # its stale entries must not make it a victim in this group
+            if record:
+                victims[i] = v
+        for m in range(n_miss):
+            in_group[ids[missed[m]]] = False
+        # key updates in rank order (the last occurrence in the group sets the final key)
+        for i in range(s, e):
+            x = ids[i]
+            protected[x] = False
+            count[x] += 1.0
+            if policy == 0:
+                key1[x] = count[x]
+                key2[x] = i
+            else:
+                key1[x] = -next_tick[i]
+                key2[x] = 0.0
+        if size + (e - s) > heap_cap:
+            # rebuild from the residents' current keys (drops every stale entry)
+            size = 0
+            for y in range(n_inst):
+                if resident[y]:
+                    size = _heap_push(h1, h2, hi, size, key1[y], key2[y], y)
+        else:
+            for i in range(s, e):  # one push per distinct instance of the group
+                x = ids[i]
+                if not in_group[x]:
+                    in_group[x] = True
+                    size = _heap_push(h1, h2, hi, size, key1[x], key2[x], x)
+            for i in range(s, e):
+                in_group[ids[i]] = False
+    return hit, fills
+
+
+@_jit
+def _replay_lru(ids, ptr, warm, n_inst, record, victims):
+    """LRU through a doubly linked list in last_use order (head = least recent)."""
+    n = ids.size
+    n_groups = ptr.size - 1
+    hit = np.zeros(n, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    protected = np.zeros(n_inst + 1, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    head = n_inst  # sentinel
+    nxt = np.full(n_inst + 1, head, dtype=np.int64)
+    prv = np.full(n_inst + 1, head, dtype=np.int64)
+    for j in range(warm.size):  # append in warm order: first victim at the head
+        x = warm[j]
+        resident[x] = True
+        last = prv[head]
+        nxt[last] = x
+        prv[x] = last
+        nxt[x] = head
+        prv[head] = x
+    max_group = 1
+    for g in range(n_groups):
+        max_group = max(max_group, ptr[g + 1] - ptr[g])
+    missed = np.empty(max_group, dtype=np.int64)
+    for g in range(n_groups):
+        s = ptr[g]
+        e = ptr[g + 1]
+        n_miss = 0
+        for i in range(s, e):
+            x = ids[i]
+            if resident[x]:
+                hit[i] = True
+                protected[x] = True
+            elif not in_group[x]:
+                in_group[x] = True
+                missed[n_miss] = i
+                n_miss += 1
+        fills[g] = n_miss
+        v = nxt[head]
+        for m in range(n_miss):
+            while protected[v]:
+                v = nxt[v]
+            after = nxt[v]
+            # unlink the victim
+            nxt[prv[v]] = after
+            prv[after] = prv[v]
+            resident[v] = False
+            i = missed[m]
+            x = ids[i]
+            resident[x] = True
+            protected[x] = True
+            # link the admitted instance at the tail (moved to its tick's place in pass 3)
+            last = prv[head]
+            nxt[last] = x
+            prv[x] = last
+            nxt[x] = head
+            prv[head] = x
+            if record:
+                victims[i] = v
+            v = after
+        for m in range(n_miss):
+            in_group[ids[missed[m]]] = False
+        # pass 3: every access moves its instance to the tail in tick order
+        for i in range(s, e):
+            x = ids[i]
+            protected[x] = False
+            nxt[prv[x]] = nxt[x]
+            prv[nxt[x]] = prv[x]
+            last = prv[head]
+            nxt[last] = x
+            prv[x] = last
+            nxt[x] = head
+            prv[head] = x
+    return hit, fills
+
+
+@_jit
+def _replay_static(ids, ptr, warm, n_inst):
+    n_groups = ptr.size - 1
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    for j in range(warm.size):
+        resident[warm[j]] = True
+    hit = np.empty(ids.size, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    seen = np.zeros(n_inst, dtype=np.bool_)
+    for g in range(n_groups):
+        for i in range(ptr[g], ptr[g + 1]):
+            x = ids[i]
+            hit[i] = resident[x]
+            if not hit[i] and not seen[x]:
+                seen[x] = True
+                fills[g] += 1
+        for i in range(ptr[g], ptr[g + 1]):
+            seen[ids[i]] = False
+    return hit, fills
+
+
+def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """float64 ``[N]``: for each selection, the tick of the next selection of the same instance
+    (``inf`` when none). Used by Belady at the last occurrence of an instance in its group, where
+    this is its next use after the group."""
+    ids = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    out = np.full(ids.size, np.inf)
+    same = ids[order[1:]] == ids[order[:-1]]
+    out[order[:-1][same]] = order[1:][same]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The simulation
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One (policy, capacity) replay: the ``simulation.csv`` row (without residency/bytes)."""
+
+    policy: str
+    capacity: int
+    accesses: int
+    hits: int
+    misses: int
+    fills: int
+    tokens: int
+    groups: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else float("nan")
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.misses / self.tokens if self.tokens else float("nan")
+
+    def link_gb_per_token(self, bytes_per_expert: int) -> float:
+        return self.fills * bytes_per_expert / self.tokens / 1e9 if self.tokens else float("nan")
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """Per-selection and per-group outcome of one replay.
+
+    ``hit`` bool ``[N]``; ``hits``, ``misses``, ``fills`` int64 ``[G]`` per group (``fills`` =
+    distinct missed instances = link transfers); ``victims`` int64 ``[N]`` when recorded: at the
+    first occurrence of each missed instance of a group, the instance evicted for it (-1
+    elsewhere, and always -1 for ``static``).
+    """
+
+    policy: str
+    capacity: int
+    hit: np.ndarray
+    hits: np.ndarray
+    misses: np.ndarray
+    fills: np.ndarray
+    tokens: int
+    victims: np.ndarray | None = None
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.policy, self.capacity, int(self.hit.size), int(self.hits.sum()),
+                          int(self.misses.sum()), int(self.fills.sum()), self.tokens, int(self.hits.size))
+
+
+def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
+             record_victims: bool = False) -> CacheResult:
+    """Replay ``stream`` through a pool of ``capacity`` slots under ``policy``.
+
+    ``profile_counts`` float ``[L, E]`` (profile split's selections) choose the warm pool
+    (:func:`warm_order`) and LFU's initial counts. See the module docstring for the rules.
+    """
+    if policy not in POLICIES:
+        raise CacheError(f"unknown cache policy {policy!r}; known: {list(POLICIES)}")
+    counts = np.asarray(profile_counts, dtype=np.float64)
+    if counts.shape != (stream.num_moe_layers, stream.num_experts):
+        raise CacheError(f"profile_counts has shape {counts.shape}, expected "
+                         f"({stream.num_moe_layers}, {stream.num_experts})")
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise CacheError("profile_counts must be finite and >= 0")
+    capacity = int(capacity)
+    if capacity < 0 or capacity > stream.num_instances:
+        raise CacheError(f"capacity {capacity} outside [0, {stream.num_instances}] instances")
+    if policy in ONLINE_POLICIES and capacity < stream.max_group:
+        raise CacheError(f"a pool of {capacity} slots cannot hold one group's {stream.max_group} selections "
+                         f"(top_k x tokens per step); policy {policy!r} needs capacity >= {stream.max_group}")
+    warm = warm_order(counts, capacity)
+    ids, ptr, n_inst = stream.instances, stream.group_ptr, stream.num_instances
+    victims = np.full(ids.size if record_victims else 0, -1, dtype=np.int64)
+    if policy == "static":
+        hit, fills = _replay_static(ids, ptr, warm, n_inst)
+    elif policy == "lru":
+        hit, fills = _replay_lru(ids, ptr, warm, n_inst, record_victims, victims)
+    else:
+        nt = next_use_ticks(ids, ptr) if policy == "belady" else np.zeros(0)
+        hit, fills = _replay_heap(ids, ptr, warm, counts.reshape(-1)[warm], n_inst,
+                                  0 if policy == "lfu" else 1, nt, record_victims, victims)
+    sizes = np.diff(ptr)
+    hits = np.add.reduceat(hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
+    return CacheResult(policy, capacity, hit, hits, sizes - hits, fills, stream.tokens,
+                       victims if record_victims else None)
+
+
+def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies: Sequence[str],
+                     residencies: Sequence[float], bytes_per_expert: int) -> pd.DataFrame:
+    """The ``simulation.csv`` frame: one row per (policy, residency) in the given orders."""
+    rows = []
+    for r in residencies:
+        cap = capacity_for_residency(r, stream.num_moe_layers, stream.num_experts)
+        for p in policies:
+            st = simulate(stream, p, cap, profile_counts).stats()
+            rows.append({"policy": p, "residency": float(r), "capacity": cap, "accesses": st.accesses,
+                         "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
+                         "link_gb_per_token": st.link_gb_per_token(bytes_per_expert)})
+    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS))

@@ -1,0 +1,209 @@
+"""The cache simulator against brute-force references of /work/coord/CACHE_SEMANTICS.md."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from coldset.cache import (
+    POLICIES,
+    AccessStream,
+    CacheError,
+    capacity_for_residency,
+    select_rows,
+    simulate,
+    simulation_table,
+    stream_from_frame,
+    trace_decode_rows,
+    warm_order,
+)
+from coldset.routing import TraceMeta, write_trace
+
+# ---------------------------------------------------------------------------------------------
+# brute force: the semantics read literally, one victim at a time by scanning every resident
+
+
+def brute_force(groups: list[list[int]], policy: str, capacity: int, profile: np.ndarray):
+    """Per-selection hits and per-missed-selection victims, plain Python."""
+    flat = profile.reshape(-1)
+    n_inst = flat.size
+    # usage_global hot set: top `capacity` by count, ties by id ascending
+    hot = sorted(range(n_inst), key=lambda x: (-flat[x], x))[:capacity]
+    warm = sorted(hot, key=lambda x: (flat[x], x))
+    resident = set(warm)
+    last_use = {x: j - capacity for j, x in enumerate(warm)}
+    count = {x: float(flat[x]) for x in warm}
+    stream = [x for g in groups for x in g]
+    hits, victims = [], []
+    tick = 0
+    for g in groups:
+        start = tick
+        gh = [x in resident for x in g]
+        hits += gh
+        vics = [-1] * len(g)
+        if policy != "static":
+            missed = []
+            for r, x in enumerate(g):
+                if not gh[r] and x not in [g[q] for q in missed]:
+                    missed.append(r)
+            for r in missed:
+                cands = [y for y in resident if y not in g]
+
+                def next_use(y):
+                    for t in range(start + len(g), len(stream)):
+                        if stream[t] == y:
+                            return t
+                    return float("inf")
+
+                if policy == "lru":
+                    v = min(cands, key=lambda y: last_use[y])
+                elif policy == "lfu":
+                    v = min(cands, key=lambda y: (count.get(y, 0.0), last_use[y]))
+                else:
+                    v = min(cands, key=lambda y: (-next_use(y), y))
+                resident.remove(v)
+                resident.add(g[r])
+                vics[r] = v
+        victims += vics
+        for x in g:
+            last_use[x] = tick
+            count[x] = count.get(x, 0.0) + 1.0
+            tick += 1
+    return np.array(hits), np.array(victims)
+
+
+def random_stream(rng, n_layers=3, n_experts=6, n_groups=60, k=2, dup=False, skew=1.2):
+    n_inst = n_layers * n_experts
+    p = 1.0 / np.arange(1, n_experts + 1) ** skew
+    groups = []
+    for g in range(n_groups):
+        layer = g % n_layers
+        perm = rng.permutation(n_experts)  # per-group popularity drift
+        ex = rng.choice(perm, size=k, replace=dup, p=p / p.sum())
+        groups.append([int(layer * n_experts + e) for e in ex])
+    ids = np.array([x for g in groups for x in g], dtype=np.int64)
+    ptr = np.r_[0, np.cumsum([len(g) for g in groups])]
+    profile = rng.integers(0, 5, size=(n_layers, n_experts)).astype(float)  # many ties
+    return groups, AccessStream(ids, ptr, n_groups, n_layers, n_experts), profile, n_inst
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_match_brute_force(policy):
+    rng = np.random.default_rng(7)
+    for trial in range(25):
+        k = int(rng.integers(1, 4))
+        dup = bool(trial % 3 == 0)
+        groups, stream, profile, n_inst = random_stream(rng, k=k, dup=dup, n_groups=int(rng.integers(5, 70)))
+        # uneven groups too (an engine step at batch B): merge some neighbours
+        if trial % 4 == 1:
+            merged = [groups[0]]
+            for g in groups[1:]:
+                if rng.random() < 0.3:
+                    merged[-1] = merged[-1] + g
+                else:
+                    merged.append(g)
+            groups = merged
+            stream = AccessStream(stream.instances, np.r_[0, np.cumsum([len(g) for g in groups])], len(groups),
+                                  stream.num_moe_layers, stream.num_experts)
+        cap = int(rng.integers(stream.max_group, n_inst + 1))
+        res = simulate(stream, policy, cap, profile, record_victims=True)
+        ref_hit, ref_vic = brute_force(groups, policy, cap, profile)
+        np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
+        np.testing.assert_array_equal(res.victims, ref_vic, err_msg=f"trial {trial} cap {cap}")
+        sizes = np.array([len(g) for g in groups])
+        bounds = np.r_[0, np.cumsum(sizes)]
+        np.testing.assert_array_equal(res.hits, [ref_hit[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+        np.testing.assert_array_equal(res.misses, sizes - res.hits)
+        fills = [len({x for x, h in zip(g, ref_hit[a:b]) if not h}) for g, a, b in zip(groups, bounds[:-1], bounds[1:])]
+        np.testing.assert_array_equal(res.fills, fills)
+
+
+def test_belady_bounds_every_online_policy():
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        groups, stream, profile, n_inst = random_stream(rng, n_layers=4, n_experts=8, n_groups=150,
+                                                        k=int(rng.integers(1, 4)), skew=0.8)
+        cap = int(rng.integers(stream.max_group, n_inst))
+        bel = simulate(stream, "belady", cap, profile).hits.sum()
+        # Belady is optimal among policies that admit every miss (lru, lfu); static admits none
+        # and can beat it when the pool is as small as one group (every group flushes the pool)
+        for policy in ("lru", "lfu"):
+            assert bel >= simulate(stream, policy, cap, profile).hits.sum(), (trial, policy, cap)
+
+
+def test_warm_start_is_the_usage_global_set_least_used_first():
+    profile = np.array([[5.0, 0.0, 3.0], [3.0, 9.0, 1.0]])
+    # top 3 by count, ties by id: 4 (9), 0 (5), then 2 and 3 (3, 3) -> 2 by id
+    np.testing.assert_array_equal(warm_order(profile, 3), [2, 0, 4])
+    # LRU evicts the warm pool least used first (2, 0, 4), then the first admitted (1, tick 0)
+    stream = AccessStream(np.array([1, 3, 5, 4]), np.array([0, 1, 2, 3, 4]), 4, 2, 3)
+    res = simulate(stream, "lru", 3, profile, record_victims=True)
+    assert res.hit.tolist() == [False, False, False, False]
+    assert res.victims.tolist() == [2, 0, 4, 1]
+    # a warm instance touched first keeps its slot: 4 is hit and moves behind 2 and 0
+    stream = AccessStream(np.array([4, 1, 3, 4]), np.array([0, 1, 2, 3, 4]), 4, 2, 3)
+    res = simulate(stream, "lru", 3, profile, record_victims=True)
+    assert res.hit.tolist() == [True, False, False, True]
+    assert res.victims.tolist() == [-1, 2, 0, -1]
+    static = simulate(stream, "static", 3, profile)
+    assert static.hit.tolist() == [True, False, False, True] and static.fills.tolist() == [0, 1, 1, 0]
+
+
+def test_capacity_checks_and_rounding():
+    assert capacity_for_residency(0.29, 10, 10) == 29  # placement's exact decimal floor
+    stream = AccessStream(np.array([0, 1, 2, 3]), np.array([0, 2, 4]), 2, 1, 4)
+    with pytest.raises(CacheError, match="cannot hold one group"):
+        simulate(stream, "lru", 1, np.ones((1, 4)))
+    with pytest.raises(CacheError, match="unknown cache policy"):
+        simulate(stream, "fifo", 2, np.ones((1, 4)))
+    assert simulate(stream, "static", 0, np.ones((1, 4))).hits.sum() == 0
+
+
+def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
+    """Held-out requests replay in request-id string order, then position, layer, rank; the
+    profile split chooses the warm set."""
+    meta = TraceMeta("toy", num_layers=3, num_experts=4, top_k=2, moe_layers=[0, 2], source="test")
+    rng = np.random.default_rng(3)
+    rows = []
+    for req, split in (("b-2", "heldout"), ("a-10", "heldout"), ("a-9", "profile"), ("c", "heldout")):
+        for pos in range(3, 3 + int(rng.integers(2, 5))):
+            for layer in (0, 2):
+                ex = rng.choice(4, size=2, replace=False)
+                for rank in range(2):
+                    rows.append((req, "d", pos, "decode", layer, rank, int(ex[rank]), split))
+        rows.append((req, "d", 0, "prefill", 0, 0, 3, split))
+        rows.append((req, "d", 0, "prefill", 0, 1, 2, split))
+    df = pd.DataFrame(rows, columns=["request", "domain", "position", "phase", "layer", "rank", "expert", "split"])
+    shuffled = df.sample(frac=1.0, random_state=0)
+    shuffled = shuffled.sort_values("request", kind="stable")  # requests contiguous, rows shuffled within
+    path = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(shuffled, preserve_index=False))
+    dec, m = trace_decode_rows(path)
+    held = select_rows(dec, "heldout")
+    stream = stream_from_frame(held, m.num_moe_layers, m.num_experts)
+    expect = df[(df.phase == "decode") & (df.split == "heldout")].copy()
+    expect["li"] = expect["layer"].map({0: 0, 2: 1})
+    expect = expect.sort_values(["request", "position", "li", "rank"])  # "a-10" < "b-2" < "c"
+    np.testing.assert_array_equal(stream.instances, expect["li"] * 4 + expect["expert"])
+    assert stream.tokens == len(expect.groupby(["request", "position"]))
+    assert stream.num_groups == stream.tokens * 2 and stream.max_group == 2
+    prof = select_rows(dec, "profile")
+    from coldset.cache import counts_from_rows
+
+    counts = counts_from_rows(prof, 2, 4)
+    table = simulation_table(stream, counts, POLICIES, [0.25, 0.5, 1.0], bytes_per_expert=10**6)
+    full = table[table.residency == 1.0]
+    assert (full.hit_rate == 1.0).all() and (full.link_gb_per_token == 0.0).all()
+    st = table[(table.policy == "static") & (table.residency == 0.5)].iloc[0]
+    hot = set(warm_order(counts, 4).tolist())
+    assert st.hit_rate == pytest.approx(np.isin(stream.instances, list(hot)).mean())
+    assert st.misses_per_token == pytest.approx((~np.isin(stream.instances, list(hot))).sum() / stream.tokens)
+    assert st.link_gb_per_token == pytest.approx(st.misses_per_token * 1e-3)
+
+
+def test_duplicate_rows_are_refused():
+    df = pd.DataFrame({"request": ["a", "a"], "position": [0, 0], "layer_index": [0, 0], "rank": [1, 1],
+                       "expert": [0, 1]})
+    with pytest.raises(CacheError, match="two rows"):
+        stream_from_frame(df, 1, 2)
