@@ -275,17 +275,19 @@ def as_shape(config: Any) -> MoEShape:
 
 
 def expert_bytes(config: Any, fmt: str | WeightFormat | None = None) -> int:
-    """Bytes of one routed expert: w13 ``[2I, H]`` (gate and up fused) plus w2 ``[H, I]`` in
+    """Bytes of one routed expert: gate and up ``[I, H]`` (the kernel's fused w13) plus w2 ``[H, I]`` in
     ``fmt`` (default: the shape's ``expert_format``), plus its biases in the model dtype."""
     shape = as_shape(config)
     f = get_weight_format(shape.expert_format if fmt is None else fmt)
     h, i = shape.hidden_size, shape.moe_intermediate_size
     bias = (2 * i + h) * get_weight_format(shape.dtype).bytes_per_element if shape.expert_bias else 0
-    return f.matrix_bytes(2 * i, h) + f.matrix_bytes(h, i) + int(bias)
+    return _mlp_bytes(f, h, i) + int(bias)
 
 
 def _mlp_bytes(f: WeightFormat, h: int, inter: int) -> int:
-    return f.matrix_bytes(2 * inter, h) + f.matrix_bytes(h, inter) if inter else 0
+    """Gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]``, each with its own scales (checkpoints
+    store gate and up apart; where one fuses them, as gpt-oss does, per-row scales count the same)."""
+    return 2 * f.matrix_bytes(inter, h) + f.matrix_bytes(h, inter) if inter else 0
 
 
 def nonexpert_bytes_breakdown(config: Any, fmt: str | WeightFormat | None = None) -> dict[str, int]:
