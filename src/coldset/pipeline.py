@@ -98,6 +98,75 @@ def model_config(config: dict):
                          "run the model stage again") from None
 
 
+def model_shape(config: dict):
+    """The model's shape and weight bytes (:class:`coldset.shapes.MoEShape`) for the stages that do
+    not decode (placement, the speed model, the cache simulation): a folder's ``config.json`` of
+    any family :mod:`coldset.shapes` reads (weights not needed), or an in-memory model's manifest."""
+    from coldset import shapes
+
+    if in_memory(config):
+        return shapes.as_shape(model_config(config))
+    try:
+        return shapes.read_shape(model_dir(config))
+    except shapes.ShapeError as exc:
+        raise StageError(str(exc)) from None
+
+
+# Stages that decode with the embedded engine (or feed only those): skipped for a shape-only model.
+DECODING_STAGES = ("autotune", "parity", "parity_gate", "bench")
+
+
+def decoding_support(config: dict) -> str | None:
+    """None when the embedded engine can decode the configured model; else why not.
+
+    The synthetic model always decodes. A ``model.path`` folder decodes when its ``config.json``
+    is a family the engine runs (``coldset.model.SUPPORTED_MODEL_TYPES``) and it holds weights
+    (``*.safetensors``); a folder with only ``config.json`` (or weights of another architecture)
+    is a shape-only model: enough for stats, placement, the speed model and report.
+    """
+    path = config["model"]["path"]
+    if not path:
+        return None
+    folder = Path(path)
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None  # the model stage reports the missing file
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None  # the model stage reports the broken file
+    from coldset.model import SUPPORTED_MODEL_TYPES
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if not any(folder.glob("*.safetensors")):
+        return f"{folder} holds no weights (*.safetensors), only the model's shape"
+    return None
+
+
+def skipped_stages(config: dict) -> dict[str, str]:
+    """The stages the workflow leaves out for this config, each with the reason (the report shows
+    them): the decoding stages of a shape-only model."""
+    reason = decoding_support(config)
+    if reason is None:
+        return {}
+    return {stage: f"{reason}; {stage} decodes the model" for stage in DECODING_STAGES}
+
+
+def require_decoding(config: dict, stage: str) -> None:
+    """Refuse a decoding stage for a shape-only model, saying what does work."""
+    reason = decoding_support(config)
+    if reason is None:
+        return
+    raise StageError(
+        f"stage {stage} cannot run for model {config['model']['name']!r}: {reason}. Routing capture, "
+        "autotune, parity and bench decode with the embedded engine, which needs a qwen3_moe or mixtral "
+        "folder with its weights. What works with config.json alone: set routing.trace to a recorded "
+        "trace (this project's parquet, vLLM's routed_experts export or an SGLang dump), then run "
+        "stats, placement and report (`snakemake --cores all report` skips the decoding stages)")
+
+
 # The engine of this process: (model, tokenizer) and the host tier of its experts, built or loaded
 # once for every stage that runs here (gpu-stages: routing, parity and bench share one 61 GB
 # model). Snakemake runs each rule in its own process, so there it holds one stage's engine.
@@ -150,6 +219,7 @@ def _load_engine(config: dict):
     An in-memory synthetic model is generated on the configured device from its seed
     (:func:`coldset.synthetic.build_synthetic_model`) and must have the manifest's config.
     """
+    require_decoding(config, "decode")
     key = _engine_key(config)
     if _ENGINE.get("key") == key:
         return _ENGINE["model"], _ENGINE["tokenizer"]
@@ -244,6 +314,17 @@ def model(config: dict, **_) -> None:
         })
         return
     path = model_dir(config)
+    shape_only = decoding_support(config)
+    if shape_only is not None:
+        shape = model_shape(config)
+        log.info("shape-only model %s (%s): %d layers, %d MoE layers x %d experts, top-%d, %s experts; "
+                 "decoding stages are skipped", config["model"]["name"], shape_only, shape.num_layers,
+                 shape.num_moe_layers, shape.num_experts, shape.top_k, shape.expert_format)
+        write_json(layout.model_dir / "manifest.json", {
+            "name": config["model"]["name"], "path": str(path.resolve()), "source": "shape-only",
+            "decodes": False, "reason": shape_only, "shape": shape.to_dict(),
+        })
+        return
     if config["model"]["path"]:
         source = "local"
     else:
@@ -285,14 +366,13 @@ def routing(config: dict, **_) -> None:
     if rc["trace"]:
         # An external trace must match a configured real model (model.path); with the synthetic
         # default it stands alone (statistics of another model's traffic, e.g. a public trace).
-        from coldset.model import ModelConfig
-
-        expect = ModelConfig.from_pretrained(config["model"]["path"]) if config["model"]["path"] else None
+        expect = model_shape(config) if config["model"]["path"] else None
         report = trace.import_trace(rc["trace"], out, kind=rc["trace_format"], expect=expect,
                                     model_name=config["model"]["name"],
                                     heldout_fraction=config["stats"]["heldout_fraction"])
         log.info("imported %s: %s", rc["trace"], report)
         return
+    require_decoding(config, "routing (capture; set routing.trace to import a trace instead)")
     if rc["backend"] == "vllm":
         from coldset.vllm_backend import capture_routing_vllm
 
@@ -328,7 +408,7 @@ def placement(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     pc = config["placement"]
-    run_placement(layout.stats_dir / "histogram.csv", model_config(config), layout.placement_dir,
+    run_placement(layout.stats_dir / "histogram.csv", model_shape(config), layout.placement_dir,
                   pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
                   domain_weights="equal" if pc["weight_domains"] else None,
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
@@ -343,6 +423,7 @@ def autotune(config: dict, **_) -> None:
     """
     from coldset.tune import TuneShape, autotune as tune, write_entry
 
+    require_decoding(config, "autotune")
     layout = Layout.from_config(config)
     cfg = model_config(config)
     shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
@@ -355,6 +436,7 @@ def autotune(config: dict, **_) -> None:
 
 def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     """Decode the parity fixtures on the unmodified path once, then with every placement."""
+    require_decoding(config, "parity")
     from coldset import gate
     from coldset.fixtures import read_fixtures
     from coldset.model import encode_prompts
@@ -451,6 +533,7 @@ def _check_gate_passed(config: dict, names: list[str]) -> None:
 
 
 def bench(config: dict, placements: list[str] | None = None, **_) -> None:
+    require_decoding(config, "bench")
     from coldset import bench as bn
     from coldset.fixtures import read_fixtures
     from coldset.model import encode_prompts
@@ -495,16 +578,23 @@ def track(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     names = _placement_names(config, None)
+    skipped = skipped_stages(config)
+    decoded = "bench" not in skipped  # a shape-only model: runs from the placements' predictions
+    tags = {"config_hash": config_hash(config), "model": config["model"]["name"]}
+    if decoded:
+        tags["autotune_key"] = read_json(layout.autotune)["key"]
+    else:
+        tags["stages_skipped"] = ",".join(skipped)
     run_track(
-        bench_jsons=[layout.bench(*n.rsplit("-", 1)) for n in names],
-        parity_jsons=[layout.parity(*n.rsplit("-", 1)) for n in names],
+        bench_jsons=[layout.bench(*n.rsplit("-", 1)) for n in names] if decoded else [],
+        parity_jsons=[layout.parity(*n.rsplit("-", 1)) for n in names] if decoded else [],
         placement_jsons=[layout.placement_dir / f"{n}.json" for n in names],
         stats_json=layout.stats_dir / "skew.json",
         tracking_uri=layout.tracking_uri(config),
         experiment=config["tracking"]["experiment"],
-        tags={"config_hash": config_hash(config), "autotune_key": read_json(layout.autotune)["key"]},
+        tags=tags,
         done_path=layout.track_done,
-        autotune_jsons=[layout.autotune],
+        autotune_jsons=[layout.autotune] if decoded else [],
     )
 
 
@@ -512,7 +602,8 @@ def report(config: dict, **_) -> None:
     from coldset.report import render_report
 
     layout = Layout.from_config(config)
-    render_report(layout.results, layout.report, config, figures_dir=layout.report.parent / "figures")
+    render_report(layout.results, layout.report, config, figures_dir=layout.report.parent / "figures",
+                  skipped=skipped_stages(config))
 
 
 STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, autotune, parity,

@@ -53,7 +53,9 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from coldset import shapes
 from coldset.files import atomic_path
+from coldset.shapes import WEIGHT_FORMATS, WeightFormat  # noqa: F401 (re-exported)
 
 POLICIES = ("positional", "usage_layer", "usage_global", "permute")
 PHASES = ("prefill", "decode")
@@ -72,7 +74,8 @@ class ModelShape(Protocol):
 
     Any object with these attributes works (placement does not import the engine). An optional
     ``shared_expert_intermediate_size`` attribute (0 when absent) adds an always-hot shared expert
-    per MoE layer to the non-expert bytes (Llama 4 has one; qwen3_moe and mixtral do not).
+    per MoE layer to the non-expert bytes. A :class:`coldset.shapes.MoEShape` (read from any MoE
+    family's config.json) also carries MLA/linear attention, biases and its weight formats.
     """
 
     vocab_size: int
@@ -93,111 +96,58 @@ class ModelShape(Protocol):
 # ----------------------------------------------------------------------------------------------
 # Weight formats and bytes
 
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How one weight matrix ``[rows, cols]`` (out, in) is stored: element bytes plus scales.
-
-    ``scale_block = (block_rows, block_cols)`` gives one scale of ``scale_bytes`` per block;
-    ``None`` in a block dimension means the whole dimension (per-channel scales are
-    ``(1, None)``). ``scale_block=None`` means no scales (bf16, fp16, fp32).
-    """
-
-    name: str
-    bytes_per_element: float
-    scale_bytes: int = 0
-    scale_block: tuple[int | None, int | None] | None = None
-
-    def matrix_bytes(self, rows: int, cols: int) -> int:
-        data = math.ceil(rows * cols * self.bytes_per_element)
-        if self.scale_block is None:
-            return data
-        block_rows, block_cols = self.scale_block
-        block_rows = rows if block_rows is None else block_rows
-        block_cols = cols if block_cols is None else block_cols
-        num_scales = math.ceil(rows / block_rows) * math.ceil(cols / block_cols)
-        return data + num_scales * self.scale_bytes
-
-    @property
-    def has_scales(self) -> bool:
-        return self.scale_block is not None
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "float32": WeightFormat("float32", 4),
-    "bfloat16": WeightFormat("bfloat16", 2),
-    "float16": WeightFormat("float16", 2),
-    # DeepSeek-V3 style: float8_e4m3 with one float32 scale per 128 x 128 block.
-    "fp8_block128": WeightFormat("fp8_block128", 1, scale_bytes=4, scale_block=(128, 128)),
-    # One float32 scale per output channel (row).
-    "fp8_channel": WeightFormat("fp8_channel", 1, scale_bytes=4, scale_block=(1, None)),
-    # OCP MX: e2m1 elements (half a byte) and one e8m0 (1 byte) scale per 32 along the input dim.
-    "mxfp4": WeightFormat("mxfp4", 0.5, scale_bytes=1, scale_block=(1, 32)),
-}
-_FORMAT_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+# Weight formats and bytes live in coldset.shapes (one byte model for every stage); these wrappers
+# keep placement's names and its error type.
 
 
 def get_weight_format(fmt: str | WeightFormat) -> WeightFormat:
     """A ``WeightFormat`` by name (``bfloat16``, ``bf16``, ``fp8_block128``, ``mxfp4``, ...)."""
-    if isinstance(fmt, WeightFormat):
-        return fmt
-    name = _FORMAT_ALIASES.get(fmt, fmt)
-    if name not in WEIGHT_FORMATS:
-        raise PlacementError(
-            f"unknown weight format {fmt!r}; known: {', '.join(sorted(WEIGHT_FORMATS))}"
-        )
-    return WEIGHT_FORMATS[name]
+    try:
+        return shapes.get_weight_format(fmt)
+    except shapes.ShapeError as e:
+        raise PlacementError(str(e)) from None
 
 
-def expert_bytes(config: ModelShape, fmt: str | WeightFormat = "bfloat16") -> int:
-    """Bytes of one routed expert: w13 ``[2I, H]`` (gate and up fused) plus w2 ``[H, I]``."""
-    f = get_weight_format(fmt)
-    hidden, inter = config.hidden_size, config.moe_intermediate_size
-    return f.matrix_bytes(2 * inter, hidden) + f.matrix_bytes(hidden, inter)
+def expert_bytes(config: ModelShape, fmt: str | WeightFormat | None = None) -> int:
+    """Bytes of one routed expert (:func:`coldset.shapes.expert_bytes`): w13 ``[2I, H]`` plus
+    w2 ``[H, I]`` in ``fmt``, by default the model's own expert format (bfloat16 for an engine config)."""
+    try:
+        return shapes.expert_bytes(config, fmt)
+    except shapes.ShapeError as e:
+        raise PlacementError(str(e)) from None
 
 
 def nonexpert_bytes_breakdown(
-    config: ModelShape, fmt: str | WeightFormat = "bfloat16"
+    config: ModelShape, fmt: str | WeightFormat | None = None
 ) -> dict[str, int]:
-    """Bytes of everything that always stays in HBM, by part.
+    """Bytes of everything that always stays in HBM, by part (:func:`coldset.shapes.nonexpert_bytes_breakdown`).
 
     Embeddings, lm_head (not counted again when tied), per layer the attention projections
-    (q, k, v, o without biases), two RMSNorms and, with ``qk_norm``, the per-head q and k norms;
-    per MoE layer the router ``[E, H]`` and the shared expert if the config has
-    ``shared_expert_intermediate_size``; per dense layer the MLP ``3 * H * intermediate_size``;
-    the final norm. ``fmt`` must be a format without scales (non-expert weights in scaled formats
-    are not modelled).
+    (q, k, v, o without biases for an engine config; MLA or linear attention from a shape), two
+    RMSNorms and, with ``qk_norm``, the per-head q and k norms; per MoE layer the router ``[E, H]``
+    and the shared expert if the config has ``shared_expert_intermediate_size``; per dense layer
+    the MLP ``3 * H * intermediate_size``; the final norm. ``fmt`` must be a format without scales;
+    ``None``: as the checkpoint stores them (its ``quantization_config`` for a shape).
     """
-    f = get_weight_format(fmt)
-    if f.has_scales:
-        raise PlacementError(
-            f"non-expert weights in the scaled format {f.name!r} are not modelled; "
-            "use bfloat16, float16 or float32"
-        )
-    h = config.hidden_size
-    moe_layers = set(int(x) for x in config.moe_layers)
-    num_moe = len(moe_layers)
-    num_dense = config.num_layers - num_moe
-    q_out = config.num_heads * config.head_dim
-    kv_out = config.num_kv_heads * config.head_dim
-    shared_inter = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-    b = f.bytes_per_element
-    parts = {
-        "embed_tokens": config.vocab_size * h * b,
-        "lm_head": 0 if config.tie_word_embeddings else config.vocab_size * h * b,
-        "attention": config.num_layers * (h * q_out + 2 * h * kv_out + q_out * h) * b,
-        "norms": (config.num_layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h)
-        * b,
-        "routers": num_moe * config.num_experts * h * b,
-        "shared_experts": num_moe * 3 * h * shared_inter * b,
-        "dense_mlp": num_dense * 3 * h * config.intermediate_size * b,
-    }
-    return {k: int(math.ceil(v)) for k, v in parts.items()}
+    try:
+        return shapes.nonexpert_bytes_breakdown(config, fmt)
+    except shapes.ShapeError as e:
+        raise PlacementError(str(e)) from None
 
 
-def nonexpert_bytes(config: ModelShape, fmt: str | WeightFormat = "bfloat16") -> int:
+def nonexpert_bytes(config: ModelShape, fmt: str | WeightFormat | None = None) -> int:
     """Total of ``nonexpert_bytes_breakdown``."""
     return sum(nonexpert_bytes_breakdown(config, fmt).values())
+
+
+def nonexpert_format_name(config: ModelShape, fmt: str | WeightFormat | None = None) -> str:
+    """How a placement records the non-expert format: ``fmt``'s name, or for ``None`` the
+    checkpoint's (``{linear}+{dtype}`` when its linear layers are quantized, e.g.
+    ``fp8_block128+bfloat16``)."""
+    if fmt is not None:
+        return get_weight_format(fmt).name
+    s = shapes.as_shape(config)
+    return s.dtype if s.linear_format == s.dtype else f"{s.linear_format}+{s.dtype}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,8 +355,8 @@ def hot_count_for_residency(residency: float, total_experts: int) -> int:
 def hot_count_for_budget(
     budget_gib: float,
     config: ModelShape,
-    fmt: str | WeightFormat = "bfloat16",
-    nonexpert_format: str | WeightFormat = "bfloat16",
+    fmt: str | WeightFormat | None = None,
+    nonexpert_format: str | WeightFormat | None = None,
 ) -> int:
     """Hot experts that fit in an HBM budget for the whole model (non-expert weights first)."""
     b = float(budget_gib)
@@ -690,7 +640,7 @@ def predict_step(
     hot_experts = float(touched[hot].sum())
     cold_experts = float(touched[~hot].sum())
     per_expert = placement.bytes_per_expert
-    hbm_bytes = nonexpert_bytes(config, placement.nonexpert_format) + hot_experts * per_expert
+    hbm_bytes = placement.nonexpert_gib * GIB + hot_experts * per_expert  # exact: GIB is a power of 2
     link_bytes = cold_experts * per_expert
     hbm_s = hbm_bytes / (bw.hbm_gb_s * 1e9)
     link_s = link_bytes / (bw.link_gb_s * 1e9)
@@ -798,8 +748,8 @@ def place(
     profile_domains: str | Iterable[str] | None = None,
     phase: str = "decode",
     domain_weights: str | Mapping[str, float] | None = None,
-    weight_format: str | WeightFormat = "bfloat16",
-    nonexpert_format: str | WeightFormat = "bfloat16",
+    weight_format: str | WeightFormat | None = None,
+    nonexpert_format: str | WeightFormat | None = None,
     bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
     batch_sizes: Sequence[int] = (1,),
     model: str | None = None,
@@ -817,8 +767,10 @@ def place(
         raise PlacementError("give exactly one of residency (fraction) and budget_gib")
     hist = _as_histogram(histogram)
     spec = ProfileSpec.make(profile_domains, phase, domain_weights)
-    fmt = get_weight_format(weight_format)
-    nfmt = get_weight_format(nonexpert_format)
+    # None: the formats the checkpoint stores (a coldset.shapes.MoEShape's quantization_config;
+    # bfloat16 for an engine config).
+    fmt = get_weight_format(weight_format or shapes.as_shape(config).expert_format)
+    nfmt = nonexpert_format if nonexpert_format is None else get_weight_format(nonexpert_format)
     moe_layers = tuple(int(x) for x in config.moe_layers)
     num_layers, num_experts = len(moe_layers), int(config.num_experts)
     if num_layers == 0 or num_experts == 0:
@@ -862,7 +814,7 @@ def place(
         moe_layers=moe_layers,
         num_experts=num_experts,
         weight_format=fmt.name,
-        nonexpert_format=nfmt.name,
+        nonexpert_format=nonexpert_format_name(config, nfmt),
         bytes_per_expert=per_expert,
         nonexpert_gib=nonexpert_bytes(config, nfmt) / GIB,
         hbm_expert_gib=num_hot * per_expert / GIB,
@@ -1070,9 +1022,10 @@ def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
 
 def _resolve_config(model_dir_or_config: Any) -> ModelShape:
     if isinstance(model_dir_or_config, (str, os.PathLike)):
-        from coldset.model import ModelConfig  # lazy: imports torch, not needed otherwise
-
-        return ModelConfig.from_pretrained(model_dir_or_config)
+        try:  # a folder's config.json, any MoE family coldset.shapes reads; no engine needed
+            return shapes.read_shape(model_dir_or_config)
+        except shapes.ShapeError as e:
+            raise PlacementError(str(e)) from None
     return model_dir_or_config
 
 
@@ -1087,8 +1040,8 @@ def run_placement(
     budgets_gib: Sequence[float] = (),
     phase: str = "decode",
     domain_weights: str | Mapping[str, float] | None = None,
-    weight_format: str | WeightFormat = "bfloat16",
-    nonexpert_format: str | WeightFormat = "bfloat16",
+    weight_format: str | WeightFormat | None = None,
+    nonexpert_format: str | WeightFormat | None = None,
     bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
     batch_sizes: Sequence[int] = (1, 4, 16, 64),
     model: str | None = None,

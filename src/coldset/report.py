@@ -973,6 +973,7 @@ def render_report(
     machine_info: dict[str, Any] | None = None,
     *,
     figures_dir: str | os.PathLike | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> Path:
     """Render ``out_html`` (normally ``results/report/index.html``) from the result tree.
 
@@ -980,7 +981,9 @@ def render_report(
     ``model.dtype``, ``placement.policies``/``residency`` (to know which files must exist),
     ``bench.batch_sizes``, ``routing.batch_size``. ``machine_info`` is shown as the machine
     section (``collect_machine_info()`` when None). ``figures_dir``, when given, also receives
-    every figure as a PNG (for Snakemake's ``--report``). The page is written atomically.
+    every figure as a PNG (for Snakemake's ``--report``). ``skipped`` maps a stage left out by
+    design to the reason (``coldset.pipeline.skipped_stages``): its files are not read and the
+    page says why it is absent. The page is written atomically.
     """
     import jinja2
 
@@ -1003,8 +1006,10 @@ def render_report(
     stats_dir = results_dir / "stats" / model
     skew = load_skew(stats_dir / "skew.json")
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
-    parity = [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
-    bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
+    skipped = dict(skipped or {})
+    parity = [] if "parity" in skipped else [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
+    bench = [] if "bench" in skipped else [
+        b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
     configured_batches = (config.get("bench") or {}).get("batch_sizes")
     if configured_batches:
         for pl in {(b.path, b.policy, b.residency) for b in bench}:
@@ -1149,6 +1154,7 @@ def render_report(
         spearman_rows=spearman_rows,
         coverage_tables=coverage_tables,
         batch_sizes=batch_sizes,
+        skipped=skipped,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)

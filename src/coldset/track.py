@@ -364,7 +364,7 @@ def records_from_results(
                 parity_max_abs_logit_diff=par.max_abs_logit_diff,
             )
             metrics.update(skew_metrics)
-            tags = {"device": b.device, "dtype": b.dtype}
+            tags = {"device": b.device, "dtype": b.dtype, "model": b.model}
             run_autotune = b.extra.get("autotune_key") or autotune_key
             if run_autotune:
                 tags["autotune_key"] = str(run_autotune)
@@ -399,6 +399,40 @@ def records_from_results(
     keys = [r.run_key for r in records]
     if len(set(keys)) != len(keys):
         raise ReportInputError(f"bench inputs repeat a run key: {sorted(k for k in keys if keys.count(k) > 1)}")
+    return records
+
+
+def records_from_placements(
+    placement_jsons: Iterable[str | os.PathLike], stats_json: str | os.PathLike
+) -> list[RunRecord]:
+    """For a model that is not decoded (a shape-only model: config.json and a trace), one
+    ``RunRecord`` per (placement, predicted batch size) with the placement's coverage and the speed
+    model's prediction (``predicted_step_ms`` = the lower bound of the first preset, and per preset
+    ``predicted_step_ms_{preset}`` and ``predicted_step_ms_sum_{preset}``) instead of measurements."""
+    stats_json = Path(stats_json)
+    skew_metrics = _skew_metrics(stats_json)
+    records: list[RunRecord] = []
+    for path in placement_jsons:
+        pl = load_placement_summary(path)
+        for bs in sorted({p["batch_size"] for p in pl.predictions}) or [0]:
+            preds = [p for p in pl.predictions if p["batch_size"] == bs]
+            metrics: dict[str, float | None] = {
+                "coverage_profile": pl.coverage_profile, "coverage_heldout": pl.coverage_heldout,
+                "achieved_residency": pl.achieved_residency, "hbm_expert_gib": pl.hbm_expert_gib,
+                "host_expert_gib": pl.host_expert_gib,
+                "predicted_step_ms": preds[0]["step_ms_lower"] if preds else None,
+            }
+            for p in preds:
+                metrics[f"predicted_step_ms_{p['preset']}"] = p["step_ms_lower"]
+                metrics[f"predicted_step_ms_sum_{p['preset']}"] = p["step_ms_sum"]
+            metrics.update(skew_metrics)
+            records.append(RunRecord(
+                model=pl.model, policy=pl.policy, residency=pl.residency, batch_size=bs,
+                params={"model": pl.model, "policy": pl.policy, "residency": canonical_residency(pl.residency),
+                        "batch_size": str(bs), "num_hot": str(pl.num_hot), "num_cold": str(pl.num_cold)},
+                metrics=metrics, tags={"decoded": "false"},
+                artifacts={"placement": [pl.path], "stats": [stats_json]},
+            ))
     return records
 
 
@@ -538,7 +572,11 @@ def run_track(
     """The ``track`` stage: log every (placement, batch size) to MLflow, then write ``done_path``
     (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` should carry
     ``commit`` and ``config_hash``; a missing ``commit`` is read from git."""
-    records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons)
+    bench_jsons, placement_jsons = list(bench_jsons), list(placement_jsons)
+    if bench_jsons:
+        records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons)
+    else:  # a model that is not decoded: its placements and their predictions
+        records = records_from_placements(placement_jsons, stats_json)
     tags = dict(tags or {})
     tags.setdefault("commit", git_commit())
     run_ids = log_runs(tracking_uri, experiment, records, tags)

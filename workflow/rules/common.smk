@@ -4,6 +4,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works without `pip install -e`
 
 from coldset.config import Layout, residency_label
+from coldset.pipeline import skipped_stages
 
 LAYOUT = Layout.from_config(config)
 POLICIES = config["placement"]["policies"]
@@ -12,6 +13,10 @@ PLACEMENTS = [f"{p}-{r}" for p in POLICIES for r in RESIDENCIES]
 DOMAINS = config["fixtures"]["domains"]
 RESULTS = config["results"]
 MODEL = config["model"]["name"]
+# A shape-only model (config.json without weights, or a family the engine does not run) skips the
+# decoding stages (autotune, parity, bench); track and report then read stats and placements only.
+SKIPPED = skipped_stages(config)
+DECODES = not SKIPPED
 
 
 def model_inputs(wildcards=None):

@@ -11,13 +11,22 @@ if (_why := done_is_stale(LAYOUT.track_done)) is not None:
     Path(LAYOUT.track_done).unlink()
 
 
+def track_inputs(wildcards):
+    """Bench, parity and autotune results when the model is decoded; placements and stats always."""
+    inputs = {
+        "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        "skew": rules.stats.output.skew,
+    }
+    if DECODES:
+        inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["parity"] = expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["autotune"] = rules.autotune.output.entry
+    return inputs
+
+
 rule track:
     input:
-        bench=expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        parity=expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        placement=expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        skew=rules.stats.output.skew,
-        autotune=rules.autotune.output.entry,
+        unpack(track_inputs),
     output:
         done=f"{RESULTS}/track/{MODEL}.done",
     log:
