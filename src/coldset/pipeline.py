@@ -369,7 +369,8 @@ def routing(config: dict, **_) -> None:
         expect = model_shape(config) if config["model"]["path"] else None
         report = trace.import_trace(rc["trace"], out, kind=rc["trace_format"], expect=expect,
                                     model_name=config["model"]["name"],
-                                    heldout_fraction=config["stats"]["heldout_fraction"])
+                                    heldout_fraction=config["stats"]["heldout_fraction"],
+                                    domains=rc.get("trace_domains") or None)
         log.info("imported %s: %s", rc["trace"], report)
         return
     require_decoding(config, "routing (capture; set routing.trace to import a trace instead)")

@@ -898,7 +898,7 @@ def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
 
 def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
                  expect: Any = None, model_name: str | None = None,
-                 heldout_fraction: float | None = None) -> ImportReport:
+                 heldout_fraction: float | None = None, domains: dict[str, str] | None = None) -> ImportReport:
     """The ``routing`` stage when config names an existing trace (``routing.trace``).
 
     ``kind``: ``parquet`` or ``coldset`` (a trace in this format: validated in full, then copied), ``vllm`` or
@@ -910,7 +910,16 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
     """
     import shutil
 
+    from coldset import importers
+
     source, out_path = Path(source), Path(out_path)
+    if kind != "parquet" and importers.is_engine_export(source):
+        # A folder, or what vLLM / SGLang write today (coldset.importers); domains per file.
+        if expect is None:
+            raise TraceError(f"{source}: engine exports carry no model shape; set model.path to the model's "
+                             "folder (its config.json is enough)")
+        return importers.import_exports(source, out_path, TraceMeta.from_model_config(expect, model_name or "model", ""),
+                                        heldout_fraction=heldout_fraction, domains=domains)
     if not source.is_file():
         raise TraceError(f"{source}: routing trace not found")
     kind = "parquet" if kind == "coldset" else kind  # config's name for this package's format

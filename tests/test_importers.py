@@ -1,0 +1,151 @@
+"""Importers on files laid out as vLLM and SGLang write them today (fixtures built from the
+engines' source: vLLM's CompletionResponseChoice.routed_experts, SGLang's meta_info.routed_experts
+and its expert distribution recorder's per_token dump), read back row by row."""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from coldset.routing import TraceError, import_trace
+from coldset.shapes import shape_from_hf_config
+
+# 5 layers, layer 0 dense, 4 MoE layers (1..4), 8 experts, top-2
+SHAPE = shape_from_hf_config({
+    "model_type": "deepseek_v3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 2, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16})
+MOE = [1, 2, 3, 4]
+
+
+def routing(rng, rows, layers=5, k=2):
+    """Distinct top-k experts per (token, layer), as a router picks them."""
+    return np.stack([np.stack([rng.choice(8, size=k, replace=False) for _ in range(layers)])
+                     for _ in range(rows)])
+
+
+def rows_of(arr, request, domain, prompt, first=0):
+    """Expected trace rows of one request from its [tokens, MoE layers, k] array."""
+    out = []
+    for t in range(arr.shape[0]):
+        for li, layer in enumerate(MOE):
+            for r in range(arr.shape[2]):
+                out.append((request, domain, first + t, "prefill" if t < prompt else "decode", layer, r,
+                            int(arr[t, li, r])))
+    return out
+
+
+def read_rows(path):
+    df = pq.read_table(path).to_pandas()
+    return sorted(zip(df["request"].astype(str), df["domain"].astype(str), df["position"].astype(int),
+                      df["phase"].astype(str), df["layer"].astype(int), df["rank"].astype(int),
+                      df["expert"].astype(int)))
+
+
+def vllm_response(rid, arr, prompt, completion):
+    # vLLM: np.save of the uint8/uint16 array, base64 (CompletionResponseChoice.routed_experts)
+    buf = io.BytesIO()
+    np.save(buf, arr.astype(np.uint8))
+    return {"id": rid, "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "...", "finish_reason": "length",
+                         "routed_experts": base64.b64encode(buf.getvalue()).decode()}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion}}
+
+
+def sglang_response(rid, arr, prompt, completion, start=0):
+    # SGLang: base64 of the flattened int32 array, in meta_info (rows from routed_experts_start_len)
+    meta = {"id": rid, "prompt_tokens": prompt, "completion_tokens": completion, "finish_reason": {"type": "length"},
+            "routed_experts": base64.b64encode(arr.astype("<i4").tobytes()).decode()}
+    if start:
+        meta["routed_experts_start_len"] = start
+    return {"text": "...", "meta_info": meta}
+
+
+def test_vllm_openai_responses_in_a_folder_with_domains(tmp_path):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "exports"
+    (folder / "code").mkdir(parents=True)
+    expected = []
+    for i, (prompt, completion) in enumerate([(5, 4), (3, 1), (7, 6)]):
+        arr = routing(rng, prompt + completion - 1)  # every layer (vLLM's layer_num), last token not forwarded
+        sub = "code" if i < 2 else ""
+        path = folder / sub / f"resp{i}.json"
+        path.write_text(json.dumps(vllm_response(f"cmpl-{i}", arr, prompt, completion)))
+        domain = "coding" if i < 2 else "resp2"  # unmatched file: its stem
+        expected += rows_of(arr[:, MOE, :], f"cmpl-{i}", domain, prompt)
+    rep = import_trace(folder, tmp_path / "t.parquet", expect=SHAPE, domains={"code/*": "coding"})
+    assert rep.requests == 3
+    assert read_rows(tmp_path / "t.parquet") == sorted(expected)
+
+
+def test_sglang_responses_with_fused_shared_experts_and_start_len(tmp_path):
+    rng = np.random.default_rng(1)
+    a = routing(rng, 6 + 3 - 1, k=3)  # top-2 + one fused shared expert column, every layer
+    b = routing(rng, 9 + 2 - 1 - 4)  # rows from position 4 on
+    lines = [sglang_response("r-a", a, 6, 3), sglang_response("r-b", b, 9, 2, start=4)]
+    path = tmp_path / "sglang.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+    expected = rows_of(a[:, MOE, :2], "r-a", "sglang", 6) + rows_of(b[:, MOE, :], "r-b", "sglang", 5, first=4)
+    assert read_rows(tmp_path / "t.parquet") == sorted(expected)
+
+
+def test_sglang_recorder_per_token_dump(tmp_path):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    # physical -> logical: 10 physical slots (2 redundant copies), a different map per layer
+    p2l = np.stack([np.concatenate([rng.permutation(8), [3, 5]]) for _ in range(5)])
+    inv = [{int(l): p for p, l in enumerate(row[:8])} for row in p2l]
+
+    def pass_ids(logical):  # [tokens, layers, 2] logical -> [layers, tokens, 8] physical, -1 padded
+        phys = np.full((5, logical.shape[0], 8), -1, dtype=np.int32)
+        for t in range(logical.shape[0]):
+            for layer in range(5):
+                phys[layer, t, :2] = [inv[layer][int(e)] for e in logical[t, layer]]
+        return torch.from_numpy(phys)
+
+    prefill = routing(rng, 7)  # two sequences of 4 and 3 tokens
+    decode = routing(rng, 2)  # one decode step of both
+    records = [
+        {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary", "input_ids": list(range(7)),
+         "positions": [0, 1, 2, 3, 0, 1, 2], "extend_seq_lens": [4, 3], "forward_mode": 1,
+         "topk_ids_of_layer": pass_ids(prefill), "misc_objects": []},
+        {"forward_pass_id": 1, "rank": 0, "gatherer_key": "primary", "input_ids": [50, 51],
+         "positions": [4, 3], "extend_seq_lens": [1, 1], "forward_mode": 2,
+         "topk_ids_of_layer": pass_ids(decode), "misc_objects": []},
+    ]
+    dump = {"records": records, "last_physical_to_logical_map": torch.from_numpy(p2l)}
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    torch.save(dump, folder / "expert_distribution_recorder_1700000000.0_0.pt")
+    torch.save({**dump, "records": [dict(r, rank=1) for r in records]},  # a second TP rank: same passes
+               folder / "expert_distribution_recorder_1700000000.0_1.pt")
+    import_trace(folder, tmp_path / "t.parquet", expect=SHAPE, domains={"*": "mmlu"})
+    stem = "expert_distribution_recorder_1700000000"
+    expected = (rows_of(prefill[:4, MOE], f"{stem}#0:0:0", "mmlu", 4)
+                + rows_of(prefill[4:, MOE], f"{stem}#0:0:1", "mmlu", 3)
+                + rows_of(decode[:1, MOE], f"{stem}#0:1:d0", "mmlu", 0, first=4)
+                + rows_of(decode[1:, MOE], f"{stem}#0:1:d1", "mmlu", 0, first=3))
+    assert read_rows(tmp_path / "t.parquet") == sorted(expected)
+
+
+def test_engine_exports_refused_with_reasons(tmp_path):
+    rng = np.random.default_rng(3)
+    resp = vllm_response("x", routing(rng, 4), 3, 2)
+    (tmp_path / "r.json").write_text(json.dumps(resp))
+    with pytest.raises(TraceError, match="engine exports carry no model shape; set model.path"):
+        import_trace(tmp_path / "r.json", tmp_path / "t.parquet")
+    resp["choices"][0]["routed_experts"] = None
+    (tmp_path / "r.json").write_text(json.dumps(resp))
+    with pytest.raises(TraceError, match="enable-return-routed-experts"):
+        import_trace(tmp_path / "r.json", tmp_path / "t.parquet", expect=SHAPE)
+    bad = sglang_response("y", routing(rng, 5), 3, 2)  # 5 rows, but 3 + 2 - 1 = 4 expected
+    (tmp_path / "r.json").write_text(json.dumps(bad))
+    with pytest.raises(TraceError, match="do not make 4 rows"):
+        import_trace(tmp_path / "r.json", tmp_path / "t.parquet", expect=SHAPE)
+    assert not (tmp_path / "t.parquet").exists()
