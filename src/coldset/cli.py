@@ -18,9 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     from coldset import pipeline
 
     parser = argparse.ArgumentParser(prog="python -m coldset", description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=[*pipeline.STAGES, "gpu-stages"],
+    parser.add_argument("stage", choices=[*pipeline.STAGES, "gpu-stages", "sweep"],
                         help="a stage, or gpu-stages: model, fixtures, routing, stats, placement, "
-                             "autotune, parity (every placement), parity_gate, bench in order")
+                             "autotune, parity (every placement), parity_gate, bench in order, or "
+                             "sweep: every model of models: through track, then the comparison report")
     parser.add_argument("--config", default="config/config.yaml", help="workflow config (YAML)")
     parser.add_argument("--placement", action="append",
                         help="for parity/bench: a placement name such as usage_global-0.50 "
@@ -29,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         config = load_config(args.config)
+        if args.stage == "sweep":
+            from coldset.sweep import run_sweep
+
+            print(run_sweep(config))
+            return 0
+        if config.get("models"):
+            raise ConfigError(f"{args.config} sets models: (a sweep); run `python -m coldset sweep` for it")
         stages = pipeline.GPU_STAGES if args.stage == "gpu-stages" else [args.stage]
         for stage in stages:
             pipeline.run_stage(stage, config, placements=args.placement)

@@ -6,6 +6,10 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works w
 from coldset.config import Layout, residency_label
 from coldset.pipeline import skipped_stages
 
+if config.get("models"):
+    raise ValueError("config sets models: (a sweep over models); the rules run one model: run "
+                     "`python -m coldset sweep --config FILE` (every model, then results/report/models.html), "
+                     "or give one model: section per snakemake run")
 LAYOUT = Layout.from_config(config)
 POLICIES = config["placement"]["policies"]
 RESIDENCIES = [residency_label(r) for r in config["placement"]["residency"]]

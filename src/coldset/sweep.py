@@ -1,0 +1,191 @@
+"""Sweeps over models: ``models:`` expanded into one validated config per model, and the report
+that compares them.
+
+``models:`` maps a name to a model section (the keys of ``model:``, which serves as their common
+base; the name becomes ``model.name``), plus optionally ``trace`` and ``trace_domains`` for that
+model's ``routing.trace`` / ``routing.trace_domains`` (each model serves its own traffic). The
+single ``model:`` stays valid: it is a sweep of one. Each model's results stay under its own name
+(``Layout``), so the per-model stages are the same functions on the same paths; the comparison
+(:func:`render_comparison`) reads them back: residency curves side by side (held-out hit rate
+against the fraction of routed-expert bytes in HBM), decode speed per GiB of HBM (measured where
+the bench ran, the speed model's prediction otherwise, labelled as such), hit rates by residency.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from coldset.config import ConfigError, Layout, validate_config
+
+ROUTING_KEYS = {"trace": "trace", "trace_domains": "trace_domains"}
+
+
+def model_configs(config: dict) -> dict[str, dict]:
+    """One validated config per model of ``models:`` (or the config itself, keyed by its model name)."""
+    models = config.get("models") or {}
+    if not models:
+        return {config["model"]["name"]: config}
+    out = {}
+    for name, section in models.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"config models.{name}: expected a model section (an object), got {section!r}")
+        section = dict(section)
+        if "name" in section and section["name"] != name:
+            raise ConfigError(f"config models.{name}: name {section['name']!r} differs from its key")
+        routing = {ROUTING_KEYS[k]: section.pop(k) for k in list(section) if k in ROUTING_KEYS}
+        c = copy.deepcopy({k: v for k, v in config.items() if k != "models"})
+        c["model"] = {**c.get("model", {}), **section, "name": name}
+        c["routing"] = {**c.get("routing", {}), **routing}
+        out[name] = validate_config(c, source=f"config models.{name}")
+    return out
+
+
+def comparison_path(config: dict) -> Path:
+    """Where the comparison report goes: ``results/report/models.html``."""
+    return Path(config["results"]) / "report" / "models.html"
+
+
+def _placements(cfg: dict):
+    from coldset.report import load_placement_summary
+
+    layout = Layout.from_config(cfg)
+    pc = cfg["placement"]
+    return [load_placement_summary(layout.placement(p, r)) for p in pc["policies"] for r in pc["residency"]]
+
+
+def _bench(cfg: dict):
+    from coldset.report import load_bench
+
+    layout = Layout.from_config(cfg)
+    pc = cfg["placement"]
+    paths = [layout.bench(p, r) for p in pc["policies"] for r in pc["residency"]]
+    if not all(p.is_file() for p in paths):
+        return []
+    return [b for p in paths for b in load_bench(p)]
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def comparison_rows(configs: dict[str, dict]) -> list[dict[str, Any]]:
+    """Per (model, policy, residency): bytes in HBM, held-out hit rate, decode speed and speed per
+    GiB of HBM (measured at the smallest bench batch size where the bench ran, else the speed model's
+    lower bound for ``placement.bandwidths`` at its smallest batch size; ``speed_source`` says which)."""
+    rows = []
+    for name, cfg in configs.items():
+        placements = _placements(cfg)
+        bench = _bench(cfg)
+        for p in placements:
+            row = {"model": name, "policy": p.policy, "residency": p.residency,
+                   "achieved_residency": p.achieved_residency, "hbm_expert_gib": p.hbm_expert_gib,
+                   "coverage_heldout": p.coverage_heldout, "coverage_profile": p.coverage_profile}
+            measured = sorted((b for b in bench if (b.policy, b.residency) == (p.policy, p.residency)),
+                              key=lambda b: b.batch_size)
+            if measured:
+                b = measured[0]
+                row.update(tok_s=b.metrics.get("tok_s"), batch_size=b.batch_size, speed_source="measured")
+            elif p.predictions:
+                preset = cfg["placement"]["bandwidths"]
+                q = min((q for q in p.predictions if q["preset"] == preset), key=lambda q: q["batch_size"],
+                        default=p.predictions[0])
+                row.update(tok_s=q["batch_size"] * 1e3 / q["step_ms_lower"], batch_size=q["batch_size"],
+                           speed_source=f"predicted ({q['preset']} lower bound)")
+            else:
+                row.update(tok_s=None, batch_size=None, speed_source="none")
+            rows.append(row)
+    # tok/s per GiB: marginal over the same model and policy's next smaller residency
+    for r in rows:
+        prev = [q for q in rows if (q["model"], q["policy"]) == (r["model"], r["policy"])
+                and q["hbm_expert_gib"] < r["hbm_expert_gib"] and q["tok_s"] is not None]
+        if prev and r["tok_s"] is not None:
+            q = max(prev, key=lambda q: q["hbm_expert_gib"])
+            r["tok_s_per_gib"] = (r["tok_s"] - q["tok_s"]) / (r["hbm_expert_gib"] - q["hbm_expert_gib"])
+        else:
+            r["tok_s_per_gib"] = None
+    return rows
+
+
+def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> Path:
+    """The report comparing the models of a sweep: figures inline, one table (written atomically)."""
+    import jinja2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from coldset.files import write_bytes
+
+    rows = comparison_rows(configs)
+    names = list(configs)
+    policies = sorted({r["policy"] for r in rows})
+    figs = []
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names):
+        for pol in policies:
+            pts = sorted((r["achieved_residency"], r["coverage_heldout"]) for r in rows
+                         if r["model"] == name and r["policy"] == pol and r["coverage_heldout"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=pol)
+        ax.set_title(name)
+        ax.set_xlabel("routed-expert bytes in HBM (fraction)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out selections served from HBM")
+    axes[0][0].legend(fontsize=8)
+    figs.append({"title": "Residency curves side by side",
+                 "caption": "Held-out hit rate (share of routed-expert selections of held-out requests that "
+                            "hit the hot set) against the fraction of routed-expert bytes in HBM, per policy.",
+                 "src": _png(fig)})
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name in names:
+        pts = sorted((r["hbm_expert_gib"], r["tok_s"]) for r in rows
+                     if r["model"] == name and r["policy"] == "usage_global" and r["tok_s"] is not None)
+        if pts:
+            src = next(r["speed_source"] for r in rows if r["model"] == name and r["policy"] == "usage_global")
+            ax.plot(*zip(*pts), marker="o", label=f"{name} ({src})")
+    ax.set_xlabel("routed-expert GiB in HBM")
+    ax.set_ylabel("decode tok/s (batch)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    figs.append({"title": "Decode speed against HBM spent on experts (usage_global)",
+                 "caption": "Measured tok/s where the bench ran; otherwise the speed model's lower bound, "
+                            "as the legend says. The slope is tok/s per GiB.",
+                 "src": _png(fig)})
+
+    def fmt(v, d=4):
+        return "—" if v is None else (f"{v:.{d}g}" if isinstance(v, float) else str(v))
+
+    table = [{k: fmt(v) for k, v in r.items()} for r in rows]
+    env = jinja2.Environment(loader=jinja2.PackageLoader("coldset", "report_templates"),
+                             autoescape=jinja2.select_autoescape(["html", "j2"]),
+                             undefined=jinja2.StrictUndefined)
+    html = env.get_template("models.html.j2").render(models=names, figures=figs, rows=table)
+    out = Path(out_html)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(out, html.encode("utf-8"))
+    return out
+
+
+def run_sweep(config: dict) -> Path:
+    """Every model through its stages (the decoding ones only where the model decodes; fixtures
+    only where routing is captured), MLflow runs tagged by model, then the comparison report."""
+    from coldset import pipeline
+
+    configs = model_configs(config)
+    for name, cfg in configs.items():
+        skipped = pipeline.skipped_stages(cfg)
+        stages = ["model"] + ([] if cfg["routing"]["trace"] else ["fixtures"]) + ["routing", "stats", "placement"]
+        stages += [s for s in ("autotune", "parity", "parity_gate", "bench") if s not in skipped] + ["track"]
+        for stage in stages:
+            pipeline.run_stage(stage, cfg)
+    return render_comparison(configs, comparison_path(config))

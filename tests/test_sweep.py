@@ -1,0 +1,83 @@
+"""Sweeps over models: models: expands into validated per-model configs; a sweep of two
+trace-only models runs every non-decoding stage per model and one report compares them."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from coldset.config import ConfigError, validate_config
+from coldset.routing import TraceMeta, write_trace
+from coldset.sweep import comparison_rows, model_configs, run_sweep
+
+V3 = {"model_type": "deepseek_v3", "vocab_size": 500, "hidden_size": 128, "intermediate_size": 256,
+      "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "n_routed_experts": 8,
+      "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+      "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16}
+L4 = {"model_type": "llama4", "text_config": {
+      "vocab_size": 500, "hidden_size": 128, "intermediate_size": 64, "intermediate_size_mlp": 256,
+      "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+      "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}}
+
+
+def trace(path, name, num_layers, moe_layers, experts, k, seed):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(experts, 0.2), size=len(moe_layers))
+    cols = {c: [] for c in ("request", "domain", "position", "phase", "layer", "rank", "expert")}
+    for r in range(16):
+        for pos in range(8):
+            for li, layer in enumerate(moe_layers):
+                for rank, e in enumerate(rng.choice(experts, size=k, replace=False, p=p[li])):
+                    for c, v in zip(cols, (f"q{r}", "qa", pos, "prefill" if pos < 4 else "decode", layer, rank, int(e))):
+                        cols[c].append(v)
+    t = pa.table({"request": cols["request"], "domain": cols["domain"],
+                  "position": pa.array(cols["position"], pa.int32()), "phase": cols["phase"],
+                  "layer": pa.array(cols["layer"], pa.int16()), "rank": pa.array(cols["rank"], pa.int8()),
+                  "expert": pa.array(cols["expert"], pa.int16())})
+    write_trace(path, TraceMeta(name, num_layers, experts, k, moe_layers, "test"), t)
+
+
+def test_models_expand_and_validate():
+    cfg = validate_config({"model": {"dtype": "bfloat16"},
+                           "models": {"a": {"path": "x", "trace": "a.parquet"}, "b": {"synthetic": {"layers": 2}}}})
+    got = model_configs(cfg)
+    assert list(got) == ["a", "b"]
+    assert got["a"]["model"]["name"] == "a" and got["a"]["model"]["dtype"] == "bfloat16"
+    assert got["a"]["routing"]["trace"] == "a.parquet" and got["b"]["routing"]["trace"] is None
+    assert got["a"]["models"] == {}  # each per-model config is a single-model config
+    single = validate_config({"model": {"name": "one"}})
+    assert list(model_configs(single)) == ["one"]
+    with pytest.raises(ConfigError, match=r"models\.c"):
+        model_configs(validate_config({"models": {"c": {"dtype": "int3"}}}))
+
+
+def test_sweep_of_two_trace_only_models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, raw in (("v3", V3), ("l4", L4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    trace(tmp_path / "v3.parquet", "v3", 3, [1, 2], 8, 2, 0)
+    trace(tmp_path / "l4.parquet", "l4", 4, [1, 3], 16, 1, 1)
+    cfg = validate_config({
+        "models": {"v3": {"path": "v3", "trace": "v3.parquet"}, "l4": {"path": "l4", "trace": "l4.parquet"}},
+        "placement": {"policies": ["positional", "usage_global"], "residency": [0.5, 1.0]},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}})
+    out = run_sweep(cfg)
+    html = out.read_text()
+    assert out.resolve() == tmp_path / "results" / "report" / "models.html"
+    assert "2 models compared" in html and html.count("data:image/png;base64,") == 2
+    rows = comparison_rows(model_configs(cfg))
+    assert {(r["model"], r["policy"], r["residency"]) for r in rows} == {
+        (m, p, r) for m in ("v3", "l4") for p in ("positional", "usage_global") for r in ("0.5", "1.0")}
+    for r in rows:  # hit rates are the placement files' own, speeds the speed model's
+        pl = json.loads((tmp_path / "results" / "placement" / r["model"] / f"{r['policy']}-{r['residency']}.json")
+                        .read_text())
+        assert r["coverage_heldout"] == pl["coverage_heldout"] and r["speed_source"].startswith("predicted")
+        h200_b1 = next(q for q in pl["predictions"] if (q["preset"], q["batch_size"]) == ("h200", 1))
+        assert r["tok_s"] == pytest.approx(1 / h200_b1["step_s_lower"]) and r["batch_size"] == 1
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["coldset"])
+    assert sorted(set(runs["tags.model"])) == ["l4", "v3"]
