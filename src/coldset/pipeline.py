@@ -373,8 +373,10 @@ def routing(config: dict, **_) -> None:
                                     domains=rc.get("trace_domains") or None)
         log.info("imported %s: %s", rc["trace"], report)
         return
-    require_decoding(config, "routing (capture; set routing.trace to import a trace instead)")
-    if rc["backend"] == "vllm":
+    if rc["backend"] == "vllm":  # vLLM runs families the embedded engine does not; it needs the weights
+        if config["model"]["path"] and not any(Path(config["model"]["path"]).glob("*.safetensors")):
+            raise StageError(f"routing.backend vllm needs the model's weights; {config['model']['path']} holds "
+                             "none. Set routing.trace to a trace the model's server exported instead")
         from coldset.vllm_backend import capture_routing_vllm
 
         capture_routing_vllm(model_dir(config), _fixture_paths(config), out, dtype=config["model"]["dtype"],
@@ -383,6 +385,7 @@ def routing(config: dict, **_) -> None:
         return
     from coldset.gate import experts_functions
 
+    require_decoding(config, "routing (capture; set routing.trace to import a trace instead)")
     engine, tokenizer = _load_engine(config)
     saved = engine.experts_fn
     # The unmodified experts path with its default launch configs (Triton on CUDA, the torch path
