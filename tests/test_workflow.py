@@ -87,10 +87,10 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
     victim = workdir / "victim.jsonl"
     victim.write_text("not coldset's\n")
     for name, text, msg in [("typo.yaml", "model: {synthetic: {layerz: 2}}\n", "layerz"),
-                            ("victim.yaml", "fixtures: {domains: ['../../victim']}\n", "fixtures.domains.0"),
+                            ("victim.yaml", "fixtures: {domains: ['../../victim']}\n", "'../../victim' does not match"),
                             ("dup.yaml", "placement: {residency: [0.5, 0.50]}\n", "non-unique")]:
         (workdir / name).write_text(text)
-        bad = snakemake(workdir, "--configfile", "tiny.yaml", name, "report")
+        bad = snakemake(workdir, "report", "--configfile", "tiny.yaml", name)
         assert bad.returncode != 0 and msg in bad.stdout + bad.stderr, (name, bad.stderr[-2000:])
     assert manifest.read_bytes() == before and victim.read_text() == "not coldset's\n"
 
