@@ -161,3 +161,20 @@ def test_routing_replay_refuses_an_invalid_trace(tmp_path, expert, msg):
     cfg = {"num_experts": 8, "top_k": 2, "moe_layers": [0, 1]}
     with pytest.raises(TraceError, match=msg):
         bench.RoutingReplay.from_trace(path, cfg, batch_size=1, num_steps=2, device="cpu")
+
+
+def test_derived_ratios_never_divide_noise():
+    """Issue 16 item 4: on the CPU (no host tier) and for disagreeing repeats, no tok_s_per_gib or
+    fetch_tax (once 9028 and -295.8 tok/s per GiB from timing noise); the timing is flagged."""
+    def rec(res, gib, tok_s, p50, p90, device="cuda:0"):
+        return {"policy": "p", "batch_size": 1, "residency": res, "hbm_expert_gib": gib, "tok_s": tok_s,
+                "step_ms_p50": p50, "step_ms_p90": p90, "device": device}
+
+    cpu = bench.derive_metrics([rec(0.5, 1.0, 150.0, 6.6, 6.7, "cpu"), rec(1.0, 1.0001, 151.0, 6.6, 6.7, "cpu")])
+    assert [(r["tok_s_per_gib"], r["fetch_tax"], r["timing_noisy"]) for r in cpu] == [(None, None, False)] * 2
+    gpu = {r["residency"]: r for r in bench.derive_metrics(
+        [rec(0.25, 0.5, 5.0, 200.0, 210.0), rec(0.5, 1.0, 10.0, 100.0, 300.0), rec(1.0, 2.0, 40.0, 25.0, 26.0)])}
+    assert gpu[0.5]["timing_noisy"] and not gpu[1.0]["timing_noisy"] and not gpu[0.25]["timing_noisy"]
+    assert gpu[0.5]["tok_s_per_gib"] is None and gpu[0.5]["fetch_tax"] is None  # its own timing is noise
+    assert gpu[1.0]["tok_s_per_gib"] is None  # its neighbour's timing is noise
+    assert gpu[1.0]["fetch_tax"] == 0.0 and gpu[0.25]["fetch_tax"] == pytest.approx(1 - 5 / 40)

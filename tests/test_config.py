@@ -40,7 +40,70 @@ def test_cli_reports_a_bad_config_file(tmp_path):
 
 
 def test_unknown_synthetic_setting_is_an_error(tmp_path):
-    cfg = validate_config({"results": str(tmp_path), "model": {"synthetic": {"layerz": 2}}})
-    with pytest.raises(StageError, match="layerz"):
-        run_stage("model", cfg)
-    assert not (tmp_path / "model" / "synthetic-moe" / "hf").exists()
+    # refused by the schema, before any job (once the model stage's, after Snakemake had deleted
+    # the valid manifest)
+    with pytest.raises(ConfigError, match=r"model\.synthetic: Additional properties .*'layerz'"):
+        validate_config({"results": str(tmp_path), "model": {"synthetic": {"layerz": 2}}})
+    assert not (tmp_path / "model").exists()
+
+
+def test_schema_lists_every_synthetic_setting_and_bandwidth_preset():
+    import dataclasses
+
+    import yaml
+
+    from coldset.config import SCHEMA_PATH
+    from coldset.names import NAME_PATTERN
+    from coldset.placement import BANDWIDTH_PRESETS
+    from coldset.synthetic import SyntheticSpec
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
+    synthetic = schema["model"]["properties"]["synthetic"]
+    assert set(synthetic["properties"]) == {f.name for f in dataclasses.fields(SyntheticSpec)}
+    assert synthetic["additionalProperties"] is False
+    assert schema["placement"]["properties"]["bandwidths"]["enum"] == list(BANDWIDTH_PRESETS)
+    patterns = [schema["model"]["properties"]["name"]["pattern"],
+                schema["fixtures"]["properties"]["domains"]["items"]["pattern"],
+                schema["placement"]["properties"]["profile_domains"]["oneOf"][1]["items"]["pattern"],
+                schema["tracking"]["properties"]["experiment"]["pattern"]]
+    assert patterns == [NAME_PATTERN] * 4
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"model": {"synthetic": {"layers": "six"}}}, r"model\.synthetic\.layers"),
+    ({"placement": {"bandwidths": "h100"}}, r"placement\.bandwidths: 'h100' is not one of \['h200', 'gb300'\]"),
+    ({"placement": {"residency": [0.5, 0.50]}}, r"placement\.residency: \[0\.5, 0\.5\] has non-unique elements"),
+    ({"placement": {"policies": ["positional", "positional"]}}, r"placement\.policies: .* non-unique"),
+    ({"fixtures": {"domains": ["../../../victim"]}}, r"fixtures\.domains\.0: '\.\./\.\./\.\./victim' does not match"),
+    ({"fixtures": {"domains": ["(all)"]}}, r"fixtures\.domains\.0: '\(all\)' does not match"),
+    ({"fixtures": {"domains": ["$\\frac{a$"]}}, r"fixtures\.domains\.0: .* does not match"),
+    ({"tracking": {"experiment": "../../elsewhere"}}, r"tracking\.experiment: '\.\./\.\./elsewhere' does not match"),
+    ({"placement": {"profile_domains": ["a/b"]}}, r"placement\.profile_domains"),
+    ({"model": {"name": "x" * 65}}, r"model\.name"),
+])
+def test_late_failures_are_refused_by_the_schema(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        validate_config(bad)
+
+
+def test_check_config_refuses_before_any_job(tmp_path):
+    from coldset.config import check_config
+
+    model_file = tmp_path / "model.safetensors"
+    model_file.write_bytes(b"")
+    cases = [
+        ({"model": {"path": str(model_file)}}, rf"model\.path: {model_file} is not a folder"),
+        ({"model": {"path": str(tmp_path / "nope")}}, r"model\.path: .*nope does not exist"),
+        ({"model": {"path": str(tmp_path), "synthetic": {"layers": 2}}}, "model.path and model.synthetic are both set"),
+        ({"fixtures": {"domains": ["agent", "legal"]}}, r"fixtures\.domains: no template for \['legal'\]"),
+        ({"routing": {"trace": str(tmp_path / "t.parquet")}}, r"routing\.trace: .*t\.parquet does not exist"),
+        ({"placement": {"profile_domains": ["code", "legal"]}}, r"placement\.profile_domains: \['legal'\] are not"),
+        ({"placement": {"residency": [0.5, 0.5000000000000001]}}, None),  # distinct labels: accepted
+    ]
+    for bad, msg in cases:
+        cfg = validate_config(bad)
+        if msg is None:
+            check_config(cfg)
+        else:
+            with pytest.raises(ConfigError, match=msg):
+                check_config(cfg)

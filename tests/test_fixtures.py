@@ -12,6 +12,8 @@ from coldset.fixtures import (
     FixtureError,
     available_domains,
     make_fixtures,
+    read_user_prompts,
+    render_domain,
     read_fixtures,
     template_texts,
     write_fixtures,
@@ -133,3 +135,20 @@ def test_read_fixtures_requires_every_field(tmp_path):
     write_fixtures(tmp_path / "a.jsonl", [Fixture("a-0", "a", "profile", "x", 4)])
     with pytest.raises(FixtureError, match="duplicate id 'a-0'"):
         read_fixtures([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+
+
+def test_templates_render_in_the_sandbox(tmp_path):
+    """A template from a shared folder cannot run commands (issue 16)."""
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.j2").write_text(
+        "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }} hello {{ index }}")
+    with pytest.raises(FixtureError, match=r"evil.j2: prompt 0 tried an operation the sandbox refuses"):
+        render_domain("evil", 2, 0.5, 4, 0, template_dir=tmp_path)
+    assert not marker.exists()
+
+
+def test_non_utf8_prompt_file_names_file_and_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"domain": "a", "prompt": "fine"}\n{"domain": "a", "prompt": "caf\xe9"}\n')
+    with pytest.raises(FixtureError, match=rf"{path}:2: not UTF-8 \(byte 0xe9 at column 31\)"):
+        read_user_prompts(path, 0.5, 8)

@@ -513,3 +513,41 @@ def test_bench_validation_of_bytes_metrics_and_ceilings(tmp_path):
         write(bad)
         with pytest.raises(ReportInputError, match=re.escape(str(bench)) + ".*" + re.escape(match)):
             load_bench(bench)
+
+
+def _summary_table(html: str) -> list[dict[str, str]]:
+    table = re.search(r'<table id="summary-table">(.*?)</table>', html, re.S).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
+    header = re.findall(r"<th>(.*?)</th>", rows[0])
+    return [dict(zip(header, re.findall(r"<td[^>]*>(.*?)</td>", row))) for row in rows[1:]]
+
+
+def test_cpu_summary_leads_with_coverage_and_predictions_not_speed(tmp_path):
+    """Issue 16 item 4: on the CPU the summary says measured speed compares nothing and shows
+    coverage, held-out coverage and the speed model's predictions instead of tok/s ratios."""
+    res = build_results_tree(tmp_path, bytes_run="cpu", with_autotune=False)
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "measured speed compares nothing" in html
+    rows = _summary_table(html)
+    assert list(rows[0]) == ["policy", "residency", "GiB in HBM", "coverage (profile)", "coverage (held-out)",
+                             "predicted step time (speed model)"]
+    ug = next(r for r in rows if (r["policy"], r["residency"]) == ("usage_global", "0.5"))
+    assert ug["coverage (held-out)"] == "0.7"  # min(1, 0.5 * 1.4), as the tree's placement JSON says
+    assert "h200 b1:" in ug["predicted step time (speed model)"]
+    gpu = build_results_tree(tmp_path / "gpu", bytes_run="gpu")
+    html = render_report(gpu, gpu / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "measured speed compares nothing" not in html and "tok_s_per_gib" in list(_summary_table(html)[0])
+
+
+def test_timing_whose_repeats_disagree_is_flagged_not_published(tmp_path):
+    res = build_results_tree(tmp_path, bytes_run="gpu")
+    path = res / "bench" / MODEL / "usage_global-0.5.json"
+    doc = json.loads(path.read_text())
+    doc["batches"][0]["step_ms_p90"] = 2.0 * doc["batches"][0]["step_ms_p50"]
+    path.write_text(json.dumps(doc))
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    table = _bench_table(html)
+    assert table[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["timing"] == \
+        "noisy: p90/p50 = 2.00, not a result"
+    assert table[("positional", "0.5", 1)]["timing"] == "ok"
+    assert 'id="noisy-note"' in html

@@ -57,7 +57,8 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
         entry = bench["batches"][0]
         assert entry["tok_s"] > 0 and 0 <= entry["cold_share"] <= 1
         if name.endswith("-1.0"):
-            assert entry["cold_share"] == 0 and entry["fetch_tax"] == 0
+            # CPU: no host tier, so measured speed compares nothing and no ratio is derived (issue 16)
+            assert entry["cold_share"] == 0 and entry["fetch_tax"] is None and entry["tok_s_per_gib"] is None
     html = (results / "report/index.html").read_text()
     assert "data:image/png;base64," in html and "usage_global" in html
     for rule in ("model", "routing", "parity", "bench", "track", "report"):
@@ -74,6 +75,26 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
     assert len(runs) == len(PLACEMENTS)
     assert set(runs["params.policy"]) == {"positional", "usage_global"}
 
+    # Issue 16 item 7: delete the MLflow store, and `snakemake report` brings the runs back.
+    (results / "mlflow.db").unlink()
+    healed = snakemake(workdir, "report")
+    assert healed.returncode == 0, healed.stderr[-4000:]
+    assert "no longer exists" in healed.stderr
+    assert _active_runs(results / "mlflow.db") == len(PLACEMENTS)
+
+    # Issue 16 items 5 and 6: bad settings are refused before any job, so nothing is deleted.
+    manifest = results / "model/tiny/manifest.json"
+    before = manifest.read_bytes()
+    victim = workdir / "victim.jsonl"
+    victim.write_text("not coldset's\n")
+    for name, text, msg in [("typo.yaml", "model: {synthetic: {layerz: 2}}\n", "layerz"),
+                            ("victim.yaml", "fixtures: {domains: ['../../victim']}\n", "'../../victim' does not match"),
+                            ("dup.yaml", "placement: {residency: [0.5, 0.50]}\n", "non-unique")]:
+        (workdir / name).write_text(text)
+        bad = snakemake(workdir, "report", "--configfile", "tiny.yaml", name)
+        assert bad.returncode != 0 and msg in bad.stdout + bad.stderr, (name, bad.stderr[-2000:])
+    assert manifest.read_bytes() == before and victim.read_text() == "not coldset's\n"
+
     # Snakemake's own report, with the captions in report/, also builds.
     smk_report = snakemake(workdir, "--report", "smk-report.html")
     assert smk_report.returncode == 0, smk_report.stderr[-2000:]
@@ -88,3 +109,41 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
     assert failed.returncode != 0
     log = (workdir / "logs/parity_gate/tiny.log").read_text()
     assert "usage_global-0.5" in log and "1 of" in log
+
+    # Issue 16 item 2: the placement stage rewrites a placement (another valid row map); the CLI
+    # gate refuses the parity report that checked the old one.
+    from coldset.placement import load_placement, save_placement
+
+    pl = load_placement(results / "placement/tiny/usage_global-0.5.json")
+    hot = pl.row_map >= 0
+    pl.row_map = pl.row_map.copy()
+    pl.row_map[hot] = pl.num_hot - 1 - pl.row_map[hot]
+    save_placement(pl, results / "placement/tiny/usage_global-0.5.json")
+    cli = subprocess.run([sys.executable, "-m", "coldset", "parity_gate", "--config", "tiny.yaml"], cwd=workdir,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert cli.returncode == 1
+    assert "parity/tiny/usage_global-0.5.json is stale" in cli.stderr and "usage_global-0.5.rowmap.npy" in cli.stderr
+
+    # Issue 16 item 1: edit a row map in place; `snakemake parity_gate` reruns parity (the row maps are
+    # its inputs), which fails naming the edited file instead of answering "Nothing to be done".
+    import numpy as np
+
+    npy = results / "placement/tiny/positional-0.5.rowmap.npy"
+    row_map = np.load(npy)
+    row_map[row_map >= 0] = row_map[row_map >= 0][::-1]
+    np.save(npy, row_map)
+    edited = snakemake(workdir, "parity_gate")
+    assert edited.returncode != 0
+    log = (workdir / "logs/parity/tiny.log").read_text()
+    assert f"{npy.relative_to(workdir)}: sha256 differs" in log
+
+
+def _active_runs(db: Path) -> int:
+    """Active runs in an MLflow SQLite store, read with sqlite3 (independent of MLflow's caches)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)  # never creates an empty file
+    try:
+        return con.execute("SELECT COUNT(*) FROM runs WHERE lifecycle_stage = 'active'").fetchone()[0]
+    finally:
+        con.close()

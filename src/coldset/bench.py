@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from coldset.timing import speed_compares_placements, timing_noisy
+
 log = logging.getLogger(__name__)
 GIB = 1024**3
 
@@ -333,6 +335,8 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``tok_s_per_gib``: (tok/s - tok/s at the same policy's next smaller residency) / (GiB of
     experts in HBM added), at the same batch size; None for the smallest residency.
     ``fetch_tax``: 1 - tok/s / tok/s at residency 1.0 of the same policy and batch size.
+    Both are None on the CPU (:func:`coldset.timing.speed_compares_placements`) and where either timing is
+    ``timing_noisy`` (set on every record here): a ratio never divides noise by a GiB difference.
     With ``ceilings`` (:func:`measure_ceilings`): ``bytes_step_ms``, the step's bytes over the
     measured read rates (HBM bytes / HBM rate + link bytes / link rate: a floor), its
     ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``:
@@ -353,9 +357,14 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
         full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
         prev = None
         for r in rows:
-            r["fetch_tax"] = None if full is None else 1.0 - r["tok_s"] / full["tok_s"]
+            r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"))
+        for r in rows:
+            sound = speed_compares_placements(r.get("device")) and not r["timing_noisy"]
+            r["fetch_tax"] = (1.0 - r["tok_s"] / full["tok_s"]
+                              if full is not None and sound and not full["timing_noisy"] else None)
             gib = r["hbm_expert_gib"] - prev["hbm_expert_gib"] if prev else 0.0
-            r["tok_s_per_gib"] = (r["tok_s"] - prev["tok_s"]) / gib if prev and gib > 0 else None
+            r["tok_s_per_gib"] = ((r["tok_s"] - prev["tok_s"]) / gib
+                                  if prev and gib > 0 and sound and not prev["timing_noisy"] else None)
             prev = r
             b = r["batch_size"]
             link_gb = r.get("link_gb_per_token", 0.0) * b

@@ -53,8 +53,50 @@ def validate_config(config: dict, schema_path: Path = SCHEMA_PATH, source: str =
     return config
 
 
+def check_config(config: dict, source: str = "config") -> dict:
+    """Checks across fields and against the file system that JSON Schema cannot express, run
+    before any job starts (the Snakefile calls it after ``validate``; :func:`load_config` too):
+    a late failure costs reruns, and Snakemake deletes a job's old outputs before it runs, so a
+    stage that fails on a bad setting has already destroyed valid results. Errors name the field."""
+    problems: list[str] = []
+    model = config["model"]
+    if model["path"] and model["synthetic"]:
+        problems.append("model.path and model.synthetic are both set: choose one")
+    if model["path"]:
+        path = Path(model["path"])
+        if not path.exists():
+            problems.append(f"model.path: {path} does not exist")
+        elif not path.is_dir():
+            problems.append(f"model.path: {path} is not a folder (a Hugging Face model folder with config.json)")
+    labels = [residency_label(r) for r in config["placement"]["residency"]]
+    if len(set(labels)) != len(labels):
+        problems.append(f"placement.residency: {config['placement']['residency']} repeats a residency")
+    fx = config["fixtures"]
+    for key in ("fixtures.prompts", "fixtures.template_dir", "routing.trace", "bench.routing_trace"):
+        section, name = key.split(".")
+        value = config[section][name]
+        if value and not Path(value).exists():
+            problems.append(f"{key}: {value} does not exist")
+    if not fx["prompts"] and not (fx["template_dir"] and not Path(fx["template_dir"]).is_dir()):
+        from coldset.fixtures import available_domains
+
+        known = available_domains(fx["template_dir"])
+        missing = [d for d in fx["domains"] if d not in known]
+        if missing:
+            problems.append(f"fixtures.domains: no template for {missing} (templates: {known}; add "
+                            "{domain}.j2 files to fixtures.template_dir)")
+    profile = config["placement"]["profile_domains"]
+    if isinstance(profile, list) and not config["routing"]["trace"] and not fx["prompts"]:
+        unknown = [d for d in profile if d not in fx["domains"]]
+        if unknown:
+            problems.append(f"placement.profile_domains: {unknown} are not among fixtures.domains {fx['domains']}")
+    if problems:
+        raise ConfigError(f"{source}:\n" + "\n".join(f"  {p}" for p in problems))
+    return config
+
+
 def load_config(path: str | Path, schema_path: Path = SCHEMA_PATH) -> dict:
-    """Read a YAML workflow config, validate it and fill defaults."""
+    """Read a YAML workflow config, validate it, fill defaults and :func:`check_config` it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -62,7 +104,7 @@ def load_config(path: str | Path, schema_path: Path = SCHEMA_PATH) -> dict:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    return validate_config(config, schema_path, source=str(path))
+    return check_config(validate_config(config, schema_path, source=str(path)), source=str(path))
 
 
 def config_hash(config: dict) -> str:

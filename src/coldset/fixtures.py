@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from coldset.files import atomic_path
+from coldset.names import NAME_PATTERN, is_name
 
 from coldset.routing import SPLITS, split_of
 
 PACKAGE_TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE_SUFFIX = ".j2"
-_DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FIELDS = ("id", "domain", "split", "prompt", "max_new_tokens")
 
 
@@ -110,9 +110,12 @@ def _to_json(obj: Any, indent: int | None = None) -> str:
 
 def _environment(template_dir: str | os.PathLike | None, dice: _Dice):
     import jinja2
+    from jinja2.sandbox import SandboxedEnvironment
 
     search = ([str(template_dir)] if template_dir is not None else []) + [str(PACKAGE_TEMPLATES)]
-    env = jinja2.Environment(
+    # Templates are user files, possibly from a shared folder: rendering one must not run code
+    # (no attribute walks to os.system, no dunder access), so they render in jinja2's sandbox.
+    env = SandboxedEnvironment(
         loader=jinja2.FileSystemLoader(search),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -146,8 +149,8 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
     """Render ``per_domain`` prompts from ``{domain}.j2`` (user template dir first)."""
     import jinja2
 
-    if not _DOMAIN_RE.match(domain):
-        raise FixtureError(f"domain name {domain!r} must be letters, digits, '_', '-', '.' (it names a file)")
+    if not is_name(domain):
+        raise FixtureError(f"domain name {domain!r} must match {NAME_PATTERN} (it names a file and a label)")
     dice = _Dice()
     env = _environment(template_dir, dice)
     try:
@@ -164,6 +167,9 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
         dice.rng = random.Random(_derived_seed(seed, domain, i))
         try:
             text = template.render(index=i, domain=domain, max_new_tokens=max_new_tokens)
+        except jinja2.exceptions.SecurityError as e:
+            raise FixtureError(f"template {template.filename}: prompt {i} tried an operation the sandbox refuses "
+                               f"({e}); templates render text, they cannot call into Python") from None
         except jinja2.TemplateError as e:
             raise FixtureError(f"template {template.filename}: rendering prompt {i} failed: {e}") from None
         text = re.sub(r"\n{3,}", "\n\n", text).strip()
@@ -202,8 +208,9 @@ def _check_record(obj: Any, where: str, *, strict: bool, heldout_fraction: float
     prompt, domain = obj["prompt"], obj["domain"]
     if not isinstance(prompt, str) or not prompt.strip():
         raise FixtureError(f"{where}: field 'prompt' must be a non-empty string")
-    if not isinstance(domain, str) or not _DOMAIN_RE.match(domain):
-        raise FixtureError(f"{where}: field 'domain' must be a name of letters, digits, '_', '-', '.', got {domain!r}")
+    if not is_name(domain):
+        raise FixtureError(f"{where}: field 'domain' must be a name matching {NAME_PATTERN} (it names a file "
+                           f"and a label), got {domain!r}")
     rid = obj.get("id", f"{domain}-{n_in_domain:04d}")
     if not isinstance(rid, str) or not rid:
         raise FixtureError(f"{where}: field 'id' must be a non-empty string, got {rid!r}")
@@ -224,11 +231,15 @@ def _read_jsonl(path: Path, *, strict: bool, heldout_fraction: float = 0.25,
         raise FixtureError(f"{path}: file not found")
     out: list[Fixture] = []
     per_domain: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FixtureError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

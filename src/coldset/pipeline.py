@@ -448,6 +448,11 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
 
     layout = Layout.from_config(config)
     pc = config["parity"]
+    # Every placement is read, validated and fingerprinted before anything is decoded: a bad or
+    # edited row map fails in seconds, naming its file, not after the reference decode.
+    names = _placement_names(config, placements)
+    fingerprints = {name: _fingerprint(config, name) for name in names}
+    loaded = {name: load_placement(layout.placement_dir / f"{name}.json") for name in names}
     fxs = read_fixtures(_fixture_paths(config))
     if pc["fixtures_per_domain"]:
         kept: dict[str, list] = {}
@@ -461,15 +466,13 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     tuned = _tuned(config)
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     host = _host_tier(config)
-    for name in _placement_names(config, placements):
-        fingerprint = _fingerprint(config, name)  # of the files this decode reads, taken before it
-        pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = engine.pools.placed(pl.row_map, host)
+    for name in names:
+        pools = engine.pools.placed(loaded[name].row_map, host)
         got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
-        write_json(layout.parity(*name.rsplit("-", 1)), {**result.to_dict(), "fingerprint": fingerprint})
+        write_json(layout.parity(*name.rsplit("-", 1)), {**result.to_dict(), "fingerprint": fingerprints[name]})
         del pools
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from coldset.files import write_bytes
+from coldset.timing import NOISY_P90_OVER_P50, speed_compares_placements, timing_noisy
 
 # Weight bytes read per token and what coldset.bench.derive_metrics makes of them with the read
 # ceilings measured in the same run (CUDA only; hbm_gb_per_token is also filled on CPU when the
@@ -1037,10 +1038,14 @@ def render_report(
     figures["step_time"] = [f for f in step_figs if f is not None]
 
     failed = [p for p in parity if not p.passed]
+    # On the CPU measured speed compares nothing (coldset.timing): the summary leads with what holds.
+    cpu_run = bool(bench) and not any(speed_compares_placements(b.device) for b in bench)
     bench_rows = []
     for b in sorted(bench, key=lambda b: (b.batch_size, b.policy, float(b.residency))):
+        p50, p90 = b.metrics["step_ms_p50"], b.metrics["step_ms_p90"]
         bench_rows.append(
             {
+                "timing": (f"noisy: p90/p50 = {p90 / p50:.2f}, not a result" if timing_noisy(p50, p90) else "ok"),
                 "policy": b.policy,
                 "residency": b.residency,
                 "batch_size": b.batch_size,
@@ -1146,6 +1151,8 @@ def render_report(
         no_ceilings=no_ceilings,
         bench_rows=bench_rows,
         placement_rows=placement_rows,
+        cpu_run=cpu_run,
+        noisy_threshold=NOISY_P90_OVER_P50,
         parity_rows=parity_rows,
         parity_failed=[f"{p.policy}-{p.residency}" for p in failed],
         autotune_rows=autotune,

@@ -242,8 +242,9 @@ def ensure_store(tracking_uri: str, experiment: str) -> str:
 def done_is_stale(done_path: str | os.PathLike) -> str | None:
     """Why the track stage's ``done`` file no longer holds (its SQLite store was deleted), or None.
 
-    The Snakefile asks this before building the DAG and removes a stale done file, so that
-    ``snakemake report`` recreates the runs after ``mlflow.db`` was deleted.
+    The Snakefile asks this before building the DAG and dates a stale done file back to 1970
+    (older than its inputs), so that ``snakemake report`` recreates the runs after ``mlflow.db``
+    was deleted.
     """
     import json
 

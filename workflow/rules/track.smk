@@ -1,14 +1,17 @@
 # The track stage creates (or heals) the MLflow store itself, atomically under a lock
 # (coldset.track.ensure_store): stages that never touch MLflow cannot fail on it. A done file whose
-# SQLite store was deleted is stale: removing it before the DAG is built makes `snakemake report`
-# log the runs again instead of answering "Nothing to be done".
+# SQLite store was deleted is stale: it is dated back to 1970 before the DAG is built, so that it is
+# older than its inputs and `snakemake report` logs the runs again and re-renders the report.
+# (Deleting it would not do: Snakemake does not rerun up-to-date jobs for a missing intermediate.)
+import os
+
 from snakemake.logging import logger
 
 from coldset.track import done_is_stale
 
 if (_why := done_is_stale(LAYOUT.track_done)) is not None:
     logger.warning(f"{LAYOUT.track_done}: {_why}; the track stage will run again to recreate the runs")
-    Path(LAYOUT.track_done).unlink()
+    os.utime(LAYOUT.track_done, (0, 0))
 
 
 def track_inputs(wildcards):
