@@ -4,6 +4,7 @@ rule report:
         gate=rules.parity_gate.output.gate,
         skew=rules.stats.output.skew,
         coverage=rules.placement.output.coverage,
+        cache=rules.cache.output.simulation,
     output:
         html=report(f"{RESULTS}/report/index.html", caption="../../report/report.rst", category="Report"),
         residency=report(

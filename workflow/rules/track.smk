@@ -12,6 +12,8 @@ rule track:
         parity=expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
         placement=expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
         skew=rules.stats.output.skew,
+        locality=rules.stats.output.locality,
+        cache=rules.cache.output.simulation,
         autotune=rules.autotune.output.entry,
     output:
         done=f"{RESULTS}/track/{MODEL}.done",
