@@ -288,18 +288,22 @@ class BenchResult:
     # The file's measured read ceilings {hbm_read_gb_s, link_read_gb_s} (GB/s); None on CPU runs
     # and in bench files written before the bench measured them.
     ceilings: dict[str, float | None] | None = None
+    # What measured it (coldset.provenance.collect_provenance, written by the bench stage on the
+    # measuring machine); None in bench files written before it existed.
+    provenance: dict[str, Any] | None = None
 
 
-def _bench_entries(doc: Any, path: Path) -> list[dict]:
+def _bench_entries(doc: Any, path: Path, section: str = "batches") -> list[dict]:
     """The per-batch-size entries of a bench JSON (``{"placement": ..., "batches": [entry, ...]}``,
-    as the bench stage writes it), top-level scalars merged in as defaults."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("batches"), list) or not doc["batches"]:
-        raise ReportInputError(f"{path}: expected an object with a non-empty 'batches' list")
-    top = {k: v for k, v in doc.items() if k != "batches" and not isinstance(v, (dict, list))}
+    as the bench stage writes it; ``section="profile_batches"`` for the profile split's numbers
+    written beside), top-level scalars merged in as defaults."""
+    if not isinstance(doc, dict) or not isinstance(doc.get(section), list) or not doc[section]:
+        raise ReportInputError(f"{path}: expected an object with a non-empty {section!r} list")
+    top = {k: v for k, v in doc.items() if k not in ("batches", "profile_batches") and not isinstance(v, (dict, list))}
     out = []
-    for i, entry in enumerate(doc["batches"]):
+    for i, entry in enumerate(doc[section]):
         if not isinstance(entry, dict):
-            raise ReportInputError(f"{path}: batches[{i}] is not an object")
+            raise ReportInputError(f"{path}: {section}[{i}] is not an object")
         out.append({**top, **entry})
     return out
 
@@ -321,13 +325,20 @@ def _bench_ceilings(doc: dict, path: Path) -> dict[str, float | None] | None:
     return out
 
 
-def load_bench(path: str | os.PathLike) -> list[BenchResult]:
-    """Every batch size's measurement in one bench JSON, sorted by batch size."""
+def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchResult]:
+    """Every batch size's measurement in one bench JSON, sorted by batch size: the published
+    numbers (``batches``, on ``prompt_split``: held out by default), or with
+    ``section="profile_batches"`` the profile split's beside them (``[]`` when not measured)."""
     path = Path(path)
     doc = read_json(path)
     model, policy, residency = placement_key_from_path(path)
-    entries = _bench_entries(doc, path)
+    if section != "batches" and isinstance(doc, dict) and not doc.get(section):
+        return []
+    entries = _bench_entries(doc, path, section)
     ceilings = _bench_ceilings(doc, path)
+    provenance = doc.get("provenance")
+    if provenance is not None and not isinstance(provenance, dict):
+        raise ReportInputError(f"{path}: field provenance must be an object or null")
     results = []
     for entry in entries:
         where = f"{path} (batch_size={entry.get('batch_size', '?')})"
@@ -360,6 +371,7 @@ def load_bench(path: str | os.PathLike) -> list[BenchResult]:
                 predicted_step_ms=_opt_float(pred, f"{where}: field predicted_step_ms"),
                 extra={k: v for k, v in entry.items() if k not in used and not isinstance(v, (dict, list))},
                 ceilings=ceilings,
+                provenance=provenance,
             )
         )
     batch_sizes = [r.batch_size for r in results]
@@ -966,6 +978,42 @@ def _autotune_rows(results_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
+def _provenance_line(bench: list[BenchResult]) -> str:
+    """The header's "what measured this" line from the bench files' provenance (written on the
+    measuring machine), each distinct value once; never this machine's state."""
+    from coldset.provenance import TAG_FIELDS
+
+    provs = [b.provenance for b in bench if b.provenance]
+    if not provs:
+        return "not recorded (bench files without provenance)"
+    parts = []
+    for name in TAG_FIELDS:
+        values = list(dict.fromkeys(str(p.get(name)) for p in provs if p.get(name) is not None))
+        if values:
+            parts.append(f"{name} {' / '.join(values)}")
+    if len(provs) < len(bench):
+        parts.append(f"{len(bench) - len(provs)} bench entries without provenance")
+    return " · ".join(parts)
+
+
+def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[dict[str, str]]:
+    """Held-out (published) next to profile-split (in-sample) numbers, per placement and batch
+    size, where the bench measured both (``bench.profile_beside``)."""
+    by_key = {(b.policy, b.residency, b.batch_size): b for b in profile}
+    rows = []
+    for b in sorted(bench, key=lambda b: (b.batch_size, b.policy, float(b.residency))):
+        p = by_key.get((b.policy, b.residency, b.batch_size))
+        if p is None:
+            continue
+        row = {"policy": b.policy, "residency": b.residency, "batch_size": b.batch_size,
+               "split": str(b.extra.get("prompt_split") or "—")}
+        for m in ("tok_s", "cold_share", "link_gb_per_token"):
+            row[m] = _fmt(b.metrics[m])
+            row[f"profile_{m}"] = _fmt(p.metrics[m])
+        rows.append(row)
+    return rows
+
+
 def render_report(
     results_dir: str | os.PathLike,
     out_html: str | os.PathLike,
@@ -1019,6 +1067,10 @@ def render_report(
                 raise ReportInputError(f"{pl[0]}: no measurement for configured batch size(s) {missing}")
     autotune = _autotune_rows(results_dir)
 
+    profile_bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p, "profile_batches")]
+    split_rows = _split_rows(bench, profile_bench)
+    provenance_line = _provenance_line(bench)
+    prompt_split = _join(str(b.extra.get("prompt_split") or "not recorded") for b in bench) if bench else "—"
     run_device = _join(b.device for b in bench) if bench else machine_device
     dtype = str(model_cfg.get("dtype") or _join(b.dtype for b in bench))
     routing_batch = str((config.get("routing") or {}).get("batch_size", "n/a"))
@@ -1046,13 +1098,15 @@ def render_report(
                 "batch_size": b.batch_size,
                 **{m: _fmt(b.metrics[m]) for m in BENCH_METRICS},
                 "predicted_step_ms": _fmt(b.predicted_step_ms),
+                # share of the timed loop's tokens equal to generate()'s (the bench fails below 1)
+                "timed_token_match": _fmt(_opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
                 "device": b.device,
                 "dtype": b.dtype,
             }
         )
     # Bench table columns: the measured metrics, then the two predictions side by side.
     bench_columns = [m for m in BENCH_METRICS if m != "predicted_step_ms_calibrated"] + [
-        "predicted_step_ms", "predicted_step_ms_calibrated"]
+        "predicted_step_ms", "predicted_step_ms_calibrated", "timed_token_match"]
     ceilings_rows = _ceilings_rows(bench)
     no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows = [
@@ -1155,6 +1209,9 @@ def render_report(
         coverage_tables=coverage_tables,
         batch_sizes=batch_sizes,
         skipped=skipped,
+        provenance_line=provenance_line,
+        prompt_split=prompt_split,
+        split_rows=split_rows,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)
