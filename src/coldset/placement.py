@@ -324,12 +324,23 @@ def profile_counts(
                     f"domain weights {weights} must name exactly the profile domains {domains}"
                 )
         total_w = sum(weights.values())
+        per_domain = {
+            d: count_matrix(histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=[d])
+            for d in domains
+        }
+        # A weighted domain with no selections cannot be normalised (0/0 would make every count,
+        # coverage and prediction NaN and the row map arbitrary): refuse it by name.
+        empty = [d for d in domains if weights[d] > 0 and not per_domain[d].sum() > 0]
+        if empty:
+            raise PlacementError(
+                f"histogram: profile domain(s) {empty} have zero {spec.phase} selections on the profile "
+                f"split, so weighting {spec.describe()['weighting']!r} cannot normalise them; drop them from "
+                "placement.profile_domains or profile traffic for them"
+            )
         counts = np.zeros((len(moe_layers), num_experts), dtype=np.float64)
         for d in domains:
-            c = count_matrix(
-                histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=[d]
-            )
-            counts += c * (weights[d] / total_w / c.sum())
+            if weights[d] > 0:
+                counts += per_domain[d] * (weights[d] / total_w / per_domain[d].sum())
     if counts.sum() <= 0:
         raise PlacementError(f"histogram: the profile ({spec.describe()}) has no selections")
     return counts
