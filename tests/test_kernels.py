@@ -353,7 +353,9 @@ def test_triton_unbiased_against_float64_over_vllm_grid(dtype, tokens, E, H, I, 
     a placement with cold rows, on padded-view weights as vLLM builds them."""
     from coldset.kernels.triton_moe import triton_experts
 
-    w13, w2 = make_weights(1, E, H, I, dtype, seed=tokens, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(tokens)  # real-shape weights: drawn on the GPU
+    w13 = (torch.randn(1, E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(dtype)
+    w2 = (torch.randn(1, E, H, I, generator=g, device="cuda") / I**0.5).to(dtype)
     x, ids, w = make_routing(tokens, E, K, H, dtype, seed=tokens + 1, device="cuda")
     ref = float64_moe(w13, w2, 0, x, ids, w)
     v13, v2 = strided_views(w13, w2, "padded")
