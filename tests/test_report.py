@@ -470,17 +470,17 @@ def test_gpu_run_shows_ceilings_and_plots_the_calibrated_prediction(tmp_path, mo
     assert row["predicted_step_ms"] == "16.36"  # the speed model's column stays: 900 / 55
     for b in BATCH_SIZES:
         label, filled, hollow = _step_points(figures, b)
-        assert "calibrated (filled)" in label and "speed model lower bound, preset h200 (hollow)" in label
+        assert "additive model, same run (filled)" in label and "bytes-only speed model, preset h200 (hollow)" in label
         expect = [(bytes_fields(p, r, b)["predicted_step_ms_calibrated"], 1000.0 / _tok_s(p, r, b))
                   for p in POLICIES for r in RESIDENCIES]
         assert _flat(filled) == pytest.approx(_flat(sorted(expect)))
         assert _flat(hollow) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, b), 1000.0 / _tok_s(p, r, b))
                                                            for p in POLICIES for r in RESIDENCIES)))
         ratios = [m / c for c, m in expect]
-        assert f"Measured / calibrated: {min(ratios):.2f}–{max(ratios):.2f}× over 4 placements" in html
+        assert f"Measured / additive: {min(ratios):.2f}–{max(ratios):.2f}× over 4 placements" in html
     # speed model at 900/tok_s: measured / predicted is 1/0.9 everywhere
     assert "measured / speed model: 1.11–1.11×" in html
-    assert "No calibrated prediction" not in html
+    assert "No additive model" not in html
 
 
 def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
@@ -495,7 +495,7 @@ def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
         assert label == "predicted step time (ms, speed model preset h200)" and hollow == []
         assert _flat(filled) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, 1), 1000.0 / _tok_s(p, r, 1))
                                                            for p in POLICIES for r in RESIDENCIES)))
-        assert "No calibrated prediction: the run measured no read ceilings" in html
+        assert "No additive model: the run measured no read ceilings" in html
 
 
 def test_bench_validation_of_bytes_metrics_and_ceilings(tmp_path):

@@ -43,7 +43,7 @@ class BenchResult:
     cold_share: float
     link_gb_per_token: float
     hbm_gb_per_token: float | None  # weights read from HBM per token (non-expert + hot experts touched)
-    predicted_step_ms: float | None  # the speed model's lower bound, for the preset named
+    predicted_step_ms: float | None  # the bytes-only speed model (max(HBM, link) time), for the preset named
     predicted_step_ms_sum: float | None
     predicted_preset: str | None
     prompt_tokens: int
@@ -61,7 +61,9 @@ class BenchResult:
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
     fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_p50
-    predicted_step_ms_calibrated: float | None = None  # residency 1.0's step + the cold bytes' extra time
+    # The additive model: this run's residency-1.0 step + this run's cold bytes' extra link time
+    # (a check that link time adds, not a prediction made apart from the measurement).
+    predicted_step_ms_calibrated: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -325,7 +327,7 @@ def timed_token_match(expected: list[list[int]], got: list[list[int]]) -> float:
 
 
 def _prediction(placement, batch_size: int):
-    """(preset, lower-bound ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
+    """(preset, perfect-overlap ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
     for preset in dict.fromkeys(["h200", *(p.preset for p in placement.predictions)]):
         try:
             pred = placement.prediction(preset, batch_size)
@@ -356,9 +358,10 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``fetch_tax``: 1 - tok/s / tok/s at residency 1.0 of the same policy and batch size.
     With ``ceilings`` (:func:`measure_ceilings`): ``bytes_step_ms``, the step's bytes over the
     measured read rates (HBM bytes / HBM rate + link bytes / link rate: a floor), its
-    ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``:
-    the same policy's measured residency-1.0 step plus the time the cold bytes take over the link
-    instead of HBM. Why this shape: layers run in sequence and each waits for its experts, so
+    ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``, an
+    additive model: the same policy's measured residency-1.0 step plus the time the cold bytes take
+    over the link instead of HBM. Its inputs come from the run it is compared with, so its agreement
+    with measured steps checks additivity; it is not a prediction made apart from the measurement. Why this shape: layers run in sequence and each waits for its experts, so
     link time adds to the step rather than hiding under HBM time, and the all-HBM step's time
     beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
     that only a measurement gives.

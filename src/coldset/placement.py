@@ -536,8 +536,10 @@ BANDWIDTH_PRESETS: dict[str, Bandwidths] = {
         "h200",
         3400.0,
         51.0,
-        "measured on the lent H200, PCIe Gen5 x16 (DESIGN.md §6): HBM streaming read 3.4 TB/s, "
-        "Triton kernel reading pinned host memory in place 51 GB/s",
+        "lent H200, PCIe Gen5 x16: link 51 GB/s measured (Triton kernel reading pinned host memory in "
+        "place); HBM 3.4 TB/s from a torch copy probe, a conservative figure: the Triton read kernel "
+        "measured 3,974-4,615 GB/s on the same card (BENCHMARKS.md, NOTES.md), and the bench measures "
+        "its own ceilings in each run",
     ),
     "gb300": Bandwidths(
         "gb300",
@@ -627,9 +629,12 @@ def predict_step(
     Bytes per step: the non-expert weights once, from HBM; per MoE layer, each expert's bytes
     times the probability that the batch touches it (``expected_touched``), from HBM if hot and
     over the host link if cold (a cold expert is read once per step in place, whatever the
-    number of its tokens). Times: ``bytes / bandwidth``; the step is at least
-    ``max(hbm_s, link_s)`` (perfect overlap) and at most about ``hbm_s + link_s`` (none). KV cache,
-    activations and launch overheads are not modelled, so these are lower bounds on real steps.
+    number of its tokens). Times: ``bytes / bandwidth``; ``step_s_lower = max(hbm_s, link_s)``
+    (perfect overlap) and ``step_s_sum = hbm_s + link_s`` (none). KV cache, activations and launch
+    overheads are not modelled. These are estimates, not bounds: the touched-expert probability
+    treats a batch's tokens as picking experts independently, while real tokens of a batch share
+    experts, so fewer bytes are read and measured batch-8 steps fell below ``step_s_lower`` (0.93x
+    on the H200, BENCHMARKS.md); at batch 1 they are bytes-only floors for the preset's rates.
 
     ``histogram`` is the histogram (then the placement's profile spec selects the counts) or
     the profile counts ``[num_moe_layers, num_experts]`` themselves.

@@ -37,7 +37,8 @@ from coldset.files import write_bytes
 # Weight bytes read per token and what coldset.bench.derive_metrics makes of them with the read
 # ceilings measured in the same run (CUDA only; hbm_gb_per_token is also filled on CPU when the
 # router is not replayed): the bytes floor of a step, the measured step's fraction of it, and the
-# calibrated prediction (the policy's measured all-HBM step + the cold bytes' extra link time).
+# additive model (predicted_step_ms_calibrated: the policy's measured all-HBM step + the cold bytes'
+# extra link time, all from the same run: a check that link time adds, not an independent prediction).
 BYTES_METRICS: tuple[str, ...] = (
     "hbm_gb_per_token",
     "bytes_step_ms",
@@ -765,9 +766,9 @@ def _step_axes_ends(ax, values: list[float]) -> list[float]:
 def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
     """Measured step time against a prediction, one point per placement at ``batch_size``.
 
-    Where the run measured its read ceilings (CUDA), the calibrated prediction is plotted (the
-    policy's measured all-HBM step plus the cold bytes' extra time over the link), with the
-    speed model's bytes-only lower bound beside it as hollow markers; otherwise the speed model
+    Where the run measured its read ceilings (CUDA), the additive model is plotted (the policy's
+    measured all-HBM step plus the cold bytes' extra time over the link, same run), with the
+    bytes-only speed model beside it as hollow markers; otherwise the speed model
     alone, as before the bench measured ceilings. None when there is neither."""
     at_batch = [b for b in bench if b.batch_size == batch_size]
     if any(b.metrics.get("predicted_step_ms_calibrated") is not None for b in at_batch):
@@ -791,7 +792,7 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
         ax.scatter([cal[id(b)] for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol],
-                   label=f"{pol}: calibrated", zorder=3)
+                   label=f"{pol}: additive model", zorder=3)
         sub_speed = [b for b in sub if b.predicted_step_ms is not None]
         if sub_speed:
             ax.scatter([b.predicted_step_ms for b in sub_speed], [b.metrics["step_ms_p50"] for b in sub_speed],
@@ -803,32 +804,36 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
             ax.annotate(b.residency, (cal[id(b)], b.metrics["step_ms_p50"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
     presets = _join(b.extra.get("predicted_preset", "unnamed") for b in speed) if speed else None
-    xlabel = "predicted step time (ms): calibrated (filled)"
+    xlabel = "predicted step time (ms): additive model, same run (filled)"
     if presets:
-        xlabel += f"; speed model lower bound, preset {presets} (hollow)"
+        xlabel += f"; bytes-only speed model, preset {presets} (hollow)"
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(f"measured step time p50 (ms, {device})")
-    ax.set_title(f"{model}: measured vs calibrated prediction\nbatch size {batch_size}", fontsize=10)
+    ax.set_title(f"{model}: measured vs additive model\nbatch size {batch_size}", fontsize=10)
     ax.legend(fontsize=7)
     caption = (
-        "Median decode step time measured against the calibrated prediction (filled markers, labelled "
-        "with the residency): the same policy's measured residency-1.0 step at this batch size plus the "
-        "time the cold bytes take over the host link instead of HBM, at the read rates measured in the "
-        f"same run. Measured / calibrated: {_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} "
-        f"over {len(rows)} placements."
+        "Median decode step time measured against the additive model (filled markers, labelled with "
+        "the residency; field predicted_step_ms_calibrated): the same policy's measured residency-1.0 "
+        "step at this batch size plus the time this run's measured cold bytes take over the host link "
+        "instead of HBM, at the read rates measured in the same run. Every input comes from the run it "
+        "is compared with, so agreement checks that link time adds to the step; it is not a prediction "
+        "made apart from the measurement. Measured / additive: "
+        f"{_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} over {len(rows)} placements."
     )
     if speed:
         caption += (
-            f" Hollow markers: the placement stage's speed model (bytes-only lower bound, preset {presets}) "
+            f" Hollow markers: the placement stage's bytes-only speed model (preset {presets}; perfect "
+            "overlap of HBM and link, tokens of a batch picking experts independently, so batches whose "
+            "tokens share experts can run faster than it: an estimate, not a bound) "
             f"for the same measurements; measured / speed model: "
             f"{_ratio_range([(b.metrics['step_ms_p50'], b.predicted_step_ms) for b in speed])}."
         )
     if left_out:
-        caption += f" Not plotted (no calibrated prediction: no residency-1.0 run of the policy): {', '.join(left_out)}."
+        caption += f" Not plotted (no additive model: no residency-1.0 run of the policy): {', '.join(left_out)}."
     caption += " Points above the diagonal ran slower than predicted."
     return FigureOut(
         f"step-time-b{batch_size}",
-        f"Measured vs calibrated prediction of step time (batch size {batch_size})",
+        f"Measured step time vs the additive model (batch size {batch_size})",
         caption,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
@@ -872,9 +877,10 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
         f"step-time-b{batch_size}",
         f"Measured vs predicted step time (batch size {batch_size})",
         "Median decode step time measured against the placement stage's speed-model prediction "
-        f"(lower bound, preset {presets}), one point per placement (labelled with its residency); "
+        f"(bytes only, preset {presets}; an estimate: batches whose tokens share experts can run faster), "
+        "one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
-        "above the diagonal ran slower than predicted. No calibrated prediction: the run measured "
+        "above the diagonal ran slower than predicted. No additive model: the run measured "
         "no read ceilings (CPU run, or a bench file from before they were measured)." + mismatch,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
