@@ -29,8 +29,10 @@ Run contents:
   from the parity gate parity_passed (1/0), parity_tokens_matched, parity_tokens_total,
   parity_max_abs_logit_diff; from the routing statistics (decode, all domains)
   routing_gini_decode, routing_top{x}_share_decode, oracle_cache_hit_rate_decode;
-- tags: coldset.run_key, device, dtype, commit (and mlflow.source.git.commit), config_hash,
-  autotune_key, plus any the caller passes;
+- tags: coldset.run_key, device, dtype, config_hash, autotune_key, plus any the caller passes, and
+  the provenance the bench recorded on the machine that measured (provenance_tags: commit and
+  mlflow.source.git.commit, dirty, torch, triton, cuda, driver, device_name, autotune hit,
+  ceiling.*), never the state of the machine running track;
 - artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
   stats/skew.json and autotune/{entry} when given.
 
@@ -44,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -566,20 +567,6 @@ def _progress(items: Sequence, desc: str):
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, file=sys.stderr, disable=len(items) < 2)
-
-
-def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """The checkout's commit (with ``-dirty`` when tracked files changed), or ``unknown``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=10
-        )
-        return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def run_track(
