@@ -187,6 +187,8 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         "backend": "torch",
                         "graphed": False,
                         "routing_source": "router",
+                        "timed_token_match": 1.0,
+                        "prompt_split": "heldout",
                     }
                 )
                 if bytes_run == "cpu":

@@ -85,6 +85,7 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert run.data.metrics["tok_s"] == pytest.approx(_bench_value(res, "usage_global", 0.5, 4, "tok_s"))
     assert run.data.metrics["cold_share"] == pytest.approx(0.5)
     assert run.data.metrics["parity_passed"] == 1.0 and run.data.metrics["parity_tokens_total"] == 96
+    assert run.data.metrics["timed_token_match"] == 1.0  # the timed loop decoded generate()'s tokens
     assert run.data.metrics["coverage_heldout"] == pytest.approx(0.7)
     assert "tok_s_per_gib" not in run.data.metrics  # undefined at the smallest residency
     assert by_key[f"{MODEL}/usage_global/1.0/1"].data.metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
