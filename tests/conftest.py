@@ -13,6 +13,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_fixtures import TINY_ARCHS, build_tiny_checkpoint  # noqa: E402
 
 
+def _gpu_skip_reason() -> str | None:
+    """Why tests marked ``gpu`` cannot run here (None if they can): CUDA and triton both needed."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (marked gpu)"
+    if importlib.util.find_spec("triton") is None:
+        return "needs triton (marked gpu)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The one place CUDA-only tests are skipped: every test marked ``gpu`` and only those, so
+    ``pytest -m gpu`` runs every CUDA-only test and a CPU run's skips for CUDA are exactly them."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    reason = _gpu_skip_reason() if gpu_items else None
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
     """A function ``arch -> Path`` of a tiny HF checkpoint folder (built once per session, read-only)."""

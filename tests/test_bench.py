@@ -129,9 +129,13 @@ def test_replayed_trace_drives_the_cold_share(engine, tmp_path):
                            new_tokens=steps + 1, warmup=0, repeats=1, replay=replay)
     assert r.routing_source == "trace"
 
+    # Requests side by side: the first two requests' first `steps` decode tokens each.
     df = pd.read_parquet(trace)
-    dec = df[df.phase == "decode"].sort_values(["request", "position", "layer", "rank"])
-    tokens = dec.drop_duplicates(["request", "position"])[["request", "position"]].head(2 * steps)
+    dec = df[df.phase == "decode"]
+    requests = list(dict.fromkeys(dec.request))[:2]
+    first = dec[dec.request.isin(requests)].drop_duplicates(["request", "position"]).sort_values("position")
+    tokens = first.groupby("request").head(steps)[["request", "position"]]
+    assert len(tokens) == 2 * steps
     chosen = dec.merge(tokens, on=["request", "position"])
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     cold = [not mask[moe_index[layer], e] for layer, e in zip(chosen.layer, chosen.expert)]
@@ -178,3 +182,71 @@ def test_derived_ratios_never_divide_noise():
     assert gpu[0.5]["tok_s_per_gib"] is None and gpu[0.5]["fetch_tax"] is None  # its own timing is noise
     assert gpu[1.0]["tok_s_per_gib"] is None  # its neighbour's timing is noise
     assert gpu[1.0]["fetch_tax"] == 0.0 and gpu[0.25]["fetch_tax"] == pytest.approx(1 - 5 / 40)
+
+
+def _tiny_trace(path, tokens_by_request, splits=None, num_experts=4, layers=(0,)):
+    """A trace of decode tokens only, top-1, given ``{request: [[expert per layer] per token]}``."""
+    import pyarrow as pa
+
+    from coldset.routing import TraceMeta, write_trace
+
+    rows = {c: [] for c in ("request", "domain", "position", "phase", "layer", "rank", "expert")}
+    if splits:
+        rows["split"] = []
+    for req, toks in tokens_by_request.items():
+        for pos, experts in enumerate(toks):
+            for layer, e in zip(layers, experts):
+                for c, v in zip(("request", "domain", "position", "phase", "layer", "rank", "expert"),
+                                (req, "d", 3 + pos, "decode", layer, 0, e)):
+                    rows[c].append(v)
+                if splits:
+                    rows["split"].append(splits[req])
+    meta = TraceMeta(model="tiny", num_layers=len(layers), num_experts=num_experts, top_k=1, moe_layers=list(layers))
+    return write_trace(path, meta, pa.table(rows))
+
+
+class _Shape:
+    num_experts, top_k, moe_layers, num_moe_layers, num_layers = 4, 1, (0,), 1, 1
+
+
+def test_replay_lays_requests_side_by_side(tmp_path):
+    """Mutant: replay reshapes one request's consecutive tokens into a batch (step s = tokens
+    s*B .. s*B+B-1 of the concatenated trace), so at batch > 1 a step replays one request's
+    future tokens instead of the B requests' s-th tokens."""
+    trace = _tiny_trace(tmp_path / "t.parquet", {"r0": [[0], [1], [2]], "r1": [[3], [2], [1]], "r2": [[1], [1], [1]]})
+    replay = bench.RoutingReplay.from_trace(trace, _Shape(), batch_size=2, num_steps=3, device="cpu")
+    steps = replay.steps.numpy()  # [S, L, B, k]
+    assert steps.shape == (3, 1, 2, 1)
+    assert steps[:, 0, :, 0].tolist() == [[0, 3], [1, 2], [2, 1]]  # slot b = request b, step s = token s
+    # requests too short to fill the steps are skipped, and too few requests are refused
+    short = _tiny_trace(tmp_path / "s.parquet", {"r0": [[0]], "r1": [[3], [2]], "r2": [[1], [0]]})
+    got = bench.RoutingReplay.from_trace(short, _Shape(), batch_size=2, num_steps=2, device="cpu").steps.numpy()
+    assert got[:, 0, :, 0].tolist() == [[3, 1], [2, 0]]
+    with pytest.raises(ValueError, match="2 request"):
+        bench.RoutingReplay.from_trace(short, _Shape(), batch_size=3, num_steps=2, device="cpu")
+
+
+def test_replay_keeps_the_bench_split(tmp_path):
+    """The replayed requests are the bench split's: the trace's split column when present."""
+    trace = _tiny_trace(tmp_path / "t.parquet", {"a": [[0], [0]], "b": [[1], [1]], "c": [[2], [2]]},
+                        splits={"a": "profile", "b": "heldout", "c": "heldout"})
+    held = bench.RoutingReplay.from_trace(trace, _Shape(), 2, 2, "cpu", split="heldout").steps.numpy()
+    assert held[0, 0, :, 0].tolist() == [1, 2]
+    prof = bench.RoutingReplay.from_trace(trace, _Shape(), 1, 2, "cpu", split="profile").steps.numpy()
+    assert prof[:, 0, 0, 0].tolist() == [0, 0]
+
+
+def test_replay_link_bytes_count_distinct_cold_experts_per_step(tmp_path):
+    """Mutants: (a) the consecutive-token layout, (b) counting cold *selections* as link reads.
+    Two requests whose s-th tokens pick the same cold expert: side by side each step reads that
+    expert once (2 reads for 4 tokens); a layout of consecutive tokens, or counting selections,
+    gives 4. Checked against a brute-force count over the side-by-side steps."""
+    trace = _tiny_trace(tmp_path / "t.parquet", {"r0": [[0], [1]], "r1": [[0], [1]]})
+    replay = bench.RoutingReplay.from_trace(trace, _Shape(), batch_size=2, num_steps=2, device="cpu")
+    all_cold = -np.arange(4, dtype=np.int32).reshape(1, 4) - 1
+    share, link = replay.cold_stats(all_cold, batch_size=2, num_steps=2, bytes_per_expert=100)
+    brute = sum(len({int(e) for e in replay.steps[s, 0, :, 0]}) for s in range(2)) * 100 / 4
+    assert share == 1.0 and link == brute == 2 * 100 / 4
+    half = np.array([[0, -1, 1, 2]], dtype=np.int32)  # expert 1 cold only
+    share, link = replay.cold_stats(half, batch_size=2, num_steps=2, bytes_per_expert=100)
+    assert share == 0.5 and link == 1 * 100 / 4

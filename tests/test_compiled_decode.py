@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# CUDA and triton only: skipped elsewhere by the gpu marker (tests/conftest.py).
+pytestmark = pytest.mark.gpu
 
 from coldset import bench, gate  # noqa: E402
 from coldset.model import generate  # noqa: E402

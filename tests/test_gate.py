@@ -78,3 +78,127 @@ def test_placing_needs_the_unmodified_layout(engine):
     assert pools.num_hot == 3 * engine.config.num_moe_layers
     with pytest.raises(ValueError, match="all-hot layout"):
         pools.placed(row_map_from_mask(mask))
+
+
+# --- Each clause of the verdict, on hand-made decodes (no model needed). Each test names the
+# mutant of gate.compare / gate.gate_verdict it kills.
+
+class _Pools:
+    row_map = torch.tensor([[0, -1], [1, -2]], dtype=torch.int32)
+
+
+class _Model:
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+
+def _decoded(tokens, vocab=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(len(t), vocab, generator=g) for t in tokens]
+    return gate.Decoded([list(t) for t in tokens], logits)
+
+
+def _clone(d: "gate.Decoded") -> "gate.Decoded":
+    return gate.Decoded([list(t) for t in d.tokens], [x.clone() for x in d.logits])
+
+
+def _compare(ref, got, ids=("a", "b")):
+    return gate.compare("p-0.5", list(ids), ref, got, _Pools(), _Model(), backend="torch")
+
+
+def test_identical_runs_pass():
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    r = _compare(ref, _clone(ref))
+    assert r.passed and r.logits_bitwise_equal and r.tokens_matched == r.tokens_total == 6
+    assert gate.gate_verdict([r.to_dict()])["passed"]
+
+
+def test_a_placed_run_one_token_short_fails():
+    """Mutant: compare zips each fixture's token lists, so a placed run one token short is
+    compared only on its common prefix and passes."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    got = _clone(ref)
+    got.tokens[1] = got.tokens[1][:-1]
+    got.logits[1] = got.logits[1][:-1]
+    r = _compare(ref, got)
+    assert not r.passed and r.tokens_total == 6 and r.tokens_matched == 5
+    assert r.mismatches and r.mismatches[0].fixture == "b" and r.mismatches[0].position == 2
+    assert r.mismatches[0].got == -1
+    with pytest.raises(gate.ParityGateError, match="1 of 6 tokens differ"):
+        gate.gate_verdict([r.to_dict()])
+
+
+def test_an_empty_placed_run_fails():
+    """Mutant: compare zips the lists, so a placed run with no tokens at all (or no fixtures)
+    compares nothing and passes."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    got = gate.Decoded([[], []], [torch.zeros(0, 6), torch.zeros(0, 6)])
+    r = _compare(ref, got)
+    assert not r.passed and r.tokens_matched == 0 and r.tokens_total == 6
+    with pytest.raises(ValueError, match="0 placed tokens"):
+        _compare(ref, gate.Decoded([], []))
+    nothing = _compare(gate.Decoded([[], []], [torch.zeros(0, 6)] * 2), gate.Decoded([[], []], [torch.zeros(0, 6)] * 2))
+    assert not nothing.passed and nothing.tokens_total == 0
+
+
+def test_a_nan_logit_fails_even_with_equal_tokens():
+    """Mutant: max(max_diff, nan) in Python drops the NaN difference, so a NaN logit in the placed
+    run leaves max_abs_logit_diff 0 and passes with logits_bitwise_equal=True."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    got = _clone(ref)
+    got.logits[0][1, 0] = float("nan")  # not the argmax's logit: tokens stay equal
+    r = _compare(ref, got)
+    assert r.tokens_matched == r.tokens_total
+    assert not r.passed and not r.logits_bitwise_equal and r.nonfinite_logits == 1
+    assert r.max_abs_logit_diff != r.max_abs_logit_diff  # NaN propagated, not dropped
+    with pytest.raises(gate.ParityGateError, match="p-0.5"):
+        gate.gate_verdict([r.to_dict()])
+
+
+def test_inf_logits_fail_even_when_both_runs_agree():
+    """Mutant: finiteness not required, so an Inf both runs share (a broken model) passes as
+    bitwise equal."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    ref.logits[1][0, 3] = float("inf")
+    ref.tokens[1][0] = 3
+    got = _clone(ref)
+    r = _compare(ref, got)
+    assert r.tokens_matched == r.tokens_total and not r.passed and r.nonfinite_logits == 2
+
+
+def test_passed_requires_bitwise_logits():
+    """Mutant: ``passed`` without its bitwise-logit half (``not mismatches`` alone), so logits
+    that differ in the last bit, with the same greedy tokens, pass."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    got = _clone(ref)
+    got.logits[1][2, 1] = torch.nextafter(got.logits[1][2, 1], torch.tensor(float("inf")))
+    r = _compare(ref, got)
+    assert r.tokens_matched == r.tokens_total and not r.mismatches
+    assert not r.logits_bitwise_equal and not r.passed and 0 < r.max_abs_logit_diff < 1e-5
+    with pytest.raises(gate.ParityGateError, match="not bitwise equal"):
+        gate.gate_verdict([r.to_dict()])
+
+
+def test_bitwise_means_bits_not_equality():
+    """Mutant: logits compared with == (or |diff| == 0), which equates -0.0 and 0.0."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    ref.logits[0][0, 5] = 0.0
+    got = _clone(ref)
+    got.logits[0][0, 5] = -0.0
+    r = _compare(ref, got)
+    assert r.max_abs_logit_diff == 0.0 and not r.logits_bitwise_equal and not r.passed
+
+
+def test_verdict_requires_every_token_matched_whatever_the_flag_says():
+    """Mutant: the verdict trusts ``passed`` (or ``not mismatches``) and never requires
+    tokens_matched == tokens_total > 0, so a report with a token short passes."""
+    ref = _decoded([[1, 2, 3], [4, 5, 0]])
+    good = _compare(ref, _clone(ref)).to_dict()
+    for tampered in ({"tokens_matched": 5}, {"tokens_matched": 0, "tokens_total": 0},
+                     {"logits_bitwise_equal": False}, {"nonfinite_logits": 3}):
+        with pytest.raises(gate.ParityGateError, match="p-0.5"):
+            gate.gate_verdict([{**good, **tampered}])
+    with pytest.raises(ValueError, match="missing field"):
+        gate.gate_verdict([{k: v for k, v in good.items() if k != "tokens_total"}])
+    with pytest.raises(gate.ParityGateError, match="no parity reports"):
+        gate.gate_verdict([])

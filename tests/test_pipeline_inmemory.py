@@ -295,3 +295,75 @@ def test_changed_kernel_or_model_make_reports_stale(run, tmp_path, capsys):
     manifest.write_text(json.dumps({**m, "spec": {**m["spec"], "seed": 4}}))
     assert cli.main(["parity_gate", "--config", str(cfg_path)]) == 1
     assert "changed: model" in capsys.readouterr().err
+
+def test_bench_measures_held_out_prompts_with_provenance(run):
+    """Bench JSONs say which split their prompts came from (held out by default) and carry the
+    provenance of the process that measured (the commit of this checkout, versions, device)."""
+    from coldset.provenance import code_commit
+
+    doc = json.loads((run["results"] / "bench" / "tiny-mem" / "usage_global-0.5.json").read_text())
+    assert doc["prompt_split"] == "heldout" and "profile_batches" not in doc
+    assert all(b["prompt_split"] == "heldout" and b["timed_token_match"] == 1.0 for b in doc["batches"])
+    prov = doc["provenance"]
+    assert prov["commit"] == code_commit()["commit"] and prov["torch"] == torch.__version__
+    assert prov["device_type"] == "cpu" and prov["autotune_key"] and prov["autotune_hit"] in (True, False)
+
+
+def test_bench_cuts_prompts_from_the_held_out_split_and_reports_profile_beside(run):
+    """Mutant: bench prompts cut from every fixture (the profile split the placement was fitted on
+    included). The stream the bench decodes must be exactly the held-out fixtures' tokens; with
+    bench.profile_beside the profile split's numbers are written beside, labelled."""
+    from coldset import bench as bn
+    from coldset.config import validate_config
+    from coldset.fixtures import read_fixtures
+    from coldset.model import encode_prompts
+
+    config = validate_config(_config(run["root"]))
+    config["bench"]["profile_beside"] = True
+    _, tokenizer = pipeline._load_engine(config)
+    fxs = read_fixtures(pipeline._fixture_paths(config))
+    want = {split: [t for ids in encode_prompts(tokenizer, [f.prompt for f in fxs if f.split == split]) for t in ids]
+            for split in ("heldout", "profile")}
+    assert want["heldout"] and want["profile"] and want["heldout"] != want["profile"]
+    seen = []
+    real = bn.bench_decode
+
+    def spy(model, pools, placement, stream, *args, **kwargs):
+        seen.append((kwargs["prompt_split"], list(stream)))
+        return real(model, pools, placement, stream, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bn, "bench_decode", spy)
+        pipeline.run_stage("bench", config, placements=["usage_global-0.5"])
+    assert [s for s, _ in seen] == ["heldout", "profile"]
+    assert all(stream == want[split] for split, stream in seen)
+    doc = json.loads((run["results"] / "bench" / "tiny-mem" / "usage_global-0.5.json").read_text())
+    assert doc["prompt_split"] == "heldout" and doc["batches"][0]["prompt_split"] == "heldout"
+    assert [b["prompt_split"] for b in doc["profile_batches"]] == ["profile"]
+
+
+def test_a_timed_loop_that_decodes_other_tokens_fails_the_bench_stage(run):
+    """Mutant: a timed loop whose tokens differ from generate() only logs a warning and its speed
+    is published. Forced here end to end (the decode step's logits rolled by one vocabulary
+    entry): the bench stage fails naming the placement and writes nothing."""
+    from coldset import bench as bn
+
+    out = run["results"] / "bench" / "tiny-mem" / "positional-0.5.json"
+    before = out.read_bytes()
+    real_step = bn.Decoder.step
+
+    def wrong_step(self):
+        return torch.roll(real_step(self), 1, dims=-1)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bn.Decoder, "step", wrong_step)
+        with pytest.raises(pipeline.StageError, match=r"positional-0.5 batch 1: the timed decode loop matches generate\(\)"):
+            pipeline.run_stage("bench", pipeline_config(run), placements=["positional-0.5"])
+        assert cli.main(["bench", "--config", str(run["root"] / "tiny.yaml"), "--placement", "positional-0.5"]) == 1
+    assert out.read_bytes() == before
+
+
+def pipeline_config(run):
+    from coldset.config import validate_config
+
+    return validate_config(_config(run["root"]))

@@ -583,3 +583,22 @@ def test_run_placement_reads_model_shape_from_folder(tmp_path):
                                residencies=(0.5,), batch_sizes=(1,), progress=False)
     assert placements[0].moe_layers == (1, 3)
     assert placements[0].bytes_per_expert == 48
+
+
+def test_equal_weighting_refuses_a_domain_with_zero_profile_counts():
+    """Mutant (today's code): ``domain_weights: equal`` divides each domain's counts by their sum,
+    so a domain with zero profile selections yields NaN counts, NaN coverage and predictions and
+    an arbitrary row map with no error. It must be refused naming the domain; a domain weighted
+    0 by a mapping is left out instead."""
+    s = Shape()
+    a = np.array([[6, 3, 1], [5, 5, 0]], float)
+    hist = histogram({("a", "profile"): a, ("z", "profile"): np.zeros((2, 3)),
+                      ("a", "heldout"): a, ("z", "heldout"): a}, s.moe_layers)
+    assert "z" in set(hist[hist.split == "profile"].domain)  # present, with zero counts
+    for weighting in ("equal", {"a": 1, "z": 2}):
+        with pytest.raises(PlacementError, match=r"profile domain\(s\) \['z'\] have zero decode selections"):
+            place(hist, s, "usage_global", 0.5, domain_weights=weighting, batch_sizes=(1,))
+    counts = profile_counts(hist, s.moe_layers, 3, ProfileSpec.make(None, "decode", {"a": 1, "z": 0}))
+    assert np.allclose(counts, a / 20) and np.isfinite(counts).all()
+    p = place(hist, s, "usage_global", 0.5, domain_weights={"a": 1, "z": 0}, batch_sizes=(1,))
+    assert math.isfinite(p.coverage_profile) and math.isfinite(p.coverage_heldout)

@@ -78,8 +78,16 @@ def bytes_fields(policy: str, residency: float, batch: int) -> dict[str, float]:
     }
 
 
+# The provenance the bench stage records (coldset.provenance.collect_provenance) on the machine
+# that measured: track and the report must show these, not their own machine's state.
+PROVENANCE = {"commit": "4b825dc642cb6eb9a060e54bf8d69288fbee4904", "dirty": False, "commit_source": "git archive",
+              "torch": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3", "cuda": "13.0", "driver": "580.95.05",
+              "device": "NVIDIA H200", "capability": "9.0", "device_type": "cuda", "autotune_key": "abc123",
+              "autotune_hit": False, "ceilings": {"hbm_read_gb_s": 4500.0, "link_read_gb_s": 51.0}}
+
+
 def build_results_tree(root: Path, *, with_autotune: bool = True, with_prediction: bool = True,
-                       bytes_run: str = "absent") -> Path:
+                       bytes_run: str = "absent", provenance: bool = True) -> Path:
     """A complete, small results tree as the producing stages write it.
 
     ``bytes_run``: ``"absent"``, bench files from before the bench wrote the bytes metrics and
@@ -179,6 +187,8 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         "backend": "torch",
                         "graphed": False,
                         "routing_source": "router",
+                        "timed_token_match": 1.0,
+                        "prompt_split": "heldout",
                     }
                 )
                 if bytes_run == "cpu":
@@ -187,6 +197,8 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                 elif bytes_run == "gpu":
                     batches[-1].update(bytes_fields(policy, r, b), device="NVIDIA H200")
             doc = {"placement": name[: -len(".json")], "batches": batches}
+            if provenance:
+                doc["provenance"] = PROVENANCE
             if bytes_run != "absent":
                 doc["ceilings"] = (
                     {"hbm_read_gb_s": HBM_GB_S, "link_read_gb_s": LINK_GB_S} if bytes_run == "gpu" else None
@@ -463,17 +475,17 @@ def test_gpu_run_shows_ceilings_and_plots_the_calibrated_prediction(tmp_path, mo
     assert row["predicted_step_ms"] == "16.36"  # the speed model's column stays: 900 / 55
     for b in BATCH_SIZES:
         label, filled, hollow = _step_points(figures, b)
-        assert "calibrated (filled)" in label and "speed model lower bound, preset h200 (hollow)" in label
+        assert "additive model, same run (filled)" in label and "bytes-only speed model, preset h200 (hollow)" in label
         expect = [(bytes_fields(p, r, b)["predicted_step_ms_calibrated"], 1000.0 / _tok_s(p, r, b))
                   for p in POLICIES for r in RESIDENCIES]
         assert _flat(filled) == pytest.approx(_flat(sorted(expect)))
         assert _flat(hollow) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, b), 1000.0 / _tok_s(p, r, b))
                                                            for p in POLICIES for r in RESIDENCIES)))
         ratios = [m / c for c, m in expect]
-        assert f"Measured / calibrated: {min(ratios):.2f}–{max(ratios):.2f}× over 4 placements" in html
+        assert f"Measured / additive: {min(ratios):.2f}–{max(ratios):.2f}× over 4 placements" in html
     # speed model at 900/tok_s: measured / predicted is 1/0.9 everywhere
     assert "measured / speed model: 1.11–1.11×" in html
-    assert "No calibrated prediction" not in html
+    assert "No additive model" not in html
 
 
 def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
@@ -488,7 +500,7 @@ def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
         assert label == "predicted step time (ms, speed model preset h200)" and hollow == []
         assert _flat(filled) == pytest.approx(_flat(sorted((900.0 / _tok_s(p, r, 1), 1000.0 / _tok_s(p, r, 1))
                                                            for p in POLICIES for r in RESIDENCIES)))
-        assert "No calibrated prediction: the run measured no read ceilings" in html
+        assert "No additive model: the run measured no read ceilings" in html
 
 
 def test_bench_validation_of_bytes_metrics_and_ceilings(tmp_path):
@@ -581,3 +593,33 @@ def test_locality_section_shows_the_simulation_and_the_lift(tmp_path):
     sim.to_csv(res / "cache" / MODEL / "simulation.csv", index=False)
     with pytest.raises(ReportInputError, match="hit_rate outside"):
         render_report(res, res / "report" / "index.html", CONFIG, MACHINE)
+
+
+def test_report_header_shows_the_bench_provenance_and_the_held_out_split(tmp_path):
+    """The header carries the measuring machine's provenance from the bench JSONs (commit,
+    versions, device, autotune key/hit), not the rendering machine's; the held-out vs profile
+    table appears when the bench measured both, read back value by value."""
+    res = build_results_tree(tmp_path)
+    layout = Layout(results=res, model=MODEL)
+    doc = json.loads(layout.bench("usage_global", 0.5).read_text())
+    doc["prompt_split"] = "heldout"
+    profile = [dict(b, tok_s=b["tok_s"] * 2, cold_share=0.125, prompt_split="profile") for b in doc["batches"]]
+    doc["profile_batches"] = profile
+    layout.bench("usage_global", 0.5).write_text(json.dumps(doc))
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    line = re.search(r'<p class="conditions" id="provenance">(.*?)</p>', html).group(1)
+    for value in (PROVENANCE["commit"], "torch 2.11.0+cu130", "triton 3.6.0", "cuda 13.0", "driver 580.95.05",
+                  "device NVIDIA H200", "autotune_key abc123", "autotune_hit False"):
+        assert value in line, value
+    assert len(load_bench(layout.bench("usage_global", 0.5), "profile_batches")) == len(BATCH_SIZES)
+    assert load_bench(layout.bench("positional", 0.5), "profile_batches") == []
+    table = re.search(r'<table id="split-table">(.*?)</table>', html, re.S).group(1)
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table) if "<td" in r]
+    assert [(r[0], r[1], int(r[2])) for r in rows] == [("usage_global", "0.5", b) for b in BATCH_SIZES]
+    for r, b in zip(rows, sorted(BATCH_SIZES)):
+        held = _tok_s("usage_global", 0.5, b)
+        assert float(r[3]) == pytest.approx(held, rel=1e-3) and float(r[4]) == pytest.approx(2 * held, rel=1e-3)
+        assert float(r[5]) == 0.5 and float(r[6]) == 0.125
+    old = build_results_tree(tmp_path / "old", provenance=False)
+    html = render_report(old, old / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert "not recorded (bench files without provenance)" in html and 'id="split-table"' not in html

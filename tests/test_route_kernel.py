@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# CUDA and triton only: skipped elsewhere by the gpu marker (tests/conftest.py).
+pytestmark = pytest.mark.gpu
 
 from coldset.kernels import softmax_topk, torch_softmax_topk  # noqa: E402
 

@@ -335,3 +335,87 @@ def test_run_stats_writes_all_outputs(tmp_path):
     # the agent domain was generated skewed toward low ids, the others uniform
     g = {d: skew["phases"]["decode"]["domains"][d]["gini"]["mean"] for d in ("agent", "prose")}
     assert g["agent"] > g["prose"]
+
+
+# ---------------------------------------------------------------------------------------------
+# checks that survived mutation before (issue 18): each test names its mutant
+
+
+def test_split_of_honours_heldout_fraction():
+    """Mutant: split_of ignores ``heldout_fraction`` (a fixed threshold). Checked against an
+    independent sha256 computation per id, and the held-out share over 4,000 ids at several
+    fractions (binomial sd <= 0.008, bound 0.03)."""
+    import hashlib
+
+    ids = [f"req-{i}" for i in range(4000)]
+    for fraction in (0.0, 0.1, 0.3, 0.7, 1.0):
+        got = [split_of(r, fraction) for r in ids]
+        want = ["heldout" if int.from_bytes(hashlib.sha256(r.encode()).digest()[:8], "big") / 2**64 < fraction
+                else "profile" for r in ids[:200]]
+        assert got[:200] == want
+        assert got.count("heldout") / len(ids) == pytest.approx(fraction, abs=0.03)
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        split_of("x", 1.5)
+
+
+def test_held_out_coverage_ranks_on_the_profile_split_only():
+    """Mutant: coverage_table ranks experts on both splits pooled (the held-out traffic leaks into
+    the hot set) or measures pooled selections. Profile and held-out disagree here, so each
+    leakage changes the number: by hand, profile top-1 per layer = expert 0 (layer 0) and 3
+    (layer 1), held out 1 of 20 in those."""
+    meta = TraceMeta("toy", num_layers=2, num_experts=4, top_k=1, moe_layers=[0, 1], source="test")
+    prof = np.array([[5, 0, 0, 0], [0, 0, 0, 4]])
+    held = np.array([[0, 9, 0, 1], [0, 0, 9, 1]])  # leaked ranking would pick 1 and 2: 18/20
+    rows = [("d", split, "decode", layer, e, int(c[layer, e]))
+            for split, c in (("profile", prof), ("heldout", held)) for layer in range(2) for e in range(4)]
+    hist = pd.DataFrame(rows, columns=["domain", "split", "phase", "layer", "expert", "count"])
+    table = coverage_table(hist, meta, xs=[25])
+    row = table[(table.profile_domain == "d") & (table.heldout_domain == "d")].iloc[0]
+    assert row.coverage == pytest.approx(1 / 20) == pytest.approx(coverage(prof, held, 25))
+    assert row.profile_selections == 9 and row.heldout_selections == 20
+
+
+def _raw_trace(path, columns: dict, meta=META):
+    """A Parquet file with §2 columns and metadata written by pyarrow directly (not validated on
+    write), so the reader's validation is what is tested."""
+    import pyarrow.parquet as pq
+
+    table = pa.table(columns)
+    table = table.replace_schema_metadata(meta.to_metadata())
+    pq.write_table(table, path)
+    return path
+
+
+def _good_columns(n=4):
+    return {"request": ["r0"] * n, "domain": ["code"] * n, "position": list(range(n)),
+            "phase": ["decode"] * n, "layer": pa.array([0, 2, 0, 2][:n], pa.int16()),
+            "rank": pa.array([0] * n, pa.int8()), "expert": pa.array([1, 2, 3, 4][:n], pa.int16()),
+            "split": ["profile"] * n}
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("position", pa.array([0, 1, -3, 3], pa.int32()), r"row 2: column 'position' holds position -3"),
+    ("split", ["profile", "train", "profile", "heldout"], r"row 1: column 'split' holds 'train'"),
+    ("split", pa.array(["profile", "profile", "train", "heldout"]).dictionary_encode(),
+     r"row 2: column 'split' holds 'train'"),
+    ("request", ["r0", None, "r0", "r0"], r"row 1: column 'request' is null"),
+    ("domain", ["code", "code", "code", None], r"row 3: column 'domain' is null"),
+])
+def test_trace_validator_refuses_each_bad_column(tmp_path, column, value, message):
+    """Mutants: the validator without its position >= 0 check, its split-value check (plain and
+    dictionary-encoded columns), or its null request / null domain checks: each bad file is then
+    read into the statistics. Refused on read (iter_trace_batches, every reader's path) and on
+    write (write_trace), naming the row and column."""
+    from coldset.routing import TraceError, iter_trace_batches
+
+    cols = _good_columns()
+    path = _raw_trace(tmp_path / "ok.parquet", cols)
+    assert sum(b.num_rows for b in iter_trace_batches(path)) == 4  # the good file reads
+    cols[column] = value
+    bad = _raw_trace(tmp_path / "bad.parquet", cols)
+    with pytest.raises(TraceError, match=message):
+        list(iter_trace_batches(bad))
+    with pytest.raises(TraceError, match=message):
+        histogram_from_trace(bad, progress=False)
+    with pytest.raises(TraceError, match=message):
+        write_trace(tmp_path / "w.parquet", META, pa.table(cols))

@@ -29,7 +29,9 @@ _tree = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tree)
 MODEL, POLICIES, RESIDENCIES, BATCH_SIZES = _tree.MODEL, _tree.POLICIES, _tree.RESIDENCIES, _tree.BATCH_SIZES
 EXPERIMENT = "coldset-test"
-TAGS = {"commit": "0123abcd", "config_hash": "cfg42"}
+# A commit passed by the caller (the machine running track) must never replace the bench's own.
+TAGS = {"commit": "track-machine-commit", "config_hash": "cfg42"}
+PROVENANCE = _tree.PROVENANCE
 
 
 def _inputs(res: Path) -> dict:
@@ -83,6 +85,7 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert run.data.metrics["tok_s"] == pytest.approx(_bench_value(res, "usage_global", 0.5, 4, "tok_s"))
     assert run.data.metrics["cold_share"] == pytest.approx(0.5)
     assert run.data.metrics["parity_passed"] == 1.0 and run.data.metrics["parity_tokens_total"] == 96
+    assert run.data.metrics["timed_token_match"] == 1.0  # the timed loop decoded generate()'s tokens
     assert run.data.metrics["coverage_heldout"] == pytest.approx(0.7)
     assert "tok_s_per_gib" not in run.data.metrics  # undefined at the smallest residency
     assert by_key[f"{MODEL}/usage_global/1.0/1"].data.metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
@@ -91,7 +94,12 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert run.data.metrics["routing_top10_share_decode"] == pytest.approx(89 / 408)
     tags = run.data.tags
     assert (tags["device"], tags["dtype"], tags["commit"], tags["config_hash"], tags["autotune_key"]) == (
-        "cpu", "bfloat16", "0123abcd", "cfg42", "abc123")
+        "cpu", "bfloat16", PROVENANCE["commit"], "cfg42", "abc123")
+    # provenance of the measuring machine, as tags (issue 18 item 5)
+    assert tags["mlflow.source.git.commit"] == PROVENANCE["commit"] and tags["dirty"] == "false"
+    assert (tags["torch"], tags["triton"], tags["cuda"], tags["driver"], tags["device_name"]) == (
+        "2.11.0+cu130", "3.6.0", "13.0", "580.95.05", "NVIDIA H200")
+    assert tags["autotune_hit"] == "false" and tags["ceiling.hbm_read_gb_s"] == "4500"
     assert tags["mlflow.runName"] == "usage_global-0.5-b4"
     from mlflow.tracking import MlflowClient
 
@@ -219,7 +227,7 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
         assert metrics["tok_s"] == pytest.approx(_bench_value(res, "usage_global", 1.0, 1, "tok_s"))
         assert metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
         assert metrics["fetch_tax"] == 0.0 and math.isclose(metrics["hbm_expert_gib"], 3.0)
-        assert tags["device"] == "cpu" and tags["commit"] == "0123abcd" and tags["autotune_key"] == "abc123"
+        assert tags["device"] == "cpu" and tags["commit"] == PROVENANCE["commit"] and tags["autotune_key"] == "abc123"
 
         # compare tok_s_per_gib across runs server-side, as the README shows in the UI
         best = _post(f"{base}/api/2.0/mlflow/runs/search", {
@@ -381,3 +389,20 @@ def test_locality_and_cache_simulation_are_logged_per_residency(tmp_path):
             assert m[f"cache_{row['policy']}_hit_rate"] == pytest.approx(row["hit_rate"])
             assert m[f"cache_{row['policy']}_misses_per_token"] == pytest.approx(row["misses_per_token"])
             assert m[f"cache_{row['policy']}_link_gb_per_token"] == pytest.approx(row["link_gb_per_token"])
+
+
+def test_track_never_substitutes_its_own_commit(tmp_path):
+    """Mutant: track tags runs with the commit of the machine running it (git there, or the
+    caller's tag) instead of the bench JSON's provenance. A bench without provenance gets no
+    commit at all, and says so."""
+    from coldset.track import provenance_tags, records_from_results
+
+    assert provenance_tags(None) == {"provenance": "missing"}
+    res = _tree.build_results_tree(tmp_path, provenance=False)
+    inputs = _inputs(res)
+    recs = records_from_results(inputs["bench_jsons"], inputs["parity_jsons"], inputs["placement_jsons"],
+                                inputs["stats_json"], inputs["autotune_jsons"])
+    assert all("commit" not in r.tags and r.tags["provenance"] == "missing" for r in recs)
+    uri = default_tracking_uri(res)
+    _track(res, uri)
+    assert all("commit" not in r.data.tags for r in _active_runs(uri))

@@ -45,7 +45,7 @@ class BenchResult:
     cold_share: float
     link_gb_per_token: float
     hbm_gb_per_token: float | None  # weights read from HBM per token (non-expert + hot experts touched)
-    predicted_step_ms: float | None  # the speed model's lower bound, for the preset named
+    predicted_step_ms: float | None  # the bytes-only speed model (max(HBM, link) time), for the preset named
     predicted_step_ms_sum: float | None
     predicted_preset: str | None
     prompt_tokens: int
@@ -57,15 +57,23 @@ class BenchResult:
     graphed: bool
     routing_source: str
     timed_token_match: float | None = None  # share of the timed loop's tokens equal to generate()'s
+    prompt_split: str | None = None  # fixtures split the prompts (and replayed routing) came from
     tok_s_per_gib: float | None = None
     fetch_tax: float | None = None
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
     fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_p50
-    predicted_step_ms_calibrated: float | None = None  # residency 1.0's step + the cold bytes' extra time
+    # The additive model: this run's residency-1.0 step + this run's cold bytes' extra link time
+    # (a check that link time adds, not a prediction made apart from the measurement).
+    predicted_step_ms_calibrated: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class TimedLoopMismatch(RuntimeError):
+    """The timed decode loop decoded other tokens than ``generate()``: its speed is not the
+    engine's, so it is not published."""
 
 
 def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:
@@ -208,11 +216,13 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
-                 replay=None, tuned=None) -> BenchResult:
+                 replay=None, tuned=None, prompt_split: str | None = None) -> BenchResult:
     """Benchmark ``model`` decoding with ``placed_pools`` (the placement's row map) at one batch size.
 
     ``placement`` is a :class:`coldset.placement.Placement`; ``replay`` an optional
-    :class:`RoutingReplay` that replaces the router's choices with a recorded trace's.
+    :class:`RoutingReplay` that replaces the router's choices with a recorded trace's;
+    ``prompt_split`` names the fixtures split ``token_stream`` was cut from (recorded, not used).
+    Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``.
     """
     from coldset.gate import experts_functions
 
@@ -263,15 +273,17 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     finally:
         model.pools, model.experts_fn = saved
     # The timed loop (graphed on CUDA, full-length attention mask) must decode what the engine's
-    # generate decodes; report the share of identical tokens rather than time a wrong loop silently.
+    # generate decodes: a loop that decodes other tokens times another computation, so the stage
+    # fails rather than publish its speed (the share is reported in the bench JSON and MLflow).
     timed_tokens = torch.stack(decoded, dim=1).cpu().tolist()
     token_match = None
     if eager_tokens is not None:
-        same = sum(a == b for x, y in zip(eager_tokens, timed_tokens) for a, b in zip(x, y))
-        token_match = same / (batch_size * new_tokens)
+        token_match = timed_token_match(eager_tokens, timed_tokens)
         if token_match < 1.0:
-            log.warning("bench %s batch %d: the timed decode loop matches generate() on %.1f%% of tokens",
-                        placement.label, batch_size, 100 * token_match)
+            raise TimedLoopMismatch(
+                f"bench {placement.policy}-{placement.label} batch {batch_size}: the timed decode loop matches "
+                f"generate() on {100 * token_match:.1f}% of {batch_size * new_tokens} tokens; its speed would "
+                "not be the engine's, so nothing is published")
     p50 = statistics.median(step_ms)
     p90 = float(np.percentile(step_ms, 90))
     preset, pred_lower, pred_sum = _prediction(placement, batch_size)
@@ -302,11 +314,22 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         graphed=use_graph,
         routing_source="trace" if replay is not None else "router",
         timed_token_match=token_match,
+        prompt_split=prompt_split,
     )
 
 
+def timed_token_match(expected: list[list[int]], got: list[list[int]]) -> float:
+    """Share of ``expected``'s tokens (per sequence, per position) that ``got`` reproduces; a
+    sequence or token missing from ``got`` counts as differing."""
+    total = sum(len(x) for x in expected)
+    if total == 0 or len(got) != len(expected):
+        return 0.0
+    same = sum(a == b for x, y in zip(expected, got) for a, b in zip(x, y))
+    return same / total
+
+
 def _prediction(placement, batch_size: int):
-    """(preset, lower-bound ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
+    """(preset, perfect-overlap ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
     for preset in dict.fromkeys(["h200", *(p.preset for p in placement.predictions)]):
         try:
             pred = placement.prediction(preset, batch_size)
@@ -339,9 +362,10 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``timing_noisy`` (set on every record here): a ratio never divides noise by a GiB difference.
     With ``ceilings`` (:func:`measure_ceilings`): ``bytes_step_ms``, the step's bytes over the
     measured read rates (HBM bytes / HBM rate + link bytes / link rate: a floor), its
-    ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``:
-    the same policy's measured residency-1.0 step plus the time the cold bytes take over the link
-    instead of HBM. Why this shape: layers run in sequence and each waits for its experts, so
+    ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``, an
+    additive model: the same policy's measured residency-1.0 step plus the time the cold bytes take
+    over the link instead of HBM. Its inputs come from the run it is compared with, so its agreement
+    with measured steps checks additivity; it is not a prediction made apart from the measurement. Why this shape: layers run in sequence and each waits for its experts, so
     link time adds to the step rather than hiding under HBM time, and the all-HBM step's time
     beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
     that only a measurement gives.
@@ -380,7 +404,7 @@ class RoutingReplay:
     """Replays a recorded trace's decode routing instead of the model's router (speed only).
 
     The trace's decode selections, per MoE layer, are laid out as steps of ``batch_size`` tokens
-    (requests side by side, in trace order). Before every step, the next step's ids are written
+    (requests side by side, in trace order: :meth:`from_trace`). Before every step, the next step's ids are written
     into one static buffer per layer, so the replay also works inside a CUDA graph.
     """
 
@@ -391,23 +415,45 @@ class RoutingReplay:
         self.index = 0
 
     @classmethod
-    def from_trace(cls, trace_path, model_config, batch_size: int, num_steps: int, device) -> "RoutingReplay":
+    def from_trace(cls, trace_path, model_config, batch_size: int, num_steps: int, device,
+                   split: str | None = None, heldout_fraction: float | None = None) -> "RoutingReplay":
+        """Requests side by side: batch slot ``b`` of step ``s`` replays the ``s``-th decode token
+        of the ``b``-th request (trace order of first appearance) that has at least ``num_steps``
+        decode tokens, so a step's tokens are different requests at the same point of their
+        decode, as in serving, not one request's consecutive tokens. ``split`` (``profile`` |
+        ``heldout``) keeps that split's requests only: the trace's ``split`` column, or
+        :func:`coldset.routing.split_of` with ``heldout_fraction`` where it has none."""
         import pandas as pd
+        import pyarrow.parquet as pq
 
-        from coldset.routing import validate_trace
+        from coldset.routing import split_of, validate_trace
 
         meta = validate_trace(trace_path, model_config)  # the one trace validator: ids, ranks, layers
-        df = pd.read_parquet(trace_path, columns=["request", "position", "phase", "layer", "rank", "expert"],
-                             filters=[("phase", "==", "decode")])
+        has_split = "split" in pq.read_schema(trace_path).names
+        cols = ["request", "position", "phase", "layer", "rank", "expert"] + (["split"] if has_split else [])
+        df = pd.read_parquet(trace_path, columns=cols, filters=[("phase", "==", "decode")])
+        order = pd.unique(df["request"])  # trace order, before sorting
+        if split is not None:
+            if has_split:
+                keep = set(df.loc[df["split"] == split, "request"])
+            else:
+                if heldout_fraction is None:
+                    raise ValueError(f"routing trace {trace_path} has no split column: give heldout_fraction "
+                                     f"to assign the {split!r} split from request ids")
+                keep = {r for r in order if split_of(str(r), heldout_fraction) == split}
+            order = [r for r in order if r in keep]
         moe = {layer: i for i, layer in enumerate(meta.moe_layers)}
-        df = df.sort_values(["request", "position", "layer", "rank"])
         k = meta.top_k
-        per_token = df["expert"].to_numpy().reshape(-1, len(moe), k)  # [tokens, L, k]
-        need = num_steps * batch_size
-        if len(per_token) < need:
-            raise ValueError(f"routing trace {trace_path} has {len(per_token)} decode tokens; "
-                             f"the benchmark needs {need} ({num_steps} steps x batch {batch_size})")
-        steps = per_token[:need].reshape(num_steps, batch_size, len(moe), k).transpose(0, 2, 1, 3)
+        df = df.sort_values(["request", "position", "layer", "rank"])
+        per_request = {req: g["expert"].to_numpy().reshape(-1, len(moe), k)  # [tokens, L, k]
+                       for req, g in df.groupby("request", sort=False)}
+        chosen = [r for r in order if len(per_request[r]) >= num_steps][:batch_size]
+        if len(chosen) < batch_size:
+            where = f" in split {split!r}" if split is not None else ""
+            raise ValueError(f"routing trace {trace_path}: {len(chosen)} request(s){where} have at least "
+                             f"{num_steps} decode tokens; the benchmark replays {batch_size} side by side "
+                             f"({num_steps} steps x batch {batch_size})")
+        steps = np.stack([per_request[r][:num_steps] for r in chosen], axis=2)  # [S, L, B, k]
         return cls(np.ascontiguousarray(steps), device)
 
     def reset(self) -> None:

@@ -35,7 +35,7 @@ class ParityResult:
     """One placement's gate verdict (written as results/parity/{model}/{placement}.json)."""
 
     placement: str
-    passed: bool  # every token identical and the logits bitwise equal
+    passed: bool  # every token identical (none missing), logits finite and bitwise equal
     tokens_matched: int
     tokens_total: int
     fixtures: int
@@ -47,6 +47,7 @@ class ParityResult:
     backend: str
     num_hot: int
     num_cold: int
+    nonfinite_logits: int = 0  # NaN/Inf logit values in either run (compared range); any fails
     mismatches: list[Mismatch] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -117,38 +118,73 @@ def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8,
 
 def compare(placement_name: str, fixture_ids: list[str], reference: Decoded, placed: Decoded,
             placed_pools, model, backend: str | None = None) -> ParityResult:
-    """Token-by-token verdict of one placement against the unmodified path."""
-    matched, mismatches, max_diff = 0, [], 0.0
+    """Token-by-token verdict of one placement against the unmodified path.
+
+    Nothing is zipped away: both runs must hold one token list and one logits tensor per fixture,
+    and each fixture's placed run must have exactly the reference's tokens (a run one token
+    short, or empty, fails at the first missing position). Logits are compared bit for bit up to
+    the first differing token; a NaN or Inf anywhere in that range fails, even when both runs
+    agree on it. ``passed`` requires every reference token matched, at least one token compared,
+    finite logits and bitwise-equal logits.
+    """
+    n = len(fixture_ids)
+    counts = {"reference tokens": len(reference.tokens), "reference logits": len(reference.logits),
+              "placed tokens": len(placed.tokens), "placed logits": len(placed.logits)}
+    if any(c != n for c in counts.values()):
+        raise ValueError(f"parity {placement_name}: {n} fixture ids but "
+                         + ", ".join(f"{c} {what}" for what, c in counts.items()))
+    matched, total, mismatches, max_diff, nonfinite = 0, 0, [], 0.0, 0
+    bitwise = True
     for fid, ref, got, ref_l, got_l in zip(fixture_ids, reference.tokens, placed.tokens,
                                            reference.logits, placed.logits):
-        same = [a == b for a, b in zip(ref, got)]
+        total += len(ref)
+        if ref_l.shape[0] != len(ref) or got_l.shape[0] != len(got):
+            raise ValueError(f"parity {placement_name}, fixture {fid}: logits for {ref_l.shape[0]} / "
+                             f"{got_l.shape[0]} steps but {len(ref)} / {len(got)} tokens (reference / placed)")
+        common = min(len(ref), len(got))
+        same = [ref[i] == got[i] for i in range(common)]
+        pos = same.index(False) if not all(same) else (common if len(ref) != len(got) else None)
         matched += sum(same)
-        if not all(same):
-            pos = same.index(False)
-            gap = float(ref_l[pos, ref[pos]] - ref_l[pos, got[pos]])
-            mismatches.append(Mismatch(fid, pos, ref[pos], got[pos], gap))
+        if pos is not None:
+            if pos < common:
+                gap = float(ref_l[pos, ref[pos]] - ref_l[pos, got[pos]])
+                mismatches.append(Mismatch(fid, pos, ref[pos], got[pos], gap))
+            else:  # one run stopped early: the missing token is -1 on its side
+                mismatches.append(Mismatch(fid, pos, ref[pos] if pos < len(ref) else -1,
+                                           got[pos] if pos < len(got) else -1, float("nan")))
             # After the first divergence the runs see different inputs: compare logits only up to
             # it, where both decoded the same prefix.
-            ref_l, got_l = ref_l[:pos + 1], got_l[:pos + 1]
-        max_diff = max(max_diff, float((ref_l - got_l).abs().max()))
-    max_new_tokens = len(reference.tokens[0]) if reference.tokens else 0
+            upto = min(pos + 1, common)
+            ref_l, got_l = ref_l[:upto], got_l[:upto]
+        if ref_l.shape != got_l.shape:
+            bitwise = False
+            continue
+        nonfinite += int((~torch.isfinite(ref_l)).sum() + (~torch.isfinite(got_l)).sum())
+        if ref_l.numel():
+            diff = (ref_l.float() - got_l.float()).abs()
+            # torch.max propagates NaN (Python's max(x, nan) would drop it).
+            max_diff = float(torch.max(torch.tensor(max_diff), diff.max()))
+        # Bitwise: the same bits, not merely == (which equates -0.0 and 0.0).
+        bitwise &= torch.equal(ref_l.contiguous().view(torch.uint8), got_l.contiguous().view(torch.uint8))
+    bitwise = bitwise and nonfinite == 0
     return ParityResult(
         placement=placement_name,
         # Both runs use the same kernel, tiling and accumulation order, so anything short of
         # bitwise-equal logits is an offload bug even when no greedy token flips (DESIGN.md §4).
-        passed=not mismatches and max_diff == 0.0,
+        passed=not mismatches and total > 0 and matched == total and bitwise,
         tokens_matched=matched,
-        tokens_total=len(fixture_ids) * max_new_tokens,
-        fixtures=len(fixture_ids),
-        max_new_tokens=max_new_tokens,
+        tokens_total=total,
+        fixtures=n,
+        max_new_tokens=max((len(t) for t in reference.tokens), default=0),
         max_abs_logit_diff=max_diff,
-        logits_bitwise_equal=max_diff == 0.0,
+        logits_bitwise_equal=bitwise,
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         backend=backend or experts_functions(model.device)[2],
         # Experts per tier from the row map (a shared host tier holds more rows than are cold).
         num_hot=int((placed_pools.row_map >= 0).sum()),
         num_cold=int((placed_pools.row_map < 0).sum()),
+        nonfinite_logits=nonfinite,
         mismatches=mismatches,
     )
 
@@ -157,20 +193,49 @@ class ParityGateError(RuntimeError):
     """At least one placement changed a token."""
 
 
+def _failure(r: dict) -> str | None:
+    """Why one parity report fails the gate (None if it passes), re-derived from its counts rather
+    than trusting its ``passed`` flag alone: every token matched, at least one compared, logits
+    bitwise equal and finite."""
+    name = r.get("placement", "?")
+    missing = [k for k in ("placement", "passed", "tokens_matched", "tokens_total", "logits_bitwise_equal")
+               if k not in r]
+    if missing:
+        raise ValueError(f"parity report for {name}: missing field(s) {missing}")
+    total, matched = r["tokens_total"], r["tokens_matched"]
+    reasons = []
+    if not r["passed"]:
+        reasons.append("failed")
+    if total <= 0:
+        reasons.append("no tokens compared")
+    elif matched != total:
+        reasons.append(f"{total - matched} of {total} tokens differ")
+    if not r["logits_bitwise_equal"]:
+        reasons.append(f"logits not bitwise equal (max |logit diff| {r.get('max_abs_logit_diff', float('nan')):.3g})")
+    if r.get("nonfinite_logits"):
+        reasons.append(f"{r['nonfinite_logits']} NaN/Inf logits")
+    if r.get("mismatches"):
+        reasons.append(f"{len(r['mismatches'])} fixture(s) diverge")
+    return ", ".join(reasons) or None
+
+
 def gate_verdict(results: list[dict]) -> dict:
-    """Summarise per-placement parity results; raise naming every placement that failed."""
-    failed = [r["placement"] for r in results if not r["passed"]]
+    """Summarise per-placement parity results; raise naming every placement that failed.
+
+    A placement passes only if its report says so *and* its counts agree: every token matched
+    (and more than none), logits bitwise equal, none NaN/Inf, no mismatch listed.
+    """
+    if not results:
+        raise ParityGateError("parity gate: no parity reports to judge")
+    reasons = {r.get("placement", "?"): _failure(r) for r in results}
+    failed = [name for name, why in reasons.items() if why]
     summary = {
         "passed": not failed,
-        "placements": {r["placement"]: {"passed": r["passed"], "tokens_matched": r["tokens_matched"],
+        "placements": {r["placement"]: {"passed": not reasons[r["placement"]], "tokens_matched": r["tokens_matched"],
                                          "tokens_total": r["tokens_total"]} for r in results},
         "failed": failed,
     }
     if failed:
-        details = "; ".join(
-            f"{r['placement']}: {r['tokens_total'] - r['tokens_matched']} of {r['tokens_total']} tokens differ, "
-            f"max |logit diff| {r['max_abs_logit_diff']:.3g}"
-            for r in results if not r["passed"]
-        )
+        details = "; ".join(f"{name}: {reasons[name]}" for name in failed)
         raise ParityGateError(f"parity gate failed for {len(failed)} placement(s): {details}")
     return summary

@@ -552,45 +552,72 @@ def _check_gate_passed(config: dict, names: list[str]) -> None:
                       f"{layout.parity_gate} (placement {name})")
 
 
-def bench(config: dict, placements: list[str] | None = None, **_) -> None:
-    require_decoding(config, "bench")
-    from coldset import bench as bn
+def _bench_stream(config: dict, tokenizer, split: str) -> list[int]:
+    """Token stream of the fixtures of ``split`` (``heldout`` | ``profile`` | ``all``), concatenated
+    in fixture order, that the bench cuts its prompts from; refused if that split is empty."""
     from coldset.fixtures import read_fixtures
     from coldset.model import encode_prompts
+
+    fxs = [f for f in read_fixtures(_fixture_paths(config)) if split == "all" or f.split == split]
+    if not fxs:
+        raise StageError(f"bench.prompt_split {split!r}: no fixture is in that split (fixtures.heldout_fraction "
+                         f"{config['fixtures']['heldout_fraction']}); choose another split or hold out fixtures")
+    return [t for ids in encode_prompts(tokenizer, [f.prompt for f in fxs]) for t in ids]
+
+
+def bench(config: dict, placements: list[str] | None = None, **_) -> None:
+    """Bench every placement on prompts of ``bench.prompt_split`` (held-out traffic by default: the
+    placement was fitted on the profile split), and with ``bench.profile_beside`` also on the
+    profile split, written beside as ``profile_batches`` (labelled, never the published numbers).
+    Each bench JSON records its provenance (:func:`coldset.provenance.collect_provenance`)."""
+    require_decoding(config, "bench")
+    from coldset import bench as bn
     from coldset.placement import load_placement
+    from coldset.provenance import collect_provenance
 
     layout = Layout.from_config(config)
     bc = config["bench"]
     _check_gate_passed(config, _placement_names(config, placements))  # before the engine loads
     engine, tokenizer = _load_engine(config)
     tuned = _tuned(config)
-    stream = [t for ids in encode_prompts(tokenizer, [f.prompt for f in read_fixtures(_fixture_paths(config))])
-              for t in ids]
+    splits = [bc["prompt_split"]] + (["profile"] if bc["profile_beside"] and bc["prompt_split"] != "profile" else [])
+    streams = {split: _bench_stream(config, tokenizer, split) for split in splits}
     records: dict[str, list[dict]] = {}
     host = _host_tier(config)
     ceilings = None
     if engine.device.type == "cuda":  # the read rates this run's ratios are taken against
         ceilings = bn.measure_ceilings(host.w13 if host.pinned else None)
         log.info("ceilings (GB/s): %s", ceilings)
-    for name in _placement_names(config, placements):
+    names = _placement_names(config, placements)
+    for name in names:
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = engine.pools.placed(pl.row_map, host)
-        for batch_size in bc["batch_sizes"]:
-            replay = None
-            if bc["routing_trace"]:
-                replay = bn.RoutingReplay.from_trace(bc["routing_trace"], engine.config, batch_size,
-                                                     bc["new_tokens"] - 1, engine.device)
-            r = bn.bench_decode(engine, pools, pl, stream, batch_size, bc["prompt_tokens"], bc["new_tokens"],
-                                bc["warmup"], bc["repeats"], replay=replay, tuned=tuned)
-            log.info("bench %s batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name, batch_size,
-                     r.tok_s, r.step_ms_p50, r.cold_share)
-            records.setdefault(name, []).append(r.to_dict())
+        for split in splits:
+            for batch_size in bc["batch_sizes"]:
+                replay = None
+                if bc["routing_trace"]:
+                    replay = bn.RoutingReplay.from_trace(
+                        bc["routing_trace"], engine.config, batch_size, bc["new_tokens"] - 1, engine.device,
+                        split=None if split == "all" else split, heldout_fraction=config["stats"]["heldout_fraction"])
+                try:
+                    r = bn.bench_decode(engine, pools, pl, streams[split], batch_size, bc["prompt_tokens"],
+                                        bc["new_tokens"], bc["warmup"], bc["repeats"], replay=replay, tuned=tuned,
+                                        prompt_split=split)
+                except bn.TimedLoopMismatch as exc:
+                    raise StageError(str(exc)) from None
+                log.info("bench %s (%s prompts) batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name,
+                         split, batch_size, r.tok_s, r.step_ms_p50, r.cold_share)
+                records.setdefault(split, []).append(r.to_dict())
         del pools
-    derived = bn.derive_metrics([r for rs in records.values() for r in rs], ceilings)
-    for name in records:
-        write_json(layout.bench(*name.rsplit("-", 1)),
-                   {"placement": name, "ceilings": ceilings,
-                    "batches": [r for r in derived if r["placement"] == name]})
+    provenance = collect_provenance(engine.device, tuned, ceilings)
+    derived = {split: bn.derive_metrics(rs, ceilings) for split, rs in records.items()}
+    main = splits[0]
+    for name in names:
+        doc = {"placement": name, "prompt_split": main, "ceilings": ceilings, "provenance": provenance,
+               "batches": [r for r in derived[main] if r["placement"] == name]}
+        if "profile" in derived and main != "profile":
+            doc["profile_batches"] = [r for r in derived["profile"] if r["placement"] == name]
+        write_json(layout.bench(*name.rsplit("-", 1)), doc)
 
 
 def track(config: dict, **_) -> None:

@@ -324,12 +324,23 @@ def profile_counts(
                     f"domain weights {weights} must name exactly the profile domains {domains}"
                 )
         total_w = sum(weights.values())
+        per_domain = {
+            d: count_matrix(histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=[d])
+            for d in domains
+        }
+        # A weighted domain with no selections cannot be normalised (0/0 would make every count,
+        # coverage and prediction NaN and the row map arbitrary): refuse it by name.
+        empty = [d for d in domains if weights[d] > 0 and not per_domain[d].sum() > 0]
+        if empty:
+            raise PlacementError(
+                f"histogram: profile domain(s) {empty} have zero {spec.phase} selections on the profile "
+                f"split, so weighting {spec.describe()['weighting']!r} cannot normalise them; drop them from "
+                "placement.profile_domains or profile traffic for them"
+            )
         counts = np.zeros((len(moe_layers), num_experts), dtype=np.float64)
         for d in domains:
-            c = count_matrix(
-                histogram, moe_layers, num_experts, split="profile", phase=spec.phase, domains=[d]
-            )
-            counts += c * (weights[d] / total_w / c.sum())
+            if weights[d] > 0:
+                counts += per_domain[d] * (weights[d] / total_w / per_domain[d].sum())
     if counts.sum() <= 0:
         raise PlacementError(f"histogram: the profile ({spec.describe()}) has no selections")
     return counts
@@ -525,8 +536,10 @@ BANDWIDTH_PRESETS: dict[str, Bandwidths] = {
         "h200",
         3400.0,
         51.0,
-        "measured on the lent H200, PCIe Gen5 x16 (DESIGN.md §6): HBM streaming read 3.4 TB/s, "
-        "Triton kernel reading pinned host memory in place 51 GB/s",
+        "lent H200, PCIe Gen5 x16: link 51 GB/s measured (Triton kernel reading pinned host memory in "
+        "place); HBM 3.4 TB/s from a torch copy probe, a conservative figure: the Triton read kernel "
+        "measured 3,974-4,615 GB/s on the same card (BENCHMARKS.md, NOTES.md), and the bench measures "
+        "its own ceilings in each run",
     ),
     "gb300": Bandwidths(
         "gb300",
@@ -616,9 +629,12 @@ def predict_step(
     Bytes per step: the non-expert weights once, from HBM; per MoE layer, each expert's bytes
     times the probability that the batch touches it (``expected_touched``), from HBM if hot and
     over the host link if cold (a cold expert is read once per step in place, whatever the
-    number of its tokens). Times: ``bytes / bandwidth``; the step is at least
-    ``max(hbm_s, link_s)`` (perfect overlap) and at most about ``hbm_s + link_s`` (none). KV cache,
-    activations and launch overheads are not modelled, so these are lower bounds on real steps.
+    number of its tokens). Times: ``bytes / bandwidth``; ``step_s_lower = max(hbm_s, link_s)``
+    (perfect overlap) and ``step_s_sum = hbm_s + link_s`` (none). KV cache, activations and launch
+    overheads are not modelled. These are estimates, not bounds: the touched-expert probability
+    treats a batch's tokens as picking experts independently, while real tokens of a batch share
+    experts, so fewer bytes are read and measured batch-8 steps fell below ``step_s_lower`` (0.93x
+    on the H200, BENCHMARKS.md); at batch 1 they are bytes-only floors for the preset's rates.
 
     ``histogram`` is the histogram (then the placement's profile spec selects the counts) or
     the profile counts ``[num_moe_layers, num_experts]`` themselves.

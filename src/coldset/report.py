@@ -38,7 +38,8 @@ from coldset.timing import NOISY_P90_OVER_P50, speed_compares_placements, timing
 # Weight bytes read per token and what coldset.bench.derive_metrics makes of them with the read
 # ceilings measured in the same run (CUDA only; hbm_gb_per_token is also filled on CPU when the
 # router is not replayed): the bytes floor of a step, the measured step's fraction of it, and the
-# calibrated prediction (the policy's measured all-HBM step + the cold bytes' extra link time).
+# additive model (predicted_step_ms_calibrated: the policy's measured all-HBM step + the cold bytes'
+# extra link time, all from the same run: a check that link time adds, not an independent prediction).
 BYTES_METRICS: tuple[str, ...] = (
     "hbm_gb_per_token",
     "bytes_step_ms",
@@ -289,18 +290,22 @@ class BenchResult:
     # The file's measured read ceilings {hbm_read_gb_s, link_read_gb_s} (GB/s); None on CPU runs
     # and in bench files written before the bench measured them.
     ceilings: dict[str, float | None] | None = None
+    # What measured it (coldset.provenance.collect_provenance, written by the bench stage on the
+    # measuring machine); None in bench files written before it existed.
+    provenance: dict[str, Any] | None = None
 
 
-def _bench_entries(doc: Any, path: Path) -> list[dict]:
+def _bench_entries(doc: Any, path: Path, section: str = "batches") -> list[dict]:
     """The per-batch-size entries of a bench JSON (``{"placement": ..., "batches": [entry, ...]}``,
-    as the bench stage writes it), top-level scalars merged in as defaults."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("batches"), list) or not doc["batches"]:
-        raise ReportInputError(f"{path}: expected an object with a non-empty 'batches' list")
-    top = {k: v for k, v in doc.items() if k != "batches" and not isinstance(v, (dict, list))}
+    as the bench stage writes it; ``section="profile_batches"`` for the profile split's numbers
+    written beside), top-level scalars merged in as defaults."""
+    if not isinstance(doc, dict) or not isinstance(doc.get(section), list) or not doc[section]:
+        raise ReportInputError(f"{path}: expected an object with a non-empty {section!r} list")
+    top = {k: v for k, v in doc.items() if k not in ("batches", "profile_batches") and not isinstance(v, (dict, list))}
     out = []
-    for i, entry in enumerate(doc["batches"]):
+    for i, entry in enumerate(doc[section]):
         if not isinstance(entry, dict):
-            raise ReportInputError(f"{path}: batches[{i}] is not an object")
+            raise ReportInputError(f"{path}: {section}[{i}] is not an object")
         out.append({**top, **entry})
     return out
 
@@ -322,13 +327,20 @@ def _bench_ceilings(doc: dict, path: Path) -> dict[str, float | None] | None:
     return out
 
 
-def load_bench(path: str | os.PathLike) -> list[BenchResult]:
-    """Every batch size's measurement in one bench JSON, sorted by batch size."""
+def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchResult]:
+    """Every batch size's measurement in one bench JSON, sorted by batch size: the published
+    numbers (``batches``, on ``prompt_split``: held out by default), or with
+    ``section="profile_batches"`` the profile split's beside them (``[]`` when not measured)."""
     path = Path(path)
     doc = read_json(path)
     model, policy, residency = placement_key_from_path(path)
-    entries = _bench_entries(doc, path)
+    if section != "batches" and isinstance(doc, dict) and not doc.get(section):
+        return []
+    entries = _bench_entries(doc, path, section)
     ceilings = _bench_ceilings(doc, path)
+    provenance = doc.get("provenance")
+    if provenance is not None and not isinstance(provenance, dict):
+        raise ReportInputError(f"{path}: field provenance must be an object or null")
     results = []
     for entry in entries:
         where = f"{path} (batch_size={entry.get('batch_size', '?')})"
@@ -361,6 +373,7 @@ def load_bench(path: str | os.PathLike) -> list[BenchResult]:
                 predicted_step_ms=_opt_float(pred, f"{where}: field predicted_step_ms"),
                 extra={k: v for k, v in entry.items() if k not in used and not isinstance(v, (dict, list))},
                 ceilings=ceilings,
+                provenance=provenance,
             )
         )
     batch_sizes = [r.batch_size for r in results]
@@ -754,9 +767,9 @@ def _step_axes_ends(ax, values: list[float]) -> list[float]:
 def _step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
     """Measured step time against a prediction, one point per placement at ``batch_size``.
 
-    Where the run measured its read ceilings (CUDA), the calibrated prediction is plotted (the
-    policy's measured all-HBM step plus the cold bytes' extra time over the link), with the
-    speed model's bytes-only lower bound beside it as hollow markers; otherwise the speed model
+    Where the run measured its read ceilings (CUDA), the additive model is plotted (the policy's
+    measured all-HBM step plus the cold bytes' extra time over the link, same run), with the
+    bytes-only speed model beside it as hollow markers; otherwise the speed model
     alone, as before the bench measured ceilings. None when there is neither."""
     at_batch = [b for b in bench if b.batch_size == batch_size]
     if any(b.metrics.get("predicted_step_ms_calibrated") is not None for b in at_batch):
@@ -780,7 +793,7 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
         ax.scatter([cal[id(b)] for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol],
-                   label=f"{pol}: calibrated", zorder=3)
+                   label=f"{pol}: additive model", zorder=3)
         sub_speed = [b for b in sub if b.predicted_step_ms is not None]
         if sub_speed:
             ax.scatter([b.predicted_step_ms for b in sub_speed], [b.metrics["step_ms_p50"] for b in sub_speed],
@@ -792,32 +805,36 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
             ax.annotate(b.residency, (cal[id(b)], b.metrics["step_ms_p50"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
     presets = _join(b.extra.get("predicted_preset", "unnamed") for b in speed) if speed else None
-    xlabel = "predicted step time (ms): calibrated (filled)"
+    xlabel = "predicted step time (ms): additive model, same run (filled)"
     if presets:
-        xlabel += f"; speed model lower bound, preset {presets} (hollow)"
+        xlabel += f"; bytes-only speed model, preset {presets} (hollow)"
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(f"measured step time p50 (ms, {device})")
-    ax.set_title(f"{model}: measured vs calibrated prediction\nbatch size {batch_size}", fontsize=10)
+    ax.set_title(f"{model}: measured vs additive model\nbatch size {batch_size}", fontsize=10)
     ax.legend(fontsize=7)
     caption = (
-        "Median decode step time measured against the calibrated prediction (filled markers, labelled "
-        "with the residency): the same policy's measured residency-1.0 step at this batch size plus the "
-        "time the cold bytes take over the host link instead of HBM, at the read rates measured in the "
-        f"same run. Measured / calibrated: {_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} "
-        f"over {len(rows)} placements."
+        "Median decode step time measured against the additive model (filled markers, labelled with "
+        "the residency; field predicted_step_ms_calibrated): the same policy's measured residency-1.0 "
+        "step at this batch size plus the time this run's measured cold bytes take over the host link "
+        "instead of HBM, at the read rates measured in the same run. Every input comes from the run it "
+        "is compared with, so agreement checks that link time adds to the step; it is not a prediction "
+        "made apart from the measurement. Measured / additive: "
+        f"{_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} over {len(rows)} placements."
     )
     if speed:
         caption += (
-            f" Hollow markers: the placement stage's speed model (bytes-only lower bound, preset {presets}) "
+            f" Hollow markers: the placement stage's bytes-only speed model (preset {presets}; perfect "
+            "overlap of HBM and link, tokens of a batch picking experts independently, so batches whose "
+            "tokens share experts can run faster than it: an estimate, not a bound) "
             f"for the same measurements; measured / speed model: "
             f"{_ratio_range([(b.metrics['step_ms_p50'], b.predicted_step_ms) for b in speed])}."
         )
     if left_out:
-        caption += f" Not plotted (no calibrated prediction: no residency-1.0 run of the policy): {', '.join(left_out)}."
+        caption += f" Not plotted (no additive model: no residency-1.0 run of the policy): {', '.join(left_out)}."
     caption += " Points above the diagonal ran slower than predicted."
     return FigureOut(
         f"step-time-b{batch_size}",
-        f"Measured vs calibrated prediction of step time (batch size {batch_size})",
+        f"Measured step time vs the additive model (batch size {batch_size})",
         caption,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
@@ -861,9 +878,10 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
         f"step-time-b{batch_size}",
         f"Measured vs predicted step time (batch size {batch_size})",
         "Median decode step time measured against the placement stage's speed-model prediction "
-        f"(lower bound, preset {presets}), one point per placement (labelled with its residency); "
+        f"(bytes only, preset {presets}; an estimate: batches whose tokens share experts can run faster), "
+        "one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
-        "above the diagonal ran slower than predicted. No calibrated prediction: the run measured "
+        "above the diagonal ran slower than predicted. No additive model: the run measured "
         "no read ceilings (CPU run, or a bench file from before they were measured)." + mismatch,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
@@ -1009,6 +1027,40 @@ def _routing_provenance(bench: list, locality: dict | None, skew) -> str:
     if "trace" in sources:
         parts.append("routing replayed from a recorded trace (bench.routing_trace)")
     return "; ".join(parts)
+def _provenance_line(bench: list[BenchResult]) -> str:
+    """The header's "what measured this" line from the bench files' provenance (written on the
+    measuring machine), each distinct value once; never this machine's state."""
+    from coldset.provenance import TAG_FIELDS
+
+    provs = [b.provenance for b in bench if b.provenance]
+    if not provs:
+        return "not recorded (bench files without provenance)"
+    parts = []
+    for name in TAG_FIELDS:
+        values = list(dict.fromkeys(str(p.get(name)) for p in provs if p.get(name) is not None))
+        if values:
+            parts.append(f"{name} {' / '.join(values)}")
+    if len(provs) < len(bench):
+        parts.append(f"{len(bench) - len(provs)} bench entries without provenance")
+    return " · ".join(parts)
+
+
+def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[dict[str, str]]:
+    """Held-out (published) next to profile-split (in-sample) numbers, per placement and batch
+    size, where the bench measured both (``bench.profile_beside``)."""
+    by_key = {(b.policy, b.residency, b.batch_size): b for b in profile}
+    rows = []
+    for b in sorted(bench, key=lambda b: (b.batch_size, b.policy, float(b.residency))):
+        p = by_key.get((b.policy, b.residency, b.batch_size))
+        if p is None:
+            continue
+        row = {"policy": b.policy, "residency": b.residency, "batch_size": b.batch_size,
+               "split": str(b.extra.get("prompt_split") or "—")}
+        for m in ("tok_s", "cold_share", "link_gb_per_token"):
+            row[m] = _fmt(b.metrics[m])
+            row[f"profile_{m}"] = _fmt(p.metrics[m])
+        rows.append(row)
+    return rows
 
 
 def render_report(
@@ -1064,6 +1116,10 @@ def render_report(
                 raise ReportInputError(f"{pl[0]}: no measurement for configured batch size(s) {missing}")
     autotune = _autotune_rows(results_dir)
 
+    profile_bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p, "profile_batches")]
+    split_rows = _split_rows(bench, profile_bench)
+    provenance_line = _provenance_line(bench)
+    prompt_split = _join(str(b.extra.get("prompt_split") or "not recorded") for b in bench) if bench else "—"
     run_device = _join(b.device for b in bench) if bench else machine_device
     dtype = str(model_cfg.get("dtype") or _join(b.dtype for b in bench))
     routing_batch = str((config.get("routing") or {}).get("batch_size", "n/a"))
@@ -1103,13 +1159,15 @@ def render_report(
                 "batch_size": b.batch_size,
                 **{m: _fmt(b.metrics[m]) for m in BENCH_METRICS},
                 "predicted_step_ms": _fmt(b.predicted_step_ms),
+                # share of the timed loop's tokens equal to generate()'s (the bench fails below 1)
+                "timed_token_match": _fmt(_opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
                 "device": b.device,
                 "dtype": b.dtype,
             }
         )
     # Bench table columns: the measured metrics, then the two predictions side by side.
     bench_columns = [m for m in BENCH_METRICS if m != "predicted_step_ms_calibrated"] + [
-        "predicted_step_ms", "predicted_step_ms_calibrated"]
+        "predicted_step_ms", "predicted_step_ms_calibrated", "timed_token_match"]
     ceilings_rows = _ceilings_rows(bench)
     no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows = [
@@ -1217,6 +1275,9 @@ def render_report(
         locality=locality,
         cache_rows=cache_rows,
         routing_provenance=routing_provenance,
+        provenance_line=provenance_line,
+        prompt_split=prompt_split,
+        split_rows=split_rows,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)

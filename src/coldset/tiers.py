@@ -65,17 +65,51 @@ class ExpertPools:
     # row_map._version when it was last validated; a kernel re-validates if it moved.
     validated_version: int = field(default=-1, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.check_layout()
+
+    def check_layout(self) -> None:
+        """Refuse tensors the Triton kernel would read wrongly, naming the tensor.
+
+        The kernel addresses an expert's matrix as ``base + row * (rows * cols)`` and its elements
+        row-major, and the same row stride for the hot and the cold pool: every pool tensor and the
+        row map must be contiguous (a padded, transposed or sliced view gives wrong results with no
+        error otherwise), the two tiers of a weight must hold the same matrix shape and dtype.
+        Called at construction and by :func:`coldset.kernels.triton_experts` before each launch
+        (attribute reads only: no copy, no device sync). :meth:`all_hot` makes its inputs
+        contiguous; a cold pool cannot be made contiguous here, since a copy would not be pinned.
+        """
+        for name in ("w13_hot", "w2_hot", "w13_cold", "w2_cold", "row_map"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"ExpertPools.{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"ExpertPools.{name}: shape {tuple(t.shape)} with strides {t.stride()} is not contiguous; "
+                    f"the experts kernel reads pools row-major with no padding (a padded, transposed or "
+                    f"sliced view would give wrong results): pass .contiguous() tensors or build the pools "
+                    f"with ExpertPools.all_hot / build_pools, which copy into contiguous pools")
+        for w in ("w13", "w2"):
+            hot, cold = getattr(self, f"{w}_hot"), getattr(self, f"{w}_cold")
+            if hot.dim() != 3 or cold.dim() != 3 or hot.shape[1:] != cold.shape[1:] or hot.dtype != cold.dtype:
+                raise ValueError(f"ExpertPools.{w}_hot {tuple(hot.shape)} ({hot.dtype}) and {w}_cold "
+                                 f"{tuple(cold.shape)} ({cold.dtype}) must be [rows, m, n] of one matrix shape and dtype")
+
     @classmethod
     def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertPools":
         """Every expert in the hot pool in module order: the unmodified (reference) layout.
 
-        ``w13`` is ``[L, E, 2I, H]`` and ``w2`` is ``[L, E, H, I]``; the pools are views of them.
+        ``w13`` is ``[L, E, 2I, H]`` and ``w2`` is ``[L, E, H, I]``; the pools are views of them
+        when they are contiguous, and contiguous copies otherwise (a padded, transposed or sliced
+        view, as vLLM's kernel tests build their weights: the kernel reads pools row-major, see
+        :meth:`check_layout`).
         """
         if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
             raise ValueError(
                 f"all_hot needs w13 [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} "
                 f"and {tuple(w2.shape)}"
             )
+        w13, w2 = w13.contiguous(), w2.contiguous()  # no copy when already contiguous
         num_layers, num_experts = w13.shape[:2]
         row_map = torch.arange(num_layers * num_experts, dtype=torch.int32, device=w13.device)
         pools = cls(

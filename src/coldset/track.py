@@ -33,8 +33,10 @@ Run contents:
   routing_shuffled_overlap_decode, routing_overlap_lift_decode; from the cache simulation
   (cache/simulation.csv) at the run's residency cache_{policy}_hit_rate,
   cache_{policy}_misses_per_token, cache_{policy}_link_gb_per_token for every simulated policy;
-- tags: coldset.run_key, device, dtype, commit (and mlflow.source.git.commit), config_hash,
-  autotune_key, plus any the caller passes;
+- tags: coldset.run_key, device, dtype, config_hash, autotune_key, plus any the caller passes, and
+  the provenance the bench recorded on the machine that measured (provenance_tags: commit and
+  mlflow.source.git.commit, dirty, torch, triton, cuda, driver, device_name, autotune hit,
+  ceiling.*), never the state of the machine running track;
 - artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
   stats/skew.json and autotune/{entry} when given.
 
@@ -48,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -349,6 +350,29 @@ def _autotune_key(autotune_jsons: Sequence[Path]) -> str | None:
     return ",".join(sorted(set(keys))) if keys else None
 
 
+def provenance_tags(provenance: dict | None) -> dict[str, str]:
+    """MLflow tags from a bench JSON's ``provenance`` (:mod:`coldset.provenance`): the state of the
+    machine and code that *measured*, never of the machine running ``track``. ``commit`` is also
+    ``mlflow.source.git.commit``. A bench file without provenance gets ``provenance: missing``."""
+    from coldset.provenance import TAG_FIELDS
+
+    if not provenance:
+        return {"provenance": "missing"}
+    tags = {f"{name}": str(provenance[name]).lower() if isinstance(provenance[name], bool) else str(provenance[name])
+            for name in TAG_FIELDS if provenance.get(name) is not None}
+    for name, value in (provenance.get("ceilings") or {}).items():
+        tags[f"ceiling.{name}"] = f"{value:.6g}" if isinstance(value, (int, float)) else str(value)
+    if "commit" in tags:
+        tags["mlflow.source.git.commit"] = tags["commit"]
+    # The bench's own device name wins over the provenance's generic one only where it has none.
+    tags["device_name"] = tags.pop("device", "unknown")
+    return tags
+
+
+def _opt_number(value) -> float | None:
+    return None if value is None or isinstance(value, bool) else float(value)
+
+
 def records_from_results(
     bench_jsons: Iterable[str | os.PathLike],
     parity_jsons: Iterable[str | os.PathLike],
@@ -404,7 +428,8 @@ def records_from_results(
             )
             metrics.update(skew_metrics)
             metrics.update(cache_metrics.get(canonical_residency(b.residency), {}))
-            tags = {"device": b.device, "dtype": b.dtype, "model": b.model}
+            tags = {"device": b.device, "dtype": b.dtype, "model": b.model, **provenance_tags(b.provenance)}
+            metrics["timed_token_match"] = _opt_number(b.extra.get("timed_token_match"))
             run_autotune = b.extra.get("autotune_key") or autotune_key
             if run_autotune:
                 tags["autotune_key"] = str(run_autotune)
@@ -586,20 +611,6 @@ def _progress(items: Sequence, desc: str):
     return tqdm(items, desc=desc, file=sys.stderr, disable=len(items) < 2)
 
 
-def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """The checkout's commit (with ``-dirty`` when tracked files changed), or ``unknown``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=10
-        )
-        return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
 def run_track(
     bench_jsons: Iterable[str | os.PathLike],
     parity_jsons: Iterable[str | os.PathLike],
@@ -614,16 +625,17 @@ def run_track(
     simulation_csv: str | os.PathLike | None = None,
 ) -> list[str]:
     """The ``track`` stage: log every (placement, batch size) to MLflow, then write ``done_path``
-    (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` should carry
-    ``commit`` and ``config_hash``; a missing ``commit`` is read from git."""
+    (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` (config_hash, ...)
+    go on every run; the commit, versions and device come from each bench JSON's provenance
+    (:func:`provenance_tags`), never from the machine running ``track`` (a model that is not
+    decoded has no measurement, so its placement runs carry no commit)."""
     bench_jsons, placement_jsons = list(bench_jsons), list(placement_jsons)
     if bench_jsons:
         records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons,
                                        locality_json, simulation_csv)
     else:  # a model that is not decoded: its placements and their predictions
         records = records_from_placements(placement_jsons, stats_json)
-    tags = dict(tags or {})
-    tags.setdefault("commit", git_commit())
+    tags = {k: v for k, v in (tags or {}).items() if k != "commit"}
     run_ids = log_runs(tracking_uri, experiment, records, tags)
     write_json(done_path, {
         "tracking_uri": tracking_uri,

@@ -315,6 +315,7 @@ def triton_experts(
             f"triton_experts: pools hold w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
             f"{tuple(pools.w2_hot.shape[1:])}, x has H = {hidden}"
         )
+    pools.check_layout()  # contiguous pools and row map (attribute reads only)
     if use_row_map:
         pools.ensure_validated()
     elif pools.num_hot < pools.num_moe_layers * num_experts:
@@ -323,7 +324,9 @@ def triton_experts(
         config = default_config(num_tokens, top_k)
     elif isinstance(config, dict):
         config = KernelConfig.from_dict(config)
-    out = torch.empty_like(x)
+    # Row-major [T, H], whatever x's strides (empty_like would keep a transposed x's layout, and
+    # the sum kernel writes row-major).
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     if x.stride(1) != 1:
