@@ -1116,7 +1116,8 @@ def render_report(
                 raise ReportInputError(f"{pl[0]}: no measurement for configured batch size(s) {missing}")
     autotune = _autotune_rows(results_dir)
 
-    profile_bench = [b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p, "profile_batches")]
+    profile_bench = [] if "bench" in skipped else [
+        b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p, "profile_batches")]
     split_rows = _split_rows(bench, profile_bench)
     provenance_line = _provenance_line(bench)
     prompt_split = _join(str(b.extra.get("prompt_split") or "not recorded") for b in bench) if bench else "—"
