@@ -211,3 +211,37 @@ def test_a_stale_fill_fails_the_gate(engine, monkeypatch):
     assert not result.passed
     with pytest.raises(ValueError, match="does not hold the weights"):
         cache.check(contents=True)
+
+
+def test_dynamic_placement_file_is_the_warm_state(tmp_path):
+    """lru-0.5 on disk: usage_global-0.5's row map plus each slot's profile count; the cache built
+    from it evicts the least-used warm instance first."""
+    import pandas as pd
+
+    from coldset.placement import load_placement, place, save_placement
+
+    from coldset.model import ModelConfig
+
+    shape = ModelConfig.from_dict({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+
+    counts = {(0, 0): 5, (0, 1): 1, (0, 2): 7, (0, 3): 0, (1, 0): 2, (1, 1): 9, (1, 2): 3, (1, 3): 4}
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": c} for (layer, e), c in counts.items()])
+    lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
+    ug = place(hist, shape, "usage_global", 0.5, batch_sizes=(1,))
+    assert np.array_equal(lru.row_map, ug.row_map) and lru.predictions == []
+    save_placement(lru, tmp_path / "lru-0.5.json")
+    back = load_placement(tmp_path / "lru-0.5.json")
+    hot = [(layer, e) for layer in range(2) for e in range(4) if back.row_map[layer, e] >= 0]
+    assert sorted(back.cache_warm_counts.tolist()) == sorted(counts[h] for h in hot) == [4, 5, 7, 9]
+    for layer, e in hot:
+        assert back.cache_warm_counts[back.row_map[layer, e]] == counts[(layer, e)]
+    w13 = torch.randn((2, 4, 4, 4))
+    all_hot = ExpertPools.all_hot(w13, torch.randn((2, 4, 4, 2)))
+    cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, max_tokens=1, top_k=1)
+    cache.admit(0, torch.tensor([[1]]))  # a miss: the victim is (1, 3), count 4, the least used
+    assert int(cache.pools.row_map[1, 3]) < 0 and int(cache.pools.row_map[0, 1]) >= 0
+    cache.check(contents=True)

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from coldset.placement import DYNAMIC_POLICIES
 from coldset.tiers import ExpertPools, HostTier
 
-DYNAMIC_POLICIES = ("lru", "lfu")
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
 
 
@@ -131,6 +131,16 @@ class SlotCache:
             history=torch.zeros((history, 3), dtype=torch.int64, device=dev),
             groups=torch.zeros(1, dtype=torch.int64, device=dev),
         )
+
+    @classmethod
+    def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
+                       top_k: int) -> "SlotCache":
+        """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
+        map and warm counts, its policy."""
+        if not placement.dynamic:
+            raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
+        return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
+                         max_tokens, top_k)
 
     @property
     def capacity(self) -> int:
