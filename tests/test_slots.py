@@ -1,11 +1,13 @@
-"""The engine's slot cache (coldset.slots) against a brute-force reference of the cache semantics
-(/work/coord/CACHE_SEMANTICS.md), and its parity with the unmodified path."""
+"""The engine's slot cache (coldset.slots) against the trace simulator (coldset.cache) and a
+brute-force reference of the cache semantics (/work/coord/CACHE_SEMANTICS.md), and its parity with
+the unmodified path."""
 
 import numpy as np
 import pytest
 import torch
 
 from coldset import gate
+from coldset.cache import AccessStream, simulate
 from coldset.model import generate, load_model
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
 from coldset.slots import CacheCapacityError, SlotCache
@@ -50,6 +52,15 @@ def reference_cache(groups, num_experts, warm, warm_counts, policy):
     return np.array(out, dtype=np.int64).reshape(-1, 3), fills
 
 
+def simulator_history(groups, num_layers, num_experts, counts, capacity, policy, tokens):
+    """Per-group (hits, misses, fills) of coldset.cache.simulate on the same groups, warm from
+    the same profile counts."""
+    ids = np.array([layer * num_experts + e for layer, ex in groups for e in ex], dtype=np.int64)
+    ptr = np.cumsum([0] + [len(ex) for _, ex in groups])
+    res = simulate(AccessStream(ids, ptr, tokens, num_layers, num_experts), policy, capacity, counts)
+    return np.stack([res.hits, res.misses, res.fills], axis=1)
+
+
 def _random_pools(L, E, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn((L, E, 8, 4), generator=g, dtype=dtype)
@@ -89,6 +100,7 @@ def test_decisions_equal_the_brute_force_reference(policy, tokens):
     got = cache.group_history()
     assert got.shape == want.shape == (len(groups), 3)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, simulator_history(groups, L, E, counts, C, policy, 40 * tokens))
     assert want[:, 2].sum() > 10 and want[:, 0].sum() > 10  # the stream exercised both
     assert cache.counters() == {"hits": int(want[:, 0].sum()), "misses": int(want[:, 1].sum()),
                                 "fills": int(want[:, 2].sum()), "groups": len(groups)}
@@ -130,14 +142,16 @@ def _engine_cache(engine, policy, residency, max_tokens):
     C = hot_count_for_residency(residency, L * E)
     row_map, owner, wc = _warm(counts, C)
     cache = SlotCache.build(engine.pools, host_tier(engine.pools), row_map, wc, policy, max_tokens, cfg.top_k)
+    cache.profile_counts = counts  # for the simulator's warm start (test only)
     return cache, owner, wc
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
-    """Batch 1, requests in order: the engine's per-(token, layer) counts are the reference's on
-    the routing the engine itself recorded; its logits are bitwise the unmodified path's; and the
-    run contains a token in which a slot is evicted and refilled again."""
+    """Batch 1, requests in order: the engine's per-(token, layer) counts are the simulator's (and
+    the brute-force reference's) on the routing the engine itself recorded; its logits are bitwise
+    the unmodified path's; and the run contains a token in which a slot is evicted and refilled
+    again."""
     prompts = _prompts(engine.config.vocab_size)
     cache, owner, wc = _engine_cache(engine, policy, 0.125, 1)
     ref_fn, rowmap_fn, _ = gate.experts_functions(engine.device)
@@ -155,8 +169,13 @@ def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
             ref_logits.append(generate(engine, [p], 12, progress=False, return_all_logits=True).all_logits)
     finally:
         engine.pools, engine.experts_fn = saved
-    want, fills = reference_cache(groups, engine.config.num_experts, owner.tolist(), wc.tolist(), policy)
-    np.testing.assert_array_equal(cache.group_history(), want)
+    cfg = engine.config
+    want, fills = reference_cache(groups, cfg.num_experts, owner.tolist(), wc.tolist(), policy)
+    got = cache.group_history()
+    np.testing.assert_array_equal(got, want)
+    sim = simulator_history(groups, cfg.num_moe_layers, cfg.num_experts, cache.profile_counts, cache.capacity,
+                            policy, len(groups) // cfg.num_moe_layers)
+    np.testing.assert_array_equal(got, sim)
     cache.check(contents=True)
     for a, b in zip(logits, ref_logits):
         assert torch.equal(a, b)
