@@ -104,6 +104,12 @@ def test_decisions_equal_the_brute_force_reference(policy, tokens):
     assert want[:, 2].sum() > 10 and want[:, 0].sum() > 10  # the stream exercised both
     assert cache.counters() == {"hits": int(want[:, 0].sum()), "misses": int(want[:, 1].sum()),
                                 "fills": int(want[:, 2].sum()), "groups": len(groups)}
+    # reset: the warm state again, and the same stream gives the same history
+    cache.reset()
+    cache.check(contents=True)
+    for layer, ids in groups:
+        cache.admit(layer, torch.as_tensor(ids).view(tokens, k))
+    np.testing.assert_array_equal(cache.group_history(), want)
 
 
 def test_prefill_groups_change_nothing_and_capacity_is_checked():

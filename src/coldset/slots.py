@@ -86,6 +86,8 @@ class SlotCache:
     totals: torch.Tensor
     history: torch.Tensor
     groups: torch.Tensor
+    # (row_map, owner, last_use, count) of the warm state, for reset()
+    warm_state: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -121,16 +123,34 @@ class SlotCache:
         count = np.zeros(L * E, dtype=np.float64)
         count[owner] = warm_counts
         dev = pools.row_map.device
+        warm = (pools.row_map.clone(), torch.as_tensor(owner, device=dev), torch.as_tensor(last_use, device=dev),
+                torch.as_tensor(count, device=dev))
         return cls(
             pools=pools, policy=policy, max_tokens=int(max_tokens), top_k=int(top_k),
-            owner=torch.as_tensor(owner, device=dev),
-            last_use=torch.as_tensor(last_use, device=dev),
-            count=torch.as_tensor(count, device=dev),
+            owner=warm[1].clone(), last_use=warm[2].clone(), count=warm[3].clone(),
             tick=torch.zeros(1, dtype=torch.int64, device=dev),
             totals=torch.zeros(3, dtype=torch.int64, device=dev),
             history=torch.zeros((history, 3), dtype=torch.int64, device=dev),
             groups=torch.zeros(1, dtype=torch.int64, device=dev),
+            warm_state=warm,
         )
+
+    def reset(self) -> None:
+        """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every
+        slot refilled from the host tier, in place: a captured graph stays valid. For runs that
+        must start warm after warm-up steps (a CUDA graph's capture runs the step)."""
+        row_map, owner, last_use, count = self.warm_state
+        pools = self.pools
+        pools.row_map.copy_(row_map)
+        pools.validated_version = pools.row_map._version  # the warm map, validated at build
+        self.owner.copy_(owner)
+        self.last_use.copy_(last_use)
+        self.count.copy_(count)
+        self.tick.zero_()
+        self.reset_counters()
+        slots = torch.arange(self.capacity, device=owner.device)
+        self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
+                   torch.full((1,), self.capacity, dtype=torch.int64, device=owner.device))
 
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
