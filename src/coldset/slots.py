@@ -285,10 +285,11 @@ class SlotCache:
             i = int(bad[0])
             raise ValueError(f"slot cache: row map entry of instance {i} (layer {i // pools.num_experts}, expert "
                              f"{i % pools.num_experts}) is {rm[i]}, the slot owners say {expect[i]}")
-        if contents:
+        if contents:  # compared on the slots' device, one host row at a time
+            dev = pools.w13_hot.device
             for s in range(self.capacity):
                 o = int(owner[s])
-                if not (torch.equal(pools.w13_hot[s].cpu(), pools.w13_cold[o].cpu())
-                        and torch.equal(pools.w2_hot[s].cpu(), pools.w2_cold[o].cpu())):
+                if not (torch.equal(pools.w13_hot[s], pools.w13_cold[o].to(dev))
+                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev))):
                     raise ValueError(f"slot cache: slot {s} does not hold the weights of its owner, instance {o} "
                                      f"(layer {o // pools.num_experts}, expert {o % pools.num_experts})")
