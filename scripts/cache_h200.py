@@ -242,10 +242,14 @@ def main() -> int:
                             cache.admit(layer, hit_ids[layer])
 
                     over = graph_time_ms(decisions)
-                    R["overhead"] = {"decisions_ms": over, "all_hbm_step_ms": full_ms, "fraction": over / full_ms}
+                    cache.use_kernel = False  # the same decisions as torch ops, for comparison
+                    over_torch = graph_time_ms(decisions)
+                    cache.use_kernel = True
+                    R["overhead"] = {"decisions_ms": over, "all_hbm_step_ms": full_ms, "fraction": over / full_ms,
+                                     "torch_ops_decisions_ms": over_torch}
                     log("overhead", R["overhead"])
                     # Fill: k rows (one layer's worst case at batch 1) by the kernel vs the copy engine.
-                    from coldset.kernels.triton_slots import fill_slots
+                    from coldset.kernels.triton_slots import fill
 
                     victims = torch.arange(k, device=dev)
                     src = torch.arange(k, device=dev) * 7
@@ -253,8 +257,7 @@ def main() -> int:
                     p = cache.pools
 
                     def kernel_fill():
-                        fill_slots(p.w13_cold, p.w13_hot, victims, src, m)
-                        fill_slots(p.w2_cold, p.w2_hot, victims, src, m)
+                        fill(p, victims, src, m)
 
                     def copy_engine():
                         for j in range(k):

@@ -270,3 +270,33 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
     cache.admit(0, torch.tensor([[1]]))  # a miss: the victim is (1, 3), count 4, the least used
     assert int(cache.pools.row_map[1, 3]) < 0 and int(cache.pools.row_map[0, 1]) >= 0
     cache.check(contents=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_triton_decisions_equal_the_torch_path(policy):
+    """On CUDA the decisions are one Triton launch and the fill another: the same state after every
+    group as the torch path (with duplicates inside groups), and the slots hold their owners."""
+    L, E, k, tokens, C = 3, 8, 2, 3, 13
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
+    all_hot = _random_pools(L, E, dtype=torch.bfloat16)
+    all_hot = ExpertPools.all_hot(all_hot.w13_hot.view(L, E, 8, 4).cuda(), all_hot.w2_hot.view(L, E, 4, 4).cuda())
+    row_map, _, wc = _warm(counts, C)
+    host = host_tier(all_hot)
+    a = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
+    b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
+    a.use_kernel = False
+    assert b.use_kernel
+    for _ in range(30):
+        for layer in range(L):
+            ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])).cuda()
+            a.admit(layer, ids)
+            b.admit(layer, ids)
+            for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert torch.equal(a.pools.row_map, b.pools.row_map)
+    np.testing.assert_array_equal(a.group_history(), b.group_history())
+    assert a.counters()["fills"] > 20
+    b.check(contents=True)

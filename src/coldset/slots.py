@@ -24,9 +24,12 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
   return at once); on the CPU a plain indexed copy.
 
-Everything on CUDA is torch ops and that kernel with shapes fixed by the batch size: no host
-synchronisation, no data-dependent shapes, so the whole decode step (every layer's decisions and
-fills included) is one CUDA graph, and a replay re-runs the decisions on the data of that step.
+On CUDA the decisions of a group are one Triton launch and the fill another
+(:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
+are about thirty); on the CPU they are torch ops (the same decisions, which CI tests against the
+simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
+decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
+the decisions on the data of that step.
 
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
@@ -88,6 +91,11 @@ class SlotCache:
     groups: torch.Tensor
     # (row_map, owner, last_use, count) of the warm state, for reset()
     warm_state: tuple[torch.Tensor, ...] | None = None
+    # The Triton path's outputs for the fill (CUDA): victims, admitted instances, their number.
+    victims: torch.Tensor | None = None
+    admitted: torch.Tensor | None = None
+    num_misses: torch.Tensor | None = None
+    use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -133,6 +141,10 @@ class SlotCache:
             history=torch.zeros((history, 3), dtype=torch.int64, device=dev),
             groups=torch.zeros(1, dtype=torch.int64, device=dev),
             warm_state=warm,
+            victims=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
+            admitted=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
+            num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
+            use_kernel=dev.type == "cuda",
         )
 
     def reset(self) -> None:
@@ -212,6 +224,12 @@ class SlotCache:
         max_tokens`` (prefill)."""
         if topk_ids.shape[0] > self.max_tokens:
             return
+        if self.use_kernel:
+            from coldset.kernels.triton_slots import decide, fill
+
+            decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
+            fill(self.pools, self.victims, self.admitted, self.num_misses)
+            return
         pools = self.pools
         E = pools.num_experts
         dev = topk_ids.device
@@ -258,10 +276,9 @@ class SlotCache:
     def _fill(self, victims, new_inst, valid, m) -> None:
         pools = self.pools
         if pools.w13_hot.is_cuda:
-            from coldset.kernels.triton_slots import fill_slots
+            from coldset.kernels.triton_slots import fill
 
-            fill_slots(pools.w13_cold, pools.w13_hot, victims, new_inst, m)
-            fill_slots(pools.w2_cold, pools.w2_hot, victims, new_inst, m)
+            fill(pools, victims, new_inst, m)
             return
         slots, inst = victims[valid], new_inst[valid]
         pools.w13_hot[slots] = pools.w13_cold[inst]
