@@ -31,7 +31,7 @@ import triton.language as tl
 
 BLOCK = 4096  # elements per load in the fill
 SPLIT = 64  # blocks per row in the fill
-_INT64_MAX = 9223372036854775807
+_INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read it
 
 
 def _next_pow2(n: int) -> int:
