@@ -53,6 +53,9 @@ from coldset.tiers import ExpertPools, HostTier
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
 
 
+KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
+
+
 class CacheCapacityError(ValueError):
     """The pool has fewer slots than one step's selections can need."""
 
@@ -144,7 +147,9 @@ class SlotCache:
             victims=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
             admitted=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
             num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
-            use_kernel=dev.type == "cuda",
+            # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
+            # Larger pools run the same decisions as torch ops (slower, same results).
+            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
         )
 
     def reset(self) -> None:
