@@ -332,8 +332,8 @@ def test_budget_in_gib():
         place(hist, s, "usage_global")
     with pytest.raises(PlacementError, match=r"residency must be .*\[0, 1\], got 1.2"):
         place(hist, s, "usage_global", 1.2)
-    with pytest.raises(PlacementError, match="unknown policy 'lru'"):
-        place(hist, s, "lru", 0.5)
+    with pytest.raises(PlacementError, match="unknown policy 'belady'"):
+        place(hist, s, "belady", 0.5)  # offline: the simulator's, not a placement
 
 
 # ------------------------------------------------------------------------------------------
@@ -547,10 +547,10 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
     out = tmp_path / "placement"
     placements = run_placement(csv, s, out, residencies=(0.25, 0.5, 1.0), batch_sizes=(1, 8),
                                progress=False)
-    assert len(placements) == 4 * 3
+    assert len(placements) == len(pm.POLICIES) * 3
     table = pd.read_csv(out / "coverage.csv")
     assert list(table["policy"]) == [p for p in pm.POLICIES for _ in range(3)]
-    assert list(table["residency"]) == [0.25, 0.5, 1.0] * 4
+    assert list(table["residency"]) == [0.25, 0.5, 1.0] * len(pm.POLICIES)
     for col in ("coverage_profile", "coverage_heldout", "coverage_heldout_b",
                 "step_ms_lower_h200_b1", "step_ms_sum_gb300_b8", "tok_s_lower_h200_b8",
                 "link_gb_per_token_h200_b8"):
@@ -558,6 +558,10 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
     for p in placements:
         q = load_placement(out / f"{p.policy}-{p.label}.json")
         assert np.array_equal(q.row_map, p.row_map)
+        if p.dynamic:  # the warm state: usage_global's row map, one profile count per slot
+            ug = load_placement(out / f"usage_global-{p.label}.json")
+            assert np.array_equal(q.row_map, ug.row_map) and not q.predictions
+            assert np.array_equal(q.cache_warm_counts, p.cache_warm_counts) and len(q.cache_warm_counts) == q.num_hot
     assert sorted(x.name for x in out.iterdir() if x.name.startswith(".")) == []
     assert {x.name for x in out.iterdir()} >= {"usage_global-1.0.json", "positional-0.25.rowmap.npy"}
     # usage_global covers at least as much of the profile as the others, everywhere

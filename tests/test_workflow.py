@@ -15,12 +15,13 @@ model:
   synthetic: {layers: 2, experts: 8, top_k: 2, hidden: 64, moe_intermediate: 32, heads: 2, kv_heads: 1,
               head_dim: 32, vocab_size: 512}
 fixtures: {per_domain: 2, max_new_tokens: 8}
-placement: {policies: [positional, usage_global], residency: [0.5, 1.0]}
+routing: {batch_size: 4}  # lru-0.5's 8 slots hold one parity step's 4 tokens x top-2
+placement: {policies: [positional, usage_global, lru], residency: [0.5, 1.0]}
 parity: {max_new_tokens: 8}
 bench: {new_tokens: 4, prompt_tokens: 8, repeats: 1, warmup: 0}
 autotune: {cache_dir: CACHE}
 """
-PLACEMENTS = ["positional-0.5", "positional-1.0", "usage_global-0.5", "usage_global-1.0"]
+PLACEMENTS = ["positional-0.5", "positional-1.0", "usage_global-0.5", "usage_global-1.0", "lru-0.5", "lru-1.0"]
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -59,8 +60,10 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
         if name.endswith("-1.0"):
             # CPU: no host tier, so measured speed compares nothing and no ratio is derived (issue 16)
             assert entry["cold_share"] == 0 and entry["fetch_tax"] is None and entry["tok_s_per_gib"] is None
+    lru = json.loads((results / "bench/tiny/lru-0.5.json").read_text())["batches"][0]
+    assert lru["hit_rate"] == 1 - lru["cold_share"] and lru["misses_per_token"] > 0  # the cache's own counts
     html = (results / "report/index.html").read_text()
-    assert "data:image/png;base64," in html and "usage_global" in html
+    assert "data:image/png;base64," in html and "usage_global" in html and "lru" in html and "hit_rate" in html
     for rule in ("model", "routing", "parity", "bench", "track", "report"):
         assert any((workdir / "logs" / rule).iterdir()), f"no log for {rule}"
 
@@ -73,7 +76,8 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
     mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["coldset"])
     assert len(runs) == len(PLACEMENTS)
-    assert set(runs["params.policy"]) == {"positional", "usage_global"}
+    assert set(runs["params.policy"]) == {"positional", "usage_global", "lru"}
+    assert runs.loc[runs["params.policy"] == "lru", "metrics.hit_rate"].notna().all()
 
     # Issue 16 item 7: delete the MLflow store, and `snakemake report` brings the runs back.
     (results / "mlflow.db").unlink()

@@ -7,7 +7,12 @@ inside the step; on CPU it runs eagerly. Timings are medians over repeats after 
 
 ``cold_share`` and ``link_gb_per_token`` are measured from the routing of the benchmarked decode
 tokens (an eager pass with routing capture over the same tokens), not predicted: per step and MoE
-layer, each distinct cold expert the batch touched is read over the host link once.
+layer, each distinct cold expert the batch touched is read over the host link once. For a dynamic
+placement (the slot cache, :mod:`coldset.slots`) they are what the engine's cache counted in that
+pass: ``cold_share`` = missed selections / selections, ``link_gb_per_token`` = fills (distinct
+missed instances copied into slots) x bytes per expert / decoded tokens. ``hit_rate`` (1 -
+cold_share) and ``misses_per_token`` (cold or missed selections per decoded token) are reported
+for every placement, so static and dynamic ones compare under the same names.
 Derived metrics that need several placements (``tok_s_per_gib``, ``fetch_tax``) are computed by
 :func:`derive_metrics` over all of a model's results (DESIGN.md §6).
 """
@@ -60,6 +65,8 @@ class BenchResult:
     prompt_split: str | None = None  # fixtures split the prompts (and replayed routing) came from
     tok_s_per_gib: float | None = None
     fetch_tax: float | None = None
+    hit_rate: float | None = None  # 1 - cold_share: selections served from HBM (static) or slot hits (dynamic)
+    misses_per_token: float | None = None  # selections served cold / missed, per decoded token
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
     fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_p50
@@ -194,6 +201,30 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
             gen.tokens)
 
 
+def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
+    """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, misses per
+    decoded token, greedy tokens) of an eager pass with the slot cache ``cache`` (already wrapped
+    into ``model.experts_fn``), from the cache's own counters over that pass's decode steps: a hit
+    or a filled miss is read from its slot (each distinct instance once per step and layer), a
+    fill crosses the link once."""
+    from coldset.model import generate
+
+    cache.reset_counters()
+    gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
+    c = cache.counters()
+    plen = prompts.shape[1]
+    decode = np.stack([r.experts.cpu().numpy()[plen:] for r in gen.routing])  # [B, steps, L, k]
+    steps, layers = decode.shape[1], decode.shape[2]
+    if c["groups"] != steps * layers:
+        raise ValueError(f"bench: the cache decided for {c['groups']} groups, the pass had {steps} decode steps x "
+                         f"{layers} MoE layers (prompt_tokens {plen} must exceed the batch size's tokens)")
+    tokens = decode.shape[0] * steps
+    hot_reads = sum(len(set(decode[:, s, layer, :].ravel().tolist())) for s in range(steps) for layer in range(layers))
+    accesses = c["hits"] + c["misses"]
+    return (c["misses"] / accesses, c["fills"] * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
+            c["misses"] / tokens, gen.tokens)
+
+
 def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
     """The read rates this run's ratios are taken against (CUDA), in GB/s: HBM (a streaming read
     of 4 GiB of random bf16) and, given a tensor in pinned host memory (the cold tier), its
@@ -216,18 +247,28 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
-                 replay=None, tuned=None, prompt_split: str | None = None) -> BenchResult:
+                 replay=None, tuned=None, prompt_split: str | None = None, cache=None) -> BenchResult:
     """Benchmark ``model`` decoding with ``placed_pools`` (the placement's row map) at one batch size.
 
     ``placement`` is a :class:`coldset.placement.Placement`; ``replay`` an optional
     :class:`RoutingReplay` that replaces the router's choices with a recorded trace's;
     ``prompt_split`` names the fixtures split ``token_stream`` was cut from (recorded, not used).
+    ``cache`` (a :class:`coldset.slots.SlotCache` whose pools are ``placed_pools``) for a dynamic
+    placement: its decisions and fills run inside every decode step (inside the CUDA graph on
+    CUDA); the cache's state carries over from step to step and from repeat to repeat.
     Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``.
     """
     from coldset.gate import experts_functions
 
     device = model.device
     _, rowmap_fn, backend = experts_functions(device, tuned)
+    if cache is not None:
+        if placed_pools is not cache.pools:
+            raise ValueError("bench_decode: with a cache, placed_pools must be cache.pools")
+        if replay is not None:
+            raise ValueError("bench_decode: a routing replay with a dynamic placement is not supported "
+                             "(the cache decides on the router's choices)")
+        rowmap_fn = cache.wrap(rowmap_fn)
     saved = model.pools, model.experts_fn
     model.pools, model.experts_fn = placed_pools, rowmap_fn
     if replay is not None:
@@ -238,12 +279,18 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
         eager_tokens = hot_per_token = None
-        if replay is None:
+        per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
+        if cache is not None:
+            cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens = measure_cache(
+                model, cache, prompts, new_tokens, per_expert)
+        elif replay is None:
             cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
                 model, prompts, new_tokens, per_expert)
+            misses_per_token = cold_share * per_token
         else:
             cold_share, link_per_token = replay.cold_stats(placed_pools.row_map.cpu().numpy(), batch_size,
                                                            new_tokens - 1, per_expert)
+            misses_per_token = cold_share * per_token
         use_graph = device.type == "cuda" and backend == "triton"
         dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
         start, stop = _timer(device)
@@ -315,6 +362,8 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         routing_source="trace" if replay is not None else "router",
         timed_token_match=token_match,
         prompt_split=prompt_split,
+        hit_rate=1.0 - cold_share,
+        misses_per_token=misses_per_token,
     )
 
 

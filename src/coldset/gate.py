@@ -105,9 +105,21 @@ def reference_decode(model, prompts, max_new_tokens, batch_size=8, progress=True
 
 
 def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8, progress=True,
-                     tuned=None) -> Decoded:
-    """The row-map path over ``placed_pools`` (the placement's hot and cold pools)."""
+                     tuned=None, cache=None) -> Decoded:
+    """The row-map path over ``placed_pools`` (the placement's hot and cold pools).
+
+    With ``cache`` (a :class:`coldset.slots.SlotCache`, a dynamic placement) ``placed_pools`` are
+    its pools and every decode step first runs the cache's decisions and fills: the row map
+    changes from step to step while the kernel stays the same, so the gate applies unchanged.
+    """
     _, rowmap_fn, _ = experts_functions(model.device, tuned)
+    if cache is not None:
+        if placed_pools is not cache.pools:
+            raise ValueError("placement_decode: with a cache, placed_pools must be cache.pools")
+        if batch_size > cache.max_tokens:
+            raise ValueError(f"placement_decode: batch size {batch_size} is larger than the cache's "
+                             f"max_tokens {cache.max_tokens}")
+        rowmap_fn = cache.wrap(rowmap_fn)
     saved = model.pools, model.experts_fn
     model.pools, model.experts_fn = placed_pools, rowmap_fn
     try:

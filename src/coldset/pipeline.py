@@ -480,8 +480,12 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     host = _host_tier(config)
     for name in names:
-        pools = engine.pools.placed(loaded[name].row_map, host)
-        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned)
+        pl = loaded[name]
+        cache = _slot_cache(engine, host, pl, batch)
+        pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
+        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned, cache=cache)
+        if cache is not None:
+            cache.check()  # the row map and the slot owners still agree after every decision
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
         log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
@@ -520,6 +524,16 @@ def _check_report(config: dict, name: str, report: dict, where: Path | str) -> d
     except StaleReportError as exc:
         raise StageError(str(exc)) from None
     return current
+
+
+def _slot_cache(engine, host, placement, max_tokens: int):
+    """The slot cache of a dynamic placement (``lru-0.5``), fresh from its warm state, deciding for
+    decode steps of up to ``max_tokens`` tokens; None for a static placement."""
+    if not placement.dynamic:
+        return None
+    from coldset.slots import SlotCache
+
+    return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k)
 
 
 def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:
@@ -591,9 +605,14 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
     names = _placement_names(config, placements)
     for name in names:
         pl = load_placement(layout.placement_dir / f"{name}.json")
-        pools = engine.pools.placed(pl.row_map, host)
+        pools = engine.pools.placed(pl.row_map, host) if not pl.dynamic else None
         for split in splits:
             for batch_size in bc["batch_sizes"]:
+                cache = None
+                if pl.dynamic:  # a fresh warm cache per (split, batch size); the previous one's slots freed first
+                    pools = None
+                    cache = _slot_cache(engine, host, pl, batch_size)
+                    pools = cache.pools
                 replay = None
                 if bc["routing_trace"]:
                     replay = bn.RoutingReplay.from_trace(
@@ -602,12 +621,13 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                 try:
                     r = bn.bench_decode(engine, pools, pl, streams[split], batch_size, bc["prompt_tokens"],
                                         bc["new_tokens"], bc["warmup"], bc["repeats"], replay=replay, tuned=tuned,
-                                        prompt_split=split)
+                                        prompt_split=split, cache=cache)
                 except bn.TimedLoopMismatch as exc:
                     raise StageError(str(exc)) from None
                 log.info("bench %s (%s prompts) batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name,
                          split, batch_size, r.tok_s, r.step_ms_p50, r.cold_share)
                 records.setdefault(split, []).append(r.to_dict())
+                del cache
         del pools
     provenance = collect_provenance(engine.device, tuned, ceilings)
     derived = {split: bn.derive_metrics(rs, ceilings) for split, rs in records.items()}

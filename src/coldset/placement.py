@@ -21,6 +21,12 @@ Policies (DESIGN.md §3):
 - ``usage_global``: the ``num_hot`` (layer, expert) pairs with the most profile selections are hot,
   ties broken by (layer, expert) ascending. With equal bytes per expert this maximises the covered
   profile selections for the budget (the tests check it against brute force).
+- ``lru`` / ``lfu``: dynamic placements (the engine's slot cache, :mod:`coldset.slots`): the
+  row map written here is the *warm* state, exactly ``usage_global``'s at the same residency (the
+  hot rows are the slots), plus the profile count of each warm instance (``cache_warm_counts``,
+  one per slot) from which the cache's initial eviction order and ``lfu``'s frequencies come.
+  The cache changes the row map from step to step while decoding; the coverage and speed-model
+  numbers written here describe only the warm state (no prediction is written for them).
 - ``permute``: the expert_map reordering: the same hot and cold layers as ``positional`` at that
   residency, with rows inside each layer reordered by popularity. Its coverage equals
   ``positional``'s: it exists to show that reordering is not placement.
@@ -57,7 +63,10 @@ from coldset import shapes
 from coldset.files import atomic_path
 from coldset.shapes import WEIGHT_FORMATS, WeightFormat  # noqa: F401 (re-exported)
 
-POLICIES = ("positional", "usage_layer", "usage_global", "permute")
+STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
+# Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies).
+DYNAMIC_POLICIES = ("lru", "lfu")
+POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
 PHASES = ("prefill", "decode")
 SPLITS = ("profile", "heldout")
 HISTOGRAM_COLUMNS = ("domain", "split", "phase", "layer", "expert", "count")
@@ -716,6 +725,13 @@ class Placement:
     coverage_heldout_by_domain: dict[str, float] = field(default_factory=dict)
     predictions: list[StepPrediction] = field(default_factory=list)
     model: str | None = None
+    # Dynamic policies only: the profile count of the instance in each hot row (slot), slot order.
+    cache_warm_counts: np.ndarray | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether this is a slot-cache placement (the row map is its warm state)."""
+        return self.policy in DYNAMIC_POLICIES
 
     @property
     def num_moe_layers(self) -> int:
@@ -802,7 +818,7 @@ def place(
         mask = hot_mask_positional(num_layers, num_experts, target_hot)
     elif policy == "usage_layer":
         mask = hot_mask_usage_layer(counts, target_hot)
-    else:
+    else:  # usage_global, and the warm state of the dynamic policies
         mask = hot_mask_usage_global(counts, target_hot)
     order = _layer_order(counts) if policy == "permute" else None
     row_map = row_map_from_mask(mask, order)
@@ -842,6 +858,12 @@ def place(
         coverage_heldout_by_domain=by_domain,
         model=model,
     )
+    if policy in DYNAMIC_POLICIES:
+        hot_idx = np.flatnonzero(row_map.reshape(-1) >= 0)
+        warm = np.empty(num_hot, dtype=np.float64)
+        warm[row_map.reshape(-1)[hot_idx]] = counts.reshape(-1)[hot_idx]
+        placement.cache_warm_counts = warm
+        return placement  # the speed model describes static placements only
     for bw in bandwidths:
         for b in batch_sizes:
             placement.predictions.append(predict_step(placement, counts, config, bw, int(b)))
@@ -886,6 +908,7 @@ def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str) -> 
         "predictions": [asdict(p) for p in placement.predictions],
         "row_map_file": npy_name,
         "row_map_sha256": npy_sha256,
+        "cache_warm_counts": None if placement.cache_warm_counts is None else placement.cache_warm_counts.tolist(),
     }
 
 
@@ -978,6 +1001,14 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         row_map, int(doc["num_hot"]), int(doc["num_cold"]), len(moe_layers),
         int(doc["num_experts"]), f"{npy_path} (for {json_path.name})",
     )
+    warm = doc.get("cache_warm_counts")
+    if doc["policy"] in DYNAMIC_POLICIES:
+        if not isinstance(warm, list) or len(warm) != int(doc["num_hot"]):
+            raise PlacementError(f"{json_path}: field 'cache_warm_counts' must list one profile count per slot "
+                                 f"({doc['num_hot']}) for the dynamic policy {doc['policy']!r}")
+        warm = np.asarray(warm, dtype=np.float64)
+    elif warm is not None:
+        raise PlacementError(f"{json_path}: field 'cache_warm_counts' is set for the static policy {doc['policy']!r}")
     return Placement(
         policy=doc["policy"],
         residency=doc.get("residency"),
@@ -1000,6 +1031,7 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         coverage_heldout_by_domain=dict(doc.get("coverage_heldout_by_domain", {})),
         predictions=[StepPrediction(**p) for p in doc.get("predictions", [])],
         model=doc.get("model"),
+        cache_warm_counts=warm,
     )
 
 

@@ -57,6 +57,8 @@ BENCH_METRICS: tuple[str, ...] = (
     "host_expert_gib",
     "cold_share",
     "link_gb_per_token",
+    "hit_rate",
+    "misses_per_token",
     "tok_s_per_gib",
     "fetch_tax",
     *BYTES_METRICS,
@@ -65,8 +67,10 @@ BENCH_METRICS: tuple[str, ...] = (
 # smaller residency to compare with at a policy's smallest residency, fetch_tax needs the
 # policy's residency-1.0 run, predicted_step_ms needs a speed-model preset for the device, and
 # the bytes metrics need this run's measured read ceilings (None on CPU, absent in bench files
-# written before they existed).
-NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", *BYTES_METRICS})
+# written before they existed); hit_rate and misses_per_token are absent in bench files written
+# before the slot cache (issue 12).
+NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", "hit_rate",
+                                                   "misses_per_token", *BYTES_METRICS})
 # The read-rate ceilings a CUDA bench measures once per run (top-level "ceilings" of a bench JSON).
 CEILING_FIELDS: tuple[str, ...] = ("hbm_read_gb_s", "link_read_gb_s")
 REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(

@@ -21,7 +21,9 @@ Run contents:
 
 - params: model, policy, residency, batch_size, dtype, num_hot, num_cold;
 - metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_p50, step_ms_p90, prefill_ms,
-  hbm_expert_gib, host_expert_gib, cold_share, link_gb_per_token, tok_s_per_gib, fetch_tax),
+  hbm_expert_gib, host_expert_gib, cold_share, link_gb_per_token, hit_rate, misses_per_token,
+  tok_s_per_gib, fetch_tax; hit_rate and misses_per_token as the slot cache counted them for a
+  dynamic placement),
   predicted_step_ms, the bytes metrics (hbm_gb_per_token, bytes_step_ms, fraction_of_bytes_bound,
   predicted_step_ms_calibrated) and the read ceilings the bench measured in the same run
   (hbm_read_gb_s, link_read_gb_s; metrics, not params: they are remeasured on every run, and a

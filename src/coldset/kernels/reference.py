@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from coldset.tiers import ExpertPools
+if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
+    from coldset.tiers import ExpertPools
 
 
 def torch_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

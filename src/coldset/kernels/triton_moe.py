@@ -31,12 +31,14 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from coldset.tiers import ExpertPools
+if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
+    from coldset.tiers import ExpertPools
 
 try:  # grid dependency control (programmatic dependent launch, sm90+), in triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""The slot cache at real shape on one GPU: CUDA correctness, then decode speed against static placement.
+
+    PYTHONPATH=src python3 scripts/cache_h200.py --config config/examples/qwen3-30b-a3b-h200.yaml --out <dir>
+
+Builds the config's in-memory synthetic model (every expert in HBM, decode region compiled as the
+pipeline does), pins one host copy of every expert, and profiles routing on profile prompts
+(template texts, one seed) with the unmodified path: the profile counts choose the warm set
+(``usage_global``'s hot set at each residency). Then on held-out prompts (another seed), for batch
+1 and 8, every step captured in one CUDA graph (``coldset.bench.Decoder``):
+
+- all-HBM: the unmodified path (row map compiled out), its routing recorded per step;
+- at residency 0.25 / 0.5 / 0.75: ``usage_global`` (static: cold experts read in place over the
+  link) and the slot cache ``lru`` and ``lfu`` (``coldset.slots``: decisions and fills inside the
+  graph), each run warm from the same state.
+
+Checks (the script exits 1 if one fails): every variant's logits at every step are bitwise the
+all-HBM run's; the cache's per-(step, layer) hits, misses and fills equal ``coldset.cache.simulate``
+on the all-HBM run's routing; the cache's row map and slot contents agree with its owners after the
+run. Timed: tok/s from the mean decode step (the cache's steps vary with its misses), hit rate,
+misses and link GB per token (static: cold selections and distinct cold experts per step and layer;
+cache: its own counters), the cache-management work alone (every layer's decisions on a step that
+hits, graph-captured) as a fraction of the all-HBM step, and the fill kernel's read rate from
+pinned memory against the copy engine's on the same rows. Writes ``cache_h200.json``; the table
+is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+T0 = time.perf_counter()
+
+
+def log(*a) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def graph_time_ms(fn, reps: int = 20) -> float:
+    """Median ms of one replay of ``fn`` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=48, help="decode steps per run")
+    ap.add_argument("--residencies", default="0.25,0.5,0.75")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--policies", default="lru,lfu")
+    args = ap.parse_args()
+
+    from coldset import bench as bn
+    from coldset.cache import AccessStream, simulate
+    from coldset.config import load_config
+    from coldset.files import write_json
+    from coldset.fixtures import template_texts
+    from coldset.gate import experts_functions
+    from coldset.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import SlotCache
+    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.tiers import host_tier
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = load_config(args.config)
+    dev = torch.device("cuda")
+    R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "config": args.config,
+               "router": "synthetic generator before issue 17 (old temporal locality)", "rows": [], "checks": {}}
+    fails: list[str] = []
+
+    spec = SyntheticSpec(**config["model"]["synthetic"])
+    fx = config["fixtures"]
+    texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
+    model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
+    model.compile_decode()
+    cfg = model.config
+    L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+    per_expert = expert_bytes(cfg)
+    log("model built", L, "MoE layers x", E, "experts, top", k)
+    t = time.perf_counter()
+    host = host_tier(model.pools)
+    log(f"host tier pinned in {time.perf_counter() - t:.1f} s")
+    ref_fn, rowmap_fn, _ = experts_functions(dev, None)
+    plen, steps = 32, args.steps
+
+    def prompts_from(seed: int, n: int) -> torch.Tensor:
+        tx = template_texts(fx["domains"], n, seed=seed, template_dir=fx["template_dir"])
+        rows = []
+        for d in fx["domains"]:
+            for text in tx[d]:
+                ids = tokenizer.encode(text).ids
+                while len(ids) < plen:
+                    ids = ids + ids
+                rows.append(ids[:plen])
+        return torch.tensor(rows[:n], dtype=torch.long)
+
+    def run(experts_fn, pools, bsz: int, prompts: torch.Tensor, record: bool = False, cache=None):
+        """Graph-captured decode: per-step ms, logits [steps, B, V] (GPU), routing [steps, L, B, k]."""
+        saved = model.pools, model.experts_fn
+        rec = torch.zeros((L, bsz, k), dtype=torch.long, device=dev)
+        fn = experts_fn
+        if record:
+            def fn(p, layer, x, ids, w):
+                if x.shape[0] == bsz:
+                    rec[layer].copy_(ids)
+                return experts_fn(p, layer, x, ids, w)
+        model.pools, model.experts_fn = pools, fn
+        try:
+            dec = bn.Decoder(model, bsz, plen, steps + 1, True)
+            tok = dec.prefill(prompts.to(dev))
+            dec.set_step(tok, 1)
+            dec.capture()
+            if cache is not None:
+                cache.reset()  # the capture's warm-up steps ran the cache: start warm
+            ms, logits, routing = [], [], []
+            for s in range(1, steps + 1):
+                dec.set_step(tok, s)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                lg = dec.step()
+                b.record()
+                b.synchronize()
+                ms.append(a.elapsed_time(b))
+                logits.append(lg.clone())
+                if record:
+                    routing.append(rec.cpu().numpy().copy())
+                tok = torch.argmax(lg, dim=-1)
+            del dec
+        finally:
+            model.pools, model.experts_fn = saved
+        return ms, torch.stack(logits), (np.stack(routing) if record else None)
+
+    # Profile: routing of profile prompts on the unmodified path -> counts -> warm sets.
+    prof = prompts_from(fx["seed"] + 101, 8)
+    _, _, prof_routing = run(ref_fn, model.pools, prof.shape[0], prof, record=True)
+    counts = np.zeros((L, E), dtype=np.float64)
+    for layer in range(L):
+        np.add.at(counts[layer], prof_routing[:, layer].reshape(-1), 1)
+    log("profile routing", prof_routing.shape)
+
+    residencies = [float(r) for r in args.residencies.split(",")]
+    policies = args.policies.split(",")
+    for bsz in (int(b) for b in args.batches.split(",")):
+        prompts = prompts_from(fx["seed"] + 202, bsz)
+        _, ref_logits, routing = run(ref_fn, model.pools, bsz, prompts, record=True)
+        ms, _, _ = run(ref_fn, model.pools, bsz, prompts)
+        full_ms = statistics.mean(ms)
+        R["rows"].append({"batch": bsz, "placement": "all-HBM", "residency": 1.0, "step_ms": full_ms,
+                          "step_ms_p50": statistics.median(ms), "tok_s": 1e3 / full_ms, "hit_rate": 1.0,
+                          "misses_per_token": 0.0, "link_gb_per_token": 0.0})
+        log(R["rows"][-1])
+        tokens = bsz * steps
+        inst = routing + (np.arange(L) * E)[None, :, None, None]  # [steps, L, B, k]
+        for r in residencies:
+            C = hot_count_for_residency(r, L * E)
+            row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+            # static usage_global
+            pools = model.pools.placed(row_map, host)
+            ms, lg, _ = run(rowmap_fn, pools, bsz, prompts)
+            del pools
+            cold = row_map.reshape(-1)[inst] < 0
+            cold_reads = sum(len(set(inst[s, layer][cold[s, layer]].tolist())) for s in range(steps) for layer in range(L))
+            same = bool(torch.equal(lg, ref_logits))
+            R["checks"][f"usage_global-{r}/b{bsz} logits bitwise"] = same
+            fails += [] if same else [f"usage_global-{r}/b{bsz} logits differ"]
+            R["rows"].append({"batch": bsz, "placement": "usage_global", "residency": r, "step_ms": statistics.mean(ms),
+                              "step_ms_p50": statistics.median(ms), "tok_s": 1e3 / statistics.mean(ms),
+                              "hit_rate": 1.0 - float(cold.mean()), "misses_per_token": int(cold.sum()) / tokens,
+                              "link_gb_per_token": cold_reads * per_expert / tokens / 1e9})
+            log(R["rows"][-1])
+            warm_counts = np.empty(C)
+            flat = row_map.reshape(-1)
+            hot = np.flatnonzero(flat >= 0)
+            warm_counts[flat[hot]] = counts.reshape(-1)[hot]
+            for pol in policies:
+                cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
+                                        history=steps * L + 8)
+                ms, lg, _ = run(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, cache=cache)
+                c = cache.counters()
+                hist = cache.group_history()
+                ids = inst.reshape(-1)  # steps, layers, then tokens x ranks: the engine's group order
+                ptr = np.arange(0, ids.size + 1, bsz * k)
+                sim = simulate(AccessStream(ids, ptr, tokens, L, E), pol, C, counts)
+                sim_hist = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
+                name = f"{pol}-{r}/b{bsz}"
+                checks = {"logits bitwise": bool(torch.equal(lg, ref_logits)),
+                          "per-group hits/misses/fills == simulator": bool(np.array_equal(hist, sim_hist))}
+                try:
+                    cache.check(contents=True)
+                    checks["state consistent"] = True
+                except ValueError as exc:
+                    checks["state consistent"] = repr(exc)
+                for what, ok in checks.items():
+                    R["checks"][f"{name} {what}"] = ok
+                    if ok is not True:
+                        fails.append(f"{name} {what}: {ok}")
+                acc = c["hits"] + c["misses"]
+                R["rows"].append({"batch": bsz, "placement": pol, "residency": r, "step_ms": statistics.mean(ms),
+                                  "step_ms_p50": statistics.median(ms), "tok_s": 1e3 / statistics.mean(ms),
+                                  "hit_rate": c["hits"] / acc, "sim_hit_rate": float(sim.hits.sum()) / acc,
+                                  "misses_per_token": c["misses"] / tokens,
+                                  "link_gb_per_token": c["fills"] * per_expert / tokens / 1e9})
+                log(R["rows"][-1], checks)
+                if bsz == 1 and r == 0.5 and pol == policies[0]:
+                    # The cache-management work alone: every layer's decisions on a step whose
+                    # selections all hit (the fill kernel launches and finds nothing to copy).
+                    rm = cache.pools.row_map
+                    hit_ids = []
+                    for layer in range(L):
+                        resident = torch.nonzero(rm[layer] >= 0).flatten()
+                        if resident.numel() < k:
+                            raise RuntimeError(f"layer {layer} has {resident.numel()} resident experts < top_k")
+                        hit_ids.append(resident[:k].view(1, k))
+
+                    def decisions():
+                        for layer in range(L):
+                            cache.admit(layer, hit_ids[layer])
+
+                    over = graph_time_ms(decisions)
+                    cache.use_kernel = False  # the same decisions as torch ops, for comparison
+                    over_torch = graph_time_ms(decisions)
+                    cache.use_kernel = True
+                    R["overhead"] = {"decisions_ms": over, "all_hbm_step_ms": full_ms, "fraction": over / full_ms,
+                                     "torch_ops_decisions_ms": over_torch}
+                    log("overhead", R["overhead"])
+                    # Fill: k rows (one layer's worst case at batch 1) by the kernel vs the copy engine.
+                    from coldset.kernels.triton_slots import fill
+
+                    victims = torch.arange(k, device=dev)
+                    src = torch.arange(k, device=dev) * 7
+                    m = torch.full((1,), k, dtype=torch.int64, device=dev)
+                    p = cache.pools
+
+                    def kernel_fill():
+                        fill(p, victims, src, m)
+
+                    def copy_engine():
+                        for j in range(k):
+                            p.w13_hot[j].copy_(p.w13_cold[7 * j], non_blocking=True)
+                            p.w2_hot[j].copy_(p.w2_cold[7 * j], non_blocking=True)
+
+                    nbytes = k * per_expert
+                    R["fill"] = {"rows": k, "bytes": nbytes,
+                                 "kernel_gb_s": nbytes / graph_time_ms(kernel_fill) / 1e6,
+                                 "copy_engine_gb_s": nbytes / graph_time_ms(copy_engine) / 1e6}
+                    log("fill", R["fill"])
+                    cache.reset()
+                del cache
+                torch.cuda.empty_cache()
+            write_json(out / "cache_h200.json", {**R, "fails": fails})
+    write_json(out / "cache_h200.json", {**R, "fails": fails})
+
+    print(f"\n{R['device']}, {config['model']['name']} bf16, {steps} decode steps per run, router: {R['router']}")
+    print("checks:", "all passed" if not fails else f"FAILED: {fails}")
+    print("tok/s: per sequence (DESIGN.md §6), from the mean step; x all-HBM / x ug: ratios of it")
+    print(f"{'b':>2s} {'placement':13s} {'res':>5s} {'tok/s':>8s} {'x all-HBM':>9s} {'x ug':>6s} {'hit':>6s} "
+          f"{'sim hit':>7s} {'miss/tok':>8s} {'link GB/tok':>11s} {'p50 ms':>7s}")
+    for row in R["rows"]:
+        full = next(x for x in R["rows"] if x["batch"] == row["batch"] and x["placement"] == "all-HBM")
+        ug = next((x for x in R["rows"] if x["batch"] == row["batch"] and x["placement"] == "usage_global"
+                   and x["residency"] == row["residency"]), None)
+        print(f"{row['batch']:2d} {row['placement']:13s} {row['residency']:5.2f} {row['tok_s']:8.1f} "
+              f"{row['tok_s'] / full['tok_s']:9.3f} {row['tok_s'] / ug['tok_s'] if ug else float('nan'):6.2f} "
+              f"{row['hit_rate']:6.3f} {row.get('sim_hit_rate', float('nan')):7.3f} {row['misses_per_token']:8.2f} "
+              f"{row['link_gb_per_token']:11.4f} {row['step_ms_p50']:7.3f}")
+    print("cache management (decisions of all layers, all hits):", R.get("overhead"))
+    print("fill of one layer's k rows from pinned memory:", R.get("fill"))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The slot cache's work inside the decode step on CUDA, two launches per MoE layer.
+
+:func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
+:meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
+outside the group, row-map and owner writes, recency, frequency, counters), writing the victims,
+the admitted instances and their number for the fill. The torch path is about thirty small
+launches a layer (6.2 ms of decisions for 48 layers against a 3.9 ms all-HBM step at Qwen3-30B-A3B
+shapes on the H200, BENCHMARKS.md issue 12); here the group (at most 64 selections) and the
+``C`` slots' keys live in one program's registers.
+
+How the group's own residents are kept out of the victims without a membership test per slot:
+their recency is written first (the group's ticks are the newest, so LRU's smallest keys never
+reach them while ``C >= group size``), and for LFU their count is set to infinity until the
+decisions are made, then to its new value.
+
+:func:`fill` (one launch for both weights): copies host-tier rows into slots, reading pinned host
+memory in place, only for the step's actual misses. A kernel rather than a copy: the rows to copy
+are decided on the device inside the captured step, so a ``cudaMemcpyAsync`` (addresses fixed at
+capture) cannot express them without a host round trip; on the H200 the kernel reads 8 experts
+(75 MB) from pinned memory at 50.6 GB/s, the copy engine the same rows at 53.0 GB/s. The grid is
+fixed by the step's maximum number of misses times a split of each row over many blocks (the link
+is only filled when each row is read by many blocks, DESIGN.md §6); a block whose miss index is
+past the step's miss count (a device scalar) returns before touching memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # elements per load in the fill
+SPLIT = 64  # blocks per row in the fill
+_INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read it
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@triton.jit
+def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+    offs = tl.arange(0, NP)
+    valid = offs < n
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    inst = layer * E + ids
+    rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
+    hit = valid & (rows >= 0)
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+    first = valid & (tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
+    last = valid & (tl.sum((same & (offs[None, :] > offs[:, None])).to(tl.int32), axis=1) == 0)
+    occ = tl.sum(same.to(tl.int32), axis=1)
+    missed = first & (rows < 0)
+    m = tl.sum(missed.to(tl.int32), axis=0)
+    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+    t0 = tl.load(tick_ptr)
+    old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
+    tl.debug_barrier()  # every thread has read the old counts before any is overwritten
+    tl.store(last_use_ptr + inst, t0 + offs, mask=last)  # the newest ticks: never an LRU victim
+    if LFU:
+        tl.store(count_ptr + inst, float("inf"), mask=first & hit)  # never an LFU victim
+    tl.debug_barrier()
+    if m > 0:
+        offs_c = tl.arange(0, CP)
+        okc = offs_c < C
+        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
+        cnt = tl.load(count_ptr + own, mask=okc, other=float("inf"))
+        for j in range(0, M):
+            if j < m:
+                if LFU:
+                    low = cnt == tl.min(cnt, axis=0)
+                    key = tl.where(low, lu, _INT64_MAX)
+                else:
+                    key = lu
+                s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
+                pick = offs_c == s
+                old = tl.sum(tl.where(pick, own, 0), axis=0)
+                lu = tl.where(pick, _INT64_MAX, lu)
+                cnt = tl.where(pick, float("inf"), cnt)
+                new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
+                tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
+                tl.store(row_map_ptr + new, s.to(tl.int32))
+                tl.store(owner_ptr + s, new)
+                tl.store(victims_ptr + j, s.to(tl.int64))
+                tl.store(new_ptr + j, new)
+    tl.store(count_ptr + inst, old_cnt + occ.to(tl.float64), mask=first)
+    tl.store(m_ptr, m.to(tl.int64))
+    tl.store(tick_ptr, t0 + n)
+    nhit = tl.sum(hit.to(tl.int64), axis=0)
+    tl.store(totals_ptr, tl.load(totals_ptr) + nhit)
+    tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + (n - nhit))
+    tl.store(totals_ptr + 2, tl.load(totals_ptr + 2) + m.to(tl.int64))
+    g = tl.load(groups_ptr)
+    h = history_ptr + (g % hist_cap) * 3
+    tl.store(h, nhit)
+    tl.store(h + 1, n - nhit)
+    tl.store(h + 2, m.to(tl.int64))
+    tl.store(groups_ptr, g + 1)
+
+
+def decide(cache, layer: int, ids: torch.Tensor) -> None:
+    """The decisions of :meth:`coldset.slots.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
+    group's selections in order) in one launch; writes ``cache.victims``, ``cache.admitted`` and
+    ``cache.num_misses`` for :func:`fill`."""
+    n = ids.numel()
+    cap = cache.capacity
+    cp = _next_pow2(cap)
+    _decide_kernel[(1,)](
+        ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
+        cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
+        cache.num_misses, cap,
+        E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
+        LFU=cache.policy == "lfu", num_warps=16 if cp >= 4096 else 8)
+
+
+@triton.jit
+def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_ptr, inst_ptr, count_ptr,
+                 BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    j = tl.program_id(0)
+    part = tl.program_id(1)
+    m = tl.load(count_ptr)
+    if j < m:
+        slot = tl.load(slots_ptr + j).to(tl.int64)
+        inst = tl.load(inst_ptr + j).to(tl.int64)
+        if tl.program_id(2) == 0:
+            src = src13_ptr + inst * row13
+            dst = dst13_ptr + slot * row13
+            row = row13
+        else:
+            src = src2_ptr + inst * row2
+            dst = dst2_ptr + slot * row2
+            row = row2
+        for start in range(part * BLOCK, row, SPLIT * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < row
+            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor) -> None:
+    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
+    device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
+    read in place)."""
+    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
+        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
+                             f"{tuple(slots.shape[1:])} {slots.dtype}")
+        if not (host.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("fill: host tier and slots must be contiguous")
+    _fill_kernel[(victims.numel(), SPLIT, 2)](
+        pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
+        pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, SPLIT=SPLIT, num_warps=4)

@@ -1,0 +1,317 @@
+"""The dynamic expert cache in the engine: one pool of slots in HBM shared by every MoE layer.
+
+A dynamic placement (``lru-0.5``, ``lfu-0.5``) keeps the data structures of a static one
+(DESIGN.md §3): the hot pool becomes ``C`` *slots*, the cold pool is the host tier that holds a
+copy of every expert (row ``layer * E + expert``, :class:`coldset.tiers.HostTier`), and the row map
+is the lookup table instance -> slot (``r >= 0``) or host row (``r < 0``). The experts kernel is
+unchanged: it loads the row map once per block, so a dynamic run is bitwise the unmodified path
+as long as every slot the row map names holds the expert it names.
+
+After each MoE layer's router has run, :meth:`SlotCache.admit` makes the cache's decisions for
+that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the simulator in
+:mod:`coldset.cache` implements the same rules on traces):
+
+- hits and misses per selection (an instance is resident iff its row-map entry is ``>= 0``);
+- victims: the resident instances *not used by this group* (the hazard guard: a slot the same
+  group still needs is never evicted; vLLM's expert-cache PR shipped without it and served wrong
+  weights silently), ``lru`` by least recent use, ``lfu`` by (use count, last use); the k-th
+  victim goes to the k-th missed instance in selection order;
+- the row-map update: an evicted instance's entry goes back to its host row (the host tier holds
+  every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
+  entry becomes its slot;
+- the fill: the admitted instance's weights are copied from the host tier into its slot. On CUDA
+  a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
+  and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
+  return at once); on the CPU a plain indexed copy.
+
+On CUDA the decisions of a group are one Triton launch and the fill another
+(:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
+are about thirty); on the CPU they are torch ops (the same decisions, which CI tests against the
+simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
+decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
+the decisions on the data of that step.
+
+Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
+nothing: the cache decides for decode steps, as the simulator replays decode tokens.
+
+Warm start: the slots initially hold the static ``usage_global`` set of the same size (the
+``usage_global`` placement's row map at that residency: slot ``r`` = its hot row ``r``), with the
+recency order "profile count ascending, ties by instance id", so the least-used warm instance is
+evicted first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from coldset.placement import DYNAMIC_POLICIES
+from coldset.tiers import ExpertPools, HostTier
+
+_NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
+
+
+KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
+
+
+class CacheCapacityError(ValueError):
+    """The pool has fewer slots than one step's selections can need."""
+
+
+def warm_order(warm_instances: np.ndarray, warm_counts: np.ndarray) -> np.ndarray:
+    """The warm instances in eviction order: profile count ascending, ties by instance id ascending."""
+    warm_instances = np.asarray(warm_instances, dtype=np.int64)
+    order = np.lexsort((warm_instances, np.asarray(warm_counts, dtype=np.float64)))
+    return warm_instances[order]
+
+
+@dataclass
+class SlotCache:
+    """The slot pool, its device-side state and the decisions of one policy (see the module doc).
+
+    ``pools`` is what the experts kernel reads: ``w13_hot``/``w2_hot`` are the ``C`` slots on the
+    compute device, ``w13_cold``/``w2_cold`` the host tier (every expert), ``row_map`` int32
+    ``[L, E]``. State on the device: ``owner`` int64 ``[C]`` (the instance each slot holds),
+    ``last_use`` int64 ``[L*E]`` (tick of each instance's last access), ``count`` float64
+    ``[L*E]`` (profile count at warm start for warm instances + accesses since), ``tick`` int64
+    ``[1]`` (selections seen). ``totals`` int64 ``[3]`` counts (hits, missed selections, fills =
+    distinct missed instances copied over the link) since :meth:`reset_counters`; ``history``
+    int64 ``[capacity, 3]`` holds the same per group (ring buffer, ``groups`` groups so far).
+    """
+
+    pools: ExpertPools
+    policy: str
+    max_tokens: int
+    top_k: int
+    owner: torch.Tensor
+    last_use: torch.Tensor
+    count: torch.Tensor
+    tick: torch.Tensor
+    totals: torch.Tensor
+    history: torch.Tensor
+    groups: torch.Tensor
+    # (row_map, owner, last_use, count) of the warm state, for reset()
+    warm_state: tuple[torch.Tensor, ...] | None = None
+    # The Triton path's outputs for the fill (CUDA): victims, admitted instances, their number.
+    victims: torch.Tensor | None = None
+    admitted: torch.Tensor | None = None
+    num_misses: torch.Tensor | None = None
+    use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
+
+    @classmethod
+    def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
+              policy: str, max_tokens: int, top_k: int, history: int = 4096) -> "SlotCache":
+        """A cache whose slots hold the warm set of ``warm_row_map`` (DESIGN.md §3 placement
+        encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
+        unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
+        the warm instances, one per slot (hot row) in slot order. ``max_tokens``: the decode
+        batch size (tokens per step) the cache decides for; ``C >= top_k * max_tokens`` is
+        required, else one step could need more slots than exist.
+        """
+        if policy not in DYNAMIC_POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(DYNAMIC_POLICIES)}")
+        pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
+        L, E = pools.num_moe_layers, pools.num_experts
+        capacity = pools.num_hot
+        need = int(top_k) * int(max_tokens)
+        if capacity < need:
+            raise CacheCapacityError(
+                f"cache of {capacity} slots ({capacity / (L * E):.3f} of {L * E} experts) is smaller than one "
+                f"step's {need} selections (top_k {top_k} x {max_tokens} tokens): raise the residency or "
+                f"lower the batch size")
+        warm_counts = np.asarray(warm_counts, dtype=np.float64)
+        if warm_counts.shape != (capacity,):
+            raise ValueError(f"warm_counts: one count per slot expected ({capacity}), got shape {warm_counts.shape}")
+        rm = np.asarray(warm_row_map)
+        flat = rm.reshape(-1)
+        owner = np.empty(capacity, dtype=np.int64)
+        hot = np.flatnonzero(flat >= 0)
+        owner[flat[hot]] = hot  # slot r holds instance owner[r]
+        last_use = np.full(L * E, _NEVER, dtype=np.int64)
+        last_use[warm_order(owner, warm_counts)] = np.arange(-capacity, 0, dtype=np.int64)
+        count = np.zeros(L * E, dtype=np.float64)
+        count[owner] = warm_counts
+        dev = pools.row_map.device
+        warm = (pools.row_map.clone(), torch.as_tensor(owner, device=dev), torch.as_tensor(last_use, device=dev),
+                torch.as_tensor(count, device=dev))
+        return cls(
+            pools=pools, policy=policy, max_tokens=int(max_tokens), top_k=int(top_k),
+            owner=warm[1].clone(), last_use=warm[2].clone(), count=warm[3].clone(),
+            tick=torch.zeros(1, dtype=torch.int64, device=dev),
+            totals=torch.zeros(3, dtype=torch.int64, device=dev),
+            history=torch.zeros((history, 3), dtype=torch.int64, device=dev),
+            groups=torch.zeros(1, dtype=torch.int64, device=dev),
+            warm_state=warm,
+            victims=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
+            admitted=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
+            num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
+            # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
+            # Larger pools run the same decisions as torch ops (slower, same results).
+            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
+        )
+
+    def reset(self) -> None:
+        """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every
+        slot refilled from the host tier, in place: a captured graph stays valid. For runs that
+        must start warm after warm-up steps (a CUDA graph's capture runs the step)."""
+        row_map, owner, last_use, count = self.warm_state
+        pools = self.pools
+        pools.row_map.copy_(row_map)
+        pools.validated_version = pools.row_map._version  # the warm map, validated at build
+        self.owner.copy_(owner)
+        self.last_use.copy_(last_use)
+        self.count.copy_(count)
+        self.tick.zero_()
+        self.reset_counters()
+        slots = torch.arange(self.capacity, device=owner.device)
+        self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
+                   torch.full((1,), self.capacity, dtype=torch.int64, device=owner.device))
+
+    @classmethod
+    def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
+                       top_k: int) -> "SlotCache":
+        """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
+        map and warm counts, its policy."""
+        if not placement.dynamic:
+            raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
+        return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
+                         max_tokens, top_k)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.owner.shape[0])
+
+    def reset_counters(self) -> None:
+        """Zero the hit/miss/fill counters and the per-group history (the cache's contents stay)."""
+        self.totals.zero_()
+        self.history.zero_()
+        self.groups.zero_()
+
+    def counters(self) -> dict[str, int]:
+        """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync)."""
+        hits, misses, fills = (int(v) for v in self.totals.tolist())
+        return {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
+
+    def group_history(self) -> np.ndarray:
+        """int64 ``[groups, 3]``: (hits, missed selections, fills) of each group, in order (a host sync)."""
+        n = int(self.groups)
+        cap = self.history.shape[0]
+        if n > cap:
+            raise ValueError(f"the cache kept the last {cap} groups' history, {n} ran: build it with history >= {n}")
+        return self.history[:n].cpu().numpy()
+
+    def wrap(self, experts_fn):
+        """An experts function (model.experts_fn contract) that first runs :meth:`admit` for the
+        layer's group, then ``experts_fn`` over this cache's pools (whatever pools it is given)."""
+        cache = self
+
+        def cached(_pools, layer, x, topk_ids, topk_weights):
+            cache.admit(layer, topk_ids)
+            return experts_fn(cache.pools, layer, x, topk_ids, topk_weights)
+
+        return cached
+
+    # ---------------------------------------------------------------------------- decisions
+    def _victim_order(self, in_group: torch.Tensor) -> torch.Tensor:
+        """Slots in eviction order (first = first victim); slots used by the group come last."""
+        last = self.last_use[self.owner].masked_fill(in_group, torch.iinfo(torch.int64).max)
+        order = torch.argsort(last, stable=True)  # lru; ticks are unique, so no ties
+        if self.policy == "lfu":  # lexicographic (count, last_use): stable sort on count of the lru order
+            cnt = self.count[self.owner].masked_fill(in_group, float("inf"))[order]
+            order = order[torch.argsort(cnt, stable=True)]
+        return order
+
+    def admit(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """The cache's decisions for MoE layer ``layer``'s group ``topk_ids`` ``[T, k]`` (see the
+        module doc), then the fill of the admitted instances' slots. A no-op for ``T >
+        max_tokens`` (prefill)."""
+        if topk_ids.shape[0] > self.max_tokens:
+            return
+        if self.use_kernel:
+            from coldset.kernels.triton_slots import decide, fill
+
+            decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
+            fill(self.pools, self.victims, self.admitted, self.num_misses)
+            return
+        pools = self.pools
+        E = pools.num_experts
+        dev = topk_ids.device
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        n = ids.numel()
+        base = layer * E
+        inst = ids + base
+        rm = pools.row_map.view(-1)
+        hit = rm[inst] >= 0
+        # First occurrence of each expert in selection order (n = not selected).
+        pos = torch.arange(n, dtype=torch.int64, device=dev)
+        first = torch.full((E,), n, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")
+        used = first < n
+        missed = used & (rm[base:base + E] < 0)
+        m = missed.sum()
+        slots_max = min(n, E)
+        # Missed experts in selection order, then the rest (never written: masked by j < m).
+        new_e = torch.argsort(torch.where(missed, first, n), stable=True)[:slots_max]
+        new_inst = new_e + base
+        owner = self.owner
+        in_group = (owner // E == layer) & used[owner % E]
+        victims = self._victim_order(in_group)[:slots_max]
+        valid = torch.arange(slots_max, device=dev) < m
+        old_inst = owner[victims]
+        # Evictions first (distinct instances), then admissions read back after them (distinct
+        # experts), so a masked-out write can never undo a real one.
+        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
+        rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
+        owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
+        # Written by the cache's own decisions, which keep the map a bijection onto C slots and
+        # the host rows: a re-validation would be a host sync inside the step (see check()).
+        pools.validated_version = pools.row_map._version
+        self._fill(victims, new_inst, valid, m)
+        # Recency and frequency of every selection, then the counters.
+        self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
+        self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
+        self.tick.add_(n)
+        hits = hit.sum()
+        row = torch.stack([hits, n - hits, m])
+        self.totals.add_(row)
+        self.history.index_copy_(0, self.groups % self.history.shape[0], row[None])
+        self.groups.add_(1)
+
+    def _fill(self, victims, new_inst, valid, m) -> None:
+        pools = self.pools
+        if pools.w13_hot.is_cuda:
+            from coldset.kernels.triton_slots import fill
+
+            fill(pools, victims, new_inst, m)
+            return
+        slots, inst = victims[valid], new_inst[valid]
+        pools.w13_hot[slots] = pools.w13_cold[inst]
+        pools.w2_hot[slots] = pools.w2_cold[inst]
+
+    # ---------------------------------------------------------------------------- checks
+    def check(self, contents: bool = False) -> None:
+        """Refuse (naming the first problem) a state in which the row map and the slot owners
+        disagree: every slot's owner maps to that slot, every other instance to its host row; with
+        ``contents``, also every slot's weights must equal its owner's host row. Outside the step
+        (a host sync); tests and the parity stage call it after decoding."""
+        pools = self.pools
+        pools.validate()
+        rm = pools.row_map.view(-1).cpu().numpy().astype(np.int64)
+        owner = self.owner.cpu().numpy()
+        n = rm.size
+        expect = -np.arange(n, dtype=np.int64) - 1
+        expect[owner] = np.arange(self.capacity)
+        bad = np.flatnonzero(rm != expect)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"slot cache: row map entry of instance {i} (layer {i // pools.num_experts}, expert "
+                             f"{i % pools.num_experts}) is {rm[i]}, the slot owners say {expect[i]}")
+        if contents:  # compared on the slots' device, one host row at a time
+            dev = pools.w13_hot.device
+            for s in range(self.capacity):
+                o = int(owner[s])
+                if not (torch.equal(pools.w13_hot[s], pools.w13_cold[o].to(dev))
+                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev))):
+                    raise ValueError(f"slot cache: slot {s} does not hold the weights of its owner, instance {o} "
+                                     f"(layer {o // pools.num_experts}, expert {o % pools.num_experts})")

@@ -1,0 +1,302 @@
+"""The engine's slot cache (coldset.slots) against the trace simulator (coldset.cache) and a
+brute-force reference of the cache semantics (/work/coord/CACHE_SEMANTICS.md), and its parity with
+the unmodified path."""
+
+import numpy as np
+import pytest
+import torch
+
+from coldset import gate
+from coldset.cache import AccessStream, simulate
+from coldset.model import generate, load_model
+from coldset.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+from coldset.slots import CacheCapacityError, SlotCache
+from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.tiers import ExpertPools, host_tier
+
+
+def reference_cache(groups, num_experts, warm, warm_counts, policy):
+    """Brute force of the semantics: ``groups`` = [(layer, [expert, ...] in selection order)],
+    ``warm`` = instance per slot. Returns per group (hits, missed selections, fills) and per group
+    the list of (slot, admitted instance)."""
+    slot_of = {inst: s for s, inst in enumerate(warm)}
+    ranked = sorted(range(len(warm)), key=lambda s: (warm_counts[s], warm[s]))
+    last_use = {warm[s]: i - len(warm) for i, s in enumerate(ranked)}
+    count = {warm[s]: float(warm_counts[s]) for s in range(len(warm))}
+    tick, out, fills = 0, [], []
+    for layer, experts in groups:
+        insts = [layer * num_experts + e for e in experts]
+        hits = sum(i in slot_of for i in insts)
+        missed = []
+        for i in insts:
+            if i not in slot_of and i not in missed:
+                missed.append(i)
+        group = set(insts)
+        candidates = [r for r in slot_of if r not in group]
+        if policy == "lru":
+            candidates.sort(key=lambda r: last_use[r])
+        else:
+            candidates.sort(key=lambda r: (count.get(r, 0.0), last_use[r]))
+        assert len(candidates) >= len(missed)
+        step_fills = []
+        for i, victim in zip(missed, candidates):
+            s = slot_of.pop(victim)
+            slot_of[i] = s
+            step_fills.append((s, i))
+        for t, i in enumerate(insts):
+            last_use[i] = tick + t
+            count[i] = count.get(i, 0.0) + 1
+        tick += len(insts)
+        out.append((hits, len(insts) - hits, len(missed)))
+        fills.append(step_fills)
+    return np.array(out, dtype=np.int64).reshape(-1, 3), fills
+
+
+def simulator_history(groups, num_layers, num_experts, counts, capacity, policy, tokens):
+    """Per-group (hits, misses, fills) of coldset.cache.simulate on the same groups, warm from
+    the same profile counts."""
+    ids = np.array([layer * num_experts + e for layer, ex in groups for e in ex], dtype=np.int64)
+    ptr = np.cumsum([0] + [len(ex) for _, ex in groups])
+    res = simulate(AccessStream(ids, ptr, tokens, num_layers, num_experts), policy, capacity, counts)
+    return np.stack([res.hits, res.misses, res.fills], axis=1)
+
+
+def _random_pools(L, E, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn((L, E, 8, 4), generator=g, dtype=dtype)
+    w2 = torch.randn((L, E, 4, 4), generator=g, dtype=dtype)
+    return ExpertPools.all_hot(w13, w2)
+
+
+def _warm(counts, capacity):
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, capacity))
+    flat = row_map.reshape(-1)
+    owner = np.empty(capacity, dtype=np.int64)
+    hot = np.flatnonzero(flat >= 0)
+    owner[flat[hot]] = hot
+    return row_map, owner, counts.reshape(-1)[owner]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decisions_equal_the_brute_force_reference(policy, tokens):
+    L, E, k = 3, 8, 2
+    C = 7 if tokens == 1 else 13
+    rng = np.random.default_rng(tokens)
+    counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)  # ties on purpose
+    all_hot = _random_pools(L, E)
+    row_map, owner, warm_counts = _warm(counts, C)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, warm_counts, policy, max_tokens=tokens, top_k=k)
+    groups = []
+    for step in range(40):
+        for layer in range(L):
+            # skewed draws with repeats across tokens of a step (duplicates inside a group)
+            ids = np.stack([rng.choice(E, size=k, replace=False, p=np.r_[[0.3, 0.2], [0.5 / (E - 2)] * (E - 2)])
+                            for _ in range(tokens)])
+            groups.append((layer, ids.reshape(-1).tolist()))
+            cache.admit(layer, torch.as_tensor(ids))
+            cache.check(contents=True)
+    want, fills = reference_cache(groups, E, owner.tolist(), warm_counts.tolist(), policy)
+    got = cache.group_history()
+    assert got.shape == want.shape == (len(groups), 3)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, simulator_history(groups, L, E, counts, C, policy, 40 * tokens))
+    assert want[:, 2].sum() > 10 and want[:, 0].sum() > 10  # the stream exercised both
+    assert cache.counters() == {"hits": int(want[:, 0].sum()), "misses": int(want[:, 1].sum()),
+                                "fills": int(want[:, 2].sum()), "groups": len(groups)}
+    # reset: the warm state again, and the same stream gives the same history
+    cache.reset()
+    cache.check(contents=True)
+    for layer, ids in groups:
+        cache.admit(layer, torch.as_tensor(ids).view(tokens, k))
+    np.testing.assert_array_equal(cache.group_history(), want)
+
+
+def test_prefill_groups_change_nothing_and_capacity_is_checked():
+    L, E, k = 2, 8, 2
+    all_hot = _random_pools(L, E)
+    counts = np.arange(L * E, dtype=np.float64).reshape(L, E)
+    row_map, owner, wc = _warm(counts, 4)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lru", max_tokens=2, top_k=k)
+    before = cache.pools.row_map.clone()
+    cache.admit(0, torch.tensor([[0, 1], [2, 3], [4, 5]]))  # 3 tokens > max_tokens: prefill
+    assert torch.equal(cache.pools.row_map, before) and cache.counters()["groups"] == 0
+    with pytest.raises(CacheCapacityError, match="4 slots.*top_k 2 x 3 tokens"):
+        SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lru", max_tokens=3, top_k=k)
+
+
+SPEC = SyntheticSpec(layers=4, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
+                     head_dim=32, vocab_size=512, seed=3, expert_gain=2.0, lm_successor_gain=1.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_synthetic_checkpoint(SPEC, tmp_path_factory.mktemp("slots") / "ckpt")
+    return load_model(path)
+
+
+def _prompts(vocab, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _engine_cache(engine, policy, residency, max_tokens):
+    cfg = engine.config
+    L, E = cfg.num_moe_layers, cfg.num_experts
+    counts = np.random.default_rng(7).integers(0, 20, size=(L, E)).astype(np.float64)
+    C = hot_count_for_residency(residency, L * E)
+    row_map, owner, wc = _warm(counts, C)
+    cache = SlotCache.build(engine.pools, host_tier(engine.pools), row_map, wc, policy, max_tokens, cfg.top_k)
+    cache.profile_counts = counts  # for the simulator's warm start (test only)
+    return cache, owner, wc
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
+    """Batch 1, requests in order: the engine's per-(token, layer) counts are the simulator's (and
+    the brute-force reference's) on the routing the engine itself recorded; its logits are bitwise
+    the unmodified path's; and the run contains a token in which a slot is evicted and refilled
+    again."""
+    prompts = _prompts(engine.config.vocab_size)
+    cache, owner, wc = _engine_cache(engine, policy, 0.125, 1)
+    ref_fn, rowmap_fn, _ = gate.experts_functions(engine.device)
+    groups, logits, ref_logits = [], [], []
+    saved = engine.pools, engine.experts_fn
+    try:
+        for p in prompts:
+            engine.pools, engine.experts_fn = cache.pools, cache.wrap(rowmap_fn)
+            gen = generate(engine, [p], 12, capture_routing=True, progress=False, return_all_logits=True)
+            logits.append(gen.all_logits)
+            r = gen.routing[0]
+            for tok in r.experts[r.num_prompt_tokens:].numpy():
+                groups.extend((layer, tok[layer].astype(int).tolist()) for layer in range(len(tok)))
+            engine.pools, engine.experts_fn = saved[0], ref_fn
+            ref_logits.append(generate(engine, [p], 12, progress=False, return_all_logits=True).all_logits)
+    finally:
+        engine.pools, engine.experts_fn = saved
+    cfg = engine.config
+    want, fills = reference_cache(groups, cfg.num_experts, owner.tolist(), wc.tolist(), policy)
+    got = cache.group_history()
+    np.testing.assert_array_equal(got, want)
+    sim = simulator_history(groups, cfg.num_moe_layers, cfg.num_experts, cache.profile_counts, cache.capacity,
+                            policy, len(groups) // cfg.num_moe_layers)
+    np.testing.assert_array_equal(got, sim)
+    cache.check(contents=True)
+    for a, b in zip(logits, ref_logits):
+        assert torch.equal(a, b)
+    L = engine.config.num_moe_layers
+    refilled = [t for t in range(len(fills) // L)
+                if any(len([1 for f in fills[t * L:(t + 1) * L] for s, _ in f if s == slot]) > 1
+                       for slot in range(cache.capacity))]
+    assert refilled, "no token evicted and refilled a slot twice: the test lost its point"
+    assert want[:, 2].sum() > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_dynamic_placement_passes_the_gate_at_batch_2(engine, policy):
+    prompts = _prompts(engine.config.vocab_size, n=4, seed=1)
+    ids = [f"p{i}" for i in range(len(prompts))]
+    reference = gate.reference_decode(engine, prompts, 12, batch_size=2, progress=False)
+    cache, _, _ = _engine_cache(engine, policy, 0.125, 2)
+    got = gate.placement_decode(engine, cache.pools, prompts, 12, batch_size=2, progress=False, cache=cache)
+    result = gate.compare(f"{policy}-0.25", ids, reference, got, cache.pools, engine)
+    assert result.passed and result.tokens_matched == result.tokens_total
+    assert cache.counters()["fills"] > 0
+    cache.check(contents=True)
+
+
+def test_a_corrupted_slot_fails_the_gate(engine):
+    prompts = _prompts(engine.config.vocab_size, n=2, seed=2)
+    ids = ["a", "b"]
+    reference = gate.reference_decode(engine, prompts, 12, batch_size=1, progress=False)
+    cache, _, _ = _engine_cache(engine, "lru", 0.5, 1)
+    # A warm slot whose instance the first token uses: its weights scaled (wrong weights, valid map).
+    routing = generate(engine, prompts[:1], 2, capture_routing=True, progress=False).routing[0]
+    layer, expert = 0, int(routing.experts[routing.num_prompt_tokens - 1, 0, 0])
+    rm = cache.pools.row_map
+    if int(rm[layer, expert]) < 0:
+        expert = next(e for e in range(engine.config.num_experts) if int(rm[layer, e]) >= 0)
+    cache.pools.w13_hot[int(rm[layer, expert])] *= 1.5
+    got = gate.placement_decode(engine, cache.pools, prompts, 12, batch_size=1, progress=False, cache=cache)
+    result = gate.compare("lru-0.5", ids, reference, got, cache.pools, engine)
+    assert not result.passed and not result.logits_bitwise_equal
+
+
+def test_a_stale_fill_fails_the_gate(engine, monkeypatch):
+    """A fill that never lands (the slot keeps its victim's weights) must be caught."""
+    prompts = _prompts(engine.config.vocab_size, n=2, seed=3)
+    ids = ["a", "b"]
+    reference = gate.reference_decode(engine, prompts, 12, batch_size=1, progress=False)
+    cache, _, _ = _engine_cache(engine, "lru", 0.25, 1)
+    monkeypatch.setattr(SlotCache, "_fill", lambda self, *a: None)
+    got = gate.placement_decode(engine, cache.pools, prompts, 12, batch_size=1, progress=False, cache=cache)
+    assert cache.counters()["fills"] > 0
+    result = gate.compare("lru-0.25", ids, reference, got, cache.pools, engine)
+    assert not result.passed
+    with pytest.raises(ValueError, match="does not hold the weights"):
+        cache.check(contents=True)
+
+
+def test_dynamic_placement_file_is_the_warm_state(tmp_path):
+    """lru-0.5 on disk: usage_global-0.5's row map plus each slot's profile count; the cache built
+    from it evicts the least-used warm instance first."""
+    import pandas as pd
+
+    from coldset.placement import load_placement, place, save_placement
+
+    from coldset.model import ModelConfig
+
+    shape = ModelConfig.from_dict({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+
+    counts = {(0, 0): 5, (0, 1): 1, (0, 2): 7, (0, 3): 0, (1, 0): 2, (1, 1): 9, (1, 2): 3, (1, 3): 4}
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": c} for (layer, e), c in counts.items()])
+    lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
+    ug = place(hist, shape, "usage_global", 0.5, batch_sizes=(1,))
+    assert np.array_equal(lru.row_map, ug.row_map) and lru.predictions == []
+    save_placement(lru, tmp_path / "lru-0.5.json")
+    back = load_placement(tmp_path / "lru-0.5.json")
+    hot = [(layer, e) for layer in range(2) for e in range(4) if back.row_map[layer, e] >= 0]
+    assert sorted(back.cache_warm_counts.tolist()) == sorted(counts[h] for h in hot) == [4, 5, 7, 9]
+    for layer, e in hot:
+        assert back.cache_warm_counts[back.row_map[layer, e]] == counts[(layer, e)]
+    w13 = torch.randn((2, 4, 4, 4))
+    all_hot = ExpertPools.all_hot(w13, torch.randn((2, 4, 4, 2)))
+    cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, max_tokens=1, top_k=1)
+    cache.admit(0, torch.tensor([[1]]))  # a miss: the victim is (1, 3), count 4, the least used
+    assert int(cache.pools.row_map[1, 3]) < 0 and int(cache.pools.row_map[0, 1]) >= 0
+    cache.check(contents=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_triton_decisions_equal_the_torch_path(policy):
+    """On CUDA the decisions are one Triton launch and the fill another: the same state after every
+    group as the torch path (with duplicates inside groups), and the slots hold their owners."""
+    L, E, k, tokens, C = 3, 8, 2, 3, 13
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
+    all_hot = _random_pools(L, E, dtype=torch.bfloat16)
+    all_hot = ExpertPools.all_hot(all_hot.w13_hot.view(L, E, 8, 4).cuda(), all_hot.w2_hot.view(L, E, 4, 4).cuda())
+    row_map, _, wc = _warm(counts, C)
+    host = host_tier(all_hot)
+    a = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
+    b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
+    a.use_kernel = False
+    assert b.use_kernel
+    for _ in range(30):
+        for layer in range(L):
+            ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])).cuda()
+            a.admit(layer, ids)
+            b.admit(layer, ids)
+            for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert torch.equal(a.pools.row_map, b.pools.row_map)
+    np.testing.assert_array_equal(a.group_history(), b.group_history())
+    assert a.counters()["fills"] > 20
+    b.check(contents=True)
