@@ -443,7 +443,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     require_decoding(config, "parity")
     from coldset import gate
     from coldset.fixtures import read_fixtures
-    from coldset.model import encode_prompts
+    from coldset.model import check_prompts_fit, encode_prompts
     from coldset.placement import load_placement
 
     layout = Layout.from_config(config)
@@ -462,6 +462,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     engine, tokenizer = _load_engine(config)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
+    check_prompts_fit(engine.config, ids, prompts, pc["max_new_tokens"])
     batch = config["routing"]["batch_size"]
     tuned = _tuned(config)
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)

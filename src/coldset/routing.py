@@ -669,6 +669,8 @@ def capture_routing_engine(model, tokenizer, fixtures_paths: Sequence[str | os.P
         if not ids:
             raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")
         groups.setdefault(max_new_tokens or fx.max_new_tokens, []).append((fx, ids))
+    for n_new, items in groups.items():  # before any decode: an over-long prompt is named by its id
+        engine.check_prompts_fit(model.config, [fx.id for fx, _ in items], [ids for _, ids in items], n_new)
     with TraceWriter(out_path, meta, with_weight=True, with_split=True) as w:
         bar = _progress(len(fixtures), "capture routing", progress)
         for n_new, items in groups.items():
