@@ -404,7 +404,8 @@ def stats(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     run_stats(layout.trace, layout.stats_dir, heldout_fraction=config["stats"]["heldout_fraction"],
-              locality_seed=config["stats"]["locality_seed"])
+              locality_seed=config["stats"]["locality_seed"],
+              max_pairwise_domains=config["stats"]["max_pairwise_domains"])
 
 
 def placement(config: dict, **_) -> None:
