@@ -304,3 +304,35 @@ def test_fixed_shape_decode_step_matches_generate(tiny_hf_checkpoint):
         step = model(nxt[:, None], slot - pad[:, None], slots[slot:slot + 1], full_mask)[:, -1]
         assert (step.float() - ref.all_logits[:, t]).abs().max().item() < 1e-5
         nxt = step.argmax(-1)
+
+
+# issue 16: errors name their culprit (the file and field, the fixture id)
+@pytest.mark.parametrize("change, msg", [
+    ({"hidden_size": "abc"}, r"config.json: field 'hidden_size' must be an integer, got 'abc'"),
+    ({"num_attention_heads": 0}, r"config.json: field 'num_attention_heads' must be at least 1, got 0"),
+    ({"num_experts_per_tok": 99}, r"config.json: field 'num_experts_per_tok' is 99, more than the \d+ routed experts"),
+])
+def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
+    import json as _json
+
+    from coldset.model import ModelConfig, ModelLoadError
+
+    raw = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+           "num_experts": 8, "moe_intermediate_size": 32, "vocab_size": 512, "num_experts_per_tok": 2,
+           "num_key_value_heads": 1, "head_dim": 32}
+    (tmp_path / "config.json").write_text(_json.dumps({**raw, **change}))
+    with pytest.raises(ModelLoadError, match=msg):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(_json.dumps(raw))
+    assert ModelConfig.from_pretrained(tmp_path).top_k == 2
+
+
+def test_over_long_prompt_is_named_by_its_id():
+    from coldset.model import ModelConfig, check_prompts_fit
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2,
+                                 "num_hidden_layers": 2, "num_experts": 8, "moe_intermediate_size": 32,
+                                 "vocab_size": 512, "num_experts_per_tok": 2, "max_position_embeddings": 16})
+    check_prompts_fit(cfg, ["a", "b"], [[1] * 8, [1] * 12], 4)
+    with pytest.raises(ValueError, match=r"prompt 'code-0007' has 13 tokens: with 4 new tokens it passes"):
+        check_prompts_fit(cfg, ["a", "code-0007"], [[1] * 8, [1] * 13], 4)

@@ -419,3 +419,25 @@ def test_trace_validator_refuses_each_bad_column(tmp_path, column, value, messag
         histogram_from_trace(bad, progress=False)
     with pytest.raises(TraceError, match=message):
         write_trace(tmp_path / "w.parquet", META, pa.table(cols))
+def test_pairwise_tables_are_bounded_to_the_most_selected_domains():
+    """Issue 16: pairwise tables grew with the square of the domains (300 domains: a 72 MB
+    skew.json). They keep the most selected domains; their values equal the unbounded ones."""
+    meta = TraceMeta("toy", 3, 4, 1, [0, 2], "test")
+    rng = np.random.default_rng(0)
+    counts = {}
+    for i in range(9):  # domain d{i} has about (i + 1) * 40 selections per split
+        for split in ("profile", "heldout"):
+            counts[(f"d{i}", split, "decode")] = rng.multinomial((i + 1) * 40, [0.4, 0.3, 0.2, 0.1], size=2).tolist()
+    h = _hist_frame(counts)
+    full = skew_stats(h, meta, xs=(25,), max_pairwise_domains=100)
+    small = skew_stats(h, meta, xs=(25,), max_pairwise_domains=3)
+    assert small["pairwise_domains"] == ["d6", "d7", "d8"] and len(full["pairwise_domains"]) == 9
+    assert len(small["phases"]["decode"]["spearman_between_domains"]) == 3
+    assert len(full["phases"]["decode"]["spearman_between_domains"]) == 36
+    kept = {(p["a"], p["b"]): p["mean"] for p in small["phases"]["decode"]["spearman_between_domains"]}
+    assert kept == {(p["a"], p["b"]): p["mean"] for p in full["phases"]["decode"]["spearman_between_domains"]
+                    if (p["a"], p["b"]) in kept}
+    assert set(small["coverage"]["25"]) == {"d6", "d7", "d8", ALL}
+    assert small["coverage"]["25"]["d6"] == {k: full["coverage"]["25"]["d6"][k] for k in ("d6", "d7", "d8", ALL)}
+    assert set(small["phases"]["decode"]["domains"]) == {f"d{i}" for i in range(9)} | {ALL}  # per domain: all
+    assert len(coverage_table(h, meta, xs=(25,), max_domains=3)) == 4 * 4

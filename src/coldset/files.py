@@ -3,26 +3,66 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def share_mode(path: str | os.PathLike) -> None:
+    """Give a finished temporary file (or folder) the mode a plain ``open`` (``mkdir``) would have
+    under the process's umask: ``mkstemp`` makes 0600 and ``mkdtemp`` 0700, but results are meant
+    to be shared as the user's umask says (0644 / 0755 under umask 022)."""
+    base = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, base & ~_umask())
+
+
+def remove_orphans(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary siblings of ``path`` that a killed writer of ``path`` left behind.
+
+    Writers here name their temporaries after the target (``.{name}.*.tmp``, ``{name}.*.tmp``,
+    folders ``.{name}.tmp-*`` and ``.{name}.old-*``), so the next run of the stage that writes
+    ``path`` cleans up after an earlier one that died; other files are never touched.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    name = glob.escape(path.name)
+    found = set()
+    for pattern in (f".{name}.*.tmp", f"{name}.*.tmp", f".{name}.tmp-*", f".{name}.old-*"):
+        found.update(path.parent.glob(pattern))
+    for orphan in sorted(found):
+        if orphan.is_dir() and not orphan.is_symlink():
+            shutil.rmtree(orphan, ignore_errors=True)
+        else:
+            orphan.unlink(missing_ok=True)
+    return sorted(found)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; on success it replaces ``path``, on error it is removed."""
+    """Yield a temporary sibling of ``path``; on success it replaces ``path``, on error it is removed.
+
+    Orphans of an earlier, killed write of ``path`` are removed first (:func:`remove_orphans`);
+    the result gets the umask's mode (:func:`share_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
+        share_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

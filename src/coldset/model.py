@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,16 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: missing field {' or '.join(repr(n) for n in names)}")
             return default
 
+        def need_int(*names, default=..., minimum=1):
+            """An integer field, at least ``minimum``; errors name the file and the field."""
+            value = need(*names, default=default)
+            name = next((n for n in names if raw.get(n) is not None), names[0])
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise ModelLoadError(f"{source}: field {name!r} must be an integer, got {value!r}")
+            if int(value) < minimum:
+                raise ModelLoadError(f"{source}: field {name!r} must be at least {minimum}, got {value!r}")
+            return int(value)
+
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
@@ -123,13 +133,13 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
-        hidden = int(need("hidden_size"))
-        num_heads = int(need("num_attention_heads"))
-        num_layers = int(need("num_hidden_layers"))
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        hidden = need_int("hidden_size")
+        num_heads = need_int("num_attention_heads")
+        num_layers = need_int("num_hidden_layers")
+        head_dim = need_int("head_dim", default=hidden // num_heads)
 
         if model_type == "qwen3_moe":
-            num_experts = int(need("num_experts", "num_local_experts"))
+            num_experts = need_int("num_experts", "num_local_experts", minimum=0)
             step = int(raw.get("decoder_sparse_step") or 1)
             mlp_only = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(
@@ -139,32 +149,36 @@ class ModelConfig:
             )
             norm_topk = bool(raw.get("norm_topk_prob", False))
             qk_norm = True
-            moe_inter = int(need("moe_intermediate_size"))
+            moe_inter = need_int("moe_intermediate_size")
             inter = int(raw.get("intermediate_size") or 0)
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
             if sliding is not None:
                 raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for qwen3_moe")
         else:  # mixtral
-            num_experts = int(need("num_local_experts", "num_experts"))
+            num_experts = need_int("num_local_experts", "num_experts", minimum=0)
             moe_layers = tuple(range(num_layers))
             norm_topk = True  # mixtral renormalises the top-k probabilities, always
             qk_norm = False
-            moe_inter = int(need("intermediate_size"))
+            moe_inter = need_int("intermediate_size")
             inter = moe_inter
             sliding = raw.get("sliding_window")
         if num_experts <= 0 or not moe_layers:
             raise ModelLoadError(f"{source}: the model has no MoE layers")
+        top_k = need_int("num_experts_per_tok")
+        if top_k > num_experts:  # the model's own file is wrong, not any trace read against it
+            raise ModelLoadError(f"{source}: field 'num_experts_per_tok' is {top_k}, more than the "
+                                 f"{num_experts} routed experts per layer")
 
         return cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need_int("vocab_size"),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(need("num_key_value_heads", default=num_heads)),
+            num_kv_heads=need_int("num_key_value_heads", default=num_heads),
             head_dim=head_dim,
             num_experts=num_experts,
-            top_k=int(need("num_experts_per_tok")),
+            top_k=top_k,
             moe_intermediate_size=moe_inter,
             intermediate_size=inter,
             moe_layers=moe_layers,
@@ -700,6 +714,20 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 @torch.inference_mode()
+def check_prompts_fit(cfg: ModelConfig, ids: Sequence[str], prompts: Sequence[Sequence[int]],
+                      max_new_tokens: int) -> None:
+    """Refuse, naming the fixture id, a prompt that with ``max_new_tokens`` new tokens would pass
+    the model's ``max_position_embeddings`` (checked by the stages before any decode, where the
+    ids are known; :func:`generate` knows only positions in its batch)."""
+    limit = cfg.max_position_embeddings
+    if limit is None:
+        return
+    for fid, p in zip(ids, prompts):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {fid!r} has {len(p)} tokens: with {max_new_tokens} new tokens it passes the "
+                             f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
+
+
 def generate(
     model: MoEModel,
     prompts: list[list[int]],

@@ -404,7 +404,8 @@ def stats(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     run_stats(layout.trace, layout.stats_dir, heldout_fraction=config["stats"]["heldout_fraction"],
-              locality_seed=config["stats"]["locality_seed"])
+              locality_seed=config["stats"]["locality_seed"],
+              max_pairwise_domains=config["stats"]["max_pairwise_domains"])
 
 
 def placement(config: dict, **_) -> None:
@@ -456,7 +457,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     require_decoding(config, "parity")
     from coldset import gate
     from coldset.fixtures import read_fixtures
-    from coldset.model import encode_prompts
+    from coldset.model import check_prompts_fit, encode_prompts
     from coldset.placement import load_placement
 
     layout = Layout.from_config(config)
@@ -475,7 +476,10 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     engine, tokenizer = _load_engine(config)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
-    batch = config["routing"]["batch_size"]
+    check_prompts_fit(engine.config, ids, prompts, pc["max_new_tokens"])
+    # Fewer, larger decodes: by default every parity fixture in one batch (both paths batch alike,
+    # so the comparison stays like for like); on a busy 2-core CPU that halved the decode time.
+    batch = pc["batch_size"] or len(prompts)
     tuned = _tuned(config)
     reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
     host = _host_tier(config)

@@ -60,7 +60,7 @@ import numpy as np
 import pandas as pd
 
 from coldset import shapes
-from coldset.files import atomic_path
+from coldset.files import atomic_path, remove_orphans, share_mode
 from coldset.shapes import WEIGHT_FORMATS, WeightFormat  # noqa: F401 (re-exported)
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
@@ -931,6 +931,8 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
     json_path = Path(json_path)
     npy_path = row_map_path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(npy_path)
+    remove_orphans(json_path)
     temps: list[str] = []
     try:
         fd, tmp_npy = tempfile.mkstemp(dir=json_path.parent, prefix=f".{npy_path.name}.", suffix=".tmp")
@@ -944,6 +946,8 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")
+        share_mode(tmp_npy)
+        share_mode(tmp_json)
         os.replace(tmp_npy, npy_path)
         temps.remove(tmp_npy)
         try:

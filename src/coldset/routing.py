@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from coldset.files import remove_orphans, share_mode
 from coldset.names import NAME_PATTERN, is_name
 
 PHASES = ("prefill", "decode")
@@ -241,6 +242,7 @@ class TraceWriter:
 
     def __enter__(self) -> "TraceWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphans(self.path)
         fd, self._tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
         self._schema = _schema(self.meta, self.with_weight, self.with_split)
@@ -258,6 +260,7 @@ class TraceWriter:
                     self._writer.add_key_value_metadata({"cached_prefix_tokens_skipped": str(self.cached_tokens_skipped)})
             self._writer.close()
             if exc_type is None:
+                share_mode(self._tmp)
                 os.replace(self._tmp, self.path)
                 self._tmp = None
         finally:
@@ -380,6 +383,7 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, tables: pa.Table | Ite
     if isinstance(tables, pa.Table):
         tables = [tables]
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     writer = None
@@ -399,6 +403,7 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, tables: pa.Table | Ite
             raise TraceError(f"{path}: no rows to write")
         writer.close()
         writer = None
+        share_mode(tmp)
         os.replace(tmp, path)
     finally:
         if writer is not None:
@@ -664,6 +669,8 @@ def capture_routing_engine(model, tokenizer, fixtures_paths: Sequence[str | os.P
         if not ids:
             raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")
         groups.setdefault(max_new_tokens or fx.max_new_tokens, []).append((fx, ids))
+    for n_new, items in groups.items():  # before any decode: an over-long prompt is named by its id
+        engine.check_prompts_fit(model.config, [fx.id for fx, _ in items], [ids for _, ids in items], n_new)
     with TraceWriter(out_path, meta, with_weight=True, with_split=True) as w:
         bar = _progress(len(fixtures), "capture routing", progress)
         for n_new, items in groups.items():
@@ -948,10 +955,12 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
             used = col.dictionary.take(pc.unique(col.indices)) if pa.types.is_dictionary(col.type) else pc.unique(col)
             requests.update(used.to_pylist())
         out_path.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphans(out_path)
         fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
         os.close(fd)
         try:
             shutil.copyfile(source, tmp)
+            share_mode(tmp)
             os.replace(tmp, out_path)
         finally:
             if os.path.exists(tmp):

@@ -658,14 +658,32 @@ def _spearman_layers(ranks_a: np.ndarray, ranks_b: np.ndarray, meta: TraceMeta) 
     return {"mean": _nanmean(per), "layers_defined": int(np.sum(~np.isnan(per))), "per_layer": _layer_dict(meta, per)}
 
 
-def coverage_table(histogram: pd.DataFrame, meta: TraceMeta, xs: Sequence[float] = DEFAULT_XS) -> pd.DataFrame:
-    """Held-out coverage for every (x, profile domain, heldout domain), ``(all)`` included.
+#: Pairwise tables (Spearman between domains, held-out coverage profile x held-out domain) grow
+#: with the square of the domains: 300 domains once took 27 s, 1 GB and a 72 MB skew.json. They
+#: keep the most selected domains only (stats.max_pairwise_domains in the config).
+MAX_PAIRWISE_DOMAINS = 12
+
+
+def pairwise_domains(h: "_Hist", max_domains: int = MAX_PAIRWISE_DOMAINS) -> list[str]:
+    """The domains pairwise tables cover: the ``max_domains`` with the most selections (both
+    phases; ties by name), in the histogram's order."""
+    if len(h.domains) <= max_domains:
+        return list(h.domains)
+    totals = [(-int(h.counts[i].sum()), d) for i, d in enumerate(h.domains)]
+    keep = {d for _, d in sorted(totals)[:max_domains]}
+    return [d for d in h.domains if d in keep]
+
+
+def coverage_table(histogram: pd.DataFrame, meta: TraceMeta, xs: Sequence[float] = DEFAULT_XS,
+                   max_domains: int = MAX_PAIRWISE_DOMAINS) -> pd.DataFrame:
+    """Held-out coverage for every (x, profile domain, heldout domain), ``(all)`` included, over
+    the :func:`pairwise_domains` (the ``max_domains`` most selected).
 
     Columns: x, profile_domain, heldout_domain, coverage, cold_share (= 1 - coverage),
     profile_selections, heldout_selections (decode rows only).
     """
     h = histogram if isinstance(histogram, _Hist) else _Hist.from_frame(histogram, meta)
-    names = h.domains + [ALL]
+    names = pairwise_domains(h, max_domains) + [ALL]
     L, E = meta.num_moe_layers, meta.num_experts
     held = np.stack([h.get("decode", b, "heldout") for b in names]).astype(np.float64)  # [D+1, L, E]
     held_total = held.sum(axis=(1, 2))
@@ -706,11 +724,15 @@ DEFINITIONS = {
                 "selections, all layers pooled, inside the hot sets",
     "splits": "skew statistics pool both splits; coverage uses profile vs heldout",
     "all": f"{ALL!r} = all domains pooled",
+    "pairwise_domains": "spearman_between_domains and coverage cover these domains only: the most selected "
+                        "ones, at most stats.max_pairwise_domains (pairwise tables grow with the square of "
+                        "the domains); per-domain statistics cover every domain",
 }
 
 
 def skew_stats(histogram: pd.DataFrame, meta: TraceMeta, oracle: pd.DataFrame | None = None, *,
-               xs: Sequence[float] = DEFAULT_XS, cache_slots: int | None = None) -> dict[str, Any]:
+               xs: Sequence[float] = DEFAULT_XS, cache_slots: int | None = None,
+               max_pairwise_domains: int = MAX_PAIRWISE_DOMAINS) -> dict[str, Any]:
     """Skew statistics per phase and per domain (plus ``(all)``), JSON-ready (NaN -> null).
 
     ``oracle`` is :attr:`TraceScan.oracle` (decode hits per domain and layer); without it the
@@ -718,13 +740,17 @@ def skew_stats(histogram: pd.DataFrame, meta: TraceMeta, oracle: pd.DataFrame | 
     ``definitions``.
     """
     h = _Hist.from_frame(histogram, meta)
-    return _skew_stats(h, meta, oracle, xs, cache_slots, coverage_table(h, meta, xs))
+    return _skew_stats(h, meta, oracle, xs, cache_slots, coverage_table(h, meta, xs, max_pairwise_domains),
+                       max_pairwise_domains)
 
 
 def _skew_stats(h: "_Hist", meta: TraceMeta, oracle: pd.DataFrame | None, xs: Sequence[float],
-                cache_slots: int | None, cov: pd.DataFrame) -> dict[str, Any]:
+                cache_slots: int | None, cov: pd.DataFrame,
+                max_pairwise_domains: int = MAX_PAIRWISE_DOMAINS) -> dict[str, Any]:
     names = h.domains + [ALL]
-    result: dict[str, Any] = {"definitions": DEFINITIONS, "xs": list(xs), "phases": {}}
+    pairwise = pairwise_domains(h, max_pairwise_domains)
+    result: dict[str, Any] = {"definitions": DEFINITIONS, "xs": list(xs), "phases": {},
+                              "pairwise_domains": pairwise}
     for phase in PHASES:
         per_domain = {}
         for name in names:
@@ -755,10 +781,10 @@ def _skew_stats(h: "_Hist", meta: TraceMeta, oracle: pd.DataFrame | None, xs: Se
                                   for layer, r in by_layer.iterrows()},
                 }
             per_domain[name] = entry
-        ranks = {name: _rank_rows(h.get(phase, name)) for name in h.domains}
+        ranks = {name: _rank_rows(h.get(phase, name)) for name in pairwise}
         pairs = []
-        for i, a in enumerate(h.domains):
-            for b in h.domains[i + 1:]:
+        for i, a in enumerate(pairwise):
+            for b in pairwise[i + 1:]:
                 pairs.append({"a": a, "b": b, **_spearman_layers(ranks[a], ranks[b], meta)})
         result["phases"][phase] = {"domains": per_domain, "spearman_between_domains": pairs}
     result["spearman_prefill_vs_decode"] = {
@@ -862,7 +888,8 @@ def _write_atomic(path: Path, write) -> None:
 
 def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, heldout_fraction: float = 0.25,
               xs: Sequence[float] = DEFAULT_XS, cache_slots_factor: int = 3, expect: Any = None,
-              figures: bool = True, progress: bool = True, locality_seed: int = 0) -> dict[str, Path]:
+              figures: bool = True, progress: bool = True, locality_seed: int = 0,
+              max_pairwise_domains: int = MAX_PAIRWISE_DOMAINS) -> dict[str, Path]:
     """The ``stats`` stage: one pass over the trace, then every output into ``out_dir``.
 
     Writes ``histogram.csv`` (domain, split, phase, layer, expert, count; zeros included),
@@ -879,8 +906,8 @@ def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, held
     scan = scan_trace(trace_path, heldout_fraction, oracle=True, cache_slots=slots, progress=progress)
     order = np.argsort(scan.domains, kind="stable")  # domains sorted by name, as from a frame
     h = _Hist(scan.counts[order], [scan.domains[i] for i in order], meta)
-    cov = coverage_table(h, meta, xs)
-    stats = _skew_stats(h, meta, scan.oracle, xs, slots, cov)
+    cov = coverage_table(h, meta, xs, max_pairwise_domains)
+    stats = _skew_stats(h, meta, scan.oracle, xs, slots, cov, max_pairwise_domains)
     stats["trace"] = {
         "path": str(trace_path),
         "model": meta.model,

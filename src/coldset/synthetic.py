@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from coldset.files import remove_orphans, share_mode
+
 EOS_TOKEN = "<|endoftext|>"
 
 
@@ -575,6 +577,7 @@ def write_synthetic_checkpoint(
     config = _config(spec, model.config.vocab_size, eos_id)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(out)  # a killed earlier write's .{name}.tmp-* / .{name}.old-* folders
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(_hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -593,6 +596,8 @@ def write_synthetic_checkpoint(
         (tmp / "generation_config.json").write_text(
             json.dumps({"do_sample": False, "eos_token_id": eos_id}, indent=2) + "\n"
         )
+        for path in (tmp, *tmp.iterdir()):
+            share_mode(path)  # mkdtemp makes 0700 and safetensors 0600: the umask decides instead
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, trash / out.name)

@@ -38,7 +38,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -344,14 +343,9 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
 
 
 def _write_tokens(path: Path, ids: list[str], results: list[VllmRequestResult]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rid, res in zip(ids, results):
-                f.write(json.dumps({"id": rid, "prompt_token_ids": res.prompt_token_ids,
-                                    "token_ids": res.token_ids}) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from coldset.files import atomic_path
+
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for rid, res in zip(ids, results):
+            f.write(json.dumps({"id": rid, "prompt_token_ids": res.prompt_token_ids,
+                                "token_ids": res.token_ids}) + "\n")
