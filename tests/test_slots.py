@@ -273,7 +273,6 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_triton_decisions_equal_the_torch_path(policy):
     """On CUDA the decisions are one Triton launch and the fill another: the same state after every

@@ -61,7 +61,8 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
             # CPU: no host tier, so measured speed compares nothing and no ratio is derived (issue 16)
             assert entry["cold_share"] == 0 and entry["fetch_tax"] is None and entry["tok_s_per_gib"] is None
     lru = json.loads((results / "bench/tiny/lru-0.5.json").read_text())["batches"][0]
-    assert lru["hit_rate"] == 1 - lru["cold_share"] and lru["misses_per_token"] > 0  # the cache's own counts
+    # the cache's own counts: every missed selection per token (2 layers x top-2 = 4 selections a token)
+    assert lru["hit_rate"] == 1 - lru["cold_share"] and lru["misses_per_token"] == pytest.approx(4 * lru["cold_share"])
     html = (results / "report/index.html").read_text()
     assert "data:image/png;base64," in html and "usage_global" in html and "lru" in html and "hit_rate" in html
     for rule in ("model", "routing", "parity", "bench", "track", "report"):
