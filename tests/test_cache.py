@@ -207,3 +207,67 @@ def test_duplicate_rows_are_refused():
                        "expert": [0, 1]})
     with pytest.raises(CacheError, match="two rows"):
         stream_from_frame(df, 1, 2)
+
+
+def test_cache_stage_warms_from_the_placement_profile(tmp_path):
+    """run_cache: the static rows equal usage_global's held-out coverage from the same histogram,
+    every online policy is checked against the brute-force reference, the figure is written."""
+    from dataclasses import dataclass
+
+    from coldset.cache import read_simulation, run_cache
+    from coldset.placement import expert_bytes, place, read_histogram
+    from coldset.stats import run_stats
+
+    @dataclass(frozen=True)
+    class Shape:
+        moe_layers: tuple = (0, 2)
+        num_layers: int = 3
+        num_experts: int = 8
+        top_k: int = 2
+        hidden_size: int = 16
+        moe_intermediate_size: int = 8
+        intermediate_size: int = 32
+        vocab_size: int = 50
+        num_heads: int = 2
+        num_kv_heads: int = 1
+        head_dim: int = 8
+        model_type: str = "qwen3_moe"
+        tie_word_embeddings: bool = False
+        qk_norm: bool = True
+
+    meta = TraceMeta("toy", num_layers=3, num_experts=8, top_k=2, moe_layers=[0, 2], source="test")
+    rng = np.random.default_rng(5)
+    rows = []
+    for i in range(8):
+        split = "heldout" if i % 2 else "profile"
+        dom = "x" if i < 4 else "y"
+        for pos in range(int(rng.integers(3, 9))):
+            for layer in (0, 2):
+                ex = rng.choice(8, size=2, replace=False, p=np.r_[0.4, 0.2, 0.1, [0.3 / 5] * 5])
+                rows += [(f"q{i}", dom, pos, "decode", layer, r, int(ex[r]), split) for r in range(2)]
+    df = pd.DataFrame(rows, columns=["request", "domain", "position", "phase", "layer", "rank", "expert", "split"])
+    trace = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(df, preserve_index=False))
+    stats = run_stats(trace, tmp_path / "stats", figures=False, progress=False)
+    paths = run_cache(trace, stats["histogram"], Shape(), tmp_path / "cache", residencies=[0.25, 0.5],
+                      locality_json=stats["locality"])
+    table = read_simulation(paths["simulation"])
+    assert paths["figure"].stat().st_size > 0
+    assert list(table.policy) == list(POLICIES) * 2
+    for r in (0.25, 0.5):
+        pl = place(read_histogram(stats["histogram"]), Shape(), "usage_global", r)
+        st = table[(table.policy == "static") & (table.residency == r)].iloc[0]
+        assert st.capacity == pl.num_hot
+        assert st.hit_rate == pytest.approx(pl.coverage_heldout)
+        held = df[df.split == "heldout"].sort_values(["request", "position", "layer", "rank"])
+        groups = [list(g) for _, g in held.assign(i=held.layer.map({0: 0, 2: 1}) * 8 + held.expert)
+                  .groupby(["request", "position", "layer"], sort=True)["i"]]
+        prof = df[df.split == "profile"]
+        counts = np.zeros(16)
+        np.add.at(counts, prof.layer.map({0: 0, 2: 1}) * 8 + prof.expert, 1)
+        for policy in ("lru", "lfu", "belady"):
+            ref_hit, _ = brute_force(groups, policy, st.capacity, counts.reshape(2, 8))
+            row = table[(table.policy == policy) & (table.residency == r)].iloc[0]
+            assert row.hit_rate == pytest.approx(ref_hit.mean())
+            assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
+    assert table.link_gb_per_token.iloc[0] == pytest.approx(
+        table.misses_per_token.iloc[0] * expert_bytes(Shape()) / 1e9)

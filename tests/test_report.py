@@ -277,8 +277,11 @@ def test_report_renders_every_figure_in_headless_chromium(tmp_path):
     assert check.get("check") == "done", f"the page's self-check did not run: {check}"
     assert int(check["images-total"]) == expected_figures
     assert check["images-ok"] == check["images-total"], f"figures that did not decode: {check}"
-    assert int(check["sections-total"]) == 8
+    assert int(check["sections-total"]) == 9
     assert check["sections-empty"] == "", f"empty sections: {check['sections-empty']}"
+    # without the locality statistic and the cache simulation the section says so
+    assert "No locality statistic or cache simulation" in html
+    assert "the model&#39;s own router" in html and "lift not measured" in html
 
 
 def test_chromium_check_catches_a_broken_figure_and_an_empty_section(tmp_path):
@@ -551,3 +554,30 @@ def test_timing_whose_repeats_disagree_is_flagged_not_published(tmp_path):
         "noisy: p90/p50 = 2.00, not a result"
     assert table[("positional", "0.5", 1)]["timing"] == "ok"
     assert 'id="noisy-note"' in html
+
+
+def test_locality_section_shows_the_simulation_and_the_lift(tmp_path):
+    """With stats/locality.json and cache/simulation.csv the report plots them, tables every
+    simulated row and names the routing the bench ran on with its lift."""
+    res = build_results_tree(tmp_path)
+    loc = {"consecutive_overlap": {"mean": 0.6, "per_layer": {"0": 0.5, "2": 0.7}},
+           "shuffled_overlap": {"mean": 0.4, "per_layer": {"0": 0.4, "2": 0.4}}, "lift": 1.5,
+           "reuse_distance": {"1": 0.5, "first": 0.5}, "tokens": 10, "seed": 0}
+    (res / "stats" / MODEL / "locality.json").write_text(json.dumps(loc))
+    sim = pd.DataFrame({"policy": ["static", "lru", "static", "lru"], "residency": [0.25, 0.25, 0.5, 0.5],
+                        "capacity": [3, 3, 6, 6], "accesses": 40, "tokens": 10,
+                        "hit_rate": [0.5, 0.625, 0.75, 0.875], "misses_per_token": [2.0, 1.5, 1.0, 0.5],
+                        "link_gb_per_token": [0.02, 0.015, 0.01, 0.005]})
+    (res / "cache" / MODEL).mkdir(parents=True)
+    sim.to_csv(res / "cache" / MODEL / "simulation.csv", index=False)
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert _count(r'<img src="data:image/png;base64,', html) == 4 + 2 * len(BATCH_SIZES)
+    assert 'id="fig-locality"' in html and "lift <b>1.50x</b>" in html
+    for r in sim.itertuples():
+        assert f"<td>{r.policy}</td><td class=\"num\">{r.residency}</td><td class=\"num\">{r.capacity}</td>" \
+               f"<td class=\"num\">{r.hit_rate}</td>" in html
+    assert "its captured trace: lift 1.50x" in html
+    sim.loc[0, "hit_rate"] = 1.5
+    sim.to_csv(res / "cache" / MODEL / "simulation.csv", index=False)
+    with pytest.raises(ReportInputError, match="hit_rate outside"):
+        render_report(res, res / "report" / "index.html", CONFIG, MACHINE)

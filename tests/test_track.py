@@ -355,3 +355,27 @@ def test_done_file_is_stale_once_its_store_is_gone(tmp_path):
     db.write_bytes(b"")
     assert done_is_stale(done) is None
     assert done_is_stale(tmp_path / "absent.done") is None
+def test_locality_and_cache_simulation_are_logged_per_residency(tmp_path):
+    import pandas as pd
+
+    res = _tree.build_results_tree(tmp_path, with_autotune=False)
+    layout = Layout(res, MODEL)
+    loc = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5}
+    (layout.stats_dir / "locality.json").write_text(json.dumps(loc))
+    rows = [{"policy": p, "residency": r, "capacity": 1, "accesses": 10, "tokens": 5,
+             "hit_rate": 0.1 * i + r / 10, "misses_per_token": i + r, "link_gb_per_token": 0.01 * i}
+            for r in RESIDENCIES for i, p in enumerate(("static", "lru", "belady"))]
+    layout.cache_dir.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(layout.cache_dir / "simulation.csv", index=False)
+    uri = default_tracking_uri(res)
+    run_track(**_inputs(res), tracking_uri=uri, experiment=EXPERIMENT, tags=TAGS,
+              done_path=res / "track" / f"{MODEL}.done", locality_json=layout.stats_dir / "locality.json",
+              simulation_csv=layout.cache_dir / "simulation.csv")
+    by_key = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}
+    for r in RESIDENCIES:
+        m = by_key[f"{MODEL}/usage_global/{float(r)!r}/{BATCH_SIZES[0]}"].data.metrics
+        assert m["routing_overlap_lift_decode"] == 1.5 and m["routing_consecutive_overlap_decode"] == 0.6
+        for row in (x for x in rows if x["residency"] == r):
+            assert m[f"cache_{row['policy']}_hit_rate"] == pytest.approx(row["hit_rate"])
+            assert m[f"cache_{row['policy']}_misses_per_token"] == pytest.approx(row["misses_per_token"])
+            assert m[f"cache_{row['policy']}_link_gb_per_token"] == pytest.approx(row["link_gb_per_token"])

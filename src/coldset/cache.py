@@ -673,3 +673,126 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
                          "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
                          "link_gb_per_token": st.link_gb_per_token(bytes_per_expert)})
     return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS))
+
+
+# --------------------------------------------------------------------------------------------
+# The workflow stage
+
+
+def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, model_config: Any,
+              out_dir: str | os.PathLike, policies: Sequence[str] = POLICIES,
+              residencies: Sequence[float] = (0.25, 0.5, 0.75, 1.0), profile_domains: Any = None, *,
+              phase: str = "decode", domain_weights: Any = None, weight_format: str | None = None,
+              heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
+              figures: bool = True) -> dict[str, Path]:
+    """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS`) and ``locality.png``.
+
+    Warm pool = the ``usage_global`` hot set the placement stage chooses from the same histogram
+    and profile (:func:`coldset.placement.profile_counts` with ``profile_domains``, ``phase``,
+    ``domain_weights``); replay = the held-out split's decode rows of every domain. Link bytes use
+    placement's byte model (:func:`coldset.placement.expert_bytes` in ``weight_format``, by default
+    the model's own expert format, as the placement stage does). The
+    figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates.
+    """
+    from coldset.files import atomic_path
+    from coldset.placement import ProfileSpec, expert_bytes, profile_counts, read_histogram
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise CacheError(f"cache.policies: unknown {unknown}; known {list(POLICIES)}")
+    rows, meta = trace_decode_rows(trace_path, heldout_fraction, expect=model_config)
+    L, E = meta.num_moe_layers, meta.num_experts
+    spec = ProfileSpec.make(profile_domains, phase, domain_weights)
+    counts = profile_counts(read_histogram(histogram_csv), meta.moe_layers, E, spec)
+    replay = select_rows(rows, "heldout")
+    if len(replay) == 0:
+        raise CacheError(f"{trace_path}: the held-out split has no decode rows to replay")
+    stream = stream_from_frame(replay, L, E)
+    table = simulation_table(stream, counts, policies, residencies, expert_bytes(model_config, weight_format))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"simulation": out / "simulation.csv"}
+    with atomic_path(paths["simulation"]) as tmp:
+        table.to_csv(tmp, index=False)
+    if figures:
+        import json
+
+        locality = json.loads(Path(locality_json).read_text()) if locality_json else None
+        paths["figure"] = out / "locality.png"
+        figure_locality(table, locality, meta, paths["figure"])
+    return paths
+
+
+def read_simulation(path: str | os.PathLike) -> pd.DataFrame:
+    """Read and check ``simulation.csv`` (columns, policies, rates in [0, 1])."""
+    path = Path(path)
+    if not path.is_file():
+        raise CacheError(f"{path}: cache simulation file not found")
+    df = pd.read_csv(path)
+    missing = [c for c in SIMULATION_COLUMNS if c not in df.columns]
+    if missing:
+        raise CacheError(f"{path}: missing column(s) {missing}; expected {list(SIMULATION_COLUMNS)}")
+    bad = sorted(set(df["policy"]) - set(POLICIES))
+    if bad:
+        raise CacheError(f"{path}: unknown policy name(s) {bad}")
+    rates = df["hit_rate"].to_numpy(dtype=float)
+    if not np.all((rates >= 0) & (rates <= 1)):
+        raise CacheError(f"{path}: hit_rate outside [0, 1]")
+    return df
+
+
+def draw_locality(fig, table: pd.DataFrame | None, locality: Mapping[str, Any] | None, model: str) -> None:
+    """Three panels on ``fig``: consecutive vs shuffled overlap per layer, the reuse-distance
+    distribution, hit rate vs residency per policy (each panel says so when its input is absent)."""
+    axes = fig.subplots(1, 3)
+    ax = axes[0]
+    if locality:
+        layers = list(locality["consecutive_overlap"]["per_layer"])
+        x = np.arange(len(layers))
+        for key, label, marker in (("consecutive_overlap", "consecutive tokens", "o"),
+                                   ("shuffled_overlap", "shuffled within request", "s")):
+            vals = [locality[key]["per_layer"][k] for k in layers]
+            ax.plot(x, [np.nan if v is None else v for v in vals], marker=marker, label=label)
+        ticks = x[:: max(1, len(x) // 12)]
+        ax.set_xticks(ticks, [layers[i] for i in ticks])
+        lift = locality.get("lift")
+        ax.set_title("expert overlap |E(t) & E(t-1)| / k" + (f" (lift {lift:.2f}x)" if lift else ""), fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("overlap")
+        ax.legend(fontsize=7)
+        reuse = locality["reuse_distance"]
+        axes[1].bar(list(reuse), [v or 0.0 for v in reuse.values()], color="tab:gray")
+        axes[1].set_title("reuse distance (decode tokens, same request)", fontsize=9)
+        axes[1].set_ylabel("share of decode selections")
+        axes[1].tick_params(axis="x", labelrotation=45)
+    else:
+        for a in axes[:2]:
+            a.text(0.5, 0.5, "no locality statistic", ha="center", va="center")
+            a.set_axis_off()
+    ax = axes[2]
+    if table is not None and len(table):
+        for policy, sub in table.groupby("policy", sort=False):
+            ax.plot(sub["residency"], sub["hit_rate"], marker="o", label=policy)
+        ax.set_xlabel("residency (share of routed experts in the pool)")
+        ax.set_ylabel("hit rate (held-out decode selections)")
+        ax.set_title("cache simulation, warm from usage_global", fontsize=9)
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no cache simulation", ha="center", va="center")
+        ax.set_axis_off()
+    fig.suptitle(f"{model}: temporal locality of decode routing", fontsize=10)
+
+
+def figure_locality(table: pd.DataFrame, locality: Mapping[str, Any] | None, meta: Any, path: Path) -> None:
+    """The cache stage's figure (:func:`draw_locality`) as a PNG at ``path``, atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from coldset.files import atomic_path
+
+    fig = Figure(figsize=(15, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    draw_locality(fig, table, locality, str(getattr(meta, "model", "")))
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")

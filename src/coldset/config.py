@@ -163,6 +163,10 @@ class Layout:
         return self.placement_dir / f"{policy}-{label}.json"
 
     @property
+    def cache_dir(self) -> Path:
+        return self.results / "cache" / self.model
+
+    @property
     def autotune(self) -> Path:
         return self.results / "autotune" / f"{self.model}.json"
 

@@ -419,6 +419,19 @@ def placement(config: dict, **_) -> None:
                   batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"])
 
 
+def cache(config: dict, **_) -> None:
+    """Replay the held-out decode routing through the cache policies (coldset.cache.run_cache)."""
+    from coldset.cache import run_cache
+
+    layout = Layout.from_config(config)
+    pc = config["placement"]
+    run_cache(layout.trace, layout.stats_dir / "histogram.csv", model_shape(config), layout.cache_dir,
+              config["cache"]["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
+              domain_weights="equal" if pc["weight_domains"] else None,
+              heldout_fraction=config["stats"]["heldout_fraction"],
+              locality_json=layout.stats_dir / "locality.json")
+
+
 def autotune(config: dict, **_) -> None:
     """Tune the experts kernel for the model's shape (cache hit in seconds); copy the entry to results/.
 
@@ -602,6 +615,8 @@ def track(config: dict, **_) -> None:
         tags=tags,
         done_path=layout.track_done,
         autotune_jsons=[layout.autotune] if decoded else [],
+        locality_json=layout.stats_dir / "locality.json",
+        simulation_csv=layout.cache_dir / "simulation.csv",
     )
 
 
@@ -613,7 +628,7 @@ def report(config: dict, **_) -> None:
                   skipped=skipped_stages(config))
 
 
-STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, autotune, parity,
+STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, cache, autotune, parity,
                                   parity_gate, bench, track, report)}
 GPU_STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate", "bench"]
 

@@ -967,6 +967,50 @@ def _autotune_rows(results_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
+def _locality_inputs(results_dir: Path, model: str):
+    """(locality.json document or None, simulation.csv frame or None): optional stage outputs."""
+    from coldset.cache import CacheError, read_simulation
+
+    loc_path = results_dir / "stats" / model / "locality.json"
+    sim_path = results_dir / "cache" / model / "simulation.csv"
+    locality = read_json(loc_path) if loc_path.is_file() else None
+    if locality is not None:
+        _require(locality, ("consecutive_overlap", "shuffled_overlap", "lift", "reuse_distance"), str(loc_path))
+    try:
+        table = read_simulation(sim_path) if sim_path.is_file() else None
+    except CacheError as e:
+        raise ReportInputError(str(e)) from None
+    return locality, table
+
+
+def _locality_figure(locality, table, device: str, batch: str, dtype: str, model: str) -> FigureOut:
+    from coldset.cache import draw_locality
+
+    fig = _new_figure(13.0, 4.0)
+    draw_locality(fig, table, locality, model)
+    return FigureOut("locality", "Temporal locality and cache simulation",
+                     "Left: mean overlap of the experts of consecutive decode tokens of a request per layer, against "
+                     "the same tokens shuffled within their request (lift = ratio of the means). Middle: reuse "
+                     "distances of (layer, expert) instances. Right: held-out hit rate of one slot pool shared by "
+                     "every MoE layer, warm from the usage_global set, per policy and residency.",
+                     device, batch, dtype, _png(fig, f"device: {device} · batch size: {batch} · dtype: {dtype}"))
+
+
+def _routing_provenance(bench: list, locality: dict | None, skew) -> str:
+    """Which routing the bench numbers were measured on: the model's router (with the trace's
+    lift when the locality statistic exists) or a replayed trace."""
+    sources = sorted({str(b.extra.get("routing_source", "router")) for b in bench})
+    lift = None if locality is None else locality.get("lift")
+    lift_txt = f"lift {lift:.2f}x (consecutive-token expert overlap / shuffled)" if lift else "lift not measured"
+    model_src = str(skew.trace.get("source") or "")
+    parts = []
+    if "router" in sources or not bench:
+        parts.append(f"the model's own router ({model_src or 'source unknown'}; its captured trace: {lift_txt})")
+    if "trace" in sources:
+        parts.append("routing replayed from a recorded trace (bench.routing_trace)")
+    return "; ".join(parts)
+
+
 def render_report(
     results_dir: str | os.PathLike,
     out_html: str | os.PathLike,
@@ -1036,6 +1080,14 @@ def render_report(
     figures["residency"] = [_residency_figure(bench, bs, model) for bs in batch_sizes]
     step_figs = [_step_time_figure(bench, bs, model) for bs in batch_sizes]
     figures["step_time"] = [f for f in step_figs if f is not None]
+    locality, cache_table = _locality_inputs(results_dir, model)
+    figures["locality"] = [] if locality is None and cache_table is None else [
+        _locality_figure(locality, cache_table, routing_device, routing_batch_label, dtype, model)]
+    cache_rows = [] if cache_table is None else [
+        {"policy": r.policy, "residency": _fmt(r.residency), "capacity": int(r.capacity), "hit_rate": _fmt(r.hit_rate),
+         "misses_per_token": _fmt(r.misses_per_token), "link_gb_per_token": _fmt(r.link_gb_per_token)}
+        for r in cache_table.itertuples()]
+    routing_provenance = _routing_provenance(bench, locality, skew)
 
     failed = [p for p in parity if not p.passed]
     # On the CPU measured speed compares nothing (coldset.timing): the summary leads with what holds.
@@ -1162,6 +1214,9 @@ def render_report(
         coverage_tables=coverage_tables,
         batch_sizes=batch_sizes,
         skipped=skipped,
+        locality=locality,
+        cache_rows=cache_rows,
+        routing_provenance=routing_provenance,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,11 @@ Run contents:
   changed param would replace the run); from the placement coverage_profile, coverage_heldout, achieved_residency;
   from the parity gate parity_passed (1/0), parity_tokens_matched, parity_tokens_total,
   parity_max_abs_logit_diff; from the routing statistics (decode, all domains)
-  routing_gini_decode, routing_top{x}_share_decode, oracle_cache_hit_rate_decode;
+  routing_gini_decode, routing_top{x}_share_decode, oracle_cache_hit_rate_decode; from the
+  locality statistic (stats/locality.json) routing_consecutive_overlap_decode,
+  routing_shuffled_overlap_decode, routing_overlap_lift_decode; from the cache simulation
+  (cache/simulation.csv) at the run's residency cache_{policy}_hit_rate,
+  cache_{policy}_misses_per_token, cache_{policy}_link_gb_per_token for every simulated policy;
 - tags: coldset.run_key, device, dtype, commit (and mlflow.source.git.commit), config_hash,
   autotune_key, plus any the caller passes;
 - artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
@@ -305,6 +309,36 @@ def _skew_metrics(stats_json: Path) -> dict[str, float | None]:
     return out
 
 
+def _locality_metrics(locality_json: Path | None) -> dict[str, float | None]:
+    if locality_json is None:
+        return {}
+    doc = read_json(locality_json)
+    try:
+        return {"routing_consecutive_overlap_decode": doc["consecutive_overlap"]["mean"],
+                "routing_shuffled_overlap_decode": doc["shuffled_overlap"]["mean"],
+                "routing_overlap_lift_decode": doc["lift"]}
+    except (KeyError, TypeError) as e:
+        raise ReportInputError(f"{locality_json}: missing field {e}") from None
+
+
+def _cache_metrics(simulation_csv: Path | None) -> dict[str, dict[str, float | None]]:
+    """canonical residency -> {cache_{policy}_{metric}: value} from the cache simulation."""
+    if simulation_csv is None:
+        return {}
+    from coldset.cache import CacheError, read_simulation
+
+    try:
+        table = read_simulation(simulation_csv)
+    except CacheError as e:
+        raise ReportInputError(str(e)) from None
+    out: dict[str, dict[str, float | None]] = {}
+    for row in table.itertuples():
+        m = out.setdefault(canonical_residency(row.residency), {})
+        for name in ("hit_rate", "misses_per_token", "link_gb_per_token"):
+            m[f"cache_{row.policy}_{name}"] = float(getattr(row, name))
+    return out
+
+
 def _autotune_key(autotune_jsons: Sequence[Path]) -> str | None:
     keys = []
     for path in autotune_jsons:
@@ -321,12 +355,16 @@ def records_from_results(
     placement_jsons: Iterable[str | os.PathLike],
     stats_json: str | os.PathLike,
     autotune_jsons: Iterable[str | os.PathLike] = (),
+    locality_json: str | os.PathLike | None = None,
+    simulation_csv: str | os.PathLike | None = None,
 ) -> list[RunRecord]:
     """One ``RunRecord`` per (bench placement, batch size), joined with that placement's parity
     report and placement JSON by ``(model, policy, residency)`` from the file names. A bench
     result without its parity report or placement is an error naming the missing one."""
     stats_json = Path(stats_json)
     skew_metrics = _skew_metrics(stats_json)
+    skew_metrics.update(_locality_metrics(None if locality_json is None else Path(locality_json)))
+    cache_metrics = _cache_metrics(None if simulation_csv is None else Path(simulation_csv))
     autotune_paths = [Path(p) for p in autotune_jsons]
     autotune_key = _autotune_key(autotune_paths)
 
@@ -365,6 +403,7 @@ def records_from_results(
                 parity_max_abs_logit_diff=par.max_abs_logit_diff,
             )
             metrics.update(skew_metrics)
+            metrics.update(cache_metrics.get(canonical_residency(b.residency), {}))
             tags = {"device": b.device, "dtype": b.dtype, "model": b.model}
             run_autotune = b.extra.get("autotune_key") or autotune_key
             if run_autotune:
@@ -373,8 +412,10 @@ def records_from_results(
                 "placement": [pl.path],
                 "parity": [par.path],
                 "bench": [b.path],
-                "stats": [stats_json],
+                "stats": [stats_json] + ([Path(locality_json)] if locality_json is not None else []),
             }
+            if simulation_csv is not None:
+                artifacts["cache"] = [Path(simulation_csv)]
             if autotune_paths:
                 artifacts["autotune"] = autotune_paths
             records.append(
@@ -404,7 +445,8 @@ def records_from_results(
 
 
 def records_from_placements(
-    placement_jsons: Iterable[str | os.PathLike], stats_json: str | os.PathLike
+    placement_jsons: Iterable[str | os.PathLike], stats_json: str | os.PathLike,
+    locality_json: str | os.PathLike | None = None, simulation_csv: str | os.PathLike | None = None,
 ) -> list[RunRecord]:
     """For a model that is not decoded (a shape-only model: config.json and a trace), one
     ``RunRecord`` per (placement, predicted batch size) with the placement's coverage and the speed
@@ -412,6 +454,8 @@ def records_from_placements(
     ``predicted_step_ms_{preset}`` and ``predicted_step_ms_sum_{preset}``) instead of measurements."""
     stats_json = Path(stats_json)
     skew_metrics = _skew_metrics(stats_json)
+    skew_metrics.update(_locality_metrics(None if locality_json is None else Path(locality_json)))
+    cache_metrics = _cache_metrics(None if simulation_csv is None else Path(simulation_csv))
     records: list[RunRecord] = []
     for path in placement_jsons:
         pl = load_placement_summary(path)
@@ -427,6 +471,7 @@ def records_from_placements(
                 metrics[f"predicted_step_ms_{p['preset']}"] = p["step_ms_lower"]
                 metrics[f"predicted_step_ms_sum_{p['preset']}"] = p["step_ms_sum"]
             metrics.update(skew_metrics)
+            metrics.update(cache_metrics.get(canonical_residency(pl.residency), {}))
             records.append(RunRecord(
                 model=pl.model, policy=pl.policy, residency=pl.residency, batch_size=bs,
                 params={"model": pl.model, "policy": pl.policy, "residency": canonical_residency(pl.residency),
@@ -569,15 +614,18 @@ def run_track(
     tags: dict[str, str] | None,
     done_path: str | os.PathLike,
     autotune_jsons: Iterable[str | os.PathLike] = (),
+    locality_json: str | os.PathLike | None = None,
+    simulation_csv: str | os.PathLike | None = None,
 ) -> list[str]:
     """The ``track`` stage: log every (placement, batch size) to MLflow, then write ``done_path``
     (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` should carry
     ``commit`` and ``config_hash``; a missing ``commit`` is read from git."""
     bench_jsons, placement_jsons = list(bench_jsons), list(placement_jsons)
     if bench_jsons:
-        records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons)
+        records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons,
+                                       locality_json, simulation_csv)
     else:  # a model that is not decoded: its placements and their predictions
-        records = records_from_placements(placement_jsons, stats_json)
+        records = records_from_placements(placement_jsons, stats_json, locality_json, simulation_csv)
     tags = dict(tags or {})
     tags.setdefault("commit", git_commit())
     run_ids = log_runs(tracking_uri, experiment, records, tags)

@@ -4,6 +4,7 @@ def report_inputs(wildcards):
         "track": rules.track.output.done,
         "skew": rules.stats.output.skew,
         "coverage": rules.placement.output.coverage,
+        "cache": rules.cache.output.simulation,
     }
     if DECODES:
         inputs["gate"] = rules.parity_gate.output.gate

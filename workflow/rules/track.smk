@@ -19,6 +19,8 @@ def track_inputs(wildcards):
     inputs = {
         "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
         "skew": rules.stats.output.skew,
+        "locality": rules.stats.output.locality,
+        "cache": rules.cache.output.simulation,
     }
     if DECODES:
         inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)

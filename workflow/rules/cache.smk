@@ -1,0 +1,16 @@
+rule cache:
+    input:
+        manifest=model_inputs,
+        trace=rules.routing.output.trace,
+        histogram=rules.stats.output.histogram,
+        locality=rules.stats.output.locality,
+    output:
+        simulation=report(f"{RESULTS}/cache/{MODEL}/simulation.csv", caption="../../report/cache.rst", category="Cache"),
+        figure=report(f"{RESULTS}/cache/{MODEL}/locality.png", caption="../../report/cache.rst", category="Cache"),
+    log:
+        f"logs/cache/{MODEL}.log",
+    params:
+        cache=config["cache"],
+        placement=config["placement"],
+    script:
+        "../scripts/cache.py"
