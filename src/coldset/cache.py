@@ -796,3 +796,34 @@ def figure_locality(table: pd.DataFrame, locality: Mapping[str, Any] | None, met
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coldset.cache TRACE ...``: the simulation table of any trace, printed as CSV."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m coldset.cache", description=(
+        "Replay a trace's decode routing through the cache policies (warm from usage_global on the profile "
+        "selection, replay the held-out selection) and print simulation.csv's rows."))
+    ap.add_argument("trace")
+    ap.add_argument("--profile-domains", nargs="+", help="profile = these domains, every request (default: profile split)")
+    ap.add_argument("--replay-domains", nargs="+", help="replay = these domains, every request (default: heldout split)")
+    ap.add_argument("--heldout-fraction", type=float, default=0.25, help="hash split for traces without a split column")
+    ap.add_argument("--residency", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--bytes-per-expert", type=int, help="for link_gb_per_token (NaN without it)")
+    args = ap.parse_args(argv)
+    rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
+    L, E = meta.num_moe_layers, meta.num_experts
+    profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
+    replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
+    table = simulation_table(stream_from_frame(replay, L, E), counts_from_rows(profile, L, E), args.policies,
+                             args.residency, args.bytes_per_expert or 0)
+    if not args.bytes_per_expert:
+        table["link_gb_per_token"] = float("nan")
+    print(table.to_csv(index=False, float_format="%.6g"), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

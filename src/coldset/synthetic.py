@@ -16,6 +16,17 @@ present. Random weights route almost uniformly, so the weights here are built wi
   ``domain_affinity``) and ``g_e`` random (token-level spread, knob ``router_noise``).
 - Attention values read the domain directions and the outputs write them back, so each token's
   residual carries the domain mix of its context: decode tokens route like their prompt's domain.
+- Temporal structure (knobs ``temporal_gain``, ``temporal_continuity``, ``topic_context``,
+  ``temporal_dims``): real routers reuse experts from token to token because their input, the
+  hidden state, varies slowly within a request. Here ``temporal_dims`` *topic* directions carry a
+  latent ``z_t`` per token that is sticky along each domain's successor cycle, the order greedy
+  decode walks (below): a token keeps its predecessor's ``z`` with probability
+  ``temporal_continuity``, so decode runs through stretches of tokens that share a topic, which
+  drifts from stretch to stretch; attention carries the context's mean ``z`` (gain
+  ``topic_context``), a per-request topic that persists and drifts as tokens are generated; each
+  router reads the topic directions through a random per-layer expert-by-topic matrix (gain
+  ``temporal_gain``). ``temporal_gain = 0`` and ``topic_context = 0`` build the model without
+  topic directions (the routing of the generator before these knobs).
 - The LM head prefers tokens of the context's domain plus a random token-to-token term, so greedy
   decode wanders within a domain instead of repeating one token.
 
@@ -51,7 +62,12 @@ class SyntheticSpec:
     global popularity is, ``domain_affinity`` how strongly a domain pulls its own experts,
     ``router_noise`` the token-level spread; ``attention_context`` how much of the context's
     domain mix each token carries, ``qk_gain`` how peaked attention is, ``expert_gain`` the
-    scale of expert outputs.
+    scale of expert outputs. Temporal structure (module docstring): ``temporal_gain`` how much
+    the routers read the topic directions, ``temporal_continuity`` the probability that a
+    token shares its predecessor's topic latent along the decode walk (token-to-token
+    continuity), ``topic_context`` how much of the context's mean topic each token carries (the
+    per-request topic), ``temporal_dims`` the number of topic directions. Defaults are calibrated
+    against the shared Llama-4-Maverick trace (BENCHMARKS.md, issue 17).
     """
 
     layers: int = 6
@@ -64,15 +80,19 @@ class SyntheticSpec:
     head_dim: int = 64
     vocab_size: int = 4096
     seed: int = 0
-    zipf_exponent: float = 1.0
-    popularity_scale: float = 3.0
+    zipf_exponent: float = 1.2
+    popularity_scale: float = 10.0
     domain_affinity: float = 1.0
-    router_noise: float = 3.0
+    router_noise: float = 0.3
     attention_context: float = 1.0
     qk_gain: float = 1.0
     expert_gain: float = 0.25
     lm_domain_gain: float = 2.0
     lm_successor_gain: float = 6.0
+    temporal_gain: float = 12.0
+    temporal_continuity: float = 0.75
+    topic_context: float = 3.0
+    temporal_dims: int = 8
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
     # The model's vocabulary (embedding and LM-head rows) when it must be larger than the trained
@@ -295,6 +315,10 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError(f"SyntheticSpec.heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
     if spec.top_k > spec.experts:
         raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
+    if not 0.0 <= spec.temporal_continuity < 1.0:
+        raise ValueError(f"SyntheticSpec.temporal_continuity={spec.temporal_continuity} must be in [0, 1)")
+    if spec.temporal_gain < 0 or spec.topic_context < 0 or spec.temporal_dims < 1:
+        raise ValueError("SyntheticSpec.temporal_gain and topic_context must be >= 0, temporal_dims >= 1")
 
 
 def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None):
@@ -306,6 +330,31 @@ def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str
     tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
     vocab = p_tok.shape[0] if spec.model_vocab_size is None else int(spec.model_vocab_size)
     return ModelConfig.from_dict(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN)), source="synthetic spec")
+
+
+def _topic_dims(spec: SyntheticSpec) -> int:
+    """Topic directions in the hidden space: none when the temporal knobs are off."""
+    return int(spec.temporal_dims) if (spec.temporal_gain > 0 or spec.topic_context > 0) else 0
+
+
+def _topic_latents(spec: SyntheticSpec, vocab: int, dims: int, cycles: list[torch.Tensor]) -> torch.Tensor:
+    """``z [V, dims]`` float32 on the CPU (same numbers for every device), unit norm on average.
+
+    Along each successor cycle (``cycles``: token ids in walk order) the latent is sticky: a
+    token keeps its predecessor's ``z`` with probability ``temporal_continuity`` and draws a
+    fresh one otherwise, so greedy decode, which walks the cycle, sees runs of tokens (mean
+    length ``1 / (1 - temporal_continuity)``) that share a topic. Tokens off the cycles (padded
+    ids) draw their own. (An AR(1) latent with the same autocorrelation gives a lower lift: the
+    top-k of two similar router inputs overlaps less than that of two equal ones.)
+    """
+    gen = torch.Generator().manual_seed(spec.seed + 7919)
+    z = torch.randn(vocab, dims, generator=gen, dtype=torch.float64) / dims**0.5
+    for order in cycles:
+        fresh = torch.rand(len(order), generator=gen, dtype=torch.float64) >= spec.temporal_continuity
+        fresh[0] = True
+        start = order[torch.nonzero(fresh).flatten()]
+        z[order] = z[start[torch.cumsum(fresh.long(), 0) - 1]]
+    return z.float()
 
 
 @torch.no_grad()  # not inference_mode: the row map must keep a version counter
@@ -345,8 +394,11 @@ def build_synthetic_model(
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     cfg = ModelConfig.from_dict(_config(spec, V, eos_id), source="build_synthetic_model")
     H, E, I, D = spec.hidden, spec.experts, spec.moe_intermediate, spec.head_dim
-    if H < K + 8:
-        raise ValueError(f"SyntheticSpec.hidden={H} is too small for {K} domains")
+    n_t = _topic_dims(spec)
+    if H < K + n_t + 8:
+        raise ValueError(f"SyntheticSpec.hidden={H} is too small for {K} domains and {n_t} topic directions")
+    if D < K + n_t:
+        raise ValueError(f"SyntheticSpec.head_dim={D} is too small for {K} domains and {n_t} topic directions")
     f32 = dict(device=device, dtype=torch.float32)
     gen = torch.Generator(device=device).manual_seed(spec.seed)
 
@@ -354,7 +406,8 @@ def build_synthetic_model(
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
     basis, _ = torch.linalg.qr(randn(H, H))
-    u, dom, noise_basis = basis[:, 0], basis[:, 1:1 + K], basis[:, 1 + K:]
+    u, dom = basis[:, 0], basis[:, 1:1 + K]
+    topic, noise_basis = basis[:, 1 + K:1 + K + n_t], basis[:, 1 + K + n_t:]
     n_noise = noise_basis.shape[1]
 
     def noise_vectors(n):  # unit-norm-ish random vectors in the noise subspace
@@ -372,22 +425,28 @@ def build_synthetic_model(
         return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
 
     token_noise = noise_vectors(V)
-    # Scaled to RMS about 1 (norm about sqrt(H)), the scale every layer's output is on.
-    model.embed_tokens.weight = param((u[None, :] + 1.5 * p_centred @ dom.T + token_noise) * H**0.5 / 1.6)
-    model.norm.weight = param(torch.ones(H, **f32))
-    # LM head: prefer tokens of the hidden state's domain, and within it the current token's
-    # successor under a random cyclic order of each domain's tokens (row t' reads the noise of
-    # its predecessor), so greedy decode walks through a domain's tokens instead of looping.
-    # Cycles over tokenizer ids only; padded ids get their own random rows, which no token's
-    # state points at.
     cluster = p_tok.argmax(dim=1)
     predecessor = torch.arange(V)
     cpu_gen = torch.Generator().manual_seed(spec.seed)
+    cycles = []
     for k in range(K):
         members = torch.nonzero(cluster == k).flatten()
         if len(members) > 1:
             order = members[torch.randperm(len(members), generator=cpu_gen)]
             predecessor[order] = torch.roll(order, 1)
+            cycles.append(order)
+    embed = u[None, :] + 1.5 * p_centred @ dom.T + token_noise
+    if n_t:
+        embed += _topic_latents(spec, V, n_t, cycles).to(device) @ topic.T
+    # Scaled to RMS about 1 (norm about sqrt(H)), the scale every layer's output is on.
+    model.embed_tokens.weight = param(embed * H**0.5 / 1.6)
+    del embed
+    model.norm.weight = param(torch.ones(H, **f32))
+    # LM head: prefer tokens of the hidden state's domain, and within it the current token's
+    # successor under a random cyclic order of each domain's tokens (row t' reads the noise of
+    # its predecessor), so greedy decode walks through a domain's tokens instead of looping.
+    # Cycles over tokenizer ids only (drawn above); padded ids get their own random rows, which
+    # no token's state points at.
     succ_noise = token_noise[predecessor.to(device)]
     if V > v_tok:
         succ_noise[v_tok:] = noise_vectors(V - v_tok)
@@ -424,8 +483,10 @@ def build_synthetic_model(
         o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
         for g in range(nkv):
             v[g * D:g * D + K] = dom.T
+            v[g * D + K:g * D + K + n_t] = topic.T
         for h in range(nh):
             o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
+            o[:, h * D + K:h * D + K + n_t] = spec.topic_context * topic / (nh * spec.layers)
         attn.qkv_proj.weight = param(torch.cat([q, k, v]))
         attn.o_proj.weight = param(o)
         # Router: Zipf popularity along u, domain affinity along dom, token-level spread. The
@@ -437,7 +498,10 @@ def build_synthetic_model(
         affinity = randn(E, K)
         spread = randn(E, n_noise) @ noise_basis.T
         router = (spec.popularity_scale * popularity[:, None] * u[None, :]
-                  + spec.domain_affinity * affinity @ dom.T + spec.router_noise * spread) / H**0.5
+                  + spec.domain_affinity * affinity @ dom.T + spec.router_noise * spread)
+        if n_t:  # each expert's affinity to the topic directions (random per layer)
+            router += spec.temporal_gain * randn(E, n_t) @ topic.T
+        router /= H**0.5
         block.mlp.gate.weight = param(router)
         # Experts straight in the model dtype: w13 rows [:I] gate, [I:] up (as the loader stacks them).
         m = cfg.moe_layers.index(layer)
