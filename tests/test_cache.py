@@ -271,3 +271,31 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
     assert table.link_gb_per_token.iloc[0] == pytest.approx(
         table.misses_per_token.iloc[0] * expert_bytes(Shape()) / 1e9)
+
+
+def test_without_numba_the_same_source_runs_as_plain_python():
+    """Where numba is missing (the GPU host's image), the replay loops run uncompiled: same results."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import numpy as np\n"
+        "from coldset import cache\n"
+        "assert type(cache._replay_lru).__name__ == 'function'\n"
+        "rng = np.random.default_rng(2)\n"
+        "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
+        "s = cache.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
+        "print([int(cache.simulate(s, p, 5, prof).hits.sum()) for p in cache.POLICIES])\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": src})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 12, 300)
+    ptr = np.arange(0, 301, 3)
+    s = AccessStream(ids, ptr, 100, 2, 6)
+    prof = rng.random((2, 6))
+    assert out.stdout.strip() == str([int(simulate(s, p, 5, prof).hits.sum()) for p in POLICIES])

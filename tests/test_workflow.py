@@ -41,7 +41,7 @@ def workdir(tmp_path_factory):
 def test_dry_run_lists_the_pipeline(workdir):
     out = snakemake(workdir, "-n")
     assert out.returncode == 0, out.stderr
-    for rule in ("model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate",
+    for rule in ("model", "fixtures", "routing", "stats", "placement", "cache", "autotune", "parity", "parity_gate",
                  "bench", "track", "report"):
         assert f"rule {rule}:" in out.stdout + out.stderr
 

@@ -682,7 +682,7 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
 def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, model_config: Any,
               out_dir: str | os.PathLike, policies: Sequence[str] = POLICIES,
               residencies: Sequence[float] = (0.25, 0.5, 0.75, 1.0), profile_domains: Any = None, *,
-              phase: str = "decode", domain_weights: Any = None, weight_format: str = "bfloat16",
+              phase: str = "decode", domain_weights: Any = None, weight_format: str | None = None,
               heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
               figures: bool = True) -> dict[str, Path]:
     """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS`) and ``locality.png``.
@@ -690,7 +690,8 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     Warm pool = the ``usage_global`` hot set the placement stage chooses from the same histogram
     and profile (:func:`coldset.placement.profile_counts` with ``profile_domains``, ``phase``,
     ``domain_weights``); replay = the held-out split's decode rows of every domain. Link bytes use
-    placement's byte model (:func:`coldset.placement.expert_bytes` in ``weight_format``). The
+    placement's byte model (:func:`coldset.placement.expert_bytes` in ``weight_format``, by default
+    the model's own expert format, as the placement stage does). The
     figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates.
     """
     from coldset.files import atomic_path

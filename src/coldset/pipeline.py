@@ -666,9 +666,18 @@ def track(config: dict, **_) -> None:
         tags=tags,
         done_path=layout.track_done,
         autotune_jsons=[layout.autotune] if decoded else [],
-        locality_json=layout.stats_dir / "locality.json",
-        simulation_csv=layout.cache_dir / "simulation.csv",
+        locality_json=_optional_input(layout.stats_dir / "locality.json", "stats"),
+        simulation_csv=_optional_input(layout.cache_dir / "simulation.csv", "cache"),
     )
+
+
+def _optional_input(path: Path, stage: str) -> Path | None:
+    """A file of a stage that ``python -m coldset`` flows may not have run (gpu-stages runs no
+    cache stage): absent = its metrics are not logged, with a warning naming the stage to run."""
+    if path.is_file():
+        return path
+    log.warning("%s not found: its metrics are not logged (run the %s stage first)", path, stage)
+    return None
 
 
 def report(config: dict, **_) -> None:

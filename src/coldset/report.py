@@ -1031,6 +1031,8 @@ def _routing_provenance(bench: list, locality: dict | None, skew) -> str:
     if "trace" in sources:
         parts.append("routing replayed from a recorded trace (bench.routing_trace)")
     return "; ".join(parts)
+
+
 def _provenance_line(bench: list[BenchResult]) -> str:
     """The header's "what measured this" line from the bench files' provenance (written on the
     measuring machine), each distinct value once; never this machine's state."""

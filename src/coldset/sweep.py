@@ -184,7 +184,7 @@ def run_sweep(config: dict) -> Path:
     configs = model_configs(config)
     for name, cfg in configs.items():
         skipped = pipeline.skipped_stages(cfg)
-        stages = ["model"] + ([] if cfg["routing"]["trace"] else ["fixtures"]) + ["routing", "stats", "placement"]
+        stages = ["model"] + ([] if cfg["routing"]["trace"] else ["fixtures"]) + ["routing", "stats", "placement", "cache"]
         stages += [s for s in ("autotune", "parity", "parity_gate", "bench") if s not in skipped] + ["track"]
         for stage in stages:
             pipeline.run_stage(stage, cfg)

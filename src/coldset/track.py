@@ -472,7 +472,8 @@ def records_from_results(
 
 
 def records_from_placements(
-    placement_jsons: Iterable[str | os.PathLike], stats_json: str | os.PathLike
+    placement_jsons: Iterable[str | os.PathLike], stats_json: str | os.PathLike,
+    locality_json: str | os.PathLike | None = None, simulation_csv: str | os.PathLike | None = None,
 ) -> list[RunRecord]:
     """For a model that is not decoded (a shape-only model: config.json and a trace), one
     ``RunRecord`` per (placement, predicted batch size) with the placement's coverage and the speed
@@ -480,6 +481,8 @@ def records_from_placements(
     ``predicted_step_ms_{preset}`` and ``predicted_step_ms_sum_{preset}``) instead of measurements."""
     stats_json = Path(stats_json)
     skew_metrics = _skew_metrics(stats_json)
+    skew_metrics.update(_locality_metrics(None if locality_json is None else Path(locality_json)))
+    cache_metrics = _cache_metrics(None if simulation_csv is None else Path(simulation_csv))
     records: list[RunRecord] = []
     for path in placement_jsons:
         pl = load_placement_summary(path)
@@ -495,6 +498,7 @@ def records_from_placements(
                 metrics[f"predicted_step_ms_{p['preset']}"] = p["step_ms_lower"]
                 metrics[f"predicted_step_ms_sum_{p['preset']}"] = p["step_ms_sum"]
             metrics.update(skew_metrics)
+            metrics.update(cache_metrics.get(canonical_residency(pl.residency), {}))
             records.append(RunRecord(
                 model=pl.model, policy=pl.policy, residency=pl.residency, batch_size=bs,
                 params={"model": pl.model, "policy": pl.policy, "residency": canonical_residency(pl.residency),
@@ -636,7 +640,7 @@ def run_track(
         records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons,
                                        locality_json, simulation_csv)
     else:  # a model that is not decoded: its placements and their predictions
-        records = records_from_placements(placement_jsons, stats_json)
+        records = records_from_placements(placement_jsons, stats_json, locality_json, simulation_csv)
     tags = {k: v for k, v in (tags or {}).items() if k != "commit"}
     run_ids = log_runs(tracking_uri, experiment, records, tags)
     write_json(done_path, {
