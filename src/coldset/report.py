@@ -967,6 +967,21 @@ def _autotune_rows(results_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
+def _manifest_shape(results_dir: Path, model: str) -> dict[str, str] | None:
+    """A shape-only model's shape as the model stage recorded it (``coldset.shapes.describe``),
+    or None for a model the engine decodes (its manifest holds no ``shape``)."""
+    from coldset.shapes import MoEShape, describe
+
+    path = results_dir / "model" / model / "manifest.json"
+    if not path.is_file():
+        return None
+    doc = read_json(path)
+    if not isinstance(doc, dict) or not doc.get("shape"):
+        return None
+    d = describe(MoEShape.from_dict(doc["shape"], f"{path} shape"))
+    return {k: _fmt(v) for k, v in d.items()}
+
+
 def render_report(
     results_dir: str | os.PathLike,
     out_html: str | os.PathLike,
@@ -1008,6 +1023,7 @@ def render_report(
     skew = load_skew(stats_dir / "skew.json")
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
     skipped = dict(skipped or {})
+    shape = _manifest_shape(results_dir, model)
     parity = [] if "parity" in skipped else [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
     bench = [] if "bench" in skipped else [
         b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
@@ -1162,6 +1178,7 @@ def render_report(
         coverage_tables=coverage_tables,
         batch_sizes=batch_sizes,
         skipped=skipped,
+        shape=shape,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)
