@@ -28,10 +28,18 @@ include: "workflow/rules/autotune.smk"
 include: "workflow/rules/parity.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/track.smk"
-include: "workflow/rules/report.smk"
+
+
+if SWEEPING:  # models: every model's stages, then one report comparing them
+
+    include: "workflow/rules/sweep.smk"
+
+else:
+
+    include: "workflow/rules/report.smk"
 
 
 rule all:
     input:
-        LAYOUT.report,
+        comparison_path(config) if SWEEPING else LAYOUT.report,
     default_target: True

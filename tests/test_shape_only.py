@@ -96,6 +96,7 @@ def test_report_end_to_end_skips_decoding_stages(run):
     html = (wd / "results" / "report" / "index.html").read_text()
     assert 'id="skipped"' in html and "<b>bench</b>" in html and "<b>parity</b>" in html
     assert "not one the embedded engine runs" in html
+    assert 'id="model-shape"' in html and "bytes_per_expert <b>98328</b>" in html  # 3*256*128 + 6 fp32 scales
     assert 'id="bench-table"' not in html and 'data-section="parity"' not in html
     for stage in ("parity", "bench", "autotune"):
         assert not (wd / "results" / stage).exists()

@@ -179,3 +179,19 @@ def test_missing_and_broken_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ShapeError, match="not valid JSON"):
         read_shape(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_trace_only_example_configs_validate(name):
+    """Every family's copyable example validates and points at its shape, which is shape-only."""
+    import yaml
+
+    from coldset.config import validate_config
+    from coldset.pipeline import skipped_stages
+
+    repo = EXAMPLES.parents[2]
+    cfg = validate_config(yaml.safe_load((repo / "config" / "examples" / "trace-only" / f"{name}.yaml").read_text()))
+    assert cfg["model"]["name"] == name and cfg["routing"]["trace"] == f"exports/{name}/"
+    cfg["model"]["path"] = str(repo / cfg["model"]["path"])
+    assert read_shape(cfg["model"]["path"]) == read_shape(EXAMPLES / name)
+    assert set(skipped_stages(cfg)) == {"autotune", "parity", "parity_gate", "bench"}

@@ -81,3 +81,34 @@ def test_sweep_of_two_trace_only_models(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["coldset"])
     assert sorted(set(runs["tags.model"])) == ["l4", "v3"]
+
+
+def test_snakemake_expands_models_as_a_wildcard(tmp_path):
+    """The rules run each model of models: (its own trace and shape) and one comparison report."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for name, raw in (("v3", V3), ("l4", L4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    trace(tmp_path / "v3.parquet", "v3", 3, [1, 2], 8, 2, 0)
+    trace(tmp_path / "l4.parquet", "l4", 4, [1, 3], 16, 1, 1)
+    (tmp_path / "sweep.yaml").write_text(
+        "models:\n  v3: {path: v3, trace: v3.parquet}\n  l4: {path: l4, trace: l4.parquet}\n"
+        "placement: {policies: [usage_global], residency: [0.5, 1.0]}\n")
+    exe = Path(sys.executable).with_name("snakemake")
+    done = subprocess.run([str(exe), "-s", str(repo / "Snakefile"), "--configfile", "sweep.yaml", "--cores", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(repo / "src")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    html = (tmp_path / "results" / "report" / "models.html").read_text()
+    assert "2 models compared" in html
+    for name, experts in (("v3", 8), ("l4", 16)):
+        runs = json.loads((tmp_path / "results" / "track" / f"{name}.done").read_text())["runs"]
+        assert sorted(runs) == [f"{name}/usage_global/0.5/1", f"{name}/usage_global/1.0/1"]
+        manifest = json.loads((tmp_path / "results" / "model" / name / "manifest.json").read_text())
+        assert manifest["shape"]["num_experts"] == experts  # each model's own shape
+    assert not (tmp_path / "results" / "bench").exists()

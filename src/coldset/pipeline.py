@@ -688,8 +688,15 @@ def report(config: dict, **_) -> None:
                   skipped=skipped_stages(config))
 
 
+def report_models(config: dict, **_) -> None:
+    """``models:``: the report comparing every model (``results/report/models.html``)."""
+    from coldset.sweep import comparison_path, model_configs, render_comparison
+
+    render_comparison(model_configs(config), comparison_path(config))
+
+
 STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, cache, autotune, parity,
-                                  parity_gate, bench, track, report)}
+                                  parity_gate, bench, track, report, report_models)}
 GPU_STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate", "bench"]
 
 
@@ -719,8 +726,14 @@ def run_from_snakemake(smk, name: str) -> None:
     import torch
 
     torch.set_num_threads(max(1, int(smk.threads)))
+    config = smk.config
+    model = getattr(smk.wildcards, "model", None)
+    if config.get("models") and model is not None:  # a sweep: this job's model's own config
+        from coldset.sweep import model_configs
+
+        config = model_configs(config)[model]
     try:
-        run_stage(name, smk.config)
+        run_stage(name, config)
     except Exception:
         log.exception("stage %s failed", name)
         raise

@@ -1069,6 +1069,21 @@ def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[di
     return rows
 
 
+def _manifest_shape(results_dir: Path, model: str) -> dict[str, str] | None:
+    """A shape-only model's shape as the model stage recorded it (``coldset.shapes.describe``),
+    or None for a model the engine decodes (its manifest holds no ``shape``)."""
+    from coldset.shapes import MoEShape, describe
+
+    path = results_dir / "model" / model / "manifest.json"
+    if not path.is_file():
+        return None
+    doc = read_json(path)
+    if not isinstance(doc, dict) or not doc.get("shape"):
+        return None
+    d = describe(MoEShape.from_dict(doc["shape"], f"{path} shape"))
+    return {k: _fmt(v) for k, v in d.items()}
+
+
 def render_report(
     results_dir: str | os.PathLike,
     out_html: str | os.PathLike,
@@ -1110,6 +1125,7 @@ def render_report(
     skew = load_skew(stats_dir / "skew.json")
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
     skipped = dict(skipped or {})
+    shape = _manifest_shape(results_dir, model)
     parity = [] if "parity" in skipped else [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
     bench = [] if "bench" in skipped else [
         b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
@@ -1285,6 +1301,7 @@ def render_report(
         provenance_line=provenance_line,
         prompt_split=prompt_split,
         split_rows=split_rows,
+        shape=shape,
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 def routing_inputs(wildcards):
     """An imported trace needs only its file; a capture needs the model and the fixtures."""
-    if config["routing"]["trace"]:
-        return {"trace": config["routing"]["trace"]}  # checked against model.path when set
+    trace = model_cfg(wildcards)["routing"]["trace"]
+    if trace:
+        return {"trace": trace}  # checked against model.path when set
     return {
-        "manifest": model_inputs(),
+        "manifest": model_inputs(wildcards),
         "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
     }
 

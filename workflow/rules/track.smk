@@ -9,23 +9,26 @@ from snakemake.logging import logger
 
 from coldset.track import done_is_stale
 
-if (_why := done_is_stale(LAYOUT.track_done)) is not None:
-    logger.warning(f"{LAYOUT.track_done}: {_why}; the track stage will run again to recreate the runs")
-    os.utime(LAYOUT.track_done, (0, 0))
+for _model in MODELS:
+    _done = Layout(Path(RESULTS), _model).track_done
+    if (_why := done_is_stale(_done)) is not None:
+        logger.warning(f"{_done}: {_why}; the track stage will run again to recreate the runs")
+        os.utime(_done, (0, 0))
 
 
 def track_inputs(wildcards):
     """Bench, parity and autotune results when the model is decoded; placements and stats always."""
+    m = model_name(wildcards)
     inputs = {
-        "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        "skew": rules.stats.output.skew,
-        "locality": rules.stats.output.locality,
-        "cache": rules.cache.output.simulation,
+        "placement": expand(f"{RESULTS}/placement/{m}/{{placement}}.json", placement=PLACEMENTS),
+        "skew": concrete(rules.stats.output.skew, wildcards),
+        "locality": concrete(rules.stats.output.locality, wildcards),
+        "cache": concrete(rules.cache.output.simulation, wildcards),
     }
-    if DECODES:
-        inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["parity"] = expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["autotune"] = rules.autotune.output.entry
+    if decodes(wildcards):
+        inputs["bench"] = expand(f"{RESULTS}/bench/{m}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["parity"] = expand(f"{RESULTS}/parity/{m}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["autotune"] = concrete(rules.autotune.output.entry, wildcards)
     return inputs
 
 

@@ -1,0 +1,12 @@
+# models: one report comparing every model (coldset.sweep.render_comparison); each model's own
+# stages are the per-model rules with the model as a wildcard.
+rule report_models:
+    input:
+        track=expand(f"{RESULTS}/track/{{model}}.done", model=MODELS),
+        coverage=expand(f"{RESULTS}/placement/{{model}}/coverage.csv", model=MODELS),
+    output:
+        html=report(str(comparison_path(config)), caption="../../report/report.rst", category="Report"),
+    log:
+        "logs/report_models/models.log",
+    script:
+        "../scripts/report_models.py"

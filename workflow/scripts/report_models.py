@@ -1,0 +1,5 @@
+"""Snakemake script of the `report_models` rule: thin, the work is coldset.pipeline.report_models."""
+
+from coldset.pipeline import run_from_snakemake
+
+run_from_snakemake(snakemake, "report_models")  # noqa: F821 (snakemake is injected)
