@@ -90,10 +90,14 @@ def main() -> int:
     config = load_config(args.config)
     dev = torch.device("cuda")
     R: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "config": args.config,
-               "router": "synthetic generator before issue 17 (old temporal locality)", "rows": [], "checks": {}}
+               "rows": [], "checks": {}}
     fails: list[str] = []
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
+    # Which routing these numbers are measured on (issue 17): the synthetic router and its temporal knobs.
+    R["router"] = (f"synthetic router (temporal_gain {spec.temporal_gain}, temporal_continuity "
+                   f"{spec.temporal_continuity}, topic_context {spec.topic_context}; its lift: "
+                   "scripts/locality_calibrate.py on the same config)")
     fx = config["fixtures"]
     texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
     model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
