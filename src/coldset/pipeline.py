@@ -481,17 +481,24 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     # so the comparison stays like for like); on a busy 2-core CPU that halved the decode time.
     batch = pc["batch_size"] or len(prompts)
     tuned = _tuned(config)
-    reference = gate.reference_decode(engine, prompts, pc["max_new_tokens"], batch, tuned=tuned)
+    # The unmodified path is decoded once per batch size in use: a dynamic placement decodes at most
+    # as many prompts at once as its slots hold one step's selections for (coldset.slots), and the
+    # comparison is like for like only at the same batch size (the kernel's launch depends on it).
+    references: dict[int, object] = {}
     host = _host_tier(config)
     for name in names:
         pl = loaded[name]
-        cache = _slot_cache(engine, host, pl, batch)
+        b = batch if not pl.dynamic else max(1, min(batch, int((pl.row_map >= 0).sum()) // engine.config.top_k))
+        if b not in references:
+            references[b] = gate.reference_decode(engine, prompts, pc["max_new_tokens"], b, tuned=tuned)
+        reference = references[b]
+        cache = _slot_cache(engine, host, pl, b)
         pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
-        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], batch, tuned=tuned, cache=cache)
+        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=tuned, cache=cache)
         if cache is not None:
             cache.check()  # the row map and the slot owners still agree after every decision
         result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
-        log.info("parity %s: %d/%d tokens match, max |dlogit| %.3g", name, result.tokens_matched,
+        log.info("parity %s (batch %d): %d/%d tokens match, max |dlogit| %.3g", name, b, result.tokens_matched,
                  result.tokens_total, result.max_abs_logit_diff)
         write_json(layout.parity(*name.rsplit("-", 1)), {**result.to_dict(), "fingerprint": fingerprints[name]})
         del pools
