@@ -20,6 +20,11 @@ def track_inputs(wildcards):
         "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
         "skew": rules.stats.output.skew,
     }
+    # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
+    # fixtures where the workflow generates them
+    inputs["trace"] = rules.routing.output.trace
+    if DECODES or not config["routing"]["trace"]:
+        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
     if DECODES:
         inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
         inputs["parity"] = expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
