@@ -465,8 +465,11 @@ def records_from_placements(
 # The parent run: one per workflow invocation of a model
 # ----------------------------------------------------------------------------------------------
 
-# MLflow 3 records an experiment's kind; the UI opens a "genai_development" (or unknown, inferred)
-# experiment on its traces overview, a "custom_model_development" one on its runs table.
+# MLflow 3 records an experiment's kind in this tag. The 3.17 UI, though, takes the kind from its
+# global GenAI / machine-learning switch (the sidebar, remembered per browser, default GenAI, which
+# opens an experiment on its traces overview) or from the URL's ``workflowType``: the links we
+# hand out (``experiment_link``, ``share_comparison_view``) carry workflowType=machine_learning.
+UI_WORKFLOW = "workflowType=machine_learning"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 BENCH_TABLE = "bench_rows.json"
@@ -608,8 +611,8 @@ def _same_float(a: float, b: float) -> bool:
 
 
 def mark_experiment_kind(client, experiment_id: str) -> None:
-    """Tag the experiment as custom model development, so ``mlflow ui`` opens it on its runs table
-    (not the GenAI traces overview). Two trackers racing to set it is harmless."""
+    """Record the experiment's kind (custom model development: runs, not GenAI traces) in MLflow's
+    own tag. Two trackers racing to set it is harmless."""
     exp = client.get_experiment(experiment_id)
     if exp.tags.get(EXPERIMENT_KIND_TAG) == EXPERIMENT_KIND:
         return
@@ -618,6 +621,37 @@ def mark_experiment_kind(client, experiment_id: str) -> None:
     except Exception:  # a concurrent tracker inserted the same tag first
         if client.get_experiment(experiment_id).tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
             raise
+
+
+COMPARISON_VIEW = "coldset-compare"
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+# The README's comparison: where one more GiB of experts in HBM buys the most decode speed.
+COMPARISON_COLUMNS = ("params.`policy`", "params.`residency`", "params.`batch_size`",
+                      "metrics.`hbm_expert_gib`", "metrics.`tok_s`", "metrics.`tok_s_per_gib`")
+
+
+def share_comparison_view(client, experiment_id: str) -> str:
+    """Save the README's comparison (columns policy, residency, batch_size, hbm_expert_gib, tok_s,
+    tok_s_per_gib; batch size 1; sorted by tok_s_per_gib) as a shared view of the experiment, the
+    way the UI's "Share" does (an experiment tag ``mlflow.sharedViewState.<key>`` holding the view
+    state as JSON). Returns the UI route that opens it."""
+    import json
+
+    state = {
+        "searchFilter": "params.batch_size = '1'",
+        "orderByKey": "metrics.`tok_s_per_gib`",
+        "orderByAsc": False,
+        "selectedColumns": list(COMPARISON_COLUMNS),
+    }
+    tag = SHARED_VIEW_TAG_PREFIX + COMPARISON_VIEW
+    value = json.dumps(state)
+    if client.get_experiment(experiment_id).tags.get(tag) != value:
+        try:
+            client.set_experiment_tag(experiment_id, tag, value)
+        except Exception:  # a concurrent tracker wrote it first
+            if client.get_experiment(experiment_id).tags.get(tag) != value:
+                raise
+    return f"#/experiments/{experiment_id}/runs?{UI_WORKFLOW}&viewStateShareKey={COMPARISON_VIEW}"
 
 
 def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dict[str, str],
@@ -736,6 +770,7 @@ class TrackedRuns:
     experiment_id: str
     parent_id: str | None
     run_ids: list[str]  # the children, in record order
+    comparison_view: str  # UI route of the README's comparison (``share_comparison_view``)
 
 
 def log_runs(
@@ -759,6 +794,7 @@ def log_runs(
     experiment_id = ensure_store(tracking_uri, experiment)
     client = _client(tracking_uri)
     mark_experiment_kind(client, experiment_id)
+    view = share_comparison_view(client, experiment_id)
     common_tags = {str(k): str(v) for k, v in (tags or {}).items() if v is not None}
     if "commit" in common_tags:
         common_tags.setdefault("mlflow.source.git.commit", common_tags["commit"])
@@ -789,7 +825,7 @@ def log_runs(
         run_ids.append(run_id)
     if parent_id is not None:
         client.set_terminated(parent_id, "FINISHED")
-    return TrackedRuns(experiment_id=experiment_id, parent_id=parent_id, run_ids=run_ids)
+    return TrackedRuns(experiment_id=experiment_id, parent_id=parent_id, run_ids=run_ids, comparison_view=view)
 
 
 def _progress(items: Sequence, desc: str):
@@ -812,9 +848,9 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str:
         return "unknown"
 
 
-def runs_table_path(experiment_id: str) -> str:
-    """The UI route of the experiment's runs table (append to the server's address)."""
-    return f"#/experiments/{experiment_id}/runs"
+def experiment_link(experiment_id: str) -> str:
+    """The UI route that opens the experiment on its runs table (append to the server's address)."""
+    return f"#/experiments/{experiment_id}?{UI_WORKFLOW}"
 
 
 def run_track(
@@ -833,10 +869,10 @@ def run_track(
     """The ``track`` stage: one parent run for this invocation (``invocation_id`` of the config
     hash and ``results_dir``, default the folder above ``done_path``'s), a child per (placement,
     batch size), then ``done_path`` (JSON: tracking URI, experiment and its id, the parent's run
-    id, run key -> child run id, the UI route of the runs table) written atomically. Returns the
-    children's run ids. Without bench results (a model that is not decoded) the children come
-    from the placements and their predictions. ``tags`` should carry ``commit`` and
-    ``config_hash``; a missing ``commit`` is read from git."""
+    id, run key -> child run id, the UI routes of the experiment and of the README's comparison)
+    written atomically. Returns the children's run ids. Without bench results (a model that is
+    not decoded) the children come from the placements and their predictions. ``tags`` should
+    carry ``commit`` and ``config_hash``; a missing ``commit`` is read from git."""
     autotune_paths = [Path(p) for p in autotune_jsons]
     bench_jsons, placement_jsons = list(bench_jsons), list(placement_jsons)
     if bench_jsons:
@@ -855,12 +891,14 @@ def run_track(
         "tracking_uri": tracking_uri,
         "experiment": experiment,
         "experiment_id": tracked.experiment_id,
-        "runs_table": runs_table_path(tracked.experiment_id),
+        "experiment_link": experiment_link(tracked.experiment_id),
+        "comparison_view": tracked.comparison_view,
         "parent_run_id": tracked.parent_id,
         "runs": {rec.run_key: run_id for rec, run_id in zip(records, tracked.run_ids)},
     })
     print(f"MLflow: {len(records)} runs under parent {tracked.parent_id} in experiment {experiment!r}; "
-          f"runs table: <server>/{runs_table_path(tracked.experiment_id)}", file=sys.stderr)
+          f"open <server>/{experiment_link(tracked.experiment_id)}, the README's comparison at "
+          f"<server>/{tracked.comparison_view}", file=sys.stderr)
     return tracked.run_ids
 
 
