@@ -11,5 +11,7 @@ rule autotune:
         autotune=config["autotune"],
     resources:
         gpu=1,
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/autotune.py"

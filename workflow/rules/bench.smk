@@ -21,5 +21,7 @@ rule bench:
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/bench.py"

@@ -30,3 +30,13 @@ DECODES = not SKIPPED
 def model_inputs(wildcards=None):
     """The model stage's manifest: every model-reading rule depends on it."""
     return LAYOUT.model_dir / "manifest.json"
+
+
+def routing_inputs(wildcards):
+    """An imported trace needs only its file; a capture needs the model and the fixtures."""
+    if config["routing"]["trace"]:
+        return {"trace": config["routing"]["trace"]}  # checked against model.path when set
+    return {
+        "manifest": model_inputs(),
+        "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+    }

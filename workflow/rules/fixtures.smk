@@ -5,5 +5,7 @@ rule fixtures:
         "logs/fixtures/fixtures.log",
     params:
         fixtures=config["fixtures"],
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/fixtures.py"

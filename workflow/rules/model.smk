@@ -6,5 +6,7 @@ rule model:
     params:
         model=config["model"],
         fixtures=config["fixtures"],  # the synthetic model learns its domains from the fixtures' text
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/model.py"

@@ -20,6 +20,8 @@ rule parity:
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/parity.py"
 
@@ -37,5 +39,7 @@ rule parity_gate:
         gate=f"{RESULTS}/parity/{MODEL}/gate.json",
     log:
         f"logs/parity_gate/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/parity_gate.py"

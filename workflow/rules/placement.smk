@@ -12,5 +12,7 @@ rule placement:
         f"logs/placement/{MODEL}.log",
     params:
         placement=config["placement"],
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/placement.py"

@@ -1,13 +1,3 @@
-def routing_inputs(wildcards):
-    """An imported trace needs only its file; a capture needs the model and the fixtures."""
-    if config["routing"]["trace"]:
-        return {"trace": config["routing"]["trace"]}  # checked against model.path when set
-    return {
-        "manifest": model_inputs(),
-        "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
-    }
-
-
 rule routing:
     input:
         unpack(routing_inputs),
@@ -20,5 +10,7 @@ rule routing:
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/routing.py"

@@ -11,5 +11,7 @@ rule stats:
         f"logs/stats/{MODEL}.log",
     params:
         stats=config["stats"],
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/stats.py"

@@ -41,5 +41,7 @@ rule track:
         f"logs/track/{MODEL}.log",
     params:
         tracking=config["tracking"],
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/track.py"
