@@ -1,7 +1,7 @@
 """Checks of the SLURM CI step (.ci/slurm): the job table, and the SLURM run's results against the
 local run's. Usage: slurm_check.py JOBS_TXT RESULTS_LOCAL RESULTS_SLURM, where JOBS_TXT is
-`squeue --states=all -h -o '%i|%k|%T|%M|%b'` (job id, comment rule_{rule}..., state, elapsed,
-GRES per node). Prints the job table and the comparison; exits non-zero naming what differs."""
+`squeue --states=all -h -O JobID,Comment,State,TimeUsed,tres-per-job` (job id, comment
+rule_{rule}..., state, elapsed, TRES per job: gres:gpu:1 or N/A), whitespace-separated. Prints the job table and the comparison; exits non-zero naming what differs."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ CPU_RULES = {"model", "fixtures", "stats", "placement", "parity_gate", "track", 
 
 def main(jobs_txt: str, local: str, slurm: str) -> int:
     errors: list[str] = []
-    rows = [line.split("|") for line in Path(jobs_txt).read_text().splitlines() if line.strip()]
-    print(f"{'rule':<12} {'job id':>6} {'state':<10} {'elapsed':>8}  gres")
+    rows = [line.split() for line in Path(jobs_txt).read_text().splitlines() if line.strip()]
+    print(f"{'rule':<12} {'job id':>6} {'state':<10} {'elapsed':>8}  TRES per job")
     by_rule: dict[str, list[list[str]]] = {}
     for job_id, comment, state, elapsed, gres in sorted(rows, key=lambda r: int(r[0])):
         rule = comment.removeprefix("rule_").split("_wildcards_")[0]
