@@ -40,3 +40,35 @@ def routing_inputs(wildcards):
         "manifest": model_inputs(),
         "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
     }
+
+
+# Input functions of the track and report rules (here: `snakemake --lint` wants rules and
+# functions in separate files).
+def track_inputs(wildcards):
+    """Bench, parity and autotune results when the model is decoded; placements and stats always."""
+    inputs = {
+        "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
+        "skew": rules.stats.output.skew,
+    }
+    # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
+    # fixtures where the workflow generates them
+    inputs["trace"] = rules.routing.output.trace
+    if DECODES or not config["routing"]["trace"]:
+        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
+    if DECODES:
+        inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["parity"] = expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["autotune"] = rules.autotune.output.entry
+    return inputs
+
+
+def report_inputs(wildcards):
+    """The parity gate only when the model is decoded (a shape-only model skips it, DECODES)."""
+    inputs = {
+        "track": rules.track.output.done,
+        "skew": rules.stats.output.skew,
+        "coverage": rules.placement.output.coverage,
+    }
+    if DECODES:
+        inputs["gate"] = rules.parity_gate.output.gate
+    return inputs

@@ -14,24 +14,6 @@ if (_why := done_is_stale(LAYOUT.track_done)) is not None:
     os.utime(LAYOUT.track_done, (0, 0))
 
 
-def track_inputs(wildcards):
-    """Bench, parity and autotune results when the model is decoded; placements and stats always."""
-    inputs = {
-        "placement": expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.json", placement=PLACEMENTS),
-        "skew": rules.stats.output.skew,
-    }
-    # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
-    # fixtures where the workflow generates them
-    inputs["trace"] = rules.routing.output.trace
-    if DECODES or not config["routing"]["trace"]:
-        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
-    if DECODES:
-        inputs["bench"] = expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["parity"] = expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["autotune"] = rules.autotune.output.entry
-    return inputs
-
-
 rule track:
     input:
         unpack(track_inputs),
