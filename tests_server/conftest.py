@@ -116,7 +116,7 @@ def mlflow_server(postgres, tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # 15-20 s on an idle machine; minutes when loaded
         while True:
             try:
                 get_json(f"{url}/api/2.0/mlflow/experiments/search?max_results=1")
