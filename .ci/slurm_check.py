@@ -5,11 +5,36 @@ rule_{rule}..., state, elapsed, TRES per job: gres:gpu:1 or N/A), whitespace-sep
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 GPU_RULES = {"routing", "autotune", "parity", "bench"}
 CPU_RULES = {"model", "fixtures", "stats", "placement", "parity_gate", "track", "report"}
+
+
+def _without_model_digest(doc):
+    """A parity report or gate with the model manifest's digest taken out of its fingerprints:
+    the manifest records the checkpoint's path and file mtimes, so it differs between any two
+    result trees by construction; the checkpoint files themselves are compared byte for byte."""
+    if isinstance(doc, dict):
+        out = {}
+        for k, v in doc.items():
+            if k == "fingerprint" and isinstance(v, dict):
+                v = {kk: vv for kk, vv in v.items() if kk != "model"}
+            elif k == "fingerprints" and isinstance(v, dict):
+                v = {name: {kk: vv for kk, vv in fp.items() if kk != "model"} for name, fp in v.items()}
+            out[k] = _without_model_digest(v)
+        return out
+    if isinstance(doc, list):
+        return [_without_model_digest(v) for v in doc]
+    return doc
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a.suffix == ".json" and a.parent.parent.name == "parity":
+        return _without_model_digest(json.loads(a.read_text())) == _without_model_digest(json.loads(b.read_text()))
+    return a.read_bytes() == b.read_bytes()
 
 
 def main(jobs_txt: str, local: str, slurm: str) -> int:
@@ -35,12 +60,16 @@ def main(jobs_txt: str, local: str, slurm: str) -> int:
     if extra:
         errors.append(f"unexpected SLURM jobs for rules {sorted(extra)}")
 
-    # the same files, byte for byte: placements (JSON and row maps), parity reports, the gate
+    # the same files: the synthetic checkpoint and the placements (JSON and row maps) byte for byte,
+    # the parity reports and the gate as JSON without the manifest digest (_without_model_digest)
     local_root, slurm_root = Path(local), Path(slurm)
     compared = 0
-    for stage in ("placement", "parity"):
-        local_files = sorted(p.relative_to(local_root) for p in (local_root / stage).rglob("*") if p.is_file())
-        slurm_files = sorted(p.relative_to(slurm_root) for p in (slurm_root / stage).rglob("*") if p.is_file())
+    for stage in ("model", "placement", "parity"):
+        def files(root: Path) -> list[Path]:
+            return sorted(p.relative_to(root) for p in (root / stage).rglob("*")
+                          if p.is_file() and p.name != "manifest.json")
+
+        local_files, slurm_files = files(local_root), files(slurm_root)
         if not local_files:
             errors.append(f"local run wrote no {stage} files")
         if local_files != slurm_files:
@@ -48,12 +77,12 @@ def main(jobs_txt: str, local: str, slurm: str) -> int:
                           f"SLURM only {sorted(set(slurm_files) - set(local_files))}")
         for rel in sorted(set(local_files) & set(slurm_files)):
             compared += 1
-            if (local_root / rel).read_bytes() != (slurm_root / rel).read_bytes():
+            if not _same(local_root / rel, slurm_root / rel):
                 errors.append(f"{rel}: differs between the local and the SLURM run")
     for rel in ("report/index.html",):
         if not (slurm_root / rel).is_file():
             errors.append(f"SLURM run has no {rel}")
-    print(f"compared {compared} placement/parity files: "
+    print(f"compared {compared} model/placement/parity files: "
           f"{'identical' if not any('differs' in e for e in errors) else 'DIFFERENT'}")
     for e in errors:
         print(f"FAIL: {e}", file=sys.stderr)
