@@ -31,6 +31,6 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         LAYOUT.report,
-    default_target: True

@@ -7,9 +7,11 @@ from coldset.config import Layout, check_config, residency_label
 from coldset.pipeline import skipped_stages
 
 if config.get("models"):
-    raise ValueError("config sets models: (a sweep over models); the rules run one model: run "
-                     "`python -m coldset sweep --config FILE` (every model, then results/report/models.html), "
-                     "or give one model: section per snakemake run")
+    raise ValueError(
+        "config sets models: (a sweep over models); the rules run one model: run "
+        "`python -m coldset sweep --config FILE` (every model, then results/report/models.html), "
+        "or give one model: section per snakemake run"
+    )
 
 # Cross-field and file checks before any job starts: a job that fails on a setting has already
 # had its old outputs deleted by Snakemake (config/schema.yaml holds the rest).

@@ -3,9 +3,9 @@ rule fixtures:
         expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
     log:
         "logs/fixtures/fixtures.log",
-    params:
-        fixtures=config["fixtures"],
     conda:
         "../envs/coldset.yaml"
+    params:
+        fixtures=config["fixtures"],
     script:
         "../scripts/fixtures.py"

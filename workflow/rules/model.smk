@@ -3,10 +3,10 @@ rule model:
         manifest=f"{RESULTS}/model/{MODEL}/manifest.json",
     log:
         f"logs/model/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         model=config["model"],
         fixtures=config["fixtures"],  # the synthetic model learns its domains from the fixtures' text
-    conda:
-        "../envs/coldset.yaml"
     script:
         "../scripts/model.py"

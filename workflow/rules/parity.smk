@@ -15,13 +15,13 @@ rule parity:
         ),
     log:
         f"logs/parity/{MODEL}.log",
-    params:
-        parity=config["parity"],
+    conda:
+        "../envs/coldset.yaml"
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
-    conda:
-        "../envs/coldset.yaml"
+    params:
+        parity=config["parity"],
     script:
         "../scripts/parity.py"
 

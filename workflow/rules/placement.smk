@@ -7,12 +7,14 @@ rule placement:
         # the row maps are what parity and bench read: outputs here, inputs there, so an edited or
         # deleted one reruns what depends on it instead of leaving a verdict about other files
         rowmaps=expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.rowmap.npy", placement=PLACEMENTS),
-        coverage=report(f"{RESULTS}/placement/{MODEL}/coverage.csv", caption="../../report/coverage.rst", category="Placement"),
+        coverage=report(
+            f"{RESULTS}/placement/{MODEL}/coverage.csv", caption="../../report/coverage.rst", category="Placement"
+        ),
     log:
         f"logs/placement/{MODEL}.log",
-    params:
-        placement=config["placement"],
     conda:
         "../envs/coldset.yaml"
+    params:
+        placement=config["placement"],
     script:
         "../scripts/placement.py"

@@ -5,12 +5,12 @@ rule routing:
         trace=f"{RESULTS}/routing/{MODEL}/trace.parquet",
     log:
         f"logs/routing/{MODEL}.log",
-    params:
-        routing=config["routing"],
+    conda:
+        "../envs/coldset.yaml"
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
-    conda:
-        "../envs/coldset.yaml"
+    params:
+        routing=config["routing"],
     script:
         "../scripts/routing.py"

@@ -5,13 +5,17 @@ rule stats:
         histogram=f"{RESULTS}/stats/{MODEL}/histogram.csv",
         skew=f"{RESULTS}/stats/{MODEL}/skew.json",
         coverage=f"{RESULTS}/stats/{MODEL}/coverage.csv",
-        heatmap=report(f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"),
-        lorenz=report(f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"),
+        heatmap=report(
+            f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"
+        ),
+        lorenz=report(
+            f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"
+        ),
     log:
         f"logs/stats/{MODEL}.log",
-    params:
-        stats=config["stats"],
     conda:
         "../envs/coldset.yaml"
+    params:
+        stats=config["stats"],
     script:
         "../scripts/stats.py"

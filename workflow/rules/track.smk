@@ -21,9 +21,9 @@ rule track:
         done=f"{RESULTS}/track/{MODEL}.done",
     log:
         f"logs/track/{MODEL}.log",
-    params:
-        tracking=config["tracking"],
     conda:
         "../envs/coldset.yaml"
+    params:
+        tracking=config["tracking"],
     script:
         "../scripts/track.py"
