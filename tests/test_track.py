@@ -22,7 +22,17 @@ from pathlib import Path
 import pytest
 
 from coldset.config import Layout
-from coldset.track import RUN_KEY_TAG, default_tracking_uri, ensure_store, run_track
+from coldset.track import (
+    BENCH_TABLE,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    RUN_KEY_TAG,
+    DatasetRef,
+    default_tracking_uri,
+    ensure_store,
+    invocation_id,
+    run_track,
+)
 
 _spec = importlib.util.spec_from_file_location("_coldset_results_tree", Path(__file__).with_name("test_report.py"))
 _tree = importlib.util.module_from_spec(_spec)
@@ -46,9 +56,14 @@ def _inputs(res: Path) -> dict:
     }
 
 
-def _track(res: Path, uri: str) -> list[str]:
-    return run_track(**_inputs(res), tracking_uri=uri, experiment=EXPERIMENT, tags=TAGS,
-                     done_path=res / "track" / f"{MODEL}.done")
+def _track(res: Path, uri: str, tags: dict | None = None, datasets=()) -> list[str]:
+    return run_track(**_inputs(res), tracking_uri=uri, experiment=EXPERIMENT, tags=tags or TAGS,
+                     done_path=res / "track" / f"{MODEL}.done", datasets=datasets)
+
+
+def _key(res: Path, policy: str, residency: str, batch: int, config_hash: str = TAGS["config_hash"]) -> str:
+    """A child's run key, spelled out here: model@{config hash}-{results folder digest}/..."""
+    return f"{MODEL}@{invocation_id(config_hash, res)}/{policy}/{residency}/{batch}"
 
 
 def _bench_value(res: Path, policy: str, r: float, batch: int, name: str) -> float:
@@ -56,12 +71,21 @@ def _bench_value(res: Path, policy: str, r: float, batch: int, name: str) -> flo
     return next(e[name] for e in doc["batches"] if e["batch_size"] == batch)
 
 
-def _active_runs(uri: str) -> list:
+def _all_active_runs(uri: str) -> list:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     return list(client.search_runs([exp.experiment_id], max_results=1000))
+
+
+def _active_runs(uri: str) -> list:
+    """The children (one per placement and batch size)."""
+    return [r for r in _all_active_runs(uri) if "mlflow.parentRunId" in r.data.tags]
+
+
+def _parents(uri: str) -> list:
+    return [r for r in _all_active_runs(uri) if "mlflow.parentRunId" not in r.data.tags]
 
 
 def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
@@ -77,7 +101,7 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     runs = _active_runs(uri)
     assert len(runs) == expected_runs
     by_key = {r.data.tags[RUN_KEY_TAG]: r for r in runs}
-    run = by_key[f"{MODEL}/usage_global/0.5/4"]
+    run = by_key[_key(res, "usage_global", "0.5", 4)]
     assert run.data.params == {
         "model": MODEL, "policy": "usage_global", "residency": "0.5", "batch_size": "4",
         "dtype": "bfloat16", "num_hot": "12", "num_cold": "12",
@@ -88,7 +112,7 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert run.data.metrics["timed_token_match"] == 1.0  # the timed loop decoded generate()'s tokens
     assert run.data.metrics["coverage_heldout"] == pytest.approx(0.7)
     assert "tok_s_per_gib" not in run.data.metrics  # undefined at the smallest residency
-    assert by_key[f"{MODEL}/usage_global/1.0/1"].data.metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
+    assert by_key[_key(res, "usage_global", "1.0", 1)].data.metrics["tok_s_per_gib"] == pytest.approx(50 / 1.5)
     # hand-computed, all domains pooled: expert j gets (j+1)^2 from code and ((j+3)%8+1)^2 from
     # prose: 17, 29, 45, 65, 89, 37, 53, 73 (sum 408); the top 10% (1 of 8) is expert 4 with 89
     assert run.data.metrics["routing_top10_share_decode"] == pytest.approx(89 / 408)
@@ -107,9 +131,11 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     listed = {f.path for folder in ("placement", "parity", "bench", "stats")
               for f in client.list_artifacts(run.info.run_id, folder)}
     name = Layout(res, MODEL).placement("usage_global", 0.5).name
-    assert listed == {f"placement/{name}", f"parity/{name}", f"bench/{name}", "stats/skew.json"}
+    assert listed == {f"placement/{name}", f"parity/{name}", f"bench/{name}"}
     done = json.loads((res / "track" / f"{MODEL}.done").read_text())
-    assert done["runs"][f"{MODEL}/usage_global/0.5/4"] == run.info.run_id
+    assert done["runs"][_key(res, "usage_global", "0.5", 4)] == run.info.run_id
+    (parent,) = _parents(uri)
+    assert done["parent_run_id"] == parent.info.run_id == run.data.tags["mlflow.parentRunId"]
 
     # rerun with one changed measurement: same runs, the new value is the latest, no duplicate
     bench = Layout(res, MODEL).bench("usage_global", 0.5)
@@ -120,7 +146,7 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert second == first
     runs = _active_runs(uri)
     assert len(runs) == expected_runs
-    rerun = {r.data.tags[RUN_KEY_TAG]: r for r in runs}[f"{MODEL}/usage_global/0.5/4"]
+    rerun = {r.data.tags[RUN_KEY_TAG]: r for r in runs}[_key(res, "usage_global", "0.5", 4)]
     assert rerun.data.metrics["tok_s"] == 123.25
     assert [m.value for m in client.get_metric_history(run.info.run_id, "tok_s")] == [
         pytest.approx(_tree._tok_s("usage_global", 0.5, 4)), 123.25]
@@ -137,7 +163,8 @@ def test_rerun_updates_runs_instead_of_duplicating(tmp_path):
     assert len(changed) == len(BATCH_SIZES)
     runs = _active_runs(uri)
     assert len(runs) == expected_runs
-    assert {r.data.tags[RUN_KEY_TAG]: r for r in runs}[f"{MODEL}/positional/1.0/1"].data.params["num_hot"] == "23"
+    assert {r.data.tags[RUN_KEY_TAG]: r for r in runs}[_key(res, "positional", "1.0", 1)].data.params["num_hot"] == "23"
+    assert [p.info.run_id for p in _parents(uri)] == [parent.info.run_id]  # one parent throughout
 
 
 def test_track_names_the_missing_input(tmp_path):
@@ -217,8 +244,9 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
         exp_id = exp["experiment"]["experiment_id"]
         found = _post(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp_id], "max_results": 1000})
         runs = found["runs"]
-        assert sorted(r["info"]["run_id"] for r in runs) == sorted(run_ids)
-        key = f"{MODEL}/usage_global/1.0/1"
+        done = json.loads((res / "track" / f"{MODEL}.done").read_text())
+        assert sorted(r["info"]["run_id"] for r in runs) == sorted(run_ids + [done["parent_run_id"]])
+        key = _key(res, "usage_global", "1.0", 1)
         (run,) = [r for r in runs if {"key": RUN_KEY_TAG, "value": key} in r["data"]["tags"]]
         params = {p["key"]: p["value"] for p in run["data"]["params"]}
         metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
@@ -235,7 +263,7 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
             "order_by": ["metrics.tok_s_per_gib DESC"],
         })["runs"]
         assert [{t["key"]: t["value"] for t in r["data"]["tags"]}[RUN_KEY_TAG] for r in best] == [
-            f"{MODEL}/usage_global/1.0/1", f"{MODEL}/positional/1.0/1"]
+            _key(res, "usage_global", "1.0", 1), _key(res, "positional", "1.0", 1)]
 
         arts = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}&path=placement")
         assert [f["path"] for f in arts["files"]] == [f"placement/{Layout(res, MODEL).placement('usage_global', 1.0).name}"]
@@ -248,8 +276,9 @@ def test_mlflow_server_serves_the_logged_runs(tmp_path):
         assert via[0] == via[1] and len(via[0]) == len(BATCH_SIZES)
         exp2 = _get(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=via-server")["experiment"]
         runs2 = _post(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp2["experiment_id"]]})["runs"]
-        assert sorted(r["info"]["run_id"] for r in runs2) == sorted(via[0])
-        arts2 = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={via[0][0]}&path=stats")
+        parent2 = json.loads((tmp_path / "via1.done").read_text())["parent_run_id"]
+        assert sorted(r["info"]["run_id"] for r in runs2) == sorted(via[0] + [parent2])
+        arts2 = _get(f"{base}/api/2.0/mlflow/artifacts/list?run_id={parent2}&path=stats")
         assert [f["path"] for f in arts2["files"]] == ["stats/skew.json"]
     finally:
         os.killpg(server.pid, 15)
@@ -271,13 +300,17 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     uri = default_tracking_uri(gpu)
     first = _track(gpu, uri)
     by_key = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}
-    run = by_key[f"{MODEL}/usage_global/0.5/4"]
+    run = by_key[_key(gpu, "usage_global", "0.5", 4)]
     expect = _tree.bytes_fields("usage_global", 0.5, 4)
     for name in BYTES_METRICS:
         assert run.data.metrics[name] == pytest.approx(expect[name]), name
     assert run.data.metrics["hbm_read_gb_s"] == _tree.HBM_GB_S
     assert run.data.metrics["link_read_gb_s"] == _tree.LINK_GB_S
     assert run.data.tags["device"] == "NVIDIA H200"
+    (parent,) = _parents(uri)
+    assert {k: parent.data.params[k] for k in ("device", "device_name", "hbm_read_gb_s", "link_read_gb_s")} == {
+        "device": "NVIDIA H200", "device_name": "NVIDIA H200", "hbm_read_gb_s": str(_tree.HBM_GB_S),
+        "link_read_gb_s": str(_tree.LINK_GB_S)}
 
     # a rerun with remeasured ceilings updates the same runs (ceilings are metrics, not immutable
     # params); unchanged metrics get no new point
@@ -287,9 +320,13 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
             doc = json.loads(bench.read_text())
             doc["ceilings"]["link_read_gb_s"] = 51.5
             bench.write_text(json.dumps(doc))
-    assert _track(gpu, uri) == first
+    with pytest.warns(UserWarning, match="params are immutable"):  # the parent's ceilings params
+        assert _track(gpu, uri) == first
     runs = _active_runs(uri)
     assert len(runs) == len(first)
+    (new_parent,) = _parents(uri)  # replaced, and every child follows it
+    assert new_parent.info.run_id != parent.info.run_id and new_parent.data.params["link_read_gb_s"] == "51.5"
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {new_parent.info.run_id}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -300,7 +337,7 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     cpu = _tree.build_results_tree(tmp_path / "cpu", bytes_run="cpu", with_autotune=False)
     uri = default_tracking_uri(cpu)
     _track(cpu, uri)
-    run = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}[f"{MODEL}/usage_global/0.5/4"]
+    run = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}[_key(cpu, "usage_global", "0.5", 4)]
     assert run.data.metrics["hbm_gb_per_token"] == pytest.approx(0.055)
     absent = {"bytes_step_ms", "fraction_of_bytes_bound", "predicted_step_ms_calibrated", "hbm_read_gb_s",
               "link_read_gb_s"}
@@ -406,3 +443,105 @@ def test_track_never_substitutes_its_own_commit(tmp_path):
     uri = default_tracking_uri(res)
     _track(res, uri)
     assert all("commit" not in r.data.tags for r in _active_runs(uri))
+# ---------------------------------------------------------------- parent and children, as MLflow users expect
+
+
+def _sha16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_path, monkeypatch):
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from coldset.track import log_report
+
+    res = _tree.build_results_tree(tmp_path / "a")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "trace.parquet").write_bytes(b"PAR1 not really a trace, only bytes to digest")
+    (data / "code.jsonl").write_text('{"id": "c0", "prompt": "def f():"}\n')
+    datasets = [DatasetRef("synthetic-routing-trace", data / "trace.parquet", "routing"),
+                DatasetRef("fixtures-code", data / "code.jsonl", "fixtures")]
+    uri = default_tracking_uri(res)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # MlflowClient.load_table searches the default store
+    children = _track(res, uri, datasets=datasets)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND  # the UI opens it on its runs table
+
+    (parent,) = _parents(uri)
+    kids = _active_runs(uri)
+    assert sorted(r.info.run_id for r in kids) == sorted(children)
+    assert {r.data.tags["mlflow.parentRunId"] for r in kids} == {parent.info.run_id}
+    p = parent.data.params
+    # the commit is the one the bench files recorded where they were measured, not the caller's tag
+    assert (p["model"], p["device"], p["dtype"], p["config_hash"], p["commit"]) == (
+        MODEL, "cpu", "bfloat16", "cfg42", PROVENANCE["commit"])
+    import importlib.metadata as md
+
+    assert p["version.mlflow"] == md.version("mlflow") and p["version.torch"] == md.version("torch")
+    assert p["version.python"] == ".".join(map(str, sys.version_info[:3]))
+    assert "device_name" not in p and "hbm_read_gb_s" not in p  # CPU run: no GPU name, no ceilings
+
+    # datasets: the files' names, sources, digests (sha256 computed here) and contexts
+    inputs = {d.dataset.name: d for d in client.get_run(parent.info.run_id).inputs.dataset_inputs}
+    assert set(inputs) == {"synthetic-routing-trace", "fixtures-code"}
+    assert inputs["synthetic-routing-trace"].dataset.digest == _sha16(data / "trace.parquet")
+    assert inputs["fixtures-code"].dataset.digest == _sha16(data / "code.jsonl")
+    assert str(data / "code.jsonl") in inputs["fixtures-code"].dataset.source
+    assert {t.key: t.value for t in inputs["fixtures-code"].tags}["mlflow.data.context"] == "fixtures"
+
+    # the bench rows as a table: one row per child, values as in the bench JSON read here
+    table = client.load_table(exp.experiment_id, BENCH_TABLE, run_ids=[parent.info.run_id])
+    assert len(table) == len(children)
+    row = table[(table.policy == "usage_global") & (table.residency == 0.5) & (table.batch_size == 4)]
+    assert row.tok_s.item() == pytest.approx(_bench_value(res, "usage_global", 0.5, 4, "tok_s"))
+    arts = {f.path for f in client.list_artifacts(parent.info.run_id, "stats")}
+    assert arts == {"stats/skew.json"}
+
+    # the report joins the parent
+    html, fig = tmp_path / "index.html", tmp_path / "residency-b1.png"
+    html.write_text("<html>report</html>")
+    fig.write_bytes(b"\x89PNG fake")
+    assert log_report(res / "track" / f"{MODEL}.done", html, [fig]) == parent.info.run_id
+    assert {f.path for f in client.list_artifacts(parent.info.run_id, "report")} == {"report/index.html", "report/figures"}
+
+    # a rerun: same parent and children, no duplicated dataset input, table rows not appended
+    bench = Layout(res, MODEL).bench("usage_global", 0.5)
+    doc = json.loads(bench.read_text())
+    doc["batches"][1]["tok_s"] = 77.5
+    bench.write_text(json.dumps(doc))
+    assert _track(res, uri, datasets=datasets) == children
+    assert [r.info.run_id for r in _parents(uri)] == [parent.info.run_id]
+    assert len(client.get_run(parent.info.run_id).inputs.dataset_inputs) == 2
+    table = client.load_table(exp.experiment_id, BENCH_TABLE, run_ids=[parent.info.run_id])
+    assert len(table) == len(children)
+    row = table[(table.policy == "usage_global") & (table.residency == 0.5) & (table.batch_size == 4)]
+    assert row.tok_s.item() == 77.5
+
+    # another results tree (same config hash) is another invocation: its own parent and children,
+    # the first tree's runs untouched
+    other = tmp_path / "b" / "results"
+    shutil.copytree(res, other)
+    for f in ("mlflow.db",):
+        (other / f).unlink()
+    shutil.rmtree(other / "mlartifacts", ignore_errors=True)
+    children_b = _track(other, uri, datasets=datasets)
+    assert set(children_b).isdisjoint(children)
+    assert len(_parents(uri)) == 2 and len(_active_runs(uri)) == 2 * len(children)
+
+    # the bench re-measured by a new commit: the parent's params change, so the parent is
+    # replaced; children stay and follow
+    for bench_json in (res / "bench" / MODEL).glob("*.json"):
+        doc = json.loads(bench_json.read_text())
+        doc["provenance"]["commit"] = "fedcba98"
+        bench_json.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="params are immutable"):
+        assert _track(res, uri, datasets=datasets) == children
+    new_parent = [r for r in _parents(uri) if r.data.params["commit"] == "fedcba98"]
+    assert len(new_parent) == 1 and len(_parents(uri)) == 2
+    assert {client.get_run(c).data.tags["mlflow.parentRunId"] for c in children} == {new_parent[0].info.run_id}

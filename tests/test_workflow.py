@@ -9,18 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = """
-model:
-  name: tiny
-  synthetic: {layers: 2, experts: 8, top_k: 2, hidden: 64, moe_intermediate: 32, heads: 2, kv_heads: 1,
-              head_dim: 32, vocab_size: 512}
-fixtures: {per_domain: 2, max_new_tokens: 8}
-routing: {batch_size: 4}  # lru-0.5's 8 slots hold one parity step's 4 tokens x top-2
-placement: {policies: [positional, usage_global, lru], residency: [0.5, 1.0]}
-parity: {max_new_tokens: 8}
-bench: {new_tokens: 4, prompt_tokens: 8, repeats: 1, warmup: 0}
-autotune: {cache_dir: CACHE}
-"""
+# The workflow catalogue's test config (.test/config/config.yaml): what `snakemake --directory
+# .test` runs, here in a temporary working directory.
+TINY = (REPO / ".test" / "config" / "config.yaml").read_text()
 PLACEMENTS = ["positional-0.5", "positional-1.0", "usage_global-0.5", "usage_global-1.0", "lru-0.5", "lru-1.0"]
 
 
@@ -34,7 +25,7 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     wd = tmp_path_factory.mktemp("wf")
-    (wd / "tiny.yaml").write_text(TINY.replace("CACHE", str(wd / "autotune-cache")))
+    (wd / "tiny.yaml").write_text(TINY)
     return wd
 
 
@@ -76,16 +67,24 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
 
     mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["coldset"])
-    assert len(runs) == len(PLACEMENTS)
-    assert set(runs["params.policy"]) == {"positional", "usage_global", "lru"}
-    assert runs.loc[runs["params.policy"] == "lru", "metrics.hit_rate"].notna().all()
+    parents = runs[runs["tags.mlflow.parentRunId"].isna()]
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    assert len(parents) == 1 and len(children) == len(PLACEMENTS)
+    assert set(children["tags.mlflow.parentRunId"]) == set(parents["run_id"])
+    assert set(children["params.policy"]) == {"positional", "usage_global", "lru"}
+    parent_id = parents["run_id"].item()
+    client = mlflow.MlflowClient()
+    assert "report/index.html" in {f.path for f in client.list_artifacts(parent_id, "report")}
+    inputs = {d.dataset.name for d in client.get_run(parent_id).inputs.dataset_inputs}
+    assert inputs == {"tiny-routing-trace", "fixtures-agent", "fixtures-prose", "fixtures-code"}
+    assert children.loc[children["params.policy"] == "lru", "metrics.hit_rate"].notna().all()
 
     # Issue 16 item 7: delete the MLflow store, and `snakemake report` brings the runs back.
     (results / "mlflow.db").unlink()
     healed = snakemake(workdir, "report")
     assert healed.returncode == 0, healed.stderr[-4000:]
     assert "no longer exists" in healed.stderr
-    assert _active_runs(results / "mlflow.db") == len(PLACEMENTS)
+    assert _active_runs(results / "mlflow.db") == len(PLACEMENTS) + 1  # and their parent
 
     # Issue 16 items 5 and 6: bad settings are refused before any job, so nothing is deleted.
     manifest = results / "model/tiny/manifest.json"
@@ -100,10 +99,14 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
         assert bad.returncode != 0 and msg in bad.stdout + bad.stderr, (name, bad.stderr[-2000:])
     assert manifest.read_bytes() == before and victim.read_text() == "not coldset's\n"
 
-    # Snakemake's own report, with the captions in report/, also builds.
-    smk_report = snakemake(workdir, "--report", "smk-report.html")
+    # Snakemake's own report (the catalogue's `--report report.zip`), with the captions in report/.
+    smk_report = snakemake(workdir, "--report", "report.zip")
     assert smk_report.returncode == 0, smk_report.stderr[-2000:]
-    assert (workdir / "smk-report.html").stat().st_size > 10_000
+    import zipfile
+
+    with zipfile.ZipFile(workdir / "report.zip") as z:
+        names = z.namelist()
+    assert any(n.endswith("report.html") for n in names) and len(names) > 10
 
     # The gate fails, naming the placement, when a parity report says a token differed.
     path = results / "parity/tiny/usage_global-0.5.json"
@@ -152,3 +155,21 @@ def _active_runs(db: Path) -> int:
         return con.execute("SELECT COUNT(*) FROM runs WHERE lifecycle_stage = 'active'").fetchone()[0]
     finally:
         con.close()
+
+
+# ---------------------------------------------------------------- the workflow catalogue's conventions
+
+
+def test_snakemake_lint_reports_nothing():
+    exe = Path(sys.executable).with_name("snakemake")
+    out = subprocess.run([str(exe), "--lint"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert out.returncode == 0 and "Congratulations, your workflow is in a good condition" in out.stdout + out.stderr, (
+        out.stdout[-3000:] + out.stderr[-3000:])
+
+
+def test_rules_and_snakefile_are_snakefmt_formatted():
+    exe = Path(sys.executable).with_name("snakefmt")
+    files = [str(REPO / "Snakefile"), *sorted(str(p) for p in (REPO / "workflow" / "rules").glob("*.smk"))]
+    out = subprocess.run([str(exe), "--check", "--diff", *files], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"run `snakefmt Snakefile workflow/rules/`:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"

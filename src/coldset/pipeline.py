@@ -651,6 +651,19 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
         write_json(layout.bench(*name.rsplit("-", 1)), doc)
 
 
+def track_datasets(config: dict, decoded: bool) -> list:
+    """What the track stage records as the parent run's MLflow datasets: the routing trace, and
+    the fixtures where the workflow generated them (it does not for a model that is not decoded
+    and whose trace is imported). The track rule lists the same files as its inputs."""
+    from coldset.track import DatasetRef
+
+    layout = Layout.from_config(config)
+    refs = [DatasetRef(f"{layout.model}-routing-trace", layout.trace, "routing")]
+    if decoded or not config["routing"]["trace"]:
+        refs += [DatasetRef(f"fixtures-{d}", layout.fixtures(d), "fixtures") for d in config["fixtures"]["domains"]]
+    return refs
+
+
 def track(config: dict, **_) -> None:
     from coldset.track import run_track
 
@@ -664,6 +677,8 @@ def track(config: dict, **_) -> None:
     else:
         tags["stages_skipped"] = ",".join(skipped)
     run_track(
+        datasets=track_datasets(config, decoded),
+        results_dir=layout.results,
         bench_jsons=[layout.bench(*n.rsplit("-", 1)) for n in names] if decoded else [],
         parity_jsons=[layout.parity(*n.rsplit("-", 1)) for n in names] if decoded else [],
         placement_jsons=[layout.placement_dir / f"{n}.json" for n in names],
@@ -691,8 +706,15 @@ def report(config: dict, **_) -> None:
     from coldset.report import render_report
 
     layout = Layout.from_config(config)
-    render_report(layout.results, layout.report, config, figures_dir=layout.report.parent / "figures",
-                  skipped=skipped_stages(config))
+    figures_dir = layout.report.parent / "figures"
+    render_report(layout.results, layout.report, config, figures_dir=figures_dir, skipped=skipped_stages(config))
+    if layout.track_done.is_file():  # the report joins the invocation's parent run in MLflow
+        from coldset.track import log_report
+
+        run_id = log_report(layout.track_done, layout.report, sorted(figures_dir.glob("*.png")))
+        log.info("report logged to MLflow parent run %s", run_id)
+    else:
+        log.info("no %s: the report is not logged to MLflow (run track first)", layout.track_done)
 
 
 def report_models(config: dict, **_) -> None:

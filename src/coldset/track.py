@@ -1,23 +1,44 @@
-"""MLflow sink: one run per (model, policy, residency, batch size), idempotent across reruns.
+"""MLflow sink: one parent run per workflow invocation of a model, one child run per (policy,
+residency, batch size), idempotent across reruns.
 
 MLflow is where people compare runs (``mlflow ui --backend-store-uri sqlite:///$PWD/results/
-mlflow.db``); it is never a dependency of a computing stage, so it is imported only inside the
-functions here and ``import coldset.track`` works without it.
+mlflow.db``, then ``#/experiments/<id>/runs``); it is never a dependency of a computing stage, so
+it is imported only inside the functions here and ``import coldset.track`` works without it.
 
 Store: by default SQLite under results/ with an absolute URI (``default_tracking_uri``), created
 with its experiment by ``ensure_store`` in the track stage: built beside and renamed into place
 under a lock (six processes creating a fresh SQLite store at once fail in the schema migration;
-parallel writers to an existing one are fine), and a half-made store is rebuilt with a warning. ``tracking.uri`` in the config may name any tracking server instead.
+parallel writers to an existing one are fine), and a half-made store is rebuilt with a warning.
+``tracking.uri`` in the config may name any tracking server instead (a team's ``mlflow server`` on
+PostgreSQL, README). The experiment is tagged ``mlflow.experimentKind = custom_model_development``.
+
+Runs. An *invocation* is (config hash, absolute results folder) (``invocation_id``): the parent
+run's key is ``{model}@{invocation}``, a child's ``{model}@{invocation}/{policy}/{residency}/
+{batch_size}``. Two result trees (two colleagues on one server) are two parents and never
+overwrite each other's children; rerunning in the same tree updates the same runs. A model that
+is not decoded (shape-only) has children from its placements' predictions
+(``records_from_placements``).
 
 Idempotency: MLflow does not let users choose run ids, so each run carries the tag
-``coldset.run_key = {model}/{policy}/{residency}/{batch_size}``, searched before a run is created.
-A rerun updates that run: new tags overwrite, only metrics whose value changed get a new
-(later-timestamped) point, so the run shows the new value as its latest. Parameters are immutable
-in MLflow: if a rerun brings a different value for one (the placement or the model changed under
-the same key), the old run is deleted and a fresh one created, so there is still exactly one
-active run per key. Duplicates left by an earlier race are deleted, keeping the oldest.
+``coldset.run_key``, searched before a run is created. A rerun updates that run: new tags
+overwrite, only metrics whose value changed get a new (later-timestamped) point, so the run shows
+the new value as its latest. Parameters are immutable in MLflow: if a rerun brings a different
+value for one (the placement changed under a child's key; a new commit, software versions or
+remeasured ceilings under the parent's), the old run is deleted and a fresh one created, so there
+is still exactly one active run per key (children then point at the new parent). Duplicates left
+by an earlier race are deleted, keeping the oldest.
 
-Run contents:
+Parent run contents:
+
+- params: model, device, dtype, config_hash, commit, version.{python,coldset,torch,triton,mlflow,
+  snakemake}; on CUDA device_name and the read ceilings the bench measured (hbm_read_gb_s,
+  link_read_gb_s);
+- the routing trace and the fixtures as MLflow dataset inputs (name, local source, sha256 digest);
+- the bench rows as an MLflow table ``bench_rows.json`` (one row per child);
+- artifacts: stats/skew.json, autotune/{entry}; report/index.html and report/figures/ once the
+  report stage ran (``log_report``).
+
+Child run contents:
 
 - params: model, policy, residency, batch_size, dtype, num_hot, num_cold;
 - metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_p50, step_ms_p90, prefill_ms,
@@ -35,21 +56,22 @@ Run contents:
   routing_shuffled_overlap_decode, routing_overlap_lift_decode; from the cache simulation
   (cache/simulation.csv) at the run's residency cache_{policy}_hit_rate,
   cache_{policy}_misses_per_token, cache_{policy}_link_gb_per_token for every simulated policy;
-- tags: coldset.run_key, device, dtype, config_hash, autotune_key, plus any the caller passes, and
+- tags: coldset.run_key, mlflow.parentRunId, device, dtype, config_hash, autotune_key, plus any the
+  caller passes, and
   the provenance the bench recorded on the machine that measured (provenance_tags: commit and
   mlflow.source.git.commit, dirty, torch, triton, cuda, driver, device_name, autotune hit,
   ceiling.*), never the state of the machine running track;
-- artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON},
-  stats/skew.json and autotune/{entry} when given.
+- artifacts: placement/{placement JSON}, parity/{parity report}, bench/{bench JSON}.
 
 A metric undefined for a run (tok_s_per_gib at a policy's smallest residency, for one; the bytes
-metrics and ceilings of a CPU run) is not logged; if the run had a value for it from an earlier run, NaN is logged so it does not keep
-showing a stale number.
+metrics and ceilings of a CPU run) is not logged; if the run had a value for it from an earlier
+run, NaN is logged so it does not keep showing a stale number.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import sys
@@ -288,10 +310,13 @@ class RunRecord:
     metrics: dict[str, float | None] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, list[Path]] = field(default_factory=dict)  # artifact folder -> local files
+    invocation: str = ""  # the parent's invocation id (``invocation_id``); set by ``run_track``
+    row: dict[str, object] = field(default_factory=dict)  # the bench entry, for the parent's table
 
     @property
     def run_key(self) -> str:
-        return f"{self.model}/{self.policy}/{canonical_residency(self.residency)}/{self.batch_size}"
+        prefix = f"{self.model}@{self.invocation}" if self.invocation else self.model
+        return f"{prefix}/{self.policy}/{canonical_residency(self.residency)}/{self.batch_size}"
 
     @property
     def run_name(self) -> str:
@@ -435,16 +460,8 @@ def records_from_results(
             run_autotune = b.extra.get("autotune_key") or autotune_key
             if run_autotune:
                 tags["autotune_key"] = str(run_autotune)
-            artifacts = {
-                "placement": [pl.path],
-                "parity": [par.path],
-                "bench": [b.path],
-                "stats": [stats_json] + ([Path(locality_json)] if locality_json is not None else []),
-            }
-            if simulation_csv is not None:
-                artifacts["cache"] = [Path(simulation_csv)]
-            if autotune_paths:
-                artifacts["autotune"] = autotune_paths
+            # per-invocation files (skew.json, the autotune entry) go to the parent run
+            artifacts = {"placement": [pl.path], "parity": [par.path], "bench": [b.path]}
             records.append(
                 RunRecord(
                     model=b.model,
@@ -463,6 +480,10 @@ def records_from_results(
                     metrics=metrics,
                     tags=tags,
                     artifacts=artifacts,
+                    row={"placement": f"{b.policy}-{b.residency}", "policy": b.policy,
+                         "residency": float(b.residency), "batch_size": b.batch_size, "device": b.device,
+                         "dtype": b.dtype, "num_hot": pl.num_hot, "num_cold": pl.num_cold,
+                         **{m: metrics[m] for m in BENCH_METRICS}},
                 )
             )
     keys = [r.run_key for r in records]
@@ -505,8 +526,134 @@ def records_from_placements(
                         "batch_size": str(bs), "num_hot": str(pl.num_hot), "num_cold": str(pl.num_cold)},
                 metrics=metrics, tags={"decoded": "false"},
                 artifacts={"placement": [pl.path], "stats": [stats_json]},
+                row={"placement": f"{pl.policy}-{pl.residency}", "policy": pl.policy,
+                     "residency": float(pl.residency), "batch_size": bs, "num_hot": pl.num_hot,
+                     "num_cold": pl.num_cold, **metrics},
             ))
     return records
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent run: one per workflow invocation of a model
+# ----------------------------------------------------------------------------------------------
+
+# MLflow 3 records an experiment's kind in this tag. The 3.17 UI, though, takes the kind from its
+# global GenAI / machine-learning switch (the sidebar, remembered per browser, default GenAI, which
+# opens an experiment on its traces overview) or from the URL's ``workflowType``: the links we
+# hand out (``experiment_link``, ``share_comparison_view``) carry workflowType=machine_learning.
+UI_WORKFLOW = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+BENCH_TABLE = "bench_rows.json"
+VERSIONED_PACKAGES = ("coldset", "torch", "triton", "mlflow", "snakemake")
+
+
+def invocation_id(config_hash: str, results_dir: str | os.PathLike) -> str:
+    """What identifies one workflow invocation of a model: the config hash and the results folder
+    (absolute). Rerunning in the same folder with the same config updates its runs (idempotent);
+    another config or another results tree (a colleague's, on a shared server) is another parent,
+    so two trees never overwrite each other's runs."""
+    folder = hashlib.sha256(str(Path(results_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{config_hash}-{folder}"
+
+
+def software_versions() -> dict[str, str]:
+    """``version.{package}`` params of the process that tracks (``absent`` where not installed)
+    and ``version.python``; the GPU stack the bench ran on is pinned by the autotune key tag."""
+    from importlib import metadata
+
+    out = {"version.python": ".".join(map(str, sys.version_info[:3]))}
+    for pkg in VERSIONED_PACKAGES:
+        try:
+            out[f"version.{pkg}"] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[f"version.{pkg}"] = "absent"
+    return out
+
+
+@dataclass
+class DatasetRef:
+    """A file recorded as an MLflow dataset input of the parent run (name, context, digest)."""
+
+    name: str
+    path: Path
+    context: str  # mlflow.data.context: "routing" for the trace, "fixtures" for prompts
+
+
+@dataclass
+class ParentRecord:
+    """The parent run of one invocation: what is common to its children, the bench table, the
+    per-invocation files and the datasets it read."""
+
+    model: str
+    invocation: str
+    params: dict[str, str]
+    tags: dict[str, str] = field(default_factory=dict)
+    artifacts: dict[str, list[Path]] = field(default_factory=dict)
+    datasets: list[DatasetRef] = field(default_factory=list)
+    rows: list[dict[str, object]] = field(default_factory=list)  # the bench table, one row per child
+
+    @property
+    def run_key(self) -> str:
+        return f"{self.model}@{self.invocation}"
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.model} ({self.invocation})"
+
+
+def parent_record(
+    records: Sequence[RunRecord],
+    invocation: str,
+    tags: dict[str, str],
+    stats_json: str | os.PathLike,
+    autotune_jsons: Sequence[str | os.PathLike] = (),
+    datasets: Sequence[DatasetRef] = (),
+) -> ParentRecord:
+    """The parent of ``records`` (one model, one invocation). Params: model, device, dtype, config
+    hash, commit, software versions; on CUDA also the device name and the read ceilings the bench
+    measured (``hbm_read_gb_s``, ``link_read_gb_s``). Children disagreeing on any of these is an
+    error: they come from one bench job."""
+    if not records:
+        raise ReportInputError("no bench results to track")
+    models = {r.model for r in records}
+    if len(models) != 1:
+        raise ReportInputError(f"bench inputs hold several models {sorted(models)}; track one model per invocation")
+
+    def one(field_name: str, values: set) -> str:
+        if len(values) != 1:
+            raise ReportInputError(f"bench inputs disagree on {field_name}: {sorted(map(str, values))}")
+        return str(next(iter(values)))
+
+    # a model that is not decoded (records_from_placements) ran on no device
+    device = one("device", {r.tags.get("device", "none") for r in records})
+    params = {
+        "model": records[0].model,
+        "device": device,
+        "dtype": one("dtype", {r.tags.get("dtype", "none") for r in records}),
+        "config_hash": str(tags.get("config_hash", "unknown")),
+        "commit": str(tags.get("commit", "unknown")),
+        **software_versions(),
+    }
+    if device not in ("cpu", "none"):  # a CUDA bench names the GPU (torch.cuda.get_device_name) and measures ceilings
+        params["device_name"] = device
+        for name in CEILING_FIELDS:
+            vals = {r.metrics.get(name) for r in records}
+            value = one(name, vals)
+            if value != "None":
+                params[name] = value
+    artifacts: dict[str, list[Path]] = {"stats": [Path(stats_json)]}
+    if autotune_jsons:
+        artifacts["autotune"] = [Path(p) for p in autotune_jsons]
+    return ParentRecord(
+        model=records[0].model,
+        invocation=invocation,
+        params=params,
+        tags={k: str(v) for k, v in tags.items() if v is not None},
+        artifacts=artifacts,
+        datasets=list(datasets),
+        rows=[r.row for r in records],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,24 +682,191 @@ def _same_float(a: float, b: float) -> bool:
     return a == b
 
 
+def mark_experiment_kind(client, experiment_id: str) -> None:
+    """Record the experiment's kind (custom model development: runs, not GenAI traces) in MLflow's
+    own tag. Two trackers racing to set it is harmless."""
+    exp = client.get_experiment(experiment_id)
+    if exp.tags.get(EXPERIMENT_KIND_TAG) == EXPERIMENT_KIND:
+        return
+    try:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    except Exception:  # a concurrent tracker inserted the same tag first
+        if client.get_experiment(experiment_id).tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            raise
+
+
+COMPARISON_VIEW = "coldset-compare"
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+# The README's comparison: where one more GiB of experts in HBM buys the most decode speed.
+COMPARISON_COLUMNS = ("params.`policy`", "params.`residency`", "params.`batch_size`",
+                      "metrics.`hbm_expert_gib`", "metrics.`tok_s`", "metrics.`tok_s_per_gib`")
+
+
+def share_comparison_view(client, experiment_id: str) -> str:
+    """Save the README's comparison (columns policy, residency, batch_size, hbm_expert_gib, tok_s,
+    tok_s_per_gib; batch size 1; sorted by tok_s_per_gib) as a shared view of the experiment, the
+    way the UI's "Share" does (an experiment tag ``mlflow.sharedViewState.<key>`` holding the view
+    state as JSON). Returns the UI route that opens it."""
+    import json
+
+    state = {
+        "searchFilter": "params.batch_size = '1'",
+        "orderByKey": "metrics.`tok_s_per_gib`",
+        "orderByAsc": False,
+        "selectedColumns": list(COMPARISON_COLUMNS),
+    }
+    tag = SHARED_VIEW_TAG_PREFIX + COMPARISON_VIEW
+    value = json.dumps(state)
+    if client.get_experiment(experiment_id).tags.get(tag) != value:
+        try:
+            client.set_experiment_tag(experiment_id, tag, value)
+        except Exception:  # a concurrent tracker wrote it first
+            if client.get_experiment(experiment_id).tags.get(tag) != value:
+                raise
+    return f"#/experiments/{experiment_id}/runs?{UI_WORKFLOW}&viewStateShareKey={COMPARISON_VIEW}"
+
+
+def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dict[str, str],
+                metrics: dict[str, float | None], tags: dict[str, str]) -> str:
+    """Find the run of ``key`` (deleting duplicates an earlier race left, keeping the oldest) or
+    create it; replace it when a param changed (params are immutable in MLflow); log the params it
+    lacks, the metrics whose value changed (NaN over a value that became undefined) and the tags.
+    Returns the run id."""
+    import time
+
+    from mlflow.entities import Metric, Param, RunTag
+
+    found = _find_runs(client, experiment_id, key)
+    for dup in found[1:]:
+        warnings.warn(f"MLflow: deleting duplicate run {dup.info.run_id} for {key} (keeping the oldest)")
+        client.delete_run(dup.info.run_id)
+    run = found[0] if found else None
+    if run is not None:
+        conflicts = {k: (run.data.params[k], v) for k, v in params.items() if k in run.data.params and run.data.params[k] != v}
+        if conflicts:
+            warnings.warn(
+                f"MLflow: run {run.info.run_id} ({key}) has different params {conflicts} (old, new); "
+                "params are immutable, so it is replaced by a new run"
+            )
+            client.delete_run(run.info.run_id)
+            run = None
+    if run is None:
+        run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: key})
+    run_id = run.info.run_id
+    old_params, old_metrics = run.data.params, run.data.metrics
+
+    now = int(time.time() * 1000)
+    new_metrics = []
+    for name, value in metrics.items():
+        if value is None:
+            if name in old_metrics and not math.isnan(old_metrics[name]):
+                new_metrics.append(Metric(name, float("nan"), now, 0))
+            continue
+        value = float(value)
+        if name in old_metrics and _same_float(old_metrics[name], value):
+            continue
+        new_metrics.append(Metric(name, value, now, 0))
+    new_params = [Param(k, v) for k, v in params.items() if k not in old_params]
+    all_tags = {**tags, RUN_KEY_TAG: key, "mlflow.runName": run_name}
+    client.log_batch(run_id, metrics=new_metrics, params=new_params, tags=[RunTag(k, v) for k, v in all_tags.items()])
+    return run_id
+
+
+def _log_files(client, run_id: str, key: str, artifacts: dict[str, list[Path]]) -> None:
+    for folder, paths in artifacts.items():
+        for p in paths:
+            if not Path(p).is_file():
+                raise ReportInputError(f"missing artifact for {key}: {p}")
+            client.log_artifact(run_id, str(p), artifact_path=folder)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _log_datasets(client, run_id: str, datasets: Sequence[DatasetRef]) -> None:
+    """Record each file as an MLflow dataset input (name, local source, content digest; the data
+    is not copied). MLflow reuses a dataset of the same name and digest in the experiment, and a
+    run's existing input link, so a rerun adds nothing; a tracker racing another one to insert the
+    same dataset retries once, when it exists."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = []
+    for ref in datasets:
+        path = Path(ref.path)
+        if not path.is_file():
+            raise ReportInputError(f"missing dataset file {path} ({ref.name})")
+        ds = MetaDataset(source=resolve_dataset_source(str(path.resolve())), name=ref.name, digest=_file_digest(path))
+        inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, ref.context)]))
+    if not inputs:
+        return
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception:
+        client.log_inputs(run_id, datasets=inputs)
+
+
+def _log_table_replacing(client, run_id: str, rows: list[dict[str, object]], artifact_file: str) -> None:
+    """The bench rows as an MLflow table artifact. ``MlflowClient.log_table`` appends to an
+    existing table, which would duplicate rows on every rerun: the first time it logs through
+    ``log_table``; later, an unchanged table is left alone and a changed one is rewritten in
+    ``log_table``'s own format (pandas ``orient="split"``) over the old file."""
+    import tempfile
+
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    existing = {f.path for f in client.list_artifacts(run_id)}
+    if artifact_file not in existing:
+        client.log_table(run_id, data=df, artifact_file=artifact_file)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        old = pd.read_json(client.download_artifacts(run_id, artifact_file, tmp), orient="split")
+        new_path = Path(tmp) / "new" / artifact_file
+        new_path.parent.mkdir(parents=True)
+        df.to_json(new_path, orient="split", index=False, date_format="iso")
+        if old.equals(pd.read_json(new_path, orient="split")):
+            return
+        client.log_artifact(run_id, str(new_path))
+
+
+@dataclass
+class TrackedRuns:
+    experiment_id: str
+    parent_id: str | None
+    run_ids: list[str]  # the children, in record order
+    comparison_view: str  # UI route of the README's comparison (``share_comparison_view``)
+
+
 def log_runs(
     tracking_uri: str,
     experiment: str,
     records: Sequence[RunRecord],
     tags: dict[str, str] | None = None,
     artifacts: Sequence[str | os.PathLike] = (),
-) -> list[str]:
-    """Create or update one run per record; returns the run ids in record order.
+    parent: ParentRecord | None = None,
+) -> "TrackedRuns":
+    """Create or update one run per record; returns the experiment id, the parent's run id and
+    the children's run ids in record order.
 
-    ``tags`` are added to every run (commit, config_hash, ...), ``artifacts`` are logged to every
-    run under ``common/``. See the module docstring for how reruns update instead of duplicating.
+    With ``parent``, its run is created or updated first and every record becomes its child
+    (``mlflow.parentRunId``). ``tags`` are added to
+    every run (commit, config_hash, ...), ``artifacts`` are logged to every child under
+    ``common/``. See the module docstring for how reruns update instead of duplicating.
     """
-    import time
-
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
     experiment_id = ensure_store(tracking_uri, experiment)
     client = _client(tracking_uri)
+    mark_experiment_kind(client, experiment_id)
+    view = share_comparison_view(client, experiment_id)
     common_tags = {str(k): str(v) for k, v in (tags or {}).items() if v is not None}
     if "commit" in common_tags:
         common_tags.setdefault("mlflow.source.git.commit", common_tags["commit"])
@@ -561,60 +875,40 @@ def log_runs(
         if not a.is_file():
             raise ReportInputError(f"missing artifact: {a}")
 
+    parent_id = None
+    if parent is not None:
+        parent_id = _upsert_run(client, experiment_id, parent.run_key, parent.run_name, parent.params, {},
+                                {**common_tags, **parent.tags})
+        _log_files(client, parent_id, parent.run_key, parent.artifacts)
+        _log_datasets(client, parent_id, parent.datasets)
+        _log_table_replacing(client, parent_id, parent.rows, BENCH_TABLE)
+
     run_ids = []
     for rec in _progress(records, "mlflow runs"):
         key = rec.run_key
-        found = _find_runs(client, experiment_id, key)
-        for dup in found[1:]:
-            warnings.warn(f"MLflow: deleting duplicate run {dup.info.run_id} for {key} (keeping the oldest)")
-            client.delete_run(dup.info.run_id)
-        run = found[0] if found else None
-        if run is not None:
-            conflicts = {
-                k: (run.data.params[k], v) for k, v in rec.params.items() if k in run.data.params and run.data.params[k] != v
-            }
-            if conflicts:
-                warnings.warn(
-                    f"MLflow: run {run.info.run_id} ({key}) has different params {conflicts} (old, new); "
-                    "params are immutable, so it is replaced by a new run"
-                )
-                client.delete_run(run.info.run_id)
-                run = None
-        if run is None:
-            run = client.create_run(experiment_id, run_name=rec.run_name, tags={RUN_KEY_TAG: key})
-        run_id = run.info.run_id
-        old_params, old_metrics = run.data.params, run.data.metrics
-
-        now = int(time.time() * 1000)
-        metrics = []
-        for name, value in rec.metrics.items():
-            if value is None:
-                if name in old_metrics and not math.isnan(old_metrics[name]):
-                    metrics.append(Metric(name, float("nan"), now, 0))
-                continue
-            value = float(value)
-            if name in old_metrics and _same_float(old_metrics[name], value):
-                continue
-            metrics.append(Metric(name, value, now, 0))
-        params = [Param(k, v) for k, v in rec.params.items() if k not in old_params]
-        all_tags = {**common_tags, **rec.tags, RUN_KEY_TAG: key, "mlflow.runName": rec.run_name}
-        client.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag(k, v) for k, v in all_tags.items()])
-        for folder, paths in rec.artifacts.items():
-            for p in paths:
-                if not Path(p).is_file():
-                    raise ReportInputError(f"missing artifact for {key}: {p}")
-                client.log_artifact(run_id, str(p), artifact_path=folder)
+        run_tags = {**common_tags, **rec.tags}
+        if parent_id is not None:
+            run_tags[MLFLOW_PARENT_RUN_ID] = parent_id
+        run_id = _upsert_run(client, experiment_id, key, rec.run_name, rec.params, rec.metrics, run_tags)
+        _log_files(client, run_id, key, rec.artifacts)
         for p in common_artifacts:
             client.log_artifact(run_id, str(p), artifact_path="common")
         client.set_terminated(run_id, "FINISHED")
         run_ids.append(run_id)
-    return run_ids
+    if parent_id is not None:
+        client.set_terminated(parent_id, "FINISHED")
+    return TrackedRuns(experiment_id=experiment_id, parent_id=parent_id, run_ids=run_ids, comparison_view=view)
 
 
 def _progress(items: Sequence, desc: str):
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, file=sys.stderr, disable=len(items) < 2)
+
+
+def experiment_link(experiment_id: str) -> str:
+    """The UI route that opens the experiment on its runs table (append to the server's address)."""
+    return f"#/experiments/{experiment_id}?{UI_WORKFLOW}"
 
 
 def run_track(
@@ -629,23 +923,58 @@ def run_track(
     autotune_jsons: Iterable[str | os.PathLike] = (),
     locality_json: str | os.PathLike | None = None,
     simulation_csv: str | os.PathLike | None = None,
+    datasets: Sequence[DatasetRef] = (),
+    results_dir: str | os.PathLike | None = None,
 ) -> list[str]:
-    """The ``track`` stage: log every (placement, batch size) to MLflow, then write ``done_path``
-    (JSON: tracking URI, experiment, run key -> run id) atomically. ``tags`` (config_hash, ...)
-    go on every run; the commit, versions and device come from each bench JSON's provenance
-    (:func:`provenance_tags`), never from the machine running ``track`` (a model that is not
-    decoded has no measurement, so its placement runs carry no commit)."""
+    """The ``track`` stage: one parent run for this invocation (``invocation_id`` of the config
+    hash and ``results_dir``, default the folder above ``done_path``'s), a child per (placement,
+    batch size), then ``done_path`` (JSON: tracking URI, experiment and its id, the parent's run
+    id, run key -> child run id, the UI routes of the experiment and of the README's comparison)
+    written atomically. Returns the children's run ids. Without bench results (a model that is
+    not decoded) the children come from the placements and their predictions. ``tags``
+    (config_hash, ...) go on every run; the commit, versions and device come from each bench
+    JSON's provenance (:func:`provenance_tags`), never from the machine running ``track``: the
+    parent's ``commit`` param is the commit its children's bench files recorded (``unknown``
+    without one, as for a model that is not decoded)."""
+    autotune_paths = [Path(p) for p in autotune_jsons]
     bench_jsons, placement_jsons = list(bench_jsons), list(placement_jsons)
     if bench_jsons:
-        records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_jsons,
+        records = records_from_results(bench_jsons, parity_jsons, placement_jsons, stats_json, autotune_paths,
                                        locality_json, simulation_csv)
     else:  # a model that is not decoded: its placements and their predictions
         records = records_from_placements(placement_jsons, stats_json, locality_json, simulation_csv)
     tags = {k: v for k, v in (tags or {}).items() if k != "commit"}
-    run_ids = log_runs(tracking_uri, experiment, records, tags)
+    measured_commits = sorted({r.tags["commit"] for r in records if r.tags.get("commit")})
+    parent_tags = {**tags, "commit": ",".join(measured_commits) or "unknown"}
+    results_dir = Path(done_path).resolve().parent.parent if results_dir is None else Path(results_dir)
+    invocation = invocation_id(str(tags.get("config_hash", "unknown")), results_dir)
+    for rec in records:
+        rec.invocation = invocation
+    parent = parent_record(records, invocation, parent_tags, stats_json, autotune_paths, datasets)
+    tracked = log_runs(tracking_uri, experiment, records, tags, parent=parent)
     write_json(done_path, {
         "tracking_uri": tracking_uri,
         "experiment": experiment,
-        "runs": {rec.run_key: run_id for rec, run_id in zip(records, run_ids)},
+        "experiment_id": tracked.experiment_id,
+        "experiment_link": experiment_link(tracked.experiment_id),
+        "comparison_view": tracked.comparison_view,
+        "parent_run_id": tracked.parent_id,
+        "runs": {rec.run_key: run_id for rec, run_id in zip(records, tracked.run_ids)},
     })
-    return run_ids
+    print(f"MLflow: {len(records)} runs under parent {tracked.parent_id} in experiment {experiment!r}; "
+          f"open <server>/{experiment_link(tracked.experiment_id)}, the README's comparison at "
+          f"<server>/{tracked.comparison_view}", file=sys.stderr)
+    return tracked.run_ids
+
+
+def log_report(done_path: str | os.PathLike, html: str | os.PathLike, figures: Sequence[str | os.PathLike]) -> str:
+    """Attach the rendered report (HTML under ``report/``, figures under ``report/figures/``) to
+    the parent run that ``track`` recorded in ``done_path``; returns its run id. The report is
+    rendered after ``track``, so it joins the parent here."""
+    done = read_json(done_path)
+    if not isinstance(done, dict) or not done.get("parent_run_id") or not done.get("tracking_uri"):
+        raise ReportInputError(f"{done_path}: missing field parent_run_id or tracking_uri")
+    client = _client(done["tracking_uri"])
+    run_id = done["parent_run_id"]
+    _log_files(client, run_id, f"parent {run_id}", {"report": [Path(html)], "report/figures": [Path(f) for f in figures]})
+    return run_id

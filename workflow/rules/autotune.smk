@@ -7,9 +7,11 @@ rule autotune:
         entry=report(f"{RESULTS}/autotune/{MODEL}.json", caption="../../report/autotune.rst", category="Autotune"),
     log:
         f"logs/autotune/{MODEL}.log",
-    params:
-        autotune=config["autotune"],
+    conda:
+        "../envs/coldset.yaml"
     resources:
         gpu=1,
+    params:
+        autotune=config["autotune"],
     script:
         "../scripts/autotune.py"

@@ -16,10 +16,12 @@ rule bench:
         ),
     log:
         f"logs/bench/{MODEL}.log",
-    params:
-        bench=config["bench"],
+    conda:
+        "../envs/coldset.yaml"
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
+    params:
+        bench=config["bench"],
     script:
         "../scripts/bench.py"

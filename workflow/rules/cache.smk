@@ -9,6 +9,8 @@ rule cache:
         figure=report(f"{RESULTS}/cache/{MODEL}/locality.png", caption="../../report/cache.rst", category="Cache"),
     log:
         f"logs/cache/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         cache=config["cache"],
         placement=config["placement"],

@@ -3,6 +3,8 @@ rule fixtures:
         expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
     log:
         "logs/fixtures/fixtures.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         fixtures=config["fixtures"],
     script:

@@ -3,6 +3,8 @@ rule model:
         manifest=f"{RESULTS}/model/{MODEL}/manifest.json",
     log:
         f"logs/model/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         model=config["model"],
         fixtures=config["fixtures"],  # the synthetic model learns its domains from the fixtures' text

@@ -15,11 +15,13 @@ rule parity:
         ),
     log:
         f"logs/parity/{MODEL}.log",
-    params:
-        parity=config["parity"],
+    conda:
+        "../envs/coldset.yaml"
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed
     resources:
         gpu=1,
+    params:
+        parity=config["parity"],
     script:
         "../scripts/parity.py"
 
@@ -37,5 +39,7 @@ rule parity_gate:
         gate=f"{RESULTS}/parity/{MODEL}/gate.json",
     log:
         f"logs/parity_gate/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/parity_gate.py"

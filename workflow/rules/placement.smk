@@ -10,6 +10,8 @@ rule placement:
         coverage=report(f"{RESULTS}/placement/{MODEL}/coverage.csv", caption="../../report/coverage.rst", category="Placement"),
     log:
         f"logs/placement/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         placement=config["placement"],
     script:

@@ -32,5 +32,7 @@ rule report:
         ),
     log:
         f"logs/report/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/report.py"

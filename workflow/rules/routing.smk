@@ -16,6 +16,8 @@ rule routing:
         trace=f"{RESULTS}/routing/{MODEL}/trace.parquet",
     log:
         f"logs/routing/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         routing=config["routing"],
     threads: workflow.cores  # the engine uses every core; timings need them undisturbed

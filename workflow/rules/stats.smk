@@ -10,6 +10,8 @@ rule stats:
         lorenz=report(f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"),
     log:
         f"logs/stats/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         stats=config["stats"],
     script:

@@ -8,5 +8,7 @@ rule report_models:
         html=report(str(comparison_path(config)), caption="../../report/report.rst", category="Report"),
     log:
         "logs/report_models/models.log",
+    conda:
+        "../envs/coldset.yaml"
     script:
         "../scripts/report_models.py"

@@ -24,7 +24,12 @@ def track_inputs(wildcards):
         "skew": concrete(rules.stats.output.skew, wildcards),
         "locality": concrete(rules.stats.output.locality, wildcards),
         "cache": concrete(rules.cache.output.simulation, wildcards),
+        # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
+        # fixtures where the workflow generates them
+        "trace": concrete(rules.routing.output.trace, wildcards),
     }
+    if decodes(wildcards) or not config["routing"]["trace"]:
+        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
     if decodes(wildcards):
         inputs["bench"] = expand(f"{RESULTS}/bench/{m}/{{placement}}.json", placement=PLACEMENTS)
         inputs["parity"] = expand(f"{RESULTS}/parity/{m}/{{placement}}.json", placement=PLACEMENTS)
@@ -39,6 +44,8 @@ rule track:
         done=f"{RESULTS}/track/{MODEL}.done",
     log:
         f"logs/track/{MODEL}.log",
+    conda:
+        "../envs/coldset.yaml"
     params:
         tracking=config["tracking"],
     script:
