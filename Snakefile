@@ -40,6 +40,6 @@ else:
 
 
 rule all:
+    default_target: True
     input:
         comparison_path(config) if SWEEPING else LAYOUT.report,
-    default_target: True

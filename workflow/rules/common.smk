@@ -62,3 +62,53 @@ DECODES = not SKIPPED
 def model_inputs(wildcards):
     """The model stage's manifest: every model-reading rule depends on it."""
     return Layout(Path(RESULTS), model_name(wildcards)).model_dir / "manifest.json"
+
+
+# Input functions of the rules (`snakemake --lint`: rules and functions in separate files).
+def routing_inputs(wildcards):
+    """An imported trace needs only its file; a capture needs the model and the fixtures."""
+    trace = model_cfg(wildcards)["routing"]["trace"]
+    if trace:
+        return {"trace": trace}  # checked against model.path when set
+    return {
+        "manifest": model_inputs(wildcards),
+        "fixtures": expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+    }
+
+
+def track_inputs(wildcards):
+    """Bench, parity and autotune results when the model is decoded; placements and stats always."""
+    m = model_name(wildcards)
+    inputs = {
+        "placement": expand(f"{RESULTS}/placement/{m}/{{placement}}.json", placement=PLACEMENTS),
+        "skew": concrete(rules.stats.output.skew, wildcards),
+        "locality": concrete(rules.stats.output.locality, wildcards),
+        "cache": concrete(rules.cache.output.simulation, wildcards),
+        # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
+        # fixtures where the workflow generates them
+        "trace": concrete(rules.routing.output.trace, wildcards),
+    }
+    if decodes(wildcards) or not model_cfg(wildcards)["routing"]["trace"]:
+        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
+    if decodes(wildcards):
+        inputs["bench"] = expand(f"{RESULTS}/bench/{m}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["parity"] = expand(f"{RESULTS}/parity/{m}/{{placement}}.json", placement=PLACEMENTS)
+        inputs["autotune"] = concrete(rules.autotune.output.entry, wildcards)
+    return inputs
+
+
+def report_inputs(wildcards):
+    """The parity gate only when the model is decoded (a shape-only model skips it, DECODES)."""
+    inputs = {
+        "track": rules.track.output.done,
+        "skew": rules.stats.output.skew,
+        "coverage": rules.placement.output.coverage,
+        "cache": rules.cache.output.simulation,
+    }
+    if DECODES:
+        inputs["gate"] = rules.parity_gate.output.gate
+    return inputs
+
+
+# Bench figures exist only when the bench ran.
+BENCH_BATCHES = config["bench"]["batch_sizes"] if DECODES else []

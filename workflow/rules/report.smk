@@ -1,20 +1,3 @@
-def report_inputs(wildcards):
-    """The parity gate only when the model is decoded (a shape-only model skips it, DECODES)."""
-    inputs = {
-        "track": rules.track.output.done,
-        "skew": rules.stats.output.skew,
-        "coverage": rules.placement.output.coverage,
-        "cache": rules.cache.output.simulation,
-    }
-    if DECODES:
-        inputs["gate"] = rules.parity_gate.output.gate
-    return inputs
-
-
-# Bench figures exist only when the bench ran.
-BENCH_BATCHES = config["bench"]["batch_sizes"] if DECODES else []
-
-
 rule report:
     input:
         unpack(report_inputs),

@@ -6,8 +6,12 @@ rule stats:
         skew=f"{RESULTS}/stats/{MODEL}/skew.json",
         coverage=f"{RESULTS}/stats/{MODEL}/coverage.csv",
         locality=f"{RESULTS}/stats/{MODEL}/locality.json",
-        heatmap=report(f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"),
-        lorenz=report(f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"),
+        heatmap=report(
+            f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"
+        ),
+        lorenz=report(
+            f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"
+        ),
     log:
         f"logs/stats/{MODEL}.log",
     conda:

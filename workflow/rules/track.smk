@@ -16,27 +16,6 @@ for _model in MODELS:
         os.utime(_done, (0, 0))
 
 
-def track_inputs(wildcards):
-    """Bench, parity and autotune results when the model is decoded; placements and stats always."""
-    m = model_name(wildcards)
-    inputs = {
-        "placement": expand(f"{RESULTS}/placement/{m}/{{placement}}.json", placement=PLACEMENTS),
-        "skew": concrete(rules.stats.output.skew, wildcards),
-        "locality": concrete(rules.stats.output.locality, wildcards),
-        "cache": concrete(rules.cache.output.simulation, wildcards),
-        # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
-        # fixtures where the workflow generates them
-        "trace": concrete(rules.routing.output.trace, wildcards),
-    }
-    if decodes(wildcards) or not config["routing"]["trace"]:
-        inputs["fixtures"] = expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)
-    if decodes(wildcards):
-        inputs["bench"] = expand(f"{RESULTS}/bench/{m}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["parity"] = expand(f"{RESULTS}/parity/{m}/{{placement}}.json", placement=PLACEMENTS)
-        inputs["autotune"] = concrete(rules.autotune.output.entry, wildcards)
-    return inputs
-
-
 rule track:
     input:
         unpack(track_inputs),
