@@ -108,8 +108,10 @@ def test_report_end_to_end_skips_decoding_stages(run):
     manifest = json.loads((wd / "results" / "model" / "tiny-v3" / "manifest.json").read_text())
     assert manifest["source"] == "shape-only" and manifest["decodes"] is False
     runs = json.loads((wd / "results" / "track" / "tiny-v3.done").read_text())["runs"]
-    assert sorted(runs) == sorted(f"tiny-v3/{p}/{r}/{b}" for p in ("positional", "usage_global")
-                                  for r in ("0.5", "1.0") for b in (1, 4))
+    # run keys: model@{invocation (config hash, results folder)}/policy/residency/batch (coldset.track)
+    assert len({k.split("/", 1)[0] for k in runs}) == 1 and next(iter(runs)).startswith("tiny-v3@")
+    assert sorted(k.split("/", 1)[1] for k in runs) == sorted(
+        f"{p}/{r}/{b}" for p in ("positional", "usage_global") for r in ("0.5", "1.0") for b in (1, 4))
 
 
 def test_asking_for_a_decoding_stage_fails_saying_what_works(run):
