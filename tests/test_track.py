@@ -420,7 +420,7 @@ def test_locality_and_cache_simulation_are_logged_per_residency(tmp_path):
               simulation_csv=layout.cache_dir / "simulation.csv")
     by_key = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}
     for r in RESIDENCIES:
-        m = by_key[f"{MODEL}/usage_global/{float(r)!r}/{BATCH_SIZES[0]}"].data.metrics
+        m = by_key[_key(res, "usage_global", repr(float(r)), BATCH_SIZES[0])].data.metrics
         assert m["routing_overlap_lift_decode"] == 1.5 and m["routing_consecutive_overlap_decode"] == 0.6
         for row in (x for x in rows if x["residency"] == r):
             assert m[f"cache_{row['policy']}_hit_rate"] == pytest.approx(row["hit_rate"])
@@ -468,6 +468,10 @@ def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_p
                 DatasetRef("fixtures-code", data / "code.jsonl", "fixtures")]
     uri = default_tracking_uri(res)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # MlflowClient.load_table searches the default store
+    import mlflow
+
+    previous_uri = mlflow.get_tracking_uri()  # another test may have set the process-wide store
+    mlflow.set_tracking_uri(uri)
     children = _track(res, uri, datasets=datasets)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
@@ -545,3 +549,4 @@ def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_p
     new_parent = [r for r in _parents(uri) if r.data.params["commit"] == "fedcba98"]
     assert len(new_parent) == 1 and len(_parents(uri)) == 2
     assert {client.get_run(c).data.tags["mlflow.parentRunId"] for c in children} == {new_parent[0].info.run_id}
+    mlflow.set_tracking_uri(previous_uri)
