@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 GPU_RULES = {"routing", "autotune", "parity", "bench"}
-CPU_RULES = {"model", "fixtures", "stats", "placement", "parity_gate", "track", "report"}
+CPU_RULES = {"model", "fixtures", "stats", "placement", "cache", "parity_gate", "track", "report"}
 
 
 def _without_model_digest(doc):
