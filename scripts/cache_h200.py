@@ -44,24 +44,10 @@ def log(*a) -> None:
 
 
 def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median ms of one replay of ``fn`` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of one replay of ``fn`` captured in a CUDA graph (the autotuner's timer)."""
+    from coldset.tune import graph_time_us
+
+    return graph_time_us(fn, reps) / 1e3
 
 
 def main() -> int:
