@@ -365,6 +365,42 @@ def _heap_pop(k1, k2, ins, size):
 
 
 @_jit
+def _max_group(ptr):
+    """The largest group's selection count."""
+    out = 0
+    for g in range(ptr.size - 1):
+        out = max(out, ptr[g + 1] - ptr[g])
+    return out
+
+
+@_jit
+def _classify_group(ids, s, e, resident, protected, in_group, hit, missed):
+    """Pass 1 of a group (selections ``s..e-1``): mark hits and protect their instances; list each
+    missed instance's first selection in ``missed``. Returns the number of missed instances."""
+    n_miss = 0
+    for i in range(s, e):
+        x = ids[i]
+        if resident[x]:
+            hit[i] = True
+            protected[x] = True
+        elif not in_group[x]:
+            in_group[x] = True
+            missed[n_miss] = i
+            n_miss += 1
+    return n_miss
+
+
+@_jit
+def _link_tail(nxt, prv, head, x):
+    """Link instance ``x`` at the tail (most recent end) of the LRU list."""
+    last = prv[head]
+    nxt[last] = x
+    prv[x] = last
+    nxt[x] = head
+    prv[head] = x
+
+
+@_jit
 def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims):
     """lfu (policy 0) or belady (policy 1). Keys: lfu (count, last_use); belady (-next_use, 0)
     with ties by instance id. Returns (hit [N], fills [G]); ``victims[i]`` (when ``record``) is
@@ -380,9 +416,7 @@ def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
     key2 = np.zeros(n_inst, dtype=np.float64)
     count = np.zeros(n_inst, dtype=np.float64)
     cap = warm.size
-    max_group = 0
-    for g in range(n_groups):
-        max_group = max(max_group, ptr[g + 1] - ptr[g])
+    max_group = _max_group(ptr)
     heap_cap = 4 * n_inst + max_group + 64
     h1 = np.empty(heap_cap, dtype=np.float64)
     h2 = np.empty(heap_cap, dtype=np.float64)
@@ -407,16 +441,7 @@ def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
-        n_miss = 0
-        for i in range(s, e):
-            x = ids[i]
-            if resident[x]:
-                hit[i] = True
-                protected[x] = True
-            elif not in_group[x]:
-                in_group[x] = True
-                missed[n_miss] = i
-                n_miss += 1
+        n_miss = _classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
         for m in range(n_miss):
             while True:
@@ -476,28 +501,13 @@ def _replay_lru(ids, ptr, warm, n_inst, record, victims):
     for j in range(warm.size):  # append in warm order: first victim at the head
         x = warm[j]
         resident[x] = True
-        last = prv[head]
-        nxt[last] = x
-        prv[x] = last
-        nxt[x] = head
-        prv[head] = x
-    max_group = 1
-    for g in range(n_groups):
-        max_group = max(max_group, ptr[g + 1] - ptr[g])
+        _link_tail(nxt, prv, head, x)
+    max_group = max(_max_group(ptr), 1)
     missed = np.empty(max_group, dtype=np.int64)
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
-        n_miss = 0
-        for i in range(s, e):
-            x = ids[i]
-            if resident[x]:
-                hit[i] = True
-                protected[x] = True
-            elif not in_group[x]:
-                in_group[x] = True
-                missed[n_miss] = i
-                n_miss += 1
+        n_miss = _classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
         v = nxt[head]
         for m in range(n_miss):
@@ -513,11 +523,7 @@ def _replay_lru(ids, ptr, warm, n_inst, record, victims):
             resident[x] = True
             protected[x] = True
             # link the admitted instance at the tail (moved to its tick's place in pass 3)
-            last = prv[head]
-            nxt[last] = x
-            prv[x] = last
-            nxt[x] = head
-            prv[head] = x
+            _link_tail(nxt, prv, head, x)
             if record:
                 victims[i] = v
             v = after
@@ -529,11 +535,7 @@ def _replay_lru(ids, ptr, warm, n_inst, record, victims):
             protected[x] = False
             nxt[prv[x]] = nxt[x]
             prv[nxt[x]] = prv[x]
-            last = prv[head]
-            nxt[last] = x
-            prv[x] = last
-            nxt[x] = head
-            prv[head] = x
+            _link_tail(nxt, prv, head, x)
     return hit, fills
 
 
