@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from coldset import gate
-from coldset.model import load_model
 from coldset.placement import row_map_from_mask
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.synthetic import SyntheticSpec
+from synthetic_engines import random_prompts, synthetic_engine
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
                      head_dim=32, vocab_size=512, seed=3, expert_gain=2.0, lm_successor_gain=1.0)
@@ -15,18 +15,12 @@ SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=3
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = write_synthetic_checkpoint(SPEC, tmp_path_factory.mktemp("gate") / "ckpt")
-    return load_model(path)
+    return synthetic_engine(SPEC, tmp_path_factory.mktemp("gate"))
 
-
-def _prompts(vocab, n=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def test_every_random_placement_is_token_exact(engine):
-    prompts = _prompts(engine.config.vocab_size)
+    prompts = random_prompts(engine.config.vocab_size, 4)
     ids = [f"p{i}" for i in range(len(prompts))]
     reference = gate.reference_decode(engine, prompts, 16, progress=False)
     rng = np.random.default_rng(0)
@@ -41,7 +35,7 @@ def test_every_random_placement_is_token_exact(engine):
 
 
 def test_gate_catches_two_swapped_experts(engine):
-    prompts = _prompts(engine.config.vocab_size, seed=1)
+    prompts = random_prompts(engine.config.vocab_size, 4, seed=1)
     ids = [f"p{i}" for i in range(len(prompts))]
     reference = gate.reference_decode(engine, prompts, 16, progress=False)
     mask = np.ones((engine.config.num_moe_layers, engine.config.num_experts), dtype=bool)

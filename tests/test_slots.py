@@ -8,11 +8,12 @@ import torch
 
 from coldset import gate
 from coldset.cache import AccessStream, simulate
-from coldset.model import generate, load_model
+from coldset.model import generate
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
 from coldset.slots import CacheCapacityError, SlotCache
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.synthetic import SyntheticSpec
 from coldset.tiers import ExpertPools, host_tier
+from synthetic_engines import random_prompts, synthetic_engine
 
 
 def reference_cache(groups, num_experts, warm, warm_counts, policy):
@@ -131,14 +132,8 @@ SPEC = SyntheticSpec(layers=4, experts=8, top_k=2, hidden=64, moe_intermediate=3
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = write_synthetic_checkpoint(SPEC, tmp_path_factory.mktemp("slots") / "ckpt")
-    return load_model(path)
+    return synthetic_engine(SPEC, tmp_path_factory.mktemp("slots"))
 
-
-def _prompts(vocab, n=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def _engine_cache(engine, policy, residency, max_tokens):
@@ -158,7 +153,7 @@ def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
     the brute-force reference's) on the routing the engine itself recorded; its logits are bitwise
     the unmodified path's; and the run contains a token in which a slot is evicted and refilled
     again."""
-    prompts = _prompts(engine.config.vocab_size)
+    prompts = random_prompts(engine.config.vocab_size, 3)
     cache, owner, wc = _engine_cache(engine, policy, 0.125, 1)
     ref_fn, rowmap_fn, _ = gate.experts_functions(engine.device)
     groups, logits, ref_logits = [], [], []
@@ -195,7 +190,7 @@ def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_dynamic_placement_passes_the_gate_at_batch_2(engine, policy):
-    prompts = _prompts(engine.config.vocab_size, n=4, seed=1)
+    prompts = random_prompts(engine.config.vocab_size, 4, seed=1)
     ids = [f"p{i}" for i in range(len(prompts))]
     reference = gate.reference_decode(engine, prompts, 12, batch_size=2, progress=False)
     cache, _, _ = _engine_cache(engine, policy, 0.125, 2)
@@ -207,7 +202,7 @@ def test_dynamic_placement_passes_the_gate_at_batch_2(engine, policy):
 
 
 def test_a_corrupted_slot_fails_the_gate(engine):
-    prompts = _prompts(engine.config.vocab_size, n=2, seed=2)
+    prompts = random_prompts(engine.config.vocab_size, 2, seed=2)
     ids = ["a", "b"]
     reference = gate.reference_decode(engine, prompts, 12, batch_size=1, progress=False)
     cache, _, _ = _engine_cache(engine, "lru", 0.5, 1)
@@ -225,7 +220,7 @@ def test_a_corrupted_slot_fails_the_gate(engine):
 
 def test_a_stale_fill_fails_the_gate(engine, monkeypatch):
     """A fill that never lands (the slot keeps its victim's weights) must be caught."""
-    prompts = _prompts(engine.config.vocab_size, n=2, seed=3)
+    prompts = random_prompts(engine.config.vocab_size, 2, seed=3)
     ids = ["a", "b"]
     reference = gate.reference_decode(engine, prompts, 12, batch_size=1, progress=False)
     cache, _, _ = _engine_cache(engine, "lru", 0.25, 1)
