@@ -35,8 +35,9 @@ def test_model_fingerprint_checks_the_folder_it_describes(tmp_path):
 
 
 def test_check_fingerprint_names_the_report_and_each_changed_file():
-    now = {"row_map_sha256": "a", "model": "b", "kernel": "c"}
-    files = {"row_map_sha256": "x.rowmap.npy", "model": "manifest.json", "kernel": "autotune.json"}
+    now = {"row_map_sha256": "a", "placement": "p", "model": "b", "kernel": "c"}
+    files = {"row_map_sha256": "x.rowmap.npy", "placement": "x.json", "model": "manifest.json",
+             "kernel": "autotune.json"}
     check_fingerprint(dict(now), now, "r.json", files)
     with pytest.raises(StaleReportError, match=r"r.json is stale: .*changed: row_map_sha256 \(x.rowmap.npy\), "
                                                r"kernel \(autotune.json\)"):

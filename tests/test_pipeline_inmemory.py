@@ -254,6 +254,7 @@ def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
         placement = json.loads((res / "placement" / "tiny-mem" / f"{name}.json").read_text())
         assert fp["row_map_sha256"] == file_sha256(res / "placement" / "tiny-mem" / f"{name}.rowmap.npy")
         assert fp["row_map_sha256"] == placement["row_map_sha256"]
+        assert fp["placement"] == file_sha256(res / "placement" / "tiny-mem" / f"{name}.json")
         assert fp["model"] == file_sha256(manifest)
         assert len(fp["kernel"]) == 64
         assert gate["fingerprints"][name] == fp
@@ -286,6 +287,23 @@ def test_rewritten_placement_stale_reports_refused_by_gate_and_bench(run, tmp_pa
     report.write_text(json.dumps(doc))
     assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "positional-0.5"]) == 1
     assert "has no fingerprint" in capsys.readouterr().err
+
+
+def test_rewritten_warm_state_of_a_dynamic_placement_makes_its_report_stale(run, tmp_path, capsys):
+    """lru-0.5 rewritten with the same warm set (same row map) but another warm eviction order: its
+    decisions differ, so the old verdict must not be applied to it."""
+    cfg_path = _copy_run(run, tmp_path)
+    path = tmp_path / "results" / "placement" / "tiny-mem" / "lru-0.5.json"
+    doc = json.loads(path.read_text())
+    doc["cache_warm_counts"] = doc["cache_warm_counts"][::-1]
+    assert doc["cache_warm_counts"] != json.loads(path.read_text())["cache_warm_counts"]
+    path.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "lru-0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "parity/tiny-mem/lru-0.5.json is stale" in err and "placement (" in err and "lru-0.5.json)" in err
+    assert "row_map_sha256" not in err
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "usage_global-0.5"]) == 0
 
 
 def test_changed_kernel_or_model_make_reports_stale(run, tmp_path, capsys):

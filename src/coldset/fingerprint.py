@@ -7,6 +7,9 @@ nothing about the new files. Each report therefore carries a fingerprint:
 
 - ``row_map_sha256``: sha256 of the ``.rowmap.npy`` bytes the decode used (the same digest the
   placement JSON records, so the pair is checked too);
+- ``placement``: sha256 of the placement JSON itself: a dynamic placement's decisions also depend
+  on what it records beside the row map (``cache_warm_counts``, the warm pool's eviction order), so
+  a rewritten warm state with the same warm set (same row map) is another placement;
 - ``model``: sha256 of the model stage's manifest (the model's config.json contents, its source,
   and for a folder the name, size and mtime of every weight, config and tokenizer file, which the
   model stage records; for an in-memory synthetic model its generator spec) — file stats, not
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from coldset.files import read_json
 
-FINGERPRINT_FIELDS = ("row_map_sha256", "model", "kernel")
+FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "*.safetensors", "*.safetensors.index.json")
@@ -84,14 +87,14 @@ def kernel_fingerprint(autotune_path: str | os.PathLike) -> str:
         raise StaleReportError(f"autotune entry {autotune_path} lacks field {exc}") from None
 
 
-def current_fingerprint(row_map_path: str | os.PathLike, manifest_path: str | os.PathLike,
-                        autotune_path: str | os.PathLike) -> dict[str, str]:
+def current_fingerprint(row_map_path: str | os.PathLike, placement_path: str | os.PathLike,
+                        manifest_path: str | os.PathLike, autotune_path: str | os.PathLike) -> dict[str, str]:
     """The fingerprint the files on disk have now."""
-    row_map_path = Path(row_map_path)
-    if not row_map_path.is_file():
-        raise StaleReportError(f"row map {row_map_path} does not exist: rerun the placement stage")
-    return {"row_map_sha256": file_sha256(row_map_path), "model": model_fingerprint(manifest_path),
-            "kernel": kernel_fingerprint(autotune_path)}
+    for path, what in ((row_map_path, "row map"), (placement_path, "placement")):
+        if not Path(path).is_file():
+            raise StaleReportError(f"{what} {path} does not exist: rerun the placement stage")
+    return {"row_map_sha256": file_sha256(row_map_path), "placement": file_sha256(placement_path),
+            "model": model_fingerprint(manifest_path), "kernel": kernel_fingerprint(autotune_path)}
 
 
 def check_fingerprint(recorded: dict | None, current: dict[str, str], where: str,

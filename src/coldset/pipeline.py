@@ -509,7 +509,8 @@ def _fingerprint_files(config: dict, name: str) -> dict[str, Path]:
     from coldset.placement import row_map_path
 
     layout = Layout.from_config(config)
-    return {"row_map_sha256": row_map_path(layout.placement_dir / f"{name}.json"),
+    placement = layout.placement_dir / f"{name}.json"
+    return {"row_map_sha256": row_map_path(placement), "placement": placement,
             "model": _manifest_path(config), "kernel": layout.autotune}
 
 
@@ -519,7 +520,7 @@ def _fingerprint(config: dict, name: str) -> dict[str, str]:
 
     files = _fingerprint_files(config, name)
     try:
-        return current_fingerprint(files["row_map_sha256"], files["model"], files["kernel"])
+        return current_fingerprint(files["row_map_sha256"], files["placement"], files["model"], files["kernel"])
     except (StaleReportError, FileNotFoundError, ValueError) as exc:
         raise StageError(f"placement {name}: {exc}") from None
 
