@@ -308,9 +308,12 @@ def test_fixed_shape_decode_step_matches_generate(tiny_hf_checkpoint):
 
 # issue 16: errors name their culprit (the file and field, the fixture id)
 @pytest.mark.parametrize("change, msg", [
-    ({"hidden_size": "abc"}, r"config.json: field 'hidden_size' must be an integer, got 'abc'"),
-    ({"num_attention_heads": 0}, r"config.json: field 'num_attention_heads' must be at least 1, got 0"),
-    ({"num_experts_per_tok": 99}, r"config.json: field 'num_experts_per_tok' is 99, more than the \d+ routed experts"),
+    ({"hidden_size": "abc"}, r"config.json: field 'hidden_size' must be an integer >= 1, got 'abc'"),
+    ({"num_attention_heads": 0}, r"config.json: field 'num_attention_heads' must be an integer >= 1, got 0"),
+    ({"num_experts_per_tok": 99}, r"config.json: field 'num_experts_per_tok' \(99\) exceeds the number of routed "
+                                  r"experts \(8\)"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"config.json: quantized weights \(fp8_block128 experts.*not supported by the engine"),
 ])
 def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
     import json as _json
@@ -330,7 +333,7 @@ def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
 def test_over_long_prompt_is_named_by_its_id():
     from coldset.model import ModelConfig, check_prompts_fit
 
-    cfg = ModelConfig.from_dict({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2,
+    cfg = ModelConfig.from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2,
                                  "num_hidden_layers": 2, "num_experts": 8, "moe_intermediate_size": 32,
                                  "vocab_size": 512, "num_experts_per_tok": 2, "max_position_embeddings": 16})
     check_prompts_fit(cfg, ["a", "b"], [[1] * 8, [1] * 12], 4)

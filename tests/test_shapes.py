@@ -136,18 +136,21 @@ def test_format_names_round_trip():
         get_weight_format("int3")
 
 
-def test_engine_config_and_config_json_agree(tmp_path):
-    """The engine's parser (qwen3_moe, mixtral) and this one give the same shape and bytes."""
+def test_engine_config_is_the_shape_config_json_gives(tmp_path):
+    """The engine reads its shape through this parser (one parser): every shape field and the bytes
+    agree, and its record round-trips like a shape's (the model manifest)."""
+    from dataclasses import fields
+
     from coldset.model import ModelConfig
 
     for name in ("qwen3-235b-a22b", "mixtral-8x7b"):
         raw = json.loads((EXAMPLES / name / "config.json").read_text())
-        eng = as_shape(ModelConfig.from_dict(raw))
-        ours = shape_from_hf_config(raw)
-        for f in ("num_layers", "moe_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size",
-                  "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            assert getattr(eng, f) == getattr(ours, f), (name, f)
+        eng, ours = ModelConfig.from_hf_config(raw), shape_from_hf_config(raw)
+        assert as_shape(eng) is eng
+        assert {f.name: getattr(eng, f.name) for f in fields(MoEShape)} == ours.to_dict()
         assert nonexpert_bytes(eng) == nonexpert_bytes(ours) and expert_bytes(eng) == expert_bytes(ours)
+        assert ModelConfig.from_dict(json.loads(json.dumps(eng.to_dict()))) == eng
+    assert ModelConfig.from_hf_config(raw).norm_topk_prob  # mixtral renormalises, always
 
 
 def test_shape_round_trips_through_a_manifest():

@@ -242,7 +242,7 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 
     from coldset.model import ModelConfig
 
-    shape = ModelConfig.from_dict({
+    shape = ModelConfig.from_hf_config({
         "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2,
         "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
         "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})

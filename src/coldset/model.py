@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from coldset.kernels import softmax_topk, torch_experts
+from coldset.shapes import MoEShape, ShapeError, shape_from_hf_config
 from coldset.tiers import ExpertPools
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -51,65 +52,35 @@ class ModelLoadError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of a checkpoint, parsed from its HF config.json.
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(MoEShape):
+    """The architecture of a checkpoint, parsed from its HF config.json: its shape plus what the
+    forward pass needs beyond bytes and routing.
 
-    Other modules (placement's byte counts, kernels' shapes) read these fields by name.
-    ``moe_layers`` holds the *model* layer indices of the MoE layers, in order; MoE-layer index
-    ``i`` (the row-map index) is ``moe_layers[i]``. ``intermediate_size`` is the dense MLP width
-    of non-MoE layers (qwen3_moe ``mlp_only_layers`` / ``decoder_sparse_step``).
+    The shape fields (``hidden_size``, ``moe_layers``, ``top_k``, the weight formats, ...) are
+    :class:`coldset.shapes.MoEShape`'s, read by the one config.json parser every stage uses
+    (:func:`coldset.shapes.shape_from_hf_config`), so the engine and placement can never disagree
+    about a model. ``moe_layers`` holds the *model* layer indices of the MoE layers, in order;
+    MoE-layer index ``i`` (the row-map index) is ``moe_layers[i]``. ``intermediate_size`` is the
+    dense MLP width of non-MoE layers (qwen3_moe ``mlp_only_layers`` / ``decoder_sparse_step``;
+    0 when every layer is MoE). ``to_dict`` / ``from_dict`` (MoEShape's) round-trip a record of it
+    (the model manifest); :meth:`from_hf_config` parses a config.json.
     """
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    intermediate_size: int
-    moe_layers: tuple[int, ...]
     norm_topk_prob: bool
     rms_norm_eps: float
     rope_theta: float
-    tie_word_embeddings: bool
-    qk_norm: bool
     sliding_window: int | None = None  # mixtral: implemented in the attention mask
     max_position_embeddings: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layers)
-
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        """Parse an HF config dict; ``source`` names the file in error messages."""
-
-        def need(*names, default=...):
-            for name in names:
-                if name in raw and raw[name] is not None:
-                    return raw[name]
-            if default is ...:
-                raise ModelLoadError(f"{source}: missing field {' or '.join(repr(n) for n in names)}")
-            return default
-
-        def need_int(*names, default=..., minimum=1):
-            """An integer field, at least ``minimum``; errors name the file and the field."""
-            value = need(*names, default=default)
-            name = next((n for n in names if raw.get(n) is not None), names[0])
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-                raise ModelLoadError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            if int(value) < minimum:
-                raise ModelLoadError(f"{source}: field {name!r} must be at least {minimum}, got {value!r}")
-            return int(value)
-
-        model_type = raw.get("model_type")
+    def from_hf_config(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse an HF config dict; ``source`` names the file in error messages. The shape comes
+        from :func:`coldset.shapes.shape_from_hf_config`; this adds what only the engine refuses
+        (families, activations, RoPE scalings and weight formats it does not implement)."""
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
                 f"{source}: unsupported model_type {model_type!r}; coldset's engine supports "
@@ -133,60 +104,28 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
-        hidden = need_int("hidden_size")
-        num_heads = need_int("num_attention_heads")
-        num_layers = need_int("num_hidden_layers")
-        head_dim = need_int("head_dim", default=hidden // num_heads)
-
+        try:
+            shape = shape_from_hf_config(raw, source)
+        except ShapeError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
+            raise ModelLoadError(f"{source}: quantized weights ({shape.expert_format} experts, {shape.linear_format} "
+                                 "linears) are not supported by the engine; placement, statistics and the cache "
+                                 "simulation read this shape without decoding")
         if model_type == "qwen3_moe":
-            num_experts = need_int("num_experts", "num_local_experts", minimum=0)
-            step = int(raw.get("decoder_sparse_step") or 1)
-            mlp_only = set(raw.get("mlp_only_layers") or [])
-            moe_layers = tuple(
-                i
-                for i in range(num_layers)
-                if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
-            )
             norm_topk = bool(raw.get("norm_topk_prob", False))
-            qk_norm = True
-            moe_inter = need_int("moe_intermediate_size")
-            inter = int(raw.get("intermediate_size") or 0)
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
             if sliding is not None:
                 raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for qwen3_moe")
-        else:  # mixtral
-            num_experts = need_int("num_local_experts", "num_experts", minimum=0)
-            moe_layers = tuple(range(num_layers))
-            norm_topk = True  # mixtral renormalises the top-k probabilities, always
-            qk_norm = False
-            moe_inter = need_int("intermediate_size")
-            inter = moe_inter
+        else:  # mixtral renormalises the top-k probabilities, always
+            norm_topk = True
             sliding = raw.get("sliding_window")
-        if num_experts <= 0 or not moe_layers:
-            raise ModelLoadError(f"{source}: the model has no MoE layers")
-        top_k = need_int("num_experts_per_tok")
-        if top_k > num_experts:  # the model's own file is wrong, not any trace read against it
-            raise ModelLoadError(f"{source}: field 'num_experts_per_tok' is {top_k}, more than the "
-                                 f"{num_experts} routed experts per layer")
-
+        eps = raw.get("rms_norm_eps")
         return cls(
-            model_type=model_type,
-            vocab_size=need_int("vocab_size"),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=need_int("num_key_value_heads", default=num_heads),
-            head_dim=head_dim,
-            num_experts=num_experts,
-            top_k=top_k,
-            moe_intermediate_size=moe_inter,
-            intermediate_size=inter,
-            moe_layers=moe_layers,
+            **{f.name: getattr(shape, f.name) for f in fields(MoEShape)},
             norm_topk_prob=norm_topk,
-            rms_norm_eps=float(need("rms_norm_eps", default=1e-6)),
+            rms_norm_eps=1e-6 if eps is None else float(eps),
             rope_theta=rope_theta,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qk_norm=qk_norm,
             sliding_window=None if sliding is None else int(sliding),
             max_position_embeddings=raw.get("max_position_embeddings"),
             bos_token_id=raw.get("bos_token_id"),
@@ -206,7 +145,7 @@ class ModelConfig:
             raw = json.loads(cfg_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
-        return cls.from_dict(raw, source=str(cfg_path))
+        return cls.from_hf_config(raw, source=str(cfg_path))
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +89,10 @@ def model_config(config: dict):
     if manifest.get("source") != IN_MEMORY_SOURCE or manifest.get("spec") != spec:
         raise StageError(f"model manifest {path} was not written for this config's in-memory model "
                          f"(source {manifest.get('source')!r}, spec {manifest.get('spec')}); run the model stage again")
-    raw = dict(manifest["config"])
-    raw["moe_layers"] = tuple(raw["moe_layers"])
     try:
-        return ModelConfig(**raw)
-    except TypeError as exc:
-        raise StageError(f"model manifest {path}: field 'config' is not a ModelConfig ({exc}); "
-                         "run the model stage again") from None
+        return ModelConfig.from_dict(manifest["config"], f"model manifest {path} field 'config'")
+    except ValueError as exc:
+        raise StageError(f"{exc}; run the model stage again") from None
 
 
 def model_shape(config: dict):
@@ -104,8 +101,9 @@ def model_shape(config: dict):
     any family :mod:`coldset.shapes` reads (weights not needed), or an in-memory model's manifest."""
     from coldset import shapes
 
-    if in_memory(config):
-        return shapes.as_shape(model_config(config))
+    if in_memory(config):  # built in the config's dtype, whatever its generated config.json says
+        dtype = config["model"]["dtype"]
+        return replace(model_config(config), dtype=dtype, expert_format=dtype, linear_format=dtype)
     try:
         return shapes.read_shape(model_dir(config))
     except shapes.ShapeError as exc:

@@ -54,14 +54,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from coldset import shapes
 from coldset.files import atomic_path, remove_orphans, share_mode
-from coldset.shapes import WEIGHT_FORMATS, WeightFormat  # noqa: F401 (re-exported)
+from coldset.shapes import WEIGHT_FORMATS, MoEShape, WeightFormat  # noqa: F401 (re-exported)
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
 # Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies).
@@ -76,30 +76,6 @@ FORMAT_VERSION = 1
 
 class PlacementError(ValueError):
     """Bad input to placement (histogram, budget, row map, placement file); the message says what."""
-
-
-class ModelShape(Protocol):
-    """The attributes of ``coldset.model.ModelConfig`` that placement reads.
-
-    Any object with these attributes works (placement does not import the engine). An optional
-    ``shared_expert_intermediate_size`` attribute (0 when absent) adds an always-hot shared expert
-    per MoE layer to the non-expert bytes. A :class:`coldset.shapes.MoEShape` (read from any MoE
-    family's config.json) also carries MLA/linear attention, biases and its weight formats.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    intermediate_size: int
-    moe_layers: tuple[int, ...]
-    tie_word_embeddings: bool
-    qk_norm: bool
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,7 +93,7 @@ def get_weight_format(fmt: str | WeightFormat) -> WeightFormat:
         raise PlacementError(str(e)) from None
 
 
-def expert_bytes(config: ModelShape, fmt: str | WeightFormat | None = None) -> int:
+def expert_bytes(config: MoEShape, fmt: str | WeightFormat | None = None) -> int:
     """Bytes of one routed expert (:func:`coldset.shapes.expert_bytes`): w13 ``[2I, H]`` plus
     w2 ``[H, I]`` in ``fmt``, by default the model's own expert format (bfloat16 for an engine config)."""
     try:
@@ -127,7 +103,7 @@ def expert_bytes(config: ModelShape, fmt: str | WeightFormat | None = None) -> i
 
 
 def nonexpert_bytes_breakdown(
-    config: ModelShape, fmt: str | WeightFormat | None = None
+    config: MoEShape, fmt: str | WeightFormat | None = None
 ) -> dict[str, int]:
     """Bytes of everything that always stays in HBM, by part (:func:`coldset.shapes.nonexpert_bytes_breakdown`).
 
@@ -144,12 +120,12 @@ def nonexpert_bytes_breakdown(
         raise PlacementError(str(e)) from None
 
 
-def nonexpert_bytes(config: ModelShape, fmt: str | WeightFormat | None = None) -> int:
+def nonexpert_bytes(config: MoEShape, fmt: str | WeightFormat | None = None) -> int:
     """Total of ``nonexpert_bytes_breakdown``."""
     return sum(nonexpert_bytes_breakdown(config, fmt).values())
 
 
-def nonexpert_format_name(config: ModelShape, fmt: str | WeightFormat | None = None) -> str:
+def nonexpert_format_name(config: MoEShape, fmt: str | WeightFormat | None = None) -> str:
     """How a placement records the non-expert format: ``fmt``'s name, or for ``None`` the
     checkpoint's (``{linear}+{dtype}`` when its linear layers are quantized, e.g.
     ``fp8_block128+bfloat16``)."""
@@ -374,7 +350,7 @@ def hot_count_for_residency(residency: float, total_experts: int) -> int:
 
 def hot_count_for_budget(
     budget_gib: float,
-    config: ModelShape,
+    config: MoEShape,
     fmt: str | WeightFormat | None = None,
     nonexpert_format: str | WeightFormat | None = None,
 ) -> int:
@@ -629,7 +605,7 @@ def expected_touched(counts: np.ndarray, top_k: int, batch_size: int) -> np.ndar
 def predict_step(
     placement: "Placement",
     histogram: pd.DataFrame | np.ndarray | str | os.PathLike,
-    config: ModelShape,
+    config: MoEShape,
     bandwidths: str | Bandwidths | Mapping[str, Any],
     batch_size: int,
 ) -> StepPrediction:
@@ -772,7 +748,7 @@ def _coverage(counts: np.ndarray, hot_mask: np.ndarray) -> float | None:
 
 def place(
     histogram: pd.DataFrame | str | os.PathLike,
-    config: ModelShape,
+    config: MoEShape,
     policy: str,
     residency: float | None = None,
     *,
@@ -1072,7 +1048,7 @@ def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
         df.to_csv(tmp, index=False)
 
 
-def _resolve_config(model_dir_or_config: Any) -> ModelShape:
+def _resolve_config(model_dir_or_config: Any) -> MoEShape:
     if isinstance(model_dir_or_config, (str, os.PathLike)):
         try:  # a folder's config.json, any MoE family coldset.shapes reads; no engine needed
             return shapes.read_shape(model_dir_or_config)

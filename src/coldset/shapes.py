@@ -177,7 +177,8 @@ def weight_format_from_quantization(qcfg: Mapping[str, Any] | None, dtype: str, 
 class MoEShape:
     """The architecture of an MoE checkpoint as far as bytes and routing go.
 
-    The first fields are those of :class:`coldset.model.ModelConfig` that placement reads
+    The engine's :class:`coldset.model.ModelConfig` is this shape plus the forward pass's own
+    fields, parsed by :func:`shape_from_hf_config` too. The first fields are those placement reads
     (``moe_layers`` are model layer indices; MoE-layer index ``i`` is ``moe_layers[i]``;
     ``intermediate_size`` is the dense MLP width of non-MoE layers, 0 when there are none).
     ``shared_expert_intermediate_size`` is the total width of the always-active shared expert
@@ -214,7 +215,7 @@ class MoEShape:
     expert_format: str = "bfloat16"
     linear_format: str = "bfloat16"
     dtype: str = "bfloat16"
-    source: str = ""
+    source: str = field(default="", compare=False)  # where it was read: provenance, not shape
 
     @property
     def num_moe_layers(self) -> int:
@@ -427,7 +428,7 @@ def _gqa(b: dict[str, Any], *, q_rows: int | None = None) -> tuple[tuple[str, in
 def _qwen_moe(f: _Fields, model_type: str) -> dict[str, Any]:
     b = _base(f, model_type)
     h, L = b["hidden_size"], b["num_layers"]
-    e = f.int("num_experts")
+    e = f.int("num_experts", "num_local_experts")  # transformers 5 writes the latter
     moe = _moe_layers_sparse_step(f, L, e)
     q_out, kv_out = b["num_heads"] * b["head_dim"], b["num_kv_heads"] * b["head_dim"]
     qwen3 = model_type == "qwen3_moe"

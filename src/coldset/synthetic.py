@@ -331,7 +331,7 @@ def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str
     _check_spec(spec)
     tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
     vocab = p_tok.shape[0] if spec.model_vocab_size is None else int(spec.model_vocab_size)
-    return ModelConfig.from_dict(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN)), source="synthetic spec")
+    return ModelConfig.from_hf_config(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN)), source="synthetic spec")
 
 
 def _topic_dims(spec: SyntheticSpec) -> int:
@@ -394,7 +394,7 @@ def build_synthetic_model(
     if V < v_tok:
         raise ValueError(f"SyntheticSpec.model_vocab_size={V} is smaller than the tokenizer's {v_tok} tokens")
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    cfg = ModelConfig.from_dict(_config(spec, V, eos_id), source="build_synthetic_model")
+    cfg = ModelConfig.from_hf_config(_config(spec, V, eos_id), source="synthetic spec")
     H, E, I, D = spec.hidden, spec.experts, spec.moe_intermediate, spec.head_dim
     n_t = _topic_dims(spec)
     if H < K + n_t + 8:
