@@ -22,13 +22,13 @@ import pytest
 import pandas as pd
 
 from coldset.config import Layout
-from coldset.report import (
+from coldset.report import render_report
+from coldset.results import (
     BENCH_METRICS,
     ReportInputError,
     load_bench,
     load_skew,
     placement_key_from_path,
-    render_report,
 )
 from coldset.routing import TraceMeta
 from coldset.stats import skew_stats
@@ -623,3 +623,23 @@ def test_report_header_shows_the_bench_provenance_and_the_held_out_split(tmp_pat
     old = build_results_tree(tmp_path / "old", provenance=False)
     html = render_report(old, old / "report" / "index.html", CONFIG, MACHINE).read_text()
     assert "not recorded (bench files without provenance)" in html and 'id="split-table"' not in html
+
+
+def test_locality_loader_names_the_file_and_the_field(tmp_path):
+    """The report and MLflow read locality.json through one loader (coldset.results)."""
+    from coldset.results import load_locality
+
+    path = tmp_path / "locality.json"
+    good = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5,
+            "reuse_distance": {"1": 0.5}}
+    path.write_text(json.dumps(good))
+    assert load_locality(path)["lift"] == 1.5
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "lift"}))
+    with pytest.raises(ReportInputError, match=r"locality.json: missing field\(s\) lift"):
+        load_locality(path)
+    path.write_text(json.dumps({**good, "shuffled_overlap": {}}))
+    with pytest.raises(ReportInputError, match=r"locality.json: field 'shuffled_overlap' has no 'mean'"):
+        load_locality(path)
+    path.write_text(json.dumps({**good, "lift": "high"}))
+    with pytest.raises(ReportInputError, match=r"field 'lift': 'high' is not a number"):
+        load_locality(path)

@@ -407,7 +407,8 @@ def test_locality_and_cache_simulation_are_logged_per_residency(tmp_path):
 
     res = _tree.build_results_tree(tmp_path, with_autotune=False)
     layout = Layout(res, MODEL)
-    loc = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5}
+    loc = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5,
+           "reuse_distance": {"1": 0.5}}  # the stats stage's locality.json contract (coldset.results)
     (layout.stats_dir / "locality.json").write_text(json.dumps(loc))
     rows = [{"policy": p, "residency": r, "capacity": 1, "accesses": 10, "tokens": 5,
              "hit_rate": 0.1 * i + r / 10, "misses_per_token": i + r, "link_gb_per_token": 0.01 * i}

@@ -51,7 +51,7 @@ def comparison_path(config: dict) -> Path:
 
 
 def _placements(cfg: dict):
-    from coldset.report import load_placement_summary
+    from coldset.results import load_placement_summary
 
     layout = Layout.from_config(cfg)
     pc = cfg["placement"]
@@ -59,7 +59,7 @@ def _placements(cfg: dict):
 
 
 def _bench(cfg: dict):
-    from coldset.report import load_bench
+    from coldset.results import load_bench
 
     layout = Layout.from_config(cfg)
     pc = cfg["placement"]

@@ -82,13 +82,15 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from coldset.files import write_json
-from coldset.report import (
+from coldset.results import (
     BENCH_METRICS,
     CEILING_FIELDS,
     ReportInputError,
     load_bench,
+    load_locality,
     load_parity,
     load_placement_summary,
+    load_simulation,
     load_skew,
     read_json,
 )
@@ -340,27 +342,18 @@ def _skew_metrics(stats_json: Path) -> dict[str, float | None]:
 def _locality_metrics(locality_json: Path | None) -> dict[str, float | None]:
     if locality_json is None:
         return {}
-    doc = read_json(locality_json)
-    try:
-        return {"routing_consecutive_overlap_decode": doc["consecutive_overlap"]["mean"],
-                "routing_shuffled_overlap_decode": doc["shuffled_overlap"]["mean"],
-                "routing_overlap_lift_decode": doc["lift"]}
-    except (KeyError, TypeError) as e:
-        raise ReportInputError(f"{locality_json}: missing field {e}") from None
+    doc = load_locality(locality_json)
+    return {"routing_consecutive_overlap_decode": doc["consecutive_overlap"]["mean"],
+            "routing_shuffled_overlap_decode": doc["shuffled_overlap"]["mean"],
+            "routing_overlap_lift_decode": doc["lift"]}
 
 
 def _cache_metrics(simulation_csv: Path | None) -> dict[str, dict[str, float | None]]:
     """canonical residency -> {cache_{policy}_{metric}: value} from the cache simulation."""
     if simulation_csv is None:
         return {}
-    from coldset.cache import CacheError, read_simulation
-
-    try:
-        table = read_simulation(simulation_csv)
-    except CacheError as e:
-        raise ReportInputError(str(e)) from None
     out: dict[str, dict[str, float | None]] = {}
-    for row in table.itertuples():
+    for row in load_simulation(simulation_csv).itertuples():
         m = out.setdefault(canonical_residency(row.residency), {})
         for name in ("hit_rate", "misses_per_token", "link_gb_per_token"):
             m[f"cache_{row.policy}_{name}"] = float(getattr(row, name))
