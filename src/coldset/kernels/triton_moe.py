@@ -25,7 +25,10 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
   s-th distinct selected expert and compacts that expert's pairs inside the kernel: no host-side
   preparation at all, so a decode step is exactly three launches;
 - ``MODE_SORTED`` (larger batches, prefill): a stable torch sort of the pair expert ids and a
-  searchsorted give each expert its contiguous pair range; grid dimension 0 is E.
+  searchsorted give each expert its contiguous pair range; grid dimension 0 is the *tiles*, one per
+  (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
+  prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
+  share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class KernelConfig:
     (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
     L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
+    ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
+    look up their expert and wait): it hides the launch gaps only, and reads each weight once.
     """
 
     block_m: int = 16
@@ -112,8 +117,18 @@ def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
 
 @triton.jit
 def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
-                  EP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr):
-    """(expert, number of pairs routed to it, start of its range in the sorted pair list)."""
+                  E: tl.constexpr, EP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, MODE: tl.constexpr):
+    """(expert, its pair count, start of its range in the sorted pair list, first and end chunk offset).
+
+    ``MODE_SLOTS``: block ``slot`` takes the slot-th distinct selected expert and all its chunks.
+    ``MODE_SORTED``: block ``slot`` is one *tile*, one chunk of ``BM`` pairs of one expert; tiles
+    are numbered expert by expert (expert e's ceil(count / BM) tiles follow expert e-1's), found
+    from the per-expert offsets by an in-register prefix sum, so the chunks of one expert run as
+    neighbouring blocks at the same time (their weight slices are read from HBM once and shared
+    through L2) instead of one after the other in one block. Blocks past the last tile do nothing.
+    Either way a pair's chunk is the same (chunk c of an expert is its pairs [c, c + BM) in
+    ascending pair order), so the arithmetic per output element does not change with the mode.
+    """
     if MODE == 0:
         offs_p = tl.arange(0, NP)
         ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
@@ -125,11 +140,24 @@ def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
         expert = tl.sum(tl.where(hit, offs_e, 0), axis=0)
         cnt = tl.sum((ids == expert).to(tl.int32), axis=0) * found
         start = 0
+        c_begin = cnt * 0
+        c_end = cnt
     else:
-        expert = slot
-        start = tl.load(expert_off_ptr + slot)
-        cnt = tl.load(expert_off_ptr + slot + 1) - start
-    return expert, cnt, start
+        offs_e = tl.arange(0, EP)
+        in_e = offs_e < E
+        lo = tl.load(expert_off_ptr + offs_e, mask=in_e, other=0)
+        hi = tl.load(expert_off_ptr + offs_e + 1, mask=in_e, other=0)
+        ntiles = (hi - lo + BM - 1) // BM
+        tiles_through = tl.cumsum(ntiles, 0)  # tiles of experts 0..e
+        expert = tl.sum((tiles_through <= slot).to(tl.int32), axis=0)  # E: past the last tile
+        sel = offs_e == expert
+        first_tile = tl.sum(tl.where(offs_e < expert, ntiles, 0), axis=0)
+        start = tl.sum(tl.where(sel, lo, 0), axis=0)
+        cnt = tl.sum(tl.where(sel, hi - lo, 0), axis=0)  # 0 past the last tile
+        c_begin = (slot - first_tile) * BM
+        c_end = tl.minimum(cnt, c_begin + BM)
+        expert = tl.minimum(expert, E - 1)  # an address to form; no chunk is computed past the last tile
+    return expert, cnt, start, c_begin, c_end
 
 
 @triton.jit
@@ -157,20 +185,21 @@ def _w13_act_kernel(
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if USE_GDC:
-        gdc_launch_dependents()  # the w2 kernel may start now and prefetch its weights
+        gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < I
     wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
-    c = cnt * 0
-    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
         tok = (pair // TOPK).to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
@@ -180,7 +209,7 @@ def _w13_act_kernel(
             if EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
                 if EVEN_N:
-                    if USE_GDC:  # read once: do not push the w2 prefetch out of L2
+                    if PREFETCH:  # read once: do not push the w2 prefetch out of L2
                         wg = tl.load(wg_ptrs + k0, eviction_policy="evict_first")
                         wu = tl.load(wu_ptrs + k0, eviction_policy="evict_first")
                     else:
@@ -210,16 +239,17 @@ def _w2_kernel(
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
-    if USE_GDC:
+    if PREFETCH:
         # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
         # the step, ready before the w13 kernel began; the activations are not. Stream this
         # block's weight slice into L2 now, keep a trivial reduction of it in a sink so the loads
@@ -237,8 +267,11 @@ def _w2_kernel(
                 sink = tl.maximum(sink, tl.max(wp.to(tl.float32), axis=0))
         tl.store(sink_ptr + (slot * tl.num_programs(1) + pid_n).to(tl.int64) * BN + tl.arange(0, BN), sink)
         gdc_wait()
-    c = cnt * 0
-    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+    elif USE_GDC:  # launched early, no prefetch: only the launch and the lookups above overlap w13
+        gdc_launch_dependents()
+        gdc_wait()
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
         pair64 = pair.to(tl.int64)
         a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
@@ -343,7 +376,9 @@ def triton_experts(
         mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
         sorted_pairs = expert_off = ids  # unused in this mode
     else:
-        mode, slots, np_ = MODE_SORTED, num_experts, 1
+        # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
+        mode, np_ = MODE_SORTED, 1
+        slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
         sorted_ids, order = torch.sort(ids, stable=True)
         sorted_pairs = order.to(torch.int32)
         bounds = torch.arange(num_experts + 1, device=device, dtype=sorted_ids.dtype)
@@ -354,17 +389,19 @@ def triton_experts(
     c = config
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
     buf = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
-    pdl = bool(c.pdl)
+    if c.pdl not in (0, 1, 2):
+        raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
+    pdl, prefetch = c.pdl > 0, c.pdl == 1
     if pdl and gdc_wait is None:
-        raise RuntimeError("triton_experts: config pdl=1 needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+        raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     grid2 = (slots, triton.cdiv(hidden, c.block_n2))
-    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if pdl else (1,), dtype=torch.float32, device=device)
+    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
         num_pairs, layer, x.stride(0),
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl,
+        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if _stop_after < 2:
@@ -374,7 +411,7 @@ def triton_experts(
         num_pairs, layer,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
+        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
