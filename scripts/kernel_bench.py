@@ -67,6 +67,7 @@ def main():
 
         spec = importlib.util.spec_from_file_location("baseline_triton_moe", args.baseline_module)
         baseline = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = baseline  # dataclasses look their module up there
         spec.loader.exec_module(baseline)
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
