@@ -30,7 +30,7 @@ from coldset.kernels.bandwidth import read_bandwidth
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
 from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig, triton_experts
 from coldset.tiers import ExpertPools, check_host_allocation
-from coldset.tune import TuneShape, autotune, config_for, eager_time_us, graph_time_us
+from coldset.tune import TuneResult, TuneShape, autotune, config_for, eager_time_us, graph_time_us
 
 
 # vLLM's fused_moe Triton kernel with its H200-tuned config at these shapes, all hot, µs per layer,
@@ -57,6 +57,9 @@ def main():
     p.add_argument("--batches", default="1,4,16,64,2048")
     p.add_argument("--sweep", type=int, default=0)
     p.add_argument("--cache-dir", default="/tmp/coldset-autotune")
+    p.add_argument("--configs", default=None,
+                   help="a kernel_bench.json of an earlier run: time its autotuned config per batch instead of "
+                        "tuning now (the autotune cache is then not consulted; the table says so)")
     p.add_argument("--baseline-module", default=None,
                    help="path of another triton_moe.py (e.g. `git show <rev>:src/coldset/kernels/triton_moe.py`): "
                         "its triton_experts is timed on the same inputs with the same config per batch")
@@ -128,15 +131,23 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     shape = TuneShape(num_experts=E, hidden=H, intermediate=I, top_k=K, dtype="bfloat16", num_moe_layers=48,
                       num_hot=48 * E, num_cold=0)
-    t0 = time.time()
-    tuned = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
-    miss_s = time.time() - t0
-    t0 = time.time()
-    tuned2 = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
-    hit_s = time.time() - t0
-    res["autotune"] = {"key": tuned.key, "first_hit": tuned.hit, "first_s": miss_s, "second_hit": tuned2.hit,
-                       "second_s": hit_s, "configs": {str(b): c for b, c in tuned.configs.items()},
-                       "timings_us": {str(b): t for b, t in tuned.timings_us.items()}}
+    if args.configs:
+        with open(args.configs) as f:
+            given = json.load(f)["autotune"]
+        tuned = TuneResult(key=given["key"], hit=False, backend="triton", shape=shape, batch_sizes=batches,
+                           configs={int(b): c for b, c in given["configs"].items()})
+        res["autotune"] = {"skipped": True, "configs_from": args.configs, "key_of_that_run": given["key"],
+                           "configs": given["configs"]}
+    else:
+        t0 = time.time()
+        tuned = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+        miss_s = time.time() - t0
+        t0 = time.time()
+        tuned2 = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+        hit_s = time.time() - t0
+        res["autotune"] = {"key": tuned.key, "first_hit": tuned.hit, "first_s": miss_s, "second_hit": tuned2.hit,
+                           "second_s": hit_s, "configs": {str(b): c for b, c in tuned.configs.items()},
+                           "timings_us": {str(b): t for b, t in tuned.timings_us.items()}}
     log("autotune", res["autotune"])
     torch.cuda.empty_cache()
 
@@ -297,8 +308,11 @@ def main():
     c = res["ceilings"]
     print(f"\n## {res['device']} ({res['sms']} SMs), torch {res['torch']}, triton {res['triton']}")
     at = res["autotune"]
-    print(f"autotune: first call hit={at['first_hit']} {at['first_s']:.1f} s, second call hit={at['second_hit']} "
-          f"{at['second_s']:.2f} s; key {at['key'][:16]}")
+    if at.get("skipped"):
+        print(f"autotune: not run; configs per batch from {at['configs_from']} (its key {at['key_of_that_run'][:16]})")
+    else:
+        print(f"autotune: first call hit={at['first_hit']} {at['first_s']:.1f} s, second call hit={at['second_hit']} "
+              f"{at['second_s']:.2f} s; key {at['key'][:16]}")
     st = res["batch1_stages_us"]
     ab = res["batch1_pdl_ab"]
     print("batch 1, tuned tiles: " + "; ".join(f"pdl={p_}: hot {ab[p_]['hot_us']:.1f} µs cold {ab[p_]['cold_us']:.0f} µs"

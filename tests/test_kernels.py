@@ -165,6 +165,27 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
 
 
 @gpu
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+def test_group_pairs_equals_a_stable_torch_sort(num_experts):
+    """The one-launch grouping (up to GROUP_KERNEL_MAX_PAIRS pairs) gives a stable sort's permutation
+    and searchsorted's offsets, on both sides of the limit, with empty and crowded experts."""
+    from coldset.kernels.triton_moe import GROUP_KERNEL_MAX_PAIRS, group_pairs
+
+    g = torch.Generator().manual_seed(num_experts)
+    sizes = [1, 2, 7, 32, 33, 100, 512, GROUP_KERNEL_MAX_PAIRS - 3, GROUP_KERNEL_MAX_PAIRS, GROUP_KERNEL_MAX_PAIRS + 1, 5000]
+    for n in sizes:
+        for crowded in (False, True):
+            hi = max(1, num_experts // 8) if crowded else num_experts  # few experts: long runs of equal ids
+            ids = torch.randint(0, hi, (n,), generator=g).cuda()
+            sorted_pairs, expert_off = group_pairs(ids, num_experts)
+            sorted_ids, order = torch.sort(ids, stable=True)
+            want_off = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device="cuda"))
+            assert sorted_pairs.dtype == expert_off.dtype == torch.int32
+            assert torch.equal(sorted_pairs.long(), order), (n, crowded)
+            assert torch.equal(expert_off.long(), want_off), (n, crowded)
+
+
+@gpu
 def test_triton_refuses_unknown_pdl_mode():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 

@@ -9,6 +9,9 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
+With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
+one before still runs and wait on the grid dependency before reading its output.
+
 Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
 over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
@@ -24,8 +27,9 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
 - ``MODE_SLOTS`` (T*k <= min(E, config.slot_max_pairs), decode): grid dimension 0 is min(E, T*k) *slots*; block s finds the
   s-th distinct selected expert and compacts that expert's pairs inside the kernel: no host-side
   preparation at all, so a decode step is exactly three launches;
-- ``MODE_SORTED`` (larger batches, prefill): a stable torch sort of the pair expert ids and a
-  searchsorted give each expert its contiguous pair range; grid dimension 0 is the *tiles*, one per
+- ``MODE_SORTED`` (larger batches, prefill): the pairs grouped by expert (the order of a stable
+  sort of their expert ids, and each expert's range: :func:`group_pairs`, one launch up to
+  ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch's sort above); grid dimension 0 is the *tiles*, one per
   (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
   prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
   share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
@@ -50,6 +54,11 @@ except ImportError:  # pragma: no cover - older triton: configs with pdl=1 canno
 
 MODE_SLOTS = 0
 MODE_SORTED = 1
+
+# Up to this many (token, rank) pairs the sorted grouping is one launch of _group_pairs_kernel
+# (one block: a bitonic sort and a histogram in registers); above it, torch's sort and searchsorted
+# (about five launches: cheap next to a prefill's GEMMs, not next to a decode step's).
+GROUP_KERNEL_MAX_PAIRS = 1024
 
 
 @dataclass(frozen=True)
@@ -90,14 +99,35 @@ class KernelConfig:
 
 # Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
 # decode, where the weights' bytes bound the time; large tiles (wgmma) for prefill. Both are the
-# autotuner's picks on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issue 5).
+# autotuner's tiles on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issues 5 and 13). The
+# decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
+# 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU.
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 128, 64, 8, 4, 1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
     """The documented default: decode tiles up to 64 tokens, prefill tiles above."""
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
+
+
+@triton.jit
+def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
+                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr):
+    """Pairs grouped by expert in one block: the same permutation as a stable sort of the ids, and
+    the same offsets as searchsorted(sorted ids, 0..E) (expert e's pairs are sorted_pairs[off[e]:off[e+1]]).
+
+    The sort key ``expert * NP + pair`` is unique and orders pairs of one expert by pair index,
+    which is what a stable sort gives; pads carry expert E and sort after every real pair.
+    """
+    offs = tl.arange(0, NP)
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+    key = tl.sort(ids * NP + offs)
+    tl.store(sorted_pairs_ptr + offs, key % NP, mask=ok)
+    counts = tl.histogram(ids, EP1)  # bins 0..E-1 real, bin E the pads
+    offs_e = tl.arange(0, EP1)
+    tl.store(expert_off_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=offs_e <= E)
 
 
 @triton.jit
@@ -312,6 +342,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair indices grouped by expert, ascending within an expert; per-expert offsets ``[E + 1]``), int32.
+
+    The order of a stable sort of ``ids`` (flattened ``topk_ids``) and the offsets of
+    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch above.
+    Both give the same tensors, so which one runs never changes the experts' output.
+    """
+    num_pairs = ids.numel()
+    if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
+        sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+        expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+        _group_pairs_kernel[(1,)](ids, sorted_pairs, expert_off, num_pairs, E=num_experts,
+                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), num_warps=4)
+        return sorted_pairs, expert_off
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
+    return order.to(torch.int32), torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+
+
 def triton_experts(
     pools: ExpertPools,
     layer: int,
@@ -379,10 +428,7 @@ def triton_experts(
         # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
         mode, np_ = MODE_SORTED, 1
         slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
-        sorted_ids, order = torch.sort(ids, stable=True)
-        sorted_pairs = order.to(torch.int32)
-        bounds = torch.arange(num_experts + 1, device=device, dtype=sorted_ids.dtype)
-        expert_off = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts)
     w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
     w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
     ep = _next_pow2(num_experts)
