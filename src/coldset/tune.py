@@ -63,6 +63,8 @@ TRITON_SEARCH_SPACE: dict = {
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        # sorted grouping at decode sizes, now one launch (group_pairs) instead of torch's five
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1, pdl=2),
     ],
     "prefill": [
         dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3, slot_max_pairs=1),
