@@ -118,11 +118,14 @@ def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
     the same offsets as searchsorted(sorted ids, 0..E) (expert e's pairs are sorted_pairs[off[e]:off[e+1]]).
 
     The sort key ``expert * NP + pair`` is unique and orders pairs of one expert by pair index,
-    which is what a stable sort gives; pads carry expert E and sort after every real pair.
+    which is what a stable sort gives; pads carry expert E and sort after every real pair. Ids
+    outside [0, E) are moved to E as well: no expert's range includes them (as with torch's sort,
+    where they fall outside every range too) and the histogram never indexes past its bins.
     """
     offs = tl.arange(0, NP)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)  # an id outside [0, E) is in no expert's range, like a pad
     key = tl.sort(ids * NP + offs)
     tl.store(sorted_pairs_ptr + offs, key % NP, mask=ok)
     counts = tl.histogram(ids, EP1)  # bins 0..E-1 real, bin E the pads
