@@ -13,6 +13,11 @@ Also checks bitwise identity across placements and the error against the torch p
 
     PYTHONPATH=src python3 scripts/kernel_bench.py --out results_dir
 
+``--baseline-module FILE`` also times another copy of triton_moe.py (an earlier commit's) on the
+same inputs and configs and checks its output bit for bit; ``--configs JSON`` takes an earlier
+run's tuned configs instead of tuning (saves the tuning time of a cache miss). The batch sizes
+listed in NOTES.md also get vLLM's figures from there as a ratio (another run: see VLLM_H200_US).
+
 Writes ``kernel_bench.json`` under --out and prints a short markdown table last.
 """
 
