@@ -144,7 +144,8 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
     unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
     x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
     configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2, 1), KernelConfig(16, 16, 64, 16, 64, 4, 2, 128),
-               KernelConfig(32, 64, 32, 32, 32, 4, 3), KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 1)]
+               KernelConfig(32, 64, 32, 32, 32, 4, 3), KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 1),
+               KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -164,8 +165,39 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
 
 
 @gpu
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+def test_group_pairs_equals_a_stable_torch_sort(num_experts):
+    """The one-launch grouping (up to GROUP_KERNEL_MAX_PAIRS pairs) gives a stable sort's permutation
+    and searchsorted's offsets, on both sides of the limit, with empty and crowded experts."""
+    from coldset.kernels.triton_moe import GROUP_KERNEL_MAX_PAIRS, group_pairs
+
+    g = torch.Generator().manual_seed(num_experts)
+    sizes = [1, 2, 7, 32, 33, 100, 512, GROUP_KERNEL_MAX_PAIRS - 3, GROUP_KERNEL_MAX_PAIRS, GROUP_KERNEL_MAX_PAIRS + 1, 5000]
+    for n in sizes:
+        for crowded in (False, True):
+            hi = max(1, num_experts // 8) if crowded else num_experts  # few experts: long runs of equal ids
+            ids = torch.randint(0, hi, (n,), generator=g).cuda()
+            sorted_pairs, expert_off = group_pairs(ids, num_experts)
+            sorted_ids, order = torch.sort(ids, stable=True)
+            want_off = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device="cuda"))
+            assert sorted_pairs.dtype == expert_off.dtype == torch.int32
+            assert torch.equal(sorted_pairs.long(), order), (n, crowded)
+            assert torch.equal(expert_off.long(), want_off), (n, crowded)
+
+
+@gpu
+def test_triton_refuses_unknown_pdl_mode():
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
+    x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="pdl must be 0, 1 or 2"):
+        triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=3))
+
+
+@gpu
 @pytest.mark.parametrize("num_tokens", [2, 40])
-@pytest.mark.parametrize("pdl", [0, 1])
+@pytest.mark.parametrize("pdl", [0, 1, 2])
 def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
     from functools import partial
 

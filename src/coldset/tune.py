@@ -44,7 +44,11 @@ DECODE_MAX_TOKENS = 64
 TRITON_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     # KernelConfig fields: block_m, block_n1 (split of w13's rows), block_k1, block_n2 (split of
-    # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort)
+    # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort),
+    # pdl (2: the w2 and sum kernels launched early, waiting on the grid dependency; 1, the same
+    # plus a w2 weight prefetch, measured slower in issue 5 and no longer searched). The entries
+    # marked "vLLM" carry the tiles of vLLM's H200 fused_moe table for E=128, N=768 at 1, 16, 48, 64,
+    # 512 and 2048 tokens (its BLOCK_SIZE_N spans gate and up, so our block_n1 is half of it).
     "decode": [
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=128),
@@ -52,16 +56,25 @@ TRITON_SEARCH_SPACE: dict = {
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=32, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32),
         dict(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, num_warps=4, num_stages=3, slot_max_pairs=32),
         dict(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=32, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=5, slot_max_pairs=32),  # vLLM 1
+        dict(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, num_warps=4, num_stages=2, slot_max_pairs=32),  # vLLM 16
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),  # vLLM 48
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=256, block_k2=128, num_warps=8, num_stages=2, slot_max_pairs=32),  # vLLM 64
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        # sorted grouping at decode sizes, now one launch (group_pairs) instead of torch's five
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1, pdl=2),
     ],
     "prefill": [
         dict(block_m=64, block_n1=64, block_k1=64, block_n2=64, block_k2=64, num_warps=4, num_stages=3, slot_max_pairs=1),
-        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
+        dict(block_m=64, block_n1=64, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=3, slot_max_pairs=1),  # vLLM 512
         dict(block_m=128, block_n1=64, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=3, slot_max_pairs=1),
         dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1),
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),  # vLLM 2048
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1, pdl=2),
     ],
 }
 

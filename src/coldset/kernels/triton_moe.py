@@ -9,6 +9,9 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
+With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
+one before still runs and wait on the grid dependency before reading its output.
+
 Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
 over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
@@ -24,8 +27,12 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
 - ``MODE_SLOTS`` (T*k <= min(E, config.slot_max_pairs), decode): grid dimension 0 is min(E, T*k) *slots*; block s finds the
   s-th distinct selected expert and compacts that expert's pairs inside the kernel: no host-side
   preparation at all, so a decode step is exactly three launches;
-- ``MODE_SORTED`` (larger batches, prefill): a stable torch sort of the pair expert ids and a
-  searchsorted give each expert its contiguous pair range; grid dimension 0 is E.
+- ``MODE_SORTED`` (larger batches, prefill): the pairs grouped by expert (the order of a stable
+  sort of their expert ids, and each expert's range: :func:`group_pairs`, one launch up to
+  ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch's sort above); grid dimension 0 is the *tiles*, one per
+  (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
+  prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
+  share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ except ImportError:  # pragma: no cover - older triton: configs with pdl=1 canno
 MODE_SLOTS = 0
 MODE_SORTED = 1
 
+# Up to this many (token, rank) pairs the sorted grouping is one launch of _group_pairs_kernel
+# (one block: a bitonic sort and a histogram in registers); above it, torch's sort and searchsorted
+# (about five launches: cheap next to a prefill's GEMMs, not next to a decode step's).
+GROUP_KERNEL_MAX_PAIRS = 1024
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -63,6 +75,8 @@ class KernelConfig:
     (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
     L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
+    ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
+    look up their expert and wait): it hides the launch gaps only, and reads each weight once.
     """
 
     block_m: int = 16
@@ -85,14 +99,38 @@ class KernelConfig:
 
 # Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
 # decode, where the weights' bytes bound the time; large tiles (wgmma) for prefill. Both are the
-# autotuner's picks on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issue 5).
+# autotuner's tiles on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issues 5 and 13). The
+# decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
+# 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU.
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 128, 64, 8, 4, 1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
     """The documented default: decode tiles up to 64 tokens, prefill tiles above."""
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
+
+
+@triton.jit
+def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
+                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr):
+    """Pairs grouped by expert in one block: the same permutation as a stable sort of the ids, and
+    the same offsets as searchsorted(sorted ids, 0..E) (expert e's pairs are sorted_pairs[off[e]:off[e+1]]).
+
+    The sort key ``expert * NP + pair`` is unique and orders pairs of one expert by pair index,
+    which is what a stable sort gives; pads carry expert E and sort after every real pair. Ids
+    outside [0, E) are moved to E as well: no expert's range includes them (as with torch's sort,
+    where they fall outside every range too) and the histogram never indexes past its bins.
+    """
+    offs = tl.arange(0, NP)
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)  # an id outside [0, E) is in no expert's range, like a pad
+    key = tl.sort(ids * NP + offs)
+    tl.store(sorted_pairs_ptr + offs, key % NP, mask=ok)
+    counts = tl.histogram(ids, EP1)  # bins 0..E-1 real, bin E the pads
+    offs_e = tl.arange(0, EP1)
+    tl.store(expert_off_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=offs_e <= E)
 
 
 @triton.jit
@@ -112,8 +150,18 @@ def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
 
 @triton.jit
 def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
-                  EP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr):
-    """(expert, number of pairs routed to it, start of its range in the sorted pair list)."""
+                  E: tl.constexpr, EP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, MODE: tl.constexpr):
+    """(expert, its pair count, start of its range in the sorted pair list, first and end chunk offset).
+
+    ``MODE_SLOTS``: block ``slot`` takes the slot-th distinct selected expert and all its chunks.
+    ``MODE_SORTED``: block ``slot`` is one *tile*, one chunk of ``BM`` pairs of one expert; tiles
+    are numbered expert by expert (expert e's ceil(count / BM) tiles follow expert e-1's), found
+    from the per-expert offsets by an in-register prefix sum, so the chunks of one expert run as
+    neighbouring blocks at the same time (their weight slices are read from HBM once and shared
+    through L2) instead of one after the other in one block. Blocks past the last tile do nothing.
+    Either way a pair's chunk is the same (chunk c of an expert is its pairs [c, c + BM) in
+    ascending pair order), so the arithmetic per output element does not change with the mode.
+    """
     if MODE == 0:
         offs_p = tl.arange(0, NP)
         ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
@@ -125,11 +173,24 @@ def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
         expert = tl.sum(tl.where(hit, offs_e, 0), axis=0)
         cnt = tl.sum((ids == expert).to(tl.int32), axis=0) * found
         start = 0
+        c_begin = cnt * 0
+        c_end = cnt
     else:
-        expert = slot
-        start = tl.load(expert_off_ptr + slot)
-        cnt = tl.load(expert_off_ptr + slot + 1) - start
-    return expert, cnt, start
+        offs_e = tl.arange(0, EP)
+        in_e = offs_e < E
+        lo = tl.load(expert_off_ptr + offs_e, mask=in_e, other=0)
+        hi = tl.load(expert_off_ptr + offs_e + 1, mask=in_e, other=0)
+        ntiles = (hi - lo + BM - 1) // BM
+        tiles_through = tl.cumsum(ntiles, 0)  # tiles of experts 0..e
+        expert = tl.sum((tiles_through <= slot).to(tl.int32), axis=0)  # E: past the last tile
+        sel = offs_e == expert
+        first_tile = tl.sum(tl.where(offs_e < expert, ntiles, 0), axis=0)
+        start = tl.sum(tl.where(sel, lo, 0), axis=0)
+        cnt = tl.sum(tl.where(sel, hi - lo, 0), axis=0)  # 0 past the last tile
+        c_begin = (slot - first_tile) * BM
+        c_end = tl.minimum(cnt, c_begin + BM)
+        expert = tl.minimum(expert, E - 1)  # an address to form; no chunk is computed past the last tile
+    return expert, cnt, start, c_begin, c_end
 
 
 @triton.jit
@@ -157,20 +218,21 @@ def _w13_act_kernel(
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if USE_GDC:
-        gdc_launch_dependents()  # the w2 kernel may start now and prefetch its weights
+        gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < I
     wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
-    c = cnt * 0
-    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
         tok = (pair // TOPK).to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
@@ -180,7 +242,7 @@ def _w13_act_kernel(
             if EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
                 if EVEN_N:
-                    if USE_GDC:  # read once: do not push the w2 prefetch out of L2
+                    if PREFETCH:  # read once: do not push the w2 prefetch out of L2
                         wg = tl.load(wg_ptrs + k0, eviction_policy="evict_first")
                         wu = tl.load(wu_ptrs + k0, eviction_policy="evict_first")
                     else:
@@ -210,16 +272,17 @@ def _w2_kernel(
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, cnt, start = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, EP, NP, MODE)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
-    if USE_GDC:
+    if PREFETCH:
         # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
         # the step, ready before the w13 kernel began; the activations are not. Stream this
         # block's weight slice into L2 now, keep a trivial reduction of it in a sink so the loads
@@ -237,8 +300,11 @@ def _w2_kernel(
                 sink = tl.maximum(sink, tl.max(wp.to(tl.float32), axis=0))
         tl.store(sink_ptr + (slot * tl.num_programs(1) + pid_n).to(tl.int64) * BN + tl.arange(0, BN), sink)
         gdc_wait()
-    c = cnt * 0
-    while c < cnt:  # chunks of this expert's pairs (a while loop: dynamic bound)
+    elif USE_GDC:  # launched early, no prefetch: only the launch and the lookups above overlap w13
+        gdc_launch_dependents()
+        gdc_wait()
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
         pair64 = pair.to(tl.int64)
         a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
@@ -277,6 +343,25 @@ def _sum_topk_kernel(buf_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr, BLOC
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair indices grouped by expert, ascending within an expert; per-expert offsets ``[E + 1]``), int32.
+
+    The order of a stable sort of ``ids`` (flattened ``topk_ids``) and the offsets of
+    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch above.
+    Both give the same tensors, so which one runs never changes the experts' output.
+    """
+    num_pairs = ids.numel()
+    if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
+        sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+        expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+        _group_pairs_kernel[(1,)](ids, sorted_pairs, expert_off, num_pairs, E=num_experts,
+                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), num_warps=4)
+        return sorted_pairs, expert_off
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
+    return order.to(torch.int32), torch.searchsorted(sorted_ids, bounds).to(torch.int32)
 
 
 def triton_experts(
@@ -343,28 +428,29 @@ def triton_experts(
         mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
         sorted_pairs = expert_off = ids  # unused in this mode
     else:
-        mode, slots, np_ = MODE_SORTED, num_experts, 1
-        sorted_ids, order = torch.sort(ids, stable=True)
-        sorted_pairs = order.to(torch.int32)
-        bounds = torch.arange(num_experts + 1, device=device, dtype=sorted_ids.dtype)
-        expert_off = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
+        mode, np_ = MODE_SORTED, 1
+        slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts)
     w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
     w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
     ep = _next_pow2(num_experts)
     c = config
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
     buf = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
-    pdl = bool(c.pdl)
+    if c.pdl not in (0, 1, 2):
+        raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
+    pdl, prefetch = c.pdl > 0, c.pdl == 1
     if pdl and gdc_wait is None:
-        raise RuntimeError("triton_experts: config pdl=1 needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+        raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     grid2 = (slots, triton.cdiv(hidden, c.block_n2))
-    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if pdl else (1,), dtype=torch.float32, device=device)
+    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
         num_pairs, layer, x.stride(0),
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl,
+        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if _stop_after < 2:
@@ -374,7 +460,7 @@ def triton_experts(
         num_pairs, layer,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
+        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
