@@ -39,6 +39,36 @@ def test_cli_reports_a_bad_config_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_config_overlays_merge_as_snakemake_merges_them(tmp_path):
+    """``--config base --config overlay`` (python -m coldset) means what ``--configfile base overlay``
+    means to Snakemake: mappings merged at every depth, lists and scalars replaced."""
+    import copy
+
+    base, overlay = tmp_path / "base.yaml", tmp_path / "overlay.yaml"
+    base.write_text("model: {name: m, synthetic: {layers: 3, experts: 16}}\n"
+                    "placement: {policies: [positional, usage_global], residency: [0.25, 0.5]}\n")
+    overlay.write_text("model: {synthetic: {experts: 8}}\nplacement: {policies: [lru]}\nbench: {batch_sizes: [1, 4]}\n")
+    cfg = load_config([base, overlay])
+    assert cfg["model"]["name"] == "m" and cfg["model"]["synthetic"] == {"layers": 3, "experts": 8}
+    assert cfg["placement"]["policies"] == ["lru"] and cfg["placement"]["residency"] == [0.25, 0.5]
+    assert cfg["bench"]["batch_sizes"] == [1, 4]
+    snakemake_utils = pytest.importorskip("snakemake.utils")
+    import yaml
+
+    from coldset.config import merge_configs
+
+    docs = [yaml.safe_load(p.read_text()) for p in (base, overlay)]
+    theirs = copy.deepcopy(docs[0])
+    snakemake_utils.update_config(theirs, docs[1])
+    assert merge_configs(docs[0], docs[1]) == theirs
+    overlay.write_text("- not a mapping\n")
+    with pytest.raises(ConfigError, match=r"overlay.yaml must hold a mapping"):
+        load_config([base, overlay])
+    out = subprocess.run([sys.executable, "-m", "coldset", "fixtures", "--config", str(base), "--config",
+                          str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "nope.yaml does not exist" in out.stderr
+
+
 def test_unknown_synthetic_setting_is_an_error(tmp_path):
     # refused by the schema, before any job (once the model stage's, after Snakemake had deleted
     # the valid manifest)

@@ -22,21 +22,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="a stage, or gpu-stages: model, fixtures, routing, stats, placement, "
                              "autotune, parity (every placement), parity_gate, bench in order, or "
                              "sweep: every model of models: through track, then the comparison report")
-    parser.add_argument("--config", default="config/config.yaml", help="workflow config (YAML)")
+    parser.add_argument("--config", action="append",
+                        help="workflow config (YAML; default config/config.yaml); repeat to layer overlays, "
+                             "later files overriding earlier ones as Snakemake's --configfile does")
     parser.add_argument("--placement", action="append",
                         help="for parity/bench: a placement name such as usage_global-0.50 "
                              "(repeatable; default: every configured placement)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        config = load_config(args.config)
+        config_files = args.config or ["config/config.yaml"]
+        config = load_config(config_files)
         if args.stage == "sweep":
             from coldset.sweep import run_sweep
 
             print(run_sweep(config))
             return 0
         if config.get("models"):
-            raise ConfigError(f"{args.config} sets models: (a sweep); run `python -m coldset sweep` for it")
+            raise ConfigError(f"{' + '.join(config_files)} sets models: (a sweep); run `python -m coldset sweep` for it")
         stages = pipeline.GPU_STAGES if args.stage == "gpu-stages" else [args.stage]
         for stage in stages:
             pipeline.run_stage(stage, config, placements=args.placement)

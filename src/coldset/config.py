@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,16 +96,34 @@ def check_config(config: dict, source: str = "config") -> dict:
     return config
 
 
-def load_config(path: str | Path, schema_path: Path = SCHEMA_PATH) -> dict:
-    """Read a YAML workflow config, validate it, fill defaults and :func:`check_config` it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    return check_config(validate_config(config, schema_path, source=str(path)), source=str(path))
+def merge_configs(base: dict, overlay: dict) -> dict:
+    """``overlay`` over ``base``: mappings merged key by key at every depth, anything else replaced
+    (a list too), as Snakemake merges ``--configfile`` overlays, so one overlay file means the same
+    to ``python -m coldset`` and to ``snakemake``."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = merge_configs(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def load_config(paths: str | Path | Sequence[str | Path], schema_path: Path = SCHEMA_PATH) -> dict:
+    """Read a YAML workflow config, or several layered in order (:func:`merge_configs`: later files
+    override earlier ones), validate the result, fill defaults and :func:`check_config` it."""
+    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    config: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(doc).__name__}")
+        config = merge_configs(config, doc)
+    source = " + ".join(str(p) for p in paths)
+    return check_config(validate_config(config, schema_path, source=source), source=source)
 
 
 def config_hash(config: dict) -> str:
