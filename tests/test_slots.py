@@ -268,10 +268,12 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_triton_decisions_equal_the_torch_path(policy):
-    """On CUDA the decisions are one Triton launch and the fill another: the same state after every
-    group as the torch path (with duplicates inside groups), and the slots hold their owners."""
+def test_triton_decisions_equal_the_torch_path(policy, fused):
+    """On CUDA the decisions and the fill are one Triton launch (``fused``, the default) or two:
+    the same state after every group as the torch path (with duplicates inside groups), and the
+    slots hold their owners."""
     L, E, k, tokens, C = 3, 8, 2, 3, 13
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
@@ -282,7 +284,8 @@ def test_triton_decisions_equal_the_torch_path(policy):
     a = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     a.use_kernel = False
-    assert b.use_kernel
+    assert b.use_kernel and b.fused
+    b.fused = fused
     for _ in range(30):
         for layer in range(L):
             ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])).cuda()

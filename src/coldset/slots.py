@@ -60,6 +60,13 @@ class CacheCapacityError(ValueError):
     """The pool has fewer slots than one step's selections can need."""
 
 
+def _fillers(device: torch.device) -> int:
+    """Copying blocks of the one-launch decisions + fill (coldset.kernels.triton_slots)."""
+    if device.type != "cuda":
+        return 3  # only the Triton interpreter runs the kernel off CUDA
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def warm_order(warm_instances: np.ndarray, warm_counts: np.ndarray) -> np.ndarray:
     """The warm instances in eviction order: profile count ascending, ties by instance id ascending."""
     warm_instances = np.asarray(warm_instances, dtype=np.int64)
@@ -99,6 +106,12 @@ class SlotCache:
     admitted: torch.Tensor | None = None
     num_misses: torch.Tensor | None = None
     use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
+    # The one-launch path (triton_slots.decide_fill): its ticket and flag counters, its copying
+    # blocks; fused=False runs decide then fill (two launches, the same results).
+    ticket: torch.Tensor | None = None
+    flag: torch.Tensor | None = None
+    fillers: int = 0
+    fused: bool = True
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -150,6 +163,9 @@ class SlotCache:
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
+            ticket=torch.zeros(1, dtype=torch.int64, device=dev),
+            flag=torch.zeros(1, dtype=torch.int64, device=dev),
+            fillers=_fillers(dev),
         )
 
     def reset(self) -> None:
@@ -164,6 +180,8 @@ class SlotCache:
         self.last_use.copy_(last_use)
         self.count.copy_(count)
         self.tick.zero_()
+        self.ticket.zero_()
+        self.flag.zero_()
         self.reset_counters()
         slots = torch.arange(self.capacity, device=owner.device)
         self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
@@ -230,10 +248,14 @@ class SlotCache:
         if topk_ids.shape[0] > self.max_tokens:
             return
         if self.use_kernel:
-            from coldset.kernels.triton_slots import decide, fill
+            from coldset.kernels.triton_slots import decide, decide_fill, fill
 
-            decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
-            fill(self.pools, self.victims, self.admitted, self.num_misses)
+            ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+            if self.fused:
+                decide_fill(self, layer, ids)
+            else:
+                decide(self, layer, ids)
+                fill(self.pools, self.victims, self.admitted, self.num_misses)
             return
         pools = self.pools
         E = pools.num_experts

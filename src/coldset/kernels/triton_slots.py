@@ -1,4 +1,8 @@
-"""The slot cache's work inside the decode step on CUDA, two launches per MoE layer.
+"""The slot cache's work inside the decode step on CUDA: one launch per MoE layer.
+
+:func:`decide_fill` (the default) makes the decisions and copies the misses into their slots in
+one launch; :func:`decide` then :func:`fill` are the same work in two launches (kept: the
+before/after of BENCHMARKS.md issue 12, and the warm refill of ``SlotCache.reset``).
 
 :func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
 :meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
@@ -39,9 +43,10 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
-def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+            totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+            E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+    """The decisions of one group, by one program (shared by both kernels below)."""
     offs = tl.arange(0, NP)
     valid = offs < n
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
@@ -101,6 +106,14 @@ def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, coun
     tl.store(groups_ptr, g + 1)
 
 
+@triton.jit
+def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+    _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr,
+            groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU)
+
+
 def decide(cache, layer: int, ids: torch.Tensor) -> None:
     """The decisions of :meth:`coldset.slots.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
     group's selections in order) in one launch; writes ``cache.victims``, ``cache.admitted`` and
@@ -117,8 +130,17 @@ def decide(cache, layer: int, ids: torch.Tensor) -> None:
 
 
 @triton.jit
-def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_ptr, inst_ptr, count_ptr,
-                 BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+def _copy_row(src, dst, ROW: tl.constexpr, start, stride: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements ``start + i * stride + [0, BLOCK)`` of one row (``0 <= start < stride``)."""
+    for s in range(0, ROW, stride):
+        offs = s + start + tl.arange(0, BLOCK)
+        ok = offs < ROW
+        tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _fill_kernel(src13_ptr, dst13_ptr, ROW13: tl.constexpr, src2_ptr, dst2_ptr, ROW2: tl.constexpr, slots_ptr,
+                 inst_ptr, count_ptr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     j = tl.program_id(0)
     part = tl.program_id(1)
     m = tl.load(count_ptr)
@@ -126,29 +148,84 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_pt
         slot = tl.load(slots_ptr + j).to(tl.int64)
         inst = tl.load(inst_ptr + j).to(tl.int64)
         if tl.program_id(2) == 0:
-            src = src13_ptr + inst * row13
-            dst = dst13_ptr + slot * row13
-            row = row13
+            _copy_row(src13_ptr + inst * ROW13, dst13_ptr + slot * ROW13, ROW13, part * BLOCK, SPLIT * BLOCK, BLOCK)
         else:
-            src = src2_ptr + inst * row2
-            dst = dst2_ptr + slot * row2
-            row = row2
-        for start in range(part * BLOCK, row, SPLIT * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            ok = offs < row
-            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+            _copy_row(src2_ptr + inst * ROW2, dst2_ptr + slot * ROW2, ROW2, part * BLOCK, SPLIT * BLOCK, BLOCK)
 
 
-def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor) -> None:
-    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
-    device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
-    read in place)."""
+def check_fill_pools(pools) -> None:
+    """Refuse pools whose host rows and slots differ in shape or dtype, or are not contiguous."""
     for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
         if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
             raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
                              f"{tuple(slots.shape[1:])} {slots.dtype}")
         if not (host.is_contiguous() and slots.is_contiguous()):
             raise ValueError("fill: host tier and slots must be contiguous")
+
+
+def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor) -> None:
+    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
+    device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
+    read in place)."""
+    check_fill_pools(pools)
     _fill_kernel[(victims.numel(), SPLIT, 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
         pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, SPLIT=SPLIT, num_warps=4)
+
+
+@triton.jit
+def _decide_fill_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                        totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                        ticket_ptr, flag_ptr, src13_ptr, dst13_ptr, src2_ptr, dst2_ptr,
+                        ROW13: tl.constexpr, ROW2: tl.constexpr,
+                        E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
+                        FILLERS: tl.constexpr, BLOCK: tl.constexpr):
+    # The block that takes ticket 0 of this launch decides; the others wait for its flag, then
+    # copy. Tickets, not program ids: the first block to *run* is the decider, so a waiting block
+    # can never hold the SM slot the decider needs (no co-residency assumption, no grid barrier).
+    t = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    launch = t // (FILLERS + 1)
+    me = t % (FILLERS + 1)
+    if me == 0:
+        _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
+                history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU)
+        tl.debug_barrier()  # every thread's decisions are written before the flag is released
+        tl.atomic_xchg(flag_ptr, launch + 1, sem="release")
+    else:
+        while tl.load(flag_ptr, volatile=True) <= launch:
+            pass
+        tl.atomic_add(flag_ptr, 0, sem="acquire")  # the decider's writes are visible from here
+        m = tl.load(m_ptr, volatile=True)
+        start = (me - 1) * BLOCK
+        for j in range(0, M):
+            if j < m:
+                slot = tl.load(victims_ptr + j, volatile=True).to(tl.int64)
+                inst = tl.load(new_ptr + j, volatile=True).to(tl.int64)
+                _copy_row(src13_ptr + inst * ROW13, dst13_ptr + slot * ROW13, ROW13, start, FILLERS * BLOCK, BLOCK)
+                _copy_row(src2_ptr + inst * ROW2, dst2_ptr + slot * ROW2, ROW2, start, FILLERS * BLOCK, BLOCK)
+
+
+FILL_BLOCK = 8192  # elements per load in the fused kernel's copy
+
+
+def decide_fill(cache, layer: int, ids: torch.Tensor) -> None:
+    """:func:`decide` and :func:`fill` in one launch (the default on CUDA): a grid of one deciding
+    block and ``cache.fillers`` copying blocks. The deciding block is whichever takes the launch's
+    first ticket from ``cache.ticket`` (an atomic counter that runs on across launches and graph
+    replays), the copying blocks wait on ``cache.flag`` (set to the launch number + 1 with release
+    semantics once the decisions are written), then copy the step's actual misses from the host
+    tier into their slots, each block a strided share of every row. Waiting only on a block that
+    already runs cannot deadlock, whatever the scheduler does; one launch a layer instead of two
+    is what brings the cache's work inside the step under 3% (BENCHMARKS.md, issue 12)."""
+    pools = cache.pools
+    check_fill_pools(pools)
+    n = ids.numel()
+    cap = cache.capacity
+    cp = _next_pow2(cap)
+    _decide_fill_kernel[(cache.fillers + 1,)](
+        ids, n, layer, pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
+        cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
+        cache.num_misses, cap, cache.ticket, cache.flag,
+        pools.w13_cold, pools.w13_hot, pools.w2_cold, pools.w2_hot,
+        ROW13=pools.w13_hot[0].numel(), ROW2=pools.w2_hot[0].numel(), E=pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
+        LFU=cache.policy == "lfu", FILLERS=cache.fillers, BLOCK=FILL_BLOCK, num_warps=16 if cp >= 4096 else 8)
