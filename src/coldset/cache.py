@@ -35,10 +35,26 @@ reference implementation):
 - ``belady``: victim = the resident whose next use after this group is furthest away (never used
   again = infinitely far; ties by instance id ascending). Offline optimum for the miss count.
 - ``static``: no admission, no eviction: the hit rate is the warm set's coverage of the replay.
+- ``forecast``: ``lru`` plus prefetch (issue 12, item 3). After each group (MoE layer ``l`` of
+  step ``t``) the group's prefetch list (:func:`coldset.forecast.stream_predictions`: the
+  forecast of layer ``l``'s experts at step ``t + 1``) is walked in order; each listed instance
+  not resident is admitted into the slot of a victim chosen *in layers ``0..l`` only*, least
+  recent first, among residents that this group did not use, that are not in the list and that
+  are not in flight. The work of layers ``0..l`` in step ``t`` is then done (layer ``l``'s experts
+  still run beside the copy: hence "not used by this group") and those layers come again only at
+  the next step, so the copy can run beside the rest of the step without any compute reading its
+  slot. A prefetched instance is *in flight* until the step ends (the next group whose layer is
+  not above the current one starts a new step): demand misses never evict it. It enters the
+  recency order as most recent, in list order, after the group's own accesses. No eviction
+  candidate left in the layer: the remaining list is skipped. A demand miss that finds no slot
+  outside the group and the in-flight ones is read in place and not admitted (a pool barely
+  larger than a group). Demand hits and misses are
+  ``lru``'s; ``prefetches`` counts the copies (they cross the link: ``link_gb_per_token`` counts
+  them with the fills) and ``useful_prefetches`` the prefetched instances hit before eviction.
 
 Link traffic: each distinct missed instance of a group crosses the link once (``fills``); for
-``static`` these are the cold reads, for the online policies the slot fills.
-``link_gb_per_token = fills * bytes_per_expert / tokens / 1e9``.
+``static`` these are the cold reads, for the online policies the slot fills, plus ``forecast``'s
+prefetches. ``link_gb_per_token = (fills + prefetches) * bytes_per_expert / tokens / 1e9``.
 
 API (plain functions, numpy arrays):
 
@@ -70,8 +86,8 @@ import pandas as pd
 
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global
 
-POLICIES = ("static", "lru", "lfu", "belady")
-ONLINE_POLICIES = ("lru", "lfu", "belady")
+POLICIES = ("static", "lru", "lfu", "belady", "forecast")
+ONLINE_POLICIES = ("lru", "lfu", "belady", "forecast")
 SIMULATION_COLUMNS = ("policy", "residency", "capacity", "accesses", "tokens", "hit_rate",
                       "misses_per_token", "link_gb_per_token")
 
@@ -560,6 +576,113 @@ def _replay_static(ids, ptr, warm, n_inst):
     return hit, fills
 
 
+@_jit
+def _replay_forecast(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
+    """``lru`` plus the prefetch of ``pred[g]`` after each group g (see the module doc). Returns
+    (hit [N], fills [G], prefetches [G], useful prefetches)."""
+    n = ids.size
+    n_groups = ptr.size - 1
+    hit = np.zeros(n, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    prefetches = np.zeros(n_groups, dtype=np.int64)
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    protected = np.zeros(n_inst + 1, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    used = np.zeros(n_inst, dtype=np.bool_)
+    listed = np.zeros(n_inst, dtype=np.bool_)
+    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
+    flight = np.empty(n_inst, dtype=np.int64)
+    n_flight = 0
+    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
+    useful = 0
+    head = n_inst  # sentinel
+    nxt = np.full(n_inst + 1, head, dtype=np.int64)
+    prv = np.full(n_inst + 1, head, dtype=np.int64)
+    for j in range(warm.size):
+        x = warm[j]
+        resident[x] = True
+        _link_tail(nxt, prv, head, x)
+    max_group = max(_max_group(ptr), 1)
+    missed = np.empty(max_group, dtype=np.int64)
+    prev_layer = n_inst
+    for g in range(n_groups):
+        s = ptr[g]
+        e = ptr[g + 1]
+        layer = ids[s] // n_exp
+        if layer <= prev_layer:  # a new step: the previous step's prefetches are committed
+            for j in range(n_flight):
+                inflight[flight[j]] = False
+            n_flight = 0
+        prev_layer = layer
+        n_miss = _classify_group(ids, s, e, resident, protected, in_group, hit, missed)
+        fills[g] = n_miss
+        for i in range(s, e):
+            if hit[i] and unused_prefetch[ids[i]]:
+                unused_prefetch[ids[i]] = False
+                useful += 1
+        v = nxt[head]
+        for m in range(n_miss):
+            while v != head and (protected[v] or inflight[v]):
+                v = nxt[v]
+            if v == head:  # every slot is used by this group or in flight: read in place, not admitted
+                break
+            after = nxt[v]
+            nxt[prv[v]] = after
+            prv[after] = prv[v]
+            resident[v] = False
+            unused_prefetch[v] = False
+            i = missed[m]
+            x = ids[i]
+            resident[x] = True
+            protected[x] = True
+            _link_tail(nxt, prv, head, x)
+            if record:
+                victims[i] = v
+            v = after
+        for m in range(n_miss):
+            in_group[ids[missed[m]]] = False
+        for i in range(s, e):
+            x = ids[i]
+            protected[x] = False
+            used[x] = True
+            if resident[x]:
+                nxt[prv[x]] = nxt[x]
+                prv[nxt[x]] = prv[x]
+                _link_tail(nxt, prv, head, x)
+        # prefetch after the group: victims in this layer only, not used, not listed, not in flight
+        for q in range(pred.shape[1]):
+            if pred[g, q] >= 0:
+                listed[pred[g, q]] = True
+        v = nxt[head]
+        for q in range(pred.shape[1]):
+            x = pred[g, q]
+            if x < 0 or resident[x]:
+                continue
+            while v != head and (v // n_exp > layer or used[v] or listed[v] or inflight[v]):
+                v = nxt[v]
+            if v == head:
+                break
+            after = nxt[v]
+            nxt[prv[v]] = after
+            prv[after] = prv[v]
+            resident[v] = False
+            unused_prefetch[v] = False
+            resident[x] = True
+            inflight[x] = True
+            flight[n_flight] = x
+            n_flight += 1
+            unused_prefetch[x] = True
+            _link_tail(nxt, prv, head, x)
+            prefetches[g] += 1
+            v = after
+        for q in range(pred.shape[1]):
+            if pred[g, q] >= 0:
+                listed[pred[g, q]] = False
+        for i in range(s, e):
+            used[ids[i]] = False
+    return hit, fills, prefetches, useful
+
+
 def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     """float64 ``[N]``: for each selection, the tick of the next selection of the same instance
     (``inf`` when none). Used by Belady at the last occurrence of an instance in its group, where
@@ -588,6 +711,8 @@ class CacheStats:
     fills: int
     tokens: int
     groups: int
+    prefetches: int = 0
+    useful_prefetches: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -598,7 +723,7 @@ class CacheStats:
         return self.misses / self.tokens if self.tokens else float("nan")
 
     def link_gb_per_token(self, bytes_per_expert: int) -> float:
-        return self.fills * bytes_per_expert / self.tokens / 1e9 if self.tokens else float("nan")
+        return (self.fills + self.prefetches) * bytes_per_expert / self.tokens / 1e9 if self.tokens else float("nan")
 
 
 @dataclass(frozen=True)
@@ -608,7 +733,9 @@ class CacheResult:
     ``hit`` bool ``[N]``; ``hits``, ``misses``, ``fills`` int64 ``[G]`` per group (``fills`` =
     distinct missed instances = link transfers); ``victims`` int64 ``[N]`` when recorded: at the
     first occurrence of each missed instance of a group, the instance evicted for it (-1
-    elsewhere, and always -1 for ``static``).
+    elsewhere, and always -1 for ``static``). ``prefetches`` int64 ``[G]``: copies issued after
+    each group and ``useful_prefetches`` (prefetched instances hit before eviction), ``forecast``
+    only (zeros otherwise).
     """
 
     policy: str
@@ -619,18 +746,24 @@ class CacheResult:
     fills: np.ndarray
     tokens: int
     victims: np.ndarray | None = None
+    prefetches: np.ndarray | None = None
+    useful_prefetches: int = 0
 
     def stats(self) -> CacheStats:
+        pf = int(self.prefetches.sum()) if self.prefetches is not None else 0
         return CacheStats(self.policy, self.capacity, int(self.hit.size), int(self.hits.sum()),
-                          int(self.misses.sum()), int(self.fills.sum()), self.tokens, int(self.hits.size))
+                          int(self.misses.sum()), int(self.fills.sum()), self.tokens, int(self.hits.size),
+                          pf, int(self.useful_prefetches))
 
 
 def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
-             record_victims: bool = False) -> CacheResult:
+             record_victims: bool = False, predictions: np.ndarray | None = None) -> CacheResult:
     """Replay ``stream`` through a pool of ``capacity`` slots under ``policy``.
 
     ``profile_counts`` float ``[L, E]`` (profile split's selections) choose the warm pool
-    (:func:`warm_order`) and LFU's initial counts. See the module docstring for the rules.
+    (:func:`warm_order`) and LFU's initial counts. ``predictions`` int64 ``[G, P]`` (``forecast``
+    only, required there): the instances to prefetch after each group, -1 padded
+    (:func:`coldset.forecast.stream_predictions`). See the module docstring for the rules.
     """
     if policy not in POLICIES:
         raise CacheError(f"unknown cache policy {policy!r}; known: {list(POLICIES)}")
@@ -649,7 +782,24 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     warm = warm_order(counts, capacity)
     ids, ptr, n_inst = stream.instances, stream.group_ptr, stream.num_instances
     victims = np.full(ids.size if record_victims else 0, -1, dtype=np.int64)
-    if policy == "static":
+    prefetches, useful = None, 0
+    if (policy == "forecast") != (predictions is not None):
+        raise CacheError("predictions (the prefetch lists) are required by policy 'forecast' and only by it")
+    if policy == "forecast":
+        pred = np.ascontiguousarray(predictions, dtype=np.int64)
+        if pred.ndim != 2 or pred.shape[0] != stream.num_groups:
+            raise CacheError(f"predictions: one row per group expected ({stream.num_groups}), got {pred.shape}")
+        if pred.size and (pred.min() < -1 or pred.max() >= n_inst):
+            raise CacheError(f"predictions: instance ids must lie in [0, {n_inst}) or be -1")
+        if ids.size:
+            layer_of = ids[ptr[:-1]] // stream.num_experts
+            bad = (pred >= 0) & (pred // stream.num_experts != layer_of[:, None])
+            if bad.any():
+                raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance "
+                                 "of another MoE layer (a group prefetches its own layer's next-step experts)")
+        hit, fills, prefetches, useful = _replay_forecast(ids, ptr, warm, n_inst, stream.num_experts, pred,
+                                                          record_victims, victims)
+    elif policy == "static":
         hit, fills = _replay_static(ids, ptr, warm, n_inst)
     elif policy == "lru":
         hit, fills = _replay_lru(ids, ptr, warm, n_inst, record_victims, victims)
@@ -660,17 +810,25 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     sizes = np.diff(ptr)
     hits = np.add.reduceat(hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
     return CacheResult(policy, capacity, hit, hits, sizes - hits, fills, stream.tokens,
-                       victims if record_victims else None)
+                       victims if record_victims else None, prefetches, int(useful))
 
 
 def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies: Sequence[str],
-                     residencies: Sequence[float], bytes_per_expert: int) -> pd.DataFrame:
-    """The ``simulation.csv`` frame: one row per (policy, residency) in the given orders."""
+                     residencies: Sequence[float], bytes_per_expert: int, forecaster: Any = None) -> pd.DataFrame:
+    """The ``simulation.csv`` frame: one row per (policy, residency) in the given orders.
+    ``forecaster`` (a :class:`coldset.forecast.TransitionForecaster`) is required by ``forecast``."""
+    pred = None
+    if "forecast" in policies:
+        if forecaster is None:
+            raise CacheError("policy 'forecast' needs a forecaster fitted on the profile selection")
+        from coldset.forecast import stream_predictions
+
+        pred = stream_predictions(forecaster, stream)
     rows = []
     for r in residencies:
         cap = capacity_for_residency(r, stream.num_moe_layers, stream.num_experts)
         for p in policies:
-            st = simulate(stream, p, cap, profile_counts).stats()
+            st = simulate(stream, p, cap, profile_counts, predictions=pred if p == "forecast" else None).stats()
             rows.append({"policy": p, "residency": float(r), "capacity": cap, "accesses": st.accesses,
                          "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
                          "link_gb_per_token": st.link_gb_per_token(bytes_per_expert)})
@@ -710,7 +868,13 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     if len(replay) == 0:
         raise CacheError(f"{trace_path}: the held-out split has no decode rows to replay")
     stream = stream_from_frame(replay, L, E)
-    table = simulation_table(stream, counts, policies, residencies, expert_bytes(model_config, weight_format))
+    forecaster = None
+    if "forecast" in policies:
+        from coldset.forecast import TransitionForecaster
+
+        forecaster = TransitionForecaster.fit(select_rows(rows, "profile", spec.domains), L, E, meta.top_k)
+    table = simulation_table(stream, counts, policies, residencies, expert_bytes(model_config, weight_format),
+                             forecaster)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"simulation": out / "simulation.csv"}
@@ -814,13 +978,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--residency", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--bytes-per-expert", type=int, help="for link_gb_per_token (NaN without it)")
+    ap.add_argument("--recall", action="store_true",
+                    help="also print the forecaster's recall on the replay (JSON, to stderr)")
     args = ap.parse_args(argv)
     rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
     L, E = meta.num_moe_layers, meta.num_experts
     profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
     replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
+    forecaster = None
+    if "forecast" in args.policies or args.recall:
+        from coldset.forecast import TransitionForecaster, forecast_recall
+
+        forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
+        if args.recall:
+            import json
+            import sys
+
+            print(json.dumps(forecast_recall(forecaster, replay, L, E)), file=sys.stderr)
     table = simulation_table(stream_from_frame(replay, L, E), counts_from_rows(profile, L, E), args.policies,
-                             args.residency, args.bytes_per_expert or 0)
+                             args.residency, args.bytes_per_expert or 0, forecaster)
     if not args.bytes_per_expert:
         table["link_gb_per_token"] = float("nan")
     print(table.to_csv(index=False, float_format="%.6g"), end="")
