@@ -89,7 +89,7 @@ def random_stream(rng, n_layers=3, n_experts=6, n_groups=60, k=2, dup=False, ske
     return groups, AccessStream(ids, ptr, n_groups, n_layers, n_experts), profile, n_inst
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "forecast"])  # forecast: its own test below
 def test_policies_match_brute_force(policy):
     rng = np.random.default_rng(7)
     for trial in range(25):
@@ -287,7 +287,9 @@ def test_without_numba_the_same_source_runs_as_plain_python():
         "rng = np.random.default_rng(2)\n"
         "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
         "s = cache.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
-        "print([int(cache.simulate(s, p, 5, prof).hits.sum()) for p in cache.POLICIES])\n"
+        "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
+        "print([int(cache.simulate(s, p, 5, prof, predictions=pred if p == 'forecast' else None).hits.sum()) "
+        "for p in cache.POLICIES])\n"
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -298,4 +300,119 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     ptr = np.arange(0, 301, 3)
     s = AccessStream(ids, ptr, 100, 2, 6)
     prof = rng.random((2, 6))
-    assert out.stdout.strip() == str([int(simulate(s, p, 5, prof).hits.sum()) for p in POLICIES])
+    pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
+    assert out.stdout.strip() == str([int(simulate(s, p, 5, prof, predictions=pred if p == "forecast" else None)
+                                          .hits.sum()) for p in POLICIES])
+
+
+# ---------------------------------------------------------------------------------------------
+# forecast: lru plus the per-layer prefetch of a prediction list (issue 12, item 3)
+
+
+def brute_force_forecast(groups, capacity, profile, n_experts, preds):
+    """The forecast policy read literally: per-selection hits, per-group prefetches, useful ones."""
+    flat = profile.reshape(-1)
+    hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
+    warm = sorted(hot, key=lambda x: (flat[x], x))
+    resident = set(warm)
+    recency = {x: float(j - capacity) for j, x in enumerate(warm)}
+    inflight, fresh = set(), set()
+    hits, prefetches, useful = [], [], 0
+    tick, prev_layer = 0, None
+    for g, pred in zip(groups, preds):
+        layer = g[0] // n_experts
+        if prev_layer is None or layer <= prev_layer:  # a new step commits the prefetches
+            inflight = set()
+        prev_layer = layer
+        gh = [x in resident for x in g]
+        hits += gh
+        for x, h in zip(g, gh):
+            if h and x in fresh:
+                useful += 1
+                fresh.discard(x)
+        missed = []
+        for x, h in zip(g, gh):
+            if not h and x not in missed:
+                missed.append(x)
+        for x in missed:
+            cands = [y for y in resident if y not in g and y not in inflight]
+            if not cands:
+                break
+            v = min(cands, key=recency.get)
+            resident.remove(v)
+            fresh.discard(v)
+            resident.add(x)
+        for x in g:
+            if x in resident:
+                recency[x] = float(tick)
+            tick += 1
+        listed = {x for x in pred if x >= 0}
+        n = 0
+        for x in pred:
+            if x < 0 or x in resident:
+                continue
+            cands = [y for y in resident
+                     if y // n_experts <= layer and y not in g and y not in listed and y not in inflight]
+            if not cands:
+                break
+            v = min(cands, key=recency.get)
+            resident.remove(v)
+            fresh.discard(v)
+            resident.add(x)
+            inflight.add(x)
+            fresh.add(x)
+            n += 1
+            recency[x] = tick - 1 + n / (len(pred) + 1)
+        prefetches.append(n)
+    return np.array(hits), np.array(prefetches), useful
+
+
+def test_forecast_policy_matches_brute_force():
+    rng = np.random.default_rng(17)
+    seen_prefetch = seen_useful = 0
+    for trial in range(40):
+        k = int(rng.integers(1, 4))
+        groups, stream, profile, n_inst = random_stream(rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0,
+                                                        n_groups=int(rng.integers(6, 90)))
+        E = stream.num_experts
+        width = int(rng.integers(1, 5))
+        layer = np.array([g[0] // E for g in groups])
+        pred = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
+        pred = np.where(rng.random(pred.shape) < 0.25, -1, pred)
+        for row in pred:  # a prediction list names an instance once
+            _, first = np.unique(row, return_index=True)
+            dup = np.ones(row.size, bool)
+            dup[first] = False
+            row[dup] = -1
+        cap = int(rng.integers(stream.max_group, n_inst + 1))
+        res = simulate(stream, "forecast", cap, profile, predictions=pred)
+        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist())
+        np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
+        np.testing.assert_array_equal(res.prefetches, ref_pf, err_msg=f"trial {trial} cap {cap}")
+        assert res.useful_prefetches == ref_useful
+        st = res.stats()
+        assert st.prefetches == ref_pf.sum() and st.link_gb_per_token(10**9) == pytest.approx(
+            (res.fills.sum() + ref_pf.sum()) / stream.tokens)
+        seen_prefetch += int(ref_pf.sum())
+        seen_useful += ref_useful
+    assert seen_prefetch > 50 and seen_useful > 10  # the streams exercised prefetching
+
+
+def test_forecast_prefetch_lands_for_the_next_step():
+    """2 layers x 4 experts, top-1, 3 warm slots (0,0) (0,1) (1,0). Step 1, layer 0 hits (0,0) and
+    prefetches (0,2) into the slot of (0,1) (the least recent of layer 0 not used); layer 1 misses
+    (1,3) and evicts (1,0), the least recent slot not in flight. Step 2, layer 0 hits (0,2) where
+    lru misses it; the prediction lists are checked (own layer only, required)."""
+    profile = np.array([[5.0, 4.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]])  # warm: (0,0), (0,1), (1,0)
+    ids = np.array([0, 7, 2, 4])  # step 1: (0,0), (1,3); step 2: (0,2), (1,0)
+    stream = AccessStream(ids, np.arange(5), 2, 2, 4)
+    pred = np.array([[2], [-1], [-1], [-1]])
+    res = simulate(stream, "forecast", 3, profile, predictions=pred)
+    assert res.hit.tolist() == [True, False, True, False] and res.prefetches.tolist() == [1, 0, 0, 0]
+    assert res.useful_prefetches == 1
+    lru = simulate(stream, "lru", 3, profile)
+    assert lru.hit.tolist() == [True, False, False, False]
+    with pytest.raises(CacheError, match="another MoE layer"):
+        simulate(stream, "forecast", 3, profile, predictions=np.array([[6], [-1], [-1], [-1]]))
+    with pytest.raises(CacheError, match="required by policy 'forecast'"):
+        simulate(stream, "forecast", 3, profile)
