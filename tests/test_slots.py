@@ -268,12 +268,12 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("mode", ["one-launch-pdl", "one-launch", "two-launches"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_triton_decisions_equal_the_torch_path(policy, fused):
-    """On CUDA the decisions and the fill are one Triton launch (``fused``, the default) or two:
-    the same state after every group as the torch path (with duplicates inside groups), and the
-    slots hold their owners."""
+def test_triton_decisions_equal_the_torch_path(policy, mode):
+    """On CUDA the decisions and the fill are one Triton launch (the default; as a programmatic
+    dependent launch on sm90+) or two: the same state after every group as the torch path (with
+    duplicates inside groups), and the slots hold their owners."""
     L, E, k, tokens, C = 3, 8, 2, 3, 13
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
@@ -284,8 +284,10 @@ def test_triton_decisions_equal_the_torch_path(policy, fused):
     a = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     a.use_kernel = False
-    assert b.use_kernel and b.fused
-    b.fused = fused
+    assert b.use_kernel and b.fused and b.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    if mode == "one-launch-pdl" and not b.pdl:
+        pytest.skip("programmatic dependent launch needs sm90+")
+    b.fused, b.pdl = mode != "two-launches", mode == "one-launch-pdl"
     for _ in range(30):
         for layer in range(L):
             ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])).cuda()

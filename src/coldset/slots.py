@@ -67,6 +67,15 @@ def _fillers(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm90+ and a triton that has ``gdc_wait``."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    from coldset.kernels.triton_slots import gdc_wait
+
+    return gdc_wait is not None
+
+
 def warm_order(warm_instances: np.ndarray, warm_counts: np.ndarray) -> np.ndarray:
     """The warm instances in eviction order: profile count ascending, ties by instance id ascending."""
     warm_instances = np.asarray(warm_instances, dtype=np.int64)
@@ -112,6 +121,7 @@ class SlotCache:
     flag: torch.Tensor | None = None
     fillers: int = 0
     fused: bool = True
+    pdl: bool = False  # the one launch as a programmatic dependent launch (Hopper; set by build on sm90+)
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -166,6 +176,7 @@ class SlotCache:
             ticket=torch.zeros(1, dtype=torch.int64, device=dev),
             flag=torch.zeros(1, dtype=torch.int64, device=dev),
             fillers=_fillers(dev),
+            pdl=_pdl_capable(dev),
         )
 
     def reset(self) -> None:

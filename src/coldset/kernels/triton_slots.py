@@ -33,6 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm90+), triton >= 3.3; SlotCache.pdl is off without it
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_wait = None
+
 BLOCK = 4096  # elements per load in the fill
 SPLIT = 64  # blocks per row in the fill
 _INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read it
@@ -46,10 +51,17 @@ def _next_pow2(n: int) -> int:
 def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
             totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
             E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
-    """The decisions of one group, by one program (shared by both kernels below)."""
+    """The decisions of one group, by one program (shared by both kernels below). The scalars
+    are loaded first, beside the group's ids: each dependent global round trip is latency in a
+    step of 48 such programs."""
     offs = tl.arange(0, NP)
     valid = offs < n
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    t0 = tl.load(tick_ptr)
+    tot_hits = tl.load(totals_ptr)
+    tot_misses = tl.load(totals_ptr + 1)
+    tot_fills = tl.load(totals_ptr + 2)
+    g = tl.load(groups_ptr)
     inst = layer * E + ids
     rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
     hit = valid & (rows >= 0)
@@ -60,7 +72,6 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
     missed = first & (rows < 0)
     m = tl.sum(missed.to(tl.int32), axis=0)
     rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
-    t0 = tl.load(tick_ptr)
     old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
     tl.debug_barrier()  # every thread has read the old counts before any is overwritten
     tl.store(last_use_ptr + inst, t0 + offs, mask=last)  # the newest ticks: never an LRU victim
@@ -95,10 +106,9 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
     tl.store(m_ptr, m.to(tl.int64))
     tl.store(tick_ptr, t0 + n)
     nhit = tl.sum(hit.to(tl.int64), axis=0)
-    tl.store(totals_ptr, tl.load(totals_ptr) + nhit)
-    tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + (n - nhit))
-    tl.store(totals_ptr + 2, tl.load(totals_ptr + 2) + m.to(tl.int64))
-    g = tl.load(groups_ptr)
+    tl.store(totals_ptr, tot_hits + nhit)
+    tl.store(totals_ptr + 1, tot_misses + (n - nhit))
+    tl.store(totals_ptr + 2, tot_fills + m.to(tl.int64))
     h = history_ptr + (g % hist_cap) * 3
     tl.store(h, nhit)
     tl.store(h + 1, n - nhit)
@@ -179,7 +189,9 @@ def _decide_fill_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr,
                         ticket_ptr, flag_ptr, src13_ptr, dst13_ptr, src2_ptr, dst2_ptr,
                         ROW13: tl.constexpr, ROW2: tl.constexpr,
                         E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
-                        FILLERS: tl.constexpr, BLOCK: tl.constexpr):
+                        FILLERS: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched early (programmatic dependent launch): wait for the router's ids
+        gdc_wait()
     # The block that takes ticket 0 of this launch decides; the others wait for its flag, then
     # copy. Tickets, not program ids: the first block to *run* is the decider, so a waiting block
     # can never hold the SM slot the decider needs (no co-residency assumption, no grid barrier).
@@ -215,8 +227,10 @@ def decide_fill(cache, layer: int, ids: torch.Tensor) -> None:
     replays), the copying blocks wait on ``cache.flag`` (set to the launch number + 1 with release
     semantics once the decisions are written), then copy the step's actual misses from the host
     tier into their slots, each block a strided share of every row. Waiting only on a block that
-    already runs cannot deadlock, whatever the scheduler does; one launch a layer instead of two
-    is what brings the cache's work inside the step under 3% (BENCHMARKS.md, issue 12)."""
+    already runs cannot deadlock, whatever the scheduler does. With ``cache.pdl`` the launch is a
+    programmatic dependent launch (Hopper): its blocks are scheduled while the previous kernel
+    (the router) finishes and wait for it (``gdc_wait``) before touching memory, which hides the
+    launch's latency and changes no result. BENCHMARKS.md, issue 12: the cost of each way."""
     pools = cache.pools
     check_fill_pools(pools)
     n = ids.numel()
@@ -227,5 +241,7 @@ def decide_fill(cache, layer: int, ids: torch.Tensor) -> None:
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap, cache.ticket, cache.flag,
         pools.w13_cold, pools.w13_hot, pools.w2_cold, pools.w2_hot,
-        ROW13=pools.w13_hot[0].numel(), ROW2=pools.w2_hot[0].numel(), E=pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
-        LFU=cache.policy == "lfu", FILLERS=cache.fillers, BLOCK=FILL_BLOCK, num_warps=16 if cp >= 4096 else 8)
+        ROW13=pools.w13_hot[0].numel(), ROW2=pools.w2_hot[0].numel(), E=pools.num_experts,
+        NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
+        LFU=cache.policy == "lfu", FILLERS=cache.fillers, BLOCK=FILL_BLOCK, USE_GDC=cache.pdl,
+        num_warps=16 if cp >= 4096 else 8, launch_pdl=cache.pdl)
