@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 T0 = time.perf_counter()
@@ -152,6 +153,16 @@ def main() -> int:
     for layer in range(L):
         np.add.at(counts[layer], prof_routing[:, layer].reshape(-1), 1)
     log("profile routing", prof_routing.shape)
+    from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
+
+    def routing_rows(rt: np.ndarray):
+        """Trace-like decode rows of a recorded routing [steps, L, B, k] (request = batch row)."""
+        st_, l_, b_, k_ = np.indices(rt.shape).reshape(4, -1)
+        return pd.DataFrame({"request": [f"r{b}" for b in b_], "position": st_, "layer_index": l_, "rank": k_,
+                             "expert": rt.reshape(-1)})
+
+    forecaster = TransitionForecaster.fit(routing_rows(prof_routing), L, E, k)
+    R["forecast"] = {}
 
     residencies = [float(r) for r in args.residencies.split(",")]
     policies = args.policies.split(",")
@@ -167,6 +178,34 @@ def main() -> int:
         log(R["rows"][-1])
         tokens = bsz * steps
         inst = routing + (np.arange(L) * E)[None, :, None, None]  # [steps, L, B, k]
+        # The forecaster on these tokens: recall, the forecast policy simulated on the engine's stream.
+        fc = forecast_recall(forecaster, routing_rows(routing), L, E)
+        fc["extra"] = forecaster.extra
+        fstream = AccessStream(inst.reshape(-1), np.arange(0, inst.size + 1, bsz * k), tokens, L, E)
+        fpred = stream_predictions(forecaster, fstream)
+        fc["simulated"] = []
+        for r in residencies:
+            C_ = hot_count_for_residency(r, L * E)
+            lru_ = simulate(fstream, "lru", C_, counts).stats()
+            fst = simulate(fstream, "forecast", C_, counts, predictions=fpred).stats()
+            fc["simulated"].append({"residency": r, "lru_hit": lru_.hit_rate, "forecast_hit": fst.hit_rate,
+                                    "prefetches_per_token": fst.prefetches / tokens,
+                                    "useful_share": fst.useful_prefetches / max(fst.prefetches, 1),
+                                    "lru_link": lru_.link_gb_per_token(per_expert),
+                                    "forecast_link": fst.link_gb_per_token(per_expert)})
+        tab = torch.as_tensor(forecaster.table, device=dev)
+        step_ids = torch.as_tensor(routing[0], device=dev)  # [L, B, k]
+        lidx = torch.arange(L, device=dev)[:, None, None]
+        bonus = torch.full(step_ids.shape, float(k), device=dev)
+
+        def forecast_step():
+            sc = tab[lidx, step_ids].sum(2)  # [L, B, E]
+            sc.scatter_add_(2, step_ids, bonus)
+            return torch.sort(-sc, dim=2, stable=True).indices[..., :forecaster.num_predictions]
+
+        fc["gpu_ms"] = graph_time_ms(forecast_step)
+        R["forecast"][bsz] = fc
+        log("forecast", {k_: v for k_, v in fc.items() if k_ != "simulated"}, fc["simulated"])
         for r in residencies:
             C = hot_count_for_residency(r, L * E)
             row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
@@ -238,23 +277,26 @@ def main() -> int:
                             cache.admit(layer, hit_ids[layer])
                         return ref_fn(p, layer, x, ids, w)
 
-                    over = graph_time_ms(decisions)  # one launch a layer (the default)
-                    step_fused = statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0])
-                    cache.fused = False  # the previous session's two launches a layer
-                    over_two = graph_time_ms(decisions)
-                    step_two = statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0])
-                    cache.fused = True
+                    default = (cache.fused, cache.pdl)
+                    ways = {"two_launches": (False, False), "one_launch": (True, False)}
+                    if cache.pdl:
+                        ways["one_launch_pdl"] = (True, True)
+                    timed = {}
+                    for way, (fused, pdl) in ways.items():
+                        cache.fused, cache.pdl = fused, pdl
+                        timed[way] = (graph_time_ms(decisions),
+                                      statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0]))
+                    cache.fused, cache.pdl = default
                     step_full = statistics.mean(run(ref_fn, model.pools, bsz, prompts)[0] + ms_full)
                     cache.use_kernel = False  # the same decisions as torch ops, for comparison
                     over_torch = graph_time_ms(decisions)
                     cache.use_kernel = True
-                    R["overhead"] = {
-                        "all_hbm_step_ms": step_full,
-                        "one_launch": {"decisions_ms": over, "fraction": over / step_full,
-                                       "step_ms": step_fused, "step_fraction": step_fused / step_full - 1},
-                        "two_launches": {"decisions_ms": over_two, "fraction": over_two / step_full,
-                                         "step_ms": step_two, "step_fraction": step_two / step_full - 1},
-                        "torch_ops_decisions_ms": over_torch}
+                    R["overhead"] = {"all_hbm_step_ms": step_full, "default": [k_ for k_, v in ways.items()
+                                                                               if v == default][0],
+                                     "torch_ops_decisions_ms": over_torch}
+                    for way, (alone, step) in timed.items():
+                        R["overhead"][way] = {"decisions_ms": alone, "fraction": alone / step_full,
+                                              "step_ms": step, "step_fraction": step / step_full - 1}
                     log("overhead", R["overhead"])
                     # Fill: k rows (one layer's worst case at batch 1) by the kernel vs the copy engine.
                     from coldset.kernels.triton_slots import fill
@@ -300,11 +342,22 @@ def main() -> int:
     if ov:
         print(f"cache management, batch 1 (every layer's decisions + fill launch on all-hit groups; all-HBM step "
               f"{ov['all_hbm_step_ms']:.3f} ms):")
-        for key in ("two_launches", "one_launch"):
+        for key in ("two_launches", "one_launch", "one_launch_pdl"):
+            if key not in ov:
+                continue
             o = ov[key]
             print(f"  {key:13s} alone in a graph {o['decisions_ms']:.4f} ms = {100 * o['fraction']:.2f}% of the step; "
                   f"inside the step {o['step_ms']:.3f} ms = +{100 * o['step_fraction']:.2f}%")
-        print(f"  torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
+        print(f"  default: {ov['default']}; torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
+    for bsz_, fc in R.get("forecast", {}).items():
+        print(f"forecaster, batch {bsz_}: recall of top k+{fc['extra']} one token ahead {fc['recall']:.3f} (previous "
+              f"token's experts {fc['previous_token_recall']:.3f}); table {fc['table_bytes'] / 1e6:.1f} MB; all layers "
+              f"of a step on the GPU (torch ops, graph) {fc.get('gpu_ms', float('nan')):.4f} ms")
+        for row in fc["simulated"]:
+            print(f"  simulated on the engine's routing, res {row['residency']}: lru hit {row['lru_hit']:.4f} "
+                  f"forecast hit {row['forecast_hit']:.4f}, prefetches/token {row['prefetches_per_token']:.2f} "
+                  f"(useful {row['useful_share']:.2f}), link GB/token lru {row['lru_link']:.4f} forecast "
+                  f"{row['forecast_link']:.4f}")
     print("fill of one layer's k rows from pinned memory:", R.get("fill"))
     return 1 if fails else 0
 
