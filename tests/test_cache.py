@@ -192,7 +192,12 @@ def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     from coldset.cache import counts_from_rows
 
     counts = counts_from_rows(prof, 2, 4)
-    table = simulation_table(stream, counts, POLICIES, [0.25, 0.5, 1.0], bytes_per_expert=10**6)
+    from coldset.forecast import TransitionForecaster
+
+    with pytest.raises(CacheError, match="needs a forecaster"):
+        simulation_table(stream, counts, POLICIES, [0.5], bytes_per_expert=10**6)
+    table = simulation_table(stream, counts, POLICIES, [0.25, 0.5, 1.0], bytes_per_expert=10**6,
+                             forecaster=TransitionForecaster.fit(prof, 2, 4, 2))
     full = table[table.residency == 1.0]
     assert (full.hit_rate == 1.0).all() and (full.link_gb_per_token == 0.0).all()
     st = table[(table.policy == "static") & (table.residency == 0.5)].iloc[0]
@@ -269,6 +274,19 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             row = table[(table.policy == policy) & (table.residency == r)].iloc[0]
             assert row.hit_rate == pytest.approx(ref_hit.mean())
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
+        # forecast: the forecaster fitted on the profile split's rows, its lists replayed by brute force
+        from coldset.cache import trace_decode_rows
+        from coldset.forecast import TransitionForecaster, stream_predictions
+
+        trows, _ = trace_decode_rows(trace)
+        fc = TransitionForecaster.fit(select_rows(trows, "profile"), 2, 8, 2)
+        pred = stream_predictions(fc, stream_from_frame(select_rows(trows, "heldout"), 2, 8))
+        ref_hit, ref_pf, _ = brute_force_forecast(groups, st.capacity, counts.reshape(2, 8), 8, pred.tolist())
+        row = table[(table.policy == "forecast") & (table.residency == r)].iloc[0]
+        assert row.hit_rate == pytest.approx(ref_hit.mean())
+        fills = sum(len({x for x, h in zip(g, ref_hit[a:a + len(g)]) if not h})
+                    for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
+        assert row.link_gb_per_token == pytest.approx((fills + ref_pf.sum()) * expert_bytes(Shape()) / row.tokens / 1e9)
     assert table.link_gb_per_token.iloc[0] == pytest.approx(
         table.misses_per_token.iloc[0] * expert_bytes(Shape()) / 1e9)
 
