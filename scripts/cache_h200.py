@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5,0.75")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--policies", default="lru,lfu")
+    ap.add_argument("--way", choices=["default", "one_launch_pdl", "one_launch", "two_launches"], default="default",
+                    help="how the slot cache's work is launched in the table's runs (default: the cache's own choice)")
     args = ap.parse_args()
 
     from coldset import bench as bn
@@ -153,6 +155,7 @@ def main() -> int:
     for layer in range(L):
         np.add.at(counts[layer], prof_routing[:, layer].reshape(-1), 1)
     log("profile routing", prof_routing.shape)
+    np.save(out / "profile_routing.npy", prof_routing)
     from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
 
     def routing_rows(rt: np.ndarray):
@@ -169,6 +172,7 @@ def main() -> int:
     for bsz in (int(b) for b in args.batches.split(",")):
         prompts = prompts_from(fx["seed"] + 202, bsz)
         _, ref_logits, routing = run(ref_fn, model.pools, bsz, prompts, record=True)
+        np.save(out / f"routing_b{bsz}.npy", routing)
         ms_full, _, _ = run(ref_fn, model.pools, bsz, prompts)
         ms = ms_full
         full_ms = statistics.mean(ms)
@@ -230,6 +234,9 @@ def main() -> int:
             for pol in policies:
                 cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
                                         history=steps * L + 8)
+                if args.way != "default":
+                    cache.fused, cache.pdl = args.way != "two_launches", args.way == "one_launch_pdl"
+                R["way"] = ("one_launch_pdl" if cache.pdl else "one_launch") if cache.fused else "two_launches"
                 ms, lg, _ = run(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, cache=cache)
                 c = cache.counters()
                 hist = cache.group_history()
@@ -325,7 +332,8 @@ def main() -> int:
             write_json(out / "cache_h200.json", {**R, "fails": fails})
     write_json(out / "cache_h200.json", {**R, "fails": fails})
 
-    print(f"\n{R['device']}, {config['model']['name']} bf16, {steps} decode steps per run, router: {R['router']}")
+    print(f"\n{R['device']}, {config['model']['name']} bf16, {steps} decode steps per run, router: {R['router']}; "
+          f"slot cache launched as {R.get('way')}")
     print("checks:", "all passed" if not fails else f"FAILED: {fails}")
     print("tok/s: per sequence (DESIGN.md §6), from the mean step; x all-HBM / x ug: ratios of it")
     print(f"{'b':>2s} {'placement':13s} {'res':>5s} {'tok/s':>8s} {'x all-HBM':>9s} {'x ug':>6s} {'hit':>6s} "
