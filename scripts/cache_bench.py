@@ -83,7 +83,7 @@ def main() -> None:
     # warm-up: compile (or load) the numba kernels outside the timings
     tiny = AccessStream(np.array([0, 1, 2, 3]), np.array([0, 2, 4]), 2, 1, 4)
     for p in POLICIES:
-        simulate(tiny, p, 2, np.ones((1, 4)))
+        simulate(tiny, p, 2, np.ones((1, 4)), predictions=np.array([[1], [2]]) if p == "forecast" else None)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.trace
         if path is None:
@@ -101,11 +101,20 @@ def main() -> None:
         print(f"rows {len(rows):,}  groups {stream.num_groups:,}  tokens {stream.tokens:,}")
         print(f"read {t_read:.2f} s  stream {t_stream:.2f} s")
         total = t_read + t_stream
+        from coldset.forecast import TransitionForecaster, stream_predictions
+
+        t0 = time.perf_counter()
+        forecaster = TransitionForecaster.fit(select_rows(rows, "profile"), meta.num_moe_layers, meta.num_experts,
+                                              meta.top_k)
+        pred = stream_predictions(forecaster, stream)
+        t_fc = time.perf_counter() - t0
+        total += t_fc
+        print(f"forecaster fit + prefetch lists {t_fc:.2f} s")
         for r in args.residency:
             cap = capacity_for_residency(r, meta.num_moe_layers, meta.num_experts)
             for p in POLICIES:
                 t0 = time.perf_counter()
-                st = simulate(stream, p, cap, profile).stats()
+                st = simulate(stream, p, cap, profile, predictions=pred if p == "forecast" else None).stats()
                 dt = time.perf_counter() - t0
                 total += dt
                 print(f"residency {r} {p:7s} {dt:6.2f} s  hit rate {st.hit_rate:.4f}")
