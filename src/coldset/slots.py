@@ -20,16 +20,21 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
 - the fill: the admitted instance's weights are copied from the host tier into its slot. On CUDA
-  a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
-  and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
-  return at once); on the CPU a plain indexed copy.
+  (default) the experts kernel does it: the admitted instance's row-map entry still names its
+  host row while that layer's experts run, so the kernel reads it in place over the link and
+  stores the tiles it read into the slot (``ExpertPools.fill``; HBM writes, no second read, no
+  extra link bytes), and the entry becomes the slot at the next group's decisions. Nothing reads
+  the slot before: its previous owner is not in the group, and the admitted instance's layer
+  comes again only at the next step. The previous way (``fill_in_experts = False``): a small
+  Triton kernel copies the rows before the experts kernel reads the slots. On the CPU a plain
+  indexed copy, and the entry becomes the slot at once (the same hits and misses: a layer's
+  admissions are read again only at the next step).
 
-On CUDA the decisions of a group are one Triton launch and the fill another
-(:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
-are about thirty); on the CPU they are torch ops (the same decisions, which CI tests against the
-simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
-decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
-the decisions on the data of that step.
+On CUDA a group costs one Triton launch for the decisions (:mod:`coldset.kernels.triton_slots`,
+where the same decisions in torch ops are about thirty launches); on the CPU they are torch ops
+(the same decisions, which CI tests against the simulator). Both have shapes fixed by the batch
+size and no host synchronisation, so the whole decode step (every layer's decisions and fills
+included) is one CUDA graph, and a replay re-runs the decisions on the data of that step.
 
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
@@ -58,22 +63,6 @@ KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_
 
 class CacheCapacityError(ValueError):
     """The pool has fewer slots than one step's selections can need."""
-
-
-def _fillers(device: torch.device) -> int:
-    """Copying blocks of the one-launch decisions + fill (coldset.kernels.triton_slots)."""
-    if device.type != "cuda":
-        return 3  # only the Triton interpreter runs the kernel off CUDA
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm90+ and a triton that has ``gdc_wait``."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from coldset.kernels.triton_slots import gdc_wait
-
-    return gdc_wait is not None
 
 
 def warm_order(warm_instances: np.ndarray, warm_counts: np.ndarray) -> np.ndarray:
@@ -115,13 +104,20 @@ class SlotCache:
     admitted: torch.Tensor | None = None
     num_misses: torch.Tensor | None = None
     use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
-    # The one-launch path (triton_slots.decide_fill): its ticket and flag counters, its copying
-    # blocks; fused=False runs decide then fill (two launches, the same results).
-    ticket: torch.Tensor | None = None
-    flag: torch.Tensor | None = None
-    fillers: int = 0
-    fused: bool = True
-    pdl: bool = False  # the one launch as a programmatic dependent launch (Hopper; set by build on sm90+)
+
+    @property
+    def fill_in_experts(self) -> bool:
+        """On CUDA (the default): the experts kernel fills the admitted slots while it reads them
+        in place, and each admission enters the row map at the next group's decisions. False:
+        a fill launch copies them before the experts kernel reads the slots (the previous way)."""
+        return self.pools.fill is not None
+
+    @fill_in_experts.setter
+    def fill_in_experts(self, on: bool) -> None:
+        if on and not self.use_kernel:
+            raise ValueError("fill_in_experts needs the Triton decisions (CUDA)")
+        self.flush()
+        self.pools.fill = (self.victims, self.admitted, self.num_misses) if on else None
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -173,11 +169,12 @@ class SlotCache:
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
-            ticket=torch.zeros(1, dtype=torch.int64, device=dev),
-            flag=torch.zeros(1, dtype=torch.int64, device=dev),
-            fillers=_fillers(dev),
-            pdl=_pdl_capable(dev),
-        )
+        )._with_fill()
+
+    def _with_fill(self) -> "SlotCache":
+        if self.use_kernel:
+            self.fill_in_experts = True
+        return self
 
     def reset(self) -> None:
         """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every
@@ -191,9 +188,8 @@ class SlotCache:
         self.last_use.copy_(last_use)
         self.count.copy_(count)
         self.tick.zero_()
-        self.ticket.zero_()
-        self.flag.zero_()
         self.reset_counters()
+        self.num_misses.zero_()  # nothing pending
         slots = torch.arange(self.capacity, device=owner.device)
         self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
                    torch.full((1,), self.capacity, dtype=torch.int64, device=owner.device))
@@ -259,13 +255,10 @@ class SlotCache:
         if topk_ids.shape[0] > self.max_tokens:
             return
         if self.use_kernel:
-            from coldset.kernels.triton_slots import decide, decide_fill, fill
+            from coldset.kernels.triton_slots import decide, fill
 
-            ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-            if self.fused:
-                decide_fill(self, layer, ids)
-            else:
-                decide(self, layer, ids)
+            decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
+            if not self.fill_in_experts:
                 fill(self.pools, self.victims, self.admitted, self.num_misses)
             return
         pools = self.pools
@@ -322,12 +315,25 @@ class SlotCache:
         pools.w13_hot[slots] = pools.w13_cold[inst]
         pools.w2_hot[slots] = pools.w2_cold[inst]
 
+    def flush(self) -> None:
+        """Enter the last group's admissions into the row map now (outside the step; with
+        :attr:`fill_in_experts` the next group's decisions would do it). Call it only after that
+        group's experts kernel ran: it filled their slots."""
+        if self.pools.fill is None:
+            return
+        m = int(self.num_misses)
+        if m:
+            self.pools.row_map.view(-1)[self.admitted[:m]] = self.victims[:m].to(torch.int32)
+            self.pools.validated_version = self.pools.row_map._version  # a bijection, as after admit
+            self.num_misses.zero_()
+
     # ---------------------------------------------------------------------------- checks
     def check(self, contents: bool = False) -> None:
         """Refuse (naming the first problem) a state in which the row map and the slot owners
         disagree: every slot's owner maps to that slot, every other instance to its host row; with
         ``contents``, also every slot's weights must equal its owner's host row. Outside the step
-        (a host sync); tests and the parity stage call it after decoding."""
+        (a host sync, after :meth:`flush`); tests and the parity stage call it after decoding."""
+        self.flush()
         pools = self.pools
         pools.validate()
         rm = pools.row_map.view(-1).cpu().numpy().astype(np.int64)

@@ -1,8 +1,16 @@
 """The slot cache's work inside the decode step on CUDA: one launch per MoE layer.
 
-:func:`decide_fill` (the default) makes the decisions and copies the misses into their slots in
-one launch; :func:`decide` then :func:`fill` are the same work in two launches (kept: the
-before/after of BENCHMARKS.md issue 12, and the warm refill of ``SlotCache.reset``).
+By default the cache adds one launch a layer, :func:`decide`, and the experts kernel
+(:mod:`coldset.kernels.triton_moe`, ``ExpertPools.fill``) fills the admitted instances' slots
+while it reads them in place from the host tier: HBM writes, no extra link bytes, no second read.
+The admissions enter the row map at the next group's :func:`decide` (its first act), once that
+kernel has finished; until then their entries name the host rows, which is what the kernel read.
+The previous way, kept for comparison (``SlotCache.fill_in_experts = False``) and for the warm
+refill of ``SlotCache.reset``: :func:`decide` writes the row map at once and :func:`fill` copies
+the rows in a second launch before the experts kernel reads the slots. A third way was measured
+and dropped (BENCHMARKS.md, issue 12): decisions and copy in one launch (a ticket-elected deciding
+block, copying blocks waiting on its flag) took 0.31 ms for 48 layers against 0.16 ms for the two
+launches.
 
 :func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
 :meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
@@ -33,10 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (sm90+), triton >= 3.3; SlotCache.pdl is off without it
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_wait = None
 
 BLOCK = 4096  # elements per load in the fill
 SPLIT = 64  # blocks per row in the fill
@@ -50,7 +54,8 @@ def _next_pow2(n: int) -> int:
 @triton.jit
 def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
             totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-            E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+            E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
+            DEFER: tl.constexpr, MP: tl.constexpr):
     """The decisions of one group, by one program (shared by both kernels below). The scalars
     are loaded first, beside the group's ids: each dependent global round trip is latency in a
     step of 48 such programs."""
@@ -62,6 +67,16 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
     tot_misses = tl.load(totals_ptr + 1)
     tot_fills = tl.load(totals_ptr + 2)
     g = tl.load(groups_ptr)
+    if DEFER:
+        # Commit the previous group's admissions: their slots were written by that group's
+        # experts kernel, which has finished (stream order); until now their entries named the
+        # host tier, so that kernel read them in place while it filled their slots.
+        offs_p = tl.arange(0, MP)
+        ok_p = offs_p < tl.load(m_ptr)
+        slot_p = tl.load(victims_ptr + offs_p, mask=ok_p, other=0)
+        inst_p = tl.load(new_ptr + offs_p, mask=ok_p, other=0)
+        tl.store(row_map_ptr + inst_p, slot_p.to(tl.int32), mask=ok_p)
+        tl.debug_barrier()  # committed before any thread reads the row map below
     inst = layer * E + ids
     rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
     hit = valid & (rows >= 0)
@@ -98,7 +113,8 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
                 cnt = tl.where(pick, float("inf"), cnt)
                 new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
                 tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
-                tl.store(row_map_ptr + new, s.to(tl.int32))
+                if not DEFER:  # else committed by the next group's decisions, once filled
+                    tl.store(row_map_ptr + new, s.to(tl.int32))
                 tl.store(owner_ptr + s, new)
                 tl.store(victims_ptr + j, s.to(tl.int64))
                 tl.store(new_ptr + j, new)
@@ -119,15 +135,18 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
 @triton.jit
 def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
                    totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
+                   DEFER: tl.constexpr, MP: tl.constexpr):
     _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr,
-            groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU)
+            groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU, DEFER, MP)
 
 
 def decide(cache, layer: int, ids: torch.Tensor) -> None:
     """The decisions of :meth:`coldset.slots.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
     group's selections in order) in one launch; writes ``cache.victims``, ``cache.admitted`` and
-    ``cache.num_misses`` for :func:`fill`."""
+    ``cache.num_misses`` for the fill. With ``cache.pools.fill`` set (the default), the experts
+    kernel fills the slots and the admissions enter the row map at the next call (the module doc);
+    without it, at once, for :func:`fill`."""
     n = ids.numel()
     cap = cache.capacity
     cp = _next_pow2(cap)
@@ -136,7 +155,8 @@ def decide(cache, layer: int, ids: torch.Tensor) -> None:
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap,
         E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
-        LFU=cache.policy == "lfu", num_warps=16 if cp >= 4096 else 8)
+        LFU=cache.policy == "lfu", DEFER=cache.pools.fill is not None, MP=max(2, _next_pow2(cache.victims.numel())),
+        num_warps=16 if cp >= 4096 else 8)
 
 
 @triton.jit
@@ -181,67 +201,3 @@ def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Ten
     _fill_kernel[(victims.numel(), SPLIT, 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
         pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, SPLIT=SPLIT, num_warps=4)
-
-
-@triton.jit
-def _decide_fill_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                        totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                        ticket_ptr, flag_ptr, src13_ptr, dst13_ptr, src2_ptr, dst2_ptr,
-                        ROW13: tl.constexpr, ROW2: tl.constexpr,
-                        E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
-                        FILLERS: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # launched early (programmatic dependent launch): wait for the router's ids
-        gdc_wait()
-    # The block that takes ticket 0 of this launch decides; the others wait for its flag, then
-    # copy. Tickets, not program ids: the first block to *run* is the decider, so a waiting block
-    # can never hold the SM slot the decider needs (no co-residency assumption, no grid barrier).
-    t = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    launch = t // (FILLERS + 1)
-    me = t % (FILLERS + 1)
-    if me == 0:
-        _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
-                history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU)
-        tl.debug_barrier()  # every thread's decisions are written before the flag is released
-        tl.atomic_xchg(flag_ptr, launch + 1, sem="release")
-    else:
-        while tl.load(flag_ptr, volatile=True) <= launch:
-            pass
-        tl.atomic_add(flag_ptr, 0, sem="acquire")  # the decider's writes are visible from here
-        m = tl.load(m_ptr, volatile=True)
-        start = (me - 1) * BLOCK
-        for j in range(0, M):
-            if j < m:
-                slot = tl.load(victims_ptr + j, volatile=True).to(tl.int64)
-                inst = tl.load(new_ptr + j, volatile=True).to(tl.int64)
-                _copy_row(src13_ptr + inst * ROW13, dst13_ptr + slot * ROW13, ROW13, start, FILLERS * BLOCK, BLOCK)
-                _copy_row(src2_ptr + inst * ROW2, dst2_ptr + slot * ROW2, ROW2, start, FILLERS * BLOCK, BLOCK)
-
-
-FILL_BLOCK = 8192  # elements per load in the fused kernel's copy
-
-
-def decide_fill(cache, layer: int, ids: torch.Tensor) -> None:
-    """:func:`decide` and :func:`fill` in one launch (the default on CUDA): a grid of one deciding
-    block and ``cache.fillers`` copying blocks. The deciding block is whichever takes the launch's
-    first ticket from ``cache.ticket`` (an atomic counter that runs on across launches and graph
-    replays), the copying blocks wait on ``cache.flag`` (set to the launch number + 1 with release
-    semantics once the decisions are written), then copy the step's actual misses from the host
-    tier into their slots, each block a strided share of every row. Waiting only on a block that
-    already runs cannot deadlock, whatever the scheduler does. With ``cache.pdl`` the launch is a
-    programmatic dependent launch (Hopper): its blocks are scheduled while the previous kernel
-    (the router) finishes and wait for it (``gdc_wait``) before touching memory, which hides the
-    launch's latency and changes no result. BENCHMARKS.md, issue 12: the cost of each way."""
-    pools = cache.pools
-    check_fill_pools(pools)
-    n = ids.numel()
-    cap = cache.capacity
-    cp = _next_pow2(cap)
-    _decide_fill_kernel[(cache.fillers + 1,)](
-        ids, n, layer, pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
-        cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
-        cache.num_misses, cap, cache.ticket, cache.flag,
-        pools.w13_cold, pools.w13_hot, pools.w2_cold, pools.w2_hot,
-        ROW13=pools.w13_hot[0].numel(), ROW2=pools.w2_hot[0].numel(), E=pools.num_experts,
-        NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
-        LFU=cache.policy == "lfu", FILLERS=cache.fillers, BLOCK=FILL_BLOCK, USE_GDC=cache.pdl,
-        num_warps=16 if cp >= 4096 else 8, launch_pdl=cache.pdl)
