@@ -271,9 +271,9 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 @pytest.mark.parametrize("fill_in_experts", [True, False, "stale"], ids=["fill-in-experts", "fill-launch", "stale"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_triton_decisions_equal_the_torch_path(policy, fill_in_experts):
-    """On CUDA the decisions are one Triton launch and the slots are filled by the experts kernel
-    (the default; the admissions enter the row map at the next group's decisions) or by a fill
-    launch: after each group and its experts call, the same state as the torch path (with
+    """On CUDA the decisions are one Triton launch and the slots are filled by a fill launch (the
+    default) or by the experts kernel (opt-in; the admissions enter the row map at the next
+    group's decisions): after each group and its experts call, the same state as the torch path (with
     duplicates inside groups), the experts' output equal to the all-hot reference's, and the slots
     hold their owners; a fill that never lands fails."""
     L, E, k, tokens, C = 3, 8, 2, 3, 13
@@ -287,10 +287,10 @@ def test_triton_decisions_equal_the_torch_path(policy, fill_in_experts):
     host = host_tier(all_hot)
     a = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
-    a.pools.fill = None
     a.use_kernel = False
-    assert b.use_kernel and b.fill_in_experts
+    assert b.use_kernel and not b.fill_in_experts  # the default: a fill launch
     if fill_in_experts == "stale":  # the experts kernel is told of no admission: no slot is written,
+        b.fill_in_experts = True
         b.pools.fill = (b.victims, b.admitted, torch.zeros(1, dtype=torch.int64, device="cuda"))
         with pytest.raises((AssertionError, ValueError)):  # the row map still names the slots: wrong weights
             _decide_and_compare(a, b, all_hot, rng, L, E, k, tokens, H, True)

@@ -20,18 +20,18 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
 - the fill: the admitted instance's weights are copied from the host tier into its slot. On CUDA
-  (default) the experts kernel does it: the admitted instance's row-map entry still names its
-  host row while that layer's experts run, so the kernel reads it in place over the link and
-  stores the tiles it read into the slot (``ExpertPools.fill``; HBM writes, no second read, no
-  extra link bytes), and the entry becomes the slot at the next group's decisions. Nothing reads
-  the slot before: its previous owner is not in the group, and the admitted instance's layer
-  comes again only at the next step. The previous way (``fill_in_experts = False``): a small
-  Triton kernel copies the rows before the experts kernel reads the slots. On the CPU a plain
-  indexed copy, and the entry becomes the slot at once (the same hits and misses: a layer's
-  admissions are read again only at the next step).
+  a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
+  and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
+  return at once); on the CPU a plain indexed copy. Opt-in on CUDA (:attr:`SlotCache.fill_in_experts`):
+  the experts kernel does it, since the admitted instance's row-map entry still names its host
+  row while that layer's experts run: the kernel reads it in place over the link and stores the
+  tiles it read into the slot (``ExpertPools.fill``; HBM writes, no second read, no extra link
+  bytes), and the entry becomes the slot at the next group's decisions. Nothing reads the slot
+  before: its previous owner is not in the group, and the admitted instance's layer comes again
+  only at the next step (the same hits and misses as the CPU's immediate entry).
 
-On CUDA a group costs one Triton launch for the decisions (:mod:`coldset.kernels.triton_slots`,
-where the same decisions in torch ops are about thirty launches); on the CPU they are torch ops
+On CUDA a group costs two Triton launches, decisions then fill (one with ``fill_in_experts``;
+the same decisions in torch ops are about thirty launches); on the CPU they are torch ops
 (the same decisions, which CI tests against the simulator). Both have shapes fixed by the batch
 size and no host synchronisation, so the whole decode step (every layer's decisions and fills
 included) is one CUDA graph, and a replay re-runs the decisions on the data of that step.
@@ -107,9 +107,13 @@ class SlotCache:
 
     @property
     def fill_in_experts(self) -> bool:
-        """On CUDA (the default): the experts kernel fills the admitted slots while it reads them
-        in place, and each admission enters the row map at the next group's decisions. False:
-        a fill launch copies them before the experts kernel reads the slots (the previous way)."""
+        """True (opt-in, CUDA): the experts kernel fills the admitted slots while it reads them in
+        place, and each admission enters the row map at the next group's decisions: one launch a
+        layer. False (the default): a fill launch copies them before the experts kernel reads the
+        slots. Measured on the H200 (BENCHMARKS.md, issue 12): the opt-in way's decisions cost
+        0.10 ms a step against 0.16 ms, but its experts kernel (stores under a branch in the inner
+        loop) made an all-hit step 27% slower against 5%; it wins only where misses dominate
+        (batch 8, residency 0.25 and 0.5)."""
         return self.pools.fill is not None
 
     @fill_in_experts.setter
@@ -169,12 +173,7 @@ class SlotCache:
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
-        )._with_fill()
-
-    def _with_fill(self) -> "SlotCache":
-        if self.use_kernel:
-            self.fill_in_experts = True
-        return self
+        )
 
     def reset(self) -> None:
         """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every

@@ -17,8 +17,12 @@ over the H rows of w2) is what lets reads of the cold pool in pinned host memory
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
 reduction has a fixed order, so outputs are bitwise reproducible.
 
-The expert id enters in exactly one place, :func:`_expert_base`: one load of the row map picks the
-pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the whole block.
+The expert id enters the reads in exactly one place, :func:`_expert_base`: one load of the row map
+picks the pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the
+whole block. With ``ExpertPools.fill`` (the slot cache's opt-in ``fill_in_experts``, ``FILL``) a
+block also looks its expert up in the cache's list of admitted instances (:func:`_fill_base`) and
+stores the weight tiles it reads into that instance's new slot; reads, tiling and accumulation
+are unchanged, so the output is too.
 With ``USE_ROW_MAP=False`` that helper compiles to ``row = layer * E + expert`` on the hot pool:
 the unmodified path the parity gate compares against. Tiling and accumulation order do not depend
 on where an expert lives, so both give bitwise the same output for any placement.

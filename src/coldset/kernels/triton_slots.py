@@ -1,16 +1,17 @@
-"""The slot cache's work inside the decode step on CUDA: one launch per MoE layer.
+"""The slot cache's work inside the decode step on CUDA.
 
-By default the cache adds one launch a layer, :func:`decide`, and the experts kernel
-(:mod:`coldset.kernels.triton_moe`, ``ExpertPools.fill``) fills the admitted instances' slots
-while it reads them in place from the host tier: HBM writes, no extra link bytes, no second read.
-The admissions enter the row map at the next group's :func:`decide` (its first act), once that
-kernel has finished; until then their entries name the host rows, which is what the kernel read.
-The previous way, kept for comparison (``SlotCache.fill_in_experts = False``) and for the warm
-refill of ``SlotCache.reset``: :func:`decide` writes the row map at once and :func:`fill` copies
-the rows in a second launch before the experts kernel reads the slots. A third way was measured
-and dropped (BENCHMARKS.md, issue 12): decisions and copy in one launch (a ticket-elected deciding
-block, copying blocks waiting on its flag) took 0.31 ms for 48 layers against 0.16 ms for the two
-launches.
+By default two launches a layer: :func:`decide` (decisions, row map written at once) then
+:func:`fill` (copies the admitted rows into their slots before the experts kernel reads them).
+Opt-in (``SlotCache.fill_in_experts``), one launch a layer: :func:`decide` alone, the experts
+kernel (:mod:`coldset.kernels.triton_moe`, ``ExpertPools.fill``) fills the admitted instances'
+slots while it reads them in place from the host tier (HBM writes, no extra link bytes, no second
+read), and the admissions enter the row map at the next group's :func:`decide` (its first act),
+once that kernel has finished; until then their entries name the host rows, which is what the
+kernel read. Measured on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issue 12): 48 layers'
+decisions 0.10 ms (opt-in) against 0.16 ms (two launches), but the experts kernel with the fill
+made an all-hit step 27% slower (two launches: 5%), so it is not the default. A third way was
+measured and dropped: decisions and copy in one launch (a ticket-elected deciding block, copying
+blocks waiting on its release flag), 0.31 ms.
 
 :func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
 :meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
