@@ -979,23 +979,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--bytes-per-expert", type=int, help="for link_gb_per_token (NaN without it)")
     ap.add_argument("--recall", action="store_true",
-                    help="also print the forecaster's recall on the replay (JSON, to stderr)")
+                    help="also print the forecaster's recall on the replay, its fit time and forecast time per "
+                         "token (JSON, to stderr)")
     args = ap.parse_args(argv)
     rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
     L, E = meta.num_moe_layers, meta.num_experts
     profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
     replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
     forecaster = None
+    stream = stream_from_frame(replay, L, E)
     if "forecast" in args.policies or args.recall:
-        from coldset.forecast import TransitionForecaster, forecast_recall
+        import time
 
+        from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
+
+        t0 = time.perf_counter()
         forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
+        fit_s = time.perf_counter() - t0
         if args.recall:
             import json
             import sys
 
-            print(json.dumps(forecast_recall(forecaster, replay, L, E)), file=sys.stderr)
-    table = simulation_table(stream_from_frame(replay, L, E), counts_from_rows(profile, L, E), args.policies,
+            t0 = time.perf_counter()
+            stream_predictions(forecaster, stream)
+            per_token = (time.perf_counter() - t0) / max(stream.tokens, 1)
+            print(json.dumps({**forecast_recall(forecaster, replay, L, E), "fit_s": round(fit_s, 3),
+                              "forecast_us_per_token": round(per_token * 1e6, 1)}), file=sys.stderr)
+    table = simulation_table(stream, counts_from_rows(profile, L, E), args.policies,
                              args.residency, args.bytes_per_expert or 0, forecaster)
     if not args.bytes_per_expert:
         table["link_gb_per_token"] = float("nan")
