@@ -434,3 +434,26 @@ def test_forecast_prefetch_lands_for_the_next_step():
         simulate(stream, "forecast", 3, profile, predictions=np.array([[6], [-1], [-1], [-1]]))
     with pytest.raises(CacheError, match="required by policy 'forecast'"):
         simulate(stream, "forecast", 3, profile)
+
+
+def test_forecast_in_flight_slots_survive_the_step_and_are_released_at_its_end():
+    """Hand-checked streams where the two rules of the in-flight state decide a hit.
+
+    A: 3 layers, 4 slots. Step 1 layer 0 prefetches (0,3) into (0,2)'s slot; layer 2's two misses
+    would take the least recent slots (0,1) and then (0,3), but (0,3) is in flight, so (1,1) goes;
+    step 2 hits (0,3). B: one MoE layer, so every group is a step: the prefetch of group 1 is no
+    longer in flight in group 2, whose two misses take both slots; group 3 then misses it."""
+    a = AccessStream(np.array([0, 1, 5, 6, 8, 9, 3, 0]), np.array([0, 2, 4, 6, 8]), 2, 3, 4)
+    prof_a = np.array([[9.0, 8.0, 2.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    pred_a = np.array([[3], [-1], [-1], [-1]])
+    res = simulate(a, "forecast", 4, prof_a, predictions=pred_a)
+    assert res.hit.tolist() == [True, True, False, False, False, False, True, False]
+    assert res.prefetches.tolist() == [1, 0, 0, 0] and res.useful_prefetches == 1
+    b = AccessStream(np.array([0, 3, 4, 2, 4]), np.array([0, 1, 3, 5]), 3, 1, 6)
+    prof_b = np.array([[5.0, 4.0, 0.0, 0.0, 0.0, 0.0]])
+    res = simulate(b, "forecast", 2, prof_b, predictions=np.array([[2], [-1], [-1]]))
+    assert res.hit.tolist() == [True, False, False, False, True]
+    for stream, cap, prof, pred in ((a, 4, prof_a, pred_a), (b, 2, prof_b, np.array([[2], [-1], [-1]]))):
+        groups = [stream.instances[s:e].tolist() for s, e in zip(stream.group_ptr[:-1], stream.group_ptr[1:])]
+        ref_hit, _, _ = brute_force_forecast(groups, cap, prof, stream.num_experts, pred.tolist())
+        np.testing.assert_array_equal(simulate(stream, "forecast", cap, prof, predictions=pred).hit, ref_hit)
