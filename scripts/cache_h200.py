@@ -59,8 +59,6 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5,0.75")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--policies", default="lru,lfu")
-    ap.add_argument("--way", choices=["default", "fill_in_experts", "two_launches"], default="default",
-                    help="how the slot cache fills its slots in the table's runs (default: the cache's own choice)")
     args = ap.parse_args()
 
     from coldset import bench as bn
@@ -234,9 +232,6 @@ def main() -> int:
             for pol in policies:
                 cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
                                         history=steps * L + 8)
-                if args.way != "default":
-                    cache.fill_in_experts = args.way == "fill_in_experts"
-                R["way"] = "fill_in_experts" if cache.fill_in_experts else "two_launches"
                 ms, lg, _ = run(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, cache=cache)
                 c = cache.counters()
                 hist = cache.group_history()
@@ -279,39 +274,23 @@ def main() -> int:
                             cache.admit(layer, hit_ids[layer])
 
                     def with_cache_work(p, layer, x, ids, w):
-                        # the all-HBM row-map step (every expert hot) plus the cache's work of an
-                        # all-hit group in every layer; the experts kernel gets the cache's fill
-                        # lists (empty: all hits), so its lookups are counted too
+                        # the row-map step with every expert hot plus the cache's work of an
+                        # all-hit group in every layer
                         if x.shape[0] == bsz:
                             cache.admit(layer, hit_ids[layer])
                         return rowmap_fn(p, layer, x, ids, w)
 
-                    default = cache.fill_in_experts
-                    ways = {"two_launches": False, "fill_in_experts": True}
-                    timed = {}
-                    for way, on in ways.items():
-                        cache.fill_in_experts = on
-                        model.pools.fill = cache.pools.fill
-                        try:
-                            timed[way] = (graph_time_ms(decisions),
-                                          statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0]))
-                        finally:
-                            model.pools.fill = None
-                    cache.fill_in_experts = default
+                    alone = graph_time_ms(decisions)
+                    step_cache = statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0])
                     step_rowmap = statistics.mean(run(rowmap_fn, model.pools, bsz, prompts)[0])
                     step_full = statistics.mean(run(ref_fn, model.pools, bsz, prompts)[0] + ms_full)
                     cache.use_kernel = False  # the same decisions as torch ops, for comparison
-                    fill_state = cache.pools.fill
-                    cache.pools.fill = None
                     over_torch = graph_time_ms(decisions)
                     cache.use_kernel = True
-                    cache.pools.fill = fill_state
                     R["overhead"] = {"all_hbm_step_ms": step_full, "rowmap_step_ms": step_rowmap,
-                                     "default": "fill_in_experts" if default else "two_launches",
+                                     "decisions_ms": alone, "fraction": alone / step_full, "step_ms": step_cache,
+                                     "step_fraction": (step_cache - step_rowmap) / step_full,
                                      "torch_ops_decisions_ms": over_torch}
-                    for way, (alone, step) in timed.items():
-                        R["overhead"][way] = {"decisions_ms": alone, "fraction": alone / step_full,
-                                              "step_ms": step, "step_fraction": (step - step_rowmap) / step_full}
                     log("overhead", R["overhead"])
                     # Fill: k rows (one layer's worst case at batch 1) by the kernel vs the copy engine.
                     from coldset.kernels.triton_slots import fill
@@ -340,8 +319,7 @@ def main() -> int:
             write_json(out / "cache_h200.json", {**R, "fails": fails})
     write_json(out / "cache_h200.json", {**R, "fails": fails})
 
-    print(f"\n{R['device']}, {config['model']['name']} bf16, {steps} decode steps per run, router: {R['router']}; "
-          f"slot cache launched as {R.get('way')}")
+    print(f"\n{R['device']}, {config['model']['name']} bf16, {steps} decode steps per run, router: {R['router']}")
     print("checks:", "all passed" if not fails else f"FAILED: {fails}")
     print("tok/s: per sequence (DESIGN.md §6), from the mean step; x all-HBM / x ug: ratios of it")
     print(f"{'b':>2s} {'placement':13s} {'res':>5s} {'tok/s':>8s} {'x all-HBM':>9s} {'x ug':>6s} {'hit':>6s} "
@@ -358,13 +336,9 @@ def main() -> int:
     if ov:
         print(f"cache management, batch 1, all-hit groups in every layer (all-HBM step {ov['all_hbm_step_ms']:.3f} ms; "
               f"the row-map step with every expert hot {ov['rowmap_step_ms']:.3f} ms):")
-        for key in ("two_launches", "fill_in_experts"):
-            if key not in ov:
-                continue
-            o = ov[key]
-            print(f"  {key:13s} alone in a graph {o['decisions_ms']:.4f} ms = {100 * o['fraction']:.2f}% of the step; "
-                  f"inside the row-map step {o['step_ms']:.3f} ms = +{100 * o['step_fraction']:.2f}% of the all-HBM step")
-        print(f"  default: {ov['default']}; torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
+        print(f"  alone in a graph {ov['decisions_ms']:.4f} ms = {100 * ov['fraction']:.2f}% of the all-HBM step; "
+              f"inside the row-map step {ov['step_ms']:.3f} ms = +{100 * ov['step_fraction']:.2f}% of the all-HBM step")
+        print(f"  torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
     for bsz_, fc in R.get("forecast", {}).items():
         print(f"forecaster, batch {bsz_}: recall of top k+{fc['extra']} one token ahead {fc['recall']:.3f} (previous "
               f"token's experts {fc['previous_token_recall']:.3f}); table {fc['table_bytes'] / 1e6:.1f} MB; all layers "

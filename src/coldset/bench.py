@@ -205,9 +205,8 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, misses per
     decoded token, greedy tokens) of an eager pass with the slot cache ``cache`` (already wrapped
     into ``model.experts_fn``), from the cache's own counters over that pass's decode steps: a hit
-    is read from its slot (each distinct instance once per step and layer), a fill crosses the link
-    once; the filled miss is then read from its slot, or, with ``cache.fill_in_experts`` (CUDA), it
-    is read over the link by the experts kernel itself, which writes it into its slot."""
+    or a filled miss is read from its slot (each distinct instance once per step and layer), a
+    fill crosses the link once."""
     from coldset.model import generate
 
     cache.reset_counters()
@@ -221,8 +220,6 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
                          f"{layers} MoE layers (prompt_tokens {plen} must exceed the batch size's tokens)")
     tokens = decode.shape[0] * steps
     hot_reads = sum(len(set(decode[:, s, layer, :].ravel().tolist())) for s in range(steps) for layer in range(layers))
-    if cache.fill_in_experts:
-        hot_reads -= c["fills"]
     accesses = c["hits"] + c["misses"]
     return (c["misses"] / accesses, c["fills"] * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
             c["misses"] / tokens, gen.tokens)

@@ -22,19 +22,14 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
 - the fill: the admitted instance's weights are copied from the host tier into its slot. On CUDA
   a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
-  return at once); on the CPU a plain indexed copy. Opt-in on CUDA (:attr:`SlotCache.fill_in_experts`):
-  the experts kernel does it, since the admitted instance's row-map entry still names its host
-  row while that layer's experts run: the kernel reads it in place over the link and stores the
-  tiles it read into the slot (``ExpertPools.fill``; HBM writes, no second read, no extra link
-  bytes), and the entry becomes the slot at the next group's decisions. Nothing reads the slot
-  before: its previous owner is not in the group, and the admitted instance's layer comes again
-  only at the next step (the same hits and misses as the CPU's immediate entry).
+  return at once); on the CPU a plain indexed copy.
 
-On CUDA a group costs two Triton launches, decisions then fill (one with ``fill_in_experts``;
-the same decisions in torch ops are about thirty launches); on the CPU they are torch ops
-(the same decisions, which CI tests against the simulator). Both have shapes fixed by the batch
-size and no host synchronisation, so the whole decode step (every layer's decisions and fills
-included) is one CUDA graph, and a replay re-runs the decisions on the data of that step.
+On CUDA the decisions of a group are one Triton launch and the fill another
+(:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
+are about thirty); on the CPU they are torch ops (the same decisions, which CI tests against the
+simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
+decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
+the decisions on the data of that step.
 
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
@@ -105,24 +100,6 @@ class SlotCache:
     num_misses: torch.Tensor | None = None
     use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
 
-    @property
-    def fill_in_experts(self) -> bool:
-        """True (opt-in, CUDA): the experts kernel fills the admitted slots while it reads them in
-        place, and each admission enters the row map at the next group's decisions: one launch a
-        layer. False (the default): a fill launch copies them before the experts kernel reads the
-        slots. Measured on the H200 (BENCHMARKS.md, issue 12): the opt-in way's decisions cost
-        0.10 ms a step against 0.16 ms, but its experts kernel (stores under a branch in the inner
-        loop) made an all-hit step 27% slower against 5%; it wins only where misses dominate
-        (batch 8, residency 0.25 and 0.5)."""
-        return self.pools.fill is not None
-
-    @fill_in_experts.setter
-    def fill_in_experts(self, on: bool) -> None:
-        if on and not self.use_kernel:
-            raise ValueError("fill_in_experts needs the Triton decisions (CUDA)")
-        self.flush()
-        self.pools.fill = (self.victims, self.admitted, self.num_misses) if on else None
-
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
               policy: str, max_tokens: int, top_k: int, history: int = 4096) -> "SlotCache":
@@ -188,7 +165,6 @@ class SlotCache:
         self.count.copy_(count)
         self.tick.zero_()
         self.reset_counters()
-        self.num_misses.zero_()  # nothing pending
         slots = torch.arange(self.capacity, device=owner.device)
         self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
                    torch.full((1,), self.capacity, dtype=torch.int64, device=owner.device))
@@ -257,8 +233,7 @@ class SlotCache:
             from coldset.kernels.triton_slots import decide, fill
 
             decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
-            if not self.fill_in_experts:
-                fill(self.pools, self.victims, self.admitted, self.num_misses)
+            fill(self.pools, self.victims, self.admitted, self.num_misses)
             return
         pools = self.pools
         E = pools.num_experts
@@ -314,25 +289,12 @@ class SlotCache:
         pools.w13_hot[slots] = pools.w13_cold[inst]
         pools.w2_hot[slots] = pools.w2_cold[inst]
 
-    def flush(self) -> None:
-        """Enter the last group's admissions into the row map now (outside the step; with
-        :attr:`fill_in_experts` the next group's decisions would do it). Call it only after that
-        group's experts kernel ran: it filled their slots."""
-        if self.pools.fill is None:
-            return
-        m = int(self.num_misses)
-        if m:
-            self.pools.row_map.view(-1)[self.admitted[:m]] = self.victims[:m].to(torch.int32)
-            self.pools.validated_version = self.pools.row_map._version  # a bijection, as after admit
-            self.num_misses.zero_()
-
     # ---------------------------------------------------------------------------- checks
     def check(self, contents: bool = False) -> None:
         """Refuse (naming the first problem) a state in which the row map and the slot owners
         disagree: every slot's owner maps to that slot, every other instance to its host row; with
         ``contents``, also every slot's weights must equal its owner's host row. Outside the step
-        (a host sync, after :meth:`flush`); tests and the parity stage call it after decoding."""
-        self.flush()
+        (a host sync); tests and the parity stage call it after decoding."""
         pools = self.pools
         pools.validate()
         rm = pools.row_map.view(-1).cpu().numpy().astype(np.int64)

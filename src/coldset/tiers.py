@@ -64,10 +64,6 @@ class ExpertPools:
     row_map: torch.Tensor  # int32 [num_moe_layers, num_experts], on the compute device
     # row_map._version when it was last validated; a kernel re-validates if it moved.
     validated_version: int = field(default=-1, repr=False, compare=False)
-    # The slot cache's pending fills on CUDA (coldset.slots): (slots, instances, count) device
-    # tensors; the Triton experts kernel stores the tiles it reads of those instances into those
-    # slots. None: the kernel only reads (every static placement).
-    fill: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.check_layout()

@@ -17,12 +17,8 @@ over the H rows of w2) is what lets reads of the cold pool in pinned host memory
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
 reduction has a fixed order, so outputs are bitwise reproducible.
 
-The expert id enters the reads in exactly one place, :func:`_expert_base`: one load of the row map
-picks the pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the
-whole block. With ``ExpertPools.fill`` (the slot cache's opt-in ``fill_in_experts``, ``FILL``) a
-block also looks its expert up in the cache's list of admitted instances (:func:`_fill_base`) and
-stores the weight tiles it reads into that instance's new slot; reads, tiling and accumulation
-are unchanged, so the output is too.
+The expert id enters in exactly one place, :func:`_expert_base`: one load of the row map picks the
+pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the whole block.
 With ``USE_ROW_MAP=False`` that helper compiles to ``row = layer * E + expert`` on the hot pool:
 the unmodified path the parity gate compares against. Tiling and accumulation order do not depend
 on where an expert lives, so both give bitwise the same output for any placement.
@@ -153,22 +149,6 @@ def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
 
 
 @triton.jit
-def _fill_base(hot_ptr, fill_slots_ptr, fill_inst_ptr, fill_count_ptr, layer, expert, row_stride,
-               E: tl.constexpr, FILL_M: tl.constexpr):
-    """Where this block also writes what it reads: ``(base of the expert's new slot, whether it has
-    one)``. The slot cache (coldset.slots) lists the group's admitted instances and their slots;
-    their row-map entries still name the host tier during this launch, so the block reads the
-    expert in place over the link and stores the same tiles into the slot (HBM writes, no extra
-    link bytes). Nothing in this launch reads that slot: its previous owner is not in the group."""
-    offs = tl.arange(0, FILL_M)
-    ok = offs < tl.load(fill_count_ptr)
-    inst = tl.load(fill_inst_ptr + offs, mask=ok, other=-1)
-    match = ok & (inst == layer * E + expert)
-    slot = tl.sum(tl.where(match, tl.load(fill_slots_ptr + offs, mask=ok, other=0), 0), axis=0).to(tl.int64)
-    return hot_ptr + slot * row_stride, tl.sum(match.to(tl.int32), axis=0) > 0
-
-
-@triton.jit
 def _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot,
                   E: tl.constexpr, EP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, MODE: tl.constexpr):
     """(expert, its pair count, start of its range in the sorted pair list, first and end chunk offset).
@@ -234,13 +214,11 @@ def _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt,
 @triton.jit
 def _w13_act_kernel(
     x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr,
-    fill_slots_ptr, fill_inst_ptr, fill_count_ptr,
     num_pairs, layer, stride_xt,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FILL: tl.constexpr = False, FILL_M: tl.constexpr = 1,
 ):
     if USE_GDC:
         gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
@@ -253,11 +231,6 @@ def _w13_act_kernel(
     n_ok = offs_n < I
     wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
-    if FILL:
-        f_base, do_fill = _fill_base(w_hot_ptr, fill_slots_ptr, fill_inst_ptr, fill_count_ptr, layer, expert,
-                                     2 * I * H, E, FILL_M)
-        fg_ptrs = f_base + offs_n[None, :] * H + offs_k[:, None]
-        fu_ptrs = fg_ptrs + I * H
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
@@ -283,15 +256,6 @@ def _w13_act_kernel(
                 a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FILL:
-                if do_fill:  # the tiles just read, into the expert's new slot (same masks)
-                    if EVEN_K and EVEN_N:
-                        tl.store(fg_ptrs + k0, wg)
-                        tl.store(fu_ptrs + k0, wu)
-                    else:
-                        f_ok = ((k0 + offs_k) < H)[:, None] & n_ok[None, :]
-                        tl.store(fg_ptrs + k0, wg, mask=f_ok)
-                        tl.store(fu_ptrs + k0, wu, mask=f_ok)
             acc_g = tl.dot(a, wg, acc_g)
             acc_u = tl.dot(a, wu, acc_u)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -303,13 +267,12 @@ def _w13_act_kernel(
 @triton.jit
 def _w2_kernel(
     act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr, buf_ptr,
-    sink_ptr, fill_slots_ptr, fill_inst_ptr, fill_count_ptr,
+    sink_ptr,
     num_pairs, layer,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FILL: tl.constexpr = False, FILL_M: tl.constexpr = 1,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -319,10 +282,6 @@ def _w2_kernel(
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
-    if FILL:
-        f_base, do_fill = _fill_base(w_hot_ptr, fill_slots_ptr, fill_inst_ptr, fill_count_ptr, layer, expert,
-                                     H * I, E, FILL_M)
-        f_ptrs = f_base + offs_n[None, :] * I + offs_k[:, None]
     if PREFETCH:
         # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
         # the step, ready before the w13 kernel began; the activations are not. Stream this
@@ -361,12 +320,6 @@ def _w2_kernel(
                 k_ok = (k0 + offs_k) < I
                 a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FILL:
-                if do_fill:  # the tile just read, into the expert's new slot (same mask)
-                    if EVEN_K and EVEN_N:
-                        tl.store(f_ptrs + k0, w)
-                    else:
-                        tl.store(f_ptrs + k0, w, mask=((k0 + offs_k) < I)[:, None] & n_ok[None, :])
             acc = tl.dot(a, w, acc)
         wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
@@ -492,25 +445,22 @@ def triton_experts(
         raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     grid2 = (slots, triton.cdiv(hidden, c.block_n2))
     sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
-    fill = pools.fill if use_row_map else None  # the slot cache's admitted instances and slots
-    fill_args = fill if fill is not None else (ids, ids, ids)  # unused without FILL
-    fill_kw = {"FILL": True, "FILL_M": max(2, _next_pow2(fill[0].numel()))} if fill is not None else {}
     _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
-        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act, *fill_args,
+        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
         num_pairs, layer, x.stride(0),
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch, **fill_kw,
+        EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if _stop_after < 2:
         return out
     _w2_kernel[grid2](
-        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink, *fill_args,
+        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
         num_pairs, layer,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch, **fill_kw,
+        EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:

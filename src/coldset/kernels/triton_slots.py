@@ -1,17 +1,4 @@
-"""The slot cache's work inside the decode step on CUDA.
-
-By default two launches a layer: :func:`decide` (decisions, row map written at once) then
-:func:`fill` (copies the admitted rows into their slots before the experts kernel reads them).
-Opt-in (``SlotCache.fill_in_experts``), one launch a layer: :func:`decide` alone, the experts
-kernel (:mod:`coldset.kernels.triton_moe`, ``ExpertPools.fill``) fills the admitted instances'
-slots while it reads them in place from the host tier (HBM writes, no extra link bytes, no second
-read), and the admissions enter the row map at the next group's :func:`decide` (its first act),
-once that kernel has finished; until then their entries name the host rows, which is what the
-kernel read. Measured on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issue 12): 48 layers'
-decisions 0.10 ms (opt-in) against 0.16 ms (two launches), but the experts kernel with the fill
-made an all-hit step 27% slower (two launches: 5%), so it is not the default. A third way was
-measured and dropped: decisions and copy in one launch (a ticket-elected deciding block, copying
-blocks waiting on its release flag), 0.31 ms.
+"""The slot cache's work inside the decode step on CUDA, two launches per MoE layer.
 
 :func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
 :meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
@@ -34,6 +21,14 @@ capture) cannot express them without a host round trip; on the H200 the kernel r
 fixed by the step's maximum number of misses times a split of each row over many blocks (the link
 is only filled when each row is read by many blocks, DESIGN.md §6); a block whose miss index is
 past the step's miss count (a device scalar) returns before touching memory.
+
+Two ways to spend fewer launches were built, measured on the H200 and dropped (BENCHMARKS.md,
+issue 12, third session; every layer's work on all-hit groups, 48 layers, against 0.162 ms here):
+decisions and copy in one launch (the first block to take a ticket decides, the others wait on its
+release flag, then copy) took 0.31 ms; decisions alone with the experts kernel storing the tiles
+it reads of an admitted expert into its slot (the admission entering the row map at the next
+group's decisions) took 0.10 ms, but the experts kernel, with stores under a branch in its inner
+loop, made an all-hit step 27% slower (these two ways: 5%).
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 
 BLOCK = 4096  # elements per load in the fill
 SPLIT = 64  # blocks per row in the fill
@@ -53,13 +47,11 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
-def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-            totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-            E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
-            DEFER: tl.constexpr, MP: tl.constexpr):
-    """The decisions of one group, by one program (shared by both kernels below). The scalars
-    are loaded first, beside the group's ids: each dependent global round trip is latency in a
-    step of 48 such programs."""
+def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr):
+    # The scalars are loaded first, beside the group's ids: each dependent global round trip is
+    # latency in a step of 48 such programs (0.182 -> 0.162 ms for 48 layers, BENCHMARKS.md).
     offs = tl.arange(0, NP)
     valid = offs < n
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
@@ -68,16 +60,6 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
     tot_misses = tl.load(totals_ptr + 1)
     tot_fills = tl.load(totals_ptr + 2)
     g = tl.load(groups_ptr)
-    if DEFER:
-        # Commit the previous group's admissions: their slots were written by that group's
-        # experts kernel, which has finished (stream order); until now their entries named the
-        # host tier, so that kernel read them in place while it filled their slots.
-        offs_p = tl.arange(0, MP)
-        ok_p = offs_p < tl.load(m_ptr)
-        slot_p = tl.load(victims_ptr + offs_p, mask=ok_p, other=0)
-        inst_p = tl.load(new_ptr + offs_p, mask=ok_p, other=0)
-        tl.store(row_map_ptr + inst_p, slot_p.to(tl.int32), mask=ok_p)
-        tl.debug_barrier()  # committed before any thread reads the row map below
     inst = layer * E + ids
     rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
     hit = valid & (rows >= 0)
@@ -114,8 +96,7 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
                 cnt = tl.where(pick, float("inf"), cnt)
                 new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
                 tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
-                if not DEFER:  # else committed by the next group's decisions, once filled
-                    tl.store(row_map_ptr + new, s.to(tl.int32))
+                tl.store(row_map_ptr + new, s.to(tl.int32))
                 tl.store(owner_ptr + s, new)
                 tl.store(victims_ptr + j, s.to(tl.int64))
                 tl.store(new_ptr + j, new)
@@ -133,21 +114,10 @@ def _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, 
     tl.store(groups_ptr, g + 1)
 
 
-@triton.jit
-def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
-                   DEFER: tl.constexpr, MP: tl.constexpr):
-    _decide(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr,
-            groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, E, NP, CP, M, LFU, DEFER, MP)
-
-
 def decide(cache, layer: int, ids: torch.Tensor) -> None:
     """The decisions of :meth:`coldset.slots.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
     group's selections in order) in one launch; writes ``cache.victims``, ``cache.admitted`` and
-    ``cache.num_misses`` for the fill. With ``cache.pools.fill`` set (the default), the experts
-    kernel fills the slots and the admissions enter the row map at the next call (the module doc);
-    without it, at once, for :func:`fill`."""
+    ``cache.num_misses`` for :func:`fill`."""
     n = ids.numel()
     cap = cache.capacity
     cp = _next_pow2(cap)
@@ -156,22 +126,12 @@ def decide(cache, layer: int, ids: torch.Tensor) -> None:
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap,
         E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
-        LFU=cache.policy == "lfu", DEFER=cache.pools.fill is not None, MP=max(2, _next_pow2(cache.victims.numel())),
-        num_warps=16 if cp >= 4096 else 8)
+        LFU=cache.policy == "lfu", num_warps=16 if cp >= 4096 else 8)
 
 
 @triton.jit
-def _copy_row(src, dst, ROW: tl.constexpr, start, stride: tl.constexpr, BLOCK: tl.constexpr):
-    """Elements ``start + i * stride + [0, BLOCK)`` of one row (``0 <= start < stride``)."""
-    for s in range(0, ROW, stride):
-        offs = s + start + tl.arange(0, BLOCK)
-        ok = offs < ROW
-        tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
-
-
-@triton.jit
-def _fill_kernel(src13_ptr, dst13_ptr, ROW13: tl.constexpr, src2_ptr, dst2_ptr, ROW2: tl.constexpr, slots_ptr,
-                 inst_ptr, count_ptr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_ptr, inst_ptr, count_ptr,
+                 BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     j = tl.program_id(0)
     part = tl.program_id(1)
     m = tl.load(count_ptr)
@@ -179,26 +139,29 @@ def _fill_kernel(src13_ptr, dst13_ptr, ROW13: tl.constexpr, src2_ptr, dst2_ptr, 
         slot = tl.load(slots_ptr + j).to(tl.int64)
         inst = tl.load(inst_ptr + j).to(tl.int64)
         if tl.program_id(2) == 0:
-            _copy_row(src13_ptr + inst * ROW13, dst13_ptr + slot * ROW13, ROW13, part * BLOCK, SPLIT * BLOCK, BLOCK)
+            src = src13_ptr + inst * row13
+            dst = dst13_ptr + slot * row13
+            row = row13
         else:
-            _copy_row(src2_ptr + inst * ROW2, dst2_ptr + slot * ROW2, ROW2, part * BLOCK, SPLIT * BLOCK, BLOCK)
-
-
-def check_fill_pools(pools) -> None:
-    """Refuse pools whose host rows and slots differ in shape or dtype, or are not contiguous."""
-    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
-        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
-            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
-                             f"{tuple(slots.shape[1:])} {slots.dtype}")
-        if not (host.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("fill: host tier and slots must be contiguous")
+            src = src2_ptr + inst * row2
+            dst = dst2_ptr + slot * row2
+            row = row2
+        for start in range(part * BLOCK, row, SPLIT * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < row
+            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
 def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor) -> None:
     """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
     device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
     read in place)."""
-    check_fill_pools(pools)
+    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
+        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
+                             f"{tuple(slots.shape[1:])} {slots.dtype}")
+        if not (host.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("fill: host tier and slots must be contiguous")
     _fill_kernel[(victims.numel(), SPLIT, 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
         pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, SPLIT=SPLIT, num_warps=4)
