@@ -46,7 +46,7 @@ reference implementation):
   slot. A prefetched instance is *in flight* until the step ends (the next group whose layer is
   not above the current one starts a new step): demand misses never evict it. It enters the
   recency order as most recent, in list order, after the group's own accesses. No eviction
-  candidate left in the layer: the remaining list is skipped. A demand miss that finds no slot
+  candidate left in those layers: the rest of the list is skipped. A demand miss that finds no slot
   outside the group and the in-flight ones is read in place and not admitted (a pool barely
   larger than a group). Demand hits and misses are
   ``lru``'s; ``prefetches`` counts the copies (they cross the link: ``link_gb_per_token`` counts
@@ -649,7 +649,7 @@ def _replay_forecast(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
                 nxt[prv[x]] = nxt[x]
                 prv[nxt[x]] = prv[x]
                 _link_tail(nxt, prv, head, x)
-        # prefetch after the group: victims in this layer only, not used, not listed, not in flight
+        # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight
         for q in range(pred.shape[1]):
             if pred[g, q] >= 0:
                 listed[pred[g, q]] = True
