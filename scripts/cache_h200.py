@@ -19,10 +19,13 @@ all-HBM run's; the cache's per-(step, layer) hits, misses and fills equal ``cold
 on the all-HBM run's routing; the cache's row map and slot contents agree with its owners after the
 run. Timed: tok/s from the mean decode step (the cache's steps vary with its misses), hit rate,
 misses and link GB per token (static: cold selections and distinct cold experts per step and layer;
-cache: its own counters), the cache-management work alone (every layer's decisions on a step that
-hits, graph-captured) as a fraction of the all-HBM step, and the fill kernel's read rate from
-pinned memory against the copy engine's on the same rows. Writes ``cache_h200.json``; the table
-is printed last.
+cache: its own counters), the cache-management work of all-hit groups in every layer, alone
+(graph-captured) and inside the step (the row-map step with every expert hot, with and without
+it), as a fraction of the all-HBM step, the fill kernel's read rate from pinned memory against
+the copy engine's on the same rows, and the next-token forecaster (``coldset.forecast``, fitted
+on the profile routing): its recall on the timed tokens, its GPU cost, and the ``forecast``
+policy simulated on the engine's routing beside ``lru``. Writes ``cache_h200.json`` and the
+recorded routing (``profile_routing.npy``, ``routing_b{B}.npy``); the table is printed last.
 """
 
 from __future__ import annotations
