@@ -5,13 +5,28 @@ runs the model, fixtures and routing stages into a scratch results folder (in me
 synthetic weights are built from the seed by the routing stage, on the config's device), then
 prints one JSON line per routing: decode Gini (mean over layers), top-25% share (mean over
 layers), consecutive overlap, shuffled overlap and lift (stats.locality_stats, seed 0), and the
-static / lru / lfu / belady hit rates at residencies 0.25, 0.5, 0.75 (coldset.cache: warm from the
-profile split's decode counts, all domains; replay the held-out split). ``--real`` adds the same
-line for the shared Llama-4-Maverick trace (profile abstract_algebra + anatomy, held-out
-astronomy, its README).
+static / lru / lfu / belady hit rates at residencies 0.25, 0.5, 0.75 (coldset.cache; warm from the
+profile's decode counts) for two splits, keyed ``{split}:{policy}@{residency}``:
 
-CPU (default shape):   PYTHONPATH=src python scripts/locality_calibrate.py --real
+- ``heldout``: same domains. Synthetic: profile = the fixtures' profile split, replay = their
+  held-out split. Real: requests split by a hash of their id (coldset.routing.split_of, half
+  held out), every subject in both.
+- ``cross``: another domain. Synthetic: profile = every fixture of all domains but the last,
+  replay = the last domain's (code by default). Real: profile abstract_algebra + anatomy, replay
+  astronomy (the trace's README; the numbers of issue 17's text).
+
+A static set chosen on one domain covers another domain's traffic far worse (real trace at 0.25:
+78% same-domain, 54% cross-domain), so each synthetic split is compared with the real trace's
+split of the same kind. ``--real`` adds the real trace's line.
+
+``--grid KNOB=V1,V2,...`` (router knobs only, coldset.synthetic.ROUTER_KNOBS; repeatable) runs
+every combination on one build: the pipeline remakes only the routers (set_router_knobs), so a
+real-shape sweep on the GPU builds the 61 GB model once. ``--seeds`` repeats everything per seed
+and adds a line with the mean, min and max over the seeds of every number.
+
+CPU (default shape):   PYTHONPATH=src python scripts/locality_calibrate.py --real --seeds 0 1 2 3
 Knob override:         PYTHONPATH=src python scripts/locality_calibrate.py --set temporal_gain=0
+Router sweep:          PYTHONPATH=src python scripts/locality_calibrate.py --grid popularity_scale=8,12
 Real shape on the GPU: PYTHONPATH=src python scripts/locality_calibrate.py \\
                            --config config/examples/qwen3-30b-a3b-h200.yaml
 """
@@ -19,6 +34,7 @@ Real shape on the GPU: PYTHONPATH=src python scripts/locality_calibrate.py \\
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -28,11 +44,13 @@ from pathlib import Path
 import numpy as np
 
 REAL_TRACE = Path(__file__).resolve().parents[1] / "../shared/data/traces/llama4-maverick-mmlu.parquet"
+REAL_CROSS = (["abstract_algebra", "anatomy"], ["astronomy"])
 RESIDENCIES = (0.25, 0.5, 0.75)
 POLICIES = ("static", "lru", "lfu", "belady")
 
 
-def routing_summary(rows, meta, profile_rows, replay_rows) -> dict:
+def routing_summary(rows, meta, splits: dict) -> dict:
+    """Skew, locality and, per split name -> (profile rows, replay rows), the cache hit rates."""
     from coldset.cache import capacity_for_residency, counts_from_rows, simulate, stream_from_frame
     from coldset.stats import gini, locality_stats, top_share
 
@@ -48,66 +66,121 @@ def routing_summary(rows, meta, profile_rows, replay_rows) -> dict:
         "reuse_1": loc["reuse_distance"]["1"],
         "tokens": loc["tokens"],
     }
-    profile = counts_from_rows(profile_rows, L, E)
-    stream = stream_from_frame(replay_rows, L, E)
-    for r in RESIDENCIES:
-        cap = capacity_for_residency(r, L, E)
-        for p in POLICIES:
-            out[f"{p}@{r}"] = round(simulate(stream, p, cap, profile).stats().hit_rate, 4)
+    for name, (profile_rows, replay_rows) in splits.items():
+        profile = counts_from_rows(profile_rows, L, E)
+        stream = stream_from_frame(replay_rows, L, E)
+        for r in RESIDENCIES:
+            cap = capacity_for_residency(r, L, E)
+            for p in POLICIES:
+                out[f"{name}:{p}@{r}"] = round(simulate(stream, p, cap, profile).stats().hit_rate, 4)
     return out
 
 
-def synthetic_routing(config_path: Path, overrides: dict, workdir: Path, device: str | None) -> dict:
-    from coldset.cache import select_rows, trace_decode_rows
-    from coldset.config import Layout, load_config
+def _splits(rows, heldout: tuple, cross: tuple) -> dict:
+    from coldset.cache import select_rows
+
+    return {"heldout": (select_rows(rows, heldout[0]), select_rows(rows, heldout[1])),
+            "cross": (select_rows(rows, None, cross[0]), select_rows(rows, None, cross[1]))}
+
+
+def synthetic_routing(config: dict, workdir: Path) -> dict:
+    """Run the model, fixtures and routing stages for ``config`` into ``workdir`` and summarise.
+
+    The pipeline keeps its engine between calls: a config that differs from the last one only
+    in router knobs reuses the built model with its routers remade."""
+    from coldset.cache import trace_decode_rows
+    from coldset.config import Layout
     from coldset.pipeline import run_stage
 
-    config = load_config(config_path)
-    config["results"] = str(workdir)
-    config["model"]["synthetic"] = {**config["model"]["synthetic"], **overrides, "in_memory": True}
-    config["model"]["path"] = None
-    if device:
-        config["device"] = device
+    config = {**config, "results": str(workdir)}
     for stage in ("model", "fixtures", "routing"):
         run_stage(stage, config)
     rows, meta = trace_decode_rows(Layout.from_config(config).trace)
-    return routing_summary(rows, meta, select_rows(rows, "profile"), select_rows(rows, "heldout"))
+    domains = list(config["fixtures"]["domains"])
+    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), (domains[:-1], domains[-1:])))
 
 
 def real_routing(path: Path) -> dict:
-    from coldset.cache import select_rows, trace_decode_rows
+    from coldset.cache import trace_decode_rows
 
-    rows, meta = trace_decode_rows(path)
-    return routing_summary(rows, meta, select_rows(rows, None, ["abstract_algebra", "anatomy"]),
-                           select_rows(rows, None, ["astronomy"]))
+    rows, meta = trace_decode_rows(path, heldout_fraction=0.5)
+    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), REAL_CROSS))
+
+
+def seed_summary(lines: list[dict]) -> dict:
+    """Mean, min and max over ``lines`` of every number they share."""
+    keys = [k for k, v in lines[0].items() if isinstance(v, (int, float)) and k not in ("seconds", "seed")]
+    out = {}
+    for k in keys:
+        v = np.array([line[k] for line in lines], dtype=float)
+        out[k] = {"mean": round(float(v.mean()), 4), "min": round(float(v.min()), 4), "max": round(float(v.max()), 4)}
+    return out
+
+
+def _knob_values(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KNOB=VALUE, got {item!r}")
+        out[key] = value
+    return out
 
 
 def main() -> None:
+    from coldset.config import load_config
+    from coldset.synthetic import ROUTER_KNOBS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("config/config.yaml"))
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
                     help="model.synthetic override (JSON value), repeatable")
+    ap.add_argument("--grid", action="append", default=[], metavar="KNOB=V1,V2",
+                    help="router knob values to sweep on one build (JSON values), repeatable")
+    ap.add_argument("--seeds", type=int, nargs="+", help="model seeds (default: the config's)")
     ap.add_argument("--device", help="override the config's device")
     ap.add_argument("--real", action="store_true", help="also summarise the shared Llama-4 trace")
     ap.add_argument("--real-trace", type=Path, default=REAL_TRACE)
     ap.add_argument("--no-synthetic", action="store_true")
     ap.add_argument("--out", type=Path, help="also write the lines to this JSON file")
     args = ap.parse_args()
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+    overrides = {k: json.loads(v) for k, v in _knob_values(args.set).items()}
+    grid = {k: [json.loads(x) for x in v.split(",")] for k, v in _knob_values(args.grid).items()}
+    not_router = sorted(set(grid) - set(ROUTER_KNOBS))
+    if not_router:
+        raise SystemExit(f"--grid takes router knobs only ({', '.join(ROUTER_KNOBS)}), not {not_router}: "
+                         "use --set for the others (each value needs its own build)")
     lines = []
+
+    def emit(line: dict) -> None:
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+
     if args.real:
-        lines.append({"routing": "real: llama4-maverick-mmlu", **real_routing(args.real_trace)})
-        print(json.dumps(lines[-1]), flush=True)
+        emit({"routing": "real: llama4-maverick-mmlu", **real_routing(args.real_trace)})
     if not args.no_synthetic:
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            summary = synthetic_routing(args.config, overrides, Path(tmp), args.device)
-        lines.append({"routing": f"synthetic: {args.config} {json.dumps(overrides)}", **summary,
-                      "seconds": round(time.perf_counter() - t0, 1)})
-        print(json.dumps(lines[-1]), flush=True)
+        base = load_config(args.config)
+        base["model"]["path"] = None
+        if args.device:
+            base["device"] = args.device
+        seeds = args.seeds or [None]
+        variants = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+        per_variant: dict[int, list[dict]] = {i: [] for i in range(len(variants))}
+        for seed in seeds:
+            with tempfile.TemporaryDirectory() as tmp:
+                for i, variant in enumerate(variants):
+                    knobs = {**overrides, **({} if seed is None else {"seed": seed}), **variant}
+                    config = json.loads(json.dumps(base))
+                    config["model"]["synthetic"] = {**config["model"]["synthetic"], **knobs, "in_memory": True}
+                    t0 = time.perf_counter()
+                    summary = synthetic_routing(config, Path(tmp))
+                    emit({"routing": f"synthetic: {args.config} {json.dumps(knobs)}", **summary,
+                          "seconds": round(time.perf_counter() - t0, 1)})
+                    per_variant[i].append(lines[-1])
+        if len(seeds) > 1:
+            for i, variant in enumerate(variants):
+                emit({"routing": f"synthetic: {args.config} {json.dumps({**overrides, **variant})} "
+                                 f"over seeds {seeds}", **seed_summary(per_variant[i])})
     if args.out:
         args.out.write_text(json.dumps(lines, indent=1) + "\n")
 

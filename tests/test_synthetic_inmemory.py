@@ -133,3 +133,39 @@ def test_file_writer_refuses_in_memory_specs(tmp_path):
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         write_synthetic_checkpoint(dataclasses.replace(SMALL, model_vocab_size=10, in_memory=False), tmp_path / "y")
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {**{k: v.clone() for k, v in model.state_dict().items()},
+            "w13": model.pools.w13_hot.clone(), "w2": model.pools.w2_hot.clone()}
+
+
+def test_set_router_knobs_gives_the_fresh_build_of_the_new_knobs():
+    """Remaking the routers in place (the calibration sweeps' path) is exactly a fresh build of
+    the new router knobs: every weight, hence every routing decision, equal; other fields refused."""
+    from coldset.synthetic import set_router_knobs
+
+    new = dataclasses.replace(SMALL, popularity_scale=3.0, zipf_exponent=0.7, domain_affinity=2.5,
+                              router_noise=1.1, temporal_gain=5.0)
+    swept, _ = build_synthetic_model(SMALL, "cpu", torch.float32)
+    before = _state(swept)
+    set_router_knobs(swept, new)
+    fresh, tok = build_synthetic_model(new, "cpu", torch.float32)
+    after, expected = _state(swept), _state(fresh)
+    assert after.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(after[key], expected[key]), key
+    gates = [k for k in expected if k.endswith("mlp.gate.weight")]
+    assert gates and all(not torch.equal(before[k], after[k]) for k in gates)  # the knobs did move the routers
+    ids = encode_prompts(tok, [sample_prompts("code", 1)[0][:60]])
+    a = generate(swept, ids, 6, capture_routing=True, progress=False)
+    b = generate(fresh, ids, 6, capture_routing=True, progress=False)
+    assert torch.equal(a.routing[0].experts, b.routing[0].experts) and a.tokens == b.tokens
+    set_router_knobs(swept, SMALL)  # and back
+    assert all(torch.equal(v, before[k]) for k, v in _state(swept).items())
+    with pytest.raises(ValueError, match=r"\['seed'\] differ"):
+        set_router_knobs(swept, dataclasses.replace(SMALL, seed=4))
+    no_context = dataclasses.replace(SMALL, topic_context=0.0)  # topic directions only for the router
+    model, _ = build_synthetic_model(no_context, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="topic directions"):
+        set_router_knobs(model, dataclasses.replace(no_context, temporal_gain=0.0))

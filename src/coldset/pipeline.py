@@ -171,12 +171,21 @@ def require_decoding(config: dict, stage: str) -> None:
 _ENGINE: dict[str, Any] = {}
 
 
-def _engine_key(config: dict) -> str:
+def _engine_key(config: dict, router: bool = True) -> str:
     """What determines the engine: the model section, the device and dtype, and for an in-memory
-    model the fixtures (its tokenizer and domain directions learn from their text) or else the folder."""
-    where = {"fixtures": config["fixtures"]} if in_memory(config) else {"folder": str(model_dir(config).resolve())}
-    return json.dumps({"model": config["model"], "device": resolve_device(config), **where},
-                      sort_keys=True, default=str)
+    model the fixtures (its tokenizer and domain directions learn from their text) or else the folder.
+    ``router=False`` leaves out an in-memory model's router knobs (coldset.synthetic.ROUTER_KNOBS),
+    which :func:`coldset.synthetic.set_router_knobs` changes on the built model."""
+    from coldset.synthetic import ROUTER_KNOBS
+
+    model = config["model"]
+    if in_memory(config):
+        where = {"fixtures": config["fixtures"]}
+        if not router:
+            model = {**model, "synthetic": {k: v for k, v in model["synthetic"].items() if k not in ROUTER_KNOBS}}
+    else:
+        where = {"folder": str(model_dir(config).resolve())}
+    return json.dumps({"model": model, "device": resolve_device(config), **where}, sort_keys=True, default=str)
 
 
 def release_engine() -> None:
@@ -221,6 +230,15 @@ def _load_engine(config: dict):
     key = _engine_key(config)
     if _ENGINE.get("key") == key:
         return _ENGINE["model"], _ENGINE["tokenizer"]
+    if in_memory(config) and _ENGINE.get("key_without_router") == _engine_key(config, router=False):
+        # Only the router knobs changed (a calibration sweep): remake the routers from the parts
+        # the build drew; the model is then the one a fresh build gives (coldset.synthetic).
+        from coldset.synthetic import set_router_knobs
+
+        set_router_knobs(_ENGINE["model"], synthetic_spec(config))
+        _ENGINE["key"] = key
+        log.info("in-memory synthetic model: routers remade for the new router knobs")
+        return _ENGINE["model"], _ENGINE["tokenizer"]
     release_engine()  # one engine per process: free the previous one before making another
     device, dtype = resolve_device(config), _torch_dtype(config)
     t0 = time.perf_counter()
@@ -244,7 +262,8 @@ def _load_engine(config: dict):
     if mdl.device.type == "cuda":
         mdl.compile_decode()  # every stage's decode steps (routing, parity, bench) run compiled
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
-    _ENGINE.update(key=key, model=mdl, tokenizer=tok, host=None)
+    _ENGINE.update(key=key, model=mdl, tokenizer=tok, host=None,
+                   key_without_router=_engine_key(config, router=False) if in_memory(config) else None)
     return mdl, tok
 
 
@@ -295,7 +314,8 @@ def model(config: dict, **_) -> None:
     """
     from coldset.model import ModelConfig
 
-    release_engine()  # a cached engine may come from the checkpoint this stage rewrites
+    if not in_memory(config):
+        release_engine()  # a cached engine may come from the checkpoint this stage rewrites
     layout = Layout.from_config(config)
     if config["model"]["path"] and config["model"]["synthetic"]:
         raise StageError("config sets both model.path and model.synthetic: choose one")

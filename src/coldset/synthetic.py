@@ -46,6 +46,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import torch
@@ -456,10 +457,8 @@ def build_synthetic_model(
     del token_noise, succ_noise
 
     nh, nkv = spec.heads, spec.kv_heads
-    ranks = torch.arange(1, E + 1, **f32)
-    zipf = ranks ** (-spec.zipf_exponent)
-    zipf = (zipf - zipf.mean()) / zipf.std()
     L = cfg.num_moe_layers
+    router_parts = []
     w13 = torch.empty((L, E, 2 * I, H), device=device, dtype=dtype)
     w2 = torch.empty((L, E, H, I), device=device, dtype=dtype)
     layers = range(spec.layers)
@@ -491,28 +490,101 @@ def build_synthetic_model(
             o[:, h * D + K:h * D + K + n_t] = spec.topic_context * topic / (nh * spec.layers)
         attn.qkv_proj.weight = param(torch.cat([q, k, v]))
         attn.o_proj.weight = param(o)
-        # Router: Zipf popularity along u, domain affinity along dom, token-level spread. The
-        # spread reads only the noise subspace (the token-specific part of the state), so it
-        # varies the choice per token without adding a fixed per-expert offset. The router sees
-        # an RMS-normalised state (norm sqrt(H)): divide so the knobs are in units of the
-        # unit-norm state's components.
-        popularity = zipf[torch.randperm(E, generator=gen, device=device)]
-        affinity = randn(E, K)
-        spread = randn(E, n_noise) @ noise_basis.T
-        router = (spec.popularity_scale * popularity[:, None] * u[None, :]
-                  + spec.domain_affinity * affinity @ dom.T + spec.router_noise * spread)
-        if n_t:  # each expert's affinity to the topic directions (random per layer)
-            router += spec.temporal_gain * randn(E, n_t) @ topic.T
-        router /= H**0.5
-        block.mlp.gate.weight = param(router)
+        # Router (router_weight): popularity along u, domain affinity along dom, token-level
+        # spread in the noise subspace, topic affinity. Drawn whatever the router knobs are, so
+        # set_router_knobs can remake it from these parts alone.
+        parts = RouterParts(
+            popularity_rank=torch.randperm(E, generator=gen, device=device),
+            popular=u,
+            domain=randn(E, K) @ dom.T,
+            spread=randn(E, n_noise) @ noise_basis.T,
+            topic=randn(E, n_t) @ topic.T if n_t else None,
+        )
+        router_parts.append(parts)
+        block.mlp.gate.weight = param(router_weight(parts, spec))
         # Experts straight in the model dtype: w13 rows [:I] gate, [I:] up (as the loader stacks them).
         m = cfg.moe_layers.index(layer)
         w13[m].normal_(0.0, 1.0 / H**0.5, generator=gen)
         w2[m].normal_(0.0, spec.expert_gain / I**0.5, generator=gen)
     model.inv_freq = model.inv_freq.to(device)
     model.pools = ExpertPools.all_hot(w13, w2)
+    model.synthetic_spec = spec
+    model.synthetic_router_parts = router_parts
     model.eval()
     return model, tokenizer
+
+
+# The knobs that enter only the routers (router_weight): set_router_knobs changes them on a built
+# model without drawing anything again.
+ROUTER_KNOBS = ("zipf_exponent", "popularity_scale", "domain_affinity", "router_noise", "temporal_gain")
+
+
+@dataclass(frozen=True)
+class RouterParts:
+    """The random draws behind one MoE layer's router, independent of the router knobs.
+
+    ``popularity_rank [E]``: each expert's popularity rank in this layer (0 = the most popular);
+    ``popular [H]``: the popularity direction u; ``domain``, ``spread``, ``topic`` ``[E, H]``: each
+    expert's random affinity to the domain directions, to the noise subspace (the token-specific
+    part of the state) and to the topic directions (None without topic directions).
+    """
+
+    popularity_rank: torch.Tensor
+    popular: torch.Tensor
+    domain: torch.Tensor
+    spread: torch.Tensor
+    topic: torch.Tensor | None
+
+
+def popularity_offsets(experts: int, zipf_exponent: float) -> torch.Tensor:
+    """Per popularity rank (0 = the most popular), the expert's popularity along u, float32
+    ``[experts]``: ``r^-zipf_exponent`` for ranks ``r = 1..experts``, standardized over the experts."""
+    zipf = torch.arange(1, experts + 1, dtype=torch.float32) ** (-float(zipf_exponent))
+    return (zipf - zipf.mean()) / zipf.std()
+
+
+def router_weight(parts: RouterParts, spec: SyntheticSpec) -> torch.Tensor:
+    """One MoE layer's router ``[E, H]`` (float32) from its random parts and the router knobs.
+
+    ``popularity_scale * popularity_offsets(...)[rank] * u + domain_affinity * domain +
+    router_noise * spread + temporal_gain * topic``, divided by ``sqrt(H)``: the router sees an
+    RMS-normalised state (norm ``sqrt(H)``), so the knobs are in units of the unit-norm state's
+    components. The spread reads only the noise subspace (the token-specific part of the state),
+    so it varies the choice per token without adding a fixed per-expert offset.
+    """
+    E, H = parts.spread.shape
+    offsets = popularity_offsets(E, spec.zipf_exponent).to(parts.spread.device)
+    router = (spec.popularity_scale * offsets[parts.popularity_rank][:, None] * parts.popular[None, :]
+              + spec.domain_affinity * parts.domain + spec.router_noise * parts.spread)
+    if parts.topic is not None:
+        router = router + spec.temporal_gain * parts.topic
+    return router / H**0.5
+
+
+@torch.no_grad()
+def set_router_knobs(model, spec: SyntheticSpec) -> None:
+    """Remake the routers of a model built by :func:`build_synthetic_model` for ``spec``'s router
+    knobs (ROUTER_KNOBS), in place, from the parts its build drew: the model is then the one
+    ``build_synthetic_model(spec)`` gives, without generating 61 GB again (the calibration sweeps
+    of scripts/locality_calibrate.py). Every other field of ``spec`` must equal the build's.
+    """
+    built = getattr(model, "synthetic_spec", None)
+    parts = getattr(model, "synthetic_router_parts", None)
+    if built is None or parts is None:
+        raise ValueError("set_router_knobs needs a model made by build_synthetic_model (it has no router parts)")
+    _check_spec(spec)
+    same = dataclasses_replace(spec, **{k: getattr(built, k) for k in ROUTER_KNOBS})
+    if same != built:
+        differ = sorted(k for k, v in asdict(same).items() if v != getattr(built, k))
+        raise ValueError(f"set_router_knobs changes only {ROUTER_KNOBS}; {differ} differ from the built model's")
+    if _topic_dims(spec) != _topic_dims(built):
+        raise ValueError("set_router_knobs cannot add or remove the topic directions (temporal_gain and "
+                         "topic_context both 0 build none): build the model again")
+    from coldset.model import MoEBlock
+
+    for block, p in zip((b for b in model.layers if isinstance(b.mlp, MoEBlock)), parts, strict=True):
+        block.mlp.gate.weight.copy_(router_weight(p, spec).to(block.mlp.gate.weight.dtype))
+    model.synthetic_spec = spec
 
 
 def _hf_tensors(model) -> dict[str, torch.Tensor]:
