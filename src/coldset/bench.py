@@ -209,7 +209,7 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     fill crosses the link once."""
     from coldset.model import generate
 
-    cache.reset_counters()
+    cache.reset()  # from the placement's warm state, as every timed repeat starts (bench_decode)
     gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
     c = cache.counters()
     plen = prompts.shape[1]
@@ -222,7 +222,7 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     hot_reads = sum(len(set(decode[:, s, layer, :].ravel().tolist())) for s in range(steps) for layer in range(layers))
     accesses = c["hits"] + c["misses"]
     return (c["misses"] / accesses, c["fills"] * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
-            c["misses"] / tokens, gen.tokens)
+            c["misses"] / tokens, gen.tokens, c)
 
 
 def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
@@ -255,8 +255,13 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     ``prompt_split`` names the fixtures split ``token_stream`` was cut from (recorded, not used).
     ``cache`` (a :class:`coldset.slots.SlotCache` whose pools are ``placed_pools``) for a dynamic
     placement: its decisions and fills run inside every decode step (inside the CUDA graph on
-    CUDA); the cache's state carries over from step to step and from repeat to repeat.
-    Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``.
+    CUDA); the cache's state carries over from step to step, and every pass (the measured eager
+    pass and each warm-up and timed repeat) starts from the placement's warm state
+    (:meth:`coldset.slots.SlotCache.reset`): a cache left warm by an earlier pass over the same
+    tokens would already hold what they need, and its steps would be timed without the misses the
+    bench reports. Each repeat's hits, misses and fills must equal the measured pass's.
+    Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``
+    or, with a cache, decides otherwise than the measured pass.
     """
     from coldset.gate import experts_functions
 
@@ -281,7 +286,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         eager_tokens = hot_per_token = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:
-            cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens = measure_cache(
+            cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured = measure_cache(
                 model, cache, prompts, new_tokens, per_expert)
         elif replay is None:
             cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
@@ -304,6 +309,8 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             if use_graph and dec.graph is None:
                 dec.set_step(token, 1)
                 dec.capture()
+            if cache is not None:  # after the capture, whose warm-up ran the step (decisions included)
+                cache.reset()
             steps, decoded = [], [token]
             for t in range(1, new_tokens):
                 dec.set_step(token, t)
@@ -314,6 +321,11 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
                 steps.append(stop(t0))
                 token = torch.argmax(logits, dim=-1)
                 decoded.append(token)
+            if cache is not None and cache.counters() != measured:
+                raise TimedLoopMismatch(
+                    f"bench {placement.policy}-{placement.label} batch {batch_size}: repeat {rep} of the timed loop "
+                    f"decided {cache.counters()} in the cache, the measured pass {measured}; its speed would not "
+                    "be that of the reported misses, so nothing is published")
             if rep >= warmup:
                 prefill_ms.append(p_ms)
                 step_ms.extend(steps)
