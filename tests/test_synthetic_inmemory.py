@@ -169,3 +169,15 @@ def test_set_router_knobs_gives_the_fresh_build_of_the_new_knobs():
     model, _ = build_synthetic_model(no_context, "cpu", torch.float32)
     with pytest.raises(ValueError, match="topic directions"):
         set_router_knobs(model, dataclasses.replace(no_context, temporal_gain=0.0))
+
+
+def test_inmemory_config_states_the_dtype_the_model_is_built_in():
+    """Placement sizes an in-memory model's experts from its ModelConfig: a bf16 build must say
+    bf16 (half the float32 bytes), and the manifest's config must equal the built model's."""
+    from coldset.shapes import expert_bytes
+
+    bf16 = synthetic_model_config(SMALL, dtype="bfloat16")
+    model, _ = build_synthetic_model(SMALL, "cpu", torch.bfloat16)
+    assert model.config == bf16 and bf16.expert_format == bf16.dtype == "bfloat16"
+    assert synthetic_model_config(SMALL) != bf16
+    assert 2 * expert_bytes(bf16) == expert_bytes(synthetic_model_config(SMALL))

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,8 @@ def model_shape(config: dict):
     any family :mod:`coldset.shapes` reads (weights not needed), or an in-memory model's manifest."""
     from coldset import shapes
 
-    if in_memory(config):  # built in the config's dtype, whatever its generated config.json says
-        dtype = config["model"]["dtype"]
-        return replace(model_config(config), dtype=dtype, expert_format=dtype, linear_format=dtype)
+    if in_memory(config):  # its ModelConfig is a shape, in the dtype the model is built in
+        return model_config(config)
     try:
         return shapes.read_shape(model_dir(config))
     except shapes.ShapeError as exc:
@@ -323,7 +322,7 @@ def model(config: dict, **_) -> None:
         from coldset.synthetic import synthetic_model_config
 
         spec = synthetic_spec(config)
-        cfg = synthetic_model_config(spec, _domain_texts(config))
+        cfg = synthetic_model_config(spec, _domain_texts(config), config["model"]["dtype"])
         log.info("in-memory synthetic model %s: manifest only (%d layers x %d experts, hidden %d)",
                  config["model"]["name"], cfg.num_layers, cfg.num_experts, cfg.hidden_size)
         write_json(layout.model_dir / "manifest.json", {

@@ -267,7 +267,8 @@ def _domain_affinity(tokenizer, corpus: dict[str, list[str]], vocab: int) -> tor
 # --------------------------------------------------------------------------------------------
 
 
-def _config(spec: SyntheticSpec, vocab: int, eos_id: int) -> dict:
+def _config(spec: SyntheticSpec, vocab: int, eos_id: int, dtype: str = "float32") -> dict:
+    """The config.json of the model; ``torch_dtype`` the dtype its weights are built in."""
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -297,7 +298,7 @@ def _config(spec: SyntheticSpec, vocab: int, eos_id: int) -> dict:
         "initializer_range": 0.02,
         "bos_token_id": None,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "use_cache": True,
@@ -328,15 +329,16 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError("SyntheticSpec.temporal_gain and topic_context must be >= 0, temporal_dims >= 1")
 
 
-def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None):
-    """The :class:`coldset.model.ModelConfig` that :func:`build_synthetic_model` gives ``spec``
-    (trains the tokenizer, seconds; no weights), for stages that need only the shape."""
+def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None,
+                           dtype: str = "float32"):
+    """The :class:`coldset.model.ModelConfig` that :func:`build_synthetic_model` gives ``spec`` in
+    ``dtype`` (trains the tokenizer, seconds; no weights), for stages that need only the shape."""
     from coldset.model import ModelConfig
 
     _check_spec(spec)
     tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
     vocab = p_tok.shape[0] if spec.model_vocab_size is None else int(spec.model_vocab_size)
-    return ModelConfig.from_hf_config(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN)), source="synthetic spec")
+    return ModelConfig.from_hf_config(_config(spec, vocab, tokenizer.token_to_id(EOS_TOKEN), dtype), source="synthetic spec")
 
 
 def _topic_dims(spec: SyntheticSpec) -> int:
@@ -399,7 +401,8 @@ def build_synthetic_model(
     if V < v_tok:
         raise ValueError(f"SyntheticSpec.model_vocab_size={V} is smaller than the tokenizer's {v_tok} tokens")
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    cfg = ModelConfig.from_hf_config(_config(spec, V, eos_id), source="synthetic spec")
+    cfg = ModelConfig.from_hf_config(_config(spec, V, eos_id, str(dtype).removeprefix("torch.")),
+                                     source="synthetic spec")
     H, E, I, D = spec.hidden, spec.experts, spec.moe_intermediate, spec.head_dim
     n_t = _topic_dims(spec)
     if H < K + n_t + 8:
