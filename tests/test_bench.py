@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coldset import bench
+from coldset import bench, timing
 from coldset.model import generate, load_model
 from coldset.placement import place, row_map_from_mask
 from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
@@ -64,7 +64,7 @@ def test_bench_decode_reports_the_placement(engine, tmp_path):
         pools = engine.pools.placed(pl.row_map)
         r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
                                new_tokens=4, warmup=0, repeats=1)
-        assert r.batch_size == 2 and r.step_ms_p50 > 0 and r.tok_s == pytest.approx(1000 / r.step_ms_p50)
+        assert r.batch_size == 2 and r.step_ms_p50 > 0 and r.tok_s == pytest.approx(1000 / r.step_ms_mean)
         assert r.cold_share == (1.0 if expect_cold else 0.0)
         assert (r.link_gb_per_token > 0) == expect_cold
         assert r.predicted_preset == "h200" and r.predicted_step_ms > 0
@@ -120,12 +120,13 @@ def test_derive_metrics_by_hand():
 
 
 def test_derive_metrics_against_measured_ceilings_by_hand():
-    """Bytes floor and the calibrated prediction (all-HBM step + the cold bytes' link time)."""
+    """Bytes floor and the calibrated prediction (all-HBM step + the cold bytes' link time), on the
+    mean step (bytes per token are means), not the median step."""
     recs = [
         {"policy": "p", "batch_size": 2, "residency": 1.0, "hbm_expert_gib": 2.0, "tok_s": 200.0,
-         "step_ms_p50": 10.0, "hbm_gb_per_token": 6.0, "link_gb_per_token": 0.0},
+         "step_ms_mean": 10.0, "step_ms_p50": 9.0, "hbm_gb_per_token": 6.0, "link_gb_per_token": 0.0},
         {"policy": "p", "batch_size": 2, "residency": 0.5, "hbm_expert_gib": 1.0, "tok_s": 50.0,
-         "step_ms_p50": 40.0, "hbm_gb_per_token": 5.0, "link_gb_per_token": 0.5},
+         "step_ms_mean": 40.0, "step_ms_p50": 30.0, "hbm_gb_per_token": 5.0, "link_gb_per_token": 0.5},
     ]
     out = {r["residency"]: r for r in bench.derive_metrics(recs, {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0})}
     assert out[1.0]["bytes_step_ms"] == pytest.approx(1e3 * 12.0 / 4000.0)  # 2 tokens x 6 GB at 4 TB/s
@@ -197,6 +198,25 @@ def test_routing_replay_refuses_an_invalid_trace(tmp_path, expert, msg):
     cfg = {"num_experts": 8, "top_k": 2, "moe_layers": [0, 1]}
     with pytest.raises(TraceError, match=msg):
         bench.RoutingReplay.from_trace(path, cfg, batch_size=1, num_steps=2, device="cpu")
+
+
+def test_tok_s_is_a_pass_time_not_the_median_step():
+    """A pass with one miss-heavy step (a slot-cache miss): its throughput is its total time over its
+    steps, so tok/s comes from the mean step (median over repeats), never the median step that
+    leaves the slow step out; repeats that agree step for step are not noise, a repeat twice as
+    slow is, whatever the spread between the steps of one pass."""
+    passes = [[1.0, 1.0, 1.0, 9.0], [1.0, 1.1, 1.0, 9.5], [1.0, 1.0, 1.0, 8.0]]
+    mean_ms, p50, p90 = bench.pass_timing(passes)
+    assert mean_ms == pytest.approx(np.median([np.mean(p) for p in passes])) == pytest.approx(3.0)
+    assert p50 == pytest.approx(1.0) and p90 == pytest.approx(np.percentile(np.concatenate(passes), 90))
+    spread = timing.repeat_spread(passes)
+    assert spread == pytest.approx(np.percentile(np.max(passes, axis=0) / np.min(passes, axis=0), 90))
+    assert not timing.timing_noisy(p50, p90, spread)  # p90 / p50 = 9, but the repeats agree
+    slow = timing.repeat_spread([passes[0], [2 * t for t in passes[0]]])
+    assert slow == pytest.approx(2.0) and timing.timing_noisy(p50, p90, slow)
+    assert timing.repeat_spread(passes[:1]) is None and timing.timing_noisy(1.0, 9.0, None)  # one repeat: p90 / p50
+    with pytest.raises(ValueError, match="no timed steps"):
+        bench.pass_timing([])
 
 
 def test_derived_ratios_never_divide_noise():

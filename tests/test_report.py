@@ -162,8 +162,10 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                     {
                         "batch_size": b,
                         "tok_s": tok_s,
-                        "step_ms_p50": 1000.0 / tok_s,
+                        "step_ms_mean": 1000.0 / tok_s,
+                        "step_ms_p50": 950.0 / tok_s,
                         "step_ms_p90": 1100.0 / tok_s,
+                        "repeat_spread": 1.02,
                         "prefill_ms": 12.5,
                         "hbm_expert_gib": num_hot * GIB_PER_EXPERT,
                         "host_expert_gib": (total - num_hot) * GIB_PER_EXPERT,
@@ -558,11 +560,19 @@ def test_timing_whose_repeats_disagree_is_flagged_not_published(tmp_path):
     res = build_results_tree(tmp_path, bytes_run="gpu")
     path = res / "bench" / MODEL / "usage_global-0.5.json"
     doc = json.loads(path.read_text())
-    doc["batches"][0]["step_ms_p90"] = 2.0 * doc["batches"][0]["step_ms_p50"]
+    doc["batches"][0]["step_ms_p90"] = 2.0 * doc["batches"][0]["step_ms_p50"]  # steps differ: not noise
+    doc["batches"][1]["repeat_spread"] = 1.6  # repeats disagree: noise
+    doc["batches"][1]["step_ms_p90"] = doc["batches"][1]["step_ms_p50"]
     path.write_text(json.dumps(doc))
     html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
     table = _bench_table(html)
-    assert table[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["timing"] == \
+    assert table[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["timing"] == "ok"
+    assert table[("usage_global", "0.5", doc["batches"][1]["batch_size"])]["timing"] == \
+        "noisy: repeats disagree by 1.60x, not a result"
+    doc["batches"][0]["repeat_spread"] = None  # one repeat: the steps' p90 / p50 is all there is
+    path.write_text(json.dumps(doc))
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    assert _bench_table(html)[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["timing"] == \
         "noisy: p90/p50 = 2.00, not a result"
     assert table[("positional", "0.5", 1)]["timing"] == "ok"
     assert 'id="noisy-note"' in html

@@ -3,7 +3,8 @@
 The engine decodes the same greedy tokens as in the parity gate, through the row-map experts
 path over pools built from the placement. On CUDA the decode step (every layer, the row-map
 kernel included) is captured once in a CUDA graph and replayed, with no host synchronisation
-inside the step; on CPU it runs eagerly. Timings are medians over repeats after warm-up.
+inside the step; on CPU it runs eagerly. A pass decodes ``new_tokens`` from the prompts; tok/s is
+1000 / its mean step (its time over its steps), the median over repeats after warm-up.
 
 ``cold_share`` and ``link_gb_per_token`` are measured from the routing of the benchmarked decode
 tokens (an eager pass with routing capture over the same tokens), not predicted: per step and MoE
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from coldset.timing import speed_compares_placements, timing_noisy
+from coldset.timing import repeat_spread, speed_compares_placements, timing_noisy
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -41,8 +42,9 @@ class BenchResult:
     policy: str
     residency: float
     batch_size: int
-    tok_s: float  # decode tokens per second per sequence
-    step_ms_p50: float
+    tok_s: float  # decode tokens per second per sequence: 1000 / step_ms_mean
+    step_ms_mean: float  # a decode pass's mean step (its time / its steps), median over repeats
+    step_ms_p50: float  # over every timed step (steps differ by their tokens' misses / cold reads)
     step_ms_p90: float
     prefill_ms: float
     hbm_expert_gib: float
@@ -56,6 +58,7 @@ class BenchResult:
     prompt_tokens: int
     new_tokens: int
     repeats: int
+    repeat_spread: float | None  # coldset.timing.repeat_spread: how much repeats of one pass disagree
     device: str
     dtype: str
     backend: str
@@ -69,7 +72,7 @@ class BenchResult:
     misses_per_token: float | None = None  # selections served cold / missed, per decoded token
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
-    fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_p50
+    fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_mean
     # The additive model: this run's residency-1.0 step + this run's cold bytes' extra link time
     # (a check that link time adds, not a prediction made apart from the measurement).
     predicted_step_ms_calibrated: float | None = None
@@ -245,6 +248,19 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
     return out
 
 
+def pass_timing(passes: list[list[float]]) -> tuple[float, float, float]:
+    """``(step_ms_mean, step_ms_p50, step_ms_p90)`` of timed decode passes (step times in ms, one
+    list per repeat). The mean step is each pass's time over its steps, the median over repeats:
+    a decode's throughput is its total time, and its steps differ by their tokens (a slot-cache
+    miss, a cold read), so the median step would leave out the miss-heavy tail. p50 / p90 are over
+    every step, a description of that spread."""
+    if not passes or not all(passes):
+        raise ValueError("pass_timing: no timed steps")
+    steps = [t for p in passes for t in p]
+    return (statistics.median(statistics.fmean(p) for p in passes), statistics.median(steps),
+            float(np.percentile(steps, 90)))
+
+
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
                  replay=None, tuned=None, prompt_split: str | None = None, cache=None) -> BenchResult:
@@ -299,7 +315,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         use_graph = device.type == "cuda" and backend == "triton"
         dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
         start, stop = _timer(device)
-        prefill_ms, step_ms = [], []
+        prefill_ms, passes = [], []
         for rep in range(warmup + repeats):
             if replay is not None:
                 replay.reset()
@@ -328,7 +344,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
                     "be that of the reported misses, so nothing is published")
             if rep >= warmup:
                 prefill_ms.append(p_ms)
-                step_ms.extend(steps)
+                passes.append(steps)
     finally:
         model.pools, model.experts_fn = saved
     # The timed loop (graphed on CUDA, full-length attention mask) must decode what the engine's
@@ -343,15 +359,15 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
                 f"bench {placement.policy}-{placement.label} batch {batch_size}: the timed decode loop matches "
                 f"generate() on {100 * token_match:.1f}% of {batch_size * new_tokens} tokens; its speed would "
                 "not be the engine's, so nothing is published")
-    p50 = statistics.median(step_ms)
-    p90 = float(np.percentile(step_ms, 90))
+    mean_ms, p50, p90 = pass_timing(passes)
     preset, pred_lower, pred_sum = _prediction(placement, batch_size)
     return BenchResult(
         placement=f"{placement.policy}-{placement.label}",
         policy=placement.policy,
         residency=float(placement.residency if placement.residency is not None else placement.achieved_residency),
         batch_size=batch_size,
-        tok_s=1000.0 / p50,
+        tok_s=1000.0 / mean_ms,
+        step_ms_mean=mean_ms,
         step_ms_p50=p50,
         step_ms_p90=p90,
         prefill_ms=statistics.median(prefill_ms),
@@ -367,6 +383,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         prompt_tokens=prompt_tokens,
         new_tokens=new_tokens,
         repeats=repeats,
+        repeat_spread=repeat_spread(passes),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         dtype=str(model.dtype).removeprefix("torch."),
         backend=backend,
@@ -442,7 +459,7 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
         full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
         prev = None
         for r in rows:
-            r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"))
+            r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"), r.get("repeat_spread"))
         for r in rows:
             sound = speed_compares_placements(r.get("device")) and not r["timing_noisy"]
             r["fetch_tax"] = (1.0 - r["tok_s"] / full["tok_s"]
@@ -455,9 +472,9 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
             link_gb = r.get("link_gb_per_token", 0.0) * b
             if hbm and r.get("hbm_gb_per_token") is not None and (link or link_gb == 0):
                 r["bytes_step_ms"] = 1e3 * (r["hbm_gb_per_token"] * b / hbm + (link_gb / link if link_gb else 0.0))
-                r["fraction_of_bytes_bound"] = r["bytes_step_ms"] / r["step_ms_p50"]
+                r["fraction_of_bytes_bound"] = r["bytes_step_ms"] / r["step_ms_mean"]
             if hbm and link and full is not None:
-                r["predicted_step_ms_calibrated"] = full["step_ms_p50"] + 1e3 * link_gb * (1 / link - 1 / hbm)
+                r["predicted_step_ms_calibrated"] = full["step_ms_mean"] + 1e3 * link_gb * (1 / link - 1 / hbm)
     return out
 
 

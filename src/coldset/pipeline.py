@@ -653,8 +653,8 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                                         prompt_split=split, cache=cache)
                 except bn.TimedLoopMismatch as exc:
                     raise StageError(str(exc)) from None
-                log.info("bench %s (%s prompts) batch %d: %.1f tok/s, step p50 %.3f ms, cold share %.3f", name,
-                         split, batch_size, r.tok_s, r.step_ms_p50, r.cold_share)
+                log.info("bench %s (%s prompts) batch %d: %.1f tok/s, mean step %.3f ms (p50 %.3f), cold share %.3f",
+                         name, split, batch_size, r.tok_s, r.step_ms_mean, r.step_ms_p50, r.cold_share)
                 records.setdefault(split, []).append(r.to_dict())
                 del cache
         del pools

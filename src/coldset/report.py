@@ -49,7 +49,7 @@ from coldset.results import (
     read_json,
     require_fields,
 )
-from coldset.timing import NOISY_P90_OVER_P50, speed_compares_placements, timing_noisy
+from coldset.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
 
 # ----------------------------------------------------------------------------------------------
 # Machine
@@ -344,39 +344,39 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
     ax = fig.add_subplot(1, 1, 1)
     cal = {id(b): b.metrics["predicted_step_ms_calibrated"] for b in rows}
     speed = [b for b in rows if b.predicted_step_ms is not None]
-    values = [v for b in rows for v in (cal[id(b)], b.metrics["step_ms_p50"])] + [b.predicted_step_ms for b in speed]
+    values = [v for b in rows for v in (cal[id(b)], b.metrics["step_ms_mean"])] + [b.predicted_step_ms for b in speed]
     ends = _step_axes_ends(ax, values)
     ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
-        ax.scatter([cal[id(b)] for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol],
+        ax.scatter([cal[id(b)] for b in sub], [b.metrics["step_ms_mean"] for b in sub], color=color[pol],
                    label=f"{pol}: additive model", zorder=3)
         sub_speed = [b for b in sub if b.predicted_step_ms is not None]
         if sub_speed:
-            ax.scatter([b.predicted_step_ms for b in sub_speed], [b.metrics["step_ms_p50"] for b in sub_speed],
+            ax.scatter([b.predicted_step_ms for b in sub_speed], [b.metrics["step_ms_mean"] for b in sub_speed],
                        facecolors="none", edgecolors=color[pol], label=f"{pol}: speed model", zorder=2)
             for b in sub_speed:
-                ax.plot([b.predicted_step_ms, cal[id(b)]], [b.metrics["step_ms_p50"]] * 2, color=color[pol],
+                ax.plot([b.predicted_step_ms, cal[id(b)]], [b.metrics["step_ms_mean"]] * 2, color=color[pol],
                         alpha=0.3, linewidth=0.8)
         for b in sub:
-            ax.annotate(b.residency, (cal[id(b)], b.metrics["step_ms_p50"]), fontsize=6,
+            ax.annotate(b.residency, (cal[id(b)], b.metrics["step_ms_mean"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
     presets = _join(b.extra.get("predicted_preset", "unnamed") for b in speed) if speed else None
     xlabel = "predicted step time (ms): additive model, same run (filled)"
     if presets:
         xlabel += f"; bytes-only speed model, preset {presets} (hollow)"
     ax.set_xlabel(xlabel, fontsize=8)
-    ax.set_ylabel(f"measured step time p50 (ms, {device})")
+    ax.set_ylabel(f"measured mean step time (ms, {device})")
     ax.set_title(f"{model}: measured vs additive model\nbatch size {batch_size}", fontsize=10)
     ax.legend(fontsize=7)
     caption = (
-        "Median decode step time measured against the additive model (filled markers, labelled with "
+        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the additive model (filled markers, labelled with "
         "the residency; field predicted_step_ms_calibrated): the same policy's measured residency-1.0 "
         "step at this batch size plus the time this run's measured cold bytes take over the host link "
         "instead of HBM, at the read rates measured in the same run. Every input comes from the run it "
         "is compared with, so agreement checks that link time adds to the step; it is not a prediction "
         "made apart from the measurement. Measured / additive: "
-        f"{_ratio_range([(b.metrics['step_ms_p50'], cal[id(b)]) for b in rows])} over {len(rows)} placements."
+        f"{_ratio_range([(b.metrics['step_ms_mean'], cal[id(b)]) for b in rows])} over {len(rows)} placements."
     )
     if speed:
         caption += (
@@ -384,7 +384,7 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
             "overlap of HBM and link, tokens of a batch picking experts independently, so batches whose "
             "tokens share experts can run faster than it: an estimate, not a bound) "
             f"for the same measurements; measured / speed model: "
-            f"{_ratio_range([(b.metrics['step_ms_p50'], b.predicted_step_ms) for b in speed])}."
+            f"{_ratio_range([(b.metrics['step_ms_mean'], b.predicted_step_ms) for b in speed])}."
         )
     if left_out:
         caption += f" Not plotted (no additive model: no residency-1.0 run of the policy): {', '.join(left_out)}."
@@ -411,20 +411,20 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
         u = b.extra.get("predicted_step_ms_sum")
         return float(u) if isinstance(u, (int, float)) else b.predicted_step_ms
 
-    ends = _step_axes_ends(ax, [v for b in rows for v in (b.predicted_step_ms, upper(b), b.metrics["step_ms_p50"])])
+    ends = _step_axes_ends(ax, [v for b in rows for v in (b.predicted_step_ms, upper(b), b.metrics["step_ms_mean"])])
     ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
-        ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_p50"] for b in sub], color=color[pol], label=pol)
+        ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_mean"] for b in sub], color=color[pol], label=pol)
         for b in sub:
             if upper(b) > b.predicted_step_ms:
-                ax.plot([b.predicted_step_ms, upper(b)], [b.metrics["step_ms_p50"]] * 2, color=color[pol], alpha=0.5)
+                ax.plot([b.predicted_step_ms, upper(b)], [b.metrics["step_ms_mean"]] * 2, color=color[pol], alpha=0.5)
         for b in sub:
-            ax.annotate(b.residency, (b.predicted_step_ms, b.metrics["step_ms_p50"]), fontsize=6,
+            ax.annotate(b.residency, (b.predicted_step_ms, b.metrics["step_ms_mean"]), fontsize=6,
                         textcoords="offset points", xytext=(3, 3))
     presets = _join(b.extra.get("predicted_preset", "unnamed") for b in rows)
     ax.set_xlabel(f"predicted step time (ms, speed model preset {presets})")
-    ax.set_ylabel(f"measured step time p50 (ms, {device})")
+    ax.set_ylabel(f"measured mean step time (ms, {device})")
     ax.set_title(f"{model}: measured vs predicted, batch size {batch_size}")
     ax.legend(fontsize=8)
     mismatch = ""
@@ -434,7 +434,7 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
     return FigureOut(
         f"step-time-b{batch_size}",
         f"Measured vs predicted step time (batch size {batch_size})",
-        "Median decode step time measured against the placement stage's speed-model prediction "
+        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the placement stage's speed-model prediction "
         f"(bytes only, preset {presets}; an estimate: batches whose tokens share experts can run faster), "
         "one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
@@ -719,10 +719,10 @@ def render_report(
     cpu_run = bool(bench) and not any(speed_compares_placements(b.device) for b in bench)
     bench_rows = []
     for b in sorted(bench, key=lambda b: (b.batch_size, b.policy, float(b.residency))):
-        p50, p90 = b.metrics["step_ms_p50"], b.metrics["step_ms_p90"]
+        p50, p90, spread = b.metrics["step_ms_p50"], b.metrics["step_ms_p90"], b.metrics.get("repeat_spread")
         bench_rows.append(
             {
-                "timing": (f"noisy: p90/p50 = {p90 / p50:.2f}, not a result" if timing_noisy(p50, p90) else "ok"),
+                "timing": noisy_reason(p50, p90, spread) if timing_noisy(p50, p90, spread) else "ok",
                 "policy": b.policy,
                 "residency": b.residency,
                 "batch_size": b.batch_size,

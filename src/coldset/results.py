@@ -34,6 +34,7 @@ BYTES_METRICS: tuple[str, ...] = (
 # the report.
 BENCH_METRICS: tuple[str, ...] = (
     "tok_s",
+    "step_ms_mean",
     "step_ms_p50",
     "step_ms_p90",
     "prefill_ms",
@@ -43,6 +44,7 @@ BENCH_METRICS: tuple[str, ...] = (
     "link_gb_per_token",
     "hit_rate",
     "misses_per_token",
+    "repeat_spread",
     "tok_s_per_gib",
     "fetch_tax",
     *BYTES_METRICS,
@@ -54,7 +56,7 @@ BENCH_METRICS: tuple[str, ...] = (
 # written before they existed); hit_rate and misses_per_token are absent in bench files written
 # before the slot cache (issue 12).
 NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", "hit_rate",
-                                                   "misses_per_token", *BYTES_METRICS})
+                                                   "misses_per_token", "repeat_spread", *BYTES_METRICS})
 # The read-rate ceilings a CUDA bench measures once per run (top-level "ceilings" of a bench JSON).
 CEILING_FIELDS: tuple[str, ...] = ("hbm_read_gb_s", "link_read_gb_s")
 REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(

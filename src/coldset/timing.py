@@ -8,14 +8,41 @@ noise divided by a small GiB difference. And any timing whose repeats disagree i
 
 from __future__ import annotations
 
-#: A timing whose steps disagree beyond this (p90 / p50) is flagged ``timing_noisy`` and never
-#: enters a derived ratio. A CUDA-graph replayed step on an idle H200 stays within a few percent.
+import numpy as np
+
+#: A timing whose repeats disagree beyond this ratio is flagged ``timing_noisy`` and never enters a
+#: derived ratio. A CUDA-graph replayed step on an idle H200 stays within a few percent.
 NOISY_P90_OVER_P50 = 1.25
 
 
-def timing_noisy(step_ms_p50: float | None, step_ms_p90: float | None) -> bool:
-    """Whether a timing's steps disagree (p90 / p50 above :data:`NOISY_P90_OVER_P50`)."""
+def repeat_spread(passes: list[list[float]]) -> float | None:
+    """How much repeats of the same decode pass disagree: per step index, the slowest repeat's time
+    over the fastest's; the 90th percentile over the steps. None with fewer than two repeats.
+
+    Why per step across repeats, not across the steps of one pass: a step's time legitimately
+    depends on its token (a slot-cache miss, a cold selection of a static placement), so steps of
+    one pass differ for a reason; the same step of two repeats (same tokens, same decisions: the
+    bench checks both) differs only by noise."""
+    if len(passes) < 2:
+        return None
+    steps = np.asarray(passes, dtype=np.float64)  # [repeats, steps]
+    return float(np.percentile(steps.max(axis=0) / steps.min(axis=0), 90))
+
+
+def timing_noisy(step_ms_p50: float | None, step_ms_p90: float | None, spread: float | None = None) -> bool:
+    """Whether a timing is noise: its repeats disagree (``spread``, :func:`repeat_spread`, above
+    :data:`NOISY_P90_OVER_P50`); for a timing of one repeat (or a bench file written before the
+    spread was recorded), its steps disagree (p90 / p50 above the same bound)."""
+    if spread is not None:
+        return spread > NOISY_P90_OVER_P50
     return bool(step_ms_p50 and step_ms_p90 and step_ms_p90 / step_ms_p50 > NOISY_P90_OVER_P50)
+
+
+def noisy_reason(step_ms_p50: float | None, step_ms_p90: float | None, spread: float | None = None) -> str:
+    """The report's words for a noisy timing (:func:`timing_noisy`)."""
+    if spread is not None:
+        return f"noisy: repeats disagree by {spread:.2f}x, not a result"
+    return f"noisy: p90/p50 = {step_ms_p90 / step_ms_p50:.2f}, not a result"
 
 
 def speed_compares_placements(device: str | None) -> bool:

@@ -41,7 +41,7 @@ Parent run contents:
 Child run contents:
 
 - params: model, policy, residency, batch_size, dtype, num_hot, num_cold;
-- metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_p50, step_ms_p90, prefill_ms,
+- metrics: DESIGN.md §6 names from the bench (tok_s, step_ms_mean, step_ms_p50, step_ms_p90, prefill_ms,
   hbm_expert_gib, host_expert_gib, cold_share, link_gb_per_token, hit_rate, misses_per_token,
   tok_s_per_gib, fetch_tax; hit_rate and misses_per_token as the slot cache counted them for a
   dynamic placement),
