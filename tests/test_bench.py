@@ -95,12 +95,36 @@ def test_every_pass_of_a_cache_bench_starts_warm_and_decides_as_the_measured_one
     cache = SlotCache.from_placement(engine.pools, host, pl, 2, cfg.top_k)
     r = run(cache)
     assert r.misses_per_token > 0 and 0 < r.hit_rate < 1 and r.timed_token_match == 1.0
+    assert r.simulator_hit_rate == r.hit_rate  # the simulator on the same tokens, group by group
     again = run(cache)  # the cache was left as the last repeat left it: the next bench starts warm again
     assert (again.hit_rate, again.misses_per_token) == (r.hit_rate, r.misses_per_token)
     # the old behaviour (only the counters reset between passes) times a cache trained on the tokens
     monkeypatch.setattr(SlotCache, "reset", SlotCache.reset_counters)
     with pytest.raises(bench.TimedLoopMismatch, match=r"repeat 0 of the timed loop decided"):
         run(SlotCache.from_placement(engine.pools, host, pl, 2, cfg.top_k))
+
+
+def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(engine, monkeypatch):
+    """The bench replays each measured pass's tokens through the simulator and compares every
+    group's (hits, misses, fills): here the simulator is handed another policy (lfu for an lru
+    cache), as an engine deciding by the wrong rule would look, and the bench refuses."""
+    import pandas as pd
+
+    import coldset.cache
+    from coldset.slots import SlotCache
+    from coldset.tiers import host_tier
+
+    cfg = engine.config
+    rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
+             "count": (e % 3 + 1) * (layer + 1)}
+            for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    pl = place(pd.DataFrame(rows), cfg, "lru", 0.5, batch_sizes=(2,))
+    cache = SlotCache.from_placement(engine.pools, host_tier(engine.pools), pl, 2, cfg.top_k)
+    real = coldset.cache.simulate
+    monkeypatch.setattr(coldset.cache, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
+    with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lru cache decided group \d+"):
+        bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
+                           new_tokens=12, warmup=0, repeats=1, cache=cache)
 
 
 def test_derive_metrics_by_hand():

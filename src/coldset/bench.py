@@ -70,6 +70,9 @@ class BenchResult:
     fetch_tax: float | None = None
     hit_rate: float | None = None  # 1 - cold_share: selections served from HBM (static) or slot hits (dynamic)
     misses_per_token: float | None = None  # selections served cold / missed, per decoded token
+    # Dynamic placements: the simulator's hit rate on the same tokens (coldset.cache; equal to
+    # hit_rate, or the bench refuses: CacheSimulatorMismatch).
+    simulator_hit_rate: float | None = None
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
     fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_mean
@@ -84,6 +87,36 @@ class BenchResult:
 class TimedLoopMismatch(RuntimeError):
     """The timed decode loop decoded other tokens than ``generate()``: its speed is not the
     engine's, so it is not published."""
+
+
+class CacheSimulatorMismatch(TimedLoopMismatch):
+    """The engine's slot cache decided otherwise than the simulator (:mod:`coldset.cache`) on the
+    same tokens: one of the two is wrong, so neither the hit rate nor the speed is published."""
+
+
+def simulate_engine_pass(cache, decode: np.ndarray):
+    """The simulator (:func:`coldset.cache.simulate`) on a pass's decode routing ``decode`` int
+    ``[B, steps, L, k]``, grouped as the engine decides: per (step, MoE layer) one group of the
+    batch's ``B * k`` selections in row order, from the same warm state as ``cache``.
+
+    The warm state as simulator input: profile counts equal to the warm instances' counts and 0
+    elsewhere choose the same warm set (``usage_global`` at the cache's capacity: the warm
+    instances were the top of the real counts, so any instance outside scored at most the lowest
+    warm count, and ties at zero fall the same way), the same eviction order and LFU's initial
+    counts (profile count for warm instances, 0 for others); checked, not assumed."""
+    from coldset.cache import AccessStream, simulate, warm_order
+
+    B, steps, L, k = decode.shape
+    _, owner, _, count = (t.cpu().numpy() for t in cache.warm_state)
+    E = cache.pools.row_map.shape[1]
+    counts = np.zeros(L * E, dtype=np.float64)
+    counts[owner] = count[owner]
+    counts = counts.reshape(L, E)
+    if set(warm_order(counts, cache.capacity).tolist()) != set(owner.tolist()):
+        raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
+    ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
+    ptr = np.arange(steps * L + 1, dtype=np.int64) * (B * k)
+    return simulate(AccessStream(ids, ptr, B * steps, L, E), cache.policy, cache.capacity, counts)
 
 
 def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:
@@ -206,10 +239,12 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
 
 def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
     """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, misses per
-    decoded token, greedy tokens) of an eager pass with the slot cache ``cache`` (already wrapped
-    into ``model.experts_fn``), from the cache's own counters over that pass's decode steps: a hit
-    or a filled miss is read from its slot (each distinct instance once per step and layer), a
-    fill crosses the link once."""
+    decoded token, greedy tokens, counters, the simulator's hit rate) of an eager pass with the
+    slot cache ``cache`` (already wrapped into ``model.experts_fn``), from the cache's own counters
+    over that pass's decode steps: a hit or a filled miss is read from its slot (each distinct
+    instance once per step and layer), a fill crosses the link once. The simulator replays the same
+    tokens (:func:`simulate_engine_pass`); a group decided otherwise raises
+    :class:`CacheSimulatorMismatch`."""
     from coldset.model import generate
 
     cache.reset()  # from the placement's warm state, as every timed repeat starts (bench_decode)
@@ -221,11 +256,23 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     if c["groups"] != steps * layers:
         raise ValueError(f"bench: the cache decided for {c['groups']} groups, the pass had {steps} decode steps x "
                          f"{layers} MoE layers (prompt_tokens {plen} must exceed the batch size's tokens)")
+    # The engine's decisions against the simulator's on the same tokens, group by group.
+    sim = simulate_engine_pass(cache, decode)
+    want = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
+    if c["groups"] <= cache.history.shape[0]:
+        got = cache.group_history()
+    else:  # a pass longer than the cache's per-group history: the totals
+        got, want = np.array([[c["hits"], c["misses"], c["fills"]]]), want.sum(0, keepdims=True)
+    if not np.array_equal(got, want):
+        g = int(np.flatnonzero((got != want).any(axis=1))[0])
+        raise CacheSimulatorMismatch(
+            f"bench: the engine's {cache.policy} cache decided group {g} as (hits, misses, fills) {got[g].tolist()}, "
+            f"the simulator {want[g].tolist()} on the same tokens; nothing is published")
     tokens = decode.shape[0] * steps
     hot_reads = sum(len(set(decode[:, s, layer, :].ravel().tolist())) for s in range(steps) for layer in range(layers))
     accesses = c["hits"] + c["misses"]
     return (c["misses"] / accesses, c["fills"] * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
-            c["misses"] / tokens, gen.tokens, c)
+            c["misses"] / tokens, gen.tokens, c, sim.stats().hit_rate)
 
 
 def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
@@ -299,11 +346,11 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
-        eager_tokens = hot_per_token = None
+        eager_tokens = hot_per_token = simulator_hit_rate = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:
-            cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured = measure_cache(
-                model, cache, prompts, new_tokens, per_expert)
+            (cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured,
+             simulator_hit_rate) = measure_cache(model, cache, prompts, new_tokens, per_expert)
         elif replay is None:
             cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
                 model, prompts, new_tokens, per_expert)
@@ -392,6 +439,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         timed_token_match=token_match,
         prompt_split=prompt_split,
         hit_rate=1.0 - cold_share,
+        simulator_hit_rate=simulator_hit_rate,
         misses_per_token=misses_per_token,
     )
 

@@ -44,6 +44,7 @@ BENCH_METRICS: tuple[str, ...] = (
     "link_gb_per_token",
     "hit_rate",
     "misses_per_token",
+    "simulator_hit_rate",
     "repeat_spread",
     "tok_s_per_gib",
     "fetch_tax",
@@ -56,7 +57,8 @@ BENCH_METRICS: tuple[str, ...] = (
 # written before they existed); hit_rate and misses_per_token are absent in bench files written
 # before the slot cache (issue 12).
 NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", "hit_rate",
-                                                   "misses_per_token", "repeat_spread", *BYTES_METRICS})
+                                                   "misses_per_token", "simulator_hit_rate", "repeat_spread",
+                                                   *BYTES_METRICS})
 # The read-rate ceilings a CUDA bench measures once per run (top-level "ceilings" of a bench JSON).
 CEILING_FIELDS: tuple[str, ...] = ("hbm_read_gb_s", "link_read_gb_s")
 REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(
