@@ -77,6 +77,18 @@ class KernelConfig:
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
     ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
     look up their expert and wait): it hides the launch gaps only, and reads each weight once.
+
+    ``split_k1`` / ``split_k2``: split-K, the reduction dimension of w13 (H) / of w2 (I) cut into
+    that many ranges of whole ``block_k`` steps, one block each, so a small batch runs more blocks
+    (more bytes in flight) for the same weights. The partial sums go to fp32 buffers and are added
+    in a fixed order (split 0 first) by the next launch: w13's by the w2 kernel as it loads its
+    activations (SiLU(gate) * up formed there), w2's by the top-k sum (rank-major, then split).
+    They change the rounding of the fp32 sums, so a config's bits depend on them, never on the
+    placement. ``tile_order``: 0 numbers the blocks tile-fastest (all tiles' first column block,
+    then the second, ...), 1 column-fastest (one tile's column blocks are neighbours, as vLLM's
+    grid with GROUP_SIZE_M=1): at prefill the gathered activation tile is then read from HBM once
+    and shared through L2 by its column blocks instead of once per column block. It changes the
+    order blocks are scheduled in, not any block's arithmetic: the same bits either way.
     """
 
     block_m: int = 16
@@ -88,6 +100,9 @@ class KernelConfig:
     num_stages: int = 3
     slot_max_pairs: int = 32
     pdl: int = 0
+    split_k1: int = 1
+    split_k2: int = 1
+    tile_order: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,18 +227,47 @@ def _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt,
 
 
 @triton.jit
+def _block_ids(NB, ORDER: tl.constexpr):
+    """(tile or slot, column block, split) of this block; ``ORDER`` 1: a tile's NB column blocks are
+    consecutive program ids (grid (tiles * NB, 1, splits)), 0: grid (tiles, NB, splits)."""
+    if ORDER == 0:
+        slot = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        slot = pid // NB
+        pid_n = pid % NB
+    return slot, pid_n, tl.program_id(2)
+
+
+@triton.jit
+def _k_range(pid_s, K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr):
+    """[lo, hi) of the reduction dimension for split ``pid_s``: KS (whole block_k steps) each; a
+    split starting past K is empty (its block stores zeros)."""
+    if SPLIT == 1:
+        lo = 0
+        hi = K
+    else:
+        lo = pid_s * KS
+        hi = lo + KS
+        if hi > K:
+            hi = K
+    return lo, hi
+
+
+@triton.jit
 def _w13_act_kernel(
-    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr,
-    num_pairs, layer, stride_xt,
+    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr, part_ptr,
+    num_pairs, layer, stride_xt, NB,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr,
 ):
     if USE_GDC:
         gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    slot, pid_n, pid_s = _block_ids(NB, ORDER)
+    k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -238,7 +282,7 @@ def _w13_act_kernel(
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, H, BK):
+        for k0 in range(k_lo, k_hi, BK):
             if EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
                 if EVEN_N:
@@ -258,24 +302,43 @@ def _w13_act_kernel(
                 wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(a, wg, acc_g)
             acc_u = tl.dot(a, wu, acc_u)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
-        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        if SPLIT == 1:
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+            tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        else:  # partial gate and up sums of this split: [split, pair, 2I] fp32, added by the w2 kernel
+            part_ptrs = part_ptr + (pid_s * num_pairs + pair[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
+            tl.store(part_ptrs, acc_g, mask=valid[:, None] & n_ok[None, :])
+            tl.store(part_ptrs + I, acc_u, mask=valid[:, None] & n_ok[None, :])
         c += BM
 
 
 @triton.jit
+def _act_from_parts(g_ptrs, mask, num_pairs, DT: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, SPLIT1: tl.constexpr):
+    """SiLU(gate) * up from w13's split-K partial sums, added split 0 first (a fixed order), in
+    the activation dtype: the formula of the unsplit w13 kernel's epilogue."""
+    g = tl.zeros((BM, BK), dtype=tl.float32)
+    u = tl.zeros((BM, BK), dtype=tl.float32)
+    for s in tl.static_range(SPLIT1):
+        off = s * num_pairs * (2 * I)
+        g += tl.load(g_ptrs + off, mask=mask, other=0.0)
+        u += tl.load(g_ptrs + off + I, mask=mask, other=0.0)
+    return (g / (1.0 + tl.exp(-g)) * u).to(DT)
+
+
+@triton.jit
 def _w2_kernel(
-    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr, buf_ptr,
-    sink_ptr,
-    num_pairs, layer,
+    act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr,
+    buf_ptr, sink_ptr,
+    num_pairs, layer, NB,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, SPLIT1: tl.constexpr, ORDER: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    slot, pid_n, pid_s = _block_ids(NB, ORDER)
+    k_lo, k_hi = _k_range(pid_s, I, KS, SPLIT)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -290,7 +353,7 @@ def _w2_kernel(
         gdc_launch_dependents()
         sink = tl.zeros((BN,), dtype=tl.float32)
         if cnt > 0:
-            for k0 in range(0, I, BK):
+            for k0 in range(k_lo, k_hi, BK):
                 if EVEN_K and EVEN_N:
                     wp = tl.load(w_ptrs + k0, eviction_policy="evict_last")
                 else:
@@ -298,7 +361,8 @@ def _w2_kernel(
                     wp = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0,
                                  eviction_policy="evict_last")
                 sink = tl.maximum(sink, tl.max(wp.to(tl.float32), axis=0))
-        tl.store(sink_ptr + (slot * tl.num_programs(1) + pid_n).to(tl.int64) * BN + tl.arange(0, BN), sink)
+        blk = (pid_s * tl.num_programs(0) * tl.num_programs(1) + slot * NB + pid_n).to(tl.int64)
+        tl.store(sink_ptr + blk * BN + tl.arange(0, BN), sink)
         gdc_wait()
     elif USE_GDC:  # launched early, no prefetch: only the launch and the lookups above overlap w13
         gdc_launch_dependents()
@@ -308,9 +372,18 @@ def _w2_kernel(
         pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
         pair64 = pair.to(tl.int64)
         a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+        g_ptrs = part_ptr + pair64[:, None] * (2 * I) + offs_k[None, :]  # split_k1 > 1: w13's partial sums
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            if EVEN_K:
+        for k0 in range(k_lo, k_hi, BK):
+            if SPLIT1 > 1:
+                a = _act_from_parts(g_ptrs + k0, valid[:, None] & ((k0 + offs_k) < I)[None, :], num_pairs,
+                                    act_ptr.dtype.element_ty, I, BM, BK, SPLIT1)
+                if EVEN_K and EVEN_N:
+                    w = tl.load(w_ptrs + k0)
+                else:
+                    k_ok = (k0 + offs_k) < I
+                    w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            elif EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
                 if EVEN_N:
                     w = tl.load(w_ptrs + k0)
@@ -323,21 +396,23 @@ def _w2_kernel(
             acc = tl.dot(a, w, acc)
         wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
-        tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+        row = pid_s * num_pairs + pair64  # [split, pair, H]
+        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
         c += BM
 
 
 @triton.jit
-def _sum_topk_kernel(buf_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_GDC: tl.constexpr):
+def _sum_topk_kernel(buf_ptr, out_ptr, num_pairs, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_GDC: tl.constexpr, SPLIT: tl.constexpr):
     if USE_GDC:
         gdc_wait()  # launched early: wait for the w2 kernel's buffer
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for r in tl.static_range(TOPK):  # fixed order over ranks: deterministic
-        acc += tl.load(buf_ptr + (t * TOPK + r) * H + offs, mask=ok, other=0.0)
+    for r in tl.static_range(TOPK):  # fixed order over ranks, then w2's splits: deterministic
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(buf_ptr + (s * num_pairs + t * TOPK + r) * H + offs, mask=ok, other=0.0)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -436,36 +511,55 @@ def triton_experts(
     w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
     ep = _next_pow2(num_experts)
     c = config
-    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
-    buf = torch.empty((num_pairs, hidden), dtype=torch.float32, device=device)
     if c.pdl not in (0, 1, 2):
         raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
+    if c.tile_order not in (0, 1):
+        raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
+    if min(c.split_k1, c.split_k2) < 1:
+        raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch = c.pdl > 0, c.pdl == 1
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
-    grid2 = (slots, triton.cdiv(hidden, c.block_n2))
-    sink = torch.empty((grid2[0] * grid2[1] * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
-    _w13_act_kernel[(slots, triton.cdiv(inter, c.block_n1))](
-        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
-        num_pairs, layer, x.stride(0),
+    s1, s2 = c.split_k1, c.split_k2
+    if max(s1 * 2 * inter, s2 * hidden) * num_pairs >= 2**31:  # the split buffers' offsets are int32 inside the kernels
+        raise ValueError(f"triton_experts: split_k1={s1}, split_k2={s2} at {num_pairs} pairs needs a buffer past "
+                         f"2**31 elements; use split 1 for this batch")
+    # split s covers [s * ks, (s + 1) * ks) of the reduction dimension: whole block_k steps
+    ks1 = triton.cdiv(triton.cdiv(hidden, s1), c.block_k1) * c.block_k1
+    ks2 = triton.cdiv(triton.cdiv(inter, s2), c.block_k2) * c.block_k2
+    act = torch.empty((num_pairs if s1 == 1 else 1, inter), dtype=x.dtype, device=device)
+    part = torch.empty((s1, num_pairs, 2 * inter) if s1 > 1 else (1,), dtype=torch.float32, device=device)
+    buf = torch.empty((s2, num_pairs, hidden), dtype=torch.float32, device=device)
+    nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
+
+    def grid(nb, splits):
+        return (slots, nb, splits) if c.tile_order == 0 else (slots * nb, 1, splits)
+
+    grid2 = grid(nb2, s2)
+    sink = torch.empty((slots * nb2 * s2 * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
+    _w13_act_kernel[grid(nb1, s1)](
+        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act, part,
+        num_pairs, layer, x.stride(0), nb1,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
+        SPLIT=s1, KS=ks1, ORDER=c.tile_order,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if _stop_after < 2:
         return out
     _w2_kernel[grid2](
-        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
-        num_pairs, layer,
+        act, part, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
+        num_pairs, layer, nb2,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
+        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
         return out
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        buf, out, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
+        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=s2, num_warps=4, launch_pdl=pdl)
     return out
