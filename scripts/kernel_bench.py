@@ -200,7 +200,11 @@ def main():
         dflt_us = graph_time_us(run_all(pools, xs, rs, dflt), args.reps) / L
         base = {}
         if baseline is not None:
-            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "pdl" or v <= 1})
+            # the baseline's own fields only (an older kernel has no split_k / tile_order: it runs
+            # the same tiles unsplit, so its bits equal ours only where the config has split 1)
+            known = set(baseline.KernelConfig.__dataclass_fields__)
+            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items()
+                                                    if k in known and (k != "pdl" or v <= 1)})
             out_base = []
 
             def base_fn():
@@ -344,6 +348,14 @@ def main():
     m = res["mixed"]
     print(f"\nmixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs hot part {m['hot4_us']:.1f} + cold part {m['cold4_us']:.0f} = "
           f"{m['sum_parts_us']:.0f} µs (ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
+    # last: the table (tokens: µs, % of the bound of this run, ratio to vLLM's figure)
+    print("\n| tokens | tuned config (block_m, n1, k1, n2, k2, warps, stages, slot_max_pairs, pdl, split_k1, split_k2, "
+          "tile_order) | µs | % of bound | vLLM µs (NOTES) | speed vs vLLM |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cfg_s = ", ".join(str(v) for v in r["config"].values())
+        vllm = f"{r['vllm_notes_us']} | {r['speed_vs_vllm']:.2f}x" if "speed_vs_vllm" in r else "- | -"
+        print(f"| {r['batch']} | {cfg_s} | {r['hot_us']:.1f} | {100 * r['bound_us'] / r['hot_us']:.0f}% | {vllm} |")
 
 
 if __name__ == "__main__":

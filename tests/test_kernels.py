@@ -145,7 +145,10 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
     x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
     configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2, 1), KernelConfig(16, 16, 64, 16, 64, 4, 2, 128),
                KernelConfig(32, 64, 32, 32, 32, 4, 3), KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 1),
-               KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2)]
+               KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2),
+               # split-K (H = 256 in 3 splits of 128: the third is empty) and the column-fastest order
+               KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2, split_k1=2, split_k2=2),
+               KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -186,6 +189,53 @@ def test_group_pairs_equals_a_stable_torch_sort(num_experts):
 
 
 @gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 40, 300])
+def test_triton_split_k_and_tile_order(num_tokens):
+    """Split-K (partial sums added in a fixed split order by the next launch) against float64 and
+    the torch path, on sizes where splits are ragged or empty (H = 320 in 4 splits of 128, I = 160
+    in 3 splits of 64), in both grouping modes and every launch mode; the column-fastest block
+    order gives the same bits as the tile-fastest one; every config the same bits for every placement."""
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    E, H, I, K, L = 16, 320, 160, 4, 2
+    dtype = torch.bfloat16
+    w13, w2 = make_weights(L, E, H, I, dtype, seed=21)
+    unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
+    placed = build_pools(w13, w2, random_row_map(L, E, 0.5, num_tokens), "cuda")
+    x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=22, device="cuda")
+    ref = float64_experts(w13, w2, 1, x, ids, w)
+    torch_out = torch_experts(unmodified, 1, x, ids, w)
+    for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
+        base = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max)
+        for fields in ({}, dict(split_k1=2, split_k2=2), dict(split_k1=4, split_k2=3, pdl=2),
+                       dict(split_k1=3, split_k2=2, pdl=1), dict(split_k1=2, split_k2=1, pdl=2)):
+            outs = {}
+            for order in (0, 1):
+                cfg = KernelConfig(**{**base.to_dict(), **fields, "tile_order": order})
+                out = triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False)
+                assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), out), cfg
+                assert torch.isfinite(out).all()
+                assert rel_err(out, ref) < 1e-2, cfg
+                assert abs(signed_bias(out, ref.to(out.device))) < 1e-3, cfg
+                assert rel_err(out, torch_out.double().cpu()) < 2e-2, cfg
+                outs[order] = out
+            assert torch.equal(outs[0], outs[1]), fields  # block order never changes a block's arithmetic
+
+
+@gpu
+def test_triton_refuses_bad_split_and_order():
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
+    x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
+    pools = ExpertPools.all_hot(w13, w2)
+    with pytest.raises(ValueError, match="tile_order must be 0 or 1"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(tile_order=2))
+    with pytest.raises(ValueError, match="split_k1, split_k2 must be >= 1"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(split_k2=0))
+
+
+@gpu
 def test_triton_refuses_unknown_pdl_mode():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
@@ -197,14 +247,15 @@ def test_triton_refuses_unknown_pdl_mode():
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [2, 40])
-@pytest.mark.parametrize("pdl", [0, 1, 2])
-def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
+@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (0, 2, 1), (2, 2, 0)])
+def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     from functools import partial
 
     from coldset.kernels.triton_moe import KernelConfig
     from coldset.kernels.triton_moe import triton_experts as _triton_experts
 
-    triton_experts = partial(_triton_experts, config=KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl))
+    triton_experts = partial(_triton_experts, config=KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl, split_k1=split,
+                                                                  split_k2=split, tile_order=order))
 
     E, H, I, K, L = 16, 256, 128, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16, seed=5)

@@ -12,6 +12,15 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
 With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
 one before still runs and wait on the grid dependency before reading its output.
 
+With ``split_k1`` / ``split_k2`` > 1 (split-K, for small batches where one block per column slice
+leaves too few bytes in flight) step 1 writes fp32 partial gate and up sums per split instead of
+the activation, and step 2 adds them (split 0 first) and forms SiLU(gate) * up as it loads its A
+operand; step 2's own splits go to separate fp32 buffers that step 3 adds after the ranks' order
+(rank 0's splits, then rank 1's, ...). Every sum has a fixed order, so split-K is deterministic too.
+``tile_order=1`` numbers the blocks so that one tile's column blocks are neighbours (vLLM's grid
+order): at prefill its gathered activation tile is then shared through L2 instead of being read
+from HBM once per column block.
+
 Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
 over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
