@@ -47,13 +47,15 @@ TRITON_SEARCH_SPACE: dict = {
     # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort),
     # pdl (2: the w2 and sum kernels launched early, waiting on the grid dependency; 1, the same
     # plus a w2 weight prefetch, measured slower in issue 5 and no longer searched), split_k1 /
-    # split_k2 (split-K of w13 / w2, more blocks in flight at small batches), tile_order (1: a
+    # split_k2 (split-K of w13 / w2, more blocks in flight; not searched, see below), tile_order (1: a
     # tile's column blocks are neighbours, sharing its activation tile through L2). The entries
     # marked "vLLM" carry the tiles of vLLM's H200 fused_moe table for E=128, N=768 at 48 and 2048
     # tokens (its BLOCK_SIZE_N spans gate and up, so our block_n1 is half of it). Dropped in issue
     # 13's fourth session to keep a miss near two minutes on the H200: candidates 3% or more
     # behind the best at every batch size in its run 2 (BENCHMARKS.md), and two pdl=0 entries whose
-    # pdl=2 twins stay. The CPU path tunes TORCH_SEARCH_SPACE instead (this list is only hashed).
+    # pdl=2 twins stay. Split-K (split_k1/split_k2 > 1) is not searched: it lost at every batch size
+    # there (BENCHMARKS.md, issue 13 fourth session). The CPU path tunes TORCH_SEARCH_SPACE instead
+    # (this list is only hashed into the key).
     "decode": [
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
@@ -61,14 +63,6 @@ TRITON_SEARCH_SPACE: dict = {
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),  # vLLM 48
         # sorted grouping at decode sizes, one launch (group_pairs) instead of torch's five
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1, pdl=2),
-        # split-K at batch 1: about one resident wave of blocks (w13: 8 experts x 24 column blocks
-        # x 2 splits = 384 at 3 blocks/SM on 132 SMs; unsplit it is 192), w2 unsplit or split 2
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             split_k1=2),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             split_k1=2, split_k2=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=2, slot_max_pairs=32, pdl=2,
-             split_k1=4, split_k2=2),
         # batch 4: two stages fit 3 blocks/SM with 64 columns (3 stages: 2), one wave for w13's ~350 blocks
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=2, slot_max_pairs=32, pdl=2),
         # column-fastest block order at the sorted sizes (16, 64 tokens)

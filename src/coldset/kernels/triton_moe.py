@@ -19,7 +19,9 @@ operand; step 2's own splits go to separate fp32 buffers that step 3 adds after 
 (rank 0's splits, then rank 1's, ...). Every sum has a fixed order, so split-K is deterministic too.
 ``tile_order=1`` numbers the blocks so that one tile's column blocks are neighbours (vLLM's grid
 order): at prefill its gathered activation tile is then shared through L2 instead of being read
-from HBM once per column block.
+from HBM once per column block. Measured at Qwen3-30B-A3B shapes on the H200 (BENCHMARKS.md, issue
+13 fourth session): split-K lost at every batch size (27 -> 36-50 µs at 1 token, up to 2.4x at 64),
+so the autotuner does not search it; tile_order=1 took 2-7% off prefill and 1% off 64 tokens.
 
 Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
 over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
@@ -125,9 +127,11 @@ class KernelConfig:
 # decode, where the weights' bytes bound the time; large tiles (wgmma) for prefill. Both are the
 # autotuner's tiles on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issues 5 and 13). The
 # decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
-# 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU.
+# 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU. The
+# prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
+# tokens in one autotune run; the same bits either way).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
