@@ -9,7 +9,8 @@ no layer's weights are served from L2 (8 layers x 75 MB selected at batch 1, L2 
 all-hot with the row map, with the indirection compiled out, all-cold (every expert read in place
 from pinned host memory), mixed (4 hot + 4 cold) against the sum of its two parts, and batch 1, 4,
 16, 64 and a 2048-token prefill against the torch reference (eager) and the measured bound.
-Also checks bitwise identity across placements and the error against the torch path.
+Also checks bitwise identity across placements and the error against the torch path, and times the
+stages (grouping + w13 + act, + w2, + top-k sum) cumulatively at batch 1 and at the largest batch.
 
     PYTHONPATH=src python3 scripts/kernel_bench.py --out results_dir
 
@@ -348,6 +349,21 @@ def main():
     m = res["mixed"]
     print(f"\nmixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs hot part {m['hot4_us']:.1f} + cold part {m['cold4_us']:.0f} = "
           f"{m['sum_parts_us']:.0f} µs (ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
+    # --- the largest batch's stages (prefill: where its time goes), after the JSON and the full table are written
+    big = max(batches)
+    if big > 64:
+        xs, rs = make_case(big)
+        cfgb = KernelConfig.from_dict(config_for(tuned, big))
+        pools.set_row_map(all_hot_map)
+        sb = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfgb, True, stop)
+                                           for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+        res["largest_batch_stages_us"] = {"batch": big, "config": cfgb.to_dict(), "grouping+w13_act": sb[1],
+                                          "+w2": sb[2], "+sum": sb[3]}
+        with open(f"{args.out}/kernel_bench.json", "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"\nbatch {big} stages (µs/layer, cumulative): grouping + w13 + act {sb[1]:.1f}, + w2 {sb[2]:.1f}, "
+              f"+ top-k sum {sb[3]:.1f}")
+
     # last: the table (tokens: µs, % of the bound of this run, ratio to vLLM's figure)
     print("\n| tokens | tuned config (block_m, n1, k1, n2, k2, warps, stages, slot_max_pairs, pdl, split_k1, split_k2, "
           "tile_order) | µs | % of bound | vLLM µs (NOTES) | speed vs vLLM |")
