@@ -54,8 +54,8 @@ TRITON_SEARCH_SPACE: dict = {
     # 13's fourth session to keep a miss near two minutes on the H200: candidates 3% or more
     # behind the best at every batch size in its run 2 (BENCHMARKS.md), and two pdl=0 entries whose
     # pdl=2 twins stay. Split-K (split_k1/split_k2 > 1) is not searched: it lost at every batch size
-    # there (BENCHMARKS.md, issue 13 fourth session). The CPU path tunes TORCH_SEARCH_SPACE instead
-    # (this list is only hashed into the key).
+    # there (BENCHMARKS.md, issue 13 fourth session). On CPU, autotune() times TORCH_SEARCH_SPACE
+    # and neither reads nor hashes this list: its size never costs CPU CI time.
     "decode": [
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
