@@ -295,6 +295,51 @@ def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask)
     return x, h, None, None
 
 
+def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask):
+    """:func:`layer_before_experts` for one decode token per sequence, in four Triton launches
+    (:mod:`coldset.kernels.triton_decode`, CUDA) up to the router's input: the residual add, input
+    norm and qkv projection in one; qk-norm, RoPE, the KV write and attention in one; o_proj with
+    the residual add; the post-attention norm. Why: the step outside the experts is launch
+    latency (BENCHMARKS.md, issue 13), and these are the layer's launches that are not the
+    router's or the experts'. Same contract as :func:`layer_before_experts` (decode only)."""
+    from coldset.kernels import triton_decode as td
+
+    bsz, seq, hidden = x.shape
+    if seq != 1:
+        raise ValueError(f"fused_layer_before_experts: one token per sequence (decode), got {seq}")
+    attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    x, qkv = td.norm_linear(x.view(bsz, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight, eps=norm_in.eps,
+                            add=delta.view(bsz, hidden))
+    out = td.decode_attention(qkv, attn.qk_norm_weight, cos, sin, attn.k_cache, attn.v_cache, slots, mask,
+                              attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps)
+    x = td.norm_linear(out, attn.o_proj.weight, residual=x)
+    h = td.rms_norm(x, norm_post.weight, norm_post.eps)
+    if isinstance(layer.mlp, MoEBlock):
+        topk_ids, topk_weights = layer.mlp.route(h)
+        return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
+    return x.view(bsz, seq, hidden), h.view(bsz, seq, hidden), None, None
+
+
+def fused_decode_supported(model: "MoEModel") -> str | None:
+    """Why :func:`fused_layer_before_experts` cannot run ``model`` (None if it can): CUDA,
+    triton, a half-precision dtype (the kernels' dots would run float32 as tf32), a power-of-two
+    head_dim of at least 16 and, with qk-norm, the stacked qk-norm weights."""
+    import importlib.util
+
+    if model.device.type != "cuda":
+        return f"the model is on {model.device}, the fused decode kernels are CUDA only"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if model.dtype not in (torch.bfloat16, torch.float16):
+        return f"the model dtype is {model.dtype}; the fused decode kernels take bfloat16 or float16"
+    d = model.config.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    if model.config.qk_norm and any(layer.self_attn.qk_norm_weight is None for layer in model.layers):
+        return "qk-norm weights are not stacked (Attention.fuse_qk_norm)"
+    return None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, model: "MoEModel"):
         super().__init__()
@@ -348,19 +393,30 @@ class MoEModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def compile_decode(self) -> None:
-        """Run decode steps (one token per sequence) through a ``torch.compile``d
-        :func:`layer_before_experts`.
+    def compile_decode(self, fused: bool | None = None) -> None:
+        """Run decode steps (one token per sequence) through a faster region than the eager
+        :func:`layer_before_experts`: the Triton kernels of :func:`fused_layer_before_experts`
+        (``fused=True``; the default wherever :func:`fused_decode_supported` says they run: CUDA,
+        triton, bf16/fp16) or a ``torch.compile``d :func:`layer_before_experts` (``fused=False``;
+        the default elsewhere).
 
-        Why: at batch 1 the step outside the experts is ~25 small kernels a layer (norms, qk-norm,
-        RoPE, KV write, router softmax/top-k, residual adds), launch latency rather than bytes;
-        Inductor fuses them into a few. One compiled graph serves all layers (they differ in
-        tensors, not code); the experts call stays eager between the regions, and the whole step
-        can still be captured in one CUDA graph (:class:`coldset.bench.Decoder`). Prefill is not
-        compiled. Compiled numerics are not bitwise those of the eager step (Inductor fuses the
-        float32 normalisations), so every run that compares tokens (parity gate, bench) runs one
-        engine, compiled or not, on both sides.
+        Why: at batch 1 the step outside the experts is ~25 small kernels a layer in eager (norms,
+        qk-norm, RoPE, KV write, SDPA, router, residual adds), launch latency rather than bytes;
+        Inductor fuses the elementwise ones into a few (~12 kernels a layer), the fused kernels
+        bring it to four launches plus the router's. The experts call stays between the regions,
+        and the whole step can still be captured in one CUDA graph (:class:`coldset.bench.Decoder`).
+        Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
+        kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
+        engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
         """
+        reason = fused_decode_supported(self)
+        if fused is None:
+            fused = reason is None
+        if fused:
+            if reason is not None:
+                raise ValueError(f"compile_decode(fused=True): {reason}")
+            self._compiled_before_experts = fused_layer_before_experts
+            return
         import torch._dynamo.config as dynamo_config
 
         # A region past the recompile limit would silently run eagerly (other numerics): fail.

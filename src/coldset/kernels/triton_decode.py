@@ -1,0 +1,316 @@
+"""The decode step's non-expert work in few launches (CUDA, Triton): one token per sequence.
+
+Why: at decode batch sizes the step outside the routed experts is latency, not bytes. The
+compiled region (Inductor) still ran ~12 kernels a layer for ~38 MB of attention and router
+weights: the input norm, the qkv GEMV, qk-norm + RoPE + the KV write, the mask's expansion,
+SDPA, the o_proj GEMV and its split-K reduction, the residual add and the post-attention norm,
+each with its launch gap. Here a layer is four launches up to the router's input:
+
+* :func:`norm_linear` with ``add``: the residual add that ends the previous layer, the input
+  RMSNorm and the qkv projection (every program recomputes the row's norm from the row, which
+  is 4 KB; program 0 writes the new residual stream);
+* :func:`decode_attention`: per (sequence, kv head), qk-norm, RoPE, the KV-cache write and
+  attention of the head's query group over the valid cache slots (GQA without repeating K/V);
+* :func:`norm_linear` with ``residual``: o_proj plus the residual add;
+* :func:`rms_norm`: the post-attention norm (the router's input).
+
+Numerics follow the engine's (:mod:`coldset.model`): norms in float32, cast to the model dtype,
+then scaled by the weight and cast again; softmax in float32 with the probabilities cast to the
+model dtype for the value product (as flash attention does). Every reduction has a fixed order
+(no atomics, no split-K), so a step is bitwise reproducible and independent of where experts
+live; it is not bitwise equal to the eager or Inductor-compiled step (other reduction orders),
+which is why runs that compare tokens run one engine on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch configuration of :func:`norm_linear`. ``block_m == 1`` multiplies on the CUDA
+    cores (a GEMV, one token); otherwise ``block_m`` (>= 16) tokens go through ``tl.dot``. The
+    reduction order depends on ``block_k`` and the path, so one config per shape is fixed in
+    :func:`linear_config` (no run-time autotuning: two processes must compute the same bits)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def linear_config(m: int, n: int, k: int) -> LinearConfig:
+    """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight (measured on the
+    H200 at Qwen3-30B-A3B's qkv and o_proj shapes, BENCHMARKS.md issue 13, fourth session)."""
+    if m == 1:
+        return LinearConfig(1, 16, 512, num_warps=4, num_stages=3)
+    return LinearConfig(16, 32, 256, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _norm_linear_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr,
+                        M, N, K, eps,
+                        stride_xm, stride_am, stride_sm, stride_wn, stride_rm, stride_om,
+                        NORM: tl.constexpr, ADD: tl.constexpr, RESIDUAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    a_rows = add_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        # Pass 1: the rows' mean square (and, with ADD, the residual sum, written by program 0).
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + rk
+            ok = m_ok[:, None] & (offs_k[None, :] < K)
+            u = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
+            if ADD:
+                u = (u.to(tl.float32) + tl.load(a_rows + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
+                tl.store(sum_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_k[None, :], u,
+                         mask=ok & (pid_n == 0))
+            uf = u.to(tl.float32)
+            ss += tl.sum(uf * uf, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        k_ok = offs_k < K
+        ok = m_ok[:, None] & k_ok[None, :]
+        a = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
+        if NORM:
+            if ADD:
+                a = (a.to(tl.float32) + tl.load(a_rows + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
+            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc1 += a.to(tl.float32) * w.to(tl.float32)
+        else:
+            acc2 += tl.dot(a, tl.trans(w))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
+    else:
+        acc = acc2
+    y = acc.to(dt)
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=out_ok)
+
+
+def _rows(t: torch.Tensor, name: str, k: int) -> torch.Tensor:
+    if t.dim() != 2 or t.shape[1] != k:
+        raise ValueError(f"norm_linear: {name} must be [M, {k}], got {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def norm_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                eps: float = 0.0, add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                config: LinearConfig | None = None):
+    """``x @ weight.T`` for a few tokens ``x`` ``[M, K]`` and ``weight`` ``[N, K]``, with what
+    sits around the decode step's GEMVs fused in:
+
+    * ``norm_weight``: the input is ``RMSNorm(x)`` (``eps``) instead of ``x``;
+    * ``add`` (with ``norm_weight``): the input is ``RMSNorm(x + add)``; returns
+      ``(x + add, out)``, the residual stream and the product;
+    * ``residual``: returns ``residual + x @ weight.T``.
+
+    Returns ``out`` ``[M, N]`` in ``x``'s dtype (or the pair above).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape != (n, k) or weight.stride(1) != 1:
+        raise ValueError(f"norm_linear: weight must be a row-major [N, {k}], got {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    if add is not None and norm_weight is None:
+        raise ValueError("norm_linear: add is fused into the input norm only (give norm_weight)")
+    x = _rows(x, "x", k)
+    cfg = config or linear_config(m, n, k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if add is not None else None
+    add = _rows(add, "add", k) if add is not None else None
+    if residual is not None:
+        if residual.shape != (m, n):
+            raise ValueError(f"norm_linear: residual must be [{m}, {n}], got {tuple(residual.shape)}")
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_linear: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if m:
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+        _norm_linear_kernel[grid](
+            x, add if add is not None else x, summed if summed is not None else x,
+            norm_weight if norm_weight is not None else x, weight,
+            residual if residual is not None else x, out,
+            m, n, k, float(eps),
+            x.stride(0), add.stride(0) if add is not None else 0, summed.stride(0) if summed is not None else 0,
+            weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            NORM=norm_weight is not None, ADD=add is not None, RESIDUAL=residual is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (summed, out) if add is not None else out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * (x * rstd).to(dt).to(tl.float32)).to(dt), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * RMSNorm(x)`` of rows ``x`` ``[M, N]`` (the engine's :class:`~coldset.model.RMSNorm`), one launch."""
+    m, n = x.shape
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight must be [{n}], got {tuple(weight.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(n)
+    if m:
+        _rms_norm_kernel[(m,)](x, weight, out, n, float(eps), x.stride(0), out.stride(0), BLOCK=block,
+                               num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+@triton.jit
+def _decode_attention_kernel(qkv_ptr, nw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, mask_ptr, out_ptr,
+                             S, eps, scale,
+                             stride_qkv, stride_cos, stride_sin, stride_cb, stride_cs,
+                             stride_mb, stride_ms, stride_out,
+                             NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, QK_NORM: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    perm = (offs_d + half) % D  # rotate_half reads the other half ...
+    sign = tl.where(offs_d < half, -1.0, 1.0)  # ... negating the second half moved to the first
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < REP
+    heads = g * REP + offs_h  # the query heads of kv head g (transformers: head h uses kv head h // REP)
+    row = qkv_ptr + b * stride_qkv
+    q_ptrs = row + heads[:, None] * D
+    q = tl.load(q_ptrs + offs_d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    q_sw = tl.load(q_ptrs + perm[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    k_ptr = row + (NH + g) * D
+    k = tl.load(k_ptr + offs_d).to(tl.float32)
+    k_sw = tl.load(k_ptr + perm).to(tl.float32)
+    v = tl.load(row + (NH + NKV + g) * D + offs_d)
+    if QK_NORM:  # per head: weight * RMSNorm, rows of nw are the q heads then the kv heads
+        rq = tl.rsqrt(tl.sum(q * q, axis=1) / D + eps)
+        wq_ptrs = nw_ptr + heads[:, None] * D
+        wq = tl.load(wq_ptrs + offs_d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        wq_sw = tl.load(wq_ptrs + perm[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        q = (wq * (q * rq[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        q_sw = (wq_sw * (q_sw * rq[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k * k, axis=0) / D + eps)
+        wk_ptr = nw_ptr + (NH + g) * D
+        wk = tl.load(wk_ptr + offs_d).to(tl.float32)
+        wk_sw = tl.load(wk_ptr + perm).to(tl.float32)
+        k = (wk * (k * rk).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        k_sw = (wk_sw * (k_sw * rk).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    cos = tl.load(cos_ptr + b * stride_cos + offs_d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_sin + offs_d).to(tl.float32)
+    q = (q * cos[None, :] + sign[None, :] * q_sw * sin[None, :]).to(dt)
+    k = (k * cos + sign * k_sw * sin).to(dt)
+    slot = tl.load(slot_ptr)
+    cache_b = b * stride_cb + g * D
+    tl.store(kc_ptr + cache_b + slot * stride_cs + offs_d, k)
+    tl.store(vc_ptr + cache_b + slot * stride_cs + offs_d, v)
+    # Attention over the first S slots where the mask allows, online softmax in float32. The
+    # slot written above is taken from registers (another thread of this program wrote it).
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        valid = tl.load(mask_ptr + b * stride_mb + offs_s * stride_ms, mask=offs_s < S, other=0) != 0
+        kv_off = cache_b + offs_s.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
+        kt = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        vt = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        new = (offs_s == slot)[:, None]
+        kt = tl.where(new, k[None, :], kt)
+        vt = tl.where(new, v[None, :], vt)
+        s = tl.dot(q, tl.trans(kt)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of masked keys only
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt)
+        m_i = m_new
+    o = (acc / l_i[:, None]).to(dt)
+    tl.store(out_ptr + b * stride_out + heads[:, None] * D + offs_d[None, :], o, mask=h_ok[:, None])
+
+
+def decode_attention(qkv: torch.Tensor, qk_norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, block_s: int = 64) -> torch.Tensor:
+    """One decode token per sequence: ``[B, num_heads * head_dim]`` attention output.
+
+    ``qkv`` ``[B, (nh + 2 nkv) D]`` (q heads, k heads, v heads: the engine's fused projection);
+    ``qk_norm_weight`` ``[nh + nkv, D]`` or None; ``cos``/``sin`` ``[B, 1, D]``; caches
+    ``[B, max_seq, nkv, D]`` (contiguous), written at slot ``slots[0]``; ``mask`` bool
+    ``[B, 1, 1, S]``: which of the first ``S`` slots each sequence attends to. Softmax scale
+    ``1/sqrt(D)``, as SDPA's default.
+    """
+    bsz = qkv.shape[0]
+    nh, nkv, d = num_heads, num_kv_heads, head_dim
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"decode_attention: head_dim {d} must be a power of two >= 16")
+    if nh % nkv:
+        raise ValueError(f"decode_attention: {nh} query heads are not a multiple of {nkv} kv heads")
+    if qkv.shape != (bsz, (nh + 2 * nkv) * d) or qkv.stride(1) != 1:
+        raise ValueError(f"decode_attention: qkv must be row-major [B, {(nh + 2 * nkv) * d}], got {tuple(qkv.shape)}")
+    want = (bsz, k_cache.shape[1], nkv, d)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tuple(c.shape) != want or not c.is_contiguous():
+            raise ValueError(f"decode_attention: {name} must be contiguous {want}, got {tuple(c.shape)}")
+    if mask.dim() != 4 or mask.shape[:3] != (bsz, 1, 1) or mask.dtype != torch.bool:
+        raise ValueError(f"decode_attention: mask must be bool [B, 1, 1, S], got {tuple(mask.shape)} {mask.dtype}")
+    seq_len = mask.shape[-1]
+    if seq_len > k_cache.shape[1]:
+        raise ValueError(f"decode_attention: mask covers {seq_len} slots, the cache holds {k_cache.shape[1]}")
+    if slots.numel() != 1:
+        raise ValueError(f"decode_attention: one token per sequence (one slot), got {slots.numel()} slots")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (bsz, 1, d) or t.stride(-1) != 1:
+            raise ValueError(f"decode_attention: {name} must be [B, 1, {d}], got {tuple(t.shape)}")
+    if qk_norm_weight is not None and (qk_norm_weight.shape != (nh + nkv, d) or not qk_norm_weight.is_contiguous()):
+        raise ValueError(f"decode_attention: qk_norm_weight must be contiguous [{nh + nkv}, {d}]")
+    out = torch.empty((bsz, nh * d), dtype=qkv.dtype, device=qkv.device)
+    mask_u8 = mask.view(torch.uint8)
+    rep = nh // nkv
+    if bsz:
+        _decode_attention_kernel[(bsz, nkv)](
+            qkv, qk_norm_weight if qk_norm_weight is not None else qkv, cos, sin, k_cache, v_cache, slots,
+            mask_u8, out, seq_len, float(eps), d ** -0.5,
+            qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+            mask_u8.stride(0), mask_u8.stride(3), out.stride(0),
+            NH=nh, NKV=nkv, D=d, REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), BLOCK_S=block_s,
+            QK_NORM=qk_norm_weight is not None, num_warps=4)
+    return out

@@ -1,0 +1,160 @@
+"""The decode step's Triton kernels (coldset.kernels.triton_decode) against torch references in
+float32, their determinism, and the fused decode step against the eager engine.
+
+GPU only: skipped by the gpu marker where no CUDA device or triton is present (tests/conftest.py).
+``DEVICE`` is read from the environment so that the kernels' tests can also be run through
+Triton's interpreter on the CPU (``TRITON_INTERPRET=1 COLDSET_TEST_DEVICE=cpu``, by hand).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
+DT = getattr(torch, os.environ.get("COLDSET_TEST_DTYPE", "bfloat16"))
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def ref_norm(x, w, eps):
+    """The engine's RMSNorm (float32 normalisation, cast, scale) in float32 throughout."""
+    return w.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 640, 512), (3, 200, 384), (8, 512, 1024), (20, 96, 256)])
+def test_norm_linear_against_torch(m, n, k):
+    from coldset.kernels.triton_decode import norm_linear
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, DT)
+    add = torch.randn(m, k, generator=g).to(DEVICE, DT)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(DEVICE, DT)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, DT)
+    res = torch.randn(m, n, generator=g).to(DEVICE, DT)
+
+    plain = norm_linear(x, w)
+    assert rel(plain, x.float() @ w.float().T) < 1e-2
+
+    summed, out = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add)
+    if DEVICE == "cuda":  # (Triton's interpreter truncates to bf16 where CUDA rounds to nearest)
+        assert torch.equal(summed, x + add)  # the residual stream: one bf16 add, exactly torch's
+    assert rel(summed, x.float() + add.float()) < 1e-2
+    assert rel(out, ref_norm(x.float() + add.float(), nw, 1e-6) @ w.float().T) < 1e-2
+
+    with_res = norm_linear(x, w, residual=res)
+    assert rel(with_res, res.float() + x.float() @ w.float().T) < 1e-2
+
+    again = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add)
+    assert torch.equal(again[1], out)  # a fixed reduction order: the same bits every run
+
+
+def test_norm_linear_refuses_a_transposed_weight():
+    from coldset.kernels.triton_decode import norm_linear
+
+    w = torch.randn(64, 32, device=DEVICE, dtype=DT).T  # [32, 64] view, column-major
+    with pytest.raises(ValueError, match="row-major"):
+        norm_linear(torch.randn(1, 64, device=DEVICE, dtype=DT), w)
+
+
+def test_rms_norm_against_torch():
+    from coldset.kernels.triton_decode import rms_norm
+
+    x = torch.randn(5, 2048, device=DEVICE, dtype=DT) * 3
+    w = (1 + 0.1 * torch.randn(2048)).to(DEVICE, DT)
+    got = rms_norm(x, w, 1e-6)
+    want = w * F.rms_norm(x, (2048,), eps=1e-6)  # the engine's RMSNorm.forward
+    assert rel(got, want) < 1e-2
+    # Each element is either the engine's or one bf16 step from it (float32 sums in other orders).
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+
+
+def ref_attention(qkv, nw, cos, sin, k_cache, v_cache, slot, mask, nh, nkv, d, eps):
+    """float32 torch: qk-norm, RoPE, the KV write (into the given caches), masked GQA softmax attention."""
+    bsz = qkv.shape[0]
+    q, k, v = qkv.float().split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.view(bsz, nh, d), k.view(bsz, nkv, d), v.view(bsz, nkv, d)
+    if nw is not None:
+        q = ref_norm(q, nw[:nh], eps)
+        k = ref_norm(k, nw[nh:], eps)
+
+    def rot(t):
+        return torch.cat((-t[..., d // 2:], t[..., : d // 2]), dim=-1)
+
+    c, s = cos.float(), sin.float()  # [B, 1, D]: broadcast over heads
+    q, k = q * c + rot(q) * s, k * c + rot(k) * s
+    k_cache[:, slot] = k.to(k_cache.dtype)
+    v_cache[:, slot] = v.to(v_cache.dtype)
+    seq = mask.shape[-1]
+    rep = nh // nkv
+    keys = k_cache[:, :seq].float().repeat_interleave(rep, dim=2)  # [B, S, nh, D]
+    values = v_cache[:, :seq].float().repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", q, keys) / math.sqrt(d)
+    scores = scores.masked_fill(~mask[:, 0, 0][:, None, :], float("-inf"))
+    return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), values).reshape(bsz, nh * d)
+
+
+@pytest.mark.parametrize("bsz,nh,nkv,d,qk_norm,max_seq,seq,slot,pad", [
+    (1, 32, 4, 128, True, 48, 48, 40, 0),     # Qwen3-30B-A3B heads, the bench's full-length mask
+    (3, 8, 2, 64, False, 200, 150, 149, 70),  # mixtral-like (no qk-norm), keys over three blocks, and
+                                              # a sequence whose first block of keys is all padding
+    (8, 16, 16, 32, True, 70, 33, 32, 3),     # no GQA, generate()'s growing mask
+])
+def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, slot, pad):
+    from coldset.kernels.triton_decode import decode_attention
+
+    g = torch.Generator().manual_seed(bsz * 1000 + d)
+    qkv = (torch.randn(bsz, (nh + 2 * nkv) * d, generator=g) * 2).to(DEVICE, DT)
+    nw = (1 + 0.2 * torch.randn(nh + nkv, d, generator=g)).to(DEVICE, DT) if qk_norm else None
+    pos = torch.randint(0, 4000, (bsz, 1), generator=g).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)  # [B, 1, D]
+    cos, sin = emb.cos().to(DEVICE, DT), emb.sin().to(DEVICE, DT)
+    kc = torch.randn(bsz, max_seq, nkv, d, generator=g).to(DEVICE, DT)
+    vc = torch.randn(bsz, max_seq, nkv, d, generator=g).to(DEVICE, DT)
+    slots = torch.tensor([slot], device=DEVICE)
+    # Left padding: sequence b sees slots >= pad * b, up to the slot.
+    s = torch.arange(seq)
+    mask = ((s[None, :] >= pad * torch.arange(bsz)[:, None]) & (s[None, :] <= slot))[:, None, None].to(DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = ref_attention(qkv, nw, cos, sin, kc_ref, vc_ref, slot, mask, nh, nkv, d, 1e-6)
+    got = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6)
+    assert got.shape == (bsz, nh * d) and not got.isnan().any()
+    assert rel(got, want) < 1e-2
+    others = torch.ones(max_seq, dtype=torch.bool)
+    others[slot] = False
+    assert torch.equal(kc[:, others], kc_ref[:, others]) and torch.equal(vc[:, others], vc_ref[:, others])
+    assert torch.equal(vc[:, slot], qkv[:, (nh + nkv) * d:].view(bsz, nkv, d))  # v is written as projected
+    assert rel(kc[:, slot], kc_ref[:, slot]) < 1e-2
+    again = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine's fused step runs on CUDA")
+def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise():
+    from coldset import gate
+    from coldset.model import fused_layer_before_experts, generate
+    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+
+    spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=8, kv_heads=2,
+                         head_dim=64, vocab_size=1024, seed=11, in_memory=True)
+    eager, tok = build_synthetic_model(spec, "cuda", DT)
+    fused, _ = build_synthetic_model(spec, "cuda", DT)
+    fused.compile_decode()
+    assert fused._compiled_before_experts is fused_layer_before_experts  # the default on CUDA in bf16
+    for m in (eager, fused):
+        m.experts_fn = gate.experts_functions(torch.device("cuda"), None)[0]
+    prompts = [tok.encode(t).ids for t in ("def parse_args(items, limit):", "The quiet river",
+                                           '{"tool": "get_weather", "city": "Oslo"}')]
+    a = generate(eager, prompts, 16, progress=False, return_all_logits=True)
+    b = generate(fused, prompts, 16, progress=False, return_all_logits=True)
+    c = generate(fused, prompts, 16, progress=False, return_all_logits=True)
+    assert a.tokens == b.tokens
+    assert rel(b.all_logits, a.all_logits) < 1e-2
+    assert torch.equal(b.all_logits, c.all_logits)
