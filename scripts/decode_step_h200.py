@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""The batch-1 decode step at real shape on one GPU: where its time goes, eager vs compiled.
+"""The decode step at real shape on one GPU: where its time goes, per engine, at batch 1 and 8.
 
     PYTHONPATH=src python3 scripts/decode_step_h200.py --config config/examples/qwen3-30b-a3b-h200.yaml \
-        --out <dir> [--tune]
+        --out <dir> [--tune | --tuned <autotune entry.json>] [--engines eager,compiled,fused] [--sweep]
 
 Builds the config's in-memory synthetic model (every expert in HBM), measures the HBM read
-ceiling (a Triton streaming read), then for four engines, the eager step and the step with
-``MoEModel.compile_decode``, each with the router's top-k by ``torch.topk`` (the engine before
-this script's session) and by the one-launch kernel (``coldset.kernels.softmax_topk``), each
-captured in one CUDA graph by ``coldset.bench.Decoder``, times: the full step and the step with
-the routed experts replaced by zeros (router still runs) at batch 1, the full step at batch 8,
-plus a kernel profile of the batch-1 step. Checks: each engine decodes the first one's greedy
-tokens (16 steps), and the largest logit difference. The bound is bytes read per token at batch 1 (non-expert weights, one
-embedding row, top_k experts per layer) over the measured read bandwidth. ``--tune`` runs the
-autotune (coldset.tune) for batch 1 and 8 first and uses its launch configs. Writes
-``decode_step.json``; the table is printed last.
+ceiling (``coldset.bench.measure_ceilings``: best of several rounds), then for each engine (the
+eager step; ``compile_decode(fused=False)``, the Inductor-compiled region; ``compile_decode()``,
+the fused Triton kernels of ``coldset.kernels.triton_decode``), each captured in one CUDA graph
+by ``coldset.bench.Decoder``, times the full step at batch 1 and 8 (8 different prompts cut from
+fixture-like text, as the bench cuts them) and the step with the routed experts replaced by zeros
+at batch 1, with a kernel profile of each full step (kernels per step, per layer, the top kernels).
+
+The bytes floor of a step is what it must read from HBM (non-expert weights with the LM head,
+the batch's embedding rows, and per MoE layer each distinct expert the batch's tokens chose, from
+an eager pass with routing capture over the same tokens: ``coldset.bench.measure_routing``) over
+the measured read rate; ``of floor`` = floor / measured step. Checks: every engine decodes the
+eager engine's greedy tokens (16 steps, both batch sizes); the largest logit difference.
+``--tune`` runs the experts autotune (coldset.tune) for batch 1 and 8 first; ``--tuned`` reads
+the configs of an autotune entry instead (e.g. the bench's results/autotune/<model>.json; a
+speed choice only). ``--sweep`` also times :func:`coldset.kernels.triton_decode.norm_linear`'s
+launch configs against cuBLAS at the qkv and o_proj shapes over the model's 48 layers' weights.
+Writes ``decode_step.json``; the table is printed last.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ def log(*a) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s]", *a, file=sys.stderr, flush=True)
 
 
-def kernel_profile(step, n: int = 3) -> dict:
-    """Kernels per step and their summed device time, from the profiler over ``n`` calls."""
+def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
+    """Kernels per step (and per layer: per step / ``layers``) and their summed device time,
+    from the profiler over ``n`` calls; the top kernels by time with their count per step."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -49,9 +57,60 @@ def kernel_profile(step, n: int = 3) -> dict:
     by_name: dict[str, list] = {}
     for e in kernels:
         by_name.setdefault(e.name[:60], []).append(e.device_time)
-    top = sorted(((k, len(v) / n, sum(v) / n) for k, v in by_name.items()), key=lambda r: -r[2])[:15]
-    return {"kernels_per_step": len(kernels) / n, "kernel_us_per_step": total_us / n,
+    top = sorted(((k, len(v) / n, sum(v) / n) for k, v in by_name.items()), key=lambda r: -r[2])[:25]
+    return {"kernels_per_step": len(kernels) / n, "kernels_per_layer": len(kernels) / n / layers,
+            "kernel_us_per_step": total_us / n,
             "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}
+
+
+def linear_sweep(model, reps: int = 20) -> list[dict]:
+    """µs per launch of ``norm_linear`` launch configs and of ``F.linear`` (cuBLAS) at the qkv
+    (with the input norm and residual add fused) and o_proj (with the residual) shapes, at 1 and
+    8 tokens, each a CUDA graph over every layer's weights (nothing stays in L2)."""
+    from coldset.kernels.triton_decode import LinearConfig, linear_config, norm_linear
+    from coldset.tune import graph_time_us
+
+    cands = {1: [LinearConfig(1, *c) for c in ((8, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 4, 3), (16, 512, 4, 1),
+                                                (16, 512, 4, 3), (16, 1024, 8, 3), (32, 256, 4, 3), (32, 512, 8, 3))],
+             8: [LinearConfig(16, *c) for c in ((16, 128, 4, 3), (16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4),
+                                                (64, 128, 4, 4), (64, 256, 8, 3))]}
+    layers = model.layers
+    rows = []
+    for m in (1, 8):
+        for name in ("qkv", "o_proj"):
+            ws = [ly.self_attn.qkv_proj.weight if name == "qkv" else ly.self_attn.o_proj.weight for ly in layers]
+            n, k = ws[0].shape
+            x = torch.randn(m, k, device=model.device, dtype=model.dtype)
+            extra = torch.randn(m, k if name == "qkv" else n, device=model.device, dtype=model.dtype)
+            nw = layers[0].input_layernorm.weight
+            nbytes = sum(w.numel() * w.element_size() for w in ws)
+
+            def run(cfg):
+                for w in ws:
+                    if name == "qkv":
+                        norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg)
+                    else:
+                        norm_linear(x, w, residual=extra, config=cfg)
+
+            def cublas():
+                for w in ws:
+                    torch.nn.functional.linear(x, w)
+
+            for label, fn in [("cublas F.linear", cublas)] + [(str(c), (lambda c=c: run(c))) for c in cands[m]]:
+                try:
+                    us = graph_time_us(fn, reps) / len(ws)
+                except Exception as exc:  # a config that does not compile is a result, not a crash
+                    rows.append({"m": m, "shape": name, "config": label, "error": repr(exc)[:200]})
+                    continue
+                rows.append({"m": m, "shape": name, "n": n, "k": k, "config": label, "us": us,
+                             "GBps": nbytes / len(ws) / us / 1e3,
+                             "default": label == str(linear_config(m, n, k))})
+            best = min((r for r in rows if r.get("m") == m and r.get("shape") == name and "us" in r
+                        and r["config"] != "cublas F.linear"), key=lambda r: r["us"])
+            base = next(r for r in rows if r.get("m") == m and r.get("shape") == name and r["config"] == "cublas F.linear")
+            log(f"sweep m={m} {name}: cublas {base['us']:.2f} us ({base['GBps']:.0f} GB/s); best {best['config']} "
+                f"{best['us']:.2f} us ({best['GBps']:.0f} GB/s)")
+    return rows
 
 
 def main() -> int:
@@ -59,6 +118,9 @@ def main() -> int:
     ap.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
+    ap.add_argument("--engines", default="eager,compiled,fused")
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
 
@@ -67,9 +129,9 @@ def main() -> int:
     from coldset.files import write_json
     from coldset.fixtures import template_texts
     from coldset.gate import experts_functions
-    from coldset.placement import expert_bytes, nonexpert_bytes_breakdown
+    from coldset.placement import expert_bytes
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.tune import TuneShape, autotune, eager_time_us, tuned_experts
+    from coldset.tune import TuneResult, TuneShape, autotune, eager_time_us, tuned_experts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,68 +148,79 @@ def main() -> int:
     model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
     cfg = model.config
     L = cfg.num_moe_layers
-    per_token = sum(v for k, v in nonexpert_bytes_breakdown(cfg).items() if k != "embed_tokens") \
-        + cfg.hidden_size * 2 + L * cfg.top_k * expert_bytes(cfg)
-    R["bytes_per_token_b1"] = per_token
-    R["bound_tok_s"] = R["hbm_read_GBps"] * 1e9 / per_token
-    log("model built; bound", R["bound_tok_s"], "tok/s")
+    log("model built")
 
     experts = experts_functions(dev, None)[0]
+    shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
+                      num_hot=L * cfg.num_experts, num_cold=0)
     if args.tune:
-        shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-                          top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
-                          num_hot=L * cfg.num_experts, num_cold=0)
         t = time.perf_counter()
         result = autotune(shape, [1, 8], "cuda", "/tmp/coldset-autotune")
         R["autotune_s"] = time.perf_counter() - t
         experts = tuned_experts(result, use_row_map=False)
-        R["tuned_configs"] = {str(k): dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                              for k, v in result.configs.items()} if hasattr(result, "configs") else None
+        R["tuned_configs"] = result.configs
         log("autotune", R["autotune_s"], "s")
+    elif args.tuned:
+        import json
+
+        entry = json.loads(Path(args.tuned).read_text())
+        result = TuneResult(key=entry["key"], hit=True, backend=entry["backend"], shape=shape,
+                            batch_sizes=[int(b) for b in entry["configs"]],
+                            configs={int(b): c for b, c in entry["configs"].items()})
+        experts = tuned_experts(result, use_row_map=False)
+        R["tuned_configs"] = result.configs
+        R["tuned_from"] = args.tuned
+
+    if args.sweep:
+        R["linear_sweep"] = linear_sweep(model)
+        write_json(out / "decode_step.json", R)
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
         return torch.zeros_like(x)
 
-    prompt = torch.tensor([t for t in tokenizer.encode("def parse_args(items, limit):").ids] * 8)[:32]
+    plen, new = 32, 16
+    stream = [t for d in fx["domains"] for text in texts[d][:4] for t in tokenizer.encode(text).ids]
+    prompts_by_b = {b: bn.bench_prompts(stream, b, plen) for b in (1, 8)}
+    # The bytes floor per step: every non-expert weight once (the batch's embedding rows), and
+    # each distinct expert the batch chose per layer (eager routing capture over the same tokens).
+    ebytes = expert_bytes(cfg)
+    R["floor"] = {}
+    model.experts_fn = experts
+    for b, prompts in prompts_by_b.items():
+        _, _, hot_per_token, _ = bn.measure_routing(model, prompts, new, ebytes)
+        step_bytes = bn._nonexpert_read_bytes(cfg, b, model.dtype) + hot_per_token * b
+        R["floor"][b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
+                         "floor_ms": step_bytes / (R["hbm_read_GBps"] * 1e6)}
+    log("floor", R["floor"])
+
     rows: list[dict] = []
     tokens_by_mode: dict[str, list] = {}
     logits_by_mode: dict[str, torch.Tensor] = {}
     import torch._dynamo as dynamo
-    from coldset import model as engine
 
-    from coldset.kernels import torch_softmax_topk
-
-    engine_route = engine.MoEBlock.route
-
-    def torch_topk_route(self, flat):  # the engine's router before the one-launch kernel
-        return torch_softmax_topk(torch.nn.functional.linear(flat, self.gate.weight), self.top_k,
-                                  self.norm_topk_prob)
-
-    variants = {
-        "eager, torch top-k": dict(compile=False, route=torch_topk_route),
-        "compiled, torch top-k": dict(compile=True, route=torch_topk_route),
-        "eager": dict(compile=False),
-        "compiled": dict(compile=True),
-    }
-    for mode, v in variants.items():
-        engine.MoEBlock.route = v.get("route", engine_route)
+    engines = args.engines.split(",")
+    for mode in engines:
         dynamo.reset()
         model._compiled_before_experts = None
         t = time.perf_counter()
-        if v["compile"]:
-            model.compile_decode()
-        for bsz, names in ((1, ("full", "no_experts")), (8, ("full",))):
-            prompts = prompt[None].expand(bsz, -1).contiguous()
-            for name in names:
+        if mode == "compiled":
+            model.compile_decode(fused=False)
+        elif mode == "fused":
+            model.compile_decode(fused=True)
+        elif mode != "eager":
+            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, fused)")
+        for bsz in (1, 8):
+            for name in (("full", "no_experts") if bsz == 1 else ("full",)):
                 model.experts_fn = experts if name == "full" else no_experts
-                dec = bn.Decoder(model, bsz, 32, 16, True)
-                tok = dec.prefill(prompts)
+                dec = bn.Decoder(model, bsz, plen, new, True)
+                tok = dec.prefill(prompts_by_b[bsz])
                 dec.set_step(tok, 1)
                 dec.capture()
                 if bsz == 1 and name == "full":
                     R.setdefault("compile_s", {})[mode] = time.perf_counter() - t
                 toks, logs = [tok], []
-                for step in range(1, 16):
+                for step in range(1, new):
                     dec.set_step(tok, step)
                     lg = dec.step()
                     logs.append(lg.float().clone())
@@ -158,42 +231,52 @@ def main() -> int:
                     logits_by_mode[f"{mode}/b{bsz}"] = torch.stack(logs, 1)
                 ms = eager_time_us(dec.step, args.reps) / 1e3
                 row = {"mode": mode, "batch": bsz, "experts": name, "step_ms": ms, "tok_s": bsz * 1e3 / ms}
-                if bsz == 1:
-                    row["fraction_of_bound"] = row["tok_s"] / R["bound_tok_s"]
-                if bsz == 1 and name == "full":
+                if name == "full":
+                    row["floor_ms"] = R["floor"][bsz]["floor_ms"]
+                    row["fraction_of_floor"] = row["floor_ms"] / ms
                     try:
-                        row["profile"] = kernel_profile(dec.step)
+                        row["profile"] = kernel_profile(dec.step, layers=len(model.layers))
                     except Exception as exc:  # the profiler is a diagnosis, not the measurement
                         row["profile"] = {"error": repr(exc)}
                 rows.append(row)
-                log(row if "profile" not in row else {k: v for k, v in row.items() if k != "profile"},
+                log({k: v for k, v in row.items() if k != "profile"},
                     {k: v for k, v in row.get("profile", {}).items() if k != "top"})
                 del dec
                 write_json(out / "decode_step.json", {**R, "rows": rows})
-    engine.MoEBlock.route = engine_route
+    model.experts_fn = experts
     from torch._dynamo.utils import counters
 
     R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     R["checks"] = {}
-    for mode in variants:
+    ref = engines[0]
+    for mode in engines:
         for bsz in (1, 8):
-            e, c = tokens_by_mode[f"eager, torch top-k/b{bsz}"], tokens_by_mode[f"{mode}/b{bsz}"]
-            same = sum(a == b for x, y in zip(e, c) for a, b in zip(x, y)) / (bsz * 16)
-            diff = (logits_by_mode[f"eager, torch top-k/b{bsz}"] - logits_by_mode[f"{mode}/b{bsz}"]).abs().max().item()
+            e, c = tokens_by_mode[f"{ref}/b{bsz}"], tokens_by_mode[f"{mode}/b{bsz}"]
+            same = sum(a == b for x, y in zip(e, c) for a, b in zip(x, y)) / (bsz * new)
+            diff = (logits_by_mode[f"{ref}/b{bsz}"] - logits_by_mode[f"{mode}/b{bsz}"]).abs().max().item()
             R["checks"][f"{mode}/b{bsz}"] = {"token_match": same, "max_abs_logit_diff": diff}
     write_json(out / "decode_step.json", {**R, "rows": rows})
-    print(f"\n{R['device']}: HBM read {R['hbm_read_GBps']:.0f} GB/s; {per_token / 1e9:.2f} GB/token at batch 1 "
-          f"-> bound {R['bound_tok_s']:.0f} tok/s; compile s {R.get('compile_s')}; dynamo {R['dynamo'].get('stats')}")
-    print("checks (against eager, torch top-k):", R["checks"])
-    print(f"{'mode':22s} {'b':>2s} {'experts':10s} {'step ms':>8s} {'tok/s':>8s} {'of bound':>8s} {'kernels':>8s} {'kern us':>8s}")
-    for r in rows:
-        p = r.get("profile", {})
-        print(f"{r['mode']:22s} {r['batch']:2d} {r['experts']:10s} {r['step_ms']:8.3f} {r['tok_s']:8.1f} "
-              f"{r.get('fraction_of_bound', float('nan')):8.3f} {p.get('kernels_per_step', float('nan')):8.1f} "
-              f"{p.get('kernel_us_per_step', float('nan')):8.1f}")
+    print(f"\n{R['device']}: HBM read {R['hbm_read_GBps']:.0f} GB/s; floor ms b1 {R['floor'][1]['floor_ms']:.3f} "
+          f"({R['floor'][1]['bytes_per_step'] / 1e9:.2f} GB), b8 {R['floor'][8]['floor_ms']:.3f} "
+          f"({R['floor'][8]['bytes_per_step'] / 1e9:.2f} GB); compile s {R.get('compile_s')}")
+    print(f"checks (against {ref}):", R["checks"])
+    if args.sweep:
+        for r in R["linear_sweep"]:
+            if "us" in r:
+                print(f"sweep m={r['m']} {r['shape']:6s} {r['config']:60s} {r['us']:7.2f} us {r['GBps']:6.0f} GB/s"
+                      + (" (default)" if r["default"] else ""))
     for r in rows:
         if "top" in r.get("profile", {}):
-            print(r["mode"], "top kernels:", [(t["name"][:40], t["per_step"], t["us_per_step"]) for t in r["profile"]["top"][:10]])
+            print(r["mode"], f"b{r['batch']}", "top kernels (name, per step, us per step):",
+                  [(t["name"][:48], t["per_step"], t["us_per_step"]) for t in r["profile"]["top"][:12]])
+    print(f"{'engine':10s} {'b':>2s} {'experts':10s} {'step ms':>8s} {'tok/s':>8s} {'floor ms':>8s} {'of floor':>8s} "
+          f"{'kernels':>8s} {'k/layer':>8s} {'kern us':>8s}")
+    for r in rows:
+        p = r.get("profile", {})
+        nan = float("nan")
+        print(f"{r['mode']:10s} {r['batch']:2d} {r['experts']:10s} {r['step_ms']:8.3f} {r['tok_s']:8.1f} "
+              f"{r.get('floor_ms', nan):8.3f} {r.get('fraction_of_floor', nan):8.3f} {p.get('kernels_per_step', nan):8.1f} "
+              f"{p.get('kernels_per_layer', nan):8.1f} {p.get('kernel_us_per_step', nan):8.1f}")
     return 0
 
 

@@ -21,11 +21,13 @@ SPEC = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate
                      head_dim=64, vocab_size=1024, seed=5, in_memory=True)
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=[True, False], ids=["fused", "inductor"])
+def models(request):
+    """(eager, compiled, prompts): ``compile_decode(fused=True)`` runs the Triton decode kernels
+    (the default on CUDA in bf16), ``fused=False`` the Inductor-compiled region."""
     eager, tok = build_synthetic_model(SPEC, "cuda", torch.bfloat16)
     compiled, _ = build_synthetic_model(SPEC, "cuda", torch.bfloat16)
-    compiled.compile_decode()
+    compiled.compile_decode(fused=request.param)
     for m in (eager, compiled):
         m.experts_fn = gate.experts_functions(torch.device("cuda"), None)[0]
     prompts = [tok.encode(t).ids for t in ("def parse_args(items, limit):", "The quiet river walked",
