@@ -17,6 +17,9 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
 DT = getattr(torch, os.environ.get("COLDSET_TEST_DTYPE", "bfloat16"))
+# Programmatic dependent launch: on CUDA both ways (a lone launch waits on nothing, so the values
+# are the same; the engine test below runs it between kernels, in and out of a CUDA graph).
+PDLS = [False, True] if DEVICE == "cuda" else [False]
 
 
 def rel(a, b):
@@ -28,8 +31,9 @@ def ref_norm(x, w, eps):
     return w.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 640, 512), (3, 200, 384), (8, 512, 1024), (20, 96, 256)])
-def test_norm_linear_against_torch(m, n, k):
+@pytest.mark.parametrize("pdl", PDLS)
+@pytest.mark.parametrize("m,n,k", [(1, 640, 512), (1, 96, 4096), (3, 200, 384), (8, 512, 1024), (20, 96, 256)])
+def test_norm_linear_against_torch(m, n, k, pdl):
     from coldset.kernels.triton_decode import norm_linear
 
     g = torch.Generator().manual_seed(m * n + k)
@@ -39,19 +43,19 @@ def test_norm_linear_against_torch(m, n, k):
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, DT)
     res = torch.randn(m, n, generator=g).to(DEVICE, DT)
 
-    plain = norm_linear(x, w)
+    plain = norm_linear(x, w, pdl=pdl)
     assert rel(plain, x.float() @ w.float().T) < 1e-2
 
-    summed, out = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add)
+    summed, out = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add, pdl=pdl)
     if DEVICE == "cuda":  # (Triton's interpreter truncates to bf16 where CUDA rounds to nearest)
         assert torch.equal(summed, x + add)  # the residual stream: one bf16 add, exactly torch's
     assert rel(summed, x.float() + add.float()) < 1e-2
     assert rel(out, ref_norm(x.float() + add.float(), nw, 1e-6) @ w.float().T) < 1e-2
 
-    with_res = norm_linear(x, w, residual=res)
+    with_res = norm_linear(x, w, residual=res, pdl=pdl)
     assert rel(with_res, res.float() + x.float() @ w.float().T) < 1e-2
 
-    again = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add)
+    again = norm_linear(x, w, norm_weight=nw, eps=1e-6, add=add, pdl=pdl)
     assert torch.equal(again[1], out)  # a fixed reduction order: the same bits every run
 
 
@@ -63,16 +67,23 @@ def test_norm_linear_refuses_a_transposed_weight():
         norm_linear(torch.randn(1, 64, device=DEVICE, dtype=DT), w)
 
 
-def test_rms_norm_against_torch():
+@pytest.mark.parametrize("pdl", PDLS)
+def test_rms_norm_against_torch(pdl):
     from coldset.kernels.triton_decode import rms_norm
 
     x = torch.randn(5, 2048, device=DEVICE, dtype=DT) * 3
+    add = torch.randn(5, 2048, device=DEVICE, dtype=DT)
     w = (1 + 0.1 * torch.randn(2048)).to(DEVICE, DT)
-    got = rms_norm(x, w, 1e-6)
+    got = rms_norm(x, w, 1e-6, pdl=pdl)
     want = w * F.rms_norm(x, (2048,), eps=1e-6)  # the engine's RMSNorm.forward
     assert rel(got, want) < 1e-2
     # Each element is either the engine's or one bf16 step from it (float32 sums in other orders).
     assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+    summed, normed = rms_norm(x, w, 1e-6, add=add, pdl=pdl)
+    assert rel(summed, x.float() + add.float()) < 1e-2
+    if DEVICE == "cuda":
+        assert torch.equal(summed, x + add)
+    assert rel(normed, ref_norm(x.float() + add.float(), w, 1e-6)) < 1e-2
 
 
 def ref_attention(qkv, nw, cos, sin, k_cache, v_cache, slot, mask, nh, nkv, d, eps):
@@ -100,13 +111,14 @@ def ref_attention(qkv, nw, cos, sin, k_cache, v_cache, slot, mask, nh, nkv, d, e
     return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), values).reshape(bsz, nh * d)
 
 
+@pytest.mark.parametrize("pdl", PDLS)
 @pytest.mark.parametrize("bsz,nh,nkv,d,qk_norm,max_seq,seq,slot,pad", [
     (1, 32, 4, 128, True, 48, 48, 40, 0),     # Qwen3-30B-A3B heads, the bench's full-length mask
     (3, 8, 2, 64, False, 200, 150, 149, 70),  # mixtral-like (no qk-norm), keys over three blocks, and
                                               # a sequence whose first block of keys is all padding
     (8, 16, 16, 32, True, 70, 33, 32, 3),     # no GQA, generate()'s growing mask
 ])
-def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, slot, pad):
+def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, slot, pad, pdl):
     from coldset.kernels.triton_decode import decode_attention
 
     g = torch.Generator().manual_seed(bsz * 1000 + d)
@@ -124,7 +136,7 @@ def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, 
     mask = ((s[None, :] >= pad * torch.arange(bsz)[:, None]) & (s[None, :] <= slot))[:, None, None].to(DEVICE)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = ref_attention(qkv, nw, cos, sin, kc_ref, vc_ref, slot, mask, nh, nkv, d, 1e-6)
-    got = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6)
+    got = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6, pdl=pdl)
     assert got.shape == (bsz, nh * d) and not got.isnan().any()
     assert rel(got, want) < 1e-2
     others = torch.ones(max_seq, dtype=torch.bool)
@@ -132,13 +144,14 @@ def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, 
     assert torch.equal(kc[:, others], kc_ref[:, others]) and torch.equal(vc[:, others], vc_ref[:, others])
     assert torch.equal(vc[:, slot], qkv[:, (nh + nkv) * d:].view(bsz, nkv, d))  # v is written as projected
     assert rel(kc[:, slot], kc_ref[:, slot]) < 1e-2
-    again = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6)
+    again = decode_attention(qkv, nw, cos, sin, kc, vc, slots, mask, nh, nkv, d, 1e-6, pdl=pdl)
     assert torch.equal(again, got)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine's fused step runs on CUDA")
-def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise():
-    from coldset import gate
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise(pdl):
+    from coldset import bench, gate
     from coldset.model import fused_layer_before_experts, generate
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
 
@@ -146,15 +159,30 @@ def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise():
                          head_dim=64, vocab_size=1024, seed=11, in_memory=True)
     eager, tok = build_synthetic_model(spec, "cuda", DT)
     fused, _ = build_synthetic_model(spec, "cuda", DT)
-    fused.compile_decode()
-    assert fused._compiled_before_experts is fused_layer_before_experts  # the default on CUDA in bf16
+    fused.compile_decode(pdl=pdl)
+    chosen = fused._compiled_before_experts
+    assert getattr(chosen, "func", chosen) is fused_layer_before_experts  # the default on CUDA in bf16
     for m in (eager, fused):
         m.experts_fn = gate.experts_functions(torch.device("cuda"), None)[0]
-    prompts = [tok.encode(t).ids for t in ("def parse_args(items, limit):", "The quiet river",
-                                           '{"tool": "get_weather", "city": "Oslo"}')]
-    a = generate(eager, prompts, 16, progress=False, return_all_logits=True)
-    b = generate(fused, prompts, 16, progress=False, return_all_logits=True)
-    c = generate(fused, prompts, 16, progress=False, return_all_logits=True)
-    assert a.tokens == b.tokens
-    assert rel(b.all_logits, a.all_logits) < 1e-2
-    assert torch.equal(b.all_logits, c.all_logits)
+    texts = ("def parse_args(items, limit):", "The quiet river", '{"tool": "get_weather", "city": "Oslo"}')
+    for prompts in ([tok.encode(texts[0]).ids], [tok.encode(t).ids for t in texts]):  # batch 1 and 3: both paths
+        a = generate(eager, prompts, 16, progress=False, return_all_logits=True)
+        b = generate(fused, prompts, 16, progress=False, return_all_logits=True)
+        c = generate(fused, prompts, 16, progress=False, return_all_logits=True)
+        assert a.tokens == b.tokens
+        assert rel(b.all_logits, a.all_logits) < 1e-2
+        assert torch.equal(b.all_logits, c.all_logits)
+    # Captured in one CUDA graph (as the bench runs it), the step decodes what generate() decodes.
+    stream = [t for text in texts for t in tok.encode(text).ids]
+    prompts_t = bench.bench_prompts(stream, 2, 8)
+    want = generate(fused, prompts_t.tolist(), 10, progress=False).tokens
+    dec = bench.Decoder(fused, 2, 8, 10, use_graph=True)
+    token = dec.prefill(prompts_t)
+    got = [token]
+    dec.set_step(token, 1)
+    dec.capture()
+    for t in range(1, 10):
+        dec.set_step(token, t)
+        token = torch.argmax(dec.step(), dim=-1)
+        got.append(token)
+    assert torch.stack(got, 1).tolist() == want

@@ -23,6 +23,7 @@ qwen3_moe; for mixtral it multiplies in float32, which only differs in bf16/fp16
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -295,25 +296,32 @@ def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask)
     return x, h, None, None
 
 
-def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask):
+def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool = False):
     """:func:`layer_before_experts` for one decode token per sequence, in four Triton launches
     (:mod:`coldset.kernels.triton_decode`, CUDA) up to the router's input: the residual add, input
-    norm and qkv projection in one; qk-norm, RoPE, the KV write and attention in one; o_proj with
-    the residual add; the post-attention norm. Why: the step outside the experts is launch
-    latency (BENCHMARKS.md, issue 13), and these are the layer's launches that are not the
-    router's or the experts'. Same contract as :func:`layer_before_experts` (decode only)."""
+    norm and qkv projection in one (at batch 1; from 2 tokens on, the add and norm in one and the
+    projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write and attention in one;
+    o_proj with the residual add; the post-attention norm. Why: the step outside the experts is
+    launch latency (BENCHMARKS.md, issue 13), and these are the layer's launches that are not the
+    router's or the experts'. ``pdl``: launch them as programmatic dependent launches (Hopper),
+    each reading its weights while its predecessor finishes. Same contract as
+    :func:`layer_before_experts` (decode only)."""
     from coldset.kernels import triton_decode as td
 
     bsz, seq, hidden = x.shape
     if seq != 1:
         raise ValueError(f"fused_layer_before_experts: one token per sequence (decode), got {seq}")
     attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-    x, qkv = td.norm_linear(x.view(bsz, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight, eps=norm_in.eps,
-                            add=delta.view(bsz, hidden))
+    if td.fuse_norm_into_linear(bsz):
+        x, qkv = td.norm_linear(x.view(bsz, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight,
+                                eps=norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
+    else:
+        x, normed = td.rms_norm(x.view(bsz, hidden), norm_in.weight, norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
+        qkv = F.linear(normed, attn.qkv_proj.weight)
     out = td.decode_attention(qkv, attn.qk_norm_weight, cos, sin, attn.k_cache, attn.v_cache, slots, mask,
-                              attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps)
-    x = td.norm_linear(out, attn.o_proj.weight, residual=x)
-    h = td.rms_norm(x, norm_post.weight, norm_post.eps)
+                              attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps, pdl=pdl)
+    x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
+    h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
     if isinstance(layer.mlp, MoEBlock):
         topk_ids, topk_weights = layer.mlp.route(h)
         return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
@@ -393,7 +401,7 @@ class MoEModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def compile_decode(self, fused: bool | None = None) -> None:
+    def compile_decode(self, fused: bool | None = None, pdl: bool = False) -> None:
         """Run decode steps (one token per sequence) through a faster region than the eager
         :func:`layer_before_experts`: the Triton kernels of :func:`fused_layer_before_experts`
         (``fused=True``; the default wherever :func:`fused_decode_supported` says they run: CUDA,
@@ -408,6 +416,7 @@ class MoEModel(nn.Module):
         Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
         kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
         engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
+        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper).
         """
         reason = fused_decode_supported(self)
         if fused is None:
@@ -415,8 +424,11 @@ class MoEModel(nn.Module):
         if fused:
             if reason is not None:
                 raise ValueError(f"compile_decode(fused=True): {reason}")
-            self._compiled_before_experts = fused_layer_before_experts
+            self._compiled_before_experts = (functools.partial(fused_layer_before_experts, pdl=True) if pdl
+                                             else fused_layer_before_experts)
             return
+        if pdl:
+            raise ValueError("compile_decode(pdl=True) needs the fused kernels (fused=True)")
         import torch._dynamo.config as dynamo_config
 
         # A region past the recompile limit would silently run eagerly (other numerics): fail.

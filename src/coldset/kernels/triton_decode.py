@@ -46,20 +46,31 @@ class LinearConfig:
 
 
 def linear_config(m: int, n: int, k: int) -> LinearConfig:
-    """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight (measured on the
-    H200 at Qwen3-30B-A3B's qkv and o_proj shapes, BENCHMARKS.md issue 13, fourth session)."""
+    """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight: the fastest of
+    BENCHMARKS.md's sweep (issue 13, fourth session; H200, Qwen3-30B-A3B's qkv ``[5120, 2048]``
+    and o_proj ``[2048, 4096]`` over 48 layers' weights) for its ``k``."""
     if m == 1:
-        return LinearConfig(1, 16, 512, num_warps=4, num_stages=3)
-    return LinearConfig(16, 32, 256, num_warps=4, num_stages=4)
+        return LinearConfig(1, 16, 1024, num_warps=8, num_stages=3) if k >= 4096 else \
+            LinearConfig(1, 8, 512, num_warps=4, num_stages=1)
+    return LinearConfig(16, 16, 256, num_warps=4, num_stages=4)
+
+
+def fuse_norm_into_linear(m: int) -> bool:
+    """Whether the decode step's input norm goes into the qkv GEMV (:func:`norm_linear`) at ``m``
+    tokens, or runs as :func:`rms_norm` before cuBLAS: the fused GEMV is the faster at one token,
+    cuBLAS at 8 (15.5 against 8.0 µs for the qkv projection on the H200, BENCHMARKS.md)."""
+    return m == 1
 
 
 @triton.jit
 def _norm_linear_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr,
                         M, N, K, eps,
                         stride_xm, stride_am, stride_sm, stride_wn, stride_rm, stride_om,
-                        NORM: tl.constexpr, ADD: tl.constexpr, RESIDUAL: tl.constexpr,
+                        NORM: tl.constexpr, ADD: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     dt = out_ptr.dtype.element_ty
+    if PDL:  # the next kernel may start its own prologue now (it waits for this grid before reading)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,48 +81,55 @@ def _norm_linear_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     a_rows = add_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        # Pass 1: the rows' mean square (and, with ADD, the residual sum, written by program 0).
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + rk
-            ok = m_ok[:, None] & (offs_k[None, :] < K)
-            u = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
-            if ADD:
-                u = (u.to(tl.float32) + tl.load(a_rows + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
-                tl.store(sum_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_k[None, :], u,
-                         mask=ok & (pid_n == 0))
-            uf = u.to(tl.float32)
-            ss += tl.sum(uf * uf, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
     if BLOCK_M == 1:
+        # Weights are never written by the previous kernel: the first tile is read before
+        # waiting on it, and each next tile before the current one's arithmetic (two in flight).
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
+    else:  # tl.dot: Triton's pipeliner streams the tiles (num_stages)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
-        k_ok = offs_k < K
-        ok = m_ok[:, None] & k_ok[None, :]
+        ok = m_ok[:, None] & (offs_k[None, :] < K)
         a = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
+        if ADD:  # the residual stream x + add, in the model dtype, written once (program 0)
+            a = (a.to(tl.float32) + tl.load(a_rows + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
+            tl.store(sum_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_k[None, :], a,
+                     mask=ok & (pid_n == 0))
+        nk = offs_k + BLOCK_K
+        if BLOCK_M == 1:
+            w_next = tl.load(w_rows + nk[None, :], mask=n_ok[:, None] & (nk[None, :] < K), other=0.0)
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         if NORM:
-            if ADD:
-                a = (a.to(tl.float32) + tl.load(a_rows + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dt)
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # RMSNorm(x) @ W.T = rstd * ((weight * x) @ W.T): the mean square accumulates in the
+            # same pass, so the weights stream from the first instruction on.
+            nw_next = tl.load(nw_ptr + nk, mask=nk < K, other=0.0)
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, axis=1)
+            a = (af * nw.to(tl.float32)[None, :]).to(dt)
+            nw = nw_next
         if BLOCK_M == 1:
             acc1 += a.to(tl.float32) * w.to(tl.float32)
+            w = w_next
         else:
             acc2 += tl.dot(a, tl.trans(w))
     if BLOCK_M == 1:
         acc = tl.sum(acc1, axis=1)[None, :]
     else:
         acc = acc2
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
     y = acc.to(dt)
-    out_ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
-        r = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=out_ok)
 
@@ -124,16 +142,18 @@ def _rows(t: torch.Tensor, name: str, k: int) -> torch.Tensor:
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                 eps: float = 0.0, add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                config: LinearConfig | None = None):
+                config: LinearConfig | None = None, pdl: bool = False):
     """``x @ weight.T`` for a few tokens ``x`` ``[M, K]`` and ``weight`` ``[N, K]``, with what
     sits around the decode step's GEMVs fused in:
 
-    * ``norm_weight``: the input is ``RMSNorm(x)`` (``eps``) instead of ``x``;
+    * ``norm_weight``: the input is ``RMSNorm(x)`` (``eps``) instead of ``x``, computed as
+      ``rstd * ((norm_weight * x) @ weight.T)`` (float32 accumulation, one pass);
     * ``add`` (with ``norm_weight``): the input is ``RMSNorm(x + add)``; returns
       ``(x + add, out)``, the residual stream and the product;
     * ``residual``: returns ``residual + x @ weight.T``.
 
-    Returns ``out`` ``[M, N]`` in ``x``'s dtype (or the pair above).
+    ``pdl``: launch as a programmatic dependent launch (Hopper): the first weight tile is read
+    while the previous kernel finishes. Returns ``out`` ``[M, N]`` in ``x``'s dtype (or the pair above).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -162,36 +182,60 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Ten
             m, n, k, float(eps),
             x.stride(0), add.stride(0) if add is not None else 0, summed.stride(0) if summed is not None else 0,
             weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            NORM=norm_weight is not None, ADD=add is not None, RESIDUAL=residual is not None,
+            NORM=norm_weight is not None, ADD=add is not None, RESIDUAL=residual is not None, PDL=pdl,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl))
     return (summed, out) if add is not None else out
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch option of a programmatic dependent launch (only when asked: the interpreter has none)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, add_ptr, sum_ptr, w_ptr, out_ptr, N, eps, stride_x, stride_a, stride_s, stride_o,
+                     ADD: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
     dt = out_ptr.dtype.element_ty
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(add_ptr + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=ok)
+    x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     tl.store(out_ptr + row * stride_o + offs, (w * (x * rstd).to(dt).to(tl.float32)).to(dt), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * RMSNorm(x)`` of rows ``x`` ``[M, N]`` (the engine's :class:`~coldset.model.RMSNorm`), one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
+             pdl: bool = False):
+    """``weight * RMSNorm(x)`` of rows ``x`` ``[M, N]`` (the engine's :class:`~coldset.model.RMSNorm`),
+    one launch; with ``add``, of ``x + add``, returning ``(x + add, normed)``."""
     m, n = x.shape
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight must be [{n}], got {tuple(weight.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
+    if add is not None:
+        if add.shape != (m, n):
+            raise ValueError(f"rms_norm: add must be [{m}, {n}], got {tuple(add.shape)}")
+        add = add if add.stride(1) == 1 else add.contiguous()
     out = torch.empty_like(x)
+    summed = torch.empty_like(x) if add is not None else None
     block = triton.next_power_of_2(n)
     if m:
-        _rms_norm_kernel[(m,)](x, weight, out, n, float(eps), x.stride(0), out.stride(0), BLOCK=block,
-                               num_warps=min(16, max(1, block // 256)))
-    return out
+        _rms_norm_kernel[(m,)](x, add if add is not None else x, summed if summed is not None else x, weight, out,
+                               n, float(eps), x.stride(0), add.stride(0) if add is not None else 0,
+                               summed.stride(0) if summed is not None else 0, out.stride(0),
+                               ADD=add is not None, PDL=pdl, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                               **_pdl_launch(pdl))
+    return (summed, out) if add is not None else out
 
 
 @triton.jit
@@ -200,8 +244,11 @@ def _decode_attention_kernel(qkv_ptr, nw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, 
                              stride_qkv, stride_cos, stride_sin, stride_cb, stride_cs,
                              stride_mb, stride_ms, stride_out,
                              NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, QK_NORM: tl.constexpr):
+                             BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, QK_NORM: tl.constexpr,
+                             PDL: tl.constexpr):
     dt = out_ptr.dtype.element_ty
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs_d = tl.arange(0, D)
@@ -211,6 +258,27 @@ def _decode_attention_kernel(qkv_ptr, nw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, 
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < REP
     heads = g * REP + offs_h  # the query heads of kv head g (transformers: head h uses kv head h // REP)
+    # Before waiting on the previous kernel (the qkv projection), read what it does not write:
+    # the slot, the rotary rows, the norm weights and the first block of cached keys and values
+    # (earlier steps wrote them; this step's slot is taken from registers below).
+    slot = tl.load(slot_ptr)
+    cos = tl.load(cos_ptr + b * stride_cos + offs_d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_sin + offs_d).to(tl.float32)
+    if QK_NORM:  # per head: weight * RMSNorm, rows of nw are the q heads then the kv heads
+        wq_ptrs = nw_ptr + heads[:, None] * D
+        wq = tl.load(wq_ptrs + offs_d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        wq_sw = tl.load(wq_ptrs + perm[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        wk_ptr = nw_ptr + (NH + g) * D
+        wk = tl.load(wk_ptr + offs_d).to(tl.float32)
+        wk_sw = tl.load(wk_ptr + perm).to(tl.float32)
+    cache_b = b * stride_cb + g * D
+    offs_s = tl.arange(0, BLOCK_S)
+    valid = tl.load(mask_ptr + b * stride_mb + offs_s * stride_ms, mask=offs_s < S, other=0) != 0
+    kv_off = cache_b + offs_s.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
+    kt = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
+    vt = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row = qkv_ptr + b * stride_qkv
     q_ptrs = row + heads[:, None] * D
     q = tl.load(q_ptrs + offs_d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
@@ -219,39 +287,31 @@ def _decode_attention_kernel(qkv_ptr, nw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, 
     k = tl.load(k_ptr + offs_d).to(tl.float32)
     k_sw = tl.load(k_ptr + perm).to(tl.float32)
     v = tl.load(row + (NH + NKV + g) * D + offs_d)
-    if QK_NORM:  # per head: weight * RMSNorm, rows of nw are the q heads then the kv heads
+    if QK_NORM:
         rq = tl.rsqrt(tl.sum(q * q, axis=1) / D + eps)
-        wq_ptrs = nw_ptr + heads[:, None] * D
-        wq = tl.load(wq_ptrs + offs_d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-        wq_sw = tl.load(wq_ptrs + perm[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
         q = (wq * (q * rq[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         q_sw = (wq_sw * (q_sw * rq[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         rk = tl.rsqrt(tl.sum(k * k, axis=0) / D + eps)
-        wk_ptr = nw_ptr + (NH + g) * D
-        wk = tl.load(wk_ptr + offs_d).to(tl.float32)
-        wk_sw = tl.load(wk_ptr + perm).to(tl.float32)
         k = (wk * (k * rk).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         k_sw = (wk_sw * (k_sw * rk).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    cos = tl.load(cos_ptr + b * stride_cos + offs_d).to(tl.float32)
-    sin = tl.load(sin_ptr + b * stride_sin + offs_d).to(tl.float32)
     q = (q * cos[None, :] + sign[None, :] * q_sw * sin[None, :]).to(dt)
     k = (k * cos + sign * k_sw * sin).to(dt)
-    slot = tl.load(slot_ptr)
-    cache_b = b * stride_cb + g * D
     tl.store(kc_ptr + cache_b + slot * stride_cs + offs_d, k)
     tl.store(vc_ptr + cache_b + slot * stride_cs + offs_d, v)
     # Attention over the first S slots where the mask allows, online softmax in float32. The
-    # slot written above is taken from registers (another thread of this program wrote it).
+    # slot written above is taken from registers (another thread of this program wrote it), and
+    # each block's successor is loaded before the block's arithmetic.
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
     for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        valid = tl.load(mask_ptr + b * stride_mb + offs_s * stride_ms, mask=offs_s < S, other=0) != 0
-        kv_off = cache_b + offs_s.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
-        kt = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        vt = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        new = (offs_s == slot)[:, None]
+        cur = s0 + offs_s
+        nxt = cur + BLOCK_S
+        valid_n = tl.load(mask_ptr + b * stride_mb + nxt * stride_ms, mask=nxt < S, other=0) != 0
+        off_n = cache_b + nxt.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
+        kt_n = tl.load(kc_ptr + off_n, mask=valid_n[:, None], other=0.0)
+        vt_n = tl.load(vc_ptr + off_n, mask=valid_n[:, None], other=0.0)
+        new = (cur == slot)[:, None]
         kt = tl.where(new, k[None, :], kt)
         vt = tl.where(new, v[None, :], vt)
         s = tl.dot(q, tl.trans(kt)) * scale
@@ -263,20 +323,23 @@ def _decode_attention_kernel(qkv_ptr, nw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, 
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt)
         m_i = m_new
+        kt, vt, valid = kt_n, vt_n, valid_n
     o = (acc / l_i[:, None]).to(dt)
     tl.store(out_ptr + b * stride_out + heads[:, None] * D + offs_d[None, :], o, mask=h_ok[:, None])
 
 
 def decode_attention(qkv: torch.Tensor, qk_norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, block_s: int = 64) -> torch.Tensor:
+                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, block_s: int = 64,
+                     pdl: bool = False) -> torch.Tensor:
     """One decode token per sequence: ``[B, num_heads * head_dim]`` attention output.
 
     ``qkv`` ``[B, (nh + 2 nkv) D]`` (q heads, k heads, v heads: the engine's fused projection);
     ``qk_norm_weight`` ``[nh + nkv, D]`` or None; ``cos``/``sin`` ``[B, 1, D]``; caches
     ``[B, max_seq, nkv, D]`` (contiguous), written at slot ``slots[0]``; ``mask`` bool
     ``[B, 1, 1, S]``: which of the first ``S`` slots each sequence attends to. Softmax scale
-    ``1/sqrt(D)``, as SDPA's default.
+    ``1/sqrt(D)``, as SDPA's default. ``pdl``: a programmatic dependent launch (Hopper): the
+    cached keys and values are read while the qkv projection finishes.
     """
     bsz = qkv.shape[0]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
@@ -312,5 +375,5 @@ def decode_attention(qkv: torch.Tensor, qk_norm_weight: torch.Tensor | None, cos
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
             mask_u8.stride(0), mask_u8.stride(3), out.stride(0),
             NH=nh, NKV=nkv, D=d, REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), BLOCK_S=block_s,
-            QK_NORM=qk_norm_weight is not None, num_warps=4)
+            QK_NORM=qk_norm_weight is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return out
