@@ -259,7 +259,7 @@ def _load_engine(config: dict):
         log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
         mdl, tok = load_model(path, device=device, dtype=dtype), load_tokenizer(path)
     if mdl.device.type == "cuda":
-        mdl.compile_decode()  # every stage's decode steps (routing, parity, bench) run compiled
+        mdl.compile_decode()  # every stage's decode steps (routing, parity, bench) run the fast region (fused kernels)
     log.info("engine ready in %.1f s", time.perf_counter() - t0)
     _ENGINE.update(key=key, model=mdl, tokenizer=tok, host=None,
                    key_without_router=_engine_key(config, router=False) if in_memory(config) else None)
