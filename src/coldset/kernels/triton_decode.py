@@ -1,25 +1,33 @@
 """The decode step's non-expert work in few launches (CUDA, Triton): one token per sequence.
 
 Why: at decode batch sizes the step outside the routed experts is latency, not bytes. The
-compiled region (Inductor) still ran ~12 kernels a layer for ~38 MB of attention and router
-weights: the input norm, the qkv GEMV, qk-norm + RoPE + the KV write, the mask's expansion,
-SDPA, the o_proj GEMV and its split-K reduction, the residual add and the post-attention norm,
-each with its launch gap. Here a layer is four launches up to the router's input:
+compiled region (Inductor) still ran ~13 kernels a layer for ~38 MB of attention and router
+weights: the input norm, the qkv GEMV, qk-norm + RoPE, the KV write, the mask's expansion, SDPA,
+the o_proj GEMV and its split-K reduction, the residual add and the post-attention norm, each with
+its launch gap. Here a layer is four launches up to the router's input
+(:func:`coldset.model.fused_layer_before_experts`):
 
 * :func:`norm_linear` with ``add``: the residual add that ends the previous layer, the input
-  RMSNorm and the qkv projection (every program recomputes the row's norm from the row, which
-  is 4 KB; program 0 writes the new residual stream);
+  RMSNorm and the qkv projection (every program accumulates the row's mean square beside its
+  product, 4 KB of input; program 0 writes the new residual stream). From 2 tokens on the
+  engine runs :func:`rms_norm` with ``add`` and cuBLAS instead (:func:`fuse_norm_into_linear`);
 * :func:`decode_attention`: per (sequence, kv head), qk-norm, RoPE, the KV-cache write and
   attention of the head's query group over the valid cache slots (GQA without repeating K/V);
 * :func:`norm_linear` with ``residual``: o_proj plus the residual add;
 * :func:`rms_norm`: the post-attention norm (the router's input).
 
-Numerics follow the engine's (:mod:`coldset.model`): norms in float32, cast to the model dtype,
-then scaled by the weight and cast again; softmax in float32 with the probabilities cast to the
-model dtype for the value product (as flash attention does). Every reduction has a fixed order
-(no atomics, no split-K), so a step is bitwise reproducible and independent of where experts
-live; it is not bitwise equal to the eager or Inductor-compiled step (other reduction orders),
-which is why runs that compare tokens run one engine on both sides.
+Numerics follow the engine's (:mod:`coldset.model`) up to rounding: norms in float32 (in
+:func:`norm_linear` the input is ``weight * x`` rounded once and the product scaled by the row's
+rstd in float32, the same function with one rounding fewer), softmax in float32 with the
+probabilities cast to the model dtype for the value product (as flash attention does). Every
+reduction has a fixed order (no atomics, no split-K), so a step is bitwise reproducible and
+independent of where experts live; it is not bitwise equal to the eager or Inductor-compiled step
+(other reduction orders), which is why runs that compare tokens run one engine on both sides.
+
+Each kernel can also be launched as a programmatic dependent launch (``pdl``, Hopper): it lets
+its successor launch at once, and reads what its predecessor does not write (weights, rotary
+rows, cached keys of earlier steps) before waiting on it; every write and every read of the
+predecessor's output comes after the wait.
 """
 
 from __future__ import annotations
