@@ -59,9 +59,9 @@ def main() -> int:
     ap.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=48, help="decode steps per run")
-    ap.add_argument("--residencies", default="0.25,0.5,0.75")
+    ap.add_argument("--residencies", default="0.5,1.0")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--policies", default="lru,lfu")
+    ap.add_argument("--policies", default="lru")
     args = ap.parse_args()
 
     from coldset import bench as bn
@@ -94,6 +94,7 @@ def main() -> int:
     model.compile_decode()
     cfg = model.config
     L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+    routers = [model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
     per_expert = expert_bytes(cfg)
     log("model built", L, "MoE layers x", E, "experts, top", k)
     t = time.perf_counter()
@@ -113,15 +114,20 @@ def main() -> int:
                 rows.append(ids[:plen])
         return torch.tensor(rows[:n], dtype=torch.long)
 
+    hidden_rec: dict = {}  # bsz -> router inputs [steps, L, B, H] of the last recorded run
+
     def run(experts_fn, pools, bsz: int, prompts: torch.Tensor, record: bool = False, cache=None):
         """Graph-captured decode: per-step ms, logits [steps, B, V] (GPU), routing [steps, L, B, k]."""
         saved = model.pools, model.experts_fn
         rec = torch.zeros((L, bsz, k), dtype=torch.long, device=dev)
+        rec_h = torch.zeros((L, bsz, cfg.hidden_size), dtype=model.dtype, device=dev)
+        hidden = []
         fn = experts_fn
         if record:
             def fn(p, layer, x, ids, w):
                 if x.shape[0] == bsz:
                     rec[layer].copy_(ids)
+                    rec_h[layer].copy_(x)
                 return experts_fn(p, layer, x, ids, w)
         model.pools, model.experts_fn = pools, fn
         try:
@@ -143,10 +149,13 @@ def main() -> int:
                 logits.append(lg.clone())
                 if record:
                     routing.append(rec.cpu().numpy().copy())
+                    hidden.append(rec_h.clone())
                 tok = torch.argmax(lg, dim=-1)
             del dec
         finally:
             model.pools, model.experts_fn = saved
+        if record:
+            hidden_rec[bsz] = torch.stack(hidden)
         return ms, torch.stack(logits), (np.stack(routing) if record else None)
 
     # Profile: routing of profile prompts on the unmodified path -> counts -> warm sets.
@@ -261,7 +270,27 @@ def main() -> int:
                                   "misses_per_token": c["misses"] / tokens,
                                   "link_gb_per_token": c["fills"] * per_expert / tokens / 1e9})
                 log(R["rows"][-1], checks)
-                if bsz == 1 and r == 0.5 and pol == policies[0]:
+                if pol == "lru" and r < 1.0:
+                    # The next-layer lookahead (router of layer l on layer l - d's router input) on
+                    # the selections this lru run missed, and the lookahead policy simulated.
+                    from coldset.forecast import lookahead_predictions, lookahead_recall
+
+                    missed = ~sim.hit.reshape(routing.shape)
+                    la = []
+                    for depth in (1, 2):
+                        for extra in (0, 3):
+                            got = lookahead_recall(hidden_rec[bsz], routers, routing, missed, depth, extra)
+                            lpred = lookahead_predictions(hidden_rec[bsz], routers, depth, k + extra)
+                            lsim = simulate(AccessStream(ids, ptr, tokens, L, E), "lookahead", C, counts,
+                                            predictions=lpred).stats()
+                            got.update(sim_hit=lsim.hit_rate, sim_misses_per_token=lsim.misses_per_token,
+                                       prefetches_per_token=lsim.prefetches / tokens,
+                                       useful_share=lsim.useful_prefetches / max(lsim.prefetches, 1),
+                                       link_gb_per_token=lsim.link_gb_per_token(per_expert))
+                            la.append(got)
+                            log("lookahead", name, got)
+                    R.setdefault("lookahead", {})[name] = la
+                if r == residencies[0] and pol == policies[0]:
                     # The cache-management work alone: every layer's decisions on a step whose
                     # selections all hit (the fill kernel launches and finds nothing to copy).
                     rm = cache.pools.row_map
@@ -270,31 +299,52 @@ def main() -> int:
                         resident = torch.nonzero(rm[layer] >= 0).flatten()
                         if resident.numel() < k:
                             raise RuntimeError(f"layer {layer} has {resident.numel()} resident experts < top_k")
-                        hit_ids.append(resident[:k].view(1, k))
+                        hit_ids.append(resident[:k].view(1, k).expand(bsz, k).contiguous())
 
                     def decisions():
                         for layer in range(L):
                             cache.admit(layer, hit_ids[layer])
 
-                    def with_cache_work(p, layer, x, ids, w):
+                    def with_cache_work(fused_cast: bool):
                         # the row-map step with every expert hot plus the cache's work of an
-                        # all-hit group in every layer
-                        if x.shape[0] == bsz:
-                            cache.admit(layer, hit_ids[layer])
-                        return rowmap_fn(p, layer, x, ids, w)
+                        # all-hit group in every layer; fused_cast: the decisions' launch casts the
+                        # router weights (HEAD), else the model casts them in a launch of its own
+                        def fn(p, layer, x, ids, w):
+                            if x.shape[0] == bsz:
+                                if fused_cast:
+                                    w = cache.admit(layer, hit_ids[layer], w, x.dtype)
+                                else:
+                                    cache.admit(layer, hit_ids[layer])
+                            elif fused_cast:
+                                w = w.to(x.dtype)
+                            return rowmap_fn(p, layer, x, ids, w)
 
+                        fn.casts_weights = fused_cast
+                        return fn
+
+                    pdl = cache.pdl
                     alone = graph_time_ms(decisions)
-                    step_cache = statistics.mean(run(with_cache_work, model.pools, bsz, prompts)[0])
                     step_rowmap = statistics.mean(run(rowmap_fn, model.pools, bsz, prompts)[0])
                     step_full = statistics.mean(run(ref_fn, model.pools, bsz, prompts)[0] + ms_full)
-                    cache.use_kernel = False  # the same decisions as torch ops, for comparison
-                    over_torch = graph_time_ms(decisions)
-                    cache.use_kernel = True
-                    R["overhead"] = {"all_hbm_step_ms": step_full, "rowmap_step_ms": step_rowmap,
-                                     "decisions_ms": alone, "fraction": alone / step_full, "step_ms": step_cache,
-                                     "step_fraction": (step_cache - step_rowmap) / step_full,
-                                     "torch_ops_decisions_ms": over_torch}
-                    log("overhead", R["overhead"])
+                    ways = {}
+                    for way, fused, pdl_on in (("fused cast + PDL fill (HEAD)", True, pdl),
+                                               ("fused cast, plain fill", True, False),
+                                               ("separate cast + PDL fill", False, pdl),
+                                               ("separate cast, plain fill", False, False)):
+                        cache.pdl = pdl_on
+                        st = statistics.mean(run(with_cache_work(fused), model.pools, bsz, prompts)[0])
+                        ways[way] = {"step_ms": st, "step_fraction": (st - step_rowmap) / step_full}
+                    cache.pdl = pdl
+                    over_torch = None
+                    if bsz == 1:
+                        cache.use_kernel = False  # the same decisions as torch ops, for comparison
+                        over_torch = graph_time_ms(decisions)
+                        cache.use_kernel = True
+                    R.setdefault("overhead", {})[bsz] = {
+                        "all_hbm_step_ms": step_full, "rowmap_step_ms": step_rowmap, "decisions_ms": alone,
+                        "fraction": alone / step_full, "ways": ways, "pdl_available": pdl,
+                        "torch_ops_decisions_ms": over_torch}
+                    log("overhead", bsz, R["overhead"][bsz])
                     # Fill: k rows (one layer's worst case at batch 1) by the kernel vs the copy engine.
                     from coldset.kernels.triton_slots import fill
 
@@ -312,10 +362,10 @@ def main() -> int:
                             p.w2_hot[j].copy_(p.w2_cold[7 * j], non_blocking=True)
 
                     nbytes = k * per_expert
-                    R["fill"] = {"rows": k, "bytes": nbytes,
+                    R.setdefault("fill", {})[bsz] = {"rows": k, "bytes": nbytes,
                                  "kernel_gb_s": nbytes / graph_time_ms(kernel_fill) / 1e6,
                                  "copy_engine_gb_s": nbytes / graph_time_ms(copy_engine) / 1e6}
-                    log("fill", R["fill"])
+                    log("fill", R["fill"][bsz])
                     cache.reset()
                 del cache
                 torch.cuda.empty_cache()
@@ -335,13 +385,24 @@ def main() -> int:
               f"{row['tok_s'] / full['tok_s']:9.3f} {row['tok_s'] / ug['tok_s'] if ug else float('nan'):6.2f} "
               f"{row['hit_rate']:6.3f} {row.get('sim_hit_rate', float('nan')):7.3f} {row['misses_per_token']:8.2f} "
               f"{row['link_gb_per_token']:11.4f} {row['step_ms_p50']:7.3f}")
-    ov = R.get("overhead")
-    if ov:
-        print(f"cache management, batch 1, all-hit groups in every layer (all-HBM step {ov['all_hbm_step_ms']:.3f} ms; "
-              f"the row-map step with every expert hot {ov['rowmap_step_ms']:.3f} ms):")
-        print(f"  alone in a graph {ov['decisions_ms']:.4f} ms = {100 * ov['fraction']:.2f}% of the all-HBM step; "
-              f"inside the row-map step {ov['step_ms']:.3f} ms = +{100 * ov['step_fraction']:.2f}% of the all-HBM step")
-        print(f"  torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
+    for bsz_, ov in R.get("overhead", {}).items():
+        print(f"cache management, batch {bsz_}, all-hit groups in every layer (all-HBM step {ov['all_hbm_step_ms']:.3f} "
+              f"ms; the row-map step with every expert hot {ov['rowmap_step_ms']:.3f} ms; PDL {ov['pdl_available']}):")
+        print(f"  decisions + fill alone in a graph {ov['decisions_ms']:.4f} ms = {100 * ov['fraction']:.2f}% of the "
+              "all-HBM step")
+        for way, w in ov["ways"].items():
+            print(f"  {way:30s} inside the row-map step {w['step_ms']:.3f} ms = +{100 * w['step_fraction']:.2f}% "
+                  "of the all-HBM step")
+        if ov["torch_ops_decisions_ms"] is not None:
+            print(f"  torch ops (CPU path's decisions) alone: {ov['torch_ops_decisions_ms']:.3f} ms")
+    for name, rows in R.get("lookahead", {}).items():
+        print(f"lookahead on {name}'s misses (router of layer l on layer l-d's input):")
+        for g in rows:
+            print(f"  d={g['depth']} top {g['predictions']}: recall on missed {g['recall_on_missed']:.3f} (unreachable "
+                  f"share {g['missed_unreachable_share']:.3f}), recall {g['recall']:.3f}, precision {g['precision']:.3f}; "
+                  f"lookahead policy simulated: hit {g['sim_hit']:.4f}, misses/token {g['sim_misses_per_token']:.2f}, "
+                  f"prefetches/token {g['prefetches_per_token']:.2f} (useful {g['useful_share']:.2f}), link GB/token "
+                  f"{g['link_gb_per_token']:.4f}")
     for bsz_, fc in R.get("forecast", {}).items():
         print(f"forecaster, batch {bsz_}: recall of top k+{fc['extra']} one token ahead {fc['recall']:.3f} (previous "
               f"token's experts {fc['previous_token_recall']:.3f}); table {fc['table_bytes'] / 1e6:.1f} MB; all layers "

@@ -457,3 +457,51 @@ def test_forecast_in_flight_slots_survive_the_step_and_are_released_at_its_end()
         groups = [stream.instances[s:e].tolist() for s, e in zip(stream.group_ptr[:-1], stream.group_ptr[1:])]
         ref_hit, _, _ = brute_force_forecast(groups, cap, prof, stream.num_experts, pred.tolist())
         np.testing.assert_array_equal(simulate(stream, "forecast", cap, prof, predictions=pred).hit, ref_hit)
+
+
+def test_lookahead_policy_matches_brute_force():
+    """The lookahead policy: forecast's replay with lists naming later layers of the same step
+    (victims only in layers already done, in-flight until the step ends), against the literal
+    brute force on random streams of whole steps."""
+    rng = np.random.default_rng(23)
+    seen_prefetch = seen_useful = 0
+    L, E = 3, 6
+    for trial in range(30):
+        k = int(rng.integers(1, 3))
+        steps = int(rng.integers(3, 25))
+        sel = [[int(e) for e in rng.choice(E, size=k, replace=False)] for _ in range(steps * L)]
+        groups = [[(g % L) * E + e for e in sel[g]] for g in range(steps * L)]
+        ids = np.array([x for g in groups for x in g])
+        stream = AccessStream(ids, np.arange(0, ids.size + 1, k), steps, L, E)
+        profile = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+        depth = 1 + trial % 2
+        pred = np.full((len(groups), 3), -1)
+        for g in range(len(groups)):
+            layer = g % L
+            if layer + depth < L:
+                row = np.unique(rng.integers(0, E, size=3))
+                pred[g, :row.size] = (layer + depth) * E + row
+        cap = int(rng.integers(stream.max_group, L * E + 1))
+        res = simulate(stream, "lookahead", cap, profile, predictions=pred)
+        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist())
+        np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
+        np.testing.assert_array_equal(res.prefetches, ref_pf, err_msg=f"trial {trial} cap {cap}")
+        assert res.useful_prefetches == ref_useful
+        seen_prefetch += int(ref_pf.sum())
+        seen_useful += ref_useful
+    assert seen_prefetch > 30 and seen_useful > 10
+
+
+def test_lookahead_prefetch_lands_for_a_later_layer_of_the_step():
+    """2 layers x 4 experts, top-1, 3 warm slots (0,0) (0,1) (1,0). Layer 0 hits (0,0), and its
+    lookahead names (1,3): prefetched into (0,1)'s slot (layer 0 is done, (0,0) is in use), so
+    layer 1 hits (1,3) where lru misses it. Lists naming the own layer are refused."""
+    profile = np.array([[5.0, 4.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]])
+    stream = AccessStream(np.array([0, 7]), np.arange(3), 1, 2, 4)
+    res = simulate(stream, "lookahead", 3, profile, predictions=np.array([[7], [-1]]))
+    assert res.hit.tolist() == [True, True] and res.prefetches.tolist() == [1, 0] and res.useful_prefetches == 1
+    assert simulate(stream, "lru", 3, profile).hit.tolist() == [True, False]
+    with pytest.raises(CacheError, match="earlier MoE layer"):
+        simulate(stream, "lookahead", 3, profile, predictions=np.array([[2], [-1]]))
+    with pytest.raises(CacheError, match="required by policy"):
+        simulate(stream, "lookahead", 3, profile)

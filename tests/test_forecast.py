@@ -111,3 +111,68 @@ def test_bad_rows_are_refused():
     one = pd.DataFrame({"request": ["a"], "position": [0], "layer_index": [0], "rank": [0], "expert": [1]})
     with pytest.raises(ForecastError, match="no two consecutive"):
         TransitionForecaster.fit(one, 1, 4, 1)
+
+
+def test_lookahead_recall_against_brute_force():
+    """The lookahead's recall on missed selections, overall recall and precision against loops over
+    every (step, layer, token): the router of layer l on the router input of layer l - depth."""
+    import torch
+
+    from coldset.forecast import lookahead_recall
+
+    rng = np.random.default_rng(11)
+    S, L, T, E, H, k = 3, 4, 2, 6, 5, 2
+    hidden = torch.as_tensor(rng.standard_normal((S, L, T, H)), dtype=torch.float32)
+    routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.float32) for _ in range(L)]
+    routing = np.stack([rng.choice(E, size=k, replace=False) for _ in range(S * L * T)]).reshape(S, L, T, k)
+    missed = rng.random((S, L, T, k)) < 0.4
+    for depth in (1, 2):
+        for extra in (0, 1):
+            got = lookahead_recall(hidden, routers, routing, missed, depth, extra)
+            hit_m = tot_m = hit = tot = chosen = npred = 0
+            for s in range(S):
+                for layer in range(depth, L):
+                    for t in range(T):
+                        logits = (hidden[s, layer - depth, t] @ routers[layer].T).tolist()
+                        pred = sorted(range(E), key=lambda e: (-logits[e], e))[:k + extra]
+                        sel = routing[s, layer, t].tolist()
+                        chosen += sum(e in sel for e in pred)
+                        npred += len(pred)
+                        for r, e in enumerate(sel):
+                            tot += 1
+                            hit += e in pred
+                            if missed[s, layer, t, r]:
+                                tot_m += 1
+                                hit_m += e in pred
+            assert got["recall_on_missed"] == pytest.approx(hit_m / tot_m)
+            assert got["recall"] == pytest.approx(hit / tot)
+            assert got["precision"] == pytest.approx(chosen / npred)
+            assert got["missed_reachable"] == tot_m and got["missed"] == int(missed.sum())
+    with pytest.raises(ForecastError, match="depth"):
+        lookahead_recall(hidden, routers, routing, missed, L)
+
+
+def test_lookahead_predictions_list_the_later_layers_top_experts():
+    """Group (step s, layer l) lists layer l+depth's top-n experts on layer l's router inputs,
+    token by token, first occurrence kept, as instances; the last depth layers list nothing."""
+    import torch
+
+    from coldset.forecast import lookahead_predictions
+
+    rng = np.random.default_rng(5)
+    S, L, T, E, H, n, depth = 2, 3, 2, 5, 4, 2, 1
+    hidden = torch.as_tensor(rng.standard_normal((S, L, T, H)), dtype=torch.float32)
+    routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.float32) for _ in range(L)]
+    got = lookahead_predictions(hidden, routers, depth, n)
+    assert got.shape == (S * L, T * n)
+    for s in range(S):
+        for layer in range(L):
+            want = []
+            if layer + depth < L:
+                for t in range(T):
+                    logits = (hidden[s, layer, t] @ routers[layer + depth].T).tolist()
+                    for e in sorted(range(E), key=lambda e: (-logits[e], e))[:n]:
+                        if (layer + depth) * E + e not in want:
+                            want.append((layer + depth) * E + e)
+            row = got[s * L + layer]
+            assert row[:len(want)].tolist() == want and (row[len(want):] == -1).all()

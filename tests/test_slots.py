@@ -270,8 +270,9 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_triton_decisions_equal_the_torch_path(policy):
-    """On CUDA the decisions are one Triton launch and the fill another: the same state after every
-    group as the torch path (with duplicates inside groups), and the slots hold their owners."""
+    """On CUDA the decisions are one Triton launch (which also casts the router weights) and the
+    fill another (its programmatic dependent on sm90+): the same state after every group as the
+    torch path, the weights cast bitwise as ``Tensor.to``, and the slots hold their owners."""
     L, E, k, tokens, C = 3, 8, 2, 3, 13
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
@@ -283,14 +284,91 @@ def test_triton_decisions_equal_the_torch_path(policy):
     b = SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
     a.use_kernel = False
     assert b.use_kernel
-    for _ in range(30):
+    assert b.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    for step in range(30):
         for layer in range(L):
             ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])).cuda()
-            a.admit(layer, ids)
-            b.admit(layer, ids)
+            # float32 weights whose bfloat16 rounding is not a truncation (the cast rounds to nearest even)
+            w = torch.as_tensor(rng.random((tokens, k)), dtype=torch.float32).cuda()
+            if step % 2:  # the decisions alone (weights already cast, or none)
+                assert a.admit(layer, ids) is None and b.admit(layer, ids) is None
+            else:
+                wa = a.admit(layer, ids, w, torch.bfloat16)
+                wb = b.admit(layer, ids, w, torch.bfloat16)
+                assert wb.dtype == torch.bfloat16 and wb.shape == w.shape
+                assert torch.equal(wa, w.to(torch.bfloat16)) and torch.equal(wb, wa)
             for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
             assert torch.equal(a.pools.row_map, b.pools.row_map)
     np.testing.assert_array_equal(a.group_history(), b.group_history())
     assert a.counters()["fills"] > 20
     b.check(contents=True)
+
+
+@pytest.fixture(scope="module")
+def graphed_model():
+    from coldset.synthetic import build_synthetic_model
+
+    spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=4, kv_heads=2,
+                         head_dim=64, vocab_size=1024, seed=5, in_memory=True)
+    model, _ = build_synthetic_model(spec, "cuda", torch.bfloat16)
+    model.compile_decode()
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmodified_path(graphed_model, policy):
+    """The CUDA step as the bench runs it (compiled decode region, the whole step one CUDA graph,
+    the decisions casting the router weights, the fill their programmatic dependent): every
+    step's logits bitwise those of the unmodified path's graphed step, the per-group hits, misses
+    and fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every
+    slot holding its owner's weights at the end."""
+    from coldset import bench
+
+    model = graphed_model
+    cfg = model.config
+    L, E, k, bsz, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 2, 8, 12
+    ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
+    prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
+    rec = torch.zeros((L, bsz, k), dtype=torch.long, device="cuda")
+
+    def recording(p, layer, x, ids, w):
+        if x.shape[0] == bsz:
+            rec[layer].copy_(ids)
+        return ref_fn(p, layer, x, ids, w)
+
+    def run(fn, pools, cache=None):
+        model.pools, model.experts_fn = pools, fn
+        dec = bench.Decoder(model, bsz, plen, steps + 1, True)
+        tok = dec.prefill(prompts.cuda())
+        dec.set_step(tok, 1)
+        dec.capture()
+        if cache is not None:
+            cache.reset()  # the capture's warm-up steps ran the cache
+        logits, routing = [], []
+        for s in range(1, steps + 1):
+            dec.set_step(tok, s)
+            lg = dec.step()
+            logits.append(lg.clone())
+            routing.append(rec.cpu().numpy().copy())
+            tok = torch.argmax(lg, dim=-1)
+        return logits, np.stack(routing)
+
+    all_hot = model.pools
+    try:
+        ref_logits, routing = run(recording, all_hot)
+        counts = np.random.default_rng(3).integers(0, 20, size=(L, E)).astype(np.float64)
+        C = hot_count_for_residency(0.25, L * E)
+        row_map, _, wc = _warm(counts, C)
+        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, policy, bsz, k, history=steps * L + 8)
+        logits, _ = run(cache.wrap(rowmap_fn), cache.pools, cache)
+    finally:
+        model.pools, model.experts_fn = all_hot, ref_fn
+    for s, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
+    inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+    sim = simulate(AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), bsz * steps, L, E), policy, C, counts)
+    np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
+    assert sim.fills.sum() > 0, "no miss: the test lost its point"
+    cache.check(contents=True)

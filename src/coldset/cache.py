@@ -52,6 +52,14 @@ reference implementation):
   ``lru``'s; ``prefetches`` counts the copies (they cross the link: ``link_gb_per_token`` counts
   them with the fills) and ``useful_prefetches`` the prefetched instances hit before eviction.
 
+- ``lookahead``: the same replay with other lists (not a ``cache.policies`` entry: its lists come
+  from the model's hidden states, which traces do not hold). After group (step ``t``, layer ``l``)
+  the list names instances of a *later* layer of the same step (pre-gated MoE's lookahead: the
+  router of layer ``l + d`` applied to layer ``l``'s router input,
+  :func:`coldset.forecast.lookahead_predictions`); the victims, the in-flight rule and the commit
+  at the step's end are ``forecast``'s, so no slot that layers ``l + 1 ..`` of the step can need is
+  evicted for a prefetch, and a prefetched instance counts as a hit when its layer runs.
+
 Link traffic: each distinct missed instance of a group crosses the link once (``fills``); for
 ``static`` these are the cold reads, for the online policies the slot fills, plus ``forecast``'s
 prefetches. ``link_gb_per_token = (fills + prefetches) * bytes_per_expert / tokens / 1e9``.
@@ -87,6 +95,7 @@ import pandas as pd
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global
 
 POLICIES = ("static", "lru", "lfu", "belady", "forecast")
+PREFETCH_POLICIES = ("forecast", "lookahead")  # replayed with prefetch lists; lookahead: simulate() only
 ONLINE_POLICIES = ("lru", "lfu", "belady", "forecast")
 SIMULATION_COLUMNS = ("policy", "residency", "capacity", "accesses", "tokens", "hit_rate",
                       "misses_per_token", "link_gb_per_token")
@@ -762,11 +771,11 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
 
     ``profile_counts`` float ``[L, E]`` (profile split's selections) choose the warm pool
     (:func:`warm_order`) and LFU's initial counts. ``predictions`` int64 ``[G, P]`` (``forecast``
-    only, required there): the instances to prefetch after each group, -1 padded
-    (:func:`coldset.forecast.stream_predictions`). See the module docstring for the rules.
+    and ``lookahead`` only, required there): the instances to prefetch after each group, -1 padded
+    (:func:`coldset.forecast.stream_predictions`, :func:`coldset.forecast.lookahead_predictions`). See the module docstring for the rules.
     """
-    if policy not in POLICIES:
-        raise CacheError(f"unknown cache policy {policy!r}; known: {list(POLICIES)}")
+    if policy not in POLICIES and policy != "lookahead":
+        raise CacheError(f"unknown cache policy {policy!r}; known: {list(POLICIES) + ['lookahead']}")
     counts = np.asarray(profile_counts, dtype=np.float64)
     if counts.shape != (stream.num_moe_layers, stream.num_experts):
         raise CacheError(f"profile_counts has shape {counts.shape}, expected "
@@ -783,9 +792,10 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     ids, ptr, n_inst = stream.instances, stream.group_ptr, stream.num_instances
     victims = np.full(ids.size if record_victims else 0, -1, dtype=np.int64)
     prefetches, useful = None, 0
-    if (policy == "forecast") != (predictions is not None):
-        raise CacheError("predictions (the prefetch lists) are required by policy 'forecast' and only by it")
-    if policy == "forecast":
+    if (policy in PREFETCH_POLICIES) != (predictions is not None):
+        raise CacheError("predictions (the prefetch lists) are required by policy 'forecast' or 'lookahead' "
+                         "and only by them")
+    if policy in PREFETCH_POLICIES:
         pred = np.ascontiguousarray(predictions, dtype=np.int64)
         if pred.ndim != 2 or pred.shape[0] != stream.num_groups:
             raise CacheError(f"predictions: one row per group expected ({stream.num_groups}), got {pred.shape}")
@@ -793,10 +803,14 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
             raise CacheError(f"predictions: instance ids must lie in [0, {n_inst}) or be -1")
         if ids.size:
             layer_of = ids[ptr[:-1]] // stream.num_experts
-            bad = (pred >= 0) & (pred // stream.num_experts != layer_of[:, None])
+            if policy == "forecast":
+                bad = (pred >= 0) & (pred // stream.num_experts != layer_of[:, None])
+                what = "of another MoE layer (a group prefetches its own layer's next-step experts)"
+            else:
+                bad = (pred >= 0) & (pred // stream.num_experts <= layer_of[:, None])
+                what = "of its own or an earlier MoE layer (a lookahead prefetches for later layers of its step)"
             if bad.any():
-                raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance "
-                                 "of another MoE layer (a group prefetches its own layer's next-step experts)")
+                raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance {what}")
         hit, fills, prefetches, useful = _replay_forecast(ids, ptr, warm, n_inst, stream.num_experts, pred,
                                                           record_victims, victims)
     elif policy == "static":

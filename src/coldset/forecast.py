@@ -189,3 +189,73 @@ def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
             pred = np.take_along_axis(pred, order, axis=1)
         out[gs, :b * n] = pred
     return out
+
+
+def lookahead_recall(hidden, routers, routing: np.ndarray, missed: np.ndarray, depth: int, extra: int = 0) -> dict:
+    """The next-layer lookahead (pre-gated MoE) measured on recorded decode steps: the router of
+    MoE layer ``l`` applied to the router input of layer ``l - depth`` of the same token and step,
+    its top ``k + extra`` experts by logit (ties to the lower id) as the forecast of layer ``l``'s
+    selections, ``depth`` layers before its router runs.
+
+    ``hidden``: torch ``[S, L, T, H]``, each MoE layer's router input (the post-attention norm's
+    output) per step and token; ``routers``: the ``L`` router weights ``[E, H]``; ``routing``:
+    int ``[S, L, T, k]`` the selections; ``missed``: bool ``[S, L, T, k]``, the selections a cache
+    missed (e.g. ``lru``'s per-selection ``~hit`` of :func:`coldset.cache.simulate`).
+
+    Returns the recall on the missed selections of layers ``>= depth`` (what a prefetch could
+    hide) and on all their selections, the share of missed selections in layers ``< depth`` (no
+    lookahead can reach them), and the precision of the forecast (its share of experts selected).
+    Logits are computed in float32 (the engine ranks the model dtype's logits; near-ties may rank
+    otherwise: a measurement, not the engine's decisions)."""
+    import torch
+
+    S, L, T, k = routing.shape
+    if missed.shape != routing.shape or tuple(hidden.shape[:3]) != (S, L, T) or len(routers) != L:
+        raise ForecastError(f"lookahead_recall: hidden {tuple(hidden.shape)}, routing {routing.shape}, missed "
+                            f"{missed.shape} and {len(routers)} routers do not describe the same steps and layers")
+    if not 1 <= depth < L:
+        raise ForecastError(f"lookahead_recall: depth must be in [1, {L - 1}], got {depth}")
+    n = k + extra
+    pred = np.empty((S, L - depth, T, n), dtype=np.int64)
+    for layer in range(depth, L):
+        h = hidden[:, layer - depth].reshape(S * T, -1).float()
+        logits = h @ routers[layer].float().T.to(h.device)
+        # top-n by logit, ties to the lower expert id: a stable sort of the negated logits
+        order = torch.sort(-logits, dim=1, stable=True).indices[:, :n]
+        pred[:, layer - depth] = order.reshape(S, T, n).cpu().numpy()
+    sel = np.asarray(routing)[:, depth:]
+    inside = (sel[..., :, None] == pred[..., None, :]).any(axis=-1)  # [S, L-d, T, k]
+    miss = np.asarray(missed, dtype=bool)
+    later = miss[:, depth:]
+    chosen = (pred[..., :, None] == sel[..., None, :]).any(axis=-1)  # [S, L-d, T, n]
+    return {"depth": depth, "predictions": n, "missed": int(miss.sum()), "missed_reachable": int(later.sum()),
+            "recall_on_missed": float(inside[later].mean()) if later.any() else float("nan"),
+            "recall": float(inside.mean()), "precision": float(chosen.mean()),
+            "missed_unreachable_share": float(1 - later.sum() / miss.sum()) if miss.any() else 0.0}
+
+
+def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> np.ndarray:
+    """int64 ``[S * L, P]``: the prefetch lists of the ``lookahead`` policy of
+    :func:`coldset.cache.simulate` for an engine stream of ``S`` steps (groups in step, layer order,
+    ``T`` tokens each): after group (step ``s``, layer ``l``) the instances of layer ``l + depth``
+    that its router ranks in the top ``num_predictions`` on layer ``l``'s router inputs
+    ``hidden[s, l]`` (token by token, then rank, first occurrence kept), -1 padded; nothing after
+    the last ``depth`` layers. ``hidden`` torch ``[S, L, T, H]``, ``routers`` the ``L`` router
+    weights ``[E, H]``; float32 logits, ties to the lower expert id (as :func:`lookahead_recall`)."""
+    import torch
+
+    S, L, T = (int(x) for x in hidden.shape[:3])
+    if len(routers) != L or not 1 <= depth < L:
+        raise ForecastError(f"lookahead_predictions: {len(routers)} routers for {L} layers, depth {depth}")
+    E = int(routers[0].shape[0])
+    n = int(num_predictions)
+    out = np.full((S, L, T * n), -1, dtype=np.int64)
+    for layer in range(L - depth):
+        h = hidden[:, layer].reshape(S * T, -1).float()
+        logits = h @ routers[layer + depth].float().T.to(h.device)
+        top = torch.sort(-logits, dim=1, stable=True).indices[:, :n].reshape(S, T * n).cpu().numpy()
+        for s in range(S):
+            _, first = np.unique(top[s], return_index=True)
+            keep = top[s][np.sort(first)]
+            out[s, layer, :keep.size] = keep + (layer + depth) * E
+    return out.reshape(S * L, T * n)

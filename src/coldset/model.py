@@ -271,7 +271,10 @@ class MoEBlock(nn.Module):
         model = self._model[0]
         if model.routing_sink is not None:
             model.routing_sink.append((topk_ids, topk_weights))
-        return model.experts_fn(model.pools, self.moe_index, flat, topk_ids, topk_weights.to(flat.dtype))
+        fn = model.experts_fn
+        # An experts function marked casts_weights (a slot cache's) casts them in a launch it makes anyway.
+        w = topk_weights if getattr(fn, "casts_weights", False) else topk_weights.to(flat.dtype)
+        return fn(model.pools, self.moe_index, flat, topk_ids, w)
 
 
 def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask):
@@ -371,7 +374,9 @@ class MoEModel(nn.Module):
 
     ``pools`` holds every routed expert (``ExpertPools``); ``experts_fn(pools, moe_index, x,
     topk_ids, topk_weights)`` is the one replaceable experts computation (default
-    :func:`coldset.kernels.torch_experts`). Set ``routing_sink`` to a list to have every MoE
+    :func:`coldset.kernels.torch_experts`); its ``topk_weights`` are in ``x``'s dtype, unless the
+    function has the attribute ``casts_weights = True`` (a slot cache's, :meth:`coldset.slots.SlotCache.wrap`):
+    then it gets the router's float32 weights and casts them itself. Set ``routing_sink`` to a list to have every MoE
     block append ``(topk_ids, topk_weights)`` (float32, before the cast) in call order.
     Build it with :func:`load_model`.
     """

@@ -26,7 +26,9 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
 
 On CUDA the decisions of a group are one Triton launch and the fill another
 (:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
-are about thirty); on the CPU they are torch ops (the same decisions, which CI tests against the
+are about thirty; the decisions' launch also casts the router weights, a launch every path has, so
+the cache adds one launch a layer; the fill is the decisions' programmatic dependent launch on
+sm90+); on the CPU they are torch ops (the same decisions, which CI tests against the
 simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
 decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
 the decisions on the data of that step.
@@ -58,6 +60,12 @@ KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_
 
 class CacheCapacityError(ValueError):
     """The pool has fewer slots than one step's selections can need."""
+
+
+def _pdl_available(device: torch.device) -> bool:
+    from coldset.kernels.triton_slots import pdl_available
+
+    return pdl_available(device)
 
 
 def warm_order(warm_instances: np.ndarray, warm_counts: np.ndarray) -> np.ndarray:
@@ -99,6 +107,7 @@ class SlotCache:
     admitted: torch.Tensor | None = None
     num_misses: torch.Tensor | None = None
     use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
+    pdl: bool = False  # the fill as the decisions' programmatic dependent launch (sm90+, kernel path)
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -150,6 +159,7 @@ class SlotCache:
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
+            pdl=dev.type == "cuda" and _pdl_available(dev),
         )
 
     def reset(self) -> None:
@@ -204,13 +214,19 @@ class SlotCache:
 
     def wrap(self, experts_fn):
         """An experts function (model.experts_fn contract) that first runs :meth:`admit` for the
-        layer's group, then ``experts_fn`` over this cache's pools (whatever pools it is given)."""
+        layer's group, then ``experts_fn`` over this cache's pools (whatever pools it is given).
+
+        It is marked ``casts_weights``: the model hands it the router's float32 weights and
+        :meth:`admit` casts them to the activation dtype in the decisions' own launch on CUDA (the
+        cast is a launch of its own on every path, so the cache adds one launch a layer, the fill,
+        instead of two). Weights already in ``x``'s dtype are passed through."""
         cache = self
 
         def cached(_pools, layer, x, topk_ids, topk_weights):
-            cache.admit(layer, topk_ids)
-            return experts_fn(cache.pools, layer, x, topk_ids, topk_weights)
+            w = cache.admit(layer, topk_ids, topk_weights, x.dtype)
+            return experts_fn(cache.pools, layer, x, topk_ids, w)
 
+        cached.casts_weights = True
         return cached
 
     # ---------------------------------------------------------------------------- decisions
@@ -223,18 +239,32 @@ class SlotCache:
             order = order[torch.argsort(cnt, stable=True)]
         return order
 
-    def admit(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def admit(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The cache's decisions for MoE layer ``layer``'s group ``topk_ids`` ``[T, k]`` (see the
-        module doc), then the fill of the admitted instances' slots. A no-op for ``T >
-        max_tokens`` (prefill)."""
+        module doc), then the fill of the admitted instances' slots. The decisions are a no-op for
+        ``T > max_tokens`` (prefill). Returns ``topk_weights`` cast to ``dtype`` (on the kernel
+        path in the decisions' launch; ``None`` without weights)."""
+        cast = topk_weights is not None and dtype is not None and topk_weights.dtype != dtype
         if topk_ids.shape[0] > self.max_tokens:
-            return
+            return topk_weights.to(dtype) if cast else topk_weights
         if self.use_kernel:
             from coldset.kernels.triton_slots import decide, fill
 
-            decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
-            fill(self.pools, self.victims, self.admitted, self.num_misses)
-            return
+            w_out = None
+            if cast:
+                w_out = torch.empty(topk_weights.shape, dtype=dtype, device=topk_weights.device)
+                decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous(),
+                       topk_weights.contiguous().reshape(-1), w_out.view(-1))
+            else:
+                decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
+            fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
+            return w_out if cast else topk_weights
+        self._decide_torch(layer, topk_ids)
+        return topk_weights.to(dtype) if cast else topk_weights
+
+    def _decide_torch(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """:meth:`admit`'s decisions and fill as torch ops (the CPU path; the kernel's reference)."""
         pools = self.pools
         E = pools.num_experts
         dev = topk_ids.device
