@@ -367,6 +367,8 @@ def main() -> int:
                                  "copy_engine_gb_s": nbytes / graph_time_ms(copy_engine) / 1e6}
                     log("fill", R["fill"][bsz])
                     cache.reset()
+                    # the closures hold the cache (its slots: residency x all experts of HBM)
+                    del decisions, with_cache_work, kernel_fill, copy_engine, p
                 del cache
                 torch.cuda.empty_cache()
             write_json(out / "cache_h200.json", {**R, "fails": fails})
