@@ -10,8 +10,9 @@ layer's router input and selections per decode step. ``lru`` is replayed by
 :func:`coldset.cache.simulate` over those steps at each residency (warm from the profile counts,
 as the engine's cache), and :func:`coldset.forecast.lookahead_recall` measures, for depths 1 and
 2 and forecasts of top k and top k + 3, the share of lru's missed selections that the router of
-layer ``l`` applied to layer ``l - depth``'s router input names (pre-gated MoE's lookahead). Prints
-one line per (residency, depth, forecast size).
+layer ``l`` applied to layer ``l - depth``'s router input names (pre-gated MoE's lookahead), and
+the ``lookahead`` policy of the simulator fed with those forecasts (hit rate, demand misses and
+prefetches per token). Prints one line per (residency, depth, forecast size).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> int:
     from coldset.cache import AccessStream, simulate
     from coldset.config import load_config
     from coldset.fixtures import template_texts
-    from coldset.forecast import lookahead_recall
+    from coldset.forecast import lookahead_predictions, lookahead_recall
     from coldset.model import generate
     from coldset.placement import hot_count_for_residency
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
@@ -96,7 +97,12 @@ def main() -> int:
         for depth in (1, 2):
             for extra in (0, 3):
                 got = lookahead_recall(hidden, routers, routing, missed, depth, extra)
-                got.update(residency=r, lru_hit=float(res.hit.mean()), misses_per_token=float(missed.sum() / S))
+                lk = simulate(stream, "lookahead", C, counts,
+                              predictions=lookahead_predictions(hidden, routers, depth, k + extra)).stats()
+                got.update(residency=r, lru_hit=float(res.hit.mean()), misses_per_token=float(missed.sum() / S),
+                           lookahead_hit=lk.hit_rate, lookahead_misses_per_token=lk.misses_per_token,
+                           prefetches_per_token=lk.prefetches / S,
+                           useful_share=lk.useful_prefetches / max(lk.prefetches, 1))
                 rows.append(got)
                 print(json.dumps(got))
     return 0

@@ -26,6 +26,15 @@ selections (per layer) that the forecast made from the current token contains, b
 previous-token baseline (the forecast "the next token selects what this one did").
 :func:`stream_predictions` turns it into the per-group prefetch lists that the ``forecast``
 policy of :func:`coldset.cache.simulate` replays.
+
+The next-layer lookahead (pre-gated MoE) is the other forecaster measured here: within one step,
+the router of MoE layer ``l + d`` applied to layer ``l``'s router input names layer ``l + d``'s
+experts ``d`` layers before its own router runs, from hidden states rather than statistics (so
+from an engine run, not a trace). :func:`lookahead_recall` measures it on the selections a cache
+missed (what a prefetch could hide); :func:`lookahead_predictions` gives the simulator's
+``lookahead`` policy its lists. Why a layer ahead can be enough after all: at residency 0.5 a
+recency cache misses about 0.1-0.5 instances per layer and token (BENCHMARKS.md, issue 12), not
+the whole top-k the "one layer hides one expert" estimate assumes.
 """
 
 from __future__ import annotations
