@@ -2,6 +2,8 @@
 brute-force reference of the cache semantics (/work/coord/CACHE_SEMANTICS.md), and its parity with
 the unmodified path."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -372,3 +374,144 @@ def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmod
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
     assert sim.fills.sum() > 0, "no miss: the test lost its point"
     cache.check(contents=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# lookahead: lru + the prefetch of layer l + d's router forecast on layer l's router input
+
+
+def _lookahead_run(engine, residency, batch, depth, prompts, sabotage=None):
+    """Decode ``prompts`` ``batch`` at a time through a lookahead cache; returns the cache, the
+    decode groups (stream order) and the logits, beside the unmodified path's logits."""
+    cfg = engine.config
+    L, E = cfg.num_moe_layers, cfg.num_experts
+    counts = np.random.default_rng(7).integers(0, 20, size=(L, E)).astype(np.float64)
+    C = hot_count_for_residency(residency, L * E)
+    row_map, _, wc = _warm(counts, C)
+    routers = [engine.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
+    cache = SlotCache.build(engine.pools, host_tier(engine.pools), row_map, wc, "lookahead", batch, cfg.top_k,
+                            routers=routers, depth=depth)
+    if sabotage is not None:
+        sabotage(cache)
+    ref_fn, rowmap_fn, _ = gate.experts_functions(engine.device)
+    ids = [f"p{i}" for i in range(len(prompts))]
+    reference = gate.reference_decode(engine, prompts, 10, batch_size=batch, progress=False)
+    groups = []
+    admit = cache.admit
+
+    def recording(layer, topk_ids, *a, **kw):
+        if topk_ids.shape[0] <= batch:  # decode groups (prefill is not decided)
+            groups.append(topk_ids.reshape(-1).tolist())
+        return admit(layer, topk_ids, *a, **kw)
+
+    cache.admit = recording
+    got = gate.placement_decode(engine, cache.pools, prompts, 10, batch_size=batch, progress=False, cache=cache)
+    result = gate.compare(f"lookahead-{residency}", ids, reference, got, cache.pools, engine)
+    return cache, counts, C, groups, result
+
+
+@pytest.mark.parametrize("batch,depth", [(1, 1), (2, 2)])
+def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch, depth):
+    """The engine's lookahead decisions on CPU: per group hits, misses, fills and prefetches equal
+    coldset.cache.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
+    logits bitwise the unmodified path's; prefetches happened and were used."""
+    cfg = engine.config
+    L, E = cfg.num_moe_layers, cfg.num_experts
+    prompts = random_prompts(cfg.vocab_size, 4, seed=5)
+    cache, counts, C, groups, result = _lookahead_run(engine, 0.25, batch, depth, prompts)
+    assert result.passed and result.tokens_matched == result.tokens_total
+    cache.check(contents=True)
+    n_groups = int(cache.groups)
+    assert len(groups) == n_groups
+    layer_of = np.arange(n_groups) % L
+    inst = np.array([layer_of[g] * E + e for g in range(n_groups) for e in groups[g]])
+    ptr = np.cumsum([0] + [len(x) for x in groups])
+    stream = AccessStream(inst, ptr, n_groups // L * batch, L, E)
+    pred = cache.prefetch_lists()
+    sim = simulate(stream, "lookahead", C, counts, predictions=pred)
+    np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
+    np.testing.assert_array_equal(cache.prefetch_history[:n_groups].cpu().numpy(), sim.prefetches)
+    assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
+    # the prefetches moved the stream off lru's decisions (so the equality above tested them)
+    assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
+
+
+def test_a_stale_prefetch_fails_the_gate(engine, monkeypatch):
+    """A prefetch whose copy never lands (its slot keeps the victim's weights, the row map names the
+    prefetched expert) must fail the gate and the contents check."""
+    prompts = random_prompts(engine.config.vocab_size, 2, seed=6)
+    real_fill = SlotCache._fill
+    skipped = []
+
+    def no_prefetch_copy(self, victims, new_inst, valid, m):
+        if sys._getframe(1).f_code.co_name == "_prefetch":
+            skipped.append(int(m))
+            return
+        real_fill(self, victims, new_inst, valid, m)
+
+    monkeypatch.setattr(SlotCache, "_fill", no_prefetch_copy)
+    cache, _, _, _, result = _lookahead_run(engine, 0.25, 1, 1, prompts)
+    assert sum(skipped) > 0
+    assert not result.passed
+    with pytest.raises(ValueError, match="does not hold the weights"):
+        cache.check(contents=True)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_lookahead_decisions_equal_the_simulator_on_random_streams(depth):
+    """Random groups, router inputs and routers, pools barely larger than a group (so the in-flight
+    rule, the read-in-place of a miss without a free slot and the skipped rest of a list all
+    occur): the engine's per-group hits, misses, fills and prefetches equal the simulator's
+    'lookahead' policy on the lists the engine recorded, and every slot holds its owner."""
+    rng = np.random.default_rng(depth)
+    L, E, k, T, H = 3, 6, 2, 2, 5
+    for trial in range(6):
+        counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+        C = int(rng.integers(k * T, k * T + 4))
+        row_map, _, wc = _warm(counts, C)
+        all_hot = _random_pools(L, E)
+        routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.float32) for _ in range(L)]
+        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers,
+                                depth=depth)
+        groups = []
+        for _ in range(12):
+            for layer in range(L):
+                ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+                hidden = torch.as_tensor(rng.standard_normal((T, H)), dtype=torch.float32)
+                cache.admit(layer, torch.as_tensor(ids), hidden=hidden)
+                groups.append((ids + layer * E).reshape(-1))
+        inst = np.concatenate(groups)
+        stream = AccessStream(inst, np.arange(0, inst.size + 1, k * T), 12 * T, L, E)
+        sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists())
+        np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1),
+                                      err_msg=f"trial {trial}, C {C}")
+        np.testing.assert_array_equal(cache.prefetch_history[:len(groups)].numpy(), sim.prefetches)
+        cache.check(contents=True)
+
+
+def test_lookahead_in_flight_slots_are_no_demand_victims():
+    """Hand-checked: 2 layers x 6 experts, top-2, 2 tokens, 4 slots warm with (0,0..3); routers =
+    identity, so the router input names the forecast. Layer 0 hits (0,0) (0,1) and its lookahead
+    [(1,4), (1,5)] takes the slots of (0,3) and (0,2) (least used first). Layer 1 misses (1,0..3):
+    only (0,0) and (0,1) are neither in the group nor in flight, so (1,0) (1,1) are admitted and
+    (1,2) (1,3) read in place; the prefetched (1,4) (1,5) stay. The simulator agrees."""
+    L, E, k, T = 2, 6, 2, 2
+    counts = np.zeros((L, E))
+    counts[0, :4] = [9, 8, 7, 6]
+    row_map, _, wc = _warm(counts, 4)
+    all_hot = _random_pools(L, E)
+    routers = [torch.eye(E) for _ in range(L)]
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers)
+    forecast = torch.tensor([[0, 0, 0, 0, 2.0, 1.0]] * T)
+    cache.admit(0, torch.tensor([[0, 1], [0, 1]]), hidden=forecast)
+    assert cache.prefetch_lists()[0].tolist() == [E + 4, E + 5, -1, -1]
+    assert int(cache.prefetch_history[0]) == 2
+    cache.admit(1, torch.tensor([[0, 1], [2, 3]]), hidden=forecast)
+    rm = cache.pools.row_map
+    assert [int(rm[1, e]) >= 0 for e in range(E)] == [True, True, False, False, True, True]
+    assert [int(rm[0, e]) >= 0 for e in range(E)] == [False] * E
+    np.testing.assert_array_equal(cache.group_history(), [[4, 0, 0], [0, 4, 4]])
+    cache.check(contents=True)
+    stream = AccessStream(np.array([0, 1, 0, 1, 6, 7, 8, 9]), np.array([0, 4, 8]), T, L, E)
+    sim = simulate(stream, "lookahead", 4, counts, predictions=cache.prefetch_lists())
+    np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))

@@ -33,6 +33,19 @@ simulator). Both have shapes fixed by the batch size and no host synchronisation
 decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
 the decisions on the data of that step.
 
+``lookahead`` (engine-level, not yet a placement; issue 12 item 3): ``lru`` plus, after each
+group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the top-``k`` experts of that
+layer's router applied to layer ``l``'s router input (pre-gated MoE), with the rules of the
+simulator's ``lookahead`` policy (:mod:`coldset.cache`): a prefetched instance takes the least
+recent slot of layers ``<= l`` not used by the group and not in flight, is in flight until the
+step ends (no demand miss evicts it; a demand miss that finds no other slot is read in place, not
+admitted), and enters the recency order after the group's accesses. The engine records each
+group's list (:meth:`SlotCache.prefetch_lists`), which the simulator replays for the step-by-step
+equality. Its decisions are torch ops on every device and its copies run on the compute stream:
+the same decisions and bitwise results as the coming overlapped version, no speed yet (the copy on a
+forked stream inside the graph, joined before the experts of layer ``l + depth``, is not built:
+BENCHMARKS.md, issue 12 fourth session).
+
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
 
@@ -56,6 +69,9 @@ _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never 
 
 
 KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
+# The engine's policies: the placements' dynamic ones, and lookahead (lru + a prefetch of the next
+# layers' router forecasts; engine-level, torch ops, not yet a placement: see the module doc).
+ENGINE_POLICIES = DYNAMIC_POLICIES + ("lookahead",)
 
 
 class CacheCapacityError(ValueError):
@@ -108,10 +124,19 @@ class SlotCache:
     num_misses: torch.Tensor | None = None
     use_kernel: bool = False  # decisions by the Triton kernel (CUDA default) or torch ops
     pdl: bool = False  # the fill as the decisions' programmatic dependent launch (sm90+, kernel path)
+    # lookahead: the routers [E, H] of every MoE layer, the depth d, the state (in flight until the
+    # step ends), per group the prediction list issued ([history, width], -1 padded) and the prefetches
+    routers: list | None = None
+    depth: int = 1
+    inflight: torch.Tensor | None = None
+    prediction_history: torch.Tensor | None = None
+    prefetch_history: torch.Tensor | None = None
+    prev_layer: int = 0  # the last group's layer (host side: the call order is the step's)
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
-              policy: str, max_tokens: int, top_k: int, history: int = 4096) -> "SlotCache":
+              policy: str, max_tokens: int, top_k: int, history: int = 4096, routers=None,
+              depth: int = 1) -> "SlotCache":
         """A cache whose slots hold the warm set of ``warm_row_map`` (DESIGN.md §3 placement
         encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
         unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
@@ -119,10 +144,15 @@ class SlotCache:
         batch size (tokens per step) the cache decides for; ``C >= top_k * max_tokens`` is
         required, else one step could need more slots than exist.
         """
-        if policy not in DYNAMIC_POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(DYNAMIC_POLICIES)}")
+        if policy not in ENGINE_POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(ENGINE_POLICIES)}")
         pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
         L, E = pools.num_moe_layers, pools.num_experts
+        if policy == "lookahead":
+            if routers is None or len(routers) != L or any(tuple(r.shape)[0] != E for r in routers):
+                raise ValueError(f"policy 'lookahead' needs the {L} MoE layers' routers [{E}, hidden]")
+            if not 1 <= int(depth) < L:
+                raise ValueError(f"lookahead depth must be in [1, {L - 1}], got {depth}")
         capacity = pools.num_hot
         need = int(top_k) * int(max_tokens)
         if capacity < need:
@@ -158,8 +188,14 @@ class SlotCache:
             num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
-            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
+            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS and policy != "lookahead",
             pdl=dev.type == "cuda" and _pdl_available(dev),
+            routers=list(routers) if policy == "lookahead" else None, depth=int(depth),
+            inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if policy == "lookahead" else None,
+            prediction_history=torch.full((history, need), -1, dtype=torch.int64, device=dev)
+            if policy == "lookahead" else None,
+            prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if policy == "lookahead" else None,
+            prev_layer=L,
         )
 
     def reset(self) -> None:
@@ -174,6 +210,9 @@ class SlotCache:
         self.last_use.copy_(last_use)
         self.count.copy_(count)
         self.tick.zero_()
+        if self.inflight is not None:
+            self.inflight.zero_()
+        self.prev_layer = pools.num_moe_layers
         self.reset_counters()
         slots = torch.arange(self.capacity, device=owner.device)
         self._fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
@@ -198,6 +237,9 @@ class SlotCache:
         self.totals.zero_()
         self.history.zero_()
         self.groups.zero_()
+        if self.prediction_history is not None:
+            self.prediction_history.fill_(-1)
+            self.prefetch_history.zero_()
 
     def counters(self) -> dict[str, int]:
         """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync)."""
@@ -223,7 +265,7 @@ class SlotCache:
         cache = self
 
         def cached(_pools, layer, x, topk_ids, topk_weights):
-            w = cache.admit(layer, topk_ids, topk_weights, x.dtype)
+            w = cache.admit(layer, topk_ids, topk_weights, x.dtype, hidden=x)
             return experts_fn(cache.pools, layer, x, topk_ids, w)
 
         cached.casts_weights = True
@@ -240,11 +282,12 @@ class SlotCache:
         return order
 
     def admit(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
-              dtype: torch.dtype | None = None) -> torch.Tensor | None:
+              dtype: torch.dtype | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """The cache's decisions for MoE layer ``layer``'s group ``topk_ids`` ``[T, k]`` (see the
         module doc), then the fill of the admitted instances' slots. The decisions are a no-op for
         ``T > max_tokens`` (prefill). Returns ``topk_weights`` cast to ``dtype`` (on the kernel
-        path in the decisions' launch; ``None`` without weights)."""
+        path in the decisions' launch; ``None`` without weights). ``hidden``: the layer's router
+        input ``[T, H]``, required by ``lookahead`` (its forecast of layer ``layer + depth``)."""
         cast = topk_weights is not None and dtype is not None and topk_weights.dtype != dtype
         if topk_ids.shape[0] > self.max_tokens:
             return topk_weights.to(dtype) if cast else topk_weights
@@ -260,10 +303,12 @@ class SlotCache:
                 decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
             fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
             return w_out if cast else topk_weights
-        self._decide_torch(layer, topk_ids)
+        if self.policy == "lookahead" and hidden is None:
+            raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
+        self._decide_torch(layer, topk_ids, hidden)
         return topk_weights.to(dtype) if cast else topk_weights
 
-    def _decide_torch(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def _decide_torch(self, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """:meth:`admit`'s decisions and fill as torch ops (the CPU path; the kernel's reference)."""
         pools = self.pools
         E = pools.num_experts
@@ -286,8 +331,18 @@ class SlotCache:
         new_inst = new_e + base
         owner = self.owner
         in_group = (owner // E == layer) & used[owner % E]
-        victims = self._victim_order(in_group)[:slots_max]
-        valid = torch.arange(slots_max, device=dev) < m
+        ahead = self.policy == "lookahead"
+        if ahead:
+            if layer <= self.prev_layer:  # a new step: the last step's prefetches are committed
+                self.inflight.zero_()
+            self.prev_layer = layer
+            # Slots in flight are no demand victim; misses beyond the other slots are read in place.
+            barred = in_group | self.inflight[owner]
+            victims = self._victim_order(barred)[:slots_max]
+            valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
+        else:
+            victims = self._victim_order(in_group)[:slots_max]
+            valid = torch.arange(slots_max, device=dev) < m
         old_inst = owner[victims]
         # Evictions first (distinct instances), then admissions read back after them (distinct
         # experts), so a masked-out write can never undo a real one.
@@ -301,12 +356,81 @@ class SlotCache:
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
         self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
-        self.tick.add_(n)
+        if ahead:
+            self._prefetch(layer, hidden, used, n)
+        # lookahead: the prefetches take the ticks after the group's (width of a list at most)
+        self.tick.add_(n + (self.prediction_history.shape[1] if ahead else 0))
         hits = hit.sum()
         row = torch.stack([hits, n - hits, m])
         self.totals.add_(row)
         self.history.index_copy_(0, self.groups % self.history.shape[0], row[None])
         self.groups.add_(1)
+
+    def _prefetch(self, layer: int, hidden: torch.Tensor, used: torch.Tensor, n: int) -> None:
+        """``lookahead``'s prefetch after group (step, ``layer``), the simulator's ``lookahead``
+        rules (:mod:`coldset.cache`): the list = the top ``k`` experts of layer ``layer + depth``'s
+        router on this layer's router inputs, token by token, first occurrence kept; each listed
+        instance not resident, in list order, takes the least recent slot of layers ``<= layer``
+        not used by this group, not listed and not in flight (none left: the rest is skipped); it
+        is in flight until the step ends and enters the recency order after the group's accesses,
+        in list order. The list is recorded per group (the simulator replays it), so its logits'
+        rounding (float32 here) is the engine's choice, not a contract."""
+        pools = self.pools
+        L, E = pools.num_moe_layers, pools.num_experts
+        dev = self.owner.device
+        width = self.prediction_history.shape[1]
+        row = self.groups % self.prediction_history.shape[0]
+        target = layer + self.depth
+        if target >= L:
+            self.prediction_history.index_fill_(0, row, -1)
+            self.prefetch_history.index_fill_(0, row, 0)
+            return
+        logits = hidden.reshape(hidden.shape[0], -1).float() @ self.routers[target].float().T.to(dev)
+        top = torch.sort(-logits, dim=1, stable=True).indices[:, :self.top_k].reshape(-1)
+        # The target layer's experts by first position in the list, then the unlisted ones by id:
+        # E distinct instances (so masked-out writes below never share an index with real ones).
+        pos_top = torch.arange(top.numel(), device=dev)
+        first = (top.numel() + torch.arange(E, device=dev)).scatter_reduce_(0, top, pos_top, "amin")
+        seq = torch.argsort(first) + target * E
+        nk = (first < top.numel()).sum()  # listed experts
+        ranks = torch.arange(E, device=dev)
+        listed = ranks < nk
+        lst = torch.where(listed, seq, -1)
+        rec = lst[:width] if E >= width else torch.nn.functional.pad(lst, (0, width - E), value=-1)
+        rm = pools.row_map.view(-1)
+        want = listed & (rm[seq] < 0)
+        span = min(E, self.capacity)
+        new = seq[torch.argsort((~want).to(torch.int64), stable=True)][:span]  # non-resident listed first
+        owner = self.owner
+        # Candidates: slots of layers already done this step, not used by this group, not in flight
+        # (a listed instance belongs to a later layer, so it is never one).
+        barred = (owner // E > layer) | ((owner // E == layer) & used[owner % E]) | self.inflight[owner]
+        key = self.last_use[owner].masked_fill(barred, torch.iinfo(torch.int64).max)
+        victims = torch.argsort(key, stable=True)[:span]
+        got = torch.minimum(want.sum(), (~barred).sum())
+        j = torch.arange(span, device=dev)
+        valid = j < got
+        old = owner[victims]
+        # Evictions first (distinct instances of layers <= layer), then admissions (distinct instances
+        # of the target layer), so a masked-out write can never undo a real one.
+        rm.index_put_((old,), torch.where(valid, -old - 1, rm[old].to(torch.int64)).to(torch.int32))
+        rm.index_put_((new,), torch.where(valid, victims, rm[new].to(torch.int64)).to(torch.int32))
+        owner.index_put_((victims,), torch.where(valid, new, old))
+        pools.validated_version = pools.row_map._version
+        self.inflight.index_put_((new,), valid | self.inflight[new])
+        self.last_use.index_put_((new,), torch.where(valid, self.tick + n + j, self.last_use[new]))
+        self._fill(victims, new, valid, got)
+        self.prediction_history.index_copy_(0, row, rec[None])
+        self.prefetch_history.index_copy_(0, row, got[None])
+
+    def prefetch_lists(self) -> np.ndarray:
+        """int64 ``[groups, width]``: the prediction list ``lookahead`` issued after each group
+        (-1 padded; the simulator's ``predictions``), in order (a host sync)."""
+        n = int(self.groups)
+        cap = self.prediction_history.shape[0]
+        if n > cap:
+            raise ValueError(f"the cache kept the last {cap} groups' lists, {n} ran: build it with history >= {n}")
+        return self.prediction_history[:n].cpu().numpy()
 
     def _fill(self, victims, new_inst, valid, m) -> None:
         pools = self.pools
