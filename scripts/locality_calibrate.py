@@ -19,6 +19,16 @@ A static set chosen on one domain covers another domain's traffic far worse (rea
 78% same-domain, 54% cross-domain), so each synthetic split is compared with the real trace's
 split of the same kind. ``--real`` adds the real trace's line.
 
+The lift depends on the request length as much as on the router: its baseline shuffles each
+request's tokens, and the shorter the request, the more of those shuffled neighbours lie a few
+tokens apart, where the topic still persists. The real trace's requests decode ~126 tokens, the
+default fixtures' 31 (``max_new_tokens`` 32: the first new token comes from the prefill), and the
+real trace's lift over each request's first 31 decode tokens is 1.43x against 1.78x over whole
+requests (BENCHMARKS.md, issue 17 fourth session). So the real line also carries
+``lift_first{N}``: the lift over each request's first ``N`` decode tokens (``--lift-window``,
+default the config's ``fixtures.max_new_tokens - 1``, the synthetic requests' length), the
+like-for-like target for the synthetic lift.
+
 ``--grid KNOB=V1,V2,...`` (router knobs only, coldset.synthetic.ROUTER_KNOBS; repeatable) runs
 every combination on one build: the pipeline remakes only the routers (set_router_knobs), so a
 real-shape sweep on the GPU builds the 61 GB model once. ``--seeds`` repeats everything per seed
@@ -49,10 +59,20 @@ RESIDENCIES = (0.25, 0.5, 0.75)
 POLICIES = ("static", "lru", "lfu", "belady")
 
 
-def routing_summary(rows, meta, splits: dict) -> dict:
-    """Skew, locality and, per split name -> (profile rows, replay rows), the cache hit rates."""
+def first_decode_tokens(rows, n: int):
+    """The rows of each request's first ``n`` decode tokens (positions counted from the request's
+    first decode position)."""
+    first = rows.groupby("request", observed=True)["position"].transform("min")
+    return rows[(rows["position"] - first) < n]
+
+
+def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = (), lags: tuple[int, ...] = ()) -> dict:
+    """Skew, locality, the lift over each request's first N decode tokens for N in
+    ``lift_windows``, the mean overlap of a request's tokens d apart for d in ``lags`` (with the
+    shuffled overlap over all requests' tokens, the floor they fall to without a per-request
+    component), and, per split name -> (profile rows, replay rows), the cache hit rates."""
     from coldset.cache import capacity_for_residency, counts_from_rows, simulate, stream_from_frame
-    from coldset.stats import gini, locality_stats, top_share
+    from coldset.stats import decode_tokens, gini, locality_stats, pair_overlap, shuffled_overlap, top_share
 
     L, E = meta.num_moe_layers, meta.num_experts
     counts = counts_from_rows(rows, L, E)
@@ -65,7 +85,17 @@ def routing_summary(rows, meta, splits: dict) -> dict:
         "lift": loc["lift"],
         "reuse_1": loc["reuse_distance"]["1"],
         "tokens": loc["tokens"],
+        "tokens_per_request": loc["tokens"] / loc["requests"],
     }
+    for n in lift_windows:
+        out[f"lift_first{n}"] = locality_stats(first_decode_tokens(rows, n), meta, seed=0)["lift"]
+    if lags:
+        sel, req, pos = decode_tokens(rows, L, meta.top_k)
+        out["global_shuffled_overlap"] = float(np.nanmean(shuffled_overlap(sel, np.zeros_like(req), seed=0)))
+        for d in lags:
+            pair = (req[d:] == req[:-d]) & (pos[d:] == pos[:-d] + d)
+            out[f"overlap_lag{d}"] = (float(pair_overlap(sel[d:][pair], sel[:-d][pair], meta.top_k).mean())
+                                      if pair.any() else None)
     for name, (profile_rows, replay_rows) in splits.items():
         profile = counts_from_rows(profile_rows, L, E)
         stream = stream_from_frame(replay_rows, L, E)
@@ -83,7 +113,7 @@ def _splits(rows, heldout: tuple, cross: tuple) -> dict:
             "cross": (select_rows(rows, None, cross[0]), select_rows(rows, None, cross[1]))}
 
 
-def synthetic_routing(config: dict, workdir: Path) -> dict:
+def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -> dict:
     """Run the model, fixtures and routing stages for ``config`` into ``workdir`` and summarise.
 
     The pipeline keeps its engine between calls: a config that differs from the last one only
@@ -97,14 +127,14 @@ def synthetic_routing(config: dict, workdir: Path) -> dict:
         run_stage(stage, config)
     rows, meta = trace_decode_rows(Layout.from_config(config).trace)
     domains = list(config["fixtures"]["domains"])
-    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), (domains[:-1], domains[-1:])))
+    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), (domains[:-1], domains[-1:])), (), lags)
 
 
-def real_routing(path: Path) -> dict:
+def real_routing(path: Path, lift_windows: tuple[int, ...] = (), lags: tuple[int, ...] = ()) -> dict:
     from coldset.cache import trace_decode_rows
 
     rows, meta = trace_decode_rows(path, heldout_fraction=0.5)
-    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), REAL_CROSS))
+    return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), REAL_CROSS), lift_windows, lags)
 
 
 def seed_summary(lines: list[dict]) -> dict:
@@ -141,6 +171,10 @@ def main() -> None:
     ap.add_argument("--device", help="override the config's device")
     ap.add_argument("--real", action="store_true", help="also summarise the shared Llama-4 trace")
     ap.add_argument("--real-trace", type=Path, default=REAL_TRACE)
+    ap.add_argument("--lift-window", type=int, nargs="+", metavar="N",
+                    help="the real line's lift_firstN windows (default: the config's fixtures.max_new_tokens - 1)")
+    ap.add_argument("--lags", type=int, nargs="+", default=[], metavar="D",
+                    help="also the mean overlap of tokens D apart (overlap_lagD) and the all-request shuffled one")
     ap.add_argument("--no-synthetic", action="store_true")
     ap.add_argument("--out", type=Path, help="also write the lines to this JSON file")
     args = ap.parse_args()
@@ -156,10 +190,11 @@ def main() -> None:
         lines.append(line)
         print(json.dumps(line), flush=True)
 
+    base = load_config(args.config)
     if args.real:
-        emit({"routing": "real: llama4-maverick-mmlu", **real_routing(args.real_trace)})
+        windows = args.lift_window or [int(base["fixtures"]["max_new_tokens"]) - 1]
+        emit({"routing": "real: llama4-maverick-mmlu", **real_routing(args.real_trace, tuple(windows), tuple(args.lags))})
     if not args.no_synthetic:
-        base = load_config(args.config)
         base["model"]["path"] = None
         if args.device:
             base["device"] = args.device
@@ -173,7 +208,7 @@ def main() -> None:
                     config = json.loads(json.dumps(base))
                     config["model"]["synthetic"] = {**config["model"]["synthetic"], **knobs, "in_memory": True}
                     t0 = time.perf_counter()
-                    summary = synthetic_routing(config, Path(tmp))
+                    summary = synthetic_routing(config, Path(tmp), tuple(args.lags))
                     emit({"routing": f"synthetic: {args.config} {json.dumps(knobs)}", **summary,
                           "seconds": round(time.perf_counter() - t0, 1)})
                     per_variant[i].append(lines[-1])

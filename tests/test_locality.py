@@ -119,3 +119,27 @@ def test_run_stats_writes_locality(tmp_path):
     assert doc["lift"] == pytest.approx(ref["lift"]) and doc["seed"] == 3
     assert doc["consecutive_overlap"]["per_layer"].keys() == {"0", "1"}
     assert doc["lift"] > 1.2  # stay=0.9: strong continuity
+
+
+def test_the_lift_of_a_request_prefix_is_lower_and_the_prefix_is_each_requests_first_tokens():
+    # scripts/locality_calibrate.py's like-for-like lift (issue 17, fourth session): each request's
+    # first n decode tokens (counted from its own first position), against brute force; and the
+    # length effect the window corrects: the same routing (the 4 experts slide by one of 256 every
+    # token) has a far lower lift over a short prefix, since a short request's shuffled
+    # neighbours lie few tokens apart, where the sets still overlap
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "locality_calibrate.py"
+    spec = importlib.util.spec_from_file_location("locality_calibrate", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    toks = [[[t + r for r in range(4)]] for t in range(128)]
+    rows = pd.concat([_rows({"a": toks}, start=3), _rows({"b": toks[:20]}, start=50)], ignore_index=True)
+    for n in (1, 16, 31, 200):
+        got = script.first_decode_tokens(rows, n)
+        want = rows[((rows.request == "a") & (rows.position < 3 + n)) | ((rows.request == "b") & (rows.position < 50 + n))]
+        assert got.equals(want)
+    meta = TraceMeta(model="m", num_layers=1, num_experts=256, top_k=4, moe_layers=[0])
+    short = locality_stats(script.first_decode_tokens(rows, 16), meta)["lift"]
+    assert locality_stats(rows, meta)["lift"] > 2 * short > 4
