@@ -244,7 +244,7 @@ def _copy_run(run, tmp_path) -> Path:
 
 
 def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
-    from coldset.fingerprint import file_sha256
+    from coldset.fingerprint import file_sha256, placement_fingerprint
 
     res = run["results"]
     manifest = res / "model" / "tiny-mem" / "manifest.json"
@@ -254,7 +254,7 @@ def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
         placement = json.loads((res / "placement" / "tiny-mem" / f"{name}.json").read_text())
         assert fp["row_map_sha256"] == file_sha256(res / "placement" / "tiny-mem" / f"{name}.rowmap.npy")
         assert fp["row_map_sha256"] == placement["row_map_sha256"]
-        assert fp["placement"] == file_sha256(res / "placement" / "tiny-mem" / f"{name}.json")
+        assert fp["placement"] == placement_fingerprint(res / "placement" / "tiny-mem" / f"{name}.json")
         assert fp["model"] == file_sha256(manifest)
         assert len(fp["kernel"]) == 64
         assert gate["fingerprints"][name] == fp
@@ -304,6 +304,22 @@ def test_rewritten_warm_state_of_a_dynamic_placement_makes_its_report_stale(run,
     assert "parity/tiny-mem/lru-0.5.json is stale" in err and "placement (" in err and "lru-0.5.json)" in err
     assert "row_map_sha256" not in err
     assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "usage_global-0.5"]) == 0
+
+
+def test_a_placement_rewritten_with_other_statistics_keeps_its_verdict(run, tmp_path, capsys):
+    """The placement stage rerun on another machine writes the same row map and warm state with
+    other last digits in its coverage sums: the decode is the same, so the verdict stands; the
+    policy name the decisions follow is not a statistic."""
+    cfg_path = _copy_run(run, tmp_path)
+    path = tmp_path / "results" / "placement" / "tiny-mem" / "lru-0.5.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "coverage_profile": doc["coverage_profile"] * (1 + 1e-15),
+                                "coverage_heldout": 0.123, "profile_selections": 1.0}))
+    capsys.readouterr()
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "lru-0.5"]) == 0
+    path.write_text(json.dumps({**doc, "policy": "lfu"}))
+    assert cli.main(["parity_gate", "--config", str(cfg_path), "--placement", "lru-0.5"]) == 1
+    assert "parity/tiny-mem/lru-0.5.json is stale" in capsys.readouterr().err
 
 
 def test_changed_kernel_or_model_make_reports_stale(run, tmp_path, capsys):

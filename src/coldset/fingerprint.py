@@ -7,9 +7,11 @@ nothing about the new files. Each report therefore carries a fingerprint:
 
 - ``row_map_sha256``: sha256 of the ``.rowmap.npy`` bytes the decode used (the same digest the
   placement JSON records, so the pair is checked too);
-- ``placement``: sha256 of the placement JSON itself: a dynamic placement's decisions also depend
-  on what it records beside the row map (``cache_warm_counts``, the warm pool's eviction order), so
-  a rewritten warm state with the same warm set (same row map) is another placement;
+- ``placement``: sha256 of what in the placement JSON the decode reads beside the row map
+  (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order): a
+  rewritten warm state with the same warm set (same row map) is another placement, while a
+  placement rewritten with other statistics (coverage, predicted step times, whose last float
+  digits differ between machines' summation orders) still decodes what the verdict checked;
 - ``model``: sha256 of the model stage's manifest (the model's config.json contents, its source,
   and for a folder the name, size and mtime of every weight, config and tokenizer file, which the
   model stage records; for an in-memory synthetic model its generator spec) — file stats, not
@@ -34,6 +36,9 @@ from pathlib import Path
 from coldset.files import read_json
 
 FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
+#: The fields of a placement JSON that the decode reads beside its row map (coldset.pipeline's
+#: slot cache: the policy's decisions from the warm counts' order).
+DECODE_FIELDS = ("policy", "cache_warm_counts")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "*.safetensors", "*.safetensors.index.json")
@@ -78,6 +83,14 @@ def model_fingerprint(manifest_path: str | os.PathLike) -> str:
     return file_sha256(manifest_path)
 
 
+def placement_fingerprint(placement_path: str | os.PathLike) -> str:
+    """sha256 of the placement JSON's :data:`DECODE_FIELDS` (see the module doc)."""
+    doc = read_json(placement_path, "placement")
+    if "policy" not in doc:
+        raise StaleReportError(f"placement {placement_path} lacks field 'policy'")
+    return _json_sha256({f: doc.get(f) for f in DECODE_FIELDS})  # cache_warm_counts: null for static
+
+
 def kernel_fingerprint(autotune_path: str | os.PathLike) -> str:
     """sha256 of what fixes the kernel: the autotune key, backend and chosen launch configurations."""
     entry = read_json(autotune_path, "autotune entry")
@@ -93,7 +106,7 @@ def current_fingerprint(row_map_path: str | os.PathLike, placement_path: str | o
     for path, what in ((row_map_path, "row map"), (placement_path, "placement")):
         if not Path(path).is_file():
             raise StaleReportError(f"{what} {path} does not exist: rerun the placement stage")
-    return {"row_map_sha256": file_sha256(row_map_path), "placement": file_sha256(placement_path),
+    return {"row_map_sha256": file_sha256(row_map_path), "placement": placement_fingerprint(placement_path),
             "model": model_fingerprint(manifest_path), "kernel": kernel_fingerprint(autotune_path)}
 
 
