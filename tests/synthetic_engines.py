@@ -1,5 +1,5 @@
-"""A tiny synthetic engine and random prompts, for the tests that decode through the engine
-(gate, slot cache): one way to build both."""
+"""A tiny synthetic engine, random prompts and the bench's graphed decode loop, for the tests that
+decode through the engine (gate, slot cache, compiled and fused decode): one way to build each."""
 
 from __future__ import annotations
 
@@ -19,3 +19,21 @@ def random_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def graphed_greedy_tokens(model, prompts: torch.Tensor, new_tokens: int, use_graph: bool = True) -> list[list[int]]:
+    """Greedy tokens ``[B, new_tokens]`` of the bench's decode loop (:class:`coldset.bench.Decoder`:
+    prefill, then the step captured in one CUDA graph and replayed), to compare with ``generate()``."""
+    from coldset import bench
+
+    dec = bench.Decoder(model, prompts.shape[0], prompts.shape[1], new_tokens, use_graph=use_graph)
+    token = dec.prefill(prompts)
+    got = [token]
+    dec.set_step(token, 1)
+    if use_graph:
+        dec.capture()
+    for t in range(1, new_tokens):
+        dec.set_step(token, t)
+        token = torch.argmax(dec.step(), dim=-1)
+        got.append(token)
+    return torch.stack(got, 1).tolist()

@@ -16,6 +16,7 @@ from coldset import bench, gate  # noqa: E402
 from coldset.model import generate  # noqa: E402
 from coldset.placement import row_map_from_mask  # noqa: E402
 from coldset.synthetic import SyntheticSpec, build_synthetic_model  # noqa: E402
+from synthetic_engines import graphed_greedy_tokens  # noqa: E402
 
 SPEC = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=4, kv_heads=2,
                      head_dim=64, vocab_size=1024, seed=5, in_memory=True)
@@ -60,13 +61,4 @@ def test_graphed_compiled_step_decodes_what_generate_decodes(models):
     stream = [t for p in prompts for t in p]
     prompts_t = bench.bench_prompts(stream, 2, 8)
     want = generate(compiled, prompts_t.tolist(), 10, progress=False).tokens
-    dec = bench.Decoder(compiled, 2, 8, 10, use_graph=True)
-    token = dec.prefill(prompts_t)
-    got = [token]
-    dec.set_step(token, 1)
-    dec.capture()
-    for t in range(1, 10):
-        dec.set_step(token, t)
-        token = torch.argmax(dec.step(), dim=-1)
-        got.append(token)
-    assert torch.stack(got, 1).tolist() == want
+    assert graphed_greedy_tokens(compiled, prompts_t, 10) == want
