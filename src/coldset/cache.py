@@ -511,60 +511,6 @@ def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
 
 
 @_jit
-def _replay_lru(ids, ptr, warm, n_inst, record, victims):
-    """LRU through a doubly linked list in last_use order (head = least recent)."""
-    n = ids.size
-    n_groups = ptr.size - 1
-    hit = np.zeros(n, dtype=np.bool_)
-    fills = np.zeros(n_groups, dtype=np.int64)
-    resident = np.zeros(n_inst, dtype=np.bool_)
-    protected = np.zeros(n_inst + 1, dtype=np.bool_)
-    in_group = np.zeros(n_inst, dtype=np.bool_)
-    head = n_inst  # sentinel
-    nxt = np.full(n_inst + 1, head, dtype=np.int64)
-    prv = np.full(n_inst + 1, head, dtype=np.int64)
-    for j in range(warm.size):  # append in warm order: first victim at the head
-        x = warm[j]
-        resident[x] = True
-        _link_tail(nxt, prv, head, x)
-    max_group = max(_max_group(ptr), 1)
-    missed = np.empty(max_group, dtype=np.int64)
-    for g in range(n_groups):
-        s = ptr[g]
-        e = ptr[g + 1]
-        n_miss = _classify_group(ids, s, e, resident, protected, in_group, hit, missed)
-        fills[g] = n_miss
-        v = nxt[head]
-        for m in range(n_miss):
-            while protected[v]:
-                v = nxt[v]
-            after = nxt[v]
-            # unlink the victim
-            nxt[prv[v]] = after
-            prv[after] = prv[v]
-            resident[v] = False
-            i = missed[m]
-            x = ids[i]
-            resident[x] = True
-            protected[x] = True
-            # link the admitted instance at the tail (moved to its tick's place in pass 3)
-            _link_tail(nxt, prv, head, x)
-            if record:
-                victims[i] = v
-            v = after
-        for m in range(n_miss):
-            in_group[ids[missed[m]]] = False
-        # pass 3: every access moves its instance to the tail in tick order
-        for i in range(s, e):
-            x = ids[i]
-            protected[x] = False
-            nxt[prv[x]] = nxt[x]
-            prv[nxt[x]] = prv[x]
-            _link_tail(nxt, prv, head, x)
-    return hit, fills
-
-
-@_jit
 def _replay_static(ids, ptr, warm, n_inst):
     n_groups = ptr.size - 1
     resident = np.zeros(n_inst, dtype=np.bool_)
@@ -586,9 +532,12 @@ def _replay_static(ids, ptr, warm, n_inst):
 
 
 @_jit
-def _replay_forecast(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
-    """``lru`` plus the prefetch of ``pred[g]`` after each group g (see the module doc). Returns
-    (hit [N], fills [G], prefetches [G], useful prefetches)."""
+def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
+    """LRU through a doubly linked list in last_use order (head = least recent), plus the prefetch
+    of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see the module doc); plain
+    ``lru`` is the same replay with empty lists (no prefetch, so nothing in flight, and a pool of at
+    least one group always has a victim outside the group). Returns (hit [N], fills [G],
+    prefetches [G], useful prefetches)."""
     n = ids.size
     n_groups = ptr.size - 1
     hit = np.zeros(n, dtype=np.bool_)
@@ -811,12 +760,14 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
                 what = "of its own or an earlier MoE layer (a lookahead prefetches for later layers of its step)"
             if bad.any():
                 raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance {what}")
-        hit, fills, prefetches, useful = _replay_forecast(ids, ptr, warm, n_inst, stream.num_experts, pred,
-                                                          record_victims, victims)
+        hit, fills, prefetches, useful = _replay_lru(ids, ptr, warm, n_inst, stream.num_experts, pred,
+                                                     record_victims, victims)
     elif policy == "static":
         hit, fills = _replay_static(ids, ptr, warm, n_inst)
     elif policy == "lru":
-        hit, fills = _replay_lru(ids, ptr, warm, n_inst, record_victims, victims)
+        no_prefetch = np.zeros((stream.num_groups, 0), dtype=np.int64)
+        hit, fills, _, _ = _replay_lru(ids, ptr, warm, n_inst, stream.num_experts, no_prefetch,
+                                       record_victims, victims)
     else:
         nt = next_use_ticks(ids, ptr) if policy == "belady" else np.zeros(0)
         hit, fills = _replay_heap(ids, ptr, warm, counts.reshape(-1)[warm], n_inst,
