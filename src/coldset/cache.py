@@ -82,10 +82,9 @@ uncompiled otherwise: same results, slower); everything around them is vectorise
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
