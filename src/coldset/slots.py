@@ -132,6 +132,19 @@ class SlotCache:
     prediction_history: torch.Tensor | None = None
     prefetch_history: torch.Tensor | None = None
     prev_layer: int = 0  # the last group's layer (host side: the call order is the step's)
+    # lookahead on the kernel path (CUDA): per target layer the prefetch's victims, instances and
+    # count ([L, span], [L, span], [L, 1]: one row per target, so a copy still in flight on the side
+    # stream never has its list overwritten within the step), the side stream, the fork event and
+    # per target the join event and whether a copy for it was forked in this step (host side).
+    router_t: list | None = None  # float32 [H, E] per MoE layer (the forecast's GEMV operand)
+    pf_victims: torch.Tensor | None = None
+    pf_new: torch.Tensor | None = None
+    pf_count: torch.Tensor | None = None
+    side_stream: object = None
+    fork_event: object = None
+    join_events: list | None = None
+    pending: list | None = None
+    prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -173,6 +186,8 @@ class SlotCache:
         count = np.zeros(L * E, dtype=np.float64)
         count[owner] = warm_counts
         dev = pools.row_map.device
+        ahead = policy == "lookahead"
+        span = min(need, E)
         warm = (pools.row_map.clone(), torch.as_tensor(owner, device=dev), torch.as_tensor(last_use, device=dev),
                 torch.as_tensor(count, device=dev))
         return cls(
@@ -188,7 +203,7 @@ class SlotCache:
             num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
-            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS and policy != "lookahead",
+            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),
             routers=list(routers) if policy == "lookahead" else None, depth=int(depth),
             inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if policy == "lookahead" else None,
@@ -196,12 +211,21 @@ class SlotCache:
             if policy == "lookahead" else None,
             prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if policy == "lookahead" else None,
             prev_layer=L,
+            router_t=[r.detach().to(dev, torch.float32).T.contiguous() for r in routers] if ahead else None,
+            pf_victims=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
+            pf_new=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
+            pf_count=torch.zeros((L, 1), dtype=torch.int64, device=dev) if ahead else None,
+            side_stream=torch.cuda.Stream(dev) if ahead and dev.type == "cuda" else None,
+            fork_event=torch.cuda.Event() if ahead and dev.type == "cuda" else None,
+            join_events=[torch.cuda.Event() for _ in range(L)] if ahead and dev.type == "cuda" else None,
+            pending=[False] * L if ahead else None,
         )
 
     def reset(self) -> None:
         """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every
         slot refilled from the host tier, in place: a captured graph stays valid. For runs that
         must start warm after warm-up steps (a CUDA graph's capture runs the step)."""
+        self.join()
         row_map, owner, last_use, count = self.warm_state
         pools = self.pools
         pools.row_map.copy_(row_map)
@@ -291,6 +315,10 @@ class SlotCache:
         cast = topk_weights is not None and dtype is not None and topk_weights.dtype != dtype
         if topk_ids.shape[0] > self.max_tokens:
             return topk_weights.to(dtype) if cast else topk_weights
+        if self.policy == "lookahead" and hidden is None:
+            raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
+        if self.use_kernel and self.policy == "lookahead":
+            return self._admit_ahead(layer, topk_ids, topk_weights, dtype, hidden, cast)
         if self.use_kernel:
             from coldset.kernels.triton_slots import decide, fill
 
@@ -303,10 +331,71 @@ class SlotCache:
                 decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
             fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
             return w_out if cast else topk_weights
-        if self.policy == "lookahead" and hidden is None:
-            raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
         self._decide_torch(layer, topk_ids, hidden)
         return topk_weights.to(dtype) if cast else topk_weights
+
+    def _forecast_logits(self, hidden: torch.Tensor, target: int) -> torch.Tensor:
+        """float32 ``[T, E]``: layer ``target``'s router on ``hidden`` (this layer's router input),
+        the forecast both paths rank (the lists are recorded, so the rounding is not a contract)."""
+        return torch.mm(hidden.reshape(hidden.shape[0], -1).float(), self.router_t[target])
+
+    def _admit_ahead(self, layer, topk_ids, topk_weights, dtype, hidden, cast):
+        """``lookahead`` on CUDA: the decisions in one Triton launch (demand and prefetch, the torch
+        path's rules), the demand fill on the compute stream (the decisions' dependent launch), and
+        the prefetch's copy forked onto the side stream: it starts once this layer's decisions are
+        done, runs beside the compute of the layers after, and the compute stream joins it at the end
+        of :meth:`admit` of layer ``layer + depth``, right before that layer's experts kernel reads the
+        row map (the commit: no kernel reads a prefetched slot before its copy is complete). Its
+        victims are slots of layers ``<= layer`` not used by this group, whose last reader (an
+        experts kernel of an earlier layer) ran before the fork; every branch is joined within the
+        step (the last MoE layer joins whatever is left), so a captured step forks and joins inside
+        its graph."""
+        from coldset.kernels.triton_slots import decide_ahead, fill
+
+        L = self.pools.num_moe_layers
+        new_step = layer <= self.prev_layer
+        if new_step:
+            self.join()  # nothing of the last step may still be in flight (a no-op after a full step)
+        self.prev_layer = layer
+        target = layer + self.depth
+        logits = self._forecast_logits(hidden, target) if target < L else None
+        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        w_out = None
+        if cast:
+            w_out = torch.empty(topk_weights.shape, dtype=dtype, device=topk_weights.device)
+            decide_ahead(self, layer, ids, new_step, logits, target, topk_weights.contiguous().reshape(-1),
+                         w_out.view(-1))
+        else:
+            decide_ahead(self, layer, ids, new_step, logits, target)
+        fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
+        if target < L:
+            main = torch.cuda.current_stream(self.owner.device)
+            self.fork_event.record(main)
+            side = self.side_stream
+            side.wait_event(self.fork_event)
+            with torch.cuda.stream(side):
+                fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
+                     blocks=self.prefetch_blocks)
+                self.join_events[target].record(side)
+            self.pending[target] = True
+        self._join_layer(layer)
+        if layer == L - 1:
+            self.join()
+        return w_out if cast else topk_weights
+
+    def _join_layer(self, layer: int) -> None:
+        """The compute stream waits for the prefetch copy forked for ``layer`` (if one is pending)."""
+        if self.pending is not None and self.pending[layer]:
+            torch.cuda.current_stream(self.owner.device).wait_event(self.join_events[layer])
+            self.pending[layer] = False
+
+    def join(self) -> None:
+        """The compute stream waits for every prefetch copy still pending (host-side bookkeeping, no
+        sync): before a state the next step or a check reads."""
+        if self.pending is None or self.side_stream is None:
+            return
+        for layer in range(len(self.pending)):
+            self._join_layer(layer)
 
     def _decide_torch(self, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """:meth:`admit`'s decisions and fill as torch ops (the CPU path; the kernel's reference)."""
@@ -352,7 +441,7 @@ class SlotCache:
         # Written by the cache's own decisions, which keep the map a bijection onto C slots and
         # the host rows: a re-validation would be a host sync inside the step (see check()).
         pools.validated_version = pools.row_map._version
-        self._fill(victims, new_inst, valid, m)
+        self._fill(victims, new_inst, valid, valid.sum())  # the admitted (valid) rows are first
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
         self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
@@ -385,7 +474,7 @@ class SlotCache:
             self.prediction_history.index_fill_(0, row, -1)
             self.prefetch_history.index_fill_(0, row, 0)
             return
-        logits = hidden.reshape(hidden.shape[0], -1).float() @ self.routers[target].float().T.to(dev)
+        logits = self._forecast_logits(hidden, target)
         top = torch.sort(-logits, dim=1, stable=True).indices[:, :self.top_k].reshape(-1)
         # The target layer's experts by first position in the list, then the unlisted ones by id:
         # E distinct instances (so masked-out writes below never share an index with real ones).
@@ -449,6 +538,7 @@ class SlotCache:
         disagree: every slot's owner maps to that slot, every other instance to its host row; with
         ``contents``, also every slot's weights must equal its owner's host row. Outside the step
         (a host sync); tests and the parity stage call it after decoding."""
+        self.join()
         pools = self.pools
         pools.validate()
         rm = pools.row_map.view(-1).cpu().numpy().astype(np.int64)
