@@ -277,7 +277,7 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                 tl.store(new_ptr + j, new)
         tl.store(m_ptr, adm.to(tl.int64))
     else:
-        tl.store(m_ptr, tl.zeros((), dtype=tl.int64))
+        tl.store(m_ptr, m.to(tl.int64))  # m == 0
     offs_w = tl.arange(0, WP)
     hrow = g % hist_cap
     if AHEAD:
@@ -333,11 +333,11 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
             tl.store(pf_m_ptr, got.to(tl.int64))
             tl.store(pf_hist_ptr + hrow, got.to(tl.int64))
         else:
-            tl.store(pf_m_ptr, tl.zeros((), dtype=tl.int64))
-            tl.store(pf_hist_ptr + hrow, tl.zeros((), dtype=tl.int64))
+            tl.store(pf_m_ptr, nwant.to(tl.int64))  # nwant == 0
+            tl.store(pf_hist_ptr + hrow, nwant.to(tl.int64))
     else:
         tl.store(pred_hist_ptr + hrow * width + offs_w, tl.full((WP,), -1, tl.int64), mask=offs_w < width)
-        tl.store(pf_hist_ptr + hrow, 0)
+        tl.store(pf_hist_ptr + hrow, g * 0)
     tl.store(tick_ptr, t0 + n + width)
     nhit = tl.sum(hit.to(tl.int64), axis=0)
     tl.store(totals_ptr, tot_hits + nhit)
