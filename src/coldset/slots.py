@@ -41,10 +41,21 @@ recent slot of layers ``<= l`` not used by the group and not in flight, is in fl
 step ends (no demand miss evicts it; a demand miss that finds no other slot is read in place, not
 admitted), and enters the recency order after the group's accesses. The engine records each
 group's list (:meth:`SlotCache.prefetch_lists`), which the simulator replays for the step-by-step
-equality. Its decisions are torch ops on every device and its copies run on the compute stream:
-the same decisions and bitwise results as the coming overlapped version, no speed yet (the copy on a
-forked stream inside the graph, joined before the experts of layer ``l + depth``, is not built:
-BENCHMARKS.md, issue 12 fourth session).
+equality. On the CPU the decisions are torch ops and the copies plain indexed copies. On CUDA a
+group is the forecast's GEMV (torch, float32), one Triton launch for all the decisions (demand
+with the in-flight rule, the forecast's top ``k``, the prefetch:
+:func:`coldset.kernels.triton_slots.decide_ahead`), the demand fill on the compute stream, and the
+prefetch copy (the same fill kernel, ``prefetch_blocks`` blocks per weight) forked onto a side
+stream: an event recorded on the compute stream after the decisions and the demand fill, waited
+on by the side stream; the copy's own event is waited on by the compute stream at the end of
+:meth:`admit` of layer ``l + depth``, right before that layer's experts kernel reads the row map
+(the commit: no kernel reads a prefetched slot before its copy is complete). Why the victims are
+safe while the copy runs: their last reader was an experts kernel of a layer before ``l`` (ordered
+before the fork) or none (not used by the group), and no later group of the step may evict or
+read them. Fork and join are recorded in the step's CUDA graph; the last MoE layer joins whatever
+is left, so every branch ends inside the step. A copy engine (``cudaMemcpyAsync``) cannot do this
+copy inside the graph: its addresses are fixed at capture, and the rows to copy are decided on
+the device during the step.
 
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.

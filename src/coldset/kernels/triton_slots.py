@@ -29,6 +29,14 @@ let it start at once (``gdc_launch_dependents``), and its blocks wait for the de
 complete and be visible (``gdc_wait``) before reading anything, which hides the fill's launch
 latency behind the decisions.
 
+:func:`decide_ahead` (one program) is ``lookahead``'s group: the same demand decisions with the
+in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
+place), then the forecast list (each token's top ``k`` of the target layer's float32 router logits,
+ties by expert id, first occurrence kept) and the prefetch decisions (victims in layers ``<= l`` not
+used by the group and not in flight), written per target layer for a fill on the side stream.
+Measured on the H200 (BENCHMARKS.md, issue 12 fifth session): with the forecast's GEMV and the
+side-stream fork and join, a lookahead layer costs 13 us more than an lru layer at residency 1.0.
+
 Two ways to spend fewer launches were built, measured on the H200 and dropped (BENCHMARKS.md,
 issue 12, third session; every layer's work on all-hit groups, 48 layers, against 0.162 ms here):
 decisions and copy in one launch (the first block to take a ticket decides, the others wait on its
