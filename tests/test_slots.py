@@ -667,3 +667,46 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
     assert int(cache.prefetch_history.sum()) > 0
     assert not all(torch.equal(a, b) for a, b in zip(logits, ref)), "a stale prefetch went unnoticed"
     cache.check(contents=True)  # the copies did land by the step's end: only the timing was wrong
+
+
+def test_lookahead_placement_file_carries_its_depth(tmp_path):
+    """lookahead-0.5 on disk: lru's warm state plus ``cache_lookahead_depth``, which the cache built
+    from it uses and the parity fingerprint covers (another depth is another placement); a depth
+    outside [1, MoE layers - 1], or one missing, is refused naming the field."""
+    import json
+
+    import pandas as pd
+
+    from coldset.fingerprint import placement_fingerprint
+    from coldset.model import ModelConfig
+    from coldset.placement import PlacementError, load_placement, place, save_placement
+
+    shape = ModelConfig.from_hf_config({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 3,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": 1 + layer * 4 + e} for layer in range(3) for e in range(4)])
+    lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
+    la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=2)
+    assert np.array_equal(la.row_map, lru.row_map) and la.cache_lookahead_depth == 2 and lru.cache_lookahead_depth is None
+    with pytest.raises(PlacementError, match="lookahead_depth must lie in"):
+        place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=3)
+    path = save_placement(la, tmp_path / "lookahead-0.5.json")
+    back = load_placement(path)
+    assert back.dynamic and back.cache_lookahead_depth == 2
+    np.testing.assert_array_equal(back.cache_warm_counts, lru.cache_warm_counts)
+    all_hot = _random_pools(3, 4)
+    routers = [torch.randn(4, 4) for _ in range(3)]
+    cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, 1, 1, routers=routers)
+    assert cache.policy == "lookahead" and cache.depth == 2
+    before = placement_fingerprint(path)
+    doc = json.loads(path.read_text())
+    doc["cache_lookahead_depth"] = 1
+    path.write_text(json.dumps(doc))
+    assert placement_fingerprint(path) != before
+    for bad in (None, 3, 0):
+        doc["cache_lookahead_depth"] = bad
+        path.write_text(json.dumps(doc))
+        with pytest.raises(PlacementError, match="cache_lookahead_depth"):
+            load_placement(path)

@@ -33,7 +33,7 @@ simulator). Both have shapes fixed by the batch size and no host synchronisation
 decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
 the decisions on the data of that step.
 
-``lookahead`` (engine-level, not yet a placement; issue 12 item 3): ``lru`` plus, after each
+``lookahead`` (the placement ``lookahead-0.5``, depth from ``cache.lookahead_depth``): ``lru`` plus, after each
 group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the top-``k`` experts of that
 layer's router applied to layer ``l``'s router input (pre-gated MoE), with the rules of the
 simulator's ``lookahead`` policy (:mod:`coldset.cache`): a prefetched instance takes the least
@@ -80,9 +80,9 @@ _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never 
 
 
 KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
-# The engine's policies: the placements' dynamic ones, and lookahead (lru + a prefetch of the next
+# The engine's policies: the placements' dynamic ones (lookahead: lru + a prefetch of the next
 # layers' router forecasts; engine-level, torch ops, not yet a placement: see the module doc).
-ENGINE_POLICIES = DYNAMIC_POLICIES + ("lookahead",)
+ENGINE_POLICIES = DYNAMIC_POLICIES
 
 
 class CacheCapacityError(ValueError):
@@ -255,13 +255,16 @@ class SlotCache:
 
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
-                       top_k: int) -> "SlotCache":
+                       top_k: int, routers=None, history: int = 4096) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
-        map and warm counts, its policy."""
+        map and warm counts, its policy; ``lookahead``: its depth, and ``routers`` (the MoE layers'
+        router weights ``[E, H]``, required there)."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
+        ahead = placement.policy == "lookahead"
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
-                         max_tokens, top_k)
+                         max_tokens, top_k, history=history, routers=routers if ahead else None,
+                         depth=placement.cache_lookahead_depth if ahead else 1)
 
     @property
     def capacity(self) -> int:
@@ -277,9 +280,21 @@ class SlotCache:
             self.prefetch_history.zero_()
 
     def counters(self) -> dict[str, int]:
-        """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync)."""
+        """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync);
+        ``lookahead`` adds ``"prefetches"`` (copies issued, from the per-group history)."""
         hits, misses, fills = (int(v) for v in self.totals.tolist())
-        return {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
+        out = {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
+        if self.prefetch_history is not None:
+            out["prefetches"] = int(self.prefetch_counts().sum())
+        return out
+
+    def prefetch_counts(self) -> np.ndarray:
+        """int64 ``[groups]``: ``lookahead``'s prefetch copies issued after each group, in order (a host sync)."""
+        n = int(self.groups)
+        cap = self.prefetch_history.shape[0]
+        if n > cap:
+            raise ValueError(f"the cache kept the last {cap} groups' prefetches, {n} ran: build it with history >= {n}")
+        return self.prefetch_history[:n].cpu().numpy()
 
     def group_history(self) -> np.ndarray:
         """int64 ``[groups, 3]``: (hits, missed selections, fills) of each group, in order (a host sync)."""
