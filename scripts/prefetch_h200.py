@@ -54,7 +54,11 @@ def main() -> int:
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--prefetch-blocks", type=int, default=32, help="blocks per weight of the prefetch copy")
     ap.add_argument("--no-full", action="store_true", help="skip the residency-1.0 runs")
+    ap.add_argument("--decisions-only", action="store_true",
+                    help="only the split of the cache's work per layer at the config's shape (no model)")
     args = ap.parse_args()
+    if args.decisions_only:
+        return decisions_split(args)
 
     from coldset import bench as bn
     from coldset.cache import AccessStream, simulate
@@ -247,6 +251,70 @@ def main() -> int:
               f"{pf:6.2f} {used:5.2f} {r['link_gb_per_token']:7.4f} {r['step_ms_mean']:7.3f} {r['step_ms_p50']:6.3f} "
               f"{r['step_ms_p90']:6.3f}")
     return 1 if fails else 0
+
+
+def decisions_split(args) -> int:
+    """Where lookahead's extra work a layer goes, at the config's shape (L, E, top k, hidden), with
+    stand-in experts of a few bytes (the decisions do not depend on the experts' size) at residency
+    1.0 (every selection and every forecast a hit: the work alone, no copy), each part captured in a
+    CUDA graph over every MoE layer (:func:`coldset.tune.graph_time_us`): lru's decisions + fill,
+    lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
+    GEMV alone (float32 cast + mm), and lookahead's decisions launch alone."""
+    from coldset.config import load_config
+    from coldset.files import write_json
+    from coldset.kernels.triton_slots import decide_ahead
+    from coldset.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import SlotCache
+    from coldset.tiers import ExpertPools, host_tier
+    from coldset.tune import graph_time_us
+
+    syn = load_config(args.config)["model"]["synthetic"]
+    L, E, k, H = syn["layers"], syn["experts"], syn["top_k"], syn["hidden"]
+    dev = torch.device("cuda")
+    all_hot = ExpertPools.all_hot(torch.randn((L, E, 8, 64), device=dev, dtype=torch.bfloat16),
+                                  torch.randn((L, E, 64, 4), device=dev, dtype=torch.bfloat16))
+    host = host_tier(all_hot)
+    counts = np.random.default_rng(0).random((L, E))
+    C = L * E
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+    wc = np.sort(counts.reshape(-1))
+    routers = [torch.randn((E, H), device=dev, dtype=torch.bfloat16) for _ in range(L)]
+    out = {"shape": {"layers": L, "experts": E, "top_k": k, "hidden": H, "slots": C}, "us_per_step": {}}
+    for bsz in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator(device=dev).manual_seed(bsz)
+        ids = [torch.randint(0, E, (bsz, k), device=dev, generator=g) for _ in range(L)]
+        w = torch.rand((bsz, k), device=dev)
+        x = torch.randn((bsz, H), device=dev, dtype=torch.bfloat16)
+        lru = SlotCache.build(all_hot, host, row_map, wc, "lru", bsz, k)
+        la = SlotCache.build(all_hot, host, row_map, wc, "lookahead", bsz, k, routers=routers, depth=1)
+        logits = la._forecast_logits(x, 1)
+        flat = [i.reshape(-1).contiguous() for i in ids]
+
+        def run_lru():
+            for layer in range(L):
+                lru.admit(layer, ids[layer], w, torch.bfloat16)
+
+        def run_la():
+            for layer in range(L):
+                la.admit(layer, ids[layer], w, torch.bfloat16, hidden=x)
+
+        def run_gemv():
+            for layer in range(L - 1):
+                la._forecast_logits(x, layer + 1)
+
+        def run_decide():
+            for layer in range(L):
+                decide_ahead(la, layer, flat[layer], layer == 0, logits if layer < L - 1 else None, min(layer + 1, L - 1))
+
+        res = {name: graph_time_us(fn, 50) for name, fn in
+               (("lru group", run_lru), ("lookahead group", run_la), ("forecast GEMV", run_gemv),
+                ("lookahead decisions launch", run_decide))}
+        out["us_per_step"][bsz] = res
+        log(f"b{bsz}: per step of {L} layers (us):", {n: round(v, 1) for n, v in res.items()})
+        la.join()
+    write_json(Path(args.out) / "decisions_split.json", out)
+    print(out)
+    return 0
 
 
 if __name__ == "__main__":
