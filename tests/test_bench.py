@@ -326,3 +326,41 @@ def test_replay_link_bytes_count_distinct_cold_experts_per_step(tmp_path):
     half = np.array([[0, -1, 1, 2]], dtype=np.int32)  # expert 1 cold only
     share, link = replay.cold_stats(half, batch_size=2, num_steps=2, bytes_per_expert=100)
     assert share == 0.5 and link == 1 * 100 / 4
+
+
+def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engine, monkeypatch):
+    """A lookahead placement on the bench: the measured pass's hits, misses, fills and prefetch
+    copies per group equal the simulator's on the lists the engine recorded, the link bytes count
+    the prefetch copies, and the repeats decide as the measured pass. Handed lru's replay instead
+    (the prefetches ignored), the bench refuses."""
+    import pandas as pd
+
+    import coldset.cache
+    from coldset.slots import SlotCache
+    from coldset.tiers import host_tier
+
+    cfg = engine.config
+    rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
+             "count": (e % 3 + 1) * (layer + 1)}
+            for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    pl = place(pd.DataFrame(rows), cfg, "lookahead", 0.5, batch_sizes=(2,), lookahead_depth=1)
+    routers = [engine.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
+    host = host_tier(engine.pools)
+
+    def run():
+        cache = SlotCache.from_placement(engine.pools, host, pl, 2, cfg.top_k, routers=routers)
+        r = bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
+                               new_tokens=12, warmup=1, repeats=1, cache=cache)
+        return r, cache
+
+    r, cache = run()
+    c = cache.counters()
+    assert c["prefetches"] > 0 and r.simulator_hit_rate == r.hit_rate and r.timed_token_match == 1.0
+    tokens = 2 * 11
+    per_expert = (cache.pools.w13_hot[0].numel() + cache.pools.w2_hot[0].numel()) * cache.pools.w13_hot.element_size()
+    assert r.link_gb_per_token == pytest.approx((c["fills"] + c["prefetches"]) * per_expert / tokens / 1e9)
+    real = coldset.cache.simulate
+    monkeypatch.setattr(coldset.cache, "simulate",
+                        lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
+    with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
+        run()

@@ -546,7 +546,7 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
     hist.to_csv(csv, index=False)
     out = tmp_path / "placement"
     placements = run_placement(csv, s, out, residencies=(0.25, 0.5, 1.0), batch_sizes=(1, 8),
-                               progress=False)
+                               progress=False, lookahead_depth=1)  # 2 MoE layers: depth 1 at most
     assert len(placements) == len(pm.POLICIES) * 3
     table = pd.read_csv(out / "coverage.csv")
     assert list(table["policy"]) == [p for p in pm.POLICIES for _ in range(3)]

@@ -515,3 +515,198 @@ def test_lookahead_in_flight_slots_are_no_demand_victims():
     stream = AccessStream(np.array([0, 1, 0, 1, 6, 7, 8, 9]), np.array([0, 4, 8]), T, L, E)
     sim = simulate(stream, "lookahead", 4, counts, predictions=cache.prefetch_lists())
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_triton_lookahead_decisions_equal_the_torch_path(depth):
+    """lookahead on CUDA: the decisions in one Triton launch (demand with the in-flight rule, the
+    forecast's top k, the prefetch), the demand fill on the compute stream and the prefetch copy on
+    the side stream: after every group the same state as the torch path (row map, owners, recency,
+    counts, in-flight flags, recorded lists and prefetch counts), the router weights cast bitwise as
+    ``Tensor.to``, and every slot holding its owner at the end. Pools barely larger than a group
+    and tokens sharing experts make the read-in-place and skipped-list cases occur."""
+    rng = np.random.default_rng(10 + depth)
+    L, E, k, T, H = 5, 8, 2, 3, 16
+    for trial in range(4):
+        counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+        C = int(rng.integers(k * T, k * T + 14))
+        row_map, _, wc = _warm(counts, C)
+        pools = _random_pools(L, E, seed=trial, dtype=torch.bfloat16)
+        all_hot = ExpertPools.all_hot(pools.w13_hot.view(L, E, 8, 4).cuda(), pools.w2_hot.view(L, E, 4, 4).cuda())
+        routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.bfloat16).cuda() for _ in range(L)]
+        host = host_tier(all_hot)
+        a = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
+        b = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
+        a.use_kernel = False
+        assert b.use_kernel and b.side_stream is not None
+        for step in range(8):
+            for layer in range(L):
+                ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+                if trial % 2:
+                    ids[1] = ids[0]
+                ids = torch.as_tensor(ids).cuda()
+                hidden = torch.as_tensor(rng.standard_normal((T, H)), dtype=torch.bfloat16).cuda()
+                w = torch.as_tensor(rng.random((T, k)), dtype=torch.float32).cuda()
+                wa = a.admit(layer, ids, w, torch.bfloat16, hidden=hidden)
+                wb = b.admit(layer, ids, w, torch.bfloat16, hidden=hidden)
+                assert torch.equal(wa, w.to(torch.bfloat16)) and torch.equal(wb, wa)
+                for name in ("owner", "last_use", "count", "tick", "totals", "groups", "inflight",
+                             "prediction_history", "prefetch_history", "history"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (name, trial, step, layer)
+                assert torch.equal(a.pools.row_map, b.pools.row_map)
+        assert int(b.prefetch_history.sum()) > 0
+        b.check(contents=True)
+        a.check(contents=True)
+
+
+def _graphed_lookahead(model, depth, patch=None):
+    """The bench's CUDA step (compiled region, one CUDA graph a step) through a lookahead cache
+    beside the unmodified path: (cache, logits, reference logits, routing, counts, C)."""
+    from coldset import bench
+
+    cfg = model.config
+    L, E, k, bsz, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 2, 8, 12
+    ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
+    prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
+    rec = torch.zeros((L, bsz, k), dtype=torch.long, device="cuda")
+
+    def recording(p, layer, x, ids, w):
+        if x.shape[0] == bsz:
+            rec[layer].copy_(ids)
+        return ref_fn(p, layer, x, ids, w)
+
+    def run(fn, pools, cache=None):
+        model.pools, model.experts_fn = pools, fn
+        dec = bench.Decoder(model, bsz, plen, steps + 1, True)
+        tok = dec.prefill(prompts.cuda())
+        dec.set_step(tok, 1)
+        dec.capture()
+        if cache is not None:
+            cache.reset()
+        logits, routing = [], []
+        for s in range(1, steps + 1):
+            dec.set_step(tok, s)
+            lg = dec.step()
+            logits.append(lg.clone())
+            routing.append(rec.cpu().numpy().copy())
+            tok = torch.argmax(lg, dim=-1)
+        return logits, np.stack(routing)
+
+    all_hot = model.pools
+    try:
+        ref_logits, routing = run(recording, all_hot)
+        counts = np.random.default_rng(3).integers(0, 20, size=(L, E)).astype(np.float64)
+        C = hot_count_for_residency(0.25, L * E)
+        row_map, _, wc = _warm(counts, C)
+        routers = [model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
+        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", bsz, k,
+                                history=(steps + 8) * L, routers=routers, depth=depth)
+        if patch is not None:
+            patch(cache)
+        logits, _ = run(cache.wrap(rowmap_fn), cache.pools, cache)
+    finally:
+        model.pools, model.experts_fn = all_hot, ref_fn
+    return cache, logits, ref_logits, routing, counts, C
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(graphed_model, depth):
+    """lookahead in the captured step (prefetch copies forked onto the side stream inside the graph,
+    joined before layer l + depth's experts): every step's logits bitwise the unmodified path's,
+    per group hits, misses, fills and prefetches equal to ``coldset.cache.simulate``'s 'lookahead'
+    on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
+    model = graphed_model
+    L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
+    cache, logits, ref_logits, routing, counts, C = _graphed_lookahead(model, depth)
+    for s, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
+    bsz = routing.shape[2]
+    inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+    stream = AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), bsz * len(logits), L, E)
+    sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists())
+    np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
+    np.testing.assert_array_equal(cache.prefetch_history[:sim.hits.size].cpu().numpy(), sim.prefetches)
+    assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
+    cache.check(contents=True)
+
+
+@pytest.mark.gpu
+def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatch):
+    """The prefetch copy is made slow (a 2 ms sleep on the side stream before it). Joined where it
+    belongs (before layer l + depth's experts), the logits stay bitwise the unmodified path's; joined
+    only at the end of the step (a stale join: layer l + depth reads a slot whose copy has not
+    landed), they differ, so the parity gate fails."""
+    from coldset.kernels import triton_slots
+
+    real_fill = triton_slots.fill
+
+    def slow_fill(pools, victims, instances, count, pdl=False, blocks=triton_slots.FILL_BLOCKS):
+        if blocks != triton_slots.FILL_BLOCKS:
+            torch.cuda._sleep(4_000_000)  # the prefetch copy (side stream, fewer blocks) lands late
+        real_fill(pools, victims, instances, count, pdl=pdl, blocks=blocks)
+
+    monkeypatch.setattr(triton_slots, "fill", slow_fill)
+    cache, logits, ref, _, _, _ = _graphed_lookahead(graphed_model, 1)
+    assert int(cache.prefetch_history.sum()) > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref)), "the join did not hold the slow copy back"
+
+    def late(cache):
+        L = len(cache.pending)
+
+        def join_at_the_end(layer):
+            if layer == L - 1 and any(cache.pending):
+                last = max(i for i, p in enumerate(cache.pending) if p)
+                torch.cuda.current_stream().wait_event(cache.join_events[last])
+                cache.pending[:] = [False] * L
+
+        cache._join_layer = join_at_the_end
+
+    cache, logits, ref, _, _, _ = _graphed_lookahead(graphed_model, 1, patch=late)
+    assert int(cache.prefetch_history.sum()) > 0
+    assert not all(torch.equal(a, b) for a, b in zip(logits, ref)), "a stale prefetch went unnoticed"
+    cache.check(contents=True)  # the copies did land by the step's end: only the timing was wrong
+
+
+def test_lookahead_placement_file_carries_its_depth(tmp_path):
+    """lookahead-0.5 on disk: lru's warm state plus ``cache_lookahead_depth``, which the cache built
+    from it uses and the parity fingerprint covers (another depth is another placement); a depth
+    outside [1, MoE layers - 1], or one missing, is refused naming the field."""
+    import json
+
+    import pandas as pd
+
+    from coldset.fingerprint import placement_fingerprint
+    from coldset.model import ModelConfig
+    from coldset.placement import PlacementError, load_placement, place, save_placement
+
+    shape = ModelConfig.from_hf_config({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 3,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": 1 + layer * 4 + e} for layer in range(3) for e in range(4)])
+    lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
+    la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=2)
+    assert np.array_equal(la.row_map, lru.row_map) and la.cache_lookahead_depth == 2 and lru.cache_lookahead_depth is None
+    with pytest.raises(PlacementError, match="lookahead_depth must lie in"):
+        place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=3)
+    path = save_placement(la, tmp_path / "lookahead-0.5.json")
+    back = load_placement(path)
+    assert back.dynamic and back.cache_lookahead_depth == 2
+    np.testing.assert_array_equal(back.cache_warm_counts, lru.cache_warm_counts)
+    all_hot = _random_pools(3, 4)
+    routers = [torch.randn(4, 4) for _ in range(3)]
+    cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, 1, 1, routers=routers)
+    assert cache.policy == "lookahead" and cache.depth == 2
+    before = placement_fingerprint(path)
+    doc = json.loads(path.read_text())
+    doc["cache_lookahead_depth"] = 1
+    path.write_text(json.dumps(doc))
+    assert placement_fingerprint(path) != before
+    for bad in (None, 3, 0):
+        doc["cache_lookahead_depth"] = bad
+        path.write_text(json.dumps(doc))
+        with pytest.raises(PlacementError, match="cache_lookahead_depth"):
+            load_placement(path)

@@ -11,7 +11,8 @@ tokens (an eager pass with routing capture over the same tokens), not predicted:
 layer, each distinct cold expert the batch touched is read over the host link once. For a dynamic
 placement (the slot cache, :mod:`coldset.slots`) they are what the engine's cache counted in that
 pass: ``cold_share`` = missed selections / selections, ``link_gb_per_token`` = fills (distinct
-missed instances copied into slots) x bytes per expert / decoded tokens. ``hit_rate`` (1 -
+missed instances copied into slots, plus ``lookahead``'s prefetch copies) x bytes per expert /
+decoded tokens. ``hit_rate`` (1 -
 cold_share) and ``misses_per_token`` (cold or missed selections per decoded token) are reported
 for every placement, so static and dynamic ones compare under the same names.
 Derived metrics that need several placements (``tok_s_per_gib``, ``fetch_tax``) are computed by
@@ -116,7 +117,10 @@ def simulate_engine_pass(cache, decode: np.ndarray):
         raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
     ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
     ptr = np.arange(steps * L + 1, dtype=np.int64) * (B * k)
-    return simulate(AccessStream(ids, ptr, B * steps, L, E), cache.policy, cache.capacity, counts)
+    # lookahead: the prefetch lists the engine recorded, one per group (the forecast is the engine's)
+    lists = cache.prefetch_lists() if cache.policy == "lookahead" else None
+    return simulate(AccessStream(ids, ptr, B * steps, L, E), cache.policy, cache.capacity, counts,
+                    predictions=lists)
 
 
 def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:
@@ -259,19 +263,26 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     # The engine's decisions against the simulator's on the same tokens, group by group.
     sim = simulate_engine_pass(cache, decode)
     want = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
-    if c["groups"] <= cache.history.shape[0]:
+    if "prefetches" in c:  # lookahead: the prefetch copies per group too (its lists need the whole history)
+        pf = sim.prefetches if sim.prefetches is not None else np.zeros(len(want), dtype=np.int64)
+        want = np.concatenate([want, pf[:, None]], axis=1)
+        got = np.concatenate([cache.group_history(), cache.prefetch_counts()[:, None]], axis=1)
+    elif c["groups"] <= cache.history.shape[0]:
         got = cache.group_history()
     else:  # a pass longer than the cache's per-group history: the totals
         got, want = np.array([[c["hits"], c["misses"], c["fills"]]]), want.sum(0, keepdims=True)
     if not np.array_equal(got, want):
         g = int(np.flatnonzero((got != want).any(axis=1))[0])
         raise CacheSimulatorMismatch(
-            f"bench: the engine's {cache.policy} cache decided group {g} as (hits, misses, fills) {got[g].tolist()}, "
+            f"bench: the engine's {cache.policy} cache decided group {g} as (hits, misses, fills[, prefetches]) "
+            f"{got[g].tolist()}, "
             f"the simulator {want[g].tolist()} on the same tokens; nothing is published")
     tokens = decode.shape[0] * steps
     hot_reads = sum(len(set(decode[:, s, layer, :].ravel().tolist())) for s in range(steps) for layer in range(layers))
     accesses = c["hits"] + c["misses"]
-    return (c["misses"] / accesses, c["fills"] * bytes_per_expert / tokens, hot_reads * bytes_per_expert / tokens,
+    # a fill and a prefetch copy each cross the link once
+    link = (c["fills"] + c.get("prefetches", 0)) * bytes_per_expert / tokens
+    return (c["misses"] / accesses, link, hot_reads * bytes_per_expert / tokens,
             c["misses"] / tokens, gen.tokens, c, sim.stats().hit_rate)
 
 

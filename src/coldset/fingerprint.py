@@ -8,7 +8,8 @@ nothing about the new files. Each report therefore carries a fingerprint:
 - ``row_map_sha256``: sha256 of the ``.rowmap.npy`` bytes the decode used (the same digest the
   placement JSON records, so the pair is checked too);
 - ``placement``: sha256 of what in the placement JSON the decode reads beside the row map
-  (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order): a
+  (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order, and
+  a lookahead's ``cache_lookahead_depth``, hashed only where set, so other placements keep their digest): a
   rewritten warm state with the same warm set (same row map) is another placement, while a
   placement rewritten with other statistics (coverage, predicted step times, whose last float
   digits differ between machines' summation orders) still decodes what the verdict checked;
@@ -38,7 +39,7 @@ from coldset.files import read_json
 FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
 #: The fields of a placement JSON that the decode reads beside its row map (coldset.pipeline's
 #: slot cache: the policy's decisions from the warm counts' order).
-DECODE_FIELDS = ("policy", "cache_warm_counts")
+DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "*.safetensors", "*.safetensors.index.json")
@@ -88,7 +89,9 @@ def placement_fingerprint(placement_path: str | os.PathLike) -> str:
     doc = read_json(placement_path, "placement")
     if "policy" not in doc:
         raise StaleReportError(f"placement {placement_path} lacks field 'policy'")
-    return _json_sha256({f: doc.get(f) for f in DECODE_FIELDS})  # cache_warm_counts: null for static
+    # cache_warm_counts: null for static; cache_lookahead_depth: only where set (lookahead)
+    return _json_sha256({f: doc.get(f) for f in DECODE_FIELDS
+                         if f != "cache_lookahead_depth" or doc.get(f) is not None})
 
 
 def kernel_fingerprint(autotune_path: str | os.PathLike) -> str:

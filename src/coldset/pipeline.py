@@ -434,7 +434,8 @@ def placement(config: dict, **_) -> None:
                   pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
                   domain_weights="equal" if pc["weight_domains"] else None,
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
-                  batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"])
+                  batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"],
+                  lookahead_depth=config["cache"]["lookahead_depth"])
 
 
 def cache(config: dict, **_) -> None:
@@ -564,7 +565,8 @@ def _slot_cache(engine, host, placement, max_tokens: int):
         return None
     from coldset.slots import SlotCache
 
-    return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k)
+    routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
+    return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers)
 
 
 def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:

@@ -64,8 +64,9 @@ from coldset.files import atomic_path, remove_orphans, share_mode
 from coldset.shapes import WEIGHT_FORMATS, MoEShape, WeightFormat  # noqa: F401 (re-exported)
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
-# Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies).
-DYNAMIC_POLICIES = ("lru", "lfu")
+# Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies;
+# lookahead = lru + the prefetch of layer l + d's router forecast, d = cache_lookahead_depth).
+DYNAMIC_POLICIES = ("lru", "lfu", "lookahead")
 POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
 PHASES = ("prefill", "decode")
 SPLITS = ("profile", "heldout")
@@ -703,6 +704,8 @@ class Placement:
     model: str | None = None
     # Dynamic policies only: the profile count of the instance in each hot row (slot), slot order.
     cache_warm_counts: np.ndarray | None = None
+    # lookahead only: the prefetch's depth d (the router of layer l + d on layer l's router input).
+    cache_lookahead_depth: int | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -761,6 +764,7 @@ def place(
     bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
     batch_sizes: Sequence[int] = (1,),
     model: str | None = None,
+    lookahead_depth: int = 2,
 ) -> Placement:
     """Choose the cold set for one policy and one residency (or HBM budget) and predict its speed.
 
@@ -839,6 +843,11 @@ def place(
         warm = np.empty(num_hot, dtype=np.float64)
         warm[row_map.reshape(-1)[hot_idx]] = counts.reshape(-1)[hot_idx]
         placement.cache_warm_counts = warm
+        if policy == "lookahead":
+            if not 1 <= int(lookahead_depth) < num_layers:
+                raise PlacementError(f"cache.lookahead_depth must lie in [1, {num_layers - 1}] (the model has "
+                                     f"{num_layers} MoE layers), got {lookahead_depth}")
+            placement.cache_lookahead_depth = int(lookahead_depth)
         return placement  # the speed model describes static placements only
     for bw in bandwidths:
         for b in batch_sizes:
@@ -885,6 +894,7 @@ def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str) -> 
         "row_map_file": npy_name,
         "row_map_sha256": npy_sha256,
         "cache_warm_counts": None if placement.cache_warm_counts is None else placement.cache_warm_counts.tolist(),
+        "cache_lookahead_depth": placement.cache_lookahead_depth,
     }
 
 
@@ -989,6 +999,11 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         warm = np.asarray(warm, dtype=np.float64)
     elif warm is not None:
         raise PlacementError(f"{json_path}: field 'cache_warm_counts' is set for the static policy {doc['policy']!r}")
+    depth = doc.get("cache_lookahead_depth")
+    if (doc["policy"] == "lookahead") != (depth is not None) or (
+            depth is not None and not (isinstance(depth, int) and 1 <= depth < len(moe_layers))):
+        raise PlacementError(f"{json_path}: field 'cache_lookahead_depth' must be an integer in [1, "
+                             f"{len(moe_layers) - 1}] for policy 'lookahead' and null otherwise, got {depth!r}")
     return Placement(
         policy=doc["policy"],
         residency=doc.get("residency"),
@@ -1012,6 +1027,7 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         predictions=[StepPrediction(**p) for p in doc.get("predictions", [])],
         model=doc.get("model"),
         cache_warm_counts=warm,
+        cache_lookahead_depth=depth,
     )
 
 
@@ -1074,6 +1090,7 @@ def run_placement(
     batch_sizes: Sequence[int] = (1, 4, 16, 64),
     model: str | None = None,
     progress: bool = True,
+    lookahead_depth: int = 2,
 ) -> list[Placement]:
     """The placement stage: every policy x residency (and budget) to ``out_dir``, plus coverage.csv.
 
@@ -1098,7 +1115,7 @@ def run_placement(
             hist, config, policy, r, budget_gib=b, profile_domains=profile_domains, phase=phase,
             domain_weights=domain_weights, weight_format=weight_format,
             nonexpert_format=nonexpert_format, bandwidths=bandwidths,
-            batch_sizes=batch_sizes, model=model,
+            batch_sizes=batch_sizes, model=model, lookahead_depth=lookahead_depth,
         )
         save_placement(pl, out / placement_filename(policy, pl.label))
         placements.append(pl)

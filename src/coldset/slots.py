@@ -33,7 +33,7 @@ simulator). Both have shapes fixed by the batch size and no host synchronisation
 decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
 the decisions on the data of that step.
 
-``lookahead`` (engine-level, not yet a placement; issue 12 item 3): ``lru`` plus, after each
+``lookahead`` (the placement ``lookahead-0.5``, depth from ``cache.lookahead_depth``): ``lru`` plus, after each
 group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the top-``k`` experts of that
 layer's router applied to layer ``l``'s router input (pre-gated MoE), with the rules of the
 simulator's ``lookahead`` policy (:mod:`coldset.cache`): a prefetched instance takes the least
@@ -41,10 +41,21 @@ recent slot of layers ``<= l`` not used by the group and not in flight, is in fl
 step ends (no demand miss evicts it; a demand miss that finds no other slot is read in place, not
 admitted), and enters the recency order after the group's accesses. The engine records each
 group's list (:meth:`SlotCache.prefetch_lists`), which the simulator replays for the step-by-step
-equality. Its decisions are torch ops on every device and its copies run on the compute stream:
-the same decisions and bitwise results as the coming overlapped version, no speed yet (the copy on a
-forked stream inside the graph, joined before the experts of layer ``l + depth``, is not built:
-BENCHMARKS.md, issue 12 fourth session).
+equality. On the CPU the decisions are torch ops and the copies plain indexed copies. On CUDA a
+group is the forecast's GEMV (torch, float32), one Triton launch for all the decisions (demand
+with the in-flight rule, the forecast's top ``k``, the prefetch:
+:func:`coldset.kernels.triton_slots.decide_ahead`), the demand fill on the compute stream, and the
+prefetch copy (the same fill kernel, ``prefetch_blocks`` blocks per weight) forked onto a side
+stream: an event recorded on the compute stream after the decisions and the demand fill, waited
+on by the side stream; the copy's own event is waited on by the compute stream at the end of
+:meth:`admit` of layer ``l + depth``, right before that layer's experts kernel reads the row map
+(the commit: no kernel reads a prefetched slot before its copy is complete). Why the victims are
+safe while the copy runs: their last reader was an experts kernel of a layer before ``l`` (ordered
+before the fork) or none (not used by the group), and no later group of the step may evict or
+read them. Fork and join are recorded in the step's CUDA graph; the last MoE layer joins whatever
+is left, so every branch ends inside the step. A copy engine (``cudaMemcpyAsync``) cannot do this
+copy inside the graph: its addresses are fixed at capture, and the rows to copy are decided on
+the device during the step.
 
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
@@ -69,9 +80,9 @@ _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never 
 
 
 KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
-# The engine's policies: the placements' dynamic ones, and lookahead (lru + a prefetch of the next
+# The engine's policies: the placements' dynamic ones (lookahead: lru + a prefetch of the next
 # layers' router forecasts; engine-level, torch ops, not yet a placement: see the module doc).
-ENGINE_POLICIES = DYNAMIC_POLICIES + ("lookahead",)
+ENGINE_POLICIES = DYNAMIC_POLICIES
 
 
 class CacheCapacityError(ValueError):
@@ -132,6 +143,19 @@ class SlotCache:
     prediction_history: torch.Tensor | None = None
     prefetch_history: torch.Tensor | None = None
     prev_layer: int = 0  # the last group's layer (host side: the call order is the step's)
+    # lookahead on the kernel path (CUDA): per target layer the prefetch's victims, instances and
+    # count ([L, span], [L, span], [L, 1]: one row per target, so a copy still in flight on the side
+    # stream never has its list overwritten within the step), the side stream, the fork event and
+    # per target the join event and whether a copy for it was forked in this step (host side).
+    router_t: list | None = None  # float32 [H, E] per MoE layer (the forecast's GEMV operand)
+    pf_victims: torch.Tensor | None = None
+    pf_new: torch.Tensor | None = None
+    pf_count: torch.Tensor | None = None
+    side_stream: object = None
+    fork_event: object = None
+    join_events: list | None = None
+    pending: list | None = None
+    prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -173,6 +197,8 @@ class SlotCache:
         count = np.zeros(L * E, dtype=np.float64)
         count[owner] = warm_counts
         dev = pools.row_map.device
+        ahead = policy == "lookahead"
+        span = min(need, E)
         warm = (pools.row_map.clone(), torch.as_tensor(owner, device=dev), torch.as_tensor(last_use, device=dev),
                 torch.as_tensor(count, device=dev))
         return cls(
@@ -188,7 +214,7 @@ class SlotCache:
             num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
             # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
-            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS and policy != "lookahead",
+            use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),
             routers=list(routers) if policy == "lookahead" else None, depth=int(depth),
             inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if policy == "lookahead" else None,
@@ -196,12 +222,21 @@ class SlotCache:
             if policy == "lookahead" else None,
             prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if policy == "lookahead" else None,
             prev_layer=L,
+            router_t=[r.detach().to(dev, torch.float32).T.contiguous() for r in routers] if ahead else None,
+            pf_victims=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
+            pf_new=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
+            pf_count=torch.zeros((L, 1), dtype=torch.int64, device=dev) if ahead else None,
+            side_stream=torch.cuda.Stream(dev) if ahead and dev.type == "cuda" else None,
+            fork_event=torch.cuda.Event() if ahead and dev.type == "cuda" else None,
+            join_events=[torch.cuda.Event() for _ in range(L)] if ahead and dev.type == "cuda" else None,
+            pending=[False] * L if ahead else None,
         )
 
     def reset(self) -> None:
         """Back to the warm state (row map, owners, recency, counts, ticks, counters) with every
         slot refilled from the host tier, in place: a captured graph stays valid. For runs that
         must start warm after warm-up steps (a CUDA graph's capture runs the step)."""
+        self.join()
         row_map, owner, last_use, count = self.warm_state
         pools = self.pools
         pools.row_map.copy_(row_map)
@@ -220,13 +255,16 @@ class SlotCache:
 
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
-                       top_k: int) -> "SlotCache":
+                       top_k: int, routers=None, history: int = 4096) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
-        map and warm counts, its policy."""
+        map and warm counts, its policy; ``lookahead``: its depth, and ``routers`` (the MoE layers'
+        router weights ``[E, H]``, required there)."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
+        ahead = placement.policy == "lookahead"
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
-                         max_tokens, top_k)
+                         max_tokens, top_k, history=history, routers=routers if ahead else None,
+                         depth=placement.cache_lookahead_depth if ahead else 1)
 
     @property
     def capacity(self) -> int:
@@ -242,9 +280,21 @@ class SlotCache:
             self.prefetch_history.zero_()
 
     def counters(self) -> dict[str, int]:
-        """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync)."""
+        """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync);
+        ``lookahead`` adds ``"prefetches"`` (copies issued, from the per-group history)."""
         hits, misses, fills = (int(v) for v in self.totals.tolist())
-        return {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
+        out = {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
+        if self.prefetch_history is not None:
+            out["prefetches"] = int(self.prefetch_counts().sum())
+        return out
+
+    def prefetch_counts(self) -> np.ndarray:
+        """int64 ``[groups]``: ``lookahead``'s prefetch copies issued after each group, in order (a host sync)."""
+        n = int(self.groups)
+        cap = self.prefetch_history.shape[0]
+        if n > cap:
+            raise ValueError(f"the cache kept the last {cap} groups' prefetches, {n} ran: build it with history >= {n}")
+        return self.prefetch_history[:n].cpu().numpy()
 
     def group_history(self) -> np.ndarray:
         """int64 ``[groups, 3]``: (hits, missed selections, fills) of each group, in order (a host sync)."""
@@ -291,6 +341,10 @@ class SlotCache:
         cast = topk_weights is not None and dtype is not None and topk_weights.dtype != dtype
         if topk_ids.shape[0] > self.max_tokens:
             return topk_weights.to(dtype) if cast else topk_weights
+        if self.policy == "lookahead" and hidden is None:
+            raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
+        if self.use_kernel and self.policy == "lookahead":
+            return self._admit_ahead(layer, topk_ids, topk_weights, dtype, hidden, cast)
         if self.use_kernel:
             from coldset.kernels.triton_slots import decide, fill
 
@@ -303,10 +357,71 @@ class SlotCache:
                 decide(self, layer, topk_ids.reshape(-1).to(torch.int64).contiguous())
             fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
             return w_out if cast else topk_weights
-        if self.policy == "lookahead" and hidden is None:
-            raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
         self._decide_torch(layer, topk_ids, hidden)
         return topk_weights.to(dtype) if cast else topk_weights
+
+    def _forecast_logits(self, hidden: torch.Tensor, target: int) -> torch.Tensor:
+        """float32 ``[T, E]``: layer ``target``'s router on ``hidden`` (this layer's router input),
+        the forecast both paths rank (the lists are recorded, so the rounding is not a contract)."""
+        return torch.mm(hidden.reshape(hidden.shape[0], -1).float(), self.router_t[target])
+
+    def _admit_ahead(self, layer, topk_ids, topk_weights, dtype, hidden, cast):
+        """``lookahead`` on CUDA: the decisions in one Triton launch (demand and prefetch, the torch
+        path's rules), the demand fill on the compute stream (the decisions' dependent launch), and
+        the prefetch's copy forked onto the side stream: it starts once this layer's decisions are
+        done, runs beside the compute of the layers after, and the compute stream joins it at the end
+        of :meth:`admit` of layer ``layer + depth``, right before that layer's experts kernel reads the
+        row map (the commit: no kernel reads a prefetched slot before its copy is complete). Its
+        victims are slots of layers ``<= layer`` not used by this group, whose last reader (an
+        experts kernel of an earlier layer) ran before the fork; every branch is joined within the
+        step (the last MoE layer joins whatever is left), so a captured step forks and joins inside
+        its graph."""
+        from coldset.kernels.triton_slots import decide_ahead, fill
+
+        L = self.pools.num_moe_layers
+        new_step = layer <= self.prev_layer
+        if new_step:
+            self.join()  # nothing of the last step may still be in flight (a no-op after a full step)
+        self.prev_layer = layer
+        target = layer + self.depth
+        logits = self._forecast_logits(hidden, target) if target < L else None
+        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        w_out = None
+        if cast:
+            w_out = torch.empty(topk_weights.shape, dtype=dtype, device=topk_weights.device)
+            decide_ahead(self, layer, ids, new_step, logits, target, topk_weights.contiguous().reshape(-1),
+                         w_out.view(-1))
+        else:
+            decide_ahead(self, layer, ids, new_step, logits, target)
+        fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
+        if target < L:
+            main = torch.cuda.current_stream(self.owner.device)
+            self.fork_event.record(main)
+            side = self.side_stream
+            side.wait_event(self.fork_event)
+            with torch.cuda.stream(side):
+                fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
+                     blocks=self.prefetch_blocks)
+                self.join_events[target].record(side)
+            self.pending[target] = True
+        self._join_layer(layer)
+        if layer == L - 1:
+            self.join()
+        return w_out if cast else topk_weights
+
+    def _join_layer(self, layer: int) -> None:
+        """The compute stream waits for the prefetch copy forked for ``layer`` (if one is pending)."""
+        if self.pending is not None and self.pending[layer]:
+            torch.cuda.current_stream(self.owner.device).wait_event(self.join_events[layer])
+            self.pending[layer] = False
+
+    def join(self) -> None:
+        """The compute stream waits for every prefetch copy still pending (host-side bookkeeping, no
+        sync): before a state the next step or a check reads."""
+        if self.pending is None or self.side_stream is None:
+            return
+        for layer in range(len(self.pending)):
+            self._join_layer(layer)
 
     def _decide_torch(self, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """:meth:`admit`'s decisions and fill as torch ops (the CPU path; the kernel's reference)."""
@@ -352,7 +467,7 @@ class SlotCache:
         # Written by the cache's own decisions, which keep the map a bijection onto C slots and
         # the host rows: a re-validation would be a host sync inside the step (see check()).
         pools.validated_version = pools.row_map._version
-        self._fill(victims, new_inst, valid, m)
+        self._fill(victims, new_inst, valid, valid.sum())  # the admitted (valid) rows are first
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
         self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
@@ -385,7 +500,7 @@ class SlotCache:
             self.prediction_history.index_fill_(0, row, -1)
             self.prefetch_history.index_fill_(0, row, 0)
             return
-        logits = hidden.reshape(hidden.shape[0], -1).float() @ self.routers[target].float().T.to(dev)
+        logits = self._forecast_logits(hidden, target)
         top = torch.sort(-logits, dim=1, stable=True).indices[:, :self.top_k].reshape(-1)
         # The target layer's experts by first position in the list, then the unlisted ones by id:
         # E distinct instances (so masked-out writes below never share an index with real ones).
@@ -449,6 +564,7 @@ class SlotCache:
         disagree: every slot's owner maps to that slot, every other instance to its host row; with
         ``contents``, also every slot's weights must equal its owner's host row. Outside the step
         (a host sync); tests and the parity stage call it after decoding."""
+        self.join()
         pools = self.pools
         pools.validate()
         rm = pools.row_map.view(-1).cpu().numpy().astype(np.int64)

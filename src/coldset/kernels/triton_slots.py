@@ -29,6 +29,14 @@ let it start at once (``gdc_launch_dependents``), and its blocks wait for the de
 complete and be visible (``gdc_wait``) before reading anything, which hides the fill's launch
 latency behind the decisions.
 
+:func:`decide_ahead` (one program) is ``lookahead``'s group: the same demand decisions with the
+in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
+place), then the forecast list (each token's top ``k`` of the target layer's float32 router logits,
+ties by expert id, first occurrence kept) and the prefetch decisions (victims in layers ``<= l`` not
+used by the group and not in flight), written per target layer for a fill on the side stream.
+Measured on the H200 (BENCHMARKS.md, issue 12 fifth session): with the forecast's GEMV and the
+side-stream fork and join, a lookahead layer costs 13 us more than an lru layer at residency 1.0.
+
 Two ways to spend fewer launches were built, measured on the H200 and dropped (BENCHMARKS.md,
 issue 12, third session; every layer's work on all-hit groups, 48 layers, against 0.162 ms here):
 decisions and copy in one launch (the first block to take a ticket decides, the others wait on its
@@ -187,18 +195,203 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_pt
             tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
-def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False) -> None:
+def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
+         blocks: int = FILL_BLOCKS) -> None:
     """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
     device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
     read in place). ``pdl``: launched as the programmatic dependent of :func:`decide` (which must
-    be the launch just before it on the stream, with ``cache.pdl`` set)."""
+    be the launch just before it on the stream, with ``cache.pdl`` set). ``blocks``: blocks per weight
+    (the lookahead's prefetch copy runs beside the compute with fewer)."""
     for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
         if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
             raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
                              f"{tuple(slots.shape[1:])} {slots.dtype}")
         if not (host.is_contiguous() and slots.is_contiguous()):
             raise ValueError("fill: host tier and slots must be contiguous")
-    _fill_kernel[(FILL_BLOCKS, 2)](
+    _fill_kernel[(int(blocks), 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
-        pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, NB=FILL_BLOCKS,
+        pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, NB=int(blocks),
         USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
+
+
+# ------------------------------------------------------------------------------------------------
+# lookahead: lru's decisions with the in-flight rule, plus the prefetch of a later layer's forecast
+
+
+@triton.jit
+def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                  totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                  w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
+                  pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
+                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, CAST: tl.constexpr,
+                  USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, TP: tl.constexpr,
+                  EP: tl.constexpr, WP: tl.constexpr, MP: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr):
+    if USE_GDC:
+        gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
+    offs = tl.arange(0, NP)
+    valid = offs < n
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    if CAST:
+        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
+        tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
+    t0 = tl.load(tick_ptr)
+    tot_hits = tl.load(totals_ptr)
+    tot_misses = tl.load(totals_ptr + 1)
+    tot_fills = tl.load(totals_ptr + 2)
+    g = tl.load(groups_ptr)
+    if new_step != 0:  # a new step: the last step's prefetches are committed (no longer in flight)
+        for z in range(0, NI, ZB):
+            zo = z + tl.arange(0, ZB)
+            tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
+    inst = layer * E + ids
+    rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
+    hit = valid & (rows >= 0)
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+    first = valid & (tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
+    last = valid & (tl.sum((same & (offs[None, :] > offs[:, None])).to(tl.int32), axis=1) == 0)
+    occ = tl.sum(same.to(tl.int32), axis=1)
+    missed = first & (rows < 0)
+    m = tl.sum(missed.to(tl.int32), axis=0)
+    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+    old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
+    tl.debug_barrier()
+    # The group's recency first: its ticks (>= t0) are the newest, which is how its own slots are
+    # told apart below (every other resident instance was last used before t0).
+    tl.store(last_use_ptr + inst, t0 + offs, mask=last)
+    tl.store(count_ptr + inst, old_cnt + occ.to(tl.float64), mask=first)
+    tl.debug_barrier()
+    offs_c = tl.arange(0, CP)
+    okc = offs_c < C
+    if m > 0:
+        # Demand victims: least recent slot neither used by the group nor in flight; a miss beyond
+        # them is read in place (not admitted).
+        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
+        fl = tl.load(inflight_ptr + own, mask=okc, other=1) != 0
+        barred = (lu >= t0) | fl | (offs_c >= C)
+        lu = tl.where(barred, _INT64_MAX, lu)
+        adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
+        for j in range(0, M):
+            if j < adm:
+                s = tl.min(tl.where(lu == tl.min(lu, axis=0), offs_c, CP), axis=0)
+                pick = offs_c == s
+                old = tl.sum(tl.where(pick, own, 0), axis=0)
+                lu = tl.where(pick, _INT64_MAX, lu)
+                new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
+                tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
+                tl.store(row_map_ptr + new, s.to(tl.int32))
+                tl.store(owner_ptr + s, new)
+                tl.store(victims_ptr + j, s.to(tl.int64))
+                tl.store(new_ptr + j, new)
+        tl.store(m_ptr, adm.to(tl.int64))
+    else:
+        tl.store(m_ptr, m.to(tl.int64))  # m == 0
+    offs_w = tl.arange(0, WP)
+    hrow = g % hist_cap
+    if AHEAD:
+        tl.debug_barrier()  # the demand writes (row map, owners) are visible to every thread
+        # The forecast list: each token's top K of layer `target`'s router logits (descending,
+        # ties by expert id: a stable sort), token by token, first occurrence kept.
+        tok = tl.arange(0, TP)
+        col = tl.arange(0, EP)
+        okt = tok < n_tok
+        v = tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=okt[:, None] & (col[None, :] < E),
+                    other=float("-inf"))
+        lst = tl.zeros((NP,), dtype=tl.int64)
+        for r in range(0, K):
+            mx = tl.max(v, axis=1)
+            idx = tl.min(tl.where(v == mx[:, None], col[None, :], EP), axis=1)
+            v = tl.where(col[None, :] == idx[:, None], float("-inf"), v)
+            pick_r = tl.sum(tl.where((offs // K)[:, None] == tok[None, :], idx[None, :], 0), axis=1)
+            lst = tl.where(offs % K == r, pick_r.to(tl.int64), lst)
+        same_l = (lst[:, None] == lst[None, :]) & valid[:, None] & valid[None, :]
+        fp = valid & (tl.sum((same_l & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
+        nk = tl.sum(fp.to(tl.int32), axis=0)
+        rk = tl.cumsum(fp.to(tl.int32), axis=0) - 1
+        linst = target * E + lst
+        rec = tl.sum(tl.where(fp[None, :] & (rk[None, :] == offs_w[:, None]), linst[None, :], 0), axis=1)
+        rec = tl.where(offs_w < nk, rec, -1)
+        tl.store(pred_hist_ptr + hrow * width + offs_w, rec, mask=offs_w < width)
+        lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
+        want = fp & (lrow < 0)
+        nwant = tl.sum(want.to(tl.int32), axis=0)
+        wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
+        if nwant > 0:
+            # Prefetch victims: slots of layers <= layer, not used by the group, not in flight.
+            own2 = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+            lu2 = tl.load(last_use_ptr + own2, mask=okc, other=_INT64_MAX)
+            fl2 = tl.load(inflight_ptr + own2, mask=okc, other=1) != 0
+            barred2 = (own2 // E > layer) | (lu2 >= t0) | fl2 | (offs_c >= C)
+            key = tl.where(barred2, _INT64_MAX, lu2)
+            got = tl.minimum(nwant, tl.sum((~barred2).to(tl.int32), axis=0))
+            for j in range(0, MP):
+                if j < got:
+                    s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
+                    pick = offs_c == s
+                    old = tl.sum(tl.where(pick, own2, 0), axis=0)
+                    key = tl.where(pick, _INT64_MAX, key)
+                    new = tl.sum(tl.where(want & (wrank == j), linst, 0), axis=0)
+                    tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
+                    tl.store(row_map_ptr + new, s.to(tl.int32))
+                    tl.store(owner_ptr + s, new)
+                    tl.store(inflight_ptr + new, 1)
+                    tl.store(last_use_ptr + new, t0 + n + j)
+                    tl.store(pf_victims_ptr + j, s.to(tl.int64))
+                    tl.store(pf_new_ptr + j, new)
+            tl.store(pf_m_ptr, got.to(tl.int64))
+            tl.store(pf_hist_ptr + hrow, got.to(tl.int64))
+        else:
+            tl.store(pf_m_ptr, nwant.to(tl.int64))  # nwant == 0
+            tl.store(pf_hist_ptr + hrow, nwant.to(tl.int64))
+    else:
+        tl.store(pred_hist_ptr + hrow * width + offs_w, tl.full((WP,), -1, tl.int64), mask=offs_w < width)
+        tl.store(pf_hist_ptr + hrow, g * 0)
+    tl.store(tick_ptr, t0 + n + width)
+    nhit = tl.sum(hit.to(tl.int64), axis=0)
+    tl.store(totals_ptr, tot_hits + nhit)
+    tl.store(totals_ptr + 1, tot_misses + (n - nhit))
+    tl.store(totals_ptr + 2, tot_fills + m.to(tl.int64))
+    h = history_ptr + hrow * 3
+    tl.store(h, nhit)
+    tl.store(h + 1, n - nhit)
+    tl.store(h + 2, m.to(tl.int64))
+    tl.store(groups_ptr, g + 1)
+
+
+def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
+                 target: int, weights: torch.Tensor | None = None, weights_out: torch.Tensor | None = None) -> None:
+    """``lookahead``'s decisions for one group in one launch (:meth:`coldset.slots.SlotCache.admit`'s
+    torch path, the simulator's ``lookahead`` rules): the demand decisions with the in-flight rule
+    (writes ``cache.victims``, ``cache.admitted`` and the admitted count ``cache.num_misses`` for the
+    demand fill), then with ``logits`` (float32 ``[T, E]``, layer ``target``'s router on this
+    layer's router input) the forecast list and the prefetch decisions, written to row ``target``
+    of ``cache.pf_victims`` / ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill, and the
+    list and its count into the group's history rows. ``new_step``: the first group of a step
+    (the in-flight flags are cleared first)."""
+    n = ids.numel()
+    cap = cache.capacity
+    cp = _next_pow2(cap)
+    cast = weights is not None
+    if cast and not (weights.is_contiguous() and weights_out.is_contiguous()
+                     and weights.numel() == n == weights_out.numel()):
+        raise ValueError(f"decide_ahead: weights ({tuple(weights.shape)}) and weights_out "
+                         f"({tuple(weights_out.shape)}) must be contiguous with one entry per selection ({n})")
+    E = cache.pools.num_experts
+    k = cache.top_k
+    ahead = logits is not None
+    if ahead and not (logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape == (n // k, E)):
+        raise ValueError(f"decide_ahead: logits must be float32 contiguous [{n // k}, {E}], got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    width = cache.prediction_history.shape[1]
+    t = target if ahead else 0
+    _ahead_kernel[(1,)](
+        ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
+        cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
+        cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
+        cache.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
+        cache.pf_victims[t], cache.pf_new[t], cache.pf_count[t], cache.prediction_history,
+        cache.prefetch_history, width,
+        E=E, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(), CAST=cast, USE_GDC=cache.pdl,
+        AHEAD=ahead, K=k, TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
+        WP=max(2, _next_pow2(width)), MP=cache.pf_victims.shape[1], ZB=1024, NI=cache.inflight.numel(),
+        num_warps=16 if cp >= 4096 else 8)
