@@ -2,12 +2,13 @@
 """The decode step at real shape on one GPU: where its time goes, per engine, at batch 1 and 8.
 
     PYTHONPATH=src python3 scripts/decode_step_h200.py --config config/examples/qwen3-30b-a3b-h200.yaml \
-        --out <dir> [--tune | --tuned <autotune entry.json>] [--engines eager,compiled,fused] [--sweep]
+        --out <dir> [--tune | --tuned <autotune entry.json>] [--engines eager,compiled,fused] [--sweep [gemv,router]]
 
 Builds the config's in-memory synthetic model (every expert in HBM), measures the HBM read
 ceiling (``coldset.bench.measure_ceilings``: best of several rounds), then for each engine (the
-eager step; ``compile_decode(fused=False)``, the Inductor-compiled region; ``compile_decode()``,
-the fused Triton kernels of ``coldset.kernels.triton_decode``), each captured in one CUDA graph
+eager step; ``compiled``: ``compile_decode(fused=False)``, the Inductor-compiled region; ``fused``:
+``compile_decode()``, the fused Triton kernels of ``coldset.kernels.triton_decode`` with their
+default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch forced on / off), each captured in one CUDA graph
 by ``coldset.bench.Decoder``, times the full step at batch 1 and 8 (8 different prompts cut from
 fixture-like text, as the bench cuts them) and the step with the routed experts replaced by zeros
 at batch 1, with a kernel profile of each full step (kernels per step, per layer, the top kernels).
@@ -35,6 +36,9 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
+# The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
+# on Hopper), and each way forced.
+FUSED_PDL = {"fused": None, "fused-pdl": True, "fused-nopdl": False}
 
 
 def log(*a) -> None:
@@ -63,7 +67,7 @@ def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
             "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}
 
 
-def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20) -> list[dict]:
+def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "router")) -> list[dict]:
     """µs per launch of the one-token GEMV (``triton_decode.gemv``) configs against what ran
     before (``norm_linear``'s default, cuBLAS) at Qwen3-30B-A3B's qkv (with the input add and norm),
     o_proj (with the residual) and LM head (add + final norm) shapes, and of the fused router
@@ -86,7 +90,7 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20) -> list[dict]:
         rows.append(r)
         log("sweep", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
 
-    for name, (n, k, copies) in shapes.items():
+    for name, (n, k, copies) in (shapes.items() if "gemv" in parts else ()):
         g = torch.Generator(device=dev).manual_seed(n)
         ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * k ** -0.5 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dtype, generator=g)
@@ -125,6 +129,8 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20) -> list[dict]:
         timed(f"{default} pdl", lambda: [fused_call(w, default, True) for w in ws], default=True, pdl=True)
         ws.clear()  # free the copies before the next shape
 
+    if "router" not in parts:
+        return rows
     E, H, topk = 128, 2048, 8
     g = torch.Generator(device=dev).manual_seed(7)
     gws = [torch.randn(E, H, device=dev, dtype=dtype, generator=g) * H ** -0.5 for _ in range(layers)]
@@ -163,7 +169,8 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
     ap.add_argument("--engines", default="eager,compiled,fused")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="gemv,router", default=None,
+                    help="time the one-token GEMV configs and/or the fused router (gemv, router or both)")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
 
@@ -185,7 +192,7 @@ def main() -> int:
     R["hbm_read_GBps"] = bn.measure_ceilings()["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
     if args.sweep:  # before the model: random weights of the real shapes
-        R["gemv_sweep"] = gemv_sweep(dev, getattr(torch, config["model"]["dtype"]))
+        R["gemv_sweep"] = gemv_sweep(dev, getattr(torch, config["model"]["dtype"]), parts=args.sweep.split(","))
         write_json(out / "decode_step.json", R)
         torch.cuda.empty_cache()
 
@@ -285,10 +292,10 @@ def main() -> int:
         t = time.perf_counter()
         if mode == "compiled":
             model.compile_decode(fused=False)
-        elif mode in ("fused", "fused-pdl"):
-            model.compile_decode(fused=True, pdl=mode == "fused-pdl")
+        elif mode in FUSED_PDL:
+            model.compile_decode(fused=True, pdl=FUSED_PDL[mode])
         elif mode != "eager":
-            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, fused, fused-pdl)")
+            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, {', '.join(FUSED_PDL)})")
         try:
             run_engine(mode, t)
         except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result

@@ -308,25 +308,30 @@ def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask)
     return x, h, None, None
 
 
-def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool = False):
+def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool | None = None):
     """:func:`layer_before_experts` for one decode token per sequence in Triton launches
     (:mod:`coldset.kernels.triton_decode`, CUDA): the residual add, input norm and qkv projection
     in one (at batch 1 :func:`~coldset.kernels.triton_decode.gemv`; from 2 tokens on, the add and
     norm in one and the projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write
     and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
-    norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
-    so a MoE layer is four launches before its experts. Why: the step outside the experts is launch
-    latency and weight streaming (BENCHMARKS.md, issue 13). The routing weights come in the model
-    dtype (the cast the experts call would make, in the same launch) unless the experts function
-    casts them itself or a routing sink records them (then float32, as :meth:`MoEBlock.route`).
-    ``pdl``: launch the kernels as programmatic dependent launches (Hopper), each reading its
-    weights while its predecessor finishes. Same contract as :func:`layer_before_experts` (decode only)."""
+    norm, the router and its softmax + top-k in one at batch 1 (:func:`~coldset.kernels.triton_decode.route`;
+    above, the norm, then :meth:`MoEBlock.route`: route ranks the tokens one after the other in
+    one program, 29 µs at 8 tokens against 9.6), so a MoE layer is four launches before its experts
+    at batch 1. Why: the step outside the experts is launch latency and weight streaming
+    (BENCHMARKS.md, issue 13). route's weights come in the model dtype (the cast the experts call
+    would make, in the same launch) unless the experts function casts them itself or a routing
+    sink records them (then float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
+    programmatic dependent launches (Hopper), each reading its weights while its predecessor
+    finishes; None: :func:`~coldset.kernels.triton_decode.pdl_default` for the batch size. Same
+    contract as :func:`layer_before_experts` (decode only)."""
     from coldset.kernels import triton_decode as td
 
     bsz, seq, hidden = x.shape
     if seq != 1:
         raise ValueError(f"fused_layer_before_experts: one token per sequence (decode), got {seq}")
     attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
     if bsz == 1:
         x, qkv = td.gemv(x.view(1, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight, eps=norm_in.eps,
                          add=delta.view(1, hidden), pdl=pdl)
@@ -339,7 +344,7 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
         x = td.gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
     else:
         x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
-    if isinstance(layer.mlp, MoEBlock):
+    if isinstance(layer.mlp, MoEBlock) and bsz == 1:
         mlp = layer.mlp
         model = mlp._model[0]
         keep_f32 = model.routing_sink is not None or getattr(model.experts_fn, "casts_weights", False)
@@ -348,10 +353,13 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
                                              weights_dtype=torch.float32 if keep_f32 else x.dtype, pdl=pdl)
         return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
     h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
+    if isinstance(layer.mlp, MoEBlock):
+        topk_ids, topk_weights = layer.mlp.route(h)
+        return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
     return x.view(bsz, seq, hidden), h.view(bsz, seq, hidden), None, None
 
 
-def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool = False):
+def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool | None = None):
     """The decode step's end for the fused engine: logits ``[B, 1, V]`` of ``lm_head(norm(x + delta))``,
     at batch 1 one :func:`~coldset.kernels.triton_decode.gemv` (the add, the final norm and the
     LM head, the step's largest matrix), from 2 tokens on :func:`~coldset.kernels.triton_decode.rms_norm`
@@ -359,6 +367,8 @@ def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool = False):
     from coldset.kernels import triton_decode as td
 
     bsz, seq, hidden = x.shape
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
     if bsz == 1:
         _, logits = td.gemv(x.view(1, hidden), model.lm_head.weight, norm_weight=model.norm.weight,
                             eps=model.norm.eps, add=delta.view(1, hidden), pdl=pdl)
@@ -445,7 +455,7 @@ class MoEModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def compile_decode(self, fused: bool | None = None, pdl: bool = False) -> None:
+    def compile_decode(self, fused: bool | None = None, pdl: bool | None = None) -> None:
         """Run decode steps (one token per sequence) through a faster region than the eager
         :func:`layer_before_experts`: the Triton kernels of :func:`fused_layer_before_experts`
         (``fused=True``; the default wherever :func:`fused_decode_supported` says they run: CUDA,
@@ -460,7 +470,9 @@ class MoEModel(nn.Module):
         Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
         kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
         engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
-        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper).
+        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper, the
+        same bits); None: where it measured faster (at batch 1 on Hopper or newer,
+        :func:`coldset.kernels.triton_decode.pdl_default`).
         """
         reason = fused_decode_supported(self)
         if fused is None:
@@ -468,8 +480,7 @@ class MoEModel(nn.Module):
         if fused:
             if reason is not None:
                 raise ValueError(f"compile_decode(fused=True): {reason}")
-            self._compiled_before_experts = (functools.partial(fused_layer_before_experts, pdl=True) if pdl
-                                             else fused_layer_before_experts)
+            self._compiled_before_experts = functools.partial(fused_layer_before_experts, pdl=pdl)
             self._fused_head = functools.partial(fused_norm_lm_head, pdl=pdl)
             return
         self._fused_head = None

@@ -405,15 +405,27 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """The fixed config for an ``[n, k]`` weight at one token (H200 sweep, BENCHMARKS.md issue 13
-    fifth session: the qkv, o_proj and LM head shapes of Qwen3-30B-A3B): about 16 KB of weights a
-    program; row blocks in a loop of 4 for the LM head-sized matrices (over 64 MB), where per-program
-    work (the input row and its norm) would otherwise be repeated tens of thousands of times."""
+    """The fixed config for an ``[n, k]`` weight at one token, from the H200 sweep of BENCHMARKS.md
+    (issue 13, fifth session; Qwen3-30B-A3B over 48 layers' weights): 8 KB of weight rows a program
+    (qkv ``[5120, 2048]``: 7.08 µs against 10.47 for ``norm_linear`` and 8.00 for cuBLAS without the
+    norm; o_proj ``[2048, 4096]``: 6.14 against 7.11 and 9.52), and for matrices over 64 MB (the LM
+    head, 137.7 against cuBLAS's 144.7 µs) 16 KB row blocks in a loop of 4, 8 warps."""
     kp = triton.next_power_of_2(k)
-    block_n = max(1, 8192 // kp)
+    block_n = max(1, 4096 // kp)
     if n * k * 2 > 64 * 2**20:
         return GemvConfig(max(block_n, 4), 4, 8)
     return GemvConfig(block_n, 1, 4)
+
+
+def pdl_default(m: int, device: torch.device) -> bool:
+    """Whether the fused decode step launches its kernels as programmatic dependent launches when
+    not told (:meth:`coldset.model.MoEModel.compile_decode`): at one token on Hopper or newer
+    (the step 2.645 -> 2.475 ms on the H200, each kernel's weights streaming while its predecessor
+    finishes), not at 8 tokens, where it measured slower (BENCHMARKS.md, issue 13, fourth and fifth
+    sessions). The kernels' arithmetic is the same either way: the same bits."""
+    from coldset.kernels.triton_slots import pdl_available
+
+    return m == 1 and pdl_available(device)
 
 
 @triton.jit
@@ -579,6 +591,9 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     one per call site, not shared by launches that may overlap) ranks the logits exactly as
     :func:`coldset.kernels.triton_route.triton_softmax_topk` does: ties to the lowest expert id,
     ranking on the logits, softmax in float32. No result depends on which program finishes last.
+    That program ranks the tokens one after the other (each rank a cross-warp reduction): fast at
+    one token (5.2 µs against 9.3 for the four launches it replaces, H200), slow at 8 (29 against
+    9.6 µs), so the engine routes through it at one token only.
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]
