@@ -314,11 +314,9 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     in one (at batch 1 :func:`~coldset.kernels.triton_decode.gemv`; from 2 tokens on, the add and
     norm in one and the projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write
     and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
-    norm, the router and its softmax + top-k in one at batch 1 (:func:`~coldset.kernels.triton_decode.route`;
-    above, the norm, then :meth:`MoEBlock.route`: route ranks the tokens one after the other in
-    one program, 29 µs at 8 tokens against 9.6), so a MoE layer is four launches before its experts
-    at batch 1. Why: the step outside the experts is launch latency and weight streaming
-    (BENCHMARKS.md, issue 13). route's weights come in the model dtype (the cast the experts call
+    norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
+    so a MoE layer is four launches before its experts at batch 1. Why: the step outside the
+    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). route's weights come in the model dtype (the cast the experts call
     would make, in the same launch) unless the experts function casts them itself or a routing
     sink records them (then float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
     programmatic dependent launches (Hopper), each reading its weights while its predecessor
@@ -344,7 +342,7 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
         x = td.gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
     else:
         x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
-    if isinstance(layer.mlp, MoEBlock) and bsz == 1:
+    if isinstance(layer.mlp, MoEBlock):
         mlp = layer.mlp
         model = mlp._model[0]
         keep_f32 = model.routing_sink is not None or getattr(model.experts_fn, "casts_weights", False)
@@ -353,9 +351,6 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
                                              weights_dtype=torch.float32 if keep_f32 else x.dtype, pdl=pdl)
         return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
     h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
-    if isinstance(layer.mlp, MoEBlock):
-        topk_ids, topk_weights = layer.mlp.route(h)
-        return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
     return x.view(bsz, seq, hidden), h.view(bsz, seq, hidden), None, None
 
 

@@ -516,7 +516,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 @triton.jit
 def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wts_ptr, eps,
-                  stride_x, stride_h, stride_we, M: tl.constexpr,
+                  stride_x, stride_h, stride_we, M: tl.constexpr, MP: tl.constexpr,
                   H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
                   PDL: tl.constexpr):
@@ -548,28 +548,32 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
+        # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
+        # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
         offs = tl.arange(0, EP)
         ok = offs < E
+        offs_m = tl.arange(0, MP)
+        rows = tl.minimum(offs_m, M - 1)
         ranks = tl.arange(0, KP)
-        keep = ranks < K
-        for m in tl.static_range(M):
-            lg = tl.load(logit_ptr + m * E + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            lg = lg.to(tl.float32)
-            top = tl.max(lg, axis=0)
-            denom = tl.sum(tl.where(ok, tl.exp(lg - top), 0.0), axis=0)
-            ids = tl.zeros((KP,), dtype=tl.int64)
-            probs = tl.zeros((KP,), dtype=tl.float32)
-            left = tl.where(ok, lg, float("-inf"))
-            for r in tl.static_range(K):
-                best = tl.max(left, axis=0)
-                idx = tl.min(tl.where(left == best, offs, EP), axis=0)
-                ids = tl.where(ranks == r, idx.to(tl.int64), ids)
-                probs = tl.where(ranks == r, tl.exp(best - top) / denom, probs)
-                left = tl.where(offs == idx, float("-inf"), left)
-            if RENORMALIZE:
-                probs = probs / tl.sum(probs, axis=0)
-            tl.store(ids_ptr + m * K + ranks, ids, mask=keep)
-            tl.store(wts_ptr + m * K + ranks, probs.to(wts_ptr.dtype.element_ty), mask=keep)
+        keep = (offs_m < M)[:, None] & (ranks < K)[None, :]
+        lg = tl.load(logit_ptr + rows[:, None] * E + offs[None, :], mask=ok[None, :], other=float("-inf"),
+                     cache_modifier=".cg").to(tl.float32)
+        top = tl.max(lg, axis=1)
+        denom = tl.sum(tl.where(ok[None, :], tl.exp(lg - top[:, None]), 0.0), axis=1)
+        ids = tl.zeros((MP, KP), dtype=tl.int64)
+        probs = tl.zeros((MP, KP), dtype=tl.float32)
+        left = tl.where(ok[None, :], lg, float("-inf"))
+        for r in tl.static_range(K):
+            best = tl.max(left, axis=1)
+            idx = tl.min(tl.where(left == best[:, None], offs[None, :], EP), axis=1)
+            ids = tl.where(ranks[None, :] == r, idx.to(tl.int64)[:, None], ids)
+            probs = tl.where(ranks[None, :] == r, (tl.exp(best - top) / denom)[:, None], probs)
+            left = tl.where(offs[None, :] == idx[:, None], float("-inf"), left)
+        if RENORMALIZE:
+            probs = probs / tl.sum(probs, axis=1)[:, None]
+        out = offs_m[:, None] * K + ranks[None, :]
+        tl.store(ids_ptr + out, ids, mask=keep)
+        tl.store(wts_ptr + out, probs.to(wts_ptr.dtype.element_ty), mask=keep)
         tl.store(count_ptr, 0)
 
 
@@ -591,9 +595,9 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     one per call site, not shared by launches that may overlap) ranks the logits exactly as
     :func:`coldset.kernels.triton_route.triton_softmax_topk` does: ties to the lowest expert id,
     ranking on the logits, softmax in float32. No result depends on which program finishes last.
-    That program ranks the tokens one after the other (each rank a cross-warp reduction): fast at
-    one token (5.2 µs against 9.3 for the four launches it replaces, H200), slow at 8 (29 against
-    9.6 µs), so the engine routes through it at one token only.
+    That program ranks all tokens at once (an ``[M, E]`` tile): 5.2 µs at one token against 9.3
+    for the four launches it replaces (H200); ranking the tokens one after the other took 29 µs at
+    8 tokens (BENCHMARKS.md, issue 13 fifth session).
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -614,7 +618,7 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     if m:
         _route_kernel[(triton.cdiv(num_experts, block_e),)](
             x, norm_weight, gate_weight, h, logits, counter, ids, weights, float(eps),
-            x.stride(0), h.stride(0), gate_weight.stride(0), M=m,
+            x.stride(0), h.stride(0), gate_weight.stride(0), M=m, MP=triton.next_power_of_2(m),
             H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize, PDL=pdl,
             num_warps=4, **_pdl_launch(pdl))
