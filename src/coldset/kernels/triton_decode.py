@@ -420,9 +420,10 @@ def gemv_config(n: int, k: int) -> GemvConfig:
 def pdl_default(m: int, device: torch.device) -> bool:
     """Whether the fused decode step launches its kernels as programmatic dependent launches when
     not told (:meth:`coldset.model.MoEModel.compile_decode`): at one token on Hopper or newer
-    (the step 2.645 -> 2.475 ms on the H200, each kernel's weights streaming while its predecessor
-    finishes), not at 8 tokens, where it measured slower (BENCHMARKS.md, issue 13, fourth and fifth
-    sessions). The kernels' arithmetic is the same either way: the same bits."""
+    (the H200 step 2.645 -> 2.475 ms in one run, 2.654 -> 2.626 in another: each kernel's weights
+    stream while its predecessor finishes), not at 8 tokens, where it measured slower (6.501 ->
+    6.610 ms; BENCHMARKS.md, issue 13, fourth and fifth sessions). The kernels' arithmetic is the
+    same either way: the same bits."""
     from coldset.kernels.triton_slots import pdl_available
 
     return m == 1 and pdl_available(device)
