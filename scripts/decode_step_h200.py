@@ -2,12 +2,13 @@
 """The decode step at real shape on one GPU: where its time goes, per engine, at batch 1 and 8.
 
     PYTHONPATH=src python3 scripts/decode_step_h200.py --config config/examples/qwen3-30b-a3b-h200.yaml \
-        --out <dir> [--tune | --tuned <autotune entry.json>] [--engines eager,compiled,fused] [--sweep]
+        --out <dir> [--tune | --tuned <autotune entry.json>] [--engines eager,compiled,fused] [--sweep [gemv,router]]
 
 Builds the config's in-memory synthetic model (every expert in HBM), measures the HBM read
 ceiling (``coldset.bench.measure_ceilings``: best of several rounds), then for each engine (the
-eager step; ``compile_decode(fused=False)``, the Inductor-compiled region; ``compile_decode()``,
-the fused Triton kernels of ``coldset.kernels.triton_decode``), each captured in one CUDA graph
+eager step; ``compiled``: ``compile_decode(fused=False)``, the Inductor-compiled region; ``fused``:
+``compile_decode()``, the fused Triton kernels of ``coldset.kernels.triton_decode`` with their
+default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch forced on / off), each captured in one CUDA graph
 by ``coldset.bench.Decoder``, times the full step at batch 1 and 8 (8 different prompts cut from
 fixture-like text, as the bench cuts them) and the step with the routed experts replaced by zeros
 at batch 1, with a kernel profile of each full step (kernels per step, per layer, the top kernels).
@@ -19,15 +20,15 @@ the measured read rate; ``of floor`` = floor / measured step. Checks: every engi
 eager engine's greedy tokens (16 steps, both batch sizes); the largest logit difference.
 ``--tune`` runs the experts autotune (coldset.tune) for batch 1 and 8 first; ``--tuned`` reads
 the configs of an autotune entry instead (e.g. the bench's results/autotune/<model>.json; a
-speed choice only). ``--sweep`` also times :func:`coldset.kernels.triton_decode.norm_linear`'s
-launch configs against cuBLAS at the qkv and o_proj shapes over the model's 48 layers' weights.
+speed choice only). ``--sweep`` also times (before building the model, random weights of the real shapes)
+:func:`coldset.kernels.triton_decode.gemv`'s launch configs against cuBLAS and ``norm_linear`` at
+the qkv, o_proj and LM head shapes, and the fused router against what it replaces (``gemv_sweep``).
 Writes ``decode_step.json``; the table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,9 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
+# The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
+# on Hopper), and each way forced.
+FUSED_PDL = {"fused": None, "fused-pdl": True, "fused-nopdl": False}
 
 
 def log(*a) -> None:
@@ -63,53 +67,98 @@ def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
             "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}
 
 
-def linear_sweep(model, reps: int = 20) -> list[dict]:
-    """µs per launch of ``norm_linear`` launch configs and of ``F.linear`` (cuBLAS) at the qkv
-    (with the input norm and residual add fused) and o_proj (with the residual) shapes, at 1 and
-    8 tokens, each a CUDA graph over every layer's weights (nothing stays in L2)."""
-    from coldset.kernels.triton_decode import LinearConfig, linear_config, norm_linear
+def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "router")) -> list[dict]:
+    """µs per launch of the one-token GEMV (``triton_decode.gemv``) configs against what ran
+    before (``norm_linear``'s default, cuBLAS) at Qwen3-30B-A3B's qkv (with the input add and norm),
+    o_proj (with the residual) and LM head (add + final norm) shapes, and of the fused router
+    (``triton_decode.route``) against the rms_norm + cuBLAS + softmax_topk + cast it replaces, at 1
+    and 8 tokens: each a CUDA graph over ``layers`` weight copies (3 of the LM head), nothing left
+    in L2. Random weights: no model needed. Every config's output is checked against cuBLAS first."""
+    import torch.nn.functional as F
+
+    from coldset.kernels import softmax_topk
+    from coldset.kernels.triton_decode import GemvConfig, gemv, gemv_config, norm_linear, rms_norm, route
     from coldset.tune import graph_time_us
 
-    cands = {1: [LinearConfig(1, *c) for c in ((8, 512, 4, 1), (8, 1024, 4, 1), (16, 256, 4, 3), (16, 512, 4, 1),
-                                                (16, 512, 4, 3), (16, 1024, 8, 3), (32, 256, 4, 3), (32, 512, 8, 3))],
-             8: [LinearConfig(16, *c) for c in ((16, 128, 4, 3), (16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4),
-                                                (64, 128, 4, 4), (64, 256, 8, 3))]}
-    layers = model.layers
-    rows = []
+    rows: list[dict] = []
+    shapes = {"qkv": (5120, 2048, layers), "o_proj": (2048, 4096, layers), "lm_head": (151936, 2048, 3)}
+    cands = {"qkv": [(2, 1, 4), (4, 1, 4), (4, 1, 8), (8, 1, 8), (4, 2, 4)],
+             "o_proj": [(1, 1, 4), (2, 1, 4), (2, 1, 8), (4, 1, 8)],
+             "lm_head": [(4, 1, 4), (4, 4, 4), (8, 4, 8), (8, 2, 8), (16, 4, 8)]}
+
+    def record(**r):
+        rows.append(r)
+        log("sweep", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
+
+    for name, (n, k, copies) in (shapes.items() if "gemv" in parts else ()):
+        g = torch.Generator(device=dev).manual_seed(n)
+        ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * k ** -0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=dtype, generator=g)
+        extra = torch.randn(1, n if name == "o_proj" else k, device=dev, dtype=dtype, generator=g)
+        nw = torch.ones(k, device=dev, dtype=dtype)
+        nbytes = n * k * 2
+
+        def fused_call(w, cfg=None, pdl=False):
+            if name == "o_proj":
+                return gemv(x, w, residual=extra, config=cfg, pdl=pdl)
+            return gemv(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg, pdl=pdl)[1]
+
+        def want(w):
+            if name == "o_proj":
+                return extra.float() + x.float() @ w.float().T
+            return F.rms_norm((x + extra).float(), (k,), eps=1e-6) @ w.float().T
+
+        def timed(label, fn, **extra_fields):
+            us = graph_time_us(fn, reps) / copies
+            record(shape=name, n=n, k=k, config=label, us=us, GBps=nbytes / us / 1e3, **extra_fields)
+
+        timed("cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws])
+        if name != "lm_head":
+            if name == "o_proj":
+                timed("norm_linear default", lambda: [norm_linear(x, w, residual=extra) for w in ws])
+            else:
+                timed("norm_linear default", lambda: [norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra) for w in ws])
+        default = gemv_config(n, k)
+        for c in [default] + [GemvConfig(*t) for t in cands[name] if GemvConfig(*t) != default]:
+            got = fused_call(ws[0], c)
+            err = ((got.float() - want(ws[0])).norm() / want(ws[0]).norm()).item()
+            if err > 1e-2:
+                record(shape=name, config=str(c), error=f"relative error {err:.3g}")
+                continue
+            timed(str(c), lambda c=c: [fused_call(w, c) for w in ws], default=c == default)
+        timed(f"{default} pdl", lambda: [fused_call(w, default, True) for w in ws], default=True, pdl=True)
+        ws.clear()  # free the copies before the next shape
+
+    if "router" not in parts:
+        return rows
+    E, H, topk = 128, 2048, 8
+    g = torch.Generator(device=dev).manual_seed(7)
+    gws = [torch.randn(E, H, device=dev, dtype=dtype, generator=g) * H ** -0.5 for _ in range(layers)]
+    nw = torch.ones(H, device=dev, dtype=dtype)
+    counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(layers)]
     for m in (1, 8):
-        for name in ("qkv", "o_proj"):
-            ws = [ly.self_attn.qkv_proj.weight if name == "qkv" else ly.self_attn.o_proj.weight for ly in layers]
-            n, k = ws[0].shape
-            x = torch.randn(m, k, device=model.device, dtype=model.dtype)
-            extra = torch.randn(m, k if name == "qkv" else n, device=model.device, dtype=model.dtype)
-            nw = layers[0].input_layernorm.weight
-            nbytes = sum(w.numel() * w.element_size() for w in ws)
+        x = torch.randn(m, H, device=dev, dtype=dtype, generator=g) * 3
 
-            def run(cfg):
-                for w in ws:
-                    if name == "qkv":
-                        norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg)
-                    else:
-                        norm_linear(x, w, residual=extra, config=cfg)
+        def before():
+            for w in gws:
+                h = rms_norm(x, nw, 1e-6)
+                ids, wt = softmax_topk(F.linear(h, w), topk, True)
+                wt.to(dtype)
 
-            def cublas():
-                for w in ws:
-                    torch.nn.functional.linear(x, w)
-
-            for label, fn in [("cublas F.linear", cublas)] + [(str(c), (lambda c=c: run(c))) for c in cands[m]]:
-                try:
-                    us = graph_time_us(fn, reps) / len(ws)
-                except Exception as exc:  # a config that does not compile is a result, not a crash
-                    rows.append({"m": m, "shape": name, "config": label, "error": repr(exc)[:200]})
-                    continue
-                rows.append({"m": m, "shape": name, "n": n, "k": k, "config": label, "us": us,
-                             "GBps": nbytes / len(ws) / us / 1e3,
-                             "default": label == str(linear_config(m, n, k))})
-            best = min((r for r in rows if r.get("m") == m and r.get("shape") == name and "us" in r
-                        and r["config"] != "cublas F.linear"), key=lambda r: r["us"])
-            base = next(r for r in rows if r.get("m") == m and r.get("shape") == name and r["config"] == "cublas F.linear")
-            log(f"sweep m={m} {name}: cublas {base['us']:.2f} us ({base['GBps']:.0f} GB/s); best {best['config']} "
-                f"{best['us']:.2f} us ({best['GBps']:.0f} GB/s)")
+        ref_ids = softmax_topk(F.linear(rms_norm(x, nw, 1e-6), gws[0]), topk, True)[0]
+        us = graph_time_us(before, reps) / layers
+        record(shape=f"router m={m}", config="rms_norm + cuBLAS + softmax_topk + cast", us=us)
+        for be in (1, 2, 4):
+            ids = route(x, nw, 1e-6, gws[0], topk, True, counters[0], weights_dtype=dtype, block_e=be)[1]
+            same = (ids == ref_ids).all(dim=-1).float().mean().item()
+            us = graph_time_us(lambda be=be: [route(x, nw, 1e-6, w, topk, True, c, weights_dtype=dtype, block_e=be)
+                                              for w, c in zip(gws, counters)], reps) / layers
+            record(shape=f"router m={m}", config=f"route block_e={be}", us=us, rows_same_ids_as_before=same,
+                   default=be == 2)
+        us = graph_time_us(lambda: [route(x, nw, 1e-6, w, topk, True, c, weights_dtype=dtype, pdl=True)
+                                    for w, c in zip(gws, counters)], reps) / layers
+        record(shape=f"router m={m}", config="route block_e=2 pdl", us=us, default=True, pdl=True)
+    assert all(int(c.item()) == 0 for c in counters), "route left a ticket counter non-zero"
     return rows
 
 
@@ -120,7 +169,8 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
     ap.add_argument("--engines", default="eager,compiled,fused")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="gemv,router", default=None,
+                    help="time the one-token GEMV configs and/or the fused router (gemv, router or both)")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
 
@@ -141,6 +191,10 @@ def main() -> int:
 
     R["hbm_read_GBps"] = bn.measure_ceilings()["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
+    if args.sweep:  # before the model: random weights of the real shapes
+        R["gemv_sweep"] = gemv_sweep(dev, getattr(torch, config["model"]["dtype"]), parts=args.sweep.split(","))
+        write_json(out / "decode_step.json", R)
+        torch.cuda.empty_cache()
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
     fx = config["fixtures"]
@@ -172,9 +226,6 @@ def main() -> int:
         R["tuned_configs"] = result.configs
         R["tuned_from"] = args.tuned
 
-    if args.sweep:
-        R["linear_sweep"] = linear_sweep(model)
-        write_json(out / "decode_step.json", R)
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
         return torch.zeros_like(x)
@@ -241,10 +292,10 @@ def main() -> int:
         t = time.perf_counter()
         if mode == "compiled":
             model.compile_decode(fused=False)
-        elif mode in ("fused", "fused-pdl"):
-            model.compile_decode(fused=True, pdl=mode == "fused-pdl")
+        elif mode in FUSED_PDL:
+            model.compile_decode(fused=True, pdl=FUSED_PDL[mode])
         elif mode != "eager":
-            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, fused, fused-pdl)")
+            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, {', '.join(FUSED_PDL)})")
         try:
             run_engine(mode, t)
         except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
@@ -273,10 +324,11 @@ def main() -> int:
     if R.get("errors"):
         print("errors:", R["errors"])
     if args.sweep:
-        for r in R["linear_sweep"]:
-            if "us" in r:
-                print(f"sweep m={r['m']} {r['shape']:6s} {r['config']:60s} {r['us']:7.2f} us {r['GBps']:6.0f} GB/s"
-                      + (" (default)" if r["default"] else ""))
+        for r in R["gemv_sweep"]:
+            print(f"sweep {r['shape']:12s} {r['config']:60s} " + (f"{r['us']:7.2f} us" if "us" in r else r.get("error", ""))
+                  + (f" {r['GBps']:6.0f} GB/s" if "GBps" in r else "")
+                  + (f" same ids {r['rows_same_ids_as_before']:.2f}" if "rows_same_ids_as_before" in r else "")
+                  + (" (default)" if r.get("default") else ""))
     for r in rows:
         if "top" in r.get("profile", {}):
             print(r["mode"], f"b{r['batch']}", "top kernels (name, per step, us per step):",

@@ -86,6 +86,90 @@ def test_rms_norm_against_torch(pdl):
     assert rel(normed, ref_norm(x.float() + add.float(), w, 1e-6)) < 1e-2
 
 
+@pytest.mark.parametrize("pdl", PDLS)
+@pytest.mark.parametrize("n,k,config", [
+    (640, 2048, None),                 # the default config of a qkv-like shape
+    (96, 4096, None),                  # o_proj-like K
+    (203, 300, (4, 3, 4)),             # K not a power of two, N not a multiple of a block, a row loop
+    (37, 256, (2, 4, 2)),              # the loop's last blocks past N
+])
+def test_gemv_against_torch(n, k, config, pdl):
+    from coldset.kernels.triton_decode import GemvConfig, gemv
+
+    cfg = GemvConfig(*config) if config else None
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, DT)
+    add = torch.randn(1, k, generator=g).to(DEVICE, DT)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(DEVICE, DT)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, DT)
+    res = torch.randn(1, n, generator=g).to(DEVICE, DT)
+
+    assert rel(gemv(x, w, config=cfg, pdl=pdl), x.float() @ w.float().T) < 1e-2
+    summed, out = gemv(x, w, norm_weight=nw, eps=1e-6, add=add, config=cfg, pdl=pdl)
+    if DEVICE == "cuda":
+        assert torch.equal(summed, x + add)
+    assert rel(out, ref_norm(x.float() + add.float(), nw, 1e-6) @ w.float().T) < 1e-2
+    assert rel(gemv(x, w, residual=res, config=cfg, pdl=pdl), res.float() + x.float() @ w.float().T) < 1e-2
+    again = gemv(x, w, norm_weight=nw, eps=1e-6, add=add, config=cfg, pdl=pdl)
+    assert torch.equal(again[1], out) and torch.equal(again[0], summed)
+
+
+def test_gemv_takes_one_token_only():
+    from coldset.kernels.triton_decode import gemv
+
+    with pytest.raises(ValueError, match="one token"):
+        gemv(torch.randn(2, 64, device=DEVICE, dtype=DT), torch.randn(8, 64, device=DEVICE, dtype=DT))
+
+
+@pytest.mark.parametrize("pdl", PDLS)
+@pytest.mark.parametrize("m,e,h,k,renorm,block_e", [
+    (1, 128, 2048, 8, True, 2),    # Qwen3-30B-A3B's router, one token
+    (8, 128, 2048, 8, False, 1),   # batch 8, one router row a program
+    (3, 60, 200, 6, True, 4),      # E and H not powers of two, the last program part-empty
+])
+def test_route_against_torch(m, e, h, k, renorm, block_e, pdl):
+    """The fused norm + router + softmax/top-k: the norm and logits against float32 torch, and the
+    selection bitwise the one today's router kernel (and torch, on tie-free logits) makes from the
+    same logits, ties to the lowest expert id; the counter is left at zero for the next launch."""
+    from coldset.kernels import torch_softmax_topk
+    from coldset.kernels.triton_decode import route
+    from coldset.kernels.triton_route import triton_softmax_topk
+
+    g = torch.Generator().manual_seed(m * 100 + e)
+    x = (torch.randn(m, h, generator=g) * 3).to(DEVICE, DT)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE, DT)
+    gw = (torch.randn(e, h, generator=g) / math.sqrt(h)).to(DEVICE, DT)
+    gw[7] = gw[2]  # expert 7's logits equal expert 2's, exactly (the same arithmetic on the same row)
+    gw[9] = gw[2]
+    gw[2] += 0.05 * nw.float().sign().to(DT) * (x[0].float().sign().to(DT))  # make them win for token 0
+    gw[7], gw[9] = gw[2], gw[2]
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    hh, ids, wts, logits = route(x, nw, 1e-6, gw, k, renorm, counter, block_e=block_e, pdl=pdl, return_logits=True)
+    assert counter.item() == 0
+    assert rel(hh, ref_norm(x.float(), nw, 1e-6)) < 1e-2
+    assert rel(logits, hh.float() @ gw.float().T) < 1e-2
+    assert torch.equal(logits[:, 7], logits[:, 2]) and torch.equal(logits[:, 9], logits[:, 2])
+    want_ids, want_w = triton_softmax_topk(logits, k, renorm)  # today's router kernel
+    assert ids.dtype == torch.int64 and wts.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(wts, want_w, rtol=2e-6, atol=1e-7)
+    assert {2, 7, 9} <= set(ids[0].tolist())
+    first = ids[0].tolist()
+    assert first.index(2) < first.index(7) < first.index(9)  # a tie goes to the lowest expert id
+    # torch on tie-free rows (its topk breaks ties its own way): the same experts, in the same order.
+    free = [t for t in range(m) if logits[t].unique().numel() == e]
+    if free:
+        ref_ids, _ = torch_softmax_topk(logits[free], k, renorm)
+        assert torch.equal(ids[free], ref_ids)
+    # In the model dtype: the same values, cast once; and a second launch repeats every bit.
+    hh2, ids2, wts2 = route(x, nw, 1e-6, gw, k, renorm, counter, weights_dtype=DT, block_e=block_e, pdl=pdl)
+    assert counter.item() == 0
+    assert torch.equal(hh2, hh) and torch.equal(ids2, ids) and wts2.dtype == DT
+    if DEVICE == "cuda":  # (Triton's interpreter truncates to bf16 where CUDA rounds to nearest)
+        assert torch.equal(wts2, wts.to(DT))
+    assert rel(wts2, wts) < 1e-2
+
+
 def ref_attention(qkv, nw, cos, sin, k_cache, v_cache, slot, mask, nh, nkv, d, eps):
     """float32 torch: qk-norm, RoPE, the KV write (into the given caches), masked GQA softmax attention."""
     bsz = qkv.shape[0]

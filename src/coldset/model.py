@@ -261,6 +261,15 @@ class MoEBlock(nn.Module):
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self._model = [model]  # a list, so the parent is not registered as a submodule
+        self._route_counter: torch.Tensor | None = None
+
+    def route_counter_on(self, device: torch.device) -> torch.Tensor:
+        """This block's int32 ``[1]`` ticket counter for the fused router launch
+        (:func:`coldset.kernels.triton_decode.route`: zero between launches; one per layer, so
+        launches of different layers never share one)."""
+        if self._route_counter is None or self._route_counter.device != device:
+            self._route_counter = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._route_counter
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [N, k] int64, topk_weights [N, k] float32)`` for tokens ``flat`` [N, H]."""
@@ -299,36 +308,70 @@ def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask)
     return x, h, None, None
 
 
-def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool = False):
-    """:func:`layer_before_experts` for one decode token per sequence, in four Triton launches
-    (:mod:`coldset.kernels.triton_decode`, CUDA) up to the router's input: the residual add, input
-    norm and qkv projection in one (at batch 1; from 2 tokens on, the add and norm in one and the
-    projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write and attention in one;
-    o_proj with the residual add; the post-attention norm. Why: the step outside the experts is
-    launch latency (BENCHMARKS.md, issue 13), and these are the layer's launches that are not the
-    router's or the experts'. ``pdl``: launch them as programmatic dependent launches (Hopper),
-    each reading its weights while its predecessor finishes. Same contract as
-    :func:`layer_before_experts` (decode only)."""
+def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool | None = None):
+    """:func:`layer_before_experts` for one decode token per sequence in Triton launches
+    (:mod:`coldset.kernels.triton_decode`, CUDA): the residual add, input norm and qkv projection
+    in one (at batch 1 :func:`~coldset.kernels.triton_decode.gemv`; from 2 tokens on, the add and
+    norm in one and the projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write
+    and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
+    norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
+    so a MoE layer is four launches before its experts at batch 1. Why: the step outside the
+    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). route's weights come in the model dtype (the cast the experts call
+    would make, in the same launch) unless the experts function casts them itself or a routing
+    sink records them (then float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
+    programmatic dependent launches (Hopper), each reading its weights while its predecessor
+    finishes; None: :func:`~coldset.kernels.triton_decode.pdl_default` for the batch size. Same
+    contract as :func:`layer_before_experts` (decode only)."""
     from coldset.kernels import triton_decode as td
 
     bsz, seq, hidden = x.shape
     if seq != 1:
         raise ValueError(f"fused_layer_before_experts: one token per sequence (decode), got {seq}")
     attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-    if td.fuse_norm_into_linear(bsz):
-        x, qkv = td.norm_linear(x.view(bsz, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight,
-                                eps=norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
+    if bsz == 1:
+        x, qkv = td.gemv(x.view(1, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight, eps=norm_in.eps,
+                         add=delta.view(1, hidden), pdl=pdl)
     else:
         x, normed = td.rms_norm(x.view(bsz, hidden), norm_in.weight, norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
         qkv = F.linear(normed, attn.qkv_proj.weight)
     out = td.decode_attention(qkv, attn.qk_norm_weight, cos, sin, attn.k_cache, attn.v_cache, slots, mask,
                               attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps, pdl=pdl)
-    x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
-    h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
+    if bsz == 1:
+        x = td.gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
+    else:
+        x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
     if isinstance(layer.mlp, MoEBlock):
-        topk_ids, topk_weights = layer.mlp.route(h)
+        mlp = layer.mlp
+        model = mlp._model[0]
+        keep_f32 = model.routing_sink is not None or getattr(model.experts_fn, "casts_weights", False)
+        h, topk_ids, topk_weights = td.route(x, norm_post.weight, norm_post.eps, mlp.gate.weight, mlp.top_k,
+                                             mlp.norm_topk_prob, mlp.route_counter_on(x.device),
+                                             weights_dtype=torch.float32 if keep_f32 else x.dtype, pdl=pdl)
         return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
+    h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
     return x.view(bsz, seq, hidden), h.view(bsz, seq, hidden), None, None
+
+
+def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool | None = None):
+    """The decode step's end for the fused engine: logits ``[B, 1, V]`` of ``lm_head(norm(x + delta))``,
+    at batch 1 one :func:`~coldset.kernels.triton_decode.gemv` (the add, the final norm and the
+    LM head, the step's largest matrix), from 2 tokens on :func:`~coldset.kernels.triton_decode.rms_norm`
+    with the add, then cuBLAS."""
+    from coldset.kernels import triton_decode as td
+
+    bsz, seq, hidden = x.shape
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
+    if bsz == 1:
+        _, logits = td.gemv(x.view(1, hidden), model.lm_head.weight, norm_weight=model.norm.weight,
+                            eps=model.norm.eps, add=delta.view(1, hidden), pdl=pdl)
+    else:
+        _, normed = td.rms_norm(x.view(bsz, hidden), model.norm.weight, model.norm.eps, add=delta.view(bsz, hidden),
+                                pdl=pdl)
+        logits = F.linear(normed, model.lm_head.weight)
+    return logits.view(bsz, seq, -1)
 
 
 def fused_decode_supported(model: "MoEModel") -> str | None:
@@ -393,6 +436,7 @@ class MoEModel(nn.Module):
         self.routing_sink: list | None = None
         self.cache_shape: tuple[int, int] | None = None  # (batch, max_seq)
         self._compiled_before_experts: Callable | None = None  # set by compile_decode()
+        self._fused_head: Callable | None = None  # the fused engine's final norm + LM head (compile_decode)
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
         )
@@ -406,7 +450,7 @@ class MoEModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def compile_decode(self, fused: bool | None = None, pdl: bool = False) -> None:
+    def compile_decode(self, fused: bool | None = None, pdl: bool | None = None) -> None:
         """Run decode steps (one token per sequence) through a faster region than the eager
         :func:`layer_before_experts`: the Triton kernels of :func:`fused_layer_before_experts`
         (``fused=True``; the default wherever :func:`fused_decode_supported` says they run: CUDA,
@@ -421,7 +465,9 @@ class MoEModel(nn.Module):
         Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
         kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
         engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
-        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper).
+        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper, the
+        same bits); None: where it measured faster (at batch 1 on Hopper or newer,
+        :func:`coldset.kernels.triton_decode.pdl_default`).
         """
         reason = fused_decode_supported(self)
         if fused is None:
@@ -429,9 +475,10 @@ class MoEModel(nn.Module):
         if fused:
             if reason is not None:
                 raise ValueError(f"compile_decode(fused=True): {reason}")
-            self._compiled_before_experts = (functools.partial(fused_layer_before_experts, pdl=True) if pdl
-                                             else fused_layer_before_experts)
+            self._compiled_before_experts = functools.partial(fused_layer_before_experts, pdl=pdl)
+            self._fused_head = functools.partial(fused_norm_lm_head, pdl=pdl)
             return
+        self._fused_head = None
         if pdl:
             raise ValueError("compile_decode(pdl=True) needs the fused kernels (fused=True)")
         import torch._dynamo.config as dynamo_config
@@ -486,6 +533,8 @@ class MoEModel(nn.Module):
             for layer in self.layers:
                 x, h, topk_ids, topk_weights = before_experts(layer, x, delta, cos, sin, slots, mask)
                 delta = layer.mlp_out(h, topk_ids, topk_weights).view(x.shape)
+        if decode and self._fused_head is not None:
+            return self._fused_head(self, x, delta)
         x = x + delta
         if last_only:
             x = x[:, -1:]

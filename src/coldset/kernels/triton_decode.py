@@ -4,23 +4,27 @@ Why: at decode batch sizes the step outside the routed experts is latency, not b
 compiled region (Inductor) still ran ~13 kernels a layer for ~38 MB of attention and router
 weights: the input norm, the qkv GEMV, qk-norm + RoPE, the KV write, the mask's expansion, SDPA,
 the o_proj GEMV and its split-K reduction, the residual add and the post-attention norm, each with
-its launch gap. Here a layer is four launches up to the router's input
-(:func:`coldset.model.fused_layer_before_experts`):
+its launch gap, then the router's GEMM, top-k and weights cast. Here a MoE layer is four launches
+before its experts (:func:`coldset.model.fused_layer_before_experts`):
 
-* :func:`norm_linear` with ``add``: the residual add that ends the previous layer, the input
-  RMSNorm and the qkv projection (every program accumulates the row's mean square beside its
-  product, 4 KB of input; program 0 writes the new residual stream). From 2 tokens on the
-  engine runs :func:`rms_norm` with ``add`` and cuBLAS instead (:func:`fuse_norm_into_linear`);
+* the residual add that ends the previous layer, the input RMSNorm and the qkv projection: at one
+  token :func:`gemv` with ``add`` (every program computes the row's norm beside its product, 4 KB of
+  input; program 0 writes the new residual stream), from 2 tokens on :func:`rms_norm` with ``add``
+  and cuBLAS;
 * :func:`decode_attention`: per (sequence, kv head), qk-norm, RoPE, the KV-cache write and
   attention of the head's query group over the valid cache slots (GQA without repeating K/V);
-* :func:`norm_linear` with ``residual``: o_proj plus the residual add;
-* :func:`rms_norm`: the post-attention norm (the router's input).
+* o_proj plus the residual add: :func:`gemv` at one token, :func:`norm_linear` above;
+* :func:`route`: the post-attention norm (the experts' input), the router GEMV and its softmax +
+  top-k (a dense layer: :func:`rms_norm`).
+
+The step's end (the add, the final norm and the LM head) is one :func:`gemv` at one token.
 
 Numerics follow the engine's (:mod:`coldset.model`) up to rounding: norms in float32 (in
 :func:`norm_linear` the input is ``weight * x`` rounded once and the product scaled by the row's
 rstd in float32, the same function with one rounding fewer), softmax in float32 with the
 probabilities cast to the model dtype for the value product (as flash attention does). Every
-reduction has a fixed order (no atomics, no split-K), so a step is bitwise reproducible and
+reduction has a fixed order (no split-K; the one atomic, :func:`route`'s ticket, only picks which
+program ranks the finished logits), so a step is bitwise reproducible and
 independent of where experts live; it is not bitwise equal to the eager or Inductor-compiled step
 (other reduction orders), which is why runs that compare tokens run one engine on both sides.
 
@@ -56,18 +60,12 @@ class LinearConfig:
 def linear_config(m: int, n: int, k: int) -> LinearConfig:
     """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight: the fastest of
     BENCHMARKS.md's sweep (issue 13, fourth session; H200, Qwen3-30B-A3B's qkv ``[5120, 2048]``
-    and o_proj ``[2048, 4096]`` over 48 layers' weights) for its ``k``."""
+    and o_proj ``[2048, 4096]`` over 48 layers' weights) for its ``k``. (The engine runs one token
+    through :func:`gemv`.)"""
     if m == 1:
         return LinearConfig(1, 16, 1024, num_warps=8, num_stages=3) if k >= 4096 else \
             LinearConfig(1, 8, 512, num_warps=4, num_stages=1)
     return LinearConfig(16, 16, 256, num_warps=4, num_stages=4)
-
-
-def fuse_norm_into_linear(m: int) -> bool:
-    """Whether the decode step's input norm goes into the qkv GEMV (:func:`norm_linear`) at ``m``
-    tokens, or runs as :func:`rms_norm` before cuBLAS: the fused GEMV is the faster at one token,
-    cuBLAS at 8 (15.5 against 8.0 µs for the qkv projection on the H200, BENCHMARKS.md)."""
-    return m == 1
 
 
 @triton.jit
@@ -385,3 +383,244 @@ def decode_attention(qkv: torch.Tensor, qk_norm_weight: torch.Tensor | None, cos
             NH=nh, NKV=nkv, D=d, REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), BLOCK_S=block_s,
             QK_NORM=qk_norm_weight is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# One token: the GEMV and the router
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration of :func:`gemv`: each program reads ``block_n`` whole weight rows
+    (all of K in one load, so every byte of the tile is in flight at once and, with ``pdl``, read
+    before the previous kernel finishes), ``iters`` such row blocks one after the other (the next
+    block's load issued before the current block's arithmetic; the input row and its norm are
+    computed once per program), ``num_warps`` warps. The reduction order depends on the config,
+    so one config per shape is fixed in :func:`gemv_config`."""
+
+    block_n: int
+    iters: int = 1
+    num_warps: int = 4
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The fixed config for an ``[n, k]`` weight at one token, from the H200 sweep of BENCHMARKS.md
+    (issue 13, fifth session; Qwen3-30B-A3B over 48 layers' weights): 8 KB of weight rows a program
+    (qkv ``[5120, 2048]``: 7.08 µs against 10.47 for ``norm_linear`` and 8.00 for cuBLAS without the
+    norm; o_proj ``[2048, 4096]``: 6.14 against 7.11 and 9.52), and for matrices over 64 MB (the LM
+    head, 137.7 against cuBLAS's 144.7 µs) 16 KB row blocks in a loop of 4, 8 warps."""
+    kp = triton.next_power_of_2(k)
+    block_n = max(1, 4096 // kp)
+    if n * k * 2 > 64 * 2**20:
+        return GemvConfig(max(block_n, 4), 4, 8)
+    return GemvConfig(block_n, 1, 4)
+
+
+def pdl_default(m: int, device: torch.device) -> bool:
+    """Whether the fused decode step launches its kernels as programmatic dependent launches when
+    not told (:meth:`coldset.model.MoEModel.compile_decode`): at one token on Hopper or newer
+    (the H200 step 2.645 -> 2.475 ms in one run, 2.654 -> 2.626 in another: each kernel's weights
+    stream while its predecessor finishes), not at 8 tokens, where it measured slower (6.501 ->
+    6.610 ms; BENCHMARKS.md, issue 13, fourth and fifth sessions). The kernels' arithmetic is the
+    same either way: the same bits."""
+    from coldset.kernels.triton_slots import pdl_available
+
+    return m == 1 and pdl_available(device)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_wn,
+                 K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rk = tl.arange(0, KP)
+    k_ok = rk < K
+    offs_n = tl.program_id(0) * (BLOCK_N * ITERS) + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # The first row block's weights (never written by the previous kernel) before the wait.
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    a = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+    if ADD:  # the residual stream x + add in the model dtype, written once (program 0)
+        a = (a.to(tl.float32) + tl.load(add_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + rk, a, mask=k_ok & (tl.program_id(0) == 0))
+    af = a.to(tl.float32)
+    if NORM:  # RMSNorm(x) @ W.T = rstd * ((weight * x) @ W.T), as norm_linear computes it
+        rstd = tl.rsqrt(tl.sum(af * af, axis=0) / K + eps)
+        af = (af * nw).to(dt).to(tl.float32)
+    for i in tl.static_range(ITERS):
+        if i + 1 < ITERS:
+            offs_nn = offs_n + BLOCK_N
+            n_ok_n = offs_nn < N
+            w_next = tl.load(w_ptr + offs_nn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                             mask=n_ok_n[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * af[None, :], axis=1)
+        if NORM:
+            acc = acc * rstd
+        y = acc.to(dt)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(res_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(out_ptr + offs_n, y, mask=n_ok)
+        if i + 1 < ITERS:
+            w = w_next
+            offs_n = offs_nn
+            n_ok = n_ok_n
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         add: torch.Tensor | None = None, residual: torch.Tensor | None = None, config: GemvConfig | None = None,
+         pdl: bool = False):
+    """:func:`norm_linear` for one token (``x`` ``[1, K]``), the same options and results
+    (``norm_weight``, ``add`` returning ``(x + add, out)``, ``residual``), as a GEMV built to stream
+    the weights at the HBM rate: each program loads whole weight rows at once (all of K), so the
+    bytes in flight per SM are what the read rate needs and, with ``pdl``, a program's first tile is
+    read while the previous kernel finishes. Why beside norm_linear: at one token that kernel's
+    K loop keeps two tiles in flight and ran the decode GEMVs at ~2.3 TB/s (BENCHMARKS.md, issue 13).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if m != 1:
+        raise ValueError(f"gemv: one token (x [1, K]), got x {tuple(x.shape)}; use norm_linear")
+    if weight.shape != (n, k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight must be a row-major [N, {k}], got {tuple(weight.shape)} strides {weight.stride()}")
+    if add is not None and norm_weight is None:
+        raise ValueError("gemv: add is fused into the input norm only (give norm_weight)")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"gemv: norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    x = _rows(x, "x", k)
+    add = _rows(add, "add", k) if add is not None else None
+    if add is not None and add.shape[0] != 1:
+        raise ValueError(f"gemv: add must be [1, {k}], got {tuple(add.shape)}")
+    if residual is not None:
+        if residual.shape != (1, n):
+            raise ValueError(f"gemv: residual must be [1, {n}], got {tuple(residual.shape)}")
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    cfg = config or gemv_config(n, k)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if add is not None else None
+    grid = (triton.cdiv(n, cfg.block_n * cfg.iters),)
+    _gemv_kernel[grid](
+        x, add if add is not None else x, summed if summed is not None else x,
+        norm_weight if norm_weight is not None else x, weight, residual if residual is not None else x, out,
+        n, float(eps), weight.stride(0), K=k, KP=triton.next_power_of_2(k),
+        NORM=norm_weight is not None, ADD=add is not None, RESIDUAL=residual is not None, PDL=pdl,
+        BLOCK_N=cfg.block_n, ITERS=cfg.iters, num_warps=cfg.num_warps, **_pdl_launch(pdl))
+    return (summed, out) if add is not None else out
+
+
+@triton.jit
+def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wts_ptr, eps,
+                  stride_x, stride_h, stride_we, M: tl.constexpr, MP: tl.constexpr,
+                  H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                  K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    dt = h_ptr.dtype.element_ty
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    rk = tl.arange(0, HP)
+    k_ok = rk < H
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + rk[None, :],
+                mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for m in tl.static_range(M):
+        # The post-attention norm, as rms_norm computes it (every program the same bits; program
+        # 0 writes it: the experts' input), then this program's router logits in the model dtype.
+        x = tl.load(x_ptr + m * stride_x + rk, mask=k_ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        h = (nw * (x * rstd).to(dt).to(tl.float32)).to(dt)
+        tl.store(h_ptr + m * stride_h + rk, h, mask=k_ok & (pid == 0))
+        logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        tl.store(logit_ptr + m * E + offs_e, logit.to(logit_ptr.dtype.element_ty), mask=e_ok)
+    # The last program to arrive ranks every token's E logits (a ticket counter: the barrier and
+    # the acquire-release atomic order every program's logit stores before the last one's loads;
+    # the last one resets the counter for the next launch). Then _softmax_topk_kernel's arithmetic.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
+        # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
+        offs = tl.arange(0, EP)
+        ok = offs < E
+        offs_m = tl.arange(0, MP)
+        rows = tl.minimum(offs_m, M - 1)
+        ranks = tl.arange(0, KP)
+        keep = (offs_m < M)[:, None] & (ranks < K)[None, :]
+        lg = tl.load(logit_ptr + rows[:, None] * E + offs[None, :], mask=ok[None, :], other=float("-inf"),
+                     cache_modifier=".cg").to(tl.float32)
+        top = tl.max(lg, axis=1)
+        denom = tl.sum(tl.where(ok[None, :], tl.exp(lg - top[:, None]), 0.0), axis=1)
+        ids = tl.zeros((MP, KP), dtype=tl.int64)
+        probs = tl.zeros((MP, KP), dtype=tl.float32)
+        left = tl.where(ok[None, :], lg, float("-inf"))
+        for r in tl.static_range(K):
+            best = tl.max(left, axis=1)
+            idx = tl.min(tl.where(left == best[:, None], offs[None, :], EP), axis=1)
+            ids = tl.where(ranks[None, :] == r, idx.to(tl.int64)[:, None], ids)
+            probs = tl.where(ranks[None, :] == r, (tl.exp(best - top) / denom)[:, None], probs)
+            left = tl.where(offs[None, :] == idx[:, None], float("-inf"), left)
+        if RENORMALIZE:
+            probs = probs / tl.sum(probs, axis=1)[:, None]
+        out = offs_m[:, None] * K + ranks[None, :]
+        tl.store(ids_ptr + out, ids, mask=keep)
+        tl.store(wts_ptr + out, probs.to(wts_ptr.dtype.element_ty), mask=keep)
+        tl.store(count_ptr, 0)
+
+
+def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,
+          renormalize: bool, counter: torch.Tensor, weights_dtype: torch.dtype = torch.float32,
+          block_e: int = 2, pdl: bool = False, return_logits: bool = False):
+    """The post-attention norm, the router GEMV and its softmax + top-k in one launch, for a few
+    decode tokens ``x`` ``[M, H]``: ``(h, topk_ids, topk_weights)`` with ``h = weight * RMSNorm(x)``
+    (:func:`rms_norm`'s arithmetic) the experts' input ``[M, H]``, ``topk_ids`` ``[M, k]`` int64 and
+    ``topk_weights`` ``[M, k]`` in ``weights_dtype`` (float32 as :func:`coldset.kernels.softmax_topk`
+    gives them, or the model dtype: the same values cast once, as the engine casts them for the
+    experts). With ``return_logits`` also the router logits ``[M, E]`` (model dtype, what was ranked).
+
+    Why one launch: at decode the router was a cuBLAS GEMM (~5 µs for 0.5 MB), a top-k launch, a
+    norm launch and a cast launch a layer. Here ``cdiv(E, block_e)`` programs each read ``block_e``
+    router rows (before waiting on the previous kernel, with ``pdl``), compute the norm and their
+    logits (float32 sums, rounded to the model dtype as F.linear's output is), and the last program
+    to finish (a ticket on ``counter``, an int32 ``[1]`` zero that the launch leaves zero again;
+    one per call site, not shared by launches that may overlap) ranks the logits exactly as
+    :func:`coldset.kernels.triton_route.triton_softmax_topk` does: ties to the lowest expert id,
+    ranking on the logits, softmax in float32. No result depends on which program finishes last.
+    That program ranks all tokens at once (an ``[M, E]`` tile): 5.2 µs at one token against 9.3
+    for the four launches it replaces (H200); ranking the tokens one after the other took 29 µs at
+    8 tokens (BENCHMARKS.md, issue 13 fifth session).
+    """
+    m, hidden = x.shape
+    num_experts = gate_weight.shape[0]
+    if gate_weight.shape != (num_experts, hidden) or gate_weight.stride(1) != 1:
+        raise ValueError(f"route: gate_weight must be a row-major [E, {hidden}], got {tuple(gate_weight.shape)}")
+    if norm_weight.shape != (hidden,):
+        raise ValueError(f"route: norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}]")
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError(f"route: counter must be an int32 [1] on {x.device}, got {counter.dtype} "
+                         f"{tuple(counter.shape)} on {counter.device}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+    logits = torch.empty((m, num_experts), dtype=x.dtype, device=x.device)
+    ids = torch.empty((m, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((m, top_k), dtype=weights_dtype, device=x.device)
+    if m:
+        _route_kernel[(triton.cdiv(num_experts, block_e),)](
+            x, norm_weight, gate_weight, h, logits, counter, ids, weights, float(eps),
+            x.stride(0), h.stride(0), gate_weight.stride(0), M=m, MP=triton.next_power_of_2(m),
+            H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
+            K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize, PDL=pdl,
+            num_warps=4, **_pdl_launch(pdl))
+    return (h, ids, weights, logits) if return_logits else (h, ids, weights)
