@@ -419,9 +419,6 @@ def _sum_topk_kernel(buf_ptr, out_ptr, num_pairs, H: tl.constexpr, TOPK: tl.cons
                      USE_GDC: tl.constexpr, SPLIT: tl.constexpr):
     if USE_GDC:
         gdc_wait()  # launched early: wait for the w2 kernel's buffer
-        # The next layer's first kernel (a dependent launch in the fused step) may start now and
-        # stream its weights; it waits for this grid's completion before it reads the sum.
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
