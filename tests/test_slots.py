@@ -326,47 +326,10 @@ def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmod
     step's logits bitwise those of the unmodified path's graphed step, the per-group hits, misses
     and fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every
     slot holding its owner's weights at the end."""
-    from coldset import bench
-
     model = graphed_model
-    cfg = model.config
-    L, E, k, bsz, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 2, 8, 12
-    ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
-    prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
-    rec = torch.zeros((L, bsz, k), dtype=torch.long, device="cuda")
-
-    def recording(p, layer, x, ids, w):
-        if x.shape[0] == bsz:
-            rec[layer].copy_(ids)
-        return ref_fn(p, layer, x, ids, w)
-
-    def run(fn, pools, cache=None):
-        model.pools, model.experts_fn = pools, fn
-        dec = bench.Decoder(model, bsz, plen, steps + 1, True)
-        tok = dec.prefill(prompts.cuda())
-        dec.set_step(tok, 1)
-        dec.capture()
-        if cache is not None:
-            cache.reset()  # the capture's warm-up steps ran the cache
-        logits, routing = [], []
-        for s in range(1, steps + 1):
-            dec.set_step(tok, s)
-            lg = dec.step()
-            logits.append(lg.clone())
-            routing.append(rec.cpu().numpy().copy())
-            tok = torch.argmax(lg, dim=-1)
-        return logits, np.stack(routing)
-
-    all_hot = model.pools
-    try:
-        ref_logits, routing = run(recording, all_hot)
-        counts = np.random.default_rng(3).integers(0, 20, size=(L, E)).astype(np.float64)
-        C = hot_count_for_residency(0.25, L * E)
-        row_map, _, wc = _warm(counts, C)
-        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, policy, bsz, k, history=steps * L + 8)
-        logits, _ = run(cache.wrap(rowmap_fn), cache.pools, cache)
-    finally:
-        model.pools, model.experts_fn = all_hot, ref_fn
+    L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
+    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, policy)
+    bsz, steps = routing.shape[2], len(logits)
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
@@ -560,9 +523,11 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         a.check(contents=True)
 
 
-def _graphed_lookahead(model, depth, patch=None):
-    """The bench's CUDA step (compiled region, one CUDA graph a step) through a lookahead cache
-    beside the unmodified path: (cache, logits, reference logits, routing, counts, C)."""
+def _graphed_cache(model, policy, depth=0, patch=None):
+    """The bench's CUDA step (compiled region, one CUDA graph a step) through a slot cache of
+    ``policy`` at residency 0.25 (``lookahead``: of ``depth``; ``patch`` may alter the cache before
+    the run) beside the unmodified path, whose routing is recorded: (cache, logits, reference
+    logits, routing ``[steps, L, bsz, k]``, warm counts, C)."""
     from coldset import bench
 
     cfg = model.config
@@ -599,9 +564,9 @@ def _graphed_lookahead(model, depth, patch=None):
         counts = np.random.default_rng(3).integers(0, 20, size=(L, E)).astype(np.float64)
         C = hot_count_for_residency(0.25, L * E)
         row_map, _, wc = _warm(counts, C)
-        routers = [model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
-        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", bsz, k,
-                                history=(steps + 8) * L, routers=routers, depth=depth)
+        ahead = dict(routers=[model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers], depth=depth)
+        cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, policy, bsz, k,
+                                history=(steps + 8) * L, **(ahead if policy == "lookahead" else {}))
         if patch is not None:
             patch(cache)
         logits, _ = run(cache.wrap(rowmap_fn), cache.pools, cache)
@@ -619,7 +584,7 @@ def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(gra
     on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
-    cache, logits, ref_logits, routing, counts, C = _graphed_lookahead(model, depth)
+    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, "lookahead", depth)
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     bsz = routing.shape[2]
@@ -648,7 +613,7 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
         real_fill(pools, victims, instances, count, pdl=pdl, blocks=blocks)
 
     monkeypatch.setattr(triton_slots, "fill", slow_fill)
-    cache, logits, ref, _, _, _ = _graphed_lookahead(graphed_model, 1)
+    cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1)
     assert int(cache.prefetch_history.sum()) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits, ref)), "the join did not hold the slow copy back"
 
@@ -663,7 +628,7 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
 
         cache._join_layer = join_at_the_end
 
-    cache, logits, ref, _, _, _ = _graphed_lookahead(graphed_model, 1, patch=late)
+    cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1, patch=late)
     assert int(cache.prefetch_history.sum()) > 0
     assert not all(torch.equal(a, b) for a, b in zip(logits, ref)), "a stale prefetch went unnoticed"
     cache.check(contents=True)  # the copies did land by the step's end: only the timing was wrong
