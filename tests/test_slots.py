@@ -2,6 +2,7 @@
 brute-force reference of the cache semantics (/work/coord/CACHE_SEMANTICS.md), and its parity with
 the unmodified path."""
 
+import os
 import sys
 
 import numpy as np
@@ -307,6 +308,61 @@ def test_triton_decisions_equal_the_torch_path(policy):
     b.check(contents=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_router_recorded_decisions_equal_the_torch_path(policy):
+    """On CUDA the fused decode step records an lru/lfu group in the router's own launch (its last
+    program, on the selections in registers) and the fill's blocks choose, commit and copy
+    (``SlotCache.route``): the router's outputs are those of the plain router launch, and after
+    every group the cache's state equals the torch path's and the standalone decisions kernel's;
+    the fill's ticket is left at zero. ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it
+    through Triton's interpreter (by hand)."""
+    from coldset.kernels import triton_decode as td
+
+    dev = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter has no bfloat16
+    L, E, k, tokens, C, H = 3, 8, 2, 3, 13, 32
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
+    all_hot = _random_pools(L, E, dtype=dt)
+    all_hot = ExpertPools.all_hot(all_hot.w13_hot.view(L, E, 8, 4).to(dev), all_hot.w2_hot.view(L, E, 4, 4).to(dev))
+    row_map, _, wc = _warm(counts, C)
+    host = host_tier(all_hot)
+    ref, routed, alone = (SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
+                          for _ in range(3))
+    ref.use_kernel = False
+    if dev == "cpu":  # the interpreter: the kernel path by hand
+        for c in (routed, alone):
+            c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+    assert routed.records_in_route(tokens) and not routed.records_in_route(tokens + 1)
+    gen = torch.Generator().manual_seed(3)
+    gates = [torch.randn((E, H), generator=gen).to(dev, dt) for _ in range(L)]
+    norm_w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dev, dt)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    for step in range(30):
+        for layer in range(L):
+            x = torch.randn((tokens, H), generator=gen).to(dev, dt)
+            h, ids, w = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=dt)
+            hr, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
+            assert torch.equal(hr, h) and torch.equal(ids_r, ids) and torch.equal(w_r, w)
+            assert routed.admit(layer, ids_r, w_r, dt) is w_r  # recorded: no second decision
+            ref.admit(layer, ids)
+            alone.admit(layer, ids)
+            for c in (routed, alone):
+                for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
+                    assert torch.equal(getattr(ref, name), getattr(c, name)), (step, layer, name)
+                assert torch.equal(ref.pools.row_map, c.pools.row_map), (step, layer)
+            assert int(routed.fill_ticket) == 0
+    np.testing.assert_array_equal(ref.group_history(), routed.group_history())
+    assert ref.counters()["fills"] > 20
+    with pytest.raises(RuntimeError, match="router recorded layer 0"):
+        routed.route(0, x, norm_w, 1e-6, gates[0], k, True, counter, pdl=routed.pdl)
+        routed.admit(1, ids)
+    routed.recorded_layer = None
+    routed.check(contents=True)
+    alone.check(contents=True)
+
+
 @pytest.fixture(scope="module")
 def graphed_model():
     from coldset.synthetic import build_synthetic_model
@@ -319,17 +375,20 @@ def graphed_model():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmodified_path(graphed_model, policy):
-    """The CUDA step as the bench runs it (compiled decode region, the whole step one CUDA graph,
-    the decisions casting the router weights, the fill their programmatic dependent): every
-    step's logits bitwise those of the unmodified path's graphed step, the per-group hits, misses
-    and fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every
-    slot holding its owner's weights at the end."""
+@pytest.mark.parametrize("policy,bsz", [("lru", 1), ("lru", 2), ("lfu", 2)])
+def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmodified_path(graphed_model, policy, bsz):
+    """The CUDA step as the bench runs it (the fused decode region, the whole step one CUDA graph,
+    the router's launch recording each group, the fill choosing, committing and copying as its
+    programmatic dependent; at batch 1 every launch of the step a dependent one): every step's
+    logits bitwise those of the unmodified path's graphed step, the per-group hits, misses and
+    fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every slot
+    holding its owner's weights at the end."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
-    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, policy)
-    bsz, steps = routing.shape[2], len(logits)
+    assert model._fused_head is not None, "the fused decode region (the router records the groups) is what this tests"
+    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, policy, bsz=bsz)
+    assert cache.records_in_route(bsz) and routing.shape[2] == bsz
+    steps = len(logits)
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
@@ -523,7 +582,7 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         a.check(contents=True)
 
 
-def _graphed_cache(model, policy, depth=0, patch=None):
+def _graphed_cache(model, policy, depth=0, patch=None, bsz=2):
     """The bench's CUDA step (compiled region, one CUDA graph a step) through a slot cache of
     ``policy`` at residency 0.25 (``lookahead``: of ``depth``; ``patch`` may alter the cache before
     the run) beside the unmodified path, whose routing is recorded: (cache, logits, reference
@@ -531,7 +590,7 @@ def _graphed_cache(model, policy, depth=0, patch=None):
     from coldset import bench
 
     cfg = model.config
-    L, E, k, bsz, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 2, 8, 12
+    L, E, k, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 8, 12
     ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
     prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
     rec = torch.zeros((L, bsz, k), dtype=torch.long, device="cuda")

@@ -345,6 +345,13 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     if isinstance(layer.mlp, MoEBlock):
         mlp = layer.mlp
         model = mlp._model[0]
+        cache = getattr(model.experts_fn, "slot_cache", None)
+        if cache is not None and model.routing_sink is None and cache.records_in_route(bsz):
+            # a slot cache's decisions in the router's launch (SlotCache.route)
+            h, topk_ids, topk_weights = cache.route(mlp.moe_index, x, norm_post.weight, norm_post.eps, mlp.gate.weight,
+                                                    mlp.top_k, mlp.norm_topk_prob, mlp.route_counter_on(x.device),
+                                                    pdl=pdl)
+            return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
         keep_f32 = model.routing_sink is not None or getattr(model.experts_fn, "casts_weights", False)
         h, topk_ids, topk_weights = td.route(x, norm_post.weight, norm_post.eps, mlp.gate.weight, mlp.top_k,
                                              mlp.norm_topk_prob, mlp.route_counter_on(x.device),

@@ -24,14 +24,17 @@ that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the sim
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
   return at once); on the CPU a plain indexed copy.
 
-On CUDA the decisions of a group are one Triton launch and the fill another
-(:mod:`coldset.kernels.triton_slots`: two launches a layer, where the same decisions in torch ops
-are about thirty; the decisions' launch also casts the router weights, a launch every path has, so
-the cache adds one launch a layer; the fill is the decisions' programmatic dependent launch on
-sm90+); on the CPU they are torch ops (the same decisions, which CI tests against the
-simulator). Both have shapes fixed by the batch size and no host synchronisation, so the whole
-decode step (every layer's decisions and fills included) is one CUDA graph, and a replay re-runs
-the decisions on the data of that step.
+On CUDA, in the fused decode step, an ``lru``/``lfu`` group costs one launch beside the
+router's (:meth:`SlotCache.route`, :mod:`coldset.kernels.triton_slots`): the router's launch
+records the group in its last program, which holds the selections in registers (hits, recency,
+counts, the missed instances), and the fill, the router's programmatic dependent on sm90+,
+chooses the victims, commits them to the row map and copies the admitted rows; the layer's
+:meth:`admit` then makes no decision. Elsewhere on CUDA (a router that is not the fused launch)
+:meth:`admit` makes the same decisions in one Triton launch of its own, which also casts the
+router weights (a launch every path has), and the fill follows it. On the CPU they are torch ops
+(the same decisions, which CI tests against the simulator). All have shapes fixed by the batch
+size and no host synchronisation, so the whole decode step (every layer's decisions and fills
+included) is one CUDA graph, and a replay re-runs the decisions on the data of that step.
 
 ``lookahead`` (the placement ``lookahead-0.5``, depth from ``cache.lookahead_depth``): ``lru`` plus, after each
 group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the top-``k`` experts of that
@@ -156,6 +159,10 @@ class SlotCache:
     join_events: list | None = None
     pending: list | None = None
     prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
+    # lru/lfu on the kernel path: the fill's ticket (int32 [1], zero between launches) and the layer
+    # whose group the router's launch recorded (host side: route() then admit() of that layer)
+    fill_ticket: torch.Tensor | None = None
+    recorded_layer: int | None = None
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
@@ -230,6 +237,7 @@ class SlotCache:
             fork_event=torch.cuda.Event() if ahead and dev.type == "cuda" else None,
             join_events=[torch.cuda.Event() for _ in range(L)] if ahead and dev.type == "cuda" else None,
             pending=[False] * L if ahead else None,
+            fill_ticket=torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cuda" else None,
         )
 
     def reset(self) -> None:
@@ -245,6 +253,9 @@ class SlotCache:
         self.last_use.copy_(last_use)
         self.count.copy_(count)
         self.tick.zero_()
+        self.recorded_layer = None
+        if self.fill_ticket is not None:
+            self.fill_ticket.zero_()
         if self.inflight is not None:
             self.inflight.zero_()
         self.prev_layer = pools.num_moe_layers
@@ -319,7 +330,35 @@ class SlotCache:
             return experts_fn(cache.pools, layer, x, topk_ids, w)
 
         cached.casts_weights = True
+        cached.slot_cache = cache
         return cached
+
+    def records_in_route(self, num_tokens: int) -> bool:
+        """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
+        (:meth:`route`): the kernel path, ``lru``/``lfu``, a decode group."""
+        return self.use_kernel and self.policy in ("lru", "lfu") and num_tokens <= self.max_tokens
+
+    def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
+        """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
+        router GEMV, softmax and top-k) with the cache's decisions in the same launch: its last
+        program records the group (hits, recency, counts, the missed instances); the next launch
+        chooses the victims, commits them and fills their slots
+        (:func:`coldset.kernels.triton_slots.choose_and_fill`, the router's programmatic dependent on
+        sm90+). A cached layer then costs one launch more than an uncached one (the fill) where
+        :meth:`admit`'s way costs two, and the decisions read the selections from registers.
+        Returns ``(h, topk_ids, topk_weights)`` as ``route`` does, the weights in ``x``'s dtype;
+        the layer's :meth:`admit` (from :meth:`wrap`'s experts function) then makes no decision."""
+        from coldset.kernels import triton_decode as td
+        from coldset.kernels import triton_slots as ts
+
+        if not self.records_in_route(x.shape[0]):
+            raise ValueError(f"SlotCache.route: policy {self.policy!r}, {x.shape[0]} tokens (max {self.max_tokens}), "
+                             f"kernel path {self.use_kernel}: the router cannot record this group")
+        h, ids, w = td.route(x, norm_weight, eps, gate_weight, top_k, renormalize, counter, weights_dtype=x.dtype,
+                             pdl=pdl, record=ts.route_record_args(self, layer), trigger=self.pdl)
+        ts.choose_and_fill(self, ids.numel(), pdl=self.pdl)
+        self.recorded_layer = layer
+        return h, ids, w
 
     # ---------------------------------------------------------------------------- decisions
     def _victim_order(self, in_group: torch.Tensor) -> torch.Tensor:
@@ -339,6 +378,12 @@ class SlotCache:
         path in the decisions' launch; ``None`` without weights). ``hidden``: the layer's router
         input ``[T, H]``, required by ``lookahead`` (its forecast of layer ``layer + depth``)."""
         cast = topk_weights is not None and dtype is not None and topk_weights.dtype != dtype
+        if self.recorded_layer is not None:
+            if self.recorded_layer != layer:
+                raise RuntimeError(f"SlotCache.admit: layer {layer}'s group, but the router recorded layer "
+                                   f"{self.recorded_layer}'s and its experts never ran")
+            self.recorded_layer = None
+            return topk_weights.to(dtype) if cast else topk_weights
         if topk_ids.shape[0] > self.max_tokens:
             return topk_weights.to(dtype) if cast else topk_weights
         if self.policy == "lookahead" and hidden is None:

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from coldset.kernels.triton_slots import record_group
+
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -517,12 +519,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 @triton.jit
 def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wts_ptr, eps,
-                  stride_x, stride_h, stride_we, M: tl.constexpr, MP: tl.constexpr,
+                  stride_x, stride_h, stride_we,
+                  layer, row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
+                  hist_cap, new_ptr, m_ptr,
+                  M: tl.constexpr, MP: tl.constexpr,
                   H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, RECORD: tl.constexpr, TRIGGER: tl.constexpr):
     dt = h_ptr.dtype.element_ty
-    if PDL:
+    if PDL and not TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rk = tl.arange(0, HP)
@@ -534,6 +539,8 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # the next launch (a slot cache's fill) may start; not before the previous kernel is done,
+        tl.extra.cuda.gdc_launch_dependents()  # so its waiting blocks take no SM from a kernel still running
     for m in tl.static_range(M):
         # The post-attention norm, as rms_norm computes it (every program the same bits; program
         # 0 writes it: the experts' input), then this program's router logits in the model dtype.
@@ -576,11 +583,19 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
         tl.store(ids_ptr + out, ids, mask=keep)
         tl.store(wts_ptr + out, probs.to(wts_ptr.dtype.element_ty), mask=keep)
         tl.store(count_ptr, 0)
+        if RECORD:  # a slot cache's decisions up to its victims, on the selections in registers
+            pos = tl.arange(0, MP * KP)
+            tok = pos // KP
+            rank = pos % KP
+            record_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer,
+                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
+                          hist_cap, new_ptr, m_ptr, E)
 
 
 def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,
           renormalize: bool, counter: torch.Tensor, weights_dtype: torch.dtype = torch.float32,
-          block_e: int = 2, pdl: bool = False, return_logits: bool = False):
+          block_e: int = 2, pdl: bool = False, return_logits: bool = False, record: tuple | None = None,
+          trigger: bool = False):
     """The post-attention norm, the router GEMV and its softmax + top-k in one launch, for a few
     decode tokens ``x`` ``[M, H]``: ``(h, topk_ids, topk_weights)`` with ``h = weight * RMSNorm(x)``
     (:func:`rms_norm`'s arithmetic) the experts' input ``[M, H]``, ``topk_ids`` ``[M, k]`` int64 and
@@ -599,6 +614,15 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     That program ranks all tokens at once (an ``[M, E]`` tile): 5.2 µs at one token against 9.3
     for the four launches it replaces (H200); ranking the tokens one after the other took 29 µs at
     8 tokens (BENCHMARKS.md, issue 13 fifth session).
+
+    ``record`` (:func:`coldset.kernels.triton_slots.route_record_args`): the same program then
+    records the group for a slot cache (hits, recency, counts, counters, the missed instances:
+    :func:`coldset.kernels.triton_slots.record_group`) on the selections it holds in registers,
+    so a cached layer spends no launch on its decisions; the victims and the fill are the next
+    launch's (:func:`coldset.kernels.triton_slots.choose_and_fill`). The routing arithmetic (and
+    the launch's warps) are the same with or without it: the same bits. ``trigger``: let the next
+    launch (a programmatic dependent one) start once the kernel before this one is done, with or
+    without ``pdl``.
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -616,11 +640,14 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     logits = torch.empty((m, num_experts), dtype=x.dtype, device=x.device)
     ids = torch.empty((m, top_k), dtype=torch.int64, device=x.device)
     weights = torch.empty((m, top_k), dtype=weights_dtype, device=x.device)
+    if record is not None and len(record) != 11:
+        raise ValueError(f"route: record must be triton_slots.route_record_args(...) (11 values), got {len(record)}")
     if m:
+        rec = record if record is not None else (0,) + (counter,) * 7 + (1, counter, counter)
         _route_kernel[(triton.cdiv(num_experts, block_e),)](
             x, norm_weight, gate_weight, h, logits, counter, ids, weights, float(eps),
-            x.stride(0), h.stride(0), gate_weight.stride(0), M=m, MP=triton.next_power_of_2(m),
+            x.stride(0), h.stride(0), gate_weight.stride(0), *rec, M=m, MP=triton.next_power_of_2(m),
             H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize, PDL=pdl,
-            num_warps=4, **_pdl_launch(pdl))
+            RECORD=record is not None, TRIGGER=bool(trigger), num_warps=4, **_pdl_launch(pdl))
     return (h, ids, weights, logits) if return_logits else (h, ids, weights)

@@ -1,33 +1,40 @@
-"""The slot cache's work inside the decode step on CUDA, two launches per MoE layer.
+"""The slot cache's work inside the decode step on CUDA: one launch per MoE layer beside the router's.
 
-:func:`decide` (one program): the cache's decisions for one (step, layer) group exactly as
-:meth:`coldset.slots.SlotCache.admit`'s torch path makes them (hits, first occurrences, victims
-outside the group, row-map and owner writes, recency, frequency, counters), writing the victims,
-the admitted instances and their number for the fill. The torch path is about thirty small
-launches a layer (6.2 ms of decisions for 48 layers against a 3.9 ms all-HBM step at Qwen3-30B-A3B
-shapes on the H200, BENCHMARKS.md issue 12); here the group (at most 64 selections) and the
-``C`` slots' keys live in one program's registers. The same launch casts the router's float32
-weights to the activation dtype (round to nearest even, as ``Tensor.to``): the experts call of
-every path has that cast as a launch of its own, so a cached layer costs one launch more than an
-uncached one (the fill), not two.
+lru and lfu in the fused decode step (:meth:`coldset.slots.SlotCache.route`): the router's launch
+(:func:`coldset.kernels.triton_decode.route`) ranks the layer's selections in its last program
+and, holding them in registers, records the group there (:func:`record_group`: hits, first
+occurrences, the group's recency and use counts, counters, history, the missed instances in
+selection order). The next launch, :func:`choose_and_fill` (the router's programmatic dependent
+on sm90+), chooses the victims (:func:`_choose_victims`: every block alike, the same reads), the
+last block to finish choosing commits them (:func:`_commit_victims`: the evicted instance's
+row-map entry back to its host row, the admitted one's to its slot, the owners) and every block
+copies its stripe of each admitted row from the pinned host tier. A group without a miss costs
+the fill's blocks one load each; the decisions cost the router's last program a row-map gather
+and a few stores, where a launch of their own cost a launch gap and a reload of the selections.
+
+:func:`decide` (one program) is the same decisions in a launch of their own, for the paths where
+the router is not the fused launch (the Inductor-compiled region, torch routers): the group record,
+then the victims and their commit in the same program, and the cast of the router's float32
+weights to the activation dtype (round to nearest even, as ``Tensor.to``: the experts call of
+those paths has that cast as a launch of its own); :func:`fill` then copies. The torch path of
+:meth:`coldset.slots.SlotCache.admit` is about thirty small launches a layer (6.2 ms of decisions
+for 48 layers against a 3.9 ms all-HBM step at Qwen3-30B-A3B shapes on the H200, BENCHMARKS.md issue 12).
 
 How the group's own residents are kept out of the victims without a membership test per slot:
-their recency is written first (the group's ticks are the newest, so LRU's smallest keys never
-reach them while ``C >= group size``), and for LFU their count is set to infinity until the
-decisions are made, then to its new value.
+their recency is written first and their ticks (``>= t0``, the tick the group started at) are the
+newest, so the victim choice bars every slot whose owner was last used at ``t0`` or later (lfu's
+key is (count, recency) over the other slots).
 
-:func:`fill` (one launch for both weights): copies host-tier rows into slots, reading pinned host
-memory in place, only for the step's actual misses. A kernel rather than a copy: the rows to copy
-are decided on the device inside the captured step, so a ``cudaMemcpyAsync`` (addresses fixed at
-capture) cannot express them without a host round trip; on the H200 the kernel reads 8 experts
-(75 MB) from pinned memory at 50.6 GB/s, the copy engine the same rows at 53.0 GB/s. The grid is
-fixed (``FILL_BLOCKS`` blocks per weight, each looping over the step's misses and copying its
-stripe of each row): a step without a miss costs one small launch whose blocks read one scalar,
-where a grid of one row of blocks per possible miss (64 x 64 x 2 = 8192 blocks at batch 8) cost
-the scheduling of all of them. On sm90+ the fill is a programmatic dependent launch: the decisions
-let it start at once (``gdc_launch_dependents``), and its blocks wait for the decisions to
-complete and be visible (``gdc_wait``) before reading anything, which hides the fill's launch
-latency behind the decisions.
+The fill: copies host-tier rows into slots, reading pinned host memory in place, only for the
+step's actual misses. A kernel rather than a copy: the rows to copy are decided on the device
+inside the captured step, so a ``cudaMemcpyAsync`` (addresses fixed at capture) cannot express
+them without a host round trip; on the H200 the kernel reads 8 experts (75 MB) from pinned memory
+at 50.6 GB/s, the copy engine the same rows at 53.0 GB/s. The grid is fixed (``FILL_BLOCKS``
+blocks per weight, each looping over the step's misses and copying its stripe of each row): a
+step without a miss costs one small launch whose blocks read one scalar. On sm90+ it is a
+programmatic dependent launch: its predecessor lets it start at once (``gdc_launch_dependents``)
+and its blocks wait for that grid to complete and be visible (``gdc_wait``) before reading
+anything, which hides the fill's launch latency.
 
 :func:`decide_ahead` (one program) is ``lookahead``'s group: the same demand decisions with the
 in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
@@ -37,13 +44,11 @@ used by the group and not in flight), written per target layer for a fill on the
 Measured on the H200 (BENCHMARKS.md, issue 12 fifth session): with the forecast's GEMV and the
 side-stream fork and join, a lookahead layer costs 13 us more than an lru layer at residency 1.0.
 
-Two ways to spend fewer launches were built, measured on the H200 and dropped (BENCHMARKS.md,
-issue 12, third session; every layer's work on all-hit groups, 48 layers, against 0.162 ms here):
-decisions and copy in one launch (the first block to take a ticket decides, the others wait on its
-release flag, then copy) took 0.31 ms; decisions alone with the experts kernel storing the tiles
-it reads of an admitted expert into its slot (the admission entering the row map at the next
-group's decisions) took 0.10 ms, but the experts kernel, with stores under a branch in its inner
-loop, made an all-hit step 27% slower (these two ways: 5%).
+Two other ways were built, measured on the H200 and dropped (BENCHMARKS.md, issue 12, third
+session): decisions and copy in one launch where the other blocks wait on the deciding block's
+release flag (0.31 against 0.162 ms for 48 all-hit layers), and the experts kernel storing the
+tiles it reads of an admitted expert into its slot (an all-hit step 27% slower: stores under a
+branch in its inner loop).
 """
 
 from __future__ import annotations
@@ -67,67 +72,44 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
-def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                   w_ptr, w_out_ptr,
-                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, LFU: tl.constexpr,
-                   CAST: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:
-        gdc_launch_dependents()  # the fill may launch now; its blocks wait for this grid (gdc_wait)
-    # The scalars are loaded first, beside the group's ids: each dependent global round trip is
-    # latency in a step of 48 such programs (0.182 -> 0.162 ms for 48 layers, BENCHMARKS.md).
-    offs = tl.arange(0, NP)
-    valid = offs < n
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
-    if CAST:  # the router's weights in the activation dtype (round to nearest even, as Tensor.to)
-        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
-        tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
+def _group_keys(ids, sel, valid, layer, row_map_ptr, E: tl.constexpr):
+    """A group's selections ``ids`` (one per lane; ``sel`` the selection index in the group, in
+    lane order; ``valid`` masks padding lanes): their instances, hits (row-map entry >= 0), first
+    and last occurrences, occurrence counts, first-occurrence misses, their number and their rank
+    in selection order. Loads the row map only; every decisions kernel starts with it."""
+    inst = layer * E + ids
+    rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
+    hit = valid & (rows >= 0)
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+    first = valid & (tl.sum((same & (sel[None, :] < sel[:, None])).to(tl.int32), axis=1) == 0)
+    last = valid & (tl.sum((same & (sel[None, :] > sel[:, None])).to(tl.int32), axis=1) == 0)
+    occ = tl.sum(same.to(tl.int32), axis=1)
+    missed = first & (rows < 0)
+    m = tl.sum(missed.to(tl.int32), axis=0)
+    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+    return inst, hit, first, last, occ, missed, m, rank
+
+
+@triton.jit
+def record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
+                  history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, E: tl.constexpr):
+    """lru/lfu's decisions for one group up to the victims: hits and misses, the group's recency
+    (its ticks ``t0 + sel`` are the newest: how the victim choice tells the group's own residents
+    apart) and use counts, the counters and the group's history row, and the missed instances in
+    selection order into ``new_ptr[:m]`` with ``m`` into ``m_ptr``. Returns ``(t0, m)``.
+    The victims and the row-map writes are :func:`_choose_victims`' (in the same program, or in
+    the fill's blocks when the router's launch records the group)."""
     t0 = tl.load(tick_ptr)
     tot_hits = tl.load(totals_ptr)
     tot_misses = tl.load(totals_ptr + 1)
     tot_fills = tl.load(totals_ptr + 2)
     g = tl.load(groups_ptr)
-    inst = layer * E + ids
-    rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
-    hit = valid & (rows >= 0)
-    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-    first = valid & (tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
-    last = valid & (tl.sum((same & (offs[None, :] > offs[:, None])).to(tl.int32), axis=1) == 0)
-    occ = tl.sum(same.to(tl.int32), axis=1)
-    missed = first & (rows < 0)
-    m = tl.sum(missed.to(tl.int32), axis=0)
-    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
-    old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
-    tl.debug_barrier()  # every thread has read the old counts before any is overwritten
-    tl.store(last_use_ptr + inst, t0 + offs, mask=last)  # the newest ticks: never an LRU victim
-    if LFU:
-        tl.store(count_ptr + inst, float("inf"), mask=first & hit)  # never an LFU victim
-    tl.debug_barrier()
-    if m > 0:
-        offs_c = tl.arange(0, CP)
-        okc = offs_c < C
-        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
-        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
-        cnt = tl.load(count_ptr + own, mask=okc, other=float("inf"))
-        for j in range(0, M):
-            if j < m:
-                if LFU:
-                    low = cnt == tl.min(cnt, axis=0)
-                    key = tl.where(low, lu, _INT64_MAX)
-                else:
-                    key = lu
-                s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
-                pick = offs_c == s
-                old = tl.sum(tl.where(pick, own, 0), axis=0)
-                lu = tl.where(pick, _INT64_MAX, lu)
-                cnt = tl.where(pick, float("inf"), cnt)
-                new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
-                tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
-                tl.store(row_map_ptr + new, s.to(tl.int32))
-                tl.store(owner_ptr + s, new)
-                tl.store(victims_ptr + j, s.to(tl.int64))
-                tl.store(new_ptr + j, new)
+    inst, hit, first, last, occ, missed, m, rank = _group_keys(ids, sel, valid, layer, row_map_ptr, E)
+    old_cnt = tl.load(count_ptr + inst, mask=first, other=0.0)
+    tl.debug_barrier()  # every lane has read the old counts before any is overwritten
+    tl.store(last_use_ptr + inst, t0 + sel, mask=last)
     tl.store(count_ptr + inst, old_cnt + occ.to(tl.float64), mask=first)
+    tl.store(new_ptr + rank, inst, mask=missed)
     tl.store(m_ptr, m.to(tl.int64))
     tl.store(tick_ptr, t0 + n)
     nhit = tl.sum(hit.to(tl.int64), axis=0)
@@ -139,6 +121,78 @@ def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, coun
     tl.store(h + 1, n - nhit)
     tl.store(h + 2, m.to(tl.int64))
     tl.store(groups_ptr, g + 1)
+    return t0, m
+
+
+@triton.jit
+def _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU: tl.constexpr, CP: tl.constexpr,
+                    MV: tl.constexpr):
+    """The ``m`` victims of a recorded group: the ``m`` resident slots not used by the group (last
+    use before ``t0``), least recent first (``lfu``: least count first, then least recent), as
+    ``(slots, owners)`` int64 ``[MV]`` (lane ``j < m`` = the ``j``-th victim). Reads only: the
+    caller writes. Every slot's key lives in registers (``CP`` >= ``C`` lanes)."""
+    offs_c = tl.arange(0, CP)
+    okc = offs_c < C
+    own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+    lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
+    barred = (lu >= t0) | (offs_c >= C)  # the group's own residents (and padding lanes)
+    lu = tl.where(barred, _INT64_MAX, lu)
+    if LFU:
+        cnt = tl.load(count_ptr + own, mask=okc, other=float("inf"))
+        cnt = tl.where(barred, float("inf"), cnt)
+    jv = tl.arange(0, MV)
+    slots = tl.zeros((MV,), dtype=tl.int64)
+    olds = tl.zeros((MV,), dtype=tl.int64)
+    for j in range(0, MV):
+        if j < m:
+            if LFU:
+                key = tl.where(cnt == tl.min(cnt, axis=0), lu, _INT64_MAX)
+            else:
+                key = lu
+            s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
+            pick = offs_c == s
+            old = tl.sum(tl.where(pick, own, 0), axis=0)
+            lu = tl.where(pick, _INT64_MAX, lu)
+            if LFU:
+                cnt = tl.where(pick, float("inf"), cnt)
+            slots = tl.where(jv == j, s.to(tl.int64), slots)
+            olds = tl.where(jv == j, old, olds)
+    return slots, olds
+
+
+@triton.jit
+def _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV: tl.constexpr):
+    """The row-map and owner writes of the chosen victims (the evicted instance back to its host
+    row, the admitted one to the slot: int32 writes, never a copy back) and the victims list."""
+    jv = tl.arange(0, MV)
+    ok = jv < m
+    new = tl.load(new_ptr + jv, mask=ok, other=0)
+    tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok)  # olds are resident, news not: disjoint
+    tl.store(row_map_ptr + new, slots.to(tl.int32), mask=ok)
+    tl.store(owner_ptr + slots, new, mask=ok)
+    tl.store(victims_ptr + jv, slots, mask=ok)
+
+
+@triton.jit
+def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                   w_ptr, w_out_ptr,
+                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, LFU: tl.constexpr,
+                   CAST: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:
+        gdc_launch_dependents()  # the fill may launch now; its blocks wait for this grid (gdc_wait)
+    offs = tl.arange(0, NP)
+    valid = offs < n
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    if CAST:  # the router's weights in the activation dtype (round to nearest even, as Tensor.to)
+        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
+        tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
+    t0, m = record_group(ids, offs, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr,
+                          totals_ptr, history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, E)
+    if m > 0:
+        tl.debug_barrier()  # the group's recency and the missed list are visible to every lane
+        slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU, CP, MV)
+        _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -165,14 +219,17 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
-        E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(),
+        E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())),
         LFU=cache.policy == "lfu", CAST=cast, USE_GDC=cache.pdl, num_warps=16 if cp >= 4096 else 8)
 
 
 @triton.jit
 def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_ptr, inst_ptr, count_ptr,
-                 BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr):
+                 owner_ptr, last_use_ptr, cnt_ptr, tick_ptr, n, C, ticket_ptr, row_map_ptr,
+                 BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr, CHOOSE: tl.constexpr,
+                 LFU: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
     if USE_GDC:
+        gdc_launch_dependents()  # the experts kernel may launch now (it waits for this grid before its reads)
         gdc_wait()  # launched early: the decisions (victims, admitted, count) are complete after this
     part = tl.program_id(0)
     m = tl.load(count_ptr).to(tl.int32)
@@ -184,8 +241,25 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_pt
         src_base = src2_ptr
         dst_base = dst2_ptr
         row = row2
+    if CHOOSE:
+        # The group was recorded by the router's launch; the victims are chosen here, by every
+        # block alike (the same reads, the same result), and committed by the last block to
+        # finish choosing (a ticket: no block still reads an owner or a recency it writes).
+        jv = tl.arange(0, MV)
+        slots = tl.zeros((MV,), dtype=tl.int64)
+        if m > 0:
+            t0 = tl.load(tick_ptr) - n
+            slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, cnt_ptr, C, LFU, CP, MV)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+                _commit_victims(m, slots, olds, inst_ptr, row_map_ptr, owner_ptr, slots_ptr, MV)
+                tl.store(ticket_ptr, 0)
     for j in range(0, m):
-        slot = tl.load(slots_ptr + j).to(tl.int64)
+        if CHOOSE:
+            slot = tl.sum(tl.where(jv == j, slots, 0), axis=0)
+        else:
+            slot = tl.load(slots_ptr + j).to(tl.int64)
         inst = tl.load(inst_ptr + j).to(tl.int64)
         src = src_base + inst * row
         dst = dst_base + slot * row
@@ -195,6 +269,15 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_pt
             tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
+def _check_fill_pools(pools) -> None:
+    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
+        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
+                             f"{tuple(slots.shape[1:])} {slots.dtype}")
+        if not (host.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("fill: host tier and slots must be contiguous")
+
+
 def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
          blocks: int = FILL_BLOCKS) -> None:
     """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
@@ -202,16 +285,39 @@ def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Ten
     read in place). ``pdl``: launched as the programmatic dependent of :func:`decide` (which must
     be the launch just before it on the stream, with ``cache.pdl`` set). ``blocks``: blocks per weight
     (the lookahead's prefetch copy runs beside the compute with fewer)."""
-    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
-        if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
-            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
-                             f"{tuple(slots.shape[1:])} {slots.dtype}")
-        if not (host.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("fill: host tier and slots must be contiguous")
+    _check_fill_pools(pools)
     _fill_kernel[(int(blocks), 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
-        pools.w2_hot[0].numel(), victims, instances, count.reshape(1), BLOCK=BLOCK, NB=int(blocks),
-        USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
+        pools.w2_hot[0].numel(), victims, instances, count.reshape(1),
+        count, count, count, count, 0, 0, count, count,
+        BLOCK=BLOCK, NB=int(blocks), USE_GDC=pdl, CHOOSE=False, LFU=False, CP=2, MV=2, num_warps=4,
+        launch_pdl=pdl)
+
+
+def choose_and_fill(cache, n: int, pdl: bool) -> None:
+    """The victims and the fill of a group the router's launch recorded
+    (:func:`coldset.kernels.triton_decode.route` with :func:`route_record_args`): every block
+    chooses the victims (:func:`_choose_victims`, the same reads), the last one commits them (row
+    map, owners, ``cache.victims``), and every block copies its stripe of each admitted row. A
+    group without a miss costs this launch's blocks one load each. ``n``: the group's selections
+    (its first tick is the tick after it minus ``n``). ``pdl``: the router's programmatic dependent."""
+    pools = cache.pools
+    _check_fill_pools(pools)
+    cp = _next_pow2(cache.capacity)
+    _fill_kernel[(FILL_BLOCKS, 2)](
+        pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
+        pools.w2_hot[0].numel(), cache.victims, cache.admitted, cache.num_misses,
+        cache.owner, cache.last_use, cache.count, cache.tick, int(n), cache.capacity, cache.fill_ticket,
+        pools.row_map,
+        BLOCK=BLOCK, NB=FILL_BLOCKS, USE_GDC=pdl, CHOOSE=True, LFU=cache.policy == "lfu", CP=cp,
+        MV=max(2, _next_pow2(cache.victims.numel())), num_warps=4, launch_pdl=pdl)
+
+
+def route_record_args(cache, layer: int) -> tuple:
+    """The arguments :func:`coldset.kernels.triton_decode.route` hands its last program to record
+    ``layer``'s group for ``cache`` (:func:`record_group`), in the kernel's order."""
+    return (layer, cache.pools.row_map, cache.last_use, cache.count, cache.tick, cache.totals, cache.history,
+            cache.groups, cache.history.shape[0], cache.admitted, cache.num_misses)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,16 +349,7 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
         for z in range(0, NI, ZB):
             zo = z + tl.arange(0, ZB)
             tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
-    inst = layer * E + ids
-    rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
-    hit = valid & (rows >= 0)
-    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-    first = valid & (tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
-    last = valid & (tl.sum((same & (offs[None, :] > offs[:, None])).to(tl.int32), axis=1) == 0)
-    occ = tl.sum(same.to(tl.int32), axis=1)
-    missed = first & (rows < 0)
-    m = tl.sum(missed.to(tl.int32), axis=0)
-    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+    inst, hit, first, last, occ, missed, m, rank = _group_keys(ids, offs, valid, layer, row_map_ptr, E)
     old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
     tl.debug_barrier()
     # The group's recency first: its ticks (>= t0) are the newest, which is how its own slots are
