@@ -307,6 +307,53 @@ def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     assert rel_err(static_out, ref.double().cpu()) < 2e-2
 
 
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
+    """With pdl 1 and 2 every launch, the w13 kernel's (and the grouping's) included, is a
+    programmatic dependent launch that may start before the kernel before it ends, so it must
+    wait before reading anything that kernel writes. The kernel before is a late writer here: it
+    releases dependents at once and writes x, the ids, the routing weights and the row map only
+    after 50 µs, over stale contents (other tokens, other experts, a row map pointing every expert
+    at its neighbour's rows). Every pdl mode must give pdl 0's bits, for hot, cold and mixed maps,
+    in both grouping modes; a launch that read before waiting would see the stale inputs."""
+    from late_writer import late_copy
+
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    E, H, I, K, L = 32, 256, 128, 4, 2
+    dtype = torch.bfloat16
+    w13, w2 = make_weights(L, E, H, I, dtype, seed=31)
+    pools = _dup_pools(w13, w2)
+    x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=32, device="cuda")
+    x_old, ids_old, w_old = make_routing(num_tokens, E, K, H, dtype, seed=33, device="cuda")
+    layer = 1
+    n = L * E
+    idx = np.arange(n).reshape(L, E)
+    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
+    ref = float64_experts(w13, w2, layer, x, ids, w)
+    for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
+        outs = {}
+        for pdl in (0, 1, 2):
+            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
+            for name, m in maps.items():
+                real = torch.as_tensor(m.astype(np.int32)).cuda()
+                pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
+                x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
+                torch.cuda.synchronize()
+                late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)])
+                out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
+                torch.cuda.synchronize()
+                assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+                outs[(pdl, name)] = out
+        base = outs[(0, "hot")]
+        assert rel_err(base, ref) < 1e-2  # pdl 0 waited for the writer: the real inputs
+        stale = triton_experts(pools, layer, x_old, ids_old, w_old, KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max))
+        assert not torch.equal(stale, base)  # stale inputs would be seen
+        for key, out in outs.items():
+            assert torch.equal(out, base), (slot_max, key)
+
+
 # ---------------------------------------------------------------- layouts (issue 13, item 1) ---
 # vLLM's kernel tests build expert weights as padded views (rows longer than H); weights also
 # arrive transposed (stored [.., H, 2I]) or sliced (every other expert). The kernel reads pools

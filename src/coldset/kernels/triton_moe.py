@@ -9,8 +9,11 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
-With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
-one before still runs and wait on the grid dependency before reading its output.
+With ``pdl`` (Hopper's programmatic dependent launch) every launch, the first included, starts
+while the kernel before it still runs and waits on the grid dependency before reading anything a
+kernel may have written (the w13 kernel: before reading ids, the row map, x; the kernel before it
+can be any kernel: the router, the grouping, a cache update). At decode this hides the launch gap
+between the router (which lets dependents launch at its start) and the w13 kernel.
 
 With ``split_k1`` / ``split_k2`` > 1 (split-K, for small batches where one block per column slice
 leaves too few bytes in flight) step 1 writes fp32 partial gate and up sums per split instead of
@@ -82,11 +85,12 @@ class KernelConfig:
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
     inside the kernel (``MODE_SLOTS``, no host preparation), above it by a torch sort
     (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
-    not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
-    (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
+    not results. ``pdl``: 1 launches all three kernels (and the grouping kernel) with
+    programmatic dependent launch (Hopper): the w13 blocks start while the kernel before still
+    runs and wait for it before reading anything; the w2 blocks start while the w13 blocks still run, stream their weight slice into
     L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
-    ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
+    ``pdl=2``: the same early launches without the w2 prefetch (their blocks
     look up their expert and wait): it hides the launch gaps only, and reads each weight once.
 
     ``split_k1`` / ``split_k2``: split-K, the reduction dimension of w13 (H) / of w2 (I) cut into
@@ -141,7 +145,7 @@ def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
 
 @triton.jit
 def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
-                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr):
+                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr, USE_GDC: tl.constexpr):
     """Pairs grouped by expert in one block: the same permutation as a stable sort of the ids, and
     the same offsets as searchsorted(sorted ids, 0..E) (expert e's pairs are sorted_pairs[off[e]:off[e+1]]).
 
@@ -149,7 +153,12 @@ def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
     which is what a stable sort gives; pads carry expert E and sort after every real pair. Ids
     outside [0, E) are moved to E as well: no expert's range includes them (as with torch's sort,
     where they fall outside every range too) and the histogram never indexes past its bins.
+    ``USE_GDC``: launched as a dependent of the kernel before (which may write the ids): wait for
+    it, then let the w13 kernel launch (which waits on this one in turn).
     """
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, NP)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
@@ -277,10 +286,16 @@ def _w13_act_kernel(
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr,
 ):
-    if USE_GDC:
-        gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
+    if USE_GDC:
+        # Launched as a dependent of whatever kernel came before (the router, the grouping, a
+        # cache update: unknown here): everything this block reads below (ids, sorted pairs, the
+        # row map, x, weights) may be that kernel's output, so wait for its grid first; only the
+        # block numbering above depends on launch arguments alone. Then let the w2 kernel start:
+        # not earlier, since it looks up ids and the row map before its own wait.
+        gdc_wait()
+        gdc_launch_dependents()
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -433,19 +448,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair indices grouped by expert, ascending within an expert; per-expert offsets ``[E + 1]``), int32.
 
     The order of a stable sort of ``ids`` (flattened ``topk_ids``) and the offsets of
     searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch above.
-    Both give the same tensors, so which one runs never changes the experts' output.
+    Both give the same tensors, so which one runs never changes the experts' output. ``pdl``: the
+    one-launch path is a programmatic dependent launch (Hopper; the experts' configs with pdl > 0).
     """
     num_pairs = ids.numel()
     if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
         sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
         expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
         _group_pairs_kernel[(1,)](ids, sorted_pairs, expert_off, num_pairs, E=num_experts,
-                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), num_warps=4)
+                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), USE_GDC=pdl,
+                                  num_warps=4, launch_pdl=pdl)
         return sorted_pairs, expert_off
     sorted_ids, order = torch.sort(ids, stable=True)
     bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
@@ -512,17 +529,6 @@ def triton_experts(
         ids = ids.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     device = x.device
-    if num_pairs <= min(num_experts, config.slot_max_pairs):
-        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
-        sorted_pairs = expert_off = ids  # unused in this mode
-    else:
-        # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
-        mode, np_ = MODE_SORTED, 1
-        slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts)
-    w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
-    w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
-    ep = _next_pow2(num_experts)
     c = config
     if c.pdl not in (0, 1, 2):
         raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
@@ -533,6 +539,17 @@ def triton_experts(
     pdl, prefetch = c.pdl > 0, c.pdl == 1
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+    if num_pairs <= min(num_experts, config.slot_max_pairs):
+        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
+        sorted_pairs = expert_off = ids  # unused in this mode
+    else:
+        # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
+        mode, np_ = MODE_SORTED, 1
+        slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl)
+    w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
+    w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
+    ep = _next_pow2(num_experts)
     s1, s2 = c.split_k1, c.split_k2
     if max(s1 * 2 * inter, s2 * hidden) * num_pairs >= 2**31:  # the split buffers' offsets are int32 inside the kernels
         raise ValueError(f"triton_experts: split_k1={s1}, split_k2={s2} at {num_pairs} pairs needs a buffer past "
@@ -557,7 +574,7 @@ def triton_experts(
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         SPLIT=s1, KS=ks1, ORDER=c.tile_order,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 2:
         return out
