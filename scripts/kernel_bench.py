@@ -69,7 +69,12 @@ def main():
     p.add_argument("--baseline-module", default=None,
                    help="path of another triton_moe.py (e.g. `git show <rev>:src/coldset/kernels/triton_moe.py`): "
                         "its triton_experts is timed on the same inputs with the same config per batch")
+    p.add_argument("--variants", default=None,
+                   help='JSON {"batch": [{field: value, ...}, ...]}: each dict overrides fields of that batch\'s '
+                        'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
+                        'row map compiled out and against the torch path, and above 64 tokens timed by stage')
     args = p.parse_args()
+    variants = {int(b): v for b, v in json.loads(args.variants).items()} if args.variants else {}
     baseline = None
     if args.baseline_module:
         import importlib.util
@@ -132,6 +137,33 @@ def main():
 
     def distinct_bytes(rs):
         return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
+
+    def time_variant(B, cfg, fields, xs, rs, bound_us, out_tuned):
+        """One config variant at batch B, all hot: µs (better of two graph medians), bitwise against
+        the row map compiled out and against the tuned config, error vs torch, and (above 64
+        tokens) cumulative stage times and the grouping alone."""
+        from coldset.kernels.triton_moe import group_pairs
+
+        cfg_v = KernelConfig.from_dict({**cfg.to_dict(), **fields})
+        out_v, out_o = [], []
+        us = min(graph_time_us(run_all(pools, xs, rs, cfg_v, True, out_v), args.reps) / L for _ in range(2))
+        graph_time_us(run_all(unmodified, xs, rs, cfg_v, False, out_o), 3)
+        errs = []
+        for l in range(L):
+            ref = torch_experts(pools, l, xs[l], *rs[l]).float()
+            errs.append(float((out_v[l].float() - ref).norm() / ref.norm()))
+        r = {"fields": fields, "config": cfg_v.to_dict(), "us": us, "pct_of_bound": 100 * bound_us / us,
+             "bitwise_rowmap_vs_off": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_o)),
+             "bitwise_vs_tuned": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_tuned)),
+             "max_rel_err_vs_torch": max(errs)}
+        if B > 64:
+            r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
+                                                           for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+            if not fields:
+                r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
+                                                 max(5, args.reps // 2)) / L
+        log("variant", B, {k: v for k, v in r.items() if k != "config"})
+        return r
 
     # --- autotune (the package's cache machinery), then the same call again: a hit
     batches = [int(b) for b in args.batches.split(",")]
@@ -201,11 +233,10 @@ def main():
         dflt_us = graph_time_us(run_all(pools, xs, rs, dflt), args.reps) / L
         base = {}
         if baseline is not None:
-            # the baseline's own fields only (an older kernel has no split_k / tile_order: it runs
-            # the same tiles unsplit, so its bits equal ours only where the config has split 1)
+            # the baseline's own fields only (an older kernel has no split_k / tile_order / half_buf:
+            # it runs the same tiles unsplit, so its bits equal ours only where those are off)
             known = set(baseline.KernelConfig.__dataclass_fields__)
-            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items()
-                                                    if k in known and (k != "pdl" or v <= 1)})
+            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k in known})
             out_base = []
 
             def base_fn():
@@ -237,6 +268,9 @@ def main():
             errs.append(float((out_on[l].float() - ref).norm() / ref.norm()))
         row.update({"bitwise_rowmap_vs_off": bit_off, "bitwise_cold_vs_hot": bit_cold, "max_rel_err_vs_torch": max(errs)})
         checks.append((B, bit_off, bit_cold, max(errs)))
+        if B in variants:
+            pools.set_row_map(all_hot_map)
+            row["variants"] = [time_variant(B, cfg, v, xs, rs, bound_us, out_on) for v in [{}] + variants[B]]
         rows.append(row)
         log("batch", B, {k: v for k, v in row.items() if k != "config"})
     res["batches"] = rows
@@ -363,6 +397,21 @@ def main():
             json.dump(res, f, indent=1, default=str)
         print(f"\nbatch {big} stages (µs/layer, cumulative): grouping + w13 + act {sb[1]:.1f}, + w2 {sb[2]:.1f}, "
               f"+ top-k sum {sb[3]:.1f}")
+
+    for r in rows:
+        if "variants" not in r:
+            continue
+        print(f"\nbatch {r['batch']}: config variants (fields over the tuned config; all hot, µs/layer, better of two "
+              f"graph medians; stages cumulative: grouping + w13 + act, + w2, + sum)")
+        print("| fields | µs | % of bound | vs tuned | bitwise off | bitwise = tuned | rel err vs torch | stages µs | grouping µs |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for v in r["variants"]:
+            st = "/".join(f"{v['stages_us'][k]:.1f}" for k in (1, 2, 3)) if "stages_us" in v else "-"
+            print(f"| {json.dumps(v['fields']) if v['fields'] else 'tuned'} | {v['us']:.1f} | {v['pct_of_bound']:.0f}% | "
+                  f"{r['variants'][0]['us'] / v['us']:.3f}x | {v['bitwise_rowmap_vs_off']} | {v['bitwise_vs_tuned']} | "
+                  f"{v['max_rel_err_vs_torch']:.2e} | {st} | {v.get('grouping_us', float('nan')):.1f} |")
+        with open(f"{args.out}/kernel_bench.json", "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
     # last: the issue's table (tokens: µs, % of the bound of this run, ratio to vLLM's figure)
     print("\n| tokens | tuned config (block_m, n1, k1, n2, k2, warps, stages, slot_max_pairs, pdl, split_k1, split_k2, "

@@ -6,7 +6,8 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    that expert times the gate and up rows of w13, then SiLU(gate) * up, written to a per-pair
    activation scratch ``[T*k, I]`` in the activation dtype;
 2. ``_w2_kernel``: for each (expert, block of ``block_n2`` rows of H), that scratch times w2,
-   scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
+   scaled by the routing weight, written (fp32; with ``half_buf`` in the activation dtype) to a
+   per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
 With ``pdl`` (Hopper's programmatic dependent launch) every launch, the first included, starts
@@ -87,11 +88,11 @@ class KernelConfig:
     (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
     not results. ``pdl``: 1 launches all three kernels (and the grouping kernel) with
     programmatic dependent launch (Hopper): the w13 blocks start while the kernel before still
-    runs and wait for it before reading anything; the w2 blocks start while the w13 blocks still run, stream their weight slice into
-    L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
-    activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
-    ``pdl=2``: the same early launches without the w2 prefetch (their blocks
-    look up their expert and wait): it hides the launch gaps only, and reads each weight once.
+    runs and wait for it before reading anything; the w2 blocks start while the w13 blocks still
+    run, stream their weight slice into L2 (kept with evict_last while w13's once-read weights go
+    evict_first), then wait for the activations; the arithmetic is unchanged, so results are the
+    same bits as with ``pdl=0``. ``pdl=2``: the same early launches without the w2 prefetch (their
+    blocks look up their expert and wait): it hides the launch gaps only, and reads each weight once.
 
     ``split_k1`` / ``split_k2``: split-K, the reduction dimension of w13 (H) / of w2 (I) cut into
     that many ranges of whole ``block_k`` steps, one block each, so a small batch runs more blocks
@@ -104,6 +105,11 @@ class KernelConfig:
     grid with GROUP_SIZE_M=1): at prefill the gathered activation tile is then read from HBM once
     and shared through L2 by its column blocks instead of once per column block. It changes the
     order blocks are scheduled in, not any block's arithmetic: the same bits either way.
+    ``half_buf``: 1 has the w2 kernel write each (token, rank) product rounded to the activation
+    dtype (bf16 / fp16, as vLLM's intermediate cache) instead of fp32; the top-k sum still adds in
+    fp32 in rank order. It halves the per-pair buffer's bytes (at 2,048 tokens of Qwen3-30B-A3B
+    134 -> 67 MB written and read back) and rounds each product once more: a config's bits depend
+    on it, never on the placement (the autotuner's torch-path check bounds its error like any other).
     """
 
     block_m: int = 16
@@ -118,6 +124,7 @@ class KernelConfig:
     split_k1: int = 1
     split_k2: int = 1
     tile_order: int = 0
+    half_buf: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -425,7 +432,8 @@ def _w2_kernel(
         wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         row = pid_s * num_pairs + pair64  # [split, pair, H]
-        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_ok[None, :])
         c += BM
 
 
@@ -440,7 +448,7 @@ def _sum_topk_kernel(buf_ptr, out_ptr, num_pairs, H: tl.constexpr, TOPK: tl.cons
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in tl.static_range(TOPK):  # fixed order over ranks, then w2's splits: deterministic
         for s in tl.static_range(SPLIT):
-            acc += tl.load(buf_ptr + (s * num_pairs + t * TOPK + r) * H + offs, mask=ok, other=0.0)
+            acc += tl.load(buf_ptr + (s * num_pairs + t * TOPK + r) * H + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -534,6 +542,8 @@ def triton_experts(
         raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
     if c.tile_order not in (0, 1):
         raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
+    if c.half_buf not in (0, 1):
+        raise ValueError(f"triton_experts: config half_buf must be 0 or 1, got {c.half_buf}")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch = c.pdl > 0, c.pdl == 1
@@ -559,7 +569,7 @@ def triton_experts(
     ks2 = triton.cdiv(triton.cdiv(inter, s2), c.block_k2) * c.block_k2
     act = torch.empty((num_pairs if s1 == 1 else 1, inter), dtype=x.dtype, device=device)
     part = torch.empty((s1, num_pairs, 2 * inter) if s1 > 1 else (1,), dtype=torch.float32, device=device)
-    buf = torch.empty((s2, num_pairs, hidden), dtype=torch.float32, device=device)
+    buf = torch.empty((s2, num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
     nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
 
     def grid(nb, splits):
