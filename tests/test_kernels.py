@@ -148,7 +148,9 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2),
                # split-K (H = 256 in 3 splits of 128: the third is empty) and the column-fastest order
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2, split_k1=2, split_k2=2),
-               KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1)]
+               KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1),
+               # the per-pair buffer in bf16 (the prefill option), with the column-fastest order
+               KernelConfig(32, 64, 32, 32, 32, 4, 3, 1, 2, tile_order=1, half_buf=1)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -208,7 +210,7 @@ def test_triton_split_k_and_tile_order(num_tokens):
     for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
         base = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max)
         for fields in ({}, dict(split_k1=2, split_k2=2, pdl=2), dict(split_k1=4, split_k2=3, pdl=1),
-                       dict(split_k1=3, split_k2=2)):
+                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k2=2, pdl=2)):
             outs = {}
             for order in (0, 1):
                 cfg = KernelConfig(**{**base.to_dict(), **fields, "tile_order": order})
@@ -233,6 +235,8 @@ def test_triton_refuses_bad_split_and_order():
         triton_experts(pools, 0, x, ids, w, KernelConfig(tile_order=2))
     with pytest.raises(ValueError, match="split_k1, split_k2 must be >= 1"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(split_k2=0))
+    with pytest.raises(ValueError, match="half_buf must be 0 or 1"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(half_buf=2))
 
 
 @gpu
