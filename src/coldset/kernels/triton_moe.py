@@ -44,7 +44,7 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
   preparation at all, so a decode step is exactly three launches;
 - ``MODE_SORTED`` (larger batches, prefill): the pairs grouped by expert (the order of a stable
   sort of their expert ids, and each expert's range: :func:`group_pairs`, one launch up to
-  ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch's sort above); grid dimension 0 is the *tiles*, one per
+  ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above: a counting sort over chunks); grid dimension 0 is the *tiles*, one per
   (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
   prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
   share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
@@ -71,9 +71,13 @@ MODE_SLOTS = 0
 MODE_SORTED = 1
 
 # Up to this many (token, rank) pairs the sorted grouping is one launch of _group_pairs_kernel
-# (one block: a bitonic sort and a histogram in registers); above it, torch's sort and searchsorted
+# (one block: a bitonic sort and a histogram in registers); above it, two launches of a counting sort
+# over chunks of GROUP_CHUNK pairs (_group_count_kernel, _group_scatter_kernel). Both replace
+# torch's stable sort + searchsorted, which took 88 µs of a 650 µs layer at 2,048 tokens
+# (BENCHMARKS.md, issue 13 sixth session).
 # (about five launches: cheap next to a prefill's GEMMs, not next to a decode step's).
 GROUP_KERNEL_MAX_PAIRS = 1024
+GROUP_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,8 @@ class KernelConfig:
     of w13's rows); ``block_k1``: slice of H per step; ``block_n2``: rows of H per block in the w2
     step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton;
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
-    inside the kernel (``MODE_SLOTS``, no host preparation), above it by a torch sort
-    (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
+    inside the kernel (``MODE_SLOTS``, no host preparation), above it by a sort on the device
+    (``MODE_SORTED``, :func:`group_pairs`). Both give the same pair order and chunking, so the choice changes speed,
     not results. ``pdl``: 1 launches all three kernels (and the grouping kernel) with
     programmatic dependent launch (Hopper): the w13 blocks start while the kernel before still
     runs and wait for it before reading anything; the w2 blocks start while the w13 blocks still
@@ -140,9 +144,11 @@ class KernelConfig:
 # decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
 # 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU. The
 # prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
-# tokens in one autotune run; the same bits either way).
+# tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
+# activation dtype (half_buf=1: 566 against 650 µs at 2048 tokens in one kernel_bench run, error
+# against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
@@ -158,8 +164,8 @@ def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
 
     The sort key ``expert * NP + pair`` is unique and orders pairs of one expert by pair index,
     which is what a stable sort gives; pads carry expert E and sort after every real pair. Ids
-    outside [0, E) are moved to E as well: no expert's range includes them (as with torch's sort,
-    where they fall outside every range too) and the histogram never indexes past its bins.
+    outside [0, E) are moved to E as well: no expert's range includes them and the histogram
+    never indexes past its bins.
     ``USE_GDC``: launched as a dependent of the kernel before (which may write the ids): wait for
     it, then let the w13 kernel launch (which waits on this one in turn).
     """
@@ -175,6 +181,60 @@ def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
     counts = tl.histogram(ids, EP1)  # bins 0..E-1 real, bin E the pads
     offs_e = tl.arange(0, EP1)
     tl.store(expert_off_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=offs_e <= E)
+
+
+@triton.jit
+def _group_count_kernel(ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, EP1: tl.constexpr, CH: tl.constexpr,
+                        USE_GDC: tl.constexpr):
+    """counts[c, e]: how many of chunk c's pairs (c * CH .. c * CH + CH - 1) chose expert e; bin E
+    holds ids outside [0, E) and the last chunk's pads."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    offs = c * CH + tl.arange(0, CH)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    tl.store(counts_ptr + c * EP1 + tl.arange(0, EP1), tl.histogram(ids, EP1))
+
+
+@triton.jit
+def _group_scatter_kernel(ids_ptr, counts_ptr, scratch_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs, num_chunks,
+                          E: tl.constexpr, EP1: tl.constexpr, CH: tl.constexpr, USE_GDC: tl.constexpr):
+    """Chunk c's pairs to their places in the stable grouping: expert e's range starts after every
+    pair of experts 0..e-1 (offsets, written by chunk 0), then come its pairs of chunks 0..c-1,
+    then chunk c's own in pair order (its rank among the chunk's pairs of e, from the same sort
+    key as :func:`_group_pairs_kernel`). So the result is the one-launch kernel's: a stable sort's
+    permutation and searchsorted's offsets, for any number of pairs."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()  # the w13 kernel waits on this one before reading anything
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, EP1)
+    total = tl.zeros((EP1,), dtype=tl.int32)
+    before = tl.zeros((EP1,), dtype=tl.int32)
+    for cc in range(0, num_chunks):  # every chunk's counts, in chunk order
+        row = tl.load(counts_ptr + cc * EP1 + offs_e)
+        total += row
+        before += tl.where(cc < c, row, 0)
+    total = tl.where(offs_e < E, total, 0)  # bin E (invalid ids, pads) goes after every expert
+    start = tl.cumsum(total, 0) - total  # expert e's first position; start[E]: the invalid ids'
+    mine = tl.load(counts_ptr + c * EP1 + offs_e)
+    local = tl.cumsum(mine, 0) - mine  # where e's pairs start in this chunk's sorted order
+    if c == 0:
+        tl.store(expert_off_ptr + offs_e, start, mask=offs_e <= E)
+    # position of the j-th of the chunk's sorted pairs = (start + before - local)[its expert] + j:
+    # a per-expert table gathered by expert id, through this block's scratch row
+    tl.store(scratch_ptr + c * EP1 + offs_e, start + before - local)
+    tl.debug_barrier()
+    offs = tl.arange(0, CH)
+    ids = tl.load(ids_ptr + c * CH + offs, mask=c * CH + offs < num_pairs, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    key = tl.sort(ids * CH + offs)
+    expert = key // CH
+    pair = c * CH + key % CH
+    dest = tl.load(scratch_ptr + c * EP1 + expert) + offs
+    tl.store(sorted_pairs_ptr + dest, pair, mask=pair < num_pairs)
 
 
 @triton.jit
@@ -460,9 +520,11 @@ def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple
     """(pair indices grouped by expert, ascending within an expert; per-expert offsets ``[E + 1]``), int32.
 
     The order of a stable sort of ``ids`` (flattened ``topk_ids``) and the offsets of
-    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch above.
-    Both give the same tensors, so which one runs never changes the experts' output. ``pdl``: the
-    one-launch path is a programmatic dependent launch (Hopper; the experts' configs with pdl > 0).
+    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above (a
+    counting sort over chunks of ``GROUP_CHUNK`` pairs). Both give the same tensors, so which one
+    runs never changes the experts' output. Ids outside [0, E) are in no expert's range (placed
+    after every expert's pairs). ``pdl``: the launches are programmatic dependent launches
+    (Hopper; the experts' configs with pdl > 0).
     """
     num_pairs = ids.numel()
     if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
@@ -472,9 +534,20 @@ def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple
                                   EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), USE_GDC=pdl,
                                   num_warps=4, launch_pdl=pdl)
         return sorted_pairs, expert_off
-    sorted_ids, order = torch.sort(ids, stable=True)
-    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
-    return order.to(torch.int32), torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    if num_pairs >= 2**31 - GROUP_CHUNK or (num_experts + 1) * GROUP_CHUNK >= 2**31:
+        raise ValueError(f"group_pairs: {num_pairs} pairs of {num_experts} experts overflow the int32 sort keys")
+    ep1 = _next_pow2(num_experts + 1)
+    chunks = triton.cdiv(num_pairs, GROUP_CHUNK)
+    counts = torch.empty((chunks, ep1), dtype=torch.int32, device=ids.device)
+    scratch = torch.empty((chunks, ep1), dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    _group_count_kernel[(chunks,)](ids, counts, num_pairs, E=num_experts, EP1=ep1, CH=GROUP_CHUNK, USE_GDC=pdl,
+                                   num_warps=4, launch_pdl=pdl)
+    _group_scatter_kernel[(chunks,)](ids, counts, scratch, sorted_pairs, expert_off, num_pairs, chunks,
+                                     E=num_experts, EP1=ep1, CH=GROUP_CHUNK, USE_GDC=pdl, num_warps=4,
+                                     launch_pdl=pdl)
+    return sorted_pairs, expert_off
 
 
 def triton_experts(
@@ -544,6 +617,8 @@ def triton_experts(
         raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
     if c.half_buf not in (0, 1):
         raise ValueError(f"triton_experts: config half_buf must be 0 or 1, got {c.half_buf}")
+    if c.half_buf and c.split_k2 > 1:  # split partial sums rounded to 16 bits each: not a config to offer
+        raise ValueError("triton_experts: config half_buf=1 needs split_k2=1 (w2's split partial sums stay fp32)")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch = c.pdl > 0, c.pdl == 1
