@@ -150,7 +150,7 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2, split_k1=2, split_k2=2),
                KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1),
                # the per-pair buffer in bf16 (the prefill option), with the column-fastest order
-               KernelConfig(32, 64, 32, 32, 32, 4, 3, 1, 2, tile_order=1, half_buf=1)]
+               KernelConfig(32, 64, 32, 32, 32, 4, 3, 1, 3, tile_order=1, half_buf=1)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -215,7 +215,7 @@ def test_triton_split_k_and_tile_order(num_tokens):
     for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
         base = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max)
         for fields in ({}, dict(split_k1=2, split_k2=2, pdl=2), dict(split_k1=4, split_k2=3, pdl=1),
-                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k1=2, pdl=2)):
+                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k1=2, pdl=3)):
             outs = {}
             for order in (0, 1):
                 cfg = KernelConfig(**{**base.to_dict(), **fields, "tile_order": order})
@@ -252,13 +252,13 @@ def test_triton_refuses_unknown_pdl_mode():
 
     w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
     x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="pdl must be 0, 1 or 2"):
-        triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=3))
+    with pytest.raises(ValueError, match="pdl must be 0, 1, 2 or 3"):
+        triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=4))
 
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [2, 40])
-@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (0, 2, 1), (2, 2, 0)])
+@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 1), (0, 2, 1), (2, 2, 0)])
 def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     from functools import partial
 
@@ -321,14 +321,15 @@ def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 8])
 def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
-    """With pdl 1 and 2 every launch, the w13 kernel's (and the grouping's) included, is a
-    programmatic dependent launch that may start before the kernel before it ends, so it must
-    wait before reading anything that kernel writes. The kernel before is a late writer here: it
-    releases dependents at once and writes x, the ids, the routing weights and the row map only
-    after 500 µs, over stale contents (other tokens, other experts, a row map pointing every expert
-    at its neighbour's rows). Every pdl mode must give pdl 0's bits, for hot, cold and mixed maps,
-    in both grouping modes; a launch that read before waiting would see the stale inputs. Each
-    config runs once first, so that compiling it does not hold its launch back past the delay."""
+    """With pdl 3 every launch, the w13 kernel's (and the grouping's) included, is a programmatic
+    dependent launch that may start before the kernel before it ends, so it must wait before
+    reading anything that kernel writes (with pdl 1 and 2 the first launch is a plain one). The
+    kernel before is a late writer here: it releases dependents at once and writes x, the ids, the
+    routing weights and the row map only after 500 µs, over stale contents (other tokens, other
+    experts, a row map pointing every expert at its neighbour's rows). Every pdl mode must give
+    pdl 0's bits, for hot, cold and mixed maps, in both grouping modes; a launch that read before
+    waiting would see the stale inputs. Each config runs once first, so that compiling it does not
+    hold its launch back past the delay."""
     from late_writer import late_copy
 
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
@@ -346,7 +347,7 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     ref = float64_experts(w13, w2, layer, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
         outs = {}
-        for pdl in (0, 1, 2):
+        for pdl in (0, 1, 2, 3):
             cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
             triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
             for name, m in maps.items():

@@ -10,11 +10,14 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
-With ``pdl`` (Hopper's programmatic dependent launch) every launch, the first included, starts
-while the kernel before it still runs and waits on the grid dependency before reading anything a
-kernel may have written (the w13 kernel: before reading ids, the row map, x; the kernel before it
-can be any kernel: the router, the grouping, a cache update). At decode this hides the launch gap
-between the router (which lets dependents launch at its start) and the w13 kernel.
+With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
+one before still runs and wait on the grid dependency before reading its output; with ``pdl=3``
+the first launch (and the grouping's) too: it starts while whatever kernel came before still runs
+(the router, a cache update: unknown here) and waits on it before reading anything. Measured at
+Qwen3-30B-A3B shapes on the H200 (BENCHMARKS.md, issue 13 sixth session) that early first launch
+took 0.2-0.4 µs off a layer alone but did not speed the decode step up (the router releases its
+dependents at its start, so the w13 blocks sit resident from before the router's own wait), so
+the tuned decode configs keep ``pdl=2``.
 
 With ``split_k1`` / ``split_k2`` > 1 (split-K, for small batches where one block per column slice
 leaves too few bytes in flight) step 1 writes fp32 partial gate and up sums per split instead of
@@ -90,13 +93,16 @@ class KernelConfig:
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
     inside the kernel (``MODE_SLOTS``, no host preparation), above it by a sort on the device
     (``MODE_SORTED``, :func:`group_pairs`). Both give the same pair order and chunking, so the choice changes speed,
-    not results. ``pdl``: 1 launches all three kernels (and the grouping kernel) with
-    programmatic dependent launch (Hopper): the w13 blocks start while the kernel before still
-    runs and wait for it before reading anything; the w2 blocks start while the w13 blocks still
-    run, stream their weight slice into L2 (kept with evict_last while w13's once-read weights go
-    evict_first), then wait for the activations; the arithmetic is unchanged, so results are the
-    same bits as with ``pdl=0``. ``pdl=2``: the same early launches without the w2 prefetch (their
-    blocks look up their expert and wait): it hides the launch gaps only, and reads each weight once.
+    not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
+    (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
+    L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
+    activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
+    ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
+    look up their expert and wait): it hides the launch gaps only, and reads each weight once.
+    ``pdl=3``: as 2, and the grouping and w13 launches are dependent launches as well: their
+    blocks start while the kernel before them (any kernel) still runs and wait for it before
+    reading anything; the w13 blocks let the w2 kernel launch only after that wait (w2 looks up
+    ids and the row map before its own wait). The same bits again.
 
     ``split_k1`` / ``split_k2``: split-K, the reduction dimension of w13 (H) / of w2 (I) cut into
     that many ranges of whole ``block_k`` steps, one block each, so a small batch runs more blocks
@@ -351,11 +357,11 @@ def _w13_act_kernel(
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr, WAIT: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
-    if USE_GDC:
+    if WAIT:
         # Launched as a dependent of whatever kernel came before (the router, the grouping, a
         # cache update: unknown here): everything this block reads below (ids, sorted pairs, the
         # row map, x, weights) may be that kernel's output, so wait for its grid first; only the
@@ -363,6 +369,8 @@ def _w13_act_kernel(
         # not earlier, since it looks up ids and the row map before its own wait.
         gdc_wait()
         gdc_launch_dependents()
+    elif USE_GDC:
+        gdc_launch_dependents()  # a plain launch: its inputs are complete; the w2 kernel may start now
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -524,7 +532,7 @@ def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple
     counting sort over chunks of ``GROUP_CHUNK`` pairs). Both give the same tensors, so which one
     runs never changes the experts' output. Ids outside [0, E) are in no expert's range (placed
     after every expert's pairs). ``pdl``: the launches are programmatic dependent launches
-    (Hopper; the experts' configs with pdl > 0).
+    (Hopper; the experts' configs with pdl=3).
     """
     num_pairs = ids.numel()
     if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
@@ -611,8 +619,8 @@ def triton_experts(
     weights = topk_weights.reshape(-1).contiguous()
     device = x.device
     c = config
-    if c.pdl not in (0, 1, 2):
-        raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
+    if c.pdl not in (0, 1, 2, 3):
+        raise ValueError(f"triton_experts: config pdl must be 0, 1, 2 or 3, got {c.pdl}")
     if c.tile_order not in (0, 1):
         raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
     if c.half_buf not in (0, 1):
@@ -621,7 +629,7 @@ def triton_experts(
         raise ValueError("triton_experts: config half_buf=1 needs split_k2=1 (w2's split partial sums stay fp32)")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
-    pdl, prefetch = c.pdl > 0, c.pdl == 1
+    pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     if num_pairs <= min(num_experts, config.slot_max_pairs):
@@ -631,7 +639,7 @@ def triton_experts(
         # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
         mode, np_ = MODE_SORTED, 1
         slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts, first)
     w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
     w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
     ep = _next_pow2(num_experts)
@@ -658,8 +666,8 @@ def triton_experts(
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s1, KS=ks1, ORDER=c.tile_order,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
     )
     if _stop_after < 2:
         return out
