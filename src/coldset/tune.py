@@ -85,7 +85,8 @@ TRITON_SEARCH_SPACE: dict = {
              tile_order=1),
         dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1,
              tile_order=1),
-        # the per-pair buffer in bf16 (half_buf=1: 566 against 650 µs at 2048 tokens, issue 13 sixth session)
+        # the per-pair buffer in bf16 (half_buf=1: 491.6 against 562.9 µs at 2048 tokens, with pdl 3 483.1;
+        # issue 13 sixth session)
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
              tile_order=1, half_buf=1),
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,

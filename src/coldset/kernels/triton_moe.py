@@ -47,10 +47,11 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
   preparation at all, so a decode step is exactly three launches;
 - ``MODE_SORTED`` (larger batches, prefill): the pairs grouped by expert (the order of a stable
   sort of their expert ids, and each expert's range: :func:`group_pairs`, one launch up to
-  ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above: a counting sort over chunks); grid dimension 0 is the *tiles*, one per
-  (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
-  prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
-  share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
+  ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above: a counting sort over chunks); grid dimension 0 is
+  the *tiles*, one per (expert, chunk of block_m pairs), numbered expert by expert inside the
+  kernel (an in-register prefix sum over the per-expert counts, no host sync), so an expert's
+  chunks run side by side and share its weight slices through L2; the grid is sized for the most
+  tiles T*k pairs can need.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ MODE_SORTED = 1
 # (one block: a bitonic sort and a histogram in registers); above it, two launches of a counting sort
 # over chunks of GROUP_CHUNK pairs (_group_count_kernel, _group_scatter_kernel). Both replace
 # torch's stable sort + searchsorted, which took 88 µs of a 650 µs layer at 2,048 tokens
-# (BENCHMARKS.md, issue 13 sixth session).
-# (about five launches: cheap next to a prefill's GEMMs, not next to a decode step's).
+# (BENCHMARKS.md, issue 13 sixth session); the two launches took 12.7 µs.
 GROUP_KERNEL_MAX_PAIRS = 1024
 GROUP_CHUNK = 1024
 
@@ -92,8 +92,8 @@ class KernelConfig:
     step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton;
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
     inside the kernel (``MODE_SLOTS``, no host preparation), above it by a sort on the device
-    (``MODE_SORTED``, :func:`group_pairs`). Both give the same pair order and chunking, so the choice changes speed,
-    not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
+    (``MODE_SORTED``, :func:`group_pairs`). Both give the same pair order and chunking, so the
+    choice changes speed, not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
     (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
     L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
@@ -151,7 +151,7 @@ class KernelConfig:
 # 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU. The
 # prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
 # tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
-# activation dtype (half_buf=1: 566 against 650 µs at 2048 tokens in one kernel_bench run, error
+# activation dtype (half_buf=1: 491.6 against 562.9 µs at 2048 tokens in one kernel_bench run, error
 # against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
 DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1)
