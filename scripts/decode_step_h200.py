@@ -8,7 +8,8 @@ Builds the config's in-memory synthetic model (every expert in HBM), measures th
 ceiling (``coldset.bench.measure_ceilings``: best of several rounds), then for each engine (the
 eager step; ``compiled``: ``compile_decode(fused=False)``, the Inductor-compiled region; ``fused``:
 ``compile_decode()``, the fused Triton kernels of ``coldset.kernels.triton_decode`` with their
-default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch forced on / off), each captured in one CUDA graph
+default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch forced on / off; ``NAME@base``: engine
+NAME with the experts kernel of ``--baseline-module``, a before/after in one process), each captured in one CUDA graph
 by ``coldset.bench.Decoder``, times the full step at batch 1 and 8 (8 different prompts cut from
 fixture-like text, as the bench cuts them) and the step with the routed experts replaced by zeros
 at batch 1, with a kernel profile of each full step (kernels per step, per layer, the top kernels).
@@ -162,6 +163,30 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "rou
     return rows
 
 
+def baseline_experts(path: str, result) -> callable:
+    """The engine's experts function with the triton_experts of another copy of triton_moe.py
+    (the unmodified path, as ``tuned_experts(result, use_row_map=False)``), each batch size on its
+    tuned config restricted to the fields that copy knows."""
+    import importlib.util
+
+    from coldset.tune import config_for
+
+    spec = importlib.util.spec_from_file_location("baseline_triton_moe", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    known = set(mod.KernelConfig.__dataclass_fields__)
+    chosen: dict[int, dict] = {}
+
+    def experts(pools, layer, x, topk_ids, topk_weights):
+        bs = int(x.shape[0])
+        if bs not in chosen:
+            chosen[bs] = {k: v for k, v in config_for(result, bs).items() if k in known}
+        return mod.triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs], use_row_map=False)
+
+    return experts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml")
@@ -172,6 +197,10 @@ def main() -> int:
     ap.add_argument("--sweep", nargs="?", const="gemv,router", default=None,
                     help="time the one-token GEMV configs and/or the fused router (gemv, router or both)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--baseline-module",
+                    help="another triton_moe.py (e.g. `git show main:src/coldset/kernels/triton_moe.py`): an engine "
+                         "named NAME@base runs engine NAME with that module's triton_experts on the same tuned "
+                         "configs (needs --tuned or --tune), for a before/after of the experts kernel in one process")
     args = ap.parse_args()
 
     from coldset import bench as bn
@@ -225,6 +254,12 @@ def main() -> int:
         experts = tuned_experts(result, use_row_map=False)
         R["tuned_configs"] = result.configs
         R["tuned_from"] = args.tuned
+    experts_by_name = {"": experts}
+    if args.baseline_module:
+        if not (args.tune or args.tuned):
+            raise SystemExit("--baseline-module needs --tune or --tuned (the configs both kernels run)")
+        experts_by_name["base"] = baseline_experts(args.baseline_module, result)
+        R["baseline_module"] = args.baseline_module
 
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
@@ -250,7 +285,7 @@ def main() -> int:
     logits_by_mode: dict[str, torch.Tensor] = {}
     import torch._dynamo as dynamo
 
-    def run_engine(mode: str, t: float) -> None:
+    def run_engine(mode: str, t: float, experts) -> None:
         for bsz in (1, 8):
             for name in (("full", "no_experts") if bsz == 1 else ("full",)):
                 model.experts_fn = experts if name == "full" else no_experts
@@ -290,14 +325,17 @@ def main() -> int:
         dynamo.reset()
         model._compiled_before_experts = None
         t = time.perf_counter()
-        if mode == "compiled":
+        engine, _, which = mode.partition("@")
+        if which not in experts_by_name:
+            raise SystemExit(f"engine {mode!r}: @{which} needs --baseline-module")
+        if engine == "compiled":
             model.compile_decode(fused=False)
-        elif mode in FUSED_PDL:
-            model.compile_decode(fused=True, pdl=FUSED_PDL[mode])
-        elif mode != "eager":
-            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, {', '.join(FUSED_PDL)})")
+        elif engine in FUSED_PDL:
+            model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
+        elif engine != "eager":
+            raise SystemExit(f"unknown engine {mode!r} (eager, compiled, {', '.join(FUSED_PDL)}; NAME@base)")
         try:
-            run_engine(mode, t)
+            run_engine(mode, t, experts_by_name[which])
         except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
             R.setdefault("errors", {})[mode] = repr(exc)[:500]
             log("engine", mode, "failed:", repr(exc)[:500])

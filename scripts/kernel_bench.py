@@ -69,7 +69,14 @@ def main():
     p.add_argument("--baseline-module", default=None,
                    help="path of another triton_moe.py (e.g. `git show <rev>:src/coldset/kernels/triton_moe.py`): "
                         "its triton_experts is timed on the same inputs with the same config per batch")
+    p.add_argument("--no-batch1", action="store_true",
+                   help="skip the batch-1 extras (stages, pdl A/B, sweep winners, mixed placement)")
+    p.add_argument("--variants", default=None,
+                   help='JSON {"batch": [{field: value, ...}, ...]}: each dict overrides fields of that batch\'s '
+                        'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
+                        'row map compiled out and against the torch path, and above 64 tokens timed by stage')
     args = p.parse_args()
+    variants = {int(b): v for b, v in json.loads(args.variants).items()} if args.variants else {}
     baseline = None
     if args.baseline_module:
         import importlib.util
@@ -132,6 +139,33 @@ def main():
 
     def distinct_bytes(rs):
         return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
+
+    def time_variant(B, cfg, fields, xs, rs, bound_us, out_tuned):
+        """One config variant at batch B, all hot: µs (better of two graph medians), bitwise against
+        the row map compiled out and against the tuned config, error vs torch, and (above 64
+        tokens) cumulative stage times and the grouping alone."""
+        from coldset.kernels.triton_moe import group_pairs
+
+        cfg_v = KernelConfig.from_dict({**cfg.to_dict(), **fields})
+        out_v, out_o = [], []
+        us = min(graph_time_us(run_all(pools, xs, rs, cfg_v, True, out_v), args.reps) / L for _ in range(2))
+        graph_time_us(run_all(unmodified, xs, rs, cfg_v, False, out_o), 3)
+        errs = []
+        for l in range(L):
+            ref = torch_experts(pools, l, xs[l], *rs[l]).float()
+            errs.append(float((out_v[l].float() - ref).norm() / ref.norm()))
+        r = {"fields": fields, "config": cfg_v.to_dict(), "us": us, "pct_of_bound": 100 * bound_us / us,
+             "bitwise_rowmap_vs_off": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_o)),
+             "bitwise_vs_tuned": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_tuned)),
+             "max_rel_err_vs_torch": max(errs)}
+        if B > 64:
+            r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
+                                                           for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+            if not fields:
+                r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
+                                                 max(5, args.reps // 2)) / L
+        log("variant", B, {k: v for k, v in r.items() if k != "config"})
+        return r
 
     # --- autotune (the package's cache machinery), then the same call again: a hit
     batches = [int(b) for b in args.batches.split(",")]
@@ -201,11 +235,10 @@ def main():
         dflt_us = graph_time_us(run_all(pools, xs, rs, dflt), args.reps) / L
         base = {}
         if baseline is not None:
-            # the baseline's own fields only (an older kernel has no split_k / tile_order: it runs
-            # the same tiles unsplit, so its bits equal ours only where the config has split 1)
+            # the baseline's own fields only (an older kernel has no split_k / tile_order / half_buf:
+            # it runs the same tiles unsplit, so its bits equal ours only where those are off)
             known = set(baseline.KernelConfig.__dataclass_fields__)
-            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items()
-                                                    if k in known and (k != "pdl" or v <= 1)})
+            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k in known})
             out_base = []
 
             def base_fn():
@@ -237,80 +270,84 @@ def main():
             errs.append(float((out_on[l].float() - ref).norm() / ref.norm()))
         row.update({"bitwise_rowmap_vs_off": bit_off, "bitwise_cold_vs_hot": bit_cold, "max_rel_err_vs_torch": max(errs)})
         checks.append((B, bit_off, bit_cold, max(errs)))
+        if B in variants:
+            pools.set_row_map(all_hot_map)
+            row["variants"] = [time_variant(B, cfg, v, xs, rs, bound_us, out_on) for v in [{}] + variants[B]]
         rows.append(row)
         log("batch", B, {k: v for k, v in row.items() if k != "config"})
     res["batches"] = rows
 
-    # --- batch 1 stage breakdown (w13+act alone, + w2, + top-k sum), tuned config, all hot
-    xs, rs = make_case(1)
-    cfg1 = KernelConfig.from_dict(best_hot)
-    pools.set_row_map(all_hot_map)
-    stages = {}
-    for stop in (1, 2, 3):
-        stages[stop] = graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg1, True, stop)
-                                              for l in range(L)], args.reps) / L
-    res["batch1_stages_us"] = {"w13_act": stages[1], "w13_act+w2": stages[2], "all_three": stages[3],
-                               "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
-    log("stages", res["batch1_stages_us"])
-
-    # --- programmatic dependent launch off / with w2 prefetch / launch only, at batch 1, otherwise the tuned config (hot and cold)
-    pdl_ab = {}
-    for pdl in (0, 1, 2):
-        cfgp = KernelConfig.from_dict({**best_hot, "pdl": pdl})
-        pools.set_row_map(all_hot_map)
-        hot = [graph_time_us(run_all(pools, xs, rs, cfgp), args.reps) / L for _ in range(2)]
-        pools.set_row_map(all_cold_map)
-        cold = graph_time_us(run_all(pools, xs, rs, cfgp), max(5, args.reps // 3)) / L
-        pools.set_row_map(all_hot_map)
-        pdl_ab[pdl] = {"hot_us": min(hot), "hot_runs": hot, "cold_us": cold}
-    res["batch1_pdl_ab"] = pdl_ab
-    log("pdl a/b", pdl_ab)
-
-    # --- best decode config at batch 1 for hot, cold, off (from the sweep, if run)
-    r1 = {}
-    if sweep:
+    r1 = {}  # the sweep's winners at batch 1 (with --sweep)
+    if not args.no_batch1:
+        # --- batch 1 stage breakdown (w13+act alone, + w2, + top-k sum), tuned config, all hot
         xs, rs = make_case(1)
-        nbytes = distinct_bytes(rs)
-        for name, cfgd in (("best_hot", best_hot), ("best_cold", best_cold)):
-            cfg = KernelConfig.from_dict(cfgd)
-            pools.set_row_map(all_hot_map)
-            on = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
-            off = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
-            on2 = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
-            off2 = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
-            pools.set_row_map(all_cold_map)
-            cold = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
-            pools.set_row_map(all_hot_map)
-            r1[name] = {"config": cfgd, "hot_us": min(on, on2), "off_us": min(off, off2), "runs": [on, off, on2, off2],
-                        "cold_us": cold, "hot_pct_hbm": 100 * nbytes / (min(on, on2) * 1e-6) / hbm,
-                        "cold_pct_pinned": 100 * nbytes / (cold * 1e-6) / pinned,
-                        "rowmap_cost_pct": 100 * (min(on, on2) / min(off, off2) - 1)}
-        res["batch1_tuned"] = r1
-        log("batch1 tuned", r1)
+        cfg1 = KernelConfig.from_dict(best_hot)
+        pools.set_row_map(all_hot_map)
+        stages = {}
+        for stop in (1, 2, 3):
+            stages[stop] = graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg1, True, stop)
+                                                  for l in range(L)], args.reps) / L
+        res["batch1_stages_us"] = {"w13_act": stages[1], "w13_act+w2": stages[2], "all_three": stages[3],
+                                   "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
+        log("stages", res["batch1_stages_us"])
 
-    # --- mixed: 4 hot + 4 cold of the 8 selected, against the sum of the two parts (top-4 each)
-    cfg = KernelConfig.from_dict(best_cold)
-    xs, rs = make_case(1)
-    mixed_map = all_hot_map.clone()
-    for l in range(L):
-        for e in rs[l][0][0, 4:].tolist():
-            mixed_map[l, e] = -(l * E + e) - 1
-    hot_part = [(r[0][:, :4].contiguous(), r[1][:, :4].contiguous()) for r in rs]
-    cold_part = [(r[0][:, 4:].contiguous(), r[1][:, 4:].contiguous()) for r in rs]
-    pools.set_row_map(mixed_map)
-    out_mixed = []
-    mixed_us = graph_time_us(run_all(pools, xs, rs, cfg, True, out_mixed), max(5, args.reps // 3)) / L
-    pools.set_row_map(all_hot_map)
-    hot4_us = graph_time_us(run_all(pools, xs, hot_part, cfg), args.reps) / L
-    out_hot = []
-    graph_time_us(run_all(pools, xs, rs, cfg, True, out_hot), 3)
-    pools.set_row_map(all_cold_map)
-    cold4_us = graph_time_us(run_all(pools, xs, cold_part, cfg), max(5, args.reps // 3)) / L
-    pools.set_row_map(all_hot_map)
-    res["mixed"] = {"config": cfg.to_dict(), "mixed_us": mixed_us, "hot4_us": hot4_us, "cold4_us": cold4_us,
-                    "sum_parts_us": hot4_us + cold4_us, "mixed_over_sum": mixed_us / (hot4_us + cold4_us),
-                    "bitwise_mixed_vs_hot": all(torch.equal(a_, b_) for a_, b_ in zip(out_mixed, out_hot))}
-    log("mixed", res["mixed"])
+        # --- programmatic dependent launch off / with w2 prefetch / launch only, at batch 1, otherwise the tuned config (hot and cold)
+        pdl_ab = {}
+        for pdl in (0, 1, 2):
+            cfgp = KernelConfig.from_dict({**best_hot, "pdl": pdl})
+            pools.set_row_map(all_hot_map)
+            hot = [graph_time_us(run_all(pools, xs, rs, cfgp), args.reps) / L for _ in range(2)]
+            pools.set_row_map(all_cold_map)
+            cold = graph_time_us(run_all(pools, xs, rs, cfgp), max(5, args.reps // 3)) / L
+            pools.set_row_map(all_hot_map)
+            pdl_ab[pdl] = {"hot_us": min(hot), "hot_runs": hot, "cold_us": cold}
+        res["batch1_pdl_ab"] = pdl_ab
+        log("pdl a/b", pdl_ab)
+
+        # --- best decode config at batch 1 for hot, cold, off (from the sweep, if run)
+        if sweep:
+            xs, rs = make_case(1)
+            nbytes = distinct_bytes(rs)
+            for name, cfgd in (("best_hot", best_hot), ("best_cold", best_cold)):
+                cfg = KernelConfig.from_dict(cfgd)
+                pools.set_row_map(all_hot_map)
+                on = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+                off = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
+                on2 = graph_time_us(run_all(pools, xs, rs, cfg), args.reps) / L
+                off2 = graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L
+                pools.set_row_map(all_cold_map)
+                cold = graph_time_us(run_all(pools, xs, rs, cfg), max(5, args.reps // 3)) / L
+                pools.set_row_map(all_hot_map)
+                r1[name] = {"config": cfgd, "hot_us": min(on, on2), "off_us": min(off, off2), "runs": [on, off, on2, off2],
+                            "cold_us": cold, "hot_pct_hbm": 100 * nbytes / (min(on, on2) * 1e-6) / hbm,
+                            "cold_pct_pinned": 100 * nbytes / (cold * 1e-6) / pinned,
+                            "rowmap_cost_pct": 100 * (min(on, on2) / min(off, off2) - 1)}
+            res["batch1_tuned"] = r1
+            log("batch1 tuned", r1)
+
+        # --- mixed: 4 hot + 4 cold of the 8 selected, against the sum of the two parts (top-4 each)
+        cfg = KernelConfig.from_dict(best_cold)
+        xs, rs = make_case(1)
+        mixed_map = all_hot_map.clone()
+        for l in range(L):
+            for e in rs[l][0][0, 4:].tolist():
+                mixed_map[l, e] = -(l * E + e) - 1
+        hot_part = [(r[0][:, :4].contiguous(), r[1][:, :4].contiguous()) for r in rs]
+        cold_part = [(r[0][:, 4:].contiguous(), r[1][:, 4:].contiguous()) for r in rs]
+        pools.set_row_map(mixed_map)
+        out_mixed = []
+        mixed_us = graph_time_us(run_all(pools, xs, rs, cfg, True, out_mixed), max(5, args.reps // 3)) / L
+        pools.set_row_map(all_hot_map)
+        hot4_us = graph_time_us(run_all(pools, xs, hot_part, cfg), args.reps) / L
+        out_hot = []
+        graph_time_us(run_all(pools, xs, rs, cfg, True, out_hot), 3)
+        pools.set_row_map(all_cold_map)
+        cold4_us = graph_time_us(run_all(pools, xs, cold_part, cfg), max(5, args.reps // 3)) / L
+        pools.set_row_map(all_hot_map)
+        res["mixed"] = {"config": cfg.to_dict(), "mixed_us": mixed_us, "hot4_us": hot4_us, "cold4_us": cold4_us,
+                        "sum_parts_us": hot4_us + cold4_us, "mixed_over_sum": mixed_us / (hot4_us + cold4_us),
+                        "bitwise_mixed_vs_hot": all(torch.equal(a_, b_) for a_, b_ in zip(out_mixed, out_hot))}
+        log("mixed", res["mixed"])
 
     with open(f"{args.out}/kernel_bench.json", "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -323,12 +360,13 @@ def main():
     else:
         print(f"autotune: first call hit={at['first_hit']} {at['first_s']:.1f} s, second call hit={at['second_hit']} "
               f"{at['second_s']:.2f} s; key {at['key'][:16]}")
-    st = res["batch1_stages_us"]
-    ab = res["batch1_pdl_ab"]
-    print("batch 1, tuned tiles: " + "; ".join(f"pdl={p_}: hot {ab[p_]['hot_us']:.1f} µs cold {ab[p_]['cold_us']:.0f} µs"
+    st = res.get("batch1_stages_us")
+    ab = res.get("batch1_pdl_ab")
+    if ab:
+        print("batch 1, tuned tiles: " + "; ".join(f"pdl={p_}: hot {ab[p_]['hot_us']:.1f} µs cold {ab[p_]['cold_us']:.0f} µs"
                                                for p_ in sorted(ab)))
-    print(f"batch 1 stages (µs/layer): w13+act {st['w13_act']:.1f} ({st['w13_MB']:.0f} MB), +w2 {st['w13_act+w2']:.1f} "
-          f"({st['w2_MB']:.0f} MB), +sum {st['all_three']:.1f}")
+        print(f"batch 1 stages (µs/layer): w13+act {st['w13_act']:.1f} ({st['w13_MB']:.0f} MB), +w2 {st['w13_act+w2']:.1f} "
+              f"({st['w2_MB']:.0f} MB), +sum {st['all_three']:.1f}")
     print(f"HBM read {c['hbm_read_GBps']:.0f} GB/s; pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s; "
           f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print("\n| batch | distinct expert MB/layer | bound µs | Triton hot µs | hot GB/s (% HBM) | row map off µs | row-map cost | "
@@ -346,9 +384,10 @@ def main():
     for name, r in r1.items():
         print(f"\nbatch 1 {name} {r['config']}: hot {r['hot_us']:.1f} µs ({r['hot_pct_hbm']:.0f}% HBM), off {r['off_us']:.1f} µs "
               f"(row-map cost {r['rowmap_cost_pct']:+.1f}%), cold {r['cold_us']:.0f} µs ({r['cold_pct_pinned']:.0f}% pinned)")
-    m = res["mixed"]
-    print(f"\nmixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs hot part {m['hot4_us']:.1f} + cold part {m['cold4_us']:.0f} = "
-          f"{m['sum_parts_us']:.0f} µs (ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
+    m = res.get("mixed")
+    if m:
+        print(f"\nmixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs hot part {m['hot4_us']:.1f} + cold part {m['cold4_us']:.0f} = "
+              f"{m['sum_parts_us']:.0f} µs (ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
     # --- the largest batch's stages (prefill: where its time goes), after the JSON and the full table are written
     big = max(batches)
     if big > 64:
@@ -363,6 +402,21 @@ def main():
             json.dump(res, f, indent=1, default=str)
         print(f"\nbatch {big} stages (µs/layer, cumulative): grouping + w13 + act {sb[1]:.1f}, + w2 {sb[2]:.1f}, "
               f"+ top-k sum {sb[3]:.1f}")
+
+    for r in rows:
+        if "variants" not in r:
+            continue
+        print(f"\nbatch {r['batch']}: config variants (fields over the tuned config; all hot, µs/layer, better of two "
+              f"graph medians; stages cumulative: grouping + w13 + act, + w2, + sum)")
+        print("| fields | µs | % of bound | vs tuned | bitwise off | bitwise = tuned | rel err vs torch | stages µs | grouping µs |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for v in r["variants"]:
+            st = "/".join(f"{v['stages_us'][k]:.1f}" for k in (1, 2, 3)) if "stages_us" in v else "-"
+            print(f"| {json.dumps(v['fields']) if v['fields'] else 'tuned'} | {v['us']:.1f} | {v['pct_of_bound']:.0f}% | "
+                  f"{r['variants'][0]['us'] / v['us']:.3f}x | {v['bitwise_rowmap_vs_off']} | {v['bitwise_vs_tuned']} | "
+                  f"{v['max_rel_err_vs_torch']:.2e} | {st} | {v.get('grouping_us', float('nan')):.1f} |")
+        with open(f"{args.out}/kernel_bench.json", "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
     # last: the issue's table (tokens: µs, % of the bound of this run, ratio to vLLM's figure)
     print("\n| tokens | tuned config (block_m, n1, k1, n2, k2, warps, stages, slot_max_pairs, pdl, split_k1, split_k2, "

@@ -148,7 +148,9 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2),
                # split-K (H = 256 in 3 splits of 128: the third is empty) and the column-fastest order
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2, split_k1=2, split_k2=2),
-               KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1)]
+               KernelConfig(16, 16, 64, 16, 64, 4, 2, 1, 0, split_k1=3, split_k2=2, tile_order=1),
+               # the per-pair buffer in bf16 (the prefill option), with the column-fastest order
+               KernelConfig(32, 64, 32, 32, 32, 4, 3, 1, 3, tile_order=1, half_buf=1)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -170,22 +172,27 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
 @gpu
 @pytest.mark.parametrize("num_experts", [8, 60, 128])
 def test_group_pairs_equals_a_stable_torch_sort(num_experts):
-    """The one-launch grouping (up to GROUP_KERNEL_MAX_PAIRS pairs) gives a stable sort's permutation
-    and searchsorted's offsets, on both sides of the limit, with empty and crowded experts."""
+    """The grouping (one launch up to GROUP_KERNEL_MAX_PAIRS pairs, a chunked counting sort above)
+    gives a stable sort's permutation and searchsorted's offsets, on both sides of the limit, with
+    empty and crowded experts, with and without dependent launch."""
     from coldset.kernels.triton_moe import GROUP_KERNEL_MAX_PAIRS, group_pairs
 
     g = torch.Generator().manual_seed(num_experts)
-    sizes = [1, 2, 7, 32, 33, 100, 512, GROUP_KERNEL_MAX_PAIRS - 3, GROUP_KERNEL_MAX_PAIRS, GROUP_KERNEL_MAX_PAIRS + 1, 5000]
+    # one launch up to GROUP_KERNEL_MAX_PAIRS, then the chunked counting sort (GROUP_CHUNK = 1024):
+    # one chunk and a bit, whole chunks, 2,048 tokens x top-8, a ragged last chunk
+    sizes = [1, 2, 7, 32, 33, 100, 512, GROUP_KERNEL_MAX_PAIRS - 3, GROUP_KERNEL_MAX_PAIRS, GROUP_KERNEL_MAX_PAIRS + 1, 5000,
+             4096, 16384, 40001]
     for n in sizes:
         for crowded in (False, True):
             hi = max(1, num_experts // 8) if crowded else num_experts  # few experts: long runs of equal ids
             ids = torch.randint(0, hi, (n,), generator=g).cuda()
-            sorted_pairs, expert_off = group_pairs(ids, num_experts)
             sorted_ids, order = torch.sort(ids, stable=True)
             want_off = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device="cuda"))
-            assert sorted_pairs.dtype == expert_off.dtype == torch.int32
-            assert torch.equal(sorted_pairs.long(), order), (n, crowded)
-            assert torch.equal(expert_off.long(), want_off), (n, crowded)
+            for pdl in (False, True):
+                sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl)
+                assert sorted_pairs.dtype == expert_off.dtype == torch.int32
+                assert torch.equal(sorted_pairs.long(), order), (n, crowded, pdl)
+                assert torch.equal(expert_off.long(), want_off), (n, crowded, pdl)
 
 
 @gpu
@@ -208,7 +215,7 @@ def test_triton_split_k_and_tile_order(num_tokens):
     for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
         base = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max)
         for fields in ({}, dict(split_k1=2, split_k2=2, pdl=2), dict(split_k1=4, split_k2=3, pdl=1),
-                       dict(split_k1=3, split_k2=2)):
+                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k1=2, pdl=3)):
             outs = {}
             for order in (0, 1):
                 cfg = KernelConfig(**{**base.to_dict(), **fields, "tile_order": order})
@@ -233,6 +240,10 @@ def test_triton_refuses_bad_split_and_order():
         triton_experts(pools, 0, x, ids, w, KernelConfig(tile_order=2))
     with pytest.raises(ValueError, match="split_k1, split_k2 must be >= 1"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(split_k2=0))
+    with pytest.raises(ValueError, match="half_buf must be 0 or 1"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(half_buf=2))
+    with pytest.raises(ValueError, match="half_buf=1 needs split_k2=1"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(half_buf=1, split_k2=2))
 
 
 @gpu
@@ -241,13 +252,13 @@ def test_triton_refuses_unknown_pdl_mode():
 
     w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
     x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="pdl must be 0, 1 or 2"):
-        triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=3))
+    with pytest.raises(ValueError, match="pdl must be 0, 1, 2 or 3"):
+        triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=4))
 
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [2, 40])
-@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (0, 2, 1), (2, 2, 0)])
+@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 1), (0, 2, 1), (2, 2, 0)])
 def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     from functools import partial
 
@@ -305,6 +316,56 @@ def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     w2s[layer, [e0, e1]] = w2[layer, [e1, e0]]
     ref = torch_experts(ExpertPools.all_hot(w13s.cuda(), w2s.cuda()), layer, x, ids, w)
     assert rel_err(static_out, ref.double().cpu()) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
+    """With pdl 3 every launch, the w13 kernel's (and the grouping's) included, is a programmatic
+    dependent launch that may start before the kernel before it ends, so it must wait before
+    reading anything that kernel writes (with pdl 1 and 2 the first launch is a plain one). The
+    kernel before is a late writer here: it releases dependents at once and writes x, the ids, the
+    routing weights and the row map only after 500 µs, over stale contents (other tokens, other
+    experts, a row map pointing every expert at its neighbour's rows). Every pdl mode must give
+    pdl 0's bits, for hot, cold and mixed maps, in both grouping modes; a launch that read before
+    waiting would see the stale inputs. Each config runs once first, so that compiling it does not
+    hold its launch back past the delay."""
+    from late_writer import late_copy
+
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    E, H, I, K, L = 32, 256, 128, 4, 2
+    dtype = torch.bfloat16
+    w13, w2 = make_weights(L, E, H, I, dtype, seed=31)
+    pools = _dup_pools(w13, w2)
+    x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=32, device="cuda")
+    x_old, ids_old, w_old = make_routing(num_tokens, E, K, H, dtype, seed=33, device="cuda")
+    layer = 1
+    n = L * E
+    idx = np.arange(n).reshape(L, E)
+    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
+    ref = float64_experts(w13, w2, layer, x, ids, w)
+    for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
+        outs = {}
+        for pdl in (0, 1, 2, 3):
+            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
+            triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
+            for name, m in maps.items():
+                real = torch.as_tensor(m.astype(np.int32)).cuda()
+                pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
+                x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
+                torch.cuda.synchronize()
+                late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)], delay_us=500.0)
+                out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
+                torch.cuda.synchronize()
+                assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+                outs[(pdl, name)] = out
+        base = outs[(0, "hot")]
+        assert rel_err(base, ref) < 1e-2  # pdl 0 waited for the writer: the real inputs
+        stale = triton_experts(pools, layer, x_old, ids_old, w_old, KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max))
+        assert not torch.equal(stale, base)  # stale inputs would be seen
+        for key, out in outs.items():
+            assert torch.equal(out, base), (slot_max, key)
 
 
 # ---------------------------------------------------------------- layouts (issue 13, item 1) ---

@@ -6,11 +6,18 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    that expert times the gate and up rows of w13, then SiLU(gate) * up, written to a per-pair
    activation scratch ``[T*k, I]`` in the activation dtype;
 2. ``_w2_kernel``: for each (expert, block of ``block_n2`` rows of H), that scratch times w2,
-   scaled by the routing weight, written (fp32) to a per-pair buffer ``[T*k, H]``;
+   scaled by the routing weight, written (fp32; with ``half_buf`` in the activation dtype) to a
+   per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
 With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
-one before still runs and wait on the grid dependency before reading its output.
+one before still runs and wait on the grid dependency before reading its output; with ``pdl=3``
+the first launch (and the grouping's) too: it starts while whatever kernel came before still runs
+(the router, a cache update: unknown here) and waits on it before reading anything. Measured at
+Qwen3-30B-A3B shapes on the H200 (BENCHMARKS.md, issue 13 sixth session) that early first launch
+took 0.2-0.4 µs off a layer alone but did not speed the decode step up (the router releases its
+dependents at its start, so the w13 blocks sit resident from before the router's own wait), so
+the tuned decode configs keep ``pdl=2``.
 
 With ``split_k1`` / ``split_k2`` > 1 (split-K, for small batches where one block per column slice
 leaves too few bytes in flight) step 1 writes fp32 partial gate and up sums per split instead of
@@ -40,10 +47,11 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
   preparation at all, so a decode step is exactly three launches;
 - ``MODE_SORTED`` (larger batches, prefill): the pairs grouped by expert (the order of a stable
   sort of their expert ids, and each expert's range: :func:`group_pairs`, one launch up to
-  ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch's sort above); grid dimension 0 is the *tiles*, one per
-  (expert, chunk of block_m pairs), numbered expert by expert inside the kernel (an in-register
-  prefix sum over the per-expert counts, no host sync), so an expert's chunks run side by side and
-  share its weight slices through L2; the grid is sized for the most tiles T*k pairs can need.
+  ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above: a counting sort over chunks); grid dimension 0 is
+  the *tiles*, one per (expert, chunk of block_m pairs), numbered expert by expert inside the
+  kernel (an in-register prefix sum over the per-expert counts, no host sync), so an expert's
+  chunks run side by side and share its weight slices through L2; the grid is sized for the most
+  tiles T*k pairs can need.
 """
 
 from __future__ import annotations
@@ -67,9 +75,12 @@ MODE_SLOTS = 0
 MODE_SORTED = 1
 
 # Up to this many (token, rank) pairs the sorted grouping is one launch of _group_pairs_kernel
-# (one block: a bitonic sort and a histogram in registers); above it, torch's sort and searchsorted
-# (about five launches: cheap next to a prefill's GEMMs, not next to a decode step's).
+# (one block: a bitonic sort and a histogram in registers); above it, two launches of a counting sort
+# over chunks of GROUP_CHUNK pairs (_group_count_kernel, _group_scatter_kernel). Both replace
+# torch's stable sort + searchsorted, which took 88 µs of a 650 µs layer at 2,048 tokens
+# (BENCHMARKS.md, issue 13 sixth session); the two launches took 12.7 µs.
 GROUP_KERNEL_MAX_PAIRS = 1024
+GROUP_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -80,14 +91,18 @@ class KernelConfig:
     of w13's rows); ``block_k1``: slice of H per step; ``block_n2``: rows of H per block in the w2
     step; ``block_k2``: slice of I per step; ``num_warps``/``num_stages``: as in Triton;
     ``slot_max_pairs``: up to this many (token, rank) pairs (and at most E) the tokens are grouped
-    inside the kernel (``MODE_SLOTS``, no host preparation), above it by a torch sort
-    (``MODE_SORTED``). Both give the same pair order and chunking, so the choice changes speed,
-    not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
+    inside the kernel (``MODE_SLOTS``, no host preparation), above it by a sort on the device
+    (``MODE_SORTED``, :func:`group_pairs`). Both give the same pair order and chunking, so the
+    choice changes speed, not results. ``pdl``: 1 launches the w2 and sum kernels with programmatic dependent launch
     (Hopper): the w2 blocks start while the w13 blocks still run, stream their weight slice into
     L2 (kept with evict_last while w13's once-read weights go evict_first), then wait for the
     activations; the arithmetic is unchanged, so results are the same bits as with ``pdl=0``.
     ``pdl=2``: the same early launch of the w2 and sum kernels without the prefetch (their blocks
     look up their expert and wait): it hides the launch gaps only, and reads each weight once.
+    ``pdl=3``: as 2, and the grouping and w13 launches are dependent launches as well: their
+    blocks start while the kernel before them (any kernel) still runs and wait for it before
+    reading anything; the w13 blocks let the w2 kernel launch only after that wait (w2 looks up
+    ids and the row map before its own wait). The same bits again.
 
     ``split_k1`` / ``split_k2``: split-K, the reduction dimension of w13 (H) / of w2 (I) cut into
     that many ranges of whole ``block_k`` steps, one block each, so a small batch runs more blocks
@@ -100,6 +115,11 @@ class KernelConfig:
     grid with GROUP_SIZE_M=1): at prefill the gathered activation tile is then read from HBM once
     and shared through L2 by its column blocks instead of once per column block. It changes the
     order blocks are scheduled in, not any block's arithmetic: the same bits either way.
+    ``half_buf``: 1 has the w2 kernel write each (token, rank) product rounded to the activation
+    dtype (bf16 / fp16, as vLLM's intermediate cache) instead of fp32; the top-k sum still adds in
+    fp32 in rank order. It halves the per-pair buffer's bytes (at 2,048 tokens of Qwen3-30B-A3B
+    134 -> 67 MB written and read back) and rounds each product once more: a config's bits depend
+    on it, never on the placement (the autotuner's torch-path check bounds its error like any other).
     """
 
     block_m: int = 16
@@ -114,6 +134,7 @@ class KernelConfig:
     split_k1: int = 1
     split_k2: int = 1
     tile_order: int = 0
+    half_buf: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,9 +150,11 @@ class KernelConfig:
 # decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
 # 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU. The
 # prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
-# tokens in one autotune run; the same bits either way).
+# tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
+# activation dtype (half_buf=1: 491.6 against 562.9 µs at 2048 tokens in one kernel_bench run, error
+# against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
@@ -141,15 +164,20 @@ def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
 
 @triton.jit
 def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
-                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr):
+                        E: tl.constexpr, EP1: tl.constexpr, NP: tl.constexpr, USE_GDC: tl.constexpr):
     """Pairs grouped by expert in one block: the same permutation as a stable sort of the ids, and
     the same offsets as searchsorted(sorted ids, 0..E) (expert e's pairs are sorted_pairs[off[e]:off[e+1]]).
 
     The sort key ``expert * NP + pair`` is unique and orders pairs of one expert by pair index,
     which is what a stable sort gives; pads carry expert E and sort after every real pair. Ids
-    outside [0, E) are moved to E as well: no expert's range includes them (as with torch's sort,
-    where they fall outside every range too) and the histogram never indexes past its bins.
+    outside [0, E) are moved to E as well: no expert's range includes them and the histogram
+    never indexes past its bins.
+    ``USE_GDC``: launched as a dependent of the kernel before (which may write the ids): wait for
+    it, then let the w13 kernel launch (which waits on this one in turn).
     """
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, NP)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
@@ -159,6 +187,60 @@ def _group_pairs_kernel(ids_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs,
     counts = tl.histogram(ids, EP1)  # bins 0..E-1 real, bin E the pads
     offs_e = tl.arange(0, EP1)
     tl.store(expert_off_ptr + offs_e, tl.cumsum(counts, 0) - counts, mask=offs_e <= E)
+
+
+@triton.jit
+def _group_count_kernel(ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, EP1: tl.constexpr, CH: tl.constexpr,
+                        USE_GDC: tl.constexpr):
+    """counts[c, e]: how many of chunk c's pairs (c * CH .. c * CH + CH - 1) chose expert e; bin E
+    holds ids outside [0, E) and the last chunk's pads."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    offs = c * CH + tl.arange(0, CH)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    tl.store(counts_ptr + c * EP1 + tl.arange(0, EP1), tl.histogram(ids, EP1))
+
+
+@triton.jit
+def _group_scatter_kernel(ids_ptr, counts_ptr, scratch_ptr, sorted_pairs_ptr, expert_off_ptr, num_pairs, num_chunks,
+                          E: tl.constexpr, EP1: tl.constexpr, CH: tl.constexpr, USE_GDC: tl.constexpr):
+    """Chunk c's pairs to their places in the stable grouping: expert e's range starts after every
+    pair of experts 0..e-1 (offsets, written by chunk 0), then come its pairs of chunks 0..c-1,
+    then chunk c's own in pair order (its rank among the chunk's pairs of e, from the same sort
+    key as :func:`_group_pairs_kernel`). So the result is the one-launch kernel's: a stable sort's
+    permutation and searchsorted's offsets, for any number of pairs."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()  # the w13 kernel waits on this one before reading anything
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, EP1)
+    total = tl.zeros((EP1,), dtype=tl.int32)
+    before = tl.zeros((EP1,), dtype=tl.int32)
+    for cc in range(0, num_chunks):  # every chunk's counts, in chunk order
+        row = tl.load(counts_ptr + cc * EP1 + offs_e)
+        total += row
+        before += tl.where(cc < c, row, 0)
+    total = tl.where(offs_e < E, total, 0)  # bin E (invalid ids, pads) goes after every expert
+    start = tl.cumsum(total, 0) - total  # expert e's first position; start[E]: the invalid ids'
+    mine = tl.load(counts_ptr + c * EP1 + offs_e)
+    local = tl.cumsum(mine, 0) - mine  # where e's pairs start in this chunk's sorted order
+    if c == 0:
+        tl.store(expert_off_ptr + offs_e, start, mask=offs_e <= E)
+    # position of the j-th of the chunk's sorted pairs = (start + before - local)[its expert] + j:
+    # a per-expert table gathered by expert id, through this block's scratch row
+    tl.store(scratch_ptr + c * EP1 + offs_e, start + before - local)
+    tl.debug_barrier()
+    offs = tl.arange(0, CH)
+    ids = tl.load(ids_ptr + c * CH + offs, mask=c * CH + offs < num_pairs, other=E).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    key = tl.sort(ids * CH + offs)
+    expert = key // CH
+    pair = c * CH + key % CH
+    dest = tl.load(scratch_ptr + c * EP1 + expert) + offs
+    tl.store(sorted_pairs_ptr + dest, pair, mask=pair < num_pairs)
 
 
 @triton.jit
@@ -275,12 +357,20 @@ def _w13_act_kernel(
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr, WAIT: tl.constexpr,
 ):
-    if USE_GDC:
-        gdc_launch_dependents()  # the w2 kernel may start now (and, with PREFETCH, prefetch its weights)
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
+    if WAIT:
+        # Launched as a dependent of whatever kernel came before (the router, the grouping, a
+        # cache update: unknown here): everything this block reads below (ids, sorted pairs, the
+        # row map, x, weights) may be that kernel's output, so wait for its grid first; only the
+        # block numbering above depends on launch arguments alone. Then let the w2 kernel start:
+        # not earlier, since it looks up ids and the row map before its own wait.
+        gdc_wait()
+        gdc_launch_dependents()
+    elif USE_GDC:
+        gdc_launch_dependents()  # a plain launch: its inputs are complete; the w2 kernel may start now
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -410,7 +500,8 @@ def _w2_kernel(
         wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         row = pid_s * num_pairs + pair64  # [split, pair, H]
-        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_ok[None, :])
         c += BM
 
 
@@ -425,7 +516,7 @@ def _sum_topk_kernel(buf_ptr, out_ptr, num_pairs, H: tl.constexpr, TOPK: tl.cons
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in tl.static_range(TOPK):  # fixed order over ranks, then w2's splits: deterministic
         for s in tl.static_range(SPLIT):
-            acc += tl.load(buf_ptr + (s * num_pairs + t * TOPK + r) * H + offs, mask=ok, other=0.0)
+            acc += tl.load(buf_ptr + (s * num_pairs + t * TOPK + r) * H + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -433,23 +524,38 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair indices grouped by expert, ascending within an expert; per-expert offsets ``[E + 1]``), int32.
 
     The order of a stable sort of ``ids`` (flattened ``topk_ids``) and the offsets of
-    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, torch above.
-    Both give the same tensors, so which one runs never changes the experts' output.
+    searchsorted over it: one Triton launch up to ``GROUP_KERNEL_MAX_PAIRS`` pairs, two above (a
+    counting sort over chunks of ``GROUP_CHUNK`` pairs). Both give the same tensors, so which one
+    runs never changes the experts' output. Ids outside [0, E) are in no expert's range (placed
+    after every expert's pairs). ``pdl``: the launches are programmatic dependent launches
+    (Hopper; the experts' configs with pdl=3).
     """
     num_pairs = ids.numel()
     if num_pairs <= GROUP_KERNEL_MAX_PAIRS:
         sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
         expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
         _group_pairs_kernel[(1,)](ids, sorted_pairs, expert_off, num_pairs, E=num_experts,
-                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), num_warps=4)
+                                  EP1=_next_pow2(num_experts + 1), NP=_next_pow2(num_pairs), USE_GDC=pdl,
+                                  num_warps=4, launch_pdl=pdl)
         return sorted_pairs, expert_off
-    sorted_ids, order = torch.sort(ids, stable=True)
-    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
-    return order.to(torch.int32), torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    if num_pairs >= 2**31 - GROUP_CHUNK or (num_experts + 1) * GROUP_CHUNK >= 2**31:
+        raise ValueError(f"group_pairs: {num_pairs} pairs of {num_experts} experts overflow the int32 sort keys")
+    ep1 = _next_pow2(num_experts + 1)
+    chunks = triton.cdiv(num_pairs, GROUP_CHUNK)
+    counts = torch.empty((chunks, ep1), dtype=torch.int32, device=ids.device)
+    scratch = torch.empty((chunks, ep1), dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    expert_off = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    _group_count_kernel[(chunks,)](ids, counts, num_pairs, E=num_experts, EP1=ep1, CH=GROUP_CHUNK, USE_GDC=pdl,
+                                   num_warps=4, launch_pdl=pdl)
+    _group_scatter_kernel[(chunks,)](ids, counts, scratch, sorted_pairs, expert_off, num_pairs, chunks,
+                                     E=num_experts, EP1=ep1, CH=GROUP_CHUNK, USE_GDC=pdl, num_warps=4,
+                                     launch_pdl=pdl)
+    return sorted_pairs, expert_off
 
 
 def triton_experts(
@@ -512,6 +618,20 @@ def triton_experts(
         ids = ids.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     device = x.device
+    c = config
+    if c.pdl not in (0, 1, 2, 3):
+        raise ValueError(f"triton_experts: config pdl must be 0, 1, 2 or 3, got {c.pdl}")
+    if c.tile_order not in (0, 1):
+        raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
+    if c.half_buf not in (0, 1):
+        raise ValueError(f"triton_experts: config half_buf must be 0 or 1, got {c.half_buf}")
+    if c.half_buf and c.split_k2 > 1:  # split partial sums rounded to 16 bits each: not a config to offer
+        raise ValueError("triton_experts: config half_buf=1 needs split_k2=1 (w2's split partial sums stay fp32)")
+    if min(c.split_k1, c.split_k2) < 1:
+        raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
+    pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
+    if pdl and gdc_wait is None:
+        raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     if num_pairs <= min(num_experts, config.slot_max_pairs):
         mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
         sorted_pairs = expert_off = ids  # unused in this mode
@@ -519,20 +639,10 @@ def triton_experts(
         # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
         mode, np_ = MODE_SORTED, 1
         slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts, first)
     w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
     w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
     ep = _next_pow2(num_experts)
-    c = config
-    if c.pdl not in (0, 1, 2):
-        raise ValueError(f"triton_experts: config pdl must be 0, 1 or 2, got {c.pdl}")
-    if c.tile_order not in (0, 1):
-        raise ValueError(f"triton_experts: config tile_order must be 0 or 1, got {c.tile_order}")
-    if min(c.split_k1, c.split_k2) < 1:
-        raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
-    pdl, prefetch = c.pdl > 0, c.pdl == 1
-    if pdl and gdc_wait is None:
-        raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
     s1, s2 = c.split_k1, c.split_k2
     if max(s1 * 2 * inter, s2 * hidden) * num_pairs >= 2**31:  # the split buffers' offsets are int32 inside the kernels
         raise ValueError(f"triton_experts: split_k1={s1}, split_k2={s2} at {num_pairs} pairs needs a buffer past "
@@ -542,7 +652,7 @@ def triton_experts(
     ks2 = triton.cdiv(triton.cdiv(inter, s2), c.block_k2) * c.block_k2
     act = torch.empty((num_pairs if s1 == 1 else 1, inter), dtype=x.dtype, device=device)
     part = torch.empty((s1, num_pairs, 2 * inter) if s1 > 1 else (1,), dtype=torch.float32, device=device)
-    buf = torch.empty((s2, num_pairs, hidden), dtype=torch.float32, device=device)
+    buf = torch.empty((s2, num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
     nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
 
     def grid(nb, splits):
@@ -556,8 +666,8 @@ def triton_experts(
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s1, KS=ks1, ORDER=c.tile_order,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
     )
     if _stop_after < 2:
         return out
