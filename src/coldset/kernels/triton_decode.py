@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import record_group
+from coldset.kernels.triton_slots import group_scalars, record_group
 
 
 @dataclass(frozen=True)
@@ -556,6 +556,8 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
+        if RECORD:  # a slot cache's scalars, loaded while the logits are ranked
+            scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
         # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
         # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
         offs = tl.arange(0, EP)
@@ -588,8 +590,8 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             tok = pos // KP
             rank = pos % KP
             record_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer,
-                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
-                          hist_cap, new_ptr, m_ptr, E)
+                         row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
+                         hist_cap, new_ptr, m_ptr, scalars, E)
 
 
 def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,

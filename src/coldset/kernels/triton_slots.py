@@ -80,10 +80,12 @@ def _group_keys(ids, sel, valid, layer, row_map_ptr, E: tl.constexpr):
     inst = layer * E + ids
     rows = tl.load(row_map_ptr + inst, mask=valid, other=-1)
     hit = valid & (rows >= 0)
-    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-    first = valid & (tl.sum((same & (sel[None, :] < sel[:, None])).to(tl.int32), axis=1) == 0)
-    last = valid & (tl.sum((same & (sel[None, :] > sel[:, None])).to(tl.int32), axis=1) == 0)
+    e32 = ids.to(tl.int32)  # expert ids < E: a 32-bit compare
+    same = (e32[:, None] == e32[None, :]) & valid[:, None] & valid[None, :]
     occ = tl.sum(same.to(tl.int32), axis=1)
+    before = tl.sum((same & (sel[None, :] < sel[:, None])).to(tl.int32), axis=1)
+    first = valid & (before == 0)
+    last = valid & (before == occ - 1)  # every other occurrence comes before it
     missed = first & (rows < 0)
     m = tl.sum(missed.to(tl.int32), axis=0)
     rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
@@ -91,21 +93,28 @@ def _group_keys(ids, sel, valid, layer, row_map_ptr, E: tl.constexpr):
 
 
 @triton.jit
+def group_scalars(tick_ptr, totals_ptr, groups_ptr):
+    """The cache's scalars a group record updates: ``(tick, hits, missed selections, fills, groups)``.
+    Loaded apart from :func:`record_group` so that a caller can issue them early (the router's
+    last program loads them before it ranks the logits: their latency hides behind the ranking)."""
+    return (tl.load(tick_ptr), tl.load(totals_ptr), tl.load(totals_ptr + 1), tl.load(totals_ptr + 2),
+            tl.load(groups_ptr))
+
+
+@triton.jit
 def record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
-                  history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, E: tl.constexpr):
+                 history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, scalars, E: tl.constexpr):
     """lru/lfu's decisions for one group up to the victims: hits and misses, the group's recency
     (its ticks ``t0 + sel`` are the newest: how the victim choice tells the group's own residents
     apart) and use counts, the counters and the group's history row, and the missed instances in
-    selection order into ``new_ptr[:m]`` with ``m`` into ``m_ptr``. Returns ``(t0, m)``.
-    The victims and the row-map writes are :func:`_choose_victims`' (in the same program, or in
-    the fill's blocks when the router's launch records the group)."""
-    t0 = tl.load(tick_ptr)
-    tot_hits = tl.load(totals_ptr)
-    tot_misses = tl.load(totals_ptr + 1)
-    tot_fills = tl.load(totals_ptr + 2)
-    g = tl.load(groups_ptr)
+    selection order into ``new_ptr[:m]`` with ``m`` into ``m_ptr``. ``scalars``:
+    :func:`group_scalars`' values. Returns ``(t0, m)``. The victims and the row-map writes are
+    :func:`_choose_victims`' (in the same program, or in the fill's blocks when the router's
+    launch records the group)."""
+    t0, tot_hits, tot_misses, tot_fills, g = scalars
+    # both gathers first, side by side: one round trip to L2 for the group
+    old_cnt = tl.load(count_ptr + layer * E + ids, mask=valid, other=0.0)
     inst, hit, first, last, occ, missed, m, rank = _group_keys(ids, sel, valid, layer, row_map_ptr, E)
-    old_cnt = tl.load(count_ptr + inst, mask=first, other=0.0)
     tl.debug_barrier()  # every lane has read the old counts before any is overwritten
     tl.store(last_use_ptr + inst, t0 + sel, mask=last)
     tl.store(count_ptr + inst, old_cnt + occ.to(tl.float64), mask=first)
@@ -188,7 +197,8 @@ def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, coun
         w = tl.load(w_ptr + offs, mask=valid, other=0.0)
         tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
     t0, m = record_group(ids, offs, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr,
-                          totals_ptr, history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, E)
+                         totals_ptr, history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr,
+                         group_scalars(tick_ptr, totals_ptr, groups_ptr), E)
     if m > 0:
         tl.debug_barrier()  # the group's recency and the missed list are visible to every lane
         slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU, CP, MV)
@@ -198,6 +208,16 @@ def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, coun
 def pdl_available(device: torch.device) -> bool:
     """Whether :func:`decide` and :func:`fill` can run as a programmatic dependent pair on ``device``."""
     return gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _casts(name: str, n: int, weights, weights_out) -> bool:
+    """Whether a decisions launch casts router weights (given), checking their layout."""
+    if weights is None:
+        return False
+    if not (weights.is_contiguous() and weights_out.is_contiguous() and weights.numel() == n == weights_out.numel()):
+        raise ValueError(f"{name}: weights ({tuple(weights.shape)}) and weights_out "
+                         f"({tuple(weights_out.shape)}) must be contiguous with one entry per selection ({n})")
+    return True
 
 
 def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = None,
@@ -210,11 +230,7 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
     n = ids.numel()
     cap = cache.capacity
     cp = _next_pow2(cap)
-    cast = weights is not None
-    if cast and not (weights.is_contiguous() and weights_out.is_contiguous()
-                     and weights.numel() == n == weights_out.numel()):
-        raise ValueError(f"decide: weights ({tuple(weights.shape)}) and weights_out "
-                         f"({tuple(weights_out.shape)}) must be contiguous with one entry per selection ({n})")
+    cast = _casts("decide", n, weights, weights_out)
     _decide_kernel[(1,)](
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
@@ -468,11 +484,7 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     n = ids.numel()
     cap = cache.capacity
     cp = _next_pow2(cap)
-    cast = weights is not None
-    if cast and not (weights.is_contiguous() and weights_out.is_contiguous()
-                     and weights.numel() == n == weights_out.numel()):
-        raise ValueError(f"decide_ahead: weights ({tuple(weights.shape)}) and weights_out "
-                         f"({tuple(weights_out.shape)}) must be contiguous with one entry per selection ({n})")
+    cast = _casts("decide_ahead", n, weights, weights_out)
     E = cache.pools.num_experts
     k = cache.top_k
     ahead = logits is not None
