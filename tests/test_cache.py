@@ -1,4 +1,4 @@
-"""The cache simulator against brute-force references of /work/coord/CACHE_SEMANTICS.md."""
+"""The cache simulator against brute-force references of its semantics (coldset.cache's module doc)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The engine's slot cache (coldset.slots) against the trace simulator (coldset.cache) and a
-brute-force reference of the cache semantics (/work/coord/CACHE_SEMANTICS.md), and its parity with
+brute-force reference of the cache semantics (coldset.cache's module doc), and its parity with
 the unmodified path."""
 
 import os

@@ -7,8 +7,8 @@ so a user can compare static and dynamic placement at the same HBM budget on the
 before touching a GPU, and so the engine's slot cache (CUDA) can be checked step by step against
 an independent implementation of the same rules.
 
-Semantics (``/work/coord/CACHE_SEMANTICS.md``, restated here because this module is its
-reference implementation):
+Semantics (this module is their reference implementation; the engine's slot cache,
+:mod:`coldset.slots`, follows the same rules):
 
 - Instance = (MoE-layer index, expert), id ``moe_layer_index * E + expert`` (the row-map row,
   not the model's layer index).

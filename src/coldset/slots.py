@@ -8,8 +8,8 @@ unchanged: it loads the row map once per block, so a dynamic run is bitwise the 
 as long as every slot the row map names holds the expert it names.
 
 After each MoE layer's router has run, :meth:`SlotCache.admit` makes the cache's decisions for
-that (step, layer) group exactly as /work/coord/CACHE_SEMANTICS.md says (the simulator in
-:mod:`coldset.cache` implements the same rules on traces):
+that (step, layer) group by the rules of :mod:`coldset.cache`'s module doc (the simulator, which
+implements the same rules on traces):
 
 - hits and misses per selection (an instance is resident iff its row-map entry is ``>= 0``);
 - victims: the resident instances *not used by this group* (the hazard guard: a slot the same
