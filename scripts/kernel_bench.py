@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -76,6 +77,7 @@ def main():
                         'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
                         'row map compiled out and against the torch path, and above 64 tokens timed by stage')
     args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # the JSON is written there along the way
     variants = {int(b): v for b, v in json.loads(args.variants).items()} if args.variants else {}
     baseline = None
     if args.baseline_module:
@@ -249,6 +251,13 @@ def main():
         row = {"batch": B, "config": cfg.to_dict(), "default_config_us": dflt_us, "distinct_expert_MB": nbytes / 1e6, "bound_us": bound_us,
                "hot_us": min(on_us, on2_us), "hot_us_runs": [on_us, on2_us], "off_us": min(off_us, off2_us),
                "off_us_runs": [off_us, off2_us], **base}
+        if B <= 64:
+            # The read ceiling at this size: L launches each streaming nbytes of the hot pool (the
+            # graph's layers read as much, once each), best of three read shapes.
+            part = int(nbytes) // w13_hot.element_size()
+            sized = max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
+            row["sized_read_GBps"] = sized / 1e9
+            row["pct_of_sized_read"] = 100 * nbytes / sized / (row["hot_us"] * 1e-6)
         if B in VLLM_H200_US:
             row["vllm_notes_us"] = VLLM_H200_US[B]
             row["speed_vs_vllm"] = VLLM_H200_US[B] / row["hot_us"]
@@ -426,6 +435,11 @@ def main():
         cfg_s = ", ".join(str(v) for v in r["config"].values())
         vllm = f"{r['vllm_notes_us']} | {r['speed_vs_vllm']:.2f}x" if "speed_vs_vllm" in r else "- | -"
         print(f"| {r['batch']} | {cfg_s} | {r['hot_us']:.1f} | {100 * r['bound_us'] / r['hot_us']:.0f}% | {vllm} |")
+    for r in rows:
+        if "sized_read_GBps" in r:
+            print(f"batch {r['batch']}: a read of {r['distinct_expert_MB']:.1f} MB a launch streams at "
+                  f"{r['sized_read_GBps']:.0f} GB/s ({100 * r['sized_read_GBps'] * 1e9 / hbm:.0f}% of the "
+                  f"{hbm / 1e9:.0f} GB/s of a whole-pool read); the kernel reaches {r['pct_of_sized_read']:.0f}% of it")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,25 @@ def _read_kernel(ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
-def read_bandwidth(buf: torch.Tensor, block: int = 4096, iters: int = 4, reps: int = 20) -> float:
+def read_bandwidth(buf: torch.Tensor, block: int = 4096, iters: int = 4, reps: int = 20, launches: int = 1) -> float:
     """Bytes/s of one streaming read of ``buf`` (flattened; device or pinned host memory), the
-    median of ``reps`` CUDA-graph replays. Fill ``buf`` with real data first: zeros can read faster."""
+    median of ``reps`` CUDA-graph replays. Fill ``buf`` with real data first: zeros can read faster.
+
+    ``launches`` > 1: ``buf`` is read as that many equal consecutive parts, one launch each, in one
+    graph, and the rate is that of one launch of one part: the ceiling of a read the size of one
+    part (a kernel that reads 75 MB a launch meets the launch's ramp and tail, which a read of
+    gigabytes hides), each launch on bytes the one before did not touch (not served from L2)."""
     flat = buf.reshape(-1)
-    n = flat.numel()
+    n = flat.numel() // launches
+    if n == 0:
+        raise ValueError(f"read_bandwidth: {flat.numel()} elements cannot be read in {launches} launches")
     grid = triton.cdiv(n, block * iters)
     out = torch.empty(grid, dtype=torch.float32, device="cuda")
-    us = graph_time_us(lambda: _read_kernel[(grid,)](flat, out, n, BLOCK=block, ITERS=iters, num_warps=8), reps)
+    parts = [flat[i * n:(i + 1) * n] for i in range(launches)]
+
+    def read():
+        for part in parts:
+            _read_kernel[(grid,)](part, out, n, BLOCK=block, ITERS=iters, num_warps=8)
+
+    us = graph_time_us(read, reps) / launches
     return n * flat.element_size() / (us * 1e-6)
