@@ -134,6 +134,32 @@ def record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr
 
 
 @triton.jit
+def _least_keys(key, cnt, own, m, LFU: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
+    """The ``m`` lanes of smallest ``key`` (int64 ``[CP]``, barred lanes ``INT64_MAX``; ``LFU``:
+    smallest ``(cnt, key)``, barred counts infinite), ties to the lowest lane, as ``(slots,
+    owners)`` int64 ``[MV]`` (lane ``j < m`` = the ``j``-th pick; ``own`` the lanes' owners)."""
+    offs_c = tl.arange(0, CP)
+    jv = tl.arange(0, MV)
+    slots = tl.zeros((MV,), dtype=tl.int64)
+    olds = tl.zeros((MV,), dtype=tl.int64)
+    for j in range(0, MV):
+        if j < m:
+            if LFU:
+                k = tl.where(cnt == tl.min(cnt, axis=0), key, _INT64_MAX)
+            else:
+                k = key
+            s = tl.min(tl.where(k == tl.min(k, axis=0), offs_c, CP), axis=0)
+            pick = offs_c == s
+            old = tl.sum(tl.where(pick, own, 0), axis=0)
+            key = tl.where(pick, _INT64_MAX, key)
+            if LFU:
+                cnt = tl.where(pick, float("inf"), cnt)
+            slots = tl.where(jv == j, s.to(tl.int64), slots)
+            olds = tl.where(jv == j, old, olds)
+    return slots, olds
+
+
+@triton.jit
 def _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU: tl.constexpr, CP: tl.constexpr,
                     MV: tl.constexpr):
     """The ``m`` victims of a recorded group: the ``m`` resident slots not used by the group (last
@@ -149,30 +175,16 @@ def _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU: tl.conste
     if LFU:
         cnt = tl.load(count_ptr + own, mask=okc, other=float("inf"))
         cnt = tl.where(barred, float("inf"), cnt)
-    jv = tl.arange(0, MV)
-    slots = tl.zeros((MV,), dtype=tl.int64)
-    olds = tl.zeros((MV,), dtype=tl.int64)
-    for j in range(0, MV):
-        if j < m:
-            if LFU:
-                key = tl.where(cnt == tl.min(cnt, axis=0), lu, _INT64_MAX)
-            else:
-                key = lu
-            s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
-            pick = offs_c == s
-            old = tl.sum(tl.where(pick, own, 0), axis=0)
-            lu = tl.where(pick, _INT64_MAX, lu)
-            if LFU:
-                cnt = tl.where(pick, float("inf"), cnt)
-            slots = tl.where(jv == j, s.to(tl.int64), slots)
-            olds = tl.where(jv == j, old, olds)
-    return slots, olds
+    else:
+        cnt = lu
+    return _least_keys(lu, cnt, own, m, LFU, CP, MV)
 
 
 @triton.jit
 def _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV: tl.constexpr):
     """The row-map and owner writes of the chosen victims (the evicted instance back to its host
-    row, the admitted one to the slot: int32 writes, never a copy back) and the victims list."""
+    row, the admitted one, ``new_ptr[j]``, to the slot: int32 writes, never a copy back) and the
+    victims list; returns the admitted instances ``[MV]`` (lanes ``j < m``)."""
     jv = tl.arange(0, MV)
     ok = jv < m
     new = tl.load(new_ptr + jv, mask=ok, other=0)
@@ -180,6 +192,7 @@ def _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr
     tl.store(row_map_ptr + new, slots.to(tl.int32), mask=ok)
     tl.store(owner_ptr + slots, new, mask=ok)
     tl.store(victims_ptr + jv, slots, mask=ok)
+    return new
 
 
 @triton.jit
@@ -345,9 +358,9 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
                   w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
                   pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
-                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, M: tl.constexpr, CAST: tl.constexpr,
+                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
                   USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, TP: tl.constexpr,
-                  EP: tl.constexpr, WP: tl.constexpr, MP: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr):
+                  EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr):
     if USE_GDC:
         gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
     offs = tl.arange(0, NP)
@@ -384,18 +397,10 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
         barred = (lu >= t0) | fl | (offs_c >= C)
         lu = tl.where(barred, _INT64_MAX, lu)
         adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
-        for j in range(0, M):
-            if j < adm:
-                s = tl.min(tl.where(lu == tl.min(lu, axis=0), offs_c, CP), axis=0)
-                pick = offs_c == s
-                old = tl.sum(tl.where(pick, own, 0), axis=0)
-                lu = tl.where(pick, _INT64_MAX, lu)
-                new = layer * E + tl.sum(tl.where(missed & (rank == j), ids, 0), axis=0)
-                tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
-                tl.store(row_map_ptr + new, s.to(tl.int32))
-                tl.store(owner_ptr + s, new)
-                tl.store(victims_ptr + j, s.to(tl.int64))
-                tl.store(new_ptr + j, new)
+        tl.store(new_ptr + rank, inst, mask=missed & (rank < adm))  # the admitted, in selection order
+        tl.debug_barrier()
+        slots, olds = _least_keys(lu, lu, own, adm, False, CP, MV)
+        _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
         tl.store(m_ptr, adm.to(tl.int64))
     else:
         tl.store(m_ptr, m.to(tl.int64))  # m == 0
@@ -437,20 +442,13 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
             barred2 = (own2 // E > layer) | (lu2 >= t0) | fl2 | (offs_c >= C)
             key = tl.where(barred2, _INT64_MAX, lu2)
             got = tl.minimum(nwant, tl.sum((~barred2).to(tl.int32), axis=0))
-            for j in range(0, MP):
-                if j < got:
-                    s = tl.min(tl.where(key == tl.min(key, axis=0), offs_c, CP), axis=0)
-                    pick = offs_c == s
-                    old = tl.sum(tl.where(pick, own2, 0), axis=0)
-                    key = tl.where(pick, _INT64_MAX, key)
-                    new = tl.sum(tl.where(want & (wrank == j), linst, 0), axis=0)
-                    tl.store(row_map_ptr + old, (-old - 1).to(tl.int32))
-                    tl.store(row_map_ptr + new, s.to(tl.int32))
-                    tl.store(owner_ptr + s, new)
-                    tl.store(inflight_ptr + new, 1)
-                    tl.store(last_use_ptr + new, t0 + n + j)
-                    tl.store(pf_victims_ptr + j, s.to(tl.int64))
-                    tl.store(pf_new_ptr + j, new)
+            tl.store(pf_new_ptr + wrank, linst, mask=want & (wrank < got))  # the prefetched, in list order
+            tl.debug_barrier()
+            slots2, olds2 = _least_keys(key, key, own2, got, False, CP, MPV)
+            new2 = _commit_victims(got, slots2, olds2, pf_new_ptr, row_map_ptr, owner_ptr, pf_victims_ptr, MPV)
+            jv2 = tl.arange(0, MPV)
+            tl.store(inflight_ptr + new2, tl.full((MPV,), 1, tl.uint8), mask=jv2 < got)
+            tl.store(last_use_ptr + new2, t0 + n + jv2, mask=jv2 < got)  # after the group's accesses
             tl.store(pf_m_ptr, got.to(tl.int64))
             tl.store(pf_hist_ptr + hrow, got.to(tl.int64))
         else:
@@ -500,7 +498,8 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         cache.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
         cache.pf_victims[t], cache.pf_new[t], cache.pf_count[t], cache.prediction_history,
         cache.prefetch_history, width,
-        E=E, NP=max(2, _next_pow2(n)), CP=cp, M=cache.victims.numel(), CAST=cast, USE_GDC=cache.pdl,
-        AHEAD=ahead, K=k, TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
-        WP=max(2, _next_pow2(width)), MP=cache.pf_victims.shape[1], ZB=1024, NI=cache.inflight.numel(),
+        E=E, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())), CAST=cast,
+        USE_GDC=cache.pdl, AHEAD=ahead, K=k, TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
+        WP=max(2, _next_pow2(width)), MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), ZB=1024,
+        NI=cache.inflight.numel(),
         num_warps=16 if cp >= 4096 else 8)
