@@ -379,7 +379,7 @@ def graphed_model():
 def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmodified_path(graphed_model, policy, bsz):
     """The CUDA step as the bench runs it (the fused decode region, the whole step one CUDA graph,
     the router's launch recording each group, the fill choosing, committing and copying as its
-    programmatic dependent; at batch 1 every launch of the step a dependent one): every step's
+    programmatic dependent; at batch 1 the fused kernels launched as dependent launches): every step's
     logits bitwise those of the unmodified path's graphed step, the per-group hits, misses and
     fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every slot
     holding its owner's weights at the end."""
