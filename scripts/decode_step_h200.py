@@ -23,7 +23,9 @@ eager engine's greedy tokens (16 steps, both batch sizes); the largest logit dif
 the configs of an autotune entry instead (e.g. the bench's results/autotune/<model>.json; a
 speed choice only). ``--sweep`` also times (before building the model, random weights of the real shapes)
 :func:`coldset.kernels.triton_decode.gemv`'s launch configs against cuBLAS and ``norm_linear`` at
-the qkv, o_proj and LM head shapes, and the fused router against what it replaces (``gemv_sweep``).
+the qkv, o_proj and LM head shapes, and the fused router against what it replaces (``gemv_sweep``);
+``--sweep linear8`` times ``norm_linear``'s configs at 8 tokens (qkv with the input add and norm,
+o_proj with the residual) against the engine's batch-8 way.
 Writes ``decode_step.json``; the table is printed last.
 """
 
@@ -130,6 +132,56 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "rou
         timed(f"{default} pdl", lambda: [fused_call(w, default, True) for w in ws], default=True, pdl=True)
         ws.clear()  # free the copies before the next shape
 
+    if "linear8" in parts:  # batch 8: the engine's way (rms_norm + cuBLAS qkv, norm_linear o_proj) against norm_linear configs
+        from coldset.kernels.triton_decode import LinearConfig, linear_config
+
+        m = 8
+        lin_cands = [(16, 16, 512, 4, 3), (16, 16, 512, 4, 4), (16, 16, 128, 4, 6), (16, 32, 256, 4, 4), (16, 32, 256, 4, 6),
+                     (16, 32, 512, 4, 3), (16, 32, 512, 8, 4), (16, 64, 256, 4, 4), (16, 64, 256, 8, 5), (16, 64, 128, 4, 6),
+                     (16, 16, 1024, 8, 2), (16, 32, 128, 4, 8)]
+        for name, (n, k, copies) in (("qkv", shapes["qkv"]), ("o_proj", shapes["o_proj"])):
+            g = torch.Generator(device=dev).manual_seed(n + m)
+            ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * k ** -0.5 for _ in range(copies)]
+            x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+            extra = torch.randn(m, n if name == "o_proj" else k, device=dev, dtype=dtype, generator=g)
+            nw = torch.ones(k, device=dev, dtype=dtype)
+            nbytes = n * k * 2
+            label = f"{name} m={m}"
+
+            def lin_call(w, cfg=None):
+                if name == "o_proj":
+                    return norm_linear(x, w, residual=extra, config=cfg)
+                return norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg)[1]
+
+            def want(w):
+                if name == "o_proj":
+                    return extra.float() + x.float() @ w.float().T
+                return F.rms_norm((x + extra).float(), (k,), eps=1e-6) @ w.float().T
+
+            def engine(w):
+                if name == "o_proj":
+                    return norm_linear(x, w, residual=extra)
+                return F.linear(rms_norm(x, nw, 1e-6, add=extra)[1], w)
+
+            for lbl, fn in (("cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws]),
+                            ("engine (qkv: rms_norm + cuBLAS; o_proj: norm_linear default)", lambda: [engine(w) for w in ws])):
+                us = graph_time_us(fn, reps) / copies
+                record(shape=label, n=n, k=k, config=lbl, us=us, GBps=nbytes / us / 1e3)
+            default = linear_config(m, n, k)
+            for c in [default] + [LinearConfig(*t) for t in lin_cands if LinearConfig(*t) != default]:
+                try:
+                    got = lin_call(ws[0], c)
+                    err = ((got.float() - want(ws[0])).norm() / want(ws[0]).norm()).item()
+                except Exception as exc:  # out of resources
+                    record(shape=label, config=str(c), error=repr(exc)[:200])
+                    continue
+                if err > 1e-2:
+                    record(shape=label, config=str(c), error=f"relative error {err:.3g}")
+                    continue
+                us = graph_time_us(lambda c=c: [lin_call(w, c) for w in ws], reps) / copies
+                record(shape=label, n=n, k=k, config=str(c), us=us, GBps=nbytes / us / 1e3, default=c == default)
+            ws.clear()
+
     if "router" not in parts:
         return rows
     E, H, topk = 128, 2048, 8
@@ -195,7 +247,8 @@ def main() -> int:
     ap.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
     ap.add_argument("--engines", default="eager,compiled,fused")
     ap.add_argument("--sweep", nargs="?", const="gemv,router", default=None,
-                    help="time the one-token GEMV configs and/or the fused router (gemv, router or both)")
+                    help="comma-separated parts: gemv (one-token GEMV configs), router (the fused router), linear8 "
+                         "(norm_linear configs at 8 tokens)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--baseline-module",
                     help="another triton_moe.py (e.g. `git show main:src/coldset/kernels/triton_moe.py`): an engine "

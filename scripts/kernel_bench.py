@@ -144,8 +144,8 @@ def main():
 
     def time_variant(B, cfg, fields, xs, rs, bound_us, out_tuned):
         """One config variant at batch B, all hot: µs (better of two graph medians), bitwise against
-        the row map compiled out and against the tuned config, error vs torch, and (above 64
-        tokens) cumulative stage times and the grouping alone."""
+        the row map compiled out and against the tuned config, error vs torch; up to 64 tokens also
+        all cold (µs, bitwise equal to all hot), above 64 cumulative stage times and the grouping alone."""
         from coldset.kernels.triton_moe import group_pairs
 
         cfg_v = KernelConfig.from_dict({**cfg.to_dict(), **fields})
@@ -160,6 +160,12 @@ def main():
              "bitwise_rowmap_vs_off": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_o)),
              "bitwise_vs_tuned": all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_tuned)),
              "max_rel_err_vs_torch": max(errs)}
+        if B <= 64:  # the cold tier read in place: the variant's cost on the link, and its bits there
+            out_c = []
+            pools.set_row_map(all_cold_map)
+            r["cold_us"] = graph_time_us(run_all(pools, xs, rs, cfg_v, True, out_c), max(5, args.reps // 3)) / L
+            pools.set_row_map(all_hot_map)
+            r["bitwise_cold_vs_hot"] = all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_c))
         if B > 64:
             r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
                                                            for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
@@ -417,13 +423,15 @@ def main():
             continue
         print(f"\nbatch {r['batch']}: config variants (fields over the tuned config; all hot, µs/layer, better of two "
               f"graph medians; stages cumulative: grouping + w13 + act, + w2, + sum)")
-        print("| fields | µs | % of bound | vs tuned | bitwise off | bitwise = tuned | rel err vs torch | stages µs | grouping µs |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| fields | µs | % of bound | vs tuned | bitwise off | bitwise = tuned | rel err vs torch | stages µs | "
+              "grouping µs | cold µs (bitwise = hot) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for v in r["variants"]:
             st = "/".join(f"{v['stages_us'][k]:.1f}" for k in (1, 2, 3)) if "stages_us" in v else "-"
+            cold = f"{v['cold_us']:.0f} ({v['bitwise_cold_vs_hot']})" if "cold_us" in v else "-"
             print(f"| {json.dumps(v['fields']) if v['fields'] else 'tuned'} | {v['us']:.1f} | {v['pct_of_bound']:.0f}% | "
                   f"{r['variants'][0]['us'] / v['us']:.3f}x | {v['bitwise_rowmap_vs_off']} | {v['bitwise_vs_tuned']} | "
-                  f"{v['max_rel_err_vs_torch']:.2e} | {st} | {v.get('grouping_us', float('nan')):.1f} |")
+                  f"{v['max_rel_err_vs_torch']:.2e} | {st} | {v.get('grouping_us', float('nan')):.1f} | {cold} |")
         with open(f"{args.out}/kernel_bench.json", "w") as f:
             json.dump(res, f, indent=1, default=str)
 

@@ -61,13 +61,15 @@ class LinearConfig:
 
 def linear_config(m: int, n: int, k: int) -> LinearConfig:
     """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight: the fastest of
-    BENCHMARKS.md's sweep (issue 13, fourth session; H200, Qwen3-30B-A3B's qkv ``[5120, 2048]``
-    and o_proj ``[2048, 4096]`` over 48 layers' weights) for its ``k``. (The engine runs one token
+    BENCHMARKS.md's sweeps (H200, Qwen3-30B-A3B's qkv ``[5120, 2048]`` and o_proj ``[2048, 4096]``
+    over 48 layers' weights; one token: issue 13 fourth session; 8 tokens, o_proj with its
+    residual, the engine's one use of it from 2 tokens on: 8.68 against 10.14 µs for the fourth
+    session's (16, 16, 256, 4 warps, 4 stages), seventh session). (The engine runs one token
     through :func:`gemv`.)"""
     if m == 1:
         return LinearConfig(1, 16, 1024, num_warps=8, num_stages=3) if k >= 4096 else \
             LinearConfig(1, 8, 512, num_warps=4, num_stages=1)
-    return LinearConfig(16, 16, 256, num_warps=4, num_stages=4)
+    return LinearConfig(16, 16, 512, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -541,21 +543,23 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
         tl.extra.cuda.gdc_wait()
     if TRIGGER:  # the next launch (a slot cache's fill) may start; not before the previous kernel is done,
         tl.extra.cuda.gdc_launch_dependents()  # so its waiting blocks take no SM from a kernel still running
-    for m in tl.static_range(M):
-        # The post-attention norm, as rms_norm computes it (every program the same bits; program
-        # 0 writes it: the experts' input), then this program's router logits in the model dtype.
-        x = tl.load(x_ptr + m * stride_x + rk, mask=k_ok, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        h = (nw * (x * rstd).to(dt).to(tl.float32)).to(dt)
-        tl.store(h_ptr + m * stride_h + rk, h, mask=k_ok & (pid == 0))
-        logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-        tl.store(logit_ptr + m * E + offs_e, logit.to(logit_ptr.dtype.element_ty), mask=e_ok)
+    # Token m = program_id(1): the post-attention norm, as rms_norm computes it (every program the
+    # same bits; program (0, m) writes it: the experts' input), then this program's router logits
+    # in the model dtype. (One token a program: a loop over the tokens in one program cost 4 µs
+    # more at 8 tokens than at one, each token's loads waiting on the previous token's sums.)
+    m = tl.program_id(1)
+    x = tl.load(x_ptr + m * stride_x + rk, mask=k_ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    h = (nw * (x * rstd).to(dt).to(tl.float32)).to(dt)
+    tl.store(h_ptr + m * stride_h + rk, h, mask=k_ok & (pid == 0))
+    logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(logit_ptr + m * E + offs_e, logit.to(logit_ptr.dtype.element_ty), mask=e_ok)
     # The last program to arrive ranks every token's E logits (a ticket counter: the barrier and
     # the acquire-release atomic order every program's logit stores before the last one's loads;
     # the last one resets the counter for the next launch). Then _softmax_topk_kernel's arithmetic.
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         if RECORD:  # a slot cache's scalars, loaded while the logits are ranked
             scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
         # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
@@ -606,16 +610,17 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     experts). With ``return_logits`` also the router logits ``[M, E]`` (model dtype, what was ranked).
 
     Why one launch: at decode the router was a cuBLAS GEMM (~5 µs for 0.5 MB), a top-k launch, a
-    norm launch and a cast launch a layer. Here ``cdiv(E, block_e)`` programs each read ``block_e``
-    router rows (before waiting on the previous kernel, with ``pdl``), compute the norm and their
-    logits (float32 sums, rounded to the model dtype as F.linear's output is), and the last program
-    to finish (a ticket on ``counter``, an int32 ``[1]`` zero that the launch leaves zero again;
+    norm launch and a cast launch a layer. Here ``cdiv(E, block_e)`` programs per token each read
+    ``block_e`` router rows (before waiting on the previous kernel, with ``pdl``), compute the
+    token's norm and their logits (float32 sums, rounded to the model dtype as F.linear's output
+    is), and the last program to finish (a ticket on ``counter``, an int32 ``[1]`` zero that the launch leaves zero again;
     one per call site, not shared by launches that may overlap) ranks the logits exactly as
     :func:`coldset.kernels.triton_route.triton_softmax_topk` does: ties to the lowest expert id,
     ranking on the logits, softmax in float32. No result depends on which program finishes last.
-    That program ranks all tokens at once (an ``[M, E]`` tile): 5.2 µs at one token against 9.3
-    for the four launches it replaces (H200); ranking the tokens one after the other took 29 µs at
-    8 tokens (BENCHMARKS.md, issue 13 fifth session).
+    That program ranks all tokens at once (an ``[M, E]`` tile): 5.1 µs at one token against 9.3
+    for the four launches it replaces, 4.95 against 9.7 at 8 tokens (H200; BENCHMARKS.md, issue 13
+    seventh session: with the tokens looped over in each program it was 8.4-8.9 µs at 8, ranking
+    them one after the other 29 µs, fifth session).
 
     ``record`` (:func:`coldset.kernels.triton_slots.route_record_args`): the same program then
     records the group for a slot cache (hits, recency, counts, counters, the missed instances:
@@ -646,7 +651,7 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
         raise ValueError(f"route: record must be triton_slots.route_record_args(...) (11 values), got {len(record)}")
     if m:
         rec = record if record is not None else (0,) + (counter,) * 7 + (1, counter, counter)
-        _route_kernel[(triton.cdiv(num_experts, block_e),)](
+        _route_kernel[(triton.cdiv(num_experts, block_e), m)](
             x, norm_weight, gate_weight, h, logits, counter, ids, weights, float(eps),
             x.stride(0), h.stride(0), gate_weight.stride(0), *rec, M=m, MP=triton.next_power_of_2(m),
             H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
