@@ -138,19 +138,12 @@ def main() -> int:
             if cache is not None:
                 cache.reset()  # the capture's warm-up steps ran the cache: start warm
             ms, logits, routing = [], [], []
-            for s in range(1, steps + 1):
-                dec.set_step(tok, s)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                lg = dec.step()
-                b.record()
-                b.synchronize()
-                ms.append(a.elapsed_time(b))
+            for step_ms, lg, tok in dec.timed_steps(tok, steps):
+                ms.append(step_ms)
                 logits.append(lg.clone())
                 if record:
                     routing.append(rec.cpu().numpy().copy())
                     hidden.append(rec_h.clone())
-                tok = torch.argmax(lg, dim=-1)
             del dec
         finally:
             model.pools, model.experts_fn = saved

@@ -120,19 +120,12 @@ def main() -> int:
             for _ in range(passes):
                 if cache is not None:
                     cache.reset()
-                tok, ms, logits, routing = tok0, [], [], []
-                for s in range(1, steps + 1):
-                    dec.set_step(tok, s)
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    lg = dec.step()
-                    b.record()
-                    b.synchronize()
-                    ms.append(a.elapsed_time(b))
+                ms, logits, routing = [], [], []
+                for step_ms, lg, _ in dec.timed_steps(tok0, steps):
+                    ms.append(step_ms)
                     logits.append(lg.clone())
                     if record:
                         routing.append(rec.cpu().numpy().copy())
-                    tok = torch.argmax(lg, dim=-1)
                 p = {"ms": ms, "logits": torch.stack(logits)}
                 if record:
                     p["routing"] = np.stack(routing)

@@ -192,6 +192,22 @@ class Decoder:
             return self.logits
         return self._step()
 
+    def timed_steps(self, token: torch.Tensor, steps: int, before_step=None):
+        """Greedy decode of ``steps`` steps from ``token`` (step 1's input), each step timed alone
+        (CUDA events on CUDA, the wall clock elsewhere): yields ``(ms, logits, next token)`` a step.
+        ``logits`` is the step's output buffer (the graph's, rewritten by the next step: clone what
+        is kept). ``before_step()``: called once a step's inputs are written, before its timing."""
+        start, stop = _timer(self.model.device)
+        for t in range(1, steps + 1):
+            self.set_step(token, t)
+            if before_step is not None:
+                before_step()
+            t0 = start()
+            logits = self.step()
+            ms = stop(t0)
+            token = torch.argmax(logits, dim=-1)
+            yield ms, logits, token
+
 
 def _timer(device: torch.device):
     if device.type == "cuda":
@@ -372,7 +388,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             misses_per_token = cold_share * per_token
         use_graph = device.type == "cuda" and backend == "triton"
         dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
-        start, stop = _timer(device)
+        start, stop = _timer(device)  # the prefill's; the steps are timed by Decoder.timed_steps
         prefill_ms, passes = [], []
         for rep in range(warmup + repeats):
             if replay is not None:
@@ -386,14 +402,8 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             if cache is not None:  # after the capture, whose warm-up ran the step (decisions included)
                 cache.reset()
             steps, decoded = [], [token]
-            for t in range(1, new_tokens):
-                dec.set_step(token, t)
-                if replay is not None:
-                    replay.advance()
-                t0 = start()
-                logits = dec.step()
-                steps.append(stop(t0))
-                token = torch.argmax(logits, dim=-1)
+            for ms, _, token in dec.timed_steps(token, new_tokens - 1, replay.advance if replay is not None else None):
+                steps.append(ms)
                 decoded.append(token)
             if cache is not None and cache.counters() != measured:
                 raise TimedLoopMismatch(
