@@ -93,93 +93,83 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "rou
         rows.append(r)
         log("sweep", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
 
-    for name, (n, k, copies) in (shapes.items() if "gemv" in parts else ()):
-        g = torch.Generator(device=dev).manual_seed(n)
+    def case(name: str, n: int, k: int, copies: int, m: int):
+        """``copies`` random ``[n, k]`` weights, ``m`` tokens ``x`` and the shape's other input
+        (o_proj: the residual ``[m, n]``; qkv and the LM head: the add ``[m, k]`` before a unit
+        norm); ``apply(op, w, **kw)`` runs ``gemv`` or ``norm_linear`` with them as the engine
+        does, ``want(w)`` is float32 torch's result."""
+        g = torch.Generator(device=dev).manual_seed(n if m == 1 else n + m)
         ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * k ** -0.5 for _ in range(copies)]
-        x = torch.randn(1, k, device=dev, dtype=dtype, generator=g)
-        extra = torch.randn(1, n if name == "o_proj" else k, device=dev, dtype=dtype, generator=g)
+        x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+        extra = torch.randn(m, n if name == "o_proj" else k, device=dev, dtype=dtype, generator=g)
         nw = torch.ones(k, device=dev, dtype=dtype)
-        nbytes = n * k * 2
 
-        def fused_call(w, cfg=None, pdl=False):
+        def apply(op, w, **kw):
             if name == "o_proj":
-                return gemv(x, w, residual=extra, config=cfg, pdl=pdl)
-            return gemv(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg, pdl=pdl)[1]
+                return op(x, w, residual=extra, **kw)
+            return op(x, w, norm_weight=nw, eps=1e-6, add=extra, **kw)[1]
 
         def want(w):
             if name == "o_proj":
                 return extra.float() + x.float() @ w.float().T
             return F.rms_norm((x + extra).float(), (k,), eps=1e-6) @ w.float().T
 
-        def timed(label, fn, **extra_fields):
-            us = graph_time_us(fn, reps) / copies
-            record(shape=name, n=n, k=k, config=label, us=us, GBps=nbytes / us / 1e3, **extra_fields)
+        return ws, x, extra, nw, apply, want
 
-        timed("cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws])
+    def timed(shape: str, n: int, k: int, copies: int, label: str, fn, **fields):
+        us = graph_time_us(fn, reps) / copies
+        record(shape=shape, n=n, k=k, config=label, us=us, GBps=n * k * 2 / us / 1e3, **fields)
+
+    def checked(shape: str, label: str, got, want) -> bool:
+        """Whether a config's output is within 1e-2 of float32 torch (recorded as an error if not)."""
+        err = ((got.float() - want).norm() / want.norm()).item()
+        if err > 1e-2:
+            record(shape=shape, config=label, error=f"relative error {err:.3g}")
+        return err <= 1e-2
+
+    for name, (n, k, copies) in (shapes.items() if "gemv" in parts else ()):
+        ws, x, extra, nw, apply, want = case(name, n, k, copies, 1)
+        timed(name, n, k, copies, "cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws])
         if name != "lm_head":
-            if name == "o_proj":
-                timed("norm_linear default", lambda: [norm_linear(x, w, residual=extra) for w in ws])
-            else:
-                timed("norm_linear default", lambda: [norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra) for w in ws])
+            timed(name, n, k, copies, "norm_linear default", lambda: [apply(norm_linear, w) for w in ws])
         default = gemv_config(n, k)
         for c in [default] + [GemvConfig(*t) for t in cands[name] if GemvConfig(*t) != default]:
-            got = fused_call(ws[0], c)
-            err = ((got.float() - want(ws[0])).norm() / want(ws[0]).norm()).item()
-            if err > 1e-2:
-                record(shape=name, config=str(c), error=f"relative error {err:.3g}")
-                continue
-            timed(str(c), lambda c=c: [fused_call(w, c) for w in ws], default=c == default)
-        timed(f"{default} pdl", lambda: [fused_call(w, default, True) for w in ws], default=True, pdl=True)
+            if checked(name, str(c), apply(gemv, ws[0], config=c), want(ws[0])):
+                timed(name, n, k, copies, str(c), lambda c=c: [apply(gemv, w, config=c) for w in ws], default=c == default)
+        timed(name, n, k, copies, f"{default} pdl", lambda: [apply(gemv, w, config=default, pdl=True) for w in ws],
+              default=True, pdl=True)
         ws.clear()  # free the copies before the next shape
 
     if "linear8" in parts:  # batch 8: the engine's way (rms_norm + cuBLAS qkv, norm_linear o_proj) against norm_linear configs
         from coldset.kernels.triton_decode import LinearConfig, linear_config
 
         m = 8
-        lin_cands = [(16, 16, 512, 4, 3), (16, 16, 512, 4, 4), (16, 16, 128, 4, 6), (16, 32, 256, 4, 4), (16, 32, 256, 4, 6),
+        lin_cands = [(16, 16, 512, 4, 3), (16, 16, 256, 4, 4), (16, 16, 128, 4, 6), (16, 32, 256, 4, 4), (16, 32, 256, 4, 6),
                      (16, 32, 512, 4, 3), (16, 32, 512, 8, 4), (16, 64, 256, 4, 4), (16, 64, 256, 8, 5), (16, 64, 128, 4, 6),
                      (16, 16, 1024, 8, 2), (16, 32, 128, 4, 8)]
-        for name, (n, k, copies) in (("qkv", shapes["qkv"]), ("o_proj", shapes["o_proj"])):
-            g = torch.Generator(device=dev).manual_seed(n + m)
-            ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=g) * k ** -0.5 for _ in range(copies)]
-            x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
-            extra = torch.randn(m, n if name == "o_proj" else k, device=dev, dtype=dtype, generator=g)
-            nw = torch.ones(k, device=dev, dtype=dtype)
-            nbytes = n * k * 2
+        for name in ("qkv", "o_proj"):
+            n, k, copies = shapes[name]
+            ws, x, extra, nw, apply, want = case(name, n, k, copies, m)
             label = f"{name} m={m}"
-
-            def lin_call(w, cfg=None):
-                if name == "o_proj":
-                    return norm_linear(x, w, residual=extra, config=cfg)
-                return norm_linear(x, w, norm_weight=nw, eps=1e-6, add=extra, config=cfg)[1]
-
-            def want(w):
-                if name == "o_proj":
-                    return extra.float() + x.float() @ w.float().T
-                return F.rms_norm((x + extra).float(), (k,), eps=1e-6) @ w.float().T
 
             def engine(w):
                 if name == "o_proj":
                     return norm_linear(x, w, residual=extra)
                 return F.linear(rms_norm(x, nw, 1e-6, add=extra)[1], w)
 
-            for lbl, fn in (("cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws]),
-                            ("engine (qkv: rms_norm + cuBLAS; o_proj: norm_linear default)", lambda: [engine(w) for w in ws])):
-                us = graph_time_us(fn, reps) / copies
-                record(shape=label, n=n, k=k, config=lbl, us=us, GBps=nbytes / us / 1e3)
+            timed(label, n, k, copies, "cublas F.linear (no norm)", lambda: [F.linear(x, w) for w in ws])
+            timed(label, n, k, copies, "engine (qkv: rms_norm + cuBLAS; o_proj: norm_linear default)",
+                  lambda: [engine(w) for w in ws])
             default = linear_config(m, n, k)
             for c in [default] + [LinearConfig(*t) for t in lin_cands if LinearConfig(*t) != default]:
                 try:
-                    got = lin_call(ws[0], c)
-                    err = ((got.float() - want(ws[0])).norm() / want(ws[0]).norm()).item()
+                    ok = checked(label, str(c), apply(norm_linear, ws[0], config=c), want(ws[0]))
                 except Exception as exc:  # out of resources
                     record(shape=label, config=str(c), error=repr(exc)[:200])
                     continue
-                if err > 1e-2:
-                    record(shape=label, config=str(c), error=f"relative error {err:.3g}")
-                    continue
-                us = graph_time_us(lambda c=c: [lin_call(w, c) for w in ws], reps) / copies
-                record(shape=label, n=n, k=k, config=str(c), us=us, GBps=nbytes / us / 1e3, default=c == default)
+                if ok:
+                    timed(label, n, k, copies, str(c), lambda c=c: [apply(norm_linear, w, config=c) for w in ws],
+                          default=c == default)
             ws.clear()
 
     if "router" not in parts:
