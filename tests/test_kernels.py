@@ -230,6 +230,40 @@ def test_triton_split_k_and_tile_order(num_tokens):
 
 
 @gpu
+def test_triton_half_tail():
+    """An expert's last chunk as a half or quarter tile (``half_tail`` 1 / 2): against float64 and
+    the torch path, the same bits for every placement, at routings where every tail kind occurs
+    (a last chunk of <= block_m / 4, <= block_m / 2 and more pairs), in both grouping modes."""
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    E, H, I, K, L = 16, 256, 192, 4, 2
+    dtype = torch.bfloat16
+    w13, w2 = make_weights(L, E, H, I, dtype, seed=31)
+    unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
+    placed = build_pools(w13, w2, random_row_map(L, E, 0.5, 7), "cuda")
+    tails = set()
+    for num_tokens in (9, 100, 333, 700):
+        x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=num_tokens, device="cuda")
+        ref = float64_experts(w13, w2, 1, x, ids, w)
+        torch_out = torch_experts(unmodified, 1, x, ids, w).double().cpu()
+        for tail in torch.bincount(ids.flatten().cpu(), minlength=E).tolist():
+            tail = tail % 64 or (64 if tail else 0)  # pairs in the last chunk of 64
+            tails.add(0 if tail == 0 else 1 if tail <= 16 else 2 if tail <= 32 else 3)
+        for half_tail in (1, 2):
+            for fields in (dict(slot_max_pairs=1), dict(slot_max_pairs=128), dict(slot_max_pairs=1, tile_order=1,
+                                                                                 half_buf=1, pdl=2)):
+                cfg = KernelConfig(**{**KernelConfig(64, 64, 64, 64, 64, 4, 3).to_dict(), **fields,
+                                      "half_tail": half_tail})
+                out = triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False)
+                assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), out), (num_tokens, cfg)
+                assert torch.isfinite(out).all()
+                assert rel_err(out, ref) < 1e-2, (num_tokens, cfg)
+                assert abs(signed_bias(out, ref.to(out.device))) < 1e-3, (num_tokens, cfg)
+                assert rel_err(out, torch_out) < 2e-2, (num_tokens, cfg)
+    assert tails >= {1, 2, 3}, tails  # quarter, half and whole last tiles all ran
+
+
+@gpu
 def test_triton_refuses_bad_split_and_order():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
@@ -244,6 +278,10 @@ def test_triton_refuses_bad_split_and_order():
         triton_experts(pools, 0, x, ids, w, KernelConfig(half_buf=2))
     with pytest.raises(ValueError, match="half_buf=1 needs split_k2=1"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(half_buf=1, split_k2=2))
+    with pytest.raises(ValueError, match="half_tail must be 0, 1 or 2"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=32, half_tail=2))  # a quarter of 32 rows: 8
+    with pytest.raises(ValueError, match="half_tail must be 0, 1 or 2"):
+        triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=128, half_tail=3))
 
 
 @gpu

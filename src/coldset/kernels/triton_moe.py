@@ -120,6 +120,14 @@ class KernelConfig:
     fp32 in rank order. It halves the per-pair buffer's bytes (at 2,048 tokens of Qwen3-30B-A3B
     134 -> 67 MB written and read back) and rounds each product once more: a config's bits depend
     on it, never on the placement (the autotuner's torch-path check bounds its error like any other).
+    ``half_tail``: 1 runs an expert's last chunk as a tile of ``block_m // 2`` rows when it holds at
+    most that many pairs, 2 also as one of ``block_m // 4`` rows when it fits there (needs
+    ``block_m >= 32`` / ``64``: a dot needs 16 rows). At prefill the pairs of an expert rarely fill
+    their last tile: at 2,048 tokens of top-8 over 128 experts an expert has ~128 +- 11 pairs, so
+    tiles of 128 rows do ~1.5x the MMA work of the real rows (1.25x with halves, 1.125x with
+    quarters), and w13 and w2 are bound by that work there rather than by the weights' bytes. A
+    smaller tile's rows take the same k steps in the same order, and which tile a pair falls in
+    depends on the routing alone, never on the placement.
     """
 
     block_m: int = 16
@@ -135,6 +143,7 @@ class KernelConfig:
     split_k2: int = 1
     tile_order: int = 0
     half_buf: int = 0
+    half_tail: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,9 +161,11 @@ class KernelConfig:
 # prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
 # tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
 # activation dtype (half_buf=1: 491.6 against 562.9 µs at 2048 tokens in one kernel_bench run, error
-# against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session).
+# against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session) and runs an
+# expert's last chunk as a half tile where it fits (half_tail=1: 455.7 against 469.3 µs at 2048
+# tokens in one run, the same bits there; quarters too, half_tail=2, 468.9: issue 13 eighth session).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1, half_tail=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
@@ -351,6 +362,49 @@ def _k_range(pid_s, K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
+               num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
+               TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then the epilogue."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    tok = (pair // TOPK).to(tl.int64)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                if PREFETCH:  # read once: do not push the w2 prefetch out of L2
+                    wg = tl.load(wg_ptrs + k0, eviction_policy="evict_first")
+                    wu = tl.load(wu_ptrs + k0, eviction_policy="evict_first")
+                else:
+                    wg = tl.load(wg_ptrs + k0)
+                    wu = tl.load(wu_ptrs + k0)
+            else:
+                wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < H
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g)
+        acc_u = tl.dot(a, wu, acc_u)
+    if SPLIT == 1:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    else:  # partial gate and up sums of this split: [split, pair, 2I] fp32, added by the w2 kernel
+        part_ptrs = part_ptr + (pid_s * num_pairs + pair[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
+        tl.store(part_ptrs, acc_g, mask=valid[:, None] & n_ok[None, :])
+        tl.store(part_ptrs + I, acc_u, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _w13_act_kernel(
     x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr, part_ptr,
     num_pairs, layer, stride_xt, NB,
@@ -358,6 +412,7 @@ def _w13_act_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr, WAIT: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
@@ -380,39 +435,19 @@ def _w13_act_kernel(
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
-        pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
-        tok = (pair // TOPK).to(tl.int64)
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            if EVEN_K:
-                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-                if EVEN_N:
-                    if PREFETCH:  # read once: do not push the w2 prefetch out of L2
-                        wg = tl.load(wg_ptrs + k0, eviction_policy="evict_first")
-                        wu = tl.load(wu_ptrs + k0, eviction_policy="evict_first")
-                    else:
-                        wg = tl.load(wg_ptrs + k0)
-                        wu = tl.load(wu_ptrs + k0)
-                else:
-                    wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                    wu = tl.load(wu_ptrs + k0, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = (k0 + offs_k) < H
-                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, wg, acc_g)
-            acc_u = tl.dot(a, wu, acc_u)
-        if SPLIT == 1:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
-            tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-        else:  # partial gate and up sums of this split: [split, pair, 2I] fp32, added by the w2 kernel
-            part_ptrs = part_ptr + (pid_s * num_pairs + pair[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
-            tl.store(part_ptrs, acc_g, mask=valid[:, None] & n_ok[None, :])
-            tl.store(part_ptrs + I, acc_u, mask=valid[:, None] & n_ok[None, :])
+        # an expert's last chunk of at most a half (a quarter) of a tile: that many rows of MMA
+        if HALF_TAIL == 2 and c_end - c <= BM // 4:
+            _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
+                       TOPK, H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
+        elif HALF_TAIL >= 1 and c_end - c <= BM // 2:
+            _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
+                       TOPK, H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
+        else:
+            _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
+                       TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
         c += BM
 
 
@@ -431,6 +466,46 @@ def _act_from_parts(g_ptrs, mask, num_pairs, DT: tl.constexpr, I: tl.constexpr, 
 
 
 @triton.jit
+def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
+              num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+              H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+              SPLIT1: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: activations times w2's rows, times the routing weight."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    pair64 = pair.to(tl.int64)
+    a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+    g_ptrs = part_ptr + pair64[:, None] * (2 * I) + offs_k[None, :]  # split_k1 > 1: w13's partial sums
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if SPLIT1 > 1:
+            a = _act_from_parts(g_ptrs + k0, valid[:, None] & ((k0 + offs_k) < I)[None, :], num_pairs,
+                                act_ptr.dtype.element_ty, I, BM, BK, SPLIT1)
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                k_ok = (k0 + offs_k) < I
+                w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        elif EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < I
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+    wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    row = pid_s * num_pairs + pair64  # [split, pair, H]
+    tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _w2_kernel(
     act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr,
     buf_ptr, sink_ptr,
@@ -439,6 +514,7 @@ def _w2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, SPLIT1: tl.constexpr, ORDER: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, I, KS, SPLIT)
@@ -472,36 +548,19 @@ def _w2_kernel(
         gdc_wait()
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
-        pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
-        pair64 = pair.to(tl.int64)
-        a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
-        g_ptrs = part_ptr + pair64[:, None] * (2 * I) + offs_k[None, :]  # split_k1 > 1: w13's partial sums
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            if SPLIT1 > 1:
-                a = _act_from_parts(g_ptrs + k0, valid[:, None] & ((k0 + offs_k) < I)[None, :], num_pairs,
-                                    act_ptr.dtype.element_ty, I, BM, BK, SPLIT1)
-                if EVEN_K and EVEN_N:
-                    w = tl.load(w_ptrs + k0)
-                else:
-                    k_ok = (k0 + offs_k) < I
-                    w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            elif EVEN_K:
-                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs + k0)
-                else:
-                    w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = (k0 + offs_k) < I
-                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc)
-        wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * wt[:, None]
-        row = pid_s * num_pairs + pair64  # [split, pair, H]
-        tl.store(buf_ptr + row[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
-                 mask=valid[:, None] & n_ok[None, :])
+        # an expert's last chunk of at most a half (a quarter) of a tile: that many rows of MMA
+        if HALF_TAIL == 2 and c_end - c <= BM // 4:
+            _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
+        elif HALF_TAIL >= 1 and c_end - c <= BM // 2:
+            _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
+        else:
+            _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
         c += BM
 
 
@@ -627,6 +686,9 @@ def triton_experts(
         raise ValueError(f"triton_experts: config half_buf must be 0 or 1, got {c.half_buf}")
     if c.half_buf and c.split_k2 > 1:  # split partial sums rounded to 16 bits each: not a config to offer
         raise ValueError("triton_experts: config half_buf=1 needs split_k2=1 (w2's split partial sums stay fp32)")
+    if c.half_tail not in (0, 1, 2) or c.block_m < 16 << c.half_tail:
+        raise ValueError(f"triton_experts: config half_tail must be 0, 1 or 2, and needs block_m >= 16 * 2**half_tail "
+                         f"(its smallest tile's dot needs 16 rows), got half_tail={c.half_tail}, block_m={c.block_m}")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
@@ -666,7 +728,7 @@ def triton_experts(
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first,
+        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first, HALF_TAIL=c.half_tail,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
     )
     if _stop_after < 2:
@@ -677,7 +739,7 @@ def triton_experts(
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order,
+        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
