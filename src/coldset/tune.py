@@ -87,8 +87,8 @@ TRITON_SEARCH_SPACE: dict = {
         dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1,
              tile_order=1),
         # the per-pair buffer in bf16 (half_buf=1: 491.6 against 562.9 µs at 2048 tokens, with pdl 3 483.1;
-        # issue 13 sixth session), an expert's last chunk as a half tile (half_tail=1: 455.7 against 469.3 µs
-        # in one run, the same bits; issue 13 eighth session)
+        # issue 13 sixth session), an expert's last chunk as a half tile (half_tail=1: 484.8 against 502.2 µs,
+        # medians of three interleaved runs, the same bits; issue 13 eighth session)
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
              tile_order=1, half_buf=1, half_tail=1),
         dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,

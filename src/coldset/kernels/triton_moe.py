@@ -162,8 +162,9 @@ class KernelConfig:
 # tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
 # activation dtype (half_buf=1: 491.6 against 562.9 µs at 2048 tokens in one kernel_bench run, error
 # against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session) and runs an
-# expert's last chunk as a half tile where it fits (half_tail=1: 455.7 against 469.3 µs at 2048
-# tokens in one run, the same bits there; quarters too, half_tail=2, 468.9: issue 13 eighth session).
+# expert's last chunk as a half tile where it fits (half_tail=1: 484.8 against 502.2 µs at 2048
+# tokens, medians of three interleaved runs in one process, the same bits; quarters too, half_tail=2,
+# measured 1.3% faster than 1 in one run and 2.9% slower in another: issue 13 eighth session).
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
 DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1, half_tail=1)
 
