@@ -264,6 +264,16 @@ def main():
             sized = max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
             row["sized_read_GBps"] = sized / 1e9
             row["pct_of_sized_read"] = 100 * nbytes / sized / (row["hot_us"] * 1e-6)
+            # Where the time goes: each launch (cumulative stages) against a plain read of its own
+            # bytes (w13 two thirds of the distinct bytes, w2 one third), one launch a layer.
+            st = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop)
+                                               for l in range(L)], args.reps) / L for stop in (1, 2, 3)}
+            row["stages_us"] = {"w13_act": st[1], "w13_act+w2": st[2], "all_three": st[3]}
+            row["stage_read_us"] = {}
+            for name, part_bytes in (("w13", nbytes * 2 / 3), ("w2", nbytes / 3)):
+                part = int(part_bytes) // w13_hot.element_size()
+                rate = max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
+                row["stage_read_us"][name] = part_bytes / rate * 1e6
         if B in VLLM_H200_US:
             row["vllm_notes_us"] = VLLM_H200_US[B]
             row["speed_vs_vllm"] = VLLM_H200_US[B] / row["hot_us"]
@@ -448,6 +458,12 @@ def main():
             print(f"batch {r['batch']}: a read of {r['distinct_expert_MB']:.1f} MB a launch streams at "
                   f"{r['sized_read_GBps']:.0f} GB/s ({100 * r['sized_read_GBps'] * 1e9 / hbm:.0f}% of the "
                   f"{hbm / 1e9:.0f} GB/s of a whole-pool read); the kernel reaches {r['pct_of_sized_read']:.0f}% of it")
+    for r in rows:
+        if "stage_read_us" in r:
+            st, rd = r["stages_us"], r["stage_read_us"]
+            print(f"batch {r['batch']} stages (µs/layer): w13 + act {st['w13_act']:.1f} (a plain read of its bytes: "
+                  f"{rd['w13']:.1f}), w2 {st['w13_act+w2'] - st['w13_act']:.1f} (read: {rd['w2']:.1f}), top-k sum "
+                  f"{st['all_three'] - st['w13_act+w2']:.1f}")
 
 
 if __name__ == "__main__":
