@@ -145,7 +145,7 @@ def main():
     def time_variant(B, cfg, fields, xs, rs, bound_us, out_tuned):
         """One config variant at batch B, all hot: µs (better of two graph medians), bitwise against
         the row map compiled out and against the tuned config, error vs torch; up to 64 tokens also
-        all cold (µs, bitwise equal to all hot), above 64 cumulative stage times and the grouping alone."""
+        all cold (µs, bitwise equal to all hot); cumulative stage times, above 64 also the grouping alone."""
         from coldset.kernels.triton_moe import group_pairs
 
         cfg_v = KernelConfig.from_dict({**cfg.to_dict(), **fields})
@@ -166,12 +166,12 @@ def main():
             r["cold_us"] = graph_time_us(run_all(pools, xs, rs, cfg_v, True, out_c), max(5, args.reps // 3)) / L
             pools.set_row_map(all_hot_map)
             r["bitwise_cold_vs_hot"] = all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_c))
-        if B > 64:
-            r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
-                                                           for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
-            if not fields:
-                r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
-                                                 max(5, args.reps // 2)) / L
+        # cumulative stages: which launch a variant changes
+        r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
+                                                       for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+        if B > 64 and not fields:
+            r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
+                                             max(5, args.reps // 2)) / L
         log("variant", B, {k: v for k, v in r.items() if k != "config"})
         return r
 
