@@ -215,8 +215,7 @@ def test_triton_split_k_and_tile_order(num_tokens):
     for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
         base = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max)
         for fields in ({}, dict(split_k1=2, split_k2=2, pdl=2), dict(split_k1=4, split_k2=3, pdl=1),
-                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k1=2, pdl=3),
-                       dict(pdl=2, w2_early=1), dict(pdl=2, w2_early=2), dict(pdl=3, w2_early=3)):
+                       dict(split_k1=3, split_k2=2), dict(half_buf=1), dict(half_buf=1, split_k1=2, pdl=3)):
             outs = {}
             for order in (0, 1):
                 cfg = KernelConfig(**{**base.to_dict(), **fields, "tile_order": order})
@@ -283,12 +282,6 @@ def test_triton_refuses_bad_split_and_order():
         triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=32, half_tail=2))  # a quarter of 32 rows: 8
     with pytest.raises(ValueError, match="half_tail must be 0, 1 or 2"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=128, half_tail=3))
-    with pytest.raises(ValueError, match="w2_early must be 0-3"):
-        triton_experts(pools, 0, x, ids, w, KernelConfig(w2_early=1))  # pdl 0: nothing to overlap
-    with pytest.raises(ValueError, match="w2_early must be 0-3"):
-        triton_experts(pools, 0, x, ids, w, KernelConfig(pdl=2, split_k2=2, w2_early=2))
-    with pytest.raises(ValueError, match="w2_early must be 0-3"):
-        triton_experts(pools, 0, x, ids, w, KernelConfig(pdl=2, w2_early=4))
 
 
 @gpu
@@ -392,9 +385,8 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     ref = float64_experts(w13, w2, layer, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
         outs = {}
-        # w2_early 1-3: the w2 blocks read (1) or ask the L2 for (2, 3) weights before their wait
-        for pdl, early in ((0, 0), (1, 0), (2, 0), (3, 0), (2, 1), (2, 2), (3, 3)):
-            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl, w2_early=early)
+        for pdl in (0, 1, 2, 3):
+            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
             triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
             for name, m in maps.items():
                 real = torch.as_tensor(m.astype(np.int32)).cuda()
@@ -405,8 +397,8 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
                 out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
                 torch.cuda.synchronize()
                 assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
-                outs[(pdl, early, name)] = out
-        base = outs[(0, 0, "hot")]
+                outs[(pdl, name)] = out
+        base = outs[(0, "hot")]
         assert rel_err(base, ref) < 1e-2  # pdl 0 waited for the writer: the real inputs
         stale = triton_experts(pools, layer, x_old, ids_old, w_old, KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max))
         assert not torch.equal(stale, base)  # stale inputs would be seen

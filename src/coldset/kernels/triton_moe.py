@@ -128,13 +128,6 @@ class KernelConfig:
     quarters), and w13 and w2 are bound by that work there rather than by the weights' bytes. A
     smaller tile's rows take the same k steps in the same order, and which tile a pair falls in
     depends on the routing alone, never on the placement.
-    ``w2_early`` (with ``pdl`` 2 or 3, no split-K, decode tiles ``block_m <= 32``): the w2 blocks,
-    launched while w13 runs, read part of their weights before their grid wait (the weights do not
-    depend on w13; a block without pairs reads nothing): 1 the first ``block_k2`` tile into
-    registers, used by the first step; 2 that tile into L2 (a prefetch: nothing comes back to the
-    SM); 3 the block's whole slice into L2. At 1-4 tokens w2 streams at 78-97% of a plain read of
-    its bytes, because its blocks start together when w13 ends (BENCHMARKS.md, issue 13 eighth
-    session). The same products in the same order: the same bits as 0.
     """
 
     block_m: int = 16
@@ -151,7 +144,6 @@ class KernelConfig:
     tile_order: int = 0
     half_buf: int = 0
     half_tail: int = 0
-    w2_early: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -475,69 +467,38 @@ def _act_from_parts(g_ptrs, mask, num_pairs, DT: tl.constexpr, I: tl.constexpr, 
 
 
 @triton.jit
-def _l2_prefetch_rows(base, rows, R: tl.constexpr, C: tl.constexpr, COLS: tl.constexpr, LINES_P2: tl.constexpr):
-    """Ask the L2 for columns [0, COLS) of ``rows`` of a row-major ``[R, C]`` 16-bit matrix: one
-    ``prefetch.global.L2::evict_last`` per 128-byte line (64 elements; ``LINES_P2`` a power of two
-    >= the lines a row), nothing comes back to the SM."""
-    line = tl.minimum(tl.arange(0, LINES_P2), (COLS + 63) // 64 - 1)  # past the last line: repeats it
-    ptrs = base + tl.minimum(rows, R - 1)[None, :].to(tl.int64) * C + line[:, None] * 64
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _w2_weight(w_ptrs, k0, n_ok, I: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """w2's ``[BK, BN]`` tile at reduction offset ``k0``, masked only where the shapes need it."""
-    if EVEN_K and EVEN_N:
-        w = tl.load(w_ptrs + k0)
-    elif EVEN_K:
-        w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-    else:
-        k_ok = (k0 + tl.arange(0, BK)) < I
-        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-    return w
-
-
-@triton.jit
-def _w2_act(a_ptrs, k0, valid, I: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """The chunk's activation tile ``[BM, BK]`` at reduction offset ``k0`` (rows past the chunk: 0)."""
-    if EVEN_K:
-        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-    else:
-        k_ok = (k0 + tl.arange(0, BK)) < I
-        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-    return a
-
-
-@triton.jit
 def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-              num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, w_first, first,
+              num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              SPLIT1: tl.constexpr, PRELOAD: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: activations times w2's rows, times the routing weight.
-
-    ``PRELOAD``: ``w_first`` holds the weights' first tile (at ``k_lo`` = 0), loaded before the
-    grid wait; the chunk with ``first`` set uses it for its first step and the loop goes on from
-    the second: the same products added in the same order as the loop's first step."""
+              SPLIT1: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: activations times w2's rows, times the routing weight."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
     a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
     g_ptrs = part_ptr + pair64[:, None] * (2 * I) + offs_k[None, :]  # split_k1 > 1: w13's partial sums
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_start = k_lo
-    if PRELOAD:  # only with split_k 1: k_lo is 0
-        k_start = tl.where(first, BK, 0)
-        if first:
-            acc = tl.dot(_w2_act(a_ptrs, 0, valid, I, BK, EVEN_K), w_first, acc)
-    for k0 in range(k_start, k_hi, BK):
+    for k0 in range(k_lo, k_hi, BK):
         if SPLIT1 > 1:
             a = _act_from_parts(g_ptrs + k0, valid[:, None] & ((k0 + offs_k) < I)[None, :], num_pairs,
                                 act_ptr.dtype.element_ty, I, BM, BK, SPLIT1)
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                k_ok = (k0 + offs_k) < I
+                w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        elif EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
         else:
-            a = _w2_act(a_ptrs, k0, valid, I, BK, EVEN_K)
-        acc = tl.dot(a, _w2_weight(w_ptrs, k0, n_ok, I, BK, EVEN_K, EVEN_N), acc)
+            k_ok = (k0 + offs_k) < I
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     row = pid_s * num_pairs + pair64  # [split, pair, H]
@@ -554,7 +515,7 @@ def _w2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, SPLIT1: tl.constexpr, ORDER: tl.constexpr,
-    HALF_TAIL: tl.constexpr, EARLY: tl.constexpr, PF_COLS: tl.constexpr, PF_LINES: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, I, KS, SPLIT)
@@ -564,7 +525,6 @@ def _w2_kernel(
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
-    w_first = w_ptrs  # with EARLY 1: the first weight tile, loaded before the wait
     if PREFETCH:
         # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
         # the step, ready before the w13 kernel began; the activations are not. Stream this
@@ -584,33 +544,24 @@ def _w2_kernel(
         blk = (pid_s * tl.num_programs(0) * tl.num_programs(1) + slot * NB + pid_n).to(tl.int64)
         tl.store(sink_ptr + blk * BN + tl.arange(0, BN), sink)
         gdc_wait()
-    elif USE_GDC:  # launched early, no prefetch: the lookups above overlap w13, and with EARLY
+    elif USE_GDC:  # launched early, no prefetch: only the launch and the lookups above overlap w13
         gdc_launch_dependents()
-        # EARLY: the weights do not depend on w13, so part of them is read while w13's last blocks
-        # still run (a block without pairs reads nothing): 1 the first tile into registers (used
-        # by the first step), 2 the first tile into L2, 3 the block's whole slice into L2
-        if EARLY == 1:
-            k_ok = offs_k < I
-            w_first = tl.load(w_ptrs, mask=k_ok[:, None] & (n_ok & (c_begin < c_end))[None, :], other=0.0)
-        elif EARLY >= 2:
-            if c_begin < c_end:
-                _l2_prefetch_rows(w_base, offs_n, H, I, PF_COLS, PF_LINES)
         gdc_wait()
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         # an expert's last chunk of at most a half (a quarter) of a tile: that many rows of MMA
         if HALF_TAIL == 2 and c_end - c <= BM // 4:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, w_first, c == c_begin,
-                      H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, EARLY == 1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
         elif HALF_TAIL >= 1 and c_end - c <= BM // 2:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, w_first, c == c_begin,
-                      H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, EARLY == 1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
         else:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, w_first, c == c_begin,
-                      H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, EARLY == 1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+                      H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
         c += BM
 
 
@@ -739,11 +690,6 @@ def triton_experts(
     if c.half_tail not in (0, 1, 2) or c.block_m < 16 << c.half_tail:
         raise ValueError(f"triton_experts: config half_tail must be 0, 1 or 2, and needs block_m >= 16 * 2**half_tail "
                          f"(its smallest tile's dot needs 16 rows), got half_tail={c.half_tail}, block_m={c.block_m}")
-    if c.w2_early not in (0, 1, 2, 3) or (c.w2_early and (c.pdl not in (2, 3) or c.split_k1 != 1 or c.split_k2 != 1
-                                                          or c.block_m > 32)):
-        raise ValueError(f"triton_experts: config w2_early must be 0-3, and 1-3 need pdl 2 or 3, split_k1 = split_k2 = 1 "
-                         f"and block_m <= 32 (decode tiles), got w2_early={c.w2_early}, pdl={c.pdl}, "
-                         f"split_k1={c.split_k1}, split_k2={c.split_k2}, block_m={c.block_m}")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
@@ -776,7 +722,6 @@ def triton_experts(
         return (slots, nb, splits) if c.tile_order == 0 else (slots * nb, 1, splits)
 
     grid2 = grid(nb2, s2)
-    pf_cols = min(c.block_k2, inter) if c.w2_early == 2 else inter  # w2_early 2 / 3: what each w2 block asks the L2 for
     sink = torch.empty((slots * nb2 * s2 * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[grid(nb1, s1)](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act, part,
@@ -795,8 +740,7 @@ def triton_experts(
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail, EARLY=c.w2_early,
-        PF_COLS=pf_cols, PF_LINES=_next_pow2(triton.cdiv(pf_cols, 64)),
+        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
