@@ -139,6 +139,17 @@ def main():
                 outs[:] = res_
         return fn
 
+    def stage_times(cfg, xs, rs, reps):
+        """Cumulative µs per layer after each launch ({1: w13 + act (with the grouping), 2: + w2, 3: + sum})."""
+        return {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop)
+                                             for l in range(L)], reps) / L for stop in (1, 2, 3)}
+
+    def sized_read_rate(nbytes):
+        """B/s of a plain read of ``nbytes`` of the hot pool a launch, L launches in one graph (as the
+        graph's layers read), best of three read shapes."""
+        part = int(nbytes) // w13_hot.element_size()
+        return max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
+
     def distinct_bytes(rs):
         return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
 
@@ -167,8 +178,7 @@ def main():
             pools.set_row_map(all_hot_map)
             r["bitwise_cold_vs_hot"] = all(torch.equal(a_, b_) for a_, b_ in zip(out_v, out_c))
         # cumulative stages: which launch a variant changes
-        r["stages_us"] = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg_v, True, stop)
-                                                       for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+        r["stages_us"] = stage_times(cfg_v, xs, rs, max(5, args.reps // 2))
         if B > 64 and not fields:
             r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
                                              max(5, args.reps // 2)) / L
@@ -260,20 +270,15 @@ def main():
         if B <= 64:
             # The read ceiling at this size: L launches each streaming nbytes of the hot pool (the
             # graph's layers read as much, once each), best of three read shapes.
-            part = int(nbytes) // w13_hot.element_size()
-            sized = max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
+            sized = sized_read_rate(nbytes)
             row["sized_read_GBps"] = sized / 1e9
             row["pct_of_sized_read"] = 100 * nbytes / sized / (row["hot_us"] * 1e-6)
             # Where the time goes: each launch (cumulative stages) against a plain read of its own
             # bytes (w13 two thirds of the distinct bytes, w2 one third), one launch a layer.
-            st = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop)
-                                               for l in range(L)], args.reps) / L for stop in (1, 2, 3)}
+            st = stage_times(cfg, xs, rs, args.reps)
             row["stages_us"] = {"w13_act": st[1], "w13_act+w2": st[2], "all_three": st[3]}
-            row["stage_read_us"] = {}
-            for name, part_bytes in (("w13", nbytes * 2 / 3), ("w2", nbytes / 3)):
-                part = int(part_bytes) // w13_hot.element_size()
-                rate = max(read_bandwidth(w13_hot.view(-1)[: L * part], 4096, it, args.reps, launches=L) for it in (1, 4, 16))
-                row["stage_read_us"][name] = part_bytes / rate * 1e6
+            row["stage_read_us"] = {name: part_bytes / sized_read_rate(part_bytes) * 1e6
+                                    for name, part_bytes in (("w13", nbytes * 2 / 3), ("w2", nbytes / 3))}
         if B in VLLM_H200_US:
             row["vllm_notes_us"] = VLLM_H200_US[B]
             row["speed_vs_vllm"] = VLLM_H200_US[B] / row["hot_us"]
@@ -308,10 +313,7 @@ def main():
         xs, rs = make_case(1)
         cfg1 = KernelConfig.from_dict(best_hot)
         pools.set_row_map(all_hot_map)
-        stages = {}
-        for stop in (1, 2, 3):
-            stages[stop] = graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg1, True, stop)
-                                                  for l in range(L)], args.reps) / L
+        stages = stage_times(cfg1, xs, rs, args.reps)
         res["batch1_stages_us"] = {"w13_act": stages[1], "w13_act+w2": stages[2], "all_three": stages[3],
                                    "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
         log("stages", res["batch1_stages_us"])
@@ -419,8 +421,7 @@ def main():
         xs, rs = make_case(big)
         cfgb = KernelConfig.from_dict(config_for(tuned, big))
         pools.set_row_map(all_hot_map)
-        sb = {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfgb, True, stop)
-                                           for l in range(L)], max(5, args.reps // 2)) / L for stop in (1, 2, 3)}
+        sb = stage_times(cfgb, xs, rs, max(5, args.reps // 2))
         res["largest_batch_stages_us"] = {"batch": big, "config": cfgb.to_dict(), "grouping+w13_act": sb[1],
                                           "+w2": sb[2], "+sum": sb[3]}
         with open(f"{args.out}/kernel_bench.json", "w") as f:
