@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Probe, not package code (issue 13, ninth session): the decode experts as ONE GEMM launch over a
+transposed w2, plus a reduce launch, timed beside ``triton_experts``' tuned three launches.
+
+The three-launch kernel (w13 + act, then w2, then the top-k sum) waits for all of w13 before w2
+starts. Here block (slot s, column slice j of I) multiplies the s-th selected expert's pairs by
+its gate / up rows j*BN .. j*BN+BN-1 over all of H, forms SiLU(gate) * up rounded to bf16 (as the
+three-launch kernel's activation scratch), then multiplies that [BM, BN] by rows j*BN .. of w2^T
+(w2 stored [I, H] per expert, so those rows are contiguous 4 KB lines; the pools store w2 [H, I],
+whose column slices are 64-byte pieces: the seventh session's ``fuse_w2`` read those and lost):
+fp32 partial sums part[j, pair, :], with no w13 -> w2 dependency. A reduce launch adds, per token,
+rank by rank, the routing weight times the tree sum over j (a fixed order: deterministic, not the
+three-launch kernel's bits). Qwen3-30B-A3B shapes (E=128, H=2048, I=768, top-8, bf16), 8 layers'
+experts rotated in one CUDA graph (no layer's weights served from L2), median of ``--reps``
+replays, better of two graphs; the bound and a plain read of the same bytes a launch measured in
+the same process. The three-launch configs are the tuned H200 entries of BENCHMARKS.md (issue 13,
+eighth session, kernel table).
+
+    PYTHONPATH=src python3 scripts/probe_fused_w2t.py
+"""
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.kernels.bandwidth import read_bandwidth
+from coldset.kernels.reference import torch_experts, torch_softmax_topk
+from coldset.kernels.triton_moe import KernelConfig, gdc_launch_dependents, gdc_wait, triton_experts
+from coldset.tiers import ExpertPools
+from coldset.tune import graph_time_us
+
+
+@triton.jit
+def _fused_kernel(x_ptr, ids_ptr, w13_ptr, w2t_ptr, part_ptr, num_pairs, layer,
+                  E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, NP: tl.constexpr,
+                  GDC: tl.constexpr):
+    """Block (slot, j): the slot-th selected expert's pairs (at most BM), w13 slice j, then w2^T rows of slice j."""
+    slot = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_p = tl.arange(0, NP)
+    ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
+    offs_e = tl.arange(0, EP)
+    present = tl.max((ids[None, :] == offs_e[:, None]).to(tl.int32), axis=1)
+    rank = tl.cumsum(present, 0) - 1
+    hit = (present > 0) & (rank == slot)
+    found = tl.sum(hit.to(tl.int32), axis=0)
+    expert = tl.sum(tl.where(hit, offs_e, 0), axis=0)
+    if found > 0:
+        offs_m = tl.arange(0, BM)
+        match = ids == expert
+        pos = tl.cumsum(match.to(tl.int32), 0) - 1
+        sel = match[None, :] & (pos[None, :] == offs_m[:, None])
+        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)
+        valid = offs_m < tl.sum(match.to(tl.int32), axis=0)
+        tok = (pair // TOPK).to(tl.int64)
+        row = (layer * E + expert).to(tl.int64)
+        offs_n = j * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        wg = w13_ptr + row * (2 * I * H) + offs_n[None, :] * H + offs_k[:, None]
+        a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            acc_g = tl.dot(a, tl.load(wg + k0), acc_g)
+            acc_u = tl.dot(a, tl.load(wg + I * H + k0), acc_u)
+        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(x_ptr.dtype.element_ty)
+        offs_h = tl.arange(0, BH)
+        w2p = w2t_ptr + row * (I * H) + offs_n[:, None] * H + offs_h[None, :]
+        pp = part_ptr + (j * num_pairs + pair).to(tl.int64)[:, None] * H + offs_h[None, :]
+        for h0 in range(0, H, BH):
+            part = tl.dot(act, tl.load(w2p + h0))
+            tl.store(pp + h0, part, mask=valid[:, None])
+    if GDC == 2:  # let the reduce launch once every GEMM block got here (its wait still orders the data)
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, w_ptr, out_ptr, num_pairs, NB, H: tl.constexpr, TOPK: tl.constexpr,
+                   BLOCK: tl.constexpr, NBP: tl.constexpr, GDC: tl.constexpr):
+    """out[t, block] = sum over ranks r (in order) of w[t, r] * (tree sum over j of part[j, t * TOPK + r, block])."""
+    if GDC:
+        gdc_wait()
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs_j = tl.arange(0, NBP)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(TOPK):
+        p = t * TOPK + r
+        v = tl.load(part_ptr + (offs_j[:, None] * num_pairs + p).to(tl.int64) * H + offs[None, :],
+                    mask=(offs_j < NB)[:, None], other=0.0)
+        acc += tl.load(w_ptr + p).to(tl.float32) * tl.sum(v, axis=0)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty))
+
+
+def fused(x, ids, w, w13, w2t, layer, E, BN, BK, BH, warps, stages, block, gdc, reduce=True, warps2=4):
+    T, H = x.shape
+    K = ids.shape[1]
+    I = w2t.shape[1]
+    num_pairs = T * K
+    if T > 16 or I % BN or H % BH or H % BK:  # an expert has at most T pairs (distinct ids per token): one 16-row tile
+        raise ValueError(f"probe: {T} tokens, I={I}, H={H} against BN={BN}, BK={BK}, BH={BH}")
+    nb = I // BN
+    part = torch.empty((nb, num_pairs, H), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    _fused_kernel[(num_pairs, nb)](x, ids, w13, w2t, part, num_pairs, layer, E=E, EP=triton.next_power_of_2(E), TOPK=K,
+                                   H=H, I=I, BM=16, BN=BN, BK=BK, BH=BH, NP=triton.next_power_of_2(num_pairs), GDC=gdc,
+                                   num_warps=warps, num_stages=stages)
+    if not reduce:
+        return out
+    _reduce_kernel[(T, H // block)](part, w.reshape(-1), out, num_pairs, nb, H=H, TOPK=K, BLOCK=block,
+                                    NBP=triton.next_power_of_2(nb), GDC=gdc > 0, num_warps=warps2, launch_pdl=gdc > 0)
+    return out
+
+
+# triton_experts' tuned H200 configs at 1 and 4 tokens (the eighth session's kernel table)
+TUNED = {1: KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl=2),
+         4: KernelConfig(16, 64, 128, 128, 128, 4, 2, 32, pdl=2)}
+# (BN, BK, BH, warps, stages, reduce block, reduce warps, gdc, reduce): gdc 0 plain launches, 2 the
+# reduce a dependent launch released at the GEMM blocks' end; reduce False times the GEMM launch alone
+VARIANTS = [(32, 128, 256, 4, 3, 32, 4, 0, True), (32, 128, 256, 4, 3, 32, 4, 0, False),
+            (32, 128, 256, 4, 3, 32, 4, 2, True), (32, 128, 256, 4, 3, 16, 1, 2, True),
+            (32, 128, 256, 4, 3, 64, 2, 2, True), (32, 128, 256, 4, 3, 128, 4, 2, True),
+            (64, 128, 128, 4, 3, 32, 4, 0, True), (64, 128, 128, 4, 3, 32, 4, 0, False),
+            (64, 128, 128, 4, 3, 32, 4, 2, True), (64, 128, 128, 4, 3, 16, 1, 2, True),
+            (64, 128, 128, 4, 3, 64, 2, 2, True), (64, 128, 128, 4, 3, 128, 4, 2, True),
+            (32, 128, 256, 4, 3, 8, 1, 2, True), (64, 128, 128, 4, 3, 8, 1, 2, True)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=20)
+    reps = p.parse_args().reps
+    E, H, I, K, L = 128, 2048, 768, 8, 8
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = L * E
+    w13 = torch.randn(n, 2 * I, H, device="cuda", dtype=dt, generator=gen) / H**0.5
+    w2 = torch.randn(n, H, I, device="cuda", dtype=dt, generator=gen) / I**0.5
+    w2t = w2.transpose(1, 2).contiguous()
+    pools = ExpertPools.all_hot(w13.view(L, E, 2 * I, H), w2.view(L, E, H, I))
+    hbm = max(read_bandwidth(w13.view(-1), 4096, it, reps) for it in (4, 16))
+    print(f"HBM read {hbm / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for T in (1, 4):
+        xs = [torch.randn(T, H, device="cuda", dtype=dt, generator=gen) for _ in range(L)]
+        rs = []
+        for _ in range(L):
+            ids, w = torch_softmax_topk(torch.randn(T, E, device="cuda", generator=gen), K, renormalize=True)
+            rs.append((ids, w.to(dt)))
+        cfg = TUNED[T]
+        distinct = sum(int(torch.unique(r[0]).numel()) for r in rs) / L
+        nbytes = distinct * 3 * I * H * 2
+        read_us = nbytes / max(read_bandwidth(w13.view(-1)[: L * int(nbytes) // 2], 4096, it, reps, launches=L)
+                               for it in (1, 4, 16)) * 1e6
+        bound_us = nbytes / hbm * 1e6
+        ref = [torch_experts(pools, l, xs[l], *rs[l]).float() for l in range(L)]
+        base_outs = []
+        def run_base():
+            base_outs[:] = [triton_experts(pools, l, xs[l], *rs[l], cfg) for l in range(L)]
+        t_base = min(graph_time_us(run_base, reps) / L for _ in range(2))
+        err_base = max(float((o.float() - r).norm() / r.norm()) for o, r in zip(base_outs, ref))
+        rows.append((T, "tuned 3 launches", t_base, bound_us, read_us, err_base, True))
+        for BN, BK, BH, warps, stages, block, w2_, gdc, red in VARIANTS:
+            outs = []
+            def run_f():
+                outs[:] = [fused(xs[l], rs[l][0], rs[l][1], w13, w2t, l, E, BN, BK, BH, warps, stages, block, gdc, red, w2_)
+                           for l in range(L)]
+            try:
+                t = min(graph_time_us(run_f, reps) / L for _ in range(2))
+            except Exception as e:  # a config that does not compile / fit
+                print("failed", BN, BK, BH, warps, stages, repr(e)[:200], flush=True)
+                continue
+            if not red:
+                rows.append((T, f"fused BN{BN} BK{BK} BH{BH} w{warps} s{stages}, GEMM launch alone", t, bound_us, read_us,
+                             float("nan"), None))
+                continue
+            err = max(float((o.float() - r).norm() / r.norm()) for o, r in zip(outs, ref))
+            outs2 = []
+            run_f2 = lambda: outs2.extend(fused(xs[l], rs[l][0], rs[l][1], w13, w2t, l, E, BN, BK, BH, warps, stages,
+                                                block, gdc, True, w2_) for l in range(L))
+            run_f2()
+            det = all(torch.equal(a, b) for a, b in zip(outs, outs2))
+            rows.append((T, f"fused BN{BN} BK{BK} BH{BH} w{warps} s{stages} red{block}/{w2_}w pdl{gdc}", t, bound_us, read_us,
+                         err, det))
+        print(f"T={T}: distinct MB {nbytes / 1e6:.1f}, bound {bound_us:.1f} µs, plain read a launch {read_us:.1f} µs",
+              flush=True)
+    print("\n| tokens | kernel | µs | % of bound | % of a plain read | vs tuned | rel err vs torch | run-to-run bitwise |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = {}
+    for T, name, t, b, rd, err, det in rows:
+        base.setdefault(T, t)
+        print(f"| {T} | {name} | {t:.1f} | {100 * b / t:.0f}% | {100 * rd / t:.0f}% | {base[T] / t:.3f}x | {err:.1e} | {det} |")
+
+
+if __name__ == "__main__":
+    main()
