@@ -264,42 +264,6 @@ def test_triton_half_tail():
 
 
 @gpu
-def test_triton_persistent():
-    """``persist`` (a fixed number of programs per SM, each an equal range of the (tile, column
-    block) items, their k steps one flat loop): the same bits as one block per item with the same
-    tiles, for every placement and programs-per-SM count, against float64 and the torch path; at
-    sizes where items are ragged (H = 320, I = 160 against 64-wide steps and 32- / 64-wide column
-    blocks), in both grouping modes, with a crowded expert (more pairs than a tile), and with more
-    programs than items (1 token, 2 programs per SM)."""
-    from coldset.kernels.triton_moe import KernelConfig, triton_experts
-
-    E, H, I, K, L = 16, 320, 160, 4, 2
-    dtype = torch.bfloat16
-    w13, w2 = make_weights(L, E, H, I, dtype, seed=41)
-    unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
-    placed = build_pools(w13, w2, random_row_map(L, E, 0.5, 9), "cuda")
-    for num_tokens in (1, 4, 7, 40, 300):
-        x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=42 + num_tokens, device="cuda")
-        if num_tokens == 7:
-            ids[:, :3] = 5  # 21 pairs of expert 5 (over a 16-row tile), in the in-kernel grouping too
-        ref = float64_experts(w13, w2, 1, x, ids, w)
-        torch_out = torch_experts(unmodified, 1, x, ids, w).double().cpu()
-        for slot_max in (32, 1):
-            for tiles, pdl in (((16, 32, 64, 64, 64, 4, 3), 0), ((16, 64, 128, 32, 64, 4, 2), 2),
-                               ((32, 32, 64, 64, 64, 4, 3), 3)):
-                base = KernelConfig(*tiles, slot_max, pdl)
-                want = triton_experts(unmodified, 1, x, ids, w, base, use_row_map=False)
-                for persist in (1, 2):
-                    cfg = KernelConfig(**{**base.to_dict(), "persist": persist})
-                    out = triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False)
-                    assert torch.equal(out, want), (num_tokens, cfg)
-                    assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), out), (num_tokens, cfg)
-                assert rel_err(out, ref) < 1e-2, (num_tokens, cfg)
-                assert abs(signed_bias(out, ref.to(out.device))) < 1e-3, (num_tokens, cfg)
-                assert rel_err(out, torch_out) < 2e-2, (num_tokens, cfg)
-
-
-@gpu
 def test_triton_refuses_bad_split_and_order():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
@@ -318,10 +282,6 @@ def test_triton_refuses_bad_split_and_order():
         triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=32, half_tail=2))  # a quarter of 32 rows: 8
     with pytest.raises(ValueError, match="half_tail must be 0, 1 or 2"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(block_m=128, half_tail=3))
-    for fields in (dict(persist=-1), dict(persist=1, split_k1=2), dict(persist=1, split_k2=2), dict(persist=1, tile_order=1),
-                   dict(persist=2, pdl=1), dict(persist=1, block_m=32, half_tail=1)):
-        with pytest.raises(ValueError, match="persist must be >= 0"):
-            triton_experts(pools, 0, x, ids, w, KernelConfig(**fields))
 
 
 @gpu
@@ -336,16 +296,15 @@ def test_triton_refuses_unknown_pdl_mode():
 
 @gpu
 @pytest.mark.parametrize("num_tokens", [2, 40])
-@pytest.mark.parametrize("pdl,split,order,persist", [(0, 1, 0, 0), (1, 1, 0, 0), (2, 1, 0, 0), (3, 1, 1, 0), (0, 2, 1, 0),
-                                                     (2, 2, 0, 0), (2, 1, 0, 1), (3, 1, 0, 2)])
-def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order, persist):
+@pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 1), (0, 2, 1), (2, 2, 0)])
+def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     from functools import partial
 
     from coldset.kernels.triton_moe import KernelConfig
     from coldset.kernels.triton_moe import triton_experts as _triton_experts
 
     triton_experts = partial(_triton_experts, config=KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl, split_k1=split,
-                                                                  split_k2=split, tile_order=order, persist=persist))
+                                                                  split_k2=split, tile_order=order))
 
     E, H, I, K, L = 16, 256, 128, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16, seed=5)
@@ -426,8 +385,8 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     ref = float64_experts(w13, w2, layer, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
         outs = {}
-        for pdl, persist in ((0, 0), (1, 0), (2, 0), (3, 0), (2, 1), (3, 1)):
-            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl, persist=persist)
+        for pdl in (0, 1, 2, 3):
+            cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
             triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
             for name, m in maps.items():
                 real = torch.as_tensor(m.astype(np.int32)).cuda()
@@ -438,8 +397,8 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
                 out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
                 torch.cuda.synchronize()
                 assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
-                outs[(pdl, persist, name)] = out
-        base = outs[(0, 0, "hot")]
+                outs[(pdl, name)] = out
+        base = outs[(0, "hot")]
         assert rel_err(base, ref) < 1e-2  # pdl 0 waited for the writer: the real inputs
         stale = triton_experts(pools, layer, x_old, ids_old, w_old, KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max))
         assert not torch.equal(stale, base)  # stale inputs would be seen

@@ -35,7 +35,7 @@ over the H rows of w2) is what lets reads of the cold pool in pinned host memory
 one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
 reduction has a fixed order, so outputs are bitwise reproducible.
 
-The expert id enters in exactly one place, :func:`_expert_row`: one load of the row map picks the
+The expert id enters in exactly one place, :func:`_expert_base`: one load of the row map picks the
 pool (hot device pointer or cold pinned host pointer) and the row, uniformly for the whole block.
 With ``USE_ROW_MAP=False`` that helper compiles to ``row = layer * E + expert`` on the hot pool:
 the unmodified path the parity gate compares against. Tiling and accumulation order do not depend
@@ -56,7 +56,6 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -129,13 +128,6 @@ class KernelConfig:
     quarters), and w13 and w2 are bound by that work there rather than by the weights' bytes. A
     smaller tile's rows take the same k steps in the same order, and which tile a pair falls in
     depends on the routing alone, never on the placement.
-    ``persist``: 0 launches one block per (tile, column block); n > 0 launches n programs per SM
-    for each of the w13 and w2 steps, each taking an equal contiguous range of those work items
-    (tile by tile, a tile's column blocks in order) and running their k steps as one flat loop
-    (:func:`_w13_persistent_kernel`): every SM gets the same share of the weights' bytes whatever
-    the number of selected experts. An item's arithmetic is a block's: the same bits as 0 with the
-    same tiles. Needs ``split_k1 = split_k2 = 1``, ``half_tail = 0``, ``tile_order = 0`` (the
-    items' numbering is fixed) and ``pdl`` 0, 2 or 3.
     """
 
     block_m: int = 16
@@ -152,7 +144,6 @@ class KernelConfig:
     tile_order: int = 0
     half_buf: int = 0
     half_tail: int = 0
-    persist: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -265,32 +256,18 @@ def _group_scatter_kernel(ids_ptr, counts_ptr, scratch_ptr, sorted_pairs_ptr, ex
 
 
 @triton.jit
-def _expert_row(row_map_ptr, layer, expert, E: tl.constexpr, USE_ROW_MAP: tl.constexpr):
-    """The row map's entry of (layer, expert), int64 (a scalar or, for a vector of experts, a
-    vector): the only place the expert id is used. >= 0: that row of the hot pool; < 0: row
-    -row - 1 of the cold pool. ``USE_ROW_MAP=False``: hot row ``layer * E + expert`` (all-hot)."""
-    if USE_ROW_MAP:
-        row = tl.load(row_map_ptr + layer * E + expert).to(tl.int64)
-    else:
-        row = (layer * E + expert).to(tl.int64)
-    return row
-
-
-@triton.jit
-def _row_base(row, hot_ptr, cold_ptr, row_stride):
-    """Base pointer of the weight matrix at row-map entry ``row`` (a scalar)."""
-    if row >= 0:
-        base = hot_ptr + row * row_stride
-    else:
-        base = cold_ptr + (-row - 1) * row_stride
-    return base
-
-
-@triton.jit
 def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
                  E: tl.constexpr, USE_ROW_MAP: tl.constexpr):
-    """Base pointer of one expert's weight matrix (one load of the row map)."""
-    return _row_base(_expert_row(row_map_ptr, layer, expert, E, USE_ROW_MAP), hot_ptr, cold_ptr, row_stride)
+    """Base pointer of one expert's weight matrix: the only place the expert id is used."""
+    if USE_ROW_MAP:
+        row = tl.load(row_map_ptr + layer * E + expert).to(tl.int64)
+        if row >= 0:
+            base = hot_ptr + row * row_stride
+        else:
+            base = cold_ptr + (-row - 1) * row_stride
+    else:
+        base = hot_ptr + (layer * E + expert).to(tl.int64) * row_stride
+    return base
 
 
 @triton.jit
@@ -603,207 +580,6 @@ def _sum_topk_kernel(buf_ptr, out_ptr, num_pairs, H: tl.constexpr, TOPK: tl.cons
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# ------------------------------------------------------------------ persistent decode kernels ----
-#
-# With ``persist`` > 0 each of the two GEMM launches is ``persist`` programs per SM instead of one
-# block per (tile, column block): at decode the non-persistent grid is a wave and a fraction (at
-# 4 tokens w2's ~480 blocks of 196 KB on ~396 resident slots) or lands 1 or 2 blocks on an SM (at
-# 1 token w13's 192 blocks on 132 SMs), so part of the read runs on a fraction of the SMs. Here the
-# work items (tile, column block), numbered tile by tile, are cut into equal contiguous ranges, one
-# a program, and each program runs its items' k steps as one flat loop (the pipeline streams on
-# from one item's last step into the next item's first, instead of draining between blocks). An
-# item's arithmetic is the non-persistent block's: the same tiles, the same k steps in the same
-# order, so the same products; where an item lives (its program) never depends on the placement.
-
-
-@triton.jit
-def _tile_table(ids_ptr, expert_off_ptr, row_map_ptr, num_pairs, layer,
-                E: tl.constexpr, EP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, MODE: tl.constexpr,
-                USE_ROW_MAP: tl.constexpr):
-    """Per group (``MODE_SLOTS``: slot s, the s-th distinct selected expert, NP groups;
-    ``MODE_SORTED``: expert e, EP groups): its expert, pair count, first pair in the sorted list,
-    tiles of all groups up to and including it (an inclusive prefix sum), and its row-map entry;
-    and the pair ids (``MODE_SLOTS``; the chunks' pairs are compacted from them in registers).
-    Groups and tiles are the non-persistent grid's, in the same order (:func:`_block_expert`)."""
-    offs_p = tl.arange(0, NP)
-    ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
-    offs_e = tl.arange(0, EP)
-    if MODE == 0:
-        present = tl.max((ids[None, :] == offs_e[:, None]).to(tl.int32), axis=1)
-        rank = tl.cumsum(present, 0) - 1
-        hit = (present[None, :] > 0) & (rank[None, :] == offs_p[:, None])  # [slot, expert]
-        expert = tl.sum(tl.where(hit, offs_e[None, :], 0), axis=1)
-        found = tl.sum(hit.to(tl.int32), axis=1)
-        cnt = tl.sum((ids[None, :] == expert[:, None]).to(tl.int32), axis=1) * found
-        start = cnt * 0
-    else:
-        in_e = offs_e < E
-        lo = tl.load(expert_off_ptr + offs_e, mask=in_e, other=0)
-        hi = tl.load(expert_off_ptr + offs_e + 1, mask=in_e, other=0)
-        expert = tl.minimum(offs_e, E - 1)  # groups past E have no pairs; an address to form only
-        cnt = hi - lo
-        start = lo
-    through = tl.cumsum((cnt + BM - 1) // BM, 0)
-    row = _expert_row(row_map_ptr, layer, expert, E, USE_ROW_MAP)
-    return expert, cnt, start, through, row, ids
-
-
-@triton.jit
-def _item(item, NB, expert_g, cnt_g, start_g, through_g, row_g, NG: tl.constexpr, BM: tl.constexpr):
-    """Work item ``item`` = tile * NB + column block: (expert, pair count, start, chunk offset,
-    column block, row-map entry), selected from the table in registers (no memory access)."""
-    tile = item // NB
-    offs_g = tl.arange(0, NG)
-    g = tl.sum((through_g <= tile).to(tl.int32), axis=0)
-    sel = offs_g == g
-    tiles_before = tl.sum(tl.where(offs_g < g, (cnt_g + BM - 1) // BM, 0), axis=0)
-    expert = tl.sum(tl.where(sel, expert_g, 0), axis=0)
-    cnt = tl.sum(tl.where(sel, cnt_g, 0), axis=0)
-    start = tl.sum(tl.where(sel, start_g, 0), axis=0)
-    row = tl.sum(tl.where(sel, row_g, 0), axis=0)
-    return expert, cnt, start, (tile - tiles_before) * BM, item % NB, row
-
-
-@triton.jit
-def _item_pairs(ids, sorted_pairs_ptr, expert, start, c, cnt,
-                BM: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr):
-    """:func:`_chunk_pairs` with ``MODE_SLOTS``'s ids already in registers."""
-    offs_m = c + tl.arange(0, BM)
-    valid = offs_m < cnt
-    if MODE == 0:
-        match = ids == expert
-        pos = tl.cumsum(match.to(tl.int32), 0) - 1
-        sel = match[None, :] & (pos[None, :] == offs_m[:, None])
-        pair = tl.sum(tl.where(sel, tl.arange(0, NP)[None, :], 0), axis=1)
-    else:
-        pair = tl.load(sorted_pairs_ptr + start + offs_m, mask=valid, other=0)
-    return pair, valid
-
-
-@triton.jit
-def _w13_persistent_kernel(
-    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr,
-    num_pairs, layer, stride_xt, NB,
-    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, NG: tl.constexpr, MODE: tl.constexpr,
-    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr, WAIT: tl.constexpr,
-):
-    """``_w13_act_kernel``'s items (tile, column block of I) in equal ranges, one per program."""
-    if WAIT:  # as in _w13_act_kernel: inputs may be the previous kernel's output
-        gdc_wait()
-        gdc_launch_dependents()
-    elif USE_GDC:
-        gdc_launch_dependents()
-    expert_g, cnt_g, start_g, through_g, row_g, ids = _tile_table(
-        ids_ptr, expert_off_ptr, row_map_ptr, num_pairs, layer, E, EP, NP, BM, MODE, USE_ROW_MAP)
-    n_items = tl.max(through_g, axis=0) * NB
-    p = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    lo = p * n_items // nprog
-    hi = (p + 1) * n_items // nprog
-    KSTEPS: tl.constexpr = (H + BK - 1) // BK
-    offs_k = tl.arange(0, BK)
-    offs_m = tl.arange(0, BM)
-    # set at each item's first k step (the loop carries them)
-    pair = offs_m * 0
-    valid = offs_m < 0
-    offs_n = tl.arange(0, BN)
-    a_ptrs = x_ptr + offs_m[:, None] * 0 + offs_k[None, :]
-    wg_ptrs = w_hot_ptr + offs_n[None, :] * H + offs_k[:, None]
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for f in range(lo * KSTEPS, hi * KSTEPS):
-        kk = f % KSTEPS
-        if kk == 0:
-            expert, cnt, start, c, pid_n, row = _item(f // KSTEPS, NB, expert_g, cnt_g, start_g, through_g, row_g,
-                                                       NG, BM)
-            pair, valid = _item_pairs(ids, sorted_pairs_ptr, expert, start, c, cnt, BM, NP, MODE)
-            a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            wg_ptrs = _row_base(row, w_hot_ptr, w_cold_ptr, 2 * I * H) + offs_n[None, :] * H + offs_k[:, None]
-        k0 = kk * BK
-        n_ok = offs_n < I
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-            if EVEN_N:
-                wg = tl.load(wg_ptrs + k0)
-                wu = tl.load(wg_ptrs + I * H + k0)
-            else:
-                wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                wu = tl.load(wg_ptrs + I * H + k0, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < H
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wg_ptrs + I * H + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
-        if kk == KSTEPS - 1:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
-            tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-
-
-@triton.jit
-def _w2_persistent_kernel(
-    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr, buf_ptr,
-    num_pairs, layer, NB,
-    E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, NG: tl.constexpr, MODE: tl.constexpr,
-    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-):
-    """``_w2_kernel``'s items (tile, column block of H) in equal ranges, one per program."""
-    expert_g, cnt_g, start_g, through_g, row_g, ids = _tile_table(
-        ids_ptr, expert_off_ptr, row_map_ptr, num_pairs, layer, E, EP, NP, BM, MODE, USE_ROW_MAP)
-    if USE_GDC:  # launched early: the table above reads inputs of the step only; the activations wait
-        gdc_launch_dependents()
-        gdc_wait()
-    n_items = tl.max(through_g, axis=0) * NB
-    p = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    lo = p * n_items // nprog
-    hi = (p + 1) * n_items // nprog
-    KSTEPS: tl.constexpr = (I + BK - 1) // BK
-    offs_k = tl.arange(0, BK)
-    offs_m = tl.arange(0, BM)
-    pair = offs_m * 0
-    valid = offs_m < 0
-    offs_n = tl.arange(0, BN)
-    a_ptrs = act_ptr + offs_m[:, None] * 0 + offs_k[None, :]
-    w_ptrs = w_hot_ptr + offs_n[None, :] * I + offs_k[:, None]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for f in range(lo * KSTEPS, hi * KSTEPS):
-        kk = f % KSTEPS
-        if kk == 0:
-            expert, cnt, start, c, pid_n, row = _item(f // KSTEPS, NB, expert_g, cnt_g, start_g, through_g, row_g,
-                                                       NG, BM)
-            pair, valid = _item_pairs(ids, sorted_pairs_ptr, expert, start, c, cnt, BM, NP, MODE)
-            a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + offs_k[None, :]
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            w_ptrs = _row_base(row, w_hot_ptr, w_cold_ptr, H * I) + offs_n[None, :] * I + offs_k[:, None]
-        k0 = kk * BK
-        n_ok = offs_n < H
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < I
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
-        if kk == KSTEPS - 1:
-            wt = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-            out = acc * wt[:, None]
-            tl.store(buf_ptr + pair.to(tl.int64)[:, None] * H + offs_n[None, :], out.to(buf_ptr.dtype.element_ty),
-                     mask=valid[:, None] & n_ok[None, :])
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -914,9 +690,6 @@ def triton_experts(
     if c.half_tail not in (0, 1, 2) or c.block_m < 16 << c.half_tail:
         raise ValueError(f"triton_experts: config half_tail must be 0, 1 or 2, and needs block_m >= 16 * 2**half_tail "
                          f"(its smallest tile's dot needs 16 rows), got half_tail={c.half_tail}, block_m={c.block_m}")
-    if c.persist < 0 or (c.persist and (c.split_k1 > 1 or c.split_k2 > 1 or c.half_tail or c.tile_order or c.pdl == 1)):
-        raise ValueError(f"triton_experts: config persist must be >= 0, and persist > 0 needs split_k1 = split_k2 = 1, "
-                         f"half_tail = 0, tile_order = 0 and pdl 0, 2 or 3; got {c}")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
@@ -948,10 +721,6 @@ def triton_experts(
     def grid(nb, splits):
         return (slots, nb, splits) if c.tile_order == 0 else (slots * nb, 1, splits)
 
-    if c.persist:
-        _persistent_experts(pools, layer, x, ids, weights, sorted_pairs, expert_off, act, buf, out, c, mode, np_,
-                            use_row_map, w13_cold, w2_cold, _stop_after)
-        return out
     grid2 = grid(nb2, s2)
     sink = torch.empty((slots * nb2 * s2 * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[grid(nb1, s1)](
@@ -976,57 +745,7 @@ def triton_experts(
     )
     if _stop_after < 3:
         return out
-    _sum_topk(buf, out, top_k, s2, pdl)
-    return out
-
-
-def _sum_topk(buf: torch.Tensor, out: torch.Tensor, top_k: int, splits: int, pdl: bool) -> None:
-    """out[t] = the sum of buf's rows of token t over ranks (then w2's splits) in a fixed order."""
-    num_tokens, hidden = out.shape
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        buf, out, num_tokens * top_k, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=splits, num_warps=4,
-        launch_pdl=pdl)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device; under Triton's interpreter (CPU tensors) 3, so that ranges of several
-    items per program are exercised (the count changes which program runs an item, never its bits)."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _persistent_experts(pools, layer, x, ids, weights, sorted_pairs, expert_off, act, buf, out, c, mode, np_,
-                        use_row_map, w13_cold, w2_cold, stop_after) -> None:
-    """The w13 and w2 steps as ``c.persist`` programs per SM each (``KernelConfig.persist``), then the sum."""
-    num_tokens, hidden = x.shape
-    top_k = ids.numel() // num_tokens
-    num_experts = pools.num_experts
-    inter = pools.w2_hot.shape[2]
-    pdl, first = c.pdl > 0, c.pdl == 3
-    ep = _next_pow2(num_experts)
-    ng = np_ if mode == MODE_SLOTS else ep
-    grid = (c.persist * _num_sms(x.device),)
-    _w13_persistent_kernel[grid](
-        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act,
-        ids.numel(), layer, x.stride(0), triton.cdiv(inter, c.block_n1),
-        E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, BM=c.block_m, BN=c.block_n1, BK=c.block_k1,
-        NP=np_, NG=ng, MODE=mode, USE_ROW_MAP=use_row_map, EVEN_K=hidden % c.block_k1 == 0,
-        EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, WAIT=first,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
-    )
-    if stop_after < 2:
-        return
-    _w2_persistent_kernel[grid](
-        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf,
-        ids.numel(), layer, triton.cdiv(hidden, c.block_n2),
-        E=num_experts, EP=ep, H=hidden, I=inter, BM=c.block_m, BN=c.block_n2, BK=c.block_k2,
-        NP=np_, NG=ng, MODE=mode, USE_ROW_MAP=use_row_map, EVEN_K=inter % c.block_k2 == 0,
-        EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
-    )
-    if stop_after < 3:
-        return
-    _sum_topk(buf, out, top_k, 1, pdl)
+        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=s2, num_warps=4, launch_pdl=pdl)
+    return out
