@@ -128,10 +128,6 @@ class KernelConfig:
     quarters), and w13 and w2 are bound by that work there rather than by the weights' bytes. A
     smaller tile's rows take the same k steps in the same order, and which tile a pair falls in
     depends on the routing alone, never on the placement.
-    ``w2_warps`` / ``w2_stages``: the w2 kernel's own ``num_warps`` / ``num_stages`` (0: the same as
-    the w13 kernel's). Its loop is 3x shorter than w13's (I against H steps) and reads one weight
-    tile a step where w13 reads two, so its best pipeline depth need not be w13's. Warps and
-    stages change the schedule, not the products or their order.
     """
 
     block_m: int = 16
@@ -148,8 +144,6 @@ class KernelConfig:
     tile_order: int = 0
     half_buf: int = 0
     half_tail: int = 0
-    w2_warps: int = 0
-    w2_stages: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -696,9 +690,6 @@ def triton_experts(
     if c.half_tail not in (0, 1, 2) or c.block_m < 16 << c.half_tail:
         raise ValueError(f"triton_experts: config half_tail must be 0, 1 or 2, and needs block_m >= 16 * 2**half_tail "
                          f"(its smallest tile's dot needs 16 rows), got half_tail={c.half_tail}, block_m={c.block_m}")
-    if c.w2_warps not in (0, 1, 2, 4, 8, 16) or c.w2_stages < 0:
-        raise ValueError(f"triton_experts: config w2_warps must be 0 (as num_warps) or a power of two up to 16, "
-                         f"w2_stages >= 0 (0: as num_stages), got {c.w2_warps}, {c.w2_stages}")
     if min(c.split_k1, c.split_k2) < 1:
         raise ValueError(f"triton_experts: config split_k1, split_k2 must be >= 1, got {c.split_k1}, {c.split_k2}")
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
@@ -750,7 +741,7 @@ def triton_experts(
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
         SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail,
-        num_warps=c.w2_warps or c.num_warps, num_stages=c.w2_stages or c.num_stages, launch_pdl=pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if _stop_after < 3:
         return out
