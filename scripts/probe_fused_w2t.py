@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""Probe, not package code (issue 13, ninth session): the decode experts as ONE GEMM launch over a
-transposed w2, plus a reduce launch, timed beside ``triton_experts``' tuned three launches.
+"""Probe, not package code (issue 13, ninth session): the decode experts as ONE GEMM launch plus a
+reduce launch, timed beside ``triton_experts``' tuned three launches.
 
 The three-launch kernel (w13 + act, then w2, then the top-k sum) waits for all of w13 before w2
 starts. Here block (slot s, column slice j of I) multiplies the s-th selected expert's pairs by
 its gate / up rows j*BN .. j*BN+BN-1 over all of H, forms SiLU(gate) * up rounded to bf16 (as the
-three-launch kernel's activation scratch), then multiplies that [BM, BN] by rows j*BN .. of w2^T
-(w2 stored [I, H] per expert, so those rows are contiguous 4 KB lines; the pools store w2 [H, I],
-whose column slices are 64-byte pieces: the seventh session's ``fuse_w2`` read those and lost):
-fp32 partial sums part[j, pair, :], with no w13 -> w2 dependency. A reduce launch adds, per token,
-rank by rank, the routing weight times the tree sum over j (a fixed order: deterministic, not the
-three-launch kernel's bits). Qwen3-30B-A3B shapes (E=128, H=2048, I=768, top-8, bf16), 8 layers'
-experts rotated in one CUDA graph (no layer's weights served from L2), median of ``--reps``
-replays, better of two graphs; the bound and a plain read of the same bytes a launch measured in
-the same process. The three-launch configs are the tuned H200 entries of BENCHMARKS.md (issue 13,
-eighth session, kernel table).
+three-launch kernel's activation scratch), then multiplies that [BM, BN] by w2's columns j*BN ..
+(read from w2^T, ``[I, H]`` per expert, where they are whole 4 KB rows, or from the pools' own
+``[H, I]``, where they are BN * 2-byte pieces of each row: the seventh session's ``fuse_w2`` read
+64-byte ones): fp32 partial sums part[j, pair, :], with no w13 -> w2 dependency. A reduce launch
+adds, per token, rank by rank, the routing weight times the tree sum over j (a fixed order:
+deterministic; not the three-launch kernel's bits). Qwen3-30B-A3B shapes (E=128, H=2048, I=768,
+top-8, bf16), 8 layers' experts rotated in one CUDA graph (no layer's weights served from L2),
+median of ``--reps`` replays, better of two graphs; the bound and a plain read of the same bytes a
+launch measured in the same process. The three-launch configs are the tuned H200 entries of
+BENCHMARKS.md (issue 13, eighth session, kernel table).
 
     PYTHONPATH=src python3 scripts/probe_fused_w2t.py
 """
@@ -35,7 +35,7 @@ from coldset.tune import graph_time_us
 def _fused_kernel(x_ptr, ids_ptr, w13_ptr, w2t_ptr, part_ptr, num_pairs, layer,
                   E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, NP: tl.constexpr,
-                  GDC: tl.constexpr):
+                  GDC: tl.constexpr, W2T: tl.constexpr):
     """Block (slot, j): the slot-th selected expert's pairs (at most BM), w13 slice j, then w2^T rows of slice j."""
     slot = tl.program_id(0)
     j = tl.program_id(1)
@@ -68,10 +68,15 @@ def _fused_kernel(x_ptr, ids_ptr, w13_ptr, w2t_ptr, part_ptr, num_pairs, layer,
             acc_u = tl.dot(a, tl.load(wg + I * H + k0), acc_u)
         act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(x_ptr.dtype.element_ty)
         offs_h = tl.arange(0, BH)
-        w2p = w2t_ptr + row * (I * H) + offs_n[:, None] * H + offs_h[None, :]
+        if W2T:  # w2^T [I, H]: rows offs_n of it, BH columns a step
+            w2p = w2t_ptr + row * (I * H) + offs_n[:, None] * H + offs_h[None, :]
+            step = 1
+        else:  # the pools' w2 [H, I]: columns offs_n of BH rows a step (BN * 2 bytes of each row)
+            w2p = w2t_ptr + row * (I * H) + offs_h[None, :] * I + offs_n[:, None]
+            step = I
         pp = part_ptr + (j * num_pairs + pair).to(tl.int64)[:, None] * H + offs_h[None, :]
         for h0 in range(0, H, BH):
-            part = tl.dot(act, tl.load(w2p + h0))
+            part = tl.dot(act, tl.load(w2p + h0 * step))
             tl.store(pp + h0, part, mask=valid[:, None])
     if GDC == 2:  # let the reduce launch once every GEMM block got here (its wait still orders the data)
         gdc_launch_dependents()
@@ -95,10 +100,10 @@ def _reduce_kernel(part_ptr, w_ptr, out_ptr, num_pairs, NB, H: tl.constexpr, TOP
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty))
 
 
-def fused(x, ids, w, w13, w2t, layer, E, BN, BK, BH, warps, stages, block, gdc, reduce=True, warps2=4):
+def fused(x, ids, w, w13, w2t, layer, E, BN, BK, BH, warps, stages, block, gdc, reduce=True, warps2=4, w2t_layout=True):
     T, H = x.shape
     K = ids.shape[1]
-    I = w2t.shape[1]
+    I = w2t.shape[1] if w2t_layout else w2t.shape[2]
     num_pairs = T * K
     if T > 16 or I % BN or H % BH or H % BK:  # an expert has at most T pairs (distinct ids per token): one 16-row tile
         raise ValueError(f"probe: {T} tokens, I={I}, H={H} against BN={BN}, BK={BK}, BH={BH}")
@@ -107,7 +112,7 @@ def fused(x, ids, w, w13, w2t, layer, E, BN, BK, BH, warps, stages, block, gdc, 
     out = torch.empty_like(x)
     _fused_kernel[(num_pairs, nb)](x, ids, w13, w2t, part, num_pairs, layer, E=E, EP=triton.next_power_of_2(E), TOPK=K,
                                    H=H, I=I, BM=16, BN=BN, BK=BK, BH=BH, NP=triton.next_power_of_2(num_pairs), GDC=gdc,
-                                   num_warps=warps, num_stages=stages)
+                                   W2T=w2t_layout, num_warps=warps, num_stages=stages)
     if not reduce:
         return out
     _reduce_kernel[(T, H // block)](part, w.reshape(-1), out, num_pairs, nb, H=H, TOPK=K, BLOCK=block,
@@ -118,16 +123,23 @@ def fused(x, ids, w, w13, w2t, layer, E, BN, BK, BH, warps, stages, block, gdc, 
 # triton_experts' tuned H200 configs at 1 and 4 tokens (the eighth session's kernel table)
 TUNED = {1: KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl=2),
          4: KernelConfig(16, 64, 128, 128, 128, 4, 2, 32, pdl=2)}
-# (BN, BK, BH, warps, stages, reduce block, reduce warps, gdc, reduce): gdc 0 plain launches, 2 the
-# reduce a dependent launch released at the GEMM blocks' end; reduce False times the GEMM launch alone
-VARIANTS = [(32, 128, 256, 4, 3, 32, 4, 0, True), (32, 128, 256, 4, 3, 32, 4, 0, False),
-            (32, 128, 256, 4, 3, 32, 4, 2, True), (32, 128, 256, 4, 3, 16, 1, 2, True),
-            (32, 128, 256, 4, 3, 64, 2, 2, True), (32, 128, 256, 4, 3, 128, 4, 2, True),
-            (64, 128, 128, 4, 3, 32, 4, 0, True), (64, 128, 128, 4, 3, 32, 4, 0, False),
-            (64, 128, 128, 4, 3, 32, 4, 2, True), (64, 128, 128, 4, 3, 16, 1, 2, True),
-            (64, 128, 128, 4, 3, 64, 2, 2, True), (64, 128, 128, 4, 3, 128, 4, 2, True),
-            (32, 128, 256, 4, 3, 8, 1, 2, True), (64, 128, 128, 4, 3, 8, 1, 2, True)]
+# One probe each: tiles (BN columns of I a block, BK of H a w13 step, BH of H a w2 step), warps and
+# stages; w2 as w2^T [I, H] ("t") or as the pools store it, [H, I] ("hi": BN * 2 bytes of each of
+# BH rows a step); the reduce as a second launch ("launch": block columns a program, its warps, gdc
+# 0 plain / 2 a dependent launch released at the GEMM blocks' end) or left out ("none": the GEMM
+# launch alone). (Folding the reduce into the GEMM launch, the block that completes a (token,
+# column slice) adding it after an atomic count, was tried in the ninth session: 4-14x slower, and
+# not bitwise stable at BN 32; removed.)
+def _v(bn, bh, w2, reduce, block=16, warps2=1, gdc=2, bk=128, warps=4, stages=3):
+    return dict(BN=bn, BK=bk, BH=bh, warps=warps, stages=stages, w2=w2, reduce=reduce, block=block, warps2=warps2,
+                gdc=gdc)
 
+
+VARIANTS = [_v(32, 256, "t", "none"), _v(32, 256, "t", "launch", 8), _v(32, 256, "t", "launch", 16),
+            _v(64, 128, "t", "none"), _v(64, 128, "t", "launch"), _v(64, 128, "t", "launch", 8),
+            _v(32, 256, "hi", "none"), _v(32, 256, "hi", "launch", 8),
+            _v(64, 128, "hi", "none"), _v(64, 128, "hi", "launch"), _v(64, 128, "hi", "launch", 8),
+            _v(64, 256, "hi", "none"), _v(64, 256, "hi", "launch")]
 
 def main():
     p = argparse.ArgumentParser()
@@ -163,31 +175,35 @@ def main():
         t_base = min(graph_time_us(run_base, reps) / L for _ in range(2))
         err_base = max(float((o.float() - r).norm() / r.norm()) for o, r in zip(base_outs, ref))
         rows.append((T, "tuned 3 launches", t_base, bound_us, read_us, err_base, True))
-        for BN, BK, BH, warps, stages, block, w2_, gdc, red in VARIANTS:
-            outs = []
-            def run_f():
-                outs[:] = [fused(xs[l], rs[l][0], rs[l][1], w13, w2t, l, E, BN, BK, BH, warps, stages, block, gdc, red, w2_)
-                           for l in range(L)]
+        same_tiles = {}
+        for v in VARIANTS:
+            w2_in = w2t if v["w2"] == "t" else w2
+            red = v["reduce"] == "launch"
+            name = (f"BN{v['BN']} BH{v['BH']} w2 {'[I, H]' if v['w2'] == 't' else '[H, I]'}, reduce "
+                    + {"none": "left out (the GEMM launch alone)",
+                       "launch": f"launch ({v['block']} columns, {v['warps2']} warps, pdl {v['gdc']})"}[v["reduce"]])
+
+            def run(outs):
+                outs[:] = [fused(xs[l], rs[l][0], rs[l][1], w13, w2_in, l, E, v["BN"], v["BK"], v["BH"], v["warps"],
+                                 v["stages"], v["block"], v["gdc"], red, v["warps2"], v["w2"] == "t") for l in range(L)]
+            outs, outs2 = [], []
             try:
-                t = min(graph_time_us(run_f, reps) / L for _ in range(2))
+                t = min(graph_time_us(lambda: run(outs), reps) / L for _ in range(2))
             except Exception as e:  # a config that does not compile / fit
-                print("failed", BN, BK, BH, warps, stages, repr(e)[:200], flush=True)
+                print("failed", name, repr(e)[:200], flush=True)
                 continue
             if not red:
-                rows.append((T, f"fused BN{BN} BK{BK} BH{BH} w{warps} s{stages}, GEMM launch alone", t, bound_us, read_us,
-                             float("nan"), None))
+                rows.append((T, name, t, bound_us, read_us, float("nan"), None))
                 continue
             err = max(float((o.float() - r).norm() / r.norm()) for o, r in zip(outs, ref))
-            outs2 = []
-            run_f2 = lambda: outs2.extend(fused(xs[l], rs[l][0], rs[l][1], w13, w2t, l, E, BN, BK, BH, warps, stages,
-                                                block, gdc, True, w2_) for l in range(L))
-            run_f2()
-            det = all(torch.equal(a, b) for a, b in zip(outs, outs2))
-            rows.append((T, f"fused BN{BN} BK{BK} BH{BH} w{warps} s{stages} red{block}/{w2_}w pdl{gdc}", t, bound_us, read_us,
-                         err, det))
+            run(outs2)
+            det = all(torch.equal(a, b) for a, b in zip(outs, outs2))  # run to run
+            first = same_tiles.setdefault((v["BN"], v["BH"]), outs)  # the same sums in the same order
+            det = det and all(torch.equal(a, b) for a, b in zip(outs, first))
+            rows.append((T, name, t, bound_us, read_us, err, det))
         print(f"T={T}: distinct MB {nbytes / 1e6:.1f}, bound {bound_us:.1f} µs, plain read a launch {read_us:.1f} µs",
               flush=True)
-    print("\n| tokens | kernel | µs | % of bound | % of a plain read | vs tuned | rel err vs torch | run-to-run bitwise |")
+    print("\n| tokens | kernel | µs | % of bound | % of a plain read | vs tuned | rel err vs torch | bitwise: run to run, and = the first of its tiles |")
     print("|---|---|---|---|---|---|---|---|")
     base = {}
     for T, name, t, b, rd, err, det in rows:
