@@ -26,7 +26,8 @@ import triton.language as tl
 
 from coldset.kernels.bandwidth import read_bandwidth
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
-from coldset.kernels.triton_moe import KernelConfig, gdc_launch_dependents, gdc_wait, triton_experts
+from coldset.kernels.triton_moe import (KernelConfig, _block_expert, _chunk_pairs, gdc_launch_dependents, gdc_wait,
+                                        triton_experts)
 from coldset.tiers import ExpertPools
 from coldset.tune import graph_time_us
 
@@ -36,24 +37,13 @@ def _fused_kernel(x_ptr, ids_ptr, w13_ptr, w2t_ptr, part_ptr, num_pairs, layer,
                   E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, NP: tl.constexpr,
                   GDC: tl.constexpr, W2T: tl.constexpr):
-    """Block (slot, j): the slot-th selected expert's pairs (at most BM), w13 slice j, then w2^T rows of slice j."""
+    """Block (slot, j): the slot-th selected expert's pairs (at most BM), w13 slice j, then w2's columns of slice j."""
     slot = tl.program_id(0)
     j = tl.program_id(1)
-    offs_p = tl.arange(0, NP)
-    ids = tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1).to(tl.int32)
-    offs_e = tl.arange(0, EP)
-    present = tl.max((ids[None, :] == offs_e[:, None]).to(tl.int32), axis=1)
-    rank = tl.cumsum(present, 0) - 1
-    hit = (present > 0) & (rank == slot)
-    found = tl.sum(hit.to(tl.int32), axis=0)
-    expert = tl.sum(tl.where(hit, offs_e, 0), axis=0)
-    if found > 0:
-        offs_m = tl.arange(0, BM)
-        match = ids == expert
-        pos = tl.cumsum(match.to(tl.int32), 0) - 1
-        sel = match[None, :] & (pos[None, :] == offs_m[:, None])
-        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)
-        valid = offs_m < tl.sum(match.to(tl.int32), axis=0)
+    # the package's in-kernel grouping (MODE_SLOTS): the slot-th selected expert and its pairs
+    expert, cnt, start, _, _ = _block_expert(ids_ptr, ids_ptr, num_pairs, slot, E, EP, NP, BM, 0)
+    if cnt > 0:
+        pair, valid = _chunk_pairs(ids_ptr, ids_ptr, num_pairs, expert, start, 0, cnt, BM, NP, 0)
         tok = (pair // TOPK).to(tl.int64)
         row = (layer * E + expert).to(tl.int64)
         offs_n = j * BN + tl.arange(0, BN)
