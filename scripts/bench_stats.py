@@ -26,7 +26,7 @@ import numpy as np
 
 
 def make_trace(path: Path, rows: int, seed: int = 0) -> int:
-    from coldset.routing import RequestRows, TraceMeta, TraceWriter
+    from coldset.trace import RequestRows, TraceMeta, TraceWriter
 
     L, E, k = 16, 64, 4
     prompt, decode = 128, 133

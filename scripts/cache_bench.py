@@ -30,7 +30,7 @@ from coldset.cache import (
     stream_from_frame,
     trace_decode_rows,
 )
-from coldset.routing import TraceMeta, write_trace
+from coldset.trace import TraceMeta, write_trace
 
 
 def random_trace(path: Path, rows: int, layers: int, experts: int, top_k: int, keep: float, seed: int) -> Path:

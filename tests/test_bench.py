@@ -207,7 +207,7 @@ def test_routing_replay_refuses_an_invalid_trace(tmp_path, expert, msg):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from coldset.routing import TraceError, TraceMeta
+    from coldset.trace import TraceError, TraceMeta
 
     meta = TraceMeta("toy", num_layers=2, num_experts=8, top_k=2, moe_layers=[0, 1], source="test")
     n = 4 * 2 * 2  # 4 decode tokens, 2 layers, top 2
@@ -264,7 +264,7 @@ def _tiny_trace(path, tokens_by_request, splits=None, num_experts=4, layers=(0,)
     """A trace of decode tokens only, top-1, given ``{request: [[expert per layer] per token]}``."""
     import pyarrow as pa
 
-    from coldset.routing import TraceMeta, write_trace
+    from coldset.trace import TraceMeta, write_trace
 
     rows = {c: [] for c in ("request", "domain", "position", "phase", "layer", "rank", "expert")}
     if splits:

@@ -19,7 +19,7 @@ from coldset.cache import (
     trace_decode_rows,
     warm_order,
 )
-from coldset.routing import TraceMeta, write_trace
+from coldset.trace import TraceMeta, write_trace
 
 # ---------------------------------------------------------------------------------------------
 # brute force: the semantics read literally, one victim at a time by scanning every resident

@@ -23,7 +23,8 @@ def _mode(path):
 def test_results_respect_the_umask(tmp_path, umask_022):
     """Once 0600 files (mkstemp) and a 0700 model folder (mkdtemp) under umask 022."""
     from coldset.placement import load_placement, save_placement
-    from coldset.routing import RequestRows, TraceMeta, TraceWriter, import_trace
+    from coldset.importers import import_trace
+    from coldset.trace import RequestRows, TraceMeta, TraceWriter
     from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     assert _mode(write_json(tmp_path / "a.json", {})) == 0o644

@@ -18,7 +18,7 @@ from coldset.fixtures import (
     template_texts,
     write_fixtures,
 )
-from coldset.routing import split_of
+from coldset.trace import split_of
 
 DOMAINS = ["agent", "prose", "code"]
 

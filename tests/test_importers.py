@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from coldset.routing import TraceError, import_trace
+from coldset.importers import import_trace
+from coldset.trace import TraceError
 from coldset.shapes import shape_from_hf_config
 
 # 5 layers, layer 0 dense, 4 MoE layers (1..4), 8 experts, top-2

@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.routing import TraceMeta, write_trace
+from coldset.trace import TraceMeta, write_trace
 from coldset.stats import (
     consecutive_overlap,
     decode_tokens,

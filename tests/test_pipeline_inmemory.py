@@ -125,7 +125,7 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
     from coldset.config import validate_config
     from coldset.fixtures import read_fixtures
     from coldset.model import encode_prompts
-    from coldset.routing import read_trace_meta
+    from coldset.trace import read_trace_meta
     from coldset.synthetic import write_synthetic_checkpoint
 
     res = run["results"]

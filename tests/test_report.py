@@ -30,7 +30,7 @@ from coldset.results import (
     load_skew,
     placement_key_from_path,
 )
-from coldset.routing import TraceMeta
+from coldset.trace import TraceMeta
 from coldset.stats import skew_stats
 
 MODEL = "tiny-moe"

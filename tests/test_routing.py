@@ -12,14 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from coldset.routing import (
+from coldset.importers import import_sglang, import_trace, import_vllm
+from coldset.trace import (
     RequestRows,
     TraceError,
     TraceMeta,
     TraceWriter,
-    import_sglang,
-    import_trace,
-    import_vllm,
     iter_trace_batches,
     read_trace_meta,
     split_of,

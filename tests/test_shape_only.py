@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from coldset.pipeline import StageError, decoding_support, require_decoding, skipped_stages
-from coldset.routing import TraceMeta, write_trace
+from coldset.trace import TraceMeta, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
 

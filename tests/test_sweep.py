@@ -7,9 +7,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from coldset.config import ConfigError, validate_config
-from coldset.routing import TraceMeta, write_trace
-from coldset.sweep import comparison_rows, model_configs, run_sweep
+from coldset.config import ConfigError, model_configs, validate_config
+from coldset.sweep import comparison_rows, run_sweep
+from coldset.trace import TraceMeta, write_trace
 
 V3 = {"model_type": "deepseek_v3", "vocab_size": 500, "hidden_size": 128, "intermediate_size": 256,
       "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "n_routed_experts": 8,

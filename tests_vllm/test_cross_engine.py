@@ -99,7 +99,8 @@ def test_greedy_tokens_identical(engines, arch):
 @pytest.mark.parametrize("arch", VARIANTS)
 def test_routing_identical_at_every_token_and_layer(engines, arch, tmp_path):
     from coldset.model import ModelConfig
-    from coldset.routing import capture_routing, validate_trace
+    from coldset.routing import capture_routing
+    from coldset.trace import validate_trace
 
     run = engines["runs"][arch]
     ref_path = capture_routing(run["model_dir"], [engines["fixtures"]], tmp_path / "embedded.parquet",
@@ -143,7 +144,7 @@ def test_routed_experts_refused_on_cpu_with_reason(engines):
 
 def test_routed_experts_rows_to_trace_layout():
     """vLLM 0.32 returns every layer's rows (uint8); the backend keeps the MoE layers'."""
-    from coldset.routing import TraceMeta
+    from coldset.trace import TraceMeta
     from coldset.vllm_backend import VllmCaptureError, _routed_rows
 
     meta = TraceMeta("m", num_layers=4, num_experts=8, top_k=2, moe_layers=[1, 3])

@@ -40,7 +40,8 @@ def _rows(path: Path) -> dict[str, np.ndarray]:
 def test_routing_stage_with_vllm_backend(tmp_path):
     pytest.importorskip("vllm")
     from coldset.config import ConfigError, validate_config
-    from coldset.routing import capture_routing, read_trace_meta
+    from coldset.routing import capture_routing
+    from coldset.trace import read_trace_meta
 
     ck = build_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt")
     prompts = tmp_path / "prompts.jsonl"

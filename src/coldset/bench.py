@@ -569,11 +569,11 @@ class RoutingReplay:
         decode tokens, so a step's tokens are different requests at the same point of their
         decode, as in serving, not one request's consecutive tokens. ``split`` (``profile`` |
         ``heldout``) keeps that split's requests only: the trace's ``split`` column, or
-        :func:`coldset.routing.split_of` with ``heldout_fraction`` where it has none."""
+        :func:`coldset.trace.split_of` with ``heldout_fraction`` where it has none."""
         import pandas as pd
         import pyarrow.parquet as pq
 
-        from coldset.routing import split_of, validate_trace
+        from coldset.trace import split_of, validate_trace
 
         meta = validate_trace(trace_path, model_config)  # the one trace validator: ids, ranks, layers
         has_split = "split" in pq.read_schema(trace_path).names

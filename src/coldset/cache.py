@@ -92,6 +92,7 @@ import numpy as np
 import pandas as pd
 
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global
+from coldset.trace import request_codes
 
 POLICIES = ("static", "lru", "lfu", "belady", "forecast")
 PREFETCH_POLICIES = ("forecast", "lookahead")  # replayed with prefetch lists; lookahead: simulate() only
@@ -163,19 +164,6 @@ class AccessStream:
         return int(np.diff(self.group_ptr).max(initial=0))
 
 
-def _codes(column: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, names) of a string column, codes ascending with the names' string order."""
-    cat = column if isinstance(column, pd.Categorical) else pd.Categorical(np.asarray(column).astype(str))
-    names = np.asarray(cat.categories).astype(str)
-    order = np.argsort(names, kind="stable")
-    rank = np.empty(order.size, dtype=np.int64)
-    rank[order] = np.arange(order.size)
-    codes = np.asarray(cat.codes, dtype=np.int64)
-    if (codes < 0).any():
-        raise CacheError("request column holds missing values")
-    return rank[codes], names[order]
-
-
 def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
                       num_experts: int) -> AccessStream:
     """The replay stream of decode rows: columns ``request`` (str or categorical),
@@ -203,7 +191,7 @@ def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
         raise CacheError(f"stream_from_frame: expert outside [0, {num_experts})")
     if pos.min() < 0 or rank.min() < 0:
         raise CacheError("stream_from_frame: position and rank must be >= 0")
-    rc, names = _codes(req_col)
+    rc, names = request_codes(req_col)
     # one int64 key (request, position, layer, rank)
     n_rank = int(rank.max()) + 1
     n_pos = int(pos.max()) + 1
@@ -227,14 +215,14 @@ def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
 def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0.25,
                       expect: Any = None) -> tuple[pd.DataFrame, Any]:
     """Decode rows of a trace as a frame (request and domain categorical, split, position,
-    layer_index, rank, expert) and its :class:`coldset.routing.TraceMeta`. ``split`` comes from
-    the trace's column or, without one, from :func:`coldset.routing.split_of` on the request id
+    layer_index, rank, expert) and its :class:`coldset.trace.TraceMeta`. ``split`` comes from
+    the trace's column or, without one, from :func:`coldset.trace.split_of` on the request id
     (as the stats stage does). Read column-wise through pyarrow (validated batch by batch)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from coldset.routing import iter_trace_batches, read_trace_meta, split_of
+    from coldset.trace import iter_trace_batches, read_trace_meta, split_of
 
     meta = read_trace_meta(trace_path, expect)
     has_split = "split" in pq.read_schema(trace_path).names

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from coldset import pipeline
 
     parser = argparse.ArgumentParser(prog="python -m coldset", description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=[*pipeline.STAGES, "gpu-stages", "sweep"],
+    parser.add_argument("stage", choices=[*pipeline.STAGES, "report_models", "gpu-stages", "sweep"],
                         help="a stage, or gpu-stages: model, fixtures, routing, stats, placement, "
                              "autotune, parity (every placement), parity_gate, bench in order, or "
                              "sweep: every model of models: through track, then the comparison report")
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
             from coldset.sweep import run_sweep
 
             print(run_sweep(config))
+            return 0
+        if args.stage == "report_models":  # a stage of coldset.sweep, which sits above the pipeline
+            from coldset.sweep import report_models
+
+            pipeline.run_stage(report_models, config)
             return 0
         if config.get("models"):
             raise ConfigError(f"{' + '.join(config_files)} sets models: (a sweep); run `python -m coldset sweep` for it")

@@ -8,6 +8,7 @@ Snakefile and the CLI cannot disagree about where a stage reads or writes.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Sequence
@@ -214,3 +215,34 @@ class Layout:
         from coldset.track import default_tracking_uri
 
         return config["tracking"]["uri"] or default_tracking_uri(self.results)
+
+
+# --------------------------------------------------------------------------------------------
+# models: sweeps (one validated config per model; coldset.sweep runs and compares them)
+
+ROUTING_KEYS = {"trace": "trace", "trace_domains": "trace_domains"}
+
+
+def model_configs(config: dict) -> dict[str, dict]:
+    """One validated config per model of ``models:`` (or the config itself, keyed by its model name)."""
+    models = config.get("models") or {}
+    if not models:
+        return {config["model"]["name"]: config}
+    out = {}
+    for name, section in models.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"config models.{name}: expected a model section (an object), got {section!r}")
+        section = dict(section)
+        if "name" in section and section["name"] != name:
+            raise ConfigError(f"config models.{name}: name {section['name']!r} differs from its key")
+        routing = {ROUTING_KEYS[k]: section.pop(k) for k in list(section) if k in ROUTING_KEYS}
+        c = copy.deepcopy({k: v for k, v in config.items() if k != "models"})
+        c["model"] = {**c.get("model", {}), **section, "name": name}
+        c["routing"] = {**c.get("routing", {}), **routing}
+        out[name] = validate_config(c, source=f"config models.{name}")
+    return out
+
+
+def comparison_path(config: dict) -> Path:
+    """Where the comparison report goes: ``results/report/models.html``."""
+    return Path(config["results"]) / "report" / "models.html"

@@ -37,7 +37,7 @@ from typing import Any
 from coldset.files import atomic_path
 from coldset.names import NAME_PATTERN, is_name
 
-from coldset.routing import SPLITS, split_of
+from coldset.trace import SPLITS, split_of
 
 PACKAGE_TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE_SUFFIX = ".j2"
@@ -255,7 +255,7 @@ def _read_jsonl(path: Path, *, strict: bool, heldout_fraction: float = 0.25,
 
 def read_user_prompts(path: str | os.PathLike, heldout_fraction: float, max_new_tokens: int) -> list[Fixture]:
     """Validate a user's prompt JSONL: ``prompt``, ``domain`` required; ``id`` (default
-    ``{domain}-{n:04d}``), ``split`` (default :func:`coldset.routing.split_of` on the id) and
+    ``{domain}-{n:04d}``), ``split`` (default :func:`coldset.trace.split_of` on the id) and
     ``max_new_tokens`` (default ``max_new_tokens``) optional. Ids must be unique."""
     fixtures = _read_jsonl(Path(path), strict=False, heldout_fraction=heldout_fraction,
                            default_max_new=max_new_tokens)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from coldset.trace import request_codes
+
 
 class ForecastError(ValueError):
     """Bad input to the forecaster (rows, shapes, parameters); the message says what."""
@@ -65,15 +67,13 @@ class TokenGroups:
 
 def token_groups(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> TokenGroups:
     """Group decode ``rows`` (columns request, position, layer_index, rank, expert) by (request,
-    position, layer); every group must hold ranks ``0..k-1`` once (as :func:`coldset.routing.
+    position, layer); every group must hold ranks ``0..k-1`` once (as :func:`coldset.trace.
     validate_trace` guarantees for a trace)."""
-    from coldset.cache import _codes
-
     n = len(rows)
     if n == 0:
         z = np.zeros(0, np.int64)
         return TokenGroups(np.zeros((0, 1), np.int64), z, z)
-    rc, _ = _codes(rows["request"].array if isinstance(rows["request"].dtype, pd.CategoricalDtype)
+    rc, _ = request_codes(rows["request"].array if isinstance(rows["request"].dtype, pd.CategoricalDtype)
                    else rows["request"])
     pos = rows["position"].to_numpy(np.int64)
     li = rows["layer_index"].to_numpy(np.int64)

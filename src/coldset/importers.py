@@ -11,7 +11,7 @@ below it, in name order); each file is read in the format its content shows:
 - **vLLM offline** (``LLM.generate``): ``RequestOutput.outputs[i].routed_experts`` is the same
   array; write one JSON line per request, ``{"id": out.request_id, "num_prompt_tokens":
   len(out.prompt_token_ids), "routed_experts": out.outputs[0].routed_experts.tolist()}`` (the
-  container :func:`coldset.routing.import_vllm` reads).
+  container :func:`coldset.importers.import_vllm` reads).
 - **SGLang ``return_routed_experts``** (``/generate`` response saved as JSON, one object, a list
   or one per line): ``meta_info.routed_experts`` is the base64 of little-endian int32
   ``[rows, layers, top_k (+ fused shared experts)]`` covering token positions
@@ -31,7 +31,7 @@ below it, in name order); each file is read in the format its content shows:
 taken). What the exports lack is filled so: ``domain`` from ``routing.trace_domains`` (a glob
 over the file's path inside the folder, or its name, to a domain; first match wins), else a
 ``domain`` field of the line, else the file's name without suffix; ``split`` by
-:func:`coldset.routing.split_of` over the request id; ``phase`` from the prompt length (rows
+:func:`coldset.trace.split_of` over the request id; ``phase`` from the prompt length (rows
 before it are prefill).
 """
 
@@ -44,13 +44,20 @@ import io
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from coldset.routing import ImportReport, RequestRows, TraceError, TraceMeta, TraceWriter, split_of
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from coldset.files import remove_orphans, share_mode
+from coldset.trace import (SPLITS, ImportReport, RequestRows, TraceError, TraceMeta, TraceWriter,
+                           check_meta_against_model, iter_trace_batches, split_of, validate_trace)
 
 EXPORT_SUFFIXES = (".json", ".jsonl", ".pt")
 #: SGLang's ForwardMode values in the recorder's ``forward_mode`` (IntEnum from 1).
@@ -206,7 +213,7 @@ def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _legacy_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.ndarray, int]:
-    """The JSONL container of :func:`coldset.routing.import_vllm` / ``import_sglang`` (one request a line)."""
+    """The JSONL container of :func:`coldset.importers.import_vllm` / ``import_sglang`` (one request a line)."""
     value = obj["routed_experts"]
     npt = _int_field(obj, "num_prompt_tokens", where)
     if isinstance(value, list):
@@ -335,3 +342,246 @@ def import_exports(source: str | os.PathLike, out_path: str | os.PathLike, meta:
     print(f"{root}: imported {len(files)} file(s) ({', '.join(sorted(kinds))}): {report.requests} requests, "
           f"{report.rows} rows", file=sys.stderr)
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# the JSONL containers (vLLM / SGLang, one request a line) and import_trace, the routing stage's import
+
+
+def _read_export_lines(export_path: Path) -> Iterator[tuple[int, dict]]:
+    with open(export_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{export_path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{export_path}:{lineno}: expected a JSON object per line")
+            yield lineno, obj
+
+
+def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
+    h = obj["trace_meta"]
+    try:
+        meta = TraceMeta(str(h["model"]), int(h["num_layers"]), int(h["num_experts"]), int(h["top_k"]),
+                         [int(x) for x in h["moe_layers"]], source)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{where}: trace_meta header needs model, num_layers, num_experts, top_k, moe_layers ({e})") from None
+    meta.check(where)
+    return meta
+
+
+def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None,
+            heldout_fraction: float | None, kind: str, decode_line) -> ImportReport:
+    export_path = Path(export_path)
+    if not export_path.exists():
+        raise TraceError(f"{export_path}: {kind} export not found")
+    lines = _read_export_lines(export_path)
+    first = next(lines, None)
+    if first is None:
+        raise TraceError(f"{export_path}: empty {kind} export")
+    source = f"{kind} export {export_path.name}"
+    if "trace_meta" in first[1]:
+        header = _meta_from_header(first[1], f"{export_path}:{first[0]}", source)
+        if meta is not None:
+            check_meta_against_model(header, meta, f"{export_path}:{first[0]} (trace_meta header vs the given model)")
+        meta = header
+        first = next(lines, None)
+    if first is None:
+        raise TraceError(f"{export_path}: no request lines in the {kind} export")
+    # Splits come from the export on every line or on none. With none, the trace gets no split
+    # column (the statistics assign splits by split_of with their heldout_fraction), unless
+    # heldout_fraction is given here: then the column holds split_of(id, heldout_fraction).
+    export_splits = "split" in first[1]
+    with_split = export_splits or heldout_fraction is not None
+    if meta is None:
+        raise TraceError(f"{export_path}: no trace_meta header line and no model metadata given")
+    meta = TraceMeta(meta.model, meta.num_layers, meta.num_experts, meta.top_k, list(meta.moe_layers), source)
+
+    def requests():
+        yield first
+        yield from lines
+
+    with TraceWriter(out_path, meta, with_weight=False, with_split=with_split) as w:
+        for lineno, obj in requests():
+            where = f"{export_path}:{lineno}"
+            for key in ("id", "num_prompt_tokens", "routed_experts"):
+                if key not in obj:
+                    raise TraceError(f"{where}: missing field {key!r}")
+            rid = str(obj["id"])
+            domain = str(obj.get("domain", "default"))
+            npt = obj["num_prompt_tokens"]
+            if not isinstance(npt, int) or npt < 0:
+                raise TraceError(f"{where}: num_prompt_tokens must be a non-negative integer, got {npt!r}")
+            if ("split" in obj) != export_splits:
+                raise TraceError(f"{where}: field 'split' must be on every request line or on none "
+                                 f"(line {first[0]} {'has' if export_splits else 'lacks'} it)")
+            split = obj.get("split")
+            if split is None and heldout_fraction is not None:
+                split = split_of(rid, heldout_fraction)
+            elif export_splits and split not in SPLITS:
+                raise TraceError(f"{where}: field 'split' is {split!r}, expected one of {list(SPLITS)}")
+            experts = decode_line(obj, meta, where)
+            w.add(RequestRows(rid, domain, experts, npt, None, split), where)
+        report = ImportReport(Path(out_path), w.requests_written, w.rows_written, w.cached_tokens_skipped)
+    if report.cached_prefix_tokens_skipped:
+        print(f"{export_path}: skipped {report.cached_prefix_tokens_skipped} cached-prefix tokens (rows of -1)",
+              file=sys.stderr)
+    return report
+
+
+def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
+                meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
+    """Convert a vLLM routed-experts export (JSONL) into a trace.
+
+    Container, one JSON object per line::
+
+        {"id": "agent-0001", "domain": "agent", "num_prompt_tokens": 57,
+         "routed_experts": [[[e, ...] * top_k] * num_moe_layers] * tokens,
+         "split": "profile"}                              # split optional
+
+    ``routed_experts`` is what vLLM returns per request with ``--enable-return-routed-experts``
+    (int16 ``[tokens, moe_layers, k]``, or uint8 for <= 256 experts), as nested lists: prompt
+    rows first, then generated rows. Prompt tokens served from vLLM's prefix cache are rows of
+    -1: they are skipped, counted, and the count is returned and stored in the trace metadata
+    (``cached_prefix_tokens_skipped``). The model shape comes from ``meta`` or an optional
+    first line ``{"trace_meta": {"model", "num_layers", "num_experts", "top_k", "moe_layers"}}``
+    (both given: they must agree). ``split`` is on every line or on none; with none, the trace
+    holds ``split_of(id, heldout_fraction)`` if ``heldout_fraction`` is given, else no split
+    column (readers then split requests by :func:`split_of` with their own fraction).
+    """
+
+    def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
+        try:
+            arr = np.asarray(obj["routed_experts"], dtype=np.int64)
+        except (ValueError, TypeError) as e:
+            raise TraceError(f"{where}: field 'routed_experts' is not a rectangular integer array ({e})") from None
+        if arr.ndim == 1 and arr.size == 0:
+            arr = arr.reshape(0, meta.num_moe_layers, meta.top_k)
+        if arr.ndim != 3 or arr.shape[1:] != (meta.num_moe_layers, meta.top_k):
+            raise TraceError(f"{where}: field 'routed_experts' has shape {list(arr.shape)}, expected "
+                             f"[tokens, {meta.num_moe_layers}, {meta.top_k}]")
+        return arr
+
+    return _import(export_path, out_path, meta, heldout_fraction, "vllm", decode)
+
+
+def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
+                  meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
+    """Convert an SGLang routed-experts export (JSONL) into a trace.
+
+    Container, one JSON object per line::
+
+        {"id": "...", "domain": "...", "num_prompt_tokens": 57,
+         "routed_experts": "<base64 of little-endian int32 [tokens, layers, k]>",
+         "shape": [tokens, layers, k], "split": "heldout"}   # shape and split optional
+
+    ``layers`` is either the number of MoE layers or every layer of the model (then the rows of
+    the MoE layers, ``moe_layers``, are taken). Without ``shape`` the array is read as
+    ``[-1, num_moe_layers, top_k]``. Whole tokens of -1 (cached prefix) are skipped and counted as
+    in :func:`import_vllm`.
+    """
+
+    def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
+        b64 = obj["routed_experts"]
+        if not isinstance(b64, str):
+            raise TraceError(f"{where}: field 'routed_experts' must be a base64 string")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except ValueError as e:
+            raise TraceError(f"{where}: field 'routed_experts' is not valid base64 ({e})") from None
+        if len(raw) % 4:
+            raise TraceError(f"{where}: field 'routed_experts' decodes to {len(raw)} bytes, not a multiple of 4 (int32)")
+        flat = np.frombuffer(raw, dtype="<i4")
+        shape = obj.get("shape")
+        L, k = meta.num_moe_layers, meta.top_k
+        if shape is None:
+            shape = [-1, L, k]
+            if flat.size % (L * k):
+                raise TraceError(f"{where}: {flat.size} int32 values do not divide into [tokens, {L}, {k}]")
+        try:
+            arr = flat.reshape(shape)
+        except (ValueError, TypeError) as e:
+            raise TraceError(f"{where}: field 'shape' {shape} does not fit {flat.size} int32 values ({e})") from None
+        if arr.ndim != 3 or arr.shape[2] != k:
+            raise TraceError(f"{where}: array shape {list(arr.shape)}, expected [tokens, layers, {k}]")
+        if arr.shape[1] == meta.num_layers and meta.num_layers != L:
+            arr = arr[:, meta.moe_layers, :]
+        elif arr.shape[1] != L:
+            raise TraceError(f"{where}: array has {arr.shape[1]} layers; expected {L} (MoE layers) or "
+                             f"{meta.num_layers} (all layers)")
+        return arr
+
+    return _import(export_path, out_path, meta, heldout_fraction, "sglang", decode)
+
+
+def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
+                 expect: Any = None, model_name: str | None = None,
+                 heldout_fraction: float | None = None, domains: dict[str, str] | None = None) -> ImportReport:
+    """The ``routing`` stage when config names an existing trace (``routing.trace``).
+
+    ``kind``: ``parquet`` or ``coldset`` (a trace in this format: validated in full, then copied), ``vllm`` or
+    ``sglang`` (a JSONL export, see :func:`import_vllm` / :func:`import_sglang`), or ``auto``
+    (by suffix ``.parquet``; for JSONL by the first request's ``routed_experts``: nested lists
+    = vLLM, a string = SGLang). ``expect`` (the pipeline's ModelConfig) is checked against the
+    trace's model shape and, for exports without a ``trace_meta`` header, supplies it
+    (``model_name`` names the model then).
+    """
+    import shutil
+
+    source, out_path = Path(source), Path(out_path)
+    if kind != "parquet" and is_engine_export(source):
+        # A folder, or what vLLM / SGLang write today (coldset.importers); domains per file.
+        if expect is None:
+            raise TraceError(f"{source}: engine exports carry no model shape; set model.path to the model's "
+                             "folder (its config.json is enough)")
+        return import_exports(source, out_path, TraceMeta.from_model_config(expect, model_name or "model", ""),
+                                        heldout_fraction=heldout_fraction, domains=domains)
+    if not source.is_file():
+        raise TraceError(f"{source}: routing trace not found")
+    kind = "parquet" if kind == "coldset" else kind  # config's name for this package's format
+    if kind == "auto":
+        if source.suffix == ".parquet":
+            kind = "parquet"
+        else:
+            kind = ""
+            for lineno, obj in _read_export_lines(source):
+                if "trace_meta" in obj:
+                    continue
+                value = obj.get("routed_experts")
+                kind = "vllm" if isinstance(value, list) else "sglang" if isinstance(value, str) else ""
+                if not kind:
+                    raise TraceError(f"{source}:{lineno}: field 'routed_experts' is neither nested lists (vLLM) "
+                                     "nor a base64 string (SGLang)")
+                break
+            if not kind:
+                raise TraceError(f"{source}: no request lines to import")
+    if kind == "parquet":
+        meta = validate_trace(source, expect)
+        rows = pq.ParquetFile(source).metadata.num_rows
+        requests = set()
+        for batch in iter_trace_batches(source, ["request"], validate=False):
+            col = batch.column("request")
+            used = col.dictionary.take(pc.unique(col.indices)) if pa.types.is_dictionary(col.type) else pc.unique(col)
+            requests.update(used.to_pylist())
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphans(out_path)
+        fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(source, tmp)
+            share_mode(tmp)
+            os.replace(tmp, out_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return ImportReport(out_path, len(requests), rows, int(meta.extra.get("cached_prefix_tokens_skipped", 0)))
+    if kind not in ("vllm", "sglang"):
+        raise TraceError(f"unknown trace kind {kind!r}; one of auto, parquet, vllm, sglang")
+    meta = None
+    if expect is not None:
+        meta = TraceMeta.from_model_config(expect, model_name or "model", "")
+    importer = import_vllm if kind == "vllm" else import_sglang
+    return importer(source, out_path, meta, heldout_fraction)

@@ -14,11 +14,12 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from coldset.config import Layout, config_hash, resolve_device
+from coldset.config import Layout, config_hash, model_configs, resolve_device
 from coldset.files import read_json, write_json
 
 log = logging.getLogger("coldset")
@@ -374,7 +375,8 @@ def fixtures(config: dict, **_) -> None:
 
 def routing(config: dict, **_) -> None:
     """Capture the trace with the embedded engine, or import the configured one."""
-    from coldset import routing as trace
+    from coldset.importers import import_trace
+    from coldset.routing import capture_routing_engine
 
     layout = Layout.from_config(config)
     out = layout.trace
@@ -384,10 +386,10 @@ def routing(config: dict, **_) -> None:
         # An external trace must match a configured real model (model.path); with the synthetic
         # default it stands alone (statistics of another model's traffic, e.g. a public trace).
         expect = model_shape(config) if config["model"]["path"] else None
-        report = trace.import_trace(rc["trace"], out, kind=rc["trace_format"], expect=expect,
-                                    model_name=config["model"]["name"],
-                                    heldout_fraction=config["stats"]["heldout_fraction"],
-                                    domains=rc.get("trace_domains") or None)
+        report = import_trace(rc["trace"], out, kind=rc["trace_format"], expect=expect,
+                              model_name=config["model"]["name"],
+                              heldout_fraction=config["stats"]["heldout_fraction"],
+                              domains=rc.get("trace_domains") or None)
         log.info("imported %s: %s", rc["trace"], report)
         return
     if rc["backend"] == "vllm":  # vLLM runs families the embedded engine does not; it needs the weights
@@ -409,7 +411,7 @@ def routing(config: dict, **_) -> None:
     # on the CPU): what serving without offload computes; the torch path on CUDA would be far slower.
     engine.experts_fn = experts_functions(engine.device, None)[0]
     try:
-        trace.capture_routing_engine(engine, tokenizer, _fixture_paths(config), out, batch_size=rc["batch_size"],
+        capture_routing_engine(engine, tokenizer, _fixture_paths(config), out, batch_size=rc["batch_size"],
                                      model_name=config["model"]["name"],
                                      source_detail="in-memory synthetic" if in_memory(config) else None)
     finally:
@@ -739,33 +741,29 @@ def report(config: dict, **_) -> None:
         log.info("no %s: the report is not logged to MLflow (run track first)", layout.track_done)
 
 
-def report_models(config: dict, **_) -> None:
-    """``models:``: the report comparing every model (``results/report/models.html``)."""
-    from coldset.sweep import comparison_path, model_configs, render_comparison
-
-    render_comparison(model_configs(config), comparison_path(config))
-
-
 STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, cache, autotune, parity,
-                                  parity_gate, bench, track, report, report_models)}
+                                  parity_gate, bench, track, report)}
 GPU_STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate", "bench"]
 
 
-def run_stage(name: str, config: dict, placements: list[str] | None = None) -> None:
-    """Run one stage; the stage's own errors propagate with their messages."""
-    if name not in STAGES:
-        raise StageError(f"unknown stage {name!r}; stages: {list(STAGES)}")
+def run_stage(stage: str | Callable[..., None], config: dict, placements: list[str] | None = None) -> None:
+    """Run one stage: a name of :data:`STAGES`, or the stage function of a module above the
+    pipeline (``coldset.sweep.report_models``); the stage's own errors propagate with their messages."""
+    fn = stage if callable(stage) else STAGES.get(stage)
+    if fn is None:
+        raise StageError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
+    name = fn.__name__
     # Before torch loads its OpenMP runtime: idle threads sleep instead of spinning, so a stage
     # sharing the CPU with another job slows down in proportion instead of about tenfold.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log.info("stage %s", name)
     t0 = time.perf_counter()
-    STAGES[name](config, placements=placements)
+    fn(config, placements=placements)
     log.info("stage %s done in %.1f s", name, time.perf_counter() - t0)
 
 
-def run_from_snakemake(smk, name: str) -> None:
-    """Entry of every workflow script: log to the rule's log file, run the stage."""
+def run_from_snakemake(smk, stage: str | Callable[..., None]) -> None:
+    """Entry of every workflow script: log to the rule's log file, run the stage (as :func:`run_stage`)."""
     log_path = Path(smk.log[0])
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stream = open(log_path, "w", buffering=1)
@@ -780,11 +778,9 @@ def run_from_snakemake(smk, name: str) -> None:
     config = smk.config
     model = getattr(smk.wildcards, "model", None)
     if config.get("models") and model is not None:  # a sweep: this job's model's own config
-        from coldset.sweep import model_configs
-
         config = model_configs(config)[model]
     try:
-        run_stage(name, config)
+        run_stage(stage, config)
     except Exception:
-        log.exception("stage %s failed", name)
+        log.exception("stage %s failed", getattr(stage, "__name__", stage))
         raise

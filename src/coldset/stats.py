@@ -32,7 +32,7 @@ Definitions (also written into ``skew.json``):
   set; coverage is the share of the *heldout* split's decode selections of domain B (all layers
   pooled) that fall in the hot sets. ``(all)`` stands for every domain pooled.
 
-Splits come from the trace's ``split`` column, or from :func:`coldset.routing.split_of` on the
+Splits come from the trace's ``split`` column, or from :func:`coldset.trace.split_of` on the
 request id when the trace has none.
 """
 
@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 
 from coldset.files import atomic_path
 
-from coldset.routing import (
+from coldset.trace import (
     PHASES,
     SPLITS,
     TraceError,

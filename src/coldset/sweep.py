@@ -14,41 +14,12 @@ the bench ran, the speed model's prediction otherwise, labelled as such), hit ra
 from __future__ import annotations
 
 import base64
-import copy
 import io
 import os
 from pathlib import Path
 from typing import Any
 
-from coldset.config import ConfigError, Layout, validate_config
-
-ROUTING_KEYS = {"trace": "trace", "trace_domains": "trace_domains"}
-
-
-def model_configs(config: dict) -> dict[str, dict]:
-    """One validated config per model of ``models:`` (or the config itself, keyed by its model name)."""
-    models = config.get("models") or {}
-    if not models:
-        return {config["model"]["name"]: config}
-    out = {}
-    for name, section in models.items():
-        if not isinstance(section, dict):
-            raise ConfigError(f"config models.{name}: expected a model section (an object), got {section!r}")
-        section = dict(section)
-        if "name" in section and section["name"] != name:
-            raise ConfigError(f"config models.{name}: name {section['name']!r} differs from its key")
-        routing = {ROUTING_KEYS[k]: section.pop(k) for k in list(section) if k in ROUTING_KEYS}
-        c = copy.deepcopy({k: v for k, v in config.items() if k != "models"})
-        c["model"] = {**c.get("model", {}), **section, "name": name}
-        c["routing"] = {**c.get("routing", {}), **routing}
-        out[name] = validate_config(c, source=f"config models.{name}")
-    return out
-
-
-def comparison_path(config: dict) -> Path:
-    """Where the comparison report goes: ``results/report/models.html``."""
-    return Path(config["results"]) / "report" / "models.html"
-
+from coldset.config import Layout, comparison_path, model_configs
 
 def _placements(cfg: dict):
     from coldset.results import load_placement_summary
@@ -174,6 +145,12 @@ def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes(out, html.encode("utf-8"))
     return out
+
+
+def report_models(config: dict, **_) -> None:
+    """The ``report_models`` stage (``models:``): the report comparing every model
+    (``results/report/models.html``)."""
+    render_comparison(model_configs(config), comparison_path(config))
 
 
 def run_sweep(config: dict) -> Path:

@@ -2,7 +2,7 @@
 
 Most users serve with vLLM, so the routing they profile should come from the engine they serve
 with. This module starts ``vllm.LLM`` on a local HF checkpoint, decodes the fixtures greedily and
-writes the DESIGN.md §2 trace through :class:`coldset.routing.TraceWriter`, exactly as the
+writes the DESIGN.md §2 trace through :class:`coldset.trace.TraceWriter`, exactly as the
 embedded capture does (same rows, same split and weight columns). Two capture methods:
 
 ``routed_experts``
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from coldset.routing import RequestRows, TraceError, TraceMeta, TraceWriter
+from coldset.trace import RequestRows, TraceError, TraceMeta, TraceWriter
 
 METHODS = ("auto", "routed_experts", "router_hooks")
 #: Router linears in vLLM's module tree: ``model.layers.N.mlp.gate`` (qwen3_moe),

@@ -7,10 +7,10 @@ import re
 
 from coldset.config import Layout, check_config, residency_label
 from coldset.pipeline import skipped_stages
-from coldset.sweep import comparison_path, model_configs
+from coldset.config import comparison_path, model_configs
 
 # models: (a sweep) makes the model a wildcard of every per-model rule; SWEEP holds each model's
-# validated config (coldset.sweep.model_configs), which its jobs' scripts run with.
+# validated config (coldset.config.model_configs), which its jobs' scripts run with.
 SWEEPING = bool(config.get("models"))
 SWEEP = model_configs(config)
 MODELS = list(SWEEP)
