@@ -155,6 +155,14 @@ def dequantize_w13(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype 
                       dequantize_weight(q[..., inter:, :], scale_inv[..., half:, :], dtype)], dim=-2)
 
 
+def quantize_w13(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused float ``[..., 2I, H]`` w13 quantized as a checkpoint stores it: gate and up each in
+    their own 128 x 128 blocks, scales gate's grid then up's (what :func:`dequantize_w13` reads)."""
+    inter = w13.shape[-2] // 2
+    (qg, sg), (qu, su) = quantize_weight(w13[..., :inter, :]), quantize_weight(w13[..., inter:, :])
+    return torch.cat([qg, qu], dim=-2), torch.cat([sg, su], dim=-2)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q float8_e4m3fn [T, K], scales float32 [T, ceil(K / 128)])``: per token, per group of 128 columns.
 

@@ -24,6 +24,12 @@ pool's device copy.
 
 Every row map is validated before a kernel can read through it (rows inside the pools, no row
 used twice): an out-of-range read of host memory must be impossible.
+
+Block-FP8 experts (:mod:`coldset.fp8`, issue 29) keep their float8_e4m3fn bytes in the weight pools
+and their float32 ``weight_scale_inv`` blocks in a *scale pool* beside each weight pool, indexed
+by the same row map: row ``r`` of ``w13_scale_hot`` holds the scales of row ``r`` of
+``w13_hot``, so a cold expert's scales live in the host tier beside its weights, and every
+operation here (placing, moving, the host tier) carries both.
 """
 
 from __future__ import annotations
@@ -64,6 +70,19 @@ class ExpertPools:
     row_map: torch.Tensor  # int32 [num_moe_layers, num_experts], on the compute device
     # row_map._version when it was last validated; a kernel re-validates if it moved.
     validated_version: int = field(default=-1, repr=False, compare=False)
+    # Block-FP8 experts only (None otherwise): float32 weight_scale_inv per 128 x 128 block, one
+    # row per weight row in the same tier (coldset.fp8: w13's grid is gate's then up's).
+    w13_scale_hot: torch.Tensor | None = None  # [num_hot, 2 * ceil(I / 128), ceil(H / 128)]
+    w2_scale_hot: torch.Tensor | None = None  # [num_hot, ceil(H / 128), ceil(I / 128)]
+    w13_scale_cold: torch.Tensor | None = None  # [num_cold, ...], in the cold pool's memory
+    w2_scale_cold: torch.Tensor | None = None
+
+    SCALE_FIELDS = ("w13_scale_hot", "w2_scale_hot", "w13_scale_cold", "w2_scale_cold")
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the experts are block-FP8 (weights float8_e4m3fn, scales in the scale pools)."""
+        return self.w13_scale_hot is not None
 
     def __post_init__(self) -> None:
         self.check_layout()
@@ -94,15 +113,48 @@ class ExpertPools:
             if hot.dim() != 3 or cold.dim() != 3 or hot.shape[1:] != cold.shape[1:] or hot.dtype != cold.dtype:
                 raise ValueError(f"ExpertPools.{w}_hot {tuple(hot.shape)} ({hot.dtype}) and {w}_cold "
                                  f"{tuple(cold.shape)} ({cold.dtype}) must be [rows, m, n] of one matrix shape and dtype")
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """FP8 pools: every scale pool present, contiguous float32, one row per weight row, the
+        block grid of its weight; float pools: no scale pool and no float8 weights (a weight
+        without its scales would be read as if its scale were 1)."""
+        from coldset import fp8
+
+        present = [getattr(self, name) is not None for name in self.SCALE_FIELDS]
+        if not any(present):
+            if self.w13_hot.dtype == fp8.FP8_DTYPE or self.w2_hot.dtype == fp8.FP8_DTYPE:
+                raise ValueError("ExpertPools: float8 expert weights without their weight_scale_inv pools "
+                                 "(w13_scale_hot, w2_scale_hot, w13_scale_cold, w2_scale_cold)")
+            return
+        if not all(present):
+            missing = [n for n, p in zip(self.SCALE_FIELDS, present) if not p]
+            raise ValueError(f"ExpertPools: FP8 pools need all four scale pools; missing {missing}")
+        inter, hidden = self.w2_hot.shape[2], self.w2_hot.shape[1]
+        grids = {"w13": (fp8.w13_scale_rows(inter), fp8.scale_grid(inter, hidden)[1]),
+                 "w2": fp8.scale_grid(hidden, inter)}
+        for w in ("w13", "w2"):
+            for tier in ("hot", "cold"):
+                wt, st = getattr(self, f"{w}_{tier}"), getattr(self, f"{w}_scale_{tier}")
+                name = f"ExpertPools.{w}_scale_{tier}"
+                if wt.dtype != fp8.FP8_DTYPE:
+                    raise ValueError(f"ExpertPools.{w}_{tier}: FP8 pools hold float8_e4m3fn weights, got {wt.dtype}")
+                if not isinstance(st, torch.Tensor) or st.dtype != torch.float32 or not st.is_contiguous():
+                    raise ValueError(f"{name}: expected a contiguous float32 tensor")
+                if tuple(st.shape) != (wt.shape[0], *grids[w]) or st.device != wt.device:
+                    raise ValueError(f"{name}: shape {tuple(st.shape)} on {st.device}, expected "
+                                     f"{(wt.shape[0], *grids[w])} on {wt.device} (one block grid per row of {w}_{tier})")
 
     @classmethod
-    def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor) -> "ExpertPools":
+    def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> "ExpertPools":
         """Every expert in the hot pool in module order: the unmodified (reference) layout.
 
         ``w13`` is ``[L, E, 2I, H]`` and ``w2`` is ``[L, E, H, I]``; the pools are views of them
         when they are contiguous, and contiguous copies otherwise (a padded, transposed or sliced
         view, as vLLM's kernel tests build their weights: the kernel reads pools row-major, see
-        :meth:`check_layout`).
+        :meth:`check_layout`). Block-FP8 experts pass their scales ``w13_scale`` ``[L, E,
+        2 * ceil(I / 128), ceil(H / 128)]`` and ``w2_scale`` ``[L, E, ceil(H / 128), ceil(I / 128)]``.
         """
         if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
             raise ValueError(
@@ -118,6 +170,7 @@ class ExpertPools:
             w13_cold=w13.new_empty((0, *w13.shape[2:])),
             w2_cold=w2.new_empty((0, *w2.shape[2:])),
             row_map=row_map.reshape(num_layers, num_experts),
+            **_scale_pools(w13_scale, w2_scale, num_layers * num_experts),
         )
         pools.validated_version = pools.row_map._version  # valid by construction
         return pools
@@ -178,12 +231,18 @@ class ExpertPools:
         physical = torch.where(hot, rm, -flat_idx - 1).to(torch.int32)  # cold -> host row l*E+e
         device = self.w13_hot.device
         idx = hot_src.to(device)
+        scales = {}
+        if self.is_fp8:
+            scales = dict(w13_scale_hot=self.w13_scale_hot.index_select(0, idx),
+                          w2_scale_hot=self.w2_scale_hot.index_select(0, idx),
+                          w13_scale_cold=host.w13_scale, w2_scale_cold=host.w2_scale)
         pools = ExpertPools(
             w13_hot=self.w13_hot.index_select(0, idx),
             w2_hot=self.w2_hot.index_select(0, idx),
             w13_cold=host.w13,
             w2_cold=host.w2,
             row_map=physical.to(device).contiguous(),
+            **scales,
         )
         pools.validate()
         return pools
@@ -194,6 +253,20 @@ class ExpertPools:
         if row >= 0:
             return self.w13_hot[row], self.w2_hot[row]
         return self.w13_cold[-row - 1], self.w2_cold[-row - 1]
+
+    def expert_scales(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) weight_scale_inv blocks of one FP8 expert, from the tier its weights are in."""
+        if not self.is_fp8:
+            raise ValueError("ExpertPools.expert_scales: these pools hold no FP8 experts")
+        row = int(self.row_map[layer, expert])
+        if row >= 0:
+            return self.w13_scale_hot[row], self.w2_scale_hot[row]
+        return self.w13_scale_cold[-row - 1], self.w2_scale_cold[-row - 1]
+
+    def _expert_tensors(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """Weights then (FP8) scales of one expert: what moves when the expert moves."""
+        w = self.expert_weights(layer, expert)
+        return (*w, *self.expert_scales(layer, expert)) if self.is_fp8 else w
 
     def validate(self, row_map=None) -> None:
         """Refuse a row map (default: the current one) that reads outside the pools or reuses a row."""
@@ -232,19 +305,16 @@ class ExpertPools:
         self.validate(new)
         new_cpu = new.cpu()
         saved = [
-            [tuple(t.to("cpu", copy=True) for t in self.expert_weights(layer, expert)) for expert in range(self.num_experts)]
+            [tuple(t.to("cpu", copy=True) for t in self._expert_tensors(layer, expert)) for expert in range(self.num_experts)]
             for layer in range(self.num_moe_layers)
         ]
+        names = ("w13", "w2", "w13_scale", "w2_scale") if self.is_fp8 else ("w13", "w2")
         for layer in range(self.num_moe_layers):
             for expert in range(self.num_experts):
                 row = int(new_cpu[layer, expert])
-                w13, w2 = saved[layer][expert]
-                if row >= 0:
-                    self.w13_hot[row].copy_(w13)
-                    self.w2_hot[row].copy_(w2)
-                else:
-                    self.w13_cold[-row - 1].copy_(w13)
-                    self.w2_cold[-row - 1].copy_(w2)
+                tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+                for name, t in zip(names, saved[layer][expert]):
+                    getattr(self, f"{name}_{tier}")[r].copy_(t)
         self.row_map.copy_(new_cpu.to(self.row_map.device))
         self.validated_version = self.row_map._version
 
@@ -301,17 +371,24 @@ class HostTier:
     num_experts: int
     pinned: bool
     reserved_bytes: int  # what the host allocation takes (pinned blocks round up to a power of two)
+    # FP8 experts: their weight_scale_inv blocks, row l * E + e, in the same host allocation
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.w13.numel() * self.w13.element_size() + self.w2.numel() * self.w2.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_scale, self.w2_scale)
+                   if t is not None)
 
     def check_matches(self, pools: "ExpertPools") -> None:
         """Refuse a tier made from another model's experts (shape or dtype differ)."""
         want = ((pools.num_moe_layers * pools.num_experts, *pools.w13_hot.shape[1:]),
                 (pools.num_moe_layers * pools.num_experts, *pools.w2_hot.shape[1:]), pools.w13_hot.dtype)
         got = (tuple(self.w13.shape), tuple(self.w2.shape), self.w13.dtype)
-        if (self.num_moe_layers, self.num_experts) != (pools.num_moe_layers, pools.num_experts) or got != want:
+        scales_differ = (self.w13_scale is not None) != pools.is_fp8 or (pools.is_fp8 and (
+            self.w13_scale.shape[1:] != pools.w13_scale_hot.shape[1:] or self.w2_scale.shape[1:] != pools.w2_scale_hot.shape[1:]))
+        if (self.num_moe_layers, self.num_experts) != (pools.num_moe_layers, pools.num_experts) or got != want \
+                or scales_differ:
             raise ValueError(f"host tier w13 {got[0]}, w2 {got[1]} ({got[2]}) does not hold these pools' "
                              f"experts: w13 {want[0]}, w2 {want[1]} ({want[2]})")
 
@@ -332,25 +409,45 @@ def host_tier(pools: ExpertPools, host_available_bytes: int | None = None) -> Ho
     """
     pools._require_all_hot("host_tier")
     pin = pools.w13_hot.device.type == "cuda"
-    n13, n2 = pools.w13_hot.numel(), pools.w2_hot.numel()
     dtype = pools.w13_hot.dtype
     if pools.w2_hot.dtype != dtype:
         raise ValueError(f"host_tier: w13 dtype {dtype} differs from w2 dtype {pools.w2_hot.dtype}")
-    nbytes = (n13 + n2) * pools.w13_hot.element_size()
+    sources = [pools.w13_hot, pools.w2_hot]
+    if pools.is_fp8:  # the scales in the same allocation, after the weights (16-byte aligned)
+        sources += [pools.w13_scale_hot, pools.w2_scale_hot]
+    offsets, nbytes = [], 0
+    for t in sources:
+        nbytes = -(-nbytes // 16) * 16
+        offsets.append(nbytes)
+        nbytes += t.numel() * t.element_size()
     reserved = _pinned_block_bytes(nbytes) if pin else nbytes
     check_host_allocation(reserved, "pinned host tier (every routed expert)" if pin else "host tier (every routed expert)",
                           host_available_bytes)
-    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).view(dtype)
-    w13 = flat[:n13].view(pools.w13_hot.shape)
-    w2 = flat[n13:].view(pools.w2_hot.shape)
-    w13.copy_(pools.w13_hot)
-    w2.copy_(pools.w2_hot)
-    return HostTier(w13=w13, w2=w2, num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts,
-                    pinned=pin, reserved_bytes=reserved)
+    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    views = []
+    for t, off in zip(sources, offsets):
+        v = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        views.append(v)
+    return HostTier(w13=views[0], w2=views[1], num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts,
+                    pinned=pin, reserved_bytes=reserved,
+                    w13_scale=views[2] if pools.is_fp8 else None, w2_scale=views[3] if pools.is_fp8 else None)
 
 
 def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def _scale_pools(w13_scale, w2_scale, rows: int) -> dict:
+    """all_hot's scale pools from ``[L, E, ...]`` scales (both or neither); empty cold scale pools."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("ExpertPools: FP8 experts need both w13_scale and w2_scale")
+    if w13_scale is None:
+        return {}
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    hot13, hot2 = w13_scale.reshape(rows, *w13_scale.shape[2:]), w2_scale.reshape(rows, *w2_scale.shape[2:])
+    return dict(w13_scale_hot=hot13, w2_scale_hot=hot2, w13_scale_cold=hot13.new_empty((0, *hot13.shape[1:])),
+                w2_scale_cold=hot2.new_empty((0, *hot2.shape[1:])))
 
 
 def build_pools(
@@ -361,6 +458,8 @@ def build_pools(
     num_hot: int | None = None,
     num_cold: int | None = None,
     host_available_bytes: int | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> ExpertPools:
     """Place each expert of ``w13`` ``[L, E, 2I, H]`` / ``w2`` ``[L, E, H, I]`` where ``row_map`` says.
 
@@ -368,7 +467,9 @@ def build_pools(
     (read in place by the kernel), a plain CPU tensor on CPU. Pool sizes default to the number of
     hot / cold entries in the map; larger ``num_hot`` / ``num_cold`` leave spare rows for later
     placements. The map is validated and the host allocation checked before anything is allocated.
-    ``host_available_bytes`` overrides MemAvailable (for tests).
+    ``host_available_bytes`` overrides MemAvailable (for tests). Block-FP8 experts pass their
+    scales ``w13_scale`` / ``w2_scale`` ``[L, E, ...]`` (see :meth:`ExpertPools.all_hot`); each
+    expert's scales go to the same tier and row as its weights.
     """
     device = torch.device(device)
     if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
@@ -387,7 +488,12 @@ def build_pools(
     n_cold = int((rm < 0).sum()) if num_cold is None else int(num_cold)
     _check_row_map(rm, n_hot, n_cold, num_layers, num_experts)
 
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("build_pools: FP8 experts need both w13_scale and w2_scale")
+    fp8 = w13_scale is not None
     per_expert = (w13[0, 0].numel() + w2[0, 0].numel()) * w13.element_size()
+    if fp8:
+        per_expert += (w13_scale[0, 0].numel() + w2_scale[0, 0].numel()) * 4
     host_rows = n_cold + (n_hot if device.type == "cpu" else 0)
     pin = device.type == "cuda"
     check_host_allocation(
@@ -398,21 +504,19 @@ def build_pools(
     w2_hot = torch.empty((n_hot, *w2.shape[2:]), dtype=w2.dtype, device=device)
     w13_cold = _host_empty((n_cold, *w13.shape[2:]), w13.dtype, pin)
     w2_cold = _host_empty((n_cold, *w2.shape[2:]), w2.dtype, pin)
+    pools_by_name = {"w13_hot": w13_hot, "w2_hot": w2_hot, "w13_cold": w13_cold, "w2_cold": w2_cold}
+    sources = {"w13": w13, "w2": w2}
+    if fp8:
+        for name, sc in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            pools_by_name[f"{name}_hot"] = torch.empty((n_hot, *sc.shape[2:]), dtype=torch.float32, device=device)
+            pools_by_name[f"{name}_cold"] = _host_empty((n_cold, *sc.shape[2:]), torch.float32, pin)
+            sources[name] = sc
     flat = rm.reshape(-1).tolist()
     for i, row in enumerate(flat):
         layer, expert = divmod(i, num_experts)
-        if row >= 0:
-            w13_hot[row].copy_(w13[layer, expert])
-            w2_hot[row].copy_(w2[layer, expert])
-        else:
-            w13_cold[-row - 1].copy_(w13[layer, expert])
-            w2_cold[-row - 1].copy_(w2[layer, expert])
-    pools = ExpertPools(
-        w13_hot=w13_hot,
-        w2_hot=w2_hot,
-        w13_cold=w13_cold,
-        w2_cold=w2_cold,
-        row_map=rm.to(device=device, dtype=torch.int32).contiguous(),
-    )
+        tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+        for name, src in sources.items():
+            pools_by_name[f"{name}_{tier}"][r].copy_(src[layer, expert])
+    pools = ExpertPools(row_map=rm.to(device=device, dtype=torch.int32).contiguous(), **pools_by_name)
     pools.validated_version = pools.row_map._version
     return pools

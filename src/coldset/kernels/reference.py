@@ -1,4 +1,12 @@
-"""The torch experts path: the CPU implementation and the reference the Triton kernel is checked against."""
+"""The torch experts path: the CPU implementation and the reference the Triton kernel is checked against.
+
+Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.fp8`) run :func:`_torch_fp8_experts_chunk`: each
+expert's weights dequantized (``fp8.float() * scale_inv`` per 128 x 128 block) and the activations
+quantized per token group of 128 (:func:`coldset.fp8.quantize_activations`) before each GEMM,
+exactly where the Triton FP8 kernel quantizes them, with float32 GEMMs, so that the CPU and CUDA
+paths compute the same quantity (the order of the float32 sums differs, so they agree to a
+tolerance, not bitwise).
+"""
 
 from __future__ import annotations
 
@@ -57,6 +65,8 @@ def torch_experts(
 
 
 def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights):
+    if pools.is_fp8:
+        return _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights)
     out = torch.zeros_like(x)
     rows = pools.row_map[layer].tolist()
     weights = topk_weights.to(x.dtype)
@@ -73,3 +83,35 @@ def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights):
         y = F.linear(F.silu(gate) * up, w2) * weights[token_idx, rank_idx, None]
         out.index_add_(0, token_idx, y)
     return out
+
+
+def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights):
+    """Block-FP8 experts, the Triton FP8 kernel's semantics in torch (float32 throughout):
+
+    ``a = deq(quant(x))`` per token group of 128; ``g, u = a @ deq(w13).T``; ``act = SiLU(g) * u``
+    rounded to ``x``'s dtype (the kernel's activation scratch); ``y = deq(quant(act)) @ deq(w2).T``
+    times the routing weight; the top-k products summed in float32 and rounded to ``x``'s dtype
+    once. The loop order depends only on the expert ids, never on where an expert lives, so any
+    placement gives bitwise the same result.
+    """
+    from coldset import fp8
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    rows = pools.row_map[layer].tolist()
+    xq, xs = fp8.quantize_activations(x)
+    a_all = fp8.dequantize_activations(xq, xs)
+    weights = topk_weights.float()
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, rank_idx = torch.where(topk_ids == expert)
+        row = rows[expert]
+        tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+        w13 = fp8.dequantize_w13(getattr(pools, f"w13_{tier}")[r].to(x.device),
+                                 getattr(pools, f"w13_scale_{tier}")[r].to(x.device))
+        w2 = fp8.dequantize_weight(getattr(pools, f"w2_{tier}")[r].to(x.device),
+                                   getattr(pools, f"w2_scale_{tier}")[r].to(x.device))
+        gate, up = (a_all[token_idx] @ w13.T).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        aq, as_ = fp8.quantize_activations(act)
+        y = (fp8.dequantize_activations(aq, as_) @ w2.T) * weights[token_idx, rank_idx, None]
+        out.index_add_(0, token_idx, y)
+    return out.to(x.dtype)
