@@ -124,49 +124,149 @@ def get_weight_format(fmt: str | WeightFormat) -> WeightFormat:
     )
 
 
-def weight_format_from_quantization(qcfg: Mapping[str, Any] | None, dtype: str, source: str) -> tuple[str, str]:
-    """``(expert_format, linear_format)`` from a config's ``quantization_config``.
-
-    ``linear_format`` is the format of the non-expert linear layers (attention, dense and shared
-    MLPs): the quantized format, unless ``modules_to_not_convert`` (or ``ignore``) names the
-    attention (gpt-oss keeps attention in bf16), then the model dtype. Routers, embeddings, LM
-    head and norms are always in the model dtype (every method here leaves them unquantized).
-    """
-    if not qcfg:
-        return dtype, dtype
-    if not isinstance(qcfg, Mapping):
-        raise ShapeError(f"{source}: field 'quantization_config' must be an object, got {type(qcfg).__name__}")
+def _quant_method_format(qcfg: Mapping[str, Any], where: str, dtype: str) -> str:
+    """The expert weight format a ``quantization_config`` names (no module lists)."""
     method = qcfg.get("quant_method")
-    where = f"{source}: quantization_config"
     if method == "fp8":
         block = qcfg.get("weight_block_size")
-        if block is None:
-            fmt = "fp8_tensor"
-        elif (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            fmt = f"fp8_block{block[0]}" if block[0] == block[1] else f"fp8_block{block[0]}x{block[1]}"
-        else:
-            raise ShapeError(f"{where}.weight_block_size must be two positive integers, got {block!r}")
-    elif method == "fbgemm_fp8":
-        fmt = "fp8_channel"
-    elif method == "mxfp4":
-        fmt = "mxfp4"
-    elif method in ("awq", "gptq"):
+        if block is None:  # one scale per tensor (vLLM's Fp8Config; the checkpoint stores one weight_scale)
+            return "fp8_tensor"
+        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+            return f"fp8_block{block[0]}" if block[0] == block[1] else f"fp8_block{block[0]}x{block[1]}"
+        raise ShapeError(f"{where}.weight_block_size must be two positive integers, got {block!r}")
+    if method == "fbgemm_fp8":
+        return "fp8_channel"
+    if method == "mxfp4":
+        return "mxfp4"
+    if method in ("awq", "gptq"):
         bits = qcfg.get("bits", qcfg.get("w_bit"))
         group = qcfg.get("group_size", qcfg.get("q_group_size"))
         if bits not in (4, 8) or (method == "awq" and bits != 4):
             raise ShapeError(f"{where}.bits: {method} with {bits!r} bits is not modelled (4-bit AWQ, 4/8-bit GPTQ)")
         if not isinstance(group, int) or (group <= 0 and group != -1):
             raise ShapeError(f"{where}.group_size must be a positive integer or -1, got {group!r}")
-        fmt = _int_format(method, bits, None if group == -1 else group,
-                          zero_point=bool(qcfg.get("zero_point", True)) if method == "awq" else True).name
-    else:
-        raise ShapeError(
-            f"{where}.quant_method {method!r} is not modelled; known: fp8 (block-scaled or per tensor), "
-            "fbgemm_fp8, mxfp4, awq, gptq. Remove quantization_config to model the checkpoint in "
-            f"{dtype}, or add the format to coldset.shapes")
-    skipped = qcfg.get("modules_to_not_convert") or qcfg.get("ignore") or []
-    attention_kept = any(("attn" in str(m)) or ("attention" in str(m)) for m in skipped)
-    return fmt, dtype if attention_kept else fmt
+        zero_point = qcfg.get("zero_point", True) if method == "awq" else True
+        if not isinstance(zero_point, bool):
+            raise ShapeError(f"{where}.zero_point must be true or false, got {zero_point!r}")
+        return _int_format(method, bits, None if group == -1 else group, zero_point=zero_point).name
+    raise ShapeError(
+        f"{where}.quant_method {method!r} is not modelled; known: fp8 (block-scaled or per tensor), "
+        "fbgemm_fp8, mxfp4, awq, gptq. Remove quantization_config to model the checkpoint in "
+        f"{dtype}, or add the format to coldset.shapes")
+
+
+def modules_not_converted(qcfg: Mapping[str, Any], where: str) -> list[str]:
+    """The module-name patterns a ``quantization_config`` keeps unquantized: ``modules_to_not_convert``,
+    or where that is absent ``ignored_layers`` (per-tensor FP8 checkpoints, MiniMax; transformers'
+    FineGrainedFP8Config takes it as an alias) or ``ignore``."""
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
+        names = qcfg.get(key)
+        if names is None:
+            continue
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ShapeError(f"{where}.{key} must be a list of module names, got {names!r}")
+        return names
+    return []
+
+
+_MODULE_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def module_not_converted(name: str, patterns: list[str], where: str = "quantization_config") -> bool:
+    """Whether module ``name`` is kept unquantized by ``patterns``, matched as transformers'
+    quantizers match them (``quantizers_utils.should_convert_module``): a pattern matches from the
+    start of the name up to a module boundary, as a regular expression (``model.layers.1`` covers
+    ``model.layers.1.self_attn`` but not ``model.layers.11``; ``mlp.gate`` not ``mlp.gate_proj``),
+    or as a plain suffix of the name. A substring test would take ``post_attention_layernorm``
+    for the attention."""
+    for key in patterns:
+        try:
+            hit = re.match(rf"(?:{key}){_MODULE_BOUNDARY}", name)
+        except re.error as err:
+            raise ShapeError(f"{where}: module pattern {key!r} is not a valid regular expression ({err})") from None
+        if hit or name.endswith(key):
+            return True
+    return False
+
+
+# Where each family's weights live, by the checkpoints' module names: layer prefix, attention
+# module per layer kind, the MLP block (dense MLP and router), the shared expert(s) in it.
+_MODULE_PATHS: dict[str, tuple[str, str, str]] = {
+    "qwen3_moe": ("model.layers", "mlp", "shared_expert"),
+    "qwen2_moe": ("model.layers", "mlp", "shared_expert"),
+    "qwen3_next": ("model.layers", "mlp", "shared_expert"),
+    "mixtral": ("model.layers", "block_sparse_moe", ""),
+    "deepseek_v2": ("model.layers", "mlp", "shared_experts"),
+    "deepseek_v3": ("model.layers", "mlp", "shared_experts"),
+    "llama4": ("language_model.model.layers", "feed_forward", "shared_expert"),
+    "gpt_oss": ("model.layers", "mlp", ""),
+    "olmoe": ("model.layers", "mlp", ""),
+    "granitemoe": ("model.layers", "block_sparse_moe", ""),
+}
+_LINEAR_ATTENTION = {"in_proj_qkvz", "in_proj_ba", "out_proj"}  # Qwen3-Next's Gated DeltaNet (linear_attn)
+
+
+def linear_modules(fields_: Mapping[str, Any], layer_kinds: list[str] | None = None) -> dict[str, list[str]]:
+    """The module names of each non-expert linear group of a parsed family (``attention_linears``'
+    names, ``shared_experts``, ``dense_mlp``) and of the routed experts (``experts``), as the
+    checkpoint names them: what ``modules_to_not_convert`` patterns are matched against.
+    ``layer_kinds``: per layer, ``full_attention`` or ``linear_attention`` (Qwen3-Next)."""
+    prefix, mlp, shared = _MODULE_PATHS[fields_["model_type"]]
+    L, moe = fields_["num_layers"], set(fields_["moe_layers"])
+    kinds = layer_kinds or ["full_attention"] * L
+    groups: dict[str, list[str]] = {}
+    for name, *_ in fields_["attention_linears"]:
+        linear = name in _LINEAR_ATTENTION and fields_["model_type"] == "qwen3_next"
+        block = "linear_attn" if linear else "self_attn"
+        groups[name] = [f"{prefix}.{i}.{block}.{name}" for i in range(L)
+                        if (kinds[i] == "linear_attention") == linear]
+    mlp_linears = ("gate_proj", "up_proj", "down_proj")
+    if fields_.get("shared_expert_intermediate_size"):
+        groups["shared_experts"] = [f"{prefix}.{i}.{mlp}.{shared}.{p}" for i in sorted(moe) for p in mlp_linears]
+    if fields_.get("intermediate_size") and len(moe) < L:
+        groups["dense_mlp"] = [f"{prefix}.{i}.{mlp}.{p}" for i in range(L) if i not in moe for p in mlp_linears]
+    groups["experts"] = [f"{prefix}.{i}.{mlp}.experts" for i in sorted(moe)]
+    return groups
+
+
+def weight_format_from_quantization(qcfg: Mapping[str, Any] | None, dtype: str, source: str,
+                                    modules: Mapping[str, list[str]] | None = None
+                                    ) -> tuple[str, str, tuple[str, ...]]:
+    """``(expert_format, linear_format, unquantized_linears)`` from a config's ``quantization_config``.
+
+    ``modules`` (:func:`linear_modules`) names the modules of each weight group; a group is kept in
+    the model ``dtype`` when ``modules_to_not_convert`` (or ``ignored_layers``) names every one of its
+    modules, matched as transformers does (:func:`module_not_converted`), and a group some of whose
+    modules are named and others not is refused (one format per group is modelled).
+    ``linear_format`` is the format of the converted non-expert linear layers (the model dtype when
+    none is converted: gpt-oss keeps its attention in bf16, and mxfp4 converts only the experts);
+    ``unquantized_linears`` the non-expert groups kept in the model dtype beside converted ones.
+    Routers, embeddings, LM head and norms are always in the model dtype (every method here
+    leaves them unquantized).
+    """
+    if not qcfg:
+        return dtype, dtype, ()
+    if not isinstance(qcfg, Mapping):
+        raise ShapeError(f"{source}: field 'quantization_config' must be an object, got {type(qcfg).__name__}")
+    where = f"{source}: quantization_config"
+    fmt = _quant_method_format(qcfg, where, dtype)
+    patterns = modules_not_converted(qcfg, where)
+    kept = []
+    for group, names in (modules or {}).items():
+        skipped = [n for n in names if module_not_converted(n, patterns, where)]
+        if skipped and len(skipped) < len(names):
+            converted = next(n for n in names if n not in set(skipped))
+            raise ShapeError(
+                f"{where}.modules_to_not_convert keeps {skipped[0]} unquantized but not {converted}: weight "
+                f"group {group!r} in two formats is not modelled")
+        if skipped:
+            kept.append(group)
+    expert_fmt = dtype if "experts" in kept else fmt
+    groups = [g for g in (modules or {}) if g != "experts"]
+    kept_linears = tuple(g for g in groups if g in kept)
+    if qcfg.get("quant_method") == "mxfp4" or len(kept_linears) == len(groups):
+        return expert_fmt, dtype, ()  # mxfp4 (transformers' Mxfp4 quantizer) converts the experts only
+    return expert_fmt, fmt, kept_linears
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +288,10 @@ class MoEShape:
     (biases, sinks, convolutions, decay terms); ``norm_params`` every RMSNorm weight (layers,
     q/k norms, MLA's latent norms, the final norm); ``router_params`` router weights and biases
     (and Qwen's shared-expert gates). ``expert_bias``: routed experts have biases (gpt_oss).
+    ``linear_format`` is the format of the non-expert linear layers the checkpoint quantizes;
+    ``unquantized_linears`` names the groups of them it keeps in ``dtype`` all the same (an
+    ``attention_linears`` name, ``shared_experts`` or ``dense_mlp``: its
+    ``modules_to_not_convert``).
     """
 
     model_type: str
@@ -215,6 +319,7 @@ class MoEShape:
     expert_format: str = "bfloat16"
     linear_format: str = "bfloat16"
     dtype: str = "bfloat16"
+    unquantized_linears: tuple[str, ...] = ()
     source: str = field(default="", compare=False)  # where it was read: provenance, not shape
 
     @property
@@ -231,6 +336,7 @@ class MoEShape:
             d = dict(raw)
             d["moe_layers"] = tuple(int(x) for x in d["moe_layers"])
             d["attention_linears"] = tuple(tuple(x) for x in d.get("attention_linears", ()))
+            d["unquantized_linears"] = tuple(d.get("unquantized_linears", ()))
             return cls(**d)
         except (TypeError, KeyError, ValueError) as exc:
             raise ShapeError(f"{source}: not a model shape ({exc})") from None
@@ -315,15 +421,20 @@ def nonexpert_bytes_breakdown(config: Any, fmt: str | WeightFormat | None = None
     num_moe = len(shape.moe_layers)
     num_dense = shape.num_layers - num_moe
     b = other.bytes_per_element
+    kept = set(getattr(shape, "unquantized_linears", ())) if fmt is None else set()
+
+    def group(name: str) -> WeightFormat:
+        return other if name in kept else lin
+
     parts = {
         "embed_tokens": shape.vocab_size * h * b,
         "lm_head": 0 if shape.tie_word_embeddings else shape.vocab_size * h * b,
-        "attention": sum(n * lin.matrix_bytes(r, c) for _, r, c, n in shape.attention_linears)
+        "attention": sum(n * group(name).matrix_bytes(r, c) for name, r, c, n in shape.attention_linears)
         + shape.attention_params * b,
         "norms": shape.norm_params * b,
         "routers": shape.router_params * b,
-        "shared_experts": num_moe * _mlp_bytes(lin, h, shape.shared_expert_intermediate_size),
-        "dense_mlp": num_dense * _mlp_bytes(lin, h, shape.intermediate_size),
+        "shared_experts": num_moe * _mlp_bytes(group("shared_experts"), h, shape.shared_expert_intermediate_size),
+        "dense_mlp": num_dense * _mlp_bytes(group("dense_mlp"), h, shape.intermediate_size),
     }
     return {k: int(math.ceil(v)) for k, v in parts.items()}
 
@@ -483,6 +594,7 @@ def _qwen3_next(f: _Fields) -> dict[str, Any]:
         # layer norms, per-head q/k norms of full attention, the DeltaNet output norm, final norm
         norm_params=L * 2 * h + full * 2 * hd + lin * dv + h,
         router_params=len(moe) * (e * h + (h if shared else 0)),
+        _layer_kinds=types,
     )
 
 
@@ -495,14 +607,27 @@ def _mixtral(f: _Fields) -> dict[str, Any]:
                 norm_params=L * 2 * h + h, router_params=L * e * h)
 
 
+# transformers' DeepseekV2Config / DeepseekV3Config defaults of the fields a config may leave out
+# (transformers 5.24): a missing field is what transformers builds, not "none".
+_DEEPSEEK_DEFAULTS = {
+    "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2, "first_k_dense_replace": 0},
+    "deepseek_v3": {"q_lora_rank": 1536, "n_shared_experts": 1, "first_k_dense_replace": 3},
+}
+
+
 def _deepseek(f: _Fields, model_type: str) -> dict[str, Any]:
     b = _base(f, model_type)
     h, L, heads = b["hidden_size"], b["num_layers"], b["num_heads"]
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
     e = f.int("n_routed_experts")
-    first_dense = f.int("first_k_dense_replace", default=0, minimum=0)
+    first_dense = f.int("first_k_dense_replace", default=defaults["first_k_dense_replace"], minimum=0)
     freq = f.int("moe_layer_freq", default=1)
     moe = tuple(i for i in range(L) if i >= first_dense and i % freq == 0)
-    q_lora = f.get("q_lora_rank", default=None)
+    # q_lora_rank: null = no query compression (DeepSeek-V2-Lite); absent = transformers' default.
+    if "q_lora_rank" not in f.raw:
+        q_lora = defaults["q_lora_rank"]
+    else:
+        q_lora = None if f.raw["q_lora_rank"] is None else f.int("q_lora_rank")
     kv_lora = f.int("kv_lora_rank")
     nope, rope, v = f.int("qk_nope_head_dim"), f.int("qk_rope_head_dim"), f.int("v_head_dim")
     qk = nope + rope
@@ -510,12 +635,12 @@ def _deepseek(f: _Fields, model_type: str) -> dict[str, Any]:
         linears = (("q_proj", heads * qk, h, L),)
         lora_norms = 0
     else:
-        q_lora = f.int("q_lora_rank")
         linears = (("q_a_proj", q_lora, h, L), ("q_b_proj", heads * qk, q_lora, L))
         lora_norms = q_lora
     linears += (("kv_a_proj_with_mqa", kv_lora + rope, h, L), ("kv_b_proj", heads * (nope + v), kv_lora, L),
                 ("o_proj", h, heads * v, L))
-    n_shared = f.int("n_shared_experts", default=0, minimum=0)
+    n_shared = (f.int("n_shared_experts", default=defaults["n_shared_experts"], minimum=0)
+                if f.raw.get("n_shared_experts", ...) is not None else 0)  # null: no shared expert
     moe_inter = f.int("moe_intermediate_size")
     # V3's noaux_tc routing adds a per-expert score correction bias to the router.
     corr = e if f.get("topk_method", default="") == "noaux_tc" else 0
@@ -623,9 +748,12 @@ def shape_from_hf_config(raw: Mapping[str, Any], source: str = "config.json") ->
                          f"shapes of {', '.join(SHAPE_FAMILIES)}")
     f = _Fields(raw, source)
     fields_ = SHAPE_FAMILIES[model_type](f)
+    kinds = fields_.pop("_layer_kinds", None)
     dtype = _dtype(f)
-    expert_fmt, linear_fmt = weight_format_from_quantization(raw.get("quantization_config"), dtype, source)
-    shape = MoEShape(**fields_, expert_format=expert_fmt, linear_format=linear_fmt, dtype=dtype, source=source)
+    expert_fmt, linear_fmt, kept = weight_format_from_quantization(
+        raw.get("quantization_config"), dtype, source, linear_modules(fields_, kinds))
+    shape = MoEShape(**fields_, expert_format=expert_fmt, linear_format=linear_fmt, unquantized_linears=kept,
+                     dtype=dtype, source=source)
     if not shape.moe_layers:
         raise ShapeError(f"{source}: the model has no MoE layers")
     if shape.top_k > shape.num_experts:
