@@ -48,3 +48,30 @@ def read_bandwidth(buf: torch.Tensor, block: int = 4096, iters: int = 4, reps: i
 
     us = graph_time_us(read, reps) / launches
     return n * flat.element_size() / (us * 1e-6)
+
+
+#: The read shapes (block, iters) of an HBM ceiling: the kernel's rate depends on its tiling by a
+#: few percent, and the ceiling is the best the device reached.
+HBM_READ_SHAPES = ((4096, 4), (4096, 16))
+
+
+def best_read_bandwidth(buf: torch.Tensor, shapes=HBM_READ_SHAPES, reps: int = 20, launches: int = 1,
+                        rounds: int = 1, rates: dict | None = None) -> float:
+    """The ceiling of a read of ``buf``: the best bytes/s of :func:`read_bandwidth` over the read
+    ``shapes`` ((block, iters) pairs), ``rounds`` times over (a rate measured once, right after a
+    long host-side phase, has come out 12% low on one H200). ``rates``, when given, receives each
+    shape's best rate as ``"block{B}_iters{I}"`` (how a result records its candidates).
+
+    The one place a ceiling is taken as the best of several read shapes: the bench's ceilings
+    (:func:`coldset.bench.measure_ceilings`) and the GPU measurements (:mod:`coldset.measure`)."""
+    if not shapes or rounds < 1:
+        raise ValueError(f"best_read_bandwidth: shapes {shapes!r} x rounds {rounds}: nothing to read")
+    best = 0.0
+    for _ in range(rounds):
+        for block, iters in shapes:
+            rate = read_bandwidth(buf, block, iters, reps, launches)
+            if rates is not None:
+                key = f"block{block}_iters{iters}"
+                rates[key] = max(rates.get(key, 0.0), rate)
+            best = max(best, rate)
+    return best

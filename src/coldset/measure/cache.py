@@ -1,0 +1,480 @@
+"""``python -m coldset bench cache``: the slot cache and the lookahead prefetch at real shape on
+one GPU: correctness first, then decode speed against static placement and all-HBM.
+
+Builds the config's in-memory synthetic model (decode region compiled as the pipeline does), pins
+one host copy of every expert, and renders the config's fixtures as the workflow does
+(:func:`coldset.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
+on the unmodified path gives the profile counts (the warm set: ``usage_global``'s hot set at each
+residency); the timed prompts are cut from the held-out fixtures' token stream
+(:func:`coldset.bench.bench_prompts`). Per batch size, every step one CUDA graph
+(:class:`coldset.bench.Decoder`, its one timed loop ``timed_steps``), each variant captured once
+and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.slots.SlotCache.reset`):
+all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
+in place), each ``--policies`` cache (``lru``, ``lfu``; ``lookahead`` at each ``--depths``:
+decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph), at
+each ``--residencies`` (at 1.0 every selection hits: the cache's work in the step; lookahead
+there at depth 1 only).
+
+Checks (the command exits 1 if one fails): every variant's logits at every step of every pass
+bitwise the all-HBM run's; a cache's per-(step, layer) hits, misses and fills, and lookahead's
+prefetches per group, equal :func:`coldset.cache.simulate` on the all-HBM routing (lookahead: on
+the lists the engine recorded), in every pass; row map, owners and slot contents consistent after
+the run. Timed: tok/s = 1000 / mean step (:func:`coldset.bench.pass_timing`: each pass's mean
+step, the median over the timed passes, with the slowest and fastest pass), ratios to
+``usage_global`` and to all-HBM of the same batch in the same run, hit rate, misses, prefetches
+and link GB per token.
+
+``--analysis`` adds, per batch: the next-token forecaster (:mod:`coldset.forecast`, fitted on the
+profile routing): its recall on the timed tokens, its GPU cost, the ``forecast`` policy simulated
+beside ``lru``; the next-layer lookahead's recall on lru's misses; at the first residency the
+cache-management work of all-hit groups alone and inside the step; the fill kernel's read rate
+from pinned memory against the copy engine's. ``--decisions-only``: only the split of the
+cache's work per layer at the config's shape (no model). Writes ``cache_bench.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from coldset.measure.harness import MeasureError, log, new_result, require_cuda, spread, write_result
+
+PROMPT_TOKENS = 32
+POLICIES = ("lru", "lfu", "lookahead")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml",
+                   help="workflow config whose model.synthetic shape and fixtures are measured")
+    p.add_argument("--out", required=True, help="folder for cache_bench.json")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes (after one checked warm-up pass)")
+    p.add_argument("--residencies", default="0.5,1.0")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--policies", default="lru,lookahead", help=f"comma-separated, of {', '.join(POLICIES)}")
+    p.add_argument("--depths", default="1,2,3", help="lookahead depths (at residency 1.0: depth 1 only)")
+    p.add_argument("--prefetch-blocks", type=int, default=32, help="blocks per weight of the prefetch copy")
+    p.add_argument("--analysis", action="store_true",
+                   help="also the forecaster, lookahead recall on lru's misses, cache overhead and fill rate")
+    p.add_argument("--decisions-only", action="store_true",
+                   help="only the split of the cache's work per layer at the config's shape (no model)")
+
+
+def check_arguments(args) -> None:
+    """:class:`MeasureError` naming a bad policy, residency or count before anything is built."""
+    bad = [p for p in args.policies.split(",") if p not in POLICIES]
+    if bad:
+        raise MeasureError(f"--policies {bad} not among {', '.join(POLICIES)}")
+    try:
+        res = [float(r) for r in args.residencies.split(",")]
+        [int(b) for b in args.batches.split(",")] + [int(d) for d in args.depths.split(",")]
+    except ValueError as exc:
+        raise MeasureError(f"--residencies/--batches/--depths: {exc}") from exc
+    if not all(0 < r <= 1 for r in res):
+        raise MeasureError(f"--residencies {res}: each must be in (0, 1]")
+    if args.steps < 2 or args.repeats < 1:
+        raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
+
+
+def run(args, argv=None) -> dict:
+    """Measure (see module doc); returns the result written to ``--out``/cache_bench.json."""
+    check_arguments(args)
+    dev = require_cuda()
+    if args.decisions_only:
+        return decisions_split(args, argv)
+    import numpy as np
+    import torch
+
+    from coldset import bench as bn
+    from coldset.cache import AccessStream, simulate
+    from coldset.config import load_config
+    from coldset.fixtures import render_domain, template_texts
+    from coldset.gate import experts_functions
+    from coldset.model import encode_prompts
+    from coldset.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import SlotCache
+    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.tiers import host_tier
+
+    out_path = Path(args.out) / "cache_bench.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    config = load_config(args.config)
+    R = new_result("cache", argv, args)
+    R.update(config=args.config, model=config["model"]["name"], rows=[], checks={})
+    fails: list[str] = []
+    R["fails"] = fails
+    spec = SyntheticSpec(**config["model"]["synthetic"])
+    # Which routing these numbers are measured on (issue 17): the synthetic router and its temporal knobs.
+    R["router"] = (f"synthetic router (temporal_gain {spec.temporal_gain}, temporal_continuity "
+                   f"{spec.temporal_continuity}, topic_context {spec.topic_context}; its lift: "
+                   "scripts/locality_calibrate.py on the same config)")
+    fx = config["fixtures"]
+    texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
+    model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
+    model.compile_decode()
+    cfg = model.config
+    L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+    per_expert = expert_bytes(cfg)
+    host = host_tier(model.pools)
+    ceilings = bn.measure_ceilings(host.w13)  # the HBM and link ceilings of this run, for its provenance
+    R["ceilings"] = ceilings
+    log("model built and host tier pinned; ceilings", ceilings)
+    ref_fn, rowmap_fn, _ = experts_functions(dev, None)
+    steps = args.steps
+    fixtures = [f for d in fx["domains"] for f in render_domain(d, fx["per_domain"], fx["heldout_fraction"],
+                                                                  fx["max_new_tokens"], fx["seed"], fx["template_dir"])]
+
+    def stream(split: str) -> list[int]:
+        return [t for ids in encode_prompts(tokenizer, [f.prompt for f in fixtures if f.split == split]) for t in ids]
+
+    profile_stream, heldout_stream = stream("profile"), stream("heldout")
+
+    def decode(experts_fn, pools, bsz, prompts, passes, cache=None, record=False):
+        """The one timed loop: captured decode, ``passes`` passes from the same start (a cache reset
+        to its warm state before each): per pass step ms and logits; the first pass's routing
+        [steps, L, B, k] and router inputs [steps, L, B, H] (``record``); a cache's counters, group
+        history and (lookahead) lists and prefetches."""
+        saved = model.pools, model.experts_fn
+        rec = torch.zeros((L, bsz, k), dtype=torch.long, device=dev)
+        rec_h = torch.zeros((L, bsz, cfg.hidden_size), dtype=model.dtype, device=dev)
+
+        def recording(p, layer, x, ids, w):
+            if x.shape[0] == bsz:
+                rec[layer].copy_(ids)
+                rec_h[layer].copy_(x)
+            return experts_fn(p, layer, x, ids, w)
+
+        model.pools, model.experts_fn = pools, recording if record else experts_fn
+        res = []
+        try:
+            dec = bn.Decoder(model, bsz, PROMPT_TOKENS, steps + 1, True)
+            tok0 = dec.prefill(prompts.to(dev))
+            dec.set_step(tok0, 1)
+            dec.capture()
+            for i in range(passes):
+                if cache is not None:
+                    cache.reset()  # the capture's warm-up steps (or the last pass) ran the cache: start warm
+                ms, logits, routing, hidden = [], [], [], []
+                for step_ms, lg, _ in dec.timed_steps(tok0, steps):
+                    ms.append(step_ms)
+                    logits.append(lg.clone())
+                    if record and i == 0:
+                        routing.append(rec.cpu().numpy().copy())
+                        hidden.append(rec_h.clone())
+                p = {"ms": ms, "logits": torch.stack(logits)}
+                if record and i == 0:
+                    p["routing"], p["hidden"] = np.stack(routing), torch.stack(hidden)
+                if cache is not None:
+                    p["counters"] = cache.counters()
+                    p["history"] = cache.group_history()
+                    if cache.policy == "lookahead":
+                        p["lists"] = cache.prefetch_lists()
+                        p["prefetches"] = cache.prefetch_history[:p["counters"]["groups"]].cpu().numpy()
+                res.append(p)
+            del dec
+        finally:
+            model.pools, model.experts_fn = saved
+        return res
+
+    # profile counts: the profile fixtures' routing on the unmodified path
+    prof_routing = decode(ref_fn, model.pools, 8, bn.bench_prompts(profile_stream, 8, PROMPT_TOKENS), 1,
+                          record=True)[0]["routing"]
+    counts = np.zeros((L, E), dtype=np.float64)
+    for layer in range(L):
+        np.add.at(counts[layer], prof_routing[:, layer].reshape(-1), 1)
+    passes = 1 + args.repeats
+    residencies = [float(r) for r in args.residencies.split(",")]
+    policies = args.policies.split(",")
+
+    for bsz in (int(b) for b in args.batches.split(",")):
+        prompts = bn.bench_prompts(heldout_stream, bsz, PROMPT_TOKENS)
+        base = decode(ref_fn, model.pools, bsz, prompts, passes, record=True)
+        ref_logits, routing = base[0]["logits"], base[0]["routing"]
+        tokens = bsz * steps
+        inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)  # the engine's group order
+        acc = AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), tokens, L, E)
+
+        def row(name, res, residency, extra):
+            mean, p50, p90 = bn.pass_timing([p["ms"] for p in res[1:]])
+            per_pass = spread([statistics.fmean(p["ms"]) for p in res[1:]])
+            r = {"batch": bsz, "placement": name, "residency": residency, "step_ms_mean": mean,
+                 "step_ms_mean_spread": per_pass, "step_ms_p50": p50, "step_ms_p90": p90, "tok_s": 1e3 / mean, **extra}
+            for i, p in enumerate(res):
+                same = bool(torch.equal(p["logits"], ref_logits))
+                R["checks"][f"{name}/b{bsz} pass {i} logits bitwise"] = same
+                if not same:
+                    fails.append(f"{name}/b{bsz} pass {i}: logits differ from all-HBM's")
+            R["rows"].append(r)
+            log({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in r.items() if k_ != "step_ms_mean_spread"})
+
+        row("all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0})
+        if args.analysis:
+            R.setdefault("forecast", {})[bsz] = _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz,
+                                                          tokens, per_expert, dev)
+        for res_ in residencies:
+            C = hot_count_for_residency(res_, L * E)
+            row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+            pools = model.pools.placed(row_map, host)
+            got = decode(rowmap_fn, pools, bsz, prompts, passes)
+            del pools
+            torch.cuda.empty_cache()
+            cold = row_map.reshape(-1)[inst] < 0
+            cold_steps = cold.reshape(steps, L, bsz * k)
+            reads = sum(len(set(inst.reshape(steps, L, -1)[s, l][cold_steps[s, l]].tolist()))
+                        for s in range(steps) for l in range(L))
+            row(f"usage_global-{res_}", got, res_, {"hit_rate": 1.0 - float(cold.mean()),
+                                                     "misses_per_token": int(cold.sum()) / tokens,
+                                                     "link_gb_per_token": reads * per_expert / tokens / 1e9})
+            warm_counts = np.empty(C)
+            flat = row_map.reshape(-1)
+            hot = np.flatnonzero(flat >= 0)
+            warm_counts[flat[hot]] = counts.reshape(-1)[hot]
+            variants = [(p, 0) for p in policies if p != "lookahead"]
+            if "lookahead" in policies:
+                variants += [("lookahead", 1)] if res_ == 1.0 else [("lookahead", int(d)) for d in args.depths.split(",")]
+            for pol, depth in variants:
+                name = f"{pol}-{res_}" + (f" d{depth}" if depth else "")
+                cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
+                                        history=steps * L + 8, routers=_routers(model) if depth else None,
+                                        depth=max(depth, 1))
+                cache.prefetch_blocks = args.prefetch_blocks
+                got = decode(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, passes, cache=cache)
+                sim = simulate(acc, pol, C, counts, predictions=got[0].get("lists"))
+                sim_hist = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
+                for i, p in enumerate(got):
+                    ok = bool(np.array_equal(p["history"], sim_hist))
+                    if depth:
+                        ok = ok and bool(np.array_equal(p["lists"], got[0]["lists"])) \
+                            and bool(np.array_equal(p["prefetches"], sim.prefetches))
+                    R["checks"][f"{name}/b{bsz} pass {i} == simulator"] = ok
+                    if not ok:
+                        fails.append(f"{name}/b{bsz} pass {i}: per-group decisions differ from the simulator's")
+                try:
+                    cache.check(contents=True)
+                    R["checks"][f"{name}/b{bsz} state consistent"] = True
+                except ValueError as exc:
+                    fails.append(f"{name}/b{bsz}: {exc}")
+                c = got[1]["counters"]
+                st = sim.stats()
+                row(name, got, res_, {
+                    "hit_rate": c["hits"] / (c["hits"] + c["misses"]), "sim_hit_rate": st.hit_rate,
+                    "misses_per_token": c["misses"] / tokens, "fills_per_token": c["fills"] / tokens,
+                    "prefetches_per_token": st.prefetches / tokens,
+                    "useful_prefetches_per_token": st.useful_prefetches / tokens,
+                    "link_gb_per_token": st.link_gb_per_token(per_expert)})
+                if args.analysis and pol == "lru" and res_ < 1.0:
+                    R.setdefault("lookahead_recall", {})[f"{name}/b{bsz}"] = _lookahead_recall(
+                        model, base[0]["hidden"], routing, sim, acc, C, counts, k, tokens, per_expert)
+                if args.analysis and res_ == residencies[0] and pol == variants[0][0]:
+                    R.setdefault("overhead", {})[bsz] = _overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts,
+                                                                  L, k, per_expert, res_ == 1.0)
+                del cache, got
+                torch.cuda.empty_cache()
+            write_result(out_path, R, ceilings)
+    write_result(out_path, R, ceilings)
+    return R
+
+
+def _routers(model):
+    return [model.layers[i].mlp.gate.weight.detach() for i in model.config.moe_layers]
+
+
+def _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz, tokens, per_expert, dev) -> dict:
+    """The next-token forecaster fitted on the profile routing: its recall on the timed tokens, the
+    ``forecast`` policy simulated on the engine's routing beside ``lru``, its GPU cost a step."""
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    from coldset.cache import AccessStream, simulate
+    from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
+    from coldset.placement import hot_count_for_residency
+    from coldset.tune import graph_time_us
+
+    def routing_rows(rt):
+        """Trace-like decode rows of a recorded routing [steps, L, B, k] (request = batch row)."""
+        st_, l_, b_, k_ = np.indices(rt.shape).reshape(4, -1)
+        return pd.DataFrame({"request": [f"r{b}" for b in b_], "position": st_, "layer_index": l_, "rank": k_,
+                             "expert": rt.reshape(-1)})
+
+    forecaster = TransitionForecaster.fit(routing_rows(prof_routing), L, E, k)
+    inst = routing + (np.arange(L) * E)[None, :, None, None]
+    fc = forecast_recall(forecaster, routing_rows(routing), L, E)
+    fc["extra"] = forecaster.extra
+    fstream = AccessStream(inst.reshape(-1), np.arange(0, inst.size + 1, bsz * k), tokens, L, E)
+    fpred = stream_predictions(forecaster, fstream)
+    fc["simulated"] = []
+    for r in residencies:
+        C = hot_count_for_residency(r, L * E)
+        lru = simulate(fstream, "lru", C, counts).stats()
+        fst = simulate(fstream, "forecast", C, counts, predictions=fpred).stats()
+        fc["simulated"].append({"residency": r, "lru_hit": lru.hit_rate, "forecast_hit": fst.hit_rate,
+                                "prefetches_per_token": fst.prefetches / tokens,
+                                "useful_share": fst.useful_prefetches / max(fst.prefetches, 1),
+                                "lru_link": lru.link_gb_per_token(per_expert),
+                                "forecast_link": fst.link_gb_per_token(per_expert)})
+    tab = torch.as_tensor(forecaster.table, device=dev)
+    step_ids = torch.as_tensor(routing[0], device=dev)  # [L, B, k]
+    lidx = torch.arange(L, device=dev)[:, None, None]
+    bonus = torch.full(step_ids.shape, float(k), device=dev)
+
+    def forecast_step():
+        sc = tab[lidx, step_ids].sum(2)  # [L, B, E]
+        sc.scatter_add_(2, step_ids, bonus)
+        return torch.sort(-sc, dim=2, stable=True).indices[..., :forecaster.num_predictions]
+
+    fc["gpu_ms"] = graph_time_us(forecast_step, 20) / 1e3
+    log("forecast", {k_: v for k_, v in fc.items() if k_ != "simulated"}, fc["simulated"])
+    return fc
+
+
+def _lookahead_recall(model, hidden, routing, sim, acc, C, counts, k, tokens, per_expert) -> list[dict]:
+    """The next-layer lookahead (router of layer l on layer l - d's router input) on the
+    selections an lru run missed, and the lookahead policy simulated, at depths 1, 2 and forecasts
+    of top k and k + 3."""
+    from coldset.cache import simulate
+    from coldset.forecast import lookahead_predictions, lookahead_recall
+
+    routers = _routers(model)
+    missed = ~sim.hit.reshape(routing.shape)
+    out = []
+    for depth in (1, 2):
+        for extra in (0, 3):
+            got = lookahead_recall(hidden, routers, routing, missed, depth, extra)
+            lsim = simulate(acc, "lookahead", C, counts,
+                            predictions=lookahead_predictions(hidden, routers, depth, k + extra)).stats()
+            got.update(sim_hit=lsim.hit_rate, sim_misses_per_token=lsim.misses_per_token,
+                       prefetches_per_token=lsim.prefetches / tokens,
+                       useful_share=lsim.useful_prefetches / max(lsim.prefetches, 1),
+                       link_gb_per_token=lsim.link_gb_per_token(per_expert))
+            out.append(got)
+            log("lookahead recall", got)
+    return out
+
+
+def _overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L, k, per_expert, all_hit: bool) -> dict:
+    """The cache-management work: every layer's decisions on a step whose selections all hit,
+    alone in a graph; inside the real step (3 interleaved repeats of the all-HBM step, the row-map
+    step over the same all-hot pools and, at residency 1.0, the cache's step: medians); the fill
+    kernel's read rate from pinned memory against the copy engine's on one layer's k rows."""
+    import torch
+
+    from coldset.kernels.triton_slots import fill
+    from coldset.tune import graph_time_us
+
+    def mean_ms(*a, **kw):
+        return statistics.fmean(decode(*a, 1, **kw)[0]["ms"])
+
+    rm = cache.pools.row_map
+    hit_ids = []
+    for layer in range(L):
+        resident = torch.nonzero(rm[layer] >= 0).flatten()
+        if resident.numel() < k:
+            raise RuntimeError(f"layer {layer} has {resident.numel()} resident experts < top_k")
+        hit_ids.append(resident[:k].view(1, k).expand(bsz, k).contiguous())
+
+    def decisions():
+        for layer in range(L):
+            cache.admit(layer, hit_ids[layer])
+
+    alone = graph_time_us(decisions, 20) / 1e3
+    reps: dict = {"all-HBM": [], "row-map": [], "cache": []}
+    for _ in range(3):
+        reps["all-HBM"].append(mean_ms(ref_fn, model.pools, bsz, prompts))
+        reps["row-map"].append(mean_ms(rowmap_fn, model.pools, bsz, prompts))
+        if all_hit:
+            reps["cache"].append(mean_ms(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, cache=cache))
+    full, rowmap = statistics.median(reps["all-HBM"]), statistics.median(reps["row-map"])
+    out = {"all_hbm_step_ms": full, "rowmap_step_ms": rowmap, "decisions_ms": alone, "fraction": alone / full,
+           "reps": reps, "pdl_available": cache.pdl}
+    if reps["cache"]:
+        step = statistics.median(reps["cache"])
+        out["cache_step"] = {"step_ms": step, "step_fraction": step / full - 1,
+                             "over_rowmap_fraction": (step - rowmap) / full}
+    if bsz == 1:
+        cache.use_kernel = False  # the same decisions as torch ops, for comparison
+        out["torch_ops_decisions_ms"] = graph_time_us(decisions, 20) / 1e3
+        cache.use_kernel = True
+    dev = rm.device
+    victims, src = torch.arange(k, device=dev), torch.arange(k, device=dev) * 7
+    m = torch.full((1,), k, dtype=torch.int64, device=dev)
+    p = cache.pools
+
+    def copy_engine():
+        for j in range(k):
+            p.w13_hot[j].copy_(p.w13_cold[7 * j], non_blocking=True)
+            p.w2_hot[j].copy_(p.w2_cold[7 * j], non_blocking=True)
+
+    nbytes = k * per_expert
+    out["fill"] = {"rows": k, "bytes": nbytes,
+                   "kernel_gb_s": nbytes / graph_time_us(lambda: fill(p, victims, src, m), 20) / 1e3,
+                   "copy_engine_gb_s": nbytes / graph_time_us(copy_engine, 20) / 1e3}
+    cache.reset()
+    log("overhead", bsz, out)
+    return out
+
+
+def decisions_split(args, argv=None) -> dict:
+    """Where lookahead's extra work a layer goes, at the config's shape (L, E, top k, hidden), with
+    stand-in experts of a few bytes (the decisions do not depend on the experts' size) at residency
+    1.0 (every selection and every forecast a hit: the work alone, no copy), each part captured in a
+    CUDA graph over every MoE layer (:func:`coldset.tune.graph_time_us`): lru's decisions + fill,
+    lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
+    GEMV alone (float32 cast + mm), and lookahead's decisions launch alone."""
+    import numpy as np
+    import torch
+
+    from coldset.config import load_config
+    from coldset.kernels.triton_slots import decide_ahead
+    from coldset.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import SlotCache
+    from coldset.tiers import ExpertPools, host_tier
+    from coldset.tune import graph_time_us
+
+    syn = load_config(args.config)["model"]["synthetic"]
+    L, E, k, H = syn["layers"], syn["experts"], syn["top_k"], syn["hidden"]
+    dev = torch.device("cuda")
+    all_hot = ExpertPools.all_hot(torch.randn((L, E, 8, 64), device=dev, dtype=torch.bfloat16),
+                                  torch.randn((L, E, 64, 4), device=dev, dtype=torch.bfloat16))
+    host = host_tier(all_hot)
+    counts = np.random.default_rng(0).random((L, E))
+    C = L * E
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+    wc = np.sort(counts.reshape(-1))
+    routers = [torch.randn((E, H), device=dev, dtype=torch.bfloat16) for _ in range(L)]
+    out = new_result("cache-decisions", argv, args)
+    out.update(shape={"layers": L, "experts": E, "top_k": k, "hidden": H, "slots": C}, us_per_step={})
+    for bsz in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator(device=dev).manual_seed(bsz)
+        ids = [torch.randint(0, E, (bsz, k), device=dev, generator=g) for _ in range(L)]
+        w = torch.rand((bsz, k), device=dev)
+        x = torch.randn((bsz, H), device=dev, dtype=torch.bfloat16)
+        lru = SlotCache.build(all_hot, host, row_map, wc, "lru", bsz, k)
+        la = SlotCache.build(all_hot, host, row_map, wc, "lookahead", bsz, k, routers=routers, depth=1)
+        logits = la._forecast_logits(x, 1)
+        flat = [i.reshape(-1).contiguous() for i in ids]
+
+        def run_lru():
+            for layer in range(L):
+                lru.admit(layer, ids[layer], w, torch.bfloat16)
+
+        def run_la():
+            for layer in range(L):
+                la.admit(layer, ids[layer], w, torch.bfloat16, hidden=x)
+
+        def run_gemv():
+            for layer in range(L - 1):
+                la._forecast_logits(x, layer + 1)
+
+        def run_decide():
+            for layer in range(L):
+                decide_ahead(la, layer, flat[layer], layer == 0, logits if layer < L - 1 else None, min(layer + 1, L - 1))
+
+        res = {name: graph_time_us(fn, 50) for name, fn in
+               (("lru group", run_lru), ("lookahead group", run_la), ("forecast GEMV", run_gemv),
+                ("lookahead decisions launch", run_decide))}
+        out["us_per_step"][bsz] = res
+        log(f"b{bsz}: per step of {L} layers (us):", {n: round(v, 1) for n, v in res.items()})
+        la.join()
+    write_result(Path(args.out) / "cache_decisions.json", out)
+    return out

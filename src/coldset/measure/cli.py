@@ -1,0 +1,64 @@
+"""``python -m coldset bench kernel|step|cache|render``: the GPU measurements' command line.
+
+Each measuring command writes its JSON under ``--out`` and prints its table (the rendering of
+that JSON, :mod:`coldset.measure.render`) last on stdout; progress goes to stderr. Exit status 1
+with a one-line reason when it cannot run here (no CUDA) or its input is wrong, and when a
+correctness check of the measurement failed (the JSON says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coldset.measure import cache, kernel, step
+from coldset.measure.harness import MeasureError
+
+MEASUREMENTS = {"kernel": (kernel, "kernel_bench.json"), "step": (step, "decode_step.json"),
+                "cache": (cache, "cache_bench.json")}
+COMMANDS = (*MEASUREMENTS, "render")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m coldset bench",
+                                     description="GPU measurements at real shape (CUDA), and their tables")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, _) in MEASUREMENTS.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.split(":", 1)[1].strip().split(".")[0],
+                                            description=module.__doc__.split("\n\n")[0]))
+    rp = sub.add_parser("render", help="markdown tables of result JSON files")
+    rp.add_argument("files", nargs="+", help="JSON written by bench kernel / step / cache")
+    rp.add_argument("--out", help="write the markdown here instead of stdout")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    from coldset.measure.render import render_files
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "render":
+            text = render_files(args.files)
+            if args.out:
+                from coldset.files import write_bytes
+
+                write_bytes(args.out, text.encode())
+            else:
+                print(text, end="")
+            return 0
+        module, name = MEASUREMENTS[args.command]
+        result = module.run(args, argv)
+        written = Path(args.out) / ("cache_decisions.json" if result.get("kind") == "cache-decisions" else name)
+        print("\n" + render_files([str(written)]), end="")
+        return 1 if result.get("fails") else 0
+    except MeasureError as exc:
+        print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from coldset.config import ConfigError
+
+        if isinstance(exc, (ConfigError, FileNotFoundError)):
+            print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,413 @@
+"""``python -m coldset bench kernel``: the experts kernel at Qwen3-30B-A3B shapes (E=128, H=2048,
+I=768, top-8, bf16) on one CUDA GPU, against the read bound measured in the same process.
+
+Measures the HBM streaming-read and the pinned zero-copy read ceilings (a Triton read kernel,
+:func:`coldset.kernels.bandwidth.best_read_bandwidth`) and a bf16 matmul rate, then the Triton
+experts kernel per MoE layer, CUDA-graph replayed (:func:`coldset.tune.graph_time_us`: median of
+``--reps`` replays), on fresh random weights and activations, with ``--layers`` layers' experts
+rotated inside each graph so that no layer's weights are served from L2 (8 layers x 75 MB
+selected at batch 1, L2 is 60 MB): all-hot with the row map, with the indirection compiled out
+(``--rounds`` interleaved rounds of both: median and spread), all-cold (every expert read in place
+from pinned host memory), mixed (4 hot + 4 cold) against the sum of its two parts, and each batch
+of ``--batches`` against the torch reference (eager) and the bound (distinct expert bytes over the
+HBM ceiling, or the FLOPs over the matmul rate). Checks bitwise identity across placements and the
+error against the torch path, and times the stages (grouping + w13 + act, + w2, + top-k sum)
+cumulatively at batch 1 and at the largest batch.
+
+vLLM's figures are NOT measured here: :data:`VLLM_STORED` holds those of an earlier run
+(NOTES.md), shown as "stored vLLM figure" with their source; a ratio against them carries the
+run-to-run spread of two processes.
+
+``--baseline-module FILE`` also times another copy of triton_moe.py on the same inputs and configs
+and checks its output bit for bit; ``--configs JSON`` takes an earlier run's tuned configs instead
+of tuning; ``--variants`` times config variants beside the tuned one; ``--sweep`` times batch-1
+configs hot and cold. Writes ``kernel_bench.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from coldset.measure.harness import MeasureError, log, new_result, require_cuda, spread, write_result
+
+#: vLLM's fused_moe Triton kernel with its H200-tuned config at these shapes, all hot, µs per layer,
+#: its token-alignment step not included: measured on the lent H200 by an earlier session, not in
+#: this process (/work/shared/NOTES.md; re-measured beside ours on 2026-12-01 at tree 75c2981 as
+#: speed ratios within 0.97-1.13x of these).
+VLLM_STORED = {"source": "stored vLLM figure (earlier run on the lent H200, NOTES.md; re-checked 2026-12-01)",
+               "us": {1: 30.4, 4: 78.8, 16: 196.6, 64: 295.5, 256: 318.9, 2048: 482.2}}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="folder for kernel_bench.json")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--reps", type=int, default=30, help="graph replays per timing (their median)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved rounds of the hot and row-map-off timings per batch (median and spread)")
+    p.add_argument("--batches", default="1,4,16,64,2048")
+    p.add_argument("--sweep", type=int, default=0)
+    p.add_argument("--cache-dir", default="/tmp/coldset-autotune")
+    p.add_argument("--configs", default=None,
+                   help="a kernel_bench.json of an earlier run: time its autotuned config per batch instead of "
+                        "tuning now (the autotune cache is then not consulted; the table says so)")
+    p.add_argument("--baseline-module", default=None,
+                   help="path of another triton_moe.py (e.g. `git show <rev>:src/coldset/kernels/triton_moe.py`): "
+                        "its triton_experts is timed on the same inputs with the same config per batch")
+    p.add_argument("--no-batch1", action="store_true",
+                   help="skip the batch-1 extras (stages, pdl A/B, sweep winners, mixed placement)")
+    p.add_argument("--variants", default=None,
+                   help='JSON {"batch": [{field: value, ...}, ...]}: each dict overrides fields of that batch\'s '
+                        'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
+                        'row map compiled out and against the torch path, and above 64 tokens timed by stage')
+
+
+def check_arguments(args) -> None:
+    """:class:`MeasureError` naming a bad batch list or count before anything is allocated."""
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError as exc:
+        raise MeasureError(f"--batches {args.batches!r}: {exc}") from exc
+    if not batches or min(batches) < 1 or args.layers < 1 or args.reps < 1 or args.rounds < 1:
+        raise MeasureError(f"--batches {batches}, --layers {args.layers}, --reps {args.reps}, --rounds {args.rounds}: "
+                           "each must be at least 1")
+    if args.variants:
+        try:
+            {int(b): list(v) for b, v in json.loads(args.variants).items()}
+        except (ValueError, AttributeError) as exc:
+            raise MeasureError(f"--variants is not JSON {{batch: [fields, ...]}}: {exc}") from exc
+
+
+def _load_module(path: str, name: str = "baseline_triton_moe"):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise FileNotFoundError(f"bench kernel: --baseline-module {path} is not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(args, argv=None) -> dict:
+    """Measure (see module doc); returns the result written to ``--out``/kernel_bench.json."""
+    check_arguments(args)
+    require_cuda()
+    import torch
+
+    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
+    from coldset.kernels.reference import torch_experts, torch_softmax_topk
+    from coldset.kernels.triton_moe import (DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig,
+                                            group_pairs, triton_experts)
+    from coldset.tiers import ExpertPools, check_host_allocation
+    from coldset.tune import TuneResult, TuneShape, autotune, config_for, eager_time_us, graph_time_us
+
+    out_path = Path(args.out) / "kernel_bench.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    variants = {int(b): v for b, v in json.loads(args.variants).items()} if args.variants else {}
+    batches = [int(b) for b in args.batches.split(",")]
+    baseline = _load_module(args.baseline_module) if args.baseline_module else None
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, H, I, K, L = 128, 2048, 768, 8, args.layers
+    dtype = torch.bfloat16
+    res = new_result("kernel", argv, args)
+    res["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    res["shape"] = dict(E=E, H=H, I=I, top_k=K, dtype="bfloat16", layers=L)
+    n = L * E
+    expert_bytes = (2 * I * H + H * I) * 2
+    t0 = time.time()
+    w13_hot = torch.randn(n, 2 * I, H, device="cuda", dtype=dtype) / H**0.5
+    w2_hot = torch.randn(n, H, I, device="cuda", dtype=dtype) / I**0.5
+    check_host_allocation(n * expert_bytes, "benchmark pinned cold pool")
+    w13_cold = torch.empty(w13_hot.shape, dtype=dtype, pin_memory=True)
+    w2_cold = torch.empty(w2_hot.shape, dtype=dtype, pin_memory=True)
+    w13_cold.copy_(w13_hot)
+    w2_cold.copy_(w2_hot)
+    torch.cuda.synchronize()
+    log(f"pools: {n} experts in each tier, {n * expert_bytes / 2**30:.1f} GiB each, {time.time() - t0:.1f}s")
+    all_hot_map = torch.arange(n, dtype=torch.int32).reshape(L, E)
+    all_cold_map = -all_hot_map - 1
+    pools = ExpertPools(w13_hot, w2_hot, w13_cold, w2_cold, all_hot_map.clone().cuda())
+    pools.validate()
+    unmodified = ExpertPools.all_hot(w13_hot.view(L, E, 2 * I, H), w2_hot.view(L, E, H, I))
+    cold_reps = max(5, args.reps // 3)
+
+    # --- ceilings, measured now
+    hbm = best_read_bandwidth(w13_hot.view(-1), HBM_READ_SHAPES, args.reps)
+    pinned_candidates: dict[str, float] = {}
+    pinned = best_read_bandwidth(w13_cold.view(-1)[: 2**29], ((1024, 1), (4096, 1), (4096, 4), (8192, 8)), 10,
+                                 rates=pinned_candidates)
+    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    bmat = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    mm_rate = 2 * 8192**3 / (eager_time_us(lambda: a @ bmat, 10) * 1e-6)
+    del a, bmat
+    res["ceilings"] = {"hbm_read_GBps": hbm / 1e9, "pinned_read_GBps": pinned / 1e9,
+                       "pinned_candidates_GBps": {k: v / 1e9 for k, v in pinned_candidates.items()},
+                       "bf16_matmul_TFLOPs": mm_rate / 1e12}
+    log("ceilings", res["ceilings"])
+
+    def routing(num_tokens):
+        logits = torch.randn(num_tokens, E, generator=gen, device="cuda")
+        ids, w = torch_softmax_topk(logits, K, renormalize=True)
+        return ids, w.to(dtype)
+
+    def make_case(num_tokens):
+        xs = [torch.randn(num_tokens, H, device="cuda", generator=gen).to(dtype) for _ in range(L)]
+        return xs, [routing(num_tokens) for _ in range(L)]
+
+    def run_all(pl, xs, rs, cfg, use_row_map=True, outs=None):
+        def fn():
+            got = [triton_experts(pl, layer, xs[layer], rs[layer][0], rs[layer][1], cfg, use_row_map) for layer in range(L)]
+            if outs is not None:
+                outs[:] = got
+        return fn
+
+    def timed(fn, reps, row_map=None):
+        """µs per layer of ``fn`` replayed in a graph, with the pools' row map set first (hot after)."""
+        if row_map is not None:
+            pools.set_row_map(row_map)
+        us = graph_time_us(fn, reps) / L
+        pools.set_row_map(all_hot_map)
+        return us
+
+    def stage_times(cfg, xs, rs, reps):
+        """Cumulative µs per layer after each launch ({1: w13 + act (with the grouping), 2: + w2, 3: + sum})."""
+        return {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop)
+                                             for l in range(L)], reps) / L for stop in (1, 2, 3)}
+
+    def sized_read_rate(nbytes):
+        """B/s of a plain read of ``nbytes`` of the hot pool a launch, L launches in one graph (as the
+        graph's layers read), best of three read shapes."""
+        part = int(nbytes) // w13_hot.element_size()
+        return best_read_bandwidth(w13_hot.view(-1)[: L * part], ((4096, 1), (4096, 4), (4096, 16)), args.reps,
+                                   launches=L)
+
+    def distinct_bytes(rs):
+        return sum(int(torch.unique(r[0]).numel()) for r in rs) * expert_bytes / L
+
+    def equal(xs_, ys_):
+        return all(torch.equal(x_, y_) for x_, y_ in zip(xs_, ys_))
+
+    def max_err(outs, xs, rs):
+        errs = []
+        for l in range(L):
+            ref = torch_experts(pools, l, xs[l], *rs[l]).float()
+            errs.append(float((outs[l].float() - ref).norm() / ref.norm()))
+        return max(errs)
+
+    def time_variant(B, cfg, fields, xs, rs, bound_us, out_tuned):
+        """One config variant at batch B, all hot: µs (median of two graph medians, with their
+        spread), bitwise against the row map compiled out and against the tuned config, error vs
+        torch; up to 64 tokens also all cold (µs, bitwise equal to all hot); cumulative stage
+        times, above 64 also the grouping alone."""
+        cfg_v = KernelConfig.from_dict({**cfg.to_dict(), **fields})
+        out_v, out_o = [], []
+        us = spread([graph_time_us(run_all(pools, xs, rs, cfg_v, True, out_v), args.reps) / L for _ in range(2)])
+        graph_time_us(run_all(unmodified, xs, rs, cfg_v, False, out_o), 3)
+        r = {"fields": fields, "config": cfg_v.to_dict(), "us": us["median"], "us_spread": us,
+             "pct_of_bound": 100 * bound_us / us["median"], "bitwise_rowmap_vs_off": equal(out_v, out_o),
+             "bitwise_vs_tuned": equal(out_v, out_tuned), "max_rel_err_vs_torch": max_err(out_v, xs, rs)}
+        if B <= 64:  # the cold tier read in place: the variant's cost on the link, and its bits there
+            out_c = []
+            r["cold_us"] = timed(run_all(pools, xs, rs, cfg_v, True, out_c), cold_reps, all_cold_map)
+            r["bitwise_cold_vs_hot"] = equal(out_v, out_c)
+        r["stages_us"] = stage_times(cfg_v, xs, rs, max(5, args.reps // 2))
+        if B > 64 and not fields:
+            r["grouping_us"] = graph_time_us(lambda: [group_pairs(rs[l][0].reshape(-1), E) for l in range(L)],
+                                             max(5, args.reps // 2)) / L
+        log("variant", B, {k: v for k, v in r.items() if k != "config"})
+        return r
+
+    # --- autotune (the package's cache machinery), then the same call again: a hit
+    shape = TuneShape(num_experts=E, hidden=H, intermediate=I, top_k=K, dtype="bfloat16", num_moe_layers=48,
+                      num_hot=48 * E, num_cold=0)
+    tuned_for_provenance = None
+    if args.configs:
+        with open(args.configs) as f:
+            given = json.load(f)["autotune"]
+        tuned = TuneResult(key=given["key"], hit=False, backend="triton", shape=shape, batch_sizes=batches,
+                           configs={int(b): c for b, c in given["configs"].items()})
+        res["autotune"] = {"skipped": True, "configs_from": args.configs, "key_of_that_run": given["key"],
+                           "configs": given["configs"]}
+    else:
+        t0 = time.time()
+        tuned = tuned_for_provenance = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+        miss_s = time.time() - t0
+        t0 = time.time()
+        tuned2 = autotune(shape, batches, "cuda", cache_dir=args.cache_dir)
+        res["autotune"] = {"key": tuned.key, "first_hit": tuned.hit, "first_s": miss_s, "second_hit": tuned2.hit,
+                           "second_s": time.time() - t0, "configs": {str(b): c for b, c in tuned.configs.items()},
+                           "timings_us": {str(b): t for b, t in tuned.timings_us.items()}}
+    log("autotune", res["autotune"])
+    torch.cuda.empty_cache()
+
+    def save():
+        write_result(out_path, res, res["ceilings"], tuned_for_provenance)
+
+    # --- config sweep at batch 1 (hot and cold): the split of weight rows over blocks
+    sweep = []
+    if args.sweep:
+        xs, rs = make_case(1)
+        cands = [KernelConfig(16, n1, k1, n2, k2, w, s) for (n1, n2) in ((16, 16), (32, 32), (64, 64), (16, 32), (32, 64))
+                 for (k1, k2) in ((128, 128), (256, 256)) for (w, s) in ((4, 3),)]
+        cands += [KernelConfig(16, 32, 128, 32, 128, 4, 4), KernelConfig(16, 16, 128, 16, 128, 2, 4),
+                  KernelConfig(16, 32, 64, 32, 64, 4, 5)]
+        for cfg in cands:
+            try:
+                hot_us = timed(run_all(pools, xs, rs, cfg), args.reps, all_hot_map)
+                cold_us = timed(run_all(pools, xs, rs, cfg), cold_reps, all_cold_map)
+            except Exception as exc:  # e.g. out of shared memory for a large tile: skip that config
+                log("sweep", cfg, "failed:", repr(exc)[:200])
+                continue
+            sweep.append({"config": cfg.to_dict(), "hot_us": hot_us, "cold_us": cold_us})
+            log("sweep", cfg, f"hot {hot_us:.1f} us cold {cold_us:.1f} us")
+        res["sweep_batch1"] = sweep
+    best_hot = min(sweep, key=lambda r: r["hot_us"])["config"] if sweep else tuned.configs.get(1, DEFAULT_DECODE_CONFIG.to_dict())
+    best_cold = min(sweep, key=lambda r: r["cold_us"])["config"] if sweep else best_hot
+    res["best_hot_config"], res["best_cold_config"] = best_hot, best_cold
+
+    # --- per batch size
+    rows = res["batches"] = []
+    for B in batches:
+        cfg = KernelConfig.from_dict(config_for(tuned, B))
+        dflt = DEFAULT_DECODE_CONFIG if B <= 64 else DEFAULT_PREFILL_CONFIG
+        xs, rs = make_case(B)
+        nbytes = distinct_bytes(rs)
+        flops = 2 * B * K * (2 * I * H + H * I)
+        bound_us = max(nbytes / hbm, flops / mm_rate) * 1e6
+        out_on, out_off, out_cold = [], [], []
+        pools.set_row_map(all_hot_map)
+        on_runs, off_runs = [], []
+        for i in range(args.rounds):  # interleaved, as the row-map cost compares the two
+            on_runs.append(graph_time_us(run_all(pools, xs, rs, cfg, True, out_on if i == 0 else None), args.reps) / L)
+            off_runs.append(graph_time_us(run_all(unmodified, xs, rs, cfg, False, out_off if i == 0 else None),
+                                          args.reps) / L)
+        hot, off = spread(on_runs), spread(off_runs)
+        dflt_us = timed(run_all(pools, xs, rs, dflt), args.reps, all_hot_map)
+        base = {}
+        if baseline is not None:
+            # the baseline's own fields only (an older kernel has no split_k / tile_order / half_buf:
+            # it runs the same tiles unsplit, so its bits equal ours only where those are off)
+            known = set(baseline.KernelConfig.__dataclass_fields__)
+            bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k in known})
+            out_base = []
+
+            def base_fn():
+                out_base[:] = [baseline.triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], bcfg, True) for l in range(L)]
+            base = {"baseline_config": bcfg.to_dict(), "baseline_us": graph_time_us(base_fn, args.reps) / L,
+                    "bitwise_vs_baseline": equal(out_on, out_base)}
+        row = {"batch": B, "config": cfg.to_dict(), "default_config_us": dflt_us, "distinct_expert_MB": nbytes / 1e6,
+               "bound_us": bound_us, "hot_us": hot["median"], "hot_us_spread": hot, "off_us": off["median"],
+               "off_us_spread": off, **base}
+        if B <= 64:
+            # The read ceiling at this size: L launches each streaming nbytes of the hot pool (the
+            # graph's layers read as much, once each), best of three read shapes.
+            sized = sized_read_rate(nbytes)
+            row["sized_read_GBps"] = sized / 1e9
+            row["pct_of_sized_read"] = 100 * nbytes / sized / (row["hot_us"] * 1e-6)
+            # Where the time goes: each launch (cumulative stages) against a plain read of its own
+            # bytes (w13 two thirds of the distinct bytes, w2 one third), one launch a layer.
+            st = stage_times(cfg, xs, rs, args.reps)
+            row["stages_us"] = {"w13_act": st[1], "w13_act+w2": st[2], "all_three": st[3]}
+            row["stage_read_us"] = {name: part_bytes / sized_read_rate(part_bytes) * 1e6
+                                    for name, part_bytes in (("w13", nbytes * 2 / 3), ("w2", nbytes / 3))}
+        if B in VLLM_STORED["us"]:
+            row["vllm_stored_us"] = VLLM_STORED["us"][B]
+            row["speed_vs_stored_vllm"] = VLLM_STORED["us"][B] / row["hot_us"]
+        row["hot_GBps"] = nbytes / (row["hot_us"] * 1e-6) / 1e9
+        row["rowmap_cost_pct"] = 100 * (row["hot_us"] / row["off_us"] - 1)
+        if B <= 64:
+            row["cold_us"] = timed(run_all(pools, xs, rs, cfg, True, out_cold), cold_reps, all_cold_map)
+            row["cold_GBps"] = nbytes / (row["cold_us"] * 1e-6) / 1e9
+            row["cold_pct_pinned"] = 100 * row["cold_GBps"] * 1e9 / pinned
+        row["torch_us"] = eager_time_us(lambda: [torch_experts(pools, l, xs[l], *rs[l]) for l in range(L)],
+                                        5 if B > 64 else 10) / L
+        # correctness: bitwise across placements, error vs torch
+        row.update({"bitwise_rowmap_vs_off": equal(out_on, out_off),
+                    "bitwise_cold_vs_hot": equal(out_on, out_cold) if out_cold else None,
+                    "max_rel_err_vs_torch": max_err(out_on, xs, rs)})
+        if B in variants:
+            pools.set_row_map(all_hot_map)
+            row["variants"] = [time_variant(B, cfg, v, xs, rs, bound_us, out_on) for v in [{}] + variants[B]]
+        rows.append(row)
+        log("batch", B, {k: v for k, v in row.items() if k != "config"})
+        save()
+    res["vllm_stored"] = {"source": VLLM_STORED["source"]}
+
+    if not args.no_batch1:
+        # --- batch 1 stage breakdown (w13+act alone, + w2, + top-k sum), tuned config, all hot
+        xs, rs = make_case(1)
+        cfg1 = KernelConfig.from_dict(best_hot)
+        pools.set_row_map(all_hot_map)
+        st = stage_times(cfg1, xs, rs, args.reps)
+        res["batch1_stages_us"] = {"w13_act": st[1], "w13_act+w2": st[2], "all_three": st[3],
+                                   "w13_MB": 8 * 2 * I * H * 2 / 1e6, "w2_MB": 8 * H * I * 2 / 1e6}
+        log("stages", res["batch1_stages_us"])
+
+        # --- dependent launch off / with w2 prefetch / launch only, at batch 1, else the tuned config
+        pdl_ab = {}
+        for pdl in (0, 1, 2):
+            cfgp = KernelConfig.from_dict({**best_hot, "pdl": pdl})
+            hot = spread([timed(run_all(pools, xs, rs, cfgp), args.reps, all_hot_map) for _ in range(2)])
+            pdl_ab[pdl] = {"hot_us": hot["median"], "hot_spread": hot,
+                           "cold_us": timed(run_all(pools, xs, rs, cfgp), cold_reps, all_cold_map)}
+        res["batch1_pdl_ab"] = pdl_ab
+        log("pdl a/b", pdl_ab)
+
+        # --- best decode config at batch 1 for hot, cold, off (from the sweep, if run)
+        if sweep:
+            xs, rs = make_case(1)
+            nbytes = distinct_bytes(rs)
+            r1 = {}
+            for name, cfgd in (("best_hot", best_hot), ("best_cold", best_cold)):
+                cfg = KernelConfig.from_dict(cfgd)
+                on, off = [], []
+                for _ in range(2):
+                    on.append(timed(run_all(pools, xs, rs, cfg), args.reps, all_hot_map))
+                    off.append(graph_time_us(run_all(unmodified, xs, rs, cfg, False), args.reps) / L)
+                cold = timed(run_all(pools, xs, rs, cfg), cold_reps, all_cold_map)
+                hot, off_ = spread(on), spread(off)
+                r1[name] = {"config": cfgd, "hot_us": hot["median"], "hot_spread": hot, "off_us": off_["median"],
+                            "off_spread": off_, "cold_us": cold,
+                            "hot_pct_hbm": 100 * nbytes / (hot["median"] * 1e-6) / hbm,
+                            "cold_pct_pinned": 100 * nbytes / (cold * 1e-6) / pinned,
+                            "rowmap_cost_pct": 100 * (hot["median"] / off_["median"] - 1)}
+            res["batch1_tuned"] = r1
+            log("batch1 tuned", r1)
+
+        # --- mixed: 4 hot + 4 cold of the 8 selected, against the sum of the two parts (top-4 each)
+        cfg = KernelConfig.from_dict(best_cold)
+        xs, rs = make_case(1)
+        mixed_map = all_hot_map.clone()
+        for l in range(L):
+            for e in rs[l][0][0, 4:].tolist():
+                mixed_map[l, e] = -(l * E + e) - 1
+        hot_part = [(r[0][:, :4].contiguous(), r[1][:, :4].contiguous()) for r in rs]
+        cold_part = [(r[0][:, 4:].contiguous(), r[1][:, 4:].contiguous()) for r in rs]
+        out_mixed, out_hot = [], []
+        mixed_us = timed(run_all(pools, xs, rs, cfg, True, out_mixed), cold_reps, mixed_map)
+        hot4_us = timed(run_all(pools, xs, hot_part, cfg), args.reps)
+        graph_time_us(run_all(pools, xs, rs, cfg, True, out_hot), 3)
+        cold4_us = timed(run_all(pools, xs, cold_part, cfg), cold_reps, all_cold_map)
+        res["mixed"] = {"config": cfg.to_dict(), "mixed_us": mixed_us, "hot4_us": hot4_us, "cold4_us": cold4_us,
+                        "sum_parts_us": hot4_us + cold4_us, "mixed_over_sum": mixed_us / (hot4_us + cold4_us),
+                        "bitwise_mixed_vs_hot": equal(out_mixed, out_hot)}
+        log("mixed", res["mixed"])
+    save()
+
+    # --- the largest batch's stages (prefill: where its time goes)
+    big = max(batches)
+    if big > 64:
+        xs, rs = make_case(big)
+        cfgb = KernelConfig.from_dict(config_for(tuned, big))
+        pools.set_row_map(all_hot_map)
+        sb = stage_times(cfgb, xs, rs, max(5, args.reps // 2))
+        res["largest_batch_stages_us"] = {"batch": big, "config": cfgb.to_dict(), "grouping+w13_act": sb[1],
+                                          "+w2": sb[2], "+sum": sb[3]}
+        save()
+    return res
+

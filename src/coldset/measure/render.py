@@ -1,0 +1,171 @@
+"""Markdown tables of the GPU measurements' JSON (``python -m coldset bench render FILE...``).
+
+The one way a measurement becomes a table: each command prints this rendering of the JSON it
+wrote, and BENCHMARKS.md's tables are made by this command from the committed JSON, so a number
+is never copied by hand. Each table carries its command, commit, device, date and the ceilings of
+its own run; every timed figure is the median of its repeats with their range (min-max).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coldset.measure.harness import MeasureError
+
+
+def _f(x, fmt: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _spread(s: dict | None, fmt: str = ".1f") -> str:
+    """``median (min-max)`` of a :func:`coldset.measure.harness.spread`; the median alone for one run."""
+    if not s:
+        return "-"
+    if len(s["runs"]) < 2:
+        return format(s["median"], fmt)
+    return f"{format(s['median'], fmt)} ({format(s['min'], fmt)}-{format(s['max'], fmt)})"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table (cells already text)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def header(res: dict, title: str) -> str:
+    """Title line, provenance (device, commit, date) and the command that reproduces it."""
+    p = res.get("provenance") or {}
+    commit = (p.get("commit") or "unknown")[:10] + (" (dirty)" if p.get("dirty") else "")
+    return (f"**{title}** · {p.get('device', '?')} · torch {p.get('torch', '?')}, triton {p.get('triton', '?')} · "
+            f"commit {commit} · {res.get('date', '?')}\n\n`{res.get('command', '?')}`")
+
+
+def render_kernel(res: dict) -> str:
+    c = res["ceilings"]
+    hbm = c["hbm_read_GBps"]
+    out = [header(res, "Experts kernel per MoE layer"),
+           f"Ceilings in this run: HBM read {hbm:.0f} GB/s, pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s, "
+           f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s. µs per layer, median of the rounds (min-max)."]
+    at = res.get("autotune", {})
+    if at.get("skipped"):
+        out.append(f"Configs from {at['configs_from']} (not tuned in this run).")
+    rows = []
+    for r in res["batches"]:
+        cold = f"{r['cold_us']:.0f} ({r['cold_pct_pinned']:.0f}%)" if "cold_us" in r else "-"
+        rows.append([r["batch"], f"{r['distinct_expert_MB']:.1f}", f"{r['bound_us']:.1f}",
+                     _spread(r.get("hot_us_spread")), f"{100 * r['bound_us'] / r['hot_us']:.0f}%",
+                     f"{r['hot_GBps']:.0f} ({100 * r['hot_GBps'] / hbm:.0f}%)", f"{r['rowmap_cost_pct']:+.1f}%", cold,
+                     f"{r['torch_us']:.0f}", f"{r['bitwise_rowmap_vs_off']}/{r['bitwise_cold_vs_hot']}",
+                     f"{r['max_rel_err_vs_torch']:.1e}", _f(r.get("vllm_stored_us")),
+                     _f(r.get("speed_vs_stored_vllm"), ".2f") + ("x" if "speed_vs_stored_vllm" in r else "")])
+    out.append(table(["tokens", "distinct expert MB", "bound µs", "hot µs", "% of bound", "hot GB/s (% HBM)",
+                      "row-map cost", "all-cold µs (% pinned)", "torch µs", "bitwise off/cold", "rel err vs torch",
+                      "stored vLLM µs", "speed vs stored vLLM"], rows))
+    if any("vllm_stored_us" in r for r in res["batches"]):
+        out.append(f"vLLM column: {res.get('vllm_stored', {}).get('source', 'stored vLLM figure')}; "
+                   "not timed in this run, so its ratio carries the spread between two processes.")
+    notes = []
+    for r in res["batches"]:
+        if "sized_read_GBps" in r:
+            notes.append(f"batch {r['batch']}: a read of {r['distinct_expert_MB']:.1f} MB a launch streams at "
+                         f"{r['sized_read_GBps']:.0f} GB/s; the kernel reaches {r['pct_of_sized_read']:.0f}% of it")
+    st = res.get("batch1_stages_us")
+    if st:
+        notes.append(f"batch 1 stages (µs/layer, cumulative): w13 + act {st['w13_act']:.1f}, + w2 "
+                     f"{st['w13_act+w2']:.1f}, + top-k sum {st['all_three']:.1f}")
+    m = res.get("mixed")
+    if m:
+        notes.append(f"mixed 4 hot + 4 cold: {m['mixed_us']:.0f} µs vs parts {m['hot4_us']:.1f} + {m['cold4_us']:.0f} "
+                     f"(ratio {m['mixed_over_sum']:.3f}); bitwise vs all-hot {m['bitwise_mixed_vs_hot']}")
+    big = res.get("largest_batch_stages_us")
+    if big:
+        notes.append(f"batch {big['batch']} stages (µs/layer, cumulative): grouping + w13 + act "
+                     f"{big['grouping+w13_act']:.1f}, + w2 {big['+w2']:.1f}, + top-k sum {big['+sum']:.1f}")
+    if notes:
+        out.append("\n".join(f"- {n}" for n in notes))
+    return "\n\n".join(out)
+
+
+def render_step(res: dict) -> str:
+    fl = res["floor"]
+    floors = ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
+    out = [header(res, "Decode step"),
+           f"HBM read ceiling in this run {res['hbm_read_GBps']:.0f} GB/s; bytes floor per step: {floors}. "
+           f"Step ms: median of {res['args']['rounds']} rounds of {res['args']['reps']} calls (min-max)."]
+    rows = []
+    for r in res["rows"]:
+        p = r.get("profile", {})
+        rng = r.get("fraction_of_floor_range")
+        of = f"{100 * r['fraction_of_floor']:.1f}%" if "fraction_of_floor" in r else "-"
+        if rng and len(r["step_ms_spread"]["runs"]) > 1:
+            of += f" ({100 * rng[0]:.1f}-{100 * rng[1]:.1f}%)"
+        rows.append([r["mode"], r["batch"], r["experts"], _spread(r["step_ms_spread"], ".3f"), f"{r['tok_s']:.1f}",
+                     _f(r.get("floor_ms"), ".3f"), of, _f(p.get("kernels_per_step"), ".0f")])
+    out.append(table(["engine", "batch", "experts", "step ms", "tok/s", "floor ms", "of floor", "kernels/step"], rows))
+    checks = res.get("checks", {})
+    if checks:
+        out.append(f"Against {res.get('checks_against', 'the first engine')}: " + "; ".join(
+            f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}" for k, v in checks.items()))
+    if res.get("errors"):
+        out.append("Engines that failed: " + "; ".join(f"{k}: {v}" for k, v in res["errors"].items()))
+    return "\n\n".join(out)
+
+
+def render_cache(res: dict) -> str:
+    c = res.get("ceilings", {})
+    a = res["args"]
+    fails = res.get("fails", [])
+    out = [header(res, "Slot cache and lookahead prefetch"),
+           f"{res.get('model', '?')}, {a['steps']} decode steps x {a['repeats']} timed passes (+1 checked), held-out "
+           f"fixture prompts, {res.get('router', 'synthetic router')}. Ceilings in this run: HBM read "
+           f"{_f(c.get('hbm_read_gb_s'), '.0f')} GB/s, link read {_f(c.get('link_read_gb_s'), '.1f')} GB/s. "
+           "Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + "."]
+    rows = []
+    for r in res["rows"]:
+        full = next(x for x in res["rows"] if x["batch"] == r["batch"] and x["placement"] == "all-HBM")
+        ug = next((x for x in res["rows"] if x["batch"] == r["batch"]
+                   and x["placement"] == f"usage_global-{r['residency']}"), None)
+        rows.append([r["batch"], r["placement"], f"{r['tok_s']:.1f}", _f(r["tok_s"] / ug["tok_s"] if ug else None, ".2f"),
+                     f"{r['tok_s'] / full['tok_s']:.3f}", f"{r['hit_rate']:.4f}", _f(r.get("sim_hit_rate"), ".4f"),
+                     f"{r['misses_per_token']:.2f}", _f(r.get("prefetches_per_token"), ".2f"),
+                     f"{r['link_gb_per_token']:.4f}", _spread(r.get("step_ms_mean_spread"), ".3f")])
+    out.append(table(["batch", "placement", "tok/s", "x usage_global", "x all-HBM", "hit rate", "sim hit",
+                      "misses/token", "prefetches/token", "link GB/token", "mean step ms (min-max of passes)"], rows))
+    return "\n\n".join(out)
+
+
+def render_decisions(res: dict) -> str:
+    parts = sorted({n for v in res["us_per_step"].values() for n in v})
+    rows = [[b, *(f"{v[n]:.1f}" for n in parts)] for b, v in res["us_per_step"].items()]
+    return "\n\n".join([header(res, "Slot cache work per step (µs, all layers)"), table(["batch", *parts], rows)])
+
+
+RENDERERS = {"kernel": render_kernel, "step": render_step, "cache": render_cache, "cache-decisions": render_decisions}
+
+
+def render(res: dict) -> str:
+    """The markdown of one measurement's JSON, chosen by its ``kind``."""
+    kind = res.get("kind")
+    if kind not in RENDERERS:
+        raise MeasureError(f"kind {kind!r} is not one of {', '.join(RENDERERS)} "
+                           "(a JSON written by python -m coldset bench kernel/step/cache)")
+    return RENDERERS[kind](res)
+
+
+def render_files(paths: list[str]) -> str:
+    """The tables of several result files, in order, each under its file name."""
+    parts = []
+    for path in paths:
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MeasureError(f"{path}: {exc}") from exc
+        try:
+            parts.append(render(res))
+        except MeasureError as exc:
+            raise MeasureError(f"{path}: {exc}") from exc
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise MeasureError(f"{path}: field {exc} missing or malformed") from exc
+    return "\n\n".join(parts) + "\n"
