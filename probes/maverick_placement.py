@@ -1,3 +1,4 @@
+# Probe, not a tool: an early experiment on the Maverick trace; the workflow's trace-only path (config/examples) is the tool.
 """Placement on the real Llama-4-Maverick MMLU routing trace: coverage and predicted step times.
 
 Reads ../shared/data/traces/llama4-maverick-mmlu.parquet (DESIGN.md §2 format, no split column),
@@ -13,7 +14,7 @@ intermediate 8192, 40 heads, 8 kv heads, head_dim 128, vocab 202048, untied lm_h
 16384 on dense layers and a shared expert of 8192 on every MoE layer. Not modelled: Llama 4's
 attention temperature tuning, chunked attention, biases (none), vision tower.
 
-Usage: python scripts/maverick_placement.py [--trace PATH] [--heldout astronomy] [--out DIR]
+Usage: python probes/maverick_placement.py [--trace PATH] [--heldout astronomy] [--out DIR]
        [--all-rotations]
 """
 

@@ -1,5 +1,6 @@
+# Probe, not a tool: the issue 16 experiment that chose the parity batch size on the CPU.
 """Parity decode time on the default synthetic model and fixtures, CPU: batch 8 (the old default) vs every
-fixture in one batch (issue 16). Usage: PYTHONPATH=src python scripts/parity_batch_cpu.py [threads]"""
+fixture in one batch (issue 16). Usage: PYTHONPATH=src python probes/parity_batch_cpu.py [threads]"""
 
 import sys
 import time

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+# Probe, not a tool: an experiment kept for its finding (BENCHMARKS.md, issue 13); the measurements are `python -m coldset bench ...`.
 """Probe, not package code (issue 13, ninth session): the decode experts as ONE GEMM launch plus a
 reduce launch, timed beside ``triton_experts``' tuned three launches.
 
@@ -16,7 +16,7 @@ median of ``--reps`` replays, better of two graphs; the bound and a plain read o
 launch measured in the same process. The three-launch configs are the tuned H200 entries of
 BENCHMARKS.md (issue 13, eighth session, kernel table).
 
-    PYTHONPATH=src python3 scripts/probe_fused_w2t.py
+    PYTHONPATH=src python3 probes/probe_fused_w2t.py
 """
 import argparse
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.bandwidth import read_bandwidth
+from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
 from coldset.kernels.triton_moe import (KernelConfig, _block_expert, _chunk_pairs, gdc_launch_dependents, gdc_wait,
                                         triton_experts)
@@ -144,7 +144,7 @@ def main():
     w2 = torch.randn(n, H, I, device="cuda", dtype=dt, generator=gen) / I**0.5
     w2t = w2.transpose(1, 2).contiguous()
     pools = ExpertPools.all_hot(w13.view(L, E, 2 * I, H), w2.view(L, E, H, I))
-    hbm = max(read_bandwidth(w13.view(-1), 4096, it, reps) for it in (4, 16))
+    hbm = best_read_bandwidth(w13.view(-1), HBM_READ_SHAPES, reps)
     print(f"HBM read {hbm / 1e9:.0f} GB/s", flush=True)
     rows = []
     for T in (1, 4):
@@ -156,8 +156,8 @@ def main():
         cfg = TUNED[T]
         distinct = sum(int(torch.unique(r[0]).numel()) for r in rs) / L
         nbytes = distinct * 3 * I * H * 2
-        read_us = nbytes / max(read_bandwidth(w13.view(-1)[: L * int(nbytes) // 2], 4096, it, reps, launches=L)
-                               for it in (1, 4, 16)) * 1e6
+        read_us = nbytes / best_read_bandwidth(w13.view(-1)[: L * int(nbytes) // 2], ((4096, 1), (4096, 4), (4096, 16)),
+                                               reps, launches=L) * 1e6
         bound_us = nbytes / hbm * 1e6
         ref = [torch_experts(pools, l, xs[l], *rs[l]).float() for l in range(L)]
         base_outs = []

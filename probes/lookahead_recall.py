@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
+# Probe, not a tool: the issue 12 experiment on the CPU model; at real shape `python -m coldset bench cache --analysis` measures the same.
 """Does a next-layer lookahead know the experts an LRU slot cache misses? (issue 12, item 3)
 
-    PYTHONPATH=src python3 scripts/lookahead_recall.py --config config/config.yaml
+    PYTHONPATH=src python3 probes/lookahead_recall.py --config config/config.yaml
 
 Builds the config's synthetic model in memory (its device and dtype; the engine's torch path on
 the CPU), profiles routing on profile prompts (template texts, one seed: the warm set's counts),

@@ -1,6 +1,7 @@
+# Probe, not a tool: the mutation experiment of issue 18 (rewrites source files while it runs; use on a clean checkout).
 """Apply each mutant of a spec file to the source, run the tests that should kill it, revert.
 
-    PYTHONPATH=src python scripts/mutants.py scripts/mutants_issue18.json [name-substring]
+    PYTHONPATH=src python probes/mutants.py probes/mutants_issue18.json [name-substring]
 
 A spec is a JSON list of ``{"name", "file", "old", "new", "tests"}``: ``old`` must occur exactly
 once in ``file``; it is replaced by ``new``, ``pytest -x`` runs ``tests``, and the file is restored
