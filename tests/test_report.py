@@ -653,3 +653,95 @@ def test_locality_loader_names_the_file_and_the_field(tmp_path):
     path.write_text(json.dumps({**good, "lift": "high"}))
     with pytest.raises(ReportInputError, match=r"field 'lift': 'high' is not a number"):
         load_locality(path)
+
+
+# ---------------------------------------------------------------- issue 30: what is published
+
+
+def _residency_annotations(figures: dict, batch: int) -> list[str]:
+    (fig,) = [f for t, f in figures.items() if t.endswith(f"residency curve, batch size {batch}")]
+    return sorted(t.get_text() for t in fig.axes[0].texts)
+
+
+def _caption(html: str, fig_id: str) -> str:
+    return re.search(rf'<figure id="fig-{fig_id}">.*?<figcaption>(.*?)</figcaption>', html, re.S).group(1)
+
+
+def test_residency_slopes_only_where_measured_speed_compares_placements(tmp_path, monkeypatch):
+    """Issue 30 item 5: a CPU bench (no host tier) or a noisy timing labels no residency segment
+    with a tok/s-per-GiB slope, also from bench files that still carry one; a GPU bench's
+    segments carry the slope by its definition, computed here from the tree's tok/s and GiB."""
+    cpu = build_results_tree(tmp_path / "cpu")  # device cpu, tok_s_per_gib filled as old bench files did
+    html, figures = _render_capturing_figures(cpu, monkeypatch)
+    for b in BATCH_SIZES:
+        assert _residency_annotations(figures, b) == []
+        caption = _caption(html, f"residency-b{b}")
+        assert "No slope is shown for segments measured on the CPU" in caption and "/GiB" not in caption
+    table = _bench_table(html)
+    assert {row["tok_s_per_gib"] for row in table.values()} == {"—"}
+    assert {row["fetch_tax"] for row in table.values()} == {"—"}
+
+    gpu = build_results_tree(tmp_path / "gpu", bytes_run="gpu")
+    path = Layout(gpu, MODEL).bench("positional", 1.0)
+    doc = json.loads(path.read_text())
+    doc["batches"][1]["repeat_spread"] = 1.6  # positional 1.0 at batch 4: repeats disagree
+    path.write_text(json.dumps(doc))
+    html, figures = _render_capturing_figures(gpu, monkeypatch)
+    gib = (RESIDENCIES[1] - RESIDENCIES[0]) * LAYERS * EXPERTS * GIB_PER_EXPERT
+    for b in BATCH_SIZES:
+        expect = sorted(f"{(_tok_s(p, 1.0, b) - _tok_s(p, 0.5, b)) / gib:+.3g}/GiB"
+                        for p in POLICIES if (p, b) != ("positional", 4))
+        assert _residency_annotations(figures, b) == expect
+    caption = _caption(html, "residency-b4")
+    assert "No slope is shown for segments with a noisy timing" in caption and "positional 1.5→3 GiB" in caption
+    assert _bench_table(html)[("positional", "1.0", 4)]["tok_s_per_gib"] == "—"
+
+
+def test_speed_model_tok_s_is_labelled_an_upper_estimate(tmp_path):
+    """Issue 30 item 5: the speed model's tok/s comes from its perfect-overlap (fastest) step,
+    so the report calls it an upper estimate and never a lower bound."""
+    res = build_results_tree(tmp_path, bytes_run="cpu")
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    note = re.search(r'<p id="speed-model-note">(.*?)</p>', html, re.S).group(1)
+    assert "<b>upper</b> estimate" in note and "lower bound" not in html
+    # the tree's prediction: 1 ms at perfect overlap, 2 ms with none -> up to 1000 * b tok/s
+    assert "h200 b4: 1–2 ms (up to 4000 tok/s)" in html
+
+
+def _shape_only_tree(root: Path) -> Path:
+    """The tree of a model that is not decoded: no parity, bench or autotune files; its manifest
+    holds the shape read from config.json (Llama-4-Maverick's, a bf16 model)."""
+    from coldset.shapes import read_shape
+
+    res = build_results_tree(root, with_autotune=False)
+    for stage in ("parity", "bench"):
+        shutil.rmtree(res / stage)
+    (res / "model" / MODEL).mkdir(parents=True)
+    shape = read_shape(Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes" / "llama4-maverick")
+    (res / "model" / MODEL / "manifest.json").write_text(json.dumps(
+        {"source": "shape-only", "decodes": False, "reason": "shape only", "shape": shape.to_dict()}))
+    return res
+
+
+def test_trace_only_report_keeps_locality_and_claims_no_measurement(tmp_path):
+    """Issue 30 item 6: without a bench the locality and cache-simulation section is still there
+    (it needs only the trace), and the header says nothing was measured and gives the model's own
+    dtype (bf16, from its config.json), not the engine's float32 on this machine's CPU."""
+    res = _shape_only_tree(tmp_path)
+    loc = {"consecutive_overlap": {"mean": 0.6, "per_layer": {"0": 0.5}}, "shuffled_overlap": {"mean": 0.4,
+           "per_layer": {"0": 0.4}}, "lift": 1.5, "reuse_distance": {"1": 0.5, "first": 0.5}, "tokens": 10, "seed": 0}
+    (res / "stats" / MODEL / "locality.json").write_text(json.dumps(loc))
+    sim = pd.DataFrame({"policy": ["static", "lru"], "residency": [0.5, 0.5], "capacity": [6, 6], "accesses": 40,
+                        "tokens": 10, "hit_rate": [0.75, 0.875], "misses_per_token": [1.0, 0.5],
+                        "link_gb_per_token": [0.01, 0.005]})
+    (res / "cache" / MODEL).mkdir(parents=True)
+    sim.to_csv(res / "cache" / MODEL / "simulation.csv", index=False)
+    config = {**CONFIG, "model": {"name": MODEL, "dtype": "float32"}}
+    skipped = {s: "model_type 'llama4' is not one the embedded engine runs" for s in ("autotune", "parity", "bench")}
+    html = render_report(res, res / "report" / "index.html", config, MACHINE, skipped=skipped).read_text()
+    assert 'id="fig-locality"' in html and 'id="cache-table"' in html and "lift <b>1.50x</b>" in html
+    assert "<td>lru</td><td class=\"num\">0.5</td><td class=\"num\">6</td><td class=\"num\">0.875</td>" in html
+    header = re.search(r'<p class="conditions" id="conditions">(.*?)</p>', html, re.S).group(1)
+    assert header.startswith("nothing measured") and "measured on" not in header
+    assert "model dtype bfloat16" in header and "float32" not in header and "cpu" not in header
+    assert 'id="provenance"' not in html and 'id="bench-table"' not in html

@@ -2,6 +2,7 @@
 trace-only models runs every non-decoding stage per model and one report compares them."""
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -114,3 +115,57 @@ def test_snakemake_expands_models_as_a_wildcard(tmp_path):
         manifest = json.loads((tmp_path / "results" / "model" / name / "manifest.json").read_text())
         assert manifest["shape"]["num_experts"] == experts  # each model's own shape
     assert not (tmp_path / "results" / "bench").exists()
+
+
+def _results_tree():
+    """tests/test_report.py's results tree builder (placement, parity and bench files)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("_coldset_results_tree", Path(__file__).with_name("test_report.py"))
+    tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree)
+    return tree
+
+
+def test_comparison_never_publishes_cpu_speed_ratios(tmp_path):
+    """Issue 30 item 5: a CPU bench's tok/s (placements differ by timing noise alone) is neither
+    labelled "measured" nor turned into tok_s_per_gib: the row falls back to the speed model,
+    labelled as the upper estimate it is. A GPU bench's rows are measured, with the bench's own
+    tok_s_per_gib, none where a timing is noisy."""
+    from coldset.config import Layout
+    from coldset.sweep import render_comparison
+
+    tree = _results_tree()
+
+    def cfg(res):
+        return {"results": str(res), "model": {"name": tree.MODEL},
+                "placement": {"policies": tree.POLICIES, "residency": tree.RESIDENCIES, "bandwidths": "h200"}}
+
+    cpu = tree.build_results_tree(tmp_path / "cpu", bytes_run="cpu")
+    rows = comparison_rows({tree.MODEL: cfg(cpu)})
+    assert len(rows) == len(tree.POLICIES) * len(tree.RESIDENCIES)
+    for r in rows:
+        assert r["speed_source"].startswith("predicted (h200 speed model, perfect overlap: upper estimate of tok/s)")
+        assert "CPU bench" in r["speed_source"]
+        # the tree's prediction at batch 1: a 1 ms perfect-overlap step for every placement
+        assert (r["tok_s"], r["batch_size"]) == (pytest.approx(1000.0), 1)
+        assert r["tok_s_per_gib"] in (None, 0.0)  # equal predictions: no gain per GiB
+    html = render_comparison({tree.MODEL: cfg(cpu)}, tmp_path / "models.html").read_text()
+    cells = re.findall(r"<td>((?:measured|predicted|none)[^<]*)</td>", html)
+    assert len(cells) == len(rows) and not any(c.startswith("measured") for c in cells)
+    assert "lower bound" not in html
+
+    gpu = tree.build_results_tree(tmp_path / "gpu", bytes_run="gpu")
+    path = Layout(gpu, tree.MODEL).bench("positional", 1.0)
+    doc = json.loads(path.read_text())
+    doc["batches"][0]["repeat_spread"] = 1.6  # batch 1 of positional 1.0: repeats disagree
+    path.write_text(json.dumps(doc))
+    rows = {(r["policy"], r["residency"]): r for r in comparison_rows({tree.MODEL: cfg(gpu)})}
+    gib = (tree.RESIDENCIES[1] - tree.RESIDENCIES[0]) * tree.LAYERS * tree.EXPERTS * tree.GIB_PER_EXPERT
+    ug = rows[("usage_global", "1.0")]
+    assert ug["speed_source"] == "measured on NVIDIA H200" and ug["tok_s"] == pytest.approx(tree._tok_s("usage_global", 1.0, 1))
+    assert ug["tok_s_per_gib"] == pytest.approx((tree._tok_s("usage_global", 1.0, 1) - tree._tok_s("usage_global", 0.5, 1)) / gib)
+    assert rows[("usage_global", "0.5")]["tok_s_per_gib"] is None  # the policy's smallest residency
+    noisy = rows[("positional", "1.0")]
+    assert noisy["tok_s_per_gib"] is None and "noisy: repeats disagree by 1.60x" in noisy["speed_source"]

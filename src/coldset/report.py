@@ -49,6 +49,7 @@ from coldset.results import (
     read_json,
     require_fields,
 )
+from coldset.shapes import describe as describe_shape
 from coldset.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
 
 # ----------------------------------------------------------------------------------------------
@@ -252,6 +253,24 @@ def _coverage_figure(placements: list[PlacementSummary], device: str, batch: str
     )
 
 
+def _noisy(b: BenchResult) -> bool:
+    m = b.metrics
+    return timing_noisy(m["step_ms_p50"], m["step_ms_p90"], m.get("repeat_spread"))
+
+
+def _segment_slope(prev: BenchResult, cur: BenchResult) -> tuple[float | None, str | None]:
+    """The tok_s_per_gib a residency segment may be labelled with, or why none: the bench's own
+    value (DESIGN.md §6: the slope from the same policy's next smaller residency), published only
+    where measured speed compares placements (a host tier: not on the CPU) and neither end's
+    timing is noise (coldset.timing); the same guards as the bench's, re-checked here so a bench
+    file written before them publishes nothing either."""
+    if not (speed_compares_placements(cur.device) and speed_compares_placements(prev.device)):
+        return None, "cpu"
+    if _noisy(prev) or _noisy(cur):
+        return None, "noisy"
+    return cur.metrics.get("tok_s_per_gib"), None
+
+
 def _residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut:
     rows = [b for b in bench if b.batch_size == batch_size]
     device, dtype = _join(b.device for b in rows), _join(b.dtype for b in rows)
@@ -259,37 +278,51 @@ def _residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> 
     color = _policy_styles(policies)
     fig = _new_figure(7.5, 4.6)
     ax = fig.add_subplot(1, 1, 1)
-    slope_texts = []
+    slope_texts, unpublished = [], {"cpu": [], "noisy": []}
     for pol in policies:
-        pts = sorted((b.metrics["hbm_expert_gib"], b.metrics["tok_s"]) for b in rows if b.policy == pol)
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        pts = sorted((b for b in rows if b.policy == pol), key=lambda b: (b.metrics["hbm_expert_gib"], float(b.residency)))
+        xs, ys = [b.metrics["hbm_expert_gib"] for b in pts], [b.metrics["tok_s"] for b in pts]
         ax.plot(xs, ys, marker="o", color=color[pol], label=pol)
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if x1 - x0 > 1e-12:
-                # tok_s_per_gib by its DESIGN.md §6 definition: the slope from the same policy's
-                # next smaller residency, i.e. of this segment.
-                slope = (y1 - y0) / (x1 - x0)
-                slope_texts.append(f"{pol} {x0:.3g}→{x1:.3g} GiB: {slope:+.3g} tok/s per GiB")
-                ax.annotate(
-                    f"{slope:+.3g}/GiB",
-                    ((x0 + x1) / 2, (y0 + y1) / 2),
-                    fontsize=7,
-                    color=color[pol],
-                    textcoords="offset points",
-                    xytext=(0, 6),
-                    ha="center",
-                )
+        for prev, cur in zip(pts, pts[1:]):
+            x0, x1 = prev.metrics["hbm_expert_gib"], cur.metrics["hbm_expert_gib"]
+            slope, why = _segment_slope(prev, cur)
+            segment = f"{pol} {x0:.3g}→{x1:.3g} GiB"
+            if why:
+                unpublished[why].append(segment)
+            if slope is None:
+                continue
+            slope_texts.append(f"{segment}: {slope:+.3g} tok/s per GiB")
+            ax.annotate(
+                f"{slope:+.3g}/GiB",
+                ((x0 + x1) / 2, (prev.metrics["tok_s"] + cur.metrics["tok_s"]) / 2),
+                fontsize=7,
+                color=color[pol],
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+            )
     ax.set_xlabel("GiB of routed experts in HBM")
     ax.set_ylabel("decode tok/s per sequence")
     ax.set_title(f"{model}: residency curve, batch size {batch_size}")
     ax.legend(fontsize=8)
+    caption = "Decode speed per sequence against the HBM spent on routed experts, per policy. "
+    if slope_texts:
+        caption += ("Segments measured with a host tier and timings that are not noise are annotated with "
+                    "their tok_s_per_gib (tok/s gained per GiB moved into HBM from the same policy's next "
+                    "smaller residency): " + "; ".join(slope_texts) + ". ")
+    if unpublished["cpu"]:
+        caption += ("No slope is shown for segments measured on the CPU, where there is no host tier: every "
+                    "placement runs the same in-memory computation, so these speeds differ by timing noise "
+                    "alone and tok_s_per_gib is undefined (" + "; ".join(unpublished["cpu"]) + "). ")
+    if unpublished["noisy"]:
+        caption += ("No slope is shown for segments with a noisy timing at either end (repeats disagree "
+                    f"beyond {NOISY_P90_OVER_P50}x): " + "; ".join(unpublished["noisy"]) + ". ")
+    if not (slope_texts or unpublished["cpu"] or unpublished["noisy"]):
+        caption += "No segment (a single residency per policy, or no smaller residency measured). "
     return FigureOut(
         f"residency-b{batch_size}",
         f"tok/s vs GiB of experts in HBM (batch size {batch_size})",
-        "Decode speed per sequence against the HBM spent on routed experts, per policy. Each segment "
-        "is annotated with its slope: tok/s gained per GiB moved into HBM (tok_s_per_gib). Slopes: "
-        + ("; ".join(slope_texts) if slope_texts else "none (a single residency per policy)")
-        + ".",
+        caption.rstrip(),
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
     )
@@ -615,10 +648,10 @@ def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[di
     return rows
 
 
-def _manifest_shape(results_dir: Path, model: str) -> dict[str, str] | None:
-    """A shape-only model's shape as the model stage recorded it (``coldset.shapes.describe``),
-    or None for a model the engine decodes (its manifest holds no ``shape``)."""
-    from coldset.shapes import MoEShape, describe
+def _manifest_shape(results_dir: Path, model: str):
+    """A shape-only model's ``MoEShape`` as the model stage recorded it, or None for a model the
+    engine decodes (its manifest holds no ``shape``)."""
+    from coldset.shapes import MoEShape
 
     path = results_dir / "model" / model / "manifest.json"
     if not path.is_file():
@@ -626,8 +659,7 @@ def _manifest_shape(results_dir: Path, model: str) -> dict[str, str] | None:
     doc = read_json(path)
     if not isinstance(doc, dict) or not doc.get("shape"):
         return None
-    d = describe(MoEShape.from_dict(doc["shape"], f"{path} shape"))
-    return {k: _fmt(v) for k, v in d.items()}
+    return MoEShape.from_dict(doc["shape"], f"{path} shape")
 
 
 def render_report(
@@ -671,7 +703,8 @@ def render_report(
     skew = load_skew(stats_dir / "skew.json")
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
     skipped = dict(skipped or {})
-    shape = _manifest_shape(results_dir, model)
+    moe_shape = _manifest_shape(results_dir, model)
+    shape = None if moe_shape is None else {k: _fmt(v) for k, v in describe_shape(moe_shape).items()}
     parity = [] if "parity" in skipped else [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
     bench = [] if "bench" in skipped else [
         b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
@@ -690,7 +723,9 @@ def render_report(
     provenance_line = _provenance_line(bench)
     prompt_split = _join(str(b.extra.get("prompt_split") or "not recorded") for b in bench) if bench else "—"
     run_device = _join(b.device for b in bench) if bench else machine_device
-    dtype = str(model_cfg.get("dtype") or _join(b.dtype for b in bench))
+    # A shape-only model runs nowhere: its dtype is the one its config.json declares, not the
+    # workflow's engine dtype (model.dtype, float32 by default).
+    dtype = moe_shape.dtype if moe_shape is not None else str(model_cfg.get("dtype") or _join(b.dtype for b in bench))
     routing_batch = str((config.get("routing") or {}).get("batch_size", "n/a"))
     routing_batch_label = f"{routing_batch} (routing capture)"
 
@@ -727,6 +762,10 @@ def render_report(
                 "residency": b.residency,
                 "batch_size": b.batch_size,
                 **{m: _fmt(b.metrics[m]) for m in BENCH_METRICS},
+                # ratios of speeds only where speed compares placements and the timing is not noise
+                # (coldset.timing; the bench leaves them None there, bench files from before it did not)
+                **({} if speed_compares_placements(b.device) and not _noisy(b) else
+                   {"tok_s_per_gib": "—", "fetch_tax": "—"}),
                 "predicted_step_ms": _fmt(b.predicted_step_ms),
                 # share of the timed loop's tokens equal to generate()'s (the bench fails below 1)
                 "timed_token_match": _fmt(opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
@@ -751,6 +790,7 @@ def render_report(
             "coverage_heldout": _fmt(p.coverage_heldout),
             "predicted": "; ".join(
                 f"{q['preset']} b{q['batch_size']}: {_fmt(q['step_ms_lower'])}–{_fmt(q['step_ms_sum'])} ms"
+                f" (up to {_fmt(q['batch_size'] * 1e3 / q['step_ms_lower'])} tok/s)"
                 for q in p.predictions
             )
             or "—",
@@ -848,6 +888,8 @@ def render_report(
         prompt_split=prompt_split,
         split_rows=split_rows,
         shape=shape,
+        expert_format=None if moe_shape is None else moe_shape.expert_format,
+        routing_source=source or "a trace without a recorded source",
     )
 
     out_html.parent.mkdir(parents=True, exist_ok=True)

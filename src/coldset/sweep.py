@@ -49,41 +49,68 @@ def _png(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _prediction_label(preset: str) -> str:
+    """The speed model's tok/s is batch / its perfect-overlap step time (the fastest case the model
+    allows), so it is the model's upper estimate of tok/s, never a measurement."""
+    return f"predicted ({preset} speed model, perfect overlap: upper estimate of tok/s)"
+
+
 def comparison_rows(configs: dict[str, dict]) -> list[dict[str, Any]]:
     """Per (model, policy, residency): bytes in HBM, held-out hit rate, decode speed and speed per
-    GiB of HBM (measured at the smallest bench batch size where the bench ran, else the speed model's
-    lower bound for ``placement.bandwidths`` at its smallest batch size; ``speed_source`` says which)."""
+    GiB of HBM, with ``speed_source`` saying where the speed comes from.
+
+    Measured where the bench ran on a device whose measured speed compares placements (a host
+    tier; :func:`coldset.timing.speed_compares_placements`), at its smallest batch size, with the
+    bench's own ``tok_s_per_gib`` (None at a policy's smallest residency and where a timing was
+    noisy: the bench and :func:`coldset.timing.timing_noisy` decide, never this table). Otherwise
+    (no bench, or a CPU bench, whose placements differ only by timing noise) the speed model's
+    prediction for ``placement.bandwidths`` at its smallest batch size, labelled as the upper
+    estimate it is, and ``tok_s_per_gib`` the difference of predictions over the same model and
+    policy's next smaller residency."""
+    from coldset.timing import noisy_reason, speed_compares_placements, timing_noisy
+
     rows = []
     for name, cfg in configs.items():
         placements = _placements(cfg)
         bench = _bench(cfg)
+        cpu_bench = bool(bench) and not any(speed_compares_placements(b.device) for b in bench)
         for p in placements:
             row = {"model": name, "policy": p.policy, "residency": p.residency,
                    "achieved_residency": p.achieved_residency, "hbm_expert_gib": p.hbm_expert_gib,
                    "coverage_heldout": p.coverage_heldout, "coverage_profile": p.coverage_profile}
-            measured = sorted((b for b in bench if (b.policy, b.residency) == (p.policy, p.residency)),
-                              key=lambda b: b.batch_size)
+            measured = sorted((b for b in bench if (b.policy, b.residency) == (p.policy, p.residency)
+                               and speed_compares_placements(b.device)), key=lambda b: b.batch_size)
             if measured:
                 b = measured[0]
-                row.update(tok_s=b.metrics.get("tok_s"), batch_size=b.batch_size, speed_source="measured")
+                m = b.metrics
+                noisy = timing_noisy(m["step_ms_p50"], m["step_ms_p90"], m.get("repeat_spread"))
+                row.update(tok_s=m["tok_s"], batch_size=b.batch_size,
+                           tok_s_per_gib=None if noisy else m.get("tok_s_per_gib"),
+                           speed_source=f"measured on {b.device}" + (
+                               f" ({noisy_reason(m['step_ms_p50'], m['step_ms_p90'], m.get('repeat_spread'))})"
+                               if noisy else ""))
             elif p.predictions:
                 preset = cfg["placement"]["bandwidths"]
                 q = min((q for q in p.predictions if q["preset"] == preset), key=lambda q: q["batch_size"],
                         default=p.predictions[0])
                 row.update(tok_s=q["batch_size"] * 1e3 / q["step_ms_lower"], batch_size=q["batch_size"],
-                           speed_source=f"predicted ({q['preset']} lower bound)")
+                           tok_s_per_gib=None, speed_source=_prediction_label(q["preset"]) + (
+                               "; the CPU bench's timings compare no placements" if cpu_bench else ""))
             else:
-                row.update(tok_s=None, batch_size=None, speed_source="none")
+                row.update(tok_s=None, batch_size=None, tok_s_per_gib=None, speed_source=(
+                    "none (CPU bench: its timings compare no placements; no speed-model prediction)"
+                    if cpu_bench else "none"))
             rows.append(row)
-    # tok/s per GiB: marginal over the same model and policy's next smaller residency
+    # predicted tok/s per GiB: the difference of predictions over the same model and policy's next
+    # smaller residency (measured rows keep the bench's own value)
     for r in rows:
+        if not r["speed_source"].startswith("predicted"):
+            continue
         prev = [q for q in rows if (q["model"], q["policy"]) == (r["model"], r["policy"])
-                and q["hbm_expert_gib"] < r["hbm_expert_gib"] and q["tok_s"] is not None]
-        if prev and r["tok_s"] is not None:
+                and q["hbm_expert_gib"] < r["hbm_expert_gib"] and q["speed_source"] == r["speed_source"]]
+        if prev:
             q = max(prev, key=lambda q: q["hbm_expert_gib"])
             r["tok_s_per_gib"] = (r["tok_s"] - q["tok_s"]) / (r["hbm_expert_gib"] - q["hbm_expert_gib"])
-        else:
-            r["tok_s_per_gib"] = None
     return rows
 
 
@@ -129,8 +156,10 @@ def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     figs.append({"title": "Decode speed against HBM spent on experts (usage_global)",
-                 "caption": "Measured tok/s where the bench ran; otherwise the speed model's lower bound, "
-                            "as the legend says. The slope is tok/s per GiB.",
+                 "caption": "Measured tok/s where the bench ran with a host tier (a GPU); otherwise (no bench, "
+                            "or a CPU bench, whose placements differ by timing noise alone) the speed model's "
+                            "perfect-overlap prediction, an upper estimate of tok/s, as the legend says. The "
+                            "slope is tok/s per GiB.",
                  "src": _png(fig)})
 
     def fmt(v, d=4):
