@@ -1,0 +1,223 @@
+"""The GPU measurement commands (``python -m coldset bench kernel|step|cache|render``): argument
+parsing, clean refusals without CUDA, and the renderer's exact markdown from hand-made JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coldset.cli import main
+from coldset.measure.cli import build_parser
+from coldset.measure.render import render, render_files
+
+PROV = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "0123456789abcdef", "dirty": False}
+
+
+def test_defaults_are_the_old_scripts():
+    """Same repeats and shapes as scripts/kernel_bench.py, decode_step_h200.py, prefetch_h200.py."""
+    p = build_parser()
+    k = p.parse_args(["kernel", "--out", "o"])
+    assert (k.layers, k.reps, k.rounds, k.batches, k.sweep) == (8, 30, 2, "1,4,16,64,2048", 0)
+    s = p.parse_args(["step", "--out", "o"])
+    assert (s.reps, s.rounds, s.engines, s.config) == (50, 3, "eager,compiled,fused",
+                                                        "config/examples/qwen3-30b-a3b-h200.yaml")
+    c = p.parse_args(["cache", "--out", "o", "--policies", "lru,lfu", "--analysis"])
+    assert (c.steps, c.repeats, c.residencies, c.batches, c.policies, c.depths, c.analysis) == \
+        (32, 3, "0.5,1.0", "1,8", "lru,lfu", "1,2,3", True)
+    r = p.parse_args(["render", "a.json", "b.json"])
+    assert r.files == ["a.json", "b.json"]
+
+
+def test_out_is_required_and_tune_excludes_tuned(capsys):
+    p = build_parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["kernel"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["step", "--out", "o", "--tune", "--tuned", "x.json"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("command", [["kernel"], ["step"], ["cache"], ["cache", "--decisions-only"]])
+def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no_cuda):
+    out = tmp_path / "out"
+    assert main(["bench", *command, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"coldset bench {command[0]}: needs a CUDA GPU") and "Traceback" not in err
+    assert not out.exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kernel", "--batches", "1,x"], "--batches '1,x'"),
+    (["kernel", "--rounds", "0"], "--rounds 0"),
+    (["step", "--engines", "eager,turbo"], "unknown engine 'turbo'"),
+    (["step", "--engines", "fused@base"], "needs --baseline-module"),
+    (["cache", "--policies", "lru,fifo"], "['fifo'] not among lru, lfu, lookahead"),
+    (["cache", "--residencies", "0.5,1.5"], "each must be in (0, 1]"),
+])
+def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
+    assert main(["bench", *args, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "CUDA" not in err
+
+
+def test_bench_alone_is_still_the_stage(tmp_path, capsys):
+    """``python -m coldset bench`` (no measurement named) runs the pipeline's bench stage."""
+    assert main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 1
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+KERNEL = {
+    "kind": "kernel", "command": "python -m coldset bench kernel --out o", "date": "2026-12-01 17:00 UTC",
+    "provenance": PROV, "autotune": {"key": "k"},
+    "ceilings": {"hbm_read_GBps": 4000.0, "pinned_read_GBps": 50.0, "bf16_matmul_TFLOPs": 700.0},
+    "vllm_stored": {"source": "stored vLLM figure (earlier run, NOTES.md)"},
+    "batches": [
+        {"batch": 1, "distinct_expert_MB": 75.5, "bound_us": 20.0, "hot_us": 25.0,
+         "hot_us_spread": {"median": 25.0, "min": 24.0, "max": 26.5, "runs": [24.0, 25.0, 26.5]},
+         "hot_GBps": 3000.0, "rowmap_cost_pct": 2.0, "cold_us": 1600.0, "cold_pct_pinned": 94.4, "torch_us": 160.2,
+         "bitwise_rowmap_vs_off": True, "bitwise_cold_vs_hot": True, "max_rel_err_vs_torch": 0.00123,
+         "vllm_stored_us": 30.4, "speed_vs_stored_vllm": 1.216, "sized_read_GBps": 3500.0, "pct_of_sized_read": 85.7},
+        {"batch": 2048, "distinct_expert_MB": 226.5, "bound_us": 100.0, "hot_us": 400.0,
+         "hot_us_spread": {"median": 400.0, "min": 400.0, "max": 400.0, "runs": [400.0]},
+         "hot_GBps": 566.25, "rowmap_cost_pct": -1.0, "torch_us": 900.4, "bitwise_rowmap_vs_off": True,
+         "bitwise_cold_vs_hot": None, "max_rel_err_vs_torch": 0.005, "vllm_stored_us": 482.2,
+         "speed_vs_stored_vllm": 1.206},
+    ],
+}
+
+KERNEL_MD = """\
+**Experts kernel per MoE layer** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit 0123456789 · 2026-12-01 17:00 UTC
+
+`python -m coldset bench kernel --out o`
+
+Ceilings in this run: HBM read 4000 GB/s, pinned zero-copy read 50.0 GB/s, bf16 matmul 700 TFLOP/s. \
+µs per layer, median of the rounds (min-max).
+
+| tokens | distinct expert MB | bound µs | hot µs | % of bound | hot GB/s (% HBM) | row-map cost | \
+all-cold µs (% pinned) | torch µs | bitwise off/cold | rel err vs torch | stored vLLM µs | speed vs stored vLLM |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | 75.5 | 20.0 | 25.0 (24.0-26.5) | 80% | 3000 (75%) | +2.0% | 1600 (94%) | 160 | True/True | 1.2e-03 | 30.4 | 1.22x |
+| 2048 | 226.5 | 100.0 | 400.0 | 25% | 566 (14%) | -1.0% | - | 900 | True/None | 5.0e-03 | 482.2 | 1.21x |
+
+vLLM column: stored vLLM figure (earlier run, NOTES.md); not timed in this run, so its ratio carries the spread \
+between two processes.
+
+- batch 1: a read of 75.5 MB a launch streams at 3500 GB/s; the kernel reaches 86% of it"""
+
+STEP = {
+    "kind": "step", "command": "python -m coldset bench step --out o", "date": "2026-12-01 17:05 UTC",
+    "provenance": {**PROV, "dirty": True}, "args": {"rounds": 3, "reps": 50}, "hbm_read_GBps": 4500.0,
+    "floor": {"1": {"floor_ms": 1.234, "bytes_per_step": 5.5e9}, "8": {"floor_ms": 2.0, "bytes_per_step": 9.0e9}},
+    "rows": [
+        {"mode": "fused", "batch": 1, "experts": "full", "step_ms": 1.9, "tok_s": 526.3, "floor_ms": 1.234,
+         "step_ms_spread": {"median": 1.9, "min": 1.85, "max": 2.0, "runs": [1.85, 1.9, 2.0]},
+         "fraction_of_floor": 0.6494, "fraction_of_floor_range": [0.617, 0.667], "profile": {"kernels_per_step": 250.0}},
+        {"mode": "fused", "batch": 1, "experts": "no_experts", "step_ms": 0.8, "tok_s": 1250.0,
+         "step_ms_spread": {"median": 0.8, "min": 0.8, "max": 0.8, "runs": [0.8, 0.8, 0.8]}},
+    ],
+    "checks": {"fused/b1": {"token_match": 1.0, "max_abs_logit_diff": 0.0}}, "checks_against": "eager",
+}
+
+STEP_MD = """\
+**Decode step** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit 0123456789 (dirty) · 2026-12-01 17:05 UTC
+
+`python -m coldset bench step --out o`
+
+HBM read ceiling in this run 4500 GB/s; bytes floor per step: b1 1.234 ms (5.50 GB), b8 2.000 ms (9.00 GB). \
+Step ms: median of 3 rounds of 50 calls (min-max).
+
+| engine | batch | experts | step ms | tok/s | floor ms | of floor | kernels/step |
+|---|---|---|---|---|---|---|---|
+| fused | 1 | full | 1.900 (1.850-2.000) | 526.3 | 1.234 | 64.9% (61.7-66.7%) | 250 |
+| fused | 1 | no_experts | 0.800 (0.800-0.800) | 1250.0 | - | - | - |
+
+Against eager: fused/b1 tokens 1.000, max logit diff 0"""
+
+
+def _row(placement, residency, tok_s, hit, misses, link, runs, **extra):
+    return {"batch": 1, "placement": placement, "residency": residency, "tok_s": tok_s, "hit_rate": hit,
+            "misses_per_token": misses, "link_gb_per_token": link,
+            "step_ms_mean_spread": {"median": sorted(runs)[1], "min": min(runs), "max": max(runs), "runs": runs},
+            **extra}
+
+
+CACHE = {
+    "kind": "cache", "command": "python -m coldset bench cache --out o", "date": "2026-12-01 17:10 UTC",
+    "provenance": PROV, "model": "qwen3-30b-a3b-synthetic", "router": "synthetic router (t)",
+    "args": {"steps": 32, "repeats": 3}, "ceilings": {"hbm_read_gb_s": 4500.0, "link_read_gb_s": 50.5}, "fails": [],
+    "rows": [
+        _row("all-HBM", 1.0, 100.0, 1.0, 0.0, 0.0, [10.0, 10.1, 9.9]),
+        _row("usage_global-0.5", 0.5, 50.0, 0.9, 6.0, 0.1234, [20.0, 20.0, 20.0]),
+        _row("lru-0.5", 0.5, 75.0, 0.95, 3.0, 0.05, [13.3, 13.4, 13.2], sim_hit_rate=0.95, prefetches_per_token=0.0),
+    ],
+}
+
+CACHE_MD = """\
+**Slot cache and lookahead prefetch** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit 0123456789 · \
+2026-12-01 17:10 UTC
+
+`python -m coldset bench cache --out o`
+
+qwen3-30b-a3b-synthetic, 32 decode steps x 3 timed passes (+1 checked), held-out fixture prompts, synthetic router (t). \
+Ceilings in this run: HBM read 4500 GB/s, link read 50.5 GB/s. Checks: all passed.
+
+| batch | placement | tok/s | x usage_global | x all-HBM | hit rate | sim hit | misses/token | prefetches/token | \
+link GB/token | mean step ms (min-max of passes) |
+|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | all-HBM | 100.0 | - | 1.000 | 1.0000 | - | 0.00 | - | 0.0000 | 10.000 (9.900-10.100) |
+| 1 | usage_global-0.5 | 50.0 | 1.00 | 0.500 | 0.9000 | - | 6.00 | - | 0.1234 | 20.000 (20.000-20.000) |
+| 1 | lru-0.5 | 75.0 | 1.50 | 0.750 | 0.9500 | 0.9500 | 3.00 | 0.00 | 0.0500 | 13.300 (13.200-13.400) |"""
+
+
+@pytest.mark.parametrize("result, expected", [(KERNEL, KERNEL_MD), (STEP, STEP_MD), (CACHE, CACHE_MD)],
+                         ids=["kernel", "step", "cache"])
+def test_render_exact_markdown(result, expected):
+    assert render(result) == expected
+
+
+def test_render_command_reads_files_in_order(tmp_path, capsys):
+    paths = []
+    for name, res in (("k.json", KERNEL), ("s.json", STEP)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(res))
+    assert main(["bench", "render", *map(str, paths)]) == 0
+    assert capsys.readouterr().out == KERNEL_MD + "\n\n" + STEP_MD + "\n"
+    md = tmp_path / "t.md"
+    assert main(["bench", "render", str(paths[1]), "--out", str(md)]) == 0
+    assert md.read_text() == STEP_MD + "\n"
+
+
+def test_render_names_the_file_and_what_is_wrong(tmp_path, capsys):
+    other = tmp_path / "bench.json"
+    other.write_text(json.dumps({"rows": []}))
+    broken = tmp_path / "kernel.json"
+    broken.write_text(json.dumps({k: v for k, v in KERNEL.items() if k != "ceilings"}))
+    assert main(["bench", "render", str(other)]) == 1
+    assert f"{other}: kind None is not one of kernel, step, cache" in capsys.readouterr().err
+    assert main(["bench", "render", str(broken)]) == 1
+    assert f"{broken}: field 'ceilings' missing or malformed" in capsys.readouterr().err
+    with pytest.raises(Exception):
+        render_files([str(tmp_path / "absent.json")])
+
+
+@pytest.mark.gpu
+def test_kernel_command_on_the_gpu(tmp_path, capsys):
+    """A small real run: two layers, batch 1 and 4, the committed H200 configs (no tuning); the
+    table printed is the rendering of the JSON written, the checks hold."""
+    out = tmp_path / "k"
+    assert main(["bench", "kernel", "--out", str(out), "--layers", "2", "--reps", "3", "--batches", "1,4",
+                 "--no-batch1", "--configs", "config/examples/h200-tuned/kernel_configs.json"]) == 0
+    res = json.loads((out / "kernel_bench.json").read_text())
+    assert capsys.readouterr().out == "\n" + render(res) + "\n"
+    assert res["provenance"]["ceilings"]["hbm_read_GBps"] > 0
+    for row in res["batches"]:
+        assert row["bitwise_rowmap_vs_off"] and row["bitwise_cold_vs_hot"] and row["max_rel_err_vs_torch"] < 2e-2
+        assert len(row["hot_us_spread"]["runs"]) == 2
