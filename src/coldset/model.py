@@ -110,9 +110,17 @@ class ModelConfig(MoEShape):
         except ShapeError as exc:
             raise ModelLoadError(str(exc)) from None
         if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
-            raise ModelLoadError(f"{source}: quantized weights ({shape.expert_format} experts, {shape.linear_format} "
-                                 "linears) are not supported by the engine; placement, statistics and the cache "
-                                 "simulation read this shape without decoding")
+            # Block FP8 (the published 128 x 128 e4m3 format) is read; anything else is refused by name.
+            from coldset import fp8
+
+            try:
+                fp8.parse_quantization_config(raw.get("quantization_config"), source)
+            except fp8.Fp8FormatError as exc:
+                raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape "
+                                     "without decoding") from None
+            if shape.expert_format != fp8.FORMAT_NAME:
+                raise ModelLoadError(f"{source}: quantized experts ({shape.expert_format}) are not supported by the "
+                                     f"engine (only {fp8.FORMAT_NAME})")
         if model_type == "qwen3_moe":
             norm_topk = bool(raw.get("norm_topk_prob", False))
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -622,13 +630,52 @@ def _expert_keys(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str
     return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
 
 
-def _load_experts(cfg, src: _TensorSource, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_linear(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, weight_scale_inv or None)`` of linear layer ``module`` as stored.
+
+    ``fmt`` (a :class:`coldset.fp8.Fp8Format`, or None for an unquantized checkpoint) says whether
+    the module is converted: then its weight must be float8_e4m3fn with a ``weight_scale_inv`` of
+    the block grid; otherwise it must not be float8 (a float8 tensor with no scale to read it by
+    would load as wrong numbers). Errors name the file and tensor.
+    """
+    from coldset import fp8
+
+    weight = src.get(f"{module}.weight", shape)
+    where = f"{src.key_to_file.get(f'{module}.weight', src.folder)}: tensor {module}.weight"
+    if fmt is not None and fmt.converts(module):
+        if weight.dtype != fp8.FP8_DTYPE:
+            raise ModelLoadError(f"{where} is {weight.dtype}; quantization_config converts it, so it must be "
+                                 f"{fp8.FP8_DTYPE} (or list the module in modules_to_not_convert)")
+        key = f"{module}.weight_scale_inv"
+        if key not in src:
+            raise ModelLoadError(f"{src.folder}: missing tensor {key!r}: the float8 weight {module}.weight needs its "
+                                 "per-block scales (weight_scale_inv)")
+        return weight, src.get(key, fp8.scale_grid(*shape)).float()
+    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ModelLoadError(f"{where} is {weight.dtype} but the checkpoint's config does not convert it "
+                             "(no quantization_config, or the module is in modules_to_not_convert)")
+    return weight, None
+
+
+def _read_dense(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> torch.Tensor:
+    """A linear layer's weight as a float tensor: a converted (FP8) one dequantized in float32."""
+    from coldset import fp8
+
+    weight, scale = _read_linear(src, module, shape, fmt)
+    return weight if scale is None else fp8.dequantize_weight(weight, scale)
+
+
+def _load_experts(cfg, src: _TensorSource, device, dtype, fmt=None) -> tuple[torch.Tensor, ...]:
     """Stack routed experts into w13 ``[L, E, 2I, H]`` and w2 ``[L, E, H, I]``, one expert at a time.
 
     Accepts the per-expert layout real checkpoints use and the fused 3-D layout
-    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``).
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``). A block-FP8
+    checkpoint (``fmt``) returns ``(w13, w2, w13_scale, w2_scale)``: the float8 bytes as stored and
+    their scales (:mod:`coldset.fp8`: w13's grid gate's then up's), never dequantized.
     """
     L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if fmt is not None:
+        return _load_fp8_experts(cfg, src, device, fmt)
     w13 = torch.empty((L, E, 2 * I, H), dtype=dtype, device=device)
     w2 = torch.empty((L, E, H, I), dtype=dtype, device=device)
     for m, layer in enumerate(cfg.moe_layers):
@@ -646,6 +693,38 @@ def _load_experts(cfg, src: _TensorSource, device, dtype) -> tuple[torch.Tensor,
     return w13, w2
 
 
+def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tensor, ...]:
+    from coldset import fp8
+
+    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gi, gh = fp8.scale_grid(I, H)
+    w13 = torch.empty((L, E, 2 * I, H), dtype=fp8.FP8_DTYPE, device=device)
+    w2 = torch.empty((L, E, H, I), dtype=fp8.FP8_DTYPE, device=device)
+    s13 = torch.empty((L, E, 2 * gi, gh), dtype=torch.float32, device=device)
+    s2 = torch.empty((L, E, *fp8.scale_grid(H, I)), dtype=torch.float32, device=device)
+    for m, layer in enumerate(cfg.moe_layers):
+        prefix, (gate, up, down) = _expert_keys(cfg, layer)
+        if f"{prefix}.experts.gate_up_proj" in src:
+            raise ModelLoadError(f"{src.folder}: fused expert tensors ({prefix}.experts.gate_up_proj) in FP8 are not "
+                                 "supported; the published FP8 checkpoints store one tensor per expert")
+        for e in range(E):
+            base = f"{prefix}.experts.{e}"
+            for name, rows, scale_rows in ((gate, slice(0, I), slice(0, gi)), (up, slice(I, 2 * I), slice(gi, 2 * gi))):
+                q, s = _read_linear(src, f"{base}.{name}", (I, H), fmt)
+                if s is None:
+                    raise ModelLoadError(f"{src.folder}: {base}.{name} is not converted (modules_to_not_convert); "
+                                         "the engine needs every routed expert in FP8 or none")
+                w13[m, e, rows].copy_(q)
+                s13[m, e, scale_rows].copy_(s)
+            q, s = _read_linear(src, f"{base}.{down}", (H, I), fmt)
+            if s is None:
+                raise ModelLoadError(f"{src.folder}: {base}.{down} is not converted (modules_to_not_convert); "
+                                     "the engine needs every routed expert in FP8 or none")
+            w2[m, e].copy_(q)
+            s2[m, e].copy_(s)
+    return w13, w2, s13, s2
+
+
 def load_model(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> MoEModel:
@@ -654,17 +733,36 @@ def load_model(
     Tensors are read lazily (safetensors ``safe_open``) and cast/moved one at a time, so peak
     memory is about one copy of the model. Routed experts end up only in ``model.pools``
     (``ExpertPools.all_hot``). Raises :class:`ModelLoadError` naming the file or tensor.
+
+    A block-FP8 checkpoint (:mod:`coldset.fp8`: ``quantization_config`` quant_method fp8, 128 x 128
+    blocks, dynamic activations, e4m3) keeps its routed experts in FP8 in the pools (weights and
+    ``weight_scale_inv`` scale pools); its other converted linear layers (attention) are
+    dequantized here to ``dtype`` once (``weight.float() * scale_inv`` per block), which is what
+    transformers does on a CPU. A serving engine would keep those in FP8 too and run them as FP8
+    GEMMs with per-token-group activation quantization (vLLM's W8A8 block path); here they are a
+    small share of the bytes and the offload machinery concerns only the experts.
     """
+    from coldset import fp8
+
     folder = Path(path)
     cfg = ModelConfig.from_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
     src = _TensorSource(folder)
     device = torch.device(device)
     model = MoEModel(cfg)
 
     def put(param_owner: nn.Module, name: str, key: str):
         shape = tuple(getattr(param_owner, name).shape)
-        tensor = src.get(key, shape).to(device=device, dtype=dtype)
-        setattr(param_owner, name, nn.Parameter(tensor, requires_grad=False))
+        module = key.removesuffix(".weight")
+        if isinstance(param_owner, nn.Linear):
+            tensor = _read_dense(src, module, shape, fmt)
+        else:
+            tensor = src.get(key, shape)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise ModelLoadError(f"{src.key_to_file[key]}: tensor {key!r} is {tensor.dtype}; only linear layers "
+                                     "are read in FP8")
+        setattr(param_owner, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
 
     put(model.embed_tokens, "weight", "model.embed_tokens.weight")
     put(model.norm, "weight", "model.norm.weight")
@@ -678,7 +776,7 @@ def load_model(
         put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
         attn = layer.self_attn
         qkv = [
-            src.get(f"{p}.self_attn.{name}.weight", (size, cfg.hidden_size))
+            _read_dense(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
             for name, size in (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size))
         ]
         attn.qkv_proj.weight = nn.Parameter(
@@ -696,8 +794,7 @@ def load_model(
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 put(getattr(layer.mlp, proj), "weight", f"{p}.mlp.{proj}.weight")
     model.inv_freq = model.inv_freq.to(device)
-    w13, w2 = _load_experts(cfg, src, device, dtype)
-    model.pools = ExpertPools.all_hot(w13, w2)
+    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype, fmt))
     model.eval()
     return model
 

@@ -113,6 +113,11 @@ class SyntheticSpec:
     # not worth writing to disk. write_synthetic_checkpoint refuses such a spec (the same
     # construction without this flag is what it writes).
     in_memory: bool = False
+    # How write_synthetic_checkpoint stores the weights: "float32" (as built), or "fp8": the
+    # published block-FP8 format (coldset.fp8; Qwen3-30B-A3B-FP8's keys and layout: linear layers
+    # float8_e4m3fn + weight_scale_inv per 128 x 128 block, quantization_config in config.json,
+    # norms, router (mlp.gate) and lm_head in modules_to_not_convert and kept in float32).
+    weight_format: str = "float32"
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,6 +333,11 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError(f"SyntheticSpec.temporal_continuity={spec.temporal_continuity} must be in [0, 1)")
     if spec.temporal_gain < 0 or spec.topic_context < 0 or spec.temporal_dims < 1:
         raise ValueError("SyntheticSpec.temporal_gain and topic_context must be >= 0, temporal_dims >= 1")
+    if spec.weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"SyntheticSpec.weight_format={spec.weight_format!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    if spec.weight_format != "float32" and spec.in_memory:
+        raise ValueError(f"SyntheticSpec.weight_format={spec.weight_format!r} is a checkpoint format: it needs "
+                         "in_memory=False (the in-memory model is never quantized)")
 
 
 def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str]] | None = None,
@@ -595,6 +605,37 @@ def set_router_knobs(model, spec: SyntheticSpec) -> None:
     model.synthetic_spec = spec
 
 
+WEIGHT_FORMATS = ("float32", "fp8")
+# The HF modules that are linear layers (the only ones a block-FP8 checkpoint may convert).
+_LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "mlp.gate", "lm_head")
+
+
+def fp8_modules_to_not_convert(num_layers: int) -> list[str]:
+    """What a Qwen3 MoE FP8 checkpoint lists in ``modules_to_not_convert`` (NOTES.md): the LM head,
+    embeddings and final norm, and per layer its norms and its router (``mlp.gate``)."""
+    names = ["lm_head", "model.embed_tokens", "model.norm"]
+    for i in range(num_layers):
+        pre = f"model.layers.{i}"
+        names += [f"{pre}.input_layernorm", f"{pre}.post_attention_layernorm", f"{pre}.self_attn.q_norm",
+                  f"{pre}.self_attn.k_norm", f"{pre}.mlp.gate"]
+    return names
+
+
+def fp8_tensors(tensors: dict[str, torch.Tensor], fmt) -> dict[str, torch.Tensor]:
+    """``tensors`` (HF keys) with every linear layer that ``fmt`` (a :class:`coldset.fp8.Fp8Format`)
+    converts stored as ``*.weight`` float8_e4m3fn + ``*.weight_scale_inv`` float32 (coldset.fp8)."""
+    from coldset import fp8
+
+    out = {}
+    for key, t in tensors.items():
+        module = key.removesuffix(".weight")
+        if key.endswith(".weight") and module.endswith(_LINEAR_SUFFIXES) and fmt.converts(module):
+            out[key], out[f"{module}.weight_scale_inv"] = fp8.quantize_weight(t)
+        else:
+            out[key] = t
+    return out
+
+
 def _hf_tensors(model) -> dict[str, torch.Tensor]:
     """The synthetic model's weights under Hugging Face qwen3_moe keys (per-expert, q/k/v split),
     as views of the model's own tensors: serializing them needs no second copy of the model."""
@@ -637,7 +678,9 @@ def write_synthetic_checkpoint(
     The folder holds config.json, model.safetensors (per-expert keys, float32), tokenizer.json
     (byte-level BPE trained on the built-in corpus plus ``domain_texts``), tokenizer_config.json
     and generation_config.json; :func:`coldset.model.load_model` on it gives exactly the logits
-    of ``build_synthetic_model(spec, "cpu", torch.float32, domain_texts)``. ``domain_texts``
+    of ``build_synthetic_model(spec, "cpu", torch.float32, domain_texts)`` (with
+    ``spec.weight_format == "fp8"``: that model's weights quantized to block FP8, the published
+    layout, so the logits are those of the quantized model). ``domain_texts``
     (domain -> texts) add training text and, for new domain names, new domain clusters.
     ``spec.model_vocab_size`` is written as the config's vocab_size (larger than the tokenizer's,
     as real checkpoints do). A spec with ``in_memory=True`` is refused: it says the weights are
@@ -655,13 +698,19 @@ def write_synthetic_checkpoint(
     model, tokenizer = build_synthetic_model(spec, "cpu", torch.float32, domain_texts)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     config = _config(spec, model.config.vocab_size, eos_id)
+    tensors = _hf_tensors(model)
+    if spec.weight_format == "fp8":
+        from coldset import fp8
+
+        config["quantization_config"] = fp8.quantization_config(fp8_modules_to_not_convert(spec.layers))
+        tensors = fp8_tensors(tensors, fp8.parse_quantization_config(config["quantization_config"]))
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(out)  # a killed earlier write's .{name}.tmp-* / .{name}.old-* folders
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_file(_hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del model
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del model, tensors
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))
         tok_cfg = {
