@@ -52,23 +52,111 @@ def test_cold_share_and_link_bytes_match_brute_force(engine):
     assert 0 < share < 1
 
 
-def test_bench_decode_reports_the_placement(engine, tmp_path):
-    cfg = engine.config
+_TIMED_STEPS = bench.Decoder.timed_steps
+
+
+def _fake_step_times(monkeypatch, times):
+    """The timed loop decodes as it does, but reports the step times ``times`` (in order), so what
+    the bench publishes from them has a known answer."""
+    it = iter(times)
+    real = _TIMED_STEPS
+
+    def timed(self, token, steps, before_step=None):
+        for _, logits, tok in real(self, token, steps, before_step):
+            yield next(it), logits, tok
+
+    monkeypatch.setattr(bench.Decoder, "timed_steps", timed)
+    return it
+
+
+def test_bench_decode_reports_the_placement(engine, monkeypatch):
+    """Every published number against an independent reference (issue 30: the old test restated
+    tok_s = 1000 / step_ms_mean): tok/s, p50, p90 and the repeat spread from step times injected
+    into the timed loop, whose answers are worked out here by hand; the cold share, link and HBM
+    bytes per token by brute force over generate()'s routing with the placement's row map; the
+    non-expert bytes a step reads from the model's shape by hand."""
     import pandas as pd
 
+    cfg = engine.config
     rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e, "count": (e + 1) * (layer + 1)}
             for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
     hist = pd.DataFrame(rows)
-    for residency, expect_cold in ((1.0, False), (0.0, True)):
-        pl = place(hist, cfg, "usage_global", residency, batch_sizes=(2,))
-        pools = engine.pools.placed(pl.row_map)
-        r = bench.bench_decode(engine, pools, pl, list(range(3, 100)), batch_size=2, prompt_tokens=5,
-                               new_tokens=4, warmup=0, repeats=1)
-        assert r.batch_size == 2 and r.step_ms_p50 > 0 and r.tok_s == pytest.approx(1000 / r.step_ms_mean)
-        assert r.cold_share == (1.0 if expect_cold else 0.0)
-        assert (r.link_gb_per_token > 0) == expect_cold
-        assert r.predicted_preset == "h200" and r.predicted_step_ms > 0
+    B, plen, new = 2, 5, 4
+    stream = list(range(3, 100))
+    # warm-up pass, then three timed passes of 3 steps: pass means 2, 4 and 1 ms -> median 2 ms
+    times = [50.0, 50.0, 50.0, 1.0, 2.0, 3.0, 2.0, 2.0, 8.0, 1.0, 1.0, 1.0]
+    per_expert = 3 * 64 * 32 * 4  # w13 [2I, H] + w2 [H, I], float32
+    # non-expert weights one step reads, float32: q, k, v, o; norms (2 per layer + q/k head norms
+    # + final); routers [8, 64]; LM head; and B rows of the embedding table
+    nonexpert = 4 * (2 * (64 * 64 + 2 * 32 * 64 + 64 * 64) + 2 * (2 * 64 + 2 * 32) + 64 + 2 * 8 * 64
+                     + 512 * 64 + B * 64)
+    from coldset.model import generate
+
+    prompts = bench.bench_prompts(stream, B, plen)
+    routing = generate(engine, prompts.tolist(), new, capture_routing=True, progress=False).routing
+    for residency in (1.0, 0.5, 0.0):
+        pl = place(hist, cfg, "usage_global", residency, batch_sizes=(B,))
+        hot = pl.row_map >= 0
+        _fake_step_times(monkeypatch, times)
+        r = bench.bench_decode(engine, engine.pools.placed(pl.row_map), pl, stream, batch_size=B,
+                               prompt_tokens=plen, new_tokens=new, warmup=1, repeats=3)
+        assert r.step_ms_mean == 2.0 and r.tok_s == 500.0
+        assert r.step_ms_p50 == 2.0  # median of 1, 1, 1, 1, 2, 2, 2, 3, 8
+        assert r.step_ms_p90 == pytest.approx(3.0 + 0.2 * (8.0 - 3.0))  # between the 8th and 9th of 9
+        assert r.repeat_spread == pytest.approx(2.0 + 0.8 * (8.0 - 2.0))  # per step max/min: 2, 2, 8
+        cold = total = link = hbm = 0
+        for step in range(new - 1):
+            for layer in range(cfg.num_moe_layers):
+                cold_set, hot_set = set(), set()
+                for req in routing:
+                    for e in req.experts[plen + step, layer].tolist():
+                        total += 1
+                        if hot[layer, e]:
+                            hot_set.add(e)
+                        else:
+                            cold += 1
+                            cold_set.add(e)
+                link += len(cold_set)
+                hbm += len(hot_set)
+        tokens = B * (new - 1)
+        assert r.cold_share == pytest.approx(cold / total) and r.hit_rate == pytest.approx(1 - cold / total)
+        assert r.misses_per_token == pytest.approx(cold / tokens)
+        assert r.link_gb_per_token == pytest.approx(link * per_expert / tokens / 1e9)
+        assert r.hbm_gb_per_token == pytest.approx((hbm * per_expert / tokens + nonexpert / B) / 1e9)
+        assert (0 < r.cold_share < 1) == (residency == 0.5) and (r.cold_share == 1.0) == (residency == 0.0)
+        assert r.predicted_preset == "h200"
+        assert r.predicted_step_ms == pytest.approx(pl.prediction("h200", B).step_s_lower * 1e3)
         assert r.timed_token_match == 1.0  # the timed loop decodes what generate() decodes
+        assert (r.batch_size, r.prompt_tokens, r.new_tokens, r.repeats) == (B, plen, new, 3)
+
+
+def test_a_timed_loop_one_token_short_publishes_nothing(engine, monkeypatch):
+    """timed_token_match is over the reference's (generate()'s) full length: a timed loop that
+    stops one step early matches every token it decoded, but not each sequence's last one (6 of 8),
+    so its speed is not published (issue 30: the match over the timed run's own length scored 1.0)."""
+    import pandas as pd
+
+    cfg = engine.config
+    rows = [{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e, "count": e + 1}
+            for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    pl = place(pd.DataFrame(rows), cfg, "usage_global", 1.0, batch_sizes=(2,))
+    real = bench.Decoder.timed_steps
+    monkeypatch.setattr(bench.Decoder, "timed_steps",
+                        lambda self, token, steps, before_step=None: real(self, token, steps - 1, before_step))
+    with pytest.raises(bench.TimedLoopMismatch, match=r"matches generate\(\) on 75\.0% of 8 tokens"):
+        bench.bench_decode(engine, engine.pools.placed(pl.row_map), pl, list(range(3, 100)), batch_size=2,
+                           prompt_tokens=5, new_tokens=4, warmup=0, repeats=1)
+
+
+def test_timed_token_match_is_over_the_reference_length():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert bench.timed_token_match(ref, [[1, 2, 3, 4], [5, 6, 7, 8]]) == 1.0
+    assert bench.timed_token_match(ref, [[1, 2, 3], [5, 6, 7, 8]]) == 7 / 8  # one token short
+    assert bench.timed_token_match(ref, [[1, 2, 3], [5, 6, 7]]) == 6 / 8
+    assert bench.timed_token_match(ref, [[1, 2, 3, 4], []]) == 4 / 8
+    assert bench.timed_token_match(ref, [[1, 2, 3, 4]]) == 0.0  # a sequence missing
+    assert bench.timed_token_match(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == 7 / 8
+    assert bench.timed_token_match([], []) == 0.0
 
 
 def test_every_pass_of_a_cache_bench_starts_warm_and_decides_as_the_measured_one(engine, monkeypatch):
@@ -258,6 +346,28 @@ def test_derived_ratios_never_divide_noise():
     assert gpu[0.5]["tok_s_per_gib"] is None and gpu[0.5]["fetch_tax"] is None  # its own timing is noise
     assert gpu[1.0]["tok_s_per_gib"] is None  # its neighbour's timing is noise
     assert gpu[1.0]["fetch_tax"] == 0.0 and gpu[0.25]["fetch_tax"] == pytest.approx(1 - 5 / 40)
+
+
+def test_fetch_tax_never_divides_by_a_noisy_or_cpu_reference():
+    """fetch_tax = 1 - tok/s / tok/s at residency 1.0: with the residency-1.0 timing noisy (its
+    repeats disagree) or measured on the CPU, no record publishes one, however sound its own
+    timing (issue 30: a mutant dividing by the noisy reference passed every test); tok_s_per_gib
+    likewise needs both of its neighbours sound."""
+    def rec(res, gib, tok_s, spread, device="cuda:0"):
+        return {"policy": "p", "batch_size": 1, "residency": res, "hbm_expert_gib": gib, "tok_s": tok_s,
+                "step_ms_p50": 1.0, "step_ms_p90": 1.0, "repeat_spread": spread, "device": device}
+
+    sound = [rec(0.25, 0.5, 10.0, 1.01), rec(0.5, 1.0, 20.0, 1.02), rec(1.0, 2.0, 40.0, 1.01)]
+    out = {r["residency"]: r for r in bench.derive_metrics(sound)}
+    assert [out[x]["fetch_tax"] for x in (0.25, 0.5, 1.0)] == [1 - 10 / 40, 1 - 20 / 40, 0.0]
+    assert [out[x]["tok_s_per_gib"] for x in (0.25, 0.5, 1.0)] == [None, 10 / 0.5, 20 / 1.0]
+    noisy_full = bench.derive_metrics(sound[:2] + [rec(1.0, 2.0, 40.0, 1.6)])
+    assert [r["fetch_tax"] for r in noisy_full] == [None, None, None]
+    assert [r["timing_noisy"] for r in noisy_full] == [False, False, True]
+    assert [r["tok_s_per_gib"] for r in noisy_full] == [None, 10 / 0.5, None]
+    cpu_full = bench.derive_metrics(sound[:2] + [rec(1.0, 2.0, 40.0, 1.01, device="cpu")])
+    assert [r["fetch_tax"] for r in cpu_full] == [None, None, None]
+    assert [r["tok_s_per_gib"] for r in cpu_full] == [None, 10 / 0.5, None]
 
 
 def _tiny_trace(path, tokens_by_request, splits=None, num_experts=4, layers=(0,)):

@@ -523,6 +523,10 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
         groups.setdefault((r["policy"], r["batch_size"]), []).append(r)
     hbm = (ceilings or {}).get("hbm_read_gb_s")
     link = (ceilings or {}).get("link_read_gb_s")
+
+    def sound(r: dict | None) -> bool:  # a timing a ratio may use: a host tier, repeats that agree
+        return r is not None and speed_compares_placements(r.get("device")) and not r["timing_noisy"]
+
     for rows in groups.values():
         rows.sort(key=lambda r: r["residency"])
         full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
@@ -530,12 +534,12 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
         for r in rows:
             r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"), r.get("repeat_spread"))
         for r in rows:
-            sound = speed_compares_placements(r.get("device")) and not r["timing_noisy"]
-            r["fetch_tax"] = (1.0 - r["tok_s"] / full["tok_s"]
-                              if full is not None and sound and not full["timing_noisy"] else None)
+            # Both ends of a ratio must be sound: the residency-1.0 reference of fetch_tax as much as
+            # the record itself (a noisy or CPU reference would divide by noise).
+            r["fetch_tax"] = 1.0 - r["tok_s"] / full["tok_s"] if sound(r) and sound(full) else None
             gib = r["hbm_expert_gib"] - prev["hbm_expert_gib"] if prev else 0.0
-            r["tok_s_per_gib"] = ((r["tok_s"] - prev["tok_s"]) / gib
-                                  if prev and gib > 0 and sound and not prev["timing_noisy"] else None)
+            r["tok_s_per_gib"] = ((r["tok_s"] - prev["tok_s"]) / gib if gib > 0 and sound(r) and sound(prev)
+                                  else None)
             prev = r
             b = r["batch_size"]
             link_gb = r.get("link_gb_per_token", 0.0) * b
