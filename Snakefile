@@ -28,6 +28,7 @@ include: "workflow/rules/autotune.smk"
 include: "workflow/rules/parity.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/track.smk"
+include: "workflow/rules/gpu_report.smk"
 
 
 if SWEEPING:  # models: every model's stages, then one report comparing them
