@@ -307,12 +307,12 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
     of 4 GiB of random bf16) and, given a tensor in pinned host memory (the cold tier), its
     in-place read over the host link (up to 1 GiB of it), both by
     :func:`coldset.kernels.bandwidth.read_bandwidth`."""
-    from coldset.kernels.bandwidth import read_bandwidth
+    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth, read_bandwidth
 
     buf = torch.randn(2 * GIB, device="cuda", dtype=torch.bfloat16)
     # A ceiling is the best rate seen: two rounds of two tilings (the same kernel gave 3974 and
     # 4511 GB/s in two runs on one H200 when measured once, right after a long host-side phase).
-    out = {"hbm_read_gb_s": max(read_bandwidth(buf, 4096, iters) for iters in (4, 16, 4, 16)) / 1e9}
+    out = {"hbm_read_gb_s": best_read_bandwidth(buf, HBM_READ_SHAPES, rounds=2) / 1e9}
     del buf
     torch.cuda.empty_cache()
     if pinned is not None:
