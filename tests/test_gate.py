@@ -196,3 +196,35 @@ def test_verdict_requires_every_token_matched_whatever_the_flag_says():
         gate.gate_verdict([{k: v for k, v in good.items() if k != "tokens_total"}])
     with pytest.raises(gate.ParityGateError, match="no parity reports"):
         gate.gate_verdict([])
+
+
+def test_logits_are_compared_at_every_position_up_to_the_first_divergence():
+    """Brute force over every (fixture, position): a last-bit change of one logit there, with the
+    same greedy tokens, fails the gate with exactly that difference; a divergence there (the
+    placed run picks another token from logits that differ at that step) is reported at that
+    position, with the logit difference of that step counted and the later steps' (different
+    inputs, any values) not (issue 30: a gate comparing only the steps before the divergence
+    survived)."""
+    ref = _decoded([[1, 2, 3, 0], [4, 5, 0, 1]], seed=4)
+    for f in range(2):
+        for p in range(4):
+            got = _clone(ref)
+            v = got.logits[f][p, 0].clone()
+            got.logits[f][p, 0] = torch.nextafter(v, torch.tensor(float("inf")))
+            r = _compare(ref, got)
+            assert not r.passed and not r.logits_bitwise_equal and not r.mismatches
+            assert r.max_abs_logit_diff == float((got.logits[f][p, 0] - v).abs())
+            # a divergence at p: the placed step's logits raise another token to the top
+            got = _clone(ref)
+            other = (ref.tokens[f][p] + 1) % 6
+            got.logits[f][p, other] = ref.logits[f][p].max() + 3.0
+            got.tokens[f][p] = other
+            for q in range(p + 1, 4):  # after the divergence: other inputs, other logits
+                got.logits[f][q] += 100.0
+                got.tokens[f][q] = (ref.tokens[f][q] + 2) % 6
+            r = _compare(ref, got)
+            brute = max(float((got.logits[f][q] - ref.logits[f][q]).abs().max()) for q in range(p + 1))
+            assert not r.passed and not r.logits_bitwise_equal
+            assert (r.mismatches[0].fixture, r.mismatches[0].position) == ("ab"[f], p)
+            assert r.max_abs_logit_diff == pytest.approx(brute) and brute < 100.0
+            assert r.tokens_matched == 8 - (4 - p)
