@@ -33,10 +33,10 @@ def require_cuda():
     if not torch.cuda.is_available():
         raise MeasureError(f"needs a CUDA GPU; torch {torch.__version__} sees none here "
                            "(torch.cuda.is_available() is False). Run it on the GPU host.")
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise MeasureError(f"needs triton (the kernels it times): {exc}") from exc
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise MeasureError("needs triton (the kernels it times), which is not installed here")
     return torch.device("cuda")
 
 

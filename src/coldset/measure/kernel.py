@@ -141,10 +141,9 @@ def run(args, argv=None) -> dict:
     pinned_candidates: dict[str, float] = {}
     pinned = best_read_bandwidth(w13_cold.view(-1)[: 2**29], ((1024, 1), (4096, 1), (4096, 4), (8192, 8)), 10,
                                  rates=pinned_candidates)
-    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
-    bmat = torch.randn(8192, 8192, device="cuda", dtype=dtype)
-    mm_rate = 2 * 8192**3 / (eager_time_us(lambda: a @ bmat, 10) * 1e-6)
-    del a, bmat
+    mats = [torch.randn(8192, 8192, device="cuda", dtype=dtype) for _ in range(2)]
+    mm_rate = 2 * 8192**3 / (eager_time_us(lambda: mats[0] @ mats[1], 10) * 1e-6)
+    mats.clear()
     res["ceilings"] = {"hbm_read_GBps": hbm / 1e9, "pinned_read_GBps": pinned / 1e9,
                        "pinned_candidates_GBps": {k: v / 1e9 for k, v in pinned_candidates.items()},
                        "bf16_matmul_TFLOPs": mm_rate / 1e12}
