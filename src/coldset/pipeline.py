@@ -466,7 +466,8 @@ def autotune(config: dict, **_) -> None:
     cfg = model_config(config)
     shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                       top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=cfg.num_moe_layers,
-                      num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0)
+                      num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0,
+                      weight_format="fp8_block128" if cfg.expert_format == "fp8_block128" else None)  # issue 29
     result = tune(shape, config["bench"]["batch_sizes"], resolve_device(config), config["autotune"]["cache_dir"])
     log.info("autotune key %s: %s (%s)", result.key[:16], "cache hit" if result.hit else "tuned", result.path)
     write_entry(result, layout.autotune)

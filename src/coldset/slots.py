@@ -179,6 +179,9 @@ class SlotCache:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(ENGINE_POLICIES)}")
         pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
         L, E = pools.num_moe_layers, pools.num_experts
+        if pools.is_fp8 and pools.w13_hot.is_cuda:  # issue 29: a slot holds weights and scales; the device fill copies weights only
+            raise NotImplementedError("slot cache with FP8 experts on CUDA: the device fill (kernels.triton_slots) "
+                                      "does not copy the scale pools yet; use a static placement")
         if policy == "lookahead":
             if routers is None or len(routers) != L or any(tuple(r.shape)[0] != E for r in routers):
                 raise ValueError(f"policy 'lookahead' needs the {L} MoE layers' routers [{E}, hidden]")
@@ -602,6 +605,9 @@ class SlotCache:
         slots, inst = victims[valid], new_inst[valid]
         pools.w13_hot[slots] = pools.w13_cold[inst]
         pools.w2_hot[slots] = pools.w2_cold[inst]
+        if pools.is_fp8:  # a slot holds its expert's FP8 scales beside its weights (issue 29)
+            pools.w13_scale_hot[slots] = pools.w13_scale_cold[inst]
+            pools.w2_scale_hot[slots] = pools.w2_scale_cold[inst]
 
     # ---------------------------------------------------------------------------- checks
     def check(self, contents: bool = False) -> None:
@@ -627,6 +633,8 @@ class SlotCache:
             for s in range(self.capacity):
                 o = int(owner[s])
                 if not (torch.equal(pools.w13_hot[s], pools.w13_cold[o].to(dev))
-                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev))):
+                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev))
+                        and (not pools.is_fp8 or (torch.equal(pools.w13_scale_hot[s], pools.w13_scale_cold[o].to(dev))
+                                                  and torch.equal(pools.w2_scale_hot[s], pools.w2_scale_cold[o].to(dev))))):
                     raise ValueError(f"slot cache: slot {s} does not hold the weights of its owner, instance {o} "
                                      f"(layer {o // pools.num_experts}, expert {o % pools.num_experts})")

@@ -96,6 +96,32 @@ TRITON_SEARCH_SPACE: dict = {
     ],
 }
 
+# The FP8 kernel (coldset.kernels.triton_fp8, issue 29): block_k1 = block_k2 = 128, one weight
+# scale block per k step; split-K, half_tail and the w2 prefetch (pdl=1) are not implemented there.
+# Decode: the bf16 space's tiles (the bytes are halved, the tiling question is the same); prefill:
+# 64-128-row tiles with block_n1 64 (vLLM's H200 fp8_w8a8 [128, 128] tables use BLOCK_SIZE_N 128
+# over gate and up, i.e. 64 of each, and BLOCK_SIZE_K 128). Not yet measured on a GPU beyond issue
+# 29's first run (BENCHMARKS.md).
+TRITON_FP8_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    "decode": [
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             tile_order=1),
+    ],
+    "prefill": [
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1,
+             tile_order=1),
+        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+             tile_order=1),
+        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+             tile_order=1, half_buf=1, pdl=2),
+    ],
+}
+
 TORCH_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [{"token_chunk": None}],
@@ -121,10 +147,15 @@ class TuneShape:
     num_moe_layers: int
     num_hot: int
     num_cold: int
+    # The experts' weight format when it is not ``dtype``: "fp8_block128" (coldset.fp8). None (the
+    # default) is left out of the key, so entries tuned before the field existed stay valid.
+    weight_format: str | None = None
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"TuneShape.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.weight_format not in (None, "fp8_block128"):
+            raise ValueError(f"TuneShape.weight_format must be None or 'fp8_block128', got {self.weight_format!r}")
         if self.num_hot + self.num_cold < self.num_moe_layers * self.num_experts:
             raise ValueError(
                 f"TuneShape: num_hot {self.num_hot} + num_cold {self.num_cold} rows cannot hold "
@@ -216,9 +247,12 @@ def _is_module(name: str) -> bool:
         return False
 
 
-def source_digests(backend: str) -> dict[str, str]:
-    """sha256 of the kernel module's source and of every coldset module it imports, transitively."""
+def source_digests(backend: str, weight_format: str | None = None) -> dict[str, str]:
+    """sha256 of the kernel module's source and of every coldset module it imports, transitively;
+    for FP8 experts also the FP8 kernel and format modules (called lazily, so not found by imports)."""
     todo = [kernel_module(backend)]
+    if weight_format is not None:
+        todo += ["coldset.fp8"] + (["coldset.kernels.triton_fp8"] if backend == "triton" else [])
     digests: dict[str, str] = {}
     while todo:
         mod = todo.pop()
@@ -269,8 +303,10 @@ def device_fingerprint(device) -> dict:
     return info
 
 
-def default_search_space(device) -> dict:
-    return TRITON_SEARCH_SPACE if _backend(device) == "triton" else TORCH_SEARCH_SPACE
+def default_search_space(device, weight_format: str | None = None) -> dict:
+    if _backend(device) != "triton":
+        return TORCH_SEARCH_SPACE
+    return TRITON_SEARCH_SPACE if weight_format is None else TRITON_FP8_SEARCH_SPACE
 
 
 def _canonical(obj) -> str:
@@ -280,11 +316,14 @@ def _canonical(obj) -> str:
 def autotune_key(shape: TuneShape, batch_sizes, device, search_space: dict | None = None) -> str:
     """sha256 (hex) over kernel sources, search space, shape, batch sizes, device and versions."""
     backend = _backend(device)
+    shape_fields = asdict(shape)
+    if shape.weight_format is None:  # keys of the weights-in-dtype shapes as before the field existed
+        del shape_fields["weight_format"]
     material = {
         "backend": backend,
-        "sources": source_digests(backend),
-        "search_space": default_search_space(device) if search_space is None else search_space,
-        "shape": asdict(shape),
+        "sources": source_digests(backend, shape.weight_format),
+        "search_space": default_search_space(device, shape.weight_format) if search_space is None else search_space,
+        "shape": shape_fields,
         "batch_sizes": sorted(int(b) for b in batch_sizes),
         "device": device_fingerprint(device),
     }
@@ -378,6 +417,12 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
     w13 = (torch.randn(layers, E, 2 * I, H, generator=g, device=device) / H**0.5).to(dtype)
     w2 = (torch.randn(layers, E, H, I, generator=g, device=device) / I**0.5).to(dtype)
+    scales = {}
+    if shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
+        from coldset import fp8
+
+        (w13, s13), (w2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
     cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
     n = layers * E
     n_cold = int(round(cold_fraction * n))
@@ -387,7 +432,7 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     rows = torch.empty(n, dtype=torch.int32)
     rows[~is_cold] = torch.arange(n - n_cold, dtype=torch.int32)
     rows[is_cold] = -torch.arange(n_cold, dtype=torch.int32) - 1
-    return build_pools(w13, w2, rows.reshape(layers, E), device)
+    return build_pools(w13, w2, rows.reshape(layers, E), device, **scales)
 
 
 def _routing(num_tokens, shape: TuneShape, device, g):
@@ -470,7 +515,7 @@ def autotune(
     if not batch_sizes or batch_sizes[0] <= 0:
         raise ValueError(f"autotune: batch_sizes must be positive integers, got {batch_sizes}")
     backend = _backend(device)
-    space = default_search_space(device) if search_space is None else search_space
+    space = default_search_space(device, shape.weight_format) if search_space is None else search_space
     key = autotune_key(shape, batch_sizes, device, space)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = folder / f"{key}.json"
@@ -514,7 +559,10 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
         f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
         f"using the default", AutotuneCacheWarning, stacklevel=2)
     if result.backend == "triton":
-        from coldset.kernels.triton_moe import default_config
+        if result.shape.weight_format is not None:
+            from coldset.kernels.triton_fp8 import default_config
+        else:
+            from coldset.kernels.triton_moe import default_config
 
         return default_config(int(batch_size), result.shape.top_k).to_dict()
     return dict(TORCH_DEFAULT_CONFIG)
