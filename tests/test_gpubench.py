@@ -221,3 +221,13 @@ def test_kernel_command_on_the_gpu(tmp_path, capsys):
     for row in res["batches"]:
         assert row["bitwise_rowmap_vs_off"] and row["bitwise_cold_vs_hot"] and row["max_rel_err_vs_torch"] < 2e-2
         assert len(row["hot_us_spread"]["runs"]) == 2
+
+
+def test_committed_measurements_render():
+    """The JSON BENCHMARKS.md is rendered from (docs/measurements/) stays readable by the renderer."""
+    from pathlib import Path
+
+    files = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "docs" / "measurements").glob("*.json"))
+    assert files, "docs/measurements/ holds no result JSON"
+    text = render_files(files)
+    assert text.count("NVIDIA H200") == len(files) and "stored vLLM" in text
