@@ -125,8 +125,9 @@ def render_cache(res: dict) -> str:
     rows = []
     for r in res["rows"]:
         full = next(x for x in res["rows"] if x["batch"] == r["batch"] and x["placement"] == "all-HBM")
-        ug = next((x for x in res["rows"] if x["batch"] == r["batch"]
-                   and x["placement"] == f"usage_global-{r['residency']}"), None)
+        ug = None if r["placement"] == "all-HBM" else next(
+            (x for x in res["rows"] if x["batch"] == r["batch"] and x["placement"] == f"usage_global-{r['residency']}"),
+            None)
         rows.append([r["batch"], r["placement"], f"{r['tok_s']:.1f}", _f(r["tok_s"] / ug["tok_s"] if ug else None, ".2f"),
                      f"{r['tok_s'] / full['tok_s']:.3f}", f"{r['hit_rate']:.4f}", _f(r.get("sim_hit_rate"), ".4f"),
                      f"{r['misses_per_token']:.2f}", _f(r.get("prefetches_per_token"), ".2f"),
