@@ -551,3 +551,116 @@ def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_p
     assert len(new_parent) == 1 and len(_parents(uri)) == 2
     assert {client.get_run(c).data.tags["mlflow.parentRunId"] for c in children} == {new_parent[0].info.run_id}
     mlflow.set_tracking_uri(previous_uri)
+
+
+# ---------------------------------------------------------------- issue 30 item 7: MLflow from the README
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_snippet() -> str:
+    """The Python block of the README's "Compare runs in MLflow" section, as a user copies it."""
+    text = README.read_text()
+    section = text[text.index("## Compare runs in MLflow"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+
+
+def _tracked_run(root: Path, device: str) -> Path:
+    """A tracked results tree as the default workflow leaves it, under ``root/results`` with the
+    default experiment: ``cpu``, a CPU bench (tok_s_per_gib and fetch_tax null, as
+    coldset.bench.derive_metrics writes them there) with the cache simulation; ``gpu``, a CUDA bench."""
+    import pandas as pd
+
+    res = _tree.build_results_tree(root, bytes_run=device, with_autotune=False)
+    layout = Layout(res, MODEL)
+    if device == "cpu":
+        for p in POLICIES:
+            for r in RESIDENCIES:
+                doc = json.loads(layout.bench(p, r).read_text())
+                for e in doc["batches"]:
+                    e.update(tok_s_per_gib=None, fetch_tax=None)
+                layout.bench(p, r).write_text(json.dumps(doc))
+    rows = [{"policy": p, "residency": r, "capacity": 1, "accesses": 10, "tokens": 5, "hit_rate": 0.2 * i + r / 5,
+             "misses_per_token": 1.0, "link_gb_per_token": 0.01} for r in RESIDENCIES for i, p in enumerate(("static", "lru"))]
+    layout.cache_dir.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(layout.cache_dir / "simulation.csv", index=False)
+    run_track(**_inputs(res), tracking_uri=default_tracking_uri(res), experiment="coldset", tags=TAGS,
+              done_path=res / "track" / f"{MODEL}.done", simulation_csv=layout.cache_dir / "simulation.csv")
+    return res
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory) -> dict[str, Path]:
+    """device -> the folder holding a tracked ``results/`` (:func:`_tracked_run`), one of each."""
+    return {d: _tracked_run(tmp_path_factory.mktemp(d), d).parent for d in ("cpu", "gpu")}
+
+
+def test_readme_snippet_prints_the_headline_numbers_of_the_default_run(tracked):
+    """The README's Python block, run as a user would (from the folder holding results/), on the
+    default run's store (the CPU: no tok_s_per_gib anywhere) prints coverage and hit rates, best
+    held-out coverage first; on a GPU run it prints tok/s per GiB, best first."""
+    snippet = _readme_snippet()
+    assert "search_runs" in snippet
+    cpu = tracked["cpu"]
+    out = subprocess.run([sys.executable, "-c", snippet], cwd=cpu, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header, *lines = out.stdout.strip().splitlines()
+    assert "metrics.coverage_heldout" in header and "metrics.cache_lru_hit_rate" in header
+    assert "tok_s" not in header and len(lines) == len(POLICIES) * len(RESIDENCIES)  # batch size 1 children
+    assert header.split()[3] == "metrics.coverage_heldout"
+    # the tree's held-out coverage, min(1, 1.4 r) for usage_global and r for positional, best first
+    assert [float(line.split()[3]) for line in lines] == sorted(
+        (min(1.0, r * (1.4 if p == "usage_global" else 1.0)) for p in POLICIES for r in RESIDENCIES), reverse=True)
+    gpu = tracked["gpu"]
+    out = subprocess.run([sys.executable, "-c", snippet], cwd=gpu, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header, first, *_ = out.stdout.strip().splitlines()
+    assert "metrics.tok_s_per_gib" in header
+    # usage_global 0.5 -> 1.0 at batch 1: (120 - 70) tok/s over 1.5 GiB, the largest slope
+    assert header.split()[3] == "metrics.tok_s_per_gib"
+    assert first.split()[:2] == ["usage_global", "1.0"] and float(first.split()[3]) == pytest.approx(50 / 1.5, rel=1e-3)
+
+
+def test_the_done_file_links_the_view_whose_columns_the_runs_fill(tracked):
+    """A CPU run links the coverage view (sorted by held-out coverage, which every child has; no
+    tok_s_per_gib column), a GPU run the speed view (sorted by tok_s_per_gib, which its children
+    have); both views are saved in the experiment and filter on batch size 1."""
+    from mlflow.tracking import MlflowClient
+
+    from coldset.track import VIEWS
+
+    for device, view, key in (("cpu", "coldset-coverage", "coverage_heldout"), ("gpu", "coldset-speed", "tok_s_per_gib")):
+        res = tracked[device] / "results"
+        done = json.loads((res / "track" / f"{MODEL}.done").read_text())
+        assert done["comparison_view"] == done["views"][view]
+        assert done["comparison_view"].endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={view}")
+        client = MlflowClient(tracking_uri=default_tracking_uri(res))
+        state = json.loads(client.get_experiment(done["experiment_id"]).tags[f"mlflow.sharedViewState.{view}"])
+        assert state == VIEWS[view] and state["orderByKey"] == f"metrics.`{key}`"
+        assert state["searchFilter"] == "params.batch_size = '1'"  # children only, listed flat
+        children = client.search_runs([done["experiment_id"]], filter_string=state["searchFilter"])
+        assert len(children) == len(POLICIES) * len(RESIDENCIES)
+        assert all(key in c.data.metrics for c in children if float(c.data.params["residency"]) > RESIDENCIES[0]
+                   or key != "tok_s_per_gib")
+        shown = [c.split("`")[1] for c in state["selectedColumns"] if c.startswith("metrics.")]
+        assert all(any(m in c.data.metrics for c in children) for m in shown if m != "hit_rate"), shown
+        if device == "cpu":
+            assert "tok_s_per_gib" not in shown and not any("tok_s_per_gib" in c.data.metrics for c in children)
+
+
+def test_a_rerun_does_not_stretch_a_run_over_the_time_between_jobs(tmp_path):
+    """A run's start and end are those of the track job that created it: a re-track a while later
+    that updates its values leaves them, so its duration is still that job's."""
+    res = _tree.build_results_tree(tmp_path)
+    uri = default_tracking_uri(res)
+    _track(res, uri)
+    before = {r.info.run_id: (r.info.start_time, r.info.end_time) for r in _all_active_runs(uri)}
+    assert all(end is not None and 0 <= end - start < 60_000 for start, end in before.values())
+    time.sleep(1.5)
+    bench = Layout(res, MODEL).bench("usage_global", 0.5)
+    doc = json.loads(bench.read_text())
+    doc["batches"][0]["tok_s"] = 71.5  # a changed value: the run is updated, not replaced
+    bench.write_text(json.dumps(doc))
+    _track(res, uri)
+    after = {r.info.run_id: (r.info.start_time, r.info.end_time) for r in _all_active_runs(uri)}
+    assert after == before

@@ -75,19 +75,41 @@ def _tags(run: dict) -> dict:
     return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
 
 
+def _scale_speed(res: Path, scale: float) -> None:
+    """Make a tree's bench ``scale`` times faster, with every metric derived from tok/s or the step
+    recomputed by its definition (DESIGN.md §6): tok_s_per_gib is the tok/s difference to the same
+    policy's next smaller residency over the GiB added, fetch_tax 1 - tok/s / tok/s at residency
+    1.0, the bytes bound's fraction its floor over the step, the additive model the residency-1.0
+    step plus the same link time."""
+    lay = Layout(res, tree.MODEL)
+    docs = {(p, r): json.loads(lay.bench(p, r).read_text()) for p in tree.POLICIES for r in tree.RESIDENCIES}
+    entry = {(p, r, e["batch_size"]): e for (p, r), d in docs.items() for e in d["batches"]}
+    old_full_step = {(p, b): entry[(p, 1.0, b)]["step_ms_mean"] for p in tree.POLICIES for b in tree.BATCH_SIZES}
+    for e in entry.values():
+        e["tok_s"] *= scale
+        for k in ("step_ms_mean", "step_ms_p50", "step_ms_p90"):
+            e[k] /= scale
+    for (p, r, b), e in entry.items():
+        full = entry[(p, 1.0, b)]
+        e["fetch_tax"] = 1.0 - e["tok_s"] / full["tok_s"]
+        smaller = [q for q in tree.RESIDENCIES if q < r]
+        if smaller:
+            prev = entry[(p, max(smaller), b)]
+            e["tok_s_per_gib"] = (e["tok_s"] - prev["tok_s"]) / (e["hbm_expert_gib"] - prev["hbm_expert_gib"])
+        e["fraction_of_bytes_bound"] = e["bytes_step_ms"] / e["step_ms_mean"]
+        e["predicted_step_ms_calibrated"] += full["step_ms_mean"] - old_full_step[(p, b)]
+    for (p, r), d in docs.items():
+        lay.bench(p, r).write_text(json.dumps(d))
+
+
 @pytest.fixture(scope="module")
 def team(mlflow_server, tmp_path_factory):
-    """Two result trees (the second's tok_s doubled, to tell them apart), tracked at once."""
+    """Two result trees of a GPU bench (the second twice as fast, to tell them apart, its derived
+    metrics recomputed), tracked at once."""
     trees = []
     for name, scale in (("alice", 1.0), ("bob", 2.0)):
-        res = tree.build_results_tree(tmp_path_factory.mktemp(name))
-        for p in tree.POLICIES:
-            for r in tree.RESIDENCIES:
-                path = Layout(res, tree.MODEL).bench(p, r)
-                doc = json.loads(path.read_text())
-                for e in doc["batches"]:
-                    e["tok_s"] *= scale
-                path.write_text(json.dumps(doc))
+        res = tree.build_results_tree(tmp_path_factory.mktemp(name), bytes_run="gpu")
+        _scale_speed(res, scale)
         trees.append(res)
     done = _track_both(trees, mlflow_server.url)
     return trees, done
@@ -115,7 +137,11 @@ def test_two_concurrent_tracks_on_postgres_lose_and_duplicate_nothing(mlflow_ser
             metrics = {m["key"]: m["value"] for m in r["data"]["metrics"]}
             bench = json.loads(Layout(res, tree.MODEL).bench(params["policy"], float(params["residency"])).read_text())
             (entry,) = [e for e in bench["batches"] if e["batch_size"] == int(params["batch_size"])]
-            assert metrics["tok_s"] == pytest.approx(entry["tok_s"])
+            for name in ("tok_s", "tok_s_per_gib", "fetch_tax", "fraction_of_bytes_bound"):
+                if entry[name] is None:
+                    assert name not in metrics
+                else:
+                    assert metrics[name] == pytest.approx(entry[name]), name
 
     # artifacts went through the server into the folder it serves
     some = children[0]
@@ -153,11 +179,12 @@ def test_ui_opens_the_experiment_on_its_runs_table(mlflow_server, team, tmp_path
     assert page.returncode == 0, page.stderr[-2000:]
     assert "<title>Runs - Experiment" in page.stdout, re.findall(r"<title>[^<]*</title>", page.stdout)
     assert len(set(re.findall(rf"{tree.MODEL} \(cfg-team-[0-9a-f]+\)", page.stdout))) == 2
-    # the README's comparison view: its columns, batch size 1 children, ordered by tok_s_per_gib
+    # the README's speed view: its columns, batch size 1 children listed flat, ordered by tok_s_per_gib
     view = f"{mlflow_server.url}/{done[0]['comparison_view']}"
     page = _browse(view, tmp_path / "p2", "--dump-dom")
     assert page.returncode == 0, page.stderr[-2000:]
-    for column in ("policy", "residency", "batch_size", "hbm_expert_gib", "tok_s", "tok_s_per_gib"):
+    assert done[0]["comparison_view"].endswith("viewStateShareKey=coldset-speed")  # a GPU bench
+    for column in ("policy", "residency", "batch_size", "hbm_expert_gib", "tok_s", "tok_s_per_gib", "fetch_tax"):
         assert re.search(rf">\s*{column}\s*<", page.stdout), f"column {column} not in the runs table"
     shown = re.findall(r"(?:positional|usage_global)-[0-9.]+-b[0-9]+", page.stdout)
     assert shown and all(name.endswith("-b1") for name in shown), shown

@@ -2,8 +2,13 @@
 residency, batch size), idempotent across reruns.
 
 MLflow is where people compare runs (``mlflow ui --backend-store-uri sqlite:///$PWD/results/
-mlflow.db``, then ``#/experiments/<id>/runs``); it is never a dependency of a computing stage, so
-it is imported only inside the functions here and ``import coldset.track`` works without it.
+mlflow.db``, then the shared views :data:`VIEWS`: tok/s per GiB where a GPU measured, coverage
+and hit rates on the CPU); it is never a dependency of a computing stage, so it is imported only
+inside the functions here and ``import coldset.track`` works without it.
+
+Run times: a run starts when the track job creates it and ends when that job has logged it. A
+later job that updates it (a rerun) leaves both: MLflow cannot move a run's start, and a second
+end would stretch the run over the time between the two jobs.
 
 Store: by default SQLite under results/ with an absolute URI (``default_tracking_uri``), created
 with its experiment by ``ensure_store`` in the track stage: built beside and renamed into place
@@ -491,8 +496,9 @@ def records_from_placements(
 ) -> list[RunRecord]:
     """For a model that is not decoded (a shape-only model: config.json and a trace), one
     ``RunRecord`` per (placement, predicted batch size) with the placement's coverage and the speed
-    model's prediction (``predicted_step_ms`` = the lower bound of the first preset, and per preset
-    ``predicted_step_ms_{preset}`` and ``predicted_step_ms_sum_{preset}``) instead of measurements."""
+    model's prediction (``predicted_step_ms`` = the first preset's perfect-overlap step, its fastest
+    case, so the tok/s it implies is an upper estimate; per preset ``predicted_step_ms_{preset}``
+    and the no-overlap ``predicted_step_ms_sum_{preset}``) instead of measurements."""
     stats_json = Path(stats_json)
     skew_metrics = _skew_metrics(stats_json)
     skew_metrics.update(_locality_metrics(None if locality_json is None else Path(locality_json)))
@@ -533,7 +539,7 @@ def records_from_placements(
 # MLflow 3 records an experiment's kind in this tag. The 3.17 UI, though, takes the kind from its
 # global GenAI / machine-learning switch (the sidebar, remembered per browser, default GenAI, which
 # opens an experiment on its traces overview) or from the URL's ``workflowType``: the links we
-# hand out (``experiment_link``, ``share_comparison_view``) carry workflowType=machine_learning.
+# hand out (``experiment_link``, ``view_link``) carry workflowType=machine_learning.
 UI_WORKFLOW = "workflowType=machine_learning"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
@@ -688,43 +694,72 @@ def mark_experiment_kind(client, experiment_id: str) -> None:
             raise
 
 
-COMPARISON_VIEW = "coldset-compare"
+# The README's comparisons, saved in the experiment as shared views of its runs table. Both filter
+# on batch size 1, which also lists the children flat (the UI nests children under a collapsed
+# parent only without a filter or sort), and pick their columns, so the headline numbers show
+# without a click. Speed: where one more GiB of experts in HBM buys the most decode speed (measured
+# with a host tier, a GPU). Coverage: on the CPU measured speed compares nothing (coldset.timing),
+# so which experts each placement keeps: coverage of the profiled and held-out traffic, the slot
+# cache's hit rate and the cache simulation's.
 SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
-# The README's comparison: where one more GiB of experts in HBM buys the most decode speed.
-COMPARISON_COLUMNS = ("params.`policy`", "params.`residency`", "params.`batch_size`",
-                      "metrics.`hbm_expert_gib`", "metrics.`tok_s`", "metrics.`tok_s_per_gib`")
-
-
-def share_comparison_view(client, experiment_id: str) -> str:
-    """Save the README's comparison (columns policy, residency, batch_size, hbm_expert_gib, tok_s,
-    tok_s_per_gib; batch size 1; sorted by tok_s_per_gib) as a shared view of the experiment, the
-    way the UI's "Share" does (an experiment tag ``mlflow.sharedViewState.<key>`` holding the view
-    state as JSON). Returns the UI route that opens it."""
-    import json
-
-    state = {
+SPEED_VIEW = "coldset-speed"
+COVERAGE_VIEW = "coldset-coverage"
+_COMMON_COLUMNS = ("params.`policy`", "params.`residency`", "params.`batch_size`", "metrics.`hbm_expert_gib`")
+VIEWS: dict[str, dict] = {
+    SPEED_VIEW: {
         "searchFilter": "params.batch_size = '1'",
         "orderByKey": "metrics.`tok_s_per_gib`",
         "orderByAsc": False,
-        "selectedColumns": list(COMPARISON_COLUMNS),
-    }
-    tag = SHARED_VIEW_TAG_PREFIX + COMPARISON_VIEW
-    value = json.dumps(state)
-    if client.get_experiment(experiment_id).tags.get(tag) != value:
-        try:
-            client.set_experiment_tag(experiment_id, tag, value)
-        except Exception:  # a concurrent tracker wrote it first
-            if client.get_experiment(experiment_id).tags.get(tag) != value:
-                raise
-    return f"#/experiments/{experiment_id}/runs?{UI_WORKFLOW}&viewStateShareKey={COMPARISON_VIEW}"
+        "selectedColumns": [*_COMMON_COLUMNS, "metrics.`tok_s`", "metrics.`tok_s_per_gib`", "metrics.`fetch_tax`"],
+    },
+    COVERAGE_VIEW: {
+        "searchFilter": "params.batch_size = '1'",
+        "orderByKey": "metrics.`coverage_heldout`",
+        "orderByAsc": False,
+        "selectedColumns": [*_COMMON_COLUMNS, "metrics.`coverage_profile`", "metrics.`coverage_heldout`",
+                            "metrics.`hit_rate`", "metrics.`cache_static_hit_rate`", "metrics.`cache_lru_hit_rate`"],
+    },
+}
+
+
+def view_link(experiment_id: str, view: str) -> str:
+    """The UI route that opens the experiment's runs table in the shared view ``view``."""
+    return f"#/experiments/{experiment_id}/runs?{UI_WORKFLOW}&viewStateShareKey={view}"
+
+
+def headline_view(records: Sequence[RunRecord]) -> str:
+    """The view whose columns these runs fill: speed where a bench measured with a host tier
+    (:func:`coldset.timing.speed_compares_placements`), coverage otherwise (a CPU bench, or a
+    model that is not decoded)."""
+    from coldset.timing import speed_compares_placements
+
+    measured = [r.tags.get("device") for r in records if r.tags.get("decoded") != "false"]
+    return SPEED_VIEW if any(d and speed_compares_placements(d) for d in measured) else COVERAGE_VIEW
+
+
+def share_views(client, experiment_id: str) -> dict[str, str]:
+    """Save :data:`VIEWS` in the experiment the way the UI's "Share" does (an experiment tag
+    ``mlflow.sharedViewState.<key>`` holding the view state as JSON); returns view -> UI route."""
+    import json
+
+    for view, state in VIEWS.items():
+        tag = SHARED_VIEW_TAG_PREFIX + view
+        value = json.dumps(state)
+        if client.get_experiment(experiment_id).tags.get(tag) != value:
+            try:
+                client.set_experiment_tag(experiment_id, tag, value)
+            except Exception:  # a concurrent tracker wrote it first
+                if client.get_experiment(experiment_id).tags.get(tag) != value:
+                    raise
+    return {view: view_link(experiment_id, view) for view in VIEWS}
 
 
 def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dict[str, str],
-                metrics: dict[str, float | None], tags: dict[str, str]) -> str:
+                metrics: dict[str, float | None], tags: dict[str, str]) -> tuple[str, bool]:
     """Find the run of ``key`` (deleting duplicates an earlier race left, keeping the oldest) or
     create it; replace it when a param changed (params are immutable in MLflow); log the params it
     lacks, the metrics whose value changed (NaN over a value that became undefined) and the tags.
-    Returns the run id."""
+    Returns the run id and whether the run still needs its end (:func:`_finish`)."""
     import time
 
     from mlflow.entities import Metric, Param, RunTag
@@ -762,7 +797,16 @@ def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dic
     new_params = [Param(k, v) for k, v in params.items() if k not in old_params]
     all_tags = {**tags, RUN_KEY_TAG: key, "mlflow.runName": run_name}
     client.log_batch(run_id, metrics=new_metrics, params=new_params, tags=[RunTag(k, v) for k, v in all_tags.items()])
-    return run_id
+    return run_id, run.info.end_time is None or run.info.status != "FINISHED"
+
+
+def _finish(client, run_id: str, open_: bool) -> None:
+    """End a run this job created (or one a killed job left open) now. A run an earlier job
+    finished keeps its start and end: MLflow cannot move a run's start, so ending it again would
+    stretch its duration over the time between the two jobs (a re-track 25 minutes later read as a
+    25-minute run); its updated values carry their own timestamps."""
+    if open_:
+        client.set_terminated(run_id, "FINISHED")
 
 
 def _log_files(client, run_id: str, key: str, artifacts: dict[str, list[Path]]) -> None:
@@ -835,7 +879,8 @@ class TrackedRuns:
     experiment_id: str
     parent_id: str | None
     run_ids: list[str]  # the children, in record order
-    comparison_view: str  # UI route of the README's comparison (``share_comparison_view``)
+    comparison_view: str  # UI route of the README's comparison that fits these runs (``headline_view``)
+    views: dict[str, str] = field(default_factory=dict)  # every shared view -> its UI route
 
 
 def log_runs(
@@ -859,7 +904,7 @@ def log_runs(
     experiment_id = ensure_store(tracking_uri, experiment)
     client = _client(tracking_uri)
     mark_experiment_kind(client, experiment_id)
-    view = share_comparison_view(client, experiment_id)
+    views = share_views(client, experiment_id)
     common_tags = {str(k): str(v) for k, v in (tags or {}).items() if v is not None}
     if "commit" in common_tags:
         common_tags.setdefault("mlflow.source.git.commit", common_tags["commit"])
@@ -870,8 +915,8 @@ def log_runs(
 
     parent_id = None
     if parent is not None:
-        parent_id = _upsert_run(client, experiment_id, parent.run_key, parent.run_name, parent.params, {},
-                                {**common_tags, **parent.tags})
+        parent_id, parent_open = _upsert_run(client, experiment_id, parent.run_key, parent.run_name, parent.params,
+                                             {}, {**common_tags, **parent.tags})
         _log_files(client, parent_id, parent.run_key, parent.artifacts)
         _log_datasets(client, parent_id, parent.datasets)
         _log_table_replacing(client, parent_id, parent.rows, BENCH_TABLE)
@@ -882,15 +927,16 @@ def log_runs(
         run_tags = {**common_tags, **rec.tags}
         if parent_id is not None:
             run_tags[MLFLOW_PARENT_RUN_ID] = parent_id
-        run_id = _upsert_run(client, experiment_id, key, rec.run_name, rec.params, rec.metrics, run_tags)
+        run_id, run_open = _upsert_run(client, experiment_id, key, rec.run_name, rec.params, rec.metrics, run_tags)
         _log_files(client, run_id, key, rec.artifacts)
         for p in common_artifacts:
             client.log_artifact(run_id, str(p), artifact_path="common")
-        client.set_terminated(run_id, "FINISHED")
+        _finish(client, run_id, run_open)
         run_ids.append(run_id)
     if parent_id is not None:
-        client.set_terminated(parent_id, "FINISHED")
-    return TrackedRuns(experiment_id=experiment_id, parent_id=parent_id, run_ids=run_ids, comparison_view=view)
+        _finish(client, parent_id, parent_open)
+    return TrackedRuns(experiment_id=experiment_id, parent_id=parent_id, run_ids=run_ids,
+                       comparison_view=views[headline_view(records)], views=views)
 
 
 def _progress(items: Sequence, desc: str):
@@ -922,7 +968,8 @@ def run_track(
     """The ``track`` stage: one parent run for this invocation (``invocation_id`` of the config
     hash and ``results_dir``, default the folder above ``done_path``'s), a child per (placement,
     batch size), then ``done_path`` (JSON: tracking URI, experiment and its id, the parent's run
-    id, run key -> child run id, the UI routes of the experiment and of the README's comparison)
+    id, run key -> child run id, the UI routes of the experiment's runs table, of every shared
+    view (``views``) and of the one whose columns these runs fill (``comparison_view``))
     written atomically. Returns the children's run ids. Without bench results (a model that is
     not decoded) the children come from the placements and their predictions. ``tags``
     (config_hash, ...) go on every run; the commit, versions and device come from each bench
@@ -951,12 +998,13 @@ def run_track(
         "experiment_id": tracked.experiment_id,
         "experiment_link": experiment_link(tracked.experiment_id),
         "comparison_view": tracked.comparison_view,
+        "views": tracked.views,
         "parent_run_id": tracked.parent_id,
         "runs": {rec.run_key: run_id for rec, run_id in zip(records, tracked.run_ids)},
     })
     print(f"MLflow: {len(records)} runs under parent {tracked.parent_id} in experiment {experiment!r}; "
-          f"open <server>/{experiment_link(tracked.experiment_id)}, the README's comparison at "
-          f"<server>/{tracked.comparison_view}", file=sys.stderr)
+          f"their headline numbers at <server>/{tracked.comparison_view} (runs table: "
+          f"<server>/{experiment_link(tracked.experiment_id)})", file=sys.stderr)
     return tracked.run_ids
 
 
