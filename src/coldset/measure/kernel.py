@@ -270,6 +270,7 @@ def run(args, argv=None) -> dict:
     res["best_hot_config"], res["best_cold_config"] = best_hot, best_cold
 
     # --- per batch size
+    res["vllm_stored"] = {"source": VLLM_STORED["source"], "us": {str(b): us for b, us in VLLM_STORED["us"].items()}}
     rows = res["batches"] = []
     for B in batches:
         cfg = KernelConfig.from_dict(config_for(tuned, B))
@@ -335,7 +336,6 @@ def run(args, argv=None) -> dict:
         rows.append(row)
         log("batch", B, {k: v for k, v in row.items() if k != "config"})
         save()
-    res["vllm_stored"] = {"source": VLLM_STORED["source"]}
 
     if not args.no_batch1:
         # --- batch 1 stage breakdown (w13+act alone, + w2, + top-k sum), tuned config, all hot
