@@ -173,3 +173,75 @@ def test_rules_and_snakefile_are_snakefmt_formatted():
     files = [str(REPO / "Snakefile"), *sorted(str(p) for p in (REPO / "workflow" / "rules").glob("*.smk"))]
     out = subprocess.run([str(exe), "--check", "--diff", *files], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"run `snakefmt Snakefile workflow/rules/`:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (results/ before and after a run on bad input)."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_bad_input_files_keep_the_results_and_say_why(tmp_path):
+    """Issue 30 item 1: a bad prompt file, template, model folder or trace is refused before any
+    job runs, naming the file and what is wrong; a trace that fails only inside its job leaves the
+    previous trace in place, the reason is on the console, and the next run redoes the job."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    trace = "results/routing/tiny/trace.parquet"
+    first = snakemake(tmp_path, trace)
+    assert first.returncode == 0, first.stderr[-4000:]
+    results = tmp_path / "results"
+    before = _digests(results)
+    assert trace.removeprefix("results/") in before and "model/tiny/manifest.json" in before
+
+    good = pq.read_table(tmp_path / trace)
+    pq.write_table(good.drop_columns(["layer"]).replace_schema_metadata(good.schema.metadata),
+                   tmp_path / "no_layer.parquet")
+    experts = good.column("expert").to_numpy().copy()
+    experts[3] = 99  # outside 0..7: only the full scan in the routing job finds it
+    pq.write_table(good.set_column(good.schema.get_field_index("expert"), "expert", pa.array(experts, pa.int16()))
+                   .replace_schema_metadata(good.schema.metadata), tmp_path / "bad_expert.parquet")
+    (tmp_path / "no_domain.jsonl").write_text(json.dumps({"domain": "", "prompt": "hello"}) + "\n")
+    (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"domain": "agent", "prompt": "  "}) + "\n")
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates/agent.j2").write_text("\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{not json")
+    import yaml
+
+    local = yaml.safe_load(TINY)
+    local["model"] = {"name": "tiny", "path": "model"}
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(local))
+    refused = [  # refused while the workflow is parsed: no job starts
+        ("routing: {trace: no_layer.parquet}", "missing column(s) ['layer']"),
+        ("fixtures: {prompts: no_domain.jsonl}", "no_domain.jsonl:1: field 'domain' must be a name"),
+        ("fixtures: {prompts: no_prompt.jsonl}", "no_prompt.jsonl:1: field 'prompt' must be a non-empty string"),
+        ("fixtures: {template_dir: templates}", "templates/agent.j2 is empty"),
+        (None, "model/config.json: not valid JSON"),  # local.yaml: model.path, the folder above
+    ]
+    for i, (overlay, message) in enumerate(refused):
+        configs = ["tiny.yaml", f"bad{i}.yaml"] if overlay else ["local.yaml"]
+        if overlay:
+            (tmp_path / f"bad{i}.yaml").write_text(overlay + "\n")
+        bad = snakemake(tmp_path, trace, "--configfile", *configs)
+        console = bad.stdout + bad.stderr
+        assert bad.returncode != 0 and message in console, (overlay, console[-3000:])
+        assert "Error in rule" not in console, overlay
+        assert _digests(results) == before, overlay
+
+    (tmp_path / "late.yaml").write_text("routing: {trace: bad_expert.parquet}\n")
+    late = snakemake(tmp_path, trace, "--configfile", "tiny.yaml", "late.yaml")
+    console = late.stdout + late.stderr
+    assert late.returncode != 0 and "Error in rule routing" in console
+    assert "column 'expert' holds expert id 99 outside 0..7" in console  # the reason, not only "check log file(s)"
+    assert _digests(results) == before
+    # the kept trace is not taken for the failed job's output: the next run redoes the job
+    again = snakemake(tmp_path, trace, "--configfile", "tiny.yaml", "late.yaml", "-n")
+    assert again.returncode == 0 and "rule routing:" in again.stdout + again.stderr
+    assert np.array_equal(pq.read_table(tmp_path / trace).column("expert").to_numpy(), good.column("expert").to_numpy())

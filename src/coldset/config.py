@@ -92,9 +92,63 @@ def check_config(config: dict, source: str = "config") -> dict:
         unknown = [d for d in profile if d not in fx["domains"]]
         if unknown:
             problems.append(f"placement.profile_domains: {unknown} are not among fixtures.domains {fx['domains']}")
+    if not problems:  # the files' contents, once they are known to exist
+        problems += input_file_problems(config)
     if problems:
         raise ConfigError(f"{source}:\n" + "\n".join(f"  {p}" for p in problems))
     return config
+
+
+def input_file_problems(config: dict) -> list[str]:
+    """What is wrong inside the user's files (prompts, templates, model folder, traces), found
+    by the checks their stages would fail on, kept cheap enough for every Snakemake start: the
+    prompts and templates are read and rendered as the fixtures stage does (a few dozen
+    prompts); a model folder's ``config.json`` is read as a shape (:func:`coldset.shapes.read_shape`);
+    a Parquet trace's columns and schema metadata are read from its footer, not its rows
+    (:func:`coldset.trace.read_trace_meta`; the routing stage still validates every row). A
+    job that fails on something found only later keeps its previous outputs (the rules flag them
+    ``update``)."""
+    problems: list[str] = []
+    fx = config["fixtures"]
+    from coldset.fixtures import FixtureError, fixtures_by_domain
+
+    try:
+        fixtures_by_domain(fx["domains"], fx["per_domain"], fx["heldout_fraction"], fx["max_new_tokens"], fx["seed"],
+                           template_dir=fx["template_dir"], user_prompts=fx["prompts"])
+    except FixtureError as exc:
+        problems.append(f"{'fixtures.prompts' if fx['prompts'] else 'fixtures.domains'}: {exc}")
+    shape = None
+    if config["model"]["path"]:
+        from coldset.shapes import ShapeError, read_shape
+
+        try:
+            shape = read_shape(config["model"]["path"])
+        except ShapeError as exc:
+            problems.append(f"model.path: {exc}")
+    from coldset.trace import TraceError, read_trace_meta
+
+    trace, kind = config["routing"]["trace"], config["routing"]["trace_format"]
+    if trace:
+        from coldset.importers import export_files, is_engine_export
+
+        try:
+            if kind in ("coldset", "parquet") or (kind == "auto" and Path(trace).suffix == ".parquet"):
+                read_trace_meta(trace, expect=shape)
+            elif is_engine_export(trace):
+                if not config["model"]["path"]:
+                    problems.append(f"routing.trace: {trace} is an engine export, which carries no model shape: "
+                                    "set model.path to the model's folder (its config.json is enough)")
+                export_files(trace)
+            elif Path(trace).is_file() and Path(trace).stat().st_size == 0:
+                problems.append(f"routing.trace: {trace} is empty")
+        except (TraceError, UnicodeDecodeError) as exc:
+            problems.append(f"routing.trace: {exc}")
+    if config["bench"]["routing_trace"]:
+        try:
+            read_trace_meta(config["bench"]["routing_trace"])
+        except TraceError as exc:
+            problems.append(f"bench.routing_trace: {exc}")
+    return problems
 
 
 def merge_configs(base: dict, overlay: dict) -> dict:

@@ -161,6 +161,9 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
                            f"domains with templates: {available_domains(template_dir)}") from None
     except jinja2.TemplateSyntaxError as e:
         raise FixtureError(f"template {e.filename or domain + TEMPLATE_SUFFIX}:{e.lineno}: {e.message}") from None
+    source, _, _ = env.loader.get_source(env, domain + TEMPLATE_SUFFIX)
+    if not source.strip():
+        raise FixtureError(f"template {template.filename} is empty: it would render empty prompts")
     heldout = _heldout_indices(per_domain, heldout_fraction, seed, domain)
     out = []
     for i in range(per_domain):
@@ -177,6 +180,20 @@ def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new
             raise FixtureError(f"template {template.filename} rendered an empty prompt (index {i})")
         out.append(Fixture(f"{domain}-{i:04d}", domain, "heldout" if i in heldout else "profile", text,
                            int(max_new_tokens)))
+    return out
+
+
+def source_files(domains: Sequence[str], template_dir: str | os.PathLike | None = None,
+                 user_prompts: str | os.PathLike | None = None) -> list[Path]:
+    """The files the fixtures are made from: the user's prompt file, or each domain's template
+    as :func:`render_domain` finds it (``template_dir`` first). The workflow's fixtures and model
+    rules list them as inputs, so an edited template or prompt file reruns what it feeds."""
+    if user_prompts is not None:
+        return [Path(user_prompts)]
+    out = []
+    for d in domains:
+        found = [Path(folder) / f"{d}{TEMPLATE_SUFFIX}" for folder in (template_dir, PACKAGE_TEMPLATES) if folder]
+        out += [p for p in found if p.is_file()][:1]
     return out
 
 
@@ -287,7 +304,20 @@ def make_fixtures(out_dir: str | os.PathLike, domains: Sequence[str] | None, per
                   heldout_fraction: float, max_new_tokens: int, seed: int,
                   template_dir: str | os.PathLike | None = None,
                   user_prompts: str | os.PathLike | None = None) -> list[Path]:
-    """The ``fixtures`` stage: write ``out_dir/{domain}.jsonl`` per domain; return the paths.
+    """The ``fixtures`` stage: write ``out_dir/{domain}.jsonl`` per domain (the prompts of
+    :func:`fixtures_by_domain`); return the paths."""
+    by_domain = fixtures_by_domain(domains, per_domain, heldout_fraction, max_new_tokens, seed,
+                                   template_dir=template_dir, user_prompts=user_prompts)
+    out = Path(out_dir)
+    return [write_fixtures(out / f"{d}.jsonl", fxs) for d, fxs in by_domain.items()]
+
+
+def fixtures_by_domain(domains: Sequence[str] | None, per_domain: int, heldout_fraction: float,
+                       max_new_tokens: int, seed: int, template_dir: str | os.PathLike | None = None,
+                       user_prompts: str | os.PathLike | None = None) -> dict[str, list[Fixture]]:
+    """The fixtures the ``fixtures`` stage writes, per domain, without writing them (the config
+    check renders or reads them before any job starts: a bad prompt file or template is refused
+    before Snakemake deletes a stage's previous outputs).
 
     From templates: ``per_domain`` prompts per domain, exactly ``round(per_domain *
     heldout_fraction)`` of them held out (both splits non-empty when ``per_domain >= 2``),
@@ -295,7 +325,6 @@ def make_fixtures(out_dir: str | os.PathLike, domains: Sequence[str] | None, per
     of the file, grouped by domain; ``domains`` (if given) selects domains and each must occur
     in the file; ``per_domain`` is not used.
     """
-    out = Path(out_dir)
     if user_prompts is not None:
         fixtures = read_user_prompts(user_prompts, heldout_fraction, max_new_tokens)
         by_domain: dict[str, list[Fixture]] = {}
@@ -317,7 +346,7 @@ def make_fixtures(out_dir: str | os.PathLike, domains: Sequence[str] | None, per
             raise FixtureError(f"domains {list(domains)} repeat a name")
         by_domain = {d: render_domain(d, per_domain, heldout_fraction, max_new_tokens, seed, template_dir)
                      for d in domains}
-    return [write_fixtures(out / f"{d}.jsonl", fxs) for d, fxs in by_domain.items()]
+    return by_domain
 
 
 def read_fixtures(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Fixture]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -763,6 +764,34 @@ def run_stage(stage: str | Callable[..., None], config: dict, placements: list[s
     log.info("stage %s done in %.1f s", name, time.perf_counter() - t0)
 
 
+# What Snakemake logs when it puts back an ``update``-flagged output of a failed job.
+_RESTORED = re.compile(r"^Restored previous version of (.+?)(?: \(update\))? \(updating job failed\)\.$")
+
+
+def rerun_restored_outputs(snakemake_logs: str | os.PathLike | list, forget: Callable[[Path], Any]) -> list[Path]:
+    """Make the next run redo the jobs whose previous outputs Snakemake restored after they failed.
+
+    The rules flag their outputs ``update``, so a failing job leaves the previous run's good
+    files in place (Snakemake otherwise deletes a job's outputs before it runs and again after
+    it fails). But Snakemake puts them back by a copy dated now and records the failed job's
+    inputs and params as those that made them: the next run would skip the job ("Nothing to be
+    done") and hand the old results to the stages after it. Here each restored file (found in
+    the run's log) loses that record (``forget``: Snakemake's ``cleanup_metadata``) and is dated
+    one second after 1970, older than every input, so its contents stay and its job runs again.
+    Called from the Snakefile's ``onerror`` with the run's log file(s); returns the files."""
+    logs = [snakemake_logs] if isinstance(snakemake_logs, (str, os.PathLike)) else snakemake_logs
+    lines = [line for p in logs if Path(p).is_file() for line in Path(p).read_text(errors="replace").splitlines()]
+    kept = []
+    for line in lines:
+        m = _RESTORED.match(line.strip())
+        if m and Path(m.group(1)).exists():
+            path = Path(m.group(1))
+            forget(path)
+            os.utime(path, (1, 1))  # 0 would not do: Snakemake takes an mtime of 0 for no time
+            kept.append(path)
+    return kept
+
+
 def run_from_snakemake(smk, stage: str | Callable[..., None]) -> None:
     """Entry of every workflow script: log to the rule's log file, run the stage (as :func:`run_stage`)."""
     log_path = Path(smk.log[0])
@@ -782,6 +811,11 @@ def run_from_snakemake(smk, stage: str | Callable[..., None]) -> None:
         config = model_configs(config)[model]
     try:
         run_stage(stage, config)
-    except Exception:
-        log.exception("stage %s failed", getattr(stage, "__name__", stage))
+    except Exception as exc:
+        name = getattr(stage, "__name__", stage)
+        log.exception("stage %s failed", name)
+        # The console (Snakemake's own stderr, not the log) gets the reason too: Snakemake's
+        # summary says only "check log file(s)".
+        print(f"coldset stage {name} failed: {type(exc).__name__}: {exc}\n  (traceback: {log_path})",
+              file=sys.__stderr__, flush=True)
         raise

@@ -4,7 +4,9 @@ rule autotune:
     input:
         manifest=model_inputs,
     output:
-        entry=report(f"{RESULTS}/autotune/{MODEL}.json", caption="../../report/autotune.rst", category="Autotune"),
+        entry=update(
+            report(f"{RESULTS}/autotune/{MODEL}.json", caption="../../report/autotune.rst", category="Autotune")
+        ),
     log:
         f"logs/autotune/{MODEL}.log",
     conda:

@@ -9,10 +9,12 @@ rule bench:
         autotune=rules.autotune.output.entry,
         gate=rules.parity_gate.output.gate,
     output:
-        results=report(
-            expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS, allow_missing=True),
-            caption="../../report/bench.rst",
-            category="Benchmark",
+        results=update(
+            report(
+                expand(f"{RESULTS}/bench/{MODEL}/{{placement}}.json", placement=PLACEMENTS, allow_missing=True),
+                caption="../../report/bench.rst",
+                category="Benchmark",
+            ),
         ),
     log:
         f"logs/bench/{MODEL}.log",

@@ -5,8 +5,12 @@ rule cache:
         histogram=rules.stats.output.histogram,
         locality=rules.stats.output.locality,
     output:
-        simulation=report(f"{RESULTS}/cache/{MODEL}/simulation.csv", caption="../../report/cache.rst", category="Cache"),
-        figure=report(f"{RESULTS}/cache/{MODEL}/locality.png", caption="../../report/cache.rst", category="Cache"),
+        simulation=update(
+            report(f"{RESULTS}/cache/{MODEL}/simulation.csv", caption="../../report/cache.rst", category="Cache")
+        ),
+        figure=update(
+            report(f"{RESULTS}/cache/{MODEL}/locality.png", caption="../../report/cache.rst", category="Cache")
+        ),
     log:
         f"logs/cache/{MODEL}.log",
     conda:

@@ -8,6 +8,7 @@ import re
 from coldset.config import Layout, check_config, residency_label
 from coldset.pipeline import skipped_stages
 from coldset.config import comparison_path, model_configs
+from coldset.fixtures import source_files
 
 # models: (a sweep) makes the model a wildcard of every per-model rule; SWEEP holds each model's
 # validated config (coldset.config.model_configs), which its jobs' scripts run with.
@@ -65,6 +66,18 @@ def model_inputs(wildcards):
 
 
 # Input functions of the rules (`snakemake --lint`: rules and functions in separate files).
+def fixture_sources(wildcards=None):
+    """The prompt file or templates the fixtures are made from (an edit reruns what they feed)."""
+    fx = config["fixtures"]
+    return [str(p) for p in source_files(fx["domains"], fx["template_dir"], fx["prompts"])]
+
+
+def model_sources(wildcards):
+    """A local model's config.json; the synthetic model learns its domains from the fixtures' sources."""
+    path = model_cfg(wildcards)["model"]["path"]
+    return [str(Path(path) / "config.json")] if path else fixture_sources()
+
+
 def routing_inputs(wildcards):
     """An imported trace needs only its file; a capture needs the model and the fixtures."""
     trace = model_cfg(wildcards)["routing"]["trace"]

@@ -1,6 +1,8 @@
 rule fixtures:
+    input:
+        fixture_sources,
     output:
-        expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
+        update(expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS)),
     log:
         "logs/fixtures/fixtures.log",
     conda:

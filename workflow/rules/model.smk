@@ -1,6 +1,8 @@
 rule model:
+    input:
+        model_sources,
     output:
-        manifest=f"{RESULTS}/model/{MODEL}/manifest.json",
+        manifest=update(f"{RESULTS}/model/{MODEL}/manifest.json"),
     log:
         f"logs/model/{MODEL}.log",
     conda:

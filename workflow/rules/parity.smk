@@ -8,10 +8,12 @@ rule parity:
         rowmaps=rules.placement.output.rowmaps,
         autotune=rules.autotune.output.entry,
     output:
-        reports=report(
-            expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS, allow_missing=True),
-            caption="../../report/parity.rst",
-            category="Parity",
+        reports=update(
+            report(
+                expand(f"{RESULTS}/parity/{MODEL}/{{placement}}.json", placement=PLACEMENTS, allow_missing=True),
+                caption="../../report/parity.rst",
+                category="Parity",
+            ),
         ),
     log:
         f"logs/parity/{MODEL}.log",

@@ -2,16 +2,20 @@ rule report:
     input:
         unpack(report_inputs),
     output:
-        html=report(f"{RESULTS}/report/index.html", caption="../../report/report.rst", category="Report"),
-        residency=report(
-            expand(f"{RESULTS}/report/figures/residency-b{{bs}}.png", bs=BENCH_BATCHES),
-            caption="../../report/residency.rst",
-            category="Benchmark",
+        html=update(report(f"{RESULTS}/report/index.html", caption="../../report/report.rst", category="Report")),
+        residency=update(
+            report(
+                expand(f"{RESULTS}/report/figures/residency-b{{bs}}.png", bs=BENCH_BATCHES),
+                caption="../../report/residency.rst",
+                category="Benchmark",
+            )
         ),
-        step_time=report(
-            expand(f"{RESULTS}/report/figures/step-time-b{{bs}}.png", bs=BENCH_BATCHES),
-            caption="../../report/step_time.rst",
-            category="Benchmark",
+        step_time=update(
+            report(
+                expand(f"{RESULTS}/report/figures/step-time-b{{bs}}.png", bs=BENCH_BATCHES),
+                caption="../../report/step_time.rst",
+                category="Benchmark",
+            )
         ),
     log:
         f"logs/report/{MODEL}.log",

@@ -2,7 +2,7 @@ rule routing:
     input:
         unpack(routing_inputs),
     output:
-        trace=f"{RESULTS}/routing/{MODEL}/trace.parquet",
+        trace=update(f"{RESULTS}/routing/{MODEL}/trace.parquet"),
     log:
         f"logs/routing/{MODEL}.log",
     conda:

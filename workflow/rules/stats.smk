@@ -2,15 +2,17 @@ rule stats:
     input:
         trace=rules.routing.output.trace,
     output:
-        histogram=f"{RESULTS}/stats/{MODEL}/histogram.csv",
-        skew=f"{RESULTS}/stats/{MODEL}/skew.json",
-        coverage=f"{RESULTS}/stats/{MODEL}/coverage.csv",
-        locality=f"{RESULTS}/stats/{MODEL}/locality.json",
-        heatmap=report(
-            f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"
+        histogram=update(f"{RESULTS}/stats/{MODEL}/histogram.csv"),
+        skew=update(f"{RESULTS}/stats/{MODEL}/skew.json"),
+        coverage=update(f"{RESULTS}/stats/{MODEL}/coverage.csv"),
+        locality=update(f"{RESULTS}/stats/{MODEL}/locality.json"),
+        heatmap=update(
+            report(
+                f"{RESULTS}/stats/{MODEL}/heatmap_decode.png", caption="../../report/heatmap.rst", category="Routing"
+            )
         ),
-        lorenz=report(
-            f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing"
+        lorenz=update(
+            report(f"{RESULTS}/stats/{MODEL}/lorenz_decode.png", caption="../../report/lorenz.rst", category="Routing")
         ),
     log:
         f"logs/stats/{MODEL}.log",

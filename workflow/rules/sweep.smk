@@ -5,7 +5,7 @@ rule report_models:
         track=expand(f"{RESULTS}/track/{{model}}.done", model=MODELS),
         coverage=expand(f"{RESULTS}/placement/{{model}}/coverage.csv", model=MODELS),
     output:
-        html=report(str(comparison_path(config)), caption="../../report/report.rst", category="Report"),
+        html=update(report(str(comparison_path(config)), caption="../../report/report.rst", category="Report")),
     log:
         "logs/report_models/models.log",
     conda:

@@ -20,7 +20,7 @@ rule track:
     input:
         unpack(track_inputs),
     output:
-        done=f"{RESULTS}/track/{MODEL}.done",
+        done=update(f"{RESULTS}/track/{MODEL}.done"),
     log:
         f"logs/track/{MODEL}.log",
     conda:
