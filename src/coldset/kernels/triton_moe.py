@@ -635,8 +635,15 @@ def triton_experts(
     only for the all-hot module-order layout (:meth:`ExpertPools.all_hot`), it is the unmodified
     path. The row map is validated here only when it was written since its last validation (no
     host sync otherwise, so the call can be captured in a CUDA graph). ``_stop_after`` (1 or 2)
-    skips the later launches: for timing the stages separately in the benchmark only.
+    skips the later launches: for timing the stages separately in the benchmark only. Block-FP8
+    pools (``pools.is_fp8``) run :func:`coldset.kernels.triton_fp8.triton_fp8_experts` (issue 29).
     """
+    if getattr(pools, "is_fp8", False):
+        from coldset.kernels.triton_fp8 import triton_fp8_experts
+
+        if _stop_after != 3:
+            raise ValueError("triton_experts: _stop_after is not supported for FP8 pools")
+        return triton_fp8_experts(pools, layer, x, topk_ids, topk_weights, config=config, use_row_map=use_row_map)
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"triton_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "

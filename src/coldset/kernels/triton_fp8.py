@@ -1,0 +1,316 @@
+"""The fused MoE experts kernel for block-FP8 experts (issue 29), reading each expert through the row map.
+
+The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
+pairs by expert, its block numbering, its one row-map load per block, its top-k sum launch) with
+FP8 operands:
+
+- weights are the pools' float8_e4m3fn bytes; each expert's float32 ``weight_scale_inv`` blocks
+  come from the scale pool of the same tier, at the same row (:mod:`coldset.tiers`), through the
+  same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
+- activations are quantized on the fly per token and group of 128 columns (the scheme of vLLM's
+  ``per_token_group_quant_fp8`` and DeepGEMM, :func:`coldset.fp8.quantize_activations`): every k
+  step is one 128-column group (``block_k1 = block_k2 = 128``), whose rows are scaled by
+  ``max|a| / 448`` (IEEE divisions, round-to-nearest-even cast, as torch computes it) inside the
+  GEMM kernel that reads them, so no launch is added;
+- each k step is one FP8 tensor-core dot (fp32 accumulate) times the activation scale of each row
+  and the weight scale of each column's block: ``acc += dot(a_q, w_q) * a_s[:, None] * w_s[None, :]``
+  (vLLM's block-FP8 fused_moe accumulation);
+- the w13 launch writes SiLU(gate) * up in the activation dtype (the scratch), which the w2 launch
+  quantizes again per group of 128 as it reads it; the w2 products go to a per-pair fp32 (or
+  with ``half_buf`` activation-dtype) buffer that the top-k sum adds in rank order.
+
+The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
+quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
+Tiling and accumulation order never depend on where an expert lives, so every placement is
+bitwise the all-hot (``use_row_map=False``) output. Launch configs are the bf16 kernel's
+:class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K,
+``half_tail`` and ``pdl`` 1 and 3 are refused (not implemented here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.kernels.triton_moe import (
+    MODE_SLOTS,
+    MODE_SORTED,
+    KernelConfig,
+    _block_expert,
+    _block_ids,
+    _chunk_pairs,
+    _expert_base,
+    _next_pow2,
+    _sum_topk_kernel,
+    gdc_launch_dependents,
+    gdc_wait,
+    group_pairs,
+)
+
+if TYPE_CHECKING:
+    from coldset.tiers import ExpertPools
+
+GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
+
+# Defaults when no tuned entry exists (not measured yet: the bf16 decode tiles with k steps of one
+# group, and 64-row prefill tiles as vLLM's fp8_w8a8 block tables use at these sizes).
+DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
+DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 128, 128, 128, 4, 3, 1, tile_order=1)
+
+
+def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
+    """Decode tiles up to 64 tokens, prefill tiles above (both with k steps of one 128-column group)."""
+    return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
+
+
+@triton.jit
+def _quantize_rows(a, BM: tl.constexpr, BK: tl.constexpr):
+    """``(a_q float8e4nv [BM, BK], scale float32 [BM])`` of a float32 tile whose rows are one group
+    each: ``scale = max(max|a|, 1e-10) / 448``, ``a_q = rtne(clamp(a / scale, -448, 448))``, the
+    divisions IEEE round-to-nearest (``div_rn``), as :func:`coldset.fp8.quantize_activations`."""
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
+    scale = tl.math.div_rn(amax, tl.full([BM], 448.0, tl.float32))
+    q = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], (BM, BK)))
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
+
+
+@triton.jit
+def _w13_fp8_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
+                   num_pairs, expert, start, c, cnt, stride_xt,
+                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
+                   EVEN_N: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then SiLU(gate) * up."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    tok = (pair // TOPK).to(tl.int64)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                wg = tl.load(wg_ptrs + k0)
+                wu = tl.load(wu_ptrs + k0)
+            else:
+                wg = tl.load(wg_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < H
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_q, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
+        kb = k0 // BK
+        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
+        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
+        acc_u += tl.dot(a_q, wu) * (a_s[:, None] * su[None, :])
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w13_fp8_kernel(
+    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
+    act_ptr, num_pairs, layer, stride_xt, NB,
+    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
+    MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_GDC: tl.constexpr, ORDER: tl.constexpr,
+):
+    slot, pid_n, _ = _block_ids(NB, ORDER)
+    if USE_GDC:
+        gdc_launch_dependents()  # a plain launch: its inputs are complete; the w2 kernel may start now
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
+    # the one place the expert id is used: one row-map lookup for the weights, the same for the scales
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
+    s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * GI * GH, E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < I
+    wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
+    wu_ptrs = wg_ptrs + I * H  # up rows I + n
+    sg_ptrs = s_base + (offs_n // BK) * GH  # gate's scale grid rows, then up's (coldset.fp8)
+    su_ptrs = s_base + (GI + offs_n // BK) * GH
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
+        _w13_fp8_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
+                       num_pairs, expert, start, c, cnt, stride_xt, TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
+        c += BM
+
+
+@triton.jit
+def _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
+                  num_pairs, expert, start, c, cnt,
+                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: activations (quantized per group) times w2's rows, times the routing weight."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    pair64 = pair.to(tl.int64)
+    a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < I
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_q, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
+        ws = tl.load(s_ptrs + k0 // BK, mask=n_ok, other=0.0)
+        acc += tl.dot(a_q, w) * (a_s[:, None] * ws[None, :])
+    wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_fp8_kernel(
+    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
+    topk_w_ptr, buf_ptr, num_pairs, layer, NB,
+    E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    ORDER: tl.constexpr,
+):
+    slot, pid_n, _ = _block_ids(NB, ORDER)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
+    s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, GH * GI, E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < H
+    w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
+    s_ptrs = s_base + (offs_n // BK) * GI
+    if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 kernel
+        gdc_launch_dependents()
+        gdc_wait()
+    c = c_begin
+    while c < c_end:
+        _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
+                      num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
+        c += BM
+
+
+def _check_config(c: KernelConfig) -> None:
+    if c.block_k1 != GROUP or c.block_k2 != GROUP:
+        raise ValueError(f"triton_fp8_experts: block_k1 and block_k2 must be {GROUP} (one weight block and one "
+                         f"activation group per k step), got {c.block_k1}, {c.block_k2}")
+    if c.split_k1 != 1 or c.split_k2 != 1:
+        raise ValueError("triton_fp8_experts: split-K (split_k1/split_k2 > 1) is not implemented for FP8")
+    if c.pdl not in (0, 2):
+        raise ValueError(f"triton_fp8_experts: config pdl must be 0 or 2 (1 and 3 are not implemented for FP8), got {c.pdl}")
+    if c.half_tail != 0:
+        raise ValueError("triton_fp8_experts: half_tail is not implemented for FP8")
+    if c.tile_order not in (0, 1) or c.half_buf not in (0, 1):
+        raise ValueError(f"triton_fp8_experts: tile_order and half_buf must be 0 or 1, got {c.tile_order}, {c.half_buf}")
+    if c.block_m < 16:
+        raise ValueError(f"triton_fp8_experts: block_m must be >= 16 (a dot needs 16 rows), got {c.block_m}")
+
+
+def triton_fp8_experts(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> torch.Tensor:
+    """Routed-expert output ``[T, H]`` of block-FP8 ``pools`` for tokens ``x`` ``[T, H]`` (bf16 or
+    fp16) of MoE layer ``layer`` (CUDA, FP8 dots: sm89+). The contract of
+    :func:`coldset.kernels.triton_moe.triton_experts` (which calls this for FP8 pools), including
+    ``use_row_map=False``: the unmodified all-hot path."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"triton_fp8_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "
+                         f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    if not pools.is_fp8:
+        raise ValueError("triton_fp8_experts: the pools hold no FP8 experts (use triton_experts)")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"triton_fp8_experts: x dtype {x.dtype} must be bfloat16 or float16")
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = pools.num_experts
+    inter = pools.w2_hot.shape[2]
+    if pools.w13_hot.shape[1:] != (2 * inter, hidden) or pools.w2_hot.shape[1:] != (hidden, inter):
+        raise ValueError(f"triton_fp8_experts: pools hold w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
+                         f"{tuple(pools.w2_hot.shape[1:])}, x has H = {hidden}")
+    pools.check_layout()  # contiguous pools, scale grids (attribute reads only)
+    if use_row_map:
+        pools.ensure_validated()
+    elif pools.num_hot < pools.num_moe_layers * num_experts:
+        raise ValueError("triton_fp8_experts: use_row_map=False needs every expert in the hot pool (all_hot layout)")
+    if config is None:
+        config = default_config(num_tokens, top_k)
+    elif isinstance(config, dict):
+        config = KernelConfig.from_dict(config)
+    c = config
+    _check_config(c)
+    pdl = c.pdl == 2
+    if pdl and gdc_wait is None:
+        raise RuntimeError("triton_fp8_experts: config pdl=2 needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    num_pairs = num_tokens * top_k
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    device = x.device
+    if num_pairs <= min(num_experts, c.slot_max_pairs):
+        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
+        sorted_pairs = expert_off = ids  # unused in this mode
+    else:
+        mode, np_ = MODE_SORTED, 1
+        slots = triton.cdiv(num_pairs, c.block_m) + min(num_experts, num_pairs)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts)
+    cold = pools.num_cold > 0  # never read without cold rows: the hot pools stand in as pointers
+    w13_cold = pools.w13_cold if cold else pools.w13_hot
+    w2_cold = pools.w2_cold if cold else pools.w2_hot
+    s13_cold = pools.w13_scale_cold if cold else pools.w13_scale_hot
+    s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
+    gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
+    ep = _next_pow2(num_experts)
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
+    buf = torch.empty((num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
+    nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
+
+    def grid(nb):
+        return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
+
+    _w13_fp8_kernel[grid(nb1)](
+        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
+        act, num_pairs, layer, x.stride(0), nb1,
+        E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
+        BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, ORDER=c.tile_order,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    _w2_fp8_kernel[grid(nb2)](
+        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
+        weights, buf, num_pairs, layer, nb2,
+        E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
+        BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, ORDER=c.tile_order,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+    )
+    block = min(1024, _next_pow2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=1, num_warps=4, launch_pdl=pdl)
+    return out
