@@ -1,0 +1,343 @@
+"""coldset's vLLM plugin (coldset.vllm_plugin) on real vLLM (the PyPI CPU build), issue 31.
+
+The workflow runs up to its parity gate on the default synthetic checkpoint (conftest's
+``gated_workflow``). vLLM's OpenAI-compatible server is started once per configuration with
+``python -m vllm.entrypoints.openai.api_server`` (the CPU build has no ``vllm serve``): without the
+plugin (installed, not asked for) and with ``COLDSET_PLACEMENT`` naming usage_global-0.5,
+positional-0.5 and the all-cold positional-0.0. A plain urllib client sends a two-prompt
+completions request and a chat request at temperature 0; every configuration's tokens must equal
+the stock server's and coldset's embedded engine decoding the same prompt tokens at that
+placement. Offline ``LLM.generate`` the same, with the worker's memory report. Bad placements and
+engine settings are refused at start-up by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import PLUGIN_PLACEMENTS, coldset_env
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 6
+CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+PROMPT_TEXTS = ('{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                "def add(a, b):\n    return a + b")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(base: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def server_command(model_dir: Path, port: int, chat_template: Path, dtype: str = "float32") -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "m", "--dtype", dtype, "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager", "--host", "127.0.0.1",
+            "--port", str(port), "--chat-template", str(chat_template)]
+
+
+class Server:
+    """One api_server process (its own session, stopped by its process group id)."""
+
+    def __init__(self, model_dir: Path, log: Path, chat_template: Path, placement: Path | None, dtype="float32"):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = coldset_env()
+        env.pop("COLDSET_PLACEMENT", None)
+        if placement is not None:
+            env["COLDSET_PLACEMENT"] = str(placement)
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen(server_command(model_dir, self.port, chat_template, dtype), stdout=self._out,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> bool:
+        """True once /health answers; False if the process exited first."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server not ready after {timeout} s; log {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._out.close()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _requests(base: str, prompts: list[list[int]]) -> dict:
+    common = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    comp = _post(base, "/v1/completions", {**common, "prompt": prompts})
+    chat = _post(base, "/v1/chat/completions", {**common, "messages": CHAT})
+    choices = sorted(comp["choices"], key=lambda c: c["index"])
+    return {"completion_prompts": [c["prompt_token_ids"] for c in choices],
+            "completion": [c["token_ids"] for c in choices],
+            "chat_prompt": chat["prompt_token_ids"], "chat": chat["choices"][0]["token_ids"]}
+
+
+@pytest.fixture(scope="module")
+def prompts(gated_workflow) -> list[list[int]]:
+    from coldset.model import encode_prompts, load_tokenizer
+
+    return encode_prompts(load_tokenizer(gated_workflow["model_dir"]), list(PROMPT_TEXTS))
+
+
+@pytest.fixture(scope="module")
+def served(gated_workflow, prompts, tmp_path_factory):
+    """Each configuration's server run: its responses and its log."""
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("served")
+    template = root / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    runs = {}
+    for name in (None, *PLUGIN_PLACEMENTS):
+        placement = None if name is None else gated_workflow["placement_dir"] / f"{name}.json"
+        server = Server(gated_workflow["model_dir"], root / f"{name or 'stock'}.log", template, placement)
+        try:
+            assert server.wait_ready(), f"server {name or 'stock'} exited at start:\n{server.text()[-6000:]}"
+            runs[name or "stock"] = {**_requests(server.base, prompts), "log": None}
+        finally:
+            server.stop()
+        runs[name or "stock"]["log"] = server.text()
+    return runs
+
+
+def _embedded(model_dir: Path, placement_dir: Path, name: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    """coldset's embedded engine, one prompt at a time, at placement ``name`` (None: all hot)."""
+    import torch
+
+    from coldset import gate
+    from coldset import model as engine
+    from coldset.placement import load_placement
+
+    mdl = engine.load_model(model_dir, dtype=torch.float32)
+    if name is None:
+        return [gate.reference_decode(mdl, [p], MAX_TOKENS, 1, progress=False).tokens[0] for p in prompts]
+    pools = mdl.pools.placed(load_placement(placement_dir / f"{name}.json").row_map)
+    return [gate.placement_decode(mdl, pools, [p], MAX_TOKENS, 1, progress=False).tokens[0] for p in prompts]
+
+
+def _memory_line(log: str) -> tuple[int, int]:
+    import re
+
+    m = re.search(r"coldset: placement \S+ served: routed experts held on cpu: (\d+) bytes in the layers before, "
+                  r"(\d+) bytes in the hot pool after", log)
+    assert m, "the plugin's memory line is missing from the server log"
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_plugin_installed_as_vllm_general_plugin():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("coldset") == "coldset.vllm_plugin:register"
+
+
+def test_installed_but_not_asked_for_changes_nothing(served, gated_workflow, prompts):
+    stock = served["stock"]
+    assert "coldset" not in stock["log"]  # the plugin said nothing and did nothing
+    ref = _embedded(gated_workflow["model_dir"], gated_workflow["placement_dir"], None,
+                    stock["completion_prompts"] + [stock["chat_prompt"]])
+    assert stock["completion_prompts"] == prompts
+    assert stock["completion"] + [stock["chat"]] == ref  # stock vLLM decodes what coldset's engine does
+
+
+@pytest.mark.parametrize("name", PLUGIN_PLACEMENTS)
+def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
+    from coldset.placement import load_placement
+
+    run, stock = served[name], served["stock"]
+    assert f"coldset: serving placement {gated_workflow['placement_dir'] / name}.json" in run["log"]
+    assert run["completion_prompts"] == stock["completion_prompts"] and run["chat_prompt"] == stock["chat_prompt"]
+    got = run["completion"] + [run["chat"]]
+    assert all(len(t) == MAX_TOKENS for t in got)
+    assert got == stock["completion"] + [stock["chat"]], f"{name}: plugin tokens differ from stock vLLM's"
+    ref = _embedded(gated_workflow["model_dir"], gated_workflow["placement_dir"], name,
+                    run["completion_prompts"] + [run["chat_prompt"]])
+    assert got == ref, f"{name}: plugin tokens differ from coldset's embedded engine at this placement"
+    before, hot = _memory_line(run["log"])
+    pl = load_placement(gated_workflow["placement_dir"] / f"{name}.json")
+    assert before == (pl.num_hot + pl.num_cold) * pl.bytes_per_expert  # every routed expert, float32
+    assert hot == pl.num_hot * pl.bytes_per_expert  # the hot pool: the placement's hot share only
+
+
+def _offline(gated_workflow, prompts, tmp_path, placement: str | None) -> dict:
+    job, result = tmp_path / "job.json", tmp_path / "result.json"
+    job.write_text(json.dumps({"model_dir": str(gated_workflow["model_dir"]), "prompts": prompts,
+                               "max_tokens": MAX_TOKENS}))
+    env = coldset_env()
+    env.pop("COLDSET_PLACEMENT", None)
+    if placement:
+        env["COLDSET_PLACEMENT"] = str(gated_workflow["placement_dir"] / f"{placement}.json")
+    proc = subprocess.run([sys.executable, str(HERE / "run_plugin_offline.py"), str(job), str(result)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"offline run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads(result.read_text())
+
+
+def test_offline_generate_equal_and_memory(served, gated_workflow, prompts, tmp_path):
+    pytest.importorskip("vllm")
+    (tmp_path / "stock").mkdir()
+    stock = _offline(gated_workflow, prompts, tmp_path / "stock", None)
+    assert stock["classes"] == ["RoutedExperts/UnquantizedFusedMoEMethod"]  # not asked for: vLLM's own classes
+    assert stock["memory"] == {"active": False, "built": False}
+    (tmp_path / "plugin").mkdir()
+    got = _offline(gated_workflow, prompts, tmp_path / "plugin", "usage_global-0.5")
+    assert got["classes"] == ["ColdsetRoutedExperts/ColdsetMoEMethod"]
+    assert got["tokens"] == stock["tokens"] == served["stock"]["completion"]
+    mem = got["memory"]
+    assert mem["layer_expert_bytes_after"] == 0  # the layers' full expert tensors are freed
+    assert mem["hot_pool_bytes"] * 2 == mem["layer_expert_bytes_before"] == mem["hot_pool_bytes"] + mem["host_tier_bytes"]
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+def _copy_results(gated_workflow, dst: Path) -> Path:
+    """The placement, parity, manifest and autotune files of the workflow in a folder of their own
+    (the manifest still names the model folder), to spoil one of them."""
+    src = gated_workflow["results"]
+    for sub in ("placement", "parity", "autotune"):
+        shutil.copytree(src / sub, dst / sub)
+    (dst / "model" / "synthetic-moe").mkdir(parents=True)
+    shutil.copy2(src / "model" / "synthetic-moe" / "manifest.json", dst / "model" / "synthetic-moe" / "manifest.json")
+    return dst / "placement" / "synthetic-moe"
+
+
+def _edit_json(path: Path, **changes) -> None:
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+def test_bad_placements_refused_by_name(gated_workflow, tmp_path, monkeypatch):
+    from coldset.vllm_plugin import PluginError, load_served_placement
+
+    pdir = _copy_results(gated_workflow, tmp_path / "results")
+    name = "usage_global-0.5"
+    assert load_served_placement(pdir / f"{name}.json").placement.policy == "usage_global"
+    parity = tmp_path / "results" / "parity" / "synthetic-moe"
+    cases = []
+    # parity report missing
+    (parity / "positional-0.5.json").unlink()
+    cases.append(("positional-0.5", "no parity report"))
+    # parity report failed (its flag, or its counts)
+    _edit_json(parity / "usage_global-0.0.json", tokens_matched=0)
+    cases.append(("usage_global-0.0", "did not pass"))
+    # a stale report: the kernel entry it checked was rewritten
+    auto = tmp_path / "results" / "autotune" / "synthetic-moe.json"
+    doc = json.loads(auto.read_text())
+    doc["configs"] = {"spoiled": 1}
+    auto.write_text(json.dumps(doc))
+    cases.append((name, "is stale"))
+    for placement, message in cases:
+        with pytest.raises(PluginError, match=message) as err:
+            load_served_placement(pdir / f"{placement}.json")
+        assert "COLDSET_PLACEMENT" in str(err.value)
+    # a dynamic placement
+    _edit_json(pdir / "positional-0.0.json", policy="lru", cache_warm_counts=[])
+    with pytest.raises(PluginError, match="dynamic"):
+        load_served_placement(pdir / "positional-0.0.json")
+    # an edited row map (the pair's sha256 no longer matches)
+    npy = pdir / "usage_global-0.5.rowmap.npy"
+    npy.write_bytes(npy.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(PluginError, match="sha256"):
+        load_served_placement(pdir / "usage_global-0.5.json")
+
+
+def test_engine_settings_refused_by_name(gated_workflow, tmp_path):
+    """The engine-side checks against vLLM's config (attribute names as in vLLM 0.32's
+    ModelConfig/ParallelConfig, which the server runs above exercise on the real objects)."""
+    from coldset.vllm_plugin import PluginError, check_engine, check_vllm_version, load_served_placement
+
+    served = load_served_placement(gated_workflow["placement_dir"] / "usage_global-0.5.json")
+    cfg = served.manifest["config"]
+    hf = SimpleNamespace(num_hidden_layers=cfg["num_layers"], num_experts=cfg["num_experts"],
+                         hidden_size=cfg["hidden_size"], moe_intermediate_size=cfg["moe_intermediate_size"])
+
+    def config(model=gated_workflow["model_dir"], dtype="torch.float32", quantization=None, hf_cfg=hf, **parallel):
+        par = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                   enable_expert_parallel=False, enable_eplb=False)
+        par.update(parallel)
+        return SimpleNamespace(model_config=SimpleNamespace(model=str(model), dtype=dtype, quantization=quantization,
+                                                            hf_text_config=hf_cfg),
+                               parallel_config=SimpleNamespace(**par))
+
+    check_engine(served, config())  # the model the placement was made for
+    copy = tmp_path / "copy"
+    shutil.copytree(gated_workflow["model_dir"], copy, copy_function=shutil.copy)  # same bytes, new mtimes
+    other = SimpleNamespace(**{**vars(hf), "num_experts": 64})
+    for cfg_, message in [
+        (config(model=copy), "not the model the placement was made for"),
+        (config(model="Qwen/Qwen3-30B-A3B"), "not a local folder"),
+        (config(dtype="torch.bfloat16"), "dtype 'bfloat16'"),
+        (config(hf_cfg=other), "num_experts 64"),
+        (config(tensor_parallel_size=2), "tensor_parallel_size 2"),
+        (config(enable_expert_parallel=True), "enable_expert_parallel"),
+        (config(data_parallel_size=2), "data_parallel_size 2"),
+        (config(quantization="fp8"), "quantization 'fp8'"),
+    ]:
+        with pytest.raises(PluginError, match=message):
+            check_engine(served, cfg_)
+    check_vllm_version("0.32.0")
+    with pytest.raises(PluginError, match="vLLM 0.33.1 is not a tested version"):
+        check_vllm_version("0.33.1")
+
+
+def test_bad_start_fails_the_server_with_the_message(gated_workflow, tmp_path):
+    """Through the real server: a failed parity report (refused in the API server's own process,
+    before any engine starts) and a good placement served at another dtype (refused where the
+    model is built)."""
+    pytest.importorskip("vllm")
+    pdir = _copy_results(gated_workflow, tmp_path / "results")
+    _edit_json(tmp_path / "results" / "parity" / "synthetic-moe" / "usage_global-0.5.json", passed=False)
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    for placement, dtype, message in [
+        (pdir / "usage_global-0.5.json", "float32", "did not pass"),
+        (gated_workflow["placement_dir"] / "positional-0.5.json", "bfloat16", "dtype 'bfloat16'"),
+    ]:
+        server = Server(gated_workflow["model_dir"], tmp_path / f"bad-{dtype}.log", template, placement, dtype)
+        try:
+            assert not server.wait_ready(), f"the server started with a bad placement ({message})"
+        finally:
+            server.stop()
+        assert server.proc.returncode != 0
+        log = server.text()
+        assert "PluginError" in log and message in log, log[-4000:]
