@@ -151,3 +151,135 @@ def test_fp8_pools_refuse_missing_or_misshapen_scales():
         ExpertPools.all_hot(q13, q2, s13, None)
     with pytest.raises(ValueError, match="float8_e4m3fn weights"):
         ExpertPools.all_hot(q13.float(), q2.float(), s13, s2)
+
+
+# ---------------------------------------------------------------- GPU (Triton FP8 kernel) -------
+
+def float64_fp8_moe(q, layer, x, ids, weights):
+    """:func:`float64_fp8_experts` vectorised per expert (float64 on x's device), for larger batches."""
+    q13, q2, s13, s2 = q
+    inter = q2.shape[-1]
+    a = fp8.dequantize_activations(*fp8.quantize_activations(x)).double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, rank = torch.where(ids == e)
+        h = a[tok] @ fp8.dequantize_w13(q13[layer, e], s13[layer, e]).double().T
+        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+        act = fp8.dequantize_activations(*fp8.quantize_activations(act)).double()
+        y = act @ fp8.dequantize_weight(q2[layer, e], s2[layer, e]).double().T
+        out.index_add_(0, tok, y * weights[tok, rank, None].double())
+    return out
+
+
+def dup_fp8_pools(q, device="cuda"):
+    """Every expert in both tiers (hot on the GPU, weights and scales pinned in host memory), all-hot map."""
+    L, E = q[0].shape[:2]
+    n = L * E
+
+    def hot(t):
+        return t.reshape(n, *t.shape[2:]).to(device).contiguous()
+
+    def cold(t):
+        c = torch.empty((n, *t.shape[2:]), dtype=t.dtype, pin_memory=True)
+        c.copy_(t.reshape(n, *t.shape[2:]).cpu())
+        return c
+
+    q13, q2, s13, s2 = q
+    pools = ExpertPools(hot(q13), hot(q2), cold(q13), cold(q2),
+                        torch.arange(n, dtype=torch.int32, device=device).reshape(L, E),
+                        w13_scale_hot=hot(s13), w2_scale_hot=hot(s2), w13_scale_cold=cold(s13), w2_scale_cold=cold(s2))
+    pools.validate()
+    return pools
+
+
+@gpu
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72), (384, 192)])  # partial blocks; I not a block multiple
+@pytest.mark.parametrize("num_tokens", [1, 33, 300])
+def test_triton_fp8_matches_torch_path_and_float64(hidden, inter, num_tokens):
+    from coldset.kernels.triton_moe import triton_experts
+
+    _, _, q = make_fp8(2, 16, hidden, inter, seed=num_tokens, device="cuda")
+    pools = ExpertPools.all_hot(*q[:2], *q[2:])
+    for layer in range(2):
+        x, ids, w = routing(num_tokens, 16, 4, hidden, torch.bfloat16, seed=10 + layer, device="cuda")
+        out = triton_experts(pools, layer, x, ids, w)
+        ref64 = float64_fp8_moe(q, layer, x, ids, w)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        assert rel_err(out, torch_experts(pools, layer, x, ids, w).double().cpu()) < 1e-2
+        assert rel_err(out, ref64.cpu()) < 1e-2
+        assert abs(signed_bias(out, ref64)) < 1e-3, signed_bias(out, ref64)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 257])
+def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(num_tokens):
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    L, E = 2, 32
+    _, _, q = make_fp8(L, E, 256, 128, seed=5)
+    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    host = host_tier(unmodified)
+    assert host.pinned and host.w13_scale.is_pinned()
+    x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=6, device="cuda")
+    configs = [None, KernelConfig(16, 32, 128, 64, 128, 4, 3, 1), KernelConfig(16, 32, 128, 64, 128, 4, 3, 128),
+               KernelConfig(16, 64, 128, 128, 128, 4, 3, 32, 2), KernelConfig(32, 64, 128, 32, 128, 4, 2, 1, tile_order=1),
+               KernelConfig(64, 64, 128, 128, 128, 4, 3, 1, 2, tile_order=1, half_buf=1)]
+    for cfg in configs:
+        refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
+        assert not torch.equal(refs[0], refs[1])
+        for seed, frac in [(0, 0.0), (1, 0.5), (2, 1.0)]:
+            rm = random_row_map(L, E, frac, seed)
+            built = build_pools(q[0], q[1], rm, "cuda", w13_scale=q[2], w2_scale=q[3])
+            if built.num_cold:
+                assert built.w13_cold.is_pinned() and built.w13_scale_cold.is_pinned()
+            for pools in (built, unmodified.placed(rm, host)):
+                for layer in range(L):
+                    assert torch.equal(triton_experts(pools, layer, x, ids, w, cfg), refs[layer]), (cfg, seed, layer)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens,pdl", [(1, 0), (4, 2), (64, 2)])
+def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
+    """A captured step re-reads the row map: hot, then every expert cold (weights and scales read in
+    place from pinned memory), then a mixed map; each replay bitwise the unmodified path."""
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+
+    L, E = 2, 16
+    _, _, q = make_fp8(L, E, 256, 128, seed=8)
+    pools = dup_fp8_pools(q)
+    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=9, device="cuda")
+    cfg = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl)
+    ref = triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False)
+    out = triton_experts(pools, 1, x, ids, w, cfg)  # compile and validate before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_experts(pools, 1, x, ids, w, cfg)
+    hot = torch.arange(L * E, dtype=torch.int32).reshape(L, E)
+    mixed = torch.where(torch.arange(L * E).reshape(L, E) % 3 == 0, -hot - 1, hot).to(torch.int32)
+    for rm in (hot, -hot - 1, mixed):
+        pools.set_row_map(rm)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+@gpu
+def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill():
+    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+    from coldset.slots import SlotCache
+
+    _, _, q = make_fp8(1, 8, 256, 128)
+    pools = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    x, ids, w = routing(2, 8, 2, 256, torch.bfloat16, device="cuda")
+    for cfg, match in [(KernelConfig(16, 32, 64, 64, 64), "block_k1 and block_k2 must be 128"),
+                       (KernelConfig(16, 32, 128, 64, 128, split_k1=2), "split-K"),
+                       (KernelConfig(16, 32, 128, 64, 128, pdl=3), "pdl must be 0 or 2")]:
+        with pytest.raises(ValueError, match=match):
+            triton_experts(pools, 0, x, ids, w, cfg)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        triton_experts(pools, 0, x.float(), ids, w.float())
+    rm = random_row_map(1, 8, 0.5, 1)
+    with pytest.raises(NotImplementedError, match="FP8 experts on CUDA"):
+        SlotCache.build(pools, host_tier(pools), rm, np.ones(int((rm >= 0).sum())), "lru", 1, 2)
