@@ -28,6 +28,7 @@ include: "workflow/rules/autotune.smk"
 include: "workflow/rules/parity.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/track.smk"
+include: "workflow/rules/vllm.smk"
 include: "workflow/rules/gpu_report.smk"
 
 

@@ -197,33 +197,43 @@ def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
     assert hot == pl.num_hot * pl.bytes_per_expert  # the hot pool: the placement's hot share only
 
 
-def _offline(gated_workflow, prompts, tmp_path, placement: str | None) -> dict:
-    job, result = tmp_path / "job.json", tmp_path / "result.json"
-    job.write_text(json.dumps({"model_dir": str(gated_workflow["model_dir"]), "prompts": prompts,
-                               "max_tokens": MAX_TOKENS}))
-    env = coldset_env()
-    env.pop("COLDSET_PLACEMENT", None)
-    if placement:
-        env["COLDSET_PLACEMENT"] = str(gated_workflow["placement_dir"] / f"{placement}.json")
-    proc = subprocess.run([sys.executable, str(HERE / "run_plugin_offline.py"), str(job), str(result)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"offline run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(result.read_text())
-
-
-def test_offline_generate_equal_and_memory(served, gated_workflow, prompts, tmp_path):
+def test_vllm_parity_stage(gated_workflow):
+    """The rule's stage (coldset.vllm_parity, offline LLM.generate in a process per run) on the
+    gated workflow, restricted to one placement: tokens equal to the embedded engine's and stock
+    vLLM's, the plugin's classes in place, the layers' expert tensors freed."""
     pytest.importorskip("vllm")
-    (tmp_path / "stock").mkdir()
-    stock = _offline(gated_workflow, prompts, tmp_path / "stock", None)
-    assert stock["classes"] == ["RoutedExperts/UnquantizedFusedMoEMethod"]  # not asked for: vLLM's own classes
+    from coldset.config import load_config
+    from coldset.pipeline import run_stage
+    from coldset.placement import load_placement
+    from coldset.vllm_parity import vllm_parity
+
+    config = load_config(gated_workflow["config"])
+    config["placement"]["policies"], config["placement"]["residency"] = ["usage_global"], [0.5]
+    run_stage(vllm_parity, config)
+    report = json.loads((gated_workflow["results"] / "parity" / "synthetic-moe" / "vllm.json").read_text())
+    assert report["passed"] and report["vllm_version"].startswith("0.32")
+    stock, got = report["stock"], report["placements"]["usage_global-0.5"]
+    assert stock["classes"] == ["RoutedExperts/UnquantizedFusedMoEMethod"]  # not asked for: vLLM's own
     assert stock["memory"] == {"active": False, "built": False}
-    (tmp_path / "plugin").mkdir()
-    got = _offline(gated_workflow, prompts, tmp_path / "plugin", "usage_global-0.5")
     assert got["classes"] == ["ColdsetRoutedExperts/ColdsetMoEMethod"]
-    assert got["tokens"] == stock["tokens"] == served["stock"]["completion"]
+    assert got["tokens_matched"] == got["tokens_total"] == report["fixtures"] * report["max_new_tokens"] > 0
+    assert got["equal_to_stock_vllm"] and stock["tokens_matched"] == stock["tokens_total"]
     mem = got["memory"]
+    pl = load_placement(gated_workflow["placement_dir"] / "usage_global-0.5.json")
     assert mem["layer_expert_bytes_after"] == 0  # the layers' full expert tensors are freed
-    assert mem["hot_pool_bytes"] * 2 == mem["layer_expert_bytes_before"] == mem["hot_pool_bytes"] + mem["host_tier_bytes"]
+    assert mem["layer_expert_bytes_before"] == (pl.num_hot + pl.num_cold) * pl.bytes_per_expert
+    assert mem["hot_pool_bytes"] == pl.num_hot * pl.bytes_per_expert == mem["layer_expert_bytes_before"] // 2
+
+
+def test_compare_tokens_counts_divergence_and_length():
+    from coldset.vllm_parity import compare_tokens
+
+    want = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert compare_tokens(want, want, ["a", "b"])["passed"]
+    r = compare_tokens([[1, 2, 3, 4], [5, 9, 7, 8]], want, ["a", "b"])
+    assert not r["passed"] and r["tokens_matched"] == 5 and r["first_mismatch"]["fixture"] == "b"
+    short = compare_tokens([[1, 2, 3], [5, 6, 7, 8]], want, ["a", "b"])  # one token short is not a match
+    assert not short["passed"] and short["tokens_matched"] == 7 and short["first_mismatch"]["position"] == 3
 
 
 # ------------------------------------------------------------------------------------ refusals
