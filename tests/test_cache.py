@@ -89,7 +89,7 @@ def random_stream(rng, n_layers=3, n_experts=6, n_groups=60, k=2, dup=False, ske
     return groups, AccessStream(ids, ptr, n_groups, n_layers, n_experts), profile, n_inst
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "forecast"])  # forecast: its own test below
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("forecast", "nexttoken")])  # own tests below
 def test_policies_match_brute_force(policy):
     rng = np.random.default_rng(7)
     for trial in range(25):
@@ -196,8 +196,12 @@ def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
 
     with pytest.raises(CacheError, match="needs a forecaster"):
         simulation_table(stream, counts, POLICIES, [0.5], bytes_per_expert=10**6)
-    table = simulation_table(stream, counts, POLICIES, [0.25, 0.5, 1.0], bytes_per_expert=10**6,
-                             forecaster=TransitionForecaster.fit(prof, 2, 4, 2))
+    with pytest.raises(CacheError, match="nexttoken' needs a NextTokenForecaster"):
+        simulation_table(stream, counts, POLICIES, [0.5], bytes_per_expert=10**6,
+                         forecaster=TransitionForecaster.fit(prof, 2, 4, 2))
+    table = simulation_table(stream, counts, [p for p in POLICIES if p != "nexttoken"], [0.25, 0.5, 1.0],
+                             bytes_per_expert=10**6, forecaster=TransitionForecaster.fit(prof, 2, 4, 2))
+    assert table.step_ms.isna().all()  # no time model: no time columns
     full = table[table.residency == 1.0]
     assert (full.hit_rate == 1.0).all() and (full.link_gb_per_token == 0.0).all()
     st = table[(table.policy == "static") & (table.residency == 0.5)].iloc[0]
@@ -253,11 +257,16 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     df = pd.DataFrame(rows, columns=["request", "domain", "position", "phase", "layer", "rank", "expert", "split"])
     trace = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(df, preserve_index=False))
     stats = run_stats(trace, tmp_path / "stats", figures=False, progress=False)
+    time = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.0}, {"batch": 2, "all_hbm_step_ms": 3.0}]}
     paths = run_cache(trace, stats["histogram"], Shape(), tmp_path / "cache", residencies=[0.25, 0.5],
-                      locality_json=stats["locality"])
-    table = read_simulation(paths["simulation"])
+                      locality_json=stats["locality"], time=time)
+    every = read_simulation(paths["simulation"])
     assert paths["figure"].stat().st_size > 0
-    assert list(table.policy) == list(POLICIES) * 2
+    # one table per batch size of the time model, each policies x residencies
+    assert list(every.policy) == list(POLICIES) * 4 and list(every.batch) == [1] * 2 * len(POLICIES) + [2] * 2 * len(
+        POLICIES)
+    assert every.step_ms.notna().all() and (every.bound_fraction > 0).all() and (every.bound_fraction <= 1 + 1e-9).all()
+    table = every[every.batch == 1]
     for r in (0.25, 0.5):
         pl = place(read_histogram(stats["histogram"]), Shape(), "usage_global", r)
         st = table[(table.policy == "static") & (table.residency == r)].iloc[0]
@@ -287,6 +296,18 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         fills = sum(len({x for x, h in zip(g, ref_hit[a:a + len(g)]) if not h})
                     for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
         assert row.link_gb_per_token == pytest.approx((fills + ref_pf.sum()) * expert_bytes(Shape()) / row.tokens / 1e9)
+        # nexttoken: the forecaster fitted (and tuned) on the profile tokens, its lists replayed by brute force
+        from coldset.cache import lanes_from_frame, token_array
+        from coldset.forecast import NextTokenForecaster, nexttoken_lists
+
+        tok, seq = token_array(select_rows(trows, "profile"), 2, 8)
+        nt = NextTokenForecaster.fit_tuned(tok, seq, 2, 8)
+        lanes = lanes_from_frame(select_rows(trows, "heldout"), 2, 8, 1)
+        lists = nexttoken_lists(nt, lanes.sel, lanes.start)
+        ref = brute_force_nexttoken(groups, st.capacity, counts.reshape(2, 8), 8, 2, lists.tolist(), None)
+        row = table[(table.policy == "nexttoken") & (table.residency == r)].iloc[0]
+        assert row.hit_rate == pytest.approx(np.mean(ref["hit"]))
+        assert row.prefetches_per_token == pytest.approx(sum(ref["prefetches"]) / row.tokens)
     assert table.link_gb_per_token.iloc[0] == pytest.approx(
         table.misses_per_token.iloc[0] * expert_bytes(Shape()) / 1e9)
 
@@ -306,8 +327,11 @@ def test_without_numba_the_same_source_runs_as_plain_python():
         "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
         "s = cache.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
         "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
-        "print([int(cache.simulate(s, p, 5, prof, predictions=pred if p == 'forecast' else None).hits.sum()) "
-        "for p in cache.POLICIES])\n"
+        "rs = [cache.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
+        "for p in cache.POLICIES]\n"
+        "tm = cache.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, True, 'use')\n"
+        "print([int(r.hits.sum()) for r in rs], [int(r.stats().prefetches) for r in rs], "
+        "[round(cache.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -319,8 +343,14 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     s = AccessStream(ids, ptr, 100, 2, 6)
     prof = rng.random((2, 6))
     pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
-    assert out.stdout.strip() == str([int(simulate(s, p, 5, prof, predictions=pred if p == "forecast" else None)
-                                          .hits.sum()) for p in POLICIES])
+    from coldset.cache import TimeModel, simulate_time
+
+    rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
+    tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, True, "use")
+    want = (f"{[int(r.hits.sum()) for r in rs]} {[int(r.stats().prefetches) for r in rs]} "
+            f"{[round(simulate_time(s, r, tm).step_ms, 9) for r in rs]}")
+    assert out.stdout.strip() == want
+    assert sum(r.stats().prefetches for r in rs) > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,3 +535,134 @@ def test_lookahead_prefetch_lands_for_a_later_layer_of_the_step():
         simulate(stream, "lookahead", 3, profile, predictions=np.array([[2], [-1]]))
     with pytest.raises(CacheError, match="required by policy"):
         simulate(stream, "lookahead", 3, profile)
+
+
+# ---------------------------------------------------------------------------------------------
+# nexttoken (issue 28): /work/coord/policy28.md's rules read literally
+
+
+def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists, budget):
+    """Per-selection hits, per-group prefetch lists, useful and wasted prefetches, plain Python."""
+    flat = profile.reshape(-1)
+    hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
+    warm = sorted(hot, key=lambda x: (flat[x], x))
+    resident = set(warm)
+    recency = {x: float(j - capacity) for j, x in enumerate(warm)}
+    predicted_of = {}  # layer -> the latest candidate set
+    inflight_of = {}  # layer -> instances prefetched after its previous group
+    fresh = set()
+    out = {"hit": [], "prefetches": [], "issued": [], "useful": 0, "wasted": 0}
+    tick = 0
+    for g, cand in zip(groups, lists):
+        layer = g[0] // n_experts
+        inflight_of[layer] = set()  # 1. commit
+        inflight = set().union(*inflight_of.values())
+        predicted = set().union(*predicted_of.values())
+        gh = [x in resident for x in g]
+        out["hit"] += gh
+        for x, h in zip(g, gh):
+            if h and x in fresh:
+                out["useful"] += 1
+                fresh.discard(x)
+        missed = []
+        for x, h in zip(g, gh):
+            if not h and x not in missed:
+                missed.append(x)
+        for x in missed:  # 2. demand
+            cands = [y for y in resident if y not in g and y not in inflight]
+            if not cands:
+                break
+            v = min(cands, key=lambda y: (y in predicted, recency[y]))
+            resident.remove(v)
+            if v in fresh:
+                out["wasted"] += 1
+                fresh.discard(v)
+            resident.add(x)
+        for x in g:
+            if x in resident:
+                recency[x] = float(tick)
+            tick += 1
+        predicted_of[layer] = {x for x in cand if x >= 0}  # 3. forecast
+        predicted = set().union(*predicted_of.values())
+        issued = []
+        for x in cand:  # 4. prefetch
+            if x < 0 or x in resident:
+                continue
+            if budget is not None and len(issued) >= budget:
+                break
+            cands = [y for y in resident if y not in g and y not in inflight and y not in predicted]
+            if not cands:
+                break
+            v = min(cands, key=recency.get)
+            resident.remove(v)
+            if v in fresh:
+                out["wasted"] += 1
+                fresh.discard(v)
+            resident.add(x)
+            inflight.add(x)
+            inflight_of[layer].add(x)
+            fresh.add(x)
+            issued.append(x)
+            recency[x] = tick - 1 + len(issued) / (len(cand) + 1)
+        out["prefetches"].append(len(issued))
+        out["issued"].append(issued)
+    return out
+
+
+def test_nexttoken_policy_matches_brute_force():
+    rng = np.random.default_rng(23)
+    seen = {"prefetch": 0, "useful": 0, "wasted": 0, "predicted_victim": 0}
+    for trial in range(60):
+        k = int(rng.integers(1, 4))
+        n_layers = int(rng.integers(1, 4))
+        groups, stream, profile, n_inst = random_stream(rng, n_layers=n_layers, n_experts=6, k=k,
+                                                        dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+        E = stream.num_experts
+        width = int(rng.integers(1, 6))
+        layer = np.array([g[0] // E for g in groups])
+        lists = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
+        lists = np.where(rng.random(lists.shape) < 0.2, -1, lists)
+        for row in lists:  # a candidate list names an instance once
+            _, first = np.unique(row, return_index=True)
+            dup = np.ones(row.size, bool)
+            dup[first] = False
+            row[dup] = -1
+        cap = int(rng.integers(stream.max_group, n_inst + 1))
+        budget = None if trial % 2 else int(rng.integers(0, 3))
+        res = simulate(stream, "nexttoken", cap, profile, predictions=lists, prefetch_budget=budget)
+        ref = brute_force_nexttoken(groups, cap, profile, E, n_layers, lists.tolist(), budget)
+        np.testing.assert_array_equal(res.hit, ref["hit"], err_msg=f"trial {trial} cap {cap}")
+        np.testing.assert_array_equal(res.prefetches, ref["prefetches"], err_msg=f"trial {trial}")
+        for g, want in enumerate(ref["issued"]):
+            assert res.issued[g, :len(want)].tolist() == want and (res.issued[g, len(want):] == -1).all()
+        assert res.useful_prefetches == ref["useful"] and res.wasted_prefetches == ref["wasted"]
+        seen["prefetch"] += sum(ref["prefetches"])
+        seen["useful"] += ref["useful"]
+        seen["wasted"] += ref["wasted"]
+    assert seen["prefetch"] > 100 and seen["useful"] > 20 and seen["wasted"] > 5  # the streams exercised it
+
+
+def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
+    """1 layer x 4 experts, top-1, 2 slots warm with e0 (least used) and e1. Step 0 selects e2:
+    miss; e0 is predicted (the previous list), so e1 goes although it is more recent. The list
+    [e3] then prefetches e3 into the only unpredicted slot not used by the group... none: e2 is used,
+    e0 is predicted by the old list? No: the new list [e3] replaces layer 0's flags, so e0 is free."""
+    stream = AccessStream(np.array([2, 3, 0]), np.array([0, 1, 2, 3]), 3, 1, 4)
+    profile = np.array([[1.0, 2.0, 0.0, 0.0]])  # warm e1 (count 2) and e0 (count 1, first victim)
+    # group 0's predicted flags come from no earlier list: every resident unpredicted -> lru victim e0
+    lists = np.array([[3], [0], [-1]])
+    res = simulate(stream, "nexttoken", 2, profile, predictions=lists, record_victims=True)
+    # g0: e2 misses, victim e0 (least recent); list [e3] prefetches into e1's slot (e2 used by the group)
+    # g1: e3 hits (committed), list [e0]: victims exclude e3 (predicted? no: the new list is [e0]) -> e2 goes
+    # g2: e0 hits
+    assert res.hit.tolist() == [False, True, True]
+    assert res.victims.tolist() == [0, -1, -1]
+    assert res.issued[:, 0].tolist() == [3, 0, -1] and res.useful_prefetches == 2 and res.wasted_prefetches == 0
+    # with a predicted resident the demand miss takes the unpredicted one even when it is more recent
+    stream = AccessStream(np.array([1, 2]), np.array([0, 1, 2]), 2, 1, 4)
+    res = simulate(stream, "nexttoken", 2, profile, predictions=np.array([[0], [-1]]), record_victims=True)
+    # g0: e1 hits, list [e0] (resident: no copy) -> e0 predicted; g1: e2 misses: e0 predicted, e1 is
+    # unpredicted (more recent than e0) -> e1 goes
+    assert res.hit.tolist() == [True, False] and res.victims.tolist() == [-1, 1]
+    lru = simulate(stream, "lru", 2, profile, record_victims=True)
+    assert lru.victims.tolist() == [-1, 0]  # lru alone would have evicted e0

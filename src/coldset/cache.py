@@ -94,11 +94,14 @@ import pandas as pd
 from coldset.placement import hot_count_for_residency, hot_mask_usage_global
 from coldset.trace import request_codes
 
-POLICIES = ("static", "lru", "lfu", "belady", "forecast")
-PREFETCH_POLICIES = ("forecast", "lookahead")  # replayed with prefetch lists; lookahead: simulate() only
-ONLINE_POLICIES = ("lru", "lfu", "belady", "forecast")
+POLICIES = ("static", "lru", "lfu", "belady", "forecast", "nexttoken")
+PREFETCH_POLICIES = ("forecast", "lookahead", "nexttoken")  # replayed with prefetch lists; lookahead: simulate() only
+ONLINE_POLICIES = ("lru", "lfu", "belady", "forecast", "nexttoken")
 SIMULATION_COLUMNS = ("policy", "residency", "capacity", "accesses", "tokens", "hit_rate",
                       "misses_per_token", "link_gb_per_token")
+# issue 28: the batch the replay steps, the prefetches, and the simulated time (simulate_time)
+TIME_COLUMNS = ("batch", "prefetches_per_token", "prefetch_precision", "step_ms", "bound_ms", "bound_fraction",
+                "overlap", "stall_ms_per_token", "wasted_gb_per_token")
 
 try:  # numba compiles the replay loops; without it the same code runs as plain Python
     from numba import njit as _njit
@@ -210,6 +213,112 @@ def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
     tokens = int(np.count_nonzero(np.r_[True, token_key[1:] != token_key[:-1]]))
     ptr = np.r_[np.flatnonzero(new_group), exp.size]
     return AccessStream(li * num_experts + exp, ptr, tokens, num_moe_layers, num_experts)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Decode tokens laid out as an engine batch steps them (the ``nexttoken`` forecast's input).
+
+    ``sel`` int64 ``[S, L, B, k]``: the experts lane ``b`` selects at step ``s`` in MoE layer
+    ``l`` (rank order), ``-1`` for every layer and rank of a lane idle at that step; ``start``
+    bool ``[S, B]``: a new sequence begins in lane ``b`` at step ``s`` (its history, the
+    forecast's past tokens and per-sequence state, starts empty there). The engine's pass is
+    ``B`` lanes started together at step 0; :func:`lanes_from_frame` lays a trace's requests out
+    in lanes as continuous batching would.
+    """
+
+    sel: np.ndarray
+    start: np.ndarray
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        sel = np.ascontiguousarray(self.sel, dtype=np.int64)
+        start = np.ascontiguousarray(self.start, dtype=bool)
+        object.__setattr__(self, "sel", sel)
+        object.__setattr__(self, "start", start)
+        if sel.ndim != 4 or start.shape != (sel.shape[0], sel.shape[2]):
+            raise CacheError(f"Lanes: sel must be [steps, layers, lanes, k] and start [steps, lanes], got "
+                             f"{sel.shape} and {start.shape}")
+        if sel.size and (sel.min() < -1 or sel.max() >= self.num_experts):
+            raise CacheError(f"Lanes: experts must lie in [0, {self.num_experts}) or be -1 (idle lane)")
+        idle = sel < 0
+        if (idle.any(axis=(1, 3)) != idle.all(axis=(1, 3))).any():
+            raise CacheError("Lanes: a lane is idle at a step in every layer and rank or in none")
+        if sel.shape[0] and ((~idle[:, 0, :, 0]).sum(axis=1) == 0).any():
+            raise CacheError("Lanes: every step needs at least one active lane")
+
+    @property
+    def active(self) -> np.ndarray:
+        """bool ``[S, B]``: lane ``b`` decodes a token at step ``s``."""
+        return self.sel[:, 0, :, 0] >= 0
+
+    def stream(self) -> AccessStream:
+        """The replay stream: one group per (step, MoE layer), the active lanes' selections in lane
+        then rank order (the engine's row order)."""
+        S, L, B, k = self.sel.shape
+        if S == 0:
+            return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, L, self.num_experts)
+        act = self.active
+        flat = (np.arange(L, dtype=np.int64)[None, :, None, None] * self.num_experts + self.sel)
+        ids = flat[np.broadcast_to(act[:, None, :, None], flat.shape)]
+        sizes = np.repeat(act.sum(axis=1) * k, L)
+        return AccessStream(ids, np.r_[0, np.cumsum(sizes)], int(act.sum()), L, self.num_experts)
+
+
+def token_array(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
+                num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(experts int64 [T, L, k], sequence int64 [T])``: every decode token of ``rows`` (columns
+    request, position, layer_index, rank, expert) in request (string) then position order, with its
+    request's number. Every token must hold all ``L`` MoE layers and ranks ``0..k-1`` once: a
+    token with a missing layer is refused (its next-token statistics would be misaligned)."""
+    stream = stream_from_frame(rows, num_moe_layers, num_experts)
+    L, E = num_moe_layers, num_experts
+    if stream.tokens == 0:
+        return np.zeros((0, L, 1), np.int64), np.zeros(0, np.int64)
+    sizes = np.diff(stream.group_ptr)
+    k = int(sizes[0])
+    if stream.num_groups != stream.tokens * L or (sizes != k).any():
+        raise CacheError(f"token_array: every decode token must hold all {L} MoE layers with the same top_k "
+                         f"selections ({stream.num_groups} groups for {stream.tokens} tokens)")
+    layer = stream.instances // E
+    if (layer.reshape(-1, L, k) != np.arange(L)[None, :, None]).any():
+        raise CacheError(f"token_array: every decode token must hold all {L} MoE layers")
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
+    rc, _ = request_codes(req_col)
+    seq = np.sort(rc)[:: L * k]  # stream order is request code order
+    return (stream.instances % E).reshape(-1, L, k), seq
+
+
+def lanes_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int, num_experts: int,
+                     batch: int) -> Lanes:
+    """The decode tokens of ``rows`` as ``batch`` lanes under continuous batching: requests in
+    request id order, each to the lane that frees first (the lowest lane on ties), its tokens in
+    position order on consecutive steps. ``batch = 1`` gives :func:`stream_from_frame`'s stream."""
+    if batch < 1:
+        raise CacheError(f"lanes_from_frame: batch must be >= 1, got {batch}")
+    tokens, seq = token_array(rows, num_moe_layers, num_experts)
+    T, L, k = tokens.shape
+    if T == 0:
+        return Lanes(np.zeros((0, L, batch, k), np.int64), np.zeros((0, batch), bool), num_experts)
+    starts = np.r_[0, np.flatnonzero(seq[1:] != seq[:-1]) + 1]
+    lengths = np.diff(np.r_[starts, T])
+    free = np.zeros(batch, dtype=np.int64)
+    lane = np.empty(starts.size, np.int64)
+    step0 = np.empty(starts.size, np.int64)
+    for r, n in enumerate(lengths):
+        b = int(np.argmin(free))
+        lane[r], step0[r] = b, free[b]
+        free[b] += n
+    S = int(free.max())
+    sel = np.full((S, L, batch, k), -1, dtype=np.int64)
+    start = np.zeros((S, batch), dtype=bool)
+    tok_step = np.repeat(step0, lengths) + (np.arange(T) - np.repeat(starts, lengths))
+    tok_lane = np.repeat(lane, lengths)
+    sel[tok_step, :, tok_lane, :] = tokens
+    start[step0, lane] = True
+    return Lanes(sel, start, num_experts)
 
 
 def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0.25,
@@ -524,12 +633,15 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
     of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see the module doc); plain
     ``lru`` is the same replay with empty lists (no prefetch, so nothing in flight, and a pool of at
     least one group always has a victim outside the group). Returns (hit [N], fills [G],
-    prefetches [G], useful prefetches)."""
+    prefetches [G], useful prefetches, issued [G, W] (the instances copied after each group, in
+    issue order, -1 padded), wasted prefetches (evicted before any hit))."""
     n = ids.size
     n_groups = ptr.size - 1
     hit = np.zeros(n, dtype=np.bool_)
     fills = np.zeros(n_groups, dtype=np.int64)
     prefetches = np.zeros(n_groups, dtype=np.int64)
+    issued = np.full((n_groups, pred.shape[1]), -1, dtype=np.int64)
+    wasted = 0
     resident = np.zeros(n_inst, dtype=np.bool_)
     protected = np.zeros(n_inst + 1, dtype=np.bool_)
     in_group = np.zeros(n_inst, dtype=np.bool_)
@@ -575,6 +687,8 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
             nxt[prv[v]] = after
             prv[after] = prv[v]
             resident[v] = False
+            if unused_prefetch[v]:
+                wasted += 1
             unused_prefetch[v] = False
             i = missed[m]
             x = ids[i]
@@ -611,6 +725,8 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
             nxt[prv[v]] = after
             prv[after] = prv[v]
             resident[v] = False
+            if unused_prefetch[v]:
+                wasted += 1
             unused_prefetch[v] = False
             resident[x] = True
             inflight[x] = True
@@ -618,6 +734,7 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
             n_flight += 1
             unused_prefetch[x] = True
             _link_tail(nxt, prv, head, x)
+            issued[g, prefetches[g]] = x
             prefetches[g] += 1
             v = after
         for q in range(pred.shape[1]):
@@ -625,7 +742,137 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
                 listed[pred[g, q]] = False
         for i in range(s, e):
             used[ids[i]] = False
-    return hit, fills, prefetches, useful
+    return hit, fills, prefetches, useful, issued, wasted
+
+
+@_jit
+def _unlink(nxt, prv, v):
+    after = nxt[v]
+    nxt[prv[v]] = after
+    prv[after] = prv[v]
+    return after
+
+
+@_jit
+def _replay_next(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, victims):
+    """``nexttoken`` (see the module doc): LRU list as :func:`_replay_lru`, victims by (predicted,
+    last use), the forecast's flags replaced per layer after each group, the prefetch of the
+    group's list (up to ``budget`` copies, ``budget < 0``: no cut) into unpredicted, unused, not
+    in-flight slots of any layer, in flight until the next group of the same layer. Returns (hit
+    [N], fills [G], prefetches [G], useful, issued [G, W], wasted)."""
+    n = ids.size
+    n_groups = ptr.size - 1
+    width = pred.shape[1]
+    hit = np.zeros(n, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    prefetches = np.zeros(n_groups, dtype=np.int64)
+    issued = np.full((n_groups, width), -1, dtype=np.int64)
+    wasted = 0
+    useful = 0
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    protected = np.zeros(n_inst + 1, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    used = np.zeros(n_inst + 1, dtype=np.bool_)
+    predicted = np.zeros(n_inst + 1, dtype=np.bool_)
+    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
+    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
+    last_group = np.full(n_layers, -1, dtype=np.int64)  # the previous group of each layer
+    head = n_inst  # sentinel
+    nxt = np.full(n_inst + 1, head, dtype=np.int64)
+    prv = np.full(n_inst + 1, head, dtype=np.int64)
+    for j in range(warm.size):
+        x = warm[j]
+        resident[x] = True
+        _link_tail(nxt, prv, head, x)
+    max_group = max(_max_group(ptr), 1)
+    missed = np.empty(max_group, dtype=np.int64)
+    for g in range(n_groups):
+        s = ptr[g]
+        e = ptr[g + 1]
+        layer = ids[s] // n_exp
+        pg = last_group[layer]
+        if pg >= 0:  # 1. commit the previous group of this layer's prefetches
+            for q in range(width):
+                x = issued[pg, q]
+                if x >= 0:
+                    inflight[x] = False
+        n_miss = _classify_group(ids, s, e, resident, protected, in_group, hit, missed)
+        fills[g] = n_miss
+        for i in range(s, e):
+            if hit[i] and unused_prefetch[ids[i]]:
+                unused_prefetch[ids[i]] = False
+                useful += 1
+        # 2. demand: unpredicted least recent first, then predicted; never used by the group or in flight
+        v = nxt[head]
+        second = False
+        for m in range(n_miss):
+            while True:
+                while v != head and (protected[v] or inflight[v] or predicted[v] != second):
+                    v = nxt[v]
+                if v != head or second:
+                    break
+                second = True
+                v = nxt[head]
+            if v == head:  # every slot is used by this group or in flight: read in place, not admitted
+                break
+            after = _unlink(nxt, prv, v)
+            resident[v] = False
+            if unused_prefetch[v]:
+                wasted += 1
+                unused_prefetch[v] = False
+            i = missed[m]
+            x = ids[i]
+            resident[x] = True
+            protected[x] = True
+            _link_tail(nxt, prv, head, x)
+            if record:
+                victims[i] = v
+            v = after
+        for m in range(n_miss):
+            in_group[ids[missed[m]]] = False
+        for i in range(s, e):
+            x = ids[i]
+            protected[x] = False
+            used[x] = True
+            if resident[x]:
+                _unlink(nxt, prv, x)
+                _link_tail(nxt, prv, head, x)
+        # 3. the forecast replaces this layer's predicted flags
+        if pg >= 0:
+            for q in range(width):
+                if pred[pg, q] >= 0:
+                    predicted[pred[pg, q]] = False
+        for q in range(width):
+            if pred[g, q] >= 0:
+                predicted[pred[g, q]] = True
+        last_group[layer] = g
+        # 4. prefetch: unpredicted, unused, not in-flight victims of any layer, least recent first
+        v = nxt[head]
+        for q in range(width):
+            x = pred[g, q]
+            if x < 0 or resident[x]:
+                continue
+            if budget >= 0 and prefetches[g] >= budget:
+                break
+            while v != head and (used[v] or inflight[v] or predicted[v]):
+                v = nxt[v]
+            if v == head:
+                break
+            after = _unlink(nxt, prv, v)
+            resident[v] = False
+            if unused_prefetch[v]:
+                wasted += 1
+                unused_prefetch[v] = False
+            resident[x] = True
+            inflight[x] = True
+            unused_prefetch[x] = True
+            _link_tail(nxt, prv, head, x)
+            issued[g, prefetches[g]] = x
+            prefetches[g] += 1
+            v = after
+        for i in range(s, e):
+            used[ids[i]] = False
+    return hit, fills, prefetches, useful, issued, wasted
 
 
 def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
@@ -638,6 +885,225 @@ def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     same = ids[order[1:]] == ids[order[:-1]]
     out[order[:-1][same]] = order[1:][same]
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Time: the link as one queue beside the compute (issue 28)
+
+
+@_jit
+def _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t):
+    """The copy the link serves next: the head of the demand queue, else of the prefetch queue."""
+    if dq_h < dq_t:
+        return dq[dq_h], 0
+    if pq_h < pq_t:
+        return pq[pq_h], 1
+    return -1, -1
+
+
+@_jit
+def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy_ms, priority, join_step,
+                 n_inst):
+    """The compute clock and the link queue through a replay's decisions (see :func:`simulate_time`).
+    Returns (total ms, stall ms, steps, copies)."""
+    n_groups = ptr.size - 1
+    width = issued.shape[1]
+    n_copies = 0
+    for g in range(n_groups):
+        n_copies += (ptr[g + 1] - ptr[g]) + width
+    remaining = np.zeros(n_copies + 1, dtype=np.float64)
+    done = np.full(n_copies + 1, np.inf)
+    dq = np.empty(n_copies + 1, dtype=np.int64)  # demand copies (every copy when not priority)
+    pq = np.empty(n_copies + 1, dtype=np.int64)  # prefetch copies
+    dq_h = dq_t = pq_h = pq_t = 0
+    latest = np.full(n_inst, -1, dtype=np.int64)
+    seen = np.zeros(n_inst, dtype=np.bool_)
+    nc = 0
+    t = 0.0
+    link_t = 0.0
+    stall = 0.0
+    steps = 0
+    for g in range(n_groups):
+        if new_step[g]:
+            if g > 0:
+                if join_step:  # the previous step's end waits for every copy issued so far
+                    while True:
+                        c, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
+                        if c < 0:
+                            break
+                        link_t = max(link_t, 0.0) + remaining[c]
+                        remaining[c] = 0.0
+                        done[c] = link_t
+                        if q == 0:
+                            dq_h += 1
+                        else:
+                            pq_h += 1
+                    if link_t > t:
+                        stall += link_t - t
+                        t = link_t
+                t += head_ms
+            steps += 1
+        t += pre_ms
+        # the link serves its queues up to the decision point
+        while link_t < t:
+            c, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
+            if c < 0:
+                link_t = t
+                break
+            if link_t + remaining[c] <= t:
+                link_t += remaining[c]
+                remaining[c] = 0.0
+                done[c] = link_t
+                if q == 0:
+                    dq_h += 1
+                else:
+                    pq_h += 1
+            else:
+                remaining[c] -= t - link_t
+                link_t = t
+        s = ptr[g]
+        e = ptr[g + 1]
+        for i in range(s, e):  # demand copies: each distinct missed instance, first occurrence order
+            x = ids[i]
+            if not hit[i] and not seen[x]:
+                seen[x] = True
+                remaining[nc] = copy_ms
+                latest[x] = nc
+                dq[dq_t] = nc
+                dq_t += 1
+                nc += 1
+        for i in range(s, e):
+            seen[ids[i]] = False
+        ready = t
+        for i in range(s, e):  # the experts start when every selected instance's copy has landed
+            c = latest[ids[i]]
+            if c < 0:
+                continue
+            while done[c] == np.inf:
+                c2, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
+                link_t += remaining[c2]
+                remaining[c2] = 0.0
+                done[c2] = link_t
+                if q == 0:
+                    dq_h += 1
+                else:
+                    pq_h += 1
+            if done[c] > ready:
+                ready = done[c]
+        for q in range(width):  # the group's prefetches, issued with its decisions
+            x = issued[g, q]
+            if x < 0:
+                continue
+            remaining[nc] = copy_ms
+            latest[x] = nc
+            if priority:
+                pq[pq_t] = nc
+                pq_t += 1
+            else:
+                dq[dq_t] = nc
+                dq_t += 1
+            nc += 1
+        stall += ready - t
+        t = ready + post_ms
+    if n_groups > 0:
+        t += head_ms
+    return t, stall, steps, nc
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """What :func:`simulate_time` assumes about the step and the host link.
+
+    ``step_ms``: the all-HBM decode step at the stream's batch size (measured; the H200 at
+    Qwen3-30B-A3B's shape: 2.56 ms at b1, NOTES.md). ``link_gb_s``: the host link's read rate
+    (the measured pinned read rate, 51 GB/s on the H200). ``bytes_per_expert``: one copy
+    (:func:`coldset.placement.expert_bytes`). ``head_share``: the share of the step outside the
+    MoE layers' loop (embedding, final norm, LM head; 0.1 is the LM head's share of Qwen3-30B-A3B's
+    bytes per step at b1); the rest is split equally over the MoE layers. ``router_share``: the share
+    of a layer before its cache decisions (attention and router; the experts follow). Copies are
+    issued at the decisions. ``demand_priority``: demand copies go before every queued prefetch
+    and pause a running one (resumed after); False: one FIFO. ``join``: ``"use"`` (a copy is waited
+    on only by a group that selects its instance) or ``"step"`` (in addition, each step's end waits
+    for every copy issued until then: a side path joined inside the step)."""
+
+    step_ms: float
+    bytes_per_expert: int
+    link_gb_s: float = 51.0
+    head_share: float = 0.1
+    router_share: float = 0.4
+    demand_priority: bool = True
+    join: str = "use"
+
+    def __post_init__(self) -> None:
+        if not (self.step_ms > 0 and self.link_gb_s > 0 and self.bytes_per_expert > 0):
+            raise CacheError(f"TimeModel: step_ms, link_gb_s and bytes_per_expert must be > 0, got {self.step_ms}, "
+                             f"{self.link_gb_s}, {self.bytes_per_expert}")
+        if not (0 <= self.head_share < 1 and 0 <= self.router_share <= 1):
+            raise CacheError(f"TimeModel: head_share must lie in [0, 1) and router_share in [0, 1], got "
+                             f"{self.head_share}, {self.router_share}")
+        if self.join not in ("use", "step"):
+            raise CacheError(f"TimeModel: join must be 'use' or 'step', got {self.join!r}")
+
+    @property
+    def copy_ms(self) -> float:
+        return self.bytes_per_expert / (self.link_gb_s * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class TimeStats:
+    """A replay's simulated time (per step of the stream's batch; per token = per step / batch).
+
+    ``bound_ms = max(allhbm_ms, link ms per step)``; ``bound_fraction = bound_ms / step_ms``;
+    ``overlap = 1 - (step_ms - allhbm_ms) / link ms per step`` (NaN without link traffic): 1 when
+    every copy hides under the compute, 0 when the link time adds to it in series."""
+
+    step_ms: float
+    allhbm_ms: float
+    bound_ms: float
+    bound_fraction: float
+    overlap: float
+    stall_ms_per_token: float
+    link_gb_per_token: float
+    wasted_gb_per_token: float
+    steps: int
+    tokens: int
+
+
+def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -> TimeStats:
+    """The time a replay's decisions (:func:`simulate`'s ``result`` on ``stream``) take.
+
+    Compute: per step, each MoE layer ``(step_ms * (1 - head_share)) / L`` (``router_share`` of it
+    before its decisions), then ``head_share`` of the step. Link: one queue at ``link_gb_s``; a
+    copy lands when its bytes have crossed. At a group's decisions its demand copies (each distinct
+    missed instance: a slot fill, a read in place or a static cold read) and then its prefetches
+    (``result.issued``) are queued; the group's experts start when every copy of an instance it
+    selects has landed, the last of its own demand copies and any earlier copy still crossing (a
+    late prefetch is a hit that saves only part of a copy); the wait is the stall. A new step
+    starts where the stream's MoE layer index does not rise (as :func:`simulate`'s commit)."""
+    if result.hit.size != stream.instances.size or result.fills.size != stream.num_groups:
+        raise CacheError("simulate_time: the result is not a replay of this stream")
+    ids, ptr = stream.instances, stream.group_ptr
+    L = stream.num_moe_layers
+    issued = result.issued if result.issued is not None else np.zeros((stream.num_groups, 0), np.int64)
+    layer = ids[ptr[:-1]] // stream.num_experts if ids.size else np.zeros(0, np.int64)
+    new_step = np.r_[True, layer[1:] <= layer[:-1]] if layer.size else np.zeros(0, bool)
+    per_layer = model.step_ms * (1 - model.head_share) / L
+    total, stall, steps, copies = _replay_time(
+        ids, ptr, result.hit, np.ascontiguousarray(issued, dtype=np.int64), new_step,
+        per_layer * model.router_share, per_layer * (1 - model.router_share), model.step_ms * model.head_share,
+        model.copy_ms, bool(model.demand_priority), model.join == "step", stream.num_instances)
+    total, stall, copies = float(total), float(stall), int(copies)
+    st = result.stats()
+    if copies != st.fills + st.prefetches:
+        raise CacheError(f"simulate_time: {copies} copies timed, the replay counted {st.fills + st.prefetches}")
+    tokens = max(stream.tokens, 1)
+    steps = max(int(steps), 1)
+    step = total / steps
+    link_ms = copies * model.copy_ms / steps
+    bound = max(model.step_ms, link_ms)
+    return TimeStats(step, model.step_ms, bound, bound / step, 1 - (step - model.step_ms) / link_ms if copies else
+                     float("nan"), stall / tokens, copies * model.bytes_per_expert / tokens / 1e9,
+                     st.wasted_prefetches * model.bytes_per_expert / tokens / 1e9, steps, stream.tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,6 +1124,7 @@ class CacheStats:
     groups: int
     prefetches: int = 0
     useful_prefetches: int = 0
+    wasted_prefetches: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -679,8 +1146,10 @@ class CacheResult:
     distinct missed instances = link transfers); ``victims`` int64 ``[N]`` when recorded: at the
     first occurrence of each missed instance of a group, the instance evicted for it (-1
     elsewhere, and always -1 for ``static``). ``prefetches`` int64 ``[G]``: copies issued after
-    each group and ``useful_prefetches`` (prefetched instances hit before eviction), ``forecast``
-    only (zeros otherwise).
+    each group and ``useful_prefetches`` (prefetched instances hit before eviction), prefetching
+    policies only (None / 0 otherwise); ``issued`` int64 ``[G, W]`` the instances copied after each
+    group in issue order (-1 padded; the engine's prefetch lists compare against it) and
+    ``wasted_prefetches`` (prefetched instances evicted before any hit).
     """
 
     policy: str
@@ -693,22 +1162,28 @@ class CacheResult:
     victims: np.ndarray | None = None
     prefetches: np.ndarray | None = None
     useful_prefetches: int = 0
+    issued: np.ndarray | None = None
+    wasted_prefetches: int = 0
 
     def stats(self) -> CacheStats:
         pf = int(self.prefetches.sum()) if self.prefetches is not None else 0
         return CacheStats(self.policy, self.capacity, int(self.hit.size), int(self.hits.sum()),
                           int(self.misses.sum()), int(self.fills.sum()), self.tokens, int(self.hits.size),
-                          pf, int(self.useful_prefetches))
+                          pf, int(self.useful_prefetches), int(self.wasted_prefetches))
 
 
 def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
-             record_victims: bool = False, predictions: np.ndarray | None = None) -> CacheResult:
+             record_victims: bool = False, predictions: np.ndarray | None = None,
+             prefetch_budget: int | None = None) -> CacheResult:
     """Replay ``stream`` through a pool of ``capacity`` slots under ``policy``.
 
     ``profile_counts`` float ``[L, E]`` (profile split's selections) choose the warm pool
     (:func:`warm_order`) and LFU's initial counts. ``predictions`` int64 ``[G, P]`` (``forecast``
     and ``lookahead`` only, required there): the instances to prefetch after each group, -1 padded
-    (:func:`coldset.forecast.stream_predictions`, :func:`coldset.forecast.lookahead_predictions`). See the module docstring for the rules.
+    (:func:`coldset.forecast.stream_predictions`, :func:`coldset.forecast.lookahead_predictions`);
+    ``nexttoken``: the forecast's candidate list of each group (:func:`coldset.forecast.
+    nexttoken_lists`), which also sets the predicted flags, and ``prefetch_budget`` (copies per
+    group, None: no cut). See the module docstring for the rules.
     """
     if policy not in POLICIES and policy != "lookahead":
         raise CacheError(f"unknown cache policy {policy!r}; known: {list(POLICIES) + ['lookahead']}")
@@ -727,10 +1202,13 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     warm = warm_order(counts, capacity)
     ids, ptr, n_inst = stream.instances, stream.group_ptr, stream.num_instances
     victims = np.full(ids.size if record_victims else 0, -1, dtype=np.int64)
-    prefetches, useful = None, 0
+    prefetches, useful, issued, wasted = None, 0, None, 0
     if (policy in PREFETCH_POLICIES) != (predictions is not None):
-        raise CacheError("predictions (the prefetch lists) are required by policy 'forecast' or 'lookahead' "
-                         "and only by them")
+        raise CacheError("predictions (the prefetch lists) are required by policy 'forecast', 'lookahead' or "
+                         "'nexttoken' and only by them")
+    if prefetch_budget is not None and (policy != "nexttoken" or int(prefetch_budget) < 0):
+        raise CacheError(f"prefetch_budget (>= 0 copies per group) is a parameter of 'nexttoken' only, got "
+                         f"{prefetch_budget} for {policy!r}")
     if policy in PREFETCH_POLICIES:
         pred = np.ascontiguousarray(predictions, dtype=np.int64)
         if pred.ndim != 2 or pred.shape[0] != stream.num_groups:
@@ -739,7 +1217,7 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
             raise CacheError(f"predictions: instance ids must lie in [0, {n_inst}) or be -1")
         if ids.size:
             layer_of = ids[ptr[:-1]] // stream.num_experts
-            if policy == "forecast":
+            if policy in ("forecast", "nexttoken"):
                 bad = (pred >= 0) & (pred // stream.num_experts != layer_of[:, None])
                 what = "of another MoE layer (a group prefetches its own layer's next-step experts)"
             else:
@@ -747,14 +1225,20 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
                 what = "of its own or an earlier MoE layer (a lookahead prefetches for later layers of its step)"
             if bad.any():
                 raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance {what}")
-        hit, fills, prefetches, useful = _replay_lru(ids, ptr, warm, n_inst, stream.num_experts, pred,
-                                                     record_victims, victims)
+        if policy == "nexttoken":
+            budget = -1 if prefetch_budget is None else int(prefetch_budget)
+            hit, fills, prefetches, useful, issued, wasted = _replay_next(
+                ids, ptr, warm, n_inst, stream.num_experts, stream.num_moe_layers, pred, budget,
+                record_victims, victims)
+        else:
+            hit, fills, prefetches, useful, issued, wasted = _replay_lru(
+                ids, ptr, warm, n_inst, stream.num_experts, pred, record_victims, victims)
     elif policy == "static":
         hit, fills = _replay_static(ids, ptr, warm, n_inst)
     elif policy == "lru":
         no_prefetch = np.zeros((stream.num_groups, 0), dtype=np.int64)
-        hit, fills, _, _ = _replay_lru(ids, ptr, warm, n_inst, stream.num_experts, no_prefetch,
-                                       record_victims, victims)
+        hit, fills, _, _, _, _ = _replay_lru(ids, ptr, warm, n_inst, stream.num_experts, no_prefetch,
+                                             record_victims, victims)
     else:
         nt = next_use_ticks(ids, ptr) if policy == "belady" else np.zeros(0)
         hit, fills = _replay_heap(ids, ptr, warm, counts.reshape(-1)[warm], n_inst,
@@ -762,13 +1246,19 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     sizes = np.diff(ptr)
     hits = np.add.reduceat(hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
     return CacheResult(policy, capacity, hit, hits, sizes - hits, fills, stream.tokens,
-                       victims if record_victims else None, prefetches, int(useful))
+                       victims if record_victims else None, prefetches, int(useful), issued, int(wasted))
 
 
 def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies: Sequence[str],
-                     residencies: Sequence[float], bytes_per_expert: int, forecaster: Any = None) -> pd.DataFrame:
-    """The ``simulation.csv`` frame: one row per (policy, residency) in the given orders.
-    ``forecaster`` (a :class:`coldset.forecast.TransitionForecaster`) is required by ``forecast``."""
+                     residencies: Sequence[float], bytes_per_expert: int, forecaster: Any = None, *,
+                     lanes: Lanes | None = None, nexttoken: Any = None, time_model: TimeModel | None = None,
+                     batch: int = 1, prefetch_budget: int | None = None) -> pd.DataFrame:
+    """The ``simulation.csv`` frame of one batch size: one row per (policy, residency) in the given
+    orders. ``forecaster`` (a :class:`coldset.forecast.TransitionForecaster`) is required by
+    ``forecast``; ``nexttoken`` (a :class:`coldset.forecast.NextTokenForecaster`) and ``lanes``
+    (the stream's tokens per lane, ``stream == lanes.stream()``) by ``nexttoken``. With
+    ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``) the time columns are filled
+    (:func:`simulate_time`), else NaN."""
     pred = None
     if "forecast" in policies:
         if forecaster is None:
@@ -776,19 +1266,62 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
         from coldset.forecast import stream_predictions
 
         pred = stream_predictions(forecaster, stream)
+    lists = None
+    if "nexttoken" in policies:
+        if nexttoken is None or lanes is None:
+            raise CacheError("policy 'nexttoken' needs a NextTokenForecaster fitted on the profile selection and the "
+                             "replay's lanes")
+        from coldset.forecast import nexttoken_lists
+
+        lists = nexttoken_lists(nexttoken, lanes.sel, lanes.start)
     rows = []
     for r in residencies:
         cap = capacity_for_residency(r, stream.num_moe_layers, stream.num_experts)
+        if cap < stream.max_group and any(p in ONLINE_POLICIES for p in policies):
+            raise CacheError(f"residency {r}: a pool of {cap} slots cannot hold one step's {stream.max_group} "
+                             f"selections at batch {batch} (top_k x batch); lower the batch (cache.time.steps) or "
+                             f"raise the residency")
         for p in policies:
-            st = simulate(stream, p, cap, profile_counts, predictions=pred if p == "forecast" else None).stats()
-            rows.append({"policy": p, "residency": float(r), "capacity": cap, "accesses": st.accesses,
-                         "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
-                         "link_gb_per_token": st.link_gb_per_token(bytes_per_expert)})
-    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS))
+            res = simulate(stream, p, cap, profile_counts,
+                           predictions={"forecast": pred, "nexttoken": lists}.get(p),
+                           prefetch_budget=prefetch_budget if p == "nexttoken" else None)
+            st = res.stats()
+            row = {"policy": p, "residency": float(r), "batch": int(batch), "capacity": cap, "accesses": st.accesses,
+                   "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
+                   "link_gb_per_token": st.link_gb_per_token(bytes_per_expert),
+                   "prefetches_per_token": st.prefetches / st.tokens if st.tokens else float("nan"),
+                   "prefetch_precision": st.useful_prefetches / st.prefetches if st.prefetches else float("nan")}
+            if time_model is not None:
+                ts = simulate_time(stream, res, time_model)
+                row.update(step_ms=ts.step_ms, bound_ms=ts.bound_ms, bound_fraction=ts.bound_fraction,
+                           overlap=ts.overlap, stall_ms_per_token=ts.stall_ms_per_token,
+                           wasted_gb_per_token=ts.wasted_gb_per_token)
+            rows.append(row)
+    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS + TIME_COLUMNS))
 
 
 # --------------------------------------------------------------------------------------------
 # The workflow stage
+
+
+DEFAULT_TIME = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.56}, {"batch": 8, "all_hbm_step_ms": 5.76}],
+                "link_gb_s": 51.0, "head_share": 0.1, "router_share": 0.4, "demand_priority": True, "join": "use"}
+
+
+def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[int, TimeModel]:
+    """The config's ``cache.time`` section (None: :data:`DEFAULT_TIME`, the H200 figures at
+    Qwen3-30B-A3B's shape in NOTES.md) as one :class:`TimeModel` per simulated batch size."""
+    t = {**DEFAULT_TIME, **(time or {})}
+    out = {}
+    for entry in t["steps"]:
+        b = int(entry["batch"])
+        if b < 1 or b in out:
+            raise CacheError(f"cache.time.steps: batch {b} is < 1 or listed twice")
+        out[b] = TimeModel(float(entry["all_hbm_step_ms"]), int(bytes_per_expert), float(t["link_gb_s"]),
+                           float(t["head_share"]), float(t["router_share"]), bool(t["demand_priority"]), str(t["join"]))
+    if not out:
+        raise CacheError("cache.time.steps: at least one (batch, all_hbm_step_ms) entry")
+    return out
 
 
 def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, model_config: Any,
@@ -796,15 +1329,21 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
               residencies: Sequence[float] = (0.25, 0.5, 0.75, 1.0), profile_domains: Any = None, *,
               phase: str = "decode", domain_weights: Any = None, weight_format: str | None = None,
               heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
-              figures: bool = True) -> dict[str, Path]:
-    """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS`) and ``locality.png``.
+              figures: bool = True, time: Mapping[str, Any] | None = None,
+              prefetch_budget: int | None = None) -> dict[str, Path]:
+    """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS` + :data:`TIME_COLUMNS`)
+    and ``locality.png``.
 
     Warm pool = the ``usage_global`` hot set the placement stage chooses from the same histogram
     and profile (:func:`coldset.placement.profile_counts` with ``profile_domains``, ``phase``,
-    ``domain_weights``); replay = the held-out split's decode rows of every domain. Link bytes use
-    placement's byte model (:func:`coldset.placement.expert_bytes` in ``weight_format``, by default
-    the model's own expert format, as the placement stage does). The
-    figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates.
+    ``domain_weights``); replay = the held-out split's decode rows of every domain, at each batch
+    size of ``time["steps"]`` (requests laid out in lanes, :func:`lanes_from_frame`), timed by
+    :func:`simulate_time` with that batch's all-HBM step (``time``: the config's ``cache.time``).
+    Link bytes use placement's byte model (:func:`coldset.placement.expert_bytes` in
+    ``weight_format``, by default the model's own expert format, as the placement stage does).
+    The forecasters (``forecast``, ``nexttoken``) are fitted on the profile selection's decode rows.
+    The figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates
+    and the simulated time.
     """
     from coldset.files import atomic_path
     from coldset.placement import ProfileSpec, expert_bytes, profile_counts, read_histogram
@@ -819,14 +1358,25 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     replay = select_rows(rows, "heldout")
     if len(replay) == 0:
         raise CacheError(f"{trace_path}: the held-out split has no decode rows to replay")
-    stream = stream_from_frame(replay, L, E)
-    forecaster = None
+    profile = select_rows(rows, "profile", spec.domains)
+    per_expert = expert_bytes(model_config, weight_format)
+    forecaster = nexttoken = None
     if "forecast" in policies:
         from coldset.forecast import TransitionForecaster
 
-        forecaster = TransitionForecaster.fit(select_rows(rows, "profile", spec.domains), L, E, meta.top_k)
-    table = simulation_table(stream, counts, policies, residencies, expert_bytes(model_config, weight_format),
-                             forecaster)
+        forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
+    if "nexttoken" in policies:
+        from coldset.forecast import NextTokenForecaster
+
+        tokens, seq = token_array(profile, L, E)
+        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E)
+    tables = []
+    for batch, model in time_models(time, per_expert).items():
+        lanes = lanes_from_frame(replay, L, E, batch)
+        tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
+                                       lanes=lanes, nexttoken=nexttoken, time_model=model, batch=batch,
+                                       prefetch_budget=prefetch_budget))
+    table = pd.concat(tables, ignore_index=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"simulation": out / "simulation.csv"}
@@ -856,13 +1406,24 @@ def read_simulation(path: str | os.PathLike) -> pd.DataFrame:
     rates = df["hit_rate"].to_numpy(dtype=float)
     if not np.all((rates >= 0) & (rates <= 1)):
         raise CacheError(f"{path}: hit_rate outside [0, 1]")
+    # the time columns (issue 28) are optional: a file written before them still reads
+    for col in ("step_ms", "bound_ms", "stall_ms_per_token", "wasted_gb_per_token"):
+        if col in df.columns:
+            vals = df[col].to_numpy(dtype=float)
+            if (vals[~np.isnan(vals)] < 0).any():
+                raise CacheError(f"{path}: {col} must be >= 0")
+    if "batch" in df.columns and (df["batch"].to_numpy() < 1).any():
+        raise CacheError(f"{path}: batch must be >= 1")
     return df
 
 
 def draw_locality(fig, table: pd.DataFrame | None, locality: Mapping[str, Any] | None, model: str) -> None:
-    """Three panels on ``fig``: consecutive vs shuffled overlap per layer, the reuse-distance
-    distribution, hit rate vs residency per policy (each panel says so when its input is absent)."""
-    axes = fig.subplots(1, 3)
+    """Panels on ``fig``: consecutive vs shuffled overlap per layer, the reuse-distance
+    distribution, hit rate vs residency per policy (the smallest batch), and, where the table has
+    the time columns, the simulated step's fraction of its bound per policy and batch (each panel
+    says so when its input is absent)."""
+    timed = table is not None and "bound_fraction" in table.columns and table["bound_fraction"].notna().any()
+    axes = fig.subplots(1, 4 if timed else 3)
     ax = axes[0]
     if locality:
         layers = list(locality["consecutive_overlap"]["per_layer"])
@@ -889,7 +1450,8 @@ def draw_locality(fig, table: pd.DataFrame | None, locality: Mapping[str, Any] |
             a.set_axis_off()
     ax = axes[2]
     if table is not None and len(table):
-        for policy, sub in table.groupby("policy", sort=False):
+        batch1 = table[table["batch"] == table["batch"].min()] if "batch" in table.columns else table
+        for policy, sub in batch1.groupby("policy", sort=False):
             ax.plot(sub["residency"], sub["hit_rate"], marker="o", label=policy)
         ax.set_xlabel("residency (share of routed experts in the pool)")
         ax.set_ylabel("hit rate (held-out decode selections)")
@@ -898,6 +1460,16 @@ def draw_locality(fig, table: pd.DataFrame | None, locality: Mapping[str, Any] |
     else:
         ax.text(0.5, 0.5, "no cache simulation", ha="center", va="center")
         ax.set_axis_off()
+    if timed:
+        ax = axes[3]
+        for (policy, batch), sub in table.groupby(["policy", "batch"], sort=False):
+            ax.plot(sub["residency"], sub["bound_fraction"], marker="o" if batch == table["batch"].min() else "s",
+                    label=f"{policy} b{batch}")
+        ax.set_xlabel("residency")
+        ax.set_ylabel("bound / simulated step")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("simulated time: fraction of max(all-HBM step, link time)", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"{model}: temporal locality of decode routing", fontsize=10)
 
 
@@ -908,12 +1480,62 @@ def figure_locality(table: pd.DataFrame, locality: Mapping[str, Any] | None, met
 
     from coldset.files import atomic_path
 
-    fig = Figure(figsize=(15, 4.2), dpi=110)
+    fig = Figure(figsize=(20 if "bound_fraction" in table.columns else 15, 4.2), dpi=110)
     FigureCanvasAgg(fig)
     draw_locality(fig, table, locality, str(getattr(meta, "model", "")))
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
+
+
+def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int,
+                 horizons: Sequence[int] = (1, 2, 4, 8), extra: int = 3,
+                 budget: int | None = None) -> pd.DataFrame:
+    """The next-token forecast's quality per horizon: the :class:`coldset.forecast.NextTokenForecaster`
+    fitted (and tuned) on ``profile`` for each horizon, measured on ``replay``: recall and
+    precision at ``top_k + extra`` candidates and at ``top_k`` (and at ``budget``), beside the
+    transition table of the current token alone (issue 12's forecaster), the previous-token
+    baseline and the in-sample ceiling of any function of the current token's experts
+    (:func:`coldset.forecast.conditional_ceiling`), with the forecaster's cost."""
+    import time as _time
+
+    from coldset.forecast import NextTokenForecaster, conditional_ceiling, forecast_quality
+
+    L, E = num_moe_layers, num_experts
+    tp, sp = token_array(profile, L, E)
+    th, sh = token_array(replay, L, E)
+    n = min(top_k + extra, E)
+    sizes = tuple(sorted({top_k} | ({int(budget)} if budget else set())))
+    out = []
+    for h in horizons:
+        t0 = _time.perf_counter()
+        f = NextTokenForecaster.fit_tuned(tp, sp, top_k, E, horizon=h, extra=extra)
+        fit_s = _time.perf_counter() - t0
+        t0 = _time.perf_counter()
+        q = forecast_quality(f, th, sh, sizes)
+        per_token_us = (_time.perf_counter() - t0) / max(th.shape[0], 1) * 1e6
+        cur = NextTokenForecaster.fit(tp, sp, top_k, E, horizon=h, extra=extra, terms=((0, 0),), weights=(1.0,),
+                                      hist_beta=0.0)
+        qc = forecast_quality(cur, th, sh)
+        prev_recall = float("nan")  # the forecast "it selects what the token h before did"
+        if th.shape[0] > h:
+            same = sh[h:] == sh[:-h]
+            if same.any():
+                prev_recall = float((th[h:][same][..., :, None] == th[:-h][same][..., None, :]).any(-1).mean())
+        ceil = conditional_ceiling(th, sh, h, n)
+        ops = f.ops_per_step(1)
+        row = {"horizon": h, "candidates": n, "recall": q["recall"], "precision": q["precision"]}
+        for m in sizes:
+            row[f"recall_at_{m}"] = q[f"recall_at_{m}"]
+            row[f"precision_at_{m}"] = q[f"precision_at_{m}"]
+        row.update({"recall_current_table_only": qc["recall"], "recall_previous_token": prev_recall,
+                    "ceiling_current_experts": ceil["ceiling_recall"], "popularity_recall": ceil["popularity_recall"],
+                    "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift, "terms": str(list(f.terms)),
+                    "table_mb": f.nbytes / 1e6, "state_bytes_per_sequence": 4 * L * E,
+                    "table_bytes_read_per_step_b1": ops["bytes_read"], "int_adds_per_step_b1": ops["int_adds"],
+                    "cpu_us_per_token": per_token_us, "fit_s": fit_s, "pairs": q["pairs"]})
+        out.append(row)
+    return pd.DataFrame(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -929,17 +1551,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heldout-fraction", type=float, default=0.25, help="hash split for traces without a split column")
     ap.add_argument("--residency", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    ap.add_argument("--bytes-per-expert", type=int, help="for link_gb_per_token (NaN without it)")
+    ap.add_argument("--bytes-per-expert", type=int, help="for link_gb_per_token and the time columns (NaN without it)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="replay batch sizes (requests in lanes)")
+    ap.add_argument("--step-ms", type=float, nargs="+",
+                    help="the all-HBM step (ms) at each --batch (default: the H200 figures, 2.56 at b1, 5.76 at b8)")
+    ap.add_argument("--link-gb-s", type=float, default=DEFAULT_TIME["link_gb_s"])
+    ap.add_argument("--head-share", type=float, default=DEFAULT_TIME["head_share"])
+    ap.add_argument("--router-share", type=float, default=DEFAULT_TIME["router_share"])
+    ap.add_argument("--no-demand-priority", action="store_true", help="one FIFO link queue")
+    ap.add_argument("--join", choices=("use", "step"), default="use")
+    ap.add_argument("--prefetch-budget", type=int, help="nexttoken: copies per group (default: no cut)")
     ap.add_argument("--recall", action="store_true",
-                    help="also print the forecaster's recall on the replay, its fit time and forecast time per "
-                         "token (JSON, to stderr)")
+                    help="print the next-token forecast's recall / precision table per horizon to stderr (CSV), "
+                         "and the issue-12 forecaster's one-token recall (JSON)")
+    ap.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args(argv)
     rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
     L, E = meta.num_moe_layers, meta.num_experts
     profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
     replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
-    forecaster = None
-    stream = stream_from_frame(replay, L, E)
+    import sys
+
+    forecaster = nexttoken = None
     if "forecast" in args.policies or args.recall:
         import time
 
@@ -950,15 +1583,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         fit_s = time.perf_counter() - t0
         if args.recall:
             import json
-            import sys
 
+            stream = stream_from_frame(replay, L, E)
             t0 = time.perf_counter()
             stream_predictions(forecaster, stream)
             per_token = (time.perf_counter() - t0) / max(stream.tokens, 1)
             print(json.dumps({**forecast_recall(forecaster, replay, L, E), "fit_s": round(fit_s, 3),
                               "forecast_us_per_token": round(per_token * 1e6, 1)}), file=sys.stderr)
-    table = simulation_table(stream, counts_from_rows(profile, L, E), args.policies,
-                             args.residency, args.bytes_per_expert or 0, forecaster)
+            table = recall_table(profile, replay, L, E, meta.top_k, args.horizons, budget=args.prefetch_budget)
+            print(table.to_csv(index=False, float_format="%.4g"), end="", file=sys.stderr)
+    if "nexttoken" in args.policies:
+        from coldset.forecast import NextTokenForecaster
+
+        tokens, seq = token_array(profile, L, E)
+        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E)
+    steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
+                             for b in args.batch]
+    if len(steps) != len(args.batch) or any(s is None for s in steps):
+        ap.error("--step-ms: one all-HBM step per --batch (defaults exist for batch 1 and 8 only)")
+    tables = []
+    for batch, step_ms in zip(args.batch, steps):
+        lanes = lanes_from_frame(replay, L, E, batch)
+        model = None
+        if args.bytes_per_expert:
+            model = TimeModel(step_ms, args.bytes_per_expert, args.link_gb_s, args.head_share, args.router_share,
+                              not args.no_demand_priority, args.join)
+        tables.append(simulation_table(lanes.stream(), counts_from_rows(profile, L, E), args.policies,
+                                       args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
+                                       nexttoken=nexttoken, time_model=model, batch=batch,
+                                       prefetch_budget=args.prefetch_budget))
+    table = pd.concat(tables, ignore_index=True)
     if not args.bytes_per_expert:
         table["link_gb_per_token"] = float("nan")
     print(table.to_csv(index=False, float_format="%.6g"), end="")
