@@ -476,3 +476,124 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
                         lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
         run()
+
+
+# ---------------------------------------------------------------- issue 30 item 4: which requests are timed
+
+
+def _candidates():
+    """Held-out fixtures as (id, domain, tokens) in fixture order: 4 agent, 4 prose, 4 code; code-0002 short."""
+    out = []
+    for d, base in (("agent", 100), ("prose", 200), ("code", 300)):
+        for i in range(4):
+            n = 3 if (d, i) == ("code", 2) else 10 + i
+            out.append((f"{d}-{i:04d}", d, list(range(base + 10 * i, base + 10 * i + n))))
+    return out
+
+
+def test_bench_requests_are_distinct_and_cover_every_domain():
+    from coldset.config import bench_request_count
+
+    b1 = bench.select_bench_requests(_candidates(), bench_request_count(3, 1, 1), prompt_tokens=5)
+    assert [r.id for r in b1] == ["agent-0000", "prose-0000", "code-0000"]
+    assert b1[1].tokens == (200, 201, 202, 203, 204)  # the request's own first prompt_tokens tokens
+    b8 = bench.select_bench_requests(_candidates(), bench_request_count(3, 1, 8), prompt_tokens=5)
+    ids = [r.id for r in b8]
+    assert len(ids) == len(set(ids)) == 8 and "code-0002" not in ids  # shorter than 5 tokens: passed over
+    assert ids[:6] == ["agent-0000", "prose-0000", "code-0000", "agent-0001", "prose-0001", "code-0001"]
+    assert {d: sum(r.domain == d for r in b8) for d in ("agent", "prose", "code")} == {"agent": 3, "prose": 3,
+                                                                                         "code": 2}
+    rows = bench.bench_prompts(bench.batch_stream(b8), 8, 5).tolist()
+    assert rows == [list(r.tokens) for r in b8]  # one distinct request per batch row
+    assert bench_request_count(3, 2, 1) == 6 and bench_request_count(3, 1, 2) == 2 and bench_request_count(3, 3, 4) == 8
+    with pytest.raises(ValueError, match="needs 12 distinct requests .* 11 of 12 qualify"):
+        bench.select_bench_requests(_candidates(), 12, prompt_tokens=5)
+
+
+def test_prompt_overlap_counts_eight_token_sequences_found_in_the_profile():
+    profile = [list(range(0, 20)), [50, 51, 52]]
+    assert bench.ngram_overlap([list(range(5, 13))], profile) == 1.0  # one 8-gram, inside the profile's
+    # 10 tokens = 3 eight-grams: (0..7) and (1..8) occur in the profile, (2..8, 99) does not
+    assert bench.ngram_overlap([[0, 1, 2, 3, 4, 5, 6, 7, 8, 99]], profile) == pytest.approx(2 / 3)
+    assert bench.ngram_overlap([[7, 6, 5, 4, 3, 2, 1, 0]], profile) == 0.0
+    assert bench.ngram_overlap([[1, 2, 3]], profile) is None  # no 8-token sequence to compare
+
+
+def _result(rid_ms, cold, batch_size=1, repeats=2):
+    """A BenchResult whose timed passes are ``rid_ms`` (one list of step times per repeat)."""
+    return bench.BenchResult(
+        placement="usage_global-0.5", policy="usage_global", residency=0.5, batch_size=batch_size, tok_s=0.0,
+        step_ms_mean=0.0, step_ms_p50=0.0, step_ms_p90=0.0, prefill_ms=cold * 100, hbm_expert_gib=1.0,
+        host_expert_gib=1.0, cold_share=cold, link_gb_per_token=cold / 10, hbm_gb_per_token=1.0,
+        predicted_step_ms=None, predicted_step_ms_sum=None, predicted_preset=None, prompt_tokens=5, new_tokens=4,
+        repeats=repeats, repeat_spread=None, device="cpu", dtype="float32", backend="torch", graphed=False,
+        routing_source="router", timed_token_match=1.0, hit_rate=1 - cold, misses_per_token=cold * 4,
+        passes_ms=rid_ms)
+
+
+def test_pooled_requests_time_as_one_pass_after_another():
+    reqs = bench.select_bench_requests(_candidates(), 3, prompt_tokens=5)
+    passes = {"agent": [[1.0, 1.0, 1.0], [1.2, 1.0, 1.0]], "prose": [[2.0, 2.0, 5.0], [2.0, 2.0, 5.0]],
+              "code": [[3.0, 3.0, 3.0], [3.0, 3.3, 3.0]]}
+    results = [_result(passes[r.domain], cold) for r, cold in zip(reqs, (0.1, 0.4, 0.7))]
+    entry = bench.pool_results(results, bench.request_batches(reqs, 1))
+    # repeat r's pass = every request's repeat r in turn (brute force with numpy)
+    pooled = [np.concatenate([passes[d][rep] for d in ("agent", "prose", "code")]) for rep in range(2)]
+    assert entry["step_ms_mean"] == pytest.approx(np.median([p.mean() for p in pooled]))
+    assert entry["tok_s"] == pytest.approx(1000 / entry["step_ms_mean"])
+    assert entry["step_ms_p50"] == pytest.approx(np.median(np.concatenate(pooled)))
+    assert entry["step_ms_p90"] == pytest.approx(np.percentile(np.concatenate(pooled), 90))
+    assert entry["repeat_spread"] == pytest.approx(np.percentile(np.max(pooled, axis=0) / np.min(pooled, axis=0), 90))
+    assert entry["cold_share"] == pytest.approx(0.4) and entry["hit_rate"] == pytest.approx(0.6)
+    assert entry["link_gb_per_token"] == pytest.approx(0.04) and entry["prefill_ms"] == pytest.approx(40)
+    assert entry["requests"] == ["agent-0000", "prose-0000", "code-0000"] and "passes_ms" not in entry
+    prose = entry["domains"]["prose"]
+    assert prose["requests"] == 1 and prose["step_ms_mean"] == pytest.approx(3.0)
+    assert prose["tok_s"] == pytest.approx(1000 / 3.0) and prose["cold_share"] == pytest.approx(0.4)
+    assert entry["domains"]["agent"]["step_ms_mean"] == pytest.approx(np.median([1.0, 3.2 / 3]))
+    # a batch of eight mixes domains: counted per domain, not timed per domain
+    b8 = bench.select_bench_requests(_candidates(), 8, prompt_tokens=5)
+    mixed = bench.pool_results([_result([[1.0, 2.0]] * 2, 0.2, batch_size=8)], bench.request_batches(b8, 8))
+    assert mixed["domains"] == {"agent": {"requests": 3}, "prose": {"requests": 3}, "code": {"requests": 2}}
+    with pytest.raises(ValueError, match="one result per batch"):
+        bench.pool_results(results[:2], bench.request_batches(reqs, 1))
+
+
+def test_bench_decode_of_distinct_requests_pools_their_routing(engine):
+    """Two held-out requests timed one at a time on the engine: the pooled cold share is the mean of
+    each one's, measured on its own tokens; both domains are reported."""
+    import pandas as pd
+
+    cfg = engine.config
+    hist = pd.DataFrame([{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
+                          "count": (e * 7 + layer) % 5 + 1}
+                         for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)])
+    pl = place(hist, cfg, "usage_global", 0.5, batch_sizes=(1,))
+    reqs = bench.select_bench_requests([("a-0", "a", list(range(3, 40))), ("b-0", "b", list(range(300, 340)))],
+                                       2, prompt_tokens=6)
+    pools = engine.pools.placed(pl.row_map)
+    results = [bench.bench_decode(engine, pools, pl, bench.batch_stream(b), 1, 6, 5, 0, 1)
+               for b in bench.request_batches(reqs, 1)]
+    entry = bench.pool_results(results, bench.request_batches(reqs, 1))
+    assert entry["cold_share"] == pytest.approx((results[0].cold_share + results[1].cold_share) / 2)
+    assert set(entry["domains"]) == {"a", "b"} and entry["requests"] == ["a-0", "b-0"]
+
+
+def test_bench_file_with_requests_and_overlap_loads(tmp_path):
+    import json
+
+    from coldset import results
+
+    reqs = bench.select_bench_requests(_candidates(), 3, prompt_tokens=5)
+    entry = bench.pool_results([_result([[1.0, 2.0]] * 2, c) for c in (0.1, 0.2, 0.3)], bench.request_batches(reqs, 1))
+    overlap = {"ngram": 8, "against": "profile", "share": 0.25, "domains": {"agent": 0.75, "prose": 0.0, "code": 0.0}}
+    path = tmp_path / "bench/tiny/usage_global-0.5.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"placement": "usage_global-0.5", "prompt_overlap": overlap, "batches": [entry]}))
+    [r] = results.load_bench(path)
+    assert r.requests == ["agent-0000", "prose-0000", "code-0000"] and r.prompt_overlap == overlap
+    assert r.domains["code"]["requests"] == 1 and r.domains["code"]["cold_share"] == pytest.approx(0.3)
+    entry["domains"]["code"]["requests"] = 2  # counts four requests where three are listed
+    path.write_text(json.dumps({"placement": "usage_global-0.5", "batches": [entry]}))
+    with pytest.raises(results.ReportInputError, match="domains counts other requests"):
+        results.load_bench(path)

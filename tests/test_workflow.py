@@ -48,6 +48,15 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
         bench = json.loads((results / f"bench/tiny/{name}.json").read_text())
         entry = bench["batches"][0]
         assert entry["tok_s"] > 0 and 0 <= entry["cold_share"] <= 1
+        # issue 30 item 4: distinct held-out requests of every domain, each domain's timing, and how
+        # much of their text the profile prompts contain
+        assert sorted(entry["domains"]) == ["agent", "code", "prose"] and len(set(entry["requests"])) == 3
+        assert all(d["requests"] == 1 and d["tok_s"] > 0 for d in entry["domains"].values())
+        heldout = {json.loads(line)["id"] for d in ("agent", "prose", "code")
+                   for line in (results / f"fixtures/{d}.jsonl").read_text().splitlines()
+                   if json.loads(line)["split"] == "heldout"}
+        assert set(entry["requests"]) <= heldout
+        assert 0 <= bench["prompt_overlap"]["share"] <= 1 and bench["prompt_overlap"]["ngram"] == 8
         if name.endswith("-1.0"):
             # CPU: no host tier, so measured speed compares nothing and no ratio is derived (issue 16)
             assert entry["cold_share"] == 0 and entry["fetch_tax"] is None and entry["tok_s_per_gib"] is None

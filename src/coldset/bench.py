@@ -80,9 +80,12 @@ class BenchResult:
     # The additive model: this run's residency-1.0 step + this run's cold bytes' extra link time
     # (a check that link time adds, not a prediction made apart from the measurement).
     predicted_step_ms_calibrated: float | None = None
+    # The timed passes' step times (ms, one list per repeat): what pool_results pools several
+    # batches of distinct requests by; not written to the bench JSON.
+    passes_ms: list[list[float]] | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "passes_ms"}
 
 
 class TimedLoopMismatch(RuntimeError):
@@ -130,6 +133,112 @@ def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) 
         raise ValueError("bench needs a non-empty token stream to cut prompts from")
     reps = -(-need // len(token_stream))
     return torch.tensor((token_stream * reps)[:need], dtype=torch.long).view(batch_size, prompt_tokens)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One held-out request the bench decodes: its fixture id and domain, and the first
+    ``prompt_tokens`` tokens of its prompt (the prompt every batch row starts from)."""
+
+    id: str
+    domain: str
+    tokens: tuple[int, ...]
+
+
+def select_bench_requests(candidates: list[tuple[str, str, list[int]]], count: int,
+                          prompt_tokens: int) -> list[BenchRequest]:
+    """``count`` distinct requests from ``candidates`` (``(id, domain, token ids)`` in fixture
+    order), taken round-robin across domains in order of first appearance, so every domain is
+    timed and a batch mixes them; a request shorter than ``prompt_tokens`` is passed over (the
+    bench's prompts are all ``prompt_tokens`` long). Raises ValueError, saying how many there were,
+    when fewer than ``count`` qualify: a bench that repeated a request would time one document."""
+    by_domain: dict[str, list[BenchRequest]] = {}
+    short = 0
+    for rid, domain, ids in candidates:
+        if len(ids) < prompt_tokens:
+            short += 1
+            continue
+        by_domain.setdefault(domain, []).append(BenchRequest(rid, domain, tuple(ids[:prompt_tokens])))
+    picked: list[BenchRequest] = []
+    queues = [list(q) for q in by_domain.values()]
+    while len(picked) < count and any(queues):
+        for q in queues:
+            if q and len(picked) < count:
+                picked.append(q.pop(0))
+    if len(picked) < count:
+        raise ValueError(f"the bench needs {count} distinct requests of at least {prompt_tokens} tokens; "
+                         f"{len(picked)} of {len(candidates)} qualify ({short} shorter)")
+    return picked
+
+
+def request_batches(requests: list[BenchRequest], batch_size: int) -> list[list[BenchRequest]]:
+    """The requests in consecutive batches of ``batch_size`` (round-robin order: batches mix domains)."""
+    if len(requests) % batch_size:
+        raise ValueError(f"{len(requests)} requests do not fill batches of {batch_size}")
+    return [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+
+
+def batch_stream(batch: list[BenchRequest]) -> list[int]:
+    """The token stream :func:`bench_prompts` cuts one batch's prompts from: row i = request i."""
+    return [t for r in batch for t in r.tokens]
+
+
+def ngram_overlap(bench: list[list[int]], profile: list[list[int]], n: int = 8) -> float | None:
+    """Share of the bench prompts' ``n``-token sequences (counted with repeats) that also occur
+    somewhere in the profile prompts: how much of what is timed the placement was fitted on (the
+    agent system prompt every agent fixture starts with scores high). None when no bench prompt
+    has ``n`` tokens."""
+    seen = {tuple(p[i:i + n]) for p in profile for i in range(len(p) - n + 1)}
+    grams = [tuple(p[i:i + n]) for p in bench for i in range(len(p) - n + 1)]
+    return sum(g in seen for g in grams) / len(grams) if grams else None
+
+
+def _mean_or_none(values: list) -> float | None:
+    return None if any(v is None for v in values) else float(statistics.fmean(values))
+
+
+def pool_results(results: list[BenchResult], batches: list[list[BenchRequest]]) -> dict:
+    """One bench entry from the results of several batches of distinct requests (same placement,
+    batch size and decode length), as if they were decoded one after the other: repeat r's pass is
+    every batch's repeat r in turn, so ``step_ms_mean``, p50/p90 and ``repeat_spread`` come from
+    :func:`pass_timing` / :func:`coldset.timing.repeat_spread` over those passes; shares and
+    per-token bytes are means over batches (each decodes the same number of tokens); the prefill
+    the median. ``requests`` lists the ids; ``domains`` counts requests per domain and, for
+    batches of one request, holds each domain's own pooled tok/s, mean step and cold share."""
+    if not results or len(results) != len(batches):
+        raise ValueError("pool_results: one result per batch")
+    first = results[0]
+    if any((r.placement, r.batch_size, r.new_tokens, r.repeats) != (first.placement, first.batch_size,
+                                                                      first.new_tokens, first.repeats)
+           for r in results):
+        raise ValueError("pool_results: results of other placements, batch sizes or decode lengths")
+    passes = [[t for r in results for t in r.passes_ms[rep]] for rep in range(len(first.passes_ms))]
+    mean_ms, p50, p90 = pass_timing(passes)
+    out = first.to_dict()
+    cold = statistics.fmean(r.cold_share for r in results)
+    out.update(
+        tok_s=1000.0 / mean_ms, step_ms_mean=mean_ms, step_ms_p50=p50, step_ms_p90=p90,
+        prefill_ms=statistics.median(r.prefill_ms for r in results),
+        repeat_spread=repeat_spread(passes), cold_share=cold, hit_rate=1.0 - cold,
+        link_gb_per_token=statistics.fmean(r.link_gb_per_token for r in results),
+        hbm_gb_per_token=_mean_or_none([r.hbm_gb_per_token for r in results]),
+        misses_per_token=_mean_or_none([r.misses_per_token for r in results]),
+        simulator_hit_rate=_mean_or_none([r.simulator_hit_rate for r in results]),
+        timed_token_match=_mean_or_none([r.timed_token_match for r in results]),
+        requests=[q.id for b in batches for q in b],
+    )
+    counts: dict[str, int] = {}
+    for q in (q for b in batches for q in b):
+        counts[q.domain] = counts.get(q.domain, 0) + 1
+    domains: dict[str, dict] = {d: {"requests": c} for d, c in counts.items()}
+    if first.batch_size == 1:  # one domain per batch: each domain's own timing
+        for d in domains:
+            mine = [r for r, b in zip(results, batches) if b[0].domain == d]
+            d_mean, _, _ = pass_timing([[t for r in mine for t in r.passes_ms[rep]] for rep in range(len(first.passes_ms))])
+            domains[d].update(tok_s=1000.0 / d_mean, step_ms_mean=d_mean,
+                              cold_share=statistics.fmean(r.cold_share for r in mine))
+    out["domains"] = domains
+    return out
 
 
 class Decoder:
@@ -462,6 +571,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         hit_rate=1.0 - cold_share,
         simulator_hit_rate=simulator_hit_rate,
         misses_per_token=misses_per_token,
+        passes_ms=passes,
     )
 
 

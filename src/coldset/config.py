@@ -99,6 +99,35 @@ def check_config(config: dict, source: str = "config") -> dict:
     return config
 
 
+def bench_request_count(num_domains: int, requests_per_domain: int, batch_size: int) -> int:
+    """How many distinct requests the bench decodes at ``batch_size`` (``bench.requests_per_domain``
+    of each of ``num_domains`` domains, timed ``batch_size`` at a time: several batches of one at
+    b1, and at least one full batch of distinct requests: b8 = eight). Here, not in
+    :mod:`coldset.bench`, so that the config check counts fixtures without importing torch."""
+    wanted = num_domains * requests_per_domain
+    return max(1, wanted // batch_size) * batch_size
+
+
+def _bench_request_problems(config: dict, by_domain: dict) -> list[str]:
+    """Whether the bench split holds enough distinct requests for every bench batch size
+    (:func:`bench_request_count`; their token lengths are checked by the stage)."""
+    from coldset.pipeline import decoding_support
+
+    bc = config["bench"]
+    if decoding_support(config) is not None:
+        return []  # a shape-only model is not benched
+    split = bc["prompt_split"]
+    pool = [f for fxs in by_domain.values() for f in fxs if split == "all" or f.split == split]
+    domains = len({f.domain for f in pool})
+    short = [b for b in bc["batch_sizes"] if len(pool) < bench_request_count(max(domains, 1), bc["requests_per_domain"], b)]
+    if not short:
+        return []
+    need = max(bench_request_count(max(domains, 1), bc["requests_per_domain"], b) for b in short)
+    return [f"bench.batch_sizes {short}: the bench times distinct {split} requests, {need} of them, and the "
+            f"fixtures hold {len(pool)} (raise fixtures.per_domain or fixtures.heldout_fraction, or lower "
+            "bench.requests_per_domain / the batch sizes)"]
+
+
 def input_file_problems(config: dict) -> list[str]:
     """What is wrong inside the user's files (prompts, templates, model folder, traces), found
     by the checks their stages would fail on, kept cheap enough for every Snakemake start: the
@@ -113,10 +142,12 @@ def input_file_problems(config: dict) -> list[str]:
     from coldset.fixtures import FixtureError, fixtures_by_domain
 
     try:
-        fixtures_by_domain(fx["domains"], fx["per_domain"], fx["heldout_fraction"], fx["max_new_tokens"], fx["seed"],
-                           template_dir=fx["template_dir"], user_prompts=fx["prompts"])
+        by_domain = fixtures_by_domain(fx["domains"], fx["per_domain"], fx["heldout_fraction"], fx["max_new_tokens"],
+                                       fx["seed"], template_dir=fx["template_dir"], user_prompts=fx["prompts"])
     except FixtureError as exc:
         problems.append(f"{'fixtures.prompts' if fx['prompts'] else 'fixtures.domains'}: {exc}")
+    else:
+        problems += _bench_request_problems(config, by_domain)
     shape = None
     if config["model"]["path"]:
         from coldset.shapes import ShapeError, read_shape

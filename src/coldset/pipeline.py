@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from coldset.config import Layout, config_hash, model_configs, resolve_device
+from coldset.config import Layout, bench_request_count, config_hash, model_configs, resolve_device
 from coldset.files import read_json, write_json
 
 log = logging.getLogger("coldset")
@@ -603,17 +603,54 @@ def _check_gate_passed(config: dict, names: list[str]) -> None:
                       f"{layout.parity_gate} (placement {name})")
 
 
-def _bench_stream(config: dict, tokenizer, split: str) -> list[int]:
-    """Token stream of the fixtures of ``split`` (``heldout`` | ``profile`` | ``all``), concatenated
-    in fixture order, that the bench cuts its prompts from; refused if that split is empty."""
+def _split_fixtures(config: dict, split: str) -> list:
+    """The fixtures of ``split`` (``heldout`` | ``profile`` | ``all``), in fixture order; refused if none."""
     from coldset.fixtures import read_fixtures
-    from coldset.model import encode_prompts
 
     fxs = [f for f in read_fixtures(_fixture_paths(config)) if split == "all" or f.split == split]
     if not fxs:
         raise StageError(f"bench.prompt_split {split!r}: no fixture is in that split (fixtures.heldout_fraction "
                          f"{config['fixtures']['heldout_fraction']}); choose another split or hold out fixtures")
-    return [t for ids in encode_prompts(tokenizer, [f.prompt for f in fxs]) for t in ids]
+    return fxs
+
+
+def _bench_requests(config: dict, tokenizer, split: str) -> dict[int, list]:
+    """Per bench batch size, the distinct requests of ``split`` it times
+    (:func:`coldset.bench.select_bench_requests`, :func:`coldset.config.bench_request_count`: ``bench.requests_per_domain`` of every domain,
+    round-robin across domains, at least one full batch)."""
+    from coldset import bench as bn
+    from coldset.model import encode_prompts
+
+    bc = config["bench"]
+    fxs = _split_fixtures(config, split)
+    ids = encode_prompts(tokenizer, [f.prompt for f in fxs])
+    candidates = [(f.id, f.domain, t) for f, t in zip(fxs, ids)]
+    domains = len({f.domain for f in fxs})
+    out = {}
+    for b in bc["batch_sizes"]:
+        try:
+            out[b] = bn.select_bench_requests(candidates, bench_request_count(domains, bc["requests_per_domain"], b),
+                                              bc["prompt_tokens"])
+        except ValueError as exc:
+            raise StageError(f"bench batch size {b} on the {split} split: {exc} (bench.prompt_tokens, "
+                             "fixtures.per_domain, fixtures.heldout_fraction)") from None
+    return out
+
+
+def _prompt_overlap(config: dict, tokenizer, requests: list, n: int = 8) -> dict:
+    """How much of the bench prompts the profile prompts contain (:func:`coldset.bench.ngram_overlap`),
+    overall and per domain: a bench on text the placement was fitted on flatters it."""
+    from coldset import bench as bn
+    from coldset.model import encode_prompts
+
+    profile = encode_prompts(tokenizer, [f.prompt for f in _split_fixtures(config, "profile")])
+    unique = list({r.id: r for r in requests}.values())
+    per_domain: dict[str, list] = {}
+    for r in unique:
+        per_domain.setdefault(r.domain, []).append(list(r.tokens))
+    return {"ngram": n, "against": "profile", "requests": [r.id for r in unique],
+            "share": bn.ngram_overlap([list(r.tokens) for r in unique], profile, n),
+            "domains": {d: bn.ngram_overlap(t, profile, n) for d, t in per_domain.items()}}
 
 
 def bench(config: dict, placements: list[str] | None = None, **_) -> None:
@@ -632,7 +669,11 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
     engine, tokenizer = _load_engine(config)
     tuned = _tuned(config)
     splits = [bc["prompt_split"]] + (["profile"] if bc["profile_beside"] and bc["prompt_split"] != "profile" else [])
-    streams = {split: _bench_stream(config, tokenizer, split) for split in splits}
+    requests = {split: _bench_requests(config, tokenizer, split) for split in splits}
+    overlap = _prompt_overlap(config, tokenizer, [r for rs in requests[splits[0]].values() for r in rs])
+    log.info("bench prompts (%s split): %s; %.0f%% of their %d-token sequences occur in the profile prompts "
+             "(per domain: %s)", splits[0], overlap["requests"], 100 * (overlap["share"] or 0), overlap["ngram"],
+             {d: None if v is None else round(v, 3) for d, v in overlap["domains"].items()})
     records: dict[str, list[dict]] = {}
     host = _host_tier(config)
     ceilings = None
@@ -645,33 +686,40 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
         pools = engine.pools.placed(pl.row_map, host) if not pl.dynamic else None
         for split in splits:
             for batch_size in bc["batch_sizes"]:
-                cache = None
-                if pl.dynamic:  # a fresh warm cache per (split, batch size); the previous one's slots freed first
-                    pools = None
-                    cache = _slot_cache(engine, host, pl, batch_size)
-                    pools = cache.pools
-                replay = None
-                if bc["routing_trace"]:
-                    replay = bn.RoutingReplay.from_trace(
-                        bc["routing_trace"], engine.config, batch_size, bc["new_tokens"] - 1, engine.device,
-                        split=None if split == "all" else split, heldout_fraction=config["stats"]["heldout_fraction"])
-                try:
-                    r = bn.bench_decode(engine, pools, pl, streams[split], batch_size, bc["prompt_tokens"],
-                                        bc["new_tokens"], bc["warmup"], bc["repeats"], replay=replay, tuned=tuned,
-                                        prompt_split=split, cache=cache)
-                except bn.TimedLoopMismatch as exc:
-                    raise StageError(str(exc)) from None
-                log.info("bench %s (%s prompts) batch %d: %.1f tok/s, mean step %.3f ms (p50 %.3f), cold share %.3f",
-                         name, split, batch_size, r.tok_s, r.step_ms_mean, r.step_ms_p50, r.cold_share)
-                records.setdefault(split, []).append(r.to_dict())
-                del cache
+                batches = bn.request_batches(requests[split][batch_size], batch_size)
+                results = []
+                for batch in batches:  # distinct requests, batch_size at a time
+                    cache = None
+                    if pl.dynamic:  # a fresh warm cache per batch; the previous one's slots freed first
+                        pools = None
+                        cache = _slot_cache(engine, host, pl, batch_size)
+                        pools = cache.pools
+                    replay = None
+                    if bc["routing_trace"]:
+                        replay = bn.RoutingReplay.from_trace(
+                            bc["routing_trace"], engine.config, batch_size, bc["new_tokens"] - 1, engine.device,
+                            split=None if split == "all" else split,
+                            heldout_fraction=config["stats"]["heldout_fraction"])
+                    try:
+                        results.append(bn.bench_decode(
+                            engine, pools, pl, bn.batch_stream(batch), batch_size, bc["prompt_tokens"],
+                            bc["new_tokens"], bc["warmup"], bc["repeats"], replay=replay, tuned=tuned,
+                            prompt_split=split, cache=cache))
+                    except bn.TimedLoopMismatch as exc:
+                        raise StageError(str(exc)) from None
+                    del cache
+                r = bn.pool_results(results, batches)
+                log.info("bench %s (%s prompts) batch %d over %d requests: %.1f tok/s, mean step %.3f ms (p50 %.3f), "
+                         "cold share %.3f; per domain %s", name, split, batch_size, len(r["requests"]), r["tok_s"],
+                         r["step_ms_mean"], r["step_ms_p50"], r["cold_share"], r["domains"])
+                records.setdefault(split, []).append(r)
         del pools
     provenance = collect_provenance(engine.device, tuned, ceilings)
     derived = {split: bn.derive_metrics(rs, ceilings) for split, rs in records.items()}
     main = splits[0]
     for name in names:
         doc = {"placement": name, "prompt_split": main, "ceilings": ceilings, "provenance": provenance,
-               "batches": [r for r in derived[main] if r["placement"] == name]}
+               "prompt_overlap": overlap, "batches": [r for r in derived[main] if r["placement"] == name]}
         if "profile" in derived and main != "profile":
             doc["profile_batches"] = [r for r in derived["profile"] if r["placement"] == name]
         write_json(layout.bench(*name.rsplit("-", 1)), doc)

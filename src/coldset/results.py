@@ -285,6 +285,32 @@ class BenchResult:
     # What measured it (coldset.provenance.collect_provenance, written by the bench stage on the
     # measuring machine); None in bench files written before it existed.
     provenance: dict[str, Any] | None = None
+    # The distinct requests timed (fixture ids) and per domain their count and, at batch size 1,
+    # the domain's own tok_s / step_ms_mean / cold_share (issue 30); empty in older bench files.
+    requests: list[str] = field(default_factory=list)
+    domains: dict[str, dict[str, float]] = field(default_factory=dict)
+    # How much of the bench prompts occurs in the profile prompts (coldset.bench.ngram_overlap:
+    # {"ngram", "share", "domains", ...}); None in older bench files.
+    prompt_overlap: dict[str, Any] | None = None
+
+
+def _bench_domains(entry: dict, where: str) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """An entry's ``requests`` (distinct ids) and ``domains`` ({domain: {requests, tok_s, ...}}), checked."""
+    requests, domains = entry.get("requests", []), entry.get("domains", {})
+    if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests) \
+            or len(set(requests)) != len(requests):
+        raise ReportInputError(f"{where}: field requests must be a list of distinct request ids")
+    if not isinstance(domains, dict) or not all(isinstance(v, dict) for v in domains.values()):
+        raise ReportInputError(f"{where}: field domains must map each domain to an object")
+    out = {}
+    for d, v in domains.items():
+        try:
+            out[d] = {k: float(x) for k, x in v.items() if x is not None and not isinstance(x, bool)}
+        except (TypeError, ValueError) as exc:
+            raise ReportInputError(f"{where}: field domains.{d} holds a non-number ({exc})") from None
+    if requests and sum(v.get("requests", 0) for v in out.values()) != len(requests):
+        raise ReportInputError(f"{where}: field domains counts other requests than the {len(requests)} listed")
+    return requests, out
 
 
 def _bench_entries(doc: Any, path: Path, section: str = "batches") -> list[dict]:
@@ -333,6 +359,9 @@ def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchR
     provenance = doc.get("provenance")
     if provenance is not None and not isinstance(provenance, dict):
         raise ReportInputError(f"{path}: field provenance must be an object or null")
+    overlap = doc.get("prompt_overlap")
+    if overlap is not None and not isinstance(overlap, dict):
+        raise ReportInputError(f"{path}: field prompt_overlap must be an object or null")
     results = []
     for entry in entries:
         where = f"{path} (batch_size={entry.get('batch_size', '?')})"
@@ -366,6 +395,9 @@ def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchR
                 extra={k: v for k, v in entry.items() if k not in used and not isinstance(v, (dict, list))},
                 ceilings=ceilings,
                 provenance=provenance,
+                requests=_bench_domains(entry, where)[0],
+                domains=_bench_domains(entry, where)[1],
+                prompt_overlap=overlap,
             )
         )
     batch_sizes = [r.batch_size for r in results]
