@@ -745,3 +745,4 @@ def test_trace_only_report_keeps_locality_and_claims_no_measurement(tmp_path):
     assert header.startswith("nothing measured") and "measured on" not in header
     assert "model dtype bfloat16" in header and "float32" not in header and "cpu" not in header
     assert 'id="provenance"' not in html and 'id="bench-table"' not in html
+    assert "Measurements ran on" not in html and "Nothing was measured (no bench)" in html

@@ -49,6 +49,7 @@ from coldset.results import (
     read_json,
     require_fields,
 )
+from coldset.shapes import MoEShape
 from coldset.shapes import describe as describe_shape
 from coldset.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
 
@@ -648,11 +649,9 @@ def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[di
     return rows
 
 
-def _manifest_shape(results_dir: Path, model: str):
+def _manifest_shape(results_dir: Path, model: str) -> "MoEShape | None":
     """A shape-only model's ``MoEShape`` as the model stage recorded it, or None for a model the
     engine decodes (its manifest holds no ``shape``)."""
-    from coldset.shapes import MoEShape
-
     path = results_dir / "model" / model / "manifest.json"
     if not path.is_file():
         return None
