@@ -329,7 +329,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
         "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
         "rs = [cache.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
         "for p in cache.POLICIES]\n"
-        "tm = cache.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, True, 'use')\n"
+        "tm = cache.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
         "print([int(r.hits.sum()) for r in rs], [int(r.stats().prefetches) for r in rs], "
         "[round(cache.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
     )
@@ -346,7 +346,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     from coldset.cache import TimeModel, simulate_time
 
     rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
-    tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, True, "use")
+    tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link="share", join="step")
     want = (f"{[int(r.hits.sum()) for r in rs]} {[int(r.stats().prefetches) for r in rs]} "
             f"{[round(simulate_time(s, r, tm).step_ms, 9) for r in rs]}")
     assert out.stdout.strip() == want

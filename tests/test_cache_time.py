@@ -63,11 +63,17 @@ def test_demand_priority_passes_queued_prefetches():
     # g0: e0 hits; e4 is the only victim not used: e2 prefetched into it; no slot left for e3
     assert res.hit.tolist() == [True, False] and res.issued[0].tolist() == [2, -1]
     # the prefetch (issued 0.5, copy 2.0 ms) crosses until 2.5; step 1 decides at 1.5 and misses e1
-    pri = simulate_time(stream, res, model(2.0, demand_priority=True))
-    fifo = simulate_time(stream, res, model(2.0, demand_priority=False))
+    pri = simulate_time(stream, res, model(2.0, link="priority"))
+    fifo = simulate_time(stream, res, model(2.0, link="fifo"))
+    share = simulate_time(stream, res, model(2.0, link="share", demand_share=0.8))
     # priority: e1's copy pauses the prefetch: 1.5 -> 3.5, stall 2.0; FIFO: behind it, 2.5 -> 4.5, stall 3.0
     assert pri.stall_ms_per_token == pytest.approx(2.0 / 2)
     assert fifo.stall_ms_per_token == pytest.approx(3.0 / 2)
+    # share: at 1.5 the prefetch has 1.0 left; demand at 0.8 of the rate, prefetch at 0.2: the demand's
+    # 2.0 lands at 1.5 + 2.0 / 0.8 = 4.0 (the prefetch would need until 6.5 at 0.2): stall 2.5
+    assert share.stall_ms_per_token == pytest.approx(2.5 / 2)
+    # and the prefetch, alone after 4.0 with 1.0 - 2.5 x 0.2 = 0.5 left, lands at 4.5: nobody waits for it
+    assert share.step_ms == pytest.approx((2.0 + 2.5) / 2)
 
 
 def test_join_step_waits_for_the_steps_copies():
@@ -75,6 +81,8 @@ def test_join_step_waits_for_the_steps_copies():
     res = simulate(stream, "nexttoken", 2, PROFILE, predictions=np.array([[2], [-1]]))
     # join at the step's end: step 0 ends at 1.0, the copy (0.8 from 0.5) lands at 1.3: 0.3 of stall
     ts = simulate_time(stream, res, model(0.8, join="step"))
+    with pytest.raises(CacheError, match="link"):
+        model(0.8, link="lifo")
     assert ts.stall_ms_per_token == pytest.approx(0.3 / 2)
     with pytest.raises(CacheError, match="join"):
         model(0.8, join="later")
@@ -133,6 +141,10 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step):
             stall += 1
         for _ in range(post):
             tick()
+    if join_step:
+        while any(c[0] > 0 for c in copies):
+            tick()
+            stall += 1
     for _ in range(head):
         tick()
     return t, stall
@@ -156,7 +168,7 @@ def test_time_matches_the_unit_clock(priority, join):
         lists = np.array([[g[0] // E * E + int(e) for e in rng.permutation(E)[:3]] for g in groups])
         copy = int(rng.integers(1, 10))
         tm = TimeModel(step_ms=20.0, bytes_per_expert=copy * 10**6, link_gb_s=1.0, head_share=0.5, router_share=0.4,
-                       demand_priority=priority, join=join)
+                       link="priority" if priority else "fifo", join=join)
         for policy in ("static", "lru", "nexttoken"):
             cap = int(rng.integers(k, L * E))
             res = simulate(stream, policy, cap, profile, predictions=lists if policy == "nexttoken" else None)

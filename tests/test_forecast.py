@@ -176,3 +176,186 @@ def test_lookahead_predictions_list_the_later_layers_top_experts():
                             want.append((layer + depth) * E + e)
             row = got[s * L + layer]
             assert row[:len(want)].tolist() == want and (row[len(want):] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The next-token forecast of every layer (issue 28)
+
+
+def random_tokens(rng, n_seq=5, L=3, E=7, k=2, sticky=0.6):
+    """Decode tokens [T, L, k] of a few sequences (distinct experts per token) and their ids."""
+    toks, seq = [], []
+    for s in range(n_seq):
+        prev = [rng.choice(E, size=k, replace=False) for _ in range(L)]
+        for t in range(int(rng.integers(3, 14))):
+            row = []
+            for layer in range(L):
+                keep = [e for e in prev[layer] if rng.random() < sticky]
+                ex = (keep + [e for e in rng.permutation(E) if e not in keep])[:k]
+                prev[layer] = ex
+                row.append(ex)
+            toks.append(row)
+            seq.append(10 + 3 * s)
+    return np.array(toks, dtype=np.int64), np.array(seq, dtype=np.int64)
+
+
+def reference_tables(tokens, seq, E, terms, weights, horizon, alpha):
+    """The integer tables by loops over every (token, layer) pair of a sequence."""
+    from coldset.forecast import SCORE_UNIT
+
+    T, L, k = tokens.shape
+    out = np.zeros((len(terms), L, E, E), dtype=np.int64)
+    for j, ((a, d), w) in enumerate(zip(terms, weights)):
+        pairs = np.zeros((L, E, E))
+        occ = np.zeros((L, E))
+        pop = np.zeros((L, E))
+        n = 0
+        for t in range(a, T - horizon):
+            if not (seq[t - a] == seq[t] == seq[t + horizon]):
+                continue
+            n += 1
+            for layer in range(L):
+                src = layer - d
+                if not 0 <= src < L:
+                    continue
+                for e in tokens[t - a, src]:
+                    occ[layer, e] += 1
+                    for f in tokens[t + horizon, layer]:
+                        pairs[layer, e, f] += 1
+                for f in tokens[t + horizon, layer]:
+                    pop[layer, f] += 1
+        if n == 0:
+            continue
+        pop /= n
+        prob = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
+        out[j] = np.rint(prob * w * SCORE_UNIT)
+    return out
+
+
+def reference_forecast(f, sel, start):
+    """The forecast of every (step, layer, lane) read literally from the formula."""
+    S, L, B, k = sel.shape
+    E, n = f.num_experts, f.num_predictions
+    H = {}
+    out = np.full((S, L, B, n), -1, dtype=np.int64)
+    first = {}
+    for b in range(B):
+        for s in range(S):
+            if sel[s, 0, b, 0] < 0:
+                continue
+            if start[s, b]:
+                first[b] = s
+                for layer in range(L):
+                    H[b, layer] = [0] * E
+            for layer in range(L):
+                h = H[b, layer]
+                cur = set(sel[s, layer, b].tolist())
+                H[b, layer] = h = [v - (v >> f.hist_shift) + (f.hist_unit if e in cur else 0) for e, v in enumerate(h)]
+                score = list(h)
+                for j, (a, d) in enumerate(f.terms):
+                    src = layer - d
+                    if s - a < first[b] or not 0 <= src < L:
+                        continue
+                    for e in sel[s - a, src, b]:
+                        for e2 in range(E):
+                            score[e2] += int(f.tables[j, layer, e, e2])
+                out[s, layer, b] = sorted(range(E), key=lambda e: (-score[e], e))[:n]
+    return out
+
+
+def test_nexttoken_tables_match_loops():
+    from coldset.forecast import NextTokenForecaster
+
+    rng = np.random.default_rng(8)
+    tokens, seq = random_tokens(rng)
+    terms, weights = ((0, 0), (1, 0), (0, 1), (1, -1)), (1.0, 0.5, 0.25, 0.5)
+    for horizon in (1, 2):
+        f = NextTokenForecaster.fit(tokens, seq, 2, 7, horizon=horizon, terms=terms, weights=weights, alpha=0.7)
+        want = reference_tables(tokens, seq, 7, terms, weights, horizon, 0.7)
+        assert np.abs(f.tables.astype(np.int64) - want).max() <= 1  # float rounding at .5 only
+        assert f.nbytes == 4 * 3 * 7 * 7 * 4 and f.horizon == horizon
+
+
+def test_nexttoken_forecast_matches_the_formula_on_lanes():
+    """Two lanes, sequences starting mid-pass, an idle lane at the end, ties (integer scores) to
+    the lower expert id."""
+    from coldset.cache import Lanes
+    from coldset.forecast import NextTokenForecaster, nexttoken_lists
+
+    rng = np.random.default_rng(9)
+    tokens, seq = random_tokens(rng)
+    f = NextTokenForecaster.fit(tokens, seq, 2, 7, terms=((0, 0), (2, 0), (0, 1), (1, -2)),
+                                weights=(1, 0.5, 0.5, 0.25), hist_beta=0.3, hist_shift=2, extra=2)
+    S, L, B, k = 9, 3, 2, 2
+    sel = np.full((S, L, B, k), -1, dtype=np.int64)
+    start = np.zeros((S, B), dtype=bool)
+    sel[:, :, 0] = tokens[:S]
+    start[0, 0] = start[4, 0] = True  # lane 0: a new sequence at step 4
+    sel[:6, :, 1] = tokens[S:S + 6]
+    start[0, 1] = True  # lane 1 idle after step 5
+    lanes = Lanes(sel, start, 7)
+    got = f.forecast_lanes(sel, start)
+    np.testing.assert_array_equal(got, reference_forecast(f, sel, start))
+    # the group lists: round robin over rank then lane, first occurrence, as instances
+    lists = nexttoken_lists(f, sel, start)
+    stream = lanes.stream()
+    assert lists.shape == (stream.num_groups, B * f.num_predictions)
+    for s in range(S):
+        for layer in range(L):
+            want = []
+            for r in range(f.num_predictions):
+                for b in range(B):
+                    e = got[s, layer, b, r]
+                    if e >= 0 and layer * 7 + e not in want:
+                        want.append(layer * 7 + int(e))
+            row = lists[s * L + layer]
+            assert row.tolist() == want + [-1] * (row.size - len(want))
+    # ties: a forecaster with zero tables and no history ranks by expert id
+    zero = NextTokenForecaster(((0, 0),), np.zeros((1, L, 7, 7), np.int32), 0, 3, 2, 1)
+    assert (zero.forecast_lanes(sel, start)[:, :, 0] == np.arange(3)).all()
+
+
+def test_nexttoken_quality_and_ceiling_against_counts():
+    from coldset.forecast import NextTokenForecaster, conditional_ceiling, forecast_quality
+
+    rng = np.random.default_rng(10)
+    tokens, seq = random_tokens(rng, n_seq=6, k=2)
+    f = NextTokenForecaster.fit(tokens, seq, 2, 7, horizon=2, hist_beta=0.2, hist_shift=3)
+    q = forecast_quality(f, tokens, seq, sizes=(2,))
+    sel = tokens[:, :, None, :]
+    start = np.r_[True, seq[1:] != seq[:-1]][:, None]
+    lists = reference_forecast(f, sel, start)[:, :, 0]
+    hit = tot = hit2 = npred = 0
+    for t in range(len(tokens) - 2):
+        if seq[t + 2] != seq[t]:
+            continue
+        for layer in range(3):
+            nxt = set(tokens[t + 2, layer].tolist())
+            hit += len(nxt & set(lists[t, layer].tolist()))
+            hit2 += len(nxt & set(lists[t, layer, :2].tolist()))
+            tot += 2
+            npred += lists.shape[2]
+    assert q["recall"] == pytest.approx(hit / tot) and q["precision"] == pytest.approx(hit / npred)
+    assert q["recall_at_2"] == pytest.approx(hit2 / tot) and q["precision_at_2"] == pytest.approx(hit2 / tot)
+    # the ceiling: per (layer, current set) the best n experts of the empirical next-token counts
+    from collections import Counter, defaultdict
+
+    ctx = defaultdict(Counter)
+    for t in range(len(tokens) - 1):
+        if seq[t + 1] == seq[t]:
+            for layer in range(3):
+                ctx[layer, frozenset(tokens[t, layer].tolist())].update(tokens[t + 1, layer].tolist())
+    best = sum(sum(sorted(c.values(), reverse=True)[:3]) for c in ctx.values())
+    total = sum(sum(c.values()) for c in ctx.values())
+    c = conditional_ceiling(tokens, seq, 1, 3)
+    assert c["ceiling_recall"] == pytest.approx(best / total) and c["contexts"] == len(ctx)
+    assert c["popularity_recall"] <= c["ceiling_recall"]
+
+
+def test_nexttoken_refuses_unknown_terms_and_overflow():
+    from coldset.forecast import NextTokenForecaster
+
+    with pytest.raises(ForecastError, match="not known after layer"):
+        NextTokenForecaster(((0, -1),), np.zeros((1, 2, 3, 3), np.int32), 0, 3, 1)
+    with pytest.raises(ForecastError, match="beyond int32"):
+        NextTokenForecaster(((0, 0),), np.full((1, 2, 3, 3), 2**30, np.int32), 0, 3, 2)

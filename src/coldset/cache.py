@@ -891,18 +891,63 @@ def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
 # Time: the link as one queue beside the compute (issue 28)
 
 
-@_jit
-def _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t):
-    """The copy the link serves next: the head of the demand queue, else of the prefetch queue."""
-    if dq_h < dq_t:
-        return dq[dq_h], 0
-    if pq_h < pq_t:
-        return pq[pq_h], 1
-    return -1, -1
+LINK_MODES = ("fifo", "priority", "share")  # _serve's mode numbers
 
 
 @_jit
-def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy_ms, priority, join_step,
+def _serve(until, target, link_t, remaining, done, dq, dhead, pq, phead, mode, share):
+    """Advance the link from ``link_t``: up to time ``until`` (``target < 0``; the queues empty
+    first: the link idles until then, or stays where it is when ``until`` is inf) or until copy
+    ``target`` has landed. ``dhead`` / ``phead``: [head, tail] of the demand / prefetch queues.
+    Modes: 0 fifo (everything in the demand queue), 1 priority (the demand queue's head whenever
+    it has one: a prefetch pauses), 2 share (both heads at once, demand at ``share`` of the rate).
+    Returns the new ``link_t``."""
+    while True:
+        if target >= 0:
+            if done[target] != np.inf:
+                return link_t
+        elif link_t >= until:
+            return link_t
+        has_d = dhead[0] < dhead[1]
+        has_p = phead[0] < phead[1]
+        if not has_d and not has_p:
+            return link_t if until == np.inf or target >= 0 else until
+        rd = 0.0
+        rp = 0.0
+        if has_d and has_p and mode == 2:
+            rd = share
+            rp = 1.0 - share
+        elif has_d:
+            rd = 1.0
+        else:
+            rp = 1.0
+        cd = dq[dhead[0]] if has_d else -1
+        cp = pq[phead[0]] if has_p else -1
+        td = remaining[cd] / rd if rd > 0 else np.inf
+        tp = remaining[cp] / rp if rp > 0 else np.inf
+        dt = min(td, tp)
+        if target < 0:
+            dt = min(dt, until - link_t)
+        new_t = link_t + dt
+        if rd > 0:
+            if td <= dt:
+                remaining[cd] = 0.0
+                done[cd] = new_t
+                dhead[0] += 1
+            else:
+                remaining[cd] -= rd * dt
+        if rp > 0:
+            if tp <= dt:
+                remaining[cp] = 0.0
+                done[cp] = new_t
+                phead[0] += 1
+            else:
+                remaining[cp] -= rp * dt
+        link_t = new_t
+
+
+@_jit
+def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy_ms, mode, share, join_step,
                  n_inst):
     """The compute clock and the link queue through a replay's decisions (see :func:`simulate_time`).
     Returns (total ms, stall ms, steps, copies)."""
@@ -913,9 +958,10 @@ def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy
         n_copies += (ptr[g + 1] - ptr[g]) + width
     remaining = np.zeros(n_copies + 1, dtype=np.float64)
     done = np.full(n_copies + 1, np.inf)
-    dq = np.empty(n_copies + 1, dtype=np.int64)  # demand copies (every copy when not priority)
+    dq = np.empty(n_copies + 1, dtype=np.int64)  # demand copies (every copy in fifo mode)
     pq = np.empty(n_copies + 1, dtype=np.int64)  # prefetch copies
-    dq_h = dq_t = pq_h = pq_t = 0
+    dhead = np.zeros(2, dtype=np.int64)
+    phead = np.zeros(2, dtype=np.int64)
     latest = np.full(n_inst, -1, dtype=np.int64)
     seen = np.zeros(n_inst, dtype=np.bool_)
     nc = 0
@@ -927,40 +973,14 @@ def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy
         if new_step[g]:
             if g > 0:
                 if join_step:  # the previous step's end waits for every copy issued so far
-                    while True:
-                        c, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
-                        if c < 0:
-                            break
-                        link_t = max(link_t, 0.0) + remaining[c]
-                        remaining[c] = 0.0
-                        done[c] = link_t
-                        if q == 0:
-                            dq_h += 1
-                        else:
-                            pq_h += 1
+                    link_t = _serve(np.inf, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
                     if link_t > t:
                         stall += link_t - t
                         t = link_t
                 t += head_ms
             steps += 1
         t += pre_ms
-        # the link serves its queues up to the decision point
-        while link_t < t:
-            c, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
-            if c < 0:
-                link_t = t
-                break
-            if link_t + remaining[c] <= t:
-                link_t += remaining[c]
-                remaining[c] = 0.0
-                done[c] = link_t
-                if q == 0:
-                    dq_h += 1
-                else:
-                    pq_h += 1
-            else:
-                remaining[c] -= t - link_t
-                link_t = t
+        link_t = _serve(t, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
         s = ptr[g]
         e = ptr[g + 1]
         for i in range(s, e):  # demand copies: each distinct missed instance, first occurrence order
@@ -969,43 +989,41 @@ def _replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy
                 seen[x] = True
                 remaining[nc] = copy_ms
                 latest[x] = nc
-                dq[dq_t] = nc
-                dq_t += 1
+                dq[dhead[1]] = nc
+                dhead[1] += 1
                 nc += 1
         for i in range(s, e):
             seen[ids[i]] = False
-        ready = t
-        for i in range(s, e):  # the experts start when every selected instance's copy has landed
-            c = latest[ids[i]]
-            if c < 0:
-                continue
-            while done[c] == np.inf:
-                c2, q = _link_next(dq, dq_h, dq_t, pq, pq_h, pq_t)
-                link_t += remaining[c2]
-                remaining[c2] = 0.0
-                done[c2] = link_t
-                if q == 0:
-                    dq_h += 1
-                else:
-                    pq_h += 1
-            if done[c] > ready:
-                ready = done[c]
         for q in range(width):  # the group's prefetches, issued with its decisions
             x = issued[g, q]
             if x < 0:
                 continue
             remaining[nc] = copy_ms
             latest[x] = nc
-            if priority:
-                pq[pq_t] = nc
-                pq_t += 1
+            if mode == 0:
+                dq[dhead[1]] = nc
+                dhead[1] += 1
             else:
-                dq[dq_t] = nc
-                dq_t += 1
+                pq[phead[1]] = nc
+                phead[1] += 1
             nc += 1
+        ready = t
+        for i in range(s, e):  # the experts start when every selected instance's copy has landed
+            c = latest[ids[i]]
+            if c < 0:
+                continue
+            if done[c] == np.inf:
+                link_t = _serve(np.inf, c, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
+            if done[c] > ready:
+                ready = done[c]
         stall += ready - t
         t = ready + post_ms
     if n_groups > 0:
+        if join_step:
+            link_t = _serve(np.inf, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
+            if link_t > t:
+                stall += link_t - t
+                t = link_t
         t += head_ms
     return t, stall, steps, nc
 
@@ -1021,18 +1039,23 @@ class TimeModel:
     MoE layers' loop (embedding, final norm, LM head; 0.1 is the LM head's share of Qwen3-30B-A3B's
     bytes per step at b1); the rest is split equally over the MoE layers. ``router_share``: the share
     of a layer before its cache decisions (attention and router; the experts follow). Copies are
-    issued at the decisions. ``demand_priority``: demand copies go before every queued prefetch
-    and pause a running one (resumed after); False: one FIFO. ``join``: ``"use"`` (a copy is waited
-    on only by a group that selects its instance) or ``"step"`` (in addition, each step's end waits
-    for every copy issued until then: a side path joined inside the step)."""
+    issued at the decisions, the group's demand copies first. ``link``: ``"priority"`` (demand
+    copies go before every queued prefetch and pause a running one, resumed after), ``"fifo"`` (one
+    queue in issue order) or ``"share"`` (a demand and a prefetch copy cross at once, the demand
+    at ``demand_share`` of the rate: the engine's demand fill and side-stream copy running
+    together, 128 and 32 blocks a weight; a class alone gets the whole rate); FIFO within a class.
+    ``join``: ``"use"`` (a copy is waited on only by a group that selects its instance) or
+    ``"step"`` (in addition, each step's end, after its last MoE layer, waits for every copy issued
+    until then: a side path joined inside the step's CUDA graph, the engine of issue 28)."""
 
     step_ms: float
     bytes_per_expert: int
     link_gb_s: float = 51.0
     head_share: float = 0.1
     router_share: float = 0.4
-    demand_priority: bool = True
+    link: str = "priority"
     join: str = "use"
+    demand_share: float = 0.8
 
     def __post_init__(self) -> None:
         if not (self.step_ms > 0 and self.link_gb_s > 0 and self.bytes_per_expert > 0):
@@ -1043,6 +1066,9 @@ class TimeModel:
                              f"{self.head_share}, {self.router_share}")
         if self.join not in ("use", "step"):
             raise CacheError(f"TimeModel: join must be 'use' or 'step', got {self.join!r}")
+        if self.link not in LINK_MODES or not 0 < self.demand_share < 1:
+            raise CacheError(f"TimeModel: link must be one of {LINK_MODES} and demand_share in (0, 1), got "
+                             f"{self.link!r}, {self.demand_share}")
 
     @property
     def copy_ms(self) -> float:
@@ -1091,7 +1117,8 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
     total, stall, steps, copies = _replay_time(
         ids, ptr, result.hit, np.ascontiguousarray(issued, dtype=np.int64), new_step,
         per_layer * model.router_share, per_layer * (1 - model.router_share), model.step_ms * model.head_share,
-        model.copy_ms, bool(model.demand_priority), model.join == "step", stream.num_instances)
+        model.copy_ms, LINK_MODES.index(model.link), float(model.demand_share),
+        model.join == "step", stream.num_instances)
     total, stall, copies = float(total), float(stall), int(copies)
     st = result.stats()
     if copies != st.fills + st.prefetches:
@@ -1304,8 +1331,11 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
 # The workflow stage
 
 
+# The H200 at Qwen3-30B-A3B's shape (NOTES.md, issue 28) and the engine of issue 28's round: copies
+# on a side stream joined at the step's end, sharing the link with the demand fills.
 DEFAULT_TIME = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.56}, {"batch": 8, "all_hbm_step_ms": 5.76}],
-                "link_gb_s": 51.0, "head_share": 0.1, "router_share": 0.4, "demand_priority": True, "join": "use"}
+                "link_gb_s": 51.0, "head_share": 0.1, "router_share": 0.4, "link": "share", "demand_share": 0.8,
+                "join": "step"}
 
 
 def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[int, TimeModel]:
@@ -1318,7 +1348,8 @@ def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[i
         if b < 1 or b in out:
             raise CacheError(f"cache.time.steps: batch {b} is < 1 or listed twice")
         out[b] = TimeModel(float(entry["all_hbm_step_ms"]), int(bytes_per_expert), float(t["link_gb_s"]),
-                           float(t["head_share"]), float(t["router_share"]), bool(t["demand_priority"]), str(t["join"]))
+                           float(t["head_share"]), float(t["router_share"]), str(t["link"]), str(t["join"]),
+                           float(t["demand_share"]))
     if not out:
         raise CacheError("cache.time.steps: at least one (batch, all_hbm_step_ms) entry")
     return out
@@ -1558,8 +1589,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--link-gb-s", type=float, default=DEFAULT_TIME["link_gb_s"])
     ap.add_argument("--head-share", type=float, default=DEFAULT_TIME["head_share"])
     ap.add_argument("--router-share", type=float, default=DEFAULT_TIME["router_share"])
-    ap.add_argument("--no-demand-priority", action="store_true", help="one FIFO link queue")
-    ap.add_argument("--join", choices=("use", "step"), default="use")
+    ap.add_argument("--link", choices=LINK_MODES, default=DEFAULT_TIME["link"],
+                    help="demand vs prefetch copies on the link (TimeModel.link)")
+    ap.add_argument("--demand-share", type=float, default=DEFAULT_TIME["demand_share"])
+    ap.add_argument("--join", choices=("use", "step"), default=DEFAULT_TIME["join"])
     ap.add_argument("--prefetch-budget", type=int, help="nexttoken: copies per group (default: no cut)")
     ap.add_argument("--recall", action="store_true",
                     help="print the next-token forecast's recall / precision table per horizon to stderr (CSV), "
@@ -1607,7 +1640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = None
         if args.bytes_per_expert:
             model = TimeModel(step_ms, args.bytes_per_expert, args.link_gb_s, args.head_share, args.router_share,
-                              not args.no_demand_priority, args.join)
+                              args.link, args.join, args.demand_share)
         tables.append(simulation_table(lanes.stream(), counts_from_rows(profile, L, E), args.policies,
                                        args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
                                        nexttoken=nexttoken, time_model=model, batch=batch,

@@ -390,7 +390,7 @@ class NextTokenForecaster:
             lay = np.broadcast_to(lt[None, :, None, None], (t.size, lt.size, k, k))
             flat = ((lay * E + src[:, :, :, None]) * E + tgt[:, :, None, :]).reshape(-1)
             pairs = np.bincount(flat, minlength=L * E * E).reshape(L, E, E).astype(np.float64)
-            occ = np.bincount((lt[None, :, None] * E + src).reshape(-1), minlength=L * E).reshape(L, E) / k
+            occ = np.bincount((lt[None, :, None] * E + src).reshape(-1), minlength=L * E).reshape(L, E)
             pop = np.bincount((lt[None, :, None] * E + tgt).reshape(-1), minlength=L * E).reshape(L, E) / t.size
             prob = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
             tables[j] = np.rint(np.clip(prob, 0, None) * w * SCORE_UNIT).astype(np.int32)
