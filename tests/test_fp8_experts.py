@@ -9,8 +9,14 @@ Tolerances, against float64:
 - against the unquantized float64 computation of the same float weights, rel. error < 0.08: e4m3
   keeps 3 mantissa bits (half a step is 2^-4 = 6.25% of a value at worst), which averages to a
   few percent over a dot product;
-- the Triton kernel against the torch path (same quantization, other float32 sum order) < 1e-2,
-  and its mean signed relative error against the same float64 < 1e-3 (as the bf16 kernel's).
+- the Triton kernel against the torch path and the quantized float64 < 2e-2 (the bf16 kernel's
+  bound against its torch path; SGLang's block-FP8 MoE test allows 2% mean error): the
+  intermediate is re-quantized to e4m3, so any difference in the first GEMM's float32 sums (the
+  H200's FP8 dots accumulate in their own order and precision) flips some e4m3 roundings of the
+  intermediate, each a step of up to 1/16; measured on the H200 (issue 29, first run) 1.1-1.5% at
+  33 and 300 tokens, exactly 0 under the Triton interpreter with IEEE arithmetic. Its mean signed
+  relative error against the same float64 < 1e-3 (as the bf16 kernel's): a 0.5% systematic scale
+  error fails.
 """
 
 from __future__ import annotations
@@ -205,9 +211,11 @@ def test_triton_fp8_matches_torch_path_and_float64(hidden, inter, num_tokens):
         out = triton_experts(pools, layer, x, ids, w)
         ref64 = float64_fp8_moe(q, layer, x, ids, w)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        assert rel_err(out, torch_experts(pools, layer, x, ids, w).double().cpu()) < 1e-2
-        assert rel_err(out, ref64.cpu()) < 1e-2
-        assert abs(signed_bias(out, ref64)) < 1e-3, signed_bias(out, ref64)
+        errs = (rel_err(out, torch_experts(pools, layer, x, ids, w).double().cpu()), rel_err(out, ref64.cpu()))
+        print(f"fp8 kernel H={hidden} I={inter} T={num_tokens} layer {layer}: rel err vs torch path {errs[0]:.2e}, "
+              f"vs float64 {errs[1]:.2e}, signed bias {signed_bias(out, ref64):+.1e}")
+        assert max(errs) < 2e-2, errs
+        assert abs(signed_bias(out, ref64)) < 1e-3, (signed_bias(out, ref64), errs)
 
 
 @gpu
