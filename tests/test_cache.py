@@ -666,3 +666,20 @@ def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
     assert res.hit.tolist() == [True, False] and res.victims.tolist() == [-1, 1]
     lru = simulate(stream, "lru", 2, profile, record_victims=True)
     assert lru.victims.tolist() == [-1, 0]  # lru alone would have evicted e0
+
+
+def test_tracked_cache_metrics_keep_the_first_batch_and_name_the_others(tmp_path):
+    """simulation.csv with two batch sizes: MLflow's legacy cache_{policy}_{metric} names keep the
+    smallest batch's (a later batch must not overwrite them), every batch is named b{batch}."""
+    from coldset.track import _cache_metrics
+
+    rows = [{"policy": "lru", "residency": 0.5, "batch": b, "capacity": 8, "accesses": 10, "tokens": 5,
+             "hit_rate": h, "misses_per_token": 1.0, "link_gb_per_token": 0.1, "prefetches_per_token": 0.0,
+             "prefetch_precision": float("nan"), "step_ms": s, "bound_ms": 2.0, "bound_fraction": 2.0 / s,
+             "overlap": float("nan"), "stall_ms_per_token": 0.5, "wasted_gb_per_token": 0.0}
+            for b, h, s in ((1, 0.9, 3.0), (8, 0.7, 9.0))]
+    pd.DataFrame(rows).to_csv(tmp_path / "simulation.csv", index=False)
+    (m,) = _cache_metrics(tmp_path / "simulation.csv").values()
+    assert m["cache_lru_hit_rate"] == 0.9 and m["cache_lru_b8_hit_rate"] == 0.7
+    assert m["cache_lru_b1_step_ms"] == 3.0 and m["cache_lru_b8_step_ms"] == 9.0
+    assert m["cache_lru_b8_overlap"] is None  # NaN (no link traffic) is not a number to log

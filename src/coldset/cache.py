@@ -265,6 +265,19 @@ class Lanes:
         return AccessStream(ids, np.r_[0, np.cumsum(sizes)], int(act.sum()), L, self.num_experts)
 
 
+def lanes_from_engine(decode: np.ndarray, num_experts: int) -> Lanes:
+    """An engine pass's decode routing ``decode`` int ``[B, steps, L, k]`` (the bench's capture) as
+    :class:`Lanes`: ``B`` lanes started together at step 0 (the forecast's history starts empty at
+    the cache's reset), so ``lanes.stream()`` is the bench's (step, layer) grouping."""
+    decode = np.asarray(decode, dtype=np.int64)
+    if decode.ndim != 4:
+        raise CacheError(f"lanes_from_engine: decode must be [B, steps, L, k], got {decode.shape}")
+    B, S = decode.shape[:2]
+    start = np.zeros((S, B), dtype=bool)
+    start[:1] = True
+    return Lanes(decode.transpose(1, 2, 0, 3), start, num_experts)
+
+
 def token_array(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
                 num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """``(experts int64 [T, L, k], sequence int64 [T])``: every decode token of ``rows`` (columns
@@ -1361,7 +1374,7 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
               phase: str = "decode", domain_weights: Any = None, weight_format: str | None = None,
               heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
               figures: bool = True, time: Mapping[str, Any] | None = None,
-              prefetch_budget: int | None = None) -> dict[str, Path]:
+              prefetch_budget: int | None = None, nexttoken_extra: int = 3) -> dict[str, Path]:
     """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS` + :data:`TIME_COLUMNS`)
     and ``locality.png``.
 
@@ -1400,7 +1413,7 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
         from coldset.forecast import NextTokenForecaster
 
         tokens, seq = token_array(profile, L, E)
-        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E)
+        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=nexttoken_extra)
     tables = []
     for batch, model in time_models(time, per_expert).items():
         lanes = lanes_from_frame(replay, L, E, batch)

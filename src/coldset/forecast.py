@@ -342,6 +342,11 @@ class NextTokenForecaster:
         return min(self.top_k + self.extra, self.num_experts)
 
     @property
+    def n(self) -> int:
+        """Candidates per token (the engine's name for :attr:`num_predictions`)."""
+        return self.num_predictions
+
+    @property
     def nbytes(self) -> int:
         """Device memory of the tables (the per-sequence state H adds ``4 * L * E`` bytes a sequence)."""
         return int(self.tables.nbytes)

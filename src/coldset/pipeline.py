@@ -451,7 +451,8 @@ def cache(config: dict, **_) -> None:
               config["cache"]["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
               domain_weights="equal" if pc["weight_domains"] else None,
               heldout_fraction=config["stats"]["heldout_fraction"],
-              locality_json=layout.stats_dir / "locality.json")
+              locality_json=layout.stats_dir / "locality.json", time=config["cache"]["time"],
+              prefetch_budget=config["cache"]["prefetch_budget"], nexttoken_extra=config["cache"]["nexttoken_extra"])
 
 
 def autotune(config: dict, **_) -> None:

@@ -358,10 +358,23 @@ def _cache_metrics(simulation_csv: Path | None) -> dict[str, dict[str, float | N
     if simulation_csv is None:
         return {}
     out: dict[str, dict[str, float | None]] = {}
-    for row in load_simulation(simulation_csv).itertuples():
+    table = load_simulation(simulation_csv)
+    # issue 28: one row per batch size too; the legacy names keep the smallest batch's counts and
+    # every batch's counts and simulated time are named cache_{policy}_b{batch}_{metric}
+    first = int(table["batch"].min()) if "batch" in table.columns else 1
+    timed = [c for c in ("step_ms", "bound_ms", "bound_fraction", "overlap", "stall_ms_per_token",
+                         "wasted_gb_per_token") if c in table.columns]
+    for row in table.itertuples():
         m = out.setdefault(canonical_residency(row.residency), {})
+        batch = int(getattr(row, "batch", 1))
         for name in ("hit_rate", "misses_per_token", "link_gb_per_token"):
-            m[f"cache_{row.policy}_{name}"] = float(getattr(row, name))
+            if batch == first:
+                m[f"cache_{row.policy}_{name}"] = float(getattr(row, name))
+            if timed:
+                m[f"cache_{row.policy}_b{batch}_{name}"] = float(getattr(row, name))
+        for name in timed:
+            value = float(getattr(row, name))
+            m[f"cache_{row.policy}_b{batch}_{name}"] = None if math.isnan(value) else value
     return out
 
 
