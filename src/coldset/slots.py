@@ -71,6 +71,7 @@ evicted first.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,8 +85,37 @@ _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never 
 
 KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
 # The engine's policies: the placements' dynamic ones (lookahead: lru + a prefetch of the next
-# layers' router forecasts; engine-level, torch ops, not yet a placement: see the module doc).
-ENGINE_POLICIES = DYNAMIC_POLICIES
+# layers' router forecasts) and nexttoken (a forecast of each layer's experts for the next token,
+# coldset.cache's rules; its forecaster is handed to build()).
+ENGINE_POLICIES = tuple(dict.fromkeys((*DYNAMIC_POLICIES, "nexttoken")))
+
+
+def forecast_arrays(forecaster, num_moe_layers: int, num_experts: int) -> dict:
+    """The arrays of a next-token forecaster (:class:`coldset.forecast.NextTokenForecaster`: its
+    ``terms`` (``(a, d)``: token offset ``a >= 0``, layer offset ``d``), int32 ``tables`` ``[J, L, E,
+    E]``, ``num_predictions`` per token, the per-sequence history's ``hist_unit`` and ``hist_shift``,
+    ``horizon`` 1), checked against the model: ``{terms int64 [J, 2], tables, n, hist_unit,
+    hist_shift}``."""
+    if forecaster is None:
+        raise ValueError("policy 'nexttoken' needs a next-token forecaster (coldset.forecast.NextTokenForecaster)")
+    terms = np.asarray(forecaster.terms, dtype=np.int64).reshape(-1, 2)
+    tables = np.asarray(forecaster.tables)
+    n = int(forecaster.num_predictions)
+    unit, shift = int(forecaster.hist_unit), int(forecaster.hist_shift)
+    L, E = num_moe_layers, num_experts
+    if int(getattr(forecaster, "horizon", 1)) != 1:
+        raise ValueError(f"forecaster.horizon: the engine prefetches for the next token (1), got {forecaster.horizon}")
+    if terms.shape[0] == 0 or (terms[:, 0] < 0).any() or ((terms[:, 0] == 0) & (terms[:, 1] < 0)).any():
+        raise ValueError(f"forecaster.terms: (a, d) pairs with a >= 0 (and d >= 0 where a = 0), got {terms.tolist()}")
+    if tables.shape != (terms.shape[0], L, E, E) or tables.dtype != np.int32:
+        raise ValueError(f"forecaster.tables: int32 [{terms.shape[0]}, {L}, {E}, {E}] expected, got "
+                         f"{tables.dtype} {tables.shape}")
+    if tables.size >= 2**31:
+        raise ValueError(f"forecaster.tables: {tables.size} entries; the kernel's offsets need fewer than 2**31")
+    if not 1 <= n <= E or unit < 0 or not 0 < shift < 31:
+        raise ValueError(f"forecaster: num_predictions in [1, {E}], hist_unit >= 0 and hist_shift in [1, 30] "
+                         f"expected, got {n}, {unit}, {shift}")
+    return {"terms": terms, "tables": tables, "n": n, "hist_unit": unit, "hist_shift": shift}
 
 
 class CacheCapacityError(ValueError):
@@ -163,17 +193,52 @@ class SlotCache:
     # whose group the router's launch recorded (host side: route() then admit() of that layer)
     fill_ticket: torch.Tensor | None = None
     recorded_layer: int | None = None
+    # nexttoken (see the module doc): per instance whether the latest forecast of its layer names it
+    # (uint8 as bool [L*E]); per slot the tag of its latest prefetch and the tag its copy wrote
+    # back (int64 [C]); commits refused for a tag that had not landed (int64 [1]); the ring of the
+    # last R steps' selections (int64 [R, L, max_tokens * k], -1 = none) and the step counter; the
+    # forecaster's terms (device int64 [J, 2] and host list) and tables (int32 [J, L, E, E]); the
+    # prefetch's tags per layer; the decisions and copy streams, per layer the fork and decided
+    # events, the copy's end event and ticket; whether a step is open (host side).
+    predicted: torch.Tensor | None = None
+    tags: torch.Tensor | None = None
+    done: torch.Tensor | None = None
+    stale: torch.Tensor | None = None
+    selections: torch.Tensor | None = None
+    step: torch.Tensor | None = None
+    terms: torch.Tensor | None = None
+    terms_host: list | None = None
+    tables: torch.Tensor | None = None
+    num_predictions: int = 0
+    prefetch_budget: int = 0
+    # the forecast's per-sequence history H (int32 [L, max_tokens, E]: a decayed count of each
+    # lane's selections per layer, zero at a reset) and its increment and decay shift
+    seq_history: torch.Tensor | None = None
+    hist_unit: int = 0
+    hist_shift: int = 1
+    pf_tags: torch.Tensor | None = None
+    decide_stream: object = None
+    copy_stream: object = None
+    fork_events: list | None = None
+    decided_events: list | None = None
+    copy_event: object = None
+    copy_ticket: torch.Tensor | None = None
+    step_open: bool = False
+    forked: int | None = None  # the last layer whose side work was forked in the open step (kernel path)
+    ids_alive: list | None = None  # each layer's router ids the side launch reads (kept allocated)
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
               policy: str, max_tokens: int, top_k: int, history: int = 4096, routers=None,
-              depth: int = 1) -> "SlotCache":
+              depth: int = 1, forecaster=None, prefetch_budget: int | None = None) -> "SlotCache":
         """A cache whose slots hold the warm set of ``warm_row_map`` (DESIGN.md §3 placement
         encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
         unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
         the warm instances, one per slot (hot row) in slot order. ``max_tokens``: the decode
         batch size (tokens per step) the cache decides for; ``C >= top_k * max_tokens`` is
-        required, else one step could need more slots than exist.
+        required, else one step could need more slots than exist. ``nexttoken``: ``forecaster``
+        (:func:`forecast_arrays`) and ``prefetch_budget`` (copies issued per group at most; None =
+        the whole list, ``max_tokens * n``).
         """
         if policy not in ENGINE_POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(ENGINE_POLICIES)}")
@@ -187,6 +252,13 @@ class SlotCache:
                 raise ValueError(f"policy 'lookahead' needs the {L} MoE layers' routers [{E}, hidden]")
             if not 1 <= int(depth) < L:
                 raise ValueError(f"lookahead depth must be in [1, {L - 1}], got {depth}")
+        nxt = policy == "nexttoken"
+        if nxt:
+            fc = forecast_arrays(forecaster, L, E)
+            width = int(max_tokens) * fc["n"]
+            budget = width if prefetch_budget is None else int(prefetch_budget)
+            if budget < 0:
+                raise ValueError(f"prefetch_budget must be >= 0, got {prefetch_budget}")
         capacity = pools.num_hot
         need = int(top_k) * int(max_tokens)
         if capacity < need:
@@ -208,7 +280,9 @@ class SlotCache:
         count[owner] = warm_counts
         dev = pools.row_map.device
         ahead = policy == "lookahead"
-        span = min(need, E)
+        span = min(need, E) if not nxt else min(width, E, capacity)
+        listing = ahead or nxt  # per group a prediction list and its prefetch count
+        width = need if ahead else (width if nxt else 0)
         warm = (pools.row_map.clone(), torch.as_tensor(owner, device=dev), torch.as_tensor(last_use, device=dev),
                 torch.as_tensor(count, device=dev))
         return cls(
@@ -227,20 +301,49 @@ class SlotCache:
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),
             routers=list(routers) if policy == "lookahead" else None, depth=int(depth),
-            inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if policy == "lookahead" else None,
-            prediction_history=torch.full((history, need), -1, dtype=torch.int64, device=dev)
-            if policy == "lookahead" else None,
-            prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if policy == "lookahead" else None,
+            inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if listing else None,
+            prediction_history=torch.full((history, width), -1, dtype=torch.int64, device=dev) if listing else None,
+            prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if listing else None,
             prev_layer=L,
             router_t=[r.detach().to(dev, torch.float32).T.contiguous() for r in routers] if ahead else None,
-            pf_victims=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
-            pf_new=torch.zeros((L, span), dtype=torch.int64, device=dev) if ahead else None,
-            pf_count=torch.zeros((L, 1), dtype=torch.int64, device=dev) if ahead else None,
+            pf_victims=torch.zeros((L, span), dtype=torch.int64, device=dev) if listing else None,
+            pf_new=torch.zeros((L, span), dtype=torch.int64, device=dev) if listing else None,
+            pf_count=torch.zeros((L, 1), dtype=torch.int64, device=dev) if listing else None,
             side_stream=torch.cuda.Stream(dev) if ahead and dev.type == "cuda" else None,
             fork_event=torch.cuda.Event() if ahead and dev.type == "cuda" else None,
             join_events=[torch.cuda.Event() for _ in range(L)] if ahead and dev.type == "cuda" else None,
             pending=[False] * L if ahead else None,
             fill_ticket=torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cuda" else None,
+            **(cls._next_state(dev, L, E, capacity, int(max_tokens), int(top_k), fc, budget, span) if nxt else {}),
+        )
+
+    @staticmethod
+    def _next_state(dev, L, E, capacity, max_tokens, top_k, fc, budget, span) -> dict:
+        """nexttoken's state at build (see the fields)."""
+        cuda = dev.type == "cuda"
+        terms, tables, n_pred = fc["terms"], fc["tables"], fc["n"]
+        ring = int(terms[:, 0].max()) + 1
+        return dict(
+            predicted=torch.zeros(L * E, dtype=torch.bool, device=dev),
+            tags=torch.zeros(capacity, dtype=torch.int64, device=dev),
+            done=torch.zeros(capacity, dtype=torch.int64, device=dev),
+            stale=torch.zeros(1, dtype=torch.int64, device=dev),
+            selections=torch.full((ring, L, max_tokens * top_k), -1, dtype=torch.int64, device=dev),
+            step=torch.full((1,), -1, dtype=torch.int64, device=dev),
+            terms=torch.as_tensor(terms, device=dev).contiguous(),
+            terms_host=[(int(a), int(d)) for a, d in terms],
+            tables=torch.as_tensor(tables, device=dev).contiguous(),
+            num_predictions=n_pred, prefetch_budget=budget,
+            seq_history=torch.zeros((L, max_tokens, E), dtype=torch.int32, device=dev),
+            hist_unit=fc["hist_unit"], hist_shift=fc["hist_shift"],
+            pf_tags=torch.zeros((L, span), dtype=torch.int64, device=dev),
+            decide_stream=torch.cuda.Stream(dev) if cuda else None,
+            copy_stream=torch.cuda.Stream(dev) if cuda else None,
+            fork_events=[torch.cuda.Event() for _ in range(L)] if cuda else None,
+            decided_events=[torch.cuda.Event() for _ in range(L)] if cuda else None,
+            copy_event=torch.cuda.Event() if cuda else None,
+            copy_ticket=torch.zeros(1, dtype=torch.int32, device=dev) if cuda else None,
+            ids_alive=[None] * L,
         )
 
     def reset(self) -> None:
@@ -261,6 +364,14 @@ class SlotCache:
             self.fill_ticket.zero_()
         if self.inflight is not None:
             self.inflight.zero_()
+        if self.predicted is not None:  # nexttoken: no forecast yet, nothing in flight or pending
+            self.predicted.zero_()
+            self.done.copy_(self.tags)  # tags stay monotonic across resets
+            self.selections.fill_(-1)
+            self.seq_history.zero_()
+            self.step.fill_(-1)
+            self.pf_count.zero_()
+            self.step_open, self.forked = False, None
         self.prev_layer = pools.num_moe_layers
         self.reset_counters()
         slots = torch.arange(self.capacity, device=owner.device)
@@ -269,7 +380,8 @@ class SlotCache:
 
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
-                       top_k: int, routers=None, history: int = 4096) -> "SlotCache":
+                       top_k: int, routers=None, history: int = 4096, forecaster=None,
+                       prefetch_budget: int | None = None) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
         map and warm counts, its policy; ``lookahead``: its depth, and ``routers`` (the MoE layers'
         router weights ``[E, H]``, required there)."""
@@ -278,7 +390,8 @@ class SlotCache:
         ahead = placement.policy == "lookahead"
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
                          max_tokens, top_k, history=history, routers=routers if ahead else None,
-                         depth=placement.cache_lookahead_depth if ahead else 1)
+                         depth=placement.cache_lookahead_depth if ahead else 1, forecaster=forecaster,
+                         prefetch_budget=prefetch_budget)
 
     @property
     def capacity(self) -> int:
@@ -292,6 +405,8 @@ class SlotCache:
         if self.prediction_history is not None:
             self.prediction_history.fill_(-1)
             self.prefetch_history.zero_()
+        if self.stale is not None:
+            self.stale.zero_()
 
     def counters(self) -> dict[str, int]:
         """``{"hits", "misses", "fills", "groups"}`` since :meth:`reset_counters` (a host sync);
@@ -300,6 +415,8 @@ class SlotCache:
         out = {"hits": hits, "misses": misses, "fills": fills, "groups": int(self.groups)}
         if self.prefetch_history is not None:
             out["prefetches"] = int(self.prefetch_counts().sum())
+        if self.stale is not None:  # nexttoken: commits refused because a copy's tag had not landed
+            out["stale"] = int(self.stale)
         return out
 
     def prefetch_counts(self) -> np.ndarray:
@@ -328,9 +445,14 @@ class SlotCache:
         instead of two). Weights already in ``x``'s dtype are passed through."""
         cache = self
 
+        last = self.pools.num_moe_layers - 1
+
         def cached(_pools, layer, x, topk_ids, topk_weights):
             w = cache.admit(layer, topk_ids, topk_weights, x.dtype, hidden=x)
-            return experts_fn(cache.pools, layer, x, topk_ids, w)
+            out = experts_fn(cache.pools, layer, x, topk_ids, w)
+            if layer == last and cache.step_open:
+                cache.end_step()  # nexttoken: the step's copies joined and committed after its last experts
+            return out
 
         cached.casts_weights = True
         cached.slot_cache = cache
@@ -339,7 +461,7 @@ class SlotCache:
     def records_in_route(self, num_tokens: int) -> bool:
         """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
         (:meth:`route`): the kernel path, ``lru``/``lfu``, a decode group."""
-        return self.use_kernel and self.policy in ("lru", "lfu") and num_tokens <= self.max_tokens
+        return self.use_kernel and self.policy in ("lru", "lfu", "nexttoken") and num_tokens <= self.max_tokens
 
     def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
         """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
@@ -357,11 +479,93 @@ class SlotCache:
         if not self.records_in_route(x.shape[0]):
             raise ValueError(f"SlotCache.route: policy {self.policy!r}, {x.shape[0]} tokens (max {self.max_tokens}), "
                              f"kernel path {self.use_kernel}: the router cannot record this group")
+        nxt = self.policy == "nexttoken"
+        if nxt:
+            new_step = self._open_group(layer)
+            if self.forked is not None and self.decide_stream is not None:
+                # the last side decisions are complete before this group reads the state
+                torch.cuda.current_stream(x.device).wait_event(self.decided_events[self.forked])
         h, ids, w = td.route(x, norm_weight, eps, gate_weight, top_k, renormalize, counter, weights_dtype=x.dtype,
                              pdl=pdl, record=ts.route_record_args(self, layer), trigger=self.pdl)
-        ts.choose_and_fill(self, ids.numel(), pdl=self.pdl)
+        ts.choose_and_fill(self, ids.numel(), pdl=self.pdl, layer=layer)
         self.recorded_layer = layer
+        if nxt:
+            self._fork_next(layer, ids, new_step)
         return h, ids, w
+
+    # ---------------------------------------------------------------------------- nexttoken
+    def _open_group(self, layer: int) -> bool:
+        """Host-side step bookkeeping of a nexttoken group: whether it starts a new step (a layer
+        not above the last one); a step still open is ended first (its copies joined, committed)."""
+        new_step = layer <= self.prev_layer
+        if new_step:
+            if self.step_open:
+                self.end_step()
+            self.step_open = True
+        self.prev_layer = layer
+        return new_step
+
+    def _fork_next(self, layer: int, ids: torch.Tensor, new_step: bool) -> None:
+        """nexttoken on CUDA after group (step, ``layer``)'s demand launch: the forecast and prefetch
+        decisions forked onto the decisions stream (:func:`coldset.kernels.triton_slots.decide_next`;
+        the next group's router waits for them, so every group decides on the state the last one
+        left), then the tagged copy onto the copy stream (one queue: the link's order), which the
+        compute stream waits for only at the step's end (:meth:`end_step`). Why the copy's slots are
+        safe: a victim is not used by this group (whose experts kernel runs beside the copy), its
+        instance's row map went back to the host tier in the decisions (no later kernel reads the
+        slot), and the prefetched instance's row map points at the slot only after the join."""
+        from coldset.kernels.triton_slots import decide_next, fill
+
+        side = self.decide_stream is not None  # (no streams: Triton's interpreter on the CPU, in order)
+        self.ids_alive[layer] = ids  # read on the side stream: never freed (nor reused) under it
+        if side:
+            self.fork_events[layer].record(torch.cuda.current_stream(ids.device))
+            self.decide_stream.wait_event(self.fork_events[layer])
+        with torch.cuda.stream(self.decide_stream) if side else contextlib.nullcontext():
+            decide_next(self, layer, ids.reshape(-1), new_step)
+            if side:
+                self.decided_events[layer].record(self.decide_stream)
+        if side:
+            self.copy_stream.wait_event(self.decided_events[layer])
+        with torch.cuda.stream(self.copy_stream) if side else contextlib.nullcontext():
+            fill(self.pools, self.pf_victims[layer], self.pf_new[layer], self.pf_count[layer], blocks=self.prefetch_blocks,
+                 tags=(self.pf_tags[layer], self.done, self.copy_ticket))
+        self.forked = layer
+
+    def end_step(self) -> None:
+        """nexttoken at a step's end (after its last MoE layer's experts): the compute stream joins
+        the decisions and the copy queue (CUDA; a no-op wait elsewhere), then the commit: each of
+        the step's prefetches whose slot holds the tag it was issued with gets its row map entry
+        (the others stay on their host rows and count as stale). In a captured step both are
+        inside the graph."""
+        if self.predicted is None or not self.step_open:
+            return
+        if self.forked is not None:
+            from coldset.kernels.triton_slots import commit_prefetches
+
+            if self.decide_stream is not None:
+                main = torch.cuda.current_stream(self.owner.device)
+                main.wait_event(self.decided_events[self.forked])
+                self.copy_event.record(self.copy_stream)
+                main.wait_event(self.copy_event)
+            commit_prefetches(self)
+            self.forked = None
+        else:
+            self._commit_torch()
+        self.step_open = False
+
+    def _commit_torch(self) -> None:
+        """:meth:`end_step`'s commit as torch ops (the CPU path; the commit kernel's reference)."""
+        span = self.pf_victims.shape[1]
+        ok = torch.arange(span, device=self.owner.device)[None, :] < self.pf_count
+        good = ok & (self.done[self.pf_victims] == self.pf_tags)
+        rm = self.pools.row_map.view(-1)
+        new = self.pf_new.reshape(-1)
+        rm.index_put_((new,), torch.where(good.reshape(-1), self.pf_victims.reshape(-1), rm[new].to(torch.int64))
+                      .to(torch.int32))
+        self.pools.validated_version = self.pools.row_map._version
+        self.stale.add_((ok & ~good).sum())
+        self.pf_count.zero_()
 
     # ---------------------------------------------------------------------------- decisions
     def _victim_order(self, in_group: torch.Tensor) -> torch.Tensor:
@@ -388,6 +592,9 @@ class SlotCache:
             self.recorded_layer = None
             return topk_weights.to(dtype) if cast else topk_weights
         if topk_ids.shape[0] > self.max_tokens:
+            return topk_weights.to(dtype) if cast else topk_weights
+        if self.policy == "nexttoken":  # off the fused router: the torch decisions (copies on this stream)
+            self._decide_next_torch(layer, topk_ids, self._open_group(layer))
             return topk_weights.to(dtype) if cast else topk_weights
         if self.policy == "lookahead" and hidden is None:
             raise ValueError("SlotCache.admit: policy 'lookahead' needs the layer's router input (hidden)")
@@ -465,11 +672,120 @@ class SlotCache:
 
     def join(self) -> None:
         """The compute stream waits for every prefetch copy still pending (host-side bookkeeping, no
-        sync): before a state the next step or a check reads."""
+        sync): before a state the next step or a check reads. nexttoken: the open step ends
+        (:meth:`end_step`)."""
+        if self.step_open:
+            self.end_step()
         if self.pending is None or self.side_stream is None:
             return
         for layer in range(len(self.pending)):
             self._join_layer(layer)
+
+    def _decide_next_torch(self, layer: int, topk_ids: torch.Tensor, new_step: bool) -> None:
+        """nexttoken's group (step, ``layer``) as torch ops, in the rules' order (coldset.cache's
+        ``nexttoken``; the kernels' reference): the commit of layer ``layer``'s previous prefetches
+        (in-flight flags), the demand (victims not used by the group and not in flight, unpredicted
+        least recent first; misses past them read in place), the forecast and the predicted flags,
+        the prefetch (victims not used, not in flight, not predicted, least recent first; the row map
+        of a prefetched instance waits for :meth:`end_step`), the counters and the group's list."""
+        pools = self.pools
+        L, E = pools.num_moe_layers, pools.num_experts
+        dev = topk_ids.device
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        n = ids.numel()
+        k = self.top_k
+        T = n // k
+        base = layer * E
+        inst = ids + base
+        rm = pools.row_map.view(-1)
+        big = torch.iinfo(torch.int64).max
+        hit = rm[inst] >= 0
+        pos = torch.arange(n, dtype=torch.int64, device=dev)
+        first = torch.full((E,), n, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")
+        used = first < n
+        missed = used & (rm[base:base + E] < 0)
+        m = missed.sum()
+        slots_max = min(n, E)
+        new_e = torch.argsort(torch.where(missed, first, n), stable=True)[:slots_max]
+        new_inst = new_e + base
+        owner = self.owner
+        # 1. commit: layer `layer`'s prefetches of the last step are no longer in flight
+        self.inflight[base:base + E] = False
+        # 2. demand
+        in_group = (owner // E == layer) & used[owner % E]
+        barred = in_group | self.inflight[owner]
+        order = torch.argsort(self.last_use[owner].masked_fill(barred, big), stable=True)
+        pr = self.predicted[owner].to(torch.float64).masked_fill(barred, float("inf"))[order]
+        victims = order[torch.argsort(pr, stable=True)][:slots_max]
+        valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
+        old_inst = owner[victims]
+        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
+        rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
+        owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
+        pools.validated_version = pools.row_map._version
+        self._fill(victims, new_inst, valid, valid.sum())
+        self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
+        self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
+        # 3. forecast: the group's selections into the ring, then the terms' integer table sums
+        if new_step:
+            self.step.add_(1)
+        R, _, nsel = self.selections.shape
+        ring = self.selections.view(-1)
+        row = self.step % R
+        ring.index_put_(((row * L + layer) * nsel + pos,), ids)
+        # the lanes' history of this layer: decayed, plus the experts each lane selected now
+        h = self.seq_history[layer, :T]
+        onehot = torch.zeros((T, E), dtype=torch.int32, device=dev).scatter_(1, ids.view(T, k), 1)
+        h.copy_(h - (h >> self.hist_shift) + self.hist_unit * onehot)
+        score = h.to(torch.int64)
+        for j, (a, d) in enumerate(self.terms_host):
+            src = layer - d
+            if not 0 <= src < L:
+                continue
+            e = ring[(((self.step - a) % R) * L + src) * nsel + pos].view(T, k)
+            e_ok = (e >= 0) & (self.step - a >= 0)
+            score += (self.tables[j, layer][e.clamp(min=0)].to(torch.int64) * e_ok[..., None]).sum(1)
+        top = torch.sort(-score, dim=1, stable=True).indices[:, :self.num_predictions]  # ties: the lower id
+        lst = top.T.reshape(-1)  # round robin: rank, then token
+        W = lst.numel()
+        firsts = (W + torch.arange(E, device=dev)).scatter_reduce_(0, lst, torch.arange(W, device=dev), "amin")
+        seq = torch.argsort(firsts) + base  # listed experts in first-occurrence order, then the others
+        listed = torch.arange(E, device=dev) < (firsts < W).sum()
+        width = self.prediction_history.shape[1]
+        rec = torch.where(listed, seq, -1)
+        rec = rec[:width] if E >= width else torch.nn.functional.pad(rec, (0, width - E), value=-1)
+        self.predicted[base:base + E] = False
+        self.predicted.index_put_((seq,), listed)
+        # 4. prefetch
+        want = listed & (rm[seq] < 0)
+        span = self.pf_victims.shape[1]
+        new = seq[torch.argsort((~want).to(torch.int64), stable=True)][:span]  # the wanted first, in list order
+        in_group = (owner // E == layer) & used[owner % E]
+        barred = in_group | self.inflight[owner] | self.predicted[owner]
+        pv = torch.argsort(self.last_use[owner].masked_fill(barred, big), stable=True)[:span]
+        got = torch.minimum(torch.minimum(want.sum(), torch.tensor(self.prefetch_budget, device=dev)), (~barred).sum())
+        j = torch.arange(span, device=dev)
+        ok = j < got
+        old = owner[pv]
+        rm.index_put_((old,), torch.where(ok, -old - 1, rm[old].to(torch.int64)).to(torch.int32))
+        owner.index_put_((pv,), torch.where(ok, new, old))
+        pools.validated_version = pools.row_map._version
+        self.inflight.index_put_((new,), ok | self.inflight[new])
+        self.last_use.index_put_((new,), torch.where(ok, self.tick + n + j, self.last_use[new]))
+        tags = self.tags[pv] + ok.to(torch.int64)
+        self.tags.index_put_((pv,), tags)
+        self.pf_victims[layer], self.pf_new[layer], self.pf_tags[layer] = pv, new, tags
+        self.pf_count[layer] = got
+        self._fill(pv, new, ok, got, tags=self.pf_tags[layer])
+        hrow = self.groups % self.history.shape[0]
+        self.prediction_history.index_copy_(0, hrow, rec[None])
+        self.prefetch_history.index_copy_(0, hrow, got[None])
+        self.tick.add_(n + width)
+        hits = hit.sum()
+        stats = torch.stack([hits, n - hits, m])
+        self.totals.add_(stats)
+        self.history.index_copy_(0, hrow, stats[None])
+        self.groups.add_(1)
 
     def _decide_torch(self, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """:meth:`admit`'s decisions and fill as torch ops (the CPU path; the kernel's reference)."""
@@ -595,16 +911,21 @@ class SlotCache:
             raise ValueError(f"the cache kept the last {cap} groups' lists, {n} ran: build it with history >= {n}")
         return self.prediction_history[:n].cpu().numpy()
 
-    def _fill(self, victims, new_inst, valid, m) -> None:
+    def _fill(self, victims, new_inst, valid, m, tags=None) -> None:
+        """The admitted rows' copy (``valid`` lanes, ``m`` of them, first); with ``tags`` (nexttoken's
+        prefetch) each copied slot's tag is written back into ``done`` once its rows have landed."""
         pools = self.pools
         if pools.w13_hot.is_cuda:
             from coldset.kernels.triton_slots import fill
 
-            fill(pools, victims, new_inst, m)
+            ticket = self.copy_ticket if tags is not None else None
+            fill(pools, victims, new_inst, m, tags=(tags, self.done, ticket) if tags is not None else None)
             return
         slots, inst = victims[valid], new_inst[valid]
         pools.w13_hot[slots] = pools.w13_cold[inst]
         pools.w2_hot[slots] = pools.w2_cold[inst]
+        if tags is not None:
+            self.done[slots] = tags[valid]
         if pools.is_fp8:  # a slot holds its expert's FP8 scales beside its weights (issue 29)
             pools.w13_scale_hot[slots] = pools.w13_scale_cold[inst]
             pools.w2_scale_hot[slots] = pools.w2_scale_cold[inst]

@@ -252,11 +252,39 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
         LFU=cache.policy == "lfu", CAST=cast, USE_GDC=cache.pdl, num_warps=16 if cp >= 4096 else 8)
 
 
+# The fill's victim choice (CHOOSE): none (a plain copy of a decided list), or the recorded group's
+# victims chosen by the fill's blocks for lru, lfu or nexttoken.
+CHOOSE_NONE, CHOOSE_LRU, CHOOSE_LFU, CHOOSE_NEXT = 0, 1, 2, 3
+_CHOOSE = {"lru": CHOOSE_LRU, "lfu": CHOOSE_LFU, "nexttoken": CHOOSE_NEXT}
+
+
 @triton.jit
-def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_ptr, inst_ptr, count_ptr,
-                 owner_ptr, last_use_ptr, cnt_ptr, tick_ptr, n, C, ticket_ptr, row_map_ptr,
+def _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, inflight_ptr, predicted_ptr, C,
+                         E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
+    """nexttoken's demand victims of a recorded group: residents not used by the group (last use
+    before ``t0``) and not in flight (layer ``layer``'s in-flight instances are committed at this
+    group, so they do not count), ordered by (predicted, last use): unpredicted least recent first.
+    Returns ``(slots, owners, admitted)``; misses past the candidates are read in place."""
+    offs_c = tl.arange(0, CP)
+    okc = offs_c < C
+    own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+    lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
+    fl = (tl.load(inflight_ptr + own, mask=okc, other=1) != 0) & (own // E != layer)
+    pr = tl.load(predicted_ptr + own, mask=okc, other=1).to(tl.float32)
+    barred = (lu >= t0) | fl | (offs_c >= C)
+    lu = tl.where(barred, _INT64_MAX, lu)
+    pr = tl.where(barred, float("inf"), pr)
+    adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
+    slots, olds = _least_keys(lu, pr, own, adm, True, CP, MV)
+    return slots, olds, adm
+
+
+@triton.jit
+def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, slots_ptr, inst_ptr, count_ptr,
+                 owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, ticket_ptr, row_map_ptr,
+                 tags_ptr, done_ptr,
                  BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr, CHOOSE: tl.constexpr,
-                 LFU: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
+                 TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
     if USE_GDC:
         gdc_launch_dependents()  # the experts kernel may launch now (it waits for this grid before its reads)
         gdc_wait()  # launched early: the decisions (victims, admitted, count) are complete after this
@@ -270,32 +298,50 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, slots_pt
         src_base = src2_ptr
         dst_base = dst2_ptr
         row = row2
-    if CHOOSE:
+    jv = tl.arange(0, MV)
+    slots = tl.zeros((MV,), dtype=tl.int64)
+    if CHOOSE != 0:
         # The group was recorded by the router's launch; the victims are chosen here, by every
         # block alike (the same reads, the same result), and committed by the last block to
         # finish choosing (a ticket: no block still reads an owner or a recency it writes).
-        jv = tl.arange(0, MV)
-        slots = tl.zeros((MV,), dtype=tl.int64)
         if m > 0:
             t0 = tl.load(tick_ptr) - n
-            slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, cnt_ptr, C, LFU, CP, MV)
+            if CHOOSE == 3:
+                slots, olds, m = _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, flag_ptr, key_ptr,
+                                                      C, E, CP, MV)
+            else:
+                slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, key_ptr, C, CHOOSE == 2, CP, MV)
             tl.debug_barrier()
             ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
             if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
                 _commit_victims(m, slots, olds, inst_ptr, row_map_ptr, owner_ptr, slots_ptr, MV)
+                if CHOOSE == 3:
+                    tl.store(count_ptr, m.to(tl.int64))  # the admitted (misses past them read in place)
                 tl.store(ticket_ptr, 0)
-    for j in range(0, m):
-        if CHOOSE:
-            slot = tl.sum(tl.where(jv == j, slots, 0), axis=0)
-        else:
-            slot = tl.load(slots_ptr + j).to(tl.int64)
-        inst = tl.load(inst_ptr + j).to(tl.int64)
-        src = src_base + inst * row
-        dst = dst_base + slot * row
-        for start in range(part * BLOCK, row, NB * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            ok = offs < row
-            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
+        if j < m:
+            if CHOOSE != 0:
+                slot = tl.sum(tl.where(jv == j, slots, 0), axis=0)
+            else:
+                slot = tl.load(slots_ptr + j).to(tl.int64)
+            inst = tl.load(inst_ptr + j).to(tl.int64)
+            src = src_base + inst * row
+            dst = dst_base + slot * row
+            # this block's stripe, BLOCK elements every NB * BLOCK (the bound the longer row's, masked)
+            for start in range(0, rowmax, NB * BLOCK):
+                offs = start + part * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < row
+                tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+    if TAGS:
+        # A tagged copy (nexttoken's prefetch): the last block to finish copying writes each slot's
+        # tag, so a commit that finds the tag it assigned knows the whole row has landed.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+            ok = jv < m
+            s = tl.load(slots_ptr + jv, mask=ok, other=0)
+            tl.store(done_ptr + s, tl.load(tags_ptr + jv, mask=ok, other=0), mask=ok)
+            tl.store(ticket_ptr, 0)
 
 
 def _check_fill_pools(pools) -> None:
@@ -307,39 +353,55 @@ def _check_fill_pools(pools) -> None:
             raise ValueError("fill: host tier and slots must be contiguous")
 
 
-def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
-         blocks: int = FILL_BLOCKS) -> None:
-    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
-    device scalar): ``pools``' hot pools are the slots, its cold pools the host tier (pinned,
-    read in place). ``pdl``: launched as the programmatic dependent of :func:`decide` (which must
-    be the launch just before it on the stream, with ``cache.pdl`` set). ``blocks``: blocks per weight
-    (the lookahead's prefetch copy runs beside the compute with fewer)."""
+def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, *, blocks: int,
+                 pdl: bool, cache=None, choose: int = CHOOSE_NONE, n: int = 0, layer: int = 0,
+                 tags: tuple | None = None) -> None:
+    """The one launcher of :func:`_fill_kernel`: ``slot[slots[j]] = host[instances[j]]`` for both
+    weights and ``j < count``. ``choose`` (with ``cache``): the victims of the group the router
+    recorded (``n`` selections, MoE layer ``layer``) are chosen and committed first. ``tags``:
+    ``(tag list, done, ticket)``, the copy's last block writes ``done[slots[j]] = tag[j]``."""
     _check_fill_pools(pools)
+    mv = max(2, _next_pow2(slots.numel()))
+    if choose != CHOOSE_NONE:
+        state = (cache.owner, cache.last_use,
+                 cache.predicted.view(torch.uint8) if choose == CHOOSE_NEXT else cache.count,
+                 cache.inflight.view(torch.uint8) if choose == CHOOSE_NEXT else count,
+                 cache.tick, int(n), int(layer), cache.capacity, cache.fill_ticket, pools.row_map)
+        cp = _next_pow2(cache.capacity)
+    else:  # a plain copy reads none of the cache's state: any tensor stands in for the pointers
+        state = (count, count, count, count, count, 0, 0, 0, tags[2] if tags else count, count)
+        cp = 2
+    tag_list, done = (tags[0], tags[1]) if tags else (count, count)
     _fill_kernel[(int(blocks), 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
-        pools.w2_hot[0].numel(), victims, instances, count.reshape(1),
-        count, count, count, count, 0, 0, count, count,
-        BLOCK=BLOCK, NB=int(blocks), USE_GDC=pdl, CHOOSE=False, LFU=False, CP=2, MV=2, num_warps=4,
-        launch_pdl=pdl)
+        pools.w2_hot[0].numel(), max(pools.w13_hot[0].numel(), pools.w2_hot[0].numel()), slots, instances,
+        count.reshape(1), *state, tag_list, done,
+        BLOCK=BLOCK, NB=int(blocks), USE_GDC=pdl, CHOOSE=int(choose), TAGS=tags is not None,
+        E=pools.num_experts, CP=cp, MV=mv, num_warps=4, launch_pdl=pdl)
 
 
-def choose_and_fill(cache, n: int, pdl: bool) -> None:
+def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
+         blocks: int = FILL_BLOCKS, tags: tuple | None = None) -> None:
+    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
+    device scalar, at most ``victims.numel()``): ``pools``' hot pools are the slots, its cold pools
+    the host tier (pinned, read in place). ``pdl``: launched as the programmatic dependent of
+    :func:`decide` (which must be the launch just before it on the stream, with ``cache.pdl`` set).
+    ``blocks``: blocks per weight (the prefetch copies beside the compute run with fewer).
+    ``tags``: ``(tag list [>= count] int64, done [C] int64, ticket int32 [1] zero)``: the last block
+    writes each copied slot's tag into ``done`` (nexttoken's commit checks it)."""
+    _launch_fill(pools, victims, instances, count, blocks=blocks, pdl=pdl, tags=tags)
+
+
+def choose_and_fill(cache, n: int, pdl: bool, layer: int = 0) -> None:
     """The victims and the fill of a group the router's launch recorded
     (:func:`coldset.kernels.triton_decode.route` with :func:`route_record_args`): every block
-    chooses the victims (:func:`_choose_victims`, the same reads), the last one commits them (row
-    map, owners, ``cache.victims``), and every block copies its stripe of each admitted row. A
-    group without a miss costs this launch's blocks one load each. ``n``: the group's selections
-    (its first tick is the tick after it minus ``n``). ``pdl``: the router's programmatic dependent."""
-    pools = cache.pools
-    _check_fill_pools(pools)
-    cp = _next_pow2(cache.capacity)
-    _fill_kernel[(FILL_BLOCKS, 2)](
-        pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
-        pools.w2_hot[0].numel(), cache.victims, cache.admitted, cache.num_misses,
-        cache.owner, cache.last_use, cache.count, cache.tick, int(n), cache.capacity, cache.fill_ticket,
-        pools.row_map,
-        BLOCK=BLOCK, NB=FILL_BLOCKS, USE_GDC=pdl, CHOOSE=True, LFU=cache.policy == "lfu", CP=cp,
-        MV=max(2, _next_pow2(cache.victims.numel())), num_warps=4, launch_pdl=pdl)
+    chooses the victims (lru/lfu: :func:`_choose_victims`; nexttoken: :func:`_choose_next_victims`,
+    the same reads), the last one commits them (row map, owners, ``cache.victims``), and every block
+    copies its stripe of each admitted row. A group without a miss costs this launch's blocks one
+    load each. ``n``: the group's selections (its first tick is the tick after it minus ``n``);
+    ``layer``: its MoE layer. ``pdl``: the router's programmatic dependent."""
+    _launch_fill(cache.pools, cache.victims, cache.admitted, cache.num_misses, blocks=FILL_BLOCKS, pdl=pdl,
+                 cache=cache, choose=_CHOOSE[cache.policy], n=n, layer=layer)
 
 
 def route_record_args(cache, layer: int) -> tuple:
@@ -347,6 +409,75 @@ def route_record_args(cache, layer: int) -> tuple:
     ``layer``'s group for ``cache`` (:func:`record_group`), in the kernel's order."""
     return (layer, cache.pools.row_map, cache.last_use, cache.count, cache.tick, cache.totals, cache.history,
             cache.groups, cache.history.shape[0], cache.admitted, cache.num_misses)
+
+
+# ------------------------------------------------------------------------------------------------
+# prefetch lists (lookahead, nexttoken): first occurrences, the group's record, victims and commit
+
+
+@triton.jit
+def _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr):
+    """A group's prefetch list: of the lanes ``p`` holding instances ``linst`` (``lv`` valid), the
+    first occurrence of each, in lane order, written as the group's history row (-1 padded to
+    ``width``). Returns ``(fp, rank)``: first-occurrence lanes and their rank in the list."""
+    same = (linst[:, None] == linst[None, :]) & lv[:, None] & lv[None, :]
+    fp = lv & (tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1) == 0)
+    nk = tl.sum(fp.to(tl.int32), axis=0)
+    rk = tl.cumsum(fp.to(tl.int32), axis=0) - 1
+    offs_w = tl.arange(0, WP)
+    rec = tl.sum(tl.where(fp[None, :] & (rk[None, :] == offs_w[:, None]), linst[None, :], 0), axis=1)
+    rec = tl.where(offs_w < nk, rec, -1)
+    tl.store(pred_hist_ptr + hrow * width + offs_w, rec, mask=offs_w < width)
+    return fp, rk
+
+
+@triton.jit
+def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+                      row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C,
+                      tag_ptr, pf_tag_ptr, LAYER_BOUND, E: tl.constexpr, CP: tl.constexpr, MPV: tl.constexpr,
+                      NEXT: tl.constexpr):
+    """The prefetch of the ``want`` lanes (``wrank`` their order, ``nwant`` how many may be issued):
+    victims least recent first among the slots not used by the group (last use before ``t0``), not
+    in flight, not barred by the policy (lookahead: a layer above ``LAYER_BOUND``; nexttoken: a
+    predicted instance, ``barred_extra`` = the predicted flags' pointer); each victim's instance back
+    to its host row, the prefetched one owns the slot, is in flight and most recent after the
+    group's accesses (ticks ``t0 + n + j``). lookahead points the row map at the slot now (its
+    copy is joined before the target layer's experts); nexttoken leaves the row map to the commit
+    after the step's join and gives each slot a new tag (``pf_tag_ptr``: the copy writes it back).
+    Writes the issued list for the copy and the count; returns nothing."""
+    offs_c = tl.arange(0, CP)
+    okc = offs_c < C
+    got = nwant * 0
+    if nwant > 0:
+        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
+        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
+        fl = tl.load(inflight_ptr + own, mask=okc, other=1) != 0
+        barred = (lu >= t0) | fl | (offs_c >= C)
+        if NEXT:
+            barred = barred | (tl.load(barred_extra + own, mask=okc, other=1) != 0)
+        else:
+            barred = barred | (own // E > LAYER_BOUND)
+        key = tl.where(barred, _INT64_MAX, lu)
+        got = tl.minimum(nwant, tl.sum((~barred).to(tl.int32), axis=0))
+        tl.store(pf_new_ptr + wrank, linst, mask=want & (wrank < got))  # the prefetched, in list order
+        tl.debug_barrier()
+        slots, olds = _least_keys(key, key, own, got, False, CP, MPV)
+        jv = tl.arange(0, MPV)
+        ok = jv < got
+        if NEXT:
+            new = tl.load(pf_new_ptr + jv, mask=ok, other=0)
+            tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok)
+            tl.store(owner_ptr + slots, new, mask=ok)
+            tl.store(pf_victims_ptr + jv, slots, mask=ok)
+            tg = tl.load(tag_ptr + slots, mask=ok, other=0) + 1
+            tl.store(tag_ptr + slots, tg, mask=ok)
+            tl.store(pf_tag_ptr + jv, tg, mask=ok)
+        else:
+            new = _commit_victims(got, slots, olds, pf_new_ptr, row_map_ptr, owner_ptr, pf_victims_ptr, MPV)
+        tl.store(inflight_ptr + new, tl.full((MPV,), 1, tl.uint8), mask=ok)
+        tl.store(last_use_ptr + new, t0 + n + jv, mask=ok)  # after the group's accesses
+    tl.store(pf_m_ptr, got.to(tl.int64))
+    tl.store(pf_hist_ptr + hrow, got.to(tl.int64))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,22 +500,16 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
     if CAST:
         w = tl.load(w_ptr + offs, mask=valid, other=0.0)
         tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
-    t0 = tl.load(tick_ptr)
-    tot_hits = tl.load(totals_ptr)
-    tot_misses = tl.load(totals_ptr + 1)
-    tot_fills = tl.load(totals_ptr + 2)
-    g = tl.load(groups_ptr)
+    scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
+    hrow = tl.load(groups_ptr) % hist_cap  # this group's history row (record_group counts it)
     if new_step != 0:  # a new step: the last step's prefetches are committed (no longer in flight)
         for z in range(0, NI, ZB):
             zo = z + tl.arange(0, ZB)
             tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
-    inst, hit, first, last, occ, missed, m, rank = _group_keys(ids, offs, valid, layer, row_map_ptr, E)
-    old_cnt = tl.load(count_ptr + inst, mask=valid, other=0.0)
-    tl.debug_barrier()
-    # The group's recency first: its ticks (>= t0) are the newest, which is how its own slots are
-    # told apart below (every other resident instance was last used before t0).
-    tl.store(last_use_ptr + inst, t0 + offs, mask=last)
-    tl.store(count_ptr + inst, old_cnt + occ.to(tl.float64), mask=first)
+    # The group's record (lru's: recency first, so its own slots are told apart by ticks >= t0;
+    # counters, history, the missed instances in selection order), then the victims.
+    t0, m = record_group(ids, offs, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
+                         history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, scalars, E)
     tl.debug_barrier()
     offs_c = tl.arange(0, CP)
     okc = offs_c < C
@@ -397,15 +522,9 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
         barred = (lu >= t0) | fl | (offs_c >= C)
         lu = tl.where(barred, _INT64_MAX, lu)
         adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
-        tl.store(new_ptr + rank, inst, mask=missed & (rank < adm))  # the admitted, in selection order
-        tl.debug_barrier()
         slots, olds = _least_keys(lu, lu, own, adm, False, CP, MV)
         _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
-        tl.store(m_ptr, adm.to(tl.int64))
-    else:
-        tl.store(m_ptr, m.to(tl.int64))  # m == 0
-    offs_w = tl.arange(0, WP)
-    hrow = g % hist_cap
+        tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
     if AHEAD:
         tl.debug_barrier()  # the demand writes (row map, owners) are visible to every thread
         # The forecast list: each token's top K of layer `target`'s router logits (descending,
@@ -422,51 +541,19 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
             v = tl.where(col[None, :] == idx[:, None], float("-inf"), v)
             pick_r = tl.sum(tl.where((offs // K)[:, None] == tok[None, :], idx[None, :], 0), axis=1)
             lst = tl.where(offs % K == r, pick_r.to(tl.int64), lst)
-        same_l = (lst[:, None] == lst[None, :]) & valid[:, None] & valid[None, :]
-        fp = valid & (tl.sum((same_l & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
-        nk = tl.sum(fp.to(tl.int32), axis=0)
-        rk = tl.cumsum(fp.to(tl.int32), axis=0) - 1
         linst = target * E + lst
-        rec = tl.sum(tl.where(fp[None, :] & (rk[None, :] == offs_w[:, None]), linst[None, :], 0), axis=1)
-        rec = tl.where(offs_w < nk, rec, -1)
-        tl.store(pred_hist_ptr + hrow * width + offs_w, rec, mask=offs_w < width)
+        fp, rk = _record_list(linst, valid, offs, hrow, pred_hist_ptr, width, WP)
         lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
         want = fp & (lrow < 0)
-        nwant = tl.sum(want.to(tl.int32), axis=0)
         wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
-        if nwant > 0:
-            # Prefetch victims: slots of layers <= layer, not used by the group, not in flight.
-            own2 = tl.load(owner_ptr + offs_c, mask=okc, other=0)
-            lu2 = tl.load(last_use_ptr + own2, mask=okc, other=_INT64_MAX)
-            fl2 = tl.load(inflight_ptr + own2, mask=okc, other=1) != 0
-            barred2 = (own2 // E > layer) | (lu2 >= t0) | fl2 | (offs_c >= C)
-            key = tl.where(barred2, _INT64_MAX, lu2)
-            got = tl.minimum(nwant, tl.sum((~barred2).to(tl.int32), axis=0))
-            tl.store(pf_new_ptr + wrank, linst, mask=want & (wrank < got))  # the prefetched, in list order
-            tl.debug_barrier()
-            slots2, olds2 = _least_keys(key, key, own2, got, False, CP, MPV)
-            new2 = _commit_victims(got, slots2, olds2, pf_new_ptr, row_map_ptr, owner_ptr, pf_victims_ptr, MPV)
-            jv2 = tl.arange(0, MPV)
-            tl.store(inflight_ptr + new2, tl.full((MPV,), 1, tl.uint8), mask=jv2 < got)
-            tl.store(last_use_ptr + new2, t0 + n + jv2, mask=jv2 < got)  # after the group's accesses
-            tl.store(pf_m_ptr, got.to(tl.int64))
-            tl.store(pf_hist_ptr + hrow, got.to(tl.int64))
-        else:
-            tl.store(pf_m_ptr, nwant.to(tl.int64))  # nwant == 0
-            tl.store(pf_hist_ptr + hrow, nwant.to(tl.int64))
+        _issue_prefetches(want, wrank, tl.sum(want.to(tl.int32), axis=0), linst, inflight_ptr, t0, n, owner_ptr,
+                          last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
+                          pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer, E, CP, MPV, False)
     else:
-        tl.store(pred_hist_ptr + hrow * width + offs_w, tl.full((WP,), -1, tl.int64), mask=offs_w < width)
-        tl.store(pf_hist_ptr + hrow, g * 0)
-    tl.store(tick_ptr, t0 + n + width)
-    nhit = tl.sum(hit.to(tl.int64), axis=0)
-    tl.store(totals_ptr, tot_hits + nhit)
-    tl.store(totals_ptr + 1, tot_misses + (n - nhit))
-    tl.store(totals_ptr + 2, tot_fills + m.to(tl.int64))
-    h = history_ptr + hrow * 3
-    tl.store(h, nhit)
-    tl.store(h + 1, n - nhit)
-    tl.store(h + 2, m.to(tl.int64))
-    tl.store(groups_ptr, g + 1)
+        tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
+                 mask=tl.arange(0, WP) < width)
+        tl.store(pf_hist_ptr + hrow, hrow.to(tl.int64) * 0)
+    tl.store(tick_ptr, t0 + n + width)  # the list's ticks after the group's (record_group wrote t0 + n)
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
@@ -503,3 +590,143 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         WP=max(2, _next_pow2(width)), MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), ZB=1024,
         NI=cache.inflight.numel(),
         num_warps=16 if cp >= 4096 else 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# nexttoken: the forecast of layer l's experts for the next token, its prefetch and the commit
+
+
+@triton.jit
+def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_ptr, tick_ptr, groups_ptr,
+                 inflight_ptr, predicted_ptr, tag_ptr, sel_ptr, step_ptr, terms_ptr, tables_ptr, seq_hist_ptr,
+                 hist_unit, hist_shift,
+                 pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, hist_cap, width,
+                 budget, C, L, R,
+                 E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
+                 TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, CP: tl.constexpr, MPV: tl.constexpr):
+    """nexttoken after group (step, ``layer``), on the side stream once the group's demand is
+    committed (the rules of coldset.cache's ``nexttoken``): the commit of layer ``layer``'s
+    previous prefetches (their in-flight flags), the forecast (integer table sums over the terms,
+    each token's top ``NPRED``, ties to the lower id, round robin over rank then token, first
+    occurrence kept), layer ``layer``'s predicted flags, and the prefetch of the listed experts not
+    resident (at most ``budget``; victims not used by the group, not in flight, not predicted,
+    least recent first)."""
+    step = tl.load(step_ptr)
+    if new_step != 0:
+        step = step + 1
+        tl.store(step_ptr, step)
+    row = step % R
+    n_tok = n // K
+    tok = tl.arange(0, TP)
+    okt = tok < n_tok
+    col = tl.arange(0, EP)
+    oke = col < E
+    # The group's selections into the ring (the terms read them: this token's layer, and later
+    # tokens read this step's), and layer `layer`'s in-flight flags cleared (the commit).
+    for r in tl.static_range(K):
+        e_r = tl.load(ids_ptr + tok * K + r, mask=okt, other=-1)
+        tl.store(sel_ptr + (row * L + layer) * NSEL + tok * K + r, e_r, mask=okt)
+    tl.store(inflight_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
+    # The lanes' history H of this layer (int32 [max_tokens, E]): decayed, plus this step's experts.
+    hp = seq_hist_ptr + layer * NSEL // K * E + tok[:, None] * E + col[None, :]
+    hm = okt[:, None] & oke[None, :]
+    hh = tl.load(hp, mask=hm, other=0)
+    onehot = tl.zeros((TP, EP), dtype=tl.int32)
+    for r in tl.static_range(K):
+        e_r = tl.load(ids_ptr + tok * K + r, mask=okt, other=-1)
+        onehot = tl.where(col[None, :] == e_r[:, None], 1, onehot)
+    hh = hh - (hh >> hist_shift) + hist_unit * onehot
+    tl.store(hp, hh, mask=hm)
+    tl.debug_barrier()
+    score = hh
+    tab = tables_ptr + layer * E * E  # int32 offsets: J * L * E * E < 2**31 (checked by the caller)
+    for j in tl.static_range(J):
+        a = tl.load(terms_ptr + 2 * j)
+        d = tl.load(terms_ptr + 2 * j + 1)
+        src = layer - d
+        use = (src >= 0) & (src < L) & (step - a >= 0)
+        srow = (step - a + R) % R
+        src = tl.minimum(tl.maximum(src, 0), L - 1)
+        for r in tl.static_range(K):
+            e_r = tl.load(sel_ptr + (srow * L + src) * NSEL + tok * K + r, mask=okt & use, other=-1)
+            score += tl.load(tab + (j * L * E * E + e_r.to(tl.int64) * E)[:, None] + col[None, :],
+                             mask=(e_r >= 0)[:, None] & oke[None, :], other=0)
+    low = -2147483647 - 1
+    v = tl.where(okt[:, None] & oke[None, :], score, low)
+    p = tl.arange(0, WP)
+    lv = p < n_tok * NPRED
+    lst = tl.zeros((WP,), dtype=tl.int64)
+    for r in tl.static_range(NPRED):
+        mx = tl.max(v, axis=1)
+        idx = tl.min(tl.where(v == mx[:, None], col[None, :], EP), axis=1)
+        v = tl.where(col[None, :] == idx[:, None], low, v)
+        pick = tl.sum(tl.where((p % n_tok)[:, None] == tok[None, :], idx[None, :], 0), axis=1)
+        lst = tl.where(p // n_tok == r, pick.to(tl.int64), lst)
+    linst = layer * E + lst
+    hrow = (tl.load(groups_ptr) - 1) % hist_cap  # the router's launch recorded this group
+    fp, rk = _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP)
+    tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
+    tl.debug_barrier()
+    tl.store(predicted_ptr + linst, tl.full((WP,), 1, tl.uint8), mask=fp)
+    tl.debug_barrier()
+    lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
+    want = fp & (lrow < 0)
+    wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
+    nwant = tl.minimum(tl.sum(want.to(tl.int32), axis=0), budget)
+    t0 = tl.load(tick_ptr) - n
+    _issue_prefetches(want, wrank, nwant, linst, predicted_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+                      row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, tag_ptr, pf_tag_ptr,
+                      layer, E, CP, MPV, True)
+    tl.store(tick_ptr, t0 + n + width)
+
+
+def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
+    """nexttoken's forecast and prefetch decisions for group (step, ``layer``) in one launch
+    (:func:`_next_kernel`), after the group's record and demand commit; writes row ``layer`` of
+    ``cache.pf_victims`` / ``pf_new`` / ``pf_tags`` / ``pf_count`` for the tagged copy."""
+    n = ids.numel()
+    cap = cache.capacity
+    cp = _next_pow2(cap)
+    E, k = cache.pools.num_experts, cache.top_k
+    L = cache.pools.num_moe_layers
+    width = cache.prediction_history.shape[1]
+    _next_kernel[(1,)](
+        ids, n, layer, int(new_step), cache.pools.row_map, cache.owner, cache.last_use, cache.tick, cache.groups,
+        cache.inflight.view(torch.uint8), cache.predicted.view(torch.uint8), cache.tags, cache.selections,
+        cache.step, cache.terms, cache.tables, cache.seq_history, cache.hist_unit, cache.hist_shift,
+        cache.pf_victims[layer], cache.pf_new[layer], cache.pf_tags[layer],
+        cache.pf_count[layer], cache.prediction_history, cache.prefetch_history, cache.prediction_history.shape[0],
+        width, cache.prefetch_budget, cap, L, cache.selections.shape[0],
+        E=E, K=k, NPRED=cache.num_predictions, NSEL=cache.selections.shape[2], J=cache.terms.shape[0],
+        TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)), CP=cp,
+        MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), num_warps=16 if cp >= 4096 else 8)
+
+
+@triton.jit
+def _commit_kernel(pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, done_ptr, row_map_ptr, stale_ptr, span, L,
+                   LP: tl.constexpr, SP: tl.constexpr):
+    li = tl.arange(0, LP)
+    j = tl.arange(0, SP)
+    cnt = tl.load(pf_m_ptr + li, mask=li < L, other=0)
+    ok = (li < L)[:, None] & (j[None, :] < cnt[:, None])
+    at = li[:, None] * span + j[None, :]
+    slot = tl.load(pf_victims_ptr + at, mask=ok, other=0)
+    new = tl.load(pf_new_ptr + at, mask=ok, other=0)
+    tag = tl.load(pf_tag_ptr + at, mask=ok, other=0)
+    done = tl.load(done_ptr + slot, mask=ok, other=-1)
+    good = ok & (done == tag)
+    tl.store(row_map_ptr + new, slot.to(tl.int32), mask=good)
+    bad = tl.sum(tl.sum((ok & (done != tag)).to(tl.int64), axis=1), axis=0)
+    tl.store(stale_ptr, tl.load(stale_ptr) + bad)
+    tl.store(pf_m_ptr + li, tl.zeros((LP,), dtype=tl.int64), mask=li < L)
+
+
+def commit_prefetches(cache) -> None:
+    """nexttoken's commit after the step's join (one launch): each prefetch of the step whose slot's
+    done tag equals the tag it was issued with gets its row map entry (the slot); one whose tag
+    differs (its copy did not land, or a later copy superseded it) stays on its host row and is
+    counted in ``cache.stale``. The lists are consumed (counts zeroed)."""
+    L, span = cache.pf_victims.shape
+    _commit_kernel[(1,)](cache.pf_victims, cache.pf_new, cache.pf_tags, cache.pf_count, cache.done,
+                         cache.pools.row_map, cache.stale, span, L, LP=max(2, _next_pow2(L)),
+                         SP=max(2, _next_pow2(span)), num_warps=8)
