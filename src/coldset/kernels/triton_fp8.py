@@ -2,22 +2,30 @@
 
 The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
 pairs by expert, its block numbering, its one row-map load per block, its top-k sum launch) with
-FP8 operands:
+FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE paths run:
 
 - weights are the pools' float8_e4m3fn bytes; each expert's float32 ``weight_scale_inv`` blocks
   come from the scale pool of the same tier, at the same row (:mod:`coldset.tiers`), through the
   same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
-- activations are quantized on the fly per token and group of 128 columns (the scheme of vLLM's
-  ``per_token_group_quant_fp8`` and DeepGEMM, :func:`coldset.fp8.quantize_activations`): every k
-  step is one 128-column group (``block_k1 = block_k2 = 128``), whose rows are scaled by
-  ``max|a| / 448`` (IEEE divisions, round-to-nearest-even cast, as torch computes it) inside the
-  GEMM kernel that reads them, so no launch is added;
-- each k step is one FP8 tensor-core dot (fp32 accumulate) times the activation scale of each row
-  and the weight scale of each column's block: ``acc += dot(a_q, w_q) * a_s[:, None] * w_s[None, :]``
-  (vLLM's block-FP8 fused_moe accumulation);
-- the w13 launch writes SiLU(gate) * up in the activation dtype (the scratch), which the w2 launch
-  quantizes again per group of 128 as it reads it; the w2 products go to a per-pair fp32 (or
-  with ``half_buf`` activation-dtype) buffer that the top-k sum adds in rank order.
+- activations are quantized per token and group of 128 columns
+  (:func:`coldset.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
+  round-to-nearest-even cast) ONCE per call, never inside a GEMM's k loop: the tokens ``x`` by a
+  small launch before the w13 launch (:func:`_quant_groups_kernel`, one block per token);
+  the intermediate SiLU(gate) * up, rounded to the activation dtype first, by the w13 launch
+  itself when its column block holds whole groups (``block_n1`` a multiple of 128: it writes the
+  FP8 intermediate and its group scales), else by the same quantization launch over the
+  activation-dtype scratch the w13 launch wrote (``block_n1`` < 128: a group spans blocks). Both
+  give the same bits: which one runs is a speed choice of the config, never a result's;
+- the GEMMs read FP8 activations and their scales directly: each k step is one 128-column group
+  and one weight block (``block_k1 = block_k2 = 128``), one FP8 tensor-core dot (fp32
+  accumulate) times the activation scale of each row and the weight scale of each column's
+  block: ``acc += dot(a_q, w_q) * a_s[:, None] * w_s[None, :]`` (vLLM's block-FP8 fused_moe
+  accumulation); the w2 products go to a per-pair fp32 (with ``half_buf`` activation-dtype) buffer
+  that the top-k sum adds in rank order.
+
+Quantizing inside the k loop (this kernel's first version: a row max and 2 x 128 divisions per
+row and k step, at prefill once per column block) cost 3-5x the bf16 kernel's time on the H200
+(issue 29 first runs); the quantization points, hence the results, are the same.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
@@ -55,10 +63,12 @@ if TYPE_CHECKING:
 
 GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
 
-# Defaults when no tuned entry exists (not measured yet: the bf16 decode tiles with k steps of one
-# group, and 64-row prefill tiles as vLLM's fp8_w8a8 block tables use at these sizes).
-DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 128, 128, 128, 4, 3, 1, tile_order=1)
+# Defaults when no tuned entry exists: decode tiles of 16 rows with 64 columns of gate and up per
+# w13 block (128 weight rows, as vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768 uses from 4
+# tokens on) and the intermediate quantized by its own launch; prefill 64-row tiles (vLLM's table
+# above 128 tokens) with whole groups per w13 block, so that launch writes the FP8 intermediate.
+DEFAULT_DECODE_CONFIG = KernelConfig(16, 64, 128, 128, 128, 4, 3, 32)
+DEFAULT_PREFILL_CONFIG = KernelConfig(64, 128, 128, 128, 128, 4, 4, 1, tile_order=1, half_buf=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
@@ -79,19 +89,42 @@ def _quantize_rows(a, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _w13_fp8_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
-                   num_pairs, expert, start, c, cnt, stride_xt,
-                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_N: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then SiLU(gate) * up."""
+def _quant_groups_kernel(src_ptr, q_ptr, s_ptr, stride_src, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                         USE_GDC: tl.constexpr):
+    """Row ``program_id(0)`` of ``src`` ``[R, K]`` (bf16/fp16) quantized per group of 128 columns:
+    ``q`` ``[R, K]`` float8_e4m3fn and ``s`` ``[R, G]`` float32 (G = ceil(K / 128), GP its next
+    power of two). ``USE_GDC``: launched early (programmatic dependent launch) after the w13 launch:
+    wait for it, then let the w2 launch start (it waits on this one)."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    cols = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    ok = (offs_g[:, None] < G) & (cols < K)
+    a = tl.load(src_ptr + row * stride_src + cols, mask=ok, other=0.0).to(tl.float32)
+    q, s = _quantize_rows(a, GP, 128)
+    tl.store(q_ptr + row * K + cols, q, mask=ok)
+    tl.store(s_ptr + row * G + offs_g, s, mask=offs_g < G)
+
+
+@triton.jit
+def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
+                   sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt,
+                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
+    SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
+    as_ptrs = xs_ptr + tok * GH
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for kb in range(0, GH):
+        k0 = kb * BK
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
             if EVEN_N:
@@ -105,29 +138,37 @@ def _w13_fp8_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, 
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_q, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
-        kb = k0 // BK
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
-        acc_u += tl.dot(a_q, wu) * (a_s[:, None] * su[None, :])
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
+        acc_u += tl.dot(a, wu) * (a_s[:, None] * su[None, :])
+    act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty)  # the intermediate's rounding
+    pair64 = pair.to(tl.int64)
+    if FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
+        NG: tl.constexpr = BN // BK
+        q, s = _quantize_rows(tl.reshape(act.to(tl.float32), (BM * NG, BK)), BM * NG, BK)
+        tl.store(actq_ptr + pair64[:, None] * I + offs_n[None, :], tl.reshape(q, (BM, BN)),
+                 mask=valid[:, None] & n_ok[None, :])
+        offs_g = pid_n * NG + tl.arange(0, NG)
+        tl.store(acts_ptr + pair64[:, None] * GI + offs_g[None, :], tl.reshape(s, (BM, NG)),
+                 mask=valid[:, None] & (offs_g < GI)[None, :])
+    else:
+        tl.store(act_ptr + pair64[:, None] * I + offs_n[None, :], act, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _w13_fp8_kernel(
-    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
-    act_ptr, num_pairs, layer, stride_xt, NB,
+    xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
+    s_cold_ptr, act_ptr, actq_ptr, acts_ptr, num_pairs, layer, NB,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_GDC: tl.constexpr, ORDER: tl.constexpr,
+    USE_GDC: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if USE_GDC:
-        gdc_launch_dependents()  # a plain launch: its inputs are complete; the w2 kernel may start now
+        gdc_launch_dependents()  # a plain launch: its inputs are complete; the next launch may start now
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     # the one place the expert id is used: one row-map lookup for the weights, the same for the scales
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
@@ -141,23 +182,26 @@ def _w13_fp8_kernel(
     su_ptrs = s_base + (GI + offs_n // BK) * GH
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
-        _w13_fp8_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
-                       num_pairs, expert, start, c, cnt, stride_xt, TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
+        _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
+                       sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt,
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q)
         c += BM
 
 
 @triton.jit
-def _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
+def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
                   num_pairs, expert, start, c, cnt,
-                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: activations (quantized per group) times w2's rows, times the routing weight."""
+                  H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, times the routing weight."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
-    a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+    a_ptrs = actq_ptr + pair64[:, None] * I + offs_k[None, :]
+    as_ptrs = acts_ptr + pair64 * GI
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
+    for kb in range(0, GI):
+        k0 = kb * BK
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
             if EVEN_N:
@@ -168,9 +212,9 @@ def _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptr
             k_ok = (k0 + offs_k) < I
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_q, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
-        ws = tl.load(s_ptrs + k0 // BK, mask=n_ok, other=0.0)
-        acc += tl.dot(a_q, w) * (a_s[:, None] * ws[None, :])
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+        ws = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
@@ -179,8 +223,8 @@ def _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptr
 
 @triton.jit
 def _w2_fp8_kernel(
-    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
-    topk_w_ptr, buf_ptr, num_pairs, layer, NB,
+    actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
+    s_cold_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
@@ -195,14 +239,28 @@ def _w2_fp8_kernel(
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
     s_ptrs = s_base + (offs_n // BK) * GI
-    if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 kernel
+    if USE_GDC:  # launched early: only the launch and the lookups above overlap the launch before
         gdc_launch_dependents()
         gdc_wait()
     c = c_begin
     while c < c_end:
-        _w2_fp8_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
+        _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n,
+                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
         c += BM
+
+
+def quantize_groups(src: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [R, K], scales float32 [R, ceil(K / 128)])`` of a CUDA ``[R, K]`` bf16/fp16
+    tensor, per row and group of 128 columns: :func:`coldset.fp8.quantize_activations` bit for bit,
+    one launch (one block per row). ``pdl``: a programmatic dependent launch (see the kernel)."""
+    rows, k = src.shape
+    g = triton.cdiv(k, GROUP)
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=src.device)
+    s = torch.empty((rows, g), dtype=torch.float32, device=src.device)
+    if rows:
+        _quant_groups_kernel[(rows,)](src, q, s, src.stride(0), K=k, G=g, GP=_next_pow2(g), USE_GDC=pdl,
+                                      num_warps=4, launch_pdl=pdl)
+    return q, s
 
 
 def _check_config(c: KernelConfig) -> None:
@@ -219,6 +277,9 @@ def _check_config(c: KernelConfig) -> None:
         raise ValueError(f"triton_fp8_experts: tile_order and half_buf must be 0 or 1, got {c.tile_order}, {c.half_buf}")
     if c.block_m < 16:
         raise ValueError(f"triton_fp8_experts: block_m must be >= 16 (a dot needs 16 rows), got {c.block_m}")
+    if c.block_n1 > GROUP and c.block_n1 % GROUP:
+        raise ValueError(f"triton_fp8_experts: block_n1 above {GROUP} must be a multiple of {GROUP} (whole activation "
+                         f"groups per block), got {c.block_n1}")
 
 
 def triton_fp8_experts(
@@ -287,23 +348,32 @@ def triton_fp8_experts(
     s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
     gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
     ep = _next_pow2(num_experts)
-    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
+    fuse_q = c.block_n1 % GROUP == 0  # whole groups per w13 block: that launch quantizes the intermediate
+    # the intermediate: FP8 with its group scales (w2's operand); the activation-dtype scratch only
+    # when a separate launch quantizes it
+    act = torch.empty((1 if fuse_q else num_pairs, inter), dtype=x.dtype, device=device)
+    actq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=device)
+    acts = torch.empty((num_pairs, gi), dtype=torch.float32, device=device)
     buf = torch.empty((num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
     nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
 
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
+    xq, xs = quantize_groups(x)  # the tokens, once per call
     _w13_fp8_kernel[grid(nb1)](
-        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
-        act, num_pairs, layer, x.stride(0), nb1,
+        xq, xs, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
+        act, actq, acts, num_pairs, layer, nb1,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, ORDER=c.tile_order,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, ORDER=c.tile_order, FUSE_Q=fuse_q,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if not fuse_q:  # every pair's row (pairs of invalid ids too: never read by w2)
+        _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),
+                                           USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
     _w2_fp8_kernel[grid(nb2)](
-        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
+        actq, acts, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
         weights, buf, num_pairs, layer, nb2,
         E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
