@@ -359,3 +359,28 @@ def test_nexttoken_refuses_unknown_terms_and_overflow():
         NextTokenForecaster(((0, -1),), np.zeros((1, 2, 3, 3), np.int32), 0, 3, 1)
     with pytest.raises(ForecastError, match="beyond int32"):
         NextTokenForecaster(((0, 0),), np.full((1, 2, 3, 3), 2**30, np.int32), 0, 3, 2)
+
+
+def test_recall_table_tunes_on_a_held_out_profile_domain():
+    """A replay of a domain the profile lacks: H's parameters are chosen on the last profile
+    domain (never on the replay), and each horizon's row is that forecaster's quality."""
+    from coldset.cache import recall_table, token_array
+    from coldset.forecast import NextTokenForecaster, forecast_quality
+
+    rng = np.random.default_rng(12)
+    frames = []
+    for dom in ("x", "y", "z"):
+        f = decode_rows(rng, requests=3, tokens=10, L=2, E=6, k=2)
+        frames.append(f.assign(request=dom + "-" + f.request.astype(str), domain=dom))
+    rows = pd.concat(frames, ignore_index=True)
+    prof, rep = rows[rows.domain != "z"], rows[rows.domain == "z"]
+    table = recall_table(prof, rep, 2, 6, 2, horizons=(1, 2))
+    assert table.horizon.tolist() == [1, 2] and (table.tuned_on == "profile domain 'y'").all()
+    tp, sp = token_array(prof, 2, 6)
+    th, sh = token_array(rep, 2, 6)
+    for row in table.itertuples():
+        f = NextTokenForecaster.fit(tp, sp, 2, 6, horizon=row.horizon, hist_beta=row.hist_beta,
+                                    hist_shift=row.hist_shift)
+        q = forecast_quality(f, th, sh, (2,))
+        assert row.recall == pytest.approx(q["recall"]) and row.recall_at_2 == pytest.approx(q["recall_at_2"])
+        assert 0 <= row.popularity_recall <= row.ceiling_current_experts <= 1

@@ -1549,11 +1549,20 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
     tp, sp = token_array(profile, L, E)
     th, sh = token_array(replay, L, E)
     n = min(top_k + extra, E)
+    # a replay of domains the profile lacks (a held-out subject): tune on a held-out profile domain too
+    validation, tuned_on = None, "every 5th profile request"
+    prof_domains = sorted(set(profile["domain"].astype(str))) if "domain" in profile else []
+    if len(prof_domains) > 1 and "domain" in replay and not set(replay["domain"].astype(str)) & set(prof_domains):
+        req_col = profile["request"]
+        _, names = request_codes(req_col.array if isinstance(req_col.dtype, pd.CategoricalDtype) else req_col)
+        dom_of = dict(zip(req_col.astype(str).to_numpy(), profile["domain"].astype(str).to_numpy()))
+        validation = np.array([dom_of[names[s]] == prof_domains[-1] for s in sp])  # sp: token_array's numbering
+        tuned_on = f"profile domain {prof_domains[-1]!r}"
     sizes = tuple(sorted({top_k} | ({int(budget)} if budget else set())))
     out = []
     for h in horizons:
         t0 = _time.perf_counter()
-        f = NextTokenForecaster.fit_tuned(tp, sp, top_k, E, horizon=h, extra=extra)
+        f = NextTokenForecaster.fit_tuned(tp, sp, top_k, E, horizon=h, extra=extra, validation=validation)
         fit_s = _time.perf_counter() - t0
         t0 = _time.perf_counter()
         q = forecast_quality(f, th, sh, sizes)
@@ -1574,7 +1583,8 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
             row[f"precision_at_{m}"] = q[f"precision_at_{m}"]
         row.update({"recall_current_table_only": qc["recall"], "recall_previous_token": prev_recall,
                     "ceiling_current_experts": ceil["ceiling_recall"], "popularity_recall": ceil["popularity_recall"],
-                    "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift, "terms": str(list(f.terms)),
+                    "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift, "tuned_on": tuned_on,
+                    "terms": str(list(f.terms)),
                     "table_mb": f.nbytes / 1e6, "state_bytes_per_sequence": 4 * L * E,
                     "table_bytes_read_per_step_b1": ops["bytes_read"], "int_adds_per_step_b1": ops["int_adds"],
                     "cpu_us_per_token": per_token_us, "fit_s": fit_s, "pairs": q["pairs"]})

@@ -406,13 +406,16 @@ class NextTokenForecaster:
 
     @classmethod
     def fit_tuned(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *,
-                  horizon: int = 1, grid=HIST_GRID, validation_every: int = 5, **kw) -> "NextTokenForecaster":
+                  horizon: int = 1, grid=HIST_GRID, validation_every: int = 5, validation: np.ndarray | None = None,
+                  **kw) -> "NextTokenForecaster":
         """:meth:`fit` with H's (beta, shift) chosen from ``grid`` by recall on every
-        ``validation_every``-th sequence of the profile (fitted on the others), then refitted on
-        the whole profile: the held-out selection never chooses a parameter."""
+        ``validation_every``-th sequence of the profile (or on the tokens of the bool mask
+        ``validation``, e.g. one profile domain when the replay is a held-out domain), fitted on the
+        others, then refitted on the whole profile: the held-out selection never chooses a parameter."""
         sequence = np.asarray(sequence, dtype=np.int64)
         _, seq_idx = np.unique(sequence, return_inverse=True)
-        val = seq_idx % validation_every == validation_every - 1
+        val = (seq_idx % validation_every == validation_every - 1 if validation is None
+               else np.asarray(validation, dtype=bool))
         best = None
         if val.any() and (~val).any():
             base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon, **kw)
