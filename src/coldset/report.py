@@ -744,7 +744,10 @@ def render_report(
         _locality_figure(locality, cache_table, routing_device, routing_batch_label, dtype, model)]
     cache_rows = [] if cache_table is None else [
         {"policy": r.policy, "residency": _fmt(r.residency), "capacity": int(r.capacity), "hit_rate": _fmt(r.hit_rate),
-         "misses_per_token": _fmt(r.misses_per_token), "link_gb_per_token": _fmt(r.link_gb_per_token)}
+         "misses_per_token": _fmt(r.misses_per_token), "link_gb_per_token": _fmt(r.link_gb_per_token),
+         # issue 28: the batch replayed and the simulated time (coldset.cache.simulate_time), when present
+         **{c: _fmt(getattr(r, c, None)) for c in ("batch", "step_ms", "bound_ms", "bound_fraction", "overlap",
+                                                   "stall_ms_per_token", "wasted_gb_per_token")}}
         for r in cache_table.itertuples()]
     routing_provenance = _routing_provenance(bench, locality, skew)
 
