@@ -380,7 +380,20 @@ def test_recall_table_tunes_on_a_held_out_profile_domain():
     th, sh = token_array(rep, 2, 6)
     for row in table.itertuples():
         f = NextTokenForecaster.fit(tp, sp, 2, 6, horizon=row.horizon, hist_beta=row.hist_beta,
-                                    hist_shift=row.hist_shift)
+                                    hist_shift=row.hist_shift, self_boost=row.self_boost)
         q = forecast_quality(f, th, sh, (2,))
         assert row.recall == pytest.approx(q["recall"]) and row.recall_at_2 == pytest.approx(q["recall_at_2"])
         assert 0 <= row.popularity_recall <= row.ceiling_current_experts <= 1
+
+
+def test_self_boost_puts_the_current_experts_first():
+    from coldset.forecast import SCORE_UNIT, NextTokenForecaster
+
+    rng = np.random.default_rng(13)
+    tokens, seq = random_tokens(rng, k=2)
+    plain = NextTokenForecaster.fit(tokens, seq, 2, 7, hist_beta=0.0)
+    f = NextTokenForecaster.fit(tokens, seq, 2, 7, hist_beta=0.0, self_boost=2.0)
+    diff = f.tables.astype(np.int64) - plain.tables
+    assert (diff[0] == np.eye(7, dtype=np.int64)[None] * 2 * SCORE_UNIT).all() and (diff[1:] == 0).all()
+    lists = f.forecast_lanes(tokens[:, :, None, :], np.r_[True, seq[1:] != seq[:-1]][:, None])[:, :, 0]
+    assert (np.sort(lists[..., :2], axis=-1) == np.sort(tokens, axis=-1)).all()

@@ -1583,7 +1583,8 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
             row[f"precision_at_{m}"] = q[f"precision_at_{m}"]
         row.update({"recall_current_table_only": qc["recall"], "recall_previous_token": prev_recall,
                     "ceiling_current_experts": ceil["ceiling_recall"], "popularity_recall": ceil["popularity_recall"],
-                    "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift, "tuned_on": tuned_on,
+                    "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift,
+                    "self_boost": f.self_boost, "tuned_on": tuned_on,
                     "terms": str(list(f.terms)),
                     "table_mb": f.nbytes / 1e6, "state_bytes_per_sequence": 4 * L * E,
                     "table_bytes_read_per_step_b1": ops["bytes_read"], "int_adds_per_step_b1": ops["int_adds"],

@@ -306,6 +306,7 @@ class NextTokenForecaster:
     top_k: int
     extra: int = 3
     horizon: int = 1
+    self_boost: float = 0.0  # what fit added to the (0, 0) table's diagonal (already in tables; a record)
 
     def __post_init__(self) -> None:
         tables = np.ascontiguousarray(self.tables, dtype=np.int32)
@@ -365,10 +366,13 @@ class NextTokenForecaster:
     @classmethod
     def fit(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *, horizon: int = 1,
             terms=DEFAULT_TERMS, weights=DEFAULT_WEIGHTS, hist_beta: float = 0.2, hist_shift: int = 5,
-            extra: int = 3, alpha: float = 1.0) -> "NextTokenForecaster":
+            extra: int = 3, alpha: float = 1.0, self_boost: float = 0.0) -> "NextTokenForecaster":
         """Fit the tables on decode ``tokens`` int ``[T, L, k]`` (:func:`coldset.cache.token_array`
         of the profile selection) with their sequence ids ``[T]`` (consecutive tokens of a
-        sequence in order). ``hist_beta``: H's increment as a share of :data:`SCORE_UNIT`."""
+        sequence in order). ``hist_beta``: H's increment as a share of :data:`SCORE_UNIT`;
+        ``self_boost``: added (in :data:`SCORE_UNIT`) to the diagonal of the current token's table
+        (term (0, 0)): with ``top_k`` the current token's experts rank first, as in
+        :class:`TransitionForecaster` (data in the table, not another rule for the engine)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         sequence = np.asarray(sequence, dtype=np.int64)
         if tokens.ndim != 3 or sequence.shape != tokens.shape[:1]:
@@ -401,8 +405,13 @@ class NextTokenForecaster:
             tables[j] = np.rint(np.clip(prob, 0, None) * w * SCORE_UNIT).astype(np.int32)
         if n_pairs == 0:
             raise ForecastError(f"fit: no decode token has a successor {horizon} token(s) later in its sequence")
+        if self_boost:
+            if (0, 0) not in [tuple(t) for t in terms]:
+                raise ForecastError("fit: self_boost needs the term (0, 0)")
+            j0 = [tuple(t) for t in terms].index((0, 0))
+            tables[j0][:, np.arange(E), np.arange(E)] += np.int32(round(self_boost * SCORE_UNIT))
         return cls(tuple(terms), tables, int(round(hist_beta * SCORE_UNIT)), int(hist_shift), int(top_k),
-                   int(extra), int(horizon))
+                   int(extra), int(horizon), float(self_boost))
 
     @classmethod
     def fit_tuned(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *,
@@ -417,17 +426,21 @@ class NextTokenForecaster:
         val = (seq_idx % validation_every == validation_every - 1 if validation is None
                else np.asarray(validation, dtype=bool))
         best = None
+        kw.pop("self_boost", None)
         if val.any() and (~val).any():
-            base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon, **kw)
-            for beta, shift in grid:
-                f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
-                r = forecast_quality(f, tokens[val], sequence[val])["recall"]
-                if best is None or r > best[0] + 1e-12:
-                    best = (r, beta, shift)
-        beta, shift = (best[1], best[2]) if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5))
+            for boost in (0.0, float(top_k)):  # the current token's experts first, or not
+                base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon, self_boost=boost,
+                               **kw)
+                for beta, shift in grid:
+                    f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
+                    r = forecast_quality(f, tokens[val], sequence[val])["recall"]
+                    if best is None or r > best[0] + 1e-12:
+                        best = (r, beta, shift, boost)
+        beta, shift, boost = best[1:] if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5), 0.0)
         kw.pop("hist_beta", None)
         kw.pop("hist_shift", None)
-        return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift, **kw)
+        return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift,
+                       self_boost=boost, **kw)
 
     def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
