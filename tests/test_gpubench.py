@@ -210,6 +210,67 @@ def test_render_names_the_file_and_what_is_wrong(tmp_path, capsys):
         render_files([str(tmp_path / "absent.json")])
 
 
+def test_kernel_weight_format_fp8_arguments(tmp_path, capsys, no_cuda):
+    """``bench kernel --weight-format fp8``: bf16 by default, only bf16 or fp8, the bf16-only options
+    and a missing --configs file refused by name before CUDA is asked, then the CUDA refusal."""
+    p = build_parser()
+    assert p.parse_args(["kernel", "--out", "o"]).weight_format == "bf16"
+    assert p.parse_args(["kernel", "--out", "o", "--weight-format", "fp8"]).weight_format == "fp8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["kernel", "--out", "o", "--weight-format", "fp4"])
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
+    for extra, message in [(["--sweep", "1"], "does not take --sweep"),
+                           (["--variants", '{"1": []}', "--baseline-module", "b.py"], "--variants, --baseline-module"),
+                           (["--configs", str(tmp_path / "none.json")], "none.json: no such file")]:
+        assert main(["bench", "kernel", "--weight-format", "fp8", *extra, "--out", str(tmp_path / "o")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "CUDA" not in err, err
+    assert main(["bench", "kernel", "--weight-format", "fp8", "--out", str(tmp_path / "o")]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+KERNEL_FP8 = {
+    "kind": "kernel-fp8", "command": "python -m coldset bench kernel --weight-format fp8 --out o",
+    "date": "2026-12-01 17:30 UTC", "provenance": PROV, "bf16_configs_from": "tuned.json",
+    "ceilings": {"hbm_read_GBps": 4000.0, "bf16_matmul_TFLOPs": 700.0, "fp8_matmul_TFLOPs": 1400.0,
+                 "pinned_read_GBps": 50.0},
+    "fails": [],
+    "batches": [
+        {"batch": 1, "fp8_MB": 40.0, "fp8_us": 20.0, "fp8_plain_read_us": 15.0, "fp8_bytes_bound_us": 10.0,
+         "fp8_flop_bound_us": 0.1, "bf16_us": 30.0, "bf16_plain_read_us": 24.0, "bf16_bytes_bound_us": 20.0,
+         "bf16_flop_bound_us": 0.2, "fp8_rel_err_vs_torch": 0.004, "fp8_bitwise_rowmap_vs_off": True,
+         "fp8_cold_bitwise_vs_hot": True, "fp8_cold_us": 1000.0, "fp8_cold_link_bound_us": 800.0,
+         "fp8_config": {"block_m": 16, "block_n1": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3}},
+        {"batch": 2048, "fp8_MB": 600.0, "fp8_us": 400.0, "fp8_plain_read_us": 160.0, "fp8_bytes_bound_us": 150.0,
+         "fp8_flop_bound_us": 100.0, "bf16_us": 500.0, "bf16_plain_read_us": 320.0, "bf16_bytes_bound_us": 300.0,
+         "bf16_flop_bound_us": 200.0, "fp8_rel_err_vs_torch": 0.006, "fp8_bitwise_rowmap_vs_off": False,
+         "fp8_config": {"block_m": 64, "block_n1": 128, "block_n2": 128, "num_warps": 4, "num_stages": 4}},
+    ],
+}
+
+KERNEL_FP8_MD = """\
+**Block-FP8 experts kernel per MoE layer, beside bf16** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit \
+0123456789 · 2026-12-01 17:30 UTC
+
+`python -m coldset bench kernel --weight-format fp8 --out o`
+
+Ceilings in this run: HBM read 4000 GB/s, bf16 matmul 700 TFLOP/s, FP8 matmul 1400 TFLOP/s, pinned zero-copy read \
+50.0 GB/s. µs per layer (median of the graph replays); FP8: the fastest config of the FP8 search space; bf16: configs \
+of tuned.json.
+
+| tokens | FP8 MB | FP8 µs | % plain read | % bytes bound | % FLOP bound | bf16 µs | bf16 % plain read | \
+bf16 % bound | bf16/FP8 | FP8 rel err vs torch | bitwise off/cold | FP8 all-cold µs (% link) | FP8 config m/n1/n2 |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | 40.0 | 20.0 | 75% | 50% | 0% | 30.0 | 80% | 67% | 1.50x | 4.0e-03 | True/True | 1000.0 (80%) | 16/64/128 w4s3 |
+| 2048 | 600.0 | 400.0 | 40% | 38% | 25% | 500.0 | 64% | 60% | 1.25x | 6.0e-03 | False/- | - | 64/128/128 w4s4 |
+
+Checks: all passed."""
+
+
+def test_render_kernel_fp8_exact_markdown():
+    assert render(KERNEL_FP8) == KERNEL_FP8_MD
+
+
 @pytest.mark.gpu
 def test_kernel_command_on_the_gpu(tmp_path, capsys):
     """A small real run: two layers, batch 1 and 4, the committed H200 configs (no tuning); the

@@ -23,11 +23,12 @@ ceil(H / 128)]``), so column ``n`` of up uses scale row ``ceil(I / 128) + n // 1
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+
+from coldset.shapes import module_not_converted
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -47,16 +48,13 @@ class Fp8Format:
     modules_to_not_convert: tuple[str, ...] = ()
 
     def converts(self, module_name: str) -> bool:
-        """Whether ``module_name`` (e.g. ``model.layers.0.self_attn.q_proj``) is stored in FP8.
-
-        transformers' rule (``quantizers_utils.should_convert_module``): a pattern skips a module
-        when it matches from the name's start up to a module boundary (as a regex), or is a suffix
-        of it; so ``mlp.gate`` never skips ``mlp.gate_proj`` and ``layers.1`` never ``layers.11``.
-        Only linear layers are ever converted; callers ask about linear layers only.
-        """
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return not any(re.match(rf"(?:{p}){boundary}", module_name) or module_name.endswith(p)
-                       for p in self.modules_to_not_convert)
+        """Whether ``module_name`` (e.g. ``model.layers.0.self_attn.q_proj``) is stored in FP8: not
+        kept unquantized by ``modules_to_not_convert`` under transformers' rule, as
+        :func:`coldset.shapes.module_not_converted` matches it (``mlp.gate`` never skips
+        ``mlp.gate_proj``, ``layers.1`` never ``layers.11``). Only linear layers are ever converted;
+        callers ask about linear layers only."""
+        return not module_not_converted(module_name, list(self.modules_to_not_convert),
+                                        "quantization_config.modules_to_not_convert")
 
 
 def parse_quantization_config(qcfg: Mapping[str, Any] | None, source: str = "config.json") -> Fp8Format | None:

@@ -98,27 +98,23 @@ TRITON_SEARCH_SPACE: dict = {
 
 # The FP8 kernel (coldset.kernels.triton_fp8, issue 29): block_k1 = block_k2 = 128, one weight
 # scale block per k step; split-K, half_tail and the w2 prefetch (pdl=1) are not implemented there.
-# Decode: the bf16 space's tiles (the bytes are halved, the tiling question is the same); prefill:
-# 64-128-row tiles with block_n1 64 (vLLM's H200 fp8_w8a8 [128, 128] tables use BLOCK_SIZE_N 128
-# over gate and up, i.e. 64 of each, and BLOCK_SIZE_K 128). Not yet measured on a GPU beyond issue
-# 29's first run (BENCHMARKS.md).
+# block_n1 a multiple of 128 has the w13 launch quantize the intermediate itself (whole groups per
+# block); below 128 a separate launch does (the same bits). Decode: 64 columns of gate and up per
+# block with a quantization launch (vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768: 16-row
+# tiles of 128 weight rows, BLOCK_SIZE_K 128), whole groups fused, and the bf16 kernel's 32-column
+# tiles; prefill: vLLM's 64-row tiles with whole groups, and the bf16 prefill's 128-row tiles.
 TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             tile_order=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2),
     ],
     "prefill": [
-        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1,
-             tile_order=1),
-        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
-             tile_order=1),
-        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
-             tile_order=1, half_buf=1, pdl=2),
+        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=128, block_n1=128, block_k1=128, block_n2=256, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
     ],
 }
 

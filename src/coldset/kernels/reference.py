@@ -2,8 +2,9 @@
 
 Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.fp8`) run :func:`_torch_fp8_experts_chunk`: each
 expert's weights dequantized (``fp8.float() * scale_inv`` per 128 x 128 block) and the activations
-quantized per token group of 128 (:func:`coldset.fp8.quantize_activations`) before each GEMM,
-exactly where the Triton FP8 kernel quantizes them, with float32 GEMMs, so that the CPU and CUDA
+quantized per token group of 128 (:func:`coldset.fp8.quantize_activations`) at the two points the
+Triton FP8 kernel quantizes them (the tokens once per call; the intermediate SiLU(gate) * up once,
+after its rounding to the activation dtype), with float32 GEMMs, so that the CPU and CUDA
 paths compute the same quantity (the order of the float32 sums differs, so they agree to a
 tolerance, not bitwise).
 """

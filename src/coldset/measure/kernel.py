@@ -10,7 +10,13 @@ selected at batch 1, L2 is 60 MB): all-hot with the row map, with the indirectio
 (``--rounds`` interleaved rounds of both: median and spread), all-cold (every expert read in place
 from pinned host memory), mixed (4 hot + 4 cold) against the sum of its two parts, and each batch
 of ``--batches`` against the torch reference (eager) and the bound (distinct expert bytes over the
-HBM ceiling, or the FLOPs over the matmul rate). Checks bitwise identity across placements and the
+HBM ceiling, or the FLOPs over the matmul rate).
+
+``--weight-format fp8`` (issue 29) times instead the block-FP8 experts kernel
+(:mod:`coldset.kernels.triton_fp8`: the same random weights quantized to 128 x 128 blocks) beside
+the bf16 kernel per batch, each against a plain read of its own distinct expert bytes (one read
+launch a layer, in one graph, this process) and the bytes and FLOP bounds (FP8 and bf16 matmul
+rates measured here): :func:`run_fp8`. Checks bitwise identity across placements and the
 error against the torch path, and times the stages (grouping + w13 + act, + w2, + top-k sum)
 cumulatively at batch 1 and at the largest batch.
 
@@ -58,6 +64,9 @@ def add_arguments(p) -> None:
                         "its triton_experts is timed on the same inputs with the same config per batch")
     p.add_argument("--no-batch1", action="store_true",
                    help="skip the batch-1 extras (stages, pdl A/B, sweep winners, mixed placement)")
+    p.add_argument("--weight-format", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: the block-FP8 experts kernel (best of the FP8 search space per batch) beside the bf16 "
+                        "kernel (--configs' configs, else its defaults) and plain reads of the same bytes (issue 29)")
     p.add_argument("--variants", default=None,
                    help='JSON {"batch": [{field: value, ...}, ...]}: each dict overrides fields of that batch\'s '
                         'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
@@ -73,6 +82,14 @@ def check_arguments(args) -> None:
     if not batches or min(batches) < 1 or args.layers < 1 or args.reps < 1 or args.rounds < 1:
         raise MeasureError(f"--batches {batches}, --layers {args.layers}, --reps {args.reps}, --rounds {args.rounds}: "
                            "each must be at least 1")
+    if getattr(args, "weight_format", "bf16") == "fp8":
+        extra = [flag for flag, on in (("--variants", args.variants), ("--sweep", args.sweep),
+                                        ("--baseline-module", args.baseline_module)) if on]
+        if extra:
+            raise MeasureError(f"--weight-format fp8 does not take {', '.join(extra)} (bf16 kernel options); "
+                               "it times the FP8 kernel's search space beside the bf16 kernel")
+        if args.configs and not Path(args.configs).is_file():
+            raise MeasureError(f"--configs {args.configs}: no such file (the bf16 configs of --weight-format fp8)")
     if args.variants:
         try:
             {int(b): list(v) for b, v in json.loads(args.variants).items()}
@@ -96,6 +113,8 @@ def run(args, argv=None) -> dict:
     """Measure (see module doc); returns the result written to ``--out``/kernel_bench.json."""
     check_arguments(args)
     require_cuda()
+    if args.weight_format == "fp8":
+        return run_fp8(args, argv)
     import torch
 
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
@@ -410,3 +429,165 @@ def run(args, argv=None) -> dict:
         save()
     return res
 
+
+
+def run_fp8(args, argv=None) -> dict:
+    """The block-FP8 experts kernel beside the bf16 kernel (``--weight-format fp8``), written as
+    ``kernel_bench.json`` of kind ``kernel-fp8`` (:func:`coldset.measure.render.render_kernel_fp8`).
+
+    E=128, H=2048, I=768, top-8, bf16 activations; the same random weights in bf16 and quantized to
+    FP8 (:func:`coldset.fp8.quantize_w13`, :func:`~coldset.fp8.quantize_weight`). Per batch:
+    correctness first (the FP8 kernel against the torch path, rel. error; bitwise with the row map
+    compiled out), then the FP8 kernel's time with each config of the FP8 search space for its
+    regime (:data:`coldset.tune.TRITON_FP8_SEARCH_SPACE`, the fastest reported with all timings),
+    the bf16 kernel with ``--configs``' tuned config (its default without), and a plain read of
+    each format's distinct expert bytes (weights and scales) measured now. Up to 4 tokens also
+    all-cold FP8 (weights and scales read in place from pinned host memory), bitwise against hot.
+    """
+    import torch
+
+    from coldset import fp8
+    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
+    from coldset.kernels.reference import torch_experts, torch_softmax_topk
+    from coldset.kernels.triton_moe import KernelConfig, default_config, triton_experts
+    from coldset.tiers import ExpertPools, check_host_allocation, host_tier
+    from coldset.tune import TRITON_FP8_SEARCH_SPACE, eager_time_us, graph_time_us
+
+    out_path = Path(args.out) / "kernel_bench.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    E, H, I, K, L = 128, 2048, 768, 8, args.layers
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    w13 = torch.empty(L, E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(L, E, H, I, dtype=torch.bfloat16, device="cuda")
+    q13 = torch.empty(w13.shape, dtype=fp8.FP8_DTYPE, device="cuda")
+    q2 = torch.empty(w2.shape, dtype=fp8.FP8_DTYPE, device="cuda")
+    s13 = torch.empty(L, E, fp8.w13_scale_rows(I), fp8.scale_grid(I, H)[1], device="cuda")
+    s2 = torch.empty(L, E, *fp8.scale_grid(H, I), device="cuda")
+    for layer in range(L):  # drawn and quantized a layer at a time (float32 temporaries)
+        w13[layer] = torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5
+        w2[layer] = torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5
+        (q13[layer], s13[layer]), (q2[layer], s2[layer]) = fp8.quantize_w13(w13[layer]), fp8.quantize_weight(w2[layer])
+    bf16_pools = ExpertPools.all_hot(w13, w2)
+    fp8_pools = ExpertPools.all_hot(q13, q2, s13, s2)
+    fp8_expert_bytes = q13[0, 0].numel() + q2[0, 0].numel() + (s13[0, 0].numel() + s2[0, 0].numel()) * 4
+    bf16_expert_bytes = (w13[0, 0].numel() + w2[0, 0].numel()) * 2
+    torch.cuda.synchronize()
+    log(f"pools ready in {time.time() - t0:.1f}s; bytes per expert fp8 {fp8_expert_bytes}, bf16 {bf16_expert_bytes}")
+    res = new_result("kernel-fp8", argv, args)
+    res["shape"] = dict(E=E, H=H, I=I, top_k=K, layers=L, activations="bfloat16")
+    res["bytes_per_expert"] = {"fp8": fp8_expert_bytes, "bf16": bf16_expert_bytes}
+
+    # --- ceilings, this process
+    hbm = best_read_bandwidth(w13.view(-1), HBM_READ_SHAPES, args.reps)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    bf16_rate = 2 * 8192**3 / (eager_time_us(lambda: a @ a, 10) * 1e-6)
+    af, one = a.to(fp8.FP8_DTYPE), torch.ones((), device="cuda")
+    fp8_rate = 2 * 8192**3 / (eager_time_us(
+        lambda: torch._scaled_mm(af, af.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10) * 1e-6)
+    del a, af
+    res["ceilings"] = {"hbm_read_GBps": hbm / 1e9, "bf16_matmul_TFLOPs": bf16_rate / 1e12,
+                       "fp8_matmul_TFLOPs": fp8_rate / 1e12}
+    log("ceilings", res["ceilings"])
+    bf16_tuned = {}
+    if args.configs:
+        bf16_tuned = {int(b): c for b, c in json.loads(Path(args.configs).read_text())["autotune"]["configs"].items()}
+    res["bf16_configs_from"] = args.configs
+
+    def case(num_tokens):
+        xs = [torch.randn(num_tokens, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(L)]
+        rs = []
+        for _ in range(L):
+            ids, w = torch_softmax_topk(torch.randn(num_tokens, E, device="cuda", generator=gen), K, True)
+            rs.append((ids, w.to(torch.bfloat16)))
+        return xs, rs
+
+    def run_all(pools, xs, rs, cfg, use_row_map=True, outs=None):
+        def fn():
+            got = [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, use_row_map) for l in range(L)]
+            if outs is not None:
+                outs[:] = got
+        return fn
+
+    def plain_read_us(pool_tensor, nbytes):
+        """µs a layer of a plain read of ``nbytes`` of the pool's own bytes, one read launch a layer, in one graph."""
+        flat = pool_tensor.view(-1).view(torch.bfloat16)
+        rate = best_read_bandwidth(flat[: L * (int(nbytes) // 2)], ((4096, 1), (4096, 4), (4096, 16)), args.reps,
+                                   launches=L)
+        return nbytes / rate * 1e6
+
+    def save():
+        write_result(out_path, res, res["ceilings"])
+
+    space = TRITON_FP8_SEARCH_SPACE
+    res["batches"] = rows = []
+    for B in batches:
+        xs, rs = case(B)
+        distinct = sum(int(torch.unique(r[0]).numel()) for r in rs) / L
+        row: dict = {"batch": B, "distinct_experts_per_layer": distinct}
+        regime = "decode" if B <= space["decode_max_tokens"] else "prefill"
+        timings, outs_by = {}, {}
+        for cand in space[regime]:
+            cfg = KernelConfig.from_dict(cand)
+            outs: list = []
+            try:
+                timings[json.dumps(cand, sort_keys=True)] = graph_time_us(
+                    run_all(fp8_pools, xs, rs, cfg, True, outs), args.reps) / L
+                outs_by[json.dumps(cand, sort_keys=True)] = outs
+            except Exception as exc:  # noqa: BLE001 - a config that cannot run here is reported, not fatal
+                log("fp8 config failed", B, cand, repr(exc)[:300])
+                row.setdefault("fp8_failed_configs", []).append({"config": cand, "error": repr(exc)[:300]})
+        if not timings:
+            raise MeasureError(f"batch {B}: no FP8 config of the search space ran (fp8_failed_configs)")
+        best = min(timings, key=timings.get)
+        cfg = KernelConfig.from_dict(json.loads(best))
+        outs_on, outs_off = outs_by[best], []
+        graph_time_us(run_all(fp8_pools, xs, rs, cfg, False, outs_off), 3)
+        errs = []
+        for l in (0, L - 1):
+            ref = torch_experts(fp8_pools, l, xs[l], *rs[l]).float()
+            errs.append(float((outs_on[l].float() - ref).norm() / ref.norm()))
+        row.update({"fp8_us": timings[best], "fp8_config": json.loads(best), "fp8_candidates_us": timings,
+                    "fp8_rel_err_vs_torch": max(errs),
+                    "fp8_bitwise_rowmap_vs_off": all(torch.equal(x_, y_) for x_, y_ in zip(outs_on, outs_off))})
+        bcfg = KernelConfig.from_dict(bf16_tuned[B]) if B in bf16_tuned else default_config(B, K)
+        row["bf16_config"], row["bf16_config_tuned"] = bcfg.to_dict(), B in bf16_tuned
+        row["bf16_us"] = graph_time_us(run_all(bf16_pools, xs, rs, bcfg), args.reps) / L
+        fp8_bytes, bf16_bytes = distinct * fp8_expert_bytes, distinct * bf16_expert_bytes
+        flops = 6.0 * B * K * H * I
+        row.update({"fp8_MB": fp8_bytes / 1e6, "fp8_plain_read_us": plain_read_us(q13, fp8_bytes),
+                    "bf16_plain_read_us": plain_read_us(w13, bf16_bytes),
+                    "fp8_bytes_bound_us": fp8_bytes / hbm * 1e6, "bf16_bytes_bound_us": bf16_bytes / hbm * 1e6,
+                    "fp8_flop_bound_us": flops / fp8_rate * 1e6, "bf16_flop_bound_us": flops / bf16_rate * 1e6})
+        rows.append(row)
+        log(B, {k: v for k, v in row.items() if k != "fp8_candidates_us"})
+        save()
+
+    cold_batches = [r for r in rows if r["batch"] <= 4]
+    if cold_batches:  # every expert read in place from pinned host memory
+        check_host_allocation(L * E * fp8_expert_bytes, "benchmark pinned FP8 cold tier")
+        host = host_tier(fp8_pools)
+        cold_map = -torch.arange(L * E, dtype=torch.int32, device="cuda").reshape(L, E) - 1
+        cold_pools = ExpertPools(fp8_pools.w13_hot, fp8_pools.w2_hot, host.w13, host.w2, cold_map,
+                                 w13_scale_hot=fp8_pools.w13_scale_hot, w2_scale_hot=fp8_pools.w2_scale_hot,
+                                 w13_scale_cold=host.w13_scale, w2_scale_cold=host.w2_scale)
+        cold_pools.validate()
+        pinned = best_read_bandwidth(host.w13.view(-1).view(torch.bfloat16)[: 2**28], ((4096, 1), (4096, 4)), 10)
+        res["ceilings"]["pinned_read_GBps"] = pinned / 1e9
+        for row in cold_batches:
+            xs, rs = case(row["batch"])
+            cfg = KernelConfig.from_dict(row["fp8_config"])
+            outs_c, outs_h = [], []
+            row["fp8_cold_us"] = graph_time_us(run_all(cold_pools, xs, rs, cfg, True, outs_c), 5) / L
+            run_all(fp8_pools, xs, rs, cfg, True, outs_h)()
+            row["fp8_cold_bitwise_vs_hot"] = all(torch.equal(x_, y_) for x_, y_ in zip(outs_c, outs_h))
+            distinct = sum(int(torch.unique(r[0]).numel()) for r in rs) / L
+            row["fp8_cold_link_bound_us"] = distinct * fp8_expert_bytes / pinned * 1e6
+        save()
+    res["fails"] = [f"batch {r['batch']}: {what}" for r in rows for what, bad in
+                    (("FP8 kernel not bitwise with the row map compiled out", not r["fp8_bitwise_rowmap_vs_off"]),
+                     ("FP8 all-cold not bitwise all-hot", r.get("fp8_cold_bitwise_vs_hot") is False),
+                     ("FP8 rel. error vs the torch path >= 2e-2", r["fp8_rel_err_vs_torch"] >= 2e-2)) if bad]
+    save()
+    return res

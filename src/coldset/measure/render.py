@@ -88,6 +88,37 @@ def render_kernel(res: dict) -> str:
     return "\n\n".join(out)
 
 
+def render_kernel_fp8(res: dict) -> str:
+    """``bench kernel --weight-format fp8``: the FP8 kernel beside bf16, each in % of a plain read of
+    its own bytes measured in the same run, and of the bytes and FLOP bounds."""
+    c = res["ceilings"]
+    out = [header(res, "Block-FP8 experts kernel per MoE layer, beside bf16"),
+           f"Ceilings in this run: HBM read {c['hbm_read_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} "
+           f"TFLOP/s, FP8 matmul {c['fp8_matmul_TFLOPs']:.0f} TFLOP/s"
+           + (f", pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s" if "pinned_read_GBps" in c else "")
+           + ". µs per layer (median of the graph replays); FP8: the fastest config of the FP8 search space; "
+             f"bf16: {'configs of ' + res['bf16_configs_from'] if res.get('bf16_configs_from') else 'its defaults'}."]
+    rows = []
+    for r in res["batches"]:
+        fp8_us, bf_us = r["fp8_us"], r["bf16_us"]
+        cold = (f"{r['fp8_cold_us']:.1f} ({100 * r['fp8_cold_link_bound_us'] / r['fp8_cold_us']:.0f}%)"
+                if "fp8_cold_us" in r else "-")
+        cfg = r["fp8_config"]
+        rows.append([r["batch"], f"{r['fp8_MB']:.1f}", f"{fp8_us:.1f}", f"{100 * r['fp8_plain_read_us'] / fp8_us:.0f}%",
+                     f"{100 * r['fp8_bytes_bound_us'] / fp8_us:.0f}%", f"{100 * r['fp8_flop_bound_us'] / fp8_us:.0f}%",
+                     f"{bf_us:.1f}", f"{100 * r['bf16_plain_read_us'] / bf_us:.0f}%",
+                     f"{100 * max(r['bf16_bytes_bound_us'], r['bf16_flop_bound_us']) / bf_us:.0f}%",
+                     f"{bf_us / fp8_us:.2f}x", f"{r['fp8_rel_err_vs_torch']:.1e}",
+                     f"{r['fp8_bitwise_rowmap_vs_off']}/{r.get('fp8_cold_bitwise_vs_hot', '-')}", cold,
+                     f"{cfg['block_m']}/{cfg['block_n1']}/{cfg['block_n2']} w{cfg['num_warps']}s{cfg['num_stages']}"])
+    out.append(table(["tokens", "FP8 MB", "FP8 µs", "% plain read", "% bytes bound", "% FLOP bound", "bf16 µs",
+                      "bf16 % plain read", "bf16 % bound", "bf16/FP8", "FP8 rel err vs torch", "bitwise off/cold",
+                      "FP8 all-cold µs (% link)", "FP8 config m/n1/n2"], rows))
+    fails = res.get("fails", [])
+    out.append("Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + ".")
+    return "\n\n".join(out)
+
+
 def render_step(res: dict) -> str:
     fl = res["floor"]
     floors = ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
@@ -143,7 +174,8 @@ def render_decisions(res: dict) -> str:
     return "\n\n".join([header(res, "Slot cache work per step (µs, all layers)"), table(["batch", *parts], rows)])
 
 
-RENDERERS = {"kernel": render_kernel, "step": render_step, "cache": render_cache, "cache-decisions": render_decisions}
+RENDERERS = {"kernel": render_kernel, "step": render_step, "cache": render_cache, "cache-decisions": render_decisions,
+             "kernel-fp8": render_kernel_fp8}
 
 
 def render(res: dict) -> str:
