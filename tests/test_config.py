@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,23 @@ def test_check_config_refuses_before_any_job(tmp_path):
         else:
             with pytest.raises(ConfigError, match=msg):
                 check_config(cfg)
+
+
+def test_the_default_is_a_newcomer_run_and_the_full_grid_keeps_every_policy():
+    """Issue 30 item 9: the default config's CPU decoding stays small (the 24-placement default, each
+    placement decoded by the gate over 64 tokens of 24 fixtures and benched, took 62 minutes on a
+    busy 2-core machine); every placement policy of the schema still runs in the full-grid example."""
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    default = load_config([repo / "config/config.yaml"])
+    placements = len(default["placement"]["policies"]) * len(default["placement"]["residency"])
+    fixtures = len(default["fixtures"]["domains"]) * min(default["fixtures"]["per_domain"],
+                                                         default["parity"]["fixtures_per_domain"] or 10**9)
+    assert placements <= 6 and fixtures * default["parity"]["max_new_tokens"] <= 12 * 16
+    assert default["bench"]["batch_sizes"] == [1] and default["bench"]["new_tokens"] <= 16
+    schema = yaml.safe_load((repo / "config/schema.yaml").read_text())
+    every = schema["properties"]["placement"]["properties"]["policies"]["items"]["enum"]
+    full = load_config([repo / "config/config.yaml", repo / "config/examples/full-grid.yaml"])
+    assert sorted(full["placement"]["policies"]) == sorted(every) and len(full["placement"]["residency"]) == 4
+    assert full["parity"]["max_new_tokens"] == 64 and full["parity"]["fixtures_per_domain"] is None
