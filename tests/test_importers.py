@@ -15,11 +15,12 @@ from coldset.trace import TraceError
 from coldset.shapes import shape_from_hf_config
 
 # 5 layers, layer 0 dense, 4 MoE layers (1..4), 8 experts, top-2
-SHAPE = shape_from_hf_config({
+HF_CONFIG = {
     "model_type": "deepseek_v3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
     "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 2, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
-    "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16})
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16}
+SHAPE = shape_from_hf_config(HF_CONFIG)
 MOE = [1, 2, 3, 4]
 
 
@@ -150,3 +151,156 @@ def test_engine_exports_refused_with_reasons(tmp_path):
     with pytest.raises(TraceError, match="do not make 4 rows"):
         import_trace(tmp_path / "r.json", tmp_path / "t.parquet", expect=SHAPE)
     assert not (tmp_path / "t.parquet").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 30 item 2: vLLM imports that were silently wrong (checked against vLLM 0.32's serving code)
+
+
+def npy_b64(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr.astype(np.uint8))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def completions_response(rid, prompts, arrs, completions, token_ids=True, echo=False):
+    """A completions response to a list of prompts, as vLLM 0.32 builds it: one choice per prompt
+    (index = its place), usage summed over prompts; with ``return_token_ids`` each choice carries
+    its prompt_token_ids and token_ids (the prompt's too under ``echo``)."""
+    choices = []
+    for i, (p, arr, c) in enumerate(zip(prompts, arrs, completions)):
+        choice = {"index": i, "text": "...", "finish_reason": "length", "routed_experts": npy_b64(arr)}
+        if token_ids:
+            prompt_ids, out_ids = list(range(100, 100 + p)), list(range(200, 200 + c))
+            choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = prompt_ids + out_ids if echo else out_ids
+        choices.append(choice)
+    return {"id": rid, "object": "text_completion", "model": "m", "choices": choices,
+            "usage": {"prompt_tokens": sum(prompts), "completion_tokens": sum(completions),
+                      "total_tokens": sum(prompts) + sum(completions)}}
+
+
+def test_vllm_multi_prompt_completions_take_each_choices_prompt(tmp_path):
+    """usage.prompt_tokens of a multi-prompt request is the total: each choice's own prompt length
+    (prompt_token_ids, sent with return_token_ids) splits its prefill from its decode rows."""
+    rng = np.random.default_rng(4)
+    prompts, completions = [2, 3], [8, 6]  # the total (5) fits either choice: once imported as each one's prompt
+    arrs = [routing(rng, p + c - 1) for p, c in zip(prompts, completions)]
+    for echo in (False, True):
+        path = tmp_path / f"multi{echo}.json"
+        path.write_text(json.dumps(completions_response("cmpl-m", prompts, arrs, completions, echo=echo)))
+        import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+        domain = path.stem
+        expected = rows_of(arrs[0][:, MOE], "cmpl-m/0", domain, 2) + rows_of(arrs[1][:, MOE], "cmpl-m/1", domain, 3)
+        assert read_rows(tmp_path / "t.parquet") == sorted(expected)
+    # without per-choice token ids the split is not recoverable: refused, saying what to send
+    path = tmp_path / "multi_no_ids.json"
+    path.write_text(json.dumps(completions_response("cmpl-m", prompts, arrs, completions, token_ids=False)))
+    with pytest.raises(TraceError, match=r"multi_no_ids.json choices\[0\]: .*usage.prompt_tokens \(5\) is the total "
+                                         r"over the request's 2 prompts.*return_token_ids"):
+        import_trace(path, tmp_path / "u.parquet", expect=SHAPE)
+    assert not (tmp_path / "u.parquet").exists()
+
+
+def test_vllm_row_count_checked_against_prompt_plus_completion(tmp_path):
+    rng = np.random.default_rng(5)
+    for rows, what in ((4 + 1, "one row too many"), (4 - 3, "three too few")):
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps(vllm_response("cmpl-x", routing(rng, rows), 3, 2)))
+        with pytest.raises(TraceError, match=rf"r.json choices\[0\].routed_experts: {rows} rows, expected prompt 3 \+ "
+                                             r"completion 2 - 1 = 4"):
+            import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+
+
+def test_vllm_routed_experts_prompt_start(tmp_path):
+    """vLLM drops the first N prompt rows for routed_experts_prompt_start=N and does not echo N: a
+    response saved with the field imports at positions N.., one without it is refused (not shifted)."""
+    rng = np.random.default_rng(6)
+    prompt, completion, start = 7, 6, 4
+    arr = routing(rng, prompt + completion - 1 - start)
+    resp = vllm_response("cmpl-s", arr, prompt, completion)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(resp))
+    with pytest.raises(TraceError, match=r"8 rows, expected prompt 7 \+ completion 6 - 1 = 12.*routed_experts_prompt_start"
+                                         r".*\"routed_experts_prompt_start\": 4"):
+        import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+    path.write_text(json.dumps({**resp, "routed_experts_prompt_start": start}))
+    import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+    assert read_rows(tmp_path / "t.parquet") == sorted(rows_of(arr[:, MOE], "cmpl-s", "s", prompt - start, first=start))
+    path.write_text(json.dumps({**resp, "routed_experts_prompt_start": 8}))
+    with pytest.raises(TraceError, match=r"routed_experts_prompt_start must be an integer in 0..7, got 8"):
+        import_trace(path, tmp_path / "t.parquet", expect=SHAPE)
+
+
+def offline_line(rid, arr, prompt):
+    """One line of vLLM's offline outputs as the module doc says to write them."""
+    return json.dumps({"id": rid, "num_prompt_tokens": prompt, "routed_experts": arr.tolist()})
+
+
+def test_offline_jsonl_one_reader_file_or_folder_with_dense_layers(tmp_path):
+    """vLLM 0.32 returns every layer (zero rows for the dense layer 0): a .jsonl of offline outputs
+    named as a file and the same file inside a folder give the same trace."""
+    rng = np.random.default_rng(7)
+    arrs = [routing(rng, n) for n in (5, 3)]
+    for a in arrs:
+        a[:, 0, :] = 0  # the dense layer's rows, as vLLM writes them
+    folder = tmp_path / "offline"
+    folder.mkdir()
+    path = folder / "agent.jsonl"
+    path.write_text(offline_line("0", arrs[0], 3) + "\n" + offline_line("1", arrs[1], 2) + "\n")
+    a = import_trace(path, tmp_path / "file.parquet", expect=SHAPE)
+    b = import_trace(folder, tmp_path / "folder.parquet", expect=SHAPE)
+    expected = rows_of(arrs[0][:, MOE], "0", "agent", 3) + rows_of(arrs[1][:, MOE], "1", "agent", 2)
+    assert read_rows(a.path) == read_rows(b.path) == sorted(expected)
+
+
+def test_offline_request_ids_repeated_across_files_refused_with_the_fix(tmp_path):
+    rng = np.random.default_rng(8)
+    folder = tmp_path / "offline"
+    folder.mkdir()
+    for name in ("run1.jsonl", "run2.jsonl"):  # two LLM instances: request ids restart at 0
+        (folder / name).write_text(offline_line("0", routing(rng, 3), 2) + "\n")
+    with pytest.raises(TraceError, match=r"run2.jsonl:1: request id '0' also in .*run1.jsonl:1.*restart at 0 for each "
+                                         r"LLM instance"):
+        import_trace(folder, tmp_path / "t.parquet", expect=SHAPE)
+
+
+def test_truncated_base64_reported_as_truncated(tmp_path):
+    rng = np.random.default_rng(9)
+    resp = vllm_response("cmpl-t", routing(rng, 4), 3, 2)
+    full = resp["choices"][0]["routed_experts"]
+    for cut in (len(full) - 8, len(full) - 7):  # inside the data (whole base64 quanta), mid-quantum
+        resp["choices"][0]["routed_experts"] = full[:cut]
+        (tmp_path / "r.json").write_text(json.dumps(resp))
+        with pytest.raises(TraceError, match=r"r.json choices\[0\].routed_experts: truncated"):
+            import_trace(tmp_path / "r.json", tmp_path / "t.parquet", expect=SHAPE)
+    resp["choices"][0]["routed_experts"] = base64.b64encode(b"not an npy file at all").decode()
+    (tmp_path / "r.json").write_text(json.dumps(resp))
+    with pytest.raises(TraceError, match=r"not an .npy payload"):
+        import_trace(tmp_path / "r.json", tmp_path / "t.parquet", expect=SHAPE)
+
+
+def test_import_error_is_one_message_on_the_console(tmp_path):
+    """`python -m coldset routing` on a bad export: exit 1 and the reason, no traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    model = tmp_path / "model"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json.dumps(HF_CONFIG))
+    resp = vllm_response("cmpl-e", routing(np.random.default_rng(10), 6), 3, 2)  # 6 rows where 4 are due
+    (tmp_path / "exports").mkdir()
+    (tmp_path / "exports" / "r.json").write_text(json.dumps(resp))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"results": str(tmp_path / "results"), "model": {"name": "m", "path": str(model)},
+                                   "routing": {"trace": str(tmp_path / "exports")}}))
+    src = Path(__file__).resolve().parent.parent / "src"
+    proc = subprocess.run([sys.executable, "-m", "coldset", "routing", "--config", str(cfg)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(src)})
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "r.json choices[0].routed_experts: 6 rows, expected prompt 3 + completion 2 - 1 = 4" in proc.stderr

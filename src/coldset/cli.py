@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     from coldset import pipeline
+    from coldset.trace import TraceError
 
     parser = argparse.ArgumentParser(prog="python -m coldset", description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=[*pipeline.STAGES, "report_models", "gpu-stages", "sweep"],
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = pipeline.GPU_STAGES if args.stage == "gpu-stages" else [args.stage]
         for stage in stages:
             pipeline.run_stage(stage, config, placements=args.placement)
-    except (ConfigError, pipeline.StageError) as exc:
+    except (ConfigError, pipeline.StageError, TraceError) as exc:  # a bad input file: its message, no traceback
         print(f"coldset: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -3,15 +3,29 @@
 ``routing.trace`` may name one file or a folder of them (every ``.json``, ``.jsonl`` and ``.pt``
 below it, in name order); each file is read in the format its content shows:
 
-- **vLLM OpenAI response** (``vllm serve --enable-return-routed-experts``; a completions or chat
-  response saved as JSON, one per file or one per line): ``choices[i].routed_experts`` is the
-  base64 of an ``.npy`` file, ``[prompt_tokens + completion_tokens - 1, layers, top_k]`` uint8 or
-  uint16 (the last sampled token is never forwarded), ``usage.prompt_tokens`` splits prefill
-  from decode, ``id`` (and the choice index when there are several) names the request.
+- **vLLM OpenAI response** (``python -m vllm.entrypoints.openai.api_server
+  --enable-return-routed-experts``, a GPU build: the PyPI CPU build has no ``vllm serve`` and
+  refuses the flag; a completions or chat response saved as JSON, one per file or one per line):
+  ``choices[i].routed_experts`` is the base64 of an ``.npy`` file, ``[prompt + completion - 1 -
+  routed_experts_prompt_start, layers, top_k]`` uint8 or uint16 (the last sampled token is never
+  forwarded), checked row for row against that count. A choice's prompt and completion lengths
+  come from its ``prompt_token_ids`` / ``token_ids`` (the request's ``return_token_ids: true``;
+  a chat response's ``prompt_token_ids`` is top-level; ``token_ids`` of an ``echo`` request hold
+  the prompt too, told apart by the row count), else from ``usage`` when the response has one
+  choice (or is a chat response, whose choices share one prompt). A completions response with
+  several choices and no token ids is refused: its ``usage.prompt_tokens`` is the total over its
+  prompts. vLLM does not echo ``routed_experts_prompt_start`` (it drops that many prompt rows):
+  save it in the response object as ``"routed_experts_prompt_start": N`` and the rows import at
+  positions ``N..``; a response whose rows fall short without it is refused, saying so. ``id``
+  (and the choice index when there are several) names the request.
 - **vLLM offline** (``LLM.generate``): ``RequestOutput.outputs[i].routed_experts`` is the same
-  array; write one JSON line per request, ``{"id": out.request_id, "num_prompt_tokens":
-  len(out.prompt_token_ids), "routed_experts": out.outputs[0].routed_experts.tolist()}`` (the
-  container :func:`coldset.importers.import_vllm` reads).
+  array (every layer of the model in vLLM 0.32, zero rows for dense layers); write one JSON line
+  per request, ``{"id": f"{run}-{out.request_id}", "num_prompt_tokens": len(out.prompt_token_ids),
+  "routed_experts": out.outputs[0].routed_experts.tolist()}``. vLLM numbers offline requests from 0
+  in each ``LLM`` instance: prefix the ids with something unique to the run (``run``), else two
+  runs' files repeat ids and the import is refused. The same reader takes such a ``.jsonl`` named
+  as ``routing.trace`` or inside a folder (:func:`import_exports`; :func:`import_vllm` and
+  :func:`import_sglang` are that reader for one file with an optional ``trace_meta`` header).
 - **SGLang ``return_routed_experts``** (``/generate`` response saved as JSON, one object, a list
   or one per line): ``meta_info.routed_experts`` is the base64 of little-endian int32
   ``[rows, layers, top_k (+ fused shared experts)]`` covering token positions
@@ -43,6 +57,7 @@ import fnmatch
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -122,13 +137,44 @@ def _moe_rows(arr: np.ndarray, meta: TraceMeta, where: str, *, extra_k_ok: bool)
     return arr[:, :, :k]
 
 
-def _b64(value: Any, where: str) -> bytes:
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def _b64(value: Any, where: str, what: str = "") -> bytes:
+    """Decode base64, telling a cut-off string (a partial 4-character group) from a damaged one.
+    Messages read ``{where}: {what}...`` (``what`` e.g. ``"field 'routed_experts' is "``)."""
     if not isinstance(value, str):
-        raise TraceError(f"{where}: expected a base64 string, got {type(value).__name__}")
+        raise TraceError(f"{where}: {what}expected a base64 string, got {type(value).__name__}")
+    if _BASE64.fullmatch(value) and len(value) % 4:
+        raise TraceError(f"{where}: {what}truncated base64: {len(value)} characters end inside a 4-character group "
+                         "(the saved response was cut off)")
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise TraceError(f"{where}: not valid base64 ({e})") from None
+        raise TraceError(f"{where}: {what}not valid base64 ({e})") from None
+
+
+def _npy(raw: bytes, where: str) -> np.ndarray:
+    """An ``.npy`` payload; a cut-off one is reported as truncated, with the bytes it lacks."""
+    buf = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(buf)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(buf)
+    except (ValueError, EOFError) as e:
+        if raw[:6] == b"\x93NUMPY" or b"\x93NUMPY".startswith(raw):
+            raise TraceError(f"{where}: truncated .npy payload: {len(raw)} bytes end inside its header") from None
+        raise TraceError(f"{where}: not an .npy payload ({e})") from None
+    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    have = len(raw) - buf.tell()
+    if have < need:
+        raise TraceError(f"{where}: truncated .npy payload: its header says {dtype} {list(shape)} ({need} bytes of data), "
+                         f"the payload holds {have} (the saved response was cut off)")
+    try:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    except ValueError as e:
+        raise TraceError(f"{where}: not an .npy payload ({e})") from None
 
 
 def _int_field(obj: Mapping, key: str, where: str) -> int:
@@ -138,27 +184,82 @@ def _int_field(obj: Mapping, key: str, where: str) -> int:
     return v
 
 
-def vllm_response_requests(obj: Mapping, meta: TraceMeta, where: str) -> Iterator[tuple[str, np.ndarray, int]]:
-    """``(request id, experts [rows, moe_layers, k], prompt tokens)`` per choice of a vLLM response."""
+def _token_ids(value: Any, where: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TraceError(f"{where}: expected a list of token ids")
+    return value
+
+
+def _vllm_choice_lengths(obj: Mapping, choice: Mapping, n_choices: int, rows: int, start: int,
+                         where: str) -> tuple[int, int]:
+    """``(prompt, completion)`` tokens of one choice of a vLLM response (see the module doc)."""
     usage = obj.get("usage")
-    if not isinstance(usage, Mapping):
-        raise TraceError(f"{where}: a vLLM response needs 'usage' (prompt_tokens)")
-    prompt = _int_field(usage, "prompt_tokens", f"{where} usage")
+    chat = str(obj.get("object", "")).startswith("chat.completion")
+    prompt_ids = _token_ids(choice.get("prompt_token_ids"), f"{where}.prompt_token_ids")
+    if prompt_ids is None:
+        prompt_ids = _token_ids(obj.get("prompt_token_ids"), f"{where} (response) prompt_token_ids")
+    out_ids = _token_ids(choice.get("token_ids"), f"{where}.token_ids")
+    if (prompt_ids is None or out_ids is None) and n_choices > 1 and not (chat and out_ids is not None):
+        total = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+        raise TraceError(f"{where}: a {'chat' if chat else 'completions'} response with {n_choices} choices and no "
+                         f"per-choice token ids: usage.prompt_tokens ({total}) is the total over the request's "
+                         f"{n_choices} prompts (or one prompt, counted once), usage.completion_tokens the total "
+                         "over its choices, so a choice's own lengths are unknown; send return_token_ids: true "
+                         "(each choice then carries prompt_token_ids and token_ids) or one prompt per request")
+    if prompt_ids is not None:
+        prompt = len(prompt_ids)
+    else:
+        if not isinstance(usage, Mapping):
+            raise TraceError(f"{where}: a vLLM response needs 'usage' (prompt_tokens) or the choice's prompt_token_ids")
+        prompt = _int_field(usage, "prompt_tokens", f"{where} usage")
+    if out_ids is None:
+        if not isinstance(usage, Mapping):
+            raise TraceError(f"{where}: a vLLM response needs 'usage' (completion_tokens) or the choice's token_ids")
+        return prompt, _int_field(usage, "completion_tokens", f"{where} usage")
+    completion = len(out_ids)
+    # echo: token_ids hold the prompt, then the completion; the row count tells which reading holds
+    if (prompt_ids is not None and completion >= prompt and out_ids[:prompt] == prompt_ids
+            and rows == completion - 1 - start):
+        completion -= prompt
+    return prompt, completion
+
+
+def vllm_response_requests(obj: Mapping, meta: TraceMeta, where: str) -> Iterator[tuple[str, np.ndarray, int, int]]:
+    """``(request id, experts [rows, moe_layers, k], prompt rows, first position)`` per choice of a
+    vLLM response, rows checked against prompt + completion - 1 - routed_experts_prompt_start."""
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices:
         raise TraceError(f"{where}: a vLLM response needs a non-empty 'choices' list")
+    start = obj.get("routed_experts_prompt_start", 0)
     for i, choice in enumerate(choices):
-        cw = f"{where} choices[{i}].routed_experts"
+        chw = f"{where} choices[{i}]"
+        cw = f"{chw}.routed_experts"
         if not isinstance(choice, Mapping) or choice.get("routed_experts") is None:
             raise TraceError(f"{cw}: missing (start vLLM with --enable-return-routed-experts)")
-        try:
-            arr = np.load(io.BytesIO(_b64(choice["routed_experts"], cw)), allow_pickle=False)
-        except ValueError as e:
-            raise TraceError(f"{cw}: not an .npy payload ({e})") from None
+        arr = _npy(_b64(choice["routed_experts"], cw), cw)
         if arr.dtype.kind not in "iu":
             raise TraceError(f"{cw}: dtype {arr.dtype}, expected integers")
+        if arr.ndim < 1:
+            raise TraceError(f"{cw}: a scalar, expected [tokens, layers, top_k]")
+        prompt, completion = _vllm_choice_lengths(obj, choice, len(choices), arr.shape[0],
+                                                  start if isinstance(start, int) else 0, chw)
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= prompt:
+            raise TraceError(f"{where}: routed_experts_prompt_start must be an integer in 0..{prompt}, got {start!r}")
+        expect = prompt + completion - 1 - start
+        if arr.shape[0] != expect:
+            shown = f"prompt {prompt} + completion {completion} - 1 = {prompt + completion - 1}"
+            if start:
+                shown += f" - routed_experts_prompt_start {start} = {expect}"
+            hint = ""
+            if not start and 0 < arr.shape[0] < expect:
+                hint = (f"; if the request set routed_experts_prompt_start (vLLM then drops that many prompt rows "
+                        f"and does not echo the field), add \"routed_experts_prompt_start\": {expect - arr.shape[0]} "
+                        f"to the saved response")
+            raise TraceError(f"{cw}: {arr.shape[0]} rows, expected {shown}{hint}")
         rid = str(obj.get("id", "response")) + (f"/{choice.get('index', i)}" if len(choices) > 1 else "")
-        yield rid, _moe_rows(arr, meta, cw, extra_k_ok=False), prompt
+        yield rid, _moe_rows(arr, meta, cw, extra_k_ok=False), prompt - start, start
 
 
 def sglang_response_request(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.ndarray, int, int]:
@@ -194,16 +295,18 @@ def sglang_response_request(obj: Mapping, meta: TraceMeta, where: str) -> tuple[
 
 
 def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
-    """A JSON file's objects: the whole file (an object or a list of them), or one per line."""
+    """A JSON file's objects: the whole file (an object or a list of them), or one per line (always
+    for ``.jsonl``, so every request is named by its line)."""
     text = path.read_text(encoding="utf-8")
-    try:
-        doc = json.loads(text)
-        items = doc if isinstance(doc, list) else [doc]
-        for i, item in enumerate(items):
-            yield (f"{path}[{i}]" if isinstance(doc, list) else str(path)), item
-        return
-    except json.JSONDecodeError:
-        pass
+    if path.suffix != ".jsonl":
+        try:
+            doc = json.loads(text)
+            items = doc if isinstance(doc, list) else [doc]
+            for i, item in enumerate(items):
+                yield (f"{path}[{i}]" if isinstance(doc, list) else str(path)), item
+            return
+        except json.JSONDecodeError:
+            pass
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
@@ -212,21 +315,46 @@ def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
                 raise TraceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
 
 
-def _legacy_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.ndarray, int]:
-    """The JSONL container of :func:`coldset.importers.import_vllm` / ``import_sglang`` (one request a line)."""
+def _container_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.ndarray, int]:
+    """One request line ``{"id", "num_prompt_tokens", "routed_experts"}``: nested lists (vLLM's
+    offline output) or the base64 of little-endian int32 with an optional ``shape`` (SGLang);
+    ``[tokens, MoE layers or every layer, top_k]``."""
+    for key in ("id", "num_prompt_tokens", "routed_experts"):
+        if key not in obj:
+            raise TraceError(f"{where}: missing field {key!r}")
+    npt = obj["num_prompt_tokens"]
+    if isinstance(npt, bool) or not isinstance(npt, int) or npt < 0:
+        raise TraceError(f"{where}: num_prompt_tokens must be a non-negative integer, got {npt!r}")
     value = obj["routed_experts"]
-    npt = _int_field(obj, "num_prompt_tokens", where)
+    L, k = meta.num_moe_layers, meta.top_k
     if isinstance(value, list):
-        arr = np.asarray(value, dtype=np.int64)
-        if arr.size == 0:
-            arr = arr.reshape(0, meta.num_moe_layers, meta.top_k)
-    else:
-        flat = np.frombuffer(_b64(value, f"{where} routed_experts"), dtype="<i4")
-        shape = obj.get("shape") or [-1, meta.num_moe_layers, meta.top_k]
+        try:
+            arr = np.asarray(value, dtype=np.int64)
+        except (ValueError, TypeError) as e:
+            raise TraceError(f"{where}: field 'routed_experts' is not a rectangular integer array ({e})") from None
+        if arr.ndim == 1 and arr.size == 0:
+            arr = arr.reshape(0, L, k)
+        if arr.ndim != 3 or arr.shape[2] != k or arr.shape[1] not in (L, meta.num_layers):
+            every = f" or [tokens, {meta.num_layers}, {k}] (every layer)" if meta.num_layers != L else ""
+            raise TraceError(f"{where}: field 'routed_experts' has shape {list(arr.shape)}, expected "
+                             f"[tokens, {L}, {k}]{every}")
+    elif isinstance(value, str):
+        raw = _b64(value, where, "field 'routed_experts' is ")
+        if len(raw) % 4:
+            raise TraceError(f"{where}: field 'routed_experts' decodes to {len(raw)} bytes, not a multiple of 4 (int32)")
+        flat = np.frombuffer(raw, dtype="<i4")
+        shape = obj.get("shape")
+        if shape is None:
+            if flat.size % (L * k):
+                raise TraceError(f"{where}: {flat.size} int32 values do not divide into [tokens, {L}, {k}]")
+            shape = [-1, L, k]
         try:
             arr = flat.reshape(shape)
         except (ValueError, TypeError) as e:
             raise TraceError(f"{where}: field 'shape' {shape} does not fit {flat.size} int32 values ({e})") from None
+    else:
+        raise TraceError(f"{where}: field 'routed_experts' must be nested lists (vLLM) or a base64 string (SGLang), "
+                         f"got {type(value).__name__}")
     return str(obj["id"]), _moe_rows(arr, meta, f"{where} routed_experts", extra_k_ok=False), npt
 
 
@@ -294,53 +422,93 @@ def sglang_recorder_requests(path: Path, meta: TraceMeta, seen: set) -> Iterator
                              "decode rows; record without mixed chunked prefill")
 
 
+def _first_request(files: list[Path]) -> tuple[Mapping | None, str]:
+    """The first request object of the first JSON export (its ``split`` decides whether splits come
+    from the lines), and where it is."""
+    for path in files:
+        if path.suffix == ".pt":
+            return None, str(path)
+        for where, obj in _json_objects(path):
+            if isinstance(obj, Mapping) and "trace_meta" in obj:
+                continue
+            return (obj if isinstance(obj, Mapping) else None), where
+    return None, str(files[0])
+
+
 def import_exports(source: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta, *,
-                   heldout_fraction: float | None = None, domains: Mapping[str, str] | None = None) -> ImportReport:
+                   heldout_fraction: float | None = None, domains: Mapping[str, str] | None = None,
+                   source_label: str | None = None) -> ImportReport:
     """Write the trace from every engine export ``source`` names (a file or a folder); see the
-    module docstring for the formats and how domain, split and phase are filled."""
+    module docstring for the formats and how domain, split and phase are filled.
+
+    The one reader of engine exports, whether named alone or inside a folder. Request lines carry
+    ``split`` on every line or on none (then ``split_of`` with ``heldout_fraction`` when given,
+    else no split column); a request id appears once over all files; a ``trace_meta`` header line
+    must agree with ``meta``; an export without requests is refused."""
     root = Path(source)
     files = export_files(root)
     kinds = set()
     meta = TraceMeta(meta.model, meta.num_layers, meta.num_experts, meta.top_k, list(meta.moe_layers),
-                     f"engine exports {root.name}")
+                     source_label or f"engine exports {root.name}")
     seen_passes: set = set()
-    with_split = heldout_fraction is not None
+    first, first_where = _first_request(files)
+    line_splits = first is not None and "split" in first
+    with_split = line_splits or heldout_fraction is not None
+    ids: dict[str, str] = {}
     with TraceWriter(out_path, meta, with_weight=False, with_split=with_split) as w:
-        def add(rid, domain, experts, npt, where, first_position=0):
-            split = split_of(rid, heldout_fraction) if with_split else None
+        def add(rid, domain, experts, npt, where, first_position=0, line=None):
+            if rid in ids:
+                hint = ("; vLLM's offline request ids restart at 0 for each LLM instance: write ids unique across "
+                        "runs, e.g. f\"{run}-{out.request_id}\"" if line is not None else "")
+                raise TraceError(f"{where}: request id {rid!r} also in {ids[rid]}{hint}")
+            ids[rid] = where
+            has = line is not None and "split" in line
+            if has != line_splits:
+                raise TraceError(f"{where}: field 'split' must be on every request line or on none "
+                                 f"({first_where} {'has' if line_splits else 'lacks'} it)")
+            split = line.get("split") if has else None
+            if has and split not in SPLITS:
+                raise TraceError(f"{where}: field 'split' is {split!r}, expected one of {list(SPLITS)}")
+            if split is None and heldout_fraction is not None:
+                split = split_of(rid, heldout_fraction)
             w.add(RequestRows(rid, domain, experts, npt, None, split, first_position), where)
 
         for path in files:
             if path.suffix == ".pt":
                 kinds.add("sglang recorder")
                 domain = domain_for(path, root, domains)
-                for rid, ex, npt, first in sglang_recorder_requests(path, meta, seen_passes):
-                    add(rid, domain, ex, npt, f"{path} {rid}", first)
+                for rid, ex, npt, first_pos in sglang_recorder_requests(path, meta, seen_passes):
+                    add(rid, domain, ex, npt, f"{path} {rid}", first_pos)
                 continue
             for where, obj in _json_objects(path):
                 if not isinstance(obj, Mapping):
                     raise TraceError(f"{where}: expected a JSON object")
-                if "trace_meta" in obj:
-                    continue  # the container's header; the model's shape comes from its config.json
+                if "trace_meta" in obj:  # a container's header: the shape it names must be the model's
+                    check_meta_against_model(_meta_from_header(obj, where, ""), meta,
+                                             f"{where} (trace_meta header vs the model)")
+                    continue
                 domain = domain_for(path, root, domains, obj.get("domain"))
                 if "choices" in obj:
                     kinds.add("vllm response")
-                    for rid, ex, npt in vllm_response_requests(obj, meta, where):
-                        add(rid, domain, ex, npt, where)
+                    for rid, ex, npt, first_pos in vllm_response_requests(obj, meta, where):
+                        add(rid, domain, ex, npt, where, first_pos)
                 elif "meta_info" in obj:
                     kinds.add("sglang response")
-                    rid, ex, npt, first = sglang_response_request(obj, meta, where)
-                    add(rid, domain, ex, npt, where, first)
+                    rid, ex, npt, first_pos = sglang_response_request(obj, meta, where)
+                    add(rid, domain, ex, npt, where, first_pos)
                 elif "routed_experts" in obj and "id" in obj:
-                    kinds.add("container")
-                    rid, ex, npt = _legacy_line(obj, meta, where)
-                    add(rid, domain, ex, npt, where)
+                    kinds.add("request lines")
+                    rid, ex, npt = _container_line(obj, meta, where)
+                    add(rid, domain, ex, npt, where, 0, obj)
                 else:
                     raise TraceError(f"{where}: not a vLLM response (choices), an SGLang response (meta_info) or "
                                      "a routed-experts line (id, num_prompt_tokens, routed_experts)")
+        if not ids:
+            raise TraceError(f"{root}: no request lines to import")
         report = ImportReport(Path(out_path), w.requests_written, w.rows_written, w.cached_tokens_skipped)
     print(f"{root}: imported {len(files)} file(s) ({', '.join(sorted(kinds))}): {report.requests} requests, "
-          f"{report.rows} rows", file=sys.stderr)
+          f"{report.rows} rows" + (f", {report.cached_prefix_tokens_skipped} cached-prefix tokens (rows of -1) "
+                                   "skipped" if report.cached_prefix_tokens_skipped else ""), file=sys.stderr)
     return report
 
 
@@ -373,148 +541,63 @@ def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
     return meta
 
 
-def _import(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None,
-            heldout_fraction: float | None, kind: str, decode_line) -> ImportReport:
+def _import_file(export_path: str | os.PathLike, out_path: str | os.PathLike, meta: TraceMeta | None,
+                 heldout_fraction: float | None, kind: str) -> ImportReport:
+    """One export file through :func:`import_exports`, its model shape from a ``trace_meta`` first
+    line or ``meta`` (both given: they must agree)."""
     export_path = Path(export_path)
-    if not export_path.exists():
+    if not export_path.is_file():
         raise TraceError(f"{export_path}: {kind} export not found")
-    lines = _read_export_lines(export_path)
-    first = next(lines, None)
-    if first is None:
-        raise TraceError(f"{export_path}: empty {kind} export")
-    source = f"{kind} export {export_path.name}"
-    if "trace_meta" in first[1]:
-        header = _meta_from_header(first[1], f"{export_path}:{first[0]}", source)
-        if meta is not None:
-            check_meta_against_model(header, meta, f"{export_path}:{first[0]} (trace_meta header vs the given model)")
-        meta = header
-        first = next(lines, None)
-    if first is None:
-        raise TraceError(f"{export_path}: no request lines in the {kind} export")
-    # Splits come from the export on every line or on none. With none, the trace gets no split
-    # column (the statistics assign splits by split_of with their heldout_fraction), unless
-    # heldout_fraction is given here: then the column holds split_of(id, heldout_fraction).
-    export_splits = "split" in first[1]
-    with_split = export_splits or heldout_fraction is not None
+    header = None
+    for where, obj in _json_objects(export_path):
+        if isinstance(obj, Mapping) and "trace_meta" in obj:
+            header = _meta_from_header(obj, where, "")
+            if meta is not None:
+                check_meta_against_model(header, meta, f"{where} (trace_meta header vs the given model)")
+        break
+    meta = header or meta
     if meta is None:
         raise TraceError(f"{export_path}: no trace_meta header line and no model metadata given")
-    meta = TraceMeta(meta.model, meta.num_layers, meta.num_experts, meta.top_k, list(meta.moe_layers), source)
-
-    def requests():
-        yield first
-        yield from lines
-
-    with TraceWriter(out_path, meta, with_weight=False, with_split=with_split) as w:
-        for lineno, obj in requests():
-            where = f"{export_path}:{lineno}"
-            for key in ("id", "num_prompt_tokens", "routed_experts"):
-                if key not in obj:
-                    raise TraceError(f"{where}: missing field {key!r}")
-            rid = str(obj["id"])
-            domain = str(obj.get("domain", "default"))
-            npt = obj["num_prompt_tokens"]
-            if not isinstance(npt, int) or npt < 0:
-                raise TraceError(f"{where}: num_prompt_tokens must be a non-negative integer, got {npt!r}")
-            if ("split" in obj) != export_splits:
-                raise TraceError(f"{where}: field 'split' must be on every request line or on none "
-                                 f"(line {first[0]} {'has' if export_splits else 'lacks'} it)")
-            split = obj.get("split")
-            if split is None and heldout_fraction is not None:
-                split = split_of(rid, heldout_fraction)
-            elif export_splits and split not in SPLITS:
-                raise TraceError(f"{where}: field 'split' is {split!r}, expected one of {list(SPLITS)}")
-            experts = decode_line(obj, meta, where)
-            w.add(RequestRows(rid, domain, experts, npt, None, split), where)
-        report = ImportReport(Path(out_path), w.requests_written, w.rows_written, w.cached_tokens_skipped)
-    if report.cached_prefix_tokens_skipped:
-        print(f"{export_path}: skipped {report.cached_prefix_tokens_skipped} cached-prefix tokens (rows of -1)",
-              file=sys.stderr)
-    return report
+    return import_exports(export_path, out_path, meta, heldout_fraction=heldout_fraction,
+                          source_label=f"{kind} export {export_path.name}")
 
 
 def import_vllm(export_path: str | os.PathLike, out_path: str | os.PathLike,
                 meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
-    """Convert a vLLM routed-experts export (JSONL) into a trace.
+    """Convert a file of vLLM routed-experts request lines (JSONL) into a trace.
 
-    Container, one JSON object per line::
+    One JSON object per line, optionally after a header line ``{"trace_meta": {"model",
+    "num_layers", "num_experts", "top_k", "moe_layers"}}`` (the model shape when ``meta`` is not
+    given; both given, they must agree)::
 
-        {"id": "agent-0001", "domain": "agent", "num_prompt_tokens": 57,
-         "routed_experts": [[[e, ...] * top_k] * num_moe_layers] * tokens,
+        {"id": "run1-0", "domain": "agent", "num_prompt_tokens": 57,
+         "routed_experts": [[[e, ...] * top_k] * layers] * tokens,
          "split": "profile"}                              # split optional
 
-    ``routed_experts`` is what vLLM returns per request with ``--enable-return-routed-experts``
-    (int16 ``[tokens, moe_layers, k]``, or uint8 for <= 256 experts), as nested lists: prompt
-    rows first, then generated rows. Prompt tokens served from vLLM's prefix cache are rows of
-    -1: they are skipped, counted, and the count is returned and stored in the trace metadata
-    (``cached_prefix_tokens_skipped``). The model shape comes from ``meta`` or an optional
-    first line ``{"trace_meta": {"model", "num_layers", "num_experts", "top_k", "moe_layers"}}``
-    (both given: they must agree). ``split`` is on every line or on none; with none, the trace
-    holds ``split_of(id, heldout_fraction)`` if ``heldout_fraction`` is given, else no split
-    column (readers then split requests by :func:`split_of` with their own fraction).
+    ``routed_experts`` is vLLM's per-request output (``--enable-return-routed-experts``; uint8 for
+    <= 256 experts), as nested lists, prompt rows first; ``layers`` every layer of the model (vLLM
+    0.32: zero rows for dense layers, dropped here) or the MoE layers. Prompt tokens served from
+    vLLM's prefix cache are rows of -1: skipped, counted, and the count is returned and stored in
+    the trace metadata (``cached_prefix_tokens_skipped``). ``split`` is on every line or on none;
+    with none, the trace holds ``split_of(id, heldout_fraction)`` if ``heldout_fraction`` is given,
+    else no split column (readers then split requests by :func:`split_of` with their own fraction).
+    The reader is :func:`import_exports`, the same as for such a file inside a folder.
     """
-
-    def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
-        try:
-            arr = np.asarray(obj["routed_experts"], dtype=np.int64)
-        except (ValueError, TypeError) as e:
-            raise TraceError(f"{where}: field 'routed_experts' is not a rectangular integer array ({e})") from None
-        if arr.ndim == 1 and arr.size == 0:
-            arr = arr.reshape(0, meta.num_moe_layers, meta.top_k)
-        if arr.ndim != 3 or arr.shape[1:] != (meta.num_moe_layers, meta.top_k):
-            raise TraceError(f"{where}: field 'routed_experts' has shape {list(arr.shape)}, expected "
-                             f"[tokens, {meta.num_moe_layers}, {meta.top_k}]")
-        return arr
-
-    return _import(export_path, out_path, meta, heldout_fraction, "vllm", decode)
+    return _import_file(export_path, out_path, meta, heldout_fraction, "vllm")
 
 
 def import_sglang(export_path: str | os.PathLike, out_path: str | os.PathLike,
                   meta: TraceMeta | None = None, heldout_fraction: float | None = None) -> ImportReport:
-    """Convert an SGLang routed-experts export (JSONL) into a trace.
+    """Convert a file of SGLang routed-experts request lines (JSONL) into a trace.
 
-    Container, one JSON object per line::
+    As :func:`import_vllm`, with ``routed_experts`` the base64 of little-endian int32 ``[tokens,
+    layers, k]`` and an optional ``"shape": [tokens, layers, k]`` (without it the array is read as
+    ``[-1, num_moe_layers, top_k]``)::
 
         {"id": "...", "domain": "...", "num_prompt_tokens": 57,
-         "routed_experts": "<base64 of little-endian int32 [tokens, layers, k]>",
-         "shape": [tokens, layers, k], "split": "heldout"}   # shape and split optional
-
-    ``layers`` is either the number of MoE layers or every layer of the model (then the rows of
-    the MoE layers, ``moe_layers``, are taken). Without ``shape`` the array is read as
-    ``[-1, num_moe_layers, top_k]``. Whole tokens of -1 (cached prefix) are skipped and counted as
-    in :func:`import_vllm`.
+         "routed_experts": "<base64>", "shape": [tokens, layers, k], "split": "heldout"}
     """
-
-    def decode(obj: dict, meta: TraceMeta, where: str) -> np.ndarray:
-        b64 = obj["routed_experts"]
-        if not isinstance(b64, str):
-            raise TraceError(f"{where}: field 'routed_experts' must be a base64 string")
-        try:
-            raw = base64.b64decode(b64, validate=True)
-        except ValueError as e:
-            raise TraceError(f"{where}: field 'routed_experts' is not valid base64 ({e})") from None
-        if len(raw) % 4:
-            raise TraceError(f"{where}: field 'routed_experts' decodes to {len(raw)} bytes, not a multiple of 4 (int32)")
-        flat = np.frombuffer(raw, dtype="<i4")
-        shape = obj.get("shape")
-        L, k = meta.num_moe_layers, meta.top_k
-        if shape is None:
-            shape = [-1, L, k]
-            if flat.size % (L * k):
-                raise TraceError(f"{where}: {flat.size} int32 values do not divide into [tokens, {L}, {k}]")
-        try:
-            arr = flat.reshape(shape)
-        except (ValueError, TypeError) as e:
-            raise TraceError(f"{where}: field 'shape' {shape} does not fit {flat.size} int32 values ({e})") from None
-        if arr.ndim != 3 or arr.shape[2] != k:
-            raise TraceError(f"{where}: array shape {list(arr.shape)}, expected [tokens, layers, {k}]")
-        if arr.shape[1] == meta.num_layers and meta.num_layers != L:
-            arr = arr[:, meta.moe_layers, :]
-        elif arr.shape[1] != L:
-            raise TraceError(f"{where}: array has {arr.shape[1]} layers; expected {L} (MoE layers) or "
-                             f"{meta.num_layers} (all layers)")
-        return arr
-
-    return _import(export_path, out_path, meta, heldout_fraction, "sglang", decode)
+    return _import_file(export_path, out_path, meta, heldout_fraction, "sglang")
 
 
 def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind: str = "auto",
