@@ -102,7 +102,14 @@ TRITON_SEARCH_SPACE: dict = {
 # block); below 128 a separate launch does (the same bits). Decode: 64 columns of gate and up per
 # block with a quantization launch (vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768: 16-row
 # tiles of 128 weight rows, BLOCK_SIZE_K 128), whole groups fused, and the bf16 kernel's 32-column
-# tiles; prefill: vLLM's 64-row tiles with whole groups, and the bf16 prefill's 128-row tiles.
+# tiles. Measured on the H200 at Qwen3-30B-A3B-FP8 shape (docs/measurements/kernel_bench_fp8.json):
+# the 32-column tiles won at 1 token (24.3 against 28.4 and 33.5 µs), the 64-column ones at 4-64
+# tokens, within 10% of each other. Prefill: vLLM's 64-row tiles with whole groups (956 µs at 2048
+# tokens, 449 at 256: the best measured, 2x the bf16 kernel); 128-row tiles of 8 warps were slower
+# still (1361, 930 µs) and are dropped. Suspected, not profiled: the scaled FP8 dot (``acc += dot(a,
+# w) * scales``) holds a temporary beside each of w13's two accumulators, so registers spill as
+# block_m x block_n1 per warp grows; two candidates not yet measured halve that (vLLM's 64
+# columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile).
 TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [
@@ -113,7 +120,9 @@ TRITON_FP8_SEARCH_SPACE: dict = {
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
              tile_order=1, half_buf=1),
-        dict(block_m=128, block_n1=128, block_k1=128, block_n2=256, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
              tile_order=1, half_buf=1),
     ],
 }
