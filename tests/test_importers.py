@@ -304,3 +304,18 @@ def test_import_error_is_one_message_on_the_console(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "r.json choices[0].routed_experts: 6 rows, expected prompt 3 + completion 2 - 1 = 4" in proc.stderr
+
+
+def test_docs_and_configs_give_no_vllm_serve_command():
+    """vLLM's PyPI CPU build has no `vllm serve` (its entry point looks up the distribution `vllm`):
+    the docs, example configs and module docs give `python -m vllm.entrypoints.openai.api_server`."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    files = [repo / "README.md", *(repo / "docs").glob("*.md"), *(repo / "config").rglob("*.yaml"),
+             *(repo / "config").rglob("*.md"), *(repo / "src" / "coldset").glob("*.py")]
+    command = re.compile(r"`+vllm serve [^`]")  # a command with arguments, not a mention of the name
+    found = [f"{p.relative_to(repo)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+             if command.search(line)]
+    assert not found, f"`vllm serve ...` as a command in {found}"
