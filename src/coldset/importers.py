@@ -41,6 +41,11 @@ below it, in name order); each file is read in the format its content shows:
   meaningful for such traces; expert counts are. Passes recorded identically by several
   tensor-parallel ranks are counted once.
 
+- **The traces released with arXiv:2510.05497** (Hugging Face dataset
+  ``core12345/MoE_expert_selection_trace``; :mod:`coldset.published_traces`): one request per
+  ``.json`` file, named by its path inside the folder without the suffix (``anatomy/17``), its
+  domain by default the file's folder (the subject).
+
 ``layers`` may be the MoE layers or every layer of the model (then the MoE layers' rows are
 taken). What the exports lack is filled so: ``domain`` from ``routing.trace_domains`` (a glob
 over the file's path inside the folder, or its name, to a domain; first match wins), else a
@@ -71,6 +76,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from coldset.files import remove_orphans, share_mode
+from coldset.published_traces import RELEASE_KIND, is_layer_step, release_request, release_steps
 from coldset.trace import (SPLITS, ImportReport, RequestRows, TraceError, TraceMeta, TraceWriter,
                            check_meta_against_model, iter_trace_batches, split_of, validate_trace)
 
@@ -102,7 +108,7 @@ def is_engine_export(source: str | os.PathLike) -> bool:
         return False
     try:
         for _, obj in _json_objects(source):
-            return isinstance(obj, Mapping) and ("choices" in obj or "meta_info" in obj)
+            return isinstance(obj, Mapping) and ("choices" in obj or "meta_info" in obj or is_layer_step(obj))
     except (TraceError, UnicodeDecodeError):
         return False
     return False
@@ -479,6 +485,13 @@ def import_exports(source: str | os.PathLike, out_path: str | os.PathLike, meta:
                 domain = domain_for(path, root, domains)
                 for rid, ex, npt, first_pos in sglang_recorder_requests(path, meta, seen_passes):
                     add(rid, domain, ex, npt, f"{path} {rid}", first_pos)
+                continue
+            steps = release_steps(path) if path.suffix == ".json" else None
+            if steps is not None:  # the arXiv:2510.05497 release: one request per file (coldset.published_traces)
+                kinds.add(RELEASE_KIND)
+                rid = path.relative_to(root).with_suffix("").as_posix() if root in path.parents else path.stem
+                experts, npt = release_request(steps, meta, str(path))
+                add(rid, domain_for(path, root, domains, path.parent.name), experts, npt, str(path))
                 continue
             for where, obj in _json_objects(path):
                 if not isinstance(obj, Mapping):
