@@ -918,8 +918,10 @@ class SlotCache:
         if pools.w13_hot.is_cuda:
             from coldset.kernels.triton_slots import fill
 
-            ticket = self.copy_ticket if tags is not None else None
-            fill(pools, victims, new_inst, m, tags=(tags, self.done, ticket) if tags is not None else None)
+            if tags is None:
+                fill(pools, victims, new_inst, m)
+            else:
+                fill(pools, victims, new_inst, m, tags=(tags, self.done, self.copy_ticket))
             return
         slots, inst = victims[valid], new_inst[valid]
         pools.w13_hot[slots] = pools.w13_cold[inst]
