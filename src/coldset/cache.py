@@ -1618,6 +1618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--demand-share", type=float, default=DEFAULT_TIME["demand_share"])
     ap.add_argument("--join", choices=("use", "step"), default=DEFAULT_TIME["join"])
     ap.add_argument("--prefetch-budget", type=int, help="nexttoken: copies per group (default: no cut)")
+    ap.add_argument("--nexttoken-extra", type=int, default=3,
+                    help="nexttoken: candidates per token beyond top_k (the predicted set and the prefetch list)")
     ap.add_argument("--recall", action="store_true",
                     help="print the next-token forecast's recall / precision table per horizon to stderr (CSV), "
                          "and the issue-12 forecaster's one-token recall (JSON)")
@@ -1653,7 +1655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coldset.forecast import NextTokenForecaster
 
         tokens, seq = token_array(profile, L, E)
-        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E)
+        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=args.nexttoken_extra)
     steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
                              for b in args.batch]
     if len(steps) != len(args.batch) or any(s is None for s in steps):
