@@ -797,6 +797,13 @@ STAGES = {f.__name__: f for f in (model, fixtures, routing, stats, placement, ca
 GPU_STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate", "bench"]
 
 
+def _passive_omp_threads() -> None:
+    """Idle OpenMP threads sleep instead of spinning, so a stage sharing the CPU with another job
+    slows down in proportion instead of about tenfold. Effective only before torch loads its
+    OpenMP runtime (the runtime reads the variable once, when it loads)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def run_stage(stage: str | Callable[..., None], config: dict, placements: list[str] | None = None) -> None:
     """Run one stage: a name of :data:`STAGES`, or the stage function of a module above the
     pipeline (``coldset.sweep.report_models``); the stage's own errors propagate with their messages."""
@@ -804,9 +811,7 @@ def run_stage(stage: str | Callable[..., None], config: dict, placements: list[s
     if fn is None:
         raise StageError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
     name = fn.__name__
-    # Before torch loads its OpenMP runtime: idle threads sleep instead of spinning, so a stage
-    # sharing the CPU with another job slows down in proportion instead of about tenfold.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _passive_omp_threads()
     log.info("stage %s", name)
     t0 = time.perf_counter()
     fn(config, placements=placements)
@@ -851,6 +856,7 @@ def run_from_snakemake(smk, stage: str | Callable[..., None]) -> None:
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     # Torch's CPU threads = the rule's threads: Snakemake then never runs two jobs whose threads
     # fight for one core (decode on 2 threads slows about tenfold when the other core is busy).
+    _passive_omp_threads()  # before the import below loads the OpenMP runtime (run_stage's call came too late here)
     import torch
 
     torch.set_num_threads(max(1, int(smk.threads)))
