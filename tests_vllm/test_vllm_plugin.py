@@ -108,7 +108,8 @@ def _requests(base: str, prompts: list[list[int]]) -> dict:
     choices = sorted(comp["choices"], key=lambda c: c["index"])
     return {"completion_prompts": [c["prompt_token_ids"] for c in choices],
             "completion": [c["token_ids"] for c in choices],
-            "chat_prompt": chat["prompt_token_ids"], "chat": chat["choices"][0]["token_ids"]}
+            "chat_prompt": chat["prompt_token_ids"], "chat": chat["choices"][0]["token_ids"],
+            "completion_response": comp, "chat_response": chat}
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +352,46 @@ def test_bad_start_fails_the_server_with_the_message(gated_workflow, tmp_path):
         assert server.proc.returncode != 0
         log = server.text()
         assert "PluginError" in log and message in log, log[-4000:]
+
+
+def test_importer_reads_real_vllm_responses_per_choice(served, gated_workflow, tmp_path):
+    """Issue 30 item 2 on real vLLM 0.32 responses (the stock server's, above): a two-prompt
+    completions response's usage.prompt_tokens is the total over its prompts, so the importer takes
+    each choice's prompt_token_ids; with routed_experts attached as vLLM writes them (every layer,
+    prompt + completion - 1 rows; the CPU build cannot return them itself) the rows import with each
+    choice's own prefill/decode split, and without token ids the response is refused."""
+    import base64
+    import io
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from coldset.importers import import_trace
+    from coldset.model import ModelConfig
+    from coldset.trace import TraceError
+
+    cfg = ModelConfig.from_pretrained(gated_workflow["model_dir"])
+    comp = json.loads(json.dumps(served["stock"]["completion_response"]))
+    lengths = [(len(c["prompt_token_ids"]), len(c["token_ids"])) for c in comp["choices"]]
+    assert comp["usage"]["prompt_tokens"] == sum(p for p, _ in lengths)  # the total, not a choice's
+    rng = np.random.default_rng(0)
+    for choice, (p, c) in zip(comp["choices"], lengths):
+        arr = np.stack([np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False)
+                                  for _ in range(cfg.num_layers)]) for _ in range(p + c - 1)]).astype(np.uint8)
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        choice["routed_experts"] = base64.b64encode(buf.getvalue()).decode()
+    path = tmp_path / "resp.json"
+    path.write_text(json.dumps(comp))
+    rep = import_trace(path, tmp_path / "t.parquet", expect=cfg)
+    df = pq.read_table(rep.path).to_pandas()
+    for i, (p, c) in enumerate(lengths):
+        req = df[df["request"] == f"{comp['id']}/{i}"]
+        per_token = cfg.num_moe_layers * cfg.top_k
+        assert (req["phase"] == "prefill").sum() == p * per_token
+        assert (req["phase"] == "decode").sum() == (c - 1) * per_token
+    for choice in comp["choices"]:
+        del choice["prompt_token_ids"], choice["token_ids"]
+    path.write_text(json.dumps(comp))
+    with pytest.raises(TraceError, match="return_token_ids"):
+        import_trace(path, tmp_path / "u.parquet", expect=cfg)

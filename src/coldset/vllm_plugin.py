@@ -116,7 +116,7 @@ def load_served_placement(path: str | os.PathLike) -> ServedPlacement:
     from coldset.gate import ParityGateError, gate_verdict
     from coldset.placement import PlacementError, load_placement, row_map_path
 
-    path = Path(path)
+    path = Path(path).resolve()  # its folder names the workflow's other files (workflow_files)
     where = _prefix()
     try:
         placement = load_placement(path)
