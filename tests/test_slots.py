@@ -624,6 +624,8 @@ def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, fo
         C = hot_count_for_residency(residency, L * E)
         row_map, _, wc = _warm(counts, C)
         ahead = dict(routers=[model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers], depth=depth)
+        if callable(forecaster):  # fitted on the unmodified run's routing
+            forecaster = forecaster(routing)
         extra = ahead if policy == "lookahead" else dict(forecaster=forecaster) if policy == "nexttoken" else {}
         cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, policy, bsz, k,
                                 history=(steps + 8) * L, **extra)
@@ -1004,11 +1006,22 @@ def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(gra
     the unmodified path's; the forecast lists equal coldset.forecast.nexttoken_lists on the
     recorded routing and the per-group counts coldset.cache.simulate's 'nexttoken'; prefetches
     issued and used; no commit refused."""
+    from coldset.forecast import NextTokenForecaster
+
     model = graphed_model
     cfg = model.config
-    F = _forecaster(cfg.num_moe_layers, cfg.num_experts, cfg.top_k, seed=bsz, extra=1, keep=200)
+    fitted = []
+
+    def fit(routing):  # on the run's own routing (a forecast that knows the tokens: prefetches get used)
+        S, L, B, k = routing.shape
+        fitted.append(NextTokenForecaster.fit(routing.transpose(2, 0, 1, 3).reshape(-1, L, k),
+                                              np.repeat(np.arange(B), S), k, cfg.num_experts, terms=((0, 0),),
+                                              weights=(1.0,), extra=1))
+        return fitted[0]
+
     cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, "nexttoken", bsz=bsz, residency=residency,
-                                                                   forecaster=F)
+                                                                   forecaster=fit)
+    F = fitted[0]
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     stream, lists = _next_reference(routing.astype(np.int64), F, None)
