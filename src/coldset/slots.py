@@ -60,6 +60,27 @@ is left, so every branch ends inside the step. A copy engine (``cudaMemcpyAsync`
 copy inside the graph: its addresses are fixed at capture, and the rows to copy are decided on
 the device during the step.
 
+``nexttoken`` (issue 28; the rules of :mod:`coldset.cache`'s ``nexttoken``, its forecaster
+:class:`coldset.forecast.NextTokenForecaster` handed to :meth:`SlotCache.build`): after group
+(step ``t``, layer ``l``) the forecast of layer ``l``'s experts at step ``t + 1`` (integer table
+sums over the forecaster's (token, layer) terms plus each lane's decayed history, top ``n`` per
+lane, round robin), and its missing experts prefetched into slots not used by the group, not in
+flight and not predicted, least recent first; demand victims by (predicted, recency) past the
+in-flight slots; layer ``l``'s prefetches stay in flight until group (``t + 1``, ``l``). On CUDA
+in the fused step: the router's launch records the group, the fill's blocks choose the demand
+victims, commit and copy (compute stream); the forecast and prefetch decisions are one launch on a
+decisions stream (:func:`coldset.kernels.triton_slots.decide_next`; the next group's router waits
+for it, so every group decides on the state the last one left) and the copies one tagged launch a
+layer on one copy stream (the link's queue), which the compute stream joins only after the
+step's last MoE layer's experts (:meth:`SlotCache.end_step`, from :meth:`SlotCache.wrap`): the
+copies run beside the rest of the step. A prefetched instance's row map points at its slot only
+after that join, and only if the slot's done tag (written by the copy's last block once every row
+landed) equals the tag its prefetch was issued with (monotonic per slot); otherwise it stays on
+its host row and counts as ``stale`` (bitwise parity holds either way: no kernel reads a slot its
+row map does not name). Why the join is at the step's end and not at the next step's layer
+``l``: a side branch forked inside a captured step must rejoin inside that graph. On the CPU (and
+off the fused router) the same decisions are torch ops and the copies plain copies.
+
 Groups with more than ``max_tokens`` tokens (prefill) read through the current row map and change
 nothing: the cache decides for decode steps, as the simulator replays decode tokens.
 

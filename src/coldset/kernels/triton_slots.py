@@ -44,6 +44,16 @@ used by the group and not in flight), written per target layer for a fill on the
 Measured on the H200 (BENCHMARKS.md, issue 12 fifth session): with the forecast's GEMV and the
 side-stream fork and join, a lookahead layer costs 13 us more than an lru layer at residency 1.0.
 
+nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
+victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
+program on the decisions stream then makes the forecast (integer tables, the lanes' history) and
+the prefetch decisions, and the fill copies the prefetched rows with tags (its last block writes
+each slot's tag once every row landed); at the step's end one launch commits the rows whose tag
+landed. The fill (:func:`fill`, :func:`choose_and_fill`) is one kernel behind one launcher
+(:func:`_launch_fill`), whatever it chooses; lookahead's and nexttoken's lists, victims and commits
+share :func:`_record_list` and :func:`_issue_prefetches`, and lookahead's group record is
+:func:`record_group`'s.
+
 Two other ways were built, measured on the H200 and dropped (BENCHMARKS.md, issue 12, third
 session): decisions and copy in one launch where the other blocks wait on the deciding block's
 release flag (0.31 against 0.162 ms for 48 all-hit layers), and the experts kernel storing the
