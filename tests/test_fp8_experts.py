@@ -187,9 +187,9 @@ interpreter._convert_float = _convert_float
 sys.path.insert(0, sys.argv[1])
 from test_fp8_experts import make_fp8, random_row_map, routing
 from coldset import fp8
-from coldset.kernels import torch_experts
+from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.triton_fp8 import quantize_groups
-from coldset.kernels.triton_moe import KernelConfig, triton_experts
+from coldset.kernels.triton_moe import KernelConfig
 from coldset.tiers import ExpertPools, build_pools
 
 x = (torch.randn(5, 200, generator=torch.Generator().manual_seed(0)) * 3).half()
@@ -275,7 +275,7 @@ def dup_fp8_pools(q, device="cuda"):
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72), (384, 192)])  # partial blocks; I not a block multiple
 @pytest.mark.parametrize("num_tokens", [1, 33, 300])
 def test_triton_fp8_matches_torch_path_and_float64(hidden, inter, num_tokens):
-    from coldset.kernels.triton_moe import triton_experts
+    from coldset.kernels import triton_experts
 
     _, _, q = make_fp8(2, 16, hidden, inter, seed=num_tokens, device="cuda")
     pools = ExpertPools.all_hot(*q[:2], *q[2:])
@@ -294,7 +294,8 @@ def test_triton_fp8_matches_torch_path_and_float64(hidden, inter, num_tokens):
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 257])
 def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(num_tokens):
-    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
 
     L, E = 2, 32
     _, _, q = make_fp8(L, E, 256, 128, seed=5)
@@ -323,7 +324,8 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
 def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
     """A captured step re-reads the row map: hot, then every expert cold (weights and scales read in
     place from pinned memory), then a mixed map; each replay bitwise the unmodified path."""
-    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
 
     L, E = 2, 16
     _, _, q = make_fp8(L, E, 256, 128, seed=8)
@@ -348,7 +350,8 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
 
 @gpu
 def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill():
-    from coldset.kernels.triton_moe import KernelConfig, triton_experts
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
     from coldset.slots import SlotCache
 
     _, _, q = make_fp8(1, 8, 256, 128)

@@ -474,7 +474,7 @@ def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps:
         for cand in _candidates(space, bs):
             label = _canonical(cand)
             if backend == "triton":
-                from coldset.kernels.triton_moe import triton_experts
+                from coldset.kernels import triton_experts
 
                 def fn(cand=cand):
                     return [triton_experts(pools, l, *cases[l], config=cand) for l in range(layers)]

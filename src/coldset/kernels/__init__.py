@@ -14,8 +14,13 @@ from coldset.kernels.reference import torch_experts, torch_softmax_topk
 
 
 def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row_map=True):
-    """The Triton kernel (CUDA); same contract as :func:`torch_experts`. Imports triton on first use."""
-    from coldset.kernels.triton_moe import triton_experts as _triton_experts
+    """The Triton kernel (CUDA) for the pools' weight format: block-FP8 pools
+    (:mod:`coldset.kernels.triton_fp8`), else bf16/fp16 (:mod:`coldset.kernels.triton_moe`); same
+    contract as :func:`torch_experts`. Imports triton on first use."""
+    if getattr(pools, "is_fp8", False):
+        from coldset.kernels.triton_fp8 import triton_fp8_experts as _triton_experts
+    else:
+        from coldset.kernels.triton_moe import triton_experts as _triton_experts
 
     return _triton_experts(pools, layer, x, topk_ids, topk_weights, config=config, use_row_map=use_row_map)
 

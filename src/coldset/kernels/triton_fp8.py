@@ -296,7 +296,7 @@ def triton_fp8_experts(
 ) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` of block-FP8 ``pools`` for tokens ``x`` ``[T, H]`` (bf16 or
     fp16) of MoE layer ``layer`` (CUDA, FP8 dots: sm89+). The contract of
-    :func:`coldset.kernels.triton_moe.triton_experts` (which calls this for FP8 pools), including
+    :func:`coldset.kernels.triton_experts` (which calls this for FP8 pools), including
     ``use_row_map=False``: the unmodified all-hot path."""
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"triton_fp8_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "

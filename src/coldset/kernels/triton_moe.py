@@ -636,14 +636,12 @@ def triton_experts(
     path. The row map is validated here only when it was written since its last validation (no
     host sync otherwise, so the call can be captured in a CUDA graph). ``_stop_after`` (1 or 2)
     skips the later launches: for timing the stages separately in the benchmark only. Block-FP8
-    pools (``pools.is_fp8``) run :func:`coldset.kernels.triton_fp8.triton_fp8_experts` (issue 29).
+    pools are refused: :func:`coldset.kernels.triton_experts` sends them to
+    :func:`coldset.kernels.triton_fp8.triton_fp8_experts` (this module is below that one).
     """
     if getattr(pools, "is_fp8", False):
-        from coldset.kernels.triton_fp8 import triton_fp8_experts
-
-        if _stop_after != 3:
-            raise ValueError("triton_experts: _stop_after is not supported for FP8 pools")
-        return triton_fp8_experts(pools, layer, x, topk_ids, topk_weights, config=config, use_row_map=use_row_map)
+        raise ValueError("triton_experts (coldset.kernels.triton_moe) runs bf16/fp16 pools; block-FP8 pools run "
+                         "coldset.kernels.triton_fp8.triton_fp8_experts (coldset.kernels.triton_experts picks by format)")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"triton_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "

@@ -449,7 +449,8 @@ def run_fp8(args, argv=None) -> dict:
     from coldset import fp8
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
     from coldset.kernels.reference import torch_experts, torch_softmax_topk
-    from coldset.kernels.triton_moe import KernelConfig, default_config, triton_experts
+    from coldset.kernels import triton_experts  # picks the FP8 or the bf16 kernel by the pools' format
+    from coldset.kernels.triton_moe import KernelConfig, default_config
     from coldset.tiers import ExpertPools, check_host_allocation, host_tier
     from coldset.tune import TRITON_FP8_SEARCH_SPACE, eager_time_us, graph_time_us
 
