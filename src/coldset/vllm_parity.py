@@ -45,8 +45,9 @@ def run_worker(job_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # vLLM's default execution (compiled with torch.compile), as a server runs without --enforce-eager
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], seed=0, skip_tokenizer_init=True,
-              max_model_len=job["max_model_len"], kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True)
+              max_model_len=job["max_model_len"], kv_cache_memory_bytes=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
     import vllm

@@ -45,7 +45,9 @@ the experts (``select_experts``, as without the plugin); only the experts comput
   expert where the row map says (hot pool on the device, cold pool in pinned host memory on
   CUDA, plain memory on the CPU) and the staging array is dropped;
 - ``apply``: :func:`coldset.kernels.torch_experts` on the CPU, :func:`coldset.kernels.triton_experts`
-  on CUDA, reading every expert through the row map.
+  on CUDA, reading every expert through the row map, called through the torch custom op
+  ``coldset::vllm_experts`` (vLLM compiles the model unless ``--enforce-eager``, and on the CPU
+  Dynamo traces into the MoE layer: the op is one opaque node with a shape-only fake).
 
 The plugin logs the routed-expert bytes the layers held on the device before and what the hot
 pool holds after (``coldset: routed experts ...``). Only the CPU build has been run here
@@ -315,6 +317,22 @@ def _make_classes():
 
     log = init_logger("vllm.coldset_plugin")
 
+    # The experts computation as a torch custom op: vLLM compiles the model (torch.compile, the
+    # default unless --enforce-eager) and on the CPU traces into the MoE layer's forward, where the
+    # torch path's data-dependent loop over the selected experts cannot be traced; the op is one
+    # opaque call in the graph with a shape-only fake, and runs eagerly at run time.
+    @torch.library.custom_op("coldset::vllm_experts", mutates_args=(),
+                             schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, int layer) -> Tensor")
+    def experts_op(x, topk_ids, topk_weights, layer):
+        from coldset.kernels import torch_experts, triton_experts
+
+        fn = triton_experts if x.is_cuda else torch_experts
+        return fn(_STATE.pools, layer, x, topk_ids, topk_weights)
+
+    @experts_op.register_fake
+    def _(x, topk_ids, topk_weights, layer):
+        return torch.empty_like(x)
+
     class ColdsetMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         """vLLM's unquantized MoE method for the weights, coldset's pools and kernels for the compute
         (a module, as vLLM's methods are: the layer holds its method as a child module)."""
@@ -343,19 +361,12 @@ def _make_classes():
             _stage_layer(layer, log)
 
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            pools = _STATE.pools
-            if pools is None:
+            if _STATE.pools is None:
                 raise PluginError(f"{_prefix()}: {layer.layer_name} runs before every MoE layer of the placement "
                                   f"was loaded ({len(_STATE.arrived)} of {_STATE.served.placement.num_moe_layers}): "
                                   "vLLM's model has fewer MoE layers than the placement")
-            ids = topk_ids.long()  # vLLM's router gives int32 ids; coldset's experts functions take int64
-            if x.is_cuda:
-                from coldset.kernels import triton_experts
-
-                return triton_experts(pools, layer.coldset_moe_index, x, ids, topk_weights)
-            from coldset.kernels import torch_experts
-
-            return torch_experts(pools, layer.coldset_moe_index, x, ids, topk_weights)
+            # vLLM's router gives int32 ids; coldset's experts functions take int64
+            return experts_op(x, topk_ids.long(), topk_weights, layer.coldset_moe_index)
 
     class ColdsetRoutedExperts(RoutedExperts):
         """vLLM's RoutedExperts with coldset's method in place of vLLM's unquantized one."""
