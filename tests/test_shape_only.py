@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from coldset.pipeline import StageError, decoding_support, require_decoding, skipped_stages
+from coldset.config import decoding_support
+from coldset.pipeline import StageError, require_decoding, skipped_stages
 from coldset.trace import TraceMeta, write_trace
 
 REPO = Path(__file__).resolve().parents[1]

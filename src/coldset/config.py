@@ -108,11 +108,38 @@ def bench_request_count(num_domains: int, requests_per_domain: int, batch_size: 
     return max(1, wanted // batch_size) * batch_size
 
 
+def decoding_support(config: dict) -> str | None:
+    """None when the embedded engine can decode the configured model; else why not.
+
+    The synthetic model always decodes. A ``model.path`` folder decodes when its ``config.json``
+    is a family the engine runs (``coldset.model.SUPPORTED_MODEL_TYPES``) and it holds weights
+    (``*.safetensors``); a folder with only ``config.json`` (or weights of another architecture)
+    is a shape-only model: enough for stats, placement, the speed model and report.
+    """
+    path = config["model"]["path"]
+    if not path:
+        return None
+    folder = Path(path)
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None  # the model stage reports the missing file
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None  # the model stage reports the broken file
+    from coldset.model import SUPPORTED_MODEL_TYPES
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if not any(folder.glob("*.safetensors")):
+        return f"{folder} holds no weights (*.safetensors), only the model's shape"
+    return None
+
+
 def _bench_request_problems(config: dict, by_domain: dict) -> list[str]:
     """Whether the bench split holds enough distinct requests for every bench batch size
     (:func:`bench_request_count`; their token lengths are checked by the stage)."""
-    from coldset.pipeline import decoding_support
-
     bc = config["bench"]
     if decoding_support(config) is not None:
         return []  # a shape-only model is not benched

@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from coldset.config import Layout, bench_request_count, config_hash, model_configs, resolve_device
+from coldset.config import Layout, bench_request_count, config_hash, decoding_support, model_configs, resolve_device
 from coldset.files import read_json, write_json
 
 log = logging.getLogger("coldset")
@@ -113,35 +113,6 @@ def model_shape(config: dict):
 
 # Stages that decode with the embedded engine (or feed only those): skipped for a shape-only model.
 DECODING_STAGES = ("autotune", "parity", "parity_gate", "bench")
-
-
-def decoding_support(config: dict) -> str | None:
-    """None when the embedded engine can decode the configured model; else why not.
-
-    The synthetic model always decodes. A ``model.path`` folder decodes when its ``config.json``
-    is a family the engine runs (``coldset.model.SUPPORTED_MODEL_TYPES``) and it holds weights
-    (``*.safetensors``); a folder with only ``config.json`` (or weights of another architecture)
-    is a shape-only model: enough for stats, placement, the speed model and report.
-    """
-    path = config["model"]["path"]
-    if not path:
-        return None
-    folder = Path(path)
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        return None  # the model stage reports the missing file
-    try:
-        model_type = json.loads(cfg.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None  # the model stage reports the broken file
-    from coldset.model import SUPPORTED_MODEL_TYPES
-
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
-                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
-    if not any(folder.glob("*.safetensors")):
-        return f"{folder} holds no weights (*.safetensors), only the model's shape"
-    return None
 
 
 def skipped_stages(config: dict) -> dict[str, str]:

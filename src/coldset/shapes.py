@@ -6,7 +6,7 @@ and how many bytes each weight takes; never the weights. This module reads that 
 fields of the MoE families people serve (``SHAPE_FAMILIES``), including the expert weight format
 from ``quantization_config``, so a folder holding only ``config.json`` is enough for those
 stages. The embedded engine (``coldset.model``) decodes only some of these families; whether a
-folder can be decoded is the pipeline's question (:func:`coldset.pipeline.decoding_support`).
+folder can be decoded is the pipeline's question (:func:`coldset.config.decoding_support`).
 
 Byte model: a weight matrix ``[rows, cols]`` (out, in) in a :class:`WeightFormat` takes its
 elements plus its scales (and zero points, group indices). A routed expert is w13 ``[2I, H]``
