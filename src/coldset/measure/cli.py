@@ -28,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split(":", 1)[1].strip().split(".")[0],
                                             description=module.__doc__.split("\n\n")[0]))
     rp = sub.add_parser("render", help="markdown tables of result JSON files")
-    rp.add_argument("files", nargs="+", help="JSON written by bench kernel / step / cache")
+    rp.add_argument("files", nargs="*", help="JSON written by bench kernel / step / cache")
     rp.add_argument("--out", help="write the markdown here instead of stdout")
+    rp.add_argument("--into", help="a markdown page (e.g. BENCHMARKS.md) whose '<!-- rendered: PATH -->' blocks are "
+                                   "re-rendered from their JSON in place")
     return parser
 
 
@@ -38,7 +40,16 @@ def main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "render" and args.into:
+            from coldset.files import write_bytes
+            from coldset.measure.render import refresh_page
+
+            page = Path(args.into)
+            write_bytes(page, refresh_page(page.read_text(), page.parent).encode())
+            return 0
         if args.command == "render":
+            if not args.files:
+                raise MeasureError("render: name result JSON files, or a page to refresh with --into")
             text = render_files(args.files)
             if args.out:
                 from coldset.files import write_bytes

@@ -9,6 +9,7 @@ its own run; every timed figure is the median of its repeats with their range (m
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from coldset.measure.harness import MeasureError
@@ -202,3 +203,19 @@ def render_files(paths: list[str]) -> str:
         except (KeyError, TypeError, AttributeError) as exc:
             raise MeasureError(f"{path}: field {exc} missing or malformed") from exc
     return "\n\n".join(parts) + "\n"
+
+
+#: A rendered block in a markdown page: ``<!-- rendered: PATH -->`` ... ``<!-- end rendered -->``,
+#: PATH relative to the page's folder. :func:`refresh_page` rewrites every block from its JSON, so
+#: a page's tables are never copied by hand (BENCHMARKS.md; its test checks the blocks are current).
+BLOCK = re.compile(r"(<!-- rendered: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- end rendered -->)", re.S)
+
+
+def refresh_page(text: str, folder: Path) -> str:
+    """``text`` with every rendered block replaced by the rendering of its JSON (paths relative to
+    ``folder``); a block naming a file that is missing or not a measurement raises, naming it."""
+    def fill(m: re.Match) -> str:
+        path = folder / m.group("path")
+        return m.group(1) + render_files([str(path)]).rstrip("\n") + "\n" + m.group(4)
+
+    return BLOCK.sub(fill, text)
