@@ -29,7 +29,7 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "rou
 
     from coldset.kernels import softmax_topk
     from coldset.kernels.triton_decode import GemvConfig, gemv, gemv_config, norm_linear, rms_norm, route
-    from coldset.tune import graph_time_us
+    from coldset.timing import graph_time_us
 
     rows: list[dict] = []
     shapes = {"qkv": (5120, 2048, layers), "o_proj": (2048, 4096, layers), "lm_head": (151936, 2048, 3)}

@@ -29,7 +29,7 @@ from coldset.kernels.reference import torch_experts, torch_softmax_topk
 from coldset.kernels.triton_moe import (KernelConfig, _block_expert, _chunk_pairs, gdc_launch_dependents, gdc_wait,
                                         triton_experts)
 from coldset.tiers import ExpertPools
-from coldset.tune import graph_time_us
+from coldset.timing import graph_time_us
 
 
 @triton.jit

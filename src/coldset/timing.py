@@ -8,6 +8,9 @@ noise divided by a small GiB difference. And any timing whose repeats disagree i
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+
 import numpy as np
 
 #: A timing whose repeats disagree beyond this ratio is flagged ``timing_noisy`` and never enters a
@@ -49,3 +52,54 @@ def speed_compares_placements(device: str | None) -> bool:
     """Whether measured speed can differ between placements for a reason: only with a host tier
     (CUDA), never on the CPU."""
     return not str(device or "").startswith("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA timings (torch imported on first use)
+
+
+def graph_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Median over ``reps`` replays of a CUDA graph of ``fn`` (warmed up eagerly first), in µs: the one
+    GPU timing of the autotuner, the read ceilings and the measurement commands."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def eager_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Median microseconds of eager calls of ``fn`` by CUDA events, after one warm-up call."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)

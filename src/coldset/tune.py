@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from coldset.files import write_json
+from coldset.timing import eager_time_us, graph_time_us
 
 # Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
 DECODE_MAX_TOKENS = 64
@@ -358,48 +359,6 @@ def _read_entry(path: Path, key: str) -> dict | None:
                       AutotuneCacheWarning, stacklevel=3)
         return None
     return entry
-
-
-def graph_time_us(fn: Callable[[], object], reps: int) -> float:
-    """Median over ``reps`` replays of a CUDA graph of ``fn`` (warmed up eagerly first), in µs."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
-    return statistics.median(times)
-
-
-def eager_time_us(fn: Callable[[], object], reps: int) -> float:
-    """Median microseconds of eager calls of ``fn`` by CUDA events, after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _cpu_time_us(fn, reps: int) -> float:

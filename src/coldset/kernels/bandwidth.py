@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.tune import graph_time_us
+from coldset.timing import graph_time_us
 
 
 @triton.jit

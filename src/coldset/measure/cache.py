@@ -289,7 +289,7 @@ def _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz, tokens, 
     from coldset.cache import AccessStream, simulate
     from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
     from coldset.placement import hot_count_for_residency
-    from coldset.tune import graph_time_us
+    from coldset.timing import graph_time_us
 
     def routing_rows(rt):
         """Trace-like decode rows of a recorded routing [steps, L, B, k] (request = batch row)."""
@@ -360,7 +360,7 @@ def _overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L, k, per_e
     import torch
 
     from coldset.kernels.triton_slots import fill
-    from coldset.tune import graph_time_us
+    from coldset.timing import graph_time_us
 
     def mean_ms(*a, **kw):
         return statistics.fmean(decode(*a, 1, **kw)[0]["ms"])
@@ -429,7 +429,7 @@ def decisions_split(args, argv=None) -> dict:
     from coldset.placement import hot_mask_usage_global, row_map_from_mask
     from coldset.slots import SlotCache
     from coldset.tiers import ExpertPools, host_tier
-    from coldset.tune import graph_time_us
+    from coldset.timing import graph_time_us
 
     syn = load_config(args.config)["model"]["synthetic"]
     L, E, k, H = syn["layers"], syn["experts"], syn["top_k"], syn["hidden"]

@@ -122,7 +122,8 @@ def run(args, argv=None) -> dict:
     from coldset.kernels.triton_moe import (DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig,
                                             group_pairs, triton_experts)
     from coldset.tiers import ExpertPools, check_host_allocation
-    from coldset.tune import TuneResult, TuneShape, autotune, config_for, eager_time_us, graph_time_us
+    from coldset.timing import eager_time_us, graph_time_us
+    from coldset.tune import TuneResult, TuneShape, autotune, config_for
 
     out_path = Path(args.out) / "kernel_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -452,7 +453,8 @@ def run_fp8(args, argv=None) -> dict:
     from coldset.kernels import triton_experts  # picks the FP8 or the bf16 kernel by the pools' format
     from coldset.kernels.triton_moe import KernelConfig, default_config
     from coldset.tiers import ExpertPools, check_host_allocation, host_tier
-    from coldset.tune import TRITON_FP8_SEARCH_SPACE, eager_time_us, graph_time_us
+    from coldset.timing import eager_time_us, graph_time_us
+    from coldset.tune import TRITON_FP8_SEARCH_SPACE
 
     out_path = Path(args.out) / "kernel_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,8 @@ def run(args, argv=None) -> dict:
     from coldset.gate import experts_functions
     from coldset.placement import expert_bytes
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.tune import TuneResult, TuneShape, autotune, eager_time_us, tuned_experts
+    from coldset.timing import eager_time_us
+    from coldset.tune import TuneResult, TuneShape, autotune, tuned_experts
 
     out_path = Path(args.out) / "decode_step.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
