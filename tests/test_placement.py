@@ -546,7 +546,8 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
     hist.to_csv(csv, index=False)
     out = tmp_path / "placement"
     placements = run_placement(csv, s, out, residencies=(0.25, 0.5, 1.0), batch_sizes=(1, 8),
-                               progress=False, lookahead_depth=1)  # 2 MoE layers: depth 1 at most
+                               progress=False, lookahead_depth=1,  # 2 MoE layers: depth 1 at most
+                               forecaster=_forecaster(s), prefetch_budget=1)
     assert len(placements) == len(pm.POLICIES) * 3
     table = pd.read_csv(out / "coverage.csv")
     assert list(table["policy"]) == [p for p in pm.POLICIES for _ in range(3)]
@@ -606,3 +607,110 @@ def test_equal_weighting_refuses_a_domain_with_zero_profile_counts():
     assert np.allclose(counts, a / 20) and np.isfinite(counts).all()
     p = place(hist, s, "usage_global", 0.5, domain_weights={"a": 1, "z": 0}, batch_sizes=(1,))
     assert math.isfinite(p.coverage_profile) and math.isfinite(p.coverage_heldout)
+
+
+# ------------------------------------------------------------------------------------------
+# nexttoken (issue 28): the placement carries its forecaster
+
+
+def _forecaster(s, seed=0):
+    """A next-token forecaster fitted on random tokens of ``s``'s shape (top-1)."""
+    from coldset.forecast import NextTokenForecaster
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, s.num_experts, size=(30, len(s.moe_layers), s.top_k))
+    return NextTokenForecaster.fit(tokens, np.repeat([0, 1, 2], 10), s.top_k, s.num_experts, extra=1,
+                                   hist_beta=0.25, hist_shift=3)
+
+
+def test_a_nexttoken_placement_round_trips_its_forecaster(tmp_path):
+    """The forecaster's tables go to {name}.forecaster.npy and its fields to the JSON; loaded back
+    and rebuilt by the pipeline it is the fitted object (every field, the tables bitwise)."""
+    from coldset.pipeline import placement_forecaster
+
+    s, hist = _small_case()
+    f = _forecaster(s)
+    p = place(hist, s, "nexttoken", 0.5, batch_sizes=(1,), forecaster=f, prefetch_budget=2)
+    assert p.dynamic and p.predictions == [] and p.cache_warm_counts is not None
+    path = save_placement(p, tmp_path / "nexttoken-0.5.json")
+    assert sorted(x.name for x in tmp_path.iterdir()) == [
+        "nexttoken-0.5.forecaster.npy", "nexttoken-0.5.json", "nexttoken-0.5.rowmap.npy"]
+    q = load_placement(path)
+    assert q.cache_prefetch_budget == 2 and np.array_equal(q.row_map, p.row_map)
+    g = placement_forecaster(q)
+    assert g == dataclasses_replace_tables(f, g.tables) and np.array_equal(g.tables, f.tables)
+    assert g.tables.dtype == np.int32 and g.n == s.top_k + 1
+    assert placement_forecaster(load_placement(save_placement(place(hist, s, "lru", 0.5), tmp_path / "lru-0.5.json"))) is None
+    doc = json.loads(path.read_text())
+    assert doc["cache_forecaster"]["tables_file"] == "nexttoken-0.5.forecaster.npy"
+    assert doc["cache_forecaster"]["hist_unit"] == f.hist_unit and doc["cache_forecaster"]["terms"] == [[0, 0], [1, 0], [2, 0]]
+
+
+def dataclasses_replace_tables(f, tables):
+    from dataclasses import replace
+
+    return replace(f, tables=tables)
+
+
+def test_nexttoken_placement_refusals_name_the_field_or_file(tmp_path):
+    s, hist = _small_case()
+    with pytest.raises(PlacementError, match="policy 'nexttoken' needs a next-token forecaster"):
+        place(hist, s, "nexttoken", 0.5)
+    wide = _forecaster(Shape(moe_layers=(1, 3), num_layers=4, num_experts=4))
+    with pytest.raises(PlacementError, match=r"tables must be int32 \[3, 2, 3, 3\]"):
+        place(hist, s, "nexttoken", 0.5, forecaster=wide)
+    with pytest.raises(PlacementError, match="prefetch_budget must be >= 0"):
+        place(hist, s, "nexttoken", 0.5, forecaster=_forecaster(s), prefetch_budget=-1)
+    p = place(hist, s, "nexttoken", 0.5, forecaster=_forecaster(s))
+    path = save_placement(p, tmp_path / "nexttoken-0.5.json")
+    fc = tmp_path / "nexttoken-0.5.forecaster.npy"
+    np.save(fc, p.cache_forecaster_tables + 1)  # valid tables, not the ones recorded
+    with pytest.raises(PlacementError, match=rf"{fc}: sha256 differs .* {path}"):
+        load_placement(path)
+    fc.unlink()
+    with pytest.raises(PlacementError, match=rf"{path}: its forecaster tables file {fc} is missing"):
+        load_placement(path)
+    save_placement(p, path)
+    doc = json.loads(path.read_text())
+    lru = {**doc, "policy": "lru"}
+    path.write_text(json.dumps(lru))
+    with pytest.raises(PlacementError, match="'cache_forecaster' / 'cache_prefetch_budget' are set for policy 'lru'"):
+        load_placement(path)
+    path.write_text(json.dumps({**doc, "cache_prefetch_budget": -2}))
+    with pytest.raises(PlacementError, match="'cache_prefetch_budget' must be null or an integer >= 0"):
+        load_placement(path)
+
+
+def test_the_parity_fingerprint_covers_the_forecaster_and_keeps_other_digests(tmp_path):
+    """A nexttoken placement's decode fingerprint changes with its tables (even an edited file the
+    JSON's sha256 no longer describes), its fields and its budget; an lru placement's digest is the
+    one it had before these fields existed (policy and warm counts only)."""
+    import hashlib
+
+    from coldset.fingerprint import StaleReportError, placement_fingerprint
+
+    s, hist = _small_case()
+    lru = save_placement(place(hist, s, "lru", 0.5), tmp_path / "lru-0.5.json")
+    doc = json.loads(lru.read_text())
+    old = hashlib.sha256(json.dumps({"policy": "lru", "cache_warm_counts": doc["cache_warm_counts"]},
+                                    sort_keys=True, default=str).encode()).hexdigest()
+    assert placement_fingerprint(lru) == old
+
+    p = place(hist, s, "nexttoken", 0.5, forecaster=_forecaster(s))
+    path = save_placement(p, tmp_path / "nexttoken-0.5.json")
+    base = placement_fingerprint(path)
+    fc = tmp_path / "nexttoken-0.5.forecaster.npy"
+    np.save(fc, p.cache_forecaster_tables + 1)
+    assert placement_fingerprint(path) != base  # the file on disk, not only the recorded digest
+    save_placement(p, path)
+    assert placement_fingerprint(path) == base
+    p.cache_prefetch_budget = 0
+    save_placement(p, path)
+    assert placement_fingerprint(path) != base
+    p.cache_prefetch_budget = None
+    p.cache_forecaster = {**p.cache_forecaster, "hist_shift": 4}
+    save_placement(p, path)
+    assert placement_fingerprint(path) != base
+    fc.unlink()
+    with pytest.raises(StaleReportError, match="forecaster tables .* do not exist"):
+        placement_fingerprint(path)

@@ -9,7 +9,9 @@ nothing about the new files. Each report therefore carries a fingerprint:
   placement JSON records, so the pair is checked too);
 - ``placement``: sha256 of what in the placement JSON the decode reads beside the row map
   (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order, and
-  a lookahead's ``cache_lookahead_depth``, hashed only where set, so other placements keep their digest): a
+  a lookahead's ``cache_lookahead_depth``, a nexttoken's ``cache_forecaster`` (its fields and the
+  sha256 of its tables file, re-digested from the file on disk) and ``cache_prefetch_budget``,
+  each hashed only where set, so other placements keep their digest): a
   rewritten warm state with the same warm set (same row map) is another placement, while a
   placement rewritten with other statistics (coverage, predicted step times, whose last float
   digits differ between machines' summation orders) still decodes what the verdict checked;
@@ -39,7 +41,10 @@ from coldset.files import read_json
 FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
 #: The fields of a placement JSON that the decode reads beside its row map (coldset.pipeline's
 #: slot cache: the policy's decisions from the warm counts' order).
-DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth")
+DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth", "cache_forecaster", "cache_prefetch_budget")
+#: Of DECODE_FIELDS, those hashed only where set (not null), so that placements without them keep
+#: the digest they had before the field existed.
+OPTIONAL_DECODE_FIELDS = ("cache_lookahead_depth", "cache_forecaster", "cache_prefetch_budget")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "*.safetensors", "*.safetensors.index.json")
@@ -89,9 +94,16 @@ def placement_fingerprint(placement_path: str | os.PathLike) -> str:
     doc = read_json(placement_path, "placement")
     if "policy" not in doc:
         raise StaleReportError(f"placement {placement_path} lacks field 'policy'")
-    # cache_warm_counts: null for static; cache_lookahead_depth: only where set (lookahead)
-    return _json_sha256({f: doc.get(f) for f in DECODE_FIELDS
-                         if f != "cache_lookahead_depth" or doc.get(f) is not None})
+    # cache_warm_counts: null for static; the optional fields only where set (lookahead, nexttoken)
+    fields = {f: doc.get(f) for f in DECODE_FIELDS if f not in OPTIONAL_DECODE_FIELDS or doc.get(f) is not None}
+    fc = fields.get("cache_forecaster")
+    if fc is not None:  # the tables the decode reads, as on disk now (not only the digest the JSON claims)
+        tables = Path(placement_path).with_name(str(fc.get("tables_file")))
+        if not tables.is_file():
+            raise StaleReportError(f"forecaster tables {tables} (of placement {placement_path}) do not exist: "
+                                   "rerun the placement stage")
+        fields["cache_forecaster_tables"] = file_sha256(tables)
+    return _json_sha256(fields)
 
 
 def kernel_fingerprint(autotune_path: str | os.PathLike) -> str:

@@ -404,12 +404,46 @@ def placement(config: dict, **_) -> None:
 
     layout = Layout.from_config(config)
     pc = config["placement"]
+    forecaster = _fit_nexttoken(config) if "nexttoken" in pc["policies"] else None
     run_placement(layout.stats_dir / "histogram.csv", model_shape(config), layout.placement_dir,
                   pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
                   domain_weights="equal" if pc["weight_domains"] else None,
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
                   batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"],
-                  lookahead_depth=config["cache"]["lookahead_depth"])
+                  lookahead_depth=config["cache"]["lookahead_depth"], forecaster=forecaster,
+                  prefetch_budget=config["cache"]["prefetch_budget"])
+
+
+def _fit_nexttoken(config: dict):
+    """The ``nexttoken`` placement's forecaster: fitted on the profile split's decode tokens of the
+    trace (the profile domains of ``placement``), with ``cache.nexttoken_extra`` candidates beyond
+    top_k, exactly as the cache stage fits its own (:func:`coldset.cache.run_cache`). Fitted here
+    once and saved in the placement (not refitted by parity or bench), so the gate and the bench
+    run the tables the fingerprint covers."""
+    from coldset.cache import select_rows, token_array, trace_decode_rows
+    from coldset.forecast import NextTokenForecaster
+    from coldset.placement import ProfileSpec
+
+    layout = Layout.from_config(config)
+    pc = config["placement"]
+    rows, meta = trace_decode_rows(layout.trace, config["stats"]["heldout_fraction"], expect=model_shape(config))
+    spec = ProfileSpec.make(pc["profile_domains"], pc["phase"], "equal" if pc["weight_domains"] else None)
+    tokens, seq = token_array(select_rows(rows, "profile", spec.domains), meta.num_moe_layers, meta.num_experts)
+    if tokens.shape[0] == 0:
+        raise StageError(f"placement nexttoken: the trace {layout.trace} has no profile decode tokens to fit the "
+                         "forecaster on")
+    return NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, meta.num_experts,
+                                         extra=config["cache"]["nexttoken_extra"])
+
+
+def placement_forecaster(placement):
+    """The :class:`coldset.forecast.NextTokenForecaster` a ``nexttoken`` placement carries (None
+    for any other policy); its constructor re-checks the fields."""
+    if placement.cache_forecaster is None:
+        return None
+    from coldset.forecast import NextTokenForecaster
+
+    return NextTokenForecaster(tables=placement.cache_forecaster_tables, **placement.cache_forecaster)
 
 
 def cache(config: dict, **_) -> None:
@@ -542,7 +576,9 @@ def _slot_cache(engine, host, placement, max_tokens: int):
     from coldset.slots import SlotCache
 
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
-    return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers)
+    return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
+                                    forecaster=placement_forecaster(placement),
+                                    prefetch_budget=placement.cache_prefetch_budget)
 
 
 def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:

@@ -27,6 +27,12 @@ Policies (DESIGN.md §3):
   one per slot) from which the cache's initial eviction order and ``lfu``'s frequencies come.
   The cache changes the row map from step to step while decoding; the coverage and speed-model
   numbers written here describe only the warm state (no prediction is written for them).
+- ``nexttoken``: the same warm state, plus the next-token forecaster the engine runs inside the
+  step (``cache_forecaster``: its scalar fields in the JSON, its integer tables in
+  ``{name}.forecaster.npy``, sha256 recorded like the row map's) and ``cache_prefetch_budget``
+  (copies per group, None = no cut). The forecaster is fitted on the profile split's decode tokens
+  by the caller (the pipeline's placement stage) and saved, not refitted where it is used: the
+  parity gate and the bench then run the very tables the fingerprint covers.
 - ``permute``: the expert_map reordering: the same hot and cold layers as ``positional`` at that
   residency, with rows inside each layer reordered by popularity. Its coverage equals
   ``positional``'s: it exists to show that reordering is not placement.
@@ -65,8 +71,12 @@ from coldset.shapes import WEIGHT_FORMATS, MoEShape, WeightFormat  # noqa: F401 
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
 # Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies;
-# lookahead = lru + the prefetch of layer l + d's router forecast, d = cache_lookahead_depth).
-DYNAMIC_POLICIES = ("lru", "lfu", "lookahead")
+# lookahead = lru + the prefetch of layer l + d's router forecast, d = cache_lookahead_depth;
+# nexttoken = issue 28's next-token forecast of every layer, its forecaster carried by the placement).
+DYNAMIC_POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
+#: The scalar fields of a next-token forecaster (coldset.forecast.NextTokenForecaster) a nexttoken
+#: placement records in its JSON; its tables (int32 [terms, L, E, E]) go to ``{name}.forecaster.npy``.
+FORECASTER_FIELDS = ("terms", "hist_unit", "hist_shift", "top_k", "extra", "horizon", "self_boost")
 POLICIES = STATIC_POLICIES + DYNAMIC_POLICIES
 PHASES = ("prefill", "decode")
 SPLITS = ("profile", "heldout")
@@ -706,6 +716,10 @@ class Placement:
     cache_warm_counts: np.ndarray | None = None
     # lookahead only: the prefetch's depth d (the router of layer l + d on layer l's router input).
     cache_lookahead_depth: int | None = None
+    # nexttoken only: the forecaster's FORECASTER_FIELDS and its tables, and the prefetch budget.
+    cache_forecaster: dict | None = None
+    cache_forecaster_tables: np.ndarray | None = None
+    cache_prefetch_budget: int | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -765,13 +779,17 @@ def place(
     batch_sizes: Sequence[int] = (1,),
     model: str | None = None,
     lookahead_depth: int = 2,
+    forecaster: Any = None,
+    prefetch_budget: int | None = None,
 ) -> Placement:
     """Choose the cold set for one policy and one residency (or HBM budget) and predict its speed.
 
     Exactly one of ``residency`` (fraction of routed-expert bytes in HBM) and ``budget_gib`` (HBM
     for the whole model, GiB) is given. The profile is the ``profile`` split of
     ``profile_domains`` (``None``: all) in ``phase``, weighted per ``domain_weights`` (see
-    ``ProfileSpec``).
+    ``ProfileSpec``). ``nexttoken`` needs ``forecaster`` (a fitted
+    :class:`coldset.forecast.NextTokenForecaster`, read by its attributes) and takes
+    ``prefetch_budget`` (copies per group, None = the whole forecast).
     """
     if policy not in POLICIES:
         raise PlacementError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -848,11 +866,43 @@ def place(
                 raise PlacementError(f"cache.lookahead_depth must lie in [1, {num_layers - 1}] (the model has "
                                      f"{num_layers} MoE layers), got {lookahead_depth}")
             placement.cache_lookahead_depth = int(lookahead_depth)
+        if policy == "nexttoken":
+            placement.cache_forecaster, placement.cache_forecaster_tables = _forecaster_record(
+                forecaster, num_layers, num_experts)
+            if prefetch_budget is not None and int(prefetch_budget) < 0:
+                raise PlacementError(f"cache.prefetch_budget must be >= 0 copies per group or null, got {prefetch_budget}")
+            placement.cache_prefetch_budget = None if prefetch_budget is None else int(prefetch_budget)
         return placement  # the speed model describes static placements only
     for bw in bandwidths:
         for b in batch_sizes:
             placement.predictions.append(predict_step(placement, counts, config, bw, int(b)))
     return placement
+
+
+def _forecaster_record(forecaster: Any, num_layers: int, num_experts: int) -> tuple[dict, np.ndarray]:
+    """A next-token forecaster as the placement keeps it: its FORECASTER_FIELDS and its tables."""
+    if forecaster is None:
+        raise PlacementError("policy 'nexttoken' needs a next-token forecaster fitted on the profile split "
+                             "(coldset.forecast.NextTokenForecaster; the placement stage fits it from the trace)")
+    missing = [f for f in (*FORECASTER_FIELDS, "tables") if not hasattr(forecaster, f)]
+    if missing:
+        raise PlacementError(f"nexttoken forecaster: lacks {missing}")
+    tables = np.ascontiguousarray(forecaster.tables, dtype=np.int32)
+    fields = {f: getattr(forecaster, f) for f in FORECASTER_FIELDS}
+    fields["terms"] = [[int(a), int(d)] for a, d in fields["terms"]]
+    for f in ("hist_unit", "hist_shift", "top_k", "extra", "horizon"):
+        fields[f] = int(fields[f])
+    fields["self_boost"] = float(fields["self_boost"])
+    _check_forecaster(fields, tables, num_layers, num_experts, "nexttoken forecaster")
+    return fields, tables
+
+
+def _check_forecaster(fields: Mapping[str, Any], tables: np.ndarray, num_layers: int, num_experts: int,
+                      where: str) -> None:
+    want = (len(fields["terms"]), num_layers, num_experts, num_experts)
+    if tables.dtype != np.int32 or tables.shape != want:
+        raise PlacementError(f"{where}: tables must be int32 {list(want)} (terms x MoE layers x experts x experts), "
+                             f"got {tables.dtype} {list(tables.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -867,7 +917,16 @@ def row_map_path(json_path: str | os.PathLike) -> Path:
     return p.with_name(p.name[: -len(".json")] + ".rowmap.npy")
 
 
-def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str) -> dict[str, Any]:
+def forecaster_path(json_path: str | os.PathLike) -> Path:
+    """``x/nexttoken-{residency}.json`` -> ``x/nexttoken-{residency}.forecaster.npy`` (its tables)."""
+    p = Path(json_path)
+    if p.suffix != ".json":
+        raise PlacementError(f"{p}: a placement file name must end in .json")
+    return p.with_name(p.name[: -len(".json")] + ".forecaster.npy")
+
+
+def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str,
+                       forecaster_file: tuple[str, str] | None = None) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "model": placement.model,
@@ -895,6 +954,9 @@ def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str) -> 
         "row_map_sha256": npy_sha256,
         "cache_warm_counts": None if placement.cache_warm_counts is None else placement.cache_warm_counts.tolist(),
         "cache_lookahead_depth": placement.cache_lookahead_depth,
+        "cache_forecaster": None if forecaster_file is None else {
+            **placement.cache_forecaster, "tables_file": forecaster_file[0], "tables_sha256": forecaster_file[1]},
+        "cache_prefetch_budget": placement.cache_prefetch_budget,
     }
 
 
@@ -916,9 +978,17 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
     )
     json_path = Path(json_path)
     npy_path = row_map_path(json_path)
+    fc_path = forecaster_path(json_path)
+    nxt = placement.policy == "nexttoken"
+    if nxt:
+        if placement.cache_forecaster is None or placement.cache_forecaster_tables is None:
+            raise PlacementError(f"{json_path}: a nexttoken placement without its forecaster")
+        _check_forecaster(placement.cache_forecaster, placement.cache_forecaster_tables, placement.num_moe_layers,
+                          placement.num_experts, f"{json_path}: cache_forecaster")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     remove_orphans(npy_path)
     remove_orphans(json_path)
+    remove_orphans(fc_path)
     temps: list[str] = []
     try:
         fd, tmp_npy = tempfile.mkstemp(dir=json_path.parent, prefix=f".{npy_path.name}.", suffix=".tmp")
@@ -926,7 +996,15 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
         with os.fdopen(fd, "wb") as f:
             np.save(f, placement.row_map, allow_pickle=False)
         sha = hashlib.sha256(Path(tmp_npy).read_bytes()).hexdigest()
-        doc = _placement_to_json(placement, npy_path.name, sha)
+        fc_file = None
+        if nxt:  # the forecaster's tables, written and renamed beside the row map
+            fd, tmp_fc = tempfile.mkstemp(dir=json_path.parent, prefix=f".{fc_path.name}.", suffix=".tmp")
+            temps.append(tmp_fc)
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, placement.cache_forecaster_tables, allow_pickle=False)
+            fc_file = (fc_path.name, hashlib.sha256(Path(tmp_fc).read_bytes()).hexdigest())
+            share_mode(tmp_fc)
+        doc = _placement_to_json(placement, npy_path.name, sha, fc_file)
         fd, tmp_json = tempfile.mkstemp(dir=json_path.parent, prefix=f".{json_path.name}.", suffix=".tmp")
         temps.append(tmp_json)
         with os.fdopen(fd, "w") as f:
@@ -937,9 +1015,13 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
         os.replace(tmp_npy, npy_path)
         temps.remove(tmp_npy)
         try:
+            if nxt:
+                os.replace(tmp_fc, fc_path)
+                temps.remove(tmp_fc)
             os.replace(tmp_json, json_path)
         except BaseException:
-            npy_path.unlink(missing_ok=True)  # no new row map without its JSON
+            npy_path.unlink(missing_ok=True)  # no new row map (or tables) without its JSON
+            fc_path.unlink(missing_ok=True)
             raise
         temps.clear()
     finally:
@@ -1004,6 +1086,16 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
             depth is not None and not (isinstance(depth, int) and 1 <= depth < len(moe_layers))):
         raise PlacementError(f"{json_path}: field 'cache_lookahead_depth' must be an integer in [1, "
                              f"{len(moe_layers) - 1}] for policy 'lookahead' and null otherwise, got {depth!r}")
+    fc, fc_tables = doc.get("cache_forecaster"), None
+    budget = doc.get("cache_prefetch_budget")
+    if doc["policy"] == "nexttoken":
+        fc, fc_tables = _load_forecaster(json_path, fc, len(moe_layers), int(doc["num_experts"]))
+        if budget is not None and not (isinstance(budget, int) and budget >= 0):
+            raise PlacementError(f"{json_path}: field 'cache_prefetch_budget' must be null or an integer >= 0, "
+                                 f"got {budget!r}")
+    elif fc is not None or budget is not None:
+        raise PlacementError(f"{json_path}: fields 'cache_forecaster' / 'cache_prefetch_budget' are set for policy "
+                             f"{doc['policy']!r} (nexttoken only)")
     return Placement(
         policy=doc["policy"],
         residency=doc.get("residency"),
@@ -1028,7 +1120,32 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         model=doc.get("model"),
         cache_warm_counts=warm,
         cache_lookahead_depth=depth,
+        cache_forecaster=fc,
+        cache_forecaster_tables=fc_tables,
+        cache_prefetch_budget=budget,
     )
+
+
+def _load_forecaster(json_path: Path, fc: Any, num_layers: int, num_experts: int) -> tuple[dict, np.ndarray]:
+    """A nexttoken placement's forecaster: its fields from the JSON, its tables from the file the
+    JSON names, checked against the recorded sha256 (as the row map)."""
+    need = (*FORECASTER_FIELDS, "tables_file", "tables_sha256")
+    if not isinstance(fc, dict) or any(f not in fc for f in need):
+        raise PlacementError(f"{json_path}: field 'cache_forecaster' must hold {list(need)} for policy 'nexttoken'")
+    path = json_path.with_name(fc["tables_file"])
+    if not path.is_file():
+        raise PlacementError(f"{json_path}: its forecaster tables file {path} is missing")
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != fc["tables_sha256"]:
+        raise PlacementError(f"{path}: sha256 differs from the one recorded in {json_path} (cache_forecaster."
+                             "tables_sha256): rerun the placement stage")
+    try:
+        tables = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise PlacementError(f"{path}: not a readable .npy file ({e})") from None
+    fields = {f: fc[f] for f in FORECASTER_FIELDS}
+    _check_forecaster(fields, tables, num_layers, num_experts, f"{path} (for {json_path.name})")
+    return fields, tables
 
 
 def coverage_table(placements: Sequence[Placement]) -> pd.DataFrame:
@@ -1091,12 +1208,16 @@ def run_placement(
     model: str | None = None,
     progress: bool = True,
     lookahead_depth: int = 2,
+    forecaster: Any = None,
+    prefetch_budget: int | None = None,
 ) -> list[Placement]:
     """The placement stage: every policy x residency (and budget) to ``out_dir``, plus coverage.csv.
 
     Writes ``{policy}-{residency}.json`` + ``.rowmap.npy`` per placement (``residency_label``
     names the residency; budgets are named ``{budget}gib``) and ``coverage.csv``
-    (``coverage_table``). Returns the placements in the order written.
+    (``coverage_table``), and for ``nexttoken`` ``{name}.forecaster.npy`` (``forecaster``, fitted
+    by the caller on the profile split, and ``prefetch_budget``: see :func:`place`). Returns the
+    placements in the order written.
     """
     from tqdm import tqdm
 
@@ -1116,6 +1237,8 @@ def run_placement(
             domain_weights=domain_weights, weight_format=weight_format,
             nonexpert_format=nonexpert_format, bandwidths=bandwidths,
             batch_sizes=batch_sizes, model=model, lookahead_depth=lookahead_depth,
+            forecaster=forecaster if policy == "nexttoken" else None,
+            prefetch_budget=prefetch_budget if policy == "nexttoken" else None,
         )
         save_placement(pl, out / placement_filename(policy, pl.label))
         placements.append(pl)
