@@ -478,6 +478,73 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
         run()
 
 
+def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(engine, monkeypatch):
+    """A nexttoken placement (its forecaster inside the placement) on the bench: the measured pass's
+    hits, misses, fills and prefetch copies per group equal coldset.cache.simulate's 'nexttoken' on
+    the lists coldset.forecast.nexttoken_lists makes from the placement's forecaster, the link bytes
+    count the prefetch copies, and wasted_gb_per_token is that replay's wasted prefetches (checked
+    here by an independent replay of the pass's routing). Handed other lists, or lru's replay, the
+    bench refuses."""
+    import pandas as pd
+
+    import coldset.cache
+    import coldset.forecast
+    from coldset.cache import lanes_from_engine, simulate
+    from coldset.forecast import NextTokenForecaster, nexttoken_lists
+    from coldset.slots import SlotCache
+    from coldset.tiers import host_tier
+
+    cfg = engine.config
+    L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+    rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
+             "count": (e % 3 + 1) * (layer + 1)}
+            for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(E)]
+    # the forecaster fitted on the engine's own routing of other prompts (so its forecasts name experts used)
+    gen = generate(engine, [list(range(40 + 7 * i, 45 + 7 * i)) for i in range(4)], 16, capture_routing=True,
+                   progress=False)
+    toks = np.concatenate([r.experts.cpu().numpy()[5:] for r in gen.routing]).astype(np.int64)
+    F = NextTokenForecaster.fit(toks, np.repeat(np.arange(4), toks.shape[0] // 4), k, E, extra=1, hist_beta=0.2,
+                                hist_shift=3)
+    pl = place(pd.DataFrame(rows), cfg, "nexttoken", 0.5, batch_sizes=(2,), forecaster=F, prefetch_budget=None)
+    host = host_tier(engine.pools)
+    prompts = list(range(3, 200))
+
+    def run():
+        cache = SlotCache.from_placement(engine.pools, host, pl, 2, k, forecaster=bench.placement_forecaster(pl),
+                                         prefetch_budget=pl.cache_prefetch_budget)
+        r = bench.bench_decode(engine, cache.pools, pl, prompts, batch_size=2, prompt_tokens=5,
+                               new_tokens=12, warmup=1, repeats=1, cache=cache)
+        return r, cache
+
+    r, cache = run()
+    c = cache.counters()
+    assert c["prefetches"] > 0 and r.simulator_hit_rate == r.hit_rate and r.timed_token_match == 1.0
+    tokens = 2 * 11
+    per_expert = (cache.pools.w13_hot[0].numel() + cache.pools.w2_hot[0].numel()) * cache.pools.w13_hot.element_size()
+    assert r.link_gb_per_token == pytest.approx((c["fills"] + c["prefetches"]) * per_expert / tokens / 1e9)
+    # the independent replay: the pass's routing (generate's), the warm set of the placement's counts
+    decode = np.stack([x.experts.cpu().numpy()[5:] for x in generate(
+        engine, bench.bench_prompts(prompts, 2, 5).tolist(), 12, capture_routing=True, progress=False).routing])
+    lanes = lanes_from_engine(decode, E)
+    counts = np.zeros(L * E)
+    counts[np.flatnonzero(pl.row_map.reshape(-1) >= 0)] = pl.cache_warm_counts[pl.row_map.reshape(-1)[pl.row_map.reshape(-1) >= 0]]
+    sim = simulate(lanes.stream(), "nexttoken", cache.capacity, counts.reshape(L, E),
+                   predictions=nexttoken_lists(F, lanes.sel, lanes.start))
+    assert int(sim.prefetches.sum()) == c["prefetches"]
+    assert r.wasted_gb_per_token == pytest.approx(sim.wasted_prefetches * per_expert / tokens / 1e9)
+
+    real_lists = coldset.forecast.nexttoken_lists
+    with monkeypatch.context() as m:
+        m.setattr(coldset.forecast, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
+        with pytest.raises(bench.CacheSimulatorMismatch, match="recorded forecast lists"):
+            run()
+    real = coldset.cache.simulate
+    monkeypatch.setattr(coldset.cache, "simulate", lambda stream, policy, *a, **kw: real(
+        stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None}))
+    with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's nexttoken cache decided group \d+"):
+        run()
+
+
 # ---------------------------------------------------------------- issue 30 item 4: which requests are timed
 
 

@@ -626,7 +626,7 @@ def _forecaster(s, seed=0):
 def test_a_nexttoken_placement_round_trips_its_forecaster(tmp_path):
     """The forecaster's tables go to {name}.forecaster.npy and its fields to the JSON; loaded back
     and rebuilt by the pipeline it is the fitted object (every field, the tables bitwise)."""
-    from coldset.pipeline import placement_forecaster
+    from coldset.bench import placement_forecaster
 
     s, hist = _small_case()
     f = _forecaster(s)

@@ -74,6 +74,10 @@ class BenchResult:
     # Dynamic placements: the simulator's hit rate on the same tokens (coldset.cache; equal to
     # hit_rate, or the bench refuses: CacheSimulatorMismatch).
     simulator_hit_rate: float | None = None
+    # Dynamic placements: prefetched instances evicted before any use, bytes per decoded token, from
+    # the simulator's replay of the measured pass (the engine does not count them; the replay
+    # equals its decisions group by group or the bench refuses).
+    wasted_gb_per_token: float | None = None
     # Filled by derive_metrics from the ceilings measured in the same run (CUDA):
     bytes_step_ms: float | None = None  # HBM bytes / HBM read rate + link bytes / link read rate
     fraction_of_bytes_bound: float | None = None  # bytes_step_ms / step_ms_mean
@@ -98,10 +102,27 @@ class CacheSimulatorMismatch(TimedLoopMismatch):
     same tokens: one of the two is wrong, so neither the hit rate nor the speed is published."""
 
 
-def simulate_engine_pass(cache, decode: np.ndarray):
+def placement_forecaster(placement):
+    """The :class:`coldset.forecast.NextTokenForecaster` a ``nexttoken`` placement carries (its
+    fields and tables, :mod:`coldset.placement`); None for any other policy. Its constructor
+    re-checks the fields."""
+    if placement.cache_forecaster is None:
+        return None
+    from coldset.forecast import NextTokenForecaster
+
+    return NextTokenForecaster(tables=placement.cache_forecaster_tables, **placement.cache_forecaster)
+
+
+def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     """The simulator (:func:`coldset.cache.simulate`) on a pass's decode routing ``decode`` int
     ``[B, steps, L, k]``, grouped as the engine decides: per (step, MoE layer) one group of the
     batch's ``B * k`` selections in row order, from the same warm state as ``cache``.
+
+    ``lookahead``: on the prefetch lists the engine recorded (the forecast is the engine's, from
+    hidden states). ``nexttoken``: on the lists :func:`coldset.forecast.nexttoken_lists` makes
+    from ``forecaster`` (the one the cache was built with) and the pass's routing, with the
+    cache's prefetch budget; the engine's recorded lists must equal them group by group
+    (:class:`CacheSimulatorMismatch` otherwise), so its forecast is checked too, not taken.
 
     The warm state as simulator input: profile counts equal to the warm instances' counts and 0
     elsewhere choose the same warm set (``usage_global`` at the cache's capacity: the warm
@@ -120,10 +141,28 @@ def simulate_engine_pass(cache, decode: np.ndarray):
         raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
     ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
     ptr = np.arange(steps * L + 1, dtype=np.int64) * (B * k)
+    stream = AccessStream(ids, ptr, B * steps, L, E)
+    if cache.policy == "nexttoken":
+        from coldset.cache import lanes_from_engine
+        from coldset.forecast import nexttoken_lists
+
+        if forecaster is None:
+            raise ValueError("simulate_engine_pass: a nexttoken cache needs the forecaster it was built with")
+        lanes = lanes_from_engine(decode, E)
+        lists = nexttoken_lists(forecaster, lanes.sel, lanes.start)
+        got = cache.prefetch_lists()
+        if got.shape != lists.shape or not np.array_equal(got, lists):
+            bad = (np.flatnonzero((got != lists).any(axis=1))[:1].tolist() if got.shape == lists.shape else [])
+            raise CacheSimulatorMismatch(
+                f"bench: the engine's nexttoken cache recorded forecast lists {got.shape} that differ from "
+                f"coldset.forecast.nexttoken_lists {lists.shape} on the same tokens"
+                + (f" (first at group {bad[0]}: {got[bad[0]].tolist()} against {lists[bad[0]].tolist()})" if bad else "")
+                + "; nothing is published")
+        return simulate(stream, "nexttoken", cache.capacity, counts, predictions=lists,
+                        prefetch_budget=cache.prefetch_budget)
     # lookahead: the prefetch lists the engine recorded, one per group (the forecast is the engine's)
     lists = cache.prefetch_lists() if cache.policy == "lookahead" else None
-    return simulate(AccessStream(ids, ptr, B * steps, L, E), cache.policy, cache.capacity, counts,
-                    predictions=lists)
+    return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists)
 
 
 def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:
@@ -224,6 +263,7 @@ def pool_results(results: list[BenchResult], batches: list[list[BenchRequest]]) 
         hbm_gb_per_token=_mean_or_none([r.hbm_gb_per_token for r in results]),
         misses_per_token=_mean_or_none([r.misses_per_token for r in results]),
         simulator_hit_rate=_mean_or_none([r.simulator_hit_rate for r in results]),
+        wasted_gb_per_token=_mean_or_none([r.wasted_gb_per_token for r in results]),
         timed_token_match=_mean_or_none([r.timed_token_match for r in results]),
         requests=[q.id for b in batches for q in b],
     )
@@ -366,14 +406,17 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
             gen.tokens)
 
 
-def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int):
+def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int, forecaster=None):
     """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, misses per
-    decoded token, greedy tokens, counters, the simulator's hit rate) of an eager pass with the
+    decoded token, greedy tokens, counters, the simulator's hit rate, wasted prefetch bytes per
+    decoded token) of an eager pass with the
     slot cache ``cache`` (already wrapped into ``model.experts_fn``), from the cache's own counters
     over that pass's decode steps: a hit or a filled miss is read from its slot (each distinct
     instance once per step and layer), a fill crosses the link once. The simulator replays the same
-    tokens (:func:`simulate_engine_pass`); a group decided otherwise raises
-    :class:`CacheSimulatorMismatch`."""
+    tokens (:func:`simulate_engine_pass`, ``forecaster``: a nexttoken cache's); a group decided
+    otherwise raises :class:`CacheSimulatorMismatch`. Wasted prefetch bytes (instances prefetched
+    and evicted before any hit) come from that replay: the engine does not count them, and the
+    replay is its decisions group by group (checked here)."""
     from coldset.model import generate
 
     cache.reset()  # from the placement's warm state, as every timed repeat starts (bench_decode)
@@ -386,9 +429,9 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
         raise ValueError(f"bench: the cache decided for {c['groups']} groups, the pass had {steps} decode steps x "
                          f"{layers} MoE layers (prompt_tokens {plen} must exceed the batch size's tokens)")
     # The engine's decisions against the simulator's on the same tokens, group by group.
-    sim = simulate_engine_pass(cache, decode)
+    sim = simulate_engine_pass(cache, decode, forecaster)
     want = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
-    if "prefetches" in c:  # lookahead: the prefetch copies per group too (its lists need the whole history)
+    if "prefetches" in c:  # lookahead, nexttoken: the prefetch copies per group too (lists need the whole history)
         pf = sim.prefetches if sim.prefetches is not None else np.zeros(len(want), dtype=np.int64)
         want = np.concatenate([want, pf[:, None]], axis=1)
         got = np.concatenate([cache.group_history(), cache.prefetch_counts()[:, None]], axis=1)
@@ -407,8 +450,9 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     accesses = c["hits"] + c["misses"]
     # a fill and a prefetch copy each cross the link once
     link = (c["fills"] + c.get("prefetches", 0)) * bytes_per_expert / tokens
+    st = sim.stats()
     return (c["misses"] / accesses, link, hot_reads * bytes_per_expert / tokens,
-            c["misses"] / tokens, gen.tokens, c, sim.stats().hit_rate)
+            c["misses"] / tokens, gen.tokens, c, st.hit_rate, st.wasted_prefetches * bytes_per_expert / tokens)
 
 
 def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
@@ -482,11 +526,12 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
-        eager_tokens = hot_per_token = simulator_hit_rate = None
+        eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:
             (cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured,
-             simulator_hit_rate) = measure_cache(model, cache, prompts, new_tokens, per_expert)
+             simulator_hit_rate, wasted_per_token) = measure_cache(model, cache, prompts, new_tokens, per_expert,
+                                                                   placement_forecaster(placement))
         elif replay is None:
             cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
                 model, prompts, new_tokens, per_expert)
@@ -571,6 +616,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         hit_rate=1.0 - cold_share,
         simulator_hit_rate=simulator_hit_rate,
         misses_per_token=misses_per_token,
+        wasted_gb_per_token=None if wasted_per_token is None else wasted_per_token / 1e9,
         passes_ms=passes,
     )
 

@@ -436,15 +436,6 @@ def _fit_nexttoken(config: dict):
                                          extra=config["cache"]["nexttoken_extra"])
 
 
-def placement_forecaster(placement):
-    """The :class:`coldset.forecast.NextTokenForecaster` a ``nexttoken`` placement carries (None
-    for any other policy); its constructor re-checks the fields."""
-    if placement.cache_forecaster is None:
-        return None
-    from coldset.forecast import NextTokenForecaster
-
-    return NextTokenForecaster(tables=placement.cache_forecaster_tables, **placement.cache_forecaster)
-
 
 def cache(config: dict, **_) -> None:
     """Replay the held-out decode routing through the cache policies (coldset.cache.run_cache)."""
@@ -576,6 +567,8 @@ def _slot_cache(engine, host, placement, max_tokens: int):
     from coldset.slots import SlotCache
 
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
+    from coldset.bench import placement_forecaster
+
     return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
                                     forecaster=placement_forecaster(placement),
                                     prefetch_budget=placement.cache_prefetch_budget)
