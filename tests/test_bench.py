@@ -664,3 +664,60 @@ def test_bench_file_with_requests_and_overlap_loads(tmp_path):
     path.write_text(json.dumps({"placement": "usage_global-0.5", "batches": [entry]}))
     with pytest.raises(results.ReportInputError, match="domains counts other requests"):
         results.load_bench(path)
+
+
+# ---------------------------------------------------------------- issue 28 item 5: the time bound of every row
+
+
+def _timed(policy, res, step, link_gb, b=2, p50=None, spread=1.01, device="cuda:0", wasted=None):
+    return {"placement": f"{policy}-{res}", "policy": policy, "batch_size": b, "residency": res,
+            "hbm_expert_gib": res, "tok_s": 1e3 / step, "step_ms_mean": step, "step_ms_p50": p50 or step,
+            "step_ms_p90": p50 or step, "repeat_spread": spread, "device": device, "hbm_gb_per_token": 1.0,
+            "link_gb_per_token": link_gb, "wasted_gb_per_token": wasted}
+
+
+def test_time_bound_metrics_by_hand():
+    """Injected steps and link bytes, link at 50 GB/s, batch 2. all-HBM (usage_global-1.0): 10 ms.
+    lru-0.5: 0.25 GB a token = 0.5 GB a step = 10 ms of link; step 16 ms -> bound max(10, 10) =
+    10, fraction 10 / 16, overlap 1 - 6 / 10 = 0.4, stall (16 - 10) / 2 = 3 ms a token.
+    nexttoken-0.25: 0.5 GB a token = 20 ms of link, step 22 -> bound 20, fraction 20 / 22, overlap
+    1 - 12 / 20 = 0.4, stall 6; its wasted bytes pass through. The reference is the static
+    all-HBM row, not the cache's own residency 1.0 (11 ms: its management would hide in it)."""
+    recs = [_timed("usage_global", 1.0, 10.0, 0.0), _timed("lru", 1.0, 11.0, 0.0), _timed("lru", 0.5, 16.0, 0.25),
+            _timed("nexttoken", 0.25, 22.0, 0.5, wasted=0.125)]
+    out = {r["placement"]: r for r in bench.derive_metrics(recs, {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0})}
+    lru, nxt = out["lru-0.5"], out["nexttoken-0.25"]
+    assert lru["allhbm_placement"] == "usage_global-1.0" and lru["allhbm_step_ms"] == 10.0
+    assert (lru["bound_ms"], lru["bound_fraction"]) == (pytest.approx(10.0), pytest.approx(10 / 16))
+    assert (lru["overlap"], lru["stall_ms_per_token"]) == (pytest.approx(0.4), pytest.approx(3.0))
+    assert (nxt["bound_ms"], nxt["bound_fraction"]) == (pytest.approx(20.0), pytest.approx(20 / 22))
+    assert (nxt["overlap"], nxt["stall_ms_per_token"]) == (pytest.approx(0.4), pytest.approx(6.0))
+    assert nxt["wasted_gb_per_token"] == 0.125
+    full = out["lru-1.0"]  # no link bytes: the bound is the all-HBM step, overlap undefined
+    assert full["bound_ms"] == 10.0 and full["overlap"] is None and full["stall_ms_per_token"] == pytest.approx(0.5)
+    # without a static all-HBM row, the policy's own residency 1.0 is the reference
+    own = {r["placement"]: r for r in bench.derive_metrics(recs[1:], {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0})}
+    assert own["lru-0.5"]["allhbm_placement"] == "lru-1.0"
+    assert own["lru-0.5"]["overlap"] == pytest.approx(1 - 5 / 10)
+
+
+def test_time_bound_metrics_are_published_only_for_sound_timings():
+    """On the CPU, with a noisy row or a noisy all-HBM reference, or without a measured link rate,
+    no time-derived metric is published (None); wasted bytes (counted, not timed) always are."""
+    ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
+    names = bench.TIME_BOUND_METRICS
+
+    def cache_row(recs, ceilings=ceil):
+        return next(r for r in bench.derive_metrics(recs, ceilings) if r["placement"] == "lru-0.5")
+
+    sound = [_timed("usage_global", 1.0, 10.0, 0.0), _timed("lru", 0.5, 16.0, 0.25, wasted=0.0)]
+    assert all(cache_row(sound)[m] is not None for m in names)
+    cpu = [dict(r, device="cpu") for r in sound]
+    noisy_row = [sound[0], _timed("lru", 0.5, 16.0, 0.25, spread=1.6, wasted=0.0)]
+    noisy_ref = [_timed("usage_global", 1.0, 10.0, 0.0, spread=1.6), sound[1]]
+    for recs, ceilings in ((cpu, ceil), (noisy_row, ceil), (noisy_ref, ceil), (sound, None),
+                           (sound, {"hbm_read_gb_s": 4000.0})):
+        row = cache_row(recs, ceilings)
+        assert [row[m] for m in names] == [None] * len(names)
+        assert row["wasted_gb_per_token"] == 0.0
+    assert [cache_row([sound[1]])[m] for m in names] == [None] * len(names)  # no all-HBM row in the run

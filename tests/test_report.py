@@ -78,6 +78,18 @@ def bytes_fields(policy: str, residency: float, batch: int) -> dict[str, float]:
     }
 
 
+def time_fields(policy: str, residency: float, batch: int) -> dict:
+    """The GPU-like tree's time bound (issue 28), by its definitions written out here: the all-HBM
+    step is usage_global-1.0's at the batch size, link time = link bytes a step / the link rate."""
+    step = 1000.0 / _tok_s(policy, residency, batch)
+    allhbm = 1000.0 / _tok_s("usage_global", 1.0, batch)
+    link_ms = 1e3 * 0.01 * (1.0 - residency) * batch / LINK_GB_S
+    bound = max(allhbm, link_ms)
+    return {"allhbm_step_ms": allhbm, "bound_ms": bound, "bound_fraction": bound / step,
+            "overlap": 1 - (step - allhbm) / link_ms if link_ms else None, "stall_ms_per_token": (step - allhbm) / batch,
+            "wasted_gb_per_token": None, "allhbm_placement": "usage_global-1.0"}
+
+
 # The provenance the bench stage records (coldset.provenance.collect_provenance) on the machine
 # that measured: track and the report must show these, not their own machine's state.
 PROVENANCE = {"commit": "4b825dc642cb6eb9a060e54bf8d69288fbee4904", "dirty": False, "commit_source": "git archive",
@@ -197,7 +209,7 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                     batches[-1].update(hbm_gb_per_token=_hbm_gb_per_token(r), bytes_step_ms=None,
                                        fraction_of_bytes_bound=None, predicted_step_ms_calibrated=None)
                 elif bytes_run == "gpu":
-                    batches[-1].update(bytes_fields(policy, r, b), device="NVIDIA H200")
+                    batches[-1].update(bytes_fields(policy, r, b), **time_fields(policy, r, b), device="NVIDIA H200")
             doc = {"placement": name[: -len(".json")], "batches": batches}
             if provenance:
                 doc["provenance"] = PROVENANCE
@@ -475,6 +487,14 @@ def test_gpu_run_shows_ceilings_and_plots_the_calibrated_prediction(tmp_path, mo
     assert float(row["fraction_of_bytes_bound"]) == pytest.approx(0.455 * 55 / 1000, rel=1e-3)  # 4 digits shown
     assert row["hbm_gb_per_token"] == "0.055"
     assert row["predicted_step_ms"] == "16.36"  # the speed model's column stays: 900 / 55
+    # issue 28's time bound, against usage_global-1.0's step at b4 (1000/105 ms): 0.02 GB a step at
+    # 50 GB/s is 0.4 ms of link, below it -> bound 9.524 ms; overlap 1 - (18.18 - 9.524) / 0.4
+    assert row["allhbm_placement"] == "usage_global-1.0" and row["allhbm_step_ms"] == "9.524"
+    assert row["bound_ms"] == "9.524" and float(row["bound_fraction"]) == pytest.approx(55 / 105, rel=1e-3)
+    assert float(row["overlap"]) == pytest.approx(1 - (1000 / 55 - 1000 / 105) / 0.4, rel=1e-3)
+    assert float(row["stall_ms_per_token"]) == pytest.approx((1000 / 55 - 1000 / 105) / 4, rel=1e-3)
+    assert row["wasted_gb_per_token"] == "—"  # a static placement prefetches nothing
+    assert table[("usage_global", "1.0", 4)]["overlap"] == "—"  # no link bytes: nothing to hide
     for b in BATCH_SIZES:
         label, filled, hollow = _step_points(figures, b)
         assert "additive model, same run (filled)" in label and "bytes-only speed model, preset h200 (hollow)" in label
@@ -497,6 +517,8 @@ def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
         assert "carry no measured read ceilings" in html and 'id="ceilings"' not in html
         row = _bench_table(html)[("positional", "0.5", 1)]
         assert row["predicted_step_ms_calibrated"] == row["bytes_step_ms"] == row["fraction_of_bytes_bound"] == "—"
+        assert all(row[m] == "—" for m in ("allhbm_step_ms", "bound_ms", "bound_fraction", "overlap",
+                                            "stall_ms_per_token", "wasted_gb_per_token", "allhbm_placement"))
         assert row["hbm_gb_per_token"] == ("0.055" if kind == "cpu" else "—")
         label, filled, hollow = _step_points(figures, 1)
         assert label == "predicted step time (ms, speed model preset h200)" and hollow == []
@@ -569,6 +591,10 @@ def test_timing_whose_repeats_disagree_is_flagged_not_published(tmp_path):
     assert table[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["timing"] == "ok"
     assert table[("usage_global", "0.5", doc["batches"][1]["batch_size"])]["timing"] == \
         "noisy: repeats disagree by 1.60x, not a result"
+    # a noisy row's time bound is not shown, even from a bench file that carries one (issue 28)
+    noisy = table[("usage_global", "0.5", doc["batches"][1]["batch_size"])]
+    assert all(noisy[m] == "—" for m in ("bound_ms", "bound_fraction", "overlap", "stall_ms_per_token"))
+    assert table[("usage_global", "0.5", doc["batches"][0]["batch_size"])]["overlap"] != "—"
     doc["batches"][0]["repeat_spread"] = None  # one repeat: the steps' p90 / p50 is all there is
     path.write_text(json.dumps(doc))
     html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()

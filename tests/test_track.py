@@ -304,6 +304,11 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     expect = _tree.bytes_fields("usage_global", 0.5, 4)
     for name in BYTES_METRICS:
         assert run.data.metrics[name] == pytest.approx(expect[name]), name
+    bound = _tree.time_fields("usage_global", 0.5, 4)  # issue 28's time bound, logged as measured
+    for name in ("allhbm_step_ms", "bound_ms", "bound_fraction", "overlap", "stall_ms_per_token"):
+        assert run.data.metrics[name] == pytest.approx(bound[name]), name
+    assert "wasted_gb_per_token" not in run.data.metrics  # a static placement: undefined, not logged
+    assert run.data.tags["allhbm_placement"] == "usage_global-1.0"
     assert run.data.metrics["hbm_read_gb_s"] == _tree.HBM_GB_S
     assert run.data.metrics["link_read_gb_s"] == _tree.LINK_GB_S
     assert run.data.tags["device"] == "NVIDIA H200"
@@ -340,7 +345,7 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     run = {r.data.tags[RUN_KEY_TAG]: r for r in _active_runs(uri)}[_key(cpu, "usage_global", "0.5", 4)]
     assert run.data.metrics["hbm_gb_per_token"] == pytest.approx(0.055)
     absent = {"bytes_step_ms", "fraction_of_bytes_bound", "predicted_step_ms_calibrated", "hbm_read_gb_s",
-              "link_read_gb_s"}
+              "link_read_gb_s", "bound_ms", "bound_fraction", "overlap", "stall_ms_per_token", "allhbm_step_ms"}
     assert absent.isdisjoint(run.data.metrics)
 
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from coldset.results import TIME_BOUND_METRICS  # issue 28's time bound (DESIGN.md §6), filled by time_bound
 from coldset.timing import repeat_spread, speed_compares_placements, timing_noisy
 
 log = logging.getLogger(__name__)
@@ -672,6 +673,18 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     link time adds to the step rather than hiding under HBM time, and the all-HBM step's time
     beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
     that only a measurement gives.
+
+    The time bound of issue 28 (DESIGN.md §6, every row; ``wasted_gb_per_token`` is the bench's
+    own, from the replay): with ``allhbm_step_ms`` the measured step of the run's all-HBM
+    placement at the same batch size (:func:`allhbm_reference`, named in ``allhbm_placement``) and
+    ``link_ms`` = link bytes per step / the measured link read rate,
+    ``bound_ms = max(allhbm_step_ms, link_ms)``, ``bound_fraction = bound_ms / step_ms_mean``,
+    ``overlap = 1 - (step_ms_mean - allhbm_step_ms) / link_ms`` (None without link bytes: nothing
+    to hide) and ``stall_ms_per_token = (step_ms_mean - allhbm_step_ms) / batch_size``: the
+    measured step beyond the all-HBM one, per token, whatever caused it (link waits and the
+    cache's management alike; the engine does not time its stalls apart). Published only where
+    both timings are sound (not on the CPU, not noisy) and the link rate was measured; None
+    otherwise, as ``tok_s_per_gib``.
     """
     out = [dict(r) for r in records]
     groups: dict[tuple, list[dict]] = {}
@@ -683,12 +696,12 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     def sound(r: dict | None) -> bool:  # a timing a ratio may use: a host tier, repeats that agree
         return r is not None and speed_compares_placements(r.get("device")) and not r["timing_noisy"]
 
+    for r in out:
+        r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"), r.get("repeat_spread"))
     for rows in groups.values():
         rows.sort(key=lambda r: r["residency"])
         full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
         prev = None
-        for r in rows:
-            r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"), r.get("repeat_spread"))
         for r in rows:
             # Both ends of a ratio must be sound: the residency-1.0 reference of fetch_tax as much as
             # the record itself (a noisy or CPU reference would divide by noise).
@@ -704,6 +717,40 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
                 r["fraction_of_bytes_bound"] = r["bytes_step_ms"] / r["step_ms_mean"]
             if hbm and link and full is not None:
                 r["predicted_step_ms_calibrated"] = full["step_ms_mean"] + 1e3 * link_gb * (1 / link - 1 / hbm)
+    for r in out:
+        ref = allhbm_reference(out, r["batch_size"], r["policy"])
+        r["allhbm_placement"] = None if ref is None else ref.get("placement")
+        r.update(time_bound(r, ref, link if sound(r) and sound(ref) else None))
+    return out
+
+
+def allhbm_reference(records: list[dict], batch_size: int, policy: str) -> dict | None:
+    """The run's all-HBM row at ``batch_size``: a static placement at residency 1.0 (every expert
+    in HBM, no cache management; ``usage_global`` first, then the other static policies in
+    :data:`coldset.placement.STATIC_POLICIES` order), else ``policy``'s own residency 1.0; None
+    when the run has neither."""
+    from coldset.placement import STATIC_POLICIES
+
+    full = {r["policy"]: r for r in records if r["batch_size"] == batch_size and abs(r["residency"] - 1.0) < 1e-9}
+    for p in ("usage_global", *STATIC_POLICIES, policy):
+        if p in full:
+            return full[p]
+    return None
+
+
+def time_bound(record: dict, reference: dict | None, link_gb_s: float | None) -> dict:
+    """:data:`TIME_BOUND_METRICS` of one bench row (see :func:`derive_metrics`) against the
+    all-HBM row ``reference``, with the measured link read rate ``link_gb_s`` (GB/s); all None
+    when either is missing (the caller passes None where a timing is not sound)."""
+    out = dict.fromkeys(TIME_BOUND_METRICS)
+    if reference is None or not link_gb_s:
+        return out
+    allhbm, step, b = reference["step_ms_mean"], record["step_ms_mean"], record["batch_size"]
+    link_ms = 1e3 * record["link_gb_per_token"] * b / link_gb_s  # per step
+    bound = max(allhbm, link_ms)
+    out.update(allhbm_step_ms=allhbm, bound_ms=bound, bound_fraction=bound / step,
+               overlap=1.0 - (step - allhbm) / link_ms if link_ms > 0 else None,
+               stall_ms_per_token=(step - allhbm) / b)
     return out
 
 

@@ -38,6 +38,7 @@ from coldset.results import (
     CEILING_FIELDS,
     BenchResult,
     PlacementSummary,
+    TIME_BOUND_METRICS,
     ReportInputError,
     load_bench,
     load_locality,
@@ -767,7 +768,8 @@ def render_report(
                 # ratios of speeds only where speed compares placements and the timing is not noise
                 # (coldset.timing; the bench leaves them None there, bench files from before it did not)
                 **({} if speed_compares_placements(b.device) and not _noisy(b) else
-                   {"tok_s_per_gib": "—", "fetch_tax": "—"}),
+                   {m: "—" for m in ("tok_s_per_gib", "fetch_tax", *TIME_BOUND_METRICS)}),
+                "allhbm_placement": b.extra.get("allhbm_placement") or "—",
                 "predicted_step_ms": _fmt(b.predicted_step_ms),
                 # share of the timed loop's tokens equal to generate()'s (the bench fails below 1)
                 "timed_token_match": _fmt(opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
@@ -777,7 +779,7 @@ def render_report(
         )
     # Bench table columns: the measured metrics, then the two predictions side by side.
     bench_columns = [m for m in BENCH_METRICS if m != "predicted_step_ms_calibrated"] + [
-        "predicted_step_ms", "predicted_step_ms_calibrated", "timed_token_match"]
+        "allhbm_placement", "predicted_step_ms", "predicted_step_ms_calibrated", "timed_token_match"]
     ceilings_rows = _ceilings_rows(bench)
     no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows = [

@@ -30,6 +30,20 @@ BYTES_METRICS: tuple[str, ...] = (
     "fraction_of_bytes_bound",
     "predicted_step_ms_calibrated",
 )
+# Issue 28's time bound of every row (coldset.bench.derive_metrics, DESIGN.md §6 "for caches
+# also"): the all-HBM step of the same run, the bound max(all-HBM step, link time), the fraction of
+# it reached, overlap, stall per token (measured step - all-HBM step, per token), wasted prefetch
+# bytes per token (the simulator's replay of the measured pass). None where undefined: the
+# time-derived ones on the CPU or for a noisy timing, wasted bytes for static placements, and all in
+# bench files written before them.
+TIME_BOUND_METRICS: tuple[str, ...] = (
+    "allhbm_step_ms",
+    "bound_ms",
+    "bound_fraction",
+    "overlap",
+    "stall_ms_per_token",
+)
+CACHE_TIME_METRICS: tuple[str, ...] = (*TIME_BOUND_METRICS, "wasted_gb_per_token")
 # Metric names of DESIGN.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
 # the report.
 BENCH_METRICS: tuple[str, ...] = (
@@ -49,6 +63,7 @@ BENCH_METRICS: tuple[str, ...] = (
     "tok_s_per_gib",
     "fetch_tax",
     *BYTES_METRICS,
+    *CACHE_TIME_METRICS,
 )
 # Bench metrics that are legitimately undefined for some placements: tok_s_per_gib has no
 # smaller residency to compare with at a policy's smallest residency, fetch_tax needs the
@@ -58,7 +73,7 @@ BENCH_METRICS: tuple[str, ...] = (
 # before the slot cache (issue 12).
 NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", "hit_rate",
                                                    "misses_per_token", "simulator_hit_rate", "repeat_spread",
-                                                   *BYTES_METRICS})
+                                                   *BYTES_METRICS, *CACHE_TIME_METRICS})
 # The read-rate ceilings a CUDA bench measures once per run (top-level "ceilings" of a bench JSON).
 CEILING_FIELDS: tuple[str, ...] = ("hbm_read_gb_s", "link_read_gb_s")
 REQUIRED_BENCH_FIELDS: tuple[str, ...] = tuple(

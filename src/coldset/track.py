@@ -51,7 +51,9 @@ Child run contents:
   tok_s_per_gib, fetch_tax; hit_rate and misses_per_token as the slot cache counted them for a
   dynamic placement),
   predicted_step_ms, the bytes metrics (hbm_gb_per_token, bytes_step_ms, fraction_of_bytes_bound,
-  predicted_step_ms_calibrated) and the read ceilings the bench measured in the same run
+  predicted_step_ms_calibrated), issue 28's time bound (allhbm_step_ms, bound_ms, bound_fraction,
+  overlap, stall_ms_per_token, wasted_gb_per_token; the all-HBM row's name as the tag
+  allhbm_placement) and the read ceilings the bench measured in the same run
   (hbm_read_gb_s, link_read_gb_s; metrics, not params: they are remeasured on every run, and a
   changed param would replace the run); from the placement coverage_profile, coverage_heldout, achieved_residency;
   from the parity gate parity_passed (1/0), parity_tokens_matched, parity_tokens_total,
@@ -471,6 +473,8 @@ def records_from_results(
             run_autotune = b.extra.get("autotune_key") or autotune_key
             if run_autotune:
                 tags["autotune_key"] = str(run_autotune)
+            if b.extra.get("allhbm_placement"):  # the reference of the time bound's metrics
+                tags["allhbm_placement"] = str(b.extra["allhbm_placement"])
             # per-invocation files (skew.json, the autotune entry) go to the parent run
             artifacts = {"placement": [pl.path], "parity": [par.path], "bench": [b.path]}
             records.append(
@@ -723,7 +727,8 @@ VIEWS: dict[str, dict] = {
         "searchFilter": "params.batch_size = '1'",
         "orderByKey": "metrics.`tok_s_per_gib`",
         "orderByAsc": False,
-        "selectedColumns": [*_COMMON_COLUMNS, "metrics.`tok_s`", "metrics.`tok_s_per_gib`", "metrics.`fetch_tax`"],
+        "selectedColumns": [*_COMMON_COLUMNS, "metrics.`tok_s`", "metrics.`tok_s_per_gib`", "metrics.`fetch_tax`",
+                            "metrics.`bound_fraction`", "metrics.`overlap`"],
     },
     COVERAGE_VIEW: {
         "searchFilter": "params.batch_size = '1'",
