@@ -24,7 +24,8 @@ from coldset.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
 
 SYNTHETIC = dict(in_memory=True, layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2,
                  kv_heads=1, head_dim=32, vocab_size=512, seed=3)
-PLACEMENTS = ["lookahead-0.5", "lookahead-1.0", "lru-0.5", "lru-1.0", "positional-0.5", "positional-1.0", "usage_global-0.5", "usage_global-1.0"]
+PLACEMENTS = ["lookahead-0.5", "lookahead-1.0", "lru-0.5", "lru-1.0", "nexttoken-0.5", "nexttoken-1.0", "positional-0.5",
+              "positional-1.0", "usage_global-0.5", "usage_global-1.0"]
 
 
 def _config(root: Path) -> dict:
@@ -36,7 +37,9 @@ def _config(root: Path) -> dict:
         # lru: the slot cache (8 slots at 0.5 hold one parity step's 4 tokens x top-2)
         "routing": {"batch_size": 4},
         # lookahead: lru + the prefetch of layer l + 1's router forecast (2 MoE layers: depth 1)
-        "placement": {"policies": ["positional", "usage_global", "lru", "lookahead"], "residency": [0.5, 1.0]},
+        # nexttoken (issue 28): its forecaster fitted on the trace's profile split by the placement stage
+        "placement": {"policies": ["positional", "usage_global", "lru", "lookahead", "nexttoken"],
+                      "residency": [0.5, 1.0]},
         "cache": {"lookahead_depth": 1},
         "parity": {"max_new_tokens": 6},
         "bench": {"new_tokens": 4, "prompt_tokens": 8, "repeats": 1, "warmup": 0},
@@ -111,11 +114,25 @@ def test_gate_passes_and_every_placement_is_benchmarked(run):
             assert b["cold_share"] > 0
         assert b["hit_rate"] == pytest.approx(1 - b["cold_share"])
         assert b["misses_per_token"] == pytest.approx(b["cold_share"] * SYNTHETIC["top_k"] * SYNTHETIC["layers"])
-        if name.startswith("lookahead"):  # its prefetch copies cross the link too, hits or not
+        # issue 28's time bound: every row carries the names; on the CPU the timed ones are None
+        assert all(b[m] is None for m in ("allhbm_step_ms", "bound_ms", "bound_fraction", "overlap",
+                                          "stall_ms_per_token"))
+        assert b["allhbm_placement"] == "usage_global-1.0"
+        dynamic = name.split("-")[0] in ("lru", "lookahead", "nexttoken")
+        assert (b["wasted_gb_per_token"] is not None) == dynamic  # the replay's count, a cache's only
+        if name.startswith(("lookahead", "nexttoken")):  # prefetch copies cross the link too, hits or not
             assert (b["link_gb_per_token"] > 0) >= (b["cold_share"] > 0)
         else:
             assert (b["link_gb_per_token"] > 0) == (b["cold_share"] > 0)
     assert (res / "autotune" / "tiny-mem.json").is_file()
+    # the nexttoken placements carry the forecaster the engine ran (fitted once, by the placement stage)
+    from coldset.bench import placement_forecaster
+    from coldset.placement import load_placement
+
+    for r in ("0.5", "1.0"):
+        f = placement_forecaster(load_placement(res / "placement" / "tiny-mem" / f"nexttoken-{r}.json"))
+        assert f.top_k == SYNTHETIC["top_k"] and f.tables.shape[1:] == (SYNTHETIC["layers"], 8, 8)
+        assert f.tables.any()
 
 
 def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
