@@ -349,7 +349,7 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
 
 
 @gpu
-def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill():
+def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_scales():
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
     from coldset.slots import SlotCache
@@ -364,6 +364,14 @@ def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill():
             triton_experts(pools, 0, x, ids, w, cfg)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         triton_experts(pools, 0, x.float(), ids, w.float())
+    # The device slot fill copies an FP8 expert's scales with its weights (issue 29): a slot cache on
+    # CUDA builds; a slot whose scales were overwritten fails the contents check until reset(),
+    # whose refill is the Triton fill, puts its owner's weights and scales back.
     rm = random_row_map(1, 8, 0.5, 1)
-    with pytest.raises(NotImplementedError, match="FP8 experts on CUDA"):
-        SlotCache.build(pools, host_tier(pools), rm, np.ones(int((rm >= 0).sum())), "lru", 1, 2)
+    cache = SlotCache.build(pools, host_tier(pools), rm, np.ones(int((rm >= 0).sum())), "lru", 1, 2)
+    cache.pools.w13_scale_hot[0].mul_(2)
+    with pytest.raises(ValueError, match="slot 0 does not hold"):
+        cache.check(contents=True)
+    cache.reset()
+    torch.cuda.synchronize()
+    cache.check(contents=True)

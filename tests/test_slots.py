@@ -1031,3 +1031,99 @@ def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(gra
     assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
     assert cache.counters()["stale"] == 0
     cache.check(contents=True)
+
+
+# ------------------------------------------------------------------ block-FP8 experts in the slots (issue 29)
+
+_FP8_POOLS = ("w13_hot", "w2_hot", "w13_scale_hot", "w2_scale_hot")
+
+
+def _fp8_all_hot(L, E, hidden, inter, dev, seed=0):
+    """FP8 pools all hot (weights quantized as a checkpoint: e4m3 + 128x128 weight_scale_inv)."""
+    from coldset import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    q13, s13 = fp8.quantize_w13(torch.randn(L, E, 2 * inter, hidden, generator=g) / hidden**0.5)
+    q2, s2 = fp8.quantize_weight(torch.randn(L, E, hidden, inter, generator=g) / inter**0.5)
+    return ExpertPools.all_hot(q13.to(dev), q2.to(dev), s13.to(dev), s2.to(dev))
+
+
+def _same_fp8_slots(a, b, where):
+    """Both caches' slot pools, weights and scales, bit for bit (float8 compared as bytes)."""
+    for name in _FP8_POOLS:
+        x, y = getattr(a.pools, name), getattr(b.pools, name)
+        if x.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), (where, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "nexttoken"])
+def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatch):
+    """Block-FP8 experts through the slot cache as the fused step runs it (``SlotCache.route``): the
+    fill's blocks copy each admitted expert's weights and its scale rows in the same launch (lru's
+    demand fill; nexttoken's also the tagged prefetch copy). After every group the slots' weights
+    and scales equal the torch path's bit for bit, as do the decisions; the FP8 experts kernel
+    reading the cache's pools (slot rows, host rows) gives the all-hot result bit for bit; the
+    slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
+    TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand; 4 fill blocks there)."""
+    from coldset.kernels import triton_decode as td
+    from coldset.kernels import triton_experts
+    from coldset.kernels import triton_slots as ts
+    from coldset.kernels.triton_moe import KernelConfig
+
+    dev = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the router's dtype (the interpreter has no bfloat16)
+    xdt = torch.bfloat16 if dev == "cuda" else torch.float16  # the FP8 kernel's activations
+    L, E, k, tokens, Hr, hidden, inter = 2, 8, 2, 2, 32, 256, 128
+    steps = 3 if dev == "cpu" else 12
+    if dev == "cpu":
+        monkeypatch.setattr(ts, "FILL_BLOCKS", 4)  # the stripes as on the GPU, fewer interpreted programs
+    cfg = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(12)
+    gates = [torch.randn((E, Hr), generator=gen).to(dev, dt) for _ in range(L)]
+    norm_w = (1 + 0.1 * torch.randn(Hr, generator=gen)).to(dev, dt)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+    C = k * tokens + 1
+    row_map, _, wc = _warm(counts, C)
+    all_hot = _fp8_all_hot(L, E, hidden, inter, dev)
+    host = host_tier(all_hot)
+    extra = dict(forecaster=_forecaster(L, E, k, seed=4, extra=1, keep=100)) if policy == "nexttoken" else {}
+    ref, routed = (SlotCache.build(all_hot, host, row_map, wc, policy, tokens, k, **extra) for _ in range(2))
+    ref.use_kernel = False
+    if dev == "cpu":  # the interpreter: the kernel path by hand
+        routed.use_kernel, routed.prefetch_blocks = True, 4
+        routed.fill_ticket = torch.zeros(1, dtype=torch.int32)
+        if policy == "nexttoken":
+            routed.copy_ticket = torch.zeros(1, dtype=torch.int32)
+    assert routed.pools.is_fp8 and routed.records_in_route(tokens)
+    for step in range(steps):
+        for layer in range(L):
+            x = torch.randn((tokens, Hr), generator=gen).to(dev, dt)
+            _, ids, _ = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=dt)
+            _, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
+            assert torch.equal(ids_r, ids)
+            routed.admit(layer, ids_r, w_r, dt)
+            ref.admit(layer, ids)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            for name in ("owner", "last_use", "tick", "totals"):
+                assert torch.equal(getattr(ref, name), getattr(routed, name)), (step, layer, name)
+            assert torch.equal(ref.pools.row_map, routed.pools.row_map), (step, layer)
+            _same_fp8_slots(ref, routed, (step, layer))
+            xe = torch.randn((tokens, hidden), generator=gen).to(dev, xdt)
+            we = w_r.to(xdt)
+            out = triton_experts(routed.pools, layer, xe, ids_r, we, cfg)
+            assert torch.equal(out, triton_experts(all_hot, layer, xe, ids_r, we, cfg)), (step, layer)
+        if policy == "nexttoken":
+            ref.end_step()
+            routed.end_step()
+            assert torch.equal(ref.pools.row_map, routed.pools.row_map) and torch.equal(ref.done, routed.done)
+    assert int(routed.fill_ticket) == 0
+    assert ref.counters()["fills"] >= 3 and ref.counters() == routed.counters()
+    if policy == "nexttoken":
+        assert routed.counters()["prefetches"] > 0 and routed.counters()["stale"] == 0
+    routed.check(contents=True)
+    ref.check(contents=True)

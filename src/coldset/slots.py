@@ -19,7 +19,8 @@ implements the same rules on traces):
 - the row-map update: an evicted instance's entry goes back to its host row (the host tier holds
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
-- the fill: the admitted instance's weights are copied from the host tier into its slot. On CUDA
+- the fill: the admitted instance's weights (block-FP8 experts: and their scales, in the same
+  copy) are copied from the host tier into its slot. On CUDA
   a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
   return at once); on the CPU a plain indexed copy.
@@ -265,9 +266,6 @@ class SlotCache:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(ENGINE_POLICIES)}")
         pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
         L, E = pools.num_moe_layers, pools.num_experts
-        if pools.is_fp8 and pools.w13_hot.is_cuda:  # issue 29: a slot holds weights and scales; the device fill copies weights only
-            raise NotImplementedError("slot cache with FP8 experts on CUDA: the device fill (kernels.triton_slots) "
-                                      "does not copy the scale pools yet; use a static placement")
         if policy == "lookahead":
             if routers is None or len(routers) != L or any(tuple(r.shape)[0] != E for r in routers):
                 raise ValueError(f"policy 'lookahead' needs the {L} MoE layers' routers [{E}, hidden]")

@@ -34,7 +34,11 @@ blocks per weight, each looping over the step's misses and copying its stripe of
 step without a miss costs one small launch whose blocks read one scalar. On sm90+ it is a
 programmatic dependent launch: its predecessor lets it start at once (``gdc_launch_dependents``)
 and its blocks wait for that grid to complete and be visible (``gdc_wait``) before reading
-anything, which hides the fill's launch latency.
+anything, which hides the fill's launch latency. Block-FP8 pools (issue 29): each block copies,
+for the same (slot, instance) pair in the same loop iteration, its stripe of the weight row and
+of that weight's scale row (float32 ``weight_scale_inv`` blocks, a few hundred bytes), so every
+fill (demand, lookahead's prefetch, nexttoken's tagged prefetch, whose tag is written only once
+every block finished both) moves an expert's weights and scales together or not at all.
 
 :func:`decide_ahead` (one program) is ``lookahead``'s group: the same demand decisions with the
 in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
@@ -292,9 +296,9 @@ def _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, inflight_ptr, pr
 @triton.jit
 def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, slots_ptr, inst_ptr, count_ptr,
                  owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, ticket_ptr, row_map_ptr,
-                 tags_ptr, done_ptr,
+                 tags_ptr, done_ptr, ssrc13_ptr, sdst13_ptr, srow13, ssrc2_ptr, sdst2_ptr, srow2, srowmax,
                  BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr, CHOOSE: tl.constexpr,
-                 TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
+                 TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, SCALES: tl.constexpr):
     if USE_GDC:
         gdc_launch_dependents()  # the experts kernel may launch now (it waits for this grid before its reads)
         gdc_wait()  # launched early: the decisions (victims, admitted, count) are complete after this
@@ -308,6 +312,15 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
         src_base = src2_ptr
         dst_base = dst2_ptr
         row = row2
+    if SCALES:  # block-FP8 experts: the weight's scale pool, copied in the same iteration as its rows
+        if tl.program_id(1) == 0:
+            ssrc_base = ssrc13_ptr
+            sdst_base = sdst13_ptr
+            srow = srow13
+        else:
+            ssrc_base = ssrc2_ptr
+            sdst_base = sdst2_ptr
+            srow = srow2
     jv = tl.arange(0, MV)
     slots = tl.zeros((MV,), dtype=tl.int64)
     if CHOOSE != 0:
@@ -342,6 +355,16 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
                 offs = start + part * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < row
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+            if SCALES:
+                # the same (slot, instance) pair's scale row, striped alike: a slot's weights and
+                # scales are always one expert's, and both have landed when this grid (or, tagged,
+                # its last block's tag) is complete
+                ssrc = ssrc_base + inst * srow
+                sdst = sdst_base + slot * srow
+                for start in range(0, srowmax, NB * BLOCK):
+                    offs = start + part * BLOCK + tl.arange(0, BLOCK)
+                    ok = offs < srow
+                    tl.store(sdst + offs, tl.load(ssrc + offs, mask=ok), mask=ok)
     if TAGS:
         # A tagged copy (nexttoken's prefetch): the last block to finish copying writes each slot's
         # tag, so a commit that finds the tag it assigned knows the whole row has landed.
@@ -354,20 +377,33 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
             tl.store(ticket_ptr, 0)
 
 
+def _fill_pairs(pools) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, host tier, slots) of every pool a fill copies: both weights, and for block-FP8
+    experts both scale pools (a slot holds its expert's scales beside its weights, issue 29)."""
+    pairs = [("w13", pools.w13_cold, pools.w13_hot), ("w2", pools.w2_cold, pools.w2_hot)]
+    if pools.is_fp8:
+        pairs += [("w13_scale", pools.w13_scale_cold, pools.w13_scale_hot),
+                  ("w2_scale", pools.w2_scale_cold, pools.w2_scale_hot)]
+    return pairs
+
+
 def _check_fill_pools(pools) -> None:
-    for host, slots in ((pools.w13_cold, pools.w13_hot), (pools.w2_cold, pools.w2_hot)):
+    for name, host, slots in _fill_pairs(pools):
+        if host is None or slots is None:
+            raise ValueError(f"fill: FP8 pools without their {name} host tier or slots")
         if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
-            raise ValueError(f"fill: host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
+            raise ValueError(f"fill: {name} host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
                              f"{tuple(slots.shape[1:])} {slots.dtype}")
         if not (host.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("fill: host tier and slots must be contiguous")
+            raise ValueError(f"fill: {name} host tier and slots must be contiguous")
 
 
 def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, *, blocks: int,
                  pdl: bool, cache=None, choose: int = CHOOSE_NONE, n: int = 0, layer: int = 0,
                  tags: tuple | None = None) -> None:
     """The one launcher of :func:`_fill_kernel`: ``slot[slots[j]] = host[instances[j]]`` for both
-    weights and ``j < count``. ``choose`` (with ``cache``): the victims of the group the router
+    weights (block-FP8 pools: and both scale pools, in the same iteration of the same block, so a
+    slot never holds one expert's weights with another's scales) and ``j < count``. ``choose`` (with ``cache``): the victims of the group the router
     recorded (``n`` selections, MoE layer ``layer``) are chosen and committed first. ``tags``:
     ``(tag list, done, ticket)``, the copy's last block writes ``done[slots[j]] = tag[j]``."""
     _check_fill_pools(pools)
@@ -382,17 +418,24 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
         state = (count, count, count, count, count, 0, 0, 0, tags[2] if tags else count, count)
         cp = 2
     tag_list, done = (tags[0], tags[1]) if tags else (count, count)
+    fp8 = pools.is_fp8  # the scale pools ride in the same launch, never a launch of their own
+    if fp8:
+        s13, s2 = pools.w13_scale_hot, pools.w2_scale_hot
+        scales = (pools.w13_scale_cold, s13, s13[0].numel(), pools.w2_scale_cold, s2, s2[0].numel(),
+                  max(s13[0].numel(), s2[0].numel()))
+    else:  # not read (SCALES False): any tensor stands in for the pointers
+        scales = (count, count, 0, count, count, 0, 0)
     _fill_kernel[(int(blocks), 2)](
         pools.w13_cold, pools.w13_hot, pools.w13_hot[0].numel(), pools.w2_cold, pools.w2_hot,
         pools.w2_hot[0].numel(), max(pools.w13_hot[0].numel(), pools.w2_hot[0].numel()), slots, instances,
-        count.reshape(1), *state, tag_list, done,
+        count.reshape(1), *state, tag_list, done, *scales,
         BLOCK=BLOCK, NB=int(blocks), USE_GDC=pdl, CHOOSE=int(choose), TAGS=tags is not None,
-        E=pools.num_experts, CP=cp, MV=mv, num_warps=4, launch_pdl=pdl)
+        E=pools.num_experts, CP=cp, MV=mv, SCALES=fp8, num_warps=4, launch_pdl=pdl)
 
 
 def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
          blocks: int = FILL_BLOCKS, tags: tuple | None = None) -> None:
-    """``slot[victims[j]] = host[instances[j]]`` for both weights and ``j < count`` (``count`` a
+    """``slot[victims[j]] = host[instances[j]]`` for both weights (and FP8 scales) and ``j < count`` (``count`` a
     device scalar, at most ``victims.numel()``): ``pools``' hot pools are the slots, its cold pools
     the host tier (pinned, read in place). ``pdl``: launched as the programmatic dependent of
     :func:`decide` (which must be the launch just before it on the stream, with ``cache.pdl`` set).
