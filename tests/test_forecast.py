@@ -397,3 +397,75 @@ def test_self_boost_puts_the_current_experts_first():
     assert (diff[0] == np.eye(7, dtype=np.int64)[None] * 2 * SCORE_UNIT).all() and (diff[1:] == 0).all()
     lists = f.forecast_lanes(tokens[:, :, None, :], np.r_[True, seq[1:] != seq[:-1]][:, None])[:, :, 0]
     assert (np.sort(lists[..., :2], axis=-1) == np.sort(tokens, axis=-1)).all()
+
+
+def test_quality_lanes_per_sequence_equal_the_one_lane_forecast():
+    """forecast_quality lays each sequence in a lane of its own (faster); the forecast of every
+    token must be the one-lane layout's (past tokens, H and starts per sequence)."""
+    from coldset.forecast import NextTokenForecaster, lanes_of_tokens, lanes_per_sequence
+
+    rng = np.random.default_rng(14)
+    tokens, seq = random_tokens(rng, n_seq=5, k=2)
+    f = NextTokenForecaster.fit(tokens, seq, 2, 7, terms=((0, 0), (2, 0), (0, 1), (1, -1)),
+                                weights=(1, 0.5, 0.5, 0.25), hist_beta=0.3, hist_shift=2, extra=2)
+    sel, start, step, lane = lanes_per_sequence(tokens, seq)
+    np.testing.assert_array_equal(sel[step, :, lane], tokens)
+    assert (sel >= 0).sum() == tokens.size and start[0].all() and not start[1:].any()
+    one = f.forecast_lanes(*lanes_of_tokens(tokens, seq))[:, :, 0]
+    np.testing.assert_array_equal(f.forecast_lanes(sel, start)[step, :, lane], one)
+
+
+def test_ceiling_with_lower_layers_against_counts():
+    """The in-sample ceiling of any function of (layer, the current token's sets in layers l and
+    l - 1): per context the best n next-token experts' counts, by dictionaries."""
+    from collections import Counter, defaultdict
+
+    from coldset.forecast import conditional_ceiling
+
+    rng = np.random.default_rng(15)
+    tokens, seq = random_tokens(rng, n_seq=6, L=3, k=2)
+    for m, h in ((1, 1), (2, 2)):
+        ctx = defaultdict(Counter)
+        for t in range(len(tokens) - h):
+            if seq[t + h] != seq[t]:
+                continue
+            for layer in range(3):
+                key = (layer,) + tuple(frozenset(tokens[t, layer - i].tolist()) if layer - i >= 0 else None
+                                       for i in range(m + 1))
+                ctx[key].update(tokens[t + h, layer].tolist())
+        best = sum(sum(sorted(c.values(), reverse=True)[:3]) for c in ctx.values())
+        total = sum(sum(c.values()) for c in ctx.values())
+        c = conditional_ceiling(tokens, seq, h, 3, lower_layers=m)
+        assert c["ceiling_recall"] == pytest.approx(best / total) and c["contexts"] == len(ctx)
+        assert c["ceiling_recall"] >= conditional_ceiling(tokens, seq, h, 3)["ceiling_recall"] - 1e-12
+    with pytest.raises(ForecastError, match="lower_layers"):
+        conditional_ceiling(tokens, seq, 1, 3, lower_layers=-1)
+
+
+def test_fit_tuned_chooses_term_sets_on_validation_only():
+    """term_sets: every (terms, weights, self_boost, H) candidate fitted on the non-validation
+    sequences, the best recall on the validation ones (first wins ties), refitted on all tokens."""
+    from coldset.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
+                                  NextTokenForecaster, forecast_quality)
+
+    rng = np.random.default_rng(16)
+    tokens, seq = random_tokens(rng, n_seq=8, L=3, k=2)
+    sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
+    grid = ((0.0, 5), (0.3, 2))
+    val = np.isin(seq, np.unique(seq)[1::3])
+    got = NextTokenForecaster.fit_tuned(tokens, seq, 2, 7, grid=grid, validation=val, term_sets=sets)
+    best = None
+    for terms, weights in sets:
+        for boost in (0.0, 2.0):
+            for beta, shift in grid:
+                f = NextTokenForecaster.fit(tokens[~val], seq[~val], 2, 7, terms=terms, weights=weights,
+                                            self_boost=boost, hist_beta=beta, hist_shift=shift)
+                r = forecast_quality(f, tokens[val], seq[val])["recall"]
+                if best is None or r > best[0] + 1e-12:
+                    best = (r, terms, weights, boost, beta, shift)
+    want = NextTokenForecaster.fit(tokens, seq, 2, 7, terms=best[1], weights=best[2], self_boost=best[3],
+                                   hist_beta=best[4], hist_shift=best[5])
+    assert got.terms == want.terms and got.hist_unit == want.hist_unit and got.hist_shift == want.hist_shift
+    np.testing.assert_array_equal(got.tables, want.tables)
+    with pytest.raises(ForecastError, match="not both"):
+        NextTokenForecaster.fit_tuned(tokens, seq, 2, 7, term_sets=sets, terms=DEFAULT_TERMS)

@@ -1542,13 +1542,16 @@ def figure_locality(table: pd.DataFrame, locality: Mapping[str, Any] | None, met
 
 def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int,
                  horizons: Sequence[int] = (1, 2, 4, 8), extra: int = 3,
-                 budget: int | None = None) -> pd.DataFrame:
+                 budget: int | None = None, term_sets=None, ceiling_lower_layers: int = 0) -> pd.DataFrame:
     """The next-token forecast's quality per horizon: the :class:`coldset.forecast.NextTokenForecaster`
     fitted (and tuned) on ``profile`` for each horizon, measured on ``replay``: recall and
     precision at ``top_k + extra`` candidates and at ``top_k`` (and at ``budget``), beside the
     transition table of the current token alone (issue 12's forecaster), the previous-token
     baseline and the in-sample ceiling of any function of the current token's experts
-    (:func:`coldset.forecast.conditional_ceiling`), with the forecaster's cost."""
+    (:func:`coldset.forecast.conditional_ceiling`), with the forecaster's cost. ``term_sets``: as
+    :meth:`~coldset.forecast.NextTokenForecaster.fit_tuned` (chosen on the profile's validation
+    part); ``ceiling_lower_layers`` = m > 0 adds the in-sample ceiling of any function of the
+    current token's experts in layers l..l-m (column ``ceiling_current_and_lower_layers``)."""
     import time as _time
 
     from coldset.forecast import NextTokenForecaster, conditional_ceiling, forecast_quality
@@ -1570,7 +1573,8 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
     out = []
     for h in horizons:
         t0 = _time.perf_counter()
-        f = NextTokenForecaster.fit_tuned(tp, sp, top_k, E, horizon=h, extra=extra, validation=validation)
+        f = NextTokenForecaster.fit_tuned(tp, sp, top_k, E, horizon=h, extra=extra, validation=validation,
+                                          term_sets=term_sets)
         fit_s = _time.perf_counter() - t0
         t0 = _time.perf_counter()
         q = forecast_quality(f, th, sh, sizes)
@@ -1584,6 +1588,10 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
             if same.any():
                 prev_recall = float((th[h:][same][..., :, None] == th[:-h][same][..., None, :]).any(-1).mean())
         ceil = conditional_ceiling(th, sh, h, n)
+        if ceiling_lower_layers > 0:
+            wide = conditional_ceiling(th, sh, h, n, lower_layers=ceiling_lower_layers)
+            ceil["ceiling_recall_lower"] = wide["ceiling_recall"]
+            ceil["contexts_lower"] = wide["contexts"]
         ops = f.ops_per_step(1)
         row = {"horizon": h, "candidates": n, "recall": q["recall"], "precision": q["precision"]}
         for m in sizes:
@@ -1591,6 +1599,9 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
             row[f"precision_at_{m}"] = q[f"precision_at_{m}"]
         row.update({"recall_current_table_only": qc["recall"], "recall_previous_token": prev_recall,
                     "ceiling_current_experts": ceil["ceiling_recall"], "popularity_recall": ceil["popularity_recall"],
+                    **({"ceiling_current_and_lower_layers": ceil["ceiling_recall_lower"],
+                        "ceiling_lower_layers": ceiling_lower_layers, "contexts_current": ceil["contexts"],
+                        "contexts_current_and_lower": ceil["contexts_lower"]} if ceiling_lower_layers > 0 else {}),
                     "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift,
                     "self_boost": f.self_boost, "tuned_on": tuned_on,
                     "terms": str(list(f.terms)),
@@ -1632,7 +1643,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="print the next-token forecast's recall / precision table per horizon to stderr (CSV), "
                          "and the issue-12 forecaster's one-token recall (JSON)")
     ap.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--lower-layer-terms", action="store_true",
+                    help="nexttoken: also try the current token's two lower layers as forecast terms "
+                         "(coldset.forecast.LOWER_LAYER_TERMS), chosen or not on the profile's validation part")
+    ap.add_argument("--ceiling-lower-layers", type=int, default=0,
+                    help="--recall: also the in-sample ceiling of any function of the current token's experts in "
+                         "layers l..l-N (slow: a minute per horizon on the real trace)")
     args = ap.parse_args(argv)
+    term_sets = None
+    if args.lower_layer_terms:
+        from coldset.forecast import DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS
+
+        term_sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
     rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
     L, E = meta.num_moe_layers, meta.num_experts
     profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
@@ -1657,13 +1679,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_token = (time.perf_counter() - t0) / max(stream.tokens, 1)
             print(json.dumps({**forecast_recall(forecaster, replay, L, E), "fit_s": round(fit_s, 3),
                               "forecast_us_per_token": round(per_token * 1e6, 1)}), file=sys.stderr)
-            table = recall_table(profile, replay, L, E, meta.top_k, args.horizons, budget=args.prefetch_budget)
+            table = recall_table(profile, replay, L, E, meta.top_k, args.horizons, budget=args.prefetch_budget,
+                                 term_sets=term_sets, ceiling_lower_layers=args.ceiling_lower_layers)
             print(table.to_csv(index=False, float_format="%.4g"), end="", file=sys.stderr)
     if "nexttoken" in args.policies:
         from coldset.forecast import NextTokenForecaster
 
         tokens, seq = token_array(profile, L, E)
-        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=args.nexttoken_extra)
+        nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=args.nexttoken_extra,
+                                                  term_sets=term_sets)
+        print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
+              f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}", file=sys.stderr)
     steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
                              for b in args.batch]
     if len(steps) != len(args.batch) or any(s is None for s in steps):

@@ -277,6 +277,14 @@ SCORE_UNIT = 1 << 16  # the integer tables' unit: a probability p is stored as r
 DEFAULT_TERMS = ((0, 0), (1, 0), (2, 0))
 DEFAULT_WEIGHTS = (1.0, 0.5, 0.25)
 HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5), (0.8, 5))
+# The current token's two lower layers (l - 1, l - 2: routed before layer l's forecast is made)
+# beside the defaults: a candidate for fit_tuned(term_sets=...), not the default. Measured (issue
+# 28, FORECAST2; /work/coord/policy28.md): one token ahead with k + 3 candidates it adds +0.001
+# recall on the real trace's held-out subject (0.5634 -> 0.5646; and -0.0007 on the profile's
+# validation domain) and +0.003 on the synthetic top-8 trace, for 5/3 of the table memory
+# (J x L x E x E int32) and of the table rows read per step.
+LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
+LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -416,31 +424,44 @@ class NextTokenForecaster:
     @classmethod
     def fit_tuned(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *,
                   horizon: int = 1, grid=HIST_GRID, validation_every: int = 5, validation: np.ndarray | None = None,
-                  **kw) -> "NextTokenForecaster":
+                  term_sets=None, **kw) -> "NextTokenForecaster":
         """:meth:`fit` with H's (beta, shift) chosen from ``grid`` by recall on every
         ``validation_every``-th sequence of the profile (or on the tokens of the bool mask
         ``validation``, e.g. one profile domain when the replay is a held-out domain), fitted on the
-        others, then refitted on the whole profile: the held-out selection never chooses a parameter."""
+        others, then refitted on the whole profile: the held-out selection never chooses a parameter.
+        ``term_sets``: optional ``(terms, weights)`` pairs (e.g. ``(DEFAULT_TERMS, DEFAULT_WEIGHTS)``
+        and ``(LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS)``) chosen among the same way, with H's
+        parameters (the first set wins ties); without it, ``kw``'s ``terms`` / ``weights`` (the
+        defaults)."""
         sequence = np.asarray(sequence, dtype=np.int64)
         _, seq_idx = np.unique(sequence, return_inverse=True)
         val = (seq_idx % validation_every == validation_every - 1 if validation is None
                else np.asarray(validation, dtype=bool))
+        if term_sets is None:
+            term_sets = ((kw.pop("terms", DEFAULT_TERMS), kw.pop("weights", DEFAULT_WEIGHTS)),)
+        elif "terms" in kw or "weights" in kw:
+            raise ForecastError("fit_tuned: give term_sets or terms / weights, not both")
+        term_sets = [(tuple(t), tuple(w)) for t, w in term_sets]
+        if not term_sets:
+            raise ForecastError("fit_tuned: term_sets is empty")
         best = None
         kw.pop("self_boost", None)
         if val.any() and (~val).any():
-            for boost in (0.0, float(top_k)):  # the current token's experts first, or not
-                base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon, self_boost=boost,
-                               **kw)
-                for beta, shift in grid:
-                    f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
-                    r = forecast_quality(f, tokens[val], sequence[val])["recall"]
-                    if best is None or r > best[0] + 1e-12:
-                        best = (r, beta, shift, boost)
-        beta, shift, boost = best[1:] if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5), 0.0)
+            for terms, weights in term_sets:
+                for boost in (0.0, float(top_k)):  # the current token's experts first, or not
+                    base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon,
+                                   terms=terms, weights=weights, self_boost=boost, **kw)
+                    for beta, shift in grid:
+                        f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
+                        r = forecast_quality(f, tokens[val], sequence[val])["recall"]
+                        if best is None or r > best[0] + 1e-12:
+                            best = (r, beta, shift, boost, terms, weights)
+        beta, shift, boost, terms, weights = (best[1:] if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5),
+                                                                     0.0, *term_sets[0]))
         kw.pop("hist_beta", None)
         kw.pop("hist_shift", None)
         return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift,
-                       self_boost=boost, **kw)
+                       self_boost=boost, terms=terms, weights=weights, **kw)
 
     def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
@@ -511,6 +532,29 @@ def lanes_of_tokens(tokens: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarra
     return tokens[:, :, None, :], start[:, None]
 
 
+def lanes_per_sequence(tokens: np.ndarray, sequence: np.ndarray):
+    """``(sel [P, L, N, k], start [P, N], step [T], lane [T])``: each of the ``N`` sequences of
+    ``tokens`` in a lane of its own, all starting at step 0 (``P`` = the longest; -1 after a
+    sequence ends), and where token ``i`` lies (``sel[step[i], :, lane[i]] == tokens[i]``). The
+    forecast of a token depends only on its own sequence, so this equals the one-lane layout of
+    :func:`lanes_of_tokens` token for token, in about ``N`` times fewer vectorised steps."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    sequence = np.asarray(sequence, dtype=np.int64)
+    T, L, k = tokens.shape
+    if T == 0:
+        return (np.zeros((0, L, 0, k), np.int64), np.zeros((0, 0), bool), np.zeros(0, np.int64),
+                np.zeros(0, np.int64))
+    starts = np.r_[0, np.flatnonzero(sequence[1:] != sequence[:-1]) + 1]
+    lens = np.diff(np.r_[starts, T])
+    lane = np.repeat(np.arange(starts.size), lens)
+    step = np.arange(T) - np.repeat(starts, lens)
+    sel = np.full((int(lens.max()), L, starts.size, k), -1, dtype=np.int64)
+    sel[step, :, lane] = tokens
+    start = np.zeros((sel.shape[0], starts.size), dtype=bool)
+    start[0] = True
+    return sel, start, step, lane
+
+
 def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequence: np.ndarray,
                      sizes: tuple | None = None) -> dict:
     """Recall and precision of the forecast ``forecaster.horizon`` tokens ahead on decode
@@ -522,13 +566,13 @@ def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequen
     tokens = np.asarray(tokens, dtype=np.int64)
     sequence = np.asarray(sequence, dtype=np.int64)
     h = forecaster.horizon
-    sel, start = lanes_of_tokens(tokens, sequence)
-    lists = forecaster.forecast_lanes(sel, start)[:, :, 0, :]  # [T, L, n]
     T = tokens.shape[0]
     t = np.arange(max(T - h, 0))
     t = t[sequence[t + h] == sequence[t]]
     if t.size == 0:
         raise ForecastError(f"no token has a successor {h} token(s) later in its sequence")
+    sel, start, step, lane = lanes_per_sequence(tokens, sequence)
+    lists = forecaster.forecast_lanes(sel, start)[step, :, lane, :]  # [T, L, n]
     tgt = tokens[t + h]  # [m, L, k]
     pred = lists[t]  # [m, L, n]
     inside = tgt[..., :, None] == pred[..., None, :]  # [m, L, k, n]
@@ -543,24 +587,37 @@ def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequen
     return out
 
 
-def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, n: int) -> dict:
+def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, n: int,
+                        lower_layers: int = 0) -> dict:
     """Where the trace's predictability caps a forecast from the current token's experts: the best
     recall any function of (layer, the current token's expert set) can reach ``horizon`` tokens
     ahead with ``n`` candidates, measured in-sample on these very tokens (the empirical conditional
     distribution's top ``n``; in-sample, so an upper bound on that data), beside the recall of the
-    layer's ``n`` most popular experts (a function of nothing) on the same pairs."""
+    layer's ``n`` most popular experts (a function of nothing) on the same pairs.
+
+    ``lower_layers`` = m widens the context to the current token's expert sets in layers
+    ``l, l - 1, ..., l - m`` (those that exist): the ceiling of the forecast terms (0, d <= m). An
+    in-sample ceiling grows with the context partly by memorising (fewer pairs per context): read
+    ``contexts`` beside it."""
     tokens = np.asarray(tokens, dtype=np.int64)
     sequence = np.asarray(sequence, dtype=np.int64)
     T, L, k = tokens.shape
+    if lower_layers < 0:
+        raise ForecastError(f"conditional_ceiling: lower_layers must be >= 0, got {lower_layers}")
     t = np.arange(max(T - horizon, 0))
     t = t[sequence[t + horizon] == sequence[t]]
     cur = np.sort(tokens[t], axis=2)  # [m, L, k]
     tgt = tokens[t + horizon]
     E = int(tokens.max()) + 1
-    # a set of up to k experts as one key: base-E digits of the sorted set (object ints when wide)
-    key = np.zeros(cur.shape[:2], dtype=object if k * np.log2(max(E, 2)) > 60 else np.int64)
-    for j in range(k):
-        key = key * E + cur[:, :, j]
+    # the context's expert sets as one key: base-(E+1) digits of the sorted sets, E where a lower
+    # layer does not exist (object ints when wide)
+    wide = (lower_layers + 1) * k * np.log2(E + 1) > 60
+    key = np.zeros(cur.shape[:2], dtype=object if wide else np.int64)
+    for m in range(lower_layers + 1):
+        src = np.full(cur.shape, E, dtype=np.int64)
+        src[:, m:] = cur[:, : L - m]
+        for j in range(k):
+            key = key * (E + 1) + (src[:, :, j].astype(object) if wide else src[:, :, j])
     frame = pd.DataFrame({"layer": np.repeat(np.broadcast_to(np.arange(L), key.shape).reshape(-1), k),
                           "ctx": np.repeat(key.reshape(-1), k), "tgt": tgt.reshape(-1)})
     counts = frame.groupby(["layer", "ctx", "tgt"], sort=False).size()
