@@ -1058,11 +1058,12 @@ def _same_fp8_slots(a, b, where):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["lru", "nexttoken"])
+@pytest.mark.parametrize("policy", ["lru", "nexttoken", "lookahead"])
 def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatch):
-    """Block-FP8 experts through the slot cache as the fused step runs it (``SlotCache.route``): the
-    fill's blocks copy each admitted expert's weights and its scale rows in the same launch (lru's
-    demand fill; nexttoken's also the tagged prefetch copy). After every group the slots' weights
+    """Block-FP8 experts through the slot cache as the fused step runs it (``SlotCache.route``;
+    lookahead: ``decide_ahead`` and its fills from ``admit``): the fill's blocks copy each admitted
+    expert's weights and its scale rows in the same launch (lru's demand fill; nexttoken's also the
+    tagged prefetch copy; lookahead's also the prefetch copy on the side stream). After every group the slots' weights
     and scales equal the torch path's bit for bit, as do the decisions; the FP8 experts kernel
     reading the cache's pools (slot rows, host rows) gives the all-hot result bit for bit; the
     slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
@@ -1090,7 +1091,9 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
     row_map, _, wc = _warm(counts, C)
     all_hot = _fp8_all_hot(L, E, hidden, inter, dev)
     host = host_tier(all_hot)
-    extra = dict(forecaster=_forecaster(L, E, k, seed=4, extra=1, keep=100)) if policy == "nexttoken" else {}
+    extra = (dict(forecaster=_forecaster(L, E, k, seed=4, extra=1, keep=100)) if policy == "nexttoken"
+             else dict(routers=gates, depth=1) if policy == "lookahead" else {})
+    ahead = policy == "lookahead"
     ref, routed = (SlotCache.build(all_hot, host, row_map, wc, policy, tokens, k, **extra) for _ in range(2))
     ref.use_kernel = False
     if dev == "cpu":  # the interpreter: the kernel path by hand
@@ -1098,15 +1101,20 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
         routed.fill_ticket = torch.zeros(1, dtype=torch.int32)
         if policy == "nexttoken":
             routed.copy_ticket = torch.zeros(1, dtype=torch.int32)
-    assert routed.pools.is_fp8 and routed.records_in_route(tokens)
+    assert routed.pools.is_fp8 and (ahead or routed.records_in_route(tokens))
     for step in range(steps):
         for layer in range(L):
             x = torch.randn((tokens, Hr), generator=gen).to(dev, dt)
             _, ids, _ = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=dt)
-            _, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
-            assert torch.equal(ids_r, ids)
-            routed.admit(layer, ids_r, w_r, dt)
-            ref.admit(layer, ids)
+            if ahead:  # the router is not the fused launch: admit decides (one launch) and fills
+                ids_r, w_r = ids, torch.full(ids.shape, 0.5, dtype=dt, device=dev)
+                routed.admit(layer, ids, hidden=x)
+                ref.admit(layer, ids, hidden=x)
+            else:
+                _, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
+                assert torch.equal(ids_r, ids)
+                routed.admit(layer, ids_r, w_r, dt)
+                ref.admit(layer, ids)
             if dev == "cuda":
                 torch.cuda.synchronize()
             for name in ("owner", "last_use", "tick", "totals"):
@@ -1123,7 +1131,9 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
             assert torch.equal(ref.pools.row_map, routed.pools.row_map) and torch.equal(ref.done, routed.done)
     assert int(routed.fill_ticket) == 0
     assert ref.counters()["fills"] >= 3 and ref.counters() == routed.counters()
+    if policy != "lru":
+        assert routed.counters()["prefetches"] > 0
     if policy == "nexttoken":
-        assert routed.counters()["prefetches"] > 0 and routed.counters()["stale"] == 0
+        assert routed.counters()["stale"] == 0
     routed.check(contents=True)
     ref.check(contents=True)

@@ -669,15 +669,16 @@ class SlotCache:
             decide_ahead(self, layer, ids, new_step, logits, target)
         fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
         if target < L:
-            main = torch.cuda.current_stream(self.owner.device)
-            self.fork_event.record(main)
-            side = self.side_stream
-            side.wait_event(self.fork_event)
-            with torch.cuda.stream(side):
+            side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)
+            if side is not None:
+                self.fork_event.record(torch.cuda.current_stream(self.owner.device))
+                side.wait_event(self.fork_event)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
                      blocks=self.prefetch_blocks)
-                self.join_events[target].record(side)
-            self.pending[target] = True
+                if side is not None:
+                    self.join_events[target].record(side)
+            self.pending[target] = side is not None
         self._join_layer(layer)
         if layer == L - 1:
             self.join()
