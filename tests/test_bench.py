@@ -710,10 +710,11 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
     def cache_row(recs, ceilings=ceil):
         return next(r for r in bench.derive_metrics(recs, ceilings) if r["placement"] == "lru-0.5")
 
-    sound = [_timed("usage_global", 1.0, 10.0, 0.0), _timed("lru", 0.5, 16.0, 0.25, wasted=0.0)]
+    sound = [_timed("usage_global", 1.0, 10.0, 0.0), dict(_timed("lru", 0.5, 16.0, 0.25, wasted=0.0),
+                                                          replays=[_replay(1)])]
     assert all(cache_row(sound)[m] is not None for m in names)
     cpu = [dict(r, device="cpu") for r in sound]
-    noisy_row = [sound[0], _timed("lru", 0.5, 16.0, 0.25, spread=1.6, wasted=0.0)]
+    noisy_row = [sound[0], dict(_timed("lru", 0.5, 16.0, 0.25, spread=1.6, wasted=0.0), replays=[_replay(1)])]
     noisy_ref = [_timed("usage_global", 1.0, 10.0, 0.0, spread=1.6), sound[1]]
     for recs, ceilings in ((cpu, ceil), (noisy_row, ceil), (noisy_ref, ceil), (sound, None),
                            (sound, {"hbm_read_gb_s": 4000.0})):
@@ -721,3 +722,29 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
         assert [row[m] for m in names] == [None] * len(names)
         assert row["wasted_gb_per_token"] == 0.0
     assert [cache_row([sound[1]])[m] for m in names] == [None] * len(names)  # no all-HBM row in the run
+
+
+def _replay(expert):
+    """A one-step, one-layer replay (2 experts, 1 slot warm with expert 0) selecting ``expert``,
+    50 MB a copy: the (stream, result, bytes per expert) a cache row carries."""
+    from coldset.cache import AccessStream, simulate
+
+    stream = AccessStream(np.array([expert]), np.array([0, 1]), 1, 1, 2)
+    return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0]])), 50_000_000
+
+
+def test_simulated_step_of_a_cache_row_by_hand():
+    """simulated_step_ms: the time simulator on the pass's replay at the run's all-HBM step and
+    link rate, the engine's model (share, join at the step's end). One MoE layer, one token a step:
+    a pass whose one step misses once pays one copy in series (50 MB at 50 GB/s = 1 ms) on the
+    10 ms all-HBM step -> 11 ms; a pass that only hits -> 10 ms; the row pools both batches: 10.5,
+    against a measured 12 ms -> 0.875. Static rows carry no replay: None."""
+    row = dict(_timed("lru", 0.5, 12.0, 0.05, b=1), replays=[_replay(1), _replay(0)])
+    recs = [_timed("usage_global", 1.0, 10.0, 0.0, b=1), row]
+    ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
+    out = {r["placement"]: r for r in bench.derive_metrics(recs, ceil)}
+    assert out["lru-0.5"]["simulated_step_ms"] == pytest.approx(10.5)
+    assert out["lru-0.5"]["simulated_over_measured"] == pytest.approx(10.5 / 12.0)
+    assert "replays" not in out["lru-0.5"] and out["usage_global-1.0"]["simulated_step_ms"] is None
+    cpu = bench.derive_metrics([dict(r, device="cpu") for r in recs], ceil)
+    assert cpu[1]["simulated_step_ms"] is None and "replays" not in cpu[1]

@@ -88,9 +88,13 @@ class BenchResult:
     # The timed passes' step times (ms, one list per repeat): what pool_results pools several
     # batches of distinct requests by; not written to the bench JSON.
     passes_ms: list[list[float]] | None = None
+    # Dynamic placements: the simulator's replay of the measured pass, (stream, result, bytes per
+    # expert), which derive_metrics times (simulated_step_ms) once the run's all-HBM step is known;
+    # not written to the bench JSON.
+    replays: list | None = None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "passes_ms"}
+        return {k: v for k, v in asdict(self).items() if k not in ("passes_ms", "replays")}
 
 
 class TimedLoopMismatch(RuntimeError):
@@ -114,6 +118,19 @@ def placement_forecaster(placement):
     return NextTokenForecaster(tables=placement.cache_forecaster_tables, **placement.cache_forecaster)
 
 
+def engine_stream(decode: np.ndarray, num_experts: int):
+    """A pass's decode routing ``decode`` int ``[B, steps, L, k]`` as the engine groups it: one
+    :class:`coldset.cache.AccessStream` group per (step, MoE layer), the batch's ``B * k``
+    selections in row order."""
+    from coldset.cache import AccessStream
+
+    B, steps, L, k = decode.shape
+    E = int(num_experts)
+    ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
+    ptr = np.arange(steps * L + 1, dtype=np.int64) * (B * k)
+    return AccessStream(ids, ptr, B * steps, L, E)
+
+
 def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     """The simulator (:func:`coldset.cache.simulate`) on a pass's decode routing ``decode`` int
     ``[B, steps, L, k]``, grouped as the engine decides: per (step, MoE layer) one group of the
@@ -130,7 +147,7 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     instances were the top of the real counts, so any instance outside scored at most the lowest
     warm count, and ties at zero fall the same way), the same eviction order and LFU's initial
     counts (profile count for warm instances, 0 for others); checked, not assumed."""
-    from coldset.cache import AccessStream, simulate, warm_order
+    from coldset.cache import simulate, warm_order
 
     B, steps, L, k = decode.shape
     _, owner, _, count = (t.cpu().numpy() for t in cache.warm_state)
@@ -140,9 +157,7 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     counts = counts.reshape(L, E)
     if set(warm_order(counts, cache.capacity).tolist()) != set(owner.tolist()):
         raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
-    ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
-    ptr = np.arange(steps * L + 1, dtype=np.int64) * (B * k)
-    stream = AccessStream(ids, ptr, B * steps, L, E)
+    stream = engine_stream(decode, E)
     if cache.policy == "nexttoken":
         from coldset.cache import lanes_from_engine
         from coldset.forecast import nexttoken_lists
@@ -267,6 +282,7 @@ def pool_results(results: list[BenchResult], batches: list[list[BenchRequest]]) 
         wasted_gb_per_token=_mean_or_none([r.wasted_gb_per_token for r in results]),
         timed_token_match=_mean_or_none([r.timed_token_match for r in results]),
         requests=[q.id for b in batches for q in b],
+        replays=None if any(r.replays is None for r in results) else [x for r in results for x in r.replays],
     )
     counts: dict[str, int] = {}
     for q in (q for b in batches for q in b):
@@ -410,7 +426,7 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
 def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_per_expert: int, forecaster=None):
     """(cold_share, link bytes per decoded token, HBM expert bytes per decoded token, misses per
     decoded token, greedy tokens, counters, the simulator's hit rate, wasted prefetch bytes per
-    decoded token) of an eager pass with the
+    decoded token, the replay as (stream, result)) of an eager pass with the
     slot cache ``cache`` (already wrapped into ``model.experts_fn``), from the cache's own counters
     over that pass's decode steps: a hit or a filled miss is read from its slot (each distinct
     instance once per step and layer), a fill crosses the link once. The simulator replays the same
@@ -453,7 +469,8 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     link = (c["fills"] + c.get("prefetches", 0)) * bytes_per_expert / tokens
     st = sim.stats()
     return (c["misses"] / accesses, link, hot_reads * bytes_per_expert / tokens,
-            c["misses"] / tokens, gen.tokens, c, st.hit_rate, st.wasted_prefetches * bytes_per_expert / tokens)
+            c["misses"] / tokens, gen.tokens, c, st.hit_rate, st.wasted_prefetches * bytes_per_expert / tokens,
+            (engine_stream(decode, cache.pools.row_map.shape[1]), sim))
 
 
 def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
@@ -527,12 +544,12 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
-        eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = None
+        eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = replay_pass = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:
             (cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured,
-             simulator_hit_rate, wasted_per_token) = measure_cache(model, cache, prompts, new_tokens, per_expert,
-                                                                   placement_forecaster(placement))
+             simulator_hit_rate, wasted_per_token, replay_pass) = measure_cache(
+                model, cache, prompts, new_tokens, per_expert, placement_forecaster(placement))
         elif replay is None:
             cold_share, link_per_token, hot_per_token, eager_tokens = measure_routing(
                 model, prompts, new_tokens, per_expert)
@@ -619,6 +636,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         misses_per_token=misses_per_token,
         wasted_gb_per_token=None if wasted_per_token is None else wasted_per_token / 1e9,
         passes_ms=passes,
+        replays=None if replay_pass is None else [(*replay_pass, per_expert)],
     )
 
 
@@ -682,7 +700,11 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``overlap = 1 - (step_ms_mean - allhbm_step_ms) / link_ms`` (None without link bytes: nothing
     to hide) and ``stall_ms_per_token = (step_ms_mean - allhbm_step_ms) / batch_size``: the
     measured step beyond the all-HBM one, per token, whatever caused it (link waits and the
-    cache's management alike; the engine does not time its stalls apart). Published only where
+    cache's management alike; the engine does not time its stalls apart). For a cache row also
+    ``simulated_step_ms``: :func:`coldset.cache.simulate_time` of the measured pass's replay (its
+    own decisions) with the engine's time model (:data:`ENGINE_TIME`) at this run's all-HBM step
+    and link rate, the mean over the row's batches, and ``simulated_over_measured`` (the
+    simulator's calibration: issue 28 asks for 1 +- 0.1). Published only where
     both timings are sound (not on the CPU, not noisy) and the link rate was measured; None
     otherwise, as ``tok_s_per_gib``.
     """
@@ -721,6 +743,8 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
         ref = allhbm_reference(out, r["batch_size"], r["policy"])
         r["allhbm_placement"] = None if ref is None else ref.get("placement")
         r.update(time_bound(r, ref, link if sound(r) and sound(ref) else None))
+    for r in out:  # the replays were for this; they are not bench JSON
+        r.pop("replays", None)
     return out
 
 
@@ -751,7 +775,19 @@ def time_bound(record: dict, reference: dict | None, link_gb_s: float | None) ->
     out.update(allhbm_step_ms=allhbm, bound_ms=bound, bound_fraction=bound / step,
                overlap=1.0 - (step - allhbm) / link_ms if link_ms > 0 else None,
                stall_ms_per_token=(step - allhbm) / b)
+    if record.get("replays"):  # a cache row: the time simulator on the pass's own decisions
+        from coldset.cache import TimeModel, simulate_time
+
+        sim = float(np.mean([simulate_time(stream, result, TimeModel(allhbm, per_expert, link_gb_s, **ENGINE_TIME))
+                             .step_ms for stream, result, per_expert in record["replays"]]))
+        out.update(simulated_step_ms=sim, simulated_over_measured=sim / step)
     return out
+
+
+#: How the engine's copies meet the compute (coldset.cache.TimeModel; /work/coord/policy28.md's
+#: ENGINE notes): demand fills and side-path prefetches share the link, every copy of a step is
+#: joined at the step's end.
+ENGINE_TIME = {"link": "share", "join": "step"}
 
 
 class RoutingReplay:

@@ -32,7 +32,9 @@ BYTES_METRICS: tuple[str, ...] = (
 )
 # Issue 28's time bound of every row (coldset.bench.derive_metrics, DESIGN.md §6 "for caches
 # also"): the all-HBM step of the same run, the bound max(all-HBM step, link time), the fraction of
-# it reached, overlap, stall per token (measured step - all-HBM step, per token), wasted prefetch
+# it reached, overlap, stall per token (measured step - all-HBM step, per token), for a cache row the
+# time simulator's step on the pass's own decisions (coldset.cache.simulate_time with the engine's
+# time model at this run's all-HBM step and link rate) and its ratio to the measured step, wasted prefetch
 # bytes per token (the simulator's replay of the measured pass). None where undefined: the
 # time-derived ones on the CPU or for a noisy timing, wasted bytes for static placements, and all in
 # bench files written before them.
@@ -42,6 +44,8 @@ TIME_BOUND_METRICS: tuple[str, ...] = (
     "bound_fraction",
     "overlap",
     "stall_ms_per_token",
+    "simulated_step_ms",
+    "simulated_over_measured",
 )
 CACHE_TIME_METRICS: tuple[str, ...] = (*TIME_BOUND_METRICS, "wasted_gb_per_token")
 # Metric names of DESIGN.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
