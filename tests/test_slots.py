@@ -1067,7 +1067,8 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
     and scales equal the torch path's bit for bit, as do the decisions; the FP8 experts kernel
     reading the cache's pools (slot rows, host rows) gives the all-hot result bit for bit; the
     slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
-    TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand; 4 fill blocks there)."""
+    TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand; there the router-recorded
+    fill and the prefetch copies run 4 blocks per weight, lookahead's demand fill the default)."""
     from coldset.kernels import triton_decode as td
     from coldset.kernels import triton_experts
     from coldset.kernels import triton_slots as ts

@@ -313,14 +313,15 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
         dst_base = dst2_ptr
         row = row2
     if SCALES:  # block-FP8 experts: the weight's scale pool, copied in the same iteration as its rows
+        # the row length by a select, not in the branch: a scale row of 1 element is an
+        # int specialized to a constant, which a branch could not join with the other's int32
+        srow = tl.where(tl.program_id(1) == 0, srow13, srow2)
         if tl.program_id(1) == 0:
             ssrc_base = ssrc13_ptr
             sdst_base = sdst13_ptr
-            srow = srow13
         else:
             ssrc_base = ssrc2_ptr
             sdst_base = sdst2_ptr
-            srow = srow2
     jv = tl.arange(0, MV)
     slots = tl.zeros((MV,), dtype=tl.int64)
     if CHOOSE != 0:
