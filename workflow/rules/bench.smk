@@ -6,6 +6,7 @@ rule bench:
         fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
         placements=rules.placement.output.placements,
         rowmaps=rules.placement.output.rowmaps,
+        forecasters=rules.placement.output.forecasters,
         autotune=rules.autotune.output.entry,
         gate=rules.parity_gate.output.gate,
     output:

@@ -32,6 +32,8 @@ for _name, _cfg in SWEEP.items():
 POLICIES = config["placement"]["policies"]
 RESIDENCIES = [residency_label(r) for r in config["placement"]["residency"]]
 PLACEMENTS = [f"{p}-{r}" for p in POLICIES for r in RESIDENCIES]
+# nexttoken placements carry their forecaster's tables beside the JSON (coldset.placement.forecaster_path)
+FORECASTED = [f"nexttoken-{r}" for r in RESIDENCIES] if "nexttoken" in POLICIES else []
 DOMAINS = config["fixtures"]["domains"]
 
 

@@ -6,6 +6,7 @@ rule parity:
         fixtures=expand(f"{RESULTS}/fixtures/{{domain}}.jsonl", domain=DOMAINS),
         placements=rules.placement.output.placements,
         rowmaps=rules.placement.output.rowmaps,
+        forecasters=rules.placement.output.forecasters,
         autotune=rules.autotune.output.entry,
     output:
         reports=update(
@@ -35,6 +36,7 @@ rule parity_gate:
         # the files each report's fingerprint digests (coldset.fingerprint): the gate refuses a
         # report about other files than these
         rowmaps=rules.placement.output.rowmaps,
+        forecasters=rules.placement.output.forecasters,
         manifest=model_inputs,
         autotune=rules.autotune.output.entry,
     output:

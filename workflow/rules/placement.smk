@@ -11,6 +11,11 @@ rule placement:
         rowmaps=update(
             expand(f"{RESULTS}/placement/{MODEL}/{{placement}}.rowmap.npy", placement=PLACEMENTS, allow_missing=True)
         ),
+        forecasters=update(
+            expand(
+                f"{RESULTS}/placement/{MODEL}/{{placement}}.forecaster.npy", placement=FORECASTED, allow_missing=True
+            )
+        ),
         coverage=update(
             report(
                 f"{RESULTS}/placement/{MODEL}/coverage.csv", caption="../../report/coverage.rst", category="Placement"
