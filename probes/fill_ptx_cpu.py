@@ -108,8 +108,8 @@ def main() -> int:
             a = ptx(old._fill_kernel, "*bf16", const)
             same = instructions(a, 0) == instructions(b, NUM_SCALE_ARGS)
             bad += not same
-            print(f"CHOOSE {choose} TAGS {int(tags)} bf16: PTX instructions {'identical to' if same else 'DIFFER from'} "
-                  f"{args.against}'s")
+            verdict = "identical to" if same else "DIFFER from"
+            print(f"CHOOSE {choose} TAGS {int(tags)} bf16: PTX instructions {verdict} {args.against}'s")
     return 1 if bad else 0
 
 

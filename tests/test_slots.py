@@ -1063,10 +1063,10 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
     """Block-FP8 experts through the slot cache as the fused step runs it (``SlotCache.route``;
     lookahead: ``decide_ahead`` and its fills from ``admit``): the fill's blocks copy each admitted
     expert's weights and its scale rows in the same launch (lru's demand fill; nexttoken's also the
-    tagged prefetch copy; lookahead's also the prefetch copy on the side stream). After every group the slots' weights
-    and scales equal the torch path's bit for bit, as do the decisions; the FP8 experts kernel
-    reading the cache's pools (slot rows, host rows) gives the all-hot result bit for bit; the
-    slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
+    tagged prefetch copy; lookahead's also the prefetch copy on the side stream). After every group
+    the slots' weights and scales equal the torch path's bit for bit, as do the decisions; the FP8
+    experts kernel reading the cache's pools (slot rows, host rows) gives the all-hot result bit
+    for bit; the slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
     TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand; there the router-recorded
     fill and the prefetch copies run 4 blocks per weight, lookahead's demand fill the default)."""
     from coldset.kernels import triton_decode as td
@@ -1129,6 +1129,8 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
         if policy == "nexttoken":
             ref.end_step()
             routed.end_step()
+            if dev == "cuda":
+                torch.cuda.synchronize()
             assert torch.equal(ref.pools.row_map, routed.pools.row_map) and torch.equal(ref.done, routed.done)
     assert int(routed.fill_ticket) == 0
     assert ref.counters()["fills"] >= 3 and ref.counters() == routed.counters()

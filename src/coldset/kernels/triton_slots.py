@@ -404,8 +404,9 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
                  tags: tuple | None = None) -> None:
     """The one launcher of :func:`_fill_kernel`: ``slot[slots[j]] = host[instances[j]]`` for both
     weights (block-FP8 pools: and both scale pools, in the same iteration of the same block, so a
-    slot never holds one expert's weights with another's scales) and ``j < count``. ``choose`` (with ``cache``): the victims of the group the router
-    recorded (``n`` selections, MoE layer ``layer``) are chosen and committed first. ``tags``:
+    slot never holds one expert's weights with another's scales) and ``j < count``. ``choose``
+    (with ``cache``): the victims of the group the router recorded (``n`` selections, MoE layer
+    ``layer``) are chosen and committed first. ``tags``:
     ``(tag list, done, ticket)``, the copy's last block writes ``done[slots[j]] = tag[j]``."""
     _check_fill_pools(pools)
     mv = max(2, _next_pow2(slots.numel()))
