@@ -179,6 +179,21 @@ def _fixture_paths(config: dict) -> list[Path]:
     return [layout.fixtures(d) for d in config["fixtures"]["domains"]]
 
 
+def parity_fixtures(config: dict) -> list:
+    """The fixtures the parity gate decodes (coldset's engine and vLLM's alike): every fixture, or
+    the first ``parity.fixtures_per_domain`` of each domain in file order."""
+    from coldset.fixtures import read_fixtures
+
+    fxs = read_fixtures(_fixture_paths(config))
+    per_domain = config["parity"]["fixtures_per_domain"]
+    if not per_domain:
+        return fxs
+    kept: dict[str, list] = {}
+    for f in fxs:
+        kept.setdefault(f.domain, []).append(f)
+    return [f for group in kept.values() for f in group[:per_domain]]
+
+
 def _placement_names(config: dict, only: list[str] | None) -> list[str]:
     from coldset.placement import residency_label
 
@@ -475,7 +490,6 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     """Decode the parity fixtures on the unmodified path once, then with every placement."""
     require_decoding(config, "parity")
     from coldset import gate
-    from coldset.fixtures import read_fixtures
     from coldset.model import check_prompts_fit, encode_prompts
     from coldset.placement import load_placement
 
@@ -486,12 +500,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     names = _placement_names(config, placements)
     fingerprints = {name: _fingerprint(config, name) for name in names}
     loaded = {name: load_placement(layout.placement_dir / f"{name}.json") for name in names}
-    fxs = read_fixtures(_fixture_paths(config))
-    if pc["fixtures_per_domain"]:
-        kept: dict[str, list] = {}
-        for f in fxs:
-            kept.setdefault(f.domain, []).append(f)
-        fxs = [f for group in kept.values() for f in group[:pc["fixtures_per_domain"]]]
+    fxs = parity_fixtures(config)
     engine, tokenizer = _load_engine(config)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]

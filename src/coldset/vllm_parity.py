@@ -107,20 +107,14 @@ def vllm_parity(config: dict, **_) -> None:
     from coldset import gate
     from coldset.config import Layout
     from coldset.files import write_json
-    from coldset.fixtures import read_fixtures
     from coldset.model import encode_prompts
-    from coldset.pipeline import _fixture_paths, _load_engine, _placement_names, model_dir
+    from coldset.pipeline import _load_engine, _placement_names, model_dir, parity_fixtures
     from coldset.placement import DYNAMIC_POLICIES
 
     layout = Layout.from_config(config)
     pc = config["parity"]
     names = _placement_names(config, None)
-    fxs = read_fixtures(_fixture_paths(config))
-    if pc["fixtures_per_domain"]:
-        kept: dict[str, list] = {}
-        for f in fxs:
-            kept.setdefault(f.domain, []).append(f)
-        fxs = [f for group in kept.values() for f in group[:pc["fixtures_per_domain"]]]
+    fxs = parity_fixtures(config)
     engine, tokenizer = _load_engine(config)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
