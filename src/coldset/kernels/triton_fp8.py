@@ -59,6 +59,7 @@ from coldset.kernels.triton_moe import (
     gdc_launch_dependents,
     gdc_wait,
     group_pairs,
+    prepare_call,
 )
 
 if TYPE_CHECKING:
@@ -312,15 +313,8 @@ def triton_fp8_experts(
     if pools.w13_hot.shape[1:] != (2 * inter, hidden) or pools.w2_hot.shape[1:] != (hidden, inter):
         raise ValueError(f"triton_fp8_experts: pools hold w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
                          f"{tuple(pools.w2_hot.shape[1:])}, x has H = {hidden}")
-    pools.check_layout()  # contiguous pools, scale grids (attribute reads only)
-    if use_row_map:
-        pools.ensure_validated()
-    elif pools.num_hot < pools.num_moe_layers * num_experts:
-        raise ValueError("triton_fp8_experts: use_row_map=False needs every expert in the hot pool (all_hot layout)")
-    if config is None:
-        config = default_config(num_tokens, top_k)
-    elif isinstance(config, dict):
-        config = KernelConfig.from_dict(config)
+    config, x, ids, weights = prepare_call("triton_fp8_experts", pools, x, topk_ids, topk_weights, config, use_row_map,
+                                           default_config)
     c = config
     _check_config(c)
     pdl = c.pdl == 2
@@ -329,13 +323,7 @@ def triton_fp8_experts(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
     num_pairs = num_tokens * top_k
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
     device = x.device
     if num_pairs <= min(num_experts, c.slot_max_pairs):
         mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)

@@ -618,6 +618,30 @@ def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple
     return sorted_pairs, expert_off
 
 
+def prepare_call(name: str, pools, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 config: KernelConfig | dict | None, use_row_map: bool, default) -> tuple:
+    """What every experts kernel (bf16 here, block-FP8 in :mod:`coldset.kernels.triton_fp8`) checks
+    and flattens before its launches, after its own shape and dtype checks: the pools' layout, the
+    row map (validated only when written since its last validation: no host sync otherwise, so the
+    call can be captured), the config (``default(num_tokens, top_k)`` when None) and the routing as
+    flat contiguous ``ids`` / ``weights``. Returns ``(config, x, ids, weights)``."""
+    pools.check_layout()  # contiguous pools, row map, scale grids (attribute reads only)
+    if use_row_map:
+        pools.ensure_validated()
+    elif pools.num_hot < pools.num_moe_layers * pools.num_experts:
+        raise ValueError(f"{name}: use_row_map=False needs every expert in the hot pool (all_hot layout)")
+    if config is None:
+        config = default(x.shape[0], topk_ids.shape[1])
+    elif isinstance(config, dict):
+        config = KernelConfig.from_dict(config)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    return config, x, ids, topk_weights.reshape(-1).contiguous()
+
+
 def triton_experts(
     pools: ExpertPools,
     layer: int,
@@ -661,29 +685,16 @@ def triton_experts(
             f"triton_experts: pools hold w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
             f"{tuple(pools.w2_hot.shape[1:])}, x has H = {hidden}"
         )
-    pools.check_layout()  # contiguous pools and row map (attribute reads only)
-    if use_row_map:
-        pools.ensure_validated()
-    elif pools.num_hot < pools.num_moe_layers * num_experts:
-        raise ValueError("triton_experts: use_row_map=False needs every expert in the hot pool (all_hot layout)")
-    if config is None:
-        config = default_config(num_tokens, top_k)
-    elif isinstance(config, dict):
-        config = KernelConfig.from_dict(config)
+    config, x, ids, weights = prepare_call("triton_experts", pools, x, topk_ids, topk_weights, config, use_row_map,
+                                           default_config)
+    c = config
     # Row-major [T, H], whatever x's strides (empty_like would keep a transposed x's layout, and
     # the sum kernel writes row-major).
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
     num_pairs = num_tokens * top_k
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
     device = x.device
-    c = config
     if c.pdl not in (0, 1, 2, 3):
         raise ValueError(f"triton_experts: config pdl must be 0, 1, 2 or 3, got {c.pdl}")
     if c.tile_order not in (0, 1):
