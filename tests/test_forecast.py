@@ -469,3 +469,35 @@ def test_fit_tuned_chooses_term_sets_on_validation_only():
     np.testing.assert_array_equal(got.tables, want.tables)
     with pytest.raises(ForecastError, match="not both"):
         NextTokenForecaster.fit_tuned(tokens, seq, 2, 7, term_sets=sets, terms=DEFAULT_TERMS)
+
+
+def test_recall_table_term_sets_and_lower_layer_ceiling():
+    """recall_table(term_sets=..., ceiling_lower_layers=1): each row's forecaster is fit_tuned's
+    choice among the sets (on the last profile domain) and the wider ceiling is conditional_ceiling's."""
+    from coldset.cache import recall_table, token_array
+    from coldset.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
+                                  NextTokenForecaster, conditional_ceiling, forecast_quality)
+
+    rng = np.random.default_rng(17)
+    frames = []
+    for dom in ("x", "y", "z"):
+        f = decode_rows(rng, requests=3, tokens=10, L=3, E=6, k=2)
+        frames.append(f.assign(request=dom + "-" + f.request.astype(str), domain=dom))
+    rows = pd.concat(frames, ignore_index=True)
+    prof, rep = rows[rows.domain != "z"], rows[rows.domain == "z"]
+    sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
+    table = recall_table(prof, rep, 3, 6, 2, horizons=(1,), term_sets=sets, ceiling_lower_layers=1)
+    tp, sp = token_array(prof, 3, 6)
+    th, sh = token_array(rep, 3, 6)
+    from coldset.trace import request_codes
+
+    _, names = request_codes(prof["request"])
+    val = np.array([str(names[s]).startswith("y-") for s in sp])  # the last profile domain's tokens
+    assert val.any() and (~val).any()
+    want = NextTokenForecaster.fit_tuned(tp, sp, 2, 6, validation=val, term_sets=sets)
+    row = table.iloc[0]
+    assert row.terms == str(list(want.terms))
+    assert row.recall == pytest.approx(forecast_quality(want, th, sh)["recall"])
+    c = conditional_ceiling(th, sh, 1, 5, lower_layers=1)
+    assert row.ceiling_current_and_lower_layers == pytest.approx(c["ceiling_recall"])
+    assert row.contexts_current_and_lower == c["contexts"]
