@@ -538,6 +538,40 @@ def _link_tail(nxt, prv, head, x):
 
 
 @_jit
+def _unlink(nxt, prv, v):
+    after = nxt[v]
+    nxt[prv[v]] = after
+    prv[after] = prv[v]
+    return after
+
+
+@_jit
+def _evict(nxt, prv, resident, unused_prefetch, v):
+    """Evict instance ``v`` from its slot (off the LRU list, not resident); returns (the instance
+    after it in the list, 1 if ``v`` was a prefetch never used: wasted bytes, else 0)."""
+    after = _unlink(nxt, prv, v)
+    resident[v] = False
+    wasted = 1 if unused_prefetch[v] else 0
+    unused_prefetch[v] = False
+    return after, wasted
+
+
+@_jit
+def _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head):
+    """After a group's demand admissions: its instances are no longer protected, count as used by
+    this step, and the resident ones move to the most recent end of the LRU list in selection order."""
+    for m in range(n_miss):
+        in_group[ids[missed[m]]] = False
+    for i in range(s, e):
+        x = ids[i]
+        protected[x] = False
+        used[x] = True
+        if resident[x]:
+            _unlink(nxt, prv, x)
+            _link_tail(nxt, prv, head, x)
+
+
+@_jit
 def _replay_heap(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims):
     """lfu (policy 0) or belady (policy 1). Keys: lfu (count, last_use); belady (-next_use, 0)
     with ties by instance id. Returns (hit [N], fills [G]); ``victims[i]`` (when ``record``) is
@@ -699,13 +733,8 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
                 v = nxt[v]
             if v == head:  # every slot is used by this group or in flight: read in place, not admitted
                 break
-            after = nxt[v]
-            nxt[prv[v]] = after
-            prv[after] = prv[v]
-            resident[v] = False
-            if unused_prefetch[v]:
-                wasted += 1
-            unused_prefetch[v] = False
+            after, w = _evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
             i = missed[m]
             x = ids[i]
             resident[x] = True
@@ -714,16 +743,7 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
             if record:
                 victims[i] = v
             v = after
-        for m in range(n_miss):
-            in_group[ids[missed[m]]] = False
-        for i in range(s, e):
-            x = ids[i]
-            protected[x] = False
-            used[x] = True
-            if resident[x]:
-                nxt[prv[x]] = nxt[x]
-                prv[nxt[x]] = prv[x]
-                _link_tail(nxt, prv, head, x)
+        _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight
         for q in range(pred.shape[1]):
             if pred[g, q] >= 0:
@@ -737,13 +757,8 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
                 v = nxt[v]
             if v == head:
                 break
-            after = nxt[v]
-            nxt[prv[v]] = after
-            prv[after] = prv[v]
-            resident[v] = False
-            if unused_prefetch[v]:
-                wasted += 1
-            unused_prefetch[v] = False
+            after, w = _evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
             resident[x] = True
             inflight[x] = True
             flight[n_flight] = x
@@ -759,14 +774,6 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
         for i in range(s, e):
             used[ids[i]] = False
     return hit, fills, prefetches, useful, issued, wasted
-
-
-@_jit
-def _unlink(nxt, prv, v):
-    after = nxt[v]
-    nxt[prv[v]] = after
-    prv[after] = prv[v]
-    return after
 
 
 @_jit
@@ -831,11 +838,8 @@ def _replay_next(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, 
                 v = nxt[head]
             if v == head:  # every slot is used by this group or in flight: read in place, not admitted
                 break
-            after = _unlink(nxt, prv, v)
-            resident[v] = False
-            if unused_prefetch[v]:
-                wasted += 1
-                unused_prefetch[v] = False
+            after, w = _evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
             i = missed[m]
             x = ids[i]
             resident[x] = True
@@ -844,15 +848,7 @@ def _replay_next(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, 
             if record:
                 victims[i] = v
             v = after
-        for m in range(n_miss):
-            in_group[ids[missed[m]]] = False
-        for i in range(s, e):
-            x = ids[i]
-            protected[x] = False
-            used[x] = True
-            if resident[x]:
-                _unlink(nxt, prv, x)
-                _link_tail(nxt, prv, head, x)
+        _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
         # 3. the forecast replaces this layer's predicted flags
         if pg >= 0:
             for q in range(width):
@@ -874,11 +870,8 @@ def _replay_next(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, 
                 v = nxt[v]
             if v == head:
                 break
-            after = _unlink(nxt, prv, v)
-            resident[v] = False
-            if unused_prefetch[v]:
-                wasted += 1
-                unused_prefetch[v] = False
+            after, w = _evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
             resident[x] = True
             inflight[x] = True
             unused_prefetch[x] = True
