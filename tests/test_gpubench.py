@@ -25,6 +25,10 @@ def test_defaults_are_the_old_scripts():
     c = p.parse_args(["cache", "--out", "o", "--policies", "lru,lfu", "--analysis"])
     assert (c.steps, c.repeats, c.residencies, c.batches, c.policies, c.depths, c.analysis) == \
         (32, 3, "0.5,1.0", "1,8", "lru,lfu", "1,2,3", True)
+    assert (c.nexttoken_extra, c.prefetch_budget) == (3, None)  # the config's cache defaults
+    n = p.parse_args(["cache", "--out", "o", "--policies", "lru,nexttoken", "--nexttoken-extra", "16",
+                      "--prefetch-budget", "0"])
+    assert (n.policies, n.nexttoken_extra, n.prefetch_budget) == ("lru,nexttoken", 16, 0)
     r = p.parse_args(["render", "a.json", "b.json"])
     assert r.files == ["a.json", "b.json"]
 
@@ -45,7 +49,9 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-@pytest.mark.parametrize("command", [["kernel"], ["step"], ["cache"], ["cache", "--decisions-only"]])
+@pytest.mark.parametrize("command", [["kernel"], ["step"], ["cache"], ["cache", "--decisions-only"],
+                                     ["cache", "--policies", "lru,nexttoken", "--nexttoken-extra", "16",
+                                      "--prefetch-budget", "0"]])
 def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no_cuda):
     out = tmp_path / "out"
     assert main(["bench", *command, "--out", str(out)]) == 1
@@ -61,6 +67,8 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["step", "--engines", "fused@base"], "needs --baseline-module"),
     (["cache", "--policies", "lru,fifo"], "['fifo'] not among lru, lfu, lookahead"),
     (["cache", "--residencies", "0.5,1.5"], "each must be in (0, 1]"),
+    (["cache", "--policies", "lru,nexttoken", "--prefetch-budget", "-1"], "--prefetch-budget -1"),
+    (["cache", "--policies", "nexttoken", "--nexttoken-extra", "-2"], "--nexttoken-extra -2"),
 ])
 def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 1
@@ -179,8 +187,53 @@ link GB/token | mean step ms (min-max of passes) |
 | 1 | usage_global-1.0 | 80.0 | 1.00 | 0.800 | 1.0000 | - | 0.00 | - | 0.0000 | 12.500 (12.400-12.600) |"""
 
 
-@pytest.mark.parametrize("result, expected", [(KERNEL, KERNEL_MD), (STEP, STEP_MD), (CACHE, CACHE_MD)],
-                         ids=["kernel", "step", "cache"])
+_TIMED = {"sim_hit_rate": 0.95, "prefetches_per_token": 0.0, "wasted_prefetches_per_token": 0.0}
+CACHE_NT = {
+    **CACHE, "command": "python -m coldset bench cache --out o --policies lru,nexttoken --prefetch-budget 0",
+    "args": {"steps": 32, "repeats": 3, "prefetch_budget": 0},
+    "forecaster": {"terms": [[0, 0], [1, 0], [2, 0]], "hist_unit": 52429, "hist_shift": 5, "n": 11, "table_mb": 0.786,
+                   "fit_s": 1.2},
+    "rows": [
+        _row("all-HBM", 1.0, 100.0, 1.0, 0.0, 0.0, [10.0, 10.1, 9.9]),
+        _row("usage_global-0.5", 0.5, 50.0, 0.9, 6.0, 0.1234, [20.0, 20.0, 20.0]),
+        _row("lru-0.5", 0.5, 75.0, 0.95, 3.0, 0.05, [13.3, 13.4, 13.2], **_TIMED, overlap=0.125,
+             fraction_of_bound=0.752, sim_over_measured=0.9734),
+        _row("nexttoken-0.5", 0.5, 74.0, 0.9512, 2.9, 0.052, [13.5, 13.6, 13.4], sim_hit_rate=0.9512,
+             prefetches_per_token=0.2, wasted_prefetches_per_token=0.078, overlap=None, fraction_of_bound=0.7407,
+             sim_over_measured=0.9671),
+    ],
+}
+
+CACHE_NT_MD = """\
+**Slot cache and lookahead prefetch** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit 0123456789 · \
+2026-12-01 17:10 UTC
+
+`python -m coldset bench cache --out o --policies lru,nexttoken --prefetch-budget 0`
+
+qwen3-30b-a3b-synthetic, 32 decode steps x 3 timed passes (+1 checked), held-out fixture prompts, synthetic router (t). \
+Ceilings in this run: HBM read 4500 GB/s, link read 50.5 GB/s. Checks: all passed.
+
+nexttoken forecaster (fitted on the profile routing): terms [[0, 0], [1, 0], [2, 0]], history unit 52429 shift 5, \
+11 candidates a token, tables 0.79 MB; prefetch budget 0 copies a group.
+
+| batch | placement | tok/s | x usage_global | x all-HBM | hit rate | sim hit | misses/token | prefetches/token | \
+link GB/token | mean step ms (min-max of passes) | wasted prefetches/token | overlap | of bound | simulated / measured step |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | all-HBM | 100.0 | - | 1.000 | 1.0000 | - | 0.00 | - | 0.0000 | 10.000 (9.900-10.100) | - | - | - | - |
+| 1 | usage_global-0.5 | 50.0 | 1.00 | 0.500 | 0.9000 | - | 6.00 | - | 0.1234 | 20.000 (20.000-20.000) | - | - | - | - |
+| 1 | lru-0.5 | 75.0 | 1.50 | 0.750 | 0.9500 | 0.9500 | 3.00 | 0.00 | 0.0500 | 13.300 (13.200-13.400) | 0.00 | 0.12 | \
+0.75 | 0.973 |
+| 1 | nexttoken-0.5 | 74.0 | 1.48 | 0.740 | 0.9512 | 0.9512 | 2.90 | 0.20 | 0.0520 | 13.500 (13.400-13.600) | 0.08 | - | \
+0.74 | 0.967 |
+
+overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = max(all-HBM step, link time); \
+simulated step: coldset.cache.simulate_time (link "share", join "step") on the same decisions, at the all-HBM step and \
+link rate of this run."""
+
+
+@pytest.mark.parametrize("result, expected", [(KERNEL, KERNEL_MD), (STEP, STEP_MD), (CACHE, CACHE_MD),
+                                              (CACHE_NT, CACHE_NT_MD)],
+                         ids=["kernel", "step", "cache", "cache-nexttoken"])
 def test_render_exact_markdown(result, expected):
     assert render(result) == expected
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from coldset.measure.harness import MeasureError, log, new_result, require_cuda, spread, write_result
 
 PROMPT_TOKENS = 32
-POLICIES = ("lru", "lfu", "lookahead")
+POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
 
 
 def add_arguments(p) -> None:
@@ -54,6 +54,11 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default="lru,lookahead", help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--depths", default="1,2,3", help="lookahead depths (at residency 1.0: depth 1 only)")
     p.add_argument("--prefetch-blocks", type=int, default=32, help="blocks per weight of the prefetch copy")
+    p.add_argument("--nexttoken-extra", type=int, default=3,
+                   help="nexttoken: the forecaster's candidates per token beyond top_k (config cache.nexttoken_extra)")
+    p.add_argument("--prefetch-budget", type=int, default=None,
+                   help="nexttoken: prefetch copies per (step, layer) group (config cache.prefetch_budget; "
+                        "default: no cut)")
     p.add_argument("--analysis", action="store_true",
                    help="also the forecaster, lookahead recall on lru's misses, cache overhead and fill rate")
     p.add_argument("--decisions-only", action="store_true",
@@ -72,6 +77,9 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--residencies/--batches/--depths: {exc}") from exc
     if not all(0 < r <= 1 for r in res):
         raise MeasureError(f"--residencies {res}: each must be in (0, 1]")
+    if args.nexttoken_extra < 0 or (args.prefetch_budget is not None and args.prefetch_budget < 0):
+        raise MeasureError(f"--nexttoken-extra {args.nexttoken_extra} and --prefetch-budget {args.prefetch_budget}: "
+                           "each must be >= 0")
     if args.steps < 2 or args.repeats < 1:
         raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
 
@@ -167,9 +175,9 @@ def run(args, argv=None) -> dict:
                 if cache is not None:
                     p["counters"] = cache.counters()
                     p["history"] = cache.group_history()
-                    if cache.policy == "lookahead":
+                    if cache.policy in ("lookahead", "nexttoken"):
                         p["lists"] = cache.prefetch_lists()
-                        p["prefetches"] = cache.prefetch_history[:p["counters"]["groups"]].cpu().numpy()
+                        p["prefetches"] = cache.prefetch_counts()
                 res.append(p)
             del dec
         finally:
@@ -185,6 +193,7 @@ def run(args, argv=None) -> dict:
     passes = 1 + args.repeats
     residencies = [float(r) for r in args.residencies.split(",")]
     policies = args.policies.split(",")
+    forecaster = _fit_nexttoken(prof_routing, k, E, args.nexttoken_extra, R) if "nexttoken" in policies else None
 
     for bsz in (int(b) for b in args.batches.split(",")):
         prompts = bn.bench_prompts(heldout_stream, bsz, PROMPT_TOKENS)
@@ -206,6 +215,7 @@ def run(args, argv=None) -> dict:
                     fails.append(f"{name}/b{bsz} pass {i}: logits differ from all-HBM's")
             R["rows"].append(r)
             log({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in r.items() if k_ != "step_ms_mean_spread"})
+            return r
 
         row("all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0})
         if args.analysis:
@@ -234,21 +244,39 @@ def run(args, argv=None) -> dict:
                 variants += [("lookahead", 1)] if res_ == 1.0 else [("lookahead", int(d)) for d in args.depths.split(",")]
             for pol, depth in variants:
                 name = f"{pol}-{res_}" + (f" d{depth}" if depth else "")
+                nt = pol == "nexttoken"
                 cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
                                         history=steps * L + 8, routers=_routers(model) if depth else None,
-                                        depth=max(depth, 1))
+                                        depth=max(depth, 1), forecaster=forecaster if nt else None,
+                                        prefetch_budget=args.prefetch_budget if nt else None)
                 cache.prefetch_blocks = args.prefetch_blocks
                 got = decode(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, passes, cache=cache)
-                sim = simulate(acc, pol, C, counts, predictions=got[0].get("lists"))
+                if nt:
+                    # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
+                    # same tokens (bench.simulate_engine_pass), every pass's lists against those below
+                    try:
+                        sim = bn.simulate_engine_pass(cache, routing.transpose(2, 0, 1, 3), forecaster=forecaster)
+                    except bn.CacheSimulatorMismatch as exc:
+                        fails.append(f"{name}/b{bsz}: {exc}")
+                        R["checks"][f"{name}/b{bsz} lists == nexttoken_lists"] = False
+                        del cache, got
+                        torch.cuda.empty_cache()
+                        continue
+                    R["checks"][f"{name}/b{bsz} lists == nexttoken_lists"] = True
+                else:
+                    sim = simulate(acc, pol, C, counts, predictions=got[0].get("lists"))
                 sim_hist = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
                 for i, p in enumerate(got):
                     ok = bool(np.array_equal(p["history"], sim_hist))
-                    if depth:
-                        ok = ok and bool(np.array_equal(p["lists"], got[0]["lists"])) \
+                    if depth or nt:
+                        ok = ok and bool(np.array_equal(p["lists"], got[-1 if nt else 0]["lists"])) \
                             and bool(np.array_equal(p["prefetches"], sim.prefetches))
+                    if nt:
+                        ok = ok and p["counters"]["stale"] == 0  # no commit refused: every copy had landed
                     R["checks"][f"{name}/b{bsz} pass {i} == simulator"] = ok
                     if not ok:
-                        fails.append(f"{name}/b{bsz} pass {i}: per-group decisions differ from the simulator's")
+                        fails.append(f"{name}/b{bsz} pass {i}: per-group decisions differ from the simulator's"
+                                     + (f" (stale commits {p['counters']['stale']})" if nt else ""))
                 try:
                     cache.check(contents=True)
                     R["checks"][f"{name}/b{bsz} state consistent"] = True
@@ -256,12 +284,17 @@ def run(args, argv=None) -> dict:
                     fails.append(f"{name}/b{bsz}: {exc}")
                 c = got[1]["counters"]
                 st = sim.stats()
-                row(name, got, res_, {
+                r = row(name, got, res_, {
                     "hit_rate": c["hits"] / (c["hits"] + c["misses"]), "sim_hit_rate": st.hit_rate,
                     "misses_per_token": c["misses"] / tokens, "fills_per_token": c["fills"] / tokens,
                     "prefetches_per_token": st.prefetches / tokens,
                     "useful_prefetches_per_token": st.useful_prefetches / tokens,
+                    "wasted_prefetches_per_token": st.wasted_prefetches / tokens,
                     "link_gb_per_token": st.link_gb_per_token(per_expert)})
+                allhbm_ms = next(x["step_ms_mean"] for x in R["rows"] if x["batch"] == bsz and x["placement"] == "all-HBM")
+                r.update(_time_columns(r, allhbm_ms, ceilings["link_read_gb_s"], bsz, acc, sim, per_expert))
+                log(f"{name}/b{bsz}", {k_: round(r[k_], 4) for k_ in ("overlap", "fraction_of_bound", "sim_over_measured")
+                                        if r[k_] is not None})
                 if args.analysis and pol == "lru" and res_ < 1.0:
                     R.setdefault("lookahead_recall", {})[f"{name}/b{bsz}"] = _lookahead_recall(
                         model, base[0]["hidden"], routing, sim, acc, C, counts, k, tokens, per_expert)
@@ -273,6 +306,44 @@ def run(args, argv=None) -> dict:
             write_result(out_path, R, ceilings)
     write_result(out_path, R, ceilings)
     return R
+
+
+def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
+    """The ``nexttoken`` forecaster fitted on the profile routing [steps, L, B, k], each batch row
+    one sequence (:meth:`coldset.forecast.NextTokenForecaster.fit_tuned`: its history parameters
+    chosen on profile sequences only, as the workflow fits it on the profile split); recorded in ``R``."""
+    import time
+
+    import numpy as np
+
+    from coldset.forecast import NextTokenForecaster
+
+    S, L, B, _ = prof_routing.shape
+    tokens = prof_routing.transpose(2, 0, 1, 3).reshape(-1, L, k)  # row by row, in decode order
+    sequence = np.repeat(np.arange(B), S)
+    t0 = time.perf_counter()
+    F = NextTokenForecaster.fit_tuned(tokens, sequence, k, E, extra=extra)
+    R["forecaster"] = {"terms": [list(t) for t in F.terms], "hist_unit": int(F.hist_unit),
+                       "hist_shift": int(F.hist_shift), "n": int(F.num_predictions), "table_mb": F.nbytes / 1e6,
+                       "fit_s": time.perf_counter() - t0}
+    log("nexttoken forecaster", R["forecaster"])
+    return F
+
+
+def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, sim, per_expert: int) -> dict:
+    """A cache row's step against its bounds: overlap = 1 - (step - all-HBM) / (the row's link
+    bytes per step at the measured link read rate; None without link traffic), bound = max(all-HBM,
+    link time) and the fraction of it reached, and :func:`coldset.cache.simulate_time`'s step for
+    the same decisions (the engine's model: link "share", join "step") against the measured one."""
+    from coldset.cache import TimeModel, simulate_time
+
+    step = r["step_ms_mean"]
+    link_ms = r["link_gb_per_token"] * bsz / link_gb_s * 1e3
+    bound = max(allhbm_ms, link_ms)
+    ts = simulate_time(acc, sim, TimeModel(step_ms=allhbm_ms, bytes_per_expert=per_expert, link_gb_s=link_gb_s,
+                                           link="share", join="step"))
+    return {"overlap": 1 - (step - allhbm_ms) / link_ms if link_ms else None, "bound_ms": bound,
+            "fraction_of_bound": bound / step, "sim_step_ms": ts.step_ms, "sim_over_measured": ts.step_ms / step}
 
 
 def _routers(model):

@@ -154,6 +154,16 @@ def render_cache(res: dict) -> str:
            f"fixture prompts, {res.get('router', 'synthetic router')}. Ceilings in this run: HBM read "
            f"{_f(c.get('hbm_read_gb_s'), '.0f')} GB/s, link read {_f(c.get('link_read_gb_s'), '.1f')} GB/s. "
            "Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + "."]
+    # Results with the time columns (bench cache since the nexttoken policy) get four more columns;
+    # older results render as they always did.
+    timed = any("sim_over_measured" in r for r in res["rows"])
+    fc = res.get("forecaster")
+    if fc:
+        a_ = res["args"]
+        budget = a_.get("prefetch_budget")
+        out.append(f"nexttoken forecaster (fitted on the profile routing): terms {fc['terms']}, history unit "
+                   f"{fc['hist_unit']} shift {fc['hist_shift']}, {fc['n']} candidates a token, tables "
+                   f"{fc['table_mb']:.2f} MB; prefetch budget {'none' if budget is None else budget} copies a group.")
     rows = []
     for r in res["rows"]:
         full = next(x for x in res["rows"] if x["batch"] == r["batch"] and x["placement"] == "all-HBM")
@@ -164,8 +174,18 @@ def render_cache(res: dict) -> str:
                      f"{r['tok_s'] / full['tok_s']:.3f}", f"{r['hit_rate']:.4f}", _f(r.get("sim_hit_rate"), ".4f"),
                      f"{r['misses_per_token']:.2f}", _f(r.get("prefetches_per_token"), ".2f"),
                      f"{r['link_gb_per_token']:.4f}", _spread(r.get("step_ms_mean_spread"), ".3f")])
-    out.append(table(["batch", "placement", "tok/s", "x usage_global", "x all-HBM", "hit rate", "sim hit",
-                      "misses/token", "prefetches/token", "link GB/token", "mean step ms (min-max of passes)"], rows))
+        if timed:
+            rows[-1] += [_f(r.get("wasted_prefetches_per_token"), ".2f"), _f(r.get("overlap"), ".2f"),
+                         _f(r.get("fraction_of_bound"), ".2f"), _f(r.get("sim_over_measured"), ".3f")]
+    headers = ["batch", "placement", "tok/s", "x usage_global", "x all-HBM", "hit rate", "sim hit",
+               "misses/token", "prefetches/token", "link GB/token", "mean step ms (min-max of passes)"]
+    if timed:
+        headers += ["wasted prefetches/token", "overlap", "of bound", "simulated / measured step"]
+    out.append(table(headers, rows))
+    if timed:
+        out.append("overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = "
+                   "max(all-HBM step, link time); simulated step: coldset.cache.simulate_time (link \"share\", "
+                   "join \"step\") on the same decisions, at the all-HBM step and link rate of this run.")
     return "\n\n".join(out)
 
 
