@@ -11,18 +11,24 @@ residency); the timed prompts are cut from the held-out fixtures' token stream
 and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.slots.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
 in place), each ``--policies`` cache (``lru``, ``lfu``; ``lookahead`` at each ``--depths``:
-decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph), at
-each ``--residencies`` (at 1.0 every selection hits: the cache's work in the step; lookahead
-there at depth 1 only).
+decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph;
+``nexttoken``, issue 28: its :class:`coldset.forecast.NextTokenForecaster` fitted on the profile
+routing with ``--nexttoken-extra`` candidates a token, at most ``--prefetch-budget`` copies a
+group), at each ``--residencies`` (at 1.0 every selection hits: the cache's work in the step;
+lookahead there at depth 1 only).
 
 Checks (the command exits 1 if one fails): every variant's logits at every step of every pass
 bitwise the all-HBM run's; a cache's per-(step, layer) hits, misses and fills, and lookahead's
 prefetches per group, equal :func:`coldset.cache.simulate` on the all-HBM routing (lookahead: on
-the lists the engine recorded), in every pass; row map, owners and slot contents consistent after
-the run. Timed: tok/s = 1000 / mean step (:func:`coldset.bench.pass_timing`: each pass's mean
-step, the median over the timed passes, with the slowest and fastest pass), ratios to
+the lists the engine recorded; nexttoken: through :func:`coldset.bench.simulate_engine_pass`, its
+lists equal to :func:`coldset.forecast.nexttoken_lists` on the same tokens, no commit refused), in
+every pass; row map, owners and slot contents consistent after the run. Timed: tok/s = 1000 / mean
+step (:func:`coldset.bench.pass_timing`: each pass's mean step, the median over the timed passes,
+with the slowest and fastest pass), ratios to
 ``usage_global`` and to all-HBM of the same batch in the same run, hit rate, misses, prefetches
-and link GB per token.
+(and the wasted ones) and link GB per token; per cache row the overlap of its copies with the
+compute, the fraction of its bound (max of all-HBM and link time) and
+:func:`coldset.cache.simulate_time`'s step (link "share", join "step") over the measured one.
 
 ``--analysis`` adds, per batch: the next-token forecaster (:mod:`coldset.forecast`, fitted on the
 profile routing): its recall on the timed tokens, its GPU cost, the ``forecast`` policy simulated
