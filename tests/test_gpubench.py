@@ -347,3 +347,39 @@ def test_committed_measurements_render():
     assert files, "docs/measurements/ holds no result JSON"
     text = render_files(files)
     assert text.count("NVIDIA H200") == len(files) and "stored vLLM" in text
+
+
+def test_cache_nexttoken_fit_and_time_columns_on_cpu():
+    """The CPU parts of ``bench cache``'s nexttoken rows: the forecaster fitted on the profile
+    routing [steps, L, B, k] with each batch row one sequence in decode order (against the tokens
+    laid out by hand), and a row's overlap / bound against hand arithmetic, its simulated step
+    simulate_time's at the engine's model (share, step)."""
+    import numpy as np
+
+    from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.forecast import NextTokenForecaster
+    from coldset.measure.cache import _fit_nexttoken, _time_columns
+
+    S, L, B, k, E = 12, 2, 3, 2, 6
+    rng = np.random.default_rng(3)
+    prof = np.array([[[rng.choice(E, k, replace=False) for _ in range(B)] for _ in range(L)] for _ in range(S)])
+    R = {}
+    F = _fit_nexttoken(prof, k, E, 2, R)
+    tokens = np.array([prof[s, :, b] for b in range(B) for s in range(S)])  # [B*S, L, k], row by row
+    want = NextTokenForecaster.fit_tuned(tokens, np.repeat(np.arange(B), S), k, E, extra=2)
+    assert F.terms == want.terms and (F.hist_unit, F.hist_shift) == (want.hist_unit, want.hist_shift)
+    assert np.array_equal(np.asarray(F.tables), np.asarray(want.tables))
+    assert R["forecaster"]["n"] == k + 2 and R["forecaster"]["terms"] == [list(t) for t in want.terms]
+
+    inst = (prof + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+    acc = AccessStream(inst, np.arange(0, inst.size + 1, B * k), B * S, L, E)
+    sim = simulate(acc, "lru", 6, np.ones((L, E)))
+    row = {"step_ms_mean": 10.5, "link_gb_per_token": 0.05}  # 3 tokens a step: 0.15 GB a step, 3 ms at 50 GB/s
+    got = _time_columns(row, 10.0, 50.0, B, acc, sim, 10**7)
+    ts = simulate_time(acc, sim, TimeModel(step_ms=10.0, bytes_per_expert=10**7, link_gb_s=50.0, link="share",
+                                           join="step"))
+    assert got["overlap"] == pytest.approx(1 - 0.5 / 3.0) and got["bound_ms"] == pytest.approx(10.0)
+    assert got["fraction_of_bound"] == pytest.approx(10.0 / 10.5)
+    assert got["sim_step_ms"] == ts.step_ms and got["sim_over_measured"] == pytest.approx(ts.step_ms / 10.5)
+    assert _time_columns({"step_ms_mean": 10.5, "link_gb_per_token": 0.0}, 10.0, 50.0, B, acc, sim, 10**7)[
+        "overlap"] is None
