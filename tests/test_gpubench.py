@@ -69,6 +69,7 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["cache", "--residencies", "0.5,1.5"], "each must be in (0, 1]"),
     (["cache", "--policies", "lru,nexttoken", "--prefetch-budget", "-1"], "--prefetch-budget -1"),
     (["cache", "--policies", "nexttoken", "--nexttoken-extra", "-2"], "--nexttoken-extra -2"),
+    (["cache", "--policies", "lru", "--prefetch-budget", "2"], "add nexttoken to --policies"),
 ])
 def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 1

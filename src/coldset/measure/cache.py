@@ -86,6 +86,8 @@ def check_arguments(args) -> None:
     if args.nexttoken_extra < 0 or (args.prefetch_budget is not None and args.prefetch_budget < 0):
         raise MeasureError(f"--nexttoken-extra {args.nexttoken_extra} and --prefetch-budget {args.prefetch_budget}: "
                            "each must be >= 0")
+    if args.prefetch_budget is not None and "nexttoken" not in args.policies.split(","):
+        raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
     if args.steps < 2 or args.repeats < 1:
         raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
 
@@ -261,7 +263,8 @@ def run(args, argv=None) -> dict:
                     # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
                     # same tokens (bench.simulate_engine_pass), every pass's lists against those below
                     try:
-                        sim = bn.simulate_engine_pass(cache, routing.transpose(2, 0, 1, 3), forecaster=forecaster)
+                        sim = bn.simulate_engine_pass(cache, np.ascontiguousarray(routing.transpose(2, 0, 1, 3)),
+                                                      forecaster=forecaster)
                     except bn.CacheSimulatorMismatch as exc:
                         fails.append(f"{name}/b{bsz}: {exc}")
                         R["checks"][f"{name}/b{bsz} lists == nexttoken_lists"] = False
