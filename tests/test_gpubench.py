@@ -384,3 +384,68 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     assert got["sim_step_ms"] == ts.step_ms and got["sim_over_measured"] == pytest.approx(ts.step_ms / 10.5)
     assert _time_columns({"step_ms_mean": 10.5, "link_gb_per_token": 0.0}, 10.0, 50.0, B, acc, sim, 10**7)[
         "overlap"] is None
+
+
+def test_cache_nexttoken_check_on_a_cpu_engine():
+    """What ``bench cache`` checks for a nexttoken row, on the CPU engine: a cache built as the
+    bench builds it (warm set = usage_global of the profile counts, forecaster by
+    ``_fit_nexttoken`` on the profile routing), fed a held-out routing [steps, L, B, k] group by
+    group; bench.simulate_engine_pass on the routing in the layout the bench passes accepts the
+    recorded lists and gives the engine's per-group (hits, misses, fills, prefetches), which also
+    equal coldset.cache.simulate on the bench's own stream; its time columns come out."""
+    import numpy as np
+    import torch
+
+    from coldset import bench as bn
+    from coldset.cache import AccessStream, lanes_from_engine, simulate
+    from coldset.forecast import nexttoken_lists
+    from coldset.measure.cache import _fit_nexttoken, _time_columns
+    from coldset.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import ExpertPools, SlotCache
+    from coldset.tiers import host_tier
+
+    S, L, B, k, E, C = 10, 3, 2, 2, 8, 9
+    rng = np.random.default_rng(5)
+    p = rng.dirichlet(np.ones(E) * 0.5, size=L)
+
+    def draw(steps):
+        return np.array([[[rng.choice(E, k, replace=False, p=p[layer]) for _ in range(B)] for layer in range(L)]
+                         for _ in range(steps)])
+
+    prof, routing = draw(16), draw(S)
+    counts = np.zeros((L, E))
+    for layer in range(L):
+        np.add.at(counts[layer], prof[:, layer].reshape(-1), 1)
+    F = _fit_nexttoken(prof, k, E, 3, {})
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+    flat = row_map.reshape(-1)
+    hot = np.flatnonzero(flat >= 0)
+    warm = np.empty(C)
+    warm[flat[hot]] = counts.reshape(-1)[hot]
+    g = torch.Generator().manual_seed(0)
+    pools = ExpertPools.all_hot(torch.randn((L, E, 8, 4), generator=g), torch.randn((L, E, 4, 4), generator=g))
+    for budget in (None, 1):
+        cache = SlotCache.build(pools, host_tier(pools), row_map, warm, "nexttoken", B, k, forecaster=F,
+                                prefetch_budget=budget)
+        for s in range(S):
+            for layer in range(L):
+                cache.admit(layer, torch.as_tensor(routing[s, layer]))
+        cache.end_step()
+        decode = np.ascontiguousarray(routing.transpose(2, 0, 1, 3))
+        sim = bn.simulate_engine_pass(cache, decode, forecaster=F)
+        engine = np.concatenate([cache.group_history(), cache.prefetch_counts()[:, None]], axis=1)
+        np.testing.assert_array_equal(engine, np.stack([sim.hits, sim.misses, sim.fills, sim.prefetches], axis=1))
+        assert cache.counters()["stale"] == 0 and sim.prefetches.sum() > 0
+        inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+        acc = AccessStream(inst, np.arange(0, inst.size + 1, B * k), B * S, L, E)
+        lanes = lanes_from_engine(decode, E)
+        ref = simulate(acc, "nexttoken", C, counts, predictions=nexttoken_lists(F, lanes.sel, lanes.start),
+                       prefetch_budget=budget)
+        np.testing.assert_array_equal(ref.hit, sim.hit)
+        np.testing.assert_array_equal(ref.prefetches, sim.prefetches)
+        row = {"step_ms_mean": 3.5, "link_gb_per_token": sim.stats().link_gb_per_token(10**7)}
+        cols = _time_columns(row, 3.0, 50.0, B, acc, sim, 10**7)
+        assert cols["sim_step_ms"] >= 3.0 and cols["fraction_of_bound"] == pytest.approx(cols["bound_ms"] / 3.5)
+        # a wrong layout (the recorded [steps, L, B, k] order) is refused, not simulated
+        with pytest.raises(bn.CacheSimulatorMismatch):
+            bn.simulate_engine_pass(cache, np.ascontiguousarray(routing.transpose(0, 2, 1, 3)), forecaster=F)
