@@ -701,6 +701,42 @@ class SlotCache:
         for layer in range(len(self.pending)):
             self._join_layer(layer)
 
+    def _group(self, layer: int, ids: torch.Tensor) -> tuple:
+        """A group's selections ``ids`` (flat int64 expert ids of MoE layer ``layer``) against the row
+        map, as every torch-path policy reads them: ``(inst, hit, pos, used, m, slots_max, new_inst)``:
+        the instances, which selections hit, their positions, which experts the group uses, how many
+        distinct experts missed, the most it can admit, and the missed instances in first-selection
+        order followed by the rest (never written: masked by ``j < m``)."""
+        E = self.pools.num_experts
+        n = ids.numel()
+        base = layer * E
+        rm = self.pools.row_map.view(-1)
+        inst = ids + base
+        hit = rm[inst] >= 0
+        # First occurrence of each expert in selection order (n = not selected).
+        pos = torch.arange(n, dtype=torch.int64, device=ids.device)
+        first = torch.full((E,), n, dtype=torch.int64, device=ids.device).scatter_reduce_(0, ids, pos, "amin")
+        used = first < n
+        missed = used & (rm[base:base + E] < 0)
+        slots_max = min(n, E)
+        new_inst = torch.argsort(torch.where(missed, first, n), stable=True)[:slots_max] + base
+        return inst, hit, pos, used, missed.sum(), slots_max, new_inst
+
+    def _admit_rows(self, victims: torch.Tensor, new_inst: torch.Tensor, valid: torch.Tensor) -> None:
+        """The demand admissions of a group (torch path): the ``valid`` victims' slots go to ``new_inst``
+        in the row map and the owners, then their rows are filled."""
+        pools, rm, owner = self.pools, self.pools.row_map.view(-1), self.owner
+        old_inst = owner[victims]
+        # Evictions first (distinct instances), then admissions read back after them (distinct
+        # experts), so a masked-out write can never undo a real one.
+        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
+        rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
+        owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
+        # Written by the cache's own decisions, which keep the map a bijection onto C slots and
+        # the host rows: a re-validation would be a host sync inside the step (see check()).
+        pools.validated_version = pools.row_map._version
+        self._fill(victims, new_inst, valid, valid.sum())  # the admitted (valid) rows are first
+
     def _decide_next_torch(self, layer: int, topk_ids: torch.Tensor, new_step: bool) -> None:
         """nexttoken's group (step, ``layer``) as torch ops, in the rules' order (coldset.cache's
         ``nexttoken``; the kernels' reference): the commit of layer ``layer``'s previous prefetches
@@ -716,18 +752,9 @@ class SlotCache:
         k = self.top_k
         T = n // k
         base = layer * E
-        inst = ids + base
         rm = pools.row_map.view(-1)
         big = torch.iinfo(torch.int64).max
-        hit = rm[inst] >= 0
-        pos = torch.arange(n, dtype=torch.int64, device=dev)
-        first = torch.full((E,), n, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")
-        used = first < n
-        missed = used & (rm[base:base + E] < 0)
-        m = missed.sum()
-        slots_max = min(n, E)
-        new_e = torch.argsort(torch.where(missed, first, n), stable=True)[:slots_max]
-        new_inst = new_e + base
+        inst, hit, pos, used, m, slots_max, new_inst = self._group(layer, ids)
         owner = self.owner
         # 1. commit: layer `layer`'s prefetches of the last step are no longer in flight
         self.inflight[base:base + E] = False
@@ -738,12 +765,7 @@ class SlotCache:
         pr = self.predicted[owner].to(torch.float64).masked_fill(barred, float("inf"))[order]
         victims = order[torch.argsort(pr, stable=True)][:slots_max]
         valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
-        old_inst = owner[victims]
-        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
-        rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
-        owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
-        pools.validated_version = pools.row_map._version
-        self._fill(victims, new_inst, valid, valid.sum())
+        self._admit_rows(victims, new_inst, valid)
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
         self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
         # 3. forecast: the group's selections into the ring, then the terms' integer table sums
@@ -814,20 +836,7 @@ class SlotCache:
         dev = topk_ids.device
         ids = topk_ids.reshape(-1).to(torch.int64)
         n = ids.numel()
-        base = layer * E
-        inst = ids + base
-        rm = pools.row_map.view(-1)
-        hit = rm[inst] >= 0
-        # First occurrence of each expert in selection order (n = not selected).
-        pos = torch.arange(n, dtype=torch.int64, device=dev)
-        first = torch.full((E,), n, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")
-        used = first < n
-        missed = used & (rm[base:base + E] < 0)
-        m = missed.sum()
-        slots_max = min(n, E)
-        # Missed experts in selection order, then the rest (never written: masked by j < m).
-        new_e = torch.argsort(torch.where(missed, first, n), stable=True)[:slots_max]
-        new_inst = new_e + base
+        inst, hit, pos, used, m, slots_max, new_inst = self._group(layer, ids)
         owner = self.owner
         in_group = (owner // E == layer) & used[owner % E]
         ahead = self.policy == "lookahead"
@@ -842,16 +851,7 @@ class SlotCache:
         else:
             victims = self._victim_order(in_group)[:slots_max]
             valid = torch.arange(slots_max, device=dev) < m
-        old_inst = owner[victims]
-        # Evictions first (distinct instances), then admissions read back after them (distinct
-        # experts), so a masked-out write can never undo a real one.
-        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
-        rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
-        owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
-        # Written by the cache's own decisions, which keep the map a bijection onto C slots and
-        # the host rows: a re-validation would be a host sync inside the step (see check()).
-        pools.validated_version = pools.row_map._version
-        self._fill(victims, new_inst, valid, valid.sum())  # the admitted (valid) rows are first
+        self._admit_rows(victims, new_inst, valid)
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
         self.count.index_add_(0, inst, torch.ones(n, dtype=self.count.dtype, device=dev))
