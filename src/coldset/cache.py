@@ -557,6 +557,18 @@ def _evict(nxt, prv, resident, unused_prefetch, v):
 
 
 @_jit
+def _admit_demand(ids, i, v, resident, protected, nxt, prv, head, record, victims):
+    """Selection ``i``'s instance takes the slot evicted ``v`` left: resident, protected for the rest
+    of its group, most recent in the LRU list; ``victims[i] = v`` when recording."""
+    x = ids[i]
+    resident[x] = True
+    protected[x] = True
+    _link_tail(nxt, prv, head, x)
+    if record:
+        victims[i] = v
+
+
+@_jit
 def _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head):
     """After a group's demand admissions: its instances are no longer protected, count as used by
     this step, and the resident ones move to the most recent end of the LRU list in selection order."""
@@ -735,13 +747,7 @@ def _replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims):
                 break
             after, w = _evict(nxt, prv, resident, unused_prefetch, v)
             wasted += w
-            i = missed[m]
-            x = ids[i]
-            resident[x] = True
-            protected[x] = True
-            _link_tail(nxt, prv, head, x)
-            if record:
-                victims[i] = v
+            _admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
             v = after
         _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight
@@ -840,13 +846,7 @@ def _replay_next(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, 
                 break
             after, w = _evict(nxt, prv, resident, unused_prefetch, v)
             wasted += w
-            i = missed[m]
-            x = ids[i]
-            resident[x] = True
-            protected[x] = True
-            _link_tail(nxt, prv, head, x)
-            if record:
-                victims[i] = v
+            _admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
             v = after
         _end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
         # 3. the forecast replaces this layer's predicted flags
