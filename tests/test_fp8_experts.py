@@ -305,7 +305,9 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
     x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=6, device="cuda")
     configs = [None, KernelConfig(16, 32, 128, 64, 128, 4, 3, 1), KernelConfig(16, 32, 128, 64, 128, 4, 3, 128),
                KernelConfig(16, 64, 128, 128, 128, 4, 3, 32, 2), KernelConfig(32, 64, 128, 32, 128, 4, 2, 1, tile_order=1),
-               KernelConfig(64, 64, 128, 128, 128, 4, 3, 1, 2, tile_order=1, half_buf=1)]
+               KernelConfig(64, 64, 128, 128, 128, 4, 3, 1, 2, tile_order=1, half_buf=1),
+               KernelConfig(16, 32, 128, 64, 128, 4, 4, 32, 1), KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, 1),
+               KernelConfig(16, 64, 128, 128, 128, 4, 3, 1, 3)]
     for cfg in configs:
         refs = [triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False) for layer in range(L)]
         assert not torch.equal(refs[0], refs[1])
@@ -320,7 +322,7 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens,pdl", [(1, 0), (4, 2), (64, 2)])
+@pytest.mark.parametrize("num_tokens,pdl", [(1, 0), (1, 1), (4, 2), (4, 3), (64, 1), (64, 2)])
 def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
     """A captured step re-reads the row map: hot, then every expert cold (weights and scales read in
     place from pinned memory), then a mixed map; each replay bitwise the unmodified path."""
@@ -349,6 +351,53 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
 
 
 @gpu
+@pytest.mark.parametrize("num_tokens", [1, 12])
+def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
+    """With pdl 1-3 the w13 launch is a programmatic dependent launch of the tokens' quantization
+    launch, which is itself one (of the kernel before it, or of the grouping) with pdl 3: each may
+    start before the launch before it ends and must wait before reading what that launch (or, pdl
+    3, any kernel before) writes; pdl 1 also bulk-prefetches hot rows into L2 before the wait. The
+    kernel before is a late writer: it releases dependents at once and writes x, the ids, the
+    routing weights and the row map only after 500 µs, over stale contents (other tokens, other
+    experts, every expert pointed at its neighbour's rows). Every pdl mode gives pdl 0's bits, for
+    hot, cold and mixed maps, in both grouping modes (4 and 48 pairs), and pdl 0 the float64 value."""
+    from late_writer import late_copy
+
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
+
+    L, E, H, I, K = 2, 32, 256, 128, 4
+    _, _, q = make_fp8(L, E, H, I, seed=31)
+    pools = dup_fp8_pools(q)
+    x, ids, w = routing(num_tokens, E, K, H, torch.bfloat16, seed=32, device="cuda")
+    x_old, ids_old, w_old = routing(num_tokens, E, K, H, torch.bfloat16, seed=33, device="cuda")
+    layer = 1
+    idx = np.arange(L * E).reshape(L, E)
+    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
+    ref = float64_fp8_moe(tuple(t.cuda() for t in q), layer, x, ids, w)
+    outs = {}
+    for pdl in (0, 1, 2, 3):
+        cfg = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl)
+        triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
+        for name, m in maps.items():
+            real = torch.as_tensor(m.astype(np.int32)).cuda()
+            pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
+            x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
+            torch.cuda.synchronize()
+            late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)], delay_us=500.0)
+            out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
+            torch.cuda.synchronize()
+            assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+            outs[(pdl, name)] = out
+    base = outs[(0, "hot")]
+    assert rel_err(base, ref.cpu()) < 2e-2  # pdl 0 waited for the writer: the real inputs
+    stale = triton_experts(pools, layer, x_old, ids_old, w_old, KernelConfig(16, 32, 128, 64, 128, 4, 3, 32))
+    assert not torch.equal(stale, base)  # stale inputs would be seen
+    for key, out in outs.items():
+        assert torch.equal(out, base), key
+
+
+@gpu
 def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_scales():
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
@@ -359,7 +408,8 @@ def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_
     x, ids, w = routing(2, 8, 2, 256, torch.bfloat16, device="cuda")
     for cfg, match in [(KernelConfig(16, 32, 64, 64, 64), "block_k1 and block_k2 must be 128"),
                        (KernelConfig(16, 32, 128, 64, 128, split_k1=2), "split-K"),
-                       (KernelConfig(16, 32, 128, 64, 128, pdl=3), "pdl must be 0 or 2")]:
+                       (KernelConfig(16, 32, 128, 64, 128, pdl=4), "pdl must be 0, 1, 2 or 3"),
+                       (KernelConfig(16, 32, 128, 64, 128, half_tail=1), "half_tail")]:
         with pytest.raises(ValueError, match=match):
             triton_experts(pools, 0, x, ids, w, cfg)
     with pytest.raises(ValueError, match="bfloat16 or float16"):

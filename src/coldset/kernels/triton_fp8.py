@@ -34,8 +34,21 @@ The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) comp
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
 Tiling and accumulation order never depend on where an expert lives, so every placement is
 bitwise the all-hot (``use_row_map=False``) output. Launch configs are the bf16 kernel's
-:class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K,
-``half_tail`` and ``pdl`` 1 and 3 are refused (not implemented here).
+:class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K and
+``half_tail`` are refused (not implemented here).
+
+``pdl`` (Hopper's programmatic dependent launch; the launches' arithmetic never changes, so every
+mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 kernel's modes:
+
+- ``2``: every launch after the tokens' quantization is a dependent launch: the w13 blocks start
+  while that launch runs, look up their expert, rows and scale rows (inputs complete before it
+  began: it is a plain launch) and wait before reading the FP8 tokens; the intermediate's
+  quantization, w2 and the top-k sum start behind the launch before them and wait likewise;
+- ``1``: as 2, and while they wait the w13 blocks (and the w2 blocks behind the intermediate's
+  quantization launch) bulk-prefetch their hot weight rows into L2 (``cp.async.bulk.prefetch``,
+  up to :data:`PREFETCH_L2_BYTES` a launch), so HBM does not idle during the small launch before;
+- ``3``: as 2, and the tokens' quantization (and the grouping's launches) are dependent launches
+  of whatever kernel came before them, waiting for it before reading anything.
 """
 
 from __future__ import annotations
@@ -66,6 +79,9 @@ if TYPE_CHECKING:
     from coldset.tiers import ExpertPools
 
 GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
+# pdl=1: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is 50 MB)
+# while the quantization launch before it runs
+PREFETCH_L2_BYTES = 16 << 20
 
 # Defaults when no tuned entry exists: decode tiles of 16 rows with 64 columns of gate and up per
 # w13 block (128 weight rows, as vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768 uses from 4
@@ -94,13 +110,15 @@ def _quantize_rows(a, BM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _quant_groups_kernel(src_ptr, q_ptr, s_ptr, stride_src, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         USE_GDC: tl.constexpr):
+                         WAIT: tl.constexpr, TRIGGER: tl.constexpr):
     """Row ``program_id(0)`` of ``src`` ``[R, K]`` (bf16/fp16) quantized per group of 128 columns:
     ``q`` ``[R, K]`` float8_e4m3fn and ``s`` ``[R, G]`` float32 (G = ceil(K / 128), GP its next
-    power of two). ``USE_GDC``: launched early (programmatic dependent launch) after the w13 launch:
-    wait for it, then let the w2 launch start (it waits on this one)."""
-    if USE_GDC:
+    power of two). ``WAIT``: a programmatic dependent launch: wait for the kernel before (which
+    may write ``src``) before reading anything. ``TRIGGER``: then let the next launch (a dependent
+    one, which waits on this one before reading ``q`` and ``s``) start at once."""
+    if WAIT:
         gdc_wait()
+    if TRIGGER:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, GP)
@@ -110,6 +128,36 @@ def _quant_groups_kernel(src_ptr, q_ptr, s_ptr, stride_src, K: tl.constexpr, G: 
     q, s = _quantize_rows(a, GP, 128)
     tl.store(q_ptr + row * K + cols, q, mask=ok)
     tl.store(s_ptr + row * G + offs_g, s, mask=offs_g < G)
+
+
+@triton.jit
+def _prefetch_l2(addr, nbytes):
+    """One bulk L2 prefetch (sm90's ``cp.async.bulk.prefetch.L2``) of ``nbytes`` (int32, a multiple
+    of 16) from the 16-byte aligned address ``addr`` (int64), issued by thread 0 of the block
+    alone: a hint that moves nothing into registers or shared memory and changes no result."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(row_map_ptr, layer, expert, cnt, first_row_ptr, rows, ROW_BYTES: tl.constexpr, budget,
+                   E: tl.constexpr, USE_ROW_MAP: tl.constexpr):
+    """Bulk-prefetch into L2 up to ``budget`` bytes of the ``rows`` consecutive weight rows from
+    ``first_row_ptr`` (never past them: the 16-byte aligned part), when this block has pairs and
+    its expert is a hot row (a cold expert's bytes stay in host memory: zero-copy reads are the
+    link's)."""
+    hot = (cnt > 0) & (rows > 0)
+    if USE_ROW_MAP:
+        hot = hot & (tl.load(row_map_ptr + layer * E + expert) >= 0)
+    if hot:
+        lo = first_row_ptr.to(tl.int64)
+        hi = lo + tl.minimum(rows.to(tl.int64) * ROW_BYTES, budget.to(tl.int64))
+        lo16 = (lo + 15) // 16 * 16
+        n = (hi - lo16) // 16 * 16
+        if n > 0:
+            _prefetch_l2(lo16, n.to(tl.int32))
 
 
 @triton.jit
@@ -164,19 +212,28 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
 @triton.jit
 def _w13_fp8_kernel(
     xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
-    s_cold_ptr, act_ptr, actq_ptr, acts_ptr, num_pairs, layer, NB,
+    s_cold_ptr, act_ptr, actq_ptr, acts_ptr, num_pairs, layer, NB, pf_bytes,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_GDC: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
+    USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if USE_GDC:
-        gdc_launch_dependents()  # a plain launch: its inputs are complete; the next launch may start now
+        # A dependent launch of the tokens' quantization launch, which began only once every kernel
+        # before it had finished (a plain launch; with pdl=3 a dependent one that waited first):
+        # the ids, the grouping and the row map are complete, the FP8 tokens are not. Let the
+        # next launch start (it waits on this one before reading what this one writes).
+        gdc_launch_dependents()
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     # the one place the expert id is used: one row-map lookup for the weights, the same for the scales
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * GI * GH, E, USE_ROW_MAP)
+    if PREFETCH:  # while the quantization launch runs, HBM would idle: stream this block's gate and up rows into L2
+        rows = tl.minimum(I - pid_n * BN, BN)
+        _prefetch_rows(row_map_ptr, layer, expert, cnt, w_base + pid_n * BN * H, rows, H, pf_bytes, E, USE_ROW_MAP)
+        _prefetch_rows(row_map_ptr, layer, expert, cnt, w_base + (I + pid_n * BN) * H, rows, H, pf_bytes, E,
+                       USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < I
@@ -184,6 +241,8 @@ def _w13_fp8_kernel(
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
     sg_ptrs = s_base + (offs_n // BK) * GH  # gate's scale grid rows, then up's (coldset.fp8)
     su_ptrs = s_base + (GI + offs_n // BK) * GH
+    if USE_GDC:
+        gdc_wait()  # the FP8 tokens and their scales
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
@@ -228,16 +287,19 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
 @triton.jit
 def _w2_fp8_kernel(
     actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
-    s_cold_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB,
+    s_cold_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB, pf_bytes,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    ORDER: tl.constexpr,
+    PREFETCH: tl.constexpr, ORDER: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, GH * GI, E, USE_ROW_MAP)
+    if PREFETCH:  # launched early behind the intermediate's quantization launch: w2's rows of this block into L2
+        rows = tl.minimum(H - pid_n * BN, BN)
+        _prefetch_rows(row_map_ptr, layer, expert, cnt, w_base + pid_n * BN * I, rows, I, pf_bytes, E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
@@ -253,18 +315,27 @@ def _w2_fp8_kernel(
         c += BM
 
 
-def quantize_groups(src: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(src: torch.Tensor, wait: bool = False, trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn [R, K], scales float32 [R, ceil(K / 128)])`` of a CUDA ``[R, K]`` bf16/fp16
     tensor, per row and group of 128 columns: :func:`coldset.fp8.quantize_activations` bit for bit,
-    one launch (one block per row). ``pdl``: a programmatic dependent launch (see the kernel)."""
+    one launch (one block per row). ``wait``: a programmatic dependent launch that waits for the
+    kernel before; ``trigger``: the next launch may start at once (see the kernel)."""
     rows, k = src.shape
     g = triton.cdiv(k, GROUP)
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=src.device)
     s = torch.empty((rows, g), dtype=torch.float32, device=src.device)
     if rows:
-        _quant_groups_kernel[(rows,)](src, q, s, src.stride(0), K=k, G=g, GP=_next_pow2(g), USE_GDC=pdl,
-                                      num_warps=4, launch_pdl=pdl)
+        _quant_groups_kernel[(rows,)](src, q, s, src.stride(0), K=k, G=g, GP=_next_pow2(g), WAIT=wait,
+                                      TRIGGER=trigger, num_warps=4, launch_pdl=wait)
     return q, s
+
+
+def _prefetch_bytes(slice_bytes: int, programs: int) -> int:
+    """Bytes each of ``programs`` blocks bulk-prefetches of its ``slice_bytes`` slice (per weight
+    matrix it reads): all of it while the launch's slices together fit ``PREFETCH_L2_BYTES``, else
+    an equal share of that, so that the prefetched lines are not evicted by one another before the
+    blocks' own loads read them."""
+    return min(slice_bytes, PREFETCH_L2_BYTES // max(1, programs))
 
 
 def _check_config(c: KernelConfig) -> None:
@@ -273,8 +344,8 @@ def _check_config(c: KernelConfig) -> None:
                          f"activation group per k step), got {c.block_k1}, {c.block_k2}")
     if c.split_k1 != 1 or c.split_k2 != 1:
         raise ValueError("triton_fp8_experts: split-K (split_k1/split_k2 > 1) is not implemented for FP8")
-    if c.pdl not in (0, 2):
-        raise ValueError(f"triton_fp8_experts: config pdl must be 0 or 2 (1 and 3 are not implemented for FP8), got {c.pdl}")
+    if c.pdl not in (0, 1, 2, 3):
+        raise ValueError(f"triton_fp8_experts: config pdl must be 0, 1, 2 or 3, got {c.pdl}")
     if c.half_tail != 0:
         raise ValueError("triton_fp8_experts: half_tail is not implemented for FP8")
     if c.tile_order not in (0, 1) or c.half_buf not in (0, 1):
@@ -317,9 +388,10 @@ def triton_fp8_experts(
                                            default_config)
     c = config
     _check_config(c)
-    pdl = c.pdl == 2
+    pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
-        raise RuntimeError("triton_fp8_experts: config pdl=2 needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
+        raise RuntimeError(f"triton_fp8_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
+                           "(triton >= 3.3)")
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -331,7 +403,7 @@ def triton_fp8_experts(
     else:
         mode, np_ = MODE_SORTED, 1
         slots = triton.cdiv(num_pairs, c.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl=first)
     cold = pools.num_cold > 0  # never read without cold rows: the hot pools stand in as pointers
     w13_cold = pools.w13_cold if cold else pools.w13_hot
     w2_cold = pools.w2_cold if cold else pools.w2_hot
@@ -351,25 +423,27 @@ def triton_fp8_experts(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
-    xq, xs = quantize_groups(x)  # the tokens, once per call
+    # the tokens, once per call; with pdl the w13 launch starts behind it (lookups, prefetch) and waits for it
+    xq, xs = quantize_groups(x, wait=first, trigger=pdl)
     _w13_fp8_kernel[grid(nb1)](
         xq, xs, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
-        act, actq, acts, num_pairs, layer, nb1,
+        act, actq, acts, num_pairs, layer, nb1, _prefetch_bytes(c.block_n1 * hidden, 2 * slots * nb1) if prefetch else 0,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, ORDER=c.tile_order, FUSE_Q=fuse_q,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
+        ORDER=c.tile_order, FUSE_Q=fuse_q, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     if not fuse_q:  # every pair's row (pairs of invalid ids too: never read by w2)
         _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),
-                                           USE_GDC=pdl, num_warps=4, launch_pdl=pdl)
+                                           WAIT=pdl, TRIGGER=pdl, num_warps=4, launch_pdl=pdl)
+    prefetch2 = prefetch and not fuse_q  # behind the intermediate's quantization launch, not beside w13's reads
     _w2_fp8_kernel[grid(nb2)](
         actq, acts, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
-        weights, buf, num_pairs, layer, nb2,
+        weights, buf, num_pairs, layer, nb2, _prefetch_bytes(c.block_n2 * inter, slots * nb2) if prefetch2 else 0,
         E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, ORDER=c.tile_order,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch2,
+        ORDER=c.tile_order, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
