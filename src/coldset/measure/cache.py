@@ -36,6 +36,15 @@ beside ``lru``; the next-layer lookahead's recall on lru's misses; at the first 
 cache-management work of all-hit groups alone and inside the step; the fill kernel's read rate
 from pinned memory against the copy engine's. ``--decisions-only``: only the split of the
 cache's work per layer at the config's shape (no model). Writes ``cache_bench.json`` under ``--out``.
+
+``--weight-format fp8`` (issue 29): the same measurement with the model's experts quantized to the
+published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
+layer; the bf16 experts are freed after), so every tier holds FP8 weights with their 128 x 128
+scales: the HBM pools, the slots and the pinned host tier (half the bytes an expert:
+:func:`coldset.placement.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
+Qwen3-30B-A3B against 9.44 MB). The reference is the FP8 all-HBM run (the FP8 kernel, every expert
+hot, the row map compiled out): every variant's logits bitwise its, the engine's decisions the
+simulator's, link bytes and bounds at the FP8 bytes an expert; the same checks as bf16.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from coldset.measure.harness import MeasureError, log, new_result, require_cuda, spread, write_result
+from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, log, new_result,
+                                     require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
 POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
@@ -69,6 +79,9 @@ def add_arguments(p) -> None:
                    help="also the forecaster, lookahead recall on lru's misses, cache overhead and fill rate")
     p.add_argument("--decisions-only", action="store_true",
                    help="only the split of the cache's work per layer at the config's shape (no model)")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
+                   help="fp8: the experts quantized to block FP8 in every tier (HBM, slots, pinned host), checked "
+                        "bitwise against the FP8 all-HBM run")
 
 
 def check_arguments(args) -> None:
@@ -90,6 +103,9 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
     if args.steps < 2 or args.repeats < 1:
         raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
+    if args.decisions_only and args.weight_format != "bf16":
+        raise MeasureError(f"--decisions-only times the cache's decisions on stand-in experts of a few bytes; "
+                           f"--weight-format {args.weight_format} does not apply to it")
 
 
 def run(args, argv=None) -> dict:
@@ -130,9 +146,16 @@ def run(args, argv=None) -> dict:
     model.compile_decode()
     cfg = model.config
     L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
-    per_expert = expert_bytes(cfg)
+    R["weight_format"] = args.weight_format
+    if args.weight_format == "fp8":
+        model.pools = fp8_expert_pools(model.pools)  # the model held the bf16 pools' only reference: freed
+        torch.cuda.empty_cache()
+        log("experts quantized to block FP8")
+    per_expert = expert_bytes(cfg, expert_format(args.weight_format))
+    R["expert_bytes"] = per_expert
     host = host_tier(model.pools)
-    ceilings = bn.measure_ceilings(host.w13)  # the HBM and link ceilings of this run, for its provenance
+    # the HBM and link ceilings of this run, for its provenance (FP8 weights read as the same bytes in bf16)
+    ceilings = bn.measure_ceilings(host.w13 if args.weight_format == "bf16" else host.w13.view(torch.bfloat16))
     R["ceilings"] = ceilings
     log("model built and host tier pinned; ceilings", ceilings)
     ref_fn, rowmap_fn, _ = experts_functions(dev, None)
@@ -480,10 +503,14 @@ def _overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L, k, per_e
     m = torch.full((1,), k, dtype=torch.int64, device=dev)
     p = cache.pools
 
+    pairs = [(p.w13_hot, p.w13_cold), (p.w2_hot, p.w2_cold)]
+    if p.is_fp8:  # an FP8 expert moves with its scales (its bytes, per_expert, count them)
+        pairs += [(p.w13_scale_hot, p.w13_scale_cold), (p.w2_scale_hot, p.w2_scale_cold)]
+
     def copy_engine():
         for j in range(k):
-            p.w13_hot[j].copy_(p.w13_cold[7 * j], non_blocking=True)
-            p.w2_hot[j].copy_(p.w2_cold[7 * j], non_blocking=True)
+            for hot, cold in pairs:
+                hot[j].copy_(cold[7 * j], non_blocking=True)
 
     nbytes = k * per_expert
     out["fill"] = {"rows": k, "bytes": nbytes,

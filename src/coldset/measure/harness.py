@@ -74,3 +74,65 @@ def write_result(path: Path, result: dict, ceilings: dict | None = None, tuned=N
         result["provenance"] = collect_provenance(torch.device("cuda"), tuned, ceilings)
     write_json(path, result)
     return path
+
+
+#: ``--weight-format`` of the decode-step and cache measurements: the experts as the in-memory
+#: model builds them (bf16), or those experts quantized to the published block-FP8 format (issue 29).
+WEIGHT_FORMATS = ("bf16", "fp8")
+
+
+def expert_format(weight_format: str) -> str:
+    """The :mod:`coldset.shapes` format name of ``--weight-format``: what
+    :func:`coldset.placement.expert_bytes` takes for the bytes of one expert (bf16 9,437,184 B at
+    Qwen3-30B-A3B's shape; fp8 4,719,744 B, its block scales included)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise MeasureError(f"--weight-format {weight_format!r} not among {', '.join(WEIGHT_FORMATS)}")
+    if weight_format == "bf16":
+        return "bfloat16"
+    from coldset.fp8 import FORMAT_NAME
+
+    return FORMAT_NAME
+
+
+def fp8_expert_pools(pools):
+    """All-hot block-FP8 pools (:class:`coldset.tiers.ExpertPools` with its scale pools) of the
+    all-hot float ``pools`` of an in-memory model, quantized on the pools' device one MoE layer at a
+    time by :func:`coldset.fp8.quantize_w13` and :func:`coldset.fp8.quantize_weight` (the
+    quantizers of the synthetic FP8 checkpoint and of the FP8 autotune pools).
+
+    Why here: the real-shape synthetic model is built in memory on the GPU (a checkpoint of it
+    would be 61 GB written and read back), so ``bench step`` and ``bench cache`` make its FP8
+    experts from the built ones. Layer by layer, the float32 temporaries of the quantizer stay one
+    layer's (a few GB at Qwen3-30B-A3B), so the peak is the bf16 pools (58 GB) plus the FP8 ones
+    (29 GB). The weights quantized are the model's bf16 experts (the FP8 checkpoint path quantizes
+    the float32 weights before any cast), so the FP8 model is the bf16 model to e4m3 precision;
+    its non-expert weights stay as built, as :func:`coldset.model.load_model` runs an FP8
+    checkpoint's (dequantized)."""
+    import torch
+
+    from coldset import fp8
+    from coldset.tiers import ExpertPools
+
+    if pools.is_fp8:
+        raise MeasureError("fp8_expert_pools: the pools already hold block-FP8 experts")
+    if not pools.w13_hot.dtype.is_floating_point or pools.w13_hot.dtype == fp8.FP8_DTYPE:
+        raise MeasureError(f"fp8_expert_pools: expert weights of dtype {pools.w13_hot.dtype} are not float")
+    pools._require_all_hot("fp8_expert_pools")
+    L, E = pools.num_moe_layers, pools.num_experts
+    two_i, H = pools.w13_hot.shape[1:]
+    dev = pools.w13_hot.device
+    w13 = torch.empty((L, E, two_i, H), dtype=fp8.FP8_DTYPE, device=dev)
+    w2 = torch.empty((L, E, H, two_i // 2), dtype=fp8.FP8_DTYPE, device=dev)
+    s13 = torch.empty((L, E, fp8.w13_scale_rows(two_i // 2), fp8.scale_grid(two_i // 2, H)[1]),
+                      dtype=torch.float32, device=dev)
+    s2 = torch.empty((L, E, *fp8.scale_grid(H, two_i // 2)), dtype=torch.float32, device=dev)
+    for layer in range(L):
+        rows = slice(layer * E, (layer + 1) * E)  # all-hot: row = layer * E + expert
+        q, s = fp8.quantize_w13(pools.w13_hot[rows])
+        w13[layer].copy_(q)
+        s13[layer].copy_(s)
+        q, s = fp8.quantize_weight(pools.w2_hot[rows])
+        w2[layer].copy_(q)
+        s2[layer].copy_(s)
+        del q, s
+    return ExpertPools.all_hot(w13, w2, s13, s2)

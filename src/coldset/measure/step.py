@@ -21,6 +21,19 @@ first engine's greedy tokens (16 steps, both batch sizes); the largest logit dif
 ``--tune`` runs the experts autotune (:mod:`coldset.tune`) for batch 1 and 8 first; ``--tuned``
 reads the configs of an autotune entry instead (e.g. config/examples/h200-tuned/). Writes
 ``decode_step.json`` under ``--out``.
+
+``--weight-format fp8`` (issue 29) times every engine twice in the same process, on the same
+model and the same tokens: with the built bf16 experts and with those experts quantized to the
+published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`: weights e4m3 with
+their 128 x 128 scales, all in HBM, run by :mod:`coldset.kernels.triton_fp8`; the non-expert
+weights are the same bf16 ones, as :func:`coldset.model.load_model` runs an FP8 checkpoint's).
+Each format has its bytes floor (FP8 experts at :func:`coldset.placement.expert_bytes` of
+``fp8_block128``, scales included, over the distinct experts of its own routing) and its rows;
+``fp8_speedup`` is bf16 step / FP8 step per engine and batch (issue 29's target: >= 1.5 at batch 1)
+beside the ratio of the two floors. FP8 rows are checked against the first engine's FP8 tokens;
+FP8 against bf16 (other weights) is reported as a token match rate, not checked. The FP8 kernel
+runs its documented defaults (:func:`coldset.kernels.triton_fp8.default_config`), the configs of
+``--tuned-fp8`` (an autotune entry of the FP8 shape), or with ``--tune`` its own autotune.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ import json
 import time
 from pathlib import Path
 
-from coldset.measure.harness import MeasureError, log, new_result, require_cuda, spread, write_result
+from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, log, new_result,
+                                     require_cuda, spread, write_result)
 
 #: The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
 #: on Hopper), and each way forced.
@@ -53,6 +67,30 @@ def add_arguments(p) -> None:
                    help="another triton_moe.py (e.g. `git show main:src/coldset/kernels/triton_moe.py`): an engine "
                         "named NAME@base runs engine NAME with that module's triton_experts on the same tuned "
                         "configs (needs --tuned or --tune), for a before/after of the experts kernel in one process")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
+                   help="fp8: also every engine with the experts quantized to block FP8 (all in HBM), beside bf16 in "
+                        "the same run (same model, same tokens): FP8 step against bf16 step")
+    p.add_argument("--tuned-fp8", help="with --weight-format fp8: an autotune cache entry (JSON) of the FP8 shape whose "
+                                       "configs the FP8 kernel runs (default: its documented defaults; --tune tunes both)")
+
+
+def check_arguments(args) -> None:
+    """:class:`MeasureError` naming a bad count, engine or combination before anything is built."""
+    if args.reps < 1 or args.rounds < 1:
+        raise MeasureError(f"--reps {args.reps} and --rounds {args.rounds}: each must be at least 1")
+    check_engines(args.engines.split(","), bool(args.baseline_module))
+    if args.baseline_module and not (args.tune or args.tuned):
+        raise MeasureError("--baseline-module needs --tune or --tuned (the configs both kernels run)")
+    fp8 = args.weight_format == "fp8"
+    if fp8 and args.baseline_module:
+        raise MeasureError("--baseline-module is a bf16 triton_moe.py: it does not run with --weight-format fp8")
+    if args.tuned_fp8 and not fp8:
+        raise MeasureError(f"--tuned-fp8 {args.tuned_fp8} needs --weight-format fp8")
+    if args.tuned_fp8 and args.tune:
+        raise MeasureError("--tuned-fp8 with --tune: --tune tunes the FP8 kernel too; give one of them")
+    for flag, path in (("--tuned", args.tuned), ("--tuned-fp8", args.tuned_fp8)):
+        if path and not Path(path).is_file():
+            raise MeasureError(f"{flag} {path}: no such file")
 
 
 def check_engines(names: list[str], baseline: bool) -> None:
@@ -108,14 +146,41 @@ def baseline_experts(path: str, result):
     return experts
 
 
+def _tuned_from_file(path: str, shape):
+    """The :class:`coldset.tune.TuneResult` of an autotune entry's configs, for ``shape``."""
+    from coldset.tune import TuneResult
+
+    entry = json.loads(Path(path).read_text())
+    return TuneResult(key=entry["key"], hit=True, backend=entry["backend"], shape=shape,
+                      batch_sizes=[int(b) for b in entry["configs"]],
+                      configs={int(b): c for b, c in entry["configs"].items()})
+
+
+def fp8_speedup(rows: list[dict], floor: dict, floor_fp8: dict) -> dict:
+    """Per ``engine/bBATCH`` timed in both formats: ``bf16_over_fp8`` = bf16 step / FP8 step (the
+    medians), its ``range`` over the rounds (slowest bf16 over fastest FP8 and the reverse) and
+    ``floor_ratio`` = bf16 floor / FP8 floor, the speedup the bytes alone allow."""
+    def full(fmt):
+        return {(r["mode"], r["batch"]): r for r in rows if r["experts"] == "full" and r.get("weight_format") == fmt}
+
+    bf, f8 = full("bf16"), full("fp8")
+    out = {}
+    for (mode, b), r in bf.items():
+        if (mode, b) not in f8:
+            continue
+        s, s8 = r["step_ms_spread"], f8[mode, b]["step_ms_spread"]
+        fl = floor[b] if b in floor else floor[str(b)]
+        fl8 = floor_fp8[b] if b in floor_fp8 else floor_fp8[str(b)]
+        out[f"{mode}/b{b}"] = {"bf16_over_fp8": s["median"] / s8["median"],
+                               "range": [s["min"] / s8["max"], s["max"] / s8["min"]],
+                               "floor_ratio": fl["floor_ms"] / fl8["floor_ms"]}
+    return out
+
+
 def run(args, argv=None) -> dict:
     """Measure (see module doc); returns the result written to ``--out``/decode_step.json."""
-    if args.reps < 1 or args.rounds < 1:
-        raise MeasureError(f"--reps {args.reps} and --rounds {args.rounds}: each must be at least 1")
+    check_arguments(args)
     engines = args.engines.split(",")
-    check_engines(engines, bool(args.baseline_module))
-    if args.baseline_module and not (args.tune or args.tuned):
-        raise MeasureError("--baseline-module needs --tune or --tuned (the configs both kernels run)")
     dev = require_cuda()
     import torch
     import torch._dynamo as dynamo
@@ -127,7 +192,7 @@ def run(args, argv=None) -> dict:
     from coldset.placement import expert_bytes
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.timing import eager_time_us
-    from coldset.tune import TuneResult, TuneShape, autotune, tuned_experts
+    from coldset.tune import TuneShape, autotune, tuned_experts
 
     out_path = Path(args.out) / "decode_step.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -159,10 +224,7 @@ def run(args, argv=None) -> dict:
         R["tuned_configs"] = result.configs
         log("autotune", R["autotune_s"], "s")
     elif args.tuned:
-        entry = json.loads(Path(args.tuned).read_text())
-        result = TuneResult(key=entry["key"], hit=True, backend=entry["backend"], shape=shape,
-                            batch_sizes=[int(b) for b in entry["configs"]],
-                            configs={int(b): c for b, c in entry["configs"].items()})
+        result = _tuned_from_file(args.tuned, shape)
         experts = tuned_experts(result, use_row_map=False)
         R["tuned_configs"] = result.configs
         R["tuned_from"] = args.tuned
@@ -170,6 +232,30 @@ def run(args, argv=None) -> dict:
     if args.baseline_module:
         experts_by_name["base"] = baseline_experts(args.baseline_module, result)
         R["baseline_module"] = args.baseline_module
+    # The formats timed: (name, all-hot pools, experts functions by engine suffix, bytes of one expert).
+    formats = [("bf16", model.pools, experts_by_name, expert_bytes(cfg))]
+    if args.weight_format == "fp8":
+        from dataclasses import replace
+
+        t = time.perf_counter()
+        pools8 = fp8_expert_pools(model.pools)
+        torch.cuda.synchronize()
+        R["fp8_quantize_s"] = time.perf_counter() - t
+        shape8 = replace(shape, weight_format=expert_format("fp8"))
+        experts8 = experts_functions(dev, None)[0]  # triton_experts dispatches FP8 pools to triton_fp8, defaults
+        R["fp8_configs_from"] = "triton_fp8.default_config"
+        if args.tune:
+            t = time.perf_counter()
+            tuned8 = autotune(shape8, list(BATCHES), "cuda", "/tmp/coldset-autotune")
+            R["fp8_autotune_s"] = time.perf_counter() - t
+            experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, "--tune"
+        elif args.tuned_fp8:
+            tuned8 = _tuned_from_file(args.tuned_fp8, shape8)
+            experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, \
+                args.tuned_fp8
+        formats.append(("fp8", pools8, {"": experts8}, expert_bytes(cfg, expert_format("fp8"))))
+        R["expert_bytes"] = {name: b for name, _, _, b in formats}
+        log("FP8 experts quantized in", R["fp8_quantize_s"], "s; bytes per expert", R["expert_bytes"])
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
         return torch.zeros_like(x)
@@ -177,16 +263,18 @@ def run(args, argv=None) -> dict:
     stream = [t for d in fx["domains"] for text in texts[d][:4] for t in tokenizer.encode(text).ids]
     prompts_by_b = {b: bn.bench_prompts(stream, b, PROMPT_TOKENS) for b in BATCHES}
     # The bytes floor per step: every non-expert weight once (the batch's embedding rows), and
-    # each distinct expert the batch chose per layer (eager routing capture over the same tokens).
-    ebytes = expert_bytes(cfg)
-    R["floor"] = {}
-    model.experts_fn = experts
-    for b, prompts in prompts_by_b.items():
-        _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
-        step_bytes = bn._nonexpert_read_bytes(cfg, b, model.dtype) + hot_per_token * b
-        R["floor"][b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
-                         "floor_ms": step_bytes / (R["hbm_read_GBps"] * 1e6)}
-    log("floor", R["floor"])
+    # each distinct expert the batch chose per layer (eager routing capture over the same tokens),
+    # per format (FP8: its own routing, its bytes per expert): R["floor"] bf16's, R["floor_fp8"] FP8's.
+    for fmt, pools, fns, ebytes in formats:
+        floor = R["floor" if fmt == "bf16" else f"floor_{fmt}"] = {}
+        model.pools, model.experts_fn = pools, fns[""]
+        for b, prompts in prompts_by_b.items():
+            _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
+            step_bytes = bn._nonexpert_read_bytes(cfg, b, model.dtype) + hot_per_token * b
+            floor[b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
+                        "floor_ms": step_bytes / (R["hbm_read_GBps"] * 1e6)}
+        log("floor", fmt, floor)
+    model.pools, model.experts_fn = formats[0][1], experts
 
     rows: list[dict] = []
     R["rows"] = rows
@@ -196,15 +284,18 @@ def run(args, argv=None) -> dict:
     def save():
         write_result(out_path, R, ceilings, result)
 
-    def run_engine(mode: str, t: float, experts_fn) -> None:
+    def run_engine(mode: str, t: float, experts_fn, fmt: str = "bf16") -> None:
+        """One engine on the model's current pools (``fmt``: their weight format; rows and check
+        keys of FP8 carry it); the step without experts only once (bf16), it reads none."""
+        key = "" if fmt == "bf16" else f" {fmt}"
         for bsz in BATCHES:
-            for name in (("full", "no_experts") if bsz == 1 else ("full",)):
+            for name in (("full", "no_experts") if bsz == 1 and fmt == "bf16" else ("full",)):
                 model.experts_fn = experts_fn if name == "full" else no_experts
                 dec = bn.Decoder(model, bsz, PROMPT_TOKENS, NEW_TOKENS, True)
                 tok = dec.prefill(prompts_by_b[bsz])
                 dec.set_step(tok, 1)
                 dec.capture()
-                if bsz == 1 and name == "full":
+                if bsz == 1 and name == "full" and fmt == "bf16":  # the first capture pays the compile
                     R.setdefault("compile_s", {})[mode] = time.perf_counter() - t
                 toks, logs = [tok], []
                 for step in range(1, NEW_TOKENS):
@@ -214,13 +305,15 @@ def run(args, argv=None) -> dict:
                     tok = torch.argmax(lg, dim=-1)
                     toks.append(tok)
                 if name == "full":
-                    tokens_by_mode[f"{mode}/b{bsz}"] = torch.stack(toks, 1).tolist()
-                    logits_by_mode[f"{mode}/b{bsz}"] = torch.stack(logs, 1)
+                    tokens_by_mode[f"{mode}{key}/b{bsz}"] = torch.stack(toks, 1).tolist()
+                    logits_by_mode[f"{mode}{key}/b{bsz}"] = torch.stack(logs, 1)
                 ms = spread([eager_time_us(dec.step, args.reps) / 1e3 for _ in range(args.rounds)])
                 row = {"mode": mode, "batch": bsz, "experts": name, "step_ms": ms["median"], "step_ms_spread": ms,
                        "tok_s": bsz * 1e3 / ms["median"]}
+                if args.weight_format != "bf16":
+                    row["weight_format"] = fmt
                 if name == "full":
-                    row["floor_ms"] = R["floor"][bsz]["floor_ms"]
+                    row["floor_ms"] = R["floor" if fmt == "bf16" else f"floor_{fmt}"][bsz]["floor_ms"]
                     row["fraction_of_floor"] = row["floor_ms"] / ms["median"]
                     row["fraction_of_floor_range"] = [row["floor_ms"] / ms["max"], row["floor_ms"] / ms["min"]]
                     try:
@@ -242,27 +335,42 @@ def run(args, argv=None) -> dict:
             model.compile_decode(fused=False)
         elif engine in FUSED_PDL:
             model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
-        try:
-            run_engine(mode, t, experts_by_name[which])
-        except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
-            R.setdefault("errors", {})[mode] = repr(exc)[:500]
-            log("engine", mode, "failed:", repr(exc)[:500])
+        for fmt, pools, fns, _ in formats:  # the compiled region is the same for every format
+            model.pools = pools
+            try:
+                run_engine(mode, t, fns[which], fmt)
+            except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
+                label = mode if fmt == "bf16" else f"{mode} {fmt}"
+                R.setdefault("errors", {})[label] = repr(exc)[:500]
+                log("engine", label, "failed:", repr(exc)[:500])
 
-    model.experts_fn = experts
+    model.pools, model.experts_fn = formats[0][1], experts
     from torch._dynamo.utils import counters
 
     R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     R["checks"] = {}
     ref = engines[0]
-    for mode in engines:
-        for bsz in BATCHES:
-            if f"{mode}/b{bsz}" not in tokens_by_mode or f"{ref}/b{bsz}" not in tokens_by_mode:
-                continue
-            e, c = tokens_by_mode[f"{ref}/b{bsz}"], tokens_by_mode[f"{mode}/b{bsz}"]
-            same = sum(a == b for x, y in zip(e, c) for a, b in zip(x, y)) / (bsz * NEW_TOKENS)
-            diff = (logits_by_mode[f"{ref}/b{bsz}"] - logits_by_mode[f"{mode}/b{bsz}"]).abs().max().item()
-            R["checks"][f"{mode}/b{bsz}"] = {"token_match": same, "max_abs_logit_diff": diff}
+
+    def compare(a: str, b: str, bsz: int) -> dict | None:
+        if a not in tokens_by_mode or b not in tokens_by_mode:
+            return None
+        e, c = tokens_by_mode[a], tokens_by_mode[b]
+        same = sum(x_ == y_ for x, y in zip(e, c) for x_, y_ in zip(x, y)) / (bsz * NEW_TOKENS)
+        return {"token_match": same, "max_abs_logit_diff": (logits_by_mode[a] - logits_by_mode[b]).abs().max().item()}
+
+    for fmt, *_ in formats:
+        key = "" if fmt == "bf16" else f" {fmt}"
+        for mode in engines:
+            for bsz in BATCHES:
+                got = compare(f"{ref}{key}/b{bsz}", f"{mode}{key}/b{bsz}", bsz)
+                if got is not None:
+                    R["checks"][f"{mode}{key}/b{bsz}"] = got
     R["checks_against"] = ref
+    if len(formats) > 1:
+        R["fp8_speedup"] = fp8_speedup(rows, R["floor"], R["floor_fp8"])
+        R["fp8_vs_bf16"] = {f"{mode}/b{bsz}": got for mode in engines for bsz in BATCHES
+                            if (got := compare(f"{mode}/b{bsz}", f"{mode} fp8/b{bsz}", bsz)) is not None}
+        log("bf16 step / FP8 step", {k: round(v["bf16_over_fp8"], 3) for k, v in R["fp8_speedup"].items()})
     save()
     for r in rows:
         if "top" in r.get("profile", {}):
