@@ -98,7 +98,12 @@ TRITON_SEARCH_SPACE: dict = {
 }
 
 # The FP8 kernel (coldset.kernels.triton_fp8, issue 29): block_k1 = block_k2 = 128, one weight
-# scale block per k step; split-K, half_tail and the w2 prefetch (pdl=1) are not implemented there.
+# scale block per k step; split-K and half_tail are not implemented there. Its pdl modes: 2 chains
+# every launch after the tokens' quantization (w13's too), 1 adds a bulk L2 prefetch of the hot
+# weight rows while the small quantization launches run, 3 adds to 1 the quantization launch's
+# own chaining (triton_fp8's docstring); the decode candidates below pair both measured tiles with
+# each of them (the fused-intermediate 128-column tile, slower at every decode size in the run
+# below, is dropped).
 # block_n1 a multiple of 128 has the w13 launch quantize the intermediate itself (whole groups per
 # block); below 128 a separate launch does (the same bits). Decode: 64 columns of gate and up per
 # block with a quantization launch (vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768: 16-row
@@ -115,8 +120,11 @@ TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=3),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3),
     ],
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,

@@ -47,8 +47,11 @@ mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 ker
 - ``1``: as 2, and while they wait the w13 blocks (and the w2 blocks behind the intermediate's
   quantization launch) bulk-prefetch their hot weight rows into L2 (``cp.async.bulk.prefetch``,
   up to :data:`PREFETCH_L2_BYTES` a launch), so HBM does not idle during the small launch before;
-- ``3``: as 2, and the tokens' quantization (and the grouping's launches) are dependent launches
-  of whatever kernel came before them, waiting for it before reading anything.
+- ``3``: as 1, and the tokens' quantization (and the grouping's launches) are dependent launches
+  of whatever kernel came before them, waiting for it before reading anything (the bf16 kernel's
+  ``pdl=3`` has no prefetch: there its w2 prefetch competed with w13's reads, here the prefetch
+  fills the time of a small launch, so 1 against 2 measures the prefetch, 3 against 1 the first
+  launch's chaining).
 """
 
 from __future__ import annotations
@@ -388,7 +391,7 @@ def triton_fp8_experts(
                                            default_config)
     c = config
     _check_config(c)
-    pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
+    pdl, prefetch, first = c.pdl > 0, c.pdl in (1, 3), c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_fp8_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
                            "(triton >= 3.3)")
