@@ -120,12 +120,27 @@ def render_kernel_fp8(res: dict) -> str:
     return "\n\n".join(out)
 
 
+def _floors(fl: dict) -> str:
+    return ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
+
+
 def render_step(res: dict) -> str:
-    fl = res["floor"]
-    floors = ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
-    out = [header(res, "Decode step"),
+    """``bench step``; with ``--weight-format fp8`` (rows carrying ``weight_format``) a format column,
+    each format's floor and the bf16 / FP8 step ratio per engine and batch."""
+    fp8 = "floor_fp8" in res
+    if fp8:
+        eb = res.get("expert_bytes", {})
+        floors = (f"bf16 experts ({_f(eb.get('bf16', 0) / 1e6, '.2f')} MB an expert) {_floors(res['floor'])}; block-FP8 "
+                  f"experts ({_f(eb.get('fp8', 0) / 1e6, '.2f')} MB an expert with its scales) {_floors(res['floor_fp8'])}")
+    else:
+        floors = _floors(res["floor"])
+    out = [header(res, "Decode step" + (", block-FP8 experts beside bf16 (all in HBM, one process)" if fp8 else "")),
            f"HBM read ceiling in this run {res['hbm_read_GBps']:.0f} GB/s; bytes floor per step: {floors}. "
            f"Step ms: median of {res['args']['rounds']} rounds of {res['args']['reps']} calls (min-max)."]
+    if fp8:
+        out.append("The FP8 experts are the same model's bf16 experts quantized to 128 x 128 blocks "
+                   "(coldset.measure.harness.fp8_expert_pools); non-expert weights bf16 in both; FP8 kernel configs: "
+                   f"{res.get('fp8_configs_from', '?')}.")
     rows = []
     for r in res["rows"]:
         p = r.get("profile", {})
@@ -133,13 +148,24 @@ def render_step(res: dict) -> str:
         of = f"{100 * r['fraction_of_floor']:.1f}%" if "fraction_of_floor" in r else "-"
         if rng and len(r["step_ms_spread"]["runs"]) > 1:
             of += f" ({100 * rng[0]:.1f}-{100 * rng[1]:.1f}%)"
-        rows.append([r["mode"], r["batch"], r["experts"], _spread(r["step_ms_spread"], ".3f"), f"{r['tok_s']:.1f}",
+        rows.append([r["mode"], *([r["weight_format"]] if fp8 else []), r["batch"], r["experts"],
+                     _spread(r["step_ms_spread"], ".3f"), f"{r['tok_s']:.1f}",
                      _f(r.get("floor_ms"), ".3f"), of, _f(p.get("kernels_per_step"), ".0f")])
-    out.append(table(["engine", "batch", "experts", "step ms", "tok/s", "floor ms", "of floor", "kernels/step"], rows))
+    out.append(table(["engine", *(["experts format"] if fp8 else []), "batch", "experts", "step ms", "tok/s", "floor ms",
+                      "of floor", "kernels/step"], rows))
+    if fp8 and res.get("fp8_speedup"):
+        out.append(table(["engine / batch", "bf16 step / FP8 step (range over rounds)", "bf16 floor / FP8 floor"],
+                         [[k, f"{v['bf16_over_fp8']:.3f}x ({v['range'][0]:.3f}-{v['range'][1]:.3f})",
+                           f"{v['floor_ratio']:.3f}x"] for k, v in res["fp8_speedup"].items()]))
     checks = res.get("checks", {})
     if checks:
-        out.append(f"Against {res.get('checks_against', 'the first engine')}: " + "; ".join(
-            f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}" for k, v in checks.items()))
+        out.append(f"Against {res.get('checks_against', 'the first engine')}" + (" of the same format" if fp8 else "")
+                   + ": " + "; ".join(f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
+                                      for k, v in checks.items()))
+    if res.get("fp8_vs_bf16"):
+        out.append("FP8 against bf16, the same engine (other weights: reported, not checked): " + "; ".join(
+            f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
+            for k, v in res["fp8_vs_bf16"].items()))
     if res.get("errors"):
         out.append("Engines that failed: " + "; ".join(f"{k}: {v}" for k, v in res["errors"].items()))
     return "\n\n".join(out)
@@ -149,11 +175,17 @@ def render_cache(res: dict) -> str:
     c = res.get("ceilings", {})
     a = res["args"]
     fails = res.get("fails", [])
-    out = [header(res, "Slot cache and lookahead prefetch"),
+    fp8 = res.get("weight_format") == "fp8"
+    out = [header(res, "Slot cache and lookahead prefetch" + (", block-FP8 experts" if fp8 else "")),
            f"{res.get('model', '?')}, {a['steps']} decode steps x {a['repeats']} timed passes (+1 checked), held-out "
            f"fixture prompts, {res.get('router', 'synthetic router')}. Ceilings in this run: HBM read "
            f"{_f(c.get('hbm_read_gb_s'), '.0f')} GB/s, link read {_f(c.get('link_read_gb_s'), '.1f')} GB/s. "
            "Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + "."]
+    if "weight_format" in res:  # results since --weight-format: the experts' format and bytes, every tier alike
+        out.append(f"Experts: {'block-FP8 (e4m3, 128 x 128 scales)' if fp8 else 'bf16'} in HBM, slots and the pinned "
+                   f"host tier, {res['expert_bytes'] / 1e6:.2f} MB an expert"
+                   + (" with its scales; all-HBM is the FP8 kernel with every expert hot, the reference of the "
+                      "bitwise checks." if fp8 else "."))
     # Results with the time columns (bench cache since the nexttoken policy) get four more columns;
     # older results render as they always did.
     timed = any("sim_over_measured" in r for r in res["rows"])
