@@ -36,12 +36,17 @@ def test_weight_format_defaults_to_bf16_and_takes_only_bf16_or_fp8(capsys):
         with pytest.raises(SystemExit):
             p.parse_args([cmd, "--out", "o", "--weight-format", "mxfp4"])
         assert "invalid choice: 'mxfp4'" in capsys.readouterr().err
-    assert p.parse_args(["step", "--out", "o"]).tuned_fp8 is None
+    assert p.parse_args(["step", "--out", "o"]).tuned_fp8 is None and not p.parse_args(["step", "--out", "o"]).tune_fp8
+    with pytest.raises(SystemExit):
+        p.parse_args(["step", "--out", "o", "--tune-fp8", "--tuned-fp8", "t.json"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
     (["step", "--tuned-fp8", "t.json"], "--tuned-fp8 t.json needs --weight-format fp8"),
     (["step", "--weight-format", "fp8", "--tune", "--tuned-fp8", "t.json"], "--tune tunes the FP8 kernel too"),
+    (["step", "--weight-format", "fp8", "--tune", "--tune-fp8"], "--tune-fp8 with --tune"),
+    (["step", "--tune-fp8"], "--tune-fp8 needs --weight-format fp8"),
     (["step", "--weight-format", "fp8", "--tuned-fp8", "{tmp}/none.json"], "none.json: no such file"),
     (["step", "--weight-format", "fp8", "--tuned", "config/examples/h200-tuned/decode_step_tuned.json",
       "--baseline-module", "src/coldset/kernels/triton_moe.py", "--engines", "fused,fused@base"],
@@ -61,6 +66,8 @@ def test_bad_combinations_are_named_before_cuda_is_asked(args, message, tmp_path
 
 
 @pytest.mark.parametrize("command", [["step", "--weight-format", "fp8"],
+                                     ["step", "--weight-format", "fp8", "--tune-fp8", "--tuned",
+                                      "config/examples/h200-tuned/decode_step_tuned.json"],
                                      ["step", "--weight-format", "fp8", "--tuned-fp8",
                                       "config/examples/h200-tuned/decode_step_tuned.json"],
                                      ["cache", "--weight-format", "fp8", "--residencies", "0.25,0.5,0.75"]])

@@ -33,7 +33,8 @@ Each format has its bytes floor (FP8 experts at :func:`coldset.placement.expert_
 beside the ratio of the two floors. FP8 rows are checked against the first engine's FP8 tokens;
 FP8 against bf16 (other weights) is reported as a token match rate, not checked. The FP8 kernel
 runs its documented defaults (:func:`coldset.kernels.triton_fp8.default_config`), the configs of
-``--tuned-fp8`` (an autotune entry of the FP8 shape), or with ``--tune`` its own autotune.
+``--tuned-fp8`` (an autotune entry of the FP8 shape), or its own autotune in this run (``--tune``,
+which tunes both kernels, or ``--tune-fp8``, the FP8 kernel alone, e.g. beside ``--tuned``).
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ def add_arguments(p) -> None:
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
                    help="fp8: also every engine with the experts quantized to block FP8 (all in HBM), beside bf16 in "
                         "the same run (same model, same tokens): FP8 step against bf16 step")
-    p.add_argument("--tuned-fp8", help="with --weight-format fp8: an autotune cache entry (JSON) of the FP8 shape whose "
-                                       "configs the FP8 kernel runs (default: its documented defaults; --tune tunes both)")
+    fp8_tuning = p.add_mutually_exclusive_group()
+    fp8_tuning.add_argument("--tuned-fp8", help="with --weight-format fp8: an autotune cache entry (JSON) of the FP8 shape "
+                                                "whose configs the FP8 kernel runs (default: its documented defaults; "
+                                                "--tune tunes both kernels)")
+    fp8_tuning.add_argument("--tune-fp8", action="store_true",
+                            help="with --weight-format fp8: autotune the FP8 kernel alone for batch 1 and 8 first (e.g. "
+                                 "beside --tuned for the bf16 kernel)")
 
 
 def check_arguments(args) -> None:
@@ -86,8 +92,11 @@ def check_arguments(args) -> None:
         raise MeasureError("--baseline-module is a bf16 triton_moe.py: it does not run with --weight-format fp8")
     if args.tuned_fp8 and not fp8:
         raise MeasureError(f"--tuned-fp8 {args.tuned_fp8} needs --weight-format fp8")
-    if args.tuned_fp8 and args.tune:
-        raise MeasureError("--tuned-fp8 with --tune: --tune tunes the FP8 kernel too; give one of them")
+    if args.tune_fp8 and not fp8:
+        raise MeasureError("--tune-fp8 needs --weight-format fp8")
+    if (args.tuned_fp8 or args.tune_fp8) and args.tune:
+        raise MeasureError(f"{'--tuned-fp8' if args.tuned_fp8 else '--tune-fp8'} with --tune: --tune tunes the FP8 "
+                           "kernel too; give one of them")
     for flag, path in (("--tuned", args.tuned), ("--tuned-fp8", args.tuned_fp8)):
         if path and not Path(path).is_file():
             raise MeasureError(f"{flag} {path}: no such file")
@@ -244,11 +253,13 @@ def run(args, argv=None) -> dict:
         shape8 = replace(shape, weight_format=expert_format("fp8"))
         experts8 = experts_functions(dev, None)[0]  # triton_experts dispatches FP8 pools to triton_fp8, defaults
         R["fp8_configs_from"] = "triton_fp8.default_config"
-        if args.tune:
+        if args.tune or args.tune_fp8:
             t = time.perf_counter()
             tuned8 = autotune(shape8, list(BATCHES), "cuda", "/tmp/coldset-autotune")
             R["fp8_autotune_s"] = time.perf_counter() - t
-            experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, "--tune"
+            experts8, R["fp8_tuned_configs"] = tuned_experts(tuned8, False), tuned8.configs
+            R["fp8_configs_from"] = "autotuned in this run"
+            log("FP8 autotune", R["fp8_autotune_s"], "s", tuned8.configs)
         elif args.tuned_fp8:
             tuned8 = _tuned_from_file(args.tuned_fp8, shape8)
             experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, \
