@@ -130,8 +130,9 @@ def render_step(res: dict) -> str:
     fp8 = "floor_fp8" in res
     if fp8:
         eb = res.get("expert_bytes", {})
-        floors = (f"bf16 experts ({_f(eb.get('bf16', 0) / 1e6, '.2f')} MB an expert) {_floors(res['floor'])}; block-FP8 "
-                  f"experts ({_f(eb.get('fp8', 0) / 1e6, '.2f')} MB an expert with its scales) {_floors(res['floor_fp8'])}")
+        floors = (f"bf16 experts ({_f(eb.get('bf16', 0) / 1e6, '.2f')} MB an expert) {_floors(res['floor'])}; "
+                  f"block-FP8 experts ({_f(eb.get('fp8', 0) / 1e6, '.2f')} MB an expert with its scales) "
+                  f"{_floors(res['floor_fp8'])}")
     else:
         floors = _floors(res["floor"])
     out = [header(res, "Decode step" + (", block-FP8 experts beside bf16 (all in HBM, one process)" if fp8 else "")),
@@ -151,8 +152,8 @@ def render_step(res: dict) -> str:
         rows.append([r["mode"], *([r["weight_format"]] if fp8 else []), r["batch"], r["experts"],
                      _spread(r["step_ms_spread"], ".3f"), f"{r['tok_s']:.1f}",
                      _f(r.get("floor_ms"), ".3f"), of, _f(p.get("kernels_per_step"), ".0f")])
-    out.append(table(["engine", *(["experts format"] if fp8 else []), "batch", "experts", "step ms", "tok/s", "floor ms",
-                      "of floor", "kernels/step"], rows))
+    out.append(table(["engine", *(["experts format"] if fp8 else []), "batch", "experts", "step ms", "tok/s",
+                      "floor ms", "of floor", "kernels/step"], rows))
     if fp8 and res.get("fp8_speedup"):
         out.append(table(["engine / batch", "bf16 step / FP8 step (range over rounds)", "bf16 floor / FP8 floor"],
                          [[k, f"{v['bf16_over_fp8']:.3f}x ({v['range'][0]:.3f}-{v['range'][1]:.3f})",

@@ -72,12 +72,12 @@ def add_arguments(p) -> None:
                    help="fp8: also every engine with the experts quantized to block FP8 (all in HBM), beside bf16 in "
                         "the same run (same model, same tokens): FP8 step against bf16 step")
     fp8_tuning = p.add_mutually_exclusive_group()
-    fp8_tuning.add_argument("--tuned-fp8", help="with --weight-format fp8: an autotune cache entry (JSON) of the FP8 shape "
-                                                "whose configs the FP8 kernel runs (default: its documented defaults; "
-                                                "--tune tunes both kernels)")
+    fp8_tuning.add_argument("--tuned-fp8",
+                            help="with --weight-format fp8: an autotune cache entry (JSON) of the FP8 shape whose "
+                                 "configs the FP8 kernel runs (default: its documented defaults; --tune tunes both)")
     fp8_tuning.add_argument("--tune-fp8", action="store_true",
-                            help="with --weight-format fp8: autotune the FP8 kernel alone for batch 1 and 8 first (e.g. "
-                                 "beside --tuned for the bf16 kernel)")
+                            help="with --weight-format fp8: autotune the FP8 kernel alone for batch 1 and 8 first "
+                                 "(e.g. beside --tuned for the bf16 kernel)")
 
 
 def check_arguments(args) -> None:
