@@ -200,3 +200,26 @@ def test_reproduces_the_issue_engine_figures_from_their_counts():
     assert ts.link_gb_per_token == pytest.approx(fills * per_expert / 1e9)
     assert ts.step_ms == pytest.approx(2.56 + fills * per_expert / 51e9 * 1e3)
     assert abs(ts.step_ms / 6.07 - 1) < 0.04 and ts.overlap == pytest.approx(0.0, abs=1e-9)
+
+
+def test_management_per_group_adds_to_every_group_and_delays_the_copies():
+    """manage_ms: the cache's own work at each group's decisions. All hits: the step grows by it
+    per group, as the engine's residency-1.0 step does; manage_ms_per_group recovers it from the
+    two steps. A miss: its copy is issued after the decisions, so it lands manage_ms later."""
+    from coldset.cache import manage_ms_per_group
+
+    hits = one_layer([0, 0, 0])
+    res = simulate(hits, "lru", 1, PROFILE)
+    assert res.hit.all()
+    plain, managed = simulate_time(hits, res, model(0.3)), simulate_time(hits, res, model(0.3, manage_ms=0.25))
+    assert plain.step_ms == pytest.approx(1.0) and managed.step_ms == pytest.approx(1.25)
+    assert manage_ms_per_group(managed.step_ms, plain.step_ms, 1) == pytest.approx(0.25)
+    assert manage_ms_per_group(0.9, 1.0, 4) == 0.0  # a residency-1.0 step faster than all-HBM: noise, not credit
+    miss = one_layer([2])
+    res = simulate(miss, "lru", 1, PROFILE)
+    # decisions at 0.5 + 0.25, the copy lands at 1.05, the experts' 0.5 ms follow
+    assert simulate_time(miss, res, model(0.3, manage_ms=0.25)).step_ms == pytest.approx(1.55)
+    with pytest.raises(CacheError, match="manage_ms"):
+        model(0.3, manage_ms=-0.1)
+    with pytest.raises(CacheError, match="manage_ms_per_group"):
+        manage_ms_per_group(1.0, 0.0, 4)

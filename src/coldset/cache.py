@@ -1055,7 +1055,12 @@ class TimeModel:
     together, 128 and 32 blocks a weight; a class alone gets the whole rate); FIFO within a class.
     ``join``: ``"use"`` (a copy is waited on only by a group that selects its instance) or
     ``"step"`` (in addition, each step's end, after its last MoE layer, waits for every copy issued
-    until then: a side path joined inside the step's CUDA graph, the engine of issue 28)."""
+    until then: a side path joined inside the step's CUDA graph, the engine of issue 28).
+    ``manage_ms``: the cache's own work per (step, layer) group on the compute stream (its
+    decision and fill launches, cross-stream waits), paid at the group's decisions whether or not
+    anything is copied: :func:`manage_ms_per_group` measures it from the policy's residency-1.0
+    step, where every selection hits. Without it a policy whose decisions cost time (``lookahead``:
+    +0.69 ms a step at b1 on the H200) is simulated 10% fast."""
 
     step_ms: float
     bytes_per_expert: int
@@ -1065,11 +1070,14 @@ class TimeModel:
     link: str = "priority"
     join: str = "use"
     demand_share: float = 0.8
+    manage_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.step_ms > 0 and self.link_gb_s > 0 and self.bytes_per_expert > 0):
             raise CacheError(f"TimeModel: step_ms, link_gb_s and bytes_per_expert must be > 0, got {self.step_ms}, "
                              f"{self.link_gb_s}, {self.bytes_per_expert}")
+        if not self.manage_ms >= 0:
+            raise CacheError(f"TimeModel: manage_ms must be >= 0, got {self.manage_ms}")
         if not (0 <= self.head_share < 1 and 0 <= self.router_share <= 1):
             raise CacheError(f"TimeModel: head_share must lie in [0, 1) and router_share in [0, 1], got "
                              f"{self.head_share}, {self.router_share}")
@@ -1108,7 +1116,7 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
     """The time a replay's decisions (:func:`simulate`'s ``result`` on ``stream``) take.
 
     Compute: per step, each MoE layer ``(step_ms * (1 - head_share)) / L`` (``router_share`` of it
-    before its decisions), then ``head_share`` of the step. Link: one queue at ``link_gb_s``; a
+    before its decisions) plus ``manage_ms`` (the decisions), then ``head_share`` of the step. Link: one queue at ``link_gb_s``; a
     copy lands when its bytes have crossed. At a group's decisions its demand copies (each distinct
     missed instance: a slot fill, a read in place or a static cold read) and then its prefetches
     (``result.issued``) are queued; the group's experts start when every copy of an instance it
@@ -1125,7 +1133,8 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
     per_layer = model.step_ms * (1 - model.head_share) / L
     total, stall, steps, copies = _replay_time(
         ids, ptr, result.hit, np.ascontiguousarray(issued, dtype=np.int64), new_step,
-        per_layer * model.router_share, per_layer * (1 - model.router_share), model.step_ms * model.head_share,
+        per_layer * model.router_share + model.manage_ms, per_layer * (1 - model.router_share),
+        model.step_ms * model.head_share,
         model.copy_ms, LINK_MODES.index(model.link), float(model.demand_share),
         model.join == "step", stream.num_instances)
     total, stall, copies = float(total), float(stall), int(copies)
@@ -1140,6 +1149,17 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
     return TimeStats(step, model.step_ms, bound, bound / step, 1 - (step - model.step_ms) / link_ms if copies else
                      float("nan"), stall / tokens, copies * model.bytes_per_expert / tokens / 1e9,
                      st.wasted_prefetches * model.bytes_per_expert / tokens / 1e9, steps, stream.tokens)
+
+
+def manage_ms_per_group(full_step_ms: float, allhbm_step_ms: float, num_moe_layers: int) -> float:
+    """:attr:`TimeModel.manage_ms` from two measured steps of one run and batch size: the policy at
+    residency 1.0 (every selection hits, so its step exceeds the all-HBM one only by the cache's
+    decisions) and the all-HBM step, spread over the step's ``num_moe_layers`` groups; 0 when the
+    policy's step is not slower (noise)."""
+    if num_moe_layers < 1 or not (full_step_ms > 0 and allhbm_step_ms > 0):
+        raise CacheError(f"manage_ms_per_group: steps {full_step_ms}, {allhbm_step_ms} ms over {num_moe_layers} "
+                         "layers: each must be > 0")
+    return max(0.0, (full_step_ms - allhbm_step_ms) / num_moe_layers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -233,6 +233,7 @@ def run(args, argv=None) -> dict:
         tokens = bsz * steps
         inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)  # the engine's group order
         acc = AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), tokens, L, E)
+        replays: dict = {}  # cache rows of this batch with their replays (the management columns)
 
         def row(name, res, residency, extra):
             mean, p50, p90 = bn.pass_timing([p["ms"] for p in res[1:]])
@@ -325,6 +326,7 @@ def run(args, argv=None) -> dict:
                     "link_gb_per_token": st.link_gb_per_token(per_expert)})
                 allhbm_ms = next(x["step_ms_mean"] for x in R["rows"] if x["batch"] == bsz and x["placement"] == "all-HBM")
                 r.update(_time_columns(r, allhbm_ms, ceilings["link_read_gb_s"], bsz, acc, sim, per_expert))
+                replays[name] = (r, sim)
                 log(f"{name}/b{bsz}", {k_: round(r[k_], 4) for k_ in ("overlap", "fraction_of_bound", "sim_over_measured")
                                         if r[k_] is not None})
                 if args.analysis and pol == "lru" and res_ < 1.0:
@@ -336,8 +338,32 @@ def run(args, argv=None) -> dict:
                 del cache, got
                 torch.cuda.empty_cache()
             write_result(out_path, R, ceilings)
+        if replays:
+            _manage_columns(replays, allhbm_ms, ceilings["link_read_gb_s"], acc, per_expert, L)
+        write_result(out_path, R, ceilings)
     write_result(out_path, R, ceilings)
     return R
+
+
+def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, acc, per_expert: int, L: int) -> None:
+    """The time simulator with the cache's own work: each cache row's policy at residency 1.0 in the
+    same run and batch (every selection a hit) gives its management per group
+    (:func:`coldset.cache.manage_ms_per_group`; lookahead: its depth-1 row), and the row gets
+    ``manage_ms_per_group`` and ``sim_managed_step_ms`` / ``sim_managed_over_measured``
+    (:class:`coldset.cache.TimeModel` with ``manage_ms``). Rows whose policy has no residency-1.0
+    row in the run keep None there."""
+    from coldset.cache import TimeModel, manage_ms_per_group, simulate_time
+
+    full = {name.split("-")[0]: r for name, (r, _) in replays.items() if r["residency"] == 1.0}
+    for name, (r, sim) in replays.items():
+        f = full.get(name.split("-")[0])
+        r.update(manage_ms_per_group=None, sim_managed_step_ms=None, sim_managed_over_measured=None)
+        if f is None:
+            continue
+        m = manage_ms_per_group(f["step_ms_mean"], allhbm_ms, L)
+        ts = simulate_time(acc, sim, TimeModel(step_ms=allhbm_ms, bytes_per_expert=per_expert, link_gb_s=link_gb_s,
+                                               link="share", join="step", manage_ms=m))
+        r.update(manage_ms_per_group=m, sim_managed_step_ms=ts.step_ms, sim_managed_over_measured=ts.step_ms / r["step_ms_mean"])
 
 
 def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):

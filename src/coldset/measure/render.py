@@ -190,6 +190,7 @@ def render_cache(res: dict) -> str:
     # Results with the time columns (bench cache since the nexttoken policy) get four more columns;
     # older results render as they always did.
     timed = any("sim_over_measured" in r for r in res["rows"])
+    managed = any("sim_managed_over_measured" in r for r in res["rows"])  # since the management term
     fc = res.get("forecaster")
     if fc:
         a_ = res["args"]
@@ -210,15 +211,21 @@ def render_cache(res: dict) -> str:
         if timed:
             rows[-1] += [_f(r.get("wasted_prefetches_per_token"), ".2f"), _f(r.get("overlap"), ".2f"),
                          _f(r.get("fraction_of_bound"), ".2f"), _f(r.get("sim_over_measured"), ".3f")]
+        if managed:
+            rows[-1] += [_f(r.get("sim_managed_over_measured"), ".3f")]
     headers = ["batch", "placement", "tok/s", "x usage_global", "x all-HBM", "hit rate", "sim hit",
                "misses/token", "prefetches/token", "link GB/token", "mean step ms (min-max of passes)"]
     if timed:
         headers += ["wasted prefetches/token", "overlap", "of bound", "simulated / measured step"]
+    if managed:
+        headers += ["with management / measured"]
     out.append(table(headers, rows))
     if timed:
         out.append("overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = "
                    "max(all-HBM step, link time); simulated step: coldset.cache.simulate_time (link \"share\", "
-                   "join \"step\") on the same decisions, at the all-HBM step and link rate of this run.")
+                   "join \"step\") on the same decisions, at the all-HBM step and link rate of this run"
+                   + ("; with management: the same plus the policy's own work per group, measured as its "
+                      "residency-1.0 step over the all-HBM one (TimeModel.manage_ms)." if managed else "."))
     return "\n\n".join(out)
 
 
