@@ -28,7 +28,12 @@ row and k step, at prefill once per column block) cost 3-5x the bf16 kernel's ti
 (issue 29 first runs); the quantization points, hence the results, are the same. Once per call,
 at Qwen3-30B-A3B-FP8 shape on the H200 (docs/measurements/kernel_bench_fp8.json): 82.3 -> 24.3 µs
 at 1 token, 416 -> 171 at 64, 2369 -> 956 at 2048 (45%, 79%, 14% of a plain read of the same
-bytes; the bf16 kernel 71%, 91%, 56%).
+bytes; the bf16 kernel 71%, 91%, 56%). Then, in one run (the current kernel_bench_fp8.json): the
+w13 launch chained behind the tokens' quantization (``pdl=2``) 22.7 µs at 1 token, 53.8 at 4, 110.8
+at 16, 167.0 at 64 (48-80% of a plain read); the L2 prefetch (``pdl`` 1 and 3) did not pay: 23.9
+against 22.7 µs at 1 token, within 1.5% either way at 4-64; at 2048 tokens 64 columns of gate and
+up per block with the quantization launch, 457.5 µs against 956.1 for whole groups (4 warps)
+and 614.8 (8 warps): the scaled dot's temporaries beside two 64 x 128 accumulators spill.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
@@ -82,16 +87,18 @@ if TYPE_CHECKING:
     from coldset.tiers import ExpertPools
 
 GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
-# pdl=1: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is 50 MB)
-# while the quantization launch before it runs
+# pdl 1 and 3: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is
+# 50 MB) while the quantization launch before it runs (measured: no gain, see the docstring)
 PREFETCH_L2_BYTES = 16 << 20
 
 # Defaults when no tuned entry exists: decode tiles of 16 rows with 64 columns of gate and up per
 # w13 block (128 weight rows, as vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768 uses from 4
 # tokens on) and the intermediate quantized by its own launch; prefill 64-row tiles (vLLM's table
-# above 128 tokens) with whole groups per w13 block, so that launch writes the FP8 intermediate.
+# above 128 tokens) with the same 64 columns (457.5 against 956.1 µs at 2048 tokens on the H200 for
+# whole groups per block, docs/measurements/kernel_bench_fp8.json). pdl stays 0: dependent launch
+# needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU with FP8 dots.
 DEFAULT_DECODE_CONFIG = KernelConfig(16, 64, 128, 128, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(64, 128, 128, 128, 128, 4, 4, 1, tile_order=1, half_buf=1)
+DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 128, 128, 128, 4, 4, 1, tile_order=1, half_buf=1)
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
