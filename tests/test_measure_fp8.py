@@ -350,16 +350,30 @@ def test_render_cache_fp8_exact_markdown():
 
 
 @pytest.mark.gpu
-def test_fp8_expert_pools_on_the_gpu_are_the_cpu_ones():
-    """Quantized on the GPU (as the commands do) = quantized on the CPU, bit for bit."""
+def test_fp8_expert_pools_on_the_gpu_within_e4m3_rounding():
+    """Quantized on the GPU (as the commands do): the scales are the CPU's (max|block| / 448, within
+    one float32 ulp), and every weight dequantizes to within e4m3's rounding of the bf16 weight
+    (the CPU test's bound). Not bit for bit the CPU's bytes: measured on the H200 (2026-12-01),
+    CUDA's float-to-e4m3 conversion of this shape's tiny values (logspace magnitudes, subnormal
+    after scaling) gave other bytes than the CPU's, both within the bound."""
     pools = _pools()
+    L, E = pools.num_moe_layers, pools.num_experts
     cpu = fp8_expert_pools(pools)
     gpu = fp8_expert_pools(ExpertPools.all_hot(pools.w13_hot.view(2, 3, 320, 200).cuda(),
                                                pools.w2_hot.view(2, 3, 200, 160).cuda()))
-    for name in ("w13_hot", "w2_hot"):
-        assert torch.equal(getattr(gpu, name).cpu().view(torch.uint8), getattr(cpu, name).view(torch.uint8))
     for name in ("w13_scale_hot", "w2_scale_hot"):
-        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name))
+        torch.testing.assert_close(getattr(gpu, name).cpu(), getattr(cpu, name), rtol=2.0**-23, atol=0)
+    I, H = pools.w2_hot.shape[2], pools.w2_hot.shape[1]
+    for layer in range(L):
+        for e in range(E):
+            w13, w2 = (w.double() for w in pools.expert_weights(layer, e))
+            q13, q2 = (w.cpu() for w in gpu.expert_weights(layer, e))
+            s13, s2 = (s.cpu() for s in gpu.expert_scales(layer, e))
+            scale13 = torch.cat([fp8.expand_scales(s13[:2], I, H), fp8.expand_scales(s13[2:], I, H)])
+            for w, deq, s in ((w13, fp8.dequantize_w13(q13, s13, torch.float64), scale13),
+                              (w2, fp8.dequantize_weight(q2, s2, torch.float64), fp8.expand_scales(s2, H, I))):
+                bound = w.abs() * 2.0**-4 + s.double() * 2.0**-10
+                assert ((deq - w).abs() <= bound * (1 + 1e-6)).all(), (layer, e)
 
 
 @pytest.mark.gpu
