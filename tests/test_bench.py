@@ -711,17 +711,25 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
         return next(r for r in bench.derive_metrics(recs, ceilings) if r["placement"] == "lru-0.5")
 
     sound = [_timed("usage_global", 1.0, 10.0, 0.0), dict(_timed("lru", 0.5, 16.0, 0.25, wasted=0.0),
-                                                          replays=[_replay(1)])]
+                                                          replays=[_replay(1)]), _timed("lru", 1.0, 11.0, 0.0)]
     assert all(cache_row(sound)[m] is not None for m in names)
     cpu = [dict(r, device="cpu") for r in sound]
-    noisy_row = [sound[0], dict(_timed("lru", 0.5, 16.0, 0.25, spread=1.6, wasted=0.0), replays=[_replay(1)])]
-    noisy_ref = [_timed("usage_global", 1.0, 10.0, 0.0, spread=1.6), sound[1]]
+    noisy_row = [sound[0], dict(_timed("lru", 0.5, 16.0, 0.25, spread=1.6, wasted=0.0), replays=[_replay(1)]),
+                 sound[2]]
+    noisy_ref = [_timed("usage_global", 1.0, 10.0, 0.0, spread=1.6), *sound[1:]]
     for recs, ceilings in ((cpu, ceil), (noisy_row, ceil), (noisy_ref, ceil), (sound, None),
                            (sound, {"hbm_read_gb_s": 4000.0})):
         row = cache_row(recs, ceilings)
         assert [row[m] for m in names] == [None] * len(names)
         assert row["wasted_gb_per_token"] == 0.0
     assert [cache_row([sound[1]])[m] for m in names] == [None] * len(names)  # no all-HBM row in the run
+    # the management columns also need a sound residency-1.0 row of the policy; the rest stay
+    manage = ("manage_ms_per_group", "simulated_managed_step_ms", "simulated_managed_over_measured")
+    for recs in (sound[:2], [*sound[:2], _timed("lru", 1.0, 11.0, 0.0, spread=1.6)],
+                 [*sound[:2], _timed("lru", 1.0, 11.0, 0.0, device="cpu")]):
+        row = cache_row(recs)
+        assert [row[m] for m in manage] == [None] * 3
+        assert all(row[m] is not None for m in names if m not in manage)
 
 
 def _replay(expert):
@@ -748,3 +756,72 @@ def test_simulated_step_of_a_cache_row_by_hand():
     assert "replays" not in out["lru-0.5"] and out["usage_global-1.0"]["simulated_step_ms"] is None
     cpu = bench.derive_metrics([dict(r, device="cpu") for r in recs], ceil)
     assert cpu[1]["simulated_step_ms"] is None and "replays" not in cpu[1]
+
+
+def _replay_two_layers():
+    """A one-step, two-layer replay (2 experts a layer, 1 slot warm with layer 0's expert 0): layer
+    0 selects expert 0 (a hit), layer 1 its expert 1 (a miss), 50 MB a copy."""
+    from coldset.cache import AccessStream, simulate
+
+    stream = AccessStream(np.array([0, 3]), np.array([0, 1, 2]), 1, 2, 2)
+    return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0], [0.0, 0.0]])), 50_000_000
+
+
+def test_management_columns_of_a_cache_row_by_hand():
+    """manage_ms_per_group: the policy's residency-1.0 row of the run and batch is 2 ms slower than
+    the all-HBM row (12 against 10 ms) over the replay's L = 2 MoE layers -> 1 ms a (step, layer)
+    group. The simulated step with it adds that ms at each of the step's 2 groups: the plain
+    simulation (10 ms + one 1 ms copy in series = 11 ms) + 2 = 13 ms, equal to simulate_time with
+    TimeModel(manage_ms=1.0) and the engine's model; against a measured 14 ms -> 13 / 14. A row
+    without a replay (here the residency-1.0 row itself) has no simulated step; a policy without a residency-1.0
+    row in the run, and a run whose all-HBM row is the policy's own residency 1.0 (its management
+    is inside the reference), give None."""
+    from coldset.cache import TimeModel, simulate_time
+
+    ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
+    stream, result, per_expert = rep = _replay_two_layers()
+    row = dict(_timed("lru", 0.5, 14.0, 0.05, b=1), replays=[rep])
+    recs = [_timed("usage_global", 1.0, 10.0, 0.0, b=1), _timed("lru", 1.0, 12.0, 0.0, b=1), row,
+            dict(_timed("lfu", 0.5, 14.0, 0.05, b=1), replays=[rep])]
+    out = {r["placement"]: r for r in bench.derive_metrics(recs, ceil)}
+    lru = out["lru-0.5"]
+    plain = simulate_time(stream, result, TimeModel(10.0, per_expert, 50.0, link="share", join="step"))
+    managed = simulate_time(stream, result, TimeModel(10.0, per_expert, 50.0, link="share", join="step",
+                                                      manage_ms=1.0))
+    assert plain.step_ms == pytest.approx(11.0) and managed.step_ms == pytest.approx(13.0)
+    assert lru["simulated_step_ms"] == pytest.approx(11.0)
+    assert lru["manage_ms_per_group"] == pytest.approx(1.0)
+    assert lru["simulated_managed_step_ms"] == pytest.approx(managed.step_ms)
+    assert lru["simulated_managed_over_measured"] == pytest.approx(13.0 / 14.0)
+    assert out["lru-1.0"]["manage_ms_per_group"] is None  # no replay: nothing to simulate, no layer count
+    assert out["lru-1.0"]["simulated_managed_step_ms"] is None
+    lfu = out["lfu-0.5"]
+    assert lfu["simulated_step_ms"] == pytest.approx(11.0) and lfu["manage_ms_per_group"] is None
+    assert lfu["simulated_managed_step_ms"] is None and lfu["simulated_managed_over_measured"] is None
+    own = {r["placement"]: r for r in bench.derive_metrics(recs[1:3], ceil)}["lru-0.5"]
+    assert own["allhbm_placement"] == "lru-1.0" and own["simulated_step_ms"] is not None
+    assert own["manage_ms_per_group"] is None and own["simulated_managed_step_ms"] is None
+    # a residency-1.0 row faster than all-HBM: noise, no credit (0), the plain simulation again
+    fast = {r["placement"]: r for r in bench.derive_metrics(
+        [recs[0], _timed("lru", 1.0, 9.5, 0.0, b=1), row], ceil)}["lru-0.5"]
+    assert fast["manage_ms_per_group"] == 0.0 and fast["simulated_managed_step_ms"] == fast["simulated_step_ms"]
+
+
+def test_time_columns_are_the_one_implementation_of_bench_cache():
+    """bench cache (coldset.measure.cache._time_columns) publishes bench.time_columns' values under
+    its JSON names: the same numbers as derive_metrics gives the same row."""
+    from coldset.measure.cache import _time_columns
+
+    ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
+    stream, result, per_expert = rep = _replay_two_layers()
+    recs = [_timed("usage_global", 1.0, 10.0, 0.0, b=1), _timed("lru", 1.0, 12.0, 0.0, b=1),
+            dict(_timed("lru", 0.5, 14.0, 0.05, b=1), replays=[rep])]
+    wf = {r["placement"]: r for r in bench.derive_metrics(recs, ceil)}["lru-0.5"]
+    got = _time_columns({"step_ms_mean": 14.0, "link_gb_per_token": 0.05}, 10.0, 50.0, 1, stream, result,
+                        per_expert, 12.0)
+    names = {"overlap": "overlap", "bound_ms": "bound_ms", "fraction_of_bound": "bound_fraction",
+             "sim_step_ms": "simulated_step_ms", "sim_over_measured": "simulated_over_measured",
+             "manage_ms_per_group": "manage_ms_per_group", "sim_managed_step_ms": "simulated_managed_step_ms",
+             "sim_managed_over_measured": "simulated_managed_over_measured"}
+    assert set(got) == set(names)
+    assert all(got[j] == wf[w] for j, w in names.items())

@@ -385,19 +385,27 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     assert _time_columns({"step_ms_mean": 10.5, "link_gb_per_token": 0.0}, 10.0, 50.0, B, acc, sim, 10**7)[
         "overlap"] is None
 
+    assert got["manage_ms_per_group"] is None and got["sim_managed_step_ms"] is None  # no residency-1.0 step given
+
     # the management columns: the policy's residency-1.0 row (12.0 ms against all-HBM 10.0 over L = 2
     # groups: 1 ms a group) re-simulates the 0.5 row with manage_ms; a policy without one keeps None
     from coldset.measure.cache import _manage_columns
 
-    r5, r1 = dict(row, residency=0.5), {"step_ms_mean": 12.0, "residency": 1.0}
+    r5, r1 = dict(row, residency=0.5), {"step_ms_mean": 12.0, "residency": 1.0, "link_gb_per_token": 0.0}
     lf = dict(row, residency=0.5)
-    _manage_columns({"lru-0.5": (r5, sim), "lru-1.0": (r1, sim), "lfu-0.5": (lf, sim)}, 10.0, 50.0, acc, 10**7, L)
+    for r in (r5, r1, lf):  # as run() does at each row
+        r.update(_time_columns(r, 10.0, 50.0, B, acc, sim, 10**7))
+    _manage_columns({"lru-0.5": (r5, sim), "lru-1.0": (r1, sim), "lfu-0.5": (lf, sim)}, 10.0, 50.0, B, acc, 10**7)
     managed = simulate_time(acc, sim, TimeModel(step_ms=10.0, bytes_per_expert=10**7, link_gb_s=50.0, link="share",
                                                 join="step", manage_ms=1.0))
     assert r5["manage_ms_per_group"] == pytest.approx(1.0) and r5["sim_managed_step_ms"] == managed.step_ms
     assert r5["sim_managed_over_measured"] == pytest.approx(managed.step_ms / 10.5)
     assert managed.step_ms == pytest.approx(ts.step_ms + L * 1.0)
     assert lf["manage_ms_per_group"] is None and lf["sim_managed_step_ms"] is None
+    assert r5["sim_step_ms"] == ts.step_ms and r5["overlap"] == pytest.approx(1 - 0.5 / 3.0)  # the rest unchanged
+    # the JSON names bench cache keeps (committed results, measure.render) for the shared bench.time_columns
+    assert set(got) == {"overlap", "bound_ms", "fraction_of_bound", "sim_step_ms", "sim_over_measured",
+                        "manage_ms_per_group", "sim_managed_step_ms", "sim_managed_over_measured"}
 
 
 def test_cache_nexttoken_check_on_a_cpu_engine():

@@ -704,9 +704,16 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``simulated_step_ms``: :func:`coldset.cache.simulate_time` of the measured pass's replay (its
     own decisions) with the engine's time model (:data:`ENGINE_TIME`) at this run's all-HBM step
     and link rate, the mean over the row's batches, and ``simulated_over_measured`` (the
-    simulator's calibration: issue 28 asks for 1 +- 0.1). Published only where
-    both timings are sound (not on the CPU, not noisy) and the link rate was measured; None
-    otherwise, as ``tok_s_per_gib``.
+    simulator's calibration: issue 28 asks for 1 +- 0.1); where the run also has the policy's
+    residency-1.0 row at that batch size (``fetch_tax``'s reference; every selection hits, so its
+    step beyond the all-HBM one is the cache's own work) ``manage_ms_per_group`` =
+    (its step - ``allhbm_step_ms``) / the MoE layers (:func:`coldset.cache.manage_ms_per_group`),
+    and ``simulated_managed_step_ms`` / ``simulated_managed_over_measured``, the same simulation with
+    that management per (step, layer) group (:attr:`coldset.cache.TimeModel.manage_ms`). All by
+    :func:`time_columns`, which ``bench cache`` shares. Published only where the timings involved
+    (the row, the all-HBM row, the residency-1.0 row for the management columns) are sound (not on
+    the CPU, not noisy) and the link rate was measured; None otherwise, as ``tok_s_per_gib``; the
+    management columns also None when the all-HBM row is the policy's own residency 1.0.
     """
     out = [dict(r) for r in records]
     groups: dict[tuple, list[dict]] = {}
@@ -720,9 +727,10 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
 
     for r in out:
         r["timing_noisy"] = timing_noisy(r.get("step_ms_p50"), r.get("step_ms_p90"), r.get("repeat_spread"))
-    for rows in groups.values():
+    fulls: dict[tuple, dict | None] = {}  # each (policy, batch size)'s residency-1.0 row
+    for key, rows in groups.items():
         rows.sort(key=lambda r: r["residency"])
-        full = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
+        full = fulls[key] = next((r for r in rows if abs(r["residency"] - 1.0) < 1e-9), None)
         prev = None
         for r in rows:
             # Both ends of a ratio must be sound: the residency-1.0 reference of fetch_tax as much as
@@ -742,7 +750,8 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     for r in out:
         ref = allhbm_reference(out, r["batch_size"], r["policy"])
         r["allhbm_placement"] = None if ref is None else ref.get("placement")
-        r.update(time_bound(r, ref, link if sound(r) and sound(ref) else None))
+        full = fulls[(r["policy"], r["batch_size"])]
+        r.update(time_bound(r, ref, link if sound(r) and sound(ref) else None, full if sound(full) else None))
     for r in out:  # the replays were for this; they are not bench JSON
         r.pop("replays", None)
     return out
@@ -762,25 +771,63 @@ def allhbm_reference(records: list[dict], batch_size: int, policy: str) -> dict 
     return None
 
 
-def time_bound(record: dict, reference: dict | None, link_gb_s: float | None) -> dict:
+def time_bound(record: dict, reference: dict | None, link_gb_s: float | None, full: dict | None = None) -> dict:
     """:data:`TIME_BOUND_METRICS` of one bench row (see :func:`derive_metrics`) against the
-    all-HBM row ``reference``, with the measured link read rate ``link_gb_s`` (GB/s); all None
-    when either is missing (the caller passes None where a timing is not sound)."""
-    out = dict.fromkeys(TIME_BOUND_METRICS)
+    all-HBM row ``reference``, with the measured link read rate ``link_gb_s`` (GB/s) and, for a
+    cache row, its policy's residency-1.0 row ``full`` at the same batch size (the management
+    columns); all None when the reference or the rate is missing (the caller passes None where a
+    timing is not sound), the management ones also without ``full`` or when ``full`` is the
+    reference itself (no all-HBM row apart from the policy's own: its management is inside the
+    reference step, so it cannot be told apart)."""
     if reference is None or not link_gb_s:
-        return out
-    allhbm, step, b = reference["step_ms_mean"], record["step_ms_mean"], record["batch_size"]
-    link_ms = 1e3 * record["link_gb_per_token"] * b / link_gb_s  # per step
-    bound = max(allhbm, link_ms)
-    out.update(allhbm_step_ms=allhbm, bound_ms=bound, bound_fraction=bound / step,
-               overlap=1.0 - (step - allhbm) / link_ms if link_ms > 0 else None,
-               stall_ms_per_token=(step - allhbm) / b)
-    if record.get("replays"):  # a cache row: the time simulator on the pass's own decisions
-        from coldset.cache import TimeModel, simulate_time
+        return dict.fromkeys(TIME_BOUND_METRICS)
+    return time_columns(record["step_ms_mean"], record["batch_size"], record["link_gb_per_token"],
+                        reference["step_ms_mean"], link_gb_s, record.get("replays"),
+                        None if full is None or full is reference else full["step_ms_mean"])
 
-        sim = float(np.mean([simulate_time(stream, result, TimeModel(allhbm, per_expert, link_gb_s, **ENGINE_TIME))
-                             .step_ms for stream, result, per_expert in record["replays"]]))
-        out.update(simulated_step_ms=sim, simulated_over_measured=sim / step)
+
+def time_columns(step_ms: float, batch_size: int, link_gb_per_token: float, allhbm_step_ms: float,
+                 link_gb_s: float, replays: list | None = None, full_step_ms: float | None = None) -> dict:
+    """A measured row's time columns (:data:`TIME_BOUND_METRICS`, defined in :func:`derive_metrics`):
+    the one implementation both the workflow's bench (:func:`time_bound`) and ``python -m coldset
+    bench cache`` (:mod:`coldset.measure.cache`, under its JSON names) use.
+
+    ``step_ms`` is the row's measured step at ``batch_size`` tokens, ``allhbm_step_ms`` the same
+    run's all-HBM step, ``link_gb_s`` the measured link read rate: bound, its fraction, overlap
+    (None without link bytes) and stall per token. ``replays`` ((stream, result, bytes per expert)
+    of a cache row's measured passes): ``simulated_step_ms``, the mean over them of
+    :func:`coldset.cache.simulate_time` with the engine's model (:data:`ENGINE_TIME`), and its
+    ratio to ``step_ms``. ``full_step_ms`` (the same policy's residency-1.0 step, same run and
+    batch: every selection hits, so its excess over all-HBM is the cache's own work) adds
+    ``manage_ms_per_group`` (:func:`coldset.cache.manage_ms_per_group` over the stream's MoE
+    layers) and ``simulated_managed_step_ms`` / ``simulated_managed_over_measured``, the simulator
+    with :attr:`coldset.cache.TimeModel.manage_ms` (issue 28: without it lookahead is simulated
+    10% fast). Columns without their inputs are None."""
+    out = dict.fromkeys(TIME_BOUND_METRICS)
+    link_ms = 1e3 * link_gb_per_token * batch_size / link_gb_s  # per step
+    bound = max(allhbm_step_ms, link_ms)
+    out.update(allhbm_step_ms=allhbm_step_ms, bound_ms=bound, bound_fraction=bound / step_ms,
+               overlap=1.0 - (step_ms - allhbm_step_ms) / link_ms if link_ms > 0 else None,
+               stall_ms_per_token=(step_ms - allhbm_step_ms) / batch_size)
+    if not replays:  # a static row: no decisions to simulate
+        return out
+    from coldset.cache import TimeModel, manage_ms_per_group, simulate_time
+
+    def simulated(manage_ms: float) -> float:
+        return float(np.mean([simulate_time(stream, result, TimeModel(allhbm_step_ms, per_expert, link_gb_s,
+                                                                      manage_ms=manage_ms, **ENGINE_TIME)).step_ms
+                              for stream, result, per_expert in replays]))
+
+    sim = simulated(0.0)
+    out.update(simulated_step_ms=sim, simulated_over_measured=sim / step_ms)
+    if full_step_ms is not None:
+        layers = {stream.num_moe_layers for stream, _, _ in replays}
+        if len(layers) != 1:
+            raise ValueError(f"time_columns: the replays have different MoE layer counts {sorted(layers)}")
+        manage = manage_ms_per_group(full_step_ms, allhbm_step_ms, layers.pop())
+        managed = simulated(manage) if manage > 0 else sim
+        out.update(manage_ms_per_group=manage, simulated_managed_step_ms=managed,
+                   simulated_managed_over_measured=managed / step_ms)
     return out
 
 

@@ -34,9 +34,12 @@ BYTES_METRICS: tuple[str, ...] = (
 # also"): the all-HBM step of the same run, the bound max(all-HBM step, link time), the fraction of
 # it reached, overlap, stall per token (measured step - all-HBM step, per token), for a cache row the
 # time simulator's step on the pass's own decisions (coldset.cache.simulate_time with the engine's
-# time model at this run's all-HBM step and link rate) and its ratio to the measured step, wasted prefetch
+# time model at this run's all-HBM step and link rate) and its ratio to the measured step, with the
+# policy's residency-1.0 row of the run the cache's management per (step, layer) group and the
+# simulated step with it (coldset.cache.TimeModel.manage_ms) and its ratio, wasted prefetch
 # bytes per token (the simulator's replay of the measured pass). None where undefined: the
-# time-derived ones on the CPU or for a noisy timing, wasted bytes for static placements, and all in
+# time-derived ones on the CPU or for a noisy timing, the management ones without a sound
+# residency-1.0 row apart from the all-HBM one, wasted bytes for static placements, and all in
 # bench files written before them.
 TIME_BOUND_METRICS: tuple[str, ...] = (
     "allhbm_step_ms",
@@ -46,6 +49,9 @@ TIME_BOUND_METRICS: tuple[str, ...] = (
     "stall_ms_per_token",
     "simulated_step_ms",
     "simulated_over_measured",
+    "manage_ms_per_group",
+    "simulated_managed_step_ms",
+    "simulated_managed_over_measured",
 )
 CACHE_TIME_METRICS: tuple[str, ...] = (*TIME_BOUND_METRICS, "wasted_gb_per_token")
 # Metric names of DESIGN.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and

@@ -339,31 +339,23 @@ def run(args, argv=None) -> dict:
                 torch.cuda.empty_cache()
             write_result(out_path, R, ceilings)
         if replays:
-            _manage_columns(replays, allhbm_ms, ceilings["link_read_gb_s"], acc, per_expert, L)
+            _manage_columns(replays, allhbm_ms, ceilings["link_read_gb_s"], bsz, acc, per_expert)
         write_result(out_path, R, ceilings)
     write_result(out_path, R, ceilings)
     return R
 
 
-def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, acc, per_expert: int, L: int) -> None:
-    """The time simulator with the cache's own work: each cache row's policy at residency 1.0 in the
-    same run and batch (every selection a hit) gives its management per group
-    (:func:`coldset.cache.manage_ms_per_group`; lookahead: its depth-1 row), and the row gets
-    ``manage_ms_per_group`` and ``sim_managed_step_ms`` / ``sim_managed_over_measured``
-    (:class:`coldset.cache.TimeModel` with ``manage_ms``). Rows whose policy has no residency-1.0
-    row in the run keep None there."""
-    from coldset.cache import TimeModel, manage_ms_per_group, simulate_time
-
+def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, per_expert: int) -> None:
+    """The management columns, once every residency of the batch is measured: each cache row whose
+    policy has a residency-1.0 row in the same run and batch (every selection a hit; lookahead: its
+    depth-1 row) gets :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group``
+    and ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep
+    None there."""
     full = {name.split("-")[0]: r for name, (r, _) in replays.items() if r["residency"] == 1.0}
     for name, (r, sim) in replays.items():
         f = full.get(name.split("-")[0])
-        r.update(manage_ms_per_group=None, sim_managed_step_ms=None, sim_managed_over_measured=None)
-        if f is None:
-            continue
-        m = manage_ms_per_group(f["step_ms_mean"], allhbm_ms, L)
-        ts = simulate_time(acc, sim, TimeModel(step_ms=allhbm_ms, bytes_per_expert=per_expert, link_gb_s=link_gb_s,
-                                               link="share", join="step", manage_ms=m))
-        r.update(manage_ms_per_group=m, sim_managed_step_ms=ts.step_ms, sim_managed_over_measured=ts.step_ms / r["step_ms_mean"])
+        if f is not None:
+            r.update(_time_columns(r, allhbm_ms, link_gb_s, bsz, acc, sim, per_expert, f["step_ms_mean"]))
 
 
 def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
@@ -388,20 +380,25 @@ def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     return F
 
 
-def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, sim, per_expert: int) -> dict:
-    """A cache row's step against its bounds: overlap = 1 - (step - all-HBM) / (the row's link
-    bytes per step at the measured link read rate; None without link traffic), bound = max(all-HBM,
-    link time) and the fraction of it reached, and :func:`coldset.cache.simulate_time`'s step for
-    the same decisions (the engine's model: link "share", join "step") against the measured one."""
-    from coldset.cache import TimeModel, simulate_time
+#: bench cache's JSON names of :func:`coldset.bench.time_columns`' columns (committed results and
+#: :mod:`coldset.measure.render` read these names).
+_TIME_JSON_NAMES = {"overlap": "overlap", "bound_ms": "bound_ms", "bound_fraction": "fraction_of_bound",
+                    "simulated_step_ms": "sim_step_ms", "simulated_over_measured": "sim_over_measured",
+                    "manage_ms_per_group": "manage_ms_per_group", "simulated_managed_step_ms": "sim_managed_step_ms",
+                    "simulated_managed_over_measured": "sim_managed_over_measured"}
 
-    step = r["step_ms_mean"]
-    link_ms = r["link_gb_per_token"] * bsz / link_gb_s * 1e3
-    bound = max(allhbm_ms, link_ms)
-    ts = simulate_time(acc, sim, TimeModel(step_ms=allhbm_ms, bytes_per_expert=per_expert, link_gb_s=link_gb_s,
-                                           link="share", join="step"))
-    return {"overlap": 1 - (step - allhbm_ms) / link_ms if link_ms else None, "bound_ms": bound,
-            "fraction_of_bound": bound / step, "sim_step_ms": ts.step_ms, "sim_over_measured": ts.step_ms / step}
+
+def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, sim, per_expert: int,
+                  full_step_ms: float | None = None) -> dict:
+    """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.time_columns`
+    (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
+    its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
+    the management columns (None without)."""
+    from coldset.bench import time_columns
+
+    cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
+                           [(acc, sim, per_expert)], full_step_ms)
+    return {_TIME_JSON_NAMES[name]: value for name, value in cols.items() if name in _TIME_JSON_NAMES}
 
 
 def _routers(model):
