@@ -223,3 +223,31 @@ def test_management_per_group_adds_to_every_group_and_delays_the_copies():
         model(0.3, manage_ms=-0.1)
     with pytest.raises(CacheError, match="manage_ms_per_group"):
         manage_ms_per_group(1.0, 0.0, 4)
+
+
+def test_time_models_carry_each_policys_management():
+    """cache.time.steps[].manage_us: per batch, each policy's model has its own manage_ms (µs in
+    the config), the others none; a policy name the simulator does not know is refused by name;
+    simulation_table times each policy with its own model."""
+    from coldset.cache import POLICIES, simulation_table, time_models
+
+    cfg = {"steps": [{"batch": 1, "all_hbm_step_ms": 1.0, "manage_us": {"nexttoken": 250.0}},
+                     {"batch": 2, "all_hbm_step_ms": 2.0}], "head_share": 0.0, "router_share": 0.5}
+    models = time_models(cfg, 300_000)
+    assert set(models) == {1, 2} and set(models[1]) == set(POLICIES)
+    assert models[1]["nexttoken"].manage_ms == pytest.approx(0.25)
+    assert all(m.manage_ms == 0.0 for p, m in models[1].items() if p != "nexttoken")
+    assert all(m.manage_ms == 0.0 and m.step_ms == 2.0 for m in models[2].values())
+    with pytest.raises(CacheError, match="lookahead"):
+        time_models({"steps": [{"batch": 1, "all_hbm_step_ms": 1.0, "manage_us": {"lookahead": 1.0}}]}, 300_000)
+    stream = one_layer([0, 0, 2])
+    from dataclasses import replace
+
+    per_policy = {**models[1], "lru": replace(models[1]["lru"], manage_ms=0.1)}
+    table = simulation_table(stream, PROFILE, ["static", "lru"], [0.25], 300_000, time_model=per_policy)
+    for p in ("static", "lru"):
+        res = simulate(stream, p, 1, PROFILE)
+        want = simulate_time(stream, res, per_policy[p]).step_ms
+        assert table.loc[table.policy == p, "step_ms"].item() == pytest.approx(want)
+    assert table.loc[table.policy == "lru", "step_ms"].item() == pytest.approx(
+        simulate_time(stream, simulate(stream, "lru", 1, PROFILE), models[1]["lru"]).step_ms + 0.1)

@@ -1307,14 +1307,16 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
 
 def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies: Sequence[str],
                      residencies: Sequence[float], bytes_per_expert: int, forecaster: Any = None, *,
-                     lanes: Lanes | None = None, nexttoken: Any = None, time_model: TimeModel | None = None,
+                     lanes: Lanes | None = None, nexttoken: Any = None,
+                     time_model: TimeModel | Mapping[str, TimeModel] | None = None,
                      batch: int = 1, prefetch_budget: int | None = None) -> pd.DataFrame:
     """The ``simulation.csv`` frame of one batch size: one row per (policy, residency) in the given
     orders. ``forecaster`` (a :class:`coldset.forecast.TransitionForecaster`) is required by
     ``forecast``; ``nexttoken`` (a :class:`coldset.forecast.NextTokenForecaster`) and ``lanes``
     (the stream's tokens per lane, ``stream == lanes.stream()``) by ``nexttoken``. With
-    ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``) the time columns are filled
-    (:func:`simulate_time`), else NaN."""
+    ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``; or one per policy,
+    :func:`time_models`' form, each with the policy's own ``manage_ms``) the time columns are
+    filled (:func:`simulate_time`), else NaN."""
     pred = None
     if "forecast" in policies:
         if forecaster is None:
@@ -1353,7 +1355,7 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
                    "prefetches_per_token": st.prefetches / st.tokens if st.tokens else float("nan"),
                    "prefetch_precision": st.useful_prefetches / st.prefetches if st.prefetches else float("nan")}
             if time_model is not None:
-                ts = simulate_time(stream, res, time_model)
+                ts = simulate_time(stream, res, time_model if isinstance(time_model, TimeModel) else time_model[p])
                 row.update(step_ms=ts.step_ms, bound_ms=ts.bound_ms, bound_fraction=ts.bound_fraction,
                            overlap=ts.overlap, stall_ms_per_token=ts.stall_ms_per_token,
                            wasted_gb_per_token=ts.wasted_gb_per_token)
@@ -1372,18 +1374,24 @@ DEFAULT_TIME = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.56}, {"batch": 8, "a
                 "join": "step"}
 
 
-def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[int, TimeModel]:
+def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[int, dict[str, TimeModel]]:
     """The config's ``cache.time`` section (None: :data:`DEFAULT_TIME`, the H200 figures at
-    Qwen3-30B-A3B's shape in NOTES.md) as one :class:`TimeModel` per simulated batch size."""
+    Qwen3-30B-A3B's shape in NOTES.md) as, per simulated batch size, one :class:`TimeModel` per
+    policy of :data:`POLICIES`: the same step and link, each with the policy's own work per group
+    from the step entry's ``manage_us`` (``TimeModel.manage_ms``; a policy not listed: none)."""
     t = {**DEFAULT_TIME, **(time or {})}
-    out = {}
+    out: dict[int, dict[str, TimeModel]] = {}
     for entry in t["steps"]:
         b = int(entry["batch"])
         if b < 1 or b in out:
             raise CacheError(f"cache.time.steps: batch {b} is < 1 or listed twice")
-        out[b] = TimeModel(float(entry["all_hbm_step_ms"]), int(bytes_per_expert), float(t["link_gb_s"]),
-                           float(t["head_share"]), float(t["router_share"]), str(t["link"]), str(t["join"]),
-                           float(t["demand_share"]))
+        manage = dict(entry.get("manage_us") or {})
+        unknown = sorted(set(manage) - set(POLICIES))
+        if unknown:
+            raise CacheError(f"cache.time.steps: batch {b}'s manage_us names {unknown}, not among {', '.join(POLICIES)}")
+        out[b] = {p: TimeModel(float(entry["all_hbm_step_ms"]), int(bytes_per_expert), float(t["link_gb_s"]),
+                               float(t["head_share"]), float(t["router_share"]), str(t["link"]), str(t["join"]),
+                               float(t["demand_share"]), float(manage.get(p, 0.0)) / 1e3) for p in POLICIES}
     if not out:
         raise CacheError("cache.time.steps: at least one (batch, all_hbm_step_ms) entry")
     return out
@@ -1436,10 +1444,10 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
         tokens, seq = token_array(profile, L, E)
         nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=nexttoken_extra)
     tables = []
-    for batch, model in time_models(time, per_expert).items():
+    for batch, models in time_models(time, per_expert).items():
         lanes = lanes_from_frame(replay, L, E, batch)
         tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
-                                       lanes=lanes, nexttoken=nexttoken, time_model=model, batch=batch,
+                                       lanes=lanes, nexttoken=nexttoken, time_model=models, batch=batch,
                                        prefetch_budget=prefetch_budget))
     table = pd.concat(tables, ignore_index=True)
     out = Path(out_dir)
