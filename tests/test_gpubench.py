@@ -70,6 +70,7 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["cache", "--policies", "lru,nexttoken", "--prefetch-budget", "-1"], "--prefetch-budget -1"),
     (["cache", "--policies", "nexttoken", "--nexttoken-extra", "-2"], "--nexttoken-extra -2"),
     (["cache", "--policies", "lru", "--prefetch-budget", "2"], "add nexttoken to --policies"),
+    (["cache", "--decisions-only", "--save-replays"], "--decisions-only runs no model"),
 ])
 def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 1
@@ -471,3 +472,28 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
         # a wrong layout (the recorded [steps, L, B, k] order) is refused, not simulated
         with pytest.raises(bn.CacheSimulatorMismatch):
             bn.simulate_engine_pass(cache, np.ascontiguousarray(routing.transpose(0, 2, 1, 3)), forecaster=F)
+
+
+def test_cache_save_replays_arrays_are_the_simulators_lookahead_lists():
+    """``bench cache --save-replays``: per batch the routing and, per kept depth below the layer
+    count, lookahead_predictions' lists at k and k + 4 candidates (what simulate replays); the
+    refusal beside --decisions-only: test_bad_arguments_are_named_before_cuda_is_asked."""
+    import numpy as np
+    import torch
+
+    from coldset.forecast import lookahead_predictions
+    from coldset.measure.cache import REPLAY_DEPTHS, _replay_arrays
+
+    S, L, T, H, E, k = 3, 5, 2, 16, 6, 2
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(S, L, T, H, generator=g)
+    routers = [torch.randn(E, H, generator=g) for _ in range(L)]
+    routing = np.random.default_rng(0).integers(0, E, (S, L, T, k))
+    got = _replay_arrays(2, routing, hidden, routers, k)
+    depths = [d for d in REPLAY_DEPTHS if d < L]
+    assert depths == [1, 2, 3, 4]
+    assert set(got) == {"b2_routing"} | {f"b2_lookahead_d{d}_n{n}" for d in depths for n in (k, k + 4)}
+    assert np.array_equal(got["b2_routing"], routing) and got["b2_routing"].dtype == np.int16
+    for d in depths:
+        for n in (k, k + 4):
+            assert np.array_equal(got[f"b2_lookahead_d{d}_n{n}"], lookahead_predictions(hidden, routers, d, n))

@@ -56,6 +56,7 @@ from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format
                                      require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
+REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
 POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
 
 
@@ -77,6 +78,10 @@ def add_arguments(p) -> None:
                         "default: no cut)")
     p.add_argument("--analysis", action="store_true",
                    help="also the forecaster, lookahead recall on lru's misses, cache overhead and fill rate")
+    p.add_argument("--save-replays", action="store_true",
+                   help="also cache_replays.npz: per batch the all-HBM routing and the pre-gated lists at "
+                        f"depths {','.join(map(str, REPLAY_DEPTHS))} (k and k + 4 candidates), with the profile "
+                        "counts: the calibrated time simulator replays policies on them without a GPU")
     p.add_argument("--decisions-only", action="store_true",
                    help="only the split of the cache's work per layer at the config's shape (no model)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
@@ -101,6 +106,8 @@ def check_arguments(args) -> None:
                            "each must be >= 0")
     if args.prefetch_budget is not None and "nexttoken" not in args.policies.split(","):
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
+    if args.save_replays and args.decisions_only:
+        raise MeasureError("--save-replays keeps a model run's routing: --decisions-only runs no model")
     if args.steps < 2 or args.repeats < 1:
         raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
     if args.decisions_only and args.weight_format != "bf16":
@@ -226,6 +233,7 @@ def run(args, argv=None) -> dict:
     policies = args.policies.split(",")
     forecaster = _fit_nexttoken(prof_routing, k, E, args.nexttoken_extra, R) if "nexttoken" in policies else None
 
+    replay_arrays = {"profile_counts": counts, "expert_bytes": np.array(per_expert)}  # --save-replays
     for bsz in (int(b) for b in args.batches.split(",")):
         prompts = bn.bench_prompts(heldout_stream, bsz, PROMPT_TOKENS)
         base = decode(ref_fn, model.pools, bsz, prompts, passes, record=True)
@@ -250,6 +258,8 @@ def run(args, argv=None) -> dict:
             return r
 
         row("all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0})
+        if args.save_replays:
+            replay_arrays.update(_replay_arrays(bsz, routing, base[0]["hidden"], _routers(model), k))
         if args.analysis:
             R.setdefault("forecast", {})[bsz] = _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz,
                                                           tokens, per_expert, dev)
@@ -342,7 +352,28 @@ def run(args, argv=None) -> dict:
             _manage_columns(replays, allhbm_ms, ceilings["link_read_gb_s"], bsz, acc, per_expert)
         write_result(out_path, R, ceilings)
     write_result(out_path, R, ceilings)
+    if args.save_replays:
+        np.savez_compressed(Path(args.out) / "cache_replays.npz", **replay_arrays)
+        log("replays written", Path(args.out) / "cache_replays.npz")
     return R
+
+
+def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
+    """``--save-replays``' arrays of one batch size: the all-HBM routing ``[steps, L, B, k]`` (the
+    engine's group order) and, per depth d of :data:`REPLAY_DEPTHS` below the layer count, the
+    ``lookahead`` policy's lists of :func:`coldset.forecast.lookahead_predictions` (layer l + d's
+    router on layer l's router inputs ``hidden [steps, L, B, H]``) with ``k`` and ``k + 4``
+    candidates a token: what :func:`coldset.cache.simulate` replays as ``predictions``."""
+    import numpy as np
+
+    from coldset.forecast import lookahead_predictions
+
+    L = len(routers)
+    out = {f"b{bsz}_routing": np.asarray(routing, dtype=np.int16)}
+    for d in (d for d in REPLAY_DEPTHS if d < L):
+        for n in (k, k + 4):
+            out[f"b{bsz}_lookahead_d{d}_n{n}"] = lookahead_predictions(hidden, routers, d, n).astype(np.int32)
+    return out
 
 
 def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, per_expert: int) -> None:
