@@ -510,6 +510,27 @@ def test_gpu_run_shows_ceilings_and_plots_the_calibrated_prediction(tmp_path, mo
     assert "No additive model" not in html
 
 
+def test_management_columns_pass_from_bench_json_to_the_bench_table(tmp_path, monkeypatch):
+    """A cache row's management columns (bench.time_columns: manage_ms_per_group and the simulated
+    step with it) are bench metrics: the bench table shows them as the bench JSON carries them,
+    undefined (—) where the bench left them None (here the static rows)."""
+    res = build_results_tree(tmp_path, bytes_run="gpu", with_autotune=False)
+    path = Layout(res, MODEL).bench("usage_global", 0.5)
+    doc = json.loads(path.read_text())
+    for entry in doc["batches"]:
+        if entry["batch_size"] == 4:
+            entry.update(simulated_step_ms=12.5, simulated_over_measured=0.6875, manage_ms_per_group=0.0625,
+                         simulated_managed_step_ms=15.5, simulated_managed_over_measured=0.8525)
+    path.write_text(json.dumps(doc))
+    html, _ = _render_capturing_figures(res, monkeypatch)
+    table = _bench_table(html)
+    row = table[("usage_global", "0.5", 4)]
+    assert (row["manage_ms_per_group"], row["simulated_managed_step_ms"]) == ("0.0625", "15.5")
+    assert (row["simulated_step_ms"], row["simulated_managed_over_measured"]) == ("12.5", "0.8525")
+    assert all(table[("positional", "0.5", 4)][m] == "—" for m in ("manage_ms_per_group", "simulated_managed_step_ms",
+                                                                   "simulated_managed_over_measured"))
+
+
 def test_cpu_run_without_ceilings_plots_the_speed_model(tmp_path, monkeypatch):
     for kind in ("cpu", "absent"):
         res = build_results_tree(tmp_path / kind, bytes_run=kind, with_autotune=False)

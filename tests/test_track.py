@@ -308,6 +308,7 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     for name in ("allhbm_step_ms", "bound_ms", "bound_fraction", "overlap", "stall_ms_per_token"):
         assert run.data.metrics[name] == pytest.approx(bound[name]), name
     assert "wasted_gb_per_token" not in run.data.metrics  # a static placement: undefined, not logged
+    assert "manage_ms_per_group" not in run.data.metrics  # no cache management: undefined, not logged
     assert run.data.tags["allhbm_placement"] == "usage_global-1.0"
     assert run.data.metrics["hbm_read_gb_s"] == _tree.HBM_GB_S
     assert run.data.metrics["link_read_gb_s"] == _tree.LINK_GB_S
@@ -324,6 +325,8 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
             bench = Layout(gpu, MODEL).bench(policy, r)
             doc = json.loads(bench.read_text())
             doc["ceilings"]["link_read_gb_s"] = 51.5
+            if (policy, r) == ("usage_global", 0.5):  # a management column, as a cache row carries it
+                next(e for e in doc["batches"] if e["batch_size"] == 4)["manage_ms_per_group"] = 0.0625
             bench.write_text(json.dumps(doc))
     with pytest.warns(UserWarning, match="params are immutable"):  # the parent's ceilings params
         assert _track(gpu, uri) == first
@@ -337,6 +340,7 @@ def test_bytes_metrics_and_ceilings_are_logged_when_measured(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "link_read_gb_s")] == [_tree.LINK_GB_S, 51.5]
     assert len(client.get_metric_history(run.info.run_id, "predicted_step_ms_calibrated")) == 1
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "manage_ms_per_group")] == [0.0625]
 
     # a CPU run: hbm_gb_per_token only; nothing logged for the undefined ones
     cpu = _tree.build_results_tree(tmp_path / "cpu", bytes_run="cpu", with_autotune=False)

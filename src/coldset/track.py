@@ -52,7 +52,8 @@ Child run contents:
   dynamic placement),
   predicted_step_ms, the bytes metrics (hbm_gb_per_token, bytes_step_ms, fraction_of_bytes_bound,
   predicted_step_ms_calibrated), issue 28's time bound (allhbm_step_ms, bound_ms, bound_fraction,
-  overlap, stall_ms_per_token, simulated_step_ms, simulated_over_measured, wasted_gb_per_token; the all-HBM row's name as the tag
+  overlap, stall_ms_per_token, simulated_step_ms, simulated_over_measured, manage_ms_per_group,
+  simulated_managed_step_ms, simulated_managed_over_measured, wasted_gb_per_token; the all-HBM row's name as the tag
   allhbm_placement) and the read ceilings the bench measured in the same run
   (hbm_read_gb_s, link_read_gb_s; metrics, not params: they are remeasured on every run, and a
   changed param would replace the run); from the placement coverage_profile, coverage_heldout, achieved_residency;
