@@ -9,8 +9,8 @@ FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE
   same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
 - activations are quantized per token and group of 128 columns
   (:func:`coldset.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
-  round-to-nearest-even cast) ONCE per call, never inside a GEMM's k loop: the tokens ``x`` by a
-  small launch before the w13 launch (:func:`_quant_groups_kernel`, one block per token);
+  round-to-nearest-even cast), by default ONCE per call, never inside a GEMM's k loop (the
+  ``quant_x`` option below is the exception): the tokens ``x`` by a small launch before the w13 launch (:func:`_quant_groups_kernel`, one block per token);
   the intermediate SiLU(gate) * up, rounded to the activation dtype first, by the w13 launch
   itself when its column block holds whole groups (``block_n1`` a multiple of 128: it writes the
   FP8 intermediate and its group scales), else by the same quantization launch over the
@@ -34,6 +34,41 @@ at 16, 167.0 at 64 (48-80% of a plain read); the L2 prefetch (``pdl`` 1 and 3) d
 against 22.7 µs at 1 token, within 1.5% either way at 4-64; at 2048 tokens 64 columns of gate and
 up per block with the quantization launch, 457.5 µs against 956.1 for whole groups (4 warps)
 and 614.8 (8 warps): the scaled dot's temporaries beside two 64 x 128 accumulators spill.
+
+Where each quantization runs is the config's choice (:class:`~coldset.kernels.triton_moe.KernelConfig`
+``quant_x`` / ``quant_act``, issue 29 after the decode step measured FP8 slower than bf16 at b1: 442
+kernels a step against 346, the two quantization launches of each MoE layer), always with the
+formula above on the same values, hence the same FP8 bytes and scales and the same result bits:
+
+- ``quant_x=0`` (default): the tokens by their own launch (:func:`_quant_groups_kernel`); ``1``: by
+  the w13 launch, each block quantizing its ``[block_m, 128]`` tile of ``x`` per k step
+  (:func:`_quantize_rows` between the load and the dot; rows past the pairs and columns past H
+  loaded as 0, as the launch loads them). Every column block of an expert's tile quantizes the
+  same rows again (``I / block_n1`` times). This is where the first version quantized; why that
+  one cost 82.3 against 24.3 µs at 1 token is not separable from git history (commits 9a14451 ->
+  3aeb841 changed both GEMMs at once and only the best candidate's totals were measured; no
+  profile): it re-quantized the tokens in every column block of w13 (``I / block_n1`` = 12-24 at
+  its decode candidates' 32-64 columns) over 16 k steps AND the intermediate in every column block
+  of w2 (``H / block_n2`` = 16-32) over 6 k steps, each step a row max, a division per row and one
+  IEEE division per element on the path from the load to the dot (and a register to shared-memory
+  trip for the dot operand). ``quant_x=1`` keeps only the first of the two, and at ``block_n1``
+  128 six column blocks per expert: two thirds down to a sixth of that quantization work (by tile
+  count), traded against one launch (and its gap) a layer. Whether it pays is the tuner's measurement;
+  with ``pdl`` 3 the w13 launch is then the call's first and a dependent launch of the kernel
+  before, waiting before it reads anything; with 1 and 2 it is a plain launch (no L2 prefetch:
+  no launch before it to hide);
+- ``quant_act=0`` (default): the intermediate by the w13 epilogue when ``block_n1`` is a multiple
+  of 128 (program ``pid_n`` owns intermediate columns ``[pid_n * block_n1, (pid_n + 1) *
+  block_n1)`` of gate and of up alike, so whole groups, the partial last group included, whose
+  columns past I are 0 and do not change its max), else by the same launch as the tokens' over
+  the activation-dtype scratch; ``1``: the epilogue, refused by name unless ``block_n1`` is a
+  multiple of 128; ``2``: its own launch at any ``block_n1``. With ``quant_x=1`` and
+  ``quant_act`` taking the epilogue, a layer runs three launches (w13, w2, the top-k sum), as
+  the bf16 kernel does.
+
+Not yet timed on a GPU: the ``quant_x=1`` path and the explicit ``quant_act`` choices were written
+and checked bitwise in Triton's interpreter only (tests/test_fp8_experts.py); the decode
+candidates of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` that use them await a GPU run.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
@@ -172,16 +207,22 @@ def _prefetch_rows(row_map_ptr, layer, expert, cnt, first_row_ptr, rows, ROW_BYT
 
 @triton.jit
 def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
-                   sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt,
+                   sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr):
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
-    SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here."""
+    SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here.
+    ``QUANT_X``: ``xq_ptr`` is the tokens ``x`` themselves (bf16/fp16, rows ``stride_x`` apart),
+    each k step's ``[BM, 128]`` tile quantized here by :func:`_quantize_rows` (the quantization
+    launch's formula on the same values: the same FP8 bytes and scales; ``xs_ptr`` unused)."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
-    a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
+    if QUANT_X:
+        a_ptrs = xq_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    else:
+        a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
     as_ptrs = xs_ptr + tok * GH
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -200,7 +241,10 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+        if QUANT_X:  # the group's columns past H (a partial group) and invalid rows loaded as 0, as the launch's
+            a, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
+        else:
+            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
         acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
@@ -227,8 +271,13 @@ def _w13_fp8_kernel(
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
+    QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
+    if WAIT_FIRST:
+        # QUANT_X with pdl 3: this launch is the call's first, a dependent launch of whatever kernel
+        # came before (it may write x, the ids, the row map): wait for it before reading anything
+        gdc_wait()
     if USE_GDC:
         # A dependent launch of the tokens' quantization launch, which began only once every kernel
         # before it had finished (a plain launch; with pdl=3 a dependent one that waited first):
@@ -256,8 +305,8 @@ def _w13_fp8_kernel(
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
-                       sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt,
-                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q)
+                       sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X)
         c += BM
 
 
@@ -365,6 +414,16 @@ def _check_config(c: KernelConfig) -> None:
     if c.block_n1 > GROUP and c.block_n1 % GROUP:
         raise ValueError(f"triton_fp8_experts: block_n1 above {GROUP} must be a multiple of {GROUP} (whole activation "
                          f"groups per block), got {c.block_n1}")
+    if c.quant_x not in (0, 1):
+        raise ValueError(f"triton_fp8_experts: config quant_x must be 0 (the tokens' own quantization launch) or 1 "
+                         f"(quantized by the w13 launch), got {c.quant_x}")
+    if c.quant_act not in (0, 1, 2):
+        raise ValueError(f"triton_fp8_experts: config quant_act must be 0 (by block_n1), 1 (the w13 epilogue) or 2 "
+                         f"(the intermediate's own launch), got {c.quant_act}")
+    if c.quant_act == 1 and c.block_n1 % GROUP:
+        raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) needs "
+                         f"block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), got "
+                         f"block_n1={c.block_n1}")
 
 
 def triton_fp8_experts(
@@ -421,7 +480,8 @@ def triton_fp8_experts(
     s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
     gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
     ep = _next_pow2(num_experts)
-    fuse_q = c.block_n1 % GROUP == 0  # whole groups per w13 block: that launch quantizes the intermediate
+    # the intermediate quantized by the w13 launch's epilogue (its blocks hold whole groups) or by its own launch
+    fuse_q = c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % GROUP == 0)
     # the intermediate: FP8 with its group scales (w2's operand); the activation-dtype scratch only
     # when a separate launch quantizes it
     act = torch.empty((1 if fuse_q else num_pairs, inter), dtype=x.dtype, device=device)
@@ -433,15 +493,25 @@ def triton_fp8_experts(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
-    # the tokens, once per call; with pdl the w13 launch starts behind it (lookups, prefetch) and waits for it
-    xq, xs = quantize_groups(x, wait=first, trigger=pdl)
+    if c.quant_x:
+        # the w13 launch quantizes the tokens itself: it is the call's first launch (after the
+        # grouping's), so nothing before it to prefetch behind; with pdl 3 a dependent launch that
+        # waits first, with 1 and 2 a plain launch whose blocks let the launch after them start
+        xq, xs = x, x  # xs unused
+        w13_pdl, w13_prefetch = first, False
+    else:
+        # the tokens, once per call; with pdl the w13 launch starts behind it (lookups, prefetch) and waits for it
+        xq, xs = quantize_groups(x, wait=first, trigger=pdl)
+        w13_pdl, w13_prefetch = pdl, prefetch
     _w13_fp8_kernel[grid(nb1)](
         xq, xs, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
-        act, actq, acts, num_pairs, layer, nb1, _prefetch_bytes(c.block_n1 * hidden, 2 * slots * nb1) if prefetch else 0,
+        act, actq, acts, num_pairs, layer, nb1,
+        _prefetch_bytes(c.block_n1 * hidden, 2 * slots * nb1) if w13_prefetch else 0,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
-        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        ORDER=c.tile_order, FUSE_Q=fuse_q, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=w13_prefetch,
+        ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=bool(c.quant_x) and first,
+        stride_x=x.stride(0), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=w13_pdl,
     )
     if not fuse_q:  # every pair's row (pairs of invalid ids too: never read by w2)
         _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),

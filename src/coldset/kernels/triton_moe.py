@@ -128,6 +128,15 @@ class KernelConfig:
     quarters), and w13 and w2 are bound by that work there rather than by the weights' bytes. A
     smaller tile's rows take the same k steps in the same order, and which tile a pair falls in
     depends on the routing alone, never on the placement.
+
+    ``quant_x`` / ``quant_act``: the block-FP8 kernel's (:mod:`coldset.kernels.triton_fp8`) points
+    of activation quantization; the bf16 kernel has none and ignores them. ``quant_x``: 0 the
+    tokens are quantized per group of 128 by a launch of their own before w13, 1 by the w13 launch
+    itself, each block its ``[block_m, 128]`` tile per k step (no separate launch). ``quant_act``:
+    0 the intermediate is quantized by the w13 launch's epilogue when ``block_n1`` is a multiple of
+    128 (a block then holds whole groups), else by a launch of its own (the rule before the field
+    existed); 1 always by the w13 epilogue (refused unless ``block_n1`` is a multiple of 128);
+    2 always by its own launch. Every choice gives the same bits: they choose speed, not results.
     """
 
     block_m: int = 16
@@ -144,6 +153,8 @@ class KernelConfig:
     tile_order: int = 0
     half_buf: int = 0
     half_tail: int = 0
+    quant_x: int = 0
+    quant_act: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
