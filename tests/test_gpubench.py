@@ -497,3 +497,65 @@ def test_cache_save_replays_arrays_are_the_simulators_lookahead_lists():
     for d in depths:
         for n in (k, k + 4):
             assert np.array_equal(got[f"b2_lookahead_d{d}_n{n}"], lookahead_predictions(hidden, routers, d, n))
+
+
+def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, capsys):
+    """``bench replay`` on a folder as ``bench cache --save-replays`` leaves it (the arrays by
+    _replay_arrays, the JSON's all-HBM, residency-1.0 and measured rows by hand): every row is
+    simulate + simulate_time at the run's all-HBM step and link rate with the policy's management
+    from its residency-1.0 row (or --manage-us), the measured ratio beside the same row; the
+    table lists the fastest first; a folder without the npz is refused by name."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.cli import main
+    from coldset.measure.cache import _replay_arrays
+    from coldset.measure.replay import replay_table
+
+    S, L, B, H, E, k = 12, 3, 1, 8, 6, 2
+    rng = np.random.default_rng(1)
+    routing = np.stack([[[rng.choice(E, k, replace=False, p=[.4, .3, .1, .1, .05, .05]) for _ in range(B)]
+                         for _ in range(L)] for _ in range(S)])
+    g = torch.Generator().manual_seed(1)
+    hidden, routers = torch.randn(S, L, B, H, generator=g), [torch.randn(E, H, generator=g) for _ in range(L)]
+    counts = np.bincount((routing[:4] + np.arange(L)[None, :, None, None] * E).reshape(-1),
+                         minlength=L * E).reshape(L, E).astype(float)
+    arrays = {"profile_counts": counts, "expert_bytes": np.array(10**6),
+              **_replay_arrays(B, routing, hidden, routers, k)}
+    np.savez_compressed(tmp_path / "cache_replays.npz", **arrays)
+    result = {"ceilings": {"link_read_gb_s": 50.0}, "rows": [
+        {"batch": 1, "placement": "all-HBM", "step_ms_mean": 1.0},
+        {"batch": 1, "placement": "lru-1.0", "step_ms_mean": 1.3},
+        {"batch": 1, "placement": "lookahead-1.0 d1", "step_ms_mean": 1.6},
+        {"batch": 1, "placement": "lru-0.5", "step_ms_mean": 2.0}]}
+    (tmp_path / "cache_bench.json").write_text(json.dumps(result))
+
+    rows = replay_table(result, arrays, [0.5], {})
+    assert {(r["policy"], r["depth"], r["candidates"]) for r in rows} == {("lru", 0, None)} | {
+        ("lookahead", d, n) for d in (1, 2) for n in (k, k + 4)}
+    inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+    stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), S * B, L, E)
+    for r in rows:
+        lists = None if r["policy"] == "lru" else arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"]
+        manage_ms = 0.1 if r["policy"] == "lru" else 0.2  # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3
+        want = simulate_time(stream, simulate(stream, r["policy"], 9, counts, predictions=lists),
+                             TimeModel(1.0, 10**6, 50.0, link="share", join="step", manage_ms=manage_ms))
+        assert r["manage_us"] == pytest.approx(manage_ms * 1e3)
+        assert r["step_ms"] == pytest.approx(want.step_ms) and r["x_all_hbm"] == pytest.approx(1.0 / want.step_ms)
+        assert r["measured_x_all_hbm"] == (pytest.approx(0.5) if r["policy"] == "lru" else None)
+    cheap = replay_table(result, arrays, [0.5], {"lookahead": 0.0})
+    assert all(c["manage_us"] == 0.0 and c["step_ms"] < r["step_ms"] for c, r in zip(cheap, rows)
+               if c["policy"] == "lookahead")
+
+    assert main(["bench", "replay", str(tmp_path), "--residencies", "0.5"]) == 0
+    text = capsys.readouterr().out
+    order = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| lru") or
+             line.startswith("| lookahead")]
+    by_time = sorted(rows, key=lambda r: r["step_ms"])
+    assert order == [r["policy"] + (f" d{r['depth']} n{r['candidates']}" if r["depth"] else "") for r in by_time]
+    (tmp_path / "cache_replays.npz").unlink()
+    assert main(["bench", "replay", str(tmp_path)]) == 1
+    assert "cache_replays.npz: no such file" in capsys.readouterr().err

@@ -4,7 +4,7 @@ Stages read and write exactly the files the Snakefile's rules do (coldset.config
 the same functions (coldset.pipeline), so results made here are picked up by a later
 ``snakemake`` run on another machine (copy results/ over; Snakemake judges them by time stamps).
 
-``python -m coldset bench kernel|step|cache|render ...``: the GPU measurements at real shape
+``python -m coldset bench kernel|step|cache|render|replay ...``: the GPU measurements at real shape
 (:mod:`coldset.measure`); ``python -m coldset bench`` alone is the bench stage.
 """
 
@@ -16,16 +16,16 @@ import sys
 
 from coldset.config import ConfigError, load_config
 
-#: ``bench COMMAND``: a GPU measurement (coldset.measure.cli), not the bench stage.
-BENCH_COMMANDS = ("kernel", "step", "cache", "render")
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCH_COMMANDS:
+    if len(argv) > 1 and argv[0] == "bench":
+        # ``bench COMMAND``: a GPU measurement or its tables (coldset.measure.cli), not the bench stage
+        from coldset.measure.cli import COMMANDS
         from coldset.measure.cli import main as bench_main
 
-        return bench_main(argv[1:])
+        if argv[1] in COMMANDS:
+            return bench_main(argv[1:])
     from coldset import pipeline
     from coldset.trace import TraceError
 
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a stage, or gpu-stages: model, fixtures, routing, stats, placement, "
                              "autotune, parity (every placement), parity_gate, bench in order, or "
                              "sweep: every model of models: through track, then the comparison report; "
-                             "bench kernel|step|cache|render: the GPU measurements (python -m coldset bench kernel -h)")
+                             "bench kernel|step|cache|render|replay: the GPU measurements (python -m coldset bench "
+                             "kernel -h)")
     parser.add_argument("--config", action="append",
                         help="workflow config (YAML; default config/config.yaml); repeat to layer overlays, "
                              "later files overriding earlier ones as Snakemake's --configfile does")

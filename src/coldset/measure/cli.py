@@ -1,7 +1,9 @@
-"""``python -m coldset bench kernel|step|cache|render``: the GPU measurements' command line.
+"""``python -m coldset bench kernel|step|cache|render|replay``: the GPU measurements' command line.
 
 Each measuring command writes its JSON under ``--out`` and prints its table (the rendering of
-that JSON, :mod:`coldset.measure.render`) last on stdout; progress goes to stderr. Exit status 1
+that JSON, :mod:`coldset.measure.render`) last on stdout; progress goes to stderr. ``replay``
+(:mod:`coldset.measure.replay`) runs on the CPU: it simulates cache policies on what a ``bench
+cache --save-replays`` run kept. Exit status 1
 with a one-line reason when it cannot run here (no CUDA) or its input is wrong, and when a
 correctness check of the measurement failed (the JSON says which).
 """
@@ -12,12 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from coldset.measure import cache, kernel, step
+from coldset.measure import cache, kernel, replay, step
 from coldset.measure.harness import MeasureError
 
 MEASUREMENTS = {"kernel": (kernel, "kernel_bench.json"), "step": (step, "decode_step.json"),
                 "cache": (cache, "cache_bench.json")}
-COMMANDS = (*MEASUREMENTS, "render")
+COMMANDS = (*MEASUREMENTS, "render", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="write the markdown here instead of stdout")
     rp.add_argument("--into", help="a markdown page (e.g. BENCHMARKS.md) whose '<!-- rendered: PATH -->' blocks are "
                                    "re-rendered from their JSON in place")
+    replay.add_arguments(sub.add_parser("replay", description=replay.__doc__.split("\n\n")[0],
+                                        help="cache policies by simulated time from a --save-replays run (CPU)"))
     return parser
 
 
@@ -57,6 +61,9 @@ def main(argv: list[str]) -> int:
                 write_bytes(args.out, text.encode())
             else:
                 print(text, end="")
+            return 0
+        if args.command == "replay":
+            print(replay.render_replay(replay.run(args)), end="")
             return 0
         module, name = MEASUREMENTS[args.command]
         result = module.run(args, argv)

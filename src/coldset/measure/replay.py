@@ -1,0 +1,137 @@
+"""``python -m coldset bench replay``: choose among cache policies by simulated time, on the CPU,
+from what a ``bench cache --save-replays`` run on the GPU kept.
+
+Reads ``cache_bench.json`` and ``cache_replays.npz`` of one ``bench cache`` output folder: the
+all-HBM routing of each batch size, the pre-gated lookahead lists at several depths (k and k + 4
+candidates), the profile counts, and from the JSON the run's all-HBM step per batch, its measured
+link read rate and each policy's management per group (its residency-1.0 row; override or add with
+``--manage-us POLICY=US``, e.g. to ask what lookahead would reach at lru's cost). Replays ``lru``
+and ``lookahead`` at every kept (depth, candidates) through :func:`coldset.cache.simulate` and
+times each with :func:`coldset.cache.simulate_time` (the engine's model: link "share", join
+"step", ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
+simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the
+measured x all-HBM where the run measured the same row. The lists are
+:func:`coldset.forecast.lookahead_predictions`' (float32 logits): the engine ranks its own logits,
+so near-ties may differ from the lists it recorded. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from coldset.measure.harness import MeasureError
+
+LIST_KEY = re.compile(r"^b(\d+)_lookahead_d(\d+)_n(\d+)$")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("folder", help="a bench cache --save-replays output folder (cache_bench.json, cache_replays.npz)")
+    p.add_argument("--residencies", default="0.25,0.5,0.75", help="comma-separated, each in (0, 1)")
+    p.add_argument("--manage-us", action="append", default=[], metavar="POLICY=US",
+                   help="a policy's management per group in µs (default: the run's residency-1.0 row), repeatable")
+
+
+def _manage_overrides(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            us = float(value)
+        except ValueError:
+            raise MeasureError(f"--manage-us {item!r}: expected POLICY=MICROSECONDS") from None
+        if name not in ("lru", "lookahead") or us < 0:
+            raise MeasureError(f"--manage-us {item!r}: the policy must be lru or lookahead and the time >= 0")
+        out[name] = us
+    return out
+
+
+def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict[str, float]) -> list[dict]:
+    """One row per (batch, residency, policy variant): the simulated replay and its time (module
+    doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
+    import numpy as np
+
+    from coldset.cache import AccessStream, TimeModel, capacity_for_residency, manage_ms_per_group, simulate, \
+        simulate_time
+
+    counts = np.asarray(arrays["profile_counts"], dtype=np.float64)
+    L, E = counts.shape
+    per_expert = int(arrays["expert_bytes"])
+    link = result.get("ceilings", {}).get("link_read_gb_s")
+    if not link:
+        raise MeasureError("cache_bench.json has no measured link read rate (ceilings.link_read_gb_s)")
+    rows = []
+    batches = sorted({int(m.group(1)) for k in arrays for m in [re.match(r"^b(\d+)_routing$", k)] if m})
+    if not batches:
+        raise MeasureError("cache_replays.npz holds no b<batch>_routing array: written by bench cache --save-replays?")
+    for b in batches:
+        measured = {r["placement"]: r for r in result["rows"] if r["batch"] == b}
+        if "all-HBM" not in measured:
+            raise MeasureError(f"cache_bench.json has no all-HBM row at batch {b}")
+        allhbm = measured["all-HBM"]["step_ms_mean"]
+        manage = {}
+        for pol, full in (("lru", "lru-1.0"), ("lookahead", "lookahead-1.0 d1")):
+            if full in measured:
+                manage[pol] = manage_ms_per_group(measured[full]["step_ms_mean"], allhbm, L) * 1e3
+        manage.update(manage_us)
+        routing = np.asarray(arrays[f"b{b}_routing"]).astype(np.int64)
+        steps, _, B, k = routing.shape
+        inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
+        stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), steps * B, L, E)
+        variants = [("lru", 0, 0, None)]
+        for key in sorted(arrays, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]):
+            m = LIST_KEY.match(key)
+            if m and int(m.group(1)) == b:
+                variants.append(("lookahead", int(m.group(2)), int(m.group(3)), np.asarray(arrays[key])))
+        for r in residencies:
+            C = capacity_for_residency(r, L, E)
+            for pol, depth, n, lists in variants:
+                res = simulate(stream, pol, C, counts, predictions=lists)
+                ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join="step",
+                                                          manage_ms=manage.get(pol, 0.0) / 1e3))
+                name = f"{pol}-{r}" + (f" d{depth}" if depth else "")
+                st = res.stats()
+                same = measured.get(name) if pol == "lru" or n == k else None
+                rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
+                             "manage_us": manage.get(pol, 0.0), "hit_rate": st.hit_rate,
+                             "link_gb_per_token": ts.link_gb_per_token, "step_ms": ts.step_ms,
+                             "x_all_hbm": allhbm / ts.step_ms, "overlap": ts.overlap,
+                             "bound_fraction": ts.bound_fraction,
+                             "measured_x_all_hbm": allhbm / same["step_ms_mean"] if same else None})
+    return rows
+
+
+def render_replay(rows: list[dict]) -> str:
+    from coldset.measure.render import _f, table
+
+    out = []
+    for b, r in sorted({(x["batch"], x["residency"]) for x in rows}):
+        group = sorted((x for x in rows if x["batch"] == b and x["residency"] == r), key=lambda x: x["step_ms"])
+        body = [[x["policy"] + (f" d{x['depth']} n{x['candidates']}" if x["depth"] else ""), _f(x["manage_us"]),
+                 f"{x['hit_rate']:.4f}", f"{x['link_gb_per_token']:.4f}", f"{x['step_ms']:.3f}",
+                 f"{x['x_all_hbm']:.3f}", _f(x["overlap"], ".2f"), f"{x['bound_fraction']:.2f}",
+                 _f(x["measured_x_all_hbm"], ".3f")] for x in group]
+        out.append(f"**batch {b}, residency {r}** (simulated, fastest first)\n\n" + table(
+            ["policy", "management µs/group", "hit rate", "link GB/token", "simulated step ms", "x all-HBM",
+             "overlap", "of bound", "measured x all-HBM"], body))
+    return "\n\n".join(out) + "\n"
+
+
+def run(args) -> list[dict]:
+    import numpy as np
+
+    folder = Path(args.folder)
+    jpath, npath = folder / "cache_bench.json", folder / "cache_replays.npz"
+    for p in (jpath, npath):
+        if not p.is_file():
+            raise MeasureError(f"{p}: no such file (bench cache --save-replays --out {folder} writes both)")
+    try:
+        residencies = [float(x) for x in args.residencies.split(",")]
+    except ValueError as exc:
+        raise MeasureError(f"--residencies {args.residencies!r}: {exc}") from None
+    if not all(0 < r < 1 for r in residencies):
+        raise MeasureError(f"--residencies {residencies}: each must be in (0, 1)")
+    with np.load(npath) as arrays:
+        return replay_table(json.loads(jpath.read_text()), dict(arrays), residencies,
+                            _manage_overrides(args.manage_us))
