@@ -547,7 +547,12 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
     the side stream: after every group the same state as the torch path (row map, owners, recency,
     counts, in-flight flags, recorded lists and prefetch counts), the router weights cast bitwise as
     ``Tensor.to``, and every slot holding its owner at the end. Pools barely larger than a group
-    and tokens sharing experts make the read-in-place and skipped-list cases occur."""
+    and tokens sharing experts make the read-in-place and skipped-list cases occur. Both paths rank
+    the same logits, the kernel path's GEMV (``forecast_logits``; the lists are recorded, so their
+    rounding is the engine's choice: the GEMV against torch's float32 product is
+    test_cuda_lookahead_lists_equal_lookahead_predictions')."""
+    from coldset.kernels.triton_slots import forecast_logits
+
     rng = np.random.default_rng(10 + depth)
     L, E, k, T, H = 5, 8, 2, 3, 16
     for trial in range(4):
@@ -561,6 +566,8 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         a = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
         b = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
         a.use_kernel = False
+        a._forecast_logits = lambda h, t, pdl=False: forecast_logits(
+            h, a.forecast_routers[t], torch.empty((h.shape[0], E), dtype=torch.float32, device=h.device))
         assert b.use_kernel and b.side_stream is not None
         for step in range(8):
             for layer in range(L):
@@ -580,6 +587,57 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         assert int(b.prefetch_history.sum()) > 0
         b.check(contents=True)
         a.check(contents=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_lookahead_lists_equal_lookahead_predictions(depth):
+    """The lists the CUDA path records (the forecast GEMV ``forecast_logits`` over the bf16 routers,
+    float32 sums, then ``decide_ahead``'s sort-based top-k) equal
+    ``coldset.forecast.lookahead_predictions`` (torch's float32 product on the CPU, a stable sort)
+    on the same router inputs, group for group, except where a token's float64 logits have two of
+    their top k + 1 within twice the float32 summation bound (``gamma_{H+1} * sum_h |x_h w_h|``: each
+    float32 sum lies within it of the exact one, so the two may order such a pair either way); such
+    groups are few (asserted), so the equality is tested. ``COLDSET_TEST_DEVICE=cpu
+    TRITON_INTERPRET=1`` runs it through Triton's interpreter in float32 (by hand)."""
+    from coldset.forecast import lookahead_predictions
+
+    dev = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter has no bfloat16
+    rng = np.random.default_rng(40 + depth)
+    L, E, k, T, H, S = 4, 16, 4, 3, 256, 6
+    counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+    row_map, _, wc = _warm(counts, L * E // 2)
+    pools = _random_pools(L, E, dtype=dt)
+    all_hot = ExpertPools.all_hot(pools.w13_hot.view(L, E, 8, 4).to(dev), pools.w2_hot.view(L, E, 4, 4).to(dev))
+    routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=dt).to(dev) for _ in range(L)]
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
+    if dev == "cpu":  # the interpreter: the kernel path by hand
+        cache.use_kernel, cache.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+    assert cache.use_kernel
+    hidden = torch.as_tensor(rng.standard_normal((S, L, T, H)), dtype=dt)
+    for s in range(S):
+        for layer in range(L):
+            ids = torch.as_tensor(np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])).to(dev)
+            cache.admit(layer, ids, hidden=hidden[s, layer].to(dev))
+    got = cache.prefetch_lists()
+    want = lookahead_predictions(hidden, [r.cpu() for r in routers], depth, k)
+    gamma = (H + 1) * 2.0 ** -24 / (1 - (H + 1) * 2.0 ** -24)
+    near = 0
+    for s in range(S):
+        for layer in range(L - depth):
+            g = s * L + layer
+            x, w = hidden[s, layer].double(), routers[layer + depth].cpu().double()
+            exact = torch.sort(x @ w.T, dim=1, descending=True).values[:, :k + 1]
+            slack = 2 * gamma * (x.abs() @ w.abs().T).max(dim=1).values
+            tied = bool(((exact[:, :-1] - exact[:, 1:]) <= slack[:, None]).any())
+            near += tied
+            if not tied:
+                assert np.array_equal(got[g], want[g]), (s, layer, got[g], want[g])
+        assert (got[s * L + L - depth:(s + 1) * L] == -1).all(), "a list past the last layer"
+    assert near <= S * (L - depth) // 10, f"{near} groups with near ties: the equality lost its point"
+    assert int(cache.prefetch_history.sum()) > 0
+    cache.check(contents=True)
 
 
 def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, forecaster=None):

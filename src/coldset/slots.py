@@ -46,12 +46,14 @@ step ends (no demand miss evicts it; a demand miss that finds no other slot is r
 admitted), and enters the recency order after the group's accesses. The engine records each
 group's list (:meth:`SlotCache.prefetch_lists`), which the simulator replays for the step-by-step
 equality. On the CPU the decisions are torch ops and the copies plain indexed copies. On CUDA a
-group is the forecast's GEMV (torch, float32), one Triton launch for all the decisions (demand
-with the in-flight rule, the forecast's top ``k``, the prefetch:
-:func:`coldset.kernels.triton_slots.decide_ahead`), the demand fill on the compute stream, and the
-prefetch copy (the same fill kernel, ``prefetch_blocks`` blocks per weight) forked onto a side
-stream: an event recorded on the compute stream after the decisions and the demand fill, waited
-on by the side stream; the copy's own event is waited on by the compute stream at the end of
+group is the forecast's GEMV (one Triton launch over the router in the model's dtype, float32
+sums: :func:`coldset.kernels.triton_slots.forecast_logits`), one Triton launch for all the
+decisions (demand with the in-flight rule, the forecast's top ``k`` by one partial sort, the
+prefetch: :func:`coldset.kernels.triton_slots.decide_ahead`; on sm90+ the GEMV's programmatic
+dependent, its demand part beside the GEMV; not yet timed on a GPU), the demand fill on the
+compute stream, and the prefetch copy (the same fill kernel, ``prefetch_blocks`` blocks per
+weight) forked onto a side stream: an event recorded on the compute stream after the decisions
+and the demand fill, waited on by the side stream; the copy's own event is waited on by the compute stream at the end of
 :meth:`admit` of layer ``l + depth``, right before that layer's experts kernel reads the row map
 (the commit: no kernel reads a prefetched slot before its copy is complete). Why the victims are
 safe while the copy runs: their last reader was an experts kernel of a layer before ``l`` (ordered
@@ -202,7 +204,12 @@ class SlotCache:
     # count ([L, span], [L, span], [L, 1]: one row per target, so a copy still in flight on the side
     # stream never has its list overwritten within the step), the side stream, the fork event and
     # per target the join event and whether a copy for it was forked in this step (host side).
-    router_t: list | None = None  # float32 [H, E] per MoE layer (the forecast's GEMV operand)
+    # the forecast's operands: each MoE layer's router [E, H] contiguous in its own (the model's)
+    # dtype, read as it is by the GEMV launch (kernel path) or cast by torch.mm (torch path), and
+    # the kernel path's float32 logits [max_tokens, E] (one buffer: each group's are read by its
+    # decisions launch, on the same stream, before the next group's GEMV writes it)
+    forecast_routers: list | None = None
+    forecast_out: torch.Tensor | None = None
     pf_victims: torch.Tensor | None = None
     pf_new: torch.Tensor | None = None
     pf_count: torch.Tensor | None = None
@@ -324,7 +331,8 @@ class SlotCache:
             prediction_history=torch.full((history, width), -1, dtype=torch.int64, device=dev) if listing else None,
             prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if listing else None,
             prev_layer=L,
-            router_t=[r.detach().to(dev, torch.float32).T.contiguous() for r in routers] if ahead else None,
+            forecast_routers=[r.detach().to(dev).contiguous() for r in routers] if ahead else None,
+            forecast_out=torch.empty((int(max_tokens), E), dtype=torch.float32, device=dev) if ahead else None,
             pf_victims=torch.zeros((L, span), dtype=torch.int64, device=dev) if listing else None,
             pf_new=torch.zeros((L, span), dtype=torch.int64, device=dev) if listing else None,
             pf_count=torch.zeros((L, 1), dtype=torch.int64, device=dev) if listing else None,
@@ -634,10 +642,22 @@ class SlotCache:
         self._decide_torch(layer, topk_ids, hidden)
         return topk_weights.to(dtype) if cast else topk_weights
 
-    def _forecast_logits(self, hidden: torch.Tensor, target: int) -> torch.Tensor:
+    def _forecast_logits(self, hidden: torch.Tensor, target: int, pdl: bool = False) -> torch.Tensor:
         """float32 ``[T, E]``: layer ``target``'s router on ``hidden`` (this layer's router input),
-        the forecast both paths rank (the lists are recorded, so the rounding is not a contract)."""
-        return torch.mm(hidden.reshape(hidden.shape[0], -1).float(), self.router_t[target])
+        the forecast both paths rank (the lists are recorded, so the rounding is not a contract).
+        Kernel path: one Triton launch reading the router in the model's dtype
+        (:func:`coldset.kernels.triton_slots.forecast_logits`; ``pdl``: the decisions launch that
+        follows may start beside it), into ``forecast_out`` (the view returned is overwritten by
+        the next call); torch path: ``torch.mm`` of the float32 casts."""
+        h = hidden.reshape(hidden.shape[0], -1)
+        w = self.forecast_routers[target]
+        if self.use_kernel:
+            from coldset.kernels.triton_slots import forecast_logits
+
+            if h.stride(-1) != 1:
+                h = h.contiguous()
+            return forecast_logits(h, w, self.forecast_out[:h.shape[0]], pdl=pdl)
+        return torch.mm(h.float(), w.float().T)
 
     def _admit_ahead(self, layer, topk_ids, topk_weights, dtype, hidden, cast):
         """``lookahead`` on CUDA: the decisions in one Triton launch (demand and prefetch, the torch
@@ -652,21 +672,22 @@ class SlotCache:
         its graph."""
         from coldset.kernels.triton_slots import decide_ahead, fill
 
+        # The forecast GEMV, the decisions' top-k by one partial sort and their programmatic launch
+        # after the GEMV are not yet timed on a GPU (checked under Triton's interpreter).
         L = self.pools.num_moe_layers
         new_step = layer <= self.prev_layer
         if new_step:
             self.join()  # nothing of the last step may still be in flight (a no-op after a full step)
         self.prev_layer = layer
         target = layer + self.depth
-        logits = self._forecast_logits(hidden, target) if target < L else None
+        # Every input of the decisions launch first (a torch op between the GEMV and the decisions
+        # would end their overlap): the decisions are the GEMV's programmatic dependent with pdl.
         ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-        w_out = None
-        if cast:
-            w_out = torch.empty(topk_weights.shape, dtype=dtype, device=topk_weights.device)
-            decide_ahead(self, layer, ids, new_step, logits, target, topk_weights.contiguous().reshape(-1),
-                         w_out.view(-1))
-        else:
-            decide_ahead(self, layer, ids, new_step, logits, target)
+        w_in = topk_weights.contiguous().reshape(-1) if cast else None
+        w_out = torch.empty(topk_weights.shape, dtype=dtype, device=topk_weights.device) if cast else None
+        logits = self._forecast_logits(hidden, target, pdl=self.pdl) if target < L else None
+        decide_ahead(self, layer, ids, new_step, logits, target, w_in, w_out.view(-1) if cast else None,
+                     after_forecast=logits is not None)
         fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
         if target < L:
             side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)

@@ -45,8 +45,15 @@ in-flight rule (slots prefetched this step are no victim; misses beyond the free
 place), then the forecast list (each token's top ``k`` of the target layer's float32 router logits,
 ties by expert id, first occurrence kept) and the prefetch decisions (victims in layers ``<= l`` not
 used by the group and not in flight), written per target layer for a fill on the side stream.
-Measured on the H200 (BENCHMARKS.md, issue 12 fifth session): with the forecast's GEMV and the
-side-stream fork and join, a lookahead layer costs 13 us more than an lru layer at residency 1.0.
+Measured on the H200 (BENCHMARKS.md section 4, docs/measurements/cache_bench.json): lookahead's
+management cost 0.69 ms a step at b1 at residency 1.0 (+23% of the 2.95 ms all-HBM step, 14.4 us
+a MoE layer), of which about 5.8 us the forecast (a float32 cast and ``torch.mm`` over a float32
+copy of the router) and 6.3 us this launch (its top-k then k rounds of max/argmin reductions).
+Rebuilt since, not yet timed on a GPU (checked under Triton's interpreter only): the forecast is
+one launch of its own, :func:`forecast_logits` (a program per two experts reading the router in
+the model's dtype, float32 sums), whose programmatic dependent this launch is on sm90+ (its demand
+part beside the GEMV, a grid-dependency wait before the logits), and the top-k is one partial
+bitonic sort (``tl.topk``) of (logit, id) keys per token, the same order, ties to the lower id.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
@@ -538,6 +545,73 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr,
 # ------------------------------------------------------------------------------------------------
 # lookahead: lru's decisions with the in-flight rule, plus the prefetch of a later layer's forecast
 
+FORECAST_EXPERTS = 2  # experts per program of the forecast's GEMV (E / 2 programs: 64 at E = 128)
+FORECAST_TILE = 8192  # products per loop iteration of a GEMV program (tokens x experts x hidden chunk)
+
+
+@triton.jit
+def _forecast_kernel(x_ptr, w_ptr, out_ptr, T, H, stride_x, E: tl.constexpr, TP: tl.constexpr, BE: tl.constexpr,
+                     BH: tl.constexpr, USE_GDC: tl.constexpr):
+    """``out[t, e] = sum_h x[t, h] * w[e, h]`` for this program's ``BE`` experts and every token:
+    each program reads its experts' router rows once (``H`` contiguous: coalesced) and the ``[T, H]``
+    input (from L2 after the first program), products and sums in float32."""
+    if USE_GDC:
+        gdc_launch_dependents()  # the decisions may launch now; they wait for this grid before reading the logits
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    oke = e < E
+    t = tl.arange(0, TP)
+    okt = t < T
+    acc = tl.zeros((TP, BE), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        hh = h0 + tl.arange(0, BH)
+        okh = hh < H
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :], mask=oke[:, None] & okh[None, :], other=0.0)
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + hh[None, :], mask=okt[:, None] & okh[None, :],
+                    other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=okt[:, None] & oke[None, :])
+
+
+def forecast_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``lookahead``'s forecast on CUDA: ``out = x @ weight.T`` in float32 (``x`` ``[T, H]`` with
+    contiguous rows, ``weight`` a router ``[E, H]`` contiguous, both in the model's dtype, read as
+    they are; ``out`` float32 ``[T, E]`` contiguous, the layout :func:`decide_ahead` reads) in one
+    launch of ``E / FORECAST_EXPERTS`` programs. It replaces a float32 cast of the router input and a
+    ``torch.mm`` over a float32 copy of the router (two launches, the GEMM launch- and
+    parallelism-bound at one program per output tile). Products are exact for bf16 operands and
+    summed in float32 (in an order of its own: the lists are recorded by the engine, so the
+    logits' rounding is not a contract). ``pdl``: the next launch (:func:`decide_ahead` with
+    ``cache.pdl``) may start at once and do its demand part beside this one. Not yet timed on a GPU
+    (checked under Triton's interpreter against float64)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"forecast_logits: x must be [tokens, hidden] with contiguous rows, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    T, H = x.shape
+    E = weight.shape[0]
+    if weight.shape != (E, H) or not weight.is_contiguous():
+        raise ValueError(f"forecast_logits: weight must be a contiguous router [experts, {H}], got "
+                         f"{tuple(weight.shape)} (contiguous {weight.is_contiguous()})")
+    if out.dtype != torch.float32 or out.shape != (T, E) or not out.is_contiguous():
+        raise ValueError(f"forecast_logits: out must be float32 contiguous [{T}, {E}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    tp = max(2, _next_pow2(T))
+    be = FORECAST_EXPERTS
+    bh = min(max(16, _next_pow2(H)), max(16, FORECAST_TILE // (tp * be)))
+    _forecast_kernel[(triton.cdiv(E, be),)](x, weight, out, T, H, x.stride(0), E=E, TP=tp, BE=be, BH=bh,
+                                            USE_GDC=pdl, num_warps=4)
+    return out
+
+
+@triton.jit
+def _ordered_keys(v, col, EP: tl.constexpr):
+    """int64 keys whose descending order is the logits' ``v`` (float32) descending order with ties
+    to the lower column ``col``: the logit's bits made order-preserving as a signed integer (``-0.0``
+    first made ``+0.0``: they compare equal, so they tie), above ``EP - 1 - col``."""
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (EP - 1 - col).to(tl.int64)
+
 
 @triton.jit
 def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
@@ -545,8 +619,9 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                   w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
                   pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
                   E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
-                  USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, TP: tl.constexpr,
-                  EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr):
+                  USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
+                  EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr,
+                  WAIT_LOGITS: tl.constexpr):
     if USE_GDC:
         gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
     offs = tl.arange(0, NP)
@@ -582,22 +657,22 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
         tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
     if AHEAD:
         tl.debug_barrier()  # the demand writes (row map, owners) are visible to every thread
-        # The forecast list: each token's top K of layer `target`'s router logits (descending,
-        # ties by expert id: a stable sort), token by token, first occurrence kept.
+        if WAIT_LOGITS:
+            gdc_wait()  # launched as the forecast GEMV's dependent: its logits are complete after this
+        # The forecast list: each token's top K of layer `target`'s router logits (descending, ties
+        # by expert id: a stable sort), token by token, first occurrence kept. One partial bitonic
+        # sort (tl.topk) of (logit, id) keys per token, where K rounds of max/argmin reductions were.
         tok = tl.arange(0, TP)
         col = tl.arange(0, EP)
         okt = tok < n_tok
         v = tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=okt[:, None] & (col[None, :] < E),
                     other=float("-inf"))
-        lst = tl.zeros((NP,), dtype=tl.int64)
-        for r in range(0, K):
-            mx = tl.max(v, axis=1)
-            idx = tl.min(tl.where(v == mx[:, None], col[None, :], EP), axis=1)
-            v = tl.where(col[None, :] == idx[:, None], float("-inf"), v)
-            pick_r = tl.sum(tl.where((offs // K)[:, None] == tok[None, :], idx[None, :], 0), axis=1)
-            lst = tl.where(offs % K == r, pick_r.to(tl.int64), lst)
+        top = tl.topk(_ordered_keys(v, col[None, :], EP), KP, dim=1)  # [TP, KP], descending
+        lst = (EP - 1) - (tl.reshape(top, [TP * KP]) & (EP - 1))  # lane p: token p // KP, rank p % KP
+        p = tl.arange(0, TP * KP)
+        lv = ((p // KP) < n_tok) & ((p % KP) < K)
         linst = target * E + lst
-        fp, rk = _record_list(linst, valid, offs, hrow, pred_hist_ptr, width, WP)
+        fp, rk = _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP)
         lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
         want = fp & (lrow < 0)
         wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
@@ -612,7 +687,8 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
-                 target: int, weights: torch.Tensor | None = None, weights_out: torch.Tensor | None = None) -> None:
+                 target: int, weights: torch.Tensor | None = None, weights_out: torch.Tensor | None = None,
+                 after_forecast: bool = False) -> None:
     """``lookahead``'s decisions for one group in one launch (:meth:`coldset.slots.SlotCache.admit`'s
     torch path, the simulator's ``lookahead`` rules): the demand decisions with the in-flight rule
     (writes ``cache.victims``, ``cache.admitted`` and the admitted count ``cache.num_misses`` for the
@@ -620,7 +696,12 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     layer's router input) the forecast list and the prefetch decisions, written to row ``target``
     of ``cache.pf_victims`` / ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill, and the
     list and its count into the group's history rows. ``new_step``: the first group of a step
-    (the in-flight flags are cleared first)."""
+    (the in-flight flags are cleared first). ``after_forecast`` (with ``cache.pdl``): the launch is
+    the programmatic dependent of :func:`forecast_logits` (launched with ``pdl``, right before it on
+    the stream): its demand part runs beside the GEMV and it waits for the GEMV's grid before
+    reading the logits. The forecast's top ``k`` is one partial bitonic sort of (logit, id) keys
+    per token (the same order as the K rounds of reductions it replaced, ties to the lower id,
+    ``-0.0`` tying ``+0.0``); neither it nor the dependent launch is timed on a GPU yet."""
     n = ids.numel()
     cap = cache.capacity
     cp = _next_pow2(cap)
@@ -633,6 +714,7 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
                          f"{logits.dtype} {tuple(logits.shape)}")
     width = cache.prediction_history.shape[1]
     t = target if ahead else 0
+    wait = bool(after_forecast and ahead and cache.pdl)
     _ahead_kernel[(1,)](
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
@@ -641,10 +723,10 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         cache.pf_victims[t], cache.pf_new[t], cache.pf_count[t], cache.prediction_history,
         cache.prefetch_history, width,
         E=E, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())), CAST=cast,
-        USE_GDC=cache.pdl, AHEAD=ahead, K=k, TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
-        WP=max(2, _next_pow2(width)), MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), ZB=1024,
-        NI=cache.inflight.numel(),
-        num_warps=16 if cp >= 4096 else 8)
+        USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)),
+        EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)), MPV=max(2, _next_pow2(cache.pf_victims.shape[1])),
+        ZB=1024, NI=cache.inflight.numel(), WAIT_LOGITS=wait,
+        num_warps=16 if cp >= 4096 else 8, launch_pdl=wait)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""lookahead's CUDA launches (coldset.kernels.triton_slots: the forecast GEMV ``forecast_logits`` and
+the decisions ``decide_ahead`` with its sort-based top-k) run on the CPU through Triton's
+interpreter, in a subprocess with ``TRITON_INTERPRET=1`` (skipped where triton is not importable;
+``PYTHONPATH=<triton>:src``). The GEMV against float64 within the float32 summation bound; the
+decisions against the torch path (the simulator's ``lookahead`` rules; a stable sort of the
+negated logits, ties to the lower id) on random and tie-heavy logits, every state bitwise. Neither
+launch has been timed on a GPU yet; these check what they compute, not what they cost."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_GEMV = r"""
+import numpy as np
+import torch
+from coldset.kernels import triton_slots as ts
+
+g = torch.Generator().manual_seed(0)
+U = 2.0 ** -24  # float32's unit roundoff
+# (tokens, hidden, experts, dtype, products per iteration): E not a multiple of the 2 experts a
+# program, tokens padded to a power of two, one chunk of hidden or (a small tile) a loop over
+# chunks with a ragged tail
+for T, H, E, dt, tile in [(1, 40, 6, torch.float32, 8192), (3, 100, 7, torch.float16, 8192),
+                          (5, 100, 10, torch.float32, 64), (2, 257, 16, torch.float16, 128)]:
+    ts.FORECAST_TILE = tile
+    wide = torch.randn(T, H + 3, generator=g).to(dt)
+    x = wide[:, 2:H + 2]  # rows of a wider tensor: a row stride of H + 3
+    w = torch.randn(E, H, generator=g).to(dt)
+    out = torch.full((T, E), float("nan"))
+    assert ts.forecast_logits(x, w, out) is out
+    ref = x.double() @ w.double().T
+    # any float32 summation order of H products (each exact for float16 operands, rounded once
+    # for float32 ones): |error| <= gamma_{H+1} * sum_h |x_h w_h|
+    gamma = (H + 1) * U / (1 - (H + 1) * U)
+    bound = gamma * (x.double().abs() @ w.double().abs().T)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), (T, H, E, dt, float((err - bound).max()))
+    assert float(ref.abs().min()) > 0  # nothing compared against zeros
+ts.FORECAST_TILE = 8192
+x, w = torch.randn(2, 8), torch.randn(4, 8)
+for args, what in [((x, w, torch.empty(2, 3)), "out must be float32"), ((x, w.T, torch.empty(2, 4)), "weight must"),
+                   ((x.T, w, torch.empty(8, 4)), "x must"), ((x, w, torch.empty(2, 4, dtype=torch.float64)), "out must")]:
+    try:
+        ts.forecast_logits(*args)
+    except ValueError as e:
+        assert what in str(e), (what, e)
+    else:
+        raise AssertionError(what)
+print("INTERPRETED OK")
+"""
+
+_DECIDE = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_slots import _random_pools, _warm
+from coldset.kernels import triton_slots as ts
+from coldset.slots import SlotCache
+from coldset.tiers import host_tier
+
+real_fill = ts.fill
+
+def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
+    # the same copies with fewer interpreted programs (a block copies its stripe of a row: any
+    # number of blocks copies whole rows)
+    return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
+
+ts.fill = small_fill
+TIES = np.array([-np.inf, -1.0, -0.0, 0.0, 1.0, 2.0, np.inf], dtype=np.float32)
+STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
+         "prefetch_history", "history")
+
+def logits_of(rng, kind, T, E):
+    if kind == "random":
+        return torch.as_tensor(rng.standard_normal((T, E)), dtype=torch.float32)
+    # tie-heavy: few distinct values, -0.0 beside +0.0 (equal, so a tie), infinities
+    return torch.as_tensor(rng.choice(TIES, size=(T, E), p=[0.05, 0.2, 0.2, 0.2, 0.2, 0.1, 0.05]))
+
+prefetched = {}
+# (layers, experts, top_k, tokens, depth, logits, seed): E and k both powers of two or not
+for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2, "ties", 1),
+                                      (3, 6, 2, 2, 1, "random", 2), (3, 8, 3, 3, 1, "random", 3),
+                                      (3, 4, 4, 1, 1, "ties", 4)]:
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+    C = int(rng.integers(k * T + 2, min(k * T + 6, L * E)))
+    row_map, _, wc = _warm(counts, C)
+    all_hot = _random_pools(L, E, seed=seed)
+    host = host_tier(all_hot)
+    routers = [torch.zeros(E, 4) for _ in range(L)]  # not read: the logits are handed in
+    ref, ker = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
+                for _ in range(2))
+    for c in (ref, ker):  # the router input stands for the logits themselves: both paths rank the same
+        c._forecast_logits = lambda hidden, target, pdl=False: hidden
+    ker.use_kernel, ker.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand
+    for step in range(4):
+        for layer in range(L):
+            ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+            if step % 2 and T > 1:
+                ids[1] = ids[0]
+            ids = torch.as_tensor(ids)
+            lg = logits_of(rng, kind, T, E)
+            w = torch.as_tensor(rng.random((T, k)), dtype=torch.float32)
+            ref.admit(layer, ids, w, torch.float32, hidden=lg)
+            ker.admit(layer, ids, w, torch.float32, hidden=lg)
+            for name in STATE:
+                assert torch.equal(getattr(ref, name), getattr(ker, name)), (name, kind, seed, step, layer)
+            assert torch.equal(ref.pools.row_map, ker.pools.row_map), (kind, seed, step, layer)
+            # the recorded list by numpy: each token's k best (a stable sort of the negated logits,
+            # ties to the lower id; -0.0 equals 0.0), token by token, first occurrence kept
+            want = np.full(T * k, -1)
+            if layer + depth < L:
+                top = np.argsort(-lg.numpy(), axis=1, kind="stable")[:, :k].reshape(-1)
+                keep = top[np.sort(np.unique(top, return_index=True)[1])] + (layer + depth) * E
+                want[:keep.size] = keep
+            got = ker.prediction_history[int(ker.groups) - 1].numpy()
+            assert np.array_equal(got, want), (kind, seed, step, layer, got, want)
+    ker.check(contents=True)
+    prefetched[(kind, seed)] = int(ker.prefetch_history.sum())
+assert all(v > 0 for v in prefetched.values()), prefetched
+print("INTERPRETED OK", prefetched)
+"""
+
+
+def _interpret(script: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable here")
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p)}
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_forecast_gemv_under_the_interpreter_is_within_the_float32_bound_of_float64():
+    """``forecast_logits`` (one launch, a program per two experts, float32 products and sums) on
+    float32 and float16 operands, row-strided input, ragged experts and hidden chunks: every logit
+    within ``gamma_{H+1} * sum_h |x_h w_h|`` of the float64 product (the bound of any float32
+    summation order, u = 2**-24); bad shapes, layouts and dtypes refused by name."""
+    _interpret(_GEMV)
+
+
+def test_decide_ahead_sort_topk_under_the_interpreter_equals_the_torch_path():
+    """``decide_ahead`` (top-k by one partial bitonic sort of (logit, id) keys) against the torch
+    path on the same logits, random and tie-heavy (few distinct values, ``-0.0`` beside ``+0.0``,
+    infinities), ``k`` and ``E`` powers of two or not, pools barely larger than a group: after
+    every group the same owners, recency, counts, ticks, counters, in-flight flags, recorded lists
+    and prefetch counts, bitwise; prefetches issued in every case; every slot holds its owner."""
+    _interpret(_DECIDE)
