@@ -33,6 +33,10 @@ from coldset.kernels import torch_experts
 from coldset.tiers import ExpertPools, build_pools, host_tier
 
 gpu = pytest.mark.gpu
+# KernelConfig fields of the FP8 kernel's quantization options (triton_fp8's docstring)
+QX = {"quant_x": 1}  # the tokens quantized inside the w13 launch
+QXA = {"block_n1": 128, "quant_x": 1, "quant_act": 1}  # and the intermediate by w13's epilogue: 3 launches
+NO_QUANT_FIELDS = {"quant_x": 0, "quant_act": 0}
 
 
 def make_fp8(num_layers, num_experts, hidden, inter, seed=0, device="cpu"):
@@ -163,7 +167,8 @@ def test_fp8_pools_refuse_missing_or_misshapen_scales():
 
 # ------------------------------------------- the Triton FP8 kernel under Triton's interpreter (CPU) -------
 
-_INTERPRETED = r"""
+# the interpreter scripts' common start: float casts fixed, the tests' helpers and the kernels imported
+_PRELUDE = r"""
 import sys
 import numpy as np
 import torch
@@ -191,7 +196,9 @@ from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.triton_fp8 import quantize_groups
 from coldset.kernels.triton_moe import KernelConfig
 from coldset.tiers import ExpertPools, build_pools
+"""
 
+_INTERPRETED = _PRELUDE + r"""
 x = (torch.randn(5, 200, generator=torch.Generator().manual_seed(0)) * 3).half()
 (q, s), (q_ref, s_ref) = quantize_groups(x), fp8.quantize_activations(x)
 assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), "quantize_groups"
@@ -260,12 +267,117 @@ print("INTERPRETED OK")
 """
 
 
-def test_triton_fp8_kernel_under_the_interpreter_equals_the_torch_path():
-    """The FP8 kernel's launches on the CPU through Triton's interpreter (where triton is importable;
-    ``PYTHONPATH=<triton>:src``): the quantization launch bit for bit :func:`fp8.quantize_activations`,
-    the intermediate quantized by the w13 launch (block_n1 128, 256, partial groups) or by its own
-    launch (32) equal to the torch path to float32 summation order, and a placement bitwise all-hot;
-    the pdl modes' launches (grid-dependency instructions stubbed out) bitwise pdl 0's."""
+_INTERPRETED_QUANT = _PRELUDE + r"""
+import numpy as np
+import triton
+import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
+from coldset.kernels import triton_fp8, triton_moe
+from coldset.slots import SlotCache
+from coldset.tiers import host_tier
+
+def variant(cfg, **fields):
+    return KernelConfig(**{**cfg.to_dict(), **fields})
+
+# the launch's quantization, the reference of both options: a zero group takes scale
+# max(0, 1e-10) / 448 (float32) and quantizes to zeros; a partial group (columns 128-199)
+x = (torch.randn(4, 200, generator=torch.Generator().manual_seed(3)) * 3).half()
+x[0, 128:] = 0
+x[2, :128] = 0
+(q, s), (q_ref, s_ref) = quantize_groups(x), fp8.quantize_activations(x)
+assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), "quantize_groups"
+tiny = torch.tensor(1e-10, dtype=torch.float32) / 448
+assert s[0, 1] == tiny and s[2, 0] == tiny and not q[0, 128:].view(torch.uint8).any(), (s, tiny)
+
+def warm_map(L, E, hot):
+    # experts 0..hot-1 of each layer in the hot rows (the slots), the others cold
+    rm, h, c = np.empty((L, E), dtype=np.int32), 0, 0
+    for l in range(L):
+        for e in range(E):
+            if e < hot:
+                rm[l, e], h = h, h + 1
+            else:
+                rm[l, e], c = -c - 1, c + 1
+    return rm
+
+# (hidden, inter, tokens, the config with the separate launches where block_n1 < 128, the options)
+X1, A1, A2 = dict(quant_x=1), dict(quant_act=1), dict(quant_act=2)
+CASES = [
+    (256, 128, 2, KernelConfig(16, 32, 128, 64, 128, 4, 3, 32), [X1, {**X1, **A2}]),  # in-kernel grouping (6 pairs)
+    (200, 72, 7, KernelConfig(16, 128, 128, 64, 128, 4, 3, 1), [X1, A1, A2, {**X1, **A1}]),  # partial groups
+    (384, 192, 9, KernelConfig(16, 256, 128, 128, 128, 4, 3, 1, tile_order=1), [{**X1, **A1}]),  # 2 groups a block
+    (200, 136, 6, KernelConfig(32, 64, 128, 64, 128, 4, 3, 1), [X1]),  # 32-row tiles, 8-column last group
+]
+for hidden, inter, tokens, cfg, options in CASES:
+    _, _, qq = make_fp8(2, 8, hidden, inter, seed=tokens)
+    x, ids, w = routing(tokens, 8, 3, hidden, torch.float16, seed=tokens)
+    x[0, 128:] = 0  # token 0: a zero group of the tokens (partial where H = 200)
+    e0 = int(ids[0, 0])  # ... and a zero group of the intermediate: its first up group's weights zero
+    qq[0][1, e0, inter:inter + min(128, inter)] = 0
+    all_hot = ExpertPools.all_hot(*qq[:2], *qq[2:])
+    base = triton_experts(all_hot, 1, x, ids, w, cfg, use_row_map=False)
+    ref = torch_experts(all_hot, 1, x, ids, w)
+    assert torch.isfinite(base).all(), cfg
+    err = float((base.double() - ref.double()).norm() / ref.double().norm())
+    assert err < 1e-3, (cfg, err)
+    placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, tokens), "cpu", w13_scale=qq[2], w2_scale=qq[3])
+    warm = warm_map(2, 8, 3)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), warm, np.ones(6), "lru", max_tokens=2, top_k=3)
+    cache.admit(1, ids[:2])  # the first two tokens' cold experts filled into slots (weights and scales)
+    assert (cache.pools.row_map[1].numpy() != warm[1]).any() and (cache.pools.row_map[1].numpy() < 0).any()
+    for fields in options:
+        v = variant(cfg, **fields)
+        for name, pools, use in (("all hot", all_hot, False), ("hot/cold", placed, True), ("slots", cache.pools, True)):
+            out = triton_experts(pools, 1, x, ids, w, v, use_row_map=use)
+            assert torch.equal(out, base), (fields, name, cfg)
+
+# refused by name: the epilogue needs whole groups in a block; values outside the options
+x, ids, w = routing(2, 8, 2, 256, torch.float16)
+_, _, qq = make_fp8(1, 8, 256, 128)
+for bad, match in [(dict(block_n1=64, quant_act=1), "quant_act=1"), (dict(quant_act=3), "quant_act must be"),
+                   (dict(quant_x=2), "quant_x must be")]:
+    try:
+        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, variant(KernelConfig(16, 32, 128, 64, 128), **bad))
+    except ValueError as exc:
+        assert match in str(exc), (bad, exc)
+    else:
+        raise AssertionError(f"not refused: {bad}")
+
+# pdl 1-3 with the options (the grid-dependency instructions stubbed as no-ops, the prefetch recorded):
+# pdl 0's bits; with quant_x=1 the w13 launch (nothing before it in the call) prefetches nothing
+@triton.jit
+def _no_op():
+    pass
+
+PREFETCHED = []
+
+@triton.jit
+def _record_prefetch(addr, nbytes):
+    PREFETCHED.append((int(addr.handle.data.reshape(-1)[0]), int(nbytes.handle.data.reshape(-1)[0])))
+
+for mod in (triton_fp8, triton_moe):
+    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
+triton_fp8._prefetch_l2 = _record_prefetch
+_, _, qq = make_fp8(2, 8, 200, 72, seed=4)
+x, ids, w = routing(5, 8, 3, 200, torch.float16, seed=4)
+placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, 4), "cpu", w13_scale=qq[2], w2_scale=qq[3])
+for cfg in (KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, quant_x=1, quant_act=1),
+            KernelConfig(16, 64, 128, 64, 128, 4, 3, 32, quant_x=1)):
+    base = triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 1, x, ids, w, variant(cfg, quant_x=0, quant_act=0),
+                          use_row_map=False)
+    for pdl in (1, 3):  # 2 is 1 without the prefetch
+        PREFETCHED.clear()
+        assert torch.equal(triton_experts(placed, 1, x, ids, w, variant(cfg, pdl=pdl)), base), (cfg, pdl)
+        w2_rows = (placed.w2_hot.data_ptr(), placed.w2_hot.data_ptr() + placed.w2_hot.numel())
+        # only w2 prefetches, and only behind the intermediate's own launch (block_n1 below 128)
+        assert all(w2_rows[0] <= a < w2_rows[1] for a, _ in PREFETCHED), (cfg, pdl)
+        assert bool(PREFETCHED) == (pdl in (1, 3) and cfg.block_n1 % 128 != 0), (cfg, pdl, len(PREFETCHED))
+print("INTERPRETED OK")
+"""
+
+
+def _run_interpreted(script: str) -> None:
+    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable:
+    ``PYTHONPATH=<triton>:src``); it prints INTERPRETED OK when every check held."""
     import importlib.util
     import os
     import subprocess
@@ -275,9 +387,53 @@ def test_triton_fp8_kernel_under_the_interpreter_equals_the_torch_path():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable here")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, str(Path(__file__).parent)], env=env,
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_triton_fp8_kernel_under_the_interpreter_equals_the_torch_path():
+    """The FP8 kernel's launches on the CPU through Triton's interpreter (where triton is importable;
+    ``PYTHONPATH=<triton>:src``): the quantization launch bit for bit :func:`fp8.quantize_activations`,
+    the intermediate quantized by the w13 launch (block_n1 128, 256, partial groups) or by its own
+    launch (32) equal to the torch path to float32 summation order, and a placement bitwise all-hot;
+    the pdl modes' launches (grid-dependency instructions stubbed out) bitwise pdl 0's."""
+    _run_interpreted(_INTERPRETED)
+
+
+def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separate_launches():
+    """``quant_x=1`` (the tokens quantized inside the w13 launch) and ``quant_act`` 1 / 2 (the
+    intermediate by the w13 epilogue / by its own launch), alone and together, under Triton's
+    interpreter: bitwise the default path's output (the quantization launches) on all-hot,
+    hot/cold and slot-cache rows (a CPU :class:`~coldset.slots.SlotCache` that has just filled
+    cold experts into slots), in-kernel grouping and sorted grouping, 16- and 32-row tiles, partial
+    groups of H and I, a zero group of the tokens and of the intermediate (scale 1e-10 / 448, the
+    launch's rule, checked on the launch); refusals by name; pdl 1-3 with the options bitwise pdl
+    0, the w13 launch prefetching nothing with ``quant_x=1``."""
+    _run_interpreted(_INTERPRETED_QUANT)
+
+
+def test_fp8_search_space_tries_the_quantization_options_at_decode_and_defaults_are_unchanged():
+    """The FP8 decode candidates include ``quant_x=1`` (with 32 and 64 columns) and ``quant_x=1``
+    with ``quant_act=1`` (128 columns: three launches a layer); every candidate passes the
+    kernel's config check; the defaults keep the quantization launches (no field set)."""
+    pytest.importorskip("triton")
+    from coldset.kernels.triton_fp8 import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, _check_config
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.tune import TRITON_FP8_SEARCH_SPACE
+
+    decode = [KernelConfig.from_dict(d) for d in TRITON_FP8_SEARCH_SPACE["decode"]]
+    prefill = [KernelConfig.from_dict(d) for d in TRITON_FP8_SEARCH_SPACE["prefill"]]
+    for c in decode + prefill:
+        _check_config(c)
+    assert {c.block_n1 for c in decode if c.quant_x == 1 and c.quant_act == 0} == {32, 64}
+    fused = [c for c in decode if c.quant_x == 1 and c.quant_act == 1]
+    assert fused and all(c.block_n1 == 128 for c in fused) and {c.pdl for c in fused} == {2, 3}
+    assert any(c.quant_x == 0 for c in decode)  # the measured candidates stay
+    assert all(c.quant_x == 0 and c.quant_act == 0 for c in prefill)
+    assert DEFAULT_DECODE_CONFIG.quant_x == DEFAULT_PREFILL_CONFIG.quant_x == 0
+    assert DEFAULT_DECODE_CONFIG.quant_act == DEFAULT_PREFILL_CONFIG.quant_act == 0
+    assert KernelConfig().quant_x == KernelConfig().quant_act == 0
 
 
 # ---------------------------------------------------------------- GPU (Triton FP8 kernel) -------
@@ -369,10 +525,12 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens,pdl", [(1, 0), (1, 1), (4, 2), (4, 3), (64, 1), (64, 2)])
-def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
+@pytest.mark.parametrize("num_tokens,pdl,fields", [(1, 0, {}), (1, 1, {}), (4, 2, {}), (4, 3, {}), (64, 1, {}), (64, 2, {}),
+                                                   (1, 2, QX), (4, 3, QX), (1, 2, QXA), (64, 3, QXA)])
+def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl, fields):
     """A captured step re-reads the row map: hot, then every expert cold (weights and scales read in
-    place from pinned memory), then a mixed map; each replay bitwise the unmodified path."""
+    place from pinned memory), then a mixed map; each replay bitwise the unmodified path (with the
+    quantization options too: ``fields``, not yet run on a GPU)."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
 
@@ -381,8 +539,9 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
     pools = dup_fp8_pools(q)
     unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
     x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=9, device="cuda")
-    cfg = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl)
-    ref = triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False)
+    cfg = KernelConfig(**{**KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl).to_dict(), **fields})
+    ref = triton_experts(unmodified, 1, x, ids, w, KernelConfig(**{**cfg.to_dict(), **NO_QUANT_FIELDS}),
+                         use_row_map=False)
     out = triton_experts(pools, 1, x, ids, w, cfg)  # compile and validate before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -398,8 +557,9 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
 
 
 @gpu
+@pytest.mark.parametrize("fields", [{}, QX, QXA], ids=["launches", "quant_x", "quant_x+act"])
 @pytest.mark.parametrize("num_tokens", [1, 12])
-def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
+def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens, fields):
     """With pdl 1-3 the w13 launch is a programmatic dependent launch of the tokens' quantization
     launch, which is itself one (of the kernel before it, or of the grouping) with pdl 3: each may
     start before the launch before it ends and must wait before reading what that launch (or, pdl
@@ -407,7 +567,10 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     kernel before is a late writer: it releases dependents at once and writes x, the ids, the
     routing weights and the row map only after 500 µs, over stale contents (other tokens, other
     experts, every expert pointed at its neighbour's rows). Every pdl mode gives pdl 0's bits, for
-    hot, cold and mixed maps, in both grouping modes (4 and 48 pairs), and pdl 0 the float64 value."""
+    hot, cold and mixed maps, in both grouping modes (4 and 48 pairs), and pdl 0 the float64 value.
+    With ``quant_x=1`` (``fields``; not yet run on a GPU) there is no quantization launch: the w13
+    launch is the first, a plain launch with pdl 1-2 and with pdl 3 a dependent launch of the late
+    writer that must wait before reading anything; the same bits as the separate launches."""
     from late_writer import late_copy
 
     from coldset.kernels import triton_experts
@@ -424,7 +587,7 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     ref = float64_fp8_moe(tuple(t.cuda() for t in q), layer, x, ids, w)
     outs = {}
     for pdl in (0, 1, 2, 3):
-        cfg = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl)
+        cfg = KernelConfig(**{**KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl).to_dict(), **fields})
         triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
         for name, m in maps.items():
             real = torch.as_tensor(m.astype(np.int32)).cuda()
@@ -442,6 +605,54 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     assert not torch.equal(stale, base)  # stale inputs would be seen
     for key, out in outs.items():
         assert torch.equal(out, base), key
+    if fields:  # and the separate launches' bits (the default path, pdl 0)
+        launches = triton_experts(pools, layer, x, ids, w, KernelConfig(16, 32, 128, 64, 128, 4, 3, 32))
+        assert torch.equal(launches, base)
+
+
+@gpu
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 200)])  # 200: a partial last group of the intermediate
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 300])
+def test_triton_fp8_quantization_options_bitwise_the_separate_launches_across_placements_and_slots(hidden, inter,
+                                                                                                 num_tokens):
+    """The GPU twin of the interpreter test (not yet run on a GPU): ``quant_x=1`` and ``quant_act``
+    1 / 2, alone and together, at decode and prefill tiles and pdl 0 / 2 / 3, bitwise the same
+    config with the quantization launches (the default path): all hot with the row map compiled
+    out, built placements (hot, half cold, all cold in pinned memory), the unmodified pools placed
+    over the pinned host tier, and a slot cache's pools right after it filled cold experts into
+    slots; a zero group of the tokens and of the intermediate (the 1e-10 / 448 scale rule)."""
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.slots import SlotCache
+
+    L, E, K = 2, 32, 4
+    _, _, q = make_fp8(L, E, hidden, inter, seed=40 + num_tokens)
+    x, ids, w = routing(num_tokens, E, K, hidden, torch.bfloat16, seed=41, device="cuda")
+    x[0, 128:256] = 0  # token 0: a zero group of the tokens
+    q[0][1, int(ids[0, 0]), inter:inter + 128] = 0  # its first expert: the intermediate's first group zero
+    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    host = host_tier(unmodified)
+    rm_warm = random_row_map(L, E, 0.5, 3)
+    cache = SlotCache.build(unmodified, host, rm_warm, np.ones(int((rm_warm >= 0).sum())), "lru", 2, K)
+    cache.admit(1, ids[:2])
+    torch.cuda.synchronize()
+    pools_list = [("slots", cache.pools), ("placed over host", unmodified.placed(random_row_map(L, E, 0.5, 5), host))]
+    for seed, frac in [(0, 0.0), (1, 0.5), (2, 1.0)]:
+        pools_list.append((f"built {frac}", build_pools(q[0], q[1], random_row_map(L, E, frac, seed), "cuda",
+                                                        w13_scale=q[2], w2_scale=q[3])))
+    bases = [KernelConfig(16, 32, 128, 64, 128, 4, 4, 32, 2), KernelConfig(16, 64, 128, 128, 128, 4, 3, 32, 3),
+             KernelConfig(16, 128, 128, 128, 128, 4, 3, 32), KernelConfig(64, 128, 128, 128, 128, 4, 4, 1, tile_order=1,
+                                                                           half_buf=1)]
+    for base_cfg in bases:
+        options = [QX, {**QX, "quant_act": 2}] + ([{"quant_act": 1}, {"quant_act": 2}, QXA]
+                                                   if base_cfg.block_n1 % 128 == 0 else [])
+        ref = triton_experts(unmodified, 1, x, ids, w, base_cfg, use_row_map=False)
+        assert torch.isfinite(ref).all()
+        for fields in options:
+            cfg = KernelConfig(**{**base_cfg.to_dict(), **fields})
+            assert torch.equal(triton_experts(unmodified, 1, x, ids, w, cfg, use_row_map=False), ref), (cfg, "all hot")
+            for name, pools in pools_list:
+                assert torch.equal(triton_experts(pools, 1, x, ids, w, cfg), ref), (cfg, name)
 
 
 @gpu
@@ -456,7 +667,10 @@ def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_
     for cfg, match in [(KernelConfig(16, 32, 64, 64, 64), "block_k1 and block_k2 must be 128"),
                        (KernelConfig(16, 32, 128, 64, 128, split_k1=2), "split-K"),
                        (KernelConfig(16, 32, 128, 64, 128, pdl=4), "pdl must be 0, 1, 2 or 3"),
-                       (KernelConfig(16, 32, 128, 64, 128, half_tail=1), "half_tail")]:
+                       (KernelConfig(16, 32, 128, 64, 128, half_tail=1), "half_tail"),
+                       (KernelConfig(16, 64, 128, 64, 128, quant_act=1), "quant_act=1 .* needs block_n1 a multiple of 128"),
+                       (KernelConfig(16, 32, 128, 64, 128, quant_x=2), "quant_x must be 0"),
+                       (KernelConfig(16, 32, 128, 64, 128, quant_act=3), "quant_act must be 0")]:
         with pytest.raises(ValueError, match=match):
             triton_experts(pools, 0, x, ids, w, cfg)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
