@@ -66,9 +66,13 @@ formula above on the same values, hence the same FP8 bytes and scales and the sa
   ``quant_act`` taking the epilogue, a layer runs three launches (w13, w2, the top-k sum), as
   the bf16 kernel does.
 
-Not yet timed on a GPU: the ``quant_x=1`` path and the explicit ``quant_act`` choices were written
-and checked bitwise in Triton's interpreter only (tests/test_fp8_experts.py); the decode
-candidates of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` that use them await a GPU run.
+Not yet timed on a GPU, nor run on one: the ``quant_x=1`` path and the explicit ``quant_act``
+choices were written and checked bitwise against the quantization launches in Triton's interpreter
+only (tests/test_fp8_experts.py). On the GPU the same FP8 operands and scales enter the same dot
+instruction, so the same bits are expected; the gpu-marked tests there check it. The decode
+candidates of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` that use them await a GPU run
+(``bench kernel --weight-format fp8`` times every candidate; ``bench step --tune-fp8`` lets the
+tuner pick per batch size).
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
