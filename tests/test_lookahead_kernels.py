@@ -24,7 +24,7 @@ U = 2.0 ** -24  # float32's unit roundoff
 # (tokens, hidden, experts, dtype, products per iteration): E not a multiple of the 2 experts a
 # program, tokens padded to a power of two, one chunk of hidden or (a small tile) a loop over
 # chunks with a ragged tail
-for T, H, E, dt, tile in [(1, 40, 6, torch.float32, 8192), (3, 100, 7, torch.float16, 8192),
+for T, H, E, dt, tile in [(1, 40, 6, torch.float32, 4096), (3, 100, 7, torch.float16, 4096),
                           (5, 100, 10, torch.float32, 64), (2, 257, 16, torch.float16, 128)]:
     ts.FORECAST_TILE = tile
     wide = torch.randn(T, H + 3, generator=g).to(dt)
@@ -40,7 +40,7 @@ for T, H, E, dt, tile in [(1, 40, 6, torch.float32, 8192), (3, 100, 7, torch.flo
     err = (out.double() - ref).abs()
     assert bool((err <= bound).all()), (T, H, E, dt, float((err - bound).max()))
     assert float(ref.abs().min()) > 0  # nothing compared against zeros
-ts.FORECAST_TILE = 8192
+ts.FORECAST_TILE = 4096
 x, w = torch.randn(2, 8), torch.randn(4, 8)
 for args, what in [((x, w, torch.empty(2, 3)), "out must be float32"), ((x, w.T, torch.empty(2, 4)), "weight must"),
                    ((x.T, w, torch.empty(8, 4)), "x must"), ((x, w, torch.empty(2, 4, dtype=torch.float64)), "out must")]:

@@ -546,30 +546,33 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr,
 # lookahead: lru's decisions with the in-flight rule, plus the prefetch of a later layer's forecast
 
 FORECAST_EXPERTS = 2  # experts per program of the forecast's GEMV (E / 2 programs: 64 at E = 128)
-FORECAST_TILE = 8192  # products per loop iteration of a GEMV program (tokens x experts x hidden chunk)
+FORECAST_TILE = 4096  # router elements a GEMV program loads at once (2 x 2048: all of H at Qwen3-30B-A3B)
+FORECAST_WARPS = 2  # warps a GEMV program (a token's reduction crosses 2 warps, not 4); none of the three timed yet
 
 
 @triton.jit
 def _forecast_kernel(x_ptr, w_ptr, out_ptr, T, H, stride_x, E: tl.constexpr, TP: tl.constexpr, BE: tl.constexpr,
                      BH: tl.constexpr, USE_GDC: tl.constexpr):
     """``out[t, e] = sum_h x[t, h] * w[e, h]`` for this program's ``BE`` experts and every token:
-    each program reads its experts' router rows once (``H`` contiguous: coalesced) and the ``[T, H]``
-    input (from L2 after the first program), products and sums in float32."""
+    each program reads its experts' router rows once (``H`` contiguous: coalesced; all of them in
+    one load where ``H <= BH``) and each token's row (from L2 after the first program), the tokens
+    unrolled so that their loads are independent, products and sums in float32."""
     if USE_GDC:
         gdc_launch_dependents()  # the decisions may launch now; they wait for this grid before reading the logits
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     oke = e < E
-    t = tl.arange(0, TP)
-    okt = t < T
+    tok = tl.arange(0, TP)
     acc = tl.zeros((TP, BE), dtype=tl.float32)
     for h0 in range(0, H, BH):
         hh = h0 + tl.arange(0, BH)
         okh = hh < H
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :], mask=oke[:, None] & okh[None, :], other=0.0)
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + hh[None, :], mask=okt[:, None] & okh[None, :],
-                    other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=okt[:, None] & oke[None, :])
+        w = w.to(tl.float32)
+        for t in tl.static_range(TP):
+            x = tl.load(x_ptr + t * stride_x + hh, mask=okh & (t < T), other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc = tl.where(tok[:, None] == t, acc + part[None, :], acc)
+    tl.store(out_ptr + tok[:, None] * E + e[None, :], acc, mask=(tok < T)[:, None] & oke[None, :])
 
 
 def forecast_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -594,11 +597,11 @@ def forecast_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pd
     if out.dtype != torch.float32 or out.shape != (T, E) or not out.is_contiguous():
         raise ValueError(f"forecast_logits: out must be float32 contiguous [{T}, {E}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    tp = max(2, _next_pow2(T))
+    tp = _next_pow2(T)
     be = FORECAST_EXPERTS
-    bh = min(max(16, _next_pow2(H)), max(16, FORECAST_TILE // (tp * be)))
+    bh = min(max(16, _next_pow2(H)), max(16, FORECAST_TILE // be))
     _forecast_kernel[(triton.cdiv(E, be),)](x, weight, out, T, H, x.stride(0), E=E, TP=tp, BE=be, BH=bh,
-                                            USE_GDC=pdl, num_warps=4)
+                                            USE_GDC=pdl, num_warps=FORECAST_WARPS)
     return out
 
 
