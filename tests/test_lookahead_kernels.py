@@ -43,7 +43,8 @@ for T, H, E, dt, tile in [(1, 40, 6, torch.float32, 4096), (3, 100, 7, torch.flo
 ts.FORECAST_TILE = 4096
 x, w = torch.randn(2, 8), torch.randn(4, 8)
 for args, what in [((x, w, torch.empty(2, 3)), "out must be float32"), ((x, w.T, torch.empty(2, 4)), "weight must"),
-                   ((x.T, w, torch.empty(8, 4)), "x must"), ((x, w, torch.empty(2, 4, dtype=torch.float64)), "out must")]:
+                   ((x.T, w, torch.empty(8, 4)), "x must"),
+                   ((x, w, torch.empty(2, 4, dtype=torch.float64)), "out must")]:
     try:
         ts.forecast_logits(*args)
     except ValueError as e:
