@@ -119,13 +119,17 @@ TRITON_SEARCH_SPACE: dict = {
 # w) * scales``) holds a temporary beside each of w13's two accumulators, so registers spill as
 # block_m x block_n1 per warp grows; two candidates not yet measured halve that (vLLM's 64
 # columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile).
-# The last four decode candidates (not yet timed on a GPU) drop quantization launches, after the
+# The last six decode candidates (not yet timed on a GPU) drop quantization launches, after the
 # FP8 decode step measured 0.94x of bf16 at b1 with 442 kernels a step against 346 (BENCHMARKS.md
 # section 2): quant_x=1 quantizes the tokens inside the w13 launch (each column block its own
 # [16, 128] tile per k step, the same bits); with quant_act=1 and 128 columns the w13 epilogue also
 # quantizes the intermediate, so a layer runs w13, w2 and the top-k sum alone, as bf16 does
-# (triton_fp8's docstring). They stay out of the prefill space, where the tokens' launch is a small
-# share and every column block would re-quantize its 64-row tile.
+# (triton_fp8's docstring). That 16 x 128 w13 launch compiles (sm90, on the CPU, in-kernel grouping
+# of 8 pairs: probes/fp8_w13_sass_cpu.py) to 255 registers and a 104-byte spill stack at 4 warps
+# with quant_x=1 (24 bytes without: the fused 128-column tile measured slower in the first run
+# spills too), 235 registers and no stack at 8 warps: the 8-warp tiles with and without quant_x,
+# the 4-warp one kept for the measurement. They stay out of the prefill space, where the tokens'
+# launch is a small share and every column block would re-quantize its 64-row tile.
 TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [
@@ -139,10 +143,14 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              quant_x=1),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
              quant_x=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_x=1, quant_act=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=3,
+             quant_x=1, quant_act=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=3,
-             quant_x=1, quant_act=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_act=1),
     ],
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,

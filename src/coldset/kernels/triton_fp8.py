@@ -66,6 +66,14 @@ formula above on the same values, hence the same FP8 bytes and scales and the sa
   ``quant_act`` taking the epilogue, a layer runs three launches (w13, w2, the top-k sum), as
   the bf16 kernel does.
 
+What the compiler makes of them, without a GPU (probes/fp8_w13_sass_cpu.py: the w13 launch at
+Qwen3-30B-A3B-FP8's shape, 1 token's in-kernel grouping, compiled for sm90 on the CPU with triton
+3.6's ptxas; static facts, not times): ``quant_x=1`` adds 32 FCHK (the IEEE divisions' check) and
+~900 SASS instructions (3032 against 2128) to the 16 x 64 launch, 254 registers against 244, no spills;
+the 16 x 128 launch that also quantizes the intermediate spills at 4 warps (255 registers, 104
+stack bytes, 57 local loads/stores; 24 bytes even without ``quant_x``, which may be why that
+fused tile measured slower than 64 columns in the first run) and does not at 8 warps (235).
+
 Not yet timed on a GPU, nor run on one: the ``quant_x=1`` path and the explicit ``quant_act``
 choices were written and checked bitwise against the quantization launches in Triton's interpreter
 only (tests/test_fp8_experts.py). On the GPU the same FP8 operands and scales enter the same dot

@@ -1,0 +1,101 @@
+"""Probe (not a tool of the package): the FP8 kernel's w13 launch of every FP8 decode candidate,
+compiled to an sm90 cubin on the CPU, no GPU (issue 29: the quantization options).
+
+    PYTHONPATH=<triton 3.6>:src python probes/fp8_w13_sass_cpu.py [--extra '[{...}, ...]']
+
+Compiles :func:`coldset.kernels.triton_fp8._w13_fp8_kernel` at Qwen3-30B-A3B-FP8's shape (E=128,
+H=2048, I=768, top-8, bf16 tokens, the row map on, in-kernel grouping as at 1 token) for each
+decode config of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` (and ``--extra`` configs, JSON dicts
+of KernelConfig fields) with Triton's own stages and the ptxas it ships (run on the CPU), then
+prints per config what ptxas allotted (registers a thread, stack bytes: spills) and counts in the
+SASS (instructions, MUFU.RCP and FCHK: the IEEE divisions of the quantization; local-memory
+stores and loads: spill traffic). Static facts of the code only: nothing here is a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from coldset.kernels import triton_fp8
+from coldset.kernels.triton_moe import KernelConfig
+from coldset.tune import TRITON_FP8_SEARCH_SPACE
+
+E, H, I, TOPK = 128, 2048, 768, 8
+
+
+def compile_w13(c: KernelConfig):
+    """The cubin of the w13 launch ``c`` runs (the same constexprs as triton_fp8_experts passes at 1 token)."""
+    qx = bool(c.quant_x)
+    fuse = c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % 128 == 0)
+    pdl = c.pdl > 0
+    ptr = {"xq_ptr": "*bf16" if qx else "*fp8e4nv", "xs_ptr": "*bf16" if qx else "*fp32", "ids_ptr": "*i64",
+           "sorted_pairs_ptr": "*i64", "expert_off_ptr": "*i64", "row_map_ptr": "*i32", "w_hot_ptr": "*fp8e4nv",
+           "w_cold_ptr": "*fp8e4nv", "s_hot_ptr": "*fp32", "s_cold_ptr": "*fp32", "act_ptr": "*bf16",
+           "actq_ptr": "*fp8e4nv", "acts_ptr": "*fp32", "num_pairs": "i32", "layer": "i32", "NB": "i32",
+           "pf_bytes": "i32", "stride_x": "i32"}
+    const = dict(E=E, EP=E, TOPK=TOPK, H=H, I=I, GI=I // 128, GH=H // 128, BM=c.block_m, BN=c.block_n1, BK=128,
+                 NP=TOPK, MODE=0, USE_ROW_MAP=True, EVEN_K=True, EVEN_N=I % c.block_n1 == 0, USE_GDC=pdl,
+                 PREFETCH=c.pdl in (1, 3) and not qx, ORDER=c.tile_order, FUSE_Q=fuse, QUANT_X=qx,
+                 WAIT_FIRST=qx and c.pdl == 3)
+    names = list(inspect.signature(triton_fp8._w13_fp8_kernel.fn).parameters)
+    missing = [n for n in names if n not in ptr and n not in const]
+    if missing:
+        raise SystemExit(f"fp8_w13_sass_cpu: the kernel has parameters this probe does not know: {missing}")
+    sig = {n: ptr.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=triton_fp8._w13_fp8_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+
+
+def stats(cubin: bytes) -> dict:
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(cubin)
+        path = fh.name
+    try:
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    if m is None:
+        raise SystemExit(f"fp8_w13_sass_cpu: no REG/STACK in cuobjdump's output: {usage[-300:]}")
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+
+    def count(pattern):
+        return sum(1 for ln in lines if re.search(pattern, ln))
+
+    return {"regs": int(m.group(1)), "stack_B": int(m.group(2)), "sass": len(lines), "MUFU.RCP": count(r"MUFU\.RCP"),
+            "FCHK": count(r"\bFCHK\b"), "spill_STL_LDL": count(r"\b(STL|LDL)\b")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--extra", default="[]", help="JSON list of KernelConfig field dicts compiled too")
+    args = p.parse_args(argv)
+    configs = list(TRITON_FP8_SEARCH_SPACE["decode"]) + json.loads(args.extra)
+    for d in configs:
+        c = KernelConfig.from_dict(d)
+        triton_fp8._check_config(c)
+        s = stats(compile_w13(c).asm["cubin"])
+        tile = f"{c.block_m}x{c.block_n1} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} quant_act{c.quant_act}"
+        print(f"{tile:48s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
