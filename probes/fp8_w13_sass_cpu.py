@@ -1,9 +1,9 @@
-"""Probe (not a tool of the package): the FP8 kernel's w13 launch of every FP8 decode candidate,
-compiled to an sm90 cubin on the CPU, no GPU (issue 29: the quantization options).
+"""Probe (not a tool of the package): the FP8 kernel's w13 and w2 launches of every FP8 decode
+candidate, compiled to sm90 cubins on the CPU, no GPU (issue 29: the quantization options).
 
     PYTHONPATH=<triton 3.6>:src python probes/fp8_w13_sass_cpu.py [--extra '[{...}, ...]']
 
-Compiles :func:`coldset.kernels.triton_fp8._w13_fp8_kernel` at Qwen3-30B-A3B-FP8's shape (E=128,
+Compiles :func:`coldset.kernels.triton_fp8._w13_fp8_kernel` and ``_w2_fp8_kernel`` at Qwen3-30B-A3B-FP8's shape (E=128,
 H=2048, I=768, top-8, bf16 tokens, the row map on, in-kernel grouping as at 1 token) for each
 decode config of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` (and ``--extra`` configs, JSON dicts
 of KernelConfig fields) with Triton's own stages and the ptxas it ships (run on the CPU), then
@@ -60,6 +60,27 @@ def compile_w13(c: KernelConfig):
                           options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
 
 
+def compile_w2(c: KernelConfig):
+    """The cubin of the w2 launch ``c`` runs at 1 token (its prefetch only behind the intermediate's own launch)."""
+    fuse = c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % 128 == 0)
+    ptr = {"actq_ptr": "*fp8e4nv", "acts_ptr": "*fp32", "ids_ptr": "*i64", "sorted_pairs_ptr": "*i64",
+           "expert_off_ptr": "*i64", "row_map_ptr": "*i32", "w_hot_ptr": "*fp8e4nv", "w_cold_ptr": "*fp8e4nv",
+           "s_hot_ptr": "*fp32", "s_cold_ptr": "*fp32", "topk_w_ptr": "*bf16",
+           "buf_ptr": "*bf16" if c.half_buf else "*fp32", "num_pairs": "i32", "layer": "i32", "NB": "i32",
+           "pf_bytes": "i32"}
+    const = dict(E=E, EP=E, H=H, I=I, GI=I // 128, GH=H // 128, BM=c.block_m, BN=c.block_n2, BK=128, NP=TOPK, MODE=0,
+                 USE_ROW_MAP=True, EVEN_K=True, EVEN_N=H % c.block_n2 == 0, USE_GDC=c.pdl > 0,
+                 PREFETCH=c.pdl in (1, 3) and not fuse, ORDER=c.tile_order)
+    names = list(inspect.signature(triton_fp8._w2_fp8_kernel.fn).parameters)
+    missing = [n for n in names if n not in ptr and n not in const]
+    if missing:
+        raise SystemExit(f"fp8_w13_sass_cpu: the w2 kernel has parameters this probe does not know: {missing}")
+    src = ASTSource(fn=triton_fp8._w2_fp8_kernel, signature={n: ptr.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+
+
 def stats(cubin: bytes) -> dict:
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
@@ -91,9 +112,11 @@ def main(argv=None) -> int:
     for d in configs:
         c = KernelConfig.from_dict(d)
         triton_fp8._check_config(c)
-        s = stats(compile_w13(c).asm["cubin"])
-        tile = f"{c.block_m}x{c.block_n1} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} quant_act{c.quant_act}"
-        print(f"{tile:48s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+        tile = (f"{c.block_m}x{c.block_n1}/{c.block_n2} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} "
+                f"quant_act{c.quant_act}")
+        for name, build in (("w13", compile_w13), ("w2", compile_w2)):
+            s = stats(build(c).asm["cubin"])
+            print(f"{tile:52s} {name:3s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
     return 0
 
 

@@ -128,7 +128,8 @@ TRITON_SEARCH_SPACE: dict = {
 # of 8 pairs: probes/fp8_w13_sass_cpu.py) to 255 registers and a 104-byte spill stack at 4 warps
 # with quant_x=1 (24 bytes without: the fused 128-column tile measured slower in the first run
 # spills too), 235 registers and no stack at 8 warps: the 8-warp tiles with and without quant_x,
-# the 4-warp one kept for the measurement. They stay out of the prefill space, where the tokens'
+# the 4-warp one kept for the measurement. At 8 warps their w2 launch takes 64 rows of H a block
+# (128 spill a 72-byte stack there, 64 none). They stay out of the prefill space, where the tokens'
 # launch is a small share and every column block would re-quantize its 64-row tile.
 TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
@@ -143,13 +144,13 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              quant_x=1),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
              quant_x=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=3,
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=3,
              quant_x=1, quant_act=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_act=1),
     ],
     "prefill": [
