@@ -1,6 +1,9 @@
 """Block-FP8 routed experts: the torch path (CPU and the GPU oracle) against float64, placement
 independence with the scales in the same tiers and rows as the weights, and (gpu) the Triton FP8
-kernel against the torch path: hot, cold zero-copy and placed rows, CUDA-graph replay, bias.
+kernel against the torch path: hot, cold zero-copy and placed rows, CUDA-graph replay, bias; its
+quantization options (KernelConfig ``quant_x`` / ``quant_act``: the tokens quantized inside the w13
+launch, the intermediate by its epilogue or its own launch) bitwise the quantization launches, under
+the interpreter and (gpu, not yet run on a GPU) on hot, cold, placed and slot rows.
 
 Tolerances, against float64:
 - given the same quantized operands (weights dequantized, activations quantized per token group
