@@ -339,7 +339,8 @@ _, _, qq = make_fp8(1, 8, 256, 128)
 for bad, match in [(dict(block_n1=64, quant_act=1), "quant_act=1"), (dict(quant_act=3), "quant_act must be"),
                    (dict(quant_x=2), "quant_x must be")]:
     try:
-        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, variant(KernelConfig(16, 32, 128, 64, 128), **bad))
+        cfg = variant(KernelConfig(16, 32, 128, 64, 128), **bad)
+        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, cfg)
     except ValueError as exc:
         assert match in str(exc), (bad, exc)
     else:
@@ -528,8 +529,8 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens,pdl,fields", [(1, 0, {}), (1, 1, {}), (4, 2, {}), (4, 3, {}), (64, 1, {}), (64, 2, {}),
-                                                   (1, 2, QX), (4, 3, QX), (1, 2, QXA), (64, 3, QXA)])
+@pytest.mark.parametrize("num_tokens,pdl,fields", [(1, 0, {}), (1, 1, {}), (4, 2, {}), (4, 3, {}), (64, 1, {}),
+                                                   (64, 2, {}), (1, 2, QX), (4, 3, QX), (1, 2, QXA), (64, 3, QXA)])
 def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl, fields):
     """A captured step re-reads the row map: hot, then every expert cold (weights and scales read in
     place from pinned memory), then a mixed map; each replay bitwise the unmodified path (with the

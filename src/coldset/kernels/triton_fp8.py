@@ -10,7 +10,8 @@ FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE
 - activations are quantized per token and group of 128 columns
   (:func:`coldset.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
   round-to-nearest-even cast), by default ONCE per call, never inside a GEMM's k loop (the
-  ``quant_x`` option below is the exception): the tokens ``x`` by a small launch before the w13 launch (:func:`_quant_groups_kernel`, one block per token);
+  ``quant_x`` option below is the exception): the tokens ``x`` by a small launch before the w13
+  launch (:func:`_quant_groups_kernel`, one block per token);
   the intermediate SiLU(gate) * up, rounded to the activation dtype first, by the w13 launch
   itself when its column block holds whole groups (``block_n1`` a multiple of 128: it writes the
   FP8 intermediate and its group scales), else by the same quantization launch over the
@@ -433,9 +434,9 @@ def _check_config(c: KernelConfig) -> None:
         raise ValueError(f"triton_fp8_experts: config quant_act must be 0 (by block_n1), 1 (the w13 epilogue) or 2 "
                          f"(the intermediate's own launch), got {c.quant_act}")
     if c.quant_act == 1 and c.block_n1 % GROUP:
-        raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) needs "
-                         f"block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), got "
-                         f"block_n1={c.block_n1}")
+        raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) "
+                         f"needs block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), "
+                         f"got block_n1={c.block_n1}")
 
 
 def triton_fp8_experts(
