@@ -201,6 +201,28 @@ from coldset.kernels.triton_moe import KernelConfig
 from coldset.tiers import ExpertPools, build_pools
 """
 
+# pdl 1-3 under the interpreter: the grid-dependency instructions as no-ops (the interpreter runs
+# launches one after the other) and the L2 prefetch recorded in PREFETCHED (both scripts use it)
+_PDL_STUBS = r"""
+import triton
+import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
+from coldset.kernels import triton_fp8, triton_moe
+
+@triton.jit
+def _no_op():
+    pass
+
+PREFETCHED = []
+
+@triton.jit
+def _record_prefetch(addr, nbytes):
+    PREFETCHED.append((int(addr.handle.data.reshape(-1)[0]), int(nbytes.handle.data.reshape(-1)[0])))
+
+for mod in (triton_fp8, triton_moe):
+    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
+triton_fp8._prefetch_l2 = _record_prefetch
+"""
+
 _INTERPRETED = _PRELUDE + r"""
 x = (torch.randn(5, 200, generator=torch.Generator().manual_seed(0)) * 3).half()
 (q, s), (q_ref, s_ref) = quantize_groups(x), fp8.quantize_activations(x)
@@ -224,23 +246,7 @@ for hidden, inter, tokens, cfg in [(256, 128, 3, KernelConfig(16, 32, 128, 64, 1
 # runs launches one after the other) and the L2 prefetch recorded: each range 16-byte aligned,
 # inside the rows of one hot expert's matrix (never a cold one's, never past the pool), and every
 # row of a block with pairs of a hot expert prefetched where the budget allows
-import triton
-import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
-from coldset.kernels import triton_fp8, triton_moe
-
-@triton.jit
-def _no_op():
-    pass
-
-PREFETCHED = []
-
-@triton.jit
-def _record_prefetch(addr, nbytes):
-    PREFETCHED.append((int(addr.handle.data.reshape(-1)[0]), int(nbytes.handle.data.reshape(-1)[0])))
-
-for mod in (triton_fp8, triton_moe):
-    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
-triton_fp8._prefetch_l2 = _record_prefetch
+""" + _PDL_STUBS + r"""
 for hidden, inter, tokens, cfg in [(256, 128, 3, KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, 1)),
                                    (200, 72, 7, KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, 3)),
                                    (384, 192, 9, KernelConfig(16, 64, 128, 128, 128, 4, 3, 1, 3, tile_order=1))]:
@@ -348,19 +354,7 @@ for bad, match in [(dict(block_n1=64, quant_act=1), "quant_act=1"), (dict(quant_
 
 # pdl 1-3 with the options (the grid-dependency instructions stubbed as no-ops, the prefetch recorded):
 # pdl 0's bits; with quant_x=1 the w13 launch (nothing before it in the call) prefetches nothing
-@triton.jit
-def _no_op():
-    pass
-
-PREFETCHED = []
-
-@triton.jit
-def _record_prefetch(addr, nbytes):
-    PREFETCHED.append((int(addr.handle.data.reshape(-1)[0]), int(nbytes.handle.data.reshape(-1)[0])))
-
-for mod in (triton_fp8, triton_moe):
-    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
-triton_fp8._prefetch_l2 = _record_prefetch
+""" + _PDL_STUBS + r"""
 _, _, qq = make_fp8(2, 8, 200, 72, seed=4)
 x, ids, w = routing(5, 8, 3, 200, torch.float16, seed=4)
 placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, 4), "cpu", w13_scale=qq[2], w2_scale=qq[3])
