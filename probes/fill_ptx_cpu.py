@@ -2,9 +2,9 @@
 
     PYTHONPATH=<triton 3.6>:src python probes/fill_ptx_cpu.py [--against <git revision>]
 
-Compiles :func:`coldset.kernels.triton_slots._fill_kernel` through Triton's own stages (AST ->
-TTIR -> TTGIR -> LLVM IR -> PTX for a ``cuda`` 9.0 target: the compiler and LLVM's NVPTX backend
-run on the CPU; only ptxas and the launch need the GPU) for every choice (plain copy, lru, lfu,
+Compiles :func:`coldset.kernels.triton_slots._fill_kernel` with ``triton.compile`` for a ``cuda``
+9.0 target (AST -> TTIR -> TTGIR -> LLVM IR -> PTX -> cubin, all on the CPU with triton's bundled
+ptxas; only the launch needs the GPU) for every choice (plain copy, lru, lfu,
 nexttoken; tagged copy) with block-FP8 scale pools (``SCALES``: weights e4m3, scales float32, a
 scale row of 1 element specialized to a constant as Triton does for ints equal to 1) and without
 (bf16 weights). With ``--against`` the bf16 variants are compared with that revision's kernel:
@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from triton._C.libtriton import ir
-from triton.backends.compiler import GPUTarget, Language
-from triton.backends.nvidia.compiler import CUDABackend
+import triton
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 WEIGHTS = ("src13_ptr", "dst13_ptr", "src2_ptr", "dst2_ptr")
@@ -49,18 +48,7 @@ def ptx(fn, weight_ty: str, const: dict) -> str:
         else:
             sig[n] = "i32"
     src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
-    target = GPUTarget("cuda", 90, 32)
-    backend = CUDABackend(target)
-    opts = backend.parse_options({"num_warps": 4})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
-    stages, meta = {}, {}
-    backend.add_stages(stages, opts, Language.TRITON)
-    for name in ("ttir", "ttgir", "llir", "ptx"):
-        mod = stages[name](mod, meta)
-    return mod
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
 def instructions(text: str, shift: int) -> list[str]:

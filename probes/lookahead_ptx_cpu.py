@@ -4,8 +4,8 @@
 
 Compiles :func:`coldset.kernels.triton_slots._forecast_kernel` and ``_ahead_kernel`` at the
 Qwen3-30B-A3B bench shapes (E 128, k 8, H 2048, 48 x 128 slots: residency 1.0) for 1 and 8 tokens
-through Triton's own stages (TTIR -> TTGIR -> LLVM IR -> PTX for a ``cuda`` 9.0 target; only
-ptxas and the launch need the GPU), and the forecast's top-k both ways in a kernel of its own: the
+with ``triton.compile`` for a ``cuda`` 9.0 target (on the CPU, triton's bundled ptxas
+included; only the launch needs the GPU), and the forecast's top-k both ways in a kernel of its own: the
 k rounds of max/argmin reductions the decisions launch had (a run-time loop: its barriers and
 shuffles run k times) and the partial bitonic sort (``tl.topk``) of (logit, id) keys it has now.
 Prints static instruction counts (barriers, shuffles, shared-memory traffic, spills): a check
@@ -20,9 +20,7 @@ import inspect
 
 import triton
 import triton.language as tl
-from triton._C.libtriton import ir
-from triton.backends.compiler import GPUTarget, Language
-from triton.backends.nvidia.compiler import CUDABackend
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from coldset.kernels import triton_slots as ts
@@ -43,18 +41,7 @@ def ptx(fn, const: dict, num_warps: int) -> str:
         else:
             sig[n] = "i32"
     src = ASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
-    target = GPUTarget("cuda", 90, 32)
-    backend = CUDABackend(target)
-    opts = backend.parse_options({"num_warps": num_warps})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
-    stages, meta = {}, {}
-    backend.add_stages(stages, opts, Language.TRITON)
-    for name in ("ttir", "ttgir", "llir", "ptx"):
-        mod = stages[name](mod, meta)
-    return mod
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
 def counts(text: str) -> dict:
