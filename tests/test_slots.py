@@ -953,6 +953,13 @@ def test_nexttoken_engine_equals_the_simulator_and_the_unmodified_path(engine, b
     prompts = np.random.default_rng(5).integers(0, engine.config.vocab_size, size=(batch, 8)).tolist()
     cache, logits, ref, routing, counts, C, F = _next_engine_run(engine, batch, 0.5, prompts)
     assert torch.equal(logits, ref)
+    _assert_next_run_is_the_simulators(cache, routing, counts, C, F)
+
+
+def _assert_next_run_is_the_simulators(cache, routing, counts, C, F):
+    """A nexttoken run's checks beside its logits: the recorded lists are nexttoken_lists on the
+    engine's own routing, the per-group counts simulate's on them, some prefetch was issued and
+    used, no commit refused, the cache's state consistent."""
     stream, lists = _next_reference(routing, F, None)
     np.testing.assert_array_equal(cache.prefetch_lists(), lists)
     sim, want = _sim_next(stream, counts, C, lists, None)
@@ -1082,13 +1089,7 @@ def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(gra
     F = fitted[0]
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
-    stream, lists = _next_reference(routing.astype(np.int64), F, None)
-    np.testing.assert_array_equal(cache.prefetch_lists(), lists)
-    sim, want = _sim_next(stream, counts, C, lists, None)
-    np.testing.assert_array_equal(_next_history(cache), want)
-    assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
-    assert cache.counters()["stale"] == 0
-    cache.check(contents=True)
+    _assert_next_run_is_the_simulators(cache, routing.astype(np.int64), counts, C, F)
 
 
 # ------------------------------------------------------------------ block-FP8 experts in the slots (issue 29)
