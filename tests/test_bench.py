@@ -440,6 +440,27 @@ def test_replay_link_bytes_count_distinct_cold_experts_per_step(tmp_path):
     assert share == 0.5 and link == 1 * 100 / 4
 
 
+def _bench_with_cache(engine, pl, prompts, make_cache):
+    """The prefetching placements' bench run: ``pl`` over a fresh cache (``make_cache()``), batch 2,
+    5-token prompts, 12 new tokens, one warm-up and one repeat. Returns (result, cache)."""
+    cache = make_cache()
+    r = bench.bench_decode(engine, cache.pools, pl, prompts, batch_size=2, prompt_tokens=5, new_tokens=12, warmup=1,
+                           repeats=1, cache=cache)
+    return r, cache
+
+
+def _assert_prefetches_checked_and_counted(r, cache):
+    """A prefetching cache's bench result: prefetches made, the simulator's hit rate the engine's,
+    the timed tokens the reference's, and the link bytes its fills plus its prefetch copies (11
+    timed steps of 2 tokens). Returns (counters, bytes an expert, timed tokens)."""
+    c = cache.counters()
+    assert c["prefetches"] > 0 and r.simulator_hit_rate == r.hit_rate and r.timed_token_match == 1.0
+    tokens = 2 * 11
+    per_expert = (cache.pools.w13_hot[0].numel() + cache.pools.w2_hot[0].numel()) * cache.pools.w13_hot.element_size()
+    assert r.link_gb_per_token == pytest.approx((c["fills"] + c["prefetches"]) * per_expert / tokens / 1e9)
+    return c, per_expert, tokens
+
+
 def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engine, monkeypatch):
     """A lookahead placement on the bench: the measured pass's hits, misses, fills and prefetch
     copies per group equal the simulator's on the lists the engine recorded, the link bytes count
@@ -460,17 +481,10 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
     host = host_tier(engine.pools)
 
     def run():
-        cache = SlotCache.from_placement(engine.pools, host, pl, 2, cfg.top_k, routers=routers)
-        r = bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
-                               new_tokens=12, warmup=1, repeats=1, cache=cache)
-        return r, cache
+        return _bench_with_cache(engine, pl, list(range(3, 200)), lambda: SlotCache.from_placement(
+            engine.pools, host, pl, 2, cfg.top_k, routers=routers))
 
-    r, cache = run()
-    c = cache.counters()
-    assert c["prefetches"] > 0 and r.simulator_hit_rate == r.hit_rate and r.timed_token_match == 1.0
-    tokens = 2 * 11
-    per_expert = (cache.pools.w13_hot[0].numel() + cache.pools.w2_hot[0].numel()) * cache.pools.w13_hot.element_size()
-    assert r.link_gb_per_token == pytest.approx((c["fills"] + c["prefetches"]) * per_expert / tokens / 1e9)
+    _assert_prefetches_checked_and_counted(*run())
     real = coldset.cache.simulate
     monkeypatch.setattr(coldset.cache, "simulate",
                         lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
@@ -510,18 +524,12 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
     prompts = list(range(3, 200))
 
     def run():
-        cache = SlotCache.from_placement(engine.pools, host, pl, 2, k, forecaster=bench.placement_forecaster(pl),
-                                         prefetch_budget=pl.cache_prefetch_budget)
-        r = bench.bench_decode(engine, cache.pools, pl, prompts, batch_size=2, prompt_tokens=5,
-                               new_tokens=12, warmup=1, repeats=1, cache=cache)
-        return r, cache
+        return _bench_with_cache(engine, pl, prompts, lambda: SlotCache.from_placement(
+            engine.pools, host, pl, 2, k, forecaster=bench.placement_forecaster(pl),
+            prefetch_budget=pl.cache_prefetch_budget))
 
     r, cache = run()
-    c = cache.counters()
-    assert c["prefetches"] > 0 and r.simulator_hit_rate == r.hit_rate and r.timed_token_match == 1.0
-    tokens = 2 * 11
-    per_expert = (cache.pools.w13_hot[0].numel() + cache.pools.w2_hot[0].numel()) * cache.pools.w13_hot.element_size()
-    assert r.link_gb_per_token == pytest.approx((c["fills"] + c["prefetches"]) * per_expert / tokens / 1e9)
+    c, per_expert, tokens = _assert_prefetches_checked_and_counted(r, cache)
     # the independent replay: the pass's routing (generate's), the warm set of the placement's counts
     decode = np.stack([x.experts.cpu().numpy()[5:] for x in generate(
         engine, bench.bench_prompts(prompts, 2, 5).tolist(), 12, capture_routing=True, progress=False).routing])
