@@ -361,19 +361,25 @@ def test_nexttoken_refuses_unknown_terms_and_overflow():
         NextTokenForecaster(((0, 0),), np.full((1, 2, 3, 3), 2**30, np.int32), 0, 3, 2)
 
 
+def _profile_and_replay(seed: int, L: int):
+    """Three domains of 3 requests x 10 decode tokens (E 6, top-2): the profile split (domains x and
+    y) and the replay (domain z)."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for dom in ("x", "y", "z"):
+        f = decode_rows(rng, requests=3, tokens=10, L=L, E=6, k=2)
+        frames.append(f.assign(request=dom + "-" + f.request.astype(str), domain=dom))
+    rows = pd.concat(frames, ignore_index=True)
+    return rows[rows.domain != "z"], rows[rows.domain == "z"]
+
+
 def test_recall_table_tunes_on_a_held_out_profile_domain():
     """A replay of a domain the profile lacks: H's parameters are chosen on the last profile
     domain (never on the replay), and each horizon's row is that forecaster's quality."""
     from coldset.cache import recall_table, token_array
     from coldset.forecast import NextTokenForecaster, forecast_quality
 
-    rng = np.random.default_rng(12)
-    frames = []
-    for dom in ("x", "y", "z"):
-        f = decode_rows(rng, requests=3, tokens=10, L=2, E=6, k=2)
-        frames.append(f.assign(request=dom + "-" + f.request.astype(str), domain=dom))
-    rows = pd.concat(frames, ignore_index=True)
-    prof, rep = rows[rows.domain != "z"], rows[rows.domain == "z"]
+    prof, rep = _profile_and_replay(seed=12, L=2)
     table = recall_table(prof, rep, 2, 6, 2, horizons=(1, 2))
     assert table.horizon.tolist() == [1, 2] and (table.tuned_on == "profile domain 'y'").all()
     tp, sp = token_array(prof, 2, 6)
@@ -478,13 +484,7 @@ def test_recall_table_term_sets_and_lower_layer_ceiling():
     from coldset.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
                                   NextTokenForecaster, conditional_ceiling, forecast_quality)
 
-    rng = np.random.default_rng(17)
-    frames = []
-    for dom in ("x", "y", "z"):
-        f = decode_rows(rng, requests=3, tokens=10, L=3, E=6, k=2)
-        frames.append(f.assign(request=dom + "-" + f.request.astype(str), domain=dom))
-    rows = pd.concat(frames, ignore_index=True)
-    prof, rep = rows[rows.domain != "z"], rows[rows.domain == "z"]
+    prof, rep = _profile_and_replay(seed=17, L=3)
     sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
     table = recall_table(prof, rep, 3, 6, 2, horizons=(1,), term_sets=sets, ceiling_lower_layers=1)
     tp, sp = token_array(prof, 3, 6)
