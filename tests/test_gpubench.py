@@ -503,7 +503,8 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     """``bench replay`` on a folder as ``bench cache --save-replays`` leaves it (the arrays by
     _replay_arrays, the JSON's all-HBM, residency-1.0 and measured rows by hand): every row is
     simulate + simulate_time at the run's all-HBM step and link rate with the policy's management
-    from its residency-1.0 row (or --manage-us), the measured ratio beside the same row; the
+    from its residency-1.0 row (or --manage-us; belady, the offline reference, none and never a
+    measured ratio, and no more link bytes than lru), the measured ratio beside the same row; the
     table lists the fastest first; a folder without the npz is refused by name."""
     import json
 
@@ -534,13 +535,14 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     (tmp_path / "cache_bench.json").write_text(json.dumps(result))
 
     rows = replay_table(result, arrays, [0.5], {})
-    assert {(r["policy"], r["depth"], r["candidates"]) for r in rows} == {("lru", 0, None)} | {
+    assert {(r["policy"], r["depth"], r["candidates"]) for r in rows} == {("lru", 0, None), ("belady", 0, None)} | {
         ("lookahead", d, n) for d in (1, 2) for n in (k, k + 4)}
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
     stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), S * B, L, E)
     for r in rows:
-        lists = None if r["policy"] == "lru" else arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"]
-        manage_ms = 0.1 if r["policy"] == "lru" else 0.2  # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3
+        lists = arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"] if r["policy"] == "lookahead" else None
+        # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3; belady, the offline reference: none
+        manage_ms = {"lru": 0.1, "lookahead": 0.2, "belady": 0.0}[r["policy"]]
         want = simulate_time(stream, simulate(stream, r["policy"], 9, counts, predictions=lists),
                              TimeModel(1.0, 10**6, 50.0, link="share", join="step", manage_ms=manage_ms))
         assert r["manage_us"] == pytest.approx(manage_ms * 1e3)
@@ -552,10 +554,13 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
 
     assert main(["bench", "replay", str(tmp_path), "--residencies", "0.5"]) == 0
     text = capsys.readouterr().out
-    order = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| lru") or
-             line.startswith("| lookahead")]
+    order = [line.split("|")[1].strip() for line in text.splitlines()
+             if line.startswith(("| lru", "| lookahead", "| belady"))]
     by_time = sorted(rows, key=lambda r: r["step_ms"])
-    assert order == [r["policy"] + (f" d{r['depth']} n{r['candidates']}" if r["depth"] else "") for r in by_time]
+    assert order == [("belady (offline reference)" if r["policy"] == "belady" else
+                      r["policy"] + (f" d{r['depth']} n{r['candidates']}" if r["depth"] else "")) for r in by_time]
+    belady, lru = (next(r for r in rows if r["policy"] == p) for p in ("belady", "lru"))
+    assert belady["link_gb_per_token"] <= lru["link_gb_per_token"]  # the offline optimum's copies
     (tmp_path / "cache_replays.npz").unlink()
     assert main(["bench", "replay", str(tmp_path)]) == 1
     assert "cache_replays.npz: no such file" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
         steps, _, B, k = routing.shape
         inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
         stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), steps * B, L, E)
-        variants = [("lru", 0, 0, None)]
+        variants = [("lru", 0, 0, None), ("belady", 0, 0, None)]
         for key in sorted(arrays, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]):
             m = LIST_KEY.match(key)
             if m and int(m.group(1)) == b:
@@ -90,7 +90,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
                 res = simulate(stream, pol, C, counts, predictions=lists)
                 ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join="step",
                                                           manage_ms=manage.get(pol, 0.0) / 1e3))
-                name = f"{pol}-{r}" + (f" d{depth}" if depth else "")
+                name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady: never a measured row)
                 st = res.stats()
                 same = measured.get(name) if pol == "lru" or n == k else None
                 rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
@@ -102,13 +102,20 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
     return rows
 
 
+def _variant(row: dict) -> str:
+    """A replayed row's policy as the table names it."""
+    if row["policy"] == "belady":
+        return "belady (offline reference)"
+    return row["policy"] + (f" d{row['depth']} n{row['candidates']}" if row["depth"] else "")
+
+
 def render_replay(rows: list[dict]) -> str:
     from coldset.measure.render import _f, table
 
     out = []
     for b, r in sorted({(x["batch"], x["residency"]) for x in rows}):
         group = sorted((x for x in rows if x["batch"] == b and x["residency"] == r), key=lambda x: x["step_ms"])
-        body = [[x["policy"] + (f" d{x['depth']} n{x['candidates']}" if x["depth"] else ""), _f(x["manage_us"]),
+        body = [[_variant(x), _f(x["manage_us"]),
                  f"{x['hit_rate']:.4f}", f"{x['link_gb_per_token']:.4f}", f"{x['step_ms']:.3f}",
                  f"{x['x_all_hbm']:.3f}", _f(x["overlap"], ".2f"), f"{x['bound_fraction']:.2f}",
                  _f(x["measured_x_all_hbm"], ".3f")] for x in group]
