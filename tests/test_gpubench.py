@@ -503,8 +503,9 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     """``bench replay`` on a folder as ``bench cache --save-replays`` leaves it (the arrays by
     _replay_arrays, the JSON's all-HBM, residency-1.0 and measured rows by hand): every row is
     simulate + simulate_time at the run's all-HBM step and link rate with the policy's management
-    from its residency-1.0 row (or --manage-us; belady, the offline reference, none and never a
-    measured ratio, and no more link bytes than lru), the measured ratio beside the same row; the
+    from its residency-1.0 row (or --manage-us; belady and the oracles, references fed the run's own
+    selections, none and never a measured ratio; belady no more link bytes than lru), the
+    measured ratio beside the same row; the
     table lists the fastest first; a folder without the npz is refused by name."""
     import json
 
@@ -535,14 +536,24 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     (tmp_path / "cache_bench.json").write_text(json.dumps(result))
 
     rows = replay_table(result, arrays, [0.5], {})
-    assert {(r["policy"], r["depth"], r["candidates"]) for r in rows} == {("lru", 0, None), ("belady", 0, None)} | {
-        ("lookahead", d, n) for d in (1, 2) for n in (k, k + 4)}
+    assert {(r["policy"], r["depth"], r["candidates"], r["oracle"]) for r in rows} == {
+        ("lru", 0, None, False), ("belady", 0, None, False), ("nexttoken", 0, None, True)} | {
+        ("lookahead", d, n, False) for d in (1, 2) for n in (k, k + 4)} | {("lookahead", d, None, True) for d in (1, 2)}
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
     stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), S * B, L, E)
     for r in rows:
-        lists = arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"] if r["policy"] == "lookahead" else None
-        # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3; belady, the offline reference: none
-        manage_ms = {"lru": 0.1, "lookahead": 0.2, "belady": 0.0}[r["policy"]]
+        if r["oracle"]:  # the experts the run selected: layer l + d of the step, or layer l of the next step
+            lists = np.full((S, L, B * k), -1)
+            for t in range(S):
+                for layer in range(L):
+                    src = (t, layer + r["depth"]) if r["depth"] else (t + 1, layer)
+                    if src[0] < S and src[1] < L:
+                        lists[t, layer] = routing[src].reshape(-1) + src[1] * E
+            lists = lists.reshape(S * L, B * k)
+        else:
+            lists = arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"] if r["policy"] == "lookahead" else None
+        # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3; belady and the oracles, references: none
+        manage_ms = 0.0 if r["oracle"] else {"lru": 0.1, "lookahead": 0.2, "belady": 0.0}[r["policy"]]
         want = simulate_time(stream, simulate(stream, r["policy"], 9, counts, predictions=lists),
                              TimeModel(1.0, 10**6, 50.0, link="share", join="step", manage_ms=manage_ms))
         assert r["manage_us"] == pytest.approx(manage_ms * 1e3)
@@ -550,14 +561,15 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
         assert r["measured_x_all_hbm"] == (pytest.approx(0.5) if r["policy"] == "lru" else None)
     cheap = replay_table(result, arrays, [0.5], {"lookahead": 0.0})
     assert all(c["manage_us"] == 0.0 and c["step_ms"] < r["step_ms"] for c, r in zip(cheap, rows)
-               if c["policy"] == "lookahead")
+               if c["policy"] == "lookahead" and not c["oracle"])
 
     assert main(["bench", "replay", str(tmp_path), "--residencies", "0.5"]) == 0
     text = capsys.readouterr().out
     order = [line.split("|")[1].strip() for line in text.splitlines()
-             if line.startswith(("| lru", "| lookahead", "| belady"))]
+             if line.startswith(("| lru", "| lookahead", "| belady", "| nexttoken"))]
     by_time = sorted(rows, key=lambda r: r["step_ms"])
     assert order == [("belady (offline reference)" if r["policy"] == "belady" else
+                      r["policy"] + " oracle" + (f" d{r['depth']}" if r["depth"] else "") if r["oracle"] else
                       r["policy"] + (f" d{r['depth']} n{r['candidates']}" if r["depth"] else "")) for r in by_time]
     belady, lru = (next(r for r in rows if r["policy"] == p) for p in ("belady", "lru"))
     assert belady["link_gb_per_token"] <= lru["link_gb_per_token"]  # the offline optimum's copies

@@ -24,6 +24,24 @@ from pathlib import Path
 from coldset.measure.harness import MeasureError
 
 LIST_KEY = re.compile(r"^b(\d+)_lookahead_d(\d+)_n(\d+)$")
+ORACLE_DEPTHS = (1, 2, 4, 8)
+
+
+def oracle_lists(routing, num_experts: int, depth: int | None):
+    """int64 ``[steps * L, B * k]`` prefetch lists (-1 padded) naming the instances the run selected:
+    ``depth`` d: after group (t, l) those of layer ``l + d`` at step ``t`` (none past the last
+    layer); ``None``: those of layer ``l`` at step ``t + 1`` (none after the last step).
+    ``routing``: int ``[steps, L, B, k]`` expert ids."""
+    import numpy as np
+
+    steps, L, B, k = routing.shape
+    inst = routing.astype(np.int64).reshape(steps, L, B * k) + (np.arange(L) * num_experts)[None, :, None]
+    out = np.full((steps, L, B * k), -1, dtype=np.int64)
+    if depth is None:
+        out[:-1] = inst[1:]
+    elif depth < L:
+        out[:, :L - depth] = inst[:, depth:]
+    return out.reshape(steps * L, B * k)
 
 
 def add_arguments(p) -> None:
@@ -79,22 +97,26 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
         steps, _, B, k = routing.shape
         inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
         stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), steps * B, L, E)
-        variants = [("lru", 0, 0, None), ("belady", 0, 0, None)]
+        # (policy, depth, candidates, lists, oracle)
+        variants = [("lru", 0, 0, None, False), ("belady", 0, 0, None, False)]
         for key in sorted(arrays, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]):
             m = LIST_KEY.match(key)
             if m and int(m.group(1)) == b:
-                variants.append(("lookahead", int(m.group(2)), int(m.group(3)), np.asarray(arrays[key])))
+                variants.append(("lookahead", int(m.group(2)), int(m.group(3)), np.asarray(arrays[key]), False))
+        variants += [("lookahead", d, 0, oracle_lists(routing, E, d), True) for d in ORACLE_DEPTHS if d < L]
+        variants.append(("nexttoken", 0, 0, oracle_lists(routing, E, None), True))
         for r in residencies:
             C = capacity_for_residency(r, L, E)
-            for pol, depth, n, lists in variants:
+            for pol, depth, n, lists, oracle in variants:
                 res = simulate(stream, pol, C, counts, predictions=lists)
+                manage_us = 0.0 if oracle else manage.get(pol, 0.0)
                 ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join="step",
-                                                          manage_ms=manage.get(pol, 0.0) / 1e3))
-                name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady: never a measured row)
+                                                          manage_ms=manage_us / 1e3))
+                name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady, oracles: never a measured row)
                 st = res.stats()
-                same = measured.get(name) if pol == "lru" or n == k else None
+                same = measured.get(name) if not oracle and (pol == "lru" or n == k) else None
                 rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
-                             "manage_us": manage.get(pol, 0.0), "hit_rate": st.hit_rate,
+                             "oracle": oracle, "manage_us": manage_us, "hit_rate": st.hit_rate,
                              "link_gb_per_token": ts.link_gb_per_token, "step_ms": ts.step_ms,
                              "x_all_hbm": allhbm / ts.step_ms, "overlap": ts.overlap,
                              "bound_fraction": ts.bound_fraction,
@@ -106,6 +128,8 @@ def _variant(row: dict) -> str:
     """A replayed row's policy as the table names it."""
     if row["policy"] == "belady":
         return "belady (offline reference)"
+    if row.get("oracle"):
+        return row["policy"] + " oracle" + (f" d{row['depth']}" if row["depth"] else "")
     return row["policy"] + (f" d{row['depth']} n{row['candidates']}" if row["depth"] else "")
 
 
