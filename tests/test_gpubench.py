@@ -559,6 +559,13 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
         assert r["manage_us"] == pytest.approx(manage_ms * 1e3)
         assert r["step_ms"] == pytest.approx(want.step_ms) and r["x_all_hbm"] == pytest.approx(1.0 / want.step_ms)
         assert r["measured_x_all_hbm"] == (pytest.approx(0.5) if r["policy"] == "lru" else None)
+    per_use = replay_table(result, arrays, [0.5], {}, join="use")  # the wait only where a copy is selected
+    oracle = next(r for r in per_use if r["policy"] == "nexttoken")
+    lists = np.full((S, L, B * k), -1)
+    lists[:-1] = routing[1:].reshape(S - 1, L, B * k) + (np.arange(L) * E)[None, :, None]
+    want = simulate_time(stream, simulate(stream, "nexttoken", 9, counts, predictions=lists.reshape(S * L, B * k)),
+                         TimeModel(1.0, 10**6, 50.0, link="share", join="use"))
+    assert oracle["step_ms"] == pytest.approx(want.step_ms)
     cheap = replay_table(result, arrays, [0.5], {"lookahead": 0.0})
     assert all(c["manage_us"] == 0.0 and c["step_ms"] < r["step_ms"] for c, r in zip(cheap, rows)
                if c["policy"] == "lookahead" and not c["oracle"])

@@ -6,9 +6,19 @@ all-HBM routing of each batch size, the pre-gated lookahead lists at several dep
 candidates), the profile counts, and from the JSON the run's all-HBM step per batch, its measured
 link read rate and each policy's management per group (its residency-1.0 row; override or add with
 ``--manage-us POLICY=US``, e.g. to ask what lookahead would reach at lru's cost). Replays ``lru``
-and ``lookahead`` at every kept (depth, candidates) through :func:`coldset.cache.simulate` and
-times each with :func:`coldset.cache.simulate_time` (the engine's model: link "share", join
-"step", ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
+and ``lookahead`` at every kept (depth, candidates), with three references beside them:
+
+- ``belady`` (offline: every miss admitted, the victim the resident used furthest ahead; no
+  prefetch, no management): the fewest demand copies any eviction order makes at that capacity, so
+  its link bytes bound what better eviction alone can buy;
+- ``lookahead oracle`` at depths 1, 2, 4 and 8 (after layer ``l``, the experts the run selected at
+  layer ``l + d`` of the same step) and ``nexttoken oracle`` (after layer ``l``, those of layer ``l``
+  at the next step), no management: what a perfect forecast reaches under each mechanism's timing,
+  so a target is checked against the mechanism before the forecast is blamed.
+
+Each goes through :func:`coldset.cache.simulate` and :func:`coldset.cache.simulate_time` (the
+engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
+selects a copied expert, which no engine does yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
 simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the
 measured x all-HBM where the run measured the same row. The lists are
 :func:`coldset.forecast.lookahead_predictions`' (float32 logits): the engine ranks its own logits,
@@ -47,6 +57,10 @@ def oracle_lists(routing, num_experts: int, depth: int | None):
 def add_arguments(p) -> None:
     p.add_argument("folder", help="a bench cache --save-replays output folder (cache_bench.json, cache_replays.npz)")
     p.add_argument("--residencies", default="0.25,0.5,0.75", help="comma-separated, each in (0, 1)")
+    p.add_argument("--join", choices=("step", "use"), default="step",
+                   help="when the compute waits for a prefetch: at the step's end, as the engine's captured step "
+                        "does (default), or only when a group selects the copied expert (what a device-side wait "
+                        "on a per-slot tag would allow; no engine does it yet)")
     p.add_argument("--manage-us", action="append", default=[], metavar="POLICY=US",
                    help="a policy's management per group in µs (default: the run's residency-1.0 row), repeatable")
 
@@ -65,7 +79,8 @@ def _manage_overrides(items: list[str]) -> dict[str, float]:
     return out
 
 
-def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict[str, float]) -> list[dict]:
+def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict[str, float],
+                 join: str = "step") -> list[dict]:
     """One row per (batch, residency, policy variant): the simulated replay and its time (module
     doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
     import numpy as np
@@ -110,7 +125,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
             for pol, depth, n, lists, oracle in variants:
                 res = simulate(stream, pol, C, counts, predictions=lists)
                 manage_us = 0.0 if oracle else manage.get(pol, 0.0)
-                ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join="step",
+                ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join=join,
                                                           manage_ms=manage_us / 1e3))
                 name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady, oracles: never a measured row)
                 st = res.stats()
@@ -165,4 +180,4 @@ def run(args) -> list[dict]:
         raise MeasureError(f"--residencies {residencies}: each must be in (0, 1)")
     with np.load(npath) as arrays:
         return replay_table(json.loads(jpath.read_text()), dict(arrays), residencies,
-                            _manage_overrides(args.manage_us))
+                            _manage_overrides(args.manage_us), join=args.join)
