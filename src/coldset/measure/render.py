@@ -124,6 +124,22 @@ def _floors(fl: dict) -> str:
     return ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
 
 
+def _tune_table(timings: dict) -> str:
+    """The FP8 tune's candidates, µs per layer per batch (fastest first at the first batch): every
+    config measured, so the ones that lost show by how much."""
+    names = {"block_n1": "n1", "block_n2": "n2", "num_warps": "w", "num_stages": "s", "pdl": "pdl",
+             "quant_x": "qx", "quant_act": "qa"}
+    batches = list(timings)
+    configs = sorted(timings[batches[0]], key=timings[batches[0]].get)
+    rows = []
+    for c in configs:
+        d = json.loads(c)
+        rows.append([" ".join(f"{v}={d[k]}" for k, v in names.items() if k in d),
+                     *[_f(timings[b].get(c), ".1f") for b in batches]])
+    return "FP8 autotune in this run, µs per layer of each candidate:\n\n" + table(
+        ["config", *[f"b{b}" for b in batches]], rows)
+
+
 def render_step(res: dict) -> str:
     """``bench step``; with ``--weight-format fp8`` (rows carrying ``weight_format``) a format column,
     each format's floor and the bf16 / FP8 step ratio per engine and batch."""
@@ -163,6 +179,8 @@ def render_step(res: dict) -> str:
         out.append(f"Against {res.get('checks_against', 'the first engine')}" + (" of the same format" if fp8 else "")
                    + ": " + "; ".join(f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
                                       for k, v in checks.items()))
+    if res.get("fp8_tune_timings_us"):
+        out.append(_tune_table(res["fp8_tune_timings_us"]))
     if res.get("fp8_vs_bf16"):
         out.append("FP8 against bf16, the same engine (other weights: reported, not checked): " + "; ".join(
             f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"

@@ -258,6 +258,8 @@ def run(args, argv=None) -> dict:
             tuned8 = autotune(shape8, list(BATCHES), "cuda", "/tmp/coldset-autotune")
             R["fp8_autotune_s"] = time.perf_counter() - t
             experts8, R["fp8_tuned_configs"] = tuned_experts(tuned8, False), tuned8.configs
+            # every candidate's µs per layer, so a config that lost is seen losing (not only the winner)
+            R["fp8_tune_timings_us"] = {str(b): t for b, t in tuned8.timings_us.items()}
             R["fp8_configs_from"] = "autotuned in this run"
             log("FP8 autotune", R["fp8_autotune_s"], "s", tuned8.configs)
         elif args.tuned_fp8:
