@@ -127,6 +127,94 @@ assert all(v > 0 for v in prefetched.values()), prefetched
 print("INTERPRETED OK", prefetched)
 """
 
+_ROUTE = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_slots import _random_pools, _warm
+from coldset.kernels import triton_decode as td
+from coldset.kernels import triton_slots as ts
+from coldset.slots import SlotCache
+from coldset.tiers import host_tier
+
+real_fill = ts.fill
+
+def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
+    return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
+
+ts.fill = small_fill
+U = 2.0 ** -24
+STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
+         "prefetch_history", "history", "victims", "admitted", "num_misses", "pf_victims", "pf_new", "pf_count")
+prefetched = {}
+# (layers, experts, top_k, tokens, depth, routers, seed): tie-heavy routers repeat a few rows (one
+# of them zero), so logits tie exactly (and -0.0 meets +0.0) in the routing and in the forecast
+for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2, "random", 1),
+                                      (3, 8, 2, 3, 1, "random", 2), (3, 6, 2, 2, 2, "ties", 3),
+                                      (3, 4, 4, 1, 1, "ties", 4)]:
+    H = 24
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        rows = torch.cat([torch.zeros(1, H), torch.randn(2, H, generator=g)])
+        gates = [rows[torch.as_tensor(rng.integers(0, 3, size=E))].contiguous() for _ in range(L)]
+    else:
+        gates = [torch.randn(E, H, generator=g) for _ in range(L)]
+    norm_w = 1 + 0.1 * torch.randn(H, generator=g)
+    counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
+    C = int(rng.integers(k * T + 1, min(k * T + 6, L * E)))
+    row_map, _, wc = _warm(counts, C)
+    all_hot = _random_pools(L, E, seed=seed)
+    host = host_tier(all_hot)
+    routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
+                     for _ in range(2))
+    for c in (routed, alone):  # the kernel path by hand
+        c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+    assert routed.records_in_route(T) and not routed.records_in_route(T + 1)
+    counter = torch.zeros(1, dtype=torch.int32)
+    fc = {}
+    alone._forecast_logits = lambda hidden, target, pdl=False: fc["now"]  # the routed launch's own logits
+    for step in range(3):
+        for layer in range(L):
+            x = torch.randn((T, H), generator=g)
+            if kind == "ties" and step == 1:
+                x[-1] = x[0]  # two tokens with the same selections and forecast
+            h, ids, w = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=torch.float32)
+            routed.forecast_out.fill_(float("nan"))
+            hr, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=False)
+            # (a) the routing is the plain launch's, bitwise; the forecast within the float32 bound
+            assert torch.equal(hr, h) and torch.equal(ids_r, ids) and torch.equal(w_r, w), (seed, step, layer)
+            assert int(counter) == 0
+            target = layer + depth
+            if target < L:
+                f = routed.forecast_out[:T].clone()
+                ref = h.double() @ gates[target].double().T
+                bound = (H + 1) * U / (1 - (H + 1) * U) * (h.double().abs() @ gates[target].double().abs().T)
+                assert bool(((f.double() - ref).abs() <= bound).all()), (seed, step, layer)
+                fc["now"] = f
+            else:
+                assert bool(routed.forecast_out.isnan().all())  # no forecast past the last layer
+            assert routed.admit(layer, ids_r, w_r, torch.float32) is w_r  # decided in the route: no second decision
+            # (b) decide_ahead's launch on the same selections and logits: the same state, bitwise
+            alone.admit(layer, ids_r, w_r, torch.float32, hidden=hr)
+            for name in STATE:
+                assert torch.equal(getattr(routed, name), getattr(alone, name)), (name, kind, seed, step, layer)
+            assert torch.equal(routed.pools.row_map, alone.pools.row_map), (kind, seed, step, layer)
+    routed.check(contents=True)
+    alone.check(contents=True)
+    prefetched[(kind, seed)] = int(routed.prefetch_history.sum())
+assert all(v > 0 for v in prefetched.values()), prefetched
+try:
+    td.route(x, norm_w, 1e-6, gates[0], k, True, counter, ahead=ts.route_ahead_args(routed, 0, 1, False),
+             record=ts.route_record_args(routed, 0))
+except ValueError as e:
+    assert "give one" in str(e)
+else:
+    raise AssertionError("record and ahead together")
+print("INTERPRETED OK", prefetched)
+"""
+
 
 def _interpret(script: str) -> None:
     if importlib.util.find_spec("triton") is None:
@@ -154,3 +242,15 @@ def test_decide_ahead_sort_topk_under_the_interpreter_equals_the_torch_path():
     every group the same owners, recency, counts, ticks, counters, in-flight flags, recorded lists
     and prefetch counts, bitwise; prefetches issued in every case; every slot holds its owner."""
     _interpret(_DECIDE)
+
+
+def test_router_launch_lookahead_under_the_interpreter_equals_decide_ahead():
+    """``lookahead`` in the fused router launch (``SlotCache.route``: the forecast of layer
+    ``l + depth`` computed beside the router's own rows, the whole decision in the last program,
+    then the demand fill and the prefetch fill) against the plain router launch and
+    ``decide_ahead``'s launch (``admit``) fed the routed launch's logits: the routing (h, ids,
+    weights) bitwise the plain launch's, the forecast within the float32 bound of float64, none
+    written past the last layer, and after every group (new steps, the last layers without a
+    forecast, random and tie-heavy routers) the whole cache state bitwise equal; prefetches issued
+    in every case; every slot holds its owner. Not timed on a GPU (interpreter only)."""
+    _interpret(_ROUTE)

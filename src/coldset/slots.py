@@ -487,8 +487,9 @@ class SlotCache:
 
     def records_in_route(self, num_tokens: int) -> bool:
         """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
-        (:meth:`route`): the kernel path, ``lru``/``lfu``, a decode group."""
-        return self.use_kernel and self.policy in ("lru", "lfu", "nexttoken") and num_tokens <= self.max_tokens
+        (:meth:`route`): the kernel path, a decode group (every engine policy: ``lru``/``lfu``/``nexttoken``
+        record the group there, ``lookahead`` makes its whole decision there)."""
+        return self.use_kernel and self.policy in ENGINE_POLICIES and num_tokens <= self.max_tokens
 
     def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
         """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
@@ -499,13 +500,33 @@ class SlotCache:
         sm90+). A cached layer then costs one launch more than an uncached one (the fill) where
         :meth:`admit`'s way costs two, and the decisions read the selections from registers.
         Returns ``(h, topk_ids, topk_weights)`` as ``route`` does, the weights in ``x``'s dtype;
-        the layer's :meth:`admit` (from :meth:`wrap`'s experts function) then makes no decision."""
+        the layer's :meth:`admit` (from :meth:`wrap`'s experts function) then makes no decision.
+
+        ``lookahead``: the router's launch also computes the forecast (layer ``layer + depth``'s
+        router on the same normed input, every program beside its own rows) and its last program
+        makes the whole decision (:func:`coldset.kernels.triton_slots.ahead_group`: record, demand
+        victims with the in-flight rule, the forecast's top k, the list, the prefetch victims);
+        then the demand fill (a plain copy, the router's programmatic dependent) and the prefetch
+        copy forked onto the side stream and joined as :meth:`admit`'s path does
+        (:meth:`_ahead_fork_join`). Why: a cached lookahead layer then costs the router's launch and
+        the two fills, where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch
+        more (107.5 + 198.9 us a step of 48 layers at b1 on the H200, ``bench cache
+        --decisions-only``); this path is not yet timed on a GPU."""
         from coldset.kernels import triton_decode as td
         from coldset.kernels import triton_slots as ts
 
         if not self.records_in_route(x.shape[0]):
             raise ValueError(f"SlotCache.route: policy {self.policy!r}, {x.shape[0]} tokens (max {self.max_tokens}), "
                              f"kernel path {self.use_kernel}: the router cannot record this group")
+        if self.policy == "lookahead":
+            new_step = self._ahead_open(layer)
+            target = layer + self.depth
+            h, ids, w = td.route(x, norm_weight, eps, gate_weight, top_k, renormalize, counter, weights_dtype=x.dtype,
+                                 pdl=pdl, ahead=ts.route_ahead_args(self, layer, target, new_step), trigger=self.pdl)
+            ts.fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
+            self._ahead_fork_join(layer, target)
+            self.recorded_layer = layer
+            return h, ids, w
         nxt = self.policy == "nexttoken"
         if nxt:
             new_step = self._open_group(layer)
@@ -673,12 +694,10 @@ class SlotCache:
         from coldset.kernels.triton_slots import decide_ahead, fill
 
         # The forecast GEMV, the decisions' top-k by one partial sort and their programmatic launch
-        # after the GEMV are not yet timed on a GPU (checked under Triton's interpreter).
+        # after the GEMV are not yet timed on a GPU (checked under Triton's interpreter). (In the
+        # fused decode step the router's launch makes these decisions instead: route().)
         L = self.pools.num_moe_layers
-        new_step = layer <= self.prev_layer
-        if new_step:
-            self.join()  # nothing of the last step may still be in flight (a no-op after a full step)
-        self.prev_layer = layer
+        new_step = self._ahead_open(layer)
         target = layer + self.depth
         # Every input of the decisions launch first (a torch op between the GEMV and the decisions
         # would end their overlap): the decisions are the GEMV's programmatic dependent with pdl.
@@ -689,6 +708,27 @@ class SlotCache:
         decide_ahead(self, layer, ids, new_step, logits, target, w_in, w_out.view(-1) if cast else None,
                      after_forecast=logits is not None)
         fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
+        self._ahead_fork_join(layer, target)
+        return w_out if cast else topk_weights
+
+    def _ahead_open(self, layer: int) -> bool:
+        """lookahead's host-side step bookkeeping (kernel path): whether group ``layer`` starts a new
+        step (a layer not above the last one), after joining every copy still pending."""
+        new_step = layer <= self.prev_layer
+        if new_step:
+            self.join()  # nothing of the last step may still be in flight (a no-op after a full step)
+        self.prev_layer = layer
+        return new_step
+
+    def _ahead_fork_join(self, layer: int, target: int) -> None:
+        """lookahead after group ``layer``'s decisions and demand fill on the compute stream (either
+        path): the prefetch copy for layer ``target`` forked onto the side stream (an event after the
+        demand fill, waited on by the side stream; ``prefetch_blocks`` blocks per weight), then the
+        compute stream joins the copy forked for ``layer`` (before this layer's experts), and the
+        last MoE layer joins whatever is left."""
+        from coldset.kernels.triton_slots import fill
+
+        L = self.pools.num_moe_layers
         if target < L:
             side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)
             if side is not None:
@@ -703,7 +743,6 @@ class SlotCache:
         self._join_layer(layer)
         if layer == L - 1:
             self.join()
-        return w_out if cast else topk_weights
 
     def _join_layer(self, layer: int) -> None:
         """The compute stream waits for the prefetch copy forked for ``layer`` (if one is pending)."""

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import group_scalars, record_group
+from coldset.kernels.triton_slots import ahead_group, group_scalars, record_group
 
 
 @dataclass(frozen=True)
@@ -524,10 +524,15 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
                   stride_x, stride_h, stride_we,
                   layer, row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                   hist_cap, new_ptr, m_ptr,
+                  owner_ptr, victims_ptr, C, inflight_ptr, new_step, fw_ptr, fc_ptr, target, pf_victims_ptr,
+                  pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
                   M: tl.constexpr, MP: tl.constexpr,
                   H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PDL: tl.constexpr, RECORD: tl.constexpr, TRIGGER: tl.constexpr):
+                  PDL: tl.constexpr, RECORD: tl.constexpr, TRIGGER: tl.constexpr,
+                  LOOKAHEAD: tl.constexpr = False, FORECAST: tl.constexpr = False, CP: tl.constexpr = 2,
+                  MV: tl.constexpr = 2, TP: tl.constexpr = 2, WP: tl.constexpr = 2, MPV: tl.constexpr = 2,
+                  ZB: tl.constexpr = 2, NI: tl.constexpr = 2):
     dt = h_ptr.dtype.element_ty
     if PDL and not TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -539,6 +544,9 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + rk[None, :],
                 mask=e_ok[:, None] & k_ok[None, :], other=0.0)
     nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    if FORECAST:  # lookahead: the same rows of layer `target`'s router (contiguous [E, H]), also before the wait
+        fw = tl.load(fw_ptr + offs_e.to(tl.int64)[:, None] * H + rk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                     other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if TRIGGER:  # the next launch (a slot cache's fill) may start; not before the previous kernel is done,
@@ -554,13 +562,16 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     tl.store(h_ptr + m * stride_h + rk, h, mask=k_ok & (pid == 0))
     logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     tl.store(logit_ptr + m * E + offs_e, logit.to(logit_ptr.dtype.element_ty), mask=e_ok)
+    if FORECAST:  # the forecast of layer `target` on the same input, float32 (the decisions rank it)
+        fl = tl.sum(fw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        tl.store(fc_ptr + m * E + offs_e, fl, mask=e_ok)
     # The last program to arrive ranks every token's E logits (a ticket counter: the barrier and
     # the acquire-release atomic order every program's logit stores before the last one's loads;
     # the last one resets the counter for the next launch). Then _softmax_topk_kernel's arithmetic.
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        if RECORD:  # a slot cache's scalars, loaded while the logits are ranked
+        if RECORD or LOOKAHEAD:  # a slot cache's scalars, loaded while the logits are ranked
             scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
         # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
         # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
@@ -596,12 +607,21 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             record_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer,
                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                          hist_cap, new_ptr, m_ptr, scalars, E)
+        if LOOKAHEAD:  # lookahead's whole decision (record, demand victims, forecast list, prefetch) likewise
+            pos = tl.arange(0, MP * KP)
+            tok = pos // KP
+            rank = pos % KP
+            ahead_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer, scalars,
+                        row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
+                        groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
+                        target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, CP, MV,
+                        FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, False)
 
 
 def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,
           renormalize: bool, counter: torch.Tensor, weights_dtype: torch.dtype = torch.float32,
           block_e: int = 2, pdl: bool = False, return_logits: bool = False, record: tuple | None = None,
-          trigger: bool = False):
+          trigger: bool = False, ahead: tuple | None = None):
     """The post-attention norm, the router GEMV and its softmax + top-k in one launch, for a few
     decode tokens ``x`` ``[M, H]``: ``(h, topk_ids, topk_weights)`` with ``h = weight * RMSNorm(x)``
     (:func:`rms_norm`'s arithmetic) the experts' input ``[M, H]``, ``topk_ids`` ``[M, k]`` int64 and
@@ -630,6 +650,19 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     the launch's warps) are the same with or without it: the same bits. ``trigger``: let the next
     launch (a programmatic dependent one) start once the kernel before this one is done, with or
     without ``pdl``.
+
+    ``ahead`` (:func:`coldset.kernels.triton_slots.route_ahead_args`, instead of ``record``):
+    ``lookahead``'s whole decision in the same launch. Every program also reads the same
+    ``block_e`` rows of layer ``l + depth``'s router (before the wait, as its own) and writes its
+    token's float32 forecast logits on ``h`` (the router input) into the cache's ``forecast_out``;
+    the last program then runs :func:`coldset.kernels.triton_slots.ahead_group` (the group's
+    record, the demand victims with the in-flight rule and their commit, the forecast's top k, the
+    list and the prefetch decisions) on the selections in registers and the logits the ticket
+    ordered before it. Why: a cached lookahead layer then costs the router's launch, the demand fill
+    and the prefetch copy, where it cost a forecast GEMV launch and a decisions launch more
+    (107.5 + 198.9 us a step of 48 layers at b1 on the H200). The routing (``h``, ids, weights) is
+    the same bits with or without it (the same arithmetic and warps); not yet timed on a GPU
+    (checked under Triton's interpreter and compiled for sm90 on the CPU).
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -649,12 +682,31 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     weights = torch.empty((m, top_k), dtype=weights_dtype, device=x.device)
     if record is not None and len(record) != 11:
         raise ValueError(f"route: record must be triton_slots.route_record_args(...) (11 values), got {len(record)}")
+    meta = {}
+    if ahead is not None:
+        if record is not None:
+            raise ValueError("route: record and ahead are two policies' decisions; give one")
+        if len(ahead) != 3 or len(ahead[0]) != 11 or len(ahead[1]) != 14:
+            raise ValueError("route: ahead must be triton_slots.route_ahead_args(...) (record, ahead, sizes)")
+        record, extra, sizes = ahead
+        fw, fc = extra[5], extra[6]
+        if sizes["FORECAST"] and (fw.shape != (num_experts, hidden) or not fw.is_contiguous()):
+            raise ValueError(f"route: the forecast router must be a contiguous [{num_experts}, {hidden}], got "
+                             f"{tuple(fw.shape)}")
+        if fc.dtype != torch.float32 or not fc.is_contiguous() or fc.dim() != 2 or fc.shape[0] < m \
+                or fc.shape[1] != num_experts:
+            raise ValueError(f"route: the forecast buffer must be float32 contiguous [>= {m}, {num_experts}], got "
+                             f"{fc.dtype} {tuple(fc.shape)}")
+        meta = dict(LOOKAHEAD=True, TP=max(2, triton.next_power_of_2(m)), **sizes)
+    else:
+        extra = (counter, counter, 0, counter, 0, counter, counter, 0) + (counter,) * 5 + (0,)
     if m:
         rec = record if record is not None else (0,) + (counter,) * 7 + (1, counter, counter)
         _route_kernel[(triton.cdiv(num_experts, block_e), m)](
             x, norm_weight, gate_weight, h, logits, counter, ids, weights, float(eps),
-            x.stride(0), h.stride(0), gate_weight.stride(0), *rec, M=m, MP=triton.next_power_of_2(m),
+            x.stride(0), h.stride(0), gate_weight.stride(0), *rec, *extra, M=m, MP=triton.next_power_of_2(m),
             H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize, PDL=pdl,
-            RECORD=record is not None, TRIGGER=bool(trigger), num_warps=4, **_pdl_launch(pdl))
+            RECORD=record is not None and ahead is None, TRIGGER=bool(trigger), num_warps=4, **meta,
+            **_pdl_launch(pdl))
     return (h, ids, weights, logits) if return_logits else (h, ids, weights)

@@ -617,31 +617,31 @@ def _ordered_keys(v, col, EP: tl.constexpr):
 
 
 @triton.jit
-def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                  totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
-                  w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
-                  pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
-                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
-                  USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
-                  EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr,
-                  WAIT_LOGITS: tl.constexpr):
-    if USE_GDC:
-        gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
-    offs = tl.arange(0, NP)
-    valid = offs < n
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
-    if CAST:
-        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
-        tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
-    scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
-    hrow = tl.load(groups_ptr) % hist_cap  # this group's history row (record_group counts it)
+def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step,
+                logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
+                E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
+                KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr,
+                ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr):
+    """``lookahead``'s whole decision for one group (``ids``: one selection per lane, ``sel`` its
+    index in the group, ``valid`` masks padding lanes; ``scalars``: :func:`group_scalars`' values),
+    in one program: the new step's in-flight clearing, the group's record, the demand victims with
+    the in-flight rule and their commit, then (``AHEAD``: layer ``target`` exists) the forecast list
+    from layer ``target``'s float32 router logits ``[n_tok, E]`` at ``logits_ptr`` and its prefetch
+    decisions, else an empty list; the tick after the list. Called by :func:`_ahead_kernel` (a
+    launch of its own) and by the router's launch's last program
+    (:func:`coldset.kernels.triton_decode.route` with :func:`route_ahead_args`): one body, so the
+    two paths decide alike. ``WAIT_LOGITS``: wait on the preceding grid (the forecast GEMV) before
+    reading the logits."""
+    t_s, hits_s, misses_s, fills_s, g_s = scalars
+    hrow = g_s % hist_cap  # this group's history row (record_group counts it)
     if new_step != 0:  # a new step: the last step's prefetches are committed (no longer in flight)
         for z in range(0, NI, ZB):
             zo = z + tl.arange(0, ZB)
             tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
     # The group's record (lru's: recency first, so its own slots are told apart by ticks >= t0;
     # counters, history, the missed instances in selection order), then the victims.
-    t0, m = record_group(ids, offs, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
+    t0, m = record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
                          history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, scalars, E)
     tl.debug_barrier()
     offs_c = tl.arange(0, CP)
@@ -665,11 +665,12 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
         # The forecast list: each token's top K of layer `target`'s router logits (descending, ties
         # by expert id: a stable sort), token by token, first occurrence kept. One partial bitonic
         # sort (tl.topk) of (logit, id) keys per token, where K rounds of max/argmin reductions were.
+        # (.cg: in the router's launch other programs stored them; L2 is where they are.)
         tok = tl.arange(0, TP)
         col = tl.arange(0, EP)
         okt = tok < n_tok
         v = tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=okt[:, None] & (col[None, :] < E),
-                    other=float("-inf"))
+                    other=float("-inf"), cache_modifier=".cg")
         top = tl.topk(_ordered_keys(v, col[None, :], EP), KP, dim=1)  # [TP, KP], descending
         lst = (EP - 1) - (tl.reshape(top, [TP * KP]) & (EP - 1))  # lane p: token p // KP, rank p % KP
         p = tl.arange(0, TP * KP)
@@ -687,6 +688,29 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                  mask=tl.arange(0, WP) < width)
         tl.store(pf_hist_ptr + hrow, hrow.to(tl.int64) * 0)
     tl.store(tick_ptr, t0 + n + width)  # the list's ticks after the group's (record_group wrote t0 + n)
+
+
+@triton.jit
+def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
+                  totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                  w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
+                  pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
+                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
+                  USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
+                  EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr,
+                  WAIT_LOGITS: tl.constexpr):
+    if USE_GDC:
+        gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
+    offs = tl.arange(0, NP)
+    valid = offs < n
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    if CAST:
+        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
+        tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
+    ahead_group(ids, offs, valid, n, layer, group_scalars(tick_ptr, totals_ptr, groups_ptr), row_map_ptr, owner_ptr,
+                last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr,
+                m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
+                pred_hist_ptr, pf_hist_ptr, width, E, CP, MV, AHEAD, K, KP, TP, EP, WP, MPV, ZB, NI, WAIT_LOGITS)
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
@@ -725,11 +749,37 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         cache.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
         cache.pf_victims[t], cache.pf_new[t], cache.pf_count[t], cache.prediction_history,
         cache.prefetch_history, width,
-        E=E, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())), CAST=cast,
-        USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)),
-        EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)), MPV=max(2, _next_pow2(cache.pf_victims.shape[1])),
-        ZB=1024, NI=cache.inflight.numel(), WAIT_LOGITS=wait,
+        E=E, NP=max(2, _next_pow2(n)), CAST=cast, USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k),
+        TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WAIT_LOGITS=wait, **_ahead_sizes(cache),
         num_warps=16 if cp >= 4096 else 8, launch_pdl=wait)
+
+
+def _ahead_sizes(cache) -> dict:
+    """:func:`ahead_group`'s block sizes that depend on the cache only (slots, victims, list width,
+    prefetch span, in-flight flags), for both of its launches."""
+    return dict(CP=_next_pow2(cache.capacity), MV=max(2, _next_pow2(cache.victims.numel())),
+                WP=max(2, _next_pow2(cache.prediction_history.shape[1])),
+                MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), ZB=1024, NI=cache.inflight.numel())
+
+
+def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
+    """What :func:`coldset.kernels.triton_decode.route` needs to run ``lookahead``'s whole decision
+    for ``layer``'s group in its launch (:func:`ahead_group` in the last program, on the selections
+    in registers, after every program wrote its tokens' forecast logits of layer ``target``'s router
+    into ``cache.forecast_out``): ``(record, ahead, sizes)``, :func:`route_record_args`' values, the
+    decisions' other arguments in the kernel's order (owners, victims, slots, in-flight flags, the
+    new step, the target router ``[E, H]`` (read by every program beside its own rows; ``target >=
+    L``: no forecast, the group's list is empty), the forecast buffer, the target, its prefetch
+    rows, the histories, the list width) and the decisions' block sizes (``FORECAST``: whether
+    layer ``target`` exists)."""
+    L = cache.pools.num_moe_layers
+    ahead = target < L
+    t = target if ahead else 0
+    args = (cache.owner, cache.victims, cache.capacity, cache.inflight.view(torch.uint8), int(new_step),
+            cache.forecast_routers[t] if ahead else cache.forecast_out, cache.forecast_out, t, cache.pf_victims[t],
+            cache.pf_new[t], cache.pf_count[t], cache.prediction_history, cache.prefetch_history,
+            cache.prediction_history.shape[1])
+    return route_record_args(cache, layer), args, dict(FORECAST=ahead, **_ahead_sizes(cache))
 
 
 # ------------------------------------------------------------------------------------------------
