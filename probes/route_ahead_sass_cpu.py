@@ -1,0 +1,76 @@
+"""Probe (not a tool of the package): the router launch with lookahead's whole decision in its last
+program, compiled to sm90 cubins on the CPU, no GPU (issue 28 item 4).
+
+    PYTHONPATH=<triton 3.6>:src python probes/route_ahead_sass_cpu.py
+
+Compiles :func:`coldset.kernels.triton_decode._route_kernel` at Qwen3-30B-A3B's router shape (E 128,
+H 2048, top-8, bf16, 2 experts a program, 4 warps: the launch config the routing's bits depend on)
+for 1 and 8 tokens: plain, recording an lru group (``RECORD``), and with lookahead's decision
+(``LOOKAHEAD``; with the forecast rows of the target layer, and without: the last layers), at 1536
+slots (residency 0.25) and 6144 (residency 1.0); and ``_ahead_kernel`` (decide_ahead's launch, 8 or
+16 warps) at the same shapes for comparison. Prints what ptxas allotted (registers a thread, stack
+bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
+nothing here is a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_w13_sass_cpu import stats  # noqa: E402
+
+from coldset.kernels import triton_decode as td  # noqa: E402
+from coldset.kernels import triton_slots as ts  # noqa: E402
+
+L, E, H, K = 48, 128, 2048, 8
+PTR = {"x_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "logit_ptr": "*bf16",
+       "count_ptr": "*i32", "wts_ptr": "*bf16", "row_map_ptr": "*i32", "use_count_ptr": "*fp64", "count_ptr_f": "*fp64",
+       "inflight_ptr": "*u8", "fw_ptr": "*bf16", "fc_ptr": "*fp32", "logits_ptr": "*fp32", "w_out_ptr": "*bf16",
+       "eps": "fp32"}
+
+
+def compile_kernel(fn, const: dict, num_warps: int, ptr: dict):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in const else ptr.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def sizes(C: int, m: int) -> dict:
+    return dict(CP=ts._next_pow2(C), MV=max(2, ts._next_pow2(min(m * K, E))), WP=max(2, ts._next_pow2(m * K)),
+                MPV=max(2, ts._next_pow2(min(m * K, E))), ZB=1024, NI=L * E, TP=max(2, ts._next_pow2(m)))
+
+
+def main() -> int:
+    for m in (1, 8):
+        base = dict(M=m, MP=ts._next_pow2(m), H=H, HP=H, E=E, EP=E, K=K, KP=K, BLOCK_E=2, RENORMALIZE=True, PDL=True,
+                    TRIGGER=True, LOOKAHEAD=False, FORECAST=False, **{k: 2 for k in ("CP", "MV", "TP", "WP", "MPV", "ZB",
+                                                                                      "NI")})
+        variants = [("plain", dict(RECORD=False), 0), ("lru record", dict(RECORD=True), 0)]
+        for C in (1536, 6144):
+            variants += [(f"lookahead C{C}", dict(RECORD=False, LOOKAHEAD=True, FORECAST=True, **sizes(C, m)), C),
+                         (f"lookahead C{C} last", dict(RECORD=False, LOOKAHEAD=True, FORECAST=False, **sizes(C, m)), C)]
+        for name, extra, C in variants:
+            s = stats(compile_kernel(td._route_kernel, {**base, **extra}, 4, PTR).asm["cubin"])
+            print(f"b{m} route {name:22s} w4  " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+        for C in (1536, 6144):
+            sz = sizes(C, m)
+            warps = 16 if sz["CP"] >= 4096 else 8
+            const = dict(E=E, NP=max(2, ts._next_pow2(m * K)), CAST=True, USE_GDC=True, AHEAD=True, K=K, KP=K,
+                         EP=E, WAIT_LOGITS=True, **sz)
+            ptr = {**PTR, "w_ptr": "*fp32", "count_ptr": "*fp64"}
+            s = stats(compile_kernel(ts._ahead_kernel, const, warps, ptr).asm["cubin"])
+            print(f"b{m} decide_ahead C{C:<5d}            w{warps:<2d} " + " ".join(f"{k}={v}" for k, v in s.items()),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
