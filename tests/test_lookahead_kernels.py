@@ -215,6 +215,75 @@ else:
 print("INTERPRETED OK", prefetched)
 """
 
+_ENGINE = r"""
+import functools
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])
+from synthetic_engines import random_prompts
+from test_slots import _warm
+from coldset import gate
+from coldset.cache import AccessStream, simulate
+from coldset.kernels import triton_slots as ts
+from coldset.model import fused_layer_before_experts, fused_norm_lm_head
+from coldset.placement import hot_count_for_residency
+from coldset.slots import SlotCache
+from coldset.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.tiers import host_tier
+
+ts.FILL_BLOCKS = 4  # the same copies with fewer interpreted programs
+spec = SyntheticSpec(layers=4, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
+                     head_dim=32, vocab_size=512, seed=3, expert_gain=2.0, lm_successor_gain=1.0, in_memory=True)
+model, _ = build_synthetic_model(spec, "cpu", torch.float32)
+# the fused decode region by hand (compile_decode picks it on CUDA only): every decode layer's router
+# is the fused launch, the cache's decisions in it
+model._compiled_before_experts = functools.partial(fused_layer_before_experts, pdl=False)
+model._fused_head = functools.partial(fused_norm_lm_head, pdl=False)
+cfg = model.config
+L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+batch, depth, new = 2, 1, 8
+counts = np.random.default_rng(7).integers(0, 20, size=(L, E)).astype(np.float64)
+C = hot_count_for_residency(0.25, L * E)
+row_map, _, wc = _warm(counts, C)
+routers = [model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers]
+cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, wc, "lookahead", batch, k, routers=routers,
+                        depth=depth)
+cache.use_kernel, cache.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand
+cache.prefetch_blocks = 4
+prompts = random_prompts(cfg.vocab_size, 2, seed=5)
+reference = gate.reference_decode(model, prompts, new, batch_size=batch, progress=False)
+groups = []
+route, decide = cache.route, ts.decide_ahead
+
+def recording(layer, *a, **kw):
+    out = route(layer, *a, **kw)
+    groups.append(out[1].reshape(-1).tolist())
+    return out
+
+def refused(*a, **kw):
+    raise AssertionError("a decode group decided by decide_ahead's launch, not in the router's")
+
+cache.route, ts.decide_ahead = recording, refused
+got = gate.placement_decode(model, cache.pools, prompts, new, batch_size=batch, progress=False, cache=cache)
+result = gate.compare("lookahead-0.25", ["a", "b"], reference, got, cache.pools, model)
+assert result.passed and result.tokens_matched == result.tokens_total, result
+cache.check(contents=True)
+n_groups = int(cache.groups)
+assert len(groups) == n_groups == (new - 1) * L, (len(groups), n_groups)
+layer_of = np.arange(n_groups) % L
+inst = np.array([layer_of[g] * E + e for g in range(n_groups) for e in groups[g]])
+stream = AccessStream(inst, np.cumsum([0] + [len(x) for x in groups]), n_groups // L * batch, L, E)
+pred = cache.prefetch_lists()
+sim = simulate(stream, "lookahead", C, counts, predictions=pred)
+np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
+np.testing.assert_array_equal(cache.prefetch_history[:n_groups].numpy(), sim.prefetches)
+assert (pred[layer_of >= L - depth] == -1).all()  # no forecast past the last layer
+assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
+assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
+print("INTERPRETED OK", int(sim.prefetches.sum()), int(sim.useful_prefetches))
+"""
+
 
 def _interpret(script: str) -> None:
     if importlib.util.find_spec("triton") is None:
@@ -254,3 +323,13 @@ def test_router_launch_lookahead_under_the_interpreter_equals_decide_ahead():
     forecast, random and tie-heavy routers) the whole cache state bitwise equal; prefetches issued
     in every case; every slot holds its owner. Not timed on a GPU (interpreter only)."""
     _interpret(_ROUTE)
+
+
+def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and_the_unmodified_path():
+    """The engine's decode steps through the fused router launch (the fused decode region set by
+    hand on the CPU, every kernel interpreted) with a ``lookahead`` cache at residency 0.25, batch 2:
+    every decode group decided in the router's launch (``decide_ahead``'s launch never runs), the
+    logits bitwise the unmodified path's (the parity gate), per group hits, misses, fills and
+    prefetches equal to ``coldset.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
+    none past the last layer, prefetches used and the stream off lru's; every slot holds its owner."""
+    _interpret(_ENGINE)
