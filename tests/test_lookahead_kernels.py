@@ -143,7 +143,10 @@ real_fill = ts.fill
 def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
     return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
 
-ts.fill = small_fill
+dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter has no bfloat16
+if dev == "cpu":
+    ts.fill = small_fill
 U = 2.0 ** -24
 STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
          "prefetch_history", "history", "victims", "admitted", "num_misses", "pf_victims", "pf_new", "pf_count")
@@ -158,31 +161,33 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     g = torch.Generator().manual_seed(seed)
     if kind == "ties":
         rows = torch.cat([torch.zeros(1, H), torch.randn(2, H, generator=g)])
-        gates = [rows[torch.as_tensor(rng.integers(0, 3, size=E))].contiguous() for _ in range(L)]
+        gates = [rows[torch.as_tensor(rng.integers(0, 3, size=E))].to(dev, dt).contiguous() for _ in range(L)]
     else:
-        gates = [torch.randn(E, H, generator=g) for _ in range(L)]
-    norm_w = 1 + 0.1 * torch.randn(H, generator=g)
+        gates = [torch.randn(E, H, generator=g).to(dev, dt) for _ in range(L)]
+    norm_w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, dt)
     counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
     C = int(rng.integers(k * T + 1, min(k * T + 6, L * E)))
     row_map, _, wc = _warm(counts, C)
-    all_hot = _random_pools(L, E, seed=seed)
+    all_hot = _random_pools(L, E, seed=seed, dtype=dt)
+    all_hot = type(all_hot).all_hot(all_hot.w13_hot.view(L, E, 8, 4).to(dev), all_hot.w2_hot.view(L, E, 4, 4).to(dev))
     host = host_tier(all_hot)
     routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
                      for _ in range(2))
-    for c in (routed, alone):  # the kernel path by hand
-        c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+    if dev == "cpu":
+        for c in (routed, alone):  # the kernel path by hand
+            c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
     assert routed.records_in_route(T) and not routed.records_in_route(T + 1)
-    counter = torch.zeros(1, dtype=torch.int32)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
     fc = {}
     alone._forecast_logits = lambda hidden, target, pdl=False: fc["now"]  # the routed launch's own logits
     for step in range(3):
         for layer in range(L):
-            x = torch.randn((T, H), generator=g)
+            x = torch.randn((T, H), generator=g).to(dev, dt)
             if kind == "ties" and step == 1:
                 x[-1] = x[0]  # two tokens with the same selections and forecast
-            h, ids, w = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=torch.float32)
+            h, ids, w = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=dt)
             routed.forecast_out.fill_(float("nan"))
-            hr, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=False)
+            hr, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
             # (a) the routing is the plain launch's, bitwise; the forecast within the float32 bound
             assert torch.equal(hr, h) and torch.equal(ids_r, ids) and torch.equal(w_r, w), (seed, step, layer)
             assert int(counter) == 0
@@ -195,9 +200,9 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
                 fc["now"] = f
             else:
                 assert bool(routed.forecast_out.isnan().all())  # no forecast past the last layer
-            assert routed.admit(layer, ids_r, w_r, torch.float32) is w_r  # decided in the route: no second decision
+            assert routed.admit(layer, ids_r, w_r, dt) is w_r  # decided in the route: no second decision
             # (b) decide_ahead's launch on the same selections and logits: the same state, bitwise
-            alone.admit(layer, ids_r, w_r, torch.float32, hidden=hr)
+            alone.admit(layer, ids_r, w_r, dt, hidden=hr)
             for name in STATE:
                 assert torch.equal(getattr(routed, name), getattr(alone, name)), (name, kind, seed, step, layer)
             assert torch.equal(routed.pools.row_map, alone.pools.row_map), (kind, seed, step, layer)
@@ -285,14 +290,18 @@ print("INTERPRETED OK", int(sim.prefetches.sum()), int(sim.useful_prefetches))
 """
 
 
-def _interpret(script: str) -> None:
+def _interpret(script: str, device: str = "cpu") -> None:
+    """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable here")
     src = str(Path(__file__).parents[1] / "src")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p)}
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p)}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), device], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
 
 
@@ -323,6 +332,13 @@ def test_router_launch_lookahead_under_the_interpreter_equals_decide_ahead():
     forecast, random and tie-heavy routers) the whole cache state bitwise equal; prefetches issued
     in every case; every slot holds its owner. Not timed on a GPU (interpreter only)."""
     _interpret(_ROUTE)
+
+
+@pytest.mark.gpu
+def test_router_launch_lookahead_on_cuda_equals_decide_ahead():
+    """The interpreter test above compiled for the GPU (bfloat16 routers and inputs, the fills on
+    their streams, the router and the demand fill as programmatic dependent launches on sm90+)."""
+    _interpret(_ROUTE, "cuda")
 
 
 def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and_the_unmodified_path():
