@@ -45,7 +45,15 @@ recent slot of layers ``<= l`` not used by the group and not in flight, is in fl
 step ends (no demand miss evicts it; a demand miss that finds no other slot is read in place, not
 admitted), and enters the recency order after the group's accesses. The engine records each
 group's list (:meth:`SlotCache.prefetch_lists`), which the simulator replays for the step-by-step
-equality. On the CPU the decisions are torch ops and the copies plain indexed copies. On CUDA a
+equality. On the CPU the decisions are torch ops and the copies plain indexed copies. On CUDA in
+the fused decode step (:meth:`SlotCache.route`) the router's launch makes the whole decision: each
+of its programs computes the forecast of layer ``l + depth``'s router rows beside its own (on the
+same normed input) and its last program, holding the selections in registers, runs the decisions
+(:func:`coldset.kernels.triton_slots.ahead_group`, the body :func:`~coldset.kernels.triton_slots.decide_ahead`'s
+launch runs too); a group is then that launch, the demand fill (its programmatic dependent) and
+the prefetch copy, two launches fewer than the way below (why: 107.5 + 198.9 us a step of 48
+layers at b1 on the H200 for the GEMV and the decisions launch; the fused way is not yet timed on
+a GPU). Elsewhere on CUDA (a router that is not the fused launch) a
 group is the forecast's GEMV (one Triton launch over the router in the model's dtype, float32
 sums: :func:`coldset.kernels.triton_slots.forecast_logits`), one Triton launch for all the
 decisions (demand with the in-flight rule, the forecast's top ``k`` by one partial sort, the
@@ -205,9 +213,10 @@ class SlotCache:
     # stream never has its list overwritten within the step), the side stream, the fork event and
     # per target the join event and whether a copy for it was forked in this step (host side).
     # the forecast's operands: each MoE layer's router [E, H] contiguous in its own (the model's)
-    # dtype, read as it is by the GEMV launch (kernel path) or cast by torch.mm (torch path), and
-    # the kernel path's float32 logits [max_tokens, E] (one buffer: each group's are read by its
-    # decisions launch, on the same stream, before the next group's GEMV writes it)
+    # dtype, read as it is by the GEMV launch or the router's launch (kernel path) or cast by torch.mm
+    # (torch path), and the kernel path's float32 logits [max_tokens, E] (one buffer: each group's are
+    # read by its decisions launch, or the router launch's last program, on the same stream, before
+    # the next group's launch writes it)
     forecast_routers: list | None = None
     forecast_out: torch.Tensor | None = None
     pf_victims: torch.Tensor | None = None

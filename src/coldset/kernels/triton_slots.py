@@ -54,6 +54,15 @@ one launch of its own, :func:`forecast_logits` (a program per two experts readin
 the model's dtype, float32 sums), whose programmatic dependent this launch is on sm90+ (its demand
 part beside the GEMV, a grid-dependency wait before the logits), and the top-k is one partial
 bitonic sort (``tl.topk``) of (logit, id) keys per token, the same order, ties to the lower id.
+In the fused decode step neither launch runs: :func:`coldset.kernels.triton_decode.route` with
+:func:`route_ahead_args` computes the forecast in the router's own programs (each beside its router
+rows, the target layer's same rows) and its last program runs the decisions on the selections in
+registers (:func:`ahead_group`: the body of :func:`_ahead_kernel`, one function both call), so a
+lookahead layer costs the router's launch, the demand fill and the prefetch copy (issue 28 item 4:
+the two launches cost 107.5 + 198.9 us a step of 48 layers at b1, 10% of the all-HBM step with
+the rest at residency 1.0). Not yet timed on a GPU; compiled for sm90 on the CPU
+(probes/route_ahead_sass_cpu.py): at 4 warps (the router's, which its bits depend on) no spill at
+1536 slots, spills past 255 registers at 6144 (residency 1.0), in the miss paths only.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
