@@ -581,11 +581,16 @@ def decisions_split(args, argv=None) -> dict:
     1.0 (every selection and every forecast a hit: the work alone, no copy), each part captured in a
     CUDA graph over every MoE layer (:func:`coldset.tune.graph_time_us`): lru's decisions + fill,
     lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
-    GEMV alone (float32 cast + mm), and lookahead's decisions launch alone."""
+    GEMV alone, and lookahead's decisions launch alone; then as the fused decode step runs them
+    (:meth:`coldset.slots.SlotCache.route`): the router's launch alone (no cache), lru's group in it
+    (the router recording + the fill choosing and copying) and lookahead's (the router with the
+    forecast and the whole decision + the demand fill + fork, prefetch fill, join); a cached group's
+    cost is its row minus the router's."""
     import numpy as np
     import torch
 
     from coldset.config import load_config
+    from coldset.kernels import triton_decode as td
     from coldset.kernels.triton_slots import decide_ahead
     from coldset.placement import hot_mask_usage_global, row_map_from_mask
     from coldset.slots import SlotCache
@@ -614,6 +619,23 @@ def decisions_split(args, argv=None) -> dict:
         la = SlotCache.build(all_hot, host, row_map, wc, "lookahead", bsz, k, routers=routers, depth=1)
         logits = la._forecast_logits(x, 1)
         flat = [i.reshape(-1).contiguous() for i in ids]
+        # the fused step's router launch (routers = the MoE layers' gates, as in the model)
+        norm_w = torch.ones(H, device=dev, dtype=torch.bfloat16)
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        pdl = td.pdl_default(bsz, dev)
+        lru_r = SlotCache.build(all_hot, host, row_map, wc, "lru", bsz, k)
+        la_r = SlotCache.build(all_hot, host, row_map, wc, "lookahead", bsz, k, routers=routers, depth=1)
+
+        def run_router():
+            for layer in range(L):
+                td.route(x, norm_w, 1e-6, routers[layer], k, True, counter, weights_dtype=x.dtype, pdl=pdl)
+
+        def routed(cache):
+            def run():
+                for layer in range(L):
+                    _, ids_r, w_r = cache.route(layer, x, norm_w, 1e-6, routers[layer], k, True, counter, pdl=pdl)
+                    cache.admit(layer, ids_r, w_r, x.dtype)  # the experts' admit: decided already, no launch
+            return run
 
         def run_lru():
             for layer in range(L):
@@ -633,9 +655,11 @@ def decisions_split(args, argv=None) -> dict:
 
         res = {name: graph_time_us(fn, 50) for name, fn in
                (("lru group", run_lru), ("lookahead group", run_la), ("forecast GEMV", run_gemv),
-                ("lookahead decisions launch", run_decide))}
+                ("lookahead decisions launch", run_decide), ("router launch", run_router),
+                ("lru routed group", routed(lru_r)), ("lookahead routed group", routed(la_r)))}
         out["us_per_step"][bsz] = res
         log(f"b{bsz}: per step of {L} layers (us):", {n: round(v, 1) for n, v in res.items()})
         la.join()
+        la_r.join()
     write_result(Path(args.out) / "cache_decisions.json", out)
     return out
