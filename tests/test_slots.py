@@ -698,13 +698,16 @@ def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, fo
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [1, 2])
 def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(graphed_model, depth):
-    """lookahead in the captured step (prefetch copies forked onto the side stream inside the graph,
-    joined before layer l + depth's experts): every step's logits bitwise the unmodified path's,
-    per group hits, misses, fills and prefetches equal to ``coldset.cache.simulate``'s 'lookahead'
-    on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
+    """lookahead in the captured step (the fused router launch computing the forecast and making
+    the whole decision, ``SlotCache.route``; prefetch copies forked onto the side stream inside the
+    graph, joined before layer l + depth's experts): every step's logits bitwise the unmodified
+    path's, per group hits, misses, fills and prefetches equal to ``coldset.cache.simulate``'s
+    'lookahead' on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
+    assert model._fused_head is not None, "the fused decode region (the router decides) is what this tests"
     cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, "lookahead", depth)
+    assert cache.records_in_route(routing.shape[2])
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     bsz = routing.shape[2]
