@@ -7,7 +7,7 @@ Compiles :func:`coldset.kernels.triton_decode._route_kernel` at Qwen3-30B-A3B's 
 H 2048, top-8, bf16, 2 experts a program, 4 warps: the launch config the routing's bits depend on)
 for 1 and 8 tokens: plain, recording an lru group (``RECORD``), and with lookahead's decision
 (``LOOKAHEAD``; with the forecast rows of the target layer, and without: the last layers), at 1536
-slots (residency 0.25) and 6144 (residency 1.0); and ``_ahead_kernel`` (decide_ahead's launch, 8 or
+slots (residency 0.25), 3072 (0.5) and 6144 (1.0); and ``_ahead_kernel`` (decide_ahead's launch, 8 or
 16 warps) at the same shapes for comparison. Prints what ptxas allotted (registers a thread, stack
 bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
 nothing here is a time.
@@ -54,13 +54,13 @@ def main() -> int:
                     TRIGGER=True, LOOKAHEAD=False, FORECAST=False, **{k: 2 for k in ("CP", "MV", "TP", "WP", "MPV", "ZB",
                                                                                       "NI")})
         variants = [("plain", dict(RECORD=False), 0), ("lru record", dict(RECORD=True), 0)]
-        for C in (1536, 6144):
+        for C in (1536, 3072, 6144):
             variants += [(f"lookahead C{C}", dict(RECORD=False, LOOKAHEAD=True, FORECAST=True, **sizes(C, m)), C),
                          (f"lookahead C{C} last", dict(RECORD=False, LOOKAHEAD=True, FORECAST=False, **sizes(C, m)), C)]
         for name, extra, C in variants:
             s = stats(compile_kernel(td._route_kernel, {**base, **extra}, 4, PTR).asm["cubin"])
             print(f"b{m} route {name:22s} w4  " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
-        for C in (1536, 6144):
+        for C in (1536, 3072, 6144):
             sz = sizes(C, m)
             warps = 16 if sz["CP"] >= 4096 else 8
             const = dict(E=E, NP=max(2, ts._next_pow2(m * K)), CAST=True, USE_GDC=True, AHEAD=True, K=K, KP=K,

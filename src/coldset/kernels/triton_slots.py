@@ -62,7 +62,9 @@ lookahead layer costs the router's launch, the demand fill and the prefetch copy
 the two launches cost 107.5 + 198.9 us a step of 48 layers at b1, 10% of the all-HBM step with
 the rest at residency 1.0). Not yet timed on a GPU; compiled for sm90 on the CPU
 (probes/route_ahead_sass_cpu.py): at 4 warps (the router's, which its bits depend on) no spill at
-1536 slots, spills past 255 registers at 6144 (residency 1.0), in the miss paths only.
+1536 slots (residency 0.25), 16 B of stack at 3072 (b8), 936-1200 B at 6144 (residency 1.0); all
+but 1-2 of the spill instructions lie after the ticket (the last program's decisions, mostly the
+victim searches a group without a miss skips).
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
