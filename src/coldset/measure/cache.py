@@ -82,6 +82,10 @@ def add_arguments(p) -> None:
                    help="also cache_replays.npz: per batch the all-HBM routing and the pre-gated lists at "
                         f"depths {','.join(map(str, REPLAY_DEPTHS))} (k and k + 4 candidates), with the profile "
                         "counts: the calibrated time simulator replays policies on them without a GPU")
+    p.add_argument("--in-order", action="store_true",
+                   help="also each lookahead variant with its prefetch fills on the compute stream (rows named "
+                        "'... in-order': no fork to the side stream, no join back): at residency 1.0 nothing is "
+                        "copied, so its step against the forked one's is what the per-layer stream hops cost")
     p.add_argument("--decisions-only", action="store_true",
                    help="only the split of the cache's work per layer at the config's shape (no model)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
@@ -106,6 +110,8 @@ def check_arguments(args) -> None:
                            "each must be >= 0")
     if args.prefetch_budget is not None and "nexttoken" not in args.policies.split(","):
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
+    if args.in_order and "lookahead" not in args.policies.split(","):
+        raise MeasureError("--in-order varies lookahead's prefetch fills: add lookahead to --policies")
     if args.save_replays and args.decisions_only:
         raise MeasureError("--save-replays keeps a model run's routing: --decisions-only runs no model")
     if args.steps < 2 or args.repeats < 1:
@@ -281,17 +287,21 @@ def run(args, argv=None) -> dict:
             flat = row_map.reshape(-1)
             hot = np.flatnonzero(flat >= 0)
             warm_counts[flat[hot]] = counts.reshape(-1)[hot]
-            variants = [(p, 0) for p in policies if p != "lookahead"]
+            variants = [(p, 0, False) for p in policies if p != "lookahead"]
             if "lookahead" in policies:
-                variants += [("lookahead", 1)] if res_ == 1.0 else [("lookahead", int(d)) for d in args.depths.split(",")]
-            for pol, depth in variants:
-                name = f"{pol}-{res_}" + (f" d{depth}" if depth else "")
+                depths = [1] if res_ == 1.0 else [int(d) for d in args.depths.split(",")]
+                variants += [("lookahead", d, in_order) for d in depths
+                             for in_order in ((False, True) if args.in_order else (False,))]
+            for pol, depth, in_order in variants:
+                name = f"{pol}-{res_}" + (f" d{depth}" if depth else "") + (" in-order" if in_order else "")
                 nt = pol == "nexttoken"
                 cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
                                         history=steps * L + 8, routers=_routers(model) if depth else None,
                                         depth=max(depth, 1), forecaster=forecaster if nt else None,
                                         prefetch_budget=args.prefetch_budget if nt else None)
                 cache.prefetch_blocks = args.prefetch_blocks
+                if in_order:
+                    cache.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
                 got = decode(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, passes, cache=cache)
                 if nt:
                     # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
@@ -379,12 +389,15 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
 def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, per_expert: int) -> None:
     """The management columns, once every residency of the batch is measured: each cache row whose
     policy has a residency-1.0 row in the same run and batch (every selection a hit; lookahead: its
-    depth-1 row) gets :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group``
+    depth-1 row; its ``--in-order`` rows: their own) gets :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group``
     and ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep
     None there."""
-    full = {name.split("-")[0]: r for name, (r, _) in replays.items() if r["residency"] == 1.0}
+    def kind(name: str) -> str:  # the policy, and lookahead's in-order variant apart
+        return name.split("-")[0] + (" in-order" if name.endswith(" in-order") else "")
+
+    full = {kind(name): r for name, (r, _) in replays.items() if r["residency"] == 1.0}
     for name, (r, sim) in replays.items():
-        f = full.get(name.split("-")[0])
+        f = full.get(kind(name))
         if f is not None:
             r.update(_time_columns(r, allhbm_ms, link_gb_s, bsz, acc, sim, per_expert, f["step_ms_mean"]))
 
