@@ -52,13 +52,14 @@ same normed input) and its last program, holding the selections in registers, ru
 (:func:`coldset.kernels.triton_slots.ahead_group`, the body :func:`~coldset.kernels.triton_slots.decide_ahead`'s
 launch runs too); a group is then that launch, the demand fill (its programmatic dependent) and
 the prefetch copy, two launches fewer than the way below (why: 107.5 + 198.9 us a step of 48
-layers at b1 on the H200 for the GEMV and the decisions launch; the fused way is not yet timed on
-a GPU). Elsewhere on CUDA (a router that is not the fused launch) a
+layers at b1 on the H200 for the GEMV and the decisions launch; the fused way's group costs 221
+us beyond the router against lru's 132, yet the step at residency 1.0 stayed at 0.90 of all-HBM:
+BENCHMARKS.md section 4). Elsewhere on CUDA (a router that is not the fused launch) a
 group is the forecast's GEMV (one Triton launch over the router in the model's dtype, float32
 sums: :func:`coldset.kernels.triton_slots.forecast_logits`), one Triton launch for all the
 decisions (demand with the in-flight rule, the forecast's top ``k`` by one partial sort, the
 prefetch: :func:`coldset.kernels.triton_slots.decide_ahead`; on sm90+ the GEMV's programmatic
-dependent, its demand part beside the GEMV; not yet timed on a GPU), the demand fill on the
+dependent, its demand part beside the GEMV), the demand fill on the
 compute stream, and the prefetch copy (the same fill kernel, ``prefetch_blocks`` blocks per
 weight) forked onto a side stream: an event recorded on the compute stream after the decisions
 and the demand fill, waited on by the side stream; the copy's own event is waited on by the compute stream at the end of
@@ -520,7 +521,7 @@ class SlotCache:
         (:meth:`_ahead_fork_join`). Why: a cached lookahead layer then costs the router's launch and
         the two fills, where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch
         more (107.5 + 198.9 us a step of 48 layers at b1 on the H200, ``bench cache
-        --decisions-only``); this path is not yet timed on a GPU."""
+        --decisions-only``; this path: 221 us beyond the router's own launch, lru's 132)."""
         from coldset.kernels import triton_decode as td
         from coldset.kernels import triton_slots as ts
 
@@ -702,9 +703,7 @@ class SlotCache:
         its graph."""
         from coldset.kernels.triton_slots import decide_ahead, fill
 
-        # The forecast GEMV, the decisions' top-k by one partial sort and their programmatic launch
-        # after the GEMV are not yet timed on a GPU (checked under Triton's interpreter). (In the
-        # fused decode step the router's launch makes these decisions instead: route().)
+        # (In the fused decode step the router's launch makes these decisions instead: route().)
         L = self.pools.num_moe_layers
         new_step = self._ahead_open(layer)
         target = layer + self.depth

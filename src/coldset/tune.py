@@ -117,9 +117,11 @@ TRITON_SEARCH_SPACE: dict = {
 # tokens, 449 at 256: the best measured, 2x the bf16 kernel); 128-row tiles of 8 warps were slower
 # still (1361, 930 µs) and are dropped. Suspected, not profiled: the scaled FP8 dot (``acc += dot(a,
 # w) * scales``) holds a temporary beside each of w13's two accumulators, so registers spill as
-# block_m x block_n1 per warp grows; two candidates not yet measured halve that (vLLM's 64
-# columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile).
-# The last six decode candidates (not yet timed on a GPU) drop quantization launches, after the
+# block_m x block_n1 per warp grows; two candidates halve that (vLLM's 64
+# columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile); both ran
+# in the tune of 2026-12-01 and lost to the 32-column tile.
+# The last six decode candidates (run on the H200, 2026-12-01: bitwise, and each lost the tune at b1
+# and b8 to the 32-column tile with both quantization launches) drop quantization launches, after the
 # FP8 decode step measured 0.94x of bf16 at b1 with 442 kernels a step against 346 (BENCHMARKS.md
 # section 2): quant_x=1 quantizes the tokens inside the w13 launch (each column block its own
 # [16, 128] tile per k step, the same bits); with quant_act=1 and 128 columns the w13 epilogue also

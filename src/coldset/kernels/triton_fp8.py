@@ -75,13 +75,11 @@ the 16 x 128 launch that also quantizes the intermediate spills at 4 warps (255 
 stack bytes, 57 local loads/stores; 24 bytes even without ``quant_x``, which may be why that
 fused tile measured slower than 64 columns in the first run) and does not at 8 warps (235).
 
-Not yet timed on a GPU, nor run on one: the ``quant_x=1`` path and the explicit ``quant_act``
-choices were written and checked bitwise against the quantization launches in Triton's interpreter
-only (tests/test_fp8_experts.py). On the GPU the same FP8 operands and scales enter the same dot
-instruction, so the same bits are expected; the gpu-marked tests there check it. The decode
-candidates of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` that use them await a GPU run
-(``bench kernel --weight-format fp8`` times every candidate; ``bench step --tune-fp8`` lets the
-tuner pick per batch size).
+On the H200 (2026-12-01, ``pytest -m gpu``: 178 passed) the ``quant_x=1`` path and the explicit
+``quant_act`` choices give the bits of the quantization launches (tests/test_fp8_experts.py, also
+under Triton's interpreter), and in ``bench step --tune-fp8`` every candidate using them lost the
+tune at b1 and b8 to the 32-column tile with both quantization launches (by how much: that run
+kept only the winner; ``bench step --tune-fp8`` now keeps every candidate's time).
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.

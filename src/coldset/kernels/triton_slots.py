@@ -49,7 +49,8 @@ Measured on the H200 (BENCHMARKS.md section 4, docs/measurements/cache_bench.jso
 management cost 0.69 ms a step at b1 at residency 1.0 (+23% of the 2.95 ms all-HBM step, 14.4 us
 a MoE layer), of which about 5.8 us the forecast (a float32 cast and ``torch.mm`` over a float32
 copy of the router) and 6.3 us this launch (its top-k then k rounds of max/argmin reductions).
-Rebuilt since, not yet timed on a GPU (checked under Triton's interpreter only): the forecast is
+Rebuilt since (timed on the H200, 2026-12-01: the GEMV 109 us and this launch 207 us a step, the
+group 311 us; the step at residency 1.0 went from 0.811 to 0.897 of all-HBM): the forecast is
 one launch of its own, :func:`forecast_logits` (a program per two experts reading the router in
 the model's dtype, float32 sums), whose programmatic dependent this launch is on sm90+ (its demand
 part beside the GEMV, a grid-dependency wait before the logits), and the top-k is one partial
@@ -60,7 +61,10 @@ rows, the target layer's same rows) and its last program runs the decisions on t
 registers (:func:`ahead_group`: the body of :func:`_ahead_kernel`, one function both call), so a
 lookahead layer costs the router's launch, the demand fill and the prefetch copy (issue 28 item 4:
 the two launches cost 107.5 + 198.9 us a step of 48 layers at b1, 10% of the all-HBM step with
-the rest at residency 1.0). Not yet timed on a GPU; compiled for sm90 on the CPU
+the rest at residency 1.0). Timed on the H200 (2026-12-01, ``bench cache --decisions-only``):
+lookahead's group costs 221 us a step beyond the router's own launch (lru's 132), where the
+separate launches cost 311; the step at residency 1.0 barely moved (0.897 to 0.900 of all-HBM),
+the rest of its cost lying outside the decisions (BENCHMARKS.md section 4). Compiled for sm90 on the CPU
 (probes/route_ahead_sass_cpu.py): at 4 warps (the router's, which its bits depend on) no spill at
 1536 slots (residency 0.25), 16 B of stack at 3072 (b8), 936-1200 B at 6144 (residency 1.0); all
 but 1-2 of the spill instructions lie after the ticket (the last program's decisions, mostly the
@@ -595,8 +599,8 @@ def forecast_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pd
     parallelism-bound at one program per output tile). Products are exact for bf16 operands and
     summed in float32 (in an order of its own: the lists are recorded by the engine, so the
     logits' rounding is not a contract). ``pdl``: the next launch (:func:`decide_ahead` with
-    ``cache.pdl``) may start at once and do its demand part beside this one. Not yet timed on a GPU
-    (checked under Triton's interpreter against float64)."""
+    ``cache.pdl``) may start at once and do its demand part beside this one. On the H200: 109 us a
+    step of 48 layers at b1 (checked under Triton's interpreter against float64)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"forecast_logits: x must be [tokens, hidden] with contiguous rows, got {tuple(x.shape)} "
                          f"strides {x.stride()}")
