@@ -591,3 +591,15 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     (tmp_path / "cache_replays.npz").unlink()
     assert main(["bench", "replay", str(tmp_path)]) == 1
     assert "cache_replays.npz: no such file" in capsys.readouterr().err
+
+
+def test_idle_time_is_the_uncovered_part_of_the_span():
+    """kernel_profile's idle time, against a brute-force count on a 1-unit grid: unsorted,
+    overlapping, nested and touching spans."""
+    from coldset.measure.harness import idle_time
+
+    spans = [(10, 14), (0, 3), (2, 5), (20, 30), (22, 25), (14, 16), (31, 32)]
+    covered = {t for a, b in spans for t in range(a, b)}
+    brute = sum(1 for t in range(0, 32) if t not in covered)
+    assert idle_time(spans) == brute == 10  # 5-10, 16-20, 30-31
+    assert idle_time([]) == 0.0 and idle_time([(3, 9)]) == 0.0

@@ -52,8 +52,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, log, new_result,
-                                     require_cuda, spread, write_result)
+from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, kernel_profile, log,
+                                     new_result, require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
@@ -86,6 +86,9 @@ def add_arguments(p) -> None:
                    help="also each lookahead variant with its prefetch fills on the compute stream (rows named "
                         "'... in-order': no fork to the side stream, no join back): at residency 1.0 nothing is "
                         "copied, so its step against the forked one's is what the per-layer stream hops cost")
+    p.add_argument("--profile", action="store_true",
+                   help="also a kernel profile of each row's captured step (after its timed passes): kernels, "
+                        "their device time and the idle time between them per step, the top kernels")
     p.add_argument("--decisions-only", action="store_true",
                    help="only the split of the cache's work per layer at the config's shape (no model)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
@@ -223,6 +226,8 @@ def run(args, argv=None) -> dict:
                         p["lists"] = cache.prefetch_lists()
                         p["prefetches"] = cache.prefetch_counts()
                 res.append(p)
+            if args.profile:  # a diagnosis after the timed passes (its steps change no checked number)
+                res[-1]["profile"] = kernel_profile(dec.step, layers=L)
             del dec
         finally:
             model.pools, model.experts_fn = saved
@@ -259,6 +264,10 @@ def run(args, argv=None) -> dict:
                 R["checks"][f"{name}/b{bsz} pass {i} logits bitwise"] = same
                 if not same:
                     fails.append(f"{name}/b{bsz} pass {i}: logits differ from all-HBM's")
+            if "profile" in res[-1]:
+                r["profile"] = res[-1]["profile"]
+                log(name, {k_: v for k_, v in r["profile"].items() if k_ != "top"},
+                    [(t["name"][:40], t["per_step"], t["us_per_step"]) for t in r["profile"]["top"][:10]])
             R["rows"].append(r)
             log({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in r.items() if k_ != "step_ms_mean_spread"})
             return r

@@ -136,3 +136,41 @@ def fp8_expert_pools(pools):
         s2[layer].copy_(s)
         del q, s
     return ExpertPools.all_hot(w13, w2, s13, s2)
+
+
+def idle_time(spans) -> float:
+    """The time between the first start and the last end of ``spans`` ((start, end) pairs, any
+    order, overlapping or not) covered by none of them: in a profile of back-to-back calls, the
+    launch latency the kernels' chain leaves exposed."""
+    spans = sorted(spans)
+    idle, reach = 0.0, spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        idle += max(0.0, start - reach)
+        reach = max(reach, end)
+    return idle
+
+
+def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
+    """Kernels per step (and per layer: per step / ``layers``), their summed device time and the
+    idle time between them (no kernel running), from the profiler over ``n`` back-to-back calls;
+    the top kernels by time with their count per step. A kernel launched as a programmatic
+    dependent counts from its launch, its wait on the one before included."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total_us = sum(e.device_time for e in kernels) if kernels else 0.0
+    idle_us = idle_time([(e.time_range.start, e.time_range.end) for e in kernels])
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:60], []).append(e.device_time)
+    top = sorted(((k, len(v) / n, sum(v) / n) for k, v in by_name.items()), key=lambda r: -r[2])[:25]
+    return {"kernels_per_step": len(kernels) / n, "kernels_per_layer": len(kernels) / n / layers,
+            "kernel_us_per_step": total_us / n, "idle_us_per_step": idle_us / n,
+            "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}

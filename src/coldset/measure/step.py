@@ -43,8 +43,8 @@ import json
 import time
 from pathlib import Path
 
-from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, log, new_result,
-                                     require_cuda, spread, write_result)
+from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, kernel_profile, log,
+                                     new_result, require_cuda, spread, write_result)
 
 #: The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
 #: on Hopper), and each way forced.
@@ -110,29 +110,6 @@ def check_engines(names: list[str], baseline: bool) -> None:
             raise MeasureError(f"unknown engine {mode!r} (one of {', '.join(ENGINES)}; NAME@base)")
         if at and not baseline:
             raise MeasureError(f"engine {mode!r} needs --baseline-module")
-
-
-def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
-    """Kernels per step (and per layer: per step / ``layers``) and their summed device time,
-    from the profiler over ``n`` calls; the top kernels by time with their count per step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    total_us = sum(e.device_time for e in kernels) if kernels else 0.0
-    by_name: dict[str, list] = {}
-    for e in kernels:
-        by_name.setdefault(e.name[:60], []).append(e.device_time)
-    top = sorted(((k, len(v) / n, sum(v) / n) for k, v in by_name.items()), key=lambda r: -r[2])[:25]
-    return {"kernels_per_step": len(kernels) / n, "kernels_per_layer": len(kernels) / n / layers,
-            "kernel_us_per_step": total_us / n,
-            "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}
 
 
 def baseline_experts(path: str, result):
