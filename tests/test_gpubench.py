@@ -4,12 +4,15 @@ parsing, clean refusals without CUDA, and the renderer's exact markdown from han
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from coldset.cli import main
 from coldset.measure.cli import build_parser
 from coldset.measure.render import render, render_files
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROV = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "0123456789abcdef", "dirty": False}
 
@@ -603,3 +606,20 @@ def test_idle_time_is_the_uncovered_part_of_the_span():
     brute = sum(1 for t in range(0, 32) if t not in covered)
     assert idle_time(spans) == brute == 10  # 5-10, 16-20, 30-31
     assert idle_time([]) == 0.0 and idle_time([(3, 9)]) == 0.0
+
+
+def test_render_cache_profile_table_reads_each_rows_profile():
+    """--profile rows get a kernel table: each cell is that row's own kernel time and count."""
+    from coldset.measure.render import render_cache
+
+    path = ROOT / "docs" / "measurements" / "cache_profile_r1.json"
+    res = json.loads(path.read_text())
+    text = render_cache(res)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 1 | lookahead-1.0 d1 |")]
+    assert len(lines) == 2  # the cache table's row and the profile table's row
+    row = next(r for r in res["rows"] if r["placement"] == "lookahead-1.0 d1")
+    route = next(t for t in row["profile"]["top"] if t["name"] == "_route_kernel")
+    assert f"{route['us_per_step']:.0f} ({route['per_step']:.0f})" in lines[1]
+    assert f"| {row['profile']['idle_us_per_step']:.0f} |" in lines[1]
+    del res["rows"][0]["profile"]  # a row without a profile is left out of the table, not rendered as zeros
+    assert "| 1 | all-HBM | 442 |" not in render_cache(res)

@@ -244,6 +244,18 @@ def render_cache(res: dict) -> str:
                    "join \"step\") on the same decisions, at the all-HBM step and link rate of this run"
                    + ("; with management: the same plus the policy's own work per group, measured as its "
                       "residency-1.0 step over the all-HBM one (TimeModel.manage_ms)." if managed else "."))
+    profiled = [r for r in res["rows"] if "top" in r.get("profile", {})]
+    if profiled:  # --profile: where each row's step goes, kernel by kernel
+        names = list(dict.fromkeys(t["name"] for r in profiled for t in r["profile"]["top"][:5]))
+        per = [{t["name"]: t for t in r["profile"]["top"]} for r in profiled]
+        out.append("Kernel profile of each row's captured step (--profile, 3 steps after the timed passes; a "
+                   "kernel launched as a programmatic dependent counts from its launch, its wait included; idle: "
+                   "no kernel running), µs a step (launches a step):")
+        out.append(table(["batch", "placement", "kernels/step", "kernel µs/step", "idle µs/step", *names],
+                         [[r["batch"], r["placement"], _f(r["profile"]["kernels_per_step"], ".0f"),
+                           _f(r["profile"]["kernel_us_per_step"], ".0f"), _f(r["profile"].get("idle_us_per_step"), ".0f"),
+                           *(f"{t['us_per_step']:.0f} ({t['per_step']:.0f})" if (t := d.get(n)) else "-" for n in names)]
+                          for r, d in zip(profiled, per)]))
     return "\n\n".join(out)
 
 
