@@ -98,9 +98,9 @@ def main() -> None:
         warps = 16 if p2(C) >= 4096 else 8
         print(f"{T} token(s), {warps} warps: top-k by rounds (x{k} at run time)", counts(ptx(topk_rounds, topk, warps)))
         print(f"{T} token(s), {warps} warps: top-k by one sort", counts(ptx(topk_sort, topk, warps)))
-        ahead = dict(E=E, NP=max(2, p2(n)), CP=p2(C), MV=max(2, p2(min(n, E))), CAST=True, USE_GDC=True, AHEAD=True,
-                     K=k, KP=p2(k), TP=tp, EP=E, WP=max(2, p2(n)), MPV=max(2, p2(min(n, E))), ZB=1024, NI=L * E,
-                     WAIT_LOGITS=True)
+        mv = max(2, p2(min(n, E)))
+        ahead = dict(E=E, NP=max(2, p2(n)), SCAN=ts._scan_size(C, mv), MV=mv, CAST=True, USE_GDC=True, AHEAD=True,
+                     K=k, KP=p2(k), TP=tp, EP=E, WP=max(2, p2(n)), MPV=mv, ZB=1024, NI=L * E, WAIT_LOGITS=True)
         print(f"{T} token(s): _ahead_kernel", counts(ptx(ts._ahead_kernel, ahead, warps)))
         be = ts.FORECAST_EXPERTS
         bh = min(p2(H), ts.FORECAST_TILE // be)

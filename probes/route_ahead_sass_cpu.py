@@ -8,7 +8,8 @@ H 2048, top-8, bf16, 2 experts a program, 4 warps: the launch config the routing
 for 1 and 8 tokens: plain, recording an lru group (``RECORD``), and with lookahead's decision
 (``LOOKAHEAD``; with the forecast rows of the target layer, and without: the last layers), at 1536
 slots (residency 0.25), 3072 (0.5) and 6144 (1.0); and ``_ahead_kernel`` (decide_ahead's launch, 8 or
-16 warps) at the same shapes for comparison. Prints what ptxas allotted (registers a thread, stack
+16 warps) at the same shapes for comparison; the victim scans in the tiles the package picks
+(``triton_slots._scan_size``). Prints what ptxas allotted (registers a thread, stack
 bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
 nothing here is a time.
 """
@@ -44,15 +45,16 @@ def compile_kernel(fn, const: dict, num_warps: int, ptr: dict):
 
 
 def sizes(C: int, m: int) -> dict:
-    return dict(CP=ts._next_pow2(C), MV=max(2, ts._next_pow2(min(m * K, E))), WP=max(2, ts._next_pow2(m * K)),
-                MPV=max(2, ts._next_pow2(min(m * K, E))), ZB=1024, NI=L * E, TP=max(2, ts._next_pow2(m)))
+    mv = max(2, ts._next_pow2(min(m * K, E)))  # the victims and the prefetch span alike: min(m K, E)
+    return dict(SCAN=ts._scan_size(C, mv), MV=mv, WP=max(2, ts._next_pow2(m * K)), MPV=mv, ZB=1024, NI=L * E,
+                TP=max(2, ts._next_pow2(m)))
 
 
 def main() -> int:
     for m in (1, 8):
         base = dict(M=m, MP=ts._next_pow2(m), H=H, HP=H, E=E, EP=E, K=K, KP=K, BLOCK_E=2, RENORMALIZE=True, PDL=True,
-                    TRIGGER=True, LOOKAHEAD=False, FORECAST=False, **{k: 2 for k in ("CP", "MV", "TP", "WP", "MPV", "ZB",
-                                                                                      "NI")})
+                    TRIGGER=True, LOOKAHEAD=False, FORECAST=False,
+                    **{k: 2 for k in ("SCAN", "MV", "TP", "WP", "MPV", "ZB", "NI")})
         variants = [("plain", dict(RECORD=False), 0), ("lru record", dict(RECORD=True), 0)]
         for C in (1536, 3072, 6144):
             variants += [(f"lookahead C{C}", dict(RECORD=False, LOOKAHEAD=True, FORECAST=True, **sizes(C, m)), C),
@@ -62,7 +64,7 @@ def main() -> int:
             print(f"b{m} route {name:22s} w4  " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
         for C in (1536, 3072, 6144):
             sz = sizes(C, m)
-            warps = 16 if sz["CP"] >= 4096 else 8
+            warps = 16 if ts._next_pow2(C) >= 4096 else 8  # decide_ahead's choice
             const = dict(E=E, NP=max(2, ts._next_pow2(m * K)), CAST=True, USE_GDC=True, AHEAD=True, K=K, KP=K,
                          EP=E, WAIT_LOGITS=True, **sz)
             ptr = {**PTR, "w_ptr": "*fp32", "count_ptr": "*fp64"}

@@ -99,6 +99,10 @@ for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2
     for c in (ref, ker):  # the router input stands for the logits themselves: both paths rank the same
         c._forecast_logits = lambda hidden, target, pdl=False: hidden
     ker.use_kernel, ker.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand
+    # odd seeds: the victim scans in tiles smaller than the cache (more than one, picks merged across them)
+    ts.SCAN_TILE = 2 if seed % 2 else 1024
+    scan = ts._ahead_sizes(ker)["SCAN"]
+    assert (scan < C) == bool(seed % 2), (seed, scan, C)
     for step in range(4):
         for layer in range(L):
             ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
@@ -176,6 +180,9 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     if dev == "cpu":
         for c in (routed, alone):  # the kernel path by hand
             c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+    # odd seeds: the victim scans in tiles smaller than the cache (more than one, picks merged across them)
+    ts.SCAN_TILE = 2 if seed % 2 else 1024
+    assert (ts._ahead_sizes(routed)["SCAN"] < C) == bool(seed % 2), (seed, C)
     assert routed.records_in_route(T) and not routed.records_in_route(T + 1)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     fc = {}
@@ -220,6 +227,67 @@ else:
 print("INTERPRETED OK", prefetched)
 """
 
+_SCAN = r"""
+import sys
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from coldset.kernels import triton_slots as ts
+
+
+@triton.jit
+def scan_kernel(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C, out_ptr, E: tl.constexpr,
+                SCAN: tl.constexpr, MV: tl.constexpr, BAR: tl.constexpr):
+    slots, olds, free = ts._least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C, E, SCAN,
+                                         MV, BAR)
+    j = tl.arange(0, MV)
+    tl.store(out_ptr + j, slots)
+    tl.store(out_ptr + MV + j, olds)
+    tl.store(out_ptr + 2 * MV, free.to(tl.int64))
+
+
+rng = np.random.default_rng(0)
+seen = {"tiles>2": 0, "free<MV": 0, "free>MV": 0, "tie picked": 0, "tie across tiles": 0}
+L, E = 4, 6
+for trial in range(48):
+    C = int(rng.integers(3, L * E + 1))
+    scan, mv = [(2, 2), (4, 2), (4, 4), (8, 4), (8, 8), (32, 4)][trial % 6]
+    bar = trial % 3  # none, a layer bound, a flag
+    owner = rng.permutation(L * E)[:C].astype(np.int64)
+    # few distinct recencies (ties), warm ones negative; an instance's recency at or after t0 is the group's
+    lu = rng.integers(-C, 8, size=L * E).astype(np.int64)
+    t0 = int(rng.integers(0, 9))
+    infl = (rng.random(L * E) < 0.25).astype(np.uint8)
+    extra = (rng.random(L * E) < 0.25).astype(np.uint8)
+    bound = int(rng.integers(0, L))
+    out = torch.full((2 * mv + 1,), -7, dtype=torch.int64)
+    scan_kernel[(1,)](t0, torch.as_tensor(owner), torch.as_tensor(lu), torch.as_tensor(infl), torch.as_tensor(extra),
+                      bound, C, out, E=E, SCAN=scan, MV=mv, BAR=bar)
+    # brute force: the slots not barred, by (recency, slot)
+    own_lu = lu[owner]
+    barred = (own_lu >= t0) | (infl[owner] != 0)
+    if bar == 1:
+        barred |= owner // E > bound
+    if bar == 2:
+        barred |= extra[owner] != 0
+    cand = sorted((int(own_lu[s]), s) for s in range(C) if not barred[s])
+    n = min(len(cand), mv)
+    want = [s for _, s in cand[:n]] + [0] * (mv - n)
+    got = out.numpy()
+    assert got[:mv].tolist() == want, (trial, C, scan, mv, bar, got[:mv], want)
+    assert got[mv:2 * mv].tolist() == [int(owner[s]) for s in want[:n]] + [0] * (mv - n), (trial, got)
+    assert got[2 * mv] == len(cand), (trial, got[2 * mv], len(cand))
+    seen["tiles>2"] += C > 2 * scan
+    seen["free<MV"] += len(cand) < mv
+    seen["free>MV"] += len(cand) > mv
+    picked = cand[:n]
+    seen["tie picked"] += any(a[0] == b[0] for a, b in zip(picked, picked[1:]))
+    seen["tie across tiles"] += any(a[0] == b[0] and a[1] // scan != b[1] // scan for a, b in zip(picked, picked[1:]))
+assert all(v > 0 for v in seen.values()), seen
+print("INTERPRETED OK", seen)
+"""
+
 _ENGINE = r"""
 import functools
 import sys
@@ -238,6 +306,7 @@ from coldset.synthetic import SyntheticSpec, build_synthetic_model
 from coldset.tiers import host_tier
 
 ts.FILL_BLOCKS = 4  # the same copies with fewer interpreted programs
+ts.SCAN_TILE = 4  # the victim scans in tiles of 4 of the 8 slots: more than one tile, the picks merged across them
 spec = SyntheticSpec(layers=4, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
                      head_dim=32, vocab_size=512, seed=3, expert_gain=2.0, lm_successor_gain=1.0, in_memory=True)
 model, _ = build_synthetic_model(spec, "cpu", torch.float32)
@@ -256,6 +325,7 @@ cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, wc, "looka
                         depth=depth)
 cache.use_kernel, cache.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand
 cache.prefetch_blocks = 4
+assert ts._ahead_sizes(cache)["SCAN"] < C, (ts._ahead_sizes(cache), C)
 prompts = random_prompts(cfg.vocab_size, 2, seed=5)
 reference = gate.reference_decode(model, prompts, new, batch_size=batch, progress=False)
 groups = []
@@ -290,8 +360,10 @@ print("INTERPRETED OK", int(sim.prefetches.sum()), int(sim.useful_prefetches))
 """
 
 
-def _interpret(script: str, device: str = "cpu") -> None:
-    """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA."""
+def _interpret(script: str, device: str = "cpu", folder: Path | None = None) -> None:
+    """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA.
+    ``folder``: the script runs from a file there (Triton reads a kernel's source from its file:
+    a script that defines kernels)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable here")
     src = str(Path(__file__).parents[1] / "src")
@@ -300,8 +372,13 @@ def _interpret(script: str, device: str = "cpu") -> None:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), device], env=env,
-                          capture_output=True, text=True, timeout=600)
+    if folder is None:
+        run = [sys.executable, "-c", script]
+    else:
+        (folder / "script.py").write_text(script)
+        run = [sys.executable, str(folder / "script.py")]
+    done = subprocess.run([*run, str(Path(__file__).parent), device], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
 
 
@@ -318,7 +395,8 @@ def test_decide_ahead_sort_topk_under_the_interpreter_equals_the_torch_path():
     path on the same logits, random and tie-heavy (few distinct values, ``-0.0`` beside ``+0.0``,
     infinities), ``k`` and ``E`` powers of two or not, pools barely larger than a group: after
     every group the same owners, recency, counts, ticks, counters, in-flight flags, recorded lists
-    and prefetch counts, bitwise; prefetches issued in every case; every slot holds its owner."""
+    and prefetch counts, bitwise; prefetches issued in every case; every slot holds its owner. Odd
+    seeds scan the victims in tiles smaller than the cache (``SCAN_TILE``)."""
     _interpret(_DECIDE)
 
 
@@ -330,7 +408,8 @@ def test_router_launch_lookahead_under_the_interpreter_equals_decide_ahead():
     weights) bitwise the plain launch's, the forecast within the float32 bound of float64, none
     written past the last layer, and after every group (new steps, the last layers without a
     forecast, random and tie-heavy routers) the whole cache state bitwise equal; prefetches issued
-    in every case; every slot holds its owner. Not timed on a GPU (interpreter only)."""
+    in every case; every slot holds its owner; odd seeds scan the victims in tiles smaller than the
+    cache (``SCAN_TILE``). Not timed on a GPU (interpreter only)."""
     _interpret(_ROUTE)
 
 
@@ -341,11 +420,22 @@ def test_router_launch_lookahead_on_cuda_equals_decide_ahead():
     _interpret(_ROUTE, "cuda")
 
 
+def test_victim_scan_under_the_interpreter_equals_brute_force(tmp_path):
+    """``_least_recent`` (the tiled victim scan of lookahead's demand and prefetch and nexttoken's
+    prefetch) against a brute-force sort of the slots not barred by (recency, slot): tiles of 2 to 32
+    slots over caches of 3 to 24 (more than two tiles, a last tile cut short), recencies with many
+    ties (picked ties within a tile and across tiles), barred slots (used by the group, in flight,
+    a layer above the bound, a flag) anywhere; the same picks in the same order, the owners, zeros
+    past the slots not barred, and their count."""
+    _interpret(_SCAN, folder=tmp_path)
+
+
 def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and_the_unmodified_path():
     """The engine's decode steps through the fused router launch (the fused decode region set by
     hand on the CPU, every kernel interpreted) with a ``lookahead`` cache at residency 0.25, batch 2:
     every decode group decided in the router's launch (``decide_ahead``'s launch never runs), the
     logits bitwise the unmodified path's (the parity gate), per group hits, misses, fills and
     prefetches equal to ``coldset.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
-    none past the last layer, prefetches used and the stream off lru's; every slot holds its owner."""
+    none past the last layer, prefetches used and the stream off lru's; every slot holds its owner.
+    The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``)."""
     _interpret(_ENGINE)

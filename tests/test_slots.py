@@ -1007,16 +1007,19 @@ def _same_next_state(a, b, where):
 
 
 @pytest.mark.gpu
-def test_router_recorded_nexttoken_equals_the_torch_path():
+def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
     """nexttoken on CUDA as the fused step runs it (``SlotCache.route``): the router's launch
     records the group, the fill's blocks choose the demand victims by (predicted, recency) past the
     in-flight slots, commit and copy; the forecast and prefetch decisions run on the decisions stream
     (one launch) and the tagged copy on the copy stream; the step's end joins them and commits by
     tag. After every group the whole state equals the torch path's (row map, owners, recency,
     flags, tags, ring, per-sequence history, lists and counts), and after each step's commit too;
-    the slots hold their owners. ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it through
-    Triton's interpreter (by hand)."""
+    the slots hold their owners. The second cache's prefetch victims are scanned in tiles smaller
+    than the cache (``SCAN_TILE`` 2: the tile is the prefetch span's power of two, the picks merged
+    across tiles). ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it through Triton's
+    interpreter (by hand)."""
     from coldset.kernels import triton_decode as td
+    from coldset.kernels import triton_slots as ts
 
     dev = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -1028,7 +1031,8 @@ def test_router_recorded_nexttoken_equals_the_torch_path():
     norm_w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dev, dt)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     issued = 0
-    for C, budget in ((k * tokens + 2, None), (15, 2)):
+    for C, budget, tile in ((k * tokens + 2, None, ts.SCAN_TILE), (15, 2, 2)):
+        monkeypatch.setattr(ts, "SCAN_TILE", tile)
         counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
         row_map, _, wc = _warm(counts, C)
         pools = _random_pools(L, E, dtype=dt)
@@ -1041,6 +1045,8 @@ def test_router_recorded_nexttoken_equals_the_torch_path():
             routed.use_kernel = True
             routed.fill_ticket, routed.copy_ticket = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
         assert routed.records_in_route(tokens)
+        if tile == 2:  # more than one tile
+            assert ts._scan_size(C, max(2, ts._next_pow2(routed.pf_victims.shape[1]))) < C
         for step in range(6):
             for layer in range(L):
                 x = torch.randn((tokens, H), generator=gen).to(dev, dt)

@@ -332,7 +332,8 @@ class SlotCache:
             victims=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
             admitted=torch.zeros(min(need, E), dtype=torch.int64, device=dev),
             num_misses=torch.zeros(1, dtype=torch.int64, device=dev),
-            # The kernel keeps every slot's key in one program's registers: up to 16384 slots.
+            # lru's, lfu's and nexttoken's demand victims keep every slot's key in one program's
+            # registers, lookahead's and the prefetch scans a slot in a key's 14 bits: up to 16384 slots.
             # Larger pools run the same decisions as torch ops (slower, same results).
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),

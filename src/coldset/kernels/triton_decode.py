@@ -530,7 +530,7 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
                   H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
                   PDL: tl.constexpr, RECORD: tl.constexpr, TRIGGER: tl.constexpr,
-                  LOOKAHEAD: tl.constexpr = False, FORECAST: tl.constexpr = False, CP: tl.constexpr = 2,
+                  LOOKAHEAD: tl.constexpr = False, FORECAST: tl.constexpr = False, SCAN: tl.constexpr = 2,
                   MV: tl.constexpr = 2, TP: tl.constexpr = 2, WP: tl.constexpr = 2, MPV: tl.constexpr = 2,
                   ZB: tl.constexpr = 2, NI: tl.constexpr = 2):
     dt = h_ptr.dtype.element_ty
@@ -614,7 +614,7 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             ahead_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer, scalars,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
-                        target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, CP, MV,
+                        target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV,
                         FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, False)
 
 

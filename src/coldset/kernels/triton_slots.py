@@ -65,10 +65,12 @@ the rest at residency 1.0). Timed on the H200 (2026-12-01, ``bench cache --decis
 lookahead's group costs 221 us a step beyond the router's own launch (lru's 132), where the
 separate launches cost 311; the step at residency 1.0 barely moved (0.897 to 0.900 of all-HBM),
 the rest of its cost lying outside the decisions (BENCHMARKS.md section 4). Compiled for sm90 on the CPU
-(probes/route_ahead_sass_cpu.py): at 4 warps (the router's, which its bits depend on) no spill at
-1536 slots (residency 0.25), 16 B of stack at 3072 (b8), 936-1200 B at 6144 (residency 1.0); all
-but 1-2 of the spill instructions lie after the ticket (the last program's decisions, mostly the
-victim searches a group without a miss skips).
+(probes/route_ahead_sass_cpu.py), at 4 warps (the router's, which its bits depend on): with every
+slot's key in registers the launch took 152-255 registers at b1 (72 plain) and spilled at 6144 slots
+(residency 1.0: 936 B of stack at b1, 1200 B at b8); the victim scans are tiled since
+(:func:`_least_recent`): 126 registers at b1, 243 at b8, no stack, whatever the slot count (the
+launch without a forecast, the last layers: 72 registers and 8 B of stack at b1, predicate masks ptxas
+keeps in local memory). Not timed on a GPU since.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
@@ -92,6 +94,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from coldset.slots import KERNEL_MAX_SLOTS
 
 try:  # programmatic dependent launch (sm90+), triton >= 3.3; without it the fill is a plain launch
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -193,6 +197,63 @@ def _least_keys(key, cnt, own, m, LFU: tl.constexpr, CP: tl.constexpr, MV: tl.co
             slots = tl.where(jv == j, s.to(tl.int64), slots)
             olds = tl.where(jv == j, old, olds)
     return slots, olds
+
+
+# The victim scans of lookahead and nexttoken's prefetch (:func:`_least_recent`): slots a tile holds,
+# and the packing of a slot's (last use, slot) into one int64 key.
+SCAN_TILE = 1024
+_SLOT_SCALE = tl.constexpr(2**14)  # slots < KERNEL_MAX_SLOTS = 2**14: the key's low 14 bits
+_SLOT_MASK = tl.constexpr(2**14 - 1)
+_TICK_LIMIT = tl.constexpr(2**49)  # |last use| below it: last use * 2**14 + slot fits an int64 exactly
+_BAR_NONE, _BAR_LAYER, _BAR_FLAG = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C, E: tl.constexpr,
+                  SCAN: tl.constexpr, MV: tl.constexpr, BAR: tl.constexpr):
+    """The ``MV`` least recent slots of ``C`` not barred, least recent first, ties to the lowest slot,
+    as ``(slots, owners, free)``: int64 ``[MV]`` (lane ``j`` the ``j``-th pick while ``j < free``, 0
+    past them) and the number of slots not barred. Barred: used by the group (last use ``>= t0``),
+    in flight (``inflight_ptr``, uint8 by instance), and with ``BAR``: ``_BAR_LAYER`` an instance
+    of a layer above ``bound``, ``_BAR_FLAG`` an instance flagged at ``extra_ptr`` (uint8).
+
+    Tiled: ``SCAN`` slots at a time (a power of two >= ``MV``), each tile's keys ``last use * 2**14
+    + slot`` (barred: ``INT64_MAX``), its ``MV`` least by a partial bitonic sort (``tl.topk`` of the
+    negated keys) merged into the running ``MV`` least (a ``tl.topk`` of ``2 MV``), the owners of
+    the picks gathered at the end. The key orders by (last use, slot) exactly: a slot is below
+    ``KERNEL_MAX_SLOTS`` = 2**14 and a resident's last use lies in ``[-C, tick)``, far inside
+    ``+-2**49`` (ticks grow by a group's selections and list, about 6144 a step of 48 layers at 8
+    tokens: 2**49 of them take 9 years of 3 ms steps; a device assert in Triton's debug mode).
+    Why tiled: with every slot's key in registers at once (``_least_keys`` over ``[CP]`` int64
+    owners, recency and flags; an 8192-lane int64 tensor is 128 registers a thread at 4 warps), the
+    router's launch with lookahead's decision in its last program (4 warps: the routing's bits
+    depend on it) compiled for sm90 to 255 registers and 936 B of stack at 6144 slots (b1; 1200 B at
+    b8), 152-251 registers at 1536-3072, where the plain router takes 72 (probes/route_ahead_sass_cpu.py);
+    tiles of 1024 keep the scan's registers independent of the slot count: 126 at b1 and 243 at b8
+    at every cache size, no stack."""
+    offs = tl.arange(0, SCAN)
+    best = tl.full((MV,), -_INT64_MAX, tl.int64)  # the negated keys of the MV least so far, descending
+    nfree = tl.zeros((), dtype=tl.int32)  # slots not barred, tile by tile
+    for s0 in range(0, C, SCAN):
+        slot = s0 + offs
+        ok = slot < C
+        own = tl.load(owner_ptr + slot, mask=ok, other=0)
+        lu = tl.load(last_use_ptr + own, mask=ok, other=0)
+        barred = (lu >= t0) | (tl.load(inflight_ptr + own, mask=ok, other=1) != 0) | (~ok)
+        if BAR == _BAR_LAYER:
+            barred = barred | (own // E > bound)
+        if BAR == _BAR_FLAG:
+            barred = barred | (tl.load(extra_ptr + own, mask=ok, other=1) != 0)
+        tl.device_assert(barred | ((lu < _TICK_LIMIT) & (lu > -_TICK_LIMIT)), "last use out of the key's range")
+        nfree += tl.sum((~barred).to(tl.int32), axis=0)
+        neg = tl.where(barred, -_INT64_MAX, -(lu * _SLOT_SCALE + slot))
+        top = tl.topk(neg, MV)  # this tile's MV least keys, negated, descending
+        best = tl.topk(tl.reshape(tl.join(best, top), [2 * MV]), MV)
+    key = -best
+    real = key != _INT64_MAX
+    slots = tl.where(real, key & _SLOT_MASK, 0)
+    olds = tl.load(owner_ptr + slots, mask=real, other=0)
+    return slots, olds, nfree
 
 
 @triton.jit
@@ -511,7 +572,7 @@ def _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr):
 @triton.jit
 def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C,
-                      tag_ptr, pf_tag_ptr, LAYER_BOUND, E: tl.constexpr, CP: tl.constexpr, MPV: tl.constexpr,
+                      tag_ptr, pf_tag_ptr, LAYER_BOUND, E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr,
                       NEXT: tl.constexpr):
     """The prefetch of the ``want`` lanes (``wrank`` their order, ``nwant`` how many may be issued):
     victims least recent first among the slots not used by the group (last use before ``t0``), not
@@ -521,24 +582,15 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr,
     group's accesses (ticks ``t0 + n + j``). lookahead points the row map at the slot now (its
     copy is joined before the target layer's experts); nexttoken leaves the row map to the commit
     after the step's join and gives each slot a new tag (``pf_tag_ptr``: the copy writes it back).
-    Writes the issued list for the copy and the count; returns nothing."""
-    offs_c = tl.arange(0, CP)
-    okc = offs_c < C
+    Writes the issued list for the copy and the count; returns nothing. The victims:
+    :func:`_least_recent` (``SCAN`` slots a tile)."""
     got = nwant * 0
     if nwant > 0:
-        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
-        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
-        fl = tl.load(inflight_ptr + own, mask=okc, other=1) != 0
-        barred = (lu >= t0) | fl | (offs_c >= C)
-        if NEXT:
-            barred = barred | (tl.load(barred_extra + own, mask=okc, other=1) != 0)
-        else:
-            barred = barred | (own // E > LAYER_BOUND)
-        key = tl.where(barred, _INT64_MAX, lu)
-        got = tl.minimum(nwant, tl.sum((~barred).to(tl.int32), axis=0))
+        slots, olds, free = _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, barred_extra, LAYER_BOUND, C, E,
+                                          SCAN, MPV, _BAR_FLAG if NEXT else _BAR_LAYER)
+        got = tl.minimum(nwant, free)
         tl.store(pf_new_ptr + wrank, linst, mask=want & (wrank < got))  # the prefetched, in list order
         tl.debug_barrier()
-        slots, olds = _least_keys(key, key, own, got, False, CP, MPV)
         jv = tl.arange(0, MPV)
         ok = jv < got
         if NEXT:
@@ -635,7 +687,7 @@ def _ordered_keys(v, col, EP: tl.constexpr):
 def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
                 totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step,
                 logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
-                E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
+                E: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr,
                 ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr):
     """``lookahead``'s whole decision for one group (``ids``: one selection per lane, ``sel`` its
@@ -659,18 +711,12 @@ def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last
     t0, m = record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
                          history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, scalars, E)
     tl.debug_barrier()
-    offs_c = tl.arange(0, CP)
-    okc = offs_c < C
     if m > 0:
         # Demand victims: least recent slot neither used by the group nor in flight; a miss beyond
         # them is read in place (not admitted).
-        own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
-        lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
-        fl = tl.load(inflight_ptr + own, mask=okc, other=1) != 0
-        barred = (lu >= t0) | fl | (offs_c >= C)
-        lu = tl.where(barred, _INT64_MAX, lu)
-        adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
-        slots, olds = _least_keys(lu, lu, own, adm, False, CP, MV)
+        slots, olds, free = _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, inflight_ptr, 0, C, E, SCAN, MV,
+                                          _BAR_NONE)
+        adm = tl.minimum(m, free)
         _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
         tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
     if AHEAD:
@@ -697,7 +743,7 @@ def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last
         wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
         _issue_prefetches(want, wrank, tl.sum(want.to(tl.int32), axis=0), linst, inflight_ptr, t0, n, owner_ptr,
                           last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
-                          pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer, E, CP, MPV, False)
+                          pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer, E, SCAN, MPV, False)
     else:
         tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
                  mask=tl.arange(0, WP) < width)
@@ -710,7 +756,7 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
                   w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
                   pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
-                  E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
+                  E: tl.constexpr, NP: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
                   USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
                   EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr,
                   WAIT_LOGITS: tl.constexpr):
@@ -725,7 +771,7 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
     ahead_group(ids, offs, valid, n, layer, group_scalars(tick_ptr, totals_ptr, groups_ptr), row_map_ptr, owner_ptr,
                 last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr,
                 m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
-                pred_hist_ptr, pf_hist_ptr, width, E, CP, MV, AHEAD, K, KP, TP, EP, WP, MPV, ZB, NI, WAIT_LOGITS)
+                pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV, ZB, NI, WAIT_LOGITS)
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
@@ -769,12 +815,22 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         num_warps=16 if cp >= 4096 else 8, launch_pdl=wait)
 
 
+def _scan_size(capacity: int, *picks: int) -> int:
+    """The tile of :func:`_least_recent`'s victim scans over ``capacity`` slots: ``SCAN_TILE`` slots,
+    fewer for a smaller cache (its power of two), at least every pick count of ``picks`` (the
+    victim spans, powers of two: a tile's ``tl.topk`` takes that many). The scan's keys hold a
+    slot in 14 bits: a larger cache is refused (the decisions run as torch ops there)."""
+    if not 0 < capacity <= KERNEL_MAX_SLOTS:
+        raise ValueError(f"scan_size: capacity {capacity} outside the Triton decisions' 1..{KERNEL_MAX_SLOTS} slots")
+    return max(min(_next_pow2(capacity), SCAN_TILE), *picks)
+
+
 def _ahead_sizes(cache) -> dict:
-    """:func:`ahead_group`'s block sizes that depend on the cache only (slots, victims, list width,
-    prefetch span, in-flight flags), for both of its launches."""
-    return dict(CP=_next_pow2(cache.capacity), MV=max(2, _next_pow2(cache.victims.numel())),
-                WP=max(2, _next_pow2(cache.prediction_history.shape[1])),
-                MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), ZB=1024, NI=cache.inflight.numel())
+    """:func:`ahead_group`'s block sizes that depend on the cache only (victim scan tile, victims,
+    list width, prefetch span, in-flight flags), for both of its launches."""
+    mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(cache.pf_victims.shape[1]))
+    return dict(SCAN=_scan_size(cache.capacity, mv, mpv), MV=mv, MPV=mpv,
+                WP=max(2, _next_pow2(cache.prediction_history.shape[1])), ZB=1024, NI=cache.inflight.numel())
 
 
 def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
@@ -808,7 +864,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
                  pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, hist_cap, width,
                  budget, C, L, R,
                  E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
-                 TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, CP: tl.constexpr, MPV: tl.constexpr):
+                 TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
     """nexttoken after group (step, ``layer``), on the side stream once the group's demand is
     committed (the rules of coldset.cache's ``nexttoken``): the commit of layer ``layer``'s
     previous prefetches (their in-flight flags), the forecast (integer table sums over the terms,
@@ -881,7 +937,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     t0 = tl.load(tick_ptr) - n
     _issue_prefetches(want, wrank, nwant, linst, predicted_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, tag_ptr, pf_tag_ptr,
-                      layer, E, CP, MPV, True)
+                      layer, E, SCAN, MPV, True)
     tl.store(tick_ptr, t0 + n + width)
 
 
@@ -895,6 +951,7 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
     E, k = cache.pools.num_experts, cache.top_k
     L = cache.pools.num_moe_layers
     width = cache.prediction_history.shape[1]
+    mpv = max(2, _next_pow2(cache.pf_victims.shape[1]))
     _next_kernel[(1,)](
         ids, n, layer, int(new_step), cache.pools.row_map, cache.owner, cache.last_use, cache.tick, cache.groups,
         cache.inflight.view(torch.uint8), cache.predicted.view(torch.uint8), cache.tags, cache.selections,
@@ -903,8 +960,8 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
         cache.pf_count[layer], cache.prediction_history, cache.prefetch_history, cache.prediction_history.shape[0],
         width, cache.prefetch_budget, cap, L, cache.selections.shape[0],
         E=E, K=k, NPRED=cache.num_predictions, NSEL=cache.selections.shape[2], J=cache.terms.shape[0],
-        TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)), CP=cp,
-        MPV=max(2, _next_pow2(cache.pf_victims.shape[1])), num_warps=16 if cp >= 4096 else 8)
+        TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
+        SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=16 if cp >= 4096 else 8)
 
 
 @triton.jit
