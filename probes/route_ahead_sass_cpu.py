@@ -1,7 +1,7 @@
 """Probe (not a tool of the package): the router launch with lookahead's whole decision in its last
 program, compiled to sm90 cubins on the CPU, no GPU (issue 28 item 4).
 
-    PYTHONPATH=<triton 3.6>:src python probes/route_ahead_sass_cpu.py
+    PYTHONPATH=<triton 3.6>:src python probes/route_ahead_sass_cpu.py [--tile SLOTS]
 
 Compiles :func:`coldset.kernels.triton_decode._route_kernel` at Qwen3-30B-A3B's router shape (E 128,
 H 2048, top-8, bf16, 2 experts a program, 4 warps: the launch config the routing's bits depend on)
@@ -9,13 +9,14 @@ for 1 and 8 tokens: plain, recording an lru group (``RECORD``), and with lookahe
 (``LOOKAHEAD``; with the forecast rows of the target layer, and without: the last layers), at 1536
 slots (residency 0.25), 3072 (0.5) and 6144 (1.0); and ``_ahead_kernel`` (decide_ahead's launch, 8 or
 16 warps) at the same shapes for comparison; the victim scans in the tiles the package picks
-(``triton_slots._scan_size``). Prints what ptxas allotted (registers a thread, stack
-bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
+(``triton_slots._scan_size``; ``--tile``: another ``SCAN_TILE``). Prints what ptxas allotted
+(registers a thread, stack bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
 nothing here is a time.
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import sys
 from pathlib import Path
@@ -50,7 +51,10 @@ def sizes(C: int, m: int) -> dict:
                 TP=max(2, ts._next_pow2(m)))
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tile", type=int, default=ts.SCAN_TILE, help="slots a victim scan's tile holds (a power of two)")
+    ts.SCAN_TILE = p.parse_args(argv).tile
     for m in (1, 8):
         base = dict(M=m, MP=ts._next_pow2(m), H=H, HP=H, E=E, EP=E, K=K, KP=K, BLOCK_E=2, RENORMALIZE=True, PDL=True,
                     TRIGGER=True, LOOKAHEAD=False, FORECAST=False,

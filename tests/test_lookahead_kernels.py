@@ -285,6 +285,19 @@ for trial in range(48):
     seen["tie picked"] += any(a[0] == b[0] for a, b in zip(picked, picked[1:]))
     seen["tie across tiles"] += any(a[0] == b[0] and a[1] // scan != b[1] // scan for a, b in zip(picked, picked[1:]))
 assert all(v > 0 for v in seen.values()), seen
+# the tile the package picks: SCAN_TILE, fewer for a small cache, never fewer than the picks
+assert ts._scan_size(6144, 8) == ts.SCAN_TILE and ts._scan_size(12, 2) == 16 and ts._scan_size(5, 8, 2) == 8
+for capacity, tile, what in [(16385, ts.SCAN_TILE, "capacity 16385"), (0, ts.SCAN_TILE, "capacity 0"),
+                             (64, 48, "not a power of two")]:
+    ts.SCAN_TILE, keep = tile, ts.SCAN_TILE
+    try:
+        ts._scan_size(capacity, 2)
+    except ValueError as e:
+        assert what in str(e), (what, e)
+    else:
+        raise AssertionError(what)
+    finally:
+        ts.SCAN_TILE = keep
 print("INTERPRETED OK", seen)
 """
 
@@ -426,7 +439,8 @@ def test_victim_scan_under_the_interpreter_equals_brute_force(tmp_path):
     slots over caches of 3 to 24 (more than two tiles, a last tile cut short), recencies with many
     ties (picked ties within a tile and across tiles), barred slots (used by the group, in flight,
     a layer above the bound, a flag) anywhere; the same picks in the same order, the owners, zeros
-    past the slots not barred, and their count."""
+    past the slots not barred, and their count. The tile the launchers pick; a cache past 2**14 slots
+    (the key's slot bits) and a tile not a power of two refused by name."""
     _interpret(_SCAN, folder=tmp_path)
 
 

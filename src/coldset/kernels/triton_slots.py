@@ -68,9 +68,10 @@ the rest of its cost lying outside the decisions (BENCHMARKS.md section 4). Comp
 (probes/route_ahead_sass_cpu.py), at 4 warps (the router's, which its bits depend on): with every
 slot's key in registers the launch took 152-255 registers at b1 (72 plain) and spilled at 6144 slots
 (residency 1.0: 936 B of stack at b1, 1200 B at b8); the victim scans are tiled since
-(:func:`_least_recent`): 126 registers at b1, 243 at b8, no stack, whatever the slot count (the
-launch without a forecast, the last layers: 72 registers and 8 B of stack at b1, predicate masks ptxas
-keeps in local memory). Not timed on a GPU since.
+(:func:`_least_recent`, 512 slots a tile): 112 registers at b1, 244 at b8, no stack, whatever the
+slot count (72 and 166 without a forecast, the last layers); :func:`decide_ahead`'s launch 106-128
+registers, no stack but 16 B at 1536 slots at b1 (80 registers: ptxas keeps predicate masks in local
+memory). Not timed on a GPU since.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
@@ -201,7 +202,7 @@ def _least_keys(key, cnt, own, m, LFU: tl.constexpr, CP: tl.constexpr, MV: tl.co
 
 # The victim scans of lookahead and nexttoken's prefetch (:func:`_least_recent`): slots a tile holds,
 # and the packing of a slot's (last use, slot) into one int64 key.
-SCAN_TILE = 1024
+SCAN_TILE = 512
 _SLOT_SCALE = tl.constexpr(2**14)  # slots < KERNEL_MAX_SLOTS = 2**14: the key's low 14 bits
 _SLOT_MASK = tl.constexpr(2**14 - 1)
 _TICK_LIMIT = tl.constexpr(2**49)  # |last use| below it: last use * 2**14 + slot fits an int64 exactly
@@ -229,8 +230,10 @@ def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C
     router's launch with lookahead's decision in its last program (4 warps: the routing's bits
     depend on it) compiled for sm90 to 255 registers and 936 B of stack at 6144 slots (b1; 1200 B at
     b8), 152-251 registers at 1536-3072, where the plain router takes 72 (probes/route_ahead_sass_cpu.py);
-    tiles of 1024 keep the scan's registers independent of the slot count: 126 at b1 and 243 at b8
-    at every cache size, no stack."""
+    tiles of ``SCAN_TILE`` = 512 keep the scan's registers independent of the slot count: 112 at b1
+    and 244 at b8 at every cache size, no stack (1024: 126 and 243, and 8 B of stack without the
+    forecast). A scan costs ``C / SCAN`` tiles one after the other, each a gather of owners then of
+    their recency and flags, and a sort; not timed on a GPU."""
     offs = tl.arange(0, SCAN)
     best = tl.full((MV,), -_INT64_MAX, tl.int64)  # the negated keys of the MV least so far, descending
     nfree = tl.zeros((), dtype=tl.int32)  # slots not barred, tile by tile
@@ -821,7 +824,9 @@ def _scan_size(capacity: int, *picks: int) -> int:
     victim spans, powers of two: a tile's ``tl.topk`` takes that many). The scan's keys hold a
     slot in 14 bits: a larger cache is refused (the decisions run as torch ops there)."""
     if not 0 < capacity <= KERNEL_MAX_SLOTS:
-        raise ValueError(f"scan_size: capacity {capacity} outside the Triton decisions' 1..{KERNEL_MAX_SLOTS} slots")
+        raise ValueError(f"_scan_size: capacity {capacity} outside the Triton decisions' 1..{KERNEL_MAX_SLOTS} slots")
+    if SCAN_TILE < 1 or _next_pow2(SCAN_TILE) != SCAN_TILE:
+        raise ValueError(f"_scan_size: SCAN_TILE {SCAN_TILE} is not a power of two")
     return max(min(_next_pow2(capacity), SCAN_TILE), *picks)
 
 
