@@ -110,13 +110,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from coldset.kernels import KERNEL_MAX_SLOTS
 from coldset.placement import DYNAMIC_POLICIES
 from coldset.tiers import ExpertPools, HostTier
 
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
 
 
-KERNEL_MAX_SLOTS = 16384  # the Triton decisions' limit (coldset.kernels.triton_slots)
 # The engine's policies: the placements' dynamic ones (lookahead: lru + a prefetch of the next
 # layers' router forecasts) and nexttoken (a forecast of each layer's experts for the next token,
 # coldset.cache's rules; its forecaster is handed to build()).

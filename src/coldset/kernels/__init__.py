@@ -12,6 +12,10 @@ package imports without triton.
 
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
 
+# The Triton slot-cache decisions' largest cache (coldset.kernels.triton_slots): a victim scan packs
+# a slot into the low 14 bits of its key; a larger cache decides by torch ops (coldset.slots).
+KERNEL_MAX_SLOTS = 2**14
+
 
 def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row_map=True):
     """The Triton kernel (CUDA) for the pools' weight format: block-FP8 pools
@@ -35,4 +39,4 @@ def softmax_topk(logits, k: int, renormalize: bool):
     return torch_softmax_topk(logits, k, renormalize)
 
 
-__all__ = ["softmax_topk", "torch_experts", "torch_softmax_topk", "triton_experts"]
+__all__ = ["KERNEL_MAX_SLOTS", "softmax_topk", "torch_experts", "torch_softmax_topk", "triton_experts"]

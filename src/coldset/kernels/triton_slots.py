@@ -96,7 +96,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.slots import KERNEL_MAX_SLOTS
+from coldset.kernels import KERNEL_MAX_SLOTS
 
 try:  # programmatic dependent launch (sm90+), triton >= 3.3; without it the fill is a plain launch
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
