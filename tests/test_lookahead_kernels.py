@@ -86,7 +86,8 @@ prefetched = {}
 # (layers, experts, top_k, tokens, depth, logits, seed): E and k both powers of two or not
 for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2, "ties", 1),
                                       (3, 6, 2, 2, 1, "random", 2), (3, 8, 3, 3, 1, "random", 3),
-                                      (3, 4, 4, 1, 1, "ties", 4)]:
+                                      (3, 4, 4, 1, 1, "ties", 4), (4, 8, 3, 8, 1, "ties", 6)]:
+    # (the last: 8 tokens, 24 list lanes of 32 over 8 experts: most experts repeat across tokens)
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
     C = int(rng.integers(k * T + 2, min(k * T + 6, L * E)))

@@ -557,18 +557,28 @@ def route_record_args(cache, layer: int) -> tuple:
 
 
 @triton.jit
-def _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr):
+def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr):
     """A group's prefetch list: of the lanes ``p`` holding instances ``linst`` (``lv`` valid), the
     first occurrence of each, in lane order, written as the group's history row (-1 padded to
-    ``width``). Returns ``(fp, rank)``: first-occurrence lanes and their rank in the list."""
-    same = (linst[:, None] == linst[None, :]) & lv[:, None] & lv[None, :]
+    ``width``). Returns ``(fp, rank)``: first-occurrence lanes and their rank in the list.
+
+    ``lst``: the lanes' expert ids (< E; every lane's instance is of one layer, so equal ids are
+    equal instances): the lanes' pairwise compare is of int32 ids, not int64 instances. The row is
+    a scatter of the first occurrences to their ranks (ranks past ``width`` dropped) beside a -1
+    fill of the rest, not a ``[WP, lanes]`` select-and-sum: the same bytes. Why: the router
+    launch with lookahead's decision (sm90, 4 warps, 8 tokens: 64 lanes, 6144 slots) compiled to
+    12,112 SASS instructions and 244 registers with the int64 compare and the select-and-sum, 10,696
+    and 238 without them (probes/route_ahead_sass_cpu.py); that program runs alone on the step's
+    critical path."""
+    e32 = lst.to(tl.int32)
+    same = (e32[:, None] == e32[None, :]) & lv[:, None] & lv[None, :]
     fp = lv & (tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1) == 0)
     nk = tl.sum(fp.to(tl.int32), axis=0)
     rk = tl.cumsum(fp.to(tl.int32), axis=0) - 1
+    row = pred_hist_ptr + hrow * width
+    tl.store(row + rk, linst, mask=fp & (rk < width))
     offs_w = tl.arange(0, WP)
-    rec = tl.sum(tl.where(fp[None, :] & (rk[None, :] == offs_w[:, None]), linst[None, :], 0), axis=1)
-    rec = tl.where(offs_w < nk, rec, -1)
-    tl.store(pred_hist_ptr + hrow * width + offs_w, rec, mask=offs_w < width)
+    tl.store(row + offs_w, tl.full((WP,), -1, tl.int64), mask=(offs_w >= nk) & (offs_w < width))
     return fp, rk
 
 
@@ -740,7 +750,7 @@ def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last
         p = tl.arange(0, TP * KP)
         lv = ((p // KP) < n_tok) & ((p % KP) < K)
         linst = target * E + lst
-        fp, rk = _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP)
+        fp, rk = _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP)
         lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
         want = fp & (lrow < 0)
         wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
@@ -930,7 +940,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
         lst = tl.where(p // n_tok == r, pick.to(tl.int64), lst)
     linst = layer * E + lst
     hrow = (tl.load(groups_ptr) - 1) % hist_cap  # the router's launch recorded this group
-    fp, rk = _record_list(linst, lv, p, hrow, pred_hist_ptr, width, WP)
+    fp, rk = _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP)
     tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
     tl.debug_barrier()
     tl.store(predicted_ptr + linst, tl.full((WP,), 1, tl.uint8), mask=fp)
