@@ -71,7 +71,10 @@ slot's key in registers the launch took 152-255 registers at b1 (72 plain) and s
 (:func:`_least_recent`, 512 slots a tile): 112 registers at b1, 244 at b8, no stack, whatever the
 slot count (72 and 166 without a forecast, the last layers); :func:`decide_ahead`'s launch 106-128
 registers, no stack but 16 B at 1536 slots at b1 (80 registers: ptxas keeps predicate masks in local
-memory). Not timed on a GPU since.
+memory). The list's record (:func:`_record_list`) since compares int32 expert ids and scatters the
+list into its history row: the launch with a forecast 4,552 SASS instructions and 115 registers at
+b1 (4,616 and 112 before), 10,696 and 238 at b8 (12,112 and 244); :func:`decide_ahead`'s b8 launch
+3,584-4,624 (3,872-5,208). Not timed on a GPU since.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
