@@ -269,7 +269,8 @@ def run(args, argv=None) -> dict:
                 log(name, {k_: v for k_, v in r["profile"].items() if k_ != "top"},
                     [(t["name"][:40], t["per_step"], t["us_per_step"]) for t in r["profile"]["top"][:10]])
             R["rows"].append(r)
-            log({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in r.items() if k_ != "step_ms_mean_spread"})
+            log({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in r.items()
+                 if k_ not in ("step_ms_mean_spread", "profile")})
             return r
 
         row("all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0})
