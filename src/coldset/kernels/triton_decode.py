@@ -600,18 +600,17 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
         tl.store(ids_ptr + out, ids, mask=keep)
         tl.store(wts_ptr + out, probs.to(wts_ptr.dtype.element_ty), mask=keep)
         tl.store(count_ptr, 0)
-        if RECORD:  # a slot cache's decisions up to its victims, on the selections in registers
+        if RECORD or LOOKAHEAD:  # the selections as one lane each: token-major, rank within the token
             pos = tl.arange(0, MP * KP)
             tok = pos // KP
             rank = pos % KP
-            record_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer,
+            lanes, sel, valid = tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K)
+        if RECORD:  # a slot cache's decisions up to its victims, on the selections in registers
+            record_group(lanes, sel, valid, M * K, layer,
                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                          hist_cap, new_ptr, m_ptr, scalars, E)
         if LOOKAHEAD:  # lookahead's whole decision (record, demand victims, forecast list, prefetch) likewise
-            pos = tl.arange(0, MP * KP)
-            tok = pos // KP
-            rank = pos % KP
-            ahead_group(tl.reshape(ids, (MP * KP,)), tok * K + rank, (tok < M) & (rank < K), M * K, layer, scalars,
+            ahead_group(lanes, sel, valid, M * K, layer, scalars,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
                         target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV,
