@@ -229,14 +229,12 @@ def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C
     ``+-2**49`` (ticks grow by a group's selections and list, about 6144 a step of 48 layers at 8
     tokens: 2**49 of them take 9 years of 3 ms steps; a device assert in Triton's debug mode).
     Why tiled: with every slot's key in registers at once (``_least_keys`` over ``[CP]`` int64
-    owners, recency and flags; an 8192-lane int64 tensor is 128 registers a thread at 4 warps), the
-    router's launch with lookahead's decision in its last program (4 warps: the routing's bits
-    depend on it) compiled for sm90 to 255 registers and 936 B of stack at 6144 slots (b1; 1200 B at
-    b8), 152-251 registers at 1536-3072, where the plain router takes 72 (probes/route_ahead_sass_cpu.py);
-    tiles of ``SCAN_TILE`` = 512 keep the scan's registers independent of the slot count: 112 at b1
-    and 244 at b8 at every cache size, no stack (1024: 126 and 243, and 8 B of stack without the
-    forecast). A scan costs ``C / SCAN`` tiles one after the other, each a gather of owners then of
-    their recency and flags, and a sort; not timed on a GPU."""
+    owners, recency and flags; an 8192-lane int64 tensor is 128 registers a thread at 4 warps) the
+    router's launch with lookahead's decision (4 warps: the routing's bits depend on it) spilled;
+    tiles keep the scan's registers independent of the slot count (the counts before and after:
+    the module doc; 1024-slot tiles left 8 B of stack without the forecast). A scan costs
+    ``C / SCAN`` tiles one after the other, each a gather of owners then of their recency and
+    flags, and a sort."""
     offs = tl.arange(0, SCAN)
     best = tl.full((MV,), -_INT64_MAX, tl.int64)  # the negated keys of the MV least so far, descending
     nfree = tl.zeros((), dtype=tl.int32)  # slots not barred, tile by tile
@@ -569,10 +567,9 @@ def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr
     equal instances): the lanes' pairwise compare is of int32 ids, not int64 instances. The row is
     a scatter of the first occurrences to their ranks (ranks past ``width`` dropped) beside a -1
     fill of the rest, not a ``[WP, lanes]`` select-and-sum: the same bytes. Why: the router
-    launch with lookahead's decision (sm90, 4 warps, 8 tokens: 64 lanes, 6144 slots) compiled to
-    12,112 SASS instructions and 244 registers with the int64 compare and the select-and-sum, 10,696
-    and 238 without them (probes/route_ahead_sass_cpu.py); that program runs alone on the step's
-    critical path."""
+    launch's last program runs this alone on the step's critical path, and at 8 tokens (64 lanes)
+    the int64 compare and the select-and-sum were about 2,100 of its SASS instructions (the
+    counts: the module doc)."""
     e32 = lst.to(tl.int32)
     same = (e32[:, None] == e32[None, :]) & lv[:, None] & lv[None, :]
     fp = lv & (tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1) == 0)
