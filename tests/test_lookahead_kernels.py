@@ -156,6 +156,12 @@ U = 2.0 ** -24
 STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
          "prefetch_history", "history", "victims", "admitted", "num_misses", "pf_victims", "pf_new", "pf_count")
 prefetched = {}
+
+
+def variants():  # the router launch's compiled variants so far (Triton's cache; none under the interpreter)
+    return sum(len(c[0]) for c in td._route_kernel.device_caches.values()) if dev == "cuda" else 0
+
+
 # (layers, experts, top_k, tokens, depth, routers, seed): tie-heavy routers repeat a few rows (one
 # of them zero), so logits tie exactly (and -0.0 meets +0.0) in the routing and in the forecast
 for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2, "random", 1),
@@ -187,6 +193,7 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     assert routed.records_in_route(T) and not routed.records_in_route(T + 1)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     fc = {}
+    compiled = variants()
     alone._forecast_logits = lambda hidden, target, pdl=False: fc["now"]  # the routed launch's own logits
     for step in range(3):
         for layer in range(L):
@@ -214,6 +221,9 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
             for name in STATE:
                 assert torch.equal(getattr(routed, name), getattr(alone, name)), (name, kind, seed, step, layer)
             assert torch.equal(routed.pools.row_map, alone.pools.row_map), (kind, seed, step, layer)
+    # (c) one compiled router launch for every layer: the plain one, lookahead's with a forecast and
+    # without (the last layers), whatever the layer, its target or a new step (PER_LAYER_ARGS)
+    assert variants() - compiled <= 3, (kind, seed, variants() - compiled)
     routed.check(contents=True)
     alone.check(contents=True)
     prefetched[(kind, seed)] = int(routed.prefetch_history.sum())
@@ -430,7 +440,9 @@ def test_router_launch_lookahead_under_the_interpreter_equals_decide_ahead():
 @pytest.mark.gpu
 def test_router_launch_lookahead_on_cuda_equals_decide_ahead():
     """The interpreter test above compiled for the GPU (bfloat16 routers and inputs, the fills on
-    their streams, the router and the demand fill as programmatic dependent launches on sm90+)."""
+    their streams, the router and the demand fill as programmatic dependent launches on sm90+),
+    and at most three compiled router launches a cache shape (plain, lookahead with and without a
+    forecast) over every layer and step: the per-layer scalars are not specialized on."""
     _interpret(_ROUTE, "cuda")
 
 
