@@ -383,6 +383,67 @@ assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
 print("INTERPRETED OK", int(sim.prefetches.sum()), int(sim.useful_prefetches))
 """
 
+_RELOAD = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_slots import _random_pools, _warm
+from coldset.kernels import triton_slots as ts
+from coldset.slots import SlotCache
+from coldset.tiers import host_tier
+
+real_fill = ts.fill
+
+def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
+    return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
+
+ts.fill = small_fill
+STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
+         "prefetch_history", "history")
+# A demand victim the forecast names: 2 layers of 4 experts, top-1, one token, 3 slots holding
+# instances 0 (layer 0, expert 0), 6 and 7 (layer 1, experts 2 and 3), 6 the least recent (the least
+# profile count). Layer 0's group selects expert 1, a miss: its victim is 6's slot; the forecast of
+# layer 1 names expert 2, so the list wants 6 back, as the demand commit left it (not resident):
+# the prefetch takes layer 0's other slot, instance 0's. The list's row-map gather taken before
+# the commit, and not again, would see 6 resident and issue nothing.
+L, E, k, T, H = 2, 4, 1, 1, 8
+counts = np.array([[5, 0, 0, 0], [0, 0, 2, 3]], dtype=np.float64)
+row_map, owner, wc = _warm(counts, 3)
+assert sorted(owner.tolist()) == [0, 6, 7], owner
+gates = [torch.zeros(E, H) for _ in range(L)]
+gates[0][1] = 1.0  # layer 0 routes every positive input to expert 1
+gates[1][2] = 1.0  # and layer 1 (the forecast of layer 0's group) to expert 2
+norm_w = torch.ones(H)
+all_hot = _random_pools(L, E, seed=0)
+host = host_tier(all_hot)
+ref, alone, routed = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=1)
+                      for _ in range(3))
+for c in (alone, routed):  # the kernel path by hand: decide_ahead's launch, and the router's launch
+    c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
+counter = torch.zeros(1, dtype=torch.int32)
+for step in range(2):
+    for layer in range(L):
+        x = torch.full((T, H), 1.0 + step + layer)
+        h, ids, w = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=False)
+        assert ids.reshape(-1).tolist() == [1 if layer == 0 else 2], (step, layer, ids)
+        routed.admit(layer, ids, w, torch.float32)  # decided in the route
+        alone.admit(layer, ids, w, torch.float32, hidden=h)
+        ref.admit(layer, ids, w, torch.float32, hidden=h)  # the torch path (the simulator's rules)
+        if (step, layer) == (0, 0):  # the case itself, on the torch path: the victim listed and prefetched back
+            rm = ref.pools.row_map.reshape(-1)
+            assert ref.history[0].tolist() == [0, 1, 1], ref.history[0]
+            assert ref.prediction_history[0, 0] == 6 and int(ref.prefetch_history[0]) == 1
+            assert rm[6] >= 0 and rm[0] < 0 and bool(ref.inflight[6]), rm
+        for c, path in ((alone, "decide_ahead"), (routed, "router")):
+            for name in STATE:
+                assert torch.equal(getattr(c, name), getattr(ref, name)), (path, name, step, layer)
+            assert torch.equal(c.pools.row_map, ref.pools.row_map), (path, step, layer)
+for c in (ref, alone, routed):
+    c.check(contents=True)
+print("INTERPRETED OK")
+"""
+
 
 def _interpret(script: str, device: str = "cpu", folder: Path | None = None) -> None:
     """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA.
@@ -466,3 +527,13 @@ def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and
     none past the last layer, prefetches used and the stream off lru's; every slot holds its owner.
     The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``)."""
     _interpret(_ENGINE)
+
+
+def test_lookahead_demand_victim_the_forecast_names_is_prefetched_back_under_the_interpreter():
+    """A group whose demand victim is an instance of the target layer that the forecast lists
+    (hand-built: the least recent slot holds it, the router and the forecast router pick fixed
+    experts): the demand commit evicts it, so the list wants it back and the prefetch takes another
+    slot. The router's launch and ``decide_ahead``'s (which gather the list's row-map entries before
+    the group's record, and again after a demand commit) against the torch path, every group of
+    two steps: the same state, bitwise; the case itself asserted on the torch path."""
+    _interpret(_RELOAD)

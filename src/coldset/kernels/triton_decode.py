@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import PER_LAYER_ARGS, ahead_group, group_scalars, record_group
+from coldset.kernels.triton_slots import PER_LAYER_ARGS, ahead_group, forecast_tile, group_scalars, record_group
 
 
 @dataclass(frozen=True)
@@ -573,6 +573,10 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         if RECORD or LOOKAHEAD:  # a slot cache's scalars, loaded while the logits are ranked
             scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
+        if FORECAST:  # and lookahead's forecast logits (the other programs' stores the ticket ordered)
+            forecast = forecast_tile(fc_ptr, M, E, TP, EP)
+        else:  # not read (no forecast past the last layer)
+            forecast = 0
         # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
         # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
         offs = tl.arange(0, EP)
@@ -610,7 +614,7 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                          hist_cap, new_ptr, m_ptr, scalars, E)
         if LOOKAHEAD:  # lookahead's whole decision (record, demand victims, forecast list, prefetch) likewise
-            ahead_group(lanes, sel, valid, M * K, layer, scalars,
+            ahead_group(lanes, sel, valid, M * K, layer, scalars, forecast,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
                         target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV,

@@ -704,66 +704,104 @@ def _ordered_keys(v, col, EP: tl.constexpr):
 
 
 @triton.jit
-def ahead_group(ids, sel, valid, n, layer, scalars, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step,
-                logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
-                E: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
+def forecast_tile(logits_ptr, n_tok, E: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr):
+    """Layer ``target``'s float32 router logits ``[n_tok, E]`` at ``logits_ptr`` as a ``[TP, EP]``
+    tile, ``-inf`` past them: the forecast :func:`ahead_group` ranks. A load of its own so that a
+    caller can issue it early, beside :func:`group_scalars` (the router's last program: before it
+    ranks its own logits, whose latency this load's hides behind). ``.cg``: in the router's launch
+    other programs stored them; L2 is where they are."""
+    tok = tl.arange(0, TP)
+    col = tl.arange(0, EP)
+    return tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=(tok < n_tok)[:, None] & (col[None, :] < E),
+                   other=float("-inf"), cache_modifier=".cg")
+
+
+@triton.jit
+def _forecast_list(v, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E: tl.constexpr, K: tl.constexpr,
+                   KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr):
+    """lookahead's forecast list from the logits tile ``v`` (:func:`forecast_tile`): each token's top
+    ``K`` (descending, ties by expert id: a stable sort), token by token, first occurrence kept, as
+    the group's history row. One partial bitonic sort (``tl.topk``) of (logit, id) keys per token,
+    where ``K`` rounds of max/argmin reductions were. Returns ``(linst, lv, fp, lrow)``: the lanes'
+    instances of layer ``target``, valid lanes, first occurrences and their row-map entries (loaded
+    on the valid lanes, issued before the list's record so that its latency hides behind it and
+    whatever the caller does next: ``fp & (lrow < 0)`` is the same on any superset of ``fp``)."""
+    col = tl.arange(0, EP)
+    top = tl.topk(_ordered_keys(v, col[None, :], EP), KP, dim=1)  # [TP, KP], descending
+    lst = (EP - 1) - (tl.reshape(top, [TP * KP]) & (EP - 1))  # lane p: token p // KP, rank p % KP
+    p = tl.arange(0, TP * KP)
+    lv = ((p // KP) < n_tok) & ((p % KP) < K)
+    linst = target * E + lst
+    lrow = tl.load(row_map_ptr + linst, mask=lv, other=0)
+    fp, rk = _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP)
+    return linst, lv, fp, lrow
+
+
+@triton.jit
+def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner_ptr, last_use_ptr, count_ptr,
+                tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr,
+                new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr,
+                width, E: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr,
                 ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr):
     """``lookahead``'s whole decision for one group (``ids``: one selection per lane, ``sel`` its
     index in the group, ``valid`` masks padding lanes; ``scalars``: :func:`group_scalars`' values),
-    in one program: the new step's in-flight clearing, the group's record, the demand victims with
+    in one program: the group's record, the new step's in-flight clearing, the demand victims with
     the in-flight rule and their commit, then (``AHEAD``: layer ``target`` exists) the forecast list
-    from layer ``target``'s float32 router logits ``[n_tok, E]`` at ``logits_ptr`` and its prefetch
-    decisions, else an empty list; the tick after the list. Called by :func:`_ahead_kernel` (a
-    launch of its own) and by the router's launch's last program
-    (:func:`coldset.kernels.triton_decode.route` with :func:`route_ahead_args`): one body, so the
-    two paths decide alike. ``WAIT_LOGITS``: wait on the preceding grid (the forecast GEMV) before
-    reading the logits."""
+    from layer ``target``'s float32 router logits ``[n_tok, E]`` and its prefetch decisions, else an
+    empty list; the tick after the list. ``forecast``: the logits as :func:`forecast_tile` loads
+    them from ``logits_ptr`` (the caller issues that load early); with ``WAIT_LOGITS`` (wait on the
+    preceding grid, the forecast GEMV, before reading the logits) any value: they are loaded here
+    after the wait. Called by :func:`_ahead_kernel` (a launch of its own) and by the router's
+    launch's last program (:func:`coldset.kernels.triton_decode.route` with
+    :func:`route_ahead_args`): one body, so the two paths decide alike.
+
+    The order (without ``WAIT_LOGITS``): the forecast's top-k and list, and the row-map gather of
+    the list, come before the group's record, so that gather and the record's gathers are one round
+    trip to L2, and a group with neither a demand miss nor a prefetch (residency 1.0) makes no
+    other. The gather is taken again after a demand commit (which can evict an instance of layer
+    ``target`` and rewrite its row-map entry); nothing else the list part reads (the logits, the row
+    map) is written by the record. The barriers sit on the paths that read what other threads
+    wrote: the demand scan (the record's recency, the in-flight clearing), the reload and the
+    prefetch scan (the demand commit); a group without either passes none but the record's own."""
     t_s, hits_s, misses_s, fills_s, g_s = scalars
     hrow = g_s % hist_cap  # this group's history row (record_group counts it)
-    if new_step != 0:  # a new step: the last step's prefetches are committed (no longer in flight)
-        for z in range(0, NI, ZB):
-            zo = z + tl.arange(0, ZB)
-            tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
+    if AHEAD and not WAIT_LOGITS:
+        linst, lv, fp, lrow = _forecast_list(forecast, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E, K,
+                                             KP, TP, EP, WP)
     # The group's record (lru's: recency first, so its own slots are told apart by ticks >= t0;
     # counters, history, the missed instances in selection order), then the victims.
     t0, m = record_group(ids, sel, valid, n, layer, row_map_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr,
                          history_ptr, groups_ptr, hist_cap, new_ptr, m_ptr, scalars, E)
-    tl.debug_barrier()
+    if new_step != 0:  # a new step: the last step's prefetches are committed (no longer in flight)
+        for z in range(0, NI, ZB):
+            zo = z + tl.arange(0, ZB)
+            tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
     if m > 0:
         # Demand victims: least recent slot neither used by the group nor in flight; a miss beyond
         # them is read in place (not admitted).
+        tl.debug_barrier()  # the group's recency, the missed list and the in-flight clearing are visible
         slots, olds, free = _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, inflight_ptr, 0, C, E, SCAN, MV,
                                           _BAR_NONE)
         adm = tl.minimum(m, free)
         _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
         tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
-    if AHEAD:
         tl.debug_barrier()  # the demand writes (row map, owners) are visible to every thread
+        if AHEAD and not WAIT_LOGITS:
+            lrow = tl.load(row_map_ptr + linst, mask=lv, other=0)  # a victim may be a listed instance
+    if AHEAD:
         if WAIT_LOGITS:
             gdc_wait()  # launched as the forecast GEMV's dependent: its logits are complete after this
-        # The forecast list: each token's top K of layer `target`'s router logits (descending, ties
-        # by expert id: a stable sort), token by token, first occurrence kept. One partial bitonic
-        # sort (tl.topk) of (logit, id) keys per token, where K rounds of max/argmin reductions were.
-        # (.cg: in the router's launch other programs stored them; L2 is where they are.)
-        tok = tl.arange(0, TP)
-        col = tl.arange(0, EP)
-        okt = tok < n_tok
-        v = tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=okt[:, None] & (col[None, :] < E),
-                    other=float("-inf"), cache_modifier=".cg")
-        top = tl.topk(_ordered_keys(v, col[None, :], EP), KP, dim=1)  # [TP, KP], descending
-        lst = (EP - 1) - (tl.reshape(top, [TP * KP]) & (EP - 1))  # lane p: token p // KP, rank p % KP
-        p = tl.arange(0, TP * KP)
-        lv = ((p // KP) < n_tok) & ((p % KP) < K)
-        linst = target * E + lst
-        fp, rk = _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP)
-        lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
+            linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target,
+                                                 row_map_ptr, hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
         want = fp & (lrow < 0)
         wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
-        _issue_prefetches(want, wrank, tl.sum(want.to(tl.int32), axis=0), linst, inflight_ptr, t0, n, owner_ptr,
-                          last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
-                          pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer, E, SCAN, MPV, False)
+        nwant = tl.sum(want.to(tl.int32), axis=0)
+        if nwant > 0:
+            tl.debug_barrier()  # the record's recency and the in-flight clearing are visible to the scan
+        _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+                          row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer,
+                          E, SCAN, MPV, False)
     else:
         tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
                  mask=tl.arange(0, WP) < width)
@@ -788,10 +826,15 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
     if CAST:
         w = tl.load(w_ptr + offs, mask=valid, other=0.0)
         tl.store(w_out_ptr + offs, w.to(w_out_ptr.dtype.element_ty), mask=valid)
-    ahead_group(ids, offs, valid, n, layer, group_scalars(tick_ptr, totals_ptr, groups_ptr), row_map_ptr, owner_ptr,
-                last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr,
-                m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr,
-                pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV, ZB, NI, WAIT_LOGITS)
+    if AHEAD and not WAIT_LOGITS:  # the logits are complete: loaded beside the group's scalars
+        forecast = forecast_tile(logits_ptr, n_tok, E, TP, EP)
+    else:  # not read (no forecast, or ahead_group loads it after its wait)
+        forecast = 0
+    ahead_group(ids, offs, valid, n, layer, group_scalars(tick_ptr, totals_ptr, groups_ptr), forecast, row_map_ptr,
+                owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap,
+                victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr,
+                pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV,
+                ZB, NI, WAIT_LOGITS)
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
