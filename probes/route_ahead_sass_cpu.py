@@ -12,13 +12,22 @@ slots (residency 0.25), 3072 (0.5) and 6144 (1.0); and ``_ahead_kernel`` (decide
 (``triton_slots._scan_size``; ``--tile``: another ``SCAN_TILE``). Prints what ptxas allotted
 (registers a thread, stack bytes: spills) and SASS counts (:func:`fp8_w13_sass_cpu.stats`). Static facts of the code only:
 nothing here is a time.
+
+``--order``: also, for the launch with the forecast at 6144 slots, the global loads and barriers
+the last program issues after the ticket, in SASS order, each with its source line (``ahead_group``
+issues the forecast's loads and the list's row-map gather ahead of the group's record: this shows
+where ptxas put them; predicated loads under a branch are the victim scans).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -51,10 +60,40 @@ def sizes(C: int, m: int) -> dict:
                 TP=max(2, ts._next_pow2(m)))
 
 
+def issue_order(cubin: bytes) -> list[str]:
+    """The global loads (``LDG``), barriers (``BAR``) and branches after the first global atomic
+    (the ticket) in SASS order, each as ``file:line instruction`` (nvdisasm's line info)."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(cubin)
+        path = fh.name
+    try:
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", "-g", path], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(path)
+    out, where, started = [], "?", False
+    for ln in sass.splitlines():
+        m = re.search(r'//## File ".*/([\w.]+)", line (\d+)', ln)
+        if m:
+            where = f"{m.group(1)}:{m.group(2)}"
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)
+        if m is None:
+            continue
+        ins = m.group(1).strip()
+        started = started or "ATOMG" in ins
+        if started and re.search(r"\b(ATOMG|LDG|BAR|BRA)\b", ins):
+            out.append(f"{where:24s} {ins}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tile", type=int, default=ts.SCAN_TILE, help="slots a victim scan's tile holds (a power of two)")
-    ts.SCAN_TILE = p.parse_args(argv).tile
+    p.add_argument("--order", action="store_true", help="print the loads and barriers after the ticket (C6144)")
+    args = p.parse_args(argv)
+    ts.SCAN_TILE = args.tile
     for m in (1, 8):
         base = dict(M=m, MP=ts._next_pow2(m), H=H, HP=H, E=E, EP=E, K=K, KP=K, BLOCK_E=2, RENORMALIZE=True, PDL=True,
                     TRIGGER=True, LOOKAHEAD=False, FORECAST=False,
@@ -64,8 +103,11 @@ def main(argv=None) -> int:
             variants += [(f"lookahead C{C}", dict(RECORD=False, LOOKAHEAD=True, FORECAST=True, **sizes(C, m)), C),
                          (f"lookahead C{C} last", dict(RECORD=False, LOOKAHEAD=True, FORECAST=False, **sizes(C, m)), C)]
         for name, extra, C in variants:
-            s = stats(compile_kernel(td._route_kernel, {**base, **extra}, 4, PTR).asm["cubin"])
+            cubin = compile_kernel(td._route_kernel, {**base, **extra}, 4, PTR).asm["cubin"]
+            s = stats(cubin)
             print(f"b{m} route {name:22s} w4  " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
+            if args.order and name == "lookahead C6144":
+                print("\n".join(f"    {ln}" for ln in issue_order(cubin)), flush=True)
         for C in (1536, 3072, 6144):
             sz = sizes(C, m)
             warps = 16 if ts._next_pow2(C) >= 4096 else 8  # decide_ahead's choice

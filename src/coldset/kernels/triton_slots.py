@@ -74,7 +74,19 @@ registers, no stack but 16 B at 1536 slots at b1 (80 registers: ptxas keeps pred
 memory). The list's record (:func:`_record_list`) since compares int32 expert ids and scatters the
 list into its history row: the launch with a forecast 4,552 SASS instructions and 115 registers at
 b1 (4,616 and 112 before), 10,696 and 238 at b8 (12,112 and 244); :func:`decide_ahead`'s b8 launch
-3,584-4,624 (3,872-5,208). Not timed on a GPU since.
+3,584-4,624 (3,872-5,208). Not timed on a GPU since. Then the order of :func:`ahead_group`: the
+router's last program loads the forecast logits beside the group's scalars (:func:`forecast_tile`),
+ranks them and sends the list's row-map gather out before the group's record, whose gathers follow
+it (the gather taken again after a demand commit). At residency 1.0 (no demand miss, nothing wanted)
+the last program waits on two dependent global round trips after the ticket (the scalars and both
+logits; the list's and the record's gathers) where it waited on four (the scalars and the routing's
+logits; the record's gathers; the forecast logits; the list's gather), and passes one explicit
+barrier (the record's) where it passed three (read from the code and the SASS order, probe
+``--order``; not timed). The launch with a forecast: 4,392 SASS instructions and 113 registers at
+b1, 10,568 and 244 at b8, no stack; without (the last layers) 2,504 and 72 at b1 (2,656 before),
+6,760 and 162 at b8 (166); :func:`decide_ahead`'s launch (compiled as the GEMV's dependent: its
+forecast still after the demand part and the wait) 2,280-2,672 at b1 with no stack (16 B at 1536
+slots before), 3,584-4,648 at b8.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
