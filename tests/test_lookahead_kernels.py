@@ -444,6 +444,26 @@ for c in (ref, alone, routed):
 print("INTERPRETED OK")
 """
 
+# decide_ahead as the forecast GEMV's programmatic dependent (WAIT_LOGITS: the demand part first,
+# the logits read after the grid-dependency wait), run under the interpreter, which has no grid
+# dependency ops: they are no-ops here (one program, so the order they enforce is program order)
+_PDL_PRELUDE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _no_grid_dependency():
+    pass
+
+
+ts.gdc_wait = ts.gdc_launch_dependents = _no_grid_dependency
+"""
+_BY_HAND = "ker.use_kernel, ker.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand"
+_DECIDE_PDL = _DECIDE.replace("ts.fill = small_fill\n", "ts.fill = small_fill\n" + _PDL_PRELUDE, 1).replace(
+    _BY_HAND, _BY_HAND + "\n    ker.pdl = True  # the decisions wait for the GEMV's grid before the logits", 1)
+assert _DECIDE_PDL.count("_no_grid_dependency") == 2 and "ker.pdl = True" in _DECIDE_PDL
+
 
 def _interpret(script: str, device: str = "cpu", folder: Path | None = None) -> None:
     """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA.
@@ -537,3 +557,10 @@ def test_lookahead_demand_victim_the_forecast_names_is_prefetched_back_under_the
     the group's record, and again after a demand commit) against the torch path, every group of
     two steps: the same state, bitwise; the case itself asserted on the torch path."""
     _interpret(_RELOAD)
+
+
+def test_decide_ahead_after_the_forecast_gemv_under_the_interpreter_equals_the_torch_path(tmp_path):
+    """The decide_ahead case above with the launch as the forecast GEMV's dependent (``WAIT_LOGITS``:
+    :func:`ahead_group`'s other order, the forecast list after the demand part and the wait; the
+    wait a no-op under the interpreter): the same state as the torch path, bitwise, every group."""
+    _interpret(_DECIDE_PDL, folder=tmp_path)
