@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import PER_LAYER_ARGS, ahead_group, forecast_tile, group_scalars, record_group
+from coldset.kernels.triton_slots import PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, forecast_tile, group_scalars, record_group
 
 
 @dataclass(frozen=True)
@@ -519,7 +519,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     return (summed, out) if add is not None else out
 
 
-@triton.jit(do_not_specialize=PER_LAYER_ARGS)
+@triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wts_ptr, eps,
                   stride_x, stride_h, stride_we,
                   layer, row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,

@@ -123,11 +123,16 @@ FILL_BLOCKS = 128  # blocks per weight in the fill, each copying a stripe of eve
 _INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read it
 # The scalars that change from one MoE layer's launch to the next. Triton specializes an int
 # argument on its value (== 1, a multiple of 16), so a kernel taking them compiled a variant for
-# layer 1, for the multiples of 16 and for the rest, each again by its target and new_step: at
-# 48 layers and depth 1, six compiles of the router's launch with lookahead's decision a batch
-# size, 17-25 s each at b8 on the H200 host (bench cache spent minutes compiling there). They index
-# small tables, where the specialization buys nothing: one variant serves every layer.
+# layer 1, for the multiples of 16 and for the rest, each again by its target and new_step (and
+# by PER_LAYER_VIEWS below): at 48 layers and depth 1, seven compiles of the router's launch with
+# lookahead's decision a batch size where two serve (probes/route_variants_cpu.py), 17-25 s each at
+# b8 on the H200 host (bench cache spent minutes compiling there). They index small tables, where
+# the specialization buys nothing.
 PER_LAYER_ARGS = ("layer", "new_step", "target")
+# Likewise the one-element views a launch gets per layer (a layer's prefetch count ``pf_count[t]``,
+# the fill's count): 16-byte aligned at every other layer only, so Triton's pointer-alignment
+# specialization compiled two variants of the same launch. They are read and written as scalars.
+PER_LAYER_VIEWS = ("pf_m_ptr", "count_ptr")
 
 
 def _next_pow2(n: int) -> int:
@@ -399,7 +404,7 @@ def _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, inflight_ptr, pr
     return slots, olds, adm
 
 
-@triton.jit(do_not_specialize=PER_LAYER_ARGS)
+@triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, slots_ptr, inst_ptr, count_ptr,
                  owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, ticket_ptr, row_map_ptr,
                  tags_ptr, done_ptr, ssrc13_ptr, sdst13_ptr, srow13, ssrc2_ptr, sdst2_ptr, srow2, srowmax,
@@ -821,7 +826,7 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
     tl.store(tick_ptr, t0 + n + width)  # the list's ticks after the group's (record_group wrote t0 + n)
 
 
-@triton.jit(do_not_specialize=PER_LAYER_ARGS)
+@triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
                   w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
@@ -934,7 +939,7 @@ def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
 # nexttoken: the forecast of layer l's experts for the next token, its prefetch and the commit
 
 
-@triton.jit(do_not_specialize=PER_LAYER_ARGS)
+@triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_ptr, tick_ptr, groups_ptr,
                  inflight_ptr, predicted_ptr, tag_ptr, sel_ptr, step_ptr, terms_ptr, tables_ptr, seq_hist_ptr,
                  hist_unit, hist_shift,
