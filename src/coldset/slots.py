@@ -52,9 +52,9 @@ same normed input) and its last program, holding the selections in registers, ru
 (:func:`coldset.kernels.triton_slots.ahead_group`, the body :func:`~coldset.kernels.triton_slots.decide_ahead`'s
 launch runs too); a group is then that launch, the demand fill (its programmatic dependent) and
 the prefetch copy, two launches fewer than the way below (why: 107.5 + 198.9 us a step of 48
-layers at b1 on the H200 for the GEMV and the decisions launch; the fused way's group costs 221
-us beyond the router against lru's 132, yet the step at residency 1.0 stayed at 0.90 of all-HBM:
-BENCHMARKS.md section 4). Elsewhere on CUDA (a router that is not the fused launch) a
+layers at b1 on the H200 for the GEMV and the decisions launch; the fused way's router launch
+costs 151 us a step beyond the plain router's against lru's 54, the step at residency 1.0 0.954
+of all-HBM: BENCHMARKS.md section 4). Elsewhere on CUDA (a router that is not the fused launch) a
 group is the forecast's GEMV (one Triton launch over the router in the model's dtype, float32
 sums: :func:`coldset.kernels.triton_slots.forecast_logits`), one Triton launch for all the
 decisions (demand with the in-flight rule, the forecast's top ``k`` by one partial sort, the
@@ -515,14 +515,16 @@ class SlotCache:
 
         ``lookahead``: the router's launch also computes the forecast (layer ``layer + depth``'s
         router on the same normed input, every program beside its own rows) and its last program
-        makes the whole decision (:func:`coldset.kernels.triton_slots.ahead_group`: record, demand
-        victims with the in-flight rule, the forecast's top k, the list, the prefetch victims);
+        makes the whole decision (:func:`coldset.kernels.triton_slots.ahead_group`: the forecast's
+        top k and list, the group's record, the demand victims with the in-flight rule, the
+        prefetch victims);
         then the demand fill (a plain copy, the router's programmatic dependent) and the prefetch
         copy forked onto the side stream and joined as :meth:`admit`'s path does
         (:meth:`_ahead_fork_join`). Why: a cached lookahead layer then costs the router's launch and
         the two fills, where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch
         more (107.5 + 198.9 us a step of 48 layers at b1 on the H200, ``bench cache
-        --decisions-only``; this path: 221 us beyond the router's own launch, lru's 132)."""
+        --decisions-only``; this path's launch: 151 us a step beyond the plain router's, lru's 54,
+        ``bench cache --profile``)."""
         from coldset.kernels import triton_decode as td
         from coldset.kernels import triton_slots as ts
 

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, forecast_tile, group_scalars, record_group
+from coldset.kernels.triton_slots import (PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, forecast_tile, group_scalars,
+                                          record_group)
 
 
 @dataclass(frozen=True)
@@ -613,7 +614,7 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             record_group(lanes, sel, valid, M * K, layer,
                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                          hist_cap, new_ptr, m_ptr, scalars, E)
-        if LOOKAHEAD:  # lookahead's whole decision (record, demand victims, forecast list, prefetch) likewise
+        if LOOKAHEAD:  # lookahead's whole decision (forecast list, record, demand victims, prefetch) likewise
             ahead_group(lanes, sel, valid, M * K, layer, scalars, forecast,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
@@ -658,15 +659,16 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     ``lookahead``'s whole decision in the same launch. Every program also reads the same
     ``block_e`` rows of layer ``l + depth``'s router (before the wait, as its own) and writes its
     token's float32 forecast logits on ``h`` (the router input) into the cache's ``forecast_out``;
-    the last program then runs :func:`coldset.kernels.triton_slots.ahead_group` (the group's
-    record, the demand victims with the in-flight rule and their commit, the forecast's top k, the
-    list and the prefetch decisions) on the selections in registers and the logits the ticket
+    the last program then runs :func:`coldset.kernels.triton_slots.ahead_group` (the forecast's
+    top k and list, the group's record, the demand victims with the in-flight rule and their
+    commit, the prefetch decisions) on the selections in registers and the logits the ticket
     ordered before it. Why: a cached lookahead layer then costs the router's launch, the demand fill
     and the prefetch copy, where it cost a forecast GEMV launch and a decisions launch more
     (107.5 + 198.9 us a step of 48 layers at b1 on the H200). The routing (``h``, ids, weights) is
     the same bits with or without it (the same arithmetic and warps; checked under Triton's
-    interpreter and on the H200). Timed there: 221 us a step of 48 layers at b1 beyond the router's
-    own launch, where the two launches cost 311 (BENCHMARKS.md section 4).
+    interpreter and on the H200). Timed there (``bench cache --profile``, b1, residency 1.0): 417 us
+    a step of 48 layers, 151 beyond the plain router's launch (lru's record 54), where the two
+    launches cost 311 (BENCHMARKS.md section 4).
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]

@@ -82,7 +82,10 @@ the last program waits on two dependent global round trips after the ticket (the
 logits; the list's and the record's gathers) where it waited on four (the scalars and the routing's
 logits; the record's gathers; the forecast logits; the list's gather), and passes one explicit
 barrier (the record's) where it passed three (read from the code and the SASS order, probe
-``--order``; not timed). The launch with a forecast: 4,392 SASS instructions and 113 registers at
+``--order``). Timed on the H200 (2026-12-02, ``bench cache --profile`` at b1, residency 1.0): the
+router launch 417 µs a step of 48 layers with lookahead's decision (477 before this order, lru's
+record 320, plain 266), the step 0.954 of all-HBM (0.943 before). The launch with a forecast:
+4,392 SASS instructions and 113 registers at
 b1, 10,568 and 244 at b8, no stack; without (the last layers) 2,504 and 72 at b1 (2,656 before),
 6,760 and 162 at b8 (166); :func:`decide_ahead`'s launch (compiled as the GEMV's dependent: its
 forecast still after the demand part and the wait) 2,280-2,672 at b1 with no stack (16 B at 1536
