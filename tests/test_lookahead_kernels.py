@@ -54,7 +54,8 @@ for args, what in [((x, w, torch.empty(2, 3)), "out must be float32"), ((x, w.T,
 print("INTERPRETED OK")
 """
 
-_DECIDE = r"""
+# the interpreted scripts' common start: the slot cache on small pools, the fill in fewer programs
+_FILL_PRELUDE = r"""
 import sys
 import numpy as np
 import torch
@@ -72,6 +73,9 @@ def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
     return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
 
 ts.fill = small_fill
+"""
+
+_DECIDE = _FILL_PRELUDE + r"""
 TIES = np.array([-np.inf, -1.0, -0.0, 0.0, 1.0, 2.0, np.inf], dtype=np.float32)
 STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
          "prefetch_history", "history")
@@ -383,22 +387,7 @@ assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
 print("INTERPRETED OK", int(sim.prefetches.sum()), int(sim.useful_prefetches))
 """
 
-_RELOAD = r"""
-import sys
-import numpy as np
-import torch
-sys.path.insert(0, sys.argv[1])
-from test_slots import _random_pools, _warm
-from coldset.kernels import triton_slots as ts
-from coldset.slots import SlotCache
-from coldset.tiers import host_tier
-
-real_fill = ts.fill
-
-def small_fill(pools, victims, inst, count, pdl=False, blocks=4, tags=None):
-    return real_fill(pools, victims, inst, count, pdl=pdl, blocks=min(blocks, 4), tags=tags)
-
-ts.fill = small_fill
+_RELOAD = _FILL_PRELUDE + r"""
 STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "prediction_history",
          "prefetch_history", "history")
 # A demand victim the forecast names: 2 layers of 4 experts, top-1, one token, 3 slots holding
