@@ -277,6 +277,14 @@ SCORE_UNIT = 1 << 16  # the integer tables' unit: a probability p is stored as r
 DEFAULT_TERMS = ((0, 0), (1, 0), (2, 0))
 DEFAULT_WEIGHTS = (1.0, 0.5, 0.25)
 HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5), (0.8, 5))
+# Measured and not kept (issue 28, real trace, profile abstract_algebra + anatomy, validation
+# anatomy, replay astronomy, k + 3 = 4): a grid of beta 0.1-1.6 x shift 3-5 plus shift 6 (19
+# entries) lifts the validation's best one token ahead from 0.5851 to 0.5852 (self_boost on;
+# 0.573 -> 0.581 without it) and the replay's recall from 0.5632 to 0.5634 (0.5254 / 0.4987 / 0.4802 at
+# 2 / 4 / 8 ahead, against 0.5254 / 0.4992 / 0.4802) for 2-3x the tuning time. On the validation
+# part (self_boost off, beta 0.8-1.6, shift 4: 0.5805) alpha 0.1-100, the previous token's higher
+# layers (1, -1), (1, -2) and lags 3, 4 stay within 0.001, log-probability tables lose 0.003, two
+# history timescales (a form change) gain 0.0035: in this form recall sits near 0.58 there.
 # The current token's two lower layers (l - 1, l - 2: routed before layer l's forecast is made)
 # beside the defaults: a candidate for fit_tuned(term_sets=...), not the default. Measured (issue
 # 28, FORECAST2; /work/coord/policy28.md): one token ahead with k + 3 candidates it adds +0.001
