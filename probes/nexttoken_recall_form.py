@@ -190,3 +190,14 @@ if __name__ == "__main__":
         hw, cw, g, b = train(*feats(tp[tr][~A], sp[tr][~A], Pa, D, shift, h), L)
         f = to_int(Ps, D, hw, cw, g, b, shift, h)
         print("cross-fitted, validation recall", round(forecast_quality(f, tp[val], sp[val])["recall"], 4), flush=True)
+        # across subjects: counts from abstract_algebra, weights on anatomy's even sequences, recall on its odd ones
+        vid = np.unique(sp, return_inverse=True)[1]
+        wfit, vtest = val & (vid % 2 == 0), val & (vid % 2 == 1)
+        hw, cw, g, b = train(*feats(tp[wfit], sp[wfit], Ps, D, shift, h), L)
+        f = to_int(Ps, D, hw, cw, g, b, shift, h)
+        print("weights across subjects, recall on anatomy's odd sequences",
+              round(forecast_quality(f, tp[vtest], sp[vtest])["recall"], 4), flush=True)
+        base = N.fit(tp[tr], sp[tr], k, E, terms=D, weights=W, self_boost=1.0)
+        fb = dataclass_replace(base, hist_unit=int(0.8 * SCORE_UNIT), hist_shift=5)
+        print("count tables (fit_tuned's choice: self_boost 1, beta 0.8, shift 5), same sequences",
+              round(forecast_quality(fb, tp[vtest], sp[vtest])["recall"], 4), flush=True)

@@ -284,7 +284,11 @@ HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5
 # 2 / 4 / 8 ahead, against 0.5254 / 0.4992 / 0.4802) for 2-3x the tuning time. On the validation
 # part (self_boost off, beta 0.8-1.6, shift 4: 0.5805) alpha 0.1-100, the previous token's higher
 # layers (1, -1), (1, -2) and lags 3, 4 stay within 0.001, log-probability tables lose 0.003, two
-# history timescales (a form change) gain 0.0035: in this form recall sits near 0.58 there.
+# history timescales (a form change) gain 0.0035. Weights fitted by softmax cross-entropy (per
+# layer: H's weight, each table's weight, a diagonal and a bias; still this form) fall to 0.24-0.25
+# when fitted within abstract_algebra (its sequences make the tables look reliable; they do not
+# transfer) and reach 0.561 against the count tables' 0.581 when fitted across subjects: in this
+# form recall sits near 0.58 on validation (probes/nexttoken_recall_form.py).
 # The current token's two lower layers (l - 1, l - 2: routed before layer l's forecast is made)
 # beside the defaults: a candidate for fit_tuned(term_sets=...), not the default. Measured (issue
 # 28, FORECAST2; /work/coord/policy28.md): one token ahead with k + 3 candidates it adds +0.001
