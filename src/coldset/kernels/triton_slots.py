@@ -71,25 +71,22 @@ slot's key in registers the launch took 152-255 registers at b1 (72 plain) and s
 (:func:`_least_recent`, 512 slots a tile): 112 registers at b1, 244 at b8, no stack, whatever the
 slot count (72 and 166 without a forecast, the last layers); :func:`decide_ahead`'s launch 106-128
 registers, no stack but 16 B at 1536 slots at b1 (80 registers: ptxas keeps predicate masks in local
-memory). The list's record (:func:`_record_list`) since compares int32 expert ids and scatters the
-list into its history row: the launch with a forecast 4,552 SASS instructions and 115 registers at
-b1 (4,616 and 112 before), 10,696 and 238 at b8 (12,112 and 244); :func:`decide_ahead`'s b8 launch
-3,584-4,624 (3,872-5,208). Not timed on a GPU since. Then the order of :func:`ahead_group`: the
-router's last program loads the forecast logits beside the group's scalars (:func:`forecast_tile`),
-ranks them and sends the list's row-map gather out before the group's record, whose gathers follow
-it (the gather taken again after a demand commit). At residency 1.0 (no demand miss, nothing wanted)
-the last program waits on two dependent global round trips after the ticket (the scalars and both
-logits; the list's and the record's gathers) where it waited on four (the scalars and the routing's
-logits; the record's gathers; the forecast logits; the list's gather), and passes one explicit
+memory). Since, the list's record (:func:`_record_list`) compares int32 expert ids and scatters the
+list into its history row, and :func:`ahead_group` orders the router's last program around its
+loads: the forecast logits are loaded beside the group's scalars (:func:`forecast_tile`), ranked,
+and the list's row-map gather goes out before the group's record, whose gathers follow it (the
+gather taken again after a demand commit). At residency 1.0 (no demand miss, nothing wanted) the
+last program waits on two dependent global round trips after the ticket (the scalars and both
+logits; the list's and the record's gathers) where it waited on four, and passes one explicit
 barrier (the record's) where it passed three (read from the code and the SASS order, probe
-``--order``). Timed on the H200 (2026-12-02, ``bench cache --profile`` at b1, residency 1.0): the
-router launch 417 µs a step of 48 layers with lookahead's decision (477 before this order, lru's
-record 320, plain 266), the step 0.954 of all-HBM (0.943 before). The launch with a forecast:
-4,392 SASS instructions and 113 registers at
-b1, 10,568 and 244 at b8, no stack; without (the last layers) 2,504 and 72 at b1 (2,656 before),
-6,760 and 162 at b8 (166); :func:`decide_ahead`'s launch (compiled as the GEMV's dependent: its
-forecast still after the demand part and the wait) 2,280-2,672 at b1 with no stack (16 B at 1536
-slots before), 3,584-4,648 at b8.
+``--order``). The launch with a forecast: 4,392 SASS instructions and 113 registers at b1 (4,616
+and 112 before both changes), 10,568 and 244 at b8 (12,112 and 244), no stack; without (the last
+layers) 2,504 and 72 at b1, 6,760 and 162 at b8; :func:`decide_ahead`'s launch (compiled as the
+GEMV's dependent: its forecast still after the demand part and the wait) 2,280-2,672 at b1 with no
+stack, 3,584-4,648 at b8. Timed on the H200 with both (2026-12-02, ``bench cache --profile`` at b1,
+residency 1.0): the router launch 417 µs a step of 48 layers with lookahead's decision (477 before,
+lru's record 320, plain 266), the step 0.954 of all-HBM (0.943 before); b8 not timed since the
+tiled scans.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
@@ -133,8 +130,10 @@ _INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read
 # the specialization buys nothing.
 PER_LAYER_ARGS = ("layer", "new_step", "target")
 # Likewise the one-element views a launch gets per layer (a layer's prefetch count ``pf_count[t]``,
-# the fill's count): 16-byte aligned at every other layer only, so Triton's pointer-alignment
+# the fill's ``count_ptr``): 16-byte aligned at every other layer only, so Triton's pointer-alignment
 # specialization compiled two variants of the same launch. They are read and written as scalars.
+# (Where a launch's ``count_ptr`` is another thing, the router's ticket or the use-count table, it
+# is an atomic or gathered lane by lane: the alignment bought nothing there either.)
 PER_LAYER_VIEWS = ("pf_m_ptr", "count_ptr")
 
 
