@@ -516,8 +516,9 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     simulate + simulate_time at the run's all-HBM step and link rate with the policy's management
     from its residency-1.0 row (or --manage-us; belady and the oracles, references fed the run's own
     selections, none and never a measured ratio; belady no more link bytes than lru), the
-    measured ratio beside the same row; the
-    table lists the fastest first; a folder without the npz is refused by name."""
+    measured ratio beside the same row; the nexttoken evict-only oracles (lists of the next H
+    steps, brute force here, prefetch_budget 0) copy only their demand misses, never fewer than
+    belady's; the table lists the fastest first; a folder without the npz is refused by name."""
     import json
 
     import numpy as np
@@ -547,12 +548,23 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     (tmp_path / "cache_bench.json").write_text(json.dumps(result))
 
     rows = replay_table(result, arrays, [0.5], {})
-    assert {(r["policy"], r["depth"], r["candidates"], r["oracle"]) for r in rows} == {
-        ("lru", 0, None, False), ("belady", 0, None, False), ("nexttoken", 0, None, True)} | {
-        ("lookahead", d, n, False) for d in (1, 2) for n in (k, k + 4)} | {("lookahead", d, None, True) for d in (1, 2)}
+    keys = [(r["policy"], r["depth"], r["candidates"], r["oracle"], r["evict_horizon"]) for r in rows]
+    assert len(keys) == len(set(keys)) and set(keys) == {
+        ("lru", 0, None, False, None), ("belady", 0, None, False, None), ("nexttoken", 0, None, True, None)} | {
+        ("lookahead", d, n, False, None) for d in (1, 2) for n in (k, k + 4)} | {
+        ("lookahead", d, None, True, None) for d in (1, 2)} | {("nexttoken", 0, None, True, h) for h in (1, 2, 4, 8)}
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
     stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), S * B, L, E)
+    belady = simulate(stream, "belady", 9, counts)
     for r in rows:
+        if r["evict_horizon"]:  # layer l's experts at steps t + 1 .. t + H, no copy but the demand misses
+            lists = _next_steps_lists(routing, E, r["evict_horizon"])
+            res = simulate(stream, "nexttoken", 9, counts, predictions=lists, prefetch_budget=0)
+            assert res.stats().prefetches == 0 and res.misses.sum() >= belady.misses.sum()
+            want = simulate_time(stream, res, TimeModel(1.0, 10**6, 50.0, link="share", join="step"))
+            assert r["manage_us"] == 0.0 and r["measured_x_all_hbm"] is None
+            assert r["step_ms"] == pytest.approx(want.step_ms) and r["hit_rate"] == pytest.approx(res.stats().hit_rate)
+            continue
         if r["oracle"]:  # the experts the run selected: layer l + d of the step, or layer l of the next step
             lists = np.full((S, L, B * k), -1)
             for t in range(S):
@@ -587,6 +599,7 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
              if line.startswith(("| lru", "| lookahead", "| belady", "| nexttoken"))]
     by_time = sorted(rows, key=lambda r: r["step_ms"])
     assert order == [("belady (offline reference)" if r["policy"] == "belady" else
+                      f"nexttoken oracle evict h{r['evict_horizon']}" if r["evict_horizon"] else
                       r["policy"] + " oracle" + (f" d{r['depth']}" if r["depth"] else "") if r["oracle"] else
                       r["policy"] + (f" d{r['depth']} n{r['candidates']}" if r["depth"] else "")) for r in by_time]
     belady, lru = (next(r for r in rows if r["policy"] == p) for p in ("belady", "lru"))
@@ -594,6 +607,47 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     (tmp_path / "cache_replays.npz").unlink()
     assert main(["bench", "replay", str(tmp_path)]) == 1
     assert "cache_replays.npz: no such file" in capsys.readouterr().err
+
+
+def _next_steps_lists(routing, num_experts, horizon):
+    """Brute force: after group (t, l), the instances of layer l at steps t + 1 .. t + horizon, one
+    block of B * k per step in step order, -1 past the last step."""
+    import numpy as np
+
+    S, L, B, k = routing.shape
+    out = np.full((S * L, horizon * B * k), -1)
+    for t in range(S):
+        for layer in range(L):
+            row = []
+            for j in range(1, horizon + 1):
+                row += ([int(e) + layer * num_experts for e in routing[t + j, layer].reshape(-1)] if t + j < S
+                        else [-1] * (B * k))
+            out[t * L + layer] = row
+    return out
+
+
+def test_oracle_lists_horizon_against_brute_force():
+    """``oracle_lists(..., None, H)``: the next H steps' experts of the same layer, exactly as the
+    brute force lays them out (also H past the replay's end); H = 1 is the next-token oracle's lists
+    unchanged; a horizon below 1, not an integer, or beside a depth is refused."""
+    import numpy as np
+
+    from coldset.measure.replay import oracle_lists
+
+    S, L, B, E, k = 5, 3, 2, 7, 2
+    rng = np.random.default_rng(3)
+    routing = np.stack([[[rng.choice(E, k, replace=False) for _ in range(B)] for _ in range(L)]
+                        for _ in range(S)]).astype(np.int16)
+    for h in (1, 2, 3, 4, 8):
+        got = oracle_lists(routing, E, None, h)
+        assert got.dtype == np.int64 and np.array_equal(got, _next_steps_lists(routing, E, h))
+    next_step = np.full((S, L, B * k), -1)
+    next_step[:-1] = routing[1:].reshape(S - 1, L, B * k) + (np.arange(L) * E)[None, :, None]
+    assert np.array_equal(oracle_lists(routing, E, None), next_step.reshape(S * L, B * k))
+    assert np.array_equal(oracle_lists(routing, E, None, 1), oracle_lists(routing, E, None))
+    for depth, h in ((None, 0), (None, 1.5), (1, 2)):
+        with pytest.raises(ValueError, match="horizon"):
+            oracle_lists(routing, E, depth, h)
 
 
 def test_idle_time_is_the_uncovered_part_of_the_span():

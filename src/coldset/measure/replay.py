@@ -6,7 +6,7 @@ all-HBM routing of each batch size, the pre-gated lookahead lists at several dep
 candidates), the profile counts, and from the JSON the run's all-HBM step per batch, its measured
 link read rate and each policy's management per group (its residency-1.0 row; override or add with
 ``--manage-us POLICY=US``, e.g. to ask what lookahead would reach at lru's cost). Replays ``lru``
-and ``lookahead`` at every kept (depth, candidates), with three references beside them:
+and ``lookahead`` at every kept (depth, candidates), with four references beside them:
 
 - ``belady`` (offline: every miss admitted, the victim the resident used furthest ahead; no
   prefetch, no management): the fewest demand copies any eviction order makes at that capacity, so
@@ -14,7 +14,14 @@ and ``lookahead`` at every kept (depth, candidates), with three references besid
 - ``lookahead oracle`` at depths 1, 2, 4 and 8 (after layer ``l``, the experts the run selected at
   layer ``l + d`` of the same step) and ``nexttoken oracle`` (after layer ``l``, those of layer ``l``
   at the next step), no management: what a perfect forecast reaches under each mechanism's timing,
-  so a target is checked against the mechanism before the forecast is blamed.
+  so a target is checked against the mechanism before the forecast is blamed;
+- ``nexttoken oracle evict hH`` for H in 1, 2, 4 and 8 (``nexttoken`` with ``prefetch_budget=0``;
+  after layer ``l``, the experts the run selected at layer ``l`` in each of the next H steps,
+  concatenated; no management): eviction by a perfect forecast of H tokens and no prefetch, every
+  missed expert a demand copy. The victim is a resident not named in the next H steps where one
+  exists, so the row bounds what eviction by predicted next use buys with a forecast H tokens deep;
+  as H grows it nears ``belady`` (which sees the whole replay), and its gap to ``lru`` says how far
+  ahead a forecast must see for a link-bound batch to move fewer bytes.
 
 Each goes through :func:`coldset.cache.simulate` and :func:`coldset.cache.simulate_time` (the
 engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
@@ -35,23 +42,29 @@ from coldset.measure.harness import MeasureError
 
 LIST_KEY = re.compile(r"^b(\d+)_lookahead_d(\d+)_n(\d+)$")
 ORACLE_DEPTHS = (1, 2, 4, 8)
+EVICT_HORIZONS = (1, 2, 4, 8)  # nexttoken oracle evict hH (module doc)
 
 
-def oracle_lists(routing, num_experts: int, depth: int | None):
-    """int64 ``[steps * L, B * k]`` prefetch lists (-1 padded) naming the instances the run selected:
-    ``depth`` d: after group (t, l) those of layer ``l + d`` at step ``t`` (none past the last
-    layer); ``None``: those of layer ``l`` at step ``t + 1`` (none after the last step).
+def oracle_lists(routing, num_experts: int, depth: int | None, horizon: int = 1):
+    """int64 ``[steps * L, horizon * B * k]`` prefetch lists (-1 padded) naming the instances the run
+    selected: ``depth`` d: after group (t, l) those of layer ``l + d`` at step ``t`` (none past the
+    last layer); ``None``: those of layer ``l`` at steps ``t + 1 .. t + horizon``, one block of
+    ``B * k`` per step in step order (a block past the last step all -1). ``horizon`` > 1 only with
+    ``depth`` None (a lookahead names one later layer of its own step).
     ``routing``: int ``[steps, L, B, k]`` expert ids."""
     import numpy as np
 
+    if int(horizon) != horizon or horizon < 1 or (depth is not None and horizon != 1):
+        raise ValueError(f"oracle_lists: horizon {horizon!r} must be an integer >= 1, and 1 with a depth ({depth})")
     steps, L, B, k = routing.shape
     inst = routing.astype(np.int64).reshape(steps, L, B * k) + (np.arange(L) * num_experts)[None, :, None]
-    out = np.full((steps, L, B * k), -1, dtype=np.int64)
+    out = np.full((steps, L, horizon, B * k), -1, dtype=np.int64)
     if depth is None:
-        out[:-1] = inst[1:]
+        for j in range(1, min(horizon, steps - 1) + 1):
+            out[:-j, :, j - 1] = inst[j:]
     elif depth < L:
-        out[:, :L - depth] = inst[:, depth:]
-    return out.reshape(steps * L, B * k)
+        out[:, :L - depth, 0] = inst[:, depth:]
+    return out.reshape(steps * L, horizon * B * k)
 
 
 def add_arguments(p) -> None:
@@ -112,18 +125,19 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
         steps, _, B, k = routing.shape
         inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
         stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), steps * B, L, E)
-        # (policy, depth, candidates, lists, oracle)
-        variants = [("lru", 0, 0, None, False), ("belady", 0, 0, None, False)]
+        # (policy, depth, candidates, lists, oracle, evict-only horizon: 0 = prefetch as the policy does)
+        variants = [("lru", 0, 0, None, False, 0), ("belady", 0, 0, None, False, 0)]
         for key in sorted(arrays, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]):
             m = LIST_KEY.match(key)
             if m and int(m.group(1)) == b:
-                variants.append(("lookahead", int(m.group(2)), int(m.group(3)), np.asarray(arrays[key]), False))
-        variants += [("lookahead", d, 0, oracle_lists(routing, E, d), True) for d in ORACLE_DEPTHS if d < L]
-        variants.append(("nexttoken", 0, 0, oracle_lists(routing, E, None), True))
+                variants.append(("lookahead", int(m.group(2)), int(m.group(3)), np.asarray(arrays[key]), False, 0))
+        variants += [("lookahead", d, 0, oracle_lists(routing, E, d), True, 0) for d in ORACLE_DEPTHS if d < L]
+        variants.append(("nexttoken", 0, 0, oracle_lists(routing, E, None), True, 0))
+        variants += [("nexttoken", 0, 0, oracle_lists(routing, E, None, h), True, h) for h in EVICT_HORIZONS]
         for r in residencies:
             C = capacity_for_residency(r, L, E)
-            for pol, depth, n, lists, oracle in variants:
-                res = simulate(stream, pol, C, counts, predictions=lists)
+            for pol, depth, n, lists, oracle, horizon in variants:
+                res = simulate(stream, pol, C, counts, predictions=lists, prefetch_budget=0 if horizon else None)
                 manage_us = 0.0 if oracle else manage.get(pol, 0.0)
                 ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join=join,
                                                           manage_ms=manage_us / 1e3))
@@ -131,7 +145,8 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
                 st = res.stats()
                 same = measured.get(name) if not oracle and (pol == "lru" or n == k) else None
                 rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
-                             "oracle": oracle, "manage_us": manage_us, "hit_rate": st.hit_rate,
+                             "oracle": oracle, "evict_horizon": horizon or None, "manage_us": manage_us,
+                             "hit_rate": st.hit_rate,
                              "link_gb_per_token": ts.link_gb_per_token, "step_ms": ts.step_ms,
                              "x_all_hbm": allhbm / ts.step_ms, "overlap": ts.overlap,
                              "bound_fraction": ts.bound_fraction,
@@ -143,6 +158,8 @@ def _variant(row: dict) -> str:
     """A replayed row's policy as the table names it."""
     if row["policy"] == "belady":
         return "belady (offline reference)"
+    if row.get("evict_horizon"):
+        return f"{row['policy']} oracle evict h{row['evict_horizon']}"
     if row.get("oracle"):
         return row["policy"] + " oracle" + (f" d{row['depth']}" if row["depth"] else "")
     return row["policy"] + (f" d{row['depth']} n{row['candidates']}" if row["depth"] else "")
