@@ -18,10 +18,14 @@ and ``lookahead`` at every kept (depth, candidates), with four references beside
 - ``nexttoken oracle evict hH`` for H in 1, 2, 4 and 8 (``nexttoken`` with ``prefetch_budget=0``;
   after layer ``l``, the experts the run selected at layer ``l`` in each of the next H steps,
   concatenated; no management): eviction by a perfect forecast of H tokens and no prefetch, every
-  missed expert a demand copy. The victim is a resident not named in the next H steps where one
-  exists, so the row bounds what eviction by predicted next use buys with a forecast H tokens deep;
-  as H grows it nears ``belady`` (which sees the whole replay), and its gap to ``lru`` says how far
-  ahead a forecast must see for a link-bound batch to move fewer bytes.
+  missed expert a demand copy. The victim is the least recent resident not named in the next H
+  steps where one exists, so the row bounds what eviction by predicted next use buys with a
+  forecast H tokens deep, and its gap to ``lru`` says how far ahead a forecast must see for a
+  link-bound batch to move fewer bytes. The forecast is a set, not a ranking: while the next H
+  steps' experts fit in the pool the row nears ``belady`` as H grows (which sees the whole replay
+  and ranks by next use); once they do not, the victims are the least recent of the named ones, and
+  a longer horizon can cost more copies than a shorter one (batch 8, residency 0.25 of the issue 28
+  replays: one step's experts already exceed the pool, h8 moves more bytes than h2).
 
 Each goes through :func:`coldset.cache.simulate` and :func:`coldset.cache.simulate_time` (the
 engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
