@@ -6,7 +6,9 @@ quantized per token group of 128 (:func:`coldset.fp8.quantize_activations`) at t
 Triton FP8 kernel quantizes them (the tokens once per call; the intermediate SiLU(gate) * up once,
 after its rounding to the activation dtype), with float32 GEMMs, so that the CPU and CUDA
 paths compute the same quantity (the order of the float32 sums differs, so they agree to a
-tolerance, not bitwise).
+tolerance, not bitwise). ``w8a16=True`` is the reference of the FP8 kernel's weight-only mode
+(KernelConfig ``w8a16``): the same with no activation quantized (the tokens and the intermediate,
+rounded to the activation dtype, enter the float32 GEMMs as they are).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def torch_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     token_chunk: int | None = None,
+    w8a16: bool = False,
 ) -> torch.Tensor:
     """Routed-expert output for tokens ``x`` ``[T, H]`` of MoE layer ``layer``.
 
@@ -50,24 +53,29 @@ def torch_experts(
     in chunks of that many rows; ``None`` is one chunk. For a fixed chunk size the result is still
     placement-independent bit for bit; different chunk sizes may differ in the last bits (the
     GEMM library may pick different kernels for different row counts).
+
+    ``w8a16`` (block-FP8 pools only): the activations are not quantized (the FP8 kernel's
+    weight-only mode, see the module doc).
     """
     if token_chunk is not None and token_chunk <= 0:
         raise ValueError(f"torch_experts: token_chunk must be positive, got {token_chunk}")
+    if w8a16 and not pools.is_fp8:
+        raise ValueError("torch_experts: w8a16=True needs block-FP8 pools (it leaves their activations unquantized)")
     num_tokens = x.shape[0]
     if token_chunk is None or token_chunk >= num_tokens:
-        return _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights)
+        return _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16)
     return torch.cat(
         [
             _torch_experts_chunk(pools, layer, x[s : s + token_chunk], topk_ids[s : s + token_chunk],
-                                 topk_weights[s : s + token_chunk])
+                                 topk_weights[s : s + token_chunk], w8a16)
             for s in range(0, num_tokens, token_chunk)
         ]
     )
 
 
-def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights):
+def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
     if pools.is_fp8:
-        return _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights)
+        return _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16)
     out = torch.zeros_like(x)
     rows = pools.row_map[layer].tolist()
     weights = topk_weights.to(x.dtype)
@@ -86,21 +94,24 @@ def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights):
     return out
 
 
-def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights):
+def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
     """Block-FP8 experts, the Triton FP8 kernel's semantics in torch (float32 throughout):
 
     ``a = deq(quant(x))`` per token group of 128; ``g, u = a @ deq(w13).T``; ``act = SiLU(g) * u``
     rounded to ``x``'s dtype (the kernel's activation scratch); ``y = deq(quant(act)) @ deq(w2).T``
     times the routing weight; the top-k products summed in float32 and rounded to ``x``'s dtype
     once. The loop order depends only on the expert ids, never on where an expert lives, so any
-    placement gives bitwise the same result.
+    placement gives bitwise the same result. ``w8a16``: ``quant`` is the identity (``a = x``, the
+    intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it is).
     """
     from coldset import fp8
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     rows = pools.row_map[layer].tolist()
-    xq, xs = fp8.quantize_activations(x)
-    a_all = fp8.dequantize_activations(xq, xs)
+    def through_fp8(a):  # the activation operand of a GEMM, float32
+        return a.float() if w8a16 else fp8.dequantize_activations(*fp8.quantize_activations(a))
+
+    a_all = through_fp8(x)
     weights = topk_weights.float()
     for expert in torch.unique(topk_ids).tolist():
         token_idx, rank_idx = torch.where(topk_ids == expert)
@@ -112,7 +123,6 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights):
                                    getattr(pools, f"w2_scale_{tier}")[r].to(x.device))
         gate, up = (a_all[token_idx] @ w13.T).chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(x.dtype)
-        aq, as_ = fp8.quantize_activations(act)
-        y = (fp8.dequantize_activations(aq, as_) @ w2.T) * weights[token_idx, rank_idx, None]
+        y = (through_fp8(act) @ w2.T) * weights[token_idx, rank_idx, None]
         out.index_add_(0, token_idx, y)
     return out.to(x.dtype)

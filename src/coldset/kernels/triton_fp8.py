@@ -221,16 +221,19 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
                    sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr):
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr,
+                   W8A16: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
     SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here.
     ``QUANT_X``: ``xq_ptr`` is the tokens ``x`` themselves (bf16/fp16, rows ``stride_x`` apart),
     each k step's ``[BM, 128]`` tile quantized here by :func:`_quantize_rows` (the quantization
-    launch's formula on the same values: the same FP8 bytes and scales; ``xs_ptr`` unused)."""
+    launch's formula on the same values: the same FP8 bytes and scales; ``xs_ptr`` unused).
+    ``W8A16``: ``xq_ptr`` is ``x`` too, never quantized: each weight tile is converted to x's dtype
+    (exact for e4m3) and the k step's product scaled by the weight block's scale alone."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
-    if QUANT_X:
+    if QUANT_X or W8A16:
         a_ptrs = xq_ptr + tok[:, None] * stride_x + offs_k[None, :]
     else:
         a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
@@ -252,14 +255,18 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wu = tl.load(wu_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT_X:  # the group's columns past H (a partial group) and invalid rows loaded as 0, as the launch's
-            a, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
-        acc_u += tl.dot(a, wu) * (a_s[:, None] * su[None, :])
+        if W8A16:  # e4m3 -> bf16/fp16 is exact; the dot accumulates in fp32, then the block's weight scale
+            acc_g += tl.dot(a, wg.to(a.dtype)) * sg[None, :]
+            acc_u += tl.dot(a, wu.to(a.dtype)) * su[None, :]
+        else:
+            if QUANT_X:  # the group's columns past H (a partial group) and invalid rows loaded as 0, as the launch's
+                a, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
+            else:
+                a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+            acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
+            acc_u += tl.dot(a, wu) * (a_s[:, None] * su[None, :])
     act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty)  # the intermediate's rounding
     pair64 = pair.to(tl.int64)
     if FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
@@ -282,7 +289,7 @@ def _w13_fp8_kernel(
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
-    QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x,
+    QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x, W8A16: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if WAIT_FIRST:
@@ -317,7 +324,7 @@ def _w13_fp8_kernel(
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
                        sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
-                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X)
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16)
         c += BM
 
 
@@ -325,8 +332,11 @@ def _w13_fp8_kernel(
 def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
                   num_pairs, expert, start, c, cnt,
                   H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, times the routing weight."""
+                  BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                  W8A16: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, times the routing weight.
+    ``W8A16``: ``actq_ptr`` is the intermediate in the activation dtype (never quantized), each
+    weight tile converted to it (exact) and the k step's product scaled by the weight block's scale."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
@@ -345,9 +355,12 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
             k_ok = (k0 + offs_k) < I
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         ws = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
+        if W8A16:
+            acc += tl.dot(a, w.to(a.dtype)) * ws[None, :]
+        else:
+            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+            acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
@@ -361,7 +374,7 @@ def _w2_fp8_kernel(
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr, ORDER: tl.constexpr,
+    PREFETCH: tl.constexpr, ORDER: tl.constexpr, W8A16: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -381,7 +394,7 @@ def _w2_fp8_kernel(
     c = c_begin
     while c < c_end:
         _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n,
-                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N)
+                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, W8A16)
         c += BM
 
 
@@ -431,6 +444,12 @@ def _check_config(c: KernelConfig) -> None:
     if c.quant_act not in (0, 1, 2):
         raise ValueError(f"triton_fp8_experts: config quant_act must be 0 (by block_n1), 1 (the w13 epilogue) or 2 "
                          f"(the intermediate's own launch), got {c.quant_act}")
+    if c.w8a16 not in (0, 1):
+        raise ValueError(f"triton_fp8_experts: config w8a16 must be 0 (FP8 activations) or 1 (weight-only: the "
+                         f"activations stay in their dtype), got {c.w8a16}")
+    if c.w8a16 and (c.quant_x or c.quant_act):
+        raise ValueError(f"triton_fp8_experts: config w8a16=1 quantizes no activation: quant_x and quant_act must be "
+                         f"0, got quant_x={c.quant_x}, quant_act={c.quant_act}")
     if c.quant_act == 1 and c.block_n1 % GROUP:
         raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) "
                          f"needs block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), "
@@ -491,23 +510,29 @@ def triton_fp8_experts(
     s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
     gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
     ep = _next_pow2(num_experts)
+    w8a16 = bool(c.w8a16)
     # the intermediate quantized by the w13 launch's epilogue (its blocks hold whole groups) or by its own launch
-    fuse_q = c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % GROUP == 0)
+    fuse_q = not w8a16 and (c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % GROUP == 0))
     # the intermediate: FP8 with its group scales (w2's operand); the activation-dtype scratch only
-    # when a separate launch quantizes it
+    # when a separate launch quantizes it, or w2 reads it as it is (w8a16)
     act = torch.empty((1 if fuse_q else num_pairs, inter), dtype=x.dtype, device=device)
-    actq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=device)
-    acts = torch.empty((num_pairs, gi), dtype=torch.float32, device=device)
+    if w8a16:
+        actq, acts = act, act  # w2's operand is act itself; acts unused
+    else:
+        actq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=device)
+        acts = torch.empty((num_pairs, gi), dtype=torch.float32, device=device)
     buf = torch.empty((num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
     nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
 
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
-    if c.quant_x:
-        # the w13 launch quantizes the tokens itself: it is the call's first launch (after the
-        # grouping's), so nothing before it to prefetch behind; with pdl 3 a dependent launch that
-        # waits first, with 1 and 2 a plain launch whose blocks let the launch after them start
+    x_raw = bool(c.quant_x) or w8a16
+    if x_raw:
+        # the w13 launch reads the tokens themselves (quant_x: quantizing them; w8a16: as they are):
+        # it is the call's first launch (after the grouping's), so nothing before it to prefetch
+        # behind; with pdl 3 a dependent launch that waits first, with 1 and 2 a plain launch whose
+        # blocks let the launch after them start (pdl 1 is 2 here)
         xq, xs = x, x  # xs unused
         w13_pdl, w13_prefetch = first, False
     else:
@@ -521,20 +546,21 @@ def triton_fp8_experts(
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=w13_prefetch,
-        ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=bool(c.quant_x) and first,
-        stride_x=x.stride(0), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=w13_pdl,
+        ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=x_raw and first,
+        stride_x=x.stride(0), W8A16=w8a16, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=w13_pdl,
     )
-    if not fuse_q:  # every pair's row (pairs of invalid ids too: never read by w2)
+    if not fuse_q and not w8a16:  # every pair's row (pairs of invalid ids too: never read by w2)
         _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),
                                            WAIT=pdl, TRIGGER=pdl, num_warps=4, launch_pdl=pdl)
-    prefetch2 = prefetch and not fuse_q  # behind the intermediate's quantization launch, not beside w13's reads
+    # behind the intermediate's quantization launch, not beside w13's reads (w8a16: no launch between them)
+    prefetch2 = prefetch and not fuse_q and not w8a16
     _w2_fp8_kernel[grid(nb2)](
         actq, acts, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
         weights, buf, num_pairs, layer, nb2, _prefetch_bytes(c.block_n2 * inter, slots * nb2) if prefetch2 else 0,
         E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch2,
-        ORDER=c.tile_order, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        ORDER=c.tile_order, W8A16=w8a16, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](

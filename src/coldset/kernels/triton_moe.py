@@ -137,6 +137,11 @@ class KernelConfig:
     128 (a block then holds whole groups), else by a launch of its own (the rule before the field
     existed); 1 always by the w13 epilogue (refused unless ``block_n1`` is a multiple of 128);
     2 always by its own launch. Every choice gives the same bits: they choose speed, not results.
+    ``w8a16``: 1 runs the block-FP8 kernel weight-only (its decode mode): no activation is
+    quantized, each FP8 weight tile is converted to the activation dtype (exact) and dotted with the
+    bf16/fp16 tokens and intermediate, so a layer runs three launches as here. Unlike the options
+    above it changes the numbers (no activation rounding to e4m3): a config's bits depend on it,
+    never on the placement. The bf16 kernel ignores it.
     """
 
     block_m: int = 16
@@ -155,6 +160,7 @@ class KernelConfig:
     half_tail: int = 0
     quant_x: int = 0
     quant_act: int = 0
+    w8a16: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
