@@ -154,6 +154,23 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              quant_x=1, quant_act=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_act=1),
+        # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
+        # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
+        # bf16's; other numerics than the candidates above (no activation rounding), checked
+        # against the torch path of its own mode (torch_experts(w8a16=True)). The bf16 kernel's
+        # decode tiles (32 / 64 columns) at its 3 stages' bytes in flight (6 stages of half-size
+        # weight tiles) and at 4, pdl 2 and 3 (3: the w13 launch chained behind the step's kernel
+        # before); the 64-column tile of batch 4 to 64, column-fastest as bf16's at 64 tokens.
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3,
+             w8a16=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             tile_order=1, w8a16=1),
     ],
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
@@ -465,10 +482,14 @@ def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps:
     bar = tqdm(total=total, desc=f"autotune ({backend})", file=sys.stderr, disable=None)
     for bs in batch_sizes:
         cases = [_routing(bs, shape, device, g) for _ in range(layers)]
-        refs = [torch_experts(pools, l, *cases[l]).float() for l in range(layers)]
+        refs_by_mode: dict[bool, list] = {}  # the torch path of the candidate's numerics (FP8: w8a16 or not)
         timings[bs] = {}
         for cand in _candidates(space, bs):
             label = _canonical(cand)
+            w8a16 = bool(cand.get("w8a16", 0))
+            if w8a16 not in refs_by_mode:
+                refs_by_mode[w8a16] = [torch_experts(pools, l, *cases[l], w8a16=w8a16).float() for l in range(layers)]
+            refs = refs_by_mode[w8a16]
             if backend == "triton":
                 from coldset.kernels import triton_experts
 
@@ -545,6 +566,20 @@ def autotune(
     write_json(path, entry)
     return TuneResult(key=key, hit=False, backend=backend, shape=shape, batch_sizes=batch_sizes,
                       configs=configs, timings_us=timings, path=path)
+
+
+def untimed_candidates(result: TuneResult, search_space: dict) -> dict[int, list[dict]]:
+    """Per tuned batch size, the candidates of ``search_space`` for its regime that have no time in
+    ``result`` (excluded by :func:`autotune`: an error, out of resources, or an output that differs
+    from the torch path of its numerics), so that a caller can refuse a tune that silently lost
+    candidates it meant to time."""
+    out = {}
+    for bs in result.batch_sizes:
+        timed = result.timings_us.get(bs, {})
+        missing = [c for c in _candidates(search_space, bs) if _canonical(c) not in timed]
+        if missing:
+            out[bs] = missing
+    return out
 
 
 def config_for(result: TuneResult, batch_size: int) -> dict:

@@ -111,7 +111,8 @@ def render_kernel_fp8(res: dict) -> str:
                      f"{100 * max(r['bf16_bytes_bound_us'], r['bf16_flop_bound_us']) / bf_us:.0f}%",
                      f"{bf_us / fp8_us:.2f}x", f"{r['fp8_rel_err_vs_torch']:.1e}",
                      f"{r['fp8_bitwise_rowmap_vs_off']}/{r.get('fp8_cold_bitwise_vs_hot', '-')}", cold,
-                     f"{cfg['block_m']}/{cfg['block_n1']}/{cfg['block_n2']} w{cfg['num_warps']}s{cfg['num_stages']}"])
+                     f"{cfg['block_m']}/{cfg['block_n1']}/{cfg['block_n2']} w{cfg['num_warps']}s{cfg['num_stages']}"
+                     + (" w8a16" if cfg.get("w8a16") else "")])
     out.append(table(["tokens", "FP8 MB", "FP8 µs", "% plain read", "% bytes bound", "% FLOP bound", "bf16 µs",
                       "bf16 % plain read", "bf16 % bound", "bf16/FP8", "FP8 rel err vs torch", "bitwise off/cold",
                       "FP8 all-cold µs (% link)", "FP8 config m/n1/n2"], rows))
@@ -128,7 +129,7 @@ def _tune_table(timings: dict) -> str:
     """The FP8 tune's candidates, µs per layer per batch (fastest first at the first batch): every
     config measured, so the ones that lost show by how much."""
     names = {"block_n1": "n1", "block_n2": "n2", "num_warps": "w", "num_stages": "s", "pdl": "pdl",
-             "quant_x": "qx", "quant_act": "qa"}
+             "quant_x": "qx", "quant_act": "qa", "tile_order": "to", "w8a16": "w8a16"}
     batches = list(timings)
     configs = sorted(timings[batches[0]], key=timings[batches[0]].get)
     rows = []
@@ -187,6 +188,8 @@ def render_step(res: dict) -> str:
             for k, v in res["fp8_vs_bf16"].items()))
     if res.get("errors"):
         out.append("Engines that failed: " + "; ".join(f"{k}: {v}" for k, v in res["errors"].items()))
+    if res.get("fails"):
+        out.append("Checks FAILED: " + "; ".join(res["fails"]))
     return "\n\n".join(out)
 
 

@@ -178,7 +178,7 @@ def run(args, argv=None) -> dict:
     from coldset.placement import expert_bytes
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.timing import eager_time_us
-    from coldset.tune import TuneShape, autotune, tuned_experts
+    from coldset.tune import TuneShape, autotune, default_search_space, tuned_experts, untimed_candidates
 
     out_path = Path(args.out) / "decode_step.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -237,6 +237,10 @@ def run(args, argv=None) -> dict:
             experts8, R["fp8_tuned_configs"] = tuned_experts(tuned8, False), tuned8.configs
             # every candidate's µs per layer, so a config that lost is seen losing (not only the winner)
             R["fp8_tune_timings_us"] = {str(b): t for b, t in tuned8.timings_us.items()}
+            # a candidate the tune excluded (an error, or an output unlike its torch path) fails the run
+            lost = untimed_candidates(tuned8, default_search_space(dev, shape8.weight_format))
+            if lost:
+                R.setdefault("fails", []).append(f"FP8 autotune excluded candidates (see the warnings): {lost}")
             R["fp8_configs_from"] = "autotuned in this run"
             log("FP8 autotune", R["fp8_autotune_s"], "s", tuned8.configs)
         elif args.tuned_fp8:
