@@ -162,7 +162,8 @@ for bad, match in [(dict(w8a16=1, quant_x=1), "w8a16=1 quantizes no activation")
                    (dict(w8a16=1, block_n1=128, quant_act=1), "w8a16=1 quantizes no activation"),
                    (dict(w8a16=2), "w8a16 must be 0")]:
     try:
-        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, variant(KernelConfig(16, 32, 128, 64, 128), **bad))
+        cfg = variant(KernelConfig(16, 32, 128, 64, 128), **bad)
+        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, cfg)
     except ValueError as exc:
         assert match in str(exc), (bad, exc)
     else:
@@ -174,7 +175,8 @@ for bad, match in [(dict(w8a16=1, quant_x=1), "w8a16=1 quantizes no activation")
 _, _, qq = make_fp8(2, 8, 200, 72, seed=4)
 x, ids, w = routing(5, 8, 3, 200, torch.float16, seed=4)
 placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, 4), "cpu", w13_scale=qq[2], w2_scale=qq[3])
-for cfg in (KernelConfig(16, 32, 128, 64, 128, 4, 4, 32, w8a16=1), KernelConfig(16, 64, 128, 64, 128, 4, 3, 1, w8a16=1)):
+for cfg in (KernelConfig(16, 32, 128, 64, 128, 4, 4, 32, w8a16=1),
+            KernelConfig(16, 64, 128, 64, 128, 4, 3, 1, w8a16=1)):
     base = triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 1, x, ids, w, cfg, use_row_map=False)
     for pdl in (1, 2, 3):
         PREFETCHED.clear()

@@ -126,13 +126,12 @@ TRITON_SEARCH_SPACE: dict = {
 # section 2): quant_x=1 quantizes the tokens inside the w13 launch (each column block its own
 # [16, 128] tile per k step, the same bits); with quant_act=1 and 128 columns the w13 epilogue also
 # quantizes the intermediate, so a layer runs w13, w2 and the top-k sum alone, as bf16 does
-# (triton_fp8's docstring). That 16 x 128 w13 launch compiles (sm90, on the CPU, in-kernel grouping
-# of 8 pairs: probes/fp8_w13_sass_cpu.py) to 255 registers and a 104-byte spill stack at 4 warps
-# with quant_x=1 (24 bytes without: the fused 128-column tile measured slower in the first run
-# spills too), 235 registers and no stack at 8 warps: the 8-warp tiles with and without quant_x,
-# the 4-warp one kept for the measurement. At 8 warps their w2 launch takes 64 rows of H a block
-# (128 spill a 72-byte stack there, 64 none). They stay out of the prefill space, where the tokens'
-# launch is a small share and every column block would re-quantize its 64-row tile.
+# (triton_fp8's docstring). The 8-warp tiles with and without quant_x and a 4-warp one were chosen
+# from a probe compile that spilled at 16 x 128 and 4 warps; with the launch's pointer alignment
+# (probes/fp8_w13_sass_cpu.py since issue 29's w8a16 session) no decode candidate spills (16 x 128:
+# 255 registers at 4 warps, 204 at 8; their w2 at 64 rows of H 94). They stay out of the prefill
+# space, where the tokens' launch is a small share and every column block would re-quantize its
+# 64-row tile.
 TRITON_FP8_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
     "decode": [

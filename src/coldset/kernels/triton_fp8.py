@@ -67,19 +67,55 @@ formula above on the same values, hence the same FP8 bytes and scales and the sa
   ``quant_act`` taking the epilogue, a layer runs three launches (w13, w2, the top-k sum), as
   the bf16 kernel does.
 
-What the compiler makes of them, without a GPU (probes/fp8_w13_sass_cpu.py: the w13 launch at
-Qwen3-30B-A3B-FP8's shape, 1 token's in-kernel grouping, compiled for sm90 on the CPU with triton
-3.6's ptxas; static facts, not times): ``quant_x=1`` adds 32 FCHK (the IEEE divisions' check) and
-~900 SASS instructions (3032 against 2128) to the 16 x 64 launch, 254 registers against 244, no spills;
-the 16 x 128 launch that also quantizes the intermediate spills at 4 warps (255 registers, 104
-stack bytes, 57 local loads/stores; 24 bytes even without ``quant_x``, which may be why that
-fused tile measured slower than 64 columns in the first run) and does not at 8 warps (235).
+What the compiler makes of them, without a GPU (probes/fp8_w13_sass_cpu.py: the w13 and w2 launches
+at Qwen3-30B-A3B-FP8's shape, 1 token's in-kernel grouping, compiled for sm90 on the CPU with triton
+3.6's ptxas, with the launch's specialization: pointers 16-byte aligned; static facts, not times).
+Every decode candidate's k loop is software-pipelined (cp.async: LDGSTS) and none spills; the 16 x 32
+tile: w13 120 registers, 856 SASS instructions, w2 120; ``quant_x=1`` adds 18 FCHK (the IEEE
+divisions' check) and ~500 instructions to it (1360) and a row max per k step between the load and the
+dot; the 16 x 128 launch that also quantizes the intermediate: 255 registers at 4 warps, 204 at 8.
+(Before the probe passed the alignment, its compile had unvectorized, unpipelined loads, identical
+cubins for every ``num_stages``, and spills at 16 x 128 that the launched code does not have: the
+figures this paragraph stated until then.) The 16-row FP8 dots run as mma.sync on f16 (HMMA.16816.F32
+after F2FP.F16.E4M3 unpacks of both operands).
 
 On the H200 (2026-12-01, ``pytest -m gpu``: 178 passed) the ``quant_x=1`` path and the explicit
 ``quant_act`` choices give the bits of the quantization launches (tests/test_fp8_experts.py, also
-under Triton's interpreter), and in ``bench step --tune-fp8`` every candidate using them lost the
-tune at b1 and b8 to the 32-column tile with both quantization launches (by how much: that run
-kept only the winner; ``bench step --tune-fp8`` now keeps every candidate's time).
+under Triton's interpreter); in ``bench step --tune-fp8`` (2026-12-02, head 7a9a6e2) every
+``quant_x=1`` candidate took 55-76 µs a layer at b1 and 162-192 at b8 against 23.6 / 81.5 for the
+32-column tile with both quantization launches. Why, read from the code (not profiled): at decode a
+block's ``[16, 128]`` token tile is quantized in every k step of every column block (``I / block_n1``
+= 6-24 times per pair and k step), 16 x 128 IEEE divisions and a cross-thread row max (a barrier) on
+the path from each k step's load to its dot, so the k loop's latency, which bounds a launch whose
+~200 blocks are barely more than one wave, grows with it; a smaller cost than the launch it saves
+would need the division out of that path (a reciprocal multiply gives other bits than the
+quantization launch's IEEE division, so it is not a drop-in change).
+
+``w8a16=1`` (:class:`~coldset.kernels.triton_moe.KernelConfig`; the weight-only decode mode, issue 29
+after the FP8 step measured 1.04x the bf16 step at b1, 5 launches a layer against bf16's 3): no
+activation is quantized. The w13 launch reads the bf16/fp16 tokens, converts each FP8 weight tile to
+their dtype in registers (e4m3 to bf16 or fp16 is exact: 3 mantissa bits, exponents inside both
+ranges) and accumulates ``acc += dot(x, w) * w_s[None, :]`` per 128-column k block in fp32 (the
+block's ``weight_scale_inv``, the per-column vector of :func:`_w13_fp8_chunk`: one value where the
+tile lies in one 128-row block), then writes SiLU(gate) * up rounded to the activation dtype; w2 reads
+that intermediate as it is, the same way. Three launches a layer (w13 + act, w2, the top-k sum), as
+the bf16 kernel; hot, cold (zero-copy) and slot rows through the same row-map load for weights and
+scales. ``pdl`` 2 chains w2 and the sum behind w13 (a plain launch), 3 also chains w13 behind the
+kernel before it (waiting before it reads anything), 1 is 2 (no launch before w13 nor between w13
+and w2 to hide a prefetch behind). Its numbers are another function than the w8a8 path's (no e4m3
+rounding of the activations): its reference is ``torch_experts(..., w8a16=True)`` (the dequantize-
+then-matmul path with exact activations), which it meets to float32 summation order under the
+interpreter (fp16: rel. error < 1e-3 against the torch path and a float64 computation of the same
+dequantized weights, measured 3e-6 to 3e-4); against the w8a8 path it differs by ~4% (3.6-4.6% at the
+tests' shapes, 4.2% at Qwen3-30B-A3B's in float64), the e4m3 rounding of the activations that
+w8a8 adds (tests/test_fp8_w8a16.py). A run's bits depend on the config, never on the placement: the
+parity gate (:func:`coldset.gate.experts_functions`) gives the unmodified and the row-map paths the
+same tuned config, ``bench step`` times one tuned config per batch, and ``autotune`` and ``bench
+kernel`` check each candidate against the torch path of its own mode. The SASS (same probe): the
+16 x 32 tile's w13 128 registers, 992 instructions, no spill, HMMA.16816.F32.BF16; the conversion is
+F2FP.F16.E4M3 (two values) then F2F.BF16.F16 (one value) per weight, 64 F2F per thread and k step
+at 16 x 32 (triton 3.6 has no direct e4m3 -> bf16 path on sm90), whose throughput on the H200 is
+the first thing to look at if the mode stays short of its bytes.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
