@@ -553,3 +553,31 @@ def test_decide_ahead_after_the_forecast_gemv_under_the_interpreter_equals_the_t
     :func:`ahead_group`'s other order, the forecast list after the demand part and the wait; the
     wait a no-op under the interpreter): the same state as the torch path, bitwise, every group."""
     _interpret(_DECIDE_PDL, folder=tmp_path)
+
+
+def test_router_launch_register_cap_fits_the_grid_in_one_wave():
+    """The router launch with lookahead's decision is capped (``maxnreg``) only where its grid needs
+    more than two blocks an SM (any register count up to 255 fits two blocks of 4 warps in 65,536),
+    and then at the most registers that fit the grid in one wave (whole warps of 256-register
+    units), never below 128: b8 at E 128 (512 programs) on the H200's 132 SMs gets 128 (four
+    blocks an SM, 528 in a wave), b1 and b4 none."""
+    pytest.importorskip("triton")
+    from coldset.kernels import triton_decode as td
+
+    def blocks(regs: int, warps: int = td.ROUTE_WARPS) -> int:
+        return 65536 // (-(-regs * 32 // 256) * 256 * warps)
+
+    assert blocks(255) == 2 and blocks(128) == 4
+    for programs, sms in [(64, 132), (128, 132), (256, 132), (264, 132), (512, 132), (396, 132), (397, 132),
+                          (384, 108), (1024, 132), (8192, 132)]:
+        cap = td._route_register_cap(programs, td.ROUTE_WARPS, sms)
+        need = -(-programs // sms)
+        if need <= 2:
+            assert cap is None, (programs, sms, cap)
+            continue
+        assert cap % 8 == 0 and td.ROUTE_AHEAD_MAXNREG <= cap <= 255, (programs, sms, cap)
+        if cap > td.ROUTE_AHEAD_MAXNREG:  # the most that still fits one wave
+            assert blocks(cap) * sms >= programs > blocks(cap + 8) * sms, (programs, sms, cap)
+        else:  # at the floor: one wave where 128 allows it
+            assert (blocks(cap) * sms >= programs) == (need <= 4), (programs, sms, cap)
+    assert td._route_register_cap(512, td.ROUTE_WARPS, 132) == 128

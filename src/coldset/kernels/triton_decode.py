@@ -520,6 +520,43 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     return (summed, out) if add is not None else out
 
 
+# The register cap of the router launch with lookahead's decision (``route(..., ahead=...)``) where
+# its grid needs more than two blocks an SM. ptxas gives that launch the registers its last
+# program's decision asks for (244 a thread at 8 tokens, compiled for sm90 on the CPU:
+# probes/route_regs_cpu.py), and a launch has one count for all its programs: at 244, two blocks of 4
+# warps fit an SM's 65,536 registers, so b8's 512 programs (64 per token at E 128) ran in two waves
+# on the H200's 132 SMs, the second loading its router rows after the first (plain launch: 96
+# registers, five blocks an SM, one wave). At 128 four fit (528 programs: one wave); the last
+# program keeps 48 bytes on its stack (5 local loads and stores) and ptxas recomputes where it ran
+# short (10,568 SASS instructions in all, 11,120 capped); below 128 it spills more (136 B at 112,
+# 168 B at 96), so a grid past four blocks an SM keeps 128. The cap changes the register
+# allocation and the schedule, not the operations: the routing's bits are the same.
+ROUTE_AHEAD_MAXNREG = 128
+ROUTE_WARPS = 4  # the router launch's warps (its routing's bits depend on them)
+_SM_REGISTERS = 65536  # registers an SM (sm70 to sm90)
+
+
+def _route_register_cap(programs: int, num_warps: int, sms: int) -> int | None:
+    """``maxnreg`` for the router launch with lookahead's decision: ``None`` (no cap) where the grid
+    fits two blocks an SM (any count up to 255 does), else the most that lets one wave hold it
+    (a multiple of 8), never below ``ROUTE_AHEAD_MAXNREG``."""
+    per_sm = -(-int(programs) // int(sms))
+    if per_sm <= 2:
+        return None
+    return max(ROUTE_AHEAD_MAXNREG, min(255, _SM_REGISTERS // (per_sm * num_warps * 32)) // 8 * 8)
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (a property read once per device)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNTS:
+        _SM_COUNTS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNTS[key]
+
+
 @triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wts_ptr, eps,
                   stride_x, stride_h, stride_we,
@@ -704,6 +741,10 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
             raise ValueError(f"route: the forecast buffer must be float32 contiguous [>= {m}, {num_experts}], got "
                              f"{fc.dtype} {tuple(fc.shape)}")
         meta = dict(LOOKAHEAD=True, TP=max(2, triton.next_power_of_2(m)), **sizes)
+        if x.is_cuda:
+            cap = _route_register_cap(triton.cdiv(num_experts, block_e) * m, ROUTE_WARPS, _sm_count(x.device))
+            if cap is not None:
+                meta["maxnreg"] = cap
     else:
         extra = (counter, counter, 0, counter, 0, counter, counter, 0) + (counter,) * 5 + (0,)
     if m:
@@ -713,6 +754,6 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
             x.stride(0), h.stride(0), gate_weight.stride(0), *rec, *extra, M=m, MP=triton.next_power_of_2(m),
             H=hidden, HP=triton.next_power_of_2(hidden), E=num_experts, EP=triton.next_power_of_2(num_experts),
             K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize, PDL=pdl,
-            RECORD=record is not None and ahead is None, TRIGGER=bool(trigger), num_warps=4, **meta,
+            RECORD=record is not None and ahead is None, TRIGGER=bool(trigger), num_warps=ROUTE_WARPS, **meta,
             **_pdl_launch(pdl))
     return (h, ids, weights, logits) if return_logits else (h, ids, weights)
