@@ -49,7 +49,7 @@ def launch_attrs(names: list[str], ptr: dict) -> dict:
 
 def compile_w13(c: KernelConfig):
     """The cubin of the w13 launch ``c`` runs (the same constexprs as triton_fp8_experts passes at 1 token)."""
-    qx, w8 = bool(c.quant_x), bool(c.w8a16)
+    qx, w8 = bool(c.quant_x), c.w8a16
     raw = qx or w8  # the w13 launch reads x itself
     fuse = not w8 and (c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % 128 == 0))
     pdl = c.pdl > 0
@@ -75,7 +75,7 @@ def compile_w13(c: KernelConfig):
 
 def compile_w2(c: KernelConfig):
     """The cubin of the w2 launch ``c`` runs at 1 token (its prefetch only behind the intermediate's own launch)."""
-    w8 = bool(c.w8a16)
+    w8 = c.w8a16
     fuse = not w8 and (c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % 128 == 0))
     ptr = {"actq_ptr": "*bf16" if w8 else "*fp8e4nv", "acts_ptr": "*bf16" if w8 else "*fp32", "ids_ptr": "*i64",
            "sorted_pairs_ptr": "*i64", "expert_off_ptr": "*i64", "row_map_ptr": "*i32", "w_hot_ptr": "*fp8e4nv", "w_cold_ptr": "*fp8e4nv",
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         c = KernelConfig.from_dict(d)
         triton_fp8._check_config(c)
         tile = (f"{c.block_m}x{c.block_n1}/{c.block_n2} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} "
-                f"quant_act{c.quant_act}" + (" w8a16" if c.w8a16 else ""))
+                f"quant_act{c.quant_act}" + (f" w8a16={c.w8a16}" if c.w8a16 else ""))
         for name, build in (("w13", compile_w13), ("w2", compile_w2)):
             s = stats(build(c).asm["cubin"])
             print(f"{tile:52s} {name:3s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)

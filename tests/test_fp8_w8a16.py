@@ -154,13 +154,15 @@ for hidden, inter, tokens, cfg in CASES:
     assert (cache.pools.row_map[1].numpy() != warm_map[1]).any() and (cache.pools.row_map[1].numpy() < 0).any()
     for name, pools in (("hot/cold", placed), ("all cold", cold), ("slots", cache.pools)):
         assert torch.equal(triton_experts(pools, 1, x, ids, w, cfg), base), (name, cfg)
+    # w8a16=2 (bf16 weight tiles by bits; fp16 ones as 1): accepted, no quantization launch, 1's bits
+    assert torch.equal(triton_experts(placed, 1, x, ids, w, variant(cfg, w8a16=2)), base), cfg
 
 # refused by name: w8a16 with a quantization option, a value outside 0 / 1
 _, _, qq = make_fp8(1, 8, 256, 128)
 x, ids, w = routing(2, 8, 2, 256, torch.float16)
 for bad, match in [(dict(w8a16=1, quant_x=1), "w8a16=1 quantizes no activation"),
                    (dict(w8a16=1, block_n1=128, quant_act=1), "w8a16=1 quantizes no activation"),
-                   (dict(w8a16=2), "w8a16 must be 0")]:
+                   (dict(w8a16=3), "w8a16 must be 0")]:
     try:
         cfg = variant(KernelConfig(16, 32, 128, 64, 128), **bad)
         triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, cfg)
@@ -217,7 +219,7 @@ def test_fp8_search_space_times_w8a16_at_decode_only():
     for c in decode:
         _check_config(c)
     w8 = [c for c in decode if c.w8a16]
-    assert {c.block_n1 for c in w8} == {32, 64} and {c.pdl for c in w8} == {2, 3}
+    assert {c.block_n1 for c in w8} == {32, 64} and {c.pdl for c in w8} == {2, 3} and {c.w8a16 for c in w8} == {1, 2}
     assert all(c.quant_x == c.quant_act == 0 for c in w8)
     assert not any(KernelConfig.from_dict(d).w8a16 for d in TRITON_FP8_SEARCH_SPACE["prefill"])
     assert DEFAULT_DECODE_CONFIG.w8a16 == DEFAULT_PREFILL_CONFIG.w8a16 == KernelConfig().w8a16 == 0
@@ -304,8 +306,38 @@ def test_w8a16_bitwise_across_placements_and_slots(hidden, inter, num_tokens):
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens,pdl", [(1, 0), (1, 2), (4, 3), (64, 2)])
-def test_w8a16_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
+@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+def test_w8a16_bit_conversion_bitwise_triton_conversion_on_every_finite_e4m3(num_tokens):
+    """``w8a16=2`` (bf16 weight tiles by bit operations, :func:`~coldset.kernels.triton_fp8._bf16_of_e4m3_bits`)
+    gives ``w8a16=1``'s bits (triton's conversion) with weights holding every finite e4m3 byte (zeros,
+    negative zero, subnormals, +-448), on all-hot and half-cold rows, at the search space's tiles."""
+    from coldset.kernels import triton_experts
+
+    L, E, H, I = 1, 8, 256, 128
+    _, _, q = make_fp8(L, E, H, I, seed=60)
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F]  # e4m3fn's NaN (0x7f, 0xff) left out: no quantizer writes it
+    for t in (q[0], q[1]):  # each expert's bytes: every finite value, repeated, shuffled per expert
+        g = torch.Generator().manual_seed(t.numel())
+        n = t[0, 0].numel()
+        for e in range(E):
+            t.view(torch.uint8)[0, e].view(-1).copy_(every[torch.randint(0, every.numel(), (n,), generator=g)])
+            t.view(torch.uint8)[0, e].view(-1)[: every.numel()] = every
+    x, ids, w = routing(num_tokens, E, 4, H, torch.bfloat16, seed=61, device="cuda")
+    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    placed = build_pools(q[0], q[1], random_row_map(L, E, 0.5, 6), "cuda", w13_scale=q[2], w2_scale=q[3])
+    for n1, n2, st in ((32, 64, 4), (64, 128, 3)):
+        one = triton_experts(unmodified, 0, x, ids, w, _cfg(block_n1=n1, block_n2=n2, num_stages=st), use_row_map=False)
+        assert torch.isfinite(one).all()
+        for pools, use in ((unmodified, False), (placed, True)):
+            two = triton_experts(pools, 0, x, ids, w, _cfg(block_n1=n1, block_n2=n2, num_stages=st, w8a16=2),
+                                 use_row_map=use)
+            assert torch.equal(two, one), (n1, use)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens,pdl,mode", [(1, 0, 1), (1, 2, 1), (4, 3, 1), (64, 2, 1), (1, 2, 2), (4, 3, 2)])
+def test_w8a16_cuda_graph_replay_after_row_map_change(num_tokens, pdl, mode):
     """A captured step re-reads the row map: hot, every expert cold (weights and scales in place in
     pinned memory), mixed; each replay bitwise the unmodified path."""
     from coldset.kernels import triton_experts
@@ -315,8 +347,8 @@ def test_w8a16_cuda_graph_replay_after_row_map_change(num_tokens, pdl):
     pools = dup_fp8_pools(q)
     unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
     x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=9, device="cuda")
-    cfg = _cfg(pdl=pdl)
-    ref = triton_experts(unmodified, 1, x, ids, w, _cfg(pdl=0), use_row_map=False)
+    cfg = _cfg(pdl=pdl, w8a16=mode)
+    ref = triton_experts(unmodified, 1, x, ids, w, _cfg(pdl=0), use_row_map=False)  # mode 2: mode 1's bits
     out = triton_experts(pools, 1, x, ids, w, cfg)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

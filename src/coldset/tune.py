@@ -170,6 +170,15 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              w8a16=1),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
              tile_order=1, w8a16=1),
+        # w8a16=2: the same bits, the weight tiles converted to bf16 by four ALU instructions per two
+        # values (triton 3.6 converts each e4m3 -> f16 -> bf16 with its own F2F, a conversion-pipe
+        # instruction: 64 a thread and k step at 16 x 32; probes/fp8_w13_sass_cpu.py)
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             w8a16=2),
     ],
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,

@@ -91,7 +91,7 @@ the path from each k step's load to its dot, so the k loop's latency, which boun
 would need the division out of that path (a reciprocal multiply gives other bits than the
 quantization launch's IEEE division, so it is not a drop-in change).
 
-``w8a16=1`` (:class:`~coldset.kernels.triton_moe.KernelConfig`; the weight-only decode mode, issue 29
+``w8a16`` 1 or 2 (:class:`~coldset.kernels.triton_moe.KernelConfig`; the weight-only decode mode, issue 29
 after the FP8 step measured 1.04x the bf16 step at b1, 5 launches a layer against bf16's 3): no
 activation is quantized. The w13 launch reads the bf16/fp16 tokens, converts each FP8 weight tile to
 their dtype in registers (e4m3 to bf16 or fp16 is exact: 3 mantissa bits, exponents inside both
@@ -114,8 +114,12 @@ same tuned config, ``bench step`` times one tuned config per batch, and ``autotu
 kernel`` check each candidate against the torch path of its own mode. The SASS (same probe): the
 16 x 32 tile's w13 128 registers, 992 instructions, no spill, HMMA.16816.F32.BF16; the conversion is
 F2FP.F16.E4M3 (two values) then F2F.BF16.F16 (one value) per weight, 64 F2F per thread and k step
-at 16 x 32 (triton 3.6 has no direct e4m3 -> bf16 path on sm90), whose throughput on the H200 is
-the first thing to look at if the mode stays short of its bytes.
+at 16 x 32 (triton 3.6 has no direct e4m3 -> bf16 path on sm90). F2F is a conversion-pipe
+instruction (a fraction of the ALU rate): at one F2F per weight it may bound the launch before
+its bytes do. ``w8a16=2`` converts by bits instead (:func:`_bf16_of_e4m3_bits`: the same F2FP
+unpack, then two LOP3, one SHF and one HMUL2.BF16 per two values, no F2F; 16 x 32 w13: 126
+registers, 1024 instructions): the same bits for every finite weight (a GPU test covers all 254
+finite e4m3 values), a speed choice the tuner makes; with fp16 activations it is 1.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
 quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
@@ -198,6 +202,32 @@ def _quantize_rows(a, BM: tl.constexpr, BK: tl.constexpr):
     q = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], (BM, BK)))
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
+
+
+@triton.jit
+def _bf16_of_e4m3_bits(w):
+    """bf16 of float8_e4m3fn ``w`` by bit operations (``w8a16=2``): the e4m3 -> f16 unpack (exact,
+    always a normal f16 or zero), then per f16 half of a 32-bit register the exponent and mantissa
+    moved into bf16's fields (``(h & 0x7fff) >> 3``, the sign kept) and one bf16x2 multiply by
+    2^112 (the exponent biases' difference, 127 - 15): four ALU instructions per two values where
+    triton 3.6 converts each f16 to bf16 by its own F2F. Bitwise Triton's conversion for every finite
+    e4m3 value (zeros and signs included); e4m3fn's NaN (0x7f, 0xff) reads as +-122880 instead of
+    NaN (a quantizer writes none: :func:`coldset.fp8.quantize_weight` clamps to +-448)."""
+    h = w.to(tl.float16)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 u, s, k; and.b32 u, $1, 0x7fff7fff; shr.b32 u, u, 3; and.b32 s, $1, 0x80008000; "
+        "or.b32 u, u, s; mov.b32 k, 0x77807780; mul.rn.bf16x2 $0, u, k; }",
+        "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _w8a16_operand(w, a, W8A16: tl.constexpr):
+    """The FP8 weight tile ``w`` in the dtype of the activation tile ``a`` (exact either way):
+    triton's conversion (``W8A16`` 1), or for bf16 :func:`_bf16_of_e4m3_bits` (2)."""
+    if W8A16 == 2 and a.dtype == tl.bfloat16:
+        return _bf16_of_e4m3_bits(w)
+    else:
+        return w.to(a.dtype)
 
 
 @triton.jit
@@ -294,8 +324,8 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
         sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
         su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
         if W8A16:  # e4m3 -> bf16/fp16 is exact; the dot accumulates in fp32, then the block's weight scale
-            acc_g += tl.dot(a, wg.to(a.dtype)) * sg[None, :]
-            acc_u += tl.dot(a, wu.to(a.dtype)) * su[None, :]
+            acc_g += tl.dot(a, _w8a16_operand(wg, a, W8A16)) * sg[None, :]
+            acc_u += tl.dot(a, _w8a16_operand(wu, a, W8A16)) * su[None, :]
         else:
             if QUANT_X:  # the group's columns past H (a partial group) and invalid rows loaded as 0, as the launch's
                 a, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
@@ -393,7 +423,7 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
             w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         ws = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
         if W8A16:
-            acc += tl.dot(a, w.to(a.dtype)) * ws[None, :]
+            acc += tl.dot(a, _w8a16_operand(w, a, W8A16)) * ws[None, :]
         else:
             a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
@@ -480,9 +510,9 @@ def _check_config(c: KernelConfig) -> None:
     if c.quant_act not in (0, 1, 2):
         raise ValueError(f"triton_fp8_experts: config quant_act must be 0 (by block_n1), 1 (the w13 epilogue) or 2 "
                          f"(the intermediate's own launch), got {c.quant_act}")
-    if c.w8a16 not in (0, 1):
-        raise ValueError(f"triton_fp8_experts: config w8a16 must be 0 (FP8 activations) or 1 (weight-only: the "
-                         f"activations stay in their dtype), got {c.w8a16}")
+    if c.w8a16 not in (0, 1, 2):
+        raise ValueError(f"triton_fp8_experts: config w8a16 must be 0 (FP8 activations), 1 or 2 (weight-only: the "
+                         f"activations stay in their dtype; 2 converts the weights to bf16 by bits), got {c.w8a16}")
     if c.w8a16 and (c.quant_x or c.quant_act):
         raise ValueError(f"triton_fp8_experts: config w8a16=1 quantizes no activation: quant_x and quant_act must be "
                          f"0, got quant_x={c.quant_x}, quant_act={c.quant_act}")
@@ -546,7 +576,7 @@ def triton_fp8_experts(
     s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
     gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
     ep = _next_pow2(num_experts)
-    w8a16 = bool(c.w8a16)
+    w8a16 = c.w8a16  # 0, or the weight-only mode's conversion (1, 2)
     # the intermediate quantized by the w13 launch's epilogue (its blocks hold whole groups) or by its own launch
     fuse_q = not w8a16 and (c.quant_act == 1 or (c.quant_act == 0 and c.block_n1 % GROUP == 0))
     # the intermediate: FP8 with its group scales (w2's operand); the activation-dtype scratch only
@@ -563,7 +593,7 @@ def triton_fp8_experts(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
-    x_raw = bool(c.quant_x) or w8a16
+    x_raw = bool(c.quant_x or w8a16)
     if x_raw:
         # the w13 launch reads the tokens themselves (quant_x: quantizing them; w8a16: as they are):
         # it is the call's first launch (after the grouping's), so nothing before it to prefetch

@@ -141,7 +141,9 @@ class KernelConfig:
     quantized, each FP8 weight tile is converted to the activation dtype (exact) and dotted with the
     bf16/fp16 tokens and intermediate, so a layer runs three launches as here. Unlike the options
     above it changes the numbers (no activation rounding to e4m3): a config's bits depend on it,
-    never on the placement. The bf16 kernel ignores it.
+    never on the placement. 2: the same with bf16 activations' weight tiles converted by bit
+    operations instead of triton's per-value conversion (the same bits for every finite e4m3 value:
+    a speed choice). The bf16 kernel ignores it.
     """
 
     block_m: int = 16
