@@ -207,8 +207,8 @@ def test_w8a16_kernel_under_the_interpreter_against_float64_bitwise_across_place
 
 
 def test_fp8_search_space_times_w8a16_at_decode_only():
-    """The FP8 decode candidates include weight-only ones (32- and 64-column tiles, pdl 2 and 3), every
-    one passes the kernel's config check, none at prefill, and the defaults stay w8a8 (w8a16 is
+    """The FP8 decode candidates include weight-only ones (16-, 32- and 64-column tiles, pdl 2 and 3,
+    both conversions), every one passes the kernel's config check, none at prefill, and the defaults stay w8a8 (w8a16 is
     another function: picked by the tune per batch, never by a default)."""
     pytest.importorskip("triton")
     from coldset.kernels.triton_fp8 import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, _check_config
@@ -219,7 +219,8 @@ def test_fp8_search_space_times_w8a16_at_decode_only():
     for c in decode:
         _check_config(c)
     w8 = [c for c in decode if c.w8a16]
-    assert {c.block_n1 for c in w8} == {32, 64} and {c.pdl for c in w8} == {2, 3} and {c.w8a16 for c in w8} == {1, 2}
+    assert {c.block_n1 for c in w8} == {16, 32, 64} and {c.pdl for c in w8} == {2, 3}
+    assert {c.w8a16 for c in w8} == {1, 2}
     assert all(c.quant_x == c.quant_act == 0 for c in w8)
     assert not any(KernelConfig.from_dict(d).w8a16 for d in TRITON_FP8_SEARCH_SPACE["prefill"])
     assert DEFAULT_DECODE_CONFIG.w8a16 == DEFAULT_PREFILL_CONFIG.w8a16 == KernelConfig().w8a16 == 0

@@ -179,6 +179,10 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              w8a16=2),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              w8a16=2),
+        # twice the blocks of the 32-column tile (b1: 384 w13 blocks for 132 SMs where 192 leave 72 SMs
+        # one block each), 2 warps a block (at 4 the 16 x 16 dot's warps repeat each other's HMMAs)
+        dict(block_m=16, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=2),
     ],
     "prefill": [
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
