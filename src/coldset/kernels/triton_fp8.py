@@ -2,7 +2,8 @@
 
 The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
 pairs by expert, its block numbering, its one row-map load per block, its top-k sum launch) with
-FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE paths run:
+FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE paths run (the
+weight-only mode ``w8a16``, below, keeps the activations in their dtype):
 
 - weights are the pools' float8_e4m3fn bytes; each expert's float32 ``weight_scale_inv`` blocks
   come from the scale pool of the same tier, at the same row (:mod:`coldset.tiers`), through the
@@ -83,8 +84,8 @@ On the H200 (2026-12-01, ``pytest -m gpu``: 178 passed) the ``quant_x=1`` path a
 ``quant_act`` choices give the bits of the quantization launches (tests/test_fp8_experts.py, also
 under Triton's interpreter); in ``bench step --tune-fp8`` (H200, 2026-12-02, head 7a9a6e2:
 docs/measurements/decode_step_fp8.json) every ``quant_x=1`` candidate took 55-76 µs a layer at b1
-and 162-192 at b8 against 23.6 / 81.5 for the 32-column tile with both quantization launches. Why, read from the code (not profiled): at decode a
-block's ``[16, 128]`` token tile is quantized in every k step of every column block (``I / block_n1``
+and 162-192 at b8 against 23.6 / 81.5 for the 32-column tile with both quantization launches.
+Why, read from the code (not profiled): at decode a block's ``[16, 128]`` token tile is quantized in every k step of every column block (``I / block_n1``
 = 6-24 times per pair and k step), 16 x 128 IEEE divisions and a cross-thread row max (a barrier) on
 the path from each k step's load to its dot, so the k loop's latency, which bounds a launch whose
 ~200 blocks are barely more than one wave, grows with it; a smaller cost than the launch it saves
@@ -122,7 +123,8 @@ registers, 1024 instructions): the same bits for every finite weight (a GPU test
 finite e4m3 values), a speed choice the tuner makes; with fp16 activations it is 1.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
-quantity (same quantization points, float32 GEMMs); the two agree to float32 summation order.
+quantity (same quantization points, none with ``w8a16=True``; float32 GEMMs); the two agree to
+float32 summation order.
 Tiling and accumulation order never depend on where an expert lives, so every placement is
 bitwise the all-hot (``use_row_map=False``) output. Launch configs are the bf16 kernel's
 :class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K and
