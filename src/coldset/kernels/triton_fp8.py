@@ -85,8 +85,9 @@ On the H200 (2026-12-01, ``pytest -m gpu``: 178 passed) the ``quant_x=1`` path a
 under Triton's interpreter); in ``bench step --tune-fp8`` (H200, 2026-12-02, head 7a9a6e2:
 docs/measurements/decode_step_fp8.json) every ``quant_x=1`` candidate took 55-76 µs a layer at b1
 and 162-192 at b8 against 23.6 / 81.5 for the 32-column tile with both quantization launches.
-Why, read from the code (not profiled): at decode a block's ``[16, 128]`` token tile is quantized in every k step of every column block (``I / block_n1``
-= 6-24 times per pair and k step), 16 x 128 IEEE divisions and a cross-thread row max (a barrier) on
+Why, read from the code (not profiled): at decode a block's ``[16, 128]`` token tile is quantized
+in every k step of every column block (``I / block_n1`` = 6-24 times per pair and k step), 16 x 128
+IEEE divisions and a cross-thread row max (a barrier) on
 the path from each k step's load to its dot, so the k loop's latency, which bounds a launch whose
 ~200 blocks are barely more than one wave, grows with it; a smaller cost than the launch it saves
 would need the division out of that path (a reciprocal multiply gives other bits than the
