@@ -114,16 +114,19 @@ def test_partial_blocks_load_with_ceil_div_scale_grids(tmp_path):
     assert torch.equal(fp8.dequantize_w13(w13, s13)[136:], want.float())
 
 
-def _edited(ckpt, tmp_path, config_change=None, drop=None):
+def _edited(ckpt, tmp_path, config_change=None, drop=None, edit=None):
     out = tmp_path / "edited"
     shutil.copytree(ckpt, out)
     if config_change:
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"].update(config_change)
         (out / "config.json").write_text(json.dumps(cfg))
-    if drop:
+    if drop or edit:
         tensors = load_file(str(out / "model.safetensors"))
-        del tensors[drop]
+        if drop:
+            del tensors[drop]
+        if edit:
+            edit(tensors)
         save_file(tensors, str(out / "model.safetensors"))
     return out
 
@@ -147,3 +150,36 @@ def test_loader_refuses_a_missing_scale_and_a_mislisted_module(ckpt, tmp_path):
     edited = _edited(ckpt, tmp_path, config_change={"modules_to_not_convert": [m for m in listed if m != "model.layers.0.mlp.gate"]})
     with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.gate.weight is torch.float32; quantization_config converts it"):
         load_model(edited)
+
+
+def test_loader_refuses_nan_weights_and_bad_scales_by_tensor(ckpt, tmp_path):
+    """A NaN e4m3 byte (S.1111.111, either sign) in an expert, or a non-finite scale, is refused with
+    the tensor's name: the weight-only kernel's bit conversion would read a NaN as a finite value."""
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+
+    def nan_byte(tensors, sign):
+        raw = tensors[key].view(torch.uint8).clone()
+        raw[2, 5] = 0x7F | sign
+        tensors[key] = raw.view(torch.float8_e4m3fn)
+
+    for sign in (0x00, 0x80):
+        with pytest.raises(ModelLoadError, match=rf"{key} holds 1 NaN float8 value\(s\) \(first at \[2, 5\]\)"):
+            load_model(_edited(ckpt, tmp_path, edit=lambda t: nan_byte(t, sign)))
+        shutil.rmtree(tmp_path / "edited")
+    skey = "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv"
+
+    def inf_scale(tensors):
+        tensors[skey] = tensors[skey].clone()
+        tensors[skey].view(-1)[0] = float("inf")
+
+    with pytest.raises(ModelLoadError, match=rf"{skey} holds non-finite or negative scales"):
+        load_model(_edited(ckpt, tmp_path, edit=inf_scale))
+    shutil.rmtree(tmp_path / "edited")
+    # the largest finite e4m3 byte (0x7E, 448) is a value, not a NaN: it loads
+    def max_byte(tensors):
+        raw = tensors[key].view(torch.uint8).clone()
+        raw[2, 5] = 0x7E
+        tensors[key] = raw.view(torch.float8_e4m3fn)
+
+    model = load_model(_edited(ckpt, tmp_path, edit=max_byte))
+    assert model is not None

@@ -650,7 +650,19 @@ def _read_linear(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -
         if key not in src:
             raise ModelLoadError(f"{src.folder}: missing tensor {key!r}: the float8 weight {module}.weight needs its "
                                  "per-block scales (weight_scale_inv)")
-        return weight, src.get(key, fp8.scale_grid(*shape)).float()
+        # e4m3fn has one NaN per sign (bits S.1111.111) and no infinity. A NaN weight would
+        # poison every token routed to its expert, and the weight-only kernel (w8a16=2) converts
+        # by bit arithmetic that reads it as +-122880: refuse it here, where the tensor has a name.
+        nan = (weight.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            r, c = (int(i) for i in nan.nonzero()[0])
+            raise ModelLoadError(f"{where} holds {int(nan.sum())} NaN float8 value(s) (first at [{r}, {c}]): "
+                                 "a published FP8 checkpoint has none; the file is corrupt or was written wrongly")
+        scale = src.get(key, fp8.scale_grid(*shape)).float()
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ModelLoadError(f"{src.key_to_file.get(key, src.folder)}: tensor {key} holds non-finite or negative "
+                                 "scales; a block scale is a finite amax / 448 >= 0")
+        return weight, scale
     if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ModelLoadError(f"{where} is {weight.dtype} but the checkpoint's config does not convert it "
                              "(no quantization_config, or the module is in modules_to_not_convert)")
