@@ -6,13 +6,14 @@ CPU, no GPU (issue 28 item 4: lookahead's management at residency 1.0).
 
 At Qwen3-30B-A3B's router shape (E 128, H 2048, top-8, bf16, 2 experts a program, 4 warps) for each
 batch: the plain launch, lru's record, and lookahead's decision with the forecast and without (the
-last layer), with the register cap ``route`` passes (``_route_register_cap`` on ``--sms`` SMs,
-the H200's 132 by default) and, for lookahead, also without it. Per variant: registers a thread,
-stack bytes and local loads/stores (spills), shared memory, blocks of 4 warps an SM by registers
-(65,536 a SM), programs and waves (programs over blocks x SMs), SASS instructions in all and after
-the ticket (the last program's decision, a static proxy of its serial path: every branch's code,
-executed or not), and barriers, shuffles and global loads after the ticket. Static facts of the
-code only: nothing here is a time.
+last layer), with the register cap ``route`` passes (``_route_register_cap`` on ``--sms`` SMs, the
+H200's 132 by default) and, for lookahead, also without it; then the list's launch
+(:func:`coldset.kernels.triton_slots.ahead_list`, on the decisions stream). Per variant: registers
+a thread, stack bytes and local loads/stores (spills), blocks of 4 warps an SM by registers (65,536
+an SM), programs and waves (programs over blocks x SMs), SASS instructions in all and after the
+ticket (the last program's decision, a static proxy of its serial path: every branch's code,
+executed or not), and barriers, shuffles and global loads after the ticket (the list's launch: in
+all). Static facts of the code only: nothing here is a time.
 """
 
 from __future__ import annotations
@@ -36,25 +37,25 @@ from coldset.kernels import triton_slots as ts
 L, E, H, K = 48, 128, 2048, 8
 PTR = {"x_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "logit_ptr": "*bf16",
        "count_ptr": "*i32", "wts_ptr": "*bf16", "row_map_ptr": "*i32", "use_count_ptr": "*fp64",
-       "inflight_ptr": "*u8", "fw_ptr": "*bf16", "fc_ptr": "*fp32", "eps": "fp32"}
+       "inflight_ptr": "*u8", "fw_ptr": "*bf16", "fc_ptr": "*fp32", "logits_ptr": "*fp32", "eps": "fp32"}
 
 
 def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def compile_route(const: dict, maxnreg: int | None):
-    fn = td._route_kernel
+def compile_route(const: dict, maxnreg: int | None, fn=None, num_warps: int | None = None):
+    fn = fn or td._route_kernel
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in const else PTR.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    opts = dict(num_warps=td.ROUTE_WARPS)
+    opts = dict(num_warps=num_warps or td.ROUTE_WARPS)
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def sass_facts(cubin: bytes) -> dict:
+def sass_facts(cubin: bytes, whole: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(cubin)
         path = fh.name
@@ -68,7 +69,7 @@ def sass_facts(cubin: bytes) -> dict:
     if m is None:
         raise SystemExit(f"route_regs_cpu: no REG/STACK in cuobjdump's output: {usage[-300:]}")
     ins = [mm.group(1).strip() for ln in sass.splitlines() if (mm := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", ln))]
-    at = next((i for i, s in enumerate(ins) if "ATOMG" in s), len(ins))  # the ticket
+    at = 0 if whole else next((i for i, s in enumerate(ins) if "ATOMG" in s), len(ins))  # the ticket
     after = ins[at:]
 
     def count(pattern, seq):
@@ -108,6 +109,12 @@ def main(argv=None) -> int:
             waves = -(-programs // (blocks * args.sms))
             print(f"b{m} {name:26s} maxnreg={mx} " + " ".join(f"{k}={v}" for k, v in f.items())
                   + f" blocks/SM={blocks} programs={programs} waves={waves}", flush=True)
+        # the list's launch on the decisions stream (one program, off the router's critical path)
+        warps = 16 if ts._next_pow2(args.slots) >= 4096 else 8
+        const = dict(E=E, K=K, KP=K, TP=sizes["TP"], EP=E, WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"])
+        f = sass_facts(compile_route(const, None, ts._ahead_list_kernel, warps).asm["cubin"], whole=True)
+        print(f"b{m} {'ahead_list launch':26s} warps={warps} " + " ".join(f"{k}={v}" for k, v in f.items()
+                                                                        if k != "after_ticket"), flush=True)
     return 0
 
 

@@ -222,6 +222,8 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
             assert routed.admit(layer, ids_r, w_r, dt) is w_r  # decided in the route: no second decision
             # (b) decide_ahead's launch on the same selections and logits: the same state, bitwise
             alone.admit(layer, ids_r, w_r, dt, hidden=hr)
+            if dev == "cuda":  # the routed cache's list decisions run on its decisions stream
+                torch.cuda.synchronize()
             for name in STATE:
                 assert torch.equal(getattr(routed, name), getattr(alone, name)), (name, kind, seed, step, layer)
             assert torch.equal(routed.pools.row_map, alone.pools.row_map), (kind, seed, step, layer)
@@ -581,3 +583,31 @@ def test_router_launch_register_cap_fits_the_grid_in_one_wave():
         else:  # at the floor: one wave where 128 allows it
             assert (blocks(cap) * sms >= programs) == (need <= 4), (programs, sms, cap)
     assert td._route_register_cap(512, td.ROUTE_WARPS, 132) == 128
+
+
+def test_ahead_list_refuses_a_target_not_after_its_layer_and_partial_tokens():
+    """The list's launch (``ahead_list``, route's path) is refused, by name, for a target layer not
+    after the group's (or past the last layer) and for selections that are not whole tokens of
+    top-k within the cache's tokens, before anything is launched."""
+    pytest.importorskip("triton")
+    import numpy as np
+    import torch
+
+    from coldset.kernels import triton_slots as ts
+    from coldset.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.slots import SlotCache
+    from coldset.tiers import ExpertPools, host_tier
+
+    L, E, k, T, H, C = 3, 4, 2, 2, 8, 8
+    all_hot = ExpertPools.all_hot(torch.randn(L, E, 2, 2), torch.randn(L, E, 2, 2))
+    counts = np.arange(L * E, dtype=np.float64).reshape(L, E)
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, C))
+    flat = row_map.reshape(-1)
+    owner = np.empty(C, dtype=np.int64)
+    owner[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, counts.reshape(-1)[owner], "lookahead", T, k,
+                            routers=[torch.randn(E, H) for _ in range(L)])
+    for layer, target, n, what in [(1, 1, 4, "later MoE layer"), (2, 3, 4, "later MoE layer"),
+                                   (0, 1, 3, "whole tokens"), (0, 1, 6, "whole tokens"), (0, 1, 0, "whole tokens")]:
+        with pytest.raises(ValueError, match=what):
+            ts.ahead_list(cache, layer, target, n)

@@ -238,7 +238,8 @@ class SlotCache:
     # last R steps' selections (int64 [R, L, max_tokens * k], -1 = none) and the step counter; the
     # forecaster's terms (device int64 [J, 2] and host list) and tables (int32 [J, L, E, E]); the
     # prefetch's tags per layer; the decisions and copy streams, per layer the fork and decided
-    # events, the copy's end event and ticket; whether a step is open (host side).
+    # events, the copy's end event and ticket; whether a step is open (host side). lookahead on
+    # route()'s path uses the decisions stream, the decided events and ``forked`` too (its lists).
     predicted: torch.Tensor | None = None
     tags: torch.Tensor | None = None
     done: torch.Tensor | None = None
@@ -263,7 +264,7 @@ class SlotCache:
     copy_event: object = None
     copy_ticket: torch.Tensor | None = None
     step_open: bool = False
-    forked: int | None = None  # the last layer whose side work was forked in the open step (kernel path)
+    forked: int | None = None  # the last layer whose side work was forked and not yet waited on (kernel path)
     ids_alive: list | None = None  # each layer's router ids the side launch reads (kept allocated)
 
     @classmethod
@@ -351,6 +352,9 @@ class SlotCache:
             fork_event=torch.cuda.Event() if ahead and dev.type == "cuda" else None,
             join_events=[torch.cuda.Event() for _ in range(L)] if ahead and dev.type == "cuda" else None,
             pending=[False] * L if ahead else None,
+            # lookahead's list decisions (route's path) on a stream of their own, an event each layer
+            **(dict(decide_stream=torch.cuda.Stream(dev), decided_events=[torch.cuda.Event() for _ in range(L)])
+               if ahead and dev.type == "cuda" else {}),
             fill_ticket=torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cuda" else None,
             **(cls._next_state(dev, L, E, capacity, int(max_tokens), int(top_k), fc, budget, span) if nxt else {}),
         )
@@ -515,16 +519,20 @@ class SlotCache:
 
         ``lookahead``: the router's launch also computes the forecast (layer ``layer + depth``'s
         router on the same normed input, every program beside its own rows) and its last program
-        makes the whole decision (:func:`coldset.kernels.triton_slots.ahead_group`: the forecast's
-        top k and list, the group's record, the demand victims with the in-flight rule, the
-        prefetch victims);
-        then the demand fill (a plain copy, the router's programmatic dependent) and the prefetch
-        copy forked onto the side stream and joined as :meth:`admit`'s path does
-        (:meth:`_ahead_fork_join`). Why: a cached lookahead layer then costs the router's launch and
-        the two fills, where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch
-        more (107.5 + 198.9 us a step of 48 layers at b1 on the H200, ``bench cache
-        --decisions-only``; this path's launch: 151 us a step beyond the plain router's, lru's 54,
-        ``bench cache --profile``)."""
+        makes the group's record and demand decisions (:func:`coldset.kernels.triton_slots.ahead_group`
+        without its list: the demand victims with the in-flight rule); then the demand fill (a plain
+        copy, the router's programmatic dependent); then, forked after it onto the decisions stream,
+        the forecast's list and the prefetch decisions (:func:`coldset.kernels.triton_slots.ahead_list`,
+        one program) and after them on the side stream the prefetch copy, joined as :meth:`admit`'s
+        path does (:meth:`_ahead_fork_join`). The next group's router waits for the list decisions
+        (:meth:`_wait_list`: they write the state it reads, and read the forecast buffer it writes),
+        so every group decides on the state the last one left, as the simulator does; the layer's
+        experts run beside them (a prefetch victim is never a slot the group uses). Why: a cached
+        lookahead layer then costs the router's launch and the demand fill on the critical path,
+        where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch more (107.5 +
+        198.9 us a step of 48 layers at b1 on the H200, ``bench cache --decisions-only``) and the
+        list in the router's last program cost 151 us a step beyond the plain router's at b1 (lru's
+        54), 440 at b8 (lru's 118; ``bench cache --profile``, residency 1.0)."""
         from coldset.kernels import triton_decode as td
         from coldset.kernels import triton_slots as ts
 
@@ -534,10 +542,11 @@ class SlotCache:
         if self.policy == "lookahead":
             new_step = self._ahead_open(layer)
             target = layer + self.depth
+            self._wait_list()  # the last group's list decisions are complete before this group reads the state
             h, ids, w = td.route(x, norm_weight, eps, gate_weight, top_k, renormalize, counter, weights_dtype=x.dtype,
                                  pdl=pdl, ahead=ts.route_ahead_args(self, layer, target, new_step), trigger=self.pdl)
             ts.fill(self.pools, self.victims, self.admitted, self.num_misses, pdl=self.pdl)
-            self._ahead_fork_join(layer, target)
+            self._ahead_fork_join(layer, target, listed=ids.numel())
             self.recorded_layer = layer
             return h, ids, w
         nxt = self.policy == "nexttoken"
@@ -710,6 +719,7 @@ class SlotCache:
         L = self.pools.num_moe_layers
         new_step = self._ahead_open(layer)
         target = layer + self.depth
+        self._wait_list()  # (a list route() forked reads forecast_out, which the GEMV below writes)
         # Every input of the decisions launch first (a torch op between the GEMV and the decisions
         # would end their overlap): the decisions are the GEMV's programmatic dependent with pdl.
         ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
@@ -731,19 +741,33 @@ class SlotCache:
         self.prev_layer = layer
         return new_step
 
-    def _ahead_fork_join(self, layer: int, target: int) -> None:
+    def _ahead_fork_join(self, layer: int, target: int, listed: int | None = None) -> None:
         """lookahead after group ``layer``'s decisions and demand fill on the compute stream (either
         path): the prefetch copy for layer ``target`` forked onto the side stream (an event after the
         demand fill, waited on by the side stream; ``prefetch_blocks`` blocks per weight), then the
         compute stream joins the copy forked for ``layer`` (before this layer's experts), and the
-        last MoE layer joins whatever is left."""
-        from coldset.kernels.triton_slots import fill
+        last MoE layer joins whatever is left. ``listed`` (:meth:`route`'s path: the group's
+        selections): the list and its prefetch decisions first, on the decisions stream after the
+        same event (:func:`coldset.kernels.triton_slots.ahead_list`, beside this layer's experts),
+        the copy after them; the next group's router waits for them (:meth:`_wait_list`)."""
+        from coldset.kernels.triton_slots import ahead_list, fill
 
         L = self.pools.num_moe_layers
         if target < L:
             side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)
             if side is not None:
                 self.fork_event.record(torch.cuda.current_stream(self.owner.device))
+            if listed is not None:
+                dec = self.decide_stream if side is not None else None
+                if dec is not None:
+                    dec.wait_event(self.fork_event)
+                with torch.cuda.stream(dec) if dec is not None else contextlib.nullcontext():
+                    ahead_list(self, layer, target, listed)
+                if dec is not None:
+                    self.decided_events[layer].record(dec)
+                    self.forked = layer
+                    side.wait_event(self.decided_events[layer])
+            elif side is not None:
                 side.wait_event(self.fork_event)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
@@ -754,6 +778,13 @@ class SlotCache:
         self._join_layer(layer)
         if layer == L - 1:
             self.join()
+
+    def _wait_list(self) -> None:
+        """lookahead (:meth:`route`'s path): the compute stream waits for the list decisions forked
+        last (if any is pending): the next group's record reads the state they write."""
+        if self.policy == "lookahead" and self.forked is not None:
+            torch.cuda.current_stream(self.owner.device).wait_event(self.decided_events[self.forked])
+            self.forked = None
 
     def _join_layer(self, layer: int) -> None:
         """The compute stream waits for the prefetch copy forked for ``layer`` (if one is pending)."""
@@ -767,6 +798,7 @@ class SlotCache:
         (:meth:`end_step`)."""
         if self.step_open:
             self.end_step()
+        self._wait_list()
         if self.pending is None or self.side_stream is None:
             return
         for layer in range(len(self.pending)):

@@ -42,8 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import (PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, forecast_tile, group_scalars,
-                                          record_group)
+from coldset.kernels.triton_slots import PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, group_scalars, record_group
 
 
 @dataclass(frozen=True)
@@ -522,15 +521,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 # The register cap of the router launch with lookahead's decision (``route(..., ahead=...)``) where
 # its grid needs more than two blocks an SM. ptxas gives that launch the registers its last
-# program's decision asks for (244 a thread at 8 tokens, compiled for sm90 on the CPU:
-# probes/route_regs_cpu.py), and a launch has one count for all its programs: at 244, two blocks of 4
-# warps fit an SM's 65,536 registers, so b8's 512 programs (64 per token at E 128) ran in two waves
-# on the H200's 132 SMs, the second loading its router rows after the first (plain launch: 96
-# registers, five blocks an SM, one wave). At 128 four fit (528 programs: one wave); the last
-# program keeps 48 bytes on its stack (5 local loads and stores) and ptxas recomputes where it ran
-# short (10,568 SASS instructions in all, 11,120 capped); below 128 it spills more (136 B at 112,
-# 168 B at 96), so a grid past four blocks an SM keeps 128. The cap changes the register
-# allocation and the schedule, not the operations: the routing's bits are the same.
+# program's decision asks for, and a launch has one count for all its programs (compiled for sm90 on
+# the CPU: probes/route_regs_cpu.py). At 8 tokens (512 programs at E 128) it took 244 with the list
+# in the last program (two blocks of 4 warps in an SM's 65,536 registers: two waves on the H200's
+# 132 SMs, the second loading its router rows after the first) and 163 without (three blocks: two
+# waves still); the plain launch 96 (five blocks, one wave). At 128 four fit (528 programs: one
+# wave): the last program keeps 16 bytes on its stack (2 local loads and stores; 6,984 SASS
+# instructions against 6,952 uncapped; with the list it was 48 B and 11,120 against 10,568). Below
+# 128 it spills more (136 B at 112, 168 B at 96 with the list), so a grid past four blocks an SM
+# keeps 128. The cap changes the register allocation and the schedule, not the operations, so the
+# routing's bits are the same (not yet seen on a GPU: the GPU tests' grids are below the cap; bench
+# cache's checked pass at b8 compares the logits).
 ROUTE_AHEAD_MAXNREG = 128
 ROUTE_WARPS = 4  # the router launch's warps (its routing's bits depend on them)
 _SM_REGISTERS = 65536  # registers an SM (sm70 to sm90)
@@ -611,10 +612,6 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         if RECORD or LOOKAHEAD:  # a slot cache's scalars, loaded while the logits are ranked
             scalars = group_scalars(tick_ptr, totals_ptr, groups_ptr)
-        if FORECAST:  # and lookahead's forecast logits (the other programs' stores the ticket ordered)
-            forecast = forecast_tile(fc_ptr, M, E, TP, EP)
-        else:  # not read (no forecast past the last layer)
-            forecast = 0
         # All tokens at once ([MP, EP], a token's logits within one warp), so the k rounds cost
         # the same at 8 tokens as at one. Rows past M repeat row M - 1 and are not stored.
         offs = tl.arange(0, EP)
@@ -651,12 +648,12 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             record_group(lanes, sel, valid, M * K, layer,
                          row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                          hist_cap, new_ptr, m_ptr, scalars, E)
-        if LOOKAHEAD:  # lookahead's whole decision (forecast list, record, demand victims, prefetch) likewise
-            ahead_group(lanes, sel, valid, M * K, layer, scalars, forecast,
+        if LOOKAHEAD:  # lookahead's record and demand decisions likewise (the list: ahead_list's launch)
+            ahead_group(lanes, sel, valid, M * K, layer, scalars, 0,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
                         target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV,
-                        FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, False)
+                        FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, False, False)
 
 
 def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,
@@ -693,19 +690,22 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     without ``pdl``.
 
     ``ahead`` (:func:`coldset.kernels.triton_slots.route_ahead_args`, instead of ``record``):
-    ``lookahead``'s whole decision in the same launch. Every program also reads the same
-    ``block_e`` rows of layer ``l + depth``'s router (before the wait, as its own) and writes its
-    token's float32 forecast logits on ``h`` (the router input) into the cache's ``forecast_out``;
-    the last program then runs :func:`coldset.kernels.triton_slots.ahead_group` (the forecast's
-    top k and list, the group's record, the demand victims with the in-flight rule and their
-    commit, the prefetch decisions) on the selections in registers and the logits the ticket
-    ordered before it. Why: a cached lookahead layer then costs the router's launch, the demand fill
-    and the prefetch copy, where it cost a forecast GEMV launch and a decisions launch more
-    (107.5 + 198.9 us a step of 48 layers at b1 on the H200). The routing (``h``, ids, weights) is
-    the same bits with or without it (the same arithmetic and warps; checked under Triton's
-    interpreter and on the H200). Timed there (``bench cache --profile``, b1, residency 1.0): 417 us
-    a step of 48 layers, 151 beyond the plain router's launch (lru's record 54), where the two
-    launches cost 311 (BENCHMARKS.md section 4).
+    ``lookahead``'s record and demand decisions in the same launch. Every program also reads the
+    same ``block_e`` rows of layer ``l + depth``'s router (before the wait, as its own) and writes
+    its token's float32 forecast logits on ``h`` (the router input) into the cache's
+    ``forecast_out``; the last program then runs :func:`coldset.kernels.triton_slots.ahead_group`
+    without its list (the group's record, the in-flight clearing of a new step, the demand victims
+    with the in-flight rule and their commit) on the selections in registers. The forecast's list
+    and the prefetch decisions are the next launch's on the cache's decisions stream
+    (:func:`coldset.kernels.triton_slots.ahead_list`, beside the layer's experts). Why: a cached
+    lookahead layer then costs the router's launch and the demand fill on the critical path, where
+    it cost a forecast GEMV launch and a decisions launch more (107.5 + 198.9 us a step of 48 layers
+    at b1 on the H200), and then the list in this launch's last program (417 us a step at b1, 151
+    beyond the plain router's launch, lru's record 54; 680 at b8, lru's 358: ``bench cache
+    --profile``, residency 1.0, BENCHMARKS.md section 4). The routing (``h``, ids, weights) is the
+    same bits with or without it (the same arithmetic and warps; checked under Triton's interpreter
+    and on the H200). Where the grid needs more than two blocks an SM the launch is capped at
+    :func:`_route_register_cap`'s registers (b8: 128, one wave).
     """
     m, hidden = x.shape
     num_experts = gate_weight.shape[0]

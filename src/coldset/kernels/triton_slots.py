@@ -85,8 +85,24 @@ layers) 2,504 and 72 at b1, 6,760 and 162 at b8; :func:`decide_ahead`'s launch (
 GEMV's dependent: its forecast still after the demand part and the wait) 2,280-2,672 at b1 with no
 stack, 3,584-4,648 at b8. Timed on the H200 with both (2026-12-02, ``bench cache --profile`` at b1,
 residency 1.0): the router launch 417 µs a step of 48 layers with lookahead's decision (477 before,
-lru's record 320, plain 266), the step 0.954 of all-HBM (0.943 before); b8 not timed since the
-tiled scans.
+lru's record 320, plain 266), the step 0.954 of all-HBM (0.943 before). At b8 (H200, 2026-12-02,
+``--profile``, residency 1.0) 680 µs a step against lru's 358 and the plain launch's 240, the step
++12.5% over all-HBM (lru +3.4%), where isolated (``--decisions-only``, b1) lookahead's routed group
+cost only 9 µs a step more than lru's.
+
+Since (issue 28 item 4; static, not timed): the router's launch makes only the group's record and
+demand decisions (:func:`ahead_group` without ``LIST``); the list and its prefetch decisions are a
+launch of their own, :func:`ahead_list` (one program, the same code: :func:`_forecast_list`,
+:func:`_ahead_prefetch`), on the decisions stream beside the layer's experts, the prefetch copy
+after it, the next group's router after it (:meth:`coldset.slots.SlotCache.route`). The router's
+last program after the ticket: 2,019 SASS instructions at b1 where it was 3,756 (lru's record 759),
+6,317 at b8 where it was 9,933 (lru's 4,326); with the victim scans' code left out (not executed at
+residency 1.0) 830 at b1 where it was 1,420 (lru's 759) and 4,407 at b8 where it was 6,311 (lru's
+4,326): what remains beyond lru's record is the in-flight clearing and the empty-list stores. At b8
+the launch takes 163 registers (three blocks of 4 warps an SM: 512 programs in two waves on 132
+SMs) and is capped at 128 (:func:`coldset.kernels.triton_decode.route`: four blocks, one wave;
+16 B of stack, 2 local loads/stores), where it took 244 (two blocks). :func:`ahead_list`'s launch:
+90 registers and 1,264 SASS at b1, 118 and 1,968 at b8, no stack (``probes/route_regs_cpu.py``).
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
@@ -725,10 +741,9 @@ def _ordered_keys(v, col, EP: tl.constexpr):
 @triton.jit
 def forecast_tile(logits_ptr, n_tok, E: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr):
     """Layer ``target``'s float32 router logits ``[n_tok, E]`` at ``logits_ptr`` as a ``[TP, EP]``
-    tile, ``-inf`` past them: the forecast :func:`ahead_group` ranks. A load of its own so that a
-    caller can issue it early, beside :func:`group_scalars` (the router's last program: before it
-    ranks its own logits, whose latency this load's hides behind). ``.cg``: in the router's launch
-    other programs stored them; L2 is where they are."""
+    tile, ``-inf`` past them: the forecast :func:`ahead_group` and :func:`ahead_list` rank. A load
+    of its own so that a caller can issue it early, beside :func:`group_scalars`. ``.cg``: other
+    programs of the router's launch, or the GEMV, stored them; L2 is where they are."""
     tok = tl.arange(0, TP)
     col = tl.arange(0, EP)
     return tl.load(logits_ptr + tok[:, None] * E + col[None, :], mask=(tok < n_tok)[:, None] & (col[None, :] < E),
@@ -757,12 +772,29 @@ def _forecast_list(v, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E:
 
 
 @triton.jit
+def _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr,
+                    pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E: tl.constexpr, SCAN: tl.constexpr,
+                    MPV: tl.constexpr):
+    """lookahead's prefetch of a group's list (``linst`` the lanes' instances, ``fp`` their first
+    occurrences, ``lrow`` their row-map entries after the group's demand commit): the listed
+    instances not resident, in list order, into victims of layers ``<= layer`` (:func:`_issue_prefetches`)."""
+    want = fp & (lrow < 0)
+    wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
+    nwant = tl.sum(want.to(tl.int32), axis=0)
+    if nwant > 0:
+        tl.debug_barrier()  # the record's recency and the in-flight clearing are visible to the scan
+    _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+                      row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, pf_m_ptr, pf_m_ptr,
+                      layer, E, SCAN, MPV, False)
+
+
+@triton.jit
 def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner_ptr, last_use_ptr, count_ptr,
                 tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr,
                 new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr,
                 width, E: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr,
-                ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr):
+                ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr, LIST: tl.constexpr = True):
     """``lookahead``'s whole decision for one group (``ids``: one selection per lane, ``sel`` its
     index in the group, ``valid`` masks padding lanes; ``scalars``: :func:`group_scalars`' values),
     in one program: the group's record, the new step's in-flight clearing, the demand victims with
@@ -770,13 +802,16 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
     from layer ``target``'s float32 router logits ``[n_tok, E]`` and its prefetch decisions, else an
     empty list; the tick after the list. ``forecast``: the logits as :func:`forecast_tile` loads
     them from ``logits_ptr`` (the caller issues that load early); with ``WAIT_LOGITS`` (wait on the
-    preceding grid, the forecast GEMV, before reading the logits) any value: they are loaded here
-    after the wait. Called by :func:`_ahead_kernel` (a launch of its own) and by the router's
-    launch's last program (:func:`coldset.kernels.triton_decode.route` with
-    :func:`route_ahead_args`): one body, so the two paths decide alike.
+    preceding grid, the forecast GEMV, before reading the logits) or without ``LIST`` any value:
+    they are loaded here after the wait, or not at all. Called by :func:`_ahead_kernel` (a launch
+    of its own) and by the router's launch's last program
+    (:func:`coldset.kernels.triton_decode.route` with :func:`route_ahead_args`) without ``LIST``:
+    there the list and its prefetch decisions are :func:`ahead_list`'s launch
+    (:func:`_ahead_list_kernel`, the same code as here), off the router's critical path. One body,
+    so the paths decide alike.
 
-    The order (without ``WAIT_LOGITS``): the forecast's top-k and list, and the row-map gather of
-    the list, come before the group's record, so that gather and the record's gathers are one round
+    The order (``LIST`` without ``WAIT_LOGITS``): the forecast's top-k and list, and the row-map
+    gather of the list, come before the group's record, so that gather and the record's gathers are one round
     trip to L2, and a group with neither a demand miss nor a prefetch (residency 1.0) makes no
     other. The gather is taken again after a demand commit (which can evict an instance of layer
     ``target`` and rewrite its row-map entry); nothing else the list part reads (the logits, the row
@@ -785,7 +820,7 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
     prefetch scan (the demand commit); a group without either passes none but the record's own."""
     t_s, hits_s, misses_s, fills_s, g_s = scalars
     hrow = g_s % hist_cap  # this group's history row (record_group counts it)
-    if AHEAD and not WAIT_LOGITS:
+    if AHEAD and LIST and not WAIT_LOGITS:
         linst, lv, fp, lrow = _forecast_list(forecast, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E, K,
                                              KP, TP, EP, WP)
     # The group's record (lru's: recency first, so its own slots are told apart by ticks >= t0;
@@ -806,21 +841,17 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
         _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
         tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
         tl.debug_barrier()  # the demand writes (row map, owners) are visible to every thread
-        if AHEAD and not WAIT_LOGITS:
+        if AHEAD and LIST and not WAIT_LOGITS:
             lrow = tl.load(row_map_ptr + linst, mask=lv, other=0)  # a victim may be a listed instance
     if AHEAD:
-        if WAIT_LOGITS:
-            gdc_wait()  # launched as the forecast GEMV's dependent: its logits are complete after this
-            linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target,
-                                                 row_map_ptr, hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
-        want = fp & (lrow < 0)
-        wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
-        nwant = tl.sum(want.to(tl.int32), axis=0)
-        if nwant > 0:
-            tl.debug_barrier()  # the record's recency and the in-flight clearing are visible to the scan
-        _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
-                          row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, m_ptr, m_ptr, layer,
-                          E, SCAN, MPV, False)
+        if LIST:
+            if WAIT_LOGITS:
+                gdc_wait()  # launched as the forecast GEMV's dependent: its logits are complete after this
+                linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target,
+                                                     row_map_ptr, hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
+            _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
+                            pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E, SCAN, MPV)
+        # else: the list and its prefetch decisions are ahead_list's launch (after this one)
     else:
         tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
                  mask=tl.arange(0, WP) < width)
@@ -854,6 +885,52 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                 victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr,
                 pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV,
                 ZB, NI, WAIT_LOGITS)
+
+
+@triton.jit(do_not_specialize=PER_LAYER_ARGS,
+            do_not_specialize_on_alignment=PER_LAYER_VIEWS + ("pf_victims_ptr", "pf_new_ptr"))
+def _ahead_list_kernel(logits_ptr, n_tok, n, layer, target, row_map_ptr, owner_ptr, last_use_ptr, inflight_ptr,
+                       tick_ptr, groups_ptr, hist_cap, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr,
+                       pf_hist_ptr, width, C, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
+                       EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
+    # The group was recorded (its history row counted, its ticks and the list's reserved: the
+    # tick is t0 + n + width) and its demand committed by the router's launch before this one.
+    hrow = (tl.load(groups_ptr) - 1) % hist_cap
+    t0 = tl.load(tick_ptr) - n - width
+    linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target, row_map_ptr,
+                                         hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
+    _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr,
+                    pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E, SCAN, MPV)
+
+
+def ahead_list(cache, layer: int, target: int, n: int) -> None:
+    """``lookahead``'s forecast list and prefetch decisions of group ``layer`` (``n`` selections)
+    in one launch of one program, after the router's launch (:func:`route_ahead_args`) recorded the
+    group, made its demand decisions and wrote the forecast logits of layer ``target`` into
+    ``cache.forecast_out``: the same code as :func:`ahead_group`'s list part (:func:`_forecast_list`,
+    :func:`_ahead_prefetch`), on the state the router's launch left, so the same decisions. Writes
+    the group's list into its history row and row ``target`` of ``cache.pf_victims`` /
+    ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill. Why a launch of its own: the
+    list (its sort, its record, its row-map gather) was about a third of the router's last program
+    (its SASS after the ticket), on the step's critical path; here it runs on the decisions stream
+    beside the layer's experts (:meth:`coldset.slots.SlotCache.route`), and the next group's router
+    waits for it (it reads the state this launch writes)."""
+    E, k = cache.pools.num_experts, cache.top_k
+    if not 0 <= layer < target < cache.pools.num_moe_layers:
+        raise ValueError(f"ahead_list: target {target} must be a later MoE layer than {layer} "
+                         f"(of {cache.pools.num_moe_layers})")
+    if n <= 0 or n % k or n // k > cache.forecast_out.shape[0]:
+        raise ValueError(f"ahead_list: {n} selections are not whole tokens of top-{k} within "
+                         f"{cache.forecast_out.shape[0]} tokens")
+    sizes = _ahead_sizes(cache)
+    width = cache.prediction_history.shape[1]
+    _ahead_list_kernel[(1,)](
+        cache.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
+        cache.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], cache.pf_victims[target],
+        cache.pf_new[target], cache.pf_count[target], cache.prediction_history, cache.prefetch_history, width,
+        cache.capacity, E=E, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
+        WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
+        num_warps=16 if _next_pow2(cache.capacity) >= 4096 else 8)
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
