@@ -90,7 +90,10 @@ lru's record 320, plain 266), the step 0.954 of all-HBM (0.943 before). At b8 (H
 +12.5% over all-HBM (lru +3.4%), where isolated (``--decisions-only``, b1) lookahead's routed group
 cost only 9 µs a step more than lru's.
 
-Since (issue 28 item 4; static, not timed): the router's launch makes only the group's record and
+Since (issue 28 item 4; timed on the H200 at ``bea49ff``, BENCHMARKS.md section 4, residency 1.0:
+the router's launch 348 µs a step at b1 where it was 417 and 413 at b8 where it was 680, the list's
+own launch 147 µs a step at b1 on the side stream, the step unchanged at b1, 0.953 of all-HBM, and
+0.899 at b8 where it was 0.889): the router's launch makes only the group's record and
 demand decisions (:func:`ahead_group` without ``LIST``); the list and its prefetch decisions are a
 launch of their own, :func:`ahead_list` (one program, the same code: :func:`_forecast_list`,
 :func:`_ahead_prefetch`), on the decisions stream beside the layer's experts, the prefetch copy
