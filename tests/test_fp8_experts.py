@@ -276,16 +276,30 @@ print("INTERPRETED OK")
 """
 
 
-_INTERPRETED_QUANT = _PRELUDE + r"""
+_CONFIG_HELPERS = r"""
+from coldset.kernels.triton_moe import KernelConfig
+
+def variant(cfg, **fields):
+    return KernelConfig(**{**cfg.to_dict(), **fields})
+
+def assert_refused(call, cases):
+    # each (fields, match): call(fields) raises a ValueError whose message names the problem
+    for fields, match in cases:
+        try:
+            call(fields)
+        except ValueError as exc:
+            assert match in str(exc), (fields, exc)
+        else:
+            raise AssertionError(f"not refused: {fields}")
+"""
+
+_INTERPRETED_QUANT = _PRELUDE + _CONFIG_HELPERS + r"""
 import numpy as np
 import triton
 import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
 from coldset.kernels import triton_fp8, triton_moe
 from coldset.slots import SlotCache
 from coldset.tiers import host_tier
-
-def variant(cfg, **fields):
-    return KernelConfig(**{**cfg.to_dict(), **fields})
 
 # the launch's quantization, the reference of both options: a zero group takes scale
 # max(0, 1e-10) / 448 (float32) and quantizes to zeros; a partial group (columns 128-199)
@@ -342,15 +356,10 @@ for hidden, inter, tokens, cfg, options in CASES:
 # refused by name: the epilogue needs whole groups in a block; values outside the options
 x, ids, w = routing(2, 8, 2, 256, torch.float16)
 _, _, qq = make_fp8(1, 8, 256, 128)
-for bad, match in [(dict(block_n1=64, quant_act=1), "quant_act=1"), (dict(quant_act=3), "quant_act must be"),
-                   (dict(quant_x=2), "quant_x must be")]:
-    try:
-        cfg = variant(KernelConfig(16, 32, 128, 64, 128), **bad)
-        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, cfg)
-    except ValueError as exc:
-        assert match in str(exc), (bad, exc)
-    else:
-        raise AssertionError(f"not refused: {bad}")
+assert_refused(lambda f: triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w,
+                                        variant(KernelConfig(16, 32, 128, 64, 128), **f)),
+               [(dict(block_n1=64, quant_act=1), "quant_act=1"), (dict(quant_act=3), "quant_act must be"),
+                (dict(quant_x=2), "quant_x must be")])
 
 # pdl 1-3 with the options (the grid-dependency instructions stubbed as no-ops, the prefetch recorded):
 # pdl 0's bits; with quant_x=1 the w13 launch (nothing before it in the call) prefetches nothing

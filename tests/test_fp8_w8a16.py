@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
 from coldset.tiers import ExpertPools, build_pools, host_tier
-from test_fp8_experts import (_PDL_STUBS, _PRELUDE, _run_interpreted, dup_fp8_pools, make_fp8, random_row_map,
+from test_fp8_experts import (_CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, _run_interpreted, dup_fp8_pools, make_fp8, random_row_map,
                               rel_err, routing, signed_bias)
 
 gpu = pytest.mark.gpu
@@ -107,7 +107,7 @@ def test_torch_w8a16_refuses_pools_without_fp8_experts():
         torch_experts(pools, 0, x, ids, w, w8a16=True)
 
 
-_INTERPRETED_W8A16 = _PRELUDE + r"""
+_INTERPRETED_W8A16 = _PRELUDE + _CONFIG_HELPERS + r"""
 from test_fp8_w8a16 import float64_w8a16
 from coldset.slots import SlotCache
 from coldset.tiers import host_tier
@@ -119,9 +119,6 @@ class _NoLaunch:
         raise AssertionError("w8a16 launched the activation quantization kernel")
 
 _quant_kernel, triton_fp8._quant_groups_kernel = triton_fp8._quant_groups_kernel, _NoLaunch()
-
-def variant(cfg, **fields):
-    return KernelConfig(**{**cfg.to_dict(), **fields})
 
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
@@ -160,16 +157,11 @@ for hidden, inter, tokens, cfg in CASES:
 # refused by name: w8a16 with a quantization option, a value outside 0 / 1
 _, _, qq = make_fp8(1, 8, 256, 128)
 x, ids, w = routing(2, 8, 2, 256, torch.float16)
-for bad, match in [(dict(w8a16=1, quant_x=1), "w8a16=1 quantizes no activation"),
-                   (dict(w8a16=1, block_n1=128, quant_act=1), "w8a16=1 quantizes no activation"),
-                   (dict(w8a16=3), "w8a16 must be 0")]:
-    try:
-        cfg = variant(KernelConfig(16, 32, 128, 64, 128), **bad)
-        triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, cfg)
-    except ValueError as exc:
-        assert match in str(exc), (bad, exc)
-    else:
-        raise AssertionError(f"not refused: {bad}")
+assert_refused(lambda f: triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w,
+                                        variant(KernelConfig(16, 32, 128, 64, 128), **f)),
+               [(dict(w8a16=1, quant_x=1), "w8a16=1 quantizes no activation"),
+                (dict(w8a16=1, block_n1=128, quant_act=1), "w8a16=1 quantizes no activation"),
+                (dict(w8a16=3), "w8a16 must be 0")])
 
 # pdl 1-3 (grid-dependency instructions as no-ops, the prefetch recorded): pdl 0's bits; nothing
 # prefetched (no launch before w13 nor between w13 and w2 to hide a prefetch behind)
