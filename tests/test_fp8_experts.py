@@ -420,6 +420,86 @@ def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separ
     _run_interpreted(_INTERPRETED_QUANT)
 
 
+# the benchmark's cumulative stages (_stop_after): each launch recorded with its arguments, and each
+# stage's outputs compared with the same launch's outputs in the full call
+_INTERPRETED_STOP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
+from coldset.kernels.triton_fp8 import fp8_launches, triton_fp8_experts
+
+LAUNCHES = []  # (stage name, the launch's arguments) of the call in flight
+
+class Recorded:
+    # a kernel whose launches are recorded: kernel[grid](*args) runs it and appends (name, args)
+    def __init__(self, kernel, name):
+        self.kernel, self.name = kernel, name
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kernel[grid](*args, **kwargs)
+            name = self.name if self.name != "quant" else ("quant_x" if not LAUNCHES else "quant_act")
+            LAUNCHES.append((name, args))
+        return launch
+
+triton_fp8._quant_groups_kernel = Recorded(triton_fp8._quant_groups_kernel, "quant")
+triton_fp8._w13_fp8_kernel = Recorded(triton_fp8._w13_fp8_kernel, "w13")
+triton_fp8._w2_fp8_kernel = Recorded(triton_fp8._w2_fp8_kernel, "w2")
+triton_fp8._sum_topk_kernel = Recorded(triton_fp8._sum_topk_kernel, "sum")
+
+def outputs(name, args, cfg):
+    # what each launch writes: the quantized rows and scales, w13's intermediate (FP8 with scales
+    # when its epilogue quantizes it, else in x's dtype), w2's per-pair products, the sum's output
+    if name in ("quant_x", "quant_act"):
+        return args[1], args[2]
+    if name == "w13":
+        return (args[11], args[12]) if "quant_act" not in fp8_launches(cfg) and not cfg.w8a16 else (args[10],)
+    return (args[11],) if name == "w2" else (args[1],)
+
+_, _, qq = make_fp8(2, 8, 256, 128, seed=5)
+x, ids, w = routing(3, 8, 3, 256, torch.bfloat16, seed=5)
+placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, 5), "cpu", w13_scale=qq[2], w2_scale=qq[3])
+BASE = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
+CONFIGS = [BASE,  # five launches: the tokens' and the intermediate's quantization launches of their own
+           variant(BASE, pdl=2, slot_max_pairs=4),  # the grouping launch before them (9 pairs > 4), pdl 2
+           variant(BASE, block_n1=128, quant_x=1, quant_act=1),  # three launches
+           variant(BASE, quant_x=1),  # the tokens quantized by w13, the intermediate by its own launch
+           variant(BASE, block_n1=128),  # the tokens by their own launch, the intermediate by w13's epilogue
+           variant(BASE, w8a16=1)]  # weight-only: no quantization launch
+seen = set()
+for cfg in CONFIGS:
+    stages = fp8_launches(cfg)
+    seen.add(stages)
+    LAUNCHES.clear()
+    full = triton_fp8_experts(placed, 1, x, ids, w, cfg)
+    assert [n for n, _ in LAUNCHES] == list(stages), (cfg, LAUNCHES)
+    assert torch.equal(full, triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=None)), cfg
+    full_outs = {n: [t.clone() for t in outputs(n, a, cfg)] for n, a in LAUNCHES}
+    for i, stop in enumerate(stages):
+        LAUNCHES.clear()
+        got = triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=stop)
+        # the launches up to the stop, none after it (the later buffers untouched: never launched)
+        assert [n for n, _ in LAUNCHES] == list(stages[: i + 1]), (cfg, stop, LAUNCHES)
+        name, args = LAUNCHES[-1]
+        for a, b in zip(outputs(name, args, cfg), full_outs[name], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (cfg, stop)  # the full call's intermediate
+        if stop == "sum":
+            assert torch.equal(got, full), cfg
+    assert_refused(lambda f: triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=f["stop"]),
+                   [(dict(stop=s), "is not a launch of this config") for s in ("grouping", "w3")
+                    + tuple(n for n in ("quant_x", "quant_act") if n not in stages)])
+assert seen == {("quant_x", "w13", "quant_act", "w2", "sum"), ("w13", "quant_act", "w2", "sum"),
+                ("quant_x", "w13", "w2", "sum"), ("w13", "w2", "sum")}, seen
+print("INTERPRETED OK")
+"""
+
+
+def test_triton_fp8_stop_after_under_the_interpreter_each_stage_equals_the_full_calls_intermediate():
+    """``_stop_after`` (the benchmark's cumulative stages) under Triton's interpreter, for configs
+    of five, four and three launches (separate quantization launches, the w13 epilogue quantizing,
+    weight-only; the in-kernel and the launched grouping; pdl 2 stubbed): the launches run are
+    :func:`fp8_launches`' prefix up to the stop and none after, each stage's outputs are bitwise
+    the full call's same launch's (e.g. w2's per-pair products are what the sum read), stopping
+    after ``sum`` is the full output, and a stop the config does not launch is refused by name."""
+    _run_interpreted(_INTERPRETED_STOP)
+
+
 def test_fp8_search_space_tries_the_quantization_options_at_decode_and_defaults_are_unchanged():
     """The FP8 decode candidates include ``quant_x=1`` (with 32 and 64 columns) and ``quant_x=1``
     with ``quant_act=1`` (128 columns: three launches a layer); every candidate passes the
