@@ -97,8 +97,10 @@ def render_kernel_fp8(res: dict) -> str:
            f"Ceilings in this run: HBM read {c['hbm_read_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} "
            f"TFLOP/s, FP8 matmul {c['fp8_matmul_TFLOPs']:.0f} TFLOP/s"
            + (f", pinned zero-copy read {c['pinned_read_GBps']:.1f} GB/s" if "pinned_read_GBps" in c else "")
-           + ". µs per layer (median of the graph replays); FP8: the fastest config of the FP8 search space; "
-             f"bf16: {'configs of ' + res['bf16_configs_from'] if res.get('bf16_configs_from') else 'its defaults'}."]
+           + ". µs per layer (median of the graph replays); FP8: the fastest "
+           + (f"of the configs in {res['fp8_configs_from']}" if res.get("fp8_configs_from")
+              else "config of the FP8 search space")
+           + f"; bf16: {'configs of ' + res['bf16_configs_from'] if res.get('bf16_configs_from') else 'its defaults'}."]
     rows = []
     for r in res["batches"]:
         fp8_us, bf_us = r["fp8_us"], r["bf16_us"]
@@ -116,29 +118,55 @@ def render_kernel_fp8(res: dict) -> str:
     out.append(table(["tokens", "FP8 MB", "FP8 µs", "% plain read", "% bytes bound", "% FLOP bound", "bf16 µs",
                       "bf16 % plain read", "bf16 % bound", "bf16/FP8", "FP8 rel err vs torch", "bitwise off/cold",
                       "FP8 all-cold µs (% link)", "FP8 config m/n1/n2"], rows))
+    if res.get("fp8_configs_from"):  # the given candidates, each timed at every batch
+        out.append(_tune_table({r["batch"]: r["fp8_candidates_us"] for r in res["batches"]},
+                               f"FP8 configs of {res['fp8_configs_from']}, µs per layer of each:"))
+    if any("fp8_stages_us" in r for r in res["batches"]):  # runs before the stages were timed have none
+        out.append(_fp8_stage_table(res["batches"]))
     fails = res.get("fails", [])
     out.append("Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + ".")
     return "\n\n".join(out)
+
+
+def _fp8_stage_table(rows: list[dict]) -> str:
+    """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
+    does not make), beside a plain read of w13's and w2's bytes: the fastest config per batch, or
+    every config of ``--fp8-configs``."""
+    stages = ("quant_x", "w13", "quant_act", "w2", "sum")
+    lines = []
+    for r in rows:
+        by_config = r.get("fp8_candidates_stages_us") or (
+            {json.dumps(r["fp8_config"], sort_keys=True): r["fp8_stages_us"]} if "fp8_stages_us" in r else {})
+        reads = r.get("fp8_stage_read_us", {})
+        for key, st in by_config.items():
+            lines.append([r["batch"], _config_label(json.loads(key)), *[_f(st.get(s), ".1f") for s in stages],
+                          _f(reads.get("w13"), ".1f"), _f(reads.get("w2"), ".1f")])
+    return ("FP8 launches timed cumulatively (one CUDA graph of every layer's call stopped after that launch; "
+            "the grouping, where launched, in the first), µs per layer:\n\n"
+            + table(["tokens", "config", "quant x", "+w13", "+quant act", "+w2", "+sum", "w13 plain read",
+                     "w2 plain read"], lines))
 
 
 def _floors(fl: dict) -> str:
     return ", ".join(f"b{b} {f['floor_ms']:.3f} ms ({f['bytes_per_step'] / 1e9:.2f} GB)" for b, f in fl.items())
 
 
-def _tune_table(timings: dict) -> str:
-    """The FP8 tune's candidates, µs per layer per batch (fastest first at the first batch): every
-    config measured, so the ones that lost show by how much."""
-    names = {"block_n1": "n1", "block_n2": "n2", "num_warps": "w", "num_stages": "s", "pdl": "pdl",
-             "quant_x": "qx", "quant_act": "qa", "tile_order": "to", "w8a16": "w8a16"}
+_FP8_CONFIG_NAMES = {"block_n1": "n1", "block_n2": "n2", "num_warps": "w", "num_stages": "s", "pdl": "pdl",
+                     "quant_x": "qx", "quant_act": "qa", "tile_order": "to", "w8a16": "w8a16"}
+
+
+def _config_label(d: dict) -> str:
+    """An FP8 config's fields that its candidates differ in, short (``n1=32 n2=64 w=4 s=4 pdl=2 ...``)."""
+    return " ".join(f"{v}={d[k]}" for k, v in _FP8_CONFIG_NAMES.items() if k in d)
+
+
+def _tune_table(timings: dict, title: str = "FP8 autotune in this run, µs per layer of each candidate:") -> str:
+    """FP8 candidates, µs per layer per batch (fastest first at the first batch): every config
+    measured, so the ones that lost show by how much."""
     batches = list(timings)
     configs = sorted(timings[batches[0]], key=timings[batches[0]].get)
-    rows = []
-    for c in configs:
-        d = json.loads(c)
-        rows.append([" ".join(f"{v}={d[k]}" for k, v in names.items() if k in d),
-                     *[_f(timings[b].get(c), ".1f") for b in batches]])
-    return "FP8 autotune in this run, µs per layer of each candidate:\n\n" + table(
-        ["config", *[f"b{b}" for b in batches]], rows)
+    rows = [[_config_label(json.loads(c)), *[_f(timings[b].get(c), ".1f") for b in batches]] for c in configs]
+    return title + "\n\n" + table(["config", *[f"b{b}" for b in batches]], rows)
 
 
 def render_step(res: dict) -> str:
