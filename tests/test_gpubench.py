@@ -330,6 +330,159 @@ def test_render_kernel_fp8_exact_markdown():
     assert render(KERNEL_FP8) == KERNEL_FP8_MD
 
 
+SWEEP = ROOT / "config/examples/fp8_stage_sweep.json"
+
+
+def _fp8_configs_error(tmp_path, capsys, content, *extra) -> str:
+    """``bench kernel --weight-format fp8 --fp8-configs FILE`` with ``content`` (text, or None: no
+    file) refused before CUDA is asked: its error, nothing written."""
+    path = tmp_path / "configs.json"
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "o"
+    assert main(["bench", "kernel", *extra, "--fp8-configs", str(path), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"--fp8-configs {path}" in err and "CUDA" not in err and "Traceback" not in err, err
+    assert not out.exists()
+    return err
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ('[{"block_m": 16}]', [], "needs --weight-format fp8"),
+    (None, ["--weight-format", "fp8"], ": no such file"),
+    ("[{block_m: 16}]", ["--weight-format", "fp8"], ": not JSON"),
+    ("[]", ["--weight-format", "fp8"], "a non-empty JSON list of KernelConfig dicts expected, got []"),
+    ('{"block_m": 16}', ["--weight-format", "fp8"], "a non-empty JSON list of KernelConfig dicts expected"),
+])
+def test_fp8_configs_file_refused_by_name_on_the_cpu(content, extra, message, tmp_path, capsys, no_cuda):
+    """``--fp8-configs``: only with --weight-format fp8, a file that exists, JSON, a non-empty list."""
+    assert message in _fp8_configs_error(tmp_path, capsys, content, *extra)
+
+
+@pytest.mark.parametrize("entries, message", [
+    (["n1=32"], "entry 0 is not a dict of KernelConfig fields"),
+    ([{"block_m": 16}, {"stages": 4}], "entry 1: unknown field 'stages' (KernelConfig fields: block_m, "),
+    ([{"num_stages": 4.5}], "entry 0: field 'num_stages' must be an integer, got 4.5"),
+    ([{"num_stages": "4"}], "entry 0: field 'num_stages' must be an integer, got '4'"),
+    ([{"pdl": True}], "entry 0: field 'pdl' must be an integer, got True"),
+    ([{"block_k1": 64}], "entry 0: triton_fp8_experts: block_k1 and block_k2 must be 128"),
+    ([{"block_n1": 64, "quant_act": 1}], "entry 0: triton_fp8_experts: config quant_act=1"),
+    ([{"num_stages": 4}, {"num_stages": 5}, {"num_stages": 4, "block_n1": 32}], "entry 2 repeats entry 0"),
+])
+def test_fp8_configs_fields_refused_by_name_on_the_cpu(entries, message, tmp_path, capsys, no_cuda):
+    """Each entry checked as the FP8 kernel checks its config (KernelConfig's fields, integers,
+    triton_fp8._check_config; needs triton importable, not a GPU), the entry and field named."""
+    pytest.importorskip("triton")
+    assert message in _fp8_configs_error(tmp_path, capsys, json.dumps(entries), "--weight-format", "fp8")
+
+
+def test_fp8_stage_sweep_file_is_the_16x32_64_tile_at_4_to_8_stages(tmp_path, capsys, no_cuda):
+    """The committed sweep of hypothesis 1 (issue 29: the k loop latency-bound): the chosen
+    decode tile (16 x 32 / 64, w8a8, pdl 2) at 4, 5, 6 and 8 stages, each a config the kernel takes;
+    the command reaches the CUDA refusal."""
+    pytest.importorskip("triton")
+    from coldset.kernels.triton_fp8 import fp8_launches
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.measure.kernel import load_fp8_configs
+
+    configs = load_fp8_configs(str(SWEEP))
+    assert [c["num_stages"] for c in configs] == [4, 5, 6, 8]
+    for c in configs:
+        assert {k: c[k] for k in ("block_m", "block_n1", "block_n2", "pdl", "w8a16", "quant_x", "quant_act")} == \
+            dict(block_m=16, block_n1=32, block_n2=64, pdl=2, w8a16=0, quant_x=0, quant_act=0)
+        # five launches: the stage table shows both quantization handoffs (hypothesis 2)
+        assert fp8_launches(KernelConfig.from_dict(c)) == ("quant_x", "w13", "quant_act", "w2", "sum")
+    out = tmp_path / "o"
+    assert main(["bench", "kernel", "--weight-format", "fp8", "--batches", "1", "--layers", "1",
+                 "--fp8-configs", str(SWEEP), "--out", str(out)]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+# the same run with the stages timed and two given configs: the first table as before, then the
+# configs' timings and their stages
+_S4 = {"block_m": 16, "block_n1": 32, "block_k1": 128, "block_n2": 64, "block_k2": 128, "num_warps": 4,
+       "num_stages": 4, "slot_max_pairs": 32, "pdl": 2, "quant_x": 0, "quant_act": 0, "tile_order": 0, "w8a16": 0}
+_S8, _QX = {**_S4, "num_stages": 8}, {**_S4, "block_n1": 128, "quant_x": 1, "quant_act": 1}
+_K4, _K8, _KQ = (json.dumps(c, sort_keys=True) for c in (_S4, _S8, _QX))
+KERNEL_FP8_STAGES = {
+    **KERNEL_FP8, "fp8_configs_from": "sweep.json",
+    "batches": [
+        {**KERNEL_FP8["batches"][0], "fp8_config": _S8, "fp8_candidates_us": {_K4: 23.5, _K8: 20.0, _KQ: 21.0},
+         "fp8_stages_us": {"quant_x": 2.0, "w13": 12.0, "quant_act": 13.5, "w2": 18.5, "sum": 20.0},
+         "fp8_candidates_stages_us": {_K4: {"quant_x": 2.0, "w13": 14.0, "quant_act": 15.5, "w2": 22.0, "sum": 23.5},
+                                      _K8: {"quant_x": 2.0, "w13": 12.0, "quant_act": 13.5, "w2": 18.5, "sum": 20.0},
+                                      _KQ: {"w13": 13.0, "w2": 19.6, "sum": 21.0}},
+         "fp8_stage_read_us": {"w13": 7.4, "w2": 3.7}},
+        # the fastest config's stages only (the table's fallback): its three launches
+        {**KERNEL_FP8["batches"][1], "fp8_config": _QX, "fp8_candidates_us": {_K4: 900.0, _K8: 950.0, _KQ: 400.0},
+         "fp8_stages_us": {"w13": 250.0, "w2": 380.0, "sum": 400.0}},
+    ],
+}
+KERNEL_FP8_STAGES_MD = """\
+**Block-FP8 experts kernel per MoE layer, beside bf16** · NVIDIA H200 · torch 2.11.0, triton 3.6.0 · commit \
+0123456789 · 2026-12-01 17:30 UTC
+
+`python -m coldset bench kernel --weight-format fp8 --out o`
+
+Ceilings in this run: HBM read 4000 GB/s, bf16 matmul 700 TFLOP/s, FP8 matmul 1400 TFLOP/s, pinned zero-copy read \
+50.0 GB/s. µs per layer (median of the graph replays); FP8: the fastest of the configs in sweep.json; bf16: configs \
+of tuned.json.
+
+| tokens | FP8 MB | FP8 µs | % plain read | % bytes bound | % FLOP bound | bf16 µs | bf16 % plain read | \
+bf16 % bound | bf16/FP8 | FP8 rel err vs torch | bitwise off/cold | FP8 all-cold µs (% link) | FP8 config m/n1/n2 |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| 1 | 40.0 | 20.0 | 75% | 50% | 0% | 30.0 | 80% | 67% | 1.50x | 4.0e-03 | True/True | 1000.0 (80%) | 16/32/64 w4s8 |
+| 2048 | 600.0 | 400.0 | 40% | 38% | 25% | 500.0 | 64% | 60% | 1.25x | 6.0e-03 | False/- | - | 16/128/64 w4s4 |
+
+FP8 configs of sweep.json, µs per layer of each:
+
+| config | b1 | b2048 |
+|---|---|---|
+| n1=32 n2=64 w=4 s=8 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 20.0 | 950.0 |
+| n1=128 n2=64 w=4 s=4 pdl=2 qx=1 qa=1 to=0 w8a16=0 | 21.0 | 400.0 |
+| n1=32 n2=64 w=4 s=4 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 23.5 | 900.0 |
+
+FP8 launches timed cumulatively (one CUDA graph of every layer's call stopped after that launch; the grouping, \
+where launched, in the first), µs per layer:
+
+| tokens | config | quant x | +w13 | +quant act | +w2 | +sum | w13 plain read | w2 plain read |
+|---|---|---|---|---|---|---|---|---|
+| 1 | n1=32 n2=64 w=4 s=4 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 2.0 | 14.0 | 15.5 | 22.0 | 23.5 | 7.4 | 3.7 |
+| 1 | n1=32 n2=64 w=4 s=8 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 2.0 | 12.0 | 13.5 | 18.5 | 20.0 | 7.4 | 3.7 |
+| 1 | n1=128 n2=64 w=4 s=4 pdl=2 qx=1 qa=1 to=0 w8a16=0 | - | 13.0 | - | 19.6 | 21.0 | 7.4 | 3.7 |
+| 2048 | n1=128 n2=64 w=4 s=4 pdl=2 qx=1 qa=1 to=0 w8a16=0 | - | 250.0 | - | 380.0 | 400.0 | - | - |
+
+Checks: all passed."""
+
+
+def test_render_kernel_fp8_stages_and_given_configs_exact_markdown():
+    """With stage data (and --fp8-configs) the FP8 table gains the configs' table and the stage
+    table after it; the first table is unchanged (a JSON without them renders as before, above)."""
+    assert render(KERNEL_FP8_STAGES) == KERNEL_FP8_STAGES_MD
+
+
+@pytest.mark.gpu
+def test_kernel_fp8_given_configs_and_stages_on_the_gpu(tmp_path, capsys):
+    """A small real FP8 run of the committed sweep at one layer: every config of the file timed at
+    each batch with its cumulative stages (the launches fp8_launches names), the plain reads of
+    w13's and w2's parts up to 64 tokens, the checks hold, the table printed is the JSON's rendering."""
+    from coldset.kernels.triton_fp8 import fp8_launches
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.measure.kernel import load_fp8_configs
+
+    out = tmp_path / "k"
+    assert main(["bench", "kernel", "--weight-format", "fp8", "--out", str(out), "--layers", "1", "--reps", "3",
+                 "--batches", "1,4", "--fp8-configs", str(SWEEP)]) == 0
+    res = json.loads((out / "kernel_bench.json").read_text())
+    assert capsys.readouterr().out == "\n" + render(res) + "\n" and not res["fails"]
+    keys = {json.dumps(c, sort_keys=True) for c in load_fp8_configs(str(SWEEP))}
+    for row in res["batches"]:
+        assert set(row["fp8_candidates_us"]) == set(row["fp8_candidates_stages_us"]) == keys
+        assert tuple(row["fp8_stages_us"]) == fp8_launches(KernelConfig.from_dict(row["fp8_config"]))
+        assert all(v > 0 for st in row["fp8_candidates_stages_us"].values() for v in st.values())
+        assert row["fp8_stage_read_us"]["w13"] > row["fp8_stage_read_us"]["w2"] > 0
+
+
 @pytest.mark.gpu
 def test_kernel_command_on_the_gpu(tmp_path, capsys):
     """A small real run: two layers, batch 1 and 4, the committed H200 configs (no tuning); the

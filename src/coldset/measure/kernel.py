@@ -17,8 +17,13 @@ HBM ceiling, or the FLOPs over the matmul rate).
 the bf16 kernel per batch, each against a plain read of its own distinct expert bytes (one read
 launch a layer, in one graph, this process) and the bytes and FLOP bounds (FP8 and bf16 matmul
 rates measured here): :func:`run_fp8`. Checks bitwise identity across placements and the
-error against the torch path, and times the stages (grouping + w13 + act, + w2, + top-k sum)
-cumulatively at batch 1 and at the largest batch.
+error against the torch path, and times the FP8 call's launches cumulatively at every batch
+(:func:`cumulative_stage_us` with the kernel's ``_stop_after``: the tokens' quantization, + w13,
++ the intermediate's quantization, + w2, + top-k sum, as the config launches them), beside a plain
+read of w13's and w2's own bytes up to 64 tokens. ``--fp8-configs FILE`` (a JSON list of
+KernelConfig dicts, :func:`load_fp8_configs`) times those configs at every batch instead of the
+search space, each with its stages. The bf16 kernel's stages (grouping + w13 + act, + w2, + top-k
+sum) are timed the same way at batch 1, up to 64 tokens and at the largest batch.
 
 vLLM's figures are NOT measured here: :data:`VLLM_STORED` holds those of an earlier run
 (NOTES.md), shown as "stored vLLM figure" with their source; a ratio against them carries the
@@ -49,7 +54,9 @@ VLLM_STORED = {"source": "stored vLLM figure (earlier run on the lent H200, NOTE
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="folder for kernel_bench.json")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8,
+                   help="layers whose experts are rotated in each graph (8: no layer's weights served from L2 at "
+                        "batch 1; 1: one layer's, L2-resident at FP8 batch 1)")
     p.add_argument("--reps", type=int, default=30, help="graph replays per timing (their median)")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved rounds of the hot and row-map-off timings per batch (median and spread)")
@@ -65,8 +72,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-batch1", action="store_true",
                    help="skip the batch-1 extras (stages, pdl A/B, sweep winners, mixed placement)")
     p.add_argument("--weight-format", choices=("bf16", "fp8"), default="bf16",
-                   help="fp8: the block-FP8 experts kernel (best of the FP8 search space per batch) beside the bf16 "
-                        "kernel (--configs' configs, else its defaults) and plain reads of the same bytes (issue 29)")
+                   help="fp8: the block-FP8 experts kernel (best of the FP8 search space per batch, or of "
+                        "--fp8-configs) beside the bf16 kernel (--configs' configs, else its defaults) and plain reads "
+                        "of the same bytes, with the FP8 launches' cumulative stage times at every batch (issue 29)")
+    p.add_argument("--fp8-configs", default=None, metavar="FILE",
+                   help="with --weight-format fp8: a JSON list of KernelConfig dicts (e.g. "
+                        "config/examples/fp8_stage_sweep.json), timed with their stages at every batch instead of "
+                        "the FP8 search space")
     p.add_argument("--variants", default=None,
                    help='JSON {"batch": [{field: value, ...}, ...]}: each dict overrides fields of that batch\'s '
                         'tuned config; each variant is timed beside it (all hot), checked bit for bit against the '
@@ -90,11 +102,67 @@ def check_arguments(args) -> None:
                                "it times the FP8 kernel's search space beside the bf16 kernel")
         if args.configs and not Path(args.configs).is_file():
             raise MeasureError(f"--configs {args.configs}: no such file (the bf16 configs of --weight-format fp8)")
+        if getattr(args, "fp8_configs", None):
+            load_fp8_configs(args.fp8_configs)
+    elif getattr(args, "fp8_configs", None):
+        raise MeasureError(f"--fp8-configs {args.fp8_configs} needs --weight-format fp8")
     if args.variants:
         try:
             {int(b): list(v) for b, v in json.loads(args.variants).items()}
         except (ValueError, AttributeError) as exc:
             raise MeasureError(f"--variants is not JSON {{batch: [fields, ...]}}: {exc}") from exc
+
+
+def load_fp8_configs(path: str) -> list[dict]:
+    """The FP8 candidates of ``--fp8-configs`` ``path``: a non-empty JSON list of dicts of
+    :class:`~coldset.kernels.triton_moe.KernelConfig` fields (integers; the others at their
+    defaults), each checked as the FP8 kernel checks its config
+    (:func:`coldset.kernels.triton_fp8._check_config`); returned complete (``to_dict``).
+    :class:`MeasureError` naming the file, the entry and the field otherwise."""
+    where = f"--fp8-configs {path}"
+    if not Path(path).is_file():
+        raise MeasureError(f"{where}: no such file")
+    try:
+        entries = json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise MeasureError(f"{where}: not JSON: {exc}") from exc
+    if not isinstance(entries, list) or not entries:
+        raise MeasureError(f"{where}: a non-empty JSON list of KernelConfig dicts expected, got {entries!r:.80}")
+    try:  # the kernel's own checks (triton: present wherever the kernel can run)
+        from coldset.kernels.triton_fp8 import _check_config
+        from coldset.kernels.triton_moe import KernelConfig
+    except ImportError as exc:
+        raise MeasureError(f"{where}: checking its configs needs triton ({exc})") from exc
+    fields = list(KernelConfig.__dataclass_fields__)
+    configs: list[dict] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise MeasureError(f"{where}: entry {i} is not a dict of KernelConfig fields: {entry!r:.80}")
+        for field, value in entry.items():
+            if field not in fields:
+                raise MeasureError(f"{where}: entry {i}: unknown field {field!r} (KernelConfig fields: "
+                                   f"{', '.join(fields)})")
+            if type(value) is not int:
+                raise MeasureError(f"{where}: entry {i}: field {field!r} must be an integer, got {value!r}")
+        cfg = KernelConfig(**entry)
+        try:
+            _check_config(cfg)
+        except ValueError as exc:
+            raise MeasureError(f"{where}: entry {i}: {exc}") from exc
+        if cfg.to_dict() in configs:
+            raise MeasureError(f"{where}: entry {i} repeats entry {configs.index(cfg.to_dict())}")
+        configs.append(cfg.to_dict())
+    return configs
+
+
+def cumulative_stage_us(call, stops, layers: int, reps: int) -> dict:
+    """Cumulative µs a layer after each of ``stops``: ``call(layer, stop)`` (a kernel call that
+    stops after launch ``stop``) for every layer in one CUDA graph, median of ``reps`` replays, per
+    stop. How both kernels' stages are timed (their ``_stop_after``)."""
+    from coldset.timing import graph_time_us
+
+    return {stop: graph_time_us(lambda: [call(layer, stop) for layer in range(layers)], reps) / layers
+            for stop in stops}
 
 
 def _load_module(path: str, name: str = "baseline_triton_moe"):
@@ -195,8 +263,8 @@ def run(args, argv=None) -> dict:
 
     def stage_times(cfg, xs, rs, reps):
         """Cumulative µs per layer after each launch ({1: w13 + act (with the grouping), 2: + w2, 3: + sum})."""
-        return {stop: graph_time_us(lambda: [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop)
-                                             for l in range(L)], reps) / L for stop in (1, 2, 3)}
+        return cumulative_stage_us(
+            lambda l, stop: triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop), (1, 2, 3), L, reps)
 
     def sized_read_rate(nbytes):
         """B/s of a plain read of ``nbytes`` of the hot pool a launch, L launches in one graph (as the
@@ -440,9 +508,13 @@ def run_fp8(args, argv=None) -> dict:
     FP8 (:func:`coldset.fp8.quantize_w13`, :func:`~coldset.fp8.quantize_weight`). Per batch:
     correctness first (the FP8 kernel against the torch path, rel. error; bitwise with the row map
     compiled out), then the FP8 kernel's time with each config of the FP8 search space for its
-    regime (:data:`coldset.tune.TRITON_FP8_SEARCH_SPACE`, the fastest reported with all timings),
+    regime (:data:`coldset.tune.TRITON_FP8_SEARCH_SPACE`, or ``--fp8-configs``' list at every
+    batch; the fastest reported with all timings) and the fastest one's launches timed
+    cumulatively (``fp8_stages_us``: :func:`coldset.kernels.triton_fp8.fp8_launches`; with
+    ``--fp8-configs`` every config's, ``fp8_candidates_stages_us``),
     the bf16 kernel with ``--configs``' tuned config (its default without), and a plain read of
-    each format's distinct expert bytes (weights and scales) measured now. Up to 4 tokens also
+    each format's distinct expert bytes (weights and scales) measured now (up to 64 tokens also of
+    w13's and w2's parts apart, ``fp8_stage_read_us``: the stages' own reads). Up to 4 tokens also
     all-cold FP8 (weights and scales read in place from pinned host memory), bitwise against hot.
     """
     import torch
@@ -451,6 +523,7 @@ def run_fp8(args, argv=None) -> dict:
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
     from coldset.kernels.reference import torch_experts, torch_softmax_topk
     from coldset.kernels import triton_experts  # picks the FP8 or the bf16 kernel by the pools' format
+    from coldset.kernels.triton_fp8 import fp8_launches, triton_fp8_experts
     from coldset.kernels.triton_moe import KernelConfig, default_config
     from coldset.tiers import ExpertPools, check_host_allocation, host_tier
     from coldset.timing import eager_time_us, graph_time_us
@@ -474,7 +547,8 @@ def run_fp8(args, argv=None) -> dict:
         (q13[layer], s13[layer]), (q2[layer], s2[layer]) = fp8.quantize_w13(w13[layer]), fp8.quantize_weight(w2[layer])
     bf16_pools = ExpertPools.all_hot(w13, w2)
     fp8_pools = ExpertPools.all_hot(q13, q2, s13, s2)
-    fp8_expert_bytes = q13[0, 0].numel() + q2[0, 0].numel() + (s13[0, 0].numel() + s2[0, 0].numel()) * 4
+    fp8_w13_bytes = q13[0, 0].numel() + s13[0, 0].numel() * 4  # w13's part of an expert (weights and scales)
+    fp8_expert_bytes = fp8_w13_bytes + q2[0, 0].numel() + s2[0, 0].numel() * 4
     bf16_expert_bytes = (w13[0, 0].numel() + w2[0, 0].numel()) * 2
     torch.cuda.synchronize()
     log(f"pools ready in {time.time() - t0:.1f}s; bytes per expert fp8 {fp8_expert_bytes}, bf16 {bf16_expert_bytes}")
@@ -497,6 +571,8 @@ def run_fp8(args, argv=None) -> dict:
     if args.configs:
         bf16_tuned = {int(b): c for b, c in json.loads(Path(args.configs).read_text())["autotune"]["configs"].items()}
     res["bf16_configs_from"] = args.configs
+    given = load_fp8_configs(args.fp8_configs) if args.fp8_configs else None
+    res["fp8_configs_from"] = args.fp8_configs
 
     def case(num_tokens):
         xs = [torch.randn(num_tokens, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(L)]
@@ -520,6 +596,12 @@ def run_fp8(args, argv=None) -> dict:
                                    launches=L)
         return nbytes / rate * 1e6
 
+    def stages_us(cfg, xs, rs):
+        """Cumulative µs a layer after each of the FP8 call's launches (all hot, the row map on)."""
+        return cumulative_stage_us(
+            lambda l, stop: triton_fp8_experts(fp8_pools, l, xs[l], rs[l][0], rs[l][1], cfg, True, stop),
+            fp8_launches(cfg), L, args.reps)
+
     def save():
         write_result(out_path, res, res["ceilings"])
 
@@ -531,7 +613,7 @@ def run_fp8(args, argv=None) -> dict:
         row: dict = {"batch": B, "distinct_experts_per_layer": distinct}
         regime = "decode" if B <= space["decode_max_tokens"] else "prefill"
         timings, outs_by = {}, {}
-        for cand in space[regime]:
+        for cand in given or space[regime]:
             cfg = KernelConfig.from_dict(cand)
             outs: list = []
             try:
@@ -558,11 +640,19 @@ def run_fp8(args, argv=None) -> dict:
         row.update({"fp8_us": timings[best], "fp8_config": json.loads(best), "fp8_candidates_us": timings,
                     "fp8_rel_err_vs_torch": cand_errs[best], "fp8_candidates_rel_err_vs_torch": cand_errs,
                     "fp8_bitwise_rowmap_vs_off": all(torch.equal(x_, y_) for x_, y_ in zip(outs_on, outs_off))})
+        # where the time goes: each launch cumulatively (the fastest config; with --fp8-configs every one)
+        if given:
+            row["fp8_candidates_stages_us"] = {k: stages_us(KernelConfig.from_dict(json.loads(k)), xs, rs)
+                                               for k in timings}
+        row["fp8_stages_us"] = row["fp8_candidates_stages_us"][best] if given else stages_us(cfg, xs, rs)
         bcfg = KernelConfig.from_dict(bf16_tuned[B]) if B in bf16_tuned else default_config(B, K)
         row["bf16_config"], row["bf16_config_tuned"] = bcfg.to_dict(), B in bf16_tuned
         row["bf16_us"] = graph_time_us(run_all(bf16_pools, xs, rs, bcfg), args.reps) / L
         fp8_bytes, bf16_bytes = distinct * fp8_expert_bytes, distinct * bf16_expert_bytes
         flops = 6.0 * B * K * H * I
+        if B <= 64:  # the stages' own ceilings: a plain read of w13's and of w2's part of the bytes
+            row["fp8_stage_read_us"] = {"w13": plain_read_us(q13, distinct * fp8_w13_bytes),
+                                        "w2": plain_read_us(q13, distinct * (fp8_expert_bytes - fp8_w13_bytes))}
         row.update({"fp8_MB": fp8_bytes / 1e6, "fp8_plain_read_us": plain_read_us(q13, fp8_bytes),
                     "bf16_plain_read_us": plain_read_us(w13, bf16_bytes),
                     "fp8_bytes_bound_us": fp8_bytes / hbm * 1e6, "bf16_bytes_bound_us": bf16_bytes / hbm * 1e6,
