@@ -624,7 +624,8 @@ def run_fp8(args, argv=None) -> dict:
                 log("fp8 config failed", B, cand, repr(exc)[:300])
                 row.setdefault("fp8_failed_configs", []).append({"config": cand, "error": repr(exc)[:300]})
         if not timings:
-            raise MeasureError(f"batch {B}: no FP8 config of the search space ran (fp8_failed_configs)")
+            raise MeasureError(f"batch {B}: no FP8 config of {args.fp8_configs or 'the search space'} ran "
+                               "(fp8_failed_configs)")
         best = min(timings, key=timings.get)
         cfg = KernelConfig.from_dict(json.loads(best))
         outs_on, outs_off = outs_by[best], []
