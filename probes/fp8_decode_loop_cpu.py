@@ -53,11 +53,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,7 +63,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_w13_sass_cpu import E, H, I, TOPK, compile_w13, compile_w2, launch_attrs, stats  # noqa: E402
+from fp8_w13_sass_cpu import E, H, I, TOPK, compile_w13, compile_w2, disassemble, launch_attrs, stats  # noqa: E402
 
 from coldset.kernels import triton_fp8, triton_moe  # noqa: E402
 from coldset.kernels.triton_moe import KernelConfig  # noqa: E402
@@ -116,18 +113,6 @@ def compile_bf16_w2(c: KernelConfig):
                  EVEN_K=I % c.block_k2 == 0, EVEN_N=H % c.block_n2 == 0, USE_GDC=c.pdl > 0, PREFETCH=c.pdl == 1,
                  SPLIT=c.split_k2, KS=I, SPLIT1=c.split_k1, ORDER=c.tile_order, HALF_TAIL=c.half_tail)
     return _bf16_compile(triton_moe._w2_kernel, ptr, const, c)
-
-
-def disassemble(cubin: bytes) -> str:
-    """nvdisasm's SASS of ``cubin`` (the ptxas tools triton ships; fp8_w13_sass_cpu.stats runs the same)."""
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
-        fh.write(cubin)
-        path = fh.name
-    try:
-        return subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")

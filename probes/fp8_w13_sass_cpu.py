@@ -95,17 +95,26 @@ def compile_w2(c: KernelConfig):
                           options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
 
 
-def stats(cubin: bytes) -> dict:
+def tool_output(tool: str, args: list[str], cubin: bytes) -> str:
+    """The stdout of one of the ptxas tools triton ships (cuobjdump, nvdisasm) run on ``cubin``."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(cubin)
         path = fh.name
     try:
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tools / tool), *args, path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
+
+
+def disassemble(cubin: bytes) -> str:
+    """nvdisasm's SASS of ``cubin``."""
+    return tool_output("nvdisasm", ["-c"], cubin)
+
+
+def stats(cubin: bytes) -> dict:
+    usage = tool_output("cuobjdump", ["--dump-resource-usage"], cubin)
+    sass = disassemble(cubin)
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
     if m is None:
         raise SystemExit(f"fp8_w13_sass_cpu: no REG/STACK in cuobjdump's output: {usage[-300:]}")
