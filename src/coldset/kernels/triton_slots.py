@@ -160,6 +160,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _decision_warps(capacity: int) -> int:
+    """Warps of a one-program decisions launch (decide, decide_ahead, ahead_list, decide_next): 16
+    where the pool's slot vectors reach 4,096 lanes, else 8 (one rule for all of them)."""
+    return 16 if _next_pow2(capacity) >= 4096 else 8
+
+
 @triton.jit
 def _group_keys(ids, sel, valid, layer, row_map_ptr, E: tl.constexpr):
     """A group's selections ``ids`` (one per lane; ``sel`` the selection index in the group, in
@@ -395,7 +401,7 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
         E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())),
-        LFU=cache.policy == "lfu", CAST=cast, USE_GDC=cache.pdl, num_warps=16 if cp >= 4096 else 8)
+        LFU=cache.policy == "lfu", CAST=cast, USE_GDC=cache.pdl, num_warps=_decision_warps(cap))
 
 
 # The fill's victim choice (CHOOSE): none (a plain copy of a decided list), or the recorded group's
@@ -933,7 +939,7 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
         cache.pf_new[target], cache.pf_count[target], cache.prediction_history, cache.prefetch_history, width,
         cache.capacity, E=E, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
         WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
-        num_warps=16 if _next_pow2(cache.capacity) >= 4096 else 8)
+        num_warps=_decision_warps(cache.capacity))
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
@@ -954,7 +960,6 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     ``-0.0`` tying ``+0.0``); neither it nor the dependent launch is timed on a GPU yet."""
     n = ids.numel()
     cap = cache.capacity
-    cp = _next_pow2(cap)
     cast = _casts("decide_ahead", n, weights, weights_out)
     E = cache.pools.num_experts
     k = cache.top_k
@@ -974,7 +979,7 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         cache.prefetch_history, width,
         E=E, NP=max(2, _next_pow2(n)), CAST=cast, USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k),
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WAIT_LOGITS=wait, **_ahead_sizes(cache),
-        num_warps=16 if cp >= 4096 else 8, launch_pdl=wait)
+        num_warps=_decision_warps(cap), launch_pdl=wait)
 
 
 def _scan_size(capacity: int, *picks: int) -> int:
@@ -1111,7 +1116,6 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
     ``cache.pf_victims`` / ``pf_new`` / ``pf_tags`` / ``pf_count`` for the tagged copy."""
     n = ids.numel()
     cap = cache.capacity
-    cp = _next_pow2(cap)
     E, k = cache.pools.num_experts, cache.top_k
     L = cache.pools.num_moe_layers
     width = cache.prediction_history.shape[1]
@@ -1125,7 +1129,7 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
         width, cache.prefetch_budget, cap, L, cache.selections.shape[0],
         E=E, K=k, NPRED=cache.num_predictions, NSEL=cache.selections.shape[2], J=cache.terms.shape[0],
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
-        SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=16 if cp >= 4096 else 8)
+        SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=_decision_warps(cap))
 
 
 @triton.jit
