@@ -248,14 +248,19 @@ for hidden, inter, tokens, cfg in [(256, 128, 3, KernelConfig(16, 32, 128, 64, 1
 # row of a block with pairs of a hot expert prefetched where the budget allows
 """ + _PDL_STUBS + r"""
 for hidden, inter, tokens, cfg in [(256, 128, 3, KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, 1)),
-                                   (200, 72, 7, KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, 3)),
-                                   (384, 192, 9, KernelConfig(16, 64, 128, 128, 128, 4, 3, 1, 3, tile_order=1))]:
+                                   (200, 72, 7, KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, 1)),
+                                   (384, 192, 9, KernelConfig(16, 64, 128, 128, 128, 4, 3, 1, 1, tile_order=1))]:
     _, _, qq = make_fp8(2, 8, hidden, inter, seed=tokens)
     x, ids, w = routing(tokens, 8, 3, hidden, torch.float16, seed=tokens)
     pdl0 = KernelConfig(**{**cfg.to_dict(), "pdl": 0})
     out = triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 1, x, ids, w, pdl0, use_row_map=False)
     rm = random_row_map(2, 8, 0.5, tokens)
     placed = build_pools(qq[0], qq[1], rm, "cpu", w13_scale=qq[2], w2_scale=qq[3])
+    for chained in (2, 3):  # the same launches without the prefetch (3: the first launch chained too)
+        PREFETCHED.clear()
+        assert torch.equal(triton_experts(placed, 1, x, ids, w, KernelConfig(**{**cfg.to_dict(), "pdl": chained})),
+                           out), (cfg, chained)
+        assert not PREFETCHED, (cfg, chained)
     PREFETCHED.clear()
     assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), out), cfg
     hot = [e for e in set(ids.flatten().tolist()) if rm[1, e] >= 0]
@@ -371,13 +376,13 @@ for cfg in (KernelConfig(16, 128, 128, 64, 128, 4, 3, 1, quant_x=1, quant_act=1)
             KernelConfig(16, 64, 128, 64, 128, 4, 3, 32, quant_x=1)):
     base = triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 1, x, ids, w, variant(cfg, quant_x=0, quant_act=0),
                           use_row_map=False)
-    for pdl in (1, 3):  # 2 is 1 without the prefetch
+    for pdl in (1, 2, 3):  # 2 is 1 without the prefetch, 3 is 2 with the first launch chained
         PREFETCHED.clear()
         assert torch.equal(triton_experts(placed, 1, x, ids, w, variant(cfg, pdl=pdl)), base), (cfg, pdl)
         w2_rows = (placed.w2_hot.data_ptr(), placed.w2_hot.data_ptr() + placed.w2_hot.numel())
         # only w2 prefetches, and only behind the intermediate's own launch (block_n1 below 128)
         assert all(w2_rows[0] <= a < w2_rows[1] for a, _ in PREFETCHED), (cfg, pdl)
-        assert bool(PREFETCHED) == (pdl in (1, 3) and cfg.block_n1 % 128 != 0), (cfg, pdl, len(PREFETCHED))
+        assert bool(PREFETCHED) == (pdl == 1 and cfg.block_n1 % 128 != 0), (cfg, pdl, len(PREFETCHED))
 print("INTERPRETED OK")
 """
 
@@ -650,7 +655,7 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     """With pdl 1-3 the w13 launch is a programmatic dependent launch of the tokens' quantization
     launch, which is itself one (of the kernel before it, or of the grouping) with pdl 3: each may
     start before the launch before it ends and must wait before reading what that launch (or, pdl
-    3, any kernel before) writes; pdl 1 and 3 also bulk-prefetch hot rows into L2 before the wait. The
+    3, any kernel before) writes; pdl 1 also bulk-prefetches hot rows into L2 before the wait. The
     kernel before is a late writer: it releases dependents at once and writes x, the ids, the
     routing weights and the row map only after 500 µs, over stale contents (other tokens, other
     experts, every expert pointed at its neighbour's rows). Every pdl mode gives pdl 0's bits, for

@@ -32,7 +32,7 @@ at Qwen3-30B-A3B-FP8 shape on the H200 (docs/measurements/kernel_bench_fp8.json)
 at 1 token, 416 -> 171 at 64, 2369 -> 956 at 2048 (45%, 79%, 14% of a plain read of the same
 bytes; the bf16 kernel 71%, 91%, 56%). Then, in one run (the current kernel_bench_fp8.json): the
 w13 launch chained behind the tokens' quantization (``pdl=2``) 22.7 µs at 1 token, 53.8 at 4, 110.8
-at 16, 167.0 at 64 (48-80% of a plain read); the L2 prefetch (``pdl`` 1 and 3) did not pay: 23.9
+at 16, 167.0 at 64 (48-80% of a plain read); the L2 prefetch (``pdl`` 1, and 3 as it then was) did not pay: 23.9
 against 22.7 µs at 1 token, within 1.5% either way at 4-64; at 2048 tokens 64 columns of gate and
 up per block with the quantization launch, 457.5 µs against 956.1 for whole groups (4 warps)
 and 614.8 (8 warps): the scaled dot's temporaries beside two 64 x 128 accumulators spill.
@@ -141,11 +141,13 @@ mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 ker
 - ``1``: as 2, and while they wait the w13 blocks (and the w2 blocks behind the intermediate's
   quantization launch) bulk-prefetch their hot weight rows into L2 (``cp.async.bulk.prefetch``,
   up to :data:`PREFETCH_L2_BYTES` a launch), so HBM does not idle during the small launch before;
-- ``3``: as 1, and the tokens' quantization (and the grouping's launches) are dependent launches
-  of whatever kernel came before them, waiting for it before reading anything (the bf16 kernel's
-  ``pdl=3`` has no prefetch: there its w2 prefetch competed with w13's reads, here the prefetch
-  fills the time of a small launch, so 1 against 2 measures the prefetch, 3 against 1 the first
-  launch's chaining).
+- ``3``: as 2, and the tokens' quantization (and the grouping's launches) are dependent launches
+  of whatever kernel came before them, waiting for it before reading anything: the bf16 kernel's
+  ``pdl=3``, no prefetch. So 1 against 2 measures the prefetch, 3 against 2 the first launch's
+  chaining. (Until issue 29's seventh session 3 was 1 plus the chaining; the L2 prefetch did not
+  pay at any decode size, 23.9 against 22.7 µs at 1 token, so the chaining was never timed alone,
+  while the cumulative stage times put the tokens' own launch at 2.4 of 23.1 µs a layer at 1 token
+  on the H200: bench kernel --weight-format fp8 --fp8-configs config/examples/fp8_stage_sweep.json.)
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ if TYPE_CHECKING:
     from coldset.tiers import ExpertPools
 
 GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
-# pdl 1 and 3: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is
+# pdl 1: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is
 # 50 MB) while the quantization launch before it runs (measured: no gain, see the docstring)
 PREFETCH_L2_BYTES = 16 << 20
 
@@ -581,7 +583,7 @@ def triton_fp8_experts(
     if _stop_after is not None and _stop_after not in fp8_launches(c):
         raise ValueError(f"triton_fp8_experts: _stop_after {_stop_after!r} is not a launch of this config "
                          f"(its launches: {', '.join(fp8_launches(c))})")
-    pdl, prefetch, first = c.pdl > 0, c.pdl in (1, 3), c.pdl == 3
+    pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_fp8_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
                            "(triton >= 3.3)")
