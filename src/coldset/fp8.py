@@ -112,6 +112,19 @@ def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor
     return s[..., :rows, :cols]
 
 
+def row_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The per-row scale table of a ``[rows, cols]`` weight, float32 ``[rows, ceil(cols / 128)]``:
+    its block grid ``scale_inv`` with each block row repeated for its 128 weight rows, what the
+    one-token GEMV reads (``coldset.kernels.triton_decode.gemv(..., weight_scale=...)``). Why per
+    row: a fused weight of several checkpoint matrices (qkv = q, k, v, each with its own grid, whose
+    row counts need not be multiples of 128) is the row-wise concatenation of its parts' tables. It
+    costs 4 bytes a row and 128-column group: 1/32 of the FP8 bytes (~3%)."""
+    if tuple(scale_inv.shape) != scale_grid(rows, cols):
+        raise Fp8FormatError(f"row_scales: weight_scale_inv grid {list(scale_inv.shape)} does not match a "
+                             f"[{rows}, {cols}] weight in {BLOCK}x{BLOCK} blocks (expected {list(scale_grid(rows, cols))})")
+    return scale_inv.float().repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight float8_e4m3fn, weight_scale_inv float32)`` of a float weight ``[..., rows, cols]``.
 

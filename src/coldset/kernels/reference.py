@@ -126,3 +126,33 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=Fals
         y = (through_fp8(act) @ w2.T) * weights[token_idx, rank_idx, None]
         out.index_add_(0, token_idx, y)
     return out.to(x.dtype)
+
+
+def torch_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               weight_scale: torch.Tensor | None = None):
+    """The torch reference of :func:`coldset.kernels.triton_decode.gemv` (any device, the CPU
+    included; no triton): the same options and results contract (``add`` returns ``(x + add, out)``)
+    and the same quantities, float32 throughout: the residual stream ``x + add`` rounded to x's
+    dtype; with ``norm_weight`` the input ``(norm_weight * s)`` rounded to x's dtype and the product
+    scaled by ``rsqrt(mean(s^2) + eps)``; a block-FP8 ``weight`` (float8_e4m3fn, with its per-row
+    table ``weight_scale`` ``[N, ceil(K / 128)]``, :func:`coldset.fp8.row_scales`) dequantized per
+    128-column group in float32 (``q.float() * scale``, never rounded to x's dtype); the product
+    rounded to x's dtype, then ``residual`` added in float32 and rounded. The kernel sums in
+    another order (per group, then the groups), so the two agree to float32 summation order."""
+    dt = x.dtype
+    s = (x.float() + add.float()).to(dt) if add is not None else x
+    a = s.float()
+    if weight_scale is not None:
+        w = weight.float() * weight_scale.float().repeat_interleave(128, dim=1)[:, :weight.shape[1]]
+    else:
+        w = weight.float()
+    if norm_weight is not None:
+        rstd = torch.rsqrt(a.pow(2).mean(dim=-1, keepdim=True) + eps)
+        out = ((a * norm_weight.float()).to(dt).float() @ w.T) * rstd
+    else:
+        out = a @ w.T
+    y = out.to(dt)
+    if residual is not None:
+        y = (y.float() + residual.float()).to(dt)
+    return (s, y) if add is not None else y

@@ -408,16 +408,25 @@ class GemvConfig:
     num_warps: int = 4
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
+def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
     """The fixed config for an ``[n, k]`` weight at one token, from the H200 sweep of BENCHMARKS.md
     (issue 13, fifth session; Qwen3-30B-A3B over 48 layers' weights): 8 KB of weight rows a program
     (qkv ``[5120, 2048]``: 7.08 µs against 10.47 for ``norm_linear`` and 8.00 for cuBLAS without the
     norm; o_proj ``[2048, 4096]``: 6.14 against 7.11 and 9.52), and for matrices over 64 MB (the LM
-    head, 137.7 against cuBLAS's 144.7 µs) 16 KB row blocks in a loop of 4, 8 warps."""
+    head, 137.7 against cuBLAS's 144.7 µs) 16 KB row blocks in a loop of 4, 8 warps.
+
+    ``weight_bytes``: bytes of one weight element (2: bf16/fp16, the sweep's; 1: block-FP8 weights,
+    ``gemv(..., weight_scale=...)``). The rule is in bytes, so FP8 gets the same 8 KB (16 KB) a
+    program, twice the rows of a 2-byte weight of the same K (qkv: 4 rows of 2,048 where bf16 has 2).
+    Why bytes: a program's rows are all in flight at once, and the read rate needs bytes in flight
+    per SM, not elements; the FP8 figure is the rule carried over, not yet a sweep of its own (its
+    float32 conversion doubles the elements a program computes on, see :func:`gemv`)."""
+    if weight_bytes not in (1, 2):
+        raise ValueError(f"gemv_config: weight_bytes must be 1 (FP8) or 2 (bf16/fp16), got {weight_bytes}")
     kp = triton.next_power_of_2(k)
-    block_n = max(1, 4096 // kp)
-    if n * k * 2 > 64 * 2**20:
-        return GemvConfig(max(block_n, 4), 4, 8)
+    block_n = max(1, 8192 // (kp * weight_bytes))
+    if n * k * weight_bytes > 64 * 2**20:
+        return GemvConfig(max(block_n, 8 // weight_bytes), 4, 8)
     return GemvConfig(block_n, 1, 4)
 
 
@@ -434,8 +443,29 @@ def pdl_default(m: int, device: torch.device) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_wn,
-                 K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+def _gemv_rows(w_ptr, s_ptr, offs_n, n_ok, rk, k_ok, stride_wn, stride_sn, K: tl.constexpr, GP: tl.constexpr,
+               FP8: tl.constexpr):
+    """A block of whole weight rows: ``[BLOCK_N, KP]``, or for FP8 ``[BLOCK_N, GP, 128]`` (the
+    row's 128-column groups apart) with the rows' scales ``[BLOCK_N, GP]``."""
+    if FP8:
+        rg = tl.arange(0, GP)
+        rc = tl.arange(0, 128)
+        col = rg[:, None] * 128 + rc[None, :]  # [GP, 128]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + col[None, :, :],
+                    mask=n_ok[:, None, None] & (col < K)[None, :, :], other=0.0)
+        sc = tl.load(s_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + rg[None, :],
+                     mask=n_ok[:, None] & (rg * 128 < K)[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sc = w  # unused
+    return w, sc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, res_ptr, out_ptr, N, eps, stride_wn, stride_sn,
+                 K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, FP8: tl.constexpr,
+                 NORM: tl.constexpr, ADD: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr):
     dt = out_ptr.dtype.element_ty
     if PDL:
@@ -445,8 +475,7 @@ def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, N, ep
     offs_n = tl.program_id(0) * (BLOCK_N * ITERS) + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     # The first row block's weights (never written by the previous kernel) before the wait.
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    w, sc = _gemv_rows(w_ptr, s_ptr, offs_n, n_ok, rk, k_ok, stride_wn, stride_sn, K, GP, FP8)
     if NORM:
         nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     if PDL:
@@ -463,9 +492,12 @@ def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, N, ep
         if i + 1 < ITERS:
             offs_nn = offs_n + BLOCK_N
             n_ok_n = offs_nn < N
-            w_next = tl.load(w_ptr + offs_nn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                             mask=n_ok_n[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.sum(w.to(tl.float32) * af[None, :], axis=1)
+            w_next, sc_next = _gemv_rows(w_ptr, s_ptr, offs_nn, n_ok_n, rk, k_ok, stride_wn, stride_sn, K, GP, FP8)
+        if FP8:  # each row's 128-column group summed in fp32, times the group's scale, the groups summed
+            part = tl.sum(w.to(tl.float32) * tl.reshape(af, (GP, 128))[None, :, :], axis=2)
+            acc = tl.sum(part * sc, axis=1)
+        else:
+            acc = tl.sum(w.to(tl.float32) * af[None, :], axis=1)
         if NORM:
             acc = acc * rstd
         y = acc.to(dt)
@@ -474,19 +506,64 @@ def _gemv_kernel(x_ptr, add_ptr, sum_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, N, ep
         tl.store(out_ptr + offs_n, y, mask=n_ok)
         if i + 1 < ITERS:
             w = w_next
+            sc = sc_next
             offs_n = offs_nn
             n_ok = n_ok_n
 
 
+def _check_weight_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None, n: int, k: int) -> None:
+    """:class:`ValueError` naming the tensor when ``weight`` / ``weight_scale`` are not a pair
+    :func:`gemv` reads: a bf16/fp16 weight alone, or a float8_e4m3fn weight with its float32
+    per-row scale table ``[N, ceil(K / 128)]`` on the same device."""
+    from coldset import fp8
+
+    if weight.dtype == fp8.FP8_DTYPE:
+        if weight_scale is None:
+            raise ValueError(f"gemv: weight is {weight.dtype}: give its block scales as weight_scale, a float32 "
+                             f"[{n}, {fp8.scale_grid(n, k)[1]}] per-row table (coldset.fp8.row_scales)")
+        want = (n, fp8.scale_grid(n, k)[1])
+        if weight_scale.dtype != torch.float32:
+            raise ValueError(f"gemv: weight_scale must be float32, got {weight_scale.dtype}")
+        if tuple(weight_scale.shape) != want:
+            raise ValueError(f"gemv: weight_scale must be the per-row table {list(want)} of a [{n}, {k}] weight "
+                             f"(one scale per row and {fp8.BLOCK}-column group: each row's block scales, "
+                             f"coldset.fp8.row_scales), got {list(weight_scale.shape)}")
+        if weight_scale.stride(1) != 1:
+            raise ValueError(f"gemv: weight_scale must be row-major (stride 1 along its groups), got strides "
+                             f"{weight_scale.stride()}")
+        if weight_scale.device != weight.device:
+            raise ValueError(f"gemv: weight_scale is on {weight_scale.device}, weight on {weight.device}")
+        return
+    if weight.dtype == torch.float8_e5m2:
+        raise ValueError(f"gemv: weight dtype {weight.dtype} is not supported (block-FP8 weights are "
+                         f"{fp8.FP8_DTYPE})")
+    if weight_scale is not None:
+        raise ValueError(f"gemv: weight_scale is given but weight is {weight.dtype}; scales go with a "
+                         f"{fp8.FP8_DTYPE} weight only")
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          add: torch.Tensor | None = None, residual: torch.Tensor | None = None, config: GemvConfig | None = None,
-         pdl: bool = False):
+         pdl: bool = False, weight_scale: torch.Tensor | None = None):
     """:func:`norm_linear` for one token (``x`` ``[1, K]``), the same options and results
     (``norm_weight``, ``add`` returning ``(x + add, out)``, ``residual``), as a GEMV built to stream
     the weights at the HBM rate: each program loads whole weight rows at once (all of K), so the
     bytes in flight per SM are what the read rate needs and, with ``pdl``, a program's first tile is
     read while the previous kernel finishes. Why beside norm_linear: at one token that kernel's
     K loop keeps two tiles in flight and ran the decode GEMVs at ~2.3 TB/s (BENCHMARKS.md, issue 13).
+
+    ``weight_scale`` (block-FP8 weights, weight-only): ``weight`` is float8_e4m3fn ``[N, K]`` and
+    ``weight_scale`` its float32 per-row scale table ``[N, ceil(K / 128)]`` (:func:`coldset.fp8.row_scales`
+    of a checkpoint's ``weight_scale_inv``). Each program converts its e4m3 rows to float32 in
+    registers (exact), multiplies them by the float32 input (normed and rounded to x's dtype as for
+    bf16), sums each row's 128-column groups in fp32, multiplies each group's sum by its scale and
+    sums the groups in fp32: ``sum_g s[n, g] * sum_{k in g} q[n, k] * a[k]``, the order of a
+    block-scaled GEMM (the scale on the group's partial sum, one multiply per 128 products; the
+    weight is never rounded to bf16, so this is not bitwise the dequantized bf16 weight's GEMV).
+    A partial last group (K not a multiple of 128) has its own scale, as the checkpoint grid does;
+    any K and N. The norm, add and residual are the bf16 path's, and a bf16/fp16 weight runs the
+    arithmetic it ran before (the FP8 code is compiled out). Reference:
+    :func:`coldset.kernels.reference.torch_gemv`.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -494,6 +571,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         raise ValueError(f"gemv: one token (x [1, K]), got x {tuple(x.shape)}; use norm_linear")
     if weight.shape != (n, k) or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight must be a row-major [N, {k}], got {tuple(weight.shape)} strides {weight.stride()}")
+    _check_weight_scale(weight, weight_scale, n, k)
+    fp8_weight = weight_scale is not None
     if add is not None and norm_weight is None:
         raise ValueError("gemv: add is fused into the input norm only (give norm_weight)")
     if norm_weight is not None and norm_weight.shape != (k,):
@@ -506,14 +585,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         if residual.shape != (1, n):
             raise ValueError(f"gemv: residual must be [1, {n}], got {tuple(residual.shape)}")
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, 1 if fp8_weight else 2)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if add is not None else None
+    # FP8: whole 128-column groups a row in registers (KP at least 128), GP of them (a power of two)
+    kp = max(128, triton.next_power_of_2(k)) if fp8_weight else triton.next_power_of_2(k)
     grid = (triton.cdiv(n, cfg.block_n * cfg.iters),)
     _gemv_kernel[grid](
         x, add if add is not None else x, summed if summed is not None else x,
-        norm_weight if norm_weight is not None else x, weight, residual if residual is not None else x, out,
-        n, float(eps), weight.stride(0), K=k, KP=triton.next_power_of_2(k),
+        norm_weight if norm_weight is not None else x, weight, weight_scale if fp8_weight else x,
+        residual if residual is not None else x, out,
+        n, float(eps), weight.stride(0), weight_scale.stride(0) if fp8_weight else 0, K=k, KP=kp,
+        GP=max(1, kp // 128), FP8=fp8_weight,
         NORM=norm_weight is not None, ADD=add is not None, RESIDUAL=residual is not None, PDL=pdl,
         BLOCK_N=cfg.block_n, ITERS=cfg.iters, num_warps=cfg.num_warps, **_pdl_launch(pdl))
     return (summed, out) if add is not None else out

@@ -1,0 +1,237 @@
+"""The one-token GEMV with block-FP8 weights (``coldset.kernels.triton_decode.gemv(...,
+weight_scale=...)``, weight-only, issue 29) and its torch reference
+(:func:`coldset.kernels.reference.torch_gemv`), against an independent float64
+dequantize-then-matmul written here from the format's definition (not by :mod:`coldset.fp8`).
+
+The weights are drawn with block magnitudes spread over two decades, so every 128 x 128 block has
+its own scale and a scale read from the wrong block is a large error (the mutants below: a wrong
+layout of the per-row table is caught, so the tolerances can fail).
+
+Tolerances (relative Frobenius error of the output):
+- float32 activations: the kernel and the torch reference against float64 < 1e-5 (the weights are
+  the e4m3 bytes times float32 scales, exact in float32 for the product; what differs is float32
+  summation order and the float32 rounding of the norm's input), and against each other < 1e-5;
+- bf16 / fp16 activations (the model dtypes): < 1e-2 against float64 (the residual stream, the
+  normed input and the output are rounded to the dtype, 2^-9 bf16 half steps, as the bf16 GEMV's
+  own test allows), and the kernel against the torch reference (the same roundings) < 1e-2;
+- the mutants (scale table shifted by one group, block rows of 64 instead of 128, the table read
+  transposed): > 0.1 against float64 (they measure ~1).
+
+Runs: :func:`check_kernel` on the CPU under Triton's interpreter (a child Python with
+``TRITON_INTERPRET=1``, where triton is importable: ``PYTHONPATH=<triton 3.6>:src``; float32 and
+fp16, the interpreter's casts by torch as in tests/test_fp8_experts.py), and on CUDA (marked gpu:
+float32, bf16 and fp16, with and without programmatic dependent launch, repeated bitwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coldset import fp8
+from coldset.kernels.reference import torch_gemv
+
+# (n, k, config fields or None): K not a multiple of 128 (a partial last group), N not a multiple of
+# a program's rows, a row loop (iters) whose last blocks run past N, K below 128 (one partial group)
+SHAPES = [(203, 300, None), (37, 256, (4, 3, 2)), (130, 96, None), (64, 1000, (8, 1, 4))]
+
+
+def block_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 ``[n, k]`` weight whose 128 x 128 blocks have magnitudes 10^U(-1, 1): each block's
+    scale differs, so reading another block's scale is a large error."""
+    g = torch.Generator().manual_seed(seed)
+    gr, gc = math.ceil(n / 128), math.ceil(k / 128)
+    mag = 10 ** (2 * torch.rand(gr, gc, generator=g) - 1)
+    grid = mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return torch.randn(n, k, generator=g) / math.sqrt(k) * grid
+
+
+def float64_gemv(x, q, grid, *, norm_weight=None, eps=0.0, add=None, residual=None):
+    """Independent float64: ``q`` (e4m3) times its block grid ``grid`` ``[ceil(n/128), ceil(k/128)]``
+    per 128 x 128 block, the input ``RMSNorm(x + add)`` with the residual stream rounded to x's
+    dtype (the value the kernel writes and the next layer reads), ``residual`` added; nothing else
+    rounded."""
+    n, k = q.shape
+    w = q.cpu().double() * grid.cpu().double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    s = (x.cpu().double() + add.cpu().double()).to(x.dtype).double() if add is not None else x.cpu().double()
+    a = s
+    if norm_weight is not None:
+        a = norm_weight.cpu().double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    out = a @ w.T
+    if residual is not None:
+        out = out + residual.cpu().double()
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = a.cpu().double(), b.cpu().double()
+    return float((a - b).norm() / b.norm())
+
+
+def operands(n, k, dtype, device, seed=0):
+    """``(q, grid, table, x, add, nw, res)`` of one case."""
+    q, grid = fp8.quantize_weight(block_weight(n, k, seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    x, add = (torch.randn(1, k, generator=g).to(device, dtype) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    res = torch.randn(1, n, generator=g).to(device, dtype)
+    return q.to(device), grid, fp8.row_scales(grid, n, k).to(device), x, add, nw, res
+
+
+def tolerance(dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def mutant_tables(grid: torch.Tensor, n: int, k: int) -> dict:
+    """Wrong per-row tables a layout bug would make, those that differ from the right one here
+    (at least one does for every shape tested); each must fail the tolerance."""
+    right = fp8.row_scales(grid, n, k)
+    gr = grid.shape[0]
+    bad = {
+        "shifted one group": torch.roll(right, 1, dims=1),
+        "shifted one block row": fp8.row_scales(torch.roll(grid, 1, dims=0), n, k),
+        "block rows of 64": grid[torch.clamp(torch.arange(n) // 64, max=gr - 1)],
+    }
+    bad = {name: t.contiguous() for name, t in bad.items() if not torch.equal(t, right)}
+    assert bad, (n, k)
+    return bad
+
+
+def check_kernel(device: str, dtypes=(torch.float32, torch.float16), pdls=(False,)) -> None:
+    """Every check of the FP8 GEMV on ``device`` (the interpreter's CPU or CUDA); raises AssertionError."""
+    from coldset.kernels.triton_decode import GemvConfig, gemv, gemv_config
+
+    for n, k, fields in SHAPES:
+        cfg = GemvConfig(*fields) if fields else None
+        for dtype in dtypes:
+            tol = tolerance(dtype)
+            q, grid, table, x, add, nw, res = operands(n, k, dtype, device, seed=n + k)
+            for pdl in pdls:
+                case = (n, k, fields, dtype, pdl)
+                out = gemv(x, q, weight_scale=table, config=cfg, pdl=pdl)
+                assert out.dtype == dtype and out.shape == (1, n), case
+                assert rel(out, float64_gemv(x, q, grid)) < tol, (case, rel(out, float64_gemv(x, q, grid)))
+                assert rel(out, torch_gemv(x, q, weight_scale=table)) < tol, case
+                summed, out = gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add, config=cfg, pdl=pdl)
+                want = float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add)
+                ref_sum, ref = torch_gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add)
+                assert torch.equal(summed, ref_sum), case  # the residual stream: one rounding of x + add
+                assert rel(out, want) < tol and rel(out, ref) < tol, (case, rel(out, want), rel(out, ref))
+                both = gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add, residual=res, config=cfg,
+                            pdl=pdl)
+                assert rel(both[1], float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add, residual=res)) < tol
+                again = gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add, config=cfg, pdl=pdl)
+                assert torch.equal(again[1], out) and torch.equal(again[0], summed), case  # bitwise repeatable
+                out = gemv(x, q, weight_scale=table, residual=res, config=cfg, pdl=pdl)
+                assert rel(out, float64_gemv(x, q, grid, residual=res)) < tol, case
+        # a wrong table layout is caught by these tolerances (the mutants measure ~1)
+        q, grid, table, x, add, nw, res = operands(n, k, torch.float32, device, seed=n + k)
+        want = float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add)
+        for name, bad in mutant_tables(grid, n, k).items():
+            got = gemv(x, q, weight_scale=bad.to(device), norm_weight=nw, eps=1e-6, add=add, config=cfg)[1]
+            assert rel(got, want) > 0.1, (n, k, name, rel(got, want))
+
+    # a fused qkv: q, k and v each quantized on its own grid (row counts not multiples of 128), their
+    # per-row tables concatenated, equals the three products concatenated
+    parts = [(200, 7), (72, 8), (72, 9)]
+    k = 256
+    qs, grids = zip(*(fp8.quantize_weight(block_weight(r, k, seed)) for r, seed in parts))
+    table = torch.cat([fp8.row_scales(gr, r, k) for gr, (r, _) in zip(grids, parts)]).to(device)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device)
+    out = gemv(x, torch.cat(qs).to(device), weight_scale=table)
+    want = torch.cat([float64_gemv(x, qq, gr) for qq, gr in zip(qs, grids)], dim=1)
+    assert rel(out, want) < 1e-5, rel(out, want)
+    # the mistake of expanding the stacked grids as one grid over all rows (k's rows read q's last block row)
+    wrong = torch.cat(grids).repeat_interleave(128, 0)[:table.shape[0]].contiguous().to(device)
+    assert rel(gemv(x, torch.cat(qs).to(device), weight_scale=wrong), want) > 0.1
+
+    # the config rule in bytes: FP8 gets twice the rows of a 2-byte weight of the same K (the same 8 KB)
+    # (the LM head's shape: its 16 KB row blocks in a loop of 4)
+    for n, k in ((5120, 2048), (2048, 4096), (300, 200), (151936, 2048)):
+        c2, c1 = gemv_config(n, k), gemv_config(n, k, 1)
+        assert c1.block_n == 2 * c2.block_n and (c1.iters, c1.num_warps) == (c2.iters, c2.num_warps), (n, k)
+    assert gemv_config(5120, 2048, 1) == GemvConfig(4, 1, 4) and gemv_config(151936, 2048, 1) == GemvConfig(8, 4, 8)
+    check_refusals(device)
+
+
+def check_refusals(device: str) -> None:
+    """Bad weight / scale pairs refused by name before any launch."""
+    from coldset.kernels.triton_decode import gemv
+
+    n, k = 40, 200
+    q, grid, table, x, *_ = operands(n, k, torch.float32, device)
+    cases = [
+        (dict(weight=q, weight_scale=None), "give its block scales as weight_scale"),
+        (dict(weight=q.float(), weight_scale=table), "scales go with a torch.float8_e4m3fn weight only"),
+        (dict(weight=q, weight_scale=table.half()), "weight_scale must be float32"),
+        (dict(weight=q, weight_scale=grid.to(device)), "weight_scale must be the per-row table [40, 2]"),
+        (dict(weight=q, weight_scale=torch.ones(n, 3, device=device)), "weight_scale must be the per-row table"),
+        (dict(weight=q, weight_scale=table.T.contiguous().T), "weight_scale must be row-major"),
+        (dict(weight=q.float().to(torch.float8_e5m2), weight_scale=table), "float8_e5m2 is not supported"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match.replace("[", r"\[").replace("]", r"\]")):
+            gemv(x, kwargs["weight"], weight_scale=kwargs["weight_scale"])
+    with pytest.raises(fp8.Fp8FormatError, match="does not match a"):
+        fp8.row_scales(grid[:, :1], n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference against float64, the per-row table, and the kernel under the interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k,_", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_reference_against_float64(n, k, _, dtype):
+    """The torch reference dequantizes as the format says and computes the kernel's quantities:
+    against float64 within the stated tolerance, and a wrong table layout fails it."""
+    q, grid, table, x, add, nw, res = operands(n, k, dtype, "cpu", seed=n + k)
+    tol = tolerance(dtype)
+    assert rel(torch_gemv(x, q, weight_scale=table), float64_gemv(x, q, grid)) < tol
+    s, out = torch_gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add, residual=res)
+    assert torch.equal(s, (x.float() + add.float()).to(dtype))
+    assert rel(out, float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add, residual=res)) < tol
+    # the dequantized weight equals coldset.fp8's own dequantization (float32)
+    w = q.float() * table.repeat_interleave(128, 1)[:, :k]
+    assert torch.equal(w, fp8.dequantize_weight(q, grid))
+    want = float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add)
+    for name, bad in mutant_tables(grid, n, k).items():
+        got = torch_gemv(x, q, weight_scale=bad, norm_weight=nw, eps=1e-6, add=add)[1]
+        assert rel(got, want) > 0.1, (name, rel(got, want))
+
+
+def test_row_scales_repeats_each_block_row_for_its_rows():
+    grid = torch.arange(6, dtype=torch.float32).view(3, 2)  # rows 257..384 -> 3 block rows
+    table = fp8.row_scales(grid, 300, 200)
+    assert table.shape == (300, 2) and table.dtype == torch.float32 and table.is_contiguous()
+    assert torch.equal(table[0], grid[0]) and torch.equal(table[127], grid[0])
+    assert torch.equal(table[128], grid[1]) and torch.equal(table[299], grid[2])
+    with pytest.raises(fp8.Fp8FormatError, match=r"grid \[3, 2\] does not match a \[300, 300\] weight"):
+        fp8.row_scales(grid, 300, 300)
+
+
+def test_fp8_gemv_under_the_interpreter():
+    """:func:`check_kernel` on the CPU through Triton's interpreter (float32 and fp16; skipped where
+    triton is not importable): every option against float64 and the torch reference, the mutants
+    caught, a fused qkv of three grids, the config rule, the refusals."""
+    from test_fp8_experts import _PRELUDE, _run_interpreted
+
+    _run_interpreted(_PRELUDE + "\nimport test_fp8_gemv as T\nT.check_kernel('cpu')\nprint('INTERPRETED OK')\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_fp8_gemv_on_cuda():
+    """:func:`check_kernel` on CUDA: float32, bf16 and fp16 activations, with and without
+    programmatic dependent launch (where the device has it)."""
+    from coldset.kernels.triton_slots import pdl_available
+
+    pdls = (False, True) if pdl_available(torch.device("cuda")) else (False,)
+    check_kernel("cuda", dtypes=(torch.float32, torch.bfloat16, torch.float16), pdls=pdls)
