@@ -235,3 +235,135 @@ def test_fp8_gemv_on_cuda():
 
     pdls = (False, True) if pdl_available(torch.device("cuda")) else (False,)
     check_kernel("cuda", dtypes=(torch.float32, torch.bfloat16, torch.float16), pdls=pdls)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: an FP8 checkpoint's attention kept as stored for the fused one-token path
+# ---------------------------------------------------------------------------------------------
+
+# q 2 x 80 = 160 rows (a partial second block row), k and v 80 rows each, hidden 200 (a partial group)
+PARTIAL = dict(layers=2, experts=8, top_k=2, hidden=200, moe_intermediate=136, heads=2, kv_heads=1, head_dim=80,
+               vocab_size=512, seed=3)
+
+
+def test_fp8_checkpoint_keeps_its_attention_bytes_and_scales_for_the_fused_path(tmp_path):
+    """load_model keeps q/k/v/o_proj as stored (bytes, scales expanded per row, q/k/v each on its
+    own grid) beside the dequantized weights every other path runs; the torch reference of the
+    fused GEMV on those equals the dequantized product to float32 summation order."""
+    from safetensors.torch import load_file
+
+    from coldset.model import fp8_attention_linears, load_model
+    from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
+    tensors = load_file(str(path / "model.safetensors"))
+    model = load_model(path)
+    hidden = PARTIAL["hidden"]
+    for i, layer in enumerate(model.layers):
+        attn, pre = layer.self_attn, f"model.layers.{i}.self_attn"
+        names = ("q_proj", "k_proj", "v_proj")
+        stored = [tensors[f"{pre}.{n}.weight"] for n in names]
+        grids = [tensors[f"{pre}.{n}.weight_scale_inv"] for n in names]
+        assert torch.equal(attn.qkv_fp8.view(torch.uint8), torch.cat(stored).view(torch.uint8))
+        want = torch.cat([g.repeat_interleave(128, 0)[:q.shape[0]] for q, g in zip(stored, grids)])
+        assert attn.qkv_scale.shape == (160 + 80 + 80, 2) and torch.equal(attn.qkv_scale, want)
+        o, og = tensors[f"{pre}.o_proj.weight"], tensors[f"{pre}.o_proj.weight_scale_inv"]
+        assert torch.equal(attn.o_fp8.view(torch.uint8), o.view(torch.uint8))
+        assert torch.equal(attn.o_scale, og.repeat_interleave(128, 0)[:hidden])
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(i))
+        assert rel(torch_gemv(x, attn.qkv_fp8, weight_scale=attn.qkv_scale), x @ attn.qkv_proj.weight.T) < 1e-5
+        xo = torch.randn(1, 160, generator=torch.Generator().manual_seed(i))
+        assert rel(torch_gemv(xo, attn.o_fp8, weight_scale=attn.o_scale), xo @ attn.o_proj.weight.T) < 1e-5
+    assert fp8_attention_linears(model, 1) == []  # not compiled: the eager path runs the dequantized weights
+
+
+def test_a_partly_converted_qkv_keeps_no_fp8_copy(tmp_path):
+    """k_proj in modules_to_not_convert: qkv runs dequantized only (no FP8 copy), o_proj keeps its."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from coldset.model import load_model
+    from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
+    tensors = load_file(str(path / "model.safetensors"))
+    for i in range(PARTIAL["layers"]):
+        key = f"model.layers.{i}.self_attn.k_proj"
+        tensors[f"{key}.weight"] = fp8.dequantize_weight(tensors[f"{key}.weight"], tensors.pop(f"{key}.weight_scale_inv"))
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"].append("k_proj")
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path)
+    attn = model.layers[0].self_attn
+    assert attn.qkv_fp8 is None and attn.qkv_scale is None and attn.o_fp8 is not None
+
+
+def test_attach_fp8_attention_quantizes_each_projection_and_restores():
+    """The bench's in-memory FP8 attention: q, k, v and o_proj each quantized on its own grid, the
+    float weights replaced by their dequantization (the FP8 model on every path), and put back."""
+    from coldset.model import attach_fp8_attention
+    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+
+    model, _ = build_synthetic_model(SyntheticSpec(**PARTIAL, in_memory=True), "cpu", torch.float32)
+    before = [(la.self_attn.qkv_proj.weight.clone(), la.self_attn.o_proj.weight.clone()) for la in model.layers]
+    restore = attach_fp8_attention(model)
+    for layer, (qkv_w, o_w) in zip(model.layers, before):
+        attn = layer.self_attn
+        parts = [fp8.quantize_weight(w) for w in qkv_w.split([160, 80, 80])]
+        assert torch.equal(attn.qkv_fp8.view(torch.uint8), torch.cat([q for q, _ in parts]).view(torch.uint8))
+        assert torch.equal(attn.qkv_scale, torch.cat([fp8.row_scales(s, q.shape[0], 200) for q, s in parts]))
+        assert torch.equal(attn.qkv_proj.weight, torch.cat([fp8.dequantize_weight(q, s) for q, s in parts]))
+        q, s = fp8.quantize_weight(o_w)
+        assert torch.equal(attn.o_fp8.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(attn.o_proj.weight, fp8.dequantize_weight(q, s))
+        assert rel(attn.qkv_proj.weight, qkv_w) < 0.05  # e4m3: a few percent
+    with pytest.raises(ValueError, match="already has FP8 copies"):
+        attach_fp8_attention(model)
+    restore()
+    for layer, (qkv_w, o_w) in zip(model.layers, before):
+        attn = layer.self_attn
+        assert torch.equal(attn.qkv_proj.weight, qkv_w) and torch.equal(attn.o_proj.weight, o_w)
+        assert attn.qkv_fp8 is None and attn.qkv_scale is None and attn.o_fp8 is None and attn.o_scale is None
+
+
+@pytest.mark.gpu
+def test_fused_decode_with_fp8_attention_on_cuda():
+    """The fused engine with FP8 attention (attach_fp8_attention, bf16): at batch 1 it reads the FP8
+    copies (its logits differ from the same engine without them, by e4m3-vs-bf16 weight rounding
+    only: < 1e-2), decodes the eager engine's greedy tokens (the eager one runs the dequantized
+    weights) with logits within 1e-2, and repeats bitwise; batch 3 runs the dequantized weights."""
+    from coldset import gate
+    from coldset.model import attach_fp8_attention, fp8_attention_linears, generate
+    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+
+    spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=8, kv_heads=2,
+                         head_dim=64, vocab_size=1024, seed=11, in_memory=True)
+    eager, tok = build_synthetic_model(spec, "cuda", torch.bfloat16)
+    fused, _ = build_synthetic_model(spec, "cuda", torch.bfloat16)
+    for m in (eager, fused):
+        m.experts_fn = gate.experts_functions(torch.device("cuda"), None)[0]
+        attach_fp8_attention(m)
+    fused.compile_decode()
+    assert fp8_attention_linears(fused, 1) == ["qkv_proj", "o_proj"] and fp8_attention_linears(fused, 3) == []
+    texts = ("def parse_args(items, limit):", "The quiet river", '{"tool": "get_weather", "city": "Oslo"}')
+    one = [tok.encode(texts[0]).ids]
+    a = generate(eager, one, 16, progress=False, return_all_logits=True)
+    b = generate(fused, one, 16, progress=False, return_all_logits=True)
+    c = generate(fused, one, 16, progress=False, return_all_logits=True)
+    assert a.tokens == b.tokens and rel(b.all_logits, a.all_logits) < 1e-2
+    assert torch.equal(b.all_logits, c.all_logits)
+    # without the FP8 copies the same engine reads the dequantized bf16 weights: close, not equal
+    copies = [(la.self_attn.qkv_fp8, la.self_attn.qkv_scale, la.self_attn.o_fp8, la.self_attn.o_scale)
+              for la in fused.layers]
+    for la in fused.layers:
+        la.self_attn.qkv_fp8 = la.self_attn.qkv_scale = la.self_attn.o_fp8 = la.self_attn.o_scale = None
+    d = generate(fused, one, 16, progress=False, return_all_logits=True)
+    assert not torch.equal(d.all_logits[:, 1:], b.all_logits[:, 1:]) and rel(d.all_logits, b.all_logits) < 1e-2
+    for la, (q, qs, o, os_) in zip(fused.layers, copies):
+        la.self_attn.qkv_fp8, la.self_attn.qkv_scale, la.self_attn.o_fp8, la.self_attn.o_scale = q, qs, o, os_
+    many = [tok.encode(t).ids for t in texts]
+    a3 = generate(eager, many, 8, progress=False, return_all_logits=True)
+    b3 = generate(fused, many, 8, progress=False, return_all_logits=True)
+    assert a3.tokens == b3.tokens and rel(b3.all_logits, a3.all_logits) < 1e-2

@@ -207,6 +207,53 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.eps = cfg.rms_norm_eps
         self.qk_norm_weight: torch.Tensor | None = None  # [nh + nkv, D], set by fuse_qk_norm()
+        # Block-FP8 copies of the projections for the fused one-token path (set_fp8; None: none).
+        # Buffers (not persistent), so that moving the model moves them.
+        for name in ("qkv_fp8", "qkv_scale", "o_fp8", "o_scale"):
+            self.register_buffer(name, None, persistent=False)
+
+    def set_fp8(self, qkv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                o: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Give the fused one-token decode path (:func:`fused_layer_before_experts` at batch 1) the
+        projections in block FP8: ``qkv`` the ``(weight float8_e4m3fn, weight_scale_inv)`` of q, k and
+        v in that order (each its own 128 x 128 grid), ``o`` o_proj's; None leaves that projection
+        without an FP8 copy. Kept as ``qkv_fp8`` ``[q + 2 kv, H]`` with ``qkv_scale``, the three
+        per-row scale tables concatenated (:func:`coldset.fp8.row_scales`), and ``o_fp8`` /
+        ``o_scale``, on the device of the layer's weights.
+
+        Why beside the float ``qkv_proj`` / ``o_proj`` weights (which hold the same values
+        dequantized to the model dtype): every other path (eager, prefill, the Inductor region, from
+        two tokens on, the comparison with transformers) runs those; the GEMV at one token reads the
+        FP8 bytes, half the bytes of bf16, and that is where the step streams them. The cost is the
+        FP8 copy beside the float one: 1 byte a weight plus 4 bytes a row and 128-column group
+        (Qwen3-30B-A3B: 0.93 GB beside 1.81 GB of bf16 projections). The fused path then rounds
+        differently from the dequantized one (each group's float32 sum of e4m3 x input times its
+        float32 scale; the weight never rounded to bf16), so its logits are not the dequantized
+        path's bits; parity (placements against all hot) compares one engine on both sides, so it
+        holds as it does for bf16."""
+        from coldset import fp8
+
+        dev = self.qkv_proj.weight.device
+        hidden = self.qkv_proj.weight.shape[1]
+        if qkv is not None:
+            sizes = (self.q_size, self.kv_size, self.kv_size)
+            for (q, s), rows, name in zip(qkv, sizes, ("q_proj", "k_proj", "v_proj")):
+                if q.dtype != fp8.FP8_DTYPE or tuple(q.shape) != (rows, hidden):
+                    raise ValueError(f"Attention.set_fp8: {name} must be {fp8.FP8_DTYPE} [{rows}, {hidden}], got "
+                                     f"{q.dtype} {list(q.shape)}")
+            self.qkv_fp8 = torch.cat([q for q, _ in qkv]).to(dev)
+            self.qkv_scale = torch.cat([fp8.row_scales(s, rows, hidden) for (_, s), rows in zip(qkv, sizes)]).to(dev)
+        else:
+            self.qkv_fp8 = self.qkv_scale = None
+        if o is not None:
+            q, s = o
+            want = (hidden, self.num_heads * self.head_dim)
+            if q.dtype != fp8.FP8_DTYPE or tuple(q.shape) != want:
+                raise ValueError(f"Attention.set_fp8: o_proj must be {fp8.FP8_DTYPE} {list(want)}, got {q.dtype} "
+                                 f"{list(q.shape)}")
+            self.o_fp8, self.o_scale = q.to(dev), fp8.row_scales(s, *want).to(dev)
+        else:
+            self.o_fp8 = self.o_scale = None
 
     def fuse_qk_norm(self) -> None:
         """Stack the q_norm and k_norm weights per head, for the one-op qk-norm in forward."""
@@ -324,7 +371,11 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
     norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
     so a MoE layer is four launches before its experts at batch 1. Why: the step outside the
-    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). route's weights come in the model dtype (the cast the experts call
+    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). At batch 1 an
+    attention with block-FP8 copies (:meth:`Attention.set_fp8`: an FP8 checkpoint's, or
+    :func:`attach_fp8_attention`) runs its qkv and o_proj GEMVs on the FP8 bytes and their scales
+    (weight-only: fp32 products, each 128-column group's sum times its scale), not on the
+    dequantized weights: other roundings than the dequantized path's, the same in every placement. route's weights come in the model dtype (the cast the experts call
     would make, in the same launch) unless the experts function casts them itself or a routing
     sink records them (then float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
     programmatic dependent launches (Hopper), each reading its weights while its predecessor
@@ -344,16 +395,18 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
         cache = getattr(model.experts_fn, "slot_cache", None)
         if cache is not None and model.routing_sink is None and cache.records_in_route(bsz):
             cache.wait_at_layer_start(layer.mlp.moe_index)  # the cache's waits before this layer's first kernel
-    if bsz == 1:
-        x, qkv = td.gemv(x.view(1, hidden), attn.qkv_proj.weight, norm_weight=norm_in.weight, eps=norm_in.eps,
-                         add=delta.view(1, hidden), pdl=pdl)
+    if bsz == 1:  # block-FP8 projections (Attention.set_fp8) read as FP8 bytes with their scales
+        w, ws = (attn.qkv_fp8, attn.qkv_scale) if attn.qkv_fp8 is not None else (attn.qkv_proj.weight, None)
+        x, qkv = td.gemv(x.view(1, hidden), w, norm_weight=norm_in.weight, eps=norm_in.eps,
+                         add=delta.view(1, hidden), pdl=pdl, weight_scale=ws)
     else:
         x, normed = td.rms_norm(x.view(bsz, hidden), norm_in.weight, norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
         qkv = F.linear(normed, attn.qkv_proj.weight)
     out = td.decode_attention(qkv, attn.qk_norm_weight, cos, sin, attn.k_cache, attn.v_cache, slots, mask,
                               attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps, pdl=pdl)
     if bsz == 1:
-        x = td.gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
+        w, ws = (attn.o_fp8, attn.o_scale) if attn.o_fp8 is not None else (attn.o_proj.weight, None)
+        x = td.gemv(out, w, residual=x, pdl=pdl, weight_scale=ws)
     else:
         x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
     if isinstance(layer.mlp, MoEBlock):
@@ -411,6 +464,57 @@ def fused_decode_supported(model: "MoEModel") -> str | None:
     if model.config.qk_norm and any(layer.self_attn.qk_norm_weight is None for layer in model.layers):
         return "qk-norm weights are not stacked (Attention.fuse_qk_norm)"
     return None
+
+
+def attach_fp8_attention(model: "MoEModel"):
+    """Make an in-memory model's attention projections block-FP8, as a published FP8 checkpoint
+    stores them (q, k, v and o_proj converted; embeddings, norms, routers and the LM head not, as in
+    Qwen3-30B-A3B-FP8's ``modules_to_not_convert``): each of q, k, v and o_proj quantized on its
+    own 128 x 128 grid by :func:`coldset.fp8.quantize_weight`, the FP8 copies given to the fused
+    one-token path (:meth:`Attention.set_fp8`) and the float weights replaced in place by their
+    dequantization in the model dtype, what :func:`load_model` holds for such a checkpoint (so
+    every path runs the FP8 model). Returns a function that puts the float weights back and drops
+    the FP8 copies (the bench times both formats on one model). Why: the real-shape model is built
+    in memory (``bench step --weight-format fp8``); a checkpoint would be written and read back."""
+    from coldset import fp8
+
+    saved = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.qkv_fp8 is not None or attn.o_fp8 is not None:
+            raise ValueError("attach_fp8_attention: the model's attention already has FP8 copies")
+        qkv_w, o_w = attn.qkv_proj.weight, attn.o_proj.weight
+        qkv = [fp8.quantize_weight(w) for w in qkv_w.detach().split([attn.q_size, attn.kv_size, attn.kv_size])]
+        o = fp8.quantize_weight(o_w.detach())
+        saved.append((qkv_w.detach().clone(), o_w.detach().clone()))
+        attn.set_fp8(qkv, o)
+        with torch.no_grad():  # in place: a compiled region or captured graph keeps reading the same tensors
+            qkv_w.copy_(torch.cat([fp8.dequantize_weight(q, sc) for q, sc in qkv]))
+            o_w.copy_(fp8.dequantize_weight(*o))
+
+    def restore() -> None:
+        for layer, (qkv_w, o_w) in zip(model.layers, saved):
+            attn = layer.self_attn
+            with torch.no_grad():
+                attn.qkv_proj.weight.copy_(qkv_w)
+                attn.o_proj.weight.copy_(o_w)
+            attn.set_fp8(None, None)
+        saved.clear()
+
+    return restore
+
+
+def fp8_attention_linears(model: "MoEModel", batch_size: int) -> list[str]:
+    """The attention projections a decode step of ``batch_size`` tokens runs in FP8 as the model is
+    compiled now: ``qkv_proj`` and/or ``o_proj`` where every layer has its copy
+    (:meth:`Attention.set_fp8`), on the fused path (:meth:`MoEModel.compile_decode`) at one token
+    only (eager, Inductor and batches of 2 tokens on run the dequantized weights); else ``[]``."""
+    chosen = model._compiled_before_experts
+    if batch_size != 1 or getattr(chosen, "func", chosen) is not fused_layer_before_experts:
+        return []
+    attns = [layer.self_attn for layer in model.layers]
+    return [name for name, attr in (("qkv_proj", "qkv_fp8"), ("o_proj", "o_fp8"))
+            if attns and all(getattr(a, attr) is not None for a in attns)]
 
 
 class DecoderLayer(nn.Module):
@@ -754,9 +858,15 @@ def load_model(
     blocks, dynamic activations, e4m3) keeps its routed experts in FP8 in the pools (weights and
     ``weight_scale_inv`` scale pools); its other converted linear layers (attention) are
     dequantized here to ``dtype`` once (``weight.float() * scale_inv`` per block), which is what
-    transformers does on a CPU. A serving engine would keep those in FP8 too and run them as FP8
-    GEMMs with per-token-group activation quantization (vLLM's W8A8 block path); here they are a
-    small share of the bytes and the offload machinery concerns only the experts.
+    transformers does on a CPU; every path runs those. The converted attention projections are also
+    kept as stored (e4m3 bytes and their scales, :meth:`Attention.set_fp8`: 1 byte a weight beside
+    the dequantized copy) for the fused decode step at batch 1, whose GEMV reads them weight-only
+    (:func:`coldset.kernels.triton_decode.gemv` with ``weight_scale``): at one token the step
+    streams its weights, and FP8 halves those bytes. That path rounds differently from the
+    dequantized one (float32 weight times scale, no bf16 rounding of the weight); parity compares
+    one engine with itself, so it holds. A serving engine would run every converted linear layer in
+    FP8, larger batches as FP8 GEMMs with per-token-group activation quantization (vLLM's W8A8
+    block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
     """
     from coldset import fp8
 
@@ -792,13 +902,18 @@ def load_model(
         put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
         attn = layer.self_attn
         qkv = [
-            _read_dense(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
+            _read_linear(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
             for name, size in (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size))
         ]
         attn.qkv_proj.weight = nn.Parameter(
-            torch.cat(qkv).to(device=device, dtype=dtype), requires_grad=False
-        )
-        put(attn.o_proj, "weight", f"{p}.self_attn.o_proj.weight")
+            torch.cat([w if s is None else fp8.dequantize_weight(w, s) for w, s in qkv]).to(device=device, dtype=dtype),
+            requires_grad=False)
+        o = _read_linear(src, f"{p}.self_attn.o_proj", tuple(attn.o_proj.weight.shape), fmt)
+        attn.o_proj.weight = nn.Parameter(
+            (o[0] if o[1] is None else fp8.dequantize_weight(*o)).to(device=device, dtype=dtype), requires_grad=False)
+        # the checkpoint's own FP8 bytes and scales for the fused one-token path, where all of q, k, v
+        # (and o_proj) are converted; a partly converted qkv runs dequantized only
+        attn.set_fp8(qkv if all(s is not None for _, s in qkv) else None, o if o[1] is not None else None)
         if cfg.qk_norm:
             put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
             put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
