@@ -367,3 +367,37 @@ def test_fused_decode_with_fp8_attention_on_cuda():
     a3 = generate(eager, many, 8, progress=False, return_all_logits=True)
     b3 = generate(fused, many, 8, progress=False, return_all_logits=True)
     assert a3.tokens == b3.tokens and rel(b3.all_logits, a3.all_logits) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# bench step --weight-format fp8: the FP8 model's floor and what its rows say
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fp8_step_floor_counts_attention_at_one_byte_at_batch_one():
+    """At Qwen3-30B-A3B's shape the FP8 model's non-expert bytes at batch 1 are bf16's less the
+    attention projections' bf16 bytes plus their e4m3 bytes and 128 x 128 block scales (computed
+    here from the shapes: q [4096, 2048], k and v [512, 2048], o [2048, 4096], 48 layers); from 2
+    tokens on they run dequantized, so bf16's."""
+    from coldset import bench as bn
+    from coldset.config import load_config
+    from coldset.measure.step import nonexpert_read_bytes_fp8
+    from coldset.synthetic import SyntheticSpec, synthetic_model_config
+
+    cfg = synthetic_model_config(SyntheticSpec(**load_config("config/examples/qwen3-30b-a3b-h200.yaml")["model"]["synthetic"]))
+    shapes = [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096)]
+    bf16 = 48 * sum(r * c * 2 for r, c in shapes)
+    f8 = 48 * sum(r * c + math.ceil(r / 128) * math.ceil(c / 128) * 4 for r, c in shapes)
+    assert bf16 == 1_811_939_328 and f8 == 906_190_848  # 0.50003 of bf16: the scales are 0.02%
+    assert nonexpert_read_bytes_fp8(cfg, 1, torch.bfloat16) == bn._nonexpert_read_bytes(cfg, 1, torch.bfloat16) - bf16 + f8
+    assert nonexpert_read_bytes_fp8(cfg, 8, torch.bfloat16) == bn._nonexpert_read_bytes(cfg, 8, torch.bfloat16)
+
+
+def test_step_render_says_which_nonexpert_weights_were_fp8():
+    from coldset.measure.render import render_step
+    from test_measure_fp8 import STEP_FP8
+
+    said = "q/k/v/o_proj block-FP8 (attach_fp8_attention): read as FP8 by the fused step at batch 1"
+    assert "non-expert weights bf16 in both" in render_step(STEP_FP8)  # a result from before: as it was
+    md = render_step({**STEP_FP8, "fp8_nonexpert": said})
+    assert f"in the FP8 rows {said}" in md and "non-expert weights bf16 in both" not in md

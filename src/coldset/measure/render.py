@@ -184,8 +184,10 @@ def render_step(res: dict) -> str:
            f"HBM read ceiling in this run {res['hbm_read_GBps']:.0f} GB/s; bytes floor per step: {floors}. "
            f"Step ms: median of {res['args']['rounds']} rounds of {res['args']['reps']} calls (min-max)."]
     if fp8:
+        nonexpert = (f"in the FP8 rows {res['fp8_nonexpert']}" if res.get("fp8_nonexpert")
+                     else "non-expert weights bf16 in both")  # results before FP8 attention: the latter
         out.append("The FP8 experts are the same model's bf16 experts quantized to 128 x 128 blocks "
-                   "(coldset.measure.harness.fp8_expert_pools); non-expert weights bf16 in both; FP8 kernel configs: "
+                   f"(coldset.measure.harness.fp8_expert_pools); {nonexpert}; FP8 kernel configs: "
                    f"{res.get('fp8_configs_from', '?')}.")
     rows = []
     for r in res["rows"]:

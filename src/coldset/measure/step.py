@@ -26,9 +26,18 @@ reads the configs of an autotune entry instead (e.g. config/examples/h200-tuned/
 model and the same tokens: with the built bf16 experts and with those experts quantized to the
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`: weights e4m3 with
 their 128 x 128 scales, all in HBM, run by :mod:`coldset.kernels.triton_fp8`; the non-expert
-weights are the same bf16 ones, as :func:`coldset.model.load_model` runs an FP8 checkpoint's).
-Each format has its bytes floor (FP8 experts at :func:`coldset.placement.expert_bytes` of
-``fp8_block128``, scales included, over the distinct experts of its own routing) and its rows;
+weights bf16 except the attention projections). The FP8 model is the one a published FP8
+checkpoint holds (Qwen3-30B-A3B-FP8: routed experts and q/k/v/o_proj in block FP8; LM head,
+embeddings, norms and router gates in ``modules_to_not_convert``): its rows run with
+:func:`coldset.model.attach_fp8_attention` (each projection quantized on its own grid; the fused
+step at batch 1 reads the FP8 bytes, every other path their dequantization, as
+:func:`coldset.model.load_model` runs an FP8 checkpoint), undone for the bf16 rows. Each row with
+``--weight-format fp8`` says which non-expert linears it ran in FP8 (``nonexpert_fp8``:
+``["qkv_proj", "o_proj"]`` for a fused engine at batch 1, else ``[]``,
+:func:`coldset.model.fp8_attention_linears`). Each format has its bytes floor (FP8 experts at
+:func:`coldset.placement.expert_bytes` of ``fp8_block128``, scales included, over the distinct
+experts of its own routing; at batch 1 the attention projections at that format's bytes too,
+:func:`nonexpert_read_bytes_fp8`, the floor of the FP8 model whichever engine runs it) and its rows;
 ``fp8_speedup`` is bf16 step / FP8 step per engine and batch (issue 29's target: >= 1.5 at batch 1)
 beside the ratio of the two floors. FP8 rows are checked against the first engine's FP8 tokens;
 FP8 against bf16 (other weights) is reported as a token match rate, not checked. The FP8 kernel
@@ -163,6 +172,28 @@ def fp8_speedup(rows: list[dict], floor: dict, floor_fp8: dict) -> dict:
     return out
 
 
+def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
+    """Non-expert weight bytes a decode step of the FP8 model must read: those of the model dtype
+    (:func:`coldset.bench._nonexpert_read_bytes`: every weight once, the batch's embedding rows) with,
+    at one token, the attention projections (``cfg.attention_linears``: q, k, v and o_proj, the
+    fused step's FP8 GEMVs) at the published format's bytes (``fp8_block128``: 1 byte a weight and
+    a float32 scale per 128 x 128 block) instead of the dtype's. A floor: the GEMV reads its scales
+    expanded per row (:func:`coldset.fp8.row_scales`, 4 bytes a row and 128-column group, ~3% of the
+    FP8 bytes), which is not counted. From 2 tokens on the projections run dequantized (cuBLAS on the
+    model-dtype weights), so they count in the dtype."""
+    from coldset import bench as bn
+    from coldset.fp8 import FORMAT_NAME
+    from coldset.shapes import get_weight_format
+
+    total = bn._nonexpert_read_bytes(cfg, batch_size, dtype)
+    if batch_size != 1:
+        return total
+    dt, f8 = get_weight_format(str(dtype).removeprefix("torch.")), get_weight_format(FORMAT_NAME)
+    for _, rows, cols, count in cfg.attention_linears:
+        total -= count * (dt.matrix_bytes(rows, cols) - f8.matrix_bytes(rows, cols))
+    return total
+
+
 def run(args, argv=None) -> dict:
     """Measure (see module doc); returns the result written to ``--out``/decode_step.json."""
     check_arguments(args)
@@ -175,6 +206,7 @@ def run(args, argv=None) -> dict:
     from coldset.config import load_config
     from coldset.fixtures import template_texts
     from coldset.gate import experts_functions
+    from coldset.model import attach_fp8_attention, fp8_attention_linears
     from coldset.placement import expert_bytes
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.timing import eager_time_us
@@ -249,6 +281,9 @@ def run(args, argv=None) -> dict:
                 args.tuned_fp8
         formats.append(("fp8", pools8, {"": experts8}, expert_bytes(cfg, expert_format("fp8"))))
         R["expert_bytes"] = {name: b for name, _, _, b in formats}
+        R["fp8_nonexpert"] = ("q/k/v/o_proj block-FP8 (attach_fp8_attention): read as FP8 by the fused step at "
+                              "batch 1, dequantized to the model dtype elsewhere; lm_head, embeddings, norms and "
+                              "router gates in the model dtype")
         log("FP8 experts quantized in", R["fp8_quantize_s"], "s; bytes per expert", R["expert_bytes"])
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
@@ -262,11 +297,19 @@ def run(args, argv=None) -> dict:
     for fmt, pools, fns, ebytes in formats:
         floor = R["floor" if fmt == "bf16" else f"floor_{fmt}"] = {}
         model.pools, model.experts_fn = pools, fns[""]
-        for b, prompts in prompts_by_b.items():
-            _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
-            step_bytes = bn._nonexpert_read_bytes(cfg, b, model.dtype) + hot_per_token * b
-            floor[b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
-                        "floor_ms": step_bytes / (R["hbm_read_GBps"] * 1e6)}
+        restore = attach_fp8_attention(model) if fmt == "fp8" else None  # the FP8 model's own routing
+        try:
+            for b, prompts in prompts_by_b.items():
+                _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
+                nonexpert = nonexpert_read_bytes_fp8(cfg, b, model.dtype) if fmt == "fp8" else \
+                    bn._nonexpert_read_bytes(cfg, b, model.dtype)
+                step_bytes = nonexpert + hot_per_token * b
+                floor[b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
+                            "nonexpert_bytes_per_step": nonexpert,
+                            "floor_ms": step_bytes / (R["hbm_read_GBps"] * 1e6)}
+        finally:
+            if restore is not None:
+                restore()
         log("floor", fmt, floor)
     model.pools, model.experts_fn = formats[0][1], experts
 
@@ -306,6 +349,7 @@ def run(args, argv=None) -> dict:
                        "tok_s": bsz * 1e3 / ms["median"]}
                 if args.weight_format != "bf16":
                     row["weight_format"] = fmt
+                    row["nonexpert_fp8"] = fp8_attention_linears(model, bsz)  # [] unless fused at batch 1
                 if name == "full":
                     row["floor_ms"] = R["floor" if fmt == "bf16" else f"floor_{fmt}"][bsz]["floor_ms"]
                     row["fraction_of_floor"] = row["floor_ms"] / ms["median"]
@@ -331,12 +375,16 @@ def run(args, argv=None) -> dict:
             model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
         for fmt, pools, fns, _ in formats:  # the compiled region is the same for every format
             model.pools = pools
+            restore = attach_fp8_attention(model) if fmt == "fp8" else None  # FP8 attention for FP8 rows only
             try:
                 run_engine(mode, t, fns[which], fmt)
             except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
                 label = mode if fmt == "bf16" else f"{mode} {fmt}"
                 R.setdefault("errors", {})[label] = repr(exc)[:500]
                 log("engine", label, "failed:", repr(exc)[:500])
+            finally:
+                if restore is not None:
+                    restore()
 
     model.pools, model.experts_fn = formats[0][1], experts
     from torch._dynamo.utils import counters
