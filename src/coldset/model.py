@@ -389,12 +389,6 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     if pdl is None:
         pdl = td.pdl_default(bsz, x.device)
-    cache = None
-    if isinstance(layer.mlp, MoEBlock):
-        model = layer.mlp._model[0]
-        cache = getattr(model.experts_fn, "slot_cache", None)
-        if cache is not None and model.routing_sink is None and cache.records_in_route(bsz):
-            cache.wait_at_layer_start(layer.mlp.moe_index)  # the cache's waits before this layer's first kernel
     if bsz == 1:  # block-FP8 projections (Attention.set_fp8) read as FP8 bytes with their scales
         w, ws = (attn.qkv_fp8, attn.qkv_scale) if attn.qkv_fp8 is not None else (attn.qkv_proj.weight, None)
         x, qkv = td.gemv(x.view(1, hidden), w, norm_weight=norm_in.weight, eps=norm_in.eps,
@@ -411,6 +405,8 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
         x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
     if isinstance(layer.mlp, MoEBlock):
         mlp = layer.mlp
+        model = mlp._model[0]
+        cache = getattr(model.experts_fn, "slot_cache", None)
         if cache is not None and model.routing_sink is None and cache.records_in_route(bsz):
             # a slot cache's decisions in the router's launch (SlotCache.route)
             h, topk_ids, topk_weights = cache.route(mlp.moe_index, x, norm_post.weight, norm_post.eps, mlp.gate.weight,

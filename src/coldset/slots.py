@@ -228,11 +228,6 @@ class SlotCache:
     join_events: list | None = None
     pending: list | None = None
     prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
-    # lookahead in the fused decode step: the compute stream's waits for a group (the last group's
-    # list decisions, this layer's prefetch copy) at the start of its decoder layer
-    # (:meth:`wait_at_layer_start`), not at the router and the experts kernel. False: where they were
-    # before (bench cache --late-waits times both in one run)
-    early_waits: bool = True
     # lru/lfu on the kernel path: the fill's ticket (int32 [1], zero between launches) and the layer
     # whose group the router's launch recorded (host side: route() then admit() of that layer)
     fill_ticket: torch.Tensor | None = None
@@ -783,25 +778,6 @@ class SlotCache:
         self._join_layer(layer)
         if layer == L - 1:
             self.join()
-
-    def wait_at_layer_start(self, layer: int) -> None:
-        """lookahead in the fused decode step (:meth:`route`'s path), called before MoE layer
-        ``layer``'s attention: the compute stream waits for the last group's list decisions and for
-        the prefetch copy forked for this layer, which :meth:`route` would otherwise wait for at the
-        router launch and right before the experts kernel. The same order of every read after every
-        write (each wait only comes earlier), so the same decisions, copies and bits.
-
-        Why: a captured event wait makes the kernel after it a full dependent of the other stream's
-        work, so it loses its programmatic (PDL) launch at one token, where every kernel of the step
-        otherwise starts while its predecessor finishes. Placed at the router and at the experts
-        kernel the waits cost both kernels that early start in every layer; here only the layer's
-        first GEMV's, and both waits are long satisfied there when nothing is copied (the list ran
-        beside the last layer's experts). The price: a prefetch copy still in flight is waited for
-        one attention earlier (about 20 µs a layer at b1 on the H200)."""
-        if self.policy != "lookahead" or not self.early_waits:
-            return
-        self._wait_list()
-        self._join_layer(layer)
 
     def _wait_list(self) -> None:
         """lookahead (:meth:`route`'s path): the compute stream waits for the list decisions forked
