@@ -17,7 +17,8 @@ against :func:`coldset.kernels.reference.torch_gemv` (< 1e-2) and against the bf
 dequantized weight (< 2e-2: e4m3 weights read in float32 against bf16-rounded ones), bf16 against
 float32 torch. Also the per-layer pair (qkv then o_proj, 48 layers, pdl as the engine at batch 1)
 in both formats: the attention GEMVs' share of a decode step. Prints a table last; ``--out``
-writes ``fp8_gemv.json``.
+writes ``fp8_gemv.json`` (the H200 run at 59a1710: probes/fp8_gemv_h200.json, kept out of
+docs/measurements/, whose files are ``bench`` results the renderer reads).
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
     program, twice the rows of a 2-byte weight of the same K (qkv: 4 rows of 2,048 where bf16 has 2).
     Why bytes: a program's rows are all in flight at once, and the read rate needs bytes in flight
     per SM, not elements. FP8 at the rule (H200, probes/fp8_gemv_h200.py over 48 layers' weights,
-    docs/measurements/fp8_gemv_h200.json): qkv 4 rows, 4 warps 6.65 µs (5.69 as a dependent launch)
+    probes/fp8_gemv_h200.json): qkv 4 rows, 4 warps 6.65 µs (5.69 as a dependent launch)
     against bf16's 7.10 (7.28); o_proj 2 rows 5.25 (4.34) against 6.25 (6.30); the layer's pair with
     dependent launches 48 x 9.7 µs against 48 x 13.6 (1.41x). Not yet a sweep of its own: without
     dependent launch 4 rows of 8 warps (qkv, 6.10) and 1 row of 2 warps (o_proj, 4.82) were ~8%
