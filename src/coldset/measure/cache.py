@@ -40,7 +40,9 @@ cache's work per layer at the config's shape (no model). Writes ``cache_bench.js
 ``--weight-format fp8`` (issue 29): the same measurement with the model's experts quantized to the
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
 layer; the bf16 experts are freed after), so every tier holds FP8 weights with their 128 x 128
-scales: the HBM pools, the slots and the pinned host tier (half the bytes an expert:
+scales: the HBM pools, the slots and the pinned host tier, and its attention projections as a
+published FP8 checkpoint holds them (:func:`coldset.model.attach_fp8_attention`, read as FP8 at one
+token; not yet run on a GPU in this command: bench step's FP8 rows run it) (half the bytes an expert:
 :func:`coldset.placement.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
 Qwen3-30B-A3B against 9.44 MB). The reference is the FP8 all-HBM run (the FP8 kernel, every expert
 hot, the row map compiled out): every variant's logits bitwise its, the engine's decisions the
@@ -52,8 +54,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, kernel_profile, log,
-                                     new_result, require_cuda, spread, write_result)
+from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
+                                     kernel_profile, log, new_result, require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
@@ -138,7 +140,7 @@ def run(args, argv=None) -> dict:
     from coldset.config import load_config
     from coldset.fixtures import render_domain, template_texts
     from coldset.gate import experts_functions
-    from coldset.model import encode_prompts
+    from coldset.model import attach_fp8_attention, encode_prompts
     from coldset.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
     from coldset.slots import SlotCache
     from coldset.synthetic import SyntheticSpec, build_synthetic_model
@@ -165,8 +167,10 @@ def run(args, argv=None) -> dict:
     R["weight_format"] = args.weight_format
     if args.weight_format == "fp8":
         model.pools = fp8_expert_pools(model.pools)  # the model held the bf16 pools' only reference: freed
+        attach_fp8_attention(model)  # and its attention as published (the float weights not restored here)
+        R["fp8_nonexpert"] = FP8_NONEXPERT
         torch.cuda.empty_cache()
-        log("experts quantized to block FP8")
+        log("experts and attention projections quantized to block FP8")
     per_expert = expert_bytes(cfg, expert_format(args.weight_format))
     R["expert_bytes"] = per_expert
     host = host_tier(model.pools)

@@ -94,6 +94,13 @@ def expert_format(weight_format: str) -> str:
     return FORMAT_NAME
 
 
+# What an FP8 run of bench step and bench cache holds beside its FP8 experts (the JSON's
+# ``fp8_nonexpert``): the attention projections as a published FP8 checkpoint stores them
+FP8_NONEXPERT = ("q/k/v/o_proj block-FP8 (attach_fp8_attention): read as FP8 by the fused step at batch 1, "
+                 "dequantized to the model dtype elsewhere; lm_head, embeddings, norms and router gates in the "
+                 "model dtype")
+
+
 def fp8_expert_pools(pools):
     """All-hot block-FP8 pools (:class:`coldset.tiers.ExpertPools` with its scale pools) of the
     all-hot float ``pools`` of an in-memory model, quantized on the pools' device one MoE layer at a

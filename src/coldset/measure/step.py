@@ -52,8 +52,8 @@ import json
 import time
 from pathlib import Path
 
-from coldset.measure.harness import (WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools, kernel_profile, log,
-                                     new_result, require_cuda, spread, write_result)
+from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
+                                     kernel_profile, log, new_result, require_cuda, spread, write_result)
 
 #: The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
 #: on Hopper), and each way forced.
@@ -281,9 +281,7 @@ def run(args, argv=None) -> dict:
                 args.tuned_fp8
         formats.append(("fp8", pools8, {"": experts8}, expert_bytes(cfg, expert_format("fp8"))))
         R["expert_bytes"] = {name: b for name, _, _, b in formats}
-        R["fp8_nonexpert"] = ("q/k/v/o_proj block-FP8 (attach_fp8_attention): read as FP8 by the fused step at "
-                              "batch 1, dequantized to the model dtype elsewhere; lm_head, embeddings, norms and "
-                              "router gates in the model dtype")
+        R["fp8_nonexpert"] = FP8_NONEXPERT
         log("FP8 experts quantized in", R["fp8_quantize_s"], "s; bytes per expert", R["expert_bytes"])
 
     def no_experts(pools, layer, x, topk_ids, topk_weights):
