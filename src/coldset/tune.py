@@ -141,12 +141,11 @@ TRITON_FP8_SEARCH_SPACE: dict = {
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=1),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=3),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3),
-        # 16 columns of gate and up a block (issue 29, seventh session): at 1 token the 32-column
-        # tile's w13 launch is 192 blocks on the H200's 132 SMs (72 of them hold one block, 60 two)
-        # and ran at 74% of a plain read of its bytes (11.1 against 8.2 µs a layer, the cumulative
-        # stage times of bench kernel --weight-format fp8); 384 blocks spread the bytes in flight
-        # evenly. The same bits (each column's dot is its own)
-        dict(block_m=16, block_n1=16, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3),
+        # (Tried in issue 29's seventh session and dropped: 16 columns of gate and up a block, 384
+        # w13 blocks at 1 token where the 32-column tile's 192 leave the H200's 132 SMs one or two
+        # blocks each and its w13 ran at 74% of a plain read of its bytes; it took 29.9 against
+        # 23.2 µs a layer at b1 and 122.3 against 81.2 at b8 in bench step --tune-fp8, so that 74%
+        # is not a wave imbalance.)
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_x=1),
         dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
