@@ -188,6 +188,7 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     host = host_tier(all_hot)
     routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
                      for _ in range(2))
+    routed.list_after_experts = seed in (1, 2)  # the list and the prefetch forked after the experts (experts_done)
     if dev == "cpu":
         for c in (routed, alone):  # the kernel path by hand
             c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
@@ -220,6 +221,9 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
             else:
                 assert bool(routed.forecast_out.isnan().all())  # no forecast past the last layer
             assert routed.admit(layer, ids_r, w_r, dt) is w_r  # decided in the route: no second decision
+            assert (routed.deferred_fork is not None) == (routed.list_after_experts and target < L)
+            routed.experts_done(layer)  # (what wrap()'s experts function calls after the experts)
+            assert routed.deferred_fork is None
             # (b) decide_ahead's launch on the same selections and logits: the same state, bitwise
             alone.admit(layer, ids_r, w_r, dt, hidden=hr)
             if dev == "cuda":  # the routed cache's list decisions run on its decisions stream
@@ -529,15 +533,21 @@ def test_victim_scan_under_the_interpreter_equals_brute_force(tmp_path):
     _interpret(_SCAN, folder=tmp_path)
 
 
-def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and_the_unmodified_path():
+@pytest.mark.parametrize("after_experts", [False, True], ids=["list after the demand fill", "list after the experts"])
+def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and_the_unmodified_path(after_experts):
     """The engine's decode steps through the fused router launch (the fused decode region set by
     hand on the CPU, every kernel interpreted) with a ``lookahead`` cache at residency 0.25, batch 2:
     every decode group decided in the router's launch (``decide_ahead``'s launch never runs), the
     logits bitwise the unmodified path's (the parity gate), per group hits, misses, fills and
     prefetches equal to ``coldset.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
     none past the last layer, prefetches used and the stream off lru's; every slot holds its owner.
-    The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``)."""
-    _interpret(_ENGINE)
+    The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``). ``after_experts``: the list
+    and the prefetch forked after each layer's experts (``SlotCache.list_after_experts``), the same."""
+    script = _ENGINE
+    if after_experts:
+        script = script.replace("cache.prefetch_blocks = 4\n", "cache.prefetch_blocks = 4\ncache.list_after_experts = True\n")
+        assert "list_after_experts = True" in script
+    _interpret(script)
 
 
 def test_lookahead_demand_victim_the_forecast_names_is_prefetched_back_under_the_interpreter():

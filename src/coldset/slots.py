@@ -228,6 +228,13 @@ class SlotCache:
     join_events: list | None = None
     pending: list | None = None
     prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
+    # lookahead on route()'s path: fork the forecast's list and the prefetch copy after the layer's
+    # experts (experts_done) instead of after its demand fill, so that they run beside the next
+    # layer's attention GEMVs rather than beside this layer's w13 launch (issue 28, seventh session:
+    # at b1 residency 1.0 w13 took 876 against lru's 786 µs a step with them beside it; not yet
+    # timed: bench cache --list-after-experts). The same decisions in the same order either way.
+    list_after_experts: bool = False
+    deferred_fork: tuple | None = None  # (layer, target, listed) route() left for experts_done
     # lru/lfu on the kernel path: the fill's ticket (int32 [1], zero between launches) and the layer
     # whose group the router's launch recorded (host side: route() then admit() of that layer)
     fill_ticket: torch.Tensor | None = None
@@ -492,6 +499,7 @@ class SlotCache:
         def cached(_pools, layer, x, topk_ids, topk_weights):
             w = cache.admit(layer, topk_ids, topk_weights, x.dtype, hidden=x)
             out = experts_fn(cache.pools, layer, x, topk_ids, w)
+            cache.experts_done(layer)  # lookahead's prefetch fork, where route() deferred it
             if layer == last and cache.step_open:
                 cache.end_step()  # nexttoken: the step's copies joined and committed after its last experts
             return out
@@ -743,41 +751,65 @@ class SlotCache:
 
     def _ahead_fork_join(self, layer: int, target: int, listed: int | None = None) -> None:
         """lookahead after group ``layer``'s decisions and demand fill on the compute stream (either
-        path): the prefetch copy for layer ``target`` forked onto the side stream (an event after the
-        demand fill, waited on by the side stream; ``prefetch_blocks`` blocks per weight), then the
-        compute stream joins the copy forked for ``layer`` (before this layer's experts), and the
-        last MoE layer joins whatever is left. ``listed`` (:meth:`route`'s path: the group's
-        selections): the list and its prefetch decisions first, on the decisions stream after the
-        same event (:func:`coldset.kernels.triton_slots.ahead_list`, beside this layer's experts),
-        the copy after them; the next group's router waits for them (:meth:`_wait_list`)."""
-        from coldset.kernels.triton_slots import ahead_list, fill
-
+        path): the prefetch for layer ``target`` forked (:meth:`_ahead_fork`; on :meth:`route`'s
+        path with :attr:`list_after_experts`, left for :meth:`experts_done`), then the compute
+        stream joins the copy forked for ``layer`` (before this layer's experts), and the last MoE
+        layer joins whatever is left."""
         L = self.pools.num_moe_layers
-        if target < L:
-            side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)
-            if side is not None:
-                self.fork_event.record(torch.cuda.current_stream(self.owner.device))
-            if listed is not None:
-                dec = self.decide_stream if side is not None else None
-                if dec is not None:
-                    dec.wait_event(self.fork_event)
-                with torch.cuda.stream(dec) if dec is not None else contextlib.nullcontext():
-                    ahead_list(self, layer, target, listed)
-                if dec is not None:
-                    self.decided_events[layer].record(dec)
-                    self.forked = layer
-                    side.wait_event(self.decided_events[layer])
-            elif side is not None:
-                side.wait_event(self.fork_event)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
-                     blocks=self.prefetch_blocks)
-                if side is not None:
-                    self.join_events[target].record(side)
-            self.pending[target] = side is not None
+        if listed is not None and self.list_after_experts and target < L:
+            self.deferred_fork = (layer, target, listed)
+        else:
+            self._ahead_fork(layer, target, listed)
         self._join_layer(layer)
         if layer == L - 1:
             self.join()
+
+    def experts_done(self, layer: int) -> None:
+        """After MoE layer ``layer``'s experts are enqueued (:meth:`wrap`'s experts function): the
+        fork :meth:`route` deferred for that layer (:attr:`list_after_experts`), if any. The list
+        decisions then read the state after the same group's record and before the next group's,
+        as without the deferral: the same decisions."""
+        if self.deferred_fork is None:
+            return
+        fl, target, listed = self.deferred_fork
+        if fl != layer:
+            raise RuntimeError(f"SlotCache.experts_done: layer {layer}'s experts, but layer {fl}'s prefetch fork is "
+                               "pending: its experts never ran")
+        self.deferred_fork = None
+        self._ahead_fork(fl, target, listed)
+
+    def _ahead_fork(self, layer: int, target: int, listed: int | None) -> None:
+        """The prefetch copy for layer ``target`` (if it is a layer) forked onto the side stream (an
+        event on the compute stream, waited on by the side stream; ``prefetch_blocks`` blocks per
+        weight). ``listed`` (:meth:`route`'s path: the group's selections): the list and its
+        prefetch decisions first, on the decisions stream after the same event
+        (:func:`coldset.kernels.triton_slots.ahead_list`), the copy after them; the next group's
+        router waits for them (:meth:`_wait_list`)."""
+        from coldset.kernels.triton_slots import ahead_list, fill
+
+        if target >= self.pools.num_moe_layers:
+            return
+        side = self.side_stream  # (none: Triton's interpreter on the CPU, where launches run in order)
+        if side is not None:
+            self.fork_event.record(torch.cuda.current_stream(self.owner.device))
+        if listed is not None:
+            dec = self.decide_stream if side is not None else None
+            if dec is not None:
+                dec.wait_event(self.fork_event)
+            with torch.cuda.stream(dec) if dec is not None else contextlib.nullcontext():
+                ahead_list(self, layer, target, listed)
+            if dec is not None:
+                self.decided_events[layer].record(dec)
+                self.forked = layer
+                side.wait_event(self.decided_events[layer])
+        elif side is not None:
+            side.wait_event(self.fork_event)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            fill(self.pools, self.pf_victims[target], self.pf_new[target], self.pf_count[target],
+                 blocks=self.prefetch_blocks)
+            if side is not None:
+                self.join_events[target].record(side)
+        self.pending[target] = side is not None
 
     def _wait_list(self) -> None:
         """lookahead (:meth:`route`'s path): the compute stream waits for the list decisions forked
