@@ -60,8 +60,8 @@ def compile_w13(c: KernelConfig):
            "layer": "i32", "NB": "i32", "pf_bytes": "i32", "stride_x": "i32"}
     const = dict(E=E, EP=E, TOPK=TOPK, H=H, I=I, GI=I // 128, GH=H // 128, BM=c.block_m, BN=c.block_n1, BK=128,
                  NP=TOPK, MODE=0, USE_ROW_MAP=True, EVEN_K=True, EVEN_N=I % c.block_n1 == 0, USE_GDC=pdl,
-                 PREFETCH=c.pdl in (1, 3) and not raw, ORDER=c.tile_order, FUSE_Q=fuse, QUANT_X=qx,
-                 WAIT_FIRST=raw and c.pdl == 3, W8A16=w8)
+                 PREFETCH=c.pdl == 1 and not raw, ORDER=c.tile_order, FUSE_Q=fuse, QUANT_X=qx,
+                 WAIT_FIRST=raw and c.pdl == 3, W8A16=w8, SWAP=bool(c.swap_ab))
     names = list(inspect.signature(triton_fp8._w13_fp8_kernel.fn).parameters)
     missing = [n for n in names if n not in ptr and n not in const]
     if missing:
@@ -84,7 +84,7 @@ def compile_w2(c: KernelConfig):
            "pf_bytes": "i32"}
     const = dict(E=E, EP=E, H=H, I=I, GI=I // 128, GH=H // 128, BM=c.block_m, BN=c.block_n2, BK=128, NP=TOPK, MODE=0,
                  USE_ROW_MAP=True, EVEN_K=True, EVEN_N=H % c.block_n2 == 0, USE_GDC=c.pdl > 0,
-                 PREFETCH=c.pdl in (1, 3) and not fuse and not w8, ORDER=c.tile_order, W8A16=w8)
+                 PREFETCH=c.pdl == 1 and not fuse and not w8, ORDER=c.tile_order, W8A16=w8, SWAP=bool(c.swap_ab))
     names = list(inspect.signature(triton_fp8._w2_fp8_kernel.fn).parameters)
     missing = [n for n in names if n not in ptr and n not in const]
     if missing:
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         c = KernelConfig.from_dict(d)
         triton_fp8._check_config(c)
         tile = (f"{c.block_m}x{c.block_n1}/{c.block_n2} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} "
-                f"quant_act{c.quant_act}" + (f" w8a16={c.w8a16}" if c.w8a16 else ""))
+                f"quant_act{c.quant_act}" + (f" w8a16={c.w8a16}" if c.w8a16 else "") + (" swap" if c.swap_ab else ""))
         for name, build in (("w13", compile_w13), ("w2", compile_w2)):
             s = stats(build(c).asm["cubin"])
             print(f"{tile:52s} {name:3s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)

@@ -425,6 +425,59 @@ def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separ
     _run_interpreted(_INTERPRETED_QUANT)
 
 
+_INTERPRETED_SWAP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
+from coldset.slots import SlotCache
+from coldset.tiers import host_tier
+
+# swap_ab: the transposed products (weights the dot's M). Against the torch path (to float32
+# summation order), against the same tiles unswapped, and bitwise its own all-hot output on
+# hot/cold rows and on a CPU slot cache that has just filled cold experts into slots
+CASES = [(256, 128, 1, KernelConfig(16, 64, 128, 64, 128, 4, 3, 32, swap_ab=1)),    # in-kernel grouping
+         (200, 72, 5, KernelConfig(16, 64, 128, 64, 128, 4, 3, 1, swap_ab=1)),      # sorted; partial H and I blocks
+         (384, 192, 9, KernelConfig(32, 128, 128, 128, 128, 4, 3, 1, swap_ab=1)),   # 32 rows; the epilogue quantizes
+         (256, 256, 40, KernelConfig(16, 64, 128, 128, 128, 8, 3, 1, 3, tile_order=1, swap_ab=1))]
+for hidden, inter, tokens, cfg in CASES:
+    _, _, qq = make_fp8(2, 8, hidden, inter, seed=tokens)
+    x, ids, w = routing(tokens, 8, 3, hidden, torch.float16, seed=tokens)
+    all_hot = ExpertPools.all_hot(*qq[:2], *qq[2:])
+    base = triton_experts(all_hot, 1, x, ids, w, cfg, use_row_map=False)
+    ref = torch_experts(all_hot, 1, x, ids, w)
+    err = float((base.double() - ref.double()).norm() / ref.double().norm())
+    assert torch.isfinite(base).all() and err < 1e-3, (cfg, err)
+    plain = triton_experts(all_hot, 1, x, ids, w, variant(cfg, swap_ab=0), use_row_map=False)
+    assert float((base.double() - plain.double()).norm() / plain.double().norm()) < 1e-3, cfg
+    placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, tokens), "cpu", w13_scale=qq[2], w2_scale=qq[3])
+    assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), base), cfg
+    rm = np.where(np.arange(16).reshape(2, 8) % 8 < 3, np.arange(16).reshape(2, 8), -np.arange(16).reshape(2, 8) - 1)
+    rm = np.where(rm >= 0, np.cumsum(rm >= 0).reshape(2, 8) - 1, -np.cumsum(rm < 0).reshape(2, 8)).astype(np.int32)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), rm, np.ones(6), "lru", max_tokens=2, top_k=3)
+    cache.admit(1, ids[:2])  # the first two tokens' cold experts filled into slots (weights and scales)
+    assert (cache.pools.row_map[1].numpy() != rm[1]).any() and (cache.pools.row_map[1].numpy() < 0).any()
+    assert torch.equal(triton_experts(cache.pools, 1, x, ids, w, cfg), base), cfg
+
+# refused by name: fewer than a warpgroup's 64 rows a block, the tokens not from their own launch
+x, ids, w = routing(2, 8, 2, 256, torch.float16)
+_, _, qq = make_fp8(1, 8, 256, 128)
+swap = KernelConfig(16, 64, 128, 64, 128, 4, 3, 32, swap_ab=1)
+assert_refused(lambda f: triton_experts(ExpertPools.all_hot(*qq[:2], *qq[2:]), 0, x, ids, w, variant(swap, **f)),
+               [(dict(block_n1=32), "block_n1 and block_n2 >= 64"), (dict(block_n2=32), "block_n1 and block_n2 >= 64"),
+                (dict(num_warps=2), "num_warps a multiple of 4"), (dict(w8a16=2), "w8a16 and quant_x must be 0"),
+                (dict(quant_x=1), "w8a16 and quant_x must be 0"), (dict(swap_ab=2), "swap_ab must be 0 or 1")])
+print("INTERPRETED OK")
+"""
+
+
+def test_triton_fp8_swap_ab_under_the_interpreter_matches_the_torch_path_and_is_placement_exact():
+    """``swap_ab=1`` (each k step's product computed transposed, the weights' rows as the MMA's M:
+    Hopper's FP8 warpgroup MMA at decode) under Triton's interpreter: the torch path to float32
+    summation order, within that of the unswapped tiles, and its own all-hot bits on hot/cold rows
+    and on slot-cache rows, in-kernel and sorted grouping, 16- and 32-row tiles, partial blocks of
+    H and I, the intermediate quantized by its own launch and by the w13 epilogue, 8 warps, pdl 3
+    with tile_order 1; refusals by name (fewer than 64 rows a block, warps not whole warpgroups, the
+    tokens not from their own launch)."""
+    _run_interpreted(_INTERPRETED_SWAP)
+
+
 # the benchmark's cumulative stages (_stop_after): each launch recorded with its arguments, and each
 # stage's outputs compared with the same launch's outputs in the full call
 _INTERPRETED_STOP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
@@ -614,6 +667,33 @@ def test_triton_fp8_bitwise_identical_across_placements_with_pinned_cold_pool(nu
             for pools in (built, unmodified.placed(rm, host)):
                 for layer in range(L):
                     assert torch.equal(triton_experts(pools, layer, x, ids, w, cfg), refs[layer]), (cfg, seed, layer)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_triton_fp8_swap_ab_on_the_gpu_matches_float64_and_is_placement_exact(num_tokens):
+    """``swap_ab=1`` compiled for the GPU (FP8 warpgroup MMAs on sm90): within the FP8 kernel's
+    bound of float64 and of the torch path, no signed bias, and bitwise its own all-hot output on
+    hot/cold rows with the pinned cold pool (and in-graph after a row-map change)."""
+    from coldset.kernels import triton_experts
+    from coldset.kernels.triton_moe import KernelConfig
+
+    L, E = 2, 32
+    _, _, q = make_fp8(L, E, 256, 256, seed=12)
+    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
+    x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=13, device="cuda")
+    configs = [KernelConfig(16, 64, 128, 64, 128, 4, 4, 32, 2, swap_ab=1),
+               KernelConfig(16, 128, 128, 128, 128, 4, 3, 32, 3, swap_ab=1),
+               KernelConfig(64, 128, 128, 128, 128, 8, 3, 1, 2, tile_order=1, swap_ab=1)]
+    for cfg in configs:
+        for layer in range(L):
+            ref = triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False)
+            ref64 = float64_fp8_moe(q, layer, x, ids, w)
+            errs = (rel_err(ref, torch_experts(unmodified, layer, x, ids, w).double().cpu()), rel_err(ref, ref64.cpu()))
+            assert max(errs) < 2e-2 and abs(signed_bias(ref, ref64)) < 1e-3, (cfg, errs)
+            for seed, frac in [(0, 0.5), (1, 1.0)]:
+                built = build_pools(q[0], q[1], random_row_map(L, E, frac, seed), "cuda", w13_scale=q[2], w2_scale=q[3])
+                assert torch.equal(triton_experts(built, layer, x, ids, w, cfg), ref), (cfg, seed, layer)
 
 
 @gpu

@@ -158,6 +158,21 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              quant_x=1, quant_act=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
              quant_act=1),
+        # swap_ab (issue 29, seventh session): each k step's product transposed, the weights' rows
+        # the MMA's M, so the dots compile to FP8 warpgroup MMAs (QGMMA, no conversion) where the
+        # 16-token tiles above run f16 mma.sync on F2FP-converted weights (probes/fp8_w13_sass_cpu.py:
+        # w13 8 GMMA and no F2FP in its loop at 64 columns; 72-105 KB of shared memory at 3-6 stages).
+        # 64 rows a block at least (a warpgroup's M); 128 columns of gate and up also quantize the
+        # intermediate in w13's epilogue (four launches a layer). Other fp32 sums within a k step:
+        # a config's bits (checked against the torch path like every candidate). Not yet timed.
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
         # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
         # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
         # bf16's; other numerics than the candidates above (no activation rounding), checked

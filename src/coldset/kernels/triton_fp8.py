@@ -131,6 +131,19 @@ bitwise the all-hot (``use_row_map=False``) output. Launch configs are the bf16 
 :class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K and
 ``half_tail`` are refused (not implemented here).
 
+``swap_ab`` (issue 29, seventh session): at decode a block's tokens are 16 rows of which 1-8 are
+real, and Triton 3.6 lowers a ``[16, 128] x [128, n]`` FP8 dot to ``mma.sync`` on f16: every weight
+value converted by F2FP before an HMMA (64 conversions a thread and k step at 16 x 32 columns, the
+weight tiles through ``ldmatrix``; ``probes/fp8_w13_sass_cpu.py``). With ``swap_ab=1`` each k step
+computes the transposed product, ``dot(trans(w) [n, 128], trans(x) [128, 16])``: the weights' rows
+are the MMA's M (64 a warpgroup), the tokens its N (8 to 256), and the same launch compiles to FP8
+warpgroup MMAs (QGMMA, e4m3 x e4m3 into fp32, no conversion; both operands K-major in shared memory,
+as the loads already lay them), accumulated ``[n, 16]`` and transposed back for the epilogue. The
+products and scales are the same; the tensor core's order of the sums within a k step is another
+instruction's, so a config's bits depend on ``swap_ab`` (as on ``split_k``), never on the placement.
+It needs 64 rows a block in both launches (``block_n1``, ``block_n2`` >= 64) and FP8 tokens from
+their own launch (not with ``quant_x`` or ``w8a16``). Compiled for sm90 on the CPU; not yet timed.
+
 ``pdl`` (Hopper's programmatic dependent launch; the launches' arithmetic never changes, so every
 mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 kernel's modes:
 
@@ -178,6 +191,9 @@ if TYPE_CHECKING:
     from coldset.tiers import ExpertPools
 
 GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
+# swap_ab: the rows of a Hopper warpgroup MMA (wgmma's M), which the weights' rows fill when the
+# tokens are the dot's N (KernelConfig.swap_ab)
+SWAP_MIN_ROWS = 64
 # pdl 1: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is
 # 50 MB) while the quantization launch before it runs (measured: no gain, see the docstring)
 PREFETCH_L2_BYTES = 16 << 20
@@ -294,14 +310,17 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr,
-                   W8A16: tl.constexpr):
+                   W8A16: tl.constexpr, SWAP: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
     SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here.
     ``QUANT_X``: ``xq_ptr`` is the tokens ``x`` themselves (bf16/fp16, rows ``stride_x`` apart),
     each k step's ``[BM, 128]`` tile quantized here by :func:`_quantize_rows` (the quantization
     launch's formula on the same values: the same FP8 bytes and scales; ``xs_ptr`` unused).
     ``W8A16``: ``xq_ptr`` is ``x`` too, never quantized: each weight tile is converted to x's dtype
-    (exact for e4m3) and the k step's product scaled by the weight block's scale alone."""
+    (exact for e4m3) and the k step's product scaled by the weight block's scale alone.
+    ``SWAP`` (``swap_ab``): the transposed products, weights as the dot's left operand (its M: the
+    block's rows) and the tokens as its right (its N), accumulated ``[BN, BM]`` and transposed
+    back before the epilogue."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
@@ -310,8 +329,12 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
     else:
         a_ptrs = xq_ptr + tok[:, None] * H + offs_k[None, :]
     as_ptrs = xs_ptr + tok * GH
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, GH):
         k0 = kb * BK
         if EVEN_K:
@@ -337,8 +360,15 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
                 a, a_s = _quantize_rows(a.to(tl.float32), BM, BK)
             else:
                 a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-            acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
-            acc_u += tl.dot(a, wu) * (a_s[:, None] * su[None, :])
+            if SWAP:  # the same products and scales, transposed: wgmma's M is the weights' rows
+                acc_g += tl.dot(tl.trans(wg), tl.trans(a)) * (sg[:, None] * a_s[None, :])
+                acc_u += tl.dot(tl.trans(wu), tl.trans(a)) * (su[:, None] * a_s[None, :])
+            else:
+                acc_g += tl.dot(a, wg) * (a_s[:, None] * sg[None, :])
+                acc_u += tl.dot(a, wu) * (a_s[:, None] * su[None, :])
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty)  # the intermediate's rounding
     pair64 = pair.to(tl.int64)
     if FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
@@ -361,7 +391,7 @@ def _w13_fp8_kernel(
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
-    QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x, W8A16: tl.constexpr,
+    QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x, W8A16: tl.constexpr, SWAP: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if WAIT_FIRST:
@@ -396,7 +426,7 @@ def _w13_fp8_kernel(
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
                        sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
-                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16)
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16, SWAP)
         c += BM
 
 
@@ -405,16 +435,20 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
                   num_pairs, expert, start, c, cnt,
                   H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  W8A16: tl.constexpr):
+                  W8A16: tl.constexpr, SWAP: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, times the routing weight.
     ``W8A16``: ``actq_ptr`` is the intermediate in the activation dtype (never quantized), each
-    weight tile converted to it (exact) and the k step's product scaled by the weight block's scale."""
+    weight tile converted to it (exact) and the k step's product scaled by the weight block's scale.
+    ``SWAP``: the transposed products (weights the dot's M), as :func:`_w13_fp8_chunk`."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
     a_ptrs = actq_ptr + pair64[:, None] * I + offs_k[None, :]
     as_ptrs = acts_ptr + pair64 * GI
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, GI):
         k0 = kb * BK
         if EVEN_K:
@@ -432,7 +466,12 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
             acc += tl.dot(a, _w8a16_operand(w, a, W8A16)) * ws[None, :]
         else:
             a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
-            acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
+            if SWAP:
+                acc += tl.dot(tl.trans(w), tl.trans(a)) * (ws[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
+    if SWAP:
+        acc = tl.trans(acc)
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
@@ -446,7 +485,7 @@ def _w2_fp8_kernel(
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH: tl.constexpr, ORDER: tl.constexpr, W8A16: tl.constexpr,
+    PREFETCH: tl.constexpr, ORDER: tl.constexpr, W8A16: tl.constexpr, SWAP: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -466,7 +505,8 @@ def _w2_fp8_kernel(
     c = c_begin
     while c < c_end:
         _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n,
-                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, W8A16)
+                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, W8A16,
+                      SWAP)
         c += BM
 
 
@@ -522,6 +562,17 @@ def _check_config(c: KernelConfig) -> None:
     if c.w8a16 and (c.quant_x or c.quant_act):
         raise ValueError(f"triton_fp8_experts: config w8a16=1 quantizes no activation: quant_x and quant_act must be "
                          f"0, got quant_x={c.quant_x}, quant_act={c.quant_act}")
+    if c.swap_ab not in (0, 1):
+        raise ValueError(f"triton_fp8_experts: config swap_ab must be 0 or 1, got {c.swap_ab}")
+    if c.swap_ab and (c.w8a16 or c.quant_x):
+        raise ValueError(f"triton_fp8_experts: config swap_ab=1 takes FP8 tokens from their own launch: w8a16 and "
+                         f"quant_x must be 0, got w8a16={c.w8a16}, quant_x={c.quant_x}")
+    if c.swap_ab and (c.block_n1 < SWAP_MIN_ROWS or c.block_n2 < SWAP_MIN_ROWS or c.num_warps % 4
+                      or c.block_m % 8 or c.block_m > 256):
+        raise ValueError(f"triton_fp8_experts: config swap_ab=1 makes the weights' rows the dot's M (a warpgroup's "
+                         f"{SWAP_MIN_ROWS} rows) and the tokens its N: block_n1 and block_n2 >= {SWAP_MIN_ROWS}, "
+                         f"num_warps a multiple of 4, block_m a multiple of 8 up to 256; got block_n1={c.block_n1}, "
+                         f"block_n2={c.block_n2}, num_warps={c.num_warps}, block_m={c.block_m}")
     if c.quant_act == 1 and c.block_n1 % GROUP:
         raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) "
                          f"needs block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), "
@@ -645,7 +696,8 @@ def triton_fp8_experts(
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=w13_prefetch,
         ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=x_raw and first,
-        stride_x=x.stride(0), W8A16=w8a16, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=w13_pdl,
+        stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=w13_pdl,
     )
     if _stop_after == "w13":
         return out
@@ -662,7 +714,8 @@ def triton_fp8_experts(
         E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch2,
-        ORDER=c.tile_order, W8A16=w8a16, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        ORDER=c.tile_order, W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=pdl,
     )
     if _stop_after == "w2":
         return out

@@ -144,6 +144,11 @@ class KernelConfig:
     never on the placement. 2: the same with bf16 activations' weight tiles converted by bit
     operations instead of triton's per-value conversion (the same bits for every finite e4m3 value:
     a speed choice). The bf16 kernel ignores it.
+    ``swap_ab``: 1 has the block-FP8 kernel's dots compute the transposed products (the weights'
+    rows as the MMA's M, the tokens as its N), which Hopper runs as FP8 warpgroup MMAs where a
+    16-token tile otherwise runs f16 ``mma.sync`` on converted weights (its docstring); other fp32
+    sums within a k step, so a config's bits depend on it, never on the placement. The bf16 kernel
+    ignores it.
     """
 
     block_m: int = 16
@@ -163,6 +168,7 @@ class KernelConfig:
     quant_x: int = 0
     quant_act: int = 0
     w8a16: int = 0
+    swap_ab: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
