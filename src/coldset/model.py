@@ -375,9 +375,10 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     attention with block-FP8 copies (:meth:`Attention.set_fp8`: an FP8 checkpoint's, or
     :func:`attach_fp8_attention`) runs its qkv and o_proj GEMVs on the FP8 bytes and their scales
     (weight-only: fp32 products, each 128-column group's sum times its scale), not on the
-    dequantized weights: other roundings than the dequantized path's, the same in every placement. route's weights come in the model dtype (the cast the experts call
-    would make, in the same launch) unless the experts function casts them itself or a routing
-    sink records them (then float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
+    dequantized weights: other roundings than the dequantized path's, the same in every placement.
+    route's weights come in the model dtype (the cast the experts call would make, in the same
+    launch) unless the experts function casts them itself or a routing sink records them (then
+    float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
     programmatic dependent launches (Hopper), each reading its weights while its predecessor
     finishes; None: :func:`~coldset.kernels.triton_decode.pdl_default` for the batch size. Same
     contract as :func:`layer_before_experts` (decode only)."""

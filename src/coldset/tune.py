@@ -101,9 +101,10 @@ TRITON_SEARCH_SPACE: dict = {
 # scale block per k step; split-K and half_tail are not implemented there. Its pdl modes: 2 chains
 # every launch after the tokens' quantization (w13's too), 1 adds a bulk L2 prefetch of the hot
 # weight rows while the small quantization launches run, 3 adds to 2 the quantization launch's
-# own chaining behind the kernel before it (1's prefetch until issue 29's seventh session; triton_fp8's
-# docstring); the decode candidates below pair both measured tiles with each of them (the fused-intermediate 128-column decode tile, slower at every decode size in the
-# first run, is dropped). Measured on the H200 (docs/measurements/kernel_bench_fp8.json, second run):
+# own chaining behind the kernel before it (1's prefetch too until issue 29's seventh session;
+# triton_fp8's docstring); the decode candidates below pair both measured tiles with each of them
+# (the fused-intermediate 128-column decode tile, slower at every decode size in the first run, is
+# dropped). Measured on the H200 (docs/measurements/kernel_bench_fp8.json, second run):
 # pdl 2 fastest at 1, 16 and 64 tokens (22.7, 110.8, 167.0 µs), pdl 1 at 4 by 0.4 µs of 54 (noise);
 # the prefetch cost 1.2 µs at 1 token; prefill: 64 columns with the quantization launch 457.5 µs
 # at 2048 tokens against 956.1 (whole groups, 4 warps) and 614.8 (8 warps). The runs before:

@@ -412,9 +412,10 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
 def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, per_expert: int) -> None:
     """The management columns, once every residency of the batch is measured: each cache row whose
     policy has a residency-1.0 row in the same run and batch (every selection a hit; lookahead: its
-    depth-1 row; its ``--in-order`` and ``--list-after-experts`` rows: their own) gets :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group``
-    and ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep
-    None there."""
+    depth-1 row; its ``--in-order`` and ``--list-after-experts`` rows: their own) gets
+    :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group`` and
+    ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep None
+    there."""
     def kind(name: str) -> str:  # the policy, and lookahead's variants apart
         variant = next((v for v in LOOKAHEAD_VARIANTS if name.endswith(f" {v}")), None)
         return name.split("-")[0] + (f" {variant}" if variant else "")
