@@ -212,6 +212,18 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              tile_order=1, half_buf=1),
         dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
              tile_order=1, half_buf=1),
+        # (issue 29, seventh session) every candidate above runs w2 at 64 x 128 with 4 warps, which
+        # compiles for sm90 with 664 bytes of stack and about 300 spill loads and stores a k loop
+        # (probes/fp8_w13_sass_cpu.py on the CPU; the default prefill config is the second above,
+        # 457.5 µs at 2048 tokens, 29% of the bytes bound). Three tiles that compile without a spill
+        # in either launch (w2 at 64 columns, or at 8 warps; the 128-row tile at 8 warps), checked
+        # against the torch path like every candidate. Not yet timed.
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
     ],
 }
 
