@@ -56,7 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="folder for kernel_bench.json")
     p.add_argument("--layers", type=int, default=8,
                    help="layers whose experts are rotated in each graph (8: no layer's weights served from L2 at "
-                        "batch 1; 1: one layer's, L2-resident at FP8 batch 1)")
+                        "batch 1; 1: one layer's, L2-resident at FP8 batch 1, but then each replay's launch overhead "
+                        "is one layer's time too: the FP8 stage times at 1 token read 10-17 µs for the first launch "
+                        "alone on the H200, so compare --layers 1 runs with each other only)")
     p.add_argument("--reps", type=int, default=30, help="graph replays per timing (their median)")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved rounds of the hot and row-map-off timings per batch (median and spread)")
