@@ -688,7 +688,7 @@ def test_triton_fp8_swap_ab_on_the_gpu_matches_float64_and_is_placement_exact(nu
     for cfg in configs:
         for layer in range(L):
             ref = triton_experts(unmodified, layer, x, ids, w, cfg, use_row_map=False)
-            ref64 = float64_fp8_moe(q, layer, x, ids, w)
+            ref64 = float64_fp8_moe(tuple(t.cuda() for t in q), layer, x, ids, w)
             errs = (rel_err(ref, torch_experts(unmodified, layer, x, ids, w).double().cpu()), rel_err(ref, ref64.cpu()))
             assert max(errs) < 2e-2 and abs(signed_bias(ref, ref64)) < 1e-3, (cfg, errs)
             for seed, frac in [(0, 0.5), (1, 1.0)]:
