@@ -75,7 +75,7 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["cache", "--policies", "lru", "--prefetch-budget", "2"], "add nexttoken to --policies"),
     (["cache", "--decisions-only", "--save-replays"], "--decisions-only runs no model"),
     (["cache", "--policies", "lru", "--in-order"], "add lookahead to --policies"),
-    (["cache", "--policies", "lru", "--list-after-experts"], "add lookahead to --policies"),
+    (["cache", "--policies", "lru", "--other-fork"], "add lookahead to --policies"),
 ])
 def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 1
@@ -565,13 +565,16 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     la, la_io, la1, la1_io = (dict(row, residency=0.5), dict(row, residency=0.5),
                               dict(r1), {"step_ms_mean": 14.0, "residency": 1.0, "link_gb_per_token": 0.0})
     la_ae, la1_ae = dict(row, residency=0.5), {"step_ms_mean": 16.0, "residency": 1.0, "link_gb_per_token": 0.0}
+    la_af = dict(row, residency=0.5)
     _manage_columns({"lookahead-0.5 d4": (la, sim), "lookahead-0.5 d4 in-order": (la_io, sim),
                      "lookahead-1.0 d1": (la1, sim), "lookahead-1.0 d1 in-order": (la1_io, sim),
-                     "lookahead-0.5 d4 list-after-experts": (la_ae, sim),
-                     "lookahead-1.0 d1 list-after-experts": (la1_ae, sim)},
+                     "lookahead-0.5 d1 list-after-experts": (la_ae, sim),
+                     "lookahead-1.0 d1 list-after-experts": (la1_ae, sim),
+                     "lookahead-0.5 d4 list-after-fill": (la_af, sim)},
                     10.0, 50.0, B, acc, 10**7)
     assert la["manage_ms_per_group"] == pytest.approx(1.0) and la_io["manage_ms_per_group"] == pytest.approx(2.0)
-    assert la_ae["manage_ms_per_group"] == pytest.approx(3.0)  # --list-after-experts rows: their own (16.0 ms)
+    assert la_ae["manage_ms_per_group"] == pytest.approx(3.0)  # --other-fork rows: their own (16.0 ms)
+    assert la_af.get("manage_ms_per_group") is None  # no residency-1.0 row forks after the fill (depth 1 there)
     assert r5["sim_step_ms"] == ts.step_ms and r5["overlap"] == pytest.approx(1 - 0.5 / 3.0)  # the rest unchanged
     # the JSON names bench cache keeps (committed results, measure.render) for the shared bench.time_columns
     assert set(got) == {"overlap", "bound_ms", "fraction_of_bound", "sim_step_ms", "sim_over_measured",

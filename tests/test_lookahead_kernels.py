@@ -188,6 +188,7 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     host = host_tier(all_hot)
     routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
                      for _ in range(2))
+    assert routed.list_after_experts == alone.list_after_experts == (depth >= 2)  # build()'s choice
     routed.list_after_experts = seed in (1, 2)  # the list and the prefetch forked after the experts (experts_done)
     if dev == "cpu":
         for c in (routed, alone):  # the kernel path by hand
@@ -544,9 +545,9 @@ def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and
     The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``). ``after_experts``: the list
     and the prefetch forked after each layer's experts (``SlotCache.list_after_experts``), the same."""
     script = _ENGINE
-    if after_experts:
-        script = script.replace("cache.prefetch_blocks = 4\n", "cache.prefetch_blocks = 4\ncache.list_after_experts = True\n")
-        assert "list_after_experts = True" in script
+    script = script.replace("cache.prefetch_blocks = 4\n",
+                            f"cache.prefetch_blocks = 4\ncache.list_after_experts = {after_experts}\n")
+    assert f"list_after_experts = {after_experts}" in script
     _interpret(script)
 
 

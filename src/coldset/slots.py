@@ -230,9 +230,12 @@ class SlotCache:
     prefetch_blocks: int = 32  # blocks per weight of the prefetch copy beside the compute
     # lookahead on route()'s path: fork the forecast's list and the prefetch copy after the layer's
     # experts (experts_done) instead of after its demand fill, so that they run beside the next
-    # layer's attention GEMVs rather than beside this layer's w13 launch (issue 28, seventh session:
-    # at b1 residency 1.0 w13 took 876 against lru's 786 µs a step with them beside it; not yet
-    # timed: bench cache --list-after-experts). The same decisions in the same order either way.
+    # layer's attention GEMVs rather than beside this layer's w13 launch. The same decisions in the
+    # same order either way. build() sets it where depth >= 2 (measured on the H200, issue 28 eighth
+    # session, bench cache --other-fork: with it w13 takes 778 instead of 886 µs a step at b1 and
+    # residency 0.5 runs at 0.560 instead of 0.543 of all-HBM at depth 4, the same at b8 (0.167 and
+    # 0.166); at depth 1 the copy would start after the experts of the one layer it has to cross,
+    # and b8 residency 0.5 fell from 0.183 to 0.159).
     list_after_experts: bool = False
     deferred_fork: tuple | None = None  # (layer, target, listed) route() left for experts_done
     # lru/lfu on the kernel path: the fill's ticket (int32 [1], zero between launches) and the layer
@@ -346,6 +349,7 @@ class SlotCache:
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),
             routers=list(routers) if policy == "lookahead" else None, depth=int(depth),
+            list_after_experts=policy == "lookahead" and int(depth) >= 2,
             inflight=torch.zeros(L * E, dtype=torch.bool, device=dev) if listing else None,
             prediction_history=torch.full((history, width), -1, dtype=torch.int64, device=dev) if listing else None,
             prefetch_history=torch.zeros(history, dtype=torch.int64, device=dev) if listing else None,

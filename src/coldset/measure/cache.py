@@ -60,7 +60,7 @@ from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
 POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
-LOOKAHEAD_VARIANTS = ("in-order", "list-after-experts")  # the rows --in-order and --list-after-experts add
+LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts")  # the rows --in-order and --other-fork add
 
 
 def add_arguments(p) -> None:
@@ -89,10 +89,11 @@ def add_arguments(p) -> None:
                    help="also each lookahead variant with its prefetch fills on the compute stream (rows named "
                         "'... in-order': no fork to the side stream, no join back): at residency 1.0 nothing is "
                         "copied, so its step against the forked one's is what the per-layer stream hops cost")
-    p.add_argument("--list-after-experts", action="store_true",
-                   help="also each lookahead variant with its list and prefetch forked after the layer's experts "
-                        "(rows named '... list-after-experts'; SlotCache.list_after_experts) instead of after its "
-                        "demand fill: at residency 1.0 what the list beside the w13 launch costs")
+    p.add_argument("--other-fork", action="store_true",
+                   help="also each lookahead variant with its list and prefetch forked where its depth does not "
+                        "fork them (SlotCache.list_after_experts): after the layer's demand fill at depth >= 2 "
+                        "(rows named '... list-after-fill'), after the layer's experts at depth 1 ('... "
+                        "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--profile", action="store_true",
                    help="also a kernel profile of each row's captured step (after its timed passes): kernels, "
                         "their device time and the idle time between them per step, the top kernels")
@@ -122,8 +123,8 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
     if args.in_order and "lookahead" not in args.policies.split(","):
         raise MeasureError("--in-order varies lookahead's prefetch fills: add lookahead to --policies")
-    if args.list_after_experts and "lookahead" not in args.policies.split(","):
-        raise MeasureError("--list-after-experts varies lookahead's fork: add lookahead to --policies")
+    if args.other_fork and "lookahead" not in args.policies.split(","):
+        raise MeasureError("--other-fork varies lookahead's fork: add lookahead to --policies")
     if args.save_replays and args.decisions_only:
         raise MeasureError("--save-replays keeps a model run's routing: --decisions-only runs no model")
     if args.steps < 2 or args.repeats < 1:
@@ -313,7 +314,7 @@ def run(args, argv=None) -> dict:
                 depths = [1] if res_ == 1.0 else [int(d) for d in args.depths.split(",")]
                 variants += [("lookahead", d, v) for d in depths
                              for v in ("", *(["in-order"] if args.in_order else []),
-                                       *(["list-after-experts"] if args.list_after_experts else []))]
+                                       *([_other_fork(d)] if args.other_fork else []))]
             for pol, depth, variant in variants:
                 name = f"{pol}-{res_}" + (f" d{depth}" if depth else "") + (f" {variant}" if variant else "")
                 nt = pol == "nexttoken"
@@ -324,7 +325,8 @@ def run(args, argv=None) -> dict:
                 cache.prefetch_blocks = args.prefetch_blocks
                 if variant == "in-order":
                     cache.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
-                cache.list_after_experts = variant == "list-after-experts"
+                if variant in ("list-after-fill", "list-after-experts"):
+                    cache.list_after_experts = variant == "list-after-experts"
                 got = decode(cache.wrap(rowmap_fn), cache.pools, bsz, prompts, passes, cache=cache)
                 if nt:
                     # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
@@ -409,10 +411,16 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     return out
 
 
+def _other_fork(depth: int) -> str:
+    """The ``--other-fork`` row's variant at ``depth``: the fork :meth:`SlotCache.build` does not
+    choose there (it forks after the experts at depth >= 2)."""
+    return "list-after-fill" if depth >= 2 else "list-after-experts"
+
+
 def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, per_expert: int) -> None:
     """The management columns, once every residency of the batch is measured: each cache row whose
     policy has a residency-1.0 row in the same run and batch (every selection a hit; lookahead: its
-    depth-1 row; its ``--in-order`` and ``--list-after-experts`` rows: their own) gets
+    depth-1 row; its ``--in-order`` and ``--other-fork`` rows: their own) gets
     :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group`` and
     ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep None
     there."""
