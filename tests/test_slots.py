@@ -1208,3 +1208,26 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
         assert routed.counters()["stale"] == 0
     routed.check(contents=True)
     ref.check(contents=True)
+
+
+def test_lookahead_deferred_fork_is_never_dropped_silently():
+    """``list_after_experts`` (build()'s choice at depth >= 2): route() leaves the layer's list and
+    prefetch for :meth:`SlotCache.experts_done`. A layer's decisions while another layer's fork is
+    still pending (its experts never went through wrap()'s experts function) is refused by name
+    rather than replacing it, and experts_done of the wrong layer too; the pending fork is kept."""
+    L, E, k, T, H = 4, 8, 2, 2, 16
+    rng = np.random.default_rng(3)
+    row_map, _, wc = _warm(rng.integers(0, 9, size=(L, E)).astype(np.float64), k * T + 4)
+    pools = _random_pools(L, E, seed=3, dtype=torch.float32)
+    all_hot = ExpertPools.all_hot(pools.w13_hot.view(L, E, 8, 4), pools.w2_hot.view(L, E, 4, 4))
+    routers = [torch.randn(E, H) for _ in range(L)]
+    built = {d: SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers, depth=d)
+             for d in (1, 2)}
+    assert not built[1].list_after_experts and built[2].list_after_experts
+    cache = built[2]
+    cache.deferred_fork = (0, 2, k * T)  # what route() leaves at layer 0
+    with pytest.raises(RuntimeError, match="layer 0's prefetch fork is still pending at layer 1"):
+        cache._ahead_fork_join(1, 3, listed=k * T)
+    with pytest.raises(RuntimeError, match="layer 1's experts, but layer 0's prefetch fork is pending"):
+        cache.experts_done(1)
+    assert cache.deferred_fork == (0, 2, k * T)

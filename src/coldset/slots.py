@@ -760,6 +760,10 @@ class SlotCache:
         stream joins the copy forked for ``layer`` (before this layer's experts), and the last MoE
         layer joins whatever is left."""
         L = self.pools.num_moe_layers
+        if self.deferred_fork is not None:  # never silently: that fork's list decisions and copy would be lost
+            raise RuntimeError(f"SlotCache: layer {self.deferred_fork[0]}'s prefetch fork is still pending at layer "
+                               f"{layer}'s decisions: its experts did not run through wrap()'s experts function "
+                               "(which calls experts_done)")
         if listed is not None and self.list_after_experts and target < L:
             self.deferred_fork = (layer, target, listed)
         else:
