@@ -533,13 +533,15 @@ class SlotCache:
         router on the same normed input, every program beside its own rows) and its last program
         makes the group's record and demand decisions (:func:`coldset.kernels.triton_slots.ahead_group`
         without its list: the demand victims with the in-flight rule); then the demand fill (a plain
-        copy, the router's programmatic dependent); then, forked after it onto the decisions stream,
-        the forecast's list and the prefetch decisions (:func:`coldset.kernels.triton_slots.ahead_list`,
-        one program) and after them on the side stream the prefetch copy, joined as :meth:`admit`'s
-        path does (:meth:`_ahead_fork_join`). The next group's router waits for the list decisions
-        (:meth:`_wait_list`: they write the state it reads, and read the forecast buffer it writes),
-        so every group decides on the state the last one left, as the simulator does; the layer's
-        experts run beside them (a prefetch victim is never a slot the group uses). Why: a cached
+        copy, the router's programmatic dependent); then, forked onto the decisions stream after it
+        (or, with :attr:`list_after_experts`, depth >= 2, after the layer's experts:
+        :meth:`experts_done`), the forecast's list and the prefetch decisions
+        (:func:`coldset.kernels.triton_slots.ahead_list`, one program) and after them on the side
+        stream the prefetch copy, joined as :meth:`admit`'s path does (:meth:`_ahead_fork_join`).
+        The next group's router waits for the list decisions (:meth:`_wait_list`: they write the
+        state it reads, and read the forecast buffer it writes), so every group decides on the state
+        the last one left, as the simulator does; the experts run beside them (a prefetch victim is
+        never a slot the group uses). Why: a cached
         lookahead layer then costs the router's launch and the demand fill on the critical path,
         where :meth:`admit`'s path costs a forecast GEMV launch and a decisions launch more (107.5 +
         198.9 us a step of 48 layers at b1 on the H200, ``bench cache --decisions-only``) and the

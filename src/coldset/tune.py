@@ -165,7 +165,10 @@ TRITON_FP8_SEARCH_SPACE: dict = {
         # w13 8 GMMA and no F2FP in its loop at 64 columns; 72-105 KB of shared memory at 3-6 stages).
         # 64 rows a block at least (a warpgroup's M); 128 columns of gate and up also quantize the
         # intermediate in w13's epilogue (four launches a layer). Other fp32 sums within a k step:
-        # a config's bits (checked against the torch path like every candidate). Not yet timed.
+        # a config's bits (checked against the torch path like every candidate). Measured on the H200
+        # (docs/measurements/kernel_bench_fp8_swap.json, issue 29 eighth session): against the best
+        # unswapped tile 22.4 / 50.9 / 109.1 / 165.7 against 22.8 / 60.0 / 115.9 / 174.2 µs at 1 / 4 /
+        # 16 / 64 tokens; bench step --tune-fp8 picks a swapped tile at b1 and b8.
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
              swap_ab=1),
         dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,

@@ -309,7 +309,7 @@ def run(args, argv=None) -> dict:
             flat = row_map.reshape(-1)
             hot = np.flatnonzero(flat >= 0)
             warm_counts[flat[hot]] = counts.reshape(-1)[hot]
-            variants = [(p, 0, False) for p in policies if p != "lookahead"]
+            variants = [(p, 0, "") for p in policies if p != "lookahead"]
             if "lookahead" in policies:
                 depths = [1] if res_ == 1.0 else [int(d) for d in args.depths.split(",")]
                 variants += [("lookahead", d, v) for d in depths

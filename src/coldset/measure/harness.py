@@ -113,9 +113,9 @@ def fp8_expert_pools(pools):
     layer's (a few GB at Qwen3-30B-A3B), so the peak is the bf16 pools (58 GB) plus the FP8 ones
     (29 GB). The weights quantized are the model's bf16 experts (the FP8 checkpoint path quantizes
     the float32 weights before any cast), so the FP8 model is the bf16 model to e4m3 precision;
-    its non-expert weights are not touched here (``bench step`` makes the attention projections FP8
-    beside these pools with :func:`coldset.model.attach_fp8_attention`, as a published FP8
-    checkpoint stores them; ``bench cache`` runs them as built)."""
+    its non-expert weights are not touched here (``bench step`` and ``bench cache`` make the
+    attention projections FP8 beside these pools with :func:`coldset.model.attach_fp8_attention`,
+    as a published FP8 checkpoint stores them)."""
     import torch
 
     from coldset import fp8
