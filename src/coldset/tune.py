@@ -177,6 +177,18 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              swap_ab=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              swap_ab=1),
+        # fuse_w2 (issue 29, ninth session): the w13 launch's block (128 columns: one group of the
+        # intermediate) quantizes its group and multiplies it into w2 itself, fp32 partials per group
+        # that the top-k sum adds: three launches a layer (the tokens', w13 + w2, the sum) where the
+        # swapped tiles above run four, and no second ramp of a weight-streaming launch. 48 blocks at 1
+        # token (8 experts x 6 groups), each streaming 768 KB. sm90 compile on the CPU
+        # (probes/fp8_w13_sass_cpu.py): swapped, 4 warps 254 registers, no spill; 8 warps 179.
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1, fuse_w2=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1, fuse_w2=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1, fuse_w2=1),
         # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
         # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
         # bf16's; other numerics than the candidates above (no activation rounding), checked

@@ -114,7 +114,8 @@ def render_kernel_fp8(res: dict) -> str:
                      f"{bf_us / fp8_us:.2f}x", f"{r['fp8_rel_err_vs_torch']:.1e}",
                      f"{r['fp8_bitwise_rowmap_vs_off']}/{r.get('fp8_cold_bitwise_vs_hot', '-')}", cold,
                      f"{cfg['block_m']}/{cfg['block_n1']}/{cfg['block_n2']} w{cfg['num_warps']}s{cfg['num_stages']}"
-                     + (" w8a16" if cfg.get("w8a16") else "") + (" swap" if cfg.get("swap_ab") else "")])
+                     + (" w8a16" if cfg.get("w8a16") else "") + (" swap" if cfg.get("swap_ab") else "")
+                     + (" fused" if cfg.get("fuse_w2") else "")])
     out.append(table(["tokens", "FP8 MB", "FP8 µs", "% plain read", "% bytes bound", "% FLOP bound", "bf16 µs",
                       "bf16 % plain read", "bf16 % bound", "bf16/FP8", "FP8 rel err vs torch", "bitwise off/cold",
                       "FP8 all-cold µs (% link)", "FP8 config m/n1/n2"], rows))
@@ -130,7 +131,7 @@ def render_kernel_fp8(res: dict) -> str:
 
 def _fp8_stage_table(rows: list[dict]) -> str:
     """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
-    does not make), beside a plain read of w13's and w2's bytes: the fastest config per batch, or
+    does not make; with ``fuse_w2`` "+w13" is the launch that runs w13 and w2), beside a plain read of w13's and w2's bytes: the fastest config per batch, or
     every config of ``--fp8-configs``."""
     stages = ("quant_x", "w13", "quant_act", "w2", "sum")
     lines = []
@@ -153,7 +154,7 @@ def _floors(fl: dict) -> str:
 
 _FP8_CONFIG_NAMES = {"block_n1": "n1", "block_n2": "n2", "num_warps": "w", "num_stages": "s", "pdl": "pdl",
                      "quant_x": "qx", "quant_act": "qa", "tile_order": "to", "w8a16": "w8a16",
-                     "swap_ab": "sw"}
+                     "swap_ab": "sw", "fuse_w2": "fw"}
 
 
 def _config_label(d: dict) -> str:
