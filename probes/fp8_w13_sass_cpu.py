@@ -1,5 +1,5 @@
 """Probe (not a tool of the package): the FP8 kernel's w13 and w2 launches of every FP8 decode
-candidate, compiled to sm90 cubins on the CPU, no GPU (issue 29: the quantization options; with ``fuse_w2`` the w13 launch alone, which runs w2 too).
+candidate, compiled to sm90 cubins on the CPU, no GPU (issue 29: the quantization options).
 
     PYTHONPATH=<triton 3.6>:src python probes/fp8_w13_sass_cpu.py [--extra '[{...}, ...]']
 
@@ -57,14 +57,11 @@ def compile_w13(c: KernelConfig):
            "sorted_pairs_ptr": "*i64", "expert_off_ptr": "*i64", "row_map_ptr": "*i32", "w_hot_ptr": "*fp8e4nv",
            "w_cold_ptr": "*fp8e4nv", "s_hot_ptr": "*fp32", "s_cold_ptr": "*fp32", "act_ptr": "*bf16",
            "actq_ptr": "*bf16" if w8 else "*fp8e4nv", "acts_ptr": "*bf16" if w8 else "*fp32", "num_pairs": "i32",
-           "layer": "i32", "NB": "i32", "pf_bytes": "i32", "stride_x": "i32", "w2_hot_ptr": "*fp8e4nv",
-           "w2_cold_ptr": "*fp8e4nv", "s2_hot_ptr": "*fp32", "s2_cold_ptr": "*fp32", "topk_w_ptr": "*bf16",
-           "buf_ptr": "*fp32"}
+           "layer": "i32", "NB": "i32", "pf_bytes": "i32", "stride_x": "i32"}
     const = dict(E=E, EP=E, TOPK=TOPK, H=H, I=I, GI=I // 128, GH=H // 128, BM=c.block_m, BN=c.block_n1, BK=128,
                  NP=TOPK, MODE=0, USE_ROW_MAP=True, EVEN_K=True, EVEN_N=I % c.block_n1 == 0, USE_GDC=pdl,
                  PREFETCH=c.pdl == 1 and not raw, ORDER=c.tile_order, FUSE_Q=fuse, QUANT_X=qx,
-                 WAIT_FIRST=raw and c.pdl == 3, W8A16=w8, SWAP=bool(c.swap_ab), FUSE_W2=bool(c.fuse_w2),
-                 BN2=c.block_n2, EVEN_N2=H % c.block_n2 == 0)
+                 WAIT_FIRST=raw and c.pdl == 3, W8A16=w8, SWAP=bool(c.swap_ab))
     names = list(inspect.signature(triton_fp8._w13_fp8_kernel.fn).parameters)
     missing = [n for n in names if n not in ptr and n not in const]
     if missing:
@@ -141,9 +138,8 @@ def main(argv=None) -> int:
         c = KernelConfig.from_dict(d)
         triton_fp8._check_config(c)
         tile = (f"{c.block_m}x{c.block_n1}/{c.block_n2} w{c.num_warps} s{c.num_stages} pdl{c.pdl} quant_x{c.quant_x} "
-                f"quant_act{c.quant_act}" + (f" w8a16={c.w8a16}" if c.w8a16 else "") + (" swap" if c.swap_ab else "")
-                + (" fuse_w2" if c.fuse_w2 else ""))
-        for name, build in (("w13", compile_w13), ("w2", compile_w2))[:1 if c.fuse_w2 else 2]:
+                f"quant_act{c.quant_act}" + (f" w8a16={c.w8a16}" if c.w8a16 else "") + (" swap" if c.swap_ab else ""))
+        for name, build in (("w13", compile_w13), ("w2", compile_w2)):
             s = stats(build(c).asm["cubin"])
             print(f"{tile:52s} {name:3s} " + " ".join(f"{k}={v}" for k, v in s.items()), flush=True)
     return 0

@@ -177,18 +177,12 @@ TRITON_FP8_SEARCH_SPACE: dict = {
              swap_ab=1),
         dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
              swap_ab=1),
-        # fuse_w2 (issue 29, ninth session): the w13 launch's block (128 columns: one group of the
-        # intermediate) quantizes its group and multiplies it into w2 itself, fp32 partials per group
-        # that the top-k sum adds: three launches a layer (the tokens', w13 + w2, the sum) where the
-        # swapped tiles above run four, and no second ramp of a weight-streaming launch. 48 blocks at 1
-        # token (8 experts x 6 groups), each streaming 768 KB. sm90 compile on the CPU
-        # (probes/fp8_w13_sass_cpu.py): swapped, 4 warps 254 registers, no spill; 8 warps 179.
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             swap_ab=1, fuse_w2=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             swap_ab=1, fuse_w2=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=32, pdl=2,
-             swap_ab=1, fuse_w2=1),
+        # (Tried in issue 29's ninth session and removed, 84e9666: w2 fused into the w13 launch, each
+        # 128-column block quantizing its group of the intermediate and multiplying it into w2, fp32
+        # partials per group added by the top-k sum: three launches a layer. At 1 token 8 experts x 6
+        # groups are 48 blocks streaming 768 KB each, and the fused launch took 26-34 µs a layer where
+        # w13 + the intermediate's launch + w2 take 19; 38.8 against 22.8 µs a layer at b1, 224.8
+        # against 164.4 at 64 tokens: docs/measurements/kernel_bench_fp8_fused.json.)
         # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
         # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
         # bf16's; other numerics than the candidates above (no activation rounding), checked

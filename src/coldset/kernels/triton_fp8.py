@@ -307,45 +307,12 @@ def _prefetch_rows(row_map_ptr, layer, expert, cnt, first_row_ptr, rows, ROW_BYT
 
 
 @triton.jit
-def _w2_fp8_group(q, s, pair64, valid, w2_base, s2_base, topk_w_ptr, buf_ptr, pid_n, num_pairs, H: tl.constexpr,
-                  I: tl.constexpr, GI: tl.constexpr, BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
-                  EVEN: tl.constexpr, SWAP: tl.constexpr):
-    """``fuse_w2``: group ``pid_n`` of a chunk's FP8 intermediate (``q`` ``[BM, 128]``, scales ``s``
-    ``[BM]``) times the same 128 columns of w2, every row of H, ``BN2`` rows a step, times each
-    pair's routing weight: the pair's fp32 partial for this group, written to row ``pid_n *
-    num_pairs + pair`` of ``buf``, which the top-k sum adds in a fixed order (rank, then group).
-    Each k step of the unfused w2 launch is one such group, so the products and scales are its;
-    the fp32 sums over groups move to the top-k sum (other rounding: a config's bits)."""
-    offs_k = pid_n * BK + tl.arange(0, BK)  # this group's columns of I
-    offs_h = tl.arange(0, BN2)
-    w_ptrs = w2_base + offs_h[None, :] * I + offs_k[:, None]  # [BK, BN2]: w2 rows h (of H), cols k (of I)
-    s_ptrs = s2_base + pid_n  # w2's scale grid [GH, GI]: row h // 128, column pid_n
-    wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
-    out_ptrs = buf_ptr + (pid_n * num_pairs + pair64)[:, None] * H + offs_h[None, :]
-    for h0 in range(0, H, BN2):
-        h = h0 + offs_h
-        h_ok = h < H
-        if EVEN:
-            w = tl.load(w_ptrs + h0 * I)
-        else:
-            w = tl.load(w_ptrs + h0 * I, mask=(offs_k < I)[:, None] & h_ok[None, :], other=0.0)
-        ws = tl.load(s_ptrs + (h // BK) * GI, mask=h_ok, other=0.0)
-        if SWAP:
-            p = tl.trans(tl.dot(tl.trans(w), tl.trans(q)) * (ws[:, None] * s[None, :]))
-        else:
-            p = tl.dot(q, w) * (s[:, None] * ws[None, :])
-        tl.store(out_ptrs + h0, p * wt[:, None], mask=valid[:, None] & h_ok[None, :])
-
-
-@triton.jit
 def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
                    sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
-                   w2_base, s2_base, topk_w_ptr, buf_ptr,
                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr,
-                   W8A16: tl.constexpr, SWAP: tl.constexpr, FUSE_W2: tl.constexpr, BN2: tl.constexpr,
-                   EVEN_N2: tl.constexpr):
+                   W8A16: tl.constexpr, SWAP: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
     SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here.
     ``QUANT_X``: ``xq_ptr`` is the tokens ``x`` themselves (bf16/fp16, rows ``stride_x`` apart),
@@ -355,8 +322,7 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
     (exact for e4m3) and the k step's product scaled by the weight block's scale alone.
     ``SWAP`` (``swap_ab``): the transposed products, weights as the dot's left operand (its M: the
     block's rows) and the tokens as its right (its N), accumulated ``[BN, BM]`` and transposed
-    back before the epilogue. ``FUSE_W2`` (``fuse_w2``, ``BN`` = 128: one group of the
-    intermediate): the group quantized here and multiplied into w2 at once (:func:`_w2_fp8_group`)."""
+    back before the epilogue."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
@@ -407,11 +373,7 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
         acc_u = tl.trans(acc_u)
     act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty)  # the intermediate's rounding
     pair64 = pair.to(tl.int64)
-    if FUSE_W2:  # BN = BK: this block's one group of the intermediate, quantized as FUSE_Q does, then into w2
-        q, s = _quantize_rows(act.to(tl.float32), BM, BK)
-        _w2_fp8_group(q, s, pair64, valid, w2_base, s2_base, topk_w_ptr, buf_ptr, pid_n, num_pairs, H, I, GI, BM,
-                      BN2, BK, EVEN_N and EVEN_N2, SWAP)
-    elif FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
+    if FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
         NG: tl.constexpr = BN // BK
         q, s = _quantize_rows(tl.reshape(act.to(tl.float32), (BM * NG, BK)), BM * NG, BK)
         tl.store(actq_ptr + pair64[:, None] * I + offs_n[None, :], tl.reshape(q, (BM, BN)),
@@ -432,8 +394,6 @@ def _w13_fp8_kernel(
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
     QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x, W8A16: tl.constexpr, SWAP: tl.constexpr,
-    w2_hot_ptr, w2_cold_ptr, s2_hot_ptr, s2_cold_ptr, topk_w_ptr, buf_ptr,
-    FUSE_W2: tl.constexpr, BN2: tl.constexpr, EVEN_N2: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if WAIT_FIRST:
@@ -450,11 +410,6 @@ def _w13_fp8_kernel(
     # the one place the expert id is used: one row-map lookup for the weights, the same for the scales
     w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * H, E, USE_ROW_MAP)
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * GI * GH, E, USE_ROW_MAP)
-    if FUSE_W2:  # w2 and its scales through the same row-map entry
-        w2_base = _expert_base(row_map_ptr, w2_hot_ptr, w2_cold_ptr, layer, expert, H * I, E, USE_ROW_MAP)
-        s2_base = _expert_base(row_map_ptr, s2_hot_ptr, s2_cold_ptr, layer, expert, GH * GI, E, USE_ROW_MAP)
-    else:
-        w2_base, s2_base = w_base, s_base  # unused
     if PREFETCH:  # while the quantization launch runs, HBM would idle: stream this block's gate and up rows into L2
         rows = tl.minimum(I - pid_n * BN, BN)
         _prefetch_rows(row_map_ptr, layer, expert, cnt, w_base + pid_n * BN * H, rows, H, pf_bytes, E, USE_ROW_MAP)
@@ -473,9 +428,7 @@ def _w13_fp8_kernel(
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
                        sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
-                       w2_base, s2_base, topk_w_ptr, buf_ptr,
-                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16, SWAP,
-                       FUSE_W2, BN2, EVEN_N2)
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16, SWAP)
         c += BM
 
 
@@ -622,14 +575,6 @@ def _check_config(c: KernelConfig) -> None:
                          f"{SWAP_MIN_ROWS} rows) and the tokens its N: block_n1 and block_n2 >= {SWAP_MIN_ROWS}, "
                          f"num_warps a multiple of 4, block_m a multiple of 8 up to 256; got block_n1={c.block_n1}, "
                          f"block_n2={c.block_n2}, num_warps={c.num_warps}, block_m={c.block_m}")
-    if c.fuse_w2 not in (0, 1):
-        raise ValueError(f"triton_fp8_experts: config fuse_w2 must be 0 or 1, got {c.fuse_w2}")
-    if c.fuse_w2 and (c.block_n1 != GROUP or c.quant_x or c.w8a16 or c.quant_act == 2 or c.half_buf):
-        raise ValueError(f"triton_fp8_experts: config fuse_w2=1 multiplies each w13 block's one group of the "
-                         f"intermediate into w2 (block_n1 = {GROUP}), quantized in that block from FP8 tokens of "
-                         f"their own launch, into fp32 partials: needs block_n1={GROUP}, quant_x=0, w8a16=0, "
-                         f"quant_act 0 or 1, half_buf=0; got block_n1={c.block_n1}, quant_x={c.quant_x}, "
-                         f"w8a16={c.w8a16}, quant_act={c.quant_act}, half_buf={c.half_buf}")
     if c.quant_act == 1 and c.block_n1 % GROUP:
         raise ValueError(f"triton_fp8_experts: config quant_act=1 (the intermediate quantized by the w13 epilogue) "
                          f"needs block_n1 a multiple of {GROUP} (a block owning whole groups of the intermediate), "
@@ -646,11 +591,11 @@ def fp8_launches(config: KernelConfig) -> tuple[str, ...]:
     """The launches a :func:`triton_fp8_experts` call with ``config`` makes after the grouping, in
     order, by name: ``quant_x`` (the tokens' quantization; none with ``quant_x=1`` or ``w8a16``),
     ``w13``, ``quant_act`` (the intermediate's; none when the w13 epilogue quantizes it or with
-    ``w8a16``), ``w2`` (none with ``fuse_w2``: the w13 launch runs it), ``sum``. These are the stages ``_stop_after`` takes, the benchmark's
+    ``w8a16``), ``w2``, ``sum``. These are the stages ``_stop_after`` takes, the benchmark's
     cumulative stage times (``bench kernel --weight-format fp8``)."""
     return tuple(name for name, launched in (("quant_x", not (config.quant_x or config.w8a16)), ("w13", True),
                                              ("quant_act", not _fuses_act_quant(config) and not config.w8a16),
-                                             ("w2", not config.fuse_w2), ("sum", True)) if launched)
+                                             ("w2", True), ("sum", True)) if launched)
 
 
 def triton_fp8_experts(
@@ -722,13 +667,10 @@ def triton_fp8_experts(
     act = torch.empty((1 if fuse_q else num_pairs, inter), dtype=x.dtype, device=device)
     if w8a16:
         actq, acts = act, act  # w2's operand is act itself; acts unused
-    else:  # (fuse_w2: never leaves the w13 launch's registers)
-        actq = torch.empty((1 if c.fuse_w2 else num_pairs, inter), dtype=torch.float8_e4m3fn, device=device)
-        acts = torch.empty((1 if c.fuse_w2 else num_pairs, gi), dtype=torch.float32, device=device)
-    # per (token, rank) pair its w2 product, or with fuse_w2 one fp32 partial per group of I and pair
-    # (rows group * num_pairs + pair), added by the top-k sum
-    splits = gi if c.fuse_w2 else 1
-    buf = torch.empty((splits * num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
+    else:
+        actq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=device)
+        acts = torch.empty((num_pairs, gi), dtype=torch.float32, device=device)
+    buf = torch.empty((num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
     nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
 
     def grid(nb):
@@ -756,16 +698,11 @@ def triton_fp8_experts(
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=w13_prefetch,
         ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=x_raw and first,
-        stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab),
-        # fuse_w2: w2's pools and the partials (else placeholders, never read)
-        w2_hot_ptr=pools.w2_hot, w2_cold_ptr=w2_cold, s2_hot_ptr=pools.w2_scale_hot, s2_cold_ptr=s2_cold,
-        topk_w_ptr=weights, buf_ptr=buf, FUSE_W2=bool(c.fuse_w2), BN2=c.block_n2, EVEN_N2=hidden % c.block_n2 == 0,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=w13_pdl,
+        stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=w13_pdl,
     )
     if _stop_after == "w13":
         return out
-    if c.fuse_w2:
-        return _sum_partials(buf, out, num_pairs, top_k, hidden, splits, pdl)
     if not fuse_q and not w8a16:  # every pair's row (pairs of invalid ids too: never read by w2)
         _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),
                                            WAIT=pdl, TRIGGER=pdl, num_warps=4, launch_pdl=pdl)
@@ -784,14 +721,7 @@ def triton_fp8_experts(
     )
     if _stop_after == "w2":
         return out
-    return _sum_partials(buf, out, num_pairs, top_k, hidden, 1, pdl)
-
-
-def _sum_partials(buf: torch.Tensor, out: torch.Tensor, num_pairs: int, top_k: int, hidden: int, splits: int,
-                  pdl: bool) -> torch.Tensor:
-    """``out`` = each token's ``buf`` rows added in a fixed order (rank, then split), written in its dtype."""
     block = min(1024, _next_pow2(hidden))
-    _sum_topk_kernel[(out.shape[0], triton.cdiv(hidden, block))](
-        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=splits, num_warps=4,
-        launch_pdl=pdl)
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=1, num_warps=4, launch_pdl=pdl)
     return out

@@ -149,11 +149,6 @@ class KernelConfig:
     16-token tile otherwise runs f16 ``mma.sync`` on converted weights (its docstring); other fp32
     sums within a k step, so a config's bits depend on it, never on the placement. The bf16 kernel
     ignores it.
-    ``fuse_w2``: 1 has the block-FP8 kernel's w13 launch (``block_n1`` 128: one group of the
-    intermediate a block) quantize its group and multiply it into w2 itself, one fp32 partial per
-    (group, pair) that the top-k sum adds: no intermediate launch, no w2 launch (three launches a
-    layer with the tokens' quantization). The sums over I's groups move from w2's k loop to the
-    top-k sum, so a config's bits depend on it, never on the placement. The bf16 kernel ignores it.
     """
 
     block_m: int = 16
@@ -174,7 +169,6 @@ class KernelConfig:
     quant_act: int = 0
     w8a16: int = 0
     swap_ab: int = 0
-    fuse_w2: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
