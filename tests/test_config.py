@@ -130,6 +130,11 @@ def test_check_config_refuses_before_any_job(tmp_path):
         ({"routing": {"trace": str(tmp_path / "t.parquet")}}, r"routing\.trace: .*t\.parquet does not exist"),
         ({"placement": {"profile_domains": ["code", "legal"]}}, r"placement\.profile_domains: \['legal'\] are not"),
         ({"placement": {"residency": [0.5, 0.5000000000000001]}}, None),  # distinct labels: accepted
+        # lookahead's depth per batch size (YAML's integer keys): batch 1 must have one, depths >= 1
+        ({"cache": {"lookahead_depth": {1: 4, 8: 1}}}, None),
+        ({"cache": {"lookahead_depth": {8: 1}}}, r"cache\.lookahead_depth must give batch size 1 a depth"),
+        ({"cache": {"lookahead_depth": {1: 2, "eight": 1}}}, r"cache\.lookahead_depth must map batch sizes"),
+        ({"cache": {"lookahead_depth": {1: 0}}}, r"cache\.lookahead_depth\[1\] must be an integer >= 1"),
     ]
     for bad, msg in cases:
         cfg = validate_config(bad)

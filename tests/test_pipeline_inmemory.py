@@ -36,11 +36,12 @@ def _config(root: Path) -> dict:
         "fixtures": {"per_domain": 2, "max_new_tokens": 6},
         # lru: the slot cache (8 slots at 0.5 hold one parity step's 4 tokens x top-2)
         "routing": {"batch_size": 4},
-        # lookahead: lru + the prefetch of layer l + 1's router forecast (2 MoE layers: depth 1)
+        # lookahead: lru + the prefetch of layer l + 1's router forecast (2 MoE layers: depth 1; given
+        # per batch size, the form whose YAML keys are integers, through every stage)
         # nexttoken (issue 28): its forecaster fitted on the trace's profile split by the placement stage
         "placement": {"policies": ["positional", "usage_global", "lru", "lookahead", "nexttoken"],
                       "residency": [0.5, 1.0]},
-        "cache": {"lookahead_depth": 1},
+        "cache": {"lookahead_depth": {1: 1, 4: 1}},
         "parity": {"max_new_tokens": 6},
         "bench": {"new_tokens": 4, "prompt_tokens": 8, "repeats": 1, "warmup": 0},
         "autotune": {"cache_dir": str(root / "autotune-cache")},
@@ -101,6 +102,8 @@ def test_gate_passes_and_every_placement_is_benchmarked(run):
         assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
         # the placement's own hot/cold split, not the shared host tier's row count
         assert (parity["num_hot"], parity["num_cold"]) == (placement["num_hot"], placement["num_cold"])
+        # lookahead's depth per batch size, as configured (JSON's string keys)
+        assert placement["cache_lookahead_depth"] == ({"1": 1, "4": 1} if name.startswith("lookahead") else None)
         bench = json.loads((res / "bench" / "tiny-mem" / f"{name}.json").read_text())
         assert bench["placement"] == name and [b["batch_size"] for b in bench["batches"]] == [1]
         assert bench["batches"][0]["tok_s"] > 0

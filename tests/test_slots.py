@@ -793,11 +793,44 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
     doc["cache_lookahead_depth"] = 1
     path.write_text(json.dumps(doc))
     assert placement_fingerprint(path) != before
-    for bad in (None, 3, 0):
+    for bad in (None, 3, 0, {"2": 1}, {"1": 3}, {"one": 1}):
         doc["cache_lookahead_depth"] = bad
         path.write_text(json.dumps(doc))
         with pytest.raises(PlacementError, match="cache_lookahead_depth"):
             load_placement(path)
+
+
+def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path):
+    """``cache.lookahead_depth`` as ``{batch size: depth}`` (lookahead's best depth differs by batch
+    on the H200: 4 at b1, 1 at b8): the placement file keeps the mapping, and the cache built for a
+    decode of B sequences runs the entry of the largest batch size <= B; refused naming the field
+    when batch 1 has none or a depth leaves the model."""
+    import pandas as pd
+
+    from coldset.model import ModelConfig
+    from coldset.placement import PlacementError, load_placement, lookahead_depth_for, place, save_placement
+
+    shape = ModelConfig.from_hf_config({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 4,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 32,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": 1 + layer * 32 + e} for layer in range(4) for e in range(32)])
+    la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1, 8), lookahead_depth={8: 1, 1: 3, 4: 2})
+    assert la.cache_lookahead_depth == {1: 3, 4: 2, 8: 1}
+    back = load_placement(save_placement(la, tmp_path / "lookahead-0.5.json"))
+    assert back.cache_lookahead_depth == {1: 3, 4: 2, 8: 1}
+    all_hot = _random_pools(4, 32)
+    routers = [torch.randn(32, 4) for _ in range(4)]
+    for batch, depth in [(1, 3), (3, 3), (4, 2), (7, 2), (8, 1)]:
+        assert lookahead_depth_for(back.cache_lookahead_depth, batch) == depth
+        cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, batch, 1, routers=routers)
+        assert cache.depth == depth, (batch, cache.depth)
+    assert lookahead_depth_for(back.cache_lookahead_depth, 64) == 1
+    with pytest.raises(PlacementError, match=r"lookahead_depth must give batch size 1 a depth"):
+        place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth={8: 1})
+    with pytest.raises(PlacementError, match=r"lookahead_depth\[8\] must lie in \[1, 3\]"):
+        place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth={1: 1, 8: 4})
 
 
 # ------------------------------------------------------------------------------------------------

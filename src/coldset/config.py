@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from coldset.placement import residency_label  # the one file-name form of a residency
+from coldset.placement import PlacementError, lookahead_depths, residency_label
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -73,6 +73,12 @@ def check_config(config: dict, source: str = "config") -> dict:
     labels = [residency_label(r) for r in config["placement"]["residency"]]
     if len(set(labels)) != len(labels):
         problems.append(f"placement.residency: {config['placement']['residency']} repeats a residency")
+    depth = config["cache"]["lookahead_depth"]
+    if isinstance(depth, dict):  # JSON Schema checks the type; the keys (YAML: integers) are checked here
+        try:
+            lookahead_depths(depth, None, "cache.lookahead_depth")  # the upper bound: the placement stage's
+        except PlacementError as exc:
+            problems.append(str(exc))
     fx = config["fixtures"]
     for key in ("fixtures.prompts", "fixtures.template_dir", "routing.trace", "bench.routing_trace"):
         section, name = key.split(".")

@@ -714,8 +714,9 @@ class Placement:
     model: str | None = None
     # Dynamic policies only: the profile count of the instance in each hot row (slot), slot order.
     cache_warm_counts: np.ndarray | None = None
-    # lookahead only: the prefetch's depth d (the router of layer l + d on layer l's router input).
-    cache_lookahead_depth: int | None = None
+    # lookahead only: the prefetch's depth d (the router of layer l + d on layer l's router input),
+    # one for every batch size or per batch size ({batch: depth}: lookahead_depth_for).
+    cache_lookahead_depth: int | dict[int, int] | None = None
     # nexttoken only: the forecaster's FORECASTER_FIELDS and its tables, and the prefetch budget.
     cache_forecaster: dict | None = None
     cache_forecaster_tables: np.ndarray | None = None
@@ -763,6 +764,38 @@ def _coverage(counts: np.ndarray, hot_mask: np.ndarray) -> float | None:
     return None if total <= 0 else float(counts[hot_mask].sum() / total)
 
 
+def lookahead_depths(depth: int | Mapping[int, int], num_layers: int | None, name: str) -> int | dict[int, int]:
+    """``depth`` checked: one depth for every batch size, or ``{batch size: depth}`` whose smallest
+    key is 1 (so every batch has one: :func:`lookahead_depth_for`); each depth an integer in [1,
+    num_layers - 1] (layer l + d must exist; ``None``: the model not known yet, >= 1). Why per
+    batch: on the H200 depth 4 was lookahead's best at b1 and depth 1 at b8 (BENCHMARKS.md section
+    4). Refused naming ``name``."""
+    def one(d, where):
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise PlacementError(f"{name}{where} must be an integer >= 1, got {d!r}")
+        if num_layers is not None and d >= num_layers:
+            raise PlacementError(f"{name}{where} must lie in [1, {num_layers - 1}] (the model has {num_layers} MoE "
+                                 f"layers), got {d!r}")
+        return int(d)
+
+    if not isinstance(depth, Mapping):
+        return one(depth, "")
+    if not depth or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in depth):
+        raise PlacementError(f"{name} must map batch sizes (integers >= 1) to depths, got {dict(depth)!r}")
+    if min(depth) != 1:
+        raise PlacementError(f"{name} must give batch size 1 a depth (a batch takes the depth of the largest "
+                             f"batch size <= it), got batch sizes {sorted(depth)}")
+    return {int(b): one(depth[b], f"[{b}]") for b in sorted(depth)}
+
+
+def lookahead_depth_for(depth: int | Mapping[int, int], batch_size: int) -> int:
+    """The depth a decode of ``batch_size`` sequences runs: ``depth`` itself, or the entry of the
+    largest batch size <= ``batch_size`` (a checked mapping: :func:`lookahead_depths`)."""
+    if not isinstance(depth, Mapping):
+        return int(depth)
+    return int(depth[max(b for b in depth if b <= batch_size)])
+
+
 def place(
     histogram: pd.DataFrame | str | os.PathLike,
     config: MoEShape,
@@ -778,7 +811,7 @@ def place(
     bandwidths: Sequence[str | Bandwidths | Mapping[str, Any]] = ("h200", "gb300"),
     batch_sizes: Sequence[int] = (1,),
     model: str | None = None,
-    lookahead_depth: int = 2,
+    lookahead_depth: int | Mapping[int, int] = 2,
     forecaster: Any = None,
     prefetch_budget: int | None = None,
 ) -> Placement:
@@ -862,10 +895,7 @@ def place(
         warm[row_map.reshape(-1)[hot_idx]] = counts.reshape(-1)[hot_idx]
         placement.cache_warm_counts = warm
         if policy == "lookahead":
-            if not 1 <= int(lookahead_depth) < num_layers:
-                raise PlacementError(f"cache.lookahead_depth must lie in [1, {num_layers - 1}] (the model has "
-                                     f"{num_layers} MoE layers), got {lookahead_depth}")
-            placement.cache_lookahead_depth = int(lookahead_depth)
+            placement.cache_lookahead_depth = lookahead_depths(lookahead_depth, num_layers, "cache.lookahead_depth")
         if policy == "nexttoken":
             placement.cache_forecaster, placement.cache_forecaster_tables = _forecaster_record(
                 forecaster, num_layers, num_experts)
@@ -927,6 +957,7 @@ def forecaster_path(json_path: str | os.PathLike) -> Path:
 
 def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str,
                        forecaster_file: tuple[str, str] | None = None) -> dict[str, Any]:
+    depth = placement.cache_lookahead_depth  # a per-batch mapping's keys as JSON's strings
     return {
         "format_version": FORMAT_VERSION,
         "model": placement.model,
@@ -953,7 +984,7 @@ def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str,
         "row_map_file": npy_name,
         "row_map_sha256": npy_sha256,
         "cache_warm_counts": None if placement.cache_warm_counts is None else placement.cache_warm_counts.tolist(),
-        "cache_lookahead_depth": placement.cache_lookahead_depth,
+        "cache_lookahead_depth": depth if not isinstance(depth, dict) else {str(b): d for b, d in depth.items()},
         "cache_forecaster": None if forecaster_file is None else {
             **placement.cache_forecaster, "tables_file": forecaster_file[0], "tables_sha256": forecaster_file[1]},
         "cache_prefetch_budget": placement.cache_prefetch_budget,
@@ -1082,10 +1113,16 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
     elif warm is not None:
         raise PlacementError(f"{json_path}: field 'cache_warm_counts' is set for the static policy {doc['policy']!r}")
     depth = doc.get("cache_lookahead_depth")
-    if (doc["policy"] == "lookahead") != (depth is not None) or (
-            depth is not None and not (isinstance(depth, int) and 1 <= depth < len(moe_layers))):
-        raise PlacementError(f"{json_path}: field 'cache_lookahead_depth' must be an integer in [1, "
-                             f"{len(moe_layers) - 1}] for policy 'lookahead' and null otherwise, got {depth!r}")
+    if (doc["policy"] == "lookahead") != (depth is not None):
+        raise PlacementError(f"{json_path}: field 'cache_lookahead_depth' must be set for policy 'lookahead' and "
+                             f"null otherwise, got {depth!r}")
+    if depth is not None:
+        if isinstance(depth, dict):  # JSON's keys are strings: the batch sizes written by save_placement
+            if not all(isinstance(b, str) and b.isdigit() for b in depth):
+                raise PlacementError(f"{json_path}: field 'cache_lookahead_depth' maps batch sizes (digits) to "
+                                     f"depths, got keys {list(depth)}")
+            depth = {int(b): d for b, d in depth.items()}
+        depth = lookahead_depths(depth, len(moe_layers), f"{json_path}: field 'cache_lookahead_depth'")
     fc, fc_tables = doc.get("cache_forecaster"), None
     budget = doc.get("cache_prefetch_budget")
     if doc["policy"] == "nexttoken":
@@ -1207,7 +1244,7 @@ def run_placement(
     batch_sizes: Sequence[int] = (1, 4, 16, 64),
     model: str | None = None,
     progress: bool = True,
-    lookahead_depth: int = 2,
+    lookahead_depth: int | Mapping[int, int] = 2,
     forecaster: Any = None,
     prefetch_budget: int | None = None,
 ) -> list[Placement]:

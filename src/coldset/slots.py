@@ -111,7 +111,7 @@ import numpy as np
 import torch
 
 from coldset.kernels import KERNEL_MAX_SLOTS
-from coldset.placement import DYNAMIC_POLICIES
+from coldset.placement import DYNAMIC_POLICIES, lookahead_depth_for
 from coldset.tiers import ExpertPools, HostTier
 
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
@@ -436,14 +436,15 @@ class SlotCache:
                        top_k: int, routers=None, history: int = 4096, forecaster=None,
                        prefetch_budget: int | None = None) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
-        map and warm counts, its policy; ``lookahead``: its depth, and ``routers`` (the MoE layers'
-        router weights ``[E, H]``, required there)."""
+        map and warm counts, its policy; ``lookahead``: its depth for ``max_tokens`` sequences, and
+        ``routers`` (the MoE layers' router weights ``[E, H]``, required there)."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
         ahead = placement.policy == "lookahead"
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
                          max_tokens, top_k, history=history, routers=routers if ahead else None,
-                         depth=placement.cache_lookahead_depth if ahead else 1, forecaster=forecaster,
+                         depth=lookahead_depth_for(placement.cache_lookahead_depth, max_tokens) if ahead else 1,
+                         forecaster=forecaster,
                          prefetch_budget=prefetch_budget)
 
     @property
