@@ -757,24 +757,32 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
     cache.check(contents=True)  # the copies did land by the step's end: only the timing was wrong
 
 
+def _tiny_shape_and_profile(layers: int, experts: int):
+    """A qwen3_moe shape of ``layers`` MoE layers x ``experts`` (top-1) and a decode profile whose
+    counts rise with layer and expert id (so every placement's hot set is known)."""
+    import pandas as pd
+
+    from coldset.model import ModelConfig
+
+    shape = ModelConfig.from_hf_config({
+        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": layers,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": experts,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
+    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
+                          "count": 1 + layer * experts + e} for layer in range(layers) for e in range(experts)])
+    return shape, hist
+
+
 def test_lookahead_placement_file_carries_its_depth(tmp_path):
     """lookahead-0.5 on disk: lru's warm state plus ``cache_lookahead_depth``, which the cache built
     from it uses and the parity fingerprint covers (another depth is another placement); a depth
     outside [1, MoE layers - 1], or one missing, is refused naming the field."""
     import json
 
-    import pandas as pd
-
     from coldset.fingerprint import placement_fingerprint
-    from coldset.model import ModelConfig
     from coldset.placement import PlacementError, load_placement, place, save_placement
 
-    shape = ModelConfig.from_hf_config({
-        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 3,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
-        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
-    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
-                          "count": 1 + layer * 4 + e} for layer in range(3) for e in range(4)])
+    shape, hist = _tiny_shape_and_profile(3, 4)
     lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
     la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=2)
     assert np.array_equal(la.row_map, lru.row_map) and la.cache_lookahead_depth == 2 and lru.cache_lookahead_depth is None
@@ -805,17 +813,9 @@ def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path
     on the H200: 4 at b1, 1 at b8): the placement file keeps the mapping, and the cache built for a
     decode of B sequences runs the entry of the largest batch size <= B; refused naming the field
     when batch 1 has none or a depth leaves the model."""
-    import pandas as pd
-
-    from coldset.model import ModelConfig
     from coldset.placement import PlacementError, load_placement, lookahead_depth_for, place, save_placement
 
-    shape = ModelConfig.from_hf_config({
-        "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 4,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 32,
-        "num_experts_per_tok": 1, "moe_intermediate_size": 2, "rms_norm_eps": 1e-6})
-    hist = pd.DataFrame([{"domain": "d", "split": "profile", "phase": "decode", "layer": layer, "expert": e,
-                          "count": 1 + layer * 32 + e} for layer in range(4) for e in range(32)])
+    shape, hist = _tiny_shape_and_profile(4, 32)
     la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1, 8), lookahead_depth={8: 1, 1: 3, 4: 2})
     assert la.cache_lookahead_depth == {1: 3, 4: 2, 8: 1}
     back = load_placement(save_placement(la, tmp_path / "lookahead-0.5.json"))
