@@ -95,6 +95,12 @@ def test_config_for_default_with_warning(tmp_path):
     assert config_for(result, 5) == result.configs[5]
     with pytest.warns(AutotuneCacheWarning, match="no tuned config for batch size 7"):
         assert config_for(result, 7) == {"token_chunk": None}
+    # once per result and batch size: every placement's experts function meets the same untuned sizes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config_for(result, 7) == {"token_chunk": None}
+    with pytest.warns(AutotuneCacheWarning, match="no tuned config for batch size 9"):
+        config_for(result, 9)
 
 
 def test_tuned_experts_follows_the_contract(tmp_path):

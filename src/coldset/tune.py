@@ -289,6 +289,9 @@ class TuneResult:
     configs: dict[int, dict]  # batch size -> best config
     timings_us: dict[int, dict[str, float]] = field(default_factory=dict)  # batch -> config json -> µs
     path: Path | None = None  # the cache entry
+    # batch sizes config_for has already warned about (once each: the bench builds an experts
+    # function per placement, and every one met the same untuned prefill sizes)
+    defaulted: set[int] = field(default_factory=set, compare=False, repr=False)
 
 
 def default_cache_dir() -> Path:
@@ -637,7 +640,8 @@ def untimed_candidates(result: TuneResult, search_space: dict) -> dict[int, list
 
 
 def config_for(result: TuneResult, batch_size: int) -> dict:
-    """The tuned config for ``batch_size``; if none was tuned for it, the documented default, with a warning.
+    """The tuned config for ``batch_size``; if none was tuned for it, the documented default, with a
+    warning (the first time for this result and batch size).
 
     Defaults: on CUDA :func:`coldset.kernels.triton_moe.default_config` (decode tiles up to 64
     tokens, prefill tiles above); on CPU ``{"token_chunk": None}`` (one chunk).
@@ -645,9 +649,11 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
     cfg = result.configs.get(int(batch_size))
     if cfg is not None:
         return dict(cfg)
-    warnings.warn(
-        f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
-        f"using the default", AutotuneCacheWarning, stacklevel=2)
+    if int(batch_size) not in result.defaulted:  # once per result and batch size
+        result.defaulted.add(int(batch_size))
+        warnings.warn(
+            f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
+            f"using the default", AutotuneCacheWarning, stacklevel=2)
     if result.backend == "triton":
         if result.shape.weight_format is not None:
             from coldset.kernels.triton_fp8 import default_config
@@ -679,7 +685,7 @@ def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
     def experts(pools, layer, x, topk_ids, topk_weights):
         bs = int(x.shape[0])
         if bs not in chosen:
-            chosen[bs] = config_for(result, bs)  # warns once per missing batch size
+            chosen[bs] = config_for(result, bs)  # warns once per result and missing batch size
         if result.backend == "triton":
             return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs],
                                   use_row_map=use_row_map)
