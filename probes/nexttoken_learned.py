@@ -419,6 +419,28 @@ def horizons_table(row, horizons, tp, sp, th, sh, val, k, E, L, *, ppre, hpre, q
     return out
 
 
+def seen_share(tokens: np.ndarray, sequence: np.ndarray, prefix=None, horizon: int = 1) -> float:
+    """Share of the selections ``horizon`` tokens ahead (the metric's pairs) that the same layer of
+    the same sequence selected at or before the current token (with ``prefix``: the prompt's
+    too): what an in-context forecast can rank at all, whatever the candidate count."""
+    starts = np.r_[0, np.flatnonzero(sequence[1:] != sequence[:-1]) + 1, sequence.size]
+    T, L, k = tokens.shape
+    hit = tot = 0
+    for i in range(starts.size - 1):
+        seq = tokens[starts[i]:starts[i + 1]]
+        pre = prefix[i] if prefix is not None else seq[:0]
+        allt = np.concatenate([pre, seq])  # [P + n, L, k]
+        first = np.full((L, tokens.max() + 1), np.iinfo(np.int64).max)
+        for t in range(allt.shape[0] - 1, -1, -1):  # earliest step each (layer, expert) appears
+            for r in range(k):
+                first[np.arange(L), allt[t, :, r]] = t
+        t = np.arange(seq.shape[0] - horizon) + pre.shape[0]
+        tgt = allt[t + horizon]  # [m, L, k]
+        hit += int((first[np.arange(L)[None, :, None], tgt] <= t[:, None, None]).sum())
+        tot += tgt.size
+    return hit / max(tot, 1)
+
+
 def print_horizons(name: str, ahead: list) -> None:
     print(f"\nheld-out astronomy, {name} (refitted per horizon) against the table forecaster")
     print(f"{'ahead':>5s} {'learned k+3':>11s} {'learned k':>9s} {'table k+3':>9s} {'table k':>7s}")
@@ -499,6 +521,10 @@ def main() -> int:
         ahead = horizons_table(row, [h for h in args.horizons if h != 1], tp, sp, th, sh, val, k, E, L,
                                ppre=pre_of(sp, names), hpre=pre_of(sh, rnames), quality=quality, log=log)
         prev["horizons"] = [a for a in prev.get("horizons", []) if a["horizon"] == 1] + ahead
+        prev["seen_share"] = {f"{h}_ahead": {"decode_only": seen_share(th, sh, None, h),
+                                             "with_prompt": seen_share(th, sh, pre_of(sh, rnames), h)}
+                              for h in [1] + [h for h in args.horizons if h != 1]}
+        log(f"held-out selections seen earlier in their sequence and layer: {prev['seen_share']}")
         if row["kind"] == "incontext" and args.causal:
             # the engine's timing: layer l's forecast made right after layer l's router at step t
             m, _, secs = train(row["kind"], tp, sp, L, E, d=row["d"], epochs=row["epochs"], lr=row["lr"], wd=row["wd"],
