@@ -22,7 +22,7 @@ from coldset.placement import row_map_from_mask
 from coldset.synthetic import SyntheticSpec
 from coldset.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
 
-SYNTHETIC = dict(in_memory=True, layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2,
+SYNTHETIC = dict(in_memory=True, layers=3, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2,
                  kv_heads=1, head_dim=32, vocab_size=512, seed=3)
 PLACEMENTS = ["lookahead-0.5", "lookahead-1.0", "lru-0.5", "lru-1.0", "nexttoken-0.5", "nexttoken-1.0", "positional-0.5",
               "positional-1.0", "usage_global-0.5", "usage_global-1.0"]
@@ -36,12 +36,12 @@ def _config(root: Path) -> dict:
         "fixtures": {"per_domain": 2, "max_new_tokens": 6},
         # lru: the slot cache (8 slots at 0.5 hold one parity step's 4 tokens x top-2)
         "routing": {"batch_size": 4},
-        # lookahead: lru + the prefetch of layer l + 1's router forecast (2 MoE layers: depth 1; given
-        # per batch size, the form whose YAML keys are integers, through every stage)
+        # lookahead: lru + the prefetch of layer l + d's router forecast, d per batch size (the form
+        # whose YAML keys are integers, through every stage): 1 at batch 1, 2 from batch 4
         # nexttoken (issue 28): its forecaster fitted on the trace's profile split by the placement stage
         "placement": {"policies": ["positional", "usage_global", "lru", "lookahead", "nexttoken"],
                       "residency": [0.5, 1.0]},
-        "cache": {"lookahead_depth": {1: 1, 4: 1}},
+        "cache": {"lookahead_depth": {1: 1, 4: 2}},
         "parity": {"max_new_tokens": 6},
         "bench": {"new_tokens": 4, "prompt_tokens": 8, "repeats": 1, "warmup": 0},
         "autotune": {"cache_dir": str(root / "autotune-cache")},
@@ -102,8 +102,9 @@ def test_gate_passes_and_every_placement_is_benchmarked(run):
         assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
         # the placement's own hot/cold split, not the shared host tier's row count
         assert (parity["num_hot"], parity["num_cold"]) == (placement["num_hot"], placement["num_cold"])
-        # lookahead's depth per batch size, as configured (JSON's string keys)
-        assert placement["cache_lookahead_depth"] == ({"1": 1, "4": 1} if name.startswith("lookahead") else None)
+        # lookahead's depth per batch size, as configured (JSON's string keys); the gate decoded each
+        assert placement["cache_lookahead_depth"] == ({"1": 1, "4": 2} if name.startswith("lookahead") else None)
+        assert parity.get("lookahead_depths") == ([1, 2] if name.startswith("lookahead") else None)
         bench = json.loads((res / "bench" / "tiny-mem" / f"{name}.json").read_text())
         assert bench["placement"] == name and [b["batch_size"] for b in bench["batches"]] == [1]
         assert bench["batches"][0]["tok_s"] > 0

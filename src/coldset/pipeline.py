@@ -520,18 +520,29 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
         if b not in references:
             references[b] = gate.reference_decode(engine, prompts, pc["max_new_tokens"], b, tuned=tuned)
         reference = references[b]
-        cache = _slot_cache(engine, host, pl, b)
-        pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
-        got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=tuned, cache=cache)
-        if cache is not None:
-            cache.check()  # the row map and the slot owners still agree after every decision
-        result = gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend)
-        log.info("parity %s (batch %d): %d/%d tokens match, max |dlogit| %.3g", name, b, result.tokens_matched,
-                 result.tokens_total, result.max_abs_logit_diff)
-        write_json(layout.parity(*name.rsplit("-", 1)), {**result.to_dict(), "fingerprint": fingerprints[name]})
-        # Freed before the next placement's pools are built: a slot cache kept alive by the loop
-        # variable doubled the HBM of two placements (out of memory at real shape, lru 0.5 -> 0.75).
-        del pools, cache, got
+        depths = _parity_depths(pl)
+        results = []
+        for depth in depths:
+            cache = _slot_cache(engine, host, pl, b, depth=depth)
+            pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
+            got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=tuned, cache=cache)
+            if cache is not None:
+                cache.check()  # the row map and the slot owners still agree after every decision
+            results.append(gate.compare(name, ids, reference, got, pools, engine, backend=tuned.backend))
+            log.info("parity %s (batch %d%s): %d/%d tokens match, max |dlogit| %.3g", name, b,
+                     "" if depth is None else f", lookahead depth {depth}", results[-1].tokens_matched,
+                     results[-1].tokens_total, results[-1].max_abs_logit_diff)
+            # Freed before the next cache's pools are built: a slot cache kept alive by the loop
+            # variable doubled the HBM of two placements (out of memory at real shape, lru 0.5 -> 0.75).
+            del pools, cache, got
+        # the verdict: the first depth that failed, else the last (all passed); the depths decoded beside it
+        result = next((r for r in results if not r.passed), results[-1])
+        doc = {**result.to_dict(), "fingerprint": fingerprints[name]}
+        if depths != [None]:
+            doc["lookahead_depths"] = depths
+            if not result.passed:
+                doc["lookahead_depth_failed"] = depths[results.index(result)]
+        write_json(layout.parity(*name.rsplit("-", 1)), doc)
 
 
 def _fingerprint_files(config: dict, name: str) -> dict[str, Path]:
@@ -568,9 +579,10 @@ def _check_report(config: dict, name: str, report: dict, where: Path | str) -> d
     return current
 
 
-def _slot_cache(engine, host, placement, max_tokens: int):
+def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None):
     """The slot cache of a dynamic placement (``lru-0.5``), fresh from its warm state, deciding for
-    decode steps of up to ``max_tokens`` tokens; None for a static placement."""
+    decode steps of up to ``max_tokens`` tokens (a lookahead's ``depth``: its depth for them unless
+    given); None for a static placement."""
     if not placement.dynamic:
         return None
     from coldset.slots import SlotCache
@@ -580,7 +592,15 @@ def _slot_cache(engine, host, placement, max_tokens: int):
 
     return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
                                     forecaster=placement_forecaster(placement),
-                                    prefetch_budget=placement.cache_prefetch_budget)
+                                    prefetch_budget=placement.cache_prefetch_budget, depth=depth)
+
+
+def _parity_depths(placement) -> list[int | None]:
+    """The lookahead depths the parity stage decodes a placement with: every depth of a per-batch
+    mapping (the bench runs each at its batch size, the gate must have checked each), else the one
+    the cache picks (None)."""
+    depth = placement.cache_lookahead_depth
+    return sorted(set(depth.values())) if isinstance(depth, dict) else [None]
 
 
 def parity_gate(config: dict, placements: list[str] | None = None, **_) -> None:

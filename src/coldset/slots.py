@@ -434,18 +434,19 @@ class SlotCache:
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
                        top_k: int, routers=None, history: int = 4096, forecaster=None,
-                       prefetch_budget: int | None = None) -> "SlotCache":
+                       prefetch_budget: int | None = None, depth: int | None = None) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.placement.Placement` (``lru-0.5``): its warm row
-        map and warm counts, its policy; ``lookahead``: its depth for ``max_tokens`` sequences, and
-        ``routers`` (the MoE layers' router weights ``[E, H]``, required there)."""
+        map and warm counts, its policy; ``lookahead``: its depth for ``max_tokens`` sequences (or
+        ``depth``, one of its per-batch depths: the parity stage decodes each), and ``routers``
+        (the MoE layers' router weights ``[E, H]``, required there)."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
         ahead = placement.policy == "lookahead"
+        if ahead and depth is None:
+            depth = lookahead_depth_for(placement.cache_lookahead_depth, max_tokens)
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
                          max_tokens, top_k, history=history, routers=routers if ahead else None,
-                         depth=lookahead_depth_for(placement.cache_lookahead_depth, max_tokens) if ahead else 1,
-                         forecaster=forecaster,
-                         prefetch_budget=prefetch_budget)
+                         depth=depth if ahead else 1, forecaster=forecaster, prefetch_budget=prefetch_budget)
 
     @property
     def capacity(self) -> int:
