@@ -131,8 +131,9 @@ def render_kernel_fp8(res: dict) -> str:
 
 def _fp8_stage_table(rows: list[dict]) -> str:
     """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
-    does not make; with ``fuse_w2`` "+w13" is the launch that runs w13 and w2), beside a plain read of w13's and w2's bytes: the fastest config per batch, or
-    every config of ``--fp8-configs``."""
+    does not make; with ``fuse_w2``, the removed tiles of kernel_bench_fp8_fused.json, "+w13" is
+    the launch that ran w13 and w2), beside a plain read of w13's and w2's bytes: the fastest
+    config per batch, or every config of ``--fp8-configs``."""
     stages = ("quant_x", "w13", "quant_act", "w2", "sum")
     lines = []
     for r in rows:
