@@ -3,7 +3,7 @@ layer's next-token experts with recall >= 0.60 (k + 3 candidates, one token ahea
 trace's held-out subject, where the integer-table NextTokenForecaster reaches 0.563? CPU only.
 
     PYTHONPATH=src python probes/nexttoken_learned.py                       # selection, h = 1 (~10 min)
-    PYTHONPATH=src python probes/nexttoken_learned.py --horizons-from docs/measurements/nexttoken_learned.json \
+    PYTHONPATH=src python probes/nexttoken_learned.py --horizons-from probes/nexttoken_learned.json \
         --horizons 2 4 8 --causal                                           # the chosen model at 2/4/8 ahead
 
 Data and metric are the package's: :func:`coldset.cache.trace_decode_rows`, ``select_rows``,
@@ -452,7 +452,7 @@ def print_horizons(name: str, ahead: list) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=TRACE)
-    ap.add_argument("--out", default="docs/measurements/nexttoken_learned.json")
+    ap.add_argument("--out", default="probes/nexttoken_learned.json")
     ap.add_argument("--epochs", type=int, default=7, help="most epochs of the in-context candidates on the validation fit")
     ap.add_argument("--horizons", type=int, nargs="+", default=[1],
                     help="horizons for the chosen learned model (each refitted; 1 comes from the selection)")
