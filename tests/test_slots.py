@@ -19,14 +19,17 @@ from coldset.tiers import ExpertPools, host_tier
 from synthetic_engines import random_prompts, synthetic_engine
 
 
-def reference_cache(groups, num_experts, warm, warm_counts, policy):
+def reference_cache(groups, num_experts, warm, warm_counts, policy, num_layers=None):
     """Brute force of the semantics: ``groups`` = [(layer, [expert, ...] in selection order)],
     ``warm`` = instance per slot. Returns per group (hits, missed selections, fills) and per group
-    the list of (slot, admitted instance)."""
+    the list of (slot, admitted instance). ``lru_guard`` (``num_layers`` L): lru whose victims
+    exclude every instance one of the last L groups used (this one included); the misses past the
+    remaining candidates stay unadmitted (read in place)."""
     slot_of = {inst: s for s, inst in enumerate(warm)}
     ranked = sorted(range(len(warm)), key=lambda s: (warm_counts[s], warm[s]))
     last_use = {warm[s]: i - len(warm) for i, s in enumerate(ranked)}
     count = {warm[s]: float(warm_counts[s]) for s in range(len(warm))}
+    recent = []  # lru_guard: the instance sets of the groups so far
     tick, out, fills = 0, [], []
     for layer, experts in groups:
         insts = [layer * num_experts + e for e in experts]
@@ -36,12 +39,14 @@ def reference_cache(groups, num_experts, warm, warm_counts, policy):
             if i not in slot_of and i not in missed:
                 missed.append(i)
         group = set(insts)
-        candidates = [r for r in slot_of if r not in group]
-        if policy == "lru":
+        recent.append(group)
+        barred = set().union(*recent[-num_layers:]) if policy == "lru_guard" else group
+        candidates = [r for r in slot_of if r not in barred]
+        if policy in ("lru", "lru_guard"):
             candidates.sort(key=lambda r: last_use[r])
         else:
             candidates.sort(key=lambda r: (count.get(r, 0.0), last_use[r]))
-        assert len(candidates) >= len(missed)
+        assert policy == "lru_guard" or len(candidates) >= len(missed)
         step_fills = []
         for i, victim in zip(missed, candidates):
             s = slot_of.pop(victim)
@@ -81,11 +86,11 @@ def _warm(counts, capacity):
     return row_map, owner, counts.reshape(-1)[owner]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru_guard"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_decisions_equal_the_brute_force_reference(policy, tokens):
     L, E, k = 3, 8, 2
-    C = 7 if tokens == 1 else 13
+    C = (5 if policy == "lru_guard" else 7) if tokens == 1 else 13  # lru_guard: fewer slots than a step uses
     rng = np.random.default_rng(tokens)
     counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)  # ties on purpose
     all_hot = _random_pools(L, E)
@@ -100,12 +105,15 @@ def test_decisions_equal_the_brute_force_reference(policy, tokens):
             groups.append((layer, ids.reshape(-1).tolist()))
             cache.admit(layer, torch.as_tensor(ids))
             cache.check(contents=True)
-    want, fills = reference_cache(groups, E, owner.tolist(), warm_counts.tolist(), policy)
+    want, fills = reference_cache(groups, E, owner.tolist(), warm_counts.tolist(), policy, L)
     got = cache.group_history()
     assert got.shape == want.shape == (len(groups), 3)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, simulator_history(groups, L, E, counts, C, policy, 40 * tokens))
     assert want[:, 2].sum() > 10 and want[:, 0].sum() > 10  # the stream exercised both
+    if policy == "lru_guard":  # the guard read misses in place, and that changed what lru would have done
+        assert sum(len(f) for f in fills) < want[:, 2].sum()
+        assert not np.array_equal(want, reference_cache(groups, E, owner.tolist(), warm_counts.tolist(), "lru")[0])
     assert cache.counters() == {"hits": int(want[:, 0].sum()), "misses": int(want[:, 1].sum()),
                                 "fills": int(want[:, 2].sum()), "groups": len(groups)}
     # reset: the warm state again, and the same stream gives the same history
@@ -271,7 +279,7 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru_guard"])
 def test_triton_decisions_equal_the_torch_path(policy):
     """On CUDA the decisions are one Triton launch (which also casts the router weights) and the
     fill another (its programmatic dependent on sm90+): the same state after every group as the
@@ -309,7 +317,7 @@ def test_triton_decisions_equal_the_torch_path(policy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru_guard"])
 def test_router_recorded_decisions_equal_the_torch_path(policy):
     """On CUDA the fused decode step records an lru/lfu group in the router's own launch (its last
     program, on the selections in registers) and the fill's blocks choose, commit and copy
@@ -330,7 +338,8 @@ def test_router_recorded_decisions_equal_the_torch_path(policy):
     host = host_tier(all_hot)
     ref, routed, alone = (SlotCache.build(all_hot, host, row_map, wc, policy, max_tokens=tokens, top_k=k)
                           for _ in range(3))
-    ref.use_kernel = False
+    plain = SlotCache.build(all_hot, host, row_map, wc, "lru", max_tokens=tokens, top_k=k)  # lru_guard's twin
+    ref.use_kernel = plain.use_kernel = False
     if dev == "cpu":  # the interpreter: the kernel path by hand
         for c in (routed, alone):
             c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
@@ -348,6 +357,7 @@ def test_router_recorded_decisions_equal_the_torch_path(policy):
             assert routed.admit(layer, ids_r, w_r, dt) is w_r  # recorded: no second decision
             ref.admit(layer, ids)
             alone.admit(layer, ids)
+            plain.admit(layer, ids)
             for c in (routed, alone):
                 for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
                     assert torch.equal(getattr(ref, name), getattr(c, name)), (step, layer, name)
@@ -355,6 +365,9 @@ def test_router_recorded_decisions_equal_the_torch_path(policy):
             assert int(routed.fill_ticket) == 0
     np.testing.assert_array_equal(ref.group_history(), routed.group_history())
     assert ref.counters()["fills"] > 20
+    # lru_guard read misses in place where lru would have evicted (else the guard went untested)
+    if policy != "lfu":
+        assert np.array_equal(plain.group_history(), ref.group_history()) == (policy == "lru")
     with pytest.raises(RuntimeError, match="router recorded layer 0"):
         routed.route(0, x, norm_w, 1e-6, gates[0], k, True, counter, pdl=routed.pdl)
         routed.admit(1, ids)
@@ -375,7 +388,7 @@ def graphed_model():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,bsz", [("lru", 1), ("lru", 2), ("lfu", 2)])
+@pytest.mark.parametrize("policy,bsz", [("lru", 1), ("lru", 2), ("lfu", 2), ("lru_guard", 2)])
 def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmodified_path(graphed_model, policy, bsz):
     """The CUDA step as the bench runs it (the fused decode region, the whole step one CUDA graph,
     the router's launch recording each group, the fill choosing, committing and copying as its

@@ -71,9 +71,10 @@ from coldset.shapes import WEIGHT_FORMATS, MoEShape, WeightFormat  # noqa: F401 
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
 # Dynamic placements: the slot cache of coldset.slots (same names as the simulator's policies;
+# lru_guard = lru without a victim the last step used (misses past the rest read in place: no thrash);
 # lookahead = lru + the prefetch of layer l + d's router forecast, d = cache_lookahead_depth;
 # nexttoken = issue 28's next-token forecast of every layer, its forecaster carried by the placement).
-DYNAMIC_POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
+DYNAMIC_POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
 #: The scalar fields of a next-token forecaster (coldset.forecast.NextTokenForecaster) a nexttoken
 #: placement records in its JSON; its tables (int32 [terms, L, E, E]) go to ``{name}.forecaster.npy``.
 FORECASTER_FIELDS = ("terms", "hist_unit", "hist_shift", "top_k", "extra", "horizon", "self_boost")

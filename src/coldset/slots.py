@@ -15,7 +15,11 @@ implements the same rules on traces):
 - victims: the resident instances *not used by this group* (the hazard guard: a slot the same
   group still needs is never evicted; vLLM's expert-cache PR shipped without it and served wrong
   weights silently), ``lru`` by least recent use, ``lfu`` by (use count, last use); the k-th
-  victim goes to the k-th missed instance in selection order;
+  victim goes to the k-th missed instance in selection order; ``lru_guard`` takes no victim
+  among the instances the last ``L`` groups used (one step's worth) and reads the misses past
+  the remaining slots in place, not admitted: where a step's experts outnumber the slots, lru
+  evicts what the next step needs again and thrashes; the guard keeps the pool and streams the
+  surplus (the batch-8, residency-0.25 rows of BENCHMARKS.md);
 - the row-map update: an evicted instance's entry goes back to its host row (the host tier holds
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
@@ -654,6 +658,14 @@ class SlotCache:
         self.pf_count.zero_()
 
     # ---------------------------------------------------------------------------- decisions
+    def guard_ticks(self, n: int) -> int:
+        """``lru_guard``'s window in ticks for groups of ``n`` selections: a slot whose instance was
+        last used at the group's first tick minus this or later (and at tick 0 or later: the warm
+        ticks are no use) is no victim, i.e. one used by any of the last ``L`` groups (this one
+        included: every decode group has ``n`` ticks). 0 for every other policy (only the group's
+        own residents are barred)."""
+        return (self.pools.num_moe_layers - 1) * int(n) if self.policy == "lru_guard" else 0
+
     def _victim_order(self, in_group: torch.Tensor) -> torch.Tensor:
         """Slots in eviction order (first = first victim); slots used by the group come last."""
         last = self.last_use[self.owner].masked_fill(in_group, torch.iinfo(torch.int64).max)
@@ -996,8 +1008,11 @@ class SlotCache:
             victims = self._victim_order(barred)[:slots_max]
             valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
         else:
-            victims = self._victim_order(in_group)[:slots_max]
-            valid = torch.arange(slots_max, device=dev) < m
+            barred = in_group
+            if self.policy == "lru_guard":  # nor an instance the last L groups used: misses past the rest read in place
+                barred = in_group | (self.last_use[owner] >= (self.tick - self.guard_ticks(n)).clamp_min(0))
+            victims = self._victim_order(barred)[:slots_max]
+            valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
         self._admit_rows(victims, new_inst, valid)
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")

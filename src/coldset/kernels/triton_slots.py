@@ -312,24 +312,31 @@ def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C
 
 
 @triton.jit
-def _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU: tl.constexpr, CP: tl.constexpr,
+def _choose_victims(m, t0, guard, owner_ptr, last_use_ptr, count_ptr, C, LFU: tl.constexpr, CP: tl.constexpr,
                     MV: tl.constexpr):
-    """The ``m`` victims of a recorded group: the ``m`` resident slots not used by the group (last
-    use before ``t0``), least recent first (``lfu``: least count first, then least recent), as
-    ``(slots, owners)`` int64 ``[MV]`` (lane ``j < m`` = the ``j``-th victim). Reads only: the
+    """The victims of a recorded group's ``m`` misses: resident slots not used by the group (last
+    use before ``t0``; ``lru_guard``: before ``max(t0 - guard, 0)``, the first tick of the group
+    ``L - 1`` groups back, so no instance the last ``L`` groups used), least recent first (``lfu``: least
+    count first, then least recent), as ``(slots, owners, admitted)``: int64 ``[MV]`` (lane ``j <
+    admitted`` = the ``j``-th victim) and ``min(m, slots not barred)`` (the misses past it are read
+    in place; lru and lfu always have ``m``: a pool holds at least one group). Reads only: the
     caller writes. Every slot's key lives in registers (``CP`` >= ``C`` lanes)."""
     offs_c = tl.arange(0, CP)
     okc = offs_c < C
     own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
     lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
-    barred = (lu >= t0) | (offs_c >= C)  # the group's own residents (and padding lanes)
+    # the group's own residents, guarded ones (used at or after tick 0: the warm ticks are no use; guard 0:
+    # t0 itself) and padding lanes
+    barred = (lu >= tl.maximum(t0 - guard, 0)) | (offs_c >= C)
     lu = tl.where(barred, _INT64_MAX, lu)
     if LFU:
         cnt = tl.load(count_ptr + own, mask=okc, other=float("inf"))
         cnt = tl.where(barred, float("inf"), cnt)
     else:
         cnt = lu
-    return _least_keys(lu, cnt, own, m, LFU, CP, MV)
+    adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
+    slots, olds = _least_keys(lu, cnt, own, adm, LFU, CP, MV)
+    return slots, olds, adm
 
 
 @triton.jit
@@ -349,7 +356,7 @@ def _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS)
 def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count_ptr, tick_ptr,
-                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
+                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, guard,
                    w_ptr, w_out_ptr,
                    E: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, LFU: tl.constexpr,
                    CAST: tl.constexpr, USE_GDC: tl.constexpr):
@@ -366,8 +373,9 @@ def _decide_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, coun
                          group_scalars(tick_ptr, totals_ptr, groups_ptr), E)
     if m > 0:
         tl.debug_barrier()  # the group's recency and the missed list are visible to every lane
-        slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, count_ptr, C, LFU, CP, MV)
-        _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
+        slots, olds, adm = _choose_victims(m, t0, guard, owner_ptr, last_use_ptr, count_ptr, C, LFU, CP, MV)
+        _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
+        tl.store(m_ptr, adm.to(tl.int64))  # the fill copies the admitted; the misses past them read in place
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -399,7 +407,7 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
     _decide_kernel[(1,)](
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
-        cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
+        cache.num_misses, cap, cache.guard_ticks(n), weights if cast else ids, weights_out if cast else ids,
         E=cache.pools.num_experts, NP=max(2, _next_pow2(n)), CP=cp, MV=max(2, _next_pow2(cache.victims.numel())),
         LFU=cache.policy == "lfu", CAST=cast, USE_GDC=cache.pdl, num_warps=_decision_warps(cap))
 
@@ -407,7 +415,7 @@ def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = 
 # The fill's victim choice (CHOOSE): none (a plain copy of a decided list), or the recorded group's
 # victims chosen by the fill's blocks for lru, lfu or nexttoken.
 CHOOSE_NONE, CHOOSE_LRU, CHOOSE_LFU, CHOOSE_NEXT = 0, 1, 2, 3
-_CHOOSE = {"lru": CHOOSE_LRU, "lfu": CHOOSE_LFU, "nexttoken": CHOOSE_NEXT}
+_CHOOSE = {"lru": CHOOSE_LRU, "lru_guard": CHOOSE_LRU, "lfu": CHOOSE_LFU, "nexttoken": CHOOSE_NEXT}
 
 
 @triton.jit
@@ -433,7 +441,7 @@ def _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, inflight_ptr, pr
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS, do_not_specialize_on_alignment=PER_LAYER_VIEWS)
 def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, slots_ptr, inst_ptr, count_ptr,
-                 owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, ticket_ptr, row_map_ptr,
+                 owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, guard, ticket_ptr, row_map_ptr,
                  tags_ptr, done_ptr, ssrc13_ptr, sdst13_ptr, srow13, ssrc2_ptr, sdst2_ptr, srow2, srowmax,
                  BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr, CHOOSE: tl.constexpr,
                  TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, SCALES: tl.constexpr):
@@ -472,13 +480,13 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
                 slots, olds, m = _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, flag_ptr, key_ptr,
                                                       C, E, CP, MV)
             else:
-                slots, olds = _choose_victims(m, t0, owner_ptr, last_use_ptr, key_ptr, C, CHOOSE == 2, CP, MV)
+                slots, olds, m = _choose_victims(m, t0, guard, owner_ptr, last_use_ptr, key_ptr, C, CHOOSE == 2,
+                                                 CP, MV)
             tl.debug_barrier()
             ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
             if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
                 _commit_victims(m, slots, olds, inst_ptr, row_map_ptr, owner_ptr, slots_ptr, MV)
-                if CHOOSE == 3:
-                    tl.store(count_ptr, m.to(tl.int64))  # the admitted (misses past them read in place)
+                tl.store(count_ptr, m.to(tl.int64))  # the admitted (misses past them read in place)
                 tl.store(ticket_ptr, 0)
     for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
         if j < m:
@@ -552,10 +560,11 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
         state = (cache.owner, cache.last_use,
                  cache.predicted.view(torch.uint8) if choose == CHOOSE_NEXT else cache.count,
                  cache.inflight.view(torch.uint8) if choose == CHOOSE_NEXT else count,
-                 cache.tick, int(n), int(layer), cache.capacity, cache.fill_ticket, pools.row_map)
+                 cache.tick, int(n), int(layer), cache.capacity, cache.guard_ticks(n), cache.fill_ticket,
+                 pools.row_map)
         cp = _next_pow2(cache.capacity)
     else:  # a plain copy reads none of the cache's state: any tensor stands in for the pointers
-        state = (count, count, count, count, count, 0, 0, 0, tags[2] if tags else count, count)
+        state = (count, count, count, count, count, 0, 0, 0, 0, tags[2] if tags else count, count)
         cp = 2
     tag_list, done = (tags[0], tags[1]) if tags else (count, count)
     fp8 = pools.is_fp8  # the scale pools ride in the same launch, never a launch of their own
