@@ -199,7 +199,7 @@ def test_engine_hits_and_misses_per_step_equal_the_reference(engine, policy):
     assert want[:, 2].sum() > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru_guard"])
 def test_dynamic_placement_passes_the_gate_at_batch_2(engine, policy):
     prompts = random_prompts(engine.config.vocab_size, 4, seed=1)
     ids = [f"p{i}" for i in range(len(prompts))]

@@ -10,7 +10,7 @@ residency); the timed prompts are cut from the held-out fixtures' token stream
 (:class:`coldset.bench.Decoder`, its one timed loop ``timed_steps``), each variant captured once
 and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.slots.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
-in place), each ``--policies`` cache (``lru``, ``lfu``; ``lookahead`` at each ``--depths``:
+in place), each ``--policies`` cache (``lru``, ``lru_guard``, ``lfu``; ``lookahead`` at each ``--depths``:
 decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph;
 ``nexttoken``, issue 28: its :class:`coldset.forecast.NextTokenForecaster` fitted on the profile
 routing with ``--nexttoken-extra`` candidates a token, at most ``--prefetch-budget`` copies a
@@ -59,7 +59,7 @@ from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError
 
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
-POLICIES = ("lru", "lfu", "lookahead", "nexttoken")
+POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
 LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts")  # the rows --in-order and --other-fork add
 
 
