@@ -6,7 +6,8 @@ all-HBM routing of each batch size, the pre-gated lookahead lists at several dep
 candidates), the profile counts, and from the JSON the run's all-HBM step per batch, its measured
 link read rate and each policy's management per group (its residency-1.0 row; override or add with
 ``--manage-us POLICY=US``, e.g. to ask what lookahead would reach at lru's cost). Replays ``lru``
-and ``lookahead`` at every kept (depth, candidates), with four references beside them:
+and ``lookahead`` at every kept (depth, candidates), ``lru_guard`` (lru's management), with four
+references beside them:
 
 - ``belady`` (offline: every miss admitted, the victim the resident used furthest ahead; no
   prefetch, no management): the fewest demand copies any eviction order makes at that capacity, so
@@ -125,12 +126,15 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
             if full in measured:
                 manage[pol] = manage_ms_per_group(measured[full]["step_ms_mean"], allhbm, L) * 1e3
         manage.update(manage_us)
+        if "lru" in manage:  # the same launches as lru's: its guard is one subtraction in the same scan
+            manage.setdefault("lru_guard", manage["lru"])
         routing = np.asarray(arrays[f"b{b}_routing"]).astype(np.int64)
         steps, _, B, k = routing.shape
         inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
         stream = AccessStream(inst, np.arange(0, inst.size + 1, B * k), steps * B, L, E)
         # (policy, depth, candidates, lists, oracle, evict-only horizon: 0 = prefetch as the policy does)
-        variants = [("lru", 0, 0, None, False, 0), ("belady", 0, 0, None, False, 0)]
+        variants = [("lru", 0, 0, None, False, 0), ("lru_guard", 0, 0, None, False, 0),
+                    ("belady", 0, 0, None, False, 0)]
         for key in sorted(arrays, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]):
             m = LIST_KEY.match(key)
             if m and int(m.group(1)) == b:
@@ -147,7 +151,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
                                                           manage_ms=manage_us / 1e3))
                 name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady, oracles: never a measured row)
                 st = res.stats()
-                same = measured.get(name) if not oracle and (pol == "lru" or n == k) else None
+                same = measured.get(name) if not oracle and (pol in ("lru", "lru_guard") or n == k) else None
                 rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
                              "oracle": oracle, "evict_horizon": horizon or None, "manage_us": manage_us,
                              "hit_rate": st.hit_rate,
