@@ -68,7 +68,7 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["kernel", "--rounds", "0"], "--rounds 0"),
     (["step", "--engines", "eager,turbo"], "unknown engine 'turbo'"),
     (["step", "--engines", "fused@base"], "needs --baseline-module"),
-    (["cache", "--policies", "lru,fifo"], "['fifo'] not among lru, lfu, lookahead"),
+    (["cache", "--policies", "lru,fifo"], "['fifo'] not among lru, lru_guard, lfu, lookahead"),
     (["cache", "--residencies", "0.5,1.5"], "each must be in (0, 1]"),
     (["cache", "--policies", "lru,nexttoken", "--prefetch-budget", "-1"], "--prefetch-budget -1"),
     (["cache", "--policies", "nexttoken", "--nexttoken-extra", "-2"], "--nexttoken-extra -2"),
@@ -713,7 +713,8 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     rows = replay_table(result, arrays, [0.5], {})
     keys = [(r["policy"], r["depth"], r["candidates"], r["oracle"], r["evict_horizon"]) for r in rows]
     assert len(keys) == len(set(keys)) and set(keys) == {
-        ("lru", 0, None, False, None), ("belady", 0, None, False, None), ("nexttoken", 0, None, True, None)} | {
+        ("lru", 0, None, False, None), ("lru_guard", 0, None, False, None), ("belady", 0, None, False, None),
+        ("nexttoken", 0, None, True, None)} | {
         ("lookahead", d, n, False, None) for d in (1, 2) for n in (k, k + 4)} | {
         ("lookahead", d, None, True, None) for d in (1, 2)} | {("nexttoken", 0, None, True, h) for h in (1, 2, 4, 8)}
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
@@ -739,7 +740,7 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
         else:
             lists = arrays[f"b1_lookahead_d{r['depth']}_n{r['candidates']}"] if r["policy"] == "lookahead" else None
         # (1.3 - 1.0) / 3 layers, (1.6 - 1.0) / 3; belady and the oracles, references: none
-        manage_ms = 0.0 if r["oracle"] else {"lru": 0.1, "lookahead": 0.2, "belady": 0.0}[r["policy"]]
+        manage_ms = 0.0 if r["oracle"] else {"lru": 0.1, "lru_guard": 0.1, "lookahead": 0.2, "belady": 0.0}[r["policy"]]
         want = simulate_time(stream, simulate(stream, r["policy"], 9, counts, predictions=lists),
                              TimeModel(1.0, 10**6, 50.0, link="share", join="step", manage_ms=manage_ms))
         assert r["manage_us"] == pytest.approx(manage_ms * 1e3)
