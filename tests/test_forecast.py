@@ -178,6 +178,47 @@ def test_lookahead_predictions_list_the_later_layers_top_experts():
             assert row[:len(want)].tolist() == want and (row[len(want):] == -1).all()
 
 
+def test_fit_lookahead_routers_solves_the_ridge_towards_the_router():
+    """Each fitted matrix is the ridge solution of the docstring (numpy's float64 normal equations,
+    an independent solve); an exactly linear residual stream is recovered as ``R A`` when the
+    prior is light, the router itself when it is heavy; the first ``depth`` entries are the routers;
+    bad arguments are refused by name."""
+    import torch
+
+    from coldset.forecast import fit_lookahead_routers
+
+    rng = np.random.default_rng(3)
+    N, L, H, E, depth = 40, 4, 6, 5, 2
+    hidden = torch.as_tensor(rng.standard_normal((N, L, H)), dtype=torch.float32)
+    routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.float32) for _ in range(L)]
+    got = fit_lookahead_routers(hidden, routers, depth, shrink=0.3)
+    assert len(got) == L and all(g.shape == (E, H) and g.dtype == torch.float32 for g in got)
+    for t in range(depth):
+        assert torch.equal(got[t], routers[t])
+    for t in range(depth, L):
+        x = hidden[:, t - depth].double().numpy()
+        r = routers[t].double().numpy()
+        z = hidden[:, t].double().numpy() @ r.T
+        g = x.T @ x
+        lam = 0.3 * np.mean(np.diag(g))
+        want = np.linalg.solve(g + lam * np.eye(H), x.T @ z + lam * r.T).T
+        np.testing.assert_allclose(got[t].double().numpy(), want, rtol=1e-5, atol=1e-5)
+    # layer t's input an exact linear map of layer t - depth's: the fit finds R A
+    a = [torch.as_tensor(rng.standard_normal((H, H)), dtype=torch.float64) for _ in range(L)]
+    base = torch.as_tensor(rng.standard_normal((400, H)), dtype=torch.float64)
+    lin = torch.stack([base @ a[t].T if t >= depth else base for t in range(L)], dim=1)
+    routers64 = [r.double() for r in routers]
+    light = fit_lookahead_routers(lin, routers64, depth, shrink=1e-9)
+    heavy = fit_lookahead_routers(lin, routers64, depth, shrink=1e9)
+    for t in range(depth, L):
+        np.testing.assert_allclose(light[t].numpy(), (routers64[t] @ a[t]).numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(heavy[t].numpy(), routers64[t].numpy(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ForecastError, match="depth 4"):
+        fit_lookahead_routers(hidden, routers, 4)
+    with pytest.raises(ForecastError, match="shrink 0"):
+        fit_lookahead_routers(hidden, routers, 1, shrink=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The next-token forecast of every layer (issue 28)
 

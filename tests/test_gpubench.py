@@ -76,6 +76,7 @@ def test_each_command_refuses_cleanly_without_cuda(command, tmp_path, capsys, no
     (["cache", "--decisions-only", "--save-replays"], "--decisions-only runs no model"),
     (["cache", "--policies", "lru", "--in-order"], "add lookahead to --policies"),
     (["cache", "--policies", "lru", "--other-fork"], "add lookahead to --policies"),
+    (["cache", "--policies", "lru", "--lookahead-fit"], "add lookahead to --policies"),
 ])
 def test_bad_arguments_are_named_before_cuda_is_asked(args, message, tmp_path, capsys, no_cuda):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 1
@@ -499,6 +500,24 @@ def test_kernel_command_on_the_gpu(tmp_path, capsys):
     for row in res["batches"]:
         assert row["bitwise_rowmap_vs_off"] and row["bitwise_cold_vs_hot"] and row["max_rel_err_vs_torch"] < 2e-2
         assert len(row["hot_us_spread"]["runs"]) == 2
+
+
+def test_list_recall_counts_the_later_layers_selections_the_lists_name():
+    """bench cache's list recall: after group (step, l) the list names instances of layer l + d;
+    the share of layer l + d's selections (every token) named, against a hand count."""
+    import numpy as np
+
+    from coldset.measure.cache import list_recall
+
+    L, E, d = 3, 4, 1
+    routing = np.array([[[[0, 1]], [[2, 3]], [[1, 2]]],      # step 0: layers 0, 1, 2 (B 1, k 2)
+                        [[[0, 2]], [[0, 1]], [[3, 0]]]])     # step 1
+    lists = -np.ones((2 * L, 3), dtype=np.int64)
+    lists[0] = [1 * E + 2, 1 * E + 0, -1]   # after (0, 0): names layer 1's 2 (selected) and 0 (not)
+    lists[1] = [2 * E + 1, 2 * E + 2, 2 * E + 3]  # after (0, 1): both of layer 2's
+    lists[3] = [1 * E + 3, -1, -1]          # after (1, 0): neither of layer 1's 0, 1
+    lists[4] = [2 * E + 0, -1, -1]          # after (1, 1): layer 2's 0 of 3, 0
+    assert list_recall(lists, routing, d, E) == pytest.approx((1 + 2 + 0 + 1) / 8)
 
 
 def test_committed_measurements_render():

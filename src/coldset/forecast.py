@@ -270,6 +270,52 @@ def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> 
     return out.reshape(S * L, T * n)
 
 
+LOOKAHEAD_FIT_SHRINK = 0.1  # the ridge weight towards the router, in units of mean(diag(X^T X))
+
+
+def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD_FIT_SHRINK) -> list:
+    """The ``lookahead`` forecast's matrices fitted on profile router inputs, to use in place of the
+    routers (:meth:`coldset.slots.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):
+    entry ``t >= depth`` is the ``[E, H]`` matrix ``F`` whose product with layer ``t - depth``'s
+    router input best predicts layer ``t``'s router logits on the profile tokens, shrunk towards
+    layer ``t``'s router ``R`` (the pre-gated forecast, which it equals as ``shrink`` grows)::
+
+        F = argmin ||X_{t-d} F^T - X_t R^T||^2 + lam ||F - R||^2,   lam = shrink * mean(diag(X_{t-d}^T X_{t-d}))
+
+    Entries ``t < depth`` (no layer forecasts them) are the routers themselves. Why: ``R`` applied
+    to an earlier layer's input misses what the ``depth`` layers between add to the residual
+    stream; a linear correction fitted on the profile split recovers part of it at the same cost a
+    token (one ``[E, H]`` GEMV, the same launch reading other rows), so a prefetch names more of
+    the experts layer ``t`` selects and copies fewer it does not. The prior keeps the fit sane with
+    fewer profile tokens than hidden dimensions (the real shape's 2048). Measured: the synthetic
+    router at 48 x 128, top-8, hidden 256 on the CPU (``probes/lookahead_fit.py``): recall of layer
+    ``l + 4``'s selections 0.944 against the router's 0.912, simulated b1 residency 0.5 0.594 of
+    all-HBM against 0.570; on the H200 at real shape: BENCHMARKS.md section 4.
+
+    ``hidden``: ``[N, L, H]`` (any float dtype; N profile tokens, each MoE layer's router input);
+    ``routers``: the ``L`` routers ``[E, H]``. Returns ``L`` tensors ``[E, H]`` in each router's
+    dtype and device. Solved in float64 on ``hidden``'s device."""
+    import torch
+
+    N, L, H = (int(x) for x in hidden.shape)
+    if len(routers) != L or not 1 <= int(depth) < L:
+        raise ForecastError(f"fit_lookahead_routers: {len(routers)} routers for {L} layers, depth {depth}")
+    if N < 1 or not shrink > 0:
+        raise ForecastError(f"fit_lookahead_routers: {N} profile tokens and shrink {shrink} (> 0 needed)")
+    dev = hidden.device
+    out = [r for r in routers[:depth]]
+    eye = torch.eye(H, dtype=torch.float64, device=dev)
+    for t in range(depth, L):
+        x = hidden[:, t - depth].to(torch.float64)
+        r = routers[t].to(dev, torch.float64)
+        z = hidden[:, t].to(torch.float64) @ r.T
+        g = x.T @ x
+        lam = float(shrink) * g.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+        ft = torch.linalg.solve(g + lam * eye, x.T @ z + lam * r.T)
+        out.append(ft.T.to(routers[t].device, routers[t].dtype).contiguous())
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The next-token forecast of every layer (issue 28; /work/coord/policy28.md's rules)
 

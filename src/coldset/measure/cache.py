@@ -60,7 +60,10 @@ from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
 POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
-LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts")  # the rows --in-order and --other-fork add
+# the rows --in-order, --other-fork and --lookahead-fit add
+LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts", "fit")
+FIT_TOKENS = 4096  # --lookahead-fit: profile tokens (prompt tokens, in chunks of FIT_CHUNK) whose router inputs fit
+FIT_CHUNK = 512
 
 
 def add_arguments(p) -> None:
@@ -94,6 +97,10 @@ def add_arguments(p) -> None:
                         "fork them (SlotCache.list_after_experts): after the layer's demand fill at depth >= 2 "
                         "(rows named '... list-after-fill'), after the layer's experts at depth 1 ('... "
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
+    p.add_argument("--lookahead-fit", action="store_true",
+                   help="also each lookahead variant with its forecast matrices fitted on the profile fixtures' "
+                        f"router inputs ({FIT_TOKENS} prompt tokens; coldset.forecast.fit_lookahead_routers) in "
+                        "place of the later layers' routers (rows named '... fit'): the same launches, other rows")
     p.add_argument("--profile", action="store_true",
                    help="also a kernel profile of each row's captured step (after its timed passes): kernels, "
                         "their device time and the idle time between them per step, the top kernels")
@@ -123,6 +130,8 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
     if args.in_order and "lookahead" not in args.policies.split(","):
         raise MeasureError("--in-order varies lookahead's prefetch fills: add lookahead to --policies")
+    if args.lookahead_fit and "lookahead" not in args.policies.split(","):
+        raise MeasureError("--lookahead-fit varies lookahead's forecast: add lookahead to --policies")
     if args.other_fork and "lookahead" not in args.policies.split(","):
         raise MeasureError("--other-fork varies lookahead's fork: add lookahead to --policies")
     if args.save_replays and args.decisions_only:
@@ -255,6 +264,7 @@ def run(args, argv=None) -> dict:
     residencies = [float(r) for r in args.residencies.split(",")]
     policies = args.policies.split(",")
     forecaster = _fit_nexttoken(prof_routing, k, E, args.nexttoken_extra, R) if "nexttoken" in policies else None
+    fitted = _fit_lookahead(model, ref_fn, profile_stream, args, R) if args.lookahead_fit else {}
 
     replay_arrays = {"profile_counts": counts, "expert_bytes": np.array(per_expert)}  # --save-replays
     for bsz in (int(b) for b in args.batches.split(",")):
@@ -314,12 +324,14 @@ def run(args, argv=None) -> dict:
                 depths = [1] if res_ == 1.0 else [int(d) for d in args.depths.split(",")]
                 variants += [("lookahead", d, v) for d in depths
                              for v in ("", *(["in-order"] if args.in_order else []),
-                                       *([_other_fork(d)] if args.other_fork else []))]
+                                       *([_other_fork(d)] if args.other_fork else []),
+                                       *(["fit"] if args.lookahead_fit else []))]
             for pol, depth, variant in variants:
                 name = f"{pol}-{res_}" + (f" d{depth}" if depth else "") + (f" {variant}" if variant else "")
                 nt = pol == "nexttoken"
+                forecast = (fitted[depth] if variant == "fit" else _routers(model)) if depth else None
                 cache = SlotCache.build(model.pools, host, row_map, warm_counts, pol, bsz, k,
-                                        history=steps * L + 8, routers=_routers(model) if depth else None,
+                                        history=steps * L + 8, routers=forecast,
                                         depth=max(depth, 1), forecaster=forecaster if nt else None,
                                         prefetch_budget=args.prefetch_budget if nt else None)
                 cache.prefetch_blocks = args.prefetch_blocks
@@ -368,7 +380,8 @@ def run(args, argv=None) -> dict:
                     "prefetches_per_token": st.prefetches / tokens,
                     "useful_prefetches_per_token": st.useful_prefetches / tokens,
                     "wasted_prefetches_per_token": st.wasted_prefetches / tokens,
-                    "link_gb_per_token": st.link_gb_per_token(per_expert)})
+                    "link_gb_per_token": st.link_gb_per_token(per_expert),
+                    **({"list_recall": list_recall(got[0]["lists"], routing, depth, E)} if depth else {})})
                 allhbm_ms = next(x["step_ms_mean"] for x in R["rows"] if x["batch"] == bsz and x["placement"] == "all-HBM")
                 r.update(_time_columns(r, allhbm_ms, ceilings["link_read_gb_s"], bsz, acc, sim, per_expert))
                 replays[name] = (r, sim)
@@ -409,6 +422,75 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
         for n in (k, k + 4):
             out[f"b{bsz}_lookahead_d{d}_n{n}"] = lookahead_predictions(hidden, routers, d, n).astype(np.int32)
     return out
+
+
+def list_recall(lists, routing, depth: int, num_experts: int) -> float:
+    """The share of layer ``l + depth``'s selections (of every token of the step) that the lookahead
+    list issued after group (step, ``l``) names: ``lists`` int ``[steps * L, W]`` instances (-1
+    padded, the engine's :meth:`~coldset.slots.SlotCache.prefetch_lists`), ``routing`` int
+    ``[steps, L, B, k]`` expert ids."""
+    import numpy as np
+
+    steps, L = routing.shape[:2]
+    named = np.asarray(lists).reshape(steps, L, -1)
+    hit = total = 0
+    for s in range(steps):
+        for layer in range(L - depth):
+            t = layer + depth
+            want = routing[s, t].reshape(-1) + t * num_experts
+            hit += int(np.isin(want, named[s, layer]).sum())
+            total += want.size
+    return hit / total if total else float("nan")
+
+
+def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
+    """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
+    :data:`FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a time on the unmodified
+    path), and per lookahead depth of the run (and 1, residency 1.0's) the fitted forecast
+    matrices of :func:`coldset.forecast.fit_lookahead_routers`, in the routers' dtype."""
+    import time
+
+    import torch
+
+    from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers
+    from coldset.model import generate
+
+    L = model.config.num_moe_layers
+    chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, min(len(profile_stream), FIT_TOKENS), FIT_CHUNK)]
+    chunks = [c for c in chunks if len(c) == FIT_CHUNK]
+    if not chunks:
+        raise MeasureError(f"--lookahead-fit: the profile fixtures hold {len(profile_stream)} prompt tokens, "
+                           f"fewer than one chunk of {FIT_CHUNK}")
+    t0 = time.perf_counter()
+    rec: list = []
+    saved = model.experts_fn
+
+    def recording(p, layer, x, ids, w):
+        if x.shape[0] == FIT_CHUNK:
+            rec.append(x.detach().clone())
+        return ref_fn(p, layer, x, ids, w)
+
+    model.experts_fn = recording
+    hidden = []
+    try:
+        for c in chunks:
+            rec.clear()
+            generate(model, [c], 1, progress=False)
+            if len(rec) != L:
+                raise MeasureError(f"--lookahead-fit: {len(rec)} router inputs recorded for a chunk, {L} expected")
+            hidden.append(torch.stack(rec, dim=1))  # [FIT_CHUNK, L, H]
+    finally:
+        model.experts_fn = saved
+    hidden = torch.cat(hidden)
+    routers = _routers(model)
+    depths = sorted({1, *(int(d) for d in args.depths.split(","))})
+    fits = {d: fit_lookahead_routers(hidden, routers, d) for d in depths if d < L}
+    R["lookahead_fit"] = {"profile_tokens": int(hidden.shape[0]), "shrink": LOOKAHEAD_FIT_SHRINK,
+                          "depths": sorted(fits), "seconds": round(time.perf_counter() - t0, 1)}
+    log("lookahead forecast fitted", R["lookahead_fit"])
+    del hidden
+    torch.cuda.empty_cache()
+    return fits
 
 
 def _other_fork(depth: int) -> str:
