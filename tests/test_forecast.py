@@ -219,6 +219,39 @@ def test_fit_lookahead_routers_solves_the_ridge_towards_the_router():
         fit_lookahead_routers(hidden, routers, 1, shrink=0)
 
 
+def test_router_inputs_are_what_each_router_ranked(tmp_path):
+    """forecast.router_inputs on a synthetic engine: one [T, L, H] block a prompt, in prompt order;
+    each layer's router applied to its rows ranks, token by token, the experts the engine's own
+    routing capture recorded for those prompt tokens (an independent path: the capture records the
+    selections, not the inputs); the engine's experts function is restored after."""
+    import torch
+
+    from coldset.forecast import router_inputs
+    from coldset.model import generate
+    from coldset.synthetic import SyntheticSpec
+    from synthetic_engines import random_prompts, synthetic_engine
+
+    spec = SyntheticSpec(layers=3, experts=8, top_k=2, hidden=32, moe_intermediate=16, heads=2, kv_heads=1,
+                         head_dim=16, vocab_size=256, seed=4)
+    engine = synthetic_engine(spec, tmp_path)
+    prompts = random_prompts(engine.config.vocab_size, 3, seed=2)
+    saved = engine.experts_fn
+    hidden = router_inputs(engine, prompts)
+    assert engine.experts_fn is saved
+    L, H = engine.config.num_moe_layers, engine.config.hidden_size
+    assert hidden.shape == (sum(len(p) for p in prompts), L, H)
+    start = 0
+    for p in prompts:
+        routing = generate(engine, [p], 1, capture_routing=True, progress=False).routing[0]
+        for j, layer in enumerate(engine.config.moe_layers):
+            gate = engine.layers[layer].mlp.gate.weight.detach()
+            logits = hidden[start:start + len(p), j].float() @ gate.float().T
+            top = torch.topk(logits, engine.config.top_k, dim=-1).indices.sort(dim=-1).values
+            want = torch.as_tensor(routing.experts[:len(p), j]).long().sort(dim=-1).values
+            assert torch.equal(top, want), (layer, p)
+        start += len(p)
+
+
 # ---------------------------------------------------------------------------------------------
 # The next-token forecast of every layer (issue 28)
 

@@ -105,6 +105,9 @@ def test_gate_passes_and_every_placement_is_benchmarked(run):
         # lookahead's depth per batch size, as configured (JSON's string keys); the gate decoded each
         assert placement["cache_lookahead_depth"] == ({"1": 1, "4": 2} if name.startswith("lookahead") else None)
         assert parity.get("lookahead_depths") == ([1, 2] if name.startswith("lookahead") else None)
+        # and its forecast fitted on the profile router inputs (cache.lookahead_fit's default), which the
+        # parity and bench stages fitted from the profile fixtures before decoding with it
+        assert placement["cache_lookahead_fit"] == (True if name.startswith("lookahead") else None)
         bench = json.loads((res / "bench" / "tiny-mem" / f"{name}.json").read_text())
         assert bench["placement"] == name and [b["batch_size"] for b in bench["batches"]] == [1]
         assert bench["batches"][0]["tok_s"] > 0

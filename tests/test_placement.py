@@ -563,7 +563,25 @@ def test_run_placement_writes_every_policy_and_residency(tmp_path):
             ug = load_placement(out / f"usage_global-{p.label}.json")
             assert np.array_equal(q.row_map, ug.row_map) and not q.predictions
             assert np.array_equal(q.cache_warm_counts, p.cache_warm_counts) and len(q.cache_warm_counts) == q.num_hot
+        # lookahead's forecast fitted on the profile router inputs (the default), recorded and read back
+        assert q.cache_lookahead_fit == p.cache_lookahead_fit == (True if p.policy == "lookahead" else None)
     assert sorted(x.name for x in out.iterdir() if x.name.startswith(".")) == []
+    # the field: true/false for lookahead (absent in files written before it: false), refused elsewhere
+    path = out / "lookahead-0.5.json"
+    doc = json.loads(path.read_text())
+    doc.pop("cache_lookahead_fit")
+    path.write_text(json.dumps(doc))
+    assert load_placement(path).cache_lookahead_fit is False
+    doc["cache_lookahead_fit"] = "yes"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlacementError, match="cache_lookahead_fit"):
+        load_placement(path)
+    lru = out / "lru-0.5.json"
+    doc = json.loads(lru.read_text())
+    doc["cache_lookahead_fit"] = True
+    lru.write_text(json.dumps(doc))
+    with pytest.raises(PlacementError, match="'cache_lookahead_fit' must be true or false for policy 'lookahead'"):
+        load_placement(lru)
     assert {x.name for x in out.iterdir()} >= {"usage_global-1.0.json", "positional-0.25.rowmap.npy"}
     # usage_global covers at least as much of the profile as the others, everywhere
     for r in (0.25, 0.5, 1.0):

@@ -9,7 +9,7 @@ nothing about the new files. Each report therefore carries a fingerprint:
   placement JSON records, so the pair is checked too);
 - ``placement``: sha256 of what in the placement JSON the decode reads beside the row map
   (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order, and
-  a lookahead's ``cache_lookahead_depth``, a nexttoken's ``cache_forecaster`` (its fields and the
+  a lookahead's ``cache_lookahead_depth`` and ``cache_lookahead_fit``, a nexttoken's ``cache_forecaster`` (its fields and the
   sha256 of its tables file, re-digested from the file on disk) and ``cache_prefetch_budget``,
   each hashed only where set, so other placements keep their digest): a
   rewritten warm state with the same warm set (same row map) is another placement, while a
@@ -41,10 +41,11 @@ from coldset.files import read_json
 FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
 #: The fields of a placement JSON that the decode reads beside its row map (coldset.pipeline's
 #: slot cache: the policy's decisions from the warm counts' order).
-DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth", "cache_forecaster", "cache_prefetch_budget")
+DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth", "cache_lookahead_fit", "cache_forecaster",
+                 "cache_prefetch_budget")
 #: Of DECODE_FIELDS, those hashed only where set (not null), so that placements without them keep
 #: the digest they had before the field existed.
-OPTIONAL_DECODE_FIELDS = ("cache_lookahead_depth", "cache_forecaster", "cache_prefetch_budget")
+OPTIONAL_DECODE_FIELDS = ("cache_lookahead_depth", "cache_lookahead_fit", "cache_forecaster", "cache_prefetch_budget")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "*.safetensors", "*.safetensors.index.json")

@@ -273,6 +273,43 @@ def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> 
 LOOKAHEAD_FIT_SHRINK = 0.1  # the ridge weight towards the router, in units of mean(diag(X^T X))
 
 
+def router_inputs(engine, prompts: list[list[int]]):
+    """``[N, L, H]`` (the engine's dtype and device): every MoE layer's router input for each of the
+    ``N`` tokens of ``prompts``, one prefill a prompt through the engine's current experts path
+    (:func:`coldset.model.generate`, one new token, so only the prefill runs), in prompt order:
+    the profile data of :func:`fit_lookahead_routers`."""
+    import torch
+
+    from coldset.model import generate
+
+    L = engine.config.num_moe_layers
+    saved = engine.experts_fn
+    rec: list = []
+    out = []
+    length = 0
+
+    def recording(p, layer, x, ids, w):
+        if x.shape[0] == length:
+            rec.append(x.detach().clone())
+        return saved(p, layer, x, ids, w)
+
+    engine.experts_fn = recording
+    try:
+        for p in prompts:
+            rec.clear()
+            length = len(p)
+            generate(engine, [list(p)], 1, progress=False)
+            if len(rec) != L:
+                raise ForecastError(f"router_inputs: {len(rec)} router inputs recorded for a prompt of {length} "
+                                    f"tokens, {L} MoE layers expected")
+            out.append(torch.stack(rec, dim=1))
+    finally:
+        engine.experts_fn = saved
+    if not out:
+        raise ForecastError("router_inputs: no prompts")
+    return torch.cat(out)
+
+
 def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD_FIT_SHRINK) -> list:
     """The ``lookahead`` forecast's matrices fitted on profile router inputs, to use in place of the
     routers (:meth:`coldset.slots.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):

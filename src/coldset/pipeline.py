@@ -426,7 +426,7 @@ def placement(config: dict, **_) -> None:
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
                   batch_sizes=config["bench"]["batch_sizes"], model=config["model"]["name"],
                   lookahead_depth=config["cache"]["lookahead_depth"], forecaster=forecaster,
-                  prefetch_budget=config["cache"]["prefetch_budget"])
+                  prefetch_budget=config["cache"]["prefetch_budget"], lookahead_fit=config["cache"]["lookahead_fit"])
 
 
 def _fit_nexttoken(config: dict):
@@ -514,6 +514,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     # comparison is like for like only at the same batch size (the kernel's launch depends on it).
     references: dict[int, object] = {}
     host = _host_tier(config)
+    fits = _lookahead_fits(config, engine, tokenizer)
     for name in names:
         pl = loaded[name]
         b = batch if not pl.dynamic else max(1, min(batch, int((pl.row_map >= 0).sum()) // engine.config.top_k))
@@ -523,7 +524,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
         depths = _parity_depths(pl)
         results = []
         for depth in depths:
-            cache = _slot_cache(engine, host, pl, b, depth=depth)
+            cache = _slot_cache(engine, host, pl, b, depth=depth, fits=fits)
             pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
             got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=tuned, cache=cache)
             if cache is not None:
@@ -579,20 +580,54 @@ def _check_report(config: dict, name: str, report: dict, where: Path | str) -> d
     return current
 
 
-def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None):
+def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None, fits: dict | None = None):
     """The slot cache of a dynamic placement (``lru-0.5``), fresh from its warm state, deciding for
     decode steps of up to ``max_tokens`` tokens (a lookahead's ``depth``: its depth for them unless
-    given); None for a static placement."""
+    given); None for a static placement. A lookahead placement with ``cache_lookahead_fit`` forecasts
+    with the matrices fitted on the profile split's router inputs (``fits``: :func:`_lookahead_fits`,
+    shared by the stage's placements); else with the later layers' routers."""
     if not placement.dynamic:
         return None
+    from coldset.placement import lookahead_depth_for
     from coldset.slots import SlotCache
 
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
+    if placement.policy == "lookahead" and placement.cache_lookahead_fit:
+        if fits is None:
+            raise StageError(f"placement {placement.label}: a fitted lookahead forecast needs the profile router "
+                             "inputs (the stage's fits)")
+        routers = fits["fit"](depth if depth is not None else lookahead_depth_for(placement.cache_lookahead_depth,
+                                                                                    max_tokens))
     from coldset.bench import placement_forecaster
 
     return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
                                     forecaster=placement_forecaster(placement),
                                     prefetch_budget=placement.cache_prefetch_budget, depth=depth)
+
+
+def _lookahead_fits(config: dict, engine, tokenizer) -> dict:
+    """What :func:`_slot_cache` fits a lookahead forecast from, computed once a stage and only if a
+    placement asks: ``fits["fit"](depth)`` gives :func:`coldset.forecast.fit_lookahead_routers` on
+    the router inputs of the profile split's fixture prompts (:func:`coldset.forecast.router_inputs`,
+    one prefill each on the unmodified path), memoized per depth. The placement stage never saw
+    hidden states (its inputs are routing counts); the parity and bench stages, which load the
+    model, fit the same matrices from the same prompts."""
+    from coldset.forecast import fit_lookahead_routers, router_inputs
+    from coldset.model import encode_prompts
+
+    memo: dict = {}
+
+    def fit(depth: int):
+        if "hidden" not in memo:
+            prompts = encode_prompts(tokenizer, [f.prompt for f in _split_fixtures(config, "profile")])
+            memo["hidden"] = router_inputs(engine, prompts)
+            log.info("lookahead forecast: %d profile tokens' router inputs", memo["hidden"].shape[0])
+        if depth not in memo:
+            routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
+            memo[depth] = fit_lookahead_routers(memo["hidden"], routers, int(depth))
+        return memo[depth]
+
+    return {"fit": fit}
 
 
 def _parity_depths(placement) -> list[int | None]:
@@ -711,6 +746,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
         ceilings = bn.measure_ceilings(host.w13 if host.pinned else None)
         log.info("ceilings (GB/s): %s", ceilings)
     names = _placement_names(config, placements)
+    fits = _lookahead_fits(config, engine, tokenizer)
     for name in names:
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = engine.pools.placed(pl.row_map, host) if not pl.dynamic else None
@@ -722,7 +758,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                     cache = None
                     if pl.dynamic:  # a fresh warm cache per batch; the previous one's slots freed first
                         pools = None
-                        cache = _slot_cache(engine, host, pl, batch_size)
+                        cache = _slot_cache(engine, host, pl, batch_size, fits=fits)
                         pools = cache.pools
                     replay = None
                     if bc["routing_trace"]:

@@ -718,6 +718,10 @@ class Placement:
     # lookahead only: the prefetch's depth d (the router of layer l + d on layer l's router input),
     # one for every batch size or per batch size ({batch: depth}: lookahead_depth_for).
     cache_lookahead_depth: int | dict[int, int] | None = None
+    # lookahead only: whether the forecast is fitted on the profile split's router inputs
+    # (coldset.forecast.fit_lookahead_routers, by the stages that decode) or the later layers'
+    # routers themselves (False; placements written before the field existed read as False).
+    cache_lookahead_fit: bool | None = None
     # nexttoken only: the forecaster's FORECASTER_FIELDS and its tables, and the prefetch budget.
     cache_forecaster: dict | None = None
     cache_forecaster_tables: np.ndarray | None = None
@@ -815,6 +819,7 @@ def place(
     lookahead_depth: int | Mapping[int, int] = 2,
     forecaster: Any = None,
     prefetch_budget: int | None = None,
+    lookahead_fit: bool = True,
 ) -> Placement:
     """Choose the cold set for one policy and one residency (or HBM budget) and predict its speed.
 
@@ -897,6 +902,7 @@ def place(
         placement.cache_warm_counts = warm
         if policy == "lookahead":
             placement.cache_lookahead_depth = lookahead_depths(lookahead_depth, num_layers, "cache.lookahead_depth")
+            placement.cache_lookahead_fit = bool(lookahead_fit)
         if policy == "nexttoken":
             placement.cache_forecaster, placement.cache_forecaster_tables = _forecaster_record(
                 forecaster, num_layers, num_experts)
@@ -986,6 +992,7 @@ def _placement_to_json(placement: Placement, npy_name: str, npy_sha256: str,
         "row_map_sha256": npy_sha256,
         "cache_warm_counts": None if placement.cache_warm_counts is None else placement.cache_warm_counts.tolist(),
         "cache_lookahead_depth": depth if not isinstance(depth, dict) else {str(b): d for b, d in depth.items()},
+        "cache_lookahead_fit": placement.cache_lookahead_fit,
         "cache_forecaster": None if forecaster_file is None else {
             **placement.cache_forecaster, "tables_file": forecaster_file[0], "tables_sha256": forecaster_file[1]},
         "cache_prefetch_budget": placement.cache_prefetch_budget,
@@ -1124,6 +1131,12 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
                                      f"depths, got keys {list(depth)}")
             depth = {int(b): d for b, d in depth.items()}
         depth = lookahead_depths(depth, len(moe_layers), f"{json_path}: field 'cache_lookahead_depth'")
+    fit = doc.get("cache_lookahead_fit")
+    if fit is not None and (doc["policy"] != "lookahead" or not isinstance(fit, bool)):
+        raise PlacementError(f"{json_path}: field 'cache_lookahead_fit' must be true or false for policy 'lookahead' "
+                             f"and null otherwise, got {fit!r}")
+    if doc["policy"] == "lookahead":
+        fit = bool(fit)  # absent (written before the field): the routers' forecast
     fc, fc_tables = doc.get("cache_forecaster"), None
     budget = doc.get("cache_prefetch_budget")
     if doc["policy"] == "nexttoken":
@@ -1158,6 +1171,7 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         model=doc.get("model"),
         cache_warm_counts=warm,
         cache_lookahead_depth=depth,
+        cache_lookahead_fit=fit,
         cache_forecaster=fc,
         cache_forecaster_tables=fc_tables,
         cache_prefetch_budget=budget,
@@ -1248,6 +1262,7 @@ def run_placement(
     lookahead_depth: int | Mapping[int, int] = 2,
     forecaster: Any = None,
     prefetch_budget: int | None = None,
+    lookahead_fit: bool = True,
 ) -> list[Placement]:
     """The placement stage: every policy x residency (and budget) to ``out_dir``, plus coverage.csv.
 
@@ -1274,7 +1289,7 @@ def run_placement(
             hist, config, policy, r, budget_gib=b, profile_domains=profile_domains, phase=phase,
             domain_weights=domain_weights, weight_format=weight_format,
             nonexpert_format=nonexpert_format, bandwidths=bandwidths,
-            batch_sizes=batch_sizes, model=model, lookahead_depth=lookahead_depth,
+            batch_sizes=batch_sizes, model=model, lookahead_depth=lookahead_depth, lookahead_fit=lookahead_fit,
             forecaster=forecaster if policy == "nexttoken" else None,
             prefetch_budget=prefetch_budget if policy == "nexttoken" else None,
         )

@@ -446,14 +446,14 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
 def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
     """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
     :data:`FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a time on the unmodified
-    path), and per lookahead depth of the run (and 1, residency 1.0's) the fitted forecast
-    matrices of :func:`coldset.forecast.fit_lookahead_routers`, in the routers' dtype."""
+    path: :func:`coldset.forecast.router_inputs`), and per lookahead depth of the run (and 1,
+    residency 1.0's) the fitted forecast matrices of :func:`coldset.forecast.fit_lookahead_routers`,
+    in the routers' dtype."""
     import time
 
     import torch
 
-    from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers
-    from coldset.model import generate
+    from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs
 
     L = model.config.num_moe_layers
     chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, min(len(profile_stream), FIT_TOKENS), FIT_CHUNK)]
@@ -462,26 +462,12 @@ def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> d
         raise MeasureError(f"--lookahead-fit: the profile fixtures hold {len(profile_stream)} prompt tokens, "
                            f"fewer than one chunk of {FIT_CHUNK}")
     t0 = time.perf_counter()
-    rec: list = []
     saved = model.experts_fn
-
-    def recording(p, layer, x, ids, w):
-        if x.shape[0] == FIT_CHUNK:
-            rec.append(x.detach().clone())
-        return ref_fn(p, layer, x, ids, w)
-
-    model.experts_fn = recording
-    hidden = []
+    model.experts_fn = ref_fn
     try:
-        for c in chunks:
-            rec.clear()
-            generate(model, [c], 1, progress=False)
-            if len(rec) != L:
-                raise MeasureError(f"--lookahead-fit: {len(rec)} router inputs recorded for a chunk, {L} expected")
-            hidden.append(torch.stack(rec, dim=1))  # [FIT_CHUNK, L, H]
+        hidden = router_inputs(model, chunks)
     finally:
         model.experts_fn = saved
-    hidden = torch.cat(hidden)
     routers = _routers(model)
     depths = sorted({1, *(int(d) for d in args.depths.split(","))})
     fits = {d: fit_lookahead_routers(hidden, routers, d) for d in depths if d < L}
