@@ -250,6 +250,11 @@ def test_router_inputs_are_what_each_router_ranked(tmp_path):
             want = torch.as_tensor(routing.experts[:len(p), j]).long().sort(dim=-1).values
             assert torch.equal(top, want), (layer, p)
         start += len(p)
+    # capped: the first max_tokens tokens, the last prompt cut (its own prefill: the same rows, causal)
+    n = len(prompts[0]) + 2
+    capped = router_inputs(engine, prompts, max_tokens=n)
+    assert capped.shape[0] == n
+    torch.testing.assert_close(capped, hidden[:n], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,8 +62,7 @@ REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead dept
 POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
 # the rows --in-order, --other-fork and --lookahead-fit add
 LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts", "fit")
-FIT_TOKENS = 4096  # --lookahead-fit: profile tokens (prompt tokens, in chunks of FIT_CHUNK) whose router inputs fit
-FIT_CHUNK = 512
+FIT_CHUNK = 512  # --lookahead-fit: the profile stream prefilled in chunks of this many tokens
 
 
 def add_arguments(p) -> None:
@@ -99,7 +98,8 @@ def add_arguments(p) -> None:
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--lookahead-fit", action="store_true",
                    help="also each lookahead variant with its forecast matrices fitted on the profile fixtures' "
-                        f"router inputs ({FIT_TOKENS} prompt tokens; coldset.forecast.fit_lookahead_routers) in "
+                        "router inputs (coldset.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt tokens; "
+                        "coldset.forecast.fit_lookahead_routers) in "
                         "place of the later layers' routers (rows named '... fit'): the same launches, other rows")
     p.add_argument("--profile", action="store_true",
                    help="also a kernel profile of each row's captured step (after its timed passes): kernels, "
@@ -445,8 +445,8 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
 
 def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
     """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
-    :data:`FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a time on the unmodified
-    path: :func:`coldset.forecast.router_inputs`), and per lookahead depth of the run (and 1,
+    :data:`coldset.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a
+    time on the unmodified path: :func:`coldset.forecast.router_inputs`), and per lookahead depth of the run (and 1,
     residency 1.0's) the fitted forecast matrices of :func:`coldset.forecast.fit_lookahead_routers`,
     in the routers' dtype."""
     import time
@@ -456,7 +456,7 @@ def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> d
     from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs
 
     L = model.config.num_moe_layers
-    chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, min(len(profile_stream), FIT_TOKENS), FIT_CHUNK)]
+    chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, len(profile_stream), FIT_CHUNK)]
     chunks = [c for c in chunks if len(c) == FIT_CHUNK]
     if not chunks:
         raise MeasureError(f"--lookahead-fit: the profile fixtures hold {len(profile_stream)} prompt tokens, "
