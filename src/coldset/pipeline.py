@@ -619,8 +619,8 @@ def _lookahead_fits(config: dict, engine, tokenizer) -> dict:
 
     def fit(depth: int):
         if "hidden" not in memo:
-            prompts = encode_prompts(tokenizer, [f.prompt for f in _split_fixtures(config, "profile")])
-            memo["hidden"] = router_inputs(engine, prompts)
+            fxs = _split_fixtures(config, "profile", "cache.lookahead_fit (the fit's prompts): split")
+            memo["hidden"] = router_inputs(engine, encode_prompts(tokenizer, [f.prompt for f in fxs]))
             log.info("lookahead forecast: %d profile tokens' router inputs", memo["hidden"].shape[0])
         if depth not in memo:
             routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
@@ -668,13 +668,14 @@ def _check_gate_passed(config: dict, names: list[str]) -> None:
                       f"{layout.parity_gate} (placement {name})")
 
 
-def _split_fixtures(config: dict, split: str) -> list:
-    """The fixtures of ``split`` (``heldout`` | ``profile`` | ``all``), in fixture order; refused if none."""
+def _split_fixtures(config: dict, split: str, purpose: str = "bench.prompt_split") -> list:
+    """The fixtures of ``split`` (``heldout`` | ``profile`` | ``all``), in fixture order; refused if
+    none, naming ``purpose`` (what asked for them)."""
     from coldset.fixtures import read_fixtures
 
     fxs = [f for f in read_fixtures(_fixture_paths(config)) if split == "all" or f.split == split]
     if not fxs:
-        raise StageError(f"bench.prompt_split {split!r}: no fixture is in that split (fixtures.heldout_fraction "
+        raise StageError(f"{purpose} {split!r}: no fixture is in that split (fixtures.heldout_fraction "
                          f"{config['fixtures']['heldout_fraction']}); choose another split or hold out fixtures")
     return fxs
 
