@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=6, help="held-out requests per domain")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--shrink", type=float, default=None, help="default: forecast.LOOKAHEAD_FIT_SHRINK")
+    ap.add_argument("--depths", default="1,4")
+    ap.add_argument("--residencies", default="0.25,0.5,0.75")
     args = ap.parse_args()
 
     from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
@@ -106,15 +108,16 @@ def main() -> int:
                                                   manage_ms=manage))
         return STEP_MS / ts.step_ms, ts.link_gb_per_token
 
-    fits = {d: fit_lookahead_routers(X, routers, d, shrink) for d in (1, 4)}
+    depths = [int(d) for d in args.depths.split(",")]
+    fits = {d: fit_lookahead_routers(X, routers, d, shrink) for d in depths}
     print("| residency | forecast | depth | recall of layer l + d | x all-HBM (simulated) | link GB/token | hit rate |")
     print("|---|---|---|---|---|---|---|")
-    for r in (0.25, 0.5, 0.75):
+    for r in (float(x) for x in args.residencies.split(",")):
         C = hot_count_for_residency(r, L * E)
         res = simulate(stream, "lru", C, counts)
         x, gb = timed(res, 0.0)
         print(f"| {r} | lru | - | - | {x:.3f} | {gb:.3f} | {res.stats().hit_rate:.4f} |")
-        for d in (1, 4):
+        for d in depths:
             for name, rt in (("router", routers), ("fitted", fits[d])):
                 lists = lookahead_predictions(hidden, rt, d, k)
                 res = simulate(stream, "lookahead", C, counts, predictions=lists)
