@@ -514,7 +514,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     # comparison is like for like only at the same batch size (the kernel's launch depends on it).
     references: dict[int, object] = {}
     host = _host_tier(config)
-    fits = _lookahead_fits(config, engine, tokenizer)
+    fit = _lookahead_fit(config, engine, tokenizer)
     for name in names:
         pl = loaded[name]
         b = batch if not pl.dynamic else max(1, min(batch, int((pl.row_map >= 0).sum()) // engine.config.top_k))
@@ -524,7 +524,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
         depths = _parity_depths(pl)
         results = []
         for depth in depths:
-            cache = _slot_cache(engine, host, pl, b, depth=depth, fits=fits)
+            cache = _slot_cache(engine, host, pl, b, depth=depth, fit=fit)
             pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
             got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=tuned, cache=cache)
             if cache is not None:
@@ -580,11 +580,11 @@ def _check_report(config: dict, name: str, report: dict, where: Path | str) -> d
     return current
 
 
-def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None, fits: dict | None = None):
+def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None, fit=None):
     """The slot cache of a dynamic placement (``lru-0.5``), fresh from its warm state, deciding for
     decode steps of up to ``max_tokens`` tokens (a lookahead's ``depth``: its depth for them unless
     given); None for a static placement. A lookahead placement with ``cache_lookahead_fit`` forecasts
-    with the matrices fitted on the profile split's router inputs (``fits``: :func:`_lookahead_fits`,
+    with the matrices fitted on the profile split's router inputs (``fit``: :func:`_lookahead_fit`,
     shared by the stage's placements); else with the later layers' routers."""
     if not placement.dynamic:
         return None
@@ -593,11 +593,11 @@ def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = No
 
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
     if placement.policy == "lookahead" and placement.cache_lookahead_fit:
-        if fits is None:
+        if fit is None:
             raise StageError(f"placement {placement.label}: a fitted lookahead forecast needs the profile router "
-                             "inputs (the stage's fits)")
-        routers = fits["fit"](depth if depth is not None else lookahead_depth_for(placement.cache_lookahead_depth,
-                                                                                    max_tokens))
+                             "inputs (the stage's fit)")
+        routers = fit(depth if depth is not None else lookahead_depth_for(placement.cache_lookahead_depth, max_tokens),
+                      routers)
     from coldset.bench import placement_forecaster
 
     return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
@@ -605,29 +605,29 @@ def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = No
                                     prefetch_budget=placement.cache_prefetch_budget, depth=depth)
 
 
-def _lookahead_fits(config: dict, engine, tokenizer) -> dict:
-    """What :func:`_slot_cache` fits a lookahead forecast from, computed once a stage and only if a
-    placement asks: ``fits["fit"](depth)`` gives :func:`coldset.forecast.fit_lookahead_routers` on
-    the router inputs of the profile split's fixture prompts (:func:`coldset.forecast.router_inputs`,
-    one prefill each on the unmodified path), memoized per depth. The placement stage never saw
-    hidden states (its inputs are routing counts); the parity and bench stages, which load the
-    model, fit the same matrices from the same prompts."""
+def _lookahead_fit(config: dict, engine, tokenizer):
+    """The function :func:`_slot_cache` fits a lookahead forecast with, its work done once a stage
+    and only if a placement asks: ``fit(depth, routers)`` is
+    :func:`coldset.forecast.fit_lookahead_routers` on the router inputs of the profile split's
+    fixture prompts (:func:`coldset.forecast.router_inputs`, one prefill each on the unmodified
+    path), memoized per depth. The placement stage never saw hidden states (its inputs are routing
+    counts); the parity and bench stages, which load the model, fit the same matrices from the same
+    prompts."""
     from coldset.forecast import fit_lookahead_routers, router_inputs
     from coldset.model import encode_prompts
 
     memo: dict = {}
 
-    def fit(depth: int):
+    def fit(depth: int, routers: list):
         if "hidden" not in memo:
             fxs = _split_fixtures(config, "profile", "cache.lookahead_fit (the fit's prompts): split")
             memo["hidden"] = router_inputs(engine, encode_prompts(tokenizer, [f.prompt for f in fxs]))
             log.info("lookahead forecast: %d profile tokens' router inputs", memo["hidden"].shape[0])
         if depth not in memo:
-            routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
             memo[depth] = fit_lookahead_routers(memo["hidden"], routers, int(depth))
         return memo[depth]
 
-    return {"fit": fit}
+    return fit
 
 
 def _parity_depths(placement) -> list[int | None]:
@@ -747,7 +747,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
         ceilings = bn.measure_ceilings(host.w13 if host.pinned else None)
         log.info("ceilings (GB/s): %s", ceilings)
     names = _placement_names(config, placements)
-    fits = _lookahead_fits(config, engine, tokenizer)
+    fit = _lookahead_fit(config, engine, tokenizer)
     for name in names:
         pl = load_placement(layout.placement_dir / f"{name}.json")
         pools = engine.pools.placed(pl.row_map, host) if not pl.dynamic else None
@@ -759,7 +759,7 @@ def bench(config: dict, placements: list[str] | None = None, **_) -> None:
                     cache = None
                     if pl.dynamic:  # a fresh warm cache per batch; the previous one's slots freed first
                         pools = None
-                        cache = _slot_cache(engine, host, pl, batch_size, fits=fits)
+                        cache = _slot_cache(engine, host, pl, batch_size, fit=fit)
                         pools = cache.pools
                     replay = None
                     if bc["routing_trace"]:

@@ -999,20 +999,17 @@ class SlotCache:
         owner = self.owner
         in_group = (owner // E == layer) & used[owner % E]
         ahead = self.policy == "lookahead"
+        barred = in_group
         if ahead:
             if layer <= self.prev_layer:  # a new step: the last step's prefetches are committed
                 self.inflight.zero_()
             self.prev_layer = layer
-            # Slots in flight are no demand victim; misses beyond the other slots are read in place.
-            barred = in_group | self.inflight[owner]
-            victims = self._victim_order(barred)[:slots_max]
-            valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
-        else:
-            barred = in_group
-            if self.policy == "lru_guard":  # nor an instance the last L groups used: misses past the rest read in place
-                barred = in_group | (self.last_use[owner] >= (self.tick - self.guard_ticks(n)).clamp_min(0))
-            victims = self._victim_order(barred)[:slots_max]
-            valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
+            barred = in_group | self.inflight[owner]  # slots in flight are no demand victim
+        elif self.policy == "lru_guard":  # nor an instance the last L groups used
+            barred = in_group | (self.last_use[owner] >= (self.tick - self.guard_ticks(n)).clamp_min(0))
+        # misses beyond the slots not barred are read in place (lru and lfu: never, a pool holds a group)
+        victims = self._victim_order(barred)[:slots_max]
+        valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
         self._admit_rows(victims, new_inst, valid)
         # Recency and frequency of every selection, then the counters.
         self.last_use.scatter_reduce_(0, inst, self.tick + pos, "amax")
