@@ -333,6 +333,24 @@ def test_tok_s_is_a_pass_time_not_the_median_step():
         bench.pass_timing([])
 
 
+def test_step_ms_by_length_is_each_prefix_mean_then_the_median_over_passes():
+    """A cache's warm-up steps weigh more in a short decode: the mean of each pass's first n steps,
+    the median over passes, for the listed n shorter than every pass and for the whole pass."""
+    rng = np.random.default_rng(3)
+    passes = [list(rng.uniform(1.0, 9.0, size=40)) for _ in range(3)]
+    passes[1] = passes[1][:37]  # the shortest pass bounds the lengths
+    got = bench.step_ms_by_length(passes, lengths=(8, 16, 32, 64))
+    assert list(got) == [8, 16, 32, 37]
+    for n, ms in got.items():
+        assert ms == pytest.approx(sorted(sum(p[:n]) / n for p in passes)[1])
+    assert got[37] != pytest.approx(bench.pass_timing(passes)[0])  # the median of whole passes uses all 40 of two
+    warm = [[9.0] * 4 + [1.0] * 60]
+    by = bench.step_ms_by_length(warm)
+    assert by[8] == pytest.approx(5.0) and by[64] == pytest.approx(96 / 64) and list(by) == [8, 16, 32, 64]
+    with pytest.raises(ValueError, match="no timed steps"):
+        bench.step_ms_by_length([[1.0], []])
+
+
 def test_derived_ratios_never_divide_noise():
     """Issue 16 item 4: on the CPU (no host tier) and for disagreeing repeats, no tok_s_per_gib or
     fetch_tax (once 9028 and -295.8 tok/s per GiB from timing noise); the timing is flagged."""

@@ -845,6 +845,23 @@ def test_idle_time_is_the_uncovered_part_of_the_span():
     assert idle_time([]) == 0.0 and idle_time([(3, 9)]) == 0.0
 
 
+def test_render_cache_decode_length_table_divides_all_hbm_of_the_same_length():
+    """Rows with step_ms_by_length (JSON string keys) get an x all-HBM table by decode length:
+    all-HBM's first-n mean over the row's first-n mean, '-' where a row lacks a length."""
+    from coldset.measure.render import render_cache
+
+    res = json.loads((ROOT / "docs" / "measurements" / "cache_bench_fit_b1.json").read_text())
+    assert "x all-HBM by decode length" not in render_cache(res)  # older results render as before
+    res["rows"] = res["rows"][:3]
+    res["rows"][0]["step_ms_by_length"] = {"8": 3.0, "16": 3.0}
+    res["rows"][1]["step_ms_by_length"] = {"8": 12.0, "16": 6.0}
+    res["rows"][2]["step_ms_by_length"] = {"8": 4.0}
+    text = render_cache(res)
+    assert "| batch | placement | first 8 | first 16 |" in text
+    assert f"| 1 | {res['rows'][1]['placement']} | 0.250 | 0.500 |" in text
+    assert f"| 1 | {res['rows'][2]['placement']} | 0.750 | - |" in text
+
+
 def test_render_cache_profile_table_reads_each_rows_profile():
     """--profile rows get a kernel table: each cell is that row's own kernel time and count."""
     from coldset.measure.render import render_cache

@@ -506,6 +506,23 @@ def pass_timing(passes: list[list[float]]) -> tuple[float, float, float]:
             float(np.percentile(steps, 90)))
 
 
+DECODE_LENGTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def step_ms_by_length(passes: list[list[float]], lengths=DECODE_LENGTHS) -> dict[int, float]:
+    """``{n: mean step of the first n decode steps}`` (the median over passes) for each ``n`` of
+    ``lengths`` no pass is shorter than, and the whole pass's length. Why: a slot cache starts each
+    pass from its warm state and spends its first steps loading what this request's decode uses,
+    so its mean step depends on how long the decode is; a 16-step pass and a 256-step one answer
+    different questions (a short reply's time against a long one's), and both come from one
+    run's passes instead of two runs."""
+    if not passes or not all(passes):
+        raise ValueError("step_ms_by_length: no timed steps")
+    shortest = min(len(p) for p in passes)
+    chosen = sorted({n for n in lengths if n < shortest} | {shortest})
+    return {n: statistics.median(statistics.fmean(p[:n]) for p in passes) for n in chosen}
+
+
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
                  replay=None, tuned=None, prompt_split: str | None = None, cache=None) -> BenchResult:

@@ -280,6 +280,18 @@ def render_cache(res: dict) -> str:
                    "join \"step\") on the same decisions, at the all-HBM step and link rate of this run"
                    + ("; with management: the same plus the policy's own work per group, measured as its "
                       "residency-1.0 step over the all-HBM one (TimeModel.manage_ms)." if managed else "."))
+    by_length = [r for r in res["rows"] if "step_ms_by_length" in r]
+    if by_length:  # since the decode-length columns: each pass's first n steps, x all-HBM's first n
+        lengths = sorted({int(n) for r in by_length for n in r["step_ms_by_length"]})
+        lrows = []
+        for r in by_length:
+            full = next(x for x in by_length if x["batch"] == r["batch"] and x["placement"] == "all-HBM")
+            mine, ref = ({int(n): v for n, v in x["step_ms_by_length"].items()} for x in (r, full))  # JSON: str keys
+            lrows.append([r["batch"], r["placement"],
+                          *(_f(ref[n] / mine[n] if n in mine and n in ref else None, ".3f") for n in lengths)])
+        out.append("x all-HBM by decode length (each pass's mean step over its first n steps against all-HBM's first "
+                   "n, the median over passes; every pass starts from the placement's warm state):")
+        out.append(table(["batch", "placement", *(f"first {n}" for n in lengths)], lrows))
     profiled = [r for r in res["rows"] if "top" in r.get("profile", {})]
     if profiled:  # --profile: where each row's step goes, kernel by kernel
         names = list(dict.fromkeys(t["name"] for r in profiled for t in r["profile"]["top"][:5]))
