@@ -45,7 +45,7 @@ else:
 # the parity gate's verdict); here they lose the failed job's record, so that it runs again next time.
 onerror:
     from snakemake.io import IOFile
-    from coldset.pipeline import rerun_restored_outputs
+    from coldset.workflow.pipeline import rerun_restored_outputs
 
     for _kept in rerun_restored_outputs(log, lambda p: workflow.persistence.cleanup_metadata(IOFile(str(p)))):
         print(f"kept {_kept} from the previous run; its job runs again next time", file=sys.stderr)

@@ -29,7 +29,7 @@ def gemv_sweep(dev, dtype, layers: int = 48, reps: int = 20, parts=("gemv", "rou
 
     from coldset.kernels import softmax_topk
     from coldset.kernels.triton_decode import GemvConfig, gemv, gemv_config, norm_linear, rms_norm, route
-    from coldset.timing import graph_time_us
+    from coldset.core.timing import graph_time_us
 
     rows: list[dict] = []
     shapes = {"qkv": (5120, 2048, layers), "o_proj": (2048, 4096, layers), "lm_head": (151936, 2048, 3)}
@@ -160,7 +160,7 @@ def main() -> int:
                     help="comma-separated: gemv (one-token GEMV configs), router (the fused router), linear8 "
                          "(norm_linear configs at 8 tokens)")
     args = ap.parse_args()
-    from coldset.files import write_json
+    from coldset.core.files import write_json
 
     rows = gemv_sweep(torch.device("cuda"), torch.bfloat16, parts=args.parts.split(","))
     write_json(Path(args.out) / "gemv_sweep.json", rows)

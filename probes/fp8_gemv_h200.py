@@ -36,12 +36,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
 
-    from coldset import fp8
+    from coldset.core import fp8
     from coldset.kernels.bandwidth import best_read_bandwidth
     from coldset.kernels.reference import torch_gemv
     from coldset.kernels.triton_decode import GemvConfig, gemv, gemv_config
     from coldset.measure.harness import log
-    from coldset.timing import graph_time_us
+    from coldset.core.timing import graph_time_us
 
     dev, dt, L = torch.device("cuda"), torch.bfloat16, 48
     H, Q, KV = 2048, 4096, 512
@@ -135,7 +135,7 @@ def main() -> int:
     rows.append(dict(shape="48 x (qkv + o_proj)", fmt="bf16", config="defaults pdl", us=t16))
     rows.append(dict(shape="48 x (qkv + o_proj)", fmt="fp8", config="defaults pdl", us=t8, bf16_over_fp8=t16 / t8))
     if args.out:
-        from coldset.files import write_json
+        from coldset.core.files import write_json
 
         write_json(Path(args.out) / "fp8_gemv.json", {"device": torch.cuda.get_device_name(), "rows": rows})
     print(f"{'shape':20s} {'fmt':5s} {'config':26s} {'us':>9s} {'GB/s':>7s} {'of read':>8s}")

@@ -5,7 +5,7 @@ candidate, compiled to sm90 cubins on the CPU, no GPU (issue 29: the quantizatio
 
 Compiles :func:`coldset.kernels.triton_fp8._w13_fp8_kernel` and ``_w2_fp8_kernel`` at Qwen3-30B-A3B-FP8's shape (E=128,
 H=2048, I=768, top-8, bf16 tokens, the row map on, in-kernel grouping as at 1 token) for each
-decode config of :data:`coldset.tune.TRITON_FP8_SEARCH_SPACE` (and ``--extra`` configs, JSON dicts
+decode config of :data:`coldset.kernels.tune.TRITON_FP8_SEARCH_SPACE` (and ``--extra`` configs, JSON dicts
 of KernelConfig fields; w8a16 too) with Triton's own stages, the launch's pointer alignment
 (:func:`launch_attrs`) and the ptxas it ships (run on the CPU), then prints per config what ptxas
 allotted (registers a thread, stack bytes: spills) and counts in the SASS (instructions, MUFU.RCP
@@ -33,7 +33,7 @@ from triton.compiler import ASTSource
 
 from coldset.kernels import triton_fp8
 from coldset.kernels.triton_moe import KernelConfig
-from coldset.tune import TRITON_FP8_SEARCH_SPACE
+from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
 E, H, I, TOPK = 128, 2048, 768, 8
 

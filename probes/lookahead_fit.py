@@ -1,4 +1,4 @@
-# Probe, not a tool: the fitted lookahead forecast (coldset.forecast.fit_lookahead_routers) against the
+# Probe, not a tool: the fitted lookahead forecast (coldset.analysis.forecast.fit_lookahead_routers) against the
 # pre-gated router on the CPU; on the H200 at real shape `python -m coldset bench cache --lookahead-fit`.
 """Does a forecast matrix fitted on profile router inputs name layer l + d's experts better than
 layer l + d's own router applied to layer l's input? (issue 28, the lookahead's forecast)
@@ -10,9 +10,9 @@ Builds the synthetic router at Qwen3-30B-A3B's routing shape and the H200 exampl
 scripts/synthetic_routing_trace.py: its locality differs from the real-shape router's, so the
 numbers are a direction, not the GPU's), records every MoE layer's router input on profile prompts
 (prompt and decode tokens) and on held-out prompts (decode tokens, batch 1), fits
-:func:`coldset.forecast.fit_lookahead_routers` at each depth, and prints per residency and depth
+:func:`coldset.analysis.forecast.fit_lookahead_routers` at each depth, and prints per residency and depth
 the recall of layer l + d's selections by the list made after layer l, and the ``lookahead``
-policy replayed by :func:`coldset.cache.simulate` and timed by :func:`coldset.cache.simulate_time`
+policy replayed by :func:`coldset.analysis.cache.simulate` and timed by :func:`coldset.analysis.cache.simulate_time`
 at the H200's figures (all-HBM step 2.957 ms at b1, link 51.2 GB/s, 9.44 MB an expert, lookahead's
 measured management 6.8 us a group), beside lru. About 2.5 min on 2 threads.
 """
@@ -38,12 +38,12 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5,0.75")
     args = ap.parse_args()
 
-    from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
-    from coldset.fixtures import template_texts
-    from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, lookahead_predictions
-    from coldset.model import generate
-    from coldset.placement import hot_count_for_residency
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.trace.fixtures import template_texts
+    from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, lookahead_predictions
+    from coldset.engine.model import generate
+    from coldset.core.placement import hot_count_for_residency
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     torch.set_num_threads(2)
     t0 = time.perf_counter()

@@ -7,8 +7,8 @@ Builds the config's synthetic model in memory (its device and dtype; the engine'
 the CPU), profiles routing on profile prompts (template texts, one seed: the warm set's counts),
 then decodes held-out prompts (another seed) one request at a time (batch 1), recording each MoE
 layer's router input and selections per decode step. ``lru`` is replayed by
-:func:`coldset.cache.simulate` over those steps at each residency (warm from the profile counts,
-as the engine's cache), and :func:`coldset.forecast.lookahead_recall` measures, for depths 1 and
+:func:`coldset.analysis.cache.simulate` over those steps at each residency (warm from the profile counts,
+as the engine's cache), and :func:`coldset.analysis.forecast.lookahead_recall` measures, for depths 1 and
 2 and forecasts of top k and top k + 3, the share of lru's missed selections that the router of
 layer ``l`` applied to layer ``l - depth``'s router input names (pre-gated MoE's lookahead), and
 the ``lookahead`` policy of the simulator fed with those forecasts (hit rate, demand misses and
@@ -33,13 +33,13 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5")
     args = ap.parse_args()
 
-    from coldset.cache import AccessStream, simulate
-    from coldset.config import load_config
-    from coldset.fixtures import template_texts
-    from coldset.forecast import lookahead_predictions, lookahead_recall
-    from coldset.model import generate
-    from coldset.placement import hot_count_for_residency
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.workflow.config import load_config
+    from coldset.trace.fixtures import template_texts
+    from coldset.analysis.forecast import lookahead_predictions, lookahead_recall
+    from coldset.engine.model import generate
+    from coldset.core.placement import hot_count_for_residency
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     config = load_config(args.config)
     spec = SyntheticSpec(**config["model"]["synthetic"])

@@ -4,7 +4,7 @@
 Reads ../shared/data/traces/llama4-maverick-mmlu.parquet (DESIGN.md §2 format, no split column),
 builds the (domain, split, phase, layer, expert, count) histogram with pandas, splitting by domain:
 two MMLU subjects are the profile, the third is held out. Then runs the placement stage
-(``coldset.placement.run_placement``) for positional, usage_layer, usage_global and permute at
+(``coldset.core.placement.run_placement``) for positional, usage_layer, usage_global and permute at
 residencies 0.25, 0.5, 0.75, 1.0 and prints the coverage table and the predicted H200 and GB300
 decode step times at residency 0.5.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
-from coldset.placement import (
+from coldset.core.placement import (
     count_matrix,
     expert_bytes,
     nonexpert_bytes,
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--all-rotations", action="store_true", help="also hold out each other subject")
     ap.add_argument(
         "--hash-split", action="store_true",
-        help="also: profile on all subjects with coldset.stats' request-hash split (25%% held out)",
+        help="also: profile on all subjects with coldset.analysis.stats' request-hash split (25%% held out)",
     )
     args = ap.parse_args()
 
@@ -124,8 +124,8 @@ def main() -> None:
 
 
 def in_domain(args) -> None:
-    """Profile and held-out split inside every subject (coldset.stats' request-hash split)."""
-    from coldset.stats import histogram_from_trace
+    """Profile and held-out split inside every subject (coldset.analysis.stats' request-hash split)."""
+    from coldset.analysis.stats import histogram_from_trace
 
     meta = {k.decode(): v.decode() for k, v in pq.read_schema(args.trace).metadata.items()}
     config = MaverickShape(moe_layers=tuple(json.loads(meta["moe_layers"])))

@@ -6,9 +6,9 @@ trace's held-out subject, where the integer-table NextTokenForecaster reaches 0.
     PYTHONPATH=src python probes/nexttoken_learned.py --horizons-from probes/nexttoken_learned.json \
         --horizons 2 4 8 --causal                                           # the chosen model at 2/4/8 ahead
 
-Data and metric are the package's: :func:`coldset.cache.trace_decode_rows`, ``select_rows``,
+Data and metric are the package's: :func:`coldset.analysis.cache.trace_decode_rows`, ``select_rows``,
 ``token_array`` (decode tokens ``[T, L, k]`` and their sequence ids), and every recall below is
-:func:`coldset.forecast.forecast_quality` itself. A learned model is wrapped in an object with the
+:func:`coldset.analysis.forecast.forecast_quality` itself. A learned model is wrapped in an object with the
 interface ``forecast_quality`` reads (``horizon``, ``top_k``, ``num_predictions``,
 ``forecast_lanes(sel, start)``), so it is scored by the same code path as the table forecaster
 (first row of the table: the table forecaster as ``recall_table`` fits it, which must give
@@ -56,8 +56,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from coldset.cache import request_codes, select_rows, token_array, trace_decode_rows
-from coldset.forecast import NextTokenForecaster, dataclass_replace, forecast_quality, lanes_per_sequence
+from coldset.analysis.cache import request_codes, select_rows, token_array, trace_decode_rows
+from coldset.analysis.forecast import NextTokenForecaster, dataclass_replace, forecast_quality, lanes_per_sequence
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"
 PROFILE, VALIDATION, REPLAY = ("abstract_algebra", "anatomy"), "anatomy", ("astronomy",)
@@ -70,7 +70,7 @@ def prompt_tokens(trace: str, meta) -> dict:
     """Each request's prompt (prefill) routing as int64 ``[P, L, k]`` in position order, read with
     the package's trace reader (the decode rows' loader keeps decode only); every prompt token must
     hold all MoE layers and ranks."""
-    from coldset.trace import iter_trace_batches
+    from coldset.core.trace import iter_trace_batches
 
     L, k = meta.num_moe_layers, meta.top_k
     lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)

@@ -6,7 +6,7 @@ anatomy; the replay subject (astronomy) is never read. CPU only.
 
     PYTHONPATH=src python probes/nexttoken_recall_form.py [grid|alpha_terms|log|two|disc]
 
-Measured (CPU, 2 shared cores): see coldset.forecast's note under HIST_GRID and issue 28's report.
+Measured (CPU, 2 shared cores): see coldset.analysis.forecast's note under HIST_GRID and issue 28's report.
 """
 import sys
 import time
@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pandas as pd
 
-from coldset.cache import request_codes, select_rows, token_array, trace_decode_rows
-from coldset.forecast import SCORE_UNIT, NextTokenForecaster as N, dataclass_replace, forecast_quality
+from coldset.analysis.cache import request_codes, select_rows, token_array, trace_decode_rows
+from coldset.analysis.forecast import SCORE_UNIT, NextTokenForecaster as N, dataclass_replace, forecast_quality
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"
 rows, meta = trace_decode_rows(TRACE, 0.25)
@@ -62,7 +62,7 @@ def logfit(tokens, sequence, terms, weights, h=1, alpha=1.0, scale=1.0):
     return N(tuple(terms), np.stack(tabs), 0, 5, k, 3, h)
 
 
-from coldset.forecast import lanes_per_sequence
+from coldset.analysis.forecast import lanes_per_sequence
 def recall2(f, tokens, sequence, hs):
     """recall of forecaster f's tables + sum of histories hs=[(unit, shift)], horizon f.horizon."""
     sel, start, step, lane = lanes_per_sequence(tokens, sequence)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from coldset import gate, pipeline
-from coldset.config import validate_config
-from coldset.fixtures import make_fixtures, read_fixtures
-from coldset.model import encode_prompts, load_model, load_tokenizer
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.verify import gate
+from coldset.workflow import pipeline
+from coldset.workflow.config import validate_config
+from coldset.trace.fixtures import make_fixtures, read_fixtures
+from coldset.engine.model import encode_prompts, load_model, load_tokenizer
+from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 root = Path(sys.argv[2] if len(sys.argv) > 2 else "/tmp/coldset-parity-batch")

@@ -28,8 +28,8 @@ from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
 from coldset.kernels.triton_moe import (KernelConfig, _block_expert, _chunk_pairs, gdc_launch_dependents, gdc_wait,
                                         triton_experts)
-from coldset.tiers import ExpertPools
-from coldset.timing import graph_time_us
+from coldset.kernels.tiers import ExpertPools
+from coldset.core.timing import graph_time_us
 
 
 @triton.jit

@@ -5,7 +5,7 @@
     PYTHONPATH=src python3 probes/trace_by_position.py [TRACE] [--residencies 0.25,0.5]
 
 Each held-out request of the trace (default: the shared Llama-4-Maverick MMLU trace) is replayed
-alone by :func:`coldset.cache.simulate` from the profile split's warm set (every request starts
+alone by :func:`coldset.analysis.cache.simulate` from the profile split's warm set (every request starts
 warm, as every pass of ``bench cache`` does), for ``static`` (usage_global) and ``lru``; the table
 gives the copies (fills) a token averaged over requests, over the first 16, 32 and 128 decode
 steps and at a few positions. A few seconds.
@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 
-from coldset.cache import (capacity_for_residency, counts_from_rows, select_rows, simulate, stream_from_frame,
+from coldset.analysis.cache import (capacity_for_residency, counts_from_rows, select_rows, simulate, stream_from_frame,
                            trace_decode_rows)
 
 DEFAULT_TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"

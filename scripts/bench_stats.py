@@ -1,7 +1,7 @@
 """Benchmark the ``stats`` stage on a large synthetic trace (a benchmark, not a test).
 
 Generates a skewed random trace of about ``--rows`` rows (default 10 million) in the project's
-trace format, then times :func:`coldset.stats.run_stats` on it in a fresh child process and
+trace format, then times :func:`coldset.analysis.stats.run_stats` on it in a fresh child process and
 reports wall time and the child's peak resident memory. The target (issue 3) is under 30 s on
 a 2-core machine, with memory proportional to the histogram, not the trace.
 
@@ -26,7 +26,7 @@ import numpy as np
 
 
 def make_trace(path: Path, rows: int, seed: int = 0) -> int:
-    from coldset.trace import RequestRows, TraceMeta, TraceWriter
+    from coldset.core.trace import RequestRows, TraceMeta, TraceWriter
 
     L, E, k = 16, 64, 4
     prompt, decode = 128, 133
@@ -62,7 +62,7 @@ def make_trace(path: Path, rows: int, seed: int = 0) -> int:
 CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from coldset.stats import run_stats
+from coldset.analysis.stats import run_stats
 t1 = time.perf_counter()
 paths = run_stats(sys.argv[1], sys.argv[2], progress=False)
 t2 = time.perf_counter()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from coldset.cache import (
+from coldset.analysis.cache import (
     POLICIES,
     AccessStream,
     capacity_for_residency,
@@ -30,7 +30,7 @@ from coldset.cache import (
     stream_from_frame,
     trace_decode_rows,
 )
-from coldset.trace import TraceMeta, write_trace
+from coldset.core.trace import TraceMeta, write_trace
 
 
 def random_trace(path: Path, rows: int, layers: int, experts: int, top_k: int, keep: float, seed: int) -> Path:
@@ -101,7 +101,7 @@ def main() -> None:
         print(f"rows {len(rows):,}  groups {stream.num_groups:,}  tokens {stream.tokens:,}")
         print(f"read {t_read:.2f} s  stream {t_stream:.2f} s")
         total = t_read + t_stream
-        from coldset.forecast import TransitionForecaster, stream_predictions
+        from coldset.analysis.forecast import TransitionForecaster, stream_predictions
 
         t0 = time.perf_counter()
         forecaster = TransitionForecaster.fit(select_rows(rows, "profile"), meta.num_moe_layers, meta.num_experts,

@@ -5,11 +5,11 @@ runs the model, fixtures and routing stages into a scratch results folder (in me
 synthetic weights are built from the seed by the routing stage, on the config's device), then
 prints one JSON line per routing: decode Gini (mean over layers), top-25% share (mean over
 layers), consecutive overlap, shuffled overlap and lift (stats.locality_stats, seed 0), and the
-static / lru / lfu / belady hit rates at residencies 0.25, 0.5, 0.75 (coldset.cache; warm from the
+static / lru / lfu / belady hit rates at residencies 0.25, 0.5, 0.75 (coldset.analysis.cache; warm from the
 profile's decode counts) for two splits, keyed ``{split}:{policy}@{residency}``:
 
 - ``heldout``: same domains. Synthetic: profile = the fixtures' profile split, replay = their
-  held-out split. Real: requests split by a hash of their id (coldset.routing.split_of, half
+  held-out split. Real: requests split by a hash of their id (coldset.trace.capture.split_of, half
   held out), every subject in both.
 - ``cross``: another domain. Synthetic: profile = every fixture of all domains but the last,
   replay = the last domain's (code by default). Real: profile abstract_algebra + anatomy, replay
@@ -29,7 +29,7 @@ requests (BENCHMARKS.md, issue 17 fourth session). So the real line also carries
 default the config's ``fixtures.max_new_tokens - 1``, the synthetic requests' length), the
 like-for-like target for the synthetic lift.
 
-``--grid KNOB=V1,V2,...`` (router knobs only, coldset.synthetic.ROUTER_KNOBS; repeatable) runs
+``--grid KNOB=V1,V2,...`` (router knobs only, coldset.engine.synthetic.ROUTER_KNOBS; repeatable) runs
 every combination on one build: the pipeline remakes only the routers (set_router_knobs), so a
 real-shape sweep on the GPU builds the 61 GB model once. ``--seeds`` repeats everything per seed
 and adds a line with the mean, min and max over the seeds of every number.
@@ -71,8 +71,8 @@ def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = ()
     ``lift_windows``, the mean overlap of a request's tokens d apart for d in ``lags`` (with the
     shuffled overlap over all requests' tokens, the floor they fall to without a per-request
     component), and, per split name -> (profile rows, replay rows), the cache hit rates."""
-    from coldset.cache import capacity_for_residency, counts_from_rows, simulate, stream_from_frame
-    from coldset.stats import decode_tokens, gini, locality_stats, pair_overlap, shuffled_overlap, top_share
+    from coldset.analysis.cache import capacity_for_residency, counts_from_rows, simulate, stream_from_frame
+    from coldset.analysis.stats import decode_tokens, gini, locality_stats, pair_overlap, shuffled_overlap, top_share
 
     L, E = meta.num_moe_layers, meta.num_experts
     counts = counts_from_rows(rows, L, E)
@@ -107,7 +107,7 @@ def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = ()
 
 
 def _splits(rows, heldout: tuple, cross: tuple) -> dict:
-    from coldset.cache import select_rows
+    from coldset.analysis.cache import select_rows
 
     return {"heldout": (select_rows(rows, heldout[0]), select_rows(rows, heldout[1])),
             "cross": (select_rows(rows, None, cross[0]), select_rows(rows, None, cross[1]))}
@@ -118,9 +118,9 @@ def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -
 
     The pipeline keeps its engine between calls: a config that differs from the last one only
     in router knobs reuses the built model with its routers remade."""
-    from coldset.cache import trace_decode_rows
-    from coldset.config import Layout
-    from coldset.pipeline import run_stage
+    from coldset.analysis.cache import trace_decode_rows
+    from coldset.workflow.config import Layout
+    from coldset.workflow.pipeline import run_stage
 
     config = {**config, "results": str(workdir)}
     for stage in ("model", "fixtures", "routing"):
@@ -131,7 +131,7 @@ def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -
 
 
 def real_routing(path: Path, lift_windows: tuple[int, ...] = (), lags: tuple[int, ...] = ()) -> dict:
-    from coldset.cache import trace_decode_rows
+    from coldset.analysis.cache import trace_decode_rows
 
     rows, meta = trace_decode_rows(path, heldout_fraction=0.5)
     return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), REAL_CROSS), lift_windows, lags)
@@ -158,8 +158,8 @@ def _knob_values(items: list[str]) -> dict:
 
 
 def main() -> None:
-    from coldset.config import load_config
-    from coldset.synthetic import ROUTER_KNOBS
+    from coldset.workflow.config import load_config
+    from coldset.engine.synthetic import ROUTER_KNOBS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("config/config.yaml"))

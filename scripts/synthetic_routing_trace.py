@@ -3,9 +3,9 @@
 Why: the forecast and the cache policies need a synthetic trace at Qwen3-30B-A3B's routing shape
 (48 MoE layers, 128 experts, top-8) beside the real one, and the real-shape model (61 GB) does
 not fit a CPU. The router's behaviour (popularity, domains, topics) lives in its directions, not
-in the width of the experts, so this builds :func:`coldset.synthetic.build_synthetic_model` at the
+in the width of the experts, so this builds :func:`coldset.engine.synthetic.build_synthetic_model` at the
 routing shape with a narrow hidden size and tiny experts, renders the fixtures (held-out prompts of
-every domain) and writes the trace with :func:`coldset.routing.capture_routing_engine`. It is not
+every domain) and writes the trace with :func:`coldset.trace.capture.capture_routing_engine`. It is not
 the GPU's real-shape router (hidden 2048): its locality differs (say so beside any number).
 
 Usage: python scripts/synthetic_routing_trace.py OUT.parquet [--per-domain 24] [--new-tokens 64]
@@ -33,9 +33,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from coldset.fixtures import make_fixtures
-    from coldset.routing import capture_routing_engine
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.trace.fixtures import make_fixtures
+    from coldset.trace.capture import capture_routing_engine
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     torch.set_num_threads(args.threads)
     spec = SyntheticSpec(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,

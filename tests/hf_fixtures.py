@@ -26,7 +26,7 @@ TOKENIZER_TEXT = [
 
 def build_tokenizer(vocab_size: int = 300):
     """A deterministic byte-level BPE tokenizer trained on a few lines (exact round trip)."""
-    from coldset.synthetic import train_tokenizer
+    from coldset.engine.synthetic import train_tokenizer
 
     return train_tokenizer(TOKENIZER_TEXT * 4, vocab_size)
 

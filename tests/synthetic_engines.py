@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from coldset.model import load_model
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.engine.model import load_model
+from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 
 def synthetic_engine(spec: SyntheticSpec, folder):
@@ -22,9 +22,9 @@ def random_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def graphed_greedy_tokens(model, prompts: torch.Tensor, new_tokens: int, use_graph: bool = True) -> list[list[int]]:
-    """Greedy tokens ``[B, new_tokens]`` of the bench's decode loop (:class:`coldset.bench.Decoder`:
+    """Greedy tokens ``[B, new_tokens]`` of the bench's decode loop (:class:`coldset.bench.decode.Decoder`:
     prefill, then the step captured in one CUDA graph and replayed), to compare with ``generate()``."""
-    from coldset import bench
+    from coldset.bench import decode as bench
 
     dec = bench.Decoder(model, prompts.shape[0], prompts.shape[1], new_tokens, use_graph=use_graph)
     token = dec.prefill(prompts)

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from coldset import bench, timing
-from coldset.model import generate, load_model
-from coldset.placement import place, row_map_from_mask
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.bench import decode as bench
+from coldset.core import timing
+from coldset.engine.model import generate, load_model
+from coldset.core.placement import place, row_map_from_mask
+from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
                      head_dim=32, vocab_size=512, seed=5)
@@ -91,7 +92,7 @@ def test_bench_decode_reports_the_placement(engine, monkeypatch):
     # + final); routers [8, 64]; LM head; and B rows of the embedding table
     nonexpert = 4 * (2 * (64 * 64 + 2 * 32 * 64 + 64 * 64) + 2 * (2 * 64 + 2 * 32) + 64 + 2 * 8 * 64
                      + 512 * 64 + B * 64)
-    from coldset.model import generate
+    from coldset.engine.model import generate
 
     prompts = bench.bench_prompts(stream, B, plen)
     routing = generate(engine, prompts.tolist(), new, capture_routing=True, progress=False).routing
@@ -168,8 +169,8 @@ def test_every_pass_of_a_cache_bench_starts_warm_and_decides_as_the_measured_one
     and a repeat that decides otherwise than the measured pass is refused."""
     import pandas as pd
 
-    from coldset.slots import SlotCache
-    from coldset.tiers import host_tier
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
     rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e, "count": (e + 1) * (layer + 1)}
@@ -200,9 +201,9 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
     cache), as an engine deciding by the wrong rule would look, and the bench refuses."""
     import pandas as pd
 
-    import coldset.cache
-    from coldset.slots import SlotCache
-    from coldset.tiers import host_tier
+    import coldset.analysis.cache
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
     rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
@@ -210,8 +211,8 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
             for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
     pl = place(pd.DataFrame(rows), cfg, "lru", 0.5, batch_sizes=(2,))
     cache = SlotCache.from_placement(engine.pools, host_tier(engine.pools), pl, 2, cfg.top_k)
-    real = coldset.cache.simulate
-    monkeypatch.setattr(coldset.cache, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
+    real = coldset.analysis.cache.simulate
+    monkeypatch.setattr(coldset.analysis.cache, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lru cache decided group \d+"):
         bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
                            new_tokens=12, warmup=0, repeats=1, cache=cache)
@@ -256,8 +257,8 @@ def test_replayed_trace_drives_the_cold_share(engine, tmp_path):
     """Routing replayed from a recorded trace: the cold share is the trace's, counted by hand."""
     import pandas as pd
 
-    from coldset.fixtures import make_fixtures
-    from coldset.routing import capture_routing
+    from coldset.trace.fixtures import make_fixtures
+    from coldset.trace.capture import capture_routing
 
     cfg = engine.config
     ckpt = write_synthetic_checkpoint(SPEC, tmp_path / "ckpt")
@@ -297,7 +298,7 @@ def test_routing_replay_refuses_an_invalid_trace(tmp_path, expert, msg):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from coldset.trace import TraceError, TraceMeta
+    from coldset.core.trace import TraceError, TraceMeta
 
     meta = TraceMeta("toy", num_layers=2, num_experts=8, top_k=2, moe_layers=[0, 1], source="test")
     n = 4 * 2 * 2  # 4 decode tokens, 2 layers, top 2
@@ -394,7 +395,7 @@ def _tiny_trace(path, tokens_by_request, splits=None, num_experts=4, layers=(0,)
     """A trace of decode tokens only, top-1, given ``{request: [[expert per layer] per token]}``."""
     import pyarrow as pa
 
-    from coldset.trace import TraceMeta, write_trace
+    from coldset.core.trace import TraceMeta, write_trace
 
     rows = {c: [] for c in ("request", "domain", "position", "phase", "layer", "rank", "expert")}
     if splits:
@@ -486,9 +487,9 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
     (the prefetches ignored), the bench refuses."""
     import pandas as pd
 
-    import coldset.cache
-    from coldset.slots import SlotCache
-    from coldset.tiers import host_tier
+    import coldset.analysis.cache
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
     rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e,
@@ -503,8 +504,8 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
             engine.pools, host, pl, 2, cfg.top_k, routers=routers))
 
     _assert_prefetches_checked_and_counted(*run())
-    real = coldset.cache.simulate
-    monkeypatch.setattr(coldset.cache, "simulate",
+    real = coldset.analysis.cache.simulate
+    monkeypatch.setattr(coldset.analysis.cache, "simulate",
                         lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
         run()
@@ -512,19 +513,19 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
 
 def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(engine, monkeypatch):
     """A nexttoken placement (its forecaster inside the placement) on the bench: the measured pass's
-    hits, misses, fills and prefetch copies per group equal coldset.cache.simulate's 'nexttoken' on
-    the lists coldset.forecast.nexttoken_lists makes from the placement's forecaster, the link bytes
+    hits, misses, fills and prefetch copies per group equal coldset.analysis.cache.simulate's 'nexttoken' on
+    the lists coldset.analysis.forecast.nexttoken_lists makes from the placement's forecaster, the link bytes
     count the prefetch copies, and wasted_gb_per_token is that replay's wasted prefetches (checked
     here by an independent replay of the pass's routing). Handed other lists, or lru's replay, the
     bench refuses."""
     import pandas as pd
 
-    import coldset.cache
-    import coldset.forecast
-    from coldset.cache import lanes_from_engine, simulate
-    from coldset.forecast import NextTokenForecaster, nexttoken_lists
-    from coldset.slots import SlotCache
-    from coldset.tiers import host_tier
+    import coldset.analysis.cache
+    import coldset.analysis.forecast
+    from coldset.analysis.cache import lanes_from_engine, simulate
+    from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
     L, E, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
@@ -559,13 +560,13 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
     assert int(sim.prefetches.sum()) == c["prefetches"]
     assert r.wasted_gb_per_token == pytest.approx(sim.wasted_prefetches * per_expert / tokens / 1e9)
 
-    real_lists = coldset.forecast.nexttoken_lists
+    real_lists = coldset.analysis.forecast.nexttoken_lists
     with monkeypatch.context() as m:
-        m.setattr(coldset.forecast, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
+        m.setattr(coldset.analysis.forecast, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
         with pytest.raises(bench.CacheSimulatorMismatch, match="recorded forecast lists"):
             run()
-    real = coldset.cache.simulate
-    monkeypatch.setattr(coldset.cache, "simulate", lambda stream, policy, *a, **kw: real(
+    real = coldset.analysis.cache.simulate
+    monkeypatch.setattr(coldset.analysis.cache, "simulate", lambda stream, policy, *a, **kw: real(
         stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's nexttoken cache decided group \d+"):
         run()
@@ -585,7 +586,7 @@ def _candidates():
 
 
 def test_bench_requests_are_distinct_and_cover_every_domain():
-    from coldset.config import bench_request_count
+    from coldset.workflow.config import bench_request_count
 
     b1 = bench.select_bench_requests(_candidates(), bench_request_count(3, 1, 1), prompt_tokens=5)
     assert [r.id for r in b1] == ["agent-0000", "prose-0000", "code-0000"]
@@ -675,7 +676,7 @@ def test_bench_decode_of_distinct_requests_pools_their_routing(engine):
 def test_bench_file_with_requests_and_overlap_loads(tmp_path):
     import json
 
-    from coldset import results
+    from coldset.reporting import results
 
     reqs = bench.select_bench_requests(_candidates(), 3, prompt_tokens=5)
     entry = bench.pool_results([_result([[1.0, 2.0]] * 2, c) for c in (0.1, 0.2, 0.3)], bench.request_batches(reqs, 1))
@@ -761,7 +762,7 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
 def _replay(expert):
     """A one-step, one-layer replay (2 experts, 1 slot warm with expert 0) selecting ``expert``,
     50 MB a copy: the (stream, result, bytes per expert) a cache row carries."""
-    from coldset.cache import AccessStream, simulate
+    from coldset.analysis.cache import AccessStream, simulate
 
     stream = AccessStream(np.array([expert]), np.array([0, 1]), 1, 1, 2)
     return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0]])), 50_000_000
@@ -787,7 +788,7 @@ def test_simulated_step_of_a_cache_row_by_hand():
 def _replay_two_layers():
     """A one-step, two-layer replay (2 experts a layer, 1 slot warm with layer 0's expert 0): layer
     0 selects expert 0 (a hit), layer 1 its expert 1 (a miss), 50 MB a copy."""
-    from coldset.cache import AccessStream, simulate
+    from coldset.analysis.cache import AccessStream, simulate
 
     stream = AccessStream(np.array([0, 3]), np.array([0, 1, 2]), 1, 2, 2)
     return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0], [0.0, 0.0]])), 50_000_000
@@ -802,7 +803,7 @@ def test_management_columns_of_a_cache_row_by_hand():
     without a replay (here the residency-1.0 row itself) has no simulated step; a policy without a residency-1.0
     row in the run, and a run whose all-HBM row is the policy's own residency 1.0 (its management
     is inside the reference), give None."""
-    from coldset.cache import TimeModel, simulate_time
+    from coldset.analysis.cache import TimeModel, simulate_time
 
     ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
     stream, result, per_expert = rep = _replay_two_layers()

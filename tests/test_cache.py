@@ -1,4 +1,4 @@
-"""The cache simulator against brute-force references of its semantics (coldset.cache's module doc)."""
+"""The cache simulator against brute-force references of its semantics (coldset.analysis.cache's module doc)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.cache import (
+from coldset.analysis.cache import (
     POLICIES,
     AccessStream,
     CacheError,
@@ -19,7 +19,7 @@ from coldset.cache import (
     trace_decode_rows,
     warm_order,
 )
-from coldset.trace import TraceMeta, write_trace
+from coldset.core.trace import TraceMeta, write_trace
 
 # ---------------------------------------------------------------------------------------------
 # brute force: the semantics read literally, one victim at a time by scanning every resident
@@ -198,10 +198,10 @@ def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     assert stream.tokens == len(expect.groupby(["request", "position"]))
     assert stream.num_groups == stream.tokens * 2 and stream.max_group == 2
     prof = select_rows(dec, "profile")
-    from coldset.cache import counts_from_rows
+    from coldset.analysis.cache import counts_from_rows
 
     counts = counts_from_rows(prof, 2, 4)
-    from coldset.forecast import TransitionForecaster
+    from coldset.analysis.forecast import TransitionForecaster
 
     with pytest.raises(CacheError, match="needs a forecaster"):
         simulation_table(stream, counts, POLICIES, [0.5], bytes_per_expert=10**6)
@@ -232,9 +232,9 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     every online policy is checked against the brute-force reference, the figure is written."""
     from dataclasses import dataclass
 
-    from coldset.cache import read_simulation, run_cache
-    from coldset.placement import expert_bytes, place, read_histogram
-    from coldset.stats import run_stats
+    from coldset.analysis.cache import read_simulation, run_cache
+    from coldset.core.placement import expert_bytes, place, read_histogram
+    from coldset.analysis.stats import run_stats
 
     @dataclass(frozen=True)
     class Shape:
@@ -293,8 +293,8 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             assert row.hit_rate == pytest.approx(ref_hit.mean())
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
         # forecast: the forecaster fitted on the profile split's rows, its lists replayed by brute force
-        from coldset.cache import trace_decode_rows
-        from coldset.forecast import TransitionForecaster, stream_predictions
+        from coldset.analysis.cache import trace_decode_rows
+        from coldset.analysis.forecast import TransitionForecaster, stream_predictions
 
         trows, _ = trace_decode_rows(trace)
         fc = TransitionForecaster.fit(select_rows(trows, "profile"), 2, 8, 2)
@@ -306,8 +306,8 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
                     for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
         assert row.link_gb_per_token == pytest.approx((fills + ref_pf.sum()) * expert_bytes(Shape()) / row.tokens / 1e9)
         # nexttoken: the forecaster fitted (and tuned) on the profile tokens, its lists replayed by brute force
-        from coldset.cache import lanes_from_frame, token_array
-        from coldset.forecast import NextTokenForecaster, nexttoken_lists
+        from coldset.analysis.cache import lanes_from_frame, token_array
+        from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
 
         tok, seq = token_array(select_rows(trows, "profile"), 2, 8)
         nt = NextTokenForecaster.fit_tuned(tok, seq, 2, 8)
@@ -330,7 +330,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     code = (
         "import sys; sys.modules['numba'] = None\n"
         "import numpy as np\n"
-        "from coldset import cache\n"
+        "from coldset.analysis import cache\n"
         "assert type(cache._replay_lru).__name__ == 'function'\n"
         "rng = np.random.default_rng(2)\n"
         "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
@@ -352,7 +352,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     s = AccessStream(ids, ptr, 100, 2, 6)
     prof = rng.random((2, 6))
     pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
-    from coldset.cache import TimeModel, simulate_time
+    from coldset.analysis.cache import TimeModel, simulate_time
 
     rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
     tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link="share", join="step")
@@ -680,7 +680,7 @@ def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
 def test_tracked_cache_metrics_keep_the_first_batch_and_name_the_others(tmp_path):
     """simulation.csv with two batch sizes: MLflow's legacy cache_{policy}_{metric} names keep the
     smallest batch's (a later batch must not overwrite them), every batch is named b{batch}."""
-    from coldset.track import _cache_metrics
+    from coldset.reporting.track import _cache_metrics
 
     rows = [{"policy": "lru", "residency": 0.5, "batch": b, "capacity": 8, "accesses": 10, "tokens": 5,
              "hit_rate": h, "misses_per_token": 1.0, "link_gb_per_token": 0.1, "prefetches_per_token": 0.0,

@@ -12,10 +12,11 @@ import torch
 # CUDA and triton only: skipped elsewhere by the gpu marker (tests/conftest.py).
 pytestmark = pytest.mark.gpu
 
-from coldset import bench, gate  # noqa: E402
-from coldset.model import generate  # noqa: E402
-from coldset.placement import row_map_from_mask  # noqa: E402
-from coldset.synthetic import SyntheticSpec, build_synthetic_model  # noqa: E402
+from coldset.bench import decode as bench  # noqa: E402
+from coldset.verify import gate  # noqa: E402
+from coldset.engine.model import generate  # noqa: E402
+from coldset.core.placement import row_map_from_mask  # noqa: E402
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model  # noqa: E402
 from synthetic_engines import graphed_greedy_tokens  # noqa: E402
 
 SPEC = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=4, kv_heads=2,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coldset.config import ConfigError, Layout, load_config, validate_config
-from coldset.pipeline import StageError, run_stage
+from coldset.workflow.config import ConfigError, Layout, load_config, validate_config
+from coldset.workflow.pipeline import StageError, run_stage
 
 
 def test_defaults_are_filled_and_paths_laid_out():
@@ -56,7 +56,7 @@ def test_config_overlays_merge_as_snakemake_merges_them(tmp_path):
     snakemake_utils = pytest.importorskip("snakemake.utils")
     import yaml
 
-    from coldset.config import merge_configs
+    from coldset.workflow.config import merge_configs
 
     docs = [yaml.safe_load(p.read_text()) for p in (base, overlay)]
     theirs = copy.deepcopy(docs[0])
@@ -83,10 +83,10 @@ def test_schema_lists_every_synthetic_setting_and_bandwidth_preset():
 
     import yaml
 
-    from coldset.config import SCHEMA_PATH
-    from coldset.names import NAME_PATTERN
-    from coldset.placement import BANDWIDTH_PRESETS
-    from coldset.synthetic import SyntheticSpec
+    from coldset.workflow.config import SCHEMA_PATH
+    from coldset.core.names import NAME_PATTERN
+    from coldset.core.placement import BANDWIDTH_PRESETS
+    from coldset.engine.synthetic import SyntheticSpec
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
     synthetic = schema["model"]["properties"]["synthetic"]
@@ -118,7 +118,7 @@ def test_late_failures_are_refused_by_the_schema(bad, field):
 
 
 def test_check_config_refuses_before_any_job(tmp_path):
-    from coldset.config import check_config
+    from coldset.workflow.config import check_config
 
     model_file = tmp_path / "model.safetensors"
     model_file.write_bytes(b"")

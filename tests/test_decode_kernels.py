@@ -235,9 +235,10 @@ def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine's fused step runs on CUDA")
 @pytest.mark.parametrize("pdl", [False, True])
 def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise(pdl):
-    from coldset import bench, gate
-    from coldset.model import fused_layer_before_experts, generate
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.bench import decode as bench
+    from coldset.verify import gate
+    from coldset.engine.model import fused_layer_before_experts, generate
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from synthetic_engines import graphed_greedy_tokens
 
     spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=8, kv_heads=2,

@@ -6,7 +6,7 @@ import stat
 import numpy as np
 import pytest
 
-from coldset.files import remove_orphans, write_json
+from coldset.core.files import remove_orphans, write_json
 
 
 @pytest.fixture
@@ -22,10 +22,10 @@ def _mode(path):
 
 def test_results_respect_the_umask(tmp_path, umask_022):
     """Once 0600 files (mkstemp) and a 0700 model folder (mkdtemp) under umask 022."""
-    from coldset.placement import load_placement, save_placement
-    from coldset.importers import import_trace
-    from coldset.trace import RequestRows, TraceMeta, TraceWriter
-    from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+    from coldset.core.placement import load_placement, save_placement
+    from coldset.trace.importers import import_trace
+    from coldset.core.trace import RequestRows, TraceMeta, TraceWriter
+    from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     assert _mode(write_json(tmp_path / "a.json", {})) == 0o644
     meta = TraceMeta("toy", num_layers=2, num_experts=4, top_k=1, moe_layers=[0, 1], source="t")
@@ -38,8 +38,8 @@ def test_results_respect_the_umask(tmp_path, umask_022):
                                                     heads=2, kv_heads=1, head_dim=16, vocab_size=300),
                                       tmp_path / "hf")
     assert _mode(ckpt) == 0o755 and _mode(ckpt / "model.safetensors") == 0o644
-    from coldset.model import ModelConfig
-    from coldset.placement import place
+    from coldset.engine.model import ModelConfig
+    from coldset.core.placement import place
     import pandas as pd
 
     cfg = ModelConfig.from_pretrained(ckpt)

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from coldset.files import write_json
-from coldset.fingerprint import (
+from coldset.core.files import write_json
+from coldset.verify.fingerprint import (
     StaleReportError,
     check_fingerprint,
     file_sha256,

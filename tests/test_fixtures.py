@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from coldset.fixtures import (
+from coldset.trace.fixtures import (
     Fixture,
     FixtureError,
     available_domains,
@@ -18,7 +18,7 @@ from coldset.fixtures import (
     template_texts,
     write_fixtures,
 )
-from coldset.trace import split_of
+from coldset.core.trace import split_of
 
 DOMAINS = ["agent", "prose", "code"]
 
@@ -59,7 +59,7 @@ def test_domains_render_their_kind_of_text(tmp_path):
 
 
 def test_split_fraction_keeps_both_splits():
-    from coldset.fixtures import render_domain
+    from coldset.trace.fixtures import render_domain
 
     fx = render_domain("prose", 3, 0.05, 8, seed=0)  # round(0.15) = 0 -> at least one held out
     assert sorted(f.split for f in fx) == ["heldout", "profile", "profile"]

@@ -1,4 +1,4 @@
-"""The next-token forecaster (coldset.forecast) against plain-Python references."""
+"""The next-token forecaster (coldset.analysis.forecast) against plain-Python references."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from coldset.cache import AccessStream
-from coldset.forecast import ForecastError, TransitionForecaster, forecast_recall, stream_predictions, token_groups
+from coldset.analysis.cache import AccessStream
+from coldset.analysis.forecast import ForecastError, TransitionForecaster, forecast_recall, stream_predictions, token_groups
 
 
 def decode_rows(rng, requests=4, tokens=12, L=2, E=6, k=2, sticky=0.6):
@@ -118,7 +118,7 @@ def test_lookahead_recall_against_brute_force():
     every (step, layer, token): the router of layer l on the router input of layer l - depth."""
     import torch
 
-    from coldset.forecast import lookahead_recall
+    from coldset.analysis.forecast import lookahead_recall
 
     rng = np.random.default_rng(11)
     S, L, T, E, H, k = 3, 4, 2, 6, 5, 2
@@ -157,7 +157,7 @@ def test_lookahead_predictions_list_the_later_layers_top_experts():
     token by token, first occurrence kept, as instances; the last depth layers list nothing."""
     import torch
 
-    from coldset.forecast import lookahead_predictions
+    from coldset.analysis.forecast import lookahead_predictions
 
     rng = np.random.default_rng(5)
     S, L, T, E, H, n, depth = 2, 3, 2, 5, 4, 2, 1
@@ -185,7 +185,7 @@ def test_fit_lookahead_routers_solves_the_ridge_towards_the_router():
     bad arguments are refused by name."""
     import torch
 
-    from coldset.forecast import fit_lookahead_routers
+    from coldset.analysis.forecast import fit_lookahead_routers
 
     rng = np.random.default_rng(3)
     N, L, H, E, depth = 40, 4, 6, 5, 2
@@ -226,9 +226,9 @@ def test_router_inputs_are_what_each_router_ranked(tmp_path):
     selections, not the inputs); the engine's experts function is restored after."""
     import torch
 
-    from coldset.forecast import router_inputs
-    from coldset.model import generate
-    from coldset.synthetic import SyntheticSpec
+    from coldset.analysis.forecast import router_inputs
+    from coldset.engine.model import generate
+    from coldset.engine.synthetic import SyntheticSpec
     from synthetic_engines import random_prompts, synthetic_engine
 
     spec = SyntheticSpec(layers=3, experts=8, top_k=2, hidden=32, moe_intermediate=16, heads=2, kv_heads=1,
@@ -280,7 +280,7 @@ def random_tokens(rng, n_seq=5, L=3, E=7, k=2, sticky=0.6):
 
 def reference_tables(tokens, seq, E, terms, weights, horizon, alpha):
     """The integer tables by loops over every (token, layer) pair of a sequence."""
-    from coldset.forecast import SCORE_UNIT
+    from coldset.analysis.forecast import SCORE_UNIT
 
     T, L, k = tokens.shape
     out = np.zeros((len(terms), L, E, E), dtype=np.int64)
@@ -343,7 +343,7 @@ def reference_forecast(f, sel, start):
 
 
 def test_nexttoken_tables_match_loops():
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     rng = np.random.default_rng(8)
     tokens, seq = random_tokens(rng)
@@ -358,8 +358,8 @@ def test_nexttoken_tables_match_loops():
 def test_nexttoken_forecast_matches_the_formula_on_lanes():
     """Two lanes, sequences starting mid-pass, an idle lane at the end, ties (integer scores) to
     the lower expert id."""
-    from coldset.cache import Lanes
-    from coldset.forecast import NextTokenForecaster, nexttoken_lists
+    from coldset.analysis.cache import Lanes
+    from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
 
     rng = np.random.default_rng(9)
     tokens, seq = random_tokens(rng)
@@ -395,7 +395,7 @@ def test_nexttoken_forecast_matches_the_formula_on_lanes():
 
 
 def test_nexttoken_quality_and_ceiling_against_counts():
-    from coldset.forecast import NextTokenForecaster, conditional_ceiling, forecast_quality
+    from coldset.analysis.forecast import NextTokenForecaster, conditional_ceiling, forecast_quality
 
     rng = np.random.default_rng(10)
     tokens, seq = random_tokens(rng, n_seq=6, k=2)
@@ -432,7 +432,7 @@ def test_nexttoken_quality_and_ceiling_against_counts():
 
 
 def test_nexttoken_refuses_unknown_terms_and_overflow():
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     with pytest.raises(ForecastError, match="not known after layer"):
         NextTokenForecaster(((0, -1),), np.zeros((1, 2, 3, 3), np.int32), 0, 3, 1)
@@ -455,8 +455,8 @@ def _profile_and_replay(seed: int, L: int):
 def test_recall_table_tunes_on_a_held_out_profile_domain():
     """A replay of a domain the profile lacks: H's parameters are chosen on the last profile
     domain (never on the replay), and each horizon's row is that forecaster's quality."""
-    from coldset.cache import recall_table, token_array
-    from coldset.forecast import NextTokenForecaster, forecast_quality
+    from coldset.analysis.cache import recall_table, token_array
+    from coldset.analysis.forecast import NextTokenForecaster, forecast_quality
 
     prof, rep = _profile_and_replay(seed=12, L=2)
     table = recall_table(prof, rep, 2, 6, 2, horizons=(1, 2))
@@ -472,7 +472,7 @@ def test_recall_table_tunes_on_a_held_out_profile_domain():
 
 
 def test_self_boost_puts_the_current_experts_first():
-    from coldset.forecast import SCORE_UNIT, NextTokenForecaster
+    from coldset.analysis.forecast import SCORE_UNIT, NextTokenForecaster
 
     rng = np.random.default_rng(13)
     tokens, seq = random_tokens(rng, k=2)
@@ -487,7 +487,7 @@ def test_self_boost_puts_the_current_experts_first():
 def test_quality_lanes_per_sequence_equal_the_one_lane_forecast():
     """forecast_quality lays each sequence in a lane of its own (faster); the forecast of every
     token must be the one-lane layout's (past tokens, H and starts per sequence)."""
-    from coldset.forecast import NextTokenForecaster, lanes_of_tokens, lanes_per_sequence
+    from coldset.analysis.forecast import NextTokenForecaster, lanes_of_tokens, lanes_per_sequence
 
     rng = np.random.default_rng(14)
     tokens, seq = random_tokens(rng, n_seq=5, k=2)
@@ -505,7 +505,7 @@ def test_ceiling_with_lower_layers_against_counts():
     l - 1): per context the best n next-token experts' counts, by dictionaries."""
     from collections import Counter, defaultdict
 
-    from coldset.forecast import conditional_ceiling
+    from coldset.analysis.forecast import conditional_ceiling
 
     rng = np.random.default_rng(15)
     tokens, seq = random_tokens(rng, n_seq=6, L=3, k=2)
@@ -530,7 +530,7 @@ def test_ceiling_with_lower_layers_against_counts():
 def test_fit_tuned_chooses_term_sets_on_validation_only():
     """term_sets: every (terms, weights, self_boost, H) candidate fitted on the non-validation
     sequences, the best recall on the validation ones (first wins ties), refitted on all tokens."""
-    from coldset.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
+    from coldset.analysis.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
                                   NextTokenForecaster, forecast_quality)
 
     rng = np.random.default_rng(16)
@@ -559,8 +559,8 @@ def test_fit_tuned_chooses_term_sets_on_validation_only():
 def test_recall_table_term_sets_and_lower_layer_ceiling():
     """recall_table(term_sets=..., ceiling_lower_layers=1): each row's forecaster is fit_tuned's
     choice among the sets (on the last profile domain) and the wider ceiling is conditional_ceiling's."""
-    from coldset.cache import recall_table, token_array
-    from coldset.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
+    from coldset.analysis.cache import recall_table, token_array
+    from coldset.analysis.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
                                   NextTokenForecaster, conditional_ceiling, forecast_quality)
 
     prof, rep = _profile_and_replay(seed=17, L=3)
@@ -568,7 +568,7 @@ def test_recall_table_term_sets_and_lower_layer_ceiling():
     table = recall_table(prof, rep, 3, 6, 2, horizons=(1,), term_sets=sets, ceiling_lower_layers=1)
     tp, sp = token_array(prof, 3, 6)
     th, sh = token_array(rep, 3, 6)
-    from coldset.trace import request_codes
+    from coldset.core.trace import request_codes
 
     _, names = request_codes(prof["request"])
     val = np.array([str(names[s]).startswith("y-") for s in sp])  # the last profile domain's tokens

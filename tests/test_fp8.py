@@ -1,4 +1,4 @@
-"""The block-FP8 format (coldset.fp8) against an independent float64 reference: e4m3 values decoded
+"""The block-FP8 format (coldset.core.fp8) against an independent float64 reference: e4m3 values decoded
 from their bits here, nearest value with ties to even, per 128 x 128 block (partial edges) and per
 token group of 128; the quantization_config parser's refusals."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from coldset import fp8
+from coldset.core import fp8
 
 
 def _e4m3_table() -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The one-token GEMV with block-FP8 weights (``coldset.kernels.triton_decode.gemv(...,
 weight_scale=...)``, weight-only, issue 29) and its torch reference
 (:func:`coldset.kernels.reference.torch_gemv`), against an independent float64
-dequantize-then-matmul written here from the format's definition (not by :mod:`coldset.fp8`).
+dequantize-then-matmul written here from the format's definition (not by :mod:`coldset.core.fp8`).
 
 The weights are drawn with block magnitudes spread over two decades, so every 128 x 128 block has
 its own scale and a scale read from the wrong block is a large error (the mutants below: a wrong
@@ -32,7 +32,7 @@ import math
 import pytest
 import torch
 
-from coldset import fp8
+from coldset.core import fp8
 from coldset.kernels.reference import torch_gemv
 
 # (n, k, config fields or None): K not a multiple of 128 (a partial last group), N not a multiple of
@@ -196,7 +196,7 @@ def test_torch_reference_against_float64(n, k, _, dtype):
     s, out = torch_gemv(x, q, weight_scale=table, norm_weight=nw, eps=1e-6, add=add, residual=res)
     assert torch.equal(s, (x.float() + add.float()).to(dtype))
     assert rel(out, float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add, residual=res)) < tol
-    # the dequantized weight equals coldset.fp8's own dequantization (float32)
+    # the dequantized weight equals coldset.core.fp8's own dequantization (float32)
     w = q.float() * table.repeat_interleave(128, 1)[:, :k]
     assert torch.equal(w, fp8.dequantize_weight(q, grid))
     want = float64_gemv(x, q, grid, norm_weight=nw, eps=1e-6, add=add)
@@ -254,8 +254,8 @@ def test_fp8_checkpoint_keeps_its_attention_bytes_and_scales_for_the_fused_path(
     fused GEMV on those equals the dequantized product to float32 summation order."""
     from safetensors.torch import load_file
 
-    from coldset.model import fp8_attention_linears, load_model
-    from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+    from coldset.engine.model import fp8_attention_linears, load_model
+    from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
     tensors = load_file(str(path / "model.safetensors"))
@@ -285,8 +285,8 @@ def test_a_partly_converted_qkv_keeps_no_fp8_copy(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from coldset.model import load_model
-    from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+    from coldset.engine.model import load_model
+    from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
     tensors = load_file(str(path / "model.safetensors"))
@@ -305,8 +305,8 @@ def test_a_partly_converted_qkv_keeps_no_fp8_copy(tmp_path):
 def test_attach_fp8_attention_quantizes_each_projection_and_restores():
     """The bench's in-memory FP8 attention: q, k, v and o_proj each quantized on its own grid, the
     float weights replaced by their dequantization (the FP8 model on every path), and put back."""
-    from coldset.model import attach_fp8_attention
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.engine.model import attach_fp8_attention
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     model, _ = build_synthetic_model(SyntheticSpec(**PARTIAL, in_memory=True), "cpu", torch.float32)
     before = [(la.self_attn.qkv_proj.weight.clone(), la.self_attn.o_proj.weight.clone()) for la in model.layers]
@@ -336,9 +336,9 @@ def test_fused_decode_with_fp8_attention_on_cuda():
     copies (its logits differ from the same engine without them, by e4m3-vs-bf16 weight rounding
     only: < 1e-2), decodes the eager engine's greedy tokens (the eager one runs the dequantized
     weights) with logits within 1e-2, and repeats bitwise; batch 3 runs the dequantized weights."""
-    from coldset import gate
-    from coldset.model import attach_fp8_attention, fp8_attention_linears, generate
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.verify import gate
+    from coldset.engine.model import attach_fp8_attention, fp8_attention_linears, generate
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=8, kv_heads=2,
                          head_dim=64, vocab_size=1024, seed=11, in_memory=True)
@@ -381,10 +381,10 @@ def test_fp8_step_floor_counts_attention_at_one_byte_at_batch_one():
     attention projections' bf16 bytes plus their e4m3 bytes and 128 x 128 block scales (computed
     here from the shapes: q [4096, 2048], k and v [512, 2048], o [2048, 4096], 48 layers); from 2
     tokens on they run dequantized, so bf16's."""
-    from coldset import bench as bn
-    from coldset.config import load_config
+    from coldset.bench import decode as bn
+    from coldset.workflow.config import load_config
     from coldset.measure.step import nonexpert_read_bytes_fp8
-    from coldset.synthetic import SyntheticSpec, synthetic_model_config
+    from coldset.engine.synthetic import SyntheticSpec, synthetic_model_config
 
     cfg = synthetic_model_config(SyntheticSpec(**load_config("config/examples/qwen3-30b-a3b-h200.yaml")["model"]["synthetic"]))
     shapes = [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096)]

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from coldset import fp8
-from coldset.model import ModelLoadError, generate, load_model
-from coldset.synthetic import SyntheticSpec, build_synthetic_model, write_synthetic_checkpoint
+from coldset.core import fp8
+from coldset.engine.model import ModelLoadError, generate, load_model
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, write_synthetic_checkpoint
 
 from test_fp8 import TABLE
 

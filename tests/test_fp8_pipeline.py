@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from coldset import pipeline
-from coldset.config import load_config
+from coldset.workflow import pipeline
+from coldset.workflow.config import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "examples" / "synthetic-fp8.yaml"
 TINY = dict(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1, head_dim=32,

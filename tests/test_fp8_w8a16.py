@@ -3,7 +3,7 @@ tiles converted to the activation dtype in registers, the tokens and the interme
 quantized, each 128-wide k block's fp32 product scaled by its weight block's ``weight_scale_inv``.
 
 References and tolerances (float64 is the independent one: weights dequantized in float64 from the
-e4m3 bytes and the scale grid here, not by :mod:`coldset.fp8`; activations exact):
+e4m3 bytes and the scale grid here, not by :mod:`coldset.core.fp8`; activations exact):
 - the torch path ``torch_experts(w8a16=True)`` (float32 GEMMs of the dequantized weights) against
   that float64 loop with the intermediate rounded to x's dtype as the kernel writes it: rel. error
   < 1e-5 in float32 (summation order only), < 1e-2 with bf16 activations (the output rounded to
@@ -14,7 +14,7 @@ e4m3 bytes and the scale grid here, not by :mod:`coldset.fp8`; activations exact
   the torch path: the fp16 output hides float32 summation order), and against the w8a8 torch path
   (the activations through e4m3) it differs by ~4% (3.8% at 200 x 72; 4.2% at Qwen3-30B-A3B shape
   in float64): the two modes are other functions, so a run's reference and its placements must
-  use the same config (the gate's :func:`coldset.gate.experts_functions` gives both paths the
+  use the same config (the gate's :func:`coldset.verify.gate.experts_functions` gives both paths the
   tuned config; ``bench step`` times one tuned config per batch; ``autotune`` and ``bench kernel``
   check each candidate against the torch path of its own mode);
 - (gpu) the kernel in bf16 against the torch path of its mode and the float64 loop: < 1e-2 (bf16
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
-from coldset.tiers import ExpertPools, build_pools, host_tier
+from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
 from test_fp8_experts import (_CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, _run_interpreted, dup_fp8_pools, make_fp8, random_row_map,
                               rel_err, routing, signed_bias)
 
@@ -44,7 +44,7 @@ W8A16 = {"w8a16": 1}
 
 def dequant64(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """float64 ``q * scale`` with ``s`` one float32 per 128 x 128 block of ``q`` (partial blocks at the edges),
-    written here from the format's definition (independent of :mod:`coldset.fp8`)."""
+    written here from the format's definition (independent of :mod:`coldset.core.fp8`)."""
     rows, cols = q.shape
     grid = s.double().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
     return q.double() * grid
@@ -73,8 +73,8 @@ def float64_w8a16(q, layer, x, ids, weights):
 
 def test_w8a16_float64_reference_reads_the_format_as_coldset_fp8():
     """The test's own dequantization (per 128 x 128 block, gate's and up's scale rows apart) is the
-    format's: equal to :mod:`coldset.fp8`'s in float32 (partial blocks at 200 x 72)."""
-    from coldset import fp8
+    format's: equal to :mod:`coldset.core.fp8`'s in float32 (partial blocks at 200 x 72)."""
+    from coldset.core import fp8
 
     _, _, (q13, q2, s13, s2) = make_fp8(1, 2, 200, 72)
     gi = 1
@@ -109,8 +109,8 @@ def test_torch_w8a16_refuses_pools_without_fp8_experts():
 
 _INTERPRETED_W8A16 = _PRELUDE + _CONFIG_HELPERS + r"""
 from test_fp8_w8a16 import float64_w8a16
-from coldset.slots import SlotCache
-from coldset.tiers import host_tier
+from coldset.engine.slots import SlotCache
+from coldset.kernels.tiers import host_tier
 from coldset.kernels import triton_fp8
 
 # weight-only: no activation quantization launch may run (the tokens' nor the intermediate's)
@@ -205,7 +205,7 @@ def test_fp8_search_space_times_w8a16_at_decode_only():
     pytest.importorskip("triton")
     from coldset.kernels.triton_fp8 import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, _check_config
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.tune import TRITON_FP8_SEARCH_SPACE
+    from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
     decode = [KernelConfig.from_dict(d) for d in TRITON_FP8_SEARCH_SPACE["decode"]]
     for c in decode:
@@ -219,9 +219,9 @@ def test_fp8_search_space_times_w8a16_at_decode_only():
 
 
 def test_untimed_candidates_names_what_the_tune_excluded():
-    """``bench step --tune-fp8`` fails a run whose tune lost a candidate: :func:`coldset.tune.untimed_candidates`
+    """``bench step --tune-fp8`` fails a run whose tune lost a candidate: :func:`coldset.kernels.tune.untimed_candidates`
     lists the search space's candidates with no time, per batch and regime."""
-    from coldset.tune import TRITON_FP8_SEARCH_SPACE, TuneResult, TuneShape, _canonical, untimed_candidates
+    from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE, TuneResult, TuneShape, _canonical, untimed_candidates
 
     shape = TuneShape(128, 2048, 768, 8, "bfloat16", 1, 128, 0, weight_format="fp8_block128")
     space = TRITON_FP8_SEARCH_SPACE
@@ -272,8 +272,8 @@ def test_w8a16_bitwise_across_placements_and_slots(hidden, inter, num_tokens):
     unmodified pools placed over the host tier, and a slot cache's pools right after a fill."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.slots import SlotCache
-    from coldset.tune import TRITON_FP8_SEARCH_SPACE
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
     L, E, K = 2, 32, 4
     _, _, q = make_fp8(L, E, hidden, inter, seed=50 + num_tokens)

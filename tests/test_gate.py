@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from coldset import gate
-from coldset.placement import row_map_from_mask
-from coldset.synthetic import SyntheticSpec
+from coldset.verify import gate
+from coldset.core.placement import row_map_from_mask
+from coldset.engine.synthetic import SyntheticSpec
 from synthetic_engines import random_prompts, synthetic_engine
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,
@@ -43,7 +43,7 @@ def test_gate_catches_two_swapped_experts(engine):
     row_map = row_map_from_mask(mask)
     pools = engine.pools.placed(row_map)
     # Corrupt: every layer's two most-used experts read each other's rows (a valid-looking map).
-    from coldset.model import generate
+    from coldset.engine.model import generate
 
     routing = generate(engine, prompts, 16, capture_routing=True, progress=False).routing
     counts = np.zeros(row_map.shape, dtype=np.int64)

@@ -235,7 +235,7 @@ link GB/token | mean step ms (min-max of passes) | wasted prefetches/token | ove
 0.74 | 0.967 |
 
 overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = max(all-HBM step, link time); \
-simulated step: coldset.cache.simulate_time (link "share", join "step") on the same decisions, at the all-HBM step and \
+simulated step: coldset.analysis.cache.simulate_time (link "share", join "step") on the same decisions, at the all-HBM step and \
 link rate of this run."""
 
 
@@ -537,8 +537,8 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     simulate_time's at the engine's model (share, step)."""
     import numpy as np
 
-    from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.analysis.forecast import NextTokenForecaster
     from coldset.measure.cache import _fit_nexttoken, _time_columns
 
     S, L, B, k, E = 12, 2, 3, 2, 6
@@ -608,17 +608,17 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     ``_fit_nexttoken`` on the profile routing), fed a held-out routing [steps, L, B, k] group by
     group; bench.simulate_engine_pass on the routing in the layout the bench passes accepts the
     recorded lists and gives the engine's per-group (hits, misses, fills, prefetches), which also
-    equal coldset.cache.simulate on the bench's own stream; its time columns come out."""
+    equal coldset.analysis.cache.simulate on the bench's own stream; its time columns come out."""
     import numpy as np
     import torch
 
-    from coldset import bench as bn
-    from coldset.cache import AccessStream, lanes_from_engine, simulate
-    from coldset.forecast import nexttoken_lists
+    from coldset.bench import decode as bn
+    from coldset.analysis.cache import AccessStream, lanes_from_engine, simulate
+    from coldset.analysis.forecast import nexttoken_lists
     from coldset.measure.cache import _fit_nexttoken, _time_columns
-    from coldset.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.slots import ExpertPools, SlotCache
-    from coldset.tiers import host_tier
+    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.engine.slots import ExpertPools, SlotCache
+    from coldset.kernels.tiers import host_tier
 
     S, L, B, k, E, C = 10, 3, 2, 2, 8, 9
     rng = np.random.default_rng(5)
@@ -674,7 +674,7 @@ def test_cache_save_replays_arrays_are_the_simulators_lookahead_lists():
     import numpy as np
     import torch
 
-    from coldset.forecast import lookahead_predictions
+    from coldset.analysis.forecast import lookahead_predictions
     from coldset.measure.cache import REPLAY_DEPTHS, _replay_arrays
 
     S, L, T, H, E, k = 3, 5, 2, 16, 6, 2
@@ -706,7 +706,7 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     import numpy as np
     import torch
 
-    from coldset.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
     from coldset.cli import main
     from coldset.measure.cache import _replay_arrays
     from coldset.measure.replay import replay_table

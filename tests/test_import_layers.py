@@ -84,8 +84,8 @@ def test_the_circle_finder_finds_a_planted_circle():
 def test_the_trace_format_sits_below_its_readers():
     """trace.py depends on none of the modules that read or write traces (issue 32 item 3)."""
     graph = import_graph()
-    readers = {"coldset.routing", "coldset.importers", "coldset.fixtures", "coldset.cache", "coldset.forecast",
-               "coldset.stats"}
-    assert not graph["coldset.trace"] & readers
-    assert all("coldset.trace" in graph[m] for m in readers)
-    assert "coldset.sweep" not in graph["coldset.pipeline"] and "coldset.pipeline" in graph["coldset.sweep"]
+    readers = {"coldset.trace.capture", "coldset.trace.importers", "coldset.trace.fixtures", "coldset.analysis.cache", "coldset.analysis.forecast",
+               "coldset.analysis.stats"}
+    assert not graph["coldset.core.trace"] & readers
+    assert all("coldset.core.trace" in graph[m] for m in readers)
+    assert "coldset.workflow.sweep" not in graph["coldset.workflow.pipeline"] and "coldset.workflow.pipeline" in graph["coldset.workflow.sweep"]

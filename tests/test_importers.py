@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from coldset.importers import import_trace
-from coldset.trace import TraceError
-from coldset.shapes import shape_from_hf_config
+from coldset.trace.importers import import_trace
+from coldset.core.trace import TraceError
+from coldset.core.shapes import shape_from_hf_config
 
 # 5 layers, layer 0 dense, 4 MoE layers (1..4), 8 experts, top-2
 HF_CONFIG = {

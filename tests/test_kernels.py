@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
-from coldset.tiers import ExpertPools, build_pools
+from coldset.kernels.tiers import ExpertPools, build_pools
 
 gpu = pytest.mark.gpu  # CUDA-only: skipped without CUDA by tests/conftest.py
 

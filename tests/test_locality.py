@@ -9,8 +9,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.trace import TraceMeta, write_trace
-from coldset.stats import (
+from coldset.core.trace import TraceMeta, write_trace
+from coldset.analysis.stats import (
     consecutive_overlap,
     decode_tokens,
     locality_stats,
@@ -170,7 +170,7 @@ def test_the_share_of_misses_no_lookahead_can_reach():
     hand (issue 30: its complement passed every test)."""
     import torch
 
-    from coldset.forecast import lookahead_recall
+    from coldset.analysis.forecast import lookahead_recall
 
     S, L, T, E, H, k = 1, 4, 1, 6, 3, 2
     rng = np.random.default_rng(0)

@@ -62,8 +62,8 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from test_slots import _random_pools, _warm
 from coldset.kernels import triton_slots as ts
-from coldset.slots import SlotCache
-from coldset.tiers import host_tier
+from coldset.engine.slots import SlotCache
+from coldset.kernels.tiers import host_tier
 
 real_fill = ts.fill
 
@@ -144,8 +144,8 @@ sys.path.insert(0, sys.argv[1])
 from test_slots import _random_pools, _warm
 from coldset.kernels import triton_decode as td
 from coldset.kernels import triton_slots as ts
-from coldset.slots import SlotCache
-from coldset.tiers import host_tier
+from coldset.engine.slots import SlotCache
+from coldset.kernels.tiers import host_tier
 
 real_fill = ts.fill
 
@@ -331,14 +331,14 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from synthetic_engines import random_prompts
 from test_slots import _warm
-from coldset import gate
-from coldset.cache import AccessStream, simulate
+from coldset.verify import gate
+from coldset.analysis.cache import AccessStream, simulate
 from coldset.kernels import triton_slots as ts
-from coldset.model import fused_layer_before_experts, fused_norm_lm_head
-from coldset.placement import hot_count_for_residency
-from coldset.slots import SlotCache
-from coldset.synthetic import SyntheticSpec, build_synthetic_model
-from coldset.tiers import host_tier
+from coldset.engine.model import fused_layer_before_experts, fused_norm_lm_head
+from coldset.core.placement import hot_count_for_residency
+from coldset.engine.slots import SlotCache
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.kernels.tiers import host_tier
 
 ts.FILL_BLOCKS = 4  # the same copies with fewer interpreted programs
 ts.SCAN_TILE = 4  # the victim scans in tiles of 4 of the 8 slots: more than one tile, the picks merged across them
@@ -540,7 +540,7 @@ def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and
     hand on the CPU, every kernel interpreted) with a ``lookahead`` cache at residency 0.25, batch 2:
     every decode group decided in the router's launch (``decide_ahead``'s launch never runs), the
     logits bitwise the unmodified path's (the parity gate), per group hits, misses, fills and
-    prefetches equal to ``coldset.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
+    prefetches equal to ``coldset.analysis.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
     none past the last layer, prefetches used and the stream off lru's; every slot holds its owner.
     The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``). ``after_experts``: the list
     and the prefetch forked after each layer's experts (``SlotCache.list_after_experts``), the same."""
@@ -605,9 +605,9 @@ def test_ahead_list_refuses_a_target_not_after_its_layer_and_partial_tokens():
     import torch
 
     from coldset.kernels import triton_slots as ts
-    from coldset.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.slots import SlotCache
-    from coldset.tiers import ExpertPools, host_tier
+    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import ExpertPools, host_tier
 
     L, E, k, T, H, C = 3, 4, 2, 2, 8, 8
     all_hot = ExpertPools.all_hot(torch.randn(L, E, 2, 2), torch.randn(L, E, 2, 2))

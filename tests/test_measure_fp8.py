@@ -1,6 +1,6 @@
 """``bench step`` and ``bench cache`` with ``--weight-format fp8`` (issue 29), on the CPU: the
 argument checks (bad combinations refused by name before CUDA is asked), the in-memory model's
-FP8 pools (:func:`coldset.measure.harness.fp8_expert_pools`) against coldset.fp8's dequantization,
+FP8 pools (:func:`coldset.measure.harness.fp8_expert_pools`) against coldset.core.fp8's dequantization,
 block scales computed here block by block and float64 error bounds, the bf16 / FP8 step ratio
 from hand-made rows, and the renderer's exact markdown of hand-made results; on a GPU (marked),
 both commands on the small synthetic model."""
@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from coldset import fp8
+from coldset.core import fp8
 from coldset.cli import main
 from coldset.measure.cli import build_parser
 from coldset.measure.harness import MeasureError, expert_format, fp8_expert_pools
 from coldset.measure.render import render
-from coldset.tiers import ExpertPools, host_tier
+from coldset.kernels.tiers import ExpertPools, host_tier
 
 PROV = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "0123456789abcdef", "dirty": False}
 
@@ -83,8 +83,8 @@ def test_expert_format_gives_the_published_bytes_an_expert():
     """At Qwen3-30B-A3B's shape (the H200 config): bf16 9,437,184 B, block-FP8 with scales 4,719,744 B (NOTES.md)."""
     import yaml
 
-    from coldset.placement import expert_bytes
-    from coldset.synthetic import SyntheticSpec, synthetic_model_config
+    from coldset.core.placement import expert_bytes
+    from coldset.engine.synthetic import SyntheticSpec, synthetic_model_config
 
     with open("config/examples/qwen3-30b-a3b-h200.yaml") as f:
         cfg = synthetic_model_config(SyntheticSpec(**yaml.safe_load(f)["model"]["synthetic"]))
@@ -120,7 +120,7 @@ def _block_scales(w: torch.Tensor) -> torch.Tensor:
 def test_fp8_expert_pools_against_block_scales_and_float64():
     """Every expert of the converted pools: all-hot layout (row = layer * E + expert), scales equal
     to max|block| / 448 computed here (w13: gate's grid then up's), and its dequantization
-    (coldset.fp8's) within e4m3's rounding of the bf16 weight in float64 (half an ulp: 2^-4 of the
+    (coldset.core.fp8's) within e4m3's rounding of the bf16 weight in float64 (half an ulp: 2^-4 of the
     value for normals, 2^-10 of the scale for subnormals); the layer-by-layer conversion is
     bitwise quantize_w13 / quantize_weight of the whole model at once."""
     pools = _pools()
@@ -187,7 +187,7 @@ def test_fp8_expert_pools_refusals():
         fp8_expert_pools(fp8_expert_pools(pools))
     import numpy as np
 
-    from coldset.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
 
     placed = pools.placed(row_map_from_mask(hot_mask_usage_global(np.arange(6.0).reshape(2, 3), 3)))
     with pytest.raises(ValueError, match="needs the all-hot layout"):
@@ -326,7 +326,7 @@ bound | simulated / measured step |
 0.20 | 0.50 | 0.970 |
 
 overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = max(all-HBM step, \
-link time); simulated step: coldset.cache.simulate_time (link "share", join "step") on the same decisions, at \
+link time); simulated step: coldset.analysis.cache.simulate_time (link "share", join "step") on the same decisions, at \
 the all-HBM step and link rate of this run."""
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from coldset.model import (
+from coldset.engine.model import (
     ModelConfig,
     ModelLoadError,
     encode_prompts,
@@ -318,7 +318,7 @@ def test_fixed_shape_decode_step_matches_generate(tiny_hf_checkpoint):
 def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
     import json as _json
 
-    from coldset.model import ModelConfig, ModelLoadError
+    from coldset.engine.model import ModelConfig, ModelLoadError
 
     raw = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
            "num_experts": 8, "moe_intermediate_size": 32, "vocab_size": 512, "num_experts_per_tok": 2,
@@ -331,7 +331,7 @@ def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
 
 
 def test_over_long_prompt_is_named_by_its_id():
-    from coldset.model import ModelConfig, check_prompts_fit
+    from coldset.engine.model import ModelConfig, check_prompts_fit
 
     cfg = ModelConfig.from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2,
                                  "num_hidden_layers": 2, "num_experts": 8, "moe_intermediate_size": 32,

@@ -16,11 +16,12 @@ import pytest
 import torch
 import yaml
 
-from coldset import cli, pipeline
+from coldset import cli
+from coldset.workflow import pipeline
 from coldset.kernels import torch_experts
-from coldset.placement import row_map_from_mask
-from coldset.synthetic import SyntheticSpec
-from coldset.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
+from coldset.core.placement import row_map_from_mask
+from coldset.engine.synthetic import SyntheticSpec
+from coldset.kernels.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
 
 SYNTHETIC = dict(in_memory=True, layers=3, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2,
                  kv_heads=1, head_dim=32, vocab_size=512, seed=3)
@@ -51,14 +52,14 @@ def _config(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``python -m coldset gpu-stages`` once, counting model builds and host tiers."""
-    import coldset.synthetic
-    import coldset.tiers
+    import coldset.engine.synthetic
+    import coldset.kernels.tiers
 
     root = tmp_path_factory.mktemp("inmem")
     cfg_path = root / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(root)))
     built, tiers = [], []
-    real_build, real_tier = coldset.synthetic.build_synthetic_model, coldset.tiers.host_tier
+    real_build, real_tier = coldset.engine.synthetic.build_synthetic_model, coldset.kernels.tiers.host_tier
 
     def counting_build(*args, **kwargs):
         built.append(real_build(*args, **kwargs))
@@ -70,8 +71,8 @@ def run(tmp_path_factory):
 
     pipeline.release_engine()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coldset.synthetic, "build_synthetic_model", counting_build)
-        mp.setattr(coldset.tiers, "host_tier", counting_tier)
+        mp.setattr(coldset.engine.synthetic, "build_synthetic_model", counting_build)
+        mp.setattr(coldset.kernels.tiers, "host_tier", counting_tier)
         rc = cli.main(["gpu-stages", "--config", str(cfg_path)])
     yield {"rc": rc, "root": root, "results": root / "results", "built": built, "tiers": tiers}
     pipeline.release_engine()
@@ -133,8 +134,8 @@ def test_gate_passes_and_every_placement_is_benchmarked(run):
             assert (b["link_gb_per_token"] > 0) == (b["cold_share"] > 0)
     assert (res / "autotune" / "tiny-mem.json").is_file()
     # the nexttoken placements carry the forecaster the engine ran (fitted once, by the placement stage)
-    from coldset.bench import placement_forecaster
-    from coldset.placement import load_placement
+    from coldset.bench.decode import placement_forecaster
+    from coldset.core.placement import load_placement
 
     for r in ("0.5", "1.0"):
         f = placement_forecaster(load_placement(res / "placement" / "tiny-mem" / f"nexttoken-{r}.json"))
@@ -146,11 +147,11 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
     """The trace's experts at every position of two fixtures = top-k of Hugging Face transformers'
     router logits over HF's own greedy continuation, on the weights the pipeline's engine had."""
     transformers = pytest.importorskip("transformers")
-    from coldset.config import validate_config
-    from coldset.fixtures import read_fixtures
-    from coldset.model import encode_prompts
-    from coldset.trace import read_trace_meta
-    from coldset.synthetic import write_synthetic_checkpoint
+    from coldset.workflow.config import validate_config
+    from coldset.trace.fixtures import read_fixtures
+    from coldset.engine.model import encode_prompts
+    from coldset.core.trace import read_trace_meta
+    from coldset.engine.synthetic import write_synthetic_checkpoint
 
     res = run["results"]
     trace = res / "routing" / "tiny-mem" / "trace.parquet"
@@ -190,7 +191,7 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
 
 
 def test_in_memory_model_has_no_folder(tmp_path):
-    from coldset.config import validate_config
+    from coldset.workflow.config import validate_config
 
     config = validate_config(_config(tmp_path))
     with pytest.raises(pipeline.StageError, match="in_memory.*no folder"):
@@ -273,7 +274,7 @@ def _copy_run(run, tmp_path) -> Path:
 
 
 def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
-    from coldset.fingerprint import file_sha256, placement_fingerprint
+    from coldset.verify.fingerprint import file_sha256, placement_fingerprint
 
     res = run["results"]
     manifest = res / "model" / "tiny-mem" / "manifest.json"
@@ -290,7 +291,7 @@ def test_parity_reports_carry_the_fingerprint_of_what_they_checked(run):
 
 
 def test_rewritten_placement_stale_reports_refused_by_gate_and_bench(run, tmp_path, capsys):
-    from coldset.placement import load_placement, save_placement
+    from coldset.core.placement import load_placement, save_placement
 
     cfg_path = _copy_run(run, tmp_path)
     res = tmp_path / "results"
@@ -373,7 +374,7 @@ def test_changed_kernel_or_model_make_reports_stale(run, tmp_path, capsys):
 def test_bench_measures_held_out_prompts_with_provenance(run):
     """Bench JSONs say which split their prompts came from (held out by default) and carry the
     provenance of the process that measured (the commit of this checkout, versions, device)."""
-    from coldset.provenance import code_commit
+    from coldset.bench.provenance import code_commit
 
     doc = json.loads((run["results"] / "bench" / "tiny-mem" / "usage_global-0.5.json").read_text())
     assert doc["prompt_split"] == "heldout" and "profile_batches" not in doc
@@ -387,10 +388,10 @@ def test_bench_cuts_prompts_from_the_held_out_split_and_reports_profile_beside(r
     """Mutant: bench prompts cut from every fixture (the profile split the placement was fitted on
     included). The stream the bench decodes must be exactly the held-out fixtures' tokens; with
     bench.profile_beside the profile split's numbers are written beside, labelled."""
-    from coldset import bench as bn
-    from coldset.config import validate_config
-    from coldset.fixtures import read_fixtures
-    from coldset.model import encode_prompts
+    from coldset.bench import decode as bn
+    from coldset.workflow.config import validate_config
+    from coldset.trace.fixtures import read_fixtures
+    from coldset.engine.model import encode_prompts
 
     config = validate_config(_config(run["root"]))
     config["bench"]["profile_beside"] = True
@@ -427,7 +428,7 @@ def test_a_timed_loop_that_decodes_other_tokens_fails_the_bench_stage(run):
     """Mutant: a timed loop whose tokens differ from generate() only logs a warning and its speed
     is published. Forced here end to end (the decode step's logits rolled by one vocabulary
     entry): the bench stage fails naming the placement and writes nothing."""
-    from coldset import bench as bn
+    from coldset.bench import decode as bn
 
     out = run["results"] / "bench" / "tiny-mem" / "positional-0.5.json"
     before = out.read_bytes()
@@ -445,7 +446,7 @@ def test_a_timed_loop_that_decodes_other_tokens_fails_the_bench_stage(run):
 
 
 def pipeline_config(run):
-    from coldset.config import validate_config
+    from coldset.workflow.config import validate_config
 
     return validate_config(_config(run["root"]))
 
@@ -453,15 +454,15 @@ def pipeline_config(run):
 def test_a_router_knob_change_remakes_the_routers_of_the_built_engine(tmp_path, monkeypatch):
     """A config that differs from the engine's only in router knobs (a calibration sweep) reuses
     the built in-memory model with its routers remade, and routes exactly like a fresh build."""
-    import coldset.synthetic
-    from coldset.config import Layout, load_config
+    import coldset.engine.synthetic
+    from coldset.workflow.config import Layout, load_config
 
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(tmp_path)))
     config = load_config(cfg_path)
     built = []
-    real_build = coldset.synthetic.build_synthetic_model
-    monkeypatch.setattr(coldset.synthetic, "build_synthetic_model",
+    real_build = coldset.engine.synthetic.build_synthetic_model
+    monkeypatch.setattr(coldset.engine.synthetic, "build_synthetic_model",
                         lambda *a, **k: built.append(1) or real_build(*a, **k))
 
     def trace(**knobs) -> pd.DataFrame:

@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from coldset import placement as pm
-from coldset.placement import (
+from coldset.core import placement as pm
+from coldset.core.placement import (
     GIB,
     PlacementError,
     ProfileSpec,
@@ -40,7 +40,7 @@ from coldset.placement import (
 
 @dataclass(frozen=True)
 class Shape:
-    """A stand-in for coldset.model.ModelConfig with the same field names."""
+    """A stand-in for coldset.engine.model.ModelConfig with the same field names."""
 
     moe_layers: tuple[int, ...] = (0, 1)
     num_layers: int = 2
@@ -633,7 +633,7 @@ def test_equal_weighting_refuses_a_domain_with_zero_profile_counts():
 
 def _forecaster(s, seed=0):
     """A next-token forecaster fitted on random tokens of ``s``'s shape (top-1)."""
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, s.num_experts, size=(30, len(s.moe_layers), s.top_k))
@@ -644,7 +644,7 @@ def _forecaster(s, seed=0):
 def test_a_nexttoken_placement_round_trips_its_forecaster(tmp_path):
     """The forecaster's tables go to {name}.forecaster.npy and its fields to the JSON; loaded back
     and rebuilt by the pipeline it is the fitted object (every field, the tables bitwise)."""
-    from coldset.bench import placement_forecaster
+    from coldset.bench.decode import placement_forecaster
 
     s, hist = _small_case()
     f = _forecaster(s)
@@ -705,7 +705,7 @@ def test_the_parity_fingerprint_covers_the_forecaster_and_keeps_other_digests(tm
     one it had before these fields existed (policy and warm counts only)."""
     import hashlib
 
-    from coldset.fingerprint import StaleReportError, placement_fingerprint
+    from coldset.verify.fingerprint import StaleReportError, placement_fingerprint
 
     s, hist = _small_case()
     lru = save_placement(place(hist, s, "lru", 0.5), tmp_path / "lru-0.5.json")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coldset.provenance import PROJECT_ROOT, code_commit, collect_provenance
+from coldset.bench.provenance import PROJECT_ROOT, code_commit, collect_provenance
 
 GIT = shutil.which("git")
 
@@ -19,7 +19,7 @@ def _git(*args):
 
 
 def _commit_in(src: Path) -> dict:
-    code = "import json; from coldset.provenance import code_commit; print(json.dumps(code_commit()))"
+    code = "import json; from coldset.bench.provenance import code_commit; print(json.dumps(code_commit()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, cwd=src)
     import json

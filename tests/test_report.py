@@ -21,17 +21,17 @@ import pytest
 
 import pandas as pd
 
-from coldset.config import Layout
-from coldset.report import render_report
-from coldset.results import (
+from coldset.workflow.config import Layout
+from coldset.reporting.report import render_report
+from coldset.reporting.results import (
     BENCH_METRICS,
     ReportInputError,
     load_bench,
     load_skew,
     placement_key_from_path,
 )
-from coldset.trace import TraceMeta
-from coldset.stats import skew_stats
+from coldset.core.trace import TraceMeta
+from coldset.analysis.stats import skew_stats
 
 MODEL = "tiny-moe"
 POLICIES = ["positional", "usage_global"]
@@ -55,7 +55,7 @@ def _tok_s(policy: str, residency: float, batch: int) -> float:
     return base * residency + 20.0 / batch
 
 
-# Read ceilings of the GPU-like tree (GB/s), as coldset.bench.measure_ceilings reports them.
+# Read ceilings of the GPU-like tree (GB/s), as coldset.bench.decode.measure_ceilings reports them.
 HBM_GB_S, LINK_GB_S = 4000.0, 50.0
 
 
@@ -64,7 +64,7 @@ def _hbm_gb_per_token(residency: float) -> float:
 
 
 def bytes_fields(policy: str, residency: float, batch: int) -> dict[str, float]:
-    """The GPU-like tree's bytes metrics, by their definitions (coldset.bench.derive_metrics'
+    """The GPU-like tree's bytes metrics, by their definitions (coldset.bench.decode.derive_metrics'
     docstring) written out here: floor = HBM bytes / HBM rate + link bytes / link rate; calibrated
     = the policy's residency-1.0 step + the cold bytes' time over the link instead of HBM."""
     step = 1000.0 / _tok_s(policy, residency, batch)
@@ -90,7 +90,7 @@ def time_fields(policy: str, residency: float, batch: int) -> dict:
             "wasted_gb_per_token": None, "allhbm_placement": "usage_global-1.0"}
 
 
-# The provenance the bench stage records (coldset.provenance.collect_provenance) on the machine
+# The provenance the bench stage records (coldset.bench.provenance.collect_provenance) on the machine
 # that measured: track and the report must show these, not their own machine's state.
 PROVENANCE = {"commit": "4b825dc642cb6eb9a060e54bf8d69288fbee4904", "dirty": False, "commit_source": "git archive",
               "torch": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3", "cuda": "13.0", "driver": "580.95.05",
@@ -191,7 +191,7 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
                         "predicted_preset": "h200" if with_prediction else None,
                         "device": "cpu",
                         "dtype": "bfloat16",
-                        # the rest of coldset.bench.BenchResult
+                        # the rest of coldset.bench.decode.BenchResult
                         "placement": name[: -len(".json")],
                         "policy": policy,
                         "residency": r,
@@ -220,7 +220,7 @@ def build_results_tree(root: Path, *, with_autotune: bool = True, with_predictio
             layout.bench(policy, r).write_text(json.dumps(doc))
     if with_autotune:
         (res / "autotune").mkdir()
-        # a coldset.tune cache entry as the autotune rule copies it, plus the hit flag
+        # a coldset.kernels.tune cache entry as the autotune rule copies it, plus the hit flag
         (res / "autotune" / f"{MODEL}.json").write_text(
             json.dumps({
                 "key": "abc123", "hit": False, "backend": "triton", "created_utc": "2026-11-30T04:00:00Z",
@@ -442,7 +442,7 @@ def _bench_table(html: str) -> dict[tuple[str, str, int], dict[str, str]]:
 
 def _render_capturing_figures(res: Path, monkeypatch) -> tuple[str, dict[str, object]]:
     """Render the report, keeping each matplotlib figure (by title) to read back what it plots."""
-    import coldset.report as report
+    import coldset.reporting.report as report
 
     figures = {}
     original = report._png
@@ -683,8 +683,8 @@ def test_report_header_shows_the_bench_provenance_and_the_held_out_split(tmp_pat
 
 
 def test_locality_loader_names_the_file_and_the_field(tmp_path):
-    """The report and MLflow read locality.json through one loader (coldset.results)."""
-    from coldset.results import load_locality
+    """The report and MLflow read locality.json through one loader (coldset.reporting.results)."""
+    from coldset.reporting.results import load_locality
 
     path = tmp_path / "locality.json"
     good = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5,
@@ -758,7 +758,7 @@ def test_speed_model_tok_s_is_labelled_an_upper_estimate(tmp_path):
 def _shape_only_tree(root: Path) -> Path:
     """The tree of a model that is not decoded: no parity, bench or autotune files; its manifest
     holds the shape read from config.json (Llama-4-Maverick's, a bf16 model)."""
-    from coldset.shapes import read_shape
+    from coldset.core.shapes import read_shape
 
     res = build_results_tree(root, with_autotune=False)
     for stage in ("parity", "bench"):

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from coldset.importers import import_sglang, import_trace, import_vllm
-from coldset.trace import (
+from coldset.trace.importers import import_sglang, import_trace, import_vllm
+from coldset.core.trace import (
     RequestRows,
     TraceError,
     TraceMeta,
@@ -320,9 +320,9 @@ def test_capture_routing_matches_transformers_router(tmp_path, tiny_hf_checkpoin
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from coldset.fixtures import Fixture, write_fixtures
-    from coldset.model import encode_prompts, load_tokenizer
-    from coldset.routing import capture_routing
+    from coldset.trace.fixtures import Fixture, write_fixtures
+    from coldset.engine.model import encode_prompts, load_tokenizer
+    from coldset.trace.capture import capture_routing
 
     ckpt = tiny_hf_checkpoint("qwen3_moe")  # layers 0 and 2 are MoE, layer 1 dense
     fixtures = [Fixture("a-0", "a", "profile", "The quick brown fox", 4),

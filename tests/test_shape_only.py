@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from coldset.config import decoding_support
-from coldset.pipeline import StageError, require_decoding, skipped_stages
-from coldset.trace import TraceMeta, write_trace
+from coldset.workflow.config import decoding_support
+from coldset.workflow.pipeline import StageError, require_decoding, skipped_stages
+from coldset.core.trace import TraceMeta, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_report_end_to_end_skips_decoding_stages(run):
     manifest = json.loads((wd / "results" / "model" / "tiny-v3" / "manifest.json").read_text())
     assert manifest["source"] == "shape-only" and manifest["decodes"] is False
     runs = json.loads((wd / "results" / "track" / "tiny-v3.done").read_text())["runs"]
-    # run keys: model@{invocation (config hash, results folder)}/policy/residency/batch (coldset.track)
+    # run keys: model@{invocation (config hash, results folder)}/policy/residency/batch (coldset.reporting.track)
     assert len({k.split("/", 1)[0] for k in runs}) == 1 and next(iter(runs)).startswith("tiny-v3@")
     assert sorted(k.split("/", 1)[1] for k in runs) == sorted(
         f"{p}/{r}/{b}" for p in ("positional", "usage_global") for r in ("0.5", "1.0") for b in (1, 4))

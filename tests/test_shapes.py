@@ -1,4 +1,4 @@
-"""coldset.shapes: model shapes and weight bytes from config.json alone, for every family listed.
+"""coldset.core.shapes: model shapes and weight bytes from config.json alone, for every family listed.
 
 References are independent of the parser: published totals from the model cards (layers, MoE
 layers, experts, top-k, shared experts, parameter count) and byte counts of the tensors each
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coldset.shapes import (
+from coldset.core.shapes import (
     SHAPE_FAMILIES,
     MoEShape,
     ShapeError,
@@ -147,7 +147,7 @@ def test_engine_config_is_the_shape_config_json_gives(tmp_path):
     agree, and its record round-trips like a shape's (the model manifest)."""
     from dataclasses import fields
 
-    from coldset.model import ModelConfig
+    from coldset.engine.model import ModelConfig
 
     for name in ("qwen3-235b-a22b", "mixtral-8x7b"):
         raw = json.loads((EXAMPLES / name / "config.json").read_text())
@@ -195,8 +195,8 @@ def test_trace_only_example_configs_validate(name):
     """Every family's copyable example validates and points at its shape, which is shape-only."""
     import yaml
 
-    from coldset.config import validate_config
-    from coldset.pipeline import skipped_stages
+    from coldset.workflow.config import validate_config
+    from coldset.workflow.pipeline import skipped_stages
 
     repo = EXAMPLES.parents[2]
     cfg = validate_config(yaml.safe_load((repo / "config" / "examples" / "trace-only" / f"{name}.yaml").read_text()))
@@ -429,7 +429,7 @@ def test_qwen3_fp8_attention_is_fp8_not_bf16():
 def test_module_names_match_as_transformers_matches_them(name, patterns):
     """Against transformers' own matcher (quantizers_utils.should_convert_module)."""
     qu = pytest.importorskip("transformers.quantizers.quantizers_utils")
-    from coldset.shapes import module_not_converted
+    from coldset.core.shapes import module_not_converted
 
     assert module_not_converted(name, patterns) == (not qu.should_convert_module(name, patterns))
 

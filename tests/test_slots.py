@@ -1,5 +1,5 @@
-"""The engine's slot cache (coldset.slots) against the trace simulator (coldset.cache) and a
-brute-force reference of the cache semantics (coldset.cache's module doc), and its parity with
+"""The engine's slot cache (coldset.engine.slots) against the trace simulator (coldset.analysis.cache) and a
+brute-force reference of the cache semantics (coldset.analysis.cache's module doc), and its parity with
 the unmodified path."""
 
 import os
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from coldset import gate
-from coldset.cache import AccessStream, simulate
-from coldset.model import generate
-from coldset.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
-from coldset.slots import CacheCapacityError, SlotCache
-from coldset.synthetic import SyntheticSpec
-from coldset.tiers import ExpertPools, host_tier
+from coldset.verify import gate
+from coldset.analysis.cache import AccessStream, simulate
+from coldset.engine.model import generate
+from coldset.core.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+from coldset.engine.slots import CacheCapacityError, SlotCache
+from coldset.engine.synthetic import SyntheticSpec
+from coldset.kernels.tiers import ExpertPools, host_tier
 from synthetic_engines import random_prompts, synthetic_engine
 
 
@@ -62,7 +62,7 @@ def reference_cache(groups, num_experts, warm, warm_counts, policy, num_layers=N
 
 
 def simulator_history(groups, num_layers, num_experts, counts, capacity, policy, tokens):
-    """Per-group (hits, misses, fills) of coldset.cache.simulate on the same groups, warm from
+    """Per-group (hits, misses, fills) of coldset.analysis.cache.simulate on the same groups, warm from
     the same profile counts."""
     ids = np.array([layer * num_experts + e for layer, ex in groups for e in ex], dtype=np.int64)
     ptr = np.cumsum([0] + [len(ex) for _, ex in groups])
@@ -249,9 +249,9 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
     from it evicts the least-used warm instance first."""
     import pandas as pd
 
-    from coldset.placement import load_placement, place, save_placement
+    from coldset.core.placement import load_placement, place, save_placement
 
-    from coldset.model import ModelConfig
+    from coldset.engine.model import ModelConfig
 
     shape = ModelConfig.from_hf_config({
         "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2,
@@ -378,7 +378,7 @@ def test_router_recorded_decisions_equal_the_torch_path(policy):
 
 @pytest.fixture(scope="module")
 def graphed_model():
-    from coldset.synthetic import build_synthetic_model
+    from coldset.engine.synthetic import build_synthetic_model
 
     spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=4, kv_heads=2,
                          head_dim=64, vocab_size=1024, seed=5, in_memory=True)
@@ -394,7 +394,7 @@ def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmod
     the router's launch recording each group, the fill choosing, committing and copying as its
     programmatic dependent; at batch 1 the fused kernels launched as dependent launches): every step's
     logits bitwise those of the unmodified path's graphed step, the per-group hits, misses and
-    fills those of ``coldset.cache.simulate`` on the routing that path recorded, and every slot
+    fills those of ``coldset.analysis.cache.simulate`` on the routing that path recorded, and every slot
     holding its owner's weights at the end."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
@@ -448,7 +448,7 @@ def _lookahead_run(engine, residency, batch, depth, prompts, sabotage=None):
 @pytest.mark.parametrize("batch,depth", [(1, 1), (2, 2)])
 def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch, depth):
     """The engine's lookahead decisions on CPU: per group hits, misses, fills and prefetches equal
-    coldset.cache.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
+    coldset.analysis.cache.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
     logits bitwise the unmodified path's; prefetches happened and were used."""
     cfg = engine.config
     L, E = cfg.num_moe_layers, cfg.num_experts
@@ -607,13 +607,13 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
 def test_cuda_lookahead_lists_equal_lookahead_predictions(depth):
     """The lists the CUDA path records (the forecast GEMV ``forecast_logits`` over the bf16 routers,
     float32 sums, then ``decide_ahead``'s sort-based top-k) equal
-    ``coldset.forecast.lookahead_predictions`` (torch's float32 product on the CPU, a stable sort)
+    ``coldset.analysis.forecast.lookahead_predictions`` (torch's float32 product on the CPU, a stable sort)
     on the same router inputs, group for group, except where a token's float64 logits have two of
     their top k + 1 within twice the float32 summation bound (``gamma_{H+1} * sum_h |x_h w_h|``: each
     float32 sum lies within it of the exact one, so the two may order such a pair either way); such
     groups are few (asserted), so the equality is tested. ``COLDSET_TEST_DEVICE=cpu
     TRITON_INTERPRET=1`` runs it through Triton's interpreter in float32 (by hand)."""
-    from coldset.forecast import lookahead_predictions
+    from coldset.analysis.forecast import lookahead_predictions
 
     dev = os.environ.get("COLDSET_TEST_DEVICE", "cuda")
     dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter has no bfloat16
@@ -658,7 +658,7 @@ def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, fo
     ``policy`` at residency 0.25 (``lookahead``: of ``depth``; ``patch`` may alter the cache before
     the run) beside the unmodified path, whose routing is recorded: (cache, logits, reference
     logits, routing ``[steps, L, bsz, k]``, warm counts, C)."""
-    from coldset import bench
+    from coldset.bench import decode as bench
 
     cfg = model.config
     L, E, k, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 8, 12
@@ -714,7 +714,7 @@ def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(gra
     """lookahead in the captured step (the fused router launch computing the forecast and making
     the whole decision, ``SlotCache.route``; prefetch copies forked onto the side stream inside the
     graph, joined before layer l + depth's experts): every step's logits bitwise the unmodified
-    path's, per group hits, misses, fills and prefetches equal to ``coldset.cache.simulate``'s
+    path's, per group hits, misses, fills and prefetches equal to ``coldset.analysis.cache.simulate``'s
     'lookahead' on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
@@ -775,7 +775,7 @@ def _tiny_shape_and_profile(layers: int, experts: int):
     counts rise with layer and expert id (so every placement's hot set is known)."""
     import pandas as pd
 
-    from coldset.model import ModelConfig
+    from coldset.engine.model import ModelConfig
 
     shape = ModelConfig.from_hf_config({
         "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": layers,
@@ -792,8 +792,8 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
     outside [1, MoE layers - 1], or one missing, is refused naming the field."""
     import json
 
-    from coldset.fingerprint import placement_fingerprint
-    from coldset.placement import PlacementError, load_placement, place, save_placement
+    from coldset.verify.fingerprint import placement_fingerprint
+    from coldset.core.placement import PlacementError, load_placement, place, save_placement
 
     shape, hist = _tiny_shape_and_profile(3, 4)
     lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
@@ -826,7 +826,7 @@ def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path
     on the H200: 4 at b1, 1 at b8): the placement file keeps the mapping, and the cache built for a
     decode of B sequences runs the entry of the largest batch size <= B; refused naming the field
     when batch 1 has none or a depth leaves the model."""
-    from coldset.placement import PlacementError, load_placement, lookahead_depth_for, place, save_placement
+    from coldset.core.placement import PlacementError, load_placement, lookahead_depth_for, place, save_placement
 
     shape, hist = _tiny_shape_and_profile(4, 32)
     la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1, 8), lookahead_depth={8: 1, 1: 3, 4: 2})
@@ -854,7 +854,7 @@ def _forecaster(L, E, k, seed, terms=((0, 0), (1, 0), (0, 1), (1, -1)), extra=3,
     """A next-token forecaster with random integer tables (the rules, not the fit, are under test):
     terms reading this token's layer, the layer before, the last token's same and next layer;
     ``keep`` added on the first term's diagonal (the next token keeps this one's experts)."""
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     rng = np.random.default_rng(seed)
     terms = tuple((a, d) for a, d in terms if abs(d) < L)
@@ -865,10 +865,10 @@ def _forecaster(L, E, k, seed, terms=((0, 0), (1, 0), (0, 1), (1, -1)), extra=3,
 
 def _next_reference(sel, forecaster, budget):
     """Per group (hits, misses, fills, prefetches) and the candidate list of the engine's groups
-    ``sel`` ``[S, L, T, k]`` (lanes started at step 0) by coldset.forecast / coldset.cache's
+    ``sel`` ``[S, L, T, k]`` (lanes started at step 0) by coldset.analysis.forecast / coldset.analysis.cache's
     ``nexttoken`` (the simulator: the engine's reference)."""
-    from coldset.cache import Lanes
-    from coldset.forecast import nexttoken_lists
+    from coldset.analysis.cache import Lanes
+    from coldset.analysis.forecast import nexttoken_lists
 
     S, L, T, k = sel.shape
     start = np.zeros((S, T), dtype=bool)
@@ -883,7 +883,7 @@ def _next_history(cache):
 
 
 def _sim_next(stream, counts, C, lists, budget):
-    from coldset.cache import simulate
+    from coldset.analysis.cache import simulate
 
     sim = simulate(stream, "nexttoken", C, counts, predictions=lists, prefetch_budget=budget)
     return sim, np.stack([sim.hits, sim.misses, sim.fills, sim.prefetches], axis=1)
@@ -893,8 +893,8 @@ def _sim_next(stream, counts, C, lists, budget):
 def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budget):
     """Random groups and tables, pools from one group's size up (the in-flight rule, the read in
     place of a miss without a free slot, predicted victims and a cut list all occur): the engine's
-    candidate list of every group is coldset.forecast.nexttoken_lists' (the forecast, computed
-    independently), its per-group hits, misses, fills and prefetches are coldset.cache.simulate's
+    candidate list of every group is coldset.analysis.forecast.nexttoken_lists' (the forecast, computed
+    independently), its per-group hits, misses, fills and prefetches are coldset.analysis.cache.simulate's
     'nexttoken' on the same tokens, no commit is refused, and every slot holds its owner."""
     L, E, k = 3, 8, 2
     rng = np.random.default_rng(tokens * 10 + (budget or 0))
@@ -939,7 +939,7 @@ def test_nexttoken_in_flight_and_predicted_slots_are_kept():
     longer predicted and becomes the victim of (0,2), in flight; layer 1 selects 3: a miss whose
     candidates are all predicted ((0,1), (1,2)) or in flight ((0,2)): the least recent predicted one,
     (1,2), goes; forecast [(1,0), (1,3)]: no unpredicted, unused slot out of flight, nothing issued."""
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     L, E, k = 2, 4, 1
     tables = np.zeros((1, L, E, E), dtype=np.int32)
@@ -997,7 +997,7 @@ def _next_engine_run(engine, batch, residency, prompts, new_tokens=10, sabotage=
 def test_nexttoken_engine_equals_the_simulator_and_the_unmodified_path(engine, batch):
     """The CPU engine decoding through a nexttoken cache (decisions after each layer's router,
     prefetched rows committed at the step's end): logits bitwise the unmodified path's; the
-    forecast lists and per-group counts equal coldset.forecast / coldset.cache on the engine's own
+    forecast lists and per-group counts equal coldset.analysis.forecast / coldset.analysis.cache on the engine's own
     routing; prefetches issued and used."""
     prompts = np.random.default_rng(5).integers(0, engine.config.vocab_size, size=(batch, 8)).tolist()
     cache, logits, ref, routing, counts, C, F = _next_engine_run(engine, batch, 0.5, prompts)
@@ -1123,10 +1123,10 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
 def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(graphed_model, bsz, residency):
     """nexttoken in the captured step (decisions and tagged copies forked onto their streams inside
     the graph, joined and committed after the last layer's experts): every step's logits bitwise
-    the unmodified path's; the forecast lists equal coldset.forecast.nexttoken_lists on the
-    recorded routing and the per-group counts coldset.cache.simulate's 'nexttoken'; prefetches
+    the unmodified path's; the forecast lists equal coldset.analysis.forecast.nexttoken_lists on the
+    recorded routing and the per-group counts coldset.analysis.cache.simulate's 'nexttoken'; prefetches
     issued and used; no commit refused."""
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     model = graphed_model
     cfg = model.config
@@ -1154,7 +1154,7 @@ _FP8_POOLS = ("w13_hot", "w2_hot", "w13_scale_hot", "w2_scale_hot")
 
 def _fp8_all_hot(L, E, hidden, inter, dev, seed=0):
     """FP8 pools all hot (weights quantized as a checkpoint: e4m3 + 128x128 weight_scale_inv)."""
-    from coldset import fp8
+    from coldset.core import fp8
 
     g = torch.Generator().manual_seed(seed)
     q13, s13 = fp8.quantize_w13(torch.randn(L, E, 2 * inter, hidden, generator=g) / hidden**0.5)

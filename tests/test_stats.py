@@ -12,8 +12,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.trace import RequestRows, TraceMeta, TraceWriter, split_of, write_trace
-from coldset.stats import (
+from coldset.core.trace import RequestRows, TraceMeta, TraceWriter, split_of, write_trace
+from coldset.analysis.stats import (
     ALL,
     average_ranks,
     coverage,
@@ -406,7 +406,7 @@ def test_trace_validator_refuses_each_bad_column(tmp_path, column, value, messag
     dictionary-encoded columns), or its null request / null domain checks: each bad file is then
     read into the statistics. Refused on read (iter_trace_batches, every reader's path) and on
     write (write_trace), naming the row and column."""
-    from coldset.trace import TraceError, iter_trace_batches
+    from coldset.core.trace import TraceError, iter_trace_batches
 
     cols = _good_columns()
     path = _raw_trace(tmp_path / "ok.parquet", cols)

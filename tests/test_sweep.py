@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from coldset.config import ConfigError, model_configs, validate_config
-from coldset.sweep import comparison_rows, run_sweep
-from coldset.trace import TraceMeta, write_trace
+from coldset.workflow.config import ConfigError, model_configs, validate_config
+from coldset.workflow.sweep import comparison_rows, run_sweep
+from coldset.core.trace import TraceMeta, write_trace
 
 V3 = {"model_type": "deepseek_v3", "vocab_size": 500, "hidden_size": 128, "intermediate_size": 256,
       "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "n_routed_experts": 8,
@@ -109,7 +109,7 @@ def test_snakemake_expands_models_as_a_wildcard(tmp_path):
     assert "2 models compared" in html
     for name, experts in (("v3", 8), ("l4", 16)):
         runs = json.loads((tmp_path / "results" / "track" / f"{name}.done").read_text())["runs"]
-        # run keys: model@{invocation}/policy/residency/batch (coldset.track's parent runs)
+        # run keys: model@{invocation}/policy/residency/batch (coldset.reporting.track's parent runs)
         assert {k.split("@", 1)[0] for k in runs} == {name}
         assert sorted(k.split("/", 1)[1] for k in runs) == ["usage_global/0.5/1", "usage_global/1.0/1"]
         manifest = json.loads((tmp_path / "results" / "model" / name / "manifest.json").read_text())
@@ -133,8 +133,8 @@ def test_comparison_never_publishes_cpu_speed_ratios(tmp_path):
     labelled "measured" nor turned into tok_s_per_gib: the row falls back to the speed model,
     labelled as the upper estimate it is. A GPU bench's rows are measured, with the bench's own
     tok_s_per_gib, none where a timing is noisy."""
-    from coldset.config import Layout
-    from coldset.sweep import render_comparison
+    from coldset.workflow.config import Layout
+    from coldset.workflow.sweep import render_comparison
 
     tree = _results_tree()
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from coldset.model import ModelConfig, encode_prompts, generate, load_model, load_tokenizer
-from coldset.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.engine.model import ModelConfig, encode_prompts, generate, load_model, load_tokenizer
+from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 # Hand-written prompts (not from the generator that trained the tokenizer).
 PROMPTS = {
@@ -220,9 +220,9 @@ _SMALL = dict(layers=2, experts=16, top_k=2, hidden=96, moe_intermediate=16, hea
 
 
 def _decode_lift(**knobs) -> float:
-    from coldset.model import encode_prompts as enc
-    from coldset.stats import consecutive_overlap, shuffled_overlap
-    from coldset.synthetic import build_synthetic_model
+    from coldset.engine.model import encode_prompts as enc
+    from coldset.analysis.stats import consecutive_overlap, shuffled_overlap
+    from coldset.engine.synthetic import build_synthetic_model
 
     model, tok = build_synthetic_model(SyntheticSpec(**_SMALL, **knobs))
     prompts = [p for ps in PROMPTS.values() for p in ps]
@@ -244,7 +244,7 @@ def test_temporal_knobs_set_the_lift():
 
 
 def test_temporal_latents_are_deterministic_and_sticky():
-    from coldset.synthetic import _topic_latents
+    from coldset.engine.synthetic import _topic_latents
 
     spec = SyntheticSpec(temporal_gain=1.0, temporal_continuity=0.75, seed=3)
     cycles = [torch.randperm(400, generator=torch.Generator().manual_seed(1)), torch.arange(400, 900)]

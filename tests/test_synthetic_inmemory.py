@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from coldset.model import encode_prompts, generate, load_model, load_tokenizer
-from coldset.stats import gini
-from coldset.synthetic import (SyntheticSpec, build_synthetic_model, sample_prompts, synthetic_model_config,
+from coldset.engine.model import encode_prompts, generate, load_model, load_tokenizer
+from coldset.analysis.stats import gini
+from coldset.engine.synthetic import (SyntheticSpec, build_synthetic_model, sample_prompts, synthetic_model_config,
                                write_synthetic_checkpoint)
 
 SMALL = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=4, kv_heads=2,
@@ -143,7 +143,7 @@ def _state(model) -> dict[str, torch.Tensor]:
 def test_set_router_knobs_gives_the_fresh_build_of_the_new_knobs():
     """Remaking the routers in place (the calibration sweeps' path) is exactly a fresh build of
     the new router knobs: every weight, hence every routing decision, equal; other fields refused."""
-    from coldset.synthetic import set_router_knobs
+    from coldset.engine.synthetic import set_router_knobs
 
     new = dataclasses.replace(SMALL, popularity_scale=3.0, zipf_exponent=0.7, domain_affinity=2.5,
                               router_noise=1.1, temporal_gain=5.0)
@@ -174,7 +174,7 @@ def test_set_router_knobs_gives_the_fresh_build_of_the_new_knobs():
 def test_inmemory_config_states_the_dtype_the_model_is_built_in():
     """Placement sizes an in-memory model's experts from its ModelConfig: a bf16 build must say
     bf16 (half the float32 bytes), and the manifest's config must equal the built model's."""
-    from coldset.shapes import expert_bytes
+    from coldset.core.shapes import expert_bytes
 
     bf16 = synthetic_model_config(SMALL, dtype="bfloat16")
     model, _ = build_synthetic_model(SMALL, "cpu", torch.bfloat16)

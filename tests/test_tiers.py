@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coldset.tiers import ExpertPools, PoolAllocationError, build_pools, check_host_allocation
+from coldset.kernels.tiers import ExpertPools, PoolAllocationError, build_pools, check_host_allocation
 
 L, E, H, I = 2, 4, 8, 6
 

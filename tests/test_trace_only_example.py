@@ -1,5 +1,5 @@
 """The documented trace-only example (config/examples/maverick-trace.yaml: Llama-4-Maverick's
-config.json and real MMLU routing, README "Cold sets for a model you serve elsewhere"), run as
+config.json and real MMLU routing, docs/traces.md "Cold sets for a model you serve elsewhere"), run as
 documented from the repository root, and the reader of the public release's per-request JSON
 (arXiv:2510.05497) that lets a fresh clone run it from the release itself.
 
@@ -23,19 +23,19 @@ EXAMPLE = REPO / "config" / "examples" / "maverick-trace.yaml"
 def _need_shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent: the example's trace lives in the team's checkout beside the "
-                    "repository (README: where the public trace comes from)")
+                    "repository (docs/traces.md: where the public trace comes from)")
 
 
 @pytest.mark.slow
 def test_maverick_example_runs_from_the_shared_trace(tmp_path, monkeypatch):
     """Every stage the example runs (the decoding ones skipped), from the repository root as the
-    README's command does, results elsewhere; the report keeps the locality and cache-simulation
+    docs/traces.md's command does, results elsewhere; the report keeps the locality and cache-simulation
     section and claims no measurement for this bf16 shape."""
     _need_shared_data()
     import yaml
 
-    from coldset import pipeline
-    from coldset.config import load_config
+    from coldset.workflow import pipeline
+    from coldset.workflow.config import load_config
 
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(yaml.safe_dump({"results": str(tmp_path / "results"),
@@ -70,8 +70,8 @@ def test_release_json_imports_request_by_request(tmp_path):
     element per decoded token, null for dense layers), rows written out by hand; its folder is
     the domain. A step routing another set of layers, another top-k or several decode tokens is
     refused naming the file and the element."""
-    from coldset.importers import import_exports, is_engine_export
-    from coldset.trace import TraceError, TraceMeta
+    from coldset.trace.importers import import_exports, is_engine_export
+    from coldset.core.trace import TraceError, TraceMeta
 
     meta = TraceMeta("tiny", 4, 8, 2, [1, 3], "test")
     folder = tmp_path / "release" / "subj_a"
@@ -109,9 +109,9 @@ def test_release_json_of_the_shared_requests_imports_to_the_shared_trace(tmp_pat
     import numpy as np
     import pyarrow.parquet as pq
 
-    from coldset.importers import import_exports
-    from coldset.shapes import read_shape
-    from coldset.trace import TraceMeta
+    from coldset.trace.importers import import_exports
+    from coldset.core.shapes import read_shape
+    from coldset.core.trace import TraceMeta
 
     shared = pq.read_table(SHARED_TRACE).to_pandas()
     for c in ("request", "domain", "phase"):

@@ -1,7 +1,7 @@
 """MLflow tracking: idempotent runs in a SQLite store, read back through the real MLflow server.
 
 The results tree is the one test_report.py builds (stage file contracts). The reference for
-"what was logged" is independent of coldset.track: the MLflow client's own search, and in the slow
+"what was logged" is independent of coldset.reporting.track: the MLflow client's own search, and in the slow
 test the MLflow server's REST API read with urllib.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from coldset.config import Layout
-from coldset.track import (
+from coldset.workflow.config import Layout
+from coldset.reporting.track import (
     BENCH_TABLE,
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
@@ -185,7 +185,7 @@ def test_package_imports_without_mlflow():
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in ('mlflow', 'snakemake'): raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import coldset.track, coldset.report\n"
+        "import coldset.reporting.track, coldset.reporting.report\n"
         "assert 'mlflow' not in sys.modules\n"
         "print('ok')\n"
     )
@@ -374,7 +374,7 @@ def _half_made_store(db, runs=0):
 def test_half_made_store_is_moved_aside_and_rebuilt_with_a_warning(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from coldset.track import ensure_store
+    from coldset.reporting.track import ensure_store
 
     db = tmp_path / "results" / "mlflow.db"
     _half_made_store(db)
@@ -389,7 +389,7 @@ def test_half_made_store_is_moved_aside_and_rebuilt_with_a_warning(tmp_path):
 
 
 def test_unopenable_store_with_runs_is_never_touched(tmp_path):
-    from coldset.track import TrackingError, ensure_store
+    from coldset.reporting.track import TrackingError, ensure_store
 
     db = tmp_path / "mlflow.db"
     _half_made_store(db, runs=2)
@@ -400,7 +400,7 @@ def test_unopenable_store_with_runs_is_never_touched(tmp_path):
 
 
 def test_done_file_is_stale_once_its_store_is_gone(tmp_path):
-    from coldset.track import done_is_stale
+    from coldset.reporting.track import done_is_stale
 
     db = tmp_path / "mlflow.db"
     done = tmp_path / "tiny.done"
@@ -417,7 +417,7 @@ def test_locality_and_cache_simulation_are_logged_per_residency(tmp_path):
     res = _tree.build_results_tree(tmp_path, with_autotune=False)
     layout = Layout(res, MODEL)
     loc = {"consecutive_overlap": {"mean": 0.6}, "shuffled_overlap": {"mean": 0.4}, "lift": 1.5,
-           "reuse_distance": {"1": 0.5}}  # the stats stage's locality.json contract (coldset.results)
+           "reuse_distance": {"1": 0.5}}  # the stats stage's locality.json contract (coldset.reporting.results)
     (layout.stats_dir / "locality.json").write_text(json.dumps(loc))
     rows = [{"policy": p, "residency": r, "capacity": 1, "accesses": 10, "tokens": 5,
              "hit_rate": 0.1 * i + r / 10, "misses_per_token": i + r, "link_gb_per_token": 0.01 * i}
@@ -442,7 +442,7 @@ def test_track_never_substitutes_its_own_commit(tmp_path):
     """Mutant: track tags runs with the commit of the machine running it (git there, or the
     caller's tag) instead of the bench JSON's provenance. A bench without provenance gets no
     commit at all, and says so."""
-    from coldset.track import provenance_tags, records_from_results
+    from coldset.reporting.track import provenance_tags, records_from_results
 
     assert provenance_tags(None) == {"provenance": "missing"}
     res = _tree.build_results_tree(tmp_path, provenance=False)
@@ -467,7 +467,7 @@ def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_p
 
     from mlflow.tracking import MlflowClient
 
-    from coldset.track import log_report
+    from coldset.reporting.track import log_report
 
     res = _tree.build_results_tree(tmp_path / "a")
     data = tmp_path / "data"
@@ -562,13 +562,13 @@ def test_parent_run_per_invocation_with_children_table_datasets_and_report(tmp_p
     mlflow.set_tracking_uri(previous_uri)
 
 
-# ---------------------------------------------------------------- issue 30 item 7: MLflow from the README
+# ---------------------------------------------------------------- issue 30 item 7: MLflow from the docs
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"  # the README links to it
 
 
 def _readme_snippet() -> str:
-    """The Python block of the README's "Compare runs in MLflow" section, as a user copies it."""
+    """The Python block of docs/deployment.md's "Compare runs in MLflow" section, as a user copies it."""
     text = README.read_text()
     section = text[text.index("## Compare runs in MLflow"):]
     return section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
@@ -577,7 +577,7 @@ def _readme_snippet() -> str:
 def _tracked_run(root: Path, device: str) -> Path:
     """A tracked results tree as the default workflow leaves it, under ``root/results`` with the
     default experiment: ``cpu``, a CPU bench (tok_s_per_gib and fetch_tax null, as
-    coldset.bench.derive_metrics writes them there) with the cache simulation; ``gpu``, a CUDA bench."""
+    coldset.bench.decode.derive_metrics writes them there) with the cache simulation; ``gpu``, a CUDA bench."""
     import pandas as pd
 
     res = _tree.build_results_tree(root, bytes_run=device, with_autotune=False)
@@ -605,7 +605,7 @@ def tracked(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_readme_snippet_prints_the_headline_numbers_of_the_default_run(tracked):
-    """The README's Python block, run as a user would (from the folder holding results/), on the
+    """docs/deployment.md's Python block, run as a user would (from the folder holding results/), on the
     default run's store (the CPU: no tok_s_per_gib anywhere) prints coverage and hit rates, best
     held-out coverage first; on a GPU run it prints tok/s per GiB, best first."""
     snippet = _readme_snippet()

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
-from coldset import tune
-from coldset.tune import AutotuneCacheWarning, TuneShape, autotune, autotune_key, config_for
+from coldset.kernels import tune
+from coldset.kernels.tune import AutotuneCacheWarning, TuneShape, autotune, autotune_key, config_for
 
 SHAPE = TuneShape(num_experts=4, hidden=16, intermediate=8, top_k=2, dtype="float32",
                   num_moe_layers=2, num_hot=6, num_cold=2)
@@ -52,7 +52,7 @@ def test_key_changes_with_every_keyed_input(monkeypatch):
     assert len({base, *variants}) == len(variants) + 1
     # kernel source text, an imported module's text, and the torch version are keyed too
     real = tune._module_source
-    monkeypatch.setattr(tune, "_module_source", lambda m: real(m) + ("\n# edit" if m == "coldset.tiers" else ""))
+    monkeypatch.setattr(tune, "_module_source", lambda m: real(m) + ("\n# edit" if m == "coldset.kernels.tiers" else ""))
     assert autotune_key(SHAPE, [1, 5], "cpu", SPACE) != base
     monkeypatch.setattr(tune, "_module_source", real)
     monkeypatch.setattr(tune.torch, "__version__", "0.0.0-other")
@@ -107,7 +107,7 @@ def test_tuned_experts_follows_the_contract(tmp_path):
     import torch
 
     from coldset.kernels import torch_experts
-    from coldset.tiers import ExpertPools
+    from coldset.kernels.tiers import ExpertPools
 
     result = run(tmp_path)
     fn = tune.tuned_experts(result)

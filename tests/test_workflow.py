@@ -129,7 +129,7 @@ def test_report_end_to_end_then_nothing_to_do(workdir):
 
     # Issue 16 item 2: the placement stage rewrites a placement (another valid row map); the CLI
     # gate refuses the parity report that checked the old one.
-    from coldset.placement import load_placement, save_placement
+    from coldset.core.placement import load_placement, save_placement
 
     pl = load_placement(results / "placement/tiny/usage_global-0.5.json")
     hot = pl.row_map >= 0

@@ -1,4 +1,4 @@
-"""Runs coldset.vllm_backend in its own process for tests_vllm (vLLM spawns processes and sets
+"""Runs coldset.serve.vllm_backend in its own process for tests_vllm (vLLM spawns processes and sets
 global state, so it never runs inside pytest's process).
 
     python run_vllm_capture.py JOB.json RESULT.json
@@ -16,7 +16,7 @@ import time
 
 
 def main(job_path: str, result_path: str) -> None:
-    from coldset.vllm_backend import VllmCaptureError, capture_routing_vllm
+    from coldset.serve.vllm_backend import VllmCaptureError, capture_routing_vllm
 
     job = json.loads(open(job_path).read())
     result = {"runs": []}

@@ -2,7 +2,7 @@
 
 On tiny qwen3_moe checkpoints that transformers writes (float32, head_dim 32 for vLLM's CPU
 attention), vLLM's greedy tokens must equal the embedded engine's, and the trace written by
-``coldset.vllm_backend.capture_routing_vllm`` must equal the one ``coldset.routing.capture_routing``
+``coldset.serve.vllm_backend.capture_routing_vllm`` must equal the one ``coldset.trace.capture.capture_routing``
 writes on the same fixtures at every (request, position, layer, rank); router weights agree to
 float32 rounding. Two variants: ``qwen3_moe`` (a dense layer among MoE layers, renormalised top-k,
 sharded safetensors) and ``qwen3_moe_nonorm`` (every other layer MoE, no renormalisation, tied
@@ -62,7 +62,7 @@ def engines(tmp_path_factory):
 def _embedded_tokens(model_dir: Path) -> dict[str, list[int]]:
     import torch
 
-    from coldset import model as engine
+    from coldset.engine import model as engine
 
     mdl = engine.load_model(model_dir, dtype=torch.float32)
     tok = engine.load_tokenizer(model_dir)
@@ -98,9 +98,9 @@ def test_greedy_tokens_identical(engines, arch):
 
 @pytest.mark.parametrize("arch", VARIANTS)
 def test_routing_identical_at_every_token_and_layer(engines, arch, tmp_path):
-    from coldset.model import ModelConfig
-    from coldset.routing import capture_routing
-    from coldset.trace import validate_trace
+    from coldset.engine.model import ModelConfig
+    from coldset.trace.capture import capture_routing
+    from coldset.core.trace import validate_trace
 
     run = engines["runs"][arch]
     ref_path = capture_routing(run["model_dir"], [engines["fixtures"]], tmp_path / "embedded.parquet",
@@ -116,7 +116,7 @@ def test_routing_identical_at_every_token_and_layer(engines, arch, tmp_path):
     v, _ = _sorted_rows(run["out"])
     r, _ = _sorted_rows(ref_path)
     # every (token, layer, rank) of every request once: prompt + new - 1 tokens per request
-    from coldset.model import encode_prompts, load_tokenizer
+    from coldset.engine.model import encode_prompts, load_tokenizer
 
     tok = load_tokenizer(run["model_dir"])
     n_tokens = sum(len(encode_prompts(tok, [p])[0]) + n - 1 for _, _, _, p, n in PROMPTS)
@@ -144,8 +144,8 @@ def test_routed_experts_refused_on_cpu_with_reason(engines):
 
 def test_routed_experts_rows_to_trace_layout():
     """vLLM 0.32 returns every layer's rows (uint8); the backend keeps the MoE layers'."""
-    from coldset.trace import TraceMeta
-    from coldset.vllm_backend import VllmCaptureError, _routed_rows
+    from coldset.core.trace import TraceMeta
+    from coldset.serve.vllm_backend import VllmCaptureError, _routed_rows
 
     meta = TraceMeta("m", num_layers=4, num_experts=8, top_k=2, moe_layers=[1, 3])
     full = np.arange(5 * 4 * 2, dtype=np.uint8).reshape(5, 4, 2) % 8

@@ -1,4 +1,4 @@
-"""coldset's vLLM plugin (coldset.vllm_plugin) on real vLLM (the PyPI CPU build), issue 31.
+"""coldset's vLLM plugin (coldset.serve.vllm_plugin) on real vLLM (the PyPI CPU build), issue 31.
 
 The workflow runs up to its parity gate on the default synthetic checkpoint (conftest's
 ``gated_workflow``). vLLM's OpenAI-compatible server is started once per configuration with
@@ -114,7 +114,7 @@ def _requests(base: str, prompts: list[list[int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def prompts(gated_workflow) -> list[list[int]]:
-    from coldset.model import encode_prompts, load_tokenizer
+    from coldset.engine.model import encode_prompts, load_tokenizer
 
     return encode_prompts(load_tokenizer(gated_workflow["model_dir"]), list(PROMPT_TEXTS))
 
@@ -143,9 +143,9 @@ def _embedded(model_dir: Path, placement_dir: Path, name: str | None, prompts: l
     """coldset's embedded engine, one prompt at a time, at placement ``name`` (None: all hot)."""
     import torch
 
-    from coldset import gate
-    from coldset import model as engine
-    from coldset.placement import load_placement
+    from coldset.verify import gate
+    from coldset.engine import model as engine
+    from coldset.core.placement import load_placement
 
     mdl = engine.load_model(model_dir, dtype=torch.float32)
     if name is None:
@@ -167,7 +167,7 @@ def test_plugin_installed_as_vllm_general_plugin():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("coldset") == "coldset.vllm_plugin:register"
+    assert eps.get("coldset") == "coldset.serve.vllm_plugin:register"
 
 
 def test_installed_but_not_asked_for_changes_nothing(served, gated_workflow, prompts):
@@ -181,7 +181,7 @@ def test_installed_but_not_asked_for_changes_nothing(served, gated_workflow, pro
 
 @pytest.mark.parametrize("name", PLUGIN_PLACEMENTS)
 def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
-    from coldset.placement import load_placement
+    from coldset.core.placement import load_placement
 
     run, stock = served[name], served["stock"]
     assert f"coldset: serving placement {gated_workflow['placement_dir'] / name}.json" in run["log"]
@@ -199,14 +199,14 @@ def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
 
 
 def test_vllm_parity_stage(gated_workflow):
-    """The rule's stage (coldset.vllm_parity, offline LLM.generate in a process per run) on the
+    """The rule's stage (coldset.workflow.vllm_parity, offline LLM.generate in a process per run) on the
     gated workflow, restricted to one placement: tokens equal to the embedded engine's and stock
     vLLM's, the plugin's classes in place, the layers' expert tensors freed."""
     pytest.importorskip("vllm")
-    from coldset.config import load_config
-    from coldset.pipeline import run_stage
-    from coldset.placement import load_placement
-    from coldset.vllm_parity import vllm_parity
+    from coldset.workflow.config import load_config
+    from coldset.workflow.pipeline import run_stage
+    from coldset.core.placement import load_placement
+    from coldset.workflow.vllm_parity import vllm_parity
 
     config = load_config(gated_workflow["config"])
     config["placement"]["policies"], config["placement"]["residency"] = ["usage_global"], [0.5]
@@ -227,7 +227,7 @@ def test_vllm_parity_stage(gated_workflow):
 
 
 def test_compare_tokens_counts_divergence_and_length():
-    from coldset.vllm_parity import compare_tokens
+    from coldset.workflow.vllm_parity import compare_tokens
 
     want = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert compare_tokens(want, want, ["a", "b"])["passed"]
@@ -258,7 +258,7 @@ def _edit_json(path: Path, **changes) -> None:
 
 
 def test_bad_placements_refused_by_name(gated_workflow, tmp_path, monkeypatch):
-    from coldset.vllm_plugin import PluginError, load_served_placement
+    from coldset.serve.vllm_plugin import PluginError, load_served_placement
 
     pdir = _copy_results(gated_workflow, tmp_path / "results")
     name = "usage_global-0.5"
@@ -295,7 +295,7 @@ def test_bad_placements_refused_by_name(gated_workflow, tmp_path, monkeypatch):
 def test_engine_settings_refused_by_name(gated_workflow, tmp_path):
     """The engine-side checks against vLLM's config (attribute names as in vLLM 0.32's
     ModelConfig/ParallelConfig, which the server runs above exercise on the real objects)."""
-    from coldset.vllm_plugin import PluginError, check_engine, check_vllm_version, load_served_placement
+    from coldset.serve.vllm_plugin import PluginError, check_engine, check_vllm_version, load_served_placement
 
     served = load_served_placement(gated_workflow["placement_dir"] / "usage_global-0.5.json")
     cfg = served.manifest["config"]
@@ -366,9 +366,9 @@ def test_importer_reads_real_vllm_responses_per_choice(served, gated_workflow, t
     import numpy as np
     import pyarrow.parquet as pq
 
-    from coldset.importers import import_trace
-    from coldset.model import ModelConfig
-    from coldset.trace import TraceError
+    from coldset.trace.importers import import_trace
+    from coldset.engine.model import ModelConfig
+    from coldset.core.trace import TraceError
 
     cfg = ModelConfig.from_pretrained(gated_workflow["model_dir"])
     comp = json.loads(json.dumps(served["stock"]["completion_response"]))

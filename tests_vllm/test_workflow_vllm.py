@@ -39,9 +39,9 @@ def _rows(path: Path) -> dict[str, np.ndarray]:
 
 def test_routing_stage_with_vllm_backend(tmp_path):
     pytest.importorskip("vllm")
-    from coldset.config import ConfigError, validate_config
-    from coldset.routing import capture_routing
-    from coldset.trace import read_trace_meta
+    from coldset.workflow.config import ConfigError, validate_config
+    from coldset.trace.capture import capture_routing
+    from coldset.core.trace import read_trace_meta
 
     ck = build_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt")
     prompts = tmp_path / "prompts.jsonl"
@@ -58,7 +58,7 @@ def test_routing_stage_with_vllm_backend(tmp_path):
         validate_config(json.loads(json.dumps(config)))
     except ConfigError as err:
         pytest.fail(f"config/schema.yaml does not accept routing.backend: vllm ({err}); the schema and "
-                    "coldset.pipeline.routing need issue 8's change")
+                    "coldset.workflow.pipeline.routing need issue 8's change")
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))

@@ -1,7 +1,7 @@
 """``python -m coldset STAGE``: run one stage where Snakemake is not installed (the GPU host).
 
-Stages read and write exactly the files the Snakefile's rules do (coldset.config.Layout), through
-the same functions (coldset.pipeline), so results made here are picked up by a later
+Stages read and write exactly the files the Snakefile's rules do (coldset.workflow.config.Layout), through
+the same functions (coldset.workflow.pipeline), so results made here are picked up by a later
 ``snakemake`` run on another machine (copy results/ over; Snakemake judges them by time stamps).
 
 ``python -m coldset bench kernel|step|cache|render|replay ...``: the GPU measurements at real shape
@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from coldset.config import ConfigError, load_config
+from coldset.workflow.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if argv[1] in COMMANDS:
             return bench_main(argv[1:])
-    from coldset import pipeline
-    from coldset.trace import TraceError
+    from coldset.workflow import pipeline
+    from coldset.core.trace import TraceError
 
     parser = argparse.ArgumentParser(prog="python -m coldset", description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=[*pipeline.STAGES, "report_models", "gpu-stages", "sweep"],
@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         config_files = args.config or ["config/config.yaml"]
         config = load_config(config_files)
         if args.stage == "sweep":
-            from coldset.sweep import run_sweep
+            from coldset.workflow.sweep import run_sweep
 
             print(run_sweep(config))
             return 0
-        if args.stage == "report_models":  # a stage of coldset.sweep, which sits above the pipeline
-            from coldset.sweep import report_models
+        if args.stage == "report_models":  # a stage of coldset.workflow.sweep, which sits above the pipeline
+            from coldset.workflow.sweep import report_models
 
             pipeline.run_stage(report_models, config)
             return 0

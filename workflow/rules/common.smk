@@ -5,13 +5,13 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works w
 
 import re
 
-from coldset.config import Layout, check_config, residency_label
-from coldset.pipeline import skipped_stages
-from coldset.config import comparison_path, model_configs
-from coldset.fixtures import source_files
+from coldset.workflow.config import Layout, check_config, residency_label
+from coldset.workflow.pipeline import skipped_stages
+from coldset.workflow.config import comparison_path, model_configs
+from coldset.trace.fixtures import source_files
 
 # models: (a sweep) makes the model a wildcard of every per-model rule; SWEEP holds each model's
-# validated config (coldset.config.model_configs), which its jobs' scripts run with.
+# validated config (coldset.workflow.config.model_configs), which its jobs' scripts run with.
 SWEEPING = bool(config.get("models"))
 SWEEP = model_configs(config)
 MODELS = list(SWEEP)
@@ -32,7 +32,7 @@ for _name, _cfg in SWEEP.items():
 POLICIES = config["placement"]["policies"]
 RESIDENCIES = [residency_label(r) for r in config["placement"]["residency"]]
 PLACEMENTS = [f"{p}-{r}" for p in POLICIES for r in RESIDENCIES]
-# nexttoken placements carry their forecaster's tables beside the JSON (coldset.placement.forecaster_path)
+# nexttoken placements carry their forecaster's tables beside the JSON (coldset.core.placement.forecaster_path)
 FORECASTED = [f"nexttoken-{r}" for r in RESIDENCIES] if "nexttoken" in POLICIES else []
 DOMAINS = config["fixtures"]["domains"]
 
@@ -99,7 +99,7 @@ def track_inputs(wildcards):
         "skew": concrete(rules.stats.output.skew, wildcards),
         "locality": concrete(rules.stats.output.locality, wildcards),
         "cache": concrete(rules.cache.output.simulation, wildcards),
-        # the parent run's MLflow datasets (coldset.pipeline.track_datasets): the trace, and the
+        # the parent run's MLflow datasets (coldset.workflow.pipeline.track_datasets): the trace, and the
         # fixtures where the workflow generates them
         "trace": concrete(rules.routing.output.trace, wildcards),
     }

@@ -33,7 +33,7 @@ rule parity:
 rule parity_gate:
     input:
         reports=rules.parity.output.reports,
-        # the files each report's fingerprint digests (coldset.fingerprint): the gate refuses a
+        # the files each report's fingerprint digests (coldset.verify.fingerprint): the gate refuses a
         # report about other files than these
         rowmaps=rules.placement.output.rowmaps,
         forecasters=rules.placement.output.forecasters,

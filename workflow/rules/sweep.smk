@@ -1,4 +1,4 @@
-# models: one report comparing every model (coldset.sweep.render_comparison); each model's own
+# models: one report comparing every model (coldset.workflow.sweep.render_comparison); each model's own
 # stages are the per-model rules with the model as a wildcard.
 rule report_models:
     input:

@@ -1,5 +1,5 @@
 # The track stage creates (or heals) the MLflow store itself, atomically under a lock
-# (coldset.track.ensure_store): stages that never touch MLflow cannot fail on it. A done file whose
+# (coldset.reporting.track.ensure_store): stages that never touch MLflow cannot fail on it. A done file whose
 # SQLite store was deleted is stale: it is dated back to 1970 before the DAG is built, so that it is
 # older than its inputs and `snakemake report` logs the runs again and re-renders the report.
 # (Deleting it would not do: Snakemake does not rerun up-to-date jobs for a missing intermediate.)
@@ -7,7 +7,7 @@ import os
 
 from snakemake.logging import logger
 
-from coldset.track import done_is_stale
+from coldset.reporting.track import done_is_stale
 
 for _model in MODELS:
     _done = Layout(Path(RESULTS), _model).track_done

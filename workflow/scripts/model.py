@@ -1,5 +1,5 @@
-"""Snakemake script of the `model` rule: thin, the work is coldset.pipeline.model."""
+"""Snakemake script of the `model` rule: thin, the work is coldset.workflow.pipeline.model."""
 
-from coldset.pipeline import run_from_snakemake
+from coldset.workflow.pipeline import run_from_snakemake
 
 run_from_snakemake(snakemake, "model")  # noqa: F821 (snakemake is injected)

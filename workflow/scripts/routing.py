@@ -1,5 +1,5 @@
-"""Snakemake script of the `routing` rule: thin, the work is coldset.pipeline.routing."""
+"""Snakemake script of the `routing` rule: thin, the work is coldset.workflow.pipeline.routing."""
 
-from coldset.pipeline import run_from_snakemake
+from coldset.workflow.pipeline import run_from_snakemake
 
 run_from_snakemake(snakemake, "routing")  # noqa: F821 (snakemake is injected)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.timing import graph_time_us
+from coldset.core.timing import graph_time_us
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def best_read_bandwidth(buf: torch.Tensor, shapes=HBM_READ_SHAPES, reps: int = 2
     shape's best rate as ``"block{B}_iters{I}"`` (how a result records its candidates).
 
     The one place a ceiling is taken as the best of several read shapes: the bench's ceilings
-    (:func:`coldset.bench.measure_ceilings`) and the GPU measurements (:mod:`coldset.measure`)."""
+    (:func:`coldset.bench.decode.measure_ceilings`) and the GPU measurements (:mod:`coldset.measure`)."""
     if not shapes or rounds < 1:
         raise ValueError(f"best_read_bandwidth: shapes {shapes!r} x rounds {rounds}: nothing to read")
     best = 0.0

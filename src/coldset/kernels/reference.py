@@ -1,8 +1,8 @@
 """The torch experts path: the CPU implementation and the reference the Triton kernel is checked against.
 
-Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.fp8`) run :func:`_torch_fp8_experts_chunk`: each
+Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.core.fp8`) run :func:`_torch_fp8_experts_chunk`: each
 expert's weights dequantized (``fp8.float() * scale_inv`` per 128 x 128 block) and the activations
-quantized per token group of 128 (:func:`coldset.fp8.quantize_activations`) at the two points the
+quantized per token group of 128 (:func:`coldset.core.fp8.quantize_activations`) at the two points the
 Triton FP8 kernel quantizes them (the tokens once per call; the intermediate SiLU(gate) * up once,
 after its rounding to the activation dtype), with float32 GEMMs, so that the CPU and CUDA
 paths compute the same quantity (the order of the float32 sums differs, so they agree to a
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
-    from coldset.tiers import ExpertPools
+    from coldset.kernels.tiers import ExpertPools
 
 
 def torch_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ def torch_experts(
     ``x``'s dtype. The loop order depends only on the expert ids, never on where an expert lives,
     so any placement gives bitwise the same result as the all-hot layout.
 
-    ``token_chunk`` (the CPU path's tunable knob, see :mod:`coldset.tune`) processes the tokens
+    ``token_chunk`` (the CPU path's tunable knob, see :mod:`coldset.kernels.tune`) processes the tokens
     in chunks of that many rows; ``None`` is one chunk. For a fixed chunk size the result is still
     placement-independent bit for bit; different chunk sizes may differ in the last bits (the
     GEMM library may pick different kernels for different row counts).
@@ -104,7 +104,7 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=Fals
     placement gives bitwise the same result. ``w8a16``: ``quant`` is the identity (``a = x``, the
     intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it is).
     """
-    from coldset import fp8
+    from coldset.core import fp8
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     rows = pools.row_map[layer].tolist()
@@ -136,7 +136,7 @@ def torch_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tens
     and the same quantities, float32 throughout: the residual stream ``x + add`` rounded to x's
     dtype; with ``norm_weight`` the input ``(norm_weight * s)`` rounded to x's dtype and the product
     scaled by ``rsqrt(mean(s^2) + eps)``; a block-FP8 ``weight`` (float8_e4m3fn, with its per-row
-    table ``weight_scale`` ``[N, ceil(K / 128)]``, :func:`coldset.fp8.row_scales`) dequantized per
+    table ``weight_scale`` ``[N, ceil(K / 128)]``, :func:`coldset.core.fp8.row_scales`) dequantized per
     128-column group in float32 (``q.float() * scale``, never rounded to x's dtype); the product
     rounded to x's dtype, then ``residual`` added in float32 and rounded. The kernel sums in
     another order (per group, then the groups), so the two agree to float32 summation order."""

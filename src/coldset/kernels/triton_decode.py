@@ -5,7 +5,7 @@ compiled region (Inductor) still ran ~13 kernels a layer for ~38 MB of attention
 weights: the input norm, the qkv GEMV, qk-norm + RoPE, the KV write, the mask's expansion, SDPA,
 the o_proj GEMV and its split-K reduction, the residual add and the post-attention norm, each with
 its launch gap, then the router's GEMM, top-k and weights cast. Here a MoE layer is four launches
-before its experts (:func:`coldset.model.fused_layer_before_experts`):
+before its experts (:func:`coldset.engine.model.fused_layer_before_experts`):
 
 * the residual add that ends the previous layer, the input RMSNorm and the qkv projection: at one
   token :func:`gemv` with ``add`` (every program computes the row's norm beside its product, 4 KB of
@@ -19,7 +19,7 @@ before its experts (:func:`coldset.model.fused_layer_before_experts`):
 
 The step's end (the add, the final norm and the LM head) is one :func:`gemv` at one token.
 
-Numerics follow the engine's (:mod:`coldset.model`) up to rounding: norms in float32 (in
+Numerics follow the engine's (:mod:`coldset.engine.model`) up to rounding: norms in float32 (in
 :func:`norm_linear` the input is ``weight * x`` rounded once and the product scaled by the row's
 rstd in float32, the same function with one rounding fewer), softmax in float32 with the
 probabilities cast to the model dtype for the value product (as flash attention does). Every
@@ -226,7 +226,7 @@ def _rms_norm_kernel(x_ptr, add_ptr, sum_ptr, w_ptr, out_ptr, N, eps, stride_x, 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
              pdl: bool = False):
-    """``weight * RMSNorm(x)`` of rows ``x`` ``[M, N]`` (the engine's :class:`~coldset.model.RMSNorm`),
+    """``weight * RMSNorm(x)`` of rows ``x`` ``[M, N]`` (the engine's :class:`~coldset.engine.model.RMSNorm`),
     one launch; with ``add``, of ``x + add``, returning ``(x + add, normed)``."""
     m, n = x.shape
     if weight.shape != (n,):
@@ -436,7 +436,7 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
 
 def pdl_default(m: int, device: torch.device) -> bool:
     """Whether the fused decode step launches its kernels as programmatic dependent launches when
-    not told (:meth:`coldset.model.MoEModel.compile_decode`): at one token on Hopper or newer
+    not told (:meth:`coldset.engine.model.MoEModel.compile_decode`): at one token on Hopper or newer
     (the H200 step 2.645 -> 2.475 ms in one run, 2.654 -> 2.626 in another: each kernel's weights
     stream while its predecessor finishes), not at 8 tokens, where it measured slower (6.501 ->
     6.610 ms; BENCHMARKS.md, issue 13, fourth and fifth sessions). The kernels' arithmetic is the
@@ -519,19 +519,19 @@ def _check_weight_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None,
     """:class:`ValueError` naming the tensor when ``weight`` / ``weight_scale`` are not a pair
     :func:`gemv` reads: a bf16/fp16 weight alone, or a float8_e4m3fn weight with its float32
     per-row scale table ``[N, ceil(K / 128)]`` on the same device."""
-    from coldset import fp8
+    from coldset.core import fp8
 
     if weight.dtype == fp8.FP8_DTYPE:
         if weight_scale is None:
             raise ValueError(f"gemv: weight is {weight.dtype}: give its block scales as weight_scale, a float32 "
-                             f"[{n}, {fp8.scale_grid(n, k)[1]}] per-row table (coldset.fp8.row_scales)")
+                             f"[{n}, {fp8.scale_grid(n, k)[1]}] per-row table (coldset.core.fp8.row_scales)")
         want = (n, fp8.scale_grid(n, k)[1])
         if weight_scale.dtype != torch.float32:
             raise ValueError(f"gemv: weight_scale must be float32, got {weight_scale.dtype}")
         if tuple(weight_scale.shape) != want:
             raise ValueError(f"gemv: weight_scale must be the per-row table {list(want)} of a [{n}, {k}] weight "
                              f"(one scale per row and {fp8.BLOCK}-column group: each row's block scales, "
-                             f"coldset.fp8.row_scales), got {list(weight_scale.shape)}")
+                             f"coldset.core.fp8.row_scales), got {list(weight_scale.shape)}")
         if weight_scale.stride(1) != 1:
             raise ValueError(f"gemv: weight_scale must be row-major (stride 1 along its groups), got strides "
                              f"{weight_scale.stride()}")
@@ -557,7 +557,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     K loop keeps two tiles in flight and ran the decode GEMVs at ~2.3 TB/s (BENCHMARKS.md, issue 13).
 
     ``weight_scale`` (block-FP8 weights, weight-only): ``weight`` is float8_e4m3fn ``[N, K]`` and
-    ``weight_scale`` its float32 per-row scale table ``[N, ceil(K / 128)]`` (:func:`coldset.fp8.row_scales`
+    ``weight_scale`` its float32 per-row scale table ``[N, ceil(K / 128)]`` (:func:`coldset.core.fp8.row_scales`
     of a checkpoint's ``weight_scale_inv``). Each program converts its e4m3 rows to float32 in
     registers (exact), multiplies them by the float32 input (normed and rounded to x's dtype as for
     bf16), sums each row's 128-column groups in fp32, multiplies each group's sum by its scale and

@@ -6,10 +6,10 @@ FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE
 weight-only mode ``w8a16``, below, keeps the activations in their dtype):
 
 - weights are the pools' float8_e4m3fn bytes; each expert's float32 ``weight_scale_inv`` blocks
-  come from the scale pool of the same tier, at the same row (:mod:`coldset.tiers`), through the
+  come from the scale pool of the same tier, at the same row (:mod:`coldset.kernels.tiers`), through the
   same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
 - activations are quantized per token and group of 128 columns
-  (:func:`coldset.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
+  (:func:`coldset.core.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
   round-to-nearest-even cast), by default ONCE per call, never inside a GEMM's k loop (the
   ``quant_x`` option below is the exception): the tokens ``x`` by a small launch before the w13
   launch (:func:`_quant_groups_kernel`, one block per token);
@@ -111,7 +111,7 @@ interpreter (fp16: rel. error < 1e-3 against the torch path and a float64 comput
 dequantized weights, measured 3e-6 to 3e-4); against the w8a8 path it differs by ~4% (3.6-4.6% at the
 tests' shapes, 4.2% at Qwen3-30B-A3B's in float64), the e4m3 rounding of the activations that
 w8a8 adds (tests/test_fp8_w8a16.py). A run's bits depend on the config, never on the placement: the
-parity gate (:func:`coldset.gate.experts_functions`) gives the unmodified and the row-map paths the
+parity gate (:func:`coldset.verify.gate.experts_functions`) gives the unmodified and the row-map paths the
 same tuned config, ``bench step`` times one tuned config per batch, and ``autotune`` and ``bench
 kernel`` check each candidate against the torch path of its own mode. The SASS (same probe): the
 16 x 32 tile's w13 128 registers, 992 instructions, no spill, HMMA.16816.F32.BF16; the conversion is
@@ -190,9 +190,9 @@ from coldset.kernels.triton_moe import (
 )
 
 if TYPE_CHECKING:
-    from coldset.tiers import ExpertPools
+    from coldset.kernels.tiers import ExpertPools
 
-GROUP = 128  # weight block and activation group (coldset.fp8.BLOCK)
+GROUP = 128  # weight block and activation group (coldset.core.fp8.BLOCK)
 # swap_ab: the rows of a Hopper warpgroup MMA (wgmma's M), which the weights' rows fill when the
 # tokens are the dot's N (KernelConfig.swap_ab)
 SWAP_MIN_ROWS = 64
@@ -219,7 +219,7 @@ def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:
 def _quantize_rows(a, BM: tl.constexpr, BK: tl.constexpr):
     """``(a_q float8e4nv [BM, BK], scale float32 [BM])`` of a float32 tile whose rows are one group
     each: ``scale = max(max|a|, 1e-10) / 448``, ``a_q = rtne(clamp(a / scale, -448, 448))``, the
-    divisions IEEE round-to-nearest (``div_rn``), as :func:`coldset.fp8.quantize_activations`."""
+    divisions IEEE round-to-nearest (``div_rn``), as :func:`coldset.core.fp8.quantize_activations`."""
     amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
     scale = tl.math.div_rn(amax, tl.full([BM], 448.0, tl.float32))
     q = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], (BM, BK)))
@@ -235,8 +235,8 @@ def _bf16_of_e4m3_bits(w):
     2^112 (the exponent biases' difference, 127 - 15): four ALU instructions per two values where
     triton 3.6 converts each f16 to bf16 by its own F2F. Bitwise Triton's conversion for every finite
     e4m3 value (zeros and signs included); e4m3fn's NaN (0x7f, 0xff) reads as +-122880 instead of
-    NaN (a quantizer writes none: :func:`coldset.fp8.quantize_weight` clamps to +-448; the loader
-    refuses a checkpoint tensor that holds one, by name: ``coldset.model._read_linear``)."""
+    NaN (a quantizer writes none: :func:`coldset.core.fp8.quantize_weight` clamps to +-448; the loader
+    refuses a checkpoint tensor that holds one, by name: ``coldset.engine.model._read_linear``)."""
     h = w.to(tl.float16)
     return tl.inline_asm_elementwise(
         "{ .reg .b32 u, s, k; and.b32 u, $1, 0x7fff7fff; shr.b32 u, u, 3; and.b32 s, $1, 0x80008000; "
@@ -420,7 +420,7 @@ def _w13_fp8_kernel(
     n_ok = offs_n < I
     wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
-    sg_ptrs = s_base + (offs_n // BK) * GH  # gate's scale grid rows, then up's (coldset.fp8)
+    sg_ptrs = s_base + (offs_n // BK) * GH  # gate's scale grid rows, then up's (coldset.core.fp8)
     su_ptrs = s_base + (GI + offs_n // BK) * GH
     if USE_GDC:
         gdc_wait()  # the FP8 tokens and their scales
@@ -514,7 +514,7 @@ def _w2_fp8_kernel(
 
 def quantize_groups(src: torch.Tensor, wait: bool = False, trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn [R, K], scales float32 [R, ceil(K / 128)])`` of a CUDA ``[R, K]`` bf16/fp16
-    tensor, per row and group of 128 columns: :func:`coldset.fp8.quantize_activations` bit for bit,
+    tensor, per row and group of 128 columns: :func:`coldset.core.fp8.quantize_activations` bit for bit,
     one launch (one block per row). ``wait``: a programmatic dependent launch that waits for the
     kernel before; ``trigger``: the next launch may start at once (see the kernel)."""
     rows, k = src.shape

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
-    from coldset.tiers import ExpertPools
+    from coldset.kernels.tiers import ExpertPools
 
 try:  # grid dependency control (programmatic dependent launch, sm90+), in triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

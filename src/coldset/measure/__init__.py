@@ -2,8 +2,8 @@
 ``bench step``, ``bench cache`` (and ``bench render`` for their tables).
 
 Each command measures on one CUDA GPU in one process, its ceilings in the same run
-(:mod:`coldset.kernels.bandwidth`), times through :mod:`coldset.tune`'s graph and event timers and
-:class:`coldset.bench.Decoder`, writes one JSON with its provenance (:mod:`coldset.measure.harness`)
+(:mod:`coldset.kernels.bandwidth`), times through :mod:`coldset.kernels.tune`'s graph and event timers and
+:class:`coldset.bench.decode.Decoder`, writes one JSON with its provenance (:mod:`coldset.measure.harness`)
 and prints the table :mod:`coldset.measure.render` makes of that JSON, the same table
 BENCHMARKS.md shows. Nothing here is imported by the pipeline; torch and triton load lazily, so
 ``python -m coldset`` runs (and these commands refuse cleanly) on a machine without them.

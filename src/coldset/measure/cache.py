@@ -3,34 +3,34 @@ one GPU: correctness first, then decode speed against static placement and all-H
 
 Builds the config's in-memory synthetic model (decode region compiled as the pipeline does), pins
 one host copy of every expert, and renders the config's fixtures as the workflow does
-(:func:`coldset.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
+(:func:`coldset.trace.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
 on the unmodified path gives the profile counts (the warm set: ``usage_global``'s hot set at each
 residency); the timed prompts are cut from the held-out fixtures' token stream
-(:func:`coldset.bench.bench_prompts`). Per batch size, every step one CUDA graph
-(:class:`coldset.bench.Decoder`, its one timed loop ``timed_steps``), each variant captured once
-and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.slots.SlotCache.reset`):
+(:func:`coldset.bench.decode.bench_prompts`). Per batch size, every step one CUDA graph
+(:class:`coldset.bench.decode.Decoder`, its one timed loop ``timed_steps``), each variant captured once
+and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.engine.slots.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
 in place), each ``--policies`` cache (``lru``, ``lru_guard``, ``lfu``; ``lookahead`` at each ``--depths``:
 decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph;
-``nexttoken``, issue 28: its :class:`coldset.forecast.NextTokenForecaster` fitted on the profile
+``nexttoken``, issue 28: its :class:`coldset.analysis.forecast.NextTokenForecaster` fitted on the profile
 routing with ``--nexttoken-extra`` candidates a token, at most ``--prefetch-budget`` copies a
 group), at each ``--residencies`` (at 1.0 every selection hits: the cache's work in the step;
 lookahead there at depth 1 only).
 
 Checks (the command exits 1 if one fails): every variant's logits at every step of every pass
 bitwise the all-HBM run's; a cache's per-(step, layer) hits, misses and fills, and lookahead's
-prefetches per group, equal :func:`coldset.cache.simulate` on the all-HBM routing (lookahead: on
-the lists the engine recorded; nexttoken: through :func:`coldset.bench.simulate_engine_pass`, its
-lists equal to :func:`coldset.forecast.nexttoken_lists` on the same tokens, no commit refused), in
+prefetches per group, equal :func:`coldset.analysis.cache.simulate` on the all-HBM routing (lookahead: on
+the lists the engine recorded; nexttoken: through :func:`coldset.bench.decode.simulate_engine_pass`, its
+lists equal to :func:`coldset.analysis.forecast.nexttoken_lists` on the same tokens, no commit refused), in
 every pass; row map, owners and slot contents consistent after the run. Timed: tok/s = 1000 / mean
-step (:func:`coldset.bench.pass_timing`: each pass's mean step, the median over the timed passes,
+step (:func:`coldset.bench.decode.pass_timing`: each pass's mean step, the median over the timed passes,
 with the slowest and fastest pass), ratios to
 ``usage_global`` and to all-HBM of the same batch in the same run, hit rate, misses, prefetches
 (and the wasted ones) and link GB per token; per cache row the overlap of its copies with the
 compute, the fraction of its bound (max of all-HBM and link time) and
-:func:`coldset.cache.simulate_time`'s step (link "share", join "step") over the measured one.
+:func:`coldset.analysis.cache.simulate_time`'s step (link "share", join "step") over the measured one.
 
-``--analysis`` adds, per batch: the next-token forecaster (:mod:`coldset.forecast`, fitted on the
+``--analysis`` adds, per batch: the next-token forecaster (:mod:`coldset.analysis.forecast`, fitted on the
 profile routing): its recall on the timed tokens, its GPU cost, the ``forecast`` policy simulated
 beside ``lru``; the next-layer lookahead's recall on lru's misses; at the first residency the
 cache-management work of all-hit groups alone and inside the step; the fill kernel's read rate
@@ -41,9 +41,9 @@ cache's work per layer at the config's shape (no model). Writes ``cache_bench.js
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
 layer; the bf16 experts are freed after), so every tier holds FP8 weights with their 128 x 128
 scales: the HBM pools, the slots and the pinned host tier, and its attention projections as a
-published FP8 checkpoint holds them (:func:`coldset.model.attach_fp8_attention`, read as FP8 at one
+published FP8 checkpoint holds them (:func:`coldset.engine.model.attach_fp8_attention`, read as FP8 at one
 token; not yet run on a GPU in this command: bench step's FP8 rows run it) (half the bytes an expert:
-:func:`coldset.placement.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
+:func:`coldset.core.placement.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
 Qwen3-30B-A3B against 9.44 MB). The reference is the FP8 all-HBM run (the FP8 kernel, every expert
 hot, the row map compiled out): every variant's logits bitwise its, the engine's decisions the
 simulator's, link bytes and bounds at the FP8 bytes an expert; the same checks as bf16.
@@ -98,8 +98,8 @@ def add_arguments(p) -> None:
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--lookahead-fit", action="store_true",
                    help="also each lookahead variant with its forecast matrices fitted on the profile fixtures' "
-                        "router inputs (coldset.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt tokens; "
-                        "coldset.forecast.fit_lookahead_routers) in "
+                        "router inputs (coldset.analysis.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt tokens; "
+                        "coldset.analysis.forecast.fit_lookahead_routers) in "
                         "place of the later layers' routers (rows named '... fit'): the same launches, other rows")
     p.add_argument("--profile", action="store_true",
                    help="also a kernel profile of each row's captured step (after its timed passes): kernels, "
@@ -152,16 +152,16 @@ def run(args, argv=None) -> dict:
     import numpy as np
     import torch
 
-    from coldset import bench as bn
-    from coldset.cache import AccessStream, simulate
-    from coldset.config import load_config
-    from coldset.fixtures import render_domain, template_texts
-    from coldset.gate import experts_functions
-    from coldset.model import attach_fp8_attention, encode_prompts
-    from coldset.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
-    from coldset.slots import SlotCache
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.tiers import host_tier
+    from coldset.bench import decode as bn
+    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.workflow.config import load_config
+    from coldset.trace.fixtures import render_domain, template_texts
+    from coldset.verify.gate import experts_functions
+    from coldset.engine.model import attach_fp8_attention, encode_prompts
+    from coldset.core.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+    from coldset.engine.slots import SlotCache
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.kernels.tiers import host_tier
 
     out_path = Path(args.out) / "cache_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -410,12 +410,12 @@ def run(args, argv=None) -> dict:
 def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     """``--save-replays``' arrays of one batch size: the all-HBM routing ``[steps, L, B, k]`` (the
     engine's group order) and, per depth d of :data:`REPLAY_DEPTHS` below the layer count, the
-    ``lookahead`` policy's lists of :func:`coldset.forecast.lookahead_predictions` (layer l + d's
+    ``lookahead`` policy's lists of :func:`coldset.analysis.forecast.lookahead_predictions` (layer l + d's
     router on layer l's router inputs ``hidden [steps, L, B, H]``) with ``k`` and ``k + 4``
-    candidates a token: what :func:`coldset.cache.simulate` replays as ``predictions``."""
+    candidates a token: what :func:`coldset.analysis.cache.simulate` replays as ``predictions``."""
     import numpy as np
 
-    from coldset.forecast import lookahead_predictions
+    from coldset.analysis.forecast import lookahead_predictions
 
     L = len(routers)
     out = {f"b{bsz}_routing": np.asarray(routing, dtype=np.int16)}
@@ -428,7 +428,7 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
 def list_recall(lists, routing, depth: int, num_experts: int) -> float:
     """The share of layer ``l + depth``'s selections (of every token of the step) that the lookahead
     list issued after group (step, ``l``) names: ``lists`` int ``[steps * L, W]`` instances (-1
-    padded, the engine's :meth:`~coldset.slots.SlotCache.prefetch_lists`), ``routing`` int
+    padded, the engine's :meth:`~coldset.engine.slots.SlotCache.prefetch_lists`), ``routing`` int
     ``[steps, L, B, k]`` expert ids."""
     import numpy as np
 
@@ -446,15 +446,15 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
 
 def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
     """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
-    :data:`coldset.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a
-    time on the unmodified path: :func:`coldset.forecast.router_inputs`), and per lookahead depth of the run (and 1,
-    residency 1.0's) the fitted forecast matrices of :func:`coldset.forecast.fit_lookahead_routers`,
+    :data:`coldset.analysis.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a
+    time on the unmodified path: :func:`coldset.analysis.forecast.router_inputs`), and per lookahead depth of the run (and 1,
+    residency 1.0's) the fitted forecast matrices of :func:`coldset.analysis.forecast.fit_lookahead_routers`,
     in the routers' dtype."""
     import time
 
     import torch
 
-    from coldset.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs
+    from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs
 
     L = model.config.num_moe_layers
     chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, len(profile_stream), FIT_CHUNK)]
@@ -506,13 +506,13 @@ def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int,
 
 def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     """The ``nexttoken`` forecaster fitted on the profile routing [steps, L, B, k], each batch row
-    one sequence (:meth:`coldset.forecast.NextTokenForecaster.fit_tuned`: its history parameters
+    one sequence (:meth:`coldset.analysis.forecast.NextTokenForecaster.fit_tuned`: its history parameters
     chosen on profile sequences only, as the workflow fits it on the profile split); recorded in ``R``."""
     import time
 
     import numpy as np
 
-    from coldset.forecast import NextTokenForecaster
+    from coldset.analysis.forecast import NextTokenForecaster
 
     S, L, B, _ = prof_routing.shape
     tokens = prof_routing.transpose(2, 0, 1, 3).reshape(-1, L, k)  # row by row, in decode order
@@ -526,7 +526,7 @@ def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     return F
 
 
-#: bench cache's JSON names of :func:`coldset.bench.time_columns`' columns (committed results and
+#: bench cache's JSON names of :func:`coldset.bench.decode.time_columns`' columns (committed results and
 #: :mod:`coldset.measure.render` read these names).
 _TIME_JSON_NAMES = {"overlap": "overlap", "bound_ms": "bound_ms", "bound_fraction": "fraction_of_bound",
                     "simulated_step_ms": "sim_step_ms", "simulated_over_measured": "sim_over_measured",
@@ -536,11 +536,11 @@ _TIME_JSON_NAMES = {"overlap": "overlap", "bound_ms": "bound_ms", "bound_fractio
 
 def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, sim, per_expert: int,
                   full_step_ms: float | None = None) -> dict:
-    """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.time_columns`
+    """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.decode.time_columns`
     (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
     its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
     the management columns (None without)."""
-    from coldset.bench import time_columns
+    from coldset.bench.decode import time_columns
 
     cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
                            [(acc, sim, per_expert)], full_step_ms)
@@ -558,10 +558,10 @@ def _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz, tokens, 
     import pandas as pd
     import torch
 
-    from coldset.cache import AccessStream, simulate
-    from coldset.forecast import TransitionForecaster, forecast_recall, stream_predictions
-    from coldset.placement import hot_count_for_residency
-    from coldset.timing import graph_time_us
+    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.forecast import TransitionForecaster, forecast_recall, stream_predictions
+    from coldset.core.placement import hot_count_for_residency
+    from coldset.core.timing import graph_time_us
 
     def routing_rows(rt):
         """Trace-like decode rows of a recorded routing [steps, L, B, k] (request = batch row)."""
@@ -604,8 +604,8 @@ def _lookahead_recall(model, hidden, routing, sim, acc, C, counts, k, tokens, pe
     """The next-layer lookahead (router of layer l on layer l - d's router input) on the
     selections an lru run missed, and the lookahead policy simulated, at depths 1, 2 and forecasts
     of top k and k + 3."""
-    from coldset.cache import simulate
-    from coldset.forecast import lookahead_predictions, lookahead_recall
+    from coldset.analysis.cache import simulate
+    from coldset.analysis.forecast import lookahead_predictions, lookahead_recall
 
     routers = _routers(model)
     missed = ~sim.hit.reshape(routing.shape)
@@ -632,7 +632,7 @@ def _overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L, k, per_e
     import torch
 
     from coldset.kernels.triton_slots import fill
-    from coldset.timing import graph_time_us
+    from coldset.core.timing import graph_time_us
 
     def mean_ms(*a, **kw):
         return statistics.fmean(decode(*a, 1, **kw)[0]["ms"])
@@ -694,23 +694,23 @@ def decisions_split(args, argv=None) -> dict:
     """Where lookahead's extra work a layer goes, at the config's shape (L, E, top k, hidden), with
     stand-in experts of a few bytes (the decisions do not depend on the experts' size) at residency
     1.0 (every selection and every forecast a hit: the work alone, no copy), each part captured in a
-    CUDA graph over every MoE layer (:func:`coldset.tune.graph_time_us`): lru's decisions + fill,
+    CUDA graph over every MoE layer (:func:`coldset.kernels.tune.graph_time_us`): lru's decisions + fill,
     lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
     GEMV alone, and lookahead's decisions launch alone; then as the fused decode step runs them
-    (:meth:`coldset.slots.SlotCache.route`): the router's launch alone (no cache), lru's group in it
+    (:meth:`coldset.engine.slots.SlotCache.route`): the router's launch alone (no cache), lru's group in it
     (the router recording + the fill choosing and copying) and lookahead's (the router with the
     forecast and the whole decision + the demand fill + fork, prefetch fill, join); a cached group's
     cost is its row minus the router's."""
     import numpy as np
     import torch
 
-    from coldset.config import load_config
+    from coldset.workflow.config import load_config
     from coldset.kernels import triton_decode as td
     from coldset.kernels.triton_slots import decide_ahead
-    from coldset.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.slots import SlotCache
-    from coldset.tiers import ExpertPools, host_tier
-    from coldset.timing import graph_time_us
+    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.engine.slots import SlotCache
+    from coldset.kernels.tiers import ExpertPools, host_tier
+    from coldset.core.timing import graph_time_us
 
     syn = load_config(args.config)["model"]["synthetic"]
     L, E, k, H = syn["layers"], syn["experts"], syn["top_k"], syn["hidden"]

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "render" and args.into:
-            from coldset.files import write_bytes
+            from coldset.core.files import write_bytes
             from coldset.measure.render import refresh_page
 
             page = Path(args.into)
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
                 raise MeasureError("render: name result JSON files, or a page to refresh with --into")
             text = render_files(args.files)
             if args.out:
-                from coldset.files import write_bytes
+                from coldset.core.files import write_bytes
 
                 write_bytes(args.out, text.encode())
             else:
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        from coldset.config import ConfigError
+        from coldset.workflow.config import ConfigError
 
         if isinstance(exc, (ConfigError, FileNotFoundError)):
             print(f"coldset bench {args.command}: {exc}", file=sys.stderr)

@@ -64,11 +64,11 @@ def new_result(kind: str, argv: list[str] | None, args) -> dict:
 def write_result(path: Path, result: dict, ceilings: dict | None = None, tuned=None) -> Path:
     """Write ``result`` (atomically, complete or absent) with its provenance: the code's commit,
     the software stack, the device and the ceilings measured in this run
-    (:func:`coldset.provenance.collect_provenance`)."""
+    (:func:`coldset.bench.provenance.collect_provenance`)."""
     import torch
 
-    from coldset.files import write_json
-    from coldset.provenance import collect_provenance
+    from coldset.core.files import write_json
+    from coldset.bench.provenance import collect_provenance
 
     if "provenance" not in result or ceilings is not None:
         result["provenance"] = collect_provenance(torch.device("cuda"), tuned, ceilings)
@@ -82,14 +82,14 @@ WEIGHT_FORMATS = ("bf16", "fp8")
 
 
 def expert_format(weight_format: str) -> str:
-    """The :mod:`coldset.shapes` format name of ``--weight-format``: what
-    :func:`coldset.placement.expert_bytes` takes for the bytes of one expert (bf16 9,437,184 B at
+    """The :mod:`coldset.core.shapes` format name of ``--weight-format``: what
+    :func:`coldset.core.placement.expert_bytes` takes for the bytes of one expert (bf16 9,437,184 B at
     Qwen3-30B-A3B's shape; fp8 4,719,744 B, its block scales included)."""
     if weight_format not in WEIGHT_FORMATS:
         raise MeasureError(f"--weight-format {weight_format!r} not among {', '.join(WEIGHT_FORMATS)}")
     if weight_format == "bf16":
         return "bfloat16"
-    from coldset.fp8 import FORMAT_NAME
+    from coldset.core.fp8 import FORMAT_NAME
 
     return FORMAT_NAME
 
@@ -102,9 +102,9 @@ FP8_NONEXPERT = ("q/k/v/o_proj block-FP8 (attach_fp8_attention): read as FP8 by 
 
 
 def fp8_expert_pools(pools):
-    """All-hot block-FP8 pools (:class:`coldset.tiers.ExpertPools` with its scale pools) of the
+    """All-hot block-FP8 pools (:class:`coldset.kernels.tiers.ExpertPools` with its scale pools) of the
     all-hot float ``pools`` of an in-memory model, quantized on the pools' device one MoE layer at a
-    time by :func:`coldset.fp8.quantize_w13` and :func:`coldset.fp8.quantize_weight` (the
+    time by :func:`coldset.core.fp8.quantize_w13` and :func:`coldset.core.fp8.quantize_weight` (the
     quantizers of the synthetic FP8 checkpoint and of the FP8 autotune pools).
 
     Why here: the real-shape synthetic model is built in memory on the GPU (a checkpoint of it
@@ -114,12 +114,12 @@ def fp8_expert_pools(pools):
     (29 GB). The weights quantized are the model's bf16 experts (the FP8 checkpoint path quantizes
     the float32 weights before any cast), so the FP8 model is the bf16 model to e4m3 precision;
     its non-expert weights are not touched here (``bench step`` and ``bench cache`` make the
-    attention projections FP8 beside these pools with :func:`coldset.model.attach_fp8_attention`,
+    attention projections FP8 beside these pools with :func:`coldset.engine.model.attach_fp8_attention`,
     as a published FP8 checkpoint stores them)."""
     import torch
 
-    from coldset import fp8
-    from coldset.tiers import ExpertPools
+    from coldset.core import fp8
+    from coldset.kernels.tiers import ExpertPools
 
     if pools.is_fp8:
         raise MeasureError("fp8_expert_pools: the pools already hold block-FP8 experts")

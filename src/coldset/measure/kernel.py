@@ -3,7 +3,7 @@ I=768, top-8, bf16) on one CUDA GPU, against the read bound measured in the same
 
 Measures the HBM streaming-read and the pinned zero-copy read ceilings (a Triton read kernel,
 :func:`coldset.kernels.bandwidth.best_read_bandwidth`) and a bf16 matmul rate, then the Triton
-experts kernel per MoE layer, CUDA-graph replayed (:func:`coldset.tune.graph_time_us`: median of
+experts kernel per MoE layer, CUDA-graph replayed (:func:`coldset.kernels.tune.graph_time_us`: median of
 ``--reps`` replays), on fresh random weights and activations, with ``--layers`` layers' experts
 rotated inside each graph so that no layer's weights are served from L2 (8 layers x 75 MB
 selected at batch 1, L2 is 60 MB): all-hot with the row map, with the indirection compiled out
@@ -161,7 +161,7 @@ def cumulative_stage_us(call, stops, layers: int, reps: int) -> dict:
     """Cumulative µs a layer after each of ``stops``: ``call(layer, stop)`` (a kernel call that
     stops after launch ``stop``) for every layer in one CUDA graph, median of ``reps`` replays, per
     stop. How both kernels' stages are timed (their ``_stop_after``)."""
-    from coldset.timing import graph_time_us
+    from coldset.core.timing import graph_time_us
 
     return {stop: graph_time_us(lambda: [call(layer, stop) for layer in range(layers)], reps) / layers
             for stop in stops}
@@ -191,9 +191,9 @@ def run(args, argv=None) -> dict:
     from coldset.kernels.reference import torch_experts, torch_softmax_topk
     from coldset.kernels.triton_moe import (DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG, KernelConfig,
                                             group_pairs, triton_experts)
-    from coldset.tiers import ExpertPools, check_host_allocation
-    from coldset.timing import eager_time_us, graph_time_us
-    from coldset.tune import TuneResult, TuneShape, autotune, config_for
+    from coldset.kernels.tiers import ExpertPools, check_host_allocation
+    from coldset.core.timing import eager_time_us, graph_time_us
+    from coldset.kernels.tune import TuneResult, TuneShape, autotune, config_for
 
     out_path = Path(args.out) / "kernel_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -507,10 +507,10 @@ def run_fp8(args, argv=None) -> dict:
     ``kernel_bench.json`` of kind ``kernel-fp8`` (:func:`coldset.measure.render.render_kernel_fp8`).
 
     E=128, H=2048, I=768, top-8, bf16 activations; the same random weights in bf16 and quantized to
-    FP8 (:func:`coldset.fp8.quantize_w13`, :func:`~coldset.fp8.quantize_weight`). Per batch:
+    FP8 (:func:`coldset.core.fp8.quantize_w13`, :func:`~coldset.core.fp8.quantize_weight`). Per batch:
     correctness first (the FP8 kernel against the torch path, rel. error; bitwise with the row map
     compiled out), then the FP8 kernel's time with each config of the FP8 search space for its
-    regime (:data:`coldset.tune.TRITON_FP8_SEARCH_SPACE`, or ``--fp8-configs``' list at every
+    regime (:data:`coldset.kernels.tune.TRITON_FP8_SEARCH_SPACE`, or ``--fp8-configs``' list at every
     batch; the fastest reported with all timings) and the fastest one's launches timed
     cumulatively (``fp8_stages_us``: :func:`coldset.kernels.triton_fp8.fp8_launches`; with
     ``--fp8-configs`` every config's, ``fp8_candidates_stages_us``),
@@ -521,15 +521,15 @@ def run_fp8(args, argv=None) -> dict:
     """
     import torch
 
-    from coldset import fp8
+    from coldset.core import fp8
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth
     from coldset.kernels.reference import torch_experts, torch_softmax_topk
     from coldset.kernels import triton_experts  # picks the FP8 or the bf16 kernel by the pools' format
     from coldset.kernels.triton_fp8 import fp8_launches, triton_fp8_experts
     from coldset.kernels.triton_moe import KernelConfig, default_config
-    from coldset.tiers import ExpertPools, check_host_allocation, host_tier
-    from coldset.timing import eager_time_us, graph_time_us
-    from coldset.tune import TRITON_FP8_SEARCH_SPACE
+    from coldset.kernels.tiers import ExpertPools, check_host_allocation, host_tier
+    from coldset.core.timing import eager_time_us, graph_time_us
+    from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
     out_path = Path(args.out) / "kernel_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -28,12 +28,12 @@ references beside them:
   a longer horizon can cost more copies than a shorter one (batch 8, residency 0.25 of the issue 28
   replays: one step's experts already exceed the pool, h8 moves more bytes than h2).
 
-Each goes through :func:`coldset.cache.simulate` and :func:`coldset.cache.simulate_time` (the
+Each goes through :func:`coldset.analysis.cache.simulate` and :func:`coldset.analysis.cache.simulate_time` (the
 engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
 selects a copied expert, which no engine does yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
 simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the
 measured x all-HBM where the run measured the same row. The lists are
-:func:`coldset.forecast.lookahead_predictions`' (float32 logits): the engine ranks its own logits,
+:func:`coldset.analysis.forecast.lookahead_predictions`' (float32 logits): the engine ranks its own logits,
 so near-ties may differ from the lists it recorded. No GPU needed.
 """
 
@@ -103,7 +103,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
     doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
     import numpy as np
 
-    from coldset.cache import AccessStream, TimeModel, capacity_for_residency, manage_ms_per_group, simulate, \
+    from coldset.analysis.cache import AccessStream, TimeModel, capacity_for_residency, manage_ms_per_group, simulate, \
         simulate_time
 
     counts = np.asarray(arrays["profile_counts"], dtype=np.float64)

@@ -2,23 +2,23 @@
 batch 1 and 8, against its bytes floor measured in the same run.
 
 Builds the config's in-memory synthetic model (every expert in HBM), measures the HBM read
-ceiling (:func:`coldset.bench.measure_ceilings`: best of several rounds), then for each engine
+ceiling (:func:`coldset.bench.decode.measure_ceilings`: best of several rounds), then for each engine
 (``eager``; ``compiled``: ``compile_decode(fused=False)``, the Inductor-compiled region; ``fused``:
 ``compile_decode()``, the fused Triton kernels of :mod:`coldset.kernels.triton_decode` with their
 default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch forced on / off;
 ``NAME@base``: engine NAME with the experts kernel of ``--baseline-module``, a before/after in
-one process), each captured in one CUDA graph by :class:`coldset.bench.Decoder`, times the full
+one process), each captured in one CUDA graph by :class:`coldset.bench.decode.Decoder`, times the full
 step at batch 1 and 8 (prompts cut from fixture-like text, as the bench cuts them) and the step
 with the routed experts replaced by zeros at batch 1, with a kernel profile of each full step.
-A step's time is the median of ``--reps`` event-timed calls (:func:`coldset.tune.eager_time_us`),
+A step's time is the median of ``--reps`` event-timed calls (:func:`coldset.kernels.tune.eager_time_us`),
 repeated ``--rounds`` times: the median round is reported with the slowest and fastest.
 
 The bytes floor of a step is what it must read from HBM (non-expert weights with the LM head, the
 batch's embedding rows, and per MoE layer each distinct expert the batch's tokens chose, from an
-eager pass with routing capture over the same tokens: :func:`coldset.bench.measure_routing`) over
+eager pass with routing capture over the same tokens: :func:`coldset.bench.decode.measure_routing`) over
 the measured read rate; ``of floor`` = floor / measured step. Checks: every engine decodes the
 first engine's greedy tokens (16 steps, both batch sizes); the largest logit difference.
-``--tune`` runs the experts autotune (:mod:`coldset.tune`) for batch 1 and 8 first; ``--tuned``
+``--tune`` runs the experts autotune (:mod:`coldset.kernels.tune`) for batch 1 and 8 first; ``--tuned``
 reads the configs of an autotune entry instead (e.g. config/examples/h200-tuned/). Writes
 ``decode_step.json`` under ``--out``.
 
@@ -29,13 +29,13 @@ their 128 x 128 scales, all in HBM, run by :mod:`coldset.kernels.triton_fp8`; th
 weights bf16 except the attention projections). The FP8 model is the one a published FP8
 checkpoint holds (Qwen3-30B-A3B-FP8: routed experts and q/k/v/o_proj in block FP8; LM head,
 embeddings, norms and router gates in ``modules_to_not_convert``): its rows run with
-:func:`coldset.model.attach_fp8_attention` (each projection quantized on its own grid; the fused
+:func:`coldset.engine.model.attach_fp8_attention` (each projection quantized on its own grid; the fused
 step at batch 1 reads the FP8 bytes, every other path their dequantization, as
-:func:`coldset.model.load_model` runs an FP8 checkpoint), undone for the bf16 rows. Each row with
+:func:`coldset.engine.model.load_model` runs an FP8 checkpoint), undone for the bf16 rows. Each row with
 ``--weight-format fp8`` says which non-expert linears it ran in FP8 (``nonexpert_fp8``:
 ``["qkv_proj", "o_proj"]`` for a fused engine at batch 1, else ``[]``,
-:func:`coldset.model.fp8_attention_linears`). Each format has its bytes floor (FP8 experts at
-:func:`coldset.placement.expert_bytes` of ``fp8_block128``, scales included, over the distinct
+:func:`coldset.engine.model.fp8_attention_linears`). Each format has its bytes floor (FP8 experts at
+:func:`coldset.core.placement.expert_bytes` of ``fp8_block128``, scales included, over the distinct
 experts of its own routing; at batch 1 the attention projections at that format's bytes too,
 :func:`nonexpert_read_bytes_fp8`, the floor of the FP8 model whichever engine runs it) and its rows;
 ``fp8_speedup`` is bf16 step / FP8 step per engine and batch (issue 29's target: >= 1.5 at batch 1)
@@ -126,7 +126,7 @@ def baseline_experts(path: str, result):
     (the unmodified path, as ``tuned_experts(result, use_row_map=False)``), each batch size on its
     tuned config restricted to the fields that copy knows."""
     from coldset.measure.kernel import _load_module
-    from coldset.tune import config_for
+    from coldset.kernels.tune import config_for
 
     mod = _load_module(path)
     known = set(mod.KernelConfig.__dataclass_fields__)
@@ -142,8 +142,8 @@ def baseline_experts(path: str, result):
 
 
 def _tuned_from_file(path: str, shape):
-    """The :class:`coldset.tune.TuneResult` of an autotune entry's configs, for ``shape``."""
-    from coldset.tune import TuneResult
+    """The :class:`coldset.kernels.tune.TuneResult` of an autotune entry's configs, for ``shape``."""
+    from coldset.kernels.tune import TuneResult
 
     entry = json.loads(Path(path).read_text())
     return TuneResult(key=entry["key"], hit=True, backend=entry["backend"], shape=shape,
@@ -174,16 +174,16 @@ def fp8_speedup(rows: list[dict], floor: dict, floor_fp8: dict) -> dict:
 
 def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
     """Non-expert weight bytes a decode step of the FP8 model must read: those of the model dtype
-    (:func:`coldset.bench._nonexpert_read_bytes`: every weight once, the batch's embedding rows) with,
+    (:func:`coldset.bench.decode._nonexpert_read_bytes`: every weight once, the batch's embedding rows) with,
     at one token, the attention projections (``cfg.attention_linears``: q, k, v and o_proj, the
     fused step's FP8 GEMVs) at the published format's bytes (``fp8_block128``: 1 byte a weight and
     a float32 scale per 128 x 128 block) instead of the dtype's. A floor: the GEMV reads its scales
-    expanded per row (:func:`coldset.fp8.row_scales`, 4 bytes a row and 128-column group, ~3% of the
+    expanded per row (:func:`coldset.core.fp8.row_scales`, 4 bytes a row and 128-column group, ~3% of the
     FP8 bytes), which is not counted. From 2 tokens on the projections run dequantized (cuBLAS on the
     model-dtype weights), so they count in the dtype."""
-    from coldset import bench as bn
-    from coldset.fp8 import FORMAT_NAME
-    from coldset.shapes import get_weight_format
+    from coldset.bench import decode as bn
+    from coldset.core.fp8 import FORMAT_NAME
+    from coldset.core.shapes import get_weight_format
 
     total = bn._nonexpert_read_bytes(cfg, batch_size, dtype)
     if batch_size != 1:
@@ -202,15 +202,15 @@ def run(args, argv=None) -> dict:
     import torch
     import torch._dynamo as dynamo
 
-    from coldset import bench as bn
-    from coldset.config import load_config
-    from coldset.fixtures import template_texts
-    from coldset.gate import experts_functions
-    from coldset.model import attach_fp8_attention, fp8_attention_linears
-    from coldset.placement import expert_bytes
-    from coldset.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.timing import eager_time_us
-    from coldset.tune import TuneShape, autotune, default_search_space, tuned_experts, untimed_candidates
+    from coldset.bench import decode as bn
+    from coldset.workflow.config import load_config
+    from coldset.trace.fixtures import template_texts
+    from coldset.verify.gate import experts_functions
+    from coldset.engine.model import attach_fp8_attention, fp8_attention_linears
+    from coldset.core.placement import expert_bytes
+    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+    from coldset.core.timing import eager_time_us
+    from coldset.kernels.tune import TuneShape, autotune, default_search_space, tuned_experts, untimed_candidates
 
     out_path = Path(args.out) / "decode_step.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)

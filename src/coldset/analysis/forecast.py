@@ -1,0 +1,759 @@
+"""Forecast the next decode token's experts in every MoE layer from the current token's (issue 12, item 3).
+
+Why: one layer of compute hides about one expert transfer over PCIe, so a cache that waits for the
+router of the layer that needs an expert fetches too late; a prefetch must know, while token
+``t`` computes, which experts token ``t + 1`` will select in every layer. Consecutive tokens of a
+request reuse experts (the locality statistic of :mod:`coldset.analysis.stats`), and which experts follow
+which is a property of the model and its traffic that a profile can measure.
+
+The forecaster: per MoE layer ``l`` a transition table ``T[l, e, e']``, the probability that a
+token selects ``e'`` in layer ``l`` given that the previous token of the same request selected
+``e`` there, fitted on the profile split's consecutive decode tokens with additive smoothing
+towards the layer's next-token popularity::
+
+    T[l, e, e'] = (pairs[l, e, e'] + alpha * popularity[l, e']) / (occurrences[l, e] + alpha)
+
+The score of ``e'`` for the next token is the sum of ``T[l, e, e']`` over the current token's
+selections ``e`` (so an expert the current token selected, which consecutive tokens tend to keep,
+scores high through the table's diagonal, and an unseen expert falls back to popularity); the
+forecast is the ``top_k + extra`` experts by score, ties by expert id (SeqMoE's "top k + 3").
+
+Cost: the table is ``L x E x E`` float32 (3.1 MB at Qwen3-30B-A3B's 48 x 128 experts); a forecast
+is a gather of ``k`` rows of ``E`` scores, a sum and a top-n per layer.
+
+:func:`forecast_recall` measures it the way SeqMoE reports it: the share of the next token's
+selections (per layer) that the forecast made from the current token contains, beside the
+previous-token baseline (the forecast "the next token selects what this one did").
+:func:`stream_predictions` turns it into the per-group prefetch lists that the ``forecast``
+policy of :func:`coldset.analysis.cache.simulate` replays.
+
+The next-layer lookahead (pre-gated MoE) is the other forecaster measured here: within one step,
+the router of MoE layer ``l + d`` applied to layer ``l``'s router input names layer ``l + d``'s
+experts ``d`` layers before its own router runs, from hidden states rather than statistics (so
+from an engine run, not a trace). :func:`lookahead_recall` measures it on the selections a cache
+missed (what a prefetch could hide); :func:`lookahead_predictions` gives the simulator's
+``lookahead`` policy its lists. Why a layer ahead can be enough after all: at residency 0.5 a
+recency cache misses about 0.1-0.5 instances per layer and token (BENCHMARKS.md, issue 12), not
+the whole top-k the "one layer hides one expert" estimate assumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from coldset.core.trace import request_codes
+
+
+class ForecastError(ValueError):
+    """Bad input to the forecaster (rows, shapes, parameters); the message says what."""
+
+
+@dataclass(frozen=True)
+class TokenGroups:
+    """Decode selections as (request, position, layer) groups of ``top_k`` experts.
+
+    ``experts`` int64 ``[G, k]`` in rank order; ``layer`` int64 ``[G]`` (MoE-layer index);
+    ``next_group`` int64 ``[G]``: the group of the same request and layer at the next position
+    (-1 when that token is absent).
+    """
+
+    experts: np.ndarray
+    layer: np.ndarray
+    next_group: np.ndarray
+
+
+def token_groups(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> TokenGroups:
+    """Group decode ``rows`` (columns request, position, layer_index, rank, expert) by (request,
+    position, layer); every group must hold ranks ``0..k-1`` once (as :func:`coldset.core.trace.
+    validate_trace` guarantees for a trace)."""
+    n = len(rows)
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return TokenGroups(np.zeros((0, 1), np.int64), z, z)
+    rc, _ = request_codes(rows["request"].array if isinstance(rows["request"].dtype, pd.CategoricalDtype)
+                   else rows["request"])
+    pos = rows["position"].to_numpy(np.int64)
+    li = rows["layer_index"].to_numpy(np.int64)
+    rank = rows["rank"].to_numpy(np.int64)
+    exp = rows["expert"].to_numpy(np.int64)
+    if li.min() < 0 or li.max() >= num_moe_layers or exp.min() < 0 or exp.max() >= num_experts:
+        raise ForecastError(f"rows: layer_index or expert outside [0, {num_moe_layers}) x [0, {num_experts})")
+    n_pos = int(pos.max()) + 2
+    key = (rc * n_pos + pos) * num_moe_layers + li
+    order = np.lexsort((rank, key))
+    key, rank, exp = key[order], rank[order], exp[order]
+    starts = np.r_[0, np.flatnonzero(key[1:] != key[:-1]) + 1]
+    sizes = np.diff(np.r_[starts, n])
+    k = int(sizes[0])
+    if (sizes != k).any() or (rank != np.tile(np.arange(k), starts.size)).any():
+        raise ForecastError("rows: every (request, position, layer) must hold ranks 0..k-1 once")
+    gkey = key[starts]
+    nxt = np.searchsorted(gkey, gkey + num_moe_layers)
+    found = nxt < gkey.size
+    found[found] = gkey[nxt[found]] == gkey[found] + num_moe_layers
+    return TokenGroups(exp.reshape(-1, k), gkey % num_moe_layers, np.where(found, nxt, -1))
+
+
+@dataclass(frozen=True)
+class TransitionForecaster:
+    """Per-layer next-token transition table (see the module doc). ``table`` float32 ``[L, E, E]``."""
+
+    table: np.ndarray
+    top_k: int
+    extra: int = 3
+
+    @property
+    def num_predictions(self) -> int:
+        return min(self.top_k + self.extra, self.table.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table.nbytes)
+
+    @classmethod
+    def fit(cls, rows: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int, extra: int = 3,
+            alpha: float = 1.0) -> "TransitionForecaster":
+        """Fit on the consecutive decode tokens of ``rows`` (the profile selection)."""
+        if extra < 0 or alpha <= 0:
+            raise ForecastError(f"extra must be >= 0 and alpha > 0, got {extra}, {alpha}")
+        g = token_groups(rows, num_moe_layers, num_experts)
+        if g.experts.shape[0] and g.experts.shape[1] != top_k:
+            raise ForecastError(f"rows hold {g.experts.shape[1]} selections per token and layer, top_k is {top_k}")
+        L, E = num_moe_layers, num_experts
+        has = g.next_group >= 0
+        if not has.any():
+            raise ForecastError("rows: no two consecutive decode tokens of one request to fit a forecaster on")
+        cur, nxt, layer = g.experts[has], g.experts[g.next_group[has]], g.layer[has]
+        flat = (layer[:, None, None] * E + cur[:, :, None]) * E + nxt[:, None, :]
+        pairs = np.bincount(flat.reshape(-1), minlength=L * E * E).reshape(L, E, E).astype(np.float64)
+        occ = np.bincount((layer[:, None] * E + cur).reshape(-1), minlength=L * E).reshape(L, E).astype(np.float64)
+        pop = np.bincount((layer[:, None] * E + nxt).reshape(-1), minlength=L * E).reshape(L, E).astype(np.float64)
+        pop /= np.maximum(np.bincount(layer, minlength=L), 1)[:, None]  # P(e' selected by a next token)
+        table = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
+        return cls(table.astype(np.float32), int(top_k), int(extra))
+
+    def predict(self, layer: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """int64 ``[N, n]``: the forecast (experts, best first, ties by id) of the next token in
+        ``layer[i]`` given the current token's ``experts[i]`` (``[N, k]``)."""
+        layer = np.asarray(layer, dtype=np.int64)
+        experts = np.asarray(experts, dtype=np.int64)
+        out = np.empty((layer.size, self.num_predictions), dtype=np.int64)
+        chunk = 1 << 14
+        for s in range(0, layer.size, chunk):
+            cur = experts[s:s + chunk]
+            sc = self.table[layer[s:s + chunk, None], cur].sum(axis=1)  # [n, E]
+            # the current token's own experts first (consecutive tokens keep experts), by score
+            np.put_along_axis(sc, cur, np.take_along_axis(sc, cur, axis=1) + self.top_k, axis=1)
+            out[s:s + chunk] = np.argsort(-sc, axis=1, kind="stable")[:, :self.num_predictions]
+        return out
+
+
+def forecast_recall(forecaster: TransitionForecaster, rows: pd.DataFrame, num_moe_layers: int,
+                    num_experts: int) -> dict:
+    """Recall one token ahead on ``rows`` (the held-out selection): over every (token, layer) whose
+    next token exists, the share of the next token's selections inside the forecast. Also the
+    previous-token baseline (forecast = the current token's own experts) and the forecast size."""
+    g = token_groups(rows, num_moe_layers, num_experts)
+    has = np.flatnonzero(g.next_group >= 0)
+    if has.size == 0:
+        raise ForecastError("rows: no two consecutive decode tokens of one request to measure recall on")
+    pred = forecaster.predict(g.layer[has], g.experts[has])
+    nxt = g.experts[g.next_group[has]]
+    inside = (nxt[:, :, None] == pred[:, None, :]).any(axis=2)
+    same = (nxt[:, :, None] == g.experts[has][:, None, :]).any(axis=2)
+    return {"recall": float(inside.mean()), "previous_token_recall": float(same.mean()),
+            "predictions": forecaster.num_predictions, "top_k": forecaster.top_k, "pairs": int(has.size),
+            "table_bytes": forecaster.nbytes}
+
+
+def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
+    """int64 ``[G, P]``: for each group of a :class:`coldset.analysis.cache.AccessStream` (one MoE layer's
+    selections of one step: ``B * top_k`` of them, token by token), the instances to prefetch
+    after it: the union of each token's forecast in token order then score order, first
+    occurrence kept, padded with -1."""
+    E, k = stream.num_experts, forecaster.top_k
+    ptr = stream.group_ptr
+    sizes = np.diff(ptr)
+    if (sizes % k).any():
+        raise ForecastError(f"stream groups must hold a multiple of top_k = {k} selections")
+    n = forecaster.num_predictions
+    width = int(sizes.max(initial=k)) // k * n
+    out = np.full((sizes.size, width), -1, dtype=np.int64)
+    ids = stream.instances
+    for b in np.unique(sizes // k):  # groups of b tokens (one size in an engine stream)
+        gs = np.flatnonzero(sizes == b * k)
+        sel = ids[ptr[gs][:, None] + np.arange(b * k)[None, :]]  # [g, b*k]
+        layer = sel[:, 0] // E
+        pred = forecaster.predict(np.repeat(layer, b), (sel % E).reshape(-1, k)).reshape(gs.size, b * n)
+        pred = pred + layer[:, None] * E
+        if b > 1:  # keep the first occurrence of each instance
+            dup = np.zeros(pred.shape, dtype=bool)
+            for j in range(1, pred.shape[1]):
+                dup[:, j] = (pred[:, :j] == pred[:, j:j + 1]).any(axis=1)
+            pred = np.where(dup, -1, pred)
+            order = np.argsort(dup, axis=1, kind="stable")  # kept ones first, in order
+            pred = np.take_along_axis(pred, order, axis=1)
+        out[gs, :b * n] = pred
+    return out
+
+
+def lookahead_recall(hidden, routers, routing: np.ndarray, missed: np.ndarray, depth: int, extra: int = 0) -> dict:
+    """The next-layer lookahead (pre-gated MoE) measured on recorded decode steps: the router of
+    MoE layer ``l`` applied to the router input of layer ``l - depth`` of the same token and step,
+    its top ``k + extra`` experts by logit (ties to the lower id) as the forecast of layer ``l``'s
+    selections, ``depth`` layers before its router runs.
+
+    ``hidden``: torch ``[S, L, T, H]``, each MoE layer's router input (the post-attention norm's
+    output) per step and token; ``routers``: the ``L`` router weights ``[E, H]``; ``routing``:
+    int ``[S, L, T, k]`` the selections; ``missed``: bool ``[S, L, T, k]``, the selections a cache
+    missed (e.g. ``lru``'s per-selection ``~hit`` of :func:`coldset.analysis.cache.simulate`).
+
+    Returns the recall on the missed selections of layers ``>= depth`` (what a prefetch could
+    hide) and on all their selections, the share of missed selections in layers ``< depth`` (no
+    lookahead can reach them), and the precision of the forecast (its share of experts selected).
+    Logits are computed in float32 (the engine ranks the model dtype's logits; near-ties may rank
+    otherwise: a measurement, not the engine's decisions)."""
+    import torch
+
+    S, L, T, k = routing.shape
+    if missed.shape != routing.shape or tuple(hidden.shape[:3]) != (S, L, T) or len(routers) != L:
+        raise ForecastError(f"lookahead_recall: hidden {tuple(hidden.shape)}, routing {routing.shape}, missed "
+                            f"{missed.shape} and {len(routers)} routers do not describe the same steps and layers")
+    if not 1 <= depth < L:
+        raise ForecastError(f"lookahead_recall: depth must be in [1, {L - 1}], got {depth}")
+    n = k + extra
+    pred = np.empty((S, L - depth, T, n), dtype=np.int64)
+    for layer in range(depth, L):
+        h = hidden[:, layer - depth].reshape(S * T, -1).float()
+        logits = h @ routers[layer].float().T.to(h.device)
+        # top-n by logit, ties to the lower expert id: a stable sort of the negated logits
+        order = torch.sort(-logits, dim=1, stable=True).indices[:, :n]
+        pred[:, layer - depth] = order.reshape(S, T, n).cpu().numpy()
+    sel = np.asarray(routing)[:, depth:]
+    inside = (sel[..., :, None] == pred[..., None, :]).any(axis=-1)  # [S, L-d, T, k]
+    miss = np.asarray(missed, dtype=bool)
+    later = miss[:, depth:]
+    chosen = (pred[..., :, None] == sel[..., None, :]).any(axis=-1)  # [S, L-d, T, n]
+    return {"depth": depth, "predictions": n, "missed": int(miss.sum()), "missed_reachable": int(later.sum()),
+            "recall_on_missed": float(inside[later].mean()) if later.any() else float("nan"),
+            "recall": float(inside.mean()), "precision": float(chosen.mean()),
+            "missed_unreachable_share": float(1 - later.sum() / miss.sum()) if miss.any() else 0.0}
+
+
+def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> np.ndarray:
+    """int64 ``[S * L, P]``: the prefetch lists of the ``lookahead`` policy of
+    :func:`coldset.analysis.cache.simulate` for an engine stream of ``S`` steps (groups in step, layer order,
+    ``T`` tokens each): after group (step ``s``, layer ``l``) the instances of layer ``l + depth``
+    that its router ranks in the top ``num_predictions`` on layer ``l``'s router inputs
+    ``hidden[s, l]`` (token by token, then rank, first occurrence kept), -1 padded; nothing after
+    the last ``depth`` layers. ``hidden`` torch ``[S, L, T, H]``, ``routers`` the ``L`` router
+    weights ``[E, H]``; float32 logits, ties to the lower expert id (as :func:`lookahead_recall`)."""
+    import torch
+
+    S, L, T = (int(x) for x in hidden.shape[:3])
+    if len(routers) != L or not 1 <= depth < L:
+        raise ForecastError(f"lookahead_predictions: {len(routers)} routers for {L} layers, depth {depth}")
+    E = int(routers[0].shape[0])
+    n = int(num_predictions)
+    out = np.full((S, L, T * n), -1, dtype=np.int64)
+    for layer in range(L - depth):
+        h = hidden[:, layer].reshape(S * T, -1).float()
+        logits = h @ routers[layer + depth].float().T.to(h.device)
+        top = torch.sort(-logits, dim=1, stable=True).indices[:, :n].reshape(S, T * n).cpu().numpy()
+        for s in range(S):
+            _, first = np.unique(top[s], return_index=True)
+            keep = top[s][np.sort(first)]
+            out[s, layer, :keep.size] = keep + (layer + depth) * E
+    return out.reshape(S * L, T * n)
+
+
+LOOKAHEAD_FIT_SHRINK = 0.1  # the ridge weight towards the router, in units of mean(diag(X^T X))
+# the profile tokens router_inputs keeps at most: 2x the real shape's hidden size, 0.8 GB of bf16
+# router inputs at 48 x 2048 (the H200 fits used 3,072 and 3,179)
+LOOKAHEAD_FIT_TOKENS = 4096
+
+
+def router_inputs(engine, prompts: list[list[int]], max_tokens: int = LOOKAHEAD_FIT_TOKENS):
+    """``[N, L, H]`` (the engine's dtype and device): every MoE layer's router input for each of the
+    ``N`` tokens of ``prompts``, one prefill a prompt through the engine's current experts path
+    (:func:`coldset.engine.model.generate`, one new token, so only the prefill runs), in prompt order, the
+    first ``max_tokens`` tokens (the last prompt cut): the profile data of
+    :func:`fit_lookahead_routers`, bounded whatever the size of a user's fixture set."""
+    import torch
+
+    from coldset.engine.model import generate
+
+    L = engine.config.num_moe_layers
+    saved = engine.experts_fn
+    rec: list = []
+    out = []
+    length = 0
+
+    def recording(p, layer, x, ids, w):
+        if x.shape[0] == length:
+            rec.append(x.detach().clone())
+        return saved(p, layer, x, ids, w)
+
+    engine.experts_fn = recording
+    total = 0
+    try:
+        for p in prompts:
+            p = list(p)[:max(0, int(max_tokens) - total)]
+            if not p:
+                break
+            rec.clear()
+            length = len(p)
+            total += length
+            generate(engine, [p], 1, progress=False)
+            if len(rec) != L:
+                raise ForecastError(f"router_inputs: {len(rec)} router inputs recorded for a prompt of {length} "
+                                    f"tokens, {L} MoE layers expected")
+            out.append(torch.stack(rec, dim=1))
+    finally:
+        engine.experts_fn = saved
+    if not out:
+        raise ForecastError("router_inputs: no prompts")
+    return torch.cat(out)
+
+
+def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD_FIT_SHRINK) -> list:
+    """The ``lookahead`` forecast's matrices fitted on profile router inputs, to use in place of the
+    routers (:meth:`coldset.engine.slots.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):
+    entry ``t >= depth`` is the ``[E, H]`` matrix ``F`` whose product with layer ``t - depth``'s
+    router input best predicts layer ``t``'s router logits on the profile tokens, shrunk towards
+    layer ``t``'s router ``R`` (the pre-gated forecast, which it equals as ``shrink`` grows)::
+
+        F = argmin ||X_{t-d} F^T - X_t R^T||^2 + lam ||F - R||^2,   lam = shrink * mean(diag(X_{t-d}^T X_{t-d}))
+
+    Entries ``t < depth`` (no layer forecasts them) are the routers themselves. Why: ``R`` applied
+    to an earlier layer's input misses what the ``depth`` layers between add to the residual
+    stream; a linear correction fitted on the profile split recovers part of it at the same cost a
+    token (one ``[E, H]`` GEMV, the same launch reading other rows), so a prefetch names more of
+    the experts layer ``t`` selects and copies fewer it does not. The prior keeps the fit sane with
+    fewer profile tokens than hidden dimensions (the real shape's 2048). Measured: the synthetic
+    router at 48 x 128, top-8, hidden 256 on the CPU (``probes/lookahead_fit.py``): recall of layer
+    ``l + 4``'s selections 0.944 against the router's 0.912, simulated b1 residency 0.5 0.594 of
+    all-HBM against 0.570; on the H200 at real shape: BENCHMARKS.md section 4.
+
+    ``hidden``: ``[N, L, H]`` (any float dtype; N profile tokens, each MoE layer's router input);
+    ``routers``: the ``L`` routers ``[E, H]``. Returns ``L`` tensors ``[E, H]`` in each router's
+    dtype and device. Solved in float64 on ``hidden``'s device."""
+    import torch
+
+    N, L, H = (int(x) for x in hidden.shape)
+    if len(routers) != L or not 1 <= int(depth) < L:
+        raise ForecastError(f"fit_lookahead_routers: {len(routers)} routers for {L} layers, depth {depth}")
+    if N < 1 or not shrink > 0:
+        raise ForecastError(f"fit_lookahead_routers: {N} profile tokens and shrink {shrink} (> 0 needed)")
+    dev = hidden.device
+    out = [r for r in routers[:depth]]
+    eye = torch.eye(H, dtype=torch.float64, device=dev)
+    for t in range(depth, L):
+        x = hidden[:, t - depth].to(torch.float64)
+        r = routers[t].to(dev, torch.float64)
+        z = hidden[:, t].to(torch.float64) @ r.T
+        g = x.T @ x
+        lam = float(shrink) * g.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+        ft = torch.linalg.solve(g + lam * eye, x.T @ z + lam * r.T)
+        out.append(ft.T.to(routers[t].device, routers[t].dtype).contiguous())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The next-token forecast of every layer (issue 28; /work/coord/policy28.md's rules)
+
+SCORE_UNIT = 1 << 16  # the integer tables' unit: a probability p is stored as round(p * SCORE_UNIT)
+DEFAULT_TERMS = ((0, 0), (1, 0), (2, 0))
+DEFAULT_WEIGHTS = (1.0, 0.5, 0.25)
+HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5), (0.8, 5))
+# Measured and not kept (issue 28, real trace, profile abstract_algebra + anatomy, validation
+# anatomy, replay astronomy, k + 3 = 4): a grid of beta 0.1-1.6 x shift 3-5 plus shift 6 (19
+# entries) lifts the validation's best one token ahead from 0.5851 to 0.5852 (self_boost on;
+# 0.573 -> 0.581 without it) and the replay's recall from 0.5632 to 0.5634 (0.5254 / 0.4987 / 0.4802 at
+# 2 / 4 / 8 ahead, against 0.5254 / 0.4992 / 0.4802) for 2-3x the tuning time. On the validation
+# part (self_boost off, beta 0.8-1.6, shift 4: 0.5805) alpha 0.1-100, the previous token's higher
+# layers (1, -1), (1, -2) and lags 3, 4 stay within 0.001, log-probability tables lose 0.003, two
+# history timescales (a form change) gain 0.0035. Weights fitted by softmax cross-entropy (per
+# layer: H's weight, each table's weight, a diagonal and a bias; still this form) fall to 0.24-0.25
+# when fitted within abstract_algebra (its sequences make the tables look reliable; they do not
+# transfer) and reach 0.561 against the count tables' 0.581 when fitted across subjects: in this
+# form recall sits near 0.58 on validation (probes/nexttoken_recall_form.py).
+# The current token's two lower layers (l - 1, l - 2: routed before layer l's forecast is made)
+# beside the defaults: a candidate for fit_tuned(term_sets=...), not the default. Measured (issue
+# 28, FORECAST2; /work/coord/policy28.md): one token ahead with k + 3 candidates it adds +0.001
+# recall on the real trace's held-out subject (0.5634 -> 0.5646; and -0.0007 on the profile's
+# validation domain) and +0.003 on the synthetic top-8 trace, for 5/3 of the table memory
+# (J x L x E x E int32) and of the table rows read per step.
+LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
+LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
+
+
+@dataclass(frozen=True)
+class NextTokenForecaster:
+    """The ``nexttoken`` policy's forecast: made right after MoE layer ``l``'s router at step ``t``,
+    it ranks the experts layer ``l`` will select ``horizon`` tokens later, per sequence, with
+    integer table lookups, a shift and an add (so the engine computes it inside the captured step
+    and agrees with the simulator bitwise)::
+
+        H[l, e]      = H[l, e] - (H[l, e] >> hist_shift) + hist_unit * [e in S(t, l)]
+        score[e']    = H[l, e'] + sum_j  sum_{e in S(t - a_j, l - d_j)}  tables[j, l, e, e']
+
+    ``H`` int ``[L, E]`` per sequence (zero at its start) is a decayed count of the experts the
+    sequence selected in each layer: a request keeps returning to its own experts (on the real
+    trace it lifts recall one token ahead from 0.42 to 0.56). ``tables[j]`` is the transition
+    probability ``P(e' at t + horizon | e at t - a_j in layer l - d_j)`` (smoothed towards the
+    layer's popularity as :class:`TransitionForecaster`) times ``weights[j]`` in units of
+    :data:`SCORE_UNIT`; a term whose token precedes the sequence or whose layer lies outside the
+    model adds nothing. The forecast is the top ``top_k + extra`` by score, ties to the lower
+    expert id.
+    """
+
+    terms: tuple
+    tables: np.ndarray
+    hist_unit: int
+    hist_shift: int
+    top_k: int
+    extra: int = 3
+    horizon: int = 1
+    self_boost: float = 0.0  # what fit added to the (0, 0) table's diagonal (already in tables; a record)
+
+    def __post_init__(self) -> None:
+        tables = np.ascontiguousarray(self.tables, dtype=np.int32)
+        object.__setattr__(self, "tables", tables)
+        object.__setattr__(self, "terms", tuple((int(a), int(d)) for a, d in self.terms))
+        if tables.ndim != 4 or tables.shape[0] != len(self.terms) or tables.shape[2] != tables.shape[3]:
+            raise ForecastError(f"NextTokenForecaster: tables must be [terms, L, E, E], got {tables.shape} for "
+                                f"{len(self.terms)} terms")
+        L = tables.shape[1]
+        for a, d in self.terms:
+            if a < 0 or (a == 0 and d < 0) or abs(d) >= L:
+                raise ForecastError(f"NextTokenForecaster: term (a={a}, d={d}) is not known after layer l's router "
+                                    f"(a >= 0; a = 0 needs d >= 0; |d| < {L})")
+        if tables.size and tables.min() < 0:
+            raise ForecastError("NextTokenForecaster: tables must be >= 0")
+        if self.hist_unit < 0 or not 0 < self.hist_shift < 31 or self.horizon < 1 or self.extra < 0:
+            raise ForecastError(f"NextTokenForecaster: hist_unit >= 0, hist_shift in [1, 30], horizon >= 1, extra "
+                                f">= 0 expected, got {self.hist_unit}, {self.hist_shift}, {self.horizon}, {self.extra}")
+        # int32 headroom: the largest score the sums can reach
+        worst = int(tables.max(initial=0)) * self.top_k * len(self.terms) + self.hist_unit * (1 << self.hist_shift)
+        if worst >= 2**31:
+            raise ForecastError(f"NextTokenForecaster: scores could reach {worst}, beyond int32")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.tables.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.tables.shape[2])
+
+    @property
+    def num_predictions(self) -> int:
+        return min(self.top_k + self.extra, self.num_experts)
+
+    @property
+    def n(self) -> int:
+        """Candidates per token (the engine's name for :attr:`num_predictions`)."""
+        return self.num_predictions
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the tables (the per-sequence state H adds ``4 * L * E`` bytes a sequence)."""
+        return int(self.tables.nbytes)
+
+    @property
+    def max_lag(self) -> int:
+        return max((a for a, _ in self.terms), default=0)
+
+    def ops_per_step(self, batch: int = 1) -> dict:
+        """Work of one decode step (every layer) at ``batch``: table rows gathered and int adds."""
+        L, E, k = self.num_layers, self.num_experts, self.top_k
+        rows = len(self.terms) * k * batch * L
+        return {"table_rows_read": rows, "bytes_read": rows * E * 4 + 2 * batch * L * E * 4,
+                "int_adds": (rows + 2 * batch * L) * E, "topk": f"{batch * L} x top-{self.num_predictions} of {E}"}
+
+    @classmethod
+    def fit(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *, horizon: int = 1,
+            terms=DEFAULT_TERMS, weights=DEFAULT_WEIGHTS, hist_beta: float = 0.2, hist_shift: int = 5,
+            extra: int = 3, alpha: float = 1.0, self_boost: float = 0.0) -> "NextTokenForecaster":
+        """Fit the tables on decode ``tokens`` int ``[T, L, k]`` (:func:`coldset.analysis.cache.token_array`
+        of the profile selection) with their sequence ids ``[T]`` (consecutive tokens of a
+        sequence in order). ``hist_beta``: H's increment as a share of :data:`SCORE_UNIT`;
+        ``self_boost``: added (in :data:`SCORE_UNIT`) to the diagonal of the current token's table
+        (term (0, 0)): with ``top_k`` the current token's experts rank first, as in
+        :class:`TransitionForecaster` (data in the table, not another rule for the engine)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        sequence = np.asarray(sequence, dtype=np.int64)
+        if tokens.ndim != 3 or sequence.shape != tokens.shape[:1]:
+            raise ForecastError(f"fit: tokens must be [T, L, k] and sequence [T], got {tokens.shape}, {sequence.shape}")
+        if tokens.shape[2] != top_k:
+            raise ForecastError(f"fit: tokens hold {tokens.shape[2]} selections per layer, top_k is {top_k}")
+        if len(terms) != len(weights) or alpha <= 0 or hist_beta < 0:
+            raise ForecastError("fit: one weight per term, alpha > 0, hist_beta >= 0")
+        T, L, k = tokens.shape
+        E = int(num_experts)
+        if T and (tokens.min() < 0 or tokens.max() >= E):
+            raise ForecastError(f"fit: experts outside [0, {E})")
+        tables = np.zeros((len(terms), L, E, E), dtype=np.int32)
+        n_pairs = 0
+        for j, ((a, d), w) in enumerate(zip(terms, weights)):
+            t = np.arange(a, T - horizon)
+            t = t[(sequence[t - a] == sequence[t]) & (sequence[t + horizon] == sequence[t])] if t.size else t
+            n_pairs = max(n_pairs, t.size)
+            lt = np.arange(max(0, d), min(L, L + d))  # target layers whose source layer l - d exists
+            if t.size == 0 or lt.size == 0:
+                continue
+            src = tokens[t - a][:, lt - d]  # [n, Lv, k]
+            tgt = tokens[t + horizon][:, lt]  # [n, Lv, k]
+            lay = np.broadcast_to(lt[None, :, None, None], (t.size, lt.size, k, k))
+            flat = ((lay * E + src[:, :, :, None]) * E + tgt[:, :, None, :]).reshape(-1)
+            pairs = np.bincount(flat, minlength=L * E * E).reshape(L, E, E).astype(np.float64)
+            occ = np.bincount((lt[None, :, None] * E + src).reshape(-1), minlength=L * E).reshape(L, E)
+            pop = np.bincount((lt[None, :, None] * E + tgt).reshape(-1), minlength=L * E).reshape(L, E) / t.size
+            prob = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
+            tables[j] = np.rint(np.clip(prob, 0, None) * w * SCORE_UNIT).astype(np.int32)
+        if n_pairs == 0:
+            raise ForecastError(f"fit: no decode token has a successor {horizon} token(s) later in its sequence")
+        if self_boost:
+            if (0, 0) not in [tuple(t) for t in terms]:
+                raise ForecastError("fit: self_boost needs the term (0, 0)")
+            j0 = [tuple(t) for t in terms].index((0, 0))
+            tables[j0][:, np.arange(E), np.arange(E)] += np.int32(round(self_boost * SCORE_UNIT))
+        return cls(tuple(terms), tables, int(round(hist_beta * SCORE_UNIT)), int(hist_shift), int(top_k),
+                   int(extra), int(horizon), float(self_boost))
+
+    @classmethod
+    def fit_tuned(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *,
+                  horizon: int = 1, grid=HIST_GRID, validation_every: int = 5, validation: np.ndarray | None = None,
+                  term_sets=None, **kw) -> "NextTokenForecaster":
+        """:meth:`fit` with H's (beta, shift) chosen from ``grid`` by recall on every
+        ``validation_every``-th sequence of the profile (or on the tokens of the bool mask
+        ``validation``, e.g. one profile domain when the replay is a held-out domain), fitted on the
+        others, then refitted on the whole profile: the held-out selection never chooses a parameter.
+        ``term_sets``: optional ``(terms, weights)`` pairs (e.g. ``(DEFAULT_TERMS, DEFAULT_WEIGHTS)``
+        and ``(LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS)``) chosen among the same way, with H's
+        parameters (the first set wins ties); without it, ``kw``'s ``terms`` / ``weights`` (the
+        defaults)."""
+        sequence = np.asarray(sequence, dtype=np.int64)
+        _, seq_idx = np.unique(sequence, return_inverse=True)
+        val = (seq_idx % validation_every == validation_every - 1 if validation is None
+               else np.asarray(validation, dtype=bool))
+        if term_sets is None:
+            term_sets = ((kw.pop("terms", DEFAULT_TERMS), kw.pop("weights", DEFAULT_WEIGHTS)),)
+        elif "terms" in kw or "weights" in kw:
+            raise ForecastError("fit_tuned: give term_sets or terms / weights, not both")
+        term_sets = [(tuple(t), tuple(w)) for t, w in term_sets]
+        if not term_sets:
+            raise ForecastError("fit_tuned: term_sets is empty")
+        best = None
+        kw.pop("self_boost", None)
+        if val.any() and (~val).any():
+            for terms, weights in term_sets:
+                for boost in (0.0, float(top_k)):  # the current token's experts first, or not
+                    base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon,
+                                   terms=terms, weights=weights, self_boost=boost, **kw)
+                    for beta, shift in grid:
+                        f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
+                        r = forecast_quality(f, tokens[val], sequence[val])["recall"]
+                        if best is None or r > best[0] + 1e-12:
+                            best = (r, beta, shift, boost, terms, weights)
+        beta, shift, boost, terms, weights = (best[1:] if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5),
+                                                                     0.0, *term_sets[0]))
+        kw.pop("hist_beta", None)
+        kw.pop("hist_shift", None)
+        return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift,
+                       self_boost=boost, terms=terms, weights=weights, **kw)
+
+    def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
+        first), ``-1`` for idle lanes. ``sel`` int ``[S, L, B, k]`` and ``start`` bool ``[S, B]`` as
+        :class:`coldset.analysis.cache.Lanes` (the engine's pass: ``B`` lanes started at step 0)."""
+        sel = np.asarray(sel, dtype=np.int64)
+        start = np.asarray(start, dtype=bool)
+        S, L, B, k = sel.shape
+        E, n = self.num_experts, self.num_predictions
+        if L != self.num_layers or k != self.top_k:
+            raise ForecastError(f"forecast_lanes: selections of {L} layers x top-{k}, the forecaster has "
+                                f"{self.num_layers} x top-{self.top_k}")
+        out = np.full((S, L, B, n), -1, dtype=np.int64)
+        H = np.zeros((L, B, E), dtype=np.int64)
+        A = self.max_lag
+        past = np.full((A + 1, L, B, k), -1, dtype=np.int64)  # past[a] = the lane's token a steps back
+        age = np.zeros(B, dtype=np.int64)
+        lidx = np.arange(L)[:, None, None]
+        bidx = np.arange(B)[None, :, None]
+        tie = (E - 1 - np.arange(E, dtype=np.int64))[None, None, :]
+        chunk = max(1, 4096 // max(B * L // 8, 1))
+        keys = np.empty((chunk, L, B, E), dtype=np.int64)
+        s0 = 0
+        for s in range(S):
+            act = sel[s, 0, :, 0] >= 0
+            age = np.where(start[s], 0, age + 1)
+            H[:, start[s], :] = 0
+            past = np.roll(past, 1, axis=0)
+            past[0] = sel[s]
+            onehot = np.zeros((L, B, E), dtype=bool)
+            cur = np.where(sel[s] >= 0, sel[s], 0)
+            onehot[lidx, bidx, cur] = True
+            onehot &= act[None, :, None]
+            H = np.where(act[None, :, None], H - (H >> self.hist_shift), H) + self.hist_unit * onehot
+            score = H.copy()
+            for j, (a, d) in enumerate(self.terms):
+                valid = act & (age >= a)
+                if not valid.any():
+                    continue
+                lt = np.arange(max(0, d), min(L, L + d))
+                src = np.where(valid[None, :, None], past[a][lt - d], -1)  # [Lv, B, k]
+                rows = self.tables[j][lt[:, None, None], np.maximum(src, 0)]  # [Lv, B, k, E]
+                rows = np.where((src >= 0)[..., None], rows, 0)
+                score[lt] += rows.sum(axis=2, dtype=np.int64)
+            keys[s - s0] = score * E + tie
+            if s - s0 + 1 == chunk or s == S - 1:
+                kk = keys[: s - s0 + 1]
+                part = np.argpartition(-kk, n - 1, axis=3)[..., :n] if n < E else np.broadcast_to(
+                    np.arange(E), kk.shape).copy()
+                order = np.argsort(-np.take_along_axis(kk, part, axis=3), axis=3)
+                out[s0:s + 1] = np.take_along_axis(part, order, axis=3)
+                s0 = s + 1
+        out[np.broadcast_to((sel[:, 0, :, 0] < 0)[:, None, :, None], out.shape)] = -1
+        return out
+
+
+def dataclass_replace(obj, **kw):
+    from dataclasses import replace
+
+    return replace(obj, **kw)
+
+
+def lanes_of_tokens(tokens: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sel [T, L, 1, k], start [T, 1])``: the tokens as one lane, a sequence after another."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    sequence = np.asarray(sequence, dtype=np.int64)
+    start = np.r_[True, sequence[1:] != sequence[:-1]] if sequence.size else np.zeros(0, bool)
+    return tokens[:, :, None, :], start[:, None]
+
+
+def lanes_per_sequence(tokens: np.ndarray, sequence: np.ndarray):
+    """``(sel [P, L, N, k], start [P, N], step [T], lane [T])``: each of the ``N`` sequences of
+    ``tokens`` in a lane of its own, all starting at step 0 (``P`` = the longest; -1 after a
+    sequence ends), and where token ``i`` lies (``sel[step[i], :, lane[i]] == tokens[i]``). The
+    forecast of a token depends only on its own sequence, so this equals the one-lane layout of
+    :func:`lanes_of_tokens` token for token, in about ``N`` times fewer vectorised steps."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    sequence = np.asarray(sequence, dtype=np.int64)
+    T, L, k = tokens.shape
+    if T == 0:
+        return (np.zeros((0, L, 0, k), np.int64), np.zeros((0, 0), bool), np.zeros(0, np.int64),
+                np.zeros(0, np.int64))
+    starts = np.r_[0, np.flatnonzero(sequence[1:] != sequence[:-1]) + 1]
+    lens = np.diff(np.r_[starts, T])
+    lane = np.repeat(np.arange(starts.size), lens)
+    step = np.arange(T) - np.repeat(starts, lens)
+    sel = np.full((int(lens.max()), L, starts.size, k), -1, dtype=np.int64)
+    sel[step, :, lane] = tokens
+    start = np.zeros((sel.shape[0], starts.size), dtype=bool)
+    start[0] = True
+    return sel, start, step, lane
+
+
+def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequence: np.ndarray,
+                     sizes: tuple | None = None) -> dict:
+    """Recall and precision of the forecast ``forecaster.horizon`` tokens ahead on decode
+    ``tokens`` ``[T, L, k]`` (the held-out selection), over every (token, layer) whose token
+    ``horizon`` later exists in the same sequence: recall = share of that token's selections inside
+    the forecast, precision = share of the forecast it selects. ``recall`` / ``precision`` at the
+    full forecast (``top_k + extra``), and ``at`` each size in ``sizes`` (the forecast's first
+    ``m``, e.g. ``top_k`` or a prefetch budget)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    sequence = np.asarray(sequence, dtype=np.int64)
+    h = forecaster.horizon
+    T = tokens.shape[0]
+    t = np.arange(max(T - h, 0))
+    t = t[sequence[t + h] == sequence[t]]
+    if t.size == 0:
+        raise ForecastError(f"no token has a successor {h} token(s) later in its sequence")
+    sel, start, step, lane = lanes_per_sequence(tokens, sequence)
+    lists = forecaster.forecast_lanes(sel, start)[step, :, lane, :]  # [T, L, n]
+    tgt = tokens[t + h]  # [m, L, k]
+    pred = lists[t]  # [m, L, n]
+    inside = tgt[..., :, None] == pred[..., None, :]  # [m, L, k, n]
+    n = forecaster.num_predictions
+    out = {"horizon": h, "predictions": n, "top_k": forecaster.top_k, "pairs": int(t.size * tokens.shape[1]),
+           "recall": float(inside.any(-1).mean()), "precision": float(inside.any(-2).mean())}
+    for m in sizes or ():
+        m = int(min(m, n))
+        sub = inside[..., :m]
+        out[f"recall_at_{m}"] = float(sub.any(-1).mean())
+        out[f"precision_at_{m}"] = float(sub.any(-2).mean())
+    return out
+
+
+def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, n: int,
+                        lower_layers: int = 0) -> dict:
+    """Where the trace's predictability caps a forecast from the current token's experts: the best
+    recall any function of (layer, the current token's expert set) can reach ``horizon`` tokens
+    ahead with ``n`` candidates, measured in-sample on these very tokens (the empirical conditional
+    distribution's top ``n``; in-sample, so an upper bound on that data), beside the recall of the
+    layer's ``n`` most popular experts (a function of nothing) on the same pairs.
+
+    ``lower_layers`` = m widens the context to the current token's expert sets in layers
+    ``l, l - 1, ..., l - m`` (those that exist): the ceiling of the forecast terms (0, d <= m). An
+    in-sample ceiling grows with the context partly by memorising (fewer pairs per context): read
+    ``contexts`` beside it."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    sequence = np.asarray(sequence, dtype=np.int64)
+    T, L, k = tokens.shape
+    if lower_layers < 0:
+        raise ForecastError(f"conditional_ceiling: lower_layers must be >= 0, got {lower_layers}")
+    t = np.arange(max(T - horizon, 0))
+    t = t[sequence[t + horizon] == sequence[t]]
+    cur = np.sort(tokens[t], axis=2)  # [m, L, k]
+    tgt = tokens[t + horizon]
+    E = int(tokens.max()) + 1
+    # the context's expert sets as one key: base-(E+1) digits of the sorted sets, E where a lower
+    # layer does not exist (object ints when wide)
+    wide = (lower_layers + 1) * k * np.log2(E + 1) > 60
+    key = np.zeros(cur.shape[:2], dtype=object if wide else np.int64)
+    for m in range(lower_layers + 1):
+        src = np.full(cur.shape, E, dtype=np.int64)
+        src[:, m:] = cur[:, : L - m]
+        for j in range(k):
+            key = key * (E + 1) + (src[:, :, j].astype(object) if wide else src[:, :, j])
+    frame = pd.DataFrame({"layer": np.repeat(np.broadcast_to(np.arange(L), key.shape).reshape(-1), k),
+                          "ctx": np.repeat(key.reshape(-1), k), "tgt": tgt.reshape(-1)})
+    counts = frame.groupby(["layer", "ctx", "tgt"], sort=False).size()
+    best = counts.groupby(level=[0, 1], sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
+    pop = frame.groupby(["layer", "tgt"], sort=False).size()
+    pop_best = pop.groupby(level=0, sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
+    total = len(frame)
+    return {"horizon": horizon, "candidates": n, "ceiling_recall": float(best / total),
+            "popularity_recall": float(pop_best / total), "contexts": int(counts.index.droplevel(2).nunique()),
+            "pairs": int(t.size * L)}
+
+
+def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """int64 ``[S * L, B * n]``: the ``nexttoken`` policy's candidate list of every (step, layer)
+    group (the rows of :meth:`coldset.analysis.cache.Lanes.stream`'s groups): round robin over rank then
+    lane (lane 0's best, lane 1's best, ..., lane 0's second, ...), first occurrence kept, as
+    instance ids ``l * E + e``, -1 padded."""
+    if forecaster.horizon != 1:
+        raise ForecastError(f"the nexttoken policy prefetches for the next token (horizon 1), got {forecaster.horizon}")
+    lists = forecaster.forecast_lanes(sel, start)  # [S, L, B, n]
+    S, L, B, n = lists.shape
+    E = forecaster.num_experts
+    rr = lists.transpose(0, 1, 3, 2).reshape(S * L, n * B)  # rank-major, lane-minor
+    inst = np.where(rr >= 0, rr + np.tile(np.arange(L), S)[:, None] * E, -1)
+    if B > 1:  # keep the first occurrence of each instance, in order
+        srt = np.sort(np.where(inst >= 0, inst, np.iinfo(np.int64).max), axis=1, kind="stable")
+        order = np.argsort(np.where(inst >= 0, inst, np.iinfo(np.int64).max), axis=1, kind="stable")
+        dup_sorted = np.zeros_like(srt, dtype=bool)
+        dup_sorted[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != np.iinfo(np.int64).max)
+        dup = np.zeros_like(dup_sorted)
+        np.put_along_axis(dup, order, dup_sorted, axis=1)
+        inst = np.where(dup, -1, inst)
+        keep = np.argsort(inst < 0, axis=1, kind="stable")  # kept ones first, in order
+        inst = np.take_along_axis(inst, keep, axis=1)
+    return inst

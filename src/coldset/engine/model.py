@@ -1,0 +1,1157 @@
+"""The embedded engine: a one-file MoE transformer for Hugging Face qwen3_moe and mixtral folders.
+
+What it is for: profiling routing on a person's own prompts and serving as the unmodified path
+the offload machinery is checked against. It reads a local HF folder (config.json, safetensors,
+tokenizer.json), holds every routed expert in one :class:`~coldset.kernels.tiers.ExpertPools` (so later
+stages move experts between tiers without touching this file), decodes greedily with a static KV
+cache and records which experts every token was routed to.
+
+Layout of the decode state (why it looks like this): a batch of prompts of different lengths is
+left-padded to a common length ``P``; cache *slot* ``s`` holds the token at column ``s`` of every
+sequence, while each sequence has its own *position* ``s - pad[b]`` (so RoPE sees the same
+positions as an unpadded run). Decode step ``t`` writes slot ``P + t`` for every sequence. The
+attention mask is explicit (``key slot >= pad[b]``, causal, optional sliding window), the cache is
+preallocated ``[B, max_seq, kv_heads, head_dim]`` per layer and written by index, so the decode
+step has no data-dependent Python control flow or host sync outside ``experts_fn``: a later issue
+can CUDA-graph-capture it.
+
+Numerics follow transformers: RMSNorm in float32 then cast, router logits in the model dtype,
+softmax in float32, top-k, renormalisation (mixtral always, qwen3_moe when ``norm_topk_prob``),
+router weights cast to the activation dtype before the weighted sum (transformers does this for
+qwen3_moe; for mixtral it multiplies in float32, which only differs in bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from coldset.kernels import softmax_topk, torch_experts
+from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
+from coldset.kernels.tiers import ExpertPools
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class ModelLoadError(ValueError):
+    """A local model folder could not be read; the message names the file, field or tensor."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(MoEShape):
+    """The architecture of a checkpoint, parsed from its HF config.json: its shape plus what the
+    forward pass needs beyond bytes and routing.
+
+    The shape fields (``hidden_size``, ``moe_layers``, ``top_k``, the weight formats, ...) are
+    :class:`coldset.core.shapes.MoEShape`'s, read by the one config.json parser every stage uses
+    (:func:`coldset.core.shapes.shape_from_hf_config`), so the engine and placement can never disagree
+    about a model. ``moe_layers`` holds the *model* layer indices of the MoE layers, in order;
+    MoE-layer index ``i`` (the row-map index) is ``moe_layers[i]``. ``intermediate_size`` is the
+    dense MLP width of non-MoE layers (qwen3_moe ``mlp_only_layers`` / ``decoder_sparse_step``;
+    0 when every layer is MoE). ``to_dict`` / ``from_dict`` (MoEShape's) round-trip a record of it
+    (the model manifest); :meth:`from_hf_config` parses a config.json.
+    """
+
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    sliding_window: int | None = None  # mixtral: implemented in the attention mask
+    max_position_embeddings: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse an HF config dict; ``source`` names the file in error messages. The shape comes
+        from :func:`coldset.core.shapes.shape_from_hf_config`; this adds what only the engine refuses
+        (families, activations, RoPE scalings and weight formats it does not implement)."""
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"{source}: unsupported model_type {model_type!r}; coldset's engine supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} (only 'silu')")
+        if raw.get("attention_bias"):
+            raise ModelLoadError(f"{source}: attention_bias=true is not supported")
+
+        # RoPE: transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(
+                f"{source}: unsupported RoPE scaling {rope_type!r} (rope_parameters/rope_scaling); "
+                "only plain RoPE is implemented"
+            )
+        if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+        try:
+            shape = shape_from_hf_config(raw, source)
+        except ShapeError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
+            # Block FP8 (the published 128 x 128 e4m3 format) is read; anything else is refused by name.
+            from coldset.core import fp8
+
+            try:
+                fp8.parse_quantization_config(raw.get("quantization_config"), source)
+            except fp8.Fp8FormatError as exc:
+                raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape "
+                                     "without decoding") from None
+            if shape.expert_format != fp8.FORMAT_NAME:
+                raise ModelLoadError(f"{source}: quantized experts ({shape.expert_format}) are not supported by the "
+                                     f"engine (only {fp8.FORMAT_NAME})")
+        if model_type == "qwen3_moe":
+            norm_topk = bool(raw.get("norm_topk_prob", False))
+            sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+            if sliding is not None:
+                raise ModelLoadError(f"{source}: use_sliding_window=true is not supported for qwen3_moe")
+        else:  # mixtral renormalises the top-k probabilities, always
+            norm_topk = True
+            sliding = raw.get("sliding_window")
+        eps = raw.get("rms_norm_eps")
+        return cls(
+            **{f.name: getattr(shape, f.name) for f in fields(MoEShape)},
+            norm_topk_prob=norm_topk,
+            rms_norm_eps=1e-6 if eps is None else float(eps),
+            rope_theta=rope_theta,
+            sliding_window=None if sliding is None else int(sliding),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read ``path/config.json`` (``path`` a local HF folder)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ModelLoadError(f"model folder {folder} does not exist")
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{cfg_path}: missing (every HF model folder has a config.json)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
+        return cls.from_hf_config(raw, source=str(cfg_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as transformers computes it: normalise (in float32), cast back, then scale.
+
+    ``F.rms_norm`` without a weight upcasts half-precision inputs internally, which is the same
+    computation in one fused op.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x, self.shape, eps=self.eps)
+
+
+def _linear(out_features: int, in_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device="meta")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with RoPE, optional per-head qk RMSNorm, writing a static KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one GEMM (rows: q, then k, then v).
+        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.o_proj = _linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # [B, max_seq, kv_heads, head_dim], set by MoEModel.setup_cache. Buffers, so that a
+        # compiled decode region treats them as inputs it writes, not as constants.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm_weight: torch.Tensor | None = None  # [nh + nkv, D], set by fuse_qk_norm()
+        # Block-FP8 copies of the projections for the fused one-token path (set_fp8; None: none).
+        # Buffers (not persistent), so that moving the model moves them.
+        for name in ("qkv_fp8", "qkv_scale", "o_fp8", "o_scale"):
+            self.register_buffer(name, None, persistent=False)
+
+    def set_fp8(self, qkv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                o: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Give the fused one-token decode path (:func:`fused_layer_before_experts` at batch 1) the
+        projections in block FP8: ``qkv`` the ``(weight float8_e4m3fn, weight_scale_inv)`` of q, k and
+        v in that order (each its own 128 x 128 grid), ``o`` o_proj's; None leaves that projection
+        without an FP8 copy. Kept as ``qkv_fp8`` ``[q + 2 kv, H]`` with ``qkv_scale``, the three
+        per-row scale tables concatenated (:func:`coldset.core.fp8.row_scales`), and ``o_fp8`` /
+        ``o_scale``, on the device of the layer's weights.
+
+        Why beside the float ``qkv_proj`` / ``o_proj`` weights (which hold the same values
+        dequantized to the model dtype): every other path (eager, prefill, the Inductor region, from
+        two tokens on, the comparison with transformers) runs those; the GEMV at one token reads the
+        FP8 bytes, half the bytes of bf16, and that is where the step streams them. The cost is the
+        FP8 copy beside the float one: 1 byte a weight plus 4 bytes a row and 128-column group
+        (Qwen3-30B-A3B: 0.93 GB beside 1.81 GB of bf16 projections). The fused path then rounds
+        differently from the dequantized one (each group's float32 sum of e4m3 x input times its
+        float32 scale; the weight never rounded to bf16), so its logits are not the dequantized
+        path's bits; parity (placements against all hot) compares one engine on both sides, so it
+        holds as it does for bf16."""
+        from coldset.core import fp8
+
+        dev = self.qkv_proj.weight.device
+        hidden = self.qkv_proj.weight.shape[1]
+        if qkv is not None:
+            sizes = (self.q_size, self.kv_size, self.kv_size)
+            for (q, s), rows, name in zip(qkv, sizes, ("q_proj", "k_proj", "v_proj")):
+                if q.dtype != fp8.FP8_DTYPE or tuple(q.shape) != (rows, hidden):
+                    raise ValueError(f"Attention.set_fp8: {name} must be {fp8.FP8_DTYPE} [{rows}, {hidden}], got "
+                                     f"{q.dtype} {list(q.shape)}")
+            self.qkv_fp8 = torch.cat([q for q, _ in qkv]).to(dev)
+            self.qkv_scale = torch.cat([fp8.row_scales(s, rows, hidden) for (_, s), rows in zip(qkv, sizes)]).to(dev)
+        else:
+            self.qkv_fp8 = self.qkv_scale = None
+        if o is not None:
+            q, s = o
+            want = (hidden, self.num_heads * self.head_dim)
+            if q.dtype != fp8.FP8_DTYPE or tuple(q.shape) != want:
+                raise ValueError(f"Attention.set_fp8: o_proj must be {fp8.FP8_DTYPE} {list(want)}, got {q.dtype} "
+                                 f"{list(q.shape)}")
+            self.o_fp8, self.o_scale = q.to(dev), fp8.row_scales(s, *want).to(dev)
+        else:
+            self.o_fp8 = self.o_scale = None
+
+    def fuse_qk_norm(self) -> None:
+        """Stack the q_norm and k_norm weights per head, for the one-op qk-norm in forward."""
+        if self.q_norm is not None:
+            self.qk_norm_weight = torch.cat([
+                self.q_norm.weight.expand(self.num_heads, self.head_dim),
+                self.k_norm.weight.expand(self.num_kv_heads, self.head_dim),
+            ])
+
+    def forward(self, x, cos, sin, slots, mask):
+        """``x`` [B, T, H]; ``cos``/``sin`` [B, T, D]; ``slots`` [T] cache slots; ``mask`` [B, 1, T, S]."""
+        bsz, seq, _ = x.shape
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side [B, T, nh + nkv, D]: qk-norm and RoPE are per head and
+        # elementwise, so one op on both is the same arithmetic as transformers' two.
+        qk = qk.view(bsz, seq, nh + nkv, d)
+        if self.q_norm is not None:
+            qk = self.qk_norm_weight * F.rms_norm(qk, (d,), eps=self.eps)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([nh, nkv], dim=2)
+        v = v.view(bsz, seq, nkv, d)
+        self.k_cache.index_copy_(1, slots, k)
+        self.v_cache.index_copy_(1, slots, v)
+        kv_len = mask.shape[-1]  # attend over the first kv_len slots (a shape, not data)
+        keys = self.k_cache[:, :kv_len].transpose(1, 2)  # [B, KV, S, D]
+        values = self.v_cache[:, :kv_len].transpose(1, 2)
+        # GQA without repeating K/V: the `rep` query heads of one kv head become `rep * T` query
+        # rows against that kv head (q head h uses kv head h // rep, as in transformers).
+        rep = self.num_heads // self.num_kv_heads
+        q = q.transpose(1, 2).reshape(bsz, self.num_kv_heads, rep * seq, self.head_dim)
+        if rep > 1:
+            mask = mask[:, :, None].expand(bsz, 1, rep, seq, kv_len).reshape(bsz, 1, rep * seq, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.reshape(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(bsz, seq, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    """The SwiGLU MLP of qwen3_moe's non-MoE layers."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.up_proj = _linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts. The experts' weights live in the model's pools, not here."""
+
+    def __init__(self, cfg: ModelConfig, moe_index: int, model: "MoEModel"):
+        super().__init__()
+        self.gate = _linear(cfg.num_experts, cfg.hidden_size)  # the router
+        self.moe_index = moe_index
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self._model = [model]  # a list, so the parent is not registered as a submodule
+        self._route_counter: torch.Tensor | None = None
+
+    def route_counter_on(self, device: torch.device) -> torch.Tensor:
+        """This block's int32 ``[1]`` ticket counter for the fused router launch
+        (:func:`coldset.kernels.triton_decode.route`: zero between launches; one per layer, so
+        launches of different layers never share one)."""
+        if self._route_counter is None or self._route_counter.device != device:
+            self._route_counter = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._route_counter
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids [N, k] int64, topk_weights [N, k] float32)`` for tokens ``flat`` [N, H]."""
+        return softmax_topk(F.linear(flat, self.gate.weight), self.top_k, self.norm_topk_prob)
+
+    def experts(self, flat: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum ``[N, H]`` through the model's ``experts_fn``."""
+        model = self._model[0]
+        if model.routing_sink is not None:
+            model.routing_sink.append((topk_ids, topk_weights))
+        fn = model.experts_fn
+        # An experts function marked casts_weights (a slot cache's) casts them in a launch it makes anyway.
+        w = topk_weights if getattr(fn, "casts_weights", False) else topk_weights.to(flat.dtype)
+        return fn(model.pools, self.moe_index, flat, topk_ids, w)
+
+
+def layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask):
+    """One layer up to its routed experts: ``(x, h, topk_ids, topk_weights)``.
+
+    ``x + delta`` is the layer's input (``delta`` = the previous layer's MLP output), so the
+    residual add that ends one layer runs in the same region as the next layer's attention. The
+    layer's output is ``x + mlp(h)``; ``topk_*`` are ``None`` for a dense layer. Why a free
+    function of the layer: everything between two experts calls is one region that
+    :meth:`MoEModel.compile_decode` hands to ``torch.compile`` (one compiled graph serves every
+    layer, since the layers differ only in their tensors), while the experts call, with its
+    host-side dispatch and Triton launches, stays outside it.
+    """
+    x = x + delta
+    bsz, seq, hidden = x.shape
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, slots, mask)
+    h = layer.post_attention_layernorm(x)
+    if isinstance(layer.mlp, MoEBlock):
+        flat = h.reshape(bsz * seq, hidden)
+        topk_ids, topk_weights = layer.mlp.route(flat)
+        return x, flat, topk_ids, topk_weights
+    return x, h, None, None
+
+
+def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots, mask, pdl: bool | None = None):
+    """:func:`layer_before_experts` for one decode token per sequence in Triton launches
+    (:mod:`coldset.kernels.triton_decode`, CUDA): the residual add, input norm and qkv projection
+    in one (at batch 1 :func:`~coldset.kernels.triton_decode.gemv`; from 2 tokens on, the add and
+    norm in one and the projection by cuBLAS, which is faster there); qk-norm, RoPE, the KV write
+    and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
+    norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
+    so a MoE layer is four launches before its experts at batch 1. Why: the step outside the
+    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). At batch 1 an
+    attention with block-FP8 copies (:meth:`Attention.set_fp8`: an FP8 checkpoint's, or
+    :func:`attach_fp8_attention`) runs its qkv and o_proj GEMVs on the FP8 bytes and their scales
+    (weight-only: fp32 products, each 128-column group's sum times its scale), not on the
+    dequantized weights: other roundings than the dequantized path's, the same in every placement.
+    route's weights come in the model dtype (the cast the experts call would make, in the same
+    launch) unless the experts function casts them itself or a routing sink records them (then
+    float32, as :meth:`MoEBlock.route`). ``pdl``: launch the kernels as
+    programmatic dependent launches (Hopper), each reading its weights while its predecessor
+    finishes; None: :func:`~coldset.kernels.triton_decode.pdl_default` for the batch size. Same
+    contract as :func:`layer_before_experts` (decode only)."""
+    from coldset.kernels import triton_decode as td
+
+    bsz, seq, hidden = x.shape
+    if seq != 1:
+        raise ValueError(f"fused_layer_before_experts: one token per sequence (decode), got {seq}")
+    attn, norm_in, norm_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
+    if bsz == 1:  # block-FP8 projections (Attention.set_fp8) read as FP8 bytes with their scales
+        w, ws = (attn.qkv_fp8, attn.qkv_scale) if attn.qkv_fp8 is not None else (attn.qkv_proj.weight, None)
+        x, qkv = td.gemv(x.view(1, hidden), w, norm_weight=norm_in.weight, eps=norm_in.eps,
+                         add=delta.view(1, hidden), pdl=pdl, weight_scale=ws)
+    else:
+        x, normed = td.rms_norm(x.view(bsz, hidden), norm_in.weight, norm_in.eps, add=delta.view(bsz, hidden), pdl=pdl)
+        qkv = F.linear(normed, attn.qkv_proj.weight)
+    out = td.decode_attention(qkv, attn.qk_norm_weight, cos, sin, attn.k_cache, attn.v_cache, slots, mask,
+                              attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.eps, pdl=pdl)
+    if bsz == 1:
+        w, ws = (attn.o_fp8, attn.o_scale) if attn.o_fp8 is not None else (attn.o_proj.weight, None)
+        x = td.gemv(out, w, residual=x, pdl=pdl, weight_scale=ws)
+    else:
+        x = td.norm_linear(out, attn.o_proj.weight, residual=x, pdl=pdl)
+    if isinstance(layer.mlp, MoEBlock):
+        mlp = layer.mlp
+        model = mlp._model[0]
+        cache = getattr(model.experts_fn, "slot_cache", None)
+        if cache is not None and model.routing_sink is None and cache.records_in_route(bsz):
+            # a slot cache's decisions in the router's launch (SlotCache.route)
+            h, topk_ids, topk_weights = cache.route(mlp.moe_index, x, norm_post.weight, norm_post.eps, mlp.gate.weight,
+                                                    mlp.top_k, mlp.norm_topk_prob, mlp.route_counter_on(x.device),
+                                                    pdl=pdl)
+            return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
+        keep_f32 = model.routing_sink is not None or getattr(model.experts_fn, "casts_weights", False)
+        h, topk_ids, topk_weights = td.route(x, norm_post.weight, norm_post.eps, mlp.gate.weight, mlp.top_k,
+                                             mlp.norm_topk_prob, mlp.route_counter_on(x.device),
+                                             weights_dtype=torch.float32 if keep_f32 else x.dtype, pdl=pdl)
+        return x.view(bsz, seq, hidden), h, topk_ids, topk_weights
+    h = td.rms_norm(x, norm_post.weight, norm_post.eps, pdl=pdl)
+    return x.view(bsz, seq, hidden), h.view(bsz, seq, hidden), None, None
+
+
+def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool | None = None):
+    """The decode step's end for the fused engine: logits ``[B, 1, V]`` of ``lm_head(norm(x + delta))``,
+    at batch 1 one :func:`~coldset.kernels.triton_decode.gemv` (the add, the final norm and the
+    LM head, the step's largest matrix), from 2 tokens on :func:`~coldset.kernels.triton_decode.rms_norm`
+    with the add, then cuBLAS."""
+    from coldset.kernels import triton_decode as td
+
+    bsz, seq, hidden = x.shape
+    if pdl is None:
+        pdl = td.pdl_default(bsz, x.device)
+    if bsz == 1:
+        _, logits = td.gemv(x.view(1, hidden), model.lm_head.weight, norm_weight=model.norm.weight,
+                            eps=model.norm.eps, add=delta.view(1, hidden), pdl=pdl)
+    else:
+        _, normed = td.rms_norm(x.view(bsz, hidden), model.norm.weight, model.norm.eps, add=delta.view(bsz, hidden),
+                                pdl=pdl)
+        logits = F.linear(normed, model.lm_head.weight)
+    return logits.view(bsz, seq, -1)
+
+
+def fused_decode_supported(model: "MoEModel") -> str | None:
+    """Why :func:`fused_layer_before_experts` cannot run ``model`` (None if it can): CUDA,
+    triton, a half-precision dtype (the kernels' dots would run float32 as tf32), a power-of-two
+    head_dim of at least 16 and, with qk-norm, the stacked qk-norm weights."""
+    import importlib.util
+
+    if model.device.type != "cuda":
+        return f"the model is on {model.device}, the fused decode kernels are CUDA only"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if model.dtype not in (torch.bfloat16, torch.float16):
+        return f"the model dtype is {model.dtype}; the fused decode kernels take bfloat16 or float16"
+    d = model.config.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    if model.config.qk_norm and any(layer.self_attn.qk_norm_weight is None for layer in model.layers):
+        return "qk-norm weights are not stacked (Attention.fuse_qk_norm)"
+    return None
+
+
+def attach_fp8_attention(model: "MoEModel"):
+    """Make an in-memory model's attention projections block-FP8, as a published FP8 checkpoint
+    stores them (q, k, v and o_proj converted; embeddings, norms, routers and the LM head not, as in
+    Qwen3-30B-A3B-FP8's ``modules_to_not_convert``): each of q, k, v and o_proj quantized on its
+    own 128 x 128 grid by :func:`coldset.core.fp8.quantize_weight`, the FP8 copies given to the fused
+    one-token path (:meth:`Attention.set_fp8`) and the float weights replaced in place by their
+    dequantization in the model dtype, what :func:`load_model` holds for such a checkpoint (so
+    every path runs the FP8 model). Returns a function that puts the float weights back and drops
+    the FP8 copies (the bench times both formats on one model). Why: the real-shape model is built
+    in memory (``bench step --weight-format fp8``); a checkpoint would be written and read back."""
+    from coldset.core import fp8
+
+    saved = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.qkv_fp8 is not None or attn.o_fp8 is not None:
+            raise ValueError("attach_fp8_attention: the model's attention already has FP8 copies")
+        qkv_w, o_w = attn.qkv_proj.weight, attn.o_proj.weight
+        qkv = [fp8.quantize_weight(w) for w in qkv_w.detach().split([attn.q_size, attn.kv_size, attn.kv_size])]
+        o = fp8.quantize_weight(o_w.detach())
+        saved.append((qkv_w.detach().clone(), o_w.detach().clone()))
+        attn.set_fp8(qkv, o)
+        with torch.no_grad():  # in place: a compiled region or captured graph keeps reading the same tensors
+            qkv_w.copy_(torch.cat([fp8.dequantize_weight(q, sc) for q, sc in qkv]))
+            o_w.copy_(fp8.dequantize_weight(*o))
+
+    def restore() -> None:
+        for layer, (qkv_w, o_w) in zip(model.layers, saved):
+            attn = layer.self_attn
+            with torch.no_grad():
+                attn.qkv_proj.weight.copy_(qkv_w)
+                attn.o_proj.weight.copy_(o_w)
+            attn.set_fp8(None, None)
+        saved.clear()
+
+    return restore
+
+
+def fp8_attention_linears(model: "MoEModel", batch_size: int) -> list[str]:
+    """The attention projections a decode step of ``batch_size`` tokens runs in FP8 as the model is
+    compiled now: ``qkv_proj`` and/or ``o_proj`` where every layer has its copy
+    (:meth:`Attention.set_fp8`), on the fused path (:meth:`MoEModel.compile_decode`) at one token
+    only (eager, Inductor and batches of 2 tokens on run the dequantized weights); else ``[]``."""
+    chosen = model._compiled_before_experts
+    if batch_size != 1 or getattr(chosen, "func", chosen) is not fused_layer_before_experts:
+        return []
+    attns = [layer.self_attn for layer in model.layers]
+    return [name for name, attr in (("qkv_proj", "qkv_fp8"), ("o_proj", "o_fp8"))
+            if attns and all(getattr(a, attr) is not None for a in attns)]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, model: "MoEModel"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        if layer_idx in cfg.moe_layers:
+            self.mlp = MoEBlock(cfg, cfg.moe_layers.index(layer_idx), model)
+        else:
+            self.mlp = DenseMLP(cfg)
+
+    def mlp_out(self, h, topk_ids, topk_weights):
+        """The MLP's output for :func:`layer_before_experts`'s ``h`` (shaped like the layer input's)."""
+        if topk_ids is None:
+            return self.mlp(h)
+        return self.mlp.experts(h, topk_ids, topk_weights)
+
+
+class MoEModel(nn.Module):
+    """A decoder-only MoE transformer (qwen3_moe or mixtral) with a static KV cache.
+
+    ``pools`` holds every routed expert (``ExpertPools``); ``experts_fn(pools, moe_index, x,
+    topk_ids, topk_weights)`` is the one replaceable experts computation (default
+    :func:`coldset.kernels.torch_experts`); its ``topk_weights`` are in ``x``'s dtype, unless the
+    function has the attribute ``casts_weights = True`` (a slot cache's, :meth:`coldset.engine.slots.SlotCache.wrap`):
+    then it gets the router's float32 weights and casts them itself. Set ``routing_sink`` to a list to have every MoE
+    block append ``(topk_ids, topk_weights)`` (float32, before the cast) in call order.
+    Build it with :func:`load_model`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size)
+        self.pools: ExpertPools | None = None
+        self.experts_fn: Callable = torch_experts
+        self.routing_sink: list | None = None
+        self.cache_shape: tuple[int, int] | None = None  # (batch, max_seq)
+        self._compiled_before_experts: Callable | None = None  # set by compile_decode()
+        self._fused_head: Callable | None = None  # the fused engine's final norm + LM head (compile_decode)
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def compile_decode(self, fused: bool | None = None, pdl: bool | None = None) -> None:
+        """Run decode steps (one token per sequence) through a faster region than the eager
+        :func:`layer_before_experts`: the Triton kernels of :func:`fused_layer_before_experts`
+        (``fused=True``; the default wherever :func:`fused_decode_supported` says they run: CUDA,
+        triton, bf16/fp16) or a ``torch.compile``d :func:`layer_before_experts` (``fused=False``;
+        the default elsewhere).
+
+        Why: at batch 1 the step outside the experts is ~25 small kernels a layer in eager (norms,
+        qk-norm, RoPE, KV write, SDPA, router, residual adds), launch latency rather than bytes;
+        Inductor fuses the elementwise ones into a few (~12 kernels a layer), the fused kernels
+        bring it to four launches plus the router's. The experts call stays between the regions,
+        and the whole step can still be captured in one CUDA graph (:class:`coldset.bench.decode.Decoder`).
+        Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
+        kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
+        engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
+        ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper, the
+        same bits); None: where it measured faster (at batch 1 on Hopper or newer,
+        :func:`coldset.kernels.triton_decode.pdl_default`).
+        """
+        reason = fused_decode_supported(self)
+        if fused is None:
+            fused = reason is None
+        if fused:
+            if reason is not None:
+                raise ValueError(f"compile_decode(fused=True): {reason}")
+            self._compiled_before_experts = functools.partial(fused_layer_before_experts, pdl=pdl)
+            self._fused_head = functools.partial(fused_norm_lm_head, pdl=pdl)
+            return
+        self._fused_head = None
+        if pdl:
+            raise ValueError("compile_decode(pdl=True) needs the fused kernels (fused=True)")
+        import torch._dynamo.config as dynamo_config
+
+        # A region past the recompile limit would silently run eagerly (other numerics): fail.
+        dynamo_config.fail_on_recompile_limit_hit = True
+        # Routing, gate and bench batches differ in batch size, key length and mask strides: each
+        # new kind of difference recompiles once (then that size is symbolic); 8 is too few.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        # dynamic=None: the first shape compiles static; a second (batch size, key length) makes
+        # those sizes symbolic, so generate()'s growing mask costs one more compile, not one a step.
+        self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True)
+
+    def setup_cache(self, batch_size: int, max_seq: int) -> None:
+        """Preallocate each layer's KV cache ``[batch_size, max_seq, kv_heads, head_dim]``."""
+        cfg = self.config
+        if self.cache_shape == (batch_size, max_seq):
+            return
+        shape = (batch_size, max_seq, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache_shape = (batch_size, max_seq)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``) in the model dtype.
+
+        ``tokens``/``positions`` ``[B, T]``; ``slots`` ``[T]`` the cache slots these tokens are
+        written to; ``mask`` bool ``[B, 1, T, S]``: which of the first ``S`` cache slots each
+        query may attend to. Call :meth:`setup_cache` first.
+        """
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions)
+        delta = torch.zeros_like(x)
+        decode = tokens.shape[1] == 1 and self._compiled_before_experts is not None
+        before_experts = self._compiled_before_experts if decode else layer_before_experts
+        # Not cuDNN attention: it plans anew for every key length (8 ms a call on an H200 in bf16).
+        with sdpa_kernel(_SDPA_BACKENDS):
+            for layer in self.layers:
+                x, h, topk_ids, topk_weights = before_experts(layer, x, delta, cos, sin, slots, mask)
+                delta = layer.mlp_out(h, topk_ids, topk_weights).view(x.shape)
+        if decode and self._fused_head is not None:
+            return self._fused_head(self, x, delta)
+        x = x + delta
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+class _TensorSource:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self._handles: dict[Path, object] = {}
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ModelLoadError(f"{index}: not a valid safetensors index ({err})") from err
+            self.key_to_file = {k: folder / v for k, v in weight_map.items()}
+        elif single.is_file():
+            self.key_to_file = {k: single for k in self._open(single).keys()}
+        else:
+            shards = sorted(folder.glob("*.safetensors"))
+            if not shards:
+                raise ModelLoadError(
+                    f"{folder}: no weights (model.safetensors or model.safetensors.index.json)"
+                )
+            self.key_to_file = {}
+            for shard in shards:
+                for key in self._open(shard).keys():
+                    self.key_to_file[key] = shard
+
+    def _open(self, path: Path):
+        if path in self._handles:
+            return self._handles[path]
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: weight file missing (listed in the safetensors index)")
+        try:
+            handle = self._safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors raises its own SafetensorError and OSError
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({err})") from err
+        self._handles[path] = handle
+        return handle
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_to_file
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in self.key_to_file:
+            raise ModelLoadError(f"{self.folder}: missing tensor {key!r}")
+        path = self.key_to_file[key]
+        handle = self._open(path)
+        try:
+            stored = tuple(handle.get_slice(key).get_shape())  # header only: check before reading
+            if stored != tuple(shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {key!r} has shape {stored}, expected {tuple(shape)}"
+                )
+            return handle.get_tensor(key)
+        except ModelLoadError:
+            raise
+        except Exception as err:
+            raise ModelLoadError(f"{path}: cannot read tensor {key!r} ({err})") from err
+
+
+def _expert_keys(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
+    if cfg.model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _read_linear(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, weight_scale_inv or None)`` of linear layer ``module`` as stored.
+
+    ``fmt`` (a :class:`coldset.core.fp8.Fp8Format`, or None for an unquantized checkpoint) says whether
+    the module is converted: then its weight must be float8_e4m3fn with a ``weight_scale_inv`` of
+    the block grid; otherwise it must not be float8 (a float8 tensor with no scale to read it by
+    would load as wrong numbers). Errors name the file and tensor.
+    """
+    from coldset.core import fp8
+
+    weight = src.get(f"{module}.weight", shape)
+    where = f"{src.key_to_file.get(f'{module}.weight', src.folder)}: tensor {module}.weight"
+    if fmt is not None and fmt.converts(module):
+        if weight.dtype != fp8.FP8_DTYPE:
+            raise ModelLoadError(f"{where} is {weight.dtype}; quantization_config converts it, so it must be "
+                                 f"{fp8.FP8_DTYPE} (or list the module in modules_to_not_convert)")
+        key = f"{module}.weight_scale_inv"
+        if key not in src:
+            raise ModelLoadError(f"{src.folder}: missing tensor {key!r}: the float8 weight {module}.weight needs its "
+                                 "per-block scales (weight_scale_inv)")
+        # e4m3fn has one NaN per sign (bits S.1111.111) and no infinity. A NaN weight would
+        # poison every token routed to its expert, and the weight-only kernel (w8a16=2) converts
+        # by bit arithmetic that reads it as +-122880: refuse it here, where the tensor has a name.
+        nan = (weight.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            r, c = (int(i) for i in nan.nonzero()[0])
+            raise ModelLoadError(f"{where} holds {int(nan.sum())} NaN float8 value(s) (first at [{r}, {c}]): "
+                                 "a published FP8 checkpoint has none; the file is corrupt or was written wrongly")
+        scale = src.get(key, fp8.scale_grid(*shape)).float()
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ModelLoadError(f"{src.key_to_file.get(key, src.folder)}: tensor {key} holds non-finite or negative "
+                                 "scales; a block scale is a finite amax / 448 >= 0")
+        return weight, scale
+    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ModelLoadError(f"{where} is {weight.dtype} but the checkpoint's config does not convert it "
+                             "(no quantization_config, or the module is in modules_to_not_convert)")
+    return weight, None
+
+
+def _read_dense(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> torch.Tensor:
+    """A linear layer's weight as a float tensor: a converted (FP8) one dequantized in float32."""
+    from coldset.core import fp8
+
+    weight, scale = _read_linear(src, module, shape, fmt)
+    return weight if scale is None else fp8.dequantize_weight(weight, scale)
+
+
+def _load_experts(cfg, src: _TensorSource, device, dtype, fmt=None) -> tuple[torch.Tensor, ...]:
+    """Stack routed experts into w13 ``[L, E, 2I, H]`` and w2 ``[L, E, H, I]``, one expert at a time.
+
+    Accepts the per-expert layout real checkpoints use and the fused 3-D layout
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``). A block-FP8
+    checkpoint (``fmt``) returns ``(w13, w2, w13_scale, w2_scale)``: the float8 bytes as stored and
+    their scales (:mod:`coldset.core.fp8`: w13's grid gate's then up's), never dequantized.
+    """
+    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if fmt is not None:
+        return _load_fp8_experts(cfg, src, device, fmt)
+    w13 = torch.empty((L, E, 2 * I, H), dtype=dtype, device=device)
+    w2 = torch.empty((L, E, H, I), dtype=dtype, device=device)
+    for m, layer in enumerate(cfg.moe_layers):
+        prefix, (gate, up, down) = _expert_keys(cfg, layer)
+        fused = f"{prefix}.experts.gate_up_proj"
+        if fused in src:
+            w13[m].copy_(src.get(fused, (E, 2 * I, H)))
+            w2[m].copy_(src.get(f"{prefix}.experts.down_proj", (E, H, I)))
+            continue
+        for e in range(E):
+            base = f"{prefix}.experts.{e}"
+            w13[m, e, :I].copy_(src.get(f"{base}.{gate}.weight", (I, H)))
+            w13[m, e, I:].copy_(src.get(f"{base}.{up}.weight", (I, H)))
+            w2[m, e].copy_(src.get(f"{base}.{down}.weight", (H, I)))
+    return w13, w2
+
+
+def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tensor, ...]:
+    from coldset.core import fp8
+
+    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gi, gh = fp8.scale_grid(I, H)
+    w13 = torch.empty((L, E, 2 * I, H), dtype=fp8.FP8_DTYPE, device=device)
+    w2 = torch.empty((L, E, H, I), dtype=fp8.FP8_DTYPE, device=device)
+    s13 = torch.empty((L, E, 2 * gi, gh), dtype=torch.float32, device=device)
+    s2 = torch.empty((L, E, *fp8.scale_grid(H, I)), dtype=torch.float32, device=device)
+    for m, layer in enumerate(cfg.moe_layers):
+        prefix, (gate, up, down) = _expert_keys(cfg, layer)
+        if f"{prefix}.experts.gate_up_proj" in src:
+            raise ModelLoadError(f"{src.folder}: fused expert tensors ({prefix}.experts.gate_up_proj) in FP8 are not "
+                                 "supported; the published FP8 checkpoints store one tensor per expert")
+        for e in range(E):
+            base = f"{prefix}.experts.{e}"
+            for name, rows, scale_rows in ((gate, slice(0, I), slice(0, gi)), (up, slice(I, 2 * I), slice(gi, 2 * gi))):
+                q, s = _read_linear(src, f"{base}.{name}", (I, H), fmt)
+                if s is None:
+                    raise ModelLoadError(f"{src.folder}: {base}.{name} is not converted (modules_to_not_convert); "
+                                         "the engine needs every routed expert in FP8 or none")
+                w13[m, e, rows].copy_(q)
+                s13[m, e, scale_rows].copy_(s)
+            q, s = _read_linear(src, f"{base}.{down}", (H, I), fmt)
+            if s is None:
+                raise ModelLoadError(f"{src.folder}: {base}.{down} is not converted (modules_to_not_convert); "
+                                     "the engine needs every routed expert in FP8 or none")
+            w2[m, e].copy_(q)
+            s2[m, e].copy_(s)
+    return w13, w2, s13, s2
+
+
+def load_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> MoEModel:
+    """Load a local HF folder (config.json, model.safetensors or a sharded index) into MoEModel.
+
+    Tensors are read lazily (safetensors ``safe_open``) and cast/moved one at a time, so peak
+    memory is about one copy of the model. Routed experts end up only in ``model.pools``
+    (``ExpertPools.all_hot``). Raises :class:`ModelLoadError` naming the file or tensor.
+
+    A block-FP8 checkpoint (:mod:`coldset.core.fp8`: ``quantization_config`` quant_method fp8, 128 x 128
+    blocks, dynamic activations, e4m3) keeps its routed experts in FP8 in the pools (weights and
+    ``weight_scale_inv`` scale pools); its other converted linear layers (attention) are
+    dequantized here to ``dtype`` once (``weight.float() * scale_inv`` per block), which is what
+    transformers does on a CPU; every path runs those. The converted attention projections are also
+    kept as stored (e4m3 bytes and their scales, :meth:`Attention.set_fp8`: 1 byte a weight beside
+    the dequantized copy) for the fused decode step at batch 1, whose GEMV reads them weight-only
+    (:func:`coldset.kernels.triton_decode.gemv` with ``weight_scale``): at one token the step
+    streams its weights, and FP8 halves those bytes. That path rounds differently from the
+    dequantized one (float32 weight times scale, no bf16 rounding of the weight); parity compares
+    one engine with itself, so it holds. A serving engine would run every converted linear layer in
+    FP8, larger batches as FP8 GEMMs with per-token-group activation quantization (vLLM's W8A8
+    block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
+    """
+    from coldset.core import fp8
+
+    folder = Path(path)
+    cfg = ModelConfig.from_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
+    src = _TensorSource(folder)
+    device = torch.device(device)
+    model = MoEModel(cfg)
+
+    def put(param_owner: nn.Module, name: str, key: str):
+        shape = tuple(getattr(param_owner, name).shape)
+        module = key.removesuffix(".weight")
+        if isinstance(param_owner, nn.Linear):
+            tensor = _read_dense(src, module, shape, fmt)
+        else:
+            tensor = src.get(key, shape)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise ModelLoadError(f"{src.key_to_file[key]}: tensor {key!r} is {tensor.dtype}; only linear layers "
+                                     "are read in FP8")
+        setattr(param_owner, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+
+    put(model.embed_tokens, "weight", "model.embed_tokens.weight")
+    put(model.norm, "weight", "model.norm.weight")
+    if cfg.tie_word_embeddings and "lm_head.weight" not in src:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        put(model.lm_head, "weight", "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
+        put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
+        attn = layer.self_attn
+        qkv = [
+            _read_linear(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
+            for name, size in (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size))
+        ]
+        attn.qkv_proj.weight = nn.Parameter(
+            torch.cat([w if s is None else fp8.dequantize_weight(w, s) for w, s in qkv]).to(device=device, dtype=dtype),
+            requires_grad=False)
+        o = _read_linear(src, f"{p}.self_attn.o_proj", tuple(attn.o_proj.weight.shape), fmt)
+        attn.o_proj.weight = nn.Parameter(
+            (o[0] if o[1] is None else fp8.dequantize_weight(*o)).to(device=device, dtype=dtype), requires_grad=False)
+        # the checkpoint's own FP8 bytes and scales for the fused one-token path, where all of q, k, v
+        # (and o_proj) are converted; a partly converted qkv runs dequantized only
+        attn.set_fp8(qkv if all(s is not None for _, s in qkv) else None, o if o[1] is not None else None)
+        if cfg.qk_norm:
+            put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
+            put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
+            attn.fuse_qk_norm()
+        if isinstance(layer.mlp, MoEBlock):
+            prefix, _ = _expert_keys(cfg, i)
+            put(layer.mlp.gate, "weight", f"{prefix}.gate.weight")
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                put(getattr(layer.mlp, proj), "weight", f"{p}.mlp.{proj}.weight")
+    model.inv_freq = model.inv_freq.to(device)
+    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype, fmt))
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The folder's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, BOS handled as HF would.
+
+    ``tokenizer.encode(text).ids`` gives the prompt ids. If ``tokenizer_config.json`` says
+    ``add_bos_token: true`` and the tokenizer's own post-processor does not already add the BOS
+    token, a post-processor that prepends it is installed (what HF's Llama-style fast tokenizers
+    do). Otherwise the tokenizer.json's post-processor decides (Qwen adds nothing).
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    folder = Path(path)
+    tok_path = folder / "tokenizer.json"
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    if not tok_path.is_file():
+        raise ModelLoadError(f"{tok_path}: missing (coldset reads tokenizers through tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as err:
+        raise ModelLoadError(f"{tok_path}: cannot be read by the tokenizers library ({err})") from err
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            tcfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
+        bos = tcfg.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        if tcfg.get("add_bos_token") and bos is not None:
+            bos_id = tokenizer.token_to_id(bos)
+            if bos_id is None:
+                raise ModelLoadError(f"{cfg_path}: bos_token {bos!r} is not in {tok_path}")
+            probe = tokenizer.encode("a").ids
+            if not probe or probe[0] != bos_id:
+                tokenizer.post_processor = TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+                )
+    return tokenizer
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (special tokens as :func:`load_tokenizer` configured them)."""
+    return [enc.ids for enc in tokenizer.encode_batch(list(texts))]
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy decode
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRouting:
+    """Routed experts of one request: rows ``[:num_prompt_tokens]`` prefill, the rest decode."""
+
+    experts: torch.Tensor  # int16 [n_tokens, num_moe_layers, top_k]
+    weights: torch.Tensor  # float32 [n_tokens, num_moe_layers, top_k]
+    num_prompt_tokens: int
+
+
+@dataclass
+class Generation:
+    """Result of :func:`generate` (docs/architecture.md, engine -> routing)."""
+
+    tokens: list[list[int]]
+    final_logits: torch.Tensor  # float32 [B, V]: the logits that chose each last new token
+    routing: list[RequestRouting] | None = None
+    all_logits: torch.Tensor | None = field(default=None, repr=False)  # [B, new, V] if asked
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)
+
+
+@torch.inference_mode()
+def check_prompts_fit(cfg: ModelConfig, ids: Sequence[str], prompts: Sequence[Sequence[int]],
+                      max_new_tokens: int) -> None:
+    """Refuse, naming the fixture id, a prompt that with ``max_new_tokens`` new tokens would pass
+    the model's ``max_position_embeddings`` (checked by the stages before any decode, where the
+    ids are known; :func:`generate` knows only positions in its batch)."""
+    limit = cfg.max_position_embeddings
+    if limit is None:
+        return
+    for fid, p in zip(ids, prompts):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {fid!r} has {len(p)} tokens: with {max_new_tokens} new tokens it passes the "
+                             f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
+
+
+def generate(
+    model: MoEModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    capture_routing: bool = False,
+    progress: bool = True,
+    return_all_logits: bool = False,
+) -> Generation:
+    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt, batched.
+
+    Prompts are left-padded to a common length (see the module docstring); padded positions are
+    masked out of attention and excluded from the captured routing. No EOS stopping: every
+    prompt gets ``max_new_tokens`` tokens, which keeps the trace shapes simple. Ties go to the
+    lowest token id (``torch.argmax``). ``return_all_logits`` also returns ``all_logits``
+    float32 ``[B, max_new_tokens, V]``, the logits behind every new token (for tests).
+
+    Each decode step attends over the first ``slot + 1`` cache slots (the mask's last dimension),
+    which is cheapest eagerly; a CUDA-graph capture would instead call ``model.forward`` with a
+    fixed ``[B, 1, 1, max_seq]`` mask (slots beyond the current one masked out), same result.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+    cfg = model.config
+    vocab = cfg.vocab_size
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i} has a token id outside [0, {vocab})")
+    device = model.device
+    bsz = len(prompts)
+    lengths = [len(p) for p in prompts]
+    plen = max(lengths)
+    max_seq = plen + max_new_tokens
+    limit = cfg.max_position_embeddings
+    if limit is not None and max(lengths) + max_new_tokens > limit:
+        worst = lengths.index(plen)
+        raise ValueError(f"prompt {worst} has {plen} tokens: with {max_new_tokens} new tokens it passes the "
+                         f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
+    model.setup_cache(bsz, max_seq)
+
+    pad = torch.tensor([plen - n for n in lengths], device=device)  # [B]
+    tokens = torch.zeros((bsz, plen), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+    tokens = tokens.to(device)
+    all_slots = torch.arange(max_seq, device=device)
+    key_valid = all_slots[None, :] >= pad[:, None]  # [B, max_seq]
+    if cfg.sliding_window is not None:
+        window_ok = all_slots[None, :] > all_slots[:, None] - cfg.sliding_window  # [q, k]
+    else:
+        window_ok = None
+
+    # Prefill: every padded query may at least see itself (keeps softmax finite; its output is unused).
+    slots = all_slots[:plen]
+    causal = all_slots[:plen, None] >= all_slots[None, :plen]
+    if window_ok is not None:
+        causal = causal & window_ok[:plen, :plen]
+    mask = (causal[None] & key_valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool, device=device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0)
+    sink: list | None = [] if capture_routing else None
+    model.routing_sink = sink
+    bar = _progress(bsz * max_new_tokens, progress, "decode")
+    step_logits: list[torch.Tensor] = []
+    out_tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long, device=device)
+    try:
+        logits = model(tokens, positions, slots, mask[:, None], last_only=True)[:, -1]
+        prefill_routing = sink[:] if sink is not None else None
+        if sink is not None:
+            sink.clear()
+        nxt = torch.argmax(logits, dim=-1)
+        out_tokens[:, 0] = nxt
+        if return_all_logits:
+            step_logits.append(logits.float())
+        if bar is not None:
+            bar.update(bsz)
+        for t in range(1, max_new_tokens):
+            slot = plen + t - 1
+            step_slots = all_slots[slot:slot + 1]
+            step_mask = key_valid[:, None, None, :slot + 1]
+            if window_ok is not None:
+                step_mask = step_mask & window_ok[slot, :slot + 1]
+            step_pos = step_slots[None, :] - pad[:, None]
+            logits = model(nxt[:, None], step_pos, step_slots, step_mask)[:, -1]
+            nxt = torch.argmax(logits, dim=-1)
+            out_tokens[:, t] = nxt
+            if return_all_logits:
+                step_logits.append(logits.float())
+            if bar is not None:
+                bar.update(bsz)
+    finally:
+        model.routing_sink = None
+        if bar is not None:
+            bar.close()
+
+    routing = None
+    if capture_routing:
+        routing = _assemble_routing(cfg, prefill_routing, sink, bsz, plen, lengths)
+    return Generation(
+        tokens=out_tokens.cpu().tolist(),
+        final_logits=logits.float(),
+        routing=routing,
+        all_logits=torch.stack(step_logits, dim=1) if return_all_logits else None,
+    )
+
+
+def _assemble_routing(cfg, prefill, decode, bsz, plen, lengths) -> list[RequestRouting]:
+    """Per-request routing tensors from the MoE blocks' appends (layer-major within each call)."""
+    n_moe, k = cfg.num_moe_layers, cfg.top_k
+
+    def stack(entries, seq):  # entries: n_calls * n_moe tuples of [bsz*seq, k]
+        ids = torch.stack([e[0] for e in entries]).view(-1, n_moe, bsz, seq, k)
+        wts = torch.stack([e[1] for e in entries]).view(-1, n_moe, bsz, seq, k)
+        # -> [bsz, calls*seq, n_moe, k]
+        ids = ids.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
+        wts = wts.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
+        return ids.to(torch.int16).cpu(), wts.float().cpu()
+
+    pre_ids, pre_w = stack(prefill, plen)
+    if decode:
+        dec_ids, dec_w = stack(decode, 1)
+    else:
+        dec_ids = torch.empty((bsz, 0, n_moe, k), dtype=torch.int16)
+        dec_w = torch.empty((bsz, 0, n_moe, k), dtype=torch.float32)
+    out = []
+    for b, n in enumerate(lengths):
+        out.append(
+            RequestRouting(
+                experts=torch.cat([pre_ids[b, plen - n:], dec_ids[b]]).contiguous(),
+                weights=torch.cat([pre_w[b, plen - n:], dec_w[b]]).contiguous(),
+                num_prompt_tokens=n,
+            )
+        )
+    return out

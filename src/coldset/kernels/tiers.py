@@ -1,0 +1,522 @@
+"""Routed-expert weights in two pools (hot in HBM, cold in host memory) and the int32 row map.
+
+Every MoE layer's routed experts live in one shared *hot pool* and one shared *cold pool* per
+weight (w13 = gate and up fused ``[2I, H]``, w2 = down ``[H, I]``). The row map, int32
+``[num_moe_layers, num_experts]``, says where each (layer, expert) is: ``r >= 0`` is row ``r`` of
+the hot pool, ``r < 0`` is row ``-r - 1`` of the cold pool (DESIGN.md §3). A placement is a row
+map, never code: the model and the kernel are the same for every placement.
+
+The unmodified path is the all-hot layout: the hot pool is the model's stacked expert tensor in
+module order, so (layer, expert) is row ``layer * E + expert``.
+
+On CUDA the cold pool is pinned host memory that kernels read in place (zero-copy over UVA): the
+Triton kernel takes the pinned CPU tensor as a pointer. The pool tensors and the row map never
+change address after :func:`build_pools`, so a captured CUDA graph stays valid when a placement
+changes: a new placement is a write into the row map (:meth:`ExpertPools.set_row_map`), or a
+move of weights plus that write (:meth:`ExpertPools.apply_placement`).
+
+A model evaluated at many placements (the parity and bench stages) pins its cold tier once:
+:func:`host_tier` copies every expert of the all-hot pools into one host allocation (pinned on
+CUDA), and :meth:`ExpertPools.placed` makes each placement a compact hot pool in device memory
+plus a row map whose cold entries point at that copy's row ``layer * E + expert``. Pinning is the
+slow part (58 GB took 38.5 s on the H200 host, 1.5 GB/s); a placement then costs only its hot
+pool's device copy.
+
+Every row map is validated before a kernel can read through it (rows inside the pools, no row
+used twice): an out-of-range read of host memory must be impossible.
+
+Block-FP8 experts (:mod:`coldset.core.fp8`, issue 29) keep their float8_e4m3fn bytes in the weight pools
+and their float32 ``weight_scale_inv`` blocks in a *scale pool* beside each weight pool, indexed
+by the same row map: row ``r`` of ``w13_scale_hot`` holds the scales of row ``r`` of
+``w13_hot``, so a cold expert's scales live in the host tier beside its weights, and every
+operation here (placing, moving, the host tier) carries both.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class PoolAllocationError(MemoryError):
+    """The host cannot give the pinned (or plain) memory the cold pool needs."""
+
+
+def _check_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, num_experts: int) -> None:
+    """Refuse a row map that reads outside the pools or uses a row twice, before any launch.
+
+    The project's one row-map validator, :func:`coldset.core.placement.validate_row_map`; pools with
+    spare rows (``build_pools(num_hot=..., num_cold=...)``, or every expert kept in both tiers so
+    a placement switch is a row-map write) may leave rows unused.
+    """
+    from coldset.core.placement import validate_row_map
+
+    validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts, source="row_map",
+                     allow_unused_rows=num_hot + num_cold > num_moe_layers * num_experts)
+
+
+@dataclass
+class ExpertPools:
+    """The routed experts of a whole model, as two pools plus the row map that indexes them."""
+
+    w13_hot: torch.Tensor  # [num_hot, 2I, H], on the compute device
+    w2_hot: torch.Tensor  # [num_hot, H, I]
+    w13_cold: torch.Tensor  # [num_cold, 2I, H], pinned host memory on CUDA, plain on CPU
+    w2_cold: torch.Tensor  # [num_cold, H, I]
+    row_map: torch.Tensor  # int32 [num_moe_layers, num_experts], on the compute device
+    # row_map._version when it was last validated; a kernel re-validates if it moved.
+    validated_version: int = field(default=-1, repr=False, compare=False)
+    # Block-FP8 experts only (None otherwise): float32 weight_scale_inv per 128 x 128 block, one
+    # row per weight row in the same tier (coldset.core.fp8: w13's grid is gate's then up's).
+    w13_scale_hot: torch.Tensor | None = None  # [num_hot, 2 * ceil(I / 128), ceil(H / 128)]
+    w2_scale_hot: torch.Tensor | None = None  # [num_hot, ceil(H / 128), ceil(I / 128)]
+    w13_scale_cold: torch.Tensor | None = None  # [num_cold, ...], in the cold pool's memory
+    w2_scale_cold: torch.Tensor | None = None
+
+    SCALE_FIELDS = ("w13_scale_hot", "w2_scale_hot", "w13_scale_cold", "w2_scale_cold")
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the experts are block-FP8 (weights float8_e4m3fn, scales in the scale pools)."""
+        return self.w13_scale_hot is not None
+
+    def __post_init__(self) -> None:
+        self.check_layout()
+
+    def check_layout(self) -> None:
+        """Refuse tensors the Triton kernel would read wrongly, naming the tensor.
+
+        The kernel addresses an expert's matrix as ``base + row * (rows * cols)`` and its elements
+        row-major, and the same row stride for the hot and the cold pool: every pool tensor and the
+        row map must be contiguous (a padded, transposed or sliced view gives wrong results with no
+        error otherwise), the two tiers of a weight must hold the same matrix shape and dtype.
+        Called at construction and by :func:`coldset.kernels.triton_experts` before each launch
+        (attribute reads only: no copy, no device sync). :meth:`all_hot` makes its inputs
+        contiguous; a cold pool cannot be made contiguous here, since a copy would not be pinned.
+        """
+        for name in ("w13_hot", "w2_hot", "w13_cold", "w2_cold", "row_map"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"ExpertPools.{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"ExpertPools.{name}: shape {tuple(t.shape)} with strides {t.stride()} is not contiguous; "
+                    f"the experts kernel reads pools row-major with no padding (a padded, transposed or "
+                    f"sliced view would give wrong results): pass .contiguous() tensors or build the pools "
+                    f"with ExpertPools.all_hot / build_pools, which copy into contiguous pools")
+        for w in ("w13", "w2"):
+            hot, cold = getattr(self, f"{w}_hot"), getattr(self, f"{w}_cold")
+            if hot.dim() != 3 or cold.dim() != 3 or hot.shape[1:] != cold.shape[1:] or hot.dtype != cold.dtype:
+                raise ValueError(f"ExpertPools.{w}_hot {tuple(hot.shape)} ({hot.dtype}) and {w}_cold "
+                                 f"{tuple(cold.shape)} ({cold.dtype}) must be [rows, m, n] of one matrix shape and dtype")
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """FP8 pools: every scale pool present, contiguous float32, one row per weight row, the
+        block grid of its weight; float pools: no scale pool and no float8 weights (a weight
+        without its scales would be read as if its scale were 1)."""
+        from coldset.core import fp8
+
+        present = [getattr(self, name) is not None for name in self.SCALE_FIELDS]
+        if not any(present):
+            if self.w13_hot.dtype == fp8.FP8_DTYPE or self.w2_hot.dtype == fp8.FP8_DTYPE:
+                raise ValueError("ExpertPools: float8 expert weights without their weight_scale_inv pools "
+                                 "(w13_scale_hot, w2_scale_hot, w13_scale_cold, w2_scale_cold)")
+            return
+        if not all(present):
+            missing = [n for n, p in zip(self.SCALE_FIELDS, present) if not p]
+            raise ValueError(f"ExpertPools: FP8 pools need all four scale pools; missing {missing}")
+        inter, hidden = self.w2_hot.shape[2], self.w2_hot.shape[1]
+        grids = {"w13": (fp8.w13_scale_rows(inter), fp8.scale_grid(inter, hidden)[1]),
+                 "w2": fp8.scale_grid(hidden, inter)}
+        for w in ("w13", "w2"):
+            for tier in ("hot", "cold"):
+                wt, st = getattr(self, f"{w}_{tier}"), getattr(self, f"{w}_scale_{tier}")
+                name = f"ExpertPools.{w}_scale_{tier}"
+                if wt.dtype != fp8.FP8_DTYPE:
+                    raise ValueError(f"ExpertPools.{w}_{tier}: FP8 pools hold float8_e4m3fn weights, got {wt.dtype}")
+                if not isinstance(st, torch.Tensor) or st.dtype != torch.float32 or not st.is_contiguous():
+                    raise ValueError(f"{name}: expected a contiguous float32 tensor")
+                if tuple(st.shape) != (wt.shape[0], *grids[w]) or st.device != wt.device:
+                    raise ValueError(f"{name}: shape {tuple(st.shape)} on {st.device}, expected "
+                                     f"{(wt.shape[0], *grids[w])} on {wt.device} (one block grid per row of {w}_{tier})")
+
+    @classmethod
+    def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> "ExpertPools":
+        """Every expert in the hot pool in module order: the unmodified (reference) layout.
+
+        ``w13`` is ``[L, E, 2I, H]`` and ``w2`` is ``[L, E, H, I]``; the pools are views of them
+        when they are contiguous, and contiguous copies otherwise (a padded, transposed or sliced
+        view, as vLLM's kernel tests build their weights: the kernel reads pools row-major, see
+        :meth:`check_layout`). Block-FP8 experts pass their scales ``w13_scale`` ``[L, E,
+        2 * ceil(I / 128), ceil(H / 128)]`` and ``w2_scale`` ``[L, E, ceil(H / 128), ceil(I / 128)]``.
+        """
+        if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
+            raise ValueError(
+                f"all_hot needs w13 [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} "
+                f"and {tuple(w2.shape)}"
+            )
+        w13, w2 = w13.contiguous(), w2.contiguous()  # no copy when already contiguous
+        num_layers, num_experts = w13.shape[:2]
+        row_map = torch.arange(num_layers * num_experts, dtype=torch.int32, device=w13.device)
+        pools = cls(
+            w13_hot=w13.reshape(num_layers * num_experts, *w13.shape[2:]),
+            w2_hot=w2.reshape(num_layers * num_experts, *w2.shape[2:]),
+            w13_cold=w13.new_empty((0, *w13.shape[2:])),
+            w2_cold=w2.new_empty((0, *w2.shape[2:])),
+            row_map=row_map.reshape(num_layers, num_experts),
+            **_scale_pools(w13_scale, w2_scale, num_layers * num_experts),
+        )
+        pools.validated_version = pools.row_map._version  # valid by construction
+        return pools
+
+    @property
+    def num_moe_layers(self) -> int:
+        return int(self.row_map.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.row_map.shape[1])
+
+    @property
+    def num_hot(self) -> int:
+        return int(self.w13_hot.shape[0])
+
+    @property
+    def num_cold(self) -> int:
+        return int(self.w13_cold.shape[0])
+
+    def _require_all_hot(self, who: str) -> None:
+        identity = torch.arange(self.num_hot, dtype=torch.int32, device=self.row_map.device)
+        if self.num_cold or self.num_hot != self.num_moe_layers * self.num_experts \
+                or not torch.equal(self.row_map.reshape(-1), identity):
+            raise ValueError(f"{who} needs the all-hot layout (row = layer * E + expert)")
+
+    def placed(self, row_map, host: "HostTier | None" = None) -> "ExpertPools":
+        """These all-hot pools' experts laid out at a placement's ``row_map``.
+
+        ``row_map`` is in the placement encoding (DESIGN.md §3: hot rows ``0..num_hot-1``, cold
+        rows ``-1..-num_cold``) and is validated first. The result's hot pool is a compact device
+        copy of the hot experts at the rows the map gives them (``index_select`` from these
+        pools); its cold pool is ``host`` (every expert, row ``layer * E + expert``, see
+        :func:`host_tier`) and its row map sends each cold (layer, expert) to that row, so no host
+        memory is allocated per placement and the hot/cold split is exactly the placement's.
+        ``host`` defaults to a fresh host copy for this one call; a caller placing more than once
+        makes it once with :func:`host_tier` and passes it. These pools must be the unmodified
+        layout (:meth:`all_hot`). The result shares ``host``'s tensors: move weights in it with
+        :meth:`set_row_map` maps only, never :meth:`apply_placement`, which would write into the
+        shared copy.
+        """
+        self._require_all_hot("ExpertPools.placed")
+        if host is None:
+            host = host_tier(self)
+        host.check_matches(self)
+        L, E = self.num_moe_layers, self.num_experts
+        if isinstance(row_map, torch.Tensor):
+            rm = row_map.detach().cpu()
+        else:
+            rm = torch.as_tensor(np.asarray(row_map))
+        n_hot, n_cold = int((rm >= 0).sum()), int((rm < 0).sum())
+        _check_row_map(rm, n_hot, n_cold, L, E)  # dtype, shape, range, each row once, every row used
+        rm = rm.to(torch.int64)
+        flat_idx = torch.arange(L * E, dtype=torch.int64).view(L, E)
+        hot = rm >= 0
+        hot_src = torch.empty(n_hot, dtype=torch.int64)
+        hot_src[rm[hot]] = flat_idx[hot]  # hot row r holds (layer, expert) = divmod(hot_src[r], E)
+        physical = torch.where(hot, rm, -flat_idx - 1).to(torch.int32)  # cold -> host row l*E+e
+        device = self.w13_hot.device
+        idx = hot_src.to(device)
+        scales = {}
+        if self.is_fp8:
+            scales = dict(w13_scale_hot=self.w13_scale_hot.index_select(0, idx),
+                          w2_scale_hot=self.w2_scale_hot.index_select(0, idx),
+                          w13_scale_cold=host.w13_scale, w2_scale_cold=host.w2_scale)
+        pools = ExpertPools(
+            w13_hot=self.w13_hot.index_select(0, idx),
+            w2_hot=self.w2_hot.index_select(0, idx),
+            w13_cold=host.w13,
+            w2_cold=host.w2,
+            row_map=physical.to(device).contiguous(),
+            **scales,
+        )
+        pools.validate()
+        return pools
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) of one expert, wherever it lives; for tests and the torch path."""
+        row = int(self.row_map[layer, expert])
+        if row >= 0:
+            return self.w13_hot[row], self.w2_hot[row]
+        return self.w13_cold[-row - 1], self.w2_cold[-row - 1]
+
+    def expert_scales(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) weight_scale_inv blocks of one FP8 expert, from the tier its weights are in."""
+        if not self.is_fp8:
+            raise ValueError("ExpertPools.expert_scales: these pools hold no FP8 experts")
+        row = int(self.row_map[layer, expert])
+        if row >= 0:
+            return self.w13_scale_hot[row], self.w2_scale_hot[row]
+        return self.w13_scale_cold[-row - 1], self.w2_scale_cold[-row - 1]
+
+    def _expert_tensors(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """Weights then (FP8) scales of one expert: what moves when the expert moves."""
+        w = self.expert_weights(layer, expert)
+        return (*w, *self.expert_scales(layer, expert)) if self.is_fp8 else w
+
+    def validate(self, row_map=None) -> None:
+        """Refuse a row map (default: the current one) that reads outside the pools or reuses a row."""
+        rm = self.row_map if row_map is None else row_map
+        _check_row_map(rm, self.num_hot, self.num_cold, self.num_moe_layers, self.num_experts)
+        if row_map is None:
+            self.validated_version = self.row_map._version
+
+    def ensure_validated(self) -> None:
+        """Validate the row map if it was written since the last validation (cheap when it was not).
+
+        Called by the kernels before launching. Writes through :meth:`set_row_map` validate first;
+        a direct in-place write bumps the tensor's version counter and is caught here.
+        """
+        if self.row_map._version != self.validated_version:
+            self.validate()
+
+    def set_row_map(self, new_row_map) -> None:
+        """Switch placement by writing a new row map in place (same address: graphs stay valid).
+
+        The caller guarantees the rows named hold the right experts (e.g. pools that keep every
+        expert in both tiers, as the benchmark does); use :meth:`apply_placement` to move weights.
+        The new map is validated before anything is written.
+        """
+        new = torch.as_tensor(np.asarray(new_row_map) if not isinstance(new_row_map, torch.Tensor) else new_row_map)
+        self.validate(new)
+        self.row_map.copy_(new.to(self.row_map.device))
+        self.validated_version = self.row_map._version
+
+    def apply_placement(self, new_row_map) -> None:
+        """Move every expert into the row the new map gives it, then write the map (pools unchanged).
+
+        Gathers all experts first (so cycles of moves are safe), validates before writing anything.
+        """
+        new = torch.as_tensor(np.asarray(new_row_map) if not isinstance(new_row_map, torch.Tensor) else new_row_map)
+        self.validate(new)
+        new_cpu = new.cpu()
+        saved = [
+            [tuple(t.to("cpu", copy=True) for t in self._expert_tensors(layer, expert)) for expert in range(self.num_experts)]
+            for layer in range(self.num_moe_layers)
+        ]
+        names = ("w13", "w2", "w13_scale", "w2_scale") if self.is_fp8 else ("w13", "w2")
+        for layer in range(self.num_moe_layers):
+            for expert in range(self.num_experts):
+                row = int(new_cpu[layer, expert])
+                tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+                for name, t in zip(names, saved[layer][expert]):
+                    getattr(self, f"{name}_{tier}")[r].copy_(t)
+        self.row_map.copy_(new_cpu.to(self.row_map.device))
+        self.validated_version = self.row_map._version
+
+
+def host_memory_available() -> tuple[int, int | None]:
+    """(MemAvailable bytes from /proc/meminfo, RLIMIT_MEMLOCK soft limit or None if unlimited)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:  # not Linux: fall back to physical pages
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    return int(available), memlock
+
+
+def check_host_allocation(nbytes: int, what: str, available: int | None = None) -> None:
+    """Fail early, naming both sizes, if ``nbytes`` of host memory exceeds what the host can give.
+
+    Compared with /proc/meminfo MemAvailable. RLIMIT_MEMLOCK is reported but not enforced:
+    cudaHostAlloc pins through the NVIDIA driver, which that limit does not bound, so enforcing it
+    would refuse allocations that succeed (many systems set it to 8 MiB).
+    """
+    avail, memlock = host_memory_available()
+    if available is not None:
+        avail = available
+    if nbytes > avail:
+        lock = "unlimited" if memlock is None else f"{memlock / 2**30:.2f} GiB"
+        raise PoolAllocationError(
+            f"{what}: needs {nbytes / 2**30:.2f} GiB ({nbytes} bytes) of host memory but only "
+            f"{avail / 2**30:.2f} GiB ({avail} bytes) is available (MemAvailable; RLIMIT_MEMLOCK {lock}); "
+            f"raise the residency (more experts in HBM) or free host memory"
+        )
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """Every routed expert of one model once in host memory, in the all-hot order (row ``layer * E
+    + expert``): the cold tier that every placement of that model shares (:meth:`ExpertPools.placed`).
+
+    ``w13`` ``[L * E, 2I, H]`` and ``w2`` ``[L * E, H, I]`` are views of one allocation, pinned
+    when the model's experts are on CUDA (kernels read it in place), plain memory otherwise.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    num_moe_layers: int
+    num_experts: int
+    pinned: bool
+    reserved_bytes: int  # what the host allocation takes (pinned blocks round up to a power of two)
+    # FP8 experts: their weight_scale_inv blocks, row l * E + e, in the same host allocation
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_scale, self.w2_scale)
+                   if t is not None)
+
+    def check_matches(self, pools: "ExpertPools") -> None:
+        """Refuse a tier made from another model's experts (shape or dtype differ)."""
+        want = ((pools.num_moe_layers * pools.num_experts, *pools.w13_hot.shape[1:]),
+                (pools.num_moe_layers * pools.num_experts, *pools.w2_hot.shape[1:]), pools.w13_hot.dtype)
+        got = (tuple(self.w13.shape), tuple(self.w2.shape), self.w13.dtype)
+        scales_differ = (self.w13_scale is not None) != pools.is_fp8 or (pools.is_fp8 and (
+            self.w13_scale.shape[1:] != pools.w13_scale_hot.shape[1:] or self.w2_scale.shape[1:] != pools.w2_scale_hot.shape[1:]))
+        if (self.num_moe_layers, self.num_experts) != (pools.num_moe_layers, pools.num_experts) or got != want \
+                or scales_differ:
+            raise ValueError(f"host tier w13 {got[0]}, w2 {got[1]} ({got[2]}) does not hold these pools' "
+                             f"experts: w13 {want[0]}, w2 {want[1]} ({want[2]})")
+
+
+def _pinned_block_bytes(nbytes: int) -> int:
+    """Bytes torch's caching host allocator reserves for a pinned request of ``nbytes`` (it rounds
+    each block up to a power of two unless configured otherwise): 58 GB takes 64 GiB."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+def host_tier(pools: ExpertPools, host_available_bytes: int | None = None) -> HostTier:
+    """Copy every expert of the all-hot ``pools`` into one host allocation (see :class:`HostTier`).
+
+    Pinned when the pools are on CUDA, plain memory on the CPU. The host allocation is checked
+    (:func:`check_host_allocation`, against the bytes the pinned allocator really reserves) before
+    anything is allocated; ``host_available_bytes`` overrides MemAvailable (for tests). One
+    allocation rather than one per weight: pinned blocks round up to a power of two each.
+    """
+    pools._require_all_hot("host_tier")
+    pin = pools.w13_hot.device.type == "cuda"
+    dtype = pools.w13_hot.dtype
+    if pools.w2_hot.dtype != dtype:
+        raise ValueError(f"host_tier: w13 dtype {dtype} differs from w2 dtype {pools.w2_hot.dtype}")
+    sources = [pools.w13_hot, pools.w2_hot]
+    if pools.is_fp8:  # the scales in the same allocation, after the weights (16-byte aligned)
+        sources += [pools.w13_scale_hot, pools.w2_scale_hot]
+    offsets, nbytes = [], 0
+    for t in sources:
+        nbytes = -(-nbytes // 16) * 16
+        offsets.append(nbytes)
+        nbytes += t.numel() * t.element_size()
+    reserved = _pinned_block_bytes(nbytes) if pin else nbytes
+    check_host_allocation(reserved, "pinned host tier (every routed expert)" if pin else "host tier (every routed expert)",
+                          host_available_bytes)
+    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    views = []
+    for t, off in zip(sources, offsets):
+        v = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        views.append(v)
+    return HostTier(w13=views[0], w2=views[1], num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts,
+                    pinned=pin, reserved_bytes=reserved,
+                    w13_scale=views[2] if pools.is_fp8 else None, w2_scale=views[3] if pools.is_fp8 else None)
+
+
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def _scale_pools(w13_scale, w2_scale, rows: int) -> dict:
+    """all_hot's scale pools from ``[L, E, ...]`` scales (both or neither); empty cold scale pools."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("ExpertPools: FP8 experts need both w13_scale and w2_scale")
+    if w13_scale is None:
+        return {}
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    hot13, hot2 = w13_scale.reshape(rows, *w13_scale.shape[2:]), w2_scale.reshape(rows, *w2_scale.shape[2:])
+    return dict(w13_scale_hot=hot13, w2_scale_hot=hot2, w13_scale_cold=hot13.new_empty((0, *hot13.shape[1:])),
+                w2_scale_cold=hot2.new_empty((0, *hot2.shape[1:])))
+
+
+def build_pools(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    row_map,
+    device,
+    num_hot: int | None = None,
+    num_cold: int | None = None,
+    host_available_bytes: int | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> ExpertPools:
+    """Place each expert of ``w13`` ``[L, E, 2I, H]`` / ``w2`` ``[L, E, H, I]`` where ``row_map`` says.
+
+    Hot rows go to one device allocation per weight; cold rows to pinned host memory on CUDA
+    (read in place by the kernel), a plain CPU tensor on CPU. Pool sizes default to the number of
+    hot / cold entries in the map; larger ``num_hot`` / ``num_cold`` leave spare rows for later
+    placements. The map is validated and the host allocation checked before anything is allocated.
+    ``host_available_bytes`` overrides MemAvailable (for tests). Block-FP8 experts pass their
+    scales ``w13_scale`` / ``w2_scale`` ``[L, E, ...]`` (see :meth:`ExpertPools.all_hot`); each
+    expert's scales go to the same tier and row as its weights.
+    """
+    device = torch.device(device)
+    if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
+        raise ValueError(
+            f"build_pools needs w13 [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"build_pools: w13 dtype {w13.dtype} differs from w2 dtype {w2.dtype}")
+    num_layers, num_experts = w13.shape[:2]
+    rm = torch.as_tensor(np.asarray(row_map)) if not isinstance(row_map, torch.Tensor) else row_map.detach().cpu()
+    if rm.dtype != torch.int32:
+        raise ValueError(f"row_map: dtype must be int32, got {rm.dtype}")
+    if tuple(rm.shape) != (num_layers, num_experts):
+        raise ValueError(f"row_map: shape {tuple(rm.shape)} does not match the weights' [L, E] = {(num_layers, num_experts)}")
+    n_hot = int((rm >= 0).sum()) if num_hot is None else int(num_hot)
+    n_cold = int((rm < 0).sum()) if num_cold is None else int(num_cold)
+    _check_row_map(rm, n_hot, n_cold, num_layers, num_experts)
+
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("build_pools: FP8 experts need both w13_scale and w2_scale")
+    fp8 = w13_scale is not None
+    per_expert = (w13[0, 0].numel() + w2[0, 0].numel()) * w13.element_size()
+    if fp8:
+        per_expert += (w13_scale[0, 0].numel() + w2_scale[0, 0].numel()) * 4
+    host_rows = n_cold + (n_hot if device.type == "cpu" else 0)
+    pin = device.type == "cuda"
+    check_host_allocation(
+        host_rows * per_expert, "pinned cold pool" if pin else "host expert pools", host_available_bytes
+    )
+
+    w13_hot = torch.empty((n_hot, *w13.shape[2:]), dtype=w13.dtype, device=device)
+    w2_hot = torch.empty((n_hot, *w2.shape[2:]), dtype=w2.dtype, device=device)
+    w13_cold = _host_empty((n_cold, *w13.shape[2:]), w13.dtype, pin)
+    w2_cold = _host_empty((n_cold, *w2.shape[2:]), w2.dtype, pin)
+    pools_by_name = {"w13_hot": w13_hot, "w2_hot": w2_hot, "w13_cold": w13_cold, "w2_cold": w2_cold}
+    sources = {"w13": w13, "w2": w2}
+    if fp8:
+        for name, sc in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            pools_by_name[f"{name}_hot"] = torch.empty((n_hot, *sc.shape[2:]), dtype=torch.float32, device=device)
+            pools_by_name[f"{name}_cold"] = _host_empty((n_cold, *sc.shape[2:]), torch.float32, pin)
+            sources[name] = sc
+    flat = rm.reshape(-1).tolist()
+    for i, row in enumerate(flat):
+        layer, expert = divmod(i, num_experts)
+        tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+        for name, src in sources.items():
+            pools_by_name[f"{name}_{tier}"][r].copy_(src[layer, expert])
+    pools = ExpertPools(row_map=rm.to(device=device, dtype=torch.int32).contiguous(), **pools_by_name)
+    pools.validated_version = pools.row_map._version
+    return pools

