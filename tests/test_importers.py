@@ -314,7 +314,7 @@ def test_docs_and_configs_give_no_vllm_serve_command():
 
     repo = Path(__file__).resolve().parent.parent
     files = [repo / "README.md", *(repo / "docs").glob("*.md"), *(repo / "config").rglob("*.yaml"),
-             *(repo / "config").rglob("*.md"), *(repo / "src" / "coldset").glob("*.py")]
+             *(repo / "config").rglob("*.md"), *(repo / "src" / "coldset").rglob("*.py")]
     command = re.compile(r"`+vllm serve [^`]")  # a command with arguments, not a mention of the name
     found = [f"{p.relative_to(repo)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
              if command.search(line)]
