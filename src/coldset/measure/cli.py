@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("files", nargs="*", help="JSON written by bench kernel / step / cache")
     rp.add_argument("--out", help="write the markdown here instead of stdout")
     rp.add_argument("--into", help="a markdown page (e.g. BENCHMARKS.md) whose '<!-- rendered: PATH -->' blocks are "
-                                   "re-rendered from their JSON in place")
+                                   "re-rendered from their JSON in place; refused, naming both, where two blocks are "
+                                   "the same measurement (coldset.measure.render.measurement_key)")
     replay.add_arguments(sub.add_parser("replay", description=replay.__doc__.split("\n\n")[0],
                                         help="cache policies by simulated time from a --save-replays run (CPU)"))
     return parser

@@ -3,7 +3,9 @@
 The one way a measurement becomes a table: each command prints this rendering of the JSON it
 wrote, and BENCHMARKS.md's tables are made by this command from the committed JSON, so a number
 is never copied by hand. Each table carries its command, commit, device, date and the ceilings of
-its own run; every timed figure is the median of its repeats with their range (min-max).
+its own run; every timed figure is the median of its repeats with their range (min-max). A page
+shows one table per measurement, the latest: ``--into`` refuses a page with two blocks of the same
+measurement (:func:`measurement_key` says what that means).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def render_kernel_fp8(res: dict) -> str:
 
 def _fp8_stage_table(rows: list[dict]) -> str:
     """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
-    does not make; with ``fuse_w2``, the removed tiles of kernel_bench_fp8_fused.json, "+w13" is
+    does not make; with ``fuse_w2``, the tiles of ``84e9666`` removed in ``083c6a7``, "+w13" is
     the launch that ran w13 and w2), beside a plain read of w13's and w2's bytes: the fastest
     config per batch, or every config of ``--fp8-configs``."""
     stages = ("quant_x", "w13", "quant_act", "w2", "sum")
@@ -326,14 +328,19 @@ def render(res: dict) -> str:
     return RENDERERS[kind](res)
 
 
+def _load(path) -> dict:
+    """A result file's JSON; a missing or unreadable file raises, naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise MeasureError(f"{path}: {exc}") from exc
+
+
 def render_files(paths: list[str]) -> str:
     """The tables of several result files, in order, each under its file name."""
     parts = []
     for path in paths:
-        try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise MeasureError(f"{path}: {exc}") from exc
+        res = _load(path)
         try:
             parts.append(render(res))
         except MeasureError as exc:
@@ -351,9 +358,100 @@ BLOCK = re.compile(r"(<!-- rendered: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- en
 
 def refresh_page(text: str, folder: Path) -> str:
     """``text`` with every rendered block replaced by the rendering of its JSON (paths relative to
-    ``folder``); a block naming a file that is missing or not a measurement raises, naming it."""
+    ``folder``); a block naming a file that is missing or not a measurement raises, naming it, and
+    so do two blocks of the same measurement (:func:`check_one_block_per_measurement`)."""
+    check_one_block_per_measurement(text, folder)
+
     def fill(m: re.Match) -> str:
         path = folder / m.group("path")
         return m.group(1) + render_files([str(path)]).rstrip("\n") + "\n" + m.group(4)
 
     return BLOCK.sub(fill, text)
+
+
+def _numbers(value, kind=int) -> set:
+    """``"1,8"`` / ``[1, 8]`` / ``1`` as a set of numbers (a result's ``--batches``, ``--residencies``)."""
+    if value is None:
+        return set()
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    return {kind(x) for x in items if str(x).strip()}
+
+
+def measurement_key(res: dict) -> tuple[tuple, frozenset]:
+    """What a result measures: ``(identity, cells)``. Two rendered blocks are the same measurement
+    when their identities are equal and their cells overlap; a page keeps one block of each
+    (:func:`check_one_block_per_measurement`).
+
+    - identity: the kind (``kernel``, ``kernel-fp8``, ``step``, ``cache``, ``cache-decisions``);
+      for the cache also the experts' weight format, the set of ``--policies`` and ``--steps``
+      (a cache's ratio to all-HBM depends on the decode's length); for ``cache-decisions`` the
+      weight format.
+    - cells: what it times. kernel and cache-decisions: the batch sizes; step: each row's (engine,
+      experts format, batch, experts), so an FP8 run's bf16 rows meet a bf16 run's; cache: every
+      (batch, residency) of ``--batches`` x ``--residencies``.
+
+    Everything else says how a measurement ran, not what it measured: ``--out``, repeats, reps,
+    rounds, layers, depths, ``--lookahead-fit``, ``--profile``, ``--save-replays``, the config and
+    candidate files, the commit and the date. A re-run that differs only there is the same
+    measurement: its table replaces the old one.
+    """
+    kind = res.get("kind")
+    args = res.get("args") or {}
+    if kind == "cache":
+        fmt = res.get("weight_format") or args.get("weight_format") or "bf16"
+        policies = frozenset(p.strip() for p in str(args.get("policies", "")).split(",") if p.strip())
+        cells = {(b, r) for b in _numbers(args.get("batches")) for r in _numbers(args.get("residencies"), float)}
+        return (kind, fmt, policies, args.get("steps")), frozenset(cells)
+    if kind == "cache-decisions":
+        return (kind, args.get("weight_format") or "bf16"), frozenset(int(b) for b in res.get("us_per_step", {}))
+    if kind == "step":
+        return (kind,), frozenset((r.get("mode"), r.get("weight_format", "bf16"), r.get("batch"), r.get("experts"))
+                                  for r in res.get("rows", []))
+    if kind in ("kernel", "kernel-fp8"):
+        return (kind,), frozenset(r["batch"] for r in res.get("batches", []))
+    return (kind,), frozenset()  # not a measurement: rendering it raises, naming the file
+
+
+def check_one_block_per_measurement(text: str, folder: Path) -> None:
+    """Raise, naming both blocks, when ``text`` holds two rendered blocks of the same measurement
+    (:func:`measurement_key`): a page shows the latest table of each measurement, and what an
+    earlier one taught goes to docs/history.md."""
+    seen: dict[tuple, list[tuple[str, frozenset]]] = {}
+    for m in BLOCK.finditer(text):
+        res = _load(folder / m.group("path"))
+        try:
+            path = f"{m.group('path')} ({res.get('date', 'undated')})"
+            identity, cells = measurement_key(res)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MeasureError(f"{m.group('path')}: field {exc} missing or malformed") from exc
+        for other, other_cells in seen.get(identity, []):
+            shared = cells & other_cells
+            if shared:
+                raise MeasureError(
+                    f"{other} and {path} are blocks of the same measurement ({_describe(identity)}; both time "
+                    f"{', '.join(_cell(identity[0], c) for c in _sorted(shared))}): keep the latest one's block and "
+                    "move what the other taught to docs/history.md")
+        seen.setdefault(identity, []).append((path, cells))
+
+
+def _describe(identity: tuple) -> str:
+    kind, *rest = identity
+    if kind == "cache":
+        fmt, policies, steps = rest
+        return f"bench cache, {fmt}, policies {','.join(sorted(policies))}, {steps} steps"
+    return " ".join(["bench", str(kind), *map(str, rest)])
+
+
+def _sorted(cells) -> list:
+    try:
+        return sorted(cells)
+    except TypeError:  # a step row with a missing field: None beside text
+        return sorted(cells, key=str)
+
+
+def _cell(kind: str, cell) -> str:
+    if kind == "cache":
+        return f"b{cell[0]} at residency {cell[1]:g}"
+    if kind == "step":
+        return "{} {} b{} {}".format(*cell)
+    return f"b{cell}"
