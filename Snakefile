@@ -3,7 +3,14 @@
 #   snakemake --cores all report    the whole pipeline (the default profile sets cores)
 #   snakemake parity_gate           the token-exact gate alone
 
-from snakemake.utils import min_version, validate
+import sys
+from pathlib import Path
+
+from snakemake.utils import min_version
+
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works without `pip install -e`
+
+from coldset.workflow.config import ConfigError, validate_config
 
 min_version("9.0")
 
@@ -11,7 +18,12 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
+# The schema's check with defaults filled (coldset.workflow.config.validate_config): an unknown key
+# is named with the nearest known one, in a line or two, not followed by the schema.
+try:
+    validate_config(config, source=" + ".join(map(str, workflow.overwrite_configfiles or ["config/config.yaml"])))
+except ConfigError as exc:
+    sys.exit(f"coldset: {exc}")
 
 
 report: "report/workflow.rst"

@@ -73,9 +73,34 @@ def test_config_overlays_merge_as_snakemake_merges_them(tmp_path):
 def test_unknown_synthetic_setting_is_an_error(tmp_path):
     # refused by the schema, before any job (once the model stage's, after Snakemake had deleted
     # the valid manifest)
-    with pytest.raises(ConfigError, match=r"model\.synthetic: Additional properties .*'layerz'"):
+    with pytest.raises(ConfigError, match=r"model\.synthetic\.layerz: unknown key; did you mean model\.synthetic\.layers\?"):
         validate_config({"results": str(tmp_path), "model": {"synthetic": {"layerz": 2}}})
     assert not (tmp_path / "model").exists()
+
+
+def test_an_unknown_key_is_named_with_the_nearest_known_one():
+    """A typo names its file, its key path and the key it probably meant, in a line or two: no
+    schema dump (snakemake.utils.validate printed the section's schema after its first line)."""
+    with pytest.raises(ConfigError) as err:
+        validate_config({"fixtures": {"per_domian": 4}, "benh": {}}, source="my.yaml")
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("my.yaml does not match")
+    assert lines[1:] == ["  benh: unknown key; did you mean bench?",
+                         "  fixtures.per_domian: unknown key; did you mean fixtures.per_domain?"]
+    with pytest.raises(ConfigError, match=r"fixtures\.zzz: unknown key; known keys here: domains, per_domain"):
+        validate_config({"fixtures": {"zzz": 1}})
+
+
+def test_snakemake_names_an_unknown_key_without_the_schema(tmp_path):
+    (tmp_path / "typo.yaml").write_text("fixtures:\n  per_domian: 4\n")
+    exe = Path(sys.executable).with_name("snakemake")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([str(exe), "-s", str(repo / "Snakefile"), "--configfile", "typo.yaml", "-n"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("Using workflow specific profile")]
+    assert out.returncode == 1
+    assert lines == [f"coldset: {tmp_path / 'typo.yaml'} does not match {repo / 'config' / 'schema.yaml'}:",
+                     "  fixtures.per_domian: unknown key; did you mean fixtures.per_domain?"], out.stderr
 
 
 def test_schema_lists_every_synthetic_setting_and_bandwidth_preset():
@@ -85,7 +110,7 @@ def test_schema_lists_every_synthetic_setting_and_bandwidth_preset():
 
     from coldset.workflow.config import SCHEMA_PATH
     from coldset.core.names import NAME_PATTERN
-    from coldset.core.placement import BANDWIDTH_PRESETS
+    from coldset.analysis.speed import BANDWIDTH_PRESETS
     from coldset.engine.synthetic import SyntheticSpec
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]

@@ -1,9 +1,5 @@
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works without `pip install -e`
-
 import re
+from pathlib import Path
 
 from coldset.workflow.config import Layout, check_config, residency_label
 from coldset.workflow.pipeline import skipped_stages

@@ -9,6 +9,7 @@ Snakefile and the CLI cannot disagree about where a stage reads or writes.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -48,11 +49,26 @@ def validate_config(config: dict, schema_path: Path = SCHEMA_PATH, source: str =
     validator = _defaults_filling_validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
-        lines = [
-            f"  {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}" for e in errors
-        ]
+        lines = [line for e in errors for line in _error_lines(e)]
         raise ConfigError(f"{source} does not match {schema_path}:\n" + "\n".join(lines))
     return config
+
+
+def _error_lines(error) -> list[str]:
+    """One line per problem of a schema error: an unknown key gets its path and the nearest known
+    key at that level (``did you mean``), never the schema; anything else the validator's message."""
+    where = ".".join(str(p) for p in error.absolute_path)
+    known = error.schema.get("properties") if isinstance(error.schema, dict) else None
+    if error.validator != "additionalProperties" or not known or not isinstance(error.instance, dict):
+        return [f"  {where or '(top level)'}: {error.message}"]
+    lines = []
+    for key in sorted(set(error.instance) - set(known), key=str):
+        path = f"{where}.{key}" if where else str(key)
+        close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+        hint = f"did you mean {where + '.' if where else ''}{close[0]}?" if close else \
+            f"known keys here: {', '.join(known)}"
+        lines.append(f"  {path}: unknown key; {hint}")
+    return lines
 
 
 def check_config(config: dict, source: str = "config") -> dict:
