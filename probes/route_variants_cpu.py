@@ -6,7 +6,7 @@ compiles over its layers and steps, without a GPU.
 Triton compiles one kernel per specialization key (the constexprs, the argument types, an int's
 ``== 1`` and multiple-of-16 flags, a pointer's 16-byte alignment). This probe replaces the router
 launch's ``run`` by the key computation alone (Triton's own binder with the sm90 backend), drives
-the plain router and a ``lookahead`` :class:`coldset.engine.slots.SlotCache` through ``--layers`` layers
+the plain router and a ``lookahead`` :class:`coldset.engine.cache.pool.SlotCache` through ``--layers`` layers
 for three steps on the CPU (nothing is launched: the decisions are not made, only the arguments
 are bound), and prints the distinct keys and the arguments in which they differ. With
 ``PER_LAYER_ARGS`` and ``PER_LAYER_VIEWS`` it should print three: the plain launch, lookahead's
@@ -30,7 +30,7 @@ from test_slots import _random_pools, _warm  # noqa: E402
 
 from coldset.kernels import triton_decode as td  # noqa: E402
 from coldset.kernels import triton_slots as ts  # noqa: E402
-from coldset.engine.slots import SlotCache  # noqa: E402
+from coldset.engine.cache.pool import SlotCache  # noqa: E402
 from coldset.kernels.tiers import host_tier  # noqa: E402
 
 

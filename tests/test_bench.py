@@ -169,7 +169,7 @@ def test_every_pass_of_a_cache_bench_starts_warm_and_decides_as_the_measured_one
     and a repeat that decides otherwise than the measured pass is refused."""
     import pandas as pd
 
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
@@ -202,7 +202,7 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
     import pandas as pd
 
     import coldset.analysis.cache
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
@@ -488,7 +488,7 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
     import pandas as pd
 
     import coldset.analysis.cache
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
     cfg = engine.config
@@ -524,7 +524,7 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
     import coldset.analysis.forecast
     from coldset.analysis.cache import lanes_from_engine, simulate
     from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
     cfg = engine.config

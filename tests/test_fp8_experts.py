@@ -303,7 +303,7 @@ import numpy as np
 import triton
 import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
 from coldset.kernels import triton_fp8, triton_moe
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 
 # the launch's quantization, the reference of both options: a zero group takes scale
@@ -417,7 +417,7 @@ def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separ
     """``quant_x=1`` (the tokens quantized inside the w13 launch) and ``quant_act`` 1 / 2 (the
     intermediate by the w13 epilogue / by its own launch), alone and together, under Triton's
     interpreter: bitwise the default path's output (the quantization launches) on all-hot,
-    hot/cold and slot-cache rows (a CPU :class:`~coldset.engine.slots.SlotCache` that has just filled
+    hot/cold and slot-cache rows (a CPU :class:`~coldset.engine.cache.pool.SlotCache` that has just filled
     cold experts into slots), in-kernel grouping and sorted grouping, 16- and 32-row tiles, partial
     groups of H and I, a zero group of the tokens and of the intermediate (scale 1e-10 / 448, the
     launch's rule, checked on the launch); refusals by name; pdl 1-3 with the options bitwise pdl
@@ -426,7 +426,7 @@ def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separ
 
 
 _INTERPRETED_SWAP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 
 # swap_ab: the transposed products (weights the dot's M). Against the torch path (to float32
@@ -795,7 +795,7 @@ def test_triton_fp8_quantization_options_bitwise_the_separate_launches_across_pl
     slots; a zero group of the tokens and of the intermediate (the 1e-10 / 448 scale rule)."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
 
     L, E, K = 2, 32, 4
     _, _, q = make_fp8(L, E, hidden, inter, seed=40 + num_tokens)
@@ -831,7 +831,7 @@ def test_triton_fp8_quantization_options_bitwise_the_separate_launches_across_pl
 def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_scales():
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
 
     _, _, q = make_fp8(1, 8, 256, 128)
     pools = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))

@@ -109,7 +109,7 @@ def test_torch_w8a16_refuses_pools_without_fp8_experts():
 
 _INTERPRETED_W8A16 = _PRELUDE + _CONFIG_HELPERS + r"""
 from test_fp8_w8a16 import float64_w8a16
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 from coldset.kernels import triton_fp8
 
@@ -272,7 +272,7 @@ def test_w8a16_bitwise_across_placements_and_slots(hidden, inter, num_tokens):
     unmodified pools placed over the host tier, and a slot cache's pools right after a fill."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
     L, E, K = 2, 32, 4

@@ -617,8 +617,8 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     from coldset.analysis.forecast import nexttoken_lists
     from coldset.measure.cache import _fit_nexttoken, _time_columns
     from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.engine.slots import ExpertPools, SlotCache
-    from coldset.kernels.tiers import host_tier
+    from coldset.engine.cache.pool import SlotCache
+    from coldset.kernels.tiers import ExpertPools, host_tier
 
     S, L, B, k, E, C = 10, 3, 2, 2, 8, 9
     rng = np.random.default_rng(5)

@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from test_slots import _random_pools, _warm
 from coldset.kernels import triton_slots as ts
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 
 real_fill = ts.fill
@@ -144,7 +144,7 @@ sys.path.insert(0, sys.argv[1])
 from test_slots import _random_pools, _warm
 from coldset.kernels import triton_decode as td
 from coldset.kernels import triton_slots as ts
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 
 real_fill = ts.fill
@@ -336,7 +336,7 @@ from coldset.analysis.cache import AccessStream, simulate
 from coldset.kernels import triton_slots as ts
 from coldset.engine.model import fused_layer_before_experts, fused_norm_lm_head
 from coldset.core.placement import hot_count_for_residency
-from coldset.engine.slots import SlotCache
+from coldset.engine.cache.pool import SlotCache
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 from coldset.kernels.tiers import host_tier
 
@@ -606,7 +606,7 @@ def test_ahead_list_refuses_a_target_not_after_its_layer_and_partial_tokens():
 
     from coldset.kernels import triton_slots as ts
     from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
 
     L, E, k, T, H, C = 3, 4, 2, 2, 8, 8

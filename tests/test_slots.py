@@ -1,4 +1,4 @@
-"""The engine's slot cache (coldset.engine.slots) against the trace simulator (coldset.analysis.cache) and a
+"""The engine's slot cache (coldset.engine.cache.pool) against the trace simulator (coldset.analysis.cache) and a
 brute-force reference of the cache semantics (coldset.analysis.cache's module doc), and its parity with
 the unmodified path."""
 
@@ -13,7 +13,7 @@ from coldset.verify import gate
 from coldset.analysis.cache import AccessStream, simulate
 from coldset.engine.model import generate
 from coldset.core.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
-from coldset.engine.slots import CacheCapacityError, SlotCache
+from coldset.engine.cache.pool import CacheCapacityError, SlotCache
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.kernels.tiers import ExpertPools, host_tier
 from synthetic_engines import random_prompts, synthetic_engine

@@ -8,7 +8,7 @@ before touching a GPU, and so the engine's slot cache (CUDA) can be checked step
 an independent implementation of the same rules.
 
 Semantics (this module is their reference implementation; the engine's slot cache,
-:mod:`coldset.engine.slots`, follows the same rules):
+:mod:`coldset.engine.cache.pool`, follows the same rules):
 
 - Instance = (MoE-layer index, expert), id ``moe_layer_index * E + expert`` (the row-map row,
   not the model's layer index).

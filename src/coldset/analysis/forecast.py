@@ -321,7 +321,7 @@ def router_inputs(engine, prompts: list[list[int]], max_tokens: int = LOOKAHEAD_
 
 def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD_FIT_SHRINK) -> list:
     """The ``lookahead`` forecast's matrices fitted on profile router inputs, to use in place of the
-    routers (:meth:`coldset.engine.slots.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):
+    routers (:meth:`coldset.engine.cache.pool.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):
     entry ``t >= depth`` is the ``[E, H]`` matrix ``F`` whose product with layer ``t - depth``'s
     router input best predicts layer ``t``'s router logits on the profile tokens, shrunk towards
     layer ``t``'s router ``R`` (the pre-gated forecast, which it equals as ``shrink`` grows)::

@@ -9,7 +9,7 @@ inside the step; on CPU it runs eagerly. A pass decodes ``new_tokens`` from the 
 ``cold_share`` and ``link_gb_per_token`` are measured from the routing of the benchmarked decode
 tokens (an eager pass with routing capture over the same tokens), not predicted: per step and MoE
 layer, each distinct cold expert the batch touched is read over the host link once. For a dynamic
-placement (the slot cache, :mod:`coldset.engine.slots`) they are what the engine's cache counted in that
+placement (the slot cache, :mod:`coldset.engine.cache.pool`) they are what the engine's cache counted in that
 pass: ``cold_share`` = missed selections / selections, ``link_gb_per_token`` = fills (distinct
 missed instances copied into slots, plus ``lookahead``'s prefetch copies) x bytes per expert /
 decoded tokens. ``hit_rate`` (1 -
@@ -531,11 +531,11 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     ``placement`` is a :class:`coldset.core.placement.Placement`; ``replay`` an optional
     :class:`RoutingReplay` that replaces the router's choices with a recorded trace's;
     ``prompt_split`` names the fixtures split ``token_stream`` was cut from (recorded, not used).
-    ``cache`` (a :class:`coldset.engine.slots.SlotCache` whose pools are ``placed_pools``) for a dynamic
+    ``cache`` (a :class:`coldset.engine.cache.pool.SlotCache` whose pools are ``placed_pools``) for a dynamic
     placement: its decisions and fills run inside every decode step (inside the CUDA graph on
     CUDA); the cache's state carries over from step to step, and every pass (the measured eager
     pass and each warm-up and timed repeat) starts from the placement's warm state
-    (:meth:`coldset.engine.slots.SlotCache.reset`): a cache left warm by an earlier pass over the same
+    (:meth:`coldset.engine.cache.pool.SlotCache.reset`): a cache left warm by an earlier pass over the same
     tokens would already hold what they need, and its steps would be timed without the misses the
     bench reports. Each repeat's hits, misses and fills must equal the measured pass's.
     Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``

@@ -21,7 +21,7 @@ Policies (DESIGN.md §3):
 - ``usage_global``: the ``num_hot`` (layer, expert) pairs with the most profile selections are hot,
   ties broken by (layer, expert) ascending. With equal bytes per expert this maximises the covered
   profile selections for the budget (the tests check it against brute force).
-- ``lru`` / ``lfu``: dynamic placements (the engine's slot cache, :mod:`coldset.engine.slots`): the
+- ``lru`` / ``lfu``: dynamic placements (the engine's slot cache, :mod:`coldset.engine.cache.pool`): the
   row map written here is the *warm* state, exactly ``usage_global``'s at the same residency (the
   hot rows are the slots), plus the profile count of each warm instance (``cache_warm_counts``,
   one per slot) from which the cache's initial eviction order and ``lfu``'s frequencies come.
@@ -70,7 +70,7 @@ from coldset.core.files import atomic_path, remove_orphans, share_mode
 from coldset.core.shapes import WEIGHT_FORMATS, MoEShape, WeightFormat  # noqa: F401 (re-exported)
 
 STATIC_POLICIES = ("positional", "usage_layer", "usage_global", "permute")
-# Dynamic placements: the slot cache of coldset.engine.slots (same names as the simulator's policies;
+# Dynamic placements: the slot cache of coldset.engine.cache.pool (same names as the simulator's policies;
 # lru_guard = lru without a victim the last step used (misses past the rest read in place: no thrash);
 # lookahead = lru + the prefetch of layer l + d's router forecast, d = cache_lookahead_depth;
 # nexttoken = issue 28's next-token forecast of every layer, its forecaster carried by the placement).

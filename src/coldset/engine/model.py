@@ -538,7 +538,7 @@ class MoEModel(nn.Module):
     ``pools`` holds every routed expert (``ExpertPools``); ``experts_fn(pools, moe_index, x,
     topk_ids, topk_weights)`` is the one replaceable experts computation (default
     :func:`coldset.kernels.torch_experts`); its ``topk_weights`` are in ``x``'s dtype, unless the
-    function has the attribute ``casts_weights = True`` (a slot cache's, :meth:`coldset.engine.slots.SlotCache.wrap`):
+    function has the attribute ``casts_weights = True`` (a slot cache's, :meth:`coldset.engine.cache.pool.SlotCache.wrap`):
     then it gets the router's float32 weights and casts them itself. Set ``routing_sink`` to a list to have every MoE
     block append ``(topk_ids, topk_weights)`` (float32, before the cast) in call order.
     Build it with :func:`load_model`.

@@ -13,7 +13,7 @@ package imports without triton.
 from coldset.kernels.reference import torch_experts, torch_softmax_topk
 
 # The Triton slot-cache decisions' largest cache (coldset.kernels.triton_slots): a victim scan packs
-# a slot into the low 14 bits of its key; a larger cache decides by torch ops (coldset.engine.slots).
+# a slot into the low 14 bits of its key; a larger cache decides by torch ops (coldset.engine.cache.pool).
 KERNEL_MAX_SLOTS = 2**14
 
 

@@ -1,6 +1,6 @@
 """The slot cache's work inside the decode step on CUDA: one launch per MoE layer beside the router's.
 
-lru and lfu in the fused decode step (:meth:`coldset.engine.slots.SlotCache.route`): the router's launch
+lru and lfu in the fused decode step (:meth:`coldset.engine.cache.pool.SlotCache.route`): the router's launch
 (:func:`coldset.kernels.triton_decode.route`) ranks the layer's selections in its last program
 and, holding them in registers, records the group there (:func:`record_group`: hits, first
 occurrences, the group's recency and use counts, counters, history, the missed instances in
@@ -17,7 +17,7 @@ the router is not the fused launch (the Inductor-compiled region, torch routers)
 then the victims and their commit in the same program, and the cast of the router's float32
 weights to the activation dtype (round to nearest even, as ``Tensor.to``: the experts call of
 those paths has that cast as a launch of its own); :func:`fill` then copies. The torch path of
-:meth:`coldset.engine.slots.SlotCache.admit` is about thirty small launches a layer (6.2 ms of decisions
+:meth:`coldset.engine.cache.pool.SlotCache.admit` is about thirty small launches a layer (6.2 ms of decisions
 for 48 layers against a 3.9 ms all-HBM step at Qwen3-30B-A3B shapes on the H200, BENCHMARKS.md issue 12).
 
 How the group's own residents are kept out of the victims without a membership test per slot:
@@ -97,7 +97,7 @@ own launch 147 µs a step at b1 on the side stream, the step unchanged at b1, 0.
 demand decisions (:func:`ahead_group` without ``LIST``); the list and its prefetch decisions are a
 launch of their own, :func:`ahead_list` (one program, the same code: :func:`_forecast_list`,
 :func:`_ahead_prefetch`), on the decisions stream beside the layer's experts, the prefetch copy
-after it, the next group's router after it (:meth:`coldset.engine.slots.SlotCache.route`). The router's
+after it, the next group's router after it (:meth:`coldset.engine.cache.pool.SlotCache.route`). The router's
 last program after the ticket: 2,019 SASS instructions at b1 where it was 3,756 (lru's record 759),
 6,317 at b8 where it was 9,933 (lru's 4,326); with the victim scans' code left out (not executed at
 residency 1.0) 830 at b1 where it was 1,420 (lru's 759) and 4,407 at b8 where it was 6,311 (lru's
@@ -395,7 +395,7 @@ def _casts(name: str, n: int, weights, weights_out) -> bool:
 
 def decide(cache, layer: int, ids: torch.Tensor, weights: torch.Tensor | None = None,
            weights_out: torch.Tensor | None = None) -> None:
-    """The decisions of :meth:`coldset.engine.slots.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
+    """The decisions of :meth:`coldset.engine.cache.pool.SlotCache.admit` for ``ids`` (int64 ``[n]``, the
     group's selections in order) in one launch; writes ``cache.victims``, ``cache.admitted`` and
     ``cache.num_misses`` for :func:`fill`. With ``weights`` (float32 ``[n]``, contiguous) the same
     launch writes them cast to ``weights_out``'s dtype into ``weights_out`` (``[n]``, contiguous).
@@ -931,7 +931,7 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
     ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill. Why a launch of its own: the
     list (its sort, its record, its row-map gather) was about a third of the router's last program
     (its SASS after the ticket), on the step's critical path; here it runs on the decisions stream
-    beside the layer's experts (:meth:`coldset.engine.slots.SlotCache.route`), and the next group's router
+    beside the layer's experts (:meth:`coldset.engine.cache.pool.SlotCache.route`), and the next group's router
     waits for it (it reads the state this launch writes)."""
     E, k = cache.pools.num_experts, cache.top_k
     if not 0 <= layer < target < cache.pools.num_moe_layers:
@@ -954,7 +954,7 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,
                  target: int, weights: torch.Tensor | None = None, weights_out: torch.Tensor | None = None,
                  after_forecast: bool = False) -> None:
-    """``lookahead``'s decisions for one group in one launch (:meth:`coldset.engine.slots.SlotCache.admit`'s
+    """``lookahead``'s decisions for one group in one launch (:meth:`coldset.engine.cache.pool.SlotCache.admit`'s
     torch path, the simulator's ``lookahead`` rules): the demand decisions with the in-flight rule
     (writes ``cache.victims``, ``cache.admitted`` and the admitted count ``cache.num_misses`` for the
     demand fill), then with ``logits`` (float32 ``[T, E]``, layer ``target``'s router on this

@@ -8,7 +8,7 @@ on the unmodified path gives the profile counts (the warm set: ``usage_global``'
 residency); the timed prompts are cut from the held-out fixtures' token stream
 (:func:`coldset.bench.decode.bench_prompts`). Per batch size, every step one CUDA graph
 (:class:`coldset.bench.decode.Decoder`, its one timed loop ``timed_steps``), each variant captured once
-and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.engine.slots.SlotCache.reset`):
+and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.engine.cache.pool.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
 in place), each ``--policies`` cache (``lru``, ``lru_guard``, ``lfu``; ``lookahead`` at each ``--depths``:
 decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph;
@@ -159,7 +159,7 @@ def run(args, argv=None) -> dict:
     from coldset.verify.gate import experts_functions
     from coldset.engine.model import attach_fp8_attention, encode_prompts
     from coldset.core.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.kernels.tiers import host_tier
 
@@ -428,7 +428,7 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
 def list_recall(lists, routing, depth: int, num_experts: int) -> float:
     """The share of layer ``l + depth``'s selections (of every token of the step) that the lookahead
     list issued after group (step, ``l``) names: ``lists`` int ``[steps * L, W]`` instances (-1
-    padded, the engine's :meth:`~coldset.engine.slots.SlotCache.prefetch_lists`), ``routing`` int
+    padded, the engine's :meth:`~coldset.engine.cache.pool.SlotCache.prefetch_lists`), ``routing`` int
     ``[steps, L, B, k]`` expert ids."""
     import numpy as np
 
@@ -697,7 +697,7 @@ def decisions_split(args, argv=None) -> dict:
     CUDA graph over every MoE layer (:func:`coldset.kernels.tune.graph_time_us`): lru's decisions + fill,
     lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
     GEMV alone, and lookahead's decisions launch alone; then as the fused decode step runs them
-    (:meth:`coldset.engine.slots.SlotCache.route`): the router's launch alone (no cache), lru's group in it
+    (:meth:`coldset.engine.cache.pool.SlotCache.route`): the router's launch alone (no cache), lru's group in it
     (the router recording + the fill choosing and copying) and lookahead's (the router with the
     forecast and the whole decision + the demand fill + fork, prefetch fill, join); a cached group's
     cost is its row minus the router's."""
@@ -708,7 +708,7 @@ def decisions_split(args, argv=None) -> dict:
     from coldset.kernels import triton_decode as td
     from coldset.kernels.triton_slots import decide_ahead
     from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
     from coldset.core.timing import graph_time_us
 

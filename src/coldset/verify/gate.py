@@ -108,7 +108,7 @@ def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8,
                      tuned=None, cache=None) -> Decoded:
     """The row-map path over ``placed_pools`` (the placement's hot and cold pools).
 
-    With ``cache`` (a :class:`coldset.engine.slots.SlotCache`, a dynamic placement) ``placed_pools`` are
+    With ``cache`` (a :class:`coldset.engine.cache.pool.SlotCache`, a dynamic placement) ``placed_pools`` are
     its pools and every decode step first runs the cache's decisions and fills: the row map
     changes from step to step while the kernel stays the same, so the gate applies unchanged.
     """

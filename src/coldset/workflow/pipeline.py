@@ -510,7 +510,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     batch = pc["batch_size"] or len(prompts)
     tuned = _tuned(config)
     # The unmodified path is decoded once per batch size in use: a dynamic placement decodes at most
-    # as many prompts at once as its slots hold one step's selections for (coldset.engine.slots), and the
+    # as many prompts at once as its slots hold one step's selections for (coldset.engine.cache.pool), and the
     # comparison is like for like only at the same batch size (the kernel's launch depends on it).
     references: dict[int, object] = {}
     host = _host_tier(config)
@@ -589,7 +589,7 @@ def _slot_cache(engine, host, placement, max_tokens: int, depth: int | None = No
     if not placement.dynamic:
         return None
     from coldset.core.placement import lookahead_depth_for
-    from coldset.engine.slots import SlotCache
+    from coldset.engine.cache.pool import SlotCache
 
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
     if placement.policy == "lookahead" and placement.cache_lookahead_fit:
