@@ -42,7 +42,7 @@ def main() -> int:
     from coldset.trace.fixtures import template_texts
     from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, lookahead_predictions
     from coldset.engine.model import generate
-    from coldset.core.placement import hot_count_for_residency
+    from coldset.analysis.placement import hot_count_for_residency
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     torch.set_num_threads(2)

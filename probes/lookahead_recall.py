@@ -38,7 +38,7 @@ def main() -> int:
     from coldset.trace.fixtures import template_texts
     from coldset.analysis.forecast import lookahead_predictions, lookahead_recall
     from coldset.engine.model import generate
-    from coldset.core.placement import hot_count_for_residency
+    from coldset.analysis.placement import hot_count_for_residency
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     config = load_config(args.config)

@@ -29,14 +29,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
-from coldset.core.placement import (
-    count_matrix,
-    expert_bytes,
-    nonexpert_bytes,
-    nonexpert_bytes_breakdown,
-    predict_step,
-    run_placement,
-)
+from coldset.analysis.placement import expert_bytes, nonexpert_bytes, nonexpert_bytes_breakdown, run_placement
+from coldset.analysis.profile import count_matrix
+from coldset.analysis.speed import predict_step
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "../shared/data/traces/llama4-maverick-mmlu.parquet"
 

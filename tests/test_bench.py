@@ -6,7 +6,7 @@ import pytest
 from coldset.bench import decode as bench
 from coldset.core import timing
 from coldset.engine.model import generate, load_model
-from coldset.core.placement import place, row_map_from_mask
+from coldset.analysis.placement import place, row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 SPEC = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=2, kv_heads=1,

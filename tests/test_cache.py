@@ -233,7 +233,8 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     from dataclasses import dataclass
 
     from coldset.analysis.cache import read_simulation, run_cache
-    from coldset.core.placement import expert_bytes, place, read_histogram
+    from coldset.analysis.placement import expert_bytes, place
+    from coldset.analysis.profile import read_histogram
     from coldset.analysis.stats import run_stats
 
     @dataclass(frozen=True)

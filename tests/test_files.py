@@ -39,7 +39,7 @@ def test_results_respect_the_umask(tmp_path, umask_022):
                                       tmp_path / "hf")
     assert _mode(ckpt) == 0o755 and _mode(ckpt / "model.safetensors") == 0o644
     from coldset.engine.model import ModelConfig
-    from coldset.core.placement import place
+    from coldset.analysis.placement import place
     import pandas as pd
 
     cfg = ModelConfig.from_pretrained(ckpt)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from coldset.verify import gate
-from coldset.core.placement import row_map_from_mask
+from coldset.analysis.placement import row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec
 from synthetic_engines import random_prompts, synthetic_engine
 

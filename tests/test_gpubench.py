@@ -616,7 +616,7 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     from coldset.analysis.cache import AccessStream, lanes_from_engine, simulate
     from coldset.analysis.forecast import nexttoken_lists
     from coldset.measure.cache import _fit_nexttoken, _time_columns
-    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
 

@@ -605,7 +605,7 @@ def test_ahead_list_refuses_a_target_not_after_its_layer_and_partial_tokens():
     import torch
 
     from coldset.kernels import triton_slots as ts
-    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
 

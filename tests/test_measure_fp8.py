@@ -83,7 +83,7 @@ def test_expert_format_gives_the_published_bytes_an_expert():
     """At Qwen3-30B-A3B's shape (the H200 config): bf16 9,437,184 B, block-FP8 with scales 4,719,744 B (NOTES.md)."""
     import yaml
 
-    from coldset.core.placement import expert_bytes
+    from coldset.analysis.placement import expert_bytes
     from coldset.engine.synthetic import SyntheticSpec, synthetic_model_config
 
     with open("config/examples/qwen3-30b-a3b-h200.yaml") as f:
@@ -187,7 +187,7 @@ def test_fp8_expert_pools_refusals():
         fp8_expert_pools(fp8_expert_pools(pools))
     import numpy as np
 
-    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 
     placed = pools.placed(row_map_from_mask(hot_mask_usage_global(np.arange(6.0).reshape(2, 3), 3)))
     with pytest.raises(ValueError, match="needs the all-hot layout"):

@@ -19,7 +19,7 @@ import yaml
 from coldset import cli
 from coldset.workflow import pipeline
 from coldset.kernels import torch_experts
-from coldset.core.placement import row_map_from_mask
+from coldset.analysis.placement import row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.kernels.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
 

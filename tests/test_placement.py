@@ -15,27 +15,22 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from coldset.core import placement as pm
-from coldset.core.placement import (
-    GIB,
-    PlacementError,
-    ProfileSpec,
+from coldset.analysis.placement import (
     expert_bytes,
     hot_count_for_residency,
     hot_mask_positional,
     hot_mask_usage_global,
     hot_mask_usage_layer,
-    load_placement,
     nonexpert_bytes,
     nonexpert_bytes_breakdown,
     place,
-    predict_step,
-    profile_counts,
     row_map_from_mask,
     run_placement,
-    save_placement,
-    validate_row_map,
 )
+from coldset.analysis.profile import profile_counts
+from coldset.analysis.speed import predict_step
+from coldset.core import placement as pm
+from coldset.core.placement import GIB, PlacementError, ProfileSpec, load_placement, save_placement, validate_row_map
 
 
 @dataclass(frozen=True)

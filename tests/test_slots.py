@@ -12,7 +12,7 @@ import torch
 from coldset.verify import gate
 from coldset.analysis.cache import AccessStream, simulate
 from coldset.engine.model import generate
-from coldset.core.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import CacheCapacityError, SlotCache
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.kernels.tiers import ExpertPools, host_tier
@@ -249,7 +249,8 @@ def test_dynamic_placement_file_is_the_warm_state(tmp_path):
     from it evicts the least-used warm instance first."""
     import pandas as pd
 
-    from coldset.core.placement import load_placement, place, save_placement
+    from coldset.analysis.placement import place
+    from coldset.core.placement import load_placement, save_placement
 
     from coldset.engine.model import ModelConfig
 
@@ -793,7 +794,8 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
     import json
 
     from coldset.verify.fingerprint import placement_fingerprint
-    from coldset.core.placement import PlacementError, load_placement, place, save_placement
+    from coldset.analysis.placement import place
+    from coldset.core.placement import PlacementError, load_placement, save_placement
 
     shape, hist = _tiny_shape_and_profile(3, 4)
     lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
@@ -826,7 +828,8 @@ def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path
     on the H200: 4 at b1, 1 at b8): the placement file keeps the mapping, and the cache built for a
     decode of B sequences runs the entry of the largest batch size <= B; refused naming the field
     when batch 1 has none or a depth leaves the model."""
-    from coldset.core.placement import PlacementError, load_placement, lookahead_depth_for, place, save_placement
+    from coldset.analysis.placement import place
+    from coldset.core.placement import PlacementError, load_placement, lookahead_depth_for, save_placement
 
     shape, hist = _tiny_shape_and_profile(4, 32)
     la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1, 8), lookahead_depth={8: 1, 1: 3, 4: 2})

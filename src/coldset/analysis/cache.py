@@ -100,7 +100,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from coldset.core.placement import hot_count_for_residency, hot_mask_usage_global
+from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global
 from coldset.core.trace import request_codes
 
 log = logging.getLogger(__name__)
@@ -1434,7 +1434,9 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     and the simulated time.
     """
     from coldset.core.files import atomic_path
-    from coldset.core.placement import ProfileSpec, expert_bytes, profile_counts, read_histogram
+    from coldset.analysis.placement import expert_bytes
+    from coldset.analysis.profile import profile_counts, read_histogram
+    from coldset.core.placement import ProfileSpec
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:

@@ -681,7 +681,7 @@ def _prediction(placement, batch_size: int):
 def _nonexpert_read_bytes(cfg, batch_size: int, dtype: torch.dtype) -> int:
     """Non-expert weight bytes one decode step reads: every weight once (the LM head included),
     but of the embedding table only the batch's rows (unless it is tied to the LM head)."""
-    from coldset.core.placement import nonexpert_bytes_breakdown
+    from coldset.analysis.placement import nonexpert_bytes_breakdown
 
     fmt = str(dtype).removeprefix("torch.")
     parts = nonexpert_bytes_breakdown(cfg, fmt)

@@ -158,7 +158,12 @@ def run(args, argv=None) -> dict:
     from coldset.trace.fixtures import render_domain, template_texts
     from coldset.verify.gate import experts_functions
     from coldset.engine.model import attach_fp8_attention, encode_prompts
-    from coldset.core.placement import expert_bytes, hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+    from coldset.analysis.placement import (
+        expert_bytes,
+        hot_count_for_residency,
+        hot_mask_usage_global,
+        row_map_from_mask,
+    )
     from coldset.engine.cache.pool import SlotCache
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.kernels.tiers import host_tier
@@ -560,7 +565,7 @@ def _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz, tokens, 
 
     from coldset.analysis.cache import AccessStream, simulate
     from coldset.analysis.forecast import TransitionForecaster, forecast_recall, stream_predictions
-    from coldset.core.placement import hot_count_for_residency
+    from coldset.analysis.placement import hot_count_for_residency
     from coldset.core.timing import graph_time_us
 
     def routing_rows(rt):
@@ -707,7 +712,7 @@ def decisions_split(args, argv=None) -> dict:
     from coldset.workflow.config import load_config
     from coldset.kernels import triton_decode as td
     from coldset.kernels.triton_slots import decide_ahead
-    from coldset.core.placement import hot_mask_usage_global, row_map_from_mask
+    from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
     from coldset.core.timing import graph_time_us

@@ -207,7 +207,7 @@ def run(args, argv=None) -> dict:
     from coldset.trace.fixtures import template_texts
     from coldset.verify.gate import experts_functions
     from coldset.engine.model import attach_fp8_attention, fp8_attention_linears
-    from coldset.core.placement import expert_bytes
+    from coldset.analysis.placement import expert_bytes
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.core.timing import eager_time_us
     from coldset.kernels.tune import TuneShape, autotune, default_search_space, tuned_experts, untimed_candidates

@@ -415,7 +415,7 @@ def stats(config: dict, **_) -> None:
 
 
 def placement(config: dict, **_) -> None:
-    from coldset.core.placement import run_placement
+    from coldset.analysis.placement import run_placement
 
     layout = Layout.from_config(config)
     pc = config["placement"]
