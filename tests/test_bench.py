@@ -201,7 +201,7 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
     cache), as an engine deciding by the wrong rule would look, and the bench refuses."""
     import pandas as pd
 
-    import coldset.analysis.cache
+    import coldset.analysis.simulate
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
@@ -211,8 +211,8 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
             for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
     pl = place(pd.DataFrame(rows), cfg, "lru", 0.5, batch_sizes=(2,))
     cache = SlotCache.from_placement(engine.pools, host_tier(engine.pools), pl, 2, cfg.top_k)
-    real = coldset.analysis.cache.simulate
-    monkeypatch.setattr(coldset.analysis.cache, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
+    real = coldset.analysis.simulate.simulate
+    monkeypatch.setattr(coldset.analysis.simulate, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lru cache decided group \d+"):
         bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
                            new_tokens=12, warmup=0, repeats=1, cache=cache)
@@ -487,7 +487,7 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
     (the prefetches ignored), the bench refuses."""
     import pandas as pd
 
-    import coldset.analysis.cache
+    import coldset.analysis.simulate
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
 
@@ -504,8 +504,8 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
             engine.pools, host, pl, 2, cfg.top_k, routers=routers))
 
     _assert_prefetches_checked_and_counted(*run())
-    real = coldset.analysis.cache.simulate
-    monkeypatch.setattr(coldset.analysis.cache, "simulate",
+    real = coldset.analysis.simulate.simulate
+    monkeypatch.setattr(coldset.analysis.simulate, "simulate",
                         lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
         run()
@@ -522,7 +522,8 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
 
     import coldset.analysis.cache
     import coldset.analysis.forecast
-    from coldset.analysis.cache import lanes_from_engine, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import lanes_from_engine
     from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
@@ -565,8 +566,8 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
         m.setattr(coldset.analysis.forecast, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
         with pytest.raises(bench.CacheSimulatorMismatch, match="recorded forecast lists"):
             run()
-    real = coldset.analysis.cache.simulate
-    monkeypatch.setattr(coldset.analysis.cache, "simulate", lambda stream, policy, *a, **kw: real(
+    real = coldset.analysis.simulate.simulate
+    monkeypatch.setattr(coldset.analysis.simulate, "simulate", lambda stream, policy, *a, **kw: real(
         stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's nexttoken cache decided group \d+"):
         run()
@@ -762,7 +763,8 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
 def _replay(expert):
     """A one-step, one-layer replay (2 experts, 1 slot warm with expert 0) selecting ``expert``,
     50 MB a copy: the (stream, result, bytes per expert) a cache row carries."""
-    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
 
     stream = AccessStream(np.array([expert]), np.array([0, 1]), 1, 1, 2)
     return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0]])), 50_000_000
@@ -788,7 +790,8 @@ def test_simulated_step_of_a_cache_row_by_hand():
 def _replay_two_layers():
     """A one-step, two-layer replay (2 experts a layer, 1 slot warm with layer 0's expert 0): layer
     0 selects expert 0 (a hit), layer 1 its expert 1 (a miss), 50 MB a copy."""
-    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
 
     stream = AccessStream(np.array([0, 3]), np.array([0, 1, 2]), 1, 2, 2)
     return stream, simulate(stream, "lru", 1, np.array([[5.0, 0.0], [0.0, 0.0]])), 50_000_000
@@ -803,7 +806,7 @@ def test_management_columns_of_a_cache_row_by_hand():
     without a replay (here the residency-1.0 row itself) has no simulated step; a policy without a residency-1.0
     row in the run, and a run whose all-HBM row is the policy's own residency 1.0 (its management
     is inside the reference), give None."""
-    from coldset.analysis.cache import TimeModel, simulate_time
+    from coldset.analysis.time_model import TimeModel, simulate_time
 
     ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
     stream, result, per_expert = rep = _replay_two_layers()

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from coldset.analysis.cache import AccessStream
+from coldset.analysis.streams import AccessStream
 from coldset.analysis.forecast import ForecastError, TransitionForecaster, forecast_recall, stream_predictions, token_groups
 
 
@@ -227,7 +227,7 @@ def test_router_inputs_are_what_each_router_ranked(tmp_path):
     import torch
 
     from coldset.analysis.forecast import router_inputs
-    from coldset.engine.model import generate
+    from coldset.engine.generate import generate
     from coldset.engine.synthetic import SyntheticSpec
     from synthetic_engines import random_prompts, synthetic_engine
 
@@ -358,7 +358,7 @@ def test_nexttoken_tables_match_loops():
 def test_nexttoken_forecast_matches_the_formula_on_lanes():
     """Two lanes, sequences starting mid-pass, an idle lane at the end, ties (integer scores) to
     the lower expert id."""
-    from coldset.analysis.cache import Lanes
+    from coldset.analysis.streams import Lanes
     from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
 
     rng = np.random.default_rng(9)
@@ -455,8 +455,9 @@ def _profile_and_replay(seed: int, L: int):
 def test_recall_table_tunes_on_a_held_out_profile_domain():
     """A replay of a domain the profile lacks: H's parameters are chosen on the last profile
     domain (never on the replay), and each horizon's row is that forecaster's quality."""
-    from coldset.analysis.cache import recall_table, token_array
+    from coldset.analysis.cache import recall_table
     from coldset.analysis.forecast import NextTokenForecaster, forecast_quality
+    from coldset.analysis.streams import token_array
 
     prof, rep = _profile_and_replay(seed=12, L=2)
     table = recall_table(prof, rep, 2, 6, 2, horizons=(1, 2))
@@ -559,9 +560,10 @@ def test_fit_tuned_chooses_term_sets_on_validation_only():
 def test_recall_table_term_sets_and_lower_layer_ceiling():
     """recall_table(term_sets=..., ceiling_lower_layers=1): each row's forecaster is fit_tuned's
     choice among the sets (on the last profile domain) and the wider ceiling is conditional_ceiling's."""
-    from coldset.analysis.cache import recall_table, token_array
+    from coldset.analysis.cache import recall_table
     from coldset.analysis.forecast import (DEFAULT_TERMS, DEFAULT_WEIGHTS, LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS,
                                   NextTokenForecaster, conditional_ceiling, forecast_quality)
+    from coldset.analysis.streams import token_array
 
     prof, rep = _profile_and_replay(seed=17, L=3)
     sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))

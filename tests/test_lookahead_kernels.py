@@ -332,7 +332,8 @@ sys.path.insert(0, sys.argv[1])
 from synthetic_engines import random_prompts
 from test_slots import _warm
 from coldset.verify import gate
-from coldset.analysis.cache import AccessStream, simulate
+from coldset.analysis.simulate import simulate
+from coldset.analysis.streams import AccessStream
 from coldset.kernels import triton_slots as ts
 from coldset.engine.model import fused_layer_before_experts, fused_norm_lm_head
 from coldset.core.placement import hot_count_for_residency

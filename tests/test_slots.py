@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from coldset.verify import gate
-from coldset.analysis.cache import AccessStream, simulate
+from coldset.analysis.simulate import simulate
+from coldset.analysis.streams import AccessStream
 from coldset.engine.model import generate
 from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import CacheCapacityError, SlotCache
@@ -870,7 +871,7 @@ def _next_reference(sel, forecaster, budget):
     """Per group (hits, misses, fills, prefetches) and the candidate list of the engine's groups
     ``sel`` ``[S, L, T, k]`` (lanes started at step 0) by coldset.analysis.forecast / coldset.analysis.cache's
     ``nexttoken`` (the simulator: the engine's reference)."""
-    from coldset.analysis.cache import Lanes
+    from coldset.analysis.streams import Lanes
     from coldset.analysis.forecast import nexttoken_lists
 
     S, L, T, k = sel.shape
@@ -886,7 +887,7 @@ def _next_history(cache):
 
 
 def _sim_next(stream, counts, C, lists, budget):
-    from coldset.analysis.cache import simulate
+    from coldset.analysis.simulate import simulate
 
     sim = simulate(stream, "nexttoken", C, counts, predictions=lists, prefetch_budget=budget)
     return sim, np.stack([sim.hits, sim.misses, sim.fills, sim.prefetches], axis=1)

@@ -153,7 +153,8 @@ def run(args, argv=None) -> dict:
     import torch
 
     from coldset.bench import decode as bn
-    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
     from coldset.workflow.config import load_config
     from coldset.trace.fixtures import render_domain, template_texts
     from coldset.verify.gate import experts_functions
@@ -563,7 +564,8 @@ def _forecast(prof_routing, routing, residencies, counts, L, E, k, bsz, tokens, 
     import pandas as pd
     import torch
 
-    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
     from coldset.analysis.forecast import TransitionForecaster, forecast_recall, stream_predictions
     from coldset.analysis.placement import hot_count_for_residency
     from coldset.core.timing import graph_time_us
@@ -609,7 +611,7 @@ def _lookahead_recall(model, hidden, routing, sim, acc, C, counts, k, tokens, pe
     """The next-layer lookahead (router of layer l on layer l - d's router input) on the
     selections an lru run missed, and the lookahead policy simulated, at depths 1, 2 and forecasts
     of top k and k + 3."""
-    from coldset.analysis.cache import simulate
+    from coldset.analysis.simulate import simulate
     from coldset.analysis.forecast import lookahead_predictions, lookahead_recall
 
     routers = _routers(model)

@@ -435,7 +435,7 @@ def _fit_nexttoken(config: dict):
     top_k, exactly as the cache stage fits its own (:func:`coldset.analysis.cache.run_cache`). Fitted here
     once and saved in the placement (not refitted by parity or bench), so the gate and the bench
     run the tables the fingerprint covers."""
-    from coldset.analysis.cache import select_rows, token_array, trace_decode_rows
+    from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
     from coldset.analysis.forecast import NextTokenForecaster
     from coldset.core.placement import ProfileSpec
 
