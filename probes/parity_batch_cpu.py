@@ -12,7 +12,8 @@ from coldset.verify import gate
 from coldset.workflow import pipeline
 from coldset.workflow.config import validate_config
 from coldset.trace.fixtures import make_fixtures, read_fixtures
-from coldset.engine.model import encode_prompts, load_model, load_tokenizer
+from coldset.engine.generate import encode_prompts
+from coldset.engine.loading import load_model, load_tokenizer
 from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)

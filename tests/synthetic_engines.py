@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from coldset.engine.model import load_model
+from coldset.engine.loading import load_model
 from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 

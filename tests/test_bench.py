@@ -5,7 +5,8 @@ import pytest
 
 from coldset.bench import decode as bench
 from coldset.core import timing
-from coldset.engine.model import generate, load_model
+from coldset.engine.generate import generate
+from coldset.engine.loading import load_model
 from coldset.analysis.placement import place, row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
@@ -92,7 +93,7 @@ def test_bench_decode_reports_the_placement(engine, monkeypatch):
     # + final); routers [8, 64]; LM head; and B rows of the embedding table
     nonexpert = 4 * (2 * (64 * 64 + 2 * 32 * 64 + 64 * 64) + 2 * (2 * 64 + 2 * 32) + 64 + 2 * 8 * 64
                      + 512 * 64 + B * 64)
-    from coldset.engine.model import generate
+    from coldset.engine.generate import generate
 
     prompts = bench.bench_prompts(stream, B, plen)
     routing = generate(engine, prompts.tolist(), new, capture_routing=True, progress=False).routing

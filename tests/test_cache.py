@@ -1,5 +1,4 @@
-"""The cache simulator against brute-force references of its semantics (coldset.analysis.simulate's module doc
-and the policies' modules)."""
+"""The cache simulator against brute-force references of its semantics (coldset.analysis.cache's module doc)."""
 
 from __future__ import annotations
 
@@ -8,10 +7,18 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.analysis.cache import simulation_table
-from coldset.analysis.policies import POLICIES
-from coldset.analysis.simulate import capacity_for_residency, simulate, warm_order
-from coldset.analysis.streams import AccessStream, CacheError, select_rows, stream_from_frame, trace_decode_rows
+from coldset.analysis.cache import (
+    POLICIES,
+    AccessStream,
+    CacheError,
+    capacity_for_residency,
+    select_rows,
+    simulate,
+    simulation_table,
+    stream_from_frame,
+    trace_decode_rows,
+    warm_order,
+)
 from coldset.core.trace import TraceMeta, write_trace
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +198,7 @@ def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     assert stream.tokens == len(expect.groupby(["request", "position"]))
     assert stream.num_groups == stream.tokens * 2 and stream.max_group == 2
     prof = select_rows(dec, "profile")
-    from coldset.analysis.streams import counts_from_rows
+    from coldset.analysis.cache import counts_from_rows
 
     counts = counts_from_rows(prof, 2, 4)
     from coldset.analysis.forecast import TransitionForecaster
@@ -287,7 +294,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             assert row.hit_rate == pytest.approx(ref_hit.mean())
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
         # forecast: the forecaster fitted on the profile split's rows, its lists replayed by brute force
-        from coldset.analysis.streams import trace_decode_rows
+        from coldset.analysis.cache import trace_decode_rows
         from coldset.analysis.forecast import TransitionForecaster, stream_predictions
 
         trows, _ = trace_decode_rows(trace)
@@ -300,7 +307,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
                     for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
         assert row.link_gb_per_token == pytest.approx((fills + ref_pf.sum()) * expert_bytes(Shape()) / row.tokens / 1e9)
         # nexttoken: the forecaster fitted (and tuned) on the profile tokens, its lists replayed by brute force
-        from coldset.analysis.streams import lanes_from_frame, token_array
+        from coldset.analysis.cache import lanes_from_frame, token_array
         from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
 
         tok, seq = token_array(select_rows(trows, "profile"), 2, 8)
@@ -324,18 +331,17 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     code = (
         "import sys; sys.modules['numba'] = None\n"
         "import numpy as np\n"
-        "from coldset.analysis import policies, simulate, streams, time_model\n"
-        "from coldset.analysis.policies import lru\n"
-        "assert type(lru.replay_lru).__name__ == 'function'\n"
+        "from coldset.analysis import cache\n"
+        "assert type(cache._replay_lru).__name__ == 'function'\n"
         "rng = np.random.default_rng(2)\n"
         "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
-        "s = streams.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
+        "s = cache.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
         "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
-        "rs = [simulate.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
-        "for p in policies.POLICIES]\n"
-        "tm = time_model.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
+        "rs = [cache.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
+        "for p in cache.POLICIES]\n"
+        "tm = cache.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
         "print([int(r.hits.sum()) for r in rs], [int(r.stats().prefetches) for r in rs], "
-        "[round(time_model.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
+        "[round(cache.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -347,7 +353,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     s = AccessStream(ids, ptr, 100, 2, 6)
     prof = rng.random((2, 6))
     pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
-    from coldset.analysis.time_model import TimeModel, simulate_time
+    from coldset.analysis.cache import TimeModel, simulate_time
 
     rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
     tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link="share", join="step")

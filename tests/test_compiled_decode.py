@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 from coldset.bench import decode as bench  # noqa: E402
 from coldset.verify import gate  # noqa: E402
-from coldset.engine.model import generate  # noqa: E402
+from coldset.engine.generate import generate  # noqa: E402
 from coldset.analysis.placement import row_map_from_mask  # noqa: E402
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model  # noqa: E402
 from synthetic_engines import graphed_greedy_tokens  # noqa: E402

@@ -237,7 +237,8 @@ def test_decode_attention_against_torch(bsz, nh, nkv, d, qk_norm, max_seq, seq, 
 def test_fused_decode_step_matches_the_eager_engine_and_repeats_bitwise(pdl):
     from coldset.bench import decode as bench
     from coldset.verify import gate
-    from coldset.engine.model import fused_layer_before_experts, generate
+    from coldset.engine.generate import generate
+    from coldset.engine.model import fused_layer_before_experts
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from synthetic_engines import graphed_greedy_tokens
 

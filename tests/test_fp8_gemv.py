@@ -254,7 +254,8 @@ def test_fp8_checkpoint_keeps_its_attention_bytes_and_scales_for_the_fused_path(
     fused GEMV on those equals the dequantized product to float32 summation order."""
     from safetensors.torch import load_file
 
-    from coldset.engine.model import fp8_attention_linears, load_model
+    from coldset.engine.loading import load_model
+    from coldset.engine.model import fp8_attention_linears
     from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
@@ -285,7 +286,7 @@ def test_a_partly_converted_qkv_keeps_no_fp8_copy(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from coldset.engine.model import load_model
+    from coldset.engine.loading import load_model
     from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
     path = write_synthetic_checkpoint(SyntheticSpec(**PARTIAL, weight_format="fp8"), tmp_path / "hf")
@@ -305,7 +306,7 @@ def test_a_partly_converted_qkv_keeps_no_fp8_copy(tmp_path):
 def test_attach_fp8_attention_quantizes_each_projection_and_restores():
     """The bench's in-memory FP8 attention: q, k, v and o_proj each quantized on its own grid, the
     float weights replaced by their dequantization (the FP8 model on every path), and put back."""
-    from coldset.engine.model import attach_fp8_attention
+    from coldset.engine.loading import attach_fp8_attention
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     model, _ = build_synthetic_model(SyntheticSpec(**PARTIAL, in_memory=True), "cpu", torch.float32)
@@ -337,7 +338,9 @@ def test_fused_decode_with_fp8_attention_on_cuda():
     only: < 1e-2), decodes the eager engine's greedy tokens (the eager one runs the dequantized
     weights) with logits within 1e-2, and repeats bitwise; batch 3 runs the dequantized weights."""
     from coldset.verify import gate
-    from coldset.engine.model import attach_fp8_attention, fp8_attention_linears, generate
+    from coldset.engine.generate import generate
+    from coldset.engine.loading import attach_fp8_attention
+    from coldset.engine.model import fp8_attention_linears
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 
     spec = SyntheticSpec(layers=4, experts=16, top_k=4, hidden=256, moe_intermediate=128, heads=8, kv_heads=2,

@@ -15,7 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from coldset.core import fp8
-from coldset.engine.model import ModelLoadError, generate, load_model
+from coldset.engine.generate import generate
+from coldset.engine.loading import load_model
+from coldset.engine.model import ModelLoadError
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, write_synthetic_checkpoint
 
 from test_fp8 import TABLE

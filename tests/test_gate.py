@@ -43,7 +43,7 @@ def test_gate_catches_two_swapped_experts(engine):
     row_map = row_map_from_mask(mask)
     pools = engine.pools.placed(row_map)
     # Corrupt: every layer's two most-used experts read each other's rows (a valid-looking map).
-    from coldset.engine.model import generate
+    from coldset.engine.generate import generate
 
     routing = generate(engine, prompts, 16, capture_routing=True, progress=False).routing
     counts = np.zeros(row_map.shape, dtype=np.int64)

@@ -537,9 +537,7 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     simulate_time's at the engine's model (share, step)."""
     import numpy as np
 
-    from coldset.analysis.simulate import simulate
-    from coldset.analysis.streams import AccessStream
-    from coldset.analysis.time_model import TimeModel, simulate_time
+    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
     from coldset.analysis.forecast import NextTokenForecaster
     from coldset.measure.cache import _fit_nexttoken, _time_columns
 
@@ -615,8 +613,7 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     import torch
 
     from coldset.bench import decode as bn
-    from coldset.analysis.simulate import simulate
-    from coldset.analysis.streams import AccessStream, lanes_from_engine
+    from coldset.analysis.cache import AccessStream, lanes_from_engine, simulate
     from coldset.analysis.forecast import nexttoken_lists
     from coldset.measure.cache import _fit_nexttoken, _time_columns
     from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
@@ -709,9 +706,7 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     import numpy as np
     import torch
 
-    from coldset.analysis.simulate import simulate
-    from coldset.analysis.streams import AccessStream
-    from coldset.analysis.time_model import TimeModel, simulate_time
+    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
     from coldset.cli import main
     from coldset.measure.cache import _replay_arrays
     from coldset.measure.replay import replay_table

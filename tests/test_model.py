@@ -9,14 +9,9 @@ import shutil
 import pytest
 import torch
 
-from coldset.engine.model import (
-    ModelConfig,
-    ModelLoadError,
-    encode_prompts,
-    generate,
-    load_model,
-    load_tokenizer,
-)
+from coldset.engine.generate import encode_prompts, generate
+from coldset.engine.loading import load_model, load_tokenizer
+from coldset.engine.model import ModelConfig, ModelLoadError
 
 transformers = pytest.importorskip("transformers")
 
@@ -331,7 +326,8 @@ def test_bad_config_json_fields_name_file_and_field(tmp_path, change, msg):
 
 
 def test_over_long_prompt_is_named_by_its_id():
-    from coldset.engine.model import ModelConfig, check_prompts_fit
+    from coldset.engine.generate import check_prompts_fit
+    from coldset.engine.model import ModelConfig
 
     cfg = ModelConfig.from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2,
                                  "num_hidden_layers": 2, "num_experts": 8, "moe_intermediate_size": 32,

@@ -149,7 +149,7 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     from coldset.workflow.config import validate_config
     from coldset.trace.fixtures import read_fixtures
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
     from coldset.core.trace import read_trace_meta
     from coldset.engine.synthetic import write_synthetic_checkpoint
 
@@ -391,7 +391,7 @@ def test_bench_cuts_prompts_from_the_held_out_split_and_reports_profile_beside(r
     from coldset.bench import decode as bn
     from coldset.workflow.config import validate_config
     from coldset.trace.fixtures import read_fixtures
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
 
     config = validate_config(_config(run["root"]))
     config["bench"]["profile_beside"] = True

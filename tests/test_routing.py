@@ -321,7 +321,8 @@ def test_capture_routing_matches_transformers_router(tmp_path, tiny_hf_checkpoin
     from transformers import AutoModelForCausalLM
 
     from coldset.trace.fixtures import Fixture, write_fixtures
-    from coldset.engine.model import encode_prompts, load_tokenizer
+    from coldset.engine.generate import encode_prompts
+    from coldset.engine.loading import load_tokenizer
     from coldset.trace.capture import capture_routing
 
     ckpt = tiny_hf_checkpoint("qwen3_moe")  # layers 0 and 2 are MoE, layer 1 dense

@@ -12,7 +12,7 @@ import torch
 from coldset.verify import gate
 from coldset.analysis.simulate import simulate
 from coldset.analysis.streams import AccessStream
-from coldset.engine.model import generate
+from coldset.engine.generate import generate
 from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import CacheCapacityError, SlotCache
 from coldset.engine.synthetic import SyntheticSpec

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from coldset.engine.model import ModelConfig, encode_prompts, generate, load_model, load_tokenizer
+from coldset.engine.generate import encode_prompts, generate
+from coldset.engine.loading import load_model, load_tokenizer
+from coldset.engine.model import ModelConfig
 from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
 
 # Hand-written prompts (not from the generator that trained the tokenizer).
@@ -220,7 +222,7 @@ _SMALL = dict(layers=2, experts=16, top_k=2, hidden=96, moe_intermediate=16, hea
 
 
 def _decode_lift(**knobs) -> float:
-    from coldset.engine.model import encode_prompts as enc
+    from coldset.engine.generate import encode_prompts as enc
     from coldset.analysis.stats import consecutive_overlap, shuffled_overlap
     from coldset.engine.synthetic import build_synthetic_model
 

@@ -62,14 +62,15 @@ def engines(tmp_path_factory):
 def _embedded_tokens(model_dir: Path) -> dict[str, list[int]]:
     import torch
 
-    from coldset.engine import model as engine
+    from coldset.engine.generate import encode_prompts, generate
+    from coldset.engine.loading import load_model, load_tokenizer
 
-    mdl = engine.load_model(model_dir, dtype=torch.float32)
-    tok = engine.load_tokenizer(model_dir)
+    mdl = load_model(model_dir, dtype=torch.float32)
+    tok = load_tokenizer(model_dir)
     out = {}
     for rid, _, _, prompt, n in PROMPTS:  # one request at a time: no padding in the reference
-        ids = engine.encode_prompts(tok, [prompt])
-        out[rid] = engine.generate(mdl, ids, n, progress=False).tokens[0]
+        ids = encode_prompts(tok, [prompt])
+        out[rid] = generate(mdl, ids, n, progress=False).tokens[0]
     return out
 
 
@@ -116,7 +117,8 @@ def test_routing_identical_at_every_token_and_layer(engines, arch, tmp_path):
     v, _ = _sorted_rows(run["out"])
     r, _ = _sorted_rows(ref_path)
     # every (token, layer, rank) of every request once: prompt + new - 1 tokens per request
-    from coldset.engine.model import encode_prompts, load_tokenizer
+    from coldset.engine.generate import encode_prompts
+    from coldset.engine.loading import load_tokenizer
 
     tok = load_tokenizer(run["model_dir"])
     n_tokens = sum(len(encode_prompts(tok, [p])[0]) + n - 1 for _, _, _, p, n in PROMPTS)

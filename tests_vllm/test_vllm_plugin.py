@@ -114,7 +114,8 @@ def _requests(base: str, prompts: list[list[int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def prompts(gated_workflow) -> list[list[int]]:
-    from coldset.engine.model import encode_prompts, load_tokenizer
+    from coldset.engine.generate import encode_prompts
+    from coldset.engine.loading import load_tokenizer
 
     return encode_prompts(load_tokenizer(gated_workflow["model_dir"]), list(PROMPT_TEXTS))
 

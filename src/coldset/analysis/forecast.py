@@ -284,7 +284,7 @@ def router_inputs(engine, prompts: list[list[int]], max_tokens: int = LOOKAHEAD_
     :func:`fit_lookahead_routers`, bounded whatever the size of a user's fixture set."""
     import torch
 
-    from coldset.engine.model import generate
+    from coldset.engine.generate import generate
 
     L = engine.config.num_moe_layers
     saved = engine.experts_fn

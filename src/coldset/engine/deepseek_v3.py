@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
-from coldset.engine.model import DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
+from coldset.engine.model import DenseMLP, MoEBlock, MoEModel, ModelConfig, ModelLoadError, RMSNorm
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,12 @@
-"""The embedded engine: a one-file MoE transformer for Hugging Face qwen3_moe and mixtral folders.
+"""The embedded engine's model: a one-file MoE transformer for Hugging Face qwen3_moe and mixtral.
 
 What it is for: profiling routing on a person's own prompts and serving as the unmodified path
-the offload machinery is checked against. It reads a local HF folder (config.json, safetensors,
-tokenizer.json), holds every routed expert in one :class:`~coldset.kernels.tiers.ExpertPools` (so later
-stages move experts between tiers without touching this file), decodes greedily with a static KV
-cache and records which experts every token was routed to.
+the offload machinery is checked against. This file is only the model (its config, modules and
+forward pass, and the faster decode regions :meth:`MoEModel.compile_decode` installs); a local HF
+folder is read by :mod:`coldset.engine.loading` and decoded greedily by
+:mod:`coldset.engine.generate`. Every routed expert lives in one
+:class:`~coldset.kernels.tiers.ExpertPools` (so later stages move experts between tiers without
+touching this file).
 
 Layout of the decode state (why it looks like this): a batch of prompts of different lengths is
 left-padded to a common length ``P``; cache *slot* ``s`` holds the token at column ``s`` of every
@@ -12,8 +14,8 @@ sequence, while each sequence has its own *position* ``s - pad[b]`` (so RoPE see
 positions as an unpadded run). Decode step ``t`` writes slot ``P + t`` for every sequence. The
 attention mask is explicit (``key slot >= pad[b]``, causal, optional sliding window), the cache is
 preallocated ``[B, max_seq, kv_heads, head_dim]`` per layer and written by index, so the decode
-step has no data-dependent Python control flow or host sync outside ``experts_fn``: a later issue
-can CUDA-graph-capture it.
+step has no data-dependent Python control flow or host sync outside ``experts_fn`` and can be
+captured in a CUDA graph.
 
 Numerics follow transformers: RMSNorm in float32 then cast, router logits in the model dtype,
 softmax in float32, top-k, renormalisation (mixtral always, qwen3_moe when ``norm_topk_prob``),
@@ -24,20 +26,21 @@ qwen3_moe; for mixtral it multiplies in float32, which only differs in bf16/fp16
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
-import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from coldset.kernels import softmax_topk, torch_experts
+from coldset.core import fp8
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
+from coldset.kernels import softmax_topk, torch_experts
 from coldset.kernels.tiers import ExpertPools
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -111,8 +114,6 @@ class ModelConfig(MoEShape):
             raise ModelLoadError(str(exc)) from None
         if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
             # Block FP8 (the published 128 x 128 e4m3 format) is read; anything else is refused by name.
-            from coldset.core import fp8
-
             try:
                 fp8.parse_quantization_config(raw.get("quantization_config"), source)
             except fp8.Fp8FormatError as exc:
@@ -231,8 +232,6 @@ class Attention(nn.Module):
         float32 scale; the weight never rounded to bf16), so its logits are not the dequantized
         path's bits; parity (placements against all hot) compares one engine on both sides, so it
         holds as it does for bf16."""
-        from coldset.core import fp8
-
         dev = self.qkv_proj.weight.device
         hidden = self.qkv_proj.weight.shape[1]
         if qkv is not None:
@@ -371,9 +370,9 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     and attention in one; o_proj with the residual add; and for a MoE layer the post-attention
     norm, the router and its softmax + top-k in one (:func:`~coldset.kernels.triton_decode.route`),
     so a MoE layer is four launches before its experts at batch 1. Why: the step outside the
-    experts is launch latency and weight streaming (BENCHMARKS.md, issue 13). At batch 1 an
+    experts is launch latency and weight streaming (BENCHMARKS.md). At batch 1 an
     attention with block-FP8 copies (:meth:`Attention.set_fp8`: an FP8 checkpoint's, or
-    :func:`attach_fp8_attention`) runs its qkv and o_proj GEMVs on the FP8 bytes and their scales
+    :func:`coldset.engine.loading.attach_fp8_attention`) runs its qkv and o_proj GEMVs on the FP8 bytes and their scales
     (weight-only: fp32 products, each 128-column group's sum times its scale), not on the
     dequantized weights: other roundings than the dequantized path's, the same in every placement.
     route's weights come in the model dtype (the cast the experts call would make, in the same
@@ -382,7 +381,7 @@ def fused_layer_before_experts(layer: "DecoderLayer", x, delta, cos, sin, slots,
     programmatic dependent launches (Hopper), each reading its weights while its predecessor
     finishes; None: :func:`~coldset.kernels.triton_decode.pdl_default` for the batch size. Same
     contract as :func:`layer_before_experts` (decode only)."""
-    from coldset.kernels import triton_decode as td
+    from coldset.kernels import triton_decode as td  # GPU-only: imports triton at its top
 
     bsz, seq, hidden = x.shape
     if seq != 1:
@@ -428,7 +427,7 @@ def fused_norm_lm_head(model: "MoEModel", x, delta, pdl: bool | None = None):
     at batch 1 one :func:`~coldset.kernels.triton_decode.gemv` (the add, the final norm and the
     LM head, the step's largest matrix), from 2 tokens on :func:`~coldset.kernels.triton_decode.rms_norm`
     with the add, then cuBLAS."""
-    from coldset.kernels import triton_decode as td
+    from coldset.kernels import triton_decode as td  # GPU-only: imports triton at its top
 
     bsz, seq, hidden = x.shape
     if pdl is None:
@@ -447,8 +446,6 @@ def fused_decode_supported(model: "MoEModel") -> str | None:
     """Why :func:`fused_layer_before_experts` cannot run ``model`` (None if it can): CUDA,
     triton, a half-precision dtype (the kernels' dots would run float32 as tf32), a power-of-two
     head_dim of at least 16 and, with qk-norm, the stacked qk-norm weights."""
-    import importlib.util
-
     if model.device.type != "cuda":
         return f"the model is on {model.device}, the fused decode kernels are CUDA only"
     if importlib.util.find_spec("triton") is None:
@@ -461,44 +458,6 @@ def fused_decode_supported(model: "MoEModel") -> str | None:
     if model.config.qk_norm and any(layer.self_attn.qk_norm_weight is None for layer in model.layers):
         return "qk-norm weights are not stacked (Attention.fuse_qk_norm)"
     return None
-
-
-def attach_fp8_attention(model: "MoEModel"):
-    """Make an in-memory model's attention projections block-FP8, as a published FP8 checkpoint
-    stores them (q, k, v and o_proj converted; embeddings, norms, routers and the LM head not, as in
-    Qwen3-30B-A3B-FP8's ``modules_to_not_convert``): each of q, k, v and o_proj quantized on its
-    own 128 x 128 grid by :func:`coldset.core.fp8.quantize_weight`, the FP8 copies given to the fused
-    one-token path (:meth:`Attention.set_fp8`) and the float weights replaced in place by their
-    dequantization in the model dtype, what :func:`load_model` holds for such a checkpoint (so
-    every path runs the FP8 model). Returns a function that puts the float weights back and drops
-    the FP8 copies (the bench times both formats on one model). Why: the real-shape model is built
-    in memory (``bench step --weight-format fp8``); a checkpoint would be written and read back."""
-    from coldset.core import fp8
-
-    saved = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        if attn.qkv_fp8 is not None or attn.o_fp8 is not None:
-            raise ValueError("attach_fp8_attention: the model's attention already has FP8 copies")
-        qkv_w, o_w = attn.qkv_proj.weight, attn.o_proj.weight
-        qkv = [fp8.quantize_weight(w) for w in qkv_w.detach().split([attn.q_size, attn.kv_size, attn.kv_size])]
-        o = fp8.quantize_weight(o_w.detach())
-        saved.append((qkv_w.detach().clone(), o_w.detach().clone()))
-        attn.set_fp8(qkv, o)
-        with torch.no_grad():  # in place: a compiled region or captured graph keeps reading the same tensors
-            qkv_w.copy_(torch.cat([fp8.dequantize_weight(q, sc) for q, sc in qkv]))
-            o_w.copy_(fp8.dequantize_weight(*o))
-
-    def restore() -> None:
-        for layer, (qkv_w, o_w) in zip(model.layers, saved):
-            attn = layer.self_attn
-            with torch.no_grad():
-                attn.qkv_proj.weight.copy_(qkv_w)
-                attn.o_proj.weight.copy_(o_w)
-            attn.set_fp8(None, None)
-        saved.clear()
-
-    return restore
 
 
 def fp8_attention_linears(model: "MoEModel", batch_size: int) -> list[str]:
@@ -541,7 +500,7 @@ class MoEModel(nn.Module):
     function has the attribute ``casts_weights = True`` (a slot cache's, :meth:`coldset.engine.cache.pool.SlotCache.wrap`):
     then it gets the router's float32 weights and casts them itself. Set ``routing_sink`` to a list to have every MoE
     block append ``(topk_ids, topk_weights)`` (float32, before the cast) in call order.
-    Build it with :func:`load_model`.
+    Build it with :func:`coldset.engine.loading.load_model`.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -601,7 +560,7 @@ class MoEModel(nn.Module):
         self._fused_head = None
         if pdl:
             raise ValueError("compile_decode(pdl=True) needs the fused kernels (fused=True)")
-        import torch._dynamo.config as dynamo_config
+        import torch._dynamo.config as dynamo_config  # torch-heavy, needed only when compiling
 
         # A region past the recompile limit would silently run eagerly (other numerics): fail.
         dynamo_config.fail_on_recompile_limit_hit = True
@@ -648,7 +607,7 @@ class MoEModel(nn.Module):
         delta = torch.zeros_like(x)
         decode = tokens.shape[1] == 1 and self._compiled_before_experts is not None
         before_experts = self._compiled_before_experts if decode else layer_before_experts
-        # Not cuDNN attention: it plans anew for every key length (8 ms a call on an H200 in bf16).
+        # Not cuDNN attention: it plans anew for every key length.
         with sdpa_kernel(_SDPA_BACKENDS):
             for layer in self.layers:
                 x, h, topk_ids, topk_weights = before_experts(layer, x, delta, cos, sin, slots, mask)
@@ -659,499 +618,3 @@ class MoEModel(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-class _TensorSource:
-    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
-        self._handles: dict[Path, object] = {}
-        self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        single = folder / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ModelLoadError(f"{index}: not a valid safetensors index ({err})") from err
-            self.key_to_file = {k: folder / v for k, v in weight_map.items()}
-        elif single.is_file():
-            self.key_to_file = {k: single for k in self._open(single).keys()}
-        else:
-            shards = sorted(folder.glob("*.safetensors"))
-            if not shards:
-                raise ModelLoadError(
-                    f"{folder}: no weights (model.safetensors or model.safetensors.index.json)"
-                )
-            self.key_to_file = {}
-            for shard in shards:
-                for key in self._open(shard).keys():
-                    self.key_to_file[key] = shard
-
-    def _open(self, path: Path):
-        if path in self._handles:
-            return self._handles[path]
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: weight file missing (listed in the safetensors index)")
-        try:
-            handle = self._safe_open(str(path), framework="pt")
-        except Exception as err:  # safetensors raises its own SafetensorError and OSError
-            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({err})") from err
-        self._handles[path] = handle
-        return handle
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.key_to_file
-
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if key not in self.key_to_file:
-            raise ModelLoadError(f"{self.folder}: missing tensor {key!r}")
-        path = self.key_to_file[key]
-        handle = self._open(path)
-        try:
-            stored = tuple(handle.get_slice(key).get_shape())  # header only: check before reading
-            if stored != tuple(shape):
-                raise ModelLoadError(
-                    f"{path}: tensor {key!r} has shape {stored}, expected {tuple(shape)}"
-                )
-            return handle.get_tensor(key)
-        except ModelLoadError:
-            raise
-        except Exception as err:
-            raise ModelLoadError(f"{path}: cannot read tensor {key!r} ({err})") from err
-
-
-def _expert_keys(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
-    if cfg.model_type == "mixtral":
-        return f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
-    return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
-
-
-def _read_linear(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, weight_scale_inv or None)`` of linear layer ``module`` as stored.
-
-    ``fmt`` (a :class:`coldset.core.fp8.Fp8Format`, or None for an unquantized checkpoint) says whether
-    the module is converted: then its weight must be float8_e4m3fn with a ``weight_scale_inv`` of
-    the block grid; otherwise it must not be float8 (a float8 tensor with no scale to read it by
-    would load as wrong numbers). Errors name the file and tensor.
-    """
-    from coldset.core import fp8
-
-    weight = src.get(f"{module}.weight", shape)
-    where = f"{src.key_to_file.get(f'{module}.weight', src.folder)}: tensor {module}.weight"
-    if fmt is not None and fmt.converts(module):
-        if weight.dtype != fp8.FP8_DTYPE:
-            raise ModelLoadError(f"{where} is {weight.dtype}; quantization_config converts it, so it must be "
-                                 f"{fp8.FP8_DTYPE} (or list the module in modules_to_not_convert)")
-        key = f"{module}.weight_scale_inv"
-        if key not in src:
-            raise ModelLoadError(f"{src.folder}: missing tensor {key!r}: the float8 weight {module}.weight needs its "
-                                 "per-block scales (weight_scale_inv)")
-        # e4m3fn has one NaN per sign (bits S.1111.111) and no infinity. A NaN weight would
-        # poison every token routed to its expert, and the weight-only kernel (w8a16=2) converts
-        # by bit arithmetic that reads it as +-122880: refuse it here, where the tensor has a name.
-        nan = (weight.view(torch.uint8) & 0x7F) == 0x7F
-        if bool(nan.any()):
-            r, c = (int(i) for i in nan.nonzero()[0])
-            raise ModelLoadError(f"{where} holds {int(nan.sum())} NaN float8 value(s) (first at [{r}, {c}]): "
-                                 "a published FP8 checkpoint has none; the file is corrupt or was written wrongly")
-        scale = src.get(key, fp8.scale_grid(*shape)).float()
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise ModelLoadError(f"{src.key_to_file.get(key, src.folder)}: tensor {key} holds non-finite or negative "
-                                 "scales; a block scale is a finite amax / 448 >= 0")
-        return weight, scale
-    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ModelLoadError(f"{where} is {weight.dtype} but the checkpoint's config does not convert it "
-                             "(no quantization_config, or the module is in modules_to_not_convert)")
-    return weight, None
-
-
-def _read_dense(src: _TensorSource, module: str, shape: tuple[int, int], fmt) -> torch.Tensor:
-    """A linear layer's weight as a float tensor: a converted (FP8) one dequantized in float32."""
-    from coldset.core import fp8
-
-    weight, scale = _read_linear(src, module, shape, fmt)
-    return weight if scale is None else fp8.dequantize_weight(weight, scale)
-
-
-def _load_experts(cfg, src: _TensorSource, device, dtype, fmt=None) -> tuple[torch.Tensor, ...]:
-    """Stack routed experts into w13 ``[L, E, 2I, H]`` and w2 ``[L, E, H, I]``, one expert at a time.
-
-    Accepts the per-expert layout real checkpoints use and the fused 3-D layout
-    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``). A block-FP8
-    checkpoint (``fmt``) returns ``(w13, w2, w13_scale, w2_scale)``: the float8 bytes as stored and
-    their scales (:mod:`coldset.core.fp8`: w13's grid gate's then up's), never dequantized.
-    """
-    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    if fmt is not None:
-        return _load_fp8_experts(cfg, src, device, fmt)
-    w13 = torch.empty((L, E, 2 * I, H), dtype=dtype, device=device)
-    w2 = torch.empty((L, E, H, I), dtype=dtype, device=device)
-    for m, layer in enumerate(cfg.moe_layers):
-        prefix, (gate, up, down) = _expert_keys(cfg, layer)
-        fused = f"{prefix}.experts.gate_up_proj"
-        if fused in src:
-            w13[m].copy_(src.get(fused, (E, 2 * I, H)))
-            w2[m].copy_(src.get(f"{prefix}.experts.down_proj", (E, H, I)))
-            continue
-        for e in range(E):
-            base = f"{prefix}.experts.{e}"
-            w13[m, e, :I].copy_(src.get(f"{base}.{gate}.weight", (I, H)))
-            w13[m, e, I:].copy_(src.get(f"{base}.{up}.weight", (I, H)))
-            w2[m, e].copy_(src.get(f"{base}.{down}.weight", (H, I)))
-    return w13, w2
-
-
-def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tensor, ...]:
-    from coldset.core import fp8
-
-    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    gi, gh = fp8.scale_grid(I, H)
-    w13 = torch.empty((L, E, 2 * I, H), dtype=fp8.FP8_DTYPE, device=device)
-    w2 = torch.empty((L, E, H, I), dtype=fp8.FP8_DTYPE, device=device)
-    s13 = torch.empty((L, E, 2 * gi, gh), dtype=torch.float32, device=device)
-    s2 = torch.empty((L, E, *fp8.scale_grid(H, I)), dtype=torch.float32, device=device)
-    for m, layer in enumerate(cfg.moe_layers):
-        prefix, (gate, up, down) = _expert_keys(cfg, layer)
-        if f"{prefix}.experts.gate_up_proj" in src:
-            raise ModelLoadError(f"{src.folder}: fused expert tensors ({prefix}.experts.gate_up_proj) in FP8 are not "
-                                 "supported; the published FP8 checkpoints store one tensor per expert")
-        for e in range(E):
-            base = f"{prefix}.experts.{e}"
-            for name, rows, scale_rows in ((gate, slice(0, I), slice(0, gi)), (up, slice(I, 2 * I), slice(gi, 2 * gi))):
-                q, s = _read_linear(src, f"{base}.{name}", (I, H), fmt)
-                if s is None:
-                    raise ModelLoadError(f"{src.folder}: {base}.{name} is not converted (modules_to_not_convert); "
-                                         "the engine needs every routed expert in FP8 or none")
-                w13[m, e, rows].copy_(q)
-                s13[m, e, scale_rows].copy_(s)
-            q, s = _read_linear(src, f"{base}.{down}", (H, I), fmt)
-            if s is None:
-                raise ModelLoadError(f"{src.folder}: {base}.{down} is not converted (modules_to_not_convert); "
-                                     "the engine needs every routed expert in FP8 or none")
-            w2[m, e].copy_(q)
-            s2[m, e].copy_(s)
-    return w13, w2, s13, s2
-
-
-def load_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> MoEModel:
-    """Load a local HF folder (config.json, model.safetensors or a sharded index) into MoEModel.
-
-    Tensors are read lazily (safetensors ``safe_open``) and cast/moved one at a time, so peak
-    memory is about one copy of the model. Routed experts end up only in ``model.pools``
-    (``ExpertPools.all_hot``). Raises :class:`ModelLoadError` naming the file or tensor.
-
-    A block-FP8 checkpoint (:mod:`coldset.core.fp8`: ``quantization_config`` quant_method fp8, 128 x 128
-    blocks, dynamic activations, e4m3) keeps its routed experts in FP8 in the pools (weights and
-    ``weight_scale_inv`` scale pools); its other converted linear layers (attention) are
-    dequantized here to ``dtype`` once (``weight.float() * scale_inv`` per block), which is what
-    transformers does on a CPU; every path runs those. The converted attention projections are also
-    kept as stored (e4m3 bytes and their scales, :meth:`Attention.set_fp8`: 1 byte a weight beside
-    the dequantized copy) for the fused decode step at batch 1, whose GEMV reads them weight-only
-    (:func:`coldset.kernels.triton_decode.gemv` with ``weight_scale``): at one token the step
-    streams its weights, and FP8 halves those bytes. That path rounds differently from the
-    dequantized one (float32 weight times scale, no bf16 rounding of the weight); parity compares
-    one engine with itself, so it holds. A serving engine would run every converted linear layer in
-    FP8, larger batches as FP8 GEMMs with per-token-group activation quantization (vLLM's W8A8
-    block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
-    """
-    from coldset.core import fp8
-
-    folder = Path(path)
-    cfg = ModelConfig.from_pretrained(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
-    src = _TensorSource(folder)
-    device = torch.device(device)
-    model = MoEModel(cfg)
-
-    def put(param_owner: nn.Module, name: str, key: str):
-        shape = tuple(getattr(param_owner, name).shape)
-        module = key.removesuffix(".weight")
-        if isinstance(param_owner, nn.Linear):
-            tensor = _read_dense(src, module, shape, fmt)
-        else:
-            tensor = src.get(key, shape)
-            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                raise ModelLoadError(f"{src.key_to_file[key]}: tensor {key!r} is {tensor.dtype}; only linear layers "
-                                     "are read in FP8")
-        setattr(param_owner, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
-
-    put(model.embed_tokens, "weight", "model.embed_tokens.weight")
-    put(model.norm, "weight", "model.norm.weight")
-    if cfg.tie_word_embeddings and "lm_head.weight" not in src:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        put(model.lm_head, "weight", "lm_head.weight")
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}"
-        put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
-        put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
-        attn = layer.self_attn
-        qkv = [
-            _read_linear(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
-            for name, size in (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size))
-        ]
-        attn.qkv_proj.weight = nn.Parameter(
-            torch.cat([w if s is None else fp8.dequantize_weight(w, s) for w, s in qkv]).to(device=device, dtype=dtype),
-            requires_grad=False)
-        o = _read_linear(src, f"{p}.self_attn.o_proj", tuple(attn.o_proj.weight.shape), fmt)
-        attn.o_proj.weight = nn.Parameter(
-            (o[0] if o[1] is None else fp8.dequantize_weight(*o)).to(device=device, dtype=dtype), requires_grad=False)
-        # the checkpoint's own FP8 bytes and scales for the fused one-token path, where all of q, k, v
-        # (and o_proj) are converted; a partly converted qkv runs dequantized only
-        attn.set_fp8(qkv if all(s is not None for _, s in qkv) else None, o if o[1] is not None else None)
-        if cfg.qk_norm:
-            put(attn.q_norm, "weight", f"{p}.self_attn.q_norm.weight")
-            put(attn.k_norm, "weight", f"{p}.self_attn.k_norm.weight")
-            attn.fuse_qk_norm()
-        if isinstance(layer.mlp, MoEBlock):
-            prefix, _ = _expert_keys(cfg, i)
-            put(layer.mlp.gate, "weight", f"{prefix}.gate.weight")
-        else:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                put(getattr(layer.mlp, proj), "weight", f"{p}.mlp.{proj}.weight")
-    model.inv_freq = model.inv_freq.to(device)
-    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype, fmt))
-    model.eval()
-    return model
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """The folder's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, BOS handled as HF would.
-
-    ``tokenizer.encode(text).ids`` gives the prompt ids. If ``tokenizer_config.json`` says
-    ``add_bos_token: true`` and the tokenizer's own post-processor does not already add the BOS
-    token, a post-processor that prepends it is installed (what HF's Llama-style fast tokenizers
-    do). Otherwise the tokenizer.json's post-processor decides (Qwen adds nothing).
-    """
-    from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
-
-    folder = Path(path)
-    tok_path = folder / "tokenizer.json"
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {folder} does not exist")
-    if not tok_path.is_file():
-        raise ModelLoadError(f"{tok_path}: missing (coldset reads tokenizers through tokenizer.json)")
-    try:
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    except Exception as err:
-        raise ModelLoadError(f"{tok_path}: cannot be read by the tokenizers library ({err})") from err
-    cfg_path = folder / "tokenizer_config.json"
-    if cfg_path.is_file():
-        try:
-            tcfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as err:
-            raise ModelLoadError(f"{cfg_path}: not valid JSON ({err})") from err
-        bos = tcfg.get("bos_token")
-        if isinstance(bos, dict):
-            bos = bos.get("content")
-        if tcfg.get("add_bos_token") and bos is not None:
-            bos_id = tokenizer.token_to_id(bos)
-            if bos_id is None:
-                raise ModelLoadError(f"{cfg_path}: bos_token {bos!r} is not in {tok_path}")
-            probe = tokenizer.encode("a").ids
-            if not probe or probe[0] != bos_id:
-                tokenizer.post_processor = TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-                )
-    return tokenizer
-
-
-def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text (special tokens as :func:`load_tokenizer` configured them)."""
-    return [enc.ids for enc in tokenizer.encode_batch(list(texts))]
-
-
-# --------------------------------------------------------------------------------------------
-# Greedy decode
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRouting:
-    """Routed experts of one request: rows ``[:num_prompt_tokens]`` prefill, the rest decode."""
-
-    experts: torch.Tensor  # int16 [n_tokens, num_moe_layers, top_k]
-    weights: torch.Tensor  # float32 [n_tokens, num_moe_layers, top_k]
-    num_prompt_tokens: int
-
-
-@dataclass
-class Generation:
-    """Result of :func:`generate` (docs/architecture.md, engine -> routing)."""
-
-    tokens: list[list[int]]
-    final_logits: torch.Tensor  # float32 [B, V]: the logits that chose each last new token
-    routing: list[RequestRouting] | None = None
-    all_logits: torch.Tensor | None = field(default=None, repr=False)  # [B, new, V] if asked
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)
-
-
-@torch.inference_mode()
-def check_prompts_fit(cfg: ModelConfig, ids: Sequence[str], prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int) -> None:
-    """Refuse, naming the fixture id, a prompt that with ``max_new_tokens`` new tokens would pass
-    the model's ``max_position_embeddings`` (checked by the stages before any decode, where the
-    ids are known; :func:`generate` knows only positions in its batch)."""
-    limit = cfg.max_position_embeddings
-    if limit is None:
-        return
-    for fid, p in zip(ids, prompts):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt {fid!r} has {len(p)} tokens: with {max_new_tokens} new tokens it passes the "
-                             f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
-
-
-def generate(
-    model: MoEModel,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    capture_routing: bool = False,
-    progress: bool = True,
-    return_all_logits: bool = False,
-) -> Generation:
-    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt, batched.
-
-    Prompts are left-padded to a common length (see the module docstring); padded positions are
-    masked out of attention and excluded from the captured routing. No EOS stopping: every
-    prompt gets ``max_new_tokens`` tokens, which keeps the trace shapes simple. Ties go to the
-    lowest token id (``torch.argmax``). ``return_all_logits`` also returns ``all_logits``
-    float32 ``[B, max_new_tokens, V]``, the logits behind every new token (for tests).
-
-    Each decode step attends over the first ``slot + 1`` cache slots (the mask's last dimension),
-    which is cheapest eagerly; a CUDA-graph capture would instead call ``model.forward`` with a
-    fixed ``[B, 1, 1, max_seq]`` mask (slots beyond the current one masked out), same result.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt and no empty prompt")
-    cfg = model.config
-    vocab = cfg.vocab_size
-    for i, p in enumerate(prompts):
-        if min(p) < 0 or max(p) >= vocab:
-            raise ValueError(f"prompt {i} has a token id outside [0, {vocab})")
-    device = model.device
-    bsz = len(prompts)
-    lengths = [len(p) for p in prompts]
-    plen = max(lengths)
-    max_seq = plen + max_new_tokens
-    limit = cfg.max_position_embeddings
-    if limit is not None and max(lengths) + max_new_tokens > limit:
-        worst = lengths.index(plen)
-        raise ValueError(f"prompt {worst} has {plen} tokens: with {max_new_tokens} new tokens it passes the "
-                         f"model's max_position_embeddings ({limit}); shorten it or lower max_new_tokens")
-    model.setup_cache(bsz, max_seq)
-
-    pad = torch.tensor([plen - n for n in lengths], device=device)  # [B]
-    tokens = torch.zeros((bsz, plen), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, plen - len(p):] = torch.tensor(p, dtype=torch.long)
-    tokens = tokens.to(device)
-    all_slots = torch.arange(max_seq, device=device)
-    key_valid = all_slots[None, :] >= pad[:, None]  # [B, max_seq]
-    if cfg.sliding_window is not None:
-        window_ok = all_slots[None, :] > all_slots[:, None] - cfg.sliding_window  # [q, k]
-    else:
-        window_ok = None
-
-    # Prefill: every padded query may at least see itself (keeps softmax finite; its output is unused).
-    slots = all_slots[:plen]
-    causal = all_slots[:plen, None] >= all_slots[None, :plen]
-    if window_ok is not None:
-        causal = causal & window_ok[:plen, :plen]
-    mask = (causal[None] & key_valid[:, None, :plen]) | torch.eye(plen, dtype=torch.bool, device=device)
-    positions = (slots[None, :] - pad[:, None]).clamp(min=0)
-    sink: list | None = [] if capture_routing else None
-    model.routing_sink = sink
-    bar = _progress(bsz * max_new_tokens, progress, "decode")
-    step_logits: list[torch.Tensor] = []
-    out_tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long, device=device)
-    try:
-        logits = model(tokens, positions, slots, mask[:, None], last_only=True)[:, -1]
-        prefill_routing = sink[:] if sink is not None else None
-        if sink is not None:
-            sink.clear()
-        nxt = torch.argmax(logits, dim=-1)
-        out_tokens[:, 0] = nxt
-        if return_all_logits:
-            step_logits.append(logits.float())
-        if bar is not None:
-            bar.update(bsz)
-        for t in range(1, max_new_tokens):
-            slot = plen + t - 1
-            step_slots = all_slots[slot:slot + 1]
-            step_mask = key_valid[:, None, None, :slot + 1]
-            if window_ok is not None:
-                step_mask = step_mask & window_ok[slot, :slot + 1]
-            step_pos = step_slots[None, :] - pad[:, None]
-            logits = model(nxt[:, None], step_pos, step_slots, step_mask)[:, -1]
-            nxt = torch.argmax(logits, dim=-1)
-            out_tokens[:, t] = nxt
-            if return_all_logits:
-                step_logits.append(logits.float())
-            if bar is not None:
-                bar.update(bsz)
-    finally:
-        model.routing_sink = None
-        if bar is not None:
-            bar.close()
-
-    routing = None
-    if capture_routing:
-        routing = _assemble_routing(cfg, prefill_routing, sink, bsz, plen, lengths)
-    return Generation(
-        tokens=out_tokens.cpu().tolist(),
-        final_logits=logits.float(),
-        routing=routing,
-        all_logits=torch.stack(step_logits, dim=1) if return_all_logits else None,
-    )
-
-
-def _assemble_routing(cfg, prefill, decode, bsz, plen, lengths) -> list[RequestRouting]:
-    """Per-request routing tensors from the MoE blocks' appends (layer-major within each call)."""
-    n_moe, k = cfg.num_moe_layers, cfg.top_k
-
-    def stack(entries, seq):  # entries: n_calls * n_moe tuples of [bsz*seq, k]
-        ids = torch.stack([e[0] for e in entries]).view(-1, n_moe, bsz, seq, k)
-        wts = torch.stack([e[1] for e in entries]).view(-1, n_moe, bsz, seq, k)
-        # -> [bsz, calls*seq, n_moe, k]
-        ids = ids.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
-        wts = wts.permute(2, 0, 3, 1, 4).reshape(bsz, -1, n_moe, k)
-        return ids.to(torch.int16).cpu(), wts.float().cpu()
-
-    pre_ids, pre_w = stack(prefill, plen)
-    if decode:
-        dec_ids, dec_w = stack(decode, 1)
-    else:
-        dec_ids = torch.empty((bsz, 0, n_moe, k), dtype=torch.int16)
-        dec_w = torch.empty((bsz, 0, n_moe, k), dtype=torch.float32)
-    out = []
-    for b, n in enumerate(lengths):
-        out.append(
-            RequestRouting(
-                experts=torch.cat([pre_ids[b, plen - n:], dec_ids[b]]).contiguous(),
-                weights=torch.cat([pre_w[b, plen - n:], dec_w[b]]).contiguous(),
-                num_prompt_tokens=n,
-            )
-        )
-    return out

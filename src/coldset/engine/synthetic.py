@@ -401,7 +401,7 @@ def build_synthetic_model(
     """
     from torch import nn
 
-    from coldset.engine.model import ModelConfig, MoEModel
+    from coldset.engine.model import MoEModel, ModelConfig
     from coldset.kernels.tiers import ExpertPools
 
     _check_spec(spec)

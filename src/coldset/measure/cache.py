@@ -158,7 +158,8 @@ def run(args, argv=None) -> dict:
     from coldset.workflow.config import load_config
     from coldset.trace.fixtures import render_domain, template_texts
     from coldset.verify.gate import experts_functions
-    from coldset.engine.model import attach_fp8_attention, encode_prompts
+    from coldset.engine.generate import encode_prompts
+    from coldset.engine.loading import attach_fp8_attention
     from coldset.analysis.placement import (
         expert_bytes,
         hot_count_for_residency,

@@ -206,7 +206,8 @@ def run(args, argv=None) -> dict:
     from coldset.workflow.config import load_config
     from coldset.trace.fixtures import template_texts
     from coldset.verify.gate import experts_functions
-    from coldset.engine.model import attach_fp8_attention, fp8_attention_linears
+    from coldset.engine.loading import attach_fp8_attention
+    from coldset.engine.model import fp8_attention_linears
     from coldset.analysis.placement import expert_bytes
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
     from coldset.core.timing import eager_time_us

@@ -272,7 +272,9 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     for ``routed_experts``). Rows carry the fixture's split and, with router hooks, the router
     weights; the routed-experts output has no weights, so that trace has no weight column.
     """
-    from coldset.engine import model as engine
+    from coldset.engine.generate import encode_prompts  # torch-heavy: only when decoding
+    from coldset.engine.loading import load_tokenizer  # torch-heavy: only when decoding
+    from coldset.engine.model import ModelConfig  # torch-heavy: only when decoding
     from coldset.trace.fixtures import read_fixtures
 
     if method not in METHODS:
@@ -280,12 +282,12 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {dtype!r}: one of float32, bfloat16, float16")
     model_dir = Path(model_dir)
-    cfg = engine.ModelConfig.from_pretrained(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
     fixtures = read_fixtures(fixtures_paths)
     if not fixtures:
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")
-    tok = engine.load_tokenizer(model_dir)
-    prompts = engine.encode_prompts(tok, [fx.prompt for fx in fixtures])
+    tok = load_tokenizer(model_dir)
+    prompts = encode_prompts(tok, [fx.prompt for fx in fixtures])
     for fx, ids in zip(fixtures, prompts):
         if not ids:
             raise TraceError(f"fixture {fx.id!r}: the prompt tokenizes to nothing")

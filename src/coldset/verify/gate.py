@@ -82,7 +82,7 @@ class Decoded:
 def decode_fixtures(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8,
                     progress: bool = True) -> Decoded:
     """Greedy-decode ``prompts`` in batches with the model's current pools and experts function."""
-    from coldset.engine.model import generate
+    from coldset.engine.generate import generate
 
     tokens, logits = [], []
     for start in range(0, len(prompts), batch_size):

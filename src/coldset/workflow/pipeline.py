@@ -241,7 +241,7 @@ def _load_engine(config: dict):
             raise StageError(f"the in-memory model built here has config {mdl.config}, but the model "
                              f"manifest {_manifest_path(config)} says {expected}; run the model stage again")
     else:
-        from coldset.engine.model import load_model, load_tokenizer
+        from coldset.engine.loading import load_model, load_tokenizer
 
         path = model_dir(config)
         log.info("loading %s on %s (%s)", path, device, config["model"]["dtype"])
@@ -490,7 +490,7 @@ def parity(config: dict, placements: list[str] | None = None, **_) -> None:
     """Decode the parity fixtures on the unmodified path once, then with every placement."""
     require_decoding(config, "parity")
     from coldset.verify import gate
-    from coldset.engine.model import check_prompts_fit, encode_prompts
+    from coldset.engine.generate import check_prompts_fit, encode_prompts
     from coldset.core.placement import load_placement
 
     layout = Layout.from_config(config)
@@ -614,7 +614,7 @@ def _lookahead_fit(config: dict, engine, tokenizer):
     counts); the parity and bench stages, which load the model, fit the same matrices from the same
     prompts."""
     from coldset.analysis.forecast import fit_lookahead_routers, router_inputs
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
 
     memo: dict = {}
 
@@ -685,7 +685,7 @@ def _bench_requests(config: dict, tokenizer, split: str) -> dict[int, list]:
     (:func:`coldset.bench.decode.select_bench_requests`, :func:`coldset.workflow.config.bench_request_count`: ``bench.requests_per_domain`` of every domain,
     round-robin across domains, at least one full batch)."""
     from coldset.bench import decode as bn
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
 
     bc = config["bench"]
     fxs = _split_fixtures(config, split)
@@ -707,7 +707,7 @@ def _prompt_overlap(config: dict, tokenizer, requests: list, n: int = 8) -> dict
     """How much of the bench prompts the profile prompts contain (:func:`coldset.bench.decode.ngram_overlap`),
     overall and per domain: a bench on text the placement was fitted on flatters it."""
     from coldset.bench import decode as bn
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
 
     profile = encode_prompts(tokenizer, [f.prompt for f in _split_fixtures(config, "profile")])
     unique = list({r.id: r for r in requests}.values())

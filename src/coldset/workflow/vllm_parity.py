@@ -107,7 +107,7 @@ def vllm_parity(config: dict, **_) -> None:
     from coldset.verify import gate
     from coldset.workflow.config import Layout
     from coldset.core.files import write_json
-    from coldset.engine.model import encode_prompts
+    from coldset.engine.generate import encode_prompts
     from coldset.workflow.pipeline import _load_engine, _placement_names, model_dir, parity_fixtures
     from coldset.core.placement import DYNAMIC_POLICIES
 
