@@ -521,8 +521,8 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
     bench refuses."""
     import pandas as pd
 
-    import coldset.analysis.cache
     import coldset.analysis.forecast
+    import coldset.analysis.simulate
     from coldset.analysis.simulate import simulate
     from coldset.analysis.streams import lanes_from_engine
     from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
