@@ -1,4 +1,5 @@
-"""The cache simulator against brute-force references of its semantics (coldset.analysis.cache's module doc)."""
+"""The cache simulator against brute-force references of its semantics (coldset.analysis.simulate's module doc
+and the policies' modules)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,11 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from coldset.analysis.cache import (
-    POLICIES,
-    AccessStream,
-    CacheError,
-    capacity_for_residency,
-    select_rows,
-    simulate,
-    simulation_table,
-    stream_from_frame,
-    trace_decode_rows,
-    warm_order,
-)
+from coldset.analysis.cache import simulation_table
+from coldset.analysis.policies import POLICIES, REGISTRY
+from coldset.analysis.policies.base import CachePolicy, Replay
+from coldset.analysis.simulate import capacity_for_residency, simulate, warm_order
+from coldset.analysis.streams import AccessStream, CacheError, select_rows, stream_from_frame, trace_decode_rows
 from coldset.core.trace import TraceMeta, write_trace
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +164,45 @@ def test_capacity_checks_and_rounding():
     assert simulate(stream, "static", 0, np.ones((1, 4))).hits.sum() == 0
 
 
+
+class _KeepPreviousGroup(CachePolicy):
+    """A toy policy in one class: the pool holds exactly the previous group's instances (none at the
+    start, whatever the capacity)."""
+
+    holds_group = False
+
+    def replay(self, stream, warm, counts, lists, budget, victims):
+        hit = np.zeros(stream.instances.size, dtype=bool)
+        fills = np.zeros(stream.num_groups, dtype=np.int64)
+        previous: set[int] = set()
+        for g in range(stream.num_groups):
+            group = stream.instances[stream.group_ptr[g]:stream.group_ptr[g + 1]]
+            hit[stream.group_ptr[g]:stream.group_ptr[g + 1]] = [int(x) in previous for x in group]
+            fills[g] = len({int(x) for x in group} - previous)
+            previous = {int(x) for x in group}
+        return Replay(hit, fills)
+
+
+def test_simulate_dispatches_through_the_policy_registry(monkeypatch):
+    """A new policy = its class + one registry line: registered under a new name, simulate replays it
+    (hits = selections whose instance the previous group used, counted here by brute force) and the
+    stage's table takes it; unregistered, the name is refused."""
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 8, 60)
+    stream = AccessStream(ids, np.arange(0, 61, 3), 20, 2, 4)
+    counts = np.ones((2, 4))
+    with pytest.raises(CacheError, match="unknown cache policy 'previous_group'"):
+        simulate(stream, "previous_group", 4, counts)
+    monkeypatch.setitem(REGISTRY, "previous_group", _KeepPreviousGroup())
+    res = simulate(stream, "previous_group", 4, counts)
+    groups = [list(ids[a:a + 3]) for a in range(0, 60, 3)]
+    expected = sum(x in prev for prev, group in zip([[]] + groups[:-1], groups) for x in group)
+    assert res.policy == "previous_group" and int(res.hits.sum()) == expected > 0
+    assert res.stats().hit_rate == pytest.approx(expected / 60)
+    assert int(res.fills.sum()) == sum(len(set(g) - set(p)) for p, g in zip([[]] + groups[:-1], groups))
+    table = simulation_table(stream, counts, ["previous_group", "static"], [0.5], bytes_per_expert=10**6)
+    assert list(table.policy) == ["previous_group", "static"] and table.hit_rate.iloc[0] == pytest.approx(expected / 60)
+
 def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     """Held-out requests replay in request-id string order, then position, layer, rank; the
     profile split chooses the warm set."""
@@ -198,7 +231,7 @@ def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     assert stream.tokens == len(expect.groupby(["request", "position"]))
     assert stream.num_groups == stream.tokens * 2 and stream.max_group == 2
     prof = select_rows(dec, "profile")
-    from coldset.analysis.cache import counts_from_rows
+    from coldset.analysis.streams import counts_from_rows
 
     counts = counts_from_rows(prof, 2, 4)
     from coldset.analysis.forecast import TransitionForecaster
@@ -294,7 +327,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             assert row.hit_rate == pytest.approx(ref_hit.mean())
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
         # forecast: the forecaster fitted on the profile split's rows, its lists replayed by brute force
-        from coldset.analysis.cache import trace_decode_rows
+        from coldset.analysis.streams import trace_decode_rows
         from coldset.analysis.forecast import TransitionForecaster, stream_predictions
 
         trows, _ = trace_decode_rows(trace)
@@ -307,7 +340,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
                     for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
         assert row.link_gb_per_token == pytest.approx((fills + ref_pf.sum()) * expert_bytes(Shape()) / row.tokens / 1e9)
         # nexttoken: the forecaster fitted (and tuned) on the profile tokens, its lists replayed by brute force
-        from coldset.analysis.cache import lanes_from_frame, token_array
+        from coldset.analysis.streams import lanes_from_frame, token_array
         from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
 
         tok, seq = token_array(select_rows(trows, "profile"), 2, 8)
@@ -331,17 +364,18 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     code = (
         "import sys; sys.modules['numba'] = None\n"
         "import numpy as np\n"
-        "from coldset.analysis import cache\n"
-        "assert type(cache._replay_lru).__name__ == 'function'\n"
+        "from coldset.analysis import policies, simulate, streams, time_model\n"
+        "from coldset.analysis.policies import lru\n"
+        "assert type(lru.replay_lru).__name__ == 'function'\n"
         "rng = np.random.default_rng(2)\n"
         "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
-        "s = cache.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
+        "s = streams.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
         "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
-        "rs = [cache.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
-        "for p in cache.POLICIES]\n"
-        "tm = cache.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
+        "rs = [simulate.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
+        "for p in policies.POLICIES]\n"
+        "tm = time_model.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
         "print([int(r.hits.sum()) for r in rs], [int(r.stats().prefetches) for r in rs], "
-        "[round(cache.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
+        "[round(time_model.simulate_time(s, r, tm).step_ms, 9) for r in rs])\n"
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -353,7 +387,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     s = AccessStream(ids, ptr, 100, 2, 6)
     prof = rng.random((2, 6))
     pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
-    from coldset.analysis.cache import TimeModel, simulate_time
+    from coldset.analysis.time_model import TimeModel, simulate_time
 
     rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
     tm = TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link="share", join="step")
