@@ -478,10 +478,11 @@ def test_triton_fp8_swap_ab_under_the_interpreter_matches_the_torch_path_and_is_
     _run_interpreted(_INTERPRETED_SWAP)
 
 
-# the benchmark's cumulative stages (_stop_after): each launch recorded with its arguments, and each
-# stage's outputs compared with the same launch's outputs in the full call
+# the benchmark's cumulative stages (fp8_experts_launches through issue_through): each launch recorded
+# with its arguments, and each stage's outputs compared with the same launch's outputs in the full call
 _INTERPRETED_STOP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
-from coldset.kernels.triton_fp8 import fp8_launches, triton_fp8_experts
+from coldset.kernels.triton_fp8 import fp8_experts_launches, fp8_launches, triton_fp8_experts
+from coldset.kernels.triton_moe import issue_all, issue_through
 
 LAUNCHES = []  # (stage name, the launch's arguments) of the call in flight
 
@@ -527,19 +528,17 @@ for cfg in CONFIGS:
     LAUNCHES.clear()
     full = triton_fp8_experts(placed, 1, x, ids, w, cfg)
     assert [n for n, _ in LAUNCHES] == list(stages), (cfg, LAUNCHES)
-    assert torch.equal(full, triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=None)), cfg
+    assert torch.equal(full, issue_all(fp8_experts_launches(placed, 1, x, ids, w, cfg))), cfg
     full_outs = {n: [t.clone() for t in outputs(n, a, cfg)] for n, a in LAUNCHES}
     for i, stop in enumerate(stages):
         LAUNCHES.clear()
-        got = triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=stop)
+        issue_through(fp8_experts_launches(placed, 1, x, ids, w, cfg), stop)
         # the launches up to the stop, none after it (the later buffers untouched: never launched)
         assert [n for n, _ in LAUNCHES] == list(stages[: i + 1]), (cfg, stop, LAUNCHES)
         name, args = LAUNCHES[-1]
         for a, b in zip(outputs(name, args, cfg), full_outs[name], strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (cfg, stop)  # the full call's intermediate
-        if stop == "sum":
-            assert torch.equal(got, full), cfg
-    assert_refused(lambda f: triton_fp8_experts(placed, 1, x, ids, w, cfg, _stop_after=f["stop"]),
+    assert_refused(lambda f: issue_through(fp8_experts_launches(placed, 1, x, ids, w, cfg), f["stop"]),
                    [(dict(stop=s), "is not a launch of this config") for s in ("grouping", "w3")
                     + tuple(n for n in ("quant_x", "quant_act") if n not in stages)])
 assert seen == {("quant_x", "w13", "quant_act", "w2", "sum"), ("w13", "quant_act", "w2", "sum"),
@@ -548,13 +547,15 @@ print("INTERPRETED OK")
 """
 
 
-def test_triton_fp8_stop_after_under_the_interpreter_each_stage_equals_the_full_calls_intermediate():
-    """``_stop_after`` (the benchmark's cumulative stages) under Triton's interpreter, for configs
+def test_triton_fp8_stages_under_the_interpreter_each_stage_equals_the_full_calls_intermediate():
+    """:func:`fp8_experts_launches` stopped by ``issue_through`` (the benchmark's cumulative stages)
+    under Triton's interpreter, for configs
     of five, four and three launches (separate quantization launches, the w13 epilogue quantizing,
     weight-only; the in-kernel and the launched grouping; pdl 2 stubbed): the launches run are
     :func:`fp8_launches`' prefix up to the stop and none after, each stage's outputs are bitwise
-    the full call's same launch's (e.g. w2's per-pair products are what the sum read), stopping
-    after ``sum`` is the full output, and a stop the config does not launch is refused by name."""
+    the full call's same launch's (e.g. w2's per-pair products are what the sum read), the
+    generator run to its end is the full output, and a stop the config does not launch is refused
+    by name."""
     _run_interpreted(_INTERPRETED_STOP)
 
 

@@ -385,7 +385,7 @@ def test_fp8_stage_sweep_file_is_the_16x32_64_tile_at_4_to_8_stages(tmp_path, ca
     pytest.importorskip("triton")
     from coldset.kernels.triton_fp8 import fp8_launches
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.measure.kernel import load_fp8_configs
+    from coldset.measure.kernel_fp8 import load_fp8_configs
 
     configs = load_fp8_configs(str(SWEEP))
     assert [c["num_stages"] for c in configs] == [4, 5, 6, 8]
@@ -470,7 +470,7 @@ def test_kernel_fp8_given_configs_and_stages_on_the_gpu(tmp_path, capsys):
     w13's and w2's parts up to 64 tokens, the checks hold, the table printed is the JSON's rendering."""
     from coldset.kernels.triton_fp8 import fp8_launches
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.measure.kernel import load_fp8_configs
+    from coldset.measure.kernel_fp8 import load_fp8_configs
 
     out = tmp_path / "k"
     assert main(["bench", "kernel", "--weight-format", "fp8", "--out", str(out), "--layers", "1", "--reps", "3",
@@ -537,7 +537,9 @@ def test_cache_nexttoken_fit_and_time_columns_on_cpu():
     simulate_time's at the engine's model (share, step)."""
     import numpy as np
 
-    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
+    from coldset.analysis.time_model import TimeModel, simulate_time
     from coldset.analysis.forecast import NextTokenForecaster
     from coldset.measure.cache import _fit_nexttoken, _time_columns
 
@@ -613,7 +615,8 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     import torch
 
     from coldset.bench import decode as bn
-    from coldset.analysis.cache import AccessStream, lanes_from_engine, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream, lanes_from_engine
     from coldset.analysis.forecast import nexttoken_lists
     from coldset.measure.cache import _fit_nexttoken, _time_columns
     from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
@@ -706,7 +709,9 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     import numpy as np
     import torch
 
-    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
+    from coldset.analysis.time_model import TimeModel, simulate_time
     from coldset.cli import main
     from coldset.measure.cache import _replay_arrays
     from coldset.measure.replay import replay_table

@@ -167,6 +167,7 @@ mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 ker
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,6 +187,7 @@ from coldset.kernels.triton_moe import (
     gdc_launch_dependents,
     gdc_wait,
     group_pairs,
+    issue_all,
     prepare_call,
 )
 
@@ -591,8 +593,8 @@ def fp8_launches(config: KernelConfig) -> tuple[str, ...]:
     """The launches a :func:`triton_fp8_experts` call with ``config`` makes after the grouping, in
     order, by name: ``quant_x`` (the tokens' quantization; none with ``quant_x=1`` or ``w8a16``),
     ``w13``, ``quant_act`` (the intermediate's; none when the w13 epilogue quantizes it or with
-    ``w8a16``), ``w2``, ``sum``. These are the stages ``_stop_after`` takes, the benchmark's
-    cumulative stage times (``bench kernel --weight-format fp8``)."""
+    ``w8a16``), ``w2``, ``sum``: the names :func:`fp8_experts_launches` yields, the stages
+    ``bench kernel --weight-format fp8`` times cumulatively."""
     return tuple(name for name, launched in (("quant_x", not (config.quant_x or config.w8a16)), ("w13", True),
                                              ("quant_act", not _fuses_act_quant(config) and not config.w8a16),
                                              ("w2", True), ("sum", True)) if launched)
@@ -606,15 +608,27 @@ def triton_fp8_experts(
     topk_weights: torch.Tensor,
     config: KernelConfig | dict | None = None,
     use_row_map: bool = True,
-    _stop_after: str | None = None,
 ) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` of block-FP8 ``pools`` for tokens ``x`` ``[T, H]`` (bf16 or
     fp16) of MoE layer ``layer`` (CUDA, FP8 dots: sm89+). The contract of
     :func:`coldset.kernels.triton_experts` (which calls this for FP8 pools), including
-    ``use_row_map=False``: the unmodified all-hot path. ``_stop_after`` (one of
-    :func:`fp8_launches` of the config) skips the launches after that one and returns the output
-    unwritten (before ``sum``): for timing the stages cumulatively in the benchmark only, as
-    :func:`coldset.kernels.triton_moe.triton_experts`' ``_stop_after``."""
+    ``use_row_map=False``: the unmodified all-hot path."""
+    return issue_all(fp8_experts_launches(pools, layer, x, topk_ids, topk_weights, config, use_row_map))
+
+
+def fp8_experts_launches(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> Generator[str, None, torch.Tensor]:
+    """The launches of one :func:`triton_fp8_experts` call (its checks first), issued one at a
+    time: a generator that yields each launch's name (:func:`fp8_launches` of the config) after
+    issuing it and returns the output, as
+    :func:`coldset.kernels.triton_moe.experts_launches` for the bf16 kernel."""
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"triton_fp8_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "
                          f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
@@ -633,9 +647,6 @@ def triton_fp8_experts(
                                            default_config)
     c = config
     _check_config(c)
-    if _stop_after is not None and _stop_after not in fp8_launches(c):
-        raise ValueError(f"triton_fp8_experts: _stop_after {_stop_after!r} is not a launch of this config "
-                         f"(its launches: {', '.join(fp8_launches(c))})")
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_fp8_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
@@ -688,8 +699,7 @@ def triton_fp8_experts(
         # the tokens, once per call; with pdl the w13 launch starts behind it (lookups, prefetch) and waits for it
         xq, xs = quantize_groups(x, wait=first, trigger=pdl)
         w13_pdl, w13_prefetch = pdl, prefetch
-        if _stop_after == "quant_x":
-            return out
+        yield "quant_x"
     _w13_fp8_kernel[grid(nb1)](
         xq, xs, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
         act, actq, acts, num_pairs, layer, nb1,
@@ -701,13 +711,11 @@ def triton_fp8_experts(
         stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=w13_pdl,
     )
-    if _stop_after == "w13":
-        return out
+    yield "w13"
     if not fuse_q and not w8a16:  # every pair's row (pairs of invalid ids too: never read by w2)
         _quant_groups_kernel[(num_pairs,)](act, actq, acts, act.stride(0), K=inter, G=gi, GP=_next_pow2(gi),
                                            WAIT=pdl, TRIGGER=pdl, num_warps=4, launch_pdl=pdl)
-    if _stop_after == "quant_act":
-        return out
+        yield "quant_act"
     # behind the intermediate's quantization launch, not beside w13's reads (w8a16: no launch between them)
     prefetch2 = prefetch and not fuse_q and not w8a16
     _w2_fp8_kernel[grid(nb2)](
@@ -719,9 +727,9 @@ def triton_fp8_experts(
         ORDER=c.tile_order, W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=pdl,
     )
-    if _stop_after == "w2":
-        return out
+    yield "w2"
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=1, num_warps=4, launch_pdl=pdl)
+    yield "sum"
     return out

@@ -56,6 +56,7 @@ Tokens are grouped by expert in one of two ways (same per-expert pair order, asc
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -667,6 +668,11 @@ def prepare_call(name: str, pools, x: torch.Tensor, topk_ids: torch.Tensor, topk
     return config, x, ids, topk_weights.reshape(-1).contiguous()
 
 
+#: The launches of a :func:`triton_experts` call, in order (the grouping, where it runs, goes
+#: with the first): what :func:`experts_launches` yields after each.
+LAUNCHES = ("w13_act", "w2", "sum")
+
+
 def triton_experts(
     pools: ExpertPools,
     layer: int,
@@ -675,7 +681,6 @@ def triton_experts(
     topk_weights: torch.Tensor,
     config: KernelConfig | dict | None = None,
     use_row_map: bool = True,
-    _stop_after: int = 3,
 ) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` for tokens ``x`` ``[T, H]`` of MoE layer ``layer`` (CUDA).
 
@@ -683,11 +688,49 @@ def triton_experts(
     row-map indirection out and reads (layer, expert) from hot row ``layer * E + expert``: valid
     only for the all-hot module-order layout (:meth:`ExpertPools.all_hot`), it is the unmodified
     path. The row map is validated here only when it was written since its last validation (no
-    host sync otherwise, so the call can be captured in a CUDA graph). ``_stop_after`` (1 or 2)
-    skips the later launches: for timing the stages separately in the benchmark only. Block-FP8
-    pools are refused: :func:`coldset.kernels.triton_experts` sends them to
+    host sync otherwise, so the call can be captured in a CUDA graph). Block-FP8 pools are
+    refused: :func:`coldset.kernels.triton_experts` sends them to
     :func:`coldset.kernels.triton_fp8.triton_fp8_experts` (this module is below that one).
     """
+    return issue_all(experts_launches(pools, layer, x, topk_ids, topk_weights, config, use_row_map))
+
+
+def issue_all(launches: Generator[str, None, torch.Tensor]) -> torch.Tensor:
+    """Every launch of a call's launch generator (:func:`experts_launches`,
+    :func:`coldset.kernels.triton_fp8.fp8_experts_launches`), in order; the call's output."""
+    while True:
+        try:
+            next(launches)
+        except StopIteration as done:
+            return done.value
+
+
+def issue_through(launches: Generator[str, None, torch.Tensor], stop: str) -> None:
+    """The launches of a call's launch generator up to and including the one named ``stop``, none
+    after it: how a benchmark times a call's stages cumulatively (:mod:`coldset.measure.kernel`).
+    ``ValueError`` naming the launches when the call makes none named ``stop``."""
+    seen = []
+    for name in launches:
+        seen.append(name)
+        if name == stop:
+            launches.close()
+            return
+    raise ValueError(f"{stop!r} is not a launch of this config (its launches: {', '.join(seen)})")
+
+
+def experts_launches(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> Generator[str, None, torch.Tensor]:
+    """The launches of one :func:`triton_experts` call (its checks first), issued one at a time: a
+    generator that yields each launch's name of :data:`LAUNCHES` after issuing it and returns the
+    output. :func:`triton_experts` issues them all (:func:`issue_all`); a benchmark stops after one
+    (:func:`issue_through`). One body for both, so the stages timed are the call's launches."""
     if getattr(pools, "is_fp8", False):
         raise ValueError("triton_experts (coldset.kernels.triton_moe) runs bf16/fp16 pools; block-FP8 pools run "
                          "coldset.kernels.triton_fp8.triton_fp8_experts (coldset.kernels.triton_experts picks by format)")
@@ -773,8 +816,7 @@ def triton_experts(
         SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first, HALF_TAIL=c.half_tail,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
     )
-    if _stop_after < 2:
-        return out
+    yield "w13_act"
     _w2_kernel[grid2](
         act, part, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
         num_pairs, layer, nb2,
@@ -784,9 +826,9 @@ def triton_experts(
         SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
-    if _stop_after < 3:
-        return out
+    yield "w2"
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=s2, num_warps=4, launch_pdl=pdl)
+    yield "sum"
     return out

@@ -10,6 +10,7 @@ command reports is the median over its repeats, with the slowest and fastest bes
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import shlex
 import statistics
 import sys
@@ -182,3 +183,29 @@ def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
     return {"kernels_per_step": len(kernels) / n, "kernels_per_layer": len(kernels) / n / layers,
             "kernel_us_per_step": total_us / n, "idle_us_per_step": idle_us / n,
             "top": [{"name": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in top]}
+
+
+def cumulative_stage_us(launches, stops, layers: int, reps: int) -> dict:
+    """Cumulative µs a layer after each of ``stops``: ``launches(layer)`` (a kernel call's launch
+    generator, :func:`coldset.kernels.triton_moe.experts_launches` or
+    :func:`coldset.kernels.triton_fp8.fp8_experts_launches`) issued up to launch ``stop``
+    (:func:`coldset.kernels.triton_moe.issue_through`) for every layer in one CUDA graph, median of
+    ``reps`` replays, per stop."""
+    from coldset.core.timing import graph_time_us
+    from coldset.kernels.triton_moe import issue_through
+
+    return {stop: graph_time_us(lambda: [issue_through(launches(layer), stop) for layer in range(layers)],
+                                reps) / layers
+            for stop in stops}
+
+
+def load_module(path: str, name: str = "baseline_triton_moe"):
+    """Another copy of a kernel module (``--baseline-module`` of bench kernel and bench step),
+    loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise FileNotFoundError(f"bench kernel: --baseline-module {path} is not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod

@@ -53,7 +53,8 @@ import time
 from pathlib import Path
 
 from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
-                                     kernel_profile, log, new_result, require_cuda, spread, write_result)
+                                     kernel_profile, load_module, log, new_result, require_cuda, spread,
+                                     write_result)
 
 #: The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
 #: on Hopper), and each way forced.
@@ -125,10 +126,9 @@ def baseline_experts(path: str, result):
     """The engine's experts function with the triton_experts of another copy of triton_moe.py
     (the unmodified path, as ``tuned_experts(result, use_row_map=False)``), each batch size on its
     tuned config restricted to the fields that copy knows."""
-    from coldset.measure.kernel import _load_module
     from coldset.kernels.tune import config_for
 
-    mod = _load_module(path)
+    mod = load_module(path)
     known = set(mod.KernelConfig.__dataclass_fields__)
     chosen: dict[int, dict] = {}
 
