@@ -38,7 +38,9 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5,0.75")
     args = ap.parse_args()
 
-    from coldset.analysis.cache import AccessStream, TimeModel, simulate, simulate_time
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
+    from coldset.analysis.time_model import TimeModel, simulate_time
     from coldset.trace.fixtures import template_texts
     from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, lookahead_predictions
     from coldset.engine.generate import generate

@@ -33,7 +33,8 @@ def main() -> int:
     ap.add_argument("--residencies", default="0.25,0.5")
     args = ap.parse_args()
 
-    from coldset.analysis.cache import AccessStream, simulate
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
     from coldset.workflow.config import load_config
     from coldset.trace.fixtures import template_texts
     from coldset.analysis.forecast import lookahead_predictions, lookahead_recall

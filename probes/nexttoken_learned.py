@@ -56,7 +56,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from coldset.analysis.cache import request_codes, select_rows, token_array, trace_decode_rows
+from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
+from coldset.core.trace import request_codes
 from coldset.analysis.forecast import NextTokenForecaster, dataclass_replace, forecast_quality, lanes_per_sequence
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pandas as pd
 
-from coldset.analysis.cache import request_codes, select_rows, token_array, trace_decode_rows
+from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
+from coldset.core.trace import request_codes
 from coldset.analysis.forecast import SCORE_UNIT, NextTokenForecaster as N, dataclass_replace, forecast_quality
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"

@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
-from coldset.analysis.cache import (capacity_for_residency, counts_from_rows, select_rows, simulate, stream_from_frame,
-                           trace_decode_rows)
+from coldset.analysis.simulate import capacity_for_residency, simulate
+from coldset.analysis.streams import counts_from_rows, select_rows, stream_from_frame, trace_decode_rows
 
 DEFAULT_TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"
 

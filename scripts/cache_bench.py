@@ -20,16 +20,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from coldset.analysis.cache import (
-    POLICIES,
-    AccessStream,
-    capacity_for_residency,
-    counts_from_rows,
-    select_rows,
-    simulate,
-    stream_from_frame,
-    trace_decode_rows,
-)
+from coldset.analysis.policies import POLICIES
+from coldset.analysis.simulate import capacity_for_residency, simulate
+from coldset.analysis.streams import AccessStream, counts_from_rows, select_rows, stream_from_frame, trace_decode_rows
 from coldset.core.trace import TraceMeta, write_trace
 
 

@@ -71,7 +71,8 @@ def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = ()
     ``lift_windows``, the mean overlap of a request's tokens d apart for d in ``lags`` (with the
     shuffled overlap over all requests' tokens, the floor they fall to without a per-request
     component), and, per split name -> (profile rows, replay rows), the cache hit rates."""
-    from coldset.analysis.cache import capacity_for_residency, counts_from_rows, simulate, stream_from_frame
+    from coldset.analysis.simulate import capacity_for_residency, simulate
+    from coldset.analysis.streams import counts_from_rows, stream_from_frame
     from coldset.analysis.stats import decode_tokens, gini, locality_stats, pair_overlap, shuffled_overlap, top_share
 
     L, E = meta.num_moe_layers, meta.num_experts
@@ -107,7 +108,7 @@ def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = ()
 
 
 def _splits(rows, heldout: tuple, cross: tuple) -> dict:
-    from coldset.analysis.cache import select_rows
+    from coldset.analysis.streams import select_rows
 
     return {"heldout": (select_rows(rows, heldout[0]), select_rows(rows, heldout[1])),
             "cross": (select_rows(rows, None, cross[0]), select_rows(rows, None, cross[1]))}
@@ -118,7 +119,7 @@ def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -
 
     The pipeline keeps its engine between calls: a config that differs from the last one only
     in router knobs reuses the built model with its routers remade."""
-    from coldset.analysis.cache import trace_decode_rows
+    from coldset.analysis.streams import trace_decode_rows
     from coldset.workflow.config import Layout
     from coldset.workflow.pipeline import run_stage
 
@@ -131,7 +132,7 @@ def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -
 
 
 def real_routing(path: Path, lift_windows: tuple[int, ...] = (), lags: tuple[int, ...] = ()) -> dict:
-    from coldset.analysis.cache import trace_decode_rows
+    from coldset.analysis.streams import trace_decode_rows
 
     rows, meta = trace_decode_rows(path, heldout_fraction=0.5)
     return routing_summary(rows, meta, _splits(rows, ("profile", "heldout"), REAL_CROSS), lift_windows, lags)

@@ -1,4 +1,4 @@
-"""The time simulator (coldset.analysis.cache.simulate_time) against cases computed by hand and a
+"""The time simulator (coldset.analysis.time_model.simulate_time) against cases computed by hand and a
 brute-force reference that advances a clock one unit at a time."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coldset.analysis.cache import AccessStream, CacheError, TimeModel, simulate, simulate_time
+from coldset.analysis.simulate import simulate
+from coldset.analysis.streams import AccessStream, CacheError
+from coldset.analysis.time_model import TimeModel, simulate_time
 
 
 def one_layer(experts, n_experts=4):
@@ -206,7 +208,7 @@ def test_management_per_group_adds_to_every_group_and_delays_the_copies():
     """manage_ms: the cache's own work at each group's decisions. All hits: the step grows by it
     per group, as the engine's residency-1.0 step does; manage_ms_per_group recovers it from the
     two steps. A miss: its copy is issued after the decisions, so it lands manage_ms later."""
-    from coldset.analysis.cache import manage_ms_per_group
+    from coldset.analysis.time_model import manage_ms_per_group
 
     hits = one_layer([0, 0, 0])
     res = simulate(hits, "lru", 1, PROFILE)
@@ -229,7 +231,9 @@ def test_time_models_carry_each_policys_management():
     """cache.time.steps[].manage_us: per batch, each policy's model has its own manage_ms (µs in
     the config), the others none; a policy name the simulator does not know is refused by name;
     simulation_table times each policy with its own model."""
-    from coldset.analysis.cache import POLICIES, simulation_table, time_models
+    from coldset.analysis.cache import simulation_table
+    from coldset.analysis.policies import POLICIES
+    from coldset.analysis.time_model import time_models
 
     cfg = {"steps": [{"batch": 1, "all_hbm_step_ms": 1.0, "manage_us": {"nexttoken": 250.0}},
                      {"batch": 2, "all_hbm_step_ms": 2.0}], "head_share": 0.0, "router_share": 0.5}

@@ -923,7 +923,7 @@ def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, held
         "split_source": scan.split_source,
         "heldout_fraction": heldout_fraction if scan.split_source == "hash" else None,
     }
-    from coldset.analysis.cache import trace_decode_rows
+    from coldset.analysis.streams import trace_decode_rows
 
     locality = locality_stats(trace_decode_rows(trace_path, heldout_fraction)[0], meta, locality_seed)
     paths = {"histogram": out / "histogram.csv", "skew": out / "skew.json", "coverage": out / "coverage.csv",

@@ -122,7 +122,7 @@ def engine_stream(decode: np.ndarray, num_experts: int):
     """A pass's decode routing ``decode`` int ``[B, steps, L, k]`` as the engine groups it: one
     :class:`coldset.analysis.cache.AccessStream` group per (step, MoE layer), the batch's ``B * k``
     selections in row order."""
-    from coldset.analysis.cache import AccessStream
+    from coldset.analysis.streams import AccessStream
 
     B, steps, L, k = decode.shape
     E = int(num_experts)
@@ -147,7 +147,7 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     instances were the top of the real counts, so any instance outside scored at most the lowest
     warm count, and ties at zero fall the same way), the same eviction order and LFU's initial
     counts (profile count for warm instances, 0 for others); checked, not assumed."""
-    from coldset.analysis.cache import simulate, warm_order
+    from coldset.analysis.simulate import simulate, warm_order
 
     B, steps, L, k = decode.shape
     _, owner, _, count = (t.cpu().numpy() for t in cache.warm_state)
@@ -159,7 +159,7 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
         raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
     stream = engine_stream(decode, E)
     if cache.policy == "nexttoken":
-        from coldset.analysis.cache import lanes_from_engine
+        from coldset.analysis.streams import lanes_from_engine
         from coldset.analysis.forecast import nexttoken_lists
 
         if forecaster is None:
@@ -828,7 +828,7 @@ def time_columns(step_ms: float, batch_size: int, link_gb_per_token: float, allh
                stall_ms_per_token=(step_ms - allhbm_step_ms) / batch_size)
     if not replays:  # a static row: no decisions to simulate
         return out
-    from coldset.analysis.cache import TimeModel, manage_ms_per_group, simulate_time
+    from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
 
     def simulated(manage_ms: float) -> float:
         return float(np.mean([simulate_time(stream, result, TimeModel(allhbm_step_ms, per_expert, link_gb_s,

@@ -103,8 +103,9 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
     doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
     import numpy as np
 
-    from coldset.analysis.cache import AccessStream, TimeModel, capacity_for_residency, manage_ms_per_group, simulate, \
-        simulate_time
+    from coldset.analysis.simulate import capacity_for_residency, simulate
+    from coldset.analysis.streams import AccessStream
+    from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
 
     counts = np.asarray(arrays["profile_counts"], dtype=np.float64)
     L, E = counts.shape

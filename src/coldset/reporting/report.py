@@ -587,7 +587,7 @@ def _locality_inputs(results_dir: Path, model: str):
 
 
 def _locality_figure(locality, table, device: str, batch: str, dtype: str, model: str) -> FigureOut:
-    from coldset.analysis.cache import draw_locality
+    from coldset.analysis.locality_figure import draw_locality
 
     fig = _new_figure(13.0, 4.0)
     draw_locality(fig, table, locality, model)

@@ -565,7 +565,8 @@ def load_locality(path: str | os.PathLike) -> dict[str, Any]:
 def load_simulation(path: str | os.PathLike):
     """The cache stage's ``simulation.csv`` as a DataFrame (``coldset.analysis.cache.read_simulation``, which
     owns its columns), a malformed one a :class:`ReportInputError` naming it."""
-    from coldset.analysis.cache import CacheError, read_simulation
+    from coldset.analysis.cache import read_simulation
+    from coldset.analysis.streams import CacheError
 
     try:
         return read_simulation(path)

@@ -1,0 +1,167 @@
+"""The recency and frequency policies: ``lru``, ``lru_guard`` and ``lfu``.
+
+- ``lru``: victim = smallest ``last_use``.
+- ``lru_guard``: ``lru`` without a victim among the instances any of the last ``L`` groups used
+  (:func:`coldset.analysis.policies.base.guard_groups`: this one included, a step's worth, ``L``
+  MoE layers); the misses past the remaining residents are read in place, not admitted (they
+  cross the link all the same: ``fills`` counts them). Why: where one step's distinct experts
+  outnumber the slots (batch 8 at residency 0.25), lru evicts what the next step selects again and
+  its hit rate falls under the static set's; the guard keeps the pool and streams the surplus.
+  Where fewer residents than the slots were used by the last step, lru's victims are older than
+  that anyway and the two replays are the same.
+- ``lfu``: victim = smallest ``(count, last_use)``; ``count`` = profile count for warm instances
+  (0 for others) + accesses during replay, kept across evictions (an instance's frequency is a
+  property of the traffic, not of its stay in the pool).
+
+:func:`replay_lru` is also the replay of the prefetching policies ``forecast`` and ``lookahead``
+(:mod:`coldset.analysis.policies.forecast`, :mod:`coldset.analysis.policies.lookahead`): the same
+loop with a prefetch list after each group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coldset.analysis.compiled import jit
+from coldset.analysis.policies.base import CachePolicy, Replay, guard_groups, recording
+from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
+from coldset.analysis.policies.pool import admit_demand, classify_group, end_group, evict, link_tail, largest_group
+
+
+@jit
+def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
+    """LRU through a doubly linked list in last_use order (head = least recent), plus the prefetch
+    of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see the module doc); plain
+    ``lru`` is the same replay with empty lists (no prefetch, so nothing in flight, and a pool of at
+    least one group always has a victim outside the group). ``guard`` > 0 (``lru_guard``, no
+    prefetch): no demand victim among the instances the last ``guard`` groups used (this one
+    included); the misses past the other slots are read in place, not admitted. Returns (hit [N], fills [G],
+    prefetches [G], useful prefetches, issued [G, W] (the instances copied after each group, in
+    issue order, -1 padded), wasted prefetches (evicted before any hit))."""
+    n = ids.size
+    n_groups = ptr.size - 1
+    hit = np.zeros(n, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    prefetches = np.zeros(n_groups, dtype=np.int64)
+    issued = np.full((n_groups, pred.shape[1]), -1, dtype=np.int64)
+    wasted = 0
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    protected = np.zeros(n_inst + 1, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    used = np.zeros(n_inst, dtype=np.bool_)
+    listed = np.zeros(n_inst, dtype=np.bool_)
+    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
+    flight = np.empty(n_inst, dtype=np.int64)
+    n_flight = 0
+    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
+    useful = 0
+    head = n_inst  # sentinel
+    nxt = np.full(n_inst + 1, head, dtype=np.int64)
+    prv = np.full(n_inst + 1, head, dtype=np.int64)
+    for j in range(warm.size):
+        x = warm[j]
+        resident[x] = True
+        link_tail(nxt, prv, head, x)
+    max_group = max(largest_group(ptr), 1)
+    missed = np.empty(max_group, dtype=np.int64)
+    last_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # lru_guard: each instance's last group
+    prev_layer = n_inst
+    for g in range(n_groups):
+        s = ptr[g]
+        e = ptr[g + 1]
+        layer = ids[s] // n_exp
+        if layer <= prev_layer:  # a new step: the previous step's prefetches are committed
+            for j in range(n_flight):
+                inflight[flight[j]] = False
+            n_flight = 0
+        prev_layer = layer
+        n_miss = classify_group(ids, s, e, resident, protected, in_group, hit, missed)
+        fills[g] = n_miss
+        for i in range(s, e):
+            if hit[i] and unused_prefetch[ids[i]]:
+                unused_prefetch[ids[i]] = False
+                useful += 1
+        v = nxt[head]
+        for m in range(n_miss):
+            while v != head and (protected[v] or inflight[v] or last_group[v] > g - guard):
+                v = nxt[v]
+            if v == head:  # every slot is used by this group, in flight or guarded: read in place, not admitted
+                break
+            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
+            admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
+            v = after
+        end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
+        if guard > 0:
+            for i in range(s, e):
+                last_group[ids[i]] = g
+        # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight
+        for q in range(pred.shape[1]):
+            if pred[g, q] >= 0:
+                listed[pred[g, q]] = True
+        v = nxt[head]
+        for q in range(pred.shape[1]):
+            x = pred[g, q]
+            if x < 0 or resident[x]:
+                continue
+            while v != head and (v // n_exp > layer or used[v] or listed[v] or inflight[v]):
+                v = nxt[v]
+            if v == head:
+                break
+            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            wasted += w
+            resident[x] = True
+            inflight[x] = True
+            flight[n_flight] = x
+            n_flight += 1
+            unused_prefetch[x] = True
+            link_tail(nxt, prv, head, x)
+            issued[g, prefetches[g]] = x
+            prefetches[g] += 1
+            v = after
+        for q in range(pred.shape[1]):
+            if pred[g, q] >= 0:
+                listed[pred[g, q]] = False
+        for i in range(s, e):
+            used[ids[i]] = False
+    return hit, fills, prefetches, useful, issued, wasted
+
+
+
+def replay_with_lists(stream, warm, lists, victims, guard: int = 0) -> Replay:
+    """:func:`replay_lru` on ``stream`` with the prefetch ``lists`` int64 ``[G, W]`` (``W = 0``: none)."""
+    record, rec = recording(victims)
+    hit, fills, prefetches, useful, issued, wasted = replay_lru(
+        stream.instances, stream.group_ptr, warm, stream.num_instances, stream.num_experts, lists, record, rec, guard)
+    return Replay(hit, fills, prefetches, int(useful), issued, int(wasted))
+
+
+def no_lists(stream) -> np.ndarray:
+    """An empty prefetch list per group."""
+    return np.zeros((stream.num_groups, 0), dtype=np.int64)
+
+
+class LRU(CachePolicy):
+    """Least recently used."""
+
+    def replay(self, stream, warm, counts, lists, budget, victims):
+        r = replay_with_lists(stream, warm, no_lists(stream), victims)
+        return Replay(r.hit, r.fills)
+
+
+class LRUGuard(CachePolicy):
+    """Least recently used, never a victim the last step used (a step's misses past that are read in place)."""
+
+    def replay(self, stream, warm, counts, lists, budget, victims):
+        r = replay_with_lists(stream, warm, no_lists(stream), victims, guard_groups(stream.num_moe_layers))
+        return Replay(r.hit, r.fills)
+
+
+class LFU(CachePolicy):
+    """Least frequently used (profile counts + replay accesses), ties by least recent."""
+
+    def replay(self, stream, warm, counts, lists, budget, victims):
+        record, rec = recording(victims)
+        hit, fills = replay_keyed(stream.instances, stream.group_ptr, warm, counts[warm], stream.num_instances,
+                                  LFU_KEYS, np.zeros(0), record, rec)
+        return Replay(hit, fills)

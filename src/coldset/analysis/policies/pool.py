@@ -1,0 +1,102 @@
+"""The slot pool's shared pieces, compiled with the replay loops that use them.
+
+Every replay loop follows one per-group protocol:
+
+- pass 1 (:func:`classify_group`): hit = resident at the group's start; the group's resident
+  instances are protected (never a victim in this group);
+- pass 2: one victim per distinct missed instance from the policy's order, skipping protected
+  residents;
+- pass 3: in rank order, the missed instances take the victims' slots, and keys are updated.
+
+The recency policies keep residents on a doubly linked list in last-use order (head = least
+recent): :func:`link_tail`, :func:`unlink`, :func:`evict`, :func:`admit_demand`,
+:func:`end_group`. The keyed policies (lfu, belady) use the binary min-heap of
+:mod:`coldset.analysis.policies.heap`.
+"""
+
+from __future__ import annotations
+
+from coldset.analysis.compiled import jit
+
+
+@jit
+def largest_group(ptr):
+    """The largest group's selection count."""
+    out = 0
+    for g in range(ptr.size - 1):
+        out = max(out, ptr[g + 1] - ptr[g])
+    return out
+
+
+@jit
+def classify_group(ids, s, e, resident, protected, in_group, hit, missed):
+    """Pass 1 of a group (selections ``s..e-1``): mark hits and protect their instances; list each
+    missed instance's first selection in ``missed``. Returns the number of missed instances."""
+    n_miss = 0
+    for i in range(s, e):
+        x = ids[i]
+        if resident[x]:
+            hit[i] = True
+            protected[x] = True
+        elif not in_group[x]:
+            in_group[x] = True
+            missed[n_miss] = i
+            n_miss += 1
+    return n_miss
+
+
+@jit
+def link_tail(nxt, prv, head, x):
+    """Link instance ``x`` at the tail (most recent end) of the LRU list."""
+    last = prv[head]
+    nxt[last] = x
+    prv[x] = last
+    nxt[x] = head
+    prv[head] = x
+
+
+@jit
+def unlink(nxt, prv, v):
+    after = nxt[v]
+    nxt[prv[v]] = after
+    prv[after] = prv[v]
+    return after
+
+
+@jit
+def evict(nxt, prv, resident, unused_prefetch, v):
+    """Evict instance ``v`` from its slot (off the LRU list, not resident); returns (the instance
+    after it in the list, 1 if ``v`` was a prefetch never used: wasted bytes, else 0)."""
+    after = unlink(nxt, prv, v)
+    resident[v] = False
+    wasted = 1 if unused_prefetch[v] else 0
+    unused_prefetch[v] = False
+    return after, wasted
+
+
+@jit
+def admit_demand(ids, i, v, resident, protected, nxt, prv, head, record, victims):
+    """Selection ``i``'s instance takes the slot evicted ``v`` left: resident, protected for the rest
+    of its group, most recent in the LRU list; ``victims[i] = v`` when recording."""
+    x = ids[i]
+    resident[x] = True
+    protected[x] = True
+    link_tail(nxt, prv, head, x)
+    if record:
+        victims[i] = v
+
+
+@jit
+def end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head):
+    """After a group's demand admissions: its instances are no longer protected, count as used by
+    this step, and the resident ones move to the most recent end of the LRU list in selection order."""
+    for m in range(n_miss):
+        in_group[ids[missed[m]]] = False
+    for i in range(s, e):
+        x = ids[i]
+        protected[x] = False
+        used[x] = True
+        if resident[x]:
+            unlink(nxt, prv, x)
+            link_tail(nxt, prv, head, x)
+

@@ -1,0 +1,313 @@
+"""The access streams the cache simulator replays, and the trace rows they are built from.
+
+An :class:`AccessStream` is a trace's decode selections in replay order, cut into groups: a
+(token, MoE layer) group of ``top_k`` selections (:func:`stream_from_frame`), or a (step, MoE
+layer) group of ``B * k`` for an engine batch of ``B`` lanes (:class:`Lanes`,
+:func:`lanes_from_frame`, :func:`lanes_from_engine`). Instance id = ``moe_layer_index * E +
+expert`` (the row map's row, not the model's layer index). :func:`trace_decode_rows` reads a
+trace's decode rows, :func:`select_rows` picks a split and domains, :func:`counts_from_rows` makes
+a profile, :func:`token_array` the next-token forecaster's input. The replay rules are in
+:mod:`coldset.analysis.simulate`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from coldset.core.trace import iter_trace_batches, read_trace_meta, request_codes, split_of
+
+
+class CacheError(ValueError):
+    """Bad input to the cache simulation (policy, capacity, stream, profile); the message says what."""
+
+
+
+@dataclass(frozen=True)
+class AccessStream:
+    """Selections in replay order, cut into groups.
+
+    ``instances`` int64 ``[N]``: instance id ``moe_layer_index * num_experts + expert`` of each
+    selection; ``group_ptr`` int64 ``[G + 1]``: group ``g`` is ``instances[group_ptr[g]:
+    group_ptr[g + 1]]`` (non-empty); ``tokens``: decoded tokens the stream covers (the divisor of
+    the per-token metrics).
+    """
+
+    instances: np.ndarray
+    group_ptr: np.ndarray
+    tokens: int
+    num_moe_layers: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        ids = np.ascontiguousarray(self.instances, dtype=np.int64)
+        ptr = np.ascontiguousarray(self.group_ptr, dtype=np.int64)
+        object.__setattr__(self, "instances", ids)
+        object.__setattr__(self, "group_ptr", ptr)
+        n_inst = self.num_moe_layers * self.num_experts
+        if ids.ndim != 1 or ptr.ndim != 1 or ptr.size < 1:
+            raise CacheError("AccessStream: instances and group_ptr must be 1-D, group_ptr non-empty")
+        if ptr[0] != 0 or ptr[-1] != ids.size or (np.diff(ptr) <= 0).any():
+            raise CacheError(f"AccessStream: group_ptr must rise strictly from 0 to {ids.size} "
+                             "(every group non-empty)")
+        if ids.size and (ids.min() < 0 or ids.max() >= n_inst):
+            raise CacheError(f"AccessStream: instance ids must lie in [0, {n_inst}) "
+                             f"({self.num_moe_layers} MoE layers x {self.num_experts} experts)")
+        if self.tokens < 0 or (ids.size and self.tokens == 0):
+            raise CacheError(f"AccessStream: tokens must be > 0 for a non-empty stream, got {self.tokens}")
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_ptr.size - 1)
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def max_group(self) -> int:
+        return int(np.diff(self.group_ptr).max(initial=0))
+
+
+def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
+                      num_experts: int) -> AccessStream:
+    """The replay stream of decode rows: columns ``request`` (str or categorical),
+    ``position``, ``layer_index`` (MoE-layer index 0..L-1), ``rank``, ``expert``.
+
+    Order: request id (string order), position, layer index, rank; one group per (request,
+    position, layer index); tokens = distinct (request, position). Two rows with the same
+    (request, position, layer index, rank) are an error. Rows already in that order (as traces
+    are written) skip the sort.
+    """
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
+    pos = np.asarray(rows["position"], dtype=np.int64)
+    li = np.asarray(rows["layer_index"], dtype=np.int64)
+    rank = np.asarray(rows["rank"], dtype=np.int64)
+    exp = np.asarray(rows["expert"], dtype=np.int64)
+    if not (len(req_col) == pos.size == li.size == rank.size == exp.size):
+        raise CacheError("stream_from_frame: columns differ in length")
+    if pos.size == 0:
+        return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, num_moe_layers, num_experts)
+    if li.min() < 0 or li.max() >= num_moe_layers:
+        raise CacheError(f"stream_from_frame: layer_index outside [0, {num_moe_layers})")
+    if exp.min() < 0 or exp.max() >= num_experts:
+        raise CacheError(f"stream_from_frame: expert outside [0, {num_experts})")
+    if pos.min() < 0 or rank.min() < 0:
+        raise CacheError("stream_from_frame: position and rank must be >= 0")
+    rc, names = request_codes(req_col)
+    # one int64 key (request, position, layer, rank)
+    n_rank = int(rank.max()) + 1
+    n_pos = int(pos.max()) + 1
+    key = ((rc * n_pos + pos) * num_moe_layers + li) * n_rank + rank
+    if not (key[1:] > key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        key, rc, pos, li, rank, exp = key[order], rc[order], pos[order], li[order], rank[order], exp[order]
+        dup = np.flatnonzero(key[1:] == key[:-1])
+        if dup.size:
+            i = int(dup[0]) + 1
+            raise CacheError(f"stream_from_frame: request {names[rc[i]]!r} has two rows for position {int(pos[i])}, "
+                             f"MoE layer index {int(li[i])}, rank {int(rank[i])}")
+    group_key = key // n_rank
+    new_group = np.r_[True, group_key[1:] != group_key[:-1]]
+    token_key = group_key // num_moe_layers
+    tokens = int(np.count_nonzero(np.r_[True, token_key[1:] != token_key[:-1]]))
+    ptr = np.r_[np.flatnonzero(new_group), exp.size]
+    return AccessStream(li * num_experts + exp, ptr, tokens, num_moe_layers, num_experts)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Decode tokens laid out as an engine batch steps them (the ``nexttoken`` forecast's input).
+
+    ``sel`` int64 ``[S, L, B, k]``: the experts lane ``b`` selects at step ``s`` in MoE layer
+    ``l`` (rank order), ``-1`` for every layer and rank of a lane idle at that step; ``start``
+    bool ``[S, B]``: a new sequence begins in lane ``b`` at step ``s`` (its history, the
+    forecast's past tokens and per-sequence state, starts empty there). The engine's pass is
+    ``B`` lanes started together at step 0; :func:`lanes_from_frame` lays a trace's requests out
+    in lanes as continuous batching would.
+    """
+
+    sel: np.ndarray
+    start: np.ndarray
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        sel = np.ascontiguousarray(self.sel, dtype=np.int64)
+        start = np.ascontiguousarray(self.start, dtype=bool)
+        object.__setattr__(self, "sel", sel)
+        object.__setattr__(self, "start", start)
+        if sel.ndim != 4 or start.shape != (sel.shape[0], sel.shape[2]):
+            raise CacheError(f"Lanes: sel must be [steps, layers, lanes, k] and start [steps, lanes], got "
+                             f"{sel.shape} and {start.shape}")
+        if sel.size and (sel.min() < -1 or sel.max() >= self.num_experts):
+            raise CacheError(f"Lanes: experts must lie in [0, {self.num_experts}) or be -1 (idle lane)")
+        idle = sel < 0
+        if (idle.any(axis=(1, 3)) != idle.all(axis=(1, 3))).any():
+            raise CacheError("Lanes: a lane is idle at a step in every layer and rank or in none")
+        if sel.shape[0] and ((~idle[:, 0, :, 0]).sum(axis=1) == 0).any():
+            raise CacheError("Lanes: every step needs at least one active lane")
+
+    @property
+    def active(self) -> np.ndarray:
+        """bool ``[S, B]``: lane ``b`` decodes a token at step ``s``."""
+        return self.sel[:, 0, :, 0] >= 0
+
+    def stream(self) -> AccessStream:
+        """The replay stream: one group per (step, MoE layer), the active lanes' selections in lane
+        then rank order (the engine's row order)."""
+        S, L, B, k = self.sel.shape
+        if S == 0:
+            return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, L, self.num_experts)
+        act = self.active
+        flat = (np.arange(L, dtype=np.int64)[None, :, None, None] * self.num_experts + self.sel)
+        ids = flat[np.broadcast_to(act[:, None, :, None], flat.shape)]
+        sizes = np.repeat(act.sum(axis=1) * k, L)
+        return AccessStream(ids, np.r_[0, np.cumsum(sizes)], int(act.sum()), L, self.num_experts)
+
+
+def lanes_from_engine(decode: np.ndarray, num_experts: int) -> Lanes:
+    """An engine pass's decode routing ``decode`` int ``[B, steps, L, k]`` (the bench's capture) as
+    :class:`Lanes`: ``B`` lanes started together at step 0 (the forecast's history starts empty at
+    the cache's reset), so ``lanes.stream()`` is the bench's (step, layer) grouping."""
+    decode = np.asarray(decode, dtype=np.int64)
+    if decode.ndim != 4:
+        raise CacheError(f"lanes_from_engine: decode must be [B, steps, L, k], got {decode.shape}")
+    B, S = decode.shape[:2]
+    start = np.zeros((S, B), dtype=bool)
+    start[:1] = True
+    return Lanes(decode.transpose(1, 2, 0, 3), start, num_experts)
+
+
+def token_array(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
+                num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(experts int64 [T, L, k], sequence int64 [T])``: every decode token of ``rows`` (columns
+    request, position, layer_index, rank, expert) in request (string) then position order, with its
+    request's number. Every token must hold all ``L`` MoE layers and ranks ``0..k-1`` once: a
+    token with a missing layer is refused (its next-token statistics would be misaligned)."""
+    stream = stream_from_frame(rows, num_moe_layers, num_experts)
+    L, E = num_moe_layers, num_experts
+    if stream.tokens == 0:
+        return np.zeros((0, L, 1), np.int64), np.zeros(0, np.int64)
+    sizes = np.diff(stream.group_ptr)
+    k = int(sizes[0])
+    if stream.num_groups != stream.tokens * L or (sizes != k).any():
+        raise CacheError(f"token_array: every decode token must hold all {L} MoE layers with the same top_k "
+                         f"selections ({stream.num_groups} groups for {stream.tokens} tokens)")
+    layer = stream.instances // E
+    if (layer.reshape(-1, L, k) != np.arange(L)[None, :, None]).any():
+        raise CacheError(f"token_array: every decode token must hold all {L} MoE layers")
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
+    rc, _ = request_codes(req_col)
+    seq = np.sort(rc)[:: L * k]  # stream order is request code order
+    return (stream.instances % E).reshape(-1, L, k), seq
+
+
+def lanes_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int, num_experts: int,
+                     batch: int) -> Lanes:
+    """The decode tokens of ``rows`` as ``batch`` lanes under continuous batching: requests in
+    request id order, each to the lane that frees first (the lowest lane on ties), its tokens in
+    position order on consecutive steps. ``batch = 1`` gives :func:`stream_from_frame`'s stream."""
+    if batch < 1:
+        raise CacheError(f"lanes_from_frame: batch must be >= 1, got {batch}")
+    tokens, seq = token_array(rows, num_moe_layers, num_experts)
+    T, L, k = tokens.shape
+    if T == 0:
+        return Lanes(np.zeros((0, L, batch, k), np.int64), np.zeros((0, batch), bool), num_experts)
+    starts = np.r_[0, np.flatnonzero(seq[1:] != seq[:-1]) + 1]
+    lengths = np.diff(np.r_[starts, T])
+    free = np.zeros(batch, dtype=np.int64)
+    lane = np.empty(starts.size, np.int64)
+    step0 = np.empty(starts.size, np.int64)
+    for r, n in enumerate(lengths):
+        b = int(np.argmin(free))
+        lane[r], step0[r] = b, free[b]
+        free[b] += n
+    S = int(free.max())
+    sel = np.full((S, L, batch, k), -1, dtype=np.int64)
+    start = np.zeros((S, batch), dtype=bool)
+    tok_step = np.repeat(step0, lengths) + (np.arange(T) - np.repeat(starts, lengths))
+    tok_lane = np.repeat(lane, lengths)
+    sel[tok_step, :, tok_lane, :] = tokens
+    start[step0, lane] = True
+    return Lanes(sel, start, num_experts)
+
+def trace_decode_rows(trace_path: str | os.PathLike, heldout_fraction: float = 0.25,
+                      expect: Any = None) -> tuple[pd.DataFrame, Any]:
+    """Decode rows of a trace as a frame (request and domain categorical, split, position,
+    layer_index, rank, expert) and its :class:`coldset.core.trace.TraceMeta`. ``split`` comes from
+    the trace's column or, without one, from :func:`coldset.core.trace.split_of` on the request id
+    (as the stats stage does). Read column-wise through pyarrow (validated batch by batch)."""
+    meta = read_trace_meta(trace_path, expect)
+    has_split = "split" in pq.read_schema(trace_path).names
+    cols = ["request", "domain", "position", "phase", "layer", "rank", "expert"] + (["split"] if has_split else [])
+    lut = np.full(max(meta.moe_layers) + 1, -1, dtype=np.int64)
+    lut[list(meta.moe_layers)] = np.arange(meta.num_moe_layers)
+    batches = []
+    for batch in iter_trace_batches(trace_path, cols, batch_rows=1 << 22):
+        keep = pc.and_(pc.equal(batch.column("phase").cast(pa.string()), "decode"),
+                       pc.greater_equal(batch.column("expert"), 0))
+        batches.append(batch.filter(keep))
+    table = pa.Table.from_batches(batches, schema=batches[0].schema).unify_dictionaries() if batches else None
+
+    def strings(name: str) -> pd.Categorical:
+        col = table.column(name).combine_chunks()
+        if not pa.types.is_dictionary(col.type):
+            col = col.dictionary_encode()
+        return pd.Categorical.from_codes(col.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+                                         col.dictionary.cast(pa.string()).to_pylist())
+
+    if table is None or table.num_rows == 0:
+        empty = {c: np.zeros(0, np.int64) for c in ("position", "layer_index", "rank", "expert")}
+        return pd.DataFrame({"request": pd.Categorical([]), "domain": pd.Categorical([]),
+                             "split": np.zeros(0, dtype=object), **empty}), meta
+    request = strings("request")
+    if has_split:
+        split = strings("split")
+    else:
+        by_request = np.asarray([split_of(str(r), heldout_fraction) for r in request.categories], dtype=object)
+        split = pd.Categorical(by_request[np.asarray(request.codes)])
+    rows = pd.DataFrame({
+        "request": request,
+        "domain": strings("domain"),
+        "split": split,
+        "position": table.column("position").to_numpy().astype(np.int64),
+        "layer_index": lut[table.column("layer").to_numpy().astype(np.int64)],
+        "rank": table.column("rank").to_numpy().astype(np.int64),
+        "expert": table.column("expert").to_numpy().astype(np.int64),
+    })
+    return rows, meta
+
+
+def select_rows(rows: pd.DataFrame, split: str | None = None,
+                domains: Sequence[str] | None = None) -> pd.DataFrame:
+    """Rows of one split (``None``: both) and of the given domains (``None``: all)."""
+    keep = np.ones(len(rows), dtype=bool)
+    if split is not None:
+        keep &= (rows["split"] == split).to_numpy()
+    if domains is not None:
+        missing = sorted(set(domains) - set(rows["domain"].unique()))
+        if missing:
+            raise CacheError(f"domain(s) {missing} have no decode rows; available "
+                             f"{sorted(rows['domain'].unique())}")
+        keep &= rows["domain"].isin(list(domains)).to_numpy()
+    return rows[keep]
+
+
+def counts_from_rows(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> np.ndarray:
+    """Selections per instance, float64 ``[L, E]`` (a profile for :func:`simulate`)."""
+    flat = rows["layer_index"].to_numpy(np.int64) * num_experts + rows["expert"].to_numpy(np.int64)
+    return np.bincount(flat, minlength=num_moe_layers * num_experts).astype(np.float64).reshape(
+        num_moe_layers, num_experts)
+
