@@ -385,7 +385,7 @@ def test_fp8_stage_sweep_file_is_the_16x32_64_tile_at_4_to_8_stages(tmp_path, ca
     pytest.importorskip("triton")
     from coldset.kernels.triton_fp8 import fp8_launches
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.measure.kernel import load_fp8_configs
+    from coldset.measure.kernel_fp8 import load_fp8_configs
 
     configs = load_fp8_configs(str(SWEEP))
     assert [c["num_stages"] for c in configs] == [4, 5, 6, 8]
@@ -470,7 +470,7 @@ def test_kernel_fp8_given_configs_and_stages_on_the_gpu(tmp_path, capsys):
     w13's and w2's parts up to 64 tokens, the checks hold, the table printed is the JSON's rendering."""
     from coldset.kernels.triton_fp8 import fp8_launches
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.measure.kernel import load_fp8_configs
+    from coldset.measure.kernel_fp8 import load_fp8_configs
 
     out = tmp_path / "k"
     assert main(["bench", "kernel", "--weight-format", "fp8", "--out", str(out), "--layers", "1", "--reps", "3",
