@@ -1,0 +1,250 @@
+"""deepseek_v3 in the embedded engine against transformers' DeepseekV3ForCausalLM on tiny random
+checkpoints of odd shapes it wrote itself: greedy tokens, every step's logits (float32, within
+LOGIT_ATOL) and the routed experts at every token and MoE layer; placements and the slot cache
+bitwise the all-hot path; unsupported variants refused by field name."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.engine.cache.pool import SlotCache
+from coldset.engine.deepseek_v3 import DeepseekV3Config, DeepseekV3Model, load_weights, yarn_mscale
+from coldset.engine.generate import generate
+from coldset.engine.loading import _load_experts, _TensorSource
+from coldset.engine.model import ModelLoadError
+from coldset.kernels.tiers import ExpertPools, host_tier
+from coldset.verify import gate
+
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4  # float32, every step of every prompt
+NEW_TOKENS = 10
+PROMPTS = [[5, 9, 33, 2, 71, 40], [4, 8, 15, 16, 23, 42, 11, 3, 90, 61, 7], [77]]
+
+# Two variants: the query through q_a_proj (LoRA) with YaRN and interleaved RoPE, a dense first
+# layer and one shared expert; and the query through q_proj with plain, non-interleaved RoPE, every
+# layer MoE, two shared experts, no renormalisation and tied embeddings.
+VARIANTS = {
+    "q_lora_yarn": dict(
+        hidden_size=72, intermediate_size=88, moe_intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=3, num_key_value_heads=3, first_k_dense_replace=1, n_routed_experts=10,
+        n_group=2, topk_group=1, num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=1.7,
+        norm_topk_prob=True, q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=8,
+        v_head_dim=12, rope_interleave=True, num_mtp_layers=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "mscale": 0.8, "mscale_all_dim": 0.9,
+                         "beta_fast": 32, "beta_slow": 1}),
+    "q_proj_plain": dict(
+        hidden_size=72, intermediate_size=56, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=5, num_key_value_heads=5, first_k_dense_replace=0, n_routed_experts=10,
+        n_group=5, topk_group=3, num_experts_per_tok=4, n_shared_experts=2, routed_scaling_factor=2.5,
+        norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=17, qk_nope_head_dim=6, qk_rope_head_dim=4,
+        v_head_dim=14, rope_interleave=False, num_mtp_layers=0, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+}
+
+
+def build_checkpoint(variant: str, out, seed: int = 0):
+    """Save a random float32 DeepseekV3ForCausalLM of ``variant`` (weights std 0.2, a random
+    ``e_score_correction_bias``, so the bias moves the choice) with save_pretrained."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(vocab_size=97, max_position_embeddings=64, initializer_range=0.2,
+                                        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                        **VARIANTS[variant])
+    model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def load(folder, dtype=torch.float32) -> DeepseekV3Model:
+    """The engine's deepseek_v3 model of a checkpoint folder: config, weights and expert pools."""
+    cfg = DeepseekV3Config.from_pretrained(folder)
+    src, device = _TensorSource(folder), torch.device("cpu")
+    model = DeepseekV3Model(cfg)
+    load_weights(model, src, device, dtype)
+    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            built[variant] = build_checkpoint(variant, tmp_path_factory.mktemp(variant))
+        return built[variant]
+
+    return get
+
+
+def _hf_greedy(hf, prompt, moe_layers):
+    """transformers' greedy generate of one unpadded prompt: (tokens, logits [new, V], the router's
+    (ids, weights) per MoE layer, each [prompt + new - 1, k], from hooks on DeepseekV3TopkRouter)."""
+    calls = {i: [] for i in moe_layers}
+    hooks = [hf.model.layers[i].mlp.gate.register_forward_hook(
+        lambda _m, _a, out, i=i: calls[i].append((out[2], out[1]))) for i in moe_layers]
+    try:
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    routing = {i: (torch.cat([c[0] for c in calls[i]]), torch.cat([c[1] for c in calls[i]])) for i in moe_layers}
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0], routing
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_decode_matches_transformers(checkpoint, variant):
+    """Left-padded batched decode with the compressed-latent cache against transformers' own
+    generate per unpadded prompt: the same tokens, logits within LOGIT_ATOL at every step, the
+    same experts (as sets; both routers' top-k is unsorted) and weights at every token and layer."""
+    path = checkpoint(variant)
+    model = load(path)
+    cfg = model.config
+    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    worst = 0.0
+    for b, prompt in enumerate(PROMPTS):
+        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.moe_layers)
+        assert gen.tokens[b] == tokens
+        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
+        routing = gen.routing[b]
+        assert routing.experts.shape == (len(prompt) + NEW_TOKENS - 1, cfg.num_moe_layers, cfg.top_k)
+        for m, layer in enumerate(cfg.moe_layers):
+            ref_ids, ref_w = hf_routing[layer]
+            got_ids, order = routing.experts[:, m].long().sort(dim=-1)
+            want_ids, want_order = ref_ids.sort(dim=-1)
+            assert torch.equal(got_ids, want_ids), f"prompt {b}, MoE layer {m}"
+            torch.testing.assert_close(routing.weights[:, m].gather(1, order), ref_w.gather(1, want_order),
+                                       atol=1e-6, rtol=1e-5)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    # the cache holds the latent and the rotated RoPE key, not per-head keys and values
+    attn = model.layers[0].self_attn
+    assert tuple(attn.latent_cache.shape) == (len(PROMPTS), max(map(len, PROMPTS)) + NEW_TOKENS, cfg.kv_lora_rank)
+    assert tuple(attn.rope_key_cache.shape)[-1] == cfg.qk_rope_head_dim
+
+
+def test_rope_and_softmax_scale_are_transformers(checkpoint):
+    """YaRN: the same inverse frequencies (bitwise), the same cos/sin factor and softmax scale
+    (mscale_all_dim folded in squared) as transformers builds."""
+    path = checkpoint("q_lora_yarn")
+    model = load(path)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    assert torch.equal(model.inv_freq, hf.model.rotary_emb.inv_freq)
+    assert model.attention_factor == hf.model.rotary_emb.attention_scaling != 1.0
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert cfg.softmax_scale == pytest.approx(qk ** -0.5 * yarn_mscale(4.0, 0.9) ** 2)
+    assert cfg.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+
+
+def test_the_correction_bias_moves_the_choice_not_the_weights(checkpoint):
+    """Zeroing e_score_correction_bias changes which experts are chosen somewhere (so the oracle
+    test exercises it), and the weights are the unbiased scores: they sum to routed_scaling_factor."""
+    model = load(checkpoint("q_lora_yarn"))
+    cfg = model.config
+    with_bias = generate(model, PROMPTS, 4, capture_routing=True, progress=False).routing
+    for r in with_bias:
+        sums = r.weights.sum(-1)
+        torch.testing.assert_close(sums, torch.full_like(sums, cfg.routed_scaling_factor))
+    for layer in model.layers:
+        if layer.mlp.__class__.__name__ == "DeepseekMoE":
+            layer.mlp.e_score_correction_bias.zero_()
+    without = generate(model, PROMPTS, 4, capture_routing=True, progress=False).routing
+    assert any(not torch.equal(a.experts.sort(-1)[0], b.experts.sort(-1)[0]) for a, b in zip(with_bias, without))
+
+
+def test_placements_and_the_slot_cache_are_bitwise_all_hot(checkpoint):
+    """Experts in both tiers (a static placement) and a dynamic one (an LRU slot cache at batch 1)
+    give bitwise the all-hot logits and tokens through the parity gate."""
+    model = load(checkpoint("q_lora_yarn"))
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.num_cold > 0 and pools.num_hot > 0
+    result = gate.compare("random-half", ids, reference,
+                          gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False), pools, model)
+    assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
+
+    counts = np.random.default_rng(1).integers(0, 20, size=(cfg.num_moe_layers, cfg.num_experts)).astype(np.float64)
+    capacity = 2 * cfg.top_k * cfg.num_moe_layers
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, capacity))
+    flat = row_map.reshape(-1)
+    owner = np.empty(capacity, dtype=np.int64)
+    owner[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+    cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, counts.reshape(-1)[owner], "lru",
+                            max_tokens=1, top_k=cfg.top_k)
+    one_by_one = gate.reference_decode(model, PROMPTS, NEW_TOKENS, batch_size=1, progress=False)
+    got = gate.placement_decode(model, cache.pools, PROMPTS, NEW_TOKENS, batch_size=1, progress=False, cache=cache)
+    result = gate.compare("lru", ids, one_by_one, got, cache.pools, model)
+    assert result.passed and result.logits_bitwise_equal
+    assert cache.counters()["fills"] > 0
+
+
+def test_mtp_layers_are_skipped_with_a_log_line(checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="coldset.engine.deepseek_v3"):
+        load(checkpoint("q_lora_yarn"))
+    assert "skipping 1 multi-token-prediction layer(s) (model.layers.3 and on)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="coldset.engine.deepseek_v3"):
+        load(checkpoint("q_proj_plain"))
+    assert "multi-token-prediction" not in caplog.text
+
+
+def test_the_fused_decode_step_is_refused(checkpoint):
+    model = load(checkpoint("q_proj_plain"))
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        model.compile_decode(fused=True)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"index_topk": 2048}, "index_topk"),
+    ({"index_n_heads": 64}, "index_n_heads"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"num_key_value_heads": 1}, "num_key_value_heads"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "factor"),
+    ({"n_group": 3}, "n_group"),
+    ({"n_group": None}, "n_group"),
+    ({"topk_group": 3}, "topk_group"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}}, "quantization_config"),
+    ({"model_type": "deepseek_v2"}, "model_type"),
+])
+def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
+    raw = json.loads((checkpoint("q_lora_yarn") / "config.json").read_text())
+    raw.update(change)
+    with pytest.raises(ModelLoadError, match=field):
+        DeepseekV3Config.from_hf_config(raw, "config.json")
+
+
+def test_published_defaults_and_legacy_rope_scaling(checkpoint):
+    """A config in DeepSeek's own layout (``rope_scaling`` with ``type``, top-level ``rope_theta``,
+    ``topk_method`` / ``scoring_func`` as published, fields left to transformers' defaults)."""
+    raw = json.loads((checkpoint("q_lora_yarn") / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw.update(rope_theta=rope.pop("rope_theta"), topk_method="noaux_tc", scoring_func="sigmoid",
+               rope_scaling={**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "yarn"})
+    for name in ("routed_scaling_factor", "norm_topk_prob", "rope_interleave"):
+        raw.pop(name)
+    cfg = DeepseekV3Config.from_hf_config(raw)
+    assert (cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.rope_interleave) == (2.5, True, True)
+    assert cfg.yarn is not None and cfg.yarn.factor == 4.0 and cfg.rope_theta == 10000.0
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.moe_layers, cfg.shared_expert_intermediate_size) == (20, 24, (1, 2), 40)
