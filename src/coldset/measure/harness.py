@@ -1,9 +1,8 @@
 """What every GPU measurement shares: the CUDA check, repeats summarised as median and spread,
 and the result file with its provenance.
 
-Why median and spread: a figure that is the best of several runs publishes the lucky one (issue
-30: the decode step at batch 8 met 65% of its floor in one run of three). Every timed figure a
-command reports is the median over its repeats, with the slowest and fastest beside it
+Why median and spread: a figure that is the best of several runs publishes the lucky one. Every
+timed figure a command reports is the median over its repeats, with the slowest and fastest beside it
 (:func:`spread`); the renderer prints all three.
 """
 
@@ -78,7 +77,7 @@ def write_result(path: Path, result: dict, ceilings: dict | None = None, tuned=N
 
 
 #: ``--weight-format`` of the decode-step and cache measurements: the experts as the in-memory
-#: model builds them (bf16), or those experts quantized to the published block-FP8 format (issue 29).
+#: model builds them (bf16), or those experts quantized to the published block-FP8 format.
 WEIGHT_FORMATS = ("bf16", "fp8")
 
 

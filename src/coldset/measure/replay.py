@@ -25,10 +25,10 @@ references beside them:
   link-bound batch to move fewer bytes. The forecast is a set, not a ranking: while the next H
   steps' experts fit in the pool the row nears ``belady`` as H grows (which sees the whole replay
   and ranks by next use); once they do not, the victims are the least recent of the named ones, and
-  a longer horizon can cost more copies than a shorter one (batch 8, residency 0.25 of the issue 28
-  replays: one step's experts already exceed the pool, h8 moves more bytes than h2).
+  a longer horizon can cost more copies than a shorter one (where one step's experts already exceed
+  the pool, h8 can move more bytes than h2).
 
-Each goes through :func:`coldset.analysis.cache.simulate` and :func:`coldset.analysis.cache.simulate_time` (the
+Each goes through :func:`coldset.analysis.simulate.simulate` and :func:`coldset.analysis.time_model.simulate_time` (the
 engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
 selects a copied expert, which no engine does yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
 simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the

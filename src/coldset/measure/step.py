@@ -22,7 +22,7 @@ first engine's greedy tokens (16 steps, both batch sizes); the largest logit dif
 reads the configs of an autotune entry instead (e.g. config/examples/h200-tuned/). Writes
 ``decode_step.json`` under ``--out``.
 
-``--weight-format fp8`` (issue 29) times every engine twice in the same process, on the same
+``--weight-format fp8`` times every engine twice in the same process, on the same
 model and the same tokens: with the built bf16 experts and with those experts quantized to the
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`: weights e4m3 with
 their 128 x 128 scales, all in HBM, run by :mod:`coldset.kernels.triton_fp8`; the non-expert
@@ -38,8 +38,8 @@ step at batch 1 reads the FP8 bytes, every other path their dequantization, as
 :func:`coldset.core.placement.expert_bytes` of ``fp8_block128``, scales included, over the distinct
 experts of its own routing; at batch 1 the attention projections at that format's bytes too,
 :func:`nonexpert_read_bytes_fp8`, the floor of the FP8 model whichever engine runs it) and its rows;
-``fp8_speedup`` is bf16 step / FP8 step per engine and batch (issue 29's target: >= 1.5 at batch 1)
-beside the ratio of the two floors. FP8 rows are checked against the first engine's FP8 tokens;
+``fp8_speedup`` is bf16 step / FP8 step per engine and batch beside the ratio of the two
+floors (the speed the bytes alone allow). FP8 rows are checked against the first engine's FP8 tokens;
 FP8 against bf16 (other weights) is reported as a token match rate, not checked. The FP8 kernel
 runs its documented defaults (:func:`coldset.kernels.triton_fp8.default_config`), the configs of
 ``--tuned-fp8`` (an autotune entry of the FP8 shape), or its own autotune in this run (``--tune``,
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
@@ -194,47 +195,63 @@ def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
     return total
 
 
-def run(args, argv=None) -> dict:
-    """Measure (see module doc); returns the result written to ``--out``/decode_step.json."""
-    check_arguments(args)
-    engines = args.engines.split(",")
-    dev = require_cuda()
-    import torch
-    import torch._dynamo as dynamo
+@dataclass
+class StepRun:
+    """What the engines' timings share: the arguments, the result being written, the model and
+    its prompts per batch, the formats timed (name, all-hot pools, experts functions by engine
+    suffix, bytes of one expert), the bf16 tune (for the provenance) and each engine's tokens and
+    logits (the checks)."""
 
-    from coldset.bench import decode as bn
-    from coldset.workflow.config import load_config
-    from coldset.trace.fixtures import template_texts
-    from coldset.verify.gate import experts_functions
-    from coldset.engine.loading import attach_fp8_attention
-    from coldset.engine.model import fp8_attention_linears
-    from coldset.analysis.placement import expert_bytes
+    args: object
+    R: dict
+    out_path: Path
+    ceilings: dict
+    model: object
+    experts: object  # the bf16 experts function the model runs between engines
+    tuned: object
+    formats: list = field(default_factory=list)
+    prompts_by_b: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+    tokens_by_mode: dict = field(default_factory=dict)
+    logits_by_mode: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        write_result(self.out_path, self.R, self.ceilings, self.tuned)
+
+
+def build_model(config: dict, dev):
+    """The config's in-memory synthetic model (every expert in HBM), its tokenizer and the
+    fixture-like texts its prompts are cut from."""
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
     from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.core.timing import eager_time_us
-    from coldset.kernels.tune import TuneShape, autotune, default_search_space, tuned_experts, untimed_candidates
-
-    out_path = Path(args.out) / "decode_step.json"
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    config = load_config(args.config)
-    R = new_result("step", argv, args)
-    R["config"] = args.config
-    ceilings = bn.measure_ceilings()
-    R["hbm_read_GBps"] = ceilings["hbm_read_gb_s"]
-    log("HBM read GB/s", R["hbm_read_GBps"])
+    from coldset.trace.fixtures import template_texts
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
     fx = config["fixtures"]
     texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
     model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
-    cfg = model.config
-    L = cfg.num_moe_layers
     log("model built")
+    return model, tokenizer, texts
 
-    experts = experts_functions(dev, None)[0]
-    shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
-                      num_hot=L * cfg.num_experts, num_cold=0)
-    result = None
+
+def tune_shape(config: dict, cfg):
+    """The experts' autotune shape of the model (all hot)."""
+    from coldset.kernels.tune import TuneShape
+
+    L = cfg.num_moe_layers
+    return TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+                     top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
+                     num_hot=L * cfg.num_experts, num_cold=0)
+
+
+def bf16_experts(args, dev, shape, R: dict):
+    """The bf16 experts function (``--tune``: autotuned now; ``--tuned``: an entry's configs; else
+    the parity gate's default) and its tune result (None without)."""
+    from coldset.kernels.tune import autotune, tuned_experts
+    from coldset.verify.gate import experts_functions
+
+    experts, result = experts_functions(dev, None)[0], None
     if args.tune:
         t = time.perf_counter()
         result = autotune(shape, list(BATCHES), "cuda", "/tmp/coldset-autotune")
@@ -247,58 +264,63 @@ def run(args, argv=None) -> dict:
         experts = tuned_experts(result, use_row_map=False)
         R["tuned_configs"] = result.configs
         R["tuned_from"] = args.tuned
-    experts_by_name = {"": experts}
-    if args.baseline_module:
-        experts_by_name["base"] = baseline_experts(args.baseline_module, result)
-        R["baseline_module"] = args.baseline_module
-    # The formats timed: (name, all-hot pools, experts functions by engine suffix, bytes of one expert).
-    formats = [("bf16", model.pools, experts_by_name, expert_bytes(cfg))]
-    if args.weight_format == "fp8":
-        from dataclasses import replace
+    return experts, result
 
+
+def fp8_format(args, dev, model, shape, R: dict) -> tuple:
+    """``--weight-format fp8``'s format: the model's experts quantized to block FP8 and the FP8
+    kernel's experts function (its defaults, ``--tuned-fp8``'s configs, or autotuned now with
+    ``--tune`` / ``--tune-fp8``: a candidate the tune excluded fails the run)."""
+    from dataclasses import replace
+
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
+    from coldset.analysis.placement import expert_bytes
+    from coldset.kernels.tune import autotune, default_search_space, tuned_experts, untimed_candidates
+    from coldset.verify.gate import experts_functions
+
+    t = time.perf_counter()
+    pools8 = fp8_expert_pools(model.pools)
+    torch.cuda.synchronize()
+    R["fp8_quantize_s"] = time.perf_counter() - t
+    shape8 = replace(shape, weight_format=expert_format("fp8"))
+    experts8 = experts_functions(dev, None)[0]  # triton_experts dispatches FP8 pools to triton_fp8, defaults
+    R["fp8_configs_from"] = "triton_fp8.default_config"
+    if args.tune or args.tune_fp8:
         t = time.perf_counter()
-        pools8 = fp8_expert_pools(model.pools)
-        torch.cuda.synchronize()
-        R["fp8_quantize_s"] = time.perf_counter() - t
-        shape8 = replace(shape, weight_format=expert_format("fp8"))
-        experts8 = experts_functions(dev, None)[0]  # triton_experts dispatches FP8 pools to triton_fp8, defaults
-        R["fp8_configs_from"] = "triton_fp8.default_config"
-        if args.tune or args.tune_fp8:
-            t = time.perf_counter()
-            tuned8 = autotune(shape8, list(BATCHES), "cuda", "/tmp/coldset-autotune")
-            R["fp8_autotune_s"] = time.perf_counter() - t
-            experts8, R["fp8_tuned_configs"] = tuned_experts(tuned8, False), tuned8.configs
-            # every candidate's µs per layer, so a config that lost is seen losing (not only the winner)
-            R["fp8_tune_timings_us"] = {str(b): t for b, t in tuned8.timings_us.items()}
-            # a candidate the tune excluded (an error, or an output unlike its torch path) fails the run
-            lost = untimed_candidates(tuned8, default_search_space(dev, shape8.weight_format))
-            if lost:
-                R.setdefault("fails", []).append(f"FP8 autotune excluded candidates (see the warnings): {lost}")
-            R["fp8_configs_from"] = "autotuned in this run"
-            log("FP8 autotune", R["fp8_autotune_s"], "s", tuned8.configs)
-        elif args.tuned_fp8:
-            tuned8 = _tuned_from_file(args.tuned_fp8, shape8)
-            experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, \
-                args.tuned_fp8
-        formats.append(("fp8", pools8, {"": experts8}, expert_bytes(cfg, expert_format("fp8"))))
-        R["expert_bytes"] = {name: b for name, _, _, b in formats}
-        R["fp8_nonexpert"] = FP8_NONEXPERT
-        log("FP8 experts quantized in", R["fp8_quantize_s"], "s; bytes per expert", R["expert_bytes"])
+        tuned8 = autotune(shape8, list(BATCHES), "cuda", "/tmp/coldset-autotune")
+        R["fp8_autotune_s"] = time.perf_counter() - t
+        experts8, R["fp8_tuned_configs"] = tuned_experts(tuned8, False), tuned8.configs
+        # every candidate's µs per layer, so a config that lost is seen losing (not only the winner)
+        R["fp8_tune_timings_us"] = {str(b): t for b, t in tuned8.timings_us.items()}
+        # a candidate the tune excluded (an error, or an output unlike its torch path) fails the run
+        lost = untimed_candidates(tuned8, default_search_space(dev, shape8.weight_format))
+        if lost:
+            R.setdefault("fails", []).append(f"FP8 autotune excluded candidates (see the warnings): {lost}")
+        R["fp8_configs_from"] = "autotuned in this run"
+        log("FP8 autotune", R["fp8_autotune_s"], "s", tuned8.configs)
+    elif args.tuned_fp8:
+        tuned8 = _tuned_from_file(args.tuned_fp8, shape8)
+        experts8, R["fp8_tuned_configs"], R["fp8_configs_from"] = tuned_experts(tuned8, False), tuned8.configs, \
+            args.tuned_fp8
+    return "fp8", pools8, {"": experts8}, expert_bytes(model.config, expert_format("fp8"))
 
-    def no_experts(pools, layer, x, topk_ids, topk_weights):
-        return torch.zeros_like(x)
 
-    stream = [t for d in fx["domains"] for text in texts[d][:4] for t in tokenizer.encode(text).ids]
-    prompts_by_b = {b: bn.bench_prompts(stream, b, PROMPT_TOKENS) for b in BATCHES}
-    # The bytes floor per step: every non-expert weight once (the batch's embedding rows), and
-    # each distinct expert the batch chose per layer (eager routing capture over the same tokens),
-    # per format (FP8: its own routing, its bytes per expert): R["floor"] bf16's, R["floor_fp8"] FP8's.
-    for fmt, pools, fns, ebytes in formats:
+def measure_floors(s: StepRun) -> None:
+    """The bytes floor per step and format: every non-expert weight once (the batch's embedding
+    rows), and each distinct expert the batch chose per layer (eager routing capture over the
+    same tokens), per format (FP8: its own routing, its bytes per expert): ``R["floor"]`` bf16's,
+    ``R["floor_fp8"]`` FP8's."""
+    from coldset.bench import decode as bn
+    from coldset.engine.loading import attach_fp8_attention
+
+    model, R, cfg = s.model, s.R, s.model.config
+    for fmt, pools, fns, ebytes in s.formats:
         floor = R["floor" if fmt == "bf16" else f"floor_{fmt}"] = {}
         model.pools, model.experts_fn = pools, fns[""]
         restore = attach_fp8_attention(model) if fmt == "fp8" else None  # the FP8 model's own routing
         try:
-            for b, prompts in prompts_by_b.items():
+            for b, prompts in s.prompts_by_b.items():
                 _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
                 nonexpert = nonexpert_read_bytes_fp8(cfg, b, model.dtype) if fmt == "fp8" else \
                     bn._nonexpert_read_bytes(cfg, b, model.dtype)
@@ -310,59 +332,89 @@ def run(args, argv=None) -> dict:
             if restore is not None:
                 restore()
         log("floor", fmt, floor)
-    model.pools, model.experts_fn = formats[0][1], experts
+    model.pools, model.experts_fn = s.formats[0][1], s.experts
 
-    rows: list[dict] = []
-    R["rows"] = rows
-    tokens_by_mode: dict[str, list] = {}
-    logits_by_mode: dict[str, torch.Tensor] = {}
 
-    def save():
-        write_result(out_path, R, ceilings, result)
+def no_experts(pools, layer, x, topk_ids, topk_weights):
+    """The step with the routed experts replaced by zeros (it reads none)."""
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    def run_engine(mode: str, t: float, experts_fn, fmt: str = "bf16") -> None:
-        """One engine on the model's current pools (``fmt``: their weight format; rows and check
-        keys of FP8 carry it); the step without experts only once (bf16), it reads none."""
-        key = "" if fmt == "bf16" else f" {fmt}"
-        for bsz in BATCHES:
-            for name in (("full", "no_experts") if bsz == 1 and fmt == "bf16" else ("full",)):
-                model.experts_fn = experts_fn if name == "full" else no_experts
-                dec = bn.Decoder(model, bsz, PROMPT_TOKENS, NEW_TOKENS, True)
-                tok = dec.prefill(prompts_by_b[bsz])
-                dec.set_step(tok, 1)
-                dec.capture()
-                if bsz == 1 and name == "full" and fmt == "bf16":  # the first capture pays the compile
-                    R.setdefault("compile_s", {})[mode] = time.perf_counter() - t
-                toks, logs = [tok], []
-                for step in range(1, NEW_TOKENS):
-                    dec.set_step(tok, step)
-                    lg = dec.step()
-                    logs.append(lg.float().clone())
-                    tok = torch.argmax(lg, dim=-1)
-                    toks.append(tok)
-                if name == "full":
-                    tokens_by_mode[f"{mode}{key}/b{bsz}"] = torch.stack(toks, 1).tolist()
-                    logits_by_mode[f"{mode}{key}/b{bsz}"] = torch.stack(logs, 1)
-                ms = spread([eager_time_us(dec.step, args.reps) / 1e3 for _ in range(args.rounds)])
-                row = {"mode": mode, "batch": bsz, "experts": name, "step_ms": ms["median"], "step_ms_spread": ms,
-                       "tok_s": bsz * 1e3 / ms["median"]}
-                if args.weight_format != "bf16":
-                    row["weight_format"] = fmt
-                    row["nonexpert_fp8"] = fp8_attention_linears(model, bsz)  # [] unless fused at batch 1
-                if name == "full":
-                    row["floor_ms"] = R["floor" if fmt == "bf16" else f"floor_{fmt}"][bsz]["floor_ms"]
-                    row["fraction_of_floor"] = row["floor_ms"] / ms["median"]
-                    row["fraction_of_floor_range"] = [row["floor_ms"] / ms["max"], row["floor_ms"] / ms["min"]]
-                    try:
-                        row["profile"] = kernel_profile(dec.step, layers=len(model.layers))
-                    except Exception as exc:  # the profiler is a diagnosis, not the measurement
-                        row["profile"] = {"error": repr(exc)}
-                rows.append(row)
-                log({k: v for k, v in row.items() if k != "profile"},
-                    {k: v for k, v in row.get("profile", {}).items() if k != "top"})
-                del dec
-                save()
+    return torch.zeros_like(x)
 
+
+def decode_tokens(s: StepRun, dec, tok):
+    """16 greedy steps of a captured decoder from its first token: the tokens and each step's logits."""
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
+    toks, logs = [tok], []
+    for step in range(1, NEW_TOKENS):
+        dec.set_step(tok, step)
+        lg = dec.step()
+        logs.append(lg.float().clone())
+        tok = torch.argmax(lg, dim=-1)
+        toks.append(tok)
+    return torch.stack(toks, 1), torch.stack(logs, 1)
+
+
+def step_row(s: StepRun, dec, mode: str, bsz: int, name: str, fmt: str) -> dict:
+    """The timed row of a captured step: ``--rounds`` medians of ``--reps`` calls (median round
+    with the slowest and fastest), tok/s; a full step also its floor and a kernel profile."""
+    from coldset.core.timing import eager_time_us
+    from coldset.engine.model import fp8_attention_linears
+
+    args, R = s.args, s.R
+    ms = spread([eager_time_us(dec.step, args.reps) / 1e3 for _ in range(args.rounds)])
+    row = {"mode": mode, "batch": bsz, "experts": name, "step_ms": ms["median"], "step_ms_spread": ms,
+           "tok_s": bsz * 1e3 / ms["median"]}
+    if args.weight_format != "bf16":
+        row["weight_format"] = fmt
+        row["nonexpert_fp8"] = fp8_attention_linears(s.model, bsz)  # [] unless fused at batch 1
+    if name == "full":
+        row["floor_ms"] = R["floor" if fmt == "bf16" else f"floor_{fmt}"][bsz]["floor_ms"]
+        row["fraction_of_floor"] = row["floor_ms"] / ms["median"]
+        row["fraction_of_floor_range"] = [row["floor_ms"] / ms["max"], row["floor_ms"] / ms["min"]]
+        try:
+            row["profile"] = kernel_profile(dec.step, layers=len(s.model.layers))
+        except Exception as exc:  # the profiler is a diagnosis, not the measurement
+            row["profile"] = {"error": repr(exc)}
+    return row
+
+
+def run_engine(s: StepRun, mode: str, t: float, experts_fn, fmt: str = "bf16") -> None:
+    """One engine on the model's current pools (``fmt``: their weight format; rows and check
+    keys of FP8 carry it); the step without experts only once (bf16), it reads none."""
+    from coldset.bench import decode as bn
+
+    model, key = s.model, "" if fmt == "bf16" else f" {fmt}"
+    for bsz in BATCHES:
+        for name in (("full", "no_experts") if bsz == 1 and fmt == "bf16" else ("full",)):
+            model.experts_fn = experts_fn if name == "full" else no_experts
+            dec = bn.Decoder(model, bsz, PROMPT_TOKENS, NEW_TOKENS, True)
+            tok = dec.prefill(s.prompts_by_b[bsz])
+            dec.set_step(tok, 1)
+            dec.capture()
+            if bsz == 1 and name == "full" and fmt == "bf16":  # the first capture pays the compile
+                s.R.setdefault("compile_s", {})[mode] = time.perf_counter() - t
+            toks, logits = decode_tokens(s, dec, tok)
+            if name == "full":
+                s.tokens_by_mode[f"{mode}{key}/b{bsz}"] = toks.tolist()
+                s.logits_by_mode[f"{mode}{key}/b{bsz}"] = logits
+            row = step_row(s, dec, mode, bsz, name, fmt)
+            s.rows.append(row)
+            log({k: v for k, v in row.items() if k != "profile"},
+                {k: v for k, v in row.get("profile", {}).items() if k != "top"})
+            del dec
+            s.save()
+
+
+def run_engines(s: StepRun, engines: list[str]) -> None:
+    """Every engine (its decode region compiled once) in every format; an engine that fails
+    (e.g. a launch mode the driver refuses) is a result (``R["errors"]``)."""
+    import torch._dynamo as dynamo  # GPU-only path: torch and the kernels load when a measurement runs
+
+    from coldset.engine.loading import attach_fp8_attention
+
+    model = s.model
     for mode in engines:
         dynamo.reset()
         model._compiled_before_experts = None
@@ -372,50 +424,95 @@ def run(args, argv=None) -> dict:
             model.compile_decode(fused=False)
         elif engine in FUSED_PDL:
             model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
-        for fmt, pools, fns, _ in formats:  # the compiled region is the same for every format
+        for fmt, pools, fns, _ in s.formats:  # the compiled region is the same for every format
             model.pools = pools
             restore = attach_fp8_attention(model) if fmt == "fp8" else None  # FP8 attention for FP8 rows only
             try:
-                run_engine(mode, t, fns[which], fmt)
+                run_engine(s, mode, t, fns[which], fmt)
             except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
                 label = mode if fmt == "bf16" else f"{mode} {fmt}"
-                R.setdefault("errors", {})[label] = repr(exc)[:500]
+                s.R.setdefault("errors", {})[label] = repr(exc)[:500]
                 log("engine", label, "failed:", repr(exc)[:500])
             finally:
                 if restore is not None:
                     restore()
+    model.pools, model.experts_fn = s.formats[0][1], s.experts
 
-    model.pools, model.experts_fn = formats[0][1], experts
-    from torch._dynamo.utils import counters
 
-    R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+def compare(s: StepRun, a: str, b: str, bsz: int) -> dict | None:
+    """Token match rate and largest logit difference of two engines' runs (None if one is missing)."""
+    if a not in s.tokens_by_mode or b not in s.tokens_by_mode:
+        return None
+    e, c = s.tokens_by_mode[a], s.tokens_by_mode[b]
+    same = sum(x_ == y_ for x, y in zip(e, c) for x_, y_ in zip(x, y)) / (bsz * NEW_TOKENS)
+    return {"token_match": same, "max_abs_logit_diff": (s.logits_by_mode[a] - s.logits_by_mode[b]).abs().max().item()}
+
+
+def record_checks(s: StepRun, engines: list[str]) -> None:
+    """Every engine against the first one's tokens per format; with FP8 the speedup per engine and
+    batch and FP8 against bf16 (a token match rate, not checked)."""
+    R = s.R
     R["checks"] = {}
     ref = engines[0]
-
-    def compare(a: str, b: str, bsz: int) -> dict | None:
-        if a not in tokens_by_mode or b not in tokens_by_mode:
-            return None
-        e, c = tokens_by_mode[a], tokens_by_mode[b]
-        same = sum(x_ == y_ for x, y in zip(e, c) for x_, y_ in zip(x, y)) / (bsz * NEW_TOKENS)
-        return {"token_match": same, "max_abs_logit_diff": (logits_by_mode[a] - logits_by_mode[b]).abs().max().item()}
-
-    for fmt, *_ in formats:
+    for fmt, *_ in s.formats:
         key = "" if fmt == "bf16" else f" {fmt}"
         for mode in engines:
             for bsz in BATCHES:
-                got = compare(f"{ref}{key}/b{bsz}", f"{mode}{key}/b{bsz}", bsz)
+                got = compare(s, f"{ref}{key}/b{bsz}", f"{mode}{key}/b{bsz}", bsz)
                 if got is not None:
                     R["checks"][f"{mode}{key}/b{bsz}"] = got
     R["checks_against"] = ref
-    if len(formats) > 1:
-        R["fp8_speedup"] = fp8_speedup(rows, R["floor"], R["floor_fp8"])
+    if len(s.formats) > 1:
+        R["fp8_speedup"] = fp8_speedup(s.rows, R["floor"], R["floor_fp8"])
         R["fp8_vs_bf16"] = {f"{mode}/b{bsz}": got for mode in engines for bsz in BATCHES
-                            if (got := compare(f"{mode}/b{bsz}", f"{mode} fp8/b{bsz}", bsz)) is not None}
+                            if (got := compare(s, f"{mode}/b{bsz}", f"{mode} fp8/b{bsz}", bsz)) is not None}
         log("bf16 step / FP8 step", {k: round(v["bf16_over_fp8"], 3) for k, v in R["fp8_speedup"].items()})
-    save()
-    for r in rows:
+
+
+def run(args, argv=None) -> dict:
+    """Measure (see module doc); returns the result written to ``--out``/decode_step.json."""
+    check_arguments(args)
+    engines = args.engines.split(",")
+    dev = require_cuda()
+    from torch._dynamo.utils import counters  # GPU-only path: torch and the kernels load when a measurement runs
+
+    from coldset.analysis.placement import expert_bytes
+    from coldset.bench import decode as bn
+    from coldset.workflow.config import load_config
+
+    out_path = Path(args.out) / "decode_step.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    config = load_config(args.config)
+    R = new_result("step", argv, args)
+    R["config"] = args.config
+    ceilings = bn.measure_ceilings()
+    R["hbm_read_GBps"] = ceilings["hbm_read_gb_s"]
+    log("HBM read GB/s", R["hbm_read_GBps"])
+    model, tokenizer, texts = build_model(config, dev)
+    shape = tune_shape(config, model.config)
+    experts, result = bf16_experts(args, dev, shape, R)
+    s = StepRun(args, R, out_path, ceilings, model, experts, result)
+    experts_by_name = {"": experts}
+    if args.baseline_module:
+        experts_by_name["base"] = baseline_experts(args.baseline_module, result)
+        R["baseline_module"] = args.baseline_module
+    s.formats.append(("bf16", model.pools, experts_by_name, expert_bytes(model.config)))
+    if args.weight_format == "fp8":
+        s.formats.append(fp8_format(args, dev, model, shape, R))
+        R["expert_bytes"] = {name: b for name, _, _, b in s.formats}
+        R["fp8_nonexpert"] = FP8_NONEXPERT
+        log("FP8 experts quantized in", R["fp8_quantize_s"], "s; bytes per expert", R["expert_bytes"])
+    fx = config["fixtures"]
+    stream = [t for d in fx["domains"] for text in texts[d][:4] for t in tokenizer.encode(text).ids]
+    s.prompts_by_b = {b: bn.bench_prompts(stream, b, PROMPT_TOKENS) for b in BATCHES}
+    measure_floors(s)
+    R["rows"] = s.rows
+    run_engines(s, engines)
+    R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+    record_checks(s, engines)
+    s.save()
+    for r in s.rows:
         if "top" in r.get("profile", {}):
             log(r["mode"], f"b{r['batch']}", "top kernels (name, per step, us per step):",
                 [(t["name"][:48], t["per_step"], t["us_per_step"]) for t in r["profile"]["top"][:12]])
     return R
-
