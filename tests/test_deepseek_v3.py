@@ -14,7 +14,7 @@ import torch
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import SlotCache
-from coldset.engine.deepseek_v3 import DeepseekV3Config, DeepseekV3Model, load_weights, yarn_mscale
+from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, load_weights, yarn_mscale
 from coldset.engine.generate import generate
 from coldset.engine.loading import _load_experts, _TensorSource
 from coldset.engine.model import ModelLoadError
@@ -159,7 +159,7 @@ def test_the_correction_bias_moves_the_choice_not_the_weights(checkpoint):
         sums = r.weights.sum(-1)
         torch.testing.assert_close(sums, torch.full_like(sums, cfg.routed_scaling_factor))
     for layer in model.layers:
-        if layer.mlp.__class__.__name__ == "DeepseekMoE":
+        if isinstance(layer.mlp, DeepseekMoE):
             layer.mlp.e_score_correction_bias.zero_()
     without = generate(model, PROMPTS, 4, capture_routing=True, progress=False).routing
     assert any(not torch.equal(a.experts.sort(-1)[0], b.experts.sort(-1)[0]) for a, b in zip(with_bias, without))
@@ -247,4 +247,20 @@ def test_published_defaults_and_legacy_rope_scaling(checkpoint):
     cfg = DeepseekV3Config.from_hf_config(raw)
     assert (cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.rope_interleave) == (2.5, True, True)
     assert cfg.yarn is not None and cfg.yarn.factor == 4.0 and cfg.rope_theta == 10000.0
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.moe_layers, cfg.shared_expert_intermediate_size) == (20, 24, (1, 2), 40)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.moe_layers) == (20, 24, (1, 2))
+    assert cfg.shared_expert_intermediate_size == 40
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 0.5), (torch.float16, 0.1)])
+def test_low_precision_decode_tracks_float32(checkpoint, dtype, atol):
+    """In bf16/fp16 the router (its weight, correction bias and logits) stays float32, as
+    transformers keeps it; the logits stay near float32's and the first tokens agree."""
+    path = checkpoint("q_lora_yarn")
+    ref = generate(load(path), PROMPTS, 4, progress=False, return_all_logits=True)
+    model = load(path, dtype)
+    moe = model.layers[1].mlp
+    assert moe.gate.weight.dtype == moe.e_score_correction_bias.dtype == torch.float32
+    assert model.pools.w13_hot.dtype == dtype and model.layers[0].self_attn.kv_b_proj.weight.dtype == dtype
+    got = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
+    assert (got.all_logits.float() - ref.all_logits).abs().max().item() < atol
+    assert [t[:2] for t in got.tokens] == [t[:2] for t in ref.tokens]

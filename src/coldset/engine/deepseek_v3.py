@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
-from coldset.engine.model import DenseMLP, MoEBlock, MoEModel, ModelConfig, ModelLoadError, RMSNorm
+from coldset.engine.model import DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,8 @@ class DeepseekMoE(MoEBlock):
         self.register_buffer("e_score_correction_bias", None)
         self.shared_experts = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_experts = DenseMLP(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
+            width = cfg.shared_expert_intermediate_size  # n_shared_experts experts as one SwiGLU
+            self.shared_experts = DenseMLP(dataclasses.replace(cfg, intermediate_size=width))
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [N, k] int64, topk_weights [N, k] float32)`` for tokens ``flat`` [N, H]."""
