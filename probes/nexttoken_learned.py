@@ -50,6 +50,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import replace as dataclass_replace
 
 import numpy as np
 import pandas as pd
@@ -58,7 +59,7 @@ from torch import nn
 
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
 from coldset.core.trace import request_codes
-from coldset.analysis.forecast import NextTokenForecaster, dataclass_replace, forecast_quality, lanes_per_sequence
+from coldset.analysis.forecast import NextTokenForecaster, forecast_quality, lanes_per_sequence
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"
 PROFILE, VALIDATION, REPLAY = ("abstract_algebra", "anatomy"), "anatomy", ("astronomy",)

@@ -10,13 +10,14 @@ Measured (CPU, 2 shared cores): see coldset.analysis.forecast's note under HIST_
 """
 import sys
 import time
+from dataclasses import replace as dataclass_replace
 
 import numpy as np
 import pandas as pd
 
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
 from coldset.core.trace import request_codes
-from coldset.analysis.forecast import SCORE_UNIT, NextTokenForecaster as N, dataclass_replace, forecast_quality
+from coldset.analysis.forecast import SCORE_UNIT, NextTokenForecaster as N, forecast_quality
 
 TRACE = "../shared/data/traces/llama4-maverick-mmlu.parquet"
 rows, meta = trace_decode_rows(TRACE, 0.25)

@@ -1,4 +1,4 @@
-"""Forecast the next decode token's experts in every MoE layer from the current token's (issue 12, item 3).
+"""Forecast the next decode token's experts in every MoE layer from the current token's.
 
 Why: one layer of compute hides about one expert transfer over PCIe, so a cache that waits for the
 router of the layer that needs an expert fetches too late; a prefetch must know, while token
@@ -25,7 +25,7 @@ is a gather of ``k`` rows of ``E`` scores, a sum and a top-n per layer.
 selections (per layer) that the forecast made from the current token contains, beside the
 previous-token baseline (the forecast "the next token selects what this one did").
 :func:`stream_predictions` turns it into the per-group prefetch lists that the ``forecast``
-policy of :func:`coldset.analysis.cache.simulate` replays.
+policy of :func:`coldset.analysis.simulate.simulate` replays.
 
 The next-layer lookahead (pre-gated MoE) is the other forecaster measured here: within one step,
 the router of MoE layer ``l + d`` applied to layer ``l``'s router input names layer ``l + d``'s
@@ -33,16 +33,17 @@ experts ``d`` layers before its own router runs, from hidden states rather than 
 from an engine run, not a trace). :func:`lookahead_recall` measures it on the selections a cache
 missed (what a prefetch could hide); :func:`lookahead_predictions` gives the simulator's
 ``lookahead`` policy its lists. Why a layer ahead can be enough after all: at residency 0.5 a
-recency cache misses about 0.1-0.5 instances per layer and token (BENCHMARKS.md, issue 12), not
+recency cache misses under one instance per layer and token, not
 the whole top-k the "one layer hides one expert" estimate assumes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
+import torch
 
 from coldset.core.trace import request_codes
 
@@ -170,7 +171,7 @@ def forecast_recall(forecaster: TransitionForecaster, rows: pd.DataFrame, num_mo
 
 
 def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
-    """int64 ``[G, P]``: for each group of a :class:`coldset.analysis.cache.AccessStream` (one MoE layer's
+    """int64 ``[G, P]``: for each group of a :class:`coldset.analysis.streams.AccessStream` (one MoE layer's
     selections of one step: ``B * top_k`` of them, token by token), the instances to prefetch
     after it: the union of each token's forecast in token order then score order, first
     occurrence kept, padded with -1."""
@@ -209,15 +210,13 @@ def lookahead_recall(hidden, routers, routing: np.ndarray, missed: np.ndarray, d
     ``hidden``: torch ``[S, L, T, H]``, each MoE layer's router input (the post-attention norm's
     output) per step and token; ``routers``: the ``L`` router weights ``[E, H]``; ``routing``:
     int ``[S, L, T, k]`` the selections; ``missed``: bool ``[S, L, T, k]``, the selections a cache
-    missed (e.g. ``lru``'s per-selection ``~hit`` of :func:`coldset.analysis.cache.simulate`).
+    missed (e.g. ``lru``'s per-selection ``~hit`` of :func:`coldset.analysis.simulate.simulate`).
 
     Returns the recall on the missed selections of layers ``>= depth`` (what a prefetch could
     hide) and on all their selections, the share of missed selections in layers ``< depth`` (no
     lookahead can reach them), and the precision of the forecast (its share of experts selected).
     Logits are computed in float32 (the engine ranks the model dtype's logits; near-ties may rank
     otherwise: a measurement, not the engine's decisions)."""
-    import torch
-
     S, L, T, k = routing.shape
     if missed.shape != routing.shape or tuple(hidden.shape[:3]) != (S, L, T) or len(routers) != L:
         raise ForecastError(f"lookahead_recall: hidden {tuple(hidden.shape)}, routing {routing.shape}, missed "
@@ -245,14 +244,12 @@ def lookahead_recall(hidden, routers, routing: np.ndarray, missed: np.ndarray, d
 
 def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> np.ndarray:
     """int64 ``[S * L, P]``: the prefetch lists of the ``lookahead`` policy of
-    :func:`coldset.analysis.cache.simulate` for an engine stream of ``S`` steps (groups in step, layer order,
+    :func:`coldset.analysis.simulate.simulate` for an engine stream of ``S`` steps (groups in step, layer order,
     ``T`` tokens each): after group (step ``s``, layer ``l``) the instances of layer ``l + depth``
     that its router ranks in the top ``num_predictions`` on layer ``l``'s router inputs
     ``hidden[s, l]`` (token by token, then rank, first occurrence kept), -1 padded; nothing after
     the last ``depth`` layers. ``hidden`` torch ``[S, L, T, H]``, ``routers`` the ``L`` router
     weights ``[E, H]``; float32 logits, ties to the lower expert id (as :func:`lookahead_recall`)."""
-    import torch
-
     S, L, T = (int(x) for x in hidden.shape[:3])
     if len(routers) != L or not 1 <= depth < L:
         raise ForecastError(f"lookahead_predictions: {len(routers)} routers for {L} layers, depth {depth}")
@@ -272,19 +269,17 @@ def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> 
 
 LOOKAHEAD_FIT_SHRINK = 0.1  # the ridge weight towards the router, in units of mean(diag(X^T X))
 # the profile tokens router_inputs keeps at most: 2x the real shape's hidden size, 0.8 GB of bf16
-# router inputs at 48 x 2048 (the H200 fits used 3,072 and 3,179)
+# router inputs at 48 x 2048
 LOOKAHEAD_FIT_TOKENS = 4096
 
 
 def router_inputs(engine, prompts: list[list[int]], max_tokens: int = LOOKAHEAD_FIT_TOKENS):
     """``[N, L, H]`` (the engine's dtype and device): every MoE layer's router input for each of the
     ``N`` tokens of ``prompts``, one prefill a prompt through the engine's current experts path
-    (:func:`coldset.engine.model.generate`, one new token, so only the prefill runs), in prompt order, the
+    (:func:`coldset.engine.generate.generate`, one new token, so only the prefill runs), in prompt order, the
     first ``max_tokens`` tokens (the last prompt cut): the profile data of
     :func:`fit_lookahead_routers`, bounded whatever the size of a user's fixture set."""
-    import torch
-
-    from coldset.engine.generate import generate
+    from coldset.engine.generate import generate  # reason: the engine sits above analysis; only this runs one
 
     L = engine.config.num_moe_layers
     saved = engine.experts_fn
@@ -341,8 +336,6 @@ def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD
     ``hidden``: ``[N, L, H]`` (any float dtype; N profile tokens, each MoE layer's router input);
     ``routers``: the ``L`` routers ``[E, H]``. Returns ``L`` tensors ``[E, H]`` in each router's
     dtype and device. Solved in float64 on ``hidden``'s device."""
-    import torch
-
     N, L, H = (int(x) for x in hidden.shape)
     if len(routers) != L or not 1 <= int(depth) < L:
         raise ForecastError(f"fit_lookahead_routers: {len(routers)} routers for {L} layers, depth {depth}")
@@ -363,30 +356,17 @@ def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD
 
 
 # --------------------------------------------------------------------------------------------
-# The next-token forecast of every layer (issue 28; /work/coord/policy28.md's rules)
+# The next-token forecast of every layer (the ``nexttoken`` policy's forecaster, coldset.analysis.policies.nexttoken)
 
 SCORE_UNIT = 1 << 16  # the integer tables' unit: a probability p is stored as round(p * SCORE_UNIT)
 DEFAULT_TERMS = ((0, 0), (1, 0), (2, 0))
 DEFAULT_WEIGHTS = (1.0, 0.5, 0.25)
 HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5), (0.8, 5))
-# Measured and not kept (issue 28, real trace, profile abstract_algebra + anatomy, validation
-# anatomy, replay astronomy, k + 3 = 4): a grid of beta 0.1-1.6 x shift 3-5 plus shift 6 (19
-# entries) lifts the validation's best one token ahead from 0.5851 to 0.5852 (self_boost on;
-# 0.573 -> 0.581 without it) and the replay's recall from 0.5632 to 0.5634 (0.5254 / 0.4987 / 0.4802 at
-# 2 / 4 / 8 ahead, against 0.5254 / 0.4992 / 0.4802) for 2-3x the tuning time. On the validation
-# part (self_boost off, beta 0.8-1.6, shift 4: 0.5805) alpha 0.1-100, the previous token's higher
-# layers (1, -1), (1, -2) and lags 3, 4 stay within 0.001, log-probability tables lose 0.003, two
-# history timescales (a form change) gain 0.0035. Weights fitted by softmax cross-entropy (per
-# layer: H's weight, each table's weight, a diagonal and a bias; still this form) fall to 0.24-0.25
-# when fitted within abstract_algebra (its sequences make the tables look reliable; they do not
-# transfer) and reach 0.561 against the count tables' 0.581 when fitted across subjects: in this
-# form recall sits near 0.58 on validation (probes/nexttoken_recall_form.py).
-# The current token's two lower layers (l - 1, l - 2: routed before layer l's forecast is made)
-# beside the defaults: a candidate for fit_tuned(term_sets=...), not the default. Measured (issue
-# 28, FORECAST2; /work/coord/policy28.md): one token ahead with k + 3 candidates it adds +0.001
-# recall on the real trace's held-out subject (0.5634 -> 0.5646; and -0.0007 on the profile's
-# validation domain) and +0.003 on the synthetic top-8 trace, for 5/3 of the table memory
-# (J x L x E x E int32) and of the table rows read per step.
+# Forms measured and not kept (a wider history grid, other terms and lags, log-probability tables,
+# fitted weights): docs/history.md, "The next-token forecast". The current token's two lower
+# layers (l - 1, l - 2: routed before layer l's forecast is made) beside the defaults are a
+# candidate for fit_tuned(term_sets=...), not the default: within noise of the defaults' recall for
+# 5/3 of the table memory (J x L x E x E int32) and of the table rows read per step.
 LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
 LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
 
@@ -479,7 +459,7 @@ class NextTokenForecaster:
     def fit(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *, horizon: int = 1,
             terms=DEFAULT_TERMS, weights=DEFAULT_WEIGHTS, hist_beta: float = 0.2, hist_shift: int = 5,
             extra: int = 3, alpha: float = 1.0, self_boost: float = 0.0) -> "NextTokenForecaster":
-        """Fit the tables on decode ``tokens`` int ``[T, L, k]`` (:func:`coldset.analysis.cache.token_array`
+        """Fit the tables on decode ``tokens`` int ``[T, L, k]`` (:func:`coldset.analysis.streams.token_array`
         of the profile selection) with their sequence ids ``[T]`` (consecutive tokens of a
         sequence in order). ``hist_beta``: H's increment as a share of :data:`SCORE_UNIT`;
         ``self_boost``: added (in :data:`SCORE_UNIT`) to the diagonal of the current token's table
@@ -556,7 +536,7 @@ class NextTokenForecaster:
                     base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon,
                                    terms=terms, weights=weights, self_boost=boost, **kw)
                     for beta, shift in grid:
-                        f = dataclass_replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
+                        f = replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
                         r = forecast_quality(f, tokens[val], sequence[val])["recall"]
                         if best is None or r > best[0] + 1e-12:
                             best = (r, beta, shift, boost, terms, weights)
@@ -570,7 +550,7 @@ class NextTokenForecaster:
     def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
         first), ``-1`` for idle lanes. ``sel`` int ``[S, L, B, k]`` and ``start`` bool ``[S, B]`` as
-        :class:`coldset.analysis.cache.Lanes` (the engine's pass: ``B`` lanes started at step 0)."""
+        :class:`coldset.analysis.streams.Lanes` (the engine's pass: ``B`` lanes started at step 0)."""
         sel = np.asarray(sel, dtype=np.int64)
         start = np.asarray(start, dtype=bool)
         S, L, B, k = sel.shape
@@ -620,12 +600,6 @@ class NextTokenForecaster:
                 s0 = s + 1
         out[np.broadcast_to((sel[:, 0, :, 0] < 0)[:, None, :, None], out.shape)] = -1
         return out
-
-
-def dataclass_replace(obj, **kw):
-    from dataclasses import replace
-
-    return replace(obj, **kw)
 
 
 def lanes_of_tokens(tokens: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -736,7 +710,7 @@ def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, 
 
 def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
     """int64 ``[S * L, B * n]``: the ``nexttoken`` policy's candidate list of every (step, layer)
-    group (the rows of :meth:`coldset.analysis.cache.Lanes.stream`'s groups): round robin over rank then
+    group (the rows of :meth:`coldset.analysis.streams.Lanes.stream`'s groups): round robin over rank then
     lane (lane 0's best, lane 1's best, ..., lane 0's second, ...), first occurrence kept, as
     instance ids ``l * E + e``, -1 padded."""
     if forecaster.horizon != 1:
