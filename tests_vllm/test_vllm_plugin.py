@@ -1,4 +1,4 @@
-"""coldset's vLLM plugin (coldset.serve.vllm_plugin) on real vLLM (the PyPI CPU build), issue 31.
+"""coldset's vLLM plugin (coldset.serve.vllm_plugin) on real vLLM (the PyPI CPU build).
 
 The workflow runs up to its parity gate on the default synthetic checkpoint (conftest's
 ``gated_workflow``). vLLM's OpenAI-compatible server is started once per configuration with
@@ -14,23 +14,17 @@ engine settings are refused at start-up by name.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import PLUGIN_PLACEMENTS, coldset_env
+from conftest import PLUGIN_PLACEMENTS, ServerProcess, coldset_env, embedded_tokens, plugin_lines
 
-HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 6
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -57,48 +51,17 @@ def server_command(model_dir: Path, port: int, chat_template: Path, dtype: str =
             "--port", str(port), "--chat-template", str(chat_template)]
 
 
-class Server:
-    """One api_server process (its own session, stopped by its process group id)."""
+class Server(ServerProcess):
+    """One api_server process on a free loopback port, with or without a placement."""
 
     def __init__(self, model_dir: Path, log: Path, chat_template: Path, placement: Path | None, dtype="float32"):
         self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log
         env = coldset_env()
         env.pop("COLDSET_PLACEMENT", None)
         if placement is not None:
             env["COLDSET_PLACEMENT"] = str(placement)
-        self._out = open(log, "w")
-        self.proc = subprocess.Popen(server_command(model_dir, self.port, chat_template, dtype), stdout=self._out,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 600) -> bool:
-        """True once /health answers; False if the process exited first."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return True
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server not ready after {timeout} s; log {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._out.close()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(server_command(model_dir, self.port, chat_template, dtype), log, env,
+                         f"http://127.0.0.1:{self.port}")
 
 
 def _requests(base: str, prompts: list[list[int]]) -> dict:
@@ -140,21 +103,6 @@ def served(gated_workflow, prompts, tmp_path_factory):
     return runs
 
 
-def _embedded(model_dir: Path, placement_dir: Path, name: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    """coldset's embedded engine, one prompt at a time, at placement ``name`` (None: all hot)."""
-    import torch
-
-    from coldset.verify import gate
-    from coldset.engine import model as engine
-    from coldset.core.placement import load_placement
-
-    mdl = engine.load_model(model_dir, dtype=torch.float32)
-    if name is None:
-        return [gate.reference_decode(mdl, [p], MAX_TOKENS, 1, progress=False).tokens[0] for p in prompts]
-    pools = mdl.pools.placed(load_placement(placement_dir / f"{name}.json").row_map)
-    return [gate.placement_decode(mdl, pools, [p], MAX_TOKENS, 1, progress=False).tokens[0] for p in prompts]
-
-
 def _memory_line(log: str) -> tuple[int, int]:
     import re
 
@@ -173,9 +121,12 @@ def test_plugin_installed_as_vllm_general_plugin():
 
 def test_installed_but_not_asked_for_changes_nothing(served, gated_workflow, prompts):
     stock = served["stock"]
-    assert "coldset" not in stock["log"]  # the plugin said nothing and did nothing
-    ref = _embedded(gated_workflow["model_dir"], gated_workflow["placement_dir"], None,
-                    stock["completion_prompts"] + [stock["chat_prompt"]])
+    # the plugin said nothing: no line of its own, looked for outside the paths vLLM prints; those
+    # hold the word here (gated_workflow runs in a folder named coldset, as a default clone does)
+    assert "coldset" in stock["log"] and plugin_lines(stock["log"]) == []
+    assert "COLDSET_PLACEMENT" not in stock["log"]
+    ref = embedded_tokens(gated_workflow["model_dir"], gated_workflow["placement_dir"], None,
+                          stock["completion_prompts"] + [stock["chat_prompt"]], MAX_TOKENS)
     assert stock["completion_prompts"] == prompts
     assert stock["completion"] + [stock["chat"]] == ref  # stock vLLM decodes what coldset's engine does
 
@@ -186,12 +137,15 @@ def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
 
     run, stock = served[name], served["stock"]
     assert f"coldset: serving placement {gated_workflow['placement_dir'] / name}.json" in run["log"]
+    said = plugin_lines(run["log"])  # what the stock server's check looks for, found where the plugin speaks
+    assert any("coldset: serving placement" in line for line in said), said
+    assert any("coldset: placement" in line and "served: routed experts" in line for line in said), said
     assert run["completion_prompts"] == stock["completion_prompts"] and run["chat_prompt"] == stock["chat_prompt"]
     got = run["completion"] + [run["chat"]]
     assert all(len(t) == MAX_TOKENS for t in got)
     assert got == stock["completion"] + [stock["chat"]], f"{name}: plugin tokens differ from stock vLLM's"
-    ref = _embedded(gated_workflow["model_dir"], gated_workflow["placement_dir"], name,
-                    run["completion_prompts"] + [run["chat_prompt"]])
+    ref = embedded_tokens(gated_workflow["model_dir"], gated_workflow["placement_dir"], name,
+                          run["completion_prompts"] + [run["chat_prompt"]], MAX_TOKENS)
     assert got == ref, f"{name}: plugin tokens differ from coldset's embedded engine at this placement"
     before, hot = _memory_line(run["log"])
     pl = load_placement(gated_workflow["placement_dir"] / f"{name}.json")
@@ -321,6 +275,8 @@ def test_engine_settings_refused_by_name(gated_workflow, tmp_path):
         (config(dtype="torch.bfloat16"), "dtype 'bfloat16'"),
         (config(hf_cfg=other), "num_experts 64"),
         (config(tensor_parallel_size=2), "tensor_parallel_size 2"),
+        (config(pipeline_parallel_size=2), "pipeline_parallel_size 2 is not supported"),
+        (config(enable_eplb=True), "enable_eplb is not supported"),
         (config(enable_expert_parallel=True), "enable_expert_parallel"),
         (config(data_parallel_size=2), "data_parallel_size 2"),
         (config(quantization="fp8"), "quantization 'fp8'"),
@@ -330,6 +286,36 @@ def test_engine_settings_refused_by_name(gated_workflow, tmp_path):
     check_vllm_version("0.32.0")
     with pytest.raises(PluginError, match="vLLM 0.33.1 is not a tested version"):
         check_vllm_version("0.33.1")
+
+
+def test_engine_checks_read_vllms_own_parallel_config(gated_workflow):
+    """The settings check_engine reads are vLLM 0.32's ParallelConfig fields (a misspelt one would
+    read as its default and never refuse): real ParallelConfigs, beside the model config above,
+    with pipeline parallelism and with EPLB (vLLM builds that one only on CUDA with expert
+    parallelism over several ranks, so it is set on the object here) are refused by name."""
+    pytest.importorskip("vllm")
+    from dataclasses import fields
+
+    from vllm.config import ParallelConfig
+
+    from coldset.serve.vllm_plugin import PluginError, check_engine, load_served_placement
+
+    read = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
+            "enable_eplb"}
+    assert read <= {f.name for f in fields(ParallelConfig)}
+    served = load_served_placement(gated_workflow["placement_dir"] / "usage_global-0.5.json")
+    cfg = served.manifest["config"]
+    hf = SimpleNamespace(num_hidden_layers=cfg["num_layers"], num_experts=cfg["num_experts"],
+                         hidden_size=cfg["hidden_size"], moe_intermediate_size=cfg["moe_intermediate_size"])
+    model = SimpleNamespace(model=str(gated_workflow["model_dir"]), dtype="torch.float32", quantization=None,
+                            hf_text_config=hf)
+    check_engine(served, SimpleNamespace(model_config=model, parallel_config=ParallelConfig()))
+    eplb = ParallelConfig()
+    object.__setattr__(eplb, "enable_eplb", True)
+    for parallel, message in [(ParallelConfig(pipeline_parallel_size=2), "pipeline_parallel_size 2 is not supported"),
+                              (eplb, "enable_eplb is not supported")]:
+        with pytest.raises(PluginError, match=message):
+            check_engine(served, SimpleNamespace(model_config=model, parallel_config=parallel))
 
 
 def test_bad_start_fails_the_server_with_the_message(gated_workflow, tmp_path):
@@ -356,7 +342,7 @@ def test_bad_start_fails_the_server_with_the_message(gated_workflow, tmp_path):
 
 
 def test_importer_reads_real_vllm_responses_per_choice(served, gated_workflow, tmp_path):
-    """Issue 30 item 2 on real vLLM 0.32 responses (the stock server's, above): a two-prompt
+    """The importer on real vLLM 0.32 responses (the stock server's, above): a two-prompt
     completions response's usage.prompt_tokens is the total over its prompts, so the importer takes
     each choice's prompt_token_ids; with routed_experts attached as vLLM writes them (every layer,
     prompt + completion - 1 rows; the CPU build cannot return them itself) the rows import with each
