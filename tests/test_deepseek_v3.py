@@ -14,7 +14,8 @@ import torch
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import SlotCache
-from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, load_weights, yarn_mscale
+from coldset.engine.deepseek_v3 import (DeepseekMoE, DeepseekV3Config, DeepseekV3Model, is_deepseek_v3, load_weights,
+                                        yarn_mscale)
 from coldset.engine.generate import generate
 from coldset.engine.loading import _load_experts, _TensorSource
 from coldset.engine.model import ModelLoadError
@@ -66,7 +67,9 @@ def build_checkpoint(variant: str, out, seed: int = 0):
 
 
 def load(folder, dtype=torch.float32) -> DeepseekV3Model:
-    """The engine's deepseek_v3 model of a checkpoint folder: config, weights and expert pools."""
+    """A deepseek_v3 folder as the engine reads it: the family's config, model and non-expert weights
+    (:func:`load_weights`), the routed experts into all-hot pools by the loader's expert reader."""
+    assert is_deepseek_v3(folder)
     cfg = DeepseekV3Config.from_pretrained(folder)
     src, device = _TensorSource(folder), torch.device("cpu")
     model = DeepseekV3Model(cfg)

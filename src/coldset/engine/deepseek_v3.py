@@ -43,9 +43,12 @@ layer with ``torch.compile`` instead.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -164,6 +167,17 @@ class DeepseekV3Config(ModelConfig):
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers",
                                                                              _DEFAULTS["num_nextn_predict_layers"]))),
         )
+
+
+def is_deepseek_v3(path: str | os.PathLike) -> bool:
+    """Whether ``path/config.json`` names ``model_type`` deepseek_v3 (False when it cannot be read:
+    then :meth:`ModelConfig.from_pretrained <coldset.engine.model.ModelConfig.from_pretrained>`
+    names what is wrong with it)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE
 
 
 def _get(raw: dict, name: str):
