@@ -164,7 +164,6 @@ def test_capacity_checks_and_rounding():
     assert simulate(stream, "static", 0, np.ones((1, 4))).hits.sum() == 0
 
 
-
 class _KeepPreviousGroup(CachePolicy):
     """A toy policy in one class: the pool holds exactly the previous group's instances (none at the
     start, whatever the capacity)."""
@@ -202,6 +201,7 @@ def test_simulate_dispatches_through_the_policy_registry(monkeypatch):
     assert int(res.fills.sum()) == sum(len(set(g) - set(p)) for p, g in zip([[]] + groups[:-1], groups))
     table = simulation_table(stream, counts, ["previous_group", "static"], [0.5], bytes_per_expert=10**6)
     assert list(table.policy) == ["previous_group", "static"] and table.hit_rate.iloc[0] == pytest.approx(expected / 60)
+
 
 def test_stream_order_and_heldout_replay_from_a_trace(tmp_path):
     """Held-out requests replay in request-id string order, then position, layer, rank; the
@@ -715,7 +715,7 @@ def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
 def test_tracked_cache_metrics_keep_the_first_batch_and_name_the_others(tmp_path):
     """simulation.csv with two batch sizes: MLflow's legacy cache_{policy}_{metric} names keep the
     smallest batch's (a later batch must not overwrite them), every batch is named b{batch}."""
-    from coldset.reporting.track import _cache_metrics
+    from coldset.reporting.track_runs import simulation_metrics as _cache_metrics
 
     rows = [{"policy": "lru", "residency": 0.5, "batch": b, "capacity": 8, "accesses": 10, "tokens": 5,
              "hit_rate": h, "misses_per_token": 1.0, "link_gb_per_token": 0.1, "prefetches_per_token": 0.0,

@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 
 SIMULATION_COLUMNS = ("policy", "residency", "capacity", "accesses", "tokens", "hit_rate",
                       "misses_per_token", "link_gb_per_token")
-#: The batch the replay steps, the prefetches, and the simulated time (:func:`simulate_time`).
+#: The batch the replay steps, the prefetches, and the simulated time
+#: (:func:`coldset.analysis.time_model.simulate_time`).
 TIME_COLUMNS = ("batch", "prefetches_per_token", "prefetch_precision", "step_ms", "bound_ms", "bound_fraction",
                 "overlap", "stall_ms_per_token", "wasted_gb_per_token")
 
@@ -80,8 +81,8 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
     ``forecast``; ``nexttoken`` (a :class:`coldset.analysis.forecast.NextTokenForecaster`) and ``lanes``
     (the stream's tokens per lane, ``stream == lanes.stream()``) by ``nexttoken``. With
     ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``; or one per policy,
-    :func:`time_models`' form, each with the policy's own ``manage_ms``) the time columns are
-    filled (:func:`simulate_time`), else NaN."""
+    :func:`coldset.analysis.time_model.time_models`' form, each with the policy's own ``manage_ms``)
+    the time columns are filled (:func:`coldset.analysis.time_model.simulate_time`), else NaN."""
     pred = None
     if "forecast" in policies:
         if forecaster is None:
@@ -135,11 +136,13 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     and ``locality.png``.
 
     Warm pool = the ``usage_global`` hot set the placement stage chooses from the same histogram
-    and profile (:func:`coldset.core.placement.profile_counts` with ``profile_domains``, ``phase``,
-    ``domain_weights``); replay = the held-out split's decode rows of every domain, at each batch
-    size of ``time["steps"]`` (requests laid out in lanes, :func:`lanes_from_frame`), timed by
-    :func:`simulate_time` with that batch's all-HBM step (``time``: the config's ``cache.time``).
-    Link bytes use placement's byte model (:func:`coldset.core.placement.expert_bytes` in
+    and profile (:func:`coldset.analysis.profile.profile_counts` with ``profile_domains``,
+    ``phase``, ``domain_weights``); replay = the held-out split's decode rows of every domain, at
+    each batch size of ``time["steps"]`` (requests laid out in lanes,
+    :func:`coldset.analysis.streams.lanes_from_frame`), timed by
+    :func:`coldset.analysis.time_model.simulate_time` with that batch's all-HBM step (``time``: the
+    config's ``cache.time``).
+    Link bytes use placement's byte model (:func:`coldset.analysis.placement.expert_bytes` in
     ``weight_format``, by default the model's own expert format, as the placement stage does).
     The forecasters (``forecast``, ``nexttoken``) are fitted on the profile selection's decode rows.
     The figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates
@@ -282,8 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Replay a trace's decode routing through the cache policies (warm from usage_global on the profile "
         "selection, replay the held-out selection) and print simulation.csv's rows."))
     ap.add_argument("trace")
-    ap.add_argument("--profile-domains", nargs="+", help="profile = these domains, every request (default: profile split)")
-    ap.add_argument("--replay-domains", nargs="+", help="replay = these domains, every request (default: heldout split)")
+    ap.add_argument("--profile-domains", nargs="+",
+                    help="profile = these domains, every request (default: profile split)")
+    ap.add_argument("--replay-domains", nargs="+",
+                    help="replay = these domains, every request (default: heldout split)")
     ap.add_argument("--heldout-fraction", type=float, default=0.25, help="hash split for traces without a split column")
     ap.add_argument("--residency", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -307,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--lower-layer-terms", action="store_true",
                     help="nexttoken: also try the current token's two lower layers as forecast terms "
-                         "(coldset.analysis.forecast.LOWER_LAYER_TERMS), chosen or not on the profile's validation part")
+                         "(coldset.analysis.forecast.LOWER_LAYER_TERMS), chosen or not on the profile's "
+                         "validation part")
     ap.add_argument("--ceiling-lower-layers", type=int, default=0,
                     help="--recall: also the in-sample ceiling of any function of the current token's experts in "
                          "layers l..l-N (slow: a minute per horizon on the real trace)")

@@ -306,7 +306,7 @@ def select_rows(rows: pd.DataFrame, split: str | None = None,
 
 
 def counts_from_rows(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> np.ndarray:
-    """Selections per instance, float64 ``[L, E]`` (a profile for :func:`simulate`)."""
+    """Selections per instance, float64 ``[L, E]`` (a profile for :func:`coldset.analysis.simulate.simulate`)."""
     flat = rows["layer_index"].to_numpy(np.int64) * num_experts + rows["expert"].to_numpy(np.int64)
     return np.bincount(flat, minlength=num_moe_layers * num_experts).astype(np.float64).reshape(
         num_moe_layers, num_experts)

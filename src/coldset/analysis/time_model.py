@@ -236,16 +236,18 @@ class TimeStats:
 
 
 def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -> TimeStats:
-    """The time a replay's decisions (:func:`simulate`'s ``result`` on ``stream``) take.
+    """The time a replay's decisions (:func:`coldset.analysis.simulate.simulate`'s ``result`` on
+    ``stream``) take.
 
     Compute: per step, each MoE layer ``(step_ms * (1 - head_share)) / L`` (``router_share`` of it
-    before its decisions) plus ``manage_ms`` (the decisions), then ``head_share`` of the step. Link: one queue at ``link_gb_s``; a
-    copy lands when its bytes have crossed. At a group's decisions its demand copies (each distinct
-    missed instance: a slot fill, a read in place or a static cold read) and then its prefetches
-    (``result.issued``) are queued; the group's experts start when every copy of an instance it
-    selects has landed, the last of its own demand copies and any earlier copy still crossing (a
-    late prefetch is a hit that saves only part of a copy); the wait is the stall. A new step
-    starts where the stream's MoE layer index does not rise (as :func:`simulate`'s commit)."""
+    before its decisions) plus ``manage_ms`` (the decisions), then ``head_share`` of the step.
+    Link: one queue at ``link_gb_s``; a copy lands when its bytes have crossed. At a group's
+    decisions its demand copies (each distinct missed instance: a slot fill, a read in place or a
+    static cold read) and then its prefetches (``result.issued``) are queued; the group's experts
+    start when every copy of an instance it selects has landed, the last of its own demand copies
+    and any earlier copy still crossing (a late prefetch is a hit that saves only part of a copy);
+    the wait is the stall. A new step starts where the stream's MoE layer index does not rise (as
+    :func:`coldset.analysis.simulate.simulate`'s commit)."""
     if result.hit.size != stream.instances.size or result.fills.size != stream.num_groups:
         raise CacheError("simulate_time: the result is not a replay of this stream")
     ids, ptr = stream.instances, stream.group_ptr
@@ -295,9 +297,10 @@ DEFAULT_TIME = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.56}, {"batch": 8, "a
 
 def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[int, dict[str, TimeModel]]:
     """The config's ``cache.time`` section (None: :data:`DEFAULT_TIME`, the H200 figures at
-    Qwen3-30B-A3B's shape) as, per simulated batch size, one :class:`TimeModel` per
-    policy of :data:`POLICIES`: the same step and link, each with the policy's own work per group
-    from the step entry's ``manage_us`` (``TimeModel.manage_ms``; a policy not listed: none)."""
+    Qwen3-30B-A3B's shape) as, per simulated batch size, one :class:`TimeModel` per policy of
+    :data:`coldset.analysis.policies.POLICIES`: the same step and link, each with the policy's own
+    work per group from the step entry's ``manage_us`` (``TimeModel.manage_ms``; a policy not
+    listed: none)."""
     t = {**DEFAULT_TIME, **(time or {})}
     out: dict[int, dict[str, TimeModel]] = {}
     for entry in t["steps"]:
@@ -307,7 +310,8 @@ def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[i
         manage = dict(entry.get("manage_us") or {})
         unknown = sorted(set(manage) - set(POLICIES))
         if unknown:
-            raise CacheError(f"cache.time.steps: batch {b}'s manage_us names {unknown}, not among {', '.join(POLICIES)}")
+            raise CacheError(f"cache.time.steps: batch {b}'s manage_us names {unknown}, "
+                             f"not among {', '.join(POLICIES)}")
         out[b] = {p: TimeModel(float(entry["all_hbm_step_ms"]), int(bytes_per_expert), float(t["link_gb_s"]),
                                float(t["head_share"]), float(t["router_share"]), str(t["link"]), str(t["join"]),
                                float(t["demand_share"]), float(manage.get(p, 0.0)) / 1e3) for p in POLICIES}

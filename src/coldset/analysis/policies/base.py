@@ -53,7 +53,8 @@ class CachePolicy:
 
     ``holds_group``: the pool must hold the largest group, else :class:`CacheError` (the policies
     that admit every miss of a group); ``lists``: None, or
-    :data:`OWN_LAYER` / :data:`LATER_LAYER` (the prefetch lists ``simulate`` requires and checks);
+    :data:`OWN_LAYER` / :data:`LATER_LAYER` (the prefetch lists
+    :func:`coldset.analysis.simulate.simulate` requires and checks);
     ``budget``: takes ``prefetch_budget`` (copies per group); ``from_trace``: the cache stage can
     replay it from a trace alone (its lists, if any, come from a forecaster fitted on the trace).
     """

@@ -21,8 +21,8 @@ from coldset.analysis.policies.pool import admit_demand, classify_group, end_gro
 
 @jit
 def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, victims):
-    """``nexttoken`` (see the module doc): LRU list as :func:`coldset.analysis.policies.lru.replay_lru`, victims by (predicted,
-    last use), the forecast's flags replaced per layer after each group, the prefetch of the
+    """``nexttoken`` (see the module doc): LRU list as :func:`coldset.analysis.policies.lru.replay_lru`,
+    victims by (predicted, last use), the forecast's flags replaced per layer after each group, the prefetch of the
     group's list (up to ``budget`` copies, ``budget < 0``: no cut) into unpredicted, unused, not
     in-flight slots of any layer, in flight until the next group of the same layer. Returns (hit
     [N], fills [G], prefetches [G], useful, issued [G, W], wasted)."""
