@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from coldset.core.files import write_json
+
 _T0 = time.perf_counter()
 
 
@@ -27,14 +29,12 @@ def require_cuda():
     """The CUDA device a measurement runs on; :class:`MeasureError` naming what is missing
     when torch is absent or sees no CUDA device (a CPU timing of these kernels means nothing)."""
     try:
-        import torch
+        import torch  # here, not at the top: a machine without torch gets a MeasureError
     except ImportError as exc:
         raise MeasureError(f"needs a CUDA GPU: torch is not importable here ({exc})") from exc
     if not torch.cuda.is_available():
         raise MeasureError(f"needs a CUDA GPU; torch {torch.__version__} sees none here "
                            "(torch.cuda.is_available() is False). Run it on the GPU host.")
-    import importlib.util
-
     if importlib.util.find_spec("triton") is None:
         raise MeasureError("needs triton (the kernels it times), which is not installed here")
     return torch.device("cuda")
@@ -65,9 +65,8 @@ def write_result(path: Path, result: dict, ceilings: dict | None = None, tuned=N
     """Write ``result`` (atomically, complete or absent) with its provenance: the code's commit,
     the software stack, the device and the ceilings measured in this run
     (:func:`coldset.bench.provenance.collect_provenance`)."""
-    import torch
+    import torch  # GPU-only path: loads when a measurement runs
 
-    from coldset.core.files import write_json
     from coldset.bench.provenance import collect_provenance
 
     if "provenance" not in result or ceilings is not None:
@@ -89,7 +88,7 @@ def expert_format(weight_format: str) -> str:
         raise MeasureError(f"--weight-format {weight_format!r} not among {', '.join(WEIGHT_FORMATS)}")
     if weight_format == "bf16":
         return "bfloat16"
-    from coldset.core.fp8 import FORMAT_NAME
+    from coldset.core.fp8 import FORMAT_NAME  # torch: loads when a measurement runs
 
     return FORMAT_NAME
 
@@ -116,9 +115,9 @@ def fp8_expert_pools(pools):
     its non-expert weights are not touched here (``bench step`` and ``bench cache`` make the
     attention projections FP8 beside these pools with :func:`coldset.engine.model.attach_fp8_attention`,
     as a published FP8 checkpoint stores them)."""
-    import torch
+    import torch  # GPU-only path: loads when a measurement runs
 
-    from coldset.core import fp8
+    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
     from coldset.kernels.tiers import ExpertPools
 
     if pools.is_fp8:
@@ -163,7 +162,7 @@ def kernel_profile(step, n: int = 3, layers: int = 1) -> dict:
     idle time between them (no kernel running), from the profiler over ``n`` back-to-back calls;
     the top kernels by time with their count per step. A kernel launched as a programmatic
     dependent counts from its launch, its wait on the one before included."""
-    import torch
+    import torch  # GPU-only path: loads when a measurement runs
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -190,8 +189,8 @@ def cumulative_stage_us(launches, stops, layers: int, reps: int) -> dict:
     :func:`coldset.kernels.triton_fp8.fp8_experts_launches`) issued up to launch ``stop``
     (:func:`coldset.kernels.triton_moe.issue_through`) for every layer in one CUDA graph, median of
     ``reps`` replays, per stop."""
-    from coldset.core.timing import graph_time_us
-    from coldset.kernels.triton_moe import issue_through
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
+    from coldset.kernels.triton_moe import issue_through  # triton: GPU-only
 
     return {stop: graph_time_us(lambda: [issue_through(launches(layer), stop) for layer in range(layers)],
                                 reps) / layers

@@ -138,7 +138,7 @@ def build(args) -> Bf16Bench:
     tier), in one set of pools whose row map places them."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.tiers import ExpertPools, check_host_allocation
+    from coldset.kernels.tiers import ExpertPools, check_host_allocation  # GPU-only path: loads when a measurement runs
 
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -167,7 +167,7 @@ def measure_ceilings(b: Bf16Bench) -> dict:
     """The HBM and pinned zero-copy read rates and the bf16 matmul rate, measured now."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import eager_time_us
+    from coldset.core.timing import eager_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth  # triton: GPU-only
 
     b.hbm = best_read_bandwidth(b.w13_hot.view(-1), HBM_READ_SHAPES, b.args.reps)
@@ -188,7 +188,7 @@ def make_case(b: Bf16Bench, num_tokens: int):
     """``num_tokens`` random tokens a layer and their softmax top-k routing (bf16 weights)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.reference import torch_softmax_topk
+    from coldset.kernels.reference import torch_softmax_topk  # GPU-only path: loads when a measurement runs
 
     def routing():
         logits = torch.randn(num_tokens, E, generator=b.gen, device="cuda")
@@ -213,7 +213,7 @@ def run_all(b: Bf16Bench, pl, xs, rs, cfg, use_row_map=True, outs=None):
 
 def timed(b: Bf16Bench, fn, reps, row_map=None) -> float:
     """µs per layer of ``fn`` replayed in a graph, with the pools' row map set first (hot after)."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
 
     if row_map is not None:
         b.pools.set_row_map(row_map)
@@ -254,7 +254,7 @@ def equal(xs_, ys_) -> bool:
 
 def max_err(b: Bf16Bench, outs, xs, rs) -> float:
     """The largest rel. error of a layer's output against the torch path."""
-    from coldset.kernels.reference import torch_experts
+    from coldset.kernels.reference import torch_experts  # GPU-only path: loads when a measurement runs
 
     errs = []
     for l in range(b.layers):
@@ -268,7 +268,7 @@ def time_variant(b: Bf16Bench, B, cfg, fields, xs, rs, bound_us, out_tuned) -> d
     spread), bitwise against the row map compiled out and against the tuned config, error vs
     torch; up to 64 tokens also all cold (µs, bitwise equal to all hot); cumulative stage
     times, above 64 also the grouping alone."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig, group_pairs  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -298,7 +298,7 @@ def tune(args, batches: list[int], res: dict):
     provenance or None)`` and records the tune in ``res["autotune"]``."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.tune import TuneResult, TuneShape, autotune
+    from coldset.kernels.tune import TuneResult, TuneShape, autotune  # GPU-only path: loads when a measurement runs
 
     shape = TuneShape(num_experts=E, hidden=H, intermediate=I, top_k=TOP_K, dtype="bfloat16", num_moe_layers=48,
                       num_hot=48 * E, num_cold=0)
@@ -351,7 +351,7 @@ def baseline_columns(b: Bf16Bench, baseline, cfg, xs, rs, out_on) -> dict:
     """The ``--baseline-module`` kernel on the same inputs: its own fields of the config only (an
     older kernel has no split_k / tile_order / half_buf: it runs the same tiles unsplit, so its
     bits equal ours only where those are off)."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
 
     known = set(baseline.KernelConfig.__dataclass_fields__)
     bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k in known})
@@ -380,7 +380,7 @@ def measure_batch(b: Bf16Bench, B: int, cfg, baseline, variants: dict) -> dict:
     """One batch's row: the tuned config hot with the row map and with it compiled out
     (``--rounds`` interleaved), the default config, the baseline module, the stages and sized
     reads, cold, the torch path, the correctness checks and the variants."""
-    from coldset.core.timing import eager_time_us, graph_time_us
+    from coldset.core.timing import eager_time_us, graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.reference import torch_experts
     from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG  # triton: GPU-only
 
@@ -451,7 +451,7 @@ def batch1_stages_and_pdl(b: Bf16Bench, best_hot: dict, res: dict) -> None:
 def batch1_sweep_winners(b: Bf16Bench, best_hot: dict, best_cold: dict) -> dict:
     """The sweep's best hot and best cold config at batch 1: hot and row map off (twice each,
     interleaved), cold, against the HBM and pinned ceilings."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -477,7 +477,7 @@ def batch1_sweep_winners(b: Bf16Bench, best_hot: dict, best_cold: dict) -> dict:
 
 def mixed_placement(b: Bf16Bench, best_cold: dict) -> dict:
     """4 hot + 4 cold of the 8 selected at batch 1, against the sum of the two parts (top-4 each)."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -543,7 +543,8 @@ def run(args, argv=None) -> dict:
     sweep = []
     if args.sweep:
         sweep = res["sweep_batch1"] = sweep_batch1(b)
-    best_hot = min(sweep, key=lambda r: r["hot_us"])["config"] if sweep else tuned.configs.get(1, DEFAULT_DECODE_CONFIG.to_dict())
+    best_hot = (min(sweep, key=lambda r: r["hot_us"])["config"] if sweep
+                else tuned.configs.get(1, DEFAULT_DECODE_CONFIG.to_dict()))
     best_cold = min(sweep, key=lambda r: r["cold_us"])["config"] if sweep else best_hot
     res["best_hot_config"], res["best_cold_config"] = best_hot, best_cold
     res["vllm_stored"] = {"source": VLLM_STORED["source"], "us": {str(x): us for x, us in VLLM_STORED["us"].items()}}

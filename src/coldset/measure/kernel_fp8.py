@@ -57,7 +57,7 @@ def build(args) -> Fp8Bench:
     (float32 temporaries), as all-hot pools."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core import fp8
+    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
     from coldset.kernels.tiers import ExpertPools
 
     L = args.layers
@@ -87,7 +87,7 @@ def measure_ceilings(b: Fp8Bench) -> dict:
     """The HBM read rate and the bf16 and FP8 matmul rates, measured in this process."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core import fp8
+    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
     from coldset.core.timing import eager_time_us
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth  # triton: GPU-only
 
@@ -120,7 +120,7 @@ def load_fp8_configs(path: str) -> list[dict]:
     if not isinstance(entries, list) or not entries:
         raise MeasureError(f"{where}: a non-empty JSON list of KernelConfig dicts expected, got {entries!r:.80}")
     try:  # the kernel's own checks (triton: present wherever the kernel can run)
-        from coldset.kernels.triton_fp8 import _check_config
+        from coldset.kernels.triton_fp8 import _check_config  # triton: GPU-only
         from coldset.kernels.triton_moe import KernelConfig
     except ImportError as exc:
         raise MeasureError(f"{where}: checking its configs needs triton ({exc})") from exc
@@ -150,7 +150,7 @@ def case(b: Fp8Bench, num_tokens: int):
     """``num_tokens`` random tokens a layer and their softmax top-k routing (bf16 weights)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.reference import torch_softmax_topk
+    from coldset.kernels.reference import torch_softmax_topk  # GPU-only path: loads when a measurement runs
 
     xs = [torch.randn(num_tokens, H, device="cuda", generator=b.gen).to(torch.bfloat16) for _ in range(b.layers)]
     rs = []
@@ -194,7 +194,7 @@ def stages_us(b: Fp8Bench, cfg, xs, rs) -> dict:
 def time_candidates(b: Fp8Bench, B: int, xs, rs, candidates, row: dict) -> tuple[dict, dict]:
     """µs a layer of each FP8 candidate config (by its sorted JSON) and its outputs; a config that
     cannot run here is recorded in ``row["fp8_failed_configs"]``, not fatal."""
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     timings, outs_by = {}, {}
@@ -217,7 +217,7 @@ def time_candidates(b: Fp8Bench, B: int, xs, rs, candidates, row: dict) -> tuple
 def candidate_errors(b: Fp8Bench, xs, rs, outs_by: dict) -> dict:
     """Every candidate's rel. error against the torch path of its own numerics (w8a16: no
     activation quantized), the worst of the first and last layer."""
-    from coldset.kernels.reference import torch_experts
+    from coldset.kernels.reference import torch_experts  # GPU-only path: loads when a measurement runs
 
     L = b.layers
     refs_by_mode = {m: [torch_experts(b.fp8_pools, l, xs[l], *rs[l], w8a16=m).float() for l in (0, L - 1)]
@@ -234,7 +234,7 @@ def measure_batch(b: Fp8Bench, B: int, given: list | None, bf16_tuned: dict) -> 
     kernel, the plain reads of both formats' bytes and the bytes and FLOP bounds."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig, default_config  # triton: GPU-only
     from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE as space
 
@@ -277,7 +277,7 @@ def measure_cold(b: Fp8Bench, cold_rows: list[dict]) -> None:
     with its fastest config: µs, bitwise against hot, the link bound; the pinned read ceiling."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import graph_time_us
+    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.bandwidth import best_read_bandwidth  # triton: GPU-only
     from coldset.kernels.tiers import ExpertPools, check_host_allocation, host_tier
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
