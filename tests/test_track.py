@@ -22,17 +22,9 @@ from pathlib import Path
 import pytest
 
 from coldset.workflow.config import Layout
-from coldset.reporting.track import (
-    BENCH_TABLE,
-    EXPERIMENT_KIND,
-    EXPERIMENT_KIND_TAG,
-    RUN_KEY_TAG,
-    DatasetRef,
-    default_tracking_uri,
-    ensure_store,
-    invocation_id,
-    run_track,
-)
+from coldset.reporting.track import BENCH_TABLE, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, RUN_KEY_TAG, run_track
+from coldset.reporting.track_runs import DatasetRef, invocation_id
+from coldset.reporting.track_store import default_tracking_uri, ensure_store
 
 _spec = importlib.util.spec_from_file_location("_coldset_results_tree", Path(__file__).with_name("test_report.py"))
 _tree = importlib.util.module_from_spec(_spec)
@@ -374,7 +366,7 @@ def _half_made_store(db, runs=0):
 def test_half_made_store_is_moved_aside_and_rebuilt_with_a_warning(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from coldset.reporting.track import ensure_store
+    from coldset.reporting.track_store import ensure_store
 
     db = tmp_path / "results" / "mlflow.db"
     _half_made_store(db)
@@ -389,7 +381,7 @@ def test_half_made_store_is_moved_aside_and_rebuilt_with_a_warning(tmp_path):
 
 
 def test_unopenable_store_with_runs_is_never_touched(tmp_path):
-    from coldset.reporting.track import TrackingError, ensure_store
+    from coldset.reporting.track_store import TrackingError, ensure_store
 
     db = tmp_path / "mlflow.db"
     _half_made_store(db, runs=2)
@@ -400,7 +392,7 @@ def test_unopenable_store_with_runs_is_never_touched(tmp_path):
 
 
 def test_done_file_is_stale_once_its_store_is_gone(tmp_path):
-    from coldset.reporting.track import done_is_stale
+    from coldset.reporting.track_store import done_is_stale
 
     db = tmp_path / "mlflow.db"
     done = tmp_path / "tiny.done"
@@ -442,7 +434,7 @@ def test_track_never_substitutes_its_own_commit(tmp_path):
     """Mutant: track tags runs with the commit of the machine running it (git there, or the
     caller's tag) instead of the bench JSON's provenance. A bench without provenance gets no
     commit at all, and says so."""
-    from coldset.reporting.track import provenance_tags, records_from_results
+    from coldset.reporting.track_runs import provenance_tags, records_from_results
 
     assert provenance_tags(None) == {"provenance": "missing"}
     res = _tree.build_results_tree(tmp_path, provenance=False)

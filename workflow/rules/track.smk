@@ -7,7 +7,7 @@ import os
 
 from snakemake.logging import logger
 
-from coldset.reporting.track import done_is_stale
+from coldset.reporting.track_store import done_is_stale
 
 for _model in MODELS:
     _done = Layout(Path(RESULTS), _model).track_done

@@ -346,7 +346,7 @@ class Layout:
 
     def tracking_uri(self, config: dict) -> str:
         """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
-        from coldset.reporting.track import default_tracking_uri
+        from coldset.reporting.track_store import default_tracking_uri
 
         return config["tracking"]["uri"] or default_tracking_uri(self.results)
 

@@ -796,7 +796,7 @@ def track_datasets(config: dict, decoded: bool) -> list:
     """What the track stage records as the parent run's MLflow datasets: the routing trace, and
     the fixtures where the workflow generated them (it does not for a model that is not decoded
     and whose trace is imported). The track rule lists the same files as its inputs."""
-    from coldset.reporting.track import DatasetRef
+    from coldset.reporting.track_runs import DatasetRef
 
     layout = Layout.from_config(config)
     refs = [DatasetRef(f"{layout.model}-routing-trace", layout.trace, "routing")]
