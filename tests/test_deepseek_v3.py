@@ -66,12 +66,12 @@ def build_checkpoint(variant: str, out, seed: int = 0):
     return out
 
 
-def load(folder, dtype=torch.float32) -> DeepseekV3Model:
+def load(folder, dtype=torch.float32, device="cpu") -> DeepseekV3Model:
     """A deepseek_v3 folder as the engine reads it: the family's config, model and non-expert weights
     (:func:`load_weights`), the routed experts into all-hot pools by the loader's expert reader."""
     assert is_deepseek_v3(folder)
     cfg = DeepseekV3Config.from_pretrained(folder)
-    src, device = _TensorSource(folder), torch.device("cpu")
+    src, device = _TensorSource(folder), torch.device(device)
     model = DeepseekV3Model(cfg)
     load_weights(model, src, device, dtype)
     model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype))
@@ -267,3 +267,26 @@ def test_low_precision_decode_tracks_float32(checkpoint, dtype, atol):
     got = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
     assert (got.all_logits.float() - ref.all_logits).abs().max().item() < atol
     assert [t[:2] for t in got.tokens] == [t[:2] for t in ref.tokens]
+
+
+@pytest.mark.gpu
+def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
+    """On CUDA in bf16 through the Triton experts kernel: a placement whose cold experts are read
+    from pinned host memory gives bitwise the all-hot logits, eagerly and with the decode region
+    that compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
+    model = load(checkpoint("q_lora_yarn"), torch.bfloat16, "cuda")
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.w13_cold.is_pinned() and pools.num_cold > 0
+    eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+    for name in ("eager", "compiled"):
+        if name == "compiled":
+            model.compile_decode()
+        reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+        placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
+        result = gate.compare(name, ids, reference, placed, pools, model)
+        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
+    for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
+        assert (a[1] - b[1]).abs().max().item() < 0.5
