@@ -152,3 +152,25 @@ def test_triton_autotune_on_gpu_hits_the_cache(tmp_path):
     t0 = time.perf_counter()
     second = autotune(shape, [1, 4, 100], "cuda", cache_dir=tmp_path, search_space=space)
     assert second.hit and second.configs == first.configs and time.perf_counter() - t0 < 5
+
+
+def test_kernel_configs_are_json_data_beside_the_kernels():
+    """coldset.kernels.configs: one JSON file per Triton kernel module, its defaults (decode,
+    prefill) and its search space; every entry names KernelConfig fields only (read from the
+    kernel's source: no triton needed), with integer values, and the tuner's search spaces are
+    those lists."""
+    import ast
+
+    from coldset.kernels.configs import HERE, load
+
+    src = (HERE.parent / "triton_moe.py").read_text()
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "KernelConfig")
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    assert {p.name for p in HERE.glob("*.json")} == {"triton_moe.json", "triton_fp8.json"}
+    for kernel, space in (("triton_moe", tune.TRITON_SEARCH_SPACE), ("triton_fp8", tune.TRITON_FP8_SEARCH_SPACE)):
+        data = load(kernel)
+        assert set(data) == {"defaults", "search_space"} and set(data["defaults"]) == {"decode", "prefill"}
+        assert space == {"decode_max_tokens": tune.DECODE_MAX_TOKENS, **data["search_space"]}
+        entries = [*data["defaults"].values(), *data["search_space"]["decode"], *data["search_space"]["prefill"]]
+        for entry in entries:
+            assert set(entry) <= fields and all(type(v) is int for v in entry.values()), (kernel, entry)

@@ -1,168 +1,63 @@
-"""The fused MoE experts kernel for block-FP8 experts (issue 29), reading each expert through the row map.
+"""The fused MoE experts kernel for block-FP8 experts, reading each expert through the row map.
 
 The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
 pairs by expert, its block numbering, its one row-map load per block, its top-k sum launch) with
-FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE paths run (the
-weight-only mode ``w8a16``, below, keeps the activations in their dtype):
+FP8 operands on both sides of every GEMM, as vLLM's and DeepGEMM's block-FP8 MoE paths run:
 
 - weights are the pools' float8_e4m3fn bytes; each expert's float32 ``weight_scale_inv`` blocks
-  come from the scale pool of the same tier, at the same row (:mod:`coldset.kernels.tiers`), through the
-  same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
+  come from the scale pool of the same tier, at the same row (:mod:`coldset.kernels.tiers`), through
+  the same row-map load (:func:`~coldset.kernels.triton_moe._expert_base` on the scale pools);
 - activations are quantized per token and group of 128 columns
-  (:func:`coldset.core.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE divisions,
-  round-to-nearest-even cast), by default ONCE per call, never inside a GEMM's k loop (the
-  ``quant_x`` option below is the exception): the tokens ``x`` by a small launch before the w13
-  launch (:func:`_quant_groups_kernel`, one block per token);
-  the intermediate SiLU(gate) * up, rounded to the activation dtype first, by the w13 launch
-  itself when its column block holds whole groups (``block_n1`` a multiple of 128: it writes the
-  FP8 intermediate and its group scales), else by the same quantization launch over the
-  activation-dtype scratch the w13 launch wrote (``block_n1`` < 128: a group spans blocks). Both
-  give the same bits: which one runs is a speed choice of the config, never a result's;
+  (:func:`coldset.core.fp8.quantize_activations`: ``scale = max(max|a|, 1e-10) / 448``, IEEE
+  divisions, round-to-nearest-even cast) by default once per call, not inside a GEMM's k loop,
+  where the row max and the divisions would sit between each load and its dot;
 - the GEMMs read FP8 activations and their scales directly: each k step is one 128-column group
-  and one weight block (``block_k1 = block_k2 = 128``), one FP8 tensor-core dot (fp32
-  accumulate) times the activation scale of each row and the weight scale of each column's
-  block: ``acc += dot(a_q, w_q) * a_s[:, None] * w_s[None, :]`` (vLLM's block-FP8 fused_moe
+  and one weight block (``block_k1 = block_k2 = 128``), one FP8 tensor-core dot (fp32 accumulate)
+  times the activation scale of each row and the weight scale of each column's block:
+  ``acc += dot(a_q, w_q) * a_s[:, None] * w_s[None, :]`` (vLLM's block-FP8 fused_moe
   accumulation); the w2 products go to a per-pair fp32 (with ``half_buf`` activation-dtype) buffer
   that the top-k sum adds in rank order.
 
-Quantizing inside the k loop (this kernel's first version: a row max and 2 x 128 divisions per
-row and k step, at prefill once per column block) cost 3-5x the bf16 kernel's time on the H200
-(issue 29 first runs); the quantization points, hence the results, are the same. Once per call,
-at Qwen3-30B-A3B-FP8 shape on the H200 (docs/measurements/kernel_bench_fp8.json): 82.3 -> 24.3 µs
-at 1 token, 416 -> 171 at 64, 2369 -> 956 at 2048 (45%, 79%, 14% of a plain read of the same
-bytes; the bf16 kernel 71%, 91%, 56%). Then, in one run (the current kernel_bench_fp8.json): the
-w13 launch chained behind the tokens' quantization (``pdl=2``) 22.7 µs at 1 token, 53.8 at 4, 110.8
-at 16, 167.0 at 64 (48-80% of a plain read); the L2 prefetch (``pdl`` 1, and 3 as it then was) did not pay: 23.9
-against 22.7 µs at 1 token, within 1.5% either way at 4-64; at 2048 tokens 64 columns of gate and
-up per block with the quantization launch, 457.5 µs against 956.1 for whole groups (4 warps)
-and 614.8 (8 warps): the scaled dot's temporaries beside two 64 x 128 accumulators spill.
+Where each quantization runs is the config's choice
+(:class:`~coldset.kernels.triton_moe.KernelConfig`), always with the formula above on the same
+values, hence the same FP8 bytes and scales and the same result bits; fewer launches a layer
+against more quantization work inside them is a speed trade the tuner measures:
 
-Where each quantization runs is the config's choice (:class:`~coldset.kernels.triton_moe.KernelConfig`
-``quant_x`` / ``quant_act``, issue 29 after the decode step measured FP8 slower than bf16 at b1: 442
-kernels a step against 346, the two quantization launches of each MoE layer), always with the
-formula above on the same values, hence the same FP8 bytes and scales and the same result bits:
+- ``quant_x=0``: the tokens by their own launch (:func:`_quant_groups_kernel`, one block per
+  token); ``1``: by the w13 launch, each block quantizing its ``[block_m, 128]`` tile of ``x`` per
+  k step (:func:`_quantize_rows`), every column block of an expert again;
+- ``quant_act=0``: the intermediate SiLU(gate) * up (rounded to the activation dtype first) by the
+  w13 epilogue when ``block_n1`` is a multiple of 128 (a block then owns whole groups), else by a
+  launch of its own over the activation-dtype scratch; ``1``: the epilogue (refused unless
+  ``block_n1`` is a multiple of 128); ``2``: its own launch at any ``block_n1``.
 
-- ``quant_x=0`` (default): the tokens by their own launch (:func:`_quant_groups_kernel`); ``1``: by
-  the w13 launch, each block quantizing its ``[block_m, 128]`` tile of ``x`` per k step
-  (:func:`_quantize_rows` between the load and the dot; rows past the pairs and columns past H
-  loaded as 0, as the launch loads them). Every column block of an expert's tile quantizes the
-  same rows again (``I / block_n1`` times). This is where the first version quantized; why that
-  one cost 82.3 against 24.3 µs at 1 token is not separable from git history (commits 9a14451 ->
-  3aeb841 changed both GEMMs at once and only the best candidate's totals were measured; no
-  profile): it re-quantized the tokens in every column block of w13 (``I / block_n1`` = 12-24 at
-  its decode candidates' 32-64 columns) over 16 k steps AND the intermediate in every column block
-  of w2 (``H / block_n2`` = 16-32) over 6 k steps, each step a row max, a division per row and one
-  IEEE division per element on the path from the load to the dot (and a register to shared-memory
-  trip for the dot operand). ``quant_x=1`` keeps only the first of the two, and at ``block_n1``
-  128 six column blocks per expert: two thirds down to a sixth of that quantization work (by tile
-  count), traded against one launch (and its gap) a layer. Whether it pays is the tuner's measurement;
-  with ``pdl`` 3 the w13 launch is then the call's first and a dependent launch of the kernel
-  before, waiting before it reads anything; with 1 and 2 it is a plain launch (no L2 prefetch:
-  no launch before it to hide);
-- ``quant_act=0`` (default): the intermediate by the w13 epilogue when ``block_n1`` is a multiple
-  of 128 (program ``pid_n`` owns intermediate columns ``[pid_n * block_n1, (pid_n + 1) *
-  block_n1)`` of gate and of up alike, so whole groups, the partial last group included, whose
-  columns past I are 0 and do not change its max), else by the same launch as the tokens' over
-  the activation-dtype scratch; ``1``: the epilogue, refused by name unless ``block_n1`` is a
-  multiple of 128; ``2``: its own launch at any ``block_n1``. With ``quant_x=1`` and
-  ``quant_act`` taking the epilogue, a layer runs three launches (w13, w2, the top-k sum), as
-  the bf16 kernel does.
+``w8a16`` 1 or 2 is the weight-only mode: no activation is quantized; each FP8 weight tile is
+converted to the tokens' dtype in registers (exact: e4m3 fits bf16 and fp16) and
+``acc += dot(x, w) * w_s[None, :]`` per k block, three launches a layer as the bf16 kernel. Its
+numbers are another function than the w8a8 path's (no e4m3 rounding of the activations): its
+reference is ``torch_experts(..., w8a16=True)``. ``2`` converts by bits
+(:func:`_bf16_of_e4m3_bits`) where triton converts each value through f16 with a conversion-pipe
+instruction: the same bits for every finite weight, a speed choice.
 
-What the compiler makes of them, without a GPU (probes/fp8_w13_sass_cpu.py: the w13 and w2 launches
-at Qwen3-30B-A3B-FP8's shape, 1 token's in-kernel grouping, compiled for sm90 on the CPU with triton
-3.6's ptxas, with the launch's specialization: pointers 16-byte aligned; static facts, not times).
-Every decode candidate's k loop is software-pipelined (cp.async: LDGSTS) and none spills; the 16 x 32
-tile: w13 120 registers, 856 SASS instructions, w2 120; ``quant_x=1`` adds 18 FCHK (the IEEE
-divisions' check) and ~500 instructions to it (1360) and a row max per k step between the load and the
-dot; the 16 x 128 launch that also quantizes the intermediate: 255 registers at 4 warps, 204 at 8.
-(Before the probe passed the alignment, its compile had unvectorized, unpipelined loads, identical
-cubins for every ``num_stages``, and spills at 16 x 128 that the launched code does not have: the
-figures this paragraph stated until then.) The 16-row FP8 dots run as mma.sync on f16 (HMMA.16816.F32
-after F2FP.F16.E4M3 unpacks of both operands).
+``swap_ab=1`` computes each k step's product transposed (``dot(trans(w), trans(x))``): the
+weights' rows are the MMA's M and the tokens its N, so a decode tile of a few tokens runs as FP8
+warpgroup MMAs instead of f16 ``mma.sync`` on converted weights. It needs 64 rows a block in both
+launches and FP8 tokens from their own launch; the sums within a k step are another instruction's,
+so a config's bits depend on it (as on ``split_k``), never on the placement.
 
-On the H200 (2026-12-01, ``pytest -m gpu``: 178 passed) the ``quant_x=1`` path and the explicit
-``quant_act`` choices give the bits of the quantization launches (tests/test_fp8_experts.py, also
-under Triton's interpreter); in ``bench step --tune-fp8`` (H200, 2026-12-02, head 7a9a6e2:
-docs/measurements/decode_step_fp8.json) every ``quant_x=1`` candidate took 55-76 µs a layer at b1
-and 162-192 at b8 against 23.6 / 81.5 for the 32-column tile with both quantization launches.
-Why, read from the code (not profiled): at decode a block's ``[16, 128]`` token tile is quantized
-in every k step of every column block (``I / block_n1`` = 6-24 times per pair and k step), 16 x 128
-IEEE divisions and a cross-thread row max (a barrier) on
-the path from each k step's load to its dot, so the k loop's latency, which bounds a launch whose
-~200 blocks are barely more than one wave, grows with it; a smaller cost than the launch it saves
-would need the division out of that path (a reciprocal multiply gives other bits than the
-quantization launch's IEEE division, so it is not a drop-in change).
-
-``w8a16`` 1 or 2 (:class:`~coldset.kernels.triton_moe.KernelConfig`; the weight-only decode mode, issue 29
-after the FP8 step measured 1.04x the bf16 step at b1, 5 launches a layer against bf16's 3): no
-activation is quantized. The w13 launch reads the bf16/fp16 tokens, converts each FP8 weight tile to
-their dtype in registers (e4m3 to bf16 or fp16 is exact: 3 mantissa bits, exponents inside both
-ranges) and accumulates ``acc += dot(x, w) * w_s[None, :]`` per 128-column k block in fp32 (the
-block's ``weight_scale_inv``, the per-column vector of :func:`_w13_fp8_chunk`: one value where the
-tile lies in one 128-row block), then writes SiLU(gate) * up rounded to the activation dtype; w2 reads
-that intermediate as it is, the same way. Three launches a layer (w13 + act, w2, the top-k sum), as
-the bf16 kernel; hot, cold (zero-copy) and slot rows through the same row-map load for weights and
-scales. ``pdl`` 2 chains w2 and the sum behind w13 (a plain launch), 3 also chains w13 behind the
-kernel before it (waiting before it reads anything), 1 is 2 (no launch before w13 nor between w13
-and w2 to hide a prefetch behind). Its numbers are another function than the w8a8 path's (no e4m3
-rounding of the activations): its reference is ``torch_experts(..., w8a16=True)`` (the dequantize-
-then-matmul path with exact activations), which it meets to float32 summation order under the
-interpreter (fp16: rel. error < 1e-3 against the torch path and a float64 computation of the same
-dequantized weights, measured 3e-6 to 3e-4); against the w8a8 path it differs by ~4% (3.6-4.6% at the
-tests' shapes, 4.2% at Qwen3-30B-A3B's in float64), the e4m3 rounding of the activations that
-w8a8 adds (tests/test_fp8_w8a16.py). A run's bits depend on the config, never on the placement: the
-parity gate (:func:`coldset.verify.gate.experts_functions`) gives the unmodified and the row-map paths the
-same tuned config, ``bench step`` times one tuned config per batch, and ``autotune`` and ``bench
-kernel`` check each candidate against the torch path of its own mode. The SASS (same probe): the
-16 x 32 tile's w13 128 registers, 992 instructions, no spill, HMMA.16816.F32.BF16; the conversion is
-F2FP.F16.E4M3 (two values) then F2F.BF16.F16 (one value) per weight, 64 F2F per thread and k step
-at 16 x 32 (triton 3.6 has no direct e4m3 -> bf16 path on sm90). F2F is a conversion-pipe
-instruction (a fraction of the ALU rate): at one F2F per weight it may bound the launch before
-its bytes do. ``w8a16=2`` converts by bits instead (:func:`_bf16_of_e4m3_bits`: the same F2FP
-unpack, then two LOP3, one SHF and one HMUL2.BF16 per two values, no F2F; 16 x 32 w13: 126
-registers, 1024 instructions): the same bits for every finite weight (a GPU test covers all 254
-finite e4m3 values), a speed choice the tuner makes; with fp16 activations it is 1.
+``pdl`` (Hopper's programmatic dependent launch; the arithmetic never changes, so every mode gives
+``pdl=0``'s bits): ``2`` makes every launch after the tokens' quantization a dependent launch that
+looks up its expert, rows and scale rows while the launch before runs, then waits before reading
+its output; ``1`` adds a bulk L2 prefetch of the hot weight rows while the blocks wait (up to
+:data:`PREFETCH_L2_BYTES` a launch); ``3`` makes the first launch (and the grouping's) a dependent
+launch of whatever kernel came before, waiting before it reads anything, as the bf16 kernel's
+``pdl=3``.
 
 The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
-quantity (same quantization points, none with ``w8a16=True``; float32 GEMMs); the two agree to
-float32 summation order.
+quantity (same quantization points; float32 GEMMs); the two agree to float32 summation order.
 Tiling and accumulation order never depend on where an expert lives, so every placement is
-bitwise the all-hot (``use_row_map=False``) output. Launch configs are the bf16 kernel's
-:class:`~coldset.kernels.triton_moe.KernelConfig` with ``block_k1 = block_k2 = 128``; split-K and
-``half_tail`` are refused (not implemented here).
-
-``swap_ab`` (issue 29, seventh session): at decode a block's tokens are 16 rows of which 1-8 are
-real, and Triton 3.6 lowers a ``[16, 128] x [128, n]`` FP8 dot to ``mma.sync`` on f16: every weight
-value converted by F2FP before an HMMA (64 conversions a thread and k step at 16 x 32 columns, the
-weight tiles through ``ldmatrix``; ``probes/fp8_w13_sass_cpu.py``). With ``swap_ab=1`` each k step
-computes the transposed product, ``dot(trans(w) [n, 128], trans(x) [128, 16])``: the weights' rows
-are the MMA's M (64 a warpgroup), the tokens its N (8 to 256), and the same launch compiles to FP8
-warpgroup MMAs (QGMMA, e4m3 x e4m3 into fp32, no conversion; both operands K-major in shared memory,
-as the loads already lay them), accumulated ``[n, 16]`` and transposed back for the epilogue. The
-products and scales are the same; the tensor core's order of the sums within a k step is another
-instruction's, so a config's bits depend on ``swap_ab`` (as on ``split_k``), never on the placement.
-It needs 64 rows a block in both launches (``block_n1``, ``block_n2`` >= 64) and FP8 tokens from
-their own launch (not with ``quant_x`` or ``w8a16``). On the H200 (issue 29 eighth session,
-docs/measurements/kernel_bench_fp8_swap.json): 0-15% a layer faster than the best unswapped tile
-(22.4 / 50.9 / 109.1 / 165.7 against 22.8 / 60.0 / 115.9 / 174.2 µs at 1 / 4 / 16 / 64 tokens).
-
-``pdl`` (Hopper's programmatic dependent launch; the launches' arithmetic never changes, so every
-mode gives ``pdl=0``'s bits), mapped onto this kernel's launches as the bf16 kernel's modes:
-
-- ``2``: every launch after the tokens' quantization is a dependent launch: the w13 blocks start
-  while that launch runs, look up their expert, rows and scale rows (inputs complete before it
-  began: it is a plain launch) and wait before reading the FP8 tokens; the intermediate's
-  quantization, w2 and the top-k sum start behind the launch before them and wait likewise;
-- ``1``: as 2, and while they wait the w13 blocks (and the w2 blocks behind the intermediate's
-  quantization launch) bulk-prefetch their hot weight rows into L2 (``cp.async.bulk.prefetch``,
-  up to :data:`PREFETCH_L2_BYTES` a launch), so HBM does not idle during the small launch before;
-- ``3``: as 2, and the tokens' quantization (and the grouping's launches) are dependent launches
-  of whatever kernel came before them, waiting for it before reading anything: the bf16 kernel's
-  ``pdl=3``, no prefetch. So 1 against 2 measures the prefetch, 3 against 2 the first launch's
-  chaining. (Until issue 29's seventh session 3 was 1 plus the chaining; the L2 prefetch did not
-  pay at any decode size, 23.9 against 22.7 µs at 1 token, so the chaining was never timed alone,
-  while the cumulative stage times put the tokens' own launch at 2.4 of 23.1 µs a layer at 1 token
-  on the H200: bench kernel --weight-format fp8 --fp8-configs config/examples/fp8_stage_sweep.json.)
+bitwise the all-hot (``use_row_map=False``) output. Split-K and ``half_tail`` are refused (not
+implemented here).
 """
 
 from __future__ import annotations
@@ -174,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from coldset.kernels.configs import load as load_kernel_configs
 from coldset.kernels.triton_moe import (
     MODE_SLOTS,
     MODE_SORTED,
@@ -199,17 +95,15 @@ GROUP = 128  # weight block and activation group (coldset.core.fp8.BLOCK)
 # tokens are the dot's N (KernelConfig.swap_ab)
 SWAP_MIN_ROWS = 64
 # pdl 1: at most this many bytes of weights a launch bulk-prefetches into L2 (the H200's is
-# 50 MB) while the quantization launch before it runs (measured: no gain, see the docstring)
+# 50 MB) while the quantization launch before it runs
 PREFETCH_L2_BYTES = 16 << 20
 
-# Defaults when no tuned entry exists: decode tiles of 16 rows with 64 columns of gate and up per
-# w13 block (128 weight rows, as vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768 uses from 4
-# tokens on) and the intermediate quantized by its own launch; prefill 64-row tiles (vLLM's table
-# above 128 tokens) with the same 64 columns (457.5 against 956.1 µs at 2048 tokens on the H200 for
-# whole groups per block, docs/measurements/kernel_bench_fp8.json). pdl stays 0: dependent launch
-# needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU with FP8 dots.
-DEFAULT_DECODE_CONFIG = KernelConfig(16, 64, 128, 128, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(64, 64, 128, 128, 128, 4, 4, 1, tile_order=1, half_buf=1)
+# The defaults when no tuned entry exists (coldset.kernels.configs: triton_fp8.json): decode tiles
+# of 16 rows with 64 columns of gate and up per w13 block (as vLLM's H200 fp8_w8a8 table at E=128,
+# N=768) and the intermediate quantized by its own launch; prefill 64-row tiles with the same 64
+# columns.
+DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_fp8")["defaults"]["decode"])
+DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_fp8")["defaults"]["prefill"])
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:

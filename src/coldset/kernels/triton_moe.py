@@ -13,11 +13,9 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
 With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
 one before still runs and wait on the grid dependency before reading its output; with ``pdl=3``
 the first launch (and the grouping's) too: it starts while whatever kernel came before still runs
-(the router, a cache update: unknown here) and waits on it before reading anything. Measured at
-Qwen3-30B-A3B shapes on the H200 (BENCHMARKS.md, issue 13 sixth session) that early first launch
-took 0.2-0.4 µs off a layer alone but did not speed the decode step up (the router releases its
-dependents at its start, so the w13 blocks sit resident from before the router's own wait), so
-the tuned decode configs keep ``pdl=2``.
+(the router, a cache update: unknown here) and waits on it before reading anything. In the
+decode step the router releases its dependents at its start, so those early w13 blocks sit
+resident from before the router's own wait: the tuned decode configs keep ``pdl=2``.
 
 With ``split_k1`` / ``split_k2`` > 1 (split-K, for small batches where one block per column slice
 leaves too few bytes in flight) step 1 writes fp32 partial gate and up sums per split instead of
@@ -26,13 +24,12 @@ operand; step 2's own splits go to separate fp32 buffers that step 3 adds after 
 (rank 0's splits, then rank 1's, ...). Every sum has a fixed order, so split-K is deterministic too.
 ``tile_order=1`` numbers the blocks so that one tile's column blocks are neighbours (vLLM's grid
 order): at prefill its gathered activation tile is then shared through L2 instead of being read
-from HBM once per column block. Measured at Qwen3-30B-A3B shapes on the H200 (BENCHMARKS.md, issue
-13 fourth session): split-K lost at every batch size (27 -> 36-50 µs at 1 token, up to 2.4x at 64),
-so the autotuner does not search it; tile_order=1 took 2-7% off prefill and 1% off 64 tokens.
+from HBM once per column block. Split-K was slower at every batch size at Qwen3-30B-A3B shapes on
+the H200, so the autotuner does not search it.
 
 Splitting the weight rows of every expert over many blocks (step 1 over the 2I rows of w13, step 2
 over the H rows of w2) is what lets reads of the cold pool in pinned host memory fill the PCIe link:
-one block per expert leaves the link mostly idle (DESIGN.md §6). There are no atomics and every
+one block per expert leaves the link mostly idle (docs/design.md §6). There are no atomics and every
 reduction has a fixed order, so outputs are bitwise reproducible.
 
 The expert id enters in exactly one place, :func:`_expert_base`: one load of the row map picks the
@@ -64,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from coldset.kernels.configs import load as load_kernel_configs
+
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
     from coldset.kernels.tiers import ExpertPools
 
@@ -78,8 +77,7 @@ MODE_SORTED = 1
 # Up to this many (token, rank) pairs the sorted grouping is one launch of _group_pairs_kernel
 # (one block: a bitonic sort and a histogram in registers); above it, two launches of a counting sort
 # over chunks of GROUP_CHUNK pairs (_group_count_kernel, _group_scatter_kernel). Both replace
-# torch's stable sort + searchsorted, which took 88 µs of a 650 µs layer at 2,048 tokens
-# (BENCHMARKS.md, issue 13 sixth session); the two launches took 12.7 µs.
+# torch's stable sort + searchsorted (several launches and a sizeable share of a prefill layer).
 GROUP_KERNEL_MAX_PAIRS = 1024
 GROUP_CHUNK = 1024
 
@@ -179,20 +177,11 @@ class KernelConfig:
         return cls(**{k: int(v) for k, v in d.items()})
 
 
-# Documented defaults (used when no tuned entry exists): small tiles spread over many blocks for
-# decode, where the weights' bytes bound the time; large tiles (wgmma) for prefill. Both are the
-# autotuner's tiles on the H200 at Qwen3-30B-A3B shapes (BENCHMARKS.md, issues 5 and 13). The
-# decode default keeps pdl=0 although the tuner picks pdl=2 there on the H200 (2 µs of 29 at batch
-# 1): dependent launch needs sm90 and triton >= 3.3, and a default must run on any CUDA GPU. The
-# prefill default numbers its blocks column-fastest (tile_order=1: 651 against 664 µs at 2048
-# tokens in one autotune run; the same bits either way) and keeps the per-pair buffer in the
-# activation dtype (half_buf=1: 491.6 against 562.9 µs at 2048 tokens in one kernel_bench run, error
-# against the torch path 6.3e-3 against 6.1e-3: BENCHMARKS.md, issue 13 sixth session) and runs an
-# expert's last chunk as a half tile where it fits (half_tail=1: 484.8 against 502.2 µs at 2048
-# tokens, medians of three interleaved runs in one process, the same bits; quarters too, half_tail=2,
-# measured 1.3% faster than 1 in one run and 2.9% slower in another: issue 13 eighth session).
-DEFAULT_DECODE_CONFIG = KernelConfig(16, 32, 128, 64, 128, 4, 3, 32)
-DEFAULT_PREFILL_CONFIG = KernelConfig(128, 128, 64, 256, 64, 8, 4, 1, tile_order=1, half_buf=1, half_tail=1)
+# The defaults when no tuned entry exists (coldset.kernels.configs: triton_moe.json): small tiles
+# spread over many blocks for decode, where the weights' bytes bound the time; large tiles (wgmma)
+# for prefill.
+DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_moe")["defaults"]["decode"])
+DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_moe")["defaults"]["prefill"])
 
 
 def default_config(num_tokens: int, top_k: int = 8) -> KernelConfig:

@@ -1,4 +1,4 @@
-"""Autotune the experts kernel for a model's shapes, with a cache keyed by content (DESIGN.md §5).
+"""Autotune the experts kernel for a model's shapes, with a cache keyed by content (docs/design.md §5).
 
 The key is a sha256 over everything that can change the best configuration or its validity: the
 source text of the kernel module and of every ``coldset`` module it imports (transitively), the
@@ -37,204 +37,26 @@ from typing import Callable
 import torch
 
 from coldset.core.files import write_json
+from coldset.kernels.configs import load as load_kernel_configs
 from coldset.core.timing import eager_time_us, graph_time_us
 
 # Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
 DECODE_MAX_TOKENS = 64
 
-TRITON_SEARCH_SPACE: dict = {
-    "decode_max_tokens": DECODE_MAX_TOKENS,
-    # KernelConfig fields: block_m, block_n1 (split of w13's rows), block_k1, block_n2 (split of
-    # w2's rows), block_k2, num_warps, num_stages, slot_max_pairs (in-kernel grouping vs sort),
-    # pdl (2: the w2 and sum kernels launched early, waiting on the grid dependency; 1, the same
-    # plus a w2 weight prefetch, measured slower in issue 5 and no longer searched; 3: as 2 with the
-    # grouping and w13 launches early too, searched at prefill only: at decode it took 0.2-0.4 µs off
-    # a layer timed alone, which is what this search times, but not off the decode step), split_k1 /
-    # split_k2 (split-K of w13 / w2, more blocks in flight; not searched, see below), tile_order (1: a
-    # tile's column blocks are neighbours, sharing its activation tile through L2), half_buf (1: the
-    # per-pair w2 output in the activation dtype, halving the top-k sum's bytes; prefill only), half_tail
-    # (1: an expert's last chunk of at most block_m / 2 pairs as a half tile; prefill only). The entries
-    # marked "vLLM" carry the tiles of vLLM's H200 fused_moe table for E=128, N=768 at 48 and 2048
-    # tokens (its BLOCK_SIZE_N spans gate and up, so our block_n1 is half of it). Dropped in issue
-    # 13's fourth session to keep a miss near two minutes on the H200: candidates 3% or more
-    # behind the best at every batch size in its run 2 (BENCHMARKS.md), and two pdl=0 entries whose
-    # pdl=2 twins stay. Split-K (split_k1/split_k2 > 1) is not searched: it lost at every batch size
-    # there (BENCHMARKS.md, issue 13 fourth session). On CPU, autotune() times TORCH_SEARCH_SPACE
-    # and neither reads nor hashes this list: its size never costs CPU CI time.
-    "decode": [
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),  # vLLM 48
-        # sorted grouping at decode sizes, one launch (group_pairs) instead of torch's five
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=1, pdl=2),
-        # batch 4: two stages fit 3 blocks/SM with 64 columns (3 stages: 2), one wave for w13's ~350 blocks
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=2, slot_max_pairs=32, pdl=2),
-        # column-fastest block order at the sorted sizes (16, 64 tokens)
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             tile_order=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             tile_order=1),
-    ],
-    "prefill": [
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1),  # vLLM 2048
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1, pdl=2),
-        # vLLM's grid order (GROUP_SIZE_M=1 at 2048 tokens): an activation tile read once for all its column blocks
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
-             tile_order=1),  # vLLM 2048
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1, pdl=2,
-             tile_order=1),
-        dict(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64, num_warps=4, num_stages=4, slot_max_pairs=1,
-             tile_order=1),
-        # the per-pair buffer in bf16 (half_buf=1: 491.6 against 562.9 µs at 2048 tokens, with pdl 3 483.1;
-        # issue 13 sixth session), an expert's last chunk as a half tile (half_tail=1: 484.8 against 502.2 µs,
-        # medians of three interleaved runs, the same bits; issue 13 eighth session)
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1, half_tail=1),
-        dict(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64, num_warps=8, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1, half_tail=1, pdl=3),
-    ],
-}
-
-# The FP8 kernel (coldset.kernels.triton_fp8, issue 29): block_k1 = block_k2 = 128, one weight
-# scale block per k step; split-K and half_tail are not implemented there. Its pdl modes: 2 chains
-# every launch after the tokens' quantization (w13's too), 1 adds a bulk L2 prefetch of the hot
-# weight rows while the small quantization launches run, 3 adds to 2 the quantization launch's
-# own chaining behind the kernel before it (1's prefetch too until issue 29's seventh session;
-# triton_fp8's docstring); the decode candidates below pair both measured tiles with each of them
-# (the fused-intermediate 128-column decode tile, slower at every decode size in the first run, is
-# dropped). Measured on the H200 (docs/measurements/kernel_bench_fp8.json, second run):
-# pdl 2 fastest at 1, 16 and 64 tokens (22.7, 110.8, 167.0 µs), pdl 1 at 4 by 0.4 µs of 54 (noise);
-# the prefetch cost 1.2 µs at 1 token; prefill: 64 columns with the quantization launch 457.5 µs
-# at 2048 tokens against 956.1 (whole groups, 4 warps) and 614.8 (8 warps). The runs before:
-# block_n1 a multiple of 128 has the w13 launch quantize the intermediate itself (whole groups per
-# block); below 128 a separate launch does (the same bits). Decode: 64 columns of gate and up per
-# block with a quantization launch (vLLM's H200 fp8_w8a8 [128, 128] table at E=128, N=768: 16-row
-# tiles of 128 weight rows, BLOCK_SIZE_K 128), whole groups fused, and the bf16 kernel's 32-column
-# tiles. Measured on the H200 at Qwen3-30B-A3B-FP8 shape (docs/measurements/kernel_bench_fp8.json):
-# the 32-column tiles won at 1 token (24.3 against 28.4 and 33.5 µs), the 64-column ones at 4-64
-# tokens, within 10% of each other. Prefill: vLLM's 64-row tiles with whole groups (956 µs at 2048
-# tokens, 449 at 256: the best measured, 2x the bf16 kernel); 128-row tiles of 8 warps were slower
-# still (1361, 930 µs) and are dropped. Suspected, not profiled: the scaled FP8 dot (``acc += dot(a,
-# w) * scales``) holds a temporary beside each of w13's two accumulators, so registers spill as
-# block_m x block_n1 per warp grows; two candidates halve that (vLLM's 64
-# columns of gate and up with a quantization launch; 8 warps for the fused 64 x 128 tile); both ran
-# in the tune of 2026-12-01 and lost to the 32-column tile.
-# The last six decode candidates (run on the H200, 2026-12-01: bitwise, and each lost the tune at b1
-# and b8 to the 32-column tile with both quantization launches) drop quantization launches, after the
-# FP8 decode step measured 0.94x of bf16 at b1 with 442 kernels a step against 346 (BENCHMARKS.md
-# section 2): quant_x=1 quantizes the tokens inside the w13 launch (each column block its own
-# [16, 128] tile per k step, the same bits); with quant_act=1 and 128 columns the w13 epilogue also
-# quantizes the intermediate, so a layer runs w13, w2 and the top-k sum alone, as bf16 does
-# (triton_fp8's docstring). The 8-warp tiles with and without quant_x and a 4-warp one were chosen
-# from a probe compile that spilled at 16 x 128 and 4 warps; with the launch's pointer alignment
-# (probes/fp8_w13_sass_cpu.py since issue 29's w8a16 session) no decode candidate spills (16 x 128:
-# 255 registers at 4 warps, 204 at 8; their w2 at 64 rows of H 94). They stay out of the prefill
-# space, where the tokens' launch is a small share and every column block would re-quantize its
-# 64-row tile.
-TRITON_FP8_SEARCH_SPACE: dict = {
-    "decode_max_tokens": DECODE_MAX_TOKENS,
-    "decode": [
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=1),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=3),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3),
-        # (Tried in issue 29's seventh session and dropped: 16 columns of gate and up a block, 384
-        # w13 blocks at 1 token where the 32-column tile's 192 leave the H200's 132 SMs one or two
-        # blocks each and its w13 ran at 74% of a plain read of its bytes; it took 29.9 against
-        # 23.2 µs a layer at b1 and 122.3 against 81.2 at b8 in bench step --tune-fp8, so that 74%
-        # is not a wave imbalance.)
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             quant_x=1),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             quant_x=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
-             quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=3,
-             quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             quant_x=1, quant_act=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=64, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=32, pdl=2,
-             quant_act=1),
-        # swap_ab (issue 29, seventh session): each k step's product transposed, the weights' rows
-        # the MMA's M, so the dots compile to FP8 warpgroup MMAs (QGMMA, no conversion) where the
-        # 16-token tiles above run f16 mma.sync on F2FP-converted weights (probes/fp8_w13_sass_cpu.py:
-        # w13 8 GMMA and no F2FP in its loop at 64 columns; 72-105 KB of shared memory at 3-6 stages).
-        # 64 rows a block at least (a warpgroup's M); 128 columns of gate and up also quantize the
-        # intermediate in w13's epilogue (four launches a layer). Other fp32 sums within a k step:
-        # a config's bits (checked against the torch path like every candidate). Measured on the H200
-        # (docs/measurements/kernel_bench_fp8_swap.json, issue 29 eighth session): against the best
-        # unswapped tile 22.4 / 50.9 / 109.1 / 165.7 against 22.8 / 60.0 / 115.9 / 174.2 µs at 1 / 4 /
-        # 16 / 64 tokens; bench step --tune-fp8 picks a swapped tile at b1 and b8.
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             swap_ab=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
-             swap_ab=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             swap_ab=1),
-        dict(block_m=16, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             swap_ab=1),
-        # (Tried in issue 29's ninth session and removed, 84e9666: w2 fused into the w13 launch, each
-        # 128-column block quantizing its group of the intermediate and multiplying it into w2, fp32
-        # partials per group added by the top-k sum: three launches a layer. At 1 token 8 experts x 6
-        # groups are 48 blocks streaming 768 KB each, and the fused launch took 26-34 µs a layer where
-        # w13 + the intermediate's launch + w2 take 19; 38.8 against 22.8 µs a layer at b1, 224.8
-        # against 164.4 at 64 tokens: docs/measurements/kernel_bench_fp8_fused.json.)
-        # weight-only (w8a16=1, issue 29 after the step measured 1.04x bf16 at b1): FP8 weight tiles
-        # converted to bf16 in registers, bf16 tokens and intermediate, three launches a layer as
-        # bf16's; other numerics than the candidates above (no activation rounding), checked
-        # against the torch path of its own mode (torch_experts(w8a16=True)). The bf16 kernel's
-        # decode tiles (32 / 64 columns) at its 3 stages' bytes in flight (6 stages of half-size
-        # weight tiles) and at 4, pdl 2 and 3 (3: the w13 launch chained behind the step's kernel
-        # before); the 64-column tile of batch 4 to 64, column-fastest as bf16's at 64 tokens.
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             w8a16=1),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
-             w8a16=1),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=3,
-             w8a16=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             w8a16=1),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             tile_order=1, w8a16=1),
-        # w8a16=2: the same bits, the weight tiles converted to bf16 by four ALU instructions per two
-        # values (triton 3.6 converts each e4m3 -> f16 -> bf16 with its own F2F, a conversion-pipe
-        # instruction: 64 a thread and k step at 16 x 32; probes/fp8_w13_sass_cpu.py)
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=32, pdl=2,
-             w8a16=2),
-        dict(block_m=16, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=6, slot_max_pairs=32, pdl=2,
-             w8a16=2),
-        dict(block_m=16, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=3, slot_max_pairs=32, pdl=2,
-             w8a16=2),
-        # twice the blocks of the 32-column tile (b1: 384 w13 blocks for 132 SMs where 192 leave 72 SMs
-        # one block each), 2 warps a block (at 4 the 16 x 16 dot's warps repeat each other's HMMAs)
-        dict(block_m=16, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=6, slot_max_pairs=32, pdl=2,
-             w8a16=2),
-    ],
-    "prefill": [
-        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-        dict(block_m=64, block_n1=128, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-        # (issue 29, seventh session) every candidate above runs w2 at 64 x 128 with 4 warps, which
-        # compiles for sm90 with 664 bytes of stack and about 300 spill loads and stores a k loop
-        # (probes/fp8_w13_sass_cpu.py on the CPU; the default prefill config is the second above,
-        # 457.5 µs at 2048 tokens, 29% of the bytes bound). Three tiles that compile without a spill
-        # in either launch (w2 at 64 columns, or at 8 warps; the 128-row tile at 8 warps), checked
-        # against the torch path like every candidate. Not yet timed.
-        dict(block_m=64, block_n1=64, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-        dict(block_m=64, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=4, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-        dict(block_m=128, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3, slot_max_pairs=1,
-             tile_order=1, half_buf=1),
-    ],
-}
+# The Triton kernels' candidates per regime, kept as data beside the kernels
+# (coldset.kernels.configs: triton_moe.json, triton_fp8.json). bf16: at decode small tiles spread
+# over many blocks, where the weights' bytes bound the time, with dependent launch (pdl 2: the w2
+# and sum launches start early), the in-kernel and the sorted grouping and both block orders; at
+# prefill large tiles (wgmma), vLLM's H200 fused_moe tiles for E=128, N=768, the per-pair buffer in
+# the activation dtype (half_buf), half tiles for an expert's last chunk (half_tail) and pdl 3
+# (the first launch chained too). Split-K and pdl 1 (a w2 prefetch) are not searched: both were
+# slower at every batch size. FP8: the decode tiles with each pdl mode, the quantization options
+# (quant_x, quant_act), swap_ab (FP8 warpgroup MMAs at decode) and the weight-only mode (w8a16 1
+# and 2); at prefill 64- and 128-row tiles. Their timings are BENCHMARKS.md sections 1 and 2, the
+# candidates tried and dropped docs/history.md. On CPU, autotune() times TORCH_SEARCH_SPACE and
+# neither times nor hashes these lists: their size never costs CPU CI time.
+TRITON_SEARCH_SPACE: dict = {"decode_max_tokens": DECODE_MAX_TOKENS, **load_kernel_configs("triton_moe")["search_space"]}
+TRITON_FP8_SEARCH_SPACE: dict = {"decode_max_tokens": DECODE_MAX_TOKENS, **load_kernel_configs("triton_fp8")["search_space"]}
 
 TORCH_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
