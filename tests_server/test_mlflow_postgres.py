@@ -2,7 +2,8 @@
 from two result trees at once (tests/test_report.py builds the trees). The reference for what
 must be there is each tree's own bench JSON, read here; the server is read through its REST API.
 Then the runs table in the real UI, in headless Chromium (screenshot kept under
-$COLDSET_TEST_ARTIFACTS, default tests_server/artifacts/)."""
+$COLDSET_TEST_ARTIFACTS, default tests_server/artifacts/, which git ignores: the run leaves no
+tracked file changed)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,16 @@ def test_ui_opens_the_experiment_on_its_runs_table(mlflow_server, team, tmp_path
     res = _browse(view, tmp_path / "p3", f"--screenshot={shot}")
     assert res.returncode == 0 and shot.stat().st_size > 20_000, res.stderr[-2000:]
     print(f"screenshot of the runs table: {shot}")
+    assert _git_status(shot) == "", f"the screenshot {shot} changed a file git tracks or shows"
+
+
+def _git_status(path: Path) -> str:
+    """``git status`` of ``path`` when it lies in this checkout (empty: untracked and ignored, or
+    unchanged); empty outside a git checkout."""
+    path = path.resolve()
+    if shutil.which("git") is None or not (ROOT / ".git").exists() or ROOT.resolve() not in path.parents:
+        return ""
+    proc = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
