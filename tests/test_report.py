@@ -442,16 +442,16 @@ def _bench_table(html: str) -> dict[tuple[str, str, int], dict[str, str]]:
 
 def _render_capturing_figures(res: Path, monkeypatch) -> tuple[str, dict[str, object]]:
     """Render the report, keeping each matplotlib figure (by title) to read back what it plots."""
-    import coldset.reporting.report as report
+    import coldset.reporting.figures as figure_module
 
     figures = {}
-    original = report._png
+    original = figure_module._png
 
     def keep(fig, conditions):
         figures[fig.axes[0].get_title()] = fig
         return original(fig, conditions)
 
-    monkeypatch.setattr(report, "_png", keep)
+    monkeypatch.setattr(figure_module, "_png", keep)
     html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
     return html, figures
 
