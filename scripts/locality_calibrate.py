@@ -73,7 +73,8 @@ def routing_summary(rows, meta, splits: dict, lift_windows: tuple[int, ...] = ()
     component), and, per split name -> (profile rows, replay rows), the cache hit rates."""
     from coldset.analysis.simulate import capacity_for_residency, simulate
     from coldset.analysis.streams import counts_from_rows, stream_from_frame
-    from coldset.analysis.stats import decode_tokens, gini, locality_stats, pair_overlap, shuffled_overlap, top_share
+    from coldset.analysis.locality import decode_tokens, locality_stats, pair_overlap, shuffled_overlap
+    from coldset.analysis.skew import gini, top_share
 
     L, E = meta.num_moe_layers, meta.num_experts
     counts = counts_from_rows(rows, L, E)

@@ -10,16 +10,16 @@ import pyarrow as pa
 import pytest
 
 from coldset.core.trace import TraceMeta, write_trace
-from coldset.analysis.stats import (
+from coldset.analysis.locality import (
     consecutive_overlap,
     decode_tokens,
     locality_stats,
     pair_overlap,
     reuse_distances,
     reuse_histogram,
-    run_stats,
     shuffled_overlap,
 )
+from coldset.analysis.stats import run_stats
 
 
 def _rows(seqs: dict[str, list[list[list[int]]]], start: int = 5) -> pd.DataFrame:

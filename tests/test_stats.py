@@ -13,21 +13,8 @@ import pyarrow as pa
 import pytest
 
 from coldset.core.trace import RequestRows, TraceMeta, TraceWriter, split_of, write_trace
-from coldset.analysis.stats import (
-    ALL,
-    average_ranks,
-    coverage,
-    coverage_table,
-    gini,
-    histogram_from_trace,
-    hot_sets,
-    oracle_cache_hits,
-    run_stats,
-    scan_trace,
-    skew_stats,
-    spearman,
-    top_share,
-)
+from coldset.analysis.skew import ALL, average_ranks, coverage, gini, hot_sets, oracle_cache_hits, spearman, top_share
+from coldset.analysis.stats import coverage_table, histogram_from_trace, run_stats, scan_trace, skew_stats
 
 # ---------------------------------------------------------------------------------------------
 # elementary statistics

@@ -223,7 +223,7 @@ _SMALL = dict(layers=2, experts=16, top_k=2, hidden=96, moe_intermediate=16, hea
 
 def _decode_lift(**knobs) -> float:
     from coldset.engine.generate import encode_prompts as enc
-    from coldset.analysis.stats import consecutive_overlap, shuffled_overlap
+    from coldset.analysis.locality import consecutive_overlap, shuffled_overlap
     from coldset.engine.synthetic import build_synthetic_model
 
     model, tok = build_synthetic_model(SyntheticSpec(**_SMALL, **knobs))

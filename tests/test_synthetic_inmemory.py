@@ -13,7 +13,7 @@ import torch
 
 from coldset.engine.generate import encode_prompts, generate
 from coldset.engine.loading import load_model, load_tokenizer
-from coldset.analysis.stats import gini
+from coldset.analysis.skew import gini
 from coldset.engine.synthetic import (SyntheticSpec, build_synthetic_model, sample_prompts, synthetic_model_config,
                                write_synthetic_checkpoint)
 
