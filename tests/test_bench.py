@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from coldset.bench import decode as bench
+from coldset.bench.metrics import timed_token_match
+from coldset.reporting.results import TIME_BOUND_METRICS
 from coldset.core import timing
 from coldset.engine.generate import generate
 from coldset.engine.loading import load_model
@@ -154,13 +156,13 @@ def test_a_timed_loop_one_token_short_publishes_nothing(engine, monkeypatch):
 
 def test_timed_token_match_is_over_the_reference_length():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert bench.timed_token_match(ref, [[1, 2, 3, 4], [5, 6, 7, 8]]) == 1.0
-    assert bench.timed_token_match(ref, [[1, 2, 3], [5, 6, 7, 8]]) == 7 / 8  # one token short
-    assert bench.timed_token_match(ref, [[1, 2, 3], [5, 6, 7]]) == 6 / 8
-    assert bench.timed_token_match(ref, [[1, 2, 3, 4], []]) == 4 / 8
-    assert bench.timed_token_match(ref, [[1, 2, 3, 4]]) == 0.0  # a sequence missing
-    assert bench.timed_token_match(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == 7 / 8
-    assert bench.timed_token_match([], []) == 0.0
+    assert timed_token_match(ref, [[1, 2, 3, 4], [5, 6, 7, 8]]) == 1.0
+    assert timed_token_match(ref, [[1, 2, 3], [5, 6, 7, 8]]) == 7 / 8  # one token short
+    assert timed_token_match(ref, [[1, 2, 3], [5, 6, 7]]) == 6 / 8
+    assert timed_token_match(ref, [[1, 2, 3, 4], []]) == 4 / 8
+    assert timed_token_match(ref, [[1, 2, 3, 4]]) == 0.0  # a sequence missing
+    assert timed_token_match(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == 7 / 8
+    assert timed_token_match([], []) == 0.0
 
 
 def test_every_pass_of_a_cache_bench_starts_warm_and_decides_as_the_measured_one(engine, monkeypatch):
@@ -213,7 +215,7 @@ def test_a_cache_that_decides_otherwise_than_the_simulator_publishes_nothing(eng
     pl = place(pd.DataFrame(rows), cfg, "lru", 0.5, batch_sizes=(2,))
     cache = SlotCache.from_placement(engine.pools, host_tier(engine.pools), pl, 2, cfg.top_k)
     real = coldset.analysis.simulate.simulate
-    monkeypatch.setattr(coldset.analysis.simulate, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
+    monkeypatch.setattr(bench, "simulate", lambda stream, policy, *a, **kw: real(stream, "lfu", *a, **kw))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lru cache decided group \d+"):
         bench.bench_decode(engine, cache.pools, pl, list(range(3, 200)), batch_size=2, prompt_tokens=5,
                            new_tokens=12, warmup=0, repeats=1, cache=cache)
@@ -506,7 +508,7 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
 
     _assert_prefetches_checked_and_counted(*run())
     real = coldset.analysis.simulate.simulate
-    monkeypatch.setattr(coldset.analysis.simulate, "simulate",
+    monkeypatch.setattr(bench, "simulate",
                         lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
         run()
@@ -564,11 +566,11 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
 
     real_lists = coldset.analysis.forecast.nexttoken_lists
     with monkeypatch.context() as m:
-        m.setattr(coldset.analysis.forecast, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
+        m.setattr(bench, "nexttoken_lists", lambda *a: real_lists(*a)[:, ::-1].copy())
         with pytest.raises(bench.CacheSimulatorMismatch, match="recorded forecast lists"):
             run()
     real = coldset.analysis.simulate.simulate
-    monkeypatch.setattr(coldset.analysis.simulate, "simulate", lambda stream, policy, *a, **kw: real(
+    monkeypatch.setattr(bench, "simulate", lambda stream, policy, *a, **kw: real(
         stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's nexttoken cache decided group \d+"):
         run()
@@ -734,7 +736,7 @@ def test_time_bound_metrics_are_published_only_for_sound_timings():
     """On the CPU, with a noisy row or a noisy all-HBM reference, or without a measured link rate,
     no time-derived metric is published (None); wasted bytes (counted, not timed) always are."""
     ceil = {"hbm_read_gb_s": 4000.0, "link_read_gb_s": 50.0}
-    names = bench.TIME_BOUND_METRICS
+    names = TIME_BOUND_METRICS
 
     def cache_row(recs, ceilings=ceil):
         return next(r for r in bench.derive_metrics(recs, ceilings) if r["placement"] == "lru-0.5")
@@ -839,7 +841,7 @@ def test_management_columns_of_a_cache_row_by_hand():
 
 
 def test_time_columns_are_the_one_implementation_of_bench_cache():
-    """bench cache (coldset.measure.cache._time_columns) publishes bench.time_columns' values under
+    """bench cache (coldset.measure.cache._time_columns) publishes coldset.bench.metrics.time_columns' values under
     its JSON names: the same numbers as derive_metrics gives the same row."""
     from coldset.measure.cache import _time_columns
 

@@ -27,10 +27,19 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
 import torch
 
-from coldset.reporting.results import TIME_BOUND_METRICS  # issue 28's time bound (DESIGN.md §6), filled by time_bound
+from coldset.analysis.forecast import NextTokenForecaster, nexttoken_lists
+from coldset.analysis.placement import nonexpert_bytes_breakdown
+from coldset.analysis.simulate import simulate, warm_order
+from coldset.analysis.streams import AccessStream, lanes_from_engine
+from coldset.bench.metrics import allhbm_reference, speed_model_prediction, time_bound, timed_token_match
 from coldset.core.timing import repeat_spread, speed_compares_placements, timing_noisy
+from coldset.core.trace import split_of, validate_trace
+from coldset.engine.generate import generate
+from coldset.verify.gate import experts_functions
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -113,8 +122,6 @@ def placement_forecaster(placement):
     re-checks the fields."""
     if placement.cache_forecaster is None:
         return None
-    from coldset.analysis.forecast import NextTokenForecaster
-
     return NextTokenForecaster(tables=placement.cache_forecaster_tables, **placement.cache_forecaster)
 
 
@@ -122,8 +129,6 @@ def engine_stream(decode: np.ndarray, num_experts: int):
     """A pass's decode routing ``decode`` int ``[B, steps, L, k]`` as the engine groups it: one
     :class:`coldset.analysis.cache.AccessStream` group per (step, MoE layer), the batch's ``B * k``
     selections in row order."""
-    from coldset.analysis.streams import AccessStream
-
     B, steps, L, k = decode.shape
     E = int(num_experts)
     ids = (np.arange(L, dtype=np.int64)[None, None, :, None] * E + decode).transpose(1, 2, 0, 3).reshape(-1)
@@ -147,8 +152,6 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
     instances were the top of the real counts, so any instance outside scored at most the lowest
     warm count, and ties at zero fall the same way), the same eviction order and LFU's initial
     counts (profile count for warm instances, 0 for others); checked, not assumed."""
-    from coldset.analysis.simulate import simulate, warm_order
-
     B, steps, L, k = decode.shape
     _, owner, _, count = (t.cpu().numpy() for t in cache.warm_state)
     E = cache.pools.row_map.shape[1]
@@ -159,9 +162,6 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
         raise CacheSimulatorMismatch("bench: the cache's warm set is not the usage_global set of its own counts")
     stream = engine_stream(decode, E)
     if cache.policy == "nexttoken":
-        from coldset.analysis.streams import lanes_from_engine
-        from coldset.analysis.forecast import nexttoken_lists
-
         if forecaster is None:
             raise ValueError("simulate_engine_pass: a nexttoken cache needs the forecaster it was built with")
         lanes = lanes_from_engine(decode, E)
@@ -175,7 +175,7 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
                 + (f" (first at group {bad[0]}: {got[bad[0]].tolist()} against {lists[bad[0]].tolist()})" if bad else "")
                 + "; nothing is published")
         return simulate(stream, "nexttoken", cache.capacity, counts, predictions=lists,
-                        prefetch_budget=cache.prefetch_budget)
+                        prefetch_budget=cache.rules.prefetch_budget)
     # lookahead: the prefetch lists the engine recorded, one per group (the forecast is the engine's)
     lists = cache.prefetch_lists() if cache.policy == "lookahead" else None
     return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists)
@@ -401,8 +401,6 @@ def measure_routing(model, prompts: torch.Tensor, new_tokens: int, bytes_per_exp
     tokens) from an eager pass with routing capture over the benchmarked decode tokens: per step
     and MoE layer each distinct expert the batch touched is read once, over the host link if cold,
     from HBM if hot."""
-    from coldset.engine.generate import generate
-
     gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
     row_map = model.pools.row_map.cpu().numpy()
     plen = prompts.shape[1]
@@ -434,8 +432,6 @@ def measure_cache(model, cache, prompts: torch.Tensor, new_tokens: int, bytes_pe
     otherwise raises :class:`CacheSimulatorMismatch`. Wasted prefetch bytes (instances prefetched
     and evicted before any hit) come from that replay: the engine does not count them, and the
     replay is its decisions group by group (checked here)."""
-    from coldset.engine.generate import generate
-
     cache.reset()  # from the placement's warm state, as every timed repeat starts (bench_decode)
     gen = generate(model, prompts.tolist(), new_tokens, capture_routing=True, progress=False)
     c = cache.counters()
@@ -478,7 +474,7 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
     of 4 GiB of random bf16) and, given a tensor in pinned host memory (the cold tier), its
     in-place read over the host link (up to 1 GiB of it), both by
     :func:`coldset.kernels.bandwidth.read_bandwidth`."""
-    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth, read_bandwidth
+    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth, read_bandwidth  # GPU-only: imports triton
 
     buf = torch.randn(2 * GIB, device="cuda", dtype=torch.bfloat16)
     # A ceiling is the best rate seen: two rounds of two tilings (the same kernel gave 3974 and
@@ -523,6 +519,40 @@ def step_ms_by_length(passes: list[list[float]], lengths=DECODE_LENGTHS) -> dict
     return {n: statistics.median(statistics.fmean(p[:n]) for p in passes) for n in chosen}
 
 
+def _timed_passes(dec: "Decoder", prompts: torch.Tensor, new_tokens: int, warmup: int, repeats: int, use_graph: bool,
+                  replay, cache, measured, what: str) -> tuple[list[float], list[list[float]], list[torch.Tensor]]:
+    """The warm-up and timed passes of :func:`bench_decode`: (prefill ms and step ms of each timed
+    pass, the last pass's tokens). The graph is captured after the first prefill; with a cache,
+    every pass starts from its warm state and must decide what the measured pass ``measured`` did
+    (else :class:`TimedLoopMismatch`, naming ``what``)."""
+    start, stop = _timer(dec.model.device)  # the prefill's; the steps are timed by Decoder.timed_steps
+    prefill_ms, passes = [], []
+    for rep in range(warmup + repeats):
+        if replay is not None:
+            replay.reset()
+        t0 = start()
+        token = dec.prefill(prompts)
+        p_ms = stop(t0)
+        if use_graph and dec.graph is None:
+            dec.set_step(token, 1)
+            dec.capture()
+        if cache is not None:  # after the capture, whose warm-up ran the step (decisions included)
+            cache.reset()
+        steps, decoded = [], [token]
+        for ms, _, token in dec.timed_steps(token, new_tokens - 1, replay.advance if replay is not None else None):
+            steps.append(ms)
+            decoded.append(token)
+        if cache is not None and cache.counters() != measured:
+            raise TimedLoopMismatch(
+                f"bench {what}: repeat {rep} of the timed loop "
+                f"decided {cache.counters()} in the cache, the measured pass {measured}; its speed would not "
+                "be that of the reported misses, so nothing is published")
+        if rep >= warmup:
+            prefill_ms.append(p_ms)
+            passes.append(steps)
+    return prefill_ms, passes, decoded
+
+
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
                  replay=None, tuned=None, prompt_split: str | None = None, cache=None) -> BenchResult:
@@ -541,8 +571,6 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``
     or, with a cache, decides otherwise than the measured pass.
     """
-    from coldset.verify.gate import experts_functions
-
     device = model.device
     _, rowmap_fn, backend = experts_functions(device, tuned)
     if cache is not None:
@@ -561,7 +589,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
             * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
             (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
-        eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = replay_pass = None
+        eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = replay_pass = measured = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:
             (cold_share, link_per_token, hot_per_token, misses_per_token, eager_tokens, measured,
@@ -577,31 +605,8 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             misses_per_token = cold_share * per_token
         use_graph = device.type == "cuda" and backend == "triton"
         dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
-        start, stop = _timer(device)  # the prefill's; the steps are timed by Decoder.timed_steps
-        prefill_ms, passes = [], []
-        for rep in range(warmup + repeats):
-            if replay is not None:
-                replay.reset()
-            t0 = start()
-            token = dec.prefill(prompts)
-            p_ms = stop(t0)
-            if use_graph and dec.graph is None:
-                dec.set_step(token, 1)
-                dec.capture()
-            if cache is not None:  # after the capture, whose warm-up ran the step (decisions included)
-                cache.reset()
-            steps, decoded = [], [token]
-            for ms, _, token in dec.timed_steps(token, new_tokens - 1, replay.advance if replay is not None else None):
-                steps.append(ms)
-                decoded.append(token)
-            if cache is not None and cache.counters() != measured:
-                raise TimedLoopMismatch(
-                    f"bench {placement.policy}-{placement.label} batch {batch_size}: repeat {rep} of the timed loop "
-                    f"decided {cache.counters()} in the cache, the measured pass {measured}; its speed would not "
-                    "be that of the reported misses, so nothing is published")
-            if rep >= warmup:
-                prefill_ms.append(p_ms)
-                passes.append(steps)
+        prefill_ms, passes, decoded = _timed_passes(dec, prompts, new_tokens, warmup, repeats, use_graph, replay, cache,
+                                                    measured, f"{placement.policy}-{placement.label} batch {batch_size}")
     finally:
         model.pools, model.experts_fn = saved
     # The timed loop (graphed on CUDA, full-length attention mask) must decode what the engine's
@@ -617,7 +622,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
                 f"generate() on {100 * token_match:.1f}% of {batch_size * new_tokens} tokens; its speed would "
                 "not be the engine's, so nothing is published")
     mean_ms, p50, p90 = pass_timing(passes)
-    preset, pred_lower, pred_sum = _prediction(placement, batch_size)
+    preset, pred_lower, pred_sum = speed_model_prediction(placement, batch_size)
     return BenchResult(
         placement=f"{placement.policy}-{placement.label}",
         policy=placement.policy,
@@ -657,32 +662,9 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     )
 
 
-def timed_token_match(expected: list[list[int]], got: list[list[int]]) -> float:
-    """Share of ``expected``'s tokens (per sequence, per position) that ``got`` reproduces; a
-    sequence or token missing from ``got`` counts as differing."""
-    total = sum(len(x) for x in expected)
-    if total == 0 or len(got) != len(expected):
-        return 0.0
-    same = sum(a == b for x, y in zip(expected, got) for a, b in zip(x, y))
-    return same / total
-
-
-def _prediction(placement, batch_size: int):
-    """(preset, perfect-overlap ms, no-overlap ms) of the speed model at this batch size (h200 first)."""
-    for preset in dict.fromkeys(["h200", *(p.preset for p in placement.predictions)]):
-        try:
-            pred = placement.prediction(preset, batch_size)
-        except KeyError:
-            continue
-        return preset, pred.step_s_lower * 1e3, pred.step_s_sum * 1e3
-    return None, None, None
-
-
 def _nonexpert_read_bytes(cfg, batch_size: int, dtype: torch.dtype) -> int:
     """Non-expert weight bytes one decode step reads: every weight once (the LM head included),
     but of the embedding table only the batch's rows (unless it is tied to the LM head)."""
-    from coldset.analysis.placement import nonexpert_bytes_breakdown
-
     fmt = str(dtype).removeprefix("torch.")
     parts = nonexpert_bytes_breakdown(cfg, fmt)
     total = sum(parts.values())
@@ -774,86 +756,6 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     return out
 
 
-def allhbm_reference(records: list[dict], batch_size: int, policy: str) -> dict | None:
-    """The run's all-HBM row at ``batch_size``: a static placement at residency 1.0 (every expert
-    in HBM, no cache management; ``usage_global`` first, then the other static policies in
-    :data:`coldset.core.placement.STATIC_POLICIES` order), else ``policy``'s own residency 1.0; None
-    when the run has neither."""
-    from coldset.core.placement import STATIC_POLICIES
-
-    full = {r["policy"]: r for r in records if r["batch_size"] == batch_size and abs(r["residency"] - 1.0) < 1e-9}
-    for p in ("usage_global", *STATIC_POLICIES, policy):
-        if p in full:
-            return full[p]
-    return None
-
-
-def time_bound(record: dict, reference: dict | None, link_gb_s: float | None, full: dict | None = None) -> dict:
-    """:data:`TIME_BOUND_METRICS` of one bench row (see :func:`derive_metrics`) against the
-    all-HBM row ``reference``, with the measured link read rate ``link_gb_s`` (GB/s) and, for a
-    cache row, its policy's residency-1.0 row ``full`` at the same batch size (the management
-    columns); all None when the reference or the rate is missing (the caller passes None where a
-    timing is not sound), the management ones also without ``full`` or when ``full`` is the
-    reference itself (no all-HBM row apart from the policy's own: its management is inside the
-    reference step, so it cannot be told apart)."""
-    if reference is None or not link_gb_s:
-        return dict.fromkeys(TIME_BOUND_METRICS)
-    return time_columns(record["step_ms_mean"], record["batch_size"], record["link_gb_per_token"],
-                        reference["step_ms_mean"], link_gb_s, record.get("replays"),
-                        None if full is None or full is reference else full["step_ms_mean"])
-
-
-def time_columns(step_ms: float, batch_size: int, link_gb_per_token: float, allhbm_step_ms: float,
-                 link_gb_s: float, replays: list | None = None, full_step_ms: float | None = None) -> dict:
-    """A measured row's time columns (:data:`TIME_BOUND_METRICS`, defined in :func:`derive_metrics`):
-    the one implementation both the workflow's bench (:func:`time_bound`) and ``python -m coldset
-    bench cache`` (:mod:`coldset.measure.cache`, under its JSON names) use.
-
-    ``step_ms`` is the row's measured step at ``batch_size`` tokens, ``allhbm_step_ms`` the same
-    run's all-HBM step, ``link_gb_s`` the measured link read rate: bound, its fraction, overlap
-    (None without link bytes) and stall per token. ``replays`` ((stream, result, bytes per expert)
-    of a cache row's measured passes): ``simulated_step_ms``, the mean over them of
-    :func:`coldset.analysis.cache.simulate_time` with the engine's model (:data:`ENGINE_TIME`), and its
-    ratio to ``step_ms``. ``full_step_ms`` (the same policy's residency-1.0 step, same run and
-    batch: every selection hits, so its excess over all-HBM is the cache's own work) adds
-    ``manage_ms_per_group`` (:func:`coldset.analysis.cache.manage_ms_per_group` over the stream's MoE
-    layers) and ``simulated_managed_step_ms`` / ``simulated_managed_over_measured``, the simulator
-    with :attr:`coldset.analysis.cache.TimeModel.manage_ms` (issue 28: without it lookahead is simulated
-    10% fast). Columns without their inputs are None."""
-    out = dict.fromkeys(TIME_BOUND_METRICS)
-    link_ms = 1e3 * link_gb_per_token * batch_size / link_gb_s  # per step
-    bound = max(allhbm_step_ms, link_ms)
-    out.update(allhbm_step_ms=allhbm_step_ms, bound_ms=bound, bound_fraction=bound / step_ms,
-               overlap=1.0 - (step_ms - allhbm_step_ms) / link_ms if link_ms > 0 else None,
-               stall_ms_per_token=(step_ms - allhbm_step_ms) / batch_size)
-    if not replays:  # a static row: no decisions to simulate
-        return out
-    from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
-
-    def simulated(manage_ms: float) -> float:
-        return float(np.mean([simulate_time(stream, result, TimeModel(allhbm_step_ms, per_expert, link_gb_s,
-                                                                      manage_ms=manage_ms, **ENGINE_TIME)).step_ms
-                              for stream, result, per_expert in replays]))
-
-    sim = simulated(0.0)
-    out.update(simulated_step_ms=sim, simulated_over_measured=sim / step_ms)
-    if full_step_ms is not None:
-        layers = {stream.num_moe_layers for stream, _, _ in replays}
-        if len(layers) != 1:
-            raise ValueError(f"time_columns: the replays have different MoE layer counts {sorted(layers)}")
-        manage = manage_ms_per_group(full_step_ms, allhbm_step_ms, layers.pop())
-        managed = simulated(manage) if manage > 0 else sim
-        out.update(manage_ms_per_group=manage, simulated_managed_step_ms=managed,
-                   simulated_managed_over_measured=managed / step_ms)
-    return out
-
-
-#: How the engine's copies meet the compute (coldset.analysis.cache.TimeModel; /work/coord/policy28.md's
-#: ENGINE notes): demand fills and side-path prefetches share the link, every copy of a step is
-#: joined at the step's end.
-ENGINE_TIME = {"link": "share", "join": "step"}
-
-
 class RoutingReplay:
     """Replays a recorded trace's decode routing instead of the model's router (speed only).
 
@@ -877,11 +779,6 @@ class RoutingReplay:
         decode, as in serving, not one request's consecutive tokens. ``split`` (``profile`` |
         ``heldout``) keeps that split's requests only: the trace's ``split`` column, or
         :func:`coldset.core.trace.split_of` with ``heldout_fraction`` where it has none."""
-        import pandas as pd
-        import pyarrow.parquet as pq
-
-        from coldset.core.trace import split_of, validate_trace
-
         meta = validate_trace(trace_path, model_config)  # the one trace validator: ids, ranks, layers
         has_split = "split" in pq.read_schema(trace_path).names
         cols = ["request", "position", "phase", "layer", "rank", "expert"] + (["split"] if has_split else [])

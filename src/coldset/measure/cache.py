@@ -716,7 +716,7 @@ def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, si
     (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
     its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
     the management columns (None without)."""
-    from coldset.bench.decode import time_columns  # GPU-only path: loads when a measurement runs
+    from coldset.bench.metrics import time_columns  # GPU-only path: loads when a measurement runs
 
     cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
                            [(acc, sim, per_expert)], full_step_ms)
