@@ -2,7 +2,7 @@
 
 Generates a skewed random trace of about ``--rows`` rows (default 10 million) in the project's
 trace format, then times :func:`coldset.analysis.stats.run_stats` on it in a fresh child process and
-reports wall time and the child's peak resident memory. The target (issue 3) is under 30 s on
+reports wall time and the child's peak resident memory. The target is under 30 s on
 a 2-core machine, with memory proportional to the histogram, not the trace.
 
 Shape: 16 MoE layers (of 32), 64 experts, top-4 (64 rows per token), 3 domains, requests of

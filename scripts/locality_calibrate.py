@@ -13,7 +13,7 @@ profile's decode counts) for two splits, keyed ``{split}:{policy}@{residency}``:
   held out), every subject in both.
 - ``cross``: another domain. Synthetic: profile = every fixture of all domains but the last,
   replay = the last domain's (code by default). Real: profile abstract_algebra + anatomy, replay
-  astronomy (the trace's README; the numbers of issue 17's text).
+  astronomy (the trace's README).
 
 A static set chosen on one domain covers another domain's traffic far worse (real trace at 0.25:
 78% same-domain, 54% cross-domain), so each synthetic split is compared with the real trace's
@@ -23,8 +23,8 @@ The lift depends on the request length as much as on the router: its baseline sh
 request's tokens, and the shorter the request, the more of those shuffled neighbours lie a few
 tokens apart, where the topic still persists. The real trace's requests decode ~126 tokens, the
 default fixtures' 31 (``max_new_tokens`` 32: the first new token comes from the prefill), and the
-real trace's lift over each request's first 31 decode tokens is 1.43x against 1.78x over whole
-requests (BENCHMARKS.md, issue 17 fourth session). So the real line also carries
+real trace's lift over each request's first 31 decode tokens is well under its lift over whole
+requests (docs/cache.md). So the real line also carries
 ``lift_first{N}``: the lift over each request's first ``N`` decode tokens (``--lift-window``,
 default the config's ``fixtures.max_new_tokens - 1``, the synthetic requests' length), the
 like-for-like target for the synthetic lift.
