@@ -21,7 +21,7 @@ def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row
     """The Triton kernel (CUDA) for the pools' weight format: block-FP8 pools
     (:mod:`coldset.kernels.triton_fp8`), else bf16/fp16 (:mod:`coldset.kernels.triton_moe`); same
     contract as :func:`torch_experts`. Imports triton on first use."""
-    if getattr(pools, "is_fp8", False):
+    if getattr(pools, "is_fp8", False):  # triton: imported on first use, so the package imports without it
         from coldset.kernels.triton_fp8 import triton_fp8_experts as _triton_experts
     else:
         from coldset.kernels.triton_moe import triton_experts as _triton_experts
@@ -32,7 +32,7 @@ def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row
 def softmax_topk(logits, k: int, renormalize: bool):
     """The router's ``(topk_ids, topk_weights)`` for ``logits`` ``[T, E]``: one Triton launch on
     CUDA (:mod:`coldset.kernels.triton_route`), :func:`torch_softmax_topk` elsewhere."""
-    if logits.is_cuda:
+    if logits.is_cuda:  # triton: imported on first use, so the package imports without it
         from coldset.kernels.triton_route import triton_softmax_topk
 
         return triton_softmax_topk(logits, k, renormalize)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from coldset.core import fp8
+
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
     from coldset.kernels.tiers import ExpertPools
 
@@ -104,8 +106,6 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=Fals
     placement gives bitwise the same result. ``w8a16``: ``quant`` is the identity (``a = x``, the
     intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it is).
     """
-    from coldset.core import fp8
-
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     rows = pools.row_map[layer].tolist()
     def through_fp8(a):  # the activation operand of a GEMM, float32

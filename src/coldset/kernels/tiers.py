@@ -3,7 +3,7 @@
 Every MoE layer's routed experts live in one shared *hot pool* and one shared *cold pool* per
 weight (w13 = gate and up fused ``[2I, H]``, w2 = down ``[H, I]``). The row map, int32
 ``[num_moe_layers, num_experts]``, says where each (layer, expert) is: ``r >= 0`` is row ``r`` of
-the hot pool, ``r < 0`` is row ``-r - 1`` of the cold pool (DESIGN.md §3). A placement is a row
+the hot pool, ``r < 0`` is row ``-r - 1`` of the cold pool (docs/design.md §3). A placement is a row
 map, never code: the model and the kernel are the same for every placement.
 
 The unmodified path is the all-hot layout: the hot pool is the model's stacked expert tensor in
@@ -25,7 +25,7 @@ pool's device copy.
 Every row map is validated before a kernel can read through it (rows inside the pools, no row
 used twice): an out-of-range read of host memory must be impossible.
 
-Block-FP8 experts (:mod:`coldset.core.fp8`, issue 29) keep their float8_e4m3fn bytes in the weight pools
+Block-FP8 experts (:mod:`coldset.core.fp8`) keep their float8_e4m3fn bytes in the weight pools
 and their float32 ``weight_scale_inv`` blocks in a *scale pool* beside each weight pool, indexed
 by the same row map: row ``r`` of ``w13_scale_hot`` holds the scales of row ``r`` of
 ``w13_hot``, so a cold expert's scales live in the host tier beside its weights, and every
@@ -41,6 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from coldset.core import fp8
+from coldset.core.placement import validate_row_map
+
 
 class PoolAllocationError(MemoryError):
     """The host cannot give the pinned (or plain) memory the cold pool needs."""
@@ -53,8 +56,6 @@ def _check_row_map(row_map, num_hot: int, num_cold: int, num_moe_layers: int, nu
     spare rows (``build_pools(num_hot=..., num_cold=...)``, or every expert kept in both tiers so
     a placement switch is a row-map write) may leave rows unused.
     """
-    from coldset.core.placement import validate_row_map
-
     validate_row_map(row_map, num_hot, num_cold, num_moe_layers, num_experts, source="row_map",
                      allow_unused_rows=num_hot + num_cold > num_moe_layers * num_experts)
 
@@ -119,8 +120,6 @@ class ExpertPools:
         """FP8 pools: every scale pool present, contiguous float32, one row per weight row, the
         block grid of its weight; float pools: no scale pool and no float8 weights (a weight
         without its scales would be read as if its scale were 1)."""
-        from coldset.core import fp8
-
         present = [getattr(self, name) is not None for name in self.SCALE_FIELDS]
         if not any(present):
             if self.w13_hot.dtype == fp8.FP8_DTYPE or self.w2_hot.dtype == fp8.FP8_DTYPE:
@@ -200,7 +199,7 @@ class ExpertPools:
     def placed(self, row_map, host: "HostTier | None" = None) -> "ExpertPools":
         """These all-hot pools' experts laid out at a placement's ``row_map``.
 
-        ``row_map`` is in the placement encoding (DESIGN.md §3: hot rows ``0..num_hot-1``, cold
+        ``row_map`` is in the placement encoding (docs/design.md §3: hot rows ``0..num_hot-1``, cold
         rows ``-1..-num_cold``) and is validated first. The result's hot pool is a compact device
         copy of the hot experts at the rows the map gives them (``index_select`` from these
         pools); its cold pool is ``host`` (every expert, row ``layer * E + expert``, see

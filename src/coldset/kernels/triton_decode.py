@@ -42,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from coldset.kernels.triton_slots import PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, group_scalars, record_group
+from coldset.core import fp8
+from coldset.kernels.triton_slots import (PER_LAYER_ARGS, PER_LAYER_VIEWS, ahead_group, group_scalars, pdl_available,
+                                          record_group)
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,10 @@ class LinearConfig:
 
 
 def linear_config(m: int, n: int, k: int) -> LinearConfig:
-    """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight: the fastest of
-    BENCHMARKS.md's sweeps (H200, Qwen3-30B-A3B's qkv ``[5120, 2048]`` and o_proj ``[2048, 4096]``
-    over 48 layers' weights; one token: issue 13 fourth session; 8 tokens, o_proj with its
-    residual, the engine's one use of it from 2 tokens on: 8.68 against 10.14 µs for the fourth
-    session's (16, 16, 256, 4 warps, 4 stages), seventh session). (The engine runs one token
-    through :func:`gemv`.)"""
+    """The fixed launch config for ``m`` tokens against an ``[n, k]`` weight: the fastest of the
+    H200 sweeps over Qwen3-30B-A3B's qkv ``[5120, 2048]`` and o_proj ``[2048, 4096]`` (48 layers'
+    weights; at 8 tokens o_proj with its residual, the engine's one use of it from 2 tokens on).
+    (The engine runs one token through :func:`gemv`.)"""
     if m == 1:
         return LinearConfig(1, 16, 1024, num_warps=8, num_stages=3) if k >= 4096 else \
             LinearConfig(1, 8, 512, num_warps=4, num_stages=1)
@@ -409,22 +409,17 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
-    """The fixed config for an ``[n, k]`` weight at one token, from the H200 sweep of BENCHMARKS.md
-    (issue 13, fifth session; Qwen3-30B-A3B over 48 layers' weights): 8 KB of weight rows a program
-    (qkv ``[5120, 2048]``: 7.08 µs against 10.47 for ``norm_linear`` and 8.00 for cuBLAS without the
-    norm; o_proj ``[2048, 4096]``: 6.14 against 7.11 and 9.52), and for matrices over 64 MB (the LM
-    head, 137.7 against cuBLAS's 144.7 µs) 16 KB row blocks in a loop of 4, 8 warps.
+    """The fixed config for an ``[n, k]`` weight at one token, from an H200 sweep over
+    Qwen3-30B-A3B's weights (48 layers'), where it beat ``norm_linear`` and cuBLAS for qkv and
+    o_proj: 8 KB of weight rows a program, and for matrices over 64 MB (the LM head) 16 KB row
+    blocks in a loop of 4, 8 warps.
 
     ``weight_bytes``: bytes of one weight element (2: bf16/fp16, the sweep's; 1: block-FP8 weights,
     ``gemv(..., weight_scale=...)``). The rule is in bytes, so FP8 gets the same 8 KB (16 KB) a
     program, twice the rows of a 2-byte weight of the same K (qkv: 4 rows of 2,048 where bf16 has 2).
     Why bytes: a program's rows are all in flight at once, and the read rate needs bytes in flight
-    per SM, not elements. FP8 at the rule (H200, probes/fp8_gemv_h200.py over 48 layers' weights,
-    probes/fp8_gemv_h200.json): qkv 4 rows, 4 warps 6.65 µs (5.69 as a dependent launch)
-    against bf16's 7.10 (7.28); o_proj 2 rows 5.25 (4.34) against 6.25 (6.30); the layer's pair with
-    dependent launches 48 x 9.7 µs against 48 x 13.6 (1.41x). Not yet a sweep of its own: without
-    dependent launch 4 rows of 8 warps (qkv, 6.10) and 1 row of 2 warps (o_proj, 4.82) were ~8%
-    faster in that one run, not timed with it."""
+    per SM, not elements. FP8 at this rule is timed against bf16 by probes/fp8_gemv_h200.py (its
+    figures in probes/fp8_gemv_h200.json); it has no sweep of its own."""
     if weight_bytes not in (1, 2):
         raise ValueError(f"gemv_config: weight_bytes must be 1 (FP8) or 2 (bf16/fp16), got {weight_bytes}")
     kp = triton.next_power_of_2(k)
@@ -436,13 +431,10 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
 
 def pdl_default(m: int, device: torch.device) -> bool:
     """Whether the fused decode step launches its kernels as programmatic dependent launches when
-    not told (:meth:`coldset.engine.model.MoEModel.compile_decode`): at one token on Hopper or newer
-    (the H200 step 2.645 -> 2.475 ms in one run, 2.654 -> 2.626 in another: each kernel's weights
-    stream while its predecessor finishes), not at 8 tokens, where it measured slower (6.501 ->
-    6.610 ms; BENCHMARKS.md, issue 13, fourth and fifth sessions). The kernels' arithmetic is the
-    same either way: the same bits."""
-    from coldset.kernels.triton_slots import pdl_available
-
+    not told (:meth:`coldset.engine.model.MoEModel.compile_decode`): at one token on Hopper or newer,
+    where each kernel's weights stream while its predecessor finishes and the step was faster on the
+    H200; not at 8 tokens, where it was slower. The kernels' arithmetic is the same either way: the
+    same bits."""
     return m == 1 and pdl_available(device)
 
 
@@ -519,8 +511,6 @@ def _check_weight_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None,
     """:class:`ValueError` naming the tensor when ``weight`` / ``weight_scale`` are not a pair
     :func:`gemv` reads: a bf16/fp16 weight alone, or a float8_e4m3fn weight with its float32
     per-row scale table ``[N, ceil(K / 128)]`` on the same device."""
-    from coldset.core import fp8
-
     if weight.dtype == fp8.FP8_DTYPE:
         if weight_scale is None:
             raise ValueError(f"gemv: weight is {weight.dtype}: give its block scales as weight_scale, a float32 "
@@ -554,7 +544,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     the weights at the HBM rate: each program loads whole weight rows at once (all of K), so the
     bytes in flight per SM are what the read rate needs and, with ``pdl``, a program's first tile is
     read while the previous kernel finishes. Why beside norm_linear: at one token that kernel's
-    K loop keeps two tiles in flight and ran the decode GEMVs at ~2.3 TB/s (BENCHMARKS.md, issue 13).
+    K loop keeps two tiles in flight, too few bytes for the HBM read rate at one token.
 
     ``weight_scale`` (block-FP8 weights, weight-only): ``weight`` is float8_e4m3fn ``[N, K]`` and
     ``weight_scale`` its float32 per-row scale table ``[N, ceil(K / 128)]`` (:func:`coldset.core.fp8.row_scales`
@@ -608,17 +598,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 # The register cap of the router launch with lookahead's decision (``route(..., ahead=...)``) where
 # its grid needs more than two blocks an SM. ptxas gives that launch the registers its last
-# program's decision asks for, and a launch has one count for all its programs (compiled for sm90 on
-# the CPU: probes/route_regs_cpu.py). At 8 tokens (512 programs at E 128) it took 244 with the list
-# in the last program (two blocks of 4 warps in an SM's 65,536 registers: two waves on the H200's
-# 132 SMs, the second loading its router rows after the first) and 163 without (three blocks: two
-# waves still); the plain launch 96 (five blocks, one wave). At 128 four fit (528 programs: one
-# wave): the last program keeps 16 bytes on its stack (2 local loads and stores; 6,984 SASS
-# instructions against 6,952 uncapped; with the list it was 48 B and 11,120 against 10,568). Below
-# 128 it spills more (136 B at 112, 168 B at 96 with the list), so a grid past four blocks an SM
-# keeps 128. The cap changes the register allocation and the schedule, not the operations, so the
-# routing's bits are the same (not yet seen on a GPU: the GPU tests' grids are below the cap; bench
-# cache's checked pass at b8 compares the logits).
+# program's decision asks for, and a launch has one count for all its programs (probes/route_regs_cpu.py
+# compiles it for sm90 on the CPU). Uncapped, a grid of 8 tokens at E 128 fits two or three blocks of
+# 4 warps an SM: two waves on the H200's 132 SMs, the second loading its router rows after the first.
+# At 128 registers four fit (one wave) with a few bytes of stack; below 128 it spills more, so a
+# grid past four blocks an SM keeps 128. The cap changes the register allocation and the schedule,
+# not the operations, so the routing's bits are the same (bench cache's checked pass at b8 compares
+# the logits).
 ROUTE_AHEAD_MAXNREG = 128
 ROUTE_WARPS = 4  # the router launch's warps (its routing's bits depend on them)
 _SM_REGISTERS = 65536  # registers an SM (sm70 to sm90)
@@ -679,8 +665,8 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
         tl.extra.cuda.gdc_launch_dependents()  # so its waiting blocks take no SM from a kernel still running
     # Token m = program_id(1): the post-attention norm, as rms_norm computes it (every program the
     # same bits; program (0, m) writes it: the experts' input), then this program's router logits
-    # in the model dtype. (One token a program: a loop over the tokens in one program cost 4 µs
-    # more at 8 tokens than at one, each token's loads waiting on the previous token's sums.)
+    # in the model dtype. (One token a program: in a loop over the tokens in one program each
+    # token's loads would wait on the previous token's sums.)
     m = tl.program_id(1)
     x = tl.load(x_ptr + m * stride_x + rk, mask=k_ok, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
@@ -754,18 +740,15 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     gives them, or the model dtype: the same values cast once, as the engine casts them for the
     experts). With ``return_logits`` also the router logits ``[M, E]`` (model dtype, what was ranked).
 
-    Why one launch: at decode the router was a cuBLAS GEMM (~5 µs for 0.5 MB), a top-k launch, a
-    norm launch and a cast launch a layer. Here ``cdiv(E, block_e)`` programs per token each read
+    Why one launch: at decode the router would otherwise be a cuBLAS GEMM, a top-k launch, a norm
+    launch and a cast launch a layer, each mostly launch latency. Here ``cdiv(E, block_e)`` programs per token each read
     ``block_e`` router rows (before waiting on the previous kernel, with ``pdl``), compute the
     token's norm and their logits (float32 sums, rounded to the model dtype as F.linear's output
     is), and the last program to finish (a ticket on ``counter``, an int32 ``[1]`` zero that the launch leaves zero again;
     one per call site, not shared by launches that may overlap) ranks the logits exactly as
     :func:`coldset.kernels.triton_route.triton_softmax_topk` does: ties to the lowest expert id,
     ranking on the logits, softmax in float32. No result depends on which program finishes last.
-    That program ranks all tokens at once (an ``[M, E]`` tile): 5.1 µs at one token against 9.3
-    for the four launches it replaces, 4.95 against 9.7 at 8 tokens (H200; BENCHMARKS.md, issue 13
-    seventh session: with the tokens looped over in each program it was 8.4-8.9 µs at 8, ranking
-    them one after the other 29 µs, fifth session).
+    That program ranks all tokens at once (an ``[M, E]`` tile), not one after the other.
 
     ``record`` (:func:`coldset.kernels.triton_slots.route_record_args`): the same program then
     records the group for a slot cache (hits, recency, counts, counters, the missed instances:
@@ -785,11 +768,9 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     with the in-flight rule and their commit) on the selections in registers. The forecast's list
     and the prefetch decisions are the next launch's on the cache's decisions stream
     (:func:`coldset.kernels.triton_slots.ahead_list`, beside the layer's experts). Why: a cached
-    lookahead layer then costs the router's launch and the demand fill on the critical path, where
-    it cost a forecast GEMV launch and a decisions launch more (107.5 + 198.9 us a step of 48 layers
-    at b1 on the H200), and then the list in this launch's last program (417 us a step at b1, 151
-    beyond the plain router's launch, lru's record 54; 680 at b8, lru's 358: ``bench cache
-    --profile``, residency 1.0, BENCHMARKS.md section 4). The routing (``h``, ids, weights) is the
+    lookahead layer then costs the router's launch and the demand fill on the critical path, not
+    a forecast GEMV launch and a decisions launch more, nor the list in this launch's last program
+    (``bench cache --profile`` at residency 1.0 times each: BENCHMARKS.md section 4). The routing (``h``, ids, weights) is the
     same bits with or without it (the same arithmetic and warps; checked under Triton's interpreter
     and on the H200). Where the grid needs more than two blocks an SM the launch is capped at
     :func:`_route_register_cap`'s registers (b8: 128, one wave).

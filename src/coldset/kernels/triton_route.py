@@ -1,10 +1,10 @@
 """The router's softmax and top-k in one Triton launch (CUDA).
 
 Why: at decode batch sizes ``torch.topk`` costs two library kernels a layer (a radix select and
-a sort of the k winners), ~9 µs of launch latency for 128 numbers, ~0.45 ms of a 48-layer step;
-the softmax is a third. One program per token holds the token's E router logits in registers and
-does all of it: the k largest logits by k rounds of max (ties to the lowest expert id), softmax
-probabilities of the winners in float32, optional renormalisation over the k.
+a sort of the k winners), mostly launch latency for 128 numbers, and the softmax is a third.
+One program per token holds the token's E router logits in registers and does all of it: the k
+largest logits by k rounds of max (ties to the lowest expert id), softmax probabilities of the
+winners in float32, optional renormalisation over the k.
 
 Ranking on the logits rather than on the probabilities orders the experts exactly as the
 probabilities would (softmax is monotone) without the rounding of exp deciding near-ties.

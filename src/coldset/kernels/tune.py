@@ -35,10 +35,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
+from coldset.core import fp8
 from coldset.core.files import write_json
+from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.configs import load as load_kernel_configs
-from coldset.core.timing import eager_time_us, graph_time_us
+from coldset.kernels.tiers import build_pools
+from coldset.core.timing import graph_time_us
 
 # Tokens per call up to which the "decode" candidates are searched; above, the "prefill" ones.
 DECODE_MAX_TOKENS = 64
@@ -306,8 +310,6 @@ def _cpu_time_us(fn, reps: int) -> float:
 
 def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     """Random experts for ``layers`` layers, with the shape's cold fraction in pinned/host memory."""
-    from coldset.kernels.tiers import build_pools
-
     dtype = getattr(torch, shape.dtype)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)  # drawn where the pools live: fast on a GPU
@@ -316,8 +318,6 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     w2 = (torch.randn(layers, E, H, I, generator=g, device=device) / I**0.5).to(dtype)
     scales = {}
     if shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
-        from coldset.core import fp8
-
         (w13, s13), (w2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
     cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
@@ -348,10 +348,6 @@ def _candidates(space: dict, batch_size: int) -> list[dict]:
 
 
 def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps: int):
-    from tqdm import tqdm
-
-    from coldset.kernels.reference import torch_experts
-
     backend = _backend(device)
     pools = _tuning_pools(shape, device, layers)
     g = torch.Generator().manual_seed(1)
@@ -370,8 +366,6 @@ def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps:
                 refs_by_mode[w8a16] = [torch_experts(pools, l, *cases[l], w8a16=w8a16).float() for l in range(layers)]
             refs = refs_by_mode[w8a16]
             if backend == "triton":
-                from coldset.kernels import triton_experts
-
                 def fn(cand=cand):
                     return [triton_experts(pools, l, *cases[l], config=cand) for l in range(layers)]
             else:
@@ -477,7 +471,7 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
             f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
             f"using the default", AutotuneCacheWarning, stacklevel=2)
     if result.backend == "triton":
-        if result.shape.weight_format is not None:
+        if result.shape.weight_format is not None:  # triton: the kernels' modules load on use
             from coldset.kernels.triton_fp8 import default_config
         else:
             from coldset.kernels.triton_moe import default_config
@@ -500,8 +494,6 @@ def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
     ``use_row_map=False`` is the unmodified path (Triton: the indirection compiled out); with the
     same result both paths use the same tiles, which is what makes them bitwise comparable.
     """
-    from coldset.kernels import torch_experts, triton_experts
-
     chosen: dict[int, dict] = {}
 
     def experts(pools, layer, x, topk_ids, topk_weights):

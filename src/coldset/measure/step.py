@@ -10,7 +10,7 @@ default launch mode, ``fused-pdl`` / ``fused-nopdl`` with dependent launch force
 one process), each captured in one CUDA graph by :class:`coldset.bench.decode.Decoder`, times the full
 step at batch 1 and 8 (prompts cut from fixture-like text, as the bench cuts them) and the step
 with the routed experts replaced by zeros at batch 1, with a kernel profile of each full step.
-A step's time is the median of ``--reps`` event-timed calls (:func:`coldset.kernels.tune.eager_time_us`),
+A step's time is the median of ``--reps`` event-timed calls (:func:`coldset.core.timing.eager_time_us`),
 repeated ``--rounds`` times: the median round is reported with the slowest and fastest.
 
 The bytes floor of a step is what it must read from HBM (non-expert weights with the LM head, the
