@@ -14,8 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from coldset.core.files import write_bytes
 from coldset.measure import cache, kernel, replay, step
 from coldset.measure.harness import MeasureError
+from coldset.measure.render import refresh_page, render_files
+from coldset.workflow.config import ConfigError
 
 MEASUREMENTS = {"kernel": (kernel, "kernel_bench.json"), "step": (step, "decode_step.json"),
                 "cache": (cache, "cache_bench.json")}
@@ -41,14 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from coldset.measure.render import render_files
-
     args = build_parser().parse_args(argv)
     try:
         if args.command == "render" and args.into:
-            from coldset.core.files import write_bytes
-            from coldset.measure.render import refresh_page
-
             page = Path(args.into)
             write_bytes(page, refresh_page(page.read_text(), page.parent).encode())
             return 0
@@ -57,8 +55,6 @@ def main(argv: list[str]) -> int:
                 raise MeasureError("render: name result JSON files, or a page to refresh with --into")
             text = render_files(args.files)
             if args.out:
-                from coldset.core.files import write_bytes
-
                 write_bytes(args.out, text.encode())
             else:
                 print(text, end="")
@@ -74,10 +70,6 @@ def main(argv: list[str]) -> int:
     except MeasureError as exc:
         print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:
-        from coldset.workflow.config import ConfigError
-
-        if isinstance(exc, (ConfigError, FileNotFoundError)):
-            print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
-            return 1
-        raise
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"coldset bench {args.command}: {exc}", file=sys.stderr)
+        return 1

@@ -43,7 +43,10 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 from coldset.measure.harness import MeasureError
+from coldset.measure.render import _f, table
 
 LIST_KEY = re.compile(r"^b(\d+)_lookahead_d(\d+)_n(\d+)$")
 ORACLE_DEPTHS = (1, 2, 4, 8)
@@ -57,8 +60,6 @@ def oracle_lists(routing, num_experts: int, depth: int | None, horizon: int = 1)
     ``B * k`` per step in step order (a block past the last step all -1). ``horizon`` > 1 only with
     ``depth`` None (a lookahead names one later layer of its own step).
     ``routing``: int ``[steps, L, B, k]`` expert ids."""
-    import numpy as np
-
     if int(horizon) != horizon or horizon < 1 or (depth is not None and horizon != 1):
         raise ValueError(f"oracle_lists: horizon {horizon!r} must be an integer >= 1, and 1 with a depth ({depth})")
     steps, L, B, k = routing.shape
@@ -101,8 +102,7 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
                  join: str = "step") -> list[dict]:
     """One row per (batch, residency, policy variant): the simulated replay and its time (module
     doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
-    import numpy as np
-
+    # the simulator loads numba: here, when a replay runs, not whenever the bench command line loads
     from coldset.analysis.simulate import capacity_for_residency, simulate
     from coldset.analysis.streams import AccessStream
     from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
@@ -175,8 +175,6 @@ def _variant(row: dict) -> str:
 
 
 def render_replay(rows: list[dict]) -> str:
-    from coldset.measure.render import _f, table
-
     out = []
     for b, r in sorted({(x["batch"], x["residency"]) for x in rows}):
         group = sorted((x for x in rows if x["batch"] == b and x["residency"] == r), key=lambda x: x["step_ms"])
@@ -191,8 +189,6 @@ def render_replay(rows: list[dict]) -> str:
 
 
 def run(args) -> list[dict]:
-    import numpy as np
-
     folder = Path(args.folder)
     jpath, npath = folder / "cache_bench.json", folder / "cache_replays.npz"
     for p in (jpath, npath):
