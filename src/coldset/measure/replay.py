@@ -28,13 +28,14 @@ references beside them:
   a longer horizon can cost more copies than a shorter one (where one step's experts already exceed
   the pool, h8 can move more bytes than h2).
 
-Each goes through :func:`coldset.analysis.simulate.simulate` and :func:`coldset.analysis.time_model.simulate_time` (the
-engine's model: link "share", join "step" or, with ``--join use``, a wait only where a group
-selects a copied expert, which no engine does yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
+Each goes through :func:`coldset.analysis.simulate.simulate` and
+:func:`coldset.analysis.time_model.simulate_time` (the engine's model: link "share", join "step"
+or, with ``--join use``, a wait only where a group selects a copied expert, which no engine does
+yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
 simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the
 measured x all-HBM where the run measured the same row. The lists are
-:func:`coldset.analysis.forecast.lookahead_predictions`' (float32 logits): the engine ranks its own logits,
-so near-ties may differ from the lists it recorded. No GPU needed.
+:func:`coldset.analysis.forecast.lookahead_predictions`' (float32 logits): the engine ranks its
+own logits, so near-ties may differ from the lists it recorded. No GPU needed.
 """
 
 from __future__ import annotations
