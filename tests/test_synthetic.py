@@ -197,12 +197,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
                          heads=2, kv_heads=1, head_dim=32, vocab_size=600)
     out = write_synthetic_checkpoint(spec, tmp_path / "m")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import safetensors.torch
+    import coldset.engine.synthetic
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    monkeypatch.setattr(coldset.engine.synthetic, "save_file", fail)  # the writer's safetensors call
     with pytest.raises(OSError, match="disk full"):
         write_synthetic_checkpoint(dataclass_replace(spec, seed=9), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -44,14 +44,22 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+from tqdm import tqdm
 
+from coldset.core import fp8
 from coldset.core.files import remove_orphans, share_mode
+from coldset.engine.model import ModelConfig, MoEBlock, MoEModel
+from coldset.kernels.tiers import ExpertPools
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -236,7 +244,6 @@ def sample_prompts(domain: str, n: int, seed: int = 99) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (deterministic, exact round trip)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -344,7 +351,6 @@ def synthetic_model_config(spec: SyntheticSpec, domain_texts: dict[str, list[str
                            dtype: str = "float32"):
     """The :class:`coldset.engine.model.ModelConfig` that :func:`build_synthetic_model` gives ``spec`` in
     ``dtype`` (trains the tokenizer, seconds; no weights), for stages that need only the shape."""
-    from coldset.engine.model import ModelConfig
 
     _check_spec(spec)
     tokenizer, p_tok, _ = synthetic_tokenizer(spec, domain_texts)
@@ -377,6 +383,52 @@ def _topic_latents(spec: SyntheticSpec, vocab: int, dims: int, cycles: list[torc
     return z.float()
 
 
+def _successor_cycles(p_tok: torch.Tensor, V: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A random cyclic order of each domain's tokens (a CPU generator seeded with ``seed``): each
+    token id's predecessor (itself outside a cycle) and the cycles."""
+    K = p_tok.shape[1]
+    cluster = p_tok.argmax(dim=1)
+    predecessor = torch.arange(V)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    cycles = []
+    for k in range(K):
+        members = torch.nonzero(cluster == k).flatten()
+        if len(members) > 1:
+            order = members[torch.randperm(len(members), generator=cpu_gen)]
+            predecessor[order] = torch.roll(order, 1)
+            cycles.append(order)
+    return predecessor, cycles
+
+
+def _set_attention(block, spec: SyntheticSpec, randn, param, dom: torch.Tensor, topic: torch.Tensor) -> None:
+    """One layer's norms and attention weights (``randn`` draws from the build's generator, in
+    this order: q, k, v, o): the values read the domain and topic directions, the outputs write
+    them back."""
+    H, D, nh, nkv = spec.hidden, spec.head_dim, spec.heads, spec.kv_heads
+    K, n_t = dom.shape[1], topic.shape[1]
+    f32 = dict(device=dom.device, dtype=torch.float32)
+    block.input_layernorm.weight = param(torch.ones(H, **f32))
+    block.post_attention_layernorm.weight = param(torch.ones(H, **f32))
+    attn = block.self_attn
+    attn.q_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
+    attn.k_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
+    attn.fuse_qk_norm()
+    q = randn(nh * D, H) / H**0.5
+    k = randn(nkv * D, H) / H**0.5
+    # Values: the first K dims of every kv head read the domain directions; the rest random.
+    # Outputs write them back, so the residual carries the context's domain mix.
+    v = 0.3 * randn(nkv * D, H) / H**0.5
+    o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
+    for g in range(nkv):
+        v[g * D:g * D + K] = dom.T
+        v[g * D + K:g * D + K + n_t] = topic.T
+    for h in range(nh):
+        o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
+        o[:, h * D + K:h * D + K + n_t] = spec.topic_context * topic / (nh * spec.layers)
+    attn.qkv_proj.weight = param(torch.cat([q, k, v]))
+    attn.o_proj.weight = param(o)
+
+
 @torch.no_grad()  # not inference_mode: the row map must keep a version counter
 def build_synthetic_model(
     spec: SyntheticSpec,
@@ -399,10 +451,6 @@ def build_synthetic_model(
     assembled like :func:`coldset.engine.model.load_model` does it (fused qkv, fused qk-norm, routed
     experts only in ``model.pools`` as ``ExpertPools.all_hot``).
     """
-    from torch import nn
-
-    from coldset.engine.model import MoEModel, ModelConfig
-    from coldset.kernels.tiers import ExpertPools
 
     _check_spec(spec)
     device = torch.device(device)
@@ -446,16 +494,7 @@ def build_synthetic_model(
         return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
 
     token_noise = noise_vectors(V)
-    cluster = p_tok.argmax(dim=1)
-    predecessor = torch.arange(V)
-    cpu_gen = torch.Generator().manual_seed(spec.seed)
-    cycles = []
-    for k in range(K):
-        members = torch.nonzero(cluster == k).flatten()
-        if len(members) > 1:
-            order = members[torch.randperm(len(members), generator=cpu_gen)]
-            predecessor[order] = torch.roll(order, 1)
-            cycles.append(order)
+    predecessor, cycles = _successor_cycles(p_tok, V, spec.seed)
     embed = u[None, :] + 1.5 * p_centred @ dom.T + token_noise
     if n_t:
         embed += _topic_latents(spec, V, n_t, cycles).to(device) @ topic.T
@@ -474,40 +513,16 @@ def build_synthetic_model(
     model.lm_head.weight = param(spec.lm_domain_gain * p_centred @ dom.T + spec.lm_successor_gain * succ_noise)
     del token_noise, succ_noise
 
-    nh, nkv = spec.heads, spec.kv_heads
     L = cfg.num_moe_layers
     router_parts = []
     w13 = torch.empty((L, E, 2 * I, H), device=device, dtype=dtype)
     w2 = torch.empty((L, E, H, I), device=device, dtype=dtype)
     layers = range(spec.layers)
     if progress:
-        import sys
-
-        from tqdm import tqdm
-
         layers = tqdm(layers, desc="synthetic layers", file=sys.stderr, leave=False)
     for layer in layers:
         block = model.layers[layer]
-        block.input_layernorm.weight = param(torch.ones(H, **f32))
-        block.post_attention_layernorm.weight = param(torch.ones(H, **f32))
-        attn = block.self_attn
-        attn.q_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
-        attn.k_norm.weight = param(torch.full((D,), spec.qk_gain, **f32))
-        attn.fuse_qk_norm()
-        q = randn(nh * D, H) / H**0.5
-        k = randn(nkv * D, H) / H**0.5
-        # Values: the first K dims of every kv head read the domain directions; the rest random.
-        # Outputs write them back, so the residual carries the context's domain mix.
-        v = 0.3 * randn(nkv * D, H) / H**0.5
-        o = 0.3 * randn(H, nh * D) / (nh * D) ** 0.5
-        for g in range(nkv):
-            v[g * D:g * D + K] = dom.T
-            v[g * D + K:g * D + K + n_t] = topic.T
-        for h in range(nh):
-            o[:, h * D:h * D + K] = spec.attention_context * dom / (nh * spec.layers)
-            o[:, h * D + K:h * D + K + n_t] = spec.topic_context * topic / (nh * spec.layers)
-        attn.qkv_proj.weight = param(torch.cat([q, k, v]))
-        attn.o_proj.weight = param(o)
+        _set_attention(block, spec, randn, param, dom, topic)
         # Router (router_weight): popularity along u, domain affinity along dom, token-level
         # spread in the noise subspace, topic affinity. Drawn whatever the router knobs are, so
         # set_router_knobs can remake it from these parts alone.
@@ -598,7 +613,6 @@ def set_router_knobs(model, spec: SyntheticSpec) -> None:
     if _topic_dims(spec) != _topic_dims(built):
         raise ValueError("set_router_knobs cannot add or remove the topic directions (temporal_gain and "
                          "topic_context both 0 build none): build the model again")
-    from coldset.engine.model import MoEBlock
 
     for block, p in zip((b for b in model.layers if isinstance(b.mlp, MoEBlock)), parts, strict=True):
         block.mlp.gate.weight.copy_(router_weight(p, spec).to(block.mlp.gate.weight.dtype))
@@ -624,7 +638,6 @@ def fp8_modules_to_not_convert(num_layers: int) -> list[str]:
 def fp8_tensors(tensors: dict[str, torch.Tensor], fmt) -> dict[str, torch.Tensor]:
     """``tensors`` (HF keys) with every linear layer that ``fmt`` (a :class:`coldset.core.fp8.Fp8Format`)
     converts stored as ``*.weight`` float8_e4m3fn + ``*.weight_scale_inv`` float32 (coldset.core.fp8)."""
-    from coldset.core import fp8
 
     out = {}
     for key, t in tensors.items():
@@ -688,7 +701,6 @@ def write_synthetic_checkpoint(
     temporary sibling folder that replaces ``out_dir`` only when complete; a failure leaves
     ``out_dir`` as it was.
     """
-    from safetensors.torch import save_file
 
     if spec.in_memory:
         raise ValueError(
@@ -700,7 +712,6 @@ def write_synthetic_checkpoint(
     config = _config(spec, model.config.vocab_size, eos_id)
     tensors = _hf_tensors(model)
     if spec.weight_format == "fp8":
-        from coldset.core import fp8
 
         config["quantization_config"] = fp8.quantization_config(fp8_modules_to_not_convert(spec.layers))
         tensors = fp8_tensors(tensors, fp8.parse_quantization_config(config["quantization_config"]))
