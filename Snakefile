@@ -1,16 +1,22 @@
 # coldset: usage-aware MoE expert offload, as one declarative experiment workflow.
-# Stages and file contracts: ../shared/DESIGN.md §1 and docs/architecture.md.
+# Stages and file contracts: docs/design.md §1 and docs/architecture.md.
 #   snakemake --cores all report    the whole pipeline (the default profile sets cores)
 #   snakemake parity_gate           the token-exact gate alone
 
 import sys
 from pathlib import Path
 
+from snakemake.io import IOFile
+from snakemake.logging import logger as snakemake_logger
 from snakemake.utils import min_version
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))  # a plain clone works without `pip install -e`
 
 from coldset.workflow.config import ConfigError, validate_config
+from coldset.workflow.entry import InterruptWatch, interrupted_line, rerun_restored_outputs
+
+# Ctrl-C: one line saying what was kept and how to resume (onerror), instead of a RuleException per job.
+INTERRUPTS = InterruptWatch().install(snakemake_logger)
 
 min_version("9.0")
 
@@ -56,11 +62,12 @@ else:
 # A failed job leaves the previous run's outputs in place (the rules flag them update(), except
 # the parity gate's verdict); here they lose the failed job's record, so that it runs again next time.
 onerror:
-    from snakemake.io import IOFile
-    from coldset.workflow.pipeline import rerun_restored_outputs
-
-    for _kept in rerun_restored_outputs(log, lambda p: workflow.persistence.cleanup_metadata(IOFile(str(p)))):
-        print(f"kept {_kept} from the previous run; its job runs again next time", file=sys.stderr)
+    _kept = rerun_restored_outputs(log, lambda p: workflow.persistence.cleanup_metadata(IOFile(str(p))))
+    if INTERRUPTS.interrupted:
+        print(interrupted_line(), file=sys.stderr)
+    else:
+        for _path in _kept:
+            print(f"kept {_path} from the previous run; its job runs again next time", file=sys.stderr)
 
 
 rule all:

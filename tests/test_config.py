@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from coldset.workflow.config import ConfigError, Layout, load_config, validate_config
-from coldset.workflow.pipeline import StageError, run_stage
+from coldset.workflow.context import StageError
+from coldset.workflow.pipeline import run_stage
 
 
 def test_defaults_are_filled_and_paths_laid_out():

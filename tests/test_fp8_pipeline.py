@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from coldset.workflow import pipeline
+from coldset.workflow import pipeline, process_engine
+from coldset.workflow.context import StageContext
 from coldset.workflow.config import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "examples" / "synthetic-fp8.yaml"
@@ -38,12 +39,12 @@ def run(tmp_path_factory):
     (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
     config = load_config([EXAMPLE, root / "tiny.yaml"])
     assert config["model"]["synthetic"]["weight_format"] == "fp8"
-    pipeline.release_engine()
+    process_engine.release_engine()
     for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
         pipeline.run_stage(stage, config)
-    engine, _ = pipeline._load_engine(config)
+    engine, _ = process_engine.load_engine(StageContext.from_config(config))
     yield {"config": config, "results": root / "results", "engine": engine}
-    pipeline.release_engine()
+    process_engine.release_engine()
 
 
 def test_the_checkpoint_is_fp8_and_the_engine_keeps_experts_fp8(run):

@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from coldset import cli
-from coldset.workflow import pipeline
+from coldset.workflow import pipeline, process_engine
+from coldset.workflow.context import StageContext, StageError
 from coldset.kernels import torch_experts
 from coldset.analysis.placement import row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec
@@ -52,14 +53,11 @@ def _config(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``python -m coldset gpu-stages`` once, counting model builds and host tiers."""
-    import coldset.engine.synthetic
-    import coldset.kernels.tiers
-
     root = tmp_path_factory.mktemp("inmem")
     cfg_path = root / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(root)))
     built, tiers = [], []
-    real_build, real_tier = coldset.engine.synthetic.build_synthetic_model, coldset.kernels.tiers.host_tier
+    real_build, real_tier = process_engine.build_synthetic_model, process_engine.make_host_tier
 
     def counting_build(*args, **kwargs):
         built.append(real_build(*args, **kwargs))
@@ -69,13 +67,13 @@ def run(tmp_path_factory):
         tiers.append(real_tier(*args, **kwargs))
         return tiers[-1]
 
-    pipeline.release_engine()
+    process_engine.release_engine()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coldset.engine.synthetic, "build_synthetic_model", counting_build)
-        mp.setattr(coldset.kernels.tiers, "host_tier", counting_tier)
+        mp.setattr(process_engine, "build_synthetic_model", counting_build)
+        mp.setattr(process_engine, "make_host_tier", counting_tier)
         rc = cli.main(["gpu-stages", "--config", str(cfg_path)])
     yield {"rc": rc, "root": root, "results": root / "results", "built": built, "tiers": tiers}
-    pipeline.release_engine()
+    process_engine.release_engine()
 
 
 def test_gpu_stages_write_no_weights_and_build_the_model_once(run):
@@ -164,7 +162,7 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
     # float32 build); checked below to hold exactly the engine's weights.
     config = validate_config(_config(run["root"]))
     folder = write_synthetic_checkpoint(SyntheticSpec(**{**SYNTHETIC, "in_memory": False}), tmp_path / "hf",
-                                        domain_texts=pipeline._domain_texts(config))
+                                        domain_texts=process_engine.domain_texts(StageContext.from_config(config)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_w = dict(hf.named_parameters())
     assert torch.equal(hf_w["model.embed_tokens.weight"], model.embed_tokens.weight)
@@ -194,10 +192,11 @@ def test_in_memory_model_has_no_folder(tmp_path):
     from coldset.workflow.config import validate_config
 
     config = validate_config(_config(tmp_path))
-    with pytest.raises(pipeline.StageError, match="in_memory.*no folder"):
-        pipeline.model_dir(config)
-    with pytest.raises(pipeline.StageError, match="run the model stage"):
-        pipeline.model_config(config)  # no manifest yet
+    ctx = StageContext.from_config(config)
+    with pytest.raises(StageError, match="in_memory.*no folder"):
+        ctx.model_dir
+    with pytest.raises(StageError, match="run the model stage"):
+        ctx.model_config  # no manifest yet
 
 
 # ---------------------------------------------------------------------------------- host tier
@@ -395,8 +394,9 @@ def test_bench_cuts_prompts_from_the_held_out_split_and_reports_profile_beside(r
 
     config = validate_config(_config(run["root"]))
     config["bench"]["profile_beside"] = True
-    _, tokenizer = pipeline._load_engine(config)
-    fxs = read_fixtures(pipeline._fixture_paths(config))
+    ctx = StageContext.from_config(config)
+    _, tokenizer = process_engine.load_engine(ctx)
+    fxs = read_fixtures(list(ctx.fixture_paths))
     plen = config["bench"]["prompt_tokens"]
     # each timed request: a fixture of the split, its own first prompt_tokens tokens (issue 30 item 4)
     want = {split: {tuple(ids[:plen]) for ids in encode_prompts(tokenizer, [f.prompt for f in fxs if f.split == split])}
@@ -439,7 +439,7 @@ def test_a_timed_loop_that_decodes_other_tokens_fails_the_bench_stage(run):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bn.Decoder, "step", wrong_step)
-        with pytest.raises(pipeline.StageError, match=r"positional-0.5 batch 1: the timed decode loop matches generate\(\)"):
+        with pytest.raises(StageError, match=r"positional-0.5 batch 1: the timed decode loop matches generate\(\)"):
             pipeline.run_stage("bench", pipeline_config(run), placements=["positional-0.5"])
         assert cli.main(["bench", "--config", str(run["root"] / "tiny.yaml"), "--placement", "positional-0.5"]) == 1
     assert out.read_bytes() == before
@@ -454,15 +454,14 @@ def pipeline_config(run):
 def test_a_router_knob_change_remakes_the_routers_of_the_built_engine(tmp_path, monkeypatch):
     """A config that differs from the engine's only in router knobs (a calibration sweep) reuses
     the built in-memory model with its routers remade, and routes exactly like a fresh build."""
-    import coldset.engine.synthetic
     from coldset.workflow.config import Layout, load_config
 
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(tmp_path)))
     config = load_config(cfg_path)
     built = []
-    real_build = coldset.engine.synthetic.build_synthetic_model
-    monkeypatch.setattr(coldset.engine.synthetic, "build_synthetic_model",
+    real_build = process_engine.build_synthetic_model
+    monkeypatch.setattr(process_engine, "build_synthetic_model",
                         lambda *a, **k: built.append(1) or real_build(*a, **k))
 
     def trace(**knobs) -> pd.DataFrame:
@@ -472,17 +471,17 @@ def test_a_router_knob_change_remakes_the_routers_of_the_built_engine(tmp_path, 
             pipeline.run_stage(stage, c)
         return pd.read_parquet(Layout.from_config(c).trace)
 
-    pipeline.release_engine()
+    process_engine.release_engine()
     try:
         base = trace()
         swept = trace(popularity_scale=2.0, router_noise=1.5)
         assert len(built) == 1  # routers remade, not rebuilt
         other_seed = trace(popularity_scale=2.0, router_noise=1.5, seed=4)
         assert len(built) == 2  # any other field builds again
-        pipeline.release_engine()
+        process_engine.release_engine()
         fresh = trace(popularity_scale=2.0, router_noise=1.5)
         assert len(built) == 3
         pd.testing.assert_frame_equal(swept, fresh)
         assert not swept["expert"].equals(base["expert"]) and not swept["expert"].equals(other_seed["expert"])
     finally:
-        pipeline.release_engine()
+        process_engine.release_engine()

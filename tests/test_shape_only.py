@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from coldset.workflow.config import decoding_support
-from coldset.workflow.pipeline import StageError, require_decoding, skipped_stages
+from coldset.workflow.config import decoding_support, skipped_stages, validate_config
+from coldset.workflow.context import StageContext, StageError
 from coldset.core.trace import TraceMeta, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_shape_only_folder_is_refused_by_decoding_stages(tmp_path):
     assert set(skipped_stages(config)) == {"autotune", "parity", "parity_gate", "bench"}
     with pytest.raises(StageError, match=r"stage bench cannot run .* What works with config.json alone: set "
                                          r"routing.trace"):
-        require_decoding(config, "bench")
+        StageContext.from_config(validate_config({"model": {"name": "tiny-v3", "path": str(tmp_path)}})).require_decoding("bench")
     # an engine family without weights is shape-only too; the synthetic default decodes
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     assert "holds no weights" in decoding_support(config)

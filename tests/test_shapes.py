@@ -196,7 +196,7 @@ def test_trace_only_example_configs_validate(name):
     import yaml
 
     from coldset.workflow.config import validate_config
-    from coldset.workflow.pipeline import skipped_stages
+    from coldset.workflow.config import skipped_stages
 
     repo = EXAMPLES.parents[2]
     cfg = validate_config(yaml.safe_load((repo / "config" / "examples" / "trace-only" / f"{name}.yaml").read_text()))

@@ -35,14 +35,14 @@ def test_maverick_example_runs_from_the_shared_trace(tmp_path, monkeypatch):
     import yaml
 
     from coldset.workflow import pipeline
-    from coldset.workflow.config import load_config
+    from coldset.workflow.config import load_config, skipped_stages
 
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(yaml.safe_dump({"results": str(tmp_path / "results"),
                                        "tracking": {"uri": f"sqlite:///{tmp_path}/results/mlflow.db"}}))
     monkeypatch.chdir(REPO)  # the example's paths are relative to the repository root
     cfg = load_config([EXAMPLE, overlay])
-    skipped = pipeline.skipped_stages(cfg)
+    skipped = skipped_stages(cfg)
     assert set(skipped) == {"autotune", "parity", "parity_gate", "bench"}
     for stage in ("model", "routing", "stats", "placement", "cache", "track", "report"):
         pipeline.run_stage(stage, cfg)

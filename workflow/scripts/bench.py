@@ -1,5 +1,5 @@
-"""Snakemake script of the `bench` rule: thin, the work is coldset.workflow.pipeline.bench."""
+"""Snakemake script of the `bench` rule: thin, the work is coldset.workflow.pipeline.STAGES["bench"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "bench")  # noqa: F821 (snakemake is injected)

@@ -1,5 +1,5 @@
-"""Snakemake script of the `model` rule: thin, the work is coldset.workflow.pipeline.model."""
+"""Snakemake script of the `model` rule: thin, the work is coldset.workflow.pipeline.STAGES["model"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "model")  # noqa: F821 (snakemake is injected)

@@ -1,5 +1,5 @@
-"""Snakemake script of the `parity` rule: thin, the work is coldset.workflow.pipeline.parity."""
+"""Snakemake script of the `parity` rule: thin, the work is coldset.workflow.pipeline.STAGES["parity"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "parity")  # noqa: F821 (snakemake is injected)

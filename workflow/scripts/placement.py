@@ -1,5 +1,5 @@
-"""Snakemake script of the `placement` rule: thin, the work is coldset.workflow.pipeline.placement."""
+"""Snakemake script of the `placement` rule: thin, the work is coldset.workflow.pipeline.STAGES["placement"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "placement")  # noqa: F821 (snakemake is injected)

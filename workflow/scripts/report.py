@@ -1,5 +1,5 @@
-"""Snakemake script of the `report` rule: thin, the work is coldset.workflow.pipeline.report."""
+"""Snakemake script of the `report` rule: thin, the work is coldset.workflow.pipeline.STAGES["report"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "report")  # noqa: F821 (snakemake is injected)

@@ -1,5 +1,5 @@
-"""Snakemake script of the `routing` rule: thin, the work is coldset.workflow.pipeline.routing."""
+"""Snakemake script of the `routing` rule: thin, the work is coldset.workflow.pipeline.STAGES["routing"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "routing")  # noqa: F821 (snakemake is injected)

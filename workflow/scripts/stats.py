@@ -1,5 +1,5 @@
-"""Snakemake script of the `stats` rule: thin, the work is coldset.workflow.pipeline.stats."""
+"""Snakemake script of the `stats` rule: thin, the work is coldset.workflow.pipeline.STAGES["stats"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "stats")  # noqa: F821 (snakemake is injected)

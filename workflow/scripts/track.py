@@ -1,5 +1,5 @@
-"""Snakemake script of the `track` rule: thin, the work is coldset.workflow.pipeline.track."""
+"""Snakemake script of the `track` rule: thin, the work is coldset.workflow.pipeline.STAGES["track"]."""
 
-from coldset.workflow.pipeline import run_from_snakemake
+from coldset.workflow.entry import run_from_snakemake
 
 run_from_snakemake(snakemake, "track")  # noqa: F821 (snakemake is injected)

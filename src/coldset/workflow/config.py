@@ -16,9 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import yaml
 
 from coldset.core.placement import PlacementError, lookahead_depths, residency_label
+from coldset.core.shapes import ShapeError, read_shape
+from coldset.core.trace import TraceError, read_trace_meta
+from coldset.reporting.track_store import default_tracking_uri
+from coldset.trace.fixtures import FixtureError, available_domains, fixtures_by_domain
+from coldset.trace.importers import export_files, is_engine_export
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -29,8 +35,6 @@ class ConfigError(ValueError):
 
 
 def _defaults_filling_validator(schema: dict):
-    import jsonschema
-
     base = jsonschema.validators.validator_for(schema)
 
     def set_defaults(validator, properties, instance, schema):
@@ -102,8 +106,6 @@ def check_config(config: dict, source: str = "config") -> dict:
         if value and not Path(value).exists():
             problems.append(f"{key}: {value} does not exist")
     if not fx["prompts"] and not (fx["template_dir"] and not Path(fx["template_dir"]).is_dir()):
-        from coldset.trace.fixtures import available_domains
-
         known = available_domains(fx["template_dir"])
         missing = [d for d in fx["domains"] if d not in known]
         if missing:
@@ -149,7 +151,7 @@ def decoding_support(config: dict) -> str | None:
         model_type = json.loads(cfg.read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return None  # the model stage reports the broken file
-    from coldset.engine.model import SUPPORTED_MODEL_TYPES
+    from coldset.engine.model import SUPPORTED_MODEL_TYPES  # loads torch: the Snakefile asks this while it builds the DAG
 
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
@@ -157,6 +159,19 @@ def decoding_support(config: dict) -> str | None:
     if not any(folder.glob("*.safetensors")):
         return f"{folder} holds no weights (*.safetensors), only the model's shape"
     return None
+
+
+# Stages that decode with the embedded engine (or feed only those): skipped for a shape-only model.
+DECODING_STAGES = ("autotune", "parity", "parity_gate", "bench")
+
+
+def skipped_stages(config: dict) -> dict[str, str]:
+    """The stages the workflow leaves out for this config, each with the reason (the report shows
+    them): the decoding stages of a shape-only model."""
+    reason = decoding_support(config)
+    if reason is None:
+        return {}
+    return {stage: f"{reason}; {stage} decodes the model" for stage in DECODING_STAGES}
 
 
 def _bench_request_problems(config: dict, by_domain: dict) -> list[str]:
@@ -188,8 +203,6 @@ def input_file_problems(config: dict) -> list[str]:
     ``update``)."""
     problems: list[str] = []
     fx = config["fixtures"]
-    from coldset.trace.fixtures import FixtureError, fixtures_by_domain
-
     try:
         by_domain = fixtures_by_domain(fx["domains"], fx["per_domain"], fx["heldout_fraction"], fx["max_new_tokens"],
                                        fx["seed"], template_dir=fx["template_dir"], user_prompts=fx["prompts"])
@@ -199,18 +212,12 @@ def input_file_problems(config: dict) -> list[str]:
         problems += _bench_request_problems(config, by_domain)
     shape = None
     if config["model"]["path"]:
-        from coldset.core.shapes import ShapeError, read_shape
-
         try:
             shape = read_shape(config["model"]["path"])
         except ShapeError as exc:
             problems.append(f"model.path: {exc}")
-    from coldset.core.trace import TraceError, read_trace_meta
-
     trace, kind = config["routing"]["trace"], config["routing"]["trace_format"]
     if trace:
-        from coldset.trace.importers import export_files, is_engine_export
-
         try:
             if kind in ("coldset", "parquet") or (kind == "auto" and Path(trace).suffix == ".parquet"):
                 read_trace_meta(trace, expect=shape)
@@ -266,21 +273,9 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def resolve_device(config: dict) -> str:
-    """``auto`` is cuda when torch sees a GPU, else cpu; ``cuda`` without a GPU is an error."""
-    import torch
-
-    device = config.get("device", "auto")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config device: cuda, but torch sees no CUDA device")
-    return device
-
-
 @dataclass(frozen=True)
 class Layout:
-    """Where each stage's files live, from the validated config (DESIGN.md §1)."""
+    """Where each stage's files live, from the validated config (docs/design.md §1)."""
 
     results: Path
     model: str
@@ -346,8 +341,6 @@ class Layout:
 
     def tracking_uri(self, config: dict) -> str:
         """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
-        from coldset.reporting.track_store import default_tracking_uri
-
         return config["tracking"]["uri"] or default_tracking_uri(self.results)
 
 

@@ -19,19 +19,27 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import matplotlib
+
+matplotlib.use("Agg")  # no display: the figures are rendered to PNG; before pyplot loads
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+
+from coldset.core.files import write_bytes
+from coldset.core.timing import noisy_reason, speed_compares_placements, timing_noisy
+from coldset.reporting.results import load_bench, load_placement_summary
+from coldset.workflow import pipeline
 from coldset.workflow.config import Layout, comparison_path, model_configs
+from coldset.workflow.context import StageContext
+
 
 def _placements(cfg: dict):
-    from coldset.reporting.results import load_placement_summary
-
     layout = Layout.from_config(cfg)
     pc = cfg["placement"]
     return [load_placement_summary(layout.placement(p, r)) for p in pc["policies"] for r in pc["residency"]]
 
 
 def _bench(cfg: dict):
-    from coldset.reporting.results import load_bench
-
     layout = Layout.from_config(cfg)
     pc = cfg["placement"]
     paths = [layout.bench(p, r) for p in pc["policies"] for r in pc["residency"]]
@@ -41,8 +49,6 @@ def _bench(cfg: dict):
 
 
 def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -67,8 +73,6 @@ def comparison_rows(configs: dict[str, dict]) -> list[dict[str, Any]]:
     prediction for ``placement.bandwidths`` at its smallest batch size, labelled as the upper
     estimate it is, and ``tok_s_per_gib`` the difference of predictions over the same model and
     policy's next smaller residency."""
-    from coldset.core.timing import noisy_reason, speed_compares_placements, timing_noisy
-
     rows = []
     for name, cfg in configs.items():
         placements = _placements(cfg)
@@ -116,14 +120,6 @@ def comparison_rows(configs: dict[str, dict]) -> list[dict[str, Any]]:
 
 def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> Path:
     """The report comparing the models of a sweep: figures inline, one table (written atomically)."""
-    import jinja2
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from coldset.core.files import write_bytes
-
     rows = comparison_rows(configs)
     names = list(configs)
     policies = sorted({r["policy"] for r in rows})
@@ -176,22 +172,21 @@ def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> 
     return out
 
 
-def report_models(config: dict, **_) -> None:
+def report_models(ctx: StageContext, **_) -> None:
     """The ``report_models`` stage (``models:``): the report comparing every model
     (``results/report/models.html``)."""
-    render_comparison(model_configs(config), comparison_path(config))
+    render_comparison(model_configs(ctx.config), comparison_path(ctx.config))
 
 
 def run_sweep(config: dict) -> Path:
     """Every model through its stages (the decoding ones only where the model decodes; fixtures
     only where routing is captured), MLflow runs tagged by model, then the comparison report."""
-    from coldset.workflow import pipeline
-
     configs = model_configs(config)
     for name, cfg in configs.items():
-        skipped = pipeline.skipped_stages(cfg)
-        stages = ["model"] + ([] if cfg["routing"]["trace"] else ["fixtures"]) + ["routing", "stats", "placement", "cache"]
+        ctx = StageContext.from_config(cfg)
+        skipped = ctx.skipped
+        stages = ["model"] + ([] if ctx.routing["trace"] else ["fixtures"]) + ["routing", "stats", "placement", "cache"]
         stages += [s for s in ("autotune", "parity", "parity_gate", "bench") if s not in skipped] + ["track"]
         for stage in stages:
-            pipeline.run_stage(stage, cfg)
+            pipeline.run_stage(stage, ctx)
     return render_comparison(configs, comparison_path(config))

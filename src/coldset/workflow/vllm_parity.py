@@ -1,6 +1,6 @@
 """The cross-engine token check: every static placement served by vLLM with coldset's plugin
 (:mod:`coldset.serve.vllm_plugin`) decodes the parity fixtures to the same greedy tokens as coldset's
-embedded engine and as stock vLLM (issue 31).
+embedded engine and as stock vLLM.
 
 The rule ``vllm_parity`` (workflow/rules/vllm.smk, ``snakemake vllm_parity``; not part of the
 default target, since it needs vLLM in the workflow's environment) runs :func:`vllm_parity`
@@ -26,6 +26,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from coldset.core.files import write_json
+from coldset.core.placement import DYNAMIC_POLICIES
+from coldset.engine.generate import encode_prompts
+from coldset.serve import vllm_plugin
+from coldset.verify import gate
+from coldset.workflow.context import StageContext
+from coldset.workflow.process_engine import load_engine, parity_fixtures
+
 log = logging.getLogger(__name__)
 
 #: vLLM's KV cache on the CPU for the check (fixtures are short); vLLM otherwise reserves most RAM.
@@ -42,6 +50,7 @@ def run_worker(job_path: str, result_path: str) -> None:
     memory report."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model returns the worker's objects
     job = json.loads(Path(job_path).read_text())
+    import vllm  # optional dependency: the worker runs only where vLLM is installed
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -50,16 +59,12 @@ def run_worker(job_path: str, result_path: str) -> None:
               max_model_len=job["max_model_len"], kv_cache_memory_bytes=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    import vllm
-
     result = {"vllm_version": vllm.__version__, "tokens": [list(o.outputs[0].token_ids) for o in outs],
               **llm.apply_model(_worker_state)[0]}
     Path(result_path).write_text(json.dumps(result))
 
 
 def _worker_state(model) -> dict:
-    from coldset.serve import vllm_plugin
-
     classes = sorted({f"{type(m).__name__}/{type(m.quant_method).__name__}" for _, m in model.named_modules()
                       if type(m).__name__.endswith("RoutedExperts")})
     return {"classes": classes, "memory": vllm_plugin.memory_report()}
@@ -102,25 +107,18 @@ def compare_tokens(got: list[list[int]], want: list[list[int]], ids: list[str]) 
             "first_mismatch": first}
 
 
-def vllm_parity(config: dict, **_) -> None:
+def vllm_parity(ctx: StageContext, **_) -> None:
     """The stage: every static placement of the config through vLLM with the plugin (module doc)."""
-    from coldset.verify import gate
-    from coldset.workflow.config import Layout
-    from coldset.core.files import write_json
-    from coldset.engine.generate import encode_prompts
-    from coldset.workflow.pipeline import _load_engine, _placement_names, model_dir, parity_fixtures
-    from coldset.core.placement import DYNAMIC_POLICIES
-
-    layout = Layout.from_config(config)
-    pc = config["parity"]
-    names = _placement_names(config, None)
-    fxs = parity_fixtures(config)
-    engine, tokenizer = _load_engine(config)
+    layout = ctx.layout
+    pc = ctx.parity
+    names = ctx.placement_names()
+    fxs = parity_fixtures(ctx)
+    engine, tokenizer = load_engine(ctx)
     prompts = encode_prompts(tokenizer, [f.prompt for f in fxs])
     ids = [f.id for f in fxs]
     n_new = pc["max_new_tokens"]
     reference = gate.reference_decode(engine, prompts, n_new, pc["batch_size"] or len(prompts)).tokens
-    folder, dtype = model_dir(config), config["model"]["dtype"]
+    folder, dtype = ctx.model_dir, ctx.dtype
     report: dict = {"fixtures": len(prompts), "max_new_tokens": n_new, "dtype": dtype, "placements": {}}
     with tempfile.TemporaryDirectory(prefix="coldset-vllm-parity-") as tmp:
         stock = run_vllm(folder, prompts, n_new, dtype, None, Path(tmp) / "stock")
