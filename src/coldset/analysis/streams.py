@@ -30,7 +30,6 @@ class CacheError(ValueError):
     """Bad input to the cache simulation (policy, capacity, stream, profile); the message says what."""
 
 
-
 @dataclass(frozen=True)
 class AccessStream:
     """Selections in replay order, cut into groups.

@@ -287,7 +287,6 @@ def manage_ms_per_group(full_step_ms: float, allhbm_step_ms: float, num_moe_laye
     return max(0.0, (full_step_ms - allhbm_step_ms) / num_moe_layers)
 
 
-
 # The H200 at Qwen3-30B-A3B's shape (BENCHMARKS.md section 4) and the engine's slot cache: copies
 # on a side stream joined at the step's end, sharing the link with the demand fills.
 DEFAULT_TIME = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.56}, {"batch": 8, "all_hbm_step_ms": 5.76}],

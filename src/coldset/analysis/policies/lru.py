@@ -127,7 +127,6 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
     return hit, fills, prefetches, useful, issued, wasted
 
 
-
 def replay_with_lists(stream, warm, lists, victims, guard: int = 0) -> Replay:
     """:func:`replay_lru` on ``stream`` with the prefetch ``lists`` int64 ``[G, W]`` (``W = 0``: none)."""
     record, rec = recording(victims)
