@@ -41,6 +41,23 @@ def test_cli_reports_a_bad_config_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_cli_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+    """``python -m coldset STAGE`` interrupted: one line saying what was kept and how to resume, no
+    traceback, exit status 130."""
+    from coldset import cli
+    from coldset.workflow import pipeline
+    from coldset.workflow.entry import INTERRUPTED_STATUS, interrupted_line
+
+    def fixtures(ctx, **_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(pipeline.STAGES, "fixtures", fixtures)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"results: {tmp_path / 'results'}\n")
+    assert cli.main(["fixtures", "--config", str(path)]) == INTERRUPTED_STATUS
+    assert capsys.readouterr().err.splitlines() == [interrupted_line("stage fixtures")]
+
+
 def test_config_overlays_merge_as_snakemake_merges_them(tmp_path):
     """``--config base --config overlay`` (python -m coldset) means what ``--configfile base overlay``
     means to Snakemake: mappings merged at every depth, lists and scalars replaced."""

@@ -1,4 +1,4 @@
-"""Snakemake script of the `autotune` rule: thin, the work is coldset.workflow.pipeline.STAGES["autotune"]."""
+"""Snakemake script of the `autotune` rule: thin, the work is coldset.workflow.stages.prepare.autotune."""
 
 from coldset.workflow.entry import run_from_snakemake
 

@@ -1,4 +1,4 @@
-"""Snakemake script of the `bench` rule: thin, the work is coldset.workflow.pipeline.STAGES["bench"]."""
+"""Snakemake script of the `bench` rule: thin, the work is coldset.workflow.stages.bench.bench."""
 
 from coldset.workflow.entry import run_from_snakemake
 

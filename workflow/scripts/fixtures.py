@@ -1,4 +1,4 @@
-"""Snakemake script of the `fixtures` rule: thin, the work is coldset.workflow.pipeline.STAGES["fixtures"]."""
+"""Snakemake script of the `fixtures` rule: thin, the work is coldset.workflow.stages.prepare.fixtures."""
 
 from coldset.workflow.entry import run_from_snakemake
 

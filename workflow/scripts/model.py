@@ -1,4 +1,4 @@
-"""Snakemake script of the `model` rule: thin, the work is coldset.workflow.pipeline.STAGES["model"]."""
+"""Snakemake script of the `model` rule: thin, the work is coldset.workflow.stages.prepare.model."""
 
 from coldset.workflow.entry import run_from_snakemake
 

@@ -1,4 +1,4 @@
-"""Snakemake script of the `parity` rule: thin, the work is coldset.workflow.pipeline.STAGES["parity"]."""
+"""Snakemake script of the `parity` rule: thin, the work is coldset.workflow.stages.verify.parity."""
 
 from coldset.workflow.entry import run_from_snakemake
 

@@ -1,4 +1,4 @@
-"""Snakemake script of the `parity_gate` rule: thin, the work is coldset.workflow.pipeline.STAGES["parity_gate"]."""
+"""Snakemake script of the `parity_gate` rule: thin, the work is coldset.workflow.stages.verify.parity_gate."""
 
 from coldset.workflow.entry import run_from_snakemake
 

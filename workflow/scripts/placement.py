@@ -1,4 +1,4 @@
-"""Snakemake script of the `placement` rule: thin, the work is coldset.workflow.pipeline.STAGES["placement"]."""
+"""Snakemake script of the `placement` rule: thin, the work is coldset.workflow.stages.prepare.placement."""
 
 from coldset.workflow.entry import run_from_snakemake
 

@@ -1,4 +1,4 @@
-"""Snakemake script of the `report` rule: thin, the work is coldset.workflow.pipeline.STAGES["report"]."""
+"""Snakemake script of the `report` rule: thin, the work is coldset.workflow.stages.publish.report."""
 
 from coldset.workflow.entry import run_from_snakemake
 

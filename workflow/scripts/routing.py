@@ -1,4 +1,4 @@
-"""Snakemake script of the `routing` rule: thin, the work is coldset.workflow.pipeline.STAGES["routing"]."""
+"""Snakemake script of the `routing` rule: thin, the work is coldset.workflow.stages.prepare.routing."""
 
 from coldset.workflow.entry import run_from_snakemake
 

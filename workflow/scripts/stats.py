@@ -1,4 +1,4 @@
-"""Snakemake script of the `stats` rule: thin, the work is coldset.workflow.pipeline.STAGES["stats"]."""
+"""Snakemake script of the `stats` rule: thin, the work is coldset.workflow.stages.prepare.stats."""
 
 from coldset.workflow.entry import run_from_snakemake
 

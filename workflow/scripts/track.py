@@ -1,4 +1,4 @@
-"""Snakemake script of the `track` rule: thin, the work is coldset.workflow.pipeline.STAGES["track"]."""
+"""Snakemake script of the `track` rule: thin, the work is coldset.workflow.stages.publish.track."""
 
 from coldset.workflow.entry import run_from_snakemake
 
