@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,8 +128,9 @@ class InterruptWatch(logging.Filter):
         self.interrupted = False
 
     def install(self, logger: logging.Logger) -> InterruptWatch:
-        signal.signal(signal.SIGINT, self._on_interrupt)
-        logger.addFilter(self)
+        if threading.current_thread() is threading.main_thread():  # only there can Python set a handler
+            signal.signal(signal.SIGINT, self._on_interrupt)
+            logger.addFilter(self)
         return self
 
     def _on_interrupt(self, signum, frame) -> None:
