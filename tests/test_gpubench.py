@@ -235,7 +235,7 @@ link GB/token | mean step ms (min-max of passes) | wasted prefetches/token | ove
 0.74 | 0.967 |
 
 overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = max(all-HBM step, link time); \
-simulated step: coldset.analysis.cache.simulate_time (link "share", join "step") on the same decisions, at the all-HBM step and \
+simulated step: coldset.analysis.time_model.simulate_time (link "share", join "step") on the same decisions, at the all-HBM step and \
 link rate of this run."""
 
 
@@ -610,7 +610,7 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     ``_fit_nexttoken`` on the profile routing), fed a held-out routing [steps, L, B, k] group by
     group; bench.simulate_engine_pass on the routing in the layout the bench passes accepts the
     recorded lists and gives the engine's per-group (hits, misses, fills, prefetches), which also
-    equal coldset.analysis.cache.simulate on the bench's own stream; its time columns come out."""
+    equal coldset.analysis.simulate.simulate on the bench's own stream; its time columns come out."""
     import numpy as np
     import torch
 

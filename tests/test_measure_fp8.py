@@ -326,7 +326,7 @@ bound | simulated / measured step |
 0.20 | 0.50 | 0.970 |
 
 overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = max(all-HBM step, \
-link time); simulated step: coldset.analysis.cache.simulate_time (link "share", join "step") on the same decisions, at \
+link time); simulated step: coldset.analysis.time_model.simulate_time (link "share", join "step") on the same decisions, at \
 the all-HBM step and link rate of this run."""
 
 

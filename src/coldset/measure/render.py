@@ -278,7 +278,7 @@ def render_cache(res: dict) -> str:
     out.append(table(headers, rows))
     if timed:
         out.append("overlap = 1 - (step - all-HBM step) / (link bytes a step at the link read rate); bound = "
-                   "max(all-HBM step, link time); simulated step: coldset.analysis.cache.simulate_time (link \"share\", "
+                   "max(all-HBM step, link time); simulated step: coldset.analysis.time_model.simulate_time (link \"share\", "
                    "join \"step\") on the same decisions, at the all-HBM step and link rate of this run"
                    + ("; with management: the same plus the policy's own work per group, measured as its "
                       "residency-1.0 step over the all-HBM one (TimeModel.manage_ms)." if managed else "."))
