@@ -14,12 +14,11 @@ import torch
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import SlotCache
-from coldset.engine.deepseek_v3 import (DeepseekMoE, DeepseekV3Config, DeepseekV3Model, is_deepseek_v3, load_weights,
-                                        yarn_mscale)
+from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, yarn_mscale
 from coldset.engine.generate import generate
-from coldset.engine.loading import _load_experts, _TensorSource
+from coldset.engine.loading import load_model
 from coldset.engine.model import ModelLoadError
-from coldset.kernels.tiers import ExpertPools, host_tier
+from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
 
 transformers = pytest.importorskip("transformers")
@@ -67,15 +66,10 @@ def build_checkpoint(variant: str, out, seed: int = 0):
 
 
 def load(folder, dtype=torch.float32, device="cpu") -> DeepseekV3Model:
-    """A deepseek_v3 folder as the engine reads it: the family's config, model and non-expert weights
-    (:func:`load_weights`), the routed experts into all-hot pools by the loader's expert reader."""
-    assert is_deepseek_v3(folder)
-    cfg = DeepseekV3Config.from_pretrained(folder)
-    src, device = _TensorSource(folder), torch.device(device)
-    model = DeepseekV3Model(cfg)
-    load_weights(model, src, device, dtype)
-    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype))
-    return model.eval()
+    """The engine's loader on a deepseek_v3 folder: the family's model, weights and expert pools."""
+    model = load_model(folder, device=device, dtype=dtype)
+    assert isinstance(model, DeepseekV3Model) and isinstance(model.config, DeepseekV3Config)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +230,16 @@ def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
     raw.update(change)
     with pytest.raises(ModelLoadError, match=field):
         DeepseekV3Config.from_hf_config(raw, "config.json")
+
+
+def test_the_loader_refuses_sparse_attention_naming_file_and_field(checkpoint, tmp_path):
+    """load_model on a V3.2-style folder (the indexer's fields) names config.json and the field."""
+    folder = tmp_path / "v32"
+    folder.mkdir()
+    raw = json.loads((checkpoint("q_proj_plain") / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "index_topk": 2048}))
+    with pytest.raises(ModelLoadError, match=r"config\.json: field 'index_topk'.*sparse attention"):
+        load_model(folder)
 
 
 def test_published_defaults_and_legacy_rope_scaling(checkpoint):

@@ -20,6 +20,7 @@ from tokenizers.processors import TemplateProcessing
 from torch import nn
 
 from coldset.core import fp8
+from coldset.engine import deepseek_v3
 from coldset.engine.model import ModelConfig, ModelLoadError, MoEBlock, MoEModel
 from coldset.kernels.tiers import ExpertPools
 
@@ -216,6 +217,13 @@ def load_model(
     block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
     """
     folder = Path(path)
+    if deepseek_v3.is_deepseek_v3(folder):  # MLA and the grouped router: its own modules and weight names
+        cfg = deepseek_v3.DeepseekV3Config.from_pretrained(folder)
+        src, device = _TensorSource(folder), torch.device(device)
+        model = deepseek_v3.DeepseekV3Model(cfg)
+        deepseek_v3.load_weights(model, src, device, dtype)
+        model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype))
+        return model.eval()
     cfg = ModelConfig.from_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())
     fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
