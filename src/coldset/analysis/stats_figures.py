@@ -1,7 +1,7 @@
 """The stats stage's figures: routing heatmaps per domain and Lorenz curves, as PNG files.
 
 pyplot is imported where a figure is drawn, after selecting the Agg backend: importing this module
-leaves an interactive session's backend alone.
+leaves an interactive backend alone.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def figure_heatmaps(h, meta: TraceMeta, phase: str, path: Path, max_panels: int 
     import matplotlib  # pyplot only when drawing, on Agg (module doc)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt  # pyplot only when drawing (module doc)
+    from matplotlib.colors import LogNorm  # with pyplot
 
     ranked = sorted(h.domains, key=lambda d: -int(h.get(phase, d).sum()))[:max_panels]
     panels = [ALL] + ranked
@@ -51,7 +51,7 @@ def figure_lorenz(h, meta: TraceMeta, phase: str, path: Path, max_lines: int = 1
     import matplotlib  # pyplot only when drawing, on Agg (module doc)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyplot only when drawing (module doc)
 
     E = meta.num_experts
     fig, ax = plt.subplots(figsize=(5.5, 5))

@@ -16,7 +16,7 @@ decoded tokens. ``hit_rate`` (1 -
 cold_share) and ``misses_per_token`` (cold or missed selections per decoded token) are reported
 for every placement, so static and dynamic ones compare under the same names.
 Derived metrics that need several placements (``tok_s_per_gib``, ``fetch_tax``) are computed by
-:func:`derive_metrics` over all of a model's results (DESIGN.md §6).
+:func:`derive_metrics` over all of a model's results (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ GIB = 1024**3
 
 @dataclass
 class BenchResult:
-    """One (placement, batch size) measurement; names as DESIGN.md §6."""
+    """One (placement, batch size) measurement; names as docs/design.md §6."""
 
     placement: str
     policy: str
@@ -137,7 +137,7 @@ def engine_stream(decode: np.ndarray, num_experts: int):
 
 
 def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
-    """The simulator (:func:`coldset.analysis.cache.simulate`) on a pass's decode routing ``decode`` int
+    """The simulator (:func:`coldset.analysis.simulate.simulate`) on a pass's decode routing ``decode`` int
     ``[B, steps, L, k]``, grouped as the engine decides: per (step, MoE layer) one group of the
     batch's ``B * k`` selections in row order, from the same warm state as ``cache``.
 
@@ -565,7 +565,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
     placement: its decisions and fills run inside every decode step (inside the CUDA graph on
     CUDA); the cache's state carries over from step to step, and every pass (the measured eager
     pass and each warm-up and timed repeat) starts from the placement's warm state
-    (:meth:`coldset.engine.cache.pool.SlotCache.reset`): a cache left warm by an earlier pass over the same
+    (:meth:`coldset.engine.cache.pool.SlotCache.reset`): a cache left warm by a previous pass over the same
     tokens would already hold what they need, and its steps would be timed without the misses the
     bench reports. Each repeat's hits, misses and fills must equal the measured pass's.
     Raises :class:`TimedLoopMismatch` when the timed loop decodes other tokens than ``generate()``
@@ -674,7 +674,7 @@ def _nonexpert_read_bytes(cfg, batch_size: int, dtype: torch.dtype) -> int:
 
 
 def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None) -> list[dict]:
-    """Fill the metrics that need several placements or this run's ceilings (DESIGN.md §6).
+    """Fill the metrics that need several placements or this run's ceilings (docs/design.md §6).
 
     ``tok_s_per_gib``: (tok/s - tok/s at the same policy's next smaller residency) / (GiB of
     experts in HBM added), at the same batch size; None for the smallest residency.
@@ -691,7 +691,7 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
     that only a measurement gives.
 
-    The time bound of issue 28 (DESIGN.md §6, every row; ``wasted_gb_per_token`` is the bench's
+    The time bound (docs/design.md §6, every row; ``wasted_gb_per_token`` is the bench's
     own, from the replay): with ``allhbm_step_ms`` the measured step of the run's all-HBM
     placement at the same batch size (:func:`allhbm_reference`, named in ``allhbm_placement``) and
     ``link_ms`` = link bytes per step / the measured link read rate,
@@ -700,15 +700,15 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     to hide) and ``stall_ms_per_token = (step_ms_mean - allhbm_step_ms) / batch_size``: the
     measured step beyond the all-HBM one, per token, whatever caused it (link waits and the
     cache's management alike; the engine does not time its stalls apart). For a cache row also
-    ``simulated_step_ms``: :func:`coldset.analysis.cache.simulate_time` of the measured pass's replay (its
+    ``simulated_step_ms``: :func:`coldset.analysis.time_model.simulate_time` of the measured pass's replay (its
     own decisions) with the engine's time model (:data:`ENGINE_TIME`) at this run's all-HBM step
     and link rate, the mean over the row's batches, and ``simulated_over_measured`` (the
-    simulator's calibration: issue 28 asks for 1 +- 0.1); where the run also has the policy's
+    simulator's calibration, within 1 +- 0.1 when it holds); where the run also has the policy's
     residency-1.0 row at that batch size (``fetch_tax``'s reference; every selection hits, so its
     step beyond the all-HBM one is the cache's own work) ``manage_ms_per_group`` =
-    (its step - ``allhbm_step_ms``) / the MoE layers (:func:`coldset.analysis.cache.manage_ms_per_group`),
+    (its step - ``allhbm_step_ms``) / the MoE layers (:func:`coldset.analysis.time_model.manage_ms_per_group`),
     and ``simulated_managed_step_ms`` / ``simulated_managed_over_measured``, the same simulation with
-    that management per (step, layer) group (:attr:`coldset.analysis.cache.TimeModel.manage_ms`). All by
+    that management per (step, layer) group (:attr:`coldset.analysis.time_model.TimeModel.manage_ms`). All by
     :func:`time_columns`, which ``bench cache`` shares. Published only where the timings involved
     (the row, the all-HBM row, the residency-1.0 row for the management columns) are sound (not on
     the CPU, not noisy) and the link rate was measured; None otherwise, as ``tok_s_per_gib``; the

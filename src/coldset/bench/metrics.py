@@ -76,7 +76,8 @@ def time_columns(step_ms: float, batch_size: int, link_gb_per_token: float, allh
     batch: every selection hits, so its excess over all-HBM is the cache's own work) adds
     ``manage_ms_per_group`` (:func:`coldset.analysis.time_model.manage_ms_per_group` over the stream's MoE
     layers) and ``simulated_managed_step_ms`` / ``simulated_managed_over_measured``, the simulator
-    with :attr:`coldset.analysis.time_model.TimeModel.manage_ms` (without it lookahead is simulated fast). Columns without their inputs are None."""
+    with :attr:`coldset.analysis.time_model.TimeModel.manage_ms` (without it lookahead is simulated
+    fast). Columns without their inputs are None."""
     out = dict.fromkeys(TIME_BOUND_METRICS)
     link_ms = 1e3 * link_gb_per_token * batch_size / link_gb_s  # per step
     bound = max(allhbm_step_ms, link_ms)
@@ -103,6 +104,6 @@ def time_columns(step_ms: float, batch_size: int, link_gb_per_token: float, allh
     return out
 
 
-#: How the engine's copies meet the compute (coldset.analysis.time_model.TimeModel): demand fills and side-path prefetches share the link, every copy of a step is
-#: joined at the step's end.
+#: How the engine's copies meet the compute (coldset.analysis.time_model.TimeModel): demand fills and side-path
+#: prefetches share the link, every copy of a step is joined at the step's end.
 ENGINE_TIME = {"link": "share", "join": "step"}

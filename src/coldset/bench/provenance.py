@@ -54,7 +54,7 @@ def collect_provenance(device, tuned=None, ceilings: dict | None = None) -> dict
     triton, CUDA runtime and driver versions, device name and compute capability (those of
     :func:`coldset.kernels.tune.device_fingerprint`), the autotune key and whether it was a cache hit
     (``tuned``: a :class:`coldset.kernels.tune.TuneResult`), and the read ceilings measured in the run."""
-    from coldset.kernels.tune import device_fingerprint
+    from coldset.kernels.tune import device_fingerprint  # torch-heavy: only where the bench records provenance
 
     fp = device_fingerprint(device)
     out = {**code_commit(), **{k: fp.get(k) for k in ("torch", "triton", "python")},

@@ -31,7 +31,7 @@ def remove_orphans(path: str | os.PathLike) -> list[Path]:
 
     Writers here name their temporaries after the target (``.{name}.*.tmp``, ``{name}.*.tmp``,
     folders ``.{name}.tmp-*`` and ``.{name}.old-*``), so the next run of the stage that writes
-    ``path`` cleans up after an earlier one that died; other files are never touched.
+    ``path`` cleans up after a previous one that died; other files are never touched.
     """
     path = Path(path)
     if not path.parent.is_dir():
@@ -52,7 +52,7 @@ def remove_orphans(path: str | os.PathLike) -> list[Path]:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success it replaces ``path``, on error it is removed.
 
-    Orphans of an earlier, killed write of ``path`` are removed first (:func:`remove_orphans`);
+    Orphans of a previous, killed write of ``path`` are removed first (:func:`remove_orphans`);
     the result gets the umask's mode (:func:`share_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

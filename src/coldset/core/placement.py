@@ -391,7 +391,7 @@ def save_placement(placement: Placement, json_path: str | os.PathLike) -> Path:
     """Write ``{name}.json`` and ``{name}.rowmap.npy`` atomically; returns the JSON path.
 
     Both files are written to temporary names in the target folder first, then renamed (npy, then
-    JSON); if the JSON rename fails the new npy is removed again, and on any earlier error nothing
+    JSON); if the JSON rename fails the new npy is removed again, and on any error before that nothing
     is left behind. The JSON records the npy's sha256, so even a crash between the two renames
     leaves a pair that ``load_placement`` refuses rather than a silently mismatched one.
     """

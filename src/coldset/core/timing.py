@@ -1,4 +1,4 @@
-"""When a measured speed means something (issue 16): shared by the bench and the report.
+"""When a measured speed means something: shared by the bench and the report.
 
 On the CPU there is no host tier: every placement runs the same in-memory computation, so
 measured speeds differ between placements by timing noise alone (with a second job on a 2-core
@@ -34,8 +34,8 @@ def repeat_spread(passes: list[list[float]]) -> float | None:
 
 def timing_noisy(step_ms_p50: float | None, step_ms_p90: float | None, spread: float | None = None) -> bool:
     """Whether a timing is noise: its repeats disagree (``spread``, :func:`repeat_spread`, above
-    :data:`NOISY_P90_OVER_P50`); for a timing of one repeat (or a bench file written before the
-    spread was recorded), its steps disagree (p90 / p50 above the same bound)."""
+    :data:`NOISY_P90_OVER_P50`); for a timing of one repeat (or a bench file without the
+    spread), its steps disagree (p90 / p50 above the same bound)."""
     if spread is not None:
         return spread > NOISY_P90_OVER_P50
     return bool(step_ms_p50 and step_ms_p90 and step_ms_p90 / step_ms_p50 > NOISY_P90_OVER_P50)
@@ -61,7 +61,7 @@ def speed_compares_placements(device: str | None) -> bool:
 def graph_time_us(fn: Callable[[], object], reps: int) -> float:
     """Median over ``reps`` replays of a CUDA graph of ``fn`` (warmed up eagerly first), in µs: the one
     GPU timing of the autotuner, the read ceilings and the measurement commands."""
-    import torch
+    import torch  # torch-heavy: only the GPU timings need it
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -90,7 +90,7 @@ def graph_time_us(fn: Callable[[], object], reps: int) -> float:
 
 def eager_time_us(fn: Callable[[], object], reps: int) -> float:
     """Median microseconds of eager calls of ``fn`` by CUDA events, after one warm-up call."""
-    import torch
+    import torch  # torch-heavy: only the GPU timings need it
 
     fn()
     torch.cuda.synchronize()

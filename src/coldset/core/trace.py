@@ -1,4 +1,4 @@
-"""The routing trace: its contract (DESIGN.md §2), writer, streaming reader, validation, splits.
+"""The routing trace: its contract (docs/design.md §2), writer, streaming reader, validation, splits.
 
 The bottom of the package's trace layer: capture (:mod:`coldset.trace.capture`), the importers
 (:mod:`coldset.trace.importers`), the fixtures, the statistics, the cache simulation and the forecast
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -101,7 +102,7 @@ class TraceMeta:
         md = {k.decode(): v.decode() for k, v in (md or {}).items()}
         missing = [k for k in META_KEYS if k not in md]
         if missing:
-            raise TraceError(f"{where}: schema metadata lacks key(s) {missing} (DESIGN.md §2)")
+            raise TraceError(f"{where}: schema metadata lacks key(s) {missing} (docs/design.md §2)")
         try:
             num_layers, num_experts, top_k = (int(md[k]) for k in ("num_layers", "num_experts", "top_k"))
         except ValueError as e:
@@ -449,7 +450,7 @@ def read_trace_meta(path: str | os.PathLike, expect: Any = None) -> TraceMeta:
 def _check_columns(schema: pa.Schema, where: str) -> None:
     missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
     if missing:
-        raise TraceError(f"{where}: missing column(s) {missing}; a trace needs {list(REQUIRED_COLUMNS)} (DESIGN.md §2)")
+        raise TraceError(f"{where}: missing column(s) {missing}; a trace needs {list(REQUIRED_COLUMNS)} (docs/design.md §2)")
     for name in schema.names:
         typ = schema.field(name).type
         if pa.types.is_dictionary(typ):
@@ -650,8 +651,6 @@ def request_codes(column: Any) -> tuple[np.ndarray, np.ndarray]:
 
     The one numbering of requests that the cache replay and the forecast share, so that their
     groups line up row for row."""
-    import pandas as pd
-
     cat = column if isinstance(column, pd.Categorical) else pd.Categorical(np.asarray(column).astype(str))
     names = np.asarray(cat.categories).astype(str)
     order = np.argsort(names, kind="stable")

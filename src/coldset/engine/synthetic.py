@@ -26,7 +26,7 @@ present. Random weights route almost uniformly, so the weights here are built wi
   ``topic_context``), a per-request topic that persists and drifts as tokens are generated; each
   router reads the topic directions through a random per-layer expert-by-topic matrix (gain
   ``temporal_gain``). ``temporal_gain = 0`` and ``topic_context = 0`` build the model without
-  topic directions (the routing of the generator before these knobs).
+  topic directions (routing by domain and popularity alone).
 - The LM head prefers tokens of the context's domain plus a random token-to-token term, so greedy
   decode wanders within a domain instead of repeating one token.
 
@@ -78,7 +78,7 @@ class SyntheticSpec:
     token shares its predecessor's topic latent along the decode walk (token-to-token
     continuity), ``topic_context`` how much of the context's mean topic each token carries (the
     per-request topic), ``temporal_dims`` the number of topic directions. Defaults are calibrated
-    against the shared Llama-4-Maverick trace at the default shape (BENCHMARKS.md, issue 17; the
+    against the shared Llama-4-Maverick trace at the default shape (BENCHMARKS.md; the
     lift against the real trace's over the same request length, 31 decode tokens, since the lift
     grows with it); the same router knobs route far more skewed at 128 experts, top-8 (decode
     Gini 0.76 where 0.66 here), so other shapes carry their own (config/examples/qwen3-30b-a3b-h200.yaml: calibrated
@@ -625,7 +625,7 @@ _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 
 
 def fp8_modules_to_not_convert(num_layers: int) -> list[str]:
-    """What a Qwen3 MoE FP8 checkpoint lists in ``modules_to_not_convert`` (NOTES.md): the LM head,
+    """What a Qwen3 MoE FP8 checkpoint lists in ``modules_to_not_convert``: the LM head,
     embeddings and final norm, and per layer its norms and its router (``mlp.gate``)."""
     names = ["lm_head", "model.embed_tokens", "model.norm"]
     for i in range(num_layers):
@@ -717,7 +717,7 @@ def write_synthetic_checkpoint(
         tensors = fp8_tensors(tensors, fp8.parse_quantization_config(config["quantization_config"]))
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(out)  # a killed earlier write's .{name}.tmp-* / .{name}.old-* folders
+    remove_orphans(out)  # a killed previous write's .{name}.tmp-* / .{name}.old-* folders
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -179,10 +179,10 @@ def timing_is_noisy(b: BenchResult) -> bool:
 
 def _segment_slope(prev: BenchResult, cur: BenchResult) -> tuple[float | None, str | None]:
     """The tok_s_per_gib a residency segment may be labelled with, or why none: the bench's own
-    value (DESIGN.md §6: the slope from the same policy's next smaller residency), published only
+    value (docs/design.md §6: the slope from the same policy's next smaller residency), published only
     where measured speed compares placements (a host tier: not on the CPU) and neither end's
     timing is noise (coldset.core.timing); the same guards as the bench's, re-checked here so a bench
-    file written before them publishes nothing either."""
+    file without them publishes nothing either."""
     if not (speed_compares_placements(cur.device) and speed_compares_placements(prev.device)):
         return None, "cpu"
     if timing_is_noisy(prev) or timing_is_noisy(cur):
@@ -277,7 +277,7 @@ def step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> F
     Where the run measured its read ceilings (CUDA), the additive model is plotted (the policy's
     measured all-HBM step plus the cold bytes' extra time over the link, same run), with the
     bytes-only speed model beside it as hollow markers; otherwise the speed model
-    alone, as before the bench measured ceilings. None when there is neither."""
+    alone. None when there is neither."""
     at_batch = [b for b in bench if b.batch_size == batch_size]
     if any(b.metrics.get("predicted_step_ms_calibrated") is not None for b in at_batch):
         return _calibrated_step_time_figure(at_batch, batch_size, model)
@@ -389,7 +389,7 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
         "one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "
         "above the diagonal ran slower than predicted. No additive model: the run measured "
-        "no read ceilings (CPU run, or a bench file from before they were measured)." + mismatch,
+        "no read ceilings (a CPU run, or a bench file without them)." + mismatch,
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
     )

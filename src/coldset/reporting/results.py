@@ -1,6 +1,6 @@
 """The stage files the report and MLflow read, each read by one loader that validates it.
 
-Every stage writes its results as files under ``results/`` (DESIGN.md §1, the file contracts of
+Every stage writes its results as files under ``results/`` (docs/design.md §1, the file contracts of
 docs/architecture.md). The report (:mod:`coldset.reporting.report`), the MLflow tracker
 (:mod:`coldset.reporting.track`) and the sweep (:mod:`coldset.workflow.sweep`) all read the same files; this module
 is where they are read, so a field is named, checked and converted in one place: a missing file
@@ -30,17 +30,17 @@ BYTES_METRICS: tuple[str, ...] = (
     "fraction_of_bytes_bound",
     "predicted_step_ms_calibrated",
 )
-# Issue 28's time bound of every row (coldset.bench.decode.derive_metrics, DESIGN.md §6 "for caches
+# The time bound of every row (coldset.bench.decode.derive_metrics, docs/design.md §6 "for caches
 # also"): the all-HBM step of the same run, the bound max(all-HBM step, link time), the fraction of
 # it reached, overlap, stall per token (measured step - all-HBM step, per token), for a cache row the
-# time simulator's step on the pass's own decisions (coldset.analysis.cache.simulate_time with the engine's
+# time simulator's step on the pass's own decisions (coldset.analysis.time_model.simulate_time with the engine's
 # time model at this run's all-HBM step and link rate) and its ratio to the measured step, with the
 # policy's residency-1.0 row of the run the cache's management per (step, layer) group and the
 # simulated step with it (coldset.analysis.cache.TimeModel.manage_ms) and its ratio, wasted prefetch
 # bytes per token (the simulator's replay of the measured pass). None where undefined: the
 # time-derived ones on the CPU or for a noisy timing, the management ones without a sound
 # residency-1.0 row apart from the all-HBM one, wasted bytes for static placements, and all in
-# bench files written before them.
+# bench files without them.
 TIME_BOUND_METRICS: tuple[str, ...] = (
     "allhbm_step_ms",
     "bound_ms",
@@ -54,7 +54,7 @@ TIME_BOUND_METRICS: tuple[str, ...] = (
     "simulated_managed_over_measured",
 )
 CACHE_TIME_METRICS: tuple[str, ...] = (*TIME_BOUND_METRICS, "wasted_gb_per_token")
-# Metric names of DESIGN.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
+# Metric names of docs/design.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
 # the report.
 BENCH_METRICS: tuple[str, ...] = (
     "tok_s",
@@ -79,8 +79,7 @@ BENCH_METRICS: tuple[str, ...] = (
 # smaller residency to compare with at a policy's smallest residency, fetch_tax needs the
 # policy's residency-1.0 run, predicted_step_ms needs a speed-model preset for the device, and
 # the bytes metrics need this run's measured read ceilings (None on CPU, absent in bench files
-# written before they existed); hit_rate and misses_per_token are absent in bench files written
-# before the slot cache (issue 12).
+# without them); hit_rate and misses_per_token may be absent from a bench file too.
 NULLABLE_BENCH_FIELDS: frozenset[str] = frozenset({"tok_s_per_gib", "fetch_tax", "predicted_step_ms", "hit_rate",
                                                    "misses_per_token", "simulator_hit_rate", "repeat_spread",
                                                    *BYTES_METRICS, *CACHE_TIME_METRICS})
@@ -292,7 +291,7 @@ def load_parity(path: str | os.PathLike) -> ParityResult:
 
 @dataclass
 class BenchResult:
-    """One (placement, batch size) decode measurement; ``metrics`` holds DESIGN.md §6 names."""
+    """One (placement, batch size) decode measurement; ``metrics`` holds docs/design.md §6 names."""
 
     path: Path
     model: str
@@ -305,17 +304,17 @@ class BenchResult:
     predicted_step_ms: float | None
     extra: dict[str, Any]  # any other scalar fields of the entry (e.g. autotune_key)
     # The file's measured read ceilings {hbm_read_gb_s, link_read_gb_s} (GB/s); None on CPU runs
-    # and in bench files written before the bench measured them.
+    # and in bench files without them.
     ceilings: dict[str, float | None] | None = None
     # What measured it (coldset.bench.provenance.collect_provenance, written by the bench stage on the
-    # measuring machine); None in bench files written before it existed.
+    # measuring machine); None in bench files without it.
     provenance: dict[str, Any] | None = None
     # The distinct requests timed (fixture ids) and per domain their count and, at batch size 1,
-    # the domain's own tok_s / step_ms_mean / cold_share (issue 30); empty in older bench files.
+    # the domain's own tok_s / step_ms_mean / cold_share; empty in bench files without them.
     requests: list[str] = field(default_factory=list)
     domains: dict[str, dict[str, float]] = field(default_factory=dict)
     # How much of the bench prompts occurs in the profile prompts (coldset.bench.decode.ngram_overlap:
-    # {"ngram", "share", "domains", ...}); None in older bench files.
+    # {"ngram", "share", "domains", ...}); None in bench files without it.
     prompt_overlap: dict[str, Any] | None = None
 
 
@@ -565,8 +564,8 @@ def load_locality(path: str | os.PathLike) -> dict[str, Any]:
 def load_simulation(path: str | os.PathLike):
     """The cache stage's ``simulation.csv`` as a DataFrame (``coldset.analysis.cache.read_simulation``, which
     owns its columns), a malformed one a :class:`ReportInputError` naming it."""
-    from coldset.analysis.cache import read_simulation
-    from coldset.analysis.streams import CacheError
+    from coldset.analysis.cache import read_simulation  # torch-heavy (the simulator's modules): only for this file
+    from coldset.analysis.streams import CacheError  # with read_simulation
 
     try:
         return read_simulation(path)

@@ -77,7 +77,7 @@ BENCH_TABLE = "bench_rows.json"
 
 
 def _find_runs(client, experiment_id: str, run_key: str):
-    from mlflow.entities import ViewType
+    from mlflow.entities import ViewType  # optional dependency
 
     if "'" in run_key or "\\" in run_key:
         raise TrackingError(f"run key {run_key!r} holds a quote or backslash")
@@ -169,11 +169,11 @@ def share_views(client, experiment_id: str) -> dict[str, str]:
 
 def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dict[str, str],
                 metrics: dict[str, float | None], tags: dict[str, str]) -> tuple[str, bool]:
-    """Find the run of ``key`` (deleting duplicates an earlier race left, keeping the oldest) or
+    """Find the run of ``key`` (deleting duplicates two racing jobs left, keeping the oldest) or
     create it; replace it when a param changed (params are immutable in MLflow); log the params it
     lacks, the metrics whose value changed (NaN over a value that became undefined) and the tags.
     Returns the run id and whether the run still needs its end (:func:`_finish`)."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param, RunTag  # optional dependency
 
     found = _find_runs(client, experiment_id, key)
     for dup in found[1:]:
@@ -212,7 +212,7 @@ def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dic
 
 
 def _finish(client, run_id: str, open_: bool) -> None:
-    """End a run this job created (or one a killed job left open) now. A run an earlier job
+    """End a run this job created (or one a killed job left open) now. A run a previous job
     finished keeps its start and end: MLflow cannot move a run's start, so ending it again would
     stretch its duration over the time between the two jobs (a re-track 25 minutes later read as a
     25-minute run); its updated values carry their own timestamps."""
@@ -241,10 +241,10 @@ def _log_datasets(client, run_id: str, datasets: Sequence[DatasetRef]) -> None:
     is not copied). MLflow reuses a dataset of the same name and digest in the experiment, and a
     run's existing input link, so a rerun adds nothing; a tracker racing another one to insert the
     same dataset retries once, when it exists."""
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+    from mlflow.data.dataset_source_registry import resolve_dataset_source  # optional dependency
+    from mlflow.data.meta_dataset import MetaDataset  # optional dependency
+    from mlflow.entities import DatasetInput, InputTag  # optional dependency
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT  # optional dependency
 
     inputs = []
     for ref in datasets:
@@ -306,7 +306,7 @@ def log_runs(
     every run (commit, config_hash, ...), ``artifacts`` are logged to every child under
     ``common/``. See the module docstring for how reruns update instead of duplicating.
     """
-    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID  # optional dependency
 
     experiment_id = ensure_store(tracking_uri, experiment)
     client = tracking_client(tracking_uri)

@@ -2,7 +2,7 @@
 
 Most users serve with vLLM, so the routing they profile should come from the engine they serve
 with. This module starts ``vllm.LLM`` on a local HF checkpoint, decodes the fixtures greedily and
-writes the DESIGN.md §2 trace through :class:`coldset.core.trace.TraceWriter`, exactly as the
+writes the docs/design.md §2 trace through :class:`coldset.core.trace.TraceWriter`, exactly as the
 embedded capture does (same rows, same split and weight columns). Two capture methods:
 
 ``routed_experts``
@@ -45,8 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from coldset.core.files import atomic_path
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
+from coldset.trace.fixtures import read_fixtures
 
 METHODS = ("auto", "routed_experts", "router_hooks")
 #: Router linears in vLLM's module tree: ``model.layers.N.mlp.gate`` (qwen3_moe),
@@ -79,7 +82,7 @@ _HANDLES: list[Any] = []
 
 
 def _router_hook(layer: int, num_experts: int, top_k: int, norm_topk_prob: bool, module, args, output) -> None:
-    import torch
+    import torch  # inside vLLM's worker (picklable hook): torch is loaded there
 
     logits = output[0] if isinstance(output, tuple) else output
     if logits.shape[-1] != num_experts:
@@ -135,7 +138,7 @@ def _take_records(model=None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 def _engine_kwargs(model_dir: Path, dtype: str, max_model_len: int, method: str,
                    llm_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of vllm.LLM for ``method`` (the caller's ``llm_kwargs`` win)."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # optional dependency
 
     kwargs: dict[str, Any] = dict(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True,
                                   max_model_len=max_model_len)
@@ -157,7 +160,7 @@ def routed_experts_refusal(kwargs: dict[str, Any]) -> str | None:
     Only builds the engine configuration (where vLLM checks Model Runner V2, prefix caching and
     the rest), so no model is loaded and a refusal costs a second, not an engine start.
     """
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # optional dependency
 
     try:
         EngineArgs(**kwargs).create_engine_config()
@@ -194,8 +197,8 @@ def _routed_rows(arr: np.ndarray, meta: TraceMeta, where: str) -> np.ndarray:
 
 def _run_routed_experts(llm, prompts: list[list[int]], new_tokens: list[int], meta: TraceMeta,
                         ids: list[str], progress: bool) -> list[VllmRequestResult]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams  # optional dependency
+    from vllm.inputs import TokensPrompt  # optional dependency
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                              routed_experts_prompt_start=0) for n in new_tokens]
@@ -218,9 +221,8 @@ def _run_routed_experts(llm, prompts: list[list[int]], new_tokens: list[int], me
 
 def _run_router_hooks(llm, prompts: list[list[int]], new_tokens: list[int], meta: TraceMeta,
                       norm_topk_prob: bool, ids: list[str], progress: bool) -> list[VllmRequestResult]:
-    from tqdm import tqdm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams  # optional dependency
+    from vllm.inputs import TokensPrompt  # optional dependency
 
     hooked = llm.apply_model(partial(_install_router_hooks, num_experts=meta.num_experts, top_k=meta.top_k,
                                      norm_topk_prob=norm_topk_prob))
@@ -260,7 +262,7 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
                          max_new_tokens: int | None = None, model_name: str | None = None,
                          method: str = "auto", tokens_out: str | os.PathLike | None = None,
                          llm_kwargs: dict[str, Any] | None = None, progress: bool = True) -> Path:
-    """Run vLLM over the fixtures and write the routing trace (DESIGN.md §2) to ``out_path``.
+    """Run vLLM over the fixtures and write the routing trace (docs/design.md §2) to ``out_path``.
 
     ``dtype`` is vLLM's (``float32``, ``bfloat16``, ``float16``). Each fixture decodes
     greedily (temperature 0, EOS ignored) for its own ``max_new_tokens`` or, if given, for
@@ -275,8 +277,6 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     from coldset.engine.generate import encode_prompts  # torch-heavy: only when decoding
     from coldset.engine.loading import load_tokenizer  # torch-heavy: only when decoding
     from coldset.engine.model import ModelConfig  # torch-heavy: only when decoding
-    from coldset.trace.fixtures import read_fixtures
-
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {METHODS}")
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -304,7 +304,7 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
 
     if method == "router_hooks":
         _set_env_for_hooks()
-    import vllm
+    import vllm  # optional dependency
 
     chosen = method
     if method in ("auto", "routed_experts"):
@@ -318,7 +318,7 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
                   "forward hooks instead", file=sys.stderr)
             chosen = "router_hooks"
             _set_env_for_hooks()
-    from vllm import LLM
+    from vllm import LLM  # optional dependency
 
     llm = LLM(**_engine_kwargs(model_dir, dtype, max_len, chosen, llm_kwargs))
     if chosen == "router_hooks":
@@ -345,8 +345,6 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
 
 
 def _write_tokens(path: Path, ids: list[str], results: list[VllmRequestResult]) -> None:
-    from coldset.core.files import atomic_path
-
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rid, res in zip(ids, results):
             f.write(json.dumps({"id": rid, "prompt_token_ids": res.prompt_token_ids,

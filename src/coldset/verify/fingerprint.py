@@ -43,8 +43,8 @@ FINGERPRINT_FIELDS = ("row_map_sha256", "placement", "model", "kernel")
 #: slot cache: the policy's decisions from the warm counts' order).
 DECODE_FIELDS = ("policy", "cache_warm_counts", "cache_lookahead_depth", "cache_lookahead_fit", "cache_forecaster",
                  "cache_prefetch_budget")
-#: Of DECODE_FIELDS, those hashed only where set (not null), so that placements without them keep
-#: the digest they had before the field existed.
+#: Of DECODE_FIELDS, those hashed only where set (not null), so that a placement without them has
+#: the digest it has without the fields.
 OPTIONAL_DECODE_FIELDS = ("cache_lookahead_depth", "cache_lookahead_fit", "cache_forecaster", "cache_prefetch_budget")
 #: Files of a model folder whose stats the manifest records (what the engine reads).
 MODEL_FILE_GLOBS = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",

@@ -5,7 +5,7 @@ weights: once on the unmodified path (every routed expert in HBM, the experts co
 the row-map indirection compiled out on CUDA, the all-hot identity map on CPU) and once with the
 row-map path over pools built from the placement's row map (cold rows in pinned host memory on
 CUDA). Any token that differs is a bug in the offload machinery (row map, pools, host reads), never
-rounding: both runs use the same kernel, tiling and accumulation order (DESIGN.md §4).
+rounding: both runs use the same kernel, tiling and accumulation order (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from coldset.engine.generate import generate
+from coldset.kernels import torch_experts, triton_experts
+from coldset.kernels.tune import tuned_experts
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +64,7 @@ def experts_functions(device: torch.device, tuned=None):
     ``tuned`` (a :class:`coldset.kernels.tune.TuneResult`) gives each batch size its tuned launch
     configuration, the same for both paths; without it the kernels' documented defaults apply.
     """
-    from coldset.kernels import torch_experts, triton_experts
-
     if tuned is not None:
-        from coldset.kernels.tune import tuned_experts
-
         return tuned_experts(tuned, use_row_map=False), tuned_experts(tuned), tuned.backend
     if device.type == "cuda":
         return functools.partial(triton_experts, use_row_map=False), triton_experts, "triton"
@@ -82,8 +82,6 @@ class Decoded:
 def decode_fixtures(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8,
                     progress: bool = True) -> Decoded:
     """Greedy-decode ``prompts`` in batches with the model's current pools and experts function."""
-    from coldset.engine.generate import generate
-
     tokens, logits = [], []
     for start in range(0, len(prompts), batch_size):
         gen = generate(model, prompts[start:start + batch_size], max_new_tokens,
@@ -182,7 +180,7 @@ def compare(placement_name: str, fixture_ids: list[str], reference: Decoded, pla
     return ParityResult(
         placement=placement_name,
         # Both runs use the same kernel, tiling and accumulation order, so anything short of
-        # bitwise-equal logits is an offload bug even when no greedy token flips (DESIGN.md §4).
+        # bitwise-equal logits is an offload bug even when no greedy token flips (docs/design.md §4).
         passed=not mismatches and total > 0 and matched == total and bitwise,
         tokens_matched=matched,
         tokens_total=total,
