@@ -52,12 +52,17 @@ def _config(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """``python -m coldset gpu-stages`` once, counting model builds and host tiers."""
+    """``python -m coldset gpu-stages`` once, counting model builds, host tiers and stage contexts."""
     root = tmp_path_factory.mktemp("inmem")
     cfg_path = root / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(root)))
-    built, tiers = [], []
+    built, tiers, contexts = [], [], []
     real_build, real_tier = process_engine.build_synthetic_model, process_engine.make_host_tier
+    real_context = StageContext.from_config.__func__
+
+    def counting_context(cls, config):
+        contexts.append(real_context(cls, config))
+        return contexts[-1]
 
     def counting_build(*args, **kwargs):
         built.append(real_build(*args, **kwargs))
@@ -71,8 +76,10 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(process_engine, "build_synthetic_model", counting_build)
         mp.setattr(process_engine, "make_host_tier", counting_tier)
+        mp.setattr(StageContext, "from_config", classmethod(counting_context))
         rc = cli.main(["gpu-stages", "--config", str(cfg_path)])
-    yield {"rc": rc, "root": root, "results": root / "results", "built": built, "tiers": tiers}
+    yield {"rc": rc, "root": root, "results": root / "results", "built": built, "tiers": tiers,
+           "contexts": contexts}
     process_engine.release_engine()
 
 
@@ -80,6 +87,7 @@ def test_gpu_stages_write_no_weights_and_build_the_model_once(run):
     assert run["rc"] == 0
     assert len(run["built"]) == 1, "routing, parity and bench must share one engine"
     assert len(run["tiers"]) == 1, "parity and bench must share one host tier"
+    assert len(run["contexts"]) == 1, "the nine stages must share one context, built once from the config"
     files = [p for p in run["root"].rglob("*") if p.is_file()]
     assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
     assert not (run["results"] / "model" / "tiny-mem" / "hf").exists()
@@ -186,6 +194,22 @@ def test_trace_equals_transformers_router_on_the_same_weights(run, tmp_path):
             want = torch.topk(router[li].float(), k, dim=-1).indices.numpy()
             got = rows[rows.layer == layer].sort_values(["position", "rank"]).expert.to_numpy().reshape(-1, k)
             np.testing.assert_array_equal(got, want)
+
+
+def test_stages_read_the_context_not_the_raw_config():
+    """No stage function takes the raw config or reads ``ctx.config[...]``: the facts and settings
+    are the context's (the whole config goes only to what takes it whole: hash, report, tracking URI)."""
+    import ast
+
+    import coldset.workflow.stages as stages_pkg
+
+    for path in sorted(Path(stages_pkg.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                assert "config" not in [a.arg for a in node.args.args], f"{path.name}: {node.name} takes config"
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
+                assert node.value.attr != "config", f"{path.name}:{node.lineno} reads ctx.config[...]"
 
 
 def test_in_memory_model_has_no_folder(tmp_path):

@@ -48,7 +48,7 @@ def resolve_device(setting: str) -> str:
 class StageContext:
     """The validated config's facts for the stages (module doc); :meth:`from_config` builds it."""
 
-    config: dict  # the validated config whole, for what takes it whole: its hash, the report, the engine's key
+    config: dict  # the validated config whole, for what takes it whole: its hash, the report, the tracking URI
     layout: Layout
     model_name: str
     model_path: Path | None  # model.path: a local Hugging Face folder (None: the synthetic model)
