@@ -57,8 +57,8 @@ def test_routing_stage_with_vllm_backend(tmp_path):
     try:
         validate_config(json.loads(json.dumps(config)))
     except ConfigError as err:
-        pytest.fail(f"config/schema.yaml does not accept routing.backend: vllm ({err}); the schema and "
-                    "coldset.workflow.pipeline.routing need issue 8's change")
+        pytest.fail(f"config/schema.yaml does not accept routing.backend: vllm ({err}); the schema and the "
+                    "routing stage must take it")
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
