@@ -49,6 +49,9 @@ from tqdm import tqdm
 
 from coldset.core.files import atomic_path
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
+from coldset.engine.generate import encode_prompts
+from coldset.engine.loading import load_tokenizer
+from coldset.engine.model import ModelConfig
 from coldset.trace.fixtures import read_fixtures
 
 METHODS = ("auto", "routed_experts", "router_hooks")
@@ -274,9 +277,6 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     for ``routed_experts``). Rows carry the fixture's split and, with router hooks, the router
     weights; the routed-experts output has no weights, so that trace has no weight column.
     """
-    from coldset.engine.generate import encode_prompts  # torch-heavy: only when decoding
-    from coldset.engine.loading import load_tokenizer  # torch-heavy: only when decoding
-    from coldset.engine.model import ModelConfig  # torch-heavy: only when decoding
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {METHODS}")
     if dtype not in ("float32", "bfloat16", "float16"):

@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
+from coldset.engine.generate import check_prompts_fit, encode_prompts, generate
+from coldset.engine.loading import load_model, load_tokenizer
 from coldset.trace.fixtures import read_fixtures
 
 def capture_routing_engine(model, tokenizer, fixtures_paths: Sequence[str | os.PathLike],
@@ -33,8 +36,6 @@ def capture_routing_engine(model, tokenizer, fixtures_paths: Sequence[str | os.P
     generated token never is). Each row keeps the fixture's split and the router's weight. Layer
     numbers are the model's layer indices. ``source_detail`` is added to the trace's ``source``.
     """
-    from coldset.engine.generate import check_prompts_fit, encode_prompts, generate  # torch-heavy: only when capturing
-
     fixtures = read_fixtures(fixtures_paths)
     if not fixtures:
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")
@@ -77,10 +78,6 @@ def capture_routing(model_dir: str | os.PathLike, fixtures_paths: Sequence[str |
     model_dir = Path(model_dir)
     if not read_fixtures(fixtures_paths):  # before loading the model: fail fast
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")
-    import torch  # torch-heavy: only when capturing
-
-    from coldset.engine.loading import load_model, load_tokenizer  # torch-heavy: only when capturing
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
