@@ -388,8 +388,8 @@ print("INTERPRETED OK")
 
 
 def _run_interpreted(script: str) -> None:
-    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable:
-    ``PYTHONPATH=<triton>:src``); it prints INTERPRETED OK when every check held."""
+    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable: the
+    test extra installs it); it prints INTERPRETED OK when every check held."""
     import importlib.util
     import os
     import subprocess
@@ -405,8 +405,8 @@ def _run_interpreted(script: str) -> None:
 
 
 def test_triton_fp8_kernel_under_the_interpreter_equals_the_torch_path():
-    """The FP8 kernel's launches on the CPU through Triton's interpreter (where triton is importable;
-    ``PYTHONPATH=<triton>:src``): the quantization launch bit for bit :func:`fp8.quantize_activations`,
+    """The FP8 kernel's launches on the CPU through Triton's interpreter (where triton is importable:
+    the test extra installs it): the quantization launch bit for bit :func:`fp8.quantize_activations`,
     the intermediate quantized by the w13 launch (block_n1 128, 256, partial groups) or by its own
     launch (32) equal to the torch path to float32 summation order, and a placement bitwise all-hot;
     the pdl modes' launches (grid-dependency instructions stubbed out) bitwise pdl 0's."""

@@ -18,7 +18,7 @@ Tolerances (relative Frobenius error of the output):
   transposed): > 0.1 against float64 (they measure ~1).
 
 Runs: :func:`check_kernel` on the CPU under Triton's interpreter (a child Python with
-``TRITON_INTERPRET=1``, where triton is importable: ``PYTHONPATH=<triton 3.6>:src``; float32 and
+``TRITON_INTERPRET=1``, where triton is importable: the test extra installs it; float32 and
 fp16, the interpreter's casts by torch as in tests/test_fp8_experts.py), and on CUDA (marked gpu:
 float32, and bf16 as a programmatic dependent launch; repeated bitwise). The model's FP8 attention
 (an FP8 checkpoint's bytes and scales kept, ``attach_fp8_attention``), the fused engine reading it
