@@ -34,7 +34,7 @@ One construction, :func:`build_synthetic_model`, makes the model in memory on an
 shapes on the GPU, ``SyntheticSpec.in_memory``). :func:`write_synthetic_checkpoint`, the default
 workflow's checkpoint, is that model built on the CPU in float32 and written exactly like a real
 checkpoint (per-expert HF keys, config.json with ``rope_theta``, a byte-level BPE tokenizer.json
-trained deterministically on the built-in corpus), so :func:`coldset.engine.model.load_model` and
+trained deterministically on the built-in corpus), so :func:`coldset.engine.loading.load_model` and
 transformers read it, and the loaded model gives the in-memory model's logits exactly.
 """
 
@@ -448,7 +448,7 @@ def build_synthetic_model(
     in ``dtype``), so they are deterministic for a (seed, device type, dtype); a CUDA build draws
     other numbers than the CPU build the checkpoint holds. The tokenizer is trained on the CPU;
     ``spec.model_vocab_size`` pads the model's vocabulary past it (see SyntheticSpec). The model is
-    assembled like :func:`coldset.engine.model.load_model` does it (fused qkv, fused qk-norm, routed
+    assembled like :func:`coldset.engine.loading.load_model` does it (fused qkv, fused qk-norm, routed
     experts only in ``model.pools`` as ``ExpertPools.all_hot``).
     """
 
@@ -690,7 +690,7 @@ def write_synthetic_checkpoint(
 
     The folder holds config.json, model.safetensors (per-expert keys, float32), tokenizer.json
     (byte-level BPE trained on the built-in corpus plus ``domain_texts``), tokenizer_config.json
-    and generation_config.json; :func:`coldset.engine.model.load_model` on it gives exactly the logits
+    and generation_config.json; :func:`coldset.engine.loading.load_model` on it gives exactly the logits
     of ``build_synthetic_model(spec, "cpu", torch.float32, domain_texts)`` (with
     ``spec.weight_format == "fp8"``: that model's weights quantized to block FP8, the published
     layout, so the logits are those of the quantized model). ``domain_texts``

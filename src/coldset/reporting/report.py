@@ -450,7 +450,7 @@ def render_report(
     ``bench.batch_sizes``, ``routing.batch_size``. ``machine_info`` is shown as the machine
     section (``collect_machine_info()`` when None). ``figures_dir``, when given, also receives
     every figure as a PNG (for Snakemake's ``--report``). ``skipped`` maps a stage left out by
-    design to the reason (``coldset.workflow.pipeline.skipped_stages``): its files are not read and the
+    design to the reason (``coldset.workflow.config.skipped_stages``): its files are not read and the
     page says why it is absent. The page is written atomically.
     """
     results_dir = Path(results_dir)

@@ -26,7 +26,7 @@ embedded capture does (same rows, same split and weight columns). Two capture me
     near-tie the two could differ, which the cross-engine test would show.
 
 The method used is written into the trace's ``source`` metadata and its ``capture_method`` key.
-Prompts are tokenized with the checkpoint's ``tokenizer.json`` by :func:`coldset.engine.model.load_tokenizer`
+Prompts are tokenized with the checkpoint's ``tokenizer.json`` by :func:`coldset.engine.loading.load_tokenizer`
 and handed to vLLM as token ids, so both engines see the same tokens. vLLM is imported lazily:
 the package imports without it. vLLM starts worker processes; a script that calls this must
 guard its entry point with ``if __name__ == "__main__":``.
