@@ -60,7 +60,7 @@ import sys
 import numpy as np
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_slots import _random_pools, _warm
+from test_slots import _random_pools, _warm, state
 from coldset.kernels import triton_slots as ts
 from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
@@ -102,7 +102,7 @@ for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2
     ref, ker = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
                 for _ in range(2))
     for c in (ref, ker):  # the router input stands for the logits themselves: both paths rank the same
-        c._forecast_logits = lambda hidden, target, pdl=False: hidden
+        c.rules.forecast_logits = lambda _cache, hidden, target, pdl=False: hidden
     ker.use_kernel, ker.fill_ticket = True, torch.zeros(1, dtype=torch.int32)  # the kernel path by hand
     # odd seeds: the victim scans in tiles smaller than the cache (more than one, picks merged across them)
     ts.SCAN_TILE = 2 if seed % 2 else 1024
@@ -119,7 +119,7 @@ for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2
             ref.admit(layer, ids, w, torch.float32, hidden=lg)
             ker.admit(layer, ids, w, torch.float32, hidden=lg)
             for name in STATE:
-                assert torch.equal(getattr(ref, name), getattr(ker, name)), (name, kind, seed, step, layer)
+                assert torch.equal(state(ref, name), state(ker, name)), (name, kind, seed, step, layer)
             assert torch.equal(ref.pools.row_map, ker.pools.row_map), (kind, seed, step, layer)
             # the recorded list by numpy: each token's k best (a stable sort of the negated logits,
             # ties to the lower id; -0.0 equals 0.0), token by token, first occurrence kept
@@ -128,10 +128,10 @@ for L, E, k, T, depth, kind, seed in [(3, 6, 2, 2, 1, "ties", 0), (4, 8, 3, 3, 2
                 top = np.argsort(-lg.numpy(), axis=1, kind="stable")[:, :k].reshape(-1)
                 keep = top[np.sort(np.unique(top, return_index=True)[1])] + (layer + depth) * E
                 want[:keep.size] = keep
-            got = ker.prediction_history[int(ker.groups) - 1].numpy()
+            got = ker.rules.prediction_history[int(ker.groups) - 1].numpy()
             assert np.array_equal(got, want), (kind, seed, step, layer, got, want)
     ker.check(contents=True)
-    prefetched[(kind, seed)] = int(ker.prefetch_history.sum())
+    prefetched[(kind, seed)] = int(ker.rules.prefetch_history.sum())
 assert all(v > 0 for v in prefetched.values()), prefetched
 print("INTERPRETED OK", prefetched)
 """
@@ -141,7 +141,7 @@ import sys
 import numpy as np
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_slots import _random_pools, _warm
+from test_slots import _random_pools, _warm, state
 from coldset.kernels import triton_decode as td
 from coldset.kernels import triton_slots as ts
 from coldset.engine.cache.pool import SlotCache
@@ -188,8 +188,8 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     host = host_tier(all_hot)
     routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
                      for _ in range(2))
-    assert routed.list_after_experts == alone.list_after_experts == (depth >= 2)  # build()'s choice
-    routed.list_after_experts = seed in (1, 2)  # the list and the prefetch forked after the experts (experts_done)
+    assert routed.rules.list_after_experts == alone.rules.list_after_experts == (depth >= 2)  # build()'s choice
+    routed.rules.list_after_experts = seed in (1, 2)  # the list and the prefetch forked after the experts (experts_done)
     if dev == "cpu":
         for c in (routed, alone):  # the kernel path by hand
             c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)
@@ -200,44 +200,44 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     fc = {}
     compiled = variants()
-    alone._forecast_logits = lambda hidden, target, pdl=False: fc["now"]  # the routed launch's own logits
+    alone.rules.forecast_logits = lambda _cache, hidden, target, pdl=False: fc["now"]  # the routed launch's own logits
     for step in range(3):
         for layer in range(L):
             x = torch.randn((T, H), generator=g).to(dev, dt)
             if kind == "ties" and step == 1:
                 x[-1] = x[0]  # two tokens with the same selections and forecast
             h, ids, w = td.route(x, norm_w, 1e-6, gates[layer], k, True, counter, weights_dtype=dt)
-            routed.forecast_out.fill_(float("nan"))
+            routed.rules.forecast_out.fill_(float("nan"))
             hr, ids_r, w_r = routed.route(layer, x, norm_w, 1e-6, gates[layer], k, True, counter, pdl=routed.pdl)
             # (a) the routing is the plain launch's, bitwise; the forecast within the float32 bound
             assert torch.equal(hr, h) and torch.equal(ids_r, ids) and torch.equal(w_r, w), (seed, step, layer)
             assert int(counter) == 0
             target = layer + depth
             if target < L:
-                f = routed.forecast_out[:T].clone()
+                f = routed.rules.forecast_out[:T].clone()
                 ref = h.double() @ gates[target].double().T
                 bound = (H + 1) * U / (1 - (H + 1) * U) * (h.double().abs() @ gates[target].double().abs().T)
                 assert bool(((f.double() - ref).abs() <= bound).all()), (seed, step, layer)
                 fc["now"] = f
             else:
-                assert bool(routed.forecast_out.isnan().all())  # no forecast past the last layer
+                assert bool(routed.rules.forecast_out.isnan().all())  # no forecast past the last layer
             assert routed.admit(layer, ids_r, w_r, dt) is w_r  # decided in the route: no second decision
-            assert (routed.deferred_fork is not None) == (routed.list_after_experts and target < L)
+            assert (routed.rules.deferred_fork is not None) == (routed.rules.list_after_experts and target < L)
             routed.experts_done(layer)  # (what wrap()'s experts function calls after the experts)
-            assert routed.deferred_fork is None
+            assert routed.rules.deferred_fork is None
             # (b) decide_ahead's launch on the same selections and logits: the same state, bitwise
             alone.admit(layer, ids_r, w_r, dt, hidden=hr)
             if dev == "cuda":  # the routed cache's list decisions run on its decisions stream
                 torch.cuda.synchronize()
             for name in STATE:
-                assert torch.equal(getattr(routed, name), getattr(alone, name)), (name, kind, seed, step, layer)
+                assert torch.equal(state(routed, name), state(alone, name)), (name, kind, seed, step, layer)
             assert torch.equal(routed.pools.row_map, alone.pools.row_map), (kind, seed, step, layer)
     # (c) one compiled router launch for every layer: the plain one, lookahead's with a forecast and
     # without (the last layers), whatever the layer, its target or a new step (PER_LAYER_ARGS)
     assert variants() - compiled <= 3, (kind, seed, variants() - compiled)
     routed.check(contents=True)
     alone.check(contents=True)
-    prefetched[(kind, seed)] = int(routed.prefetch_history.sum())
+    prefetched[(kind, seed)] = int(routed.rules.prefetch_history.sum())
 assert all(v > 0 for v in prefetched.values()), prefetched
 try:
     td.route(x, norm_w, 1e-6, gates[0], k, True, counter, ahead=ts.route_ahead_args(routed, 0, 1, False),
@@ -330,13 +330,13 @@ import numpy as np
 import torch
 sys.path.insert(0, sys.argv[1])
 from synthetic_engines import random_prompts
-from test_slots import _warm
+from test_slots import _warm, state
 from coldset.verify import gate
 from coldset.analysis.simulate import simulate
 from coldset.analysis.streams import AccessStream
 from coldset.kernels import triton_slots as ts
 from coldset.engine.model import fused_layer_before_experts, fused_norm_lm_head
-from coldset.core.placement import hot_count_for_residency
+from coldset.analysis.placement import hot_count_for_residency
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 from coldset.kernels.tiers import host_tier
@@ -388,7 +388,7 @@ stream = AccessStream(inst, np.cumsum([0] + [len(x) for x in groups]), n_groups 
 pred = cache.prefetch_lists()
 sim = simulate(stream, "lookahead", C, counts, predictions=pred)
 np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
-np.testing.assert_array_equal(cache.prefetch_history[:n_groups].numpy(), sim.prefetches)
+np.testing.assert_array_equal(cache.rules.prefetch_history[:n_groups].numpy(), sim.prefetches)
 assert (pred[layer_of >= L - depth] == -1).all()  # no forecast past the last layer
 assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
 assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
@@ -430,11 +430,11 @@ for step in range(2):
         if (step, layer) == (0, 0):  # the case itself, on the torch path: the victim listed and prefetched back
             rm = ref.pools.row_map.reshape(-1)
             assert ref.history[0].tolist() == [0, 1, 1], ref.history[0]
-            assert ref.prediction_history[0, 0] == 6 and int(ref.prefetch_history[0]) == 1
-            assert rm[6] >= 0 and rm[0] < 0 and bool(ref.inflight[6]), rm
+            assert ref.rules.prediction_history[0, 0] == 6 and int(ref.rules.prefetch_history[0]) == 1
+            assert rm[6] >= 0 and rm[0] < 0 and bool(ref.rules.inflight[6]), rm
         for c, path in ((alone, "decide_ahead"), (routed, "router")):
             for name in STATE:
-                assert torch.equal(getattr(c, name), getattr(ref, name)), (path, name, step, layer)
+                assert torch.equal(state(c, name), state(ref, name)), (path, name, step, layer)
             assert torch.equal(c.pools.row_map, ref.pools.row_map), (path, step, layer)
 for c in (ref, alone, routed):
     c.check(contents=True)
@@ -541,14 +541,14 @@ def test_engine_through_the_fused_router_with_lookahead_equals_the_simulator_and
     hand on the CPU, every kernel interpreted) with a ``lookahead`` cache at residency 0.25, batch 2:
     every decode group decided in the router's launch (``decide_ahead``'s launch never runs), the
     logits bitwise the unmodified path's (the parity gate), per group hits, misses, fills and
-    prefetches equal to ``coldset.analysis.cache.simulate``'s ``lookahead`` on the lists the engine recorded,
+    prefetches equal to ``coldset.analysis.simulate.simulate``'s ``lookahead`` on the lists the engine recorded,
     none past the last layer, prefetches used and the stream off lru's; every slot holds its owner.
     The victim scans run in tiles of 4 of the 8 slots (``SCAN_TILE``). ``after_experts``: the list
-    and the prefetch forked after each layer's experts (``SlotCache.list_after_experts``), the same."""
+    and the prefetch forked after each layer's experts (``Lookahead.list_after_experts``), the same."""
     script = _ENGINE
     script = script.replace("cache.prefetch_blocks = 4\n",
-                            f"cache.prefetch_blocks = 4\ncache.list_after_experts = {after_experts}\n")
-    assert f"list_after_experts = {after_experts}" in script
+                            f"cache.prefetch_blocks = 4\ncache.rules.list_after_experts = {after_experts}\n")
+    assert f"rules.list_after_experts = {after_experts}" in script
     _interpret(script)
 
 

@@ -1,5 +1,5 @@
 """The engine's slot cache (coldset.engine.cache.pool) against the trace simulator (coldset.analysis.cache) and a
-brute-force reference of the cache semantics (coldset.analysis.cache's module doc), and its parity with
+brute-force reference of the cache semantics (coldset.analysis.simulate's module doc), and its parity with
 the unmodified path."""
 
 import os
@@ -14,7 +14,10 @@ from coldset.analysis.simulate import simulate
 from coldset.analysis.streams import AccessStream
 from coldset.engine.generate import generate
 from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global, row_map_from_mask
+from coldset.core.placement import DYNAMIC_POLICIES
+from coldset.engine.cache.policy import CachePolicy
 from coldset.engine.cache.pool import CacheCapacityError, SlotCache
+from coldset.engine.cache.registry import POLICIES
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.kernels.tiers import ExpertPools, host_tier
 from synthetic_engines import random_prompts, synthetic_engine
@@ -45,6 +48,8 @@ def reference_cache(groups, num_experts, warm, warm_counts, policy, num_layers=N
         candidates = [r for r in slot_of if r not in barred]
         if policy in ("lru", "lru_guard"):
             candidates.sort(key=lambda r: last_use[r])
+        elif policy == "mru":
+            candidates.sort(key=lambda r: -last_use[r])
         else:
             candidates.sort(key=lambda r: (count.get(r, 0.0), last_use[r]))
         assert policy == "lru_guard" or len(candidates) >= len(missed)
@@ -63,12 +68,17 @@ def reference_cache(groups, num_experts, warm, warm_counts, policy, num_layers=N
 
 
 def simulator_history(groups, num_layers, num_experts, counts, capacity, policy, tokens):
-    """Per-group (hits, misses, fills) of coldset.analysis.cache.simulate on the same groups, warm from
+    """Per-group (hits, misses, fills) of coldset.analysis.simulate.simulate on the same groups, warm from
     the same profile counts."""
     ids = np.array([layer * num_experts + e for layer, ex in groups for e in ex], dtype=np.int64)
     ptr = np.cumsum([0] + [len(ex) for _, ex in groups])
     res = simulate(AccessStream(ids, ptr, tokens, num_layers, num_experts), policy, capacity, counts)
     return np.stack([res.hits, res.misses, res.fills], axis=1)
+
+
+def state(cache, name):
+    """A state tensor by name: the pool's field or its policy's."""
+    return getattr(cache.rules if hasattr(cache.rules, name) else cache, name)
 
 
 def _random_pools(L, E, seed=0, dtype=torch.float32):
@@ -123,6 +133,50 @@ def test_decisions_equal_the_brute_force_reference(policy, tokens):
     for layer, ids in groups:
         cache.admit(layer, torch.as_tensor(ids).view(tokens, k))
     np.testing.assert_array_equal(cache.group_history(), want)
+
+
+class MostRecentlyUsed(CachePolicy):
+    """A toy policy, the whole of its module: victims by most recent use (the barred slots last)."""
+
+    name = "mru"
+
+    def victim_order(self, cache, barred):
+        last = (-cache.last_use[cache.owner]).masked_fill(barred, torch.iinfo(torch.int64).max)
+        return torch.argsort(last, stable=True)
+
+
+def test_a_policy_is_one_class_and_one_registry_line(monkeypatch):
+    """A new policy = its class (here :class:`MostRecentlyUsed`) + one line in the registry: the
+    pool builds it by name and drives it through the torch path; its decisions, group by group
+    (hits, misses, fills and which slot took which instance), equal the brute-force reference's."""
+    monkeypatch.setitem(POLICIES, "mru", MostRecentlyUsed)
+    L, E, k, T, C = 3, 8, 2, 2, 9
+    rng = np.random.default_rng(11)
+    counts = rng.integers(0, 5, size=(L, E)).astype(np.float64)
+    all_hot = _random_pools(L, E)
+    row_map, owner, warm_counts = _warm(counts, C)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, warm_counts, "mru", max_tokens=T, top_k=k)
+    assert isinstance(cache.rules, MostRecentlyUsed) and not cache.records_in_route(T)
+    groups, admitted = [], []
+    for _ in range(30):
+        for layer in range(L):
+            ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+            groups.append((layer, ids.reshape(-1).tolist()))
+            before = cache.owner.clone()
+            cache.admit(layer, torch.as_tensor(ids))
+            changed = torch.nonzero(cache.owner != before).flatten().tolist()
+            admitted.append(sorted((s, int(cache.owner[s])) for s in changed))
+    cache.check(contents=True)
+    want, fills = reference_cache(groups, E, owner.tolist(), warm_counts.tolist(), "mru")
+    np.testing.assert_array_equal(cache.group_history(), want)
+    assert admitted == [sorted(f) for f in fills]
+    assert want[:, 2].sum() > 10 and not np.array_equal(want, reference_cache(groups, E, owner.tolist(),
+                                                                              warm_counts.tolist(), "lru")[0])
+
+
+def test_the_registry_holds_the_placements_dynamic_policies():
+    assert tuple(POLICIES) == DYNAMIC_POLICIES
+    assert all(cls.name == name and cls.routes for name, cls in POLICIES.items())
 
 
 def test_prefill_groups_change_nothing_and_capacity_is_checked():
@@ -236,7 +290,7 @@ def test_a_stale_fill_fails_the_gate(engine, monkeypatch):
     ids = ["a", "b"]
     reference = gate.reference_decode(engine, prompts, 12, batch_size=1, progress=False)
     cache, _, _ = _engine_cache(engine, "lru", 0.25, 1)
-    monkeypatch.setattr(SlotCache, "_fill", lambda self, *a: None)
+    monkeypatch.setattr(SlotCache, "fill", lambda self, *a: None)
     got = gate.placement_decode(engine, cache.pools, prompts, 12, batch_size=1, progress=False, cache=cache)
     assert cache.counters()["fills"] > 0
     result = gate.compare("lru-0.25", ids, reference, got, cache.pools, engine)
@@ -311,7 +365,7 @@ def test_triton_decisions_equal_the_torch_path(policy):
                 assert wb.dtype == torch.bfloat16 and wb.shape == w.shape
                 assert torch.equal(wa, w.to(torch.bfloat16)) and torch.equal(wb, wa)
             for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
-                assert torch.equal(getattr(a, name), getattr(b, name)), name
+                assert torch.equal(state(a, name), state(b, name)), name
             assert torch.equal(a.pools.row_map, b.pools.row_map)
     np.testing.assert_array_equal(a.group_history(), b.group_history())
     assert a.counters()["fills"] > 20
@@ -362,7 +416,7 @@ def test_router_recorded_decisions_equal_the_torch_path(policy):
             plain.admit(layer, ids)
             for c in (routed, alone):
                 for name in ("owner", "last_use", "count", "tick", "totals", "groups"):
-                    assert torch.equal(getattr(ref, name), getattr(c, name)), (step, layer, name)
+                    assert torch.equal(state(ref, name), state(c, name)), (step, layer, name)
                 assert torch.equal(ref.pools.row_map, c.pools.row_map), (step, layer)
             assert int(routed.fill_ticket) == 0
     np.testing.assert_array_equal(ref.group_history(), routed.group_history())
@@ -396,7 +450,7 @@ def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmod
     the router's launch recording each group, the fill choosing, committing and copying as its
     programmatic dependent; at batch 1 the fused kernels launched as dependent launches): every step's
     logits bitwise those of the unmodified path's graphed step, the per-group hits, misses and
-    fills those of ``coldset.analysis.cache.simulate`` on the routing that path recorded, and every slot
+    fills those of ``coldset.analysis.simulate.simulate`` on the routing that path recorded, and every slot
     holding its owner's weights at the end."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
@@ -450,7 +504,7 @@ def _lookahead_run(engine, residency, batch, depth, prompts, sabotage=None):
 @pytest.mark.parametrize("batch,depth", [(1, 1), (2, 2)])
 def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch, depth):
     """The engine's lookahead decisions on CPU: per group hits, misses, fills and prefetches equal
-    coldset.analysis.cache.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
+    coldset.analysis.simulate.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
     logits bitwise the unmodified path's; prefetches happened and were used."""
     cfg = engine.config
     L, E = cfg.num_moe_layers, cfg.num_experts
@@ -467,7 +521,7 @@ def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch
     pred = cache.prefetch_lists()
     sim = simulate(stream, "lookahead", C, counts, predictions=pred)
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
-    np.testing.assert_array_equal(cache.prefetch_history[:n_groups].cpu().numpy(), sim.prefetches)
+    np.testing.assert_array_equal(cache.rules.prefetch_history[:n_groups].cpu().numpy(), sim.prefetches)
     assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
     # the prefetches moved the stream off lru's decisions (so the equality above tested them)
     assert not np.array_equal(sim.hit, simulate(stream, "lru", C, counts).hit)
@@ -477,7 +531,7 @@ def test_a_stale_prefetch_fails_the_gate(engine, monkeypatch):
     """A prefetch whose copy never lands (its slot keeps the victim's weights, the row map names the
     prefetched expert) must fail the gate and the contents check."""
     prompts = random_prompts(engine.config.vocab_size, 2, seed=6)
-    real_fill = SlotCache._fill
+    real_fill = SlotCache.fill
     skipped = []
 
     def no_prefetch_copy(self, victims, new_inst, valid, m):
@@ -486,7 +540,7 @@ def test_a_stale_prefetch_fails_the_gate(engine, monkeypatch):
             return
         real_fill(self, victims, new_inst, valid, m)
 
-    monkeypatch.setattr(SlotCache, "_fill", no_prefetch_copy)
+    monkeypatch.setattr(SlotCache, "fill", no_prefetch_copy)
     cache, _, _, _, result = _lookahead_run(engine, 0.25, 1, 1, prompts)
     assert sum(skipped) > 0
     assert not result.passed
@@ -522,7 +576,7 @@ def test_lookahead_decisions_equal_the_simulator_on_random_streams(depth):
         sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists())
         np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1),
                                       err_msg=f"trial {trial}, C {C}")
-        np.testing.assert_array_equal(cache.prefetch_history[:len(groups)].numpy(), sim.prefetches)
+        np.testing.assert_array_equal(cache.rules.prefetch_history[:len(groups)].numpy(), sim.prefetches)
         cache.check(contents=True)
 
 
@@ -542,7 +596,7 @@ def test_lookahead_in_flight_slots_are_no_demand_victims():
     forecast = torch.tensor([[0, 0, 0, 0, 2.0, 1.0]] * T)
     cache.admit(0, torch.tensor([[0, 1], [0, 1]]), hidden=forecast)
     assert cache.prefetch_lists()[0].tolist() == [E + 4, E + 5, -1, -1]
-    assert int(cache.prefetch_history[0]) == 2
+    assert int(cache.rules.prefetch_history[0]) == 2
     cache.admit(1, torch.tensor([[0, 1], [2, 3]]), hidden=forecast)
     rm = cache.pools.row_map
     assert [int(rm[1, e]) >= 0 for e in range(E)] == [True, True, False, False, True, True]
@@ -581,9 +635,9 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         a = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
         b = SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth)
         a.use_kernel = False
-        a._forecast_logits = lambda h, t, pdl=False: forecast_logits(
-            h, a.forecast_routers[t], torch.empty((h.shape[0], E), dtype=torch.float32, device=h.device))
-        assert b.use_kernel and b.side_stream is not None
+        a.rules.forecast_logits = lambda _cache, h, t, pdl=False: forecast_logits(
+            h, a.rules.forecast_routers[t], torch.empty((h.shape[0], E), dtype=torch.float32, device=h.device))
+        assert b.use_kernel and b.rules.side_stream is not None
         for step in range(8):
             for layer in range(L):
                 ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
@@ -597,9 +651,9 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
                 assert torch.equal(wa, w.to(torch.bfloat16)) and torch.equal(wb, wa)
                 for name in ("owner", "last_use", "count", "tick", "totals", "groups", "inflight",
                              "prediction_history", "prefetch_history", "history"):
-                    assert torch.equal(getattr(a, name), getattr(b, name)), (name, trial, step, layer)
+                    assert torch.equal(state(a, name), state(b, name)), (name, trial, step, layer)
                 assert torch.equal(a.pools.row_map, b.pools.row_map)
-        assert int(b.prefetch_history.sum()) > 0
+        assert int(b.rules.prefetch_history.sum()) > 0
         b.check(contents=True)
         a.check(contents=True)
 
@@ -651,7 +705,7 @@ def test_cuda_lookahead_lists_equal_lookahead_predictions(depth):
                 assert np.array_equal(got[g], want[g]), (s, layer, got[g], want[g])
         assert (got[s * L + L - depth:(s + 1) * L] == -1).all(), "a list past the last layer"
     assert near <= S * (L - depth) // 10, f"{near} groups with near ties: the equality lost its point"
-    assert int(cache.prefetch_history.sum()) > 0
+    assert int(cache.rules.prefetch_history.sum()) > 0
     cache.check(contents=True)
 
 
@@ -716,7 +770,7 @@ def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(gra
     """lookahead in the captured step (the fused router launch computing the forecast and making
     the whole decision, ``SlotCache.route``; prefetch copies forked onto the side stream inside the
     graph, joined before layer l + depth's experts): every step's logits bitwise the unmodified
-    path's, per group hits, misses, fills and prefetches equal to ``coldset.analysis.cache.simulate``'s
+    path's, per group hits, misses, fills and prefetches equal to ``coldset.analysis.simulate.simulate``'s
     'lookahead' on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
@@ -730,7 +784,7 @@ def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(gra
     stream = AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), bsz * len(logits), L, E)
     sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists())
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
-    np.testing.assert_array_equal(cache.prefetch_history[:sim.hits.size].cpu().numpy(), sim.prefetches)
+    np.testing.assert_array_equal(cache.rules.prefetch_history[:sim.hits.size].cpu().numpy(), sim.prefetches)
     assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
     cache.check(contents=True)
 
@@ -752,22 +806,23 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
 
     monkeypatch.setattr(triton_slots, "fill", slow_fill)
     cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1)
-    assert int(cache.prefetch_history.sum()) > 0
+    assert int(cache.rules.prefetch_history.sum()) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits, ref)), "the join did not hold the slow copy back"
 
     def late(cache):
-        L = len(cache.pending)
+        ahead = cache.rules
+        L = len(ahead.pending)
 
-        def join_at_the_end(layer):
-            if layer == L - 1 and any(cache.pending):
-                last = max(i for i, p in enumerate(cache.pending) if p)
-                torch.cuda.current_stream().wait_event(cache.join_events[last])
-                cache.pending[:] = [False] * L
+        def join_at_the_end(_cache, layer):
+            if layer == L - 1 and any(ahead.pending):
+                last = max(i for i, p in enumerate(ahead.pending) if p)
+                torch.cuda.current_stream().wait_event(ahead.join_events[last])
+                ahead.pending[:] = [False] * L
 
-        cache._join_layer = join_at_the_end
+        ahead._join_layer = join_at_the_end
 
     cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1, patch=late)
-    assert int(cache.prefetch_history.sum()) > 0
+    assert int(cache.rules.prefetch_history.sum()) > 0
     assert not all(torch.equal(a, b) for a, b in zip(logits, ref)), "a stale prefetch went unnoticed"
     cache.check(contents=True)  # the copies did land by the step's end: only the timing was wrong
 
@@ -811,7 +866,7 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
     all_hot = _random_pools(3, 4)
     routers = [torch.randn(4, 4) for _ in range(3)]
     cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, 1, 1, routers=routers)
-    assert cache.policy == "lookahead" and cache.depth == 2
+    assert cache.policy == "lookahead" and cache.rules.depth == 2
     before = placement_fingerprint(path)
     doc = json.loads(path.read_text())
     doc["cache_lookahead_depth"] = 1
@@ -842,7 +897,7 @@ def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path
     for batch, depth in [(1, 3), (3, 3), (4, 2), (7, 2), (8, 1)]:
         assert lookahead_depth_for(back.cache_lookahead_depth, batch) == depth
         cache = SlotCache.from_placement(all_hot, host_tier(all_hot), back, batch, 1, routers=routers)
-        assert cache.depth == depth, (batch, cache.depth)
+        assert cache.rules.depth == depth, (batch, cache.rules.depth)
     assert lookahead_depth_for(back.cache_lookahead_depth, 64) == 1
     with pytest.raises(PlacementError, match=r"lookahead_depth must give batch size 1 a depth"):
         place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth={8: 1})
@@ -898,7 +953,7 @@ def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budge
     """Random groups and tables, pools from one group's size up (the in-flight rule, the read in
     place of a miss without a free slot, predicted victims and a cut list all occur): the engine's
     candidate list of every group is coldset.analysis.forecast.nexttoken_lists' (the forecast, computed
-    independently), its per-group hits, misses, fills and prefetches are coldset.analysis.cache.simulate's
+    independently), its per-group hits, misses, fills and prefetches are coldset.analysis.simulate.simulate's
     'nexttoken' on the same tokens, no commit is refused, and every slot holds its owner."""
     L, E, k = 3, 8, 2
     rng = np.random.default_rng(tokens * 10 + (budget or 0))
@@ -1029,13 +1084,13 @@ def test_a_prefetch_that_never_lands_is_never_committed(engine):
     prompts = np.random.default_rng(6).integers(0, engine.config.vocab_size, size=(1, 8)).tolist()
 
     def sabotage(cache):
-        real = cache._fill
+        real = cache.fill
 
         def fill(victims, new_inst, valid, m, tags=None):
             if tags is None:
                 real(victims, new_inst, valid, m)
 
-        cache._fill = fill
+        cache.fill = fill
 
     cache, logits, ref, *_ = _next_engine_run(engine, 1, 0.5, prompts, sabotage=sabotage)
     c = cache.counters()
@@ -1049,11 +1104,11 @@ _STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", 
 
 def _same_next_state(a, b, where):
     for name in _STATE:
-        assert torch.equal(getattr(a, name), getattr(b, name)), (where, name)
+        assert torch.equal(state(a, name), state(b, name)), (where, name)
     assert torch.equal(a.pools.row_map, b.pools.row_map), where
-    for layer, cnt in enumerate(a.pf_count.reshape(-1).tolist()):  # the issued lists, up to their counts
+    for layer, cnt in enumerate(a.rules.pf_count.reshape(-1).tolist()):  # the issued lists, up to their counts
         for name in ("pf_victims", "pf_new", "pf_tags"):
-            assert torch.equal(getattr(a, name)[layer, :cnt], getattr(b, name)[layer, :cnt]), (where, name, layer)
+            assert torch.equal(state(a, name)[layer, :cnt], state(b, name)[layer, :cnt]), (where, name, layer)
 
 
 @pytest.mark.gpu
@@ -1093,10 +1148,10 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
         ref.use_kernel = False
         if dev == "cpu":  # the interpreter: the kernel path by hand
             routed.use_kernel = True
-            routed.fill_ticket, routed.copy_ticket = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            routed.fill_ticket, routed.rules.copy_ticket = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
         assert routed.records_in_route(tokens)
         if tile == 2:  # more than one tile
-            assert ts._scan_size(C, max(2, ts._next_pow2(routed.pf_victims.shape[1]))) < C
+            assert ts._scan_size(C, max(2, ts._next_pow2(routed.rules.pf_victims.shape[1]))) < C
         for step in range(6):
             for layer in range(L):
                 x = torch.randn((tokens, H), generator=gen).to(dev, dt)
@@ -1114,7 +1169,7 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
                 torch.cuda.synchronize()
             _same_next_state(ref, routed, (C, step, "commit"))
             assert torch.equal(ref.done, routed.done)
-            assert int(routed.fill_ticket) == 0 and int(routed.copy_ticket) == 0
+            assert int(routed.fill_ticket) == 0 and int(routed.rules.copy_ticket) == 0
         assert routed.counters()["stale"] == 0
         issued += routed.counters()["prefetches"]
         routed.check(contents=True)
@@ -1128,7 +1183,7 @@ def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(gra
     """nexttoken in the captured step (decisions and tagged copies forked onto their streams inside
     the graph, joined and committed after the last layer's experts): every step's logits bitwise
     the unmodified path's; the forecast lists equal coldset.analysis.forecast.nexttoken_lists on the
-    recorded routing and the per-group counts coldset.analysis.cache.simulate's 'nexttoken'; prefetches
+    recorded routing and the per-group counts coldset.analysis.simulate.simulate's 'nexttoken'; prefetches
     issued and used; no commit refused."""
     from coldset.analysis.forecast import NextTokenForecaster
 
@@ -1219,7 +1274,7 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
         routed.use_kernel, routed.prefetch_blocks = True, 4
         routed.fill_ticket = torch.zeros(1, dtype=torch.int32)
         if policy == "nexttoken":
-            routed.copy_ticket = torch.zeros(1, dtype=torch.int32)
+            routed.rules.copy_ticket = torch.zeros(1, dtype=torch.int32)
     assert routed.pools.is_fp8 and (ahead or routed.records_in_route(tokens))
     for step in range(steps):
         for layer in range(L):
@@ -1237,7 +1292,7 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
             if dev == "cuda":
                 torch.cuda.synchronize()
             for name in ("owner", "last_use", "tick", "totals"):
-                assert torch.equal(getattr(ref, name), getattr(routed, name)), (step, layer, name)
+                assert torch.equal(state(ref, name), state(routed, name)), (step, layer, name)
             assert torch.equal(ref.pools.row_map, routed.pools.row_map), (step, layer)
             _same_fp8_slots(ref, routed, (step, layer))
             xe = torch.randn((tokens, hidden), generator=gen).to(dev, xdt)
@@ -1273,11 +1328,11 @@ def test_lookahead_deferred_fork_is_never_dropped_silently():
     routers = [torch.randn(E, H) for _ in range(L)]
     built = {d: SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers, depth=d)
              for d in (1, 2)}
-    assert not built[1].list_after_experts and built[2].list_after_experts
+    assert not built[1].rules.list_after_experts and built[2].rules.list_after_experts
     cache = built[2]
-    cache.deferred_fork = (0, 2, k * T)  # what route() leaves at layer 0
+    cache.rules.deferred_fork = (0, 2, k * T)  # what route() leaves at layer 0
     with pytest.raises(RuntimeError, match="layer 0's prefetch fork is still pending at layer 1"):
-        cache._ahead_fork_join(1, 3, listed=k * T)
+        cache.rules._ahead_fork_join(cache, 1, 3, listed=k * T)
     with pytest.raises(RuntimeError, match="layer 1's experts, but layer 0's prefetch fork is pending"):
         cache.experts_done(1)
-    assert cache.deferred_fork == (0, 2, k * T)
+    assert cache.rules.deferred_fork == (0, 2, k * T)

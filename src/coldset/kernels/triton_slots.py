@@ -558,8 +558,8 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
     mv = max(2, _next_pow2(slots.numel()))
     if choose != CHOOSE_NONE:
         state = (cache.owner, cache.last_use,
-                 cache.predicted.view(torch.uint8) if choose == CHOOSE_NEXT else cache.count,
-                 cache.inflight.view(torch.uint8) if choose == CHOOSE_NEXT else count,
+                 cache.rules.predicted.view(torch.uint8) if choose == CHOOSE_NEXT else cache.count,
+                 cache.rules.inflight.view(torch.uint8) if choose == CHOOSE_NEXT else count,
                  cache.tick, int(n), int(layer), cache.capacity, cache.guard_ticks(n), cache.fill_ticket,
                  pools.row_map)
         cp = _next_pow2(cache.capacity)
@@ -925,10 +925,10 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
     """``lookahead``'s forecast list and prefetch decisions of group ``layer`` (``n`` selections)
     in one launch of one program, after the router's launch (:func:`route_ahead_args`) recorded the
     group, made its demand decisions and wrote the forecast logits of layer ``target`` into
-    ``cache.forecast_out``: the same code as :func:`ahead_group`'s list part (:func:`_forecast_list`,
+    ``cache.rules.forecast_out``: the same code as :func:`ahead_group`'s list part (:func:`_forecast_list`,
     :func:`_ahead_prefetch`), on the state the router's launch left, so the same decisions. Writes
-    the group's list into its history row and row ``target`` of ``cache.pf_victims`` /
-    ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill. Why a launch of its own: the
+    the group's list into its history row and row ``target`` of ``cache.rules.pf_victims`` /
+    ``cache.rules.pf_new`` / ``cache.rules.pf_count`` for the prefetch's fill. Why a launch of its own: the
     list (its sort, its record, its row-map gather) was about a third of the router's last program
     (its SASS after the ticket), on the step's critical path; here it runs on the decisions stream
     beside the layer's experts (:meth:`coldset.engine.cache.pool.SlotCache.route`), and the next group's router
@@ -937,15 +937,15 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
     if not 0 <= layer < target < cache.pools.num_moe_layers:
         raise ValueError(f"ahead_list: target {target} must be a later MoE layer than {layer} "
                          f"(of {cache.pools.num_moe_layers})")
-    if n <= 0 or n % k or n // k > cache.forecast_out.shape[0]:
+    if n <= 0 or n % k or n // k > cache.rules.forecast_out.shape[0]:
         raise ValueError(f"ahead_list: {n} selections are not whole tokens of top-{k} within "
-                         f"{cache.forecast_out.shape[0]} tokens")
+                         f"{cache.rules.forecast_out.shape[0]} tokens")
     sizes = _ahead_sizes(cache)
-    width = cache.prediction_history.shape[1]
+    width = cache.rules.prediction_history.shape[1]
     _ahead_list_kernel[(1,)](
-        cache.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
-        cache.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], cache.pf_victims[target],
-        cache.pf_new[target], cache.pf_count[target], cache.prediction_history, cache.prefetch_history, width,
+        cache.rules.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
+        cache.rules.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], cache.rules.pf_victims[target],
+        cache.rules.pf_new[target], cache.rules.pf_count[target], cache.rules.prediction_history, cache.rules.prefetch_history, width,
         cache.capacity, E=E, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
         WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
         num_warps=_decision_warps(cache.capacity))
@@ -959,7 +959,7 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     (writes ``cache.victims``, ``cache.admitted`` and the admitted count ``cache.num_misses`` for the
     demand fill), then with ``logits`` (float32 ``[T, E]``, layer ``target``'s router on this
     layer's router input) the forecast list and the prefetch decisions, written to row ``target``
-    of ``cache.pf_victims`` / ``cache.pf_new`` / ``cache.pf_count`` for the prefetch's fill, and the
+    of ``cache.rules.pf_victims`` / ``cache.rules.pf_new`` / ``cache.rules.pf_count`` for the prefetch's fill, and the
     list and its count into the group's history rows. ``new_step``: the first group of a step
     (the in-flight flags are cleared first). ``after_forecast`` (with ``cache.pdl``): the launch is
     the programmatic dependent of :func:`forecast_logits` (launched with ``pdl``, right before it on
@@ -976,16 +976,16 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     if ahead and not (logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape == (n // k, E)):
         raise ValueError(f"decide_ahead: logits must be float32 contiguous [{n // k}, {E}], got "
                          f"{logits.dtype} {tuple(logits.shape)}")
-    width = cache.prediction_history.shape[1]
+    width = cache.rules.prediction_history.shape[1]
     t = target if ahead else 0
     wait = bool(after_forecast and ahead and cache.pdl)
     _ahead_kernel[(1,)](
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
-        cache.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
-        cache.pf_victims[t], cache.pf_new[t], cache.pf_count[t], cache.prediction_history,
-        cache.prefetch_history, width,
+        cache.rules.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
+        cache.rules.pf_victims[t], cache.rules.pf_new[t], cache.rules.pf_count[t], cache.rules.prediction_history,
+        cache.rules.prefetch_history, width,
         E=E, NP=max(2, _next_pow2(n)), CAST=cast, USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k),
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WAIT_LOGITS=wait, **_ahead_sizes(cache),
         num_warps=_decision_warps(cap), launch_pdl=wait)
@@ -1006,16 +1006,16 @@ def _scan_size(capacity: int, *picks: int) -> int:
 def _ahead_sizes(cache) -> dict:
     """:func:`ahead_group`'s block sizes that depend on the cache only (victim scan tile, victims,
     list width, prefetch span, in-flight flags), for both of its launches."""
-    mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(cache.pf_victims.shape[1]))
+    mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(cache.rules.pf_victims.shape[1]))
     return dict(SCAN=_scan_size(cache.capacity, mv, mpv), MV=mv, MPV=mpv,
-                WP=max(2, _next_pow2(cache.prediction_history.shape[1])), ZB=1024, NI=cache.inflight.numel())
+                WP=max(2, _next_pow2(cache.rules.prediction_history.shape[1])), ZB=1024, NI=cache.rules.inflight.numel())
 
 
 def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
     """What :func:`coldset.kernels.triton_decode.route` needs to run ``lookahead``'s whole decision
     for ``layer``'s group in its launch (:func:`ahead_group` in the last program, on the selections
     in registers, after every program wrote its tokens' forecast logits of layer ``target``'s router
-    into ``cache.forecast_out``): ``(record, ahead, sizes)``, :func:`route_record_args`' values, the
+    into ``cache.rules.forecast_out``): ``(record, ahead, sizes)``, :func:`route_record_args`' values, the
     decisions' other arguments in the kernel's order (owners, victims, slots, in-flight flags, the
     new step, the target router ``[E, H]`` (read by every program beside its own rows; ``target >=
     L``: no forecast, the group's list is empty), the forecast buffer, the target, its prefetch
@@ -1024,10 +1024,10 @@ def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
     L = cache.pools.num_moe_layers
     ahead = target < L
     t = target if ahead else 0
-    args = (cache.owner, cache.victims, cache.capacity, cache.inflight.view(torch.uint8), int(new_step),
-            cache.forecast_routers[t] if ahead else cache.forecast_out, cache.forecast_out, t, cache.pf_victims[t],
-            cache.pf_new[t], cache.pf_count[t], cache.prediction_history, cache.prefetch_history,
-            cache.prediction_history.shape[1])
+    args = (cache.owner, cache.victims, cache.capacity, cache.rules.inflight.view(torch.uint8), int(new_step),
+            cache.rules.forecast_routers[t] if ahead else cache.rules.forecast_out, cache.rules.forecast_out, t, cache.rules.pf_victims[t],
+            cache.rules.pf_new[t], cache.rules.pf_count[t], cache.rules.prediction_history, cache.rules.prefetch_history,
+            cache.rules.prediction_history.shape[1])
     return route_record_args(cache, layer), args, dict(FORECAST=ahead, **_ahead_sizes(cache))
 
 
@@ -1122,21 +1122,21 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
 def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
     """nexttoken's forecast and prefetch decisions for group (step, ``layer``) in one launch
     (:func:`_next_kernel`), after the group's record and demand commit; writes row ``layer`` of
-    ``cache.pf_victims`` / ``pf_new`` / ``pf_tags`` / ``pf_count`` for the tagged copy."""
+    ``cache.rules.pf_victims`` / ``pf_new`` / ``pf_tags`` / ``pf_count`` for the tagged copy."""
     n = ids.numel()
     cap = cache.capacity
     E, k = cache.pools.num_experts, cache.top_k
     L = cache.pools.num_moe_layers
-    width = cache.prediction_history.shape[1]
-    mpv = max(2, _next_pow2(cache.pf_victims.shape[1]))
+    width = cache.rules.prediction_history.shape[1]
+    mpv = max(2, _next_pow2(cache.rules.pf_victims.shape[1]))
     _next_kernel[(1,)](
         ids, n, layer, int(new_step), cache.pools.row_map, cache.owner, cache.last_use, cache.tick, cache.groups,
-        cache.inflight.view(torch.uint8), cache.predicted.view(torch.uint8), cache.tags, cache.selections,
-        cache.step, cache.terms, cache.tables, cache.seq_history, cache.hist_unit, cache.hist_shift,
-        cache.pf_victims[layer], cache.pf_new[layer], cache.pf_tags[layer],
-        cache.pf_count[layer], cache.prediction_history, cache.prefetch_history, cache.prediction_history.shape[0],
-        width, cache.prefetch_budget, cap, L, cache.selections.shape[0],
-        E=E, K=k, NPRED=cache.num_predictions, NSEL=cache.selections.shape[2], J=cache.terms.shape[0],
+        cache.rules.inflight.view(torch.uint8), cache.rules.predicted.view(torch.uint8), cache.rules.tags, cache.rules.selections,
+        cache.rules.step, cache.rules.terms, cache.rules.tables, cache.rules.seq_history, cache.rules.hist_unit, cache.rules.hist_shift,
+        cache.rules.pf_victims[layer], cache.rules.pf_new[layer], cache.rules.pf_tags[layer],
+        cache.rules.pf_count[layer], cache.rules.prediction_history, cache.rules.prefetch_history, cache.rules.prediction_history.shape[0],
+        width, cache.rules.prefetch_budget, cap, L, cache.rules.selections.shape[0],
+        E=E, K=k, NPRED=cache.rules.num_predictions, NSEL=cache.rules.selections.shape[2], J=cache.rules.terms.shape[0],
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
         SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=_decision_warps(cap))
 
@@ -1164,8 +1164,8 @@ def commit_prefetches(cache) -> None:
     """nexttoken's commit after the step's join (one launch): each prefetch of the step whose slot's
     done tag equals the tag it was issued with gets its row map entry (the slot); one whose tag
     differs (its copy did not land, or a later copy superseded it) stays on its host row and is
-    counted in ``cache.stale``. The lists are consumed (counts zeroed)."""
-    L, span = cache.pf_victims.shape
-    _commit_kernel[(1,)](cache.pf_victims, cache.pf_new, cache.pf_tags, cache.pf_count, cache.done,
-                         cache.pools.row_map, cache.stale, span, L, LP=max(2, _next_pow2(L)),
+    counted in ``cache.rules.stale``. The lists are consumed (counts zeroed)."""
+    L, span = cache.rules.pf_victims.shape
+    _commit_kernel[(1,)](cache.rules.pf_victims, cache.rules.pf_new, cache.rules.pf_tags, cache.rules.pf_count, cache.rules.done,
+                         cache.pools.row_map, cache.rules.stale, span, L, LP=max(2, _next_pow2(L)),
                          SP=max(2, _next_pow2(span)), num_warps=8)

@@ -98,7 +98,7 @@ def add_arguments(p) -> None:
                         "copied, so its step against the forked one's is what the per-layer stream hops cost")
     p.add_argument("--other-fork", action="store_true",
                    help="also each lookahead variant with its list and prefetch forked where its depth does not "
-                        "fork them (SlotCache.list_after_experts): after the layer's demand fill at depth >= 2 "
+                        "fork them (Lookahead.list_after_experts): after the layer's demand fill at depth >= 2 "
                         "(rows named '... list-after-fill'), after the layer's experts at depth 1 ('... "
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--lookahead-fit", action="store_true",
@@ -423,9 +423,9 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
                             prefetch_budget=c.args.prefetch_budget if nt else None)
     cache.prefetch_blocks = c.args.prefetch_blocks
     if variant == "in-order":
-        cache.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
+        cache.rules.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
     if variant in ("list-after-fill", "list-after-experts"):
-        cache.list_after_experts = variant == "list-after-experts"
+        cache.rules.list_after_experts = variant == "list-after-experts"
     return cache
 
 

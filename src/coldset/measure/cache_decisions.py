@@ -50,7 +50,7 @@ def decisions_split(args, argv=None) -> dict:
         x = torch.randn((bsz, H), device=dev, dtype=torch.bfloat16)
         lru = SlotCache.build(all_hot, host, row_map, wc, "lru", bsz, k)
         la = SlotCache.build(all_hot, host, row_map, wc, "lookahead", bsz, k, routers=routers, depth=1)
-        logits = la._forecast_logits(x, 1)
+        logits = la.rules.forecast_logits(la, x, 1)
         flat = [i.reshape(-1).contiguous() for i in ids]
         # the fused step's router launch (routers = the MoE layers' gates, as in the model)
         norm_w = torch.ones(H, device=dev, dtype=torch.bfloat16)
@@ -80,7 +80,7 @@ def decisions_split(args, argv=None) -> dict:
 
         def run_gemv():
             for layer in range(L - 1):
-                la._forecast_logits(x, layer + 1)
+                la.rules.forecast_logits(la, x, layer + 1)
 
         def run_decide():
             for layer in range(L):

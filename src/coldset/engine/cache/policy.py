@@ -1,0 +1,178 @@
+"""The interface a policy of the engine's slot cache implements (:class:`CachePolicy`).
+
+The pool (:class:`coldset.engine.cache.pool.SlotCache`) owns what every policy shares: the slots,
+the row map, the slot owners, recency, use counts, ticks, counters and the demand fill's lists. A
+policy object owns its own state (lookahead's in-flight flags and side streams, nexttoken's
+forecast tables and tags) and makes the decisions; the pool calls it, handing itself in:
+
+- :meth:`CachePolicy.create` at :meth:`~coldset.engine.cache.pool.SlotCache.build`, with the pool's
+  shape (:class:`PoolShape`) and the build's options (each policy reads the ones it knows);
+- :meth:`CachePolicy.admit` for a decode group from the experts function (the torch decisions
+  :meth:`CachePolicy.decide`, or the Triton launch a policy uses on CUDA);
+- :meth:`CachePolicy.route` in the fused decode step when :attr:`CachePolicy.routes` (the router's
+  launch records the group);
+- :meth:`CachePolicy.experts_done`, :meth:`CachePolicy.end_step` and :meth:`CachePolicy.join`:
+  the hooks where a policy's prefetch work forks and joins;
+- :meth:`CachePolicy.reset`, :meth:`CachePolicy.reset_counters` and :meth:`CachePolicy.counters`.
+
+:meth:`CachePolicy.decide` is the demand rule of the lru family on the torch path (the module doc
+of :mod:`coldset.engine.cache.pool`): a policy that only changes which slots are barred or their
+eviction order overrides :meth:`CachePolicy.demand_barred` or :meth:`CachePolicy.victim_order`. A
+new policy is a module with its class and one line in :data:`coldset.engine.cache.registry.POLICIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What a policy's state is sized by: the MoE layers ``L``, experts per layer ``E``, the slots
+    ``C``, the decode batch (tokens per group at most), the router's top ``k``, the per-group
+    history's length and the device."""
+
+    num_moe_layers: int
+    num_experts: int
+    capacity: int
+    max_tokens: int
+    top_k: int
+    history: int
+    device: torch.device
+
+
+class CachePolicy:
+    """One policy of the engine's slot cache (subclass it and register the class by its name in
+    :data:`coldset.engine.cache.registry.POLICIES`).
+
+    ``name``: the placement's policy name. ``routes``: the fused router's launch can record this
+    policy's groups (:meth:`route`; the Triton decisions of :mod:`coldset.kernels.triton_slots`
+    know it). ``prediction_history`` / ``prefetch_history``: a policy that issues prefetch lists
+    records them there (``[history, width]`` -1 padded, ``[history]`` copies), else None.
+    """
+
+    name = ""
+    routes = False
+    prediction_history: torch.Tensor | None = None
+    prefetch_history: torch.Tensor | None = None
+
+    @classmethod
+    def create(cls, shape: PoolShape, **options) -> "CachePolicy":
+        """The policy's state for a pool of ``shape``; ``options`` are the build's (``routers``,
+        ``depth``, ``forecaster``, ``prefetch_budget``), each policy reading those it takes."""
+        return cls()
+
+    # ------------------------------------------------------------------------ the torch decisions
+    def guard_ticks(self, num_moe_layers: int, n: int) -> int:
+        """The window in ticks, for groups of ``n`` selections, in which a slot's last use bars it
+        from the victims beyond the group's own residents (``lru_guard``); 0: only those."""
+        return 0
+
+    def demand_barred(self, cache, layer: int, in_group: torch.Tensor, n: int) -> torch.Tensor:
+        """bool ``[C]``: the slots that are no demand victim of group ``layer`` (``n`` selections);
+        ``in_group``: the slots whose instances the group uses (never a victim)."""
+        return in_group
+
+    def victim_order(self, cache, barred: torch.Tensor) -> torch.Tensor:
+        """Slots in eviction order (first = first victim), the ``barred`` ones last: least recent use."""
+        last = cache.last_use[cache.owner].masked_fill(barred, torch.iinfo(torch.int64).max)
+        return torch.argsort(last, stable=True)  # ticks are unique, so no ties
+
+    def after_demand(self, cache, layer: int, hidden: torch.Tensor | None, used: torch.Tensor, n: int) -> int:
+        """After the group's demand admissions and accesses (torch path): the policy's own work
+        (lookahead's prefetch); returns the ticks it took beyond the group's ``n``."""
+        return 0
+
+    def decide(self, cache, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Group ``layer``'s decisions and fill as torch ops (the CPU path; the kernels' reference):
+        the victims (the slots not barred, in eviction order; misses beyond them read in place),
+        the admissions, recency and use counts of every selection, then the counters."""
+        pools = cache.pools
+        E = pools.num_experts
+        dev = topk_ids.device
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        n = ids.numel()
+        inst, hit, pos, used, m, slots_max, new_inst = cache.read_group(layer, ids)
+        owner = cache.owner
+        in_group = (owner // E == layer) & used[owner % E]
+        barred = self.demand_barred(cache, layer, in_group, n)
+        # misses beyond the slots not barred are read in place (lru and lfu: never, a pool holds a group)
+        victims = self.victim_order(cache, barred)[:slots_max]
+        valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
+        cache.admit_rows(victims, new_inst, valid)
+        # Recency and frequency of every selection, then the counters.
+        cache.last_use.scatter_reduce_(0, inst, cache.tick + pos, "amax")
+        cache.count.index_add_(0, inst, torch.ones(n, dtype=cache.count.dtype, device=dev))
+        extra = self.after_demand(cache, layer, hidden, used, n)
+        cache.tick.add_(n + extra)
+        hits = hit.sum()
+        row = torch.stack([hits, n - hits, m])
+        cache.totals.add_(row)
+        cache.history.index_copy_(0, cache.groups % cache.history.shape[0], row[None])
+        cache.groups.add_(1)
+
+    def admit(self, cache, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+              dtype: torch.dtype | None, hidden: torch.Tensor | None, cast: bool) -> torch.Tensor | None:
+        """A decode group's decisions and fill off the fused router (:meth:`SlotCache.admit
+        <coldset.engine.cache.pool.SlotCache.admit>`); returns ``topk_weights``, cast to ``dtype``
+        where ``cast``."""
+        self.decide(cache, layer, topk_ids, hidden)
+        return topk_weights.to(dtype) if cast else topk_weights
+
+    def route(self, cache, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
+        """The router's launch with the group's decisions in it (:meth:`SlotCache.route
+        <coldset.engine.cache.pool.SlotCache.route>`), for policies whose :attr:`routes` is set."""
+        raise NotImplementedError(f"cache policy {self.name!r} has no decisions in the router's launch")
+
+    # ------------------------------------------------------------------------ hooks and state
+    def experts_done(self, cache, layer: int) -> None:
+        """After MoE layer ``layer``'s experts are enqueued (the experts function of :meth:`SlotCache.wrap
+        <coldset.engine.cache.pool.SlotCache.wrap>`)."""
+
+    def end_step(self, cache) -> None:
+        """At a decode step's end (after its last MoE layer's experts)."""
+
+    def join(self, cache) -> None:
+        """The compute stream waits for the policy's side work still pending (before a state the
+        next step or a check reads)."""
+
+    def reset(self, cache) -> None:
+        """Back to the warm state (the pool resets its own first; the slots are refilled after)."""
+
+    def reset_counters(self) -> None:
+        """Zero the policy's per-group records."""
+
+    def counters(self, cache) -> dict[str, int]:
+        """The policy's counters beyond the pool's hits, misses, fills and groups (a host sync)."""
+        return {}
+
+
+class PrefetchingPolicy(CachePolicy):
+    """A policy that issues a prefetch list after each group (lookahead, nexttoken): its in-flight
+    flags, the lists and copies it recorded per group, and per layer the prefetch's victims,
+    instances and count (``[L, span]``, ``[L, span]``, ``[L, 1]``) for the prefetch fill."""
+
+    def init_lists(self, shape: PoolShape, width: int, span: int) -> None:
+        """The state every prefetching policy keeps, ``width`` entries a list, ``span`` copies a layer."""
+        L, E, dev = shape.num_moe_layers, shape.num_experts, shape.device
+        self.inflight = torch.zeros(L * E, dtype=torch.bool, device=dev)
+        self.prediction_history = torch.full((shape.history, width), -1, dtype=torch.int64, device=dev)
+        self.prefetch_history = torch.zeros(shape.history, dtype=torch.int64, device=dev)
+        self.prev_layer = L  # the last group's layer (host side: the call order is the step's)
+        self.pf_victims = torch.zeros((L, span), dtype=torch.int64, device=dev)
+        self.pf_new = torch.zeros((L, span), dtype=torch.int64, device=dev)
+        self.pf_count = torch.zeros((L, 1), dtype=torch.int64, device=dev)
+
+    def reset(self, cache) -> None:
+        self.inflight.zero_()
+        self.prev_layer = cache.pools.num_moe_layers
+
+    def reset_counters(self) -> None:
+        self.prediction_history.fill_(-1)
+        self.prefetch_history.zero_()
+
+    def counters(self, cache) -> dict[str, int]:
+        """``"prefetches"``: copies issued, from the per-group history."""
+        return {"prefetches": int(cache.prefetch_counts().sum())}
