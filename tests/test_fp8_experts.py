@@ -16,10 +16,8 @@ Tolerances, against float64:
   bound against its torch path; SGLang's block-FP8 MoE test allows 2% mean error): the
   intermediate is re-quantized to e4m3, so any difference in the first GEMM's float32 sums (the
   H200's FP8 dots accumulate in their own order and precision) flips some e4m3 roundings of the
-  intermediate, each a step of up to 1/16; measured on the H200 (issue 29, first run) 1.1-1.5% at
-  33 and 300 tokens, and 1.4-1.6% at Qwen3-30B-A3B-FP8 shape with the activations quantized once per
-  call (docs/measurements/kernel_bench_fp8.json); 0 to 2e-5 under the Triton interpreter with IEEE
-  arithmetic. Its mean signed
+  intermediate, each a step of up to 1/16 (the H200's errors: BENCHMARKS.md section 2); 0 to 2e-5
+  under the Triton interpreter with IEEE arithmetic. Its mean signed
   relative error against the same float64 < 1e-3 (as the bf16 kernel's): a 0.5% systematic scale
   error fails.
 """
@@ -848,7 +846,7 @@ def test_triton_fp8_refuses_unsupported_configs_and_the_device_slot_fill_copies_
             triton_experts(pools, 0, x, ids, w, cfg)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         triton_experts(pools, 0, x.float(), ids, w.float())
-    # The device slot fill copies an FP8 expert's scales with its weights (issue 29): a slot cache on
+    # The device slot fill copies an FP8 expert's scales with its weights: a slot cache on
     # CUDA builds; a slot whose scales were overwritten fails the contents check until reset(),
     # whose refill is the Triton fill, puts its owner's weights and scales back.
     rm = random_row_map(1, 8, 0.5, 1)

@@ -1,5 +1,5 @@
 """The one-token GEMV with block-FP8 weights (``coldset.kernels.triton_decode.gemv(...,
-weight_scale=...)``, weight-only, issue 29) and its torch reference
+weight_scale=...)``, weight-only) and its torch reference
 (:func:`coldset.kernels.reference.torch_gemv`), against an independent float64
 dequantize-then-matmul written here from the format's definition (not by :mod:`coldset.core.fp8`).
 

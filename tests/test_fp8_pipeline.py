@@ -1,4 +1,4 @@
-"""The workflow on block-FP8 experts, on the CPU (issue 29): config/examples/synthetic-fp8.yaml at
+"""The workflow on block-FP8 experts, on the CPU: config/examples/synthetic-fp8.yaml at
 tiny shapes (hidden 64: one partial 128 x 128 block per matrix) through model, fixtures, routing,
 stats, placement, autotune, parity and parity_gate in this process; every placement, static and
 the slot cache's, decodes bitwise the logits of the all-hot FP8 path, with experts FP8 in both

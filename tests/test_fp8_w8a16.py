@@ -1,4 +1,4 @@
-"""The block-FP8 kernel's weight-only decode mode (KernelConfig ``w8a16=1``, issue 29): FP8 weight
+"""The block-FP8 kernel's weight-only decode mode (KernelConfig ``w8a16=1``): FP8 weight
 tiles converted to the activation dtype in registers, the tokens and the intermediate never
 quantized, each 128-wide k block's fp32 product scaled by its weight block's ``weight_scale_inv``.
 

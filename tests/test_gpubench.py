@@ -379,7 +379,7 @@ def test_fp8_configs_fields_refused_by_name_on_the_cpu(entries, message, tmp_pat
 
 
 def test_fp8_stage_sweep_file_is_the_16x32_64_tile_at_4_to_8_stages(tmp_path, capsys, no_cuda):
-    """The committed sweep of hypothesis 1 (issue 29: the k loop latency-bound): the chosen
+    """The committed sweep of the hypothesis that the k loop is latency-bound: the chosen
     decode tile (16 x 32 / 64, w8a8, pdl 2) at 4, 5, 6 and 8 stages, each a config the kernel takes;
     the command reaches the CUDA refusal."""
     pytest.importorskip("triton")

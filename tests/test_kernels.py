@@ -406,7 +406,7 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
             assert torch.equal(out, base), (slot_max, key)
 
 
-# ---------------------------------------------------------------- layouts (issue 13, item 1) ---
+# ---------------------------------------------------------------------------------- layouts ---
 # vLLM's kernel tests build expert weights as padded views (rows longer than H); weights also
 # arrive transposed (stored [.., H, 2I]) or sliced (every other expert). The kernel reads pools
 # row-major with no padding, so pools must be contiguous: all_hot and build_pools copy such views,

@@ -1,4 +1,4 @@
-"""``bench step`` and ``bench cache`` with ``--weight-format fp8`` (issue 29), on the CPU: the
+"""``bench step`` and ``bench cache`` with ``--weight-format fp8``, on the CPU: the
 argument checks (bad combinations refused by name before CUDA is asked), the in-memory model's
 FP8 pools (:func:`coldset.measure.harness.fp8_expert_pools`) against coldset.core.fp8's dequantization,
 block scales computed here block by block and float64 error bounds, the bf16 / FP8 step ratio
@@ -358,9 +358,8 @@ def test_render_cache_fp8_exact_markdown():
 def test_fp8_expert_pools_on_the_gpu_within_e4m3_rounding():
     """Quantized on the GPU (as the commands do): the scales are the CPU's (max|block| / 448, within
     one float32 ulp), and every weight dequantizes to within e4m3's rounding of the bf16 weight
-    (the CPU test's bound). Not bit for bit the CPU's bytes: that assertion failed on the H200
-    (2026-12-01; the w13 weights' bytes differed, this shape has values subnormal in e4m3 after
-    scaling); this form passed on the H200 (2026-12-01, `pytest -m gpu`: 178 passed)."""
+    (the CPU test's bound). Not bit for bit the CPU's bytes: on the H200 the w13 weights' bytes
+    differ (this shape has values subnormal in e4m3 after scaling)."""
     pools = _pools()
     L, E = pools.num_moe_layers, pools.num_experts
     cpu = fp8_expert_pools(pools)
