@@ -19,7 +19,7 @@ lookahead there at depth 1 only).
 
 Checks (the command exits 1 if one fails): every variant's logits at every step of every pass
 bitwise the all-HBM run's; a cache's per-(step, layer) hits, misses and fills, and lookahead's
-prefetches per group, equal :func:`coldset.analysis.cache.simulate` on the all-HBM routing (lookahead: on
+prefetches per group, equal :func:`coldset.analysis.simulate.simulate` on the all-HBM routing (lookahead: on
 the lists the engine recorded; nexttoken: through :func:`coldset.bench.decode.simulate_engine_pass`, its
 lists equal to :func:`coldset.analysis.forecast.nexttoken_lists` on the same tokens, no commit refused), in
 every pass; row map, owners and slot contents consistent after the run. Timed: tok/s = 1000 / mean
@@ -28,7 +28,7 @@ with the slowest and fastest pass), ratios to
 ``usage_global`` and to all-HBM of the same batch in the same run, hit rate, misses, prefetches
 (and the wasted ones) and link GB per token; per cache row the overlap of its copies with the
 compute, the fraction of its bound (max of all-HBM and link time) and
-:func:`coldset.analysis.cache.simulate_time`'s step (link "share", join "step") over the measured one.
+:func:`coldset.analysis.time_model.simulate_time`'s step (link "share", join "step") over the measured one.
 
 ``--analysis`` adds, per batch: the next-token forecaster (:mod:`coldset.analysis.forecast`, fitted on the
 profile routing): its recall on the timed tokens, its GPU cost, the ``forecast`` policy simulated
@@ -53,8 +53,11 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from coldset.measure.cache_analysis import (forecast_analysis, lookahead_recall_analysis, management_overhead,
                                             moe_routers)
@@ -103,7 +106,8 @@ def add_arguments(p) -> None:
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--lookahead-fit", action="store_true",
                    help="also each lookahead variant with its forecast matrices fitted on the profile fixtures' "
-                        "router inputs (coldset.analysis.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt tokens; "
+                        "router inputs (coldset.analysis.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt "
+                        "tokens; "
                         "coldset.analysis.forecast.fit_lookahead_routers) in "
                         "place of the later layers' routers (rows named '... fit'): the same launches, other rows")
     p.add_argument("--profile", action="store_true",
@@ -263,7 +267,6 @@ def decode(c: CacheRun, experts_fn, pools, bsz, prompts, passes, cache=None, rec
     to its warm state before each): per pass step ms and logits; the first pass's routing
     [steps, L, B, k] and router inputs [steps, L, B, H] (``record``); a cache's counters, group
     history and (lookahead) lists and prefetches."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
     from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
@@ -317,8 +320,6 @@ def decode(c: CacheRun, experts_fn, pools, bsz, prompts, passes, cache=None, rec
 def profile_routing(c: CacheRun, profile_stream: list[int]) -> None:
     """The profile fixtures' routing on the unmodified path and its counts (the warm set), and the
     forecasts fitted on it that the run's policies use (``nexttoken``, ``--lookahead-fit``)."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
 
     L, E, k = c.shape
@@ -362,8 +363,6 @@ def add_row(c: CacheRun, bt: BatchRun, name: str, res: list[dict], residency: fl
 
 def all_hbm_batch(c: CacheRun, bsz: int, heldout_stream: list[int], passes: int) -> BatchRun:
     """The batch's reference: the all-HBM passes (routing recorded) and their row."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     from coldset.analysis.streams import AccessStream  # GPU-only path: loads when a measurement runs
     from coldset.bench import decode as bn
 
@@ -432,8 +431,6 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
 def check_decisions(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], sim, depth: int) -> None:
     """Every pass's per-group hits, misses and fills (and lookahead's lists and prefetches) equal
     the simulator's; nexttoken commits none refused; the cache's state consistent after the run."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     nt, bsz = cache.policy == "nexttoken", bt.bsz
     sim_hist = np.stack([sim.hits, sim.misses, sim.fills], axis=1)
     for i, p in enumerate(got):
@@ -459,8 +456,6 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
     the engine recorded; nexttoken: through :func:`coldset.bench.decode.simulate_engine_pass`, its
     lists checked against :func:`coldset.analysis.forecast.nexttoken_lists`); None (a fail
     recorded) when the nexttoken lists differ."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     from coldset.analysis.simulate import simulate  # GPU-only path: loads when a measurement runs
     from coldset.bench import decode as bn
 
@@ -522,8 +517,6 @@ def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residenc
 
 def measure_residency(c: CacheRun, bt: BatchRun, residency: float, passes: int) -> None:
     """``usage_global`` and every cache row at ``residency``, warm with the profile's hot set."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     from coldset.analysis.placement import (  # GPU-only path: loads when a measurement runs
         hot_count_for_residency, hot_mask_usage_global, row_map_from_mask)
 
@@ -548,8 +541,6 @@ def run(args, argv=None) -> dict:
     dev = require_cuda()
     if args.decisions_only:
         return decisions_split(args, argv)
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     from coldset.workflow.config import load_config  # GPU-only path: loads when a measurement runs
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -588,10 +579,8 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     engine's group order) and, per depth d of :data:`REPLAY_DEPTHS` below the layer count, the
     ``lookahead`` policy's lists of :func:`coldset.analysis.forecast.lookahead_predictions` (layer l + d's
     router on layer l's router inputs ``hidden [steps, L, B, H]``) with ``k`` and ``k + 4``
-    candidates a token: what :func:`coldset.analysis.cache.simulate` replays as ``predictions``."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
-    from coldset.analysis.forecast import lookahead_predictions  # GPU-only path: loads when a measurement runs
+    candidates a token: what :func:`coldset.analysis.simulate.simulate` replays as ``predictions``."""
+    from coldset.analysis.forecast import lookahead_predictions  # torch, numba: loaded on use
 
     L = len(routers)
     out = {f"b{bsz}_routing": np.asarray(routing, dtype=np.int16)}
@@ -606,8 +595,6 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
     list issued after group (step, ``l``) names: ``lists`` int ``[steps * L, W]`` instances (-1
     padded, the engine's :meth:`~coldset.engine.cache.pool.SlotCache.prefetch_lists`), ``routing`` int
     ``[steps, L, B, k]`` expert ids."""
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
     steps, L = routing.shape[:2]
     named = np.asarray(lists).reshape(steps, L, -1)
     hit = total = 0
@@ -622,12 +609,11 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
 
 def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
     """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
-    :data:`coldset.analysis.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK` at a
-    time on the unmodified path: :func:`coldset.analysis.forecast.router_inputs`), and per lookahead depth of the run (and 1,
-    residency 1.0's) the fitted forecast matrices of :func:`coldset.analysis.forecast.fit_lookahead_routers`,
+    :data:`coldset.analysis.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK`
+    at a time on the unmodified path: :func:`coldset.analysis.forecast.router_inputs`), and per
+    lookahead depth of the run (and 1, residency 1.0's) the fitted forecast matrices of
+    :func:`coldset.analysis.forecast.fit_lookahead_routers`,
     in the routers' dtype."""
-    import time  # GPU-only path: loads when a measurement runs
-
     import torch  # GPU-only path: loads when a measurement runs
 
     from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs  # GPU-only path
@@ -684,11 +670,7 @@ def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     """The ``nexttoken`` forecaster fitted on the profile routing [steps, L, B, k], each batch row
     one sequence (:meth:`coldset.analysis.forecast.NextTokenForecaster.fit_tuned`: its history parameters
     chosen on profile sequences only, as the workflow fits it on the profile split); recorded in ``R``."""
-    import time  # GPU-only path: loads when a measurement runs
-
-    import numpy as np  # GPU-only path: loads when a measurement runs
-
-    from coldset.analysis.forecast import NextTokenForecaster  # GPU-only path: loads when a measurement runs
+    from coldset.analysis.forecast import NextTokenForecaster  # torch, numba: loaded on use
 
     S, L, B, _ = prof_routing.shape
     tokens = prof_routing.transpose(2, 0, 1, 3).reshape(-1, L, k)  # row by row, in decode order
@@ -702,7 +684,7 @@ def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     return F
 
 
-#: bench cache's JSON names of :func:`coldset.bench.decode.time_columns`' columns (committed results and
+#: bench cache's JSON names of :func:`coldset.bench.metrics.time_columns`' columns (committed results and
 #: :mod:`coldset.measure.render` read these names).
 _TIME_JSON_NAMES = {"overlap": "overlap", "bound_ms": "bound_ms", "bound_fraction": "fraction_of_bound",
                     "simulated_step_ms": "sim_step_ms", "simulated_over_measured": "sim_over_measured",
@@ -712,11 +694,11 @@ _TIME_JSON_NAMES = {"overlap": "overlap", "bound_ms": "bound_ms", "bound_fractio
 
 def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, sim, per_expert: int,
                   full_step_ms: float | None = None) -> dict:
-    """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.decode.time_columns`
+    """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.metrics.time_columns`
     (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
     its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
     the management columns (None without)."""
-    from coldset.bench.metrics import time_columns  # GPU-only path: loads when a measurement runs
+    from coldset.bench.metrics import time_columns  # torch, numba: loaded on use
 
     cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
                            [(acc, sim, per_expert)], full_step_ms)

@@ -12,7 +12,7 @@ def decisions_split(args, argv=None) -> dict:
     """Where lookahead's extra work a layer goes, at the config's shape (L, E, top k, hidden), with
     stand-in experts of a few bytes (the decisions do not depend on the experts' size) at residency
     1.0 (every selection and every forecast a hit: the work alone, no copy), each part captured in a
-    CUDA graph over every MoE layer (:func:`coldset.kernels.tune.graph_time_us`): lru's decisions + fill,
+    CUDA graph over every MoE layer (:func:`coldset.core.timing.graph_time_us`): lru's decisions + fill,
     lookahead's whole group (GEMV, decisions, demand fill, fork, prefetch fill, join), the forecast's
     GEMV alone, and lookahead's decisions launch alone; then as the fused decode step runs them
     (:meth:`coldset.engine.cache.pool.SlotCache.route`): the router's launch alone (no cache), lru's group in it
@@ -84,7 +84,8 @@ def decisions_split(args, argv=None) -> dict:
 
         def run_decide():
             for layer in range(L):
-                decide_ahead(la, layer, flat[layer], layer == 0, logits if layer < L - 1 else None, min(layer + 1, L - 1))
+                decide_ahead(la, layer, flat[layer], layer == 0, logits if layer < L - 1 else None,
+                             min(layer + 1, L - 1))
 
         res = {}
         for name, fn in (("lru group", run_lru), ("lookahead group", run_la), ("forecast GEMV", run_gemv),
