@@ -189,7 +189,7 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
     routed, alone = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=gates, depth=depth)
                      for _ in range(2))
     assert routed.rules.list_after_experts == alone.rules.list_after_experts == (depth >= 2)  # build()'s choice
-    routed.rules.list_after_experts = seed in (1, 2)  # the list and the prefetch forked after the experts (experts_done)
+    routed.rules.list_after_experts = seed in (1, 2)  # the list and prefetch forked after the experts (experts_done)
     if dev == "cpu":
         for c in (routed, alone):  # the kernel path by hand
             c.use_kernel, c.fill_ticket = True, torch.zeros(1, dtype=torch.int32)

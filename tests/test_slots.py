@@ -1148,7 +1148,8 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
         ref.use_kernel = False
         if dev == "cpu":  # the interpreter: the kernel path by hand
             routed.use_kernel = True
-            routed.fill_ticket, routed.rules.copy_ticket = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            routed.fill_ticket = torch.zeros(1, dtype=torch.int32)
+            routed.rules.copy_ticket = torch.zeros(1, dtype=torch.int32)
         assert routed.records_in_route(tokens)
         if tile == 2:  # more than one tile
             assert ts._scan_size(C, max(2, ts._next_pow2(routed.rules.pf_victims.shape[1]))) < C

@@ -1,127 +1,80 @@
+# One module over 900 lines: the decision, fill and list kernels are built from one set of shared @triton.jit helpers.
 """The slot cache's work inside the decode step on CUDA: one launch per MoE layer beside the router's.
 
-lru and lfu in the fused decode step (:meth:`coldset.engine.cache.pool.SlotCache.route`): the router's launch
-(:func:`coldset.kernels.triton_decode.route`) ranks the layer's selections in its last program
-and, holding them in registers, records the group there (:func:`record_group`: hits, first
-occurrences, the group's recency and use counts, counters, history, the missed instances in
-selection order). The next launch, :func:`choose_and_fill` (the router's programmatic dependent
-on sm90+), chooses the victims (:func:`_choose_victims`: every block alike, the same reads), the
-last block to finish choosing commits them (:func:`_commit_victims`: the evicted instance's
-row-map entry back to its host row, the admitted one's to its slot, the owners) and every block
-copies its stripe of each admitted row from the pinned host tier. A group without a miss costs
-the fill's blocks one load each; the decisions cost the router's last program a row-map gather
-and a few stores, where a launch of their own cost a launch gap and a reload of the selections.
+Why one module: :func:`record_group`, :func:`_group_keys`, the victim scans (:func:`_least_recent`,
+:func:`_choose_victims`), the victims' commit, :func:`_record_list` and :func:`_issue_prefetches` are
+each used by several of lru's, lookahead's and nexttoken's launches and by the fill, and the
+router's launch (:func:`coldset.kernels.triton_decode.route`) inlines :func:`record_group` and
+:func:`ahead_group`; the launch-specialization constants (``PER_LAYER_ARGS``, ``SCAN_TILE``) apply to
+all of them.
 
-:func:`decide` (one program) is the same decisions in a launch of their own, for the paths where
-the router is not the fused launch (the Inductor-compiled region, torch routers): the group record,
-then the victims and their commit in the same program, and the cast of the router's float32
-weights to the activation dtype (round to nearest even, as ``Tensor.to``: the experts call of
-those paths has that cast as a launch of its own); :func:`fill` then copies. The torch path of
-:meth:`coldset.engine.cache.pool.SlotCache.admit` is about thirty small launches a layer (6.2 ms of decisions
-for 48 layers against a 3.9 ms all-HBM step at Qwen3-30B-A3B shapes on the H200, BENCHMARKS.md issue 12).
+lru and lfu in the fused decode step (:meth:`coldset.engine.cache.pool.SlotCache.route`): the
+router's launch ranks the layer's selections in its last program and, holding them in registers,
+records the group there (:func:`record_group`: hits, first occurrences, the group's recency and use
+counts, counters, history, the missed instances in selection order). The next launch,
+:func:`choose_and_fill` (the router's programmatic dependent on sm90+), chooses the victims
+(:func:`_choose_victims`: every block alike, the same reads), the last block to finish choosing
+commits them (:func:`_commit_victims`: the evicted instance's row-map entry back to its host row, the
+admitted one's to its slot, the owners) and every block copies its stripe of each admitted row from
+the pinned host tier. A group without a miss costs the fill's blocks one load each.
 
-How the group's own residents are kept out of the victims without a membership test per slot:
-their recency is written first and their ticks (``>= t0``, the tick the group started at) are the
-newest, so the victim choice bars every slot whose owner was last used at ``t0`` or later (lfu's
-key is (count, recency) over the other slots).
+:func:`decide` (one program) is the same decisions in a launch of their own, for the paths where the
+router is not the fused launch (the Inductor-compiled region, torch routers): the group record, then
+the victims and their commit in the same program, and the cast of the router's float32 weights to the
+activation dtype (round to nearest even, as ``Tensor.to``: the experts call of those paths has that
+cast as a launch of its own); :func:`fill` then copies. The torch path of
+:meth:`coldset.engine.cache.pool.SlotCache.admit` is about thirty small launches a layer.
 
-The fill: copies host-tier rows into slots, reading pinned host memory in place, only for the
-step's actual misses. A kernel rather than a copy: the rows to copy are decided on the device
-inside the captured step, so a ``cudaMemcpyAsync`` (addresses fixed at capture) cannot express
-them without a host round trip; on the H200 the kernel reads 8 experts (75 MB) from pinned memory
-at 50.6 GB/s, the copy engine the same rows at 53.0 GB/s. The grid is fixed (``FILL_BLOCKS``
-blocks per weight, each looping over the step's misses and copying its stripe of each row): a
-step without a miss costs one small launch whose blocks read one scalar. On sm90+ it is a
-programmatic dependent launch: its predecessor lets it start at once (``gdc_launch_dependents``)
-and its blocks wait for that grid to complete and be visible (``gdc_wait``) before reading
-anything, which hides the fill's launch latency. Block-FP8 pools (issue 29): each block copies,
-for the same (slot, instance) pair in the same loop iteration, its stripe of the weight row and
-of that weight's scale row (float32 ``weight_scale_inv`` blocks, a few hundred bytes), so every
-fill (demand, lookahead's prefetch, nexttoken's tagged prefetch, whose tag is written only once
-every block finished both) moves an expert's weights and scales together or not at all.
+How the group's own residents are kept out of the victims without a membership test per slot: their
+recency is written first and their ticks (``>= t0``, the tick the group started at) are the newest,
+so the victim choice bars every slot whose owner was last used at ``t0`` or later (lfu's key is
+(count, recency) over the other slots).
 
-:func:`decide_ahead` (one program) is ``lookahead``'s group: the same demand decisions with the
+The fill: copies host-tier rows into slots, reading pinned host memory in place, only for the step's
+actual misses. A kernel rather than a copy: the rows to copy are decided on the device inside the
+captured step, so a ``cudaMemcpyAsync`` (addresses fixed at capture) cannot express them without a
+host round trip; it reads pinned memory at about the copy engine's rate (BENCHMARKS.md section 4).
+The grid is fixed (``FILL_BLOCKS`` blocks per weight, each looping over the step's misses and copying
+its stripe of each row): a step without a miss costs one small launch whose blocks read one scalar. On
+sm90+ it is a programmatic dependent launch: its predecessor lets it start at once
+(``gdc_launch_dependents``) and its blocks wait for that grid to complete and be visible (``gdc_wait``)
+before reading anything, which hides the fill's launch latency. Block-FP8 pools: each block copies,
+for the same (slot, instance) pair in the same loop iteration, its stripe of the weight row and of
+that weight's scale row (float32 ``weight_scale_inv`` blocks), so every fill (demand, lookahead's
+prefetch, nexttoken's tagged prefetch, whose tag is written only once every block finished both)
+moves an expert's weights and scales together or not at all.
+
+lookahead: :func:`decide_ahead` (one program) is its group: the same demand decisions with the
 in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
 place), then the forecast list (each token's top ``k`` of the target layer's float32 router logits,
-ties by expert id, first occurrence kept) and the prefetch decisions (victims in layers ``<= l`` not
-used by the group and not in flight), written per target layer for a fill on the side stream.
-Measured on the H200 (BENCHMARKS.md section 4, docs/measurements/cache_bench.json): lookahead's
-management cost 0.69 ms a step at b1 at residency 1.0 (+23% of the 2.95 ms all-HBM step, 14.4 us
-a MoE layer), of which about 5.8 us the forecast (a float32 cast and ``torch.mm`` over a float32
-copy of the router) and 6.3 us this launch (its top-k then k rounds of max/argmin reductions).
-Rebuilt since (timed on the H200, 2026-12-01: the GEMV 109 us and this launch 207 us a step, the
-group 311 us; the step at residency 1.0 went from 0.811 to 0.897 of all-HBM): the forecast is
-one launch of its own, :func:`forecast_logits` (a program per two experts reading the router in
-the model's dtype, float32 sums), whose programmatic dependent this launch is on sm90+ (its demand
-part beside the GEMV, a grid-dependency wait before the logits), and the top-k is one partial
-bitonic sort (``tl.topk``) of (logit, id) keys per token, the same order, ties to the lower id.
-In the fused decode step neither launch runs: :func:`coldset.kernels.triton_decode.route` with
-:func:`route_ahead_args` computes the forecast in the router's own programs (each beside its router
-rows, the target layer's same rows) and its last program runs the decisions on the selections in
-registers (:func:`ahead_group`: the body of :func:`_ahead_kernel`, one function both call), so a
-lookahead layer costs the router's launch, the demand fill and the prefetch copy (issue 28 item 4:
-the two launches cost 107.5 + 198.9 us a step of 48 layers at b1, 10% of the all-HBM step with
-the rest at residency 1.0). Timed on the H200 (2026-12-01, ``bench cache --decisions-only``):
-lookahead's group costs 221 us a step beyond the router's own launch (lru's 132), where the
-separate launches cost 311; the step at residency 1.0 barely moved (0.897 to 0.900 of all-HBM),
-the rest of its cost lying outside the decisions (BENCHMARKS.md section 4). Compiled for sm90 on the CPU
-(probes/route_ahead_sass_cpu.py), at 4 warps (the router's, which its bits depend on): with every
-slot's key in registers the launch took 152-255 registers at b1 (72 plain) and spilled at 6144 slots
-(residency 1.0: 936 B of stack at b1, 1200 B at b8); the victim scans are tiled since
-(:func:`_least_recent`, 512 slots a tile): 112 registers at b1, 244 at b8, no stack, whatever the
-slot count (72 and 166 without a forecast, the last layers); :func:`decide_ahead`'s launch 106-128
-registers, no stack but 16 B at 1536 slots at b1 (80 registers: ptxas keeps predicate masks in local
-memory). Since, the list's record (:func:`_record_list`) compares int32 expert ids and scatters the
-list into its history row, and :func:`ahead_group` orders the router's last program around its
-loads: the forecast logits are loaded beside the group's scalars (:func:`forecast_tile`), ranked,
-and the list's row-map gather goes out before the group's record, whose gathers follow it (the
-gather taken again after a demand commit). At residency 1.0 (no demand miss, nothing wanted) the
-last program waits on two dependent global round trips after the ticket (the scalars and both
-logits; the list's and the record's gathers) where it waited on four, and passes one explicit
-barrier (the record's) where it passed three (read from the code and the SASS order, probe
-``--order``). The launch with a forecast: 4,392 SASS instructions and 113 registers at b1 (4,616
-and 112 before both changes), 10,568 and 244 at b8 (12,112 and 244), no stack; without (the last
-layers) 2,504 and 72 at b1, 6,760 and 162 at b8; :func:`decide_ahead`'s launch (compiled as the
-GEMV's dependent: its forecast still after the demand part and the wait) 2,280-2,672 at b1 with no
-stack, 3,584-4,648 at b8. Timed on the H200 with both (2026-12-02, ``bench cache --profile`` at b1,
-residency 1.0): the router launch 417 µs a step of 48 layers with lookahead's decision (477 before,
-lru's record 320, plain 266), the step 0.954 of all-HBM (0.943 before). At b8 (H200, 2026-12-02,
-``--profile``, residency 1.0) 680 µs a step against lru's 358 and the plain launch's 240, the step
-+12.5% over all-HBM (lru +3.4%), where isolated (``--decisions-only``, b1) lookahead's routed group
-cost only 9 µs a step more than lru's.
-
-Since (issue 28 item 4; timed on the H200 at ``bea49ff``, BENCHMARKS.md section 4, residency 1.0:
-the router's launch 348 µs a step at b1 where it was 417 and 413 at b8 where it was 680, the list's
-own launch 147 µs a step at b1 on the side stream, the step unchanged at b1, 0.953 of all-HBM, and
-0.899 at b8 where it was 0.889): the router's launch makes only the group's record and
-demand decisions (:func:`ahead_group` without ``LIST``); the list and its prefetch decisions are a
-launch of their own, :func:`ahead_list` (one program, the same code: :func:`_forecast_list`,
-:func:`_ahead_prefetch`), on the decisions stream beside the layer's experts, the prefetch copy
-after it, the next group's router after it (:meth:`coldset.engine.cache.pool.SlotCache.route`). The router's
-last program after the ticket: 2,019 SASS instructions at b1 where it was 3,756 (lru's record 759),
-6,317 at b8 where it was 9,933 (lru's 4,326); with the victim scans' code left out (not executed at
-residency 1.0) 830 at b1 where it was 1,420 (lru's 759) and 4,407 at b8 where it was 6,311 (lru's
-4,326): what remains beyond lru's record is the in-flight clearing and the empty-list stores. At b8
-the launch takes 163 registers (three blocks of 4 warps an SM: 512 programs in two waves on 132
-SMs) and is capped at 128 (:func:`coldset.kernels.triton_decode.route`: four blocks, one wave;
-16 B of stack, 2 local loads/stores), where it took 244 (two blocks). :func:`ahead_list`'s launch:
-90 registers and 1,264 SASS at b1, 118 and 1,968 at b8, no stack (``probes/route_regs_cpu.py``).
+ties by expert id, first occurrence kept: one partial bitonic sort, ``tl.topk``, of (logit, id) keys
+per token) and the prefetch decisions (victims in layers ``<= l`` not used by the group and not in
+flight), written per target layer for a fill on the side stream. The forecast is one launch of its
+own, :func:`forecast_logits` (a program per two experts reading the router in the model's dtype,
+float32 sums), whose programmatic dependent :func:`decide_ahead` is on sm90+. In the fused decode
+step neither launch runs: :func:`coldset.kernels.triton_decode.route` with :func:`route_ahead_args`
+computes the forecast in the router's own programs (each beside its router rows, the target layer's
+same rows) and its last program makes the group's record and demand decisions on the selections in
+registers (:func:`ahead_group` without ``LIST``: the body of :func:`_ahead_kernel`, one function both
+call); the list and its prefetch decisions are a launch of their own, :func:`ahead_list` (one
+program, the same code: :func:`_forecast_list`, :func:`_ahead_prefetch`), on the decisions stream
+beside the layer's experts, the prefetch copy after it, the next group's router after it. The victim
+scans are tiled (:func:`_least_recent`, ``SCAN_TILE`` slots a tile) so that the router's launch keeps
+its registers whatever the slot count.
 
 nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks choose the demand
-victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one
-program on the decisions stream then makes the forecast (integer tables, the lanes' history) and
-the prefetch decisions, and the fill copies the prefetched rows with tags (its last block writes
-each slot's tag once every row landed); at the step's end one launch commits the rows whose tag
-landed. The fill (:func:`fill`, :func:`choose_and_fill`) is one kernel behind one launcher
-(:func:`_launch_fill`), whatever it chooses; lookahead's and nexttoken's lists, victims and commits
-share :func:`_record_list` and :func:`_issue_prefetches`, and lookahead's group record is
+victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one program
+on the decisions stream then makes the forecast (integer tables, the lanes' history) and the prefetch
+decisions, and the fill copies the prefetched rows with tags (its last block writes each slot's tag
+once every row landed); at the step's end one launch commits the rows whose tag landed. The fill
+(:func:`fill`, :func:`choose_and_fill`) is one kernel behind one launcher (:func:`_launch_fill`),
+whatever it chooses; lookahead's and nexttoken's lists, victims and commits share
+:func:`_record_list` and :func:`_issue_prefetches`, and lookahead's group record is
 :func:`record_group`'s.
 
-Two other ways were built, measured on the H200 and dropped (BENCHMARKS.md, issue 12, third
-session): decisions and copy in one launch where the other blocks wait on the deciding block's
-release flag (0.31 against 0.162 ms for 48 all-hit layers), and the experts kernel storing the
-tiles it reads of an admitted expert into its slot (an all-hit step 27% slower: stores under a
-branch in its inner loop).
+Why not decisions and copy in one launch: the other blocks would wait on the deciding block's release
+flag, slower for all-hit layers; nor the experts kernel storing the tiles it reads of an admitted
+expert into its slot: stores under a branch in its inner loop slow every all-hit step.
 """
 
 from __future__ import annotations
@@ -141,18 +94,17 @@ BLOCK = 4096  # elements per load in the fill
 FILL_BLOCKS = 128  # blocks per weight in the fill, each copying a stripe of every missed row
 _INT64_MAX = tl.constexpr(9223372036854775807)  # a constexpr: jit code may read it
 # The scalars that change from one MoE layer's launch to the next. Triton specializes an int
-# argument on its value (== 1, a multiple of 16), so a kernel taking them compiled a variant for
-# layer 1, for the multiples of 16 and for the rest, each again by its target and new_step (and
-# by PER_LAYER_VIEWS below): at 48 layers and depth 1, seven compiles of the router's launch with
-# lookahead's decision a batch size where two serve (probes/route_variants_cpu.py), 17-25 s each at
-# b8 on the H200 host (bench cache spent minutes compiling there). They index small tables, where
-# the specialization buys nothing.
+# argument on its value (== 1, a multiple of 16), so a kernel taking them would compile a variant
+# for layer 1, for the multiples of 16 and for the rest, each again by its target and new_step (and
+# by PER_LAYER_VIEWS below): several compiles of the router's launch with lookahead's decision a
+# batch size where two serve (probes/route_variants_cpu.py counts them), each of them seconds. They
+# index small tables, where the specialization buys nothing.
 PER_LAYER_ARGS = ("layer", "new_step", "target")
 # Likewise the one-element views a launch gets per layer (a layer's prefetch count ``pf_count[t]``,
 # the fill's ``count_ptr``): 16-byte aligned at every other layer only, so Triton's pointer-alignment
-# specialization compiled two variants of the same launch. They are read and written as scalars.
+# specialization would compile two variants of the same launch. They are read and written as scalars.
 # (Where a launch's ``count_ptr`` is another thing, the router's ticket or the use-count table, it
-# is an atomic or gathered lane by lane: the alignment bought nothing there either.)
+# is an atomic or gathered lane by lane: the alignment buys nothing there either.)
 PER_LAYER_VIEWS = ("pf_m_ptr", "count_ptr")
 
 
@@ -281,9 +233,8 @@ def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C
     tokens: 2**49 of them take 9 years of 3 ms steps; a device assert in Triton's debug mode).
     Why tiled: with every slot's key in registers at once (``_least_keys`` over ``[CP]`` int64
     owners, recency and flags; an 8192-lane int64 tensor is 128 registers a thread at 4 warps) the
-    router's launch with lookahead's decision (4 warps: the routing's bits depend on it) spilled;
-    tiles keep the scan's registers independent of the slot count (the counts before and after:
-    the module doc; 1024-slot tiles left 8 B of stack without the forecast). A scan costs
+    router's launch with lookahead's decision (4 warps: the routing's bits depend on it) spills;
+    tiles keep the scan's registers independent of the slot count. A scan costs
     ``C / SCAN`` tiles one after the other, each a gather of owners then of their recency and
     flags, and a sort."""
     offs = tl.arange(0, SCAN)
@@ -526,7 +477,7 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
 
 def _fill_pairs(pools) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, host tier, slots) of every pool a fill copies: both weights, and for block-FP8
-    experts both scale pools (a slot holds its expert's scales beside its weights, issue 29)."""
+    experts both scale pools (a slot holds its expert's scales beside its weights)."""
     pairs = [("w13", pools.w13_cold, pools.w13_hot), ("w2", pools.w2_cold, pools.w2_hot)]
     if pools.is_fp8:
         pairs += [("w13_scale", pools.w13_scale_cold, pools.w13_scale_hot),
@@ -628,8 +579,7 @@ def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr
     a scatter of the first occurrences to their ranks (ranks past ``width`` dropped) beside a -1
     fill of the rest, not a ``[WP, lanes]`` select-and-sum: the same bytes. Why: the router
     launch's last program runs this alone on the step's critical path, and at 8 tokens (64 lanes)
-    the int64 compare and the select-and-sum were about 2,100 of its SASS instructions (the
-    counts: the module doc)."""
+    an int64 compare and a select-and-sum cost it thousands of instructions."""
     e32 = lst.to(tl.int32)
     same = (e32[:, None] == e32[None, :]) & lv[:, None] & lv[None, :]
     fp = lv & (tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1) == 0)
@@ -687,7 +637,7 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr,
 
 FORECAST_EXPERTS = 2  # experts per program of the forecast's GEMV (E / 2 programs: 64 at E = 128)
 FORECAST_TILE = 4096  # router elements a GEMV program loads at once (2 x 2048: all of H at Qwen3-30B-A3B)
-FORECAST_WARPS = 2  # warps a GEMV program (a token's reduction crosses 2 warps, not 4); none of the three timed yet
+FORECAST_WARPS = 2  # warps a GEMV program (a token's reduction crosses 2 warps, not 4)
 
 
 @triton.jit
@@ -719,13 +669,13 @@ def forecast_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, pd
     """``lookahead``'s forecast on CUDA: ``out = x @ weight.T`` in float32 (``x`` ``[T, H]`` with
     contiguous rows, ``weight`` a router ``[E, H]`` contiguous, both in the model's dtype, read as
     they are; ``out`` float32 ``[T, E]`` contiguous, the layout :func:`decide_ahead` reads) in one
-    launch of ``E / FORECAST_EXPERTS`` programs. It replaces a float32 cast of the router input and a
-    ``torch.mm`` over a float32 copy of the router (two launches, the GEMM launch- and
+    launch of ``E / FORECAST_EXPERTS`` programs, where a float32 cast of the router input and a
+    ``torch.mm`` over a float32 copy of the router take two launches (the GEMM launch- and
     parallelism-bound at one program per output tile). Products are exact for bf16 operands and
     summed in float32 (in an order of its own: the lists are recorded by the engine, so the
     logits' rounding is not a contract). ``pdl``: the next launch (:func:`decide_ahead` with
-    ``cache.pdl``) may start at once and do its demand part beside this one. On the H200: 109 us a
-    step of 48 layers at b1 (checked under Triton's interpreter against float64)."""
+    ``cache.pdl``) may start at once and do its demand part beside this one (checked under
+    Triton's interpreter against float64)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"forecast_logits: x must be [tokens, hidden] with contiguous rows, got {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -773,8 +723,8 @@ def _forecast_list(v, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E:
                    KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr):
     """lookahead's forecast list from the logits tile ``v`` (:func:`forecast_tile`): each token's top
     ``K`` (descending, ties by expert id: a stable sort), token by token, first occurrence kept, as
-    the group's history row. One partial bitonic sort (``tl.topk``) of (logit, id) keys per token,
-    where ``K`` rounds of max/argmin reductions were. Returns ``(linst, lv, fp, lrow)``: the lanes'
+    the group's history row. One partial bitonic sort (``tl.topk``) of (logit, id) keys per token.
+    Returns ``(linst, lv, fp, lrow)``: the lanes'
     instances of layer ``target``, valid lanes, first occurrences and their row-map entries (loaded
     on the valid lanes, issued before the list's record so that its latency hides behind it and
     whatever the caller does next: ``fp & (lrow < 0)`` is the same on any superset of ``fp``)."""
@@ -929,23 +879,24 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
     :func:`_ahead_prefetch`), on the state the router's launch left, so the same decisions. Writes
     the group's list into its history row and row ``target`` of ``cache.rules.pf_victims`` /
     ``cache.rules.pf_new`` / ``cache.rules.pf_count`` for the prefetch's fill. Why a launch of its own: the
-    list (its sort, its record, its row-map gather) was about a third of the router's last program
-    (its SASS after the ticket), on the step's critical path; here it runs on the decisions stream
+    list (its sort, its record, its row-map gather) is about a third of the router's last program
+    after the ticket, on the step's critical path; here it runs on the decisions stream
     beside the layer's experts (:meth:`coldset.engine.cache.pool.SlotCache.route`), and the next group's router
     waits for it (it reads the state this launch writes)."""
+    rules = cache.rules  # the policy's state
     E, k = cache.pools.num_experts, cache.top_k
     if not 0 <= layer < target < cache.pools.num_moe_layers:
         raise ValueError(f"ahead_list: target {target} must be a later MoE layer than {layer} "
                          f"(of {cache.pools.num_moe_layers})")
-    if n <= 0 or n % k or n // k > cache.rules.forecast_out.shape[0]:
+    if n <= 0 or n % k or n // k > rules.forecast_out.shape[0]:
         raise ValueError(f"ahead_list: {n} selections are not whole tokens of top-{k} within "
-                         f"{cache.rules.forecast_out.shape[0]} tokens")
+                         f"{rules.forecast_out.shape[0]} tokens")
     sizes = _ahead_sizes(cache)
-    width = cache.rules.prediction_history.shape[1]
+    width = rules.prediction_history.shape[1]
     _ahead_list_kernel[(1,)](
-        cache.rules.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
-        cache.rules.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], cache.rules.pf_victims[target],
-        cache.rules.pf_new[target], cache.rules.pf_count[target], cache.rules.prediction_history, cache.rules.prefetch_history, width,
+        rules.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
+        rules.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], rules.pf_victims[target],
+        rules.pf_new[target], rules.pf_count[target], rules.prediction_history, rules.prefetch_history, width,
         cache.capacity, E=E, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
         WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
         num_warps=_decision_warps(cache.capacity))
@@ -965,8 +916,8 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     the programmatic dependent of :func:`forecast_logits` (launched with ``pdl``, right before it on
     the stream): its demand part runs beside the GEMV and it waits for the GEMV's grid before
     reading the logits. The forecast's top ``k`` is one partial bitonic sort of (logit, id) keys
-    per token (the same order as the K rounds of reductions it replaced, ties to the lower id,
-    ``-0.0`` tying ``+0.0``); neither it nor the dependent launch is timed on a GPU yet."""
+    per token (ties to the lower id, ``-0.0`` tying ``+0.0``)."""
+    rules = cache.rules  # the policy's state
     n = ids.numel()
     cap = cache.capacity
     cast = _casts("decide_ahead", n, weights, weights_out)
@@ -976,16 +927,16 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
     if ahead and not (logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape == (n // k, E)):
         raise ValueError(f"decide_ahead: logits must be float32 contiguous [{n // k}, {E}], got "
                          f"{logits.dtype} {tuple(logits.shape)}")
-    width = cache.rules.prediction_history.shape[1]
+    width = rules.prediction_history.shape[1]
     t = target if ahead else 0
     wait = bool(after_forecast and ahead and cache.pdl)
     _ahead_kernel[(1,)](
         ids, n, layer, cache.pools.row_map, cache.owner, cache.last_use, cache.count, cache.tick,
         cache.totals, cache.history, cache.groups, cache.history.shape[0], cache.victims, cache.admitted,
         cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
-        cache.rules.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
-        cache.rules.pf_victims[t], cache.rules.pf_new[t], cache.rules.pf_count[t], cache.rules.prediction_history,
-        cache.rules.prefetch_history, width,
+        rules.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
+        rules.pf_victims[t], rules.pf_new[t], rules.pf_count[t], rules.prediction_history,
+        rules.prefetch_history, width,
         E=E, NP=max(2, _next_pow2(n)), CAST=cast, USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k),
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WAIT_LOGITS=wait, **_ahead_sizes(cache),
         num_warps=_decision_warps(cap), launch_pdl=wait)
@@ -1006,9 +957,10 @@ def _scan_size(capacity: int, *picks: int) -> int:
 def _ahead_sizes(cache) -> dict:
     """:func:`ahead_group`'s block sizes that depend on the cache only (victim scan tile, victims,
     list width, prefetch span, in-flight flags), for both of its launches."""
-    mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(cache.rules.pf_victims.shape[1]))
+    rules = cache.rules  # the policy's state
+    mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(rules.pf_victims.shape[1]))
     return dict(SCAN=_scan_size(cache.capacity, mv, mpv), MV=mv, MPV=mpv,
-                WP=max(2, _next_pow2(cache.rules.prediction_history.shape[1])), ZB=1024, NI=cache.rules.inflight.numel())
+                WP=max(2, _next_pow2(rules.prediction_history.shape[1])), ZB=1024, NI=rules.inflight.numel())
 
 
 def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
@@ -1021,13 +973,14 @@ def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
     L``: no forecast, the group's list is empty), the forecast buffer, the target, its prefetch
     rows, the histories, the list width) and the decisions' block sizes (``FORECAST``: whether
     layer ``target`` exists)."""
+    rules = cache.rules  # the policy's state
     L = cache.pools.num_moe_layers
     ahead = target < L
     t = target if ahead else 0
-    args = (cache.owner, cache.victims, cache.capacity, cache.rules.inflight.view(torch.uint8), int(new_step),
-            cache.rules.forecast_routers[t] if ahead else cache.rules.forecast_out, cache.rules.forecast_out, t, cache.rules.pf_victims[t],
-            cache.rules.pf_new[t], cache.rules.pf_count[t], cache.rules.prediction_history, cache.rules.prefetch_history,
-            cache.rules.prediction_history.shape[1])
+    args = (cache.owner, cache.victims, cache.capacity, rules.inflight.view(torch.uint8), int(new_step),
+            rules.forecast_routers[t] if ahead else rules.forecast_out, rules.forecast_out, t, rules.pf_victims[t],
+            rules.pf_new[t], rules.pf_count[t], rules.prediction_history, rules.prefetch_history,
+            rules.prediction_history.shape[1])
     return route_record_args(cache, layer), args, dict(FORECAST=ahead, **_ahead_sizes(cache))
 
 
@@ -1123,20 +1076,21 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
     """nexttoken's forecast and prefetch decisions for group (step, ``layer``) in one launch
     (:func:`_next_kernel`), after the group's record and demand commit; writes row ``layer`` of
     ``cache.rules.pf_victims`` / ``pf_new`` / ``pf_tags`` / ``pf_count`` for the tagged copy."""
+    rules = cache.rules  # the policy's state
     n = ids.numel()
     cap = cache.capacity
     E, k = cache.pools.num_experts, cache.top_k
     L = cache.pools.num_moe_layers
-    width = cache.rules.prediction_history.shape[1]
-    mpv = max(2, _next_pow2(cache.rules.pf_victims.shape[1]))
+    width = rules.prediction_history.shape[1]
+    mpv = max(2, _next_pow2(rules.pf_victims.shape[1]))
     _next_kernel[(1,)](
         ids, n, layer, int(new_step), cache.pools.row_map, cache.owner, cache.last_use, cache.tick, cache.groups,
-        cache.rules.inflight.view(torch.uint8), cache.rules.predicted.view(torch.uint8), cache.rules.tags, cache.rules.selections,
-        cache.rules.step, cache.rules.terms, cache.rules.tables, cache.rules.seq_history, cache.rules.hist_unit, cache.rules.hist_shift,
-        cache.rules.pf_victims[layer], cache.rules.pf_new[layer], cache.rules.pf_tags[layer],
-        cache.rules.pf_count[layer], cache.rules.prediction_history, cache.rules.prefetch_history, cache.rules.prediction_history.shape[0],
-        width, cache.rules.prefetch_budget, cap, L, cache.rules.selections.shape[0],
-        E=E, K=k, NPRED=cache.rules.num_predictions, NSEL=cache.rules.selections.shape[2], J=cache.rules.terms.shape[0],
+        rules.inflight.view(torch.uint8), rules.predicted.view(torch.uint8), rules.tags, rules.selections,
+        rules.step, rules.terms, rules.tables, rules.seq_history, rules.hist_unit, rules.hist_shift,
+        rules.pf_victims[layer], rules.pf_new[layer], rules.pf_tags[layer],
+        rules.pf_count[layer], rules.prediction_history, rules.prefetch_history, rules.prediction_history.shape[0],
+        width, rules.prefetch_budget, cap, L, rules.selections.shape[0],
+        E=E, K=k, NPRED=rules.num_predictions, NSEL=rules.selections.shape[2], J=rules.terms.shape[0],
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
         SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=_decision_warps(cap))
 
@@ -1165,7 +1119,8 @@ def commit_prefetches(cache) -> None:
     done tag equals the tag it was issued with gets its row map entry (the slot); one whose tag
     differs (its copy did not land, or a later copy superseded it) stays on its host row and is
     counted in ``cache.rules.stale``. The lists are consumed (counts zeroed)."""
-    L, span = cache.rules.pf_victims.shape
-    _commit_kernel[(1,)](cache.rules.pf_victims, cache.rules.pf_new, cache.rules.pf_tags, cache.rules.pf_count, cache.rules.done,
-                         cache.pools.row_map, cache.rules.stale, span, L, LP=max(2, _next_pow2(L)),
+    rules = cache.rules  # the policy's state
+    L, span = rules.pf_victims.shape
+    _commit_kernel[(1,)](rules.pf_victims, rules.pf_new, rules.pf_tags, rules.pf_count, rules.done,
+                         cache.pools.row_map, rules.stale, span, L, LP=max(2, _next_pow2(L)),
                          SP=max(2, _next_pow2(span)), num_warps=8)

@@ -42,7 +42,8 @@ def forecast_arrays(forecaster, num_moe_layers: int, num_experts: int) -> dict:
     ``horizon`` 1), checked against the model: ``{terms int64 [J, 2], tables, n, hist_unit,
     hist_shift}``."""
     if forecaster is None:
-        raise ValueError("policy 'nexttoken' needs a next-token forecaster (coldset.analysis.forecast.NextTokenForecaster)")
+        raise ValueError("policy 'nexttoken' needs a next-token forecaster "
+                         "(coldset.analysis.forecast.NextTokenForecaster)")
     terms = np.asarray(forecaster.terms, dtype=np.int64).reshape(-1, 2)
     tables = np.asarray(forecaster.tables)
     n = int(forecaster.num_predictions)

@@ -440,9 +440,10 @@ class SlotCache:
             dev = pools.w13_hot.device
             for s in range(self.capacity):
                 o = int(owner[s])
+                scales_ok = not pools.is_fp8 or (
+                    torch.equal(pools.w13_scale_hot[s], pools.w13_scale_cold[o].to(dev))
+                    and torch.equal(pools.w2_scale_hot[s], pools.w2_scale_cold[o].to(dev)))
                 if not (torch.equal(pools.w13_hot[s], pools.w13_cold[o].to(dev))
-                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev))
-                        and (not pools.is_fp8 or (torch.equal(pools.w13_scale_hot[s], pools.w13_scale_cold[o].to(dev))
-                                                  and torch.equal(pools.w2_scale_hot[s], pools.w2_scale_cold[o].to(dev))))):
+                        and torch.equal(pools.w2_hot[s], pools.w2_cold[o].to(dev)) and scales_ok):
                     raise ValueError(f"slot cache: slot {s} does not hold the weights of its owner, instance {o} "
                                      f"(layer {o // pools.num_experts}, expert {o % pools.num_experts})")
