@@ -195,7 +195,8 @@ def main() -> None:
     base = load_config(args.config)
     if args.real:
         windows = args.lift_window or [int(base["fixtures"]["max_new_tokens"]) - 1]
-        emit({"routing": "real: llama4-maverick-mmlu", **real_routing(args.real_trace, tuple(windows), tuple(args.lags))})
+        emit({"routing": f"real: {args.real_trace.stem}",  # the shared trace's stem: llama4-maverick-mmlu
+              **real_routing(args.real_trace, tuple(windows), tuple(args.lags))})
     if not args.no_synthetic:
         base["model"]["path"] = None
         if args.device:

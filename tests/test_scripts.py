@@ -159,10 +159,14 @@ def test_locality_calibrate_real_line_equals_the_replays_of_its_splits(tmp_path)
     out = run_script("locality_calibrate.py", "--no-synthetic", "--real", "--real-trace", str(tmp_path / "t.parquet"),
                      "--lift-window", "3")
     line = json.loads(out.splitlines()[-1])
+    assert line["routing"] == "real: t"
     assert line["tokens"] == sum(s.shape[0] for s in sel.values())
     assert line["tokens_per_request"] == pytest.approx(line["tokens"] / len(sel))
-    splits = {"heldout": ([r for r in sel if requests[r][1] == "profile"], [r for r in sel if requests[r][1] == "heldout"]),
-              "cross": ([r for r in sel if requests[r][0] != "astronomy"], [r for r in sel if requests[r][0] == "astronomy"])}
+    def ids(keep) -> list[str]:
+        return [r for r in sel if keep(*requests[r][:2])]
+
+    splits = {"heldout": (ids(lambda d, s: s == "profile"), ids(lambda d, s: s == "heldout")),
+              "cross": (ids(lambda d, s: d != "astronomy"), ids(lambda d, s: d == "astronomy"))}
     for name, (profile, replayed) in splits.items():
         counts = profile_counts(sel, profile)
         tokens = [t for rid in sorted(replayed) for t in sel[rid]]
