@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from coldset.analysis.policies.base import guard_groups
 from coldset.engine.cache.policy import CachePolicy
 
 
@@ -68,8 +69,9 @@ class LRUGuard(LRU):
     def guard_ticks(self, num_moe_layers: int, n: int) -> int:
         """A slot whose instance was last used at the group's first tick minus this or later (and
         at tick 0 or later: the warm ticks are no use) is no victim, i.e. one used by any of the
-        last ``L`` groups (this one included: every decode group has ``n`` ticks)."""
-        return (num_moe_layers - 1) * int(n)
+        groups the simulator's rule bars (:func:`coldset.analysis.policies.base.guard_groups`: the last
+        ``L``, this one included; every decode group has ``n`` ticks)."""
+        return (guard_groups(num_moe_layers) - 1) * int(n)
 
     def demand_barred(self, cache, layer, in_group, n):
         guard = self.guard_ticks(cache.pools.num_moe_layers, n)
