@@ -378,7 +378,7 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
 
 def test_lookahead_depth_per_batch_size_reaches_the_cache_of_each_batch(tmp_path):
     """``cache.lookahead_depth`` as ``{batch size: depth}`` (lookahead's best depth differs by batch
-    on the H200: 4 at b1, 1 at b8): the placement file keeps the mapping, and the cache built for a
+    size: BENCHMARKS.md section 4): the placement file keeps the mapping, and the cache built for a
     decode of B sequences runs the entry of the largest batch size <= B; refused naming the field
     when batch 1 has none or a depth leaves the model."""
     from coldset.analysis.placement import place

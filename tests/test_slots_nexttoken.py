@@ -316,7 +316,7 @@ def test_graphed_nexttoken_steps_equal_the_simulator_and_the_unmodified_path(gra
     _assert_next_run_is_the_simulators(cache, routing.astype(np.int64), counts, C, F)
 
 
-# ------------------------------------------------------------------ block-FP8 experts in the slots (issue 29)
+# ------------------------------------------------------------------ block-FP8 experts in the slots
 
 _FP8_POOLS = ("w13_hot", "w2_hot", "w13_scale_hot", "w2_scale_hot")
 
