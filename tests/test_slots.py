@@ -1,4 +1,4 @@
-"""The engine's slot cache (coldset.engine.cache.pool) against the trace simulator (coldset.analysis.cache) and a
+"""The engine's slot cache (coldset.engine.cache.pool) against the trace simulator (coldset.analysis.simulate) and a
 brute-force reference of the cache semantics (coldset.analysis.simulate's module doc), and its parity with
 the unmodified path."""
 

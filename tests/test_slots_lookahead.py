@@ -353,7 +353,8 @@ def test_lookahead_placement_file_carries_its_depth(tmp_path):
     shape, hist = _tiny_shape_and_profile(3, 4)
     lru = place(hist, shape, "lru", 0.5, batch_sizes=(1,))
     la = place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=2)
-    assert np.array_equal(la.row_map, lru.row_map) and la.cache_lookahead_depth == 2 and lru.cache_lookahead_depth is None
+    assert np.array_equal(la.row_map, lru.row_map)
+    assert la.cache_lookahead_depth == 2 and lru.cache_lookahead_depth is None
     with pytest.raises(PlacementError, match="lookahead_depth must lie in"):
         place(hist, shape, "lookahead", 0.5, batch_sizes=(1,), lookahead_depth=3)
     path = save_placement(la, tmp_path / "lookahead-0.5.json")

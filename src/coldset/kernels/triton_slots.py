@@ -997,7 +997,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
                  E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
                  TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
     """nexttoken after group (step, ``layer``), on the side stream once the group's demand is
-    committed (the rules of coldset.analysis.cache's ``nexttoken``): the commit of layer ``layer``'s
+    committed (the rules of coldset.analysis.policies.nexttoken): the commit of layer ``layer``'s
     previous prefetches (their in-flight flags), the forecast (integer table sums over the terms,
     each token's top ``NPRED``, ties to the lower id, round robin over rank then token, first
     occurrence kept), layer ``layer``'s predicted flags, and the prefetch of the listed experts not

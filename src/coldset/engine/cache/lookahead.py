@@ -2,7 +2,7 @@
 
 ``lru`` plus, after each group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the
 top-``k`` experts of that layer's router applied to layer ``l``'s router input (pre-gated MoE), with
-the rules of the simulator's ``lookahead`` policy (:mod:`coldset.analysis.cache`): a prefetched
+the rules of the simulator's ``lookahead`` policy (:mod:`coldset.analysis.policies.lookahead`): a prefetched
 instance takes the least recent slot of layers ``<= l`` not used by the group and not in flight, is
 in flight until the step ends (no demand miss evicts it; a demand miss that finds no other slot is
 read in place, not admitted), and enters the recency order after the group's accesses. The engine
@@ -127,7 +127,7 @@ class Lookahead(PrefetchingPolicy):
 
     def _prefetch(self, cache, layer: int, hidden: torch.Tensor, used: torch.Tensor, n: int) -> None:
         """The prefetch after group (step, ``layer``), the simulator's ``lookahead`` rules
-        (:mod:`coldset.analysis.cache`): the list = the top ``k`` experts of layer ``layer + depth``'s
+        (:mod:`coldset.analysis.policies.lookahead`): the list = the top ``k`` experts of layer ``layer + depth``'s
         router on this layer's router inputs, token by token, first occurrence kept; each listed
         instance not resident, in list order, takes the least recent slot of layers ``<= layer``
         not used by this group, not listed and not in flight (none left: the rest is skipped); it

@@ -1,4 +1,4 @@
-"""The engine's ``nexttoken`` policy: the rules of :mod:`coldset.analysis.cache`'s ``nexttoken``, its
+"""The engine's ``nexttoken`` policy: the rules of :mod:`coldset.analysis.policies.nexttoken`, its
 forecaster (:class:`coldset.analysis.forecast.NextTokenForecaster`) handed to
 :meth:`coldset.engine.cache.pool.SlotCache.build`.
 
@@ -211,12 +211,13 @@ class NextToken(PrefetchingPolicy):
         self.pf_count.zero_()
 
     def decide(self, cache, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        """Group (step, ``layer``) as torch ops, in the rules' order (coldset.analysis.cache's
-        ``nexttoken``; the kernels' reference): the commit of layer ``layer``'s previous prefetches
-        (in-flight flags), the demand (victims not used by the group and not in flight, unpredicted
-        least recent first; misses past them read in place), the forecast and the predicted flags,
-        the prefetch (victims not used, not in flight, not predicted, least recent first; the row map
-        of a prefetched instance waits for :meth:`end_step`), the counters and the group's list."""
+        """Group (step, ``layer``) as torch ops, in the rules' order
+        (:mod:`coldset.analysis.policies.nexttoken`; the kernels' reference): the commit of layer
+        ``layer``'s previous prefetches (in-flight flags), the demand (victims not used by the group
+        and not in flight, unpredicted least recent first; misses past them read in place), the
+        forecast and the predicted flags, the prefetch (victims not used, not in flight, not
+        predicted, least recent first; the row map of a prefetched instance waits for
+        :meth:`end_step`), the counters and the group's list."""
         new_step = self._open_group(cache, layer)
         pools = cache.pools
         L, E = pools.num_moe_layers, pools.num_experts

@@ -8,7 +8,7 @@ unchanged: it loads the row map once per block, so a dynamic run is bitwise the 
 as long as every slot the row map names holds the expert it names.
 
 After each MoE layer's router has run, :meth:`SlotCache.admit` makes the cache's decisions for
-that (step, layer) group by the rules of :mod:`coldset.analysis.cache`'s module doc (the simulator, which
+that (step, layer) group by the rules of :mod:`coldset.analysis.simulate`'s module doc (the simulator, which
 implements the same rules on traces), through the cache's policy object
 (:class:`coldset.engine.cache.policy.CachePolicy`, one class per family by name in
 :data:`coldset.engine.cache.registry.POLICIES`):
