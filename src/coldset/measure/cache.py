@@ -61,7 +61,27 @@ import numpy as np
 
 from coldset.measure.cache_analysis import (forecast_analysis, lookahead_recall_analysis, management_overhead,
                                             moe_routers)
+from coldset.analysis.forecast import (
+    LOOKAHEAD_FIT_SHRINK,
+    NextTokenForecaster,
+    fit_lookahead_routers,
+    lookahead_predictions,
+    router_inputs,
+)
+from coldset.analysis.placement import expert_bytes
+from coldset.analysis.simulate import simulate
+from coldset.analysis.streams import AccessStream
+from coldset.bench import decode as bn
+from coldset.bench.metrics import time_columns
+from coldset.engine.cache.pool import SlotCache
+from coldset.engine.generate import encode_prompts
+from coldset.engine.loading import attach_fp8_attention
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.kernels.tiers import host_tier
 from coldset.measure.cache_decisions import decisions_split
+from coldset.trace.fixtures import render_domain, template_texts
+from coldset.verify.gate import experts_functions
+from coldset.workflow.config import load_config
 from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
                                      kernel_profile, log, new_result, require_cuda, spread, write_result)
 
@@ -210,14 +230,6 @@ def build(args, dev, config: dict, R: dict):
     the run's HBM and link ceilings. Returns ``(CacheRun, tokenizer)``."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.analysis.placement import expert_bytes  # GPU-only path: loads when a measurement runs
-    from coldset.bench import decode as bn
-    from coldset.engine.loading import attach_fp8_attention
-    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
-    from coldset.kernels.tiers import host_tier
-    from coldset.trace.fixtures import template_texts
-    from coldset.verify.gate import experts_functions
-
     spec = SyntheticSpec(**config["model"]["synthetic"])
     # Which routing these numbers are measured on: the synthetic router and its temporal knobs.
     R["router"] = (f"synthetic router (temporal_gain {spec.temporal_gain}, temporal_continuity "
@@ -249,8 +261,6 @@ def build(args, dev, config: dict, R: dict):
 
 def fixture_streams(config: dict, tokenizer) -> tuple[list[int], list[int]]:
     """The profile and the held-out fixtures' prompt tokens, rendered as the workflow renders them."""
-    from coldset.engine.generate import encode_prompts  # GPU-only path: loads when a measurement runs
-    from coldset.trace.fixtures import render_domain
 
     fx = config["fixtures"]
     fixtures = [f for d in fx["domains"] for f in render_domain(d, fx["per_domain"], fx["heldout_fraction"],
@@ -268,8 +278,6 @@ def decode(c: CacheRun, experts_fn, pools, bsz, prompts, passes, cache=None, rec
     [steps, L, B, k] and router inputs [steps, L, B, H] (``record``); a cache's counters, group
     history and (lookahead) lists and prefetches."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
 
     model, (L, _, k), steps = c.model, c.shape, c.args.steps
     saved = model.pools, model.experts_fn
@@ -320,7 +328,6 @@ def decode(c: CacheRun, experts_fn, pools, bsz, prompts, passes, cache=None, rec
 def profile_routing(c: CacheRun, profile_stream: list[int]) -> None:
     """The profile fixtures' routing on the unmodified path and its counts (the warm set), and the
     forecasts fitted on it that the run's policies use (``nexttoken``, ``--lookahead-fit``)."""
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
 
     L, E, k = c.shape
     c.prof_routing = decode(c, c.ref_fn, c.model.pools, 8, bn.bench_prompts(profile_stream, 8, PROMPT_TOKENS), 1,
@@ -338,8 +345,6 @@ def add_row(c: CacheRun, bt: BatchRun, name: str, res: list[dict], residency: fl
     """A row of the table: the timed passes' step (the first pass is checked, not timed), every
     pass's logits checked bitwise against the all-HBM run's, the profile where taken."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
 
     timed = [p["ms"] for p in res[1:]]  # the timed passes (the first one is checked, not timed)
     mean, p50, p90 = bn.pass_timing(timed)
@@ -363,8 +368,6 @@ def add_row(c: CacheRun, bt: BatchRun, name: str, res: list[dict], residency: fl
 
 def all_hbm_batch(c: CacheRun, bsz: int, heldout_stream: list[int], passes: int) -> BatchRun:
     """The batch's reference: the all-HBM passes (routing recorded) and their row."""
-    from coldset.analysis.streams import AccessStream  # GPU-only path: loads when a measurement runs
-    from coldset.bench import decode as bn
 
     L, E, k = c.shape
     prompts = bn.bench_prompts(heldout_stream, bsz, PROMPT_TOKENS)
@@ -412,7 +415,6 @@ def cache_variants(args, residency: float) -> list[tuple[str, int, str]]:
 
 def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, row_map, warm_counts):
     """The slot cache of one row, warm with the static placement's hot set."""
-    from coldset.engine.cache.pool import SlotCache  # GPU-only path: loads when a measurement runs
 
     nt = pol == "nexttoken"
     forecast = (c.fitted[depth] if variant == "fit" else moe_routers(c.model)) if depth else None
@@ -456,8 +458,6 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
     the engine recorded; nexttoken: through :func:`coldset.bench.decode.simulate_engine_pass`, its
     lists checked against :func:`coldset.analysis.forecast.nexttoken_lists`); None (a fail
     recorded) when the nexttoken lists differ."""
-    from coldset.analysis.simulate import simulate  # GPU-only path: loads when a measurement runs
-    from coldset.bench import decode as bn
 
     if pol != "nexttoken":
         return simulate(bt.acc, pol, capacity, c.counts, predictions=got[0].get("lists"))
@@ -541,7 +541,6 @@ def run(args, argv=None) -> dict:
     dev = require_cuda()
     if args.decisions_only:
         return decisions_split(args, argv)
-    from coldset.workflow.config import load_config  # GPU-only path: loads when a measurement runs
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     config = load_config(args.config)
@@ -580,7 +579,6 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     ``lookahead`` policy's lists of :func:`coldset.analysis.forecast.lookahead_predictions` (layer l + d's
     router on layer l's router inputs ``hidden [steps, L, B, H]``) with ``k`` and ``k + 4``
     candidates a token: what :func:`coldset.analysis.simulate.simulate` replays as ``predictions``."""
-    from coldset.analysis.forecast import lookahead_predictions  # torch, numba: loaded on use
 
     L = len(routers)
     out = {f"b{bsz}_routing": np.asarray(routing, dtype=np.int16)}
@@ -615,8 +613,6 @@ def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> d
     :func:`coldset.analysis.forecast.fit_lookahead_routers`,
     in the routers' dtype."""
     import torch  # GPU-only path: loads when a measurement runs
-
-    from coldset.analysis.forecast import LOOKAHEAD_FIT_SHRINK, fit_lookahead_routers, router_inputs  # GPU-only path
 
     L = model.config.num_moe_layers
     chunks = [profile_stream[i:i + FIT_CHUNK] for i in range(0, len(profile_stream), FIT_CHUNK)]
@@ -670,7 +666,6 @@ def _fit_nexttoken(prof_routing, k: int, E: int, extra: int, R: dict):
     """The ``nexttoken`` forecaster fitted on the profile routing [steps, L, B, k], each batch row
     one sequence (:meth:`coldset.analysis.forecast.NextTokenForecaster.fit_tuned`: its history parameters
     chosen on profile sequences only, as the workflow fits it on the profile split); recorded in ``R``."""
-    from coldset.analysis.forecast import NextTokenForecaster  # torch, numba: loaded on use
 
     S, L, B, _ = prof_routing.shape
     tokens = prof_routing.transpose(2, 0, 1, 3).reshape(-1, L, k)  # row by row, in decode order
@@ -698,7 +693,6 @@ def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, si
     (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
     its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
     the management columns (None without)."""
-    from coldset.bench.metrics import time_columns  # torch, numba: loaded on use
 
     cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
                            [(acc, sim, per_expert)], full_step_ms)

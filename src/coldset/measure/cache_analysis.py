@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import statistics
 
+from coldset.analysis.forecast import (
+    TransitionForecaster,
+    forecast_recall,
+    lookahead_predictions,
+    lookahead_recall,
+    stream_predictions,
+)
+from coldset.analysis.placement import hot_count_for_residency
+from coldset.analysis.simulate import simulate
+from coldset.analysis.streams import AccessStream
+from coldset.core.timing import graph_time_us
 from coldset.measure.harness import log
 
 
@@ -24,12 +35,6 @@ def forecast_analysis(prof_routing, routing, residencies, counts, L, E, k, bsz, 
     import numpy as np  # GPU-only path: loads when a measurement runs
     import pandas as pd
     import torch
-
-    from coldset.analysis.simulate import simulate  # GPU-only path: loads when a measurement runs
-    from coldset.analysis.streams import AccessStream
-    from coldset.analysis.forecast import TransitionForecaster, forecast_recall, stream_predictions
-    from coldset.analysis.placement import hot_count_for_residency
-    from coldset.core.timing import graph_time_us
 
     def routing_rows(rt):
         """Trace-like decode rows of a recorded routing [steps, L, B, k] (request = batch row)."""
@@ -72,8 +77,6 @@ def lookahead_recall_analysis(model, hidden, routing, sim, acc, C, counts, k, to
     """The next-layer lookahead (router of layer l on layer l - d's router input) on the
     selections an lru run missed, and the lookahead policy simulated, at depths 1, 2 and forecasts
     of top k and k + 3."""
-    from coldset.analysis.simulate import simulate  # GPU-only path: loads when a measurement runs
-    from coldset.analysis.forecast import lookahead_predictions, lookahead_recall
 
     routers = moe_routers(model)
     missed = ~sim.hit.reshape(routing.shape)
@@ -100,7 +103,6 @@ def management_overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L
     import torch  # GPU-only path: loads when a measurement runs
 
     from coldset.kernels.triton_slots import fill  # triton: GPU-only
-    from coldset.core.timing import graph_time_us
 
     def mean_ms(*a, **kw):
         return statistics.fmean(decode(*a, 1, **kw)[0]["ms"])

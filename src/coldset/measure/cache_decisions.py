@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.core.timing import graph_time_us
+from coldset.engine.cache.pool import SlotCache
+from coldset.kernels.tiers import ExpertPools, host_tier
 from coldset.measure.harness import log, new_result, write_result
+from coldset.workflow.config import load_config
 
 
 def decisions_split(args, argv=None) -> dict:
@@ -22,13 +27,8 @@ def decisions_split(args, argv=None) -> dict:
     import numpy as np  # GPU-only path: loads when a measurement runs
     import torch
 
-    from coldset.workflow.config import load_config  # GPU-only path: loads when a measurement runs
     from coldset.kernels import triton_decode as td
     from coldset.kernels.triton_slots import decide_ahead
-    from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
-    from coldset.engine.cache.pool import SlotCache
-    from coldset.kernels.tiers import ExpertPools, host_tier
-    from coldset.core.timing import graph_time_us
 
     syn = load_config(args.config)["model"]["synthetic"]
     L, E, k, H = syn["layers"], syn["experts"], syn["top_k"], syn["hidden"]

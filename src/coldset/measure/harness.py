@@ -16,7 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from coldset.bench.provenance import collect_provenance
+from coldset.core import fp8
 from coldset.core.files import write_json
+from coldset.core.fp8 import FORMAT_NAME
+from coldset.core.timing import graph_time_us
+from coldset.kernels.tiers import ExpertPools
 
 _T0 = time.perf_counter()
 
@@ -67,8 +72,6 @@ def write_result(path: Path, result: dict, ceilings: dict | None = None, tuned=N
     (:func:`coldset.bench.provenance.collect_provenance`)."""
     import torch  # GPU-only path: loads when a measurement runs
 
-    from coldset.bench.provenance import collect_provenance
-
     if "provenance" not in result or ceilings is not None:
         result["provenance"] = collect_provenance(torch.device("cuda"), tuned, ceilings)
     write_json(path, result)
@@ -88,7 +91,6 @@ def expert_format(weight_format: str) -> str:
         raise MeasureError(f"--weight-format {weight_format!r} not among {', '.join(WEIGHT_FORMATS)}")
     if weight_format == "bf16":
         return "bfloat16"
-    from coldset.core.fp8 import FORMAT_NAME  # torch: loads when a measurement runs
 
     return FORMAT_NAME
 
@@ -116,9 +118,6 @@ def fp8_expert_pools(pools):
     attention projections FP8 beside these pools with :func:`coldset.engine.model.attach_fp8_attention`,
     as a published FP8 checkpoint stores them)."""
     import torch  # GPU-only path: loads when a measurement runs
-
-    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
-    from coldset.kernels.tiers import ExpertPools
 
     if pools.is_fp8:
         raise MeasureError("fp8_expert_pools: the pools already hold block-FP8 experts")
@@ -189,7 +188,6 @@ def cumulative_stage_us(launches, stops, layers: int, reps: int) -> dict:
     :func:`coldset.kernels.triton_fp8.fp8_experts_launches`) issued up to launch ``stop``
     (:func:`coldset.kernels.triton_moe.issue_through`) for every layer in one CUDA graph, median of
     ``reps`` replays, per stop."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import issue_through  # triton: GPU-only
 
     return {stop: graph_time_us(lambda: [issue_through(launches(layer), stop) for layer in range(layers)],

@@ -40,6 +40,10 @@ from pathlib import Path
 
 from coldset.measure.harness import (MeasureError, cumulative_stage_us, load_module, log, new_result, require_cuda,
                                      spread, write_result)
+from coldset.core.timing import eager_time_us, graph_time_us
+from coldset.kernels.reference import torch_experts, torch_softmax_topk
+from coldset.kernels.tiers import ExpertPools, check_host_allocation
+from coldset.kernels.tune import TuneResult, TuneShape, autotune, config_for
 from coldset.measure.kernel_fp8 import load_fp8_configs, run_fp8
 
 E, H, I, TOP_K = 128, 2048, 768, 8
@@ -138,8 +142,6 @@ def build(args) -> Bf16Bench:
     tier), in one set of pools whose row map places them."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.tiers import ExpertPools, check_host_allocation  # GPU-only path: loads when a measurement runs
-
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     L, dtype = args.layers, torch.bfloat16
@@ -167,7 +169,6 @@ def measure_ceilings(b: Bf16Bench) -> dict:
     """The HBM and pinned zero-copy read rates and the bf16 matmul rate, measured now."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import eager_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth  # triton: GPU-only
 
     b.hbm = best_read_bandwidth(b.w13_hot.view(-1), HBM_READ_SHAPES, b.args.reps)
@@ -187,8 +188,6 @@ def measure_ceilings(b: Bf16Bench) -> dict:
 def make_case(b: Bf16Bench, num_tokens: int):
     """``num_tokens`` random tokens a layer and their softmax top-k routing (bf16 weights)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.kernels.reference import torch_softmax_topk  # GPU-only path: loads when a measurement runs
 
     def routing():
         logits = torch.randn(num_tokens, E, generator=b.gen, device="cuda")
@@ -213,7 +212,6 @@ def run_all(b: Bf16Bench, pl, xs, rs, cfg, use_row_map=True, outs=None):
 
 def timed(b: Bf16Bench, fn, reps, row_map=None) -> float:
     """µs per layer of ``fn`` replayed in a graph, with the pools' row map set first (hot after)."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
 
     if row_map is not None:
         b.pools.set_row_map(row_map)
@@ -254,7 +252,6 @@ def equal(xs_, ys_) -> bool:
 
 def max_err(b: Bf16Bench, outs, xs, rs) -> float:
     """The largest rel. error of a layer's output against the torch path."""
-    from coldset.kernels.reference import torch_experts  # GPU-only path: loads when a measurement runs
 
     errs = []
     for l in range(b.layers):
@@ -268,7 +265,6 @@ def time_variant(b: Bf16Bench, B, cfg, fields, xs, rs, bound_us, out_tuned) -> d
     spread), bitwise against the row map compiled out and against the tuned config, error vs
     torch; up to 64 tokens also all cold (µs, bitwise equal to all hot); cumulative stage
     times, above 64 also the grouping alone."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig, group_pairs  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -297,8 +293,6 @@ def tune(args, batches: list[int], res: dict):
     cache machinery), then the same call again (a hit). Returns ``(tuned, tuned for the
     provenance or None)`` and records the tune in ``res["autotune"]``."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.kernels.tune import TuneResult, TuneShape, autotune  # GPU-only path: loads when a measurement runs
 
     shape = TuneShape(num_experts=E, hidden=H, intermediate=I, top_k=TOP_K, dtype="bfloat16", num_moe_layers=48,
                       num_hot=48 * E, num_cold=0)
@@ -351,7 +345,6 @@ def baseline_columns(b: Bf16Bench, baseline, cfg, xs, rs, out_on) -> dict:
     """The ``--baseline-module`` kernel on the same inputs: its own fields of the config only (an
     older kernel has no split_k / tile_order / half_buf: it runs the same tiles unsplit, so its
     bits equal ours only where those are off)."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
 
     known = set(baseline.KernelConfig.__dataclass_fields__)
     bcfg = baseline.KernelConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k in known})
@@ -380,8 +373,6 @@ def measure_batch(b: Bf16Bench, B: int, cfg, baseline, variants: dict) -> dict:
     """One batch's row: the tuned config hot with the row map and with it compiled out
     (``--rounds`` interleaved), the default config, the baseline module, the stages and sized
     reads, cold, the torch path, the correctness checks and the variants."""
-    from coldset.core.timing import eager_time_us, graph_time_us  # GPU-only path: loads when a measurement runs
-    from coldset.kernels.reference import torch_experts
     from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, DEFAULT_PREFILL_CONFIG  # triton: GPU-only
 
     args, L, pools = b.args, b.layers, b.pools
@@ -451,7 +442,6 @@ def batch1_stages_and_pdl(b: Bf16Bench, best_hot: dict, res: dict) -> None:
 def batch1_sweep_winners(b: Bf16Bench, best_hot: dict, best_cold: dict) -> dict:
     """The sweep's best hot and best cold config at batch 1: hot and row map off (twice each,
     interleaved), cold, against the HBM and pinned ceilings."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -477,7 +467,6 @@ def batch1_sweep_winners(b: Bf16Bench, best_hot: dict, best_cold: dict) -> dict:
 
 def mixed_placement(b: Bf16Bench, best_cold: dict) -> dict:
     """4 hot + 4 cold of the 8 selected at batch 1, against the sum of the two parts (top-4 each)."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     args, L = b.args, b.layers
@@ -504,7 +493,6 @@ def mixed_placement(b: Bf16Bench, best_cold: dict) -> dict:
 def largest_batch_stages(b: Bf16Bench, tuned, big: int) -> dict:
     """The largest batch's stages (prefill: where its time goes), its tuned config, all hot."""
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
-    from coldset.kernels.tune import config_for
 
     xs, rs = make_case(b, big)
     cfgb = KernelConfig.from_dict(config_for(tuned, big))
@@ -523,7 +511,6 @@ def run(args, argv=None) -> dict:
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
     from coldset.kernels.triton_moe import DEFAULT_DECODE_CONFIG, KernelConfig  # triton: GPU-only
-    from coldset.kernels.tune import config_for
 
     out_path = Path(args.out) / "kernel_bench.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldset.core import fp8
+from coldset.core.timing import eager_time_us, graph_time_us
+from coldset.kernels import triton_experts
+from coldset.kernels.reference import torch_experts, torch_softmax_topk
+from coldset.kernels.tiers import ExpertPools, check_host_allocation, host_tier
+from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 from coldset.measure.harness import MeasureError, cumulative_stage_us, log, new_result, write_result
 
 E, H, I, TOP_K = 128, 2048, 768, 8
@@ -57,9 +63,6 @@ def build(args) -> Fp8Bench:
     (float32 temporaries), as all-hot pools."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
-    from coldset.kernels.tiers import ExpertPools
-
     L = args.layers
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -87,8 +90,6 @@ def measure_ceilings(b: Fp8Bench) -> dict:
     """The HBM read rate and the bf16 and FP8 matmul rates, measured in this process."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core import fp8  # GPU-only path: loads when a measurement runs
-    from coldset.core.timing import eager_time_us
     from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth  # triton: GPU-only
 
     b.hbm = best_read_bandwidth(b.w13.view(-1), HBM_READ_SHAPES, b.args.reps)
@@ -150,8 +151,6 @@ def case(b: Fp8Bench, num_tokens: int):
     """``num_tokens`` random tokens a layer and their softmax top-k routing (bf16 weights)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.kernels.reference import torch_softmax_topk  # GPU-only path: loads when a measurement runs
-
     xs = [torch.randn(num_tokens, H, device="cuda", generator=b.gen).to(torch.bfloat16) for _ in range(b.layers)]
     rs = []
     for _ in range(b.layers):
@@ -162,7 +161,6 @@ def case(b: Fp8Bench, num_tokens: int):
 
 def run_all(b: Fp8Bench, pools, xs, rs, cfg, use_row_map=True, outs=None):
     """A call of every layer's experts (the kernel of the pools' format); ``outs`` gets the outputs."""
-    from coldset.kernels import triton_experts  # picks the FP8 or the bf16 kernel by the pools' format
 
     def fn():
         got = [triton_experts(pools, l, xs[l], rs[l][0], rs[l][1], cfg, use_row_map) for l in range(b.layers)]
@@ -194,7 +192,6 @@ def stages_us(b: Fp8Bench, cfg, xs, rs) -> dict:
 def time_candidates(b: Fp8Bench, B: int, xs, rs, candidates, row: dict) -> tuple[dict, dict]:
     """µs a layer of each FP8 candidate config (by its sorted JSON) and its outputs; a config that
     cannot run here is recorded in ``row["fp8_failed_configs"]``, not fatal."""
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     timings, outs_by = {}, {}
@@ -217,7 +214,6 @@ def time_candidates(b: Fp8Bench, B: int, xs, rs, candidates, row: dict) -> tuple
 def candidate_errors(b: Fp8Bench, xs, rs, outs_by: dict) -> dict:
     """Every candidate's rel. error against the torch path of its own numerics (w8a16: no
     activation quantized), the worst of the first and last layer."""
-    from coldset.kernels.reference import torch_experts  # GPU-only path: loads when a measurement runs
 
     L = b.layers
     refs_by_mode = {m: [torch_experts(b.fp8_pools, l, xs[l], *rs[l], w8a16=m).float() for l in (0, L - 1)]
@@ -234,16 +230,14 @@ def measure_batch(b: Fp8Bench, B: int, given: list | None, bf16_tuned: dict) -> 
     kernel, the plain reads of both formats' bytes and the bytes and FLOP bounds."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.triton_moe import KernelConfig, default_config  # triton: GPU-only
-    from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE as space
 
     L = b.layers
     xs, rs = case(b, B)
     distinct = sum(int(torch.unique(r[0]).numel()) for r in rs) / L
     row: dict = {"batch": B, "distinct_experts_per_layer": distinct}
-    regime = "decode" if B <= space["decode_max_tokens"] else "prefill"
-    timings, outs_by = time_candidates(b, B, xs, rs, given or space[regime], row)
+    regime = "decode" if B <= TRITON_FP8_SEARCH_SPACE["decode_max_tokens"] else "prefill"
+    timings, outs_by = time_candidates(b, B, xs, rs, given or TRITON_FP8_SEARCH_SPACE[regime], row)
     best = min(timings, key=timings.get)
     cfg = KernelConfig.from_dict(json.loads(best))
     outs_on, outs_off = outs_by[best], []
@@ -277,9 +271,7 @@ def measure_cold(b: Fp8Bench, cold_rows: list[dict]) -> None:
     with its fastest config: µs, bitwise against hot, the link bound; the pinned read ceiling."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.core.timing import graph_time_us  # GPU-only path: loads when a measurement runs
     from coldset.kernels.bandwidth import best_read_bandwidth  # triton: GPU-only
-    from coldset.kernels.tiers import ExpertPools, check_host_allocation, host_tier
     from coldset.kernels.triton_moe import KernelConfig  # triton: GPU-only
 
     L, fp8_pools = b.layers, b.fp8_pools

@@ -46,6 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
+from coldset.analysis.simulate import capacity_for_residency, simulate
+from coldset.analysis.streams import AccessStream
+from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
 from coldset.measure.harness import MeasureError
 from coldset.measure.render import _f, table
 
@@ -104,9 +107,6 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
     """One row per (batch, residency, policy variant): the simulated replay and its time (module
     doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
     # the simulator loads numba: here, when a replay runs, not whenever the bench command line loads
-    from coldset.analysis.simulate import capacity_for_residency, simulate
-    from coldset.analysis.streams import AccessStream
-    from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
 
     counts = np.asarray(arrays["profile_counts"], dtype=np.float64)
     L, E = counts.shape

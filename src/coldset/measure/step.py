@@ -56,6 +56,26 @@ from pathlib import Path
 from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
                                      kernel_profile, load_module, log, new_result, require_cuda, spread,
                                      write_result)
+from coldset.analysis.placement import expert_bytes
+from coldset.bench import decode as bn
+from coldset.core.fp8 import FORMAT_NAME
+from coldset.core.shapes import get_weight_format
+from coldset.core.timing import eager_time_us
+from coldset.engine.loading import attach_fp8_attention
+from coldset.engine.model import fp8_attention_linears
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.kernels.tune import (
+    TuneResult,
+    TuneShape,
+    autotune,
+    config_for,
+    default_search_space,
+    tuned_experts,
+    untimed_candidates,
+)
+from coldset.trace.fixtures import template_texts
+from coldset.verify.gate import experts_functions
+from coldset.workflow.config import load_config
 
 #: The fused engines: compile_decode's default (dependent launch where it measured faster: batch 1
 #: on Hopper), and each way forced.
@@ -127,7 +147,6 @@ def baseline_experts(path: str, result):
     """The engine's experts function with the triton_experts of another copy of triton_moe.py
     (the unmodified path, as ``tuned_experts(result, use_row_map=False)``), each batch size on its
     tuned config restricted to the fields that copy knows."""
-    from coldset.kernels.tune import config_for  # GPU-only path: loads when a measurement runs
 
     mod = load_module(path)
     known = set(mod.KernelConfig.__dataclass_fields__)
@@ -144,7 +163,6 @@ def baseline_experts(path: str, result):
 
 def _tuned_from_file(path: str, shape):
     """The :class:`coldset.kernels.tune.TuneResult` of an autotune entry's configs, for ``shape``."""
-    from coldset.kernels.tune import TuneResult  # GPU-only path: loads when a measurement runs
 
     entry = json.loads(Path(path).read_text())
     return TuneResult(key=entry["key"], hit=True, backend=entry["backend"], shape=shape,
@@ -182,9 +200,6 @@ def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
     expanded per row (:func:`coldset.core.fp8.row_scales`, 4 bytes a row and 128-column group, ~3% of the
     FP8 bytes), which is not counted. From 2 tokens on the projections run dequantized (cuBLAS on the
     model-dtype weights), so they count in the dtype."""
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
-    from coldset.core.fp8 import FORMAT_NAME
-    from coldset.core.shapes import get_weight_format
 
     total = bn._nonexpert_read_bytes(cfg, batch_size, dtype)
     if batch_size != 1:
@@ -224,9 +239,6 @@ def build_model(config: dict, dev):
     fixture-like texts its prompts are cut from."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
-    from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model  # GPU-only path
-    from coldset.trace.fixtures import template_texts
-
     spec = SyntheticSpec(**config["model"]["synthetic"])
     fx = config["fixtures"]
     texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
@@ -237,7 +249,6 @@ def build_model(config: dict, dev):
 
 def tune_shape(config: dict, cfg):
     """The experts' autotune shape of the model (all hot)."""
-    from coldset.kernels.tune import TuneShape  # GPU-only path: loads when a measurement runs
 
     L = cfg.num_moe_layers
     return TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
@@ -248,8 +259,6 @@ def tune_shape(config: dict, cfg):
 def bf16_experts(args, dev, shape, R: dict):
     """The bf16 experts function (``--tune``: autotuned now; ``--tuned``: an entry's configs; else
     the parity gate's default) and its tune result (None without)."""
-    from coldset.kernels.tune import autotune, tuned_experts  # GPU-only path: loads when a measurement runs
-    from coldset.verify.gate import experts_functions
 
     experts, result = experts_functions(dev, None)[0], None
     if args.tune:
@@ -274,10 +283,6 @@ def fp8_format(args, dev, model, shape, R: dict) -> tuple:
     from dataclasses import replace  # GPU-only path: loads when a measurement runs
 
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.analysis.placement import expert_bytes  # GPU-only path: loads when a measurement runs
-    from coldset.kernels.tune import autotune, default_search_space, tuned_experts, untimed_candidates
-    from coldset.verify.gate import experts_functions
 
     t = time.perf_counter()
     pools8 = fp8_expert_pools(model.pools)
@@ -311,8 +316,6 @@ def measure_floors(s: StepRun) -> None:
     rows), and each distinct expert the batch chose per layer (eager routing capture over the
     same tokens), per format (FP8: its own routing, its bytes per expert): ``R["floor"]`` bf16's,
     ``R["floor_fp8"]`` FP8's."""
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
-    from coldset.engine.loading import attach_fp8_attention
 
     model, R, cfg = s.model, s.R, s.model.config
     for fmt, pools, fns, ebytes in s.formats:
@@ -359,8 +362,6 @@ def decode_tokens(s: StepRun, dec, tok):
 def step_row(s: StepRun, dec, mode: str, bsz: int, name: str, fmt: str) -> dict:
     """The timed row of a captured step: ``--rounds`` medians of ``--reps`` calls (median round
     with the slowest and fastest), tok/s; a full step also its floor and a kernel profile."""
-    from coldset.core.timing import eager_time_us  # GPU-only path: loads when a measurement runs
-    from coldset.engine.model import fp8_attention_linears
 
     args, R = s.args, s.R
     ms = spread([eager_time_us(dec.step, args.reps) / 1e3 for _ in range(args.rounds)])
@@ -383,7 +384,6 @@ def step_row(s: StepRun, dec, mode: str, bsz: int, name: str, fmt: str) -> dict:
 def run_engine(s: StepRun, mode: str, t: float, experts_fn, fmt: str = "bf16") -> None:
     """One engine on the model's current pools (``fmt``: their weight format; rows and check
     keys of FP8 carry it); the step without experts only once (bf16), it reads none."""
-    from coldset.bench import decode as bn  # GPU-only path: loads when a measurement runs
 
     model, key = s.model, "" if fmt == "bf16" else f" {fmt}"
     for bsz in BATCHES:
@@ -411,8 +411,6 @@ def run_engines(s: StepRun, engines: list[str]) -> None:
     """Every engine (its decode region compiled once) in every format; an engine that fails
     (e.g. a launch mode the driver refuses) is a result (``R["errors"]``)."""
     import torch._dynamo as dynamo  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.engine.loading import attach_fp8_attention  # GPU-only path: loads when a measurement runs
 
     model = s.model
     for mode in engines:
@@ -475,10 +473,6 @@ def run(args, argv=None) -> dict:
     engines = args.engines.split(",")
     dev = require_cuda()
     from torch._dynamo.utils import counters  # GPU-only path: torch and the kernels load when a measurement runs
-
-    from coldset.analysis.placement import expert_bytes  # GPU-only path: loads when a measurement runs
-    from coldset.bench import decode as bn
-    from coldset.workflow.config import load_config
 
     out_path = Path(args.out) / "decode_step.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
