@@ -30,6 +30,7 @@ import pandas as pd
 from coldset.analysis.forecast import (
     DEFAULT_TERMS,
     DEFAULT_WEIGHTS,
+    ForecastError,
     LOWER_LAYER_TERMS,
     LOWER_LAYER_WEIGHTS,
     NextTokenForecaster,
@@ -59,7 +60,7 @@ from coldset.analysis.streams import (
 from coldset.analysis.time_model import DEFAULT_TIME, LINK_MODES, TimeModel, simulate_time, time_models
 from coldset.core.files import atomic_path
 from coldset.core.placement import ProfileSpec
-from coldset.core.trace import request_codes
+from coldset.core.trace import TraceError, request_codes
 
 log = logging.getLogger(__name__)
 
@@ -318,13 +319,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="--recall: also the in-sample ceiling of any function of the current token's experts in "
                          "layers l..l-N (slow: a minute per horizon on the real trace)")
     args = ap.parse_args(argv)
+    steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
+                             for b in args.batch]
+    if len(steps) != len(args.batch) or any(s is None for s in steps):
+        ap.error("--step-ms: one all-HBM step per --batch (defaults exist for batch 1 and 8 only)")
+    try:
+        return print_tables(args, steps)
+    except (CacheError, ForecastError, TraceError) as err:
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def decode_selections(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+    """The command's profile and replay rows and the trace's meta; a :class:`CacheError` saying why
+    and what to do when either selection has no decode rows (a prefill-only trace: the policies
+    replay decode routing, one token after another)."""
+    rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
+    if len(rows) == 0:
+        raise CacheError(f"{args.trace}: the trace has no decode rows (prefill only?): the cache policies replay "
+                         "decode routing token by token; capture decode routing (generate new tokens) and retry")
+    profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
+    replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
+    for name, part, flag in (("profile", profile, "--profile-domains"), ("replay", replay, "--replay-domains")):
+        if len(part) == 0:
+            raise CacheError(f"{args.trace}: the {name} selection has no decode rows (its split is empty); "
+                             f"choose it with {flag}")
+    return profile, replay, meta
+
+
+def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
+    """The command's work after parsing: the forecasters fitted on the profile selection, the
+    ``--recall`` tables to stderr, the simulation table to stdout."""
     term_sets = None
     if args.lower_layer_terms:
         term_sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
-    rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
+    profile, replay, meta = decode_selections(args)
     L, E = meta.num_moe_layers, meta.num_experts
-    profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
-    replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
     forecaster = nexttoken = None
     if "forecast" in args.policies or args.recall:
         t0 = perf_counter()
@@ -346,10 +376,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   term_sets=term_sets)
         print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
               f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}", file=sys.stderr)
-    steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
-                             for b in args.batch]
-    if len(steps) != len(args.batch) or any(s is None for s in steps):
-        ap.error("--step-ms: one all-HBM step per --batch (defaults exist for batch 1 and 8 only)")
     tables = []
     for batch, step_ms in zip(args.batch, steps):
         lanes = lanes_from_frame(replay, L, E, batch)
