@@ -5,6 +5,7 @@ the printed recall lines say what they measured."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pandas as pd
@@ -66,3 +67,81 @@ def test_an_empty_split_is_refused_and_a_decode_trace_prints_its_table(tmp_path,
     assert main([str(only_profile), "--policies", "static"]) == 2
     err = capsys.readouterr().err
     assert "replay selection has no decode rows" in err and "--replay-domains" in err
+
+
+def recall_lines(err: str) -> tuple[dict, pd.DataFrame]:
+    """``--recall``'s stderr: the transition forecaster's JSON line, then the recall table (CSV)."""
+    first, rest = err.split("\n", 1)
+    return json.loads(first), pd.read_csv(io.StringIO(rest))
+
+
+def test_recall_says_when_nothing_was_tuned_and_leaves_out_a_memorised_bound(tmp_path, capsys):
+    """Two profile requests: no 5th request to tune on, so the table says "not tuned" (never "every
+    5th profile request"); contexts (expert sets of 2 of 40) each seen once: the in-sample bound is
+    memorisation and is left out (NaN) with the share of repeated contexts beside it."""
+    path = toy_trace(tmp_path / "t.parquet", requests=3, decode_steps=6, experts=40)
+    assert main([str(path), "--policies", "static", "--recall", "--horizons", "1", "2"]) == 0
+    _, table = recall_lines(capsys.readouterr().err)
+    assert table.tuned_on.str.startswith("not tuned: 0 of 2 profile request(s)").all()
+    assert "ceiling_current_experts" not in table.columns
+    assert table.in_sample_bound_current_experts.isna().all()
+    assert (table.repeated_context_share < 0.5).all()
+
+
+def test_recall_prints_the_in_sample_bound_where_contexts_repeat_and_says_what_tuned(tmp_path, capsys):
+    """Contexts that repeat (2 of 3 experts: 3 sets): the in-sample bound is printed, equal to
+    conditional_ceiling's on the replay; ten profile requests: two of them tuned the forecaster."""
+    from coldset.analysis.forecast import conditional_ceiling
+    from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
+
+    path = toy_trace(tmp_path / "t.parquet", requests=15, decode_steps=6, experts=3)
+    assert main([str(path), "--policies", "static", "--recall", "--horizons", "1"]) == 0
+    _, table = recall_lines(capsys.readouterr().err)
+    assert table.tuned_on.tolist() == ["every 5th profile request (2 of 10 profile requests)"]
+    rows, meta = trace_decode_rows(path)
+    th, sh = token_array(select_rows(rows, "heldout"), 2, 3)
+    c = conditional_ceiling(th, sh, 1, 5)
+    assert c["repeated_share"] == 1.0
+    assert table.in_sample_bound_current_experts.iloc[0] == pytest.approx(c["ceiling_recall"], abs=1e-4)
+    assert table.repeated_context_share.iloc[0] == 1.0
+
+
+def conditional_ceiling_by_frame(tokens, sequence, horizon, n, lower_layers=0):
+    """The pandas groupby form of conditional_ceiling (the reference of the sort-based one)."""
+    T, L, k = tokens.shape
+    t = np.arange(max(T - horizon, 0))
+    t = t[sequence[t + horizon] == sequence[t]]
+    cur = np.sort(tokens[t], axis=2)
+    tgt = tokens[t + horizon]
+    E = int(tokens.max()) + 1
+    key = np.zeros(cur.shape[:2], dtype=object)
+    for m in range(lower_layers + 1):
+        src = np.full(cur.shape, E, dtype=np.int64)
+        src[:, m:] = cur[:, : L - m]
+        for j in range(k):
+            key = key * (E + 1) + src[:, :, j].astype(object)
+    frame = pd.DataFrame({"layer": np.repeat(np.broadcast_to(np.arange(L), key.shape).reshape(-1), k),
+                          "ctx": np.repeat(key.reshape(-1), k), "tgt": tgt.reshape(-1)})
+    counts = frame.groupby(["layer", "ctx", "tgt"], sort=False).size()
+    best = counts.groupby(level=[0, 1], sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
+    pop = frame.groupby(["layer", "tgt"], sort=False).size()
+    pop_best = pop.groupby(level=0, sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
+    per_ctx = frame.groupby(["layer", "ctx"], sort=False).size() // k
+    repeated = int(per_ctx[per_ctx > 1].sum())
+    return {"ceiling_recall": best / len(frame), "popularity_recall": pop_best / len(frame),
+            "contexts": len(per_ctx), "repeated_share": repeated / (t.size * L)}
+
+
+@pytest.mark.parametrize("seed,experts,k,lower", [(0, 5, 2, 0), (1, 9, 3, 1), (2, 4, 1, 2), (3, 40, 8, 1)])
+def test_conditional_ceiling_equals_the_groupby_reference(seed, experts, k, lower):
+    from coldset.analysis.forecast import conditional_ceiling
+
+    rng = np.random.default_rng(seed)
+    T, L = 300, 4
+    tokens = np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(L)]) for _ in range(T)])
+    seq = np.sort(rng.integers(0, 7, T))
+    for h in (1, 3):
+        got = conditional_ceiling(tokens, seq, h, min(k + 2, experts), lower_layers=lower)
+        want = conditional_ceiling_by_frame(tokens, seq, h, min(k + 2, experts), lower_layers=lower)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value), key

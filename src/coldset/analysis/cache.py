@@ -40,6 +40,7 @@ from coldset.analysis.forecast import (
     forecast_recall,
     nexttoken_lists,
     stream_predictions,
+    validation_split,
 )
 from coldset.analysis.locality_figure import figure_locality
 from coldset.analysis.placement import expert_bytes
@@ -212,6 +213,31 @@ def read_simulation(path: str | os.PathLike) -> pd.DataFrame:
     return df
 
 
+#: The share of pairs whose context occurs more than once below which the recall table leaves the
+#: in-sample bound out (NaN): mostly contexts seen once, it measures memorisation.
+MIN_REPEATED_SHARE = 0.5
+
+
+def in_sample_bound(ceiling: Mapping[str, Any]) -> float:
+    """:func:`coldset.analysis.forecast.conditional_ceiling`'s in-sample recall, or NaN where fewer than
+    :data:`MIN_REPEATED_SHARE` of its pairs have a context seen more than once."""
+    return float(ceiling["ceiling_recall"]) if ceiling["repeated_share"] >= MIN_REPEATED_SHARE else float("nan")
+
+
+def tuning_note(sequence: np.ndarray, validation: np.ndarray | None, tuned_on: str | None = None) -> str:
+    """What chose :meth:`coldset.analysis.forecast.NextTokenForecaster.fit_tuned`'s parameters on
+    profile tokens of ``sequence`` (their request numbers) with ``validation`` (None: every 5th
+    request): ``tuned_on`` (default "every 5th profile request") with the requests counted, or
+    "not tuned" and why."""
+    val = validation_split(sequence, 5, validation)
+    n_req = int(np.unique(sequence).size)
+    n_val = int(np.unique(np.asarray(sequence)[val]).size)
+    if not val.any() or val.all():
+        return (f"not tuned: {n_val} of {n_req} profile request(s) set aside for validation, "
+                "the default parameters")
+    return f"{tuned_on or 'every 5th profile request'} ({n_val} of {n_req} profile requests)"
+
+
 def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int,
                  horizons: Sequence[int] = (1, 2, 4, 8), extra: int = 3,
                  budget: int | None = None, term_sets=None, ceiling_lower_layers: int = 0) -> pd.DataFrame:
@@ -219,17 +245,22 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
     fitted (and tuned) on ``profile`` for each horizon, measured on ``replay``: recall and
     precision at ``top_k + extra`` candidates and at ``top_k`` (and at ``budget``), beside the
     transition table of the current token alone (the ``forecast`` policy's forecaster), the previous-token
-    baseline and the in-sample ceiling of any function of the current token's experts
-    (:func:`coldset.analysis.forecast.conditional_ceiling`), with the forecaster's cost. ``term_sets``: as
-    :meth:`~coldset.analysis.forecast.NextTokenForecaster.fit_tuned` (chosen on the profile's validation
-    part); ``ceiling_lower_layers`` = m > 0 adds the in-sample ceiling of any function of the
-    current token's experts in layers l..l-m (column ``ceiling_current_and_lower_layers``)."""
+    baseline and the in-sample bound of any function of the current token's experts
+    (:func:`coldset.analysis.forecast.conditional_ceiling`, fitted and measured on the replay's own
+    tokens), with the forecaster's cost. The bound is NaN unless at least :data:`MIN_REPEATED_SHARE`
+    of the pairs have a context seen more than once (else it is memorisation: a context seen once is
+    predicted perfectly); ``repeated_context_share`` says the share. ``tuned_on`` says which profile
+    tokens chose the forecaster's parameters, or that none did (too few profile requests: defaults).
+    ``term_sets``: as :meth:`~coldset.analysis.forecast.NextTokenForecaster.fit_tuned` (chosen on the
+    profile's validation part); ``ceiling_lower_layers`` = m > 0 adds the in-sample bound of any
+    function of the current token's experts in layers l..l-m (column
+    ``in_sample_bound_current_and_lower_layers``, the same rule)."""
     L, E = num_moe_layers, num_experts
     tp, sp = token_array(profile, L, E)
     th, sh = token_array(replay, L, E)
     n = min(top_k + extra, E)
     # a replay of domains the profile lacks (a held-out subject): tune on a held-out profile domain too
-    validation, tuned_on = None, "every 5th profile request"
+    validation, tuned_on = None, None
     prof_domains = sorted(set(profile["domain"].astype(str))) if "domain" in profile else []
     if len(prof_domains) > 1 and "domain" in replay and not set(replay["domain"].astype(str)) & set(prof_domains):
         req_col = profile["request"]
@@ -237,6 +268,7 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
         dom_of = dict(zip(req_col.astype(str).to_numpy(), profile["domain"].astype(str).to_numpy()))
         validation = np.array([dom_of[names[s]] == prof_domains[-1] for s in sp])  # sp: token_array's numbering
         tuned_on = f"profile domain {prof_domains[-1]!r}"
+    tuned_on = tuning_note(sp, validation, tuned_on)
     sizes = tuple(sorted({top_k} | ({int(budget)} if budget else set())))
     out = []
     for h in horizons:
@@ -258,18 +290,18 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
         ceil = conditional_ceiling(th, sh, h, n)
         if ceiling_lower_layers > 0:
             wide = conditional_ceiling(th, sh, h, n, lower_layers=ceiling_lower_layers)
-            ceil["ceiling_recall_lower"] = wide["ceiling_recall"]
-            ceil["contexts_lower"] = wide["contexts"]
         ops = f.ops_per_step(1)
         row = {"horizon": h, "candidates": n, "recall": q["recall"], "precision": q["precision"]}
         for m in sizes:
             row[f"recall_at_{m}"] = q[f"recall_at_{m}"]
             row[f"precision_at_{m}"] = q[f"precision_at_{m}"]
         row.update({"recall_current_table_only": qc["recall"], "recall_previous_token": prev_recall,
-                    "ceiling_current_experts": ceil["ceiling_recall"], "popularity_recall": ceil["popularity_recall"],
-                    **({"ceiling_current_and_lower_layers": ceil["ceiling_recall_lower"],
+                    "in_sample_bound_current_experts": in_sample_bound(ceil),
+                    "repeated_context_share": ceil["repeated_share"], "popularity_recall": ceil["popularity_recall"],
+                    **({"in_sample_bound_current_and_lower_layers": in_sample_bound(wide),
+                        "repeated_context_share_lower": wide["repeated_share"],
                         "ceiling_lower_layers": ceiling_lower_layers, "contexts_current": ceil["contexts"],
-                        "contexts_current_and_lower": ceil["contexts_lower"]} if ceiling_lower_layers > 0 else {}),
+                        "contexts_current_and_lower": wide["contexts"]} if ceiling_lower_layers > 0 else {}),
                     "hist_beta": f.hist_unit / 65536, "hist_shift": f.hist_shift,
                     "self_boost": f.self_boost, "tuned_on": tuned_on,
                     "terms": str(list(f.terms)),
@@ -375,7 +407,8 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
         nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=args.nexttoken_extra,
                                                   term_sets=term_sets)
         print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
-              f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}", file=sys.stderr)
+              f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}, tuned on "
+              f"{tuning_note(seq, None)}", file=sys.stderr)
     tables = []
     for batch, step_ms in zip(args.batch, steps):
         lanes = lanes_from_frame(replay, L, E, batch)

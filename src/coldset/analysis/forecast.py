@@ -371,6 +371,17 @@ LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
 LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
 
 
+def validation_split(sequence: np.ndarray, validation_every: int = 5,
+                     validation: np.ndarray | None = None) -> np.ndarray:
+    """bool ``[T]``: the tokens :meth:`NextTokenForecaster.fit_tuned` chooses its parameters on:
+    ``validation`` when given, else every ``validation_every``-th sequence (in id order). It tunes
+    only when this holds some tokens and leaves some out."""
+    if validation is not None:
+        return np.asarray(validation, dtype=bool)
+    _, seq_idx = np.unique(np.asarray(sequence, dtype=np.int64), return_inverse=True)
+    return seq_idx.reshape(-1) % validation_every == validation_every - 1
+
+
 @dataclass(frozen=True)
 class NextTokenForecaster:
     """The ``nexttoken`` policy's forecast: made right after MoE layer ``l``'s router at step ``t``,
@@ -518,9 +529,7 @@ class NextTokenForecaster:
         parameters (the first set wins ties); without it, ``kw``'s ``terms`` / ``weights`` (the
         defaults)."""
         sequence = np.asarray(sequence, dtype=np.int64)
-        _, seq_idx = np.unique(sequence, return_inverse=True)
-        val = (seq_idx % validation_every == validation_every - 1 if validation is None
-               else np.asarray(validation, dtype=bool))
+        val = validation_split(sequence, validation_every, validation)
         if term_sets is None:
             term_sets = ((kw.pop("terms", DEFAULT_TERMS), kw.pop("weights", DEFAULT_WEIGHTS)),)
         elif "terms" in kw or "weights" in kw:
@@ -665,6 +674,29 @@ def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequen
     return out
 
 
+def _set_ids(sets: np.ndarray, num_experts: int) -> np.ndarray:
+    """int64 ``[m]``: a dense id per distinct row of ``sets`` int ``[m, k]`` (rows sorted, so a set)."""
+    m, k = sets.shape
+    if k * np.log2(max(num_experts, 2)) <= 62:
+        key = np.zeros(m, dtype=np.int64)
+        for j in range(k):
+            key = key * num_experts + sets[:, j]
+        return np.unique(key, return_inverse=True)[1].reshape(-1)
+    return np.unique(sets, axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _top_counts_per_context(ctx: np.ndarray, tgt: np.ndarray, num_experts: int, n: int) -> int:
+    """The sum over contexts of the ``n`` largest target counts: ``ctx`` int64 ``[m]`` dense context
+    ids, ``tgt`` int ``[m, k]`` the targets of each pair."""
+    keys, cnt = np.unique((ctx[:, None] * num_experts + tgt).reshape(-1), return_counts=True)
+    c_of = keys // num_experts
+    order = np.lexsort((-cnt, c_of))
+    c_sorted, cnt_sorted = c_of[order], cnt[order]
+    first = np.r_[0, np.flatnonzero(c_sorted[1:] != c_sorted[:-1]) + 1]
+    rank = np.arange(c_sorted.size) - np.repeat(first, np.diff(np.r_[first, c_sorted.size]))
+    return int(cnt_sorted[rank < n].sum())
+
+
 def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, n: int,
                         lower_layers: int = 0) -> dict:
     """Where the trace's predictability caps a forecast from the current token's experts: the best
@@ -675,8 +707,10 @@ def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, 
 
     ``lower_layers`` = m widens the context to the current token's expert sets in layers
     ``l, l - 1, ..., l - m`` (those that exist): the ceiling of the forecast terms (0, d <= m). An
-    in-sample ceiling grows with the context partly by memorising (fewer pairs per context): read
-    ``contexts`` beside it."""
+    in-sample bound grows with the context partly by memorising (fewer pairs per context): a
+    context seen once is predicted perfectly. ``contexts`` and ``repeated_share`` (the share of
+    pairs whose context occurs more than once) say how much of it is memorisation. Counted per
+    layer with sorts (linear memory in the pairs of one layer)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     sequence = np.asarray(sequence, dtype=np.int64)
     T, L, k = tokens.shape
@@ -684,28 +718,29 @@ def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, 
         raise ForecastError(f"conditional_ceiling: lower_layers must be >= 0, got {lower_layers}")
     t = np.arange(max(T - horizon, 0))
     t = t[sequence[t + horizon] == sequence[t]]
-    cur = np.sort(tokens[t], axis=2)  # [m, L, k]
-    tgt = tokens[t + horizon]
-    E = int(tokens.max()) + 1
-    # the context's expert sets as one key: base-(E+1) digits of the sorted sets, E where a lower
-    # layer does not exist (object ints when wide)
-    wide = (lower_layers + 1) * k * np.log2(E + 1) > 60
-    key = np.zeros(cur.shape[:2], dtype=object if wide else np.int64)
-    for m in range(lower_layers + 1):
-        src = np.full(cur.shape, E, dtype=np.int64)
-        src[:, m:] = cur[:, : L - m]
-        for j in range(k):
-            key = key * (E + 1) + (src[:, :, j].astype(object) if wide else src[:, :, j])
-    frame = pd.DataFrame({"layer": np.repeat(np.broadcast_to(np.arange(L), key.shape).reshape(-1), k),
-                          "ctx": np.repeat(key.reshape(-1), k), "tgt": tgt.reshape(-1)})
-    counts = frame.groupby(["layer", "ctx", "tgt"], sort=False).size()
-    best = counts.groupby(level=[0, 1], sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
-    pop = frame.groupby(["layer", "tgt"], sort=False).size()
-    pop_best = pop.groupby(level=0, sort=False).apply(lambda c: c.nlargest(n).sum()).sum()
-    total = len(frame)
-    return {"horizon": horizon, "candidates": n, "ceiling_recall": float(best / total),
-            "popularity_recall": float(pop_best / total), "contexts": int(counts.index.droplevel(2).nunique()),
-            "pairs": int(t.size * L)}
+    E = int(tokens.max(initial=0)) + 1
+    best = pop_best = contexts = repeated = 0
+    set_ids: dict[int, np.ndarray] = {}
+    for layer in range(L):
+        for gone in [x for x in set_ids if x < layer - lower_layers]:
+            del set_ids[gone]
+        set_ids[layer] = _set_ids(np.sort(tokens[t, layer], axis=1), E)
+        ctx = set_ids[layer]
+        for below in range(layer - 1, max(layer - lower_layers, 0) - 1, -1):
+            pair = ctx * (int(set_ids[below].max(initial=0)) + 1) + set_ids[below]
+            ctx = np.unique(pair, return_inverse=True)[1].reshape(-1)
+        tgt = tokens[t + horizon, layer]
+        best += _top_counts_per_context(ctx, tgt, E, n)
+        pop_best += int(np.sort(np.bincount(tgt.reshape(-1), minlength=E))[::-1][:n].sum())
+        per_ctx = np.bincount(ctx) if ctx.size else np.zeros(0, np.int64)
+        contexts += per_ctx.size
+        repeated += int((per_ctx[ctx] > 1).sum())
+    pairs = int(t.size * L)
+    total = pairs * k
+    return {"horizon": horizon, "candidates": n,
+            "ceiling_recall": best / total if total else float("nan"),
+            "popularity_recall": pop_best / total if total else float("nan"), "contexts": int(contexts),
+            "repeated_share": repeated / pairs if pairs else float("nan"), "pairs": pairs}
 
 
 def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
