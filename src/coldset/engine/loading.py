@@ -21,7 +21,7 @@ from torch import nn
 
 from coldset.core import fp8
 from coldset.engine import deepseek_v3
-from coldset.engine.model import ModelConfig, ModelLoadError, MoEBlock, MoEModel
+from coldset.engine.model import SUPPORTED_MODEL_TYPES, ModelConfig, ModelLoadError, MoEBlock, MoEModel
 from coldset.kernels.tiers import ExpertPools
 
 
@@ -193,6 +193,20 @@ def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tenso
     return w13, w2, s13, s2
 
 
+ENGINE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, deepseek_v3.MODEL_TYPE)
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """A model folder's config.json as its family's engine config: :class:`DeepseekV3Config
+    <coldset.engine.deepseek_v3.DeepseekV3Config>` for deepseek_v3, else :class:`ModelConfig`
+    (qwen3_moe, mixtral). Every stage reads a folder's config through this, so a family the
+    engine runs is accepted, and any other refused by name, in one place."""
+    folder = Path(path)
+    if deepseek_v3.is_deepseek_v3(folder):
+        return deepseek_v3.DeepseekV3Config.from_pretrained(folder)
+    return ModelConfig.from_pretrained(folder)
+
+
 def load_model(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> MoEModel:
@@ -218,7 +232,7 @@ def load_model(
     """
     folder = Path(path)
     if deepseek_v3.is_deepseek_v3(folder):  # MLA and the grouped router: its own modules and weight names
-        cfg = deepseek_v3.DeepseekV3Config.from_pretrained(folder)
+        cfg = read_config(folder)
         src, device = _TensorSource(folder), torch.device(device)
         model = deepseek_v3.DeepseekV3Model(cfg)
         deepseek_v3.load_weights(model, src, device, dtype)

@@ -50,8 +50,7 @@ from tqdm import tqdm
 from coldset.core.files import atomic_path
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
 from coldset.engine.generate import encode_prompts
-from coldset.engine.loading import load_tokenizer
-from coldset.engine.model import ModelConfig
+from coldset.engine.loading import load_tokenizer, read_config
 from coldset.trace.fixtures import read_fixtures
 
 METHODS = ("auto", "routed_experts", "router_hooks")
@@ -282,7 +281,7 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {dtype!r}: one of float32, bfloat16, float16")
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = read_config(model_dir)
     fixtures = read_fixtures(fixtures_paths)
     if not fixtures:
         raise TraceError(f"no fixtures in {[str(p) for p in fixtures_paths]}")

@@ -136,7 +136,7 @@ def decoding_support(config: dict) -> str | None:
     """None when the embedded engine can decode the configured model; else why not.
 
     The synthetic model always decodes. A ``model.path`` folder decodes when its ``config.json``
-    is a family the engine runs (``coldset.engine.model.SUPPORTED_MODEL_TYPES``) and it holds weights
+    is a family the engine runs (``coldset.engine.loading.ENGINE_MODEL_TYPES``) and it holds weights
     (``*.safetensors``); a folder with only ``config.json`` (or weights of another architecture)
     is a shape-only model: enough for stats, placement, the speed model and report.
     """
@@ -148,14 +148,17 @@ def decoding_support(config: dict) -> str | None:
     if not cfg.is_file():
         return None  # the model stage reports the missing file
     try:
-        model_type = json.loads(cfg.read_text()).get("model_type")
+        raw = json.loads(cfg.read_text())
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return None  # the model stage reports the broken file
-    from coldset.engine.model import SUPPORTED_MODEL_TYPES  # loads torch: the Snakefile asks this while it builds the DAG
+    from coldset.engine.loading import ENGINE_MODEL_TYPES  # loads torch: the Snakefile asks this while it builds the DAG
 
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ENGINE_MODEL_TYPES:
         return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
-                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+                f"({', '.join(ENGINE_MODEL_TYPES)})")
+    if model_type == "deepseek_v3" and raw.get("quantization_config"):
+        return f"{cfg}: quantization_config: the embedded engine decodes deepseek_v3 checkpoints in bf16/fp16/float32 only"
     if not any(folder.glob("*.safetensors")):
         return f"{folder} holds no weights (*.safetensors), only the model's shape"
     return None

@@ -22,6 +22,7 @@ import torch
 from coldset.core import shapes
 from coldset.core.files import read_json
 from coldset.core.placement import residency_label
+from coldset.engine.loading import read_config
 from coldset.engine.model import ModelConfig
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.workflow.config import ConfigError, Layout, decoding_support, skipped_stages
@@ -127,7 +128,7 @@ class StageContext:
         :func:`coldset.engine.synthetic.synthetic_model_config` gave), refused if its spec is not the config's.
         """
         if not self.in_memory:
-            return ModelConfig.from_pretrained(self.model_dir)
+            return read_config(self.model_dir)
         path = self.manifest_path
         try:
             manifest = read_json(path, "model manifest")

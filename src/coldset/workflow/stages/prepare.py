@@ -16,7 +16,7 @@ from coldset.analysis.stats import run_stats
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
 from coldset.core.files import write_json
 from coldset.core.placement import ProfileSpec
-from coldset.engine.model import ModelConfig
+from coldset.engine.loading import read_config
 from coldset.engine.synthetic import synthetic_model_config, write_synthetic_checkpoint
 from coldset.kernels.tune import TuneShape, autotune as tune, write_entry
 from coldset.serve.vllm_backend import capture_routing_vllm
@@ -69,7 +69,7 @@ def model(ctx: StageContext, **_) -> None:
         log.info("writing synthetic checkpoint %s to %s", spec, path)
         write_synthetic_checkpoint(spec, path, domain_texts=domain_texts(ctx))
         source = "synthetic"
-    cfg = ModelConfig.from_pretrained(path)  # the loader's own checks: clear errors on a bad folder
+    cfg = read_config(path)  # the loader's own checks: clear errors on a bad folder
     if not (path / "tokenizer.json").is_file():
         raise StageError(f"model folder {path} has no tokenizer.json")
     write_json(ctx.manifest_path, {

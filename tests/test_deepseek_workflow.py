@@ -1,0 +1,100 @@
+"""The workflow on a deepseek_v3 checkpoint, on the CPU: a tiny random DeepseekV3ForCausalLM
+(transformers' own, saved with save_pretrained, plus a small tokenizer) as ``model.path`` through
+model, fixtures, routing, stats, placement, autotune, parity and parity_gate in this process.
+Every placement, static and the slot cache's, decodes bitwise the all-hot path's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coldset.engine.deepseek_v3 import DeepseekV3Config
+from coldset.workflow import pipeline, process_engine
+from coldset.workflow.config import decoding_support, load_config
+from coldset.workflow.context import StageContext
+from hf_fixtures import build_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+DEFAULT = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+
+
+def build(out: Path) -> Path:
+    import torch
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=2048, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=8,
+        n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5,
+        norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv3wf")
+    folder = build(root / "hf")
+    overlay = {
+        "results": str(root / "results"),
+        "model": {"name": "tiny-dsv3", "path": str(folder), "dtype": "float32"},
+        "device": "cpu",
+        "fixtures": {"per_domain": 2, "max_new_tokens": 6},
+        "routing": {"batch_size": 4},
+        "placement": {"policies": ["positional", "usage_global", "lru"], "residency": [0.5, 1.0]},
+        "parity": {"max_new_tokens": 6},
+        "autotune": {"cache_dir": str(root / "autotune-cache")},
+    }
+    (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
+    config = load_config([DEFAULT, root / "tiny.yaml"])
+    process_engine.release_engine()
+    for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
+        pipeline.run_stage(stage, config)
+    yield {"config": config, "results": root / "results", "folder": folder}
+    process_engine.release_engine()
+
+
+def test_the_workflow_reads_the_family_and_decodes_it(run):
+    assert decoding_support(run["config"]) is None
+    assert isinstance(StageContext.from_config(run["config"]).model_config, DeepseekV3Config)
+    manifest = json.loads((run["results"] / "model" / "tiny-dsv3" / "manifest.json").read_text())
+    assert manifest["config"]["model_type"] == "deepseek_v3"
+
+
+def test_every_placement_is_bitwise_the_all_hot_path(run):
+    res = run["results"] / "parity" / "tiny-dsv3"
+    gate = json.loads((res / "gate.json").read_text())
+    names = [f"{p}-{r}" for p in ("positional", "usage_global", "lru") for r in ("0.5", "1.0")]
+    assert gate["passed"] and sorted(gate["placements"]) == sorted(names)
+    for name in names:
+        parity = json.loads((res / f"{name}.json").read_text())
+        assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
+        assert parity["max_abs_logit_diff"] == 0.0
+        if name.endswith("0.5"):
+            assert parity["num_cold"] > 0
+
+
+def test_a_quantized_deepseek_v3_folder_is_refused_before_any_job(tmp_path, run):
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    raw = json.loads((run["folder"] / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "model.safetensors").write_bytes((run["folder"] / "model.safetensors").read_bytes())
+    config = {**run["config"], "model": {**run["config"]["model"], "path": str(folder)}}
+    reason = decoding_support(config)
+    assert reason and "quantization_config" in reason and "deepseek_v3" in reason
