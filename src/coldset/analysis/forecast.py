@@ -98,6 +98,37 @@ def token_groups(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> T
     return TokenGroups(exp.reshape(-1, k), gkey % num_moe_layers, np.where(found, nxt, -1))
 
 
+# The (source, target) expert pairs transition_counts expands at once (int64 bytes)
+PAIR_CHUNK_BYTES = 1 << 26
+
+
+def transition_counts(tokens: np.ndarray, src_tokens: np.ndarray, tgt_tokens: np.ndarray, src_layers: np.ndarray,
+                      tgt_layers: np.ndarray, num_experts: int, *, layers: np.ndarray | None = None,
+                      num_layers: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pairs [L, E, E], sources [L, E], targets [L, E])`` int64 counts over pairs ``i`` and layer
+    columns ``j``: expert ``e`` of ``tokens[src_tokens[i], src_layers[j]]`` followed by ``e'`` of
+    ``tokens[tgt_tokens[i], tgt_layers[j]]``, counted in table layer ``tgt_layers[j]`` (or
+    ``layers[i]``, a layer per pair, with ``num_layers``). ``tokens`` int ``[T, L', k]``. Counted
+    :data:`PAIR_CHUNK_BYTES` of expanded pairs at a time, so memory does not grow with the tokens."""
+    E = int(num_experts)
+    k = tokens.shape[2]
+    L = int(num_layers) if layers is not None else tokens.shape[1]
+    pairs = np.zeros(L * E * E, np.int64)
+    sources = np.zeros(L * E, np.int64)
+    targets = np.zeros(L * E, np.int64)
+    step = max(1, PAIR_CHUNK_BYTES // (len(tgt_layers) * k * k * 8))
+    for c in range(0, len(src_tokens), step):
+        src = tokens[src_tokens[c:c + step]][:, src_layers]  # [n, Lv, k]
+        tgt = tokens[tgt_tokens[c:c + step]][:, tgt_layers]
+        lay = (np.asarray(layers[c:c + step])[:, None, None] if layers is not None
+               else np.asarray(tgt_layers)[None, :, None])
+        pairs += np.bincount(((lay[..., None] * E + src[..., None]) * E + tgt[:, :, None, :]).reshape(-1),
+                             minlength=L * E * E)
+        sources += np.bincount((lay * E + src).reshape(-1), minlength=L * E)
+        targets += np.bincount((lay * E + tgt).reshape(-1), minlength=L * E)
+    return pairs.reshape(L, E, E), sources.reshape(L, E), targets.reshape(L, E)
+
+
 @dataclass(frozen=True)
 class TransitionForecaster:
     """Per-layer next-token transition table (see the module doc). ``table`` float32 ``[L, E, E]``."""
@@ -127,11 +158,12 @@ class TransitionForecaster:
         has = g.next_group >= 0
         if not has.any():
             raise ForecastError("rows: no two consecutive decode tokens of one request to fit a forecaster on")
-        cur, nxt, layer = g.experts[has], g.experts[g.next_group[has]], g.layer[has]
-        flat = (layer[:, None, None] * E + cur[:, :, None]) * E + nxt[:, None, :]
-        pairs = np.bincount(flat.reshape(-1), minlength=L * E * E).reshape(L, E, E).astype(np.float64)
-        occ = np.bincount((layer[:, None] * E + cur).reshape(-1), minlength=L * E).reshape(L, E).astype(np.float64)
-        pop = np.bincount((layer[:, None] * E + nxt).reshape(-1), minlength=L * E).reshape(L, E).astype(np.float64)
+        # a token-layer group is a "token" of one layer: the same counts, every group its own layer
+        src = np.flatnonzero(has)
+        layer = g.layer[has]
+        pairs, occ, pop = transition_counts(g.experts[:, None, :], src, g.next_group[has], np.zeros(1, np.int64),
+                                            np.zeros(1, np.int64), E, layers=layer, num_layers=L)
+        pairs, occ, pop = pairs.astype(np.float64), occ.astype(np.float64), pop.astype(np.float64)
         pop /= np.maximum(np.bincount(layer, minlength=L), 1)[:, None]  # P(e' selected by a next token)
         table = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
         return cls(table.astype(np.float32), int(top_k), int(extra))
@@ -368,6 +400,8 @@ HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5
 # candidate for fit_tuned(term_sets=...), not the default: within noise of the defaults' recall for
 # 5/3 of the table memory (J x L x E x E int32) and of the table rows read per step.
 LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
+# The table rows forecast_lanes gathers at once (int64 bytes): lanes per chunk = this / (L * k * E * 8).
+FORECAST_LANE_BYTES = 1 << 27
 LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
 
 
@@ -497,13 +531,9 @@ class NextTokenForecaster:
             lt = np.arange(max(0, d), min(L, L + d))  # target layers whose source layer l - d exists
             if t.size == 0 or lt.size == 0:
                 continue
-            src = tokens[t - a][:, lt - d]  # [n, Lv, k]
-            tgt = tokens[t + horizon][:, lt]  # [n, Lv, k]
-            lay = np.broadcast_to(lt[None, :, None, None], (t.size, lt.size, k, k))
-            flat = ((lay * E + src[:, :, :, None]) * E + tgt[:, :, None, :]).reshape(-1)
-            pairs = np.bincount(flat, minlength=L * E * E).reshape(L, E, E).astype(np.float64)
-            occ = np.bincount((lt[None, :, None] * E + src).reshape(-1), minlength=L * E).reshape(L, E)
-            pop = np.bincount((lt[None, :, None] * E + tgt).reshape(-1), minlength=L * E).reshape(L, E) / t.size
+            pairs, occ, pop = transition_counts(tokens, t - a, t + horizon, lt - d, lt, E)
+            pairs = pairs.astype(np.float64)
+            pop = pop / t.size
             prob = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
             tables[j] = np.rint(np.clip(prob, 0, None) * w * SCORE_UNIT).astype(np.int32)
         if n_pairs == 0:
@@ -559,7 +589,14 @@ class NextTokenForecaster:
     def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
         first), ``-1`` for idle lanes. ``sel`` int ``[S, L, B, k]`` and ``start`` bool ``[S, B]`` as
-        :class:`coldset.analysis.streams.Lanes` (the engine's pass: ``B`` lanes started at step 0)."""
+        :class:`coldset.analysis.streams.Lanes` (the engine's pass: ``B`` lanes started at step 0).
+
+        A lane's state begins afresh at each start, and no lane reads another's, so each segment of
+        a lane (from step 0 or a start to its last active step before the next start) is forecast
+        from its own step 0 beside the others, longest first, :data:`FORECAST_LANE_BYTES` of
+        gathered table rows at a time (:meth:`_forecast_steps`), and put back: the same forecast as
+        stepping the lanes, in as many vectorised steps as the longest segment (not the stream's
+        steps) and in bounded memory."""
         sel = np.asarray(sel, dtype=np.int64)
         start = np.asarray(start, dtype=bool)
         S, L, B, k = sel.shape
@@ -567,6 +604,36 @@ class NextTokenForecaster:
         if L != self.num_layers or k != self.top_k:
             raise ForecastError(f"forecast_lanes: selections of {L} layers x top-{k}, the forecaster has "
                                 f"{self.num_layers} x top-{self.top_k}")
+        out = np.full((S, L, B, n), -1, dtype=np.int64)
+        if S == 0 or B == 0:
+            return out
+        begin = start.copy()
+        begin[0] = True
+        lane, first = np.nonzero(begin.T)  # lane then step order
+        nxt = np.where(np.r_[lane[1:] == lane[:-1], False], np.r_[first[1:], 0], S)
+        flat = np.where(sel[:, 0, :, 0].T.reshape(-1) >= 0, np.arange(S * B), -1)
+        last = np.maximum.accumulate(flat)[lane * S + nxt - 1] - lane * S  # last active step before nxt
+        length = np.where(last >= first, last - first + 1, 0)
+        order = np.argsort(-length, kind="stable")
+        order = order[length[order] > 0]
+        per_chunk = max(1, FORECAST_LANE_BYTES // (L * k * E * 8))
+        for c in range(0, order.size, per_chunk):
+            seg = order[c:c + per_chunk]
+            P = int(length[seg[0]])
+            steps = first[seg, None] + np.arange(P)[None, :]  # [C, P]
+            inside = np.arange(P)[None, :] < length[seg, None]
+            part = sel[np.minimum(steps, S - 1), :, lane[seg, None], :]  # [C, P, L, k]
+            part[~inside] = -1
+            seg_start = np.zeros((P, seg.size), dtype=bool)
+            seg_start[0] = True
+            got = self._forecast_steps(part.transpose(1, 2, 0, 3), seg_start).transpose(2, 0, 1, 3)  # [C, P, L, n]
+            out[steps[inside], :, np.broadcast_to(lane[seg, None], steps.shape)[inside], :] = got[inside]
+        return out
+
+    def _forecast_steps(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """:meth:`forecast_lanes` stepping every lane together (its arguments checked)."""
+        S, L, B, k = sel.shape
+        E, n = self.num_experts, self.num_predictions
         out = np.full((S, L, B, n), -1, dtype=np.int64)
         H = np.zeros((L, B, E), dtype=np.int64)
         A = self.max_lag
