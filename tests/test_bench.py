@@ -516,7 +516,7 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
 
 def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(engine, monkeypatch):
     """A nexttoken placement (its forecaster inside the placement) on the bench: the measured pass's
-    hits, misses, fills and prefetch copies per group equal coldset.analysis.cache.simulate's 'nexttoken' on
+    hits, misses, fills and prefetch copies per group equal coldset.analysis.simulate.simulate's 'nexttoken' on
     the lists coldset.analysis.forecast.nexttoken_lists makes from the placement's forecaster, the link bytes
     count the prefetch copies, and wasted_gb_per_token is that replay's wasted prefetches (checked
     here by an independent replay of the pass's routing). Handed other lists, or lru's replay, the
