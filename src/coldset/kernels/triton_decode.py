@@ -418,8 +418,8 @@ def gemv_config(n: int, k: int, weight_bytes: int = 2) -> GemvConfig:
     ``gemv(..., weight_scale=...)``). The rule is in bytes, so FP8 gets the same 8 KB (16 KB) a
     program, twice the rows of a 2-byte weight of the same K (qkv: 4 rows of 2,048 where bf16 has 2).
     Why bytes: a program's rows are all in flight at once, and the read rate needs bytes in flight
-    per SM, not elements. FP8 at this rule is timed against bf16 by probes/fp8_gemv_h200.py (its
-    figures in probes/fp8_gemv_h200.json); it has no sweep of its own."""
+    per SM, not elements. FP8 at this rule was timed against bf16 once (docs/history.md, "FP8
+    attention GEMVs"); it has no sweep of its own."""
     if weight_bytes not in (1, 2):
         raise ValueError(f"gemv_config: weight_bytes must be 1 (FP8) or 2 (bf16/fp16), got {weight_bytes}")
     kp = triton.next_power_of_2(k)
@@ -598,8 +598,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 # The register cap of the router launch with lookahead's decision (``route(..., ahead=...)``) where
 # its grid needs more than two blocks an SM. ptxas gives that launch the registers its last
-# program's decision asks for, and a launch has one count for all its programs (probes/route_regs_cpu.py
-# compiles it for sm90 on the CPU). Uncapped, a grid of 8 tokens at E 128 fits two or three blocks of
+# program's decision asks for, and a launch has one count for all its programs (seen by compiling it
+# for sm90 on the CPU). Uncapped, a grid of 8 tokens at E 128 fits two or three blocks of
 # 4 warps an SM: two waves on the H200's 132 SMs, the second loading its router rows after the first.
 # At 128 registers four fit (one wave) with a few bytes of stack; below 128 it spills more, so a
 # grid past four blocks an SM keeps 128. The cap changes the register allocation and the schedule,
