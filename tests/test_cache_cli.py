@@ -195,3 +195,35 @@ def test_forecaster_tables_counted_in_chunks_equal_one_pass(monkeypatch):
                      TransitionForecaster.fit(rows, L, E, k).table))
     for one, chunked in zip(*fits):
         np.testing.assert_array_equal(one, chunked)
+
+
+def test_quality_of_a_history_grid_equals_one_forecaster_per_point_and_fit_tuned_chooses_the_same():
+    """forecast_quality(hist=grid) (one forecast sharing the table lookups) gives each grid point's
+    own quality, and fit_tuned picks what trying each point's forecaster in turn picks."""
+    from dataclasses import replace
+
+    from coldset.analysis.forecast import HIST_GRID, SCORE_UNIT, NextTokenForecaster, forecast_quality
+
+    rng = np.random.default_rng(5)
+    T, L, E, k = 400, 3, 8, 2
+    tokens = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(T)])
+    tokens[1::2, 0] = tokens[::2, 0]  # some stickiness, so the history matters
+    seq = np.repeat(np.arange(20), 20)
+    base = NextTokenForecaster.fit(tokens, seq, k, E, self_boost=2.0)
+    hist = [(int(round(b * SCORE_UNIT)), h) for b, h in HIST_GRID]
+    many = forecast_quality(base, tokens, seq, (2,), hist=hist)
+    for (unit, shift), q in zip(hist, many):
+        assert q == forecast_quality(replace(base, hist_unit=unit, hist_shift=shift), tokens, seq, (2,))
+    val = np.arange(20)[seq] % 5 == 4
+    best = None
+    for boost in (0.0, float(k)):
+        fit = NextTokenForecaster.fit(tokens[~val], seq[~val], k, E, self_boost=boost)
+        for beta, shift in HIST_GRID:
+            f = replace(fit, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=shift)
+            r = forecast_quality(f, tokens[val], seq[val])["recall"]
+            if best is None or r > best[0] + 1e-12:
+                best = (r, beta, shift, boost)
+    got = NextTokenForecaster.fit_tuned(tokens, seq, k, E)
+    want = NextTokenForecaster.fit(tokens, seq, k, E, hist_beta=best[1], hist_shift=best[2], self_boost=best[3])
+    assert (got.hist_unit, got.hist_shift, got.self_boost) == (want.hist_unit, want.hist_shift, want.self_boost)
+    np.testing.assert_array_equal(got.tables, want.tables)

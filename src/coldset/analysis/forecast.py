@@ -574,9 +574,11 @@ class NextTokenForecaster:
                 for boost in (0.0, float(top_k)):  # the current token's experts first, or not
                     base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon,
                                    terms=terms, weights=weights, self_boost=boost, **kw)
-                    for beta, shift in grid:
-                        f = replace(base, hist_unit=int(round(beta * SCORE_UNIT)), hist_shift=int(shift))
-                        r = forecast_quality(f, tokens[val], sequence[val])["recall"]
+                    # replace checks each point's int32 headroom; one forecast shares the table lookups
+                    hist = [(f.hist_unit, f.hist_shift) for f in
+                            (replace(base, hist_unit=int(round(b * SCORE_UNIT)), hist_shift=int(h)) for b, h in grid)]
+                    recalls = [q["recall"] for q in forecast_quality(base, tokens[val], sequence[val], hist=hist)]
+                    for (beta, shift), r in zip(grid, recalls):
                         if best is None or r > best[0] + 1e-12:
                             best = (r, beta, shift, boost, terms, weights)
         beta, shift, boost, terms, weights = (best[1:] if best else (kw.pop("hist_beta", 0.2), kw.pop("hist_shift", 5),
@@ -586,7 +588,7 @@ class NextTokenForecaster:
         return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift,
                        self_boost=boost, terms=terms, weights=weights, **kw)
 
-    def forecast_lanes(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
+    def forecast_lanes(self, sel: np.ndarray, start: np.ndarray, hist=None) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
         first), ``-1`` for idle lanes. ``sel`` int ``[S, L, B, k]`` and ``start`` bool ``[S, B]`` as
         :class:`coldset.analysis.streams.Lanes` (the engine's pass: ``B`` lanes started at step 0).
@@ -596,7 +598,8 @@ class NextTokenForecaster:
         from its own step 0 beside the others, longest first, :data:`FORECAST_LANE_BYTES` of
         gathered table rows at a time (:meth:`_forecast_steps`), and put back: the same forecast as
         stepping the lanes, in as many vectorised steps as the longest segment (not the stream's
-        steps) and in bounded memory."""
+        steps) and in bounded memory. ``hist``: ``(hist_unit, hist_shift)`` pairs to forecast with in
+        place of the forecaster's own, sharing the table lookups: ``[V, S, L, B, n]``, one per pair."""
         sel = np.asarray(sel, dtype=np.int64)
         start = np.asarray(start, dtype=bool)
         S, L, B, k = sel.shape
@@ -604,9 +607,11 @@ class NextTokenForecaster:
         if L != self.num_layers or k != self.top_k:
             raise ForecastError(f"forecast_lanes: selections of {L} layers x top-{k}, the forecaster has "
                                 f"{self.num_layers} x top-{self.top_k}")
-        out = np.full((S, L, B, n), -1, dtype=np.int64)
+        variants = [(self.hist_unit, self.hist_shift)] if hist is None else list(hist)
+        V = len(variants)
+        out = np.full((V, S, L, B, n), -1, dtype=np.int64)
         if S == 0 or B == 0:
-            return out
+            return out if hist is not None else out[0]
         begin = start.copy()
         begin[0] = True
         lane, first = np.nonzero(begin.T)  # lane then step order
@@ -626,37 +631,42 @@ class NextTokenForecaster:
             part[~inside] = -1
             seg_start = np.zeros((P, seg.size), dtype=bool)
             seg_start[0] = True
-            got = self._forecast_steps(part.transpose(1, 2, 0, 3), seg_start).transpose(2, 0, 1, 3)  # [C, P, L, n]
-            out[steps[inside], :, np.broadcast_to(lane[seg, None], steps.shape)[inside], :] = got[inside]
-        return out
+            got = self._forecast_steps(part.transpose(1, 2, 0, 3), seg_start, variants)  # [V, P, L, C, n]
+            got = got.transpose(3, 1, 0, 2, 4)[inside]  # [m, V, L, n]
+            out[:, steps[inside], :, np.broadcast_to(lane[seg, None], steps.shape)[inside], :] = got
+        return out if hist is not None else out[0]
 
-    def _forecast_steps(self, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
+    def _forecast_steps(self, sel: np.ndarray, start: np.ndarray, hist=None) -> np.ndarray:
         """:meth:`forecast_lanes` stepping every lane together (its arguments checked)."""
         S, L, B, k = sel.shape
         E, n = self.num_experts, self.num_predictions
-        out = np.full((S, L, B, n), -1, dtype=np.int64)
-        H = np.zeros((L, B, E), dtype=np.int64)
+        variants = [(self.hist_unit, self.hist_shift)] if hist is None else [(int(u), int(h)) for u, h in hist]
+        V = len(variants)
+        units = np.array([u for u, _ in variants], dtype=np.int64)[:, None, None, None]
+        shifts = np.array([h for _, h in variants], dtype=np.int64)[:, None, None, None]
+        out = np.full((V, S, L, B, n), -1, dtype=np.int64)
+        H = np.zeros((V, L, B, E), dtype=np.int64)
         A = self.max_lag
         past = np.full((A + 1, L, B, k), -1, dtype=np.int64)  # past[a] = the lane's token a steps back
         age = np.zeros(B, dtype=np.int64)
         lidx = np.arange(L)[:, None, None]
         bidx = np.arange(B)[None, :, None]
         tie = (E - 1 - np.arange(E, dtype=np.int64))[None, None, :]
-        chunk = max(1, 4096 // max(B * L // 8, 1))
-        keys = np.empty((chunk, L, B, E), dtype=np.int64)
+        chunk = max(1, 4096 // max(V * B * L // 8, 1))
+        keys = np.empty((chunk, V, L, B, E), dtype=np.int64)
         s0 = 0
         for s in range(S):
             act = sel[s, 0, :, 0] >= 0
             age = np.where(start[s], 0, age + 1)
-            H[:, start[s], :] = 0
+            H[:, :, start[s], :] = 0
             past = np.roll(past, 1, axis=0)
             past[0] = sel[s]
             onehot = np.zeros((L, B, E), dtype=bool)
             cur = np.where(sel[s] >= 0, sel[s], 0)
             onehot[lidx, bidx, cur] = True
             onehot &= act[None, :, None]
-            H = np.where(act[None, :, None], H - (H >> self.hist_shift), H) + self.hist_unit * onehot
-            score = H.copy()
+            H = np.where(act[None, :, None], H - (H >> shifts), H) + units * onehot
+            score = np.zeros((L, B, E), dtype=np.int64)
             for j, (a, d) in enumerate(self.terms):
                 valid = act & (age >= a)
                 if not valid.any():
@@ -666,16 +676,16 @@ class NextTokenForecaster:
                 rows = self.tables[j][lt[:, None, None], np.maximum(src, 0)]  # [Lv, B, k, E]
                 rows = np.where((src >= 0)[..., None], rows, 0)
                 score[lt] += rows.sum(axis=2, dtype=np.int64)
-            keys[s - s0] = score * E + tie
+            keys[s - s0] = (H + score) * E + tie
             if s - s0 + 1 == chunk or s == S - 1:
                 kk = keys[: s - s0 + 1]
-                part = np.argpartition(-kk, n - 1, axis=3)[..., :n] if n < E else np.broadcast_to(
+                part = np.argpartition(-kk, n - 1, axis=4)[..., :n] if n < E else np.broadcast_to(
                     np.arange(E), kk.shape).copy()
-                order = np.argsort(-np.take_along_axis(kk, part, axis=3), axis=3)
-                out[s0:s + 1] = np.take_along_axis(part, order, axis=3)
+                order = np.argsort(-np.take_along_axis(kk, part, axis=4), axis=4)
+                out[:, s0:s + 1] = np.take_along_axis(part, order, axis=4).transpose(1, 0, 2, 3, 4)
                 s0 = s + 1
-        out[np.broadcast_to((sel[:, 0, :, 0] < 0)[:, None, :, None], out.shape)] = -1
-        return out
+        out[np.broadcast_to((sel[:, 0, :, 0] < 0)[None, :, None, :, None], out.shape)] = -1
+        return out if hist is not None else out[0]
 
 
 def lanes_of_tokens(tokens: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -710,13 +720,15 @@ def lanes_per_sequence(tokens: np.ndarray, sequence: np.ndarray):
 
 
 def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequence: np.ndarray,
-                     sizes: tuple | None = None) -> dict:
+                     sizes: tuple | None = None, hist=None):
     """Recall and precision of the forecast ``forecaster.horizon`` tokens ahead on decode
     ``tokens`` ``[T, L, k]`` (the held-out selection), over every (token, layer) whose token
     ``horizon`` later exists in the same sequence: recall = share of that token's selections inside
     the forecast, precision = share of the forecast it selects. ``recall`` / ``precision`` at the
     full forecast (``top_k + extra``), and ``at`` each size in ``sizes`` (the forecast's first
-    ``m``, e.g. ``top_k`` or a prefetch budget)."""
+    ``m``, e.g. ``top_k`` or a prefetch budget). ``hist``: ``(hist_unit, hist_shift)`` pairs
+    (:meth:`NextTokenForecaster.forecast_lanes`): a list of such dicts, one per pair. Counted a
+    chunk of tokens at a time."""
     tokens = np.asarray(tokens, dtype=np.int64)
     sequence = np.asarray(sequence, dtype=np.int64)
     h = forecaster.horizon
@@ -726,19 +738,32 @@ def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequen
     if t.size == 0:
         raise ForecastError(f"no token has a successor {h} token(s) later in its sequence")
     sel, start, step, lane = lanes_per_sequence(tokens, sequence)
-    lists = forecaster.forecast_lanes(sel, start)[step, :, lane, :]  # [T, L, n]
-    tgt = tokens[t + h]  # [m, L, k]
-    pred = lists[t]  # [m, L, n]
-    inside = tgt[..., :, None] == pred[..., None, :]  # [m, L, k, n]
+    lists = forecaster.forecast_lanes(sel, start, hist=hist)  # [(V,) P, L, N, n]
+    if hist is None:
+        lists = lists[None]
     n = forecaster.num_predictions
-    out = {"horizon": h, "predictions": n, "top_k": forecaster.top_k, "pairs": int(t.size * tokens.shape[1]),
-           "recall": float(inside.any(-1).mean()), "precision": float(inside.any(-2).mean())}
-    for m in sizes or ():
-        m = int(min(m, n))
-        sub = inside[..., :m]
-        out[f"recall_at_{m}"] = float(sub.any(-1).mean())
-        out[f"precision_at_{m}"] = float(sub.any(-2).mean())
-    return out
+    widths = [n] + [int(min(m, n)) for m in sizes or ()]
+    hits = np.zeros((lists.shape[0], len(widths), 2), dtype=np.int64)  # (recall, precision) hits per width
+    chunk = max(1, (1 << 25) // max(tokens.shape[1] * tokens.shape[2] * n, 1))
+    for c in range(0, t.size, chunk):
+        tc = t[c:c + chunk]
+        tgt = tokens[tc + h]  # [m, L, k]
+        for v in range(lists.shape[0]):
+            pred = lists[v][step[tc], :, lane[tc], :]  # [m, L, n]
+            inside = tgt[..., :, None] == pred[..., None, :]  # [m, L, k, n]
+            for i, m in enumerate(widths):
+                hits[v, i] += (int(inside[..., :m].any(-1).sum()), int(inside[..., :m].any(-2).sum()))
+    pairs = int(t.size * tokens.shape[1])
+    k = tokens.shape[2]
+    out = []
+    for v in range(lists.shape[0]):
+        q = {"horizon": h, "predictions": n, "top_k": forecaster.top_k, "pairs": pairs,
+             "recall": hits[v, 0, 0] / (pairs * k), "precision": hits[v, 0, 1] / (pairs * n)}
+        for i, m in enumerate(widths[1:], 1):
+            q[f"recall_at_{m}"] = hits[v, i, 0] / (pairs * k)
+            q[f"precision_at_{m}"] = hits[v, i, 1] / (pairs * m)
+        out.append({key: float(x) if isinstance(x, np.floating) else x for key, x in q.items()})
+    return out if hist is not None else out[0]
 
 
 def _set_ids(sets: np.ndarray, num_experts: int) -> np.ndarray:
