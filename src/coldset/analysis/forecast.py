@@ -518,7 +518,7 @@ class NextTokenForecaster:
             raise ForecastError(f"fit: tokens hold {tokens.shape[2]} selections per layer, top_k is {top_k}")
         if len(terms) != len(weights) or alpha <= 0 or hist_beta < 0:
             raise ForecastError("fit: one weight per term, alpha > 0, hist_beta >= 0")
-        T, L, k = tokens.shape
+        T, L = tokens.shape[:2]
         E = int(num_experts)
         if T and (tokens.min() < 0 or tokens.max() >= E):
             raise ForecastError(f"fit: experts outside [0, {E})")
