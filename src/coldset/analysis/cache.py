@@ -348,8 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(coldset.analysis.forecast.LOWER_LAYER_TERMS), chosen or not on the profile's "
                          "validation part")
     ap.add_argument("--ceiling-lower-layers", type=int, default=0,
-                    help="--recall: also the in-sample ceiling of any function of the current token's experts in "
-                         "layers l..l-N (slow: a minute per horizon on the real trace)")
+                    help="--recall: also the in-sample bound of any function of the current token's experts in "
+                         "layers l..l-N (printed where the contexts repeat, as the one of layer l)")
     args = ap.parse_args(argv)
     steps = args.step_ms or [next((s["all_hbm_step_ms"] for s in DEFAULT_TIME["steps"] if s["batch"] == b), None)
                              for b in args.batch]
