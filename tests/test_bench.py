@@ -5,7 +5,7 @@ import pytest
 
 from coldset.bench import decode as bench
 from coldset.bench.metrics import timed_token_match
-from coldset.reporting.results import TIME_BOUND_METRICS
+from coldset.bench.metrics import TIME_BOUND_METRICS
 from coldset.core import timing
 from coldset.engine.generate import generate
 from coldset.engine.loading import load_model

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coldset.workflow.config import ConfigError, Layout, load_config, validate_config
+from coldset.core.layout import Layout
+from coldset.workflow.config import ConfigError, load_config, tracking_uri, validate_config
 from coldset.workflow.context import StageError
 from coldset.workflow.pipeline import run_stage
 
@@ -17,7 +18,7 @@ def test_defaults_are_filled_and_paths_laid_out():
     assert cfg["bench"]["batch_sizes"] == [1] and cfg["parity"]["max_new_tokens"] == 64
     layout = Layout.from_config(cfg)
     assert str(layout.placement("usage_global", 0.5)) == "results/placement/synthetic-moe/usage_global-0.5.json"
-    assert layout.tracking_uri(cfg).startswith("sqlite:////")
+    assert tracking_uri(cfg).startswith("sqlite:////")
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -478,7 +478,8 @@ def pipeline_config(run):
 def test_a_router_knob_change_remakes_the_routers_of_the_built_engine(tmp_path, monkeypatch):
     """A config that differs from the engine's only in router knobs (a calibration sweep) reuses
     the built in-memory model with its routers remade, and routes exactly like a fresh build."""
-    from coldset.workflow.config import Layout, load_config
+    from coldset.core.layout import Layout
+    from coldset.workflow.config import load_config
 
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(tmp_path)))

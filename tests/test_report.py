@@ -21,7 +21,7 @@ import pytest
 
 import pandas as pd
 
-from coldset.workflow.config import Layout
+from coldset.core.layout import Layout
 from coldset.reporting.report import render_report
 from coldset.reporting.results import (
     BENCH_METRICS,

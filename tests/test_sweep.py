@@ -133,7 +133,7 @@ def test_comparison_never_publishes_cpu_speed_ratios(tmp_path):
     labelled "measured" nor turned into tok_s_per_gib: the row falls back to the speed model,
     labelled as the upper estimate it is. A GPU bench's rows are measured, with the bench's own
     tok_s_per_gib, none where a timing is noisy."""
-    from coldset.workflow.config import Layout
+    from coldset.core.layout import Layout
     from coldset.workflow.sweep import render_comparison
 
     tree = _results_tree()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from coldset.workflow.config import Layout
+from coldset.core.layout import Layout
 from coldset.reporting.track import BENCH_TABLE, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, RUN_KEY_TAG, run_track
 from coldset.reporting.track_runs import DatasetRef, invocation_id
 from coldset.reporting.track_store import default_tracking_uri, ensure_store

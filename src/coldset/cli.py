@@ -1,6 +1,6 @@
 """``python -m coldset STAGE``: run one stage where Snakemake is not installed (the GPU host).
 
-Stages read and write exactly the files the Snakefile's rules do (coldset.workflow.config.Layout), through
+Stages read and write exactly the files the Snakefile's rules do (coldset.core.layout.Layout), through
 the same functions (coldset.workflow.pipeline), so results made here are picked up by a later
 ``snakemake`` run on another machine (copy results/ over; Snakemake judges them by time stamps).
 

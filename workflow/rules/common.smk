@@ -1,8 +1,8 @@
 import re
 from pathlib import Path
 
+from coldset.core.layout import Layout
 from coldset.workflow.config import (
-    Layout,
     check_config,
     comparison_path,
     model_configs,

@@ -31,8 +31,10 @@ from typing import Any
 
 import jinja2
 
+from coldset.bench.metrics import TIME_BOUND_METRICS
 from coldset.bench.provenance import TAG_FIELDS
 from coldset.core.files import write_bytes
+from coldset.core.layout import Layout
 from coldset.core.shapes import MoEShape
 from coldset.core.shapes import describe as describe_shape
 from coldset.core.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
@@ -49,7 +51,6 @@ from coldset.reporting.figures import (
 from coldset.reporting.results import (
     BENCH_METRICS,
     CEILING_FIELDS,
-    TIME_BOUND_METRICS,
     BenchResult,
     ReportInputError,
     load_bench,
@@ -62,7 +63,6 @@ from coldset.reporting.results import (
     read_json,
     require_fields,
 )
-from coldset.workflow.config import Layout
 
 
 def _cpu_name() -> str:
@@ -130,7 +130,7 @@ def _ceilings_rows(bench: list[BenchResult]) -> list[dict[str, str]]:
 
 def _expected_paths(results_dir: Path, stage: str, model: str, config: dict) -> list[Path] | None:
     """Every configured placement's file of ``stage`` (placement, parity or bench), named by
-    ``coldset.workflow.config.Layout`` (the one place that names stage files), or None when the config
+    ``coldset.core.layout.Layout`` (the one place that names stage files), or None when the config
     names no policies (then the stage's files are discovered by glob)."""
     placement_cfg = (config or {}).get("placement") or {}
     policies, residencies = placement_cfg.get("policies"), placement_cfg.get("residency")

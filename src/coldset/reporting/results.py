@@ -19,40 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Weight bytes read per token and what coldset.bench.decode.derive_metrics makes of them with the read
-# ceilings measured in the same run (CUDA only; hbm_gb_per_token is also filled on CPU when the
-# router is not replayed): the bytes floor of a step, the measured step's fraction of it, and the
-# additive model (predicted_step_ms_calibrated: the policy's measured all-HBM step + the cold bytes'
-# extra link time, all from the same run: a check that link time adds, not an independent prediction).
-BYTES_METRICS: tuple[str, ...] = (
-    "hbm_gb_per_token",
-    "bytes_step_ms",
-    "fraction_of_bytes_bound",
-    "predicted_step_ms_calibrated",
-)
-# The time bound of every row (coldset.bench.decode.derive_metrics, docs/design.md §6 "for caches
-# also"): the all-HBM step of the same run, the bound max(all-HBM step, link time), the fraction of
-# it reached, overlap, stall per token (measured step - all-HBM step, per token), for a cache row the
-# time simulator's step on the pass's own decisions (coldset.analysis.time_model.simulate_time with the engine's
-# time model at this run's all-HBM step and link rate) and its ratio to the measured step, with the
-# policy's residency-1.0 row of the run the cache's management per (step, layer) group and the
-# simulated step with it (coldset.analysis.cache.TimeModel.manage_ms) and its ratio, wasted prefetch
-# bytes per token (the simulator's replay of the measured pass). None where undefined: the
-# time-derived ones on the CPU or for a noisy timing, the management ones without a sound
-# residency-1.0 row apart from the all-HBM one, wasted bytes for static placements, and all in
-# bench files without them.
-TIME_BOUND_METRICS: tuple[str, ...] = (
-    "allhbm_step_ms",
-    "bound_ms",
-    "bound_fraction",
-    "overlap",
-    "stall_ms_per_token",
-    "simulated_step_ms",
-    "simulated_over_measured",
-    "manage_ms_per_group",
-    "simulated_managed_step_ms",
-    "simulated_managed_over_measured",
-)
+from coldset.bench.metrics import BYTES_METRICS, TIME_BOUND_METRICS
+
 CACHE_TIME_METRICS: tuple[str, ...] = (*TIME_BOUND_METRICS, "wasted_gb_per_token")
 # Metric names of docs/design.md §6 and the bytes metrics, as they appear in bench JSON, MLflow and
 # the report.

@@ -103,7 +103,7 @@ class ServedPlacement:
 
 
 def workflow_files(placement_path: Path) -> dict[str, Path]:
-    """The files beside a placement in the workflow's layout (coldset.workflow.config.Layout):
+    """The files beside a placement in the workflow's layout (coldset.core.layout.Layout):
     ``<results>/placement/<model>/<name>.json`` -> its parity report, the model manifest and
     the autotune entry its fingerprint names."""
     results, model = placement_path.parents[2], placement_path.parent.name

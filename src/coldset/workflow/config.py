@@ -13,7 +13,6 @@ import difflib
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
@@ -276,75 +275,9 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each stage's files live, from the validated config (docs/design.md §1)."""
-
-    results: Path
-    model: str
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Layout":
-        return cls(results=Path(config["results"]), model=config["model"]["name"])
-
-    @property
-    def model_dir(self) -> Path:
-        return self.results / "model" / self.model
-
-    @property
-    def fixtures_dir(self) -> Path:
-        return self.results / "fixtures"
-
-    def fixtures(self, domain: str) -> Path:
-        return self.fixtures_dir / f"{domain}.jsonl"
-
-    @property
-    def trace(self) -> Path:
-        return self.results / "routing" / self.model / "trace.parquet"
-
-    @property
-    def stats_dir(self) -> Path:
-        return self.results / "stats" / self.model
-
-    @property
-    def placement_dir(self) -> Path:
-        return self.results / "placement" / self.model
-
-    def placement(self, policy: str, residency: float | str) -> Path:
-        label = residency if isinstance(residency, str) else residency_label(residency)
-        return self.placement_dir / f"{policy}-{label}.json"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.results / "cache" / self.model
-
-    @property
-    def autotune(self) -> Path:
-        return self.results / "autotune" / f"{self.model}.json"
-
-    def parity(self, policy: str, residency: float | str) -> Path:
-        label = residency if isinstance(residency, str) else residency_label(residency)
-        return self.results / "parity" / self.model / f"{policy}-{label}.json"
-
-    @property
-    def parity_gate(self) -> Path:
-        return self.results / "parity" / self.model / "gate.json"
-
-    def bench(self, policy: str, residency: float | str) -> Path:
-        label = residency if isinstance(residency, str) else residency_label(residency)
-        return self.results / "bench" / self.model / f"{policy}-{label}.json"
-
-    @property
-    def track_done(self) -> Path:
-        return self.results / "track" / f"{self.model}.done"
-
-    @property
-    def report(self) -> Path:
-        return self.results / "report" / "index.html"
-
-    def tracking_uri(self, config: dict) -> str:
-        """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
-        return config["tracking"]["uri"] or default_tracking_uri(self.results)
+def tracking_uri(config: dict) -> str:
+    """The configured tracking server, or the SQLite store under results/ (absolute URI)."""
+    return config["tracking"]["uri"] or default_tracking_uri(Path(config["results"]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from coldset.core.placement import residency_label
 from coldset.engine.loading import read_config
 from coldset.engine.model import ModelConfig
 from coldset.engine.synthetic import SyntheticSpec
-from coldset.workflow.config import ConfigError, Layout, decoding_support, skipped_stages
+from coldset.core.layout import Layout
+from coldset.workflow.config import ConfigError, decoding_support, skipped_stages
 
 IN_MEMORY_SOURCE = "synthetic-in-memory"
 

@@ -1,6 +1,6 @@
 """The stages of the workflow by name, and :func:`run_stage` (docs/design.md §1).
 
-Each stage reads and writes the files :class:`coldset.workflow.config.Layout` names, so the
+Each stage reads and writes the files :class:`coldset.core.layout.Layout` names, so the
 Snakemake rules (through workflow/scripts/, which only call
 :func:`coldset.workflow.entry.run_from_snakemake`) and ``python -m coldset STAGE`` (for the GPU
 host, which has no Snakemake) run the same code on the same paths. A stage takes the

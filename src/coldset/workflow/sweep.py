@@ -29,7 +29,8 @@ from coldset.core.files import write_bytes
 from coldset.core.timing import noisy_reason, speed_compares_placements, timing_noisy
 from coldset.reporting.results import load_bench, load_placement_summary
 from coldset.workflow import pipeline
-from coldset.workflow.config import Layout, comparison_path, model_configs
+from coldset.core.layout import Layout
+from coldset.workflow.config import comparison_path, model_configs
 from coldset.workflow.context import StageContext
 
 

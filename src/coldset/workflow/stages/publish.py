@@ -9,7 +9,7 @@ from coldset.core.files import read_json
 from coldset.reporting.report import render_report
 from coldset.reporting.track import log_report, run_track
 from coldset.reporting.track_runs import DatasetRef
-from coldset.workflow.config import config_hash
+from coldset.workflow.config import config_hash, tracking_uri
 from coldset.workflow.context import StageContext
 
 log = logging.getLogger("coldset")
@@ -43,7 +43,7 @@ def track(ctx: StageContext, **_) -> None:
         parity_jsons=[layout.parity(*n.rsplit("-", 1)) for n in names] if decoded else [],
         placement_jsons=[layout.placement_dir / f"{n}.json" for n in names],
         stats_json=layout.stats_dir / "skew.json",
-        tracking_uri=layout.tracking_uri(ctx.config),
+        tracking_uri=tracking_uri(ctx.config),
         experiment=ctx.tracking["experiment"],
         tags=tags,
         done_path=layout.track_done,
