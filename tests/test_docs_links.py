@@ -13,6 +13,7 @@ the command line CI runs (.ci/run)."""
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -186,3 +187,45 @@ def test_github_anchors():
         "2-the-routing-trace-the-contract-every-engine-and-importer-writes"
     assert slug("Serve a placement with vLLM") == "serve-a-placement-with-vllm"
     assert slug("`lru_guard` and [links](x.md)") == "lru_guard-and-links"
+
+
+# ---------------------------------------------------------------- names the text cites
+DOTTED = re.compile(r"\bcoldset(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+NOT_CODE = {"coldset.run_key"}  # an MLflow tag's name, not a Python name
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``name`` is a module of the package, or an attribute reachable from one."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def cited_names(text: str) -> set[str]:
+    names = {m.group(0).rstrip(".") for m in DOTTED.finditer(text)}
+    return {n for n in names if not n.endswith((".py", ".md", ".yaml", ".json", ".txt", ".html")) and n not in NOT_CODE}
+
+
+def test_every_cited_python_name_exists():
+    """A docstring, a docs page, the config schema or a rule that names ``coldset.x.y`` names a
+    module or attribute that exists (BENCHMARKS.md and docs/history.md record what ran then)."""
+    texts = [*ROOT.joinpath("src").rglob("*.py"), *ROOT.joinpath("workflow").rglob("*.py"),
+             *ROOT.joinpath("workflow").rglob("*.smk"), ROOT / "README.md", ROOT / "config" / "schema.yaml",
+             ROOT / "config" / "README.md", *(p for p in ROOT.joinpath("docs").glob("*.md") if p.name != "history.md")]
+    missing = sorted((name, str(path.relative_to(ROOT))) for path in texts
+                     for name in cited_names(path.read_text()) if not _resolves(name))
+    assert missing == []
+
+
+def test_a_stale_name_is_caught():
+    assert cited_names("see coldset.cache.simulate and coldset.run_key") == {"coldset.cache.simulate"}
+    assert not _resolves("coldset.cache.simulate") and _resolves("coldset.analysis.simulate.simulate")

@@ -132,7 +132,7 @@ def _bf16_of_e4m3_bits(w):
     triton 3.6 converts each f16 to bf16 by its own F2F. Bitwise Triton's conversion for every finite
     e4m3 value (zeros and signs included); e4m3fn's NaN (0x7f, 0xff) reads as +-122880 instead of
     NaN (a quantizer writes none: :func:`coldset.core.fp8.quantize_weight` clamps to +-448; the loader
-    refuses a checkpoint tensor that holds one, by name: ``coldset.engine.model._read_linear``)."""
+    refuses a checkpoint tensor that holds one, by name: ``coldset.engine.loading._read_linear``)."""
     h = w.to(tl.float16)
     return tl.inline_asm_elementwise(
         "{ .reg .b32 u, s, k; and.b32 u, $1, 0x7fff7fff; shr.b32 u, u, 3; and.b32 s, $1, 0x80008000; "

@@ -41,9 +41,9 @@ cache's work per layer at the config's shape (no model). Writes ``cache_bench.js
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
 layer; the bf16 experts are freed after), so every tier holds FP8 weights with their 128 x 128
 scales: the HBM pools, the slots and the pinned host tier, and its attention projections as a
-published FP8 checkpoint holds them (:func:`coldset.engine.model.attach_fp8_attention`, read as FP8 at one
+published FP8 checkpoint holds them (:func:`coldset.engine.loading.attach_fp8_attention`, read as FP8 at one
 token; not yet run on a GPU in this command: bench step's FP8 rows run it) (half the bytes an expert:
-:func:`coldset.core.placement.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
+:func:`coldset.core.shapes.expert_bytes` of ``fp8_block128``, scales included, 4.72 MB at
 Qwen3-30B-A3B against 9.44 MB). The reference is the FP8 all-HBM run (the FP8 kernel, every expert
 hot, the row map compiled out): every variant's logits bitwise its, the engine's decisions the
 simulator's, link bytes and bounds at the FP8 bytes an expert; the same checks as bf16.

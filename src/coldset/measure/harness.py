@@ -85,7 +85,7 @@ WEIGHT_FORMATS = ("bf16", "fp8")
 
 def expert_format(weight_format: str) -> str:
     """The :mod:`coldset.core.shapes` format name of ``--weight-format``: what
-    :func:`coldset.core.placement.expert_bytes` takes for the bytes of one expert (bf16 9,437,184 B at
+    :func:`coldset.core.shapes.expert_bytes` takes for the bytes of one expert (bf16 9,437,184 B at
     Qwen3-30B-A3B's shape; fp8 4,719,744 B, its block scales included)."""
     if weight_format not in WEIGHT_FORMATS:
         raise MeasureError(f"--weight-format {weight_format!r} not among {', '.join(WEIGHT_FORMATS)}")
@@ -115,7 +115,7 @@ def fp8_expert_pools(pools):
     (29 GB). The weights quantized are the model's bf16 experts (the FP8 checkpoint path quantizes
     the float32 weights before any cast), so the FP8 model is the bf16 model to e4m3 precision;
     its non-expert weights are not touched here (``bench step`` and ``bench cache`` make the
-    attention projections FP8 beside these pools with :func:`coldset.engine.model.attach_fp8_attention`,
+    attention projections FP8 beside these pools with :func:`coldset.engine.loading.attach_fp8_attention`,
     as a published FP8 checkpoint stores them)."""
     import torch  # GPU-only path: loads when a measurement runs
 

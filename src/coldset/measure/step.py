@@ -29,13 +29,13 @@ their 128 x 128 scales, all in HBM, run by :mod:`coldset.kernels.triton_fp8`; th
 weights bf16 except the attention projections). The FP8 model is the one a published FP8
 checkpoint holds (Qwen3-30B-A3B-FP8: routed experts and q/k/v/o_proj in block FP8; LM head,
 embeddings, norms and router gates in ``modules_to_not_convert``): its rows run with
-:func:`coldset.engine.model.attach_fp8_attention` (each projection quantized on its own grid; the fused
+:func:`coldset.engine.loading.attach_fp8_attention` (each projection quantized on its own grid; the fused
 step at batch 1 reads the FP8 bytes, every other path their dequantization, as
-:func:`coldset.engine.model.load_model` runs an FP8 checkpoint), undone for the bf16 rows. Each row with
+:func:`coldset.engine.loading.load_model` runs an FP8 checkpoint), undone for the bf16 rows. Each row with
 ``--weight-format fp8`` says which non-expert linears it ran in FP8 (``nonexpert_fp8``:
 ``["qkv_proj", "o_proj"]`` for a fused engine at batch 1, else ``[]``,
 :func:`coldset.engine.model.fp8_attention_linears`). Each format has its bytes floor (FP8 experts at
-:func:`coldset.core.placement.expert_bytes` of ``fp8_block128``, scales included, over the distinct
+:func:`coldset.core.shapes.expert_bytes` of ``fp8_block128``, scales included, over the distinct
 experts of its own routing; at batch 1 the attention projections at that format's bytes too,
 :func:`nonexpert_read_bytes_fp8`, the floor of the FP8 model whichever engine runs it) and its rows;
 ``fp8_speedup`` is bf16 step / FP8 step per engine and batch beside the ratio of the two
