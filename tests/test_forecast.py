@@ -220,14 +220,13 @@ def test_fit_lookahead_routers_solves_the_ridge_towards_the_router():
 
 
 def test_router_inputs_are_what_each_router_ranked(tmp_path):
-    """forecast.router_inputs on a synthetic engine: one [T, L, H] block a prompt, in prompt order;
+    """engine.generate.router_inputs on a synthetic engine: one [T, L, H] block a prompt, in prompt order;
     each layer's router applied to its rows ranks, token by token, the experts the engine's own
     routing capture recorded for those prompt tokens (an independent path: the capture records the
     selections, not the inputs); the engine's experts function is restored after."""
     import torch
 
-    from coldset.analysis.forecast import router_inputs
-    from coldset.engine.generate import generate
+    from coldset.engine.generate import generate, router_inputs
     from coldset.engine.synthetic import SyntheticSpec
     from synthetic_engines import random_prompts, synthetic_engine
 

@@ -81,11 +81,41 @@ def test_the_circle_finder_finds_a_planted_circle():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
+# The packages from the bottom up (docs/architecture.md "Layers"): a module imports only from its
+# own package and the packages before it.
+PACKAGE_ORDER = ("core", "kernels", "analysis", "engine", "trace", "verify", "bench", "reporting", "serve",
+                 "workflow", "measure", "cli", "__main__")
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    rank = {p: i for i, p in enumerate(PACKAGE_ORDER)}
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if rank[package_of(d)] > rank[package_of(m)])
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {package_of(m) for m in import_graph() if m != "coldset"} <= set(PACKAGE_ORDER)
+
+
+def test_packages_import_downwards_only():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    graph = {"coldset.core.files": {"coldset.engine.model"}, "coldset.engine.model": {"coldset.core.files"}}
+    assert upward_imports(graph) == [("coldset.core.files", "coldset.engine.model")]
+
+
 def test_the_trace_format_sits_below_its_readers():
-    """trace.py depends on none of the modules that read or write traces (issue 32 item 3)."""
+    """core.trace depends on none of the modules that read or write traces."""
     graph = import_graph()
-    readers = {"coldset.trace.capture", "coldset.trace.importers", "coldset.trace.fixtures", "coldset.analysis.cache", "coldset.analysis.forecast",
-               "coldset.analysis.stats"}
+    readers = {"coldset.trace.capture", "coldset.trace.importers", "coldset.trace.fixtures",
+               "coldset.analysis.streams", "coldset.analysis.forecast", "coldset.analysis.stats"}
     assert not graph["coldset.core.trace"] & readers
     assert all("coldset.core.trace" in graph[m] for m in readers)
-    assert "coldset.workflow.sweep" not in graph["coldset.workflow.pipeline"] and "coldset.workflow.pipeline" in graph["coldset.workflow.sweep"]
+    assert "coldset.workflow.sweep" not in graph["coldset.workflow.pipeline"]
+    assert "coldset.workflow.pipeline" in graph["coldset.workflow.sweep"]

@@ -300,52 +300,6 @@ def lookahead_predictions(hidden, routers, depth: int, num_predictions: int) -> 
 
 
 LOOKAHEAD_FIT_SHRINK = 0.1  # the ridge weight towards the router, in units of mean(diag(X^T X))
-# the profile tokens router_inputs keeps at most: 2x the real shape's hidden size, 0.8 GB of bf16
-# router inputs at 48 x 2048
-LOOKAHEAD_FIT_TOKENS = 4096
-
-
-def router_inputs(engine, prompts: list[list[int]], max_tokens: int = LOOKAHEAD_FIT_TOKENS):
-    """``[N, L, H]`` (the engine's dtype and device): every MoE layer's router input for each of the
-    ``N`` tokens of ``prompts``, one prefill a prompt through the engine's current experts path
-    (:func:`coldset.engine.generate.generate`, one new token, so only the prefill runs), in prompt order, the
-    first ``max_tokens`` tokens (the last prompt cut): the profile data of
-    :func:`fit_lookahead_routers`, bounded whatever the size of a user's fixture set."""
-    from coldset.engine.generate import generate  # reason: the engine sits above analysis; only this runs one
-
-    L = engine.config.num_moe_layers
-    saved = engine.experts_fn
-    rec: list = []
-    out = []
-    length = 0
-
-    def recording(p, layer, x, ids, w):
-        if x.shape[0] == length:
-            rec.append(x.detach().clone())
-        return saved(p, layer, x, ids, w)
-
-    engine.experts_fn = recording
-    total = 0
-    try:
-        for p in prompts:
-            p = list(p)[:max(0, int(max_tokens) - total)]
-            if not p:
-                break
-            rec.clear()
-            length = len(p)
-            total += length
-            generate(engine, [p], 1, progress=False)
-            if len(rec) != L:
-                raise ForecastError(f"router_inputs: {len(rec)} router inputs recorded for a prompt of {length} "
-                                    f"tokens, {L} MoE layers expected")
-            out.append(torch.stack(rec, dim=1))
-    finally:
-        engine.experts_fn = saved
-    if not out:
-        raise ForecastError("router_inputs: no prompts")
-    return torch.cat(out)
-
-
 def fit_lookahead_routers(hidden, routers, depth: int, shrink: float = LOOKAHEAD_FIT_SHRINK) -> list:
     """The ``lookahead`` forecast's matrices fitted on profile router inputs, to use in place of the
     routers (:meth:`coldset.engine.cache.pool.SlotCache.build`'s ``routers``, :func:`lookahead_predictions`'):

@@ -66,7 +66,6 @@ from coldset.analysis.forecast import (
     NextTokenForecaster,
     fit_lookahead_routers,
     lookahead_predictions,
-    router_inputs,
 )
 from coldset.analysis.placement import expert_bytes
 from coldset.analysis.simulate import simulate
@@ -74,7 +73,7 @@ from coldset.analysis.streams import AccessStream
 from coldset.bench import decode as bn
 from coldset.bench.metrics import time_columns
 from coldset.engine.cache.pool import SlotCache
-from coldset.engine.generate import encode_prompts
+from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import attach_fp8_attention
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
 from coldset.kernels.tiers import host_tier
@@ -126,7 +125,7 @@ def add_arguments(p) -> None:
                         "list-after-experts'); at residency 1.0 what the list beside the w13 launch costs")
     p.add_argument("--lookahead-fit", action="store_true",
                    help="also each lookahead variant with its forecast matrices fitted on the profile fixtures' "
-                        "router inputs (coldset.analysis.forecast.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt "
+                        "router inputs (coldset.engine.generate.router_inputs' first LOOKAHEAD_FIT_TOKENS prompt "
                         "tokens; "
                         "coldset.analysis.forecast.fit_lookahead_routers) in "
                         "place of the later layers' routers (rows named '... fit'): the same launches, other rows")
@@ -607,8 +606,8 @@ def list_recall(lists, routing, depth: int, num_experts: int) -> float:
 
 def _fit_lookahead(model, ref_fn, profile_stream: list[int], args, R: dict) -> dict:
     """``--lookahead-fit``: the profile fixtures' router inputs at every MoE layer (the first
-    :data:`coldset.analysis.forecast.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK`
-    at a time on the unmodified path: :func:`coldset.analysis.forecast.router_inputs`), and per
+    :data:`coldset.engine.generate.LOOKAHEAD_FIT_TOKENS` prompt tokens, prefilled :data:`FIT_CHUNK`
+    at a time on the unmodified path: :func:`coldset.engine.generate.router_inputs`), and per
     lookahead depth of the run (and 1, residency 1.0's) the fitted forecast matrices of
     :func:`coldset.analysis.forecast.fit_lookahead_routers`,
     in the routers' dtype."""

@@ -18,9 +18,9 @@ from typing import Any
 from coldset.bench.decode import placement_forecaster
 from coldset.core.files import read_json
 from coldset.core.placement import lookahead_depth_for
-from coldset.analysis.forecast import fit_lookahead_routers, router_inputs
+from coldset.analysis.forecast import fit_lookahead_routers
 from coldset.engine.cache.pool import SlotCache
-from coldset.engine.generate import encode_prompts
+from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import load_model, load_tokenizer
 from coldset.engine.synthetic import ROUTER_KNOBS, build_synthetic_model, set_router_knobs
 from coldset.kernels.tiers import host_tier as make_host_tier
@@ -174,7 +174,7 @@ def lookahead_fit(ctx: StageContext, engine, tokenizer) -> Callable:
     """The function :func:`slot_cache` fits a lookahead forecast with, its work done once a stage
     and only if a placement asks: ``fit(depth, routers)`` is
     :func:`coldset.analysis.forecast.fit_lookahead_routers` on the router inputs of the profile split's
-    fixture prompts (:func:`coldset.analysis.forecast.router_inputs`, one prefill each on the unmodified
+    fixture prompts (:func:`coldset.engine.generate.router_inputs`, one prefill each on the unmodified
     path), memoized per depth. The placement stage never saw hidden states (its inputs are routing
     counts); the parity and bench stages, which load the model, fit the same matrices from the same
     prompts."""
