@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
-from coldset.engine.model import DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
+from coldset.engine.model import DecoderLayer, DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -439,25 +439,13 @@ class DeepseekMoE(MoEBlock):
         return routed + self.shared_experts(flat)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    """Pre-norm MLA and MLP (dense before ``first_k_dense_replace``, :class:`DeepseekMoE` after),
-    with :class:`coldset.engine.model.DecoderLayer`'s interface, so
+class DeepseekDecoderLayer(DecoderLayer):
+    """Pre-norm MLA and MLP (dense before ``first_k_dense_replace``, :class:`DeepseekMoE` after):
+    :class:`coldset.engine.model.DecoderLayer` with this family's attention and routing, so
     :func:`coldset.engine.model.layer_before_experts` runs it."""
 
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, model: "DeepseekV3Model"):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg)
-        if layer_idx in cfg.moe_layers:
-            self.mlp = DeepseekMoE(cfg, cfg.moe_layers.index(layer_idx), model)
-        else:
-            self.mlp = DenseMLP(cfg)
-
-    def mlp_out(self, h, topk_ids, topk_weights):
-        if topk_ids is None:
-            return self.mlp(h)
-        return self.mlp.experts(h, topk_ids, topk_weights)
+    attention = LatentAttention
+    moe_block = DeepseekMoE
 
 
 class DeepseekV3Model(MoEModel):

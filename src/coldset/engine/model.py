@@ -474,13 +474,19 @@ def fp8_attention_linears(model: "MoEModel", batch_size: int) -> list[str]:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP (:class:`MoEBlock` on the MoE layers, :class:`DenseMLP` elsewhere).
+    A family with other attention or routing gives its own classes as ``attention`` and ``moe_block``."""
+
+    attention = None  # None: Attention
+    moe_block = None  # None: MoEBlock
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, model: "MoEModel"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = (self.attention or Attention)(cfg)
         if layer_idx in cfg.moe_layers:
-            self.mlp = MoEBlock(cfg, cfg.moe_layers.index(layer_idx), model)
+            self.mlp = (self.moe_block or MoEBlock)(cfg, cfg.moe_layers.index(layer_idx), model)
         else:
             self.mlp = DenseMLP(cfg)
 
