@@ -121,7 +121,7 @@ def synthetic_routing(config: dict, workdir: Path, lags: tuple[int, ...] = ()) -
     The pipeline keeps its engine between calls: a config that differs from the last one only
     in router knobs reuses the built model with its routers remade."""
     from coldset.analysis.streams import trace_decode_rows
-    from coldset.workflow.config import Layout
+    from coldset.core.layout import Layout
     from coldset.workflow.pipeline import run_stage
 
     config = {**config, "results": str(workdir)}

@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, get_json
 
 import test_report as tree  # tests/ is on sys.path (conftest)
-from coldset.workflow.config import Layout
+from coldset.core.layout import Layout
 
 EXPERIMENT = "coldset-team"
 TAGS = {"commit": "c0ffee12", "config_hash": "cfg-team"}
@@ -31,7 +31,7 @@ N_RUNS = len(tree.POLICIES) * len(tree.RESIDENCIES) * len(tree.BATCH_SIZES)
 TRACK = """
 import json, sys
 from pathlib import Path
-from coldset.workflow.config import Layout
+from coldset.core.layout import Layout
 from coldset.reporting.track import run_track
 res, uri, exp, tags = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 lay = Layout(results=res, model={model!r})
