@@ -57,6 +57,7 @@ from torch import nn
 
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
 from coldset.engine.model import DecoderLayer, DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
+from coldset.engine.weights import put_shared_weights
 
 log = logging.getLogger(__name__)
 
@@ -511,16 +512,9 @@ def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device
     if cfg.num_mtp_layers:
         log.info("deepseek_v3: skipping %d multi-token-prediction layer(s) (model.layers.%d and on): the engine "
                  "decodes one token a step", cfg.num_mtp_layers, cfg.num_layers)
-    put(model.embed_tokens, "weight", "model.embed_tokens.weight")
-    put(model.norm, "weight", "model.norm.weight")
-    if cfg.tie_word_embeddings and "lm_head.weight" not in src:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        put(model.lm_head, "weight", "lm_head.weight")
+    put_shared_weights(model, src, put)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
-        put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
         attn = layer.self_attn
         names = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         for name in names + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]:

@@ -22,6 +22,7 @@ from torch import nn
 from coldset.core import fp8
 from coldset.engine import deepseek_v3
 from coldset.engine.model import SUPPORTED_MODEL_TYPES, ModelConfig, ModelLoadError, MoEBlock, MoEModel
+from coldset.engine.weights import put_shared_weights
 from coldset.kernels.tiers import ExpertPools
 
 
@@ -257,16 +258,9 @@ def load_model(
                                      "are read in FP8")
         setattr(param_owner, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
 
-    put(model.embed_tokens, "weight", "model.embed_tokens.weight")
-    put(model.norm, "weight", "model.norm.weight")
-    if cfg.tie_word_embeddings and "lm_head.weight" not in src:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        put(model.lm_head, "weight", "lm_head.weight")
+    put_shared_weights(model, src, put)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        put(layer.input_layernorm, "weight", f"{p}.input_layernorm.weight")
-        put(layer.post_attention_layernorm, "weight", f"{p}.post_attention_layernorm.weight")
         attn = layer.self_attn
         qkv = [
             _read_linear(src, f"{p}.self_attn.{name}", (size, cfg.hidden_size), fmt)
