@@ -6,6 +6,9 @@ the same functions (coldset.workflow.pipeline), so results made here are picked 
 
 ``python -m coldset bench kernel|step|cache|render|replay ...``: the GPU measurements at real shape
 (:mod:`coldset.measure`); ``python -m coldset bench`` alone is the bench stage.
+
+``python -m coldset cold-experts TARGET [--budget R]``: per MoE layer, the experts a placement keeps
+in host memory (:mod:`coldset.reporting.cold_experts`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import sys
 
 from coldset.core.trace import TraceError
+from coldset.reporting import cold_experts
 from coldset.workflow.config import ConfigError, load_config
 from coldset.workflow.entry import INTERRUPTED_STATUS, interrupted_line, passive_omp_threads
 
@@ -22,7 +26,8 @@ STAGE_HELP = ("a stage (model, fixtures, routing, stats, placement, cache, autot
               "track, report, report_models), or gpu-stages: model, fixtures, routing, stats, placement, "
               "autotune, parity (every placement), parity_gate, bench in order, or sweep: every model of "
               "models: through track, then the comparison report; bench kernel|step|cache|render|replay: the "
-              "GPU measurements (python -m coldset bench kernel -h)")
+              "GPU measurements (python -m coldset bench kernel -h); cold-experts TARGET [--budget R]: the experts a "
+              "placement keeps in host memory, per layer")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "cold-experts":
+        return cold_experts.main(argv[1:])
     if len(argv) > 1 and argv[0] == "bench":
         # ``bench COMMAND``: a GPU measurement or its tables, not the bench stage
         from coldset.measure.cli import COMMANDS  # GPU-only path: the measurements load torch and triton
