@@ -9,6 +9,15 @@ paths compute the same quantity (the order of the float32 sums differs, so they 
 tolerance, not bitwise). ``w8a16=True`` is the reference of the FP8 kernel's weight-only mode
 (KernelConfig ``w8a16``): the same with no activation quantized (the tokens and the intermediate,
 rounded to the activation dtype, enter the float32 GEMMs as they are).
+
+Expert biases and the activation (``pools.w13_bias``, ``pools.w2_bias``, ``pools.activation``:
+:mod:`coldset.kernels.tiers`, :mod:`coldset.kernels.activation`) enter where transformers'
+``GptOssExperts`` adds them. On float pools every step rounds in the model dtype as there: the
+w13 product, then ``+ w13_bias``, then the activation op by op
+(:func:`~coldset.kernels.activation.torch_activation`), the w2 product, then ``+ w2_bias``, then the
+routing weight. On block-FP8 pools the biases are added to the float32 products (the kernel's
+accumulators) before the activation and before the routing weight. Biases are read by expert id
+(``w13_bias[layer, expert]``), so they never depend on the placement either.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from coldset.core import fp8
+from coldset.kernels.activation import torch_activation
 
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
     from coldset.kernels.tiers import ExpertPools
@@ -81,6 +91,7 @@ def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
     out = torch.zeros_like(x)
     rows = pools.row_map[layer].tolist()
     weights = topk_weights.to(x.dtype)
+    act, bias = pools.activation, pools.has_bias
     for expert in torch.unique(topk_ids).tolist():
         token_idx, rank_idx = torch.where(topk_ids == expert)
         row = rows[expert]
@@ -90,18 +101,24 @@ def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
             w13, w2 = pools.w13_cold[-row - 1], pools.w2_cold[-row - 1]
         w13 = w13.to(x.device, non_blocking=True)
         w2 = w2.to(x.device, non_blocking=True)
-        gate, up = F.linear(x[token_idx], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2) * weights[token_idx, rank_idx, None]
-        out.index_add_(0, token_idx, y)
+        gate_up = F.linear(x[token_idx], w13)
+        if bias:  # rounded after the product, then after the sum, as transformers' `x @ W + b`
+            gate_up = gate_up + pools.w13_bias[layer, expert].to(x.device)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = F.linear(torch_activation(act, gate, up), w2)
+        if bias:
+            y = y + pools.w2_bias[layer, expert].to(x.device)
+        out.index_add_(0, token_idx, y * weights[token_idx, rank_idx, None])
     return out
 
 
 def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
     """Block-FP8 experts, the Triton FP8 kernel's semantics in torch (float32 throughout):
 
-    ``a = deq(quant(x))`` per token group of 128; ``g, u = a @ deq(w13).T``; ``act = SiLU(g) * u``
-    rounded to ``x``'s dtype (the kernel's activation scratch); ``y = deq(quant(act)) @ deq(w2).T``
-    times the routing weight; the top-k products summed in float32 and rounded to ``x``'s dtype
+    ``a = deq(quant(x))`` per token group of 128; ``g, u = a @ deq(w13).T (+ w13_bias)``;
+    ``act = activation(g, u)`` (``SiLU(g) * u`` by default) in float32, rounded to ``x``'s dtype
+    (the kernel's activation scratch); ``y = deq(quant(act)) @ deq(w2).T (+ w2_bias)`` times the
+    routing weight; the top-k products summed in float32 and rounded to ``x``'s dtype
     once. The loop order depends only on the expert ids, never on where an expert lives, so any
     placement gives bitwise the same result. ``w8a16``: ``quant`` is the identity (``a = x``, the
     intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it is).
@@ -121,10 +138,15 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=Fals
                                  getattr(pools, f"w13_scale_{tier}")[r].to(x.device))
         w2 = fp8.dequantize_weight(getattr(pools, f"w2_{tier}")[r].to(x.device),
                                    getattr(pools, f"w2_scale_{tier}")[r].to(x.device))
-        gate, up = (a_all[token_idx] @ w13.T).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
-        y = (through_fp8(act) @ w2.T) * weights[token_idx, rank_idx, None]
-        out.index_add_(0, token_idx, y)
+        gate_up = a_all[token_idx] @ w13.T
+        if pools.has_bias:
+            gate_up = gate_up + pools.w13_bias[layer, expert].to(x.device).float()
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = torch_activation(pools.activation, gate, up).to(x.dtype)
+        y = through_fp8(act) @ w2.T
+        if pools.has_bias:
+            y = y + pools.w2_bias[layer, expert].to(x.device).float()
+        out.index_add_(0, token_idx, y * weights[token_idx, rank_idx, None])
     return out.to(x.dtype)
 
 

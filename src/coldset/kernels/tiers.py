@@ -30,6 +30,14 @@ and their float32 ``weight_scale_inv`` blocks in a *scale pool* beside each weig
 by the same row map: row ``r`` of ``w13_scale_hot`` holds the scales of row ``r`` of
 ``w13_hot``, so a cold expert's scales live in the host tier beside its weights, and every
 operation here (placing, moving, the host tier) carries both.
+
+Expert biases (gpt-oss: ``w13_bias`` ``[L, E, 2I]``, gate's half then up's as w13's rows, and
+``w2_bias`` ``[L, E, H]``) and the experts' :class:`~coldset.kernels.activation.Activation` are not
+pooled: the biases stay on the compute device for every expert and the kernels read them by
+(layer, expert id), never through the row map. They are small (2I + H values an expert: 8,640 at
+gpt-oss-120b shape, 17 KB in bf16 beside a 13 MB MXFP4 expert), so keeping all of them resident
+costs little and placing, moving, slot fills and the host tier never touch them; their bytes are
+resident overhead (:attr:`ExpertPools.bias_bytes`), not bytes an expert carries over the link.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 
 from coldset.core import fp8
 from coldset.core.placement import validate_row_map
+from coldset.kernels.activation import SILU, Activation
 
 
 class PoolAllocationError(MemoryError):
@@ -77,8 +86,23 @@ class ExpertPools:
     w2_scale_hot: torch.Tensor | None = None  # [num_hot, ceil(H / 128), ceil(I / 128)]
     w13_scale_cold: torch.Tensor | None = None  # [num_cold, ...], in the cold pool's memory
     w2_scale_cold: torch.Tensor | None = None
+    # Expert biases (both or neither), on the compute device, indexed by (layer, expert id), never by
+    # row: w13_bias [L, E, 2I] (gate's half, then up's), w2_bias [L, E, H] (module doc).
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    activation: Activation = SILU
 
     SCALE_FIELDS = ("w13_scale_hot", "w2_scale_hot", "w13_scale_cold", "w2_scale_cold")
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the experts add biases after their two GEMMs (``w13_bias`` and ``w2_bias``)."""
+        return self.w13_bias is not None
+
+    @property
+    def bias_bytes(self) -> int:
+        """Bytes of the expert biases: resident on the compute device whatever the placement (module doc)."""
+        return sum(t.numel() * t.element_size() for t in (self.w13_bias, self.w2_bias) if t is not None)
 
     @property
     def is_fp8(self) -> bool:
@@ -115,6 +139,43 @@ class ExpertPools:
                 raise ValueError(f"ExpertPools.{w}_hot {tuple(hot.shape)} ({hot.dtype}) and {w}_cold "
                                  f"{tuple(cold.shape)} ({cold.dtype}) must be [rows, m, n] of one matrix shape and dtype")
         self._check_scales()
+        self._check_biases()
+
+    def _check_biases(self) -> None:
+        """Both biases or neither; each contiguous, on the row map's device, ``[L, E, 2I]`` /
+        ``[L, E, H]``, of a float dtype: the weights' dtype for bf16/fp16/fp32 experts (transformers
+        adds them in the model dtype), bf16, fp16 or fp32 for block-FP8 experts; the activation an
+        :class:`~coldset.kernels.activation.Activation`."""
+        if not isinstance(self.activation, Activation):
+            raise TypeError(f"ExpertPools.activation: expected an Activation, got {type(self.activation).__name__}")
+        if self.w13_bias is None and self.w2_bias is None:
+            return
+        if self.w13_bias is None or self.w2_bias is None:
+            missing = "w13_bias" if self.w13_bias is None else "w2_bias"
+            raise ValueError(f"ExpertPools.{missing}: expert biases come as a pair (w13_bias and w2_bias); "
+                             f"pass zeros for a projection without bias")
+        L, E = self.num_moe_layers, self.num_experts
+        hidden, inter = self.w2_hot.shape[1], self.w2_hot.shape[2]
+        weight_dtype = self.w13_hot.dtype
+        allowed = (torch.bfloat16, torch.float16, torch.float32) if weight_dtype == fp8.FP8_DTYPE else (weight_dtype,)
+        for name, want in (("w13_bias", (L, E, 2 * inter)), ("w2_bias", (L, E, hidden))):
+            b = getattr(self, name)
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"ExpertPools.{name}: expected a torch.Tensor, got {type(b).__name__}")
+            if tuple(b.shape) != want:
+                raise ValueError(f"ExpertPools.{name}: shape {tuple(b.shape)}, expected {want} ([L, E, "
+                                 f"{'2I' if name == 'w13_bias' else 'H'}] for these pools)")
+            if b.dtype not in allowed:
+                raise ValueError(f"ExpertPools.{name}: dtype {b.dtype}, expected one of "
+                                 f"{[str(d) for d in allowed]} for {weight_dtype} experts")
+            if b.dtype != self.w13_bias.dtype:
+                raise ValueError(f"ExpertPools.w2_bias: dtype {b.dtype} differs from w13_bias's {self.w13_bias.dtype}")
+            if b.device != self.row_map.device:
+                raise ValueError(f"ExpertPools.{name}: on {b.device}, expected the compute device {self.row_map.device} "
+                                 f"(biases stay resident, read by expert id)")
+            if not b.is_contiguous():
+                raise ValueError(f"ExpertPools.{name}: strides {b.stride()} are not contiguous; the kernels read "
+                                 f"[L, E, n] row-major: pass .contiguous()")
 
     def _check_scales(self) -> None:
         """FP8 pools: every scale pool present, contiguous float32, one row per weight row, the
@@ -146,7 +207,8 @@ class ExpertPools:
 
     @classmethod
     def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> "ExpertPools":
+                w2_scale: torch.Tensor | None = None, *, w13_bias: torch.Tensor | None = None,
+                w2_bias: torch.Tensor | None = None, activation: Activation = SILU) -> "ExpertPools":
         """Every expert in the hot pool in module order: the unmodified (reference) layout.
 
         ``w13`` is ``[L, E, 2I, H]`` and ``w2`` is ``[L, E, H, I]``; the pools are views of them
@@ -154,6 +216,8 @@ class ExpertPools:
         view, as vLLM's kernel tests build their weights: the kernel reads pools row-major, see
         :meth:`check_layout`). Block-FP8 experts pass their scales ``w13_scale`` ``[L, E,
         2 * ceil(I / 128), ceil(H / 128)]`` and ``w2_scale`` ``[L, E, ceil(H / 128), ceil(I / 128)]``.
+        Experts with biases pass ``w13_bias`` ``[L, E, 2I]`` and ``w2_bias`` ``[L, E, H]`` (kept as
+        given, contiguous; module doc) and their ``activation``.
         """
         if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
             raise ValueError(
@@ -170,6 +234,7 @@ class ExpertPools:
             w2_cold=w2.new_empty((0, *w2.shape[2:])),
             row_map=row_map.reshape(num_layers, num_experts),
             **_scale_pools(w13_scale, w2_scale, num_layers * num_experts),
+            **_bias_fields(w13_bias, w2_bias, activation),
         )
         pools.validated_version = pools.row_map._version  # valid by construction
         return pools
@@ -209,7 +274,8 @@ class ExpertPools:
         makes it once with :func:`host_tier` and passes it. These pools must be the unmodified
         layout (:meth:`all_hot`). The result shares ``host``'s tensors: move weights in it with
         :meth:`set_row_map` maps only, never :meth:`apply_placement`, which would write into the
-        shared copy.
+        shared copy. The expert biases and the activation are these pools' (the same tensors: they
+        never move with a placement).
         """
         self._require_all_hot("ExpertPools.placed")
         if host is None:
@@ -242,6 +308,9 @@ class ExpertPools:
             w2_cold=host.w2,
             row_map=physical.to(device).contiguous(),
             **scales,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+            activation=self.activation,
         )
         pools.validate()
         return pools
@@ -449,6 +518,17 @@ def _scale_pools(w13_scale, w2_scale, rows: int) -> dict:
                 w2_scale_cold=hot2.new_empty((0, *hot2.shape[1:])))
 
 
+def _bias_fields(w13_bias, w2_bias, activation, device=None) -> dict:
+    """The pools' bias and activation fields: the biases contiguous (on ``device`` when given);
+    their checks are :meth:`ExpertPools._check_biases`'s."""
+    def put(b):
+        if b is None or not isinstance(b, torch.Tensor):
+            return b
+        return (b if device is None else b.to(device)).contiguous()
+
+    return dict(w13_bias=put(w13_bias), w2_bias=put(w2_bias), activation=activation)
+
+
 def build_pools(
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -459,6 +539,10 @@ def build_pools(
     host_available_bytes: int | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: Activation = SILU,
 ) -> ExpertPools:
     """Place each expert of ``w13`` ``[L, E, 2I, H]`` / ``w2`` ``[L, E, H, I]`` where ``row_map`` says.
 
@@ -468,7 +552,8 @@ def build_pools(
     placements. The map is validated and the host allocation checked before anything is allocated.
     ``host_available_bytes`` overrides MemAvailable (for tests). Block-FP8 experts pass their
     scales ``w13_scale`` / ``w2_scale`` ``[L, E, ...]`` (see :meth:`ExpertPools.all_hot`); each
-    expert's scales go to the same tier and row as its weights.
+    expert's scales go to the same tier and row as its weights. Expert biases ``w13_bias`` ``[L, E,
+    2I]`` / ``w2_bias`` ``[L, E, H]`` are copied to ``device`` whole, whatever the map (module doc).
     """
     device = torch.device(device)
     if w13.dim() != 4 or w2.dim() != 4 or w13.shape[:2] != w2.shape[:2]:
@@ -516,6 +601,7 @@ def build_pools(
         tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
         for name, src in sources.items():
             pools_by_name[f"{name}_{tier}"][r].copy_(src[layer, expert])
-    pools = ExpertPools(row_map=rm.to(device=device, dtype=torch.int32).contiguous(), **pools_by_name)
+    pools = ExpertPools(row_map=rm.to(device=device, dtype=torch.int32).contiguous(), **pools_by_name,
+                        **_bias_fields(w13_bias, w2_bias, activation, device))
     pools.validated_version = pools.row_map._version
     return pools

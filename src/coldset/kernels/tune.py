@@ -40,6 +40,7 @@ from tqdm import tqdm
 from coldset.core import fp8
 from coldset.core.files import write_json
 from coldset.kernels import torch_experts, triton_experts
+from coldset.kernels.activation import SILU, Activation
 from coldset.kernels.configs import load as load_kernel_configs
 from coldset.kernels.tiers import build_pools
 from coldset.core.timing import graph_time_us
@@ -90,12 +91,21 @@ class TuneShape:
     # The experts' weight format when it is not ``dtype``: "fp8_block128" (coldset.core.fp8). None (the
     # default) is left out of the key, so entries tuned before the field existed stay valid.
     weight_format: str | None = None
+    # Experts with biases (gpt-oss) and their activation (None: SiLU): both compile other kernel
+    # code (constexpr branches), so both enter the key when set; unset they are left out, so
+    # entries tuned before the fields existed stay valid.
+    expert_bias: bool = False
+    activation: Activation | None = None
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"TuneShape.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.weight_format not in (None, "fp8_block128"):
             raise ValueError(f"TuneShape.weight_format must be None or 'fp8_block128', got {self.weight_format!r}")
+        if isinstance(self.activation, dict):  # as a cache entry's JSON stores it (asdict)
+            object.__setattr__(self, "activation", Activation(**self.activation))
+        if self.activation is not None and not isinstance(self.activation, Activation):
+            raise ValueError(f"TuneShape.activation must be an Activation or None, got {self.activation!r}")
         if self.num_hot + self.num_cold < self.num_moe_layers * self.num_experts:
             raise ValueError(
                 f"TuneShape: num_hot {self.num_hot} + num_cold {self.num_cold} rows cannot hold "
@@ -262,6 +272,12 @@ def autotune_key(shape: TuneShape, batch_sizes, device, search_space: dict | Non
     shape_fields = asdict(shape)
     if shape.weight_format is None:  # keys of the weights-in-dtype shapes as before the field existed
         del shape_fields["weight_format"]
+    if not shape.expert_bias:  # likewise for the bias and activation variants (set: in the key)
+        del shape_fields["expert_bias"]
+    if shape.activation is None:
+        del shape_fields["activation"]
+    else:
+        shape_fields["activation"] = shape.activation.key()
     material = {
         "backend": backend,
         "sources": source_digests(backend, shape.weight_format),
@@ -320,6 +336,11 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     if shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
         (w13, s13), (w2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
+    variant = dict(activation=shape.activation or SILU)
+    if shape.expert_bias:  # the model dtype's biases (FP8 experts: the activations' bf16)
+        bias_dtype = torch.bfloat16 if shape.weight_format is not None else dtype
+        variant.update(w13_bias=torch.randn(layers, E, 2 * I, generator=g, device=device).to(bias_dtype),
+                       w2_bias=torch.randn(layers, E, H, generator=g, device=device).to(bias_dtype))
     cold_fraction = shape.num_cold / max(1, shape.num_hot + shape.num_cold)
     n = layers * E
     n_cold = int(round(cold_fraction * n))
@@ -329,7 +350,7 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     rows = torch.empty(n, dtype=torch.int32)
     rows[~is_cold] = torch.arange(n - n_cold, dtype=torch.int32)
     rows[is_cold] = -torch.arange(n_cold, dtype=torch.int32) - 1
-    return build_pools(w13, w2, rows.reshape(layers, E), device, **scales)
+    return build_pools(w13, w2, rows.reshape(layers, E), device, **scales, **variant)
 
 
 def _routing(num_tokens, shape: TuneShape, device, g):
