@@ -1,0 +1,126 @@
+"""``python -m coldset.measure.codec``: the lossless expert codec on one CUDA GPU: ratio, decoder rate
+against the host link, alone and beside a matmul stream (the step's compute).
+
+Weights are drawn as trained experts' are distributed (Gaussian, std ``1 / sqrt(fan_in)``, the
+scale of Qwen3-30B-A3B's expert weights; block-FP8 as :func:`coldset.core.fp8.quantize_weight`
+quantizes those), at Qwen3-30B-A3B's expert shape (w13 ``[2I, H]`` + w2 ``[H, I]``, H=2048,
+I=768). Per format and lane length: the round trip checked bit for bit on a poisoned output first,
+then the decoder's median time (CUDA events over graph replays, :func:`coldset.core.timing.graph_time_us`)
+for 1 and 8 experts in one launch, as decoded bytes a second, over the pinned host-to-device copy
+rate of the raw bytes measured in the same run (the link), and, with a bf16 matmul stream running
+on another CUDA stream, the same decode's time again. Prints a table last; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from coldset.core import codec, fp8
+from coldset.core.timing import graph_time_us
+
+H, I = 2048, 768
+
+
+def expert_weights(n_experts: int, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """``n_experts`` experts' weights, flat, in ``fmt`` (``bf16`` or ``fp8``), on the GPU."""
+    w13 = torch.randn(n_experts, 2 * I, H, generator=gen, device="cuda") / math.sqrt(H)
+    w2 = torch.randn(n_experts, H, I, generator=gen, device="cuda") / math.sqrt(I)
+    if fmt == "bf16":
+        return torch.cat([w13.reshape(-1), w2.reshape(-1)]).to(torch.bfloat16)
+    q13 = [fp8.quantize_weight(w)[0].reshape(-1) for w in w13]
+    q2 = [fp8.quantize_weight(w)[0].reshape(-1) for w in w2]
+    return torch.cat(q13 + q2)
+
+
+def link_gb_s(nbytes: int, reps: int = 20) -> float:
+    """Pinned host-to-device copy rate of ``nbytes`` (median of ``reps`` timed copies), GB/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[3:]) / 1e9
+
+
+def decode_us_beside_matmul(record, out, reps: int) -> float:
+    """The decode's median time (µs, events on its own stream) while a bf16 matmul loop runs on another."""
+    from coldset.kernels.triton_codec import decode_into  # GPU only: triton
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    times = []
+    for _ in range(reps):
+        for _ in range(4):
+            a @ a  # keeps the SMs busy while the decode runs beside it
+        with torch.cuda.stream(side):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(side)
+            decode_into(record, out)
+            end.record(side)
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Generator) -> dict:
+    """One row: ratio, exactness, decode rate alone and beside a matmul, over the link's rate."""
+    from coldset.kernels.triton_codec import decode_into  # GPU only: triton
+
+    weights = expert_weights(experts, fmt, gen)
+    record = codec.encode(weights, lane_symbols=lane_symbols)
+    out = torch.empty_like(weights)
+    out.view(torch.uint8).fill_(0xA5)  # poisoned: an element the decoder skips shows
+    decode_into(record, out)
+    torch.cuda.synchronize()
+    exact = bool(torch.equal(out.view(torch.uint8), weights.view(torch.uint8)))
+    us = graph_time_us(lambda: decode_into(record, out), reps)
+    us_busy = decode_us_beside_matmul(record, out, reps)
+    raw = weights.numel() * weights.element_size()
+    return {"format": fmt, "lane_symbols": lane_symbols, "experts": experts, "exact": exact,
+            "raw_mb": raw / 1e6, "ratio": record.nbytes / raw, "decode_us": us,
+            "decode_gb_s": raw / us / 1e3, "decode_beside_matmul_us": us_busy,
+            "decode_beside_matmul_gb_s": raw / us_busy / 1e3}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coldset.measure.codec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lanes", default="64,128,256", help="symbols per lane to try")
+    p.add_argument("--formats", default="bf16,fp8")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default=None, help="folder for codec_bench.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("coldset.measure.codec: needs a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    link = link_gb_s(8 * 3 * H * I * 2)
+    rows = [measure(fmt, int(lanes), experts, args.reps, gen)
+            for fmt in args.formats.split(",") for lanes in args.lanes.split(",") for experts in (1, 8)]
+    for r in rows:
+        r["decode_over_link"] = r["decode_gb_s"] / link
+        r["beside_matmul_over_link"] = r["decode_beside_matmul_gb_s"] / link
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows}, indent=1))
+    print(f"device {torch.cuda.get_device_name()}, pinned host->device link {link:.1f} GB/s (raw bytes)")
+    print("| format | lane | experts | exact | MB raw | ratio | decode µs | GB/s out | x link | beside matmul GB/s | x link |")
+    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+    for r in rows:
+        print(f"| {r['format']} | {r['lane_symbols']} | {r['experts']} | {r['exact']} | {r['raw_mb']:.1f} | "
+              f"{r['ratio']:.4f} | {r['decode_us']:.1f} | {r['decode_gb_s']:.0f} | {r['decode_over_link']:.1f} | "
+              f"{r['decode_beside_matmul_gb_s']:.0f} | {r['beside_matmul_over_link']:.1f} |")
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
