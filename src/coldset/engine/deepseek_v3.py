@@ -49,7 +49,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +144,7 @@ class DeepseekV3Config(ModelConfig):
             raise ModelLoadError(f"{source}: quantization_config: quantized deepseek_v3 checkpoints "
                                  f"({shape.expert_format} experts) are not decoded by the engine; placement, "
                                  "statistics and the cache simulation read this shape without decoding")
-        n_group, topk_group = _router_groups(raw, shape, source)
+        n_group, topk_group = router_groups(raw, shape, source, _DEFAULTS)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         eps = raw.get("rms_norm_eps")
         return cls(
@@ -171,14 +171,19 @@ class DeepseekV3Config(ModelConfig):
 
 
 def is_deepseek_v3(path: str | os.PathLike) -> bool:
-    """Whether ``path/config.json`` names ``model_type`` deepseek_v3 (False when it cannot be read:
-    then :meth:`ModelConfig.from_pretrained <coldset.engine.model.ModelConfig.from_pretrained>`
-    names what is wrong with it)."""
+    """Whether ``path/config.json`` names ``model_type`` deepseek_v3 (:func:`names_model_type`)."""
+    return names_model_type(path, MODEL_TYPE)
+
+
+def names_model_type(path: str | os.PathLike, model_type: str) -> bool:
+    """Whether ``path/config.json`` names ``model_type`` (False when it cannot be read: then
+    :meth:`ModelConfig.from_pretrained <coldset.engine.model.ModelConfig.from_pretrained>` names
+    what is wrong with it)."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
-    return isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE
+    return isinstance(raw, dict) and raw.get("model_type") == model_type
 
 
 def _get(raw: dict, name: str):
@@ -223,12 +228,14 @@ def _refuse_unsupported(raw: dict, source: str) -> None:
         raise ModelLoadError(f"{source}: field 'partial_rotary_factor' != 1 is not supported")
 
 
-def _router_groups(raw: dict, shape: MoEShape, source: str) -> tuple[int, int]:
-    """``(n_group, topk_group)``, refused by name when the grouped top-k cannot run on them."""
+def router_groups(raw: dict, shape: MoEShape, source: str, defaults: dict) -> tuple[int, int]:
+    """``(n_group, topk_group)`` of a grouped sigmoid router's config (``defaults``: the family's
+    transformers defaults of the two), refused by name when :func:`grouped_sigmoid_topk` cannot run
+    on them."""
     for name in ("n_group", "topk_group"):
         if name in raw and raw[name] is None:
-            raise ModelLoadError(f"{source}: field {name!r} is null; the deepseek_v3 router needs a group count")
-    n_group, topk_group = int(_get(raw, "n_group")), int(_get(raw, "topk_group"))
+            raise ModelLoadError(f"{source}: field {name!r} is null; the grouped router needs a group count")
+    n_group, topk_group = (int(defaults[n] if raw.get(n) is None else raw[n]) for n in ("n_group", "topk_group"))
     e, k = shape.num_experts, shape.top_k
     if n_group < 1 or e % n_group or e // n_group < 2:
         raise ModelLoadError(f"{source}: field 'n_group' ({n_group}) must divide n_routed_experts ({e}) into groups "
@@ -494,20 +501,46 @@ class DeepseekV3Model(MoEModel):
 # --------------------------------------------------------------------------------------------
 
 
-def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device, dtype: torch.dtype) -> None:
-    """Read every weight but the routed experts from ``src`` by the checkpoint's names, into
-    ``model`` (built on the meta device) on ``device`` in ``dtype``; the router's weight and
-    ``e_score_correction_bias`` in float32. The routed experts go into ``model.pools`` through
-    :func:`coldset.engine.loading.load_model`'s expert reader (``model.layers.{i}.mlp.experts``,
-    per-expert or fused). Tensors of layers past ``num_hidden_layers`` (multi-token prediction)
-    are not read; a log line says so."""
-    cfg = model.config
+# Weights every loader reads as stored, never through a float8 reader: the LM head (transformers'
+# quantizers keep the output embedding unconverted) and the router (not a linear layer there).
+_NEVER_CONVERTED = ("lm_head.weight", ".mlp.gate.weight")
+
+
+def weight_putter(src: TensorSource, device: torch.device, dtype: torch.dtype,
+                  read_linear: Callable[[str, tuple[int, ...]], torch.Tensor]
+                  ) -> Callable[..., None]:
+    """``put(owner, name, key, as_dtype=dtype)``: read tensor ``key`` of ``owner.name``'s shape into
+    it as a frozen parameter on ``device`` in ``as_dtype``. A linear layer's weight goes through
+    ``read_linear(module, shape)`` (:mod:`coldset.engine.loading`'s reader: a weight the checkpoint
+    converts to block FP8 comes back dequantized, a float8 weight it does not convert is refused);
+    the LM head, the router and every other tensor are read as stored and must not be float8."""
 
     def put(owner: nn.Module, name: str, key: str, as_dtype: torch.dtype = dtype) -> None:
-        tensor = src.get(key, tuple(getattr(owner, name).shape))
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ModelLoadError(f"tensor {key!r} is {tensor.dtype}; quantized deepseek_v3 weights are not read")
+        shape = tuple(getattr(owner, name).shape)
+        if isinstance(owner, nn.Linear) and name == "weight" and not key.endswith(_NEVER_CONVERTED):
+            tensor = read_linear(key.removesuffix(".weight"), shape)
+        else:
+            tensor = src.get(key, shape)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise ModelLoadError(f"tensor {key!r} is {tensor.dtype}; the engine reads it unquantized (only "
+                                     "linear layers other than the LM head and the router are read in float8)")
         setattr(owner, name, nn.Parameter(tensor.to(device=device, dtype=as_dtype), requires_grad=False))
+
+    return put
+
+
+def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device, dtype: torch.dtype,
+                 read_linear: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Read every weight but the routed experts from ``src`` by the checkpoint's names, into
+    ``model`` (built on the meta device) on ``device`` in ``dtype``; the router's weight and
+    ``e_score_correction_bias`` in float32. Linear layers through ``read_linear`` (:func:`weight_putter`:
+    a block-FP8 checkpoint's are dequantized here to ``dtype``, the module docstring says why). The
+    routed experts go into ``model.pools`` through :func:`coldset.engine.loading.load_model`'s expert
+    reader (``model.layers.{i}.mlp.experts``, per-expert or fused; block FP8 kept as stored).
+    Tensors of layers past ``num_hidden_layers`` (multi-token prediction) are not read; a log line
+    says so."""
+    cfg = model.config
+    put = weight_putter(src, device, dtype, read_linear)
 
     if cfg.num_mtp_layers:
         log.info("deepseek_v3: skipping %d multi-token-prediction layer(s) (model.layers.%d and on): the engine "

@@ -20,7 +20,7 @@ from tokenizers.processors import TemplateProcessing
 from torch import nn
 
 from coldset.core import fp8
-from coldset.engine import deepseek_v3
+from coldset.engine import deepseek_v3, gpt_oss
 from coldset.engine.model import SUPPORTED_MODEL_TYPES, ModelConfig, ModelLoadError, MoEBlock, MoEModel
 from coldset.engine.weights import put_shared_weights
 from coldset.kernels.tiers import ExpertPools
@@ -194,7 +194,7 @@ def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tenso
     return w13, w2, s13, s2
 
 
-ENGINE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, deepseek_v3.MODEL_TYPE)
+ENGINE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, deepseek_v3.MODEL_TYPE, gpt_oss.MODEL_TYPE)
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -205,6 +205,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     folder = Path(path)
     if deepseek_v3.is_deepseek_v3(folder):
         return deepseek_v3.DeepseekV3Config.from_pretrained(folder)
+    if gpt_oss.is_gpt_oss(folder):
+        return gpt_oss.GptOssConfig.from_pretrained(folder)
     return ModelConfig.from_pretrained(folder)
 
 
@@ -232,6 +234,8 @@ def load_model(
     block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
     """
     folder = Path(path)
+    if gpt_oss.is_gpt_oss(folder):  # sink attention, biased router and experts: its own modules and weight names
+        return gpt_oss.load(read_config(folder), _TensorSource(folder), torch.device(device), dtype)
     if deepseek_v3.is_deepseek_v3(folder):  # MLA and the grouped router: its own modules and weight names
         cfg = read_config(folder)
         src, device = _TensorSource(folder), torch.device(device)

@@ -1,0 +1,405 @@
+"""gpt_oss in the embedded engine against transformers' GptOssForCausalLM on tiny random
+checkpoints of odd shapes it wrote itself (attention, router and expert biases and the sinks set
+random: transformers initialises most of them to zero): greedy tokens, every step's logits
+(float32, within LOGIT_ATOL) and the routed experts at every token and layer over prompts longer
+than the sliding window; an MXFP4 folder against transformers' own dequantization; placements and
+the slot cache bitwise the all-hot path; unsupported variants refused by field name."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.core import mxfp4
+from coldset.core.shapes import expert_bytes, parameter_counts
+from coldset.engine.cache.pool import SlotCache
+from coldset.engine.generate import generate
+from coldset.engine.gpt_oss import GptOssConfig, GptOssModel
+from coldset.engine.loading import load_model, read_config
+from coldset.engine.model import ModelLoadError
+from coldset.kernels.tiers import host_tier
+from coldset.verify import gate
+
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4  # float32, every step of every prompt
+NEW_TOKENS = 10
+# the longest prompts pass every variant's sliding_window (5 and 4), prefill and decode alike
+PROMPTS = [[5, 9, 33, 2, 11, 40, 7, 8, 1, 3, 30], [4, 8, 15], [17, 3, 3, 9, 52, 6, 23, 5]]
+UNQUANTIZED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+# Two variants: grouped-query heads, YaRN (truncate false, as published), sliding layers first (the
+# default layer_types), a tight swiglu_limit so the clamp bites; and one kv head per query head,
+# plain RoPE, a full layer first, no attention biases, tied embeddings. The MXFP4 variant needs
+# hidden and intermediate sizes that are multiples of 32 (the format's block).
+VARIANTS = {
+    "gqa_yarn": dict(
+        hidden_size=40, intermediate_size=24, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, num_local_experts=7, num_experts_per_tok=3, sliding_window=5, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+    "mha_plain": dict(
+        hidden_size=36, intermediate_size=20, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+        head_dim=10, num_local_experts=5, num_experts_per_tok=2, sliding_window=4, swiglu_limit=2.0,
+        layer_types=["full_attention", "sliding_attention"], attention_bias=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "mxfp4": dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=4, swiglu_limit=3.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
+}
+
+
+def random_model(variant: str, seed: int = 0, vocab_size: int = 61, max_positions: int = 64):
+    """A random float32 GptOssForCausalLM of ``variant``: weights std 0.2, every bias and sink
+    random (std 0.5), so each one moves the logits."""
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(vocab_size=vocab_size, max_position_embeddings=max_positions,
+                                    initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                    **VARIANTS[variant])
+    model = transformers.GptOssForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.sinks, mlp.router.bias, mlp.experts.gate_up_proj_bias, mlp.experts.down_proj_bias]
+            if cfg.attention_bias:
+                biases += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias]
+            for t in biases:
+                t.normal_(0.0, 0.5)
+    return model
+
+
+def write_mxfp4(model, out):
+    """Save ``model`` as gpt-oss publishes it: the experts' fused tensors as MXFP4 ``*_blocks`` /
+    ``*_scales`` ([E, out, in / 32, ...], quantized by coldset.core.mxfp4), everything else as is,
+    and the ``quantization_config`` of the published checkpoints."""
+    model.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    for key in list(tensors):
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4.quantize(tensors.pop(key).transpose(1, 2).contiguous(), key)
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = mxfp4.quantization_config(UNQUANTIZED)
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            out = tmp_path_factory.mktemp(variant)
+            model = random_model(variant)
+            if variant == "mxfp4":
+                built[variant] = write_mxfp4(model, out)
+            else:
+                model.save_pretrained(out)
+                built[variant] = out
+        return built[variant]
+
+    return get
+
+
+def load(folder, dtype=torch.float32, device="cpu") -> GptOssModel:
+    model = load_model(folder, device=device, dtype=dtype)
+    assert isinstance(model, GptOssModel) and isinstance(model.config, GptOssConfig)
+    return model
+
+
+def hf_model(folder):
+    """transformers' model of ``folder``, an MXFP4 one dequantized on the CPU by transformers."""
+    raw = json.loads((folder / "config.json").read_text())
+    extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if "quantization_config" in raw else {}
+    return transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
+
+
+def _hf_greedy(hf, prompt, num_layers):
+    """transformers' greedy generate of one unpadded prompt: (tokens, logits [new, V], the router's
+    (ids, weights) per layer, each [prompt + new - 1, k], from hooks on GptOssTopKRouter)."""
+    calls = {i: [] for i in range(num_layers)}
+    hooks = [hf.model.layers[i].mlp.router.register_forward_hook(
+        lambda _m, _a, out, i=i: calls[i].append((out[2], out[1]))) for i in range(num_layers)]
+    try:
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    routing = {i: (torch.cat([c[0] for c in calls[i]]), torch.cat([c[1] for c in calls[i]])) for i in calls}
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0], routing
+
+
+def _assert_matches_transformers(model, hf):
+    """Left-padded batched greedy decode against transformers' per unpadded prompt: the same
+    tokens, logits within LOGIT_ATOL at every step, the same experts (in the same order: both take
+    a sorted top-k) and weights at every token and layer."""
+    cfg = model.config
+    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
+    worst = 0.0
+    for b, prompt in enumerate(PROMPTS):
+        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.num_layers)
+        assert gen.tokens[b] == tokens, f"prompt {b}"
+        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
+        routing = gen.routing[b]
+        assert routing.experts.shape == (len(prompt) + NEW_TOKENS - 1, cfg.num_moe_layers, cfg.top_k)
+        for m in range(cfg.num_layers):
+            ref_ids, ref_w = hf_routing[m]
+            assert torch.equal(routing.experts[:, m].long(), ref_ids), f"prompt {b}, layer {m}"
+            torch.testing.assert_close(routing.weights[:, m], ref_w, atol=1e-6, rtol=1e-5)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    return gen
+
+
+@pytest.mark.parametrize("variant", ["gqa_yarn", "mha_plain"])
+def test_greedy_decode_matches_transformers(checkpoint, variant):
+    path = checkpoint(variant)
+    model = load(path)
+    assert model.config.checkpoint_expert_format == "float32" == model.config.expert_format
+    windows = [layer.self_attn.window for layer in model.layers]
+    assert windows == [model.config.layer_window(i) for i in range(model.config.num_layers)]
+    assert None in windows and any(w is not None and w < len(PROMPTS[0]) for w in windows)
+    _assert_matches_transformers(model, hf_model(path))
+
+
+def test_windows_sinks_and_biases_each_move_the_logits(checkpoint):
+    """The oracle test can fail on each feature: dropping the window of the sliding layers, the
+    sinks, the router bias or the experts' biases changes the logits far beyond LOGIT_ATOL."""
+    model = load(checkpoint("gqa_yarn"))
+    ref = generate(model, PROMPTS, 4, progress=False, return_all_logits=True).all_logits
+
+    def changed(undo):
+        saved = undo()
+        try:
+            return (generate(model, PROMPTS, 4, progress=False, return_all_logits=True).all_logits - ref).abs().max()
+        finally:
+            saved()
+
+    def no_window():
+        attns = [layer.self_attn for layer in model.layers]
+        kept = [a.window for a in attns]
+        for a in attns:
+            a.window = None
+        return lambda: [setattr(a, "window", w) for a, w in zip(attns, kept)]
+
+    def zeroed(tensors):
+        def undo():
+            kept = [t.clone() for t in tensors]
+            for t in tensors:
+                t.zero_()
+            return lambda: [t.copy_(k) for t, k in zip(tensors, kept)]
+        return undo
+
+    layers = model.layers
+    for name, undo in [("window", no_window), ("sinks", zeroed([la.self_attn.sinks for la in layers])),
+                       ("router bias", zeroed([la.mlp.gate.bias for la in layers])),
+                       ("expert biases", zeroed([model.pools.w13_bias, model.pools.w2_bias]))]:
+        assert changed(undo) > 100 * LOGIT_ATOL, name
+
+
+def test_rope_is_transformers(checkpoint):
+    """YaRN (truncate false): the same inverse frequencies (bitwise) and cos/sin factor as
+    transformers builds; plain RoPE: factor 1."""
+    path = checkpoint("gqa_yarn")
+    model, hf = load(path), hf_model(path)
+    assert torch.equal(model.inv_freq, hf.model.rotary_emb.inv_freq)
+    assert model.attention_factor == hf.model.rotary_emb.attention_scaling != 1.0
+    plain = load(checkpoint("mha_plain"))
+    assert plain.attention_factor == 1.0 and plain.config.yarn is None
+
+
+def test_mxfp4_folder_is_transformers_dequantization(checkpoint, caplog):
+    """An MXFP4 folder (published names and quantization_config): the pools hold, bit for bit,
+    transformers' own dequantization of the blocks (convert_moe_packed_tensors), de-interleaved
+    into [gate; up] rows; the biases too; greedy decode matches transformers loading the same
+    folder (dequantized on the CPU); the log says where the experts went."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # the oracle's dequantizer
+
+    path = checkpoint("mxfp4")
+    with caplog.at_level(logging.INFO, logger="coldset.engine.gpt_oss"):
+        model = load(path)
+    assert "MXFP4 experts dequantized to float32" in caplog.text and "MXFP4 kernel" in caplog.text
+    cfg = model.config
+    assert (cfg.checkpoint_expert_format, cfg.expert_format) == ("mxfp4", "float32")
+    tensors = load_file(path / "model.safetensors")
+    inter = cfg.moe_intermediate_size
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up = convert_moe_packed_tensors(tensors[f"{p}.gate_up_proj_blocks"], tensors[f"{p}.gate_up_proj_scales"],
+                                             dtype=torch.float32)  # [E, H, 2I], interleaved
+        down = convert_moe_packed_tensors(tensors[f"{p}.down_proj_blocks"], tensors[f"{p}.down_proj_scales"],
+                                          dtype=torch.float32)  # [E, I, H]
+        w13 = model.pools.w13_hot[layer * cfg.num_experts:(layer + 1) * cfg.num_experts]
+        assert torch.equal(w13[:, :inter], gate_up[..., 0::2].transpose(1, 2))
+        assert torch.equal(w13[:, inter:], gate_up[..., 1::2].transpose(1, 2))
+        assert torch.equal(model.pools.w2_hot[layer * cfg.num_experts:(layer + 1) * cfg.num_experts],
+                           down.transpose(1, 2))
+        bias = tensors[f"{p}.gate_up_proj_bias"]
+        assert torch.equal(model.pools.w13_bias[layer], torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+        assert torch.equal(model.pools.w2_bias[layer], tensors[f"{p}.down_proj_bias"])
+    _assert_matches_transformers(model, hf_model(path))
+
+
+def test_placements_and_the_slot_cache_are_bitwise_all_hot(checkpoint):
+    """Experts in both tiers (a static placement) and a dynamic one (an LRU slot cache at batch 1)
+    give bitwise the all-hot logits and tokens through the parity gate; the biases stay put."""
+    model = load(checkpoint("gqa_yarn"))
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.num_cold > 0 and pools.num_hot > 0 and pools.w13_bias is model.pools.w13_bias
+    result = gate.compare("random-half", ids, reference,
+                          gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False), pools, model)
+    assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
+
+    counts = np.random.default_rng(1).integers(0, 20, size=(cfg.num_moe_layers, cfg.num_experts)).astype(np.float64)
+    capacity = 2 * cfg.top_k * cfg.num_moe_layers
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, capacity))
+    flat = row_map.reshape(-1)
+    owner = np.empty(capacity, dtype=np.int64)
+    owner[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+    cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, counts.reshape(-1)[owner], "lru",
+                            max_tokens=1, top_k=cfg.top_k)
+    one_by_one = gate.reference_decode(model, PROMPTS, NEW_TOKENS, batch_size=1, progress=False)
+    got = gate.placement_decode(model, cache.pools, PROMPTS, NEW_TOKENS, batch_size=1, progress=False, cache=cache)
+    result = gate.compare("lru", ids, one_by_one, got, cache.pools, model)
+    assert result.passed and result.logits_bitwise_equal
+    assert cache.counters()["fills"] > 0
+
+
+def test_the_fused_decode_step_is_refused(checkpoint):
+    model = load(checkpoint("mha_plain"))
+    with pytest.raises(ValueError, match="sink attention"):
+        model.compile_decode(fused=True)
+
+
+def test_shape_counts_are_transformers_parameters(checkpoint):
+    """core.shapes reads gpt_oss: the parameter count is transformers' model's, and an expert's
+    bytes are its four tensors' (weights and both biases) per expert."""
+    for variant in ("gqa_yarn", "mha_plain"):
+        path = checkpoint(variant)
+        cfg = read_config(path)
+        hf = hf_model(path)
+        assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in hf.parameters())
+        experts = hf.model.layers[0].mlp.experts
+        per_expert = sum(t[0].numel() * t.element_size() for t in (experts.gate_up_proj, experts.gate_up_proj_bias,
+                                                                    experts.down_proj, experts.down_proj_bias))
+        assert expert_bytes(cfg) == per_expert
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 16}}, "factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"sliding_window": None}, "sliding_window"),
+    ({"swiglu_limit": None}, "swiglu_limit"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"head_dim": 7}, "head_dim"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}}, "quantization_config"),
+    ({"quantization_config": {**mxfp4.quantization_config(UNQUANTIZED), "block_size": 16}}, "block_size"),
+    ({"model_type": "gpt_oss_v2"}, "model_type"),
+])
+def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
+    raw = json.loads((checkpoint("gqa_yarn") / "config.json").read_text())
+    raw.update(change)
+    with pytest.raises(ModelLoadError, match=field):
+        GptOssConfig.from_hf_config(raw, "config.json")
+
+
+def test_the_loader_refuses_a_quantization_it_does_not_read_naming_file_and_field(checkpoint, tmp_path):
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    raw = json.loads((checkpoint("mha_plain") / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=r"config\.json: quantization_config.*not decoded by the engine"):
+        load_model(folder)
+
+
+def test_published_config_layout(checkpoint):
+    """A config in the published layout (``rope_scaling`` and a top-level ``rope_theta``, no
+    ``layer_types`` or ``swiglu_alpha``): transformers' defaults (sliding layers first, alpha 1.702)."""
+    raw = json.loads((checkpoint("gqa_yarn") / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, experts_per_token=raw["num_experts_per_tok"])
+    for name in ("layer_types", "swiglu_alpha"):
+        raw.pop(name)
+    cfg = GptOssConfig.from_hf_config(raw)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (cfg.activation.kind, cfg.activation.alpha, cfg.activation.limit) == ("swiglu_clamped", 1.702, 1.5)
+    assert cfg.yarn is not None and cfg.yarn.factor == 4.0 and not cfg.yarn.truncate and cfg.rope_theta == 1000.0
+    assert cfg.sliding_window is None and cfg.attention_window == 5
+
+
+def test_low_precision_decode_tracks_float32(checkpoint):
+    """In bf16 the RMSNorm weights stay float32 (as transformers keeps them), everything else and
+    the pools (biases included) are bf16; the logits stay near float32's and the first tokens agree."""
+    path = checkpoint("gqa_yarn")
+    ref = generate(load(path), PROMPTS, 4, progress=False, return_all_logits=True)
+    model = load(path, torch.bfloat16)
+    layer = model.layers[0]
+    assert layer.input_layernorm.weight.dtype == model.norm.weight.dtype == torch.float32
+    assert model.pools.w13_hot.dtype == model.pools.w13_bias.dtype == layer.self_attn.sinks.dtype == torch.bfloat16
+    got = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
+    assert (got.all_logits.float() - ref.all_logits).abs().max().item() < 0.5
+    assert [t[:2] for t in got.tokens] == [t[:2] for t in ref.tokens]
+
+
+@pytest.mark.gpu
+def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
+    """On CUDA in bf16 through the Triton experts kernel (biases and the clamped SwiGLU in its
+    epilogue): a placement whose cold experts are read from pinned host memory gives bitwise the
+    all-hot logits, eagerly and with the decode region compile_decode installs (torch.compile;
+    the fused kernels are refused), for a bf16 folder and an MXFP4 one."""
+    for variant in ("gqa_yarn", "mxfp4"):
+        model = load(checkpoint(variant), torch.bfloat16, "cuda")
+        cfg = model.config
+        ids = [f"p{i}" for i in range(len(PROMPTS))]
+        mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+        pools = model.pools.placed(row_map_from_mask(mask))
+        assert pools.w13_cold.is_pinned() and pools.num_cold > 0
+        eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+        for name in ("eager", "compiled"):
+            if name == "compiled":
+                model.compile_decode()
+            reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+            placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
+            result = gate.compare(name, ids, reference, placed, pools, model)
+            assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, (variant, name)
+        for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
+            assert (a[1] - b[1]).abs().max().item() < 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_decode_tracks_transformers(checkpoint):
+    """On CUDA in bf16 (Triton experts with biases and the clamped SwiGLU, fp32 epilogue) the first
+    greedy tokens are transformers' (bf16, eager attention) and the logits stay near them."""
+    path = checkpoint("gqa_yarn")
+    model = load(path, torch.bfloat16, "cuda")
+    hf = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    gen = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
+    for b, prompt in enumerate(PROMPTS):
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=4, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                          output_logits=True, return_dict_in_generate=True)
+        assert out.sequences[0, len(prompt):].tolist()[:2] == gen.tokens[b][:2]
+        assert (torch.stack(out.logits, dim=1)[0].float().cpu() - gen.all_logits[b].float().cpu()).abs().max() < 0.5
