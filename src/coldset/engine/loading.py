@@ -20,7 +20,7 @@ from tokenizers.processors import TemplateProcessing
 from torch import nn
 
 from coldset.core import fp8
-from coldset.engine import deepseek_v3, gpt_oss
+from coldset.engine import deepseek_v3, glm4_moe, gpt_oss
 from coldset.engine.model import SUPPORTED_MODEL_TYPES, ModelConfig, ModelLoadError, MoEBlock, MoEModel
 from coldset.engine.weights import put_shared_weights
 from coldset.kernels.tiers import ExpertPools
@@ -194,7 +194,7 @@ def _load_fp8_experts(cfg, src: _TensorSource, device, fmt) -> tuple[torch.Tenso
     return w13, w2, s13, s2
 
 
-ENGINE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, deepseek_v3.MODEL_TYPE, gpt_oss.MODEL_TYPE)
+ENGINE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, deepseek_v3.MODEL_TYPE, gpt_oss.MODEL_TYPE, glm4_moe.MODEL_TYPE)
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -205,6 +205,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     folder = Path(path)
     if deepseek_v3.is_deepseek_v3(folder):
         return deepseek_v3.DeepseekV3Config.from_pretrained(folder)
+    if glm4_moe.is_glm4_moe(folder):
+        return glm4_moe.Glm4MoeConfig.from_pretrained(folder)
     if gpt_oss.is_gpt_oss(folder):
         return gpt_oss.GptOssConfig.from_pretrained(folder)
     return ModelConfig.from_pretrained(folder)
@@ -237,12 +239,9 @@ def load_model(
     if gpt_oss.is_gpt_oss(folder):  # sink attention, biased router and experts: its own modules and weight names
         return gpt_oss.load(read_config(folder), _TensorSource(folder), torch.device(device), dtype)
     if deepseek_v3.is_deepseek_v3(folder):  # MLA and the grouped router: its own modules and weight names
-        cfg = read_config(folder)
-        src, device = _TensorSource(folder), torch.device(device)
-        model = deepseek_v3.DeepseekV3Model(cfg)
-        deepseek_v3.load_weights(model, src, device, dtype)
-        model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype))
-        return model.eval()
+        return _load_family(folder, deepseek_v3.DeepseekV3Model, deepseek_v3.load_weights, device, dtype)
+    if glm4_moe.is_glm4_moe(folder):  # biased, partially rotated GQA and DeepSeek-V3's MoE
+        return _load_family(folder, glm4_moe.Glm4MoeModel, glm4_moe.load_weights, device, dtype)
     cfg = ModelConfig.from_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())
     fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
@@ -293,6 +292,21 @@ def load_model(
     model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype, fmt))
     model.eval()
     return model
+
+
+def _load_family(folder: Path, model_class, load_weights, device, dtype: torch.dtype) -> MoEModel:
+    """A family with its own modules and weight names (deepseek_v3, glm4_moe): its config
+    (:func:`read_config`, which refuses what it does not run), its model, its other weights by its
+    ``load_weights`` (linear layers through :func:`_read_dense`: a block-FP8 one dequantized), the
+    routed experts into the pools (block FP8 kept as stored, with their scales)."""
+    cfg = read_config(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    fmt = fp8.parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
+    src, device = _TensorSource(folder), torch.device(device)
+    model = model_class(cfg)
+    load_weights(model, src, device, dtype, lambda module, shape: _read_dense(src, module, shape, fmt))
+    model.pools = ExpertPools.all_hot(*_load_experts(cfg, src, device, dtype, fmt))
+    return model.eval()
 
 
 def load_tokenizer(path: str | os.PathLike):
