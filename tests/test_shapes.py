@@ -32,6 +32,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes
 #          published parameter count, where it is published)
 PUBLISHED = {
     "deepseek-v3": ("deepseek_v3", 61, 58, 3, 256, 8, 1, 671e9, "DeepSeek-V3 model card: 671B total"),
+    "glm-4.5-air": ("glm4_moe", 46, 45, 1, 128, 8, 1, 106e9, "GLM-4.5-Air model card: 106B total"),
     "deepseek-v2": ("deepseek_v2", 60, 59, 1, 160, 6, 2, 236e9, "DeepSeek-V2 model card: 236B total"),
     "qwen3-235b-a22b": ("qwen3_moe", 94, 94, 0, 128, 8, 0, 235e9, "Qwen3-235B-A22B card: 235B total"),
     "qwen3-30b-a3b-gptq-int4": ("qwen3_moe", 48, 48, 0, 128, 8, 0, 30.5e9, "Qwen3-30B-A3B card: 30.5B"),
@@ -327,6 +328,16 @@ def _hand_bytes(raw, lin, elin, kept=()):
         bias = E if raw.get("topk_method") == "noaux_tc" else 0  # e_score_correction_bias
         # mlp.shared_experts.gate_proj is [n_shared * I, H]: two experts of I as one MLP
         parts.update(attention=L * mla, norms=2 * (L * (2 * h + ql + kl) + h), routers=2 * moe * (E * h + bias),
+                     shared_experts=moe * _mlp(g("shared_experts"), h, raw["n_shared_experts"] * I),
+                     dense_mlp=dense * _mlp(g("dense_mlp"), h, raw["intermediate_size"]))
+        expert = _mlp(elin, h, I)
+    elif mt == "glm4_moe":
+        I, E = raw["moe_intermediate_size"], raw["n_routed_experts"]
+        dense = raw["first_k_dense_replace"]
+        moe = L - dense
+        qk_norm = 2 * hd if raw.get("use_qk_norm") else 0
+        parts.update(attention=L * (gqa + (2 * (q + 2 * kvo) if raw.get("attention_bias") else 0)),  # q/k/v biases
+                     norms=2 * (L * (2 * h + qk_norm) + h), routers=2 * moe * (E * h + E),  # + correction bias
                      shared_experts=moe * _mlp(g("shared_experts"), h, raw["n_shared_experts"] * I),
                      dense_mlp=dense * _mlp(g("dense_mlp"), h, raw["intermediate_size"]))
         expert = _mlp(elin, h, I)

@@ -198,6 +198,7 @@ _MODULE_PATHS: dict[str, tuple[str, str, str]] = {
     "mixtral": ("model.layers", "block_sparse_moe", ""),
     "deepseek_v2": ("model.layers", "mlp", "shared_experts"),
     "deepseek_v3": ("model.layers", "mlp", "shared_experts"),
+    "glm4_moe": ("model.layers", "mlp", "shared_experts"),
     "llama4": ("language_model.model.layers", "feed_forward", "shared_expert"),
     "gpt_oss": ("model.layers", "mlp", ""),
     "olmoe": ("model.layers", "mlp", ""),
@@ -653,6 +654,29 @@ def _deepseek(f: _Fields, model_type: str) -> dict[str, Any]:
     )
 
 
+def _glm4_moe(f: _Fields) -> dict[str, Any]:
+    """GLM-4.5 (transformers' Glm4MoeConfig, whose defaults fill a missing field): grouped-query
+    attention (q/k/v biases when ``attention_bias``, per-head q/k norms when ``use_qk_norm``), DeepSeek-V3's
+    router (a correction bias per expert) and ``n_shared_experts`` shared experts, dense layers before
+    ``first_k_dense_replace``."""
+    b = _base(f, "glm4_moe")
+    h, L = b["hidden_size"], b["num_layers"]
+    e = f.int("n_routed_experts", "num_local_experts")
+    moe = tuple(range(f.int("first_k_dense_replace", default=1, minimum=0), L))
+    n_shared = f.int("n_shared_experts", default=1, minimum=0)
+    moe_inter = f.int("moe_intermediate_size")
+    q_out, kv_out = b["num_heads"] * b["head_dim"], b["num_kv_heads"] * b["head_dim"]
+    qk_norm = f.bool("use_qk_norm", False)
+    return dict(
+        b, num_experts=e, moe_intermediate_size=moe_inter,
+        intermediate_size=f.int("intermediate_size") if len(moe) < L else 0, moe_layers=moe, qk_norm=qk_norm,
+        num_shared_experts=n_shared, shared_expert_intermediate_size=n_shared * moe_inter,
+        attention_linears=_gqa(b), attention_params=L * (q_out + 2 * kv_out) if f.bool("attention_bias", False) else 0,
+        norm_params=L * (2 * h + (2 * b["head_dim"] if qk_norm else 0)) + h,
+        router_params=len(moe) * (e * h + e),
+    )
+
+
 def _llama4(f: _Fields) -> dict[str, Any]:
     b = _base(f, "llama4")
     h, L = b["hidden_size"], b["num_layers"]
@@ -714,6 +738,7 @@ SHAPE_FAMILIES = {
     "mixtral": _mixtral,
     "deepseek_v2": lambda f: _deepseek(f, "deepseek_v2"),
     "deepseek_v3": lambda f: _deepseek(f, "deepseek_v3"),
+    "glm4_moe": _glm4_moe,
     "llama4": _llama4,
     "gpt_oss": _gpt_oss,
     "olmoe": _olmoe,

@@ -151,13 +151,16 @@ def decoding_support(config: dict) -> str | None:
         model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return None  # the model stage reports the broken file
-    from coldset.engine.loading import ENGINE_MODEL_TYPES  # loads torch: the Snakefile asks this while it builds the DAG
+    from coldset.engine.loading import ENGINE_MODEL_TYPES, read_config  # loads torch: the Snakefile asks this while it builds the DAG
+    from coldset.engine.model import ModelLoadError  # loads torch, as the line above
 
     if model_type not in ENGINE_MODEL_TYPES:
         return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
                 f"({', '.join(ENGINE_MODEL_TYPES)})")
-    if model_type == "deepseek_v3" and raw.get("quantization_config"):
-        return f"{cfg}: quantization_config: the embedded engine decodes deepseek_v3 checkpoints in bf16/fp16/float32 only"
+    try:
+        read_config(folder)  # the family's own refusals: variants and weight formats it does not decode
+    except ModelLoadError as exc:
+        return str(exc)
     if not any(folder.glob("*.safetensors")):
         return f"{folder} holds no weights (*.safetensors), only the model's shape"
     return None
