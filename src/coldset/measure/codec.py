@@ -8,7 +8,9 @@ I=768). Per format and lane length: the round trip checked bit for bit on a pois
 then the decoder's median time (CUDA events over graph replays, :func:`coldset.core.timing.graph_time_us`)
 for 1 and 8 experts in one launch, as decoded bytes a second, over the pinned host-to-device copy
 rate of the raw bytes measured in the same run (the link), and, with a bf16 matmul stream running
-on another CUDA stream, the same decode's time again. Prints a table last; ``--out`` writes JSON.
+on another CUDA stream, the same decode's time again; and a layer's misses (8 experts) filled into
+slots raw from pinned memory against compressed (copy of the next expert beside the decode of the
+one before): the link's useful rate multiplied. Prints the tables last; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -73,6 +75,72 @@ def decode_us_beside_matmul(record, out, reps: int) -> float:
     return statistics.median(times)
 
 
+def pinned(record: codec.Compressed) -> codec.Compressed:
+    """``record`` with its tensors in pinned host memory (the compressed host tier)."""
+    def pin(t):
+        return None if t is None else t.cpu().pin_memory()
+
+    return codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, pin(record.words),
+                            pin(record.lane_words), pin(record.table), pin(record.raw))
+
+
+def fill_ms(fmt: str, experts: int, reps: int, gen: torch.Generator) -> dict:
+    """A layer's misses filled into slots: ``experts`` experts copied raw from pinned memory, against
+    their compressed records copied and decoded, expert by expert, the copy of the next beside the
+    decode of the one before (two streams). Medians of ``reps``, ms; the decoded slots checked."""
+    from coldset.kernels.triton_codec import decode_into  # GPU only: triton
+
+    weights = [expert_weights(1, fmt, gen) for _ in range(experts)]
+    host_raw = [w.cpu().pin_memory() for w in weights]
+    host = [pinned(codec.encode(w)) for w in weights]
+    staged = [r.to("cuda") for r in host]
+    slots = [torch.empty_like(w) for w in weights]
+    copy_stream, decode_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def raw_fill():
+        with torch.cuda.stream(copy_stream):
+            for slot, src in zip(slots, host_raw):
+                slot.copy_(src, non_blocking=True)
+
+    def compressed_fill():
+        for dst, src, slot in zip(staged, host, slots):
+            with torch.cuda.stream(copy_stream):
+                for name in ("words", "lane_words", "table", "raw"):
+                    if getattr(src, name) is not None:
+                        getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(copy_stream)
+            with torch.cuda.stream(decode_stream):
+                decode_stream.wait_event(copied)
+                decode_into(dst, slot)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps + 2):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy_stream.wait_stream(torch.cuda.current_stream())
+            decode_stream.wait_stream(torch.cuda.current_stream())
+            fn()
+            torch.cuda.current_stream().wait_stream(copy_stream)
+            torch.cuda.current_stream().wait_stream(decode_stream)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times[2:])
+
+    for slot in slots:
+        slot.view(torch.uint8).fill_(0xA5)
+    compressed_ms = timed(compressed_fill)
+    exact = all(torch.equal(s.view(torch.uint8), w.view(torch.uint8)) for s, w in zip(slots, weights))
+    raw_ms = timed(raw_fill)
+    raw_bytes = sum(w.numel() * w.element_size() for w in weights)
+    return {"format": fmt, "experts": experts, "exact": exact, "raw_fill_ms": raw_ms,
+            "compressed_fill_ms": compressed_ms, "link_multiplier": raw_ms / compressed_ms,
+            "ratio": sum(r.nbytes for r in host) / raw_bytes}
+
+
 def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Generator) -> dict:
     """One row: ratio, exactness, decode rate alone and beside a matmul, over the link's rate."""
     from coldset.kernels.triton_codec import decode_into  # GPU only: triton
@@ -109,9 +177,10 @@ def main(argv=None) -> int:
     for r in rows:
         r["decode_over_link"] = r["decode_gb_s"] / link
         r["beside_matmul_over_link"] = r["decode_beside_matmul_gb_s"] / link
+    fills = [fill_ms(fmt, 8, args.reps, gen) for fmt in args.formats.split(",")]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows}, indent=1))
+        (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows, "fills": fills}, indent=1))
     print(f"device {torch.cuda.get_device_name()}, pinned host->device link {link:.1f} GB/s (raw bytes)")
     print("| format | lane | experts | exact | MB raw | ratio | decode µs | GB/s out | x link | beside matmul GB/s | x link |")
     print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|")
@@ -119,7 +188,12 @@ def main(argv=None) -> int:
         print(f"| {r['format']} | {r['lane_symbols']} | {r['experts']} | {r['exact']} | {r['raw_mb']:.1f} | "
               f"{r['ratio']:.4f} | {r['decode_us']:.1f} | {r['decode_gb_s']:.0f} | {r['decode_over_link']:.1f} | "
               f"{r['decode_beside_matmul_gb_s']:.0f} | {r['beside_matmul_over_link']:.1f} |")
-    return 0 if all(r["exact"] for r in rows) else 1
+    print("| format | experts | exact | ratio | raw fill ms | compressed fill ms | link x |")
+    print("|---|--:|---|--:|--:|--:|--:|")
+    for f in fills:
+        print(f"| {f['format']} | {f['experts']} | {f['exact']} | {f['ratio']:.4f} | {f['raw_fill_ms']:.3f} | "
+              f"{f['compressed_fill_ms']:.3f} | {f['link_multiplier']:.2f} |")
+    return 0 if all(r["exact"] for r in rows + fills) else 1
 
 
 if __name__ == "__main__":
