@@ -5,21 +5,26 @@ bitwise the all-hot path; unsupported variants refused by field name."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.core import fp8
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, yarn_mscale
 from coldset.engine.generate import generate
 from coldset.engine.loading import load_model
 from coldset.engine.model import ModelLoadError
+from coldset.kernels import torch_experts
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from test_fp8 import TABLE
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,7 +227,7 @@ def test_the_fused_decode_step_is_refused(checkpoint):
     ({"n_group": None}, "n_group"),
     ({"topk_group": 3}, "topk_group"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                              "weight_block_size": [128, 128]}}, "quantization_config"),
+                              "weight_block_size": [64, 64]}}, "weight_block_size"),
     ({"model_type": "deepseek_v2"}, "model_type"),
 ])
 def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
@@ -271,6 +276,176 @@ def test_low_precision_decode_tracks_float32(checkpoint, dtype, atol):
     got = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
     assert (got.all_logits.float() - ref.all_logits).abs().max().item() < atol
     assert [t[:2] for t in got.tokens] == [t[:2] for t in ref.tokens]
+
+
+# --------------------------------------------------------------------------------------------
+# Block-FP8 checkpoints (DeepSeek-V3's published format)
+# --------------------------------------------------------------------------------------------
+
+# hidden 136 and a dense MLP of 144: most matrices span two 128-column or 128-row blocks, the
+# last one partial
+FP8_VARIANT = dict(VARIANTS["q_lora_yarn"], hidden_size=136, intermediate_size=144)
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+_LINEAR_WEIGHTS = ("_proj.weight", "_proj_with_mqa.weight")  # every linear layer; not lm_head, not the router
+
+
+def write_block_fp8(folder, out):
+    """The float32 checkpoint in ``folder`` in DeepSeek-V3's published block-FP8 layout, into ``out``:
+    every linear weight but the LM head's (the router is no linear layer) as float8_e4m3fn with its
+    ``weight_scale_inv`` (:func:`coldset.core.fp8.quantize_weight`, DeepSeek's ``weight_quant``
+    convention), the published ``quantization_config`` (no ``modules_to_not_convert``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_CONFIG}))
+    tensors = {}
+    for key, t in load_file(str(folder / "model.safetensors")).items():
+        if key.endswith(_LINEAR_WEIGHTS):
+            tensors[key], tensors[key.removesuffix(".weight") + ".weight_scale_inv"] = fp8.quantize_weight(t)
+        else:
+            tensors[key] = t
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _hf_dequant(q, s):
+    """transformers' own block-FP8 dequantization (what its FP8 loader runs on a CPU)."""
+    mod = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    return mod.Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=torch.float32)
+
+
+def dequant_oracle(q, s):
+    """A block-FP8 weight's values: transformers' dequantization where it reads the grid as the
+    format defines it, else an independent one. transformers' ``Fp8Dequantize`` takes the block as
+    ``rows // grid rows``: right when every block is full or one block spans the dim, wrong for a
+    partial last block (136 rows in 2 blocks read as blocks of 68) and refused when that does not
+    divide (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 5 blocks). The independent one: each byte's
+    e4m3 value decoded from its bits (``test_fp8.TABLE``) times its 128 x 128 block's scale,
+    exact in float64, rounded once to float32."""
+    rows, cols = q.shape
+    if all(g == 1 or n == 128 * g for n, g in zip((rows, cols), s.shape)):
+        return _hf_dequant(q, s)
+    scales = s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return (TABLE[q.view(torch.uint8).long()] * scales).float()
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """(float32 folder, its block-FP8 folder, transformers' model on the dequantized weights)."""
+    torch.manual_seed(1)
+    root = tmp_path_factory.mktemp("fp8")
+    cfg = transformers.DeepseekV3Config(vocab_size=97, max_position_embeddings=64, initializer_range=0.2,
+                                        bos_token_id=None, eos_token_id=None, pad_token_id=None, **FP8_VARIANT)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    hf.save_pretrained(root / "float")
+    folder = write_block_fp8(root / "float", root / "fp8")
+    stored = load_file(str(folder / "model.safetensors"))
+    dequantized = {k: dequant_oracle(t, stored[k + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+                   for k, t in stored.items() if not k.endswith("_scale_inv")}
+    hf_deq = transformers.DeepseekV3ForCausalLM.from_pretrained(root / "float", dtype=torch.float32).eval()
+    float_sd = load_file(str(root / "float" / "model.safetensors"))
+    assert set(float_sd) == set(dequantized)
+    with torch.no_grad():
+        for key, t in dequantized.items():
+            if key != "lm_head.weight" or not cfg.tie_word_embeddings:
+                _assign_hf(hf_deq, key, t)
+    return root / "float", folder, hf_deq, stored
+
+
+def _assign_hf(hf, key, tensor):
+    """Put checkpoint tensor ``key`` into transformers' model (experts are fused there: one slice)."""
+    parts = key.split(".")
+    if ".mlp.experts." in key:  # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+        experts = hf.get_submodule(".".join(parts[:5]))
+        e, proj = int(parts[5]), parts[6]
+        inter = experts.down_proj.shape[-1]
+        if proj == "down_proj":
+            experts.down_proj[e].copy_(tensor)
+        else:
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            experts.gate_up_proj[e, rows].copy_(tensor)
+        return
+    getattr(hf.get_submodule(".".join(parts[:-1])), parts[-1]).copy_(tensor)
+
+
+def test_block_fp8_loads_experts_as_stored_and_the_rest_as_transformers_dequantizes(fp8_checkpoint, caplog):
+    _, folder, _, stored = fp8_checkpoint
+    with caplog.at_level(logging.INFO, logger="coldset.engine.deepseek_v3"):
+        model = load(folder)
+    cfg, pools = model.config, model.pools
+    assert pools.is_fp8 and pools.w13_hot.dtype == torch.float8_e4m3fn
+    converted = [k for k in stored if k.endswith(_LINEAR_WEIGHTS) and ".mlp.experts." not in k]
+    assert f"deepseek_v3: {len(converted)} block-FP8 linear layers outside the routed experts" in caplog.text
+    params = dict(model.named_parameters())
+    for key in converted:  # MLA projections, the dense layer's MLP, the shared experts
+        mine = key.replace("model.", "", 1)
+        assert torch.equal(params[mine], dequant_oracle(stored[key], stored[key + "_scale_inv"])), key
+    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
+    down = "model.layers.0.mlp.down_proj.weight"  # [136, 144]: why transformers' dequantization is not the oracle here
+    assert not torch.equal(_hf_dequant(stored[down], stored[down + "_scale_inv"]), params[down.replace("model.", "", 1)])
+    inter = cfg.moe_intermediate_size
+    for m, layer in enumerate(cfg.moe_layers):
+        assert torch.equal(model.layers[layer].mlp.gate.weight, stored[f"model.layers.{layer}.mlp.gate.weight"])
+        for e in range(cfg.num_experts):
+            base = f"model.layers.{layer}.mlp.experts.{e}"
+            w13, w2 = pools.expert_weights(m, e)
+            s13, s2 = pools.expert_scales(m, e)
+            gate_up = torch.cat([stored[f"{base}.gate_proj.weight"], stored[f"{base}.up_proj.weight"]])
+            assert torch.equal(w13.view(torch.uint8), gate_up.view(torch.uint8))  # the bytes as stored
+            assert torch.equal(w2.view(torch.uint8), stored[f"{base}.down_proj.weight"].view(torch.uint8))
+            assert torch.equal(s2, stored[f"{base}.down_proj.weight_scale_inv"])
+            deq = fp8.dequantize_w13(w13, s13)
+            assert torch.equal(deq[:inter], dequant_oracle(stored[f"{base}.gate_proj.weight"],
+                                                           stored[f"{base}.gate_proj.weight_scale_inv"]))
+            assert torch.equal(deq[inter:], dequant_oracle(stored[f"{base}.up_proj.weight"],
+                                                           stored[f"{base}.up_proj.weight_scale_inv"]))
+
+
+def test_block_fp8_routing_matches_transformers_on_the_dequantized_weights(fp8_checkpoint):
+    """The FP8 folder decoded with weight-only experts (``w8a16``: the dequantized weights, the
+    activations unquantized, the arithmetic of transformers' CPU FP8 load) against transformers'
+    model holding transformers' dequantization of the same tensors: the same tokens, logits within
+    LOGIT_ATOL and the same experts and weights at every token and MoE layer. The engine's default
+    FP8 experts (activations quantized per 128-group, as the FP8 kernel does) stay close."""
+    _, folder, hf, _ = fp8_checkpoint
+    model = load(folder)
+    cfg = model.config
+    model.experts_fn = functools.partial(torch_experts, w8a16=True)
+    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
+    worst = 0.0
+    for b, prompt in enumerate(PROMPTS):
+        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.moe_layers)
+        assert gen.tokens[b] == tokens
+        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
+        for m, layer in enumerate(cfg.moe_layers):
+            ref_ids, ref_w = hf_routing[layer]
+            got_ids, order = gen.routing[b].experts[:, m].long().sort(dim=-1)
+            want_ids, want_order = ref_ids.sort(dim=-1)
+            assert torch.equal(got_ids, want_ids), f"prompt {b}, MoE layer {m}"
+            torch.testing.assert_close(gen.routing[b].weights[:, m].gather(1, order), ref_w.gather(1, want_order),
+                                       atol=1e-6, rtol=1e-5)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    model.experts_fn = torch_experts
+    w8a8 = generate(model, PROMPTS, 1, progress=False, return_all_logits=True).all_logits[:, 0].double()
+    first = gen.all_logits[:, 0].double()
+    assert 0 < float((w8a8 - first).norm() / first.norm()) < 0.05
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"weight_block_size": None}, "per-tensor FP8"),
+    ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+    ({"modules_to_not_convert": ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]}, "routed experts in"),
+])
+def test_other_quantized_formats_are_refused_by_name(fp8_checkpoint, change, match):
+    raw = json.loads((fp8_checkpoint[1] / "config.json").read_text())
+    raw["quantization_config"] = {**raw["quantization_config"], **change}
+    with pytest.raises(ModelLoadError, match=match):
+        DeepseekV3Config.from_hf_config(raw, "config.json")
 
 
 @pytest.mark.gpu

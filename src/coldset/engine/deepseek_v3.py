@@ -25,11 +25,25 @@ the slot cache and the parity gate apply to it unchanged. What differs from qwen
   :func:`grouped_sigmoid_topk`, in float32 (the router weight and ``e_score_correction_bias`` are
   kept in float32 whatever the model dtype, as transformers keeps them).
 
+Block-FP8 checkpoints as published (``quantization_config`` quant_method fp8, fmt e4m3, dynamic
+activations, ``weight_block_size`` [128, 128]; ``*.weight`` float8_e4m3fn beside
+``*.weight_scale_inv``, :mod:`coldset.core.fp8`): the routed experts go into the expert pools as
+stored, FP8 bytes and their scales, through the same loader and kernels as qwen3_moe's FP8 experts
+(a scale travels with its expert between tiers). Every other converted linear layer (the MLA
+projections, the shared experts, the dense layers' MLPs) is dequantized to the model dtype at load
+(``weight.float() * scale_inv`` per block, transformers' CPU dequantization), because the FP8 path
+outside the experts is the fused GQA decode step's, which MLA does not run. What that costs in HBM
+for DeepSeek-V3 in bf16: 15.16 G such weights hold 30.31 GB (28.23 GiB) where their FP8 bytes and
+scales are 15.16 GB (14.12 GiB), 14.11 GiB more; :func:`load_weights` logs the figure of the
+checkpoint it reads. The LM head and the router are never converted (transformers' rule).
+
 Refused by name (:class:`~coldset.engine.model.ModelLoadError`): DeepSeek-V3.2's sparse attention
 (``index_topk`` and its indexer fields), another ``topk_method`` or ``scoring_func``,
 ``moe_layer_freq`` != 1, ``num_key_value_heads`` != ``num_attention_heads``, ``attention_bias``,
 RoPE types other than default and yarn, ``partial_rotary_factor``, a group layout the router cannot
-take, and quantized checkpoints (their shape is read by placement and statistics all the same).
+take, and quantized checkpoints in any other format (another ``weight_block_size``, per-tensor FP8,
+static activation scales, e5m2, MXFP4, AWQ/GPTQ, experts left unconverted beside FP8 linear
+layers): their shape is read by placement and statistics all the same.
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not read: the engine decodes one
 token a step, and :func:`load_weights` logs that it skips them.
 
@@ -55,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coldset.core import fp8
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
 from coldset.engine.model import DecoderLayer, DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
 from coldset.engine.weights import put_shared_weights
@@ -140,10 +155,7 @@ class DeepseekV3Config(ModelConfig):
             shape = shape_from_hf_config(raw, source)
         except ShapeError as exc:
             raise ModelLoadError(str(exc)) from None
-        if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
-            raise ModelLoadError(f"{source}: quantization_config: quantized deepseek_v3 checkpoints "
-                                 f"({shape.expert_format} experts) are not decoded by the engine; placement, "
-                                 "statistics and the cache simulation read this shape without decoding")
+        refuse_unsupported_quantization(raw, shape, source)
         n_group, topk_group = router_groups(raw, shape, source, _DEFAULTS)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         eps = raw.get("rms_norm_eps")
@@ -190,6 +202,23 @@ def _get(raw: dict, name: str):
     """``raw[name]``, or transformers' default when the config leaves it out (or writes null)."""
     value = raw.get(name)
     return _DEFAULTS[name] if value is None else value
+
+
+def refuse_unsupported_quantization(raw: dict, shape: MoEShape, source: str) -> None:
+    """Refuse, naming the field, a quantized checkpoint the engine does not decode: anything but the
+    published block FP8 (:func:`coldset.core.fp8.parse_quantization_config`: quant_method fp8, e4m3,
+    dynamic activations, 128 x 128 blocks) with its routed experts converted."""
+    if shape.expert_format == shape.dtype and shape.linear_format == shape.dtype:
+        return
+    try:
+        fp8.parse_quantization_config(raw.get("quantization_config"), source)
+    except fp8.Fp8FormatError as exc:
+        raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape without "
+                             "decoding") from None
+    if shape.expert_format != fp8.FORMAT_NAME:
+        raise ModelLoadError(f"{source}: quantization_config: routed experts in {shape.expert_format} beside block-FP8 "
+                             f"linear layers are not decoded by the engine (its experts are {fp8.FORMAT_NAME} or "
+                             "unquantized in every layer)")
 
 
 def _q_lora_rank(shape: MoEShape) -> int | None:
@@ -507,18 +536,23 @@ _NEVER_CONVERTED = ("lm_head.weight", ".mlp.gate.weight")
 
 
 def weight_putter(src: TensorSource, device: torch.device, dtype: torch.dtype,
-                  read_linear: Callable[[str, tuple[int, ...]], torch.Tensor]
-                  ) -> Callable[..., None]:
+                  read_linear: Callable[[str, tuple[int, ...]], torch.Tensor],
+                  dequantized: list[tuple[int, int]] | None = None) -> Callable[..., None]:
     """``put(owner, name, key, as_dtype=dtype)``: read tensor ``key`` of ``owner.name``'s shape into
     it as a frozen parameter on ``device`` in ``as_dtype``. A linear layer's weight goes through
     ``read_linear(module, shape)`` (:mod:`coldset.engine.loading`'s reader: a weight the checkpoint
     converts to block FP8 comes back dequantized, a float8 weight it does not convert is refused);
-    the LM head, the router and every other tensor are read as stored and must not be float8."""
+    the LM head, the router and every other tensor are read as stored and must not be float8.
+    ``dequantized`` collects ``(weights, scales)``, the element counts of each block-FP8 weight
+    read dequantized (:func:`log_dequantized`)."""
 
     def put(owner: nn.Module, name: str, key: str, as_dtype: torch.dtype = dtype) -> None:
         shape = tuple(getattr(owner, name).shape)
         if isinstance(owner, nn.Linear) and name == "weight" and not key.endswith(_NEVER_CONVERTED):
-            tensor = read_linear(key.removesuffix(".weight"), shape)
+            module = key.removesuffix(".weight")
+            tensor = read_linear(module, shape)
+            if dequantized is not None and f"{module}.weight_scale_inv" in src:
+                dequantized.append((math.prod(shape), math.prod(fp8.scale_grid(*shape))))
         else:
             tensor = src.get(key, shape)
             if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -527,6 +561,20 @@ def weight_putter(src: TensorSource, device: torch.device, dtype: torch.dtype,
         setattr(owner, name, nn.Parameter(tensor.to(device=device, dtype=as_dtype), requires_grad=False))
 
     return put
+
+
+def log_dequantized(family: str, dequantized: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """Log what the block-FP8 linear layers outside the routed experts cost in ``dtype`` against
+    their FP8 bytes and scales (``dequantized``: :func:`weight_putter`'s counts; nothing when empty)."""
+    if not dequantized:
+        return
+    weights, scales = sum(w for w, _ in dequantized), sum(s for _, s in dequantized)
+    held, stored = weights * dtype.itemsize, weights + 4 * scales
+    log.info("%s: %d block-FP8 linear layers outside the routed experts (attention projections, shared experts, "
+             "dense MLPs) dequantized to %s at load: %.3f GiB on the model's device where their FP8 bytes and "
+             "scales are %.3f GiB (+%.3f GiB); the routed experts stay block FP8 in the expert pools", family,
+             len(dequantized), str(dtype).removeprefix("torch."), held / 2**30, stored / 2**30,
+             (held - stored) / 2**30)
 
 
 def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device, dtype: torch.dtype,
@@ -540,8 +588,8 @@ def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device
     Tensors of layers past ``num_hidden_layers`` (multi-token prediction) are not read; a log line
     says so."""
     cfg = model.config
-    put = weight_putter(src, device, dtype, read_linear)
-
+    dequantized: list[tuple[int, int]] = []
+    put = weight_putter(src, device, dtype, read_linear, dequantized)
     if cfg.num_mtp_layers:
         log.info("deepseek_v3: skipping %d multi-token-prediction layer(s) (model.layers.%d and on): the engine "
                  "decodes one token a step", cfg.num_mtp_layers, cfg.num_layers)
@@ -564,3 +612,4 @@ def load_weights(model: DeepseekV3Model, src: TensorSource, device: torch.device
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 put(getattr(dense, proj), "weight", f"{prefix}.{proj}.weight")
     model.inv_freq = model.inv_freq.to(device)
+    log_dequantized(MODEL_TYPE, dequantized, dtype)
