@@ -70,3 +70,22 @@ def test_every_placement_is_bitwise_the_all_hot_path(run):
         assert parity["max_abs_logit_diff"] == 0.0
         if name.endswith("0.5"):
             assert parity["num_cold"] > 0
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}}, ("quantization_config", "gpt_oss")),
+    ({"quantization_config": {"quant_method": "mxfp4", "block_size": 16}}, ("block_size",)),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, ("llama3", "gpt_oss")),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, ("layer_types", "chunked_attention")),
+])
+def test_a_variant_the_engine_does_not_run_is_refused_before_any_job(tmp_path, run, change, words):
+    """decoding_support (asked before the workflow schedules any job) names the file and the field."""
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    raw = json.loads((run["folder"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, **change}))
+    (folder / "model.safetensors").write_bytes((run["folder"] / "model.safetensors").read_bytes())
+    config = {**run["config"], "model": {**run["config"]["model"], "path": str(folder)}}
+    reason = decoding_support(config)
+    assert reason and "config.json" in reason and all(w in reason for w in words), reason
