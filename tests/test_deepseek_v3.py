@@ -449,12 +449,16 @@ def test_other_quantized_formats_are_refused_by_name(fp8_checkpoint, change, mat
 
 
 @pytest.mark.gpu
-def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
-    """On CUDA in bf16 through the Triton experts kernel: a placement whose cold experts are read
-    from pinned host memory gives bitwise the all-hot logits, eagerly and with the decode region
-    that compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
-    model = load(checkpoint("q_lora_yarn"), torch.bfloat16, "cuda")
+@pytest.mark.parametrize("weights", ["bf16", "block_fp8"])
+def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint, request, weights):
+    """On CUDA in bf16 through the Triton experts kernel (the FP8 one for the block-FP8 folder, whose
+    expert scales move with their experts): a placement whose cold experts are read from pinned
+    host memory gives bitwise the all-hot logits, eagerly and with the decode region that
+    compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
+    folder = checkpoint("q_lora_yarn") if weights == "bf16" else request.getfixturevalue("fp8_checkpoint")[1]
+    model = load(folder, torch.bfloat16, "cuda")
     cfg = model.config
+    assert model.pools.is_fp8 == (weights == "block_fp8")
     ids = [f"p{i}" for i in range(len(PROMPTS))]
     mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
     pools = model.pools.placed(row_map_from_mask(mask))

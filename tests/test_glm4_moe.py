@@ -198,3 +198,26 @@ def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
     raw.update(change)
     with pytest.raises(ModelLoadError, match=field):
         Glm4MoeConfig.from_hf_config(raw, "config.json")
+
+
+@pytest.mark.gpu
+def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
+    """On CUDA in bf16 through the Triton experts kernel: a placement whose cold experts are read
+    from pinned host memory gives bitwise the all-hot logits, eagerly and with the decode region
+    that compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
+    model = load_model(checkpoint("bias_qknorm"), device="cuda", dtype=torch.bfloat16)
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.w13_cold.is_pinned() and pools.num_cold > 0
+    eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+    for name in ("eager", "compiled"):
+        if name == "compiled":
+            model.compile_decode()
+        reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
+        placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
+        result = gate.compare(name, ids, reference, placed, pools, model)
+        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
+    for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
+        assert (a[1] - b[1]).abs().max().item() < 0.5
