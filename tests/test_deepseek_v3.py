@@ -384,7 +384,8 @@ def test_block_fp8_loads_experts_as_stored_and_the_rest_as_transformers_dequanti
         assert torch.equal(params[mine], dequant_oracle(stored[key], stored[key + "_scale_inv"])), key
     assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
     down = "model.layers.0.mlp.down_proj.weight"  # [136, 144]: why transformers' dequantization is not the oracle here
-    assert not torch.equal(_hf_dequant(stored[down], stored[down + "_scale_inv"]), params[down.replace("model.", "", 1)])
+    assert not torch.equal(_hf_dequant(stored[down], stored[down + "_scale_inv"]),
+                           params[down.replace("model.", "", 1)])
     inter = cfg.moe_intermediate_size
     for m, layer in enumerate(cfg.moe_layers):
         assert torch.equal(model.layers[layer].mlp.gate.weight, stored[f"model.layers.{layer}.mlp.gate.weight"])

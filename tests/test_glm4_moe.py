@@ -50,7 +50,8 @@ def build_checkpoint(variant: str, out, seed: int = 0, vocab_size: int = 97, max
     """Save a random float32 Glm4MoeForCausalLM of ``variant`` (weights std 0.2, random q/k/v biases
     and ``e_score_correction_bias``, so both move the result) with save_pretrained."""
     torch.manual_seed(seed)
-    cfg = transformers.Glm4MoeConfig(vocab_size=vocab_size, max_position_embeddings=max_positions, initializer_range=0.2,
+    cfg = transformers.Glm4MoeConfig(vocab_size=vocab_size, max_position_embeddings=max_positions,
+                                     initializer_range=0.2,
                                      bos_token_id=None, eos_token_id=None, pad_token_id=None, **VARIANTS[variant])
     model = transformers.Glm4MoeForCausalLM(cfg).float().eval()
     with torch.no_grad():
