@@ -10,6 +10,11 @@ tolerance, not bitwise). ``w8a16=True`` is the reference of the FP8 kernel's wei
 (KernelConfig ``w8a16``): the same with no activation quantized (the tokens and the intermediate,
 rounded to the activation dtype, enter the float32 GEMMs as they are).
 
+MXFP4 pools (``pools.is_mxfp4``, :mod:`coldset.core.mxfp4`) run the same function weight-only, as
+the Triton MXFP4 kernel computes: each expert's weights dequantized exactly
+(:func:`coldset.core.mxfp4.dequantize`, e2m1 times 2^(s - 127), which bf16 and float32 both hold),
+the tokens and the intermediate (rounded to the activation dtype) unquantized, float32 GEMMs.
+
 Expert biases and the activation (``pools.w13_bias``, ``pools.w2_bias``, ``pools.activation``:
 :mod:`coldset.kernels.tiers`, :mod:`coldset.kernels.activation`) enter where transformers'
 ``GptOssExperts`` adds them. On float pools every step rounds in the model dtype as there: the
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from coldset.core import fp8
+from coldset.core import fp8, mxfp4
 from coldset.kernels.activation import torch_activation
 
 if TYPE_CHECKING:  # annotations only: the kernels do not import the tiers (no import circle)
@@ -72,7 +77,8 @@ def torch_experts(
     if token_chunk is not None and token_chunk <= 0:
         raise ValueError(f"torch_experts: token_chunk must be positive, got {token_chunk}")
     if w8a16 and not pools.is_fp8:
-        raise ValueError("torch_experts: w8a16=True needs block-FP8 pools (it leaves their activations unquantized)")
+        raise ValueError("torch_experts: w8a16=True needs block-FP8 pools (it leaves their activations unquantized; "
+                         "MXFP4 pools always run weight-only)")
     num_tokens = x.shape[0]
     if token_chunk is None or token_chunk >= num_tokens:
         return _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16)
@@ -86,8 +92,8 @@ def torch_experts(
 
 
 def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
-    if pools.is_fp8:
-        return _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16)
+    if pools.has_scales:
+        return _torch_scaled_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16 or pools.is_mxfp4)
     out = torch.zeros_like(x)
     rows = pools.row_map[layer].tolist()
     weights = topk_weights.to(x.dtype)
@@ -112,19 +118,31 @@ def _torch_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
     return out
 
 
-def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
-    """Block-FP8 experts, the Triton FP8 kernel's semantics in torch (float32 throughout):
+def _dequantized_expert(pools, layer, expert, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(w13 [2I, H], w2 [H, I])`` of one scaled expert, read from the tier the row map gives."""
+    row = int(pools.row_map[layer, expert])
+    tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
+    w13, w2 = (getattr(pools, f"{w}_{tier}")[r].to(device) for w in ("w13", "w2"))
+    s13, s2 = (getattr(pools, f"{w}_scale_{tier}")[r].to(device) for w in ("w13", "w2"))
+    if pools.is_mxfp4:  # packed rows [N, K / 2] are the checkpoint's blocks [N, K / 32, 16]
+        return (mxfp4.dequantize(w13.unflatten(-1, (-1, mxfp4.BLOCK_BYTES)), s13, torch.float32, name="w13"),
+                mxfp4.dequantize(w2.unflatten(-1, (-1, mxfp4.BLOCK_BYTES)), s2, torch.float32, name="w2"))
+    return fp8.dequantize_w13(w13, s13), fp8.dequantize_weight(w2, s2)
+
+
+def _torch_scaled_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=False):
+    """Block-FP8 and MXFP4 experts, the Triton kernels' semantics in torch (float32 throughout):
 
     ``a = deq(quant(x))`` per token group of 128; ``g, u = a @ deq(w13).T (+ w13_bias)``;
     ``act = activation(g, u)`` (``SiLU(g) * u`` by default) in float32, rounded to ``x``'s dtype
     (the kernel's activation scratch); ``y = deq(quant(act)) @ deq(w2).T (+ w2_bias)`` times the
     routing weight; the top-k products summed in float32 and rounded to ``x``'s dtype
     once. The loop order depends only on the expert ids, never on where an expert lives, so any
-    placement gives bitwise the same result. ``w8a16``: ``quant`` is the identity (``a = x``, the
-    intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it is).
+    placement gives bitwise the same result. ``w8a16`` (always, for MXFP4): ``quant`` is the
+    identity (``a = x``, the intermediate after its rounding to ``x``'s dtype enters w2's GEMM as it
+    is); ``deq`` is the format's exact dequantization.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    rows = pools.row_map[layer].tolist()
     def through_fp8(a):  # the activation operand of a GEMM, float32
         return a.float() if w8a16 else fp8.dequantize_activations(*fp8.quantize_activations(a))
 
@@ -132,12 +150,7 @@ def _torch_fp8_experts_chunk(pools, layer, x, topk_ids, topk_weights, w8a16=Fals
     weights = topk_weights.float()
     for expert in torch.unique(topk_ids).tolist():
         token_idx, rank_idx = torch.where(topk_ids == expert)
-        row = rows[expert]
-        tier, r = ("hot", row) if row >= 0 else ("cold", -row - 1)
-        w13 = fp8.dequantize_w13(getattr(pools, f"w13_{tier}")[r].to(x.device),
-                                 getattr(pools, f"w13_scale_{tier}")[r].to(x.device))
-        w2 = fp8.dequantize_weight(getattr(pools, f"w2_{tier}")[r].to(x.device),
-                                   getattr(pools, f"w2_scale_{tier}")[r].to(x.device))
+        w13, w2 = _dequantized_expert(pools, layer, expert, x.device)
         gate_up = a_all[token_idx] @ w13.T
         if pools.has_bias:
             gate_up = gate_up + pools.w13_bias[layer, expert].to(x.device).float()

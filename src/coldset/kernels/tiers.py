@@ -31,6 +31,14 @@ by the same row map: row ``r`` of ``w13_scale_hot`` holds the scales of row ``r`
 ``w13_hot``, so a cold expert's scales live in the host tier beside its weights, and every
 operation here (placing, moving, the host tier) carries both.
 
+MXFP4 experts (:mod:`coldset.core.mxfp4`, gpt-oss as published) are laid out the same way: the
+weight pools hold the packed e2m1 bytes, uint8 ``[rows, 2I, H / 2]`` and ``[rows, H, I / 2]`` (a
+checkpoint's ``*_blocks`` ``[N, K / 32, 16]`` with its last two dimensions flattened, w13's rows
+gate's then up's: :func:`coldset.core.mxfp4.w13_from_checkpoint`), and the scale pools their uint8
+e8m0 scales ``[rows, 2I, H / 32]`` and ``[rows, H, I / 32]``, one row per weight row in the same
+tier. :attr:`ExpertPools.has_scales` is what every move, copy and fill asks: a scaled expert moves
+with its scales, whatever the format.
+
 Expert biases (gpt-oss: ``w13_bias`` ``[L, E, 2I]``, gate's half then up's as w13's rows, and
 ``w2_bias`` ``[L, E, H]``) and the experts' :class:`~coldset.kernels.activation.Activation` are not
 pooled: the biases stay on the compute device for every expert and the kernels read them by
@@ -49,7 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coldset.core import fp8
+from coldset.core import fp8, mxfp4
 from coldset.core.placement import validate_row_map
 from coldset.kernels.activation import SILU, Activation
 
@@ -105,9 +113,19 @@ class ExpertPools:
         return sum(t.numel() * t.element_size() for t in (self.w13_bias, self.w2_bias) if t is not None)
 
     @property
+    def has_scales(self) -> bool:
+        """Whether the experts carry scale pools (block-FP8 or MXFP4): what moves with an expert."""
+        return self.w13_scale_hot is not None
+
+    @property
     def is_fp8(self) -> bool:
         """Whether the experts are block-FP8 (weights float8_e4m3fn, scales in the scale pools)."""
-        return self.w13_scale_hot is not None
+        return self.has_scales and self.w13_hot.dtype == fp8.FP8_DTYPE
+
+    @property
+    def is_mxfp4(self) -> bool:
+        """Whether the experts are MXFP4 (packed e2m1 uint8 weights, e8m0 uint8 scale pools)."""
+        return self.has_scales and self.w13_hot.dtype == torch.uint8
 
     def __post_init__(self) -> None:
         self.check_layout()
@@ -155,9 +173,10 @@ class ExpertPools:
             raise ValueError(f"ExpertPools.{missing}: expert biases come as a pair (w13_bias and w2_bias); "
                              f"pass zeros for a projection without bias")
         L, E = self.num_moe_layers, self.num_experts
-        hidden, inter = self.w2_hot.shape[1], self.w2_hot.shape[2]
+        hidden, inter = self.w2_hot.shape[1], self.w2_hot.shape[2] * (2 if self.w2_hot.dtype == torch.uint8 else 1)
         weight_dtype = self.w13_hot.dtype
-        allowed = (torch.bfloat16, torch.float16, torch.float32) if weight_dtype == fp8.FP8_DTYPE else (weight_dtype,)
+        scaled = weight_dtype in (fp8.FP8_DTYPE, torch.uint8)
+        allowed = (torch.bfloat16, torch.float16, torch.float32) if scaled else (weight_dtype,)
         for name, want in (("w13_bias", (L, E, 2 * inter)), ("w2_bias", (L, E, hidden))):
             b = getattr(self, name)
             if not isinstance(b, torch.Tensor):
@@ -178,32 +197,54 @@ class ExpertPools:
                                  f"[L, E, n] row-major: pass .contiguous()")
 
     def _check_scales(self) -> None:
-        """FP8 pools: every scale pool present, contiguous float32, one row per weight row, the
-        block grid of its weight; float pools: no scale pool and no float8 weights (a weight
-        without its scales would be read as if its scale were 1)."""
+        """Scaled pools: every scale pool present, contiguous, one row per weight row, its weight's
+        grid: FP8 float32 ``weight_scale_inv`` blocks (:mod:`coldset.core.fp8`), MXFP4 uint8 e8m0
+        per 32 inputs of each row (:mod:`coldset.core.mxfp4`). Float pools: no scale pool and no
+        float8 or packed uint8 weights (a weight without its scales would be read as if its scale
+        were 1)."""
         present = [getattr(self, name) is not None for name in self.SCALE_FIELDS]
+        dtype = self.w13_hot.dtype
         if not any(present):
-            if self.w13_hot.dtype == fp8.FP8_DTYPE or self.w2_hot.dtype == fp8.FP8_DTYPE:
+            if fp8.FP8_DTYPE in (dtype, self.w2_hot.dtype):
                 raise ValueError("ExpertPools: float8 expert weights without their weight_scale_inv pools "
                                  "(w13_scale_hot, w2_scale_hot, w13_scale_cold, w2_scale_cold)")
+            if torch.uint8 in (dtype, self.w2_hot.dtype):
+                raise ValueError("ExpertPools: MXFP4 (uint8 packed e2m1) expert weights without their e8m0 scale "
+                                 "pools (w13_scale_hot, w2_scale_hot, w13_scale_cold, w2_scale_cold)")
             return
         if not all(present):
             missing = [n for n, p in zip(self.SCALE_FIELDS, present) if not p]
-            raise ValueError(f"ExpertPools: FP8 pools need all four scale pools; missing {missing}")
-        inter, hidden = self.w2_hot.shape[2], self.w2_hot.shape[1]
-        grids = {"w13": (fp8.w13_scale_rows(inter), fp8.scale_grid(inter, hidden)[1]),
-                 "w2": fp8.scale_grid(hidden, inter)}
+            raise ValueError(f"ExpertPools: scaled pools need all four scale pools; missing {missing}")
+        if dtype == fp8.FP8_DTYPE:
+            inter, hidden = self.w2_hot.shape[2], self.w2_hot.shape[1]
+            grids = {"w13": (fp8.w13_scale_rows(inter), fp8.scale_grid(inter, hidden)[1]),
+                     "w2": fp8.scale_grid(hidden, inter)}
+            scale_dtype = torch.float32
+        elif dtype == torch.uint8:  # packed e2m1: a row of K inputs is K / 2 bytes with K / 32 scales
+            inter, hidden = 2 * self.w2_hot.shape[2], self.w2_hot.shape[1]
+            if tuple(self.w13_hot.shape[1:]) != (2 * inter, hidden // 2):
+                raise ValueError(f"ExpertPools.w13_hot: MXFP4 rows {tuple(self.w13_hot.shape[1:])}, expected "
+                                 f"{(2 * inter, hidden // 2)} beside w2 {tuple(self.w2_hot.shape[1:])} ([2I, H/2], [H, I/2])")
+            if hidden % mxfp4.BLOCK or inter % mxfp4.BLOCK:
+                raise ValueError(f"ExpertPools: MXFP4 experts need H and I multiples of {mxfp4.BLOCK}, got H={hidden}, "
+                                 f"I={inter}")
+            grids = {"w13": (2 * inter, hidden // mxfp4.BLOCK), "w2": (hidden, inter // mxfp4.BLOCK)}
+            scale_dtype = torch.uint8
+        else:
+            raise ValueError(f"ExpertPools: scale pools beside {dtype} weights: scaled experts hold block-FP8 "
+                             "(float8_e4m3fn weights) or MXFP4 (uint8 packed e2m1 weights)")
+        fmt = "FP8" if dtype == fp8.FP8_DTYPE else "MXFP4"
         for w in ("w13", "w2"):
             for tier in ("hot", "cold"):
                 wt, st = getattr(self, f"{w}_{tier}"), getattr(self, f"{w}_scale_{tier}")
                 name = f"ExpertPools.{w}_scale_{tier}"
-                if wt.dtype != fp8.FP8_DTYPE:
-                    raise ValueError(f"ExpertPools.{w}_{tier}: FP8 pools hold float8_e4m3fn weights, got {wt.dtype}")
-                if not isinstance(st, torch.Tensor) or st.dtype != torch.float32 or not st.is_contiguous():
-                    raise ValueError(f"{name}: expected a contiguous float32 tensor")
+                if wt.dtype != dtype:
+                    raise ValueError(f"ExpertPools.{w}_{tier}: {fmt} pools hold {dtype} weights, got {wt.dtype}")
+                if not isinstance(st, torch.Tensor) or st.dtype != scale_dtype or not st.is_contiguous():
+                    raise ValueError(f"{name}: expected a contiguous {scale_dtype} tensor ({fmt} scales)")
                 if tuple(st.shape) != (wt.shape[0], *grids[w]) or st.device != wt.device:
                     raise ValueError(f"{name}: shape {tuple(st.shape)} on {st.device}, expected "
-                                     f"{(wt.shape[0], *grids[w])} on {wt.device} (one block grid per row of {w}_{tier})")
+                                     f"{(wt.shape[0], *grids[w])} on {wt.device} (one scale grid per row of {w}_{tier})")
 
     @classmethod
     def all_hot(cls, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
@@ -215,7 +256,9 @@ class ExpertPools:
         when they are contiguous, and contiguous copies otherwise (a padded, transposed or sliced
         view, as vLLM's kernel tests build their weights: the kernel reads pools row-major, see
         :meth:`check_layout`). Block-FP8 experts pass their scales ``w13_scale`` ``[L, E,
-        2 * ceil(I / 128), ceil(H / 128)]`` and ``w2_scale`` ``[L, E, ceil(H / 128), ceil(I / 128)]``.
+        2 * ceil(I / 128), ceil(H / 128)]`` and ``w2_scale`` ``[L, E, ceil(H / 128), ceil(I / 128)]``;
+        MXFP4 experts pass uint8 ``w13`` ``[L, E, 2I, H / 2]``, ``w2`` ``[L, E, H, I / 2]`` and their
+        e8m0 scales ``[L, E, 2I, H / 32]``, ``[L, E, H, I / 32]`` (module doc; a scale of 255 is refused).
         Experts with biases pass ``w13_bias`` ``[L, E, 2I]`` and ``w2_bias`` ``[L, E, H]`` (kept as
         given, contiguous; module doc) and their ``activation``.
         """
@@ -233,7 +276,7 @@ class ExpertPools:
             w13_cold=w13.new_empty((0, *w13.shape[2:])),
             w2_cold=w2.new_empty((0, *w2.shape[2:])),
             row_map=row_map.reshape(num_layers, num_experts),
-            **_scale_pools(w13_scale, w2_scale, num_layers * num_experts),
+            **_scale_pools(w13_scale, w2_scale, num_layers * num_experts, w13.dtype),
             **_bias_fields(w13_bias, w2_bias, activation),
         )
         pools.validated_version = pools.row_map._version  # valid by construction
@@ -297,7 +340,7 @@ class ExpertPools:
         device = self.w13_hot.device
         idx = hot_src.to(device)
         scales = {}
-        if self.is_fp8:
+        if self.has_scales:
             scales = dict(w13_scale_hot=self.w13_scale_hot.index_select(0, idx),
                           w2_scale_hot=self.w2_scale_hot.index_select(0, idx),
                           w13_scale_cold=host.w13_scale, w2_scale_cold=host.w2_scale)
@@ -323,18 +366,18 @@ class ExpertPools:
         return self.w13_cold[-row - 1], self.w2_cold[-row - 1]
 
     def expert_scales(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) weight_scale_inv blocks of one FP8 expert, from the tier its weights are in."""
-        if not self.is_fp8:
-            raise ValueError("ExpertPools.expert_scales: these pools hold no FP8 experts")
+        """(w13, w2) scales of one scaled (FP8 or MXFP4) expert, from the tier its weights are in."""
+        if not self.has_scales:
+            raise ValueError("ExpertPools.expert_scales: these pools hold no scaled (FP8 or MXFP4) experts")
         row = int(self.row_map[layer, expert])
         if row >= 0:
             return self.w13_scale_hot[row], self.w2_scale_hot[row]
         return self.w13_scale_cold[-row - 1], self.w2_scale_cold[-row - 1]
 
     def _expert_tensors(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        """Weights then (FP8) scales of one expert: what moves when the expert moves."""
+        """Weights then (FP8 or MXFP4) scales of one expert: what moves when the expert moves."""
         w = self.expert_weights(layer, expert)
-        return (*w, *self.expert_scales(layer, expert)) if self.is_fp8 else w
+        return (*w, *self.expert_scales(layer, expert)) if self.has_scales else w
 
     def validate(self, row_map=None) -> None:
         """Refuse a row map (default: the current one) that reads outside the pools or reuses a row."""
@@ -376,7 +419,7 @@ class ExpertPools:
             [tuple(t.to("cpu", copy=True) for t in self._expert_tensors(layer, expert)) for expert in range(self.num_experts)]
             for layer in range(self.num_moe_layers)
         ]
-        names = ("w13", "w2", "w13_scale", "w2_scale") if self.is_fp8 else ("w13", "w2")
+        names = ("w13", "w2", "w13_scale", "w2_scale") if self.has_scales else ("w13", "w2")
         for layer in range(self.num_moe_layers):
             for expert in range(self.num_experts):
                 row = int(new_cpu[layer, expert])
@@ -453,7 +496,7 @@ class HostTier:
         want = ((pools.num_moe_layers * pools.num_experts, *pools.w13_hot.shape[1:]),
                 (pools.num_moe_layers * pools.num_experts, *pools.w2_hot.shape[1:]), pools.w13_hot.dtype)
         got = (tuple(self.w13.shape), tuple(self.w2.shape), self.w13.dtype)
-        scales_differ = (self.w13_scale is not None) != pools.is_fp8 or (pools.is_fp8 and (
+        scales_differ = (self.w13_scale is not None) != pools.has_scales or (pools.has_scales and (
             self.w13_scale.shape[1:] != pools.w13_scale_hot.shape[1:] or self.w2_scale.shape[1:] != pools.w2_scale_hot.shape[1:]))
         if (self.num_moe_layers, self.num_experts) != (pools.num_moe_layers, pools.num_experts) or got != want \
                 or scales_differ:
@@ -481,7 +524,7 @@ def host_tier(pools: ExpertPools, host_available_bytes: int | None = None) -> Ho
     if pools.w2_hot.dtype != dtype:
         raise ValueError(f"host_tier: w13 dtype {dtype} differs from w2 dtype {pools.w2_hot.dtype}")
     sources = [pools.w13_hot, pools.w2_hot]
-    if pools.is_fp8:  # the scales in the same allocation, after the weights (16-byte aligned)
+    if pools.has_scales:  # the scales in the same allocation, after the weights (16-byte aligned)
         sources += [pools.w13_scale_hot, pools.w2_scale_hot]
     offsets, nbytes = [], 0
     for t in sources:
@@ -499,19 +542,29 @@ def host_tier(pools: ExpertPools, host_available_bytes: int | None = None) -> Ho
         views.append(v)
     return HostTier(w13=views[0], w2=views[1], num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts,
                     pinned=pin, reserved_bytes=reserved,
-                    w13_scale=views[2] if pools.is_fp8 else None, w2_scale=views[3] if pools.is_fp8 else None)
+                    w13_scale=views[2] if pools.has_scales else None, w2_scale=views[3] if pools.has_scales else None)
 
 
 def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
-def _scale_pools(w13_scale, w2_scale, rows: int) -> dict:
+def _check_mxfp4_scale_values(w13_scale, w2_scale) -> None:
+    """Refuse an e8m0 scale of 255 (NaN in the OCP MX spec, which the kernel and transformers would
+    read differently), naming the tensor: one look at the scales when pools are built."""
+    for name, sc in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if isinstance(sc, torch.Tensor) and sc.dtype == torch.uint8 and bool((sc == 255).any()):
+            raise mxfp4.Mxfp4FormatError(f"ExpertPools {name}: e8m0 scale 255 (NaN in the OCP MX spec) is not read")
+
+
+def _scale_pools(w13_scale, w2_scale, rows: int, weight_dtype: torch.dtype | None = None) -> dict:
     """all_hot's scale pools from ``[L, E, ...]`` scales (both or neither); empty cold scale pools."""
     if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("ExpertPools: FP8 experts need both w13_scale and w2_scale")
+        raise ValueError("ExpertPools: scaled (FP8, MXFP4) experts need both w13_scale and w2_scale")
     if w13_scale is None:
         return {}
+    if weight_dtype == torch.uint8:
+        _check_mxfp4_scale_values(w13_scale, w2_scale)
     w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     hot13, hot2 = w13_scale.reshape(rows, *w13_scale.shape[2:]), w2_scale.reshape(rows, *w2_scale.shape[2:])
     return dict(w13_scale_hot=hot13, w2_scale_hot=hot2, w13_scale_cold=hot13.new_empty((0, *hot13.shape[1:])),
@@ -573,11 +626,13 @@ def build_pools(
     _check_row_map(rm, n_hot, n_cold, num_layers, num_experts)
 
     if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("build_pools: FP8 experts need both w13_scale and w2_scale")
-    fp8 = w13_scale is not None
+        raise ValueError("build_pools: scaled (FP8, MXFP4) experts need both w13_scale and w2_scale")
+    scaled = w13_scale is not None
+    if scaled and w13.dtype == torch.uint8:
+        _check_mxfp4_scale_values(w13_scale, w2_scale)
     per_expert = (w13[0, 0].numel() + w2[0, 0].numel()) * w13.element_size()
-    if fp8:
-        per_expert += (w13_scale[0, 0].numel() + w2_scale[0, 0].numel()) * 4
+    if scaled:
+        per_expert += (w13_scale[0, 0].numel() + w2_scale[0, 0].numel()) * w13_scale.element_size()
     host_rows = n_cold + (n_hot if device.type == "cpu" else 0)
     pin = device.type == "cuda"
     check_host_allocation(
@@ -590,10 +645,10 @@ def build_pools(
     w2_cold = _host_empty((n_cold, *w2.shape[2:]), w2.dtype, pin)
     pools_by_name = {"w13_hot": w13_hot, "w2_hot": w2_hot, "w13_cold": w13_cold, "w2_cold": w2_cold}
     sources = {"w13": w13, "w2": w2}
-    if fp8:
+    if scaled:
         for name, sc in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            pools_by_name[f"{name}_hot"] = torch.empty((n_hot, *sc.shape[2:]), dtype=torch.float32, device=device)
-            pools_by_name[f"{name}_cold"] = _host_empty((n_cold, *sc.shape[2:]), torch.float32, pin)
+            pools_by_name[f"{name}_hot"] = torch.empty((n_hot, *sc.shape[2:]), dtype=sc.dtype, device=device)
+            pools_by_name[f"{name}_cold"] = _host_empty((n_cold, *sc.shape[2:]), sc.dtype, pin)
             sources[name] = sc
     flat = rm.reshape(-1).tolist()
     for i, row in enumerate(flat):
