@@ -190,8 +190,14 @@ def _segment_slope(prev: BenchResult, cur: BenchResult) -> tuple[float | None, s
     return cur.metrics.get("tok_s_per_gib"), None
 
 
-def residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut:
+def residency_figure(bench: list[BenchResult], batch_size: int, model: str,
+                     placements: list[PlacementSummary] = (), preset: str | None = None) -> FigureOut:
+    """tok/s against the GiB of experts in HBM per policy at ``batch_size``: measured where speed
+    compares placements (a host tier); on the CPU, where every placement runs the same computation,
+    the speed model's estimate for ``preset`` instead (:func:`_estimated_residency_figure`)."""
     rows = [b for b in bench if b.batch_size == batch_size]
+    if rows and not any(speed_compares_placements(b.device) for b in rows):
+        return _estimated_residency_figure(rows, placements, batch_size, model, preset)
     device, dtype = join_values(b.device for b in rows), join_values(b.dtype for b in rows)
     policies = sorted({b.policy for b in rows})
     color = _policy_styles(policies)
@@ -244,6 +250,45 @@ def residency_figure(bench: list[BenchResult], batch_size: int, model: str) -> F
         caption.rstrip(),
         device, str(batch_size), dtype,
         _png(fig, f"device: {device} · batch size: {batch_size} · dtype: {dtype}"),
+    )
+
+
+def _estimated_residency_figure(rows: list[BenchResult], placements: list[PlacementSummary], batch_size: int,
+                                model: str, preset: str | None) -> FigureOut:
+    """The CPU's residency curve: the speed model's tok/s (perfect overlap, its upper estimate) per
+    static placement, never the CPU's timings (they differ by noise alone)."""
+    device, dtype = join_values(b.device for b in rows), join_values(b.dtype for b in rows)
+    presets = sorted({q["preset"] for p in placements for q in p.predictions})
+    preset = preset if preset in presets else (presets[0] if presets else None)
+    points: dict[str, list[tuple[float, float]]] = {}
+    for p in placements:
+        for q in p.predictions:
+            if q["preset"] == preset and q["batch_size"] == batch_size and q["step_ms_lower"] > 0:
+                points.setdefault(p.policy, []).append((p.hbm_expert_gib, batch_size * 1e3 / q["step_ms_lower"]))
+    color = _policy_styles(sorted(points))
+    fig = _new_figure(7.5, 4.6)
+    ax = fig.add_subplot(1, 1, 1)
+    for pol, pts in sorted(points.items()):
+        pts.sort()
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color[pol], label=pol)
+    if points:
+        ax.legend(fontsize=8)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+    else:
+        ax.text(0.5, 0.5, f"no speed-model prediction at batch size {batch_size}", ha="center", va="center")
+    ax.set_xlabel("GiB of routed experts in HBM")
+    ax.set_ylabel(f"estimated tok/s (speed model, {preset or 'no preset'})")
+    ax.set_title(f"{model}: residency curve, batch size {batch_size}")
+    caption = ("Measured on the CPU, where there is no host tier: every placement runs the same in-memory "
+               "computation, so the measured speeds would rank placements by timing noise and are not plotted "
+               "(they are in the engine check table). Plotted instead: the placement stage's speed model, "
+               f"bytes over the {preset or 'preset'} bandwidths with perfect overlap (an upper estimate, not a "
+               "measurement), per static placement; slot caches have no speed-model prediction.")
+    return FigureOut(
+        f"residency-b{batch_size}",
+        f"Estimated tok/s vs GiB of experts in HBM (batch size {batch_size})",
+        caption, device, str(batch_size), dtype,
+        _png(fig, f"device: {device} (estimate for {preset}) · batch size: {batch_size} · dtype: {dtype}"),
     )
 
 
@@ -396,7 +441,7 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
 
 
 def locality_figure(locality, table, device: str, batch: str, dtype: str, model: str) -> FigureOut:
-    fig = _new_figure(13.0, 4.0)
+    fig = _new_figure(13.0, 4.8)
     draw_locality(fig, table, locality, model)
     return FigureOut("locality", "Temporal locality and cache simulation",
                      "Left: mean overlap of the experts of consecutive decode tokens of a request per layer, against "

@@ -23,7 +23,6 @@ the report shares with ``coldset.reporting.track`` and ``coldset.workflow.sweep`
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from pathlib import Path
@@ -38,6 +37,8 @@ from coldset.core.layout import Layout
 from coldset.core.shapes import MoEShape
 from coldset.core.shapes import describe as describe_shape
 from coldset.core.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
+from coldset.reporting.answer import budget_answers, human, pct_text, size_text, tok_s_text
+from coldset.reporting.cold_experts import ColdExperts, id_ranges, read_cold_experts
 from coldset.reporting.figures import (
     FigureOut,
     coverage_figure,
@@ -101,18 +102,6 @@ def collect_machine_info(device: str = "auto") -> dict[str, str]:
     return info
 
 
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
 def _ceilings_rows(bench: list[BenchResult]) -> list[dict[str, str]]:
     """One row per distinct pair of measured read ceilings: ``{hbm, link, placements}``. A run
     measures them once, so normally there is one row; several mean the bench files come from
@@ -123,7 +112,7 @@ def _ceilings_rows(bench: list[BenchResult]) -> list[dict[str, str]]:
             key = tuple(b.ceilings.get(name) for name in CEILING_FIELDS)
             seen.setdefault(key, set()).add(f"{b.policy}-{b.residency}")
     return [
-        {"hbm": _fmt(hbm), "link": _fmt(link), "placements": ", ".join(sorted(names))}
+        {"hbm": human(hbm), "link": human(link), "placements": ", ".join(sorted(names))}
         for (hbm, link), names in sorted(seen.items(), key=lambda kv: sorted(kv[1]))
     ]
 
@@ -243,8 +232,8 @@ def _split_rows(bench: list[BenchResult], profile: list[BenchResult]) -> list[di
         row = {"policy": b.policy, "residency": b.residency, "batch_size": b.batch_size,
                "split": str(b.extra.get("prompt_split") or "—")}
         for m in ("tok_s", "cold_share", "link_gb_per_token"):
-            row[m] = _fmt(b.metrics[m])
-            row[f"profile_{m}"] = _fmt(p.metrics[m])
+            row[m] = human(b.metrics[m])
+            row[f"profile_{m}"] = human(p.metrics[m])
         rows.append(row)
     return rows
 
@@ -287,10 +276,10 @@ def _check_batches(bench: list[BenchResult], configured_batches) -> None:
 def _cache_rows(cache_table) -> list[dict]:
     """The cache simulation's table (``cache/{model}/simulation.csv``), formatted."""
     return [] if cache_table is None else [
-        {"policy": r.policy, "residency": _fmt(r.residency), "capacity": int(r.capacity), "hit_rate": _fmt(r.hit_rate),
-         "misses_per_token": _fmt(r.misses_per_token), "link_gb_per_token": _fmt(r.link_gb_per_token),
+        {"policy": r.policy, "residency": human(r.residency), "capacity": int(r.capacity), "hit_rate": human(r.hit_rate),
+         "misses_per_token": human(r.misses_per_token), "link_gb_per_token": human(r.link_gb_per_token),
          # the batch replayed and the simulated time (coldset.analysis.time_model), when present
-         **{c: _fmt(getattr(r, c, None)) for c in ("batch", "step_ms", "bound_ms", "bound_fraction", "overlap",
+         **{c: human(getattr(r, c, None)) for c in ("batch", "step_ms", "bound_ms", "bound_fraction", "overlap",
                                                    "stall_ms_per_token", "wasted_gb_per_token")}}
         for r in cache_table.itertuples()]
 
@@ -306,15 +295,15 @@ def _bench_table(bench: list[BenchResult]) -> tuple[list[dict], list[str]]:
                 "policy": b.policy,
                 "residency": b.residency,
                 "batch_size": b.batch_size,
-                **{m: _fmt(b.metrics[m]) for m in BENCH_METRICS},
+                **{m: human(b.metrics[m]) for m in BENCH_METRICS},
                 # ratios of speeds only where speed compares placements and the timing is not noise
                 # (coldset.core.timing; the bench leaves them None there too)
                 **({} if speed_compares_placements(b.device) and not timing_is_noisy(b) else
                    {m: "—" for m in ("tok_s_per_gib", "fetch_tax", *TIME_BOUND_METRICS)}),
                 "allhbm_placement": b.extra.get("allhbm_placement") or "—",
-                "predicted_step_ms": _fmt(b.predicted_step_ms),
+                "predicted_step_ms": human(b.predicted_step_ms),
                 # share of the timed loop's tokens equal to generate()'s (the bench fails below 1)
-                "timed_token_match": _fmt(opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
+                "timed_token_match": human(opt_float(b.extra.get("timed_token_match"), f"{b.path}: timed_token_match")),
                 "device": b.device,
                 "dtype": b.dtype,
             }
@@ -333,13 +322,13 @@ def _placement_rows(placements: list) -> list[dict]:
             "residency": p.residency,
             "num_hot": p.num_hot,
             "num_cold": p.num_cold,
-            "hbm_expert_gib": _fmt(p.hbm_expert_gib),
-            "host_expert_gib": _fmt(p.host_expert_gib),
-            "coverage_profile": _fmt(p.coverage_profile),
-            "coverage_heldout": _fmt(p.coverage_heldout),
+            "hbm_expert_gib": size_text(p.hbm_expert_gib),
+            "host_expert_gib": size_text(p.host_expert_gib),
+            "coverage_profile": pct_text(p.coverage_profile),
+            "coverage_heldout": pct_text(p.coverage_heldout) if p.coverage_heldout is not None else "n/a (no held-out split)",
             "predicted": "; ".join(
-                f"{q['preset']} b{q['batch_size']}: {_fmt(q['step_ms_lower'])}–{_fmt(q['step_ms_sum'])} ms"
-                f" (up to {_fmt(q['batch_size'] * 1e3 / q['step_ms_lower'])} tok/s)"
+                f"{q['preset']} b{q['batch_size']}: {human(q['step_ms_lower'])}–{human(q['step_ms_sum'])} ms"
+                f" (up to {tok_s_text(q['batch_size'] * 1e3 / q['step_ms_lower'])})"
                 for q in p.predictions
             )
             or "—",
@@ -355,10 +344,10 @@ def _parity_rows(parity: list) -> list[dict]:
             "placement": f"{p.policy}-{p.residency}",
             "passed": p.passed,
             "tokens": f"{p.tokens_matched} / {p.tokens_total}",
-            "max_abs_logit_diff": _fmt(p.max_abs_logit_diff),
+            "max_abs_logit_diff": human(p.max_abs_logit_diff),
             "mismatches": "; ".join(
                 f"{m.get('fixture')}@{m.get('position')}: expected {m.get('expected')}, got {m.get('got')}"
-                f" (gap {_fmt(m.get('logit_gap'))})"
+                f" (gap {human(m.get('logit_gap'))})"
                 for m in p.mismatches[:5]
             )
             + (f"; … {len(p.mismatches) - 5} more" if len(p.mismatches) > 5 else "")
@@ -378,19 +367,19 @@ def _skew_tables(skew) -> tuple[list[dict], list[dict], list[dict]]:
         {
             "phase": r.phase,
             "domain": r.domain,
-            "selections": _fmt(r.selections),
-            "mean_gini": _fmt(r.mean_gini),
-            "top": [_fmt(r.top_share.get(k)) for k in top_keys],
-            "top_model_wide": [_fmt(r.top_share_model_wide.get(k)) for k in top_keys],
-            "oracle": _fmt(r.oracle_cache_hit_rate),
+            "selections": human(r.selections),
+            "mean_gini": human(r.mean_gini),
+            "top": [human(r.top_share.get(k)) for k in top_keys],
+            "top_model_wide": [human(r.top_share_model_wide.get(k)) for k in top_keys],
+            "oracle": human(r.oracle_cache_hit_rate),
         }
         for r in skew.rows
     ]
     spearman_rows = [
-        {"what": f"{d['phase']}: {d['a']} vs {d['b']}", "mean": _fmt(d["mean"]), "layers": _fmt(d["layers_defined"])}
+        {"what": f"{d['phase']}: {d['a']} vs {d['b']}", "mean": human(d["mean"]), "layers": human(d["layers_defined"])}
         for d in skew.spearman_between_domains
     ] + [
-        {"what": f"{name}: prefill vs decode", "mean": _fmt(v), "layers": "—"}
+        {"what": f"{name}: prefill vs decode", "mean": human(v), "layers": "—"}
         for name, v in sorted(skew.spearman_prefill_vs_decode.items())
     ]
     coverage_tables = []
@@ -403,12 +392,53 @@ def _skew_tables(skew) -> tuple[list[dict], list[dict], list[dict]]:
                 "x": x,
                 "columns": heldout_names,
                 "rows": [
-                    {"profile": a, "values": [_fmt((row or {}).get(b)) for b in heldout_names]}
+                    {"profile": a, "values": [human((row or {}).get(b)) for b in heldout_names]}
                     for a, row in by_profile.items()
                 ],
             }
         )
     return skew_table, spearman_rows, coverage_tables
+
+
+# The cold-experts section lists every id inline up to this many (all chosen placements together);
+# above it, a per-layer count with the row map's file and the command that prints the ids.
+COLD_IDS_INLINE = 1536
+
+
+def _preset(config: dict) -> str | None:
+    """The speed model's preset the run predicts with (``placement.bandwidths``): its name."""
+    bw = (config.get("placement") or {}).get("bandwidths")
+    return bw if isinstance(bw, str) else (bw or {}).get("name") if isinstance(bw, dict) else None
+
+
+def _cold_view(answers, placements: list, out_html: Path) -> dict[str, Any]:
+    """The cold experts of each budget's chosen placement: per layer the ids (compact ranges)
+    when they are few, else per layer their count; each with its row map (a link relative to
+    the page) and the command that prints them."""
+    by_name = {f"{p.policy}-{p.residency}": p for p in placements}
+    chosen: list[ColdExperts] = []
+    for a in answers:
+        if a.choice is not None and a.choice in by_name:
+            chosen.extend(read_cold_experts(by_name[a.choice].path))
+    inline = sum(c.num_cold for c in chosen) <= COLD_IDS_INLINE
+    layers = chosen[0].layers if chosen else []
+    return {
+        "placements": [{"name": c.name, "num_cold": c.num_cold, "total": len(c.layers) * c.num_experts,
+                        "dynamic": c.dynamic, "file": os.path.relpath(c.source, out_html.parent),
+                        "command": f"python -m coldset cold-experts {by_name[c.name].path.as_posix()}"}
+                       for c in chosen],
+        "inline": inline,
+        "rows": [{"layer": layer, "cells": [id_ranges(c.cold[i]) if inline else f"{len(c.cold[i])} of {c.num_experts}"
+                                            for c in chosen]}
+                 for i, layer in enumerate(layers)] if all(c.layers == layers for c in chosen) else [],
+    }
+
+
+def _answer_rows(answers) -> list[dict[str, Any]]:
+    """The answer table's rows: one per budget, its speed lines per batch size."""
+    return [{"residency": a.residency, "residency_pct": human(100 * float(a.residency), 3), "choice": a.choice or "none",
+             "why": a.why, "estimate": a.estimate, "hbm": a.hbm_text, "host": a.host_text,
+             "speeds": a.speeds, "notes": a.notes} for a in answers]
 
 
 def _environment() -> jinja2.Environment:
@@ -467,7 +497,7 @@ def render_report(
     placements = [load_placement_summary(p) for p in _stage_files(results_dir, "placement", model, config)]
     skipped = dict(skipped or {})
     moe_shape = _manifest_shape(results_dir, model)
-    shape = None if moe_shape is None else {k: _fmt(v) for k, v in describe_shape(moe_shape).items()}
+    shape = None if moe_shape is None else {k: human(v) for k, v in describe_shape(moe_shape).items()}
     parity = [] if "parity" in skipped else [load_parity(p) for p in _stage_files(results_dir, "parity", model, config)]
     bench = [] if "bench" in skipped else [
         b for p in _stage_files(results_dir, "bench", model, config) for b in load_bench(p)]
@@ -494,7 +524,7 @@ def render_report(
     figures["routing"] = routing_figures(stats_dir / "histogram.csv", routing_device, routing_batch_label, dtype, model)
     figures["coverage"] = [coverage_figure(placements, routing_device, routing_batch_label, dtype, model)]
     batch_sizes = sorted({b.batch_size for b in bench})
-    figures["residency"] = [residency_figure(bench, bs, model) for bs in batch_sizes]
+    figures["residency"] = [residency_figure(bench, bs, model, placements, _preset(config)) for bs in batch_sizes]
     step_figs = [step_time_figure(bench, bs, model) for bs in batch_sizes]
     figures["step_time"] = [f for f in step_figs if f is not None]
     locality, cache_table = _locality_inputs(results_dir, model)
@@ -511,9 +541,14 @@ def render_report(
     no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows, parity_rows = _placement_rows(placements), _parity_rows(parity)
     skew_table, spearman_rows, coverage_tables = _skew_tables(skew)
+    answers = budget_answers(placements, bench, parity, _preset(config))
 
     html = _environment().get_template("index.html.j2").render(
         model=model,
+        answer_rows=_answer_rows(answers),
+        answer_estimate=not any(speed_compares_placements(b.device) for b in bench),
+        preset=_preset(config) or "the speed model's preset",
+        cold=_cold_view(answers, placements, out_html),
         dtype=dtype,
         run_device=run_device,
         machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],

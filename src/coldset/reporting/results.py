@@ -145,6 +145,7 @@ class PlacementSummary:
     coverage_profile: float
     coverage_heldout: float | None  # None when the trace has no held-out split
     predictions: list[dict[str, Any]] = field(default_factory=list)  # {preset, batch_size, step_ms_lower, step_ms_sum}
+    nonexpert_gib: float | None = None  # the weights other than routed experts (always in HBM); None if not recorded
 
 
 def _placement_predictions(doc: dict, path: Path) -> list[dict[str, Any]]:
@@ -211,6 +212,7 @@ def load_placement_summary(path: str | os.PathLike) -> PlacementSummary:
         coverage_profile=float(doc["coverage_profile"]),
         coverage_heldout=None if held is None else float(held),
         predictions=_placement_predictions(doc, path),
+        nonexpert_gib=opt_float(doc.get("nonexpert_gib"), f"{path}: field nonexpert_gib"),
     )
 
 
