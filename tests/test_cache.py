@@ -170,7 +170,7 @@ class _KeepPreviousGroup(CachePolicy):
 
     holds_group = False
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=0):
         hit = np.zeros(stream.instances.size, dtype=bool)
         fills = np.zeros(stream.num_groups, dtype=np.int64)
         previous: set[int] = set()
@@ -333,7 +333,12 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         trows, _ = trace_decode_rows(trace)
         fc = TransitionForecaster.fit(select_rows(trows, "profile"), 2, 8, 2)
         pred = stream_predictions(fc, stream_from_frame(select_rows(trows, "heldout"), 2, 8))
-        ref_hit, ref_pf, _ = brute_force_forecast(groups, st.capacity, counts.reshape(2, 8), 8, pred.tolist())
+        # the gate's unit from the batch-1 time model's link and compute terms
+        from coldset.analysis.time_model import TimeModel
+
+        lead = TimeModel(2.0, expert_bytes(Shape())).lead_unit(2)
+        ref_hit, ref_pf, _ = brute_force_forecast(groups, st.capacity, counts.reshape(2, 8), 8, pred.tolist(),
+                                                  own_layer=True, guard=2, lead_unit=lead)
         row = table[(table.policy == "forecast") & (table.residency == r)].iloc[0]
         assert row.hit_rate == pytest.approx(ref_hit.mean())
         fills = sum(len({x for x, h in zip(g, ref_hit[a:a + len(g)]) if not h})
@@ -347,7 +352,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         nt = NextTokenForecaster.fit_tuned(tok, seq, 2, 8)
         lanes = lanes_from_frame(select_rows(trows, "heldout"), 2, 8, 1)
         lists = nexttoken_lists(nt, lanes.sel, lanes.start)
-        ref = brute_force_nexttoken(groups, st.capacity, counts.reshape(2, 8), 8, 2, lists.tolist(), None)
+        ref = brute_force_nexttoken(groups, st.capacity, counts.reshape(2, 8), 8, 2, lists.tolist(), None, lead)
         row = table[(table.policy == "nexttoken") & (table.residency == r)].iloc[0]
         assert row.hit_rate == pytest.approx(np.mean(ref["hit"]))
         assert row.prefetches_per_token == pytest.approx(sum(ref["prefetches"]) / row.tokens)
@@ -401,8 +406,29 @@ def test_without_numba_the_same_source_runs_as_plain_python():
 # forecast: lru plus the per-layer prefetch of a prediction list (issue 12, item 3)
 
 
-def brute_force_forecast(groups, capacity, profile, n_experts, preds):
-    """The forecast policy read literally: per-selection hits, per-group prefetches, useful ones."""
+class BruteGate:
+    """The prefetch gate read literally: running (wanted, useful, saving) sums over the lists, each
+    list judged when its layer next runs."""
+
+    def __init__(self, lead_unit):
+        self.lead_unit, self.acc, self.pending = lead_unit, [0, 0, 0], {}
+
+    def judge(self, layer, g, group):
+        if layer in self.pending:
+            want, g0 = self.pending.pop(layer)
+            useful = sum(x in group for x in want)
+            adds = (len(want) * 1024, useful * 1024, useful * min(1024, (g - g0) * self.lead_unit))
+            self.acc = [a - (a >> 6) + d for a, d in zip(self.acc, adds)]
+        return self.acc[2] >= self.acc[0] - self.acc[1]
+
+    def listed(self, layer, g, want):
+        self.pending[layer] = (list(want), g)
+
+
+def brute_force_forecast(groups, capacity, profile, n_experts, preds, own_layer=False, guard=0, lead_unit=None):
+    """The forecast policy read literally: per-selection hits, per-group prefetches, useful ones.
+    ``own_layer``: a prefetch is in flight until its layer's next group (else until the step ends);
+    ``guard``: no victim the last ``guard`` groups used or prefetched; ``lead_unit``: the gate."""
     flat = profile.reshape(-1)
     hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
     warm = sorted(hot, key=lambda x: (flat[x], x))
@@ -411,9 +437,14 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds):
     inflight, fresh = set(), set()
     hits, prefetches, useful = [], [], 0
     tick, prev_layer = 0, None
-    for g, pred in zip(groups, preds):
+    last = {}  # instance -> the last group that used or prefetched it
+    gate = BruteGate(lead_unit) if lead_unit is not None else None
+    for gi, (g, pred) in enumerate(zip(groups, preds)):
         layer = g[0] // n_experts
-        if prev_layer is None or layer <= prev_layer:  # a new step commits the prefetches
+        guarded = {y for y, t in last.items() if t > gi - guard}
+        if own_layer:  # this layer's prefetches of the last step have reached their layer
+            inflight = {y for y in inflight if y // n_experts != layer}
+        elif prev_layer is None or layer <= prev_layer:  # a new step commits the prefetches
             inflight = set()
         prev_layer = layer
         gh = [x in resident for x in g]
@@ -427,7 +458,7 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds):
             if not h and x not in missed:
                 missed.append(x)
         for x in missed:
-            cands = [y for y in resident if y not in g and y not in inflight]
+            cands = [y for y in resident if y not in g and y not in inflight and y not in guarded]
             if not cands:
                 break
             v = min(cands, key=recency.get)
@@ -438,13 +469,20 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds):
             if x in resident:
                 recency[x] = float(tick)
             tick += 1
+            last[x] = gi
+        guarded |= set(g)
         listed = {x for x in pred if x >= 0}
         n = 0
+        if gate is not None:
+            is_open = gate.judge(layer, gi, g)
+            gate.listed(layer, gi, [x for x in pred if x >= 0 and x not in resident])
+            if not is_open:
+                pred = []
         for x in pred:
             if x < 0 or x in resident:
                 continue
-            cands = [y for y in resident
-                     if y // n_experts <= layer and y not in g and y not in listed and y not in inflight]
+            cands = [y for y in resident if y // n_experts <= layer and y not in g and y not in listed
+                     and y not in inflight and y not in guarded]
             if not cands:
                 break
             v = min(cands, key=recency.get)
@@ -453,6 +491,8 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds):
             resident.add(x)
             inflight.add(x)
             fresh.add(x)
+            last[x] = gi
+            guarded.add(x)
             n += 1
             recency[x] = tick - 1 + n / (len(pred) + 1)
         prefetches.append(n)
@@ -477,8 +517,10 @@ def test_forecast_policy_matches_brute_force():
             dup[first] = False
             row[dup] = -1
         cap = int(rng.integers(stream.max_group, n_inst + 1))
-        res = simulate(stream, "forecast", cap, profile, predictions=pred)
-        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist())
+        lead_unit = int(rng.choice([0, 10, 1024]))
+        res = simulate(stream, "forecast", cap, profile, predictions=pred, lead_unit=lead_unit)
+        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist(), own_layer=True,
+                                                           guard=3, lead_unit=lead_unit)
         np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
         np.testing.assert_array_equal(res.prefetches, ref_pf, err_msg=f"trial {trial} cap {cap}")
         assert res.useful_prefetches == ref_useful
@@ -510,27 +552,48 @@ def test_forecast_prefetch_lands_for_the_next_step():
         simulate(stream, "forecast", 3, profile)
 
 
-def test_forecast_in_flight_slots_survive_the_step_and_are_released_at_its_end():
-    """Hand-checked streams where the two rules of the in-flight state decide a hit.
+def test_forecast_prefetch_survives_the_next_steps_earlier_layers():
+    """3 layers x 4 experts, 3 slots warm with (0,1) (0,2) (1,2). Step 1: layer 0 misses (0,3) and
+    evicts (0,1); layer 1 misses (1,3) and evicts (0,2), then its list [(1,1)] is prefetched into
+    (1,2)'s slot (never used); layer 2 misses (2,0) and (2,2), which find no victim: (0,3) and
+    (1,3) were used within the last step's groups and (1,1) is in flight, so both are read in place.
+    Step 2: layer 0 misses (0,1) and evicts (0,3) (used a step ago); layer 1 hits its prefetch (1,1).
+    Without the rules (a prefetch in flight only until the step ends, no guard) layer 2's misses
+    evicted (0,3) and (1,3), layer 0's then took the prefetch, by then the least recent slot, before
+    its layer ran."""
+    ids = np.array([3, 7, 8, 10, 1, 5, 8])
+    stream = AccessStream(ids, np.array([0, 1, 2, 4, 5, 6, 7]), 2, 3, 4)
+    prof = np.array([[3.0, 4.0, 4.0, 0.0], [0.0, 3.0, 4.0, 1.0], [1.0, 0.0, 1.0, 4.0]])
+    pred = np.array([[-1], [5], [-1], [-1], [-1], [-1]])
+    res = simulate(stream, "forecast", 3, prof, predictions=pred, record_victims=True)
+    assert res.hit.tolist() == [False, False, False, False, False, True, False]
+    assert res.prefetches.tolist() == [0, 1, 0, 0, 0, 0] and res.useful_prefetches == 1
+    assert res.victims.tolist() == [1, 2, -1, -1, 3, -1, 7]
+    groups = [ids[s:e].tolist() for s, e in zip(stream.group_ptr[:-1], stream.group_ptr[1:])]
+    ref_hit, _, _ = brute_force_forecast(groups, 3, prof, 4, pred.tolist(), own_layer=True, guard=3, lead_unit=1024)
+    np.testing.assert_array_equal(res.hit, ref_hit)
+    old_hit, old_pf, _ = brute_force_forecast(groups, 3, prof, 4, pred.tolist())
+    assert old_pf.tolist() == [0, 1, 0, 0, 0, 0] and not old_hit[5]  # the old rules lost the prefetch
 
-    A: 3 layers, 4 slots. Step 1 layer 0 prefetches (0,3) into (0,2)'s slot; layer 2's two misses
-    would take the least recent slots (0,1) and then (0,3), but (0,3) is in flight, so (1,1) goes;
-    step 2 hits (0,3). B: one MoE layer, so every group is a step: the prefetch of group 1 is no
-    longer in flight in group 2, whose two misses take both slots; group 3 then misses it."""
-    a = AccessStream(np.array([0, 1, 5, 6, 8, 9, 3, 0]), np.array([0, 2, 4, 6, 8]), 2, 3, 4)
-    prof_a = np.array([[9.0, 8.0, 2.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    pred_a = np.array([[3], [-1], [-1], [-1]])
-    res = simulate(a, "forecast", 4, prof_a, predictions=pred_a)
-    assert res.hit.tolist() == [True, True, False, False, False, False, True, False]
-    assert res.prefetches.tolist() == [1, 0, 0, 0] and res.useful_prefetches == 1
-    b = AccessStream(np.array([0, 3, 4, 2, 4]), np.array([0, 1, 3, 5]), 3, 1, 6)
-    prof_b = np.array([[5.0, 4.0, 0.0, 0.0, 0.0, 0.0]])
-    res = simulate(b, "forecast", 2, prof_b, predictions=np.array([[2], [-1], [-1]]))
-    assert res.hit.tolist() == [True, False, False, False, True]
-    for stream, cap, prof, pred in ((a, 4, prof_a, pred_a), (b, 2, prof_b, np.array([[2], [-1], [-1]]))):
-        groups = [stream.instances[s:e].tolist() for s, e in zip(stream.group_ptr[:-1], stream.group_ptr[1:])]
-        ref_hit, _, _ = brute_force_forecast(groups, cap, prof, stream.num_experts, pred.tolist())
-        np.testing.assert_array_equal(simulate(stream, "forecast", cap, prof, predictions=pred).hit, ref_hit)
+
+def test_prefetching_policies_keep_lru_guards_protection_where_a_step_outnumbers_the_slots():
+    """3 layers x 4 experts, top-2, 4 slots warm with experts no step selects; every step selects
+    (l,0) and (l,1) at each layer: 6 experts a step, 4 slots. lru thrashes (every selection misses);
+    lru_guard keeps layer 0 and 1's and reads layer 2's in place. nexttoken and forecast (lists
+    that name nothing to fetch) keep the same bar, so they hit as lru_guard does."""
+    L, E, steps = 3, 4, 5
+    ids = np.array([l * E + e for _ in range(steps) for l in range(L) for e in (0, 1)])
+    stream = AccessStream(ids, np.arange(0, ids.size + 1, 2), steps, L, E)
+    prof = np.zeros((L, E))
+    prof[1:, 2:] = 1.0  # warm: (1,2) (1,3) (2,2) (2,3)
+    none = np.full((steps * L, 1), -1)
+    lru = simulate(stream, "lru", 4, prof)
+    guard = simulate(stream, "lru_guard", 4, prof)
+    assert lru.hit.sum() == 0 and guard.hit.sum() == 4 * (steps - 1)
+    for policy in ("nexttoken", "forecast"):
+        res = simulate(stream, policy, 4, prof, predictions=none)
+        assert res.hit.tolist() == guard.hit.tolist(), policy
+        assert res.fills.tolist() == guard.fills.tolist(), policy
 
 
 def test_lookahead_policy_matches_brute_force():
@@ -585,8 +648,9 @@ def test_lookahead_prefetch_lands_for_a_later_layer_of_the_step():
 # nexttoken (issue 28): /work/coord/policy28.md's rules read literally
 
 
-def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists, budget):
-    """Per-selection hits, per-group prefetch lists, useful and wasted prefetches, plain Python."""
+def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists, budget, lead_unit=1024):
+    """Per-selection hits, per-group prefetch lists, useful and wasted prefetches, plain Python; no
+    victim among the instances the last ``n_layers`` groups used or prefetched; the gate."""
     flat = profile.reshape(-1)
     hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
     warm = sorted(hot, key=lambda x: (flat[x], x))
@@ -597,8 +661,11 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
     fresh = set()
     out = {"hit": [], "prefetches": [], "issued": [], "useful": 0, "wasted": 0}
     tick = 0
-    for g, cand in zip(groups, lists):
+    last = {}  # instance -> the last group that used or prefetched it
+    gate = BruteGate(lead_unit)
+    for gi, (g, cand) in enumerate(zip(groups, lists)):
         layer = g[0] // n_experts
+        guarded = {y for y, t in last.items() if t > gi - n_layers}
         inflight_of[layer] = set()  # 1. commit
         inflight = set().union(*inflight_of.values())
         predicted = set().union(*predicted_of.values())
@@ -613,7 +680,7 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
             if not h and x not in missed:
                 missed.append(x)
         for x in missed:  # 2. demand
-            cands = [y for y in resident if y not in g and y not in inflight]
+            cands = [y for y in resident if y not in g and y not in inflight and y not in guarded]
             if not cands:
                 break
             v = min(cands, key=lambda y: (y in predicted, recency[y]))
@@ -626,15 +693,20 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
             if x in resident:
                 recency[x] = float(tick)
             tick += 1
+            last[x] = gi
+        guarded |= set(g)
+        is_open = gate.judge(layer, gi, g)
+        gate.listed(layer, gi, [x for x in cand if x >= 0 and x not in resident])
         predicted_of[layer] = {x for x in cand if x >= 0}  # 3. forecast
         predicted = set().union(*predicted_of.values())
         issued = []
-        for x in cand:  # 4. prefetch
+        for x in cand if is_open else []:  # 4. prefetch
             if x < 0 or x in resident:
                 continue
             if budget is not None and len(issued) >= budget:
                 break
-            cands = [y for y in resident if y not in g and y not in inflight and y not in predicted]
+            cands = [y for y in resident if y not in g and y not in inflight and y not in predicted
+                     and y not in guarded]
             if not cands:
                 break
             v = min(cands, key=recency.get)
@@ -646,6 +718,8 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
             inflight.add(x)
             inflight_of[layer].add(x)
             fresh.add(x)
+            last[x] = gi
+            guarded.add(x)
             issued.append(x)
             recency[x] = tick - 1 + len(issued) / (len(cand) + 1)
         out["prefetches"].append(len(issued))
@@ -673,8 +747,9 @@ def test_nexttoken_policy_matches_brute_force():
             row[dup] = -1
         cap = int(rng.integers(stream.max_group, n_inst + 1))
         budget = None if trial % 2 else int(rng.integers(0, 3))
-        res = simulate(stream, "nexttoken", cap, profile, predictions=lists, prefetch_budget=budget)
-        ref = brute_force_nexttoken(groups, cap, profile, E, n_layers, lists.tolist(), budget)
+        lead_unit = int(rng.choice([0, 10, 1024]))
+        res = simulate(stream, "nexttoken", cap, profile, predictions=lists, prefetch_budget=budget, lead_unit=lead_unit)
+        ref = brute_force_nexttoken(groups, cap, profile, E, n_layers, lists.tolist(), budget, lead_unit)
         np.testing.assert_array_equal(res.hit, ref["hit"], err_msg=f"trial {trial} cap {cap}")
         np.testing.assert_array_equal(res.prefetches, ref["prefetches"], err_msg=f"trial {trial}")
         for g, want in enumerate(ref["issued"]):
@@ -683,7 +758,7 @@ def test_nexttoken_policy_matches_brute_force():
         seen["prefetch"] += sum(ref["prefetches"])
         seen["useful"] += ref["useful"]
         seen["wasted"] += ref["wasted"]
-    assert seen["prefetch"] > 100 and seen["useful"] > 20 and seen["wasted"] > 5  # the streams exercised it
+    assert seen["prefetch"] > 50 and seen["useful"] > 20 and seen["wasted"] > 5  # the streams exercised it
 
 
 def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():

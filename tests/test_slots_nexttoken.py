@@ -208,7 +208,8 @@ def test_a_prefetch_that_never_lands_is_never_committed(engine):
 
 
 _STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "predicted", "tags", "selections",
-          "step", "seq_history", "prediction_history", "prefetch_history", "pf_count", "stale")
+          "step", "seq_history", "prediction_history", "prefetch_history", "pf_count", "stale", "gate_acc",
+          "want_n", "want_group", "group_index")
 
 
 def _same_next_state(a, b, where):
@@ -218,6 +219,8 @@ def _same_next_state(a, b, where):
     for layer, cnt in enumerate(a.rules.pf_count.reshape(-1).tolist()):  # the issued lists, up to their counts
         for name in ("pf_victims", "pf_new", "pf_tags"):
             assert torch.equal(state(a, name)[layer, :cnt], state(b, name)[layer, :cnt]), (where, name, layer)
+    for layer, cnt in enumerate(a.rules.want_n.tolist()):  # the gate's pending lists, up to their counts
+        assert torch.equal(a.rules.want[layer, :cnt], b.rules.want[layer, :cnt]), (where, "want", layer)
 
 
 @pytest.mark.gpu
@@ -278,7 +281,7 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
             if dev == "cuda":
                 torch.cuda.synchronize()
             _same_next_state(ref, routed, (C, step, "commit"))
-            assert torch.equal(ref.done, routed.done)
+            assert torch.equal(ref.rules.done, routed.rules.done)
             assert int(routed.fill_ticket) == 0 and int(routed.rules.copy_ticket) == 0
         assert routed.counters()["stale"] == 0
         issued += routed.counters()["prefetches"]

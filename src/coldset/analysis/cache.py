@@ -47,21 +47,11 @@ from coldset.analysis.placement import expert_bytes
 from coldset.analysis.policies import POLICIES, REGISTRY
 from coldset.analysis.profile import profile_counts, read_histogram
 from coldset.analysis.simulate import capacity_for_residency, simulate
-from coldset.analysis.streams import (
-    AccessStream,
-    CacheError,
-    Lanes,
-    counts_from_rows,
-    lanes_from_frame,
-    select_rows,
-    stream_from_frame,
-    token_array,
-    trace_decode_rows,
-)
+from coldset.analysis.streams import AccessStream, CacheError, DecodeTokens, Lanes, read_decode_tokens
 from coldset.analysis.time_model import DEFAULT_TIME, LINK_MODES, TimeModel, simulate_time, time_models
 from coldset.core.files import atomic_path
 from coldset.core.placement import ProfileSpec
-from coldset.core.trace import TraceError, request_codes
+from coldset.core.trace import TraceError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +74,9 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
     (the stream's tokens per lane, ``stream == lanes.stream()``) by ``nexttoken``. With
     ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``; or one per policy,
     :func:`coldset.analysis.time_model.time_models`' form, each with the policy's own ``manage_ms``)
-    the time columns are filled (:func:`coldset.analysis.time_model.simulate_time`), else NaN."""
+    the time columns are filled (:func:`coldset.analysis.time_model.simulate_time`), else NaN; its
+    link and compute terms also set the gated policies' prefetch gate
+    (:meth:`coldset.analysis.time_model.TimeModel.lead_unit`; without a model the default)."""
     pred = None
     if "forecast" in policies:
         if forecaster is None:
@@ -109,17 +101,19 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
             # may not hold its step. Its cached rows are left out, said here and absent from the table.
             log.warning("%s: no %s rows at batch %d", msg, "/".join(p for p in policies if p not in fits), batch)
         for p in fits:
+            model = time_model if isinstance(time_model, TimeModel) or time_model is None else time_model[p]
+            lead = model.lead_unit(stream.num_moe_layers) if model is not None and REGISTRY[p].gated else None
             res = simulate(stream, p, cap, profile_counts,
                            predictions={"forecast": pred, "nexttoken": lists}.get(p),
-                           prefetch_budget=prefetch_budget if REGISTRY[p].budget else None)
+                           prefetch_budget=prefetch_budget if REGISTRY[p].budget else None, lead_unit=lead)
             st = res.stats()
             row = {"policy": p, "residency": float(r), "batch": int(batch), "capacity": cap, "accesses": st.accesses,
                    "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
                    "link_gb_per_token": st.link_gb_per_token(bytes_per_expert),
                    "prefetches_per_token": st.prefetches / st.tokens if st.tokens else float("nan"),
                    "prefetch_precision": st.useful_prefetches / st.prefetches if st.prefetches else float("nan")}
-            if time_model is not None:
-                ts = simulate_time(stream, res, time_model if isinstance(time_model, TimeModel) else time_model[p])
+            if model is not None:
+                ts = simulate_time(stream, res, model)
                 row.update(step_ms=ts.step_ms, bound_ms=ts.bound_ms, bound_fraction=ts.bound_fraction,
                            overlap=ts.overlap, stall_ms_per_token=ts.stall_ms_per_token,
                            wasted_gb_per_token=ts.wasted_gb_per_token)
@@ -153,24 +147,24 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise CacheError(f"cache.policies: unknown {unknown}; known {list(POLICIES)}")
-    rows, meta = trace_decode_rows(trace_path, heldout_fraction, expect=model_config)
+    rows, meta = read_decode_tokens(trace_path, heldout_fraction, expect=model_config)
     L, E = meta.num_moe_layers, meta.num_experts
     spec = ProfileSpec.make(profile_domains, phase, domain_weights)
     counts = profile_counts(read_histogram(histogram_csv), meta.moe_layers, E, spec)
-    replay = select_rows(rows, "heldout")
-    if len(replay) == 0:
+    replay = rows.select("heldout")
+    if replay.tokens == 0:
         raise CacheError(f"{trace_path}: the held-out split has no decode rows to replay")
-    profile = select_rows(rows, "profile", spec.domains)
+    profile = rows.select("profile", spec.domains)
     per_expert = expert_bytes(model_config, weight_format)
     forecaster = nexttoken = None
     if "forecast" in policies:
         forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
     if "nexttoken" in policies:
-        tokens, seq = token_array(profile, L, E)
+        tokens, seq = profile.token_array()
         nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=nexttoken_extra)
     tables = []
     for batch, models in time_models(time, per_expert).items():
-        lanes = lanes_from_frame(replay, L, E, batch)
+        lanes = replay.lanes(batch)
         tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
                                        lanes=lanes, nexttoken=nexttoken, time_model=models, batch=batch,
                                        prefetch_budget=prefetch_budget))
@@ -238,7 +232,7 @@ def tuning_note(sequence: np.ndarray, validation: np.ndarray | None, tuned_on: s
     return f"{tuned_on or 'every 5th profile request'} ({n_val} of {n_req} profile requests)"
 
 
-def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int,
+def recall_table(profile: DecodeTokens, replay: DecodeTokens, num_moe_layers: int, num_experts: int, top_k: int,
                  horizons: Sequence[int] = (1, 2, 4, 8), extra: int = 3,
                  budget: int | None = None, term_sets=None, ceiling_lower_layers: int = 0) -> pd.DataFrame:
     """The next-token forecast's quality per horizon: the :class:`coldset.analysis.forecast.NextTokenForecaster`
@@ -256,17 +250,14 @@ def recall_table(profile: pd.DataFrame, replay: pd.DataFrame, num_moe_layers: in
     function of the current token's experts in layers l..l-m (column
     ``in_sample_bound_current_and_lower_layers``, the same rule)."""
     L, E = num_moe_layers, num_experts
-    tp, sp = token_array(profile, L, E)
-    th, sh = token_array(replay, L, E)
+    tp, sp = profile.token_array()
+    th, sh = replay.token_array()
     n = min(top_k + extra, E)
     # a replay of domains the profile lacks (a held-out subject): tune on a held-out profile domain too
     validation, tuned_on = None, None
-    prof_domains = sorted(set(profile["domain"].astype(str))) if "domain" in profile else []
-    if len(prof_domains) > 1 and "domain" in replay and not set(replay["domain"].astype(str)) & set(prof_domains):
-        req_col = profile["request"]
-        _, names = request_codes(req_col.array if isinstance(req_col.dtype, pd.CategoricalDtype) else req_col)
-        dom_of = dict(zip(req_col.astype(str).to_numpy(), profile["domain"].astype(str).to_numpy()))
-        validation = np.array([dom_of[names[s]] == prof_domains[-1] for s in sp])  # sp: token_array's numbering
+    prof_domains = profile.domains
+    if len(prof_domains) > 1 and not set(replay.domains) & set(prof_domains):
+        validation = profile.domain_names[profile.domain] == prof_domains[-1]
         tuned_on = f"profile domain {prof_domains[-1]!r}"
     tuned_on = tuning_note(sp, validation, tuned_on)
     sizes = tuple(sorted({top_k} | ({int(budget)} if budget else set())))
@@ -362,18 +353,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def decode_selections(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+def decode_selections(args: argparse.Namespace) -> tuple[DecodeTokens, DecodeTokens, Any]:
     """The command's profile and replay rows and the trace's meta; a :class:`CacheError` saying why
     and what to do when either selection has no decode rows (a prefill-only trace: the policies
     replay decode routing, one token after another)."""
-    rows, meta = trace_decode_rows(args.trace, args.heldout_fraction)
-    if len(rows) == 0:
+    rows, meta = read_decode_tokens(args.trace, args.heldout_fraction)
+    if rows.tokens == 0:
         raise CacheError(f"{args.trace}: the trace has no decode rows (prefill only?): the cache policies replay "
                          "decode routing token by token; capture decode routing (generate new tokens) and retry")
-    profile = select_rows(rows, None, args.profile_domains) if args.profile_domains else select_rows(rows, "profile")
-    replay = select_rows(rows, None, args.replay_domains) if args.replay_domains else select_rows(rows, "heldout")
+    profile = rows.select(None, args.profile_domains) if args.profile_domains else rows.select("profile")
+    replay = rows.select(None, args.replay_domains) if args.replay_domains else rows.select("heldout")
     for name, part, flag in (("profile", profile, "--profile-domains"), ("replay", replay, "--replay-domains")):
-        if len(part) == 0:
+        if part.tokens == 0:
             raise CacheError(f"{args.trace}: the {name} selection has no decode rows (its split is empty); "
                              f"choose it with {flag}")
     return profile, replay, meta
@@ -393,7 +384,7 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
         forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
         fit_s = perf_counter() - t0
         if args.recall:
-            stream = stream_from_frame(replay, L, E)
+            stream = replay.stream()
             t0 = perf_counter()
             stream_predictions(forecaster, stream)
             per_token = (perf_counter() - t0) / max(stream.tokens, 1)
@@ -403,7 +394,7 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
                                  term_sets=term_sets, ceiling_lower_layers=args.ceiling_lower_layers)
             print(table.to_csv(index=False, float_format="%.4g"), end="", file=sys.stderr)
     if "nexttoken" in args.policies:
-        tokens, seq = token_array(profile, L, E)
+        tokens, seq = profile.token_array()
         nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=args.nexttoken_extra,
                                                   term_sets=term_sets)
         print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
@@ -411,12 +402,12 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
               f"{tuning_note(seq, None)}", file=sys.stderr)
     tables = []
     for batch, step_ms in zip(args.batch, steps):
-        lanes = lanes_from_frame(replay, L, E, batch)
+        lanes = replay.lanes(batch)
         model = None
         if args.bytes_per_expert:
             model = TimeModel(step_ms, args.bytes_per_expert, args.link_gb_s, args.head_share, args.router_share,
                               args.link, args.join, args.demand_share)
-        tables.append(simulation_table(lanes.stream(), counts_from_rows(profile, L, E), args.policies,
+        tables.append(simulation_table(lanes.stream(), profile.counts(), args.policies,
                                        args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
                                        nexttoken=nexttoken, time_model=model, batch=batch,
                                        prefetch_budget=args.prefetch_budget))

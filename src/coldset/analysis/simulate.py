@@ -33,6 +33,10 @@ same rules):
 - The policies and their victim orders: :mod:`coldset.analysis.policies` (``static``, ``lru``,
   ``lru_guard``, ``lfu``, ``belady``, ``forecast``, ``nexttoken``, and ``lookahead``, whose lists
   come from an engine run's hidden states), one file per family, each module's doc its rules.
+  ``forecast`` and ``nexttoken`` keep ``lru_guard``'s bar
+  (:func:`coldset.analysis.policies.base.guard_groups`), keep a prefetch in flight until its layer
+  has run, and prefetch only while their gate says it pays
+  (:func:`coldset.analysis.policies.base.prefetch_lead_unit`).
 
 Link traffic: each distinct missed instance of a group crosses the link once (``fills``); for
 ``static`` these are the cold reads, for the online policies the slot fills, plus the prefetching
@@ -51,7 +55,7 @@ import numpy as np
 
 from coldset.analysis.placement import hot_count_for_residency, hot_mask_usage_global
 from coldset.analysis.policies import REGISTRY, policy_for
-from coldset.analysis.policies.base import check_lists
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, check_lists
 from coldset.analysis.streams import AccessStream, CacheError
 
 
@@ -132,7 +136,7 @@ class CacheResult:
 
 def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
              record_victims: bool = False, predictions: np.ndarray | None = None,
-             prefetch_budget: int | None = None) -> CacheResult:
+             prefetch_budget: int | None = None, lead_unit: int | None = None) -> CacheResult:
     """Replay ``stream`` through a pool of ``capacity`` slots under ``policy`` (a name of
     :data:`coldset.analysis.policies.REGISTRY`).
 
@@ -143,7 +147,10 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     ``lookahead``: :func:`coldset.analysis.forecast.lookahead_predictions`; ``nexttoken``: the
     forecast's candidate list of each group, :func:`coldset.analysis.forecast.nexttoken_lists`,
     which also sets the predicted flags); ``prefetch_budget``: copies per group, for the policies
-    that take one (``nexttoken``; None: no cut). See the module docstring for the rules.
+    that take one (``nexttoken``; None: no cut); ``lead_unit``: the prefetch gate's measure of a
+    group's compute, for the gated policies (``forecast``, ``nexttoken``;
+    :func:`coldset.analysis.policies.base.prefetch_lead_unit` from the time model; None:
+    :data:`~coldset.analysis.policies.base.DEFAULT_LEAD_UNIT`). See the module docstring for the rules.
     """
     rules = policy_for(policy)
     counts = np.asarray(profile_counts, dtype=np.float64)
@@ -165,11 +172,16 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
         takes = ", ".join(repr(n) for n, p in REGISTRY.items() if p.budget)
         raise CacheError(f"prefetch_budget (>= 0 copies per group) is a parameter of {takes} only, got "
                          f"{prefetch_budget} for {policy!r}")
+    if lead_unit is not None and (not rules.gated or int(lead_unit) < 0):
+        gated = ", ".join(repr(n) for n, p in REGISTRY.items() if p.gated)
+        raise CacheError(f"lead_unit (>= 0) is a parameter of the gated policies {gated} only, got {lead_unit} "
+                         f"for {policy!r}")
     lists = None if rules.lists is None else check_lists(stream, predictions, rules.lists)
     warm = warm_order(counts, capacity)
     victims = np.full(stream.instances.size, -1, dtype=np.int64) if record_victims else None
     out = rules.replay(stream, warm, counts.reshape(-1), lists,
-                       None if prefetch_budget is None else int(prefetch_budget), victims)
+                       None if prefetch_budget is None else int(prefetch_budget), victims,
+                       DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit))
     ids, ptr = stream.instances, stream.group_ptr
     hits = np.add.reduceat(out.hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
     return CacheResult(policy, capacity, out.hit, hits, np.diff(ptr) - hits, out.fills, stream.tokens, victims,

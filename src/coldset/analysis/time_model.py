@@ -19,6 +19,7 @@ import numpy as np
 
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies import POLICIES
+from coldset.analysis.policies.base import prefetch_lead_unit
 from coldset.analysis.simulate import CacheResult
 from coldset.analysis.streams import AccessStream, CacheError
 
@@ -213,6 +214,11 @@ class TimeModel:
     @property
     def copy_ms(self) -> float:
         return self.bytes_per_expert / (self.link_gb_s * 1e9) * 1e3
+
+    def lead_unit(self, num_moe_layers: int) -> int:
+        """The prefetch gate's measure of a group's compute under this model
+        (:func:`coldset.analysis.policies.base.prefetch_lead_unit`)."""
+        return prefetch_lead_unit(self.step_ms, self.head_share, num_moe_layers, self.copy_ms)
 
 
 @dataclass(frozen=True)

@@ -370,19 +370,20 @@ _CHOOSE = {"lru": CHOOSE_LRU, "lru_guard": CHOOSE_LRU, "lfu": CHOOSE_LFU, "nextt
 
 
 @triton.jit
-def _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, inflight_ptr, predicted_ptr, C,
+def _choose_next_victims(m, t0, guard, layer, owner_ptr, last_use_ptr, inflight_ptr, predicted_ptr, C,
                          E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr):
-    """nexttoken's demand victims of a recorded group: residents not used by the group (last use
-    before ``t0``) and not in flight (layer ``layer``'s in-flight instances are committed at this
-    group, so they do not count), ordered by (predicted, last use): unpredicted least recent first.
-    Returns ``(slots, owners, admitted)``; misses past the candidates are read in place."""
+    """nexttoken's demand victims of a recorded group: residents not used by the group nor guarded
+    (last use before ``max(t0 - guard, 0)``: no instance the last ``L`` groups used or prefetched)
+    and not in flight (layer ``layer``'s in-flight instances are committed at this group, so they
+    do not count), ordered by (predicted, last use): unpredicted least recent first. Returns
+    ``(slots, owners, admitted)``; misses past the candidates are read in place."""
     offs_c = tl.arange(0, CP)
     okc = offs_c < C
     own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
     lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
     fl = (tl.load(inflight_ptr + own, mask=okc, other=1) != 0) & (own // E != layer)
     pr = tl.load(predicted_ptr + own, mask=okc, other=1).to(tl.float32)
-    barred = (lu >= t0) | fl | (offs_c >= C)
+    barred = (lu >= tl.maximum(t0 - guard, 0)) | fl | (offs_c >= C)
     lu = tl.where(barred, _INT64_MAX, lu)
     pr = tl.where(barred, float("inf"), pr)
     adm = tl.minimum(m, tl.sum((~barred).to(tl.int32), axis=0))
@@ -428,8 +429,8 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
         if m > 0:
             t0 = tl.load(tick_ptr) - n
             if CHOOSE == 3:
-                slots, olds, m = _choose_next_victims(m, t0, layer, owner_ptr, last_use_ptr, flag_ptr, key_ptr,
-                                                      C, E, CP, MV)
+                slots, olds, m = _choose_next_victims(m, t0, guard, layer, owner_ptr, last_use_ptr, flag_ptr,
+                                                      key_ptr, C, E, CP, MV)
             else:
                 slots, olds, m = _choose_victims(m, t0, guard, owner_ptr, last_use_ptr, key_ptr, C, CHOOSE == 2,
                                                  CP, MV)
@@ -593,12 +594,13 @@ def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr
 
 
 @triton.jit
-def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, bar, n, owner_ptr, last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C,
                       tag_ptr, pf_tag_ptr, LAYER_BOUND, E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr,
                       NEXT: tl.constexpr):
     """The prefetch of the ``want`` lanes (``wrank`` their order, ``nwant`` how many may be issued):
-    victims least recent first among the slots not used by the group (last use before ``t0``), not
+    victims least recent first among the slots not used by the group (last use before ``bar``:
+    ``t0``, the group's first tick, or nexttoken's guard before it), not
     in flight, not barred by the policy (lookahead: a layer above ``LAYER_BOUND``; nexttoken: a
     predicted instance, ``barred_extra`` = the predicted flags' pointer); each victim's instance back
     to its host row, the prefetched one owns the slot, is in flight and most recent after the
@@ -609,7 +611,7 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, n, owner_ptr,
     :func:`_least_recent` (``SCAN`` slots a tile)."""
     got = nwant * 0
     if nwant > 0:
-        slots, olds, free = _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, barred_extra, LAYER_BOUND, C, E,
+        slots, olds, free = _least_recent(bar, owner_ptr, last_use_ptr, inflight_ptr, barred_extra, LAYER_BOUND, C, E,
                                           SCAN, MPV, _BAR_FLAG if NEXT else _BAR_LAYER)
         got = tl.minimum(nwant, free)
         tl.store(pf_new_ptr + wrank, linst, mask=want & (wrank < got))  # the prefetched, in list order
@@ -751,7 +753,7 @@ def _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, infl
     nwant = tl.sum(want.to(tl.int32), axis=0)
     if nwant > 0:
         tl.debug_barrier()  # the record's recency and the in-flight clearing are visible to the scan
-    _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+    _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, pf_m_ptr, pf_m_ptr,
                       layer, E, SCAN, MPV, False)
 
@@ -993,16 +995,19 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
                  inflight_ptr, predicted_ptr, tag_ptr, sel_ptr, step_ptr, terms_ptr, tables_ptr, seq_hist_ptr,
                  hist_unit, hist_shift,
                  pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, hist_cap, width,
-                 budget, C, L, R,
-                 E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
-                 TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
+                 budget, C, L, R, guard, gate_ptr, want_ptr, want_n_ptr, want_group_ptr, group_index_ptr, lead_unit,
+                 WM, E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
+                 TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr,
+                 WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr):
     """nexttoken after group (step, ``layer``), on the side stream once the group's demand is
     committed (the rules of coldset.analysis.policies.nexttoken): the commit of layer ``layer``'s
     previous prefetches (their in-flight flags), the forecast (integer table sums over the terms,
     each token's top ``NPRED``, ties to the lower id, round robin over rank then token, first
-    occurrence kept), layer ``layer``'s predicted flags, and the prefetch of the listed experts not
-    resident (at most ``budget``; victims not used by the group, not in flight, not predicted,
-    least recent first)."""
+    occurrence kept), layer ``layer``'s predicted flags, the gate (layer ``layer``'s pending list
+    judged against the group's experts, the running sums ``gate_ptr`` updated, this list's wanted
+    instances kept for the next judgement) and, where it is open, the prefetch of the listed experts
+    not resident (at most ``budget``; victims not used by the group, not guarded (last use before
+    ``max(t0 - guard, 0)``), not in flight, not predicted, least recent first)."""
     step = tl.load(step_ptr)
     if new_step != 0:
         step = step + 1
@@ -1064,9 +1069,36 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
     want = fp & (lrow < 0)
     wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
-    nwant = tl.minimum(tl.sum(want.to(tl.int32), axis=0), budget)
+    # the gate: layer `layer`'s pending list against the group's experts (onehot), then this list's
+    chosen = tl.max(onehot, axis=0) > 0  # [EP]: the experts the group selected
+    q = tl.arange(0, WMP)
+    wn = tl.load(want_n_ptr + layer)
+    wg = tl.load(want_group_ptr + layer)
+    gi = tl.load(group_index_ptr)
+    wl = tl.load(want_ptr + layer * WM + q, mask=q < WM, other=-1) - layer * E
+    hitq = tl.sum(((wl[:, None] == col[None, :]) & chosen[None, :]).to(tl.int32), axis=1) > 0
+    useful = tl.sum(((q < wn) & hitq).to(tl.int64), axis=0)
+    save = tl.minimum((gi - wg) * lead_unit, COPY)
+    a0 = tl.load(gate_ptr)
+    a1 = tl.load(gate_ptr + 1)
+    a2 = tl.load(gate_ptr + 2)
+    if wg >= 0:
+        a0 = a0 - (a0 >> SHIFT) + wn * COPY
+        a1 = a1 - (a1 >> SHIFT) + useful * COPY
+        a2 = a2 - (a2 >> SHIFT) + useful * save
+        tl.store(gate_ptr, a0)
+        tl.store(gate_ptr + 1, a1)
+        tl.store(gate_ptr + 2, a2)
+    nw = tl.sum(want.to(tl.int32), axis=0)
+    tl.debug_barrier()  # every read of the pending list is done before it is overwritten
+    tl.store(want_ptr + layer * WM + wrank, linst, mask=want & (wrank < WM))
+    tl.store(want_n_ptr + layer, nw.to(tl.int64))
+    tl.store(want_group_ptr + layer, gi)
+    tl.store(group_index_ptr, gi + 1)
+    nwant = tl.where(a2 >= a0 - a1, tl.minimum(nw, budget), 0)
     t0 = tl.load(tick_ptr) - n
-    _issue_prefetches(want, wrank, nwant, linst, predicted_ptr, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
+    _issue_prefetches(want, wrank, nwant, linst, predicted_ptr, t0, tl.maximum(t0 - guard, 0), n, owner_ptr,
+                      last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, tag_ptr, pf_tag_ptr,
                       layer, E, SCAN, MPV, True)
     tl.store(tick_ptr, t0 + n + width)
@@ -1089,10 +1121,12 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
         rules.step, rules.terms, rules.tables, rules.seq_history, rules.hist_unit, rules.hist_shift,
         rules.pf_victims[layer], rules.pf_new[layer], rules.pf_tags[layer],
         rules.pf_count[layer], rules.prediction_history, rules.prefetch_history, rules.prediction_history.shape[0],
-        width, rules.prefetch_budget, cap, L, rules.selections.shape[0],
+        width, rules.prefetch_budget, cap, L, rules.selections.shape[0], cache.guard_ticks(n), rules.gate_acc,
+        rules.want, rules.want_n, rules.want_group, rules.group_index, rules.lead_unit, rules.want.shape[1],
         E=E, K=k, NPRED=rules.num_predictions, NSEL=rules.selections.shape[2], J=rules.terms.shape[0],
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
-        SCAN=_scan_size(cap, mpv), MPV=mpv, num_warps=_decision_warps(cap))
+        SCAN=_scan_size(cap, mpv), MPV=mpv, WMP=max(2, _next_pow2(rules.want.shape[1])), COPY=rules.copy_unit,
+        SHIFT=rules.gate_shift, num_warps=_decision_warps(cap))
 
 
 @triton.jit

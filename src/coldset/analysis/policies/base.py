@@ -25,8 +25,39 @@ LATER_LAYER = "later_layer"
 
 def guard_groups(num_moe_layers: int) -> int:
     """``lru_guard``'s bar: no victim among the instances the last this-many groups used (the
-    current group included), one step's worth of groups (one per MoE layer)."""
+    current group included), one step's worth of groups (one per MoE layer). The prefetching
+    policies keep the same bar for their demand and prefetch victims, a prefetched instance
+    counting as used by the group that issued it (the engine's tick of a prefetch)."""
     return int(num_moe_layers)
+
+
+#: The prefetch gate's unit: one copy's link time (:func:`prefetch_lead_unit`).
+COPY_UNIT = 1024
+#: The gate's running sums decay by ``x >> GATE_SHIFT`` at each evaluation (about the last 64 lists).
+GATE_SHIFT = 6
+#: ``lead_unit`` where no time model says better: one group's compute hides one copy.
+DEFAULT_LEAD_UNIT = COPY_UNIT
+
+
+def prefetch_lead_unit(step_ms: float, head_share: float, num_moe_layers: int, copy_ms: float) -> int:
+    """The prefetch gate's measure of time: one (step, MoE layer) group's compute,
+    ``step_ms * (1 - head_share) / L`` (the time model's per-layer share,
+    :class:`coldset.analysis.time_model.TimeModel`), in :data:`COPY_UNIT` parts of one copy's link
+    time ``copy_ms``; an integer, so the simulator and the engine take the same decisions.
+
+    The gate (the prefetching policies' adaptive budget): a prefetch list's *wanted* entries are its
+    instances not resident when it is issued; when their layer next runs, the *useful* ones are those
+    it selects, and the *lead* is the groups between the two. A useful prefetch saves at most one copy
+    on the critical path, ``min(COPY_UNIT, lead * lead_unit)`` (a copy issued fewer groups ahead than
+    it takes to cross saves only the part that had crossed); a wasted one costs a whole copy of link
+    time that the demand copies queue behind. Running sums of the three, decayed by
+    :data:`GATE_SHIFT`, measured on the lists whether they were issued or not (so a closed gate
+    reopens when the forecast improves): the policy issues its list (up to its budget) while the
+    saving is at least the waste, and none otherwise."""
+    if not (step_ms > 0 and copy_ms > 0 and num_moe_layers >= 1 and 0 <= head_share < 1):
+        raise CacheError(f"prefetch_lead_unit: step_ms {step_ms}, copy_ms {copy_ms}, layers {num_moe_layers}, "
+                         f"head_share {head_share}: each must be > 0 (head_share in [0, 1))")
+    return max(0, int(round(COPY_UNIT * step_ms * (1 - head_share) / num_moe_layers / copy_ms)))
 
 
 @dataclass(frozen=True)
@@ -55,21 +86,24 @@ class CachePolicy:
     that admit every miss of a group); ``lists``: None, or
     :data:`OWN_LAYER` / :data:`LATER_LAYER` (the prefetch lists
     :func:`coldset.analysis.simulate.simulate` requires and checks);
-    ``budget``: takes ``prefetch_budget`` (copies per group); ``from_trace``: the cache stage can
+    ``budget``: takes ``prefetch_budget`` (copies per group); ``gated``: its prefetch budget is the
+    gate's (:func:`prefetch_lead_unit`), which takes ``lead_unit``; ``from_trace``: the cache stage can
     replay it from a trace alone (its lists, if any, come from a forecaster fitted on the trace).
     """
 
     holds_group: bool = True
     lists: str | None = None
     budget: bool = False
+    gated: bool = False
     from_trace: bool = True
 
     def replay(self, stream: AccessStream, warm: np.ndarray, counts: np.ndarray, lists: np.ndarray | None,
-               budget: int | None, victims: np.ndarray | None) -> Replay:
+               budget: int | None, victims: np.ndarray | None, lead_unit: int = DEFAULT_LEAD_UNIT) -> Replay:
         """Replay ``stream`` from the warm pool ``warm`` (instance ids, first victim first);
         ``counts`` float64 ``[L * E]`` the profile counts; ``lists`` int64 ``[G, W]`` the checked
         prefetch lists (policies with ``lists`` only); ``victims`` int64 ``[N]`` filled with -1, to
-        record at each admitted selection the instance it evicted (None: not recorded)."""
+        record at each admitted selection the instance it evicted (None: not recorded);
+        ``lead_unit``: the prefetch gate's (:func:`prefetch_lead_unit`; ``gated`` policies only)."""
         raise NotImplementedError
 
 

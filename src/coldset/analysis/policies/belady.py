@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coldset.analysis.policies.base import CachePolicy, Replay, recording
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, recording
 from coldset.analysis.policies.heap import BELADY_KEYS, replay_keyed
 
 
@@ -26,7 +26,7 @@ def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
 class Belady(CachePolicy):
     """Furthest next use first (knows the future: simulation only)."""
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         record, rec = recording(victims)
         ids, ptr = stream.instances, stream.group_ptr
         hit, fills = replay_keyed(ids, ptr, warm, counts[warm], stream.num_instances, BELADY_KEYS,

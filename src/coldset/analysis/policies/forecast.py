@@ -19,7 +19,7 @@ fills) and ``useful_prefetches`` the prefetched instances hit before eviction.
 
 from __future__ import annotations
 
-from coldset.analysis.policies.base import OWN_LAYER, CachePolicy
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, OWN_LAYER, CachePolicy, guard_groups
 from coldset.analysis.policies.lru import replay_with_lists
 
 
@@ -27,6 +27,8 @@ class Forecast(CachePolicy):
     """lru + the transition forecast's prefetch of the group's layer at the next step."""
 
     lists = OWN_LAYER
+    gated = True
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
-        return replay_with_lists(stream, warm, lists, victims)
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
+        return replay_with_lists(stream, warm, lists, victims, guard_groups(stream.num_moe_layers), own_layer=True,
+                                 lead_unit=lead_unit)

@@ -11,7 +11,7 @@ the model's hidden states, which traces do not hold.
 
 from __future__ import annotations
 
-from coldset.analysis.policies.base import LATER_LAYER, CachePolicy
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, LATER_LAYER, CachePolicy
 from coldset.analysis.policies.lru import replay_with_lists
 
 
@@ -22,5 +22,5 @@ class Lookahead(CachePolicy):
     from_trace = False
     holds_group = False  # not refused: a miss that finds no slot is read in place
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         return replay_with_lists(stream, warm, lists, victims)

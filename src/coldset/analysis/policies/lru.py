@@ -23,27 +23,33 @@ from __future__ import annotations
 import numpy as np
 
 from coldset.analysis.compiled import jit
-from coldset.analysis.policies.base import CachePolicy, Replay, guard_groups, recording
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, guard_groups, recording
 from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
-from coldset.analysis.policies.pool import admit_demand, classify_group, end_group, evict, link_tail, largest_group
+from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_evaluate, gate_open,
+                                            largest_group, link_tail)
 
 
 @jit
-def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
+def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, guard, own_layer, lead_unit):
     """LRU through a doubly linked list in last_use order (head = least recent), plus the prefetch
-    of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see the module doc); plain
+    of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see their module docs); plain
     ``lru`` is the same replay with empty lists (no prefetch, so nothing in flight, and a pool of at
-    least one group always has a victim outside the group). ``guard`` > 0 (``lru_guard``, no
-    prefetch): no demand victim among the instances the last ``guard`` groups used (this one
-    included); the misses past the other slots are read in place, not admitted. Returns (hit [N], fills [G],
-    prefetches [G], useful prefetches, issued [G, W] (the instances copied after each group, in
-    issue order, -1 padded), wasted prefetches (evicted before any hit))."""
+    least one group always has a victim outside the group). ``guard`` > 0: no victim (demand or
+    prefetch) among the instances the last ``guard`` groups used or prefetched (this one included);
+    the misses past the other slots are read in place, not admitted. ``own_layer``: the lists name
+    the group's own layer at the next step, and a prefetch is in flight until that layer's next
+    group (else: until the step ends). ``lead_unit`` >= 0: the prefetch gate
+    (:func:`coldset.analysis.policies.base.prefetch_lead_unit`, ``own_layer`` lists only); < 0:
+    none. Returns (hit [N], fills [G], prefetches [G], useful prefetches, issued [G, W] (the
+    instances copied after each group, in issue order, -1 padded), wasted prefetches (evicted before
+    any hit))."""
     n = ids.size
     n_groups = ptr.size - 1
+    width = pred.shape[1]
     hit = np.zeros(n, dtype=np.bool_)
     fills = np.zeros(n_groups, dtype=np.int64)
     prefetches = np.zeros(n_groups, dtype=np.int64)
-    issued = np.full((n_groups, pred.shape[1]), -1, dtype=np.int64)
+    issued = np.full((n_groups, width), -1, dtype=np.int64)
     wasted = 0
     resident = np.zeros(n_inst, dtype=np.bool_)
     protected = np.zeros(n_inst + 1, dtype=np.bool_)
@@ -64,13 +70,26 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
         link_tail(nxt, prv, head, x)
     max_group = max(largest_group(ptr), 1)
     missed = np.empty(max_group, dtype=np.int64)
-    last_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # lru_guard: each instance's last group
+    last_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # the guard: each instance's last group
+    layer_group = np.full(n_layers, -1, dtype=np.int64)  # own_layer: each layer's last group
+    acc = np.zeros(3, dtype=np.int64)  # the gate's running sums
+    want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
+    want_n = np.zeros(n_layers, dtype=np.int64)
+    want_group = np.full(n_layers, -1, dtype=np.int64)
+    mark = np.zeros(n_inst, dtype=np.bool_)
     prev_layer = n_inst
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
         layer = ids[s] // n_exp
-        if layer <= prev_layer:  # a new step: the previous step's prefetches are committed
+        if own_layer:  # this layer's prefetches of the last step have reached their layer
+            pg = layer_group[layer]
+            if pg >= 0:
+                for q in range(width):
+                    if issued[pg, q] >= 0:
+                        inflight[issued[pg, q]] = False
+            layer_group[layer] = g
+        elif layer <= prev_layer:  # a new step: the previous step's prefetches are committed
             for j in range(n_flight):
                 inflight[flight[j]] = False
             n_flight = 0
@@ -92,19 +111,32 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
             admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
             v = after
         end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
-        if guard > 0:
-            for i in range(s, e):
-                last_group[ids[i]] = g
-        # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight
-        for q in range(pred.shape[1]):
+        for i in range(s, e):
+            last_group[ids[i]] = g
+        # the prefetch gate: the last list for this layer against this group's selections
+        gate = True
+        if lead_unit >= 0:
+            gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
+            gate = gate_open(acc)
+            nw = 0
+            for q in range(width):
+                x = pred[g, q]
+                if x >= 0 and not resident[x]:
+                    want[layer, nw] = x
+                    nw += 1
+            want_n[layer] = nw
+            want_group[layer] = g
+        # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight, not guarded
+        for q in range(width):
             if pred[g, q] >= 0:
                 listed[pred[g, q]] = True
         v = nxt[head]
-        for q in range(pred.shape[1]):
+        for q in range(width if gate else 0):
             x = pred[g, q]
             if x < 0 or resident[x]:
                 continue
-            while v != head and (v // n_exp > layer or used[v] or listed[v] or inflight[v]):
+            while v != head and (v // n_exp > layer or used[v] or listed[v] or inflight[v]
+                                 or last_group[v] > g - guard):
                 v = nxt[v]
             if v == head:
                 break
@@ -116,10 +148,11 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
             n_flight += 1
             unused_prefetch[x] = True
             link_tail(nxt, prv, head, x)
+            last_group[x] = g
             issued[g, prefetches[g]] = x
             prefetches[g] += 1
             v = after
-        for q in range(pred.shape[1]):
+        for q in range(width):
             if pred[g, q] >= 0:
                 listed[pred[g, q]] = False
         for i in range(s, e):
@@ -127,11 +160,13 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, pred, record, victims, guard=0):
     return hit, fills, prefetches, useful, issued, wasted
 
 
-def replay_with_lists(stream, warm, lists, victims, guard: int = 0) -> Replay:
+def replay_with_lists(stream, warm, lists, victims, guard: int = 0, own_layer: bool = False,
+                      lead_unit: int = -1) -> Replay:
     """:func:`replay_lru` on ``stream`` with the prefetch ``lists`` int64 ``[G, W]`` (``W = 0``: none)."""
     record, rec = recording(victims)
     hit, fills, prefetches, useful, issued, wasted = replay_lru(
-        stream.instances, stream.group_ptr, warm, stream.num_instances, stream.num_experts, lists, record, rec, guard)
+        stream.instances, stream.group_ptr, warm, stream.num_instances, stream.num_experts, stream.num_moe_layers,
+        lists, record, rec, guard, own_layer, lead_unit)
     return Replay(hit, fills, prefetches, int(useful), issued, int(wasted))
 
 
@@ -143,7 +178,7 @@ def no_lists(stream) -> np.ndarray:
 class LRU(CachePolicy):
     """Least recently used."""
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         r = replay_with_lists(stream, warm, no_lists(stream), victims)
         return Replay(r.hit, r.fills)
 
@@ -151,7 +186,7 @@ class LRU(CachePolicy):
 class LRUGuard(CachePolicy):
     """Least recently used, never a victim the last step used (a step's misses past that are read in place)."""
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         r = replay_with_lists(stream, warm, no_lists(stream), victims, guard_groups(stream.num_moe_layers))
         return Replay(r.hit, r.fills)
 
@@ -159,7 +194,7 @@ class LRUGuard(CachePolicy):
 class LFU(CachePolicy):
     """Least frequently used (profile counts + replay accesses), ties by least recent."""
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         record, rec = recording(victims)
         hit, fills = replay_keyed(stream.instances, stream.group_ptr, warm, counts[warm], stream.num_instances,
                                   LFU_KEYS, np.zeros(0), record, rec)

@@ -15,17 +15,20 @@ from __future__ import annotations
 import numpy as np
 
 from coldset.analysis.compiled import jit
-from coldset.analysis.policies.base import OWN_LAYER, CachePolicy, Replay, recording
-from coldset.analysis.policies.pool import admit_demand, classify_group, end_group, evict, link_tail, largest_group
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, OWN_LAYER, CachePolicy, Replay, guard_groups, recording
+from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_evaluate, gate_open,
+                                            largest_group, link_tail)
 
 
 @jit
-def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, victims):
+def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, record, victims, guard, lead_unit):
     """``nexttoken`` (see the module doc): LRU list as :func:`coldset.analysis.policies.lru.replay_lru`,
     victims by (predicted, last use), the forecast's flags replaced per layer after each group, the prefetch of the
     group's list (up to ``budget`` copies, ``budget < 0``: no cut) into unpredicted, unused, not
-    in-flight slots of any layer, in flight until the next group of the same layer. Returns (hit
-    [N], fills [G], prefetches [G], useful, issued [G, W], wasted)."""
+    in-flight slots of any layer, in flight until the next group of the same layer; no victim
+    (demand or prefetch) among the instances the last ``guard`` groups used or prefetched; the
+    prefetch only while the gate (``lead_unit``, :func:`coldset.analysis.policies.base.prefetch_lead_unit`)
+    is open. Returns (hit [N], fills [G], prefetches [G], useful, issued [G, W], wasted)."""
     n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
@@ -43,6 +46,12 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     inflight = np.zeros(n_inst + 1, dtype=np.bool_)
     unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
     last_group = np.full(n_layers, -1, dtype=np.int64)  # the previous group of each layer
+    inst_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # the guard: each instance's last group
+    acc = np.zeros(3, dtype=np.int64)  # the gate's running sums
+    want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
+    want_n = np.zeros(n_layers, dtype=np.int64)
+    want_group = np.full(n_layers, -1, dtype=np.int64)
+    mark = np.zeros(n_inst, dtype=np.bool_)
     head = n_inst  # sentinel
     nxt = np.full(n_inst + 1, head, dtype=np.int64)
     prv = np.full(n_inst + 1, head, dtype=np.int64)
@@ -73,7 +82,8 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
         second = False
         for m in range(n_miss):
             while True:
-                while v != head and (protected[v] or inflight[v] or predicted[v] != second):
+                while v != head and (protected[v] or inflight[v] or predicted[v] != second
+                                     or inst_group[v] > g - guard):
                     v = nxt[v]
                 if v != head or second:
                     break
@@ -86,6 +96,19 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
             admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
             v = after
         end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
+        for i in range(s, e):
+            inst_group[ids[i]] = g
+        # the gate: this layer's last list against this group's selections, then this group's list
+        gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
+        open_gate = gate_open(acc)
+        nw = 0
+        for q in range(width):
+            x = pred[g, q]
+            if x >= 0 and not resident[x]:
+                want[layer, nw] = x
+                nw += 1
+        want_n[layer] = nw
+        want_group[layer] = g
         # 3. the forecast replaces this layer's predicted flags
         if pg >= 0:
             for q in range(width):
@@ -95,15 +118,15 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
             if pred[g, q] >= 0:
                 predicted[pred[g, q]] = True
         last_group[layer] = g
-        # 4. prefetch: unpredicted, unused, not in-flight victims of any layer, least recent first
+        # 4. prefetch: unpredicted, unused, not in-flight, not guarded victims of any layer, least recent first
         v = nxt[head]
-        for q in range(width):
+        for q in range(width if open_gate else 0):
             x = pred[g, q]
             if x < 0 or resident[x]:
                 continue
             if budget >= 0 and prefetches[g] >= budget:
                 break
-            while v != head and (used[v] or inflight[v] or predicted[v]):
+            while v != head and (used[v] or inflight[v] or predicted[v] or inst_group[v] > g - guard):
                 v = nxt[v]
             if v == head:
                 break
@@ -113,6 +136,7 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
             inflight[x] = True
             unused_prefetch[x] = True
             link_tail(nxt, prv, head, x)
+            inst_group[x] = g
             issued[g, prefetches[g]] = x
             prefetches[g] += 1
             v = after
@@ -125,10 +149,12 @@ class NextToken(CachePolicy):
 
     lists = OWN_LAYER
     budget = True
+    gated = True
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         record, rec = recording(victims)
         hit, fills, prefetches, useful, issued, wasted = replay_nexttoken(
             stream.instances, stream.group_ptr, warm, stream.num_instances, stream.num_experts,
-            stream.num_moe_layers, lists, -1 if budget is None else int(budget), record, rec)
+            stream.num_moe_layers, lists, -1 if budget is None else int(budget), record, rec,
+            guard_groups(stream.num_moe_layers), int(lead_unit))
         return Replay(hit, fills, prefetches, int(useful), issued, int(wasted))

@@ -12,11 +12,16 @@ The recency policies keep residents on a doubly linked list in last-use order (h
 recent): :func:`link_tail`, :func:`unlink`, :func:`evict`, :func:`admit_demand`,
 :func:`end_group`. The keyed policies (lfu, belady) use the binary min-heap of
 :mod:`coldset.analysis.policies.heap`.
+
+The prefetching policies' gate (:func:`coldset.analysis.policies.base.prefetch_lead_unit`):
+:func:`gate_evaluate` at a group of the layer a pending list was for, :func:`gate_open` before a
+group's prefetch.
 """
 
 from __future__ import annotations
 
 from coldset.analysis.compiled import jit
+from coldset.analysis.policies.base import COPY_UNIT, GATE_SHIFT
 
 
 @jit
@@ -100,3 +105,32 @@ def end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nx
             unlink(nxt, prv, x)
             link_tail(nxt, prv, head, x)
 
+
+
+@jit
+def gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit):
+    """The pending list of ``layer`` (``want[layer, :want_n[layer]]``, the instances it wanted,
+    issued at group ``want_group[layer]``; -1: none) against group ``g``'s selections ``s..e-1``: the
+    gate's running sums ``acc`` int64 ``[3]`` (wanted, useful, saving, in :data:`COPY_UNIT` parts)
+    decay and take it in; the list is no longer pending."""
+    if want_group[layer] < 0:
+        return
+    for i in range(s, e):
+        mark[ids[i]] = True
+    useful = 0
+    for q in range(want_n[layer]):
+        if mark[want[layer, q]]:
+            useful += 1
+    for i in range(s, e):
+        mark[ids[i]] = False
+    save = min(COPY_UNIT, (g - want_group[layer]) * lead_unit)
+    acc[0] = acc[0] - (acc[0] >> GATE_SHIFT) + want_n[layer] * COPY_UNIT
+    acc[1] = acc[1] - (acc[1] >> GATE_SHIFT) + useful * COPY_UNIT
+    acc[2] = acc[2] - (acc[2] >> GATE_SHIFT) + useful * save
+    want_group[layer] = -1
+
+
+@jit
+def gate_open(acc):
+    """Whether the running saving covers the running waste (wanted - useful copies)."""
+    return acc[2] >= acc[0] - acc[1]

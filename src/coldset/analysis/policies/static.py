@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from coldset.analysis.compiled import jit
-from coldset.analysis.policies.base import CachePolicy, Replay
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay
 
 
 @jit
@@ -37,6 +37,6 @@ class Static(CachePolicy):
 
     holds_group = False
 
-    def replay(self, stream, warm, counts, lists, budget, victims):
+    def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         hit, fills = replay_static(stream.instances, stream.group_ptr, warm, stream.num_instances)
         return Replay(hit, fills)

@@ -6,7 +6,10 @@ After group (step ``t``, layer ``l``) the forecast of layer ``l``'s experts at s
 table sums over the forecaster's (token, layer) terms plus each lane's decayed history, top ``n``
 per lane, round robin), and its missing experts prefetched into slots not used by the group, not in
 flight and not predicted, least recent first; demand victims by (predicted, recency) past the
-in-flight slots; layer ``l``'s prefetches stay in flight until group (``t + 1``, ``l``).
+in-flight slots; layer ``l``'s prefetches stay in flight until group (``t + 1``, ``l``). No victim
+(demand or prefetch) among the instances the last ``L`` groups used or prefetched (``lru_guard``'s
+bar, in ticks: :meth:`NextToken.guard_ticks`), and the prefetch only while the gate is open (the
+running precision and lead of the lists, :func:`coldset.analysis.policies.base.prefetch_lead_unit`).
 
 On CUDA in the fused step: the router's launch records the group, the fill's blocks choose the
 demand victims, commit and copy (compute stream); the forecast and prefetch decisions are one launch
@@ -31,6 +34,7 @@ import contextlib
 import numpy as np
 import torch
 
+from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, guard_groups
 from coldset.engine.cache.lru import record_and_fill
 from coldset.engine.cache.policy import PoolShape, PrefetchingPolicy
 
@@ -75,21 +79,29 @@ class NextToken(PrefetchingPolicy):
     prefetch's tags per layer; the decisions and copy streams, per layer the fork and decided
     events, the copy's end event and ticket; whether a step is open, the last layer whose side work
     was forked and not yet waited on, and each layer's router ids the side launch reads (kept
-    allocated) (host side)."""
+    allocated) (host side). The gate (int64): its running sums ``gate_acc`` ``[3]`` (wanted, useful,
+    saving), per layer the pending list's wanted instances ``want`` ``[L, min(width, E)]``, their
+    number ``want_n`` ``[L]`` and the group that listed them ``want_group`` ``[L]`` (-1: none), the
+    decode groups since the reset ``group_index`` ``[1]``, and ``lead_unit`` (host int)."""
 
     name = "nexttoken"
     routes = True
 
     @classmethod
-    def create(cls, shape: PoolShape, *, forecaster=None, prefetch_budget: int | None = None, **_) -> "NextToken":
-        """``forecaster`` (:func:`forecast_arrays`) and ``prefetch_budget`` (copies issued per group at
-        most; None = the whole list, ``max_tokens * n``)."""
+    def create(cls, shape: PoolShape, *, forecaster=None, prefetch_budget: int | None = None,
+               lead_unit: int | None = None, **_) -> "NextToken":
+        """``forecaster`` (:func:`forecast_arrays`), ``prefetch_budget`` (copies issued per group at
+        most; None = the whole list, ``max_tokens * n``) and ``lead_unit`` (the gate's,
+        :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the default)."""
         L, E, dev = shape.num_moe_layers, shape.num_experts, shape.device
         fc = forecast_arrays(forecaster, L, E)
         width = shape.max_tokens * fc["n"]
         budget = width if prefetch_budget is None else int(prefetch_budget)
         if budget < 0:
             raise ValueError(f"prefetch_budget must be >= 0, got {prefetch_budget}")
+        lead = DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit)
+        if lead < 0:
+            raise ValueError(f"lead_unit must be >= 0, got {lead_unit}")
         span = min(width, E, shape.capacity)
         cuda = dev.type == "cuda"
         terms, tables = fc["terms"], fc["tables"]
@@ -118,7 +130,35 @@ class NextToken(PrefetchingPolicy):
         self.step_open = False
         self.forked = None
         self.ids_alive = [None] * L
+        self.lead_unit = lead
+        self.copy_unit, self.gate_shift = COPY_UNIT, GATE_SHIFT  # the gate's constants, as the kernel reads them
+        self.gate_acc = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.want = torch.zeros((L, min(width, E)), dtype=torch.int64, device=dev)
+        self.want_n = torch.zeros(L, dtype=torch.int64, device=dev)
+        self.want_group = torch.full((L,), -1, dtype=torch.int64, device=dev)
+        self.group_index = torch.zeros(1, dtype=torch.int64, device=dev)
         return self
+
+    def guard_ticks(self, num_moe_layers: int, n: int) -> int:
+        """``lru_guard``'s bar in ticks: a group of ``n`` selections takes ``n`` ticks and its list
+        ``width`` more (the prefetches' recency), so the last ``L`` groups (this one included,
+        :func:`coldset.analysis.policies.base.guard_groups`) began this many ticks before this one."""
+        return (guard_groups(num_moe_layers) - 1) * (int(n) + self.prediction_history.shape[1])
+
+    def gate(self, cache, layer: int, used: torch.Tensor) -> torch.Tensor:
+        """The gate at group (step, ``layer``) (torch path; the kernel's reference): layer ``layer``'s
+        pending list judged against the group's experts ``used`` (bool ``[E]``), the running sums
+        decayed and updated (a pending list only), and whether it is open now (bool tensor)."""
+        E = cache.pools.num_experts
+        wl = self.want[layer]
+        wn = self.want_n[layer]
+        q = torch.arange(wl.numel(), device=wl.device)
+        useful = ((q < wn) & used[(wl - layer * E).clamp(0, E - 1)]).sum()
+        save = ((self.group_index[0] - self.want_group[layer]) * self.lead_unit).clamp(max=COPY_UNIT)
+        adds = torch.stack([wn * COPY_UNIT, useful * COPY_UNIT, useful * save])
+        acc = self.gate_acc
+        acc.copy_(torch.where(self.want_group[layer] >= 0, acc - (acc >> GATE_SHIFT) + adds, acc))
+        return acc[2] >= acc[0] - acc[1]
 
     def admit(self, cache, layer, topk_ids, topk_weights, dtype, hidden, cast):
         """Off the fused router: the torch decisions (copies on this stream)."""
@@ -233,9 +273,10 @@ class NextToken(PrefetchingPolicy):
         owner = cache.owner
         # 1. commit: layer `layer`'s prefetches of the last step are no longer in flight
         self.inflight[base:base + E] = False
-        # 2. demand
+        # 2. demand (never an instance the last L groups used or prefetched)
+        guard = (cache.tick - self.guard_ticks(L, n)).clamp_min(0)
         in_group = (owner // E == layer) & used[owner % E]
-        barred = in_group | self.inflight[owner]
+        barred = in_group | self.inflight[owner] | (cache.last_use[owner] >= guard)
         order = torch.argsort(cache.last_use[owner].masked_fill(barred, big), stable=True)
         pr = self.predicted[owner].to(torch.float64).masked_fill(barred, float("inf"))[order]
         victims = order[torch.argsort(pr, stable=True)][:slots_max]
@@ -273,14 +314,21 @@ class NextToken(PrefetchingPolicy):
         rec = rec[:width] if E >= width else torch.nn.functional.pad(rec, (0, width - E), value=-1)
         self.predicted[base:base + E] = False
         self.predicted.index_put_((seq,), listed)
-        # 4. prefetch
+        # 4. the gate (this layer's last list judged, this one kept), then the prefetch
+        is_open = self.gate(cache, layer, used)
         want = listed & (rm[seq] < 0)
+        wanted = seq[torch.argsort((~want).to(torch.int64), stable=True)]  # the wanted first, in list order
+        self.want[layer] = wanted[:self.want.shape[1]]
+        self.want_n[layer] = want.sum()
+        self.want_group[layer] = self.group_index[0]
+        self.group_index.add_(1)
         span = self.pf_victims.shape[1]
-        new = seq[torch.argsort((~want).to(torch.int64), stable=True)][:span]  # the wanted first, in list order
+        new = wanted[:span]
         in_group = (owner // E == layer) & used[owner % E]
-        barred = in_group | self.inflight[owner] | self.predicted[owner]
+        barred = in_group | self.inflight[owner] | self.predicted[owner] | (cache.last_use[owner] >= guard)
         pv = torch.argsort(cache.last_use[owner].masked_fill(barred, big), stable=True)[:span]
         got = torch.minimum(torch.minimum(want.sum(), torch.tensor(self.prefetch_budget, device=dev)), (~barred).sum())
+        got = got * is_open
         j = torch.arange(span, device=dev)
         ok = j < got
         old = owner[pv]
@@ -319,6 +367,10 @@ class NextToken(PrefetchingPolicy):
         self.step.fill_(-1)
         self.pf_count.zero_()
         self.step_open, self.forked = False, None
+        self.gate_acc.zero_()
+        self.want_n.zero_()
+        self.want_group.fill_(-1)
+        self.group_index.zero_()
 
     def reset_counters(self) -> None:
         super().reset_counters()

@@ -128,7 +128,8 @@ class SlotCache:
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
               policy: str, max_tokens: int, top_k: int, history: int = 4096, routers=None,
-              depth: int = 1, forecaster=None, prefetch_budget: int | None = None) -> "SlotCache":
+              depth: int = 1, forecaster=None, prefetch_budget: int | None = None,
+              lead_unit: int | None = None) -> "SlotCache":
         """A cache whose slots hold the warm set of ``warm_row_map`` (docs/design.md §3 placement
         encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
         unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
@@ -136,8 +137,10 @@ class SlotCache:
         batch size (tokens per step) the cache decides for; ``C >= top_k * max_tokens`` is
         required, else one step could need more slots than exist. The policy's options:
         ``lookahead``: ``routers`` and ``depth``; ``nexttoken``: ``forecaster``
-        (:func:`coldset.engine.cache.nexttoken.forecast_arrays`) and ``prefetch_budget`` (copies
-        issued per group at most; None = the whole list, ``max_tokens * n``).
+        (:func:`coldset.engine.cache.nexttoken.forecast_arrays`), ``prefetch_budget`` (copies
+        issued per group at most; None = the whole list, ``max_tokens * n``) and ``lead_unit``
+        (its prefetch gate's, :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the
+        default, as the simulator's).
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -148,7 +151,7 @@ class SlotCache:
         rules = POLICIES[policy].create(
             PoolShape(num_moe_layers=L, num_experts=E, capacity=capacity, max_tokens=int(max_tokens),
                       top_k=int(top_k), history=history, device=dev),
-            routers=routers, depth=depth, forecaster=forecaster, prefetch_budget=prefetch_budget)
+            routers=routers, depth=depth, forecaster=forecaster, prefetch_budget=prefetch_budget, lead_unit=lead_unit)
         need = int(top_k) * int(max_tokens)
         if capacity < need:
             raise CacheCapacityError(
