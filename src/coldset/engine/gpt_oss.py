@@ -114,6 +114,7 @@ class GptOssConfig(ModelConfig):
 
     @property
     def softmax_scale(self) -> float:
+        """``head_dim ** -0.5`` (YaRN scales cos and sin instead, by its attention factor)."""
         return self.head_dim ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
