@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coldset.analysis.placement import row_map_from_mask
+from coldset.core.shapes import parameter_counts, read_shape
 from coldset.engine.deepseek_v3 import DeepseekMoE
 from coldset.engine.generate import generate
 from coldset.engine.glm4_moe import Glm4MoeConfig, Glm4MoeModel
@@ -149,6 +150,19 @@ def test_a_placement_is_bitwise_all_hot(checkpoint):
     result = gate.compare("random-half", ids, reference,
                           gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False), pools, model)
     assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_shape_counts_transformers_parameters(checkpoint, variant):
+    """The glm4_moe shape every stage reads (coldset.core.shapes, from config.json alone) counts
+    the parameters transformers' model holds (its buffers aside: the correction bias is counted with
+    the router), part by part in total."""
+    path = checkpoint(variant)
+    shape = read_shape(path)
+    hf = transformers.Glm4MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert sum(parameter_counts(shape).values()) == sum(p.numel() for p in hf.parameters()) + biases
+    assert shape.model_type == "glm4_moe" and shape.moe_layers == read_config(path).moe_layers
 
 
 def test_mtp_layers_are_skipped_with_a_log_line(checkpoint, caplog):
