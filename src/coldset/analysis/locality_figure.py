@@ -36,8 +36,8 @@ def draw_locality(fig, table: pd.DataFrame | None, locality: Mapping[str, Any] |
         ticks = x[:: max(1, len(x) // 12)]
         ax.set_xticks(ticks, [layers[i] for i in ticks])
         lift = locality.get("lift")
-        ax.set_title("consecutive tokens' expert overlap\n|E(t) & E(t-1)| / k" + (f", lift {lift:.2f}x" if lift else ""),
-                     fontsize=9)
+        ax.set_title("consecutive tokens' expert overlap\n|E(t) & E(t-1)| / k"
+                     + (f", lift {lift:.2f}x" if lift else ""), fontsize=9)
         ax.set_xlabel("layer")
         ax.set_ylabel("overlap")
         ax.legend(fontsize=7)

@@ -185,6 +185,10 @@ def _estimate_answer(residency: str, group: list[PlacementSummary], placements: 
     return answer
 
 
+def _noisy(b: BenchResult) -> bool:
+    return timing_noisy(b.metrics["step_ms_p50"], b.metrics["step_ms_p90"], b.metrics.get("repeat_spread"))
+
+
 def _measured_answer(residency: str, group: list[PlacementSummary], bench: list[BenchResult],
                      failed: set[str]) -> BudgetAnswer:
     """The GPU's choice at one budget: per batch size the fastest measured placement."""
@@ -196,8 +200,7 @@ def _measured_answer(residency: str, group: list[PlacementSummary], bench: list[
     answer = BudgetAnswer(residency, None, "", False, "", "")
     picks = []
     for batch, at in sorted(by_batch.items()):
-        usable = [b for b in at if _name(b) not in failed
-                  and not timing_noisy(b.metrics["step_ms_p50"], b.metrics["step_ms_p90"], b.metrics.get("repeat_spread"))]
+        usable = [b for b in at if _name(b) not in failed and not _noisy(b)]
         if not usable:
             answer.notes.append(f"batch {batch}: no placement measured reliably (noisy timing or failed parity)")
             continue
@@ -215,10 +218,10 @@ def _measured_answer(residency: str, group: list[PlacementSummary], bench: list[
             f"{_name(best)}: {tok_s_text(tok)}",
             "n/a (positional not in this run's policies)" if pos is None else
             f"{tok_s_text(pos.metrics['tok_s'])} (the choice: {faster_text(tok, pos.metrics['tok_s'])})"
-            + (" (noisy timing)" if timing_noisy(pos.metrics["step_ms_p50"], pos.metrics["step_ms_p90"],
-                                                 pos.metrics.get("repeat_spread")) else ""),
+            + (" (noisy timing)" if _noisy(pos) else ""),
             "n/a (no all-HBM placement measured at this batch size)" if ref is None else
-            f"{tok_s_text(ref.metrics['tok_s'])} ({_name(ref)}; the choice reaches {pct_text(tok / ref.metrics['tok_s'])})"))
+            f"{tok_s_text(ref.metrics['tok_s'])} ({_name(ref)}; the choice reaches "
+            f"{pct_text(tok / ref.metrics['tok_s'])})"))
     if picks:
         best = max(picks, key=lambda b: sum(1 for p in picks if _name(p) == _name(b)))  # most batch sizes
         answer.choice = _name(best)

@@ -316,7 +316,8 @@ def _step_axes_ends(ax, values: list[float]) -> list[float]:
     return [lo - pad, hi + pad]
 
 
-def step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> FigureOut | None:
+def step_time_figure(bench: list[BenchResult], batch_size: int, model: str,
+                     placements: list[PlacementSummary] = (), preset: str | None = None) -> FigureOut | None:
     """Measured step time against a prediction, one point per placement at ``batch_size``.
 
     Where the run measured its read ceilings (CUDA), the additive model is plotted (the policy's
@@ -324,9 +325,47 @@ def step_time_figure(bench: list[BenchResult], batch_size: int, model: str) -> F
     bytes-only speed model beside it as hollow markers; otherwise the speed model
     alone. None when there is neither."""
     at_batch = [b for b in bench if b.batch_size == batch_size]
+    if at_batch and not any(speed_compares_placements(b.device) for b in at_batch):
+        return _estimated_step_time_figure(at_batch, placements, batch_size, model, preset)
     if any(b.metrics.get("predicted_step_ms_calibrated") is not None for b in at_batch):
         return _calibrated_step_time_figure(at_batch, batch_size, model)
     return _speed_model_step_time_figure(at_batch, batch_size, model)
+
+
+def _estimated_step_time_figure(rows: list[BenchResult], placements: list[PlacementSummary], batch_size: int,
+                                model: str, preset: str | None) -> FigureOut | None:
+    """The CPU's step-time figure: per static placement the speed model's step on ``preset``, from
+    perfect overlap of HBM and link reads to none; never the CPU's timings, which differ between
+    placements by noise alone. None without a prediction at ``batch_size``."""
+    presets = sorted({q["preset"] for p in placements for q in p.predictions})
+    preset = preset if preset in presets else (presets[0] if presets else None)
+    bars = sorted((f"{p.policy}-{p.residency}", q["step_ms_lower"], q["step_ms_sum"]) for p in placements
+                  for q in p.predictions if q["preset"] == preset and q["batch_size"] == batch_size)
+    if not bars:
+        return None
+    device, dtype = join_values(b.device for b in rows), join_values(b.dtype for b in rows)
+    fig = _new_figure(7.0, max(2.6, 1.2 + 0.35 * len(bars)))
+    ax = fig.add_subplot(1, 1, 1)
+    ax.barh(range(len(bars)), [hi - lo for _, lo, hi in bars], left=[lo for _, lo, _ in bars], color="#1f77b4",
+            height=0.5)
+    for i, (_, lo, hi) in enumerate(bars):  # the ends, visible where they meet (nothing read over the link)
+        ax.plot([lo, hi], [i, i], linestyle="none", marker="|", markersize=12, color="#1f77b4")
+    ax.set_yticks(range(len(bars)), [name for name, _, _ in bars], fontsize=8)
+    ax.set_xlim(0, max(hi for _, _, hi in bars) * 1.1)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.set_xlabel(f"estimated step time (ms, speed model preset {preset}): perfect overlap – no overlap")
+    ax.set_title(f"{model}: estimated step time, batch size {batch_size}")
+    return FigureOut(
+        f"step-time-b{batch_size}",
+        f"Estimated step time per placement (batch size {batch_size})",
+        f"The placement stage's speed model on {preset}: each bar runs from the step with perfect overlap of HBM "
+        "and link reads to the step with none (bytes over the preset's bandwidths; an estimate: batches whose "
+        "tokens share experts can run faster). Measured on the CPU, where every placement runs the same "
+        "in-memory computation: the CPU's step times differ by noise alone and are not compared with it "
+        "(they are in the engine check table).",
+        device, str(batch_size), dtype,
+        _png(fig, f"device: {device} (estimate for {preset}) · batch size: {batch_size} · dtype: {dtype}"),
+    )
 
 
 def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, model: str) -> FigureOut:

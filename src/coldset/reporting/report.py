@@ -276,7 +276,8 @@ def _check_batches(bench: list[BenchResult], configured_batches) -> None:
 def _cache_rows(cache_table) -> list[dict]:
     """The cache simulation's table (``cache/{model}/simulation.csv``), formatted."""
     return [] if cache_table is None else [
-        {"policy": r.policy, "residency": human(r.residency), "capacity": int(r.capacity), "hit_rate": human(r.hit_rate),
+        {"policy": r.policy, "residency": human(r.residency), "capacity": int(r.capacity),
+         "hit_rate": human(r.hit_rate),
          "misses_per_token": human(r.misses_per_token), "link_gb_per_token": human(r.link_gb_per_token),
          # the batch replayed and the simulated time (coldset.analysis.time_model), when present
          **{c: human(getattr(r, c, None)) for c in ("batch", "step_ms", "bound_ms", "bound_fraction", "overlap",
@@ -325,7 +326,8 @@ def _placement_rows(placements: list) -> list[dict]:
             "hbm_expert_gib": size_text(p.hbm_expert_gib),
             "host_expert_gib": size_text(p.host_expert_gib),
             "coverage_profile": pct_text(p.coverage_profile),
-            "coverage_heldout": pct_text(p.coverage_heldout) if p.coverage_heldout is not None else "n/a (no held-out split)",
+            "coverage_heldout": ("n/a (no held-out split)" if p.coverage_heldout is None
+                                 else pct_text(p.coverage_heldout)),
             "predicted": "; ".join(
                 f"{q['preset']} b{q['batch_size']}: {human(q['step_ms_lower'])}–{human(q['step_ms_sum'])} ms"
                 f" (up to {tok_s_text(q['batch_size'] * 1e3 / q['step_ms_lower'])})"
@@ -436,7 +438,8 @@ def _cold_view(answers, placements: list, out_html: Path) -> dict[str, Any]:
 
 def _answer_rows(answers) -> list[dict[str, Any]]:
     """The answer table's rows: one per budget, its speed lines per batch size."""
-    return [{"residency": a.residency, "residency_pct": human(100 * float(a.residency), 3), "choice": a.choice or "none",
+    return [{"residency": a.residency, "residency_pct": human(100 * float(a.residency), 3),
+             "choice": a.choice or "none",
              "why": a.why, "estimate": a.estimate, "hbm": a.hbm_text, "host": a.host_text,
              "speeds": a.speeds, "notes": a.notes} for a in answers]
 
@@ -525,7 +528,7 @@ def render_report(
     figures["coverage"] = [coverage_figure(placements, routing_device, routing_batch_label, dtype, model)]
     batch_sizes = sorted({b.batch_size for b in bench})
     figures["residency"] = [residency_figure(bench, bs, model, placements, _preset(config)) for bs in batch_sizes]
-    step_figs = [step_time_figure(bench, bs, model) for bs in batch_sizes]
+    step_figs = [step_time_figure(bench, bs, model, placements, _preset(config)) for bs in batch_sizes]
     figures["step_time"] = [f for f in step_figs if f is not None]
     locality, cache_table = _locality_inputs(results_dir, model)
     figures["locality"] = [] if locality is None and cache_table is None else [
