@@ -143,7 +143,7 @@ def management_overhead(decode, cache, ref_fn, rowmap_fn, model, bsz, prompts, L
     p = cache.pools
 
     pairs = [(p.w13_hot, p.w13_cold), (p.w2_hot, p.w2_cold)]
-    if p.is_fp8:  # an FP8 expert moves with its scales (its bytes, per_expert, count them)
+    if p.has_scales:  # a scaled (FP8, MXFP4) expert moves with its scales (its bytes, per_expert, count them)
         pairs += [(p.w13_scale_hot, p.w13_scale_cold), (p.w2_scale_hot, p.w2_scale_cold)]
 
     def copy_engine():

@@ -62,8 +62,9 @@ from coldset.core.fp8 import FORMAT_NAME
 from coldset.core.shapes import get_weight_format
 from coldset.core.timing import eager_time_us
 from coldset.engine.loading import attach_fp8_attention
+from coldset.engine import gpt_oss
 from coldset.engine.model import fp8_attention_linears
-from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
 from coldset.kernels.tune import (
     TuneResult,
     TuneShape,
@@ -82,12 +83,17 @@ from coldset.workflow.config import load_config
 FUSED_PDL = {"fused": None, "fused-pdl": True, "fused-nopdl": False}
 ENGINES = ("eager", "compiled", *FUSED_PDL)
 PROMPT_TOKENS, NEW_TOKENS, BATCHES = 32, 16, (1, 8)
+#: ``--model-family``: the published configs a random model is drawn at (every weight on the GPU).
+RANDOM_FAMILIES = {"gpt-oss-20b": gpt_oss.GPT_OSS_20B_CONFIG}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml",
                    help="workflow config whose model.synthetic shape and fixtures are measured")
     p.add_argument("--out", required=True, help="folder for decode_step.json")
+    p.add_argument("--model-family", choices=["synthetic", *RANDOM_FAMILIES], default="synthetic",
+                   help="synthetic: the config's synthetic model; gpt-oss-20b: that published config with random "
+                        "weights drawn on the GPU (name the engines: its family refuses the fused step)")
     tuning = p.add_mutually_exclusive_group()
     tuning.add_argument("--tune", action="store_true", help="autotune the experts kernel for batch 1 and 8 first")
     tuning.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
@@ -150,9 +156,13 @@ def baseline_experts(path: str, result):
 
     mod = load_module(path)
     known = set(mod.KernelConfig.__dataclass_fields__)
+    variants = hasattr(mod, "epilogue_args")  # a copy without it computes neither biases nor the clamped SwiGLU
     chosen: dict[int, dict] = {}
 
     def experts(pools, layer, x, topk_ids, topk_weights):
+        if not variants and (pools.has_bias or pools.activation.kind != "silu"):
+            raise MeasureError(f"--baseline-module {path}: that triton_moe.py computes no expert biases or "
+                               "activation variants, and these pools have them")
         bs = int(x.shape[0])
         if bs not in chosen:
             chosen[bs] = {k: v for k, v in config_for(result, bs).items() if k in known}
@@ -234,26 +244,35 @@ class StepRun:
         write_result(self.out_path, self.R, self.ceilings, self.tuned)
 
 
-def build_model(config: dict, dev):
+def build_model(config: dict, dev, family: str = "synthetic"):
     """The config's in-memory synthetic model (every expert in HBM), its tokenizer and the
-    fixture-like texts its prompts are cut from."""
+    fixture-like texts its prompts are cut from. ``family`` other than ``synthetic``: a model of
+    that published config with random weights drawn on the GPU (:data:`RANDOM_FAMILIES`; the step's
+    time does not depend on the values), prompted through the config's synthetic tokenizer (its ids
+    lie within every family's vocabulary)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
     fx = config["fixtures"]
     texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
+    if family != "synthetic":
+        tokenizer = synthetic_tokenizer(spec, texts)[0]
+        model = gpt_oss.build_random_model(RANDOM_FAMILIES[family], dev, getattr(torch, config["model"]["dtype"]))
+        log("model built:", family, "random weights")
+        return model, tokenizer, texts
     model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
     log("model built")
     return model, tokenizer, texts
 
 
-def tune_shape(config: dict, cfg):
-    """The experts' autotune shape of the model (all hot)."""
+def tune_shape(config: dict, cfg, pools):
+    """The experts' autotune shape of the model (all hot), with its experts' biases and activation."""
 
     L = cfg.num_moe_layers
     return TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
-                     num_hot=L * cfg.num_experts, num_cold=0)
+                     num_hot=L * cfg.num_experts, num_cold=0, expert_bias=pools.has_bias,
+                     activation=None if pools.activation.kind == "silu" else pools.activation)
 
 
 def bf16_experts(args, dev, shape, R: dict):
@@ -482,8 +501,9 @@ def run(args, argv=None) -> dict:
     ceilings = bn.measure_ceilings()
     R["hbm_read_GBps"] = ceilings["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
-    model, tokenizer, texts = build_model(config, dev)
-    shape = tune_shape(config, model.config)
+    model, tokenizer, texts = build_model(config, dev, args.model_family)
+    R["model_family"] = args.model_family
+    shape = tune_shape(config, model.config, model.pools)
     experts, result = bf16_experts(args, dev, shape, R)
     s = StepRun(args, R, out_path, ceilings, model, experts, result)
     experts_by_name = {"": experts}

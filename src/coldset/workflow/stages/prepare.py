@@ -16,6 +16,7 @@ from coldset.analysis.stats import run_stats
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
 from coldset.core.files import write_json
 from coldset.core.placement import ProfileSpec
+from coldset.engine.gpt_oss import GptOssConfig
 from coldset.engine.loading import read_config
 from coldset.engine.synthetic import synthetic_model_config, write_synthetic_checkpoint
 from coldset.kernels.tune import TuneShape, autotune as tune, write_entry
@@ -174,6 +175,12 @@ def cache(ctx: StageContext, **_) -> None:
               prefetch_budget=cc["prefetch_budget"], nexttoken_extra=cc["nexttoken_extra"])
 
 
+def _tuned_activation(cfg):
+    """The experts' activation where it compiles other kernel code than SiLU (gpt_oss's clamped
+    SwiGLU), else None: the autotune key's field."""
+    return cfg.activation if isinstance(cfg, GptOssConfig) and cfg.activation.kind != "silu" else None
+
+
 def autotune(ctx: StageContext, **_) -> None:
     """Tune the experts kernel for the model's shape (cache hit in seconds); copy the entry to results/.
 
@@ -185,7 +192,8 @@ def autotune(ctx: StageContext, **_) -> None:
     shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                       top_k=cfg.top_k, dtype=ctx.dtype, num_moe_layers=cfg.num_moe_layers,
                       num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0,
-                      weight_format="fp8_block128" if cfg.expert_format == "fp8_block128" else None)
+                      weight_format="fp8_block128" if cfg.expert_format == "fp8_block128" else None,
+                      expert_bias=cfg.expert_bias, activation=_tuned_activation(cfg))
     result = tune(shape, ctx.bench["batch_sizes"], ctx.device, ctx.autotune["cache_dir"])
     log.info("autotune key %s: %s (%s)", result.key[:16], "cache hit" if result.hit else "tuned", result.path)
     write_entry(result, ctx.layout.autotune)
