@@ -1,4 +1,9 @@
-"""The fused MoE experts computation: w13 GEMM, SiLU·mul, w2 GEMM, weighted sum over top-k.
+"""The fused MoE experts computation: w13 GEMM, gated activation, w2 GEMM, weighted sum over top-k.
+
+The activation is the pools' (:mod:`coldset.kernels.activation`: SiLU(gate) * up, or gpt-oss's
+clamped SwiGLU), and pools with expert biases add them after each GEMM
+(:class:`coldset.kernels.tiers.ExpertPools`): every backend reads both from the pools, so the
+call is the same for every family.
 
 One function signature for every backend, so the engine calls one replaceable function:
 ``experts(pools, layer, x, topk_ids, topk_weights) -> out``, with ``x`` ``[T, H]``, ``topk_ids``

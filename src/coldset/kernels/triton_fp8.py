@@ -58,6 +58,12 @@ quantity (same quantization points; float32 GEMMs); the two agree to float32 sum
 Tiling and accumulation order never depend on where an expert lives, so every placement is
 bitwise the all-hot (``use_row_map=False``) output. Split-K and ``half_tail`` are refused (not
 implemented here).
+
+Expert biases and the activation variant (gpt-oss's clamped SwiGLU) are the bf16 kernel's
+(:mod:`coldset.kernels.triton_moe`, its :func:`~coldset.kernels.triton_moe.epilogue_args`): w13's
+bias added to the fp32 gate and up sums (after their scales) before the activation, which is then
+rounded to the activation dtype and quantized as the SiLU intermediate is; w2's added to the fp32
+product before the routing weight; both read by (layer, expert id), never through the row map.
 """
 
 from __future__ import annotations
@@ -78,8 +84,11 @@ from coldset.kernels.triton_moe import (
     _block_ids,
     _chunk_pairs,
     _expert_base,
+    _expert_bias,
+    _gated,
     _next_pow2,
     _sum_topk_kernel,
+    epilogue_args,
     gdc_launch_dependents,
     gdc_wait,
     group_pairs,
@@ -204,13 +213,16 @@ def _prefetch_rows(row_map_ptr, layer, expert, cnt, first_row_ptr, rows, ROW_BYT
 
 @triton.jit
 def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
-                   sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
+                   sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x, bg, bu,
                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GH: tl.constexpr, GI: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSE_Q: tl.constexpr, QUANT_X: tl.constexpr,
-                   W8A16: tl.constexpr, SWAP: tl.constexpr):
+                   W8A16: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                   ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs (FP8 tokens) times its gate and up rows, then
-    SiLU(gate) * up rounded to the activation dtype; with ``FUSE_Q`` quantized per group here.
+    the activation (SiLU(gate) * up; with biases ``bg``, ``bu`` added first:
+    :func:`~coldset.kernels.triton_moe._gated`) rounded to the activation dtype; with ``FUSE_Q``
+    quantized per group here.
     ``QUANT_X``: ``xq_ptr`` is the tokens ``x`` themselves (bf16/fp16, rows ``stride_x`` apart),
     each k step's ``[BM, 128]`` tile quantized here by :func:`_quantize_rows` (the quantization
     launch's formula on the same values: the same FP8 bytes and scales; ``xs_ptr`` unused).
@@ -267,7 +279,7 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty)  # the intermediate's rounding
+    act = _gated(acc_g, acc_u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT).to(act_ptr.dtype.element_ty)  # its rounding
     pair64 = pair.to(tl.int64)
     if FUSE_Q:  # this block holds whole groups (BN = NG * 128): quantize them here
         NG: tl.constexpr = BN // BK
@@ -284,12 +296,13 @@ def _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr,
 @triton.jit
 def _w13_fp8_kernel(
     xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
-    s_cold_ptr, act_ptr, actq_ptr, acts_ptr, num_pairs, layer, NB, pf_bytes,
+    s_cold_ptr, act_ptr, actq_ptr, acts_ptr, b13_ptr, num_pairs, layer, NB, pf_bytes,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     GI: tl.constexpr, GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
     MODE: tl.constexpr, USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_GDC: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr, FUSE_Q: tl.constexpr,
     QUANT_X: tl.constexpr, WAIT_FIRST: tl.constexpr, stride_x, W8A16: tl.constexpr, SWAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if WAIT_FIRST:
@@ -318,23 +331,27 @@ def _w13_fp8_kernel(
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
     sg_ptrs = s_base + (offs_n // BK) * GH  # gate's scale grid rows, then up's (coldset.core.fp8)
     su_ptrs = s_base + (GI + offs_n // BK) * GH
+    bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)  # gate's half of the bias
+    bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)  # up's half
     if USE_GDC:
         gdc_wait()  # the FP8 tokens and their scales
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         _w13_fp8_chunk(xq_ptr, xs_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, actq_ptr, acts_ptr, wg_ptrs, wu_ptrs,
-                       sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x,
-                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16, SWAP)
+                       sg_ptrs, su_ptrs, offs_n, n_ok, pid_n, num_pairs, expert, start, c, cnt, stride_x, bg, bu,
+                       TOPK, H, I, GH, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, FUSE_Q, QUANT_X, W8A16, SWAP,
+                       HAS_BIAS, ACT, ALPHA, LIMIT)
         c += BM
 
 
 @triton.jit
 def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok,
-                  num_pairs, expert, start, c, cnt,
+                  num_pairs, expert, start, c, cnt, b2,
                   H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  W8A16: tl.constexpr, SWAP: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, times the routing weight.
+                  W8A16: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: FP8 intermediate times w2's rows, plus w2's
+    bias ``b2`` (``HAS_BIAS``), times the routing weight.
     ``W8A16``: ``actq_ptr`` is the intermediate in the activation dtype (never quantized), each
     weight tile converted to it (exact) and the k step's product scaled by the weight block's scale.
     ``SWAP``: the transposed products (weights the dot's M), as :func:`_w13_fp8_chunk`."""
@@ -370,6 +387,8 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
                 acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
     if SWAP:
         acc = tl.trans(acc)
+    if HAS_BIAS:
+        acc += b2[None, :]
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
@@ -379,11 +398,12 @@ def _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf
 @triton.jit
 def _w2_fp8_kernel(
     actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
-    s_cold_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB, pf_bytes,
+    s_cold_ptr, topk_w_ptr, buf_ptr, b2_ptr, num_pairs, layer, NB, pf_bytes,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GI: tl.constexpr, GH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, ORDER: tl.constexpr, W8A16: tl.constexpr, SWAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -397,14 +417,15 @@ def _w2_fp8_kernel(
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
     s_ptrs = s_base + (offs_n // BK) * GI
+    b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
     if USE_GDC:  # launched early: only the launch and the lookups above overlap the launch before
         gdc_launch_dependents()
         gdc_wait()
     c = c_begin
     while c < c_end:
         _w2_fp8_chunk(actq_ptr, acts_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n,
-                      n_ok, num_pairs, expert, start, c, cnt, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, W8A16,
-                      SWAP)
+                      n_ok, num_pairs, expert, start, c, cnt, b2, H, I, GI, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N,
+                      W8A16, SWAP, HAS_BIAS)
         c += BM
 
 
@@ -541,6 +562,7 @@ def fp8_experts_launches(
                                            default_config)
     c = config
     _check_config(c)
+    b13, b2, epilogue = epilogue_args(pools)
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_fp8_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
@@ -596,14 +618,14 @@ def fp8_experts_launches(
         yield "quant_x"
     _w13_fp8_kernel[grid(nb1)](
         xq, xs, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
-        act, actq, acts, num_pairs, layer, nb1,
+        act, actq, acts, b13, num_pairs, layer, nb1,
         _prefetch_bytes(c.block_n1 * hidden, 2 * slots * nb1) if w13_prefetch else 0,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n1, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % GROUP == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=w13_prefetch,
         ORDER=c.tile_order, FUSE_Q=fuse_q, QUANT_X=bool(c.quant_x), WAIT_FIRST=x_raw and first,
-        stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
-        launch_pdl=w13_pdl,
+        stride_x=x.stride(0), W8A16=w8a16, SWAP=bool(c.swap_ab), **epilogue, num_warps=c.num_warps,
+        num_stages=c.num_stages, launch_pdl=w13_pdl,
     )
     yield "w13"
     if not fuse_q and not w8a16:  # every pair's row (pairs of invalid ids too: never read by w2)
@@ -614,12 +636,12 @@ def fp8_experts_launches(
     prefetch2 = prefetch and not fuse_q and not w8a16
     _w2_fp8_kernel[grid(nb2)](
         actq, acts, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
-        weights, buf, num_pairs, layer, nb2, _prefetch_bytes(c.block_n2 * inter, slots * nb2) if prefetch2 else 0,
+        weights, buf, b2, num_pairs, layer, nb2, _prefetch_bytes(c.block_n2 * inter, slots * nb2) if prefetch2 else 0,
         E=num_experts, EP=ep, H=hidden, I=inter, GI=gi, GH=gh,
         BM=c.block_m, BN=c.block_n2, BK=GROUP, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % GROUP == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch2,
-        ORDER=c.tile_order, W8A16=w8a16, SWAP=bool(c.swap_ab), num_warps=c.num_warps, num_stages=c.num_stages,
-        launch_pdl=pdl,
+        ORDER=c.tile_order, W8A16=w8a16, SWAP=bool(c.swap_ab), **epilogue, num_warps=c.num_warps,
+        num_stages=c.num_stages, launch_pdl=pdl,
     )
     yield "w2"
     block = min(1024, _next_pow2(hidden))

@@ -10,6 +10,15 @@ Three launches per call, all with grid shapes fixed by the batch size (CUDA-grap
    per-pair buffer ``[T*k, H]``;
 3. ``_sum_topk_kernel``: out[t] = sum over rank 0..k-1 of the buffer, in that fixed order.
 
+Experts with biases and another activation (the pools' ``w13_bias``, ``w2_bias`` and
+``activation``: :mod:`coldset.kernels.activation`, gpt-oss's clamped SwiGLU) compile other code
+through constexprs (``HAS_BIAS``, ``ACT``, ``ALPHA``, ``LIMIT``: :func:`epilogue_args`): w13's bias
+is added to the fp32 gate and up sums before the activation, w2's to the fp32 product before the
+routing weight (in split 0's partial sum under split-K), as transformers' ``GptOssExperts``
+orders them. Biases are ``[L, E, n]`` tensors read at (layer, expert id), the block's expert, never
+through the row map: they stay resident, so a placement or a slot fill never moves them. Without
+them (``HAS_BIAS=0``, ``ACT=0``) the SiLU kernels compile to the code they are without this.
+
 With ``pdl`` (Hopper's programmatic dependent launch) the second and third launch start while the
 one before still runs and wait on the grid dependency before reading its output; with ``pdl=3``
 the first launch (and the grouping's) too: it starts while whatever kernel came before still runs
@@ -271,6 +280,34 @@ def _group_scatter_kernel(ids_ptr, counts_ptr, scratch_ptr, sorted_pairs_ptr, ex
 
 
 @triton.jit
+def _expert_bias(b_ptr, layer, expert, offs, ok, N: tl.constexpr, E: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 values ``offs`` of the bias row of (layer, expert) in ``[L, E, N]`` biases (read by
+    expert id, never through the row map: module doc); zeros without biases."""
+    if HAS_BIAS:
+        b = tl.load(b_ptr + (layer * E + expert).to(tl.int64) * N + offs, mask=ok, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros_like(offs).to(tl.float32)
+    return b
+
+
+@triton.jit
+def _gated(g, u, bg, bu, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The activation of fp32 gate and up sums ``[BM, BN]`` plus their biases ``[BN]``: ``ACT`` 0
+    SiLU(g) * u, 1 gpt-oss's clamped SwiGLU (``(clamp(u, -LIMIT, LIMIT) + 1) * g' * sigmoid(ALPHA *
+    g')`` with ``g' = min(g, LIMIT)``), in fp32 (:func:`coldset.kernels.activation.torch_activation`)."""
+    if HAS_BIAS:
+        g = g + bg[None, :]
+        u = u + bu[None, :]
+    if ACT == 0:
+        out = g / (1.0 + tl.exp(-g)) * u
+    else:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        out = g / (1.0 + tl.exp(-(g * ALPHA))) * (u + 1.0)
+    return out
+
+
+@triton.jit
 def _expert_base(row_map_ptr, hot_ptr, cold_ptr, layer, expert, row_stride,
                  E: tl.constexpr, USE_ROW_MAP: tl.constexpr):
     """Base pointer of one expert's weight matrix: the only place the expert id is used."""
@@ -379,10 +416,11 @@ def _k_range(pid_s, K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
-               num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
+               num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi, bg, bu,
                TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+               PREFETCH: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+               ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then the epilogue."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
@@ -411,10 +449,10 @@ def _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_
         acc_g = tl.dot(a, wg, acc_g)
         acc_u = tl.dot(a, wu, acc_u)
     if SPLIT == 1:
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        act = _gated(acc_g, acc_u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
         out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-    else:  # partial gate and up sums of this split: [split, pair, 2I] fp32, added by the w2 kernel
+    else:  # partial gate and up sums of this split: [split, pair, 2I] fp32, added (then the bias) by the w2 kernel
         part_ptrs = part_ptr + (pid_s * num_pairs + pair[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
         tl.store(part_ptrs, acc_g, mask=valid[:, None] & n_ok[None, :])
         tl.store(part_ptrs + I, acc_u, mask=valid[:, None] & n_ok[None, :])
@@ -423,12 +461,12 @@ def _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_
 @triton.jit
 def _w13_act_kernel(
     x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, act_ptr, part_ptr,
-    num_pairs, layer, stride_xt, NB,
+    b13_ptr, num_pairs, layer, stride_xt, NB,
     E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, ORDER: tl.constexpr, WAIT: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    HALF_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, H, KS, SPLIT)
@@ -449,45 +487,53 @@ def _w13_act_kernel(
     n_ok = offs_n < I
     wg_ptrs = w_base + offs_n[None, :] * H + offs_k[:, None]  # [BK, BN]: gate rows n, cols k
     wu_ptrs = wg_ptrs + I * H  # up rows I + n
+    bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)  # split-K: the w2 kernel adds them
+    bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)  # up half
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
         # an expert's last chunk of at most a half (a quarter) of a tile: that many rows of MMA
         if HALF_TAIL == 2 and c_end - c <= BM // 4:
             _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
-                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
-                       TOPK, H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi, bg, bu,
+                       TOPK, H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT,
+                       HAS_BIAS, ACT, ALPHA, LIMIT)
         elif HALF_TAIL >= 1 and c_end - c <= BM // 2:
             _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
-                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
-                       TOPK, H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi, bg, bu,
+                       TOPK, H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT,
+                       HAS_BIAS, ACT, ALPHA, LIMIT)
         else:
             _w13_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, part_ptr, wg_ptrs, wu_ptrs, offs_n, n_ok,
-                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi,
-                       TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT)
+                       num_pairs, expert, start, c, cnt, stride_xt, pid_s, k_lo, k_hi, bg, bu,
+                       TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, PREFETCH, SPLIT,
+                       HAS_BIAS, ACT, ALPHA, LIMIT)
         c += BM
 
 
 @triton.jit
-def _act_from_parts(g_ptrs, mask, num_pairs, DT: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                    BK: tl.constexpr, SPLIT1: tl.constexpr):
-    """SiLU(gate) * up from w13's split-K partial sums, added split 0 first (a fixed order), in
-    the activation dtype: the formula of the unsplit w13 kernel's epilogue."""
+def _act_from_parts(g_ptrs, mask, num_pairs, bg, bu, DT: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, SPLIT1: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                    ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The activation from w13's split-K partial sums, added split 0 first (a fixed order), then
+    the biases ``bg``, ``bu``, in the activation dtype: the formula of the unsplit w13 kernel's epilogue."""
     g = tl.zeros((BM, BK), dtype=tl.float32)
     u = tl.zeros((BM, BK), dtype=tl.float32)
     for s in tl.static_range(SPLIT1):
         off = s * num_pairs * (2 * I)
         g += tl.load(g_ptrs + off, mask=mask, other=0.0)
         u += tl.load(g_ptrs + off + I, mask=mask, other=0.0)
-    return (g / (1.0 + tl.exp(-g)) * u).to(DT)
+    return _gated(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT).to(DT)
 
 
 @triton.jit
 def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-              num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
+              num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, b13_ptr, layer, b2,
               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              SPLIT1: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: activations times w2's rows, times the routing weight."""
+              SPLIT1: tl.constexpr, E: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: activations times w2's rows, plus w2's bias
+    ``b2`` (zeros past split 0), times the routing weight."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
@@ -496,8 +542,11 @@ def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if SPLIT1 > 1:
-            a = _act_from_parts(g_ptrs + k0, valid[:, None] & ((k0 + offs_k) < I)[None, :], num_pairs,
-                                act_ptr.dtype.element_ty, I, BM, BK, SPLIT1)
+            kk_ok = (k0 + offs_k) < I
+            a = _act_from_parts(g_ptrs + k0, valid[:, None] & kk_ok[None, :], num_pairs,
+                                _expert_bias(b13_ptr, layer, expert, k0 + offs_k, kk_ok, 2 * I, E, HAS_BIAS),
+                                _expert_bias(b13_ptr, layer, expert, I + k0 + offs_k, kk_ok, 2 * I, E, HAS_BIAS),
+                                act_ptr.dtype.element_ty, I, BM, BK, SPLIT1, HAS_BIAS, ACT, ALPHA, LIMIT)
             if EVEN_K and EVEN_N:
                 w = tl.load(w_ptrs + k0)
             else:
@@ -514,6 +563,8 @@ def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr,
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc)
+    if HAS_BIAS:
+        acc += b2[None, :]
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     row = pid_s * num_pairs + pair64  # [split, pair, H]
@@ -524,13 +575,13 @@ def _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr,
 @triton.jit
 def _w2_kernel(
     act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, topk_w_ptr,
-    buf_ptr, sink_ptr,
+    buf_ptr, sink_ptr, b13_ptr, b2_ptr,
     num_pairs, layer, NB,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, SPLIT1: tl.constexpr, ORDER: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    HALF_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     slot, pid_n, pid_s = _block_ids(NB, ORDER)
     k_lo, k_hi = _k_range(pid_s, I, KS, SPLIT)
@@ -540,6 +591,7 @@ def _w2_kernel(
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     w_ptrs = w_base + offs_n[None, :] * I + offs_k[:, None]  # [BK, BN]: w2 rows n (of H), cols k (of I)
+    b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok & (pid_s == 0), H, E, HAS_BIAS)  # once: in split 0's sum
     if PREFETCH:
         # Launched early (programmatic dependent launch): ids, row map and weights are inputs of
         # the step, ready before the w13 kernel began; the activations are not. Stream this
@@ -567,16 +619,16 @@ def _w2_kernel(
         # an expert's last chunk of at most a half (a quarter) of a tile: that many rows of MMA
         if HALF_TAIL == 2 and c_end - c <= BM // 4:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
-                      H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, b13_ptr, layer, b2,
+                      H, I, BM // 4, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, E, HAS_BIAS, ACT, ALPHA, LIMIT)
         elif HALF_TAIL >= 1 and c_end - c <= BM // 2:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
-                      H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, b13_ptr, layer, b2,
+                      H, I, BM // 2, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, E, HAS_BIAS, ACT, ALPHA, LIMIT)
         else:
             _w2_chunk(act_ptr, part_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, offs_n, n_ok,
-                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi,
-                      H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1)
+                      num_pairs, expert, start, c, cnt, pid_s, k_lo, k_hi, b13_ptr, layer, b2,
+                      H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, SPLIT1, E, HAS_BIAS, ACT, ALPHA, LIMIT)
         c += BM
 
 
@@ -655,6 +707,20 @@ def prepare_call(name: str, pools, x: torch.Tensor, topk_ids: torch.Tensor, topk
     if not ids.is_contiguous():
         ids = ids.contiguous()
     return config, x, ids, topk_weights.reshape(-1).contiguous()
+
+
+def epilogue_args(pools) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(w13_bias, w2_bias, constexprs)`` of the pools' biases and activation for the experts
+    kernels (this module's and :mod:`coldset.kernels.triton_fp8`'s): without biases the row map
+    stands in for both pointers (never read) and ``HAS_BIAS=0``. ``ALPHA`` / ``LIMIT`` are compiled
+    in (constexprs) only for the clamped SwiGLU: the SiLU kernels' compile key is unchanged."""
+    act = pools.activation
+    clamped = act.kind == "swiglu_clamped"
+    consts = dict(HAS_BIAS=pools.has_bias, ACT=act.code, ALPHA=act.alpha if clamped else 0.0,
+                  LIMIT=act.limit if clamped else 0.0)
+    if not pools.has_bias:
+        return pools.row_map, pools.row_map, consts
+    return pools.w13_bias, pools.w2_bias, consts
 
 
 #: The launches of a :func:`triton_experts` call, in order (the grouping, where it runs, goes
@@ -744,6 +810,7 @@ def experts_launches(
         )
     config, x, ids, weights = prepare_call("triton_experts", pools, x, topk_ids, topk_weights, config, use_row_map,
                                            default_config)
+    b13, b2, epilogue = epilogue_args(pools)
     c = config
     # Row-major [T, H], whatever x's strides (empty_like would keep a transposed x's layout, and
     # the sum kernel writes row-major).
@@ -798,21 +865,21 @@ def experts_launches(
     sink = torch.empty((slots * nb2 * s2 * c.block_n2,) if prefetch else (1,), dtype=torch.float32, device=device)
     _w13_act_kernel[grid(nb1, s1)](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, act, part,
-        num_pairs, layer, x.stride(0), nb1,
+        b13, num_pairs, layer, x.stride(0), nb1,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first, HALF_TAIL=c.half_tail,
+        SPLIT=s1, KS=ks1, ORDER=c.tile_order, WAIT=first, HALF_TAIL=c.half_tail, **epilogue,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=first,
     )
     yield "w13_act"
     _w2_kernel[grid2](
         act, part, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, weights, buf, sink,
-        num_pairs, layer, nb2,
+        b13, b2, num_pairs, layer, nb2,
         E=num_experts, EP=ep, H=hidden, I=inter,
         BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map,
         EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl, PREFETCH=prefetch,
-        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail,
+        SPLIT=s2, KS=ks2, SPLIT1=s1, ORDER=c.tile_order, HALF_TAIL=c.half_tail, **epilogue,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
     )
     yield "w2"
