@@ -979,3 +979,22 @@ def test_cold_experts_of_each_choice_are_shown_per_layer(tmp_path):
         for name, cell in zip(names, cells):
             assert _expand(cell) == np.nonzero(maps[name][int(layer)] < 0)[0].tolist()
     assert f"python -m coldset cold-experts {layout.placement('usage_global', 0.5).as_posix()}" in html
+
+
+def test_cold_experts_of_a_large_model_are_counted_with_the_file_and_command(tmp_path, monkeypatch):
+    """Above COLD_IDS_INLINE ids the table gives each layer's count of cold experts (from the
+    row map, read here with numpy), with a link to the row map and the command for the ids."""
+    import coldset.reporting.report as report_module
+
+    monkeypatch.setattr(report_module, "COLD_IDS_INLINE", 0)
+    res = build_results_tree(tmp_path, bytes_run="cpu", with_autotune=False)
+    html = render_report(res, res / "report" / "index.html", CONFIG, MACHINE).read_text()
+    table = re.search(r'<table id="cold-table">(.*?)</table>', html, re.S).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
+    names = re.findall(r"<th>(.*?)</th>", rows[0])[1:]
+    maps = {n: np.load(Layout(res, MODEL).placement_dir / f"{n}.rowmap.npy") for n in names}
+    for row in rows[1:]:
+        layer, *cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        assert cells == [f"{int((maps[n][int(layer)] < 0).sum())} of {EXPERTS}" for n in names]
+    assert f'<a href="../placement/{MODEL}/{names[0]}.rowmap.npy">' in html
+    assert "python -m coldset cold-experts" in html
