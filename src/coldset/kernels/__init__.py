@@ -28,6 +28,8 @@ def triton_experts(pools, layer, x, topk_ids, topk_weights, config=None, use_row
     contract as :func:`torch_experts`. Imports triton on first use."""
     if getattr(pools, "is_fp8", False):  # triton: imported on first use, so the package imports without it
         from coldset.kernels.triton_fp8 import triton_fp8_experts as _triton_experts
+    elif getattr(pools, "is_mxfp4", False):  # MXFP4 pools (coldset.kernels.triton_mxfp4); triton: on first use
+        from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts as _triton_experts
     else:
         from coldset.kernels.triton_moe import triton_experts as _triton_experts
 

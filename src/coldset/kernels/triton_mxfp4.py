@@ -1,0 +1,354 @@
+"""The fused MoE experts kernel for MXFP4 experts (gpt-oss as published), reading each expert through the row map.
+
+The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
+pairs by expert, its block numbering, its one row-map load per block for the weights and one for
+the scales, its top-k sum launch), three launches a layer, with the weights read as the pools hold
+them (:mod:`coldset.kernels.tiers`): packed e2m1 bytes, uint8 ``[rows, N, K / 2]``, and their e8m0
+scales, uint8 ``[rows, N, K / 32]``, from the same tier at the same row. Hopper has no FP4 tensor
+cores, so each k step unpacks its ``[block_n, block_k / 2]`` byte tile in registers (low nibble
+first: element ``2j`` of a row is byte ``j``'s low nibble), turns each code into its float32 value
+by bits (a normal float for every nonzero code, no subnormal arithmetic), multiplies by
+``2^(s - 127)`` (float32 bits ``s << 23``) and rounds to bf16, which holds every MXFP4 weight a
+scale byte of 2..254 gives exactly (:func:`coldset.core.mxfp4.dequantize`'s values); the tokens
+stay bf16 and the dots accumulate in float32. Weight-only, as vLLM's Hopper path for gpt-oss: no
+activation is quantized. Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to
+zero (the torch path keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
+
+The w13 epilogue adds the expert's biases and applies the pools' activation in float32
+(:func:`coldset.kernels.triton_moe._gated`: SiLU, or gpt-oss's clamped SwiGLU), rounding the
+intermediate once to bf16; the w2 epilogue adds w2's bias and multiplies by the routing weight.
+Biases are read by (layer, expert id), never through the row map (they stay resident).
+
+The torch path (:func:`coldset.kernels.reference.torch_experts` on MXFP4 pools: exact
+dequantization, float32 GEMMs, the same rounding points) computes the same quantity; the two agree
+to float32 summation order. Tiling and accumulation order never depend on where an expert lives,
+so every placement is bitwise the all-hot (``use_row_map=False``) output.
+
+Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
+32: whole scale groups per k step), ``num_warps``, ``num_stages``, ``slot_max_pairs``, ``pdl`` (0, or
+2: the w2 and sum launches start early and wait), ``tile_order``, ``half_buf``. Split-K,
+``half_tail``, ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.core import mxfp4
+from coldset.kernels.configs import load as load_kernel_configs
+from coldset.kernels.triton_moe import (
+    MODE_SLOTS,
+    MODE_SORTED,
+    KernelConfig,
+    _block_expert,
+    _block_ids,
+    _chunk_pairs,
+    _expert_base,
+    _expert_bias,
+    _gated,
+    _next_pow2,
+    _sum_topk_kernel,
+    gdc_launch_dependents,
+    gdc_wait,
+    group_pairs,
+    issue_all,
+    prepare_call,
+)
+
+if TYPE_CHECKING:
+    from coldset.kernels.tiers import ExpertPools
+
+GROUP = mxfp4.BLOCK  # inputs per e8m0 scale
+
+# The defaults when no tuned entry exists (coldset.kernels.configs: triton_mxfp4.json).
+DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
+DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
+
+#: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
+LAUNCHES = ("w13_act", "w2", "sum")
+
+
+def default_config(num_tokens: int, top_k: int = 4) -> KernelConfig:
+    """Decode tiles up to 64 tokens, prefill tiles above."""
+    return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
+
+
+@triton.jit
+def _upcast(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """bf16 ``[BN, BK]`` weights from packed e2m1 ``[BN, BK // 2]`` uint8 and e8m0 ``[BN, BK // 32]``
+    uint8: ``e2m1(code) * 2^(s - 127)``. A code's magnitude m (0..7) is the float32 ``(m + 252) << 22``
+    for m >= 2 (exponent ``(m >> 1) + 126``, mantissa bit ``m & 1``: 1, 1.5, 2, 3, 4, 6), 0.5 for
+    m = 1 and 0 for m = 0; bit 3 is the sign."""
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK)).to(tl.int32)  # low nibble first
+    m = codes & 7
+    mag = tl.where(m > 1, (m + 252) << 22, tl.where(m == 1, 0x3F000000, 0))
+    v = (mag | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    s = scales.to(tl.int32)
+    scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0: 2^-127
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    return (v * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """The bf16 ``[BN, BK]`` weight tile of inputs ``[k0, k0 + BK)`` of the rows ``w_ptrs`` / ``s_ptrs``
+    point at (packed bytes ``[BN, BK // 2]``, scales ``[BN, BK // 32]``); rows past N and inputs past
+    K (whole groups of 32) read as zero."""
+    if EVEN_K and EVEN_N:
+        packed = tl.load(w_ptrs + k0 // 2)
+        sc = tl.load(s_ptrs + k0 // 32)
+    else:
+        kb_ok = (k0 // 2 + tl.arange(0, BK // 2)) < K // 2
+        kg_ok = (k0 // 32 + tl.arange(0, BK // 32)) < K // 32
+        packed = tl.load(w_ptrs + k0 // 2, mask=n_ok[:, None] & kb_ok[None, :], other=0)
+        sc = tl.load(s_ptrs + k0 // 32, mask=n_ok[:, None] & kg_ok[None, :], other=127)
+    return _upcast(packed, sc, BN, BK)
+
+
+@triton.jit
+def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok, bg,
+                  bu, num_pairs, expert, start, c, cnt, stride_xt,
+                  TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then the activation
+    (biases first) rounded to bf16 into the per-pair scratch."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    tok = (pair // TOPK).to(tl.int64)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0)
+        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+        wu = _weight_tile(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u)
+    act = _gated(acc_g, acc_u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
+    out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w13_mx_kernel(
+    x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
+    b13_ptr, act_ptr, num_pairs, layer, stride_xt, NB,
+    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):
+    slot, pid_n, _ = _block_ids(NB, ORDER)
+    if USE_GDC:
+        gdc_launch_dependents()  # a plain launch: its inputs are complete; the w2 kernel may start now
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
+    # the one place the expert id is used: one row-map lookup for the packed weights, the same for the scales
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, 2 * I * (H // 2), E, USE_ROW_MAP)
+    s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * I * (H // 32), E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < I
+    wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (H // 2) + tl.arange(0, BK // 2)[None, :]  # gate rows n
+    wu_ptrs = wg_ptrs + I * (H // 2)  # up rows I + n
+    sg_ptrs = s_base + offs_n[:, None].to(tl.int64) * (H // 32) + tl.arange(0, BK // 32)[None, :]
+    su_ptrs = sg_ptrs + I * (H // 32)
+    bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)
+    bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)
+    c = c_begin
+    while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
+        _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
+                      bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
+                      TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT)
+        c += BM
+
+
+@triton.jit
+def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok, b2,
+                 num_pairs, expert, start, c, cnt,
+                 H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows, plus w2's
+    bias, times the routing weight, into the per-pair buffer."""
+    offs_k = tl.arange(0, BK)
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    pair64 = pair.to(tl.int64)
+    a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < I)[None, :], other=0.0)
+        w = _weight_tile(w_ptrs, s_ptrs, k0, n_ok, I, BN, BK, EVEN_K, EVEN_N)
+        acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += b2[None, :]
+    wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    tl.store(buf_ptr + pair64[:, None] * H + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_mx_kernel(
+    act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
+    b2_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB,
+    E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+    USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
+    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    slot, pid_n, _ = _block_ids(NB, ORDER)
+    expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
+    w_base = _expert_base(row_map_ptr, w_hot_ptr, w_cold_ptr, layer, expert, H * (I // 2), E, USE_ROW_MAP)
+    s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, H * (I // 32), E, USE_ROW_MAP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < H
+    w_ptrs = w_base + offs_n[:, None].to(tl.int64) * (I // 2) + tl.arange(0, BK // 2)[None, :]  # w2 rows n (of H)
+    s_ptrs = s_base + offs_n[:, None].to(tl.int64) * (I // 32) + tl.arange(0, BK // 32)[None, :]
+    b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
+    if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 launch
+        gdc_launch_dependents()
+        gdc_wait()
+    c = c_begin
+    while c < c_end:
+        _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok, b2,
+                     num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS)
+        c += BM
+
+
+def _check_config(c: KernelConfig) -> None:
+    """Refuse, by field, what this kernel does not implement."""
+    for name in ("block_k1", "block_k2"):
+        v = getattr(c, name)
+        if v < GROUP or v & (v - 1):
+            raise ValueError(f"triton_mxfp4_experts: config {name} must be a power of two >= {GROUP} (whole e8m0 "
+                             f"scale groups per k step), got {v}")
+    if c.block_m < 16:
+        raise ValueError(f"triton_mxfp4_experts: block_m must be >= 16 (a dot needs 16 rows), got {c.block_m}")
+    if c.pdl not in (0, 2):
+        raise ValueError(f"triton_mxfp4_experts: config pdl must be 0 or 2 (no L2 prefetch, no chained first "
+                         f"launch here), got {c.pdl}")
+    for name in ("split_k1", "split_k2"):
+        if getattr(c, name) != 1:
+            raise ValueError(f"triton_mxfp4_experts: split-K ({name} > 1) is not implemented for MXFP4")
+    for name in ("half_tail", "quant_x", "quant_act", "w8a16", "swap_ab"):
+        if getattr(c, name) != 0:
+            raise ValueError(f"triton_mxfp4_experts: config {name}={getattr(c, name)} is not implemented for MXFP4 "
+                             "(weight-only bf16 dots; no activation quantization)")
+    if c.tile_order not in (0, 1) or c.half_buf not in (0, 1):
+        raise ValueError(f"triton_mxfp4_experts: tile_order and half_buf must be 0 or 1, got {c.tile_order}, "
+                         f"{c.half_buf}")
+
+
+def triton_mxfp4_experts(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> torch.Tensor:
+    """Routed-expert output ``[T, H]`` of MXFP4 ``pools`` for bf16 tokens ``x`` ``[T, H]`` of MoE
+    layer ``layer``: the contract of :func:`coldset.kernels.triton_experts`, including
+    ``use_row_map=False`` (the unmodified all-hot path)."""
+    return issue_all(mxfp4_experts_launches(pools, layer, x, topk_ids, topk_weights, config, use_row_map))
+
+
+def mxfp4_experts_launches(
+    pools: ExpertPools,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: KernelConfig | dict | None = None,
+    use_row_map: bool = True,
+) -> Generator[str, None, torch.Tensor]:
+    """The launches of one :func:`triton_mxfp4_experts` call (its checks first), issued one at a
+    time: yields each launch's name of :data:`LAUNCHES` after issuing it, returns the output (as
+    :func:`coldset.kernels.triton_moe.experts_launches`)."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"triton_mxfp4_experts: x [T, H], topk_ids [T, k], topk_weights [T, k] expected, got "
+                         f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    if not getattr(pools, "is_mxfp4", False):
+        raise ValueError("triton_mxfp4_experts: the pools hold no MXFP4 experts (coldset.kernels.triton_experts "
+                         "picks the kernel by format)")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"triton_mxfp4_experts: x dtype {x.dtype} must be bfloat16 (the weights are unpacked to bf16)")
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = pools.num_experts
+    inter = 2 * pools.w2_hot.shape[2]
+    if pools.w13_hot.shape[1:] != (2 * inter, hidden // 2) or pools.w2_hot.shape[1] != hidden:
+        raise ValueError(f"triton_mxfp4_experts: pools hold packed w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
+                         f"{tuple(pools.w2_hot.shape[1:])} ([2I, H/2], [H, I/2]), x has H = {hidden}")
+    config, x, ids, weights = prepare_call("triton_mxfp4_experts", pools, x, topk_ids, topk_weights, config,
+                                           use_row_map, default_config)
+    c = config
+    _check_config(c)
+    pdl = c.pdl > 0
+    if pdl and gdc_wait is None:
+        raise RuntimeError(f"triton_mxfp4_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
+                           "(triton >= 3.3)")
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    num_pairs = num_tokens * top_k
+    device = x.device
+    if num_pairs <= min(num_experts, c.slot_max_pairs):
+        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
+        sorted_pairs = expert_off = ids  # unused in this mode
+    else:
+        mode, np_ = MODE_SORTED, 1
+        slots = triton.cdiv(num_pairs, c.block_m) + min(num_experts, num_pairs)
+        sorted_pairs, expert_off = group_pairs(ids, num_experts)
+    cold = pools.num_cold > 0  # never read without cold rows: the hot pools stand in as pointers
+    w13_cold = pools.w13_cold if cold else pools.w13_hot
+    w2_cold = pools.w2_cold if cold else pools.w2_hot
+    s13_cold = pools.w13_scale_cold if cold else pools.w13_scale_hot
+    s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
+    has_bias = pools.has_bias
+    b13 = pools.w13_bias if has_bias else x  # not read without biases
+    b2 = pools.w2_bias if has_bias else x
+    act_fn = pools.activation
+    act_kw = dict(HAS_BIAS=has_bias, ACT=act_fn.code, ALPHA=act_fn.alpha or 0.0, LIMIT=act_fn.limit or 0.0)
+    ep = _next_pow2(num_experts)
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=device)
+    buf = torch.empty((num_pairs, hidden), dtype=x.dtype if c.half_buf else torch.float32, device=device)
+    nb1, nb2 = triton.cdiv(inter, c.block_n1), triton.cdiv(hidden, c.block_n2)
+
+    def grid(nb):
+        return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
+
+    _w13_mx_kernel[grid(nb1)](
+        x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
+        b13, act, num_pairs, layer, x.stride(0), nb1,
+        E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_,
+        MODE=mode, USE_ROW_MAP=use_row_map, EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0,
+        USE_GDC=pdl, ORDER=c.tile_order, **act_kw, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    yield "w13_act"
+    _w2_mx_kernel[grid(nb2)](
+        act, ids, sorted_pairs, expert_off, pools.row_map, pools.w2_hot, w2_cold, pools.w2_scale_hot, s2_cold,
+        b2, weights, buf, num_pairs, layer, nb2,
+        E=num_experts, EP=ep, H=hidden, I=inter, BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode,
+        USE_ROW_MAP=use_row_map, EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
+        ORDER=c.tile_order, HAS_BIAS=has_bias, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+    )
+    yield "w2"
+    block = min(1024, _next_pow2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=1, num_warps=4, launch_pdl=pdl)
+    yield "sum"
+    return out

@@ -1,0 +1,263 @@
+"""The MXFP4 experts kernel at gpt-oss-120b's shape on one CUDA GPU, beside the bf16 kernel, against
+plain reads of the same bytes measured in the same run.
+
+``PYTHONPATH=src python -m coldset.measure.kernel_mxfp4`` (no snakemake, no mlflow): hidden 2880,
+intermediate 2880, 128 experts, top-4, gpt-oss's expert biases and clamped SwiGLU (limit 7), bf16
+tokens, at 1 / 4 / 16 / 64 / 256 / 2048 tokens (``--batches``). Random weights: MXFP4 experts as
+random e2m1 bytes with e8m0 scales around 2^-7 (the magnitude of 1/sqrt(2880) weights), bf16
+experts ``randn / sqrt(K)``; ``--layers`` layers of each, every layer's call captured in one CUDA
+graph and replayed (:func:`coldset.core.timing.graph_time_us`, the median of ``--reps``), so no
+layer's weights are served from L2 by the one before.
+
+Per batch, first the correctness of every kernel timed, on fresh random tokens and routing, with
+the memory each output lands in poisoned (NaN) first: the MXFP4 kernel against the torch path on
+the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization, float32 GEMMs), each
+output within 2^-7 of |ref| + RMS(ref) (the bf16 outputs' rounding plus a flip of the
+intermediate's), and the bf16 kernel against its torch path (relative norm error below 1e-2); a
+failure stops the run. Then the times: the MXFP4 kernel at each config of its search space
+(``coldset/kernels/configs/triton_mxfp4.json``, the decode list up to 64 tokens, prefill above; the
+best is reported with its config), the bf16 kernel at its default config; each as a percentage of
+the time a plain streaming read (:func:`coldset.kernels.bandwidth.best_read_bandwidth`) takes for the
+same bytes (the selected experts' blocks, scales and biases; bf16: their weights and biases), read
+one layer's worth a launch as the kernels do. The short table goes to stdout, last; ``--out FILE``
+also writes the rows as JSON.
+
+``--tiny`` runs the same steps at a tiny shape (hidden 64, intermediate 64, 8 experts, top-2) and,
+without CUDA, under Triton's interpreter (``TRITON_INTERPRET=1``): the correctness checks only, no
+times (a CPU time of these kernels means nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from coldset.core import mxfp4
+from coldset.core.timing import graph_time_us
+from coldset.kernels import torch_experts, torch_softmax_topk
+from coldset.kernels.activation import swiglu_clamped
+from coldset.kernels.configs import load as load_kernel_configs
+from coldset.kernels.tiers import ExpertPools
+from coldset.measure.harness import MeasureError, log
+
+GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
+TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
+SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
+SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    layers: int
+    mx: ExpertPools
+    bf16: ExpertPools
+    gen: torch.Generator
+
+    @property
+    def timed(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m coldset.measure.kernel_mxfp4", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,4,16,64,256,2048", help="tokens per call, comma-separated")
+    p.add_argument("--layers", type=int, default=4, help="layers of experts, each one call in the timed graph")
+    p.add_argument("--reps", type=int, default=20, help="graph replays per timing (their median)")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape; on the CPU under TRITON_INTERPRET=1, no times")
+    p.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    try:
+        args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: comma-separated token counts expected")
+    if not args.batch_list or min(args.batch_list) < 1 or args.layers < 1 or args.reps < 1:
+        p.error("--batches, --layers and --reps must be positive")
+    return args
+
+
+def build(args) -> Setup:
+    """MXFP4 and bf16 pools of ``--layers`` layers, all hot, with the same biases and activation."""
+    shape = TINY if args.tiny else GPT_OSS_120B
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.tiny:
+        device = torch.device("cpu")
+    else:
+        raise MeasureError("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1 on the CPU)")
+    h, i, e, L = shape["hidden"], shape["inter"], shape["experts"], args.layers
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.time()
+    blocks13 = torch.randint(0, 256, (L, e, 2 * i, h // 2), dtype=torch.uint8, device=device, generator=gen)
+    blocks2 = torch.randint(0, 256, (L, e, h, i // 2), dtype=torch.uint8, device=device, generator=gen)
+    choices = torch.tensor(SCALE_BYTES, dtype=torch.uint8, device=device)
+    s13 = choices[torch.randint(0, len(SCALE_BYTES), (L, e, 2 * i, h // 32), device=device, generator=gen)]
+    s2 = choices[torch.randint(0, len(SCALE_BYTES), (L, e, h, i // 32), device=device, generator=gen)]
+    b13 = (torch.randn(L, e, 2 * i, device=device, generator=gen) * 0.1).bfloat16()
+    b2 = (torch.randn(L, e, h, device=device, generator=gen) * 0.1).bfloat16()
+    act = swiglu_clamped(limit=SWIGLU_LIMIT)
+    mx = ExpertPools.all_hot(blocks13, blocks2, s13, s2, w13_bias=b13, w2_bias=b2, activation=act)
+    w13 = (torch.randn(L, e, 2 * i, h, device=device, generator=gen) / h**0.5).bfloat16()
+    w2 = (torch.randn(L, e, h, i, device=device, generator=gen) / i**0.5).bfloat16()
+    bf16 = ExpertPools.all_hot(w13, w2, w13_bias=b13, w2_bias=b2, activation=act)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"pools on {device}: {L} layers x {e} experts, H={h} I={i}; MXFP4 "
+        f"{L * e * mxfp4.expert_bytes(h, i) / 2**30:.2f} GiB, bf16 {L * e * 3 * h * i * 2 / 2**30:.2f} GiB, "
+        f"{time.time() - t0:.1f}s")
+    return Setup(args, device, h, i, e, shape["top_k"], L, mx, bf16, gen)
+
+
+def make_case(s: Setup, num_tokens: int):
+    """Fresh tokens and routing per layer: gpt-oss's router takes the top-k logits and a softmax
+    over them, which is the renormalized softmax top-k."""
+    xs = [torch.randn(num_tokens, s.hidden, device=s.device, generator=s.gen).bfloat16() for _ in range(s.layers)]
+    rs = []
+    for _ in range(s.layers):
+        ids, w = torch_softmax_topk(torch.randn(num_tokens, s.experts, device=s.device, generator=s.gen), s.top_k,
+                                    renormalize=True)
+        rs.append((ids, w))
+    return xs, rs
+
+
+def _poison(s: Setup, nbytes: int) -> None:
+    """Fill and free a block of the allocator's memory with NaN, so that an output the kernel leaves
+    unwritten reads NaN rather than a stale right answer."""
+    block = torch.full((max(1, nbytes // 4),), float("nan"), dtype=torch.float32, device=s.device)
+    del block
+
+
+def check_correct(s: Setup, num_tokens: int, configs: list) -> float:
+    """Each MXFP4 config's output, and the bf16 kernel's, against the torch path on fresh inputs
+    (first and last layer); raises :class:`MeasureError` naming the case. Returns the largest
+    |err| / (|ref| + RMS(ref)) of the MXFP4 outputs, in units of the 2^-7 tolerance."""
+    from coldset.kernels import triton_experts  # triton: imported when a measurement runs
+    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+
+    xs, rs = make_case(s, num_tokens)
+    worst = 0.0
+    for layer in sorted({0, s.layers - 1}):
+        x, (ids, w) = xs[layer], rs[layer]
+        ref = torch_experts(s.mx, layer, x, ids, w).double()
+        tol = 2.0**-7 * (ref.abs() + ref.pow(2).mean().sqrt())
+        for cfg in configs:
+            _poison(s, 8 * num_tokens * s.top_k * max(s.hidden, s.inter) * 4)
+            out = triton_mxfp4_experts(s.mx, layer, x, ids, w, cfg)
+            ratio = float(((out.double() - ref).abs() / tol).max())
+            if not bool(torch.isfinite(out).all()) or ratio > 1:
+                raise MeasureError(f"MXFP4 kernel wrong at {num_tokens} tokens, layer {layer}, config {cfg}: "
+                                   f"max |err| = {ratio:.3g} x tolerance (finite: {bool(torch.isfinite(out).all())})")
+            worst = max(worst, ratio)
+        if s.timed:  # the bf16 kernel runs on CUDA only (the interpreter's bf16 dots are not exact)
+            _poison(s, 8 * num_tokens * s.top_k * max(s.hidden, s.inter) * 4)
+            out = triton_experts(s.bf16, layer, x, ids, w).double()
+            ref16 = torch_experts(s.bf16, layer, x, ids, w).double()
+            err = float((out - ref16).norm() / ref16.norm())
+            if not bool(torch.isfinite(out).all()) or err > 1e-2:
+                raise MeasureError(f"bf16 kernel wrong at {num_tokens} tokens, layer {layer}: rel. error {err:.3g}")
+    return worst
+
+
+def read_us(s: Setup, pools: ExpertPools, nbytes: float) -> float:
+    """µs a plain streaming read of ``nbytes`` takes, one launch per layer of the hot pool's bytes
+    (the layers' launches in one graph, as the kernels run), best of three read shapes."""
+    from coldset.kernels.bandwidth import best_read_bandwidth  # triton: imported when a measurement runs
+
+    flat = pools.w13_hot.view(-1).view(torch.uint8)
+    part = max(16, int(nbytes) // 16 * 16)
+    rate = best_read_bandwidth(flat[: s.layers * part], ((4096, 1), (4096, 4), (4096, 16)), s.args.reps,
+                               launches=s.layers)
+    return nbytes / rate * 1e6
+
+
+def selected_bytes(s: Setup, rs, per_expert: float) -> float:
+    """Mean bytes a layer's call must read: its distinct selected experts times ``per_expert``."""
+    return sum(int(torch.unique(ids).numel()) for ids, _ in rs) * per_expert / s.layers
+
+
+def time_batch(s: Setup, num_tokens: int, configs: list) -> dict:
+    """Best MXFP4 config's and the bf16 kernel's µs per layer, and their reads' µs."""
+    from coldset.kernels import triton_experts  # triton: imported when a measurement runs
+    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+
+    xs, rs = make_case(s, num_tokens)
+    times = []
+    for cfg in configs:
+        us = graph_time_us(lambda cfg=cfg: [triton_mxfp4_experts(s.mx, l, xs[l], *rs[l], cfg) for l in range(s.layers)],
+                           s.args.reps) / s.layers
+        times.append((us, cfg))
+    mx_us, best = min(times, key=lambda t: t[0])
+    bf_us = graph_time_us(lambda: [triton_experts(s.bf16, l, xs[l], *rs[l]) for l in range(s.layers)],
+                          s.args.reps) / s.layers
+    bias_bytes = (2 * s.inter + s.hidden) * 2
+    mx_bytes = selected_bytes(s, rs, mxfp4.expert_bytes(s.hidden, s.inter) + bias_bytes)
+    bf_bytes = selected_bytes(s, rs, 3 * s.hidden * s.inter * 2 + bias_bytes)
+    mx_read, bf_read = read_us(s, s.mx, mx_bytes), read_us(s, s.bf16, bf_bytes)
+    return {"mxfp4_us": mx_us, "mxfp4_config": best.to_dict(), "mxfp4_all_configs_us": [t[0] for t in times],
+            "mxfp4_bytes": mx_bytes, "mxfp4_read_us": mx_read, "mxfp4_pct_of_read": 100 * mx_read / mx_us,
+            "bf16_us": bf_us, "bf16_bytes": bf_bytes, "bf16_read_us": bf_read, "bf16_pct_of_read": 100 * bf_read / bf_us,
+            "mxfp4_speedup_vs_bf16": bf_us / mx_us}
+
+
+def configs_for(num_tokens: int) -> list:
+    from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
+
+    space = load_kernel_configs("triton_mxfp4")["search_space"]
+    return [KernelConfig.from_dict(d) for d in space["decode" if num_tokens <= 64 else "prefill"]]
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'tokens':>6} {'MXFP4 us':>9} {'MB read':>8} {'read us':>8} {'% read':>7} {'bf16 us':>8} "
+            f"{'bf16 % read':>11} {'x bf16':>7} {'err/tol':>7}")
+    lines = [head]
+    for r in rows:
+        if "mxfp4_us" in r:
+            lines.append(f"{r['tokens']:>6} {r['mxfp4_us']:>9.1f} {r['mxfp4_bytes'] / 1e6:>8.1f} "
+                         f"{r['mxfp4_read_us']:>8.1f} {r['mxfp4_pct_of_read']:>6.1f}% {r['bf16_us']:>8.1f} "
+                         f"{r['bf16_pct_of_read']:>10.1f}% {r['mxfp4_speedup_vs_bf16']:>7.2f} {r['err_over_tol']:>7.3f}")
+        else:
+            lines.append(f"{r['tokens']:>6} {'-':>9} {'-':>8} {'-':>8} {'-':>7} {'-':>8} {'-':>11} {'-':>7} "
+                         f"{r['err_over_tol']:>7.3f}")
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    s = build(args)
+    rows = []
+    for num_tokens in args.batch_list:
+        configs = configs_for(num_tokens)
+        row = {"tokens": num_tokens, "err_over_tol": check_correct(s, num_tokens, configs)}
+        log(f"{num_tokens} tokens: correct (max err {row['err_over_tol']:.3f} of the tolerance)")
+        if s.timed:
+            row.update(time_batch(s, num_tokens, configs))
+            log(f"{num_tokens} tokens: MXFP4 {row['mxfp4_us']:.1f} us ({row['mxfp4_pct_of_read']:.1f}% of a read of "
+                f"its bytes), bf16 {row['bf16_us']:.1f} us ({row['bf16_pct_of_read']:.1f}%)")
+        rows.append(row)
+    device = torch.cuda.get_device_name() if s.timed else "cpu (Triton interpreter: no times)"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "shape": TINY if args.tiny else GPT_OSS_120B, "layers": args.layers,
+                       "reps": args.reps, "rows": rows}, f, indent=1)
+    print(f"MXFP4 vs bf16 experts kernel, {device}, H={s.hidden} I={s.inter} E={s.experts} top-{s.top_k}, "
+          f"{args.layers} layers a graph, median of {args.reps} replays, us per layer")
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        run(sys.argv[1:])
+    except MeasureError as e:
+        print(f"kernel_mxfp4: {e}", file=sys.stderr)
+        sys.exit(2)

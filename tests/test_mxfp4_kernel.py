@@ -1,0 +1,240 @@
+"""The MXFP4 Triton kernel (coldset.kernels.triton_mxfp4) under Triton's interpreter on the CPU and
+compiled on CUDA, against the float64 oracle of tests/test_mxfp4_pools.py (same tolerance: each
+output within 2^-7 of |oracle| + the oracle's RMS); every placement bitwise the all-hot path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+# ------------------------------------------- the Triton kernel under Triton's interpreter (CPU) -------
+
+_PRELUDE = r"""
+import sys
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+# The interpreter keeps bf16 as its raw uint16 bits and its dot multiplies those integers (triton
+# 3.8): a dot's bf16 operands go in as float32 (which holds them exactly); and torch's
+# round-to-nearest-even casts stand in for its float casts (as tests/test_fp8_experts.py's prelude)
+_orig_dot = interpreter.InterpreterBuilder.create_dot
+
+def _bf16_as_f32(h):
+    if h.dtype == tl.bfloat16:
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    return h
+
+def _create_dot(self, a, b, d, *args):
+    return _orig_dot(self, _bf16_as_f32(a), _bf16_as_f32(b), d, *args)
+
+interpreter.InterpreterBuilder.create_dot = _create_dot
+_T = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_I = {16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
+_orig_convert = interpreter._convert_float
+
+def _convert_float(data, src_ty, dst_ty, rounding_mode):
+    src, dst = _T.get(src_ty.name), _T.get(dst_ty.name)
+    if src is None or dst is None:
+        return _orig_convert(data, src_ty, dst_ty, rounding_mode)
+    t = torch.from_numpy(np.ascontiguousarray(data).copy().view(_I[src_ty.primitive_bitwidth][0])).view(src)
+    out = t.to(dst).view(_I[dst_ty.primitive_bitwidth][1]).numpy()
+    return out.view(np.dtype(f"uint{dst_ty.primitive_bitwidth}"))
+
+interpreter._convert_float = _convert_float
+sys.path.insert(0, sys.argv[1])
+"""
+
+_INTERPRETED = _PRELUDE + r"""
+from coldset.kernels import triton_moe, triton_mxfp4, torch_experts
+from coldset.kernels.activation import SILU, swiglu_clamped
+from coldset.kernels.tiers import build_pools
+from coldset.kernels.triton_moe import KernelConfig
+from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+from test_mxfp4_pools import (assert_close_to_oracle, float64_oracle, make_mxfp4, pools_of, random_row_map,
+                               routing)
+
+@triton.jit
+def _no_op():
+    pass
+
+for mod in (triton_mxfp4, triton_moe):  # pdl 2: the grid-dependency instructions as no-ops
+    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
+
+# (H, I, tokens, config): in-kernel grouping (6 pairs <= 8 experts) and the sorted grouping; a k step
+# past I (96 = 64 + 32: masked groups) and past H; partial column blocks; 32-input k steps; tile order
+# 1 with half_buf; 32-row tiles; pdl 2
+CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
+         (64, 96, 5, KernelConfig(16, 64, 64, 64, 64, 4, 2, 32)),
+         (96, 64, 7, KernelConfig(16, 32, 64, 64, 32, 4, 2, 1, tile_order=1, half_buf=1)),
+         (128, 96, 6, KernelConfig(32, 64, 128, 32, 64, 4, 2, 1, pdl=2))]
+for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
+    act = (SILU, swiglu_clamped(limit=1.5))[i % 2]
+    q = make_mxfp4(2, 8, hidden, inter, seed=tokens)
+    x, ids, w = routing(tokens, 8, 3, hidden, seed=tokens)
+    all_hot = pools_of(q, act)
+    base = triton_mxfp4_experts(all_hot, 1, x, ids, w, cfg, use_row_map=False)
+    assert base.dtype == torch.bfloat16 and base.shape == x.shape
+    oracle = float64_oracle(q, 1, x, ids, w, act)
+    assert_close_to_oracle(base, oracle, (cfg, act))
+    assert_close_to_oracle(torch_experts(all_hot, 1, x, ids, w), oracle, "torch")
+    placed = build_pools(*q[:2], random_row_map(2, 8, 0.5, i), "cpu", w13_scale=q[2], w2_scale=q[3],
+                         w13_bias=q[4], w2_bias=q[5], activation=act)
+    assert placed.num_cold and placed.num_hot
+    assert torch.equal(triton_mxfp4_experts(placed, 1, x, ids, w, cfg), base), cfg
+# no biases
+q = make_mxfp4(1, 8, 64, 64, seed=9, bias=False)
+x, ids, w = routing(3, 8, 2, 64, seed=9)
+out = triton_mxfp4_experts(pools_of(q, SILU), 0, x, ids, w, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32))
+assert_close_to_oracle(out, float64_oracle(q, 0, x, ids, w, SILU), "no bias")
+# refused by name
+pools = pools_of(q, SILU)
+for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(split_k1=2), "split-K"),
+                 (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
+                 (dict(half_tail=1), "half_tail=1")]:
+    try:
+        triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
+    except ValueError as e:
+        assert msg in str(e), (bad, str(e))
+    else:
+        raise AssertionError(f"{bad} accepted")
+try:
+    triton_mxfp4_experts(pools, 0, x.half(), ids, w)
+except ValueError as e:
+    assert "must be bfloat16" in str(e)
+else:
+    raise AssertionError("fp16 accepted")
+print("INTERPRETED OK")
+"""
+
+
+def _run_interpreted(script: str) -> str:
+    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable: the
+    test extra installs it); it prints INTERPRETED OK when every check held. Returns its stdout."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_triton_mxfp4_kernel_under_the_interpreter():
+    """The MXFP4 kernel's launches on the CPU through Triton's interpreter: against the float64
+    oracle (SiLU and the clamped SwiGLU, with and without biases, both groupings, masked k steps and
+    column blocks, tile orders, half_buf, pdl 2 with the grid-dependency instructions stubbed out),
+    every placement bitwise the all-hot path; refusals by field."""
+    _run_interpreted(_INTERPRETED)
+
+
+_MEASURE_TINY = _PRELUDE + r"""
+import json, runpy, tempfile
+out = tempfile.mktemp(suffix=".json")
+sys.argv = ["kernel_mxfp4", "--tiny", "--batches", "1,5", "--layers", "2", "--out", out]
+runpy.run_module("coldset.measure.kernel_mxfp4", run_name="__main__")
+rows = json.load(open(out))["rows"]
+assert [r["tokens"] for r in rows] == [1, 5] and all(r["err_over_tol"] <= 1 for r in rows), rows
+print("INTERPRETED OK")
+"""
+
+
+def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
+    """The H200 measurement script (``python -m coldset.measure.kernel_mxfp4``) end to end with
+    ``--tiny`` on the CPU: its correctness checks of every decode and prefill config against the
+    torch path (no times without CUDA), its table and JSON."""
+    stdout = _run_interpreted(_MEASURE_TINY)
+    assert "tokens" in stdout and "err/tol" in stdout
+
+
+# ------------------------------------------- the compiled kernel (CUDA) -------
+
+def _search_space():
+    from coldset.kernels.configs import load
+    from coldset.kernels.triton_moe import KernelConfig
+
+    space = load("triton_mxfp4")["search_space"]
+    return [KernelConfig.from_dict(d) for d in space["decode"] + space["prefill"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 320)])  # 192: partial 128-input k steps
+@pytest.mark.parametrize("num_tokens", [1, 33, 300])
+def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, num_tokens):
+    """Every config of the search space (and the defaults) on CUDA against the float64 oracle,
+    the torch path on CUDA too; placements with a pinned cold tier bitwise the all-hot output."""
+    import torch
+
+    from coldset.kernels import torch_experts, triton_experts
+    from coldset.kernels.activation import swiglu_clamped
+    from coldset.kernels.tiers import build_pools, host_tier
+    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+    from test_mxfp4_pools import (assert_close_to_oracle, float64_oracle, make_mxfp4, pools_of, random_row_map,
+                                  routing)
+
+    act = swiglu_clamped(limit=7.0)
+    q = make_mxfp4(2, 16, hidden, inter, seed=num_tokens)
+    x, ids, w = routing(num_tokens, 16, 4, hidden, seed=num_tokens)
+    oracle = float64_oracle(q, 1, x, ids, w, act)
+    pools = pools_of(tuple(t.cuda() for t in q), act)
+    xc, idc, wc = x.cuda(), ids.cuda(), w.cuda()
+    assert_close_to_oracle(torch_experts(pools, 1, xc, idc, wc).cpu(), oracle, "torch path on cuda")
+    default = triton_experts(pools, 1, xc, idc, wc)  # the dispatch picks the MXFP4 kernel
+    assert_close_to_oracle(default.cpu(), oracle, "default config")
+    host = host_tier(pools)
+    assert host.pinned
+    for cfg in _search_space():
+        base = triton_mxfp4_experts(pools, 1, xc, idc, wc, cfg, use_row_map=False)
+        assert_close_to_oracle(base.cpu(), oracle, cfg)
+        for seed in range(2):
+            rm = random_row_map(2, 16, 0.5, seed)
+            assert torch.equal(triton_mxfp4_experts(pools.placed(rm, host), 1, xc, idc, wc, cfg), base), cfg
+        built = build_pools(*q[:2], random_row_map(2, 16, 0.7, 3), "cuda", w13_scale=q[2], w2_scale=q[3],
+                            w13_bias=q[4], w2_bias=q[5], activation=act)
+        assert built.w13_cold.is_pinned() and torch.equal(triton_mxfp4_experts(built, 1, xc, idc, wc, cfg), base)
+        pdl2 = triton_mxfp4_experts(pools, 1, xc, idc, wc, {**cfg.to_dict(), "pdl": 2}, use_row_map=False)
+        assert torch.equal(pdl2, base), cfg
+
+
+@pytest.mark.gpu
+def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture():
+    """A captured call replayed after the row map moves experts between the tiers (every expert in
+    both: a placement switch is a row-map write) gives the all-hot output bitwise."""
+    import numpy as np
+    import torch
+
+    from coldset.kernels.activation import SILU
+    from coldset.kernels.tiers import ExpertPools
+    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+    from test_mxfp4_pools import make_mxfp4, pools_of, random_row_map, routing
+
+    q = make_mxfp4(2, 16, 256, 128, seed=7)
+    x, ids, w = (t.cuda() for t in routing(3, 16, 4, 256, seed=7))
+    hot = pools_of(tuple(t.cuda() for t in q), SILU)
+    base = triton_mxfp4_experts(hot, 1, x, ids, w, use_row_map=False)
+    both = ExpertPools(hot.w13_hot, hot.w2_hot, hot.w13_hot.cpu().pin_memory(), hot.w2_hot.cpu().pin_memory(),
+                       hot.row_map.clone(), w13_scale_hot=hot.w13_scale_hot, w2_scale_hot=hot.w2_scale_hot,
+                       w13_scale_cold=hot.w13_scale_hot.cpu().pin_memory(),
+                       w2_scale_cold=hot.w2_scale_hot.cpu().pin_memory(), w13_bias=hot.w13_bias, w2_bias=hot.w2_bias)
+    out = torch.empty_like(base)
+    triton_mxfp4_experts(both, 1, x, ids, w)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(triton_mxfp4_experts(both, 1, x, ids, w))
+    for seed in range(3):
+        cold = random_row_map(2, 16, 0.5, seed) < 0
+        flat = np.arange(32, dtype=np.int32).reshape(2, 16)
+        both.set_row_map(np.where(cold, -flat - 1, flat).astype(np.int32))
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, base), seed
