@@ -444,6 +444,15 @@ def _answer_rows(answers) -> list[dict[str, Any]]:
              "speeds": a.speeds, "notes": a.notes} for a in answers]
 
 
+def _answer_context(placements: list, bench: list, parity: list, config: dict, out_html: Path) -> dict[str, Any]:
+    """The template's answer and cold-experts sections (coldset.reporting.answer)."""
+    answers = budget_answers(placements, bench, parity, _preset(config))
+    return {"answer_rows": _answer_rows(answers),
+            "answer_estimate": not any(speed_compares_placements(b.device) for b in bench),
+            "preset": _preset(config) or "the speed model's preset",
+            "cold": _cold_view(answers, placements, out_html)}
+
+
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("coldset.reporting", "templates"),
@@ -544,14 +553,10 @@ def render_report(
     no_ceilings = sorted({f"{b.policy}-{b.residency}" for b in bench if b.ceilings is None})
     placement_rows, parity_rows = _placement_rows(placements), _parity_rows(parity)
     skew_table, spearman_rows, coverage_tables = _skew_tables(skew)
-    answers = budget_answers(placements, bench, parity, _preset(config))
 
     html = _environment().get_template("index.html.j2").render(
         model=model,
-        answer_rows=_answer_rows(answers),
-        answer_estimate=not any(speed_compares_placements(b.device) for b in bench),
-        preset=_preset(config) or "the speed model's preset",
-        cold=_cold_view(answers, placements, out_html),
+        **_answer_context(placements, bench, parity, config, out_html),
         dtype=dtype,
         run_device=run_device,
         machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],
