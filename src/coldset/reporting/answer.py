@@ -260,3 +260,28 @@ def budget_answers(placements: list[PlacementSummary], bench: list[BenchResult],
             answers[-1].notes.append("left out (failed the parity gate): "
                                      + ", ".join(sorted(_name(p) for p in group if p not in passed)))
     return answers
+
+
+def cache_note(table, residency: str) -> str | None:
+    """What the cache simulation (``cache/{model}/simulation.csv``, a DataFrame) says at this
+    residency for the smallest simulated batch: the runnable policy with the lowest simulated step
+    (or, without the time columns, the highest hit rate) against the static set; None without
+    rows or at full residency (nothing to cache)."""
+    if table is None or not len(table) or float(residency) >= 1:
+        return None
+    # belady knows the future: the simulation's bound, not a policy to choose
+    rows = table[((table["residency"] - float(residency)).abs() < 1e-9) & (table["policy"] != "belady")]
+    if "batch" in rows.columns and len(rows):
+        rows = rows[rows["batch"] == rows["batch"].min()]
+    if not len(rows):
+        return None
+    timed = "step_ms" in rows.columns and rows["step_ms"].notna().all()
+    column, unit = ("step_ms", " ms simulated step") if timed else ("hit_rate", " hit rate")
+    best = rows.loc[rows[column].idxmin() if timed else rows[column].idxmax()]
+    static = rows[rows["policy"] == "static"]
+    batch = f" at batch {int(best['batch'])}" if "batch" in rows.columns else ""
+    text = f"the cache simulation{batch}: {best['policy']} best ({human(best[column])}{unit}"
+    if len(static) and best["policy"] != "static":
+        text += f"; the static set {human(static[column].iloc[0])}"
+    return text + ")"
+

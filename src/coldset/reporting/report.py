@@ -37,7 +37,7 @@ from coldset.core.layout import Layout
 from coldset.core.shapes import MoEShape
 from coldset.core.shapes import describe as describe_shape
 from coldset.core.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
-from coldset.reporting.answer import budget_answers, human, pct_text, size_text, tok_s_text
+from coldset.reporting.answer import budget_answers, cache_note, human, pct_text, size_text, tok_s_text
 from coldset.reporting.cold_experts import ColdExperts, id_ranges, read_cold_experts
 from coldset.reporting.figures import (
     FigureOut,
@@ -444,9 +444,14 @@ def _answer_rows(answers) -> list[dict[str, Any]]:
              "speeds": a.speeds, "notes": a.notes} for a in answers]
 
 
-def _answer_context(placements: list, bench: list, parity: list, config: dict, out_html: Path) -> dict[str, Any]:
+def _answer_context(placements: list, bench: list, parity: list, config: dict, out_html: Path,
+                    cache_table) -> dict[str, Any]:
     """The template's answer and cold-experts sections (coldset.reporting.answer)."""
     answers = budget_answers(placements, bench, parity, _preset(config))
+    for a in answers:
+        note = cache_note(cache_table, a.residency)
+        if note:
+            a.notes.append(note)
     return {"answer_rows": _answer_rows(answers),
             "answer_estimate": not any(speed_compares_placements(b.device) for b in bench),
             "preset": _preset(config) or "the speed model's preset",
@@ -556,7 +561,7 @@ def render_report(
 
     html = _environment().get_template("index.html.j2").render(
         model=model,
-        **_answer_context(placements, bench, parity, config, out_html),
+        **_answer_context(placements, bench, parity, config, out_html, cache_table),
         dtype=dtype,
         run_device=run_device,
         machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],
