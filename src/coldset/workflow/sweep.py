@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 
 from coldset.core.files import write_bytes
 from coldset.core.timing import noisy_reason, speed_compares_placements, timing_noisy
+from coldset.reporting.answer import human
 from coldset.reporting.results import load_bench, load_placement_summary
 from coldset.workflow import pipeline
 from coldset.core.layout import Layout
@@ -159,10 +160,7 @@ def render_comparison(configs: dict[str, dict], out_html: str | os.PathLike) -> 
                             "slope is tok/s per GiB.",
                  "src": _png(fig)})
 
-    def fmt(v, d=4):
-        return "—" if v is None else (f"{v:.{d}g}" if isinstance(v, float) else str(v))
-
-    table = [{k: fmt(v) for k, v in r.items()} for r in rows]
+    table = [{k: human(v) for k, v in r.items()} for r in rows]
     env = jinja2.Environment(loader=jinja2.PackageLoader("coldset.reporting", "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]),
                              undefined=jinja2.StrictUndefined)
