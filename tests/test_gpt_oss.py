@@ -427,15 +427,24 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
 
 @pytest.mark.gpu
 def test_cuda_bf16_decode_tracks_transformers(checkpoint):
-    """On CUDA in bf16 (Triton experts with biases and the clamped SwiGLU, fp32 epilogue) the first
-    greedy tokens are transformers' (bf16, eager attention) and the logits stay near them."""
+    """On CUDA in bf16 (Triton experts with biases and the clamped SwiGLU, float32 epilogue) the
+    engine is as close to transformers' float32 logits as transformers' own bf16 run is (the
+    first two steps; later ones may follow another token), and its first token is float32's."""
     path = checkpoint("gqa_yarn")
     model = load(path, torch.bfloat16, "cuda")
-    hf = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    gen = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
+    hf32 = hf_model(path)
+    hf16 = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    gen = generate(model, PROMPTS, 2, progress=False, return_all_logits=True)
     for b, prompt in enumerate(PROMPTS):
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=4, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                          output_logits=True, return_dict_in_generate=True)
-        assert out.sequences[0, len(prompt):].tolist()[:2] == gen.tokens[b][:2]
-        assert (torch.stack(out.logits, dim=1)[0].float().cpu() - gen.all_logits[b].float().cpu()).abs().max() < 0.5
+        runs = []
+        for hf, dev in ((hf32, "cpu"), (hf16, "cuda")):
+            out = hf.generate(torch.tensor([prompt], device=dev), max_new_tokens=2, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=dev),
+                              output_logits=True, return_dict_in_generate=True)
+            runs.append((out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0].float().cpu()))
+        (ref_tokens, ref), (_, theirs) = runs
+        assert gen.tokens[b][0] == ref_tokens[0], f"prompt {b}"
+        steps = 2 if gen.tokens[b][0] == runs[1][0][0] else 1  # the second step's input must be the same token
+        ours_err = (gen.all_logits[b][:steps].float().cpu() - ref[:steps]).abs().max().item()
+        their_err = (theirs[:steps] - ref[:steps]).abs().max().item()
+        assert ours_err <= max(2 * their_err, 0.1), (b, ours_err, their_err)
