@@ -697,7 +697,7 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
         guarded |= set(g)
         is_open = gate.judge(layer, gi, g)
         gate.listed(layer, gi, [x for x in cand if x >= 0 and x not in resident])
-        predicted_of[layer] = {x for x in cand if x >= 0}  # 3. forecast
+        predicted_of[layer] = {x for x in cand if x >= 0 and is_open}  # 3. forecast (closed: flags nothing)
         predicted = set().union(*predicted_of.values())
         issued = []
         for x in cand if is_open else []:  # 4. prefetch

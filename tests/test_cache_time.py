@@ -255,3 +255,77 @@ def test_time_models_carry_each_policys_management():
         assert table.loc[table.policy == p, "step_ms"].item() == pytest.approx(want)
     assert table.loc[table.policy == "lru", "step_ms"].item() == pytest.approx(
         simulate_time(stream, simulate(stream, "lru", 1, PROFILE), models[1]["lru"]).step_ms + 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the prefetch gate on synthetic routing: useless prefetching turned off, useful kept
+
+
+def _routing(kind: str, seed: int, requests: int = 24, length: int = 40, L: int = 4, E: int = 16, k: int = 2):
+    """Decode tokens ``[T, L, k]`` and their request numbers: ``uniform`` (every token's experts
+    drawn at random: nothing to forecast) or ``successor`` (a request's first token at random, each
+    next token's experts those of the token before plus one, mod E: a forecast of the current token
+    alone is exact, and consecutive tokens share no expert, so lru misses)."""
+    rng = np.random.default_rng(seed)
+    toks = []
+    for _ in range(requests):
+        first = np.stack([rng.choice(E, size=k, replace=False) for _ in range(L)])
+        for t in range(length):
+            toks.append(first + t if kind == "successor" else
+                        np.stack([rng.choice(E, size=k, replace=False) for _ in range(L)]))
+    tokens = np.stack(toks) % E
+    return tokens.astype(np.int64), np.repeat(np.arange(requests), length)
+
+
+def _frame(tokens, seq):
+    import pandas as pd
+
+    T, L, k = tokens.shape
+    pos = np.concatenate([np.arange((seq == s).sum()) for s in np.unique(seq)])
+    return pd.DataFrame({"request": np.repeat([f"r{s:03d}" for s in seq], L * k), "position": np.repeat(pos, L * k),
+                         "layer_index": np.tile(np.repeat(np.arange(L), k), T), "rank": np.tile(np.arange(k), T * L),
+                         "expert": tokens.reshape(-1)})
+
+
+#: How much slower than lru a policy may be in simulated time on a held-out split (its own demand order
+#: and the few lists the gate lets through before it closes).
+HELDOUT_TOLERANCE = 0.02
+
+
+@pytest.mark.parametrize("kind", ["uniform", "successor"])
+def test_gated_prefetch_is_off_where_useless_and_on_where_it_helps(kind):
+    """Profile = the first half of the requests (the forecasters fitted there), replay = the other
+    half at batch 1 and 2, residency 0.5, the time model's link and compute terms setting the gate.
+    Uniform routing: the gate closes (fewer copies than two steps' lists), and no policy is slower
+    than lru by more than :data:`HELDOUT_TOLERANCE`. Successor routing: the gate stays open, most
+    prefetches are useful and the prefetching policies are faster than lru by a tenth or more."""
+    from coldset.analysis.cache import simulation_table
+    from coldset.analysis.forecast import NextTokenForecaster, TransitionForecaster
+    from coldset.analysis.streams import counts_from_rows, lanes_from_tokens
+
+    L, E, k = 4, 16, 2
+    tokens, seq = _routing(kind, seed=5)
+    prof, held = seq < 12, seq >= 12
+    frame = _frame(tokens[prof], seq[prof])
+    counts = counts_from_rows(frame, L, E)
+    transition = TransitionForecaster.fit(frame, L, E, k)
+    nexttoken = NextTokenForecaster.fit_tuned(tokens[prof], seq[prof], k, E, extra=1)
+    for batch in (1, 2):
+        lanes = lanes_from_tokens(tokens[held], seq[held], E, batch)
+        stream = lanes.stream()
+        model = TimeModel(step_ms=2.0 * batch ** 0.5, bytes_per_expert=10_200_000, link_gb_s=51.0)
+        assert model.lead_unit(L) >= 1024  # a list a step ahead hides its copies
+        table = simulation_table(stream, counts, ["lru", "lru_guard", "forecast", "nexttoken"], [0.5],
+                                 10_200_000, transition, lanes=lanes, nexttoken=nexttoken, time_model=model,
+                                 batch=batch).set_index("policy")
+        lru = table.loc["lru", "step_ms"]
+        for policy in ("forecast", "nexttoken"):
+            issued = table.loc[policy, "prefetches_per_token"] * stream.tokens
+            if kind == "uniform":
+                assert issued <= 2 * L * batch * nexttoken.num_predictions, (policy, batch, issued)
+                assert table.loc[policy, "step_ms"] <= lru * (1 + HELDOUT_TOLERANCE), (policy, batch)
+            else:
+                assert issued >= 0.5 * stream.tokens * L * k, (policy, batch, issued)
+                assert table.loc[policy, "prefetch_precision"] > 0.6, (policy, batch)
+                assert table.loc[policy, "step_ms"] < 0.9 * lru, (policy, batch)
+        assert table.loc["lru_guard", "step_ms"] <= lru * (1 + HELDOUT_TOLERANCE)

@@ -1003,9 +1003,9 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     committed (the rules of coldset.analysis.policies.nexttoken): the commit of layer ``layer``'s
     previous prefetches (their in-flight flags), the forecast (integer table sums over the terms,
     each token's top ``NPRED``, ties to the lower id, round robin over rank then token, first
-    occurrence kept), layer ``layer``'s predicted flags, the gate (layer ``layer``'s pending list
-    judged against the group's experts, the running sums ``gate_ptr`` updated, this list's wanted
-    instances kept for the next judgement) and, where it is open, the prefetch of the listed experts
+    occurrence kept), the gate (layer ``layer``'s pending list judged against the group's experts,
+    the running sums ``gate_ptr`` updated, this list's wanted instances kept for the next judgement)
+    and, where it is open, layer ``layer``'s predicted flags (else none) and the prefetch of the listed experts
     not resident (at most ``budget``; victims not used by the group, not guarded (last use before
     ``max(t0 - guard, 0)``), not in flight, not predicted, least recent first)."""
     step = tl.load(step_ptr)
@@ -1062,10 +1062,6 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     linst = layer * E + lst
     hrow = (tl.load(groups_ptr) - 1) % hist_cap  # the router's launch recorded this group
     fp, rk = _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP)
-    tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
-    tl.debug_barrier()
-    tl.store(predicted_ptr + linst, tl.full((WP,), 1, tl.uint8), mask=fp)
-    tl.debug_barrier()
     lrow = tl.load(row_map_ptr + linst, mask=fp, other=0)
     want = fp & (lrow < 0)
     wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
@@ -1095,7 +1091,13 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     tl.store(want_n_ptr + layer, nw.to(tl.int64))
     tl.store(want_group_ptr + layer, gi)
     tl.store(group_index_ptr, gi + 1)
-    nwant = tl.where(a2 >= a0 - a1, tl.minimum(nw, budget), 0)
+    is_open = a2 >= a0 - a1
+    nwant = tl.where(is_open, tl.minimum(nw, budget), 0)
+    # the forecast's predicted flags (none while the gate is closed)
+    tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
+    tl.debug_barrier()
+    tl.store(predicted_ptr + linst, tl.full((WP,), 1, tl.uint8), mask=fp & is_open)
+    tl.debug_barrier()
     t0 = tl.load(tick_ptr) - n
     _issue_prefetches(want, wrank, nwant, linst, predicted_ptr, t0, tl.maximum(t0 - guard, 0), n, owner_ptr,
                       last_use_ptr, inflight_ptr,

@@ -144,8 +144,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
             wasted += w
             resident[x] = True
             inflight[x] = True
-            flight[n_flight] = x
-            n_flight += 1
+            if not own_layer:  # (own_layer: released by the issued lists of its layer's last group)
+                flight[n_flight] = x
+                n_flight += 1
             unused_prefetch[x] = True
             link_tail(nxt, prv, head, x)
             last_group[x] = g

@@ -7,7 +7,11 @@ its experts not resident are prefetched (up to ``prefetch_budget`` copies a grou
 used by the group, not in flight and not predicted, of any layer, least recent first. Demand
 victims: unpredicted least recent first, then predicted, never one used by the group or in
 flight; a demand miss that finds no slot is read in place, not admitted. Layer ``l``'s prefetches
-stay in flight until group (``t + 1``, ``l``). The engine's slot cache follows the same rules.
+stay in flight until group (``t + 1``, ``l``). No victim (demand or prefetch) among the instances
+the last ``L`` groups used or prefetched (``lru_guard``'s bar). The gate
+(:func:`coldset.analysis.policies.base.prefetch_lead_unit`) judges layer ``l``'s previous list at
+each group of layer ``l``; while it is closed the group neither prefetches nor flags its forecast as
+predicted (its victims are then ``lru_guard``'s). The engine's slot cache follows the same rules.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     in-flight slots of any layer, in flight until the next group of the same layer; no victim
     (demand or prefetch) among the instances the last ``guard`` groups used or prefetched; the
     prefetch only while the gate (``lead_unit``, :func:`coldset.analysis.policies.base.prefetch_lead_unit`)
-    is open. Returns (hit [N], fills [G], prefetches [G], useful, issued [G, W], wasted)."""
+    is open (and the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N],
+    fills [G], prefetches [G], useful, issued [G, W], wasted)."""
     n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
@@ -109,14 +114,14 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
                 nw += 1
         want_n[layer] = nw
         want_group[layer] = g
-        # 3. the forecast replaces this layer's predicted flags
+        # 3. the forecast replaces this layer's predicted flags (none while the gate is closed)
         if pg >= 0:
             for q in range(width):
                 if pred[pg, q] >= 0:
                     predicted[pred[pg, q]] = False
         for q in range(width):
             if pred[g, q] >= 0:
-                predicted[pred[g, q]] = True
+                predicted[pred[g, q]] = open_gate
         last_group[layer] = g
         # 4. prefetch: unpredicted, unused, not in-flight, not guarded victims of any layer, least recent first
         v = nxt[head]

@@ -9,7 +9,8 @@ flight and not predicted, least recent first; demand victims by (predicted, rece
 in-flight slots; layer ``l``'s prefetches stay in flight until group (``t + 1``, ``l``). No victim
 (demand or prefetch) among the instances the last ``L`` groups used or prefetched (``lru_guard``'s
 bar, in ticks: :meth:`NextToken.guard_ticks`), and the prefetch only while the gate is open (the
-running precision and lead of the lists, :func:`coldset.analysis.policies.base.prefetch_lead_unit`).
+running precision and lead of the lists, :func:`coldset.analysis.policies.base.prefetch_lead_unit`;
+closed, the forecast flags nothing as predicted either).
 
 On CUDA in the fused step: the router's launch records the group, the fill's blocks choose the
 demand victims, commit and copy (compute stream); the forecast and prefetch decisions are one launch
@@ -312,10 +313,11 @@ class NextToken(PrefetchingPolicy):
         width = self.prediction_history.shape[1]
         rec = torch.where(listed, seq, -1)
         rec = rec[:width] if E >= width else torch.nn.functional.pad(rec, (0, width - E), value=-1)
-        self.predicted[base:base + E] = False
-        self.predicted.index_put_((seq,), listed)
-        # 4. the gate (this layer's last list judged, this one kept), then the prefetch
+        # the gate judges this layer's last list; closed, the forecast flags nothing and fetches nothing
         is_open = self.gate(cache, layer, used)
+        self.predicted[base:base + E] = False
+        self.predicted.index_put_((seq,), listed & is_open)
+        # 4. the prefetch (this list's wanted instances kept for the gate)
         want = listed & (rm[seq] < 0)
         wanted = seq[torch.argsort((~want).to(torch.int64), stable=True)]  # the wanted first, in list order
         self.want[layer] = wanted[:self.want.shape[1]]
