@@ -57,17 +57,19 @@ def _sim_next(stream, counts, C, lists, budget):
     return sim, np.stack([sim.hits, sim.misses, sim.fills, sim.prefetches], axis=1)
 
 
-@pytest.mark.parametrize("tokens,budget", [(1, None), (3, None), (2, 2)])
-def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budget):
+@pytest.mark.parametrize("tokens,budget,skew", [(1, None, 0.5), (3, None, 0.5), (2, 2, 0.5), (2, None, None)])
+def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budget, skew):
     """Random groups and tables, pools from one group's size up (the in-flight rule, the read in
     place of a miss without a free slot, predicted victims and a cut list all occur): the engine's
     candidate list of every group is coldset.analysis.forecast.nexttoken_lists' (the forecast, computed
     independently), its per-group hits, misses, fills and prefetches are coldset.analysis.simulate.simulate's
-    'nexttoken' on the same tokens, no commit is refused, and every slot holds its owner."""
+    'nexttoken' on the same tokens, no commit is refused, and every slot holds its owner. Uniform
+    draws (``skew`` None: the forecast is useless) close the prefetch gate, after which the engine
+    issues nothing, as the simulator."""
     L, E, k = 3, 8, 2
     rng = np.random.default_rng(tokens * 10 + (budget or 0))
     F = _forecaster(L, E, k, seed=tokens)
-    prefetched = read_in_place = 0
+    prefetched = read_in_place = closed = 0
     for trial in range(5):
         counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
         C = int(rng.integers(k * tokens, k * tokens + 10))
@@ -77,7 +79,7 @@ def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budge
                                 prefetch_budget=budget)
         S = 10
         # skewed draws: consecutive tokens reuse experts, so forecasts hit
-        p = rng.dirichlet(np.ones(E) * 0.5, size=L)
+        p = rng.dirichlet(np.ones(E) * skew, size=L) if skew else np.full((L, E), 1 / E)
         sel = np.stack([[[rng.choice(E, size=k, replace=False, p=p[layer]) for _ in range(tokens)]
                          for layer in range(L)] for _ in range(S)])
         for s in range(S):
@@ -94,7 +96,11 @@ def test_nexttoken_decisions_equal_the_simulator_on_random_streams(tokens, budge
         read_in_place += int((sim.fills > 0).sum())
         if budget is not None:
             assert sim.prefetches.max() <= budget
+        acc = cache.rules.gate_acc.tolist()
+        closed += acc[2] < acc[0] - acc[1]
     assert prefetched > 10 and sim.useful_prefetches >= 0
+    if skew is None:
+        assert closed >= 3  # the gate closed on useless forecasts
 
 
 def test_nexttoken_in_flight_and_predicted_slots_are_kept():
