@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from coldset.analysis.streams import AccessStream
-from coldset.analysis.forecast import ForecastError, TransitionForecaster, forecast_recall, stream_predictions, token_groups
+from coldset.analysis.streams import AccessStream, CacheError, tokens_from_frame
+from coldset.analysis.forecast import ForecastError, TransitionForecaster, forecast_recall, stream_predictions
 
 
 def decode_rows(rng, requests=4, tokens=12, L=2, E=6, k=2, sticky=0.6):
@@ -106,8 +106,8 @@ def test_stream_predictions_are_each_tokens_forecast_united_per_group():
 def test_bad_rows_are_refused():
     rows = pd.DataFrame({"request": ["a", "a"], "position": [0, 0], "layer_index": [0, 0], "rank": [0, 0],
                          "expert": [1, 2]})
-    with pytest.raises(ForecastError, match="ranks 0..k-1 once"):
-        token_groups(rows, 1, 4)
+    with pytest.raises(CacheError, match="two rows for position 0"):
+        TransitionForecaster.fit(rows, 1, 4, 2)
     one = pd.DataFrame({"request": ["a"], "position": [0], "layer_index": [0], "rank": [0], "expert": [1]})
     with pytest.raises(ForecastError, match="no two consecutive"):
         TransitionForecaster.fit(one, 1, 4, 1)
@@ -459,7 +459,7 @@ def test_recall_table_tunes_on_a_held_out_profile_domain():
     from coldset.analysis.streams import token_array
 
     prof, rep = _profile_and_replay(seed=12, L=2)
-    table = recall_table(prof, rep, 2, 6, 2, horizons=(1, 2))
+    table = recall_table(tokens_from_frame(prof, 2, 6), tokens_from_frame(rep, 2, 6), 2, 6, 2, horizons=(1, 2))
     assert table.horizon.tolist() == [1, 2] and (table.tuned_on == "profile domain 'y' (3 of 6 profile requests)").all()
     tp, sp = token_array(prof, 2, 6)
     th, sh = token_array(rep, 2, 6)
@@ -485,20 +485,30 @@ def test_self_boost_puts_the_current_experts_first():
     assert (np.sort(lists[..., :2], axis=-1) == np.sort(tokens, axis=-1)).all()
 
 
-def test_quality_lanes_per_sequence_equal_the_one_lane_forecast():
-    """forecast_quality lays each sequence in a lane of its own (faster); the forecast of every
-    token must be the one-lane layout's (past tokens, H and starts per sequence)."""
-    from coldset.analysis.forecast import NextTokenForecaster, lanes_of_tokens, lanes_per_sequence
+def test_forecast_loop_equals_the_vectorised_steps_with_idle_steps_and_variants():
+    """forecast_lanes (one loop per lane segment) equals _forecast_steps (every lane stepped
+    together, numpy) on lanes with idle steps inside a segment, a mid-pass start and several
+    history variants at once, in int16 and int64 selections."""
+    from coldset.analysis.forecast import NextTokenForecaster
 
     rng = np.random.default_rng(14)
     tokens, seq = random_tokens(rng, n_seq=5, k=2)
     f = NextTokenForecaster.fit(tokens, seq, 2, 7, terms=((0, 0), (2, 0), (0, 1), (1, -1)),
                                 weights=(1, 0.5, 0.5, 0.25), hist_beta=0.3, hist_shift=2, extra=2)
-    sel, start, step, lane = lanes_per_sequence(tokens, seq)
-    np.testing.assert_array_equal(sel[step, :, lane], tokens)
-    assert (sel >= 0).sum() == tokens.size and start[0].all() and not start[1:].any()
-    one = f.forecast_lanes(*lanes_of_tokens(tokens, seq))[:, :, 0]
-    np.testing.assert_array_equal(f.forecast_lanes(sel, start)[step, :, lane], one)
+    S, B = 12, 3
+    sel = np.full((S, 3, B, 2), -1, dtype=np.int64)
+    for b in range(B):
+        sel[:, :, b] = tokens[b * S:(b + 1) * S]
+    sel[3:5, :, 1] = -1  # idle inside lane 1's segment
+    sel[9:, :, 2] = -1  # lane 2 idle at the end
+    start = np.zeros((S, B), dtype=bool)
+    start[0] = True
+    start[6, 0] = True
+    hist = [(0, 3), (int(0.3 * 65536), 2), (int(0.8 * 65536), 5)]
+    want = f._forecast_steps(sel, start, hist)
+    for dtype in (np.int64, np.int16):
+        got = f.forecast_lanes(sel.astype(dtype), start, hist=hist)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_ceiling_with_lower_layers_against_counts():
@@ -567,7 +577,8 @@ def test_recall_table_term_sets_and_lower_layer_ceiling():
 
     prof, rep = _profile_and_replay(seed=17, L=3)
     sets = ((DEFAULT_TERMS, DEFAULT_WEIGHTS), (LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS))
-    table = recall_table(prof, rep, 3, 6, 2, horizons=(1,), term_sets=sets, ceiling_lower_layers=1)
+    table = recall_table(tokens_from_frame(prof, 3, 6), tokens_from_frame(rep, 3, 6), 3, 6, 2, horizons=(1,),
+                         term_sets=sets, ceiling_lower_layers=1)
     tp, sp = token_array(prof, 3, 6)
     th, sh = token_array(rep, 3, 6)
     from coldset.core.trace import request_codes

@@ -45,61 +45,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from coldset.core.trace import request_codes
+from coldset.analysis.forecast_loops import (
+    count_transitions,
+    forecast_segments,
+    group_predictions,
+    round_robin_lists,
+    top_scores,
+)
+from coldset.analysis.streams import DecodeTokens, tokens_from_frame
 
 
 class ForecastError(ValueError):
     """Bad input to the forecaster (rows, shapes, parameters); the message says what."""
-
-
-@dataclass(frozen=True)
-class TokenGroups:
-    """Decode selections as (request, position, layer) groups of ``top_k`` experts.
-
-    ``experts`` int64 ``[G, k]`` in rank order; ``layer`` int64 ``[G]`` (MoE-layer index);
-    ``next_group`` int64 ``[G]``: the group of the same request and layer at the next position
-    (-1 when that token is absent).
-    """
-
-    experts: np.ndarray
-    layer: np.ndarray
-    next_group: np.ndarray
-
-
-def token_groups(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) -> TokenGroups:
-    """Group decode ``rows`` (columns request, position, layer_index, rank, expert) by (request,
-    position, layer); every group must hold ranks ``0..k-1`` once (as :func:`coldset.core.trace.
-    validate_trace` guarantees for a trace)."""
-    n = len(rows)
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return TokenGroups(np.zeros((0, 1), np.int64), z, z)
-    rc, _ = request_codes(rows["request"].array if isinstance(rows["request"].dtype, pd.CategoricalDtype)
-                   else rows["request"])
-    pos = rows["position"].to_numpy(np.int64)
-    li = rows["layer_index"].to_numpy(np.int64)
-    rank = rows["rank"].to_numpy(np.int64)
-    exp = rows["expert"].to_numpy(np.int64)
-    if li.min() < 0 or li.max() >= num_moe_layers or exp.min() < 0 or exp.max() >= num_experts:
-        raise ForecastError(f"rows: layer_index or expert outside [0, {num_moe_layers}) x [0, {num_experts})")
-    n_pos = int(pos.max()) + 2
-    key = (rc * n_pos + pos) * num_moe_layers + li
-    order = np.lexsort((rank, key))
-    key, rank, exp = key[order], rank[order], exp[order]
-    starts = np.r_[0, np.flatnonzero(key[1:] != key[:-1]) + 1]
-    sizes = np.diff(np.r_[starts, n])
-    k = int(sizes[0])
-    if (sizes != k).any() or (rank != np.tile(np.arange(k), starts.size)).any():
-        raise ForecastError("rows: every (request, position, layer) must hold ranks 0..k-1 once")
-    gkey = key[starts]
-    nxt = np.searchsorted(gkey, gkey + num_moe_layers)
-    found = nxt < gkey.size
-    found[found] = gkey[nxt[found]] == gkey[found] + num_moe_layers
-    return TokenGroups(exp.reshape(-1, k), gkey % num_moe_layers, np.where(found, nxt, -1))
-
-
-# The (source, target) expert pairs transition_counts expands at once (int64 bytes)
-PAIR_CHUNK_BYTES = 1 << 26
 
 
 def transition_counts(tokens: np.ndarray, src_tokens: np.ndarray, tgt_tokens: np.ndarray, src_layers: np.ndarray,
@@ -109,24 +66,16 @@ def transition_counts(tokens: np.ndarray, src_tokens: np.ndarray, tgt_tokens: np
     columns ``j``: expert ``e`` of ``tokens[src_tokens[i], src_layers[j]]`` followed by ``e'`` of
     ``tokens[tgt_tokens[i], tgt_layers[j]]``, counted in table layer ``tgt_layers[j]`` (or
     ``layers[i]``, a layer per pair, with ``num_layers``). ``tokens`` int ``[T, L', k]``. Counted
-    :data:`PAIR_CHUNK_BYTES` of expanded pairs at a time, so memory does not grow with the tokens."""
+    by one loop (:func:`coldset.analysis.forecast_loops.count_transitions`): memory is the tables."""
     E = int(num_experts)
-    k = tokens.shape[2]
     L = int(num_layers) if layers is not None else tokens.shape[1]
-    pairs = np.zeros(L * E * E, np.int64)
-    sources = np.zeros(L * E, np.int64)
-    targets = np.zeros(L * E, np.int64)
-    step = max(1, PAIR_CHUNK_BYTES // (len(tgt_layers) * k * k * 8))
-    for c in range(0, len(src_tokens), step):
-        src = tokens[src_tokens[c:c + step]][:, src_layers]  # [n, Lv, k]
-        tgt = tokens[tgt_tokens[c:c + step]][:, tgt_layers]
-        lay = (np.asarray(layers[c:c + step])[:, None, None] if layers is not None
-               else np.asarray(tgt_layers)[None, :, None])
-        pairs += np.bincount(((lay[..., None] * E + src[..., None]) * E + tgt[:, :, None, :]).reshape(-1),
-                             minlength=L * E * E)
-        sources += np.bincount((lay * E + src).reshape(-1), minlength=L * E)
-        targets += np.bincount((lay * E + tgt).reshape(-1), minlength=L * E)
-    return pairs.reshape(L, E, E), sources.reshape(L, E), targets.reshape(L, E)
+    pairs = np.zeros((L, E, E), np.int64)
+    sources = np.zeros((L, E), np.int64)
+    targets = np.zeros((L, E), np.int64)
+    idx = [np.ascontiguousarray(x, dtype=np.int64) for x in (src_tokens, tgt_tokens, src_layers, tgt_layers)]
+    per_pair = np.zeros(0, np.int64) if layers is None else np.ascontiguousarray(layers, dtype=np.int64)
+    count_transitions(np.ascontiguousarray(tokens), *idx, per_pair, pairs, sources, targets)
+    return pairs, sources, targets
 
 
 @dataclass(frozen=True)
@@ -146,90 +95,108 @@ class TransitionForecaster:
         return int(self.table.nbytes)
 
     @classmethod
-    def fit(cls, rows: pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int, extra: int = 3,
-            alpha: float = 1.0) -> "TransitionForecaster":
-        """Fit on the consecutive decode tokens of ``rows`` (the profile selection)."""
+    def fit(cls, rows: DecodeTokens | pd.DataFrame, num_moe_layers: int, num_experts: int, top_k: int,
+            extra: int = 3, alpha: float = 1.0) -> "TransitionForecaster":
+        """Fit on the consecutive decode tokens (next position of one request) of ``rows`` (the
+        profile selection: :class:`coldset.analysis.streams.DecodeTokens`, or a frame of decode rows
+        as :func:`coldset.analysis.streams.tokens_from_frame` reads). A (token, layer) pair counts
+        where both tokens hold that layer's ``top_k`` selections."""
         if extra < 0 or alpha <= 0:
             raise ForecastError(f"extra must be >= 0 and alpha > 0, got {extra}, {alpha}")
-        g = token_groups(rows, num_moe_layers, num_experts)
-        if g.experts.shape[0] and g.experts.shape[1] != top_k:
-            raise ForecastError(f"rows hold {g.experts.shape[1]} selections per token and layer, top_k is {top_k}")
+        tok = rows if isinstance(rows, DecodeTokens) else tokens_from_frame(rows, num_moe_layers, num_experts)
         L, E = num_moe_layers, num_experts
-        has = g.next_group >= 0
-        if not has.any():
+        src, layer = consecutive_pairs(tok, top_k)
+        if src.size == 0:
             raise ForecastError("rows: no two consecutive decode tokens of one request to fit a forecaster on")
-        # a token-layer group is a "token" of one layer: the same counts, every group its own layer
-        src = np.flatnonzero(has)
-        layer = g.layer[has]
-        pairs, occ, pop = transition_counts(g.experts[:, None, :], src, g.next_group[has], np.zeros(1, np.int64),
-                                            np.zeros(1, np.int64), E, layers=layer, num_layers=L)
+        if layer is None:  # every token holds every layer: count the layers side by side
+            all_l = np.arange(L)
+            pairs, occ, pop = transition_counts(tok.experts, src, src + 1, all_l, all_l, E)
+            per_layer = np.full(L, src.size)
+        else:  # a (token, layer) group is a "token" of one layer: the same counts, every group its own layer
+            flat = tok.experts.reshape(-1, 1, tok.experts.shape[2])
+            zero = np.zeros(1, np.int64)
+            pairs, occ, pop = transition_counts(flat, src * L + layer, (src + 1) * L + layer, zero, zero, E,
+                                                layers=layer, num_layers=L)
+            per_layer = np.bincount(layer, minlength=L)
         pairs, occ, pop = pairs.astype(np.float64), occ.astype(np.float64), pop.astype(np.float64)
-        pop /= np.maximum(np.bincount(layer, minlength=L), 1)[:, None]  # P(e' selected by a next token)
+        pop /= np.maximum(per_layer, 1)[:, None]  # P(e' selected by a next token)
         table = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
         return cls(table.astype(np.float32), int(top_k), int(extra))
 
     def predict(self, layer: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """int64 ``[N, n]``: the forecast (experts, best first, ties by id) of the next token in
-        ``layer[i]`` given the current token's ``experts[i]`` (``[N, k]``)."""
-        layer = np.asarray(layer, dtype=np.int64)
-        experts = np.asarray(experts, dtype=np.int64)
+        ``layer[i]`` given the current token's ``experts[i]`` (``[N, k]``): the float32 sum of the
+        table rows of ``experts[i]``, the current token's own experts first (plus ``top_k``:
+        consecutive tokens keep experts), by score."""
+        layer = np.ascontiguousarray(layer, dtype=np.int64).reshape(-1)
+        experts = np.ascontiguousarray(experts)
         out = np.empty((layer.size, self.num_predictions), dtype=np.int64)
-        chunk = 1 << 14
-        for s in range(0, layer.size, chunk):
-            cur = experts[s:s + chunk]
-            sc = self.table[layer[s:s + chunk, None], cur].sum(axis=1)  # [n, E]
-            # the current token's own experts first (consecutive tokens keep experts), by score
-            np.put_along_axis(sc, cur, np.take_along_axis(sc, cur, axis=1) + self.top_k, axis=1)
-            out[s:s + chunk] = np.argsort(-sc, axis=1, kind="stable")[:, :self.num_predictions]
+        top_scores(self.table, layer, experts, self.top_k, self.num_predictions, out)
         return out
 
 
-def forecast_recall(forecaster: TransitionForecaster, rows: pd.DataFrame, num_moe_layers: int,
+def consecutive_pairs(tokens: DecodeTokens, top_k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The (token, layer) pairs a transition is counted on: ``(src, None)`` where every token holds
+    every layer (token ``src[i]`` and the next, every layer), else ``(src, layer)`` one entry per
+    (token, layer) both tokens hold. Refuses a (token, layer) with some of its ``top_k`` ranks."""
+    ex = tokens.experts
+    if ex.shape[0] and ex.shape[2] != top_k:
+        raise ForecastError(f"rows hold {ex.shape[2]} selections per token and layer, top_k is {top_k}")
+    nxt = tokens.consecutive()
+    held = (ex >= 0).all(axis=2)
+    if (held != (ex >= 0).any(axis=2)).any():
+        raise ForecastError("rows: every (request, position, layer) must hold ranks 0..k-1 once")
+    if held.all():
+        return np.flatnonzero(nxt), None
+    both = held[:-1] & held[1:] & nxt[:-1, None]
+    src, layer = np.nonzero(both)
+    return src.astype(np.int64), layer.astype(np.int64)
+
+
+def forecast_recall(forecaster: TransitionForecaster, rows: DecodeTokens | pd.DataFrame, num_moe_layers: int,
                     num_experts: int) -> dict:
-    """Recall one token ahead on ``rows`` (the held-out selection): over every (token, layer) whose
-    next token exists, the share of the next token's selections inside the forecast. Also the
-    previous-token baseline (forecast = the current token's own experts) and the forecast size."""
-    g = token_groups(rows, num_moe_layers, num_experts)
-    has = np.flatnonzero(g.next_group >= 0)
-    if has.size == 0:
+    """Recall one token ahead on ``rows`` (the held-out selection, as :meth:`TransitionForecaster.fit`
+    takes it): over every (token, layer) whose next token exists, the share of the next token's
+    selections inside the forecast. Also the previous-token baseline (forecast = the current
+    token's own experts) and the forecast size. Counted a chunk of pairs at a time."""
+    tok = rows if isinstance(rows, DecodeTokens) else tokens_from_frame(rows, num_moe_layers, num_experts)
+    src, layer = consecutive_pairs(tok, forecaster.top_k)
+    L = num_moe_layers
+    if layer is None:
+        src, layer = np.repeat(src, L), np.tile(np.arange(L), src.size)
+    if src.size == 0:
         raise ForecastError("rows: no two consecutive decode tokens of one request to measure recall on")
-    pred = forecaster.predict(g.layer[has], g.experts[has])
-    nxt = g.experts[g.next_group[has]]
-    inside = (nxt[:, :, None] == pred[:, None, :]).any(axis=2)
-    same = (nxt[:, :, None] == g.experts[has][:, None, :]).any(axis=2)
-    return {"recall": float(inside.mean()), "previous_token_recall": float(same.mean()),
-            "predictions": forecaster.num_predictions, "top_k": forecaster.top_k, "pairs": int(has.size),
+    inside = same = 0
+    for c in range(0, src.size, RECALL_CHUNK):
+        s_, l_ = src[c:c + RECALL_CHUNK], layer[c:c + RECALL_CHUNK]
+        cur = tok.experts[s_, l_]
+        nxt = tok.experts[s_ + 1, l_]
+        pred = forecaster.predict(l_, cur)
+        inside += int((nxt[:, :, None] == pred[:, None, :]).any(axis=2).sum())
+        same += int((nxt[:, :, None] == cur[:, None, :]).any(axis=2).sum())
+    total = src.size * forecaster.top_k
+    return {"recall": inside / total, "previous_token_recall": same / total,
+            "predictions": forecaster.num_predictions, "top_k": forecaster.top_k, "pairs": int(src.size),
             "table_bytes": forecaster.nbytes}
+
+
+#: (token, layer) pairs :func:`forecast_recall` forecasts at once.
+RECALL_CHUNK = 1 << 18
 
 
 def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
     """int64 ``[G, P]``: for each group of a :class:`coldset.analysis.streams.AccessStream` (one MoE layer's
     selections of one step: ``B * top_k`` of them, token by token), the instances to prefetch
     after it: the union of each token's forecast in token order then score order, first
-    occurrence kept, padded with -1."""
-    E, k = stream.num_experts, forecaster.top_k
-    ptr = stream.group_ptr
-    sizes = np.diff(ptr)
+    occurrence kept, padded with -1 (:func:`coldset.analysis.forecast_loops.group_predictions`)."""
+    k = forecaster.top_k
+    sizes = np.diff(stream.group_ptr)
     if (sizes % k).any():
         raise ForecastError(f"stream groups must hold a multiple of top_k = {k} selections")
-    n = forecaster.num_predictions
-    width = int(sizes.max(initial=k)) // k * n
+    width = int(sizes.max(initial=k)) // k * forecaster.num_predictions
     out = np.full((sizes.size, width), -1, dtype=np.int64)
-    ids = stream.instances
-    for b in np.unique(sizes // k):  # groups of b tokens (one size in an engine stream)
-        gs = np.flatnonzero(sizes == b * k)
-        sel = ids[ptr[gs][:, None] + np.arange(b * k)[None, :]]  # [g, b*k]
-        layer = sel[:, 0] // E
-        pred = forecaster.predict(np.repeat(layer, b), (sel % E).reshape(-1, k)).reshape(gs.size, b * n)
-        pred = pred + layer[:, None] * E
-        if b > 1:  # keep the first occurrence of each instance
-            dup = np.zeros(pred.shape, dtype=bool)
-            for j in range(1, pred.shape[1]):
-                dup[:, j] = (pred[:, :j] == pred[:, j:j + 1]).any(axis=1)
-            pred = np.where(dup, -1, pred)
-            order = np.argsort(dup, axis=1, kind="stable")  # kept ones first, in order
-            pred = np.take_along_axis(pred, order, axis=1)
-        out[gs, :b * n] = pred
+    group_predictions(forecaster.table, stream.instances, stream.group_ptr, k, stream.num_experts, forecaster.top_k,
+                      forecaster.num_predictions, out)
     return out
 
 
@@ -354,9 +321,33 @@ HIST_GRID = ((0.0, 5), (0.1, 3), (0.1, 5), (0.2, 3), (0.2, 5), (0.4, 3), (0.4, 5
 # candidate for fit_tuned(term_sets=...), not the default: within noise of the defaults' recall for
 # 5/3 of the table memory (J x L x E x E int32) and of the table rows read per step.
 LOWER_LAYER_TERMS = ((0, 0), (1, 0), (2, 0), (0, 1), (0, 2))
-# The table rows forecast_lanes gathers at once (int64 bytes): lanes per chunk = this / (L * k * E * 8).
-FORECAST_LANE_BYTES = 1 << 27
 LOWER_LAYER_WEIGHTS = (1.0, 0.5, 0.25, 1.0, 0.5)
+
+
+def term_counts(tokens: np.ndarray, sequence: np.ndarray, term: tuple, horizon: int, num_experts: int,
+                mask: np.ndarray | None = None) -> tuple:
+    """``(pairs [L, E, E], sources [L, E], targets [L, E], n)`` of one term ``(a, d)`` of
+    :class:`NextTokenForecaster`: over the ``n`` tokens ``t`` whose tokens ``t - a`` and ``t + horizon``
+    lie in its sequence (and where ``mask[t]``, a mask of whole sequences), expert ``e`` of token
+    ``t - a`` in layer ``l - d`` followed by ``e'`` of token ``t + horizon`` in layer ``l``
+    (:func:`transition_counts`); the arrays are None where no layer has its source layer."""
+    a, d = int(term[0]), int(term[1])
+    T, L = tokens.shape[:2]
+    t = np.arange(a, T - horizon)
+    t = t[(sequence[t - a] == sequence[t]) & (sequence[t + horizon] == sequence[t])] if t.size else t
+    if mask is not None:
+        t = t[np.asarray(mask, dtype=bool)[t]]
+    lt = np.arange(max(0, d), min(L, L + d))  # target layers whose source layer l - d exists
+    if t.size == 0 or lt.size == 0:
+        return None, None, None, int(t.size)
+    return (*transition_counts(tokens, t - a, t + horizon, lt - d, lt, num_experts), int(t.size))
+
+
+def add_counts(one: tuple, other: tuple) -> tuple:
+    """The :func:`term_counts` of two disjoint sets of sequences together."""
+    if one[0] is None or other[0] is None:
+        return other if one[0] is None else one
+    return one[0] + other[0], one[1] + other[1], one[2] + other[2], one[3] + other[3]
 
 
 def validation_split(sequence: np.ndarray, validation_every: int = 5,
@@ -457,17 +448,19 @@ class NextTokenForecaster:
     @classmethod
     def fit(cls, tokens: np.ndarray, sequence: np.ndarray, top_k: int, num_experts: int, *, horizon: int = 1,
             terms=DEFAULT_TERMS, weights=DEFAULT_WEIGHTS, hist_beta: float = 0.2, hist_shift: int = 5,
-            extra: int = 3, alpha: float = 1.0, self_boost: float = 0.0) -> "NextTokenForecaster":
+            extra: int = 3, alpha: float = 1.0, self_boost: float = 0.0, counts=None) -> "NextTokenForecaster":
         """Fit the tables on decode ``tokens`` int ``[T, L, k]`` (:func:`coldset.analysis.streams.token_array`
         of the profile selection) with their sequence ids ``[T]`` (consecutive tokens of a
         sequence in order). ``hist_beta``: H's increment as a share of :data:`SCORE_UNIT`;
         ``self_boost``: added (in :data:`SCORE_UNIT`) to the diagonal of the current token's table
         (term (0, 0)): with ``top_k`` the current token's experts rank first, as in
-        :class:`TransitionForecaster` (data in the table, not another rule for the engine)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+        :class:`TransitionForecaster` (data in the table, not another rule for the engine).
+        ``counts``: each term's :func:`term_counts` on these tokens where already counted."""
+        tokens = np.asarray(tokens)
         sequence = np.asarray(sequence, dtype=np.int64)
-        if tokens.ndim != 3 or sequence.shape != tokens.shape[:1]:
-            raise ForecastError(f"fit: tokens must be [T, L, k] and sequence [T], got {tokens.shape}, {sequence.shape}")
+        if tokens.ndim != 3 or sequence.shape != tokens.shape[:1] or not np.issubdtype(tokens.dtype, np.integer):
+            raise ForecastError(f"fit: tokens must be integer [T, L, k] and sequence [T], got {tokens.dtype} "
+                                f"{tokens.shape}, {sequence.shape}")
         if tokens.shape[2] != top_k:
             raise ForecastError(f"fit: tokens hold {tokens.shape[2]} selections per layer, top_k is {top_k}")
         if len(terms) != len(weights) or alpha <= 0 or hist_beta < 0:
@@ -476,18 +469,15 @@ class NextTokenForecaster:
         E = int(num_experts)
         if T and (tokens.min() < 0 or tokens.max() >= E):
             raise ForecastError(f"fit: experts outside [0, {E})")
+        if counts is None:
+            counts = [term_counts(tokens, sequence, term, horizon, E) for term in terms]
         tables = np.zeros((len(terms), L, E, E), dtype=np.int32)
-        n_pairs = 0
-        for j, ((a, d), w) in enumerate(zip(terms, weights)):
-            t = np.arange(a, T - horizon)
-            t = t[(sequence[t - a] == sequence[t]) & (sequence[t + horizon] == sequence[t])] if t.size else t
-            n_pairs = max(n_pairs, t.size)
-            lt = np.arange(max(0, d), min(L, L + d))  # target layers whose source layer l - d exists
-            if t.size == 0 or lt.size == 0:
+        n_pairs = max((c[3] for c in counts), default=0)
+        for j, ((pairs, occ, pop, n), w) in enumerate(zip(counts, weights)):
+            if pairs is None or n == 0:
                 continue
-            pairs, occ, pop = transition_counts(tokens, t - a, t + horizon, lt - d, lt, E)
             pairs = pairs.astype(np.float64)
-            pop = pop / t.size
+            pop = pop / n
             prob = (pairs + alpha * pop[:, None, :]) / (occ[:, :, None] + alpha)
             tables[j] = np.rint(np.clip(prob, 0, None) * w * SCORE_UNIT).astype(np.int32)
         if n_pairs == 0:
@@ -523,11 +513,22 @@ class NextTokenForecaster:
             raise ForecastError("fit_tuned: term_sets is empty")
         best = None
         kw.pop("self_boost", None)
-        if val.any() and (~val).any():
+        tuned = val.any() and (~val).any()
+        if tuned and (val[1:] != val[:-1])[sequence[1:] == sequence[:-1]].any():
+            raise ForecastError("fit_tuned: the validation tokens must be whole sequences")
+        # each term counted once on the fitting part and once on the validation part (counts add up)
+        part_counts = {False: {}, True: {}}
+
+        def counted(term, part):
+            if term not in part_counts[part]:
+                part_counts[part][term] = term_counts(tokens, sequence, term, horizon, num_experts, val == part)
+            return part_counts[part][term]
+
+        if tuned:
             for terms, weights in term_sets:
                 for boost in (0.0, float(top_k)):  # the current token's experts first, or not
-                    base = cls.fit(tokens[~val], sequence[~val], top_k, num_experts, horizon=horizon,
-                                   terms=terms, weights=weights, self_boost=boost, **kw)
+                    base = cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, terms=terms,
+                                   weights=weights, self_boost=boost, counts=[counted(t, False) for t in terms], **kw)
                     # replace checks each point's int32 headroom; one forecast shares the table lookups
                     hist = [(f.hist_unit, f.hist_shift) for f in
                             (replace(base, hist_unit=int(round(b * SCORE_UNIT)), hist_shift=int(h)) for b, h in grid)]
@@ -539,56 +540,43 @@ class NextTokenForecaster:
                                                                      0.0, *term_sets[0]))
         kw.pop("hist_beta", None)
         kw.pop("hist_shift", None)
+        counts = [add_counts(counted(t, False), counted(t, True)) for t in terms] if best else None
         return cls.fit(tokens, sequence, top_k, num_experts, horizon=horizon, hist_beta=beta, hist_shift=shift,
-                       self_boost=boost, terms=terms, weights=weights, **kw)
+                       self_boost=boost, terms=terms, weights=weights, counts=counts, **kw)
 
     def forecast_lanes(self, sel: np.ndarray, start: np.ndarray, hist=None) -> np.ndarray:
         """int64 ``[S, L, B, n]``: the forecast made after each (step, layer) for each lane (best
         first), ``-1`` for idle lanes. ``sel`` int ``[S, L, B, k]`` and ``start`` bool ``[S, B]`` as
         :class:`coldset.analysis.streams.Lanes` (the engine's pass: ``B`` lanes started at step 0).
 
-        A lane's state begins afresh at each start, and no lane reads another's, so each segment of
-        a lane (from step 0 or a start to its last active step before the next start) is forecast
-        from its own step 0 beside the others, longest first, :data:`FORECAST_LANE_BYTES` of
-        gathered table rows at a time (:meth:`_forecast_steps`), and put back: the same forecast as
-        stepping the lanes, in as many vectorised steps as the longest segment (not the stream's
-        steps) and in bounded memory. ``hist``: ``(hist_unit, hist_shift)`` pairs to forecast with in
-        place of the forecaster's own, sharing the table lookups: ``[V, S, L, B, n]``, one per pair."""
-        sel = np.asarray(sel, dtype=np.int64)
+        A lane's state begins afresh at each start, and no lane reads another's, so each segment
+        of a lane (:func:`lane_segments`) is forecast from an empty state by one loop
+        (:func:`coldset.analysis.forecast_loops.forecast_segments`; :meth:`_forecast_steps` is the
+        vectorised reference stepping every lane together). Experts are int16 (int64 beyond
+        32767 experts). ``hist``: ``(hist_unit, hist_shift)`` pairs to forecast with in place of the
+        forecaster's own, sharing the table lookups: ``[V, S, L, B, n]``, one per pair."""
+        sel = np.asarray(sel)
         start = np.asarray(start, dtype=bool)
         S, L, B, k = sel.shape
-        E, n = self.num_experts, self.num_predictions
+        n = self.num_predictions
         if L != self.num_layers or k != self.top_k:
             raise ForecastError(f"forecast_lanes: selections of {L} layers x top-{k}, the forecaster has "
                                 f"{self.num_layers} x top-{self.top_k}")
         variants = [(self.hist_unit, self.hist_shift)] if hist is None else list(hist)
-        V = len(variants)
-        out = np.full((V, S, L, B, n), -1, dtype=np.int64)
-        if S == 0 or B == 0:
-            return out if hist is not None else out[0]
-        begin = start.copy()
-        begin[0] = True
-        lane, first = np.nonzero(begin.T)  # lane then step order
-        nxt = np.where(np.r_[lane[1:] == lane[:-1], False], np.r_[first[1:], 0], S)
-        flat = np.where(sel[:, 0, :, 0].T.reshape(-1) >= 0, np.arange(S * B), -1)
-        last = np.maximum.accumulate(flat)[lane * S + nxt - 1] - lane * S  # last active step before nxt
-        length = np.where(last >= first, last - first + 1, 0)
-        order = np.argsort(-length, kind="stable")
-        order = order[length[order] > 0]
-        per_chunk = max(1, FORECAST_LANE_BYTES // (L * k * E * 8))
-        for c in range(0, order.size, per_chunk):
-            seg = order[c:c + per_chunk]
-            P = int(length[seg[0]])
-            steps = first[seg, None] + np.arange(P)[None, :]  # [C, P]
-            inside = np.arange(P)[None, :] < length[seg, None]
-            part = sel[np.minimum(steps, S - 1), :, lane[seg, None], :]  # [C, P, L, k]
-            part[~inside] = -1
-            seg_start = np.zeros((P, seg.size), dtype=bool)
-            seg_start[0] = True
-            got = self._forecast_steps(part.transpose(1, 2, 0, 3), seg_start, variants)  # [V, P, L, C, n]
-            got = got.transpose(3, 1, 0, 2, 4)[inside]  # [m, V, L, n]
-            out[:, steps[inside], :, np.broadcast_to(lane[seg, None], steps.shape)[inside], :] = got
+        out = np.full((len(variants), S, L, B, n), -1, dtype=np.int16 if self.num_experts <= 32767 else np.int64)
+        if S and B:
+            self._run_segments(sel, *lane_segments(sel, start), variants, out, 0, np.zeros(0, np.int64))
         return out if hist is not None else out[0]
+
+    def _run_segments(self, sel, lane, first, length, variants, out, horizon, widths) -> np.ndarray:
+        """:func:`coldset.analysis.forecast_loops.forecast_segments` with this forecaster's tables and
+        terms; returns its hit counts ``[V, len(widths), 2]``."""
+        hits = np.zeros((len(variants), len(widths), 2), dtype=np.int64)
+        forecast_segments(np.ascontiguousarray(sel), lane, first, length, self.tables,
+                          np.array([a for a, _ in self.terms], np.int64), np.array([d for _, d in self.terms], np.int64),
+                          np.array([u for u, _ in variants], np.int64), np.array([h for _, h in variants], np.int64),
+                          self.num_predictions, out, int(horizon), np.asarray(widths, np.int64), hits)
+        return hits
 
     def _forecast_steps(self, sel: np.ndarray, start: np.ndarray, hist=None) -> np.ndarray:
         """:meth:`forecast_lanes` stepping every lane together (its arguments checked)."""
@@ -642,35 +630,30 @@ class NextTokenForecaster:
         return out if hist is not None else out[0]
 
 
+def lane_segments(sel: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(lane, first, length)`` int64: each segment of the lanes of ``sel`` ``[S, L, B, k]`` (a
+    start, or step 0, to the lane's last active step before its next start), lane then step order:
+    what :meth:`NextTokenForecaster.forecast_lanes` forecasts one after another, each from an
+    empty state."""
+    S, B = start.shape
+    begin = start.copy()
+    begin[0] = True
+    lane, first = np.nonzero(begin.T)  # lane then step order
+    nxt = np.where(np.r_[lane[1:] == lane[:-1], False], np.r_[first[1:], 0], S)
+    flat = np.where(sel[:, 0, :, 0].T.reshape(-1) >= 0, np.arange(S * B), -1)
+    last = np.maximum.accumulate(flat)[lane * S + nxt - 1] - lane * S  # last active step before nxt
+    length = np.where(last >= first, last - first + 1, 0)
+    keep = length > 0
+    return lane[keep].astype(np.int64), first[keep].astype(np.int64), length[keep].astype(np.int64)
+
+
 def lanes_of_tokens(tokens: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(sel [T, L, 1, k], start [T, 1])``: the tokens as one lane, a sequence after another."""
-    tokens = np.asarray(tokens, dtype=np.int64)
+    """``(sel [T, L, 1, k], start [T, 1])``: the tokens as one lane, a sequence after another (a
+    view of ``tokens``)."""
+    tokens = np.asarray(tokens)
     sequence = np.asarray(sequence, dtype=np.int64)
     start = np.r_[True, sequence[1:] != sequence[:-1]] if sequence.size else np.zeros(0, bool)
     return tokens[:, :, None, :], start[:, None]
-
-
-def lanes_per_sequence(tokens: np.ndarray, sequence: np.ndarray):
-    """``(sel [P, L, N, k], start [P, N], step [T], lane [T])``: each of the ``N`` sequences of
-    ``tokens`` in a lane of its own, all starting at step 0 (``P`` = the longest; -1 after a
-    sequence ends), and where token ``i`` lies (``sel[step[i], :, lane[i]] == tokens[i]``). The
-    forecast of a token depends only on its own sequence, so this equals the one-lane layout of
-    :func:`lanes_of_tokens` token for token, in about ``N`` times fewer vectorised steps."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    sequence = np.asarray(sequence, dtype=np.int64)
-    T, L, k = tokens.shape
-    if T == 0:
-        return (np.zeros((0, L, 0, k), np.int64), np.zeros((0, 0), bool), np.zeros(0, np.int64),
-                np.zeros(0, np.int64))
-    starts = np.r_[0, np.flatnonzero(sequence[1:] != sequence[:-1]) + 1]
-    lens = np.diff(np.r_[starts, T])
-    lane = np.repeat(np.arange(starts.size), lens)
-    step = np.arange(T) - np.repeat(starts, lens)
-    sel = np.full((int(lens.max()), L, starts.size, k), -1, dtype=np.int64)
-    sel[step, :, lane] = tokens
-    start = np.zeros((sel.shape[0], starts.size), dtype=bool)
-    start[0] = True
-    return sel, start, step, lane
 
 
 def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequence: np.ndarray,
@@ -681,36 +664,29 @@ def forecast_quality(forecaster: NextTokenForecaster, tokens: np.ndarray, sequen
     the forecast, precision = share of the forecast it selects. ``recall`` / ``precision`` at the
     full forecast (``top_k + extra``), and ``at`` each size in ``sizes`` (the forecast's first
     ``m``, e.g. ``top_k`` or a prefetch budget). ``hist``: ``(hist_unit, hist_shift)`` pairs
-    (:meth:`NextTokenForecaster.forecast_lanes`): a list of such dicts, one per pair. Counted a
-    chunk of tokens at a time."""
-    tokens = np.asarray(tokens, dtype=np.int64)
+    (:meth:`NextTokenForecaster.forecast_lanes`): a list of such dicts, one per pair. Counted as
+    the forecast steps each sequence (:func:`lanes_of_tokens`; no lists kept)."""
+    tokens = np.asarray(tokens)
     sequence = np.asarray(sequence, dtype=np.int64)
     h = forecaster.horizon
     T = tokens.shape[0]
     t = np.arange(max(T - h, 0))
-    t = t[sequence[t + h] == sequence[t]]
-    if t.size == 0:
+    n_pairs = int(np.count_nonzero(sequence[t + h] == sequence[t]))
+    if n_pairs == 0:
         raise ForecastError(f"no token has a successor {h} token(s) later in its sequence")
-    sel, start, step, lane = lanes_per_sequence(tokens, sequence)
-    lists = forecaster.forecast_lanes(sel, start, hist=hist)  # [(V,) P, L, N, n]
-    if hist is None:
-        lists = lists[None]
+    if tokens.shape[1:] != (forecaster.num_layers, forecaster.top_k):
+        raise ForecastError(f"forecast_quality: tokens of {tokens.shape[1]} layers x top-{tokens.shape[2]}, the "
+                            f"forecaster has {forecaster.num_layers} x top-{forecaster.top_k}")
+    sel, start = lanes_of_tokens(tokens, sequence)
     n = forecaster.num_predictions
     widths = [n] + [int(min(m, n)) for m in sizes or ()]
-    hits = np.zeros((lists.shape[0], len(widths), 2), dtype=np.int64)  # (recall, precision) hits per width
-    chunk = max(1, (1 << 25) // max(tokens.shape[1] * tokens.shape[2] * n, 1))
-    for c in range(0, t.size, chunk):
-        tc = t[c:c + chunk]
-        tgt = tokens[tc + h]  # [m, L, k]
-        for v in range(lists.shape[0]):
-            pred = lists[v][step[tc], :, lane[tc], :]  # [m, L, n]
-            inside = tgt[..., :, None] == pred[..., None, :]  # [m, L, k, n]
-            for i, m in enumerate(widths):
-                hits[v, i] += (int(inside[..., :m].any(-1).sum()), int(inside[..., :m].any(-2).sum()))
-    pairs = int(t.size * tokens.shape[1])
+    variants = [(forecaster.hist_unit, forecaster.hist_shift)] if hist is None else list(hist)
+    hits = forecaster._run_segments(sel, *lane_segments(sel, start), variants, np.zeros((0, 0, 0, 0, 0), np.int64),
+                                    h, widths)
+    pairs = n_pairs * tokens.shape[1]
     k = tokens.shape[2]
     out = []
-    for v in range(lists.shape[0]):
+    for v in range(len(variants)):
         q = {"horizon": h, "predictions": n, "top_k": forecaster.top_k, "pairs": pairs,
              "recall": hits[v, 0, 0] / (pairs * k), "precision": hits[v, 0, 1] / (pairs * n)}
         for i, m in enumerate(widths[1:], 1):
@@ -798,17 +774,6 @@ def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.
         raise ForecastError(f"the nexttoken policy prefetches for the next token (horizon 1), got {forecaster.horizon}")
     lists = forecaster.forecast_lanes(sel, start)  # [S, L, B, n]
     S, L, B, n = lists.shape
-    E = forecaster.num_experts
-    rr = lists.transpose(0, 1, 3, 2).reshape(S * L, n * B)  # rank-major, lane-minor
-    inst = np.where(rr >= 0, rr + np.tile(np.arange(L), S)[:, None] * E, -1)
-    if B > 1:  # keep the first occurrence of each instance, in order
-        srt = np.sort(np.where(inst >= 0, inst, np.iinfo(np.int64).max), axis=1, kind="stable")
-        order = np.argsort(np.where(inst >= 0, inst, np.iinfo(np.int64).max), axis=1, kind="stable")
-        dup_sorted = np.zeros_like(srt, dtype=bool)
-        dup_sorted[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != np.iinfo(np.int64).max)
-        dup = np.zeros_like(dup_sorted)
-        np.put_along_axis(dup, order, dup_sorted, axis=1)
-        inst = np.where(dup, -1, inst)
-        keep = np.argsort(inst < 0, axis=1, kind="stable")  # kept ones first, in order
-        inst = np.take_along_axis(inst, keep, axis=1)
+    inst = np.full((S * L, B * n), -1, dtype=np.int64)
+    round_robin_lists(lists, forecaster.num_experts, inst)
     return inst
