@@ -49,9 +49,13 @@ token a step, and :func:`load_weights` logs that it skips them.
 
 Numerics follow transformers' ``DeepseekV3ForCausalLM``; the routed experts' weighted sum runs
 through ``experts_fn`` (another summation order than transformers' per-expert loop), so logits
-agree to float32 rounding, not bitwise. The fused Triton decode step is grouped-query attention
-and a softmax router; :meth:`DeepseekV3Model.compile_decode` refuses it and compiles the eager
-layer with ``torch.compile`` instead.
+agree to float32 rounding, not bitwise. Block-FP8 experts quantize their activations per
+128-column group, the FP8 kernel's scheme (:mod:`coldset.kernels.reference`), where transformers'
+CPU run of the same checkpoint multiplies float activations by the dequantized weights: the two
+agree to that quantization (weight-only experts, ``w8a16``, agree to float32 rounding). The fused
+Triton decode step is grouped-query attention and a softmax router;
+:meth:`DeepseekV3Model.compile_decode` refuses it and compiles the eager layer with
+``torch.compile`` instead.
 """
 
 from __future__ import annotations
