@@ -147,15 +147,12 @@ def test_conditional_ceiling_equals_the_groupby_reference(seed, experts, k, lowe
             assert got[key] == pytest.approx(value), key
 
 
-@pytest.mark.parametrize("lane_bytes", [1, 1 << 27])
-def test_forecast_lanes_by_segments_equals_stepping_the_lanes(monkeypatch, lane_bytes):
+def test_forecast_lanes_by_segments_equals_stepping_the_lanes():
     """forecast_lanes (each lane's segments side by side from their own step 0, in chunks) gives the
     forecast of stepping every lane together: starts anywhere, idle steps inside and after segments,
     activity before a lane's first start, lower-layer terms."""
-    from coldset.analysis import forecast
     from coldset.analysis.forecast import LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS, NextTokenForecaster
 
-    monkeypatch.setattr(forecast, "FORECAST_LANE_BYTES", lane_bytes)
     rng = np.random.default_rng(7)
     S, L, B, E, k = 40, 3, 5, 7, 2
     tokens = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(200)])
@@ -170,31 +167,6 @@ def test_forecast_lanes_by_segments_equals_stepping_the_lanes(monkeypatch, lane_
     got = f.forecast_lanes(sel, start)
     np.testing.assert_array_equal(got, f._forecast_steps(sel, start))
     assert (got[np.broadcast_to(idle[:, None, :, None], got.shape)] == -1).all()
-
-
-def test_forecaster_tables_counted_in_chunks_equal_one_pass(monkeypatch):
-    """The transition counts of both forecasters' fits, a chunk of pairs at a time, equal the one-pass
-    count (chunks of one pair against one chunk of everything)."""
-    from coldset.analysis import forecast
-    from coldset.analysis.forecast import LOWER_LAYER_TERMS, LOWER_LAYER_WEIGHTS, NextTokenForecaster
-    from coldset.analysis.forecast import TransitionForecaster
-
-    rng = np.random.default_rng(3)
-    T, L, E, k = 120, 3, 6, 2
-    tokens = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(T)])
-    seq = np.repeat(np.arange(6), 20)
-    rows = pd.DataFrame({"request": np.repeat([f"r{s}" for s in seq], L * k),
-                         "position": np.repeat(np.arange(T) % 20, L * k),
-                         "layer_index": np.tile(np.repeat(np.arange(L), k), T), "rank": np.tile(np.arange(k), T * L),
-                         "expert": tokens.reshape(-1)})
-    fits = []
-    for chunk in (1 << 40, 1):
-        monkeypatch.setattr(forecast, "PAIR_CHUNK_BYTES", chunk)
-        fits.append((NextTokenForecaster.fit(tokens, seq, k, E, horizon=2, terms=LOWER_LAYER_TERMS,
-                                             weights=LOWER_LAYER_WEIGHTS).tables,
-                     TransitionForecaster.fit(rows, L, E, k).table))
-    for one, chunked in zip(*fits):
-        np.testing.assert_array_equal(one, chunked)
 
 
 def test_quality_of_a_history_grid_equals_one_forecaster_per_point_and_fit_tuned_chooses_the_same():

@@ -511,7 +511,9 @@ def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, fo
         ahead = dict(routers=[model.layers[i].mlp.gate.weight.detach() for i in cfg.moe_layers], depth=depth)
         if callable(forecaster):  # fitted on the unmodified run's routing
             forecaster = forecaster(routing)
-        extra = ahead if policy == "lookahead" else dict(forecaster=forecaster) if policy == "nexttoken" else {}
+        # nexttoken without the gate: the captured prefetch is under test, whatever the forecast's precision
+        extra = (ahead if policy == "lookahead" else dict(forecaster=forecaster, prefetch_gate=False)
+                 if policy == "nexttoken" else {})
         cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, policy, bsz, k,
                                 history=(steps + 8) * L, **extra)
         if patch is not None:

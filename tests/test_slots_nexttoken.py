@@ -50,10 +50,10 @@ def _next_history(cache):
     return np.concatenate([cache.group_history(), cache.prefetch_counts()[:, None]], axis=1)[:n]
 
 
-def _sim_next(stream, counts, C, lists, budget):
+def _sim_next(stream, counts, C, lists, budget, gate=True):
     from coldset.analysis.simulate import simulate
 
-    sim = simulate(stream, "nexttoken", C, counts, predictions=lists, prefetch_budget=budget)
+    sim = simulate(stream, "nexttoken", C, counts, predictions=lists, prefetch_budget=budget, prefetch_gate=gate)
     return sim, np.stack([sim.hits, sim.misses, sim.fills, sim.prefetches], axis=1)
 
 
@@ -150,7 +150,9 @@ def _next_engine_run(engine, batch, residency, prompts, new_tokens=10, sabotage=
     C = hot_count_for_residency(residency, L * E)
     row_map, _, wc = _warm(counts, C)
     F = _forecaster(L, E, k, seed=batch, keep=200, extra=1)
-    cache = SlotCache.build(engine.pools, host_tier(engine.pools), row_map, wc, "nexttoken", batch, k, forecaster=F)
+    # random tables forecast poorly: without the gate, so that the prefetch itself is under test
+    cache = SlotCache.build(engine.pools, host_tier(engine.pools), row_map, wc, "nexttoken", batch, k, forecaster=F,
+                            prefetch_gate=False)
     if sabotage is not None:
         sabotage(cache)
     ref_fn, rowmap_fn, _ = gate.experts_functions(engine.device)
@@ -174,7 +176,8 @@ def test_nexttoken_engine_equals_the_simulator_and_the_unmodified_path(engine, b
     forecast lists and per-group counts equal coldset.analysis.forecast / coldset.analysis.cache on the engine's own
     routing; prefetches issued and used."""
     prompts = np.random.default_rng(5).integers(0, engine.config.vocab_size, size=(batch, 8)).tolist()
-    cache, logits, ref, routing, counts, C, F = _next_engine_run(engine, batch, 0.5, prompts)
+    # batch 2 on a larger pool: a step's experts fill half the slots, lru_guard's bar leaves room to prefetch
+    cache, logits, ref, routing, counts, C, F = _next_engine_run(engine, batch, 0.5 if batch == 1 else 0.75, prompts)
     assert torch.equal(logits, ref)
     _assert_next_run_is_the_simulators(cache, routing, counts, C, F)
 
@@ -185,7 +188,7 @@ def _assert_next_run_is_the_simulators(cache, routing, counts, C, F):
     used, no commit refused, the cache's state consistent."""
     stream, lists = _next_reference(routing, F, None)
     np.testing.assert_array_equal(cache.prefetch_lists(), lists)
-    sim, want = _sim_next(stream, counts, C, lists, None)
+    sim, want = _sim_next(stream, counts, C, lists, None, gate=cache.rules.gate_on)
     np.testing.assert_array_equal(_next_history(cache), want)
     assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
     assert cache.counters()["stale"] == 0

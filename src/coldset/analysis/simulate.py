@@ -136,7 +136,8 @@ class CacheResult:
 
 def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
              record_victims: bool = False, predictions: np.ndarray | None = None,
-             prefetch_budget: int | None = None, lead_unit: int | None = None) -> CacheResult:
+             prefetch_budget: int | None = None, lead_unit: int | None = None,
+             prefetch_gate: bool = True) -> CacheResult:
     """Replay ``stream`` through a pool of ``capacity`` slots under ``policy`` (a name of
     :data:`coldset.analysis.policies.REGISTRY`).
 
@@ -150,7 +151,9 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     that take one (``nexttoken``; None: no cut); ``lead_unit``: the prefetch gate's measure of a
     group's compute, for the gated policies (``forecast``, ``nexttoken``;
     :func:`coldset.analysis.policies.base.prefetch_lead_unit` from the time model; None:
-    :data:`~coldset.analysis.policies.base.DEFAULT_LEAD_UNIT`). See the module docstring for the rules.
+    :data:`~coldset.analysis.policies.base.DEFAULT_LEAD_UNIT`); ``prefetch_gate`` False: those policies
+    prefetch without the gate (tests of the prefetch itself, and what the gate saves). See the
+    module docstring for the rules.
     """
     rules = policy_for(policy)
     counts = np.asarray(profile_counts, dtype=np.float64)
@@ -181,7 +184,7 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     victims = np.full(stream.instances.size, -1, dtype=np.int64) if record_victims else None
     out = rules.replay(stream, warm, counts.reshape(-1), lists,
                        None if prefetch_budget is None else int(prefetch_budget), victims,
-                       DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit))
+                       -1 if not prefetch_gate else DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit))
     ids, ptr = stream.instances, stream.group_ptr
     hits = np.add.reduceat(out.hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
     return CacheResult(policy, capacity, out.hit, hits, np.diff(ptr) - hits, out.fills, stream.tokens, victims,

@@ -477,10 +477,10 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
 
 
 def _fill_pairs(pools) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, host tier, slots) of every pool a fill copies: both weights, and for block-FP8
-    experts both scale pools (a slot holds its expert's scales beside its weights)."""
+    """(name, host tier, slots) of every pool a fill copies: both weights, and for scaled
+    (block-FP8, MXFP4) experts both scale pools (a slot holds its expert's scales beside its weights)."""
     pairs = [("w13", pools.w13_cold, pools.w13_hot), ("w2", pools.w2_cold, pools.w2_hot)]
-    if pools.is_fp8:
+    if pools.has_scales:
         pairs += [("w13_scale", pools.w13_scale_cold, pools.w13_scale_hot),
                   ("w2_scale", pools.w2_scale_cold, pools.w2_scale_hot)]
     return pairs
@@ -489,7 +489,7 @@ def _fill_pairs(pools) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 def _check_fill_pools(pools) -> None:
     for name, host, slots in _fill_pairs(pools):
         if host is None or slots is None:
-            raise ValueError(f"fill: FP8 pools without their {name} host tier or slots")
+            raise ValueError(f"fill: scaled pools without their {name} host tier or slots")
         if host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
             raise ValueError(f"fill: {name} host rows {tuple(host.shape[1:])} {host.dtype} differ from slots "
                              f"{tuple(slots.shape[1:])} {slots.dtype}")
@@ -519,7 +519,7 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
         state = (count, count, count, count, count, 0, 0, 0, 0, tags[2] if tags else count, count)
         cp = 2
     tag_list, done = (tags[0], tags[1]) if tags else (count, count)
-    fp8 = pools.is_fp8  # the scale pools ride in the same launch, never a launch of their own
+    fp8 = pools.has_scales  # the scale pools ride in the same launch, never a launch of their own
     if fp8:
         s13, s2 = pools.w13_scale_hot, pools.w2_scale_hot
         scales = (pools.w13_scale_cold, s13, s13[0].numel(), pools.w2_scale_cold, s2, s2[0].numel(),
@@ -996,7 +996,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
                  hist_unit, hist_shift,
                  pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, hist_cap, width,
                  budget, C, L, R, guard, gate_ptr, want_ptr, want_n_ptr, want_group_ptr, group_index_ptr, lead_unit,
-                 WM, E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
+                 gate_on, WM, E: tl.constexpr, K: tl.constexpr, NPRED: tl.constexpr, NSEL: tl.constexpr, J: tl.constexpr,
                  TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr,
                  WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr):
     """nexttoken after group (step, ``layer``), on the side stream once the group's demand is
@@ -1091,7 +1091,7 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     tl.store(want_n_ptr + layer, nw.to(tl.int64))
     tl.store(want_group_ptr + layer, gi)
     tl.store(group_index_ptr, gi + 1)
-    is_open = a2 >= a0 - a1
+    is_open = (a2 >= a0 - a1) | (gate_on == 0)
     nwant = tl.where(is_open, tl.minimum(nw, budget), 0)
     # the forecast's predicted flags (none while the gate is closed)
     tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)
@@ -1124,7 +1124,8 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
         rules.pf_victims[layer], rules.pf_new[layer], rules.pf_tags[layer],
         rules.pf_count[layer], rules.prediction_history, rules.prefetch_history, rules.prediction_history.shape[0],
         width, rules.prefetch_budget, cap, L, rules.selections.shape[0], cache.guard_ticks(n), rules.gate_acc,
-        rules.want, rules.want_n, rules.want_group, rules.group_index, rules.lead_unit, rules.want.shape[1],
+        rules.want, rules.want_n, rules.want_group, rules.group_index, rules.lead_unit,
+        int(rules.gate_on), rules.want.shape[1],
         E=E, K=k, NPRED=rules.num_predictions, NSEL=rules.selections.shape[2], J=rules.terms.shape[0],
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=max(2, _next_pow2(width)),
         SCAN=_scan_size(cap, mpv), MPV=mpv, WMP=max(2, _next_pow2(rules.want.shape[1])), COPY=rules.copy_unit,

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, recording
 from coldset.analysis.policies.heap import BELADY_KEYS, replay_keyed
 
 
-def next_use_ticks(ids: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+@jit
+def next_use_ticks(ids, n_inst):
     """float64 ``[N]``: for each selection, the tick of the next selection of the same instance
-    (``inf`` when none). Used by Belady at the last occurrence of an instance in its group, where
-    this is its next use after the group."""
-    ids = np.asarray(ids, dtype=np.int64)
-    order = np.argsort(ids, kind="stable")
-    out = np.full(ids.size, np.inf)
-    same = ids[order[1:]] == ids[order[:-1]]
-    out[order[:-1][same]] = order[1:][same]
+    (``inf`` when none), by one backward pass. Used by Belady at the last occurrence of an instance
+    in its group, where this is its next use after the group."""
+    out = np.empty(ids.size)
+    nxt = np.full(n_inst, np.inf)
+    for i in range(ids.size - 1, -1, -1):
+        out[i] = nxt[ids[i]]
+        nxt[ids[i]] = i
     return out
 
 
@@ -30,5 +32,5 @@ class Belady(CachePolicy):
         record, rec = recording(victims)
         ids, ptr = stream.instances, stream.group_ptr
         hit, fills = replay_keyed(ids, ptr, warm, counts[warm], stream.num_instances, BELADY_KEYS,
-                                  next_use_ticks(ids, ptr), record, rec)
+                                  next_use_ticks(ids, stream.num_instances), record, rec)
         return Replay(hit, fills)

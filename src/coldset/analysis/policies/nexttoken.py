@@ -31,8 +31,8 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     group's list (up to ``budget`` copies, ``budget < 0``: no cut) into unpredicted, unused, not
     in-flight slots of any layer, in flight until the next group of the same layer; no victim
     (demand or prefetch) among the instances the last ``guard`` groups used or prefetched; the
-    prefetch only while the gate (``lead_unit``, :func:`coldset.analysis.policies.base.prefetch_lead_unit`)
-    is open (and the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N],
+    prefetch only while the gate (``lead_unit``, :func:`coldset.analysis.policies.base.prefetch_lead_unit`;
+    < 0: none, always open) is open (and the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N],
     fills [G], prefetches [G], useful, issued [G, W], wasted)."""
     n = ids.size
     n_groups = ptr.size - 1
@@ -104,8 +104,10 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
         for i in range(s, e):
             inst_group[ids[i]] = g
         # the gate: this layer's last list against this group's selections, then this group's list
-        gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
-        open_gate = gate_open(acc)
+        open_gate = True
+        if lead_unit >= 0:
+            gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
+            open_gate = gate_open(acc)
         nw = 0
         for q in range(width):
             x = pred[g, q]

@@ -90,10 +90,11 @@ class NextToken(PrefetchingPolicy):
 
     @classmethod
     def create(cls, shape: PoolShape, *, forecaster=None, prefetch_budget: int | None = None,
-               lead_unit: int | None = None, **_) -> "NextToken":
+               lead_unit: int | None = None, prefetch_gate: bool = True, **_) -> "NextToken":
         """``forecaster`` (:func:`forecast_arrays`), ``prefetch_budget`` (copies issued per group at
         most; None = the whole list, ``max_tokens * n``) and ``lead_unit`` (the gate's,
-        :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the default)."""
+        :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the default); ``prefetch_gate``
+        False: the gate's sums are kept but it never closes (the simulator's ``prefetch_gate``)."""
         L, E, dev = shape.num_moe_layers, shape.num_experts, shape.device
         fc = forecast_arrays(forecaster, L, E)
         width = shape.max_tokens * fc["n"]
@@ -132,6 +133,7 @@ class NextToken(PrefetchingPolicy):
         self.forked = None
         self.ids_alive = [None] * L
         self.lead_unit = lead
+        self.gate_on = bool(prefetch_gate)
         self.copy_unit, self.gate_shift = COPY_UNIT, GATE_SHIFT  # the gate's constants, as the kernel reads them
         self.gate_acc = torch.zeros(3, dtype=torch.int64, device=dev)
         self.want = torch.zeros((L, min(width, E)), dtype=torch.int64, device=dev)
@@ -314,7 +316,7 @@ class NextToken(PrefetchingPolicy):
         rec = torch.where(listed, seq, -1)
         rec = rec[:width] if E >= width else torch.nn.functional.pad(rec, (0, width - E), value=-1)
         # the gate judges this layer's last list; closed, the forecast flags nothing and fetches nothing
-        is_open = self.gate(cache, layer, used)
+        is_open = self.gate(cache, layer, used) | (not self.gate_on)
         self.predicted[base:base + E] = False
         self.predicted.index_put_((seq,), listed & is_open)
         # 4. the prefetch (this list's wanted instances kept for the gate)

@@ -129,7 +129,7 @@ class SlotCache:
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
               policy: str, max_tokens: int, top_k: int, history: int = 4096, routers=None,
               depth: int = 1, forecaster=None, prefetch_budget: int | None = None,
-              lead_unit: int | None = None) -> "SlotCache":
+              lead_unit: int | None = None, prefetch_gate: bool = True) -> "SlotCache":
         """A cache whose slots hold the warm set of ``warm_row_map`` (docs/design.md §3 placement
         encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
         unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
@@ -140,7 +140,7 @@ class SlotCache:
         (:func:`coldset.engine.cache.nexttoken.forecast_arrays`), ``prefetch_budget`` (copies
         issued per group at most; None = the whole list, ``max_tokens * n``) and ``lead_unit``
         (its prefetch gate's, :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the
-        default, as the simulator's).
+        default, as the simulator's) and ``prefetch_gate`` (False: prefetch without the gate).
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -151,7 +151,8 @@ class SlotCache:
         rules = POLICIES[policy].create(
             PoolShape(num_moe_layers=L, num_experts=E, capacity=capacity, max_tokens=int(max_tokens),
                       top_k=int(top_k), history=history, device=dev),
-            routers=routers, depth=depth, forecaster=forecaster, prefetch_budget=prefetch_budget, lead_unit=lead_unit)
+            routers=routers, depth=depth, forecaster=forecaster, prefetch_budget=prefetch_budget, lead_unit=lead_unit,
+            prefetch_gate=prefetch_gate)
         need = int(top_k) * int(max_tokens)
         if capacity < need:
             raise CacheCapacityError(
@@ -416,7 +417,7 @@ class SlotCache:
         if tags is not None:
             tag_list, done, _ = tags
             done[slots] = tag_list[valid]
-        if pools.is_fp8:  # a slot holds its expert's FP8 scales beside its weights
+        if pools.has_scales:  # a slot holds its expert's scales (FP8, MXFP4) beside its weights
             pools.w13_scale_hot[slots] = pools.w13_scale_cold[inst]
             pools.w2_scale_hot[slots] = pools.w2_scale_cold[inst]
 
@@ -443,7 +444,7 @@ class SlotCache:
             dev = pools.w13_hot.device
             for s in range(self.capacity):
                 o = int(owner[s])
-                scales_ok = not pools.is_fp8 or (
+                scales_ok = not pools.has_scales or (
                     torch.equal(pools.w13_scale_hot[s], pools.w13_scale_cold[o].to(dev))
                     and torch.equal(pools.w2_scale_hot[s], pools.w2_scale_cold[o].to(dev)))
                 if not (torch.equal(pools.w13_hot[s], pools.w13_cold[o].to(dev))
