@@ -287,9 +287,6 @@ def _frame(tokens, seq):
                          "expert": tokens.reshape(-1)})
 
 
-#: How much slower than lru a policy may be in simulated time on a held-out split (its own demand order
-#: and the few lists the gate lets through before it closes).
-HELDOUT_TOLERANCE = 0.02
 
 
 @pytest.mark.parametrize("kind", ["uniform", "successor"])
@@ -297,9 +294,9 @@ def test_gated_prefetch_is_off_where_useless_and_on_where_it_helps(kind):
     """Profile = the first half of the requests (the forecasters fitted there), replay = the other
     half at batch 1 and 2, residency 0.5, the time model's link and compute terms setting the gate.
     Uniform routing: the gate closes (fewer copies than two steps' lists), and no policy is slower
-    than lru by more than :data:`HELDOUT_TOLERANCE`. Successor routing: the gate stays open, most
+    than lru by more than :data:`coldset.analysis.cache.HELDOUT_TOLERANCE`. Successor routing: the gate stays open, most
     prefetches are useful and the prefetching policies are faster than lru by a tenth or more."""
-    from coldset.analysis.cache import simulation_table
+    from coldset.analysis.cache import HELDOUT_TOLERANCE, simulation_table
     from coldset.analysis.forecast import NextTokenForecaster, TransitionForecaster
     from coldset.analysis.streams import counts_from_rows, lanes_from_tokens
 
@@ -329,3 +326,34 @@ def test_gated_prefetch_is_off_where_useless_and_on_where_it_helps(kind):
                 assert table.loc[policy, "prefetch_precision"] > 0.6, (policy, batch)
                 assert table.loc[policy, "step_ms"] < 0.9 * lru, (policy, batch)
         assert table.loc["lru_guard", "step_ms"] <= lru * (1 + HELDOUT_TOLERANCE)
+
+
+def test_recommendation_is_by_simulated_time_and_never_slower_than_lru_on_the_heldout_split():
+    """Hand-made tables: the policy chosen on the validation table is kept where its held-out step
+    is within the tolerance of lru's (or faster), replaced by lru, saying so, where it is slower;
+    belady (the offline bound) is never chosen; the hit rate plays no part; no time columns: no rows."""
+    import pandas as pd
+
+    from coldset.analysis.cache import HELDOUT_TOLERANCE, recommendation
+
+    def table(steps, hits=None):
+        return pd.DataFrame([{"batch": b, "residency": r, "policy": p, "step_ms": s,
+                              "hit_rate": (hits or {}).get(p, 0.5)} for (b, r, p), s in steps.items()])
+
+    held = table({(1, 0.5, "lru"): 10.0, (1, 0.5, "nexttoken"): 12.0, (1, 0.5, "belady"): 5.0,
+                  (1, 0.5, "forecast"): 9.0, (8, 0.5, "lru"): 20.0, (8, 0.5, "nexttoken"): 18.0,
+                  (8, 0.5, "belady"): 1.0, (8, 0.5, "forecast"): 20.0 * (1 + HELDOUT_TOLERANCE / 2)},
+                 hits={"nexttoken": 0.99})
+    choice = table({(1, 0.5, "lru"): 10.0, (1, 0.5, "nexttoken"): 7.0, (1, 0.5, "belady"): 1.0,
+                    (1, 0.5, "forecast"): 8.0, (8, 0.5, "lru"): 20.0, (8, 0.5, "nexttoken"): 21.0,
+                    (8, 0.5, "belady"): 1.0, (8, 0.5, "forecast"): 19.0})
+    rec = recommendation(held, choice).set_index("batch")
+    assert rec.loc[1, "chosen"] == "nexttoken" and rec.loc[1, "policy"] == "lru"
+    assert "slower than lru on the held-out split" in rec.loc[1, "verdict"] and rec.loc[1, "vs_lru"] == 1.0
+    assert rec.loc[8, "chosen"] == rec.loc[8, "policy"] == "forecast"
+    assert rec.loc[8, "vs_lru"] == pytest.approx(1 + HELDOUT_TOLERANCE / 2)
+    assert (rec.chosen_on == "validation").all()
+    own = recommendation(held).set_index("batch")  # chosen on the held-out table itself: never slower than lru
+    assert own.loc[1, "policy"] == "forecast" and own.loc[8, "policy"] == "nexttoken"
+    assert (own.chosen_on == "heldout").all() and (own.vs_lru <= 1).all()
+    assert recommendation(held.assign(step_ms=float("nan"))).empty

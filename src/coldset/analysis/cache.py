@@ -121,6 +121,60 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
     return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS + TIME_COLUMNS))
 
 
+#: How much slower than lru in simulated time a recommended policy may be on the held-out split
+#: before the recommendation falls back to lru (the gated policies' first lists and demand order).
+HELDOUT_TOLERANCE = 0.02
+#: The policies a recommendation leaves out: belady knows the future.
+NOT_RECOMMENDED = ("belady",)
+RECOMMENDATION_COLUMNS = ("batch", "residency", "policy", "chosen", "chosen_on", "step_ms", "lru_step_ms",
+                          "vs_lru", "verdict")
+
+
+def recommendation(heldout: pd.DataFrame, choice: pd.DataFrame | None = None,
+                   tolerance: float = HELDOUT_TOLERANCE) -> pd.DataFrame:
+    """Per (batch, residency) of ``heldout`` (:func:`simulation_table` rows with the time columns) the
+    policy to use, by simulated time (``step_ms``), not hit rate: chosen on ``choice`` (the same
+    table on tokens the forecasters were fitted on: the profile's validation requests; None: on
+    ``heldout`` itself, said in ``chosen_on``), then checked on ``heldout``: where the chosen
+    policy's held-out step exceeds lru's by more than ``tolerance``, the verdict says so and the
+    recommendation is lru. ``vs_lru`` = the recommended policy's held-out step / lru's. Empty
+    without time columns or an lru row."""
+    rows = []
+    if "step_ms" not in heldout or heldout["step_ms"].isna().all():
+        return pd.DataFrame(rows, columns=list(RECOMMENDATION_COLUMNS))
+    for (batch, res), part in heldout.groupby(["batch", "residency"], sort=True):
+        steps = part.dropna(subset=["step_ms"]).set_index("policy")["step_ms"]
+        if "lru" not in steps:
+            continue
+        pick = choice[(choice.batch == batch) & (choice.residency == res)] if choice is not None else part
+        cand = pick.dropna(subset=["step_ms"])
+        cand = cand[~cand.policy.isin(NOT_RECOMMENDED) & cand.policy.isin(steps.index)]
+        # the fastest; on a tie lru (the plainest) first
+        chosen = str(min(zip(cand.step_ms, cand.policy != "lru", cand.policy))[2]) if len(cand) else "lru"
+        lru = float(steps["lru"])
+        step = float(steps[chosen])
+        if step > lru * (1 + tolerance):
+            verdict, policy = f"{chosen} slower than lru on the held-out split ({step / lru:.3f}x): lru", "lru"
+        else:
+            verdict, policy = ("faster than lru" if step < lru else "as lru" if chosen == "lru"
+                               else "within tolerance of lru"), chosen
+        rows.append({"batch": int(batch), "residency": float(res), "policy": policy, "chosen": chosen,
+                     "chosen_on": "validation" if choice is not None else "heldout",
+                     "step_ms": float(steps[policy]), "lru_step_ms": lru, "vs_lru": float(steps[policy]) / lru,
+                     "verdict": verdict})
+    return pd.DataFrame(rows, columns=list(RECOMMENDATION_COLUMNS))
+
+
+def validation_part(profile: DecodeTokens) -> DecodeTokens | None:
+    """The profile's validation requests (every 5th, :func:`coldset.analysis.forecast.validation_split`,
+    as the next-token forecaster is tuned), where a recommendation is chosen; None where that leaves
+    no tokens or every token."""
+    if profile.tokens == 0:
+        return None
+    val = validation_split(profile.request.astype(np.int64))
+    return profile.take(val) if val.any() and not val.all() else None
+
+
 def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, model_config: Any,
               out_dir: str | os.PathLike, policies: Sequence[str] = POLICIES,
               residencies: Sequence[float] = (0.25, 0.5, 0.75, 1.0), profile_domains: Any = None, *,
@@ -128,8 +182,9 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
               heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
               figures: bool = True, time: Mapping[str, Any] | None = None,
               prefetch_budget: int | None = None, nexttoken_extra: int = 3) -> dict[str, Path]:
-    """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS` + :data:`TIME_COLUMNS`)
-    and ``locality.png``.
+    """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS` + :data:`TIME_COLUMNS`),
+    ``recommendation.csv`` (:func:`recommendation`: chosen by simulated time on the profile's
+    validation requests, checked against lru on the held-out split) and ``locality.png``.
 
     Warm pool = the ``usage_global`` hot set the placement stage chooses from the same histogram
     and profile (:func:`coldset.analysis.profile.profile_counts` with ``profile_domains``,
@@ -162,18 +217,24 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     if "nexttoken" in policies:
         tokens, seq = profile.token_array()
         nexttoken = NextTokenForecaster.fit_tuned(tokens, seq, meta.top_k, E, extra=nexttoken_extra)
-    tables = []
+    val = validation_part(profile)
+    tables, choices = [], []
     for batch, models in time_models(time, per_expert).items():
-        lanes = replay.lanes(batch)
-        tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
-                                       lanes=lanes, nexttoken=nexttoken, time_model=models, batch=batch,
-                                       prefetch_budget=prefetch_budget))
+        for part, out_tables in ((replay, tables), (val, choices)):
+            if part is None:
+                continue
+            lanes = part.lanes(batch)
+            out_tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
+                                               lanes=lanes, nexttoken=nexttoken, time_model=models, batch=batch,
+                                               prefetch_budget=prefetch_budget))
     table = pd.concat(tables, ignore_index=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"simulation": out / "simulation.csv"}
+    paths = {"simulation": out / "simulation.csv", "recommendation": out / "recommendation.csv"}
     with atomic_path(paths["simulation"]) as tmp:
         table.to_csv(tmp, index=False)
+    with atomic_path(paths["recommendation"]) as tmp:
+        recommendation(table, pd.concat(choices, ignore_index=True) if choices else None).to_csv(tmp, index=False)
     if figures:
         locality = json.loads(Path(locality_json).read_text()) if locality_json else None
         paths["figure"] = out / "locality.png"
@@ -400,21 +461,30 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
         print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
               f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}, tuned on "
               f"{tuning_note(seq, None)}", file=sys.stderr)
-    tables = []
+    val = validation_part(profile) if args.bytes_per_expert else None
+    tables, choices = [], []
     for batch, step_ms in zip(args.batch, steps):
-        lanes = replay.lanes(batch)
         model = None
         if args.bytes_per_expert:
             model = TimeModel(step_ms, args.bytes_per_expert, args.link_gb_s, args.head_share, args.router_share,
                               args.link, args.join, args.demand_share)
-        tables.append(simulation_table(lanes.stream(), profile.counts(), args.policies,
-                                       args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
-                                       nexttoken=nexttoken, time_model=model, batch=batch,
-                                       prefetch_budget=args.prefetch_budget))
+        for part, out_tables in ((replay, tables), (val, choices)):
+            if part is None:
+                continue
+            lanes = part.lanes(batch)
+            out_tables.append(simulation_table(lanes.stream(), profile.counts(), args.policies,
+                                               args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
+                                               nexttoken=nexttoken, time_model=model, batch=batch,
+                                               prefetch_budget=args.prefetch_budget))
     table = pd.concat(tables, ignore_index=True)
     if not args.bytes_per_expert:
         table["link_gb_per_token"] = float("nan")
     print(table.to_csv(index=False, float_format="%.6g"), end="")
+    if args.bytes_per_expert:
+        rec = recommendation(table, pd.concat(choices, ignore_index=True) if choices else None)
+        print("recommendation (by simulated time; chosen on the profile's validation requests, checked against "
+              "lru on the replay):", file=sys.stderr)
+        print(rec.to_csv(index=False, float_format="%.4g"), end="", file=sys.stderr)
     return 0
 
 
