@@ -438,8 +438,8 @@ def read_experts(cfg: GptOssConfig, src: TensorSource, device, dtype) -> tuple[t
     interleaved; ``experts.down_proj`` ``[E, I, H]``; ``*_bias``), transposed and de-interleaved;
     or, for an MXFP4 checkpoint, from ``gate_up_proj_blocks`` ``[E, 2I, H/32, 16]`` /
     ``_scales`` ``[E, 2I, H/32]`` and ``down_proj_blocks`` / ``_scales``, dequantized to ``dtype``
-    by :func:`coldset.core.mxfp4.dequantize` (rows already out-major), then de-interleaved
-    (:func:`coldset.core.mxfp4.deinterleave_rows`)."""
+    by :func:`coldset.core.mxfp4.dequantize` (rows already out-major) on ``device``, then
+    de-interleaved (:func:`coldset.core.mxfp4.deinterleave_rows`)."""
     L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     packed = cfg.checkpoint_expert_format == mxfp4.FORMAT_NAME
     if packed:
@@ -452,30 +452,35 @@ def read_experts(cfg: GptOssConfig, src: TensorSource, device, dtype) -> tuple[t
     for m, layer in enumerate(cfg.moe_layers):
         p = f"model.layers.{layer}.mlp.experts"
         if packed:
-            gate_up = _dequantized(src, f"{p}.gate_up_proj", E, 2 * I, H, dtype)  # [E, 2I, H]
-            down = _dequantized(src, f"{p}.down_proj", E, H, I, dtype)  # [E, H, I]
+            _read_mxfp4(src, f"{p}.gate_up_proj", w13[m], interleaved=True)
+            _read_mxfp4(src, f"{p}.down_proj", w2[m], interleaved=False)
         else:
             gate_up = src.get(f"{p}.gate_up_proj", (E, H, 2 * I)).transpose(1, 2)
-            down = src.get(f"{p}.down_proj", (E, I, H)).transpose(1, 2)
-        w13[m].copy_(mxfp4.deinterleave_rows(gate_up, 1, f"{p}.gate_up_proj"))
-        w2[m].copy_(down)
+            w13[m].copy_(mxfp4.deinterleave_rows(gate_up, 1, f"{p}.gate_up_proj"))
+            w2[m].copy_(src.get(f"{p}.down_proj", (E, I, H)).transpose(1, 2))
         bias = src.get(f"{p}.gate_up_proj_bias", (E, 2 * I))
         b13[m].copy_(mxfp4.deinterleave_rows(bias, 1, f"{p}.gate_up_proj_bias"))
         b2[m].copy_(src.get(f"{p}.down_proj_bias", (E, H)))
     return w13, w2, b13, b2
 
 
-def _dequantized(src: TensorSource, name: str, experts: int, rows: int, cols: int, dtype) -> torch.Tensor:
-    """An MXFP4 matrix per expert ``[experts, rows, cols]`` in ``dtype`` from ``{name}_blocks`` and
-    ``{name}_scales`` (groups of 32 along ``cols``)."""
-    if cols % 32:
-        raise ModelLoadError(f"tensor {name}_blocks: MXFP4 groups 32 values along a row, and {cols} is not a multiple")
-    blocks = src.get(f"{name}_blocks", (experts, rows, cols // 32, 16))
-    scales = src.get(f"{name}_scales", (experts, rows, cols // 32))
-    try:
-        return mxfp4.dequantize(blocks, scales, dtype, name)
-    except mxfp4.Mxfp4FormatError as exc:
-        raise ModelLoadError(f"tensors {name}_blocks/{name}_scales: {exc}") from None
+def _read_mxfp4(src: TensorSource, name: str, out: torch.Tensor, interleaved: bool) -> None:
+    """Dequantize the MXFP4 matrices ``{name}_blocks`` / ``{name}_scales`` (groups of 32 along a
+    row) into ``out`` ``[experts, rows, cols]`` (its dtype and device; gate/up rows de-interleaved
+    when ``interleaved``). The packed bytes go to ``out``'s device first (a quarter of the bytes of
+    bf16) and are dequantized one expert at a time, so the temporaries stay one expert's."""
+    experts, rows, cols = out.shape
+    if cols % mxfp4.BLOCK:
+        raise ModelLoadError(f"tensor {name}_blocks: MXFP4 groups {mxfp4.BLOCK} values along a row, and {cols} is "
+                             "not a multiple")
+    blocks = src.get(f"{name}_blocks", (experts, rows, cols // mxfp4.BLOCK, mxfp4.BLOCK_BYTES)).to(out.device)
+    scales = src.get(f"{name}_scales", (experts, rows, cols // mxfp4.BLOCK)).to(out.device)
+    for e in range(experts):
+        try:
+            w = mxfp4.dequantize(blocks[e], scales[e], out.dtype, name)
+        except mxfp4.Mxfp4FormatError as exc:
+            raise ModelLoadError(f"tensors {name}_blocks/{name}_scales: {exc}") from None
+        out[e].copy_(mxfp4.deinterleave_rows(w, 0, name) if interleaved else w)
 
 
 def load(cfg: GptOssConfig, src: TensorSource, device: torch.device, dtype: torch.dtype) -> GptOssModel:
