@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.bench import decode as bench
 from coldset.core import fp8
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, yarn_mscale
@@ -24,6 +25,7 @@ from coldset.engine.model import ModelLoadError
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from synthetic_engines import graphed_greedy_tokens
 from test_fp8 import TABLE
 
 transformers = pytest.importorskip("transformers")
@@ -474,3 +476,17 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint, requ
         assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
     for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
         assert (a[1] - b[1]).abs().max().item() < 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "block_fp8"])
+def test_cuda_graph_of_the_compiled_step_decodes_what_generate_decodes(checkpoint, request, weights):
+    """The bench's decode loop (coldset.bench.decode.Decoder: the compiled step captured in one CUDA
+    graph, replayed) on the latent cache gives generate()'s greedy tokens."""
+    folder = checkpoint("q_lora_yarn") if weights == "bf16" else request.getfixturevalue("fp8_checkpoint")[1]
+    model = load(folder, torch.bfloat16, "cuda")
+    model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
+    model.compile_decode()
+    prompts = bench.bench_prompts([t for p in PROMPTS for t in p], 2, 8)
+    want = generate(model, prompts.tolist(), NEW_TOKENS, progress=False).tokens
+    assert graphed_greedy_tokens(model, prompts, NEW_TOKENS) == want

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coldset.analysis.placement import row_map_from_mask
+from coldset.bench import decode as bench
 from coldset.core.shapes import parameter_counts, read_shape
 from coldset.engine.deepseek_v3 import DeepseekMoE
 from coldset.engine.generate import generate
@@ -21,6 +22,7 @@ from coldset.engine.loading import load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.verify import gate
 
+from synthetic_engines import graphed_greedy_tokens
 from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -236,3 +238,15 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
         assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
     for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
         assert (a[1] - b[1]).abs().max().item() < 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_graph_of_the_compiled_step_decodes_what_generate_decodes(checkpoint):
+    """The bench's decode loop (coldset.bench.decode.Decoder: the compiled step captured in one CUDA
+    graph, replayed) gives generate()'s greedy tokens."""
+    model = load_model(checkpoint("bias_qknorm"), device="cuda", dtype=torch.bfloat16)
+    model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
+    model.compile_decode()
+    prompts = bench.bench_prompts([t for p in PROMPTS for t in p], 2, 8)
+    want = generate(model, prompts.tolist(), NEW_TOKENS, progress=False).tokens
+    assert graphed_greedy_tokens(model, prompts, NEW_TOKENS) == want
