@@ -131,3 +131,24 @@ def test_mxfp4_pools_refuse_missing_or_misshapen_scales():
         ExpertPools.all_hot(q[0], q[1], bad, q[3])
     with pytest.raises(mxfp4.Mxfp4FormatError, match="w13_scale: e8m0 scale 255"):
         build_pools(q[0], q[1], random_row_map(1, 4, 0.5, 0), "cpu", w13_scale=bad, w2_scale=q[3])
+
+
+def test_mxfp4_slot_cache_fills_scales_with_their_weights():
+    """A CPU slot cache over MXFP4 pools that has just filled cold experts into slots: every slot
+    holds its owner's packed weights and scales (the cache's own content check), and the torch path
+    on it is bitwise the all-hot output, token group after token group."""
+    from coldset.engine.cache.pool import SlotCache
+
+    q = make_mxfp4(2, 8, 64, 96, seed=6)
+    all_hot = pools_of(q, swiglu_clamped(limit=7.0))
+    x, ids, w = routing(6, 8, 3, 64, seed=6)
+    flat = np.arange(16).reshape(2, 8)
+    warm = np.where(flat % 8 < 3, flat, -flat - 1)  # 3 warm experts a layer in 6 slots
+    rm = np.where(warm >= 0, np.cumsum(warm >= 0).reshape(2, 8) - 1, -np.cumsum(warm < 0).reshape(2, 8)).astype(np.int32)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), rm, np.ones(6), "lru", max_tokens=2, top_k=3)
+    for t in range(0, 6, 2):
+        cache.admit(1, ids[t:t + 2])
+        cache.check(contents=True)
+        group = (x[t:t + 2], ids[t:t + 2], w[t:t + 2])
+        assert torch.equal(torch_experts(cache.pools, 1, *group), torch_experts(all_hot, 1, *group))
+    assert cache.pools.is_mxfp4 and (cache.pools.row_map[1].numpy() != rm[1]).any()
