@@ -20,8 +20,9 @@ from coldset.core import mxfp4
 from coldset.core.shapes import expert_bytes, parameter_counts
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import generate
+from coldset.engine import gpt_oss
 from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssConfig, GptOssModel, build_random_model
-from coldset.engine.loading import load_model, read_config
+from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
@@ -251,6 +252,47 @@ def test_mxfp4_folder_is_transformers_dequantization(checkpoint, caplog):
     _assert_matches_transformers(model, hf_model(path))
 
 
+def load_mxfp4_kept(folder, device="cpu") -> GptOssModel:
+    """An MXFP4 folder with its experts kept 4-bit in the pools (bf16 activations)."""
+    return gpt_oss.load(read_config(folder), _TensorSource(folder), torch.device(device), torch.bfloat16,
+                        keep_mxfp4=True)
+
+
+def test_mxfp4_experts_kept_4bit(checkpoint):
+    """keep_mxfp4: the pools hold the checkpoint's packed rows and scales (gate rows then up rows,
+    nothing unpacked), the config says mxfp4 (its expert bytes blocks + scales + biases); greedy
+    decode follows the dequantized bf16 load (other rounding: float32 products of the exact
+    weights); every placement bitwise the all-hot MXFP4 path; refused on a float32 model or a
+    folder without MXFP4 experts."""
+    path = checkpoint("mxfp4")
+    model = load_mxfp4_kept(path)
+    cfg, pools = model.config, model.pools
+    assert pools.is_mxfp4 and cfg.expert_format == "mxfp4" and pools.has_bias
+    tensors = load_file(path / "model.safetensors")
+    bias_bytes = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * tensors[
+        "model.layers.0.mlp.experts.down_proj_bias"].element_size()  # the checkpoint's dtype, as core.shapes counts
+    assert expert_bytes(cfg) == mxfp4.expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size) + bias_bytes
+    blocks, scales, _ = mxfp4.w13_from_checkpoint(tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"],
+                                                  tensors["model.layers.1.mlp.experts.gate_up_proj_scales"])
+    rows = slice(cfg.num_experts, 2 * cfg.num_experts)
+    assert torch.equal(pools.w13_hot[rows], blocks.flatten(-2)) and torch.equal(pools.w13_scale_hot[rows], scales)
+    dequantized = generate(load(path, torch.bfloat16), PROMPTS, 4, progress=False, return_all_logits=True)
+    kept = generate(model, PROMPTS, 4, progress=False, return_all_logits=True)
+    assert [t[:2] for t in kept.tokens] == [t[:2] for t in dequantized.tokens]
+    assert (kept.all_logits.float() - dequantized.all_logits.float()).abs().max().item() < 0.5
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    mask = np.random.default_rng(2).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    placed = pools.placed(row_map_from_mask(mask))
+    result = gate.compare("random-half", ids, gate.reference_decode(model, PROMPTS, 4, progress=False),
+                          gate.placement_decode(model, placed, PROMPTS, 4, progress=False), placed, model)
+    assert placed.num_cold > 0 and result.passed and result.logits_bitwise_equal
+    with pytest.raises(ModelLoadError, match="bfloat16"):
+        gpt_oss.load(read_config(path), _TensorSource(path), torch.device("cpu"), torch.float32, keep_mxfp4=True)
+    plain = checkpoint("gqa_yarn")
+    with pytest.raises(ModelLoadError, match="not MXFP4"):
+        load_mxfp4_kept(plain)
+
+
 def test_placements_and_the_slot_cache_are_bitwise_all_hot(checkpoint):
     """Experts in both tiers (a static placement) and a dynamic one (an LRU slot cache at batch 1)
     give bitwise the all-hot logits and tokens through the parity gate; the biases stay put."""
@@ -405,9 +447,11 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
     """On CUDA in bf16 through the Triton experts kernel (biases and the clamped SwiGLU in its
     epilogue): a placement whose cold experts are read from pinned host memory gives bitwise the
     all-hot logits, eagerly and with the decode region compile_decode installs (torch.compile;
-    the fused kernels are refused), for a bf16 folder and an MXFP4 one."""
-    for variant in ("gqa_yarn", "mxfp4"):
-        model = load(checkpoint(variant), torch.bfloat16, "cuda")
+    the fused kernels are refused), for a bf16 folder and an MXFP4 one, dequantized and kept 4-bit
+    (the MXFP4 kernel)."""
+    for variant in ("gqa_yarn", "mxfp4", "mxfp4-kept"):
+        model = (load_mxfp4_kept(checkpoint("mxfp4"), "cuda") if variant == "mxfp4-kept"
+                 else load(checkpoint(variant), torch.bfloat16, "cuda"))
         cfg = model.config
         ids = [f"p{i}" for i in range(len(PROMPTS))]
         mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5

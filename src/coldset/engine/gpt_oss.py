@@ -53,6 +53,7 @@ it and compiles the eager layer with ``torch.compile`` instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -483,14 +484,68 @@ def _read_mxfp4(src: TensorSource, name: str, out: torch.Tensor, interleaved: bo
         out[e].copy_(mxfp4.deinterleave_rows(w, 0, name) if interleaved else w)
 
 
-def load(cfg: GptOssConfig, src: TensorSource, device: torch.device, dtype: torch.dtype) -> GptOssModel:
+def read_mxfp4_experts(cfg: GptOssConfig, src: TensorSource, device, bias_dtype) -> tuple[torch.Tensor, ...]:
+    """An MXFP4 folder's routed experts kept 4-bit, as MXFP4 pools hold them
+    (:class:`~coldset.kernels.tiers.ExpertPools`): ``(w13 uint8 [L, E, 2I, H/2], w2 uint8 [L, E, H,
+    I/2], w13_scale uint8 [L, E, 2I, H/32], w2_scale uint8 [L, E, H, I/32], w13_bias [L, E, 2I],
+    w2_bias [L, E, H])`` on ``device``, gate rows then up rows
+    (:func:`coldset.core.mxfp4.w13_from_checkpoint`: whole rows moved, nothing unpacked), the biases
+    in ``bias_dtype``."""
+    if cfg.checkpoint_expert_format != mxfp4.FORMAT_NAME:
+        raise ModelLoadError(f"the experts are stored as {cfg.checkpoint_expert_format}, not MXFP4: there are no "
+                             "4-bit experts to keep")
+    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    g, nb = mxfp4.BLOCK, mxfp4.BLOCK_BYTES
+    w13 = torch.empty((L, E, 2 * I, H // 2), dtype=torch.uint8, device=device)
+    w2 = torch.empty((L, E, H, I // 2), dtype=torch.uint8, device=device)
+    s13 = torch.empty((L, E, 2 * I, H // g), dtype=torch.uint8, device=device)
+    s2 = torch.empty((L, E, H, I // g), dtype=torch.uint8, device=device)
+    b13 = torch.empty((L, E, 2 * I), dtype=bias_dtype, device=device)
+    b2 = torch.empty((L, E, H), dtype=bias_dtype, device=device)
+    for m, layer in enumerate(cfg.moe_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        blocks = src.get(f"{p}.gate_up_proj_blocks", (E, 2 * I, H // g, nb))
+        scales = src.get(f"{p}.gate_up_proj_scales", (E, 2 * I, H // g))
+        down_blocks = src.get(f"{p}.down_proj_blocks", (E, H, I // g, nb))
+        down_scales = src.get(f"{p}.down_proj_scales", (E, H, I // g))
+        try:
+            blocks, scales, bias = mxfp4.w13_from_checkpoint(blocks, scales, src.get(f"{p}.gate_up_proj_bias",
+                                                                                     (E, 2 * I)), f"{p}.gate_up_proj")
+            mxfp4.check_tensors(down_blocks, down_scales, f"{p}.down_proj")
+        except mxfp4.Mxfp4FormatError as exc:
+            raise ModelLoadError(str(exc)) from None
+        w13[m].copy_(blocks.flatten(-2))
+        s13[m].copy_(scales)
+        b13[m].copy_(bias)
+        w2[m].copy_(down_blocks.flatten(-2))
+        s2[m].copy_(down_scales)
+        b2[m].copy_(src.get(f"{p}.down_proj_bias", (E, H)))
+    return w13, w2, s13, s2, b13, b2
+
+
+def load(cfg: GptOssConfig, src: TensorSource, device: torch.device, dtype: torch.dtype,
+         keep_mxfp4: bool = False) -> GptOssModel:
     """A gpt_oss model from ``src`` (:func:`coldset.engine.loading.load_model` calls this): its
     weights (:func:`load_weights`) and every routed expert in the pools with its biases and the
-    config's activation (:func:`read_experts`, ``ExpertPools.all_hot``), in eval mode."""
+    config's activation, in eval mode. The experts are in ``dtype`` (:func:`read_experts`, an
+    MXFP4 folder's dequantized), or, with ``keep_mxfp4``, an MXFP4 folder's kept 4-bit
+    (:func:`read_mxfp4_experts`; the MXFP4 kernels take bf16 activations, so ``dtype`` must be
+    bfloat16, and the config's ``expert_format`` is then mxfp4)."""
+    if keep_mxfp4:
+        if dtype != torch.bfloat16:
+            raise ModelLoadError(f"keep_mxfp4: the MXFP4 experts kernels take bfloat16 activations, not {dtype}")
+        experts = read_mxfp4_experts(cfg, src, device, dtype)  # refuses a folder without MXFP4 experts
+        cfg = dataclasses.replace(cfg, expert_format=mxfp4.FORMAT_NAME)
+        log.info("gpt_oss: MXFP4 experts kept 4-bit in the pools (%d layers x %d experts)", cfg.num_moe_layers,
+                 cfg.num_experts)
     model = GptOssModel(cfg)
     load_weights(model, src, device, dtype)
-    w13, w2, b13, b2 = read_experts(cfg, src, device, dtype)
-    model.pools = ExpertPools.all_hot(w13, w2, w13_bias=b13, w2_bias=b2, activation=cfg.activation)
+    if keep_mxfp4:
+        w13, w2, s13, s2, b13, b2 = experts
+        model.pools = ExpertPools.all_hot(w13, w2, s13, s2, w13_bias=b13, w2_bias=b2, activation=cfg.activation)
+    else:
+        w13, w2, b13, b2 = read_experts(cfg, src, device, dtype)
+        model.pools = ExpertPools.all_hot(w13, w2, w13_bias=b13, w2_bias=b2, activation=cfg.activation)
     return model.eval()
 
 
