@@ -37,7 +37,8 @@ Checkpoints: bf16/float32 as written by transformers, and the published MXFP4 ex
 (``*_blocks`` / ``*_scales``, ``quantization_config.quant_method`` mxfp4), dequantized at load to
 the model dtype by :mod:`coldset.core.mxfp4`; the load log says so, and that keeping them 4-bit
 is the MXFP4 kernel's job. The config then says ``expert_format`` = the model dtype (what the
-pools hold) and ``checkpoint_expert_format`` mxfp4.
+pools hold) and ``checkpoint_expert_format`` mxfp4. :func:`load` with ``keep_mxfp4`` keeps them
+4-bit instead (MXFP4 pools, :mod:`coldset.kernels.triton_mxfp4` on CUDA; ``expert_format`` mxfp4).
 
 Refused by name (:class:`~coldset.engine.model.ModelLoadError`): RoPE types other than default
 and yarn, ``partial_rotary_factor``, a ``layer_types`` entry other than the two kinds (or of
