@@ -103,6 +103,7 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
     keep = out.size > 0
     H = np.zeros((V, L, E), dtype=np.int64)
     score = np.zeros(E, dtype=np.int64)
+    keys = np.empty(E, dtype=np.int64)
     best_k = np.empty(n, dtype=np.int64)
     for i in range(lane.size):
         b = lane[i]
@@ -120,17 +121,22 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
                     for r in range(k):
                         e0 = sel[s - a, l - d, b, r]
                         if e0 >= 0:
+                            row = tables[j, l, e0]
                             for e in range(E):
-                                score[e] += tables[j, l, e0, e]
+                                score[e] += row[e]
                 for v in range(V):
+                    h = H[v, l]
+                    sh = shifts[v]
                     for e in range(E):
-                        H[v, l, e] -= H[v, l, e] >> shifts[v]
+                        h[e] -= h[e] >> sh
                     for r in range(k):
                         if not _seen_before(sel[s, l, b], r):
-                            H[v, l, sel[s, l, b, r]] += units[v]
+                            h[sel[s, l, b, r]] += units[v]
+                    for e in range(E):
+                        keys[e] = (h[e] + score[e]) * E + (E - 1 - e)
                     m = 0
                     for e in range(E):
-                        key = (H[v, l, e] + score[e]) * E + (E - 1 - e)
+                        key = keys[e]
                         if m == n and key <= best_k[n - 1]:
                             continue
                         q = m if m < n else n - 1
