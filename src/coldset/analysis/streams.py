@@ -4,10 +4,15 @@ An :class:`AccessStream` is a trace's decode selections in replay order, cut int
 (token, MoE layer) group of ``top_k`` selections (:func:`stream_from_frame`), or a (step, MoE
 layer) group of ``B * k`` for an engine batch of ``B`` lanes (:class:`Lanes`,
 :func:`lanes_from_frame`, :func:`lanes_from_engine`). Instance id = ``moe_layer_index * E +
-expert`` (the row map's row, not the model's layer index). :func:`trace_decode_rows` reads a
-trace's decode rows, :func:`select_rows` picks a split and domains, :func:`counts_from_rows` makes
-a profile, :func:`token_array` the next-token forecaster's input. The replay rules are in
-:mod:`coldset.analysis.simulate`.
+expert`` (the row map's row, not the model's layer index).
+
+Two readings of a trace: :func:`read_decode_tokens` keeps its decode tokens as compact arrays
+(:class:`DecodeTokens`: an int16 ``[T, L, k]`` block and a few numbers per token, read batch by
+batch, a few bytes a selection), from which the cache command builds its selections, streams,
+lanes, profiles and the forecasters' input at any trace size; :func:`trace_decode_rows` reads the
+decode rows as a frame (a row per selection) for the small analyses that group rows, with
+:func:`select_rows`, :func:`counts_from_rows` and :func:`token_array` on frames. The replay rules
+are in :mod:`coldset.analysis.simulate`.
 """
 
 from __future__ import annotations
