@@ -33,9 +33,9 @@ same rules):
 - The policies and their victim orders: :mod:`coldset.analysis.policies` (``static``, ``lru``,
   ``lru_guard``, ``lfu``, ``belady``, ``forecast``, ``nexttoken``, and ``lookahead``, whose lists
   come from an engine run's hidden states), one file per family, each module's doc its rules.
-  ``forecast`` and ``nexttoken`` keep ``lru_guard``'s bar
-  (:func:`coldset.analysis.policies.base.guard_groups`), keep a prefetch in flight until its layer
-  has run, and prefetch only while their gate says it pays
+  ``lfu``, ``forecast`` and ``nexttoken`` keep ``lru_guard``'s bar
+  (:func:`coldset.analysis.policies.base.guard_groups`); the last two also keep a prefetch in
+  flight until its layer has run, and prefetch only while their gate says it pays
   (:func:`coldset.analysis.policies.base.prefetch_lead_unit`).
 
 Link traffic: each distinct missed instance of a group crosses the link once (``fills``); for

@@ -32,5 +32,5 @@ class Belady(CachePolicy):
         record, rec = recording(victims)
         ids, ptr = stream.instances, stream.group_ptr
         hit, fills = replay_keyed(ids, ptr, warm, counts[warm], stream.num_instances, BELADY_KEYS,
-                                  next_use_ticks(ids, stream.num_instances), record, rec)
+                                  next_use_ticks(ids, stream.num_instances), record, rec, 0)
         return Replay(hit, fills)

@@ -78,10 +78,13 @@ def heap_pop(k1, k2, ins, size):
 
 
 @jit
-def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims):
+def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims, guard):
     """lfu (policy :data:`LFU_KEYS`) or belady (:data:`BELADY_KEYS`). Keys: lfu (count, last_use); belady (-next_use, 0)
-    with ties by instance id. Returns (hit [N], fills [G]); ``victims[i]`` (when ``record``) is
-    the instance evicted to admit selection ``i`` (its first occurrence in the group)."""
+    with ties by instance id. ``guard`` > 0: no victim among the instances the last ``guard`` groups
+    used (this one included; their entries are set aside and pushed back after the group); the
+    misses past the other slots are read in place. Returns (hit [N], fills [G]); ``victims[i]``
+    (when ``record``) is the instance evicted to admit selection ``i`` (its first occurrence in the
+    group)."""
     n = ids.size
     n_groups = ptr.size - 1
     hit = np.zeros(n, dtype=np.bool_)
@@ -115,17 +118,29 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
             key2[x] = 0.0
         size = heap_push(h1, h2, hi, size, key1[x], key2[x], x)
     missed = np.empty(max(max_group, 1), dtype=np.int64)
+    last_group = np.full(n_inst, -(2**62), dtype=np.int64)
+    aside = np.empty(n_inst, dtype=np.int64)  # guarded live entries popped this group
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
         n_miss = classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
+        n_aside = 0
         for m in range(n_miss):
-            while True:
+            v = -1
+            while size > 0:
                 size = heap_pop(h1, h2, hi, size)
-                v = hi[size]
-                if resident[v] and not protected[v] and h1[size] == key1[v] and h2[size] == key2[v]:
+                y = hi[size]
+                if resident[y] and not protected[y] and h1[size] == key1[y] and h2[size] == key2[y]:
+                    if last_group[y] > g - guard:
+                        aside[n_aside] = y
+                        n_aside += 1
+                        resident[y] = False  # (marked off while aside: a second entry of it is skipped)
+                        continue
+                    v = y
                     break
+            if v < 0:  # every other slot is guarded: the rest are read in place, not admitted
+                break
             resident[v] = False
             i = missed[m]
             resident[ids[i]] = True
@@ -134,6 +149,8 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
                 victims[i] = v
         for m in range(n_miss):
             in_group[ids[missed[m]]] = False
+        for j in range(n_aside):
+            resident[aside[j]] = True
         # key updates in rank order (the last occurrence in the group sets the final key)
         for i in range(s, e):
             x = ids[i]
@@ -145,7 +162,7 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
             else:
                 key1[x] = -next_tick[i]
                 key2[x] = 0.0
-        if size + (e - s) > heap_cap:
+        if size + (e - s) + n_aside > heap_cap:
             # rebuild from the residents' current keys (drops every stale entry)
             size = 0
             for y in range(n_inst):
@@ -159,4 +176,9 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
                     size = heap_push(h1, h2, hi, size, key1[x], key2[x], x)
             for i in range(s, e):
                 in_group[ids[i]] = False
+            for j in range(n_aside):  # the guarded entries back (their keys unchanged unless used here)
+                y = aside[j]
+                size = heap_push(h1, h2, hi, size, key1[y], key2[y], y)
+        for i in range(s, e):
+            last_group[ids[i]] = g
     return hit, fills

@@ -11,7 +11,8 @@
   that anyway and the two replays are the same.
 - ``lfu``: victim = smallest ``(count, last_use)``; ``count`` = profile count for warm instances
   (0 for others) + accesses during replay, kept across evictions (an instance's frequency is a
-  property of the traffic, not of its stay in the pool).
+  property of the traffic, not of its stay in the pool); with ``lru_guard``'s bar (no victim the
+  last ``L`` groups used; the misses past the other slots read in place).
 
 :func:`replay_lru` is also the replay of the prefetching policies ``forecast`` and ``lookahead``
 (:mod:`coldset.analysis.policies.forecast`, :mod:`coldset.analysis.policies.lookahead`): the same
@@ -193,10 +194,10 @@ class LRUGuard(CachePolicy):
 
 
 class LFU(CachePolicy):
-    """Least frequently used (profile counts + replay accesses), ties by least recent."""
+    """Least frequently used (profile counts + replay accesses), ties by least recent; lru_guard's bar."""
 
     def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
         record, rec = recording(victims)
         hit, fills = replay_keyed(stream.instances, stream.group_ptr, warm, counts[warm], stream.num_instances,
-                                  LFU_KEYS, np.zeros(0), record, rec)
+                                  LFU_KEYS, np.zeros(0), record, rec, guard_groups(stream.num_moe_layers))
         return Replay(hit, fills)

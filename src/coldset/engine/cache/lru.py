@@ -1,7 +1,7 @@
 """The engine's ``lru``, ``lru_guard`` and ``lfu`` policies (the rules of :mod:`coldset.engine.cache.pool`'s
 module doc): victims among the resident instances not used by the group, least recent use first
 (``lfu``: by (use count, last use)); ``lru_guard`` also bars the instances the last ``L`` groups used
-and reads the misses past the remaining slots in place.
+and reads the misses past the remaining slots in place; ``lfu`` keeps the same bar.
 
 On CUDA a group is one Triton launch beside the router's: in the fused decode step the router's
 launch records the group and the fill chooses and commits the victims (:meth:`LRU.route`,
@@ -78,8 +78,8 @@ class LRUGuard(LRU):
         return in_group | (cache.last_use[cache.owner] >= (cache.tick - guard).clamp_min(0))
 
 
-class LFU(LRU):
-    """Least frequently used: victims by (use count, last use)."""
+class LFU(LRUGuard):
+    """Least frequently used: victims by (use count, last use), with ``lru_guard``'s bar."""
 
     name = "lfu"
 
