@@ -190,3 +190,39 @@ def test_synthetic_routing_trace_writes_the_asked_routing_shape(tmp_path):
     per_group = rows.groupby(["request", "position", "layer_index"], observed=True)["expert"]
     assert (per_group.nunique() == 2).all() and (per_group.size() == 2).all()
     assert rows["expert"].between(0, 7).all()
+
+
+def test_trace_by_position_buckets_equal_a_replay_of_each_request_alone(tmp_path):
+    sel = small_trace(tmp_path / "t.parquet", REQUESTS)
+    run_script("trace_by_position.py", str(tmp_path / "t.parquet"), "--buckets", "0,4,8,16", "--residencies", "0.5",
+               "--json", str(tmp_path / "out.json"))
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["command"].startswith("python scripts/trace_by_position.py ") and "--buckets 0,4,8,16" in got["command"]
+    counts = profile_counts(sel, ["p0", "p1", "p2"])
+    held = [sel[r] for r in ("h0", "h1", "h2")]  # 5, 12 and 9 decode tokens
+    assert got["buckets"] == [[0, 4], [4, 8], [8, 16]] and got["requests"] == [3, 3, 2]
+    for policy in ("static", "lru"):
+        copies = [np.array([c for _, c in replay(list(s), counts, round(0.5 * LAYERS * EXPERTS), policy)])
+                  .reshape(-1, LAYERS).sum(1) for s in held]
+        want = [np.mean(np.concatenate([c[a:b] for c in copies])) for a, b in ((0, 4), (4, 8), (8, 16))]
+        early = np.mean(np.concatenate([c[:16] for c in copies]))
+        assert np.allclose(got["copies"][f"{policy}@0.5"], want, atol=1e-4), policy
+        assert np.allclose(got["ratio_to_first16"][f"{policy}@0.5"], np.array(want) / early, atol=1e-3), policy
+    # reuse distances by brute force: per held-out selection, tokens since its (layer, expert) was last
+    # selected in the same request (0: first use)
+    dist, step = [], []
+    for s in held:
+        last: dict[tuple[int, int], int] = {}
+        for t in range(s.shape[0]):
+            for layer in range(LAYERS):
+                for e in s[t, layer]:
+                    dist.append(t - last[(layer, e)] if (layer, e) in last else 0)
+                    step.append(t)
+                for e in s[t, layer]:
+                    last[(layer, e)] = t
+    dist, step = np.array(dist), np.array(step)
+    for i, (a, b) in enumerate(((0, 4), (4, 8), (8, 16))):
+        d = dist[(step >= a) & (step < b)]
+        assert got["reuse"]["previous_token"][i] == pytest.approx((d == 1).mean(), abs=1e-4)
+        assert got["reuse"]["within_8"][i] == pytest.approx(((d >= 1) & (d <= 8)).mean(), abs=1e-4)
+        assert got["reuse"]["first_use"][i] == pytest.approx((d == 0).mean(), abs=1e-4)

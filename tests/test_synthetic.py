@@ -12,7 +12,7 @@ import torch
 from coldset.engine.generate import encode_prompts, generate
 from coldset.engine.loading import load_model, load_tokenizer
 from coldset.engine.model import ModelConfig
-from coldset.engine.synthetic import SyntheticSpec, write_synthetic_checkpoint
+from coldset.engine.synthetic import SyntheticSpec, synthetic_model_config, write_synthetic_checkpoint
 
 # Hand-written prompts (not from the generator that trained the tokenizer).
 PROMPTS = {
@@ -258,3 +258,26 @@ def test_temporal_latents_are_deterministic_and_sticky():
         same = (z[order[1:]] == z[order[:-1]]).all(dim=1).float().mean().item()
         assert same == pytest.approx(0.75, abs=0.06)
     assert z.norm(dim=1).mean().item() == pytest.approx(1.0, abs=0.15)
+
+
+def test_topic_palettes_bound_the_topics_of_each_span():
+    from coldset.engine.synthetic import _topic_latents
+
+    cycles = [torch.randperm(900, generator=torch.Generator().manual_seed(2))]
+    spec = SyntheticSpec(temporal_gain=1.0, temporal_continuity=0.75, topic_palette=5, topic_span=300, seed=3)
+    z = _topic_latents(spec, 900, 8, cycles)[cycles[0]]
+    spans = [z[i:i + 300] for i in range(0, 900, 300)]
+    topics = [torch.unique(s, dim=0) for s in spans]
+    assert [t.shape[0] for t in topics] == [5, 5, 5]  # each span walks its own palette, every entry reached
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert not (topics[a][:, None] == topics[b][None]).all(-1).any()  # no topic shared between spans
+    for s in spans:  # neighbours keep their topic with probability temporal_continuity, else change it
+        same = (s[1:] == s[:-1]).all(dim=1).float().mean().item()
+        assert same == pytest.approx(0.75, abs=0.07)
+    # without palettes each run draws a fresh topic: as many topics as runs
+    free = _topic_latents(dataclass_replace(spec, topic_palette=0), 900, 8, cycles)[cycles[0]]
+    runs = 1 + int((free[1:] != free[:-1]).any(dim=1).sum())
+    assert torch.unique(free, dim=0).shape[0] == runs > 100
+    with pytest.raises(ValueError, match="topic_palette"):
+        synthetic_model_config(SyntheticSpec(topic_palette=-1))

@@ -21,8 +21,10 @@ present. Random weights route almost uniformly, so the weights here are built wi
   hidden state, varies slowly within a request. Here ``temporal_dims`` *topic* directions carry a
   latent ``z_t`` per token that is sticky along each domain's successor cycle, the order greedy
   decode walks (below): a token keeps its predecessor's ``z`` with probability
-  ``temporal_continuity``, so decode runs through stretches of tokens that share a topic, which
-  drifts from stretch to stretch; attention carries the context's mean ``z`` (gain
+  ``temporal_continuity``, so decode runs through stretches of tokens that share a topic; the next
+  stretch's topic is another of the ``topic_palette`` topics of its part of the cycle (knobs
+  ``topic_palette``, ``topic_span``), so a request's decode keeps returning to a bounded set of
+  topics, and of experts, as a real request does over hundreds of tokens; attention carries the context's mean ``z`` (gain
   ``topic_context``), a per-request topic that persists and drifts as tokens are generated; each
   router reads the topic directions through a random per-layer expert-by-topic matrix (gain
   ``temporal_gain``). ``temporal_gain = 0`` and ``topic_context = 0`` build the model without
@@ -77,10 +79,15 @@ class SyntheticSpec:
     the routers read the topic directions, ``temporal_continuity`` the probability that a
     token shares its predecessor's topic latent along the decode walk (token-to-token
     continuity), ``topic_context`` how much of the context's mean topic each token carries (the
-    per-request topic), ``temporal_dims`` the number of topic directions. Defaults are calibrated
+    per-request topic), ``temporal_dims`` the number of topic directions; ``topic_palette`` the
+    topics each stretch of ``topic_span`` tokens of the decode walk draws from (0: a fresh topic
+    for every run, so a long decode keeps reaching new experts and drifts away from any cache;
+    real requests reuse a bounded set: :func:`_palette_walk`). Defaults are calibrated
     against the shared Llama-4-Maverick trace at the default shape (BENCHMARKS.md; the
     lift against the real trace's over the same request length, 31 decode tokens, since the lift
-    grows with it); the same router knobs route far more skewed at 128 experts, top-8 (decode
+    grows with it; ``topic_palette``, ``topic_span`` and ``router_noise`` by decode position over
+    256 decode steps, lru's copies a token against config/calibration/decode-position.json,
+    scripts/trace_by_position.py --synthetic); the same router knobs route far more skewed at 128 experts, top-8 (decode
     Gini 0.76 where 0.66 here), so other shapes carry their own (config/examples/qwen3-30b-a3b-h200.yaml: calibrated
     on the H200 with scripts/locality_calibrate.py --grid, which remakes only the routers,
     :func:`set_router_knobs`).
@@ -99,7 +106,7 @@ class SyntheticSpec:
     zipf_exponent: float = 1.2
     popularity_scale: float = 11.0
     domain_affinity: float = 1.0
-    router_noise: float = 0.3
+    router_noise: float = 1.0
     attention_context: float = 1.0
     qk_gain: float = 1.0
     expert_gain: float = 0.25
@@ -109,6 +116,8 @@ class SyntheticSpec:
     temporal_continuity: float = 0.75
     topic_context: float = 3.0
     temporal_dims: int = 8
+    topic_palette: int = 32
+    topic_span: int = 1024
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
     # The model's vocabulary (embedding and LM-head rows) when it must be larger than the trained
@@ -338,6 +347,9 @@ def _check_spec(spec: SyntheticSpec) -> None:
         raise ValueError(f"SyntheticSpec.top_k={spec.top_k} exceeds experts={spec.experts}")
     if not 0.0 <= spec.temporal_continuity < 1.0:
         raise ValueError(f"SyntheticSpec.temporal_continuity={spec.temporal_continuity} must be in [0, 1)")
+    if spec.topic_palette < 0 or spec.topic_span < 1:
+        raise ValueError(f"SyntheticSpec.topic_palette={spec.topic_palette} must be >= 0 (0 = a fresh topic for "
+                         f"every run) and topic_span={spec.topic_span} >= 1")
     if spec.temporal_gain < 0 or spec.topic_context < 0 or spec.temporal_dims < 1:
         raise ValueError("SyntheticSpec.temporal_gain and topic_context must be >= 0, temporal_dims >= 1")
     if spec.weight_format not in WEIGHT_FORMATS:
@@ -380,7 +392,34 @@ def _topic_latents(spec: SyntheticSpec, vocab: int, dims: int, cycles: list[torc
         fresh[0] = True
         start = order[torch.nonzero(fresh).flatten()]
         z[order] = z[start[torch.cumsum(fresh.long(), 0) - 1]]
+    if spec.topic_palette:
+        for order in cycles:
+            z[order] = _palette_walk(spec, len(order), dims, gen)
     return z.float()
+
+
+def _palette_walk(spec: SyntheticSpec, n: int, dims: int, gen: torch.Generator) -> torch.Tensor:
+    """``z [n, dims]`` float64 along one successor cycle of ``n`` tokens when topics come from
+    palettes: the cycle is cut into spans of ``topic_span`` tokens, each with its own
+    ``topic_palette`` latents; a token keeps its predecessor's latent with probability
+    ``temporal_continuity`` and otherwise takes another latent of its span's palette (a new span
+    starts on its palette's first). A decode that walks a span therefore revisits a few topics:
+    its experts form a bounded working set, as a real request's do, instead of a new topic every
+    few tokens."""
+    m, span = int(spec.topic_palette), int(spec.topic_span)
+    spans = -(-n // span)
+    palettes = torch.randn(spans, m, dims, generator=gen, dtype=torch.float64) / dims**0.5
+    stay = torch.rand(n, generator=gen, dtype=torch.float64) < spec.temporal_continuity
+    step = torch.randint(1, max(m, 2), (n,), generator=gen)  # another entry than the current one
+    pick = torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        if i % span == 0:
+            pick[i] = 0
+        elif stay[i] or m == 1:
+            pick[i] = pick[i - 1]
+        else:
+            pick[i] = (pick[i - 1] + step[i]) % m
+    return palettes[torch.arange(n) // span, pick]
 
 
 def _successor_cycles(p_tok: torch.Tensor, V: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
