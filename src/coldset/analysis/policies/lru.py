@@ -26,8 +26,8 @@ import numpy as np
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, guard_groups, recording
 from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
-from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_evaluate, gate_open,
-                                            largest_group, link_tail)
+from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_step, largest_group,
+                                            link_tail)
 
 
 @jit
@@ -117,16 +117,7 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         # the prefetch gate: the last list for this layer against this group's selections
         gate = True
         if lead_unit >= 0:
-            gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
-            gate = gate_open(acc)
-            nw = 0
-            for q in range(width):
-                x = pred[g, q]
-                if x >= 0 and not resident[x]:
-                    want[layer, nw] = x
-                    nw += 1
-            want_n[layer] = nw
-            want_group[layer] = g
+            gate = gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident)
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight, not guarded
         for q in range(width):
             if pred[g, q] >= 0:

@@ -20,8 +20,8 @@ import numpy as np
 
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, OWN_LAYER, CachePolicy, Replay, guard_groups, recording
-from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_evaluate, gate_open,
-                                            largest_group, link_tail)
+from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_step, largest_group,
+                                            link_tail)
 
 
 @jit
@@ -106,16 +106,7 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
         # the gate: this layer's last list against this group's selections, then this group's list
         open_gate = True
         if lead_unit >= 0:
-            gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
-            open_gate = gate_open(acc)
-        nw = 0
-        for q in range(width):
-            x = pred[g, q]
-            if x >= 0 and not resident[x]:
-                want[layer, nw] = x
-                nw += 1
-        want_n[layer] = nw
-        want_group[layer] = g
+            open_gate = gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident)
         # 3. the forecast replaces this layer's predicted flags (none while the gate is closed)
         if pg >= 0:
             for q in range(width):

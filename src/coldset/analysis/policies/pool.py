@@ -134,3 +134,20 @@ def gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead
 def gate_open(acc):
     """Whether the running saving covers the running waste (wanted - useful copies)."""
     return acc[2] >= acc[0] - acc[1]
+
+
+@jit
+def gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident):
+    """The gate at group ``g`` (layer ``layer``, selections ``s..e-1``): the layer's pending list
+    judged (:func:`gate_evaluate`), then the group's list ``pred[g]``'s wanted instances (listed,
+    not resident) kept as the layer's pending list. Returns whether the gate is open."""
+    gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
+    nw = 0
+    for q in range(pred.shape[1]):
+        x = pred[g, q]
+        if x >= 0 and not resident[x]:
+            want[layer, nw] = x
+            nw += 1
+    want_n[layer] = nw
+    want_group[layer] = g
+    return gate_open(acc)
