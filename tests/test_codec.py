@@ -111,14 +111,21 @@ def test_bad_input_and_mismatched_records_are_refused_by_name():
     with pytest.raises(codec.CodecError, match="empty"):
         codec.encode(torch.zeros(0, dtype=torch.bfloat16))
     record = codec.encode(torch.ones(300, dtype=torch.bfloat16), lane_symbols=16)
-    truncated = codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, record.words[:-1],
+    truncated = codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, record.num_words, record.words[:-1],
                                  record.lane_words, record.table, record.raw)
     with pytest.raises(codec.CodecError, match="words"):
         codec.decode(truncated)
-    no_raw = codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, record.words,
+    no_raw = codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, record.num_words, record.words,
                               record.lane_words, record.table, None)
     with pytest.raises(codec.CodecError, match="raw plane"):
         codec.decode(no_raw)
+
+
+def test_checking_a_record_reads_no_tensor_data():
+    """A decoder launch checks its record inside CUDA graph captures, where reading a device tensor
+    fails: the check must use shapes and the record's Python fields alone (meta tensors hold no data)."""
+    record = codec.encode(torch.ones(300, dtype=torch.bfloat16), lane_symbols=16)
+    codec.check_record(record.to("meta"))
 
 
 _INTERPRETED = r"""

@@ -49,12 +49,14 @@ class Compressed:
     padding, so a decoder may always read two words); ``lane_words`` int32 ``[num_lanes + 1]``: where
     each lane's stream starts, in words; ``table`` int16 ``[2 ** MAX_CODE_BITS]``: for every
     ``MAX_CODE_BITS``-bit window the symbol it starts with times 16 plus that code's length;
-    ``raw`` uint8 ``[numel]`` or None."""
+    ``raw`` uint8 ``[numel]`` or None. ``num_words`` (W) is kept as a Python int so that a decoder
+    launch checks the record without reading a device tensor (which a CUDA graph capture forbids)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     numel: int
     num_lanes: int
+    num_words: int
     words: torch.Tensor
     lane_words: torch.Tensor
     table: torch.Tensor
@@ -86,7 +88,7 @@ class Compressed:
         def move(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return Compressed(self.shape, self.dtype, self.numel, self.num_lanes, move(self.words),
+        return Compressed(self.shape, self.dtype, self.numel, self.num_lanes, self.num_words, move(self.words),
                           move(self.lane_words), move(self.table), move(self.raw))
 
 
@@ -209,7 +211,7 @@ def encode(t: torch.Tensor, lane_symbols: int = LANE_SYMBOLS) -> Compressed:
     acc.index_add_(0, word + 1, lo)
     words = acc[: total + 1]
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return Compressed(tuple(t.shape), t.dtype, numel, num_lanes, words,
+    return Compressed(tuple(t.shape), t.dtype, numel, num_lanes, total, words,
                       lane_words.to(torch.int32), decode_table(lengths, codes).to(device), raw)
 
 
@@ -221,8 +223,8 @@ def check_record(c: Compressed) -> None:
         raise CodecError(f"codec record: numel {c.numel} != prod(shape {c.shape})")
     if c.lane_words.numel() != c.num_lanes + 1:
         raise CodecError(f"codec record: lane_words has {c.lane_words.numel()} entries, expected {c.num_lanes + 1}")
-    if c.words.numel() != int(c.lane_words[-1]) + 1:
-        raise CodecError(f"codec record: words has {c.words.numel()} entries, lane_words ends at {int(c.lane_words[-1])}")
+    if c.words.numel() != c.num_words + 1:
+        raise CodecError(f"codec record: words has {c.words.numel()} entries, expected {c.num_words + 1}")
     if c.table.numel() != 1 << MAX_CODE_BITS:
         raise CodecError(f"codec record: table has {c.table.numel()} entries, expected {1 << MAX_CODE_BITS}")
     if FORMATS[c.dtype] != (c.raw is not None) or (c.raw is not None and c.raw.numel() != c.numel):
@@ -233,6 +235,8 @@ def check_record(c: Compressed) -> None:
 def decode(c: Compressed) -> torch.Tensor:
     """The torch decoder: all lanes at once, one symbol a step, on the record's device."""
     check_record(c)
+    if int(c.lane_words[-1]) != c.num_words:
+        raise CodecError(f"codec record: lane_words ends at {int(c.lane_words[-1])}, the streams hold {c.num_words} words")
     words = c.words.to(torch.int64) & 0xFFFFFFFF
     table = c.table.to(torch.int64)
     pos = c.lane_words[:-1].to(torch.int64) * 32

@@ -80,7 +80,7 @@ def pinned(record: codec.Compressed) -> codec.Compressed:
     def pin(t):
         return None if t is None else t.cpu().pin_memory()
 
-    return codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, pin(record.words),
+    return codec.Compressed(record.shape, record.dtype, record.numel, record.num_lanes, record.num_words, pin(record.words),
                             pin(record.lane_words), pin(record.table), pin(record.raw))
 
 
