@@ -96,7 +96,9 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml",
                    help="workflow config whose model.synthetic shape and fixtures are measured")
     p.add_argument("--out", required=True, help="folder for cache_bench.json")
-    p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
+    p.add_argument("--steps", type=int, default=128,
+                   help="decode steps per pass (a cache's copies a token fall over a request's first tens of steps: "
+                        "scripts/trace_by_position.py)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes (after one checked warm-up pass)")
     p.add_argument("--residencies", default="0.5,1.0")
     p.add_argument("--batches", default="1,8")
