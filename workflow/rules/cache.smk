@@ -8,6 +8,9 @@ rule cache:
         simulation=update(
             report(f"{RESULTS}/cache/{MODEL}/simulation.csv", caption="../../report/cache.rst", category="Cache")
         ),
+        recommendation=update(
+            report(f"{RESULTS}/cache/{MODEL}/recommendation.csv", caption="../../report/cache.rst", category="Cache")
+        ),
         figure=update(
             report(f"{RESULTS}/cache/{MODEL}/locality.png", caption="../../report/cache.rst", category="Cache")
         ),
