@@ -1,6 +1,6 @@
 """The torch experts path: the CPU implementation and the reference the Triton kernel is checked against.
 
-Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.core.fp8`) run :func:`_torch_fp8_experts_chunk`: each
+Block-FP8 pools (``pools.is_fp8``, :mod:`coldset.core.fp8`) run :func:`_torch_scaled_experts_chunk`: each
 expert's weights dequantized (``fp8.float() * scale_inv`` per 128 x 128 block) and the activations
 quantized per token group of 128 (:func:`coldset.core.fp8.quantize_activations`) at the two points the
 Triton FP8 kernel quantizes them (the tokens once per call; the intermediate SiLU(gate) * up once,

@@ -53,7 +53,7 @@ its output; ``1`` adds a bulk L2 prefetch of the hot weight rows while the block
 launch of whatever kernel came before, waiting before it reads anything, as the bf16 kernel's
 ``pdl=3``.
 
-The torch path (:func:`coldset.kernels.reference._torch_fp8_experts_chunk`) computes the same
+The torch path (:func:`coldset.kernels.reference._torch_scaled_experts_chunk`) computes the same
 quantity (same quantization points; float32 GEMMs); the two agree to float32 summation order.
 Tiling and accumulation order never depend on where an expert lives, so every placement is
 bitwise the all-hot (``use_row_map=False``) output. Split-K and ``half_tail`` are refused (not
