@@ -105,6 +105,8 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
     score = np.zeros(E, dtype=np.int64)
     keys = np.empty(E, dtype=np.int64)
     best_k = np.empty(n, dtype=np.int64)
+    best_e = np.empty(n, dtype=np.int64)
+    cur = np.empty(k, dtype=np.int64)
     for i in range(lane.size):
         b = lane[i]
         H[:] = 0
@@ -124,14 +126,18 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
                             row = tables[j, l, e0]
                             for e in range(E):
                                 score[e] += row[e]
+                ncur = 0  # the current token's distinct experts (a set: H counts each once)
+                for r in range(k):
+                    if not _seen_before(sel[s, l, b], r):
+                        cur[ncur] = sel[s, l, b, r]
+                        ncur += 1
                 for v in range(V):
                     h = H[v, l]
                     sh = shifts[v]
                     for e in range(E):
                         h[e] -= h[e] >> sh
-                    for r in range(k):
-                        if not _seen_before(sel[s, l, b], r):
-                            h[sel[s, l, b, r]] += units[v]
+                    for r in range(ncur):
+                        h[cur[r]] += units[v]
                     for e in range(E):
                         keys[e] = (h[e] + score[e]) * E + (E - 1 - e)
                     m = 0
@@ -147,21 +153,22 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
                         best_k[q] = key
                         if m < n:
                             m += 1
+                    for q in range(n):
+                        best_e[q] = E - 1 - best_k[q] % E
                     if keep:
                         for q in range(n):
-                            out[v, s, l, b, q] = E - 1 - best_k[q] % E
+                            out[v, s, l, b, q] = best_e[q]
                     if horizon > 0 and p + horizon < length[i] and sel[s + horizon, 0, b, 0] >= 0:
+                        tgt = sel[s + horizon, l, b]
                         for w in range(widths.size):
                             for r in range(k):
-                                t = sel[s + horizon, l, b, r]
                                 for q in range(widths[w]):
-                                    if E - 1 - best_k[q] % E == t:
+                                    if best_e[q] == tgt[r]:
                                         hits[v, w, 0] += 1
                                         break
                             for q in range(widths[w]):
-                                x = E - 1 - best_k[q] % E
                                 for r in range(k):
-                                    if sel[s + horizon, l, b, r] == x:
+                                    if tgt[r] == best_e[q]:
                                         hits[v, w, 1] += 1
                                         break
 
