@@ -114,7 +114,7 @@ def test_the_trace_format_sits_below_its_readers():
     """core.trace depends on none of the modules that read or write traces."""
     graph = import_graph()
     readers = {"coldset.trace.capture", "coldset.trace.importers", "coldset.trace.fixtures",
-               "coldset.analysis.streams", "coldset.analysis.forecast", "coldset.analysis.stats"}
+               "coldset.analysis.streams", "coldset.analysis.stats"}  # forecast reads traces through streams
     assert not graph["coldset.core.trace"] & readers
     assert all("coldset.core.trace" in graph[m] for m in readers)
     assert "coldset.workflow.sweep" not in graph["coldset.workflow.pipeline"]
