@@ -226,3 +226,18 @@ def test_trace_by_position_buckets_equal_a_replay_of_each_request_alone(tmp_path
         assert got["reuse"]["previous_token"][i] == pytest.approx((d == 1).mean(), abs=1e-4)
         assert got["reuse"]["within_8"][i] == pytest.approx(((d >= 1) & (d <= 8)).mean(), abs=1e-4)
         assert got["reuse"]["first_use"][i] == pytest.approx((d == 0).mean(), abs=1e-4)
+
+
+def test_trace_by_position_measures_the_synthetic_models_own_decode(tmp_path):
+    import dataclasses
+
+    from coldset.engine.synthetic import SyntheticSpec
+
+    knobs = dict(layers=2, hidden=64, moe_intermediate=16, heads=2, kv_heads=1, head_dim=32, topic_palette=4)
+    run_script("trace_by_position.py", "--synthetic", "--per-domain", "2", "--new-tokens", "13", "--buckets", "0,4,12",
+               "--residencies", "0.5", *(a for k, v in knobs.items() for a in ("--set", f"{k}={v}")),
+               "--json", str(tmp_path / "s.json"))
+    got = json.loads((tmp_path / "s.json").read_text())
+    assert got["synthetic"] == dataclasses.asdict(SyntheticSpec(**knobs))
+    assert got["profile_requests"] == 3 and got["requests"] == [3, 3]  # one held-out prompt a domain, 12 steps
+    assert set(got["copies"]) == {"static@0.5", "lru@0.5"} and all(len(v) == 2 for v in got["copies"].values())
