@@ -26,6 +26,7 @@ from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from hf_fixtures import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -291,6 +292,22 @@ def test_mxfp4_experts_kept_4bit(checkpoint):
     plain = checkpoint("gqa_yarn")
     with pytest.raises(ModelLoadError, match="not MXFP4"):
         load_mxfp4_kept(plain)
+
+
+def test_load_model_passes_keep_mxfp4_through_and_refuses_other_folders(checkpoint, tmp_path):
+    """load_model(keep_mxfp4=True) is the gpt_oss loader's kept-4-bit model (the same pools, byte for
+    byte); a folder whose experts are not MXFP4 (a bf16 gpt_oss, a qwen3_moe) is refused naming its
+    config.json, before any weight is read."""
+    path = checkpoint("mxfp4")
+    via, direct = load_model(path, dtype=torch.bfloat16, keep_mxfp4=True).pools, load_mxfp4_kept(path).pools
+    assert via.is_mxfp4
+    for name in ("w13_hot", "w2_hot", "w13_scale_hot", "w2_scale_hot", "w13_bias", "w2_bias"):
+        assert torch.equal(getattr(via, name), getattr(direct, name)), name
+    assert not load_model(path, dtype=torch.bfloat16).pools.is_mxfp4  # without it: dequantized
+    qwen = build_tiny_checkpoint("qwen3_moe", tmp_path / "qwen")
+    for folder in (checkpoint("gqa_yarn"), qwen):
+        with pytest.raises(ModelLoadError, match=r"config\.json: keep_mxfp4 .* not MXFP4"):
+            load_model(folder, dtype=torch.bfloat16, keep_mxfp4=True)
 
 
 def test_placements_and_the_slot_cache_are_bitwise_all_hot(checkpoint):

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 from torch import nn
 
-from coldset.core import fp8
+from coldset.core import fp8, mxfp4
 from coldset.engine import deepseek_v3, glm4_moe, gpt_oss
 from coldset.engine.model import SUPPORTED_MODEL_TYPES, ModelConfig, ModelLoadError, MoEBlock, MoEModel
 from coldset.engine.weights import put_shared_weights
@@ -213,7 +213,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def load_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    keep_mxfp4: bool = False,
 ) -> MoEModel:
     """Load a local HF folder (config.json, model.safetensors or a sharded index) into MoEModel.
 
@@ -234,10 +235,22 @@ def load_model(
     one engine with itself, so it holds. A serving engine would run every converted linear layer in
     FP8, larger batches as FP8 GEMMs with per-token-group activation quantization (vLLM's W8A8
     block path); here the batches from 2 tokens on, and the MLPs of dense layers, run dequantized.
+
+    ``keep_mxfp4`` keeps an MXFP4 checkpoint's routed experts 4-bit in the pools (gpt_oss:
+    :func:`coldset.engine.gpt_oss.load`; ``dtype`` must then be bfloat16, what the MXFP4 kernels
+    take); without it they are dequantized to ``dtype`` at load. A folder whose experts are not
+    MXFP4 is refused with it, by name.
     """
     folder = Path(path)
+    if keep_mxfp4:
+        stored = getattr(read_config(folder), "checkpoint_expert_format", None)
+        if stored != mxfp4.FORMAT_NAME:
+            raise ModelLoadError(f"{folder / 'config.json'}: keep_mxfp4 keeps MXFP4 experts 4-bit, but this "
+                                 "checkpoint's routed experts are not MXFP4 (quantization_config quant_method "
+                                 "mxfp4, *_blocks/*_scales tensors)")
     if gpt_oss.is_gpt_oss(folder):  # sink attention, biased router and experts: its own modules and weight names
-        return gpt_oss.load(read_config(folder), _TensorSource(folder), torch.device(device), dtype)
+        return gpt_oss.load(read_config(folder), _TensorSource(folder), torch.device(device), dtype,
+                            keep_mxfp4=keep_mxfp4)
     if deepseek_v3.is_deepseek_v3(folder):  # MLA and the grouped router: its own modules and weight names
         return _load_family(folder, deepseek_v3.DeepseekV3Model, deepseek_v3.load_weights, device, dtype)
     if glm4_moe.is_glm4_moe(folder):  # biased, partially rotated GQA and DeepSeek-V3's MoE
