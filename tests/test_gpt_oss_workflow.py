@@ -2,21 +2,27 @@
 GptOssForCausalLM (transformers' own, its biases and sinks random) with MXFP4 experts
 (``*_blocks`` / ``*_scales``, ``quantization_config`` mxfp4) plus a small tokenizer, as
 ``model.path`` through model, fixtures, routing, stats, placement, autotune, parity and
-parity_gate in this process. Every placement, static and the slot cache's, decodes bitwise the
-all-hot path's logits."""
+parity_gate in this process, in bfloat16 with the experts kept 4-bit (``model.experts_format``
+checkpoint, the default). Every placement, static and the slot cache's, decodes bitwise the
+all-hot MXFP4 path's logits; the manifest and the placements' bytes say mxfp4. A dequantized run
+is asked for (``experts_format: dequantized``) and says so; float32 with 4-bit experts is refused."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
+from coldset.core import mxfp4
 from coldset.engine.gpt_oss import GptOssConfig
 from coldset.workflow import pipeline, process_engine
 from coldset.workflow.config import decoding_support, load_config
-from coldset.workflow.context import StageContext
+from coldset.workflow.context import StageContext, StageError
 from hf_fixtures import build_tokenizer
 
 from test_gpt_oss import random_model, write_mxfp4
@@ -34,7 +40,7 @@ def run(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     overlay = {
         "results": str(root / "results"),
-        "model": {"name": "tiny-gptoss", "path": str(folder), "dtype": "float32"},
+        "model": {"name": "tiny-gptoss", "path": str(folder), "dtype": "bfloat16"},
         "device": "cpu",
         "fixtures": {"per_domain": 2, "max_new_tokens": 6},
         "routing": {"batch_size": 4},
@@ -57,6 +63,32 @@ def test_the_workflow_reads_the_family_and_decodes_it(run):
     assert isinstance(cfg, GptOssConfig) and cfg.checkpoint_expert_format == "mxfp4"
     manifest = json.loads((run["results"] / "model" / "tiny-gptoss" / "manifest.json").read_text())
     assert manifest["config"]["model_type"] == "gpt_oss"
+
+
+def _bias_bytes(folder, cfg) -> int:
+    """One expert's biases in the checkpoint's dtype (what coldset.core.shapes counts with an expert)."""
+    bias = load_file(folder / "model.safetensors")["model.layers.0.mlp.experts.down_proj_bias"]
+    return (2 * cfg.moe_intermediate_size + cfg.hidden_size) * bias.element_size()
+
+
+def test_the_experts_run_kept_4bit_and_the_files_say_mxfp4(run):
+    """The engine the stages decoded with holds the checkpoint's packed rows and e8m0 scales; the
+    manifest records the format that ran, and every placement counts MXFP4 bytes (blocks + scales
+    of w13 and w2, plus the biases), computed here from the format's definition."""
+    ctx = StageContext.from_config(run["config"])
+    engine, _ = process_engine.load_engine(ctx)
+    assert engine.pools.is_mxfp4 and engine.pools.w13_hot.dtype == torch.uint8
+    assert engine.config.expert_format == "mxfp4"
+    manifest = json.loads((run["results"] / "model" / "tiny-gptoss" / "manifest.json").read_text())
+    assert manifest["experts_format"] == manifest["checkpoint_experts_format"] == "mxfp4"
+    assert manifest["config"]["expert_format"] == "mxfp4"
+    cfg = ctx.model_config
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    packed = (2 * I * H + H * I) // 2 + (2 * I * H + H * I) // 32  # 4 bits a weight, 1 byte a group of 32
+    for name in ctx.placements:
+        doc = json.loads((run["results"] / "placement" / "tiny-gptoss" / f"{name}.json").read_text())
+        assert doc["weight_format"] == "mxfp4", name
+        assert doc["bytes_per_expert"] == packed + _bias_bytes(run["folder"], cfg), name
 
 
 def test_every_placement_is_bitwise_the_all_hot_path(run):
@@ -89,3 +121,53 @@ def test_a_variant_the_engine_does_not_run_is_refused_before_any_job(tmp_path, r
     config = {**run["config"], "model": {**run["config"]["model"], "path": str(folder)}}
     reason = decoding_support(config)
     assert reason and "config.json" in reason and all(w in reason for w in words), reason
+
+
+def _with_model(run, tmp_path, **model) -> dict:
+    """The run's config with other model settings and its own results folder."""
+    return {**run["config"], "results": str(tmp_path / "results"), "model": {**run["config"]["model"], **model}}
+
+
+def test_float32_with_4bit_experts_is_refused_at_the_model_stage(run, tmp_path):
+    config = _with_model(run, tmp_path, dtype="float32")
+    with pytest.raises(StageError, match=r"model\.dtype float32.*MXFP4.*experts_format: dequantized"):
+        pipeline.run_stage("model", config)
+    assert not (tmp_path / "results" / "model").exists() or not any((tmp_path / "results" / "model").rglob("*.json"))
+
+
+def test_a_dequantized_run_is_asked_for_and_says_so(run, tmp_path):
+    """experts_format dequantized: the engine's experts are float32 (the MXFP4 values exactly), the
+    manifest says float32 of an mxfp4 checkpoint, and the placements count float32 bytes."""
+    config = _with_model(run, tmp_path, dtype="float32", experts_format="dequantized")
+    pipeline.run_stage("model", config)
+    stats = tmp_path / "results" / "stats" / "tiny-gptoss"
+    shutil.copytree(run["results"] / "stats" / "tiny-gptoss", stats)  # the same routing counts
+    pipeline.run_stage("placement", config)
+    manifest = json.loads((tmp_path / "results" / "model" / "tiny-gptoss" / "manifest.json").read_text())
+    assert manifest["experts_format"] == "float32" and manifest["checkpoint_experts_format"] == "mxfp4"
+    ctx = StageContext.from_config(config)
+    cfg = ctx.model_config
+    for name in ctx.placements:
+        doc = json.loads((tmp_path / "results" / "placement" / "tiny-gptoss" / f"{name}.json").read_text())
+        assert doc["weight_format"] == "float32", name
+        assert doc["bytes_per_expert"] == 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 + _bias_bytes(
+            run["folder"], cfg), name
+    engine, _ = process_engine.load_engine(ctx)
+    try:
+        assert not engine.pools.is_mxfp4 and engine.pools.w13_hot.dtype == torch.float32
+        blocks = load_file(run["folder"] / "model.safetensors")["model.layers.0.mlp.experts.down_proj_blocks"]
+        scales = load_file(run["folder"] / "model.safetensors")["model.layers.0.mlp.experts.down_proj_scales"]
+        assert torch.equal(engine.pools.w2_hot[:cfg.num_experts], mxfp4.dequantize(blocks, scales, torch.float32))
+    finally:
+        process_engine.release_engine()
+
+
+def test_dequantized_is_refused_for_experts_that_are_not_mxfp4(run, tmp_path):
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    raw = json.loads((run["folder"] / "config.json").read_text())
+    raw.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = _with_model(run, tmp_path, path=str(folder), experts_format="dequantized")
+    with pytest.raises(StageError, match="experts_format: dequantized dequantizes MXFP4 experts"):
+        process_engine.experts_format(StageContext.from_config(config))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coldset.bench.decode import placement_forecaster
+from coldset.core import mxfp4
 from coldset.core.files import read_json
 from coldset.core.placement import lookahead_depth_for
 from coldset.analysis.forecast import fit_lookahead_routers
@@ -69,6 +70,27 @@ def domain_texts(ctx: StageContext) -> dict[str, list[str]]:
     return template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
 
 
+def experts_format(ctx: StageContext) -> str:
+    """The format of the routed experts this run holds and moves (``model.experts_format``): the
+    checkpoint's own (:attr:`StageContext.model_shape`'s ``expert_format``: block FP8 kept FP8, MXFP4
+    kept 4-bit, else the stored dtype), or with ``dequantized`` an MXFP4 folder's dequantized to
+    ``model.dtype``. What the model manifest records and the placement and cache stages count bytes
+    in. Refused by key: ``dequantized`` for experts that are not MXFP4, and MXFP4 kept 4-bit for a
+    decoded model whose ``model.dtype`` is not bfloat16 (the MXFP4 kernels' activations)."""
+    stored = ctx.model_shape.expert_format
+    if ctx.model["experts_format"] == "dequantized":
+        if stored != mxfp4.FORMAT_NAME:
+            raise StageError(f"config model.experts_format: dequantized dequantizes MXFP4 experts, but model "
+                             f"{ctx.model_name!r} stores its routed experts as {stored}; set it to checkpoint")
+        return ctx.dtype
+    if stored == mxfp4.FORMAT_NAME and ctx.decoding is None and ctx.dtype != "bfloat16":
+        raise StageError(f"config model.dtype {ctx.dtype}: model {ctx.model_name!r} stores its routed experts in "
+                         "MXFP4, which run kept 4-bit (model.experts_format: checkpoint) with bfloat16 activations; "
+                         "set model.dtype: bfloat16, or model.experts_format: dequantized to run them dequantized "
+                         f"to {ctx.dtype}")
+    return stored
+
+
 def load_engine(ctx: StageContext):
     """``(model, tokenizer)`` of the configured model, loaded or built once per process (module doc).
 
@@ -99,8 +121,11 @@ def load_engine(ctx: StageContext):
                              f"manifest {ctx.manifest_path} says {expected}; run the model stage again")
     else:
         path = ctx.model_dir
-        log.info("loading %s on %s (%s)", path, device, ctx.dtype)
-        mdl, tok = load_model(path, device=device, dtype=dtype), load_tokenizer(path)
+        fmt = experts_format(ctx)
+        keep = fmt == mxfp4.FORMAT_NAME
+        log.info("loading %s on %s (%s, routed experts %s%s)", path, device, ctx.dtype, fmt,
+                 " kept 4-bit" if keep else " dequantized from mxfp4" if fmt != ctx.model_shape.expert_format else "")
+        mdl, tok = load_model(path, device=device, dtype=dtype, keep_mxfp4=keep), load_tokenizer(path)
     if mdl.device.type == "cuda":
         mdl.compile_decode()  # every stage's decode steps (routing, parity, bench) run the fast region (fused kernels)
     log.info("engine ready in %.1f s", time.perf_counter() - t0)

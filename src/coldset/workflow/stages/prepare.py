@@ -7,13 +7,14 @@ calls; the logic lives in the modules each body names.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from coldset.analysis.cache import run_cache
 from coldset.analysis.forecast import NextTokenForecaster
 from coldset.analysis.placement import run_placement
 from coldset.analysis.stats import run_stats
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
+from coldset.core import mxfp4
 from coldset.core.files import write_json
 from coldset.core.placement import ProfileSpec
 from coldset.engine.gpt_oss import GptOssConfig
@@ -27,7 +28,7 @@ from coldset.trace.importers import import_trace
 from coldset.verify.fingerprint import model_files
 from coldset.verify.gate import experts_functions
 from coldset.workflow.context import IN_MEMORY_SOURCE, StageContext, StageError
-from coldset.workflow.process_engine import domain_texts, load_engine, release_engine
+from coldset.workflow.process_engine import domain_texts, experts_format, load_engine, release_engine
 
 log = logging.getLogger("coldset")
 
@@ -73,8 +74,13 @@ def model(ctx: StageContext, **_) -> None:
     cfg = read_config(path)  # the loader's own checks: clear errors on a bad folder
     if not (path / "tokenizer.json").is_file():
         raise StageError(f"model folder {path} has no tokenizer.json")
+    fmt = experts_format(ctx)  # what the engine runs (refused here, before any job, if it cannot)
+    if fmt == mxfp4.FORMAT_NAME:  # kept 4-bit: the engine's config says so (coldset.engine.gpt_oss.load)
+        cfg = replace(cfg, expert_format=fmt)
+    log.info("model %s: routed experts stored as %s, run as %s", ctx.model_name, ctx.model_shape.expert_format, fmt)
     write_json(ctx.manifest_path, {
         "name": ctx.model_name, "path": str(path.resolve()), "source": source,
+        "experts_format": fmt, "checkpoint_experts_format": ctx.model_shape.expert_format,
         "config": {k: v for k, v in asdict(cfg).items()},
         "files": model_files(path),  # what the parity fingerprint's model digest covers
     })
@@ -139,6 +145,7 @@ def placement(ctx: StageContext, **_) -> None:
     forecaster = _fit_nexttoken(ctx) if "nexttoken" in pc["policies"] else None
     run_placement(ctx.layout.stats_dir / "histogram.csv", ctx.model_shape, ctx.layout.placement_dir,
                   pc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
+                  weight_format=experts_format(ctx),
                   domain_weights=_domain_weights(ctx),
                   bandwidths=(pc["bandwidths"], *({"h200", "gb300"} - {pc["bandwidths"]})),
                   batch_sizes=ctx.bench["batch_sizes"], model=ctx.model_name,
@@ -169,7 +176,7 @@ def cache(ctx: StageContext, **_) -> None:
     layout, pc, cc = ctx.layout, ctx.placement, ctx.cache
     run_cache(layout.trace, layout.stats_dir / "histogram.csv", ctx.model_shape, layout.cache_dir,
               cc["policies"], pc["residency"], pc["profile_domains"], phase=pc["phase"],
-              domain_weights=_domain_weights(ctx),
+              domain_weights=_domain_weights(ctx), weight_format=experts_format(ctx),
               heldout_fraction=ctx.stats["heldout_fraction"],
               locality_json=layout.stats_dir / "locality.json", time=cc["time"],
               prefetch_budget=cc["prefetch_budget"], nexttoken_extra=cc["nexttoken_extra"])
