@@ -1,0 +1,253 @@
+"""The compressed host tier: every routed expert once in host memory as lossless codec records.
+
+The raw host tier (:class:`coldset.kernels.tiers.HostTier`) keeps each expert's bytes as they are,
+so a kernel can read a cold expert in place over the host link. This tier keeps the same experts
+(row ``layer * E + expert``) as :mod:`coldset.core.codec` records in one host allocation (pinned
+when the experts are on CUDA): the host memory, and the bytes a fill sends over the link, drop by
+the codec's ratio. Each expert is one contiguous *record* holding its parts (``w13``, ``w2`` and,
+for block-FP8 or MXFP4 experts, ``w13_scale`` and ``w2_scale``); a part is stored coded where the
+codec takes its dtype and the coded bytes are fewer than the raw ones (FP8's float32 scales, and
+parts too small to carry a decode table, are stored raw), so a fill copies one record per expert.
+
+A fill (:func:`fill_slots`) copies an expert's record into a device staging buffer with one copy
+and decodes each part into the destination slot's rows (the Triton decoder on CUDA, the torch
+decoder on the CPU); raw parts are copied byte for byte. The slot then holds exactly the bytes a
+raw fill would have copied: every output stays bitwise the unmodified path's.
+
+Coded weights cannot be read in place (a kernel reads a weight element by address, a coded stream
+has no addresses). So the two tiers serve different placements: a placement whose cold experts are
+read in place (static cold sets, and a slot cache whose misses read the host row in place) needs
+the raw tier; a path that fills every cold expert into a slot before the compute reads it can use
+this one. :meth:`CompressedHostTier.check_matches` (which :meth:`ExpertPools.placed` calls on its
+host tier) refuses this tier by name, so a compressed tier can never be handed to an in-place
+reader. A process that runs both keeps both tiers (host bytes 1 + ratio of raw); the speed model
+(:func:`coldset.analysis.speed.cold_path_choice`) says which one a given link and decode rate
+favour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from coldset.core import codec
+from coldset.kernels.tiers import ExpertPools, _pinned_block_bytes, check_host_allocation
+
+#: The parts of an expert in record order (the scales only for scaled experts).
+PART_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
+_ALIGN = 16  # every array in a record starts 16-byte aligned, so byte views cast to int16/int32
+
+
+class CompressedTierError(ValueError):
+    """A compressed host tier used where it cannot work, or with pools it does not hold."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where one tensor of an expert lies in its record (byte offsets from the record's start).
+
+    Coded: ``arrays`` are the offsets of the codec record's ``words``, ``lane_words``, ``table`` and
+    ``raw`` (-1 where there is no raw plane). Raw: ``arrays`` is ``(offset,)`` of its bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    coded: bool
+    arrays: tuple[int, ...]
+    num_lanes: int = 0
+    num_words: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    def record(self, buf: torch.Tensor) -> codec.Compressed:
+        """The codec record of this (coded) part as views of ``buf``, the expert's record bytes."""
+        words_at, lanes_at, table_at, raw_at = self.arrays
+        words = buf[words_at:words_at + 4 * (self.num_words + 1)].view(torch.int32)
+        lane_words = buf[lanes_at:lanes_at + 4 * (self.num_lanes + 1)].view(torch.int32)
+        table = buf[table_at:table_at + 2 * (1 << codec.MAX_CODE_BITS)].view(torch.int16)
+        raw = None if raw_at < 0 else buf[raw_at:raw_at + self.numel]
+        return codec.Compressed(self.shape, self.dtype, self.numel, self.num_lanes, self.num_words, words,
+                                lane_words, table, raw)
+
+    def raw_bytes(self, buf: torch.Tensor) -> torch.Tensor:
+        """The stored bytes of this (raw) part, a view of ``buf``."""
+        return buf[self.arrays[0]:self.arrays[0] + self.raw_nbytes]
+
+
+@dataclass(frozen=True)
+class CompressedHostTier:
+    """Every routed expert of one model, row ``layer * E + expert``, as one record each in ``data``
+    (uint8, one host allocation, pinned when the experts are on CUDA): row ``r``'s record is
+    ``data[starts[r]:starts[r + 1]]`` laid out as ``parts[r]`` says (module doc)."""
+
+    data: torch.Tensor
+    starts: tuple[int, ...]
+    parts: tuple[tuple[Part, ...], ...]
+    num_moe_layers: int
+    num_experts: int
+    pinned: bool
+    reserved_bytes: int
+    raw_nbytes: int  # the same experts' bytes in the raw host tier
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the records (what fills copy over the link, all experts together)."""
+        return int(self.data.numel())
+
+    @property
+    def ratio(self) -> float:
+        """Compressed over raw bytes of the whole tier (lower is better)."""
+        return self.nbytes / max(1, self.raw_nbytes)
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest expert record: the staging buffer a fill needs."""
+        return max(b - a for a, b in zip(self.starts[:-1], self.starts[1:]))
+
+    def record_bytes(self, row: int) -> int:
+        """Bytes of host row ``row``'s record (what filling that expert copies)."""
+        return self.starts[row + 1] - self.starts[row]
+
+    def check_matches(self, pools: ExpertPools) -> None:
+        """Refused: a compressed tier is never read in place (module doc). :meth:`ExpertPools.placed`
+        and every in-place reader call this on their host tier."""
+        raise CompressedTierError(
+            "CompressedHostTier cannot serve as the cold pool of a placement: kernels read cold experts in "
+            "place and coded weights cannot be read in place; pass the raw tier (coldset.kernels.tiers.host_tier) "
+            "and use the compressed tier only to fill slots (coldset.kernels.compressed_tier.fill_slots)")
+
+    def check_fills(self, pools: ExpertPools) -> None:
+        """Refuse slot pools whose expert tensors differ in shape or dtype from this tier's, naming the part."""
+        if (pools.num_moe_layers, pools.num_experts) != (self.num_moe_layers, self.num_experts):
+            raise CompressedTierError(
+                f"compressed host tier holds {self.num_moe_layers} x {self.num_experts} experts, the pools "
+                f"{pools.num_moe_layers} x {pools.num_experts}")
+        names = PART_NAMES if pools.has_scales else PART_NAMES[:2]
+        if tuple(p.name for p in self.parts[0]) != names:
+            raise CompressedTierError(f"compressed host tier holds parts {[p.name for p in self.parts[0]]}, the pools "
+                                      f"{list(names)} (scaled experts carry their scales)")
+        for part in self.parts[0]:
+            hot = getattr(pools, f"{part.name}_hot")
+            if tuple(hot.shape[1:]) != part.shape or hot.dtype != part.dtype:
+                raise CompressedTierError(f"compressed host tier part {part.name} is {part.shape} {part.dtype}, the "
+                                          f"pools' {part.name}_hot rows {tuple(hot.shape[1:])} {hot.dtype}")
+
+
+def _pack(tensors: Sequence[tuple[str, torch.Tensor]], lane_symbols: int) -> tuple[torch.Tensor, tuple[Part, ...]]:
+    """One expert's record: its parts, each coded where that is smaller (module doc), in one uint8
+    CPU tensor, every array 16-byte aligned."""
+    chunks: list[tuple[int, torch.Tensor]] = []
+    parts = []
+    size = 0
+
+    def put(t: torch.Tensor) -> int:
+        nonlocal size
+        at = _aligned(size)
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        chunks.append((at, b))
+        size = at + b.numel()
+        return at
+
+    for name, t in tensors:
+        raw_nbytes = t.numel() * t.element_size()
+        rec = codec.encode(t, lane_symbols=lane_symbols) if t.dtype in codec.FORMATS and t.numel() else None
+        if rec is not None and rec.nbytes < raw_nbytes:
+            arrays = (put(rec.words), put(rec.lane_words), put(rec.table), -1 if rec.raw is None else put(rec.raw))
+            parts.append(Part(name, tuple(t.shape), t.dtype, True, arrays, rec.num_lanes, rec.num_words))
+        else:
+            parts.append(Part(name, tuple(t.shape), t.dtype, False, (put(t),)))
+    out = torch.zeros(_aligned(size), dtype=torch.uint8)
+    for at, b in chunks:
+        out[at:at + b.numel()] = b
+    return out, tuple(parts)
+
+
+def compressed_host_tier(pools: ExpertPools, host_available_bytes: int | None = None,
+                         lane_symbols: int = codec.LANE_SYMBOLS) -> CompressedHostTier:
+    """Every expert of the all-hot ``pools`` as codec records in one host allocation (module doc).
+
+    Encoded on the pools' device, expert by expert; the records are gathered in plain memory, then
+    copied into one allocation (pinned when the pools are on CUDA) checked against the host's
+    memory first (:func:`coldset.kernels.tiers.check_host_allocation`; ``host_available_bytes``
+    overrides MemAvailable for tests): building holds the records twice, briefly.
+    """
+    pools._require_all_hot("compressed_host_tier")
+    names = PART_NAMES if pools.has_scales else PART_NAMES[:2]
+    records, layouts, starts = [], [], [0]
+    for row in range(pools.num_hot):
+        buf, parts = _pack([(n, getattr(pools, f"{n}_hot")[row]) for n in names], lane_symbols)
+        records.append(buf)
+        layouts.append(parts)
+        starts.append(starts[-1] + buf.numel())
+    pin = pools.w13_hot.device.type == "cuda"
+    reserved = _pinned_block_bytes(starts[-1]) if pin else starts[-1]
+    check_host_allocation(reserved, "pinned compressed host tier (every routed expert)" if pin else
+                          "compressed host tier (every routed expert)", host_available_bytes)
+    data = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+    for row, buf in enumerate(records):
+        data[starts[row]:starts[row + 1]].copy_(buf)
+    raw = sum(getattr(pools, f"{n}_hot").numel() * getattr(pools, f"{n}_hot").element_size() for n in names)
+    return CompressedHostTier(data=data, starts=tuple(starts), parts=tuple(layouts),
+                              num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts, pinned=pin,
+                              reserved_bytes=reserved, raw_nbytes=raw)
+
+
+def staging_buffer(tier: CompressedHostTier, device) -> torch.Tensor:
+    """A device buffer that holds any one expert's record (what :func:`fill_slots` stages through)."""
+    return torch.empty(tier.max_record_bytes, dtype=torch.uint8, device=device)
+
+
+def fill_slots(tier: CompressedHostTier, pools: ExpertPools, host_rows: Sequence[int], slots: Sequence[int],
+               staging: torch.Tensor | None = None) -> None:
+    """Fill hot rows ``slots[i]`` of ``pools`` (weights and, when scaled, scales) with the expert of
+    host row ``host_rows[i]``: its record copied into ``staging`` (one copy), each part decoded into
+    the slot (Triton decoder on CUDA, torch decoder on the CPU) or, if stored raw, copied.
+
+    Bitwise what copying the raw host tier's rows would write. Expert by expert on the current
+    stream (one staging buffer suffices: its next copy is ordered after the last decode). Host
+    indices, so this is not the captured step's fill; the slot cache's device-decided fill reads
+    its lists on the device."""
+    tier.check_fills(pools)
+    if len(host_rows) != len(slots):
+        raise CompressedTierError(f"fill_slots: {len(host_rows)} host rows for {len(slots)} slots")
+    device = pools.w13_hot.device
+    if staging is None:
+        staging = staging_buffer(tier, device)
+    if staging.dtype != torch.uint8 or staging.device != device or staging.numel() < tier.max_record_bytes:
+        raise CompressedTierError(f"fill_slots: staging {staging.dtype} x {staging.numel()} on {staging.device}, "
+                                  f"expected uint8 x >= {tier.max_record_bytes} on {device}")
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        from coldset.kernels.triton_codec import decode_into  # GPU-only path (Triton)
+    num_rows = len(tier.starts) - 1
+    for row, slot in zip(host_rows, slots):
+        row, slot = int(row), int(slot)
+        if not 0 <= row < num_rows or not 0 <= slot < pools.num_hot:
+            raise CompressedTierError(f"fill_slots: host row {row} (of {num_rows}) or slot {slot} "
+                                      f"(of {pools.num_hot}) out of range")
+        n = tier.record_bytes(row)
+        staged = staging[:n]
+        staged.copy_(tier.data[tier.starts[row]:tier.starts[row + 1]], non_blocking=on_cuda)
+        for part in tier.parts[row]:
+            dst = getattr(pools, f"{part.name}_hot")[slot]
+            if not part.coded:
+                dst.view(-1).view(torch.uint8).copy_(part.raw_bytes(staged))
+            elif on_cuda:
+                decode_into(part.record(staged), dst)
+            else:
+                dst.copy_(codec.decode(part.record(staged)))
