@@ -159,3 +159,62 @@ def predict_step(
         tok_s_lower=batch_size / lower,
         tok_s_sum=batch_size / total,
     )
+
+
+#: The ways a cold expert's weights reach a kernel, simplest first (the order ties are broken in).
+COLD_PATHS = ("in_place", "raw_fill", "compressed_fill")
+
+
+@dataclass(frozen=True)
+class ColdPathTimes:
+    """Seconds to serve one group of cold experts (a layer's misses) by each path, and the fastest."""
+
+    in_place_s: float
+    raw_fill_s: float
+    compressed_fill_s: float
+    choice: str
+
+
+def compressed_fill_s(expert_bytes, ratios, link_gb_s: float, decode_gb_s: float) -> float:
+    """When the last of a group of experts is decoded into its slot, filled from the compressed host
+    tier expert by expert: expert ``j``'s record (``ratios[j] * expert_bytes[j]`` bytes) crosses the
+    link after expert ``j - 1``'s; its decode (``expert_bytes[j]`` bytes out at ``decode_gb_s``, the
+    decoder's rate beside the step's compute) starts once its record has landed and the decoder has
+    finished expert ``j - 1``, so the copy of the next expert overlaps the decode of the one before."""
+    if link_gb_s <= 0 or decode_gb_s <= 0:
+        raise PlacementError(f"compressed_fill_s: rates must be > 0, got link {link_gb_s}, decode {decode_gb_s} GB/s")
+    copied = decoded = 0.0
+    for nbytes, ratio in zip(expert_bytes, ratios, strict=True):
+        copied += ratio * nbytes / (link_gb_s * 1e9)
+        decoded = max(copied, decoded) + nbytes / (decode_gb_s * 1e9)
+    return decoded
+
+
+def cold_path_choice(expert_bytes, link_gb_s: float, hbm_gb_s: float, ratio: float, decode_gb_s: float,
+                     reads: int = 1) -> ColdPathTimes:
+    """Which way to serve a group of cold experts (``expert_bytes``, one entry per expert, each read
+    ``reads`` times by the kernels before it leaves HBM), from the link's and HBM's read rates, the
+    codec's ``ratio`` (compressed over raw bytes) and the decoder's rate beside the compute.
+
+    - ``in_place``: every read crosses the link (zero-copy over the raw host tier): ``reads * B / link``;
+    - ``raw_fill``: one copy, then reads from HBM: ``B / link + reads * B / hbm``;
+    - ``compressed_fill``: :func:`compressed_fill_s`, then reads from HBM.
+
+    The choice is the fastest, ties going to the simpler path (:data:`COLD_PATHS` order). A coded
+    expert cannot be read in place (:mod:`coldset.kernels.compressed_tier`), so ``in_place`` always
+    reads the raw tier."""
+    sizes = [float(b) for b in expert_bytes]
+    if not sizes or min(sizes) < 0:
+        raise PlacementError(f"cold_path_choice: expert_bytes must be non-negative and non-empty, got {sizes}")
+    if not (link_gb_s > 0 and hbm_gb_s > 0 and decode_gb_s > 0 and 0 < ratio):
+        raise PlacementError(f"cold_path_choice: rates and ratio must be > 0, got link {link_gb_s}, hbm {hbm_gb_s}, "
+                             f"decode {decode_gb_s} GB/s, ratio {ratio}")
+    if reads < 1:
+        raise PlacementError(f"cold_path_choice: reads must be >= 1, got {reads}")
+    total = sum(sizes)
+    from_hbm = reads * total / (hbm_gb_s * 1e9)
+    times = {"in_place": reads * total / (link_gb_s * 1e9),
+             "raw_fill": total / (link_gb_s * 1e9) + from_hbm,
+             "compressed_fill": compressed_fill_s(sizes, [ratio] * len(sizes), link_gb_s, decode_gb_s) + from_hbm}
+    choice = min(COLD_PATHS, key=lambda p: (times[p], COLD_PATHS.index(p)))
+    return ColdPathTimes(times["in_place"], times["raw_fill"], times["compressed_fill"], choice)
