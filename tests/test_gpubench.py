@@ -27,7 +27,7 @@ def test_defaults_are_the_old_scripts():
                                                         "config/examples/qwen3-30b-a3b-h200.yaml")
     c = p.parse_args(["cache", "--out", "o", "--policies", "lru,lfu", "--analysis"])
     assert (c.steps, c.repeats, c.residencies, c.batches, c.policies, c.depths, c.analysis) == \
-        (32, 3, "0.5,1.0", "1,8", "lru,lfu", "1,2,3", True)
+        (128, 3, "0.5,1.0", "1,8", "lru,lfu", "1,2,3", True)
     assert (c.nexttoken_extra, c.prefetch_budget) == (3, None)  # the config's cache defaults
     n = p.parse_args(["cache", "--out", "o", "--policies", "lru,nexttoken", "--nexttoken-extra", "16",
                       "--prefetch-budget", "0"])
@@ -882,3 +882,81 @@ def test_render_cache_profile_table_reads_each_rows_profile():
     assert f"| {row['profile']['idle_us_per_step']:.0f} |" in lines[1]
     del res["rows"][0]["profile"]  # a row without a profile is left out of the table, not rendered as zeros
     assert "| 1 | all-HBM | 442 |" not in render_cache(res)
+
+
+# --------------------------------------------------------------------------------------------
+# --model-family: a CPU dry run of bench step and bench cache on each published family at tiny
+# widths (coldset.engine.random_weights.tiny_config): arguments, model build, floors, the rows and
+# the rendered table, with the CUDA-only parts (device check, ceilings, graph capture, event
+# timing, profiler, provenance) replaced by stand-ins.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """bench step / bench cache runnable on the CPU: every family's config tiny (a default subset 1
+    MoE layer), the CUDA-only calls stood in for (step times 1 ms; the HBM read rate 1000 GB/s, the link 50 GB/s)."""
+    import dataclasses
+
+    import torch
+
+    from coldset.bench import decode as bn
+    from coldset.core.files import write_json
+    from coldset.engine.random_weights import tiny_config
+    from coldset.measure import cache, harness, step
+
+    raw = harness.RandomFamily.raw
+    monkeypatch.setattr(harness.RandomFamily, "raw", lambda self: tiny_config(raw(self)))
+    for name, fam in list(harness.RANDOM_FAMILIES.items()):  # a default subset: 1 of the tiny config's 2 MoE layers
+        if fam.moe_layers:
+            monkeypatch.setitem(harness.RANDOM_FAMILIES, name, dataclasses.replace(fam, moe_layers=1))
+
+    def write(path, result, ceilings=None, tuned=None):
+        result["provenance"] = {"device": "cpu dry run"}
+        write_json(path, result)
+
+    for mod in (step, cache):
+        monkeypatch.setattr(mod, "require_cuda", lambda: torch.device("cpu"))
+        monkeypatch.setattr(mod, "write_result", write)
+        monkeypatch.setattr(mod, "kernel_profile", lambda fn, n=3, layers=1: {"kernels_per_step": 0.0})
+    monkeypatch.setattr(step, "eager_time_us", lambda fn, reps: (fn(), 1000.0)[1])
+    monkeypatch.setattr(bn, "measure_ceilings", lambda pinned=None: {"hbm_read_gb_s": 1000.0, "link_read_gb_s": 50.0})
+    monkeypatch.setattr(bn.Decoder, "capture", lambda self: None)
+    return lambda family: tiny_config(raw(harness.RANDOM_FAMILIES[family]))  # the tiny config a family builds
+
+
+@pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-20b", "bf16", []), ("gpt-oss-120b", "mxfp4", []),
+                                                ("deepseek-v3", "fp8", []), ("glm-4.5-air", "bf16", ["--moe-layers", "2"]),
+                                                ("qwen3-30b-a3b", "bf16", [])])
+def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, cpu_bench):
+    """Every family through bench step: its published format's floor (bytes per chosen expert with
+    scales and biases, the non-expert weights in bf16), the fused engine an error row (no CUDA, or
+    the family refuses it), the step without experts and its share, the table rendered."""
+    from coldset.core.shapes import expert_bytes
+    from coldset.engine.random_weights import family_config
+    from coldset.measure.harness import RANDOM_FAMILIES
+
+    out = tmp_path / "out"
+    assert main(["bench", "step", "--model-family", family, "--engines", "eager,fused", "--reps", "1",
+                 "--rounds", "1", "--out", str(out), *extra]) == 0
+    res = json.loads((out / "decode_step.json").read_text())
+    built = res["model_family"]
+    layers = int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers
+    cfg = family_config(cpu_bench(family), layers)
+    assert (built["name"], built["expert_format"], built["moe_layers"]) == (family, fmt, cfg.num_moe_layers)
+    assert built["expert_bytes"] == expert_bytes(cfg, {"bf16": "bfloat16", "fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt])
+    assert built["subset"] == (family == "deepseek-v3")  # the default subset, 1 of 2 MoE layers
+    assert {(r["mode"], r["batch"], r["experts"]) for r in res["rows"]} == {
+        ("eager", 1, "full"), ("eager", 1, "no_experts"), ("eager", 8, "full")}
+    assert "fused" in res["errors"] and res["checks"]["eager/b1"]["token_match"] == 1.0
+    for b in ("1", "8"):
+        fl = res["floor"][b]
+        chosen = fl["expert_bytes_per_step"] / built["expert_bytes"]  # distinct experts read a step (mean)
+        assert cfg.num_moe_layers * cfg.top_k <= chosen <= cfg.num_moe_layers * min(cfg.num_experts, cfg.top_k * int(b))
+        assert fl["floor_ms"] == pytest.approx(fl["bytes_per_step"] / 1e9)  # 1000 GB/s
+    share = res["step_shares"]["eager"]
+    assert share["without_routed_experts"] == 1.0  # the stand-in timer: every step 1 ms
+    assert share["nonexpert_bytes_of_floor"] == pytest.approx(res["floor"]["1"]["nonexpert_bytes_per_step"]
+                                                              / res["floor"]["1"]["bytes_per_step"])
+    text = render(res)
+    assert "Decode step" in text and "no_experts" in text and "Engines that failed: fused" in text

@@ -18,12 +18,12 @@ from coldset.engine.glm4_moe import Glm4MoeModel
 from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssModel
 from coldset.engine.model import ModelLoadError, MoEModel
 from coldset.engine.random_weights import (build_random_model, family_config, mxfp4_scale_exponent,
-                                           subset_note)
+                                           subset_note, tiny_config)
 
 SHAPES = Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes"
 PROMPTS = [[5, 9, 2, 7], [3, 1]]
-COMMON = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts_per_tok": 2}
+FAMILY_CONFIGS = {"qwen3_moe": "qwen3-30b-a3b-fp8", "deepseek_v3": "deepseek-v3", "glm4_moe": "glm-4.5-air",
+                  "gpt_oss": "gpt-oss-120b"}
 
 
 def published(name: str) -> dict:
@@ -32,18 +32,15 @@ def published(name: str) -> dict:
 
 def tiny(family: str) -> dict:
     """The family's published config at tiny widths (every other key as published)."""
-    if family == "qwen3_moe":
-        return {**published("qwen3-30b-a3b-fp8"), **COMMON, "num_hidden_layers": 3, "num_experts": 8}
-    if family == "deepseek_v3":
-        return {**published("deepseek-v3"), **COMMON, "num_key_value_heads": 4, "num_hidden_layers": 4,
-                "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_group": 2, "topk_group": 1}
-    if family == "glm4_moe":
-        return {**published("glm-4.5-air"), **COMMON, "num_hidden_layers": 3, "n_routed_experts": 8}
-    raw = {**published("gpt-oss-120b"), **COMMON, "intermediate_size": 64, "num_hidden_layers": 2,
-           "num_local_experts": 5, "sliding_window": 4}
-    raw["layer_types"] = raw["layer_types"][:2]
-    return raw
+    return tiny_config(published(FAMILY_CONFIGS[family]), vocab_size=300)
+
+
+def test_tiny_config_keeps_the_family_and_narrows_it():
+    for family in FAMILY_CONFIGS:
+        cfg = family_config(tiny(family))
+        assert cfg.model_type == family and cfg.hidden_size == 64 and cfg.num_moe_layers == 2
+    ds = tiny("deepseek_v3")
+    assert (ds["first_k_dense_replace"], ds["num_hidden_layers"], ds["n_group"], ds["num_key_value_heads"]) == (1, 3, 2, 4)
 
 
 CASES = [("qwen3_moe", "bf16", MoEModel), ("qwen3_moe", "fp8", MoEModel), ("deepseek_v3", "fp8", DeepseekV3Model),
@@ -109,7 +106,7 @@ def test_the_mxfp4_scale_gives_the_std_of_uniform_codes():
 
 
 def test_a_subset_keeps_the_dense_layers_and_the_first_moe_layers():
-    raw = {**tiny("deepseek_v3"), "num_hidden_layers": 6, "first_k_dense_replace": 2}
+    raw = {**tiny("deepseek_v3"), "num_hidden_layers": 6, "first_k_dense_replace": 2}  # 2 dense, 4 MoE
     model = build_random_model(raw, "cpu", "fp8", moe_layers=2)
     cfg = model.config
     assert (cfg.num_layers, cfg.moe_layers, model.pools.num_moe_layers) == (4, (2, 3), 2)
@@ -117,7 +114,7 @@ def test_a_subset_keeps_the_dense_layers_and_the_first_moe_layers():
     assert (note["moe_layers"], note["published_moe_layers"], note["dense_layers"], note["subset"]) == (2, 4, 2, True)
     assert "first 2 of 4 MoE layers" in note["note"]
     assert generate(model, PROMPTS, 2, progress=False).tokens
-    g = family_config(tiny("gpt_oss"), 1)
+    g = family_config(tiny("gpt_oss"), 1)  # 2 MoE layers, the first kept
     assert (g.num_layers, g.layer_types) == (1, ("sliding_attention",))
     with pytest.raises(ModelLoadError, match="moe_layers=3"):
         family_config(tiny("gpt_oss"), 3)
@@ -142,3 +139,20 @@ def test_unknown_family_and_format_are_refused_by_name():
         build_random_model(tiny("qwen3_moe"), "cpu", "int4")
     with pytest.raises(ModelLoadError, match="moe_intermediate_size 48"):
         build_random_model({**tiny("gpt_oss"), "intermediate_size": 48}, "cpu", "mxfp4")
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3_moe", "bf16"), ("deepseek_v3", "fp8"), ("glm4_moe", "bf16"),
+                                         ("gpt_oss", "mxfp4")])
+def test_the_step_floor_counts_every_non_expert_weight_once(family, fmt):
+    """bench step's non-expert bytes (:func:`coldset.bench.decode._nonexpert_read_bytes`, from the
+    shape) against the random model's own parameters and router correction biases, each counted in
+    bf16 (the engine keeps routers and gpt_oss's norms in float32: a few MB at real shape), with one
+    embedding row of the table read."""
+    from coldset.bench.decode import _nonexpert_read_bytes
+
+    model = build_random_model(tiny(family), "cpu", fmt)
+    tensors = {id(p): p for p in model.parameters()}
+    tensors.update({id(b): b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")})
+    counted = sum(t.numel() * 2 for t in tensors.values())
+    emb = model.embed_tokens.weight
+    assert counted - emb.numel() * 2 + emb.shape[1] * 2 == _nonexpert_read_bytes(model.config, 1, torch.bfloat16)

@@ -105,6 +105,36 @@ def subset_note(raw: dict, cfg: ModelConfig, expert_format: str, source: str = "
                      if kept < full.num_moe_layers else "every layer")}
 
 
+#: :func:`tiny_config`'s widths, for the keys a published config has.
+_TINY = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "experts_per_token": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "sliding_window": 4}
+
+
+def tiny_config(raw: dict, vocab_size: int = 4096) -> dict:
+    """``raw`` at a few hundred thousand weights, its family and every other key as published: the
+    widths of :data:`_TINY` where ``raw`` has those keys (multi-head latent attention: as many kv
+    heads as heads), at most one dense layer before two MoE layers, ``n_group`` 2 where groups
+    are used. Why: the CPU dry run of ``bench step`` / ``bench cache --model-family`` and the tests
+    build each family as published, only narrow."""
+    out = {**raw, "vocab_size": vocab_size}
+    out.update({k: v for k, v in _TINY.items() if raw.get(k) is not None})
+    if "kv_lora_rank" in raw:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    dense = min(int(raw.get("first_k_dense_replace") or 0), 1)
+    if "first_k_dense_replace" in raw:
+        out["first_k_dense_replace"] = dense
+    out["num_hidden_layers"] = dense + 2
+    if isinstance(raw.get("layer_types"), list):
+        out["layer_types"] = raw["layer_types"][:dense + 2]
+    if raw.get("mlp_only_layers"):
+        out["mlp_only_layers"] = []
+    if (raw.get("n_group") or 1) > 1:
+        out["n_group"], out["topk_group"] = 2, 1
+    return out
+
+
 def mxfp4_scale_exponent(fan_in: int) -> int:
     """The middle e8m0 scale byte of :func:`_mxfp4_experts`' scales (that byte -1, 0 or +1, each
     equally likely): uniform random e2m1 codes under them have std ``1 / sqrt(fan_in)`` to within

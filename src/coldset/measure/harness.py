@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldset.bench.provenance import collect_provenance
 from coldset.core import fp8
 from coldset.core.files import write_json
 from coldset.core.fp8 import FORMAT_NAME
+from coldset.core.shapes import expert_bytes, get_weight_format
 from coldset.core.timing import graph_time_us
+from coldset.engine import gpt_oss, random_weights
 from coldset.kernels.tiers import ExpertPools
 
 _T0 = time.perf_counter()
@@ -142,6 +146,85 @@ def fp8_expert_pools(pools):
         s2[layer].copy_(s)
         del q, s
     return ExpertPools.all_hot(w13, w2, s13, s2)
+
+
+@dataclass(frozen=True)
+class RandomFamily:
+    """A published model ``bench step`` and ``bench cache`` draw with random weights
+    (``--model-family``, :func:`coldset.engine.random_weights.build_random_model`): its config
+    (a config.json path from the repository root, or the dict), the expert format it is published
+    in, and how many of its MoE layers are built by default (None: all; a subset where its experts
+    and a slot pool at residency 0.75 would not fit in one H200's 141 GB)."""
+
+    config: str | dict
+    expert_format: str
+    moe_layers: int | None = None
+
+    def raw(self) -> dict:
+        if isinstance(self.config, dict):
+            return self.config
+        path = Path(self.config)
+        if not path.is_file():
+            raise MeasureError(f"--model-family: {path} not found (run from the repository root)")
+        return json.loads(path.read_text())
+
+
+_SHAPES = "config/examples/shapes"
+#: ``--model-family``'s published configs. qwen3-30b-a3b: the published Qwen3-30B-A3B-FP8 config
+#: without its quantization_config, which is Qwen3-30B-A3B's (same architecture), in bf16.
+RANDOM_FAMILIES = {
+    "gpt-oss-20b": RandomFamily(gpt_oss.GPT_OSS_20B_CONFIG, "bf16"),
+    "gpt-oss-120b": RandomFamily(f"{_SHAPES}/gpt-oss-120b/config.json", "mxfp4"),
+    "deepseek-v3": RandomFamily(f"{_SHAPES}/deepseek-v3/config.json", "fp8", 4),
+    "glm-4.5-air": RandomFamily(f"{_SHAPES}/glm-4.5-air/config.json", "bf16", 12),
+    "qwen3-30b-a3b": RandomFamily(f"{_SHAPES}/qwen3-30b-a3b-fp8/config.json", "bf16"),
+}
+
+
+def add_family_arguments(p) -> None:
+    """``--model-family`` and ``--moe-layers`` of ``bench step`` and ``bench cache``."""
+    p.add_argument("--model-family", choices=["synthetic", *RANDOM_FAMILIES], default="synthetic",
+                   help="synthetic: the config's synthetic model; else that published config with random weights "
+                        "drawn on the GPU in its published expert format (gpt-oss-120b MXFP4, deepseek-v3 block "
+                        "FP8, the others bf16), prompted through the config's synthetic tokenizer")
+    p.add_argument("--moe-layers", type=int, default=None,
+                   help="with --model-family: build the dense layers and the first N MoE layers at full width "
+                        "(default: the family's, " + ", ".join(f"{k} {v.moe_layers}" for k, v in
+                                                               RANDOM_FAMILIES.items() if v.moe_layers) + "; others all)")
+
+
+def check_family_arguments(args) -> None:
+    """:class:`MeasureError` for ``--moe-layers`` without a family, or below 1."""
+    if args.moe_layers is not None and args.model_family == "synthetic":
+        raise MeasureError("--moe-layers cuts a --model-family model; the synthetic model takes its config's shape")
+    if args.moe_layers is not None and args.moe_layers < 1:
+        raise MeasureError(f"--moe-layers {args.moe_layers}: at least 1")
+
+
+def random_family_model(name: str, device, moe_layers: int | None, R: dict):
+    """The random model of family ``name`` (:data:`RANDOM_FAMILIES`) on ``device`` with
+    ``moe_layers`` MoE layers (None: the family's default); ``R["model_family"]`` says what was
+    built (layers, MoE layers of the published count, expert format)."""
+    fam = RANDOM_FAMILIES[name]
+    raw, layers = fam.raw(), moe_layers if moe_layers is not None else fam.moe_layers
+    t = time.perf_counter()
+    try:
+        model = random_weights.build_random_model(raw, device, fam.expert_format, layers, source=name)
+    except ValueError as exc:  # ModelLoadError: a bad --moe-layers, named
+        raise MeasureError(str(exc)) from None
+    R["model_family"] = {"name": name, **random_weights.subset_note(raw, model.config, fam.expert_format, name),
+                         "expert_bytes": expert_bytes(model.config), "build_s": round(time.perf_counter() - t, 1)}
+    log("model built:", name, R["model_family"])
+    return model
+
+
+def moved_expert_bytes(cfg) -> int:
+    """Bytes of one routed expert that move between tiers: its weights and scales in the config's
+    expert format (:func:`coldset.core.shapes.expert_bytes` less the biases, which stay resident in
+    HBM for every expert)."""
+    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * get_weight_format(cfg.dtype).bytes_per_element \
+        if cfg.expert_bias else 0
+    return expert_bytes(cfg) - int(bias)
 
 
 def idle_time(spans) -> float:

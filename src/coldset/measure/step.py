@@ -44,6 +44,17 @@ FP8 against bf16 (other weights) is reported as a token match rate, not checked.
 runs its documented defaults (:func:`coldset.kernels.triton_fp8.default_config`), the configs of
 ``--tuned-fp8`` (an autotune entry of the FP8 shape), or its own autotune in this run (``--tune``,
 which tunes both kernels, or ``--tune-fp8``, the FP8 kernel alone, e.g. beside ``--tuned``).
+
+``--model-family NAME`` measures a published model instead of the synthetic one: its config with
+random weights drawn on the GPU in its published expert format
+(:data:`coldset.measure.harness.RANDOM_FAMILIES`: gpt-oss-20b bf16, gpt-oss-120b MXFP4, deepseek-v3
+block FP8 on ``--moe-layers`` of its MoE layers, glm-4.5-air bf16 on a subset, qwen3-30b-a3b bf16,
+the reference), through its family's own modules (:mod:`coldset.engine.random_weights`;
+``R["model_family"]`` says what was built). The floor counts that format's bytes per chosen expert
+(scales and biases included, :func:`coldset.core.shapes.expert_bytes`) and the family's non-expert
+weights in bf16; an engine the family refuses (the fused step: every family but qwen3_moe and
+mixtral) is an error row. ``R["step_shares"]``: the step without the routed experts over the full
+step at batch 1, beside the non-expert bytes' share of the floor (:func:`step_shares`).
 """
 
 from __future__ import annotations
@@ -53,16 +64,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
-                                     kernel_profile, load_module, log, new_result, require_cuda, spread,
-                                     write_result)
+from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORMATS, MeasureError,
+                                     add_family_arguments, check_family_arguments, expert_format, fp8_expert_pools,
+                                     kernel_profile, load_module, log, new_result, random_family_model,
+                                     require_cuda, spread, write_result)
 from coldset.analysis.placement import expert_bytes
 from coldset.bench import decode as bn
 from coldset.core.fp8 import FORMAT_NAME
 from coldset.core.shapes import get_weight_format
 from coldset.core.timing import eager_time_us
 from coldset.engine.loading import attach_fp8_attention
-from coldset.engine import gpt_oss
 from coldset.engine.model import fp8_attention_linears
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
 from coldset.kernels.tune import (
@@ -83,17 +94,13 @@ from coldset.workflow.config import load_config
 FUSED_PDL = {"fused": None, "fused-pdl": True, "fused-nopdl": False}
 ENGINES = ("eager", "compiled", *FUSED_PDL)
 PROMPT_TOKENS, NEW_TOKENS, BATCHES = 32, 16, (1, 8)
-#: ``--model-family``: the published configs a random model is drawn at (every weight on the GPU).
-RANDOM_FAMILIES = {"gpt-oss-20b": gpt_oss.GPT_OSS_20B_CONFIG}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default="config/examples/qwen3-30b-a3b-h200.yaml",
                    help="workflow config whose model.synthetic shape and fixtures are measured")
     p.add_argument("--out", required=True, help="folder for decode_step.json")
-    p.add_argument("--model-family", choices=["synthetic", *RANDOM_FAMILIES], default="synthetic",
-                   help="synthetic: the config's synthetic model; gpt-oss-20b: that published config with random "
-                        "weights drawn on the GPU (name the engines: its family refuses the fused step)")
+    add_family_arguments(p)
     tuning = p.add_mutually_exclusive_group()
     tuning.add_argument("--tune", action="store_true", help="autotune the experts kernel for batch 1 and 8 first")
     tuning.add_argument("--tuned", help="an autotune cache entry (JSON) whose experts configs to use")
@@ -122,6 +129,11 @@ def check_arguments(args) -> None:
     if args.reps < 1 or args.rounds < 1:
         raise MeasureError(f"--reps {args.reps} and --rounds {args.rounds}: each must be at least 1")
     check_engines(args.engines.split(","), bool(args.baseline_module))
+    check_family_arguments(args)
+    if args.model_family != "synthetic" and (args.weight_format != "bf16" or args.baseline_module):
+        raise MeasureError(f"--model-family {args.model_family} runs its published expert format "
+                           f"({RANDOM_FAMILIES[args.model_family].expert_format}); --weight-format fp8 and "
+                           "--baseline-module are the synthetic model's")
     if args.baseline_module and not (args.tune or args.tuned):
         raise MeasureError("--baseline-module needs --tune or --tuned (the configs both kernels run)")
     fp8 = args.weight_format == "fp8"
@@ -225,7 +237,9 @@ class StepRun:
     """What the engines' timings share: the arguments, the result being written, the model and
     its prompts per batch, the formats timed (name, all-hot pools, experts functions by engine
     suffix, bytes of one expert), the bf16 tune (for the provenance) and each engine's tokens and
-    logits (the checks)."""
+    logits (the checks). The first format is the model's own (:attr:`primary`: bf16 for the
+    synthetic model, a ``--model-family``'s published one): its floor is ``R["floor"]`` and only it
+    times the step without experts; a second one (``--weight-format fp8``) is ``floor_fp8``."""
 
     args: object
     R: dict
@@ -243,13 +257,21 @@ class StepRun:
     def save(self) -> None:
         write_result(self.out_path, self.R, self.ceilings, self.tuned)
 
+    @property
+    def primary(self) -> str:
+        return self.formats[0][0]
 
-def build_model(config: dict, dev, family: str = "synthetic"):
+    def floor_key(self, fmt: str) -> str:
+        return "floor" if fmt == self.primary else f"floor_{fmt}"
+
+
+def build_model(config: dict, dev, family: str = "synthetic", moe_layers: int | None = None, R: dict | None = None):
     """The config's in-memory synthetic model (every expert in HBM), its tokenizer and the
     fixture-like texts its prompts are cut from. ``family`` other than ``synthetic``: a model of
-    that published config with random weights drawn on the GPU (:data:`RANDOM_FAMILIES`; the step's
-    time does not depend on the values), prompted through the config's synthetic tokenizer (its ids
-    lie within every family's vocabulary)."""
+    that published config with random weights drawn on the GPU
+    (:func:`coldset.measure.harness.random_family_model`, ``moe_layers`` of its MoE layers, what was
+    built in ``R["model_family"]``; the step's time does not depend on the values), prompted
+    through the config's synthetic tokenizer (its ids lie within every family's vocabulary)."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
     spec = SyntheticSpec(**config["model"]["synthetic"])
@@ -257,8 +279,7 @@ def build_model(config: dict, dev, family: str = "synthetic"):
     texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
     if family != "synthetic":
         tokenizer = synthetic_tokenizer(spec, texts)[0]
-        model = gpt_oss.build_random_model(RANDOM_FAMILIES[family], dev, getattr(torch, config["model"]["dtype"]))
-        log("model built:", family, "random weights")
+        model = random_family_model(family, dev, moe_layers, R if R is not None else {})
         return model, tokenizer, texts
     model, tokenizer = build_synthetic_model(spec, dev, getattr(torch, config["model"]["dtype"]), domain_texts=texts)
     log("model built")
@@ -269,9 +290,13 @@ def tune_shape(config: dict, cfg, pools):
     """The experts' autotune shape of the model (all hot), with its experts' biases and activation."""
 
     L = cfg.num_moe_layers
+    if pools.is_mxfp4:
+        raise MeasureError("--tune/--tuned: the experts autotune has no MXFP4 shape; the MXFP4 kernel runs its "
+                           "defaults")
     return TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
                      num_hot=L * cfg.num_experts, num_cold=0, expert_bias=pools.has_bias,
+                     weight_format=FORMAT_NAME if pools.is_fp8 else None,
                      activation=None if pools.activation.kind == "silu" else pools.activation)
 
 
@@ -338,13 +363,14 @@ def measure_floors(s: StepRun) -> None:
 
     model, R, cfg = s.model, s.R, s.model.config
     for fmt, pools, fns, ebytes in s.formats:
-        floor = R["floor" if fmt == "bf16" else f"floor_{fmt}"] = {}
+        floor = R[s.floor_key(fmt)] = {}
         model.pools, model.experts_fn = pools, fns[""]
-        restore = attach_fp8_attention(model) if fmt == "fp8" else None  # the FP8 model's own routing
+        second = fmt != s.primary  # --weight-format fp8's: attention projections FP8 too
+        restore = attach_fp8_attention(model) if second else None  # the FP8 model's own routing
         try:
             for b, prompts in s.prompts_by_b.items():
                 _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
-                nonexpert = nonexpert_read_bytes_fp8(cfg, b, model.dtype) if fmt == "fp8" else \
+                nonexpert = nonexpert_read_bytes_fp8(cfg, b, model.dtype) if second else \
                     bn._nonexpert_read_bytes(cfg, b, model.dtype)
                 step_bytes = nonexpert + hot_per_token * b
                 floor[b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
@@ -390,7 +416,7 @@ def step_row(s: StepRun, dec, mode: str, bsz: int, name: str, fmt: str) -> dict:
         row["weight_format"] = fmt
         row["nonexpert_fp8"] = fp8_attention_linears(s.model, bsz)  # [] unless fused at batch 1
     if name == "full":
-        row["floor_ms"] = R["floor" if fmt == "bf16" else f"floor_{fmt}"][bsz]["floor_ms"]
+        row["floor_ms"] = R[s.floor_key(fmt)][bsz]["floor_ms"]
         row["fraction_of_floor"] = row["floor_ms"] / ms["median"]
         row["fraction_of_floor_range"] = [row["floor_ms"] / ms["max"], row["floor_ms"] / ms["min"]]
         try:
@@ -402,17 +428,18 @@ def step_row(s: StepRun, dec, mode: str, bsz: int, name: str, fmt: str) -> dict:
 
 def run_engine(s: StepRun, mode: str, t: float, experts_fn, fmt: str = "bf16") -> None:
     """One engine on the model's current pools (``fmt``: their weight format; rows and check
-    keys of FP8 carry it); the step without experts only once (bf16), it reads none."""
+    keys of a second format carry it); the step without experts only once (the primary format),
+    it reads none."""
 
-    model, key = s.model, "" if fmt == "bf16" else f" {fmt}"
+    model, key = s.model, "" if fmt == s.primary else f" {fmt}"
     for bsz in BATCHES:
-        for name in (("full", "no_experts") if bsz == 1 and fmt == "bf16" else ("full",)):
+        for name in (("full", "no_experts") if bsz == 1 and fmt == s.primary else ("full",)):
             model.experts_fn = experts_fn if name == "full" else no_experts
             dec = bn.Decoder(model, bsz, PROMPT_TOKENS, NEW_TOKENS, True)
             tok = dec.prefill(s.prompts_by_b[bsz])
             dec.set_step(tok, 1)
             dec.capture()
-            if bsz == 1 and name == "full" and fmt == "bf16":  # the first capture pays the compile
+            if bsz == 1 and name == "full" and fmt == s.primary:  # the first capture pays the compile
                 s.R.setdefault("compile_s", {})[mode] = time.perf_counter() - t
             toks, logits = decode_tokens(s, dec, tok)
             if name == "full":
@@ -428,26 +455,32 @@ def run_engine(s: StepRun, mode: str, t: float, experts_fn, fmt: str = "bf16") -
 
 def run_engines(s: StepRun, engines: list[str]) -> None:
     """Every engine (its decode region compiled once) in every format; an engine that fails
-    (e.g. a launch mode the driver refuses) is a result (``R["errors"]``)."""
+    (e.g. a launch mode the driver refuses, a fused step the family refuses) is a result
+    (``R["errors"]``)."""
     import torch._dynamo as dynamo  # GPU-only path: torch and the kernels load when a measurement runs
 
     model = s.model
     for mode in engines:
         dynamo.reset()
-        model._compiled_before_experts = None
+        model._compiled_before_experts = model._fused_head = None
         t = time.perf_counter()
         engine, _, which = mode.partition("@")
-        if engine == "compiled":
-            model.compile_decode(fused=False)
-        elif engine in FUSED_PDL:
-            model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
+        try:
+            if engine == "compiled":
+                model.compile_decode(fused=False)
+            elif engine in FUSED_PDL:
+                model.compile_decode(fused=True, pdl=FUSED_PDL[engine])
+        except ValueError as exc:  # a family whose modules the fused kernels do not implement
+            s.R.setdefault("errors", {})[mode] = repr(exc)[:500]
+            log("engine", mode, "refused:", repr(exc)[:500])
+            continue
         for fmt, pools, fns, _ in s.formats:  # the compiled region is the same for every format
             model.pools = pools
-            restore = attach_fp8_attention(model) if fmt == "fp8" else None  # FP8 attention for FP8 rows only
+            restore = attach_fp8_attention(model) if fmt != s.primary else None  # FP8 attention for FP8 rows only
             try:
                 run_engine(s, mode, t, fns[which], fmt)
             except Exception as exc:  # one engine failing (e.g. a launch mode the driver refuses) is a result
-                label = mode if fmt == "bf16" else f"{mode} {fmt}"
+                label = mode if fmt == s.primary else f"{mode} {fmt}"
                 s.R.setdefault("errors", {})[label] = repr(exc)[:500]
                 log("engine", label, "failed:", repr(exc)[:500])
             finally:
@@ -472,7 +505,7 @@ def record_checks(s: StepRun, engines: list[str]) -> None:
     R["checks"] = {}
     ref = engines[0]
     for fmt, *_ in s.formats:
-        key = "" if fmt == "bf16" else f" {fmt}"
+        key = "" if fmt == s.primary else f" {fmt}"
         for mode in engines:
             for bsz in BATCHES:
                 got = compare(s, f"{ref}{key}/b{bsz}", f"{mode}{key}/b{bsz}", bsz)
@@ -484,6 +517,19 @@ def record_checks(s: StepRun, engines: list[str]) -> None:
         R["fp8_vs_bf16"] = {f"{mode}/b{bsz}": got for mode in engines for bsz in BATCHES
                             if (got := compare(s, f"{mode}/b{bsz}", f"{mode} fp8/b{bsz}", bsz)) is not None}
         log("bf16 step / FP8 step", {k: round(v["bf16_over_fp8"], 3) for k, v in R["fp8_speedup"].items()})
+
+
+def step_shares(rows: list[dict], floor: dict, primary: str = "bf16") -> dict:
+    """Per engine at batch 1 (the primary format): the step without its routed experts (attention,
+    routers, norms, shared experts, dense layers, LM head: :func:`no_experts`) over the full step
+    (``without_routed_experts``, medians), and the non-expert bytes' share of the bytes floor
+    (``nonexpert_bytes_of_floor``): how much of the step is not the experts, measured and by bytes."""
+    steps = {(r["mode"], r["experts"]): r["step_ms"] for r in rows
+             if r["batch"] == 1 and r.get("weight_format", primary) == primary}
+    fl = floor[1] if 1 in floor else floor["1"]
+    return {mode: {"without_routed_experts": steps[mode, "no_experts"] / full,
+                   "nonexpert_bytes_of_floor": fl["nonexpert_bytes_per_step"] / fl["bytes_per_step"]}
+            for (mode, name), full in steps.items() if name == "full" and (mode, "no_experts") in steps}
 
 
 def run(args, argv=None) -> dict:
@@ -501,16 +547,17 @@ def run(args, argv=None) -> dict:
     ceilings = bn.measure_ceilings()
     R["hbm_read_GBps"] = ceilings["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
-    model, tokenizer, texts = build_model(config, dev, args.model_family)
-    R["model_family"] = args.model_family
-    shape = tune_shape(config, model.config, model.pools)
+    model, tokenizer, texts = build_model(config, dev, args.model_family, args.moe_layers, R)
+    primary = "bf16" if args.model_family == "synthetic" else RANDOM_FAMILIES[args.model_family].expert_format
+    tuning = args.tune or args.tuned or args.weight_format == "fp8"
+    shape = tune_shape(config, model.config, model.pools) if tuning else None  # what the autotunes key on
     experts, result = bf16_experts(args, dev, shape, R)
     s = StepRun(args, R, out_path, ceilings, model, experts, result)
     experts_by_name = {"": experts}
     if args.baseline_module:
         experts_by_name["base"] = baseline_experts(args.baseline_module, result)
         R["baseline_module"] = args.baseline_module
-    s.formats.append(("bf16", model.pools, experts_by_name, expert_bytes(model.config)))
+    s.formats.append((primary, model.pools, experts_by_name, expert_bytes(model.config)))
     if args.weight_format == "fp8":
         s.formats.append(fp8_format(args, dev, model, shape, R))
         R["expert_bytes"] = {name: b for name, _, _, b in s.formats}
@@ -524,6 +571,7 @@ def run(args, argv=None) -> dict:
     run_engines(s, engines)
     R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     record_checks(s, engines)
+    R["step_shares"] = step_shares(s.rows, R["floor"], primary)
     s.save()
     for r in s.rows:
         if "top" in r.get("profile", {}):
