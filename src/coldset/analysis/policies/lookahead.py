@@ -2,10 +2,10 @@
 
 After group (step ``t``, layer ``l``) the list names instances of a *later* layer of the same step
 (pre-gated MoE's lookahead: the router of layer ``l + d`` applied to layer ``l``'s router input,
-:func:`coldset.analysis.forecast.lookahead_predictions`); the victims, the in-flight rule and the
-commit at the step's end are ``forecast``'s (:mod:`coldset.analysis.policies.forecast`), so no
-slot that layers ``l + 1 ..`` of the step can need is evicted for a prefetch, and a prefetched
-instance counts as a hit when its layer runs. Not a policy of the cache stage: its lists come from
+:func:`coldset.analysis.forecast.lookahead_predictions`); the victims are ``forecast``'s
+(:mod:`coldset.analysis.policies.forecast`) without its guard and gate, and a prefetch is in flight
+until the step ends (after its layer has run), so no slot that layers ``l + 1 ..`` of the step
+can need is evicted for a prefetch, and a prefetched instance counts as a hit when its layer runs. Not a policy of the cache stage: its lists come from
 the model's hidden states, which traces do not hold.
 """
 
