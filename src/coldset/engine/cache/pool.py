@@ -17,8 +17,9 @@ implements the same rules on traces), through the cache's policy object
 - victims: the resident instances *not used by this group* (the hazard guard: a slot the same
   group still needs is never evicted; vLLM's expert-cache PR shipped without it and served wrong
   weights silently), ``lru`` by least recent use, ``lfu`` by (use count, last use); the k-th
-  victim goes to the k-th missed instance in selection order; ``lru_guard`` takes no victim
-  among the instances the last ``L`` groups used (:mod:`coldset.engine.cache.lru`);
+  victim goes to the k-th missed instance in selection order; ``lru_guard`` and ``lfu`` take no
+  victim among the instances the last ``L`` groups used (:mod:`coldset.engine.cache.lru`;
+  ``nexttoken`` too, :mod:`coldset.engine.cache.nexttoken`);
 - the row-map update: an evicted instance's entry goes back to its host row (the host tier holds
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
