@@ -56,6 +56,8 @@ def test_each_family_decodes_deterministically_through_its_own_class(family, fmt
     assert cfg.expert_format == {"bf16": "bfloat16", "fp8": fp8.FORMAT_NAME, "mxfp4": mxfp4.FORMAT_NAME}[fmt]
     assert model.pools.is_fp8 == (fmt == "fp8") and model.pools.is_mxfp4 == (fmt == "mxfp4")
     assert model.pools.has_bias == (family == "gpt_oss")
+    if family == "gpt_oss":  # its clamped SwiGLU and the sliding window on the layers layer_types names
+        assert model.pools.activation.kind == "swiglu_clamped" and model.layers[0].self_attn.window == 4
     first = generate(model, PROMPTS, 4, progress=False)
     again = generate(build_random_model(raw, "cpu", fmt, seed=3), PROMPTS, 4, progress=False)
     other = generate(build_random_model(raw, "cpu", fmt, seed=4), PROMPTS, 4, progress=False)

@@ -236,7 +236,8 @@ def _yarn(rope: dict, source: str) -> YarnScaling | None:
 
 
 # openai/gpt-oss-20b's published config.json, its quantization_config left out (the experts of a
-# model built from it are bf16): the real shape :func:`build_random_model` measures without a download.
+# model built from it are bf16): the real shape bench step measures without a download
+# (:func:`coldset.engine.random_weights.build_random_model`).
 GPT_OSS_20B_CONFIG = {
     "model_type": MODEL_TYPE, "architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16",
     "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
@@ -547,36 +548,4 @@ def load(cfg: GptOssConfig, src: TensorSource, device: torch.device, dtype: torc
     else:
         w13, w2, b13, b2 = read_experts(cfg, src, device, dtype)
         model.pools = ExpertPools.all_hot(w13, w2, w13_bias=b13, w2_bias=b2, activation=cfg.activation)
-    return model.eval()
-
-
-def build_random_model(raw: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                       seed: int = 0, std: float = 0.02) -> GptOssModel:
-    """A gpt_oss model of the config dict ``raw`` (e.g. :data:`GPT_OSS_20B_CONFIG`) with random
-    weights drawn on ``device`` from ``seed``: every linear weight, bias, sink and expert normal
-    with ``std`` (transformers' ``initializer_range``), the RMSNorm weights 1. Why: the decode step
-    at real shape is measured without a download or a checkpoint on disk (gpt-oss-20b's 38 GB of
-    bf16 experts are drawn on the GPU in seconds); the step's time does not depend on the values."""
-    cfg = GptOssConfig.from_hf_config(raw, "build_random_model config")
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def draw(shape) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
-
-    model = GptOssModel(cfg)
-    for module in list(model.modules()):
-        for name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(module, GptOssRMSNorm):
-                value = torch.ones(param.shape, dtype=torch.float32, device=device)
-            else:
-                value = draw(param.shape)
-            setattr(module, name, nn.Parameter(value, requires_grad=False))
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    w13, w2 = draw((L, E, 2 * I, H)), draw((L, E, H, I))
-    model.pools = ExpertPools.all_hot(w13, w2, w13_bias=draw((L, E, 2 * I)), w2_bias=draw((L, E, H)),
-                                      activation=cfg.activation)
-    model.inv_freq = model.inv_freq.to(device)
     return model.eval()
