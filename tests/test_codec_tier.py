@@ -146,7 +146,7 @@ def test_in_place_readers_and_mismatched_fills_are_refused_by_name():
     with pytest.raises(CompressedTierError, match="out of range"):
         fill_slots(tier, pools, [L * E], [0])
     with pytest.raises(CompressedTierError, match="staging"):
-        fill_slots(tier, pools, [0], [0], torch.empty(tier.max_record_bytes - 1, dtype=torch.uint8))
+        fill_slots(tier, pools, [0], [0], torch.empty((2, tier.max_record_bytes - 1), dtype=torch.uint8))
     with pytest.raises(ValueError, match="all-hot"):
         compressed_host_tier(pools)
 

@@ -208,46 +208,84 @@ def compressed_host_tier(pools: ExpertPools, host_available_bytes: int | None = 
 
 
 def staging_buffer(tier: CompressedHostTier, device) -> torch.Tensor:
-    """A device buffer that holds any one expert's record (what :func:`fill_slots` stages through)."""
-    return torch.empty(tier.max_record_bytes, dtype=torch.uint8, device=device)
+    """Two device buffers, uint8 ``[2, max_record_bytes]``, each holding any one expert's record:
+    what :func:`fill_slots` stages through (on CUDA the copy of one expert lands in one while the
+    other is decoded)."""
+    return torch.empty((2, tier.max_record_bytes), dtype=torch.uint8, device=device)
+
+
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _copy_stream(device: torch.device):
+    """The side stream the CUDA fill copies records on (one per device, made once)."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+def _decode_parts(parts: Sequence[Part], staged: torch.Tensor, pools: ExpertPools, slot: int, decode_into) -> None:
+    """Each part of one staged record into slot ``slot`` of ``pools``: decoded, or copied when stored raw."""
+    for part in parts:
+        dst = getattr(pools, f"{part.name}_hot")[slot]
+        if not part.coded:
+            dst.view(-1).view(torch.uint8).copy_(part.raw_bytes(staged))
+        elif decode_into is not None:
+            decode_into(part.record(staged), dst)
+        else:
+            dst.copy_(codec.decode(part.record(staged)))
 
 
 def fill_slots(tier: CompressedHostTier, pools: ExpertPools, host_rows: Sequence[int], slots: Sequence[int],
                staging: torch.Tensor | None = None) -> None:
     """Fill hot rows ``slots[i]`` of ``pools`` (weights and, when scaled, scales) with the expert of
-    host row ``host_rows[i]``: its record copied into ``staging`` (one copy), each part decoded into
-    the slot (Triton decoder on CUDA, torch decoder on the CPU) or, if stored raw, copied.
+    host row ``host_rows[i]``: its record copied into a staging buffer (one copy), each part decoded
+    into the slot (Triton decoder on CUDA, torch decoder on the CPU) or, if stored raw, copied.
 
-    Bitwise what copying the raw host tier's rows would write. Expert by expert on the current
-    stream (one staging buffer suffices: its next copy is ordered after the last decode). Host
-    indices, so this is not the captured step's fill; the slot cache's device-decided fill reads
-    its lists on the device."""
+    Bitwise what copying the raw host tier's rows would write. On CUDA the records are copied on a
+    side stream into the two staging buffers in turn and decoded on the current stream, so the copy
+    of expert ``i + 1`` overlaps the decode of expert ``i`` (the timeline of
+    :func:`coldset.analysis.speed.compressed_fill_s`); the current stream waits for every copy
+    before it returns, and no host synchronisation is made, so a CUDA graph can capture a fill.
+    Host indices, so this is not the captured step's device-decided fill."""
     tier.check_fills(pools)
     if len(host_rows) != len(slots):
         raise CompressedTierError(f"fill_slots: {len(host_rows)} host rows for {len(slots)} slots")
     device = pools.w13_hot.device
     if staging is None:
         staging = staging_buffer(tier, device)
-    if staging.dtype != torch.uint8 or staging.device != device or staging.numel() < tier.max_record_bytes:
-        raise CompressedTierError(f"fill_slots: staging {staging.dtype} x {staging.numel()} on {staging.device}, "
-                                  f"expected uint8 x >= {tier.max_record_bytes} on {device}")
-    on_cuda = device.type == "cuda"
-    if on_cuda:
-        from coldset.kernels.triton_codec import decode_into  # GPU-only path (Triton)
+    if staging.dtype != torch.uint8 or staging.device != device or staging.dim() != 2 or staging.shape[0] != 2 \
+            or staging.shape[1] < tier.max_record_bytes:
+        raise CompressedTierError(f"fill_slots: staging {staging.dtype} {tuple(staging.shape)} on {staging.device}, "
+                                  f"expected uint8 (2, >= {tier.max_record_bytes}) on {device} (staging_buffer)")
     num_rows = len(tier.starts) - 1
-    for row, slot in zip(host_rows, slots):
-        row, slot = int(row), int(slot)
+    pairs = [(int(r), int(s)) for r, s in zip(host_rows, slots)]
+    for row, slot in pairs:
         if not 0 <= row < num_rows or not 0 <= slot < pools.num_hot:
             raise CompressedTierError(f"fill_slots: host row {row} (of {num_rows}) or slot {slot} "
                                       f"(of {pools.num_hot}) out of range")
-        n = tier.record_bytes(row)
-        staged = staging[:n]
-        staged.copy_(tier.data[tier.starts[row]:tier.starts[row + 1]], non_blocking=on_cuda)
-        for part in tier.parts[row]:
-            dst = getattr(pools, f"{part.name}_hot")[slot]
-            if not part.coded:
-                dst.view(-1).view(torch.uint8).copy_(part.raw_bytes(staged))
-            elif on_cuda:
-                decode_into(part.record(staged), dst)
-            else:
-                dst.copy_(codec.decode(part.record(staged)))
+    if device.type != "cuda":
+        for row, slot in pairs:
+            staged = staging[0, :tier.record_bytes(row)]
+            staged.copy_(tier.data[tier.starts[row]:tier.starts[row + 1]])
+            _decode_parts(tier.parts[row], staged, pools, slot, None)
+        return
+    from coldset.kernels.triton_codec import decode_into  # GPU-only path (Triton)
+
+    current, side = torch.cuda.current_stream(device), _copy_stream(device)
+    side.wait_stream(current)  # the staging buffers and slots are free once earlier work is done
+    decoded: list[torch.cuda.Event] = []
+    for i, (row, slot) in enumerate(pairs):
+        staged = staging[i % 2, :tier.record_bytes(row)]
+        with torch.cuda.stream(side):
+            if i >= 2:
+                side.wait_event(decoded[i - 2])  # the decode that last read this buffer
+            staged.copy_(tier.data[tier.starts[row]:tier.starts[row + 1]], non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(side)
+        current.wait_event(landed)
+        _decode_parts(tier.parts[row], staged, pools, slot, decode_into)
+        done = torch.cuda.Event()
+        done.record(current)
+        decoded.append(done)
+    current.wait_stream(side)
