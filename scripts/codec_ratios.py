@@ -13,7 +13,8 @@ Weights are drawn as trained experts' are distributed (no published checkpoint i
 - ``student-t``: Student-t with ``--df`` degrees of freedom scaled to the same std: heavier tails,
   as trained weights' outliers are.
 
-bf16 is that draw cast; block-FP8 is :func:`coldset.core.fp8.quantize_weight` of it (128 x 128 blocks);
+bf16 is that draw cast; block-FP8 is :func:`coldset.core.fp8.quantize_w13` (w13: gate and up in
+their own 128 x 128 blocks) and :func:`coldset.core.fp8.quantize_weight` (w2) of it;
 MXFP4 is :func:`coldset.core.mxfp4.quantize` of it (32-element blocks, e8m0 scales).
 
     python scripts/codec_ratios.py [--shapes qwen3-30b-a3b:2048:768,gpt-oss-120b:2880:2880] [--df 4] [--json PATH]
@@ -58,7 +59,7 @@ def expert_pools(fmt: str, w13: torch.Tensor, w2: torch.Tensor) -> ExpertPools:
     if fmt == "bf16":
         return ExpertPools.all_hot(w13.to(torch.bfloat16)[None, None], w2.to(torch.bfloat16)[None, None])
     if fmt == "fp8":
-        (q13, s13), (q2, s2) = fp8.quantize_weight(w13), fp8.quantize_weight(w2)
+        (q13, s13), (q2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
         return ExpertPools.all_hot(q13[None, None], q2[None, None], s13[None, None], s2[None, None])
     (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
     return ExpertPools.all_hot(b13.flatten(-2)[None, None], b2.flatten(-2)[None, None], s13[None, None], s2[None, None])

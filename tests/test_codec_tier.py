@@ -47,7 +47,7 @@ def adversarial_pools(H=128, I=128):
 
 
 def fp8_pools(H=256, I=256, seed=2):
-    q13, s13 = fp8.quantize_weight(gaussian((L, E, 2 * I, H), H, seed))
+    q13, s13 = fp8.quantize_w13(gaussian((L, E, 2 * I, H), H, seed))
     q2, s2 = fp8.quantize_weight(gaussian((L, E, H, I), I, seed + 1))
     return ExpertPools.all_hot(q13, q2, s13, s2)
 
