@@ -922,6 +922,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(step, "eager_time_us", lambda fn, reps: (fn(), 1000.0)[1])
     monkeypatch.setattr(bn, "measure_ceilings", lambda pinned=None: {"hbm_read_gb_s": 1000.0, "link_read_gb_s": 50.0})
     monkeypatch.setattr(bn.Decoder, "capture", lambda self: None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the decode region runs eagerly
     return lambda family: tiny_config(raw(harness.RANDOM_FAMILIES[family]))  # the tiny config a family builds
 
 
@@ -960,3 +961,37 @@ def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, 
                                                               / res["floor"]["1"]["bytes_per_step"])
     text = render(res)
     assert "Decode step" in text and "no_experts" in text and "Engines that failed: fused" in text
+
+
+@pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-120b", "mxfp4", []),
+                                                ("deepseek-v3", "fp8", ["--moe-layers", "2"])])  # lookahead: >= 2
+def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_bench):
+    """bench cache on a family's random model: all-HBM, static and lru / lookahead rows at each
+    residency, every row's logits bitwise all-HBM's and its decisions the simulator's (the
+    command's own checks), link bytes at the bytes an expert moves (biases stay resident), the
+    time columns present, the table rendered."""
+    from coldset.core.shapes import expert_bytes
+    from coldset.engine.random_weights import family_config
+    from coldset.measure.harness import RANDOM_FAMILIES
+
+    out = tmp_path / "out"
+    assert main(["bench", "cache", "--model-family", family, "--residencies", "0.25,0.5,0.75", "--batches", "1",
+                 "--policies", "lru,lookahead", "--depths", "1", "--steps", "4", "--repeats", "1",
+                 "--out", str(out), *extra]) == 0
+    res = json.loads((out / "cache_bench.json").read_text())
+    assert res["fails"] == [] and res["checks"] and all(res["checks"].values())
+    cfg = family_config(cpu_bench(family), int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers)
+    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 2 if family.startswith("gpt-oss") else 0
+    fmt_name = {"fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt]
+    assert res["expert_bytes"] == expert_bytes(cfg, fmt_name) - bias == res["model_family"]["expert_bytes"] - bias
+    assert (res["model"], res["weight_format"]) == (family, fmt) and "random router" in res["router"]
+    names = [r["placement"] for r in res["rows"]]
+    assert names[0] == "all-HBM" and {f"{p}-{r}" for p in ("usage_global", "lru") for r in (0.25, 0.5, 0.75)} \
+        <= set(names) and sum(n.startswith("lookahead-") for n in names) == 3
+    for r in res["rows"]:
+        if r["placement"].startswith(("lru", "lookahead")):
+            assert r["link_gb_per_token"] == pytest.approx(r["fills_per_token"] * res["expert_bytes"] / 1e9, rel=1e-9) \
+                if r["placement"].startswith("lru") else r["link_gb_per_token"] >= 0
+            assert "fraction_of_bound" in r and "overlap" in r
+    text = render(res)
+    assert "Slot cache" in text and family in text

@@ -75,14 +75,16 @@ from coldset.bench.metrics import time_columns
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import attach_fp8_attention
-from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model
+from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
 from coldset.kernels.tiers import host_tier
 from coldset.measure.cache_decisions import decisions_split
 from coldset.trace.fixtures import render_domain, template_texts
 from coldset.verify.gate import experts_functions
 from coldset.workflow.config import load_config
-from coldset.measure.harness import (FP8_NONEXPERT, WEIGHT_FORMATS, MeasureError, expert_format, fp8_expert_pools,
-                                     kernel_profile, log, new_result, require_cuda, spread, write_result)
+from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORMATS, MeasureError,
+                                     add_family_arguments, check_family_arguments, expert_format, fp8_expert_pools,
+                                     kernel_profile, log, moved_expert_bytes, new_result, random_family_model,
+                                     require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
@@ -139,6 +141,7 @@ def add_arguments(p) -> None:
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
                    help="fp8: the experts quantized to block FP8 in every tier (HBM, slots, pinned host), checked "
                         "bitwise against the FP8 all-HBM run")
+    add_family_arguments(p)
 
 
 def check_arguments(args) -> None:
@@ -168,6 +171,11 @@ def check_arguments(args) -> None:
         raise MeasureError("--save-replays keeps a model run's routing: --decisions-only runs no model")
     if args.steps < 2 or args.repeats < 1:
         raise MeasureError(f"--steps {args.steps} (>= 2) and --repeats {args.repeats} (>= 1)")
+    check_family_arguments(args)
+    if args.model_family != "synthetic" and (args.weight_format != "bf16" or args.decisions_only):
+        raise MeasureError(f"--model-family {args.model_family} runs its published expert format "
+                           f"({RANDOM_FAMILIES[args.model_family].expert_format}) on a model; --weight-format fp8 "
+                           "and --decisions-only are the synthetic model's")
     if args.decisions_only and args.weight_format != "bf16":
         raise MeasureError(f"--decisions-only times the cache's decisions on stand-in experts of a few bytes; "
                            f"--weight-format {args.weight_format} does not apply to it")
@@ -225,12 +233,34 @@ class BatchRun:
         return self.base[0]["routing"]
 
 
+def build_family(args, dev, config: dict, R: dict):
+    """``--model-family``'s random model (:func:`coldset.measure.harness.random_family_model`) with
+    the config's synthetic tokenizer (its ids lie within every family's vocabulary), and the bytes
+    of one expert that move between tiers (its biases stay resident). Returns ``(model, tokenizer,
+    bytes)``."""
+    spec = SyntheticSpec(**config["model"]["synthetic"])
+    R["router"] = (f"random router weights ({args.model_family} at its published shape): routing without a trained "
+                   "model's locality, so hit rates are a random router's; step times are the real shape's")
+    R["model"] = args.model_family
+    fx = config["fixtures"]
+    texts = template_texts(fx["domains"], 200, seed=fx["seed"] + 1, template_dir=fx["template_dir"])
+    tokenizer = synthetic_tokenizer(spec, texts)[0]
+    model = random_family_model(args.model_family, dev, args.moe_layers, R)
+    R["weight_format"] = RANDOM_FAMILIES[args.model_family].expert_format
+    return model, tokenizer, moved_expert_bytes(model.config)
+
+
 def build(args, dev, config: dict, R: dict):
-    """The config's in-memory synthetic model with its decode region compiled (``--weight-format
-    fp8``: its experts and attention projections quantized as published), its pinned host tier and
-    the run's HBM and link ceilings. Returns ``(CacheRun, tokenizer)``."""
+    """The config's in-memory synthetic model (``--model-family``: that family's random model,
+    :func:`build_family`) with its decode region compiled (``--weight-format fp8``: its experts and
+    attention projections quantized as published), its pinned host tier and the run's HBM and link
+    ceilings. Returns ``(CacheRun, tokenizer)``."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
+    if args.model_family != "synthetic":
+        model, tokenizer, per_expert = build_family(args, dev, config, R)
+        model.compile_decode()
+        return _cache_run(args, dev, R, model, per_expert), tokenizer
     spec = SyntheticSpec(**config["model"]["synthetic"])
     # Which routing these numbers are measured on: the synthetic router and its temporal knobs.
     R["router"] = (f"synthetic router (temporal_gain {spec.temporal_gain}, temporal_continuity "
@@ -247,17 +277,22 @@ def build(args, dev, config: dict, R: dict):
         R["fp8_nonexpert"] = FP8_NONEXPERT
         torch.cuda.empty_cache()
         log("experts and attention projections quantized to block FP8")
-    per_expert = expert_bytes(model.config, expert_format(args.weight_format))
+    return _cache_run(args, dev, R, model, expert_bytes(model.config, expert_format(args.weight_format))), tokenizer
+
+
+def _cache_run(args, dev, R: dict, model, per_expert: int) -> CacheRun:
+    """The run's state around a built model: its pinned host tier, the ceilings, the experts functions."""
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
     R["expert_bytes"] = per_expert
     host = host_tier(model.pools)
-    # the HBM and link ceilings of this run, for its provenance (FP8 weights read as the same bytes in bf16)
-    ceilings = bn.measure_ceilings(host.w13 if args.weight_format == "bf16" else host.w13.view(torch.bfloat16))
+    # the HBM and link ceilings of this run, for its provenance (FP8 and MXFP4 weights read as the same bytes in bf16)
+    ceilings = bn.measure_ceilings(host.w13 if host.w13.dtype == torch.bfloat16 else host.w13.view(torch.bfloat16))
     R["ceilings"] = ceilings
     log("model built and host tier pinned; ceilings", ceilings)
     ref_fn, rowmap_fn, _ = experts_functions(dev, None)
-    c = CacheRun(args, R, Path(args.out) / "cache_bench.json", model, host, dev, per_expert, ceilings, ref_fn,
-                 rowmap_fn)
-    return c, tokenizer
+    return CacheRun(args, R, Path(args.out) / "cache_bench.json", model, host, dev, per_expert, ceilings, ref_fn,
+                    rowmap_fn)
 
 
 def fixture_streams(config: dict, tokenizer) -> tuple[list[int], list[int]]:
@@ -418,7 +453,7 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
     """The slot cache of one row, warm with the static placement's hot set."""
 
     nt = pol == "nexttoken"
-    forecast = (c.fitted[depth] if variant == "fit" else moe_routers(c.model)) if depth else None
+    forecast = (c.fitted[depth] if variant == "fit" else [r.to(c.model.dtype) for r in moe_routers(c.model)]) if depth else None
     cache = SlotCache.build(c.model.pools, c.host, row_map, warm_counts, pol, bt.bsz, c.shape[2],
                             history=c.args.steps * c.shape[0] + 8, routers=forecast,
                             depth=max(depth, 1), forecaster=c.forecaster if nt else None,
