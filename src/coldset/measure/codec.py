@@ -10,7 +10,9 @@ for 1 and 8 experts in one launch, as decoded bytes a second, over the pinned ho
 rate of the raw bytes measured in the same run (the link), and, with a bf16 matmul stream running
 on another CUDA stream, the same decode's time again; and a layer's misses (8 experts) filled into
 slots raw from pinned memory against compressed (copy of the next expert beside the decode of the
-one before): the link's useful rate multiplied. Prints the tables last; ``--out`` writes JSON.
+one before): the link's useful rate multiplied; and the same through the host tiers themselves
+(:func:`coldset.kernels.compressed_tier.fill_slots` against row copies from the raw tier). Prints
+the tables last; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 
 from coldset.core import codec, fp8
 from coldset.core.timing import graph_time_us
+from coldset.kernels.compressed_tier import compressed_host_tier, fill_slots, staging_buffer
+from coldset.kernels.tiers import ExpertPools, host_tier
 
 H, I = 2048, 768
 
@@ -141,6 +145,52 @@ def fill_ms(fmt: str, experts: int, reps: int, gen: torch.Generator) -> dict:
             "ratio": sum(r.nbytes for r in host) / raw_bytes}
 
 
+def tier_fill_ms(fmt: str, experts: int, reps: int, gen: torch.Generator) -> dict:
+    """A layer's misses through the real tiers: ``experts`` slots filled from the raw pinned host tier
+    (row copies) against :func:`coldset.kernels.compressed_tier.fill_slots` from the compressed tier
+    (its two-stream staging). Medians of ``reps``, ms; the slots checked against the raw fill's."""
+    w13 = torch.randn(1, 2 * experts, 2 * I, H, generator=gen, device="cuda") / math.sqrt(H)
+    w2 = torch.randn(1, 2 * experts, H, I, generator=gen, device="cuda") / math.sqrt(I)
+    if fmt == "bf16":
+        all_hot = ExpertPools.all_hot(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+    else:
+        (q13, s13), (q2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
+        all_hot = ExpertPools.all_hot(q13, q2, s13, s2)
+    del w13, w2
+    host, tier = host_tier(all_hot), compressed_host_tier(all_hot)
+    hot = torch.arange(2 * experts).reshape(1, -1) < experts  # experts 0..n-1 in slots, the rest filled in
+    ids = torch.arange(2 * experts).reshape(1, -1)
+    row_map = torch.where(hot, ids, experts - ids - 1).to(torch.int32)  # placement encoding: cold -1..-n
+    pools = all_hot.placed(row_map, host)
+    names = ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
+    rows, slots = list(range(experts, 2 * experts)), list(range(experts))
+    staging = staging_buffer(tier, "cuda")
+
+    def raw_fill():
+        for n in names:
+            for r, slot in zip(rows, slots):
+                getattr(pools, f"{n}_hot")[slot].copy_(getattr(pools, f"{n}_cold")[r], non_blocking=True)
+
+    def timed(fn) -> tuple[float, list[torch.Tensor]]:
+        times = []
+        for _ in range(reps + 2):
+            for n in names:
+                getattr(pools, f"{n}_hot").view(torch.uint8).fill_(0xA5)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times[2:]), [getattr(pools, f"{n}_hot").view(torch.uint8).clone() for n in names]
+
+    raw_ms, want = timed(raw_fill)
+    compressed_ms, got = timed(lambda: fill_slots(tier, pools, rows, slots, staging))
+    return {"format": fmt, "experts": experts, "exact": all(torch.equal(a, b) for a, b in zip(want, got)),
+            "raw_fill_ms": raw_ms, "compressed_fill_ms": compressed_ms, "link_multiplier": raw_ms / compressed_ms,
+            "ratio": tier.ratio, "host_tier_bytes": host.nbytes, "compressed_tier_bytes": tier.nbytes}
+
+
 def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Generator) -> dict:
     """One row: ratio, exactness, decode rate alone and beside a matmul, over the link's rate."""
     from coldset.kernels.triton_codec import decode_into  # GPU only: triton
@@ -178,9 +228,11 @@ def main(argv=None) -> int:
         r["decode_over_link"] = r["decode_gb_s"] / link
         r["beside_matmul_over_link"] = r["decode_beside_matmul_gb_s"] / link
     fills = [fill_ms(fmt, 8, args.reps, gen) for fmt in args.formats.split(",")]
+    tier_fills = [tier_fill_ms(fmt, 8, args.reps, gen) for fmt in args.formats.split(",")]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows, "fills": fills}, indent=1))
+        (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows, "fills": fills,
+                                                                   "tier_fills": tier_fills}, indent=1))
     print(f"device {torch.cuda.get_device_name()}, pinned host->device link {link:.1f} GB/s (raw bytes)")
     print("| format | lane | experts | exact | MB raw | ratio | decode µs | GB/s out | x link | beside matmul GB/s | x link |")
     print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|")
@@ -193,7 +245,13 @@ def main(argv=None) -> int:
     for f in fills:
         print(f"| {f['format']} | {f['experts']} | {f['exact']} | {f['ratio']:.4f} | {f['raw_fill_ms']:.3f} | "
               f"{f['compressed_fill_ms']:.3f} | {f['link_multiplier']:.2f} |")
-    return 0 if all(r["exact"] for r in rows + fills) else 1
+    print("host tiers (fill_slots from the compressed tier against row copies from the raw tier)")
+    print("| format | experts | exact | tier ratio | raw fill ms | compressed fill ms | link x |")
+    print("|---|--:|---|--:|--:|--:|--:|")
+    for f in tier_fills:
+        print(f"| {f['format']} | {f['experts']} | {f['exact']} | {f['ratio']:.4f} | {f['raw_fill_ms']:.3f} | "
+              f"{f['compressed_fill_ms']:.3f} | {f['link_multiplier']:.2f} |")
+    return 0 if all(r["exact"] for r in rows + fills + tier_fills) else 1
 
 
 if __name__ == "__main__":
