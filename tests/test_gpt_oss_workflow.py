@@ -1,7 +1,7 @@
 """The workflow on a gpt_oss checkpoint as gpt-oss publishes it, on the CPU: a tiny random
 GptOssForCausalLM (transformers' own, its biases and sinks random) with MXFP4 experts
 (``*_blocks`` / ``*_scales``, ``quantization_config`` mxfp4) plus a small tokenizer, as
-``model.path`` through model, fixtures, routing, stats, placement, autotune, parity and
+``model.path`` through model, fixtures, routing, stats, placement, cache, autotune, parity and
 parity_gate in this process, in bfloat16 with the experts kept 4-bit (``model.experts_format``
 checkpoint, the default). Every placement, static and the slot cache's, decodes bitwise the
 all-hot MXFP4 path's logits; the manifest and the placements' bytes say mxfp4. A dequantized run
@@ -13,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -46,12 +48,13 @@ def run(tmp_path_factory):
         "routing": {"batch_size": 4},
         "placement": {"policies": ["positional", "usage_global", "lru"], "residency": [0.5, 1.0]},
         "parity": {"max_new_tokens": 6},
+        "cache": {"policies": ["static", "lru"]},
         "autotune": {"cache_dir": str(root / "autotune-cache")},
     }
     (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
     config = load_config([DEFAULT, root / "tiny.yaml"])
     process_engine.release_engine()
-    for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
+    for stage in ["model", "fixtures", "routing", "stats", "placement", "cache", "autotune", "parity", "parity_gate"]:
         pipeline.run_stage(stage, config)
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
@@ -89,6 +92,12 @@ def test_the_experts_run_kept_4bit_and_the_files_say_mxfp4(run):
         doc = json.loads((run["results"] / "placement" / "tiny-gptoss" / f"{name}.json").read_text())
         assert doc["weight_format"] == "mxfp4", name
         assert doc["bytes_per_expert"] == packed + _bias_bytes(run["folder"], cfg), name
+    sim = pd.read_csv(run["results"] / "cache" / "tiny-gptoss" / "simulation.csv")
+    missed = sim[(sim["misses_per_token"] > 0) & (sim["batch"] == 1) & (sim["prefetches_per_token"] == 0)]
+    assert len(missed) > 0  # at batch 1 without prefetches each miss moves one MXFP4 expert (the CSV keeps
+    # 6 decimals of GB: up to 14% here; bf16's bytes would be 3.4x these)
+    assert np.allclose(missed["link_gb_per_token"] * 1e9 / missed["misses_per_token"],
+                       packed + _bias_bytes(run["folder"], cfg), rtol=0.2)
 
 
 def test_every_placement_is_bitwise_the_all_hot_path(run):
