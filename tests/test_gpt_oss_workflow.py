@@ -180,3 +180,26 @@ def test_dequantized_is_refused_for_experts_that_are_not_mxfp4(run, tmp_path):
     config = _with_model(run, tmp_path, path=str(folder), experts_format="dequantized")
     with pytest.raises(StageError, match="experts_format: dequantized dequantizes MXFP4 experts"):
         process_engine.experts_format(StageContext.from_config(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_workflow_keeps_mxfp4_and_every_placement_is_bitwise(run, tmp_path):
+    """The same folder through model..parity_gate on CUDA: the MXFP4 Triton kernel with its tuned
+    configs, cold experts (blocks and scales) in pinned host memory, the lru slot cache filling
+    slots with scales; every placement bitwise the all-hot MXFP4 path."""
+    config = {**_with_model(run, tmp_path), "device": "cuda"}
+    process_engine.release_engine()
+    try:
+        for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
+            pipeline.run_stage(stage, config)
+        engine, _ = process_engine.load_engine(StageContext.from_config(config))
+        assert engine.pools.is_mxfp4 and engine.device.type == "cuda"
+    finally:
+        process_engine.release_engine()
+    res = tmp_path / "results" / "parity" / "tiny-gptoss"
+    gate = json.loads((res / "gate.json").read_text())
+    assert gate["passed"] and len(gate["placements"]) == 6
+    for name in gate["placements"]:
+        parity = json.loads((res / f"{name}.json").read_text())
+        assert parity["passed"] and parity["max_abs_logit_diff"] == 0.0, name
