@@ -34,11 +34,12 @@ the slot cache and the parity gate apply to it unchanged. What differs from qwen
   these norms) times the float32 normalised input, then cast.
 
 Checkpoints: bf16/float32 as written by transformers, and the published MXFP4 experts
-(``*_blocks`` / ``*_scales``, ``quantization_config.quant_method`` mxfp4), dequantized at load to
-the model dtype by :mod:`coldset.core.mxfp4`; the load log says so, and that keeping them 4-bit
-is the MXFP4 kernel's job. The config then says ``expert_format`` = the model dtype (what the
-pools hold) and ``checkpoint_expert_format`` mxfp4. :func:`load` with ``keep_mxfp4`` keeps them
-4-bit instead (MXFP4 pools, :mod:`coldset.kernels.triton_mxfp4` on CUDA; ``expert_format`` mxfp4).
+(``*_blocks`` / ``*_scales``, ``quantization_config.quant_method`` mxfp4). :func:`load` with
+``keep_mxfp4`` keeps those 4-bit (MXFP4 pools, :mod:`coldset.kernels.triton_mxfp4` on CUDA, bf16
+activations; the config's ``expert_format`` mxfp4): what the workflow runs by default
+(config ``model.experts_format: checkpoint``). Without it they are dequantized at load
+to the model dtype by :mod:`coldset.core.mxfp4` (the load log says so); the config then says
+``expert_format`` = the model dtype (what the pools hold) and ``checkpoint_expert_format`` mxfp4.
 
 Refused by name (:class:`~coldset.engine.model.ModelLoadError`): RoPE types other than default
 and yarn, ``partial_rotary_factor``, a ``layer_types`` entry other than the two kinds (or of
@@ -446,8 +447,8 @@ def read_experts(cfg: GptOssConfig, src: TensorSource, device, dtype) -> tuple[t
     L, E, I, H = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     packed = cfg.checkpoint_expert_format == mxfp4.FORMAT_NAME
     if packed:
-        log.info("gpt_oss: MXFP4 experts dequantized to %s at load (%d layers x %d experts); keeping them 4-bit "
-                 "in the pools is the MXFP4 kernel's job", str(dtype).removeprefix("torch."), L, E)
+        log.info("gpt_oss: MXFP4 experts dequantized to %s at load (%d layers x %d experts; keep_mxfp4 keeps them "
+                 "4-bit)", str(dtype).removeprefix("torch."), L, E)
     w13 = torch.empty((L, E, 2 * I, H), dtype=dtype, device=device)
     w2 = torch.empty((L, E, H, I), dtype=dtype, device=device)
     b13 = torch.empty((L, E, 2 * I), dtype=dtype, device=device)
