@@ -10,6 +10,7 @@ import pytest
 
 from coldset.cli import main
 from coldset.measure.cli import build_parser
+from coldset.measure.harness import family_summary
 from coldset.measure.render import render, render_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -961,6 +962,8 @@ def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, 
                                                               / res["floor"]["1"]["bytes_per_step"])
     text = render(res)
     assert "Decode step" in text and "no_experts" in text and "Engines that failed: fused" in text
+    summary = family_summary([res])
+    assert f"| {family} ({fmt}, {cfg.num_moe_layers}/" in summary and "| eager | 8 |" in summary
 
 
 @pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-120b", "mxfp4", []),
@@ -995,3 +998,28 @@ def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_ben
             assert "fraction_of_bound" in r and "overlap" in r
     text = render(res)
     assert "Slot cache" in text and family in text
+    summary = family_summary([res])
+    assert summary.count(f"| {family} ({fmt}") == len(res["rows"]) and "| all-HBM | " in summary
+
+
+def test_the_h200_script_commands_parse_and_pass_their_checks(tmp_path):
+    """Every command of scripts/h200_family_tables.sh is a valid bench step / bench cache command
+    line for a known family (the checks each command makes before it asks for CUDA)."""
+    import shlex
+
+    from coldset.measure import cache, step
+    from coldset.measure.harness import RANDOM_FAMILIES
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "h200_family_tables.sh"
+    lines = [ln for ln in script.read_text().splitlines() if ln.startswith("run ")]
+    assert len(lines) >= 9
+    seen = set()
+    for ln in lines:
+        _, family, cap, bench, command, *rest = shlex.split(ln.replace('"$OUT', f'"{tmp_path}'))
+        args = build_parser().parse_args([command, *rest])
+        (step if command == "step" else cache).check_arguments(args)
+        assert bench == "bench" and args.model_family == family in RANDOM_FAMILIES and int(cap) <= 130
+        assert args.out == f"{tmp_path}/{family}"
+        seen.add((family, command))
+    assert {f for f, _ in seen} == set(RANDOM_FAMILIES)
+    assert {f for f, c in seen if c == "cache"} >= {"gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "qwen3-30b-a3b"}
