@@ -8,46 +8,72 @@
 # Qwen3-30B-A3B bf16, the same-run reference. Random routers route without a trained model's
 # locality: the cache rows' hit rates are a random router's, their step times the real shape's.
 #
-# Usage (repository root): OUT=results/measure/families bash scripts/h200_family_tables.sh
+# Usage (repository root; on the device carry `.whl`, the jsonschema wheels the workflow config needs):
+#   OUT=results/measure/families bash scripts/h200_family_tables.sh
 # Commands run most important first, each under `timeout` of at most its cap and the time left of
-# BUDGET_S (default 530 s); one with under 45 s left is skipped (listed in $OUT/skipped.txt). Each writes
-# its JSON as it goes ($OUT/<family>/decode_step.json, cache_bench.json), so a command cut short leaves
-# the rows it finished. The summary table is printed last and written to $OUT/summary.md.
+# BUDGET_S (default 530 s); one with under 45 s left is skipped (listed in skipped.txt). Each writes its
+# JSON as it goes (<family>/decode_step.json, cache_bench.json, under W=/tmp/families), so a command cut
+# short leaves the rows it finished. After every command $OUT gets families.tar.gz (every JSON and log)
+# and summary.md (coldset.measure.harness.family_summary), which is printed last: two files, as the
+# device's $OUT takes few.
 set -u
 OUT=${OUT:-results/measure/families}
 BUDGET_S=${BUDGET_S:-530}
-mkdir -p "$OUT"
+W=${W:-/tmp/families}
+mkdir -p "$OUT" "$W"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if ! python3 -c "import jsonschema" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  else
+    echo "jsonschema is not importable and no .whl/ wheels were carried: the bench commands cannot read their config"
+    exit 1
+  fi
+fi
 start=$SECONDS
 
-run() {  # run FAMILY CAP_S bench ARGS...: one command, its log in $OUT/FAMILY/
+collect() {  # the results so far into $OUT: families.tar.gz and summary.md
+  tar czf "$OUT/families.tar.gz" -C "$(dirname "$W")" "$(basename "$W")"
+  python3 - "$W" >"$OUT/summary.md" <<'PY'
+import json, sys
+from pathlib import Path
+from coldset.measure.harness import family_summary
+results = []
+for p in sorted(Path(sys.argv[1]).glob("*/*.json")):
+    try:
+        results.append(json.loads(p.read_text()))
+    except ValueError as exc:  # a file cut mid-write is named, not summarised
+        print(f"{p}: unreadable ({exc})")
+print(family_summary(results))
+PY
+}
+
+run() {  # run FAMILY CAP_S bench ARGS...: one command, its log in $W/FAMILY/, then collect
   local family=$1 cap=$2
   shift 2
   local left=$((BUDGET_S - (SECONDS - start)))
   if [ "$left" -lt 45 ]; then
-    echo "skipped (${left}s left): $*" | tee -a "$OUT/skipped.txt"
+    echo "skipped (${left}s left): $*" | tee -a "$W/skipped.txt"
     return
   fi
   [ "$cap" -gt "$left" ] && cap=$left
-  mkdir -p "$OUT/$family"
+  mkdir -p "$W/$family"
   echo "[$((SECONDS - start))s] $* (at most ${cap}s)"
-  timeout --signal=TERM --kill-after=10 "$cap" python -m coldset "$@" >>"$OUT/$family/$2.log" 2>&1
+  timeout --signal=TERM --kill-after=10 "$cap" python3 -m coldset "$@" >>"$W/$family/$2.log" 2>&1
   echo "[$((SECONDS - start))s] exit $? ($family $2)"
+  collect
 }
 
-run gpt-oss-20b 80 bench step --model-family gpt-oss-20b --engines compiled --reps 20 --rounds 2 --out "$OUT/gpt-oss-20b"
-run deepseek-v3 80 bench step --model-family deepseek-v3 --moe-layers 4 --engines compiled --reps 20 --rounds 2 --out "$OUT/deepseek-v3"
-run gpt-oss-120b 130 bench cache --model-family gpt-oss-120b --residencies 0.25,0.4,0.5,0.75 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$OUT/gpt-oss-120b"
-run gpt-oss-120b 80 bench step --model-family gpt-oss-120b --engines compiled --reps 20 --rounds 2 --out "$OUT/gpt-oss-120b"
-run qwen3-30b-a3b 70 bench cache --model-family qwen3-30b-a3b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$OUT/qwen3-30b-a3b"
-run gpt-oss-20b 70 bench cache --model-family gpt-oss-20b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$OUT/gpt-oss-20b"
-run deepseek-v3 70 bench cache --model-family deepseek-v3 --moe-layers 4 --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$OUT/deepseek-v3"
-run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines compiled --reps 20 --rounds 2 --out "$OUT/qwen3-30b-a3b"
-run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines compiled --reps 20 --rounds 2 --out "$OUT/glm-4.5-air"
+run gpt-oss-20b 90 bench step --model-family gpt-oss-20b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-20b"
+run deepseek-v3 90 bench step --model-family deepseek-v3 --moe-layers 4 --engines eager,compiled --reps 20 --rounds 2 --out "$W/deepseek-v3"
+run gpt-oss-120b 130 bench cache --model-family gpt-oss-120b --residencies 0.25,0.4,0.5,0.75 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-120b"
+run gpt-oss-120b 90 bench step --model-family gpt-oss-120b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-120b"
+run qwen3-30b-a3b 70 bench cache --model-family qwen3-30b-a3b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/qwen3-30b-a3b"
+run gpt-oss-20b 70 bench cache --model-family gpt-oss-20b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-20b"
+run deepseek-v3 70 bench cache --model-family deepseek-v3 --moe-layers 4 --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/deepseek-v3"
+run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines eager,compiled --reps 20 --rounds 2 --out "$W/qwen3-30b-a3b"
+run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines eager,compiled --reps 20 --rounds 2 --out "$W/glm-4.5-air"
 
-python - "$OUT" <<'PY' | tee "$OUT/summary.md"
-import json, sys
-from pathlib import Path
-from coldset.measure.harness import family_summary
-files = sorted(Path(sys.argv[1]).glob("*/*.json"))
-print(family_summary([json.loads(p.read_text()) for p in files]))
-PY
+collect
+cat "$OUT/summary.md"

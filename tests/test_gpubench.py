@@ -1015,7 +1015,7 @@ def test_the_h200_script_commands_parse_and_pass_their_checks(tmp_path):
     assert len(lines) >= 9
     seen = set()
     for ln in lines:
-        _, family, cap, bench, command, *rest = shlex.split(ln.replace('"$OUT', f'"{tmp_path}'))
+        _, family, cap, bench, command, *rest = shlex.split(ln.replace('"$W', f'"{tmp_path}'))
         args = build_parser().parse_args([command, *rest])
         (step if command == "step" else cache).check_arguments(args)
         assert bench == "bench" and args.model_family == family in RANDOM_FAMILIES and int(cap) <= 130
@@ -1023,3 +1023,24 @@ def test_the_h200_script_commands_parse_and_pass_their_checks(tmp_path):
         seen.add((family, command))
     assert {f for f, _ in seen} == set(RANDOM_FAMILIES)
     assert {f for f, c in seen if c == "cache"} >= {"gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "qwen3-30b-a3b"}
+
+
+def test_the_h200_script_skips_what_its_budget_leaves_no_time_for_and_still_collects(tmp_path):
+    """With no time left every command is skipped (named in skipped.txt) and $OUT still gets its two
+    files: the archive and the summary (the device returns few files)."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "W": str(tmp_path / "w"), "BUDGET_S": "0",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "scripts/h200_family_tables.sh"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["families.tar.gz", "summary.md"]
+    assert (tmp_path / "out" / "summary.md").read_text().strip() == "no bench step or bench cache results"
+    assert len((tmp_path / "w" / "skipped.txt").read_text().splitlines()) == done.stdout.count("skipped (") >= 9
+    with tarfile.open(tmp_path / "out" / "families.tar.gz") as tar:
+        assert "w/skipped.txt" in tar.getnames()
