@@ -548,6 +548,7 @@ def run(args, argv=None) -> dict:
     R["hbm_read_GBps"] = ceilings["hbm_read_gb_s"]
     log("HBM read GB/s", R["hbm_read_GBps"])
     model, tokenizer, texts = build_model(config, dev, args.model_family, args.moe_layers, R)
+    R.setdefault("model_family", args.model_family)  # a family's: what was built (harness.random_family_model)
     primary = "bf16" if args.model_family == "synthetic" else RANDOM_FAMILIES[args.model_family].expert_format
     tuning = args.tune or args.tuned or args.weight_format == "fp8"
     shape = tune_shape(config, model.config, model.pools) if tuning else None  # what the autotunes key on
