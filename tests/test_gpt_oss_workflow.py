@@ -85,6 +85,8 @@ def test_the_experts_run_kept_4bit_and_the_files_say_mxfp4(run):
     manifest = json.loads((run["results"] / "model" / "tiny-gptoss" / "manifest.json").read_text())
     assert manifest["experts_format"] == manifest["checkpoint_experts_format"] == "mxfp4"
     assert manifest["config"]["expert_format"] == "mxfp4"
+    tuned = json.loads((run["results"] / "autotune" / "tiny-gptoss.json").read_text())
+    assert tuned["shape"]["weight_format"] == "mxfp4" and tuned["shape"]["dtype"] == "bfloat16"
     cfg = ctx.model_config
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     packed = (2 * I * H + H * I) // 2 + (2 * I * H + H * I) // 32  # 4 bits a weight, 1 byte a group of 32

@@ -553,6 +553,14 @@ def _timed_passes(dec: "Decoder", prompts: torch.Tensor, new_tokens: int, warmup
     return prefill_ms, passes, decoded
 
 
+def moved_bytes_per_expert(pools) -> int:
+    """Bytes one expert's copy moves: its w13 and w2 rows and, for block-FP8 or MXFP4 experts, their
+    scale rows (what a slot fill or a cold read carries); the biases stay resident (ExpertPools.bias_bytes)."""
+    tier = "hot" if pools.num_hot else "cold"
+    names = ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
+    return sum(getattr(pools, f"{n}_{tier}")[0].numel() * getattr(pools, f"{n}_{tier}").element_size() for n in names)
+
+
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,
                  prompt_tokens: int, new_tokens: int, warmup: int, repeats: int,
                  replay=None, tuned=None, prompt_split: str | None = None, cache=None) -> BenchResult:
@@ -586,9 +594,7 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
         model.experts_fn = replay.wrap(rowmap_fn)
     try:
         prompts = bench_prompts(token_stream, batch_size, prompt_tokens)
-        per_expert = (placed_pools.w13_hot[0].numel() + placed_pools.w2_hot[0].numel()) \
-            * placed_pools.w13_hot.element_size() if placed_pools.num_hot else \
-            (placed_pools.w13_cold[0].numel() + placed_pools.w2_cold[0].numel()) * placed_pools.w13_cold.element_size()
+        per_expert = moved_bytes_per_expert(placed_pools)
         eager_tokens = hot_per_token = simulator_hit_rate = wasted_per_token = replay_pass = measured = None
         per_token = model.config.top_k * model.config.num_moe_layers  # selections per decoded token
         if cache is not None:

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from coldset.core import fp8
+from coldset.core import fp8, mxfp4
 from coldset.core.files import write_json
 from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.activation import SILU, Activation
@@ -62,6 +62,8 @@ DECODE_MAX_TOKENS = 64
 # neither times nor hashes these lists: their size never costs CPU CI time.
 TRITON_SEARCH_SPACE: dict = {"decode_max_tokens": DECODE_MAX_TOKENS, **load_kernel_configs("triton_moe")["search_space"]}
 TRITON_FP8_SEARCH_SPACE: dict = {"decode_max_tokens": DECODE_MAX_TOKENS, **load_kernel_configs("triton_fp8")["search_space"]}
+TRITON_MXFP4_SEARCH_SPACE: dict = {"decode_max_tokens": DECODE_MAX_TOKENS,
+                                   **load_kernel_configs("triton_mxfp4")["search_space"]}
 
 TORCH_SEARCH_SPACE: dict = {
     "decode_max_tokens": DECODE_MAX_TOKENS,
@@ -88,8 +90,9 @@ class TuneShape:
     num_moe_layers: int
     num_hot: int
     num_cold: int
-    # The experts' weight format when it is not ``dtype``: "fp8_block128" (coldset.core.fp8). None (the
-    # default) is left out of the key, so entries tuned before the field existed stay valid.
+    # The experts' weight format when it is not ``dtype``: "fp8_block128" (coldset.core.fp8) or "mxfp4"
+    # (coldset.core.mxfp4, bfloat16 activations). None (the default) is left out of the key, so entries
+    # tuned before the field existed stay valid.
     weight_format: str | None = None
     # Experts with biases (gpt-oss) and their activation (None: SiLU): both compile other kernel
     # code (constexpr branches), so both enter the key when set; unset they are left out, so
@@ -100,8 +103,12 @@ class TuneShape:
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"TuneShape.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.weight_format not in (None, "fp8_block128"):
-            raise ValueError(f"TuneShape.weight_format must be None or 'fp8_block128', got {self.weight_format!r}")
+        if self.weight_format not in (None, fp8.FORMAT_NAME, mxfp4.FORMAT_NAME):
+            raise ValueError(f"TuneShape.weight_format must be None, {fp8.FORMAT_NAME!r} or {mxfp4.FORMAT_NAME!r}, "
+                             f"got {self.weight_format!r}")
+        if self.weight_format == mxfp4.FORMAT_NAME and self.dtype != "bfloat16":
+            raise ValueError(f"TuneShape.dtype must be bfloat16 with MXFP4 experts (the kernels' activations), "
+                             f"got {self.dtype!r}")
         if isinstance(self.activation, dict):  # as a cache entry's JSON stores it (asdict)
             object.__setattr__(self, "activation", Activation(**self.activation))
         if self.activation is not None and not isinstance(self.activation, Activation):
@@ -202,9 +209,12 @@ def _is_module(name: str) -> bool:
 
 def source_digests(backend: str, weight_format: str | None = None) -> dict[str, str]:
     """sha256 of the kernel module's source and of every coldset module it imports, transitively;
-    for FP8 experts also the FP8 kernel and format modules (called lazily, so not found by imports)."""
+    for FP8 or MXFP4 experts also that format's kernel and format modules (called lazily, so not
+    found by imports)."""
     todo = [kernel_module(backend)]
-    if weight_format is not None:
+    if weight_format == mxfp4.FORMAT_NAME:
+        todo += ["coldset.core.mxfp4"] + (["coldset.kernels.triton_mxfp4"] if backend == "triton" else [])
+    elif weight_format is not None:
         todo += ["coldset.core.fp8"] + (["coldset.kernels.triton_fp8"] if backend == "triton" else [])
     digests: dict[str, str] = {}
     while todo:
@@ -259,6 +269,8 @@ def device_fingerprint(device) -> dict:
 def default_search_space(device, weight_format: str | None = None) -> dict:
     if _backend(device) != "triton":
         return TORCH_SEARCH_SPACE
+    if weight_format == mxfp4.FORMAT_NAME:
+        return TRITON_MXFP4_SEARCH_SPACE
     return TRITON_SEARCH_SPACE if weight_format is None else TRITON_FP8_SEARCH_SPACE
 
 
@@ -333,7 +345,10 @@ def _tuning_pools(shape: TuneShape, device, layers: int, seed: int = 0):
     w13 = (torch.randn(layers, E, 2 * I, H, generator=g, device=device) / H**0.5).to(dtype)
     w2 = (torch.randn(layers, E, H, I, generator=g, device=device) / I**0.5).to(dtype)
     scales = {}
-    if shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
+    if shape.weight_format == mxfp4.FORMAT_NAME:  # MXFP4 experts: packed rows and e8m0 scales, as the pools hold them
+        (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        w13, w2, scales = b13.flatten(-2), b2.flatten(-2), dict(w13_scale=s13, w2_scale=s2)
+    elif shape.weight_format is not None:  # FP8 experts: quantized as a checkpoint stores them
         (w13, s13), (w2, s2) = fp8.quantize_w13(w13), fp8.quantize_weight(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
     variant = dict(activation=shape.activation or SILU)
@@ -492,7 +507,9 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
             f"autotune: no tuned config for batch size {batch_size} (tuned: {sorted(result.configs)}); "
             f"using the default", AutotuneCacheWarning, stacklevel=2)
     if result.backend == "triton":
-        if result.shape.weight_format is not None:  # triton: the kernels' modules load on use
+        if result.shape.weight_format == mxfp4.FORMAT_NAME:  # triton: the kernels' modules load on use
+            from coldset.kernels.triton_mxfp4 import default_config
+        elif result.shape.weight_format is not None:  # triton: the kernels' modules load on use
             from coldset.kernels.triton_fp8 import default_config
         else:
             from coldset.kernels.triton_moe import default_config

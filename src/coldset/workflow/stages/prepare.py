@@ -14,7 +14,7 @@ from coldset.analysis.forecast import NextTokenForecaster
 from coldset.analysis.placement import run_placement
 from coldset.analysis.stats import run_stats
 from coldset.analysis.streams import select_rows, token_array, trace_decode_rows
-from coldset.core import mxfp4
+from coldset.core import fp8, mxfp4
 from coldset.core.files import write_json
 from coldset.core.placement import ProfileSpec
 from coldset.engine.gpt_oss import GptOssConfig
@@ -196,10 +196,11 @@ def autotune(ctx: StageContext, **_) -> None:
     """
     ctx.require_decoding("autotune")
     cfg = ctx.model_config
+    fmt = experts_format(ctx)  # the kernel of the experts' format that runs: its own configs and key
     shape = TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                       top_k=cfg.top_k, dtype=ctx.dtype, num_moe_layers=cfg.num_moe_layers,
                       num_hot=cfg.num_moe_layers * cfg.num_experts, num_cold=0,
-                      weight_format="fp8_block128" if cfg.expert_format == "fp8_block128" else None,
+                      weight_format=fmt if fmt in (fp8.FORMAT_NAME, mxfp4.FORMAT_NAME) else None,
                       expert_bias=cfg.expert_bias, activation=_tuned_activation(cfg))
     result = tune(shape, ctx.bench["batch_sizes"], ctx.device, ctx.autotune["cache_dir"])
     log.info("autotune key %s: %s (%s)", result.key[:16], "cache hit" if result.hit else "tuned", result.path)
