@@ -24,7 +24,8 @@ implements the same rules on traces), through the cache's policy object
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
 - the fill: the admitted instance's weights (block-FP8 experts: and their scales, in the same
-  copy) are copied from the host tier into its slot. On CUDA
+  copy) are copied from the host tier into its slot (or, on the CPU with a compressed host tier,
+  :mod:`coldset.kernels.compressed_tier`, decoded from it: bitwise the same slot). On CUDA
   a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
   return at once); on the CPU a plain indexed copy.
@@ -62,6 +63,7 @@ from coldset.core.placement import lookahead_depth_for
 from coldset.engine.cache.policy import CachePolicy, PoolShape
 from coldset.engine.cache.registry import POLICIES
 from coldset.kernels import KERNEL_MAX_SLOTS
+from coldset.kernels.compressed_tier import CompressedHostTier, CompressedTierError, fill_slots
 from coldset.kernels.tiers import ExpertPools, HostTier
 
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
@@ -124,13 +126,16 @@ class SlotCache:
     fill_ticket: torch.Tensor | None = None
     recorded_layer: int | None = None
     prefetch_blocks: int = 32  # blocks per weight of a prefetch copy beside the compute
+    # the compressed host tier fills decode from (None: fills copy the raw host tier's rows)
+    compressed: CompressedHostTier | None = None
 
 
     @classmethod
     def build(cls, all_hot: ExpertPools, host: HostTier, warm_row_map: np.ndarray, warm_counts,
               policy: str, max_tokens: int, top_k: int, history: int = 4096, routers=None,
               depth: int = 1, forecaster=None, prefetch_budget: int | None = None,
-              lead_unit: int | None = None, prefetch_gate: bool = True) -> "SlotCache":
+              lead_unit: int | None = None, prefetch_gate: bool = True,
+              compressed: CompressedHostTier | None = None) -> "SlotCache":
         """A cache whose slots hold the warm set of ``warm_row_map`` (docs/design.md §3 placement
         encoding: the ``C`` hot rows are the slots), read from ``all_hot`` (the model's
         unmodified pools); its cold tier is ``host``. ``warm_counts`` are the profile counts of
@@ -142,10 +147,22 @@ class SlotCache:
         issued per group at most; None = the whole list, ``max_tokens * n``) and ``lead_unit``
         (its prefetch gate's, :func:`coldset.analysis.policies.base.prefetch_lead_unit`; None: the
         default, as the simulator's) and ``prefetch_gate`` (False: prefetch without the gate).
+        ``compressed``: the same experts' compressed host tier
+        (:func:`coldset.kernels.compressed_tier.compressed_host_tier`): fills decode from it instead
+        of copying ``host``'s rows (bitwise the same slots); ``host`` stays the cold pool that misses
+        not admitted and prefill groups read in place. CPU only for now (refused on CUDA, where
+        the fill's lists live on the device).
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
         pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
+        if compressed is not None:
+            compressed.check_fills(pools)
+            if pools.w13_hot.is_cuda:
+                raise CompressedTierError(
+                    "SlotCache.build(compressed=...): compressed slot fills run on the CPU only; on CUDA the fill's "
+                    "victims and admitted rows are decided on the device and the compressed tier's fill takes host "
+                    "indices (build the cache without `compressed` there)")
         L, E = pools.num_moe_layers, pools.num_experts
         capacity = pools.num_hot
         dev = pools.row_map.device
@@ -191,6 +208,7 @@ class SlotCache:
             use_kernel=dev.type == "cuda" and capacity <= KERNEL_MAX_SLOTS,
             pdl=dev.type == "cuda" and _pdl_available(dev),
             fill_ticket=torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cuda" else None,
+            compressed=compressed,
         )
 
     def reset(self) -> None:
@@ -218,11 +236,12 @@ class SlotCache:
     @classmethod
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
                        top_k: int, routers=None, history: int = 4096, forecaster=None,
-                       prefetch_budget: int | None = None, depth: int | None = None) -> "SlotCache":
+                       prefetch_budget: int | None = None, depth: int | None = None,
+                       compressed: CompressedHostTier | None = None) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.core.placement.Placement` (``lru-0.5``): its warm row
         map and warm counts, its policy; ``lookahead``: its depth for ``max_tokens`` sequences (or
         ``depth``, one of its per-batch depths: the parity stage decodes each), and ``routers``
-        (the MoE layers' router weights ``[E, H]``, required there)."""
+        (the MoE layers' router weights ``[E, H]``, required there); ``compressed`` as :meth:`build`'s."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
         ahead = placement.policy == "lookahead"
@@ -230,7 +249,8 @@ class SlotCache:
             depth = lookahead_depth_for(placement.cache_lookahead_depth, max_tokens)
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
                          max_tokens, top_k, history=history, routers=routers if ahead else None,
-                         depth=depth if ahead else 1, forecaster=forecaster, prefetch_budget=prefetch_budget)
+                         depth=depth if ahead else 1, forecaster=forecaster, prefetch_budget=prefetch_budget,
+                         compressed=compressed)
 
     @property
     def capacity(self) -> int:
@@ -402,7 +422,7 @@ class SlotCache:
     def fill(self, victims, new_inst, valid, m, tags=None) -> None:
         """The admitted rows' copy (``valid`` lanes, ``m`` of them, first); with ``tags`` (``(tag
         list, done, ticket)``: nexttoken's prefetch) each copied slot's tag is written back into
-        ``done`` once its rows have landed."""
+        ``done`` once its rows have landed. With a compressed tier (CPU) the rows are decoded from it."""
         pools = self.pools
         if pools.w13_hot.is_cuda:
             from coldset.kernels.triton_slots import fill  # GPU-only path (Triton)
@@ -413,11 +433,14 @@ class SlotCache:
                 fill(pools, victims, new_inst, m, tags=tags)
             return
         slots, inst = victims[valid], new_inst[valid]
-        pools.w13_hot[slots] = pools.w13_cold[inst]
-        pools.w2_hot[slots] = pools.w2_cold[inst]
         if tags is not None:
             tag_list, done, _ = tags
             done[slots] = tag_list[valid]
+        if self.compressed is not None:  # decoded from the compressed tier: weights and scales, bitwise the copy
+            fill_slots(self.compressed, pools, inst.tolist(), slots.tolist())
+            return
+        pools.w13_hot[slots] = pools.w13_cold[inst]
+        pools.w2_hot[slots] = pools.w2_cold[inst]
         if pools.has_scales:  # a slot holds its expert's scales (FP8, MXFP4) beside its weights
             pools.w13_scale_hot[slots] = pools.w13_scale_cold[inst]
             pools.w2_scale_hot[slots] = pools.w2_scale_cold[inst]
