@@ -1,16 +1,28 @@
 """coldset.engine.random_weights: random models of published configs, each family through its own
 model class, at tiny widths of the published configs on the CPU: they decode, their pools hold the
-format asked for at the drawn std, the same seed gives the same model, a subset keeps what it says."""
+format asked for at the drawn std, the same seed gives the same model, a subset keeps what it says.
+And ``bench step`` / ``bench cache --model-family`` run dry on the CPU on those models, with the
+H200 script's commands checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from coldset.bench import decode as bn
+from coldset.bench.decode import _nonexpert_read_bytes
+from coldset.cli import main
 from coldset.core import fp8, mxfp4
+from coldset.core.files import write_json
 from coldset.core.shapes import expert_bytes
 from coldset.engine.deepseek_v3 import DeepseekV3Model
 from coldset.engine.generate import generate
@@ -19,6 +31,10 @@ from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssModel
 from coldset.engine.model import ModelLoadError, MoEModel
 from coldset.engine.random_weights import (build_random_model, family_config, mxfp4_scale_exponent,
                                            subset_note, tiny_config)
+from coldset.measure import cache, harness, step
+from coldset.measure.cli import build_parser
+from coldset.measure.harness import RANDOM_FAMILIES, family_summary
+from coldset.measure.render import render
 
 SHAPES = Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes"
 PROMPTS = [[5, 9, 2, 7], [3, 1]]
@@ -150,11 +166,144 @@ def test_the_step_floor_counts_every_non_expert_weight_once(family, fmt):
     shape) against the random model's own parameters and router correction biases, each counted in
     bf16 (the engine keeps routers and gpt_oss's norms in float32: a few MB at real shape), with one
     embedding row of the table read."""
-    from coldset.bench.decode import _nonexpert_read_bytes
-
     model = build_random_model(tiny(family), "cpu", fmt)
     tensors = {id(p): p for p in model.parameters()}
     tensors.update({id(b): b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")})
     counted = sum(t.numel() * 2 for t in tensors.values())
     emb = model.embed_tokens.weight
     assert counted - emb.numel() * 2 + emb.shape[1] * 2 == _nonexpert_read_bytes(model.config, 1, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# --model-family: a CPU dry run of bench step and bench cache on each published family at tiny
+# widths (coldset.engine.random_weights.tiny_config): arguments, model build, floors, the rows and
+# the rendered table, with the CUDA-only parts (device check, ceilings, graph capture, event
+# timing, profiler, provenance) replaced by stand-ins.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """bench step / bench cache runnable on the CPU: every family's config tiny (a default subset 1
+    MoE layer), the CUDA-only calls stood in for (step times 1 ms; the HBM read rate 1000 GB/s,
+    the link 50 GB/s)."""
+    raw = harness.RandomFamily.raw
+    monkeypatch.setattr(harness.RandomFamily, "raw", lambda self: tiny_config(raw(self)))
+    for name, fam in list(harness.RANDOM_FAMILIES.items()):  # a default subset: 1 of the tiny config's 2 MoE layers
+        if fam.moe_layers:
+            monkeypatch.setitem(harness.RANDOM_FAMILIES, name, dataclasses.replace(fam, moe_layers=1))
+
+    def write(path, result, ceilings=None, tuned=None):
+        result["provenance"] = {"device": "cpu dry run"}
+        write_json(path, result)
+
+    for mod in (step, cache):
+        monkeypatch.setattr(mod, "require_cuda", lambda: torch.device("cpu"))
+        monkeypatch.setattr(mod, "write_result", write)
+        monkeypatch.setattr(mod, "kernel_profile", lambda fn, n=3, layers=1: {"kernels_per_step": 0.0})
+    monkeypatch.setattr(step, "eager_time_us", lambda fn, reps: (fn(), 1000.0)[1])
+    monkeypatch.setattr(bn, "measure_ceilings", lambda pinned=None: {"hbm_read_gb_s": 1000.0, "link_read_gb_s": 50.0})
+    monkeypatch.setattr(bn.Decoder, "capture", lambda self: None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the decode region runs eagerly
+    return lambda family: tiny_config(raw(harness.RANDOM_FAMILIES[family]))  # the tiny config a family builds
+
+
+@pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-20b", "bf16", []), ("gpt-oss-120b", "mxfp4", []),
+                                                ("deepseek-v3", "fp8", []), ("glm-4.5-air", "bf16", ["--moe-layers", "2"]),
+                                                ("qwen3-30b-a3b", "bf16", [])])
+def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, cpu_bench):
+    """Every family through bench step: its published format's floor (bytes per chosen expert with
+    scales and biases, the non-expert weights in bf16), the fused engine an error row (no CUDA, or
+    the family refuses it), the step without experts and its share, the table rendered."""
+    out = tmp_path / "out"
+    assert main(["bench", "step", "--model-family", family, "--engines", "eager,fused", "--reps", "1",
+                 "--rounds", "1", "--out", str(out), *extra]) == 0
+    res = json.loads((out / "decode_step.json").read_text())
+    built = res["model_family"]
+    layers = int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers
+    cfg = family_config(cpu_bench(family), layers)
+    assert (built["name"], built["expert_format"], built["moe_layers"]) == (family, fmt, cfg.num_moe_layers)
+    assert built["expert_bytes"] == expert_bytes(cfg, {"bf16": "bfloat16", "fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt])
+    assert built["subset"] == (family == "deepseek-v3")  # the default subset, 1 of 2 MoE layers
+    assert {(r["mode"], r["batch"], r["experts"]) for r in res["rows"]} == {
+        ("eager", 1, "full"), ("eager", 1, "no_experts"), ("eager", 8, "full")}
+    assert "fused" in res["errors"] and res["checks"]["eager/b1"]["token_match"] == 1.0
+    for b in ("1", "8"):
+        fl = res["floor"][b]
+        chosen = fl["expert_bytes_per_step"] / built["expert_bytes"]  # distinct experts read a step (mean)
+        assert cfg.num_moe_layers * cfg.top_k <= chosen <= cfg.num_moe_layers * min(cfg.num_experts, cfg.top_k * int(b))
+        assert fl["floor_ms"] == pytest.approx(fl["bytes_per_step"] / 1e9)  # 1000 GB/s
+    share = res["step_shares"]["eager"]
+    assert share["without_routed_experts"] == 1.0  # the stand-in timer: every step 1 ms
+    assert share["nonexpert_bytes_of_floor"] == pytest.approx(res["floor"]["1"]["nonexpert_bytes_per_step"]
+                                                              / res["floor"]["1"]["bytes_per_step"])
+    text = render(res)
+    assert "Decode step" in text and "no_experts" in text and "Engines that failed: fused" in text
+    summary = family_summary([res])
+    assert f"| {family} ({fmt}, {cfg.num_moe_layers}/" in summary and "| eager | 8 |" in summary
+
+
+@pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-120b", "mxfp4", []),
+                                                ("deepseek-v3", "fp8", ["--moe-layers", "2"])])  # lookahead: >= 2
+def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_bench):
+    """bench cache on a family's random model: all-HBM, static and lru / lookahead rows at each
+    residency, every row's logits bitwise all-HBM's and its decisions the simulator's (the
+    command's own checks), link bytes at the bytes an expert moves (biases stay resident), the
+    time columns present, the table rendered."""
+    out = tmp_path / "out"
+    assert main(["bench", "cache", "--model-family", family, "--residencies", "0.25,0.5,0.75", "--batches", "1",
+                 "--policies", "lru,lookahead", "--depths", "1", "--steps", "4", "--repeats", "1",
+                 "--out", str(out), *extra]) == 0
+    res = json.loads((out / "cache_bench.json").read_text())
+    assert res["fails"] == [] and res["checks"] and all(res["checks"].values())
+    cfg = family_config(cpu_bench(family), int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers)
+    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 2 if family.startswith("gpt-oss") else 0
+    fmt_name = {"fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt]
+    assert res["expert_bytes"] == expert_bytes(cfg, fmt_name) - bias == res["model_family"]["expert_bytes"] - bias
+    assert (res["model"], res["weight_format"]) == (family, fmt) and "random router" in res["router"]
+    names = [r["placement"] for r in res["rows"]]
+    assert names[0] == "all-HBM" and {f"{p}-{r}" for p in ("usage_global", "lru") for r in (0.25, 0.5, 0.75)} \
+        <= set(names) and sum(n.startswith("lookahead-") for n in names) == 3
+    for r in res["rows"]:
+        if r["placement"].startswith(("lru", "lookahead")):
+            assert r["link_gb_per_token"] == pytest.approx(r["fills_per_token"] * res["expert_bytes"] / 1e9, rel=1e-9) \
+                if r["placement"].startswith("lru") else r["link_gb_per_token"] >= 0
+            assert "fraction_of_bound" in r and "overlap" in r
+    text = render(res)
+    assert "Slot cache" in text and family in text
+    summary = family_summary([res])
+    assert summary.count(f"| {family} ({fmt}") == len(res["rows"]) and "| all-HBM | " in summary
+
+
+def test_the_h200_script_commands_parse_and_pass_their_checks(tmp_path):
+    """Every command of scripts/h200_family_tables.sh is a valid bench step / bench cache command
+    line for a known family (the checks each command makes before it asks for CUDA)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "h200_family_tables.sh"
+    lines = [ln for ln in script.read_text().splitlines() if ln.startswith("run ")]
+    assert len(lines) >= 9
+    seen = set()
+    for ln in lines:
+        _, family, cap, bench, command, *rest = shlex.split(ln.replace('"$W', f'"{tmp_path}'))
+        args = build_parser().parse_args([command, *rest])
+        (step if command == "step" else cache).check_arguments(args)
+        assert bench == "bench" and args.model_family == family in RANDOM_FAMILIES and int(cap) <= 130
+        assert args.out == f"{tmp_path}/{family}"
+        seen.add((family, command))
+    assert {f for f, _ in seen} == set(RANDOM_FAMILIES)
+    assert {f for f, c in seen if c == "cache"} >= {"gpt-oss-20b", "gpt-oss-120b", "deepseek-v3", "qwen3-30b-a3b"}
+
+
+def test_the_h200_script_skips_what_its_budget_leaves_no_time_for_and_still_collects(tmp_path):
+    """With no time left every command is skipped (named in skipped.txt) and $OUT still gets its two
+    files: the archive and the summary (the device returns few files)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "W": str(tmp_path / "w"), "BUDGET_S": "0",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "scripts/h200_family_tables.sh"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["families.tar.gz", "summary.md"]
+    assert (tmp_path / "out" / "summary.md").read_text().strip() == "no bench step or bench cache results"
+    assert len((tmp_path / "w" / "skipped.txt").read_text().splitlines()) == done.stdout.count("skipped (") >= 9
+    with tarfile.open(tmp_path / "out" / "families.tar.gz") as tar:
+        assert "w/skipped.txt" in tar.getnames()
