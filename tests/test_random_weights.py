@@ -19,18 +19,17 @@ import pytest
 import torch
 
 from coldset.bench import decode as bn
-from coldset.bench.decode import _nonexpert_read_bytes
 from coldset.cli import main
 from coldset.core import fp8, mxfp4
 from coldset.core.files import write_json
-from coldset.core.shapes import expert_bytes
+from coldset.core.shapes import get_weight_format
 from coldset.engine.deepseek_v3 import DeepseekV3Model
 from coldset.engine.generate import generate
 from coldset.engine.glm4_moe import Glm4MoeModel
 from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssModel
 from coldset.engine.model import ModelLoadError, MoEModel
-from coldset.engine.random_weights import (build_random_model, family_config, mxfp4_scale_exponent,
-                                           subset_note, tiny_config)
+from coldset.engine.random_weights import (SHAPE_FORMAT, build_random_model, family_config,
+                                           mxfp4_scale_exponent, subset_note, tiny_config)
 from coldset.measure import cache, harness, step
 from coldset.measure.cli import build_parser
 from coldset.measure.harness import RANDOM_FAMILIES, family_summary
@@ -56,7 +55,8 @@ def test_tiny_config_keeps_the_family_and_narrows_it():
         cfg = family_config(tiny(family))
         assert cfg.model_type == family and cfg.hidden_size == 64 and cfg.num_moe_layers == 2
     ds = tiny("deepseek_v3")
-    assert (ds["first_k_dense_replace"], ds["num_hidden_layers"], ds["n_group"], ds["num_key_value_heads"]) == (1, 3, 2, 4)
+    assert (ds["first_k_dense_replace"], ds["num_hidden_layers"]) == (1, 3)
+    assert (ds["n_group"], ds["num_key_value_heads"]) == (2, 4)
 
 
 CASES = [("qwen3_moe", "bf16", MoEModel), ("qwen3_moe", "fp8", MoEModel), ("deepseek_v3", "fp8", DeepseekV3Model),
@@ -143,7 +143,7 @@ def test_published_configs_parse_at_full_size_without_drawing():
     oss = family_config(GPT_OSS_20B_CONFIG)
     assert (oss.num_moe_layers, oss.num_experts, oss.top_k) == (24, 32, 4)
     big = family_config(published("gpt-oss-120b"))
-    assert expert_bytes(big, mxfp4.FORMAT_NAME) == 13_219_200 + 3 * 2880 * 2
+    assert (big.num_moe_layers, big.num_experts, big.hidden_size, big.moe_intermediate_size) == (36, 128, 2880, 2880)
     ds = family_config(published("deepseek-v3"), 4)
     assert (ds.num_layers, ds.num_moe_layers, ds.num_experts) == (7, 4, 256)
     glm = family_config(published("glm-4.5-air"), 12)
@@ -162,16 +162,22 @@ def test_unknown_family_and_format_are_refused_by_name():
 @pytest.mark.parametrize("family, fmt", [("qwen3_moe", "bf16"), ("deepseek_v3", "fp8"), ("glm4_moe", "bf16"),
                                          ("gpt_oss", "mxfp4")])
 def test_the_step_floor_counts_every_non_expert_weight_once(family, fmt):
-    """bench step's non-expert bytes (:func:`coldset.bench.decode._nonexpert_read_bytes`, from the
+    """bench step's non-expert bytes (:func:`coldset.measure.step.nonexpert_read_bytes`, from the
     shape) against the random model's own parameters and router correction biases, each counted in
     bf16 (the engine keeps routers and gpt_oss's norms in float32: a few MB at real shape), with one
-    embedding row of the table read."""
+    embedding row of the table read; the experts' biases are counted with each chosen expert
+    (harness.expert_read_bytes: its pool rows, scale rows and biases)."""
     model = build_random_model(tiny(family), "cpu", fmt)
+    pools, cfg = model.pools, model.config
+    rows = sum(getattr(pools, f"{n}_hot")[0].numel() * getattr(pools, f"{n}_hot").element_size()
+               for n in ("w13", "w2", "w13_scale", "w2_scale") if getattr(pools, f"{n}_hot", None) is not None)
+    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 2 if family == "gpt_oss" else 0
+    assert harness.expert_read_bytes(pools) == rows + bias
     tensors = {id(p): p for p in model.parameters()}
     tensors.update({id(b): b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")})
     counted = sum(t.numel() * 2 for t in tensors.values())
     emb = model.embed_tokens.weight
-    assert counted - emb.numel() * 2 + emb.shape[1] * 2 == _nonexpert_read_bytes(model.config, 1, torch.bfloat16)
+    assert counted - emb.numel() * 2 + emb.shape[1] * 2 == step.nonexpert_read_bytes(cfg, 1, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +215,8 @@ def cpu_bench(monkeypatch):
 
 
 @pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-20b", "bf16", []), ("gpt-oss-120b", "mxfp4", []),
-                                                ("deepseek-v3", "fp8", []), ("glm-4.5-air", "bf16", ["--moe-layers", "2"]),
+                                                ("deepseek-v3", "fp8", []),
+                                                ("glm-4.5-air", "bf16", ["--moe-layers", "2"]),
                                                 ("qwen3-30b-a3b", "bf16", [])])
 def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, cpu_bench):
     """Every family through bench step: its published format's floor (bytes per chosen expert with
@@ -223,14 +230,18 @@ def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, 
     layers = int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers
     cfg = family_config(cpu_bench(family), layers)
     assert (built["name"], built["expert_format"], built["moe_layers"]) == (family, fmt, cfg.num_moe_layers)
-    assert built["expert_bytes"] == expert_bytes(cfg, {"bf16": "bfloat16", "fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt])
+    f = get_weight_format(SHAPE_FORMAT[fmt])  # gate and up [I, H] and down [H, I], each with its scales
+    weights = 2 * f.matrix_bytes(cfg.moe_intermediate_size, cfg.hidden_size) + f.matrix_bytes(
+        cfg.hidden_size, cfg.moe_intermediate_size)
+    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 2 if family.startswith("gpt-oss") else 0
+    assert (built["expert_bytes"], built["expert_read_bytes"]) == (weights, weights + bias)
     assert built["subset"] == (family == "deepseek-v3")  # the default subset, 1 of 2 MoE layers
     assert {(r["mode"], r["batch"], r["experts"]) for r in res["rows"]} == {
         ("eager", 1, "full"), ("eager", 1, "no_experts"), ("eager", 8, "full")}
     assert "fused" in res["errors"] and res["checks"]["eager/b1"]["token_match"] == 1.0
     for b in ("1", "8"):
         fl = res["floor"][b]
-        chosen = fl["expert_bytes_per_step"] / built["expert_bytes"]  # distinct experts read a step (mean)
+        chosen = fl["expert_bytes_per_step"] / built["expert_read_bytes"]  # distinct experts read a step (mean)
         assert cfg.num_moe_layers * cfg.top_k <= chosen <= cfg.num_moe_layers * min(cfg.num_experts, cfg.top_k * int(b))
         assert fl["floor_ms"] == pytest.approx(fl["bytes_per_step"] / 1e9)  # 1000 GB/s
     share = res["step_shares"]["eager"]
@@ -257,9 +268,10 @@ def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_ben
     res = json.loads((out / "cache_bench.json").read_text())
     assert res["fails"] == [] and res["checks"] and all(res["checks"].values())
     cfg = family_config(cpu_bench(family), int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers)
-    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 2 if family.startswith("gpt-oss") else 0
-    fmt_name = {"fp8": "fp8_block128", "mxfp4": "mxfp4"}[fmt]
-    assert res["expert_bytes"] == expert_bytes(cfg, fmt_name) - bias == res["model_family"]["expert_bytes"] - bias
+    f = get_weight_format(SHAPE_FORMAT[fmt])  # what a copy moves: weights and scales, the biases resident
+    weights = 2 * f.matrix_bytes(cfg.moe_intermediate_size, cfg.hidden_size) + f.matrix_bytes(
+        cfg.hidden_size, cfg.moe_intermediate_size)
+    assert res["expert_bytes"] == weights == res["model_family"]["expert_bytes"]
     assert (res["model"], res["weight_format"]) == (family, fmt) and "random router" in res["router"]
     names = [r["placement"] for r in res["rows"]]
     assert names[0] == "all-HBM" and {f"{p}-{r}" for p in ("usage_global", "lru") for r in (0.25, 0.5, 0.75)} \

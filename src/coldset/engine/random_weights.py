@@ -100,8 +100,8 @@ def subset_note(raw: dict, cfg: ModelConfig, expert_format: str, source: str = "
     return {"model_type": raw["model_type"], "layers": cfg.num_layers, "moe_layers": kept,
             "published_moe_layers": full.num_moe_layers, "dense_layers": cfg.num_layers - kept,
             "expert_format": expert_format, "subset": kept < full.num_moe_layers,
-            "note": (f"{cfg.num_layers} of {full.num_layers} layers: the {cfg.num_layers - kept} dense layer(s) and the "
-                     f"first {kept} of {full.num_moe_layers} MoE layers at full width"
+            "note": (f"{cfg.num_layers} of {full.num_layers} layers: the {cfg.num_layers - kept} dense layer(s) and "
+                     f"the first {kept} of {full.num_moe_layers} MoE layers at full width"
                      if kept < full.num_moe_layers else "every layer")}
 
 

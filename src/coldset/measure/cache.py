@@ -83,7 +83,7 @@ from coldset.verify.gate import experts_functions
 from coldset.workflow.config import load_config
 from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORMATS, MeasureError,
                                      add_family_arguments, check_family_arguments, expert_format, fp8_expert_pools,
-                                     kernel_profile, log, moved_expert_bytes, new_result, random_family_model,
+                                     kernel_profile, log, new_result, random_family_model,
                                      require_cuda, spread, write_result)
 
 PROMPT_TOKENS = 32
@@ -236,8 +236,8 @@ class BatchRun:
 def build_family(args, dev, config: dict, R: dict):
     """``--model-family``'s random model (:func:`coldset.measure.harness.random_family_model`) with
     the config's synthetic tokenizer (its ids lie within every family's vocabulary), and the bytes
-    of one expert that move between tiers (its biases stay resident). Returns ``(model, tokenizer,
-    bytes)``."""
+    of one expert that move between tiers (:func:`coldset.bench.decode.moved_bytes_per_expert`: rows
+    and scale rows; its biases stay resident). Returns ``(model, tokenizer, bytes)``."""
     spec = SyntheticSpec(**config["model"]["synthetic"])
     R["router"] = (f"random router weights ({args.model_family} at its published shape): routing without a trained "
                    "model's locality, so hit rates are a random router's; step times are the real shape's")
@@ -247,7 +247,7 @@ def build_family(args, dev, config: dict, R: dict):
     tokenizer = synthetic_tokenizer(spec, texts)[0]
     model = random_family_model(args.model_family, dev, args.moe_layers, R)
     R["weight_format"] = RANDOM_FAMILIES[args.model_family].expert_format
-    return model, tokenizer, moved_expert_bytes(model.config)
+    return model, tokenizer, bn.moved_bytes_per_expert(model.pools)
 
 
 def build(args, dev, config: dict, R: dict):
@@ -453,7 +453,9 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
     """The slot cache of one row, warm with the static placement's hot set."""
 
     nt = pol == "nexttoken"
-    forecast = (c.fitted[depth] if variant == "fit" else [r.to(c.model.dtype) for r in moe_routers(c.model)]) if depth else None
+    forecast = None
+    if depth:  # lookahead: the forecast reads the routers in the model dtype
+        forecast = c.fitted[depth] if variant == "fit" else [r.to(c.model.dtype) for r in moe_routers(c.model)]
     cache = SlotCache.build(c.model.pools, c.host, row_map, warm_counts, pol, bt.bsz, c.shape[2],
                             history=c.args.steps * c.shape[0] + 8, routers=forecast,
                             depth=max(depth, 1), forecaster=c.forecaster if nt else None,

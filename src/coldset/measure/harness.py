@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldset.bench import decode as bn
 from coldset.bench.provenance import collect_provenance
 from coldset.core import fp8
 from coldset.core.files import write_json
 from coldset.core.fp8 import FORMAT_NAME
-from coldset.core.shapes import expert_bytes, get_weight_format
 from coldset.core.timing import graph_time_us
 from coldset.engine import gpt_oss, random_weights
 from coldset.kernels.tiers import ExpertPools
@@ -181,6 +181,9 @@ RANDOM_FAMILIES = {
 }
 
 
+_DEFAULT_SUBSETS = ", ".join(f"{k} {v.moe_layers}" for k, v in RANDOM_FAMILIES.items() if v.moe_layers)
+
+
 def add_family_arguments(p) -> None:
     """``--model-family`` and ``--moe-layers`` of ``bench step`` and ``bench cache``."""
     p.add_argument("--model-family", choices=["synthetic", *RANDOM_FAMILIES], default="synthetic",
@@ -189,8 +192,7 @@ def add_family_arguments(p) -> None:
                         "FP8, the others bf16), prompted through the config's synthetic tokenizer")
     p.add_argument("--moe-layers", type=int, default=None,
                    help="with --model-family: build the dense layers and the first N MoE layers at full width "
-                        "(default: the family's, " + ", ".join(f"{k} {v.moe_layers}" for k, v in
-                                                               RANDOM_FAMILIES.items() if v.moe_layers) + "; others all)")
+                        f"(default: the family's, {_DEFAULT_SUBSETS}; others all)")
 
 
 def check_family_arguments(args) -> None:
@@ -204,7 +206,8 @@ def check_family_arguments(args) -> None:
 def random_family_model(name: str, device, moe_layers: int | None, R: dict):
     """The random model of family ``name`` (:data:`RANDOM_FAMILIES`) on ``device`` with
     ``moe_layers`` MoE layers (None: the family's default); ``R["model_family"]`` says what was
-    built (layers, MoE layers of the published count, expert format)."""
+    built (layers, MoE layers of the published count, expert format, the bytes an expert's copy
+    moves and those a step reads for it: :func:`expert_read_bytes`)."""
     fam = RANDOM_FAMILIES[name]
     raw, layers = fam.raw(), moe_layers if moe_layers is not None else fam.moe_layers
     t = time.perf_counter()
@@ -213,18 +216,19 @@ def random_family_model(name: str, device, moe_layers: int | None, R: dict):
     except ValueError as exc:  # ModelLoadError: a bad --moe-layers, named
         raise MeasureError(str(exc)) from None
     R["model_family"] = {"name": name, **random_weights.subset_note(raw, model.config, fam.expert_format, name),
-                         "expert_bytes": expert_bytes(model.config), "build_s": round(time.perf_counter() - t, 1)}
+                         "expert_bytes": bn.moved_bytes_per_expert(model.pools),
+                         "expert_read_bytes": expert_read_bytes(model.pools),
+                         "build_s": round(time.perf_counter() - t, 1)}
     log("model built:", name, R["model_family"])
     return model
 
 
-def moved_expert_bytes(cfg) -> int:
-    """Bytes of one routed expert that move between tiers: its weights and scales in the config's
-    expert format (:func:`coldset.core.shapes.expert_bytes` less the biases, which stay resident in
-    HBM for every expert)."""
-    bias = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * get_weight_format(cfg.dtype).bytes_per_element \
-        if cfg.expert_bias else 0
-    return expert_bytes(cfg) - int(bias)
+def expert_read_bytes(pools) -> int:
+    """Bytes a decode step reads for one chosen expert of all-hot ``pools``: the rows and scale
+    rows its copy moves (:func:`coldset.bench.decode.moved_bytes_per_expert`) and its biases, which
+    stay resident but are read for the experts a token chose (:attr:`ExpertPools.bias_bytes` over
+    the experts)."""
+    return bn.moved_bytes_per_expert(pools) + pools.bias_bytes // (pools.num_moe_layers * pools.num_experts)
 
 
 def idle_time(spans) -> float:

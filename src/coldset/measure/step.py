@@ -51,8 +51,9 @@ random weights drawn on the GPU in its published expert format
 block FP8 on ``--moe-layers`` of its MoE layers, glm-4.5-air bf16 on a subset, qwen3-30b-a3b bf16,
 the reference), through its family's own modules (:mod:`coldset.engine.random_weights`;
 ``R["model_family"]`` says what was built). The floor counts that format's bytes per chosen expert
-(scales and biases included, :func:`coldset.core.shapes.expert_bytes`) and the family's non-expert
-weights in bf16; an engine the family refuses (the fused step: every family but qwen3_moe and
+(its rows, scale rows and biases: :func:`coldset.measure.harness.expert_read_bytes`) and the
+family's non-expert weights in bf16 (:func:`nonexpert_read_bytes`: the unchosen experts' resident
+biases are not read); an engine the family refuses (the fused step: every family but qwen3_moe and
 mixtral) is an error row. ``R["step_shares"]``: the step without the routed experts over the full
 step at batch 1, beside the non-expert bytes' share of the floor (:func:`step_shares`).
 """
@@ -65,10 +66,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORMATS, MeasureError,
-                                     add_family_arguments, check_family_arguments, expert_format, fp8_expert_pools,
+                                     add_family_arguments, check_family_arguments, expert_format, expert_read_bytes,
+                                     fp8_expert_pools,
                                      kernel_profile, load_module, log, new_result, random_family_model,
                                      require_cuda, spread, write_result)
-from coldset.analysis.placement import expert_bytes
+from coldset.analysis.placement import expert_bytes, nonexpert_bytes_breakdown
 from coldset.bench import decode as bn
 from coldset.core.fp8 import FORMAT_NAME
 from coldset.core.shapes import get_weight_format
@@ -213,6 +215,15 @@ def fp8_speedup(rows: list[dict], floor: dict, floor_fp8: dict) -> dict:
     return out
 
 
+def nonexpert_read_bytes(cfg, batch_size: int, dtype) -> int:
+    """Non-expert weight bytes a decode step must read (:func:`coldset.bench.decode._nonexpert_read_bytes`)
+    without the routed experts' biases: resident for every expert, but a step reads those of the
+    experts it chose, which the floor counts with each chosen expert
+    (:func:`coldset.measure.harness.expert_read_bytes`)."""
+    biases = nonexpert_bytes_breakdown(cfg, str(dtype).removeprefix("torch.")).get("expert_biases", 0)
+    return bn._nonexpert_read_bytes(cfg, batch_size, dtype) - biases
+
+
 def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
     """Non-expert weight bytes a decode step of the FP8 model must read: those of the model dtype
     (:func:`coldset.bench.decode._nonexpert_read_bytes`: every weight once, the batch's embedding rows) with,
@@ -223,7 +234,7 @@ def nonexpert_read_bytes_fp8(cfg, batch_size: int, dtype) -> int:
     FP8 bytes), which is not counted. From 2 tokens on the projections run dequantized (cuBLAS on the
     model-dtype weights), so they count in the dtype."""
 
-    total = bn._nonexpert_read_bytes(cfg, batch_size, dtype)
+    total = nonexpert_read_bytes(cfg, batch_size, dtype)
     if batch_size != 1:
         return total
     dt, f8 = get_weight_format(str(dtype).removeprefix("torch.")), get_weight_format(FORMAT_NAME)
@@ -371,7 +382,7 @@ def measure_floors(s: StepRun) -> None:
             for b, prompts in s.prompts_by_b.items():
                 _, _, hot_per_token, _ = bn.measure_routing(model, prompts, NEW_TOKENS, ebytes)
                 nonexpert = nonexpert_read_bytes_fp8(cfg, b, model.dtype) if second else \
-                    bn._nonexpert_read_bytes(cfg, b, model.dtype)
+                    nonexpert_read_bytes(cfg, b, model.dtype)
                 step_bytes = nonexpert + hot_per_token * b
                 floor[b] = {"bytes_per_step": step_bytes, "expert_bytes_per_step": hot_per_token * b,
                             "nonexpert_bytes_per_step": nonexpert,
@@ -558,7 +569,7 @@ def run(args, argv=None) -> dict:
     if args.baseline_module:
         experts_by_name["base"] = baseline_experts(args.baseline_module, result)
         R["baseline_module"] = args.baseline_module
-    s.formats.append((primary, model.pools, experts_by_name, expert_bytes(model.config)))
+    s.formats.append((primary, model.pools, experts_by_name, expert_read_bytes(model.pools)))
     if args.weight_format == "fp8":
         s.formats.append(fp8_format(args, dev, model, shape, R))
         R["expert_bytes"] = {name: b for name, _, _, b in s.formats}
