@@ -319,3 +319,13 @@ def test_the_h200_script_skips_what_its_budget_leaves_no_time_for_and_still_coll
     assert len((tmp_path / "w" / "skipped.txt").read_text().splitlines()) == done.stdout.count("skipped (") >= 9
     with tarfile.open(tmp_path / "out" / "families.tar.gz") as tar:
         assert "w/skipped.txt" in tar.getnames()
+
+
+@pytest.mark.parametrize("family, fmt, weight_format", [("gpt_oss", "mxfp4", "mxfp4"),
+                                                         ("deepseek_v3", "fp8", "fp8_block128"),
+                                                         ("qwen3_moe", "bf16", None)])
+def test_the_step_autotune_shape_carries_the_family_format(family, fmt, weight_format):
+    model = build_random_model(tiny(family), "cpu", fmt)
+    shape = step.tune_shape({"model": {"dtype": "bfloat16"}}, model.config, model.pools)
+    assert (shape.weight_format, shape.expert_bias) == (weight_format, family == "gpt_oss")
+    assert shape.num_hot == model.pools.num_moe_layers * model.pools.num_experts

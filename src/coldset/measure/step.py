@@ -72,6 +72,7 @@ from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORM
                                      require_cuda, spread, write_result)
 from coldset.analysis.placement import expert_bytes, nonexpert_bytes_breakdown
 from coldset.bench import decode as bn
+from coldset.core import mxfp4
 from coldset.core.fp8 import FORMAT_NAME
 from coldset.core.shapes import get_weight_format
 from coldset.core.timing import eager_time_us
@@ -301,13 +302,10 @@ def tune_shape(config: dict, cfg, pools):
     """The experts' autotune shape of the model (all hot), with its experts' biases and activation."""
 
     L = cfg.num_moe_layers
-    if pools.is_mxfp4:
-        raise MeasureError("--tune/--tuned: the experts autotune has no MXFP4 shape; the MXFP4 kernel runs its "
-                           "defaults")
     return TuneShape(num_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
                      num_hot=L * cfg.num_experts, num_cold=0, expert_bias=pools.has_bias,
-                     weight_format=FORMAT_NAME if pools.is_fp8 else None,
+                     weight_format=FORMAT_NAME if pools.is_fp8 else mxfp4.FORMAT_NAME if pools.is_mxfp4 else None,
                      activation=None if pools.activation.kind == "silu" else pools.activation)
 
 
