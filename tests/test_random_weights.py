@@ -22,7 +22,7 @@ from coldset.bench import decode as bn
 from coldset.cli import main
 from coldset.core import fp8, mxfp4
 from coldset.core.files import write_json
-from coldset.core.shapes import get_weight_format
+from coldset.core.shapes import get_weight_format, nonexpert_bytes_breakdown
 from coldset.engine.deepseek_v3 import DeepseekV3Model
 from coldset.engine.generate import generate
 from coldset.engine.glm4_moe import Glm4MoeModel
@@ -329,3 +329,17 @@ def test_the_step_autotune_shape_carries_the_family_format(family, fmt, weight_f
     shape = step.tune_shape({"model": {"dtype": "bfloat16"}}, model.config, model.pools)
     assert (shape.weight_format, shape.expert_bias) == (weight_format, family == "gpt_oss")
     assert shape.num_hot == model.pools.num_moe_layers * model.pools.num_experts
+
+
+def test_each_family_default_fits_one_h200_with_a_slot_pool_at_residency_075():
+    """Why the defaults subset deepseek-v3 and glm-4.5-air: every family's experts (in its published
+    format, scales included) plus a slot pool of 0.75 of them plus its bf16 non-expert weights stay
+    under 120 GiB of the H200's ~139 GiB (bench cache holds all-HBM pools beside the slot pool)."""
+    for name, fam in RANDOM_FAMILIES.items():
+        cfg = family_config(fam.raw(), fam.moe_layers)
+        f = get_weight_format(SHAPE_FORMAT[fam.expert_format])
+        I, H = cfg.moe_intermediate_size, cfg.hidden_size
+        experts = (2 * f.matrix_bytes(I, H) + f.matrix_bytes(H, I)) * cfg.num_moe_layers * cfg.num_experts
+        nonexpert = sum(nonexpert_bytes_breakdown(cfg, "bfloat16").values())
+        assert 1.75 * experts + nonexpert < 120 * 2**30, name
+        assert experts > 35e9, name  # and each measures tens of GB of experts, as the real model's step streams
