@@ -733,7 +733,7 @@ def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, 
     context seen once is predicted perfectly. ``contexts`` and ``repeated_share`` (the share of
     pairs whose context occurs more than once) say how much of it is memorisation. Counted per
     layer with sorts (linear memory in the pairs of one layer)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)  # int16 from DecodeTokens: every product below is int64
     sequence = np.asarray(sequence, dtype=np.int64)
     T, L, k = tokens.shape
     if lower_layers < 0:
