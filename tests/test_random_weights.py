@@ -34,6 +34,7 @@ from coldset.measure import cache, harness, step
 from coldset.measure.cli import build_parser
 from coldset.measure.harness import RANDOM_FAMILIES, family_summary
 from coldset.measure.render import render
+from coldset.verify.gate import experts_functions
 
 SHAPES = Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes"
 PROMPTS = [[5, 9, 2, 7], [3, 1]]
@@ -343,3 +344,21 @@ def test_each_family_default_fits_one_h200_with_a_slot_pool_at_residency_075():
         nonexpert = sum(nonexpert_bytes_breakdown(cfg, "bfloat16").values())
         assert 1.75 * experts + nonexpert < 120 * 2**30, name
         assert experts > 35e9, name  # and each measures tens of GB of experts, as the real model's step streams
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, fmt, model_class", CASES)
+def test_random_models_decode_on_the_gpu_eager_and_compiled(family, fmt, model_class):
+    """On CUDA (the bench's path): drawn on the device, decoded by the Triton experts kernels of
+    their format, eagerly (the same seed the same tokens) and with the decode region compile_decode
+    installs (other reduction orders, so only its running and its vocabulary are checked)."""
+    dev = torch.device("cuda")
+    got = []
+    for compiled in (False, False, True):
+        model = build_random_model(tiny(family), dev, fmt, seed=3)
+        model.experts_fn = experts_functions(dev)[0]
+        if compiled:
+            model.compile_decode(fused=False)
+        got.append(generate(model, PROMPTS, 4, progress=False).tokens)
+    assert got[0] == got[1]
+    assert [len(t) for t in got[2]] == [len(t) for t in got[0]] and all(0 <= t < 300 for seq in got[2] for t in seq)
