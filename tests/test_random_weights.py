@@ -38,8 +38,8 @@ from coldset.verify.gate import experts_functions
 
 SHAPES = Path(__file__).resolve().parents[1] / "config" / "examples" / "shapes"
 PROMPTS = [[5, 9, 2, 7], [3, 1]]
-FAMILY_CONFIGS = {"qwen3_moe": "qwen3-30b-a3b-fp8", "deepseek_v3": "deepseek-v3", "glm4_moe": "glm-4.5-air",
-                  "gpt_oss": "gpt-oss-120b"}
+FAMILY_CONFIGS = {"qwen3_moe": "qwen3-30b-a3b-fp8", "mixtral": "mixtral-8x7b", "deepseek_v3": "deepseek-v3",
+                  "glm4_moe": "glm-4.5-air", "gpt_oss": "gpt-oss-120b"}
 
 
 def published(name: str) -> dict:
@@ -60,7 +60,7 @@ def test_tiny_config_keeps_the_family_and_narrows_it():
     assert (ds["n_group"], ds["num_key_value_heads"]) == (2, 4)
 
 
-CASES = [("qwen3_moe", "bf16", MoEModel), ("qwen3_moe", "fp8", MoEModel), ("deepseek_v3", "fp8", DeepseekV3Model),
+CASES = [("qwen3_moe", "bf16", MoEModel), ("qwen3_moe", "fp8", MoEModel), ("mixtral", "bf16", MoEModel), ("deepseek_v3", "fp8", DeepseekV3Model),
          ("glm4_moe", "bf16", Glm4MoeModel), ("gpt_oss", "bf16", GptOssModel), ("gpt_oss", "mxfp4", GptOssModel)]
 
 
