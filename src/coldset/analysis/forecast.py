@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from coldset.analysis.compiled import numba_installed
 from coldset.analysis.forecast_loops import (
     count_transitions,
     forecast_segments,
@@ -562,6 +563,8 @@ class NextTokenForecaster:
         if L != self.num_layers or k != self.top_k:
             raise ForecastError(f"forecast_lanes: selections of {L} layers x top-{k}, the forecaster has "
                                 f"{self.num_layers} x top-{self.top_k}")
+        if not numba_installed():  # uncompiled, the loop is Python per selection; numpy steps the lanes together
+            return self._forecast_steps(sel, start, hist)
         variants = [(self.hist_unit, self.hist_shift)] if hist is None else list(hist)
         out = np.full((len(variants), S, L, B, n), -1, dtype=np.int16 if self.num_experts <= 32767 else np.int64)
         if S and B:
