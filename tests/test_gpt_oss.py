@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.core import mxfp4
-from coldset.core.shapes import expert_bytes, parameter_counts
+from coldset.core.shapes import expert_bytes, nonexpert_bytes_breakdown, parameter_counts
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import generate
 from coldset.engine import gpt_oss
@@ -270,9 +270,8 @@ def test_mxfp4_experts_kept_4bit(checkpoint):
     cfg, pools = model.config, model.pools
     assert pools.is_mxfp4 and cfg.expert_format == "mxfp4" and pools.has_bias
     tensors = load_file(path / "model.safetensors")
-    bias_bytes = (2 * cfg.moe_intermediate_size + cfg.hidden_size) * tensors[
-        "model.layers.0.mlp.experts.down_proj_bias"].element_size()  # the checkpoint's dtype, as core.shapes counts
-    assert expert_bytes(cfg) == mxfp4.expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size) + bias_bytes
+    # what a placement moves: blocks and scales; the biases stay resident (core.shapes' expert_biases)
+    assert expert_bytes(cfg) == mxfp4.expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size)
     blocks, scales, _ = mxfp4.w13_from_checkpoint(tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"],
                                                   tensors["model.layers.1.mlp.experts.gate_up_proj_scales"])
     rows = slice(cfg.num_experts, 2 * cfg.num_experts)
@@ -346,24 +345,25 @@ def test_the_fused_decode_step_is_refused(checkpoint):
 
 
 def test_shape_counts_are_transformers_parameters(checkpoint):
-    """core.shapes reads gpt_oss: the parameter count is transformers' model's, and an expert's
-    bytes are its four tensors' (weights and both biases) per expert."""
+    """core.shapes reads gpt_oss: the parameter count is transformers' model's, an expert's bytes
+    are its two weight tensors' per expert, and the resident biases every expert's two bias rows."""
     for variant in ("gqa_yarn", "mha_plain"):
         path = checkpoint(variant)
         cfg = read_config(path)
         hf = hf_model(path)
         assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in hf.parameters())
         experts = hf.model.layers[0].mlp.experts
-        per_expert = sum(t[0].numel() * t.element_size() for t in (experts.gate_up_proj, experts.gate_up_proj_bias,
-                                                                    experts.down_proj, experts.down_proj_bias))
+        per_expert = sum(t[0].numel() * t.element_size() for t in (experts.gate_up_proj, experts.down_proj))
         assert expert_bytes(cfg) == per_expert
+        biases = sum(t.numel() * t.element_size() for t in (experts.gate_up_proj_bias, experts.down_proj_bias))
+        assert nonexpert_bytes_breakdown(cfg)["expert_biases"] == cfg.num_moe_layers * biases
 
 
 def test_gpt_oss_20b_config_reads_as_published():
     """The published gpt-oss-20b config: 20.9B parameters, 3.6B active (as OpenAI's model card
     counts them: the embedding table, a lookup, not among the active),
-    38.2 GB of bf16 experts (biases included), 13.24 MB an expert in MXFP4 (blocks, scales and
-    the bf16 biases) with the published quantization_config."""
+    38.2 GB of bf16 experts, 13.22 MB an expert in MXFP4 (blocks and scales; the bf16 biases stay
+    resident) with the published quantization_config."""
     cfg = GptOssConfig.from_hf_config(GPT_OSS_20B_CONFIG)
     counts = parameter_counts(cfg)
     per_expert = counts["routed_experts"] // (cfg.num_moe_layers * cfg.num_experts)
@@ -376,7 +376,8 @@ def test_gpt_oss_20b_config_reads_as_published():
     assert (published.checkpoint_expert_format, published.expert_format) == ("mxfp4", "bfloat16")
     from coldset.core.shapes import shape_from_hf_config  # the shape every non-decoding stage reads
     shape = shape_from_hf_config({**GPT_OSS_20B_CONFIG, "quantization_config": mxfp4.quantization_config(UNQUANTIZED)})
-    assert expert_bytes(shape) == mxfp4.expert_bytes(2880, 2880) + 3 * 2880 * 2 == 13_236_480
+    assert expert_bytes(shape) == mxfp4.expert_bytes(2880, 2880) == 13_219_200
+    assert nonexpert_bytes_breakdown(shape)["expert_biases"] == 24 * 32 * 3 * 2880 * 2
 
 
 @pytest.mark.parametrize("change, field", [

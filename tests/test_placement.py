@@ -278,6 +278,7 @@ def test_nonexpert_bytes_hand_computed():
         "routers": 2 * 3 * 4 * 2,
         "shared_experts": 0,
         "dense_mlp": 0,
+        "expert_biases": 0,
     }
     assert nonexpert_bytes(s) == 440
     # tied embeddings, qk norms, one dense layer of width 6, a shared expert of width 5

@@ -124,12 +124,14 @@ def test_expert_bytes_of_quantized_checkpoints():
     blocks = 2 * math.ceil(2048 / 128) * math.ceil(7168 / 128) + math.ceil(7168 / 128) * math.ceil(2048 / 128)
     assert expert_bytes(v3) == 3 * 2048 * 7168 + 4 * blocks
     assert v3.linear_format == "fp8_block128"  # attention and dense MLP are fp8 too
-    # gpt-oss: MXFP4 blocks [E, out, in/32, 16] uint8 + scales [E, out, in/32] uint8, bf16 biases
+    # gpt-oss: MXFP4 blocks [E, out, in/32, 16] uint8 + scales [E, out, in/32] uint8; the bf16 biases
+    # stay resident (a non-expert part), not moved with the expert
     oss = read_shape(EXAMPLES / "gpt-oss-120b")
     assert (oss.expert_format, oss.linear_format) == ("mxfp4", "bfloat16")  # attention not converted
-    gate_up = 5760 * (2880 // 32) * 16 + 5760 * (2880 // 32) + 5760 * 2
-    down = 2880 * (2880 // 32) * 16 + 2880 * (2880 // 32) + 2880 * 2
+    gate_up = 5760 * (2880 // 32) * 16 + 5760 * (2880 // 32)
+    down = 2880 * (2880 // 32) * 16 + 2880 * (2880 // 32)
     assert expert_bytes(oss) == gate_up + down
+    assert nonexpert_bytes_breakdown(oss)["expert_biases"] == 36 * 128 * (5760 + 2880) * 2
     # the whole gpt-oss-120b checkpoint: 65.2 GB of safetensors (60.8 GiB)
     assert abs(total_bytes(oss) / 2**30 - 60.8) < 0.2
 
@@ -283,7 +285,7 @@ def _hand_bytes(raw, lin, elin, kept=()):
     q, kvo = heads * hd, kv * hd
     gqa = g("q_proj")(q, h) + g("k_proj")(kvo, h) + g("v_proj")(kvo, h) + g("o_proj")(h, q)
     parts = dict(embed_tokens=2 * V * h, lm_head=0 if raw.get("tie_word_embeddings") else 2 * V * h,
-                 shared_experts=0, dense_mlp=0)
+                 shared_experts=0, dense_mlp=0, expert_biases=0)
     if mt == "qwen3_moe":
         I, E = raw["moe_intermediate_size"], raw["num_experts"]
         parts.update(attention=L * gqa, norms=2 * (L * (2 * h + 2 * hd) + h), routers=2 * L * E * h)
@@ -351,8 +353,9 @@ def _hand_bytes(raw, lin, elin, kept=()):
     elif mt == "gpt_oss":
         I, E = raw["intermediate_size"], raw["num_local_experts"]
         parts.update(attention=L * (gqa + 2 * (q + 2 * kvo + h + heads)),  # q/k/v/o biases, sinks
-                     norms=2 * (2 * L * h + h), routers=2 * L * (E * h + E))
-        expert = _mlp(elin, h, I) + 2 * (2 * I + h)  # gate_up_proj_bias [2I], down_proj_bias [H] in bf16
+                     norms=2 * (2 * L * h + h), routers=2 * L * (E * h + E),
+                     expert_biases=2 * L * E * (2 * I + h))  # gate_up_proj_bias [2I], down_proj_bias [H], bf16, resident
+        expert = _mlp(elin, h, I)
     else:
         raise AssertionError(mt)
     return parts, expert

@@ -383,13 +383,13 @@ def as_shape(config: Any) -> MoEShape:
 
 
 def expert_bytes(config: Any, fmt: str | WeightFormat | None = None) -> int:
-    """Bytes of one routed expert: gate and up ``[I, H]`` (the kernel's fused w13) plus w2 ``[H, I]`` in
-    ``fmt`` (default: the shape's ``expert_format``), plus its biases in the model dtype."""
+    """Bytes of one routed expert, what a placement moves: gate and up ``[I, H]`` (the kernel's fused
+    w13) plus w2 ``[H, I]`` in ``fmt`` (default: the shape's ``expert_format``) with their scales.
+    Expert biases (gpt_oss) are not part of it: the engine keeps every expert's biases resident
+    (``nonexpert_bytes_breakdown``'s ``expert_biases``, design.md §4)."""
     shape = as_shape(config)
     f = get_weight_format(shape.expert_format if fmt is None else fmt)
-    h, i = shape.hidden_size, shape.moe_intermediate_size
-    bias = (2 * i + h) * get_weight_format(shape.dtype).bytes_per_element if shape.expert_bias else 0
-    return _mlp_bytes(f, h, i) + int(bias)
+    return _mlp_bytes(f, shape.hidden_size, shape.moe_intermediate_size)
 
 
 def _mlp_bytes(f: WeightFormat, h: int, inter: int) -> int:
@@ -401,7 +401,8 @@ def _mlp_bytes(f: WeightFormat, h: int, inter: int) -> int:
 def nonexpert_bytes_breakdown(config: Any, fmt: str | WeightFormat | None = None) -> dict[str, int]:
     """Bytes of everything that always stays in HBM, by part: ``embed_tokens``, ``lm_head`` (0
     when tied), ``attention`` (projections and extras), ``norms``, ``routers``,
-    ``shared_experts`` (per MoE layer), ``dense_mlp`` (per dense layer).
+    ``shared_experts`` (per MoE layer), ``dense_mlp`` (per dense layer), ``expert_biases`` (every
+    routed expert's biases, gpt_oss: resident whatever the placement).
 
     ``fmt=None``: as the checkpoint stores them (linear layers in ``linear_format``, the rest in
     ``dtype``); a format name puts every non-expert weight in that format, which must be one
@@ -436,6 +437,8 @@ def nonexpert_bytes_breakdown(config: Any, fmt: str | WeightFormat | None = None
         "routers": shape.router_params * b,
         "shared_experts": num_moe * _mlp_bytes(group("shared_experts"), h, shape.shared_expert_intermediate_size),
         "dense_mlp": num_dense * _mlp_bytes(group("dense_mlp"), h, shape.intermediate_size),
+        "expert_biases": (num_moe * shape.num_experts * (2 * shape.moe_intermediate_size + h) * b
+                          if shape.expert_bias else 0),
     }
     return {k: int(math.ceil(v)) for k, v in parts.items()}
 

@@ -157,12 +157,12 @@ def decoding_support(config: dict) -> str | None:
     if model_type not in ENGINE_MODEL_TYPES:
         return (f"{cfg}: model_type {model_type!r} is not one the embedded engine runs "
                 f"({', '.join(ENGINE_MODEL_TYPES)})")
+    if not any(folder.glob("*.safetensors")):
+        return f"{folder} holds no weights (*.safetensors), only the model's shape"
     try:
         read_config(folder)  # the family's own refusals: variants and weight formats it does not decode
     except ModelLoadError as exc:
         return str(exc)
-    if not any(folder.glob("*.safetensors")):
-        return f"{folder} holds no weights (*.safetensors), only the model's shape"
     return None
 
 
