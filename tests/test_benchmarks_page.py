@@ -95,6 +95,17 @@ def test_other_residencies_policies_steps_or_batches_are_another_measurement(tmp
     check_one_block_per_measurement(_page(a, b), tmp_path)
 
 
+def test_another_model_family_is_another_measurement(tmp_path):
+    """bench step / cache --model-family: two families' tables at the same cells are two measurements."""
+    for base in ("cache_bench_fit_b1.json", "decode_step_fp8.json"):
+        a = _planted(tmp_path, "a.json", base)
+        res = json.loads((tmp_path / "a.json").read_text())
+        (tmp_path / "b.json").write_text(json.dumps({**res, "model_family": {"name": "gpt-oss-20b"}}))
+        check_one_block_per_measurement(_page(a, "b.json"), tmp_path)
+        with pytest.raises(MeasureError, match="same measurement"):
+            check_one_block_per_measurement(_page(a, _planted(tmp_path, "c.json", base)), tmp_path)
+
+
 def test_a_step_run_meets_the_bf16_rows_of_an_fp8_step_run(tmp_path):
     """bench step --weight-format fp8 times bf16 beside FP8: a bf16 step run at the same engine
     and batch is the same measurement as those rows."""

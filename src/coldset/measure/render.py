@@ -239,10 +239,14 @@ def render_cache(res: dict) -> str:
            f"{_f(c.get('hbm_read_gb_s'), '.0f')} GB/s, link read {_f(c.get('link_read_gb_s'), '.1f')} GB/s. "
            "Checks: " + ("all passed" if not fails else "FAILED: " + "; ".join(fails)) + "."]
     if "weight_format" in res:  # results since --weight-format: the experts' format and bytes, every tier alike
-        out.append(f"Experts: {'block-FP8 (e4m3, 128 x 128 scales)' if fp8 else 'bf16'} in HBM, slots and the pinned "
-                   f"host tier, {res['expert_bytes'] / 1e6:.2f} MB an expert"
-                   + (" with its scales; all-HBM is the FP8 kernel with every expert hot, the reference of the "
-                      "bitwise checks." if fp8 else "."))
+        fmt = res.get("weight_format")
+        label = EXPERT_FORMAT_LABELS.get(fmt, "bf16")
+        out.append(f"Experts: {label} in HBM, slots and the pinned host tier, {res['expert_bytes'] / 1e6:.2f} MB an "
+                   "expert" + (f" with its scales; all-HBM is the {fmt.upper()} kernel with every expert hot, the reference "
+                               "of the bitwise checks." if fmt in ("fp8", "mxfp4") else "."))
+    family = res.get("model_family")
+    if isinstance(family, dict) and family.get("note"):
+        out.append(f"Model: {family.get('name')}, {family['note']}.")
     # Results with the time columns (bench cache since the nexttoken policy) get four more columns;
     # older results render as they always did.
     timed = any("sim_over_measured" in r for r in res["rows"])
@@ -377,12 +381,23 @@ def _numbers(value, kind=int) -> set:
     return {kind(x) for x in items if str(x).strip()}
 
 
+#: The experts' formats a cache result names (``weight_format``), in words.
+EXPERT_FORMAT_LABELS = {"fp8": "block-FP8 (e4m3, 128 x 128 scales)", "mxfp4": "MXFP4 (e2m1 values, an e8m0 scale per 32)"}
+
+
+def _family_name(res: dict) -> str:
+    """The model a result measured: a ``--model-family`` name, else the config's synthetic model."""
+    family = res.get("model_family")
+    return family.get("name", "synthetic") if isinstance(family, dict) else (family or "synthetic")
+
+
 def measurement_key(res: dict) -> tuple[tuple, frozenset]:
     """What a result measures: ``(identity, cells)``. Two rendered blocks are the same measurement
     when their identities are equal and their cells overlap; a page keeps one block of each
     (:func:`check_one_block_per_measurement`).
 
     - identity: the kind (``kernel``, ``kernel-fp8``, ``step``, ``cache``, ``cache-decisions``);
+      for the step and the cache the model (a ``--model-family`` name, else the synthetic model);
       for the cache also the experts' weight format, the set of ``--policies`` and ``--steps``
       (a cache's ratio to all-HBM depends on the decode's length); for ``cache-decisions`` the
       weight format.
@@ -401,11 +416,11 @@ def measurement_key(res: dict) -> tuple[tuple, frozenset]:
         fmt = res.get("weight_format") or args.get("weight_format") or "bf16"
         policies = frozenset(p.strip() for p in str(args.get("policies", "")).split(",") if p.strip())
         cells = {(b, r) for b in _numbers(args.get("batches")) for r in _numbers(args.get("residencies"), float)}
-        return (kind, fmt, policies, args.get("steps")), frozenset(cells)
+        return (kind, _family_name(res), fmt, policies, args.get("steps")), frozenset(cells)
     if kind == "cache-decisions":
         return (kind, args.get("weight_format") or "bf16"), frozenset(int(b) for b in res.get("us_per_step", {}))
     if kind == "step":
-        return (kind,), frozenset((r.get("mode"), r.get("weight_format", "bf16"), r.get("batch"), r.get("experts"))
+        return (kind, _family_name(res)), frozenset((r.get("mode"), r.get("weight_format", "bf16"), r.get("batch"), r.get("experts"))
                                   for r in res.get("rows", []))
     if kind in ("kernel", "kernel-fp8"):
         return (kind,), frozenset(r["batch"] for r in res.get("batches", []))
@@ -437,8 +452,8 @@ def check_one_block_per_measurement(text: str, folder: Path) -> None:
 def _describe(identity: tuple) -> str:
     kind, *rest = identity
     if kind == "cache":
-        fmt, policies, steps = rest
-        return f"bench cache, {fmt}, policies {','.join(sorted(policies))}, {steps} steps"
+        model, fmt, policies, steps = rest
+        return f"bench cache, {model}, {fmt}, policies {','.join(sorted(policies))}, {steps} steps"
     return " ".join(["bench", str(kind), *map(str, rest)])
 
 
