@@ -178,7 +178,6 @@ def test_dequantized_is_refused_for_experts_that_are_not_mxfp4(run, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_workflow_keeps_mxfp4_and_every_placement_is_bitwise(run, tmp_path):
     """The same folder through model..parity_gate on CUDA: the MXFP4 Triton kernel with its tuned
     configs, cold experts (blocks and scales) in pinned host memory, the lru slot cache filling
