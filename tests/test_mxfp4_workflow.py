@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from coldset.bench.decode import moved_bytes_per_expert
 from coldset.core import mxfp4
