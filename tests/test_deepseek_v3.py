@@ -25,6 +25,7 @@ from coldset.engine.model import ModelLoadError
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from family_oracle import assert_greedy_matches
 from synthetic_engines import graphed_greedy_tokens
 from test_fp8 import TABLE
 
@@ -91,21 +92,9 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def _hf_greedy(hf, prompt, moe_layers):
-    """transformers' greedy generate of one unpadded prompt: (tokens, logits [new, V], the router's
-    (ids, weights) per MoE layer, each [prompt + new - 1, k], from hooks on DeepseekV3TopkRouter)."""
-    calls = {i: [] for i in moe_layers}
-    hooks = [hf.model.layers[i].mlp.gate.register_forward_hook(
-        lambda _m, _a, out, i=i: calls[i].append((out[2], out[1]))) for i in moe_layers]
-    try:
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    routing = {i: (torch.cat([c[0] for c in calls[i]]), torch.cat([c[1] for c in calls[i]])) for i in moe_layers}
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0], routing
+def _routers(hf, cfg) -> dict:
+    """transformers' router module of each MoE layer, in the engine's MoE-layer order."""
+    return {i: hf.model.layers[i].mlp.gate for i in cfg.moe_layers}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -116,23 +105,8 @@ def test_greedy_decode_matches_transformers(checkpoint, variant):
     path = checkpoint(variant)
     model = load(path)
     cfg = model.config
-    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
-        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.moe_layers)
-        assert gen.tokens[b] == tokens
-        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
-        routing = gen.routing[b]
-        assert routing.experts.shape == (len(prompt) + NEW_TOKENS - 1, cfg.num_moe_layers, cfg.top_k)
-        for m, layer in enumerate(cfg.moe_layers):
-            ref_ids, ref_w = hf_routing[layer]
-            got_ids, order = routing.experts[:, m].long().sort(dim=-1)
-            want_ids, want_order = ref_ids.sort(dim=-1)
-            assert torch.equal(got_ids, want_ids), f"prompt {b}, MoE layer {m}"
-            torch.testing.assert_close(routing.weights[:, m].gather(1, order), ref_w.gather(1, want_order),
-                                       atol=1e-6, rtol=1e-5)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    assert_greedy_matches(model, hf, PROMPTS, NEW_TOKENS, _routers(hf, cfg), LOGIT_ATOL)
     # the cache holds the latent and the rotated RoPE key, not per-head keys and values
     attn = model.layers[0].self_attn
     assert tuple(attn.latent_cache.shape) == (len(PROMPTS), max(map(len, PROMPTS)) + NEW_TOKENS, cfg.kv_lora_rank)
@@ -416,20 +390,7 @@ def test_block_fp8_routing_matches_transformers_on_the_dequantized_weights(fp8_c
     model = load(folder)
     cfg = model.config
     model.experts_fn = functools.partial(torch_experts, w8a16=True)
-    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
-    worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
-        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.moe_layers)
-        assert gen.tokens[b] == tokens
-        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
-        for m, layer in enumerate(cfg.moe_layers):
-            ref_ids, ref_w = hf_routing[layer]
-            got_ids, order = gen.routing[b].experts[:, m].long().sort(dim=-1)
-            want_ids, want_order = ref_ids.sort(dim=-1)
-            assert torch.equal(got_ids, want_ids), f"prompt {b}, MoE layer {m}"
-            torch.testing.assert_close(gen.routing[b].weights[:, m].gather(1, order), ref_w.gather(1, want_order),
-                                       atol=1e-6, rtol=1e-5)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    gen = assert_greedy_matches(model, hf, PROMPTS, NEW_TOKENS, _routers(hf, cfg), LOGIT_ATOL)
     model.experts_fn = torch_experts
     w8a8 = generate(model, PROMPTS, 1, progress=False, return_all_logits=True).all_logits[:, 0].double()
     first = gen.all_logits[:, 0].double()

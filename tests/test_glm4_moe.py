@@ -22,8 +22,9 @@ from coldset.engine.loading import load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.verify import gate
 
+from family_oracle import assert_greedy_matches
 from synthetic_engines import graphed_greedy_tokens
-from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _hf_greedy
+from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _routers
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,23 +96,8 @@ def test_greedy_decode_matches_transformers(checkpoint, variant):
     model = load(path)
     cfg = model.config
     assert isinstance(model.layers[-1].mlp, DeepseekMoE)
-    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
     hf = transformers.Glm4MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
-        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.moe_layers)
-        assert gen.tokens[b] == tokens
-        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
-        routing = gen.routing[b]
-        assert routing.experts.shape == (len(prompt) + NEW_TOKENS - 1, cfg.num_moe_layers, cfg.top_k)
-        for m, layer in enumerate(cfg.moe_layers):
-            ref_ids, ref_w = hf_routing[layer]
-            got_ids, order = routing.experts[:, m].long().sort(dim=-1)
-            want_ids, want_order = ref_ids.sort(dim=-1)
-            assert torch.equal(got_ids, want_ids), f"prompt {b}, MoE layer {m}"
-            torch.testing.assert_close(routing.weights[:, m].gather(1, order), ref_w.gather(1, want_order),
-                                       atol=1e-6, rtol=1e-5)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
+    assert_greedy_matches(model, hf, PROMPTS, NEW_TOKENS, _routers(hf, cfg), LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("variant, rotary_dim", [("bias_qknorm", 6), ("plain_mqa", 12)])

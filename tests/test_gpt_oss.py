@@ -26,6 +26,7 @@ from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from family_oracle import assert_greedy_matches
 from hf_fixtures import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -126,42 +127,11 @@ def hf_model(folder):
     return transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
 
 
-def _hf_greedy(hf, prompt, num_layers):
-    """transformers' greedy generate of one unpadded prompt: (tokens, logits [new, V], the router's
-    (ids, weights) per layer, each [prompt + new - 1, k], from hooks on GptOssTopKRouter)."""
-    calls = {i: [] for i in range(num_layers)}
-    hooks = [hf.model.layers[i].mlp.router.register_forward_hook(
-        lambda _m, _a, out, i=i: calls[i].append((out[2], out[1]))) for i in range(num_layers)]
-    try:
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    routing = {i: (torch.cat([c[0] for c in calls[i]]), torch.cat([c[1] for c in calls[i]])) for i in calls}
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0], routing
-
-
 def _assert_matches_transformers(model, hf):
-    """Left-padded batched greedy decode against transformers' per unpadded prompt: the same
-    tokens, logits within LOGIT_ATOL at every step, the same experts (in the same order: both take
-    a sorted top-k) and weights at every token and layer."""
-    cfg = model.config
-    gen = generate(model, PROMPTS, NEW_TOKENS, capture_routing=True, progress=False, return_all_logits=True)
-    worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
-        tokens, logits, hf_routing = _hf_greedy(hf, prompt, cfg.num_layers)
-        assert gen.tokens[b] == tokens, f"prompt {b}"
-        worst = max(worst, (gen.all_logits[b] - logits).abs().max().item())
-        routing = gen.routing[b]
-        assert routing.experts.shape == (len(prompt) + NEW_TOKENS - 1, cfg.num_moe_layers, cfg.top_k)
-        for m in range(cfg.num_layers):
-            ref_ids, ref_w = hf_routing[m]
-            assert torch.equal(routing.experts[:, m].long(), ref_ids), f"prompt {b}, layer {m}"
-            torch.testing.assert_close(routing.weights[:, m], ref_w, atol=1e-6, rtol=1e-5)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.3g}"
-    return gen
+    """The family oracle (:func:`family_oracle.assert_greedy_matches`) over every layer's router; the
+    experts compared in order (both take a sorted top-k)."""
+    routers = {i: hf.model.layers[i].mlp.router for i in range(model.config.num_layers)}
+    return assert_greedy_matches(model, hf, PROMPTS, NEW_TOKENS, routers, LOGIT_ATOL, ordered=True)
 
 
 @pytest.mark.parametrize("variant", ["gqa_yarn", "mha_plain"])
