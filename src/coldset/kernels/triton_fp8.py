@@ -77,8 +77,6 @@ import triton.language as tl
 
 from coldset.kernels.configs import load as load_kernel_configs
 from coldset.kernels.triton_moe import (
-    MODE_SLOTS,
-    MODE_SORTED,
     KernelConfig,
     _block_expert,
     _block_ids,
@@ -88,11 +86,12 @@ from coldset.kernels.triton_moe import (
     _gated,
     _next_pow2,
     _sum_topk_kernel,
+    cold_or_hot,
     epilogue_args,
     gdc_launch_dependents,
     gdc_wait,
-    group_pairs,
     issue_all,
+    pair_tiles,
     prepare_call,
 )
 
@@ -572,18 +571,8 @@ def fp8_experts_launches(
         return out
     num_pairs = num_tokens * top_k
     device = x.device
-    if num_pairs <= min(num_experts, c.slot_max_pairs):
-        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
-        sorted_pairs = expert_off = ids  # unused in this mode
-    else:
-        mode, np_ = MODE_SORTED, 1
-        slots = triton.cdiv(num_pairs, c.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl=first)
-    cold = pools.num_cold > 0  # never read without cold rows: the hot pools stand in as pointers
-    w13_cold = pools.w13_cold if cold else pools.w13_hot
-    w2_cold = pools.w2_cold if cold else pools.w2_hot
-    s13_cold = pools.w13_scale_cold if cold else pools.w13_scale_hot
-    s2_cold = pools.w2_scale_cold if cold else pools.w2_scale_hot
+    mode, slots, np_, sorted_pairs, expert_off = pair_tiles(ids, num_pairs, num_experts, c, first)
+    w13_cold, w2_cold, s13_cold, s2_cold = cold_or_hot(pools, "w13", "w2", "w13_scale", "w2_scale")
     gi, gh = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
     ep = _next_pow2(num_experts)
     w8a16 = c.w8a16  # 0, or the weight-only mode's conversion (1, 2)

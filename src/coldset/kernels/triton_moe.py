@@ -685,6 +685,25 @@ def group_pairs(ids: torch.Tensor, num_experts: int, pdl: bool = False) -> tuple
     return sorted_pairs, expert_off
 
 
+def pair_tiles(ids: torch.Tensor, num_pairs: int, num_experts: int, config, pdl_first: bool = False) -> tuple:
+    """How every experts kernel lays out a call's (token, expert) pairs: ``(mode, slots, np_,
+    sorted_pairs, expert_off)``. Few pairs (at most ``slot_max_pairs`` and the experts): one block
+    per pair slot, read straight from ``ids`` (``MODE_SLOTS``; the last two are unused). Else one
+    block per (expert, chunk of ``block_m`` pairs) tile, at most this many tiles existing, over the
+    pairs grouped by expert (``MODE_SORTED``, :func:`group_pairs`)."""
+    if num_pairs <= min(num_experts, config.slot_max_pairs):
+        return MODE_SLOTS, num_pairs, _next_pow2(num_pairs), ids, ids
+    sorted_pairs, expert_off = group_pairs(ids, num_experts, pdl_first)
+    return MODE_SORTED, triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs), 1, sorted_pairs, expert_off
+
+
+def cold_or_hot(pools, *names: str) -> tuple:
+    """The cold pools named (``w13``, ``w2_scale``, ...), or, where no expert is cold, the hot ones
+    standing in as pointers (never read then)."""
+    tier = "cold" if pools.num_cold > 0 else "hot"
+    return tuple(getattr(pools, f"{name}_{tier}") for name in names)
+
+
 def prepare_call(name: str, pools, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  config: KernelConfig | dict | None, use_row_map: bool, default) -> tuple:
     """What every experts kernel (bf16 here, block-FP8 in :mod:`coldset.kernels.triton_fp8`) checks
@@ -835,16 +854,8 @@ def experts_launches(
     pdl, prefetch, first = c.pdl > 0, c.pdl == 1, c.pdl == 3
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait (triton >= 3.3)")
-    if num_pairs <= min(num_experts, config.slot_max_pairs):
-        mode, slots, np_ = MODE_SLOTS, num_pairs, _next_pow2(num_pairs)
-        sorted_pairs = expert_off = ids  # unused in this mode
-    else:
-        # one block per (expert, chunk of block_m pairs) tile: at most this many tiles exist
-        mode, np_ = MODE_SORTED, 1
-        slots = triton.cdiv(num_pairs, config.block_m) + min(num_experts, num_pairs)
-        sorted_pairs, expert_off = group_pairs(ids, num_experts, first)
-    w13_cold = pools.w13_cold if pools.num_cold > 0 else pools.w13_hot  # never read without cold rows
-    w2_cold = pools.w2_cold if pools.num_cold > 0 else pools.w2_hot
+    mode, slots, np_, sorted_pairs, expert_off = pair_tiles(ids, num_pairs, num_experts, config, first)
+    w13_cold, w2_cold = cold_or_hot(pools, "w13", "w2")
     ep = _next_pow2(num_experts)
     s1, s2 = c.split_k1, c.split_k2
     if max(s1 * 2 * inter, s2 * hidden) * num_pairs >= 2**31:  # the split buffers' offsets are int32 inside the kernels
