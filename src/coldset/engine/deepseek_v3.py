@@ -75,7 +75,8 @@ from torch import nn
 
 from coldset.core import fp8
 from coldset.core.shapes import MoEShape, ShapeError, shape_from_hf_config
-from coldset.engine.model import DecoderLayer, DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm
+from coldset.engine.model import (DecoderLayer, DenseMLP, ModelConfig, ModelLoadError, MoEBlock, MoEModel, RMSNorm,
+                                  refuse_unsupported_quantization)
 from coldset.engine.weights import put_shared_weights
 
 log = logging.getLogger(__name__)
@@ -206,23 +207,6 @@ def _get(raw: dict, name: str):
     """``raw[name]``, or transformers' default when the config leaves it out (or writes null)."""
     value = raw.get(name)
     return _DEFAULTS[name] if value is None else value
-
-
-def refuse_unsupported_quantization(raw: dict, shape: MoEShape, source: str) -> None:
-    """Refuse, naming the field, a quantized checkpoint the engine does not decode: anything but the
-    published block FP8 (:func:`coldset.core.fp8.parse_quantization_config`: quant_method fp8, e4m3,
-    dynamic activations, 128 x 128 blocks) with its routed experts converted."""
-    if shape.expert_format == shape.dtype and shape.linear_format == shape.dtype:
-        return
-    try:
-        fp8.parse_quantization_config(raw.get("quantization_config"), source)
-    except fp8.Fp8FormatError as exc:
-        raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape without "
-                             "decoding") from None
-    if shape.expert_format != fp8.FORMAT_NAME:
-        raise ModelLoadError(f"{source}: quantization_config: routed experts in {shape.expert_format} beside block-FP8 "
-                             f"linear layers are not decoded by the engine (its experts are {fp8.FORMAT_NAME} or "
-                             "unquantized in every layer)")
 
 
 def _q_lora_rank(shape: MoEShape) -> int | None:

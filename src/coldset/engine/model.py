@@ -56,6 +56,23 @@ class ModelLoadError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
+def refuse_unsupported_quantization(raw: dict, shape: MoEShape, source: str) -> None:
+    """Refuse, naming the field, a quantized checkpoint the engine does not decode: anything but the
+    published block FP8 (:func:`coldset.core.fp8.parse_quantization_config`: quant_method fp8, e4m3,
+    dynamic activations, 128 x 128 blocks) with its routed experts converted."""
+    if shape.expert_format == shape.dtype and shape.linear_format == shape.dtype:
+        return
+    try:
+        fp8.parse_quantization_config(raw.get("quantization_config"), source)
+    except fp8.Fp8FormatError as exc:
+        raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape without "
+                             "decoding") from None
+    if shape.expert_format != fp8.FORMAT_NAME:
+        raise ModelLoadError(f"{source}: quantization_config: routed experts in {shape.expert_format} beside block-FP8 "
+                             f"linear layers are not decoded by the engine (its experts are {fp8.FORMAT_NAME} or "
+                             "unquantized in every layer)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(MoEShape):
     """The architecture of a checkpoint, parsed from its HF config.json: its shape plus what the
@@ -112,16 +129,7 @@ class ModelConfig(MoEShape):
             shape = shape_from_hf_config(raw, source)
         except ShapeError as exc:
             raise ModelLoadError(str(exc)) from None
-        if shape.expert_format != shape.dtype or shape.linear_format != shape.dtype:
-            # Block FP8 (the published 128 x 128 e4m3 format) is read; anything else is refused by name.
-            try:
-                fp8.parse_quantization_config(raw.get("quantization_config"), source)
-            except fp8.Fp8FormatError as exc:
-                raise ModelLoadError(f"{exc}; placement, statistics and the cache simulation read this shape "
-                                     "without decoding") from None
-            if shape.expert_format != fp8.FORMAT_NAME:
-                raise ModelLoadError(f"{source}: quantized experts ({shape.expert_format}) are not supported by the "
-                                     f"engine (only {fp8.FORMAT_NAME})")
+        refuse_unsupported_quantization(raw, shape, source)
         if model_type == "qwen3_moe":
             norm_topk = bool(raw.get("norm_topk_prob", False))
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window") else None
