@@ -81,6 +81,18 @@ class AccessStream:
         return int(np.diff(self.group_ptr).max(initial=0))
 
 
+def _frame_columns(rows: pd.DataFrame | Mapping[str, Any], who: str) -> tuple:
+    """``(request, position, layer_index, rank, expert)`` of decode rows, the numbers as int64 arrays
+    (a categorical request column as its array); columns of different lengths refused, naming ``who``."""
+    req_col = rows["request"]
+    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
+        req_col = req_col.array
+    pos, li, rank, exp = (np.asarray(rows[c], dtype=np.int64) for c in ("position", "layer_index", "rank", "expert"))
+    if not (len(req_col) == pos.size == li.size == rank.size == exp.size):
+        raise CacheError(f"{who}: columns differ in length")
+    return req_col, pos, li, rank, exp
+
+
 def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: int,
                       num_experts: int) -> AccessStream:
     """The replay stream of decode rows: columns ``request`` (str or categorical),
@@ -91,15 +103,7 @@ def stream_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
     (request, position, layer index, rank) are an error. Rows already in that order (as traces
     are written) skip the sort.
     """
-    req_col = rows["request"]
-    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
-        req_col = req_col.array
-    pos = np.asarray(rows["position"], dtype=np.int64)
-    li = np.asarray(rows["layer_index"], dtype=np.int64)
-    rank = np.asarray(rows["rank"], dtype=np.int64)
-    exp = np.asarray(rows["expert"], dtype=np.int64)
-    if not (len(req_col) == pos.size == li.size == rank.size == exp.size):
-        raise CacheError("stream_from_frame: columns differ in length")
+    req_col, pos, li, rank, exp = _frame_columns(rows, "stream_from_frame")
     if pos.size == 0:
         return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, num_moe_layers, num_experts)
     if li.min() < 0 or li.max() >= num_moe_layers:
@@ -586,13 +590,7 @@ def tokens_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
     any order; ``k`` = the largest rank + 1): the forecasters' input from a frame. Optional columns
     ``domain`` and ``split`` give each token its first row's (else domain ``""``, profile). Two rows
     with the same (request, position, layer index, rank) are an error."""
-    req_col = rows["request"]
-    if isinstance(req_col, pd.Series) and isinstance(req_col.dtype, pd.CategoricalDtype):
-        req_col = req_col.array
-    pos = np.asarray(rows["position"], dtype=np.int64)
-    li = np.asarray(rows["layer_index"], dtype=np.int64)
-    rank = np.asarray(rows["rank"], dtype=np.int64)
-    exp = np.asarray(rows["expert"], dtype=np.int64)
+    req_col, pos, li, rank, exp = _frame_columns(rows, "tokens_from_frame")
     L, E = num_moe_layers, num_experts
     if pos.size == 0:
         z = np.zeros(0, np.int32)
