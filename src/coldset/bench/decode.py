@@ -557,8 +557,8 @@ def moved_bytes_per_expert(pools) -> int:
     """Bytes one expert's copy moves: its w13 and w2 rows and, for block-FP8 or MXFP4 experts, their
     scale rows (what a slot fill or a cold read carries); the biases stay resident (ExpertPools.bias_bytes)."""
     tier = "hot" if pools.num_hot else "cold"
-    names = ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
-    return sum(getattr(pools, f"{n}_{tier}")[0].numel() * getattr(pools, f"{n}_{tier}").element_size() for n in names)
+    return sum(getattr(pools, f"{n}_{tier}")[0].numel() * getattr(pools, f"{n}_{tier}").element_size()
+               for n in pools.expert_parts)
 
 
 def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_size: int,

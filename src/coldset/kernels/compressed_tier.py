@@ -35,8 +35,6 @@ import torch
 from coldset.core import codec
 from coldset.kernels.tiers import ExpertPools, _pinned_block_bytes, check_host_allocation
 
-#: The parts of an expert in record order (the scales only for scaled experts).
-PART_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
 _ALIGN = 16  # every array in a record starts 16-byte aligned, so byte views cast to int16/int32
 
 
@@ -137,7 +135,7 @@ class CompressedHostTier:
             raise CompressedTierError(
                 f"compressed host tier holds {self.num_moe_layers} x {self.num_experts} experts, the pools "
                 f"{pools.num_moe_layers} x {pools.num_experts}")
-        names = PART_NAMES if pools.has_scales else PART_NAMES[:2]
+        names = pools.expert_parts
         if tuple(p.name for p in self.parts[0]) != names:
             raise CompressedTierError(f"compressed host tier holds parts {[p.name for p in self.parts[0]]}, the pools "
                                       f"{list(names)} (scaled experts carry their scales)")
@@ -187,7 +185,7 @@ def compressed_host_tier(pools: ExpertPools, host_available_bytes: int | None = 
     overrides MemAvailable for tests): building holds the records twice, briefly.
     """
     pools._require_all_hot("compressed_host_tier")
-    names = PART_NAMES if pools.has_scales else PART_NAMES[:2]
+    names = pools.expert_parts
     records, layouts, starts = [], [], [0]
     for row in range(pools.num_hot):
         buf, parts = _pack([(n, getattr(pools, f"{n}_hot")[row]) for n in names], lane_symbols)

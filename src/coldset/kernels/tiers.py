@@ -118,6 +118,12 @@ class ExpertPools:
         return self.w13_scale_hot is not None
 
     @property
+    def expert_parts(self) -> tuple[str, ...]:
+        """The pools an expert's copy moves, by name (``w13``, ``w2`` and, scaled, ``w13_scale``,
+        ``w2_scale``): each is ``{name}_hot`` / ``{name}_cold``. The biases stay resident."""
+        return ("w13", "w2", "w13_scale", "w2_scale") if self.has_scales else ("w13", "w2")
+
+    @property
     def is_fp8(self) -> bool:
         """Whether the experts are block-FP8 (weights float8_e4m3fn, scales in the scale pools)."""
         return self.has_scales and self.w13_hot.dtype == fp8.FP8_DTYPE
@@ -419,7 +425,7 @@ class ExpertPools:
             [tuple(t.to("cpu", copy=True) for t in self._expert_tensors(layer, expert)) for expert in range(self.num_experts)]
             for layer in range(self.num_moe_layers)
         ]
-        names = ("w13", "w2", "w13_scale", "w2_scale") if self.has_scales else ("w13", "w2")
+        names = self.expert_parts
         for layer in range(self.num_moe_layers):
             for expert in range(self.num_experts):
                 row = int(new_cpu[layer, expert])

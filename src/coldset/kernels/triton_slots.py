@@ -479,11 +479,7 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
 def _fill_pairs(pools) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, host tier, slots) of every pool a fill copies: both weights, and for scaled
     (block-FP8, MXFP4) experts both scale pools (a slot holds its expert's scales beside its weights)."""
-    pairs = [("w13", pools.w13_cold, pools.w13_hot), ("w2", pools.w2_cold, pools.w2_hot)]
-    if pools.has_scales:
-        pairs += [("w13_scale", pools.w13_scale_cold, pools.w13_scale_hot),
-                  ("w2_scale", pools.w2_scale_cold, pools.w2_scale_hot)]
-    return pairs
+    return [(name, getattr(pools, f"{name}_cold"), getattr(pools, f"{name}_hot")) for name in pools.expert_parts]
 
 
 def _check_fill_pools(pools) -> None:

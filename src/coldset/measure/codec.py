@@ -162,7 +162,7 @@ def tier_fill_ms(fmt: str, experts: int, reps: int, gen: torch.Generator) -> dic
     ids = torch.arange(2 * experts).reshape(1, -1)
     row_map = torch.where(hot, ids, experts - ids - 1).to(torch.int32)  # placement encoding: cold -1..-n
     pools = all_hot.placed(row_map, host)
-    names = ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
+    names = pools.expert_parts
     rows, slots = list(range(experts, 2 * experts)), list(range(experts))
     staging = staging_buffer(tier, "cuda")
 

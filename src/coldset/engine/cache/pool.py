@@ -439,11 +439,8 @@ class SlotCache:
         if self.compressed is not None:  # decoded from the compressed tier: weights and scales, bitwise the copy
             fill_slots(self.compressed, pools, inst.tolist(), slots.tolist())
             return
-        pools.w13_hot[slots] = pools.w13_cold[inst]
-        pools.w2_hot[slots] = pools.w2_cold[inst]
-        if pools.has_scales:  # a slot holds its expert's scales (FP8, MXFP4) beside its weights
-            pools.w13_scale_hot[slots] = pools.w13_scale_cold[inst]
-            pools.w2_scale_hot[slots] = pools.w2_scale_cold[inst]
+        for name in pools.expert_parts:  # a slot holds its expert's scales (FP8, MXFP4) beside its weights
+            getattr(pools, f"{name}_hot")[slots] = getattr(pools, f"{name}_cold")[inst]
 
     # ---------------------------------------------------------------------------- checks
     def check(self, contents: bool = False) -> None:
