@@ -12,20 +12,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from coldset.engine.deepseek_v3 import DeepseekV3Config
-from coldset.workflow import pipeline, process_engine
-from coldset.workflow.config import DECODING_STAGES, decoding_support, load_config, skipped_stages
+from coldset.workflow import process_engine
+from coldset.workflow.config import DECODING_STAGES, decoding_support, skipped_stages
 from coldset.workflow.context import StageContext
+from family_workflow import assert_every_placement_bitwise, run_stages
 from hf_fixtures import build_tokenizer
 
 from test_deepseek_v3 import write_block_fp8
 
 transformers = pytest.importorskip("transformers")
-
-DEFAULT = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
-
 
 def build(out: Path) -> Path:
     import torch
@@ -58,21 +55,7 @@ def run(tmp_path_factory, request):
     if request.param == "block_fp8":
         folder = write_block_fp8(folder, root / "hf-fp8")
         shutil.copy(root / "hf" / "tokenizer.json", folder / "tokenizer.json")
-    overlay = {
-        "results": str(root / "results"),
-        "model": {"name": "tiny-dsv3", "path": str(folder), "dtype": "float32"},
-        "device": "cpu",
-        "fixtures": {"per_domain": 2, "max_new_tokens": 6},
-        "routing": {"batch_size": 4},
-        "placement": {"policies": ["positional", "usage_global", "lru"], "residency": [0.5, 1.0]},
-        "parity": {"max_new_tokens": 6},
-        "autotune": {"cache_dir": str(root / "autotune-cache")},
-    }
-    (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
-    config = load_config([DEFAULT, root / "tiny.yaml"])
-    process_engine.release_engine()
-    for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
-        pipeline.run_stage(stage, config)
+    config = run_stages(root, folder, "tiny-dsv3", "float32")
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 
@@ -88,16 +71,7 @@ def test_the_workflow_reads_the_family_and_decodes_it(run):
 
 
 def test_every_placement_is_bitwise_the_all_hot_path(run):
-    res = run["results"] / "parity" / "tiny-dsv3"
-    gate = json.loads((res / "gate.json").read_text())
-    names = [f"{p}-{r}" for p in ("positional", "usage_global", "lru") for r in ("0.5", "1.0")]
-    assert gate["passed"] and sorted(gate["placements"]) == sorted(names)
-    for name in names:
-        parity = json.loads((res / f"{name}.json").read_text())
-        assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
-        assert parity["max_abs_logit_diff"] == 0.0
-        if name.endswith("0.5"):
-            assert parity["num_cold"] > 0
+    assert_every_placement_bitwise(run["results"], "tiny-dsv3")
 
 
 @pytest.mark.parametrize("change, match", [

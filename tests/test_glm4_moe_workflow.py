@@ -6,23 +6,19 @@ static and the slot cache's, decodes bitwise the all-hot path's logits."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 
 from coldset.engine.glm4_moe import Glm4MoeConfig
-from coldset.workflow import pipeline, process_engine
-from coldset.workflow.config import decoding_support, load_config
+from coldset.workflow import process_engine
+from coldset.workflow.config import decoding_support
 from coldset.workflow.context import StageContext
+from family_workflow import assert_every_placement_bitwise, run_stages
 from hf_fixtures import build_tokenizer
 
 from test_glm4_moe import build_checkpoint
 
 transformers = pytest.importorskip("transformers")
-
-DEFAULT = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -30,21 +26,7 @@ def run(tmp_path_factory):
     tok = build_tokenizer()
     folder = build_checkpoint("bias_qknorm", root / "hf", vocab_size=tok.get_vocab_size(), max_positions=2048)
     tok.save(str(folder / "tokenizer.json"))
-    overlay = {
-        "results": str(root / "results"),
-        "model": {"name": "tiny-glm4", "path": str(folder), "dtype": "float32"},
-        "device": "cpu",
-        "fixtures": {"per_domain": 2, "max_new_tokens": 6},
-        "routing": {"batch_size": 4},
-        "placement": {"policies": ["positional", "usage_global", "lru"], "residency": [0.5, 1.0]},
-        "parity": {"max_new_tokens": 6},
-        "autotune": {"cache_dir": str(root / "autotune-cache")},
-    }
-    (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
-    config = load_config([DEFAULT, root / "tiny.yaml"])
-    process_engine.release_engine()
-    for stage in ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]:
-        pipeline.run_stage(stage, config)
+    config = run_stages(root, folder, "tiny-glm4", "float32")
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 
@@ -57,13 +39,4 @@ def test_the_workflow_reads_the_family_and_decodes_it(run):
 
 
 def test_every_placement_is_bitwise_the_all_hot_path(run):
-    res = run["results"] / "parity" / "tiny-glm4"
-    gate = json.loads((res / "gate.json").read_text())
-    names = [f"{p}-{r}" for p in ("positional", "usage_global", "lru") for r in ("0.5", "1.0")]
-    assert gate["passed"] and sorted(gate["placements"]) == sorted(names)
-    for name in names:
-        parity = json.loads((res / f"{name}.json").read_text())
-        assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
-        assert parity["max_abs_logit_diff"] == 0.0
-        if name.endswith("0.5"):
-            assert parity["num_cold"] > 0
+    assert_every_placement_bitwise(run["results"], "tiny-glm4")

@@ -11,28 +11,24 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from coldset.core import mxfp4
 from coldset.engine.gpt_oss import GptOssConfig
 from coldset.workflow import pipeline, process_engine
-from coldset.workflow.config import decoding_support, load_config
+from coldset.workflow.config import decoding_support
 from coldset.workflow.context import StageContext, StageError
+from family_workflow import STAGES, assert_every_placement_bitwise, run_stages
 from hf_fixtures import build_tokenizer
 
 from test_gpt_oss import random_model, write_mxfp4
 
 transformers = pytest.importorskip("transformers")
-
-DEFAULT = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -40,22 +36,8 @@ def run(tmp_path_factory):
     tok = build_tokenizer()
     folder = write_mxfp4(random_model("mxfp4", vocab_size=tok.get_vocab_size(), max_positions=2048), root / "hf")
     tok.save(str(folder / "tokenizer.json"))
-    overlay = {
-        "results": str(root / "results"),
-        "model": {"name": "tiny-gptoss", "path": str(folder), "dtype": "bfloat16"},
-        "device": "cpu",
-        "fixtures": {"per_domain": 2, "max_new_tokens": 6},
-        "routing": {"batch_size": 4},
-        "placement": {"policies": ["positional", "usage_global", "lru"], "residency": [0.5, 1.0]},
-        "parity": {"max_new_tokens": 6},
-        "cache": {"policies": ["static", "lru"]},
-        "autotune": {"cache_dir": str(root / "autotune-cache")},
-    }
-    (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
-    config = load_config([DEFAULT, root / "tiny.yaml"])
-    process_engine.release_engine()
-    for stage in ["model", "fixtures", "routing", "stats", "placement", "cache", "autotune", "parity", "parity_gate"]:
-        pipeline.run_stage(stage, config)
+    config = run_stages(root, folder, "tiny-gptoss", "bfloat16", [*STAGES[:5], "cache", *STAGES[5:]],
+                        cache={"policies": ["static", "lru"]})
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 
@@ -97,16 +79,7 @@ def test_the_experts_run_kept_4bit_and_the_files_say_mxfp4(run):
 
 
 def test_every_placement_is_bitwise_the_all_hot_path(run):
-    res = run["results"] / "parity" / "tiny-gptoss"
-    gate = json.loads((res / "gate.json").read_text())
-    names = [f"{p}-{r}" for p in ("positional", "usage_global", "lru") for r in ("0.5", "1.0")]
-    assert gate["passed"] and sorted(gate["placements"]) == sorted(names)
-    for name in names:
-        parity = json.loads((res / f"{name}.json").read_text())
-        assert parity["passed"] and parity["tokens_matched"] == parity["tokens_total"] > 0
-        assert parity["max_abs_logit_diff"] == 0.0
-        if name.endswith("0.5"):
-            assert parity["num_cold"] > 0
+    assert_every_placement_bitwise(run["results"], "tiny-gptoss")
 
 
 @pytest.mark.parametrize("change, words", [
