@@ -1,13 +1,19 @@
 """The oracle every engine family's test runs: our left-padded batched greedy decode against
 transformers' own ``generate`` of each unpadded prompt, in float32: the same tokens, logits within a
 stated tolerance at every step, and the same routed experts and weights at every token and MoE layer
-(read by forward hooks on transformers' router modules)."""
+(read by forward hooks on transformers' router modules); and the parity gate's checks every family
+passes on the CPU (a static placement and an LRU slot cache bitwise the all-hot path)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import generate
+from coldset.kernels.tiers import host_tier
+from coldset.verify import gate
 
 
 def hf_greedy(hf, prompt: list[int], routers: dict, new_tokens: int):
@@ -54,3 +60,38 @@ def assert_greedy_matches(model, hf, prompts, new_tokens: int, routers: dict, lo
             torch.testing.assert_close(got_w, ref_w, atol=1e-6, rtol=1e-5)
     assert worst < logit_atol, f"max |logit diff| {worst:.3g}"
     return gen
+
+
+def assert_random_half_placement_bitwise(model, prompts, new_tokens: int):
+    """Half the experts, drawn at random, in the cold tier: the parity gate finds the logits and
+    tokens bitwise the all-hot path's. Returns the placed pools."""
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(prompts))]
+    reference = gate.reference_decode(model, prompts, new_tokens, progress=False)
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.num_cold > 0 and pools.num_hot > 0
+    result = gate.compare("random-half", ids, reference,
+                          gate.placement_decode(model, pools, prompts, new_tokens, progress=False), pools, model)
+    assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
+    return pools
+
+
+def assert_lru_cache_bitwise(model, prompts, new_tokens: int) -> None:
+    """An LRU slot cache of two tokens' experts a layer, at batch 1, filling as it decodes: the parity
+    gate finds it bitwise the all-hot path's."""
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(prompts))]
+    counts = np.random.default_rng(1).integers(0, 20, size=(cfg.num_moe_layers, cfg.num_experts)).astype(np.float64)
+    capacity = 2 * cfg.top_k * cfg.num_moe_layers
+    row_map = row_map_from_mask(hot_mask_usage_global(counts, capacity))
+    flat = row_map.reshape(-1)
+    owner = np.empty(capacity, dtype=np.int64)
+    owner[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+    cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, counts.reshape(-1)[owner], "lru",
+                            max_tokens=1, top_k=cfg.top_k)
+    one_by_one = gate.reference_decode(model, prompts, new_tokens, batch_size=1, progress=False)
+    got = gate.placement_decode(model, cache.pools, prompts, new_tokens, batch_size=1, progress=False, cache=cache)
+    result = gate.compare("lru", ids, one_by_one, got, cache.pools, model)
+    assert result.passed and result.logits_bitwise_equal
+    assert cache.counters()["fills"] > 0

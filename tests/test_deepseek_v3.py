@@ -14,18 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
+from coldset.analysis.placement import row_map_from_mask
 from coldset.bench import decode as bench
 from coldset.core import fp8
-from coldset.engine.cache.pool import SlotCache
 from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, yarn_mscale
 from coldset.engine.generate import generate
 from coldset.engine.loading import load_model
 from coldset.engine.model import ModelLoadError
 from coldset.kernels import torch_experts
-from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
-from family_oracle import assert_greedy_matches
+from family_oracle import assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise
 from synthetic_engines import graphed_greedy_tokens
 from test_fp8 import TABLE
 
@@ -147,29 +145,8 @@ def test_placements_and_the_slot_cache_are_bitwise_all_hot(checkpoint):
     """Experts in both tiers (a static placement) and a dynamic one (an LRU slot cache at batch 1)
     give bitwise the all-hot logits and tokens through the parity gate."""
     model = load(checkpoint("q_lora_yarn"))
-    cfg = model.config
-    ids = [f"p{i}" for i in range(len(PROMPTS))]
-    reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-    pools = model.pools.placed(row_map_from_mask(mask))
-    assert pools.num_cold > 0 and pools.num_hot > 0
-    result = gate.compare("random-half", ids, reference,
-                          gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False), pools, model)
-    assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
-
-    counts = np.random.default_rng(1).integers(0, 20, size=(cfg.num_moe_layers, cfg.num_experts)).astype(np.float64)
-    capacity = 2 * cfg.top_k * cfg.num_moe_layers
-    row_map = row_map_from_mask(hot_mask_usage_global(counts, capacity))
-    flat = row_map.reshape(-1)
-    owner = np.empty(capacity, dtype=np.int64)
-    owner[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
-    cache = SlotCache.build(model.pools, host_tier(model.pools), row_map, counts.reshape(-1)[owner], "lru",
-                            max_tokens=1, top_k=cfg.top_k)
-    one_by_one = gate.reference_decode(model, PROMPTS, NEW_TOKENS, batch_size=1, progress=False)
-    got = gate.placement_decode(model, cache.pools, PROMPTS, NEW_TOKENS, batch_size=1, progress=False, cache=cache)
-    result = gate.compare("lru", ids, one_by_one, got, cache.pools, model)
-    assert result.passed and result.logits_bitwise_equal
-    assert cache.counters()["fills"] > 0
+    assert_random_half_placement_bitwise(model, PROMPTS, NEW_TOKENS)
+    assert_lru_cache_bitwise(model, PROMPTS, NEW_TOKENS)
 
 
 def test_mtp_layers_are_skipped_with_a_log_line(checkpoint, caplog):

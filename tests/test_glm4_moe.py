@@ -22,7 +22,7 @@ from coldset.engine.loading import load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.verify import gate
 
-from family_oracle import assert_greedy_matches
+from family_oracle import assert_greedy_matches, assert_random_half_placement_bitwise
 from synthetic_engines import graphed_greedy_tokens
 from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _routers
 
@@ -128,16 +128,7 @@ def test_the_attention_biases_and_the_correction_bias_matter(checkpoint):
 
 
 def test_a_placement_is_bitwise_all_hot(checkpoint):
-    model = load(checkpoint("plain_mqa"))
-    cfg = model.config
-    ids = [f"p{i}" for i in range(len(PROMPTS))]
-    reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-    pools = model.pools.placed(row_map_from_mask(mask))
-    assert pools.num_cold > 0 and pools.num_hot > 0
-    result = gate.compare("random-half", ids, reference,
-                          gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False), pools, model)
-    assert result.passed and result.logits_bitwise_equal and result.max_abs_logit_diff == 0.0
+    assert_random_half_placement_bitwise(load(checkpoint("plain_mqa")), PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
