@@ -14,7 +14,7 @@
 # BUDGET_S (default 530 s); one with under 45 s left is skipped (listed in skipped.txt). Each writes its
 # JSON as it goes (<family>/decode_step.json, cache_bench.json, under W=/tmp/families), so a command cut
 # short leaves the rows it finished. After every command $OUT gets families.tar.gz (every JSON and log)
-# and summary.md (coldset.measure.harness.family_summary), which is printed last: two files, as the
+# and summary.md (coldset.measure.render.family_summary), which is printed last: two files, as the
 # device's $OUT takes few.
 set -u
 OUT=${OUT:-results/measure/families}
@@ -38,7 +38,7 @@ collect() {  # the results so far into $OUT: families.tar.gz and summary.md
   python3 - "$W" >"$OUT/summary.md" <<'PY'
 import json, sys
 from pathlib import Path
-from coldset.measure.harness import family_summary
+from coldset.measure.render import family_summary
 results = []
 for p in sorted(Path(sys.argv[1]).glob("*/*.json")):
     try:

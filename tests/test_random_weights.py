@@ -32,7 +32,8 @@ from coldset.engine.random_weights import (SHAPE_FORMAT, build_random_model, fam
                                            mxfp4_scale_exponent, subset_note, tiny_config)
 from coldset.measure import cache, harness, step
 from coldset.measure.cli import build_parser
-from coldset.measure.harness import RANDOM_FAMILIES, family_summary
+from coldset.measure.harness import RANDOM_FAMILIES
+from coldset.measure.render import family_summary
 from coldset.measure.render import render
 from coldset.verify.gate import experts_functions
 

@@ -381,6 +381,52 @@ def _numbers(value, kind=int) -> set:
     return {kind(x) for x in items if str(x).strip()}
 
 
+def family_summary(results: list[dict]) -> str:
+    """A short markdown summary of ``bench step`` and ``bench cache`` results of ``--model-family``
+    runs (the JSON of each, any order): per family the step at batch 1 and 8 of each engine against
+    its floor, with the step without routed experts as a share of the step; per cache row tok/s
+    x all-HBM of the same run and batch, hit rate, link GB a token, fraction of bound and overlap.
+    Why: one GPU call's tables, printed last by scripts/h200_family_tables.sh."""
+    def name(res: dict) -> str:
+        fam = res.get("model_family")
+        if not isinstance(fam, dict):
+            return "synthetic"
+        return f"{fam['name']} ({fam['expert_format']}, {fam['moe_layers']}/{fam['published_moe_layers']} MoE layers)"
+
+    step_rows, cache_rows = [], []
+    for res in results:
+        if res.get("kind") == "step":
+            shares = res.get("step_shares", {})
+            for r in res.get("rows", []):
+                if r.get("experts") != "full":
+                    continue
+                sh = shares.get(r["mode"], {}) if r["batch"] == 1 else {}
+                step_rows.append(f"| {name(res)} | {r['mode']} | {r['batch']} | {r['step_ms']:.3f} | "
+                                 f"{_f(r.get('floor_ms'), '.3f')} | {_f(r.get('fraction_of_floor'), '.1%')} | "
+                                 f"{_f(sh.get('without_routed_experts'), '.1%')} | "
+                                 f"{_f(sh.get('nonexpert_bytes_of_floor'), '.1%')} |")
+            for mode, err in res.get("errors", {}).items():
+                step_rows.append(f"| {name(res)} | {mode} | - | failed: {err[:80]} | | | | |")
+        elif res.get("kind") == "cache":
+            full = {r["batch"]: r for r in res.get("rows", []) if r["placement"] == "all-HBM"}
+            for r in res.get("rows", []):
+                ref = full.get(r["batch"])
+                cache_rows.append(f"| {name(res)} | {r['batch']} | {r['placement']} | {r['tok_s']:.1f} | "
+                                  f"{_f(r['tok_s'] / ref['tok_s'] if ref else None, '.3f')} | {_f(r.get('hit_rate'), '.3f')} | "
+                                  f"{_f(r.get('link_gb_per_token'), '.4f')} | {_f(r.get('fraction_of_bound'), '.2f')} | "
+                                  f"{_f(r.get('overlap'), '.2f')} |")
+            if res.get("fails"):
+                cache_rows.append(f"| {name(res)} | - | checks FAILED: {'; '.join(res['fails'])[:120]} | | | | | | |")
+    out = []
+    if step_rows:
+        out += ["| model | engine | batch | step ms | floor ms | of floor | step without routed experts | "
+                "non-expert bytes of floor |", "|---|---|---|---|---|---|---|---|", *step_rows, ""]
+    if cache_rows:
+        out += ["| model | batch | placement | tok/s | x all-HBM | hit rate | link GB/token | of bound | overlap |",
+                "|---|---|---|---|---|---|---|---|---|", *cache_rows]
+    return "\n".join(out) if out else "no bench step or bench cache results"
+
+
 #: The experts' formats a cache result names (``weight_format``), in words.
 EXPERT_FORMAT_LABELS = {"fp8": "block-FP8 (e4m3, 128 x 128 scales)", "mxfp4": "MXFP4 (e2m1 values, an e8m0 scale per 32)"}
 
