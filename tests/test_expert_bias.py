@@ -229,6 +229,8 @@ def test_autotune_key_and_tuning_pools_carry_the_variant(tmp_path):
                 dataclasses.replace(base, activation=swiglu_clamped(7.0)),
                 dataclasses.replace(base, expert_bias=True, activation=swiglu_clamped(5.0))]
     assert len({autotune_key(s, [2], "cpu") for s in variants}) == len(variants)
+    silu = dataclasses.replace(base, activation=Activation())  # SiLU is the default code: the same key
+    assert silu.activation is None and autotune_key(silu, [2], "cpu") == autotune_key(base, [2], "cpu")
     result = autotune(variants[3], [2], "cpu", cache_dir=tmp_path, reps=1)  # the torch path on biased pools
     entry = __import__("json").loads(result.path.read_text())
     assert result_from_entry(entry).shape == variants[3]

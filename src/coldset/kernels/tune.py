@@ -111,6 +111,8 @@ class TuneShape:
                              f"got {self.dtype!r}")
         if isinstance(self.activation, dict):  # as a cache entry's JSON stores it (asdict)
             object.__setattr__(self, "activation", Activation(**self.activation))
+        if self.activation == SILU:  # the kernels' default code: left out of the key, as None is
+            object.__setattr__(self, "activation", None)
         if self.activation is not None and not isinstance(self.activation, Activation):
             raise ValueError(f"TuneShape.activation must be an Activation or None, got {self.activation!r}")
         if self.num_hot + self.num_cold < self.num_moe_layers * self.num_experts:

@@ -306,7 +306,7 @@ def tune_shape(config: dict, cfg, pools):
                      top_k=cfg.top_k, dtype=config["model"]["dtype"], num_moe_layers=L,
                      num_hot=L * cfg.num_experts, num_cold=0, expert_bias=pools.has_bias,
                      weight_format=FORMAT_NAME if pools.is_fp8 else mxfp4.FORMAT_NAME if pools.is_mxfp4 else None,
-                     activation=None if pools.activation.kind == "silu" else pools.activation)
+                     activation=pools.activation)
 
 
 def bf16_experts(args, dev, shape, R: dict):
