@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from coldset.core import mxfp4
 from coldset.engine.gpt_oss import GptOssConfig
 from coldset.workflow import pipeline, process_engine
-from coldset.workflow.config import decoding_support
+from coldset.workflow.config import decoding_support, input_file_problems
 from coldset.workflow.context import StageContext, StageError
 from family_workflow import STAGES, assert_every_placement_bitwise, run_stages
 from hf_fixtures import build_tokenizer
@@ -106,8 +106,11 @@ def _with_model(run, tmp_path, **model) -> dict:
     return {**run["config"], "results": str(tmp_path / "results"), "model": {**run["config"]["model"], **model}}
 
 
-def test_float32_with_4bit_experts_is_refused_at_the_model_stage(run, tmp_path):
+def test_float32_with_4bit_experts_is_refused_before_any_job_and_at_the_model_stage(run, tmp_path):
     config = _with_model(run, tmp_path, dtype="float32")
+    problems = input_file_problems(config)  # the config check Snakemake runs before scheduling
+    assert any(str(run["folder"]) in p and "model.dtype float32" in p and "MXFP4" in p for p in problems), problems
+    assert not input_file_problems(_with_model(run, tmp_path, dtype="float32", experts_format="dequantized"))
     with pytest.raises(StageError, match=r"model\.dtype float32.*MXFP4.*experts_format: dequantized"):
         pipeline.run_stage("model", config)
     assert not (tmp_path / "results" / "model").exists() or not any((tmp_path / "results" / "model").rglob("*.json"))

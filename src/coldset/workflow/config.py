@@ -18,6 +18,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from coldset.core import mxfp4
 from coldset.core.placement import PlacementError, lookahead_depths, residency_label
 from coldset.core.shapes import ShapeError, read_shape
 from coldset.core.trace import TraceError, read_trace_meta
@@ -170,6 +171,25 @@ def decoding_support(config: dict) -> str | None:
 DECODING_STAGES = ("autotune", "parity", "parity_gate", "bench")
 
 
+def experts_format_choice(stored: str, experts_format: str, dtype: str, decodes: bool) -> tuple[str, str | None]:
+    """``(format, problem)``: the format the routed experts run and move in, from the format the
+    checkpoint stores them in (:attr:`coldset.core.shapes.MoEShape.expert_format`), the config's
+    ``model.experts_format`` and ``model.dtype``; ``problem`` (else None) says which keys refuse it:
+    ``dequantized`` for experts that are not MXFP4, and MXFP4 kept 4-bit for a decoded model whose
+    ``model.dtype`` is not bfloat16 (the MXFP4 kernels' activations). One rule for the config check
+    (before Snakemake schedules a job) and the stages (:func:`coldset.workflow.process_engine.experts_format`)."""
+    if experts_format == "dequantized":
+        if stored != mxfp4.FORMAT_NAME:
+            return dtype, (f"model.experts_format: dequantized dequantizes MXFP4 experts, but the model stores its "
+                           f"routed experts as {stored}; set it to checkpoint")
+        return dtype, None
+    if stored == mxfp4.FORMAT_NAME and decodes and dtype != "bfloat16":
+        return stored, (f"model.dtype {dtype}: the model stores its routed experts in MXFP4, which run kept 4-bit "
+                        "(model.experts_format: checkpoint) with bfloat16 activations; set model.dtype: bfloat16, "
+                        f"or model.experts_format: dequantized to run them dequantized to {dtype}")
+    return stored, None
+
+
 def skipped_stages(config: dict) -> dict[str, str]:
     """The stages the workflow leaves out for this config, each with the reason (the report shows
     them): the decoding stages of a shape-only model."""
@@ -221,6 +241,12 @@ def input_file_problems(config: dict) -> list[str]:
             shape = read_shape(config["model"]["path"])
         except ShapeError as exc:
             problems.append(f"model.path: {exc}")
+        else:
+            m = config["model"]
+            problem = experts_format_choice(shape.expert_format, m["experts_format"], m["dtype"],
+                                            decoding_support(config) is None)[1]
+            if problem:
+                problems.append(f"{m['path']}: {problem}")
     trace, kind = config["routing"]["trace"], config["routing"]["trace_format"]
     if trace:
         try:

@@ -27,6 +27,7 @@ from coldset.engine.synthetic import ROUTER_KNOBS, build_synthetic_model, set_ro
 from coldset.kernels.tiers import host_tier as make_host_tier
 from coldset.kernels.tune import result_from_entry
 from coldset.trace.fixtures import read_fixtures, read_user_prompts, template_texts
+from coldset.workflow.config import experts_format_choice
 from coldset.workflow.context import StageContext, StageError
 
 log = logging.getLogger("coldset")
@@ -77,18 +78,11 @@ def experts_format(ctx: StageContext) -> str:
     ``model.dtype``. What the model manifest records and the placement and cache stages count bytes
     in. Refused by key: ``dequantized`` for experts that are not MXFP4, and MXFP4 kept 4-bit for a
     decoded model whose ``model.dtype`` is not bfloat16 (the MXFP4 kernels' activations)."""
-    stored = ctx.model_shape.expert_format
-    if ctx.model["experts_format"] == "dequantized":
-        if stored != mxfp4.FORMAT_NAME:
-            raise StageError(f"config model.experts_format: dequantized dequantizes MXFP4 experts, but model "
-                             f"{ctx.model_name!r} stores its routed experts as {stored}; set it to checkpoint")
-        return ctx.dtype
-    if stored == mxfp4.FORMAT_NAME and ctx.decoding is None and ctx.dtype != "bfloat16":
-        raise StageError(f"config model.dtype {ctx.dtype}: model {ctx.model_name!r} stores its routed experts in "
-                         "MXFP4, which run kept 4-bit (model.experts_format: checkpoint) with bfloat16 activations; "
-                         "set model.dtype: bfloat16, or model.experts_format: dequantized to run them dequantized "
-                         f"to {ctx.dtype}")
-    return stored
+    fmt, problem = experts_format_choice(ctx.model_shape.expert_format, ctx.model["experts_format"], ctx.dtype,
+                                         ctx.decoding is None)
+    if problem:
+        raise StageError(f"config {problem} (model {ctx.model_name!r})")
+    return fmt
 
 
 def load_engine(ctx: StageContext):
