@@ -9,11 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from coldset.bench import decode as bench
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import generate
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
+from synthetic_engines import graphed_greedy_tokens
 
 
 def hf_greedy(hf, prompt: list[int], routers: dict, new_tokens: int):
@@ -95,3 +97,34 @@ def assert_lru_cache_bitwise(model, prompts, new_tokens: int) -> None:
     result = gate.compare("lru", ids, one_by_one, got, cache.pools, model)
     assert result.passed and result.logits_bitwise_equal
     assert cache.counters()["fills"] > 0
+
+
+def assert_cuda_placements_bitwise_eager_and_compiled(model, prompts, new_tokens: int, label: str = "") -> None:
+    """On CUDA through the Triton experts kernel: half the experts, drawn at random, read from pinned
+    host memory give bitwise the all-hot logits, eagerly and with the decode region that
+    ``compile_decode`` installs; the compiled first step stays near the eager one."""
+    cfg = model.config
+    ids = [f"p{i}" for i in range(len(prompts))]
+    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
+    pools = model.pools.placed(row_map_from_mask(mask))
+    assert pools.w13_cold.is_pinned() and pools.num_cold > 0
+    eager = gate.reference_decode(model, prompts, new_tokens, progress=False)
+    for name in ("eager", "compiled"):
+        if name == "compiled":
+            model.compile_decode()
+        reference = gate.reference_decode(model, prompts, new_tokens, progress=False)
+        placed = gate.placement_decode(model, pools, prompts, new_tokens, progress=False)
+        result = gate.compare(name, ids, reference, placed, pools, model)
+        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, (label, name)
+    for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
+        assert (a[1] - b[1]).abs().max().item() < 0.5, label
+
+
+def assert_graphed_step_decodes_generate(model, prompts, new_tokens: int) -> None:
+    """The bench's decode loop (:class:`coldset.bench.decode.Decoder`: the compiled step captured in
+    one CUDA graph, replayed) through the Triton experts kernel gives ``generate()``'s greedy tokens."""
+    model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
+    model.compile_decode()
+    batch = bench.bench_prompts([t for p in prompts for t in p], 2, 8)
+    want = generate(model, batch.tolist(), new_tokens, progress=False).tokens
+    assert graphed_greedy_tokens(model, batch, new_tokens) == want

@@ -9,22 +9,18 @@ import functools
 import json
 import logging
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coldset.analysis.placement import row_map_from_mask
-from coldset.bench import decode as bench
 from coldset.core import fp8
 from coldset.engine.deepseek_v3 import DeepseekMoE, DeepseekV3Config, DeepseekV3Model, yarn_mscale
 from coldset.engine.generate import generate
 from coldset.engine.loading import load_model
 from coldset.engine.model import ModelLoadError
 from coldset.kernels import torch_experts
-from coldset.verify import gate
-from family_oracle import assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise
-from synthetic_engines import graphed_greedy_tokens
+from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_graphed_step_decodes_generate,
+                           assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise)
 from test_fp8 import TABLE
 
 transformers = pytest.importorskip("transformers")
@@ -398,22 +394,8 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint, requ
     compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
     folder = checkpoint("q_lora_yarn") if weights == "bf16" else request.getfixturevalue("fp8_checkpoint")[1]
     model = load(folder, torch.bfloat16, "cuda")
-    cfg = model.config
     assert model.pools.is_fp8 == (weights == "block_fp8")
-    ids = [f"p{i}" for i in range(len(PROMPTS))]
-    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-    pools = model.pools.placed(row_map_from_mask(mask))
-    assert pools.w13_cold.is_pinned() and pools.num_cold > 0
-    eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-    for name in ("eager", "compiled"):
-        if name == "compiled":
-            model.compile_decode()
-        reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-        placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
-        result = gate.compare(name, ids, reference, placed, pools, model)
-        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
-    for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
-        assert (a[1] - b[1]).abs().max().item() < 0.5
+    assert_cuda_placements_bitwise_eager_and_compiled(model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.gpu
@@ -423,8 +405,4 @@ def test_cuda_graph_of_the_compiled_step_decodes_what_generate_decodes(checkpoin
     graph, replayed) on the latent cache gives generate()'s greedy tokens."""
     folder = checkpoint("q_lora_yarn") if weights == "bf16" else request.getfixturevalue("fp8_checkpoint")[1]
     model = load(folder, torch.bfloat16, "cuda")
-    model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
-    model.compile_decode()
-    prompts = bench.bench_prompts([t for p in PROMPTS for t in p], 2, 8)
-    want = generate(model, prompts.tolist(), NEW_TOKENS, progress=False).tokens
-    assert graphed_greedy_tokens(model, prompts, NEW_TOKENS) == want
+    assert_graphed_step_decodes_generate(model, PROMPTS, NEW_TOKENS)

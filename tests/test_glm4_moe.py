@@ -8,22 +8,18 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 import pytest
 import torch
 
-from coldset.analysis.placement import row_map_from_mask
-from coldset.bench import decode as bench
 from coldset.core.shapes import parameter_counts, read_shape
 from coldset.engine.deepseek_v3 import DeepseekMoE
 from coldset.engine.generate import generate
 from coldset.engine.glm4_moe import Glm4MoeConfig, Glm4MoeModel
 from coldset.engine.loading import load_model, read_config
 from coldset.engine.model import ModelLoadError
-from coldset.verify import gate
 
-from family_oracle import assert_greedy_matches, assert_random_half_placement_bitwise
-from synthetic_engines import graphed_greedy_tokens
+from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_graphed_step_decodes_generate,
+                           assert_greedy_matches, assert_random_half_placement_bitwise)
 from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _routers
 
 transformers = pytest.importorskip("transformers")
@@ -200,21 +196,7 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
     from pinned host memory gives bitwise the all-hot logits, eagerly and with the decode region
     that compile_decode installs (torch.compile; the fused GQA kernels are refused)."""
     model = load_model(checkpoint("bias_qknorm"), device="cuda", dtype=torch.bfloat16)
-    cfg = model.config
-    ids = [f"p{i}" for i in range(len(PROMPTS))]
-    mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-    pools = model.pools.placed(row_map_from_mask(mask))
-    assert pools.w13_cold.is_pinned() and pools.num_cold > 0
-    eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-    for name in ("eager", "compiled"):
-        if name == "compiled":
-            model.compile_decode()
-        reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-        placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
-        result = gate.compare(name, ids, reference, placed, pools, model)
-        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, name
-    for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
-        assert (a[1] - b[1]).abs().max().item() < 0.5
+    assert_cuda_placements_bitwise_eager_and_compiled(model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.gpu
@@ -222,8 +204,4 @@ def test_cuda_graph_of_the_compiled_step_decodes_what_generate_decodes(checkpoin
     """The bench's decode loop (coldset.bench.decode.Decoder: the compiled step captured in one CUDA
     graph, replayed) gives generate()'s greedy tokens."""
     model = load_model(checkpoint("bias_qknorm"), device="cuda", dtype=torch.bfloat16)
-    model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
-    model.compile_decode()
-    prompts = bench.bench_prompts([t for p in PROMPTS for t in p], 2, 8)
-    want = generate(model, prompts.tolist(), NEW_TOKENS, progress=False).tokens
-    assert graphed_greedy_tokens(model, prompts, NEW_TOKENS) == want
+    assert_graphed_step_decodes_generate(model, PROMPTS, NEW_TOKENS)

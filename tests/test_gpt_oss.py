@@ -24,7 +24,8 @@ from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssConfig, GptOssModel
 from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.verify import gate
-from family_oracle import assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise
+from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_greedy_matches,
+                           assert_lru_cache_bitwise, assert_random_half_placement_bitwise)
 from hf_fixtures import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -402,21 +403,7 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
     for variant in ("gqa_yarn", "mxfp4", "mxfp4-kept"):
         model = (load_mxfp4_kept(checkpoint("mxfp4"), "cuda") if variant == "mxfp4-kept"
                  else load(checkpoint(variant), torch.bfloat16, "cuda"))
-        cfg = model.config
-        ids = [f"p{i}" for i in range(len(PROMPTS))]
-        mask = np.random.default_rng(0).random((cfg.num_moe_layers, cfg.num_experts)) < 0.5
-        pools = model.pools.placed(row_map_from_mask(mask))
-        assert pools.w13_cold.is_pinned() and pools.num_cold > 0
-        eager = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-        for name in ("eager", "compiled"):
-            if name == "compiled":
-                model.compile_decode()
-            reference = gate.reference_decode(model, PROMPTS, NEW_TOKENS, progress=False)
-            placed = gate.placement_decode(model, pools, PROMPTS, NEW_TOKENS, progress=False)
-            result = gate.compare(name, ids, reference, placed, pools, model)
-            assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, (variant, name)
-        for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
-            assert (a[1] - b[1]).abs().max().item() < 0.5
+        assert_cuda_placements_bitwise_eager_and_compiled(model, PROMPTS, NEW_TOKENS, variant)
 
 
 @pytest.mark.gpu
