@@ -1,6 +1,7 @@
 """The slot cache over the compressed host tier (CPU): the same decisions, the same slot bytes after
 every group and the same experts' output rows, bitwise, as over the raw host tier, for bf16 and
-block-FP8 pools (weights decoded, FP8 scales stored raw); and a CUDA cache refuses it by name."""
+block-FP8 pools (weights decoded, FP8 scales stored raw); and a CUDA cache refuses a tier built for
+CPU experts by name (the CUDA cache over the compressed tier: tests/test_codec_fill.py)."""
 
 import numpy as np
 import pytest
@@ -88,10 +89,12 @@ def test_a_compressed_tier_of_other_experts_is_refused_at_build():
 
 
 @pytest.mark.gpu
-def test_a_cuda_cache_refuses_the_compressed_tier_by_name():
+def test_a_cuda_cache_refuses_a_compressed_tier_built_for_cpu_experts_by_name():
+    """The descriptor tables live on the experts' device: a tier built from CPU experts cannot serve
+    the device-listed fills of a CUDA cache."""
     cpu = bf16_pools()
     all_hot = ExpertPools.all_hot(cpu.w13_hot.reshape(L, E, *cpu.w13_hot.shape[1:]).cuda(),
                                   cpu.w2_hot.reshape(L, E, *cpu.w2_hot.shape[1:]).cuda())
-    with pytest.raises(CompressedTierError, match="CPU only"):
+    with pytest.raises(CompressedTierError, match="built for experts on cpu"):
         SlotCache.build(all_hot, host_tier(all_hot), warm_map(), np.ones(L * HOT), "lru", T, K,
-                        compressed=compressed_host_tier(all_hot))
+                        compressed=compressed_host_tier(cpu))

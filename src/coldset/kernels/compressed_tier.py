@@ -101,6 +101,13 @@ class CompressedHostTier:
     pinned: bool
     reserved_bytes: int
     raw_nbytes: int  # the same experts' bytes in the raw host tier
+    # The descriptor tables a fill listed on the device reads (:func:`descriptor_tables`), on the
+    # experts' device: int64 ``[rows, 2]`` and ``[rows, parts, 5]``.
+    record_table: torch.Tensor
+    part_table: torch.Tensor
+    # Per part: the lanes of its coded records (every coded record of a part has the same count: it
+    # depends on the element count and ``lane_symbols`` only), 0 where no record codes it.
+    part_lanes: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +182,37 @@ def _pack(tensors: Sequence[tuple[str, torch.Tensor]], lane_symbols: int) -> tup
     return out, tuple(parts)
 
 
+def descriptor_tables(starts: Sequence[int], parts: Sequence[Sequence[Part]], device
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """The records' descriptors as a device-listed fill reads them, built once with the tier:
+
+    - ``record_table`` int64 ``[rows, 2]``: row ``r``'s record as (first 8-byte word in ``data``,
+      words), every record being a multiple of 16 bytes at a 16-byte offset;
+    - ``part_table`` int64 ``[rows, parts, 5]``: per part (``coded``, then the byte offsets in the
+      record of the codec's ``words``, ``lane_words``, ``table`` and ``raw`` plane (-1: none)) where
+      coded, ``(0, offset of its bytes, 0, 0, 0)`` where stored raw;
+    - ``part_lanes``: per part the lanes of its coded records (0: none coded), refused if two coded
+      records of one part disagree (a decode launch takes the count as an argument)."""
+    rows = len(starts) - 1
+    num_parts = len(parts[0])
+    records = torch.tensor([[a // 8, (b - a) // 8] for a, b in zip(starts[:-1], starts[1:])], dtype=torch.int64)
+    table = torch.zeros((rows, num_parts, 5), dtype=torch.int64)
+    lanes = [0] * num_parts
+    for r, layout in enumerate(parts):
+        if len(layout) != num_parts:
+            raise CompressedTierError(f"compressed host tier: row {r} has {len(layout)} parts, row 0 {num_parts}")
+        for p, part in enumerate(layout):
+            if part.coded:
+                table[r, p] = torch.tensor((1, *part.arrays), dtype=torch.int64)
+                if lanes[p] not in (0, part.num_lanes):
+                    raise CompressedTierError(f"compressed host tier: part {part.name} is coded in {lanes[p]} lanes "
+                                              f"at one row and {part.num_lanes} at row {r}")
+                lanes[p] = part.num_lanes
+            else:
+                table[r, p, 1] = part.arrays[0]
+    return records.to(device), table.to(device), tuple(lanes)
+
+
 def compressed_host_tier(pools: ExpertPools, host_available_bytes: int | None = None,
                          lane_symbols: int = codec.LANE_SYMBOLS) -> CompressedHostTier:
     """Every expert of the all-hot ``pools`` as codec records in one host allocation (module doc).
@@ -200,9 +238,11 @@ def compressed_host_tier(pools: ExpertPools, host_available_bytes: int | None = 
     for row, buf in enumerate(records):
         data[starts[row]:starts[row + 1]].copy_(buf)
     raw = sum(getattr(pools, f"{n}_hot").numel() * getattr(pools, f"{n}_hot").element_size() for n in names)
+    record_table, part_table, part_lanes = descriptor_tables(starts, layouts, pools.w13_hot.device)
     return CompressedHostTier(data=data, starts=tuple(starts), parts=tuple(layouts),
                               num_moe_layers=pools.num_moe_layers, num_experts=pools.num_experts, pinned=pin,
-                              reserved_bytes=reserved, raw_nbytes=raw)
+                              reserved_bytes=reserved, raw_nbytes=raw, record_table=record_table,
+                              part_table=part_table, part_lanes=part_lanes)
 
 
 def staging_buffer(tier: CompressedHostTier, device) -> torch.Tensor:

@@ -24,11 +24,12 @@ implements the same rules on traces), through the cache's policy object
   every expert, so an eviction is a write of one int32, never a copy back), the admitted one's
   entry becomes its slot;
 - the fill: the admitted instance's weights (block-FP8 experts: and their scales, in the same
-  copy) are copied from the host tier into its slot (or, on the CPU with a compressed host tier,
+  copy) are copied from the host tier into its slot (or, with a compressed host tier,
   :mod:`coldset.kernels.compressed_tier`, decoded from it: bitwise the same slot). On CUDA
   a small Triton kernel (:mod:`coldset.kernels.triton_slots`) reads the pinned host tier in place
   and copies only the rows of actual misses (its grid is fixed; blocks past the step's miss count
-  return at once); on the CPU a plain indexed copy.
+  return at once; from a compressed tier, a record copy and a decode launch listed the same way,
+  :mod:`coldset.kernels.triton_codec_fill`); on the CPU a plain indexed copy.
 
 On CUDA, in the fused decode step, a group costs one launch beside the router's
 (:meth:`SlotCache.route`, :mod:`coldset.kernels.triton_slots`): the router's launch records the group
@@ -67,6 +68,19 @@ from coldset.kernels.compressed_tier import CompressedHostTier, CompressedTierEr
 from coldset.kernels.tiers import ExpertPools, HostTier
 
 _NEVER = -(2**62)  # last_use of an instance never seen (not resident, so never compared)
+
+
+def _attach_listed_fill(pools: ExpertPools, compressed: CompressedHostTier, rules: CachePolicy,
+                        demand_rows: int) -> None:
+    """On CUDA: the cache's pools fill from ``compressed`` with the device's lists
+    (:class:`coldset.kernels.triton_codec_fill.ListedFill`, which
+    :func:`coldset.kernels.triton_slots.fill` dispatches to), staging the longest list a fill gets:
+    the demand list (``demand_rows``) or the policy's prefetch span."""
+    from coldset.kernels.triton_codec_fill import ListedFill  # GPU-only path (Triton)
+
+    prefetch = getattr(rules, "pf_victims", None)  # the prefetching policies' lists
+    rows = max(demand_rows, 0 if prefetch is None else int(prefetch.shape[1]))
+    pools.compressed_fill = ListedFill(compressed, rows)
 
 
 class CacheCapacityError(ValueError):
@@ -150,19 +164,18 @@ class SlotCache:
         ``compressed``: the same experts' compressed host tier
         (:func:`coldset.kernels.compressed_tier.compressed_host_tier`): fills decode from it instead
         of copying ``host``'s rows (bitwise the same slots); ``host`` stays the cold pool that misses
-        not admitted and prefill groups read in place. CPU only for now (refused on CUDA, where
-        the fill's lists live on the device).
+        not admitted and prefill groups read in place. On CUDA the fills take the device's lists
+        (:mod:`coldset.kernels.triton_codec_fill`, through :func:`coldset.kernels.triton_slots.fill`).
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
         pools = all_hot.placed(warm_row_map, host)  # validates the map; slots = compact hot pool
         if compressed is not None:
             compressed.check_fills(pools)
-            if pools.w13_hot.is_cuda:
+            if compressed.record_table.device != pools.w13_hot.device:
                 raise CompressedTierError(
-                    "SlotCache.build(compressed=...): compressed slot fills run on the CPU only; on CUDA the fill's "
-                    "victims and admitted rows are decided on the device and the compressed tier's fill takes host "
-                    "indices (build the cache without `compressed` there)")
+                    f"SlotCache.build(compressed=...): the compressed tier was built for experts on "
+                    f"{compressed.record_table.device}, the slots are on {pools.w13_hot.device}")
         L, E = pools.num_moe_layers, pools.num_experts
         capacity = pools.num_hot
         dev = pools.row_map.device
@@ -177,6 +190,8 @@ class SlotCache:
                 f"cache of {capacity} slots ({capacity / (L * E):.3f} of {L * E} experts) is smaller than one "
                 f"step's {need} selections (top_k {top_k} x {max_tokens} tokens): raise the residency or "
                 f"lower the batch size")
+        if compressed is not None and dev.type == "cuda":
+            _attach_listed_fill(pools, compressed, rules, min(need, E))
         warm_counts = np.asarray(warm_counts, dtype=np.float64)
         if warm_counts.shape != (capacity,):
             raise ValueError(f"warm_counts: one count per slot expected ({capacity}), got shape {warm_counts.shape}")
@@ -229,6 +244,9 @@ class SlotCache:
             self.fill_ticket.zero_()
         self.rules.reset(self)
         self.reset_counters()
+        if self.compressed is not None:  # every slot: host-listed (a device-listed fill stages one list)
+            fill_slots(self.compressed, pools, owner.tolist(), range(self.capacity))
+            return
         slots = torch.arange(self.capacity, device=owner.device)
         self.fill(slots, owner, torch.ones_like(slots, dtype=torch.bool),
                   torch.full((1,), self.capacity, dtype=torch.int64, device=owner.device))
@@ -328,8 +346,11 @@ class SlotCache:
         """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
         (:meth:`route`): the kernel path, a decode group, a policy whose decisions run there
         (every built-in one: ``lru``/``lfu``/``nexttoken`` record the group there, ``lookahead``
-        makes its whole decision there)."""
-        return self.use_kernel and self.rules.routes and num_tokens <= self.max_tokens
+        makes its whole decision there) and a fill that is a plain copy: with a compressed tier the
+        groups are decided off the router (the same decisions), because the fused launch that
+        chooses the victims also copies the raw rows."""
+        return (self.use_kernel and self.rules.routes and num_tokens <= self.max_tokens
+                and self.compressed is None)
 
     def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
         """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
@@ -422,7 +443,8 @@ class SlotCache:
     def fill(self, victims, new_inst, valid, m, tags=None) -> None:
         """The admitted rows' copy (``valid`` lanes, ``m`` of them, first); with ``tags`` (``(tag
         list, done, ticket)``: nexttoken's prefetch) each copied slot's tag is written back into
-        ``done`` once its rows have landed. With a compressed tier (CPU) the rows are decoded from it."""
+        ``done`` once its rows have landed. With a compressed tier the rows are decoded from it (on
+        CUDA through :func:`coldset.kernels.triton_slots.fill`'s dispatch to the cache's listed fill)."""
         pools = self.pools
         if pools.w13_hot.is_cuda:
             from coldset.kernels.triton_slots import fill  # GPU-only path (Triton)

@@ -1,0 +1,289 @@
+"""Compressed slot fills listed on the device: the slot cache's fills from the compressed host tier, in the step.
+
+On CUDA the slot cache decides its victims and admitted instances on the device
+(:mod:`coldset.kernels.triton_slots`): the fill gets device tensors (slots, instances, a device
+count ``m``) and must not read them on the host. This fill takes the same tensors as
+:func:`coldset.kernels.triton_slots.fill` and writes bitwise what that raw fill writes, reading the
+compressed host tier (:mod:`coldset.kernels.compressed_tier`) instead of the raw one, in two
+launches whose grids are fixed by the list's length (graph-capturable, no host synchronisation):
+
+1. **the record copy** (:func:`_copy_records_kernel`): every program copies its stripe of each listed
+   expert's record (``j < m``) from the pinned host allocation, read in place over UVA as the raw
+   fill reads its rows, into row ``j`` of an HBM staging buffer; the record's place comes from the
+   tier's ``record_table``;
+2. **the decode** (:func:`_decode_records_kernel`): a program per (stripe, part) decodes lane
+   blocks of the staged records into the slots' rows (one thread a lane, as
+   :mod:`coldset.kernels.triton_codec`), reading each record's layout from the tier's ``part_table``;
+   a part stored raw (too small to carry its decode table, FP8's float32 scales, or not smaller
+   coded) is copied element for element from the staged record. A scaled expert's scales are parts
+   of its record: they land with its weights in the same launch.
+
+Why staged and not decoded straight from pinned memory: a lane reads its own stream a word at a
+time at its own pace and every symbol looks up the 8 KiB decode table, scattered small reads that
+over the host link would cost a transaction each; the copy instead moves each record once in
+coalesced 8-byte words at the link's rate, and the decode then reads HBM and cache. Why two launches
+and not one: the decode of a record needs all of it landed, and a grid-wide wait inside one launch
+would depend on which programs the hardware schedules first.
+
+Tags (nexttoken's prefetch, ``tags=(tag list, done, ticket)``): as the raw fill, the last program of
+the decode launch to finish writes each filled slot's tag into ``done`` (an acq_rel ticket), so a
+commit that finds its tag knows the slot's rows, weights and scales, have landed.
+
+Staging: a buffer of ``list_rows`` records (the longest list the cache hands a fill) per CUDA
+stream the fills run on, made at its first fill on that stream and kept (the fills of one stream
+run in order, so they share it; a demand fill and a prefetch on another stream never do). Its bytes
+are ``list_rows x`` the largest record: HBM beside the slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from coldset.core.codec import MAX_CODE_BITS
+from coldset.kernels.compressed_tier import CompressedHostTier, CompressedTierError
+
+COPY_BLOCK = 1024  # 8-byte words per load in the record copy (8 KiB, the raw fill's 4096 bf16)
+LANES = 128  # lanes a decode work item decodes (one thread each)
+RAW_BLOCK = 1024  # elements per load of a part stored raw
+# What a part's elements are, for the decode: bf16 (a coded record has a raw plane: int16 stores),
+# a one-byte format (a coded record is the byte itself), or a dtype the codec does not take
+# (float32 scales: always stored raw).
+KIND_BF16, KIND_BYTE, KIND_UNCODED = 0, 1, 2
+_ELEMENT_VIEWS = {torch.bfloat16: (torch.int16, KIND_BF16), torch.float8_e4m3fn: (torch.uint8, KIND_BYTE),
+                  torch.uint8: (torch.uint8, KIND_BYTE), torch.int8: (torch.uint8, KIND_BYTE),
+                  torch.float32: (torch.int32, KIND_UNCODED)}
+MAX_PARTS = 4  # w13, w2 and, scaled, w13_scale, w2_scale
+
+
+@triton.jit
+def _copy_records_kernel(data_ptr, record_ptr, inst_ptr, count_ptr, stage_ptr, stage_words,
+                         NP: tl.constexpr, BLOCK: tl.constexpr, MV: tl.constexpr):
+    """Row ``j`` of the staging (int64 words) = host row ``inst[j]``'s record, ``j < count``; this
+    program's stripe: ``BLOCK`` words every ``NP * BLOCK``."""
+    pid = tl.program_id(0)
+    m = tl.load(count_ptr)
+    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
+        if j < m:
+            inst = tl.load(inst_ptr + j).to(tl.int64)
+            first = tl.load(record_ptr + inst * 2)
+            words = tl.load(record_ptr + inst * 2 + 1)
+            src = data_ptr + first
+            dst = stage_ptr + j * stage_words
+            for start in range(0, stage_words, NP * BLOCK):
+                offs = start + pid * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < words
+                tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _decode_lanes(desc, base, b, dst, numel, num_lanes, depth, stage_u8, stage_i16, stage_i32,
+                  KIND: tl.constexpr, LANES: tl.constexpr, MAX_BITS: tl.constexpr):
+    """Lanes ``[b * LANES, (b + 1) * LANES)`` of the coded part whose descriptor is at ``desc``, in
+    the record staged at byte ``base``, into ``dst`` (one row): :mod:`coldset.kernels.triton_codec`'s
+    decode with the record's arrays at their staged offsets."""
+    lanes = b * LANES + tl.arange(0, LANES)
+    live = lanes < num_lanes
+    words = stage_i32 + (base + tl.load(desc + 1)) // 4
+    pos = tl.load(stage_i32 + (base + tl.load(desc + 2)) // 4 + lanes, mask=live, other=0).to(tl.int64) * 32
+    table = stage_i16 + (base + tl.load(desc + 3)) // 2
+    raw = stage_u8 + base + tl.load(desc + 4)
+    for i in range(depth):
+        word = pos >> 5
+        hi = tl.load(words + word, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
+        lo = tl.load(words + word + 1, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
+        window = (hi << 32) | lo  # the 12 bits read below never need the sign bit
+        peek = (window >> (64 - MAX_BITS - (pos & 31))) & ((1 << MAX_BITS) - 1)
+        entry = tl.load(table + peek, mask=live, other=0).to(tl.int32)
+        n = i * num_lanes + lanes
+        ok = live & (n < numel)
+        symbol = entry >> 4
+        if KIND == 0:
+            r = tl.load(raw + n, mask=ok, other=0).to(tl.int32)
+            bits = ((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F)
+            tl.store(dst + n, bits.to(tl.int16), mask=ok)
+        else:
+            tl.store(dst + n, symbol.to(tl.uint8), mask=ok)
+        pos += entry & 15
+
+
+@triton.jit
+def _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK: tl.constexpr):
+    """Elements ``[b * chunk, (b + 1) * chunk)`` of a part stored raw, ``src`` to ``dst`` (one row)."""
+    for start in range(0, chunk, RAW_BLOCK):
+        offs = b * chunk + start + tl.arange(0, RAW_BLOCK)
+        ok = (offs < numel) & (offs < (b + 1) * chunk)
+        tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, stage_el,
+                 stage_bytes, dst_ptr, numel, num_lanes, depth, blocks, chunk, pid,
+                 KIND: tl.constexpr, NP: tl.constexpr, LANES: tl.constexpr, RAW_BLOCK: tl.constexpr,
+                 MAX_BITS: tl.constexpr, MV: tl.constexpr):
+    """Part ``p`` of the staged records ``j < m`` into rows ``slots[j]`` of ``dst_ptr`` (elements of
+    the part's width, ``numel`` a row): work item ``(j, b)``, ``b < blocks``, is program ``b % NP``'s;
+    coded: lanes ``[b * LANES, (b + 1) * LANES)`` decoded; stored raw: elements ``[b * chunk, (b + 1)
+    * chunk)`` copied from ``stage_el``, the staging viewed in the part's element width."""
+    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
+        if j < m:
+            inst = tl.load(inst_ptr + j).to(tl.int64)
+            slot = tl.load(slots_ptr + j).to(tl.int64)
+            desc = part_ptr + (inst * num_parts + p) * 5
+            coded = tl.load(desc)
+            base = j * stage_bytes
+            dst = dst_ptr + slot * numel
+            if KIND == 0:
+                src = stage_el + (base + tl.load(desc + 1)) // 2
+            elif KIND == 1:
+                src = stage_el + base + tl.load(desc + 1)
+            else:
+                src = stage_el + (base + tl.load(desc + 1)) // 4
+            for b0 in range(0, blocks, NP):
+                b = b0 + pid
+                if b < blocks:
+                    if KIND == 2:
+                        _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
+                    elif coded == 0:
+                        _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
+                    elif b * LANES < num_lanes:
+                        _decode_lanes(desc, base, b, dst, numel, num_lanes, depth, stage_u8, stage_i16, stage_i32,
+                                      KIND, LANES, MAX_BITS)
+
+
+@triton.jit
+def _decode_records_kernel(part_ptr, inst_ptr, slots_ptr, count_ptr, stage_u8, stage_i16, stage_i32, stage_bytes,
+                           num_parts, tags_ptr, done_ptr, ticket_ptr,
+                           d0, e0, n0, l0, k0, b0, c0, d1, e1, n1, l1, k1, b1, c1,
+                           d2, e2, n2, l2, k2, b2, c2, d3, e3, n3, l3, k3, b3, c3,
+                           K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+                           NP: tl.constexpr, LANES: tl.constexpr, RAW_BLOCK: tl.constexpr, MAX_BITS: tl.constexpr,
+                           MV: tl.constexpr, TAGS: tl.constexpr):
+    """Program ``(i, p)``: its stripe of part ``p`` of every staged record (:func:`_decode_part`;
+    per part: destination, staging view, elements, lanes, depth, work items, raw chunk, kind);
+    with ``TAGS`` the last program to finish writes ``done[slots[j]] = tags[j]``, ``j < m``."""
+    pid = tl.program_id(0)
+    p = tl.program_id(1)
+    m = tl.load(count_ptr)
+    if p == 0:
+        _decode_part(0, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e0,
+                     stage_bytes, d0, n0, l0, k0, b0, c0, pid, K0, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+    elif p == 1:
+        _decode_part(1, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e1,
+                     stage_bytes, d1, n1, l1, k1, b1, c1, pid, K1, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+    elif p == 2:
+        _decode_part(2, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e2,
+                     stage_bytes, d2, n2, l2, k2, b2, c2, pid, K2, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+    else:
+        _decode_part(3, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e3,
+                     stage_bytes, d3, n3, l3, k3, b3, c3, pid, K3, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+    if TAGS:
+        # as the raw fill: the last program to finish writes each slot's tag, once every row landed
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+            jv = tl.arange(0, MV)
+            ok = jv < m
+            s = tl.load(slots_ptr + jv, mask=ok, other=0)
+            tl.store(done_ptr + s, tl.load(tags_ptr + jv, mask=ok, other=0), mask=ok)
+            tl.store(ticket_ptr, 0)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass
+class ListedFill:
+    """A slot cache's compressed fills listed on the device (module doc): the tier, the longest list
+    a fill is given (``list_rows``, the staging's rows) and the staging buffers by CUDA stream."""
+
+    tier: CompressedHostTier
+    list_rows: int
+    staging: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def staging_for(self, device: torch.device) -> torch.Tensor:
+        """uint8 ``[list_rows, record bytes]`` of the current stream (made at its first fill)."""
+        key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        if key not in self.staging:
+            width = -(-self.tier.max_record_bytes // 16) * 16
+            self.staging[key] = torch.empty((self.list_rows, width), dtype=torch.uint8, device=device)
+        return self.staging[key]
+
+    def fill(self, pools, slots: torch.Tensor, instances: torch.Tensor, count: torch.Tensor,
+             blocks: int = 128, tags: tuple | None = None) -> None:
+        """:func:`fill_listed` with this cache's tier and staging (the dispatch of
+        :func:`coldset.kernels.triton_slots.fill`)."""
+        fill_listed(self.tier, pools, slots, instances, count, self.staging_for(pools.w13_hot.device),
+                    blocks=blocks, tags=tags)
+
+
+def part_launch_args(tier: CompressedHostTier, pools, programs: int) -> tuple[list, list]:
+    """Per part (padded to :data:`MAX_PARTS`): the decode's runtime arguments (destination rows in the
+    part's element width, staging view placeholder index, elements a row, lanes, depth, work items,
+    raw chunk) and its kind, for :func:`_decode_records_kernel`."""
+    args, kinds = [], []
+    for p, part in enumerate(tier.parts[0]):
+        view, kind = _ELEMENT_VIEWS.get(part.dtype, (None, None))
+        if view is None:
+            raise CompressedTierError(f"fill_listed: part {part.name} of dtype {part.dtype} has no element view "
+                                      f"(known: {', '.join(str(d) for d in _ELEMENT_VIEWS)})")
+        lanes = tier.part_lanes[p]
+        if kind == KIND_UNCODED and lanes:
+            raise CompressedTierError(f"fill_listed: part {part.name} ({part.dtype}) is coded in some record")
+        numel = part.numel
+        blocks = max(1, -(-lanes // LANES), min(programs, -(-numel // RAW_BLOCK)))
+        chunk = -(-numel // blocks)
+        depth = -(-numel // lanes) if lanes else 0
+        dst = getattr(pools, f"{part.name}_hot").view(view)
+        args.append([dst, view, numel, lanes, depth, blocks, chunk])
+        kinds.append(kind)
+    return args, kinds
+
+
+def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances: torch.Tensor,
+                count: torch.Tensor, staging: torch.Tensor, blocks: int = 128, tags: tuple | None = None) -> None:
+    """``slot[slots[j]] = decode(record of host row instances[j])`` for every part (weights and, when
+    scaled, scales) and ``j < count`` (a device scalar, at most ``slots.numel()``): bitwise
+    :func:`coldset.kernels.triton_slots.fill` from the raw host tier (module doc). ``staging``: uint8
+    ``[>= slots.numel(), >= max record bytes]`` on the slots' device. ``blocks``: the raw fill's
+    blocks per weight; the copy runs ``2 * blocks`` programs, the decode ``blocks`` per part.
+    ``tags``: ``(tag list, done, ticket)`` as the raw fill's."""
+    tier.check_fills(pools)
+    device = pools.w13_hot.device
+    rows = slots.numel()
+    if instances.numel() < rows or count.numel() != 1:
+        raise CompressedTierError(f"fill_listed: {instances.numel()} instances for {rows} slots, count of "
+                                  f"{count.numel()} elements (one expected)")
+    if staging.dtype != torch.uint8 or staging.device != device or staging.dim() != 2 or staging.shape[0] < rows \
+            or staging.shape[1] < tier.max_record_bytes or staging.shape[1] % 16 or not staging.is_contiguous():
+        raise CompressedTierError(f"fill_listed: staging {staging.dtype} {tuple(staging.shape)} on {staging.device}, "
+                                  f"expected contiguous uint8 (>= {rows}, >= {tier.max_record_bytes}, a multiple "
+                                  f"of 16) on {device}")
+    if tier.record_table.device != device:
+        raise CompressedTierError(f"fill_listed: the tier's descriptor tables are on {tier.record_table.device}, the "
+                                  f"slots on {device}")
+    mv = max(2, _next_pow2(rows))
+    count = count.reshape(1)
+    _copy_records_kernel[(2 * int(blocks),)](
+        tier.data.view(torch.int64), tier.record_table, instances, count, staging.view(torch.int64),
+        staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=mv, num_warps=4)
+    per_part, kinds = part_launch_args(tier, pools, int(blocks))
+    views = {torch.uint8: staging, torch.int16: staging.view(torch.int16), torch.int32: staging.view(torch.int32)}
+    flat: list = []
+    for p in range(MAX_PARTS):
+        if p < len(per_part):
+            dst, view, numel, lanes, depth, work, chunk = per_part[p]
+            flat += [dst, views[view], numel, lanes, depth, work, chunk]
+        else:  # no such part: never read (its programs are not launched)
+            flat += [staging, staging, 0, 0, 0, 0, 0]
+    kinds += [KIND_UNCODED] * (MAX_PARTS - len(kinds))
+    tag_list, done, ticket = tags if tags is not None else (count, count, count)
+    _decode_records_kernel[(int(blocks), len(per_part))](
+        tier.part_table, instances, slots, count, staging, views[torch.int16], views[torch.int32], staging.shape[1],
+        len(per_part), tag_list, done, ticket, *flat, K0=kinds[0], K1=kinds[1], K2=kinds[2], K3=kinds[3],
+        NP=int(blocks), LANES=LANES, RAW_BLOCK=RAW_BLOCK, MAX_BITS=MAX_CODE_BITS, MV=mv, TAGS=tags is not None,
+        num_warps=4)
