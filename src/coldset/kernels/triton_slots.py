@@ -539,6 +539,8 @@ def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Ten
     ``blocks``: blocks per weight (the prefetch copies beside the compute run with fewer).
     ``tags``: ``(tag list [>= count] int64, done [C] int64, ticket int32 [1] zero)``: the last block
     writes each copied slot's tag into ``done`` (nexttoken's commit checks it)."""
+    if getattr(pools, "compressed_fill", None) is not None:  # decoded from a compressed tier (triton_codec_fill)
+        return pools.compressed_fill.fill(pools, victims, instances, count, blocks=blocks, tags=tags)
     _launch_fill(pools, victims, instances, count, blocks=blocks, pdl=pdl, tags=tags)
 
 
