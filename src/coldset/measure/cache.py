@@ -37,6 +37,15 @@ cache-management work of all-hit groups alone and inside the step; the fill kern
 from pinned memory against the copy engine's. ``--decisions-only``: only the split of the
 cache's work per layer at the config's shape (no model). Writes ``cache_bench.json`` under ``--out``.
 
+``--host-tier raw,compressed``: every cache row (the same policies, residencies and batches) once per
+host tier its fills read: ``raw`` (the pinned rows, read in place by the fill kernel) and
+``compressed`` (:func:`coldset.kernels.compressed_tier.compressed_host_tier`, built once beside the raw
+tier: each fill copies the expert's lossless codec record into HBM staging and decodes it into the
+slot inside the captured step, :mod:`coldset.kernels.triton_codec_fill`; rows named ``... compressed``).
+Every row says its ``host_tier``; a compressed row's link bytes are the bytes its copies moved (the
+admitted and prefetched experts' records, misses read in place at their raw bytes) and it carries
+its link bytes and tok/s over the same raw row's. Static rows read the raw tier in place.
+
 ``--weight-format fp8``: the same measurement with the model's experts quantized to the
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
 layer; the bf16 experts are freed after), so every tier holds FP8 weights with their 128 x 128
@@ -76,6 +85,7 @@ from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import attach_fp8_attention
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
+from coldset.kernels.compressed_tier import compressed_host_tier
 from coldset.kernels.tiers import host_tier
 from coldset.measure.cache_decisions import decisions_split
 from coldset.trace.fixtures import render_domain, template_texts
@@ -89,6 +99,7 @@ from coldset.measure.harness import (FP8_NONEXPERT, RANDOM_FAMILIES, WEIGHT_FORM
 PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
 POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
+HOST_TIERS = ("raw", "compressed")
 # the rows --in-order, --other-fork and --lookahead-fit add
 LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts", "fit")
 FIT_CHUNK = 512  # --lookahead-fit: the profile stream prefilled in chunks of this many tokens
@@ -107,6 +118,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default="lru,lookahead", help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--depths", default="1,2,3", help="lookahead depths (at residency 1.0: depth 1 only)")
     p.add_argument("--prefetch-blocks", type=int, default=32, help="blocks per weight of the prefetch copy")
+    p.add_argument("--host-tier", default="raw",
+                   help=f"comma-separated, of {', '.join(HOST_TIERS)}: the host tiers the cache rows fill from, each "
+                        "row once per tier (compressed: the lossless codec records, rows named '... compressed')")
     p.add_argument("--nexttoken-extra", type=int, default=3,
                    help="nexttoken: the forecaster's candidates per token beyond top_k (config cache.nexttoken_extra)")
     p.add_argument("--prefetch-budget", type=int, default=None,
@@ -156,6 +170,9 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--residencies/--batches/--depths: {exc}") from exc
     if not all(0 < r <= 1 for r in res):
         raise MeasureError(f"--residencies {res}: each must be in (0, 1]")
+    tiers = args.host_tier.split(",")
+    if not tiers or any(t not in HOST_TIERS for t in tiers) or len(set(tiers)) != len(tiers):
+        raise MeasureError(f"--host-tier {args.host_tier!r}: distinct names of {', '.join(HOST_TIERS)}")
     if args.nexttoken_extra < 0 or (args.prefetch_budget is not None and args.prefetch_budget < 0):
         raise MeasureError(f"--nexttoken-extra {args.nexttoken_extra} and --prefetch-budget {args.prefetch_budget}: "
                            "each must be >= 0")
@@ -202,6 +219,7 @@ class CacheRun:
     prof_routing: object = None
     forecaster: object = None
     fitted: dict = field(default_factory=dict)
+    compressed: object = None  # --host-tier compressed: the compressed host tier of every expert
 
     @property
     def fails(self) -> list[str]:
@@ -412,7 +430,8 @@ def all_hbm_batch(c: CacheRun, bsz: int, heldout_stream: list[int], passes: int)
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)  # the engine's group order
     bt = BatchRun(bsz, prompts, base, inst,
                   AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), bsz * c.args.steps, L, E))
-    r = add_row(c, bt, "all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0})
+    r = add_row(c, bt, "all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0,
+                                               "host_tier": "raw"})
     bt.allhbm_ms = r["step_ms_mean"]
     return bt
 
@@ -433,7 +452,7 @@ def static_row(c: CacheRun, bt: BatchRun, residency: float, row_map, passes: int
                 for s in range(steps) for l in range(L))
     add_row(c, bt, f"usage_global-{residency}", got, residency,
             {"hit_rate": 1.0 - float(cold.mean()), "misses_per_token": int(cold.sum()) / tokens,
-             "link_gb_per_token": reads * c.per_expert / tokens / 1e9})
+             "link_gb_per_token": reads * c.per_expert / tokens / 1e9, "host_tier": "raw"})
 
 
 def cache_variants(args, residency: float) -> list[tuple[str, int, str]]:
@@ -449,8 +468,9 @@ def cache_variants(args, residency: float) -> list[tuple[str, int, str]]:
     return variants
 
 
-def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, row_map, warm_counts):
-    """The slot cache of one row, warm with the static placement's hot set."""
+def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, row_map, warm_counts,
+                tier: str = "raw"):
+    """The slot cache of one row, warm with the static placement's hot set, filling from ``tier``."""
 
     nt = pol == "nexttoken"
     forecast = None
@@ -459,7 +479,8 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
     cache = SlotCache.build(c.model.pools, c.host, row_map, warm_counts, pol, bt.bsz, c.shape[2],
                             history=c.args.steps * c.shape[0] + 8, routers=forecast,
                             depth=max(depth, 1), forecaster=c.forecaster if nt else None,
-                            prefetch_budget=c.args.prefetch_budget if nt else None)
+                            prefetch_budget=c.args.prefetch_budget if nt else None,
+                            compressed=c.compressed if tier == "compressed" else None)
     cache.prefetch_blocks = c.args.prefetch_blocks
     if variant == "in-order":
         cache.rules.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
@@ -497,8 +518,9 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
     lists checked against :func:`coldset.analysis.forecast.nexttoken_lists`); None (a fail
     recorded) when the nexttoken lists differ."""
 
-    if pol != "nexttoken":
-        return simulate(bt.acc, pol, capacity, c.counts, predictions=got[0].get("lists"))
+    if pol != "nexttoken":  # the victims recorded: a compressed row's copied bytes name the admitted experts
+        return simulate(bt.acc, pol, capacity, c.counts, predictions=got[0].get("lists"),
+                        record_victims=cache.compressed is not None)
     # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
     # same tokens (bench.simulate_engine_pass), every pass's lists against those below
     try:
@@ -513,15 +535,16 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
 
 
 def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residency: float, capacity: int, row_map,
-              warm_counts, passes: int, first_of_residency: bool) -> None:
-    """One cache row: decoded, checked against the simulator, timed, its time columns; with
-    ``--analysis`` lru's lookahead recall and the first row's management overhead."""
+              warm_counts, passes: int, first_of_residency: bool, tier: str = "raw") -> None:
+    """One cache row filling from host tier ``tier``: decoded, checked against the simulator, timed,
+    its time columns; with ``--analysis`` lru's lookahead recall and the first row's management overhead."""
     import torch  # GPU-only path: torch and the kernels load when a measurement runs
 
     pol, depth, var = variant
     args, bsz, tokens, k = c.args, bt.bsz, bt.bsz * c.args.steps, c.shape[2]
-    name = f"{pol}-{residency}" + (f" d{depth}" if depth else "") + (f" {var}" if var else "")
-    cache = build_cache(c, bt, pol, depth, var, row_map, warm_counts)
+    raw_name = f"{pol}-{residency}" + (f" d{depth}" if depth else "") + (f" {var}" if var else "")
+    name = raw_name + (" compressed" if tier == "compressed" else "")
+    cache = build_cache(c, bt, pol, depth, var, row_map, warm_counts, tier)
     got = decode(c, cache.wrap(c.rowmap_fn), cache.pools, bsz, bt.prompts, passes, cache=cache)
     sim = simulate_row(c, bt, name, cache, got, pol, capacity)
     if sim is None:
@@ -536,12 +559,21 @@ def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residenc
         "prefetches_per_token": st.prefetches / tokens,
         "useful_prefetches_per_token": st.useful_prefetches / tokens,
         "wasted_prefetches_per_token": st.wasted_prefetches / tokens,
-        "link_gb_per_token": st.link_gb_per_token(c.per_expert),
+        "link_gb_per_token": st.link_gb_per_token(c.per_expert), "host_tier": tier,
+        **(compressed_link_columns(c, bt, raw_name, sim, tokens) if tier == "compressed" else {}),
         **({"list_recall": list_recall(got[0]["lists"], bt.routing, depth, c.shape[1])} if depth else {})})
     r.update(_time_columns(r, bt.allhbm_ms, c.ceilings["link_read_gb_s"], bsz, bt.acc, sim, c.per_expert))
     bt.replays[name] = (r, sim)
     log(f"{name}/b{bsz}", {k_: round(r[k_], 4) for k_ in ("overlap", "fraction_of_bound", "sim_over_measured")
                             if r[k_] is not None})
+    if tier == "compressed" and "link_over_raw" in r:
+        r["tok_s_over_raw"] = r["tok_s"] / bt.replays[raw_name][0]["tok_s"]
+        log(f"{name}/b{bsz} against raw: link bytes raw/compressed {1 / r['link_over_raw']:.3f}, "
+            f"tok/s compressed/raw {r['tok_s_over_raw']:.3f}")
+    if tier != "raw":  # the analyses below are the raw tier's
+        del cache, got
+        torch.cuda.empty_cache()
+        return
     if args.analysis and pol == "lru" and residency < 1.0:
         c.R.setdefault("lookahead_recall", {})[f"{name}/b{bsz}"] = lookahead_recall_analysis(
             c.model, bt.base[0]["hidden"], bt.routing, sim, bt.acc, capacity, c.counts, k, tokens, c.per_expert)
@@ -569,7 +601,8 @@ def measure_residency(c: CacheRun, bt: BatchRun, residency: float, passes: int) 
     variants = cache_variants(c.args, residency)
     for variant in variants:
         first = residency == [float(r) for r in c.args.residencies.split(",")][0] and variant[0] == variants[0][0]
-        cache_row(c, bt, variant, residency, capacity, row_map, warm_counts, passes, first)
+        for tier in c.args.host_tier.split(","):
+            cache_row(c, bt, variant, residency, capacity, row_map, warm_counts, passes, first, tier)
     write_result(c.out_path, c.R, c.ceilings)
 
 
@@ -586,6 +619,8 @@ def run(args, argv=None) -> dict:
     R.update(config=args.config, model=config["model"]["name"], rows=[], checks={})
     R["fails"] = []
     c, tokenizer = build(args, dev, config, R)
+    if "compressed" in args.host_tier.split(","):
+        c.compressed = build_compressed_tier(c.model.pools, R)
     profile_stream, heldout_stream = fixture_streams(config, tokenizer)
     profile_routing(c, profile_stream)
     passes = 1 + args.repeats
@@ -623,6 +658,45 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     for d in (d for d in REPLAY_DEPTHS if d < L):
         for n in (k, k + 4):
             out[f"b{bsz}_lookahead_d{d}_n{n}"] = lookahead_predictions(hidden, routers, d, n).astype(np.int32)
+    return out
+
+
+def build_compressed_tier(pools, R: dict):
+    """``--host-tier compressed``: every expert's codec records in pinned memory (encoded on the GPU),
+    its ratio and build time recorded in ``R["compressed_tier"]``."""
+    t0 = time.perf_counter()
+    tier = compressed_host_tier(pools)
+    coded = sorted({p.name for row in tier.parts for p in row if p.coded})
+    R["compressed_tier"] = {"ratio": tier.ratio, "host_gb": tier.nbytes / 1e9, "raw_gb": tier.raw_nbytes / 1e9,
+                            "coded_parts": coded, "max_record_mb": tier.max_record_bytes / 1e6,
+                            "build_s": round(time.perf_counter() - t0, 1)}
+    log("compressed host tier built", R["compressed_tier"])
+    return tier
+
+
+def copied_bytes(record_bytes: np.ndarray, sim, instances: np.ndarray, raw_bytes: int) -> tuple[int, str]:
+    """Bytes the fills of a compressed-tier cache moved over the link in replay ``sim`` of the
+    selections ``instances``, and how they were counted: with the replay's victims, each admitted
+    expert's record (``record_bytes`` by host row) plus each prefetched one's (``sim.issued``) plus
+    the misses read in place at ``raw_bytes`` ("records"); without (nexttoken's replay), the fills
+    and prefetches at the mean record ("mean record")."""
+    prefetched = 0 if sim.issued is None else int(record_bytes[sim.issued[sim.issued >= 0]].sum())
+    if sim.victims is None:
+        copies = int(sim.fills.sum()) + (0 if sim.prefetches is None else int(sim.prefetches.sum()))
+        return int(round(copies * float(record_bytes.mean()))), "mean record"
+    admitted = sim.victims >= 0
+    in_place = int(sim.fills.sum()) - int(admitted.sum())
+    return int(record_bytes[instances[admitted]].sum()) + prefetched + in_place * raw_bytes, "records"
+
+
+def compressed_link_columns(c: CacheRun, bt: BatchRun, raw_name: str, sim, tokens: int) -> dict:
+    """A compressed-tier row's link columns: its copied bytes per token (:func:`copied_bytes`), how
+    they were counted, and (where the same row over the raw tier ran) its link bytes over the raw one's."""
+    moved, basis = copied_bytes(np.diff(np.asarray(c.compressed.starts)), sim, bt.acc.instances, c.per_expert)
+    out = {"link_gb_per_token": moved / tokens / 1e9, "link_bytes_basis": basis}
+    raw = bt.replays.get(raw_name)
+    if raw is not None and raw[0]["link_gb_per_token"] > 0:
+        out["link_over_raw"] = out["link_gb_per_token"] / raw[0]["link_gb_per_token"]
     return out
 
 
@@ -689,9 +763,11 @@ def _manage_columns(replays: dict, allhbm_ms: float, link_gb_s: float, bsz: int,
     :func:`_time_columns` again with that row's step, i.e. ``manage_ms_per_group`` and
     ``sim_managed_step_ms`` / ``sim_managed_over_measured``; rows whose policy has none keep None
     there."""
-    def kind(name: str) -> str:  # the policy, and lookahead's variants apart
+    def kind(name: str) -> str:  # the policy, lookahead's variants and the host tiers apart
+        tier = " compressed" if name.endswith(" compressed") else ""
+        name = name.removesuffix(tier)
         variant = next((v for v in LOOKAHEAD_VARIANTS if name.endswith(f" {v}")), None)
-        return name.split("-")[0] + (f" {variant}" if variant else "")
+        return name.split("-")[0] + (f" {variant}" if variant else "") + tier
 
     full = {kind(name): r for name, (r, _) in replays.items() if r["residency"] == 1.0}
     for name, (r, sim) in replays.items():
