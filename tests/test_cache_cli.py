@@ -199,3 +199,35 @@ def test_quality_of_a_history_grid_equals_one_forecaster_per_point_and_fit_tuned
     want = NextTokenForecaster.fit(tokens, seq, k, E, hist_beta=best[1], hist_shift=best[2], self_boost=best[3])
     assert (got.hist_unit, got.hist_shift, got.self_boost) == (want.hist_unit, want.hist_shift, want.self_boost)
     np.testing.assert_array_equal(got.tables, want.tables)
+
+
+def test_compressed_tier_rows_sit_beside_the_raw_ones(tmp_path, capsys):
+    """--compressed-ratio / --decode-gb-s: per (policy, residency) a raw row then a compressed one of
+    the same replay (hits, capacity equal); lru admits every miss, so its compressed link bytes are
+    the ratio of the raw ones and its bound reads them; static's cold reads stay raw (rows equal in
+    time); without the flags no host_tier column, and the raw rows are the same."""
+    path = toy_trace(tmp_path / "t.parquet", decode_steps=12, requests=9)
+    base = [str(path), "--policies", "static", "lru", "nexttoken", "--residency", "0.5", "--bytes-per-expert",
+            "100000000"]
+    assert main(base) == 0
+    plain = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert "host_tier" not in plain
+    assert main([*base, "--compressed-ratio", "0.5", "--decode-gb-s", "40"]) == 0
+    both = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert both.host_tier.tolist() == ["raw", "compressed"] * 3
+    raw, comp = both[both.host_tier == "raw"].reset_index(drop=True), both[both.host_tier == "compressed"]
+    comp = comp.reset_index(drop=True)
+    pd.testing.assert_frame_equal(raw.drop(columns="host_tier"), plain)
+    for col in ("policy", "capacity", "hit_rate", "misses_per_token", "prefetches_per_token"):
+        assert comp[col].equals(raw[col]), col
+    lru_raw, lru_comp = raw.iloc[1], comp.iloc[1]
+    # the table prints 6 significant digits
+    assert lru_raw.link_gb_per_token > 0
+    assert lru_comp.link_gb_per_token == pytest.approx(0.5 * lru_raw.link_gb_per_token, rel=1e-5)
+    link_ms_step = lru_comp.link_gb_per_token / 51.0 * 1e3  # b1: a token a step; decodes of twice the bytes at 40
+    assert lru_comp.bound_ms == pytest.approx(max(2.56, link_ms_step, 2 * link_ms_step * 51.0 / 40), rel=1e-5)
+    for col in ("step_ms", "stall_ms_per_token", "link_gb_per_token", "bound_ms"):
+        assert comp[col].iloc[0] == raw[col].iloc[0], col  # static: in place, raw
+    with pytest.raises(SystemExit):
+        main([*base, "--compressed-ratio", "0.5"])
+    assert "go together" in capsys.readouterr().err

@@ -8,6 +8,8 @@ import pytest
 
 from coldset.analysis.simulate import simulate
 from coldset.analysis.streams import AccessStream, CacheError
+from coldset.analysis import time_model
+from coldset.analysis.speed import compressed_fill_s
 from coldset.analysis.time_model import TimeModel, simulate_time
 
 
@@ -94,22 +96,34 @@ def test_join_step_waits_for_the_steps_copies():
 # brute force: a clock that advances one unit at a time; the link serves one unit per tick
 
 
-def brute_time(stream, res, pre, post, head, copy, priority, join_step):
+def brute_time(stream, res, pre, post, head, copy, priority, join_step, fill=None, decode=0):
+    """``fill`` (None: the raw tier) the link units of a slot fill from the compressed tier (admitted
+    demand misses: ``res.victims >= 0``; every prefetch) and ``decode`` its decode's units: the
+    decoder takes the landed fills one at a time in landing order, a unit a tick."""
     ids, ptr = stream.instances.tolist(), stream.group_ptr.tolist()
     E = stream.num_experts
     issued = res.issued if res.issued is not None else np.zeros((stream.num_groups, 0), np.int64)
-    copies = []  # [remaining, kind, done]
+    compressed = fill is not None
+    copies = []  # [link units left, kind, usable at, decode units left]
+    decoding = []  # landed fills in landing order
     latest = {}
     t = stall = 0
 
     def tick():
         nonlocal t
+        if decoding:  # the decoder works on a fill landed before this tick
+            decoding[0][3] -= 1
+            if decoding[0][3] == 0:
+                decoding.pop(0)[2] = t + 1
         queue = [c for c in copies if c[0] > 0]
         if queue:
             first = next((c for c in queue if c[1] == "demand"), queue[0]) if priority else queue[0]
             first[0] -= 1
             if first[0] == 0:
-                first[2] = t + 1
+                if first[3]:
+                    decoding.append(first)
+                else:
+                    first[2] = t + 1
         t += 1
 
     prev_layer = None
@@ -119,7 +133,7 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step):
         layer = sel[0] // E
         if prev_layer is not None and layer <= prev_layer:  # a step ends
             if join_step:
-                while any(c[0] > 0 for c in copies):
+                while any(c[2] is None for c in copies):
                     tick()
                     stall += 1
             for _ in range(head):
@@ -128,15 +142,16 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step):
         for _ in range(pre):
             tick()
         seen = set()
-        for x, h in zip(sel, hits):
+        for i, (x, h) in enumerate(zip(sel, hits)):
             if not h and x not in seen:
                 seen.add(x)
-                latest[x] = [copy, "demand", None]
+                admitted = compressed and res.victims[ptr[g] + i] >= 0
+                latest[x] = [fill, "demand", None, decode] if admitted else [copy, "demand", None, 0]
                 copies.append(latest[x])
         waiting = [latest[x] for x in sel if x in latest]
         for x in issued[g]:
             if x >= 0:
-                latest[int(x)] = [copy, "prefetch", None]
+                latest[int(x)] = [fill, "prefetch", None, decode] if compressed else [copy, "prefetch", None, 0]
                 copies.append(latest[int(x)])
         while any(c[2] is None for c in waiting):
             tick()
@@ -144,12 +159,26 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step):
         for _ in range(post):
             tick()
     if join_step:
-        while any(c[0] > 0 for c in copies):
+        while any(c[2] is None for c in copies):
             tick()
             stall += 1
     for _ in range(head):
         tick()
     return t, stall
+
+
+def random_stream(rng, L=2, E=5):
+    """A random stream of ``L`` layers (top-1 or top-2, 2-11 steps) with its profile and random
+    own-layer lists."""
+    k = int(rng.integers(1, 3))
+    steps = int(rng.integers(2, 12))
+    groups = [[int(layer * E + e) for e in rng.choice(E, size=k, replace=False)]
+              for _ in range(steps) for layer in range(L)]
+    stream = AccessStream(np.array([x for g in groups for x in g]), np.r_[0, np.cumsum([k] * len(groups))],
+                          steps, L, E)
+    profile = rng.integers(0, 4, size=(L, E)).astype(float)
+    lists = np.array([[g[0] // E * E + int(e) for e in rng.permutation(E)[:3]] for g in groups])
+    return stream, profile, lists, k
 
 
 @pytest.mark.parametrize("priority", [True, False])
@@ -160,14 +189,8 @@ def test_time_matches_the_unit_clock(priority, join):
     rng = np.random.default_rng(5 + priority + 2 * (join == "step"))
     seen_stall = 0
     for trial in range(30):
-        L, E, k = 2, 5, int(rng.integers(1, 3))
-        steps = int(rng.integers(2, 12))
-        groups = [[int(layer * E + e) for e in rng.choice(E, size=k, replace=False)]
-                  for _ in range(steps) for layer in range(L)]
-        stream = AccessStream(np.array([x for g in groups for x in g]), np.r_[0, np.cumsum([k] * len(groups))],
-                              steps, L, E)
-        profile = rng.integers(0, 4, size=(L, E)).astype(float)
-        lists = np.array([[g[0] // E * E + int(e) for e in rng.permutation(E)[:3]] for g in groups])
+        stream, profile, lists, k = random_stream(rng)
+        L, E, steps = stream.num_moe_layers, stream.num_experts, stream.tokens
         copy = int(rng.integers(1, 10))
         tm = TimeModel(step_ms=20.0, bytes_per_expert=copy * 10**6, link_gb_s=1.0, head_share=0.5, router_share=0.4,
                        link="priority" if priority else "fifo", join=join)
@@ -357,3 +380,110 @@ def test_recommendation_is_by_simulated_time_and_never_slower_than_lru_on_the_he
     assert own.loc[1, "policy"] == "forecast" and own.loc[8, "policy"] == "nexttoken"
     assert (own.chosen_on == "heldout").all() and (own.vs_lru <= 1).all()
     assert recommendation(held.assign(step_ms=float("nan"))).empty
+
+
+# ---------------------------------------------------------------------------------------------
+# the compressed host tier: fills cross as compressed records and are decoded before use
+
+
+@pytest.mark.parametrize("priority", [True, False])
+@pytest.mark.parametrize("join", ["use", "step"])
+def test_compressed_fills_match_the_unit_clock(priority, join):
+    """Random streams (as above): fills (admitted misses, prefetches) cross in ``fill`` units and are
+    decoded in ``decode`` units one at a time; reads in place stay ``copy`` units; against the unit
+    clock, with lru_guard and nexttoken reading some misses in place."""
+    rng = np.random.default_rng(11 + priority + 2 * (join == "step"))
+    seen = {"decode_wait": 0, "in_place": 0}
+    for trial in range(30):
+        stream, profile, lists, k = random_stream(rng)
+        L, E, steps = stream.num_moe_layers, stream.num_experts, stream.tokens
+        copy, fill, decode = int(rng.integers(2, 10)), int(rng.integers(1, 6)), int(rng.integers(1, 8))
+        tm = TimeModel(step_ms=20.0, bytes_per_expert=copy * 10**6, link_gb_s=1.0, head_share=0.5, router_share=0.4,
+                       link="priority" if priority else "fifo", join=join, compressed_ratio=fill / copy,
+                       decode_gb_s=copy / decode)
+        raw = TimeModel(step_ms=20.0, bytes_per_expert=copy * 10**6, link_gb_s=1.0, head_share=0.5,
+                        router_share=0.4, link="priority" if priority else "fifo", join=join)
+        for policy in ("static", "lru", "lru_guard", "nexttoken"):
+            cap = int(rng.integers(k, L * E))
+            res = simulate(stream, policy, cap, profile, predictions=lists if policy == "nexttoken" else None,
+                           record_victims=True)
+            ts = simulate_time(stream, res, tm)
+            t, stall = brute_time(stream, res, 2, 3, 10, copy, priority, join == "step", fill=fill, decode=decode)
+            assert ts.step_ms == pytest.approx(t / steps, abs=1e-9), (trial, policy)
+            assert ts.stall_ms_per_token == pytest.approx(stall / steps, abs=1e-9), (trial, policy)
+            st = res.stats()
+            in_place = st.fills - int((res.victims >= 0).sum())
+            decoded = st.fills + st.prefetches - in_place
+            assert ts.link_gb_per_token == pytest.approx((in_place * copy + decoded * fill) * 1e6 / steps / 1e9)
+            assert ts.bound_ms == pytest.approx(max(20.0, (in_place * copy + decoded * fill) / steps,
+                                                    decoded * decode / steps))
+            if policy == "static":  # every cold read in place: the raw tier's time
+                assert ts.step_ms == simulate_time(stream, res, raw).step_ms
+            seen["in_place"] += in_place * (policy != "static")
+            t_raw, _ = brute_time(stream, res, 2, 3, 10, fill, priority, join == "step")
+            seen["decode_wait"] += t > t_raw  # the decode delays a use where it could
+    assert seen["in_place"] > 0 and seen["decode_wait"] > 0
+
+
+def test_a_groups_compressed_fills_take_the_speed_models_time():
+    """One group missing 3 experts from the compressed tier: its experts start when the speed model's
+    ``compressed_fill_s`` (records back to back, each decode after its copy and the previous decode)
+    says the last is decoded; with a slow decoder the decodes set the pace."""
+    stream = AccessStream(np.array([0, 1, 2, 3, 4, 5]), np.array([0, 3, 6]), 2, 1, 8)
+    profile = np.array([[9.0, 9.0, 9.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    res = simulate(stream, "lru", 3, profile, record_victims=True)
+    assert res.hit.tolist() == [True] * 3 + [False] * 3
+    nbytes, link, ratio = 4 * 10**6, 2.0, 0.6
+    for decode_gb_s in (8.0, 1.0):
+        tm = TimeModel(step_ms=1.0, bytes_per_expert=nbytes, link_gb_s=link, head_share=0.0, router_share=0.5,
+                       compressed_ratio=ratio, decode_gb_s=decode_gb_s)
+        want_ms = compressed_fill_s([nbytes] * 3, [ratio] * 3, link, decode_gb_s) * 1e3
+        ts = simulate_time(stream, res, tm)
+        assert ts.stall_ms_per_token == pytest.approx(want_ms / 2)
+        assert ts.link_gb_per_token == pytest.approx(3 * ratio * nbytes / 2 / 1e9)
+    with pytest.raises(CacheError, match="victims"):
+        simulate_time(stream, simulate(stream, "lru", 3, profile), tm)
+    with pytest.raises(CacheError, match="together"):
+        TimeModel(step_ms=1.0, bytes_per_expert=nbytes, compressed_ratio=0.5)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 8])
+def test_the_link_rings_grow_and_wrap_without_changing_a_time(monkeypatch, slots):
+    """The link's queues start at ``slots`` entries and double: on a stream whose queues wrap and
+    grow many times (a slow link, many prefetches, the compressed tier too), every figure equals the
+    one with rings larger than any queue."""
+    rng = np.random.default_rng(3)
+    L, E, k, steps = 3, 16, 2, 60
+    sel = np.stack([rng.choice(E, size=k, replace=False) for _ in range(steps * L)]).reshape(steps, L, k)
+    ids = (sel + (np.arange(L) * E)[None, :, None]).reshape(-1)
+    stream = AccessStream(ids, np.arange(0, ids.size + 1, k), steps, L, E)
+    lists = np.array([[int(ids[g * k]) // E * E + int(e) for e in rng.permutation(E)[:6]]
+                      for g in range(stream.num_groups)])
+    res = simulate(stream, "nexttoken", 2 * L * k, rng.random((L, E)), predictions=lists, record_victims=True,
+                   prefetch_gate=False)
+    assert res.stats().prefetches > 4 * slots
+    models = [model(2.5, link=link, join=join, **tier) for link in ("fifo", "priority", "share")
+              for join in ("use", "step") for tier in ({}, {"compressed_ratio": 0.5, "decode_gb_s": 0.2})]
+    wide = [simulate_time(stream, res, m) for m in models]
+    monkeypatch.setattr(time_model, "QUEUE_SLOTS", slots)
+    assert [simulate_time(stream, res, m) for m in models] == wide
+
+
+def test_the_config_names_a_ratio_per_format():
+    """cache.compressed_tier: None is the raw tier; the experts' format picks its ratio (aliases
+    allowed), the measured defaults without ratios; a format without a ratio, a missing decode rate
+    or an unknown key is refused by name."""
+    assert time_model.compressed_tier(None, "bfloat16") is None
+    assert time_model.compressed_tier({"decode_gb_s": 200}, "bf16") == (0.6757, 200.0)
+    spec = {"decode_gb_s": 100.0, "ratios": {"fp8_block128": 0.8, "bf16": 0.7}}
+    assert time_model.compressed_tier(spec, "fp8_block128") == (0.8, 100.0)
+    assert time_model.compressed_tier(spec, "bfloat16") == (0.7, 100.0)
+    with pytest.raises(CacheError, match="'mxfp4'"):
+        time_model.compressed_tier(spec, "mxfp4")
+    with pytest.raises(CacheError, match="decode_gb_s"):
+        time_model.compressed_tier({"ratios": {"bf16": 0.7}}, "bf16")
+    with pytest.raises(CacheError, match="decode_gbs"):
+        time_model.compressed_tier({"decode_gbs": 1.0}, "bf16")
+    m = time_model.with_compressed_tier(model(2.0), (0.5, 4.0))
+    assert m.fill_ms == pytest.approx(1.0) and m.decode_ms == pytest.approx(2.0e6 / 4e9 * 1e3)
+    assert model(2.0).fill_ms == model(2.0).copy_ms and model(2.0).decode_ms == 0.0

@@ -48,9 +48,18 @@ from coldset.analysis.policies import POLICIES, REGISTRY
 from coldset.analysis.profile import profile_counts, read_histogram
 from coldset.analysis.simulate import capacity_for_residency, simulate
 from coldset.analysis.streams import AccessStream, CacheError, DecodeTokens, Lanes, read_decode_tokens
-from coldset.analysis.time_model import DEFAULT_TIME, LINK_MODES, TimeModel, simulate_time, time_models
+from coldset.analysis.time_model import (
+    DEFAULT_TIME,
+    LINK_MODES,
+    TimeModel,
+    compressed_tier,
+    simulate_time,
+    time_models,
+    with_compressed_tier,
+)
 from coldset.core.files import atomic_path
 from coldset.core.placement import ProfileSpec
+from coldset.core.shapes import as_shape
 from coldset.core.trace import TraceError
 
 log = logging.getLogger(__name__)
@@ -63,13 +72,52 @@ TIME_COLUMNS = ("batch", "prefetches_per_token", "prefetch_precision", "step_ms"
                 "overlap", "stall_ms_per_token", "wasted_gb_per_token")
 
 
+def simulation_rows(stream: AccessStream, policy: str, residency: float, capacity: int, profile_counts: np.ndarray,
+                    lists: np.ndarray | None, bytes_per_expert: int,
+                    time_model: TimeModel | Mapping[str, TimeModel] | None, batch: int,
+                    prefetch_budget: int | None, compressed: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+    """:func:`simulation_table`'s rows of ``policy`` replayed on ``stream`` at ``capacity`` slots
+    (``lists``: its prefetch lists, if it replays any), timed by its time model: one row, or with
+    ``compressed`` the raw tier's and then the compressed tier's (the same replay re-timed)."""
+    model = time_model if isinstance(time_model, TimeModel) or time_model is None else time_model[policy]
+    rules = REGISTRY[policy]
+    lead = model.lead_unit(stream.num_moe_layers) if model is not None and rules.gated else None
+    res = simulate(stream, policy, capacity, profile_counts, predictions=lists,
+                   prefetch_budget=prefetch_budget if rules.budget else None, lead_unit=lead,
+                   record_victims=compressed is not None)
+    st = res.stats()
+    row = {"policy": policy, "residency": float(residency), "batch": int(batch), "capacity": capacity,
+           "accesses": st.accesses, "tokens": st.tokens, "hit_rate": st.hit_rate,
+           "misses_per_token": st.misses_per_token, "link_gb_per_token": st.link_gb_per_token(bytes_per_expert),
+           "prefetches_per_token": st.prefetches / st.tokens if st.tokens else float("nan"),
+           "prefetch_precision": st.useful_prefetches / st.prefetches if st.prefetches else float("nan")}
+    rows = [row]
+    if model is not None:
+        models = [model] + ([with_compressed_tier(model, compressed)] if compressed is not None else [])
+        rows = []
+        for m in models:
+            ts = simulate_time(stream, res, m)
+            rows.append({**row, "step_ms": ts.step_ms, "bound_ms": ts.bound_ms, "bound_fraction": ts.bound_fraction,
+                         "overlap": ts.overlap, "stall_ms_per_token": ts.stall_ms_per_token,
+                         "wasted_gb_per_token": ts.wasted_gb_per_token,
+                         **({"host_tier": "compressed" if m.compressed else "raw",
+                             "link_gb_per_token": ts.link_gb_per_token} if compressed is not None else {})})
+    return rows
+
+
 def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies: Sequence[str],
                      residencies: Sequence[float], bytes_per_expert: int, forecaster: Any = None, *,
                      lanes: Lanes | None = None, nexttoken: Any = None,
                      time_model: TimeModel | Mapping[str, TimeModel] | None = None,
-                     batch: int = 1, prefetch_budget: int | None = None) -> pd.DataFrame:
+                     batch: int = 1, prefetch_budget: int | None = None,
+                     compressed: tuple[float, float] | None = None) -> pd.DataFrame:
     """The ``simulation.csv`` frame of one batch size: one row per (policy, residency) in the given
-    orders. ``forecaster`` (a :class:`coldset.analysis.forecast.TransitionForecaster`) is required by
+    orders; with ``compressed`` (``(compressed_ratio, decode_gb_s)``,
+    :func:`coldset.analysis.time_model.compressed_tier`; needs ``time_model``) two, column
+    ``host_tier`` ``raw`` then ``compressed``: the same replay (hits, misses) timed with slot fills
+    from the raw and from the compressed host tier (:class:`coldset.analysis.time_model.TimeModel`),
+    ``link_gb_per_token`` the bytes each moves. ``forecaster`` (a
+    :class:`coldset.analysis.forecast.TransitionForecaster`) is required by
     ``forecast``; ``nexttoken`` (a :class:`coldset.analysis.forecast.NextTokenForecaster`) and ``lanes``
     (the stream's tokens per lane, ``stream == lanes.stream()``) by ``nexttoken``. With
     ``time_model`` (its ``step_ms`` the all-HBM step at ``batch``; or one per policy,
@@ -77,48 +125,39 @@ def simulation_table(stream: AccessStream, profile_counts: np.ndarray, policies:
     the time columns are filled (:func:`coldset.analysis.time_model.simulate_time`), else NaN; its
     link and compute terms also set the gated policies' prefetch gate
     (:meth:`coldset.analysis.time_model.TimeModel.lead_unit`; without a model the default)."""
-    pred = None
-    if "forecast" in policies:
-        if forecaster is None:
-            raise CacheError("policy 'forecast' needs a forecaster fitted on the profile selection")
-        pred = stream_predictions(forecaster, stream)
-    lists = None
-    if "nexttoken" in policies:
-        if nexttoken is None or lanes is None:
-            raise CacheError("policy 'nexttoken' needs a NextTokenForecaster fitted on the profile selection and the "
-                             "replay's lanes")
-        lists = nexttoken_lists(nexttoken, lanes.sel, lanes.start)
-    rows = []
-    for r in residencies:
-        cap = capacity_for_residency(r, stream.num_moe_layers, stream.num_experts)
-        fits = [p for p in policies if cap >= stream.max_group or not REGISTRY[p].holds_group]
-        if len(fits) < len(policies):
+    if "forecast" in policies and forecaster is None:
+        raise CacheError("policy 'forecast' needs a forecaster fitted on the profile selection")
+    if compressed is not None and time_model is None:
+        raise CacheError("the compressed host tier's rows are timed: give a time model (bytes per expert)")
+    if "nexttoken" in policies and (nexttoken is None or lanes is None):
+        raise CacheError("policy 'nexttoken' needs a NextTokenForecaster fitted on the profile selection and the "
+                         "replay's lanes")
+    caps = [capacity_for_residency(r, stream.num_moe_layers, stream.num_experts) for r in residencies]
+    fits = [[p for p in policies if cap >= stream.max_group or not REGISTRY[p].holds_group] for cap in caps]
+    for r, cap, fit in zip(residencies, caps, fits):
+        if len(fit) < len(policies):
             msg = (f"residency {r}: a pool of {cap} slots cannot hold one step's {stream.max_group} selections at "
                    f"batch {batch} (top_k x batch)")
             if batch == 1:
                 raise CacheError(f"{msg}; raise the residency")
             # A larger batch of cache.time.steps is an extra view of the same cache: a small model's pool
             # may not hold its step. Its cached rows are left out, said here and absent from the table.
-            log.warning("%s: no %s rows at batch %d", msg, "/".join(p for p in policies if p not in fits), batch)
-        for p in fits:
-            model = time_model if isinstance(time_model, TimeModel) or time_model is None else time_model[p]
-            lead = model.lead_unit(stream.num_moe_layers) if model is not None and REGISTRY[p].gated else None
-            res = simulate(stream, p, cap, profile_counts,
-                           predictions={"forecast": pred, "nexttoken": lists}.get(p),
-                           prefetch_budget=prefetch_budget if REGISTRY[p].budget else None, lead_unit=lead)
-            st = res.stats()
-            row = {"policy": p, "residency": float(r), "batch": int(batch), "capacity": cap, "accesses": st.accesses,
-                   "tokens": st.tokens, "hit_rate": st.hit_rate, "misses_per_token": st.misses_per_token,
-                   "link_gb_per_token": st.link_gb_per_token(bytes_per_expert),
-                   "prefetches_per_token": st.prefetches / st.tokens if st.tokens else float("nan"),
-                   "prefetch_precision": st.useful_prefetches / st.prefetches if st.prefetches else float("nan")}
-            if model is not None:
-                ts = simulate_time(stream, res, model)
-                row.update(step_ms=ts.step_ms, bound_ms=ts.bound_ms, bound_fraction=ts.bound_fraction,
-                           overlap=ts.overlap, stall_ms_per_token=ts.stall_ms_per_token,
-                           wasted_gb_per_token=ts.wasted_gb_per_token)
-            rows.append(row)
-    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS + TIME_COLUMNS))
+            log.warning("%s: no %s rows at batch %d", msg, "/".join(p for p in policies if p not in fit), batch)
+    rows = {}
+    for p in policies:  # policy by policy: one policy's prefetch lists in memory at a time
+        lists = None
+        if p == "forecast":
+            lists = stream_predictions(forecaster, stream)
+        elif p == "nexttoken":
+            lists = nexttoken_lists(nexttoken, lanes.sel, lanes.start)
+        for i, r in enumerate(residencies):
+            if p in fits[i]:
+                rows[i, p] = simulation_rows(stream, p, r, caps[i], profile_counts, lists, bytes_per_expert,
+                                             time_model, batch, prefetch_budget, compressed)
+        del lists
+    rows = [row for i in range(len(residencies)) for p in fits[i] for row in rows[i, p]]
+    return pd.DataFrame(rows, columns=list(SIMULATION_COLUMNS + TIME_COLUMNS)
+                        + (["host_tier"] if compressed is not None else []))
 
 
 #: How much slower than lru in simulated time a recommended policy may be on the held-out split
@@ -181,7 +220,8 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
               phase: str = "decode", domain_weights: Any = None, weight_format: str | None = None,
               heldout_fraction: float = 0.25, locality_json: str | os.PathLike | None = None,
               figures: bool = True, time: Mapping[str, Any] | None = None,
-              prefetch_budget: int | None = None, nexttoken_extra: int = 3) -> dict[str, Path]:
+              prefetch_budget: int | None = None, nexttoken_extra: int = 3,
+              compressed: Mapping[str, Any] | None = None) -> dict[str, Path]:
     """The ``cache`` stage: ``simulation.csv`` (:data:`SIMULATION_COLUMNS` + :data:`TIME_COLUMNS`),
     ``recommendation.csv`` (:func:`recommendation`: chosen by simulated time on the profile's
     validation requests, checked against lru on the held-out split) and ``locality.png``.
@@ -197,7 +237,10 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
     ``weight_format``, by default the model's own expert format, as the placement stage does).
     The forecasters (``forecast``, ``nexttoken``) are fitted on the profile selection's decode rows.
     The figure shows the locality statistic of ``locality_json`` (stats stage) beside the hit rates
-    and the simulated time.
+    and the simulated time. ``compressed`` (the config's ``cache.compressed_tier``,
+    :func:`coldset.analysis.time_model.compressed_tier`; None: off) adds the compressed host tier's
+    rows (:func:`simulation_table`, column ``host_tier``); the recommendation and the figure read
+    the raw tier's.
     """
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -211,6 +254,7 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
         raise CacheError(f"{trace_path}: the held-out split has no decode rows to replay")
     profile = rows.select("profile", spec.domains)
     per_expert = expert_bytes(model_config, weight_format)
+    tier = compressed_tier(compressed, weight_format or as_shape(model_config).expert_format)
     forecaster = nexttoken = None
     if "forecast" in policies:
         forecaster = TransitionForecaster.fit(profile, L, E, meta.top_k)
@@ -226,20 +270,26 @@ def run_cache(trace_path: str | os.PathLike, histogram_csv: str | os.PathLike, m
             lanes = part.lanes(batch)
             out_tables.append(simulation_table(lanes.stream(), counts, policies, residencies, per_expert, forecaster,
                                                lanes=lanes, nexttoken=nexttoken, time_model=models, batch=batch,
-                                               prefetch_budget=prefetch_budget))
+                                               prefetch_budget=prefetch_budget, compressed=tier))
     table = pd.concat(tables, ignore_index=True)
+    raw, raw_choices = raw_tier(table), raw_tier(pd.concat(choices, ignore_index=True)) if choices else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"simulation": out / "simulation.csv", "recommendation": out / "recommendation.csv"}
     with atomic_path(paths["simulation"]) as tmp:
         table.to_csv(tmp, index=False)
     with atomic_path(paths["recommendation"]) as tmp:
-        recommendation(table, pd.concat(choices, ignore_index=True) if choices else None).to_csv(tmp, index=False)
+        recommendation(raw, raw_choices).to_csv(tmp, index=False)
     if figures:
         locality = json.loads(Path(locality_json).read_text()) if locality_json else None
         paths["figure"] = out / "locality.png"
-        figure_locality(table, locality, meta, paths["figure"])
+        figure_locality(raw, locality, meta, paths["figure"])
     return paths
+
+
+def raw_tier(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``table`` timed with the raw host tier (all of them without a ``host_tier`` column)."""
+    return table[table["host_tier"] == "raw"].reset_index(drop=True) if "host_tier" in table else table
 
 
 def read_simulation(path: str | os.PathLike) -> pd.DataFrame:
@@ -388,6 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="demand vs prefetch copies on the link (TimeModel.link)")
     ap.add_argument("--demand-share", type=float, default=DEFAULT_TIME["demand_share"])
     ap.add_argument("--join", choices=("use", "step"), default=DEFAULT_TIME["join"])
+    ap.add_argument("--compressed-ratio", type=float,
+                    help="also time slot fills from a compressed host tier of this compressed / raw bytes ratio "
+                         "(rows host_tier=compressed beside the raw ones; needs --decode-gb-s and --bytes-per-expert)")
+    ap.add_argument("--decode-gb-s", type=float, help="the compressed tier's decode rate (raw GB/s out)")
     ap.add_argument("--prefetch-budget", type=int, help="nexttoken: copies per group (default: no cut)")
     ap.add_argument("--nexttoken-extra", type=int, default=3,
                     help="nexttoken: candidates per token beyond top_k (the predicted set and the prefetch list)")
@@ -407,6 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              for b in args.batch]
     if len(steps) != len(args.batch) or any(s is None for s in steps):
         ap.error("--step-ms: one all-HBM step per --batch (defaults exist for batch 1 and 8 only)")
+    if (args.compressed_ratio is None) != (args.decode_gb_s is None) or (
+            args.compressed_ratio is not None and not args.bytes_per_expert):
+        ap.error("--compressed-ratio and --decode-gb-s go together, with --bytes-per-expert")
     try:
         return print_tables(args, steps)
     except (CacheError, ForecastError, TraceError) as err:
@@ -449,6 +506,7 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
             t0 = perf_counter()
             stream_predictions(forecaster, stream)
             per_token = (perf_counter() - t0) / max(stream.tokens, 1)
+            del stream
             print(json.dumps({**forecast_recall(forecaster, replay, L, E), "fit_s": round(fit_s, 3),
                               "forecast_us_per_token": round(per_token * 1e6, 1)}), file=sys.stderr)
             table = recall_table(profile, replay, L, E, meta.top_k, args.horizons, budget=args.prefetch_budget,
@@ -461,8 +519,12 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
         print(f"nexttoken forecaster: terms {list(nexttoken.terms)}, hist_unit {nexttoken.hist_unit}, hist_shift "
               f"{nexttoken.hist_shift}, self_boost {nexttoken.self_boost}, n {nexttoken.n}, tuned on "
               f"{tuning_note(seq, None)}", file=sys.stderr)
+        del tokens, seq
     val = validation_part(profile) if args.bytes_per_expert else None
+    counts = profile.counts()
+    del profile  # the fits are done: the profile's tokens are not kept through the replays
     tables, choices = [], []
+    tier = None if args.compressed_ratio is None else (args.compressed_ratio, args.decode_gb_s)
     for batch, step_ms in zip(args.batch, steps):
         model = None
         if args.bytes_per_expert:
@@ -472,16 +534,16 @@ def print_tables(args: argparse.Namespace, steps: Sequence[float]) -> int:
             if part is None:
                 continue
             lanes = part.lanes(batch)
-            out_tables.append(simulation_table(lanes.stream(), profile.counts(), args.policies,
+            out_tables.append(simulation_table(lanes.stream(), counts, args.policies,
                                                args.residency, args.bytes_per_expert or 0, forecaster, lanes=lanes,
                                                nexttoken=nexttoken, time_model=model, batch=batch,
-                                               prefetch_budget=args.prefetch_budget))
+                                               prefetch_budget=args.prefetch_budget, compressed=tier))
     table = pd.concat(tables, ignore_index=True)
     if not args.bytes_per_expert:
         table["link_gb_per_token"] = float("nan")
     print(table.to_csv(index=False, float_format="%.6g"), end="")
     if args.bytes_per_expert:
-        rec = recommendation(table, pd.concat(choices, ignore_index=True) if choices else None)
+        rec = recommendation(raw_tier(table), raw_tier(pd.concat(choices, ignore_index=True)) if choices else None)
         print("recommendation (by simulated time; chosen on the profile's validation requests, checked against "
               "lru on the replay):", file=sys.stderr)
         print(rec.to_csv(index=False, float_format="%.4g"), end="", file=sys.stderr)

@@ -12,7 +12,7 @@ config's ``cache.time`` section (:data:`DEFAULT_TIME` without one);
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,27 +22,47 @@ from coldset.analysis.policies import POLICIES
 from coldset.analysis.policies.base import prefetch_lead_unit
 from coldset.analysis.simulate import CacheResult
 from coldset.analysis.streams import AccessStream, CacheError
+from coldset.core.shapes import ShapeError, get_weight_format
 
 
 LINK_MODES = ("fifo", "priority", "share")  # serve_link's mode numbers: the index
+#: Copies each of the link's two queues holds before :func:`grow_queues` doubles them.
+QUEUE_SLOTS = 1024
 
 
 @jit
-def serve_link(until, target, link_t, remaining, done, dq, dhead, pq, phead, mode, share):
+def land(q, slot, new_t, qc, qx, qz, done, latest, decoder):
+    """Copy ``qc[q, slot]`` (of instance ``qx[q, slot]``) has crossed the link at ``new_t``: a
+    compressed one (``qz``) is decoded after it and after the previous decode (``decoder``:
+    [decode ms, the decoder's free time]); the instance is usable then, if this is its latest copy."""
+    ready = new_t
+    if qz[q, slot]:
+        ready = max(new_t, decoder[1]) + decoder[0]
+        decoder[1] = ready
+    x = qx[q, slot]
+    if latest[x] == qc[q, slot]:
+        done[x] = ready
+
+
+@jit
+def serve_link(until, target, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share):
     """Advance the link from ``link_t``: up to time ``until`` (``target < 0``; the queues empty
-    first: the link idles until then, or stays where it is when ``until`` is inf) or until copy
-    ``target`` has landed. ``dhead`` / ``phead``: [head, tail] of the demand / prefetch queues.
-    Modes: 0 fifo (everything in the demand queue), 1 priority (the demand queue's head whenever
-    it has one: a prefetch pauses), 2 share (both heads at once, demand at ``share`` of the rate).
-    Returns the new ``link_t``."""
+    first: the link idles until then, or stays where it is when ``until`` is inf) or until instance
+    ``target``'s latest copy has landed (``done[target]`` set). The two queues (row 0 demand, row
+    1 prefetch) are rings: ``qc`` copy id, ``qx`` instance, ``qr`` the part of its link time left,
+    ``qz`` decoded after landing, entry ``j`` of row ``q`` at ``j & (slots - 1)``, ``qh[q]`` =
+    [head, tail]. Modes: 0 fifo (everything in the demand queue), 1 priority (the demand queue's
+    head whenever it has one: a prefetch pauses), 2 share (both heads at once, demand at ``share``
+    of the rate). Returns the new ``link_t``."""
+    mask = qc.shape[1] - 1
     while True:
         if target >= 0:
             if done[target] != np.inf:
                 return link_t
         elif link_t >= until:
             return link_t
-        has_d = dhead[0] < dhead[1]
-        has_p = phead[0] < phead[1]
+        has_d = qh[0, 0] < qh[0, 1]
+        has_p = qh[1, 0] < qh[1, 1]
         if not has_d and not has_p:
             return link_t if until == np.inf or target >= 0 else until
         rd = 0.0
@@ -54,76 +74,123 @@ def serve_link(until, target, link_t, remaining, done, dq, dhead, pq, phead, mod
             rd = 1.0
         else:
             rp = 1.0
-        cd = dq[dhead[0]] if has_d else -1
-        cp = pq[phead[0]] if has_p else -1
-        td = remaining[cd] / rd if rd > 0 else np.inf
-        tp = remaining[cp] / rp if rp > 0 else np.inf
+        sd = qh[0, 0] & mask
+        sp = qh[1, 0] & mask
+        td = qr[0, sd] / rd if rd > 0 else np.inf
+        tp = qr[1, sp] / rp if rp > 0 else np.inf
         dt = min(td, tp)
         if target < 0:
             dt = min(dt, until - link_t)
         new_t = link_t + dt
         if rd > 0:
             if td <= dt:
-                remaining[cd] = 0.0
-                done[cd] = new_t
-                dhead[0] += 1
+                qr[0, sd] = 0.0
+                land(0, sd, new_t, qc, qx, qz, done, latest, decoder)
+                qh[0, 0] += 1
             else:
-                remaining[cd] -= rd * dt
+                qr[0, sd] -= rd * dt
         if rp > 0:
             if tp <= dt:
-                remaining[cp] = 0.0
-                done[cp] = new_t
-                phead[0] += 1
+                qr[1, sp] = 0.0
+                land(1, sp, new_t, qc, qx, qz, done, latest, decoder)
+                qh[1, 0] += 1
             else:
-                remaining[cp] -= rp * dt
+                qr[1, sp] -= rp * dt
         link_t = new_t
 
 
 @jit
-def replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy_ms, mode, share, join_step,
-                 n_inst):
-    """The compute clock and the link queue through a replay's decisions (see :func:`simulate_time`).
-    Returns (total ms, stall ms, steps, copies)."""
+def grow_queues(qc, qx, qr, qz, qh, need):
+    """The rings with room for ``need`` more entries in each queue: the same arrays where they have
+    it, else new ones of a power-of-two size with each queue's entries from slot 0."""
+    slots = qc.shape[1]
+    used = max(qh[0, 1] - qh[0, 0], qh[1, 1] - qh[1, 0])
+    if used + need <= slots:
+        return qc, qx, qr, qz
+    new = slots
+    while used + need > new:
+        new *= 2
+    nc = np.empty((2, new), dtype=qc.dtype)
+    nx = np.empty((2, new), dtype=qx.dtype)
+    nr = np.empty((2, new), dtype=qr.dtype)
+    nz = np.empty((2, new), dtype=qz.dtype)
+    mask = slots - 1
+    for q in range(2):
+        n = qh[q, 1] - qh[q, 0]
+        for j in range(n):
+            old = (qh[q, 0] + j) & mask
+            nc[q, j] = qc[q, old]
+            nx[q, j] = qx[q, old]
+            nr[q, j] = qr[q, old]
+            nz[q, j] = qz[q, old]
+        qh[q, 0] = 0
+        qh[q, 1] = n
+    return nc, nx, nr, nz
+
+
+@jit
+def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms, mode, share, join_step, n_inst,
+                fill_ms, decode_ms, admitted, slots):
+    """The compute clock and the link queue through a replay's decisions (see :func:`simulate_time`),
+    in memory of the instances and the copies in flight (rings of ``slots`` entries at first, a power
+    of two, doubled as needed). A demand copy takes ``copy_ms`` of the link, or where ``admitted``
+    (bool ``[N]``, non-empty: the compressed tier) marks its selection ``fill_ms`` and then
+    ``decode_ms`` on the decoder; a prefetch (always a fill) takes ``fill_ms``, then ``decode_ms``
+    where ``admitted`` is non-empty. Returns (total ms, stall ms, steps, copies, decoded copies)."""
     n_groups = ptr.size - 1
     width = issued.shape[1]
-    n_copies = 0
-    for g in range(n_groups):
-        n_copies += (ptr[g + 1] - ptr[g]) + width
-    remaining = np.zeros(n_copies + 1, dtype=np.float64)
-    done = np.full(n_copies + 1, np.inf)
-    dq = np.empty(n_copies + 1, dtype=np.int64)  # demand copies (every copy in fifo mode)
-    pq = np.empty(n_copies + 1, dtype=np.int64)  # prefetch copies
-    dhead = np.zeros(2, dtype=np.int64)
-    phead = np.zeros(2, dtype=np.int64)
+    compressed = admitted.size > 0
+    qc = np.empty((2, slots), dtype=np.int64)
+    qx = np.empty((2, slots), dtype=np.int64)
+    qr = np.empty((2, slots), dtype=np.float64)
+    qz = np.zeros((2, slots), dtype=np.bool_)
+    qh = np.zeros((2, 2), dtype=np.int64)  # row 0 demand copies (every copy in fifo mode), row 1 prefetches
+    done = np.full(n_inst, np.inf)  # when each instance's latest copy is usable
     latest = np.full(n_inst, -1, dtype=np.int64)
     seen = np.zeros(n_inst, dtype=np.bool_)
+    decoder = np.zeros(2, dtype=np.float64)
+    decoder[0] = decode_ms
     nc = 0
+    n_decoded = 0
     t = 0.0
     link_t = 0.0
     stall = 0.0
     steps = 0
+    prev_layer = -1
+    pq = 0 if mode == 0 else 1
     for g in range(n_groups):
-        if new_step[g]:
-            if g > 0:
-                if join_step:  # the previous step's end waits for every copy issued so far
-                    link_t = serve_link(np.inf, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
-                    if link_t > t:
-                        stall += link_t - t
-                        t = link_t
-                t += head_ms
-            steps += 1
-        t += pre_ms
-        link_t = serve_link(t, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
         s = ptr[g]
         e = ptr[g + 1]
+        layer = ids[s] // n_exp
+        if g == 0 or layer <= prev_layer:  # a new step where the MoE layer index does not rise
+            if g > 0:
+                if join_step:  # the previous step's end waits for every copy issued so far
+                    link_t = serve_link(np.inf, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+                    end = max(link_t, decoder[1])
+                    if end > t:
+                        stall += end - t
+                        t = end
+                t += head_ms
+            steps += 1
+        prev_layer = layer
+        t += pre_ms
+        link_t = serve_link(t, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+        qc, qx, qr, qz = grow_queues(qc, qx, qr, qz, qh, (e - s) + width)
+        mask = qc.shape[1] - 1
         for i in range(s, e):  # demand copies: each distinct missed instance, first occurrence order
             x = ids[i]
             if not hit[i] and not seen[x]:
                 seen[x] = True
-                remaining[nc] = copy_ms
+                j = qh[0, 1] & mask
+                fill = compressed and admitted[i]
+                qc[0, j] = nc
+                qx[0, j] = x
+                qr[0, j] = fill_ms if fill else copy_ms
+                qz[0, j] = fill
+                qh[0, 1] += 1
                 latest[x] = nc
-                dq[dhead[1]] = nc
-                dhead[1] += 1
+                done[x] = np.inf
+                n_decoded += fill
                 nc += 1
         for i in range(s, e):
             seen[ids[i]] = False
@@ -131,34 +198,36 @@ def replay_time(ids, ptr, hit, issued, new_step, pre_ms, post_ms, head_ms, copy_
             x = issued[g, q]
             if x < 0:
                 continue
-            remaining[nc] = copy_ms
+            j = qh[pq, 1] & mask
+            qc[pq, j] = nc
+            qx[pq, j] = x
+            qr[pq, j] = fill_ms
+            qz[pq, j] = compressed
+            qh[pq, 1] += 1
             latest[x] = nc
-            if mode == 0:
-                dq[dhead[1]] = nc
-                dhead[1] += 1
-            else:
-                pq[phead[1]] = nc
-                phead[1] += 1
+            done[x] = np.inf
+            n_decoded += compressed
             nc += 1
         ready = t
-        for i in range(s, e):  # the experts start when every selected instance's copy has landed
-            c = latest[ids[i]]
-            if c < 0:
+        for i in range(s, e):  # the experts start when every selected instance's copy is usable
+            x = ids[i]
+            if latest[x] < 0:
                 continue
-            if done[c] == np.inf:
-                link_t = serve_link(np.inf, c, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
-            if done[c] > ready:
-                ready = done[c]
+            if done[x] == np.inf:
+                link_t = serve_link(np.inf, x, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+            if done[x] > ready:
+                ready = done[x]
         stall += ready - t
         t = ready + post_ms
     if n_groups > 0:
         if join_step:
-            link_t = serve_link(np.inf, -1, link_t, remaining, done, dq, dhead, pq, phead, mode, share)
-            if link_t > t:
-                stall += link_t - t
-                t = link_t
+            link_t = serve_link(np.inf, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+            end = max(link_t, decoder[1])
+            if end > t:
+                stall += end - t
+                t = end
         t += head_ms
-    return t, stall, steps, nc
+    return t, stall, steps, nc, n_decoded
 
 
 @dataclass(frozen=True)
@@ -184,7 +253,15 @@ class TimeModel:
     decision and fill launches, cross-stream waits), paid at the group's decisions whether or not
     anything is copied: :func:`manage_ms_per_group` measures it from the policy's residency-1.0
     step, where every selection hits. Without it a policy whose decisions cost time (``lookahead``,
-    BENCHMARKS.md section 4) is simulated fast."""
+    BENCHMARKS.md section 4) is simulated fast.
+
+    ``compressed_ratio`` and ``decode_gb_s`` (both or neither; default neither: the raw host
+    tier): slot fills (admitted demand misses and prefetches) come from the compressed host tier,
+    ``compressed_ratio`` x ``bytes_per_expert`` over the link, and the slot is usable only after
+    its decode (``bytes_per_expert`` out at ``decode_gb_s``, beside the compute), one decode at a
+    time in landing order, each after its copy and the previous decode
+    (:func:`coldset.analysis.speed.compressed_fill_s`' model); reads in place (misses not
+    admitted, and ``static``'s cold reads) stay raw: a kernel cannot read coded weights."""
 
     step_ms: float
     bytes_per_expert: int
@@ -195,8 +272,16 @@ class TimeModel:
     join: str = "use"
     demand_share: float = 0.8
     manage_ms: float = 0.0
+    compressed_ratio: float | None = None
+    decode_gb_s: float | None = None
 
     def __post_init__(self) -> None:
+        if (self.compressed_ratio is None) != (self.decode_gb_s is None):
+            raise CacheError(f"TimeModel: compressed_ratio and decode_gb_s go together (the compressed host tier), "
+                             f"got {self.compressed_ratio}, {self.decode_gb_s}")
+        if self.compressed and not (self.compressed_ratio > 0 and self.decode_gb_s > 0):
+            raise CacheError(f"TimeModel: compressed_ratio and decode_gb_s must be > 0, got {self.compressed_ratio}, "
+                             f"{self.decode_gb_s}")
         if not (self.step_ms > 0 and self.link_gb_s > 0 and self.bytes_per_expert > 0):
             raise CacheError(f"TimeModel: step_ms, link_gb_s and bytes_per_expert must be > 0, got {self.step_ms}, "
                              f"{self.link_gb_s}, {self.bytes_per_expert}")
@@ -212,8 +297,24 @@ class TimeModel:
                              f"{self.link!r}, {self.demand_share}")
 
     @property
+    def compressed(self) -> bool:
+        """Slot fills come from the compressed host tier."""
+        return self.compressed_ratio is not None
+
+    @property
     def copy_ms(self) -> float:
+        """One raw copy's link time."""
         return self.bytes_per_expert / (self.link_gb_s * 1e9) * 1e3
+
+    @property
+    def fill_ms(self) -> float:
+        """One slot fill's link time: the compressed record's where the tier is compressed."""
+        return self.copy_ms * self.compressed_ratio if self.compressed else self.copy_ms
+
+    @property
+    def decode_ms(self) -> float:
+        """One slot fill's decode time (0 on the raw tier)."""
+        return self.bytes_per_expert / (self.decode_gb_s * 1e9) * 1e3 if self.compressed else 0.0
 
     def lead_unit(self, num_moe_layers: int) -> int:
         """The prefetch gate's measure of a group's compute under this model
@@ -225,7 +326,9 @@ class TimeModel:
 class TimeStats:
     """A replay's simulated time (per step of the stream's batch; per token = per step / batch).
 
-    ``bound_ms = max(allhbm_ms, link ms per step)``; ``bound_fraction = bound_ms / step_ms``;
+    ``bound_ms = max(allhbm_ms, link ms per step, decode ms per step)`` (the link's time of the
+    bytes it carried: compressed records where the tier is compressed; the decoder's work, 0 on the
+    raw tier); ``bound_fraction = bound_ms / step_ms``;
     ``overlap = 1 - (step_ms - allhbm_ms) / link ms per step`` (NaN without link traffic): 1 when
     every copy hides under the compute, 0 when the link time adds to it in series."""
 
@@ -253,33 +356,50 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
     start when every copy of an instance it selects has landed, the last of its own demand copies
     and any earlier copy still crossing (a late prefetch is a hit that saves only part of a copy);
     the wait is the stall. A new step starts where the stream's MoE layer index does not rise (as
-    :func:`coldset.analysis.simulate.simulate`'s commit)."""
+    :func:`coldset.analysis.simulate.simulate`'s commit). With the compressed tier
+    (:attr:`TimeModel.compressed`) a slot fill is usable after its decode, and ``result`` must
+    carry ``victims`` (``simulate(..., record_victims=True)``): they tell the admitted misses
+    (fills) from the reads in place. Memory: the stream, the result and a few arrays per instance
+    and per copy in flight (the loop keeps no array per selection or per copy)."""
     if result.hit.size != stream.instances.size or result.fills.size != stream.num_groups:
         raise CacheError("simulate_time: the result is not a replay of this stream")
+    admitted = np.zeros(0, dtype=bool)
+    if model.compressed:
+        if result.victims is None:
+            raise CacheError("simulate_time: the compressed tier needs the replay's victims (simulate with "
+                             "record_victims=True) to tell slot fills from reads in place")
+        admitted = result.victims >= 0
     ids, ptr = stream.instances, stream.group_ptr
-    L = stream.num_moe_layers
     issued = result.issued if result.issued is not None else np.zeros((stream.num_groups, 0), np.int64)
-    layer = ids[ptr[:-1]] // stream.num_experts if ids.size else np.zeros(0, np.int64)
-    new_step = np.r_[True, layer[1:] <= layer[:-1]] if layer.size else np.zeros(0, bool)
-    per_layer = model.step_ms * (1 - model.head_share) / L
-    total, stall, steps, copies = replay_time(
-        ids, ptr, result.hit, np.ascontiguousarray(issued, dtype=np.int64), new_step,
+    if not np.issubdtype(issued.dtype, np.signedinteger):
+        raise CacheError(f"simulate_time: the result's issued lists must be signed integers, got {issued.dtype}")
+    per_layer = model.step_ms * (1 - model.head_share) / stream.num_moe_layers
+    total, stall, steps, copies, decoded = replay_time(
+        ids, ptr, result.hit, np.ascontiguousarray(issued), stream.num_experts,
         per_layer * model.router_share + model.manage_ms, per_layer * (1 - model.router_share),
-        model.step_ms * model.head_share,
-        model.copy_ms, LINK_MODES.index(model.link), float(model.demand_share),
-        model.join == "step", stream.num_instances)
-    total, stall, copies = float(total), float(stall), int(copies)
+        model.step_ms * model.head_share, model.copy_ms, LINK_MODES.index(model.link), float(model.demand_share),
+        model.join == "step", stream.num_instances, model.fill_ms, model.decode_ms, admitted, QUEUE_SLOTS)
+    total, stall, copies, decoded = float(total), float(stall), int(copies), int(decoded)
     st = result.stats()
     if copies != st.fills + st.prefetches:
         raise CacheError(f"simulate_time: {copies} copies timed, the replay counted {st.fills + st.prefetches}")
     tokens = max(stream.tokens, 1)
     steps = max(int(steps), 1)
     step = total / steps
-    link_ms = copies * model.copy_ms / steps
-    bound = max(model.step_ms, link_ms)
+    if model.compressed:
+        ratio = model.compressed_ratio
+        link_ms = ((copies - decoded) * model.copy_ms + decoded * model.fill_ms) / steps
+        link_bytes = ((copies - decoded) + decoded * ratio) * model.bytes_per_expert
+        wasted_bytes = st.wasted_prefetches * ratio * model.bytes_per_expert
+        bound = max(model.step_ms, link_ms, decoded * model.decode_ms / steps)
+    else:
+        link_ms = copies * model.copy_ms / steps
+        link_bytes = copies * model.bytes_per_expert
+        wasted_bytes = st.wasted_prefetches * model.bytes_per_expert
+        bound = max(model.step_ms, link_ms)
     return TimeStats(step, model.step_ms, bound, bound / step, 1 - (step - model.step_ms) / link_ms if copies else
-                     float("nan"), stall / tokens, copies * model.bytes_per_expert / tokens / 1e9,
-                     st.wasted_prefetches * model.bytes_per_expert / tokens / 1e9, steps, stream.tokens)
+                     float("nan"), stall / tokens, link_bytes / tokens / 1e9, wasted_bytes / tokens / 1e9, steps,
+                     stream.tokens)
 
 
 def manage_ms_per_group(full_step_ms: float, allhbm_step_ms: float, num_moe_layers: int) -> float:
@@ -323,3 +443,38 @@ def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[i
     if not out:
         raise CacheError("cache.time.steps: at least one (batch, all_hbm_step_ms) entry")
     return out
+
+
+#: Compressed over raw bytes of one expert per format, the codec on synthetic weights drawn as trained
+#: ones are (Gaussian, std 1/sqrt(fan_in), Qwen3-30B-A3B's expert shape; scripts/codec_ratios.py).
+DEFAULT_COMPRESSED_RATIOS = {"bfloat16": 0.6757, "fp8_block128": 0.8463, "mxfp4": 0.9574}
+
+
+def compressed_tier(spec: Mapping[str, Any] | None, weight_format: str) -> tuple[float, float] | None:
+    """``(compressed_ratio, decode_gb_s)`` of :class:`TimeModel` for experts in ``weight_format`` from
+    the config's ``cache.compressed_tier`` (``{decode_gb_s, ratios: {format: ratio}}``, the ratios
+    defaulting to :data:`DEFAULT_COMPRESSED_RATIOS`); None where ``spec`` is None (the raw tier)."""
+    if spec is None:
+        return None
+    unknown = sorted(set(spec) - {"decode_gb_s", "ratios"})
+    if unknown or "decode_gb_s" not in spec:
+        raise CacheError(f"cache.compressed_tier: keys decode_gb_s (required) and ratios, got {sorted(spec)}")
+    try:
+        fmt = get_weight_format(weight_format).name
+        given = spec.get("ratios") or DEFAULT_COMPRESSED_RATIOS
+        ratios = {get_weight_format(k).name: float(v) for k, v in given.items()}
+    except ShapeError as e:
+        raise CacheError(f"cache.compressed_tier.ratios: {e}") from None
+    if fmt not in ratios:
+        raise CacheError(f"cache.compressed_tier.ratios: no ratio for the experts' format {fmt!r} (given: "
+                         f"{', '.join(sorted(ratios))})")
+    ratio, decode = ratios[fmt], float(spec["decode_gb_s"])
+    if not (ratio > 0 and decode > 0):
+        raise CacheError(f"cache.compressed_tier: the ratio of {fmt} and decode_gb_s must be > 0, got {ratio}, "
+                         f"{decode}")
+    return ratio, decode
+
+
+def with_compressed_tier(model: TimeModel, tier: tuple[float, float]) -> TimeModel:
+    """``model`` with slot fills from the compressed host tier ``(compressed_ratio, decode_gb_s)``."""
+    return replace(model, compressed_ratio=float(tier[0]), decode_gb_s=float(tier[1]))

@@ -100,7 +100,7 @@ class CachePolicy:
     def replay(self, stream: AccessStream, warm: np.ndarray, counts: np.ndarray, lists: np.ndarray | None,
                budget: int | None, victims: np.ndarray | None, lead_unit: int = DEFAULT_LEAD_UNIT) -> Replay:
         """Replay ``stream`` from the warm pool ``warm`` (instance ids, first victim first);
-        ``counts`` float64 ``[L * E]`` the profile counts; ``lists`` int64 ``[G, W]`` the checked
+        ``counts`` float64 ``[L * E]`` the profile counts; ``lists`` int32 or int64 ``[G, W]`` the checked
         prefetch lists (policies with ``lists`` only); ``victims`` int64 ``[N]`` filled with -1, to
         record at each admitted selection the instance it evicted (None: not recorded);
         ``lead_unit``: the prefetch gate's (:func:`prefetch_lead_unit`; ``gated`` policies only)."""
@@ -112,10 +112,18 @@ def recording(victims: np.ndarray | None) -> tuple[bool, np.ndarray]:
     return victims is not None, victims if victims is not None else np.zeros(0, dtype=np.int64)
 
 
+def list_dtype(num_instances: int) -> type:
+    """The integer type of prefetch lists naming ``num_instances`` instances: int32 (half the
+    memory of a large trace's lists), int64 past its range."""
+    return np.int32 if num_instances <= np.iinfo(np.int32).max else np.int64
+
+
 def check_lists(stream: AccessStream, lists: np.ndarray, kind: str) -> np.ndarray:
-    """``lists`` as int64 ``[G, W]`` after checking it against ``stream`` and the policy's ``kind``
-    (:data:`OWN_LAYER` or :data:`LATER_LAYER`)."""
-    pred = np.ascontiguousarray(lists, dtype=np.int64)
+    """``lists`` as a C-contiguous int32 or int64 ``[G, W]`` (other integer types as int64) after
+    checking it against ``stream`` and the policy's ``kind`` (:data:`OWN_LAYER` or
+    :data:`LATER_LAYER`)."""
+    pred = np.asarray(lists)
+    pred = np.ascontiguousarray(pred, dtype=pred.dtype if pred.dtype in (np.int32, np.int64) else np.int64)
     n_inst = stream.num_instances
     if pred.ndim != 2 or pred.shape[0] != stream.num_groups:
         raise CacheError(f"predictions: one row per group expected ({stream.num_groups}), got {pred.shape}")

@@ -179,7 +179,8 @@ def cache(ctx: StageContext, **_) -> None:
               domain_weights=_domain_weights(ctx), weight_format=experts_format(ctx),
               heldout_fraction=ctx.stats["heldout_fraction"],
               locality_json=layout.stats_dir / "locality.json", time=cc["time"],
-              prefetch_budget=cc["prefetch_budget"], nexttoken_extra=cc["nexttoken_extra"])
+              prefetch_budget=cc["prefetch_budget"], nexttoken_extra=cc["nexttoken_extra"],
+              compressed=cc.get("compressed_tier"))
 
 
 def _tuned_activation(cfg):
