@@ -12,7 +12,9 @@ parts too small to carry a decode table, are stored raw), so a fill copies one r
 A fill (:func:`fill_slots`) copies an expert's record into a device staging buffer with one copy
 and decodes each part into the destination slot's rows (the Triton decoder on CUDA, the torch
 decoder on the CPU); raw parts are copied byte for byte. The slot then holds exactly the bytes a
-raw fill would have copied: every output stays bitwise the unmodified path's.
+raw fill would have copied: every output stays bitwise the unmodified path's. Inside the captured
+decode step the slot cache's fills are listed on the device instead
+(:mod:`coldset.kernels.triton_codec_fill`), reading the descriptor tables built here with the tier.
 
 Coded weights cannot be read in place (a kernel reads a weight element by address, a coded stream
 has no addresses). So the two tiers serve different placements: a placement whose cold experts are
@@ -285,7 +287,8 @@ def fill_slots(tier: CompressedHostTier, pools: ExpertPools, host_rows: Sequence
     of expert ``i + 1`` overlaps the decode of expert ``i`` (the timeline of
     :func:`coldset.analysis.speed.compressed_fill_s`); the current stream waits for every copy
     before it returns, and no host synchronisation is made, so a CUDA graph can capture a fill.
-    Host indices, so this is not the captured step's device-decided fill."""
+    Host indices: the captured step's fills, decided on the device, are
+    :func:`coldset.kernels.triton_codec_fill.fill_listed`'s."""
     tier.check_fills(pools)
     if len(host_rows) != len(slots):
         raise CompressedTierError(f"fill_slots: {len(host_rows)} host rows for {len(slots)} slots")

@@ -72,7 +72,7 @@ def _copy_records_kernel(data_ptr, record_ptr, inst_ptr, count_ptr, stage_ptr, s
             first = tl.load(record_ptr + inst * 2)
             words = tl.load(record_ptr + inst * 2 + 1)
             src = data_ptr + first
-            dst = stage_ptr + j * stage_words
+            dst = stage_ptr + tl.cast(j, tl.int64) * stage_words
             for start in range(0, stage_words, NP * BLOCK):
                 offs = start + pid * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < words
@@ -134,7 +134,7 @@ def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage
             slot = tl.load(slots_ptr + j).to(tl.int64)
             desc = part_ptr + (inst * num_parts + p) * 5
             coded = tl.load(desc)
-            base = j * stage_bytes
+            base = tl.cast(j, tl.int64) * stage_bytes  # the staging's byte offsets may pass 2**31
             dst = dst_ptr + slot * numel
             if KIND == 0:
                 src = stage_el + (base + tl.load(desc + 1)) // 2

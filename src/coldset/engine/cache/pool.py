@@ -346,11 +346,12 @@ class SlotCache:
         """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
         (:meth:`route`): the kernel path, a decode group, a policy whose decisions run there
         (every built-in one: ``lru``/``lfu``/``nexttoken`` record the group there, ``lookahead``
-        makes its whole decision there) and a fill that is a plain copy: with a compressed tier the
-        groups are decided off the router (the same decisions), because the fused launch that
-        chooses the victims also copies the raw rows."""
+        makes its whole decision there). With a compressed tier only ``lookahead``'s: its fused
+        route fills through :func:`coldset.kernels.triton_slots.fill`, which decodes; the others'
+        fused fill chooses the victims and copies the raw rows in one launch, so their groups are
+        decided off the router (the same decisions, one launch more a layer)."""
         return (self.use_kernel and self.rules.routes and num_tokens <= self.max_tokens
-                and self.compressed is None)
+                and (self.compressed is None or self.policy == "lookahead"))
 
     def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
         """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
