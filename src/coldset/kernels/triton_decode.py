@@ -637,14 +637,15 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
                   layer, row_map_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr,
                   hist_cap, new_ptr, m_ptr,
                   owner_ptr, victims_ptr, C, inflight_ptr, new_step, fw_ptr, fc_ptr, target, pf_victims_ptr,
-                  pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
+                  pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, guard, gate_ptr, L, WM, lead_unit, gate_on,
                   M: tl.constexpr, MP: tl.constexpr,
                   H: tl.constexpr, HP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
                   PDL: tl.constexpr, RECORD: tl.constexpr, TRIGGER: tl.constexpr,
                   LOOKAHEAD: tl.constexpr = False, FORECAST: tl.constexpr = False, SCAN: tl.constexpr = 2,
                   MV: tl.constexpr = 2, TP: tl.constexpr = 2, WP: tl.constexpr = 2, MPV: tl.constexpr = 2,
-                  ZB: tl.constexpr = 2, NI: tl.constexpr = 2):
+                  ZB: tl.constexpr = 2, NI: tl.constexpr = 2, WMP: tl.constexpr = 2, COPY: tl.constexpr = 1,
+                  SHIFT: tl.constexpr = 1):
     dt = h_ptr.dtype.element_ty
     if PDL and not TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -725,8 +726,9 @@ def _route_kernel(x_ptr, nw_ptr, w_ptr, h_ptr, logit_ptr, count_ptr, ids_ptr, wt
             ahead_group(lanes, sel, valid, M * K, layer, scalars, 0,
                         row_map_ptr, owner_ptr, last_use_ptr, use_count_ptr, tick_ptr, totals_ptr, history_ptr,
                         groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, fc_ptr, M,
-                        target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV,
-                        FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, False, False)
+                        target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, guard,
+                        gate_ptr, L, WM, lead_unit, gate_on, E, SCAN, MV, FORECAST, K, KP, TP, EP, WP, MPV, ZB, NI, WMP,
+                        COPY, SHIFT, False, False)
 
 
 def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor, top_k: int,
@@ -797,7 +799,7 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
     if ahead is not None:
         if record is not None:
             raise ValueError("route: record and ahead are two policies' decisions; give one")
-        if len(ahead) != 3 or len(ahead[0]) != 11 or len(ahead[1]) != 14:
+        if len(ahead) != 3 or len(ahead[0]) != 11 or len(ahead[1]) != 20:
             raise ValueError("route: ahead must be triton_slots.route_ahead_args(...) (record, ahead, sizes)")
         record, extra, sizes = ahead
         fw, fc = extra[5], extra[6]
@@ -814,7 +816,7 @@ def route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: t
             if cap is not None:
                 meta["maxnreg"] = cap
     else:
-        extra = (counter, counter, 0, counter, 0, counter, counter, 0) + (counter,) * 5 + (0,)
+        extra = (counter, counter, 0, counter, 0, counter, counter, 0) + (counter,) * 5 + (0, 0, counter, 0, 0, 0, 0)
     if m:
         rec = record if record is not None else (0,) + (counter,) * 7 + (1, counter, counter)
         _route_kernel[(triton.cdiv(num_experts, block_e), m)](

@@ -592,6 +592,57 @@ def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr
 
 
 @triton.jit
+def _gate_judge(layer, chosen, col, gate_ptr, want_ptr, want_n_ptr, want_group_ptr, group_index_ptr, lead_unit,
+                WM, E: tl.constexpr, WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr):
+    """The prefetch gate at a group of ``layer`` (the rules of
+    :func:`coldset.analysis.policies.base.prefetch_lead_unit`; the torch path's
+    :meth:`coldset.engine.cache.policy.PrefetchingPolicy.gate`): the pending list for ``layer``
+    (``want_ptr`` row ``layer``, ``WM`` wide) judged against the group's experts ``chosen`` (bool
+    over ``col``), the running sums at ``gate_ptr`` decayed and updated where one was pending, and
+    the list no longer pending. Returns the group's index (``group_index_ptr``, not advanced) and
+    whether the gate is open (``a2 >= a0 - a1``)."""
+    q = tl.arange(0, WMP)
+    wn = tl.load(want_n_ptr + layer)
+    wg = tl.load(want_group_ptr + layer)
+    gi = tl.load(group_index_ptr)
+    wl = tl.load(want_ptr + layer * WM + q, mask=q < WM, other=-1) - layer * E
+    hitq = tl.sum(((wl[:, None] == col[None, :]) & chosen[None, :]).to(tl.int32), axis=1) > 0
+    useful = tl.sum(((q < wn) & hitq).to(tl.int64), axis=0)
+    save = tl.minimum((gi - wg) * lead_unit, COPY)
+    a0 = tl.load(gate_ptr)
+    a1 = tl.load(gate_ptr + 1)
+    a2 = tl.load(gate_ptr + 2)
+    if wg >= 0:
+        a0 = a0 - (a0 >> SHIFT) + wn * COPY
+        a1 = a1 - (a1 >> SHIFT) + useful * COPY
+        a2 = a2 - (a2 >> SHIFT) + useful * save
+        tl.store(gate_ptr, a0)
+        tl.store(gate_ptr + 1, a1)
+        tl.store(gate_ptr + 2, a2)
+    tl.debug_barrier()  # every read of the pending list is done before it is overwritten
+    tl.store(want_group_ptr + layer, tl.where(wg >= 0, -1, wg))
+    return gi, a2 >= a0 - a1
+
+
+@triton.jit
+def _gate_keep(target, want, wrank, linst, gi, want_ptr, want_n_ptr, want_group_ptr, WM):
+    """The group's list's wanted lanes (``want``, ranked ``wrank`` in list order, instances
+    ``linst``) kept as the pending list for layer ``target`` (the layer it forecasts), listed by
+    group ``gi``."""
+    nw = tl.sum(want.to(tl.int32), axis=0)
+    tl.store(want_ptr + target * WM + wrank, linst, mask=want & (wrank < WM))
+    tl.store(want_n_ptr + target, nw.to(tl.int64))
+    tl.store(want_group_ptr + target, gi)
+
+
+@triton.jit
+def _gate_views(gate_ptr, L):
+    """lookahead's gate state, one int64 buffer (:meth:`coldset.engine.cache.policy.PrefetchingPolicy.init_lists`'s
+    layout): ``(sums [3], group index [1], want_n [L], want_group [L], want [L, WM])`` pointers."""
+    return gate_ptr, gate_ptr + 3, gate_ptr + 4, gate_ptr + 4 + L, gate_ptr + 4 + 2 * L
+
+
+@triton.jit
 def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, bar, n, owner_ptr, last_use_ptr, inflight_ptr,
                       row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C,
                       tag_ptr, pf_tag_ptr, LAYER_BOUND, E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr,
@@ -740,29 +791,39 @@ def _forecast_list(v, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E:
 
 
 @triton.jit
-def _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr,
-                    pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E: tl.constexpr, SCAN: tl.constexpr,
-                    MPV: tl.constexpr):
+def _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
+                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, gate_on,
+                    E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
     """lookahead's prefetch of a group's list (``linst`` the lanes' instances, ``fp`` their first
     occurrences, ``lrow`` their row-map entries after the group's demand commit): the listed
-    instances not resident, in list order, into victims of layers ``<= layer`` (:func:`_issue_prefetches`)."""
+    instances not resident, in list order, kept as the gate's pending list for layer ``target``
+    (:func:`_gate_keep`) and, while the gate is open (its sums after :func:`ahead_group`'s judgement;
+    always without ``gate_on``), prefetched into victims of layers ``<= layer`` not guarded (last use
+    before ``max(t0 - guard, 0)``: ``lru_guard``'s bar) (:func:`_issue_prefetches`)."""
     want = fp & (lrow < 0)
     wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
     nwant = tl.sum(want.to(tl.int32), axis=0)
-    if nwant > 0:
-        tl.debug_barrier()  # the record's recency and the in-flight clearing are visible to the scan
-    _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, t0, n, owner_ptr, last_use_ptr, inflight_ptr,
-                      row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, pf_m_ptr, pf_m_ptr,
-                      layer, E, SCAN, MPV, False)
+    tl.debug_barrier()  # the record's recency, the in-flight clearing and the gate's sums are visible
+    g_sums, g_index, g_want_n, g_want_group, g_want = _gate_views(gate_ptr, L)
+    a0 = tl.load(g_sums)
+    a1 = tl.load(g_sums + 1)
+    a2 = tl.load(g_sums + 2)
+    _gate_keep(target, want, wrank, linst, tl.load(g_index) - 1, g_want, g_want_n, g_want_group, WM)
+    nwant = tl.where((a2 >= a0 - a1) | (gate_on == 0), nwant, 0)
+    _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, tl.maximum(t0 - guard, 0), n, owner_ptr,
+                      last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow,
+                      C, pf_m_ptr, pf_m_ptr, layer, E, SCAN, MPV, False)
 
 
 @triton.jit
 def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner_ptr, last_use_ptr, count_ptr,
                 tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C, inflight_ptr,
                 new_step, logits_ptr, n_tok, target, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr,
-                width, E: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
+                width, guard, gate_ptr, L, WM, lead_unit, gate_on, E: tl.constexpr, SCAN: tl.constexpr,
+                MV: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr,
                 KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr,
-                ZB: tl.constexpr, NI: tl.constexpr, WAIT_LOGITS: tl.constexpr, LIST: tl.constexpr = True):
+                ZB: tl.constexpr, NI: tl.constexpr, WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr,
+                WAIT_LOGITS: tl.constexpr, LIST: tl.constexpr = True):
     """``lookahead``'s whole decision for one group (``ids``: one selection per lane, ``sel`` its
     index in the group, ``valid`` masks padding lanes; ``scalars``: :func:`group_scalars`' values),
     in one program: the group's record, the new step's in-flight clearing, the demand victims with
@@ -799,12 +860,19 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
         for z in range(0, NI, ZB):
             zo = z + tl.arange(0, ZB)
             tl.store(inflight_ptr + zo, tl.zeros((ZB,), dtype=tl.uint8), mask=zo < NI)
+    # the gate: the pending list for this layer judged against the group's experts; the group counted
+    col = tl.arange(0, EP)
+    chosen = tl.max(((ids[:, None] == col[None, :]) & valid[:, None]).to(tl.int32), axis=0) > 0
+    g_sums, g_index, g_want_n, g_want_group, g_want = _gate_views(gate_ptr, L)
+    gi, _ = _gate_judge(layer, chosen, col, g_sums, g_want, g_want_n, g_want_group, g_index, lead_unit, WM, E, WMP,
+                        COPY, SHIFT)
+    tl.store(g_index, gi + 1)
     if m > 0:
-        # Demand victims: least recent slot neither used by the group nor in flight; a miss beyond
-        # them is read in place (not admitted).
+        # Demand victims: least recent slot neither used by the group, nor in flight, nor guarded
+        # (lru_guard's bar); a miss beyond them is read in place (not admitted).
         tl.debug_barrier()  # the group's recency, the missed list and the in-flight clearing are visible
-        slots, olds, free = _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, inflight_ptr, 0, C, E, SCAN, MV,
-                                          _BAR_NONE)
+        slots, olds, free = _least_recent(tl.maximum(t0 - guard, 0), owner_ptr, last_use_ptr, inflight_ptr,
+                                          inflight_ptr, 0, C, E, SCAN, MV, _BAR_NONE)
         adm = tl.minimum(m, free)
         _commit_victims(adm, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr, MV)
         tl.store(m_ptr, adm.to(tl.int64))  # the admitted: the demand fill's count
@@ -817,8 +885,9 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
                 gdc_wait()  # launched as the forecast GEMV's dependent: its logits are complete after this
                 linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target,
                                                      row_map_ptr, hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
-            _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
-                            pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E, SCAN, MPV)
+            _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
+                            pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM,
+                            gate_on, E, SCAN, MPV)
         # else: the list and its prefetch decisions are ahead_list's launch (after this one)
     else:
         tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
@@ -832,10 +901,11 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
                   totals_ptr, history_ptr, groups_ptr, hist_cap, victims_ptr, new_ptr, m_ptr, C,
                   w_ptr, w_out_ptr, inflight_ptr, new_step, logits_ptr, n_tok, target,
                   pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width,
+                  guard, gate_ptr, L, WM, lead_unit, gate_on,
                   E: tl.constexpr, NP: tl.constexpr, SCAN: tl.constexpr, MV: tl.constexpr, CAST: tl.constexpr,
                   USE_GDC: tl.constexpr, AHEAD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
                   EP: tl.constexpr, WP: tl.constexpr, MPV: tl.constexpr, ZB: tl.constexpr, NI: tl.constexpr,
-                  WAIT_LOGITS: tl.constexpr):
+                  WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr, WAIT_LOGITS: tl.constexpr):
     if USE_GDC:
         gdc_launch_dependents()  # the demand fill may launch now; its blocks wait for this grid
     offs = tl.arange(0, NP)
@@ -851,24 +921,26 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
     ahead_group(ids, offs, valid, n, layer, group_scalars(tick_ptr, totals_ptr, groups_ptr), forecast, row_map_ptr,
                 owner_ptr, last_use_ptr, count_ptr, tick_ptr, totals_ptr, history_ptr, groups_ptr, hist_cap,
                 victims_ptr, new_ptr, m_ptr, C, inflight_ptr, new_step, logits_ptr, n_tok, target, pf_victims_ptr,
-                pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV,
-                ZB, NI, WAIT_LOGITS)
+                pf_new_ptr, pf_m_ptr, pred_hist_ptr, pf_hist_ptr, width, guard, gate_ptr, L, WM, lead_unit, gate_on,
+                E, SCAN, MV, AHEAD, K, KP, TP, EP, WP, MPV, ZB, NI, WMP, COPY, SHIFT, WAIT_LOGITS)
 
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS,
             do_not_specialize_on_alignment=PER_LAYER_VIEWS + ("pf_victims_ptr", "pf_new_ptr"))
 def _ahead_list_kernel(logits_ptr, n_tok, n, layer, target, row_map_ptr, owner_ptr, last_use_ptr, inflight_ptr,
                        tick_ptr, groups_ptr, hist_cap, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr,
-                       pf_hist_ptr, width, C, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
-                       EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
+                       pf_hist_ptr, width, C, guard, gate_ptr, L, WM, gate_on, E: tl.constexpr, K: tl.constexpr,
+                       KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr,
+                       MPV: tl.constexpr):
     # The group was recorded (its history row counted, its ticks and the list's reserved: the
     # tick is t0 + n + width) and its demand committed by the router's launch before this one.
     hrow = (tl.load(groups_ptr) - 1) % hist_cap
     t0 = tl.load(tick_ptr) - n - width
     linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target, row_map_ptr,
                                          hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
-    _ahead_prefetch(linst, fp, lrow, t0, n, layer, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr,
-                    pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, E, SCAN, MPV)
+    _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
+                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, gate_on, E,
+                    SCAN, MPV)
 
 
 def ahead_list(cache, layer: int, target: int, n: int) -> None:
@@ -897,8 +969,8 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
         rules.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
         rules.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], rules.pf_victims[target],
         rules.pf_new[target], rules.pf_count[target], rules.prediction_history, rules.prefetch_history, width,
-        cache.capacity, E=E, K=k, KP=_next_pow2(k), TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)),
-        WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
+        cache.capacity, *_ahead_gate_args(cache, n)[:4], int(rules.gate_on), E=E, K=k, KP=_next_pow2(k),
+        TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
         num_warps=_decision_warps(cache.capacity))
 
 
@@ -936,7 +1008,7 @@ def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: t
         cache.num_misses, cap, weights if cast else ids, weights_out if cast else ids,
         rules.inflight.view(torch.uint8), int(new_step), logits if ahead else ids, n // k, t,
         rules.pf_victims[t], rules.pf_new[t], rules.pf_count[t], rules.prediction_history,
-        rules.prefetch_history, width,
+        rules.prefetch_history, width, *_ahead_gate_args(cache, n),
         E=E, NP=max(2, _next_pow2(n)), CAST=cast, USE_GDC=cache.pdl, AHEAD=ahead, K=k, KP=_next_pow2(k),
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WAIT_LOGITS=wait, **_ahead_sizes(cache),
         num_warps=_decision_warps(cap), launch_pdl=wait)
@@ -960,10 +1032,20 @@ def _ahead_sizes(cache) -> dict:
     rules = cache.rules  # the policy's state
     mv, mpv = max(2, _next_pow2(cache.victims.numel())), max(2, _next_pow2(rules.pf_victims.shape[1]))
     return dict(SCAN=_scan_size(cache.capacity, mv, mpv), MV=mv, MPV=mpv,
-                WP=max(2, _next_pow2(rules.prediction_history.shape[1])), ZB=1024, NI=rules.inflight.numel())
+                WP=max(2, _next_pow2(rules.prediction_history.shape[1])), ZB=1024, NI=rules.inflight.numel(),
+                WMP=max(2, _next_pow2(rules.want.shape[1])), COPY=rules.copy_unit, SHIFT=rules.gate_shift)
 
 
-def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
+def _ahead_gate_args(cache, n: int) -> tuple:
+    """lookahead's guard and gate arguments of a group of ``n`` selections, in the kernels' order:
+    ``lru_guard``'s bar in ticks, the gate's state buffer, the MoE layers, a pending list's width,
+    the gate's lead unit and whether it may close."""
+    rules = cache.rules  # the policy's state
+    return (cache.guard_ticks(n), rules.gate_state, cache.pools.num_moe_layers, rules.want.shape[1], rules.lead_unit,
+            int(rules.gate_on))
+
+
+def route_ahead_args(cache, layer: int, target: int, new_step: bool, n: int) -> tuple:
     """What :func:`coldset.kernels.triton_decode.route` needs to run ``lookahead``'s whole decision
     for ``layer``'s group in its launch (:func:`ahead_group` in the last program, on the selections
     in registers, after every program wrote its tokens' forecast logits of layer ``target``'s router
@@ -971,8 +1053,8 @@ def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
     decisions' other arguments in the kernel's order (owners, victims, slots, in-flight flags, the
     new step, the target router ``[E, H]`` (read by every program beside its own rows; ``target >=
     L``: no forecast, the group's list is empty), the forecast buffer, the target, its prefetch
-    rows, the histories, the list width) and the decisions' block sizes (``FORECAST``: whether
-    layer ``target`` exists)."""
+    rows, the histories, the list width, then :func:`_ahead_gate_args` for the group's ``n``
+    selections) and the decisions' block sizes (``FORECAST``: whether layer ``target`` exists)."""
     rules = cache.rules  # the policy's state
     L = cache.pools.num_moe_layers
     ahead = target < L
@@ -980,7 +1062,7 @@ def route_ahead_args(cache, layer: int, target: int, new_step: bool) -> tuple:
     args = (cache.owner, cache.victims, cache.capacity, rules.inflight.view(torch.uint8), int(new_step),
             rules.forecast_routers[t] if ahead else rules.forecast_out, rules.forecast_out, t, rules.pf_victims[t],
             rules.pf_new[t], rules.pf_count[t], rules.prediction_history, rules.prefetch_history,
-            rules.prediction_history.shape[1])
+            rules.prediction_history.shape[1], *_ahead_gate_args(cache, n))
     return route_record_args(cache, layer), args, dict(FORECAST=ahead, **_ahead_sizes(cache))
 
 
@@ -1065,31 +1147,12 @@ def _next_kernel(ids_ptr, n, layer, new_step, row_map_ptr, owner_ptr, last_use_p
     wrank = tl.cumsum(want.to(tl.int32), axis=0) - 1
     # the gate: layer `layer`'s pending list against the group's experts (onehot), then this list's
     chosen = tl.max(onehot, axis=0) > 0  # [EP]: the experts the group selected
-    q = tl.arange(0, WMP)
-    wn = tl.load(want_n_ptr + layer)
-    wg = tl.load(want_group_ptr + layer)
-    gi = tl.load(group_index_ptr)
-    wl = tl.load(want_ptr + layer * WM + q, mask=q < WM, other=-1) - layer * E
-    hitq = tl.sum(((wl[:, None] == col[None, :]) & chosen[None, :]).to(tl.int32), axis=1) > 0
-    useful = tl.sum(((q < wn) & hitq).to(tl.int64), axis=0)
-    save = tl.minimum((gi - wg) * lead_unit, COPY)
-    a0 = tl.load(gate_ptr)
-    a1 = tl.load(gate_ptr + 1)
-    a2 = tl.load(gate_ptr + 2)
-    if wg >= 0:
-        a0 = a0 - (a0 >> SHIFT) + wn * COPY
-        a1 = a1 - (a1 >> SHIFT) + useful * COPY
-        a2 = a2 - (a2 >> SHIFT) + useful * save
-        tl.store(gate_ptr, a0)
-        tl.store(gate_ptr + 1, a1)
-        tl.store(gate_ptr + 2, a2)
+    gi, gate_open = _gate_judge(layer, chosen, col, gate_ptr, want_ptr, want_n_ptr, want_group_ptr, group_index_ptr,
+                                lead_unit, WM, E, WMP, COPY, SHIFT)
     nw = tl.sum(want.to(tl.int32), axis=0)
-    tl.debug_barrier()  # every read of the pending list is done before it is overwritten
-    tl.store(want_ptr + layer * WM + wrank, linst, mask=want & (wrank < WM))
-    tl.store(want_n_ptr + layer, nw.to(tl.int64))
-    tl.store(want_group_ptr + layer, gi)
+    _gate_keep(layer, want, wrank, linst, gi, want_ptr, want_n_ptr, want_group_ptr, WM)
     tl.store(group_index_ptr, gi + 1)
-    is_open = (a2 >= a0 - a1) | (gate_on == 0)
+    is_open = gate_open | (gate_on == 0)
     nwant = tl.where(is_open, tl.minimum(nw, budget), 0)
     # the forecast's predicted flags (none while the gate is closed)
     tl.store(predicted_ptr + layer * E + col, tl.zeros((EP,), dtype=tl.uint8), mask=oke)

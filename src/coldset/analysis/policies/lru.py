@@ -40,8 +40,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     the misses past the other slots are read in place, not admitted. ``own_layer``: the lists name
     the group's own layer at the next step, and a prefetch is in flight until that layer's next
     group (else: until the step ends). ``lead_unit`` >= 0: the prefetch gate
-    (:func:`coldset.analysis.policies.base.prefetch_lead_unit`, ``own_layer`` lists only); < 0:
-    none. Returns (hit [N], fills [G], prefetches [G], useful prefetches, issued [G, W] (the
+    (:func:`coldset.analysis.policies.base.prefetch_lead_unit`; a list is judged at the next group
+    of the layer it forecasts: the group's own layer at the next step, or with later-layer lists the
+    layer of its first entry, later in the same step); < 0: none. Returns (hit [N], fills [G], prefetches [G], useful prefetches, issued [G, W] (the
     instances copied after each group, in issue order, -1 padded), wasted prefetches (evicted before
     any hit))."""
     n = ids.size
@@ -117,7 +118,15 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         # the prefetch gate: the last list for this layer against this group's selections
         gate = True
         if lead_unit >= 0:
-            gate = gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident)
+            target = layer
+            if not own_layer:  # a lookahead list forecasts one later layer: judged at that layer's group
+                target = -1
+                for q in range(width):
+                    if pred[g, q] >= 0:
+                        target = pred[g, q] // n_exp
+                        break
+            gate = gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, lead_unit, pred,
+                             resident)
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight, not guarded
         for q in range(width):
             if pred[g, q] >= 0:

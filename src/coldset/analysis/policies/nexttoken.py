@@ -106,7 +106,8 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
         # the gate: this layer's last list against this group's selections, then this group's list
         open_gate = True
         if lead_unit >= 0:
-            open_gate = gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident)
+            open_gate = gate_step(acc, want, want_n, want_group, layer, layer, g, ids, s, e, mark, lead_unit, pred,
+                                  resident)
         # 3. the forecast replaces this layer's predicted flags (none while the gate is closed)
         if pg >= 0:
             for q in range(width):

@@ -137,17 +137,21 @@ def gate_open(acc):
 
 
 @jit
-def gate_step(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit, pred, resident):
-    """The gate at group ``g`` (layer ``layer``, selections ``s..e-1``): the layer's pending list
-    judged (:func:`gate_evaluate`), then the group's list ``pred[g]``'s wanted instances (listed,
-    not resident) kept as the layer's pending list. Returns whether the gate is open."""
+def gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, lead_unit, pred, resident):
+    """The gate at group ``g`` (layer ``layer``, selections ``s..e-1``): the pending list for
+    ``layer`` judged (:func:`gate_evaluate`), then the group's list ``pred[g]``'s wanted instances
+    (listed, not resident) kept as the pending list for layer ``target``, the layer it forecasts
+    (``forecast``, ``nexttoken``: ``layer`` itself at the next step; ``lookahead``: a later layer of
+    this step; < 0: an empty list, nothing kept). Returns whether the gate is open."""
     gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
+    if target < 0:
+        return gate_open(acc)
     nw = 0
     for q in range(pred.shape[1]):
         x = pred[g, q]
         if x >= 0 and not resident[x]:
-            want[layer, nw] = x
+            want[target, nw] = x
             nw += 1
-    want_n[layer] = nw
-    want_group[layer] = g
+    want_n[target] = nw
+    want_group[target] = g
     return gate_open(acc)

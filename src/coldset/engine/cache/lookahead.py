@@ -62,8 +62,11 @@ class Lookahead(PrefetchingPolicy):
     routes = True
 
     @classmethod
-    def create(cls, shape: PoolShape, *, routers=None, depth: int = 1, **_) -> "Lookahead":
-        """Needs the ``L`` MoE layers' routers ``[E, hidden]`` and a ``depth`` in ``[1, L - 1]``."""
+    def create(cls, shape: PoolShape, *, routers=None, depth: int = 1, lead_unit: int | None = None,
+               prefetch_gate: bool = True, **_) -> "Lookahead":
+        """Needs the ``L`` MoE layers' routers ``[E, hidden]`` and a ``depth`` in ``[1, L - 1]``;
+        ``lead_unit`` and ``prefetch_gate``: the gate's
+        (:meth:`coldset.engine.cache.policy.PrefetchingPolicy.init_lists`)."""
         L, E, dev = shape.num_moe_layers, shape.num_experts, shape.device
         if routers is None or len(routers) != L or any(tuple(r.shape)[0] != E for r in routers):
             raise ValueError(f"policy 'lookahead' needs the {L} MoE layers' routers [{E}, hidden]")
@@ -72,7 +75,7 @@ class Lookahead(PrefetchingPolicy):
         need = shape.top_k * shape.max_tokens
         cuda = dev.type == "cuda"
         self = cls()
-        self.init_lists(shape, width=need, span=min(need, E))
+        self.init_lists(shape, width=need, span=min(need, E), lead_unit=lead_unit, prefetch_gate=prefetch_gate)
         self.depth = int(depth)
         self.forecast_routers = [r.detach().to(dev).contiguous() for r in routers]
         self.forecast_out = torch.empty((shape.max_tokens, E), dtype=torch.float32, device=dev)
@@ -89,11 +92,13 @@ class Lookahead(PrefetchingPolicy):
 
     # ------------------------------------------------------------------------ torch path
     def demand_barred(self, cache, layer, in_group, n):
-        """Slots in flight are no demand victim; a new step commits the last step's prefetches."""
+        """Slots in flight or guarded (``lru_guard``'s bar) are no demand victim; a new step commits
+        the last step's prefetches."""
         if layer <= self.prev_layer:  # a new step: the last step's prefetches are committed
             self.inflight.zero_()
         self.prev_layer = layer
-        return in_group | self.inflight[cache.owner]
+        owner = cache.owner
+        return in_group | self.inflight[owner] | (cache.last_use[owner] >= self.guard_tick(cache, n))
 
     def after_demand(self, cache, layer, hidden, used, n):
         """The prefetch (:meth:`_prefetch`); the prefetches take the ticks after the group's (the
@@ -140,9 +145,11 @@ class Lookahead(PrefetchingPolicy):
         width = self.prediction_history.shape[1]
         row = cache.groups % self.prediction_history.shape[0]
         target = layer + self.depth
+        is_open = self.gate(cache, layer, used)  # the list that forecast this layer judged
         if target >= L:
             self.prediction_history.index_fill_(0, row, -1)
             self.prefetch_history.index_fill_(0, row, 0)
+            self.group_index.add_(1)
             return
         logits = self.forecast_logits(cache, hidden, target)
         top = torch.sort(-logits, dim=1, stable=True).indices[:, :cache.top_k].reshape(-1)
@@ -159,14 +166,18 @@ class Lookahead(PrefetchingPolicy):
         rm = pools.row_map.view(-1)
         want = listed & (rm[seq] < 0)
         span = min(E, cache.capacity)
-        new = seq[torch.argsort((~want).to(torch.int64), stable=True)][:span]  # non-resident listed first
+        wanted = seq[torch.argsort((~want).to(torch.int64), stable=True)]  # non-resident listed first
+        new = wanted[:span]
+        self.keep_wanted(target, wanted, want.sum())  # judged at layer target's group
+        self.group_index.add_(1)
         owner = cache.owner
-        # Candidates: slots of layers already done this step, not used by this group, not in flight
-        # (a listed instance belongs to a later layer, so it is never one).
-        barred = (owner // E > layer) | ((owner // E == layer) & used[owner % E]) | self.inflight[owner]
+        # Candidates: slots of layers already done this step, not used by this group, not in flight,
+        # not guarded (a listed instance belongs to a later layer, so it is never one).
+        barred = ((owner // E > layer) | ((owner // E == layer) & used[owner % E]) | self.inflight[owner]
+                  | (cache.last_use[owner] >= self.guard_tick(cache, n)))
         key = cache.last_use[owner].masked_fill(barred, torch.iinfo(torch.int64).max)
         victims = torch.argsort(key, stable=True)[:span]
-        got = torch.minimum(want.sum(), (~barred).sum())
+        got = torch.minimum(want.sum(), (~barred).sum()) * is_open
         j = torch.arange(span, device=dev)
         valid = j < got
         old = owner[victims]
@@ -203,7 +214,8 @@ class Lookahead(PrefetchingPolicy):
         target = layer + self.depth
         self._wait_list(cache)  # the last group's list decisions are complete before this group reads the state
         h, ids, w = td.route(x, norm_weight, eps, gate_weight, top_k, renormalize, counter, weights_dtype=x.dtype,
-                             pdl=pdl, ahead=ts.route_ahead_args(cache, layer, target, new_step), trigger=cache.pdl)
+                             pdl=pdl, ahead=ts.route_ahead_args(cache, layer, target, new_step, x.shape[0] * top_k),
+                             trigger=cache.pdl)
         ts.fill(cache.pools, cache.victims, cache.admitted, cache.num_misses, pdl=cache.pdl)
         self._ahead_fork_join(cache, layer, target, listed=ids.numel())
         cache.recorded_layer = layer

@@ -35,7 +35,6 @@ import contextlib
 import numpy as np
 import torch
 
-from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, guard_groups
 from coldset.engine.cache.lru import record_and_fill
 from coldset.engine.cache.policy import PoolShape, PrefetchingPolicy
 
@@ -101,15 +100,12 @@ class NextToken(PrefetchingPolicy):
         budget = width if prefetch_budget is None else int(prefetch_budget)
         if budget < 0:
             raise ValueError(f"prefetch_budget must be >= 0, got {prefetch_budget}")
-        lead = DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit)
-        if lead < 0:
-            raise ValueError(f"lead_unit must be >= 0, got {lead_unit}")
         span = min(width, E, shape.capacity)
         cuda = dev.type == "cuda"
         terms, tables = fc["terms"], fc["tables"]
         ring = int(terms[:, 0].max()) + 1
         self = cls()
-        self.init_lists(shape, width=width, span=span)
+        self.init_lists(shape, width=width, span=span, lead_unit=lead_unit, prefetch_gate=prefetch_gate)
         self.predicted = torch.zeros(L * E, dtype=torch.bool, device=dev)
         self.tags = torch.zeros(shape.capacity, dtype=torch.int64, device=dev)
         self.done = torch.zeros(shape.capacity, dtype=torch.int64, device=dev)
@@ -132,36 +128,7 @@ class NextToken(PrefetchingPolicy):
         self.step_open = False
         self.forked = None
         self.ids_alive = [None] * L
-        self.lead_unit = lead
-        self.gate_on = bool(prefetch_gate)
-        self.copy_unit, self.gate_shift = COPY_UNIT, GATE_SHIFT  # the gate's constants, as the kernel reads them
-        self.gate_acc = torch.zeros(3, dtype=torch.int64, device=dev)
-        self.want = torch.zeros((L, min(width, E)), dtype=torch.int64, device=dev)
-        self.want_n = torch.zeros(L, dtype=torch.int64, device=dev)
-        self.want_group = torch.full((L,), -1, dtype=torch.int64, device=dev)
-        self.group_index = torch.zeros(1, dtype=torch.int64, device=dev)
         return self
-
-    def guard_ticks(self, num_moe_layers: int, n: int) -> int:
-        """``lru_guard``'s bar in ticks: a group of ``n`` selections takes ``n`` ticks and its list
-        ``width`` more (the prefetches' recency), so the last ``L`` groups (this one included,
-        :func:`coldset.analysis.policies.base.guard_groups`) began this many ticks before this one."""
-        return (guard_groups(num_moe_layers) - 1) * (int(n) + self.prediction_history.shape[1])
-
-    def gate(self, cache, layer: int, used: torch.Tensor) -> torch.Tensor:
-        """The gate at group (step, ``layer``) (torch path; the kernel's reference): layer ``layer``'s
-        pending list judged against the group's experts ``used`` (bool ``[E]``), the running sums
-        decayed and updated (a pending list only), and whether it is open now (bool tensor)."""
-        E = cache.pools.num_experts
-        wl = self.want[layer]
-        wn = self.want_n[layer]
-        q = torch.arange(wl.numel(), device=wl.device)
-        useful = ((q < wn) & used[(wl - layer * E).clamp(0, E - 1)]).sum()
-        save = ((self.group_index[0] - self.want_group[layer]) * self.lead_unit).clamp(max=COPY_UNIT)
-        adds = torch.stack([wn * COPY_UNIT, useful * COPY_UNIT, useful * save])
-        acc = self.gate_acc
-        acc.copy_(torch.where(self.want_group[layer] >= 0, acc - (acc >> GATE_SHIFT) + adds, acc))
-        return acc[2] >= acc[0] - acc[1]
 
     def admit(self, cache, layer, topk_ids, topk_weights, dtype, hidden, cast):
         """Off the fused router: the torch decisions (copies on this stream)."""
@@ -277,7 +244,7 @@ class NextToken(PrefetchingPolicy):
         # 1. commit: layer `layer`'s prefetches of the last step are no longer in flight
         self.inflight[base:base + E] = False
         # 2. demand (never an instance the last L groups used or prefetched)
-        guard = (cache.tick - self.guard_ticks(L, n)).clamp_min(0)
+        guard = self.guard_tick(cache, n)
         in_group = (owner // E == layer) & used[owner % E]
         barred = in_group | self.inflight[owner] | (cache.last_use[owner] >= guard)
         order = torch.argsort(cache.last_use[owner].masked_fill(barred, big), stable=True)
@@ -316,15 +283,13 @@ class NextToken(PrefetchingPolicy):
         rec = torch.where(listed, seq, -1)
         rec = rec[:width] if E >= width else torch.nn.functional.pad(rec, (0, width - E), value=-1)
         # the gate judges this layer's last list; closed, the forecast flags nothing and fetches nothing
-        is_open = self.gate(cache, layer, used) | (not self.gate_on)
+        is_open = self.gate(cache, layer, used)
         self.predicted[base:base + E] = False
         self.predicted.index_put_((seq,), listed & is_open)
         # 4. the prefetch (this list's wanted instances kept for the gate)
         want = listed & (rm[seq] < 0)
         wanted = seq[torch.argsort((~want).to(torch.int64), stable=True)]  # the wanted first, in list order
-        self.want[layer] = wanted[:self.want.shape[1]]
-        self.want_n[layer] = want.sum()
-        self.want_group[layer] = self.group_index[0]
+        self.keep_wanted(layer, wanted, want.sum())
         self.group_index.add_(1)
         span = self.pf_victims.shape[1]
         new = wanted[:span]
@@ -371,10 +336,6 @@ class NextToken(PrefetchingPolicy):
         self.step.fill_(-1)
         self.pf_count.zero_()
         self.step_open, self.forked = False, None
-        self.gate_acc.zero_()
-        self.want_n.zero_()
-        self.want_group.fill_(-1)
-        self.group_index.zero_()
 
     def reset_counters(self) -> None:
         super().reset_counters()

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, guard_groups
+
 
 @dataclass(frozen=True)
 class PoolShape:
@@ -152,11 +154,24 @@ class CachePolicy:
 class PrefetchingPolicy(CachePolicy):
     """A policy that issues a prefetch list after each group (lookahead, nexttoken): its in-flight
     flags, the lists and copies it recorded per group, and per layer the prefetch's victims,
-    instances and count (``[L, span]``, ``[L, span]``, ``[L, 1]``) for the prefetch fill."""
+    instances and count (``[L, span]``, ``[L, span]``, ``[L, 1]``) for the prefetch fill; and the
+    rules every prefetching policy keeps (:mod:`coldset.analysis.policies`): ``lru_guard``'s bar
+    (:meth:`guard_ticks`) and the gate (:meth:`gate`, :meth:`keep_wanted`), whose state (int64) is
+    the running sums ``gate_acc`` ``[3]`` (wanted, useful, saving), per forecast layer the pending
+    list's wanted instances ``want`` ``[L, min(width, E)]``, their number ``want_n`` ``[L]`` and the
+    group that listed them ``want_group`` ``[L]`` (-1: none), the decode groups since the reset
+    ``group_index`` ``[1]`` (views of one buffer, ``gate_state``), ``lead_unit`` and ``gate_on`` (host)."""
 
-    def init_lists(self, shape: PoolShape, width: int, span: int) -> None:
-        """The state every prefetching policy keeps, ``width`` entries a list, ``span`` copies a layer."""
+    def init_lists(self, shape: PoolShape, width: int, span: int, lead_unit: int | None = None,
+                   prefetch_gate: bool = True) -> None:
+        """The state every prefetching policy keeps, ``width`` entries a list, ``span`` copies a
+        layer; ``lead_unit`` (the gate's, :func:`coldset.analysis.policies.base.prefetch_lead_unit`;
+        None: the default) and ``prefetch_gate`` (False: the sums are kept but the gate never closes,
+        the simulator's ``prefetch_gate``)."""
         L, E, dev = shape.num_moe_layers, shape.num_experts, shape.device
+        lead = DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit)
+        if lead < 0:
+            raise ValueError(f"lead_unit must be >= 0, got {lead_unit}")
         self.inflight = torch.zeros(L * E, dtype=torch.bool, device=dev)
         self.prediction_history = torch.full((shape.history, width), -1, dtype=torch.int64, device=dev)
         self.prefetch_history = torch.zeros(shape.history, dtype=torch.int64, device=dev)
@@ -164,10 +179,62 @@ class PrefetchingPolicy(CachePolicy):
         self.pf_victims = torch.zeros((L, span), dtype=torch.int64, device=dev)
         self.pf_new = torch.zeros((L, span), dtype=torch.int64, device=dev)
         self.pf_count = torch.zeros((L, 1), dtype=torch.int64, device=dev)
+        self.lead_unit = lead
+        self.gate_on = bool(prefetch_gate)
+        self.copy_unit, self.gate_shift = COPY_UNIT, GATE_SHIFT  # the gate's constants, as the kernels read them
+        # one buffer (the Triton decisions take its pointer: coldset.kernels.triton_slots._gate_views), as views
+        wm = min(width, E)
+        self.gate_state = torch.zeros(4 + 2 * L + L * wm, dtype=torch.int64, device=dev)
+        self.gate_acc = self.gate_state[0:3]
+        self.group_index = self.gate_state[3:4]
+        self.want_n = self.gate_state[4:4 + L]
+        self.want_group = self.gate_state[4 + L:4 + 2 * L]
+        self.want = self.gate_state[4 + 2 * L:].view(L, wm)
+        self.want_group.fill_(-1)
+
+    def guard_ticks(self, num_moe_layers: int, n: int) -> int:
+        """``lru_guard``'s bar in ticks: a group of ``n`` selections takes ``n`` ticks and its list
+        ``width`` more (the prefetches' recency), so the last ``L`` groups (this one included,
+        :func:`coldset.analysis.policies.base.guard_groups`) began this many ticks before this one."""
+        return (guard_groups(num_moe_layers) - 1) * (int(n) + self.prediction_history.shape[1])
+
+    def guard_tick(self, cache, n: int) -> torch.Tensor:
+        """The first tick of the groups whose instances are no victim (a group of ``n`` selections;
+        at 0 or later: the warm ticks are no use)."""
+        return (cache.tick - self.guard_ticks(cache.pools.num_moe_layers, n)).clamp_min(0)
+
+    def gate(self, cache, layer: int, used: torch.Tensor) -> torch.Tensor:
+        """The gate at a group of ``layer`` (torch path; the kernels' reference): the pending list
+        for ``layer`` judged against the group's experts ``used`` (bool ``[E]``), the running sums
+        decayed and updated (a pending list only), and whether it is open now (bool tensor; always
+        with ``gate_on`` False)."""
+        E = cache.pools.num_experts
+        wl = self.want[layer]
+        wn = self.want_n[layer]
+        q = torch.arange(wl.numel(), device=wl.device)
+        useful = ((q < wn) & used[(wl - layer * E).clamp(0, E - 1)]).sum()
+        save = ((self.group_index[0] - self.want_group[layer]) * self.lead_unit).clamp(max=COPY_UNIT)
+        adds = torch.stack([wn * COPY_UNIT, useful * COPY_UNIT, useful * save])
+        acc = self.gate_acc
+        acc.copy_(torch.where(self.want_group[layer] >= 0, acc - (acc >> GATE_SHIFT) + adds, acc))
+        self.want_group[layer] = torch.where(self.want_group[layer] >= 0, -1, self.want_group[layer])
+        return (acc[2] >= acc[0] - acc[1]) | (not self.gate_on)
+
+    def keep_wanted(self, target: int, wanted: torch.Tensor, n_wanted: torch.Tensor) -> None:
+        """This group's list's wanted instances (``wanted``, the first ``n_wanted`` count) kept as
+        the pending list for layer ``target`` (the layer it forecasts), judged at its next group."""
+        row = self.want[target]  # (the entries past the count kept as they were, as the kernels leave them)
+        row.copy_(torch.where(torch.arange(row.numel(), device=row.device) < n_wanted, wanted[:row.numel()], row))
+        self.want_n[target] = n_wanted
+        self.want_group[target] = self.group_index[0]
 
     def reset(self, cache) -> None:
         self.inflight.zero_()
         self.prev_layer = cache.pools.num_moe_layers
+        self.gate_acc.zero_()
+        self.want_n.zero_()
+        self.want_group.fill_(-1)
+        self.group_index.zero_()
 
     def reset_counters(self) -> None:
         self.prediction_history.fill_(-1)
