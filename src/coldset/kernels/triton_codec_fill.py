@@ -57,6 +57,10 @@ _ELEMENT_VIEWS = {torch.bfloat16: (torch.int16, KIND_BF16), torch.float8_e4m3fn:
                   torch.uint8: (torch.uint8, KIND_BYTE), torch.int8: (torch.uint8, KIND_BYTE),
                   torch.float32: (torch.int32, KIND_UNCODED)}
 MAX_PARTS = 4  # w13, w2 and, scaled, w13_scale, w2_scale
+# Decode programs per part for each block per weight a fill is given (the raw fill's ``blocks``):
+# enough that every (record, lane block) of a layer's misses decodes at once; programs past the
+# filled rows' work return at once.
+DECODE_PROGRAMS_PER_BLOCK = 8
 
 
 @triton.jit
@@ -120,16 +124,21 @@ def _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, stage_el,
+def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, stage_el,
                  stage_bytes, dst_ptr, numel, num_lanes, depth, blocks, chunk, pid,
                  KIND: tl.constexpr, NP: tl.constexpr, LANES: tl.constexpr, RAW_BLOCK: tl.constexpr,
-                 MAX_BITS: tl.constexpr, MV: tl.constexpr):
+                 MAX_BITS: tl.constexpr):
     """Part ``p`` of the staged records ``j < m`` into rows ``slots[j]`` of ``dst_ptr`` (elements of
-    the part's width, ``numel`` a row): work item ``(j, b)``, ``b < blocks``, is program ``b % NP``'s;
-    coded: lanes ``[b * LANES, (b + 1) * LANES)`` decoded; stored raw: elements ``[b * chunk, (b + 1)
-    * chunk)`` copied from ``stage_el``, the staging viewed in the part's element width."""
-    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
+    the part's width, ``numel`` a row). Work item ``w = j * blocks + b`` (``b < blocks``) is program
+    ``w % NP``'s, so every (record, block) of the filled rows runs at once where ``NP`` covers them:
+    coded, lanes ``[b * LANES, (b + 1) * LANES)`` decoded (a lane's symbols are a chain of dependent
+    reads: parallel lanes are the decode's rate); stored raw, elements ``[b * chunk, (b + 1) * chunk)``
+    copied from ``stage_el``, the staging viewed in the part's element width."""
+    for w0 in range(0, rows * blocks, NP):
+        w = w0 + pid
+        j = w // blocks
         if j < m:
+            b = w % blocks
             inst = tl.load(inst_ptr + j).to(tl.int64)
             slot = tl.load(slots_ptr + j).to(tl.int64)
             desc = part_ptr + (inst * num_parts + p) * 5
@@ -142,21 +151,18 @@ def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage
                 src = stage_el + base + tl.load(desc + 1)
             else:
                 src = stage_el + (base + tl.load(desc + 1)) // 4
-            for b0 in range(0, blocks, NP):
-                b = b0 + pid
-                if b < blocks:
-                    if KIND == 2:
-                        _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
-                    elif coded == 0:
-                        _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
-                    elif b * LANES < num_lanes:
-                        _decode_lanes(desc, base, b, dst, numel, num_lanes, depth, stage_u8, stage_i16, stage_i32,
-                                      KIND, LANES, MAX_BITS)
+            if KIND == 2:
+                _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
+            elif coded == 0:
+                _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK)
+            elif b * LANES < num_lanes:
+                _decode_lanes(desc, base, b, dst, numel, num_lanes, depth, stage_u8, stage_i16, stage_i32,
+                              KIND, LANES, MAX_BITS)
 
 
 @triton.jit
-def _decode_records_kernel(part_ptr, inst_ptr, slots_ptr, count_ptr, stage_u8, stage_i16, stage_i32, stage_bytes,
-                           num_parts, tags_ptr, done_ptr, ticket_ptr,
+def _decode_records_kernel(part_ptr, inst_ptr, slots_ptr, count_ptr, rows, stage_u8, stage_i16, stage_i32,
+                           stage_bytes, num_parts, tags_ptr, done_ptr, ticket_ptr,
                            d0, e0, n0, l0, k0, b0, c0, d1, e1, n1, l1, k1, b1, c1,
                            d2, e2, n2, l2, k2, b2, c2, d3, e3, n3, l3, k3, b3, c3,
                            K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
@@ -169,17 +175,17 @@ def _decode_records_kernel(part_ptr, inst_ptr, slots_ptr, count_ptr, stage_u8, s
     p = tl.program_id(1)
     m = tl.load(count_ptr)
     if p == 0:
-        _decode_part(0, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e0,
-                     stage_bytes, d0, n0, l0, k0, b0, c0, pid, K0, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+        _decode_part(0, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e0,
+                     stage_bytes, d0, n0, l0, k0, b0, c0, pid, K0, NP, LANES, RAW_BLOCK, MAX_BITS)
     elif p == 1:
-        _decode_part(1, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e1,
-                     stage_bytes, d1, n1, l1, k1, b1, c1, pid, K1, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+        _decode_part(1, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e1,
+                     stage_bytes, d1, n1, l1, k1, b1, c1, pid, K1, NP, LANES, RAW_BLOCK, MAX_BITS)
     elif p == 2:
-        _decode_part(2, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e2,
-                     stage_bytes, d2, n2, l2, k2, b2, c2, pid, K2, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+        _decode_part(2, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e2,
+                     stage_bytes, d2, n2, l2, k2, b2, c2, pid, K2, NP, LANES, RAW_BLOCK, MAX_BITS)
     else:
-        _decode_part(3, num_parts, part_ptr, inst_ptr, slots_ptr, m, stage_u8, stage_i16, stage_i32, e3,
-                     stage_bytes, d3, n3, l3, k3, b3, c3, pid, K3, NP, LANES, RAW_BLOCK, MAX_BITS, MV)
+        _decode_part(3, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e3,
+                     stage_bytes, d3, n3, l3, k3, b3, c3, pid, K3, NP, LANES, RAW_BLOCK, MAX_BITS)
     if TAGS:
         # as the raw fill: the last program to finish writes each slot's tag, once every row landed
         tl.debug_barrier()
@@ -250,7 +256,8 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
     scaled, scales) and ``j < count`` (a device scalar, at most ``slots.numel()``): bitwise
     :func:`coldset.kernels.triton_slots.fill` from the raw host tier (module doc). ``staging``: uint8
     ``[>= slots.numel(), >= max record bytes]`` on the slots' device. ``blocks``: the raw fill's
-    blocks per weight; the copy runs ``2 * blocks`` programs, the decode ``blocks`` per part.
+    blocks per weight; the copy runs ``2 * blocks`` programs, the decode
+    ``DECODE_PROGRAMS_PER_BLOCK * blocks`` per part.
     ``tags``: ``(tag list, done, ticket)`` as the raw fill's."""
     tier.check_fills(pools)
     device = pools.w13_hot.device
@@ -271,7 +278,8 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
     _copy_records_kernel[(2 * int(blocks),)](
         tier.data.view(torch.int64), tier.record_table, instances, count, staging.view(torch.int64),
         staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=mv, num_warps=4)
-    per_part, kinds = part_launch_args(tier, pools, int(blocks))
+    programs = DECODE_PROGRAMS_PER_BLOCK * int(blocks)
+    per_part, kinds = part_launch_args(tier, pools, programs)
     views = {torch.uint8: staging, torch.int16: staging.view(torch.int16), torch.int32: staging.view(torch.int32)}
     flat: list = []
     for p in range(MAX_PARTS):
@@ -282,8 +290,8 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
             flat += [staging, staging, 0, 0, 0, 0, 0]
     kinds += [KIND_UNCODED] * (MAX_PARTS - len(kinds))
     tag_list, done, ticket = tags if tags is not None else (count, count, count)
-    _decode_records_kernel[(int(blocks), len(per_part))](
-        tier.part_table, instances, slots, count, staging, views[torch.int16], views[torch.int32], staging.shape[1],
-        len(per_part), tag_list, done, ticket, *flat, K0=kinds[0], K1=kinds[1], K2=kinds[2], K3=kinds[3],
-        NP=int(blocks), LANES=LANES, RAW_BLOCK=RAW_BLOCK, MAX_BITS=MAX_CODE_BITS, MV=mv, TAGS=tags is not None,
-        num_warps=4)
+    _decode_records_kernel[(programs, len(per_part))](
+        tier.part_table, instances, slots, count, rows, staging, views[torch.int16], views[torch.int32],
+        staging.shape[1], len(per_part), tag_list, done, ticket, *flat, K0=kinds[0], K1=kinds[1], K2=kinds[2],
+        K3=kinds[3], NP=programs, LANES=LANES, RAW_BLOCK=RAW_BLOCK, MAX_BITS=MAX_CODE_BITS, MV=mv,
+        TAGS=tags is not None, num_warps=4)
