@@ -482,7 +482,10 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds, own_layer=
         n = 0
         if gate is not None:
             is_open = gate.judge(layer, gi, g)
-            gate.listed(layer, gi, [x for x in pred if x >= 0 and x not in resident])
+            # a list is judged at the next group of the layer it forecasts (own_layer: this one; else its entries')
+            target = layer if own_layer else next((x // n_experts for x in pred if x >= 0), None)
+            if target is not None:
+                gate.listed(target, gi, [x for x in pred if x >= 0 and x not in resident])
             if not is_open:
                 pred = []
         for x in pred:
@@ -605,8 +608,8 @@ def test_prefetching_policies_keep_lru_guards_protection_where_a_step_outnumbers
 
 def test_lookahead_policy_matches_brute_force():
     """The lookahead policy: forecast's replay with lists naming later layers of the same step
-    (victims only in layers already done, in-flight until the step ends), against the literal
-    brute force on random streams of whole steps."""
+    (victims only in layers already done, in-flight until the step ends), lru_guard's bar and the
+    gate, against the literal brute force on random streams of whole steps."""
     rng = np.random.default_rng(23)
     seen_prefetch = seen_useful = 0
     L, E = 3, 6
@@ -627,7 +630,8 @@ def test_lookahead_policy_matches_brute_force():
                 pred[g, :row.size] = (layer + depth) * E + row
         cap = int(rng.integers(stream.max_group, L * E + 1))
         res = simulate(stream, "lookahead", cap, profile, predictions=pred)
-        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist())
+        ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist(), guard=L,
+                                                           lead_unit=1024)
         np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
         np.testing.assert_array_equal(res.prefetches, ref_pf, err_msg=f"trial {trial} cap {cap}")
         assert res.useful_prefetches == ref_useful
