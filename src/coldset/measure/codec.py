@@ -11,8 +11,10 @@ rate of the raw bytes measured in the same run (the link), and, with a bf16 matm
 on another CUDA stream, the same decode's time again; and a layer's misses (8 experts) filled into
 slots raw from pinned memory against compressed (copy of the next expert beside the decode of the
 one before): the link's useful rate multiplied; and the same through the host tiers themselves
-(:func:`coldset.kernels.compressed_tier.fill_slots` against row copies from the raw tier). Prints
-the tables last; ``--out`` writes JSON.
+(:func:`coldset.kernels.compressed_tier.fill_slots` against row copies from the raw tier), and as the
+captured decode step fills them, from lists on the device (:func:`coldset.kernels.triton_slots.fill`
+reading the raw tier in place against :func:`coldset.kernels.triton_codec_fill.fill_listed` copying
+the records into staging and decoding them). Prints the tables last; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -186,9 +188,28 @@ def tier_fill_ms(fmt: str, experts: int, reps: int, gen: torch.Generator) -> dic
 
     raw_ms, want = timed(raw_fill)
     compressed_ms, got = timed(lambda: fill_slots(tier, pools, rows, slots, staging))
-    return {"format": fmt, "experts": experts, "exact": all(torch.equal(a, b) for a, b in zip(want, got)),
+    listed = listed_fill_ms(tier, pools, rows, slots, timed)
+    return {"format": fmt, "experts": experts, "exact": all(torch.equal(a, b) for a, b in zip(want, got))
+            and all(torch.equal(a, b) for a, b in zip(want, listed.pop("slots"))),
             "raw_fill_ms": raw_ms, "compressed_fill_ms": compressed_ms, "link_multiplier": raw_ms / compressed_ms,
-            "ratio": tier.ratio, "host_tier_bytes": host.nbytes, "compressed_tier_bytes": tier.nbytes}
+            "ratio": tier.ratio, "host_tier_bytes": host.nbytes, "compressed_tier_bytes": tier.nbytes, **listed}
+
+
+def listed_fill_ms(tier, pools, rows: list[int], slots: list[int], timed) -> dict:
+    """The same fills as the captured step makes them, from device lists: the raw tier's rows read in
+    place by :func:`coldset.kernels.triton_slots.fill` against
+    :func:`coldset.kernels.triton_codec_fill.fill_listed` (records into HBM staging, then the decode
+    launch); ``timed`` as :func:`tier_fill_ms`'s. The compressed fill's slots are returned for the check."""
+    from coldset.kernels import triton_slots  # GPU only: triton
+    from coldset.kernels.triton_codec_fill import fill_listed  # GPU only: triton
+
+    dev_slots, dev_rows = torch.tensor(slots, device="cuda"), torch.tensor(rows, device="cuda")
+    count = torch.tensor(len(rows), device="cuda")
+    staging = torch.empty((len(rows), -(-tier.max_record_bytes // 16) * 16), dtype=torch.uint8, device="cuda")
+    kernel_ms, _ = timed(lambda: triton_slots.fill(pools, dev_slots, dev_rows, count))
+    listed_ms, got = timed(lambda: fill_listed(tier, pools, dev_slots, dev_rows, count, staging))
+    return {"kernel_raw_fill_ms": kernel_ms, "listed_fill_ms": listed_ms,
+            "listed_link_multiplier": kernel_ms / listed_ms, "slots": got}
 
 
 def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Generator) -> dict:
@@ -251,6 +272,12 @@ def main(argv=None) -> int:
     for f in tier_fills:
         print(f"| {f['format']} | {f['experts']} | {f['exact']} | {f['ratio']:.4f} | {f['raw_fill_ms']:.3f} | "
               f"{f['compressed_fill_ms']:.3f} | {f['link_multiplier']:.2f} |")
+    print("the captured step's fills from device lists (triton_slots.fill raw in place against fill_listed)")
+    print("| format | experts | exact | raw kernel fill ms | listed compressed fill ms | link x |")
+    print("|---|--:|---|--:|--:|--:|")
+    for f in tier_fills:
+        print(f"| {f['format']} | {f['experts']} | {f['exact']} | {f['kernel_raw_fill_ms']:.3f} | "
+              f"{f['listed_fill_ms']:.3f} | {f['listed_link_multiplier']:.2f} |")
     return 0 if all(r["exact"] for r in rows + fills + tier_fills) else 1
 
 
