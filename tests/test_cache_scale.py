@@ -158,3 +158,48 @@ def test_reading_holds_a_few_bytes_a_selection(tmp_path, monkeypatch):
     assert tok.experts.nbytes == 2 * selections
     bound = tok.experts.nbytes + 64 * tok.tokens + 128 * streams.READ_BATCH_ROWS
     assert peak < bound, f"{peak / selections:.2f} bytes a selection"
+
+
+def test_the_table_is_the_same_in_small_chunks(tmp_path, capsys, monkeypatch):
+    """The per-group counts taken a few groups at a time and the time model's link queues starting at
+    one slot (grown and wrapped many times) print the same table, every policy and the compressed
+    tier included, as with chunks larger than the trace."""
+    from coldset.analysis import simulate, time_model
+
+    path = write_scale_trace(tmp_path / "t.parquet", 300, layers=3, experts=8, top_k=2, mean_length=20, seed=7)
+    argv = [str(path), "--residency", "0.5", "--batch", "1", "3", "--step-ms", "2", "3", "--bytes-per-expert",
+            "30000000", "--compressed-ratio", "0.6", "--decode-gb-s", "20"]
+    assert main(argv) == 0
+    whole = capsys.readouterr().out
+    groups = pd.read_csv(io.StringIO(whole)).accesses.max() // 2
+    monkeypatch.setattr(simulate, "SUM_GROUPS", 7)
+    monkeypatch.setattr(time_model, "QUEUE_SLOTS", 1)
+    assert groups > 20 * 7
+    assert main(argv) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_the_time_model_keeps_no_array_per_selection():
+    """simulate_time's peak numpy memory (tracemalloc) on a prefetching replay of 400k selections is a
+    few arrays per instance and per copy in flight, far below one byte a selection (the compressed
+    tier adds its bool flags of the admitted misses)."""
+    from coldset.analysis.simulate import simulate
+    from coldset.analysis.streams import AccessStream
+    from coldset.analysis.time_model import TimeModel, simulate_time, with_compressed_tier
+
+    rng = np.random.default_rng(0)
+    L, E, k, steps = 8, 32, 4, 12500
+    experts = np.argsort(rng.random((steps * L, E)), axis=1)[:, :k]  # k distinct a group
+    ids = (experts + (np.arange(steps * L) % L * E)[:, None]).reshape(-1)
+    stream = AccessStream(ids, np.arange(0, ids.size + 1, k), steps, L, E)
+    lists = (ids.reshape(-1, k) + 1) % E + (ids.reshape(-1, k) // E) * E
+    res = simulate(stream, "forecast", L * E // 2, np.ones((L, E)), predictions=lists, record_victims=True)
+    assert res.stats().prefetches > 0
+    raw = TimeModel(2.0, 10**7, link_gb_s=50.0)
+    for tm, per_selection in ((raw, 0.25), (with_compressed_tier(raw, (0.7, 100.0)), 1.25)):  # + the admitted flags
+        simulate_time(stream, res, tm)  # compiled before measuring
+        tracemalloc.start()
+        simulate_time(stream, res, tm)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < per_selection * ids.size + 64 * L * E + (1 << 16), f"{peak / ids.size:.2f} bytes a selection"

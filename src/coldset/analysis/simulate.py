@@ -134,6 +134,22 @@ class CacheResult:
                           pf, int(self.useful_prefetches), int(self.wasted_prefetches))
 
 
+#: Groups :func:`group_sums` counts at once (its int64 copy of the flags is of these groups only).
+SUM_GROUPS = 1 << 20
+
+
+def group_sums(flags: np.ndarray, group_ptr: np.ndarray) -> np.ndarray:
+    """int64 ``[G]``: the True ``flags`` (bool ``[N]``) of each group ``flags[group_ptr[g]:group_ptr[g + 1]]``
+    (every group non-empty), :data:`SUM_GROUPS` groups at a time."""
+    n_groups = group_ptr.size - 1
+    out = np.zeros(n_groups, dtype=np.int64)
+    for g0 in range(0, n_groups, SUM_GROUPS):
+        g1 = min(g0 + SUM_GROUPS, n_groups)
+        lo = group_ptr[g0]
+        out[g0:g1] = np.add.reduceat(flags[lo:group_ptr[g1]].astype(np.int64), group_ptr[g0:g1] - lo)
+    return out
+
+
 def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: np.ndarray, *,
              record_victims: bool = False, predictions: np.ndarray | None = None,
              prefetch_budget: int | None = None, lead_unit: int | None = None,
@@ -185,7 +201,6 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     out = rules.replay(stream, warm, counts.reshape(-1), lists,
                        None if prefetch_budget is None else int(prefetch_budget), victims,
                        -1 if not prefetch_gate else DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit))
-    ids, ptr = stream.instances, stream.group_ptr
-    hits = np.add.reduceat(out.hit.astype(np.int64), ptr[:-1]) if ids.size else np.zeros(0, np.int64)
-    return CacheResult(policy, capacity, out.hit, hits, np.diff(ptr) - hits, out.fills, stream.tokens, victims,
+    hits = group_sums(out.hit, stream.group_ptr)
+    return CacheResult(policy, capacity, out.hit, hits, np.diff(stream.group_ptr) - hits, out.fills, stream.tokens, victims,
                        out.prefetches, int(out.useful_prefetches), out.issued, int(out.wasted_prefetches))
