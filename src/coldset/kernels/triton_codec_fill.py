@@ -228,9 +228,12 @@ class ListedFill:
 
 
 def part_launch_args(tier: CompressedHostTier, pools, programs: int) -> tuple[list, list]:
-    """Per part (padded to :data:`MAX_PARTS`): the decode's runtime arguments (destination rows in the
-    part's element width, staging view placeholder index, elements a row, lanes, depth, work items,
-    raw chunk) and its kind, for :func:`_decode_records_kernel`."""
+    """Per part of ``tier``'s records: the decode's arguments (the slots viewed in the part's element
+    width, that view's dtype (the staging is read in it where the part is stored raw), elements a
+    row, lanes, depth, work items a record, elements a raw work item copies) and its kind, for
+    :func:`_decode_records_kernel`. A part coded anywhere has a work item per lane block (a record
+    of it stored raw is copied in as many chunks); one never coded, at most ``programs`` chunks of
+    at least :data:`RAW_BLOCK` elements."""
     args, kinds = [], []
     for p, part in enumerate(tier.parts[0]):
         view, kind = _ELEMENT_VIEWS.get(part.dtype, (None, None))
@@ -241,7 +244,7 @@ def part_launch_args(tier: CompressedHostTier, pools, programs: int) -> tuple[li
         if kind == KIND_UNCODED and lanes:
             raise CompressedTierError(f"fill_listed: part {part.name} ({part.dtype}) is coded in some record")
         numel = part.numel
-        blocks = max(1, -(-lanes // LANES), min(programs, -(-numel // RAW_BLOCK)))
+        blocks = -(-lanes // LANES) if lanes else max(1, min(programs, -(-numel // RAW_BLOCK)))
         chunk = -(-numel // blocks)
         depth = -(-numel // lanes) if lanes else 0
         dst = getattr(pools, f"{part.name}_hot").view(view)
