@@ -2,9 +2,9 @@
 
 On tiny qwen3_moe checkpoints that transformers writes (float32, head_dim 32 for vLLM's CPU
 attention), vLLM's greedy tokens must equal the embedded engine's, and the trace written by
-``coldset.serve.vllm_backend.capture_routing_vllm`` must equal the one ``coldset.trace.capture.capture_routing``
-writes on the same fixtures at every (request, position, layer, rank); router weights agree to
-float32 rounding. Two variants: ``qwen3_moe`` (a dense layer among MoE layers, renormalised top-k,
+``coldset.serve.vllm_backend.capture_routing_vllm`` (vLLM's routers' own choice) must equal the one
+``coldset.trace.capture.capture_routing`` writes on the same fixtures at every (request, position,
+layer, rank); router weights agree to float32 rounding. Two variants: ``qwen3_moe`` (a dense layer among MoE layers, renormalised top-k,
 sharded safetensors) and ``qwen3_moe_nonorm`` (every other layer MoE, no renormalisation, tied
 embeddings). vLLM runs in a subprocess (tests_vllm/run_vllm_capture.py) with a ``__main__`` guard.
 """
@@ -141,7 +141,7 @@ def test_routed_experts_refused_on_cpu_with_reason(engines):
     err = engines["result"]["routed_experts_error"]
     assert err is not None and "Model Runner V2" in err
     assert not Path(engines["runs"]["qwen3_moe"]["out"] + ".refused").exists()
-    assert "capturing with router forward hooks instead" in engines["stderr"]  # auto said what it did
+    assert "capturing with router hooks (the fused MoE routers' select_experts) instead" in engines["stderr"]  # auto said what it did
 
 
 def test_routed_experts_rows_to_trace_layout():

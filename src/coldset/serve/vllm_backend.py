@@ -16,16 +16,20 @@ embedded capture does (same rows, same split and weight columns). Two capture me
     prefix caching for this output: GPU hosts have it, vLLM on CPU does not.
 
 ``router_hooks``
-    Where the engine cannot return routing (vLLM on CPU), a forward hook on every MoE layer's
-    router linear (``model.layers.N.<block>.gate``) is installed in the worker through
-    ``LLM.apply_model``. The engine runs one request at a time (eager mode, prefix caching off so
-    every prompt token is routed), and the hooks turn each call's router logits into top-k ids and
-    weights with the architecture's semantics, the same as :class:`coldset.engine.model.MoEBlock`:
-    softmax over the logits in float32, ``torch.topk``, renormalisation when ``norm_topk_prob``.
-    The captured rows are what the logits imply, not a copy of vLLM's fused-kernel choice; on a
-    near-tie the two could differ, which the cross-engine test would show.
+    Where the engine cannot return routing (vLLM on CPU), every fused MoE layer's router is
+    wrapped in the worker through ``LLM.apply_model``: vLLM 0.32's ``MoERunner``
+    (``model.layers.N.<block>.experts``) picks each token's experts with its ``router``'s
+    ``select_experts`` (softmax top-k for qwen3_moe, mixtral and gpt_oss; grouped sigmoid top-k
+    with the correction bias for glm4_moe), and the wrapper records the ids and weights it returns
+    to the experts computation. A weight is the factor vLLM applies to that expert's output: the
+    router's weight times the runner's ``routed_scaling_factor`` where the runner applies it
+    (glm4_moe), as coldset's engine records it. The engine runs one request at a time (eager mode,
+    prefix caching off so every prompt token is routed). The rows are vLLM's own choice, not a
+    recomputation from the router logits.
 
 The method used is written into the trace's ``source`` metadata and its ``capture_method`` key.
+Before vLLM starts, :func:`coldset.serve.vllm_families.vllm_refusal` refuses a family coldset does
+not run through vLLM (e.g. deepseek_v3 on vLLM's CPU build), naming the reason.
 Prompts are tokenized with the checkpoint's ``tokenizer.json`` by :func:`coldset.engine.loading.load_tokenizer`
 and handed to vLLM as token ids, so both engines see the same tokens. vLLM is imported lazily:
 the package imports without it. vLLM starts worker processes; a script that calls this must
@@ -47,18 +51,19 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from coldset.core.files import atomic_path
+from coldset.core.files import atomic_path, read_json
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
 from coldset.engine.generate import encode_prompts
 from coldset.engine.loading import load_tokenizer, read_config
+from coldset.serve.vllm_families import vllm_refusal
 from coldset.trace.fixtures import read_fixtures
 
 METHODS = ("auto", "routed_experts", "router_hooks")
-#: Router linears in vLLM's module tree: ``model.layers.N.mlp.gate`` (qwen3_moe),
-#: ``model.layers.N.block_sparse_moe.gate`` (mixtral).
 #: KV cache reserved by vLLM on CPU unless llm_kwargs say otherwise (fixtures are short).
 CPU_KV_CACHE_BYTES = 512 << 20
-ROUTER_NAME_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.[A-Za-z_]+\.gate$")
+#: vLLM 0.32's fused MoE layers (``MoERunner``) in its module tree: ``model.layers.N.mlp.experts``
+#: (qwen3_moe, glm4_moe, gpt_oss), ``model.layers.N.block_sparse_moe.experts`` (mixtral).
+MOE_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.[A-Za-z_]+\.experts$")
 
 
 class VllmCaptureError(RuntimeError):
@@ -80,47 +85,43 @@ class VllmRequestResult:
 # worker side (runs inside vLLM's worker through LLM.apply_model; must be picklable)
 
 _RECORDS: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-_HANDLES: list[Any] = []
+_WRAPPED: list[Any] = []  # the routers whose select_experts is wrapped
 
 
-def _router_hook(layer: int, num_experts: int, top_k: int, norm_topk_prob: bool, module, args, output) -> None:
-    import torch  # inside vLLM's worker (picklable hook): torch is loaded there
-
-    logits = output[0] if isinstance(output, tuple) else output
-    if logits.shape[-1] != num_experts:
-        raise RuntimeError(f"router of layer {layer} returned logits of shape {tuple(logits.shape)}, "
-                           f"expected [tokens, {num_experts}]")
-    probs = torch.softmax(logits.detach(), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    _RECORDS.setdefault(layer, []).append((ids.to(torch.int32).cpu().numpy(), weights.float().cpu().numpy()))
+def _recording_select(layer: int, scale: float, select, *args, **kwargs):
+    """The router's ``select_experts``, recording the ids and the weights (times ``scale``)."""
+    topk_weights, topk_ids = select(*args, **kwargs)
+    _RECORDS.setdefault(layer, []).append((topk_ids.detach().int().cpu().numpy(),
+                                           (topk_weights.detach().float() * scale).cpu().numpy()))
+    return topk_weights, topk_ids
 
 
-def _install_router_hooks(model, *, num_experts: int, top_k: int, norm_topk_prob: bool) -> list[int]:
-    """Hook every router linear of ``model``; returns the model layer indices hooked."""
+def _install_router_hooks(model, *, num_experts: int, top_k: int) -> list[int]:
+    """Wrap every fused MoE layer's router in ``model``; returns the model layer indices wrapped."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter  # optional dependency
+
     _remove_router_hooks(model)
     hooked = []
     for name, module in model.named_modules():
-        m = ROUTER_NAME_RE.search(name)
-        if m is None:
-            continue
-        # vLLM's CPU linears repack their weights (``weight`` may be empty): go by output_size
-        width = getattr(module, "output_size", None)
-        if width is None and getattr(module, "weight", None) is not None:
-            width = module.weight.shape[0]
-        if width != num_experts:
+        m = MOE_LAYER_RE.search(name)
+        router = getattr(module, "router", None)
+        if m is None or not isinstance(router, FusedMoERouter):
             continue
         layer = int(m.group(1))
-        _HANDLES.append(module.register_forward_hook(partial(_router_hook, layer, num_experts, top_k, norm_topk_prob)))
+        if getattr(router, "global_num_experts", num_experts) != num_experts or getattr(router, "top_k", top_k) != top_k:
+            raise RuntimeError(f"{name}: vLLM's router picks {router.top_k} of {router.global_num_experts} experts; "
+                               f"the checkpoint's config says {top_k} of {num_experts}")
+        scale = float(getattr(module, "routed_scaling_factor", 1.0))  # applied by the runner to the output
+        router.select_experts = partial(_recording_select, layer, scale, router.select_experts)
+        _WRAPPED.append(router)
         hooked.append(layer)
     return sorted(hooked)
 
 
 def _remove_router_hooks(model=None) -> None:
-    for handle in _HANDLES:
-        handle.remove()
-    _HANDLES.clear()
+    for router in _WRAPPED:
+        vars(router).pop("select_experts", None)  # the class's method again
+    _WRAPPED.clear()
     _RECORDS.clear()
 
 
@@ -222,18 +223,17 @@ def _run_routed_experts(llm, prompts: list[list[int]], new_tokens: list[int], me
 
 
 def _run_router_hooks(llm, prompts: list[list[int]], new_tokens: list[int], meta: TraceMeta,
-                      norm_topk_prob: bool, ids: list[str], progress: bool) -> list[VllmRequestResult]:
+                      ids: list[str], progress: bool) -> list[VllmRequestResult]:
     from vllm import SamplingParams  # optional dependency
     from vllm.inputs import TokensPrompt  # optional dependency
 
-    hooked = llm.apply_model(partial(_install_router_hooks, num_experts=meta.num_experts, top_k=meta.top_k,
-                                     norm_topk_prob=norm_topk_prob))
+    hooked = llm.apply_model(partial(_install_router_hooks, num_experts=meta.num_experts, top_k=meta.top_k))
     if len(hooked) != 1:
         raise VllmCaptureError(f"router hooks need exactly one model worker (tensor/pipeline parallel size 1); "
                                f"vLLM runs {len(hooked)}")
     if hooked[0] != list(meta.moe_layers):
-        raise VllmCaptureError(f"router hooks found router linears on layers {hooked[0]}, but the checkpoint's MoE "
-                               f"layers are {list(meta.moe_layers)} (module names matched by {ROUTER_NAME_RE.pattern})")
+        raise VllmCaptureError(f"router hooks found fused MoE routers on layers {hooked[0]}, but the checkpoint's MoE "
+                               f"layers are {list(meta.moe_layers)} (module names matched by {MOE_LAYER_RE.pattern})")
     results = []
     try:
         llm.apply_model(_take_records)  # nothing from before this point
@@ -304,7 +304,12 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     if method == "router_hooks":
         _set_env_for_hooks()
     import vllm  # optional dependency
+    from vllm.platforms import current_platform  # optional dependency
 
+    config_path = model_dir / "config.json"
+    refusal = vllm_refusal(read_json(config_path, "model config"), str(config_path), current_platform.is_cpu())
+    if refusal is not None:
+        raise VllmCaptureError(f"vLLM {vllm.__version__} capture refused: {refusal}")
     chosen = method
     if method in ("auto", "routed_experts"):
         reason = routed_experts_refusal(_engine_kwargs(model_dir, dtype, max_len, "routed_experts", llm_kwargs))
@@ -314,15 +319,15 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
             raise VllmCaptureError(f"vLLM {vllm.__version__} refuses enable_return_routed_experts: {reason}")
         else:
             print(f"vLLM {vllm.__version__} cannot return routed experts here ({reason}); capturing with router "
-                  "forward hooks instead", file=sys.stderr)
+                  "hooks (the fused MoE routers' select_experts) instead", file=sys.stderr)
             chosen = "router_hooks"
             _set_env_for_hooks()
     from vllm import LLM  # optional dependency
 
     llm = LLM(**_engine_kwargs(model_dir, dtype, max_len, chosen, llm_kwargs))
     if chosen == "router_hooks":
-        results = _run_router_hooks(llm, prompts, new_tokens, meta, cfg.norm_topk_prob, fixture_ids, progress)
-        how = "router forward hooks via LLM.apply_model, one request at a time"
+        results = _run_router_hooks(llm, prompts, new_tokens, meta, fixture_ids, progress)
+        how = "the fused MoE routers' select_experts via LLM.apply_model, one request at a time"
     else:
         results = _run_routed_experts(llm, prompts, new_tokens, meta, fixture_ids, progress)
         how = "CompletionOutput.routed_experts"
