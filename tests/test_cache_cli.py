@@ -231,3 +231,20 @@ def test_compressed_tier_rows_sit_beside_the_raw_ones(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--compressed-ratio", "0.5"])
     assert "go together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("horizon", [1, 3])
+def test_previous_token_recall_in_chunks_equals_all_at_once(monkeypatch, horizon):
+    """The previous-token baseline counted a few tokens at a time (chunks that cut sequences) equals
+    the whole-array count."""
+    from coldset.analysis import cache
+
+    rng = np.random.default_rng(horizon)
+    tokens = rng.integers(0, 6, size=(200, 3, 2))
+    sequence = np.repeat(np.arange(20), rng.multinomial(200 - 20, [1 / 20] * 20) + 1)
+    same = sequence[horizon:] == sequence[:-horizon]
+    want = float((tokens[horizon:][same][..., :, None] == tokens[:-horizon][same][..., None, :]).any(-1).mean())
+    assert cache.previous_token_recall(tokens, sequence, horizon) == pytest.approx(want, abs=1e-15)
+    monkeypatch.setattr(cache, "PREVIOUS_CHUNK", 7)
+    assert cache.previous_token_recall(tokens, sequence, horizon) == pytest.approx(want, abs=1e-15)
+    assert np.isnan(cache.previous_token_recall(tokens[:1], sequence[:1], horizon))

@@ -343,6 +343,25 @@ def tuning_note(sequence: np.ndarray, validation: np.ndarray | None, tuned_on: s
     return f"{tuned_on or 'every 5th profile request'} ({n_val} of {n_req} profile requests)"
 
 
+#: Tokens :func:`previous_token_recall` compares at once.
+PREVIOUS_CHUNK = 1 << 16
+
+
+def previous_token_recall(tokens: np.ndarray, sequence: np.ndarray, horizon: int) -> float:
+    """The recall of the forecast "a token selects what the token ``horizon`` before it in its
+    sequence did" on ``tokens`` ``[T, L, k]``: the share of the later token's selections among the
+    earlier one's (NaN without such pairs), :data:`PREVIOUS_CHUNK` tokens at a time."""
+    T = tokens.shape[0]
+    inside = total = 0
+    for c in range(0, max(T - horizon, 0), PREVIOUS_CHUNK):
+        e = min(c + PREVIOUS_CHUNK, T - horizon)
+        same = sequence[c + horizon:e + horizon] == sequence[c:e]
+        later, earlier = tokens[c + horizon:e + horizon][same], tokens[c:e][same]
+        inside += int((later[..., :, None] == earlier[..., None, :]).any(-1).sum())
+        total += later.size
+    return inside / total if total else float("nan")
+
+
 def recall_table(profile: DecodeTokens, replay: DecodeTokens, num_moe_layers: int, num_experts: int, top_k: int,
                  horizons: Sequence[int] = (1, 2, 4, 8), extra: int = 3,
                  budget: int | None = None, term_sets=None, ceiling_lower_layers: int = 0) -> pd.DataFrame:
@@ -384,11 +403,7 @@ def recall_table(profile: DecodeTokens, replay: DecodeTokens, num_moe_layers: in
         cur = NextTokenForecaster.fit(tp, sp, top_k, E, horizon=h, extra=extra, terms=((0, 0),), weights=(1.0,),
                                       hist_beta=0.0)
         qc = forecast_quality(cur, th, sh)
-        prev_recall = float("nan")  # the forecast "it selects what the token h before did"
-        if th.shape[0] > h:
-            same = sh[h:] == sh[:-h]
-            if same.any():
-                prev_recall = float((th[h:][same][..., :, None] == th[:-h][same][..., None, :]).any(-1).mean())
+        prev_recall = previous_token_recall(th, sh, h)
         ceil = conditional_ceiling(th, sh, h, n)
         if ceiling_lower_layers > 0:
             wide = conditional_ceiling(th, sh, h, n, lower_layers=ceiling_lower_layers)
