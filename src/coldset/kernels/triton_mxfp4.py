@@ -5,14 +5,26 @@ pairs by expert, its block numbering, its one row-map load per block for the wei
 the scales, its top-k sum launch), three launches a layer, with the weights read as the pools hold
 them (:mod:`coldset.kernels.tiers`): packed e2m1 bytes, uint8 ``[rows, N, K / 2]``, and their e8m0
 scales, uint8 ``[rows, N, K / 32]``, from the same tier at the same row. Hopper has no FP4 tensor
-cores, so each k step unpacks its ``[block_n, block_k / 2]`` byte tile in registers (low nibble
-first: element ``2j`` of a row is byte ``j``'s low nibble), turns each code into its float32 value
-by bits (a normal float for every nonzero code, no subnormal arithmetic), multiplies by
-``2^(s - 127)`` (float32 bits ``s << 23``) and rounds to bf16, which holds every MXFP4 weight a
-scale byte of 2..254 gives exactly (:func:`coldset.core.mxfp4.dequantize`'s values); the tokens
-stay bf16 and the dots accumulate in float32. Weight-only, as vLLM's Hopper path for gpt-oss: no
-activation is quantized. Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to
-zero (the torch path keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
+cores, so each k step unpacks its codes in registers (element ``2j`` of a row is byte ``j``'s low
+nibble). Weight-only, as vLLM's Hopper path for gpt-oss: the tokens stay bf16, no activation is
+quantized, every sum is float32. Two paths, the config's choice:
+
+- the dot path (``block_m`` >= 16): bf16 tiles ``e2m1 * 2^(s - 127)`` dotted with the tokens'
+  tile. ``w8a16`` 0 unpacks value by value (:func:`_upcast`: each code's float32 by bits, times the
+  scale, rounded to bf16); 2 by 32-bit words (:func:`_e2m1_words`: four loads' worth of codes per
+  thread as int32 words, two codes a word operation as fp16 lanes holding ``e2m1 * 2^-14`` exactly,
+  widened, times 2^14, times the scale). Both give every weight a scale byte of 2..254 gives as
+  bf16 exactly (:func:`coldset.core.mxfp4.dequantize`'s values), so the same output bits: a speed
+  choice, as the FP8 kernel's ``w8a16`` 2.
+- the GEMV path (``block_m`` 1 to :data:`GEMV_MAX_ROWS`, ``w8a16`` 2): no dot, which would pad a
+  decode tile to 16 rows; each block takes ``block_m`` pairs and the codes unpacked by words to
+  float32 ``e2m1 * 2^-14`` and sums each pair's products per group of 32 in registers, then times
+  ``2^14 * 2^(s - 127)`` once per group (:func:`_gemv_step`): the scale is applied per group sum,
+  not per weight. Other float32 sums than the dot path's: a config's bits depend on the path, never
+  on the placement.
+
+Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
+keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
 
 The w13 epilogue adds the expert's biases and applies the pools' activation in float32
 (:func:`coldset.kernels.triton_moe._gated`: SiLU, or gpt-oss's clamped SwiGLU), rounding the
@@ -25,9 +37,10 @@ to float32 summation order. Tiling and accumulation order never depend on where 
 so every placement is bitwise the all-hot (``use_row_map=False``) output.
 
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
-32: whole scale groups per k step), ``num_warps``, ``num_stages``, ``slot_max_pairs``, ``pdl`` (0, or
-2: the w2 and sum launches start early and wait), ``tile_order``, ``half_buf``. Split-K,
-``half_tail``, ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
+32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the GEMV path's k loops are
+pipelined to that depth too), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
+early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0 or 2, above). Split-K, ``half_tail``,
+``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
 
 from __future__ import annotations
@@ -63,6 +76,7 @@ if TYPE_CHECKING:
     from coldset.kernels.tiers import ExpertPools
 
 GROUP = mxfp4.BLOCK  # inputs per e8m0 scale
+GEMV_MAX_ROWS = 8  # block_m up to this: the GEMV path (sums in registers, no dot); a dot needs 16 rows
 
 # The defaults when no tuned entry exists (coldset.kernels.configs: triton_mxfp4.json).
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
@@ -78,36 +92,124 @@ def default_config(num_tokens: int, top_k: int = 4) -> KernelConfig:
 
 
 @triton.jit
+def _group_scale(s):
+    """float32 ``2^(s - 127)`` of e8m0 bytes (s = 0: 2^-127, a float32 subnormal)."""
+    s = s.to(tl.int32)
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _upcast(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
     """bf16 ``[BN, BK]`` weights from packed e2m1 ``[BN, BK // 2]`` uint8 and e8m0 ``[BN, BK // 32]``
-    uint8: ``e2m1(code) * 2^(s - 127)``. A code's magnitude m (0..7) is the float32 ``(m + 252) << 22``
-    for m >= 2 (exponent ``(m >> 1) + 126``, mantissa bit ``m & 1``: 1, 1.5, 2, 3, 4, 6), 0.5 for
-    m = 1 and 0 for m = 0; bit 3 is the sign."""
+    uint8: ``e2m1(code) * 2^(s - 127)``, one value at a time. A code's magnitude m (0..7) is the
+    float32 ``(m + 252) << 22`` for m >= 2 (exponent ``(m >> 1) + 126``, mantissa bit ``m & 1``: 1,
+    1.5, 2, 3, 4, 6), 0.5 for m = 1 and 0 for m = 0; bit 3 is the sign."""
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK)).to(tl.int32)  # low nibble first
     m = codes & 7
     mag = tl.where(m > 1, (m + 252) << 22, tl.where(m == 1, 0x3F000000, 0))
     v = (mag | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-    s = scales.to(tl.int32)
-    scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0: 2^-127
+    scale = _group_scale(scales)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 32, 32)), (BN, BK))
     return (v * scale).to(tl.bfloat16)
 
 
 @triton.jit
-def _weight_tile(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """The bf16 ``[BN, BK]`` weight tile of inputs ``[k0, k0 + BK)`` of the rows ``w_ptrs`` / ``s_ptrs``
-    point at (packed bytes ``[BN, BK // 2]``, scales ``[BN, BK // 32]``); rows past N and inputs past
-    K (whole groups of 32) read as zero."""
+def _e2m1_pair(q, EEM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """Nibbles k and k + 4 of each int32 word ``q`` (k = (9 - EEM_SHIFT) / 4) as float32 values
+    ``e2m1 * 2^-14``: one word of two fp16 lanes built by bit operations on the whole word (the
+    code's 3 magnitude bits as an fp16 exponent's low 2 bits and mantissa's top bit, its sign as
+    the sign: exactly e2m1 times 2^-14, code 1 an fp16 subnormal), each lane widened exactly."""
+    if EEM_SHIFT >= 0:
+        e = q << EEM_SHIFT
+    else:
+        e = q >> (-EEM_SHIFT)
+    p = (e & 0x0E000E00) | ((q << SIGN_SHIFT) & -2147450880)  # -2147450880: the int32 0x80008000
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_words(q):
+    """float32 ``e2m1 * 2^-14`` of the 8 codes of each int32 word of ``q`` ``[...]``, as ``[..., 2, 2,
+    2]`` in element order (``reshape`` to ``[..., 8]``: element j of a word is nibble j, low first)."""
+    v0, v4 = _e2m1_pair(q, 9, 12)
+    v1, v5 = _e2m1_pair(q, 5, 8)
+    v2, v6 = _e2m1_pair(q, 1, 4)
+    v3, v7 = _e2m1_pair(q, -3, 0)
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _load_rows(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+               EVEN_N: tl.constexpr, WORDS: tl.constexpr):
+    """The packed codes and e8m0 bytes of inputs ``[k0, k0 + BK)`` of the rows ``w_ptrs`` / ``s_ptrs``
+    point at: ``WORDS`` int32 words ``[BN, BK // 32, 4]``, else bytes ``[BN, BK // 2]``; scales
+    ``[BN, BK // 32]``. Rows past N and inputs past K (whole groups of 32) read as code 0."""
+    if WORDS:
+        step = k0 // 8
+    else:
+        step = k0 // 2
     if EVEN_K and EVEN_N:
-        packed = tl.load(w_ptrs + k0 // 2)
+        packed = tl.load(w_ptrs + step)
         sc = tl.load(s_ptrs + k0 // 32)
     else:
-        kb_ok = (k0 // 2 + tl.arange(0, BK // 2)) < K // 2
         kg_ok = (k0 // 32 + tl.arange(0, BK // 32)) < K // 32
-        packed = tl.load(w_ptrs + k0 // 2, mask=n_ok[:, None] & kb_ok[None, :], other=0)
+        if WORDS:
+            w_ok = n_ok[:, None, None] & kg_ok[None, :, None]
+        else:
+            w_ok = n_ok[:, None] & ((k0 // 2 + tl.arange(0, BK // 2)) < K // 2)[None, :]
+        packed = tl.load(w_ptrs + step, mask=w_ok, other=0)
         sc = tl.load(s_ptrs + k0 // 32, mask=n_ok[:, None] & kg_ok[None, :], other=127)
-    return _upcast(packed, sc, BN, BK)
+    return packed, sc
+
+
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, WORDS: tl.constexpr):
+    """The bf16 ``[BN, BK]`` weight tile of inputs ``[k0, k0 + BK)`` for a dot: ``WORDS`` by
+    :func:`_e2m1_words` (times 2^14 then the scale: the same bits as :func:`_upcast`), else
+    :func:`_upcast`."""
+    packed, sc = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, WORDS)
+    if WORDS:
+        v = _e2m1_words(packed) * 16384.0  # exact: e2m1 values
+        v = v * _group_scale(sc)[:, :, None, None, None, None]
+        w = tl.reshape(v, (BN, BK)).to(tl.bfloat16)
+    else:
+        w = _upcast(packed, sc, BN, BK)
+    return w
+
+
+@triton.jit
+def _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """For the GEMV path: float32 ``e2m1 * 2^-14`` ``[BN, BK // 32, 32]`` (unscaled: the scale is
+    applied to each group's sum) and the groups' ``2^(s - 127)`` ``[BN, BK // 32]``."""
+    packed, sc = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, True)
+    return tl.reshape(_e2m1_words(packed), (BN, BK // 32, 32)), _group_scale(sc)
+
+
+@triton.jit
+def _gemv_step(acc, a, v, f):
+    """``acc [BM, BN, G] += (sum over each group of 32 of a [BM, G, 32] * v [BN, G, 32]) * 2^14 * f
+    [BN, G]``: float32 products summed in registers, the group's scale once per group sum."""
+    part = tl.sum(a[:, None, :, :] * v[None, :, :, :], axis=3)
+    return acc + part * 16384.0 * f[None, :, :]
+
+
+@triton.jit
+def _row_ptrs(w_base, s_base, offs_n, K: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
+    """Pointers to the first k step of rows ``offs_n`` of one expert's packed matrix (int32 words
+    ``[BN, BK // 32, 4]`` with ``WORDS``, bytes ``[BN, BK // 2]`` else) and of its scales
+    ``[BN, BK // 32]``. Rows are K / 2 bytes: a multiple of 16 (K is a multiple of 32)."""
+    rows = offs_n.to(tl.int64)
+    if WORDS:
+        words = tl.arange(0, BK // 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        w_ptrs = w_base.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (K // 8) + words[None, :, :]
+    else:
+        w_ptrs = w_base + rows[:, None] * (K // 2) + tl.arange(0, BK // 2)[None, :]
+    s_ptrs = s_base + rows[:, None] * (K // 32) + tl.arange(0, BK // 32)[None, :]
+    return w_ptrs, s_ptrs
 
 
 @triton.jit
@@ -115,9 +217,10 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
                   bu, num_pairs, expert, start, c, cnt, stride_xt,
                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows, then the activation
-    (biases first) rounded to bf16 into the per-pair scratch."""
+                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+                  WORDS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows (bf16 dots), then the
+    activation (biases first) rounded to bf16 into the per-pair scratch."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
@@ -129,8 +232,8 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
             a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0)
-        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-        wu = _weight_tile(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
+        wu = _weight_tile(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
         acc_g = tl.dot(a, tl.trans(wg), acc_g)
         acc_u = tl.dot(a, tl.trans(wu), acc_u)
     act = _gated(acc_g, acc_u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
@@ -139,6 +242,52 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
 
 
 @triton.jit
+def _gemv_rows(a_ptrs, valid, offs_g, w_ptrs, s_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr):
+    """fp32 ``[BM, BN]``: the rows ``a_ptrs`` point at (bf16, ``[BM, BK // 32, 32]`` per k step) times
+    the weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`)."""
+    acc = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None, None] & ((k0 + offs_g) < K)[None, :, :], other=0.0)
+        v, f = _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K, BN, BK, EVEN_K, EVEN_N)
+        acc = _gemv_step(acc, a.to(tl.float32), v, f)
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
+                    bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
+                    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
+                    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                    LIMIT: tl.constexpr, NS: tl.constexpr):
+    """:func:`_w13_mx_chunk` without a dot (:func:`_gemv_step`): ``BM`` (1 to 8) pairs, the gate and
+    up rows' loads of a k step issued together."""
+    pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
+    tok = (pair // TOPK).to(tl.int64)
+    offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    a_ptrs = x_ptr + tok[:, None, None] * stride_xt + offs_g[None, :, :]
+    acc_g = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=NS):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None, None] & ((k0 + offs_g) < H)[None, :, :], other=0.0)
+        a = a.to(tl.float32)
+        vg, fg = _gemv_weights(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+        vu, fu = _gemv_weights(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+        acc_g = _gemv_step(acc_g, a, vg, fg)
+        acc_u = _gemv_step(acc_u, a, vu, fu)
+    act = _gated(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
+    out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "layer", "NB"])  # one compile for every layer and batch
 def _w13_mx_kernel(
     x_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
     b13_ptr, act_ptr, num_pairs, layer, stride_xt, NB,
@@ -146,6 +295,7 @@ def _w13_mx_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if USE_GDC:
@@ -156,17 +306,20 @@ def _w13_mx_kernel(
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * I * (H // 32), E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
-    wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (H // 2) + tl.arange(0, BK // 2)[None, :]  # gate rows n
-    wu_ptrs = wg_ptrs + I * (H // 2)  # up rows I + n
-    sg_ptrs = s_base + offs_n[:, None].to(tl.int64) * (H // 32) + tl.arange(0, BK // 32)[None, :]
-    su_ptrs = sg_ptrs + I * (H // 32)
+    wg_ptrs, sg_ptrs = _row_ptrs(w_base, s_base, offs_n, H, BK, WORDS)  # gate rows n
+    wu_ptrs, su_ptrs = _row_ptrs(w_base, s_base, I + offs_n, H, BK, WORDS)  # up rows I + n
     bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)
     bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)
     c = c_begin
     while c < c_end:  # chunks of this expert's pairs (a while loop: dynamic bound)
-        _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok,
-                      bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
-                      TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT)
+        if GEMV:
+            _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n,
+                            n_ok, bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
+                            TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT, NS)
+        else:
+            _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n,
+                          n_ok, bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
+                          TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT, WORDS)
         c += BM
 
 
@@ -175,21 +328,26 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
                  num_pairs, expert, start, c, cnt,
                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows, plus w2's
-    bias, times the routing weight, into the per-pair buffer."""
-    offs_k = tl.arange(0, BK)
+                 HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows (bf16 dots, or
+    ``GEMV`` sums in registers), plus w2's bias, times the routing weight, into the per-pair buffer."""
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
-    a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < I)[None, :], other=0.0)
-        w = _weight_tile(w_ptrs, s_ptrs, k0, n_ok, I, BN, BK, EVEN_K, EVEN_N)
-        acc = tl.dot(a, tl.trans(w), acc)
+    if GEMV:
+        offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        a_ptrs = act_ptr + pair64[:, None, None] * I + offs_g[None, :, :]
+        acc = _gemv_rows(a_ptrs, valid, offs_g, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K, EVEN_N, NS)
+    else:
+        offs_k = tl.arange(0, BK)
+        a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < I)[None, :], other=0.0)
+            w = _weight_tile(w_ptrs, s_ptrs, k0, n_ok, I, BN, BK, EVEN_K, EVEN_N, WORDS)
+            acc = tl.dot(a, tl.trans(w), acc)
     if HAS_BIAS:
         acc += b2[None, :]
     wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0).to(tl.float32)
@@ -198,14 +356,14 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
              mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "layer", "NB"])
 def _w2_mx_kernel(
     act_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr, s_cold_ptr,
     b2_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB,
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -213,8 +371,7 @@ def _w2_mx_kernel(
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, H * (I // 32), E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < H
-    w_ptrs = w_base + offs_n[:, None].to(tl.int64) * (I // 2) + tl.arange(0, BK // 2)[None, :]  # w2 rows n (of H)
-    s_ptrs = s_base + offs_n[:, None].to(tl.int64) * (I // 32) + tl.arange(0, BK // 32)[None, :]
+    w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, offs_n, I, BK, WORDS)  # w2 rows n (of H)
     b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
     if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 launch
         gdc_launch_dependents()
@@ -222,7 +379,8 @@ def _w2_mx_kernel(
     c = c_begin
     while c < c_end:
         _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok, b2,
-                     num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS)
+                     num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS,
+                     GEMV, WORDS, NS)
         c += BM
 
 
@@ -233,15 +391,21 @@ def _check_config(c: KernelConfig) -> None:
         if v < GROUP or v & (v - 1):
             raise ValueError(f"triton_mxfp4_experts: config {name} must be a power of two >= {GROUP} (whole e8m0 "
                              f"scale groups per k step), got {v}")
-    if c.block_m < 16:
-        raise ValueError(f"triton_mxfp4_experts: block_m must be >= 16 (a dot needs 16 rows), got {c.block_m}")
+    if c.block_m < 1 or c.block_m & (c.block_m - 1):
+        raise ValueError(f"triton_mxfp4_experts: block_m must be a power of two, got {c.block_m}")
+    if c.w8a16 not in (0, 2):
+        raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
+                         "path unpacks value by value, 2: by 32-bit words)")
+    if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
+        raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
+                         f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
     if c.pdl not in (0, 2):
         raise ValueError(f"triton_mxfp4_experts: config pdl must be 0 or 2 (no L2 prefetch, no chained first "
                          f"launch here), got {c.pdl}")
     for name in ("split_k1", "split_k2"):
         if getattr(c, name) != 1:
             raise ValueError(f"triton_mxfp4_experts: split-K ({name} > 1) is not implemented for MXFP4")
-    for name in ("half_tail", "quant_x", "quant_act", "w8a16", "swap_ab"):
+    for name in ("half_tail", "quant_x", "quant_act", "swap_ab"):
         if getattr(c, name) != 0:
             raise ValueError(f"triton_mxfp4_experts: config {name}={getattr(c, name)} is not implemented for MXFP4 "
                              "(weight-only bf16 dots; no activation quantization)")
@@ -320,12 +484,14 @@ def mxfp4_experts_launches(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
+    gemv = c.block_m <= GEMV_MAX_ROWS
+    path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 == 2, NS=c.num_stages)
     _w13_mx_kernel[grid(nb1)](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
         b13, act, num_pairs, layer, x.stride(0), nb1,
         E=num_experts, EP=ep, TOPK=top_k, H=hidden, I=inter, BM=c.block_m, BN=c.block_n1, BK=c.block_k1, NP=np_,
         MODE=mode, USE_ROW_MAP=use_row_map, EVEN_K=hidden % c.block_k1 == 0, EVEN_N=inter % c.block_n1 == 0,
-        USE_GDC=pdl, ORDER=c.tile_order, **act_kw, num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_GDC=pdl, ORDER=c.tile_order, **act_kw, **path, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     yield "w13_act"
     _w2_mx_kernel[grid(nb2)](
@@ -333,7 +499,8 @@ def mxfp4_experts_launches(
         b2, weights, buf, num_pairs, layer, nb2,
         E=num_experts, EP=ep, H=hidden, I=inter, BM=c.block_m, BN=c.block_n2, BK=c.block_k2, NP=np_, MODE=mode,
         USE_ROW_MAP=use_row_map, EVEN_K=inter % c.block_k2 == 0, EVEN_N=hidden % c.block_n2 == 0, USE_GDC=pdl,
-        ORDER=c.tile_order, HAS_BIAS=has_bias, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=pdl,
+        ORDER=c.tile_order, HAS_BIAS=has_bias, **path, num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=pdl,
     )
     yield "w2"
     block = min(1024, _next_pow2(hidden))

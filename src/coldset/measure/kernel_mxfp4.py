@@ -1,5 +1,5 @@
-"""The MXFP4 experts kernel at gpt-oss-120b's shape on one CUDA GPU, beside the bf16 kernel, against
-plain reads of the same bytes measured in the same run.
+"""The MXFP4 experts kernel's paths at gpt-oss-120b's shape on one CUDA GPU, beside the bf16 kernel,
+against plain reads of the same bytes measured in the same run.
 
 ``PYTHONPATH=src python -m coldset.measure.kernel_mxfp4`` (no snakemake, no mlflow): hidden 2880,
 intermediate 2880, 128 experts, top-4, gpt-oss's expert biases and clamped SwiGLU (limit 7), bf16
@@ -9,18 +9,24 @@ experts ``randn / sqrt(K)``; ``--layers`` layers of each, every layer's call cap
 graph and replayed (:func:`coldset.core.timing.graph_time_us`, the median of ``--reps``), so no
 layer's weights are served from L2 by the one before.
 
-Per batch, first the correctness of every kernel timed, on fresh random tokens and routing, with
-the memory each output lands in poisoned (NaN) first: the MXFP4 kernel against the torch path on
-the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization, float32 GEMMs), each
-output within 2^-7 of |ref| + RMS(ref) (the bf16 outputs' rounding plus a flip of the
-intermediate's), and the bf16 kernel against its torch path (relative norm error below 1e-2). An
-MXFP4 failure stops the run; a bf16 failure leaves the bf16 columns empty, with the reason printed. Then the times: the MXFP4 kernel at each config of its search space
-(``coldset/kernels/configs/triton_mxfp4.json``, the decode list up to 64 tokens, prefill above; the
-best is reported with its config), the bf16 kernel at its default config; each as a percentage of
-the time a plain streaming read (:func:`coldset.kernels.bandwidth.best_read_bandwidth`) takes for the
-same bytes (the selected experts' blocks, scales and biases; bf16: their weights and biases), read
-one layer's worth a launch as the kernels do. The short table goes to stdout, last; ``--out FILE``
-also writes the rows as JSON.
+The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
+decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only), each config one
+of three paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
+``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words) and ``gemv`` (no dot: a few
+pairs a block, products summed in registers). Per batch, first the correctness of every config, on
+fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
+the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
+float32 GEMMs), each output within 2^-7 of |ref| + RMS(ref) (the bf16 outputs' rounding plus a
+flip of the intermediate's); the bf16 kernel against its torch path (relative norm error below
+1e-2). A config that is wrong or does not compile is not timed and is listed; the others still
+are, and the command exits 1 at the end when any was wrong. A bf16 failure leaves the bf16 columns
+empty, with the reason printed. Then the times of each config and of the bf16 kernel at its
+default config; each as a percentage of the time a plain streaming read
+(:func:`coldset.kernels.bandwidth.best_read_bandwidth`) takes for the same bytes (the selected
+experts' blocks, scales and biases; bf16: their weights and biases), read one layer's worth a
+launch as the kernels do. ``--budget-s`` bounds the run: each batch gets its share of the seconds
+left, and configs past it are skipped (and listed as such). Last on stdout: every config's µs per
+batch, then the table of each path's best; ``--out FILE`` also writes the rows as JSON.
 
 ``--tiny`` runs the same steps at a tiny shape (hidden 64, intermediate 64, 8 experts, top-2) and,
 without CUDA, under Triton's interpreter (``TRITON_INTERPRET=1``): the correctness checks only, no
@@ -48,6 +54,8 @@ from coldset.measure.harness import MeasureError, log
 GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
+#: The kernel paths (:func:`variant_of`), as the table's columns.
+VARIANTS = ("dot-values", "dot-words", "gemv")
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
 
@@ -77,11 +85,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing (their median)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape; on the CPU under TRITON_INTERPRET=1, no times")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    p.add_argument("--variants", default="all",
+                   help="kernel paths to run, comma-separated: dot-values, dot-words, gemv (default all)")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="seconds after which configs not yet timed are skipped (and listed as such)")
     args = p.parse_args(argv)
     try:
         args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:
         p.error(f"--batches {args.batches!r}: comma-separated token counts expected")
+    args.variant_list = None if args.variants == "all" else tuple(v.strip() for v in args.variants.split(","))
+    if args.variant_list and not set(args.variant_list) <= set(VARIANTS):
+        p.error(f"--variants {args.variants!r}: 'all' or some of {', '.join(VARIANTS)}")
     if not args.batch_list or min(args.batch_list) < 1 or args.layers < 1 or args.reps < 1:
         p.error("--batches, --layers and --reps must be positive")
     return args
@@ -138,26 +153,54 @@ def _poison(s: Setup, nbytes: int) -> None:
     del block
 
 
-def check_correct(s: Setup, num_tokens: int, configs: list) -> float:
+def variant_of(cfg) -> str:
+    """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m up to
+    8: sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words,
+    w8a16 2) or ``dot-values`` (unpacked value by value)."""
+    from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
+
+    if cfg.block_m <= GEMV_MAX_ROWS:
+        return "gemv"
+    return "dot-words" if cfg.w8a16 == 2 else "dot-values"
+
+
+def check_correct(s: Setup, num_tokens: int, configs: list, deadline: float) -> tuple[float, dict[int, str]]:
     """Each MXFP4 config's output, and the bf16 kernel's, against the torch path on fresh inputs
-    (first and last layer); raises :class:`MeasureError` naming the case. Returns the largest
-    |err| / (|ref| + RMS(ref)) of the MXFP4 outputs, in units of the 2^-7 tolerance."""
+    (first and last layer). Returns the largest |err| / (|ref| + RMS(ref)) of the MXFP4 outputs that
+    held, in units of the 2^-7 tolerance, and ``{config index: why}`` for each config that failed:
+    ``wrong: ...`` (outside the tolerance or not finite) or ``raised: ...`` (it did not compile or
+    launch), or ``skipped: ...`` (not checked: ``deadline``, a ``time.time()``, had passed). A config
+    that failed or was skipped is not timed; the other configs still are."""
     from coldset.kernels import triton_experts  # triton: imported when a measurement runs
     from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
 
     xs, rs = make_case(s, num_tokens)
-    worst = 0.0
+    worst, failed = 0.0, {}
     for layer in sorted({0, s.layers - 1}):
         x, (ids, w) = xs[layer], rs[layer]
         ref = torch_experts(s.mx, layer, x, ids, w).double()
         tol = 2.0**-7 * (ref.abs() + ref.pow(2).mean().sqrt())
-        for cfg in configs:
+        for i, cfg in enumerate(configs):
+            if i in failed:
+                continue
+            if time.time() > deadline:
+                failed[i] = "skipped: past the time budget (--budget-s)"
+                continue
             _poison(s, 8 * num_tokens * s.top_k * max(s.hidden, s.inter) * 4)
-            out = triton_mxfp4_experts(s.mx, layer, x, ids, w, cfg)
+            try:
+                out = triton_mxfp4_experts(s.mx, layer, x, ids, w, cfg)
+                if s.timed:
+                    torch.cuda.synchronize()
+            except Exception as exc:  # a config that does not compile or launch here: reported, not timed
+                failed[i] = f"raised: {type(exc).__name__}: {str(exc)[:300]}"
+                log(f"{num_tokens} tokens, config {i} ({variant_of(cfg)}) {failed[i]}")
+                continue
             ratio = float(((out.double() - ref).abs() / tol).max())
-            if not bool(torch.isfinite(out).all()) or ratio > 1:
-                raise MeasureError(f"MXFP4 kernel wrong at {num_tokens} tokens, layer {layer}, config {cfg}: "
-                                   f"max |err| = {ratio:.3g} x tolerance (finite: {bool(torch.isfinite(out).all())})")
+            finite = bool(torch.isfinite(out).all())
+            if not finite or ratio > 1:
+                failed[i] = f"wrong: layer {layer}, max |err| = {ratio:.3g} x tolerance (finite: {finite})"
+                log(f"{num_tokens} tokens, config {i} ({variant_of(cfg)}) {failed[i]}: {cfg}")
+                continue
             worst = max(worst, ratio)
         if s.timed and s.bf16_failure is None:  # the bf16 kernel: CUDA only; wrong or failing, it is not timed
             _poison(s, 8 * num_tokens * s.top_k * max(s.hidden, s.inter) * 4)
@@ -170,7 +213,7 @@ def check_correct(s: Setup, num_tokens: int, configs: list) -> float:
             err = float((out - ref16).norm() / ref16.norm())
             if not bool(torch.isfinite(out).all()) or err > 1e-2:
                 s.bf16_failure = f"bf16 kernel wrong at {num_tokens} tokens, layer {layer}: rel. error {err:.3g}"
-    return worst
+    return worst, failed
 
 
 def read_us(s: Setup, pools: ExpertPools, nbytes: float) -> float:
@@ -190,85 +233,152 @@ def selected_bytes(s: Setup, rs, per_expert: float) -> float:
     return sum(int(torch.unique(ids).numel()) for ids, _ in rs) * per_expert / s.layers
 
 
-def time_batch(s: Setup, num_tokens: int, configs: list) -> dict:
-    """Best MXFP4 config's and the bf16 kernel's µs per layer, and their reads' µs."""
+def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], deadline: float) -> dict:
+    """µs per layer of each MXFP4 config not in ``skip`` (in list order; once ``deadline``, a
+    ``time.time()``, has passed, the rest are skipped and said so), the best per variant and
+    overall, and the bf16 kernel's at its default config; the reads' µs of the same bytes."""
     from coldset.kernels import triton_experts  # triton: imported when a measurement runs
     from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
 
     xs, rs = make_case(s, num_tokens)
-    times = []
-    for cfg in configs:
-        us = graph_time_us(lambda cfg=cfg: [triton_mxfp4_experts(s.mx, l, xs[l], *rs[l], cfg) for l in range(s.layers)],
-                           s.args.reps) / s.layers
-        times.append((us, cfg))
-    mx_us, best = min(times, key=lambda t: t[0])
     bias_bytes = (2 * s.inter + s.hidden) * 2
     mx_bytes = selected_bytes(s, rs, mxfp4.expert_bytes(s.hidden, s.inter) + bias_bytes)
     mx_read = read_us(s, s.mx, mx_bytes)
-    row = {"mxfp4_us": mx_us, "mxfp4_config": best.to_dict(), "mxfp4_all_configs_us": [t[0] for t in times],
-           "mxfp4_bytes": mx_bytes, "mxfp4_read_us": mx_read, "mxfp4_pct_of_read": 100 * mx_read / mx_us}
+    per_config, skipped = [], dict(skip)
+    for i, cfg in enumerate(configs):
+        entry = {"variant": variant_of(cfg), "config": cfg.to_dict()}
+        if i not in skipped and time.time() > deadline:
+            skipped[i] = "skipped: past the time budget (--budget-s)"
+        if i in skipped:
+            per_config.append({**entry, "us": None, "why": skipped[i]})
+            continue
+        us = graph_time_us(lambda cfg=cfg: [triton_mxfp4_experts(s.mx, l, xs[l], *rs[l], cfg) for l in range(s.layers)],
+                           s.args.reps) / s.layers
+        per_config.append({**entry, "us": us, "pct_of_read": 100 * mx_read / us})
+    timed = [c for c in per_config if c["us"] is not None]
+    row = {"mxfp4_bytes": mx_bytes, "mxfp4_read_us": mx_read, "configs": per_config, "variants": {}}
+    for c in timed:
+        best = row["variants"].get(c["variant"])
+        if best is None or c["us"] < best["us"]:
+            row["variants"][c["variant"]] = {"us": c["us"], "pct_of_read": c["pct_of_read"], "config": c["config"]}
+    if timed:
+        top = min(timed, key=lambda c: c["us"])
+        row.update(mxfp4_us=top["us"], mxfp4_variant=top["variant"], mxfp4_config=top["config"],
+                   mxfp4_pct_of_read=top["pct_of_read"])
     if s.bf16_failure is None:
         bf_us = graph_time_us(lambda: [triton_experts(s.bf16, l, xs[l], *rs[l]) for l in range(s.layers)],
                               s.args.reps) / s.layers
         bf_bytes = selected_bytes(s, rs, 3 * s.hidden * s.inter * 2 + bias_bytes)
         bf_read = read_us(s, s.bf16, bf_bytes)
-        row.update(bf16_us=bf_us, bf16_bytes=bf_bytes, bf16_read_us=bf_read, bf16_pct_of_read=100 * bf_read / bf_us,
-                   mxfp4_speedup_vs_bf16=bf_us / mx_us)
+        row.update(bf16_us=bf_us, bf16_bytes=bf_bytes, bf16_read_us=bf_read, bf16_pct_of_read=100 * bf_read / bf_us)
+        if "mxfp4_us" in row:
+            row["mxfp4_speedup_vs_bf16"] = bf_us / row["mxfp4_us"]
     return row
 
 
-def configs_for(num_tokens: int) -> list:
+def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None) -> list:
+    """The search space's configs for ``num_tokens`` (decode up to 64 tokens, prefill above), those
+    of ``variants`` only when given."""
     from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
 
     space = load_kernel_configs("triton_mxfp4")["search_space"]
-    return [KernelConfig.from_dict(d) for d in space["decode" if num_tokens <= 64 else "prefill"]]
+    configs = [KernelConfig.from_dict(d) for d in space["decode" if num_tokens <= 64 else "prefill"]]
+    return [c for c in configs if variants is None or variant_of(c) in variants]
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'tokens':>6} {'MXFP4 us':>9} {'MB read':>8} {'read us':>8} {'% read':>7} {'bf16 us':>8} "
-            f"{'bf16 % read':>11} {'x bf16':>7} {'err/tol':>7}")
+    """Per token count: the read of the selected experts' bytes, each variant's best µs (and % of
+    the read), the best config overall, the bf16 kernel."""
+    head = (f"{'tokens':>6} {'MB read':>8} {'read us':>8} "
+            + " ".join(f"{v + ' us (% rd)':>20}" for v in VARIANTS)
+            + f" {'bf16 us (% rd)':>16} {'x bf16':>7} {'err/tol':>7}  best config")
     lines = [head]
     for r in rows:
-        if "mxfp4_us" in r:
-            bf = (f"{r['bf16_us']:>8.1f} {r['bf16_pct_of_read']:>10.1f}% {r['mxfp4_speedup_vs_bf16']:>7.2f}"
-                  if "bf16_us" in r else f"{'-':>8} {'-':>11} {'-':>7}")
-            lines.append(f"{r['tokens']:>6} {r['mxfp4_us']:>9.1f} {r['mxfp4_bytes'] / 1e6:>8.1f} "
-                         f"{r['mxfp4_read_us']:>8.1f} {r['mxfp4_pct_of_read']:>6.1f}% {bf} {r['err_over_tol']:>7.3f}")
-        else:
-            lines.append(f"{r['tokens']:>6} {'-':>9} {'-':>8} {'-':>8} {'-':>7} {'-':>8} {'-':>11} {'-':>7} "
-                         f"{r['err_over_tol']:>7.3f}")
+        if "mxfp4_read_us" not in r:
+            lines.append(f"{r['tokens']:>6} {'-':>8} {'-':>8} " + " ".join(f"{'-':>20}" for _ in VARIANTS)
+                         + f" {'-':>16} {'-':>7} {r['err_over_tol']:>7.3f}")
+            continue
+        cells = []
+        for v in VARIANTS:
+            b = r["variants"].get(v)
+            cells.append(f"{b['us']:>11.1f} ({b['pct_of_read']:>5.1f}%)" if b else f"{'-':>20}")
+        bf = (f"{r['bf16_us']:>8.1f} ({r['bf16_pct_of_read']:>4.0f}%)" if "bf16_us" in r else f"{'-':>16}")
+        speed = f"{r['mxfp4_speedup_vs_bf16']:>7.2f}" if "mxfp4_speedup_vs_bf16" in r else f"{'-':>7}"
+        best = json.dumps(_short(r["mxfp4_config"])) if "mxfp4_config" in r else "-"
+        lines.append(f"{r['tokens']:>6} {r['mxfp4_bytes'] / 1e6:>8.1f} {r['mxfp4_read_us']:>8.1f} " + " ".join(cells)
+                     + f" {bf} {speed} {r['err_over_tol']:>7.3f}  {best}")
     return "\n".join(lines)
 
 
-def run(argv: list[str] | None = None) -> list[dict]:
+def config_table(rows: list[dict]) -> str:
+    """µs per layer of every config at every token count it ran at (``-``: failed or skipped)."""
+    seen: dict[str, dict[int, str]] = {}
+    for r in rows:
+        for c in r.get("configs", []):
+            cell = f"{c['us']:.1f}" if c["us"] is not None else "-"
+            seen.setdefault(f"{c['variant']:<10} {json.dumps(_short(c['config']))}", {})[r["tokens"]] = cell
+    tokens = [r["tokens"] for r in rows]
+    lines = [" ".join(f"{t:>8}" for t in tokens) + "  variant / config (us per layer)"]
+    for name, cells in seen.items():
+        lines.append(" ".join(f"{cells.get(t, ''):>8}" for t in tokens) + "  " + name)
+    return "\n".join(lines)
+
+
+def _short(cfg: dict) -> dict:
+    """A config's fields that differ from KernelConfig's defaults (as the JSON configs list them)."""
+    from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
+
+    base = KernelConfig().to_dict()
+    return {k: v for k, v in cfg.items() if v != base[k] or k.startswith("block_")}
+
+
+def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
+    """The measurement; returns its rows and whether every MXFP4 config that ran was right."""
     args = parse_args(argv)
+    t_start = time.time()
     s = build(args)
-    rows = []
-    for num_tokens in args.batch_list:
-        configs = configs_for(num_tokens)
-        row = {"tokens": num_tokens, "err_over_tol": check_correct(s, num_tokens, configs)}
-        log(f"{num_tokens} tokens: correct (max err {row['err_over_tol']:.3f} of the tolerance)")
+    rows, wrong = [], []
+    for n, num_tokens in enumerate(args.batch_list):
+        configs = configs_for(num_tokens, args.variant_list)
+        # this row's share of the budget left: the rows after it keep theirs (a time budget of GPU runs only)
+        deadline = time.time() + (t_start + args.budget_s - time.time()) / (len(args.batch_list) - n)
+        if not s.timed:
+            deadline = float("inf")
+        worst, failed = check_correct(s, num_tokens, configs, deadline)
+        wrong += [(num_tokens, i, why) for i, why in failed.items() if why.startswith("wrong")]
+        row = {"tokens": num_tokens, "err_over_tol": worst, "failed": {str(i): why for i, why in failed.items()}}
+        log(f"{num_tokens} tokens: {len(configs) - len(failed)} of {len(configs)} configs correct (max err "
+            f"{worst:.3f} of the tolerance), {time.time() - t_start:.0f}s")
         if s.timed:
-            row.update(time_batch(s, num_tokens, configs))
-            log(f"{num_tokens} tokens: MXFP4 {row['mxfp4_us']:.1f} us ({row['mxfp4_pct_of_read']:.1f}% of a read of "
-                f"its bytes), bf16 {row['bf16_us']:.1f} us ({row['bf16_pct_of_read']:.1f}%)")
+            row.update(time_batch(s, num_tokens, configs, failed, deadline))
+            if "mxfp4_us" in row:
+                log(f"{num_tokens} tokens: best MXFP4 {row['mxfp4_variant']} {row['mxfp4_us']:.1f} us "
+                    f"({row['mxfp4_pct_of_read']:.1f}% of a read of its bytes), {time.time() - t_start:.0f}s")
         rows.append(row)
     device = torch.cuda.get_device_name() if s.timed else "cpu (Triton interpreter: no times)"
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": device, "shape": TINY if args.tiny else GPT_OSS_120B, "layers": args.layers,
-                       "reps": args.reps, "rows": rows, "bf16_failure": s.bf16_failure}, f, indent=1)
-    print(f"MXFP4 vs bf16 experts kernel, {device}, H={s.hidden} I={s.inter} E={s.experts} top-{s.top_k}, "
-          f"{args.layers} layers a graph, median of {args.reps} replays, us per layer")
-    print(table(rows))
+                       "reps": args.reps, "rows": rows, "bf16_failure": s.bf16_failure,
+                       "seconds": time.time() - t_start}, f, indent=1)
+    for num_tokens, i, why in wrong:
+        print(f"WRONG: {num_tokens} tokens, config {i} ({variant_of(configs_for(num_tokens, args.variant_list)[i])}): "
+              f"{why}")
     if s.bf16_failure:
         print(f"bf16 column empty: {s.bf16_failure}")
-    return rows
+    print(f"MXFP4 experts kernel variants vs bf16, {device}, H={s.hidden} I={s.inter} E={s.experts} top-{s.top_k}, "
+          f"{args.layers} layers a graph, median of {args.reps} replays, us per layer; % of a plain read of the "
+          f"same bytes; {time.time() - t_start:.0f}s")
+    if s.timed:
+        print(config_table(rows))
+    print(table(rows))
+    return rows, not wrong
 
 
 if __name__ == "__main__":
     try:
-        run(sys.argv[1:])
+        _, all_right = run(sys.argv[1:])
     except MeasureError as e:
         print(f"kernel_mxfp4: {e}", file=sys.stderr)
         sys.exit(2)
+    sys.exit(0 if all_right else 1)
