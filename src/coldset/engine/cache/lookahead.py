@@ -3,9 +3,13 @@
 ``lru`` plus, after each group of layer ``l``, the prefetch of layer ``l + depth``'s forecast, the
 top-``k`` experts of that layer's router applied to layer ``l``'s router input (pre-gated MoE), with
 the rules of the simulator's ``lookahead`` policy (:mod:`coldset.analysis.policies.lookahead`): a prefetched
-instance takes the least recent slot of layers ``<= l`` not used by the group and not in flight, is
-in flight until the step ends (no demand miss evicts it; a demand miss that finds no other slot is
-read in place, not admitted), and enters the recency order after the group's accesses. The engine
+instance takes the least recent slot of layers ``<= l`` not used by the group, not in flight and not
+guarded, is in flight until the step ends (no demand miss evicts it; a demand miss that finds no other
+slot is read in place, not admitted), and enters the recency order after the group's accesses; no
+victim, demand or prefetch, among the instances the last ``L`` groups used or prefetched
+(``lru_guard``'s bar, :meth:`coldset.engine.cache.policy.PrefetchingPolicy.guard_ticks`); the list is
+judged at layer ``l + depth``'s group and issued only while the gate is open
+(:meth:`coldset.engine.cache.policy.PrefetchingPolicy.gate`). The engine
 records each group's list (:meth:`coldset.engine.cache.pool.SlotCache.prefetch_lists`), which the
 simulator replays for the step-by-step equality. On the CPU the decisions are torch ops and the
 copies plain indexed copies.
@@ -133,11 +137,12 @@ class Lookahead(PrefetchingPolicy):
     def _prefetch(self, cache, layer: int, hidden: torch.Tensor, used: torch.Tensor, n: int) -> None:
         """The prefetch after group (step, ``layer``), the simulator's ``lookahead`` rules
         (:mod:`coldset.analysis.policies.lookahead`): the list = the top ``k`` experts of layer ``layer + depth``'s
-        router on this layer's router inputs, token by token, first occurrence kept; each listed
-        instance not resident, in list order, takes the least recent slot of layers ``<= layer``
-        not used by this group, not listed and not in flight (none left: the rest is skipped); it
-        is in flight until the step ends and enters the recency order after the group's accesses,
-        in list order. The list is recorded per group (the simulator replays it), so its logits'
+        router on this layer's router inputs, token by token, first occurrence kept; the gate
+        judges the list that forecast this layer, keeps this list's wanted instances for layer
+        ``layer + depth``'s group and, while open, each listed instance not resident, in list order,
+        takes the least recent slot of layers ``<= layer`` not used by this group, not listed, not in
+        flight and not guarded (none left: the rest is skipped); it is in flight until the step ends
+        and enters the recency order after the group's accesses, in list order. The list is recorded per group (the simulator replays it), so its logits'
         rounding (float32 here) is the engine's choice, not a contract."""
         pools = cache.pools
         L, E = pools.num_moe_layers, pools.num_experts

@@ -8,9 +8,10 @@ per lane, round robin), and its missing experts prefetched into slots not used b
 flight and not predicted, least recent first; demand victims by (predicted, recency) past the
 in-flight slots; layer ``l``'s prefetches stay in flight until group (``t + 1``, ``l``). No victim
 (demand or prefetch) among the instances the last ``L`` groups used or prefetched (``lru_guard``'s
-bar, in ticks: :meth:`NextToken.guard_ticks`), and the prefetch only while the gate is open (the
-running precision and lead of the lists, :func:`coldset.analysis.policies.base.prefetch_lead_unit`;
-closed, the forecast flags nothing as predicted either).
+bar, in ticks: :meth:`coldset.engine.cache.policy.PrefetchingPolicy.guard_ticks`), and the prefetch
+only while the gate is open (the running precision and lead of the lists,
+:func:`coldset.analysis.policies.base.prefetch_lead_unit`; closed, the forecast flags nothing as
+predicted either).
 
 On CUDA in the fused step: the router's launch records the group, the fill's blocks choose the
 demand victims, commit and copy (compute stream); the forecast and prefetch decisions are one launch
@@ -79,10 +80,7 @@ class NextToken(PrefetchingPolicy):
     prefetch's tags per layer; the decisions and copy streams, per layer the fork and decided
     events, the copy's end event and ticket; whether a step is open, the last layer whose side work
     was forked and not yet waited on, and each layer's router ids the side launch reads (kept
-    allocated) (host side). The gate (int64): its running sums ``gate_acc`` ``[3]`` (wanted, useful,
-    saving), per layer the pending list's wanted instances ``want`` ``[L, min(width, E)]``, their
-    number ``want_n`` ``[L]`` and the group that listed them ``want_group`` ``[L]`` (-1: none), the
-    decode groups since the reset ``group_index`` ``[1]``, and ``lead_unit`` (host int)."""
+    allocated) (host side). The gate's state: :class:`coldset.engine.cache.policy.PrefetchingPolicy`'s."""
 
     name = "nexttoken"
     routes = True
