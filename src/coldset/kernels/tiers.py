@@ -99,6 +99,9 @@ class ExpertPools:
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
     activation: Activation = SILU
+    # A slot cache's compressed fills (coldset.kernels.triton_codec_fill.ListedFill; None: fills copy the cold
+    # pool's rows): set by SlotCache.build(compressed=...) on CUDA, read by triton_slots.fill's dispatch.
+    compressed_fill: object | None = field(default=None, repr=False, compare=False)
 
     SCALE_FIELDS = ("w13_scale_hot", "w2_scale_hot", "w13_scale_cold", "w2_scale_cold")
 

@@ -247,6 +247,12 @@ def render_cache(res: dict) -> str:
     family = res.get("model_family")
     if isinstance(family, dict) and family.get("note"):
         out.append(f"Model: {family.get('name')}, {family['note']}.")
+    ct = res.get("compressed_tier")
+    if ct:  # bench cache --host-tier with compressed
+        out.append(f"Compressed host tier (rows '... compressed'; fills decode its lossless records inside the step): "
+                   f"{ct['ratio']:.4f} of the raw bytes ({ct['host_gb']:.2f} GB pinned beside the raw "
+                   f"{ct['raw_gb']:.2f} GB), coded parts {', '.join(ct['coded_parts']) or 'none'}; its rows' link "
+                   "GB/token are the records copied (misses read in place at raw bytes).")
     # Results with the time columns (bench cache since the nexttoken policy) get four more columns;
     # older results render as they always did.
     timed = any("sim_over_measured" in r for r in res["rows"])
