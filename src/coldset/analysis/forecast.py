@@ -53,8 +53,7 @@ from coldset.analysis.forecast_loops import (
     round_robin_lists,
     top_scores,
 )
-from coldset.analysis.policies.base import list_dtype
-from coldset.analysis.streams import DecodeTokens, tokens_from_frame
+from coldset.analysis.streams import DecodeTokens, instance_dtype, tokens_from_frame
 
 
 class ForecastError(ValueError):
@@ -187,7 +186,7 @@ RECALL_CHUNK = 1 << 18
 
 
 def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
-    """int32 ``[G, P]`` (:func:`coldset.analysis.policies.base.list_dtype`): for each group of a
+    """int32 ``[G, P]`` (:func:`coldset.analysis.streams.instance_dtype`): for each group of a
     :class:`coldset.analysis.streams.AccessStream` (one MoE layer's
     selections of one step: ``B * top_k`` of them, token by token), the instances to prefetch
     after it: the union of each token's forecast in token order then score order, first
@@ -197,7 +196,7 @@ def stream_predictions(forecaster: TransitionForecaster, stream) -> np.ndarray:
     if (sizes % k).any():
         raise ForecastError(f"stream groups must hold a multiple of top_k = {k} selections")
     width = int(sizes.max(initial=k)) // k * forecaster.num_predictions
-    out = np.full((sizes.size, width), -1, dtype=list_dtype(stream.num_instances))
+    out = np.full((sizes.size, width), -1, dtype=instance_dtype(stream.num_instances))
     group_predictions(forecaster.table, stream.instances, stream.group_ptr, k, stream.num_experts, forecaster.top_k,
                       forecaster.num_predictions, out)
     return out
@@ -771,7 +770,7 @@ def conditional_ceiling(tokens: np.ndarray, sequence: np.ndarray, horizon: int, 
 
 
 def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """int32 ``[S * L, B * n]`` (:func:`coldset.analysis.policies.base.list_dtype`): the ``nexttoken``
+    """int32 ``[S * L, B * n]`` (:func:`coldset.analysis.streams.instance_dtype`): the ``nexttoken``
     policy's candidate list of every (step, layer)
     group (the rows of :meth:`coldset.analysis.streams.Lanes.stream`'s groups): round robin over rank then
     lane (lane 0's best, lane 1's best, ..., lane 0's second, ...), first occurrence kept, as
@@ -780,6 +779,6 @@ def nexttoken_lists(forecaster: NextTokenForecaster, sel: np.ndarray, start: np.
         raise ForecastError(f"the nexttoken policy prefetches for the next token (horizon 1), got {forecaster.horizon}")
     lists = forecaster.forecast_lanes(sel, start)  # [S, L, B, n]
     S, L, B, n = lists.shape
-    inst = np.full((S * L, B * n), -1, dtype=list_dtype(L * forecaster.num_experts))
+    inst = np.full((S * L, B * n), -1, dtype=instance_dtype(L * forecaster.num_experts))
     round_robin_lists(lists, forecaster.num_experts, inst)
     return inst

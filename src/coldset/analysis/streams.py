@@ -35,12 +35,19 @@ class CacheError(ValueError):
     """Bad input to the cache simulation (policy, capacity, stream, profile); the message says what."""
 
 
+def instance_dtype(num_instances: int) -> type:
+    """The integer type of instance ids among ``num_instances`` (a stream's selections, prefetch
+    lists): int32 (half the memory of a large trace's), int64 past its range."""
+    return np.int32 if num_instances <= np.iinfo(np.int32).max else np.int64
+
+
 @dataclass(frozen=True)
 class AccessStream:
     """Selections in replay order, cut into groups.
 
-    ``instances`` int64 ``[N]``: instance id ``moe_layer_index * num_experts + expert`` of each
-    selection; ``group_ptr`` int64 ``[G + 1]``: group ``g`` is ``instances[group_ptr[g]:
+    ``instances`` int32 or int64 ``[N]`` (other integer types are stored as int64): instance id
+    ``moe_layer_index * num_experts + expert`` of each selection (:func:`instance_dtype` where this
+    module builds a stream); ``group_ptr`` int64 ``[G + 1]``: group ``g`` is ``instances[group_ptr[g]:
     group_ptr[g + 1]]`` (non-empty); ``tokens``: decoded tokens the stream covers (the divisor of
     the per-token metrics).
     """
@@ -52,7 +59,8 @@ class AccessStream:
     num_experts: int
 
     def __post_init__(self) -> None:
-        ids = np.ascontiguousarray(self.instances, dtype=np.int64)
+        ids = np.asarray(self.instances)
+        ids = np.ascontiguousarray(ids, dtype=ids.dtype if ids.dtype in (np.int32, np.int64) else np.int64)
         ptr = np.ascontiguousarray(self.group_ptr, dtype=np.int64)
         object.__setattr__(self, "instances", ids)
         object.__setattr__(self, "group_ptr", ptr)
@@ -180,8 +188,10 @@ class Lanes:
         if S == 0:
             return AccessStream(np.zeros(0, np.int64), np.zeros(1, np.int64), 0, L, self.num_experts)
         act = self.active
-        flat = np.empty(self.sel.shape, dtype=np.int64)
-        np.add(self.sel, np.arange(L, dtype=np.int64)[None, :, None, None] * self.num_experts, out=flat)
+        dtype = instance_dtype(L * self.num_experts)
+        flat = np.empty(self.sel.shape, dtype=dtype)
+        # experts lie in [-1, E) (checked): every sum fits the instance type
+        np.add(self.sel, np.arange(L, dtype=dtype)[None, :, None, None] * self.num_experts, out=flat, casting="unsafe")
         ids = flat.reshape(-1) if act.all() else flat[np.broadcast_to(act[:, None, :, None], flat.shape)]
         sizes = np.repeat(act.sum(axis=1) * k, L)
         return AccessStream(ids, np.r_[0, np.cumsum(sizes)], int(act.sum()), L, self.num_experts)
@@ -407,8 +417,9 @@ class DecodeTokens:
         (a group per (token, MoE layer) with selections)."""
         T, L, k = self.experts.shape
         E = self.num_experts
-        ids = np.empty((T, L, k), dtype=np.int64)
-        np.add(self.experts, (np.arange(L, dtype=np.int64) * E)[None, :, None], out=ids)
+        dtype = instance_dtype(L * E)
+        ids = np.empty((T, L, k), dtype=dtype)
+        np.add(self.experts, (np.arange(L, dtype=dtype) * E)[None, :, None], out=ids)
         valid = self.experts >= 0
         if valid.all():
             return AccessStream(ids.reshape(-1), np.arange(0, T * L * k + 1, k, dtype=np.int64), T, L, E)

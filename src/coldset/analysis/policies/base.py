@@ -112,12 +112,6 @@ def recording(victims: np.ndarray | None) -> tuple[bool, np.ndarray]:
     return victims is not None, victims if victims is not None else np.zeros(0, dtype=np.int64)
 
 
-def list_dtype(num_instances: int) -> type:
-    """The integer type of prefetch lists naming ``num_instances`` instances: int32 (half the
-    memory of a large trace's lists), int64 past its range."""
-    return np.int32 if num_instances <= np.iinfo(np.int32).max else np.int64
-
-
 def check_lists(stream: AccessStream, lists: np.ndarray, kind: str) -> np.ndarray:
     """``lists`` as a C-contiguous int32 or int64 ``[G, W]`` (other integer types as int64) after
     checking it against ``stream`` and the policy's ``kind`` (:data:`OWN_LAYER` or
