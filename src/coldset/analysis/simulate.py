@@ -158,7 +158,7 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
     :data:`coldset.analysis.policies.REGISTRY`).
 
     ``profile_counts`` float ``[L, E]`` (profile split's selections) choose the warm pool
-    (:func:`warm_order`) and LFU's initial counts. ``predictions`` int64 ``[G, P]`` (required by the
+    (:func:`warm_order`) and LFU's initial counts. ``predictions`` int32 or int64 ``[G, P]`` (required by the
     policies that replay prefetch lists, and only by them): the instances to prefetch after each
     group, -1 padded (``forecast``: :func:`coldset.analysis.forecast.stream_predictions`;
     ``lookahead``: :func:`coldset.analysis.forecast.lookahead_predictions`; ``nexttoken``: the

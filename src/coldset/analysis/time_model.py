@@ -6,7 +6,9 @@ per step, each MoE layer's share of the all-HBM step, the cache's own work per g
 it (:data:`LINK_MODES`), a late prefetch saving part of a copy. :class:`TimeModel` is what it
 assumes about the step and the link; :func:`time_models` builds one per policy and batch from the
 config's ``cache.time`` section (:data:`DEFAULT_TIME` without one);
-:func:`manage_ms_per_group` measures a policy's own work from two measured steps.
+:func:`manage_ms_per_group` measures a policy's own work from two measured steps. With the
+compressed host tier (:attr:`TimeModel.compressed`, :func:`compressed_tier` from the config) a
+slot fill crosses the link compressed and is usable after its decode.
 """
 
 from __future__ import annotations
