@@ -26,21 +26,28 @@ and, in the process that builds the model (the first fused MoE layer it construc
   vLLM's config of it has the manifest's layer count, MoE layers, expert count, hidden and
   expert sizes and dtype;
 - tensor, pipeline, data and expert parallel sizes are 1 and EPLB is off;
-- the MoE layer is unquantized with a SiLU-gated expert, no bias, router weights applied to the
-  output and no routed scaling (what coldset's experts function computes).
+- the MoE layer is unquantized with the family's experts as coldset computes them: SiLU-gated
+  without biases (qwen3_moe, mixtral, glm4_moe), or gpt-oss's clamped SwiGLU with biases on
+  both projections; router weights applied to the output; a ``routed_scaling_factor`` only where
+  vLLM's runner applies it to the routed output (glm4_moe), never inside the experts.
+
+Before any of these, :func:`coldset.serve.vllm_families.vllm_refusal` refuses, by name, a family
+coldset does not run through vLLM (deepseek_v3 on vLLM's CPU build; a gpt_oss SwiGLU vLLM ignores).
 
 How it hooks in: vLLM 0.32 builds each fused MoE layer's routed experts as a
-``RoutedExperts`` module, a ``PluggableLayer`` whose class vLLM lets an out-of-tree plugin
-replace (``PluggableLayer.register_oot``). The plugin registers :class:`ColdsetRoutedExperts`
-under that name; it is vLLM's own class plus one change: its ``quant_method`` (vLLM's
+``RoutedExperts`` module (gpt-oss: its subclass ``GptOssRoutedExperts``), a ``PluggableLayer``
+whose class vLLM lets an out-of-tree plugin replace by class name (``PluggableLayer.register_oot``).
+The plugin registers a subclass of each under its name; it is vLLM's own class plus one change: its ``quant_method`` (vLLM's
 experts-computation interface: ``create_weights``, ``process_weights_after_loading``, ``apply``)
 is a :class:`ColdsetMoEMethod` that wraps vLLM's unquantized method. vLLM's router still picks
 the experts (``select_experts``, as without the plugin); only the experts computation changes:
 
 - ``create_weights``: vLLM's own (same parameters, same checkpoint loader);
 - ``process_weights_after_loading``: the layer's loaded ``w13_weight`` ``[E, 2I, H]`` and
-  ``w2_weight`` ``[E, H, I]`` (coldset's layout: gate then up) are copied into one host staging
-  array and the layer's parameters are replaced by empty ones (the full expert tensors freed);
+  ``w2_weight`` ``[E, H, I]`` are copied into one host staging array in coldset's layout (gate's
+  rows, then up's; gpt-oss's rows, interleaved gate/up as its checkpoint stores them, are split
+  so, and its ``w13_bias`` / ``w2_bias`` with them) and the layer's parameters are replaced by
+  empty ones (the full expert tensors freed);
   when the placement's last MoE layer has arrived, :func:`coldset.kernels.tiers.build_pools` puts every
   expert where the row map says (hot pool on the device, cold pool in pinned host memory on
   CUDA, plain memory on the CPU) and the staging array is dropped;
@@ -178,7 +185,8 @@ def check_engine(served: ServedPlacement, vllm_config) -> None:
     hf = mc.hf_text_config
     got = {
         "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
-        "num_experts": getattr(hf, "num_experts", getattr(hf, "num_local_experts", None)),
+        "num_experts": next((getattr(hf, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                             if getattr(hf, n, None) is not None), None),
         "hidden_size": getattr(hf, "hidden_size", None),
         "moe_intermediate_size": getattr(hf, "moe_intermediate_size", getattr(hf, "intermediate_size", None)),
         "dtype": str(mc.dtype).removeprefix("torch."),
@@ -215,9 +223,12 @@ def check_engine(served: ServedPlacement, vllm_config) -> None:
 @dataclass
 class _State:
     served: ServedPlacement
+    model_type: str = ""
+    activation: object = None  # coldset.kernels.activation.Activation of the served model's experts
     checked_engine: bool = False
     device: object = None
     staging: tuple | None = None  # (w13 [L, E, 2I, H], w2 [L, E, H, I]) in host memory
+    bias_staging: tuple | None = None  # gpt_oss: (w13_bias [L, E, 2I], w2_bias [L, E, H])
     arrived: set = field(default_factory=set)
     pools: object = None  # coldset.kernels.tiers.ExpertPools once every MoE layer arrived
     bytes_before: int = 0  # routed-expert bytes the layers held on the device after loading
@@ -260,6 +271,26 @@ def _expert_param_bytes(layer) -> int:
     return sum(getattr(layer, n).numel() * getattr(layer, n).element_size() for n in ("w13_weight", "w2_weight"))
 
 
+def _layer_experts(layer, E: int, I: int, H: int, where: str):
+    """The layer's loaded ``(w13, w2, w13_bias, w2_bias)`` in coldset's layout (biases None
+    without them): gpt-oss's w13 rows and w13 bias, interleaved gate/up in vLLM as in the
+    checkpoint, split into gate's then up's."""
+    import torch  # inside vLLM (torch loaded), once activated
+
+    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+    if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
+        raise PluginError(f"{where}: {layer.layer_name} holds w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}; the "
+                          f"placement's model has w13 {(E, 2 * I, H)} and w2 {(E, H, I)} per layer")
+    if _STATE.model_type != "gpt_oss":
+        return w13, w2, None, None
+    b13, b2 = layer.w13_bias.data, layer.w2_bias.data
+    if tuple(b13.shape) != (E, 2 * I) or tuple(b2.shape) != (E, H):
+        raise PluginError(f"{where}: {layer.layer_name} holds w13_bias {tuple(b13.shape)} and w2_bias "
+                          f"{tuple(b2.shape)}; the placement's model has {(E, 2 * I)} and {(E, H)}")
+    return (torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1), w2,
+            torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1), b2)
+
+
 def _stage_layer(layer, log) -> None:
     """Copy one MoE layer's loaded experts into the host staging array and free its parameters;
     build the pools when the placement's last MoE layer has arrived."""
@@ -275,32 +306,37 @@ def _stage_layer(layer, log) -> None:
         raise PluginError(f"{where}: vLLM's model has a fused MoE layer at model layer {model_layer} "
                           f"({layer.layer_name}); the placement's MoE layers are {list(pl.moe_layers)}")
     moe_index = pl.moe_layers.index(model_layer)
-    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
     cfg = st.served.manifest["config"]
     E, I, H = pl.num_experts, cfg["moe_intermediate_size"], cfg["hidden_size"]
-    if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
-        raise PluginError(f"{where}: {layer.layer_name} holds w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}; the "
-                          f"placement's model has w13 {(E, 2 * I, H)} and w2 {(E, H, I)} per layer")
+    w13, w2, b13, b2 = _layer_experts(layer, E, I, H, where)
+    L = pl.num_moe_layers
     if st.staging is None:
         st.device = w13.device
         if w13.device.type == "cuda":
             st.device_allocated_before = torch.cuda.memory_allocated(w13.device)
-        L = pl.num_moe_layers
         st.staging = (torch.empty((L, E, 2 * I, H), dtype=w13.dtype), torch.empty((L, E, H, I), dtype=w2.dtype))
+    if b13 is not None and st.bias_staging is None:
+        st.bias_staging = (torch.empty((L, E, 2 * I), dtype=b13.dtype), torch.empty((L, E, H), dtype=b2.dtype))
     st.staging[0][moe_index].copy_(w13)
     st.staging[1][moe_index].copy_(w2)
+    if b13 is not None:
+        st.bias_staging[0][moe_index].copy_(b13)
+        st.bias_staging[1][moe_index].copy_(b2)
     st.bytes_before += _expert_param_bytes(layer)
     # the layer's full expert tensors are freed: empty parameters of the same dtype and device
-    for name, t in (("w13_weight", w13), ("w2_weight", w2)):
+    for name in ("w13_weight", "w2_weight") + (("w13_bias", "w2_bias") if b13 is not None else ()):
+        t = getattr(layer, name).data
         setattr(layer, name, torch.nn.Parameter(t.new_empty((0, *t.shape[1:])), requires_grad=False))
-    del w13, w2
+    del w13, w2, b13, b2
     layer.coldset_moe_index = moe_index
     st.arrived.add(moe_index)
     if len(st.arrived) == pl.num_moe_layers:
         from coldset.kernels.tiers import build_pools  # only when active (module doc)
 
-        st.pools = build_pools(st.staging[0], st.staging[1], pl.row_map, st.device)
-        st.staging = None
+        biases = {} if st.bias_staging is None else {"w13_bias": st.bias_staging[0], "w2_bias": st.bias_staging[1]}
+        st.pools = build_pools(st.staging[0], st.staging[1], pl.row_map, st.device, activation=st.activation,
+                               **biases)
+        st.staging = st.bias_staging = None
         rep = memory_report()
         log.info("coldset: placement %s served: routed experts held on %s: %d bytes in the layers before, "
                  "%d bytes in the hot pool after (%d hot, %d cold experts; host tier %d bytes)%s",
@@ -310,8 +346,40 @@ def _stage_layer(layer, log) -> None:
                  f"; torch.cuda.memory_allocated {rep['cuda_allocated_before']} -> {rep['cuda_allocated_after']}")
 
 
+def _adopt(layer, want_activation, want_bias: bool, unquantized_cls, method_cls) -> None:
+    """Check a routed-experts layer vLLM just built (the family's experts: ``want_activation``,
+    biases iff ``want_bias``) and put coldset's method (``method_cls``) in its place."""
+    st = _STATE
+    where = _prefix()
+    if not st.checked_engine:
+        from vllm.config import get_current_vllm_config  # optional dependency
+
+        check_engine(st.served, get_current_vllm_config())
+        st.checked_engine = True
+    if type(layer.quant_method) is not unquantized_cls:
+        raise PluginError(f"{where}: {layer.layer_name} uses vLLM's MoE method "
+                          f"{type(layer.quant_method).__name__}; the plugin supports unquantized MoE "
+                          "(UnquantizedFusedMoEMethod) only")
+    unsupported = {
+        "activation": (layer.activation != want_activation, layer.activation),
+        "has_bias": (bool(layer.moe_config.has_bias) != want_bias, layer.moe_config.has_bias),
+        "apply_router_weight_on_input": (layer.apply_router_weight_on_input, True),
+        "routed_scaling_factor": (layer.routed_scaling_factor != 1.0, layer.routed_scaling_factor),
+        "swiglu_limit": (layer.swiglu_limit is not None, layer.swiglu_limit),
+    }
+    for what, (bad, value) in unsupported.items():
+        if bad:
+            raise PluginError(f"{where}: {layer.layer_name} has {what} {value!r}; for {st.model_type} coldset's "
+                              f"experts function computes {want_activation.name} experts "
+                              f"{'with' if want_bias else 'without'} biases, router weights on the output, "
+                              "no routed scaling inside the experts")
+    layer.quant_method = method_cls(layer.quant_method)
+    st.layers.append(layer)
+
+
 def _make_classes():
-    """The vLLM subclasses, made on activation only (the module imports without vLLM)."""
+    """The vLLM subclasses to register, by the name of the class each replaces; made on activation only
+    (the module imports without vLLM)."""
     import torch  # inside vLLM (torch loaded), once activated
     from vllm.logger import init_logger  # optional dependency
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # optional dependency
@@ -373,38 +441,32 @@ def _make_classes():
             # vLLM's router gives int32 ids; coldset's experts functions take int64
             return experts_op(x, topk_ids.long(), topk_weights, layer.coldset_moe_index)
 
+    gpt_oss = _STATE.model_type == "gpt_oss"
+    # the experts coldset computes for the family: (vLLM's activation, biases on both projections)
+    want_activation, want_bias = (MoEActivation.SWIGLUOAI, True) if gpt_oss else (MoEActivation.SILU, False)
+
+    def adopt(layer) -> None:
+        _adopt(layer, want_activation, want_bias, UnquantizedFusedMoEMethod, ColdsetMoEMethod)
+
     class ColdsetRoutedExperts(RoutedExperts):
         """vLLM's RoutedExperts with coldset's method in place of vLLM's unquantized one."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            st = _STATE
-            where = _prefix()
-            if not st.checked_engine:
-                from vllm.config import get_current_vllm_config  # optional dependency
+            adopt(self)
 
-                check_engine(st.served, get_current_vllm_config())
-                st.checked_engine = True
-            if type(self.quant_method) is not UnquantizedFusedMoEMethod:
-                raise PluginError(f"{where}: {self.layer_name} uses vLLM's MoE method "
-                                  f"{type(self.quant_method).__name__}; the plugin supports unquantized MoE "
-                                  "(UnquantizedFusedMoEMethod) only")
-            unsupported = {
-                "activation": (self.activation != MoEActivation.SILU, self.activation),
-                "has_bias": (self.moe_config.has_bias, True),
-                "apply_router_weight_on_input": (self.apply_router_weight_on_input, True),
-                "routed_scaling_factor": (self.routed_scaling_factor != 1.0, self.routed_scaling_factor),
-                "swiglu_limit": (self.swiglu_limit is not None, self.swiglu_limit),
-            }
-            for what, (bad, value) in unsupported.items():
-                if bad:
-                    raise PluginError(f"{where}: {self.layer_name} has {what} {value!r}; coldset's experts "
-                                      "function computes SiLU-gated experts without bias, router weights on the "
-                                      "output, no routed scaling")
-            self.quant_method = ColdsetMoEMethod(self.quant_method)
-            st.layers.append(self)
+    if not gpt_oss:
+        return {"RoutedExperts": ColdsetRoutedExperts}
+    from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts  # optional dependency
 
-    return ColdsetRoutedExperts
+    class ColdsetGptOssRoutedExperts(GptOssRoutedExperts):
+        """vLLM's GptOssRoutedExperts (its checkpoint loader) with coldset's method."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            adopt(self)
+
+    return {"RoutedExperts": ColdsetRoutedExperts, "GptOssRoutedExperts": ColdsetGptOssRoutedExperts}
 
 
 def register() -> None:
@@ -422,14 +484,35 @@ def register() -> None:
 
     check_vllm_version(vllm.__version__)
     served = load_served_placement(path)
+    model_type, activation = check_family(served)
     from vllm.model_executor.custom_op import PluggableLayer  # optional dependency
 
-    cls = _make_classes()
-    _STATE = _State(served)
-    PluggableLayer.register_oot(cls, name="RoutedExperts")
+    _STATE = _State(served, model_type, activation)
+    classes = _make_classes()
+    for name, cls in classes.items():
+        PluggableLayer.register_oot(cls, name=name)
     from vllm.logger import init_logger  # optional dependency
 
     pl = served.placement
     init_logger("vllm.coldset_plugin").info(
         "coldset: serving placement %s (%s, %d hot / %d cold experts over %d MoE layers) through "
-        "RoutedExperts' out-of-tree class", served.path, pl.policy, pl.num_hot, pl.num_cold, pl.num_moe_layers)
+        "%s' out-of-tree class", served.path, pl.policy, pl.num_hot, pl.num_cold, pl.num_moe_layers,
+        " and ".join(classes))
+
+
+def check_family(served: ServedPlacement) -> tuple[str, object]:
+    """The served model's ``model_type`` and its experts' activation; refuses, by name, a family
+    coldset does not run through vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`)."""
+    from vllm.platforms import current_platform  # optional dependency
+
+    from coldset.core.files import read_json  # only when active (module doc)
+    from coldset.engine.loading import read_config  # only when active (module doc)
+    from coldset.kernels.activation import SILU  # only when active (module doc)
+    from coldset.serve.vllm_families import vllm_refusal  # only when active (module doc)
+
+    folder = Path(served.manifest["path"])
+    raw = read_json(folder / "config.json", "model config")
+    refusal = vllm_refusal(raw, str(folder / "config.json"), current_platform.is_cpu())
+    if refusal is not None:
+        raise PluginError(f"{_prefix()}: {refusal}")
+    return raw.get("model_type", ""), getattr(read_config(folder), "activation", SILU)

@@ -13,7 +13,9 @@ temperature 0 on the same prompt token ids. The report, ``results/parity/<model>
 counts per placement the tokens equal to the embedded engine's and to stock vLLM's, with the
 worker's memory report (routed-expert bytes in the layers before, in the hot pool after); the
 stage fails after writing it, naming each placement that differs. Dynamic placements (the slot
-cache) are listed as not served: the plugin refuses them.
+cache) are listed as not served: the plugin refuses them. A family coldset does not run through
+vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`, e.g. deepseek_v3 on vLLM's CPU build) fails
+the stage before any vLLM run, naming why.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coldset.core.files import write_json
+from coldset.core.files import read_json, write_json
 from coldset.core.placement import DYNAMIC_POLICIES
 from coldset.engine.generate import encode_prompts
 from coldset.serve import vllm_plugin
+from coldset.serve.vllm_families import vllm_refusal
 from coldset.verify import gate
 from coldset.workflow.context import StageContext
 from coldset.workflow.process_engine import load_engine, parity_fixtures
@@ -107,9 +110,20 @@ def compare_tokens(got: list[list[int]], want: list[list[int]], ids: list[str]) 
             "first_mismatch": first}
 
 
+def _family_refusal(model_dir: Path) -> str | None:
+    """Why coldset does not run this model through vLLM (coldset.serve.vllm_families), or None."""
+    from vllm.platforms import current_platform  # optional dependency: the stage runs where vLLM is installed
+
+    config = model_dir / "config.json"
+    return vllm_refusal(read_json(config, "model config"), str(config), current_platform.is_cpu())
+
+
 def vllm_parity(ctx: StageContext, **_) -> None:
     """The stage: every static placement of the config through vLLM with the plugin (module doc)."""
     layout = ctx.layout
+    refusal = _family_refusal(ctx.model_dir)
+    if refusal is not None:
+        raise VllmParityError(f"vLLM parity refused: {refusal}")
     pc = ctx.parity
     names = ctx.placement_names()
     fxs = parity_fixtures(ctx)
