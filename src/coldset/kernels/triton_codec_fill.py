@@ -276,11 +276,26 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
     if tier.record_table.device != device:
         raise CompressedTierError(f"fill_listed: the tier's descriptor tables are on {tier.record_table.device}, the "
                                   f"slots on {device}")
+    copy_records(tier, instances, count, staging, rows, blocks)
+    decode_records(tier, pools, slots, instances, count, staging, blocks, tags)
+
+
+def copy_records(tier: CompressedHostTier, instances: torch.Tensor, count: torch.Tensor, staging: torch.Tensor,
+                 rows: int, blocks: int = 128) -> None:
+    """:func:`fill_listed`'s first launch: staging row ``j`` = host row ``instances[j]``'s record,
+    ``j < count`` (at most ``rows``), read over the link (arguments checked by :func:`fill_listed`)."""
+    _copy_records_kernel[(2 * int(blocks),)](
+        tier.data.view(torch.int64), tier.record_table, instances, count.reshape(1), staging.view(torch.int64),
+        staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=max(2, _next_pow2(rows)), num_warps=4)
+
+
+def decode_records(tier: CompressedHostTier, pools, slots: torch.Tensor, instances: torch.Tensor,
+                   count: torch.Tensor, staging: torch.Tensor, blocks: int = 128, tags: tuple | None = None) -> None:
+    """:func:`fill_listed`'s second launch: the records staged by :func:`copy_records` decoded into
+    rows ``slots[j]``, ``j < count``, reading HBM only (its time alone is the decoder's rate)."""
+    rows = slots.numel()
     mv = max(2, _next_pow2(rows))
     count = count.reshape(1)
-    _copy_records_kernel[(2 * int(blocks),)](
-        tier.data.view(torch.int64), tier.record_table, instances, count, staging.view(torch.int64),
-        staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=mv, num_warps=4)
     programs = DECODE_PROGRAMS_PER_BLOCK * int(blocks)
     per_part, kinds = part_launch_args(tier, pools, programs)
     views = {torch.uint8: staging, torch.int16: staging.view(torch.int16), torch.int32: staging.view(torch.int32)}
