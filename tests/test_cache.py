@@ -365,6 +365,19 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         assert row.prefetches_per_token == pytest.approx(sum(ref["prefetches"]) / row.tokens)
     assert table.link_gb_per_token.iloc[0] == pytest.approx(
         table.misses_per_token.iloc[0] * expert_bytes(Shape()) / 1e9)
+    # cache.compressed_tier: each row again timed with compressed fills (the bf16 default ratio); the raw rows,
+    # the recommendation unchanged
+    both_paths = run_cache(trace, stats["histogram"], Shape(), tmp_path / "cache_c", residencies=[0.25, 0.5],
+                           time=time, figures=False, compressed={"decode_gb_s": 100.0})
+    both = read_simulation(both_paths["simulation"])
+    assert both.host_tier.tolist() == ["raw", "compressed"] * len(every)
+    pd.testing.assert_frame_equal(both[both.host_tier == "raw"].drop(columns="host_tier").reset_index(drop=True),
+                                  every)
+    comp = both[both.host_tier == "compressed"].reset_index(drop=True)
+    assert (comp.hit_rate == every.hit_rate).all()
+    lru = (every.policy == "lru") & (every.link_gb_per_token > 0)
+    assert lru.any() and np.allclose(comp.link_gb_per_token[lru], 0.6757 * every.link_gb_per_token[lru])
+    pd.testing.assert_frame_equal(pd.read_csv(both_paths["recommendation"]), rec)
 
 
 def test_without_numba_the_same_source_runs_as_plain_python():
