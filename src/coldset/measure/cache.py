@@ -44,7 +44,11 @@ tier: each fill copies the expert's lossless codec record into HBM staging and d
 slot inside the captured step, :mod:`coldset.kernels.triton_codec_fill`; rows named ``... compressed``).
 Every row says its ``host_tier``; a compressed row's link bytes are the bytes its copies moved (the
 admitted and prefetched experts' records, misses read in place at their raw bytes) and it carries
-its link bytes and tok/s over the same raw row's. Static rows read the raw tier in place.
+its link bytes and tok/s over the same raw row's. Static rows read the raw tier in place. A
+compressed row's simulated columns (simulated step, bound, its fraction, overlap, wasted bytes) are
+the time model's with the compressed tier (:mod:`coldset.measure.cache_compressed`): the tier's
+measured ratio (``compressed_ratio``) and the decoder's rate (``decode_gb_s``: a timed decode of
+layer 0's records in the same run, or ``--decode-gb-s``; ``decode_gb_s_basis`` says which).
 
 ``--weight-format fp8``: the same measurement with the model's experts quantized to the
 published block-FP8 format (:func:`coldset.measure.harness.fp8_expert_pools`, on the GPU layer by
@@ -85,8 +89,9 @@ from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import attach_fp8_attention
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
-from coldset.kernels.compressed_tier import compressed_host_tier
 from coldset.kernels.tiers import host_tier
+from coldset.measure.cache_compressed import (build_compressed_tier, compressed_link_columns,
+                                              compressed_time_columns, decode_gb_s_for_run, with_victims)
 from coldset.measure.cache_decisions import decisions_split
 from coldset.trace.fixtures import render_domain, template_texts
 from coldset.verify.gate import experts_functions
@@ -121,6 +126,9 @@ def add_arguments(p) -> None:
     p.add_argument("--host-tier", default="raw",
                    help=f"comma-separated, of {', '.join(HOST_TIERS)}: the host tiers the cache rows fill from, each "
                         "row once per tier (compressed: the lossless codec records, rows named '... compressed')")
+    p.add_argument("--decode-gb-s", type=float, default=None,
+                   help="--host-tier compressed: the decoder's rate (raw GB/s out) the compressed rows' simulated "
+                        "columns use (default: measured in the run, a timed decode of layer 0's records)")
     p.add_argument("--nexttoken-extra", type=int, default=3,
                    help="nexttoken: the forecaster's candidates per token beyond top_k (config cache.nexttoken_extra)")
     p.add_argument("--prefetch-budget", type=int, default=None,
@@ -173,6 +181,9 @@ def check_arguments(args) -> None:
     tiers = args.host_tier.split(",")
     if not tiers or any(t not in HOST_TIERS for t in tiers) or len(set(tiers)) != len(tiers):
         raise MeasureError(f"--host-tier {args.host_tier!r}: distinct names of {', '.join(HOST_TIERS)}")
+    if args.decode_gb_s is not None and ("compressed" not in tiers or not args.decode_gb_s > 0):
+        raise MeasureError(f"--decode-gb-s {args.decode_gb_s} is the compressed tier's decoder rate: > 0, with "
+                           "--host-tier ...,compressed")
     if args.nexttoken_extra < 0 or (args.prefetch_budget is not None and args.prefetch_budget < 0):
         raise MeasureError(f"--nexttoken-extra {args.nexttoken_extra} and --prefetch-budget {args.prefetch_budget}: "
                            "each must be >= 0")
@@ -515,8 +526,9 @@ def check_decisions(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict]
 def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], pol: str, capacity: int):
     """The simulator's replay of the row's policy on the all-HBM routing (lookahead: on the lists
     the engine recorded; nexttoken: through :func:`coldset.bench.decode.simulate_engine_pass`, its
-    lists checked against :func:`coldset.analysis.forecast.nexttoken_lists`); None (a fail
-    recorded) when the nexttoken lists differ."""
+    lists checked against :func:`coldset.analysis.forecast.nexttoken_lists`, and over the compressed
+    tier replayed again with its victims, :func:`coldset.measure.cache_compressed.with_victims`); None
+    (a fail recorded) when the nexttoken lists or the two replays differ."""
 
     if pol != "nexttoken":  # the victims recorded: a compressed row's copied bytes name the admitted experts
         return simulate(bt.acc, pol, capacity, c.counts, predictions=got[0].get("lists"),
@@ -531,7 +543,13 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
         c.R["checks"][f"{name}/b{bt.bsz} lists == nexttoken_lists"] = False
         return None
     c.R["checks"][f"{name}/b{bt.bsz} lists == nexttoken_lists"] = True
-    return sim
+    if cache.compressed is None:
+        return sim
+    again = with_victims(bt.acc, sim, capacity, c.counts, cache.prefetch_lists(), cache.rules.prefetch_budget)
+    c.R["checks"][f"{name}/b{bt.bsz} replay with victims == checked replay"] = again is not None
+    if again is None:
+        c.fails.append(f"{name}/b{bt.bsz}: nexttoken's replay with victims decides otherwise than its checked replay")
+    return again
 
 
 def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residency: float, capacity: int, row_map,
@@ -561,6 +579,7 @@ def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residenc
         "wasted_prefetches_per_token": st.wasted_prefetches / tokens,
         "link_gb_per_token": st.link_gb_per_token(c.per_expert), "host_tier": tier,
         **(compressed_link_columns(c, bt, raw_name, sim, tokens) if tier == "compressed" else {}),
+        **(compressed_model_inputs(c) if tier == "compressed" else {}),
         **({"list_recall": list_recall(got[0]["lists"], bt.routing, depth, c.shape[1])} if depth else {})})
     r.update(_time_columns(r, bt.allhbm_ms, c.ceilings["link_read_gb_s"], bsz, bt.acc, sim, c.per_expert))
     bt.replays[name] = (r, sim)
@@ -621,6 +640,7 @@ def run(args, argv=None) -> dict:
     c, tokenizer = build(args, dev, config, R)
     if "compressed" in args.host_tier.split(","):
         c.compressed = build_compressed_tier(c.model.pools, R)
+        decode_gb_s_for_run(args, c.compressed, c.model.pools, R)
     profile_stream, heldout_stream = fixture_streams(config, tokenizer)
     profile_routing(c, profile_stream)
     passes = 1 + args.repeats
@@ -661,43 +681,11 @@ def _replay_arrays(bsz: int, routing, hidden, routers, k: int) -> dict:
     return out
 
 
-def build_compressed_tier(pools, R: dict):
-    """``--host-tier compressed``: every expert's codec records in pinned memory (encoded on the GPU),
-    its ratio and build time recorded in ``R["compressed_tier"]``."""
-    t0 = time.perf_counter()
-    tier = compressed_host_tier(pools)
-    coded = sorted({p.name for row in tier.parts for p in row if p.coded})
-    R["compressed_tier"] = {"ratio": tier.ratio, "host_gb": tier.nbytes / 1e9, "raw_gb": tier.raw_nbytes / 1e9,
-                            "coded_parts": coded, "max_record_mb": tier.max_record_bytes / 1e6,
-                            "build_s": round(time.perf_counter() - t0, 1)}
-    log("compressed host tier built", R["compressed_tier"])
-    return tier
-
-
-def copied_bytes(record_bytes: np.ndarray, sim, instances: np.ndarray, raw_bytes: int) -> tuple[int, str]:
-    """Bytes the fills of a compressed-tier cache moved over the link in replay ``sim`` of the
-    selections ``instances``, and how they were counted: with the replay's victims, each admitted
-    expert's record (``record_bytes`` by host row) plus each prefetched one's (``sim.issued``) plus
-    the misses read in place at ``raw_bytes`` ("records"); without (nexttoken's replay), the fills
-    and prefetches at the mean record ("mean record")."""
-    prefetched = 0 if sim.issued is None else int(record_bytes[sim.issued[sim.issued >= 0]].sum())
-    if sim.victims is None:
-        copies = int(sim.fills.sum()) + (0 if sim.prefetches is None else int(sim.prefetches.sum()))
-        return int(round(copies * float(record_bytes.mean()))), "mean record"
-    admitted = sim.victims >= 0
-    in_place = int(sim.fills.sum()) - int(admitted.sum())
-    return int(record_bytes[instances[admitted]].sum()) + prefetched + in_place * raw_bytes, "records"
-
-
-def compressed_link_columns(c: CacheRun, bt: BatchRun, raw_name: str, sim, tokens: int) -> dict:
-    """A compressed-tier row's link columns: its copied bytes per token (:func:`copied_bytes`), how
-    they were counted, and (where the same row over the raw tier ran) its link bytes over the raw one's."""
-    moved, basis = copied_bytes(np.diff(np.asarray(c.compressed.starts)), sim, bt.acc.instances, c.per_expert)
-    out = {"link_gb_per_token": moved / tokens / 1e9, "link_bytes_basis": basis}
-    raw = bt.replays.get(raw_name)
-    if raw is not None and raw[0]["link_gb_per_token"] > 0:
-        out["link_over_raw"] = out["link_gb_per_token"] / raw[0]["link_gb_per_token"]
-    return out
+def compressed_model_inputs(c: CacheRun) -> dict:
+    """A compressed row's time-model inputs: the tier's ratio and the run's decoder rate with its basis."""
+    ct = c.R["compressed_tier"]
+    return {"compressed_ratio": c.compressed.ratio, "decode_gb_s": ct["decode_gb_s"],
+            "decode_gb_s_basis": ct["decode_gb_s_basis"]}
 
 
 def list_recall(lists, routing, depth: int, num_experts: int) -> float:
@@ -806,8 +794,12 @@ def _time_columns(r: dict, allhbm_ms: float, link_gb_s: float, bsz: int, acc, si
     """A cache row's time columns under bench cache's JSON names: :func:`coldset.bench.metrics.time_columns`
     (the workflow bench's own) of its step against the all-HBM row's, the measured link read rate,
     its one replay ``sim`` of ``acc`` and, with ``full_step_ms`` (its policy's residency-1.0 step),
-    the management columns (None without)."""
+    the management columns (None without). A row over the compressed host tier: the time model with
+    its ``compressed_ratio`` and ``decode_gb_s`` (:func:`coldset.measure.cache_compressed.compressed_time_columns`)."""
 
+    if r.get("host_tier") == "compressed":
+        return compressed_time_columns(r["step_ms_mean"], bsz, allhbm_ms, link_gb_s, acc, sim, per_expert,
+                                       r["compressed_ratio"], r["decode_gb_s"], full_step_ms)
     cols = time_columns(r["step_ms_mean"], bsz, r["link_gb_per_token"], allhbm_ms, link_gb_s,
                            [(acc, sim, per_expert)], full_step_ms)
     return {_TIME_JSON_NAMES[name]: value for name, value in cols.items() if name in _TIME_JSON_NAMES}
