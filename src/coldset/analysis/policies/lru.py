@@ -51,7 +51,7 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     hit = np.zeros(n, dtype=np.bool_)
     fills = np.zeros(n_groups, dtype=np.int64)
     prefetches = np.zeros(n_groups, dtype=np.int64)
-    issued = np.full((n_groups, width), -1, dtype=np.int64)
+    issued = np.full((n_groups, width), -1, dtype=pred.dtype)  # (the lists' own int type: int32 where they fit)
     wasted = 0
     resident = np.zeros(n_inst, dtype=np.bool_)
     protected = np.zeros(n_inst + 1, dtype=np.bool_)

@@ -40,7 +40,7 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     hit = np.zeros(n, dtype=np.bool_)
     fills = np.zeros(n_groups, dtype=np.int64)
     prefetches = np.zeros(n_groups, dtype=np.int64)
-    issued = np.full((n_groups, width), -1, dtype=np.int64)
+    issued = np.full((n_groups, width), -1, dtype=pred.dtype)  # (the lists' own int type: int32 where they fit)
     wasted = 0
     useful = 0
     resident = np.zeros(n_inst, dtype=np.bool_)
