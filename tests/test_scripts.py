@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from coldset.core.trace import TraceMeta, write_trace
+from coldset.core.trace import TraceMeta, read_trace_meta, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
@@ -241,3 +241,39 @@ def test_trace_by_position_measures_the_synthetic_models_own_decode(tmp_path):
     assert got["synthetic"] == dataclasses.asdict(SyntheticSpec(**knobs))
     assert got["profile_requests"] == 3 and got["requests"] == [3, 3]  # one held-out prompt a domain, 12 steps
     assert set(got["copies"]) == {"static@0.5", "lru@0.5"} and all(len(v) == 2 for v in got["copies"].values())
+
+
+def _moe_beyond_csv(path: Path, experts: np.ndarray) -> None:
+    """A MoE-Beyond activation CSV of ``experts`` ``[tokens, 26, 6]``: rows layer by layer (1..26)."""
+    lines = ["Layer ID,Batch Number,Token,Activated Expert IDs"]
+    for li in range(experts.shape[1]):
+        lines += [f'{li + 1},0,tok{t},"{experts[t, li].tolist()}"' for t in range(experts.shape[0])]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_moe_beyond_trace_writes_each_selection_and_refuses_a_ragged_file(tmp_path):
+    rng = np.random.default_rng(0)
+    src = tmp_path / "eamc"
+    src.mkdir()
+    prompts = {n: np.stack([np.stack([rng.choice(64, 6, replace=False) for _ in range(26)]) for _ in range(t)])
+               for n, t in ((1002, 3), (1001, 5))}
+    for n, experts in prompts.items():
+        _moe_beyond_csv(src / f"prompt_{n}_data.csv", experts)
+    out = tmp_path / "t.parquet"
+    assert "2 requests, 8 tokens" in run_script("moe_beyond_trace.py", str(src), str(out), "--as-streams")
+    table = pq.read_table(out).to_pandas()
+    meta = read_trace_meta(out)
+    assert set(table["phase"]) == {"decode"} and (meta.num_experts, meta.top_k, meta.moe_layers) == (64, 6, list(range(1, 27)))
+    for n, experts in prompts.items():
+        rows = table[table["request"] == f"prompt-{n}"]
+        for t in range(len(experts)):
+            for li in range(26):
+                got = rows[(rows["position"] == t) & (rows["layer"] == li + 1)].sort_values("rank")["expert"]
+                assert got.tolist() == experts[t, li].tolist(), (n, t, li)
+    bad = prompts[1001].copy()
+    _moe_beyond_csv(src / "prompt_1003_data.csv", bad)
+    text = (src / "prompt_1003_data.csv").read_text().splitlines()
+    (src / "prompt_1003_data.csv").write_text("\n".join(text[:-1]) + "\n")  # layer 26 one token short
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "moe_beyond_trace.py"), str(src), str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "prompt_1003_data.csv: token counts differ" in done.stderr
