@@ -31,6 +31,8 @@ _orig_dot = interpreter.InterpreterBuilder.create_dot
 def _bf16_as_f32(h):
     if h.dtype == tl.bfloat16:
         return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    if h.dtype == tl.float16:  # numpy's float16 matmul would round its sums to fp16
+        return interpreter.TensorHandle(h.data.astype(np.float32), tl.float32)
     return h
 
 def _create_dot(self, a, b, d, *args):
@@ -73,8 +75,9 @@ for mod in (triton_mxfp4, triton_moe):  # pdl 2: the grid-dependency instruction
 # (H, I, tokens, config): in-kernel grouping (6 pairs <= 8 experts) and the sorted grouping; a k step
 # past I (96 = 64 + 32: masked groups) and past H; partial column blocks; 32-input k steps; tile order
 # 1 with half_buf; 32-row tiles; pdl 2. Then the GEMV path (block_m <= 8): one and two pairs a block,
-# both groupings, k steps past H and I (128 > 64, 64 > 96 - 64), partial column blocks; and the dot
-# path unpacking 32-bit words (w8a16 2), whose outputs must be the value-by-value path's bits
+# both groupings, k steps past H and I (128 > 64, 64 > 96 - 64), partial column blocks; the dot
+# path unpacking 32-bit words (w8a16 2), whose outputs must be the value-by-value path's bits; the
+# fp16 dots a scale group a step (w8a16 3), both groupings
 CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (64, 96, 5, KernelConfig(16, 64, 64, 64, 64, 4, 2, 32)),
          (96, 64, 7, KernelConfig(16, 32, 64, 64, 32, 4, 2, 1, tile_order=1, half_buf=1)),
@@ -82,7 +85,9 @@ CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (64, 96, 3, KernelConfig(1, 64, 128, 8, 64, 4, 2, 32, pdl=2, w8a16=2)),
          (96, 64, 7, KernelConfig(2, 16, 64, 64, 32, 4, 2, 1, w8a16=2)),
          (96, 96, 5, KernelConfig(16, 64, 64, 32, 64, 4, 2, 32, w8a16=2)),
-         (64, 96, 9, KernelConfig(32, 32, 64, 64, 32, 4, 2, 1, tile_order=1, w8a16=2))]
+         (64, 96, 9, KernelConfig(32, 32, 64, 64, 32, 4, 2, 1, tile_order=1, w8a16=2)),
+         (96, 64, 3, KernelConfig(16, 32, 32, 64, 32, 4, 2, 32, w8a16=3)),
+         (64, 96, 7, KernelConfig(32, 16, 32, 32, 32, 4, 3, 1, w8a16=3))]
 for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
     act = (SILU, swiglu_clamped(limit=1.5))[i % 2]
     q = make_mxfp4(2, 8, hidden, inter, seed=tokens)
@@ -113,22 +118,25 @@ for cfg in (KernelConfig(16, 32, 64, 32, 64, 4, 2, 32), KernelConfig(1, 32, 64, 
 @triton.jit
 def _words_probe(w_ptr, out_ptr, N: tl.constexpr):
     q = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, N))
-    v = tl.reshape(triton_mxfp4._e2m1_words(q), (N * 8,)) * 16384.0
+    v = tl.reshape(triton_mxfp4._e2m1_words(q, True), (N * 8,)) * 16384.0
+    h = tl.reshape(triton_mxfp4._e2m1_words(q, False), (N * 8,)).to(tl.float32) * 16384.0  # the fp16 lanes
     tl.store(out_ptr + tl.arange(0, N * 8), v)
+    tl.store(out_ptr + N * 8 + tl.arange(0, N * 8), h)
 
 codes = torch.arange(256, dtype=torch.uint8)
 blocks = torch.cat([codes, codes.roll(1), codes.roll(2), codes.roll(3)])  # each byte at each of a word's 4 places
-got = torch.empty(blocks.numel() * 2, dtype=torch.float32)
+got = torch.empty(blocks.numel() * 4, dtype=torch.float32)
 _words_probe[(1,)](blocks, got, N=blocks.numel() // 4)
 want = mxfp4.dequantize(blocks.view(1, -1, 16), torch.full((1, blocks.numel() // 16), 127, dtype=torch.uint8),
                         torch.float32).flatten()
-assert torch.equal(got, want), (got - want).abs().max()
+assert torch.equal(got, torch.cat([want, want])), (got - torch.cat([want, want])).abs().max()
 # refused by name
 pools = pools_of(q, SILU)
 for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(split_k1=2), "split-K"),
                  (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
-                 (dict(half_tail=1), "half_tail=1"), (dict(block_m=3), "block_m must be a power of two"),
-                 (dict(block_m=4), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1")]:
+                 (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
+                 (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
+                 (dict(w8a16=3), "block_k1 = block_k2 = 32")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -158,8 +166,8 @@ def _run_interpreted(script: str) -> str:
 
 
 def test_triton_mxfp4_kernel_under_the_interpreter():
-    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its three paths (dots on
-    tiles unpacked value by value or by 32-bit words, and the GEMV path): against the float64 oracle
+    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its four paths (bf16 dots
+    on tiles unpacked value by value or by 32-bit words, fp16 dots a scale group a step, the GEMV path): against the float64 oracle
     (SiLU and the clamped SwiGLU, with and without biases, both groupings, masked k steps and column
     blocks, tile orders, half_buf, pdl 2 with the grid-dependency instructions stubbed out), every
     placement bitwise the all-hot path, the two dot unpackings bitwise equal, the word unpack of

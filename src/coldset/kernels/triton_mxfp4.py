@@ -16,7 +16,13 @@ quantized, every sum is float32. Two paths, the config's choice:
   widened, times 2^14, times the scale). Both give every weight a scale byte of 2..254 gives as
   bf16 exactly (:func:`coldset.core.mxfp4.dequantize`'s values), so the same output bits: a speed
   choice, as the FP8 kernel's ``w8a16`` 2.
-- the GEMV path (``block_m`` 1 to :data:`GEMV_MAX_ROWS`, ``w8a16`` 2): no dot, which would pad a
+- ``w8a16`` 3 (``block_k`` 32): fp16 dots, one scale group a step (:func:`_f16_rows`): the words'
+  fp16 lanes ``e2m1 * 2^-14`` go to the dot as they are; each token row (or intermediate row) is
+  scaled by a power of two into fp16's range first (:func:`_pow2_factors`: exact for every value
+  down to 2^-28 of the row's largest), each group's sum times its scale, the powers of two undone
+  at the end. Other float32 sums, and scale bytes below 40 (weights below 2^-87) lose bits to
+  float32 subnormals.
+- the GEMV path (``block_m`` 1 or 2, ``w8a16`` 2): no dot, which would pad a
   decode tile to 16 rows; each block takes ``block_m`` pairs and the codes unpacked by words to
   float32 ``e2m1 * 2^-14`` and sums each pair's products per group of 32 in registers, then times
   ``2^14 * 2^(s - 127)`` once per group (:func:`_gemv_step`): the scale is applied per group sum,
@@ -39,7 +45,7 @@ so every placement is bitwise the all-hot (``use_row_map=False``) output.
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
 32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the GEMV path's k loops are
 pipelined to that depth too), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
-early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0 or 2, above). Split-K, ``half_tail``,
+early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2 or 3, above). Split-K, ``half_tail``,
 ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
 
@@ -76,7 +82,7 @@ if TYPE_CHECKING:
     from coldset.kernels.tiers import ExpertPools
 
 GROUP = mxfp4.BLOCK  # inputs per e8m0 scale
-GEMV_MAX_ROWS = 8  # block_m up to this: the GEMV path (sums in registers, no dot); a dot needs 16 rows
+GEMV_MAX_ROWS = 2  # block_m up to this: the GEMV path (sums in registers, no dot); a dot needs 16 rows
 
 # The defaults when no tuned entry exists (coldset.kernels.configs: triton_mxfp4.json).
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
@@ -114,29 +120,33 @@ def _upcast(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_pair(q, EEM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
-    """Nibbles k and k + 4 of each int32 word ``q`` (k = (9 - EEM_SHIFT) / 4) as float32 values
-    ``e2m1 * 2^-14``: one word of two fp16 lanes built by bit operations on the whole word (the
-    code's 3 magnitude bits as an fp16 exponent's low 2 bits and mantissa's top bit, its sign as
-    the sign: exactly e2m1 times 2^-14, code 1 an fp16 subnormal), each lane widened exactly."""
+def _e2m1_pair(q, EEM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr, F32: tl.constexpr):
+    """Nibbles k and k + 4 of each int32 word ``q`` (k = (9 - EEM_SHIFT) / 4) as ``e2m1 * 2^-14``: one
+    word of two fp16 lanes built by bit operations on the whole word (the code's 3 magnitude bits as
+    an fp16 exponent's low 2 bits and mantissa's top bit, its sign as the sign: exactly e2m1 times
+    2^-14, code 1 an fp16 subnormal); fp16, or each lane widened exactly to float32 (``F32``)."""
     if EEM_SHIFT >= 0:
         e = q << EEM_SHIFT
     else:
         e = q >> (-EEM_SHIFT)
     p = (e & 0x0E000E00) | ((q << SIGN_SHIFT) & -2147450880)  # -2147450880: the int32 0x80008000
-    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    if F32:
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
     return lo, hi
 
 
 @triton.jit
-def _e2m1_words(q):
-    """float32 ``e2m1 * 2^-14`` of the 8 codes of each int32 word of ``q`` ``[...]``, as ``[..., 2, 2,
-    2]`` in element order (``reshape`` to ``[..., 8]``: element j of a word is nibble j, low first)."""
-    v0, v4 = _e2m1_pair(q, 9, 12)
-    v1, v5 = _e2m1_pair(q, 5, 8)
-    v2, v6 = _e2m1_pair(q, 1, 4)
-    v3, v7 = _e2m1_pair(q, -3, 0)
+def _e2m1_words(q, F32: tl.constexpr):
+    """``e2m1 * 2^-14`` (float32 with ``F32``, else fp16) of the 8 codes of each int32 word of ``q``
+    ``[...]``, as ``[..., 2, 2, 2]`` in element order (``reshape`` to ``[..., 8]``: element j of a word is
+    nibble j, low first)."""
+    v0, v4 = _e2m1_pair(q, 9, 12, F32)
+    v1, v5 = _e2m1_pair(q, 5, 8, F32)
+    v2, v6 = _e2m1_pair(q, 1, 4, F32)
+    v3, v7 = _e2m1_pair(q, -3, 0, F32)
     return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
 
 
@@ -172,7 +182,7 @@ def _weight_tile(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK
     :func:`_upcast`."""
     packed, sc = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, WORDS)
     if WORDS:
-        v = _e2m1_words(packed) * 16384.0  # exact: e2m1 values
+        v = _e2m1_words(packed, True) * 16384.0  # exact: e2m1 values
         v = v * _group_scale(sc)[:, :, None, None, None, None]
         w = tl.reshape(v, (BN, BK)).to(tl.bfloat16)
     else:
@@ -186,15 +196,43 @@ def _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, B
     """For the GEMV path: float32 ``e2m1 * 2^-14`` ``[BN, BK // 32, 32]`` (unscaled: the scale is
     applied to each group's sum) and the groups' ``2^(s - 127)`` ``[BN, BK // 32]``."""
     packed, sc = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, True)
-    return tl.reshape(_e2m1_words(packed), (BN, BK // 32, 32)), _group_scale(sc)
+    return tl.reshape(_e2m1_words(packed, True), (BN, BK // 32, 32)), _group_scale(sc)
 
 
 @triton.jit
 def _gemv_step(acc, a, v, f):
-    """``acc [BM, BN, G] += (sum over each group of 32 of a [BM, G, 32] * v [BN, G, 32]) * 2^14 * f
-    [BN, G]``: float32 products summed in registers, the group's scale once per group sum."""
-    part = tl.sum(a[:, None, :, :] * v[None, :, :, :], axis=3)
-    return acc + part * 16384.0 * f[None, :, :]
+    """``acc [BN, G] += (sum over each group of 32 of a [G, 32] * v [BN, G, 32]) * 2^14 * f [BN, G]``:
+    one row's float32 products summed in registers (a thread holds whole groups: the weights' load
+    layout), the group's scale once per group sum."""
+    part = tl.sum(v * a[None, :, :], axis=2)
+    return acc + part * 16384.0 * f
+
+
+@triton.jit
+def _gemv_rows_out(r0, r1, BM: tl.constexpr):
+    """``[BM, BN]`` of one or two ``[BN]`` rows."""
+    if BM == 1:
+        out = r0[None, :]
+    else:
+        out = tl.where((tl.arange(0, BM) == 0)[:, None], r0[None, :], r1[None, :])
+    return out
+
+
+@triton.jit
+def _pair_of(pair, valid, i: tl.constexpr, BM: tl.constexpr):
+    """Pair ``i`` of a chunk and whether it exists, as scalars."""
+    sel = tl.arange(0, BM) == i
+    return tl.sum(tl.where(sel, pair, 0), axis=0), tl.sum(tl.where(sel, valid.to(tl.int32), 0), axis=0) > 0
+
+
+@triton.jit
+def _gemv_x(a_ptrs, k0, ok, offs_g, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row's float32 inputs ``[G, 32]`` of a k step (zeros where ``ok`` is false or past K)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs + k0, mask=(offs_g >= 0) & ok, other=0.0)
+    else:
+        a = tl.load(a_ptrs + k0, mask=((k0 + offs_g) < K) & ok, other=0.0)
+    return a.to(tl.float32)
 
 
 @triton.jit
@@ -218,43 +256,52 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-                  WORDS: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows (bf16 dots), then the
-    activation (biases first) rounded to bf16 into the per-pair scratch."""
+                  WORDS: tl.constexpr, F16: tl.constexpr, NS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs times its gate and up rows (bf16 dots, or fp16 ones
+    with ``F16``: :func:`_f16_rows`), then the activation (biases first) rounded to bf16 into the
+    per-pair scratch."""
     offs_k = tl.arange(0, BK)
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0)
-        wg = _weight_tile(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
-        wu = _weight_tile(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u)
+    if F16:
+        acc_g, acc_u = _f16_rows(x_ptr + tok[:, None] * stride_xt, valid, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, n_ok, H,
+                                 BM, BN, EVEN_N, NS, True)
+    else:
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0)
+            wg = _weight_tile(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
+            wu = _weight_tile(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N, WORDS)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
     act = _gated(acc_g, acc_u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
     out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _gemv_rows(a_ptrs, valid, offs_g, w_ptrs, s_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr):
-    """fp32 ``[BM, BN]``: the rows ``a_ptrs`` point at (bf16, ``[BM, BK // 32, 32]`` per k step) times
-    the weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`)."""
-    acc = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
+def _gemv_rows(a_base, stride_a, pair, valid, w_ptrs, s_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr):
+    """fp32 ``[BM, BN]``: rows ``pair`` (``valid``) of ``a_base`` (bf16, row stride ``stride_a``) times the
+    weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`); BM is 1 or 2."""
+    offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    p0, ok0 = _pair_of(pair, valid, 0, BM)
+    p1, ok1 = _pair_of(pair, valid, BM - 1, BM)
+    a0 = a_base + p0.to(tl.int64) * stride_a + offs_g
+    a1 = a_base + p1.to(tl.int64) * stride_a + offs_g
+    acc0 = tl.zeros((BN, BK // 32), dtype=tl.float32)
+    acc1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None, None] & ((k0 + offs_g) < K)[None, :, :], other=0.0)
         v, f = _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K, BN, BK, EVEN_K, EVEN_N)
-        acc = _gemv_step(acc, a.to(tl.float32), v, f)
-    return tl.sum(acc, axis=2)
+        acc0 = _gemv_step(acc0, _gemv_x(a0, k0, ok0, offs_g, K, EVEN_K), v, f)
+        if BM == 2:
+            acc1 = _gemv_step(acc1, _gemv_x(a1, k0, ok1, offs_g, K, EVEN_K), v, f)
+    return _gemv_rows_out(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), BM)
 
 
 @triton.jit
@@ -264,27 +311,81 @@ def _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs,
                     BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr,
                     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
                     LIMIT: tl.constexpr, NS: tl.constexpr):
-    """:func:`_w13_mx_chunk` without a dot (:func:`_gemv_step`): ``BM`` (1 to 8) pairs, the gate and
+    """:func:`_w13_mx_chunk` without a dot (:func:`_gemv_step`): ``BM`` (1 or 2) pairs, the gate and
     up rows' loads of a k step issued together."""
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
-    tok = (pair // TOPK).to(tl.int64)
     offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    a_ptrs = x_ptr + tok[:, None, None] * stride_xt + offs_g[None, :, :]
-    acc_g = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN, BK // 32), dtype=tl.float32)
+    t0, ok0 = _pair_of(pair // TOPK, valid, 0, BM)
+    t1, ok1 = _pair_of(pair // TOPK, valid, BM - 1, BM)
+    a0 = x_ptr + t0.to(tl.int64) * stride_xt + offs_g
+    a1 = x_ptr + t1.to(tl.int64) * stride_xt + offs_g
+    g0 = tl.zeros((BN, BK // 32), dtype=tl.float32)
+    u0 = tl.zeros((BN, BK // 32), dtype=tl.float32)
+    g1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
+    u1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
     for k0 in tl.range(0, H, BK, num_stages=NS):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=valid[:, None, None] & ((k0 + offs_g) < H)[None, :, :], other=0.0)
-        a = a.to(tl.float32)
         vg, fg = _gemv_weights(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
         vu, fu = _gemv_weights(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-        acc_g = _gemv_step(acc_g, a, vg, fg)
-        acc_u = _gemv_step(acc_u, a, vu, fu)
-    act = _gated(tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2), bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
+        x0 = _gemv_x(a0, k0, ok0, offs_g, H, EVEN_K)
+        g0 = _gemv_step(g0, x0, vg, fg)
+        u0 = _gemv_step(u0, x0, vu, fu)
+        if BM == 2:
+            x1 = _gemv_x(a1, k0, ok1, offs_g, H, EVEN_K)
+            g1 = _gemv_step(g1, x1, vg, fg)
+            u1 = _gemv_step(u1, x1, vu, fu)
+    g = _gemv_rows_out(tl.sum(g0, axis=1), tl.sum(g1, axis=1), BM)
+    u = _gemv_rows_out(tl.sum(u0, axis=1), tl.sum(u1, axis=1), BM)
+    act = _gated(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
     out_ptrs = act_ptr + pair[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _pow2_factors(a_row, valid, K: tl.constexpr, BM: tl.constexpr):
+    """Per row ``a_row`` points at (``[BM, 1]``, bf16 rows of K): ``2^t`` that puts the row's largest magnitude in
+    ``[2^14, 2^15)`` (fp16 holds every bf16 value of the row scaled by it exactly down to 2^-28 of
+    that largest, the rest within 2^-25 of it), and ``2^(14 - t)``, which undoes it and the weights'
+    2^-14. Rows of zeros get 2^127."""
+    offs = tl.arange(0, 256)
+    m = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, 256):
+        x = tl.load(a_row + k0 + offs[None, :], mask=valid[:, None] & ((k0 + offs) < K)[None, :], other=0.0)
+        m = tl.maximum(m, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    eb = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest magnitude
+    t = tl.minimum(141 - eb, 127)
+    return ((127 + t) << 23).to(tl.float32, bitcast=True), ((141 - t) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_step(acc, a16, packed, sc, BN: tl.constexpr):
+    """``acc [BM, BN] += dot(a16 [BM, 32], e2m1 * 2^-14 [32, BN]) * 2^(s - 127)``: one scale group,
+    an fp16 dot (float32 sums), the group's scale on the sum."""
+    v = tl.reshape(_e2m1_words(tl.reshape(packed, (BN, 4)), False), (BN, 32))
+    return acc + tl.dot(a16, tl.trans(v)) * tl.reshape(_group_scale(sc), (BN,))[None, :]
+
+
+@triton.jit
+def _f16_rows(a_row, valid, w1_ptrs, s1_ptrs, w2_ptrs, s2_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr, TWO: tl.constexpr):
+    """fp32 ``[BM, BN]`` products of the bf16 rows ``a_row`` points at (``[BM, 1]``, rows of K) with the weight
+    rows ``w1_ptrs`` / ``s1_ptrs`` (and ``w2_ptrs`` / ``s2_ptrs`` with ``TWO``: the same rows' loads of a
+    step together) by fp16 dots: the rows scaled by a power of two each into fp16's range
+    (:func:`_pow2_factors`), the weights ``e2m1 * 2^-14`` exactly in fp16, one scale group a step
+    (:func:`_f16_step`), the powers of two undone at the end."""
+    f, back = _pow2_factors(a_row, valid, K, BM)
+    a_ptrs = a_row + tl.arange(0, 32)[None, :]
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, 32, num_stages=NS):
+        p1, c1 = _load_rows(w1_ptrs, s1_ptrs, k0, n_ok, K, 32, True, EVEN_N, True)
+        if TWO:
+            p2, c2 = _load_rows(w2_ptrs, s2_ptrs, k0, n_ok, K, 32, True, EVEN_N, True)
+        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0).to(tl.float32)
+        a16 = (a * f[:, None]).to(tl.float16)
+        acc1 = _f16_step(acc1, a16, p1, c1, BN)
+        if TWO:
+            acc2 = _f16_step(acc2, a16, p2, c2, BN)
+    return acc1 * back[:, None], acc2 * back[:, None]
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layer", "NB"])  # one compile for every layer and batch
@@ -295,7 +396,7 @@ def _w13_mx_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr,
+    GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr, NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if USE_GDC:
@@ -319,7 +420,8 @@ def _w13_mx_kernel(
         else:
             _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n,
                           n_ok, bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
-                          TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT, WORDS)
+                          TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT, WORDS, F16,
+                          NS)
         c += BM
 
 
@@ -328,15 +430,18 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
                  num_pairs, expert, start, c, cnt,
                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr):
-    """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows (bf16 dots, or
-    ``GEMV`` sums in registers), plus w2's bias, times the routing weight, into the per-pair buffer."""
+                 HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr,
+                 NS: tl.constexpr):
+    """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows (bf16 dots, fp16
+    ones with ``F16``, or ``GEMV`` sums in registers), plus w2's bias, times the routing weight, into
+    the per-pair buffer."""
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     pair64 = pair.to(tl.int64)
     if GEMV:
-        offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        a_ptrs = act_ptr + pair64[:, None, None] * I + offs_g[None, :, :]
-        acc = _gemv_rows(a_ptrs, valid, offs_g, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K, EVEN_N, NS)
+        acc = _gemv_rows(act_ptr, I, pair, valid, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K, EVEN_N, NS)
+    elif F16:
+        acc, _ = _f16_rows(act_ptr + pair64[:, None] * I, valid, w_ptrs, s_ptrs, w_ptrs, s_ptrs, n_ok, I, BM, BN,
+                           EVEN_N, NS, False)
     else:
         offs_k = tl.arange(0, BK)
         a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
@@ -363,7 +468,8 @@ def _w2_mx_kernel(
     E: tl.constexpr, EP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
-    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, NS: tl.constexpr,
+    ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr,
+    NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -380,7 +486,7 @@ def _w2_mx_kernel(
     while c < c_end:
         _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok, b2,
                      num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS,
-                     GEMV, WORDS, NS)
+                     GEMV, WORDS, F16, NS)
         c += BM
 
 
@@ -391,11 +497,15 @@ def _check_config(c: KernelConfig) -> None:
         if v < GROUP or v & (v - 1):
             raise ValueError(f"triton_mxfp4_experts: config {name} must be a power of two >= {GROUP} (whole e8m0 "
                              f"scale groups per k step), got {v}")
-    if c.block_m < 1 or c.block_m & (c.block_m - 1):
-        raise ValueError(f"triton_mxfp4_experts: block_m must be a power of two, got {c.block_m}")
-    if c.w8a16 not in (0, 2):
+    if c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
+        raise ValueError(f"triton_mxfp4_experts: block_m must be 1 or 2 (the GEMV path) or a power of two >= 16 (a "
+                         f"dot's rows), got {c.block_m}")
+    if c.w8a16 not in (0, 2, 3):
         raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
-                         "path unpacks value by value, 2: by 32-bit words)")
+                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots a scale group a step)")
+    if c.w8a16 == 3 and (c.block_m < 16 or c.block_k1 != GROUP or c.block_k2 != GROUP):
+        raise ValueError(f"triton_mxfp4_experts: w8a16=3 (fp16 dots, one scale group a step) needs block_m >= 16 "
+                         f"and block_k1 = block_k2 = {GROUP}, got {c.block_m}, {c.block_k1}, {c.block_k2}")
     if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
         raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
                          f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
@@ -485,7 +595,7 @@ def mxfp4_experts_launches(
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
     gemv = c.block_m <= GEMV_MAX_ROWS
-    path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 == 2, NS=c.num_stages)
+    path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 >= 2, F16=c.w8a16 == 3, NS=c.num_stages)
     _w13_mx_kernel[grid(nb1)](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
         b13, act, num_pairs, layer, x.stride(0), nb1,

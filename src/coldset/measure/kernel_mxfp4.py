@@ -11,9 +11,9 @@ layer's weights are served from L2 by the one before.
 
 The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
 decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only), each config one
-of three paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
-``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words) and ``gemv`` (no dot: a few
-pairs a block, products summed in registers). Per batch, first the correctness of every config, on
+of four paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
+``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
+scale group a step) and ``gemv`` (no dot: one or two pairs a block, products summed in registers). Per batch, first the correctness of every config, on
 fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
 the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
 float32 GEMMs), each output within 2^-7 of |ref| + RMS(ref) (the bf16 outputs' rounding plus a
@@ -55,7 +55,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "gemv")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv")
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
 
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny shape; on the CPU under TRITON_INTERPRET=1, no times")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.add_argument("--variants", default="all",
-                   help="kernel paths to run, comma-separated: dot-values, dot-words, gemv (default all)")
+                   help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv (default all)")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="seconds after which configs not yet timed are skipped (and listed as such)")
     args = p.parse_args(argv)
@@ -154,14 +154,15 @@ def _poison(s: Setup, nbytes: int) -> None:
 
 
 def variant_of(cfg) -> str:
-    """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m up to
-    8: sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words,
-    w8a16 2) or ``dot-values`` (unpacked value by value)."""
+    """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
+    sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
+    2), ``dot-f16`` (fp16 dots a scale group a step, w8a16 3) or ``dot-values`` (bf16 dots on tiles
+    unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
     if cfg.block_m <= GEMV_MAX_ROWS:
         return "gemv"
-    return "dot-words" if cfg.w8a16 == 2 else "dot-values"
+    return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
 
 
 def check_correct(s: Setup, num_tokens: int, configs: list, deadline: float) -> tuple[float, dict[int, str]]:
