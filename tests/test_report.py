@@ -686,7 +686,7 @@ def test_locality_section_shows_the_simulation_and_the_lift(tmp_path):
     assert "its captured trace: lift 1.50x" in html
     # the answer at budget 0.5 quotes the simulation's best policy there (hit rate: no time columns)
     answer = re.search(r'<tr data-budget="0.5".*?</tr>', html, re.S).group(0)
-    assert "the cache simulation: lru best (0.875 hit rate; the static set 0.75)" in answer
+    assert "the cache simulation: lru (raw fills) best (0.875 hit rate; the static set, read in place, 0.75)" in answer
     sim.loc[0, "hit_rate"] = 1.5
     sim.to_csv(res / "cache" / MODEL / "simulation.csv", index=False)
     with pytest.raises(ReportInputError, match="hit_rate outside"):

@@ -262,11 +262,25 @@ def budget_answers(placements: list[PlacementSummary], bench: list[BenchResult],
     return answers
 
 
-def cache_note(table, residency: str) -> str | None:
+#: The report's words for :data:`coldset.analysis.speed.COLD_PATHS` (:mod:`coldset.reporting.cold_path`).
+COLD_PATH_WORDS = {"in_place": "in place", "raw_fill": "raw fills", "compressed_fill": "compressed fills"}
+
+
+def row_cold_path(policy: str, host_tier: str | None) -> str:
+    """The cold path of one cache-simulation row: ``static`` reads in place, a dynamic cache fills
+    its slots from its row's host tier (``raw`` where the table has no ``host_tier`` column)."""
+    if policy == "static":
+        return COLD_PATH_WORDS["in_place"]
+    return COLD_PATH_WORDS["compressed_fill" if host_tier == "compressed" else "raw_fill"]
+
+
+def cache_note(table, residency: str, pick: str | None = None) -> str | None:
     """What the cache simulation (``cache/{model}/simulation.csv``, a DataFrame) says at this
     residency for the smallest simulated batch: the runnable policy with the lowest simulated step
-    (or, without the time columns, the highest hit rate) against the static set; None without
-    rows or at full residency (nothing to cache)."""
+    (or, without the time columns, the highest hit rate) and its cold path (raw or compressed
+    fills, :func:`row_cold_path`) against the static set (read in
+    place); ``pick``: the speed model's cold path, added after. None without rows or at full
+    residency (nothing to cache)."""
     if table is None or not len(table) or float(residency) >= 1:
         return None
     # belady knows the future: the simulation's bound, not a policy to choose
@@ -280,8 +294,9 @@ def cache_note(table, residency: str) -> str | None:
     best = rows.loc[rows[column].idxmin() if timed else rows[column].idxmax()]
     static = rows[rows["policy"] == "static"]
     batch = f" at batch {int(best['batch'])}" if "batch" in rows.columns else ""
-    text = f"the cache simulation{batch}: {best['policy']} best ({human(best[column])}{unit}"
+    path = row_cold_path(best["policy"], best.get("host_tier"))
+    text = f"the cache simulation{batch}: {best['policy']} ({path}) best ({human(best[column])}{unit}"
     if len(static) and best["policy"] != "static":
-        text += f"; the static set {human(static[column].iloc[0])}"
-    return text + ")"
+        text += f"; the static set, read in place, {human(static[column].iloc[0])}"
+    return text + ")" + (f"; {pick}" if pick else "")
 

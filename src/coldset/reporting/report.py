@@ -37,7 +37,9 @@ from coldset.core.layout import Layout
 from coldset.core.shapes import MoEShape
 from coldset.core.shapes import describe as describe_shape
 from coldset.core.timing import NOISY_P90_OVER_P50, noisy_reason, speed_compares_placements, timing_noisy
-from coldset.reporting.answer import budget_answers, cache_note, human, pct_text, size_text, tok_s_text
+from coldset.reporting.answer import (budget_answers, cache_note, human, pct_text, row_cold_path, size_text,
+                                      tok_s_text)
+from coldset.reporting.cold_path import ColdPathPick, cold_path_pick
 from coldset.reporting.cold_experts import ColdExperts, id_ranges, read_cold_experts
 from coldset.reporting.figures import (
     FigureOut,
@@ -281,7 +283,8 @@ def _cache_rows(cache_table) -> list[dict]:
          "misses_per_token": human(r.misses_per_token), "link_gb_per_token": human(r.link_gb_per_token),
          # the batch replayed and the simulated time (coldset.analysis.time_model), when present
          **{c: human(getattr(r, c, None)) for c in ("batch", "step_ms", "bound_ms", "bound_fraction", "overlap",
-                                                   "stall_ms_per_token", "wasted_gb_per_token")}}
+                                                   "stall_ms_per_token", "wasted_gb_per_token")},
+         "cold_path": row_cold_path(r.policy, getattr(r, "host_tier", None))}
         for r in cache_table.itertuples()]
 
 
@@ -445,17 +448,24 @@ def _answer_rows(answers) -> list[dict[str, Any]]:
 
 
 def _answer_context(placements: list, bench: list, parity: list, config: dict, out_html: Path,
-                    cache_table) -> dict[str, Any]:
-    """The template's answer and cold-experts sections (coldset.reporting.answer)."""
+                    cache_table, pick: ColdPathPick | str | None) -> dict[str, Any]:
+    """The template's answer and cold-experts sections (coldset.reporting.answer); ``pick``: the
+    speed model's cold path (:func:`coldset.reporting.cold_path.cold_path_pick`)."""
     answers = budget_answers(placements, bench, parity, _preset(config))
     for a in answers:
-        note = cache_note(cache_table, a.residency)
+        note = cache_note(cache_table, a.residency, pick.short() if isinstance(pick, ColdPathPick) else None)
         if note:
             a.notes.append(note)
     return {"answer_rows": _answer_rows(answers),
             "answer_estimate": not any(speed_compares_placements(b.device) for b in bench),
             "preset": _preset(config) or "the speed model's preset",
             "cold": _cold_view(answers, placements, out_html)}
+
+
+def _cold_path_text(pick: ColdPathPick | str | None) -> str | None:
+    """The cache section's sentence on the speed model's cold path, its first letter capital."""
+    text = pick.text() if isinstance(pick, ColdPathPick) else pick
+    return None if text is None else text[0].upper() + text[1:]
 
 
 def _environment() -> jinja2.Environment:
@@ -545,9 +555,15 @@ def render_report(
     step_figs = [step_time_figure(bench, bs, model, placements, _preset(config)) for bs in batch_sizes]
     figures["step_time"] = [f for f in step_figs if f is not None]
     locality, cache_table = _locality_inputs(results_dir, model)
+    raw_rows = cache_table  # the figure's hit rates: the compressed tier's rows have the same hits
+    if cache_table is not None and "host_tier" in cache_table:
+        raw_rows = cache_table[cache_table["host_tier"] == "raw"]
     figures["locality"] = [] if locality is None and cache_table is None else [
-        locality_figure(locality, cache_table, routing_device, routing_batch_label, dtype, model)]
+        locality_figure(locality, raw_rows, routing_device, routing_batch_label, dtype, model)]
     cache_rows = _cache_rows(cache_table)
+    pick = cold_path_pick(cache_table, config, bench, placements, results_dir, model,
+                          len(skew.trace.get("moe_layers") or []),
+                          estimate=not any(speed_compares_placements(b.device) for b in bench))
     routing_provenance = _routing_provenance(bench, locality, skew)
 
     failed = [p for p in parity if not p.passed]
@@ -561,7 +577,8 @@ def render_report(
 
     html = _environment().get_template("index.html.j2").render(
         model=model,
-        **_answer_context(placements, bench, parity, config, out_html, cache_table),
+        **_answer_context(placements, bench, parity, config, out_html, cache_table, pick),
+        cold_path_text=_cold_path_text(pick),
         dtype=dtype,
         run_device=run_device,
         machine=[{"name": k, "value": str(v)} for k, v in machine_info.items()],
