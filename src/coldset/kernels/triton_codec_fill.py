@@ -4,29 +4,34 @@ On CUDA the slot cache decides its victims and admitted instances on the device
 (:mod:`coldset.kernels.triton_slots`): the fill gets device tensors (slots, instances, a device
 count ``m``) and must not read them on the host. This fill takes the same tensors as
 :func:`coldset.kernels.triton_slots.fill` and writes bitwise what that raw fill writes, reading the
-compressed host tier (:mod:`coldset.kernels.compressed_tier`) instead of the raw one, in two
-launches whose grids are fixed by the list's length (graph-capturable, no host synchronisation):
+compressed host tier (:mod:`coldset.kernels.compressed_tier`) instead of the raw one, from launches
+whose grids are fixed by the list's length (graph-capturable, no host synchronisation). Two kinds of work:
 
-1. **the record copy** (:func:`_copy_records_kernel`): every program copies its stripe of each listed
-   expert's record (``j < m``) from the pinned host allocation, read in place over UVA as the raw
-   fill reads its rows, into row ``j`` of an HBM staging buffer; the record's place comes from the
-   tier's ``record_table``;
-2. **the decode** (:func:`_decode_records_kernel`): a program per (stripe, part) decodes lane
-   blocks of the staged records into the slots' rows (one thread a lane, as
-   :mod:`coldset.kernels.triton_codec`), reading each record's layout from the tier's ``part_table``;
-   a part stored raw (too small to carry its decode table, FP8's float32 scales, or not smaller
-   coded) is copied element for element from the staged record. A scaled expert's scales are parts
-   of its record: they land with its weights in the same launch.
+- **the record copy** (:func:`_copy_stripes`): every program copies its stripe of each listed
+  expert's record from the pinned host allocation, read in place over UVA as the raw fill reads its
+  rows, into row ``j`` of an HBM staging buffer; the record's place comes from the tier's
+  ``record_table``;
+- **the decode** (:func:`_decode_part`): a program per (stripe, part) decodes lane blocks of the
+  staged records into the slots' rows (one thread a lane, as :mod:`coldset.kernels.triton_codec`),
+  reading each record's layout from the tier's ``part_table``; a part stored raw (too small to carry
+  its decode table, FP8's float32 scales, or not smaller coded) is copied element for element from
+  the staged record. A scaled expert's scales are parts of its record: they land with its weights.
+
+The copy crosses the link and the decode reads HBM, so they overlap: the listed rows are split in
+halves (the first ``ceil(m / 2)``, the rest) and :func:`fill_listed` runs three launches, (1) the
+first half's copy, (2) the first half's decode, whose grid starts with programs of its own that copy
+the second half meanwhile, (3) the second half's decode.
 
 Why staged and not decoded straight from pinned memory: a lane reads its own stream a word at a
 time at its own pace and every symbol looks up the 8 KiB decode table, scattered small reads that
 over the host link would cost a transaction each; the copy instead moves each record once in
-coalesced 8-byte words at the link's rate, and the decode then reads HBM and cache. Why two launches
-and not one: the decode of a record needs all of it landed, and a grid-wide wait inside one launch
-would depend on which programs the hardware schedules first.
+coalesced 8-byte words at the link's rate, and the decode then reads HBM and cache. Why halves in
+launches and not per-record landed flags in one launch: the decode of a record needs all of it
+landed, and a wait inside one launch would depend on which programs the hardware schedules first;
+the copy programs of launch (2) wait on nothing.
 
 Tags (nexttoken's prefetch, ``tags=(tag list, done, ticket)``): as the raw fill, the last program of
-the decode launch to finish writes each filled slot's tag into ``done`` (an acq_rel ticket), so a
+the last decode launch to finish writes each filled slot's tag into ``done`` (an acq_rel ticket), so a
 commit that finds its tag knows the slot's rows, weights and scales, have landed.
 
 Staging: a buffer of ``list_rows`` records (the longest list the cache hands a fill) per CUDA
@@ -64,14 +69,25 @@ DECODE_PROGRAMS_PER_BLOCK = 8
 
 
 @triton.jit
-def _copy_records_kernel(data_ptr, record_ptr, inst_ptr, count_ptr, stage_ptr, stage_words,
-                         NP: tl.constexpr, BLOCK: tl.constexpr, MV: tl.constexpr):
-    """Row ``j`` of the staging (int64 words) = host row ``inst[j]``'s record, ``j < count``; this
-    program's stripe: ``BLOCK`` words every ``NP * BLOCK``."""
-    pid = tl.program_id(0)
-    m = tl.load(count_ptr)
-    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
-        if j < m:
+def _half_range(m, HALF: tl.constexpr):
+    """The listed rows ``[lo, hi)`` of ``HALF``: 0 all ``m``, 1 the first ``ceil(m / 2)``, 2 the rest."""
+    split = (m + 1) // 2
+    lo = m * 0
+    hi = m
+    if HALF == 1:
+        hi = split
+    if HALF == 2:
+        lo = split
+    return lo, hi
+
+
+@triton.jit
+def _copy_stripes(data_ptr, record_ptr, inst_ptr, lo, hi, stage_ptr, stage_words, pid,
+                  NP: tl.constexpr, BLOCK: tl.constexpr, MV: tl.constexpr):
+    """Row ``j`` of the staging (int64 words) = host row ``inst[j]``'s record, ``lo <= j < hi``;
+    program ``pid``'s stripe: ``BLOCK`` words every ``NP * BLOCK``."""
+    for j in range(0, MV):  # a constant bound (j in [lo, hi) inside): the same loop in Triton's interpreter
+        if (j >= lo) & (j < hi):
             inst = tl.load(inst_ptr + j).to(tl.int64)
             first = tl.load(record_ptr + inst * 2)
             words = tl.load(record_ptr + inst * 2 + 1)
@@ -81,6 +97,14 @@ def _copy_records_kernel(data_ptr, record_ptr, inst_ptr, count_ptr, stage_ptr, s
                 offs = start + pid * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _copy_records_kernel(data_ptr, record_ptr, inst_ptr, count_ptr, stage_ptr, stage_words,
+                         NP: tl.constexpr, BLOCK: tl.constexpr, MV: tl.constexpr, HALF: tl.constexpr):
+    """The records of the listed rows of ``HALF`` (:func:`_half_range`) into their staging rows."""
+    lo, hi = _half_range(tl.load(count_ptr), HALF)
+    _copy_stripes(data_ptr, record_ptr, inst_ptr, lo, hi, stage_ptr, stage_words, tl.program_id(0), NP, BLOCK, MV)
 
 
 @triton.jit
@@ -124,11 +148,11 @@ def _copy_stored(src, dst, numel, b, chunk, RAW_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, stage_el,
+def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, lo, hi, rows, stage_u8, stage_i16, stage_i32, stage_el,
                  stage_bytes, dst_ptr, numel, num_lanes, depth, blocks, chunk, pid,
                  KIND: tl.constexpr, NP: tl.constexpr, LANES: tl.constexpr, RAW_BLOCK: tl.constexpr,
                  MAX_BITS: tl.constexpr):
-    """Part ``p`` of the staged records ``j < m`` into rows ``slots[j]`` of ``dst_ptr`` (elements of
+    """Part ``p`` of the staged records ``lo <= j < hi`` into rows ``slots[j]`` of ``dst_ptr`` (elements of
     the part's width, ``numel`` a row). Work item ``w = j * blocks + b`` (``b < blocks``) is program
     ``w % NP``'s, so every (record, block) of the filled rows runs at once where ``NP`` covers them:
     coded, lanes ``[b * LANES, (b + 1) * LANES)`` decoded (a lane's symbols are a chain of dependent
@@ -137,7 +161,7 @@ def _decode_part(p, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8,
     for w0 in range(0, rows * blocks, NP):
         w = w0 + pid
         j = w // blocks
-        if j < m:
+        if (j >= lo) & (j < hi):
             b = w % blocks
             inst = tl.load(inst_ptr + j).to(tl.int64)
             slot = tl.load(slots_ptr + j).to(tl.int64)
@@ -165,26 +189,36 @@ def _decode_records_kernel(part_ptr, inst_ptr, slots_ptr, count_ptr, rows, stage
                            stage_bytes, num_parts, tags_ptr, done_ptr, ticket_ptr,
                            d0, e0, n0, l0, k0, b0, c0, d1, e1, n1, l1, k1, b1, c1,
                            d2, e2, n2, l2, k2, b2, c2, d3, e3, n3, l3, k3, b3, c3,
+                           data_ptr, record_ptr, stage_i64, stage_words,
                            K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
                            NP: tl.constexpr, LANES: tl.constexpr, RAW_BLOCK: tl.constexpr, MAX_BITS: tl.constexpr,
-                           MV: tl.constexpr, TAGS: tl.constexpr):
-    """Program ``(i, p)``: its stripe of part ``p`` of every staged record (:func:`_decode_part`;
-    per part: destination, staging view, elements, lanes, depth, work items, raw chunk, kind);
-    with ``TAGS`` the last program to finish writes ``done[slots[j]] = tags[j]``, ``j < m``."""
-    pid = tl.program_id(0)
+                           MV: tl.constexpr, TAGS: tl.constexpr, HALF: tl.constexpr, COPY_NP: tl.constexpr,
+                           COPY_BLOCK: tl.constexpr):
+    """Program ``(i, p)``, ``i >= COPY_NP``: its stripe of part ``p`` of the staged records of ``HALF``
+    (:func:`_half_range`, :func:`_decode_part`; per part: destination, staging view, elements, lanes,
+    depth, work items, raw chunk, kind). Programs ``i < COPY_NP`` of ``p == 0`` copy the second half's
+    records into the staging meanwhile (``HALF`` 1 with ``COPY_NP > 0``: the copy beside the decode).
+    With ``TAGS`` the last program to finish writes ``done[slots[j]] = tags[j]``, ``j < m``."""
+    pid = tl.program_id(0) - COPY_NP
     p = tl.program_id(1)
     m = tl.load(count_ptr)
-    if p == 0:
-        _decode_part(0, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e0,
+    lo, hi = _half_range(m, HALF)
+    if pid < 0:  # a copy program (first, so the hardware starts them first; they wait on nothing)
+        if p == 0:
+            split, end = _half_range(m, 2)
+            _copy_stripes(data_ptr, record_ptr, inst_ptr, split, end, stage_i64, stage_words, pid + COPY_NP,
+                          COPY_NP, COPY_BLOCK, MV)
+    elif p == 0:
+        _decode_part(0, num_parts, part_ptr, inst_ptr, slots_ptr, lo, hi, rows, stage_u8, stage_i16, stage_i32, e0,
                      stage_bytes, d0, n0, l0, k0, b0, c0, pid, K0, NP, LANES, RAW_BLOCK, MAX_BITS)
     elif p == 1:
-        _decode_part(1, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e1,
+        _decode_part(1, num_parts, part_ptr, inst_ptr, slots_ptr, lo, hi, rows, stage_u8, stage_i16, stage_i32, e1,
                      stage_bytes, d1, n1, l1, k1, b1, c1, pid, K1, NP, LANES, RAW_BLOCK, MAX_BITS)
     elif p == 2:
-        _decode_part(2, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e2,
+        _decode_part(2, num_parts, part_ptr, inst_ptr, slots_ptr, lo, hi, rows, stage_u8, stage_i16, stage_i32, e2,
                      stage_bytes, d2, n2, l2, k2, b2, c2, pid, K2, NP, LANES, RAW_BLOCK, MAX_BITS)
     else:
-        _decode_part(3, num_parts, part_ptr, inst_ptr, slots_ptr, m, rows, stage_u8, stage_i16, stage_i32, e3,
+        _decode_part(3, num_parts, part_ptr, inst_ptr, slots_ptr, lo, hi, rows, stage_u8, stage_i16, stage_i32, e3,
                      stage_bytes, d3, n3, l3, k3, b3, c3, pid, K3, NP, LANES, RAW_BLOCK, MAX_BITS)
     if TAGS:
         # as the raw fill: the last program to finish writes each slot's tag, once every row landed
@@ -259,8 +293,9 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
     scaled, scales) and ``j < count`` (a device scalar, at most ``slots.numel()``): bitwise
     :func:`coldset.kernels.triton_slots.fill` from the raw host tier (module doc). ``staging``: uint8
     ``[>= slots.numel(), >= max record bytes]`` on the slots' device. ``blocks``: the raw fill's
-    blocks per weight; the copy runs ``2 * blocks`` programs, the decode
-    ``DECODE_PROGRAMS_PER_BLOCK * blocks`` per part.
+    blocks per weight; a copy runs ``2 * blocks`` programs, a decode
+    ``DECODE_PROGRAMS_PER_BLOCK * blocks`` per part; three launches, the second half's copy beside
+    the first half's decode (module doc).
     ``tags``: ``(tag list, done, ticket)`` as the raw fill's."""
     tier.check_fills(pools)
     device = pools.w13_hot.device
@@ -276,27 +311,35 @@ def fill_listed(tier: CompressedHostTier, pools, slots: torch.Tensor, instances:
     if tier.record_table.device != device:
         raise CompressedTierError(f"fill_listed: the tier's descriptor tables are on {tier.record_table.device}, the "
                                   f"slots on {device}")
-    copy_records(tier, instances, count, staging, rows, blocks)
-    decode_records(tier, pools, slots, instances, count, staging, blocks, tags)
+    # the first half's records, then their decode beside the second half's copy, then its decode
+    copy_records(tier, instances, count, staging, rows, blocks, half=1)
+    decode_records(tier, pools, slots, instances, count, staging, blocks, half=1, copy_second_half=True)
+    decode_records(tier, pools, slots, instances, count, staging, blocks, tags, half=2)
 
 
 def copy_records(tier: CompressedHostTier, instances: torch.Tensor, count: torch.Tensor, staging: torch.Tensor,
-                 rows: int, blocks: int = 128) -> None:
-    """:func:`fill_listed`'s first launch: staging row ``j`` = host row ``instances[j]``'s record,
-    ``j < count`` (at most ``rows``), read over the link (arguments checked by :func:`fill_listed`)."""
+                 rows: int, blocks: int = 128, half: int = 0) -> None:
+    """Staging row ``j`` = host row ``instances[j]``'s record, read over the link, for the listed rows
+    ``j < count`` (at most ``rows``) of ``half`` (0 all, 1 the first ``ceil(count / 2)``, 2 the
+    rest; arguments checked by :func:`fill_listed`)."""
     _copy_records_kernel[(2 * int(blocks),)](
         tier.data.view(torch.int64), tier.record_table, instances, count.reshape(1), staging.view(torch.int64),
-        staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=max(2, _next_pow2(rows)), num_warps=4)
+        staging.shape[1] // 8, NP=2 * int(blocks), BLOCK=COPY_BLOCK, MV=max(2, _next_pow2(rows)), HALF=half,
+        num_warps=4)
 
 
 def decode_records(tier: CompressedHostTier, pools, slots: torch.Tensor, instances: torch.Tensor,
-                   count: torch.Tensor, staging: torch.Tensor, blocks: int = 128, tags: tuple | None = None) -> None:
-    """:func:`fill_listed`'s second launch: the records staged by :func:`copy_records` decoded into
-    rows ``slots[j]``, ``j < count``, reading HBM only (its time alone is the decoder's rate)."""
+                   count: torch.Tensor, staging: torch.Tensor, blocks: int = 128, tags: tuple | None = None,
+                   half: int = 0, copy_second_half: bool = False) -> None:
+    """The records staged by :func:`copy_records` decoded into rows ``slots[j]`` for the listed rows
+    of ``half`` (as :func:`copy_records`'), reading HBM only (its time alone is the decoder's rate);
+    ``copy_second_half``: the launch also runs the second half's record copy, in programs of its own
+    placed first in the grid (they wait on nothing), beside this decode."""
     rows = slots.numel()
     mv = max(2, _next_pow2(rows))
     count = count.reshape(1)
     programs = DECODE_PROGRAMS_PER_BLOCK * int(blocks)
+    copy_np = 2 * int(blocks) if copy_second_half else 0
     per_part, kinds = part_launch_args(tier, pools, programs)
     views = {torch.uint8: staging, torch.int16: staging.view(torch.int16), torch.int32: staging.view(torch.int32)}
     flat: list = []
@@ -308,8 +351,9 @@ def decode_records(tier: CompressedHostTier, pools, slots: torch.Tensor, instanc
             flat += [staging, staging, 0, 0, 0, 0, 0]
     kinds += [KIND_UNCODED] * (MAX_PARTS - len(kinds))
     tag_list, done, ticket = tags if tags is not None else (count, count, count)
-    _decode_records_kernel[(programs, len(per_part))](
+    _decode_records_kernel[(copy_np + programs, len(per_part))](
         tier.part_table, instances, slots, count, rows, staging, views[torch.int16], views[torch.int32],
-        staging.shape[1], len(per_part), tag_list, done, ticket, *flat, K0=kinds[0], K1=kinds[1], K2=kinds[2],
+        staging.shape[1], len(per_part), tag_list, done, ticket, *flat, tier.data.view(torch.int64),
+        tier.record_table, staging.view(torch.int64), staging.shape[1] // 8, K0=kinds[0], K1=kinds[1], K2=kinds[2],
         K3=kinds[3], NP=programs, LANES=LANES, RAW_BLOCK=RAW_BLOCK, MAX_BITS=MAX_CODE_BITS, MV=mv,
-        TAGS=tags is not None, num_warps=4)
+        TAGS=tags is not None, HALF=half, COPY_NP=copy_np, COPY_BLOCK=COPY_BLOCK, num_warps=4)
