@@ -77,7 +77,8 @@ for mod in (triton_mxfp4, triton_moe):  # pdl 2: the grid-dependency instruction
 # 1 with half_buf; 32-row tiles; pdl 2. Then the GEMV path (block_m <= 8): one and two pairs a block,
 # both groupings, k steps past H and I (128 > 64, 64 > 96 - 64), partial column blocks; the dot
 # path unpacking 32-bit words (w8a16 2), whose outputs must be the value-by-value path's bits; the
-# fp16 dots a scale group a step (w8a16 3), both groupings
+# fp16 dots, one per scale group (w8a16 3), one and several groups a k step (k steps past H and I),
+# both groupings
 CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (64, 96, 5, KernelConfig(16, 64, 64, 64, 64, 4, 2, 32)),
          (96, 64, 7, KernelConfig(16, 32, 64, 64, 32, 4, 2, 1, tile_order=1, half_buf=1)),
@@ -86,8 +87,8 @@ CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (96, 64, 7, KernelConfig(2, 16, 64, 64, 32, 4, 2, 1, w8a16=2)),
          (96, 96, 5, KernelConfig(16, 64, 64, 32, 64, 4, 2, 32, w8a16=2)),
          (64, 96, 9, KernelConfig(32, 32, 64, 64, 32, 4, 2, 1, tile_order=1, w8a16=2)),
-         (96, 64, 3, KernelConfig(16, 32, 32, 64, 32, 4, 2, 32, w8a16=3)),
-         (64, 96, 7, KernelConfig(32, 16, 32, 32, 32, 4, 3, 1, w8a16=3))]
+         (96, 64, 3, KernelConfig(16, 32, 32, 64, 64, 4, 2, 32, w8a16=3)),
+         (64, 96, 7, KernelConfig(32, 16, 128, 32, 32, 4, 3, 1, w8a16=3))]
 for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
     act = (SILU, swiglu_clamped(limit=1.5))[i % 2]
     q = make_mxfp4(2, 8, hidden, inter, seed=tokens)
@@ -136,7 +137,7 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
                  (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
                  (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
-                 (dict(w8a16=3), "block_k1 = block_k2 = 32")]:
+                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:

@@ -16,8 +16,8 @@ quantized, every sum is float32. Two paths, the config's choice:
   widened, times 2^14, times the scale). Both give every weight a scale byte of 2..254 gives as
   bf16 exactly (:func:`coldset.core.mxfp4.dequantize`'s values), so the same output bits: a speed
   choice, as the FP8 kernel's ``w8a16`` 2.
-- ``w8a16`` 3 (``block_k`` 32): fp16 dots, one scale group a step (:func:`_f16_rows`): the words'
-  fp16 lanes ``e2m1 * 2^-14`` go to the dot as they are; each token row (or intermediate row) is
+- ``w8a16`` 3: fp16 dots, one per scale group (:func:`_f16_rows`, ``block_k / 32`` of them a k
+  step): the words' fp16 lanes ``e2m1 * 2^-14`` go to the dot as they are; each token row (or intermediate row) is
   scaled by a power of two into fp16's range first (:func:`_pow2_factors`: exact for every value
   down to 2^-28 of the row's largest), each group's sum times its scale, the powers of two undone
   at the end. Other float32 sums, and scale bytes below 40 (weights below 2^-87) lose bits to
@@ -266,7 +266,7 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     if F16:
         acc_g, acc_u = _f16_rows(x_ptr + tok[:, None] * stride_xt, valid, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, n_ok, H,
-                                 BM, BN, EVEN_N, NS, True)
+                                 BM, BN, BK, EVEN_K, EVEN_N, NS, True)
     else:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -366,25 +366,31 @@ def _f16_step(acc, a16, packed, sc, BN: tl.constexpr):
 
 @triton.jit
 def _f16_rows(a_row, valid, w1_ptrs, s1_ptrs, w2_ptrs, s2_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr, TWO: tl.constexpr):
-    """fp32 ``[BM, BN]`` products of the bf16 rows ``a_row`` points at (``[BM, 1]``, rows of K) with the weight
-    rows ``w1_ptrs`` / ``s1_ptrs`` (and ``w2_ptrs`` / ``s2_ptrs`` with ``TWO``: the same rows' loads of a
-    step together) by fp16 dots: the rows scaled by a power of two each into fp16's range
-    (:func:`_pow2_factors`), the weights ``e2m1 * 2^-14`` exactly in fp16, one scale group a step
-    (:func:`_f16_step`), the powers of two undone at the end."""
+              BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr,
+              TWO: tl.constexpr):
+    """fp32 ``[BM, BN]`` products of the bf16 rows ``a_row`` points at (``[BM, 1]``, rows of K) with the
+    weight rows ``w1_ptrs`` / ``s1_ptrs`` (and ``w2_ptrs`` / ``s2_ptrs`` with ``TWO``: the same rows'
+    loads of a step together) by fp16 dots: the rows scaled by a power of two each into fp16's range
+    (:func:`_pow2_factors`), the weights ``e2m1 * 2^-14`` exactly in fp16, one dot per scale group,
+    ``BK // 32`` groups a step (:func:`_f16_step`), the powers of two undone at the end."""
     f, back = _pow2_factors(a_row, valid, K, BM)
-    a_ptrs = a_row + tl.arange(0, 32)[None, :]
+    offs = tl.arange(0, 32)
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, 32, num_stages=NS):
-        p1, c1 = _load_rows(w1_ptrs, s1_ptrs, k0, n_ok, K, 32, True, EVEN_N, True)
-        if TWO:
-            p2, c2 = _load_rows(w2_ptrs, s2_ptrs, k0, n_ok, K, 32, True, EVEN_N, True)
-        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0).to(tl.float32)
-        a16 = (a * f[:, None]).to(tl.float16)
-        acc1 = _f16_step(acc1, a16, p1, c1, BN)
-        if TWO:
-            acc2 = _f16_step(acc2, a16, p2, c2, BN)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        for gi in tl.static_range(BK // 32):
+            kg = k0 + gi * 32
+            p1, c1 = _load_rows(w1_ptrs, s1_ptrs, kg, n_ok, K, 32, EVEN_K, EVEN_N, True)
+            if TWO:
+                p2, c2 = _load_rows(w2_ptrs, s2_ptrs, kg, n_ok, K, 32, EVEN_K, EVEN_N, True)
+            if EVEN_K:
+                a = tl.load(a_row + kg + offs[None, :], mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_row + kg + offs[None, :], mask=valid[:, None] & ((kg + offs) < K)[None, :], other=0.0)
+            a16 = (a.to(tl.float32) * f[:, None]).to(tl.float16)
+            acc1 = _f16_step(acc1, a16, p1, c1, BN)
+            if TWO:
+                acc2 = _f16_step(acc2, a16, p2, c2, BN)
     return acc1 * back[:, None], acc2 * back[:, None]
 
 
@@ -407,8 +413,8 @@ def _w13_mx_kernel(
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * I * (H // 32), E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
-    wg_ptrs, sg_ptrs = _row_ptrs(w_base, s_base, offs_n, H, BK, WORDS)  # gate rows n
-    wu_ptrs, su_ptrs = _row_ptrs(w_base, s_base, I + offs_n, H, BK, WORDS)  # up rows I + n
+    wg_ptrs, sg_ptrs = _row_ptrs(w_base, s_base, offs_n, H, 32 if F16 else BK, WORDS)  # gate rows n
+    wu_ptrs, su_ptrs = _row_ptrs(w_base, s_base, I + offs_n, H, 32 if F16 else BK, WORDS)  # up rows I + n
     bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)
     bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)
     c = c_begin
@@ -440,8 +446,8 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
     if GEMV:
         acc = _gemv_rows(act_ptr, I, pair, valid, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K, EVEN_N, NS)
     elif F16:
-        acc, _ = _f16_rows(act_ptr + pair64[:, None] * I, valid, w_ptrs, s_ptrs, w_ptrs, s_ptrs, n_ok, I, BM, BN,
-                           EVEN_N, NS, False)
+        acc, _ = _f16_rows(act_ptr + pair64[:, None] * I, valid, w_ptrs, s_ptrs, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK,
+                           EVEN_K, EVEN_N, NS, False)
     else:
         offs_k = tl.arange(0, BK)
         a_ptrs = act_ptr + pair64[:, None] * I + offs_k[None, :]
@@ -477,7 +483,7 @@ def _w2_mx_kernel(
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, H * (I // 32), E, USE_ROW_MAP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < H
-    w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, offs_n, I, BK, WORDS)  # w2 rows n (of H)
+    w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, offs_n, I, 32 if F16 else BK, WORDS)  # w2 rows n (of H)
     b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
     if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 launch
         gdc_launch_dependents()
@@ -502,10 +508,10 @@ def _check_config(c: KernelConfig) -> None:
                          f"dot's rows), got {c.block_m}")
     if c.w8a16 not in (0, 2, 3):
         raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
-                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots a scale group a step)")
-    if c.w8a16 == 3 and (c.block_m < 16 or c.block_k1 != GROUP or c.block_k2 != GROUP):
-        raise ValueError(f"triton_mxfp4_experts: w8a16=3 (fp16 dots, one scale group a step) needs block_m >= 16 "
-                         f"and block_k1 = block_k2 = {GROUP}, got {c.block_m}, {c.block_k1}, {c.block_k2}")
+                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group)")
+    if c.w8a16 == 3 and c.block_m < 16:
+        raise ValueError(f"triton_mxfp4_experts: w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16 (a "
+                         f"dot's rows), got {c.block_m}")
     if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
         raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
                          f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
