@@ -255,11 +255,18 @@ def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], d
         if i in skipped:
             per_config.append({**entry, "us": None, "why": skipped[i]})
             continue
-        us = graph_time_us(lambda cfg=cfg: [triton_mxfp4_experts(s.mx, l, xs[l], *rs[l], cfg) for l in range(s.layers)],
-                           s.args.reps) / s.layers
+        try:
+            us = graph_time_us(lambda cfg=cfg: [triton_mxfp4_experts(s.mx, l, xs[l], *rs[l], cfg)
+                                                for l in range(s.layers)], s.args.reps) / s.layers
+        except Exception as exc:  # e.g. a capture this config's launches do not survive: listed, the rest still run
+            skipped[i] = f"raised while timed: {type(exc).__name__}: {str(exc)[:300]}"
+            log(f"{num_tokens} tokens, config {i} ({entry['variant']}) {skipped[i]}")
+            per_config.append({**entry, "us": None, "why": skipped[i]})
+            continue
         per_config.append({**entry, "us": us, "pct_of_read": 100 * mx_read / us})
     timed = [c for c in per_config if c["us"] is not None]
-    row = {"mxfp4_bytes": mx_bytes, "mxfp4_read_us": mx_read, "configs": per_config, "variants": {}}
+    row = {"mxfp4_bytes": mx_bytes, "mxfp4_read_us": mx_read, "configs": per_config, "variants": {},
+           "failed": {str(i): why for i, why in skipped.items()}}
     for c in timed:
         best = row["variants"].get(c["variant"])
         if best is None or c["us"] < best["us"]:
