@@ -168,11 +168,11 @@ def _run_interpreted(script: str) -> str:
 
 def test_triton_mxfp4_kernel_under_the_interpreter():
     """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its four paths (bf16 dots
-    on tiles unpacked value by value or by 32-bit words, fp16 dots a scale group a step, the GEMV path): against the float64 oracle
-    (SiLU and the clamped SwiGLU, with and without biases, both groupings, masked k steps and column
-    blocks, tile orders, half_buf, pdl 2 with the grid-dependency instructions stubbed out), every
-    placement bitwise the all-hot path, the two dot unpackings bitwise equal, the word unpack of
-    every code in every nibble; refusals by field."""
+    on tiles unpacked value by value or by 32-bit words, fp16 dots one per scale group, the GEMV
+    path): against the float64 oracle (SiLU and the clamped SwiGLU, with and without biases, both
+    groupings, masked k steps and column blocks, tile orders, half_buf, pdl 2 with the
+    grid-dependency instructions stubbed out), every placement bitwise the all-hot path, the two
+    bf16 unpackings bitwise equal, the word unpack of every code in every nibble; refusals by field."""
     _run_interpreted(_INTERPRETED)
 
 

@@ -13,7 +13,8 @@ The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp
 decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only), each config one
 of four paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
 ``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
-scale group a step) and ``gemv`` (no dot: one or two pairs a block, products summed in registers). Per batch, first the correctness of every config, on
+per scale group) and ``gemv`` (no dot: one or two pairs a block, products summed in registers).
+Per batch, first the correctness of every config, on
 fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
 the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
 float32 GEMMs), each output within 2^-7 of |ref| + RMS(ref) (the bf16 outputs' rounding plus a
@@ -158,7 +159,7 @@ def _poison(s: Setup, nbytes: int) -> None:
 def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
     sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
-    2), ``dot-f16`` (fp16 dots a scale group a step, w8a16 3) or ``dot-values`` (bf16 dots on tiles
+    2), ``dot-f16`` (fp16 dots, one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles
     unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
