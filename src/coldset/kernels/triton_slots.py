@@ -45,11 +45,14 @@ prefetch, nexttoken's tagged prefetch, whose tag is written only once every bloc
 moves an expert's weights and scales together or not at all.
 
 lookahead: :func:`decide_ahead` (one program) is its group: the same demand decisions with the
-in-flight rule (slots prefetched this step are no victim; misses beyond the free slots are read in
-place), then the forecast list (each token's top ``k`` of the target layer's float32 router logits,
-ties by expert id, first occurrence kept: one partial bitonic sort, ``tl.topk``, of (logit, id) keys
-per token) and the prefetch decisions (victims in layers ``<= l`` not used by the group and not in
-flight), written per target layer for a fill on the side stream. The forecast is one launch of its
+in-flight rule and ``lru_guard``'s bar (slots prefetched this step, or whose instance the last ``L``
+groups used or prefetched, are no victim; misses beyond the free slots are read in place), the gate's
+judgement of the list that forecast this layer (:func:`_gate_judge`), then the forecast list (each
+token's top ``k`` of the target layer's float32 router logits, ties by expert id, first occurrence
+kept: one partial bitonic sort, ``tl.topk``, of (logit, id) keys per token), kept for the gate
+(:func:`_gate_keep`), and while it is open the prefetch decisions (victims in layers ``<= l`` not
+used by the group, not in flight, not guarded), written per target layer for a fill on the side
+stream. The forecast is one launch of its
 own, :func:`forecast_logits` (a program per two experts reading the router in the model's dtype,
 float32 sums), whose programmatic dependent :func:`decide_ahead` is on sm90+. In the fused decode
 step neither launch runs: :func:`coldset.kernels.triton_decode.route` with :func:`route_ahead_args`
@@ -66,7 +69,9 @@ nexttoken (:func:`decide_next`, :func:`commit_prefetches`): the fill's blocks ch
 victims by (predicted, recency) past the in-flight slots (:func:`_choose_next_victims`); one program
 on the decisions stream then makes the forecast (integer tables, the lanes' history) and the prefetch
 decisions, and the fill copies the prefetched rows with tags (its last block writes each slot's tag
-once every row landed); at the step's end one launch commits the rows whose tag landed. The fill
+once every row landed); at the step's end one launch commits the rows whose tag landed and leaves
+the others' slots empty (owner -1: first victims, read by no kernel). The gate is the same pair of
+helpers as lookahead's (:func:`_gate_judge`, :func:`_gate_keep`). The fill
 (:func:`fill`, :func:`choose_and_fill`) is one kernel behind one launcher (:func:`_launch_fill`),
 whatever it chooses; lookahead's and nexttoken's lists, victims and commits share
 :func:`_record_list` and :func:`_issue_prefetches`, and lookahead's group record is
@@ -213,6 +218,9 @@ _SLOT_SCALE = tl.constexpr(2**14)  # slots < KERNEL_MAX_SLOTS = 2**14: the key's
 _SLOT_MASK = tl.constexpr(2**14 - 1)
 _TICK_LIMIT = tl.constexpr(2**49)  # |last use| below it: last use * 2**14 + slot fits an int64 exactly
 _BAR_NONE, _BAR_LAYER, _BAR_FLAG = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# An empty slot's (owner -1: nexttoken's prefetch that never landed) last use: older than any resident's, so the
+# first victim (coldset.engine.cache.policy.EMPTY_TICK, the torch decisions' number).
+_EMPTY_TICK = tl.constexpr(-(2**48))
 
 
 @triton.jit
@@ -244,12 +252,13 @@ def _least_recent(t0, owner_ptr, last_use_ptr, inflight_ptr, extra_ptr, bound, C
         slot = s0 + offs
         ok = slot < C
         own = tl.load(owner_ptr + slot, mask=ok, other=0)
-        lu = tl.load(last_use_ptr + own, mask=ok, other=0)
-        barred = (lu >= t0) | (tl.load(inflight_ptr + own, mask=ok, other=1) != 0) | (~ok)
+        held = ok & (own >= 0)  # (an empty slot: no instance's state to read)
+        lu = tl.where(held, tl.load(last_use_ptr + own, mask=held, other=0), _EMPTY_TICK)
+        barred = (lu >= t0) | (tl.load(inflight_ptr + own, mask=held, other=0) != 0) | (~ok)
         if BAR == _BAR_LAYER:
             barred = barred | (own // E > bound)
         if BAR == _BAR_FLAG:
-            barred = barred | (tl.load(extra_ptr + own, mask=ok, other=1) != 0)
+            barred = barred | (tl.load(extra_ptr + own, mask=held, other=0) != 0)
         tl.device_assert(barred | ((lu < _TICK_LIMIT) & (lu > -_TICK_LIMIT)), "last use out of the key's range")
         nfree += tl.sum((~barred).to(tl.int32), axis=0)
         neg = tl.where(barred, -_INT64_MAX, -(lu * _SLOT_SCALE + slot))
@@ -298,7 +307,7 @@ def _commit_victims(m, slots, olds, new_ptr, row_map_ptr, owner_ptr, victims_ptr
     jv = tl.arange(0, MV)
     ok = jv < m
     new = tl.load(new_ptr + jv, mask=ok, other=0)
-    tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok)  # olds are resident, news not: disjoint
+    tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok & (olds >= 0))  # resident (or an empty slot's -1)
     tl.store(row_map_ptr + new, slots.to(tl.int32), mask=ok)
     tl.store(owner_ptr + slots, new, mask=ok)
     tl.store(victims_ptr + jv, slots, mask=ok)
@@ -380,9 +389,10 @@ def _choose_next_victims(m, t0, guard, layer, owner_ptr, last_use_ptr, inflight_
     offs_c = tl.arange(0, CP)
     okc = offs_c < C
     own = tl.load(owner_ptr + offs_c, mask=okc, other=0)
-    lu = tl.load(last_use_ptr + own, mask=okc, other=_INT64_MAX)
-    fl = (tl.load(inflight_ptr + own, mask=okc, other=1) != 0) & (own // E != layer)
-    pr = tl.load(predicted_ptr + own, mask=okc, other=1).to(tl.float32)
+    held = okc & (own >= 0)  # an empty slot (owner -1): the first victim, neither in flight nor predicted
+    lu = tl.where(held | ~okc, tl.load(last_use_ptr + own, mask=held, other=_INT64_MAX), _EMPTY_TICK)
+    fl = (tl.load(inflight_ptr + own, mask=held, other=0) != 0) & (own // E != layer)
+    pr = tl.load(predicted_ptr + own, mask=held, other=0).to(tl.float32)
     barred = (lu >= tl.maximum(t0 - guard, 0)) | fl | (offs_c >= C)
     lu = tl.where(barred, _INT64_MAX, lu)
     pr = tl.where(barred, float("inf"), pr)
@@ -396,7 +406,8 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
                  owner_ptr, last_use_ptr, key_ptr, flag_ptr, tick_ptr, n, layer, C, guard, ticket_ptr, row_map_ptr,
                  tags_ptr, done_ptr, ssrc13_ptr, sdst13_ptr, srow13, ssrc2_ptr, sdst2_ptr, srow2, srowmax,
                  BLOCK: tl.constexpr, NB: tl.constexpr, USE_GDC: tl.constexpr, CHOOSE: tl.constexpr,
-                 TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, SCALES: tl.constexpr):
+                 TAGS: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, MV: tl.constexpr, SCALES: tl.constexpr,
+                 COPY: tl.constexpr = True):
     if USE_GDC:
         gdc_launch_dependents()  # the experts kernel may launch now (it waits for this grid before its reads)
         gdc_wait()  # launched early: the decisions (victims, admitted, count) are complete after this
@@ -440,30 +451,31 @@ def _fill_kernel(src13_ptr, dst13_ptr, row13, src2_ptr, dst2_ptr, row2, rowmax, 
                 _commit_victims(m, slots, olds, inst_ptr, row_map_ptr, owner_ptr, slots_ptr, MV)
                 tl.store(count_ptr, m.to(tl.int64))  # the admitted (misses past them read in place)
                 tl.store(ticket_ptr, 0)
-    for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
-        if j < m:
-            if CHOOSE != 0:
-                slot = tl.sum(tl.where(jv == j, slots, 0), axis=0)
-            else:
-                slot = tl.load(slots_ptr + j).to(tl.int64)
-            inst = tl.load(inst_ptr + j).to(tl.int64)
-            src = src_base + inst * row
-            dst = dst_base + slot * row
-            # this block's stripe, BLOCK elements every NB * BLOCK (the bound the longer row's, masked)
-            for start in range(0, rowmax, NB * BLOCK):
-                offs = start + part * BLOCK + tl.arange(0, BLOCK)
-                ok = offs < row
-                tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
-            if SCALES:
-                # the same (slot, instance) pair's scale row, striped alike: a slot's weights and
-                # scales are always one expert's, and both have landed when this grid (or, tagged,
-                # its last block's tag) is complete
-                ssrc = ssrc_base + inst * srow
-                sdst = sdst_base + slot * srow
-                for start in range(0, srowmax, NB * BLOCK):
+    if COPY:  # (False: choose and commit only; the rows are copied by the launch after this one)
+        for j in range(0, MV):  # a constant bound (j < m inside): the same loop in Triton's interpreter
+            if j < m:
+                if CHOOSE != 0:
+                    slot = tl.sum(tl.where(jv == j, slots, 0), axis=0)
+                else:
+                    slot = tl.load(slots_ptr + j).to(tl.int64)
+                inst = tl.load(inst_ptr + j).to(tl.int64)
+                src = src_base + inst * row
+                dst = dst_base + slot * row
+                # this block's stripe, BLOCK elements every NB * BLOCK (the bound the longer row's, masked)
+                for start in range(0, rowmax, NB * BLOCK):
                     offs = start + part * BLOCK + tl.arange(0, BLOCK)
-                    ok = offs < srow
-                    tl.store(sdst + offs, tl.load(ssrc + offs, mask=ok), mask=ok)
+                    ok = offs < row
+                    tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+                if SCALES:
+                    # the same (slot, instance) pair's scale row, striped alike: a slot's weights and
+                    # scales are always one expert's, and both have landed when this grid (or, tagged,
+                    # its last block's tag) is complete
+                    ssrc = ssrc_base + inst * srow
+                    sdst = sdst_base + slot * srow
+                    for start in range(0, srowmax, NB * BLOCK):
+                        offs = start + part * BLOCK + tl.arange(0, BLOCK)
+                        ok = offs < srow
+                        tl.store(sdst + offs, tl.load(ssrc + offs, mask=ok), mask=ok)
     if TAGS:
         # A tagged copy (nexttoken's prefetch): the last block to finish copying writes each slot's
         # tag, so a commit that finds the tag it assigned knows the whole row has landed.
@@ -495,13 +507,14 @@ def _check_fill_pools(pools) -> None:
 
 def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, *, blocks: int,
                  pdl: bool, cache=None, choose: int = CHOOSE_NONE, n: int = 0, layer: int = 0,
-                 tags: tuple | None = None) -> None:
+                 tags: tuple | None = None, copy: bool = True) -> None:
     """The one launcher of :func:`_fill_kernel`: ``slot[slots[j]] = host[instances[j]]`` for both
     weights (block-FP8 pools: and both scale pools, in the same iteration of the same block, so a
     slot never holds one expert's weights with another's scales) and ``j < count``. ``choose``
     (with ``cache``): the victims of the group the router recorded (``n`` selections, MoE layer
     ``layer``) are chosen and committed first. ``tags``:
-    ``(tag list, done, ticket)``, the copy's last block writes ``done[slots[j]] = tag[j]``."""
+    ``(tag list, done, ticket)``, the copy's last block writes ``done[slots[j]] = tag[j]``. ``copy``
+    False (with ``choose``): choose and commit only, the rows copied by a launch after it."""
     _check_fill_pools(pools)
     mv = max(2, _next_pow2(slots.numel()))
     if choose != CHOOSE_NONE:
@@ -527,7 +540,7 @@ def _launch_fill(pools, slots: torch.Tensor, instances: torch.Tensor, count: tor
         pools.w2_hot[0].numel(), max(pools.w13_hot[0].numel(), pools.w2_hot[0].numel()), slots, instances,
         count.reshape(1), *state, tag_list, done, *scales,
         BLOCK=BLOCK, NB=int(blocks), USE_GDC=pdl, CHOOSE=int(choose), TAGS=tags is not None,
-        E=pools.num_experts, CP=cp, MV=mv, SCALES=fp8, num_warps=4, launch_pdl=pdl)
+        E=pools.num_experts, CP=cp, MV=mv, SCALES=fp8, COPY=bool(copy), num_warps=4, launch_pdl=pdl)
 
 
 def fill(pools, victims: torch.Tensor, instances: torch.Tensor, count: torch.Tensor, pdl: bool = False,
@@ -549,11 +562,16 @@ def choose_and_fill(cache, n: int, pdl: bool, layer: int = 0) -> None:
     (:func:`coldset.kernels.triton_decode.route` with :func:`route_record_args`): every block
     chooses the victims (lru/lfu: :func:`_choose_victims`; nexttoken: :func:`_choose_next_victims`,
     the same reads), the last one commits them (row map, owners, ``cache.victims``), and every block
-    copies its stripe of each admitted row. A group without a miss costs this launch's blocks one
-    load each. ``n``: the group's selections (its first tick is the tick after it minus ``n``);
-    ``layer``: its MoE layer. ``pdl``: the router's programmatic dependent."""
-    _launch_fill(cache.pools, cache.victims, cache.admitted, cache.num_misses, blocks=FILL_BLOCKS, pdl=pdl,
-                 cache=cache, choose=_CHOOSE[cache.policy], n=n, layer=layer)
+    copies its stripe of each admitted row (pools with a compressed tier's listed fill: one block
+    chooses and commits, and the fill, :func:`fill`, decodes the rows in a launch after it). A group
+    without a miss costs this launch's blocks one load each. ``n``: the group's selections (its
+    first tick is the tick after it minus ``n``); ``layer``: its MoE layer. ``pdl``: the router's
+    programmatic dependent."""
+    listed = getattr(cache.pools, "compressed_fill", None) is not None  # its fills decode: a launch of their own
+    _launch_fill(cache.pools, cache.victims, cache.admitted, cache.num_misses, blocks=1 if listed else FILL_BLOCKS,
+                 pdl=pdl, cache=cache, choose=_CHOOSE[cache.policy], n=n, layer=layer, copy=not listed)
+    if listed:
+        fill(cache.pools, cache.victims, cache.admitted, cache.num_misses)
 
 
 def route_record_args(cache, layer: int) -> tuple:
@@ -669,7 +687,7 @@ def _issue_prefetches(want, wrank, nwant, linst, barred_extra, t0, bar, n, owner
         ok = jv < got
         if NEXT:
             new = tl.load(pf_new_ptr + jv, mask=ok, other=0)
-            tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok)
+            tl.store(row_map_ptr + olds, (-olds - 1).to(tl.int32), mask=ok & (olds >= 0))
             tl.store(owner_ptr + slots, new, mask=ok)
             tl.store(pf_victims_ptr + jv, slots, mask=ok)
             tg = tl.load(tag_ptr + slots, mask=ok, other=0) + 1
@@ -1194,8 +1212,8 @@ def decide_next(cache, layer: int, ids: torch.Tensor, new_step: bool) -> None:
 
 
 @triton.jit
-def _commit_kernel(pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, done_ptr, row_map_ptr, stale_ptr, span, L,
-                   LP: tl.constexpr, SP: tl.constexpr):
+def _commit_kernel(pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, done_ptr, row_map_ptr, owner_ptr, stale_ptr, span,
+                   L, LP: tl.constexpr, SP: tl.constexpr):
     li = tl.arange(0, LP)
     j = tl.arange(0, SP)
     cnt = tl.load(pf_m_ptr + li, mask=li < L, other=0)
@@ -1207,6 +1225,7 @@ def _commit_kernel(pf_victims_ptr, pf_new_ptr, pf_tag_ptr, pf_m_ptr, done_ptr, r
     done = tl.load(done_ptr + slot, mask=ok, other=-1)
     good = ok & (done == tag)
     tl.store(row_map_ptr + new, slot.to(tl.int32), mask=good)
+    tl.store(owner_ptr + slot, tl.full((LP, SP), -1, tl.int64), mask=ok & (done != tag))  # not landed: empty
     bad = tl.sum(tl.sum((ok & (done != tag)).to(tl.int64), axis=1), axis=0)
     tl.store(stale_ptr, tl.load(stale_ptr) + bad)
     tl.store(pf_m_ptr + li, tl.zeros((LP,), dtype=tl.int64), mask=li < L)
@@ -1216,9 +1235,10 @@ def commit_prefetches(cache) -> None:
     """nexttoken's commit after the step's join (one launch): each prefetch of the step whose slot's
     done tag equals the tag it was issued with gets its row map entry (the slot); one whose tag
     differs (its copy did not land, or a later copy superseded it) stays on its host row and is
-    counted in ``cache.rules.stale``. The lists are consumed (counts zeroed)."""
+    counted in ``cache.rules.stale``, and its slot is left empty (owner -1, named by no row-map entry).
+    The lists are consumed (counts zeroed)."""
     rules = cache.rules  # the policy's state
     L, span = rules.pf_victims.shape
     _commit_kernel[(1,)](rules.pf_victims, rules.pf_new, rules.pf_tags, rules.pf_count, rules.done,
-                         cache.pools.row_map, rules.stale, span, L, LP=max(2, _next_pow2(L)),
+                         cache.pools.row_map, cache.owner, rules.stale, span, L, LP=max(2, _next_pow2(L)),
                          SP=max(2, _next_pow2(span)), num_warps=8)

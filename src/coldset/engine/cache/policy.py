@@ -30,6 +30,21 @@ import torch
 from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, guard_groups
 
 
+#: The owner of an empty slot: nexttoken's prefetch whose copy never landed leaves its slot to no
+#: instance (no row-map entry names it) until a later admission takes it.
+EMPTY_SLOT = -1
+#: An empty slot's last use in the victim orders: older than any resident's (warm ticks are ``-C..-1``), so
+#: it is the first victim; within ``+-2**49``, the Triton victim scans' key range
+#: (:data:`coldset.kernels.triton_slots._EMPTY_TICK` is the same number).
+EMPTY_TICK = -(2**48)
+
+
+def slot_values(table: torch.Tensor, owner: torch.Tensor, empty) -> torch.Tensor:
+    """``table[owner]``, per slot, an instance-indexed table read through the slot owners; ``empty``
+    for an empty slot (owner :data:`EMPTY_SLOT`)."""
+    return torch.where(owner >= 0, table[owner.clamp_min(0)], empty)
+
+
 @dataclass(frozen=True)
 class PoolShape:
     """What a policy's state is sized by: the MoE layers ``L``, experts per layer ``E``, the slots
