@@ -27,7 +27,7 @@ from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, guard_groups, recording
 from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
 from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_step, largest_group,
-                                            link_tail)
+                                            link_tail, list_layer)
 
 
 @jit
@@ -40,11 +40,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     the misses past the other slots are read in place, not admitted. ``own_layer``: the lists name
     the group's own layer at the next step, and a prefetch is in flight until that layer's next
     group (else: until the step ends). ``lead_unit`` >= 0: the prefetch gate
-    (:func:`coldset.analysis.policies.base.prefetch_lead_unit`; a list is judged at the next group
-    of the layer it forecasts: the group's own layer at the next step, or with later-layer lists the
-    layer of its first entry, later in the same step); < 0: none. Returns (hit [N], fills [G], prefetches [G], useful prefetches, issued [G, W] (the
-    instances copied after each group, in issue order, -1 padded), wasted prefetches (evicted before
-    any hit))."""
+    (:func:`coldset.analysis.policies.base.prefetch_lead_unit`, a list judged at the next group of
+    the layer it forecasts); < 0: none. Returns (hit [N], fills [G], prefetches [G], useful, issued
+    [G, W] (copied after each group, in order, -1 padded), wasted (evicted before any hit))."""
     n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
@@ -115,16 +113,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
         for i in range(s, e):
             last_group[ids[i]] = g
-        # the prefetch gate: the last list for this layer against this group's selections
-        gate = True
+        gate = True  # the prefetch gate: the last list for this layer against this group's selections
         if lead_unit >= 0:
-            target = layer
-            if not own_layer:  # a lookahead list forecasts one later layer: judged at that layer's group
-                target = -1
-                for q in range(width):
-                    if pred[g, q] >= 0:
-                        target = pred[g, q] // n_exp
-                        break
+            target = layer if own_layer else list_layer(pred, g, n_exp)  # (lookahead: a later layer)
             gate = gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, lead_unit, pred,
                              resident)
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight, not guarded

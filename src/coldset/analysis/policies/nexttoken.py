@@ -31,9 +31,10 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     group's list (up to ``budget`` copies, ``budget < 0``: no cut) into unpredicted, unused, not
     in-flight slots of any layer, in flight until the next group of the same layer; no victim
     (demand or prefetch) among the instances the last ``guard`` groups used or prefetched; the
-    prefetch only while the gate (``lead_unit``, :func:`coldset.analysis.policies.base.prefetch_lead_unit`;
-    < 0: none, always open) is open (and the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N],
-    fills [G], prefetches [G], useful, issued [G, W], wasted)."""
+    prefetch only while the gate (``lead_unit``,
+    :func:`coldset.analysis.policies.base.prefetch_lead_unit`; < 0: none, always open) is open (and
+    the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N], fills [G],
+    prefetches [G], useful, issued [G, W], wasted)."""
     n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]

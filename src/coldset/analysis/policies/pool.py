@@ -137,6 +137,15 @@ def gate_open(acc):
 
 
 @jit
+def list_layer(pred, g, n_exp):
+    """The MoE layer group ``g``'s list ``pred[g]`` forecasts: its first entry's (-1: an empty list)."""
+    for q in range(pred.shape[1]):
+        if pred[g, q] >= 0:
+            return pred[g, q] // n_exp
+    return -1
+
+
+@jit
 def gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, lead_unit, pred, resident):
     """The gate at group ``g`` (layer ``layer``, selections ``s..e-1``): the pending list for
     ``layer`` judged (:func:`gate_evaluate`), then the group's list ``pred[g]``'s wanted instances
