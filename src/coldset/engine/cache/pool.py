@@ -346,12 +346,10 @@ class SlotCache:
         """Whether the fused router launch records this cache's groups of ``num_tokens`` tokens
         (:meth:`route`): the kernel path, a decode group, a policy whose decisions run there
         (every built-in one: ``lru``/``lfu``/``nexttoken`` record the group there, ``lookahead``
-        makes its whole decision there). With a compressed tier only ``lookahead``'s: its fused
-        route fills through :func:`coldset.kernels.triton_slots.fill`, which decodes; the others'
-        fused fill chooses the victims and copies the raw rows in one launch, so their groups are
-        decided off the router (the same decisions, one launch more a layer)."""
-        return (self.use_kernel and self.rules.routes and num_tokens <= self.max_tokens
-                and (self.compressed is None or self.policy == "lookahead"))
+        makes its whole decision there). With a compressed tier the fused launch chooses and commits
+        only, and :func:`coldset.kernels.triton_slots.fill` decodes the admitted rows in the launch
+        after it."""
+        return self.use_kernel and self.rules.routes and num_tokens <= self.max_tokens
 
     def route(self, layer: int, x, norm_weight, eps, gate_weight, top_k, renormalize, counter, pdl: bool):
         """MoE layer ``layer``'s router (:func:`coldset.kernels.triton_decode.route`: the norm, the
@@ -431,9 +429,12 @@ class SlotCache:
         in the row map and the owners, then their rows are filled."""
         pools, rm, owner = self.pools, self.pools.row_map.view(-1), self.owner
         old_inst = owner[victims]
-        # Evictions first (distinct instances), then admissions read back after them (distinct
-        # experts), so a masked-out write can never undo a real one.
-        rm.index_put_((old_inst,), torch.where(valid, -old_inst - 1, rm[old_inst].to(torch.int64)).to(torch.int32))
+        # Evictions first (distinct instances, written as differences: a masked-out lane, or an empty victim,
+        # owner -1, adds 0 wherever it points), then admissions read back after them (distinct experts), so a
+        # masked-out write can never undo a real one.
+        held = old_inst.clamp_min(0)
+        rm.index_put_((held,), torch.where(valid & (old_inst >= 0), -old_inst - 1 - rm[held].to(torch.int64), 0)
+                      .to(torch.int32), accumulate=True)
         rm.index_put_((new_inst,), torch.where(valid, victims, rm[new_inst].to(torch.int64)).to(torch.int32))
         owner.index_put_((victims,), torch.where(valid, new_inst, old_inst))
         # Written by the cache's own decisions, which keep the map a bijection onto C slots and
@@ -468,9 +469,10 @@ class SlotCache:
     # ---------------------------------------------------------------------------- checks
     def check(self, contents: bool = False) -> None:
         """Refuse (naming the first problem) a state in which the row map and the slot owners
-        disagree: every slot's owner maps to that slot, every other instance to its host row; with
-        ``contents``, also every slot's weights must equal its owner's host row. Outside the step
-        (a host sync); tests and the parity stage call it after decoding."""
+        disagree: every slot's owner maps to that slot (an empty slot, owner -1, is named by none),
+        every other instance to its host row; with ``contents``, also every slot's weights must equal
+        its owner's host row. Outside the step (a host sync); tests and the parity stage call it after
+        decoding."""
         self.join()
         pools = self.pools
         pools.validate()
@@ -478,7 +480,8 @@ class SlotCache:
         owner = self.owner.cpu().numpy()
         n = rm.size
         expect = -np.arange(n, dtype=np.int64) - 1
-        expect[owner] = np.arange(self.capacity)
+        held = owner >= 0  # an empty slot (owner -1: a prefetch whose copy never landed) is named by no entry
+        expect[owner[held]] = np.flatnonzero(held)
         bad = np.flatnonzero(rm != expect)
         if bad.size:
             i = int(bad[0])
@@ -488,6 +491,8 @@ class SlotCache:
             dev = pools.w13_hot.device
             for s in range(self.capacity):
                 o = int(owner[s])
+                if o < 0:
+                    continue  # empty: no weights
                 scales_ok = not pools.has_scales or (
                     torch.equal(pools.w13_scale_hot[s], pools.w13_scale_cold[o].to(dev))
                     and torch.equal(pools.w2_scale_hot[s], pools.w2_scale_cold[o].to(dev)))
