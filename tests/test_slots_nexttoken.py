@@ -13,6 +13,7 @@ from coldset.verify import gate
 from coldset.engine.generate import generate
 from coldset.analysis.placement import hot_count_for_residency
 from coldset.engine.cache.pool import SlotCache
+from coldset.engine.cache.policy import EMPTY_SLOT
 from coldset.kernels.tiers import ExpertPools, host_tier
 from test_slots import _graphed_cache, _random_pools, _warm, state
 from test_slots import engine, graphed_model  # noqa: F401 (pytest fixtures)
@@ -197,23 +198,33 @@ def _assert_next_run_is_the_simulators(cache, routing, counts, C, F):
 
 def test_a_prefetch_that_never_lands_is_never_committed(engine):
     """The prefetch copy is sabotaged (nothing copied, no tag written back): the commit finds the
-    slot's tag unwritten and leaves the instance on its host row (counted as stale), so no kernel
-    reads the unfilled slot: the logits stay bitwise the unmodified path's."""
+    slot's tag unwritten, leaves the instance on its host row (counted as stale) and its slot empty
+    (owner -1, named by no row-map entry), so no kernel reads the unfilled slot: the logits stay
+    bitwise the unmodified path's, the row map and the owners agree after every step (the empty
+    slots are the first victims of the next admissions) and every other slot holds its owner."""
     prompts = np.random.default_rng(6).integers(0, engine.config.vocab_size, size=(1, 8)).tolist()
+    empty = []
 
     def sabotage(cache):
-        real = cache.fill
+        real, real_end = cache.fill, cache.end_step
 
         def fill(victims, new_inst, valid, m, tags=None):
             if tags is None:
                 real(victims, new_inst, valid, m)
 
-        cache.fill = fill
+        def end_step():
+            real_end()
+            empty.append(int((cache.owner == EMPTY_SLOT).sum()))
+            cache.check(contents=True)
+
+        cache.fill, cache.end_step = fill, end_step
 
     cache, logits, ref, *_ = _next_engine_run(engine, 1, 0.5, prompts, sabotage=sabotage)
     c = cache.counters()
     assert c["prefetches"] > 0 and c["stale"] == c["prefetches"]
+    assert max(empty) > 0, "no slot was left empty: the test lost its point"
     assert torch.equal(logits, ref)
+    cache.check(contents=True)
 
 
 _STATE = ("owner", "last_use", "count", "tick", "totals", "groups", "inflight", "predicted", "tags", "selections",
@@ -233,7 +244,8 @@ def _same_next_state(a, b, where):
 
 
 @pytest.mark.gpu
-def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("landing", ["landed", "never lands"])
+def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch, landing):
     """nexttoken on CUDA as the fused step runs it (``SlotCache.route``): the router's launch
     records the group, the fill's blocks choose the demand victims by (predicted, recency) past the
     in-flight slots, commit and copy; the forecast and prefetch decisions run on the decisions stream
@@ -242,8 +254,10 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
     flags, tags, ring, per-sequence history, lists and counts), and after each step's commit too;
     the slots hold their owners. The second cache's prefetch victims are scanned in tiles smaller
     than the cache (``SCAN_TILE`` 2: the tile is the prefetch span's power of two, the picks merged
-    across tiles). ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it through Triton's
-    interpreter (by hand)."""
+    across tiles). ``never lands``: every prefetch copy is sabotaged on both paths (nothing copied,
+    no tag written back): the commit kernel leaves each such slot empty (owner -1) and its instance on
+    its host row, as the torch path does, and the row map and the owners agree.
+    ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand)."""
     from coldset.kernels import triton_decode as td
     from coldset.kernels import triton_slots as ts
 
@@ -257,6 +271,9 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
     norm_w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dev, dt)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     issued = 0
+    if landing == "never lands":  # the kernel path's tagged copies skipped (its torch twin's below)
+        monkeypatch.setattr(ts, "fill", lambda *a, tags=None, real=ts.fill, **kw: None if tags is not None else real(
+            *a, **kw))
     for C, budget, tile in ((k * tokens + 2, None, ts.SCAN_TILE), (15, 2, 2)):
         monkeypatch.setattr(ts, "SCAN_TILE", tile)
         counts = rng.integers(0, 9, size=(L, E)).astype(np.float64)
@@ -267,6 +284,8 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
         ref, routed = (SlotCache.build(all_hot, host, row_map, wc, "nexttoken", tokens, k, forecaster=F,
                                        prefetch_budget=budget) for _ in range(2))
         ref.use_kernel = False
+        if landing == "never lands":  # the tagged (prefetch) copies of both paths skipped
+            ref.fill = lambda *a, tags=None, real=ref.fill: None if tags is not None else real(*a)
         if dev == "cpu":  # the interpreter: the kernel path by hand
             routed.use_kernel = True
             routed.fill_ticket = torch.zeros(1, dtype=torch.int32)
@@ -292,7 +311,8 @@ def test_router_recorded_nexttoken_equals_the_torch_path(monkeypatch):
             _same_next_state(ref, routed, (C, step, "commit"))
             assert torch.equal(ref.rules.done, routed.rules.done)
             assert int(routed.fill_ticket) == 0 and int(routed.rules.copy_ticket) == 0
-        assert routed.counters()["stale"] == 0
+        stale = routed.counters()["stale"]
+        assert stale == (routed.counters()["prefetches"] if landing == "never lands" else 0)
         issued += routed.counters()["prefetches"]
         routed.check(contents=True)
         ref.check(contents=True)

@@ -22,8 +22,10 @@ step's last MoE layer's experts (:meth:`NextToken.end_step`, from the experts fu
 :meth:`~coldset.engine.cache.pool.SlotCache.wrap`): the copies run beside the rest of the step. A
 prefetched instance's row map points at its slot only after that join, and only if the slot's done
 tag (written by the copy's last block once every row landed) equals the tag its prefetch was issued
-with (monotonic per slot); otherwise it stays on its host row and counts as ``stale`` (bitwise
-parity holds either way: no kernel reads a slot its row map does not name). Why the join is at the
+with (monotonic per slot); otherwise it stays on its host row, counts as ``stale``, and its slot is
+left empty (owner :data:`coldset.engine.cache.policy.EMPTY_SLOT`, named by no row-map entry, the first
+victim of a later admission): bitwise parity holds either way (no kernel reads a slot its row map
+does not name) and the row map and the owners agree. Why the join is at the
 step's end and not at the next step's layer ``l``: a side branch forked inside a captured step must
 rejoin inside that graph. On the CPU (and off the fused router) the same decisions are torch ops and
 the copies plain copies.
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from coldset.engine.cache.lru import record_and_fill
-from coldset.engine.cache.policy import PoolShape, PrefetchingPolicy
+from coldset.engine.cache.policy import EMPTY_SLOT, EMPTY_TICK, PoolShape, PrefetchingPolicy, slot_values
 
 
 def forecast_arrays(forecaster, num_moe_layers: int, num_experts: int) -> dict:
@@ -187,8 +189,8 @@ class NextToken(PrefetchingPolicy):
         """At a step's end (after its last MoE layer's experts): the compute stream joins the
         decisions and the copy queue (CUDA; a no-op wait elsewhere), then the commit: each of the
         step's prefetches whose slot holds the tag it was issued with gets its row map entry (the
-        others stay on their host rows and count as stale). In a captured step both are inside the
-        graph."""
+        others stay on their host rows, count as stale and leave their slots empty). In a captured
+        step both are inside the graph."""
         if not self.step_open:
             return
         if self.forked is not None:
@@ -215,7 +217,11 @@ class NextToken(PrefetchingPolicy):
         rm.index_put_((new,), torch.where(good.reshape(-1), self.pf_victims.reshape(-1), rm[new].to(torch.int64))
                       .to(torch.int32))
         cache.pools.validated_version = cache.pools.row_map._version
-        self.stale.add_((ok & ~good).sum())
+        # a slot whose copy did not land holds no expert: empty (no row-map entry names it)
+        bad = ok & ~good
+        lost = torch.zeros_like(cache.owner).index_add_(0, self.pf_victims.reshape(-1), bad.reshape(-1).to(torch.int64))
+        cache.owner.copy_(torch.where(lost > 0, EMPTY_SLOT, cache.owner))
+        self.stale.add_(bad.sum())
         self.pf_count.zero_()
 
     def decide(self, cache, layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
@@ -243,10 +249,11 @@ class NextToken(PrefetchingPolicy):
         self.inflight[base:base + E] = False
         # 2. demand (never an instance the last L groups used or prefetched)
         guard = self.guard_tick(cache, n)
-        in_group = (owner // E == layer) & used[owner % E]
-        barred = in_group | self.inflight[owner] | (cache.last_use[owner] >= guard)
-        order = torch.argsort(cache.last_use[owner].masked_fill(barred, big), stable=True)
-        pr = self.predicted[owner].to(torch.float64).masked_fill(barred, float("inf"))[order]
+        in_group = (owner // E == layer) & used[owner % E]  # (an empty slot's owner -1 is of no layer)
+        lu = slot_values(cache.last_use, owner, EMPTY_TICK)  # an empty slot: the first victim
+        barred = in_group | slot_values(self.inflight, owner, False) | (lu >= guard)
+        order = torch.argsort(lu.masked_fill(barred, big), stable=True)
+        pr = slot_values(self.predicted, owner, False).to(torch.float64).masked_fill(barred, float("inf"))[order]
         victims = order[torch.argsort(pr, stable=True)][:slots_max]
         valid = torch.arange(slots_max, device=dev) < torch.minimum(m, (~barred).sum())
         cache.admit_rows(victims, new_inst, valid)
@@ -292,14 +299,19 @@ class NextToken(PrefetchingPolicy):
         span = self.pf_victims.shape[1]
         new = wanted[:span]
         in_group = (owner // E == layer) & used[owner % E]
-        barred = in_group | self.inflight[owner] | self.predicted[owner] | (cache.last_use[owner] >= guard)
-        pv = torch.argsort(cache.last_use[owner].masked_fill(barred, big), stable=True)[:span]
+        lu = slot_values(cache.last_use, owner, EMPTY_TICK)
+        barred = (in_group | slot_values(self.inflight, owner, False) | slot_values(self.predicted, owner, False)
+                  | (lu >= guard))
+        pv = torch.argsort(lu.masked_fill(barred, big), stable=True)[:span]
         got = torch.minimum(torch.minimum(want.sum(), torch.tensor(self.prefetch_budget, device=dev)), (~barred).sum())
         got = got * is_open
         j = torch.arange(span, device=dev)
         ok = j < got
         old = owner[pv]
-        rm.index_put_((old,), torch.where(ok, -old - 1, rm[old].to(torch.int64)).to(torch.int32))
+        # the evicted back to their host rows, as differences (a masked lane or an empty victim adds 0)
+        held = old.clamp_min(0)
+        rm.index_put_((held,), torch.where(ok & (old >= 0), -old - 1 - rm[held].to(torch.int64), 0).to(torch.int32),
+                      accumulate=True)
         owner.index_put_((pv,), torch.where(ok, new, old))
         pools.validated_version = pools.row_map._version
         self.inflight.index_put_((new,), ok | self.inflight[new])
