@@ -4,7 +4,7 @@ global state, so it never runs inside pytest's process).
     python run_vllm_capture.py JOB.json RESULT.json
 
 JOB.json: ``{"runs": [{"model_dir", "fixtures", "out", "tokens_out", "method"}...],
-"refuse_routed_experts": model_dir or null, "expect_refused": {name: model_dir} (optional)}``.
+"refuse_routed_experts": model_dir or null, "expect_refused": {name: {"model_dir", "llm_kwargs"}} (optional)}``.
 RESULT.json gets the seconds each run took; for ``refuse_routed_experts``, the error vLLM gave when
 asked for its routed-experts output; for each ``expect_refused`` folder, the capture's error (None
 if it ran) and its seconds, its trace asked for at ``<first run's folder>/<name>.refused.parquet``.
@@ -37,12 +37,13 @@ def main(job_path: str, result_path: str) -> None:
         except VllmCaptureError as err:
             result["routed_experts_error"] = str(err)
     result["refused"] = {}
-    for name, model_dir in job.get("expect_refused", {}).items():
+    for name, ask in job.get("expect_refused", {}).items():
         run = job["runs"][0]
         t0 = time.perf_counter()
         try:
-            capture_routing_vllm(model_dir, [run["fixtures"]], str(Path(run["out"]).parent / f"{name}.refused.parquet"),
-                                 dtype="float32", progress=False)
+            capture_routing_vllm(ask["model_dir"], [run["fixtures"]],
+                                 str(Path(run["out"]).parent / f"{name}.refused.parquet"), dtype="float32",
+                                 llm_kwargs=ask.get("llm_kwargs"), progress=False)
             error = None
         except VllmCaptureError as err:
             error = str(err)

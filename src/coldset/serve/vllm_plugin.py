@@ -29,10 +29,13 @@ and, in the process that builds the model (the first fused MoE layer it construc
 - the MoE layer is unquantized with the family's experts as coldset computes them: SiLU-gated
   without biases (qwen3_moe, mixtral, glm4_moe), or gpt-oss's clamped SwiGLU with biases on
   both projections; router weights applied to the output; a ``routed_scaling_factor`` only where
-  vLLM's runner applies it to the routed output (glm4_moe), never inside the experts.
+  vLLM's runner applies it to the routed output (glm4_moe, deepseek_v3), never inside the experts.
 
 Before any of these, :func:`coldset.serve.vllm_families.vllm_refusal` refuses, by name, a family
-coldset does not run through vLLM (deepseek_v3 on vLLM's CPU build; a gpt_oss SwiGLU vLLM ignores).
+coldset does not run through vLLM (e.g. a gpt_oss SwiGLU vLLM ignores), and, where the model is
+built, :func:`~coldset.serve.vllm_families.rotary_op_refusal` refuses deepseek_v3 on vLLM's CPU
+build with vLLM's rotary_embedding custom op on (eager mode, ``--enforce-eager``) and
+:func:`~coldset.serve.vllm_families.compiled_refusal` deepseek_v3 there in compiled mode.
 
 How it hooks in: vLLM 0.32 builds each fused MoE layer's routed experts as a
 ``RoutedExperts`` module (gpt-oss: its subclass ``GptOssRoutedExperts``), a ``PluggableLayer``
@@ -353,8 +356,17 @@ def _adopt(layer, want_activation, want_bias: bool, unquantized_cls, method_cls)
     where = _prefix()
     if not st.checked_engine:
         from vllm.config import get_current_vllm_config  # optional dependency
+        from vllm.platforms import current_platform  # optional dependency
 
-        check_engine(st.served, get_current_vllm_config())
+        from coldset.serve.vllm_families import compiled_refusal, rotary_op_refusal  # only when active (module doc)
+
+        config = get_current_vllm_config()
+        check_engine(st.served, config)
+        cc, on_cpu = config.compilation_config, current_platform.is_cpu()
+        refusal = (rotary_op_refusal(st.model_type, cc.custom_ops, on_cpu)
+                   or compiled_refusal(st.model_type, int(cc.mode) != 0, on_cpu))
+        if refusal is not None:
+            raise PluginError(f"{where}: {refusal}")
         st.checked_engine = True
     if type(layer.quant_method) is not unquantized_cls:
         raise PluginError(f"{where}: {layer.layer_name} uses vLLM's MoE method "
@@ -503,8 +515,6 @@ def register() -> None:
 def check_family(served: ServedPlacement) -> tuple[str, object]:
     """The served model's ``model_type`` and its experts' activation; refuses, by name, a family
     coldset does not run through vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`)."""
-    from vllm.platforms import current_platform  # optional dependency
-
     from coldset.core.files import read_json  # only when active (module doc)
     from coldset.engine.loading import read_config  # only when active (module doc)
     from coldset.kernels.activation import SILU  # only when active (module doc)
@@ -512,7 +522,7 @@ def check_family(served: ServedPlacement) -> tuple[str, object]:
 
     folder = Path(served.manifest["path"])
     raw = read_json(folder / "config.json", "model config")
-    refusal = vllm_refusal(raw, str(folder / "config.json"), current_platform.is_cpu())
+    refusal = vllm_refusal(raw, str(folder / "config.json"))
     if refusal is not None:
         raise PluginError(f"{_prefix()}: {refusal}")
     return raw.get("model_type", ""), getattr(read_config(folder), "activation", SILU)

@@ -14,8 +14,10 @@ counts per placement the tokens equal to the embedded engine's and to stock vLLM
 worker's memory report (routed-expert bytes in the layers before, in the hot pool after); the
 stage fails after writing it, naming each placement that differs. Dynamic placements (the slot
 cache) are listed as not served: the plugin refuses them. A family coldset does not run through
-vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`, e.g. deepseek_v3 on vLLM's CPU build) fails
-the stage before any vLLM run, naming why.
+vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`, e.g. a deepseek_v3 config without its
+published router fields) fails the stage before any vLLM run, naming why; deepseek_v3 on vLLM's
+CPU build runs eager with vLLM's rotary op off (``CPU_DEEPSEEK_ENGINE``; coldset.serve.vllm_families
+says why).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from coldset.core.files import read_json, write_json
 from coldset.core.placement import DYNAMIC_POLICIES
 from coldset.engine.generate import encode_prompts
 from coldset.serve import vllm_plugin
-from coldset.serve.vllm_families import vllm_refusal
+from coldset.serve.vllm_families import CPU_DEEPSEEK_ENGINE, vllm_refusal
 from coldset.verify import gate
 from coldset.workflow.context import StageContext
 from coldset.workflow.process_engine import load_engine, parity_fixtures
@@ -57,9 +59,10 @@ def run_worker(job_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # vLLM's default execution (compiled with torch.compile), as a server runs without --enforce-eager
+    # vLLM's default execution (compiled with torch.compile), as a server runs without --enforce-eager,
+    # unless the job's engine_args say otherwise
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], seed=0, skip_tokenizer_init=True,
-              max_model_len=job["max_model_len"], kv_cache_memory_bytes=KV_CACHE_BYTES)
+              max_model_len=job["max_model_len"], kv_cache_memory_bytes=KV_CACHE_BYTES, **job.get("engine_args", {}))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
     result = {"vllm_version": vllm.__version__, "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -74,13 +77,14 @@ def _worker_state(model) -> dict:
 
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
-             placement: Path | None, workdir: Path) -> dict:
-    """:func:`run_worker` in a fresh process, with the plugin serving ``placement`` (None: not asked for)."""
+             placement: Path | None, workdir: Path, engine_args: dict | None = None) -> dict:
+    """:func:`run_worker` in a fresh process, with the plugin serving ``placement`` (None: not asked
+    for); ``engine_args`` go to ``vllm.LLM`` besides the worker's own."""
     workdir.mkdir(parents=True, exist_ok=True)
     job, result = workdir / "job.json", workdir / "result.json"
     max_len = max(len(p) for p in prompts) + max_tokens
     job.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts, "max_tokens": max_tokens,
-                               "dtype": dtype, "max_model_len": max_len}))
+                               "dtype": dtype, "max_model_len": max_len, "engine_args": engine_args or {}}))
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
@@ -110,18 +114,21 @@ def compare_tokens(got: list[list[int]], want: list[list[int]], ids: list[str]) 
             "first_mismatch": first}
 
 
-def _family_refusal(model_dir: Path) -> str | None:
-    """Why coldset does not run this model through vLLM (coldset.serve.vllm_families), or None."""
+def _family_engine(model_dir: Path) -> tuple[str | None, dict]:
+    """Why coldset does not run this model through vLLM (coldset.serve.vllm_families), or None;
+    and the engine arguments its runs take (deepseek_v3 on the CPU build: CPU_DEEPSEEK_ENGINE)."""
     from vllm.platforms import current_platform  # optional dependency: the stage runs where vLLM is installed
 
     config = model_dir / "config.json"
-    return vllm_refusal(read_json(config, "model config"), str(config), current_platform.is_cpu())
+    raw = read_json(config, "model config")
+    cpu_deepseek = raw.get("model_type") == "deepseek_v3" and current_platform.is_cpu()
+    return vllm_refusal(raw, str(config)), dict(CPU_DEEPSEEK_ENGINE) if cpu_deepseek else {}
 
 
 def vllm_parity(ctx: StageContext, **_) -> None:
     """The stage: every static placement of the config through vLLM with the plugin (module doc)."""
     layout = ctx.layout
-    refusal = _family_refusal(ctx.model_dir)
+    refusal, engine_args = _family_engine(ctx.model_dir)
     if refusal is not None:
         raise VllmParityError(f"vLLM parity refused: {refusal}")
     pc = ctx.parity
@@ -135,7 +142,7 @@ def vllm_parity(ctx: StageContext, **_) -> None:
     folder, dtype = ctx.model_dir, ctx.dtype
     report: dict = {"fixtures": len(prompts), "max_new_tokens": n_new, "dtype": dtype, "placements": {}}
     with tempfile.TemporaryDirectory(prefix="coldset-vllm-parity-") as tmp:
-        stock = run_vllm(folder, prompts, n_new, dtype, None, Path(tmp) / "stock")
+        stock = run_vllm(folder, prompts, n_new, dtype, None, Path(tmp) / "stock", engine_args)
         report["vllm_version"] = stock["vllm_version"]
         report["stock"] = {**compare_tokens(stock["tokens"], reference, ids), "classes": stock["classes"],
                            "memory": stock["memory"]}
@@ -144,7 +151,8 @@ def vllm_parity(ctx: StageContext, **_) -> None:
                 report["placements"][name] = {"served": False, "reason": "dynamic placement: the plugin serves "
                                               "static placements only"}
                 continue
-            got = run_vllm(folder, prompts, n_new, dtype, layout.placement_dir / f"{name}.json", Path(tmp) / name)
+            got = run_vllm(folder, prompts, n_new, dtype, layout.placement_dir / f"{name}.json", Path(tmp) / name,
+                           engine_args)
             entry = {"served": True, **compare_tokens(got["tokens"], reference, ids),
                      "equal_to_stock_vllm": got["tokens"] == stock["tokens"], "classes": got["classes"],
                      "memory": got["memory"]}
