@@ -142,8 +142,9 @@ class Lookahead(PrefetchingPolicy):
         ``layer + depth``'s group and, while open, each listed instance not resident, in list order,
         takes the least recent slot of layers ``<= layer`` not used by this group, not listed, not in
         flight and not guarded (none left: the rest is skipped); it is in flight until the step ends
-        and enters the recency order after the group's accesses, in list order. The list is recorded per group (the simulator replays it), so its logits'
-        rounding (float32 here) is the engine's choice, not a contract."""
+        and enters the recency order after the group's accesses, in list order. The list is
+        recorded per group (the simulator replays it), so its logits' rounding (float32 here) is
+        the engine's choice, not a contract."""
         pools = cache.pools
         L, E = pools.num_moe_layers, pools.num_experts
         dev = cache.owner.device
