@@ -250,7 +250,8 @@ for L, E, k, T, depth, kind, seed in [(4, 8, 2, 3, 1, "ties", 0), (4, 6, 3, 2, 2
 assert all(v > 0 for v in prefetched.values()), prefetched
 assert gate_closed > 0, "the gate never closed: its closed path untested"
 try:
-    td.route(x, norm_w, 1e-6, gates[0], k, True, counter, ahead=ts.route_ahead_args(routed, 0, 1, False, x.shape[0] * k),
+    td.route(x, norm_w, 1e-6, gates[0], k, True, counter,
+             ahead=ts.route_ahead_args(routed, 0, 1, False, x.shape[0] * k),
              record=ts.route_record_args(routed, 0))
 except ValueError as e:
     assert "give one" in str(e)
