@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from coldset.analysis.cache import HELDOUT_TOLERANCE
 from coldset.analysis.simulate import simulate
 from coldset.analysis.streams import AccessStream
 from coldset.analysis.time_model import TimeModel, simulate_time
@@ -16,6 +15,10 @@ from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import host_tier
 from test_lookahead_kernels import _FILL_PRELUDE, _interpret
 from test_slots import _random_pools, _warm
+
+# What a gated policy may cost beyond lru where its gate closes: the lists it fetched before the
+# gate judged them. The recommendation allows nothing: a policy slower than lru is not recommended.
+GATE_PROBE_SLACK = 0.02
 
 
 def _thrash_trace(steps=6):
@@ -66,7 +69,7 @@ def test_lookahead_gate_brings_wasted_prefetching_to_lrus_time():
     """The wasteful trace under a time model whose lists lead by a layer: without the gate every
     list is fetched and lookahead is slower than lru by more than a twentieth (the wasted copies
     queue the demand fills); with it, after a few lists the gate closes and lookahead is within
-    :data:`coldset.analysis.cache.HELDOUT_TOLERANCE` of lru's simulated step."""
+    ``GATE_PROBE_SLACK`` of lru's simulated step."""
     L, E, k, C, groups, counts, lists = _wasteful_trace()
     stream = _stream(groups, L, E)
     model = TimeModel(step_ms=2.0, bytes_per_expert=10_200_000, link_gb_s=51.0)
@@ -77,7 +80,7 @@ def test_lookahead_gate_brings_wasted_prefetching_to_lrus_time():
     assert ungated.prefetches.sum() > stream.tokens and ungated.useful_prefetches == 0
     assert simulate_time(stream, ungated, model).step_ms > 1.05 * lru
     assert gated.prefetches.sum() <= 2 * (L - 1) * k  # closed after the first lists are judged
-    assert simulate_time(stream, gated, model).step_ms <= lru * (1 + HELDOUT_TOLERANCE)
+    assert simulate_time(stream, gated, model).step_ms <= lru * (1 + GATE_PROBE_SLACK)
 
 
 def _engine_run(L, E, k, C, groups, counts, lists, gate=True, lead_unit=None):
