@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from coldset.analysis.compiled import jit
 from coldset.core.trace import iter_trace_batches, read_trace_meta, request_codes, split_of
 
 
@@ -349,6 +350,24 @@ def counts_from_rows(rows: pd.DataFrame, num_moe_layers: int, num_experts: int) 
 
 
 
+@jit
+def count_selections(experts, out):
+    """Add to ``out`` int64 ``[L, E]`` each selection of ``experts`` ``[T, L, k]`` (-1: none), in
+    one pass without a per-selection array; returns how many name an expert >= E (not counted)."""
+    T, L, k = experts.shape
+    E = out.shape[1]
+    bad = 0
+    for t in range(T):
+        for layer in range(L):
+            for r in range(k):
+                e = experts[t, layer, r]
+                if e >= E:
+                    bad += 1
+                elif e >= 0:
+                    out[layer, e] += 1
+    return bad
+
+
 @dataclass(frozen=True)
 class DecodeTokens:
     """A trace's decode tokens as compact arrays, one row per token, in request (string) then
@@ -405,12 +424,11 @@ class DecodeTokens:
 
     def counts(self) -> np.ndarray:
         """Selections per instance, float64 ``[L, E]`` (:func:`counts_from_rows` of these tokens)."""
-        L, E = self.num_moe_layers, self.num_experts
-        out = np.zeros(L * E, dtype=np.int64)
-        for c in range(0, self.tokens, TOKEN_CHUNK):
-            part = self.experts[c:c + TOKEN_CHUNK].astype(np.int64) + (np.arange(L) * E)[None, :, None]
-            out += np.bincount(part[self.experts[c:c + TOKEN_CHUNK] >= 0], minlength=L * E)
-        return out.astype(np.float64).reshape(L, E)
+        out = np.zeros((self.num_moe_layers, self.num_experts), dtype=np.int64)
+        bad = count_selections(self.experts, out)
+        if bad:
+            raise CacheError(f"{bad} decode selection(s) name an expert >= num_experts {self.num_experts}")
+        return out.astype(np.float64)
 
     def stream(self) -> AccessStream:
         """The replay stream one token at a time: :func:`stream_from_frame` of these tokens' rows
@@ -450,7 +468,7 @@ class DecodeTokens:
         return np.r_[(self.request[1:] == self.request[:-1]) & (self.position[1:] == self.position[:-1] + 1), False]
 
 
-#: Tokens :meth:`DecodeTokens.counts` expands to int64 at once.
+#: Tokens :func:`read_decode_tokens` compares at once (a bool per selection of these tokens only).
 TOKEN_CHUNK = 1 << 16
 #: Rows a pass of :func:`read_decode_tokens` reads at once (at most a row group).
 READ_BATCH_ROWS = 1 << 22
