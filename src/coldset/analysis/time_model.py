@@ -176,8 +176,12 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
             steps += 1
         prev_layer = layer
         t += pre_ms
-        link_t = serve_link(t, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
-        qc, qx, qr, qz = grow_queues(qc, qx, qr, qz, qh, (e - s) + width)
+        if qh[0, 0] < qh[0, 1] or qh[1, 0] < qh[1, 1]:
+            link_t = serve_link(t, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+        elif link_t < t:  # an idle link waits for the compute
+            link_t = t
+        if max(qh[0, 1] - qh[0, 0], qh[1, 1] - qh[1, 0]) + (e - s) + width > qc.shape[1]:
+            qc, qx, qr, qz = grow_queues(qc, qx, qr, qz, qh, (e - s) + width)
         mask = qc.shape[1] - 1
         for i in range(s, e):  # demand copies: each distinct missed instance, first occurrence order
             x = ids[i]
@@ -194,8 +198,6 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
                 done[x] = np.inf
                 n_decoded += fill
                 nc += 1
-        for i in range(s, e):
-            seen[ids[i]] = False
         for q in range(width):  # the group's prefetches, issued with its decisions
             x = issued[g, q]
             if x < 0:
@@ -213,6 +215,7 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
         ready = t
         for i in range(s, e):  # the experts start when every selected instance's copy is usable
             x = ids[i]
+            seen[x] = False
             if latest[x] < 0:
                 continue
             if done[x] == np.inf:
