@@ -107,6 +107,9 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
     best_k = np.empty(n, dtype=np.int64)
     best_e = np.empty(n, dtype=np.int64)
     cur = np.empty(k, dtype=np.int64)
+    stamp = np.full(E, -1, dtype=np.int64)
+    rank = np.zeros(E, dtype=np.int64)
+    tick = -1
     for i in range(lane.size):
         b = lane[i]
         H[:] = 0
@@ -160,17 +163,19 @@ def forecast_segments(sel, lane, first, length, tables, term_a, term_d, units, s
                             out[v, s, l, b, q] = best_e[q]
                     if horizon > 0 and p + horizon < length[i] and sel[s + horizon, 0, b, 0] >= 0:
                         tgt = sel[s + horizon, l, b]
-                        for w in range(widths.size):
-                            for r in range(k):
-                                for q in range(widths[w]):
-                                    if best_e[q] == tgt[r]:
-                                        hits[v, w, 0] += 1
-                                        break
-                            for q in range(widths[w]):
-                                for r in range(k):
-                                    if tgt[r] == best_e[q]:
-                                        hits[v, w, 1] += 1
-                                        break
+                        tick += 1  # rank[e]: e's place in this forecast, where stamp[e] == tick
+                        for q in range(n):
+                            stamp[best_e[q]] = tick
+                            rank[best_e[q]] = q
+                        for r in range(k):
+                            x = tgt[r]
+                            if x < 0 or stamp[x] != tick:
+                                continue
+                            first_time = not _seen_before(tgt, r)  # the forecast's experts are distinct
+                            for w in range(widths.size):
+                                if rank[x] < widths[w]:
+                                    hits[v, w, 0] += 1
+                                    hits[v, w, 1] += first_time
 
 
 @jit
