@@ -174,41 +174,13 @@ def _graphed_runs(model, policy, tier, bsz=2, residency=0.25, steps=12, depth=1)
     tier and over ``tier`` (compressed), beside the unmodified path: per run (cache, logits, group
     history, row map), and the reference logits."""
     from coldset.analysis.placement import hot_count_for_residency
-    from coldset.bench import decode as bench
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import host_tier
-    from coldset.verify import gate
-    from synthetic_engines import random_prompts
-    from test_slots import _warm
+    from test_slots import _warm, graphed_runner
 
     cfg = model.config
-    L_, E_, k, plen = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 8
-    ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
-    prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
-
-    rec = torch.zeros((L_, bsz, k), dtype=torch.long, device="cuda")
-
-    def recording(p, layer, x, ids, w):
-        if x.shape[0] == bsz:
-            rec[layer].copy_(ids)
-        return ref_fn(p, layer, x, ids, w)
-
-    def run(fn, pools, cache=None):
-        model.pools, model.experts_fn = pools, fn
-        dec = bench.Decoder(model, bsz, plen, steps + 1, True)
-        tok = dec.prefill(prompts.cuda())
-        dec.set_step(tok, 1)
-        dec.capture()
-        if cache is not None:
-            cache.reset()
-        logits, routing = [], []
-        for s in range(1, steps + 1):
-            dec.set_step(tok, s)
-            lg = dec.step()
-            logits.append(lg.clone())
-            routing.append(rec.cpu().numpy().copy())
-            tok = torch.argmax(lg, dim=-1)
-        return logits, np.stack(routing)
+    L_, E_, k = cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+    run, recording, ref_fn, rowmap_fn = graphed_runner(model, bsz, steps)
 
     all_hot = model.pools
     out = {}

@@ -468,18 +468,18 @@ def test_graphed_compiled_steps_with_the_cache_equal_the_simulator_and_the_unmod
 
 
 
-def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, forecaster=None):
-    """The bench's CUDA step (compiled region, one CUDA graph a step) through a slot cache of
-    ``policy`` at residency 0.25 (``lookahead``: of ``depth``; ``patch`` may alter the cache before
-    the run) beside the unmodified path, whose routing is recorded: (cache, logits, reference
-    logits, routing ``[steps, L, bsz, k]``, warm counts, C)."""
+def graphed_runner(model, bsz: int, steps: int, plen: int = 8):
+    """``(run, recording, ref_fn, rowmap_fn)`` for the bench's CUDA step (compiled region, one CUDA
+    graph a step) on ``bsz`` random prompts of ``plen`` tokens. ``run(experts_fn, pools, cache=None)``
+    prefills, captures, resets ``cache``, decodes ``steps`` greedy steps and returns (the logits of
+    each step, the routing ``[steps, L, bsz, k]`` that ``recording``, the unmodified experts function
+    wrapped, saw); ``rowmap_fn`` is the row-map experts function a cache wraps."""
     from coldset.bench import decode as bench
 
     cfg = model.config
-    L, E, k, plen, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 8, 12
     ref_fn, rowmap_fn, _ = gate.experts_functions(torch.device("cuda"), None)
     prompts = torch.as_tensor(random_prompts(cfg.vocab_size, 1, seed=4)[0] * 8)[: bsz * plen].view(bsz, plen)
-    rec = torch.zeros((L, bsz, k), dtype=torch.long, device="cuda")
+    rec = torch.zeros((cfg.num_moe_layers, bsz, cfg.top_k), dtype=torch.long, device="cuda")
 
     def recording(p, layer, x, ids, w):
         if x.shape[0] == bsz:
@@ -502,6 +502,18 @@ def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, fo
             routing.append(rec.cpu().numpy().copy())
             tok = torch.argmax(lg, dim=-1)
         return logits, np.stack(routing)
+
+    return run, recording, ref_fn, rowmap_fn
+
+
+def _graphed_cache(model, policy, depth=0, patch=None, bsz=2, residency=0.25, forecaster=None):
+    """The bench's CUDA step (compiled region, one CUDA graph a step) through a slot cache of
+    ``policy`` at residency 0.25 (``lookahead``: of ``depth``; ``patch`` may alter the cache before
+    the run) beside the unmodified path, whose routing is recorded: (cache, logits, reference
+    logits, routing ``[steps, L, bsz, k]``, warm counts, C)."""
+    cfg = model.config
+    L, E, k, steps = cfg.num_moe_layers, cfg.num_experts, cfg.top_k, 12
+    run, recording, ref_fn, rowmap_fn = graphed_runner(model, bsz, steps)
 
     all_hot = model.pools
     try:
