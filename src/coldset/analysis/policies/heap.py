@@ -1,9 +1,9 @@
 """The keyed replay of ``lfu`` and ``belady``: victims by the smallest key in a binary min-heap.
 
-The heap holds (key1, key2, instance) entries with lazy deletion: every access pushes the
-instance's new key, so an entry is live only while it equals the current key of a resident,
-unprotected instance (a protected instance is accessed in this group, so its old entry is stale
-anyway). Ties by instance id ascending.
+The heap is indexed: it holds each resident instance once, ordered by its current key
+(key1, key2, instance id), and ``pos`` gives an instance's heap index (-1 off the heap), so an
+access moves the instance's entry in place instead of pushing a new one. The order is strict
+(ties by instance id ascending), so the smallest unprotected, unguarded resident is one instance.
 """
 
 from __future__ import annotations
@@ -19,72 +19,85 @@ BELADY_KEYS = 1
 
 
 @jit
-def heap_less(k1, k2, ins, i, j):
-    if k1[i] != k1[j]:
-        return k1[i] < k1[j]
-    if k2[i] != k2[j]:
-        return k2[i] < k2[j]
-    return ins[i] < ins[j]
+def key_less(key1, key2, x, y):
+    """Whether instance ``x``'s key orders before instance ``y``'s (ties by instance id)."""
+    if key1[x] != key1[y]:
+        return key1[x] < key1[y]
+    if key2[x] != key2[y]:
+        return key2[x] < key2[y]
+    return x < y
 
 
 @jit
-def heap_swap(k1, k2, ins, i, j):
-    t1 = k1[i]
-    k1[i] = k1[j]
-    k1[j] = t1
-    t2 = k2[i]
-    k2[i] = k2[j]
-    k2[j] = t2
-    t3 = ins[i]
-    ins[i] = ins[j]
-    ins[j] = t3
+def heap_place(heap, pos, i, x):
+    heap[i] = x
+    pos[x] = i
 
 
 @jit
-def heap_push(k1, k2, ins, size, a, b, x):
-    k1[size] = a
-    k2[size] = b
-    ins[size] = x
-    i = size
+def sift_up(heap, pos, key1, key2, i):
+    x = heap[i]
     while i > 0:
         p = (i - 1) // 2
-        if heap_less(k1, k2, ins, i, p):
-            heap_swap(k1, k2, ins, i, p)
+        if key_less(key1, key2, x, heap[p]):
+            heap_place(heap, pos, i, heap[p])
             i = p
         else:
             break
-    return size + 1
+    heap_place(heap, pos, i, x)
 
 
 @jit
-def heap_pop(k1, k2, ins, size):
-    """Remove the minimum (moved to index ``size - 1``); return the new size."""
-    size -= 1
-    heap_swap(k1, k2, ins, 0, size)
-    i = 0
+def sift_down(heap, pos, key1, key2, size, i):
+    x = heap[i]
     while True:
-        l = 2 * i + 1
-        if l >= size:
+        c = 2 * i + 1
+        if c >= size:
             break
-        c = l
-        if l + 1 < size and heap_less(k1, k2, ins, l + 1, l):
-            c = l + 1
-        if heap_less(k1, k2, ins, c, i):
-            heap_swap(k1, k2, ins, c, i)
+        if c + 1 < size and key_less(key1, key2, heap[c + 1], heap[c]):
+            c += 1
+        if key_less(key1, key2, heap[c], x):
+            heap_place(heap, pos, i, heap[c])
             i = c
         else:
             break
+    heap_place(heap, pos, i, x)
+
+
+@jit
+def heap_set(heap, pos, key1, key2, size, x):
+    """Put instance ``x`` at its current key: moved in place when on the heap, else added.
+    Returns the new size."""
+    i = pos[x]
+    if i < 0:
+        heap_place(heap, pos, size, x)
+        sift_up(heap, pos, key1, key2, size)
+        return size + 1
+    sift_up(heap, pos, key1, key2, i)
+    sift_down(heap, pos, key1, key2, size, pos[x])
     return size
+
+
+@jit
+def heap_pop(heap, pos, key1, key2, size):
+    """Remove the smallest instance from the heap; returns (it, the new size)."""
+    x = heap[0]
+    pos[x] = -1
+    size -= 1
+    if size > 0:
+        heap_place(heap, pos, 0, heap[size])
+        sift_down(heap, pos, key1, key2, size, 0)
+    return x, size
 
 
 @jit
 def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims, guard):
     """lfu (policy :data:`LFU_KEYS`) or belady (:data:`BELADY_KEYS`). Keys: lfu (count, last_use); belady (-next_use, 0)
     with ties by instance id. ``guard`` > 0: no victim among the instances the last ``guard`` groups
-    used (this one included; their entries are set aside and pushed back after the group); the
-    misses past the other slots are read in place. Returns (hit [N], fills [G]); ``victims[i]``
-    (when ``record``) is the instance evicted to admit selection ``i`` (its first occurrence in the
-    group)."""
+    used (this one included; they are taken off the heap while the group's misses look for victims
+    and put back after it); the misses past the other slots are read in place. Returns
+    (hit [N], fills [G]); ``victims[i]`` (when ``record``) is the instance evicted to admit
+    selection ``i`` (its first occurrence in the group)."""
     n = ids.size
     n_groups = ptr.size - 1
     hit = np.zeros(n, dtype=np.bool_)
@@ -95,12 +108,10 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
     key1 = np.zeros(n_inst, dtype=np.float64)
     key2 = np.zeros(n_inst, dtype=np.float64)
     count = np.zeros(n_inst, dtype=np.float64)
+    heap = np.empty(max(n_inst, 1), dtype=np.int64)
+    pos = np.full(n_inst, -1, dtype=np.int64)
     cap = warm.size
     max_group = largest_group(ptr)
-    heap_cap = 4 * n_inst + max_group + 64
-    h1 = np.empty(heap_cap, dtype=np.float64)
-    h2 = np.empty(heap_cap, dtype=np.float64)
-    hi = np.empty(heap_cap, dtype=np.int64)
     size = 0
     # first use of every instance (belady's key for the warm pool)
     first = np.full(n_inst, np.inf)
@@ -116,10 +127,10 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
         else:
             key1[x] = -first[x]
             key2[x] = 0.0
-        size = heap_push(h1, h2, hi, size, key1[x], key2[x], x)
+        size = heap_set(heap, pos, key1, key2, size, x)
     missed = np.empty(max(max_group, 1), dtype=np.int64)
     last_group = np.full(n_inst, -(2**62), dtype=np.int64)
-    aside = np.empty(n_inst, dtype=np.int64)  # guarded live entries popped this group
+    aside = np.empty(n_inst, dtype=np.int64)  # residents popped this group and not evicted
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
@@ -129,29 +140,25 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
         for m in range(n_miss):
             v = -1
             while size > 0:
-                size = heap_pop(h1, h2, hi, size)
-                y = hi[size]
-                if resident[y] and not protected[y] and h1[size] == key1[y] and h2[size] == key2[y]:
-                    if last_group[y] > g - guard:
-                        aside[n_aside] = y
-                        n_aside += 1
-                        resident[y] = False  # (marked off while aside: a second entry of it is skipped)
-                        continue
-                    v = y
-                    break
-            if v < 0:  # every other slot is guarded: the rest are read in place, not admitted
+                y, size = heap_pop(heap, pos, key1, key2, size)
+                if protected[y] or last_group[y] > g - guard:
+                    aside[n_aside] = y
+                    n_aside += 1
+                    continue
+                v = y
+                break
+            if v < 0:  # every other slot is protected or guarded: the rest are read in place, not admitted
                 break
             resident[v] = False
             i = missed[m]
             resident[ids[i]] = True
-            protected[ids[i]] = True  # its stale entries must not make it a victim in this group
+            protected[ids[i]] = True
             if record:
                 victims[i] = v
         for m in range(n_miss):
             in_group[ids[missed[m]]] = False
-        for j in range(n_aside):
-            resident[aside[j]] = True
-        # key updates in rank order (the last occurrence in the group sets the final key)
+        # key updates in rank order (the last occurrence in the group sets the final key); each
+        # resident moves to its new key at once (admitted ones added) so the heap stays ordered
         for i in range(s, e):
             x = ids[i]
             protected[x] = False
@@ -162,23 +169,10 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
             else:
                 key1[x] = -next_tick[i]
                 key2[x] = 0.0
-        if size + (e - s) + n_aside > heap_cap:
-            # rebuild from the residents' current keys (drops every stale entry)
-            size = 0
-            for y in range(n_inst):
-                if resident[y]:
-                    size = heap_push(h1, h2, hi, size, key1[y], key2[y], y)
-        else:
-            for i in range(s, e):  # one push per distinct instance of the group
-                x = ids[i]
-                if not in_group[x]:
-                    in_group[x] = True
-                    size = heap_push(h1, h2, hi, size, key1[x], key2[x], x)
-            for i in range(s, e):
-                in_group[ids[i]] = False
-            for j in range(n_aside):  # the guarded entries back (their keys unchanged unless used here)
-                y = aside[j]
-                size = heap_push(h1, h2, hi, size, key1[y], key2[y], y)
+            if resident[x]:
+                size = heap_set(heap, pos, key1, key2, size, x)
+        for j in range(n_aside):  # back on the heap at their current keys
+            size = heap_set(heap, pos, key1, key2, size, aside[j])
         for i in range(s, e):
             last_group[ids[i]] = g
     return hit, fills
