@@ -146,7 +146,7 @@ def group_sums(flags: np.ndarray, group_ptr: np.ndarray) -> np.ndarray:
     for g0 in range(0, n_groups, SUM_GROUPS):
         g1 = min(g0 + SUM_GROUPS, n_groups)
         lo = group_ptr[g0]
-        out[g0:g1] = np.add.reduceat(flags[lo:group_ptr[g1]].astype(np.int64), group_ptr[g0:g1] - lo)
+        out[g0:g1] = np.add.reduceat(flags[lo:group_ptr[g1]], group_ptr[g0:g1] - lo, dtype=np.int64)
     return out
 
 
