@@ -124,12 +124,14 @@ def check_lists(stream: AccessStream, lists: np.ndarray, kind: str) -> np.ndarra
     if pred.size and (pred.min() < -1 or pred.max() >= n_inst):
         raise CacheError(f"predictions: instance ids must lie in [0, {n_inst}) or be -1")
     if stream.instances.size:
-        layer_of = stream.instances[stream.group_ptr[:-1]] // stream.num_experts
+        # each group's layer as the instance bounds [start, end) (no division of the whole lists)
+        start = (stream.instances[stream.group_ptr[:-1]] // stream.num_experts * stream.num_experts)[:, None]
+        end = start + stream.num_experts
         if kind == OWN_LAYER:
-            bad = (pred >= 0) & (pred // stream.num_experts != layer_of[:, None])
+            bad = (pred >= 0) & ((pred < start) | (pred >= end))
             what = "of another MoE layer (a group prefetches its own layer's next-step experts)"
         else:
-            bad = (pred >= 0) & (pred // stream.num_experts <= layer_of[:, None])
+            bad = (pred >= 0) & (pred < end)
             what = "of its own or an earlier MoE layer (a lookahead prefetches for later layers of its step)"
         if bad.any():
             raise CacheError(f"predictions: group {int(np.flatnonzero(bad.any(axis=1))[0])} lists an instance {what}")
