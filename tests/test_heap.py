@@ -58,7 +58,7 @@ def test_replay_keyed_matches_brute_force(seed):
         ptr = np.concatenate([[0], np.cumsum([len(x) for x in groups])]).astype(np.int64)
         warm = rng.choice(n_inst, size=int(rng.integers(1, n_inst)), replace=False).astype(np.int64)
         warm_count = rng.integers(0, 4, size=warm.size).astype(np.float64)
-        for policy, guard in ((LFU_KEYS, 0), (LFU_KEYS, 1), (LFU_KEYS, 2), (BELADY_KEYS, 0)):
+        for policy, guard in ((LFU_KEYS, 0), (LFU_KEYS, 1), (LFU_KEYS, 2), (LFU_KEYS, 5), (BELADY_KEYS, 0)):
             next_tick = next_use_ticks(ids, n_inst) if policy == BELADY_KEYS else np.zeros(0)
             victims = np.full(ids.size, -1, dtype=np.int64)
             hit, fills = replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, True, victims, guard)

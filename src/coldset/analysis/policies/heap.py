@@ -91,11 +91,25 @@ def heap_pop(heap, pos, key1, key2, size):
 
 
 @jit
+def heap_remove(heap, pos, key1, key2, size, x):
+    """Take instance ``x`` off the heap; returns the new size."""
+    i = pos[x]
+    pos[x] = -1
+    size -= 1
+    if i < size:
+        last = heap[size]
+        heap_place(heap, pos, i, last)
+        sift_up(heap, pos, key1, key2, i)
+        sift_down(heap, pos, key1, key2, size, pos[last])
+    return size
+
+
+@jit
 def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, victims, guard):
     """lfu (policy :data:`LFU_KEYS`) or belady (:data:`BELADY_KEYS`). Keys: lfu (count, last_use); belady (-next_use, 0)
     with ties by instance id. ``guard`` > 0: no victim among the instances the last ``guard`` groups
-    used (this one included; they are taken off the heap while the group's misses look for victims
-    and put back after it); the misses past the other slots are read in place. Returns
+    used (this one included; a resident stays off the heap from its use until ``guard`` groups
+    later); the misses past the other slots are read in place. Returns
     (hit [N], fills [G]); ``victims[i]`` (when ``record``) is the instance evicted to admit
     selection ``i`` (its first occurrence in the group)."""
     n = ids.size
@@ -134,6 +148,11 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
+        if guard > 1 and g >= guard:  # the residents last used ``guard`` groups ago are victims again
+            for i in range(ptr[g - guard], ptr[g - guard + 1]):
+                x = ids[i]
+                if resident[x] and pos[x] < 0 and last_group[x] == g - guard:
+                    size = heap_set(heap, pos, key1, key2, size, x)
         n_miss = classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
         n_aside = 0
@@ -169,10 +188,14 @@ def replay_keyed(ids, ptr, warm, warm_count, n_inst, policy, next_tick, record, 
             else:
                 key1[x] = -next_tick[i]
                 key2[x] = 0.0
+            last_group[x] = g
             if resident[x]:
-                size = heap_set(heap, pos, key1, key2, size, x)
-        for j in range(n_aside):  # back on the heap at their current keys
-            size = heap_set(heap, pos, key1, key2, size, aside[j])
-        for i in range(s, e):
-            last_group[ids[i]] = g
+                if guard <= 1:
+                    size = heap_set(heap, pos, key1, key2, size, x)
+                elif pos[x] >= 0:  # guarded for the next groups: off the heap until released
+                    size = heap_remove(heap, pos, key1, key2, size, x)
+        for j in range(n_aside):  # back on the heap unless guarded in the next group
+            y = aside[j]
+            if last_group[y] <= g + 1 - guard:
+                size = heap_set(heap, pos, key1, key2, size, y)
     return hit, fills
