@@ -5,7 +5,6 @@ this model's experts with the rates, ratio and decoder it used, on the cache sta
 import html as htmllib
 import json
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -18,25 +17,8 @@ from coldset.analysis.time_model import DEFAULT_COMPRESSED_RATIOS
 from coldset.core.trace import TraceMeta, write_trace
 from coldset.reporting.report import render_report
 from coldset.reporting.results import ReportInputError
+from test_cache import TinyShape
 from test_report import CONFIG, GIB_PER_EXPERT, MACHINE, MODEL, build_results_tree
-
-
-@dataclass(frozen=True)
-class Shape:
-    moe_layers: tuple = (0, 2)
-    num_layers: int = 3
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_size: int = 16
-    moe_intermediate_size: int = 8
-    intermediate_size: int = 32
-    vocab_size: int = 50
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    head_dim: int = 8
-    model_type: str = "qwen3_moe"
-    tie_word_embeddings: bool = False
-    qk_norm: bool = True
 
 
 DECODE_GB_S = 200.0
@@ -62,7 +44,7 @@ def cache_stage(tmp_path):
     df = pd.DataFrame(rows, columns=["request", "domain", "position", "phase", "layer", "rank", "expert", "split"])
     trace = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(df, preserve_index=False))
     stats = run_stats(trace, tmp_path / "stats", figures=False, progress=False)
-    paths = run_cache(trace, stats["histogram"], Shape(), tmp_path / "cache", ["static", "lru"], [0.5],
+    paths = run_cache(trace, stats["histogram"], TinyShape(), tmp_path / "cache", ["static", "lru"], [0.5],
                       ["x", "y"], figures=False, time={"steps": [{"batch": 1, "all_hbm_step_ms": 2.0}]},
                       compressed={"decode_gb_s": DECODE_GB_S})
     return pd.read_csv(paths["simulation"])
