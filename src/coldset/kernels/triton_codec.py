@@ -19,11 +19,13 @@ LANES_PER_PROGRAM = 128
 
 
 @triton.jit
-def _decode_kernel(words_ptr, lane_words_ptr, table_ptr, raw_ptr, out_ptr, numel, num_lanes, depth,
-                   HAS_RAW: tl.constexpr, BLOCK: tl.constexpr, MAX_BITS: tl.constexpr):
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < num_lanes
-    pos = tl.load(lane_words_ptr + lanes, mask=live, other=0).to(tl.int64) * 32
+def decode_lanes(words_ptr, pos, lanes, live, table_ptr, raw_ptr, out_ptr, numel, num_lanes, depth,
+                 HAS_RAW: tl.constexpr, MAX_BITS: tl.constexpr):
+    """The decode loop of the lanes ``lanes`` (``live`` of them), each starting at bit ``pos`` of
+    ``words_ptr``: element ``i * num_lanes + lane`` at step ``i``; with ``HAS_RAW`` the sign and
+    mantissa byte of ``raw_ptr`` joins each decoded exponent into a bf16 bit pattern. One loop for a
+    record's own launch (:func:`decode_into`) and the captured step's listed fills
+    (:mod:`coldset.kernels.triton_codec_fill`)."""
     for i in range(depth):
         word = pos >> 5
         first = tl.load(words_ptr + word, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
@@ -41,6 +43,15 @@ def _decode_kernel(words_ptr, lane_words_ptr, table_ptr, raw_ptr, out_ptr, numel
         else:
             tl.store(out_ptr + n, symbol.to(tl.uint8), mask=ok)
         pos += entry & 15
+
+
+@triton.jit
+def _decode_kernel(words_ptr, lane_words_ptr, table_ptr, raw_ptr, out_ptr, numel, num_lanes, depth,
+                   HAS_RAW: tl.constexpr, BLOCK: tl.constexpr, MAX_BITS: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < num_lanes
+    pos = tl.load(lane_words_ptr + lanes, mask=live, other=0).to(tl.int64) * 32
+    decode_lanes(words_ptr, pos, lanes, live, table_ptr, raw_ptr, out_ptr, numel, num_lanes, depth, HAS_RAW, MAX_BITS)
 
 
 def decode_into(c: Compressed, out: torch.Tensor) -> torch.Tensor:

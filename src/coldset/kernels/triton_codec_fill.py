@@ -50,6 +50,7 @@ import triton.language as tl
 
 from coldset.core.codec import MAX_CODE_BITS
 from coldset.kernels.compressed_tier import CompressedHostTier, CompressedTierError
+from coldset.kernels.triton_codec import decode_lanes
 
 COPY_BLOCK = 1024  # 8-byte words per load in the record copy (8 KiB, the raw fill's 4096 bf16)
 LANES = 128  # lanes a decode work item decodes (one thread each)
@@ -119,23 +120,7 @@ def _decode_lanes(desc, base, b, dst, numel, num_lanes, depth, stage_u8, stage_i
     pos = tl.load(stage_i32 + (base + tl.load(desc + 2)) // 4 + lanes, mask=live, other=0).to(tl.int64) * 32
     table = stage_i16 + (base + tl.load(desc + 3)) // 2
     raw = stage_u8 + base + tl.load(desc + 4)
-    for i in range(depth):
-        word = pos >> 5
-        hi = tl.load(words + word, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
-        lo = tl.load(words + word + 1, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
-        window = (hi << 32) | lo  # the 12 bits read below never need the sign bit
-        peek = (window >> (64 - MAX_BITS - (pos & 31))) & ((1 << MAX_BITS) - 1)
-        entry = tl.load(table + peek, mask=live, other=0).to(tl.int32)
-        n = i * num_lanes + lanes
-        ok = live & (n < numel)
-        symbol = entry >> 4
-        if KIND == 0:
-            r = tl.load(raw + n, mask=ok, other=0).to(tl.int32)
-            bits = ((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F)
-            tl.store(dst + n, bits.to(tl.int16), mask=ok)
-        else:
-            tl.store(dst + n, symbol.to(tl.uint8), mask=ok)
-        pos += entry & 15
+    decode_lanes(words, pos, lanes, live, table, raw, dst, numel, num_lanes, depth, KIND == 0, MAX_BITS)
 
 
 @triton.jit
