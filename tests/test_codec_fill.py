@@ -72,7 +72,7 @@ def test_descriptor_tables_locate_every_record_and_part(make):
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_codec_tier import adversarial_pools, bf16_pools, bytes_of, fp8_pools, names_of, slot_pools
+from test_codec_tier import adversarial_pools, bf16_pools, bytes_of, fp8_pools, names_of, raw_fill, slot_pools
 from test_codec_fill import sparse_mxfp4_pools
 from coldset.kernels import triton_slots
 from coldset.kernels.compressed_tier import compressed_host_tier
@@ -88,10 +88,7 @@ for make in (bf16_pools, adversarial_pools, fp8_pools, sparse_mxfp4_pools):
     assert coded, make.__name__  # the decode in every format (adversarial, fp8, mxfp4: raw parts beside)
     assert stored or make is bf16_pools, make.__name__
     want = slot_pools(all_hot)
-    for n in names_of(want):
-        hot, cold = getattr(want, n + "_hot"), getattr(want, n + "_cold")
-        for r, s in zip(host_rows[:m], slots[:m]):
-            hot[s].copy_(cold[r])
+    raw_fill(want, host_rows[:m], slots[:m])
     got = slot_pools(all_hot)
     staging = torch.empty((4, -(-tier.max_record_bytes // 16) * 16), dtype=torch.uint8)
     done = torch.full((all_hot.num_hot,), -1, dtype=torch.int64)

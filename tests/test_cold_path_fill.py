@@ -13,7 +13,7 @@ import pytest
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_codec_tier import adversarial_pools, bytes_of, names_of, slot_pools
+from test_codec_tier import adversarial_pools, bytes_of, names_of, raw_fill, slot_pools
 from coldset.kernels.compressed_tier import compressed_host_tier
 from coldset.kernels.triton_codec_fill import copy_records, fill_listed
 
@@ -23,10 +23,7 @@ tier = compressed_host_tier(all_hot, lane_symbols=64)
 width = -(-tier.max_record_bytes // 16) * 16
 for m in (1, 2, 3):
     want = slot_pools(all_hot)
-    for n in names_of(want):
-        hot, cold = getattr(want, n + "_hot"), getattr(want, n + "_cold")
-        for r, s in zip(host_rows[:m], slots[:m]):
-            hot[s].copy_(cold[r])
+    raw_fill(want, host_rows[:m], slots[:m])
     got = slot_pools(all_hot)
     staging = torch.full((3, width), 0xA5, dtype=torch.uint8)  # poisoned: a record not copied shows
     done = torch.full((all_hot.num_hot,), -1, dtype=torch.int64)
