@@ -15,6 +15,7 @@ from coldset.analysis.policies import POLICIES, REGISTRY
 from coldset.analysis.policies.base import CachePolicy, Replay
 from coldset.analysis.simulate import capacity_for_residency, simulate, warm_order
 from coldset.analysis.streams import AccessStream, CacheError, select_rows, stream_from_frame, trace_decode_rows
+from coldset.analysis.time_model import TimeModel, simulate_time
 from coldset.core.trace import TraceMeta, write_trace
 
 # ---------------------------------------------------------------------------------------------
@@ -828,3 +829,20 @@ def test_tracked_cache_metrics_keep_the_first_batch_and_name_the_others(tmp_path
     assert m["cache_lru_hit_rate"] == 0.9 and m["cache_lru_b8_hit_rate"] == 0.7
     assert m["cache_lru_b1_step_ms"] == 3.0 and m["cache_lru_b8_step_ms"] == 9.0
     assert m["cache_lru_b8_overlap"] is None  # NaN (no link traffic) is not a number to log
+
+
+def test_lru_copies_in_series_report_an_overlap_of_exactly_zero():
+    """lru's copies are all demand copies, each queued at its group's decisions and waited for: the
+    link time adds to the compute in series, so ``overlap`` is 0 by definition. The step's float sums
+    round to +-1e-13 off it; the table prints 0, not float noise such as -8e-14."""
+    rng = np.random.default_rng(3)
+    steps, layers, experts, k = 300, 6, 32, 4
+    sel = np.sort(np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(layers)])
+                            for _ in range(steps)]), axis=2)
+    ids = (sel + (np.arange(layers) * experts)[None, :, None]).reshape(-1)
+    stream = AccessStream(ids, np.arange(0, ids.size + 1, k), steps, layers, experts)
+    result = simulate(stream, "lru", layers * experts // 3, np.ones((layers, experts)))
+    assert result.stats().fills > 0
+    for step_ms in (0.37, 1.3, 2.0, 7.7):
+        stats = simulate_time(stream, result, TimeModel(step_ms=step_ms, bytes_per_expert=10_200_003, link_gb_s=51.3))
+        assert stats.overlap == 0.0 and stats.step_ms > step_ms, step_ms

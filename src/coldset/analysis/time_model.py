@@ -28,6 +28,9 @@ from coldset.core.shapes import ShapeError, get_weight_format
 
 
 LINK_MODES = ("fifo", "priority", "share")  # serve_link's mode numbers: the index
+#: |overlap| under this is the rounding of the step's summed float times (a series link's overlap
+#: comes out as +-1e-11), reported as 0.
+OVERLAP_RESOLUTION = 1e-9
 #: Copies each of the link's two queues holds before :func:`grow_queues` doubles them.
 QUEUE_SLOTS = 1024
 
@@ -402,9 +405,13 @@ def simulate_time(stream: AccessStream, result: CacheResult, model: TimeModel) -
         link_bytes = copies * model.bytes_per_expert
         wasted_bytes = st.wasted_prefetches * model.bytes_per_expert
         bound = max(model.step_ms, link_ms)
-    return TimeStats(step, model.step_ms, bound, bound / step, 1 - (step - model.step_ms) / link_ms if copies else
-                     float("nan"), stall / tokens, link_bytes / tokens / 1e9, wasted_bytes / tokens / 1e9, steps,
-                     stream.tokens)
+    overlap = float("nan")
+    if copies:
+        overlap = 1 - (step - model.step_ms) / link_ms
+        if abs(overlap) < OVERLAP_RESOLUTION:  # the sums' rounding, not a measure: print 0, not -8e-11
+            overlap = 0.0
+    return TimeStats(step, model.step_ms, bound, bound / step, overlap, stall / tokens, link_bytes / tokens / 1e9,
+                     wasted_bytes / tokens / 1e9, steps, stream.tokens)
 
 
 def manage_ms_per_group(full_step_ms: float, allhbm_step_ms: float, num_moe_layers: int) -> float:
