@@ -26,12 +26,12 @@ import numpy as np
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, guard_groups, recording
 from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
-from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_step, largest_group,
-                                            link_tail, list_layer)
+from coldset.analysis.policies.pool import (admit_demand, classify_group, count_useful, end_group, evict, gate_step,
+                                            land_layer, largest_group, link_tail, list_layer)
 
 
 @jit
-def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, guard, own_layer, lead_unit):
+def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, guard, own_layer, lead_unit, allow):
     """LRU through a doubly linked list in last_use order (head = least recent), plus the prefetch
     of ``pred[g]`` after each group g (``forecast``, ``lookahead``: see their module docs); plain
     ``lru`` is the same replay with empty lists (no prefetch, so nothing in flight, and a pool of at
@@ -41,7 +41,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     the group's own layer at the next step, and a prefetch is in flight until that layer's next
     group (else: until the step ends). ``lead_unit`` >= 0: the prefetch gate
     (:func:`coldset.analysis.policies.base.prefetch_lead_unit`, a list judged at the next group of
-    the layer it forecasts); < 0: none. Returns (hit [N], fills [G], prefetches [G], useful, issued
+    the layer it forecasts); < 0: none. ``allow`` bool ``[G]`` (empty: no such condition): with the
+    gate, a further condition on group g's list (``forecast``'s duel,
+    :func:`coldset.analysis.policies.forecast.prefetch_duel`). Returns (hit [N], fills [G], prefetches [G], useful, issued
     [G, W] (copied after each group, in order, -1 padded), wasted (evicted before any hit))."""
     n = ids.size
     n_groups = ptr.size - 1
@@ -83,11 +85,7 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         e = ptr[g + 1]
         layer = ids[s] // n_exp
         if own_layer:  # this layer's prefetches of the last step have reached their layer
-            pg = layer_group[layer]
-            if pg >= 0:
-                for q in range(width):
-                    if issued[pg, q] >= 0:
-                        inflight[issued[pg, q]] = False
+            land_layer(issued, layer_group[layer], inflight)
             layer_group[layer] = g
         elif layer <= prev_layer:  # a new step: the previous step's prefetches are committed
             for j in range(n_flight):
@@ -96,10 +94,7 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         prev_layer = layer
         n_miss = classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
-        for i in range(s, e):
-            if hit[i] and unused_prefetch[ids[i]]:
-                unused_prefetch[ids[i]] = False
-                useful += 1
+        useful += count_useful(ids, s, e, hit, unused_prefetch)
         v = nxt[head]
         for m in range(n_miss):
             while v != head and (protected[v] or inflight[v] or last_group[v] > g - guard):
@@ -117,7 +112,7 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
         if lead_unit >= 0:
             target = layer if own_layer else list_layer(pred, g, n_exp)  # (lookahead: a later layer)
             gate = gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, lead_unit, pred,
-                             resident)
+                             resident) and (allow.size == 0 or allow[g])
         # prefetch after the group: victims in layers 0..layer, not used, not listed, not in flight, not guarded
         for q in range(width):
             if pred[g, q] >= 0:
@@ -154,12 +149,13 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
 
 
 def replay_with_lists(stream, warm, lists, victims, guard: int = 0, own_layer: bool = False,
-                      lead_unit: int = -1) -> Replay:
-    """:func:`replay_lru` on ``stream`` with the prefetch ``lists`` int64 ``[G, W]`` (``W = 0``: none)."""
+                      lead_unit: int = -1, allow: np.ndarray | None = None) -> Replay:
+    """:func:`replay_lru` on ``stream`` with the prefetch ``lists`` int64 ``[G, W]`` (``W = 0``: none) and
+    the gate's further condition ``allow`` bool ``[G]`` (None: none)."""
     record, rec = recording(victims)
     hit, fills, prefetches, useful, issued, wasted = replay_lru(
         stream.instances, stream.group_ptr, warm, stream.num_instances, stream.num_experts, stream.num_moe_layers,
-        lists, record, rec, guard, own_layer, lead_unit)
+        lists, record, rec, guard, own_layer, lead_unit, np.zeros(0, dtype=np.bool_) if allow is None else allow)
     return Replay(hit, fills, prefetches, int(useful), issued, int(wasted))
 
 

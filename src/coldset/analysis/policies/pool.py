@@ -106,6 +106,28 @@ def end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nx
             link_tail(nxt, prv, head, x)
 
 
+@jit
+def land_layer(issued, pg, inflight):
+    """The prefetches issued after group ``pg`` (``issued[pg]``, -1 padded; ``pg`` < 0: none) have
+    reached their layer: no longer in flight."""
+    if pg < 0:
+        return
+    for q in range(issued.shape[1]):
+        if issued[pg, q] >= 0:
+            inflight[issued[pg, q]] = False
+
+
+@jit
+def count_useful(ids, s, e, hit, unused_prefetch):
+    """The prefetched instances selections ``s..e-1`` hit for the first time (each then no longer
+    an unused prefetch)."""
+    n = 0
+    for i in range(s, e):
+        if hit[i] and unused_prefetch[ids[i]]:
+            unused_prefetch[ids[i]] = False
+            n += 1
+    return n
+
 
 @jit
 def gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit):
