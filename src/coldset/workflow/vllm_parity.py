@@ -11,8 +11,10 @@ vLLM then runs once without the plugin and once per static placement with
 ``python -m coldset.workflow.vllm_parity --worker job.json result.json``, offline ``LLM.generate`` at
 temperature 0 on the same prompt token ids. The report, ``results/parity/<model>/vllm.json``,
 counts per placement the tokens equal to the embedded engine's and to stock vLLM's, with the
-worker's memory report (routed-expert bytes in the layers before, in the hot pool after); the
-stage fails after writing it, naming each placement that differs. Dynamic placements (the slot
+worker's memory report (routed-expert bytes in the layers before, in the hot pool after) and how
+many times coldset's experts op ran; the stage fails after writing it, naming each placement that
+differs or whose run never called coldset's experts op. Each run has a vLLM cache of its own
+(``VLLM_CACHE_ROOT``), so no run loads a graph another one compiled. Dynamic placements (the slot
 cache) are listed as not served: the plugin refuses them. A family coldset does not run through
 vLLM (:func:`coldset.serve.vllm_families.vllm_refusal`, e.g. a deepseek_v3 config without its
 published router fields) fails the stage before any vLLM run, naming why; deepseek_v3 on vLLM's
@@ -73,13 +75,17 @@ def run_worker(job_path: str, result_path: str) -> None:
 def _worker_state(model) -> dict:
     classes = sorted({f"{type(m).__name__}/{type(m.quant_method).__name__}" for _, m in model.named_modules()
                       if type(m).__name__.endswith("RoutedExperts")})
-    return {"classes": classes, "memory": vllm_plugin.memory_report()}
+    return {"classes": classes, "memory": vllm_plugin.memory_report(), "experts_calls": vllm_plugin.experts_calls()}
 
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str,
-             placement: Path | None, workdir: Path, engine_args: dict | None = None) -> dict:
+             placement: Path | None, workdir: Path, engine_args: dict | None = None,
+             cache_root: Path | None = None) -> dict:
     """:func:`run_worker` in a fresh process, with the plugin serving ``placement`` (None: not asked
-    for); ``engine_args`` go to ``vllm.LLM`` besides the worker's own."""
+    for); ``engine_args`` go to ``vllm.LLM`` besides the worker's own. vLLM's cache (its compiled
+    graphs) is ``cache_root`` (``VLLM_CACHE_ROOT``), by default a new folder in ``workdir``: no
+    compiled graph of another run (stock vLLM's, another placement's, a user's earlier server) is
+    reused. The result holds the worker's output (vLLM's log) under ``log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     job, result = workdir / "job.json", workdir / "result.json"
     max_len = max(len(p) for p in prompts) + max_tokens
@@ -89,14 +95,15 @@ def run_vllm(model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: 
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     env.pop("COLDSET_PLACEMENT", None)
+    env["VLLM_CACHE_ROOT"] = str(cache_root if cache_root is not None else workdir / "vllm-cache")
     if placement is not None:
         env["COLDSET_PLACEMENT"] = str(placement)
     proc = subprocess.run([sys.executable, "-m", "coldset.workflow.vllm_parity", "--worker", str(job), str(result)],
-                          capture_output=True, text=True, env=env)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if proc.returncode != 0:
         what = "stock vLLM" if placement is None else f"vLLM with placement {placement}"
-        raise VllmParityError(f"{what} failed (exit {proc.returncode}); its output ends:\n{proc.stderr[-4000:]}")
-    return json.loads(result.read_text())
+        raise VllmParityError(f"{what} failed (exit {proc.returncode}); its output ends:\n{proc.stdout[-4000:]}")
+    return {**json.loads(result.read_text()), "log": proc.stdout}
 
 
 def compare_tokens(got: list[list[int]], want: list[list[int]], ids: list[str]) -> dict:
@@ -145,7 +152,7 @@ def vllm_parity(ctx: StageContext, **_) -> None:
         stock = run_vllm(folder, prompts, n_new, dtype, None, Path(tmp) / "stock", engine_args)
         report["vllm_version"] = stock["vllm_version"]
         report["stock"] = {**compare_tokens(stock["tokens"], reference, ids), "classes": stock["classes"],
-                           "memory": stock["memory"]}
+                           "memory": stock["memory"], "experts_calls": stock["experts_calls"]}
         for name in names:
             if name.split("-")[0] in DYNAMIC_POLICIES:
                 report["placements"][name] = {"served": False, "reason": "dynamic placement: the plugin serves "
@@ -155,19 +162,22 @@ def vllm_parity(ctx: StageContext, **_) -> None:
                            engine_args)
             entry = {"served": True, **compare_tokens(got["tokens"], reference, ids),
                      "equal_to_stock_vllm": got["tokens"] == stock["tokens"], "classes": got["classes"],
-                     "memory": got["memory"]}
+                     "memory": got["memory"], "experts_calls": got["experts_calls"]}
             report["placements"][name] = entry
             log.info("vllm parity %s: %d/%d tokens equal to the embedded engine's; hot pool %s of %s bytes", name,
                      entry["tokens_matched"], entry["tokens_total"], got["memory"].get("hot_pool_bytes"),
                      got["memory"].get("layer_expert_bytes_before"))
+    # a run whose tokens are right but in which coldset's experts op never ran decoded another graph
+    # than the plugin's (stock vLLM's): it proves nothing about the placement
     failed = [n for n, e in report["placements"].items()
-              if e["served"] and not (e["passed"] and e["equal_to_stock_vllm"])]
+              if e["served"] and not (e["passed"] and e["equal_to_stock_vllm"] and e["experts_calls"] > 0)]
     if not report["stock"]["passed"]:
         failed.insert(0, "stock vLLM (no plugin)")
     report["passed"] = not failed
     write_json(layout.results / "parity" / layout.model / "vllm.json", report)
     if failed:
-        raise VllmParityError(f"vLLM's tokens differ from coldset's engine for: {', '.join(failed)} "
+        raise VllmParityError(f"vLLM's tokens differ from coldset's engine (or, with the plugin, from stock vLLM's, or "
+                              f"coldset's experts op never ran) for: {', '.join(failed)} "
                               f"(report {layout.results / 'parity' / layout.model / 'vllm.json'})")
 
 
