@@ -95,6 +95,15 @@ def brute_force(groups: list[list[int]], policy: str, capacity: int, profile: np
     return np.array(hits), np.array(victims)
 
 
+def once_per_row(lists: np.ndarray) -> None:
+    """A prediction list names an instance once: each row's repeats (after the first) become -1, in place."""
+    for row in lists:
+        _, first = np.unique(row, return_index=True)
+        dup = np.ones(row.size, bool)
+        dup[first] = False
+        row[dup] = -1
+
+
 def random_stream(rng, n_layers=3, n_experts=6, n_groups=60, k=2, dup=False, skew=1.2):
     n_inst = n_layers * n_experts
     p = 1.0 / np.arange(1, n_experts + 1) ** skew
@@ -736,11 +745,7 @@ def test_nexttoken_policy_matches_brute_force():
         layer = np.array([g[0] // E for g in groups])
         lists = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
         lists = np.where(rng.random(lists.shape) < 0.2, -1, lists)
-        for row in lists:  # a candidate list names an instance once
-            _, first = np.unique(row, return_index=True)
-            dup = np.ones(row.size, bool)
-            dup[first] = False
-            row[dup] = -1
+        once_per_row(lists)
         cap = int(rng.integers(stream.max_group, n_inst + 1))
         budget = None if trial % 2 else int(rng.integers(0, 3))
         lead_unit = int(rng.choice([0, 10, 1024]))

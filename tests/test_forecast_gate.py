@@ -141,11 +141,7 @@ def test_forecast_policy_matches_brute_force():
             take = rng.random(len(right)) < (0.3 + 0.6 * (trial % 2))
             pred[g, :len(right)] = np.where(take, right, pred[g, :len(right)])
         pred = np.where(rng.random(pred.shape) < 0.25, -1, pred)
-        for row in pred:  # a prediction list names an instance once
-            _, first = np.unique(row, return_index=True)
-            dup = np.ones(row.size, bool)
-            dup[first] = False
-            row[dup] = -1
+        test_cache.once_per_row(pred)
         cap = int(rng.integers(stream.max_group, n_inst + 1))
         lead_unit = int(rng.choice([0, 10, 1024]))
         _, gated_pf, _ = test_cache.brute_force_forecast(groups, cap, profile, E, pred.tolist(), own_layer=True,
