@@ -19,6 +19,7 @@ from coldset.analysis.time_model import TimeModel, simulate_time
 # time model's own default (demand first, no join)
 SHARE_STEP = dict(link="share", join="step")
 PRIORITY_USE = dict(link="priority", join="use")
+FIFO_STEP = dict(link="fifo", join="step")  # the duel's clock is share/step's: another link mode too
 
 
 def whole_steps(rng, L, E, k, T):
@@ -188,7 +189,8 @@ def adversarial(p, L=4, E=16, T=600):
     return stream, lists, counts, 4 * L
 
 
-@pytest.mark.parametrize("times", [PRIORITY_USE, SHARE_STEP], ids=["priority-use", "share-step"])
+@pytest.mark.parametrize("times", [PRIORITY_USE, SHARE_STEP, FIFO_STEP],
+                         ids=["priority-use", "share-step", "fifo-step"])
 def test_forecast_is_not_slower_than_lru_guard_where_its_prefetches_evict_the_next_steps_experts(times):
     """The adversarial stream at list precision 0.6..0.9: the gate alone keeps the lists open (their
     saving covers their waste) while each wrong one costs a demand miss; the duel closes them:
