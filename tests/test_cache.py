@@ -3,8 +3,6 @@ and the policies' modules)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -17,29 +15,18 @@ from coldset.analysis.simulate import capacity_for_residency, simulate, warm_ord
 from coldset.analysis.streams import AccessStream, CacheError, select_rows, stream_from_frame, trace_decode_rows
 from coldset.analysis.time_model import TimeModel, simulate_time
 from coldset.core.trace import TraceMeta, write_trace
+from test_placement import Shape
 
 # ---------------------------------------------------------------------------------------------
 # brute force: the semantics read literally, one victim at a time by scanning every resident
 
 
 
-@dataclass(frozen=True)
-class TinyShape:
-    """The toy model shape the cache stage's tests place and time (3 layers, MoE layers 0 and 2, 8 experts, top-2)."""
-    moe_layers: tuple = (0, 2)
-    num_layers: int = 3
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_size: int = 16
-    moe_intermediate_size: int = 8
-    intermediate_size: int = 32
-    vocab_size: int = 50
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    head_dim: int = 8
-    model_type: str = "qwen3_moe"
-    tie_word_embeddings: bool = False
-    qk_norm: bool = True
+#: The toy model shape the cache stage's tests place and time (3 layers, MoE layers 0 and 2, 8
+#: experts, top-2): test_placement's stand-in for the engine's ModelConfig.
+TINY_SHAPE = Shape(moe_layers=(0, 2), num_layers=3, num_experts=8, top_k=2, hidden_size=16, moe_intermediate_size=8,
+                   intermediate_size=32, vocab_size=50, head_dim=8, qk_norm=True)
+
 
 def brute_force(groups: list[list[int]], policy: str, capacity: int, profile: np.ndarray, num_layers: int = 0):
     """Per-selection hits and per-missed-selection victims, plain Python. ``lru_guard`` and ``lfu``:
@@ -315,7 +302,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     trace = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(df, preserve_index=False))
     stats = run_stats(trace, tmp_path / "stats", figures=False, progress=False)
     time = {"steps": [{"batch": 1, "all_hbm_step_ms": 2.0}, {"batch": 2, "all_hbm_step_ms": 3.0}]}
-    paths = run_cache(trace, stats["histogram"], TinyShape(), tmp_path / "cache", residencies=[0.25, 0.5],
+    paths = run_cache(trace, stats["histogram"], TINY_SHAPE, tmp_path / "cache", residencies=[0.25, 0.5],
                       locality_json=stats["locality"], time=time)
     every = read_simulation(paths["simulation"])
     assert paths["figure"].stat().st_size > 0
@@ -329,7 +316,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     assert every.step_ms.notna().all() and (every.bound_fraction > 0).all() and (every.bound_fraction <= 1 + 1e-9).all()
     table = every[every.batch == 1]
     for r in (0.25, 0.5):
-        pl = place(read_histogram(stats["histogram"]), TinyShape(), "usage_global", r)
+        pl = place(read_histogram(stats["histogram"]), TINY_SHAPE, "usage_global", r)
         st = table[(table.policy == "static") & (table.residency == r)].iloc[0]
         assert st.capacity == pl.num_hot
         assert st.hit_rate == pytest.approx(pl.coverage_heldout)
@@ -345,16 +332,13 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
             assert row.hit_rate == pytest.approx(ref_hit.mean())
             assert row.misses_per_token == pytest.approx((~ref_hit).sum() / row.tokens)
         # forecast: the forecaster fitted on the profile split's rows, its lists replayed by brute force
-        from coldset.analysis.streams import trace_decode_rows
         from coldset.analysis.forecast import TransitionForecaster, stream_predictions
 
         trows, _ = trace_decode_rows(trace)
         fc = TransitionForecaster.fit(select_rows(trows, "profile"), 2, 8, 2)
         pred = stream_predictions(fc, stream_from_frame(select_rows(trows, "heldout"), 2, 8))
         # the gate's unit from the batch-1 time model's link and compute terms
-        from coldset.analysis.time_model import TimeModel
-
-        lead = TimeModel(2.0, expert_bytes(TinyShape())).lead_unit(2)
+        lead = TimeModel(2.0, expert_bytes(TINY_SHAPE)).lead_unit(2)
         from test_forecast_gate import brute_force_dueled_forecast
 
         ref_hit, ref_pf, _ = brute_force_dueled_forecast(groups, st.capacity, counts.reshape(2, 8), 8, pred.tolist(), 2,
@@ -363,7 +347,7 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         assert row.hit_rate == pytest.approx(ref_hit.mean())
         fills = sum(len({x for x, h in zip(g, ref_hit[a:a + len(g)]) if not h})
                     for g, a in zip(groups, np.cumsum([0] + [len(g) for g in groups])))
-        moved = (fills + ref_pf.sum()) * expert_bytes(TinyShape())
+        moved = (fills + ref_pf.sum()) * expert_bytes(TINY_SHAPE)
         assert row.link_gb_per_token == pytest.approx(moved / row.tokens / 1e9)
         # nexttoken: the forecaster fitted (and tuned) on the profile tokens, its lists replayed by brute force
         from coldset.analysis.streams import lanes_from_frame, token_array
@@ -378,10 +362,10 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
         assert row.hit_rate == pytest.approx(np.mean(ref["hit"]))
         assert row.prefetches_per_token == pytest.approx(sum(ref["prefetches"]) / row.tokens)
     assert table.link_gb_per_token.iloc[0] == pytest.approx(
-        table.misses_per_token.iloc[0] * expert_bytes(TinyShape()) / 1e9)
+        table.misses_per_token.iloc[0] * expert_bytes(TINY_SHAPE) / 1e9)
     # cache.compressed_tier: each row again timed with compressed fills (the bf16 default ratio); the raw rows,
     # the recommendation unchanged
-    both_paths = run_cache(trace, stats["histogram"], TinyShape(), tmp_path / "cache_c", residencies=[0.25, 0.5],
+    both_paths = run_cache(trace, stats["histogram"], TINY_SHAPE, tmp_path / "cache_c", residencies=[0.25, 0.5],
                            time=time, figures=False, compressed={"decode_gb_s": 100.0})
     both = read_simulation(both_paths["simulation"])
     assert both.host_tier.tolist() == ["raw", "compressed"] * len(every)

@@ -17,7 +17,7 @@ from coldset.analysis.time_model import DEFAULT_COMPRESSED_RATIOS
 from coldset.core.trace import TraceMeta, write_trace
 from coldset.reporting.report import render_report
 from coldset.reporting.results import ReportInputError
-from test_cache import TinyShape
+from test_cache import TINY_SHAPE
 from test_report import CONFIG, GIB_PER_EXPERT, MACHINE, MODEL, build_results_tree
 
 
@@ -44,7 +44,7 @@ def cache_stage(tmp_path):
     df = pd.DataFrame(rows, columns=["request", "domain", "position", "phase", "layer", "rank", "expert", "split"])
     trace = write_trace(tmp_path / "t.parquet", meta, pa.Table.from_pandas(df, preserve_index=False))
     stats = run_stats(trace, tmp_path / "stats", figures=False, progress=False)
-    paths = run_cache(trace, stats["histogram"], TinyShape(), tmp_path / "cache", ["static", "lru"], [0.5],
+    paths = run_cache(trace, stats["histogram"], TINY_SHAPE, tmp_path / "cache", ["static", "lru"], [0.5],
                       ["x", "y"], figures=False, time={"steps": [{"batch": 1, "all_hbm_step_ms": 2.0}]},
                       compressed={"decode_gb_s": DECODE_GB_S})
     return pd.read_csv(paths["simulation"])
