@@ -131,8 +131,8 @@ def test_forecast_policy_matches_brute_force():
     seen_prefetch = seen_useful = seen_closed = 0
     for trial in range(40):
         k = int(rng.integers(1, 4))
-        groups, stream, profile, n_inst = test_cache.random_stream(rng, n_layers=3, n_experts=6, k=k,
-                                                                   dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+        groups, stream, profile, n_inst = test_cache.random_stream(
+            rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
         E = stream.num_experts
         width = int(rng.integers(1, 5))
         layer = np.array([g[0] // E for g in groups])

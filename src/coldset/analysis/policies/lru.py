@@ -43,8 +43,9 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     (:func:`coldset.analysis.policies.base.prefetch_lead_unit`, a list judged at the next group of
     the layer it forecasts); < 0: none. ``allow`` bool ``[G]`` (empty: no such condition): with the
     gate, a further condition on group g's list (``forecast``'s duel,
-    :func:`coldset.analysis.policies.forecast.prefetch_duel`). Returns (hit [N], fills [G], prefetches [G], useful, issued
-    [G, W] (copied after each group, in order, -1 padded), wasted (evicted before any hit))."""
+    :func:`coldset.analysis.policies.forecast.prefetch_duel`). Returns (hit [N], fills [G],
+    prefetches [G], useful, issued [G, W] (copied after each group, in order, -1 padded), wasted
+    (evicted before any hit))."""
     n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
