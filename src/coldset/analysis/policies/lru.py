@@ -26,8 +26,9 @@ import numpy as np
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, CachePolicy, Replay, guard_groups, recording
 from coldset.analysis.policies.heap import LFU_KEYS, replay_keyed
-from coldset.analysis.policies.pool import (admit_demand, classify_group, count_useful, end_group, evict, gate_step,
-                                            land_layer, largest_group, link_tail, list_layer)
+from coldset.analysis.policies.pool import (admit_demand, admit_prefetch, classify_group, count_useful, end_group,
+                                            gate_state, gate_step, land_layer, list_layer,
+                                            replay_outputs, recency_pool)
 
 
 @jit
@@ -46,40 +47,19 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
     :func:`coldset.analysis.policies.forecast.prefetch_duel`). Returns (hit [N], fills [G],
     prefetches [G], useful, issued [G, W] (copied after each group, in order, -1 padded), wasted
     (evicted before any hit))."""
-    n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
-    hit = np.zeros(n, dtype=np.bool_)
-    fills = np.zeros(n_groups, dtype=np.int64)
-    prefetches = np.zeros(n_groups, dtype=np.int64)
-    issued = np.full((n_groups, width), -1, dtype=pred.dtype)  # (the lists' own int type: int32 where they fit)
+    hit, fills, prefetches, issued = replay_outputs(ids, ptr, pred)
     wasted = 0
-    resident = np.zeros(n_inst, dtype=np.bool_)
-    protected = np.zeros(n_inst + 1, dtype=np.bool_)
-    in_group = np.zeros(n_inst, dtype=np.bool_)
-    used = np.zeros(n_inst, dtype=np.bool_)
+    useful = 0
+    (resident, nxt, prv, protected, in_group, used, inflight, unused_prefetch, last_group,
+     missed) = recency_pool(warm, n_inst, ptr)
+    head = n_inst  # sentinel
     listed = np.zeros(n_inst, dtype=np.bool_)
-    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
     flight = np.empty(n_inst, dtype=np.int64)
     n_flight = 0
-    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
-    useful = 0
-    head = n_inst  # sentinel
-    nxt = np.full(n_inst + 1, head, dtype=np.int64)
-    prv = np.full(n_inst + 1, head, dtype=np.int64)
-    for j in range(warm.size):
-        x = warm[j]
-        resident[x] = True
-        link_tail(nxt, prv, head, x)
-    max_group = max(largest_group(ptr), 1)
-    missed = np.empty(max_group, dtype=np.int64)
-    last_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # the guard: each instance's last group
     layer_group = np.full(n_layers, -1, dtype=np.int64)  # own_layer: each layer's last group
-    acc = np.zeros(3, dtype=np.int64)  # the gate's running sums
-    want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
-    want_n = np.zeros(n_layers, dtype=np.int64)
-    want_group = np.full(n_layers, -1, dtype=np.int64)
-    mark = np.zeros(n_inst, dtype=np.bool_)
+    acc, want, want_n, want_group, mark = gate_state(n_layers, width, n_inst)
     prev_layer = n_inst
     for g in range(n_groups):
         s = ptr[g]
@@ -102,13 +82,10 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
                 v = nxt[v]
             if v == head:  # every slot is used by this group, in flight or guarded: read in place, not admitted
                 break
-            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            v, w = admit_demand(ids, missed[m], v, resident, protected, unused_prefetch, nxt, prv, head, record,
+                                victims)
             wasted += w
-            admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
-            v = after
-        end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
-        for i in range(s, e):
-            last_group[ids[i]] = g
+        end_group(ids, s, e, g, missed, n_miss, in_group, protected, used, resident, nxt, prv, head, last_group)
         gate = True  # the prefetch gate: the last list for this layer against this group's selections
         if lead_unit >= 0:
             target = layer if own_layer else list_layer(pred, g, n_exp)  # (lookahead: a later layer)
@@ -128,19 +105,12 @@ def replay_lru(ids, ptr, warm, n_inst, n_exp, n_layers, pred, record, victims, g
                 v = nxt[v]
             if v == head:
                 break
-            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            v, w = admit_prefetch(x, v, g, resident, inflight, unused_prefetch, nxt, prv, head, last_group, issued,
+                                  prefetches)
             wasted += w
-            resident[x] = True
-            inflight[x] = True
             if not own_layer:  # (own_layer: released by the issued lists of its layer's last group)
                 flight[n_flight] = x
                 n_flight += 1
-            unused_prefetch[x] = True
-            link_tail(nxt, prv, head, x)
-            last_group[x] = g
-            issued[g, prefetches[g]] = x
-            prefetches[g] += 1
-            v = after
         for q in range(width):
             if pred[g, q] >= 0:
                 listed[pred[g, q]] = False

@@ -20,8 +20,8 @@ import numpy as np
 
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, OWN_LAYER, CachePolicy, Replay, guard_groups, recording
-from coldset.analysis.policies.pool import (admit_demand, classify_group, end_group, evict, gate_step, largest_group,
-                                            link_tail)
+from coldset.analysis.policies.pool import (admit_demand, admit_prefetch, classify_group, count_useful, end_group,
+                                            gate_state, gate_step, land_layer, replay_outputs, recency_pool)
 
 
 @jit
@@ -35,61 +35,33 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
     :func:`coldset.analysis.policies.base.prefetch_lead_unit`; < 0: none, always open) is open (and
     the predicted flags too: a closed gate leaves lru_guard's victims). Returns (hit [N], fills [G],
     prefetches [G], useful, issued [G, W], wasted)."""
-    n = ids.size
     n_groups = ptr.size - 1
     width = pred.shape[1]
-    hit = np.zeros(n, dtype=np.bool_)
-    fills = np.zeros(n_groups, dtype=np.int64)
-    prefetches = np.zeros(n_groups, dtype=np.int64)
-    issued = np.full((n_groups, width), -1, dtype=pred.dtype)  # (the lists' own int type: int32 where they fit)
+    hit, fills, prefetches, issued = replay_outputs(ids, ptr, pred)
     wasted = 0
     useful = 0
-    resident = np.zeros(n_inst, dtype=np.bool_)
-    protected = np.zeros(n_inst + 1, dtype=np.bool_)
-    in_group = np.zeros(n_inst, dtype=np.bool_)
-    used = np.zeros(n_inst + 1, dtype=np.bool_)
-    predicted = np.zeros(n_inst + 1, dtype=np.bool_)
-    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
-    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
-    last_group = np.full(n_layers, -1, dtype=np.int64)  # the previous group of each layer
-    inst_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)  # the guard: each instance's last group
-    acc = np.zeros(3, dtype=np.int64)  # the gate's running sums
-    want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
-    want_n = np.zeros(n_layers, dtype=np.int64)
-    want_group = np.full(n_layers, -1, dtype=np.int64)
-    mark = np.zeros(n_inst, dtype=np.bool_)
+    (resident, nxt, prv, protected, in_group, used, inflight, unused_prefetch, last_group,
+     missed) = recency_pool(warm, n_inst, ptr)
     head = n_inst  # sentinel
-    nxt = np.full(n_inst + 1, head, dtype=np.int64)
-    prv = np.full(n_inst + 1, head, dtype=np.int64)
-    for j in range(warm.size):
-        x = warm[j]
-        resident[x] = True
-        link_tail(nxt, prv, head, x)
-    max_group = max(largest_group(ptr), 1)
-    missed = np.empty(max_group, dtype=np.int64)
+    predicted = np.zeros(n_inst + 1, dtype=np.bool_)
+    layer_group = np.full(n_layers, -1, dtype=np.int64)  # each layer's last group
+    acc, want, want_n, want_group, mark = gate_state(n_layers, width, n_inst)
     for g in range(n_groups):
         s = ptr[g]
         e = ptr[g + 1]
         layer = ids[s] // n_exp
-        pg = last_group[layer]
-        if pg >= 0:  # 1. commit the previous group of this layer's prefetches
-            for q in range(width):
-                x = issued[pg, q]
-                if x >= 0:
-                    inflight[x] = False
+        pg = layer_group[layer]
+        land_layer(issued, pg, inflight)  # 1. commit the previous group of this layer's prefetches
         n_miss = classify_group(ids, s, e, resident, protected, in_group, hit, missed)
         fills[g] = n_miss
-        for i in range(s, e):
-            if hit[i] and unused_prefetch[ids[i]]:
-                unused_prefetch[ids[i]] = False
-                useful += 1
+        useful += count_useful(ids, s, e, hit, unused_prefetch)
         # 2. demand: unpredicted least recent first, then predicted; never used by the group or in flight
         v = nxt[head]
         second = False
         for m in range(n_miss):
             while True:
                 while v != head and (protected[v] or inflight[v] or predicted[v] != second
-                                     or inst_group[v] > g - guard):
+                                     or last_group[v] > g - guard):
                     v = nxt[v]
                 if v != head or second:
                     break
@@ -97,13 +69,10 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
                 v = nxt[head]
             if v == head:  # every slot is used by this group or in flight: read in place, not admitted
                 break
-            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            v, w = admit_demand(ids, missed[m], v, resident, protected, unused_prefetch, nxt, prv, head, record,
+                                victims)
             wasted += w
-            admit_demand(ids, missed[m], v, resident, protected, nxt, prv, head, record, victims)
-            v = after
-        end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head)
-        for i in range(s, e):
-            inst_group[ids[i]] = g
+        end_group(ids, s, e, g, missed, n_miss, in_group, protected, used, resident, nxt, prv, head, last_group)
         # the gate: this layer's last list against this group's selections, then this group's list
         open_gate = True
         if lead_unit >= 0:
@@ -117,7 +86,7 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
         for q in range(width):
             if pred[g, q] >= 0:
                 predicted[pred[g, q]] = open_gate
-        last_group[layer] = g
+        layer_group[layer] = g
         # 4. prefetch: unpredicted, unused, not in-flight, not guarded victims of any layer, least recent first
         v = nxt[head]
         for q in range(width if open_gate else 0):
@@ -126,23 +95,17 @@ def replay_nexttoken(ids, ptr, warm, n_inst, n_exp, n_layers, pred, budget, reco
                 continue
             if budget >= 0 and prefetches[g] >= budget:
                 break
-            while v != head and (used[v] or inflight[v] or predicted[v] or inst_group[v] > g - guard):
+            while v != head and (used[v] or inflight[v] or predicted[v] or last_group[v] > g - guard):
                 v = nxt[v]
             if v == head:
                 break
-            after, w = evict(nxt, prv, resident, unused_prefetch, v)
+            v, w = admit_prefetch(x, v, g, resident, inflight, unused_prefetch, nxt, prv, head, last_group, issued,
+                                  prefetches)
             wasted += w
-            resident[x] = True
-            inflight[x] = True
-            unused_prefetch[x] = True
-            link_tail(nxt, prv, head, x)
-            inst_group[x] = g
-            issued[g, prefetches[g]] = x
-            prefetches[g] += 1
-            v = after
         for i in range(s, e):
             used[ids[i]] = False
     return hit, fills, prefetches, useful, issued, wasted
+
 
 class NextToken(CachePolicy):
     """Prefetch of the next token's forecast experts; demand victims unpredicted first."""

@@ -9,16 +9,18 @@ Every replay loop follows one per-group protocol:
 - pass 3: in rank order, the missed instances take the victims' slots, and keys are updated.
 
 The recency policies keep residents on a doubly linked list in last-use order (head = least
-recent): :func:`link_tail`, :func:`unlink`, :func:`evict`, :func:`admit_demand`,
-:func:`end_group`. The keyed policies (lfu, belady) use the binary min-heap of
+recent): :func:`recency_pool`, :func:`link_tail`, :func:`unlink`, :func:`evict`, :func:`admit_demand`,
+:func:`end_group`, :func:`admit_prefetch`. The keyed policies (lfu, belady) use the binary min-heap of
 :mod:`coldset.analysis.policies.heap`.
 
 The prefetching policies' gate (:func:`coldset.analysis.policies.base.prefetch_lead_unit`):
-:func:`gate_evaluate` at a group of the layer a pending list was for, :func:`gate_open` before a
-group's prefetch.
+:func:`gate_state` before the first group, :func:`gate_evaluate` at a group of the layer a pending
+list was for, :func:`gate_open` before a group's prefetch.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from coldset.analysis.compiled import jit
 from coldset.analysis.policies.base import COPY_UNIT, GATE_SHIFT
@@ -31,6 +33,19 @@ def largest_group(ptr):
     for g in range(ptr.size - 1):
         out = max(out, ptr[g + 1] - ptr[g])
     return out
+
+
+@jit
+def replay_outputs(ids, ptr, pred):
+    """A prefetching replay's outputs before its first group: hit bool ``[N]``, fills ``[G]``,
+    prefetches ``[G]`` and issued ``[G, W]`` (-1 padded, in the lists' own int type: int32 where
+    they fit)."""
+    n_groups = ptr.size - 1
+    hit = np.zeros(ids.size, dtype=np.bool_)
+    fills = np.zeros(n_groups, dtype=np.int64)
+    prefetches = np.zeros(n_groups, dtype=np.int64)
+    issued = np.full((n_groups, pred.shape[1]), -1, dtype=pred.dtype)
+    return hit, fills, prefetches, issued
 
 
 @jit
@@ -61,6 +76,30 @@ def link_tail(nxt, prv, head, x):
 
 
 @jit
+def recency_pool(warm, n_inst, ptr):
+    """The recency pool at a replay's start: ``warm`` resident, on the LRU list in its order (the
+    sentinel ``head`` is ``n_inst``), nothing protected, in the group, used by the step, in flight
+    or an unused prefetch, no instance's last group (the guard's) recent. Returns (resident, nxt,
+    prv, protected, in_group, used, inflight, unused_prefetch, last_group, missed:
+    :func:`classify_group`'s room for one group's misses)."""
+    resident = np.zeros(n_inst, dtype=np.bool_)
+    head = n_inst
+    nxt = np.full(n_inst + 1, head, dtype=np.int64)
+    prv = np.full(n_inst + 1, head, dtype=np.int64)
+    for j in range(warm.size):
+        resident[warm[j]] = True
+        link_tail(nxt, prv, head, warm[j])
+    protected = np.zeros(n_inst + 1, dtype=np.bool_)
+    in_group = np.zeros(n_inst, dtype=np.bool_)
+    used = np.zeros(n_inst + 1, dtype=np.bool_)
+    inflight = np.zeros(n_inst + 1, dtype=np.bool_)
+    unused_prefetch = np.zeros(n_inst, dtype=np.bool_)
+    last_group = np.full(n_inst + 1, -(2**62), dtype=np.int64)
+    missed = np.empty(max(largest_group(ptr), 1), dtype=np.int64)
+    return resident, nxt, prv, protected, in_group, used, inflight, unused_prefetch, last_group, missed
+
+
+@jit
 def unlink(nxt, prv, v):
     after = nxt[v]
     nxt[prv[v]] = after
@@ -80,21 +119,25 @@ def evict(nxt, prv, resident, unused_prefetch, v):
 
 
 @jit
-def admit_demand(ids, i, v, resident, protected, nxt, prv, head, record, victims):
-    """Selection ``i``'s instance takes the slot evicted ``v`` left: resident, protected for the rest
-    of its group, most recent in the LRU list; ``victims[i] = v`` when recording."""
+def admit_demand(ids, i, v, resident, protected, unused_prefetch, nxt, prv, head, record, victims):
+    """Selection ``i``'s instance takes victim ``v``'s slot: resident, protected for the rest of its
+    group, most recent in the LRU list; ``victims[i] = v`` when recording. Returns :func:`evict`'s
+    (the instance after ``v`` in the list, wasted)."""
+    after, wasted = evict(nxt, prv, resident, unused_prefetch, v)
     x = ids[i]
     resident[x] = True
     protected[x] = True
     link_tail(nxt, prv, head, x)
     if record:
         victims[i] = v
+    return after, wasted
 
 
 @jit
-def end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nxt, prv, head):
-    """After a group's demand admissions: its instances are no longer protected, count as used by
-    this step, and the resident ones move to the most recent end of the LRU list in selection order."""
+def end_group(ids, s, e, g, missed, n_miss, in_group, protected, used, resident, nxt, prv, head, last_group):
+    """After group ``g``'s demand admissions: its instances are no longer protected, count as used
+    by this step, have ``g`` as their last group (the guard's), and the resident ones move to the
+    most recent end of the LRU list in selection order."""
     for m in range(n_miss):
         in_group[ids[missed[m]]] = False
     for i in range(s, e):
@@ -104,6 +147,24 @@ def end_group(ids, s, e, missed, n_miss, in_group, protected, used, resident, nx
         if resident[x]:
             unlink(nxt, prv, x)
             link_tail(nxt, prv, head, x)
+    for i in range(s, e):
+        last_group[ids[i]] = g
+
+
+@jit
+def admit_prefetch(x, v, g, resident, inflight, unused_prefetch, nxt, prv, head, last_group, issued, prefetches):
+    """Group ``g``'s prefetch of instance ``x`` takes victim ``v``'s slot: resident, in flight, an
+    unused prefetch, most recent on the LRU list, ``g`` its last group (the guard's), the next entry
+    of ``issued[g]``. Returns :func:`evict`'s (the instance after ``v`` in the list, wasted)."""
+    after, wasted = evict(nxt, prv, resident, unused_prefetch, v)
+    resident[x] = True
+    inflight[x] = True
+    unused_prefetch[x] = True
+    link_tail(nxt, prv, head, x)
+    last_group[x] = g
+    issued[g, prefetches[g]] = x
+    prefetches[g] += 1
+    return after, wasted
 
 
 @jit
@@ -127,6 +188,19 @@ def count_useful(ids, s, e, hit, unused_prefetch):
             unused_prefetch[ids[i]] = False
             n += 1
     return n
+
+
+@jit
+def gate_state(n_layers, width, n_inst):
+    """The gate's state before the first group: running sums ``acc`` int64 ``[3]``, the pending
+    list of each layer (``want [n_layers, W]``, its length ``want_n``, its group ``want_group``, -1:
+    none) and the scratch ``mark`` bool ``[n_inst]`` (see :func:`gate_step`)."""
+    acc = np.zeros(3, dtype=np.int64)
+    want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
+    want_n = np.zeros(n_layers, dtype=np.int64)
+    want_group = np.full(n_layers, -1, dtype=np.int64)
+    mark = np.zeros(n_inst, dtype=np.bool_)
+    return acc, want, want_n, want_group, mark
 
 
 @jit
