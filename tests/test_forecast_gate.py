@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import test_cache
-from coldset.analysis.policies.base import COPY_UNIT
+from coldset.analysis.policies.base import COPY_UNIT, guard_groups
 from coldset.analysis.policies.forecast import DUEL_OPEN_SHIFT, DUEL_SHIFT, group_times
-from coldset.analysis.simulate import simulate
+from coldset.analysis.policies.lru import no_lists, replay_with_lists
+from coldset.analysis.simulate import simulate, warm_order
 from coldset.analysis.streams import AccessStream
 from coldset.analysis.time_model import TimeModel, simulate_time
 
@@ -124,27 +125,35 @@ def brute_force_dueled_forecast(groups, capacity, profile, n_experts, preds, gua
         test_cache.BruteGate = gate
 
 
+def partly_right_case(rng, trial):
+    """A random stream (tests/test_cache.py's ``random_stream``, 3 layers of 6 experts) with lists
+    partly right (so the duel both lets lists through and closes some the gate passes), a pool and
+    a gate: (groups, stream, profile, lists, capacity, lead_unit)."""
+    k = int(rng.integers(1, 4))
+    groups, stream, profile, n_inst = test_cache.random_stream(
+        rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+    E = stream.num_experts
+    width = int(rng.integers(1, 5))
+    layer = np.array([g[0] // E for g in groups])
+    pred = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
+    for g in range(len(groups) - 3):  # some entries right: the layer's next group (as random_stream's)
+        right = groups[g + 3][:width]
+        take = rng.random(len(right)) < (0.3 + 0.6 * (trial % 2))
+        pred[g, :len(right)] = np.where(take, right, pred[g, :len(right)])
+    pred = np.where(rng.random(pred.shape) < 0.25, -1, pred)
+    test_cache.once_per_row(pred)
+    cap = int(rng.integers(stream.max_group, n_inst + 1))
+    return groups, stream, profile, pred, cap, int(rng.choice([0, 10, 1024]))
+
+
 def test_forecast_policy_matches_brute_force():
     """The forecast policy against the literal brute force with the duel, on random streams whose
-    lists are partly right (so the duel both lets lists through and closes some the gate passes)."""
+    lists are partly right."""
     rng = np.random.default_rng(17)
     seen_prefetch = seen_useful = seen_closed = 0
     for trial in range(40):
-        k = int(rng.integers(1, 4))
-        groups, stream, profile, n_inst = test_cache.random_stream(
-            rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+        groups, stream, profile, pred, cap, lead_unit = partly_right_case(rng, trial)
         E = stream.num_experts
-        width = int(rng.integers(1, 5))
-        layer = np.array([g[0] // E for g in groups])
-        pred = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
-        for g in range(len(groups) - 3):  # some entries right: the layer's next group (as random_stream's)
-            right = groups[g + 3][:width]
-            take = rng.random(len(right)) < (0.3 + 0.6 * (trial % 2))
-            pred[g, :len(right)] = np.where(take, right, pred[g, :len(right)])
-        pred = np.where(rng.random(pred.shape) < 0.25, -1, pred)
-        test_cache.once_per_row(pred)
-        cap = int(rng.integers(stream.max_group, n_inst + 1))
-        lead_unit = int(rng.choice([0, 10, 1024]))
         _, gated_pf, _ = test_cache.brute_force_forecast(groups, cap, profile, E, pred.tolist(), own_layer=True,
                                                          guard=3, lead_unit=lead_unit)
         ref_hit, ref_pf, ref_useful = brute_force_dueled_forecast(groups, cap, profile, E, pred.tolist(), 3, lead_unit)
@@ -159,6 +168,39 @@ def test_forecast_policy_matches_brute_force():
         seen_closed += int(np.sum(gated_pf) > np.sum(ref_pf))
     assert seen_prefetch > 50 and seen_useful > 10  # the streams exercised prefetching
     assert seen_closed >= 5  # and the duel closed lists the gate alone let through
+
+
+def test_forecast_is_its_replay_under_the_duel():
+    """Everything the policy decides (hits, fills, prefetches, what they copied, useful and wasted
+    ones, the recorded victims) is the replay under the duel's ``allow`` composed literally from
+    its pieces (the two shadows, :func:`group_times`, :func:`duel_reference`), both where the duel
+    stays open throughout (the policy's gated shadow is then its result) and where it closes."""
+    rng = np.random.default_rng(23)
+    seen_open = seen_closed = 0
+    for trial in range(40):
+        if trial % 2:  # lists mostly right, a group's compute one copy: the duel mostly stays open
+            L, E, k = 3, 8, int(rng.integers(1, 3))
+            sel, stream = whole_steps(rng, L, E, k, 30)
+            pred, profile = forecast_lists(rng, sel, E, 0.9), rng.random((L, E))
+            cap, lead_unit = int(rng.integers(k * L, L * E)), COPY_UNIT
+        else:
+            _, stream, profile, pred, cap, lead_unit = partly_right_case(rng, trial)
+        res = simulate(stream, "forecast", cap, profile, predictions=pred, lead_unit=lead_unit, record_victims=True)
+        warm, guard = warm_order(profile, cap), guard_groups(stream.num_moe_layers)
+        gated = replay_with_lists(stream, warm, pred, None, guard, own_layer=True, lead_unit=lead_unit)
+        plain = replay_with_lists(stream, warm, no_lists(stream), None, guard)
+        layers = stream.instances[stream.group_ptr[:-1]] // stream.num_experts
+        allow = duel_reference(group_times(layers, gated.fills, gated.prefetches, lead_unit),
+                               group_times(layers, plain.fills, plain.prefetches, lead_unit))
+        victims = np.full(stream.instances.size, -1, dtype=np.int64)
+        ref = replay_with_lists(stream, warm, pred, victims, guard, own_layer=True, lead_unit=lead_unit, allow=allow)
+        for name in ("hit", "fills", "prefetches", "issued"):
+            np.testing.assert_array_equal(getattr(res, name), getattr(ref, name), err_msg=f"trial {trial} {name}")
+        np.testing.assert_array_equal(res.victims, victims, err_msg=f"trial {trial} victims")
+        assert (res.useful_prefetches, res.wasted_prefetches) == (ref.useful_prefetches, ref.wasted_prefetches)
+        seen_open += int(allow.all() and ref.prefetches.sum() > 0 and (victims >= 0).any())
+        seen_closed += int(not allow.all())
+    assert seen_open >= 5 and seen_closed >= 5  # both ways, the open one with prefetches and victims
 
 
 def adversarial_steps(rng, p, T, L=4, E=16):

@@ -112,14 +112,23 @@ class Forecast(CachePolicy):
     gated = True
 
     def replay(self, stream, warm, counts, lists, budget, victims, lead_unit=DEFAULT_LEAD_UNIT):
+        """With the gate (``lead_unit >= 0``): the two shadows, the duel, then the replay under it;
+        where the duel stays open throughout, the replay under it is the gated shadow (the same
+        loop with every ``allow[g]`` true), so that shadow, recorded into a copy of ``victims``, is
+        the result."""
         guard = guard_groups(stream.num_moe_layers)
         allow = None
         if lead_unit >= 0:
-            gated = replay_with_lists(stream, warm, lists, None, guard, own_layer=True, lead_unit=lead_unit)
+            shadow_victims = None if victims is None else victims.copy()
+            gated = replay_with_lists(stream, warm, lists, shadow_victims, guard, own_layer=True, lead_unit=lead_unit)
             plain = replay_with_lists(stream, warm, no_lists(stream), None, guard)
             layers = stream.instances[stream.group_ptr[:-1]] // stream.num_experts
             allow = prefetch_duel(group_times(layers, gated.fills, gated.prefetches, lead_unit),
                                   group_times(layers, plain.fills, plain.prefetches, lead_unit), DUEL_SHIFT,
                                   DUEL_OPEN_SHIFT)
+            if allow.all():
+                if victims is not None:
+                    victims[:] = shadow_victims
+                return gated
         return replay_with_lists(stream, warm, lists, victims, guard, own_layer=True, lead_unit=lead_unit,
                                  allow=allow)
