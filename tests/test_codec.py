@@ -2,17 +2,13 @@
 the interpreter), the code is a valid length-limited prefix code near the entropy, and bf16 weights
 drawn as trained ones compress to under 0.70 of their bytes."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from coldset.core import codec
 from coldset.core.fp8 import quantize_weight
+from interpreter_helpers import run_interpreted
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
@@ -159,12 +155,7 @@ print("INTERPRETED OK")
 def test_triton_decoder_under_the_interpreter_equals_the_torch_decoder_bit_for_bit():
     """The Triton decoder on the CPU through Triton's interpreter (where triton is importable: the test
     extra installs it), on the adversarial inputs, a poisoned output every element of which it writes."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 @pytest.mark.gpu

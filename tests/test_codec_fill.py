@@ -4,11 +4,6 @@ the raw tier (bf16, adversarial bf16, block-FP8 with its scales, MXFP4 with its 
 rows than listed lanes), and on CUDA a slot cache over the compressed tier bitwise the raw tier's
 (the same decisions, the same slots, the captured step's logits)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +11,7 @@ import torch
 from coldset.core import codec, mxfp4
 from coldset.kernels.compressed_tier import compressed_host_tier
 from coldset.kernels.tiers import ExpertPools
+from interpreter_helpers import run_interpreted
 from test_codec_tier import L, E, adversarial_pools, bf16_pools, fp8_pools, gaussian
 from test_slots import graphed_model  # noqa: F401 (pytest fixture: the synthetic model the slot tests capture)
 
@@ -119,12 +115,7 @@ def test_listed_fill_under_the_interpreter_is_bitwise_the_row_copy_and_tags_afte
     raw, weights and scales) as the raw tier's row copy; the masked lane writes nothing; the tags of
     the filled slots land and the ticket is back to zero; and triton_slots.fill on pools carrying a
     listed fill dispatches to it."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 # ------------------------------------------------------------------------------------------ CUDA

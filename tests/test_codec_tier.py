@@ -2,11 +2,6 @@
 copies (bf16, block-FP8 with its float32 scales, MXFP4 with its e8m0 scales; adversarial bit
 patterns), the host bytes drop, and an in-place reader refuses it by name."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +11,7 @@ from coldset.analysis.placement import row_map_from_mask
 from coldset.kernels.compressed_tier import (CompressedTierError, compressed_host_tier, fill_slots,
                                              staging_buffer)
 from coldset.kernels.tiers import ExpertPools, host_tier
+from interpreter_helpers import run_interpreted
 
 L, E = 2, 3
 
@@ -179,12 +175,7 @@ def test_triton_decoder_fills_from_the_tiers_records_under_the_interpreter():
     """The records as the CUDA fill reads them (views of one expert's staged bytes) through the Triton
     decoder under Triton's interpreter, into poisoned outputs: every byte of every coded part (bf16
     experts; the one-byte path's interpreter test is tests/test_codec.py's)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 @pytest.mark.gpu

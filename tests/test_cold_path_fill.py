@@ -3,12 +3,7 @@ of the listed records is copied, then decoded in a launch whose first programs c
 the second half is decoded. Under Triton's interpreter, for every count of filled rows (the halves
 uneven, one empty), bitwise the raw tier's row copy; a half's copy stages only its own rows."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-
-import pytest
+from interpreter_helpers import run_interpreted
 
 _INTERPRETED = r"""
 import sys, torch
@@ -49,9 +44,4 @@ print("INTERPRETED OK")
 
 
 def test_the_fill_copies_the_second_half_beside_the_first_halfs_decode_bitwise():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(_INTERPRETED)

@@ -20,41 +20,11 @@ import torch
 from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.activation import swiglu_clamped
 from coldset.kernels.tiers import ExpertPools, build_pools
+from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu  # CUDA-only: skipped without CUDA by tests/conftest.py
 
-# torch's round-to-nearest-even casts stand in for the interpreter's float casts (as
-# tests/test_fp8_experts.py: triton's _convert_float drops the mantissa carry into the exponent)
-_PRELUDE = r"""
-import sys
-import numpy as np
-import torch
-from triton.runtime import interpreter
-
-_T = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_I = {8: (np.int8, torch.uint8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
-_orig = interpreter._convert_float
-
-def _convert_float(data, src_ty, dst_ty, rounding_mode):
-    src, dst = _T.get(src_ty.name), _T.get(dst_ty.name)
-    if src is None or dst is None:
-        return _orig(data, src_ty, dst_ty, rounding_mode)
-    t = torch.from_numpy(np.ascontiguousarray(data).copy().view(_I[src_ty.primitive_bitwidth][0])).view(src)
-    out = t.to(dst).view(_I[dst_ty.primitive_bitwidth][1]).numpy()
-    return out.view(np.dtype(f"uint{dst_ty.primitive_bitwidth}"))
-
-interpreter._convert_float = _convert_float
-sys.path.insert(0, sys.argv[1])
-import triton
-import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
-from coldset.kernels import triton_fp8, triton_moe
-
-@triton.jit
-def _no_op():
-    pass
-
-for mod in (triton_fp8, triton_moe):  # pdl: launches run one after the other here
-    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
+_PRELUDE = ROUNDED_CASTS + pdl_no_ops("triton_fp8", "triton_moe") + r"""
 from test_expert_bias_triton import biased_case, check_case
 from coldset.kernels.triton_moe import KernelConfig
 """
@@ -156,34 +126,19 @@ def check_case(fmt, dtype, tokens, cfg, kind, bias, tol, placements=True):
     assert torch.equal(triton_experts(cache.pools, 1, x, ids, w, cfg), base), (fmt, cfg, "slot cache")
 
 
-def _run_interpreted(script: str) -> None:
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
-
-
 def test_bf16_kernel_biases_and_clamped_swiglu_under_the_interpreter():
     """bf16/fp16 kernel: in-kernel and sorted grouping, half tiles, tile order, the 16-bit per-pair
     buffer, split-K (w13's bias added to the summed splits, w2's in split 0), SiLU with biases and
     the clamped SwiGLU without: the torch path to 5e-3 (fp16: the interpreter's bf16 dots read raw
     bits; bf16 runs compiled in the gpu test), placements bitwise."""
-    _run_interpreted(_BF16)
+    run_interpreted(_BF16)
 
 
 def test_fp8_kernel_biases_and_clamped_swiglu_under_the_interpreter():
     """Block-FP8 kernel: the intermediate quantized by its own launch or the w13 epilogue, the
     tokens inside the w13 launch, weight-only, swapped products: the torch FP8 path to 2e-3 (float32
     summation order, a rare flipped e4m3 rounding), placements bitwise."""
-    _run_interpreted(_FP8)
+    run_interpreted(_FP8)
 
 
 def _gpu_cases():

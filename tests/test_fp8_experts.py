@@ -24,6 +24,8 @@ Tolerances, against float64:
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,8 @@ import torch.nn.functional as F
 from coldset.core import fp8
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
+from expert_helpers import hot_cold_mixed_maps, replays_over_row_maps
+from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu
 # KernelConfig fields of the FP8 kernel's quantization options (triton_fp8's docstring)
@@ -169,28 +173,7 @@ def test_fp8_pools_refuse_missing_or_misshapen_scales():
 # ------------------------------------------- the Triton FP8 kernel under Triton's interpreter (CPU) -------
 
 # the interpreter scripts' common start: float casts fixed, the tests' helpers and the kernels imported
-_PRELUDE = r"""
-import sys
-import numpy as np
-import torch
-from triton.runtime import interpreter
-
-# torch's round-to-nearest-even casts stand in for the interpreter's float casts (triton 3.6's
-# _convert_float drops the mantissa carry into the exponent: 124.3 -> 64 in e4m3)
-_T = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_I = {8: (np.int8, torch.uint8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
-_orig = interpreter._convert_float
-
-def _convert_float(data, src_ty, dst_ty, rounding_mode):
-    src, dst = _T.get(src_ty.name), _T.get(dst_ty.name)
-    if src is None or dst is None:
-        return _orig(data, src_ty, dst_ty, rounding_mode)
-    t = torch.from_numpy(np.ascontiguousarray(data).copy().view(_I[src_ty.primitive_bitwidth][0])).view(src)
-    out = t.to(dst).view(_I[dst_ty.primitive_bitwidth][1]).numpy()
-    return out.view(np.dtype(f"uint{dst_ty.primitive_bitwidth}"))
-
-interpreter._convert_float = _convert_float
-sys.path.insert(0, sys.argv[1])
+_PRELUDE = ROUNDED_CASTS + r"""
 from test_fp8_experts import make_fp8, random_row_map, routing
 from coldset.core import fp8
 from coldset.kernels import torch_experts, triton_experts
@@ -201,23 +184,13 @@ from coldset.kernels.tiers import ExpertPools, build_pools
 
 # pdl 1-3 under the interpreter: the grid-dependency instructions as no-ops (the interpreter runs
 # launches one after the other) and the L2 prefetch recorded in PREFETCHED (both scripts use it)
-_PDL_STUBS = r"""
-import triton
-import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
-from coldset.kernels import triton_fp8, triton_moe
-
-@triton.jit
-def _no_op():
-    pass
-
+_PDL_STUBS = pdl_no_ops("triton_fp8", "triton_moe") + r"""
 PREFETCHED = []
 
 @triton.jit
 def _record_prefetch(addr, nbytes):
     PREFETCHED.append((int(addr.handle.data.reshape(-1)[0]), int(nbytes.handle.data.reshape(-1)[0])))
 
-for mod in (triton_fp8, triton_moe):
-    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
 triton_fp8._prefetch_l2 = _record_prefetch
 """
 
@@ -385,30 +358,13 @@ print("INTERPRETED OK")
 """
 
 
-def _run_interpreted(script: str) -> None:
-    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable: the
-    test extra installs it); it prints INTERPRETED OK when every check held."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
-
-
 def test_triton_fp8_kernel_under_the_interpreter_equals_the_torch_path():
     """The FP8 kernel's launches on the CPU through Triton's interpreter (where triton is importable:
     the test extra installs it): the quantization launch bit for bit :func:`fp8.quantize_activations`,
     the intermediate quantized by the w13 launch (block_n1 128, 256, partial groups) or by its own
     launch (32) equal to the torch path to float32 summation order, and a placement bitwise all-hot;
     the pdl modes' launches (grid-dependency instructions stubbed out) bitwise pdl 0's."""
-    _run_interpreted(_INTERPRETED)
+    run_interpreted(_INTERPRETED)
 
 
 def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separate_launches():
@@ -420,7 +376,7 @@ def test_triton_fp8_quantization_options_under_the_interpreter_bitwise_the_separ
     groups of H and I, a zero group of the tokens and of the intermediate (scale 1e-10 / 448, the
     launch's rule, checked on the launch); refusals by name; pdl 1-3 with the options bitwise pdl
     0, the w13 launch prefetching nothing with ``quant_x=1``."""
-    _run_interpreted(_INTERPRETED_QUANT)
+    run_interpreted(_INTERPRETED_QUANT)
 
 
 _INTERPRETED_SWAP = _PRELUDE + _CONFIG_HELPERS + _PDL_STUBS + r"""
@@ -473,7 +429,7 @@ def test_triton_fp8_swap_ab_under_the_interpreter_matches_the_torch_path_and_is_
     H and I, the intermediate quantized by its own launch and by the w13 epilogue, 8 warps, pdl 3
     with tile_order 1; refusals by name (fewer than 64 rows a block, warps not whole warpgroups, the
     tokens not from their own launch)."""
-    _run_interpreted(_INTERPRETED_SWAP)
+    run_interpreted(_INTERPRETED_SWAP)
 
 
 # the benchmark's cumulative stages (fp8_experts_launches through issue_through): each launch recorded
@@ -554,7 +510,7 @@ def test_triton_fp8_stages_under_the_interpreter_each_stage_equals_the_full_call
     the full call's same launch's (e.g. w2's per-pair products are what the sum read), the
     generator run to its end is the full output, and a stop the config does not launch is refused
     by name."""
-    _run_interpreted(_INTERPRETED_STOP)
+    run_interpreted(_INTERPRETED_STOP)
 
 
 def test_fp8_search_space_tries_the_quantization_options_at_decode_and_defaults_are_unchanged():
@@ -718,13 +674,8 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl, fiel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_experts(pools, 1, x, ids, w, cfg)
-    hot = torch.arange(L * E, dtype=torch.int32).reshape(L, E)
-    mixed = torch.where(torch.arange(L * E).reshape(L, E) % 3 == 0, -hot - 1, hot).to(torch.int32)
-    for rm in (hot, -hot - 1, mixed):
-        pools.set_row_map(rm)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    for name in replays_over_row_maps(pools, graph):  # hot, every expert cold, mixed
+        assert torch.equal(out, ref), name
 
 
 @gpu
@@ -742,7 +693,7 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     With ``quant_x=1`` (``fields``; not yet run on a GPU) there is no quantization launch: the w13
     launch is the first, a plain launch with pdl 1-2 and with pdl 3 a dependent launch of the late
     writer that must wait before reading anything; the same bits as the separate launches."""
-    from late_writer import late_copy
+    from late_writer import output_after_a_late_write
 
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
@@ -753,22 +704,15 @@ def test_triton_fp8_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_toke
     x, ids, w = routing(num_tokens, E, K, H, torch.bfloat16, seed=32, device="cuda")
     x_old, ids_old, w_old = routing(num_tokens, E, K, H, torch.bfloat16, seed=33, device="cuda")
     layer = 1
-    idx = np.arange(L * E).reshape(L, E)
-    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
     ref = float64_fp8_moe(tuple(t.cuda() for t in q), layer, x, ids, w)
     outs = {}
     for pdl in (0, 1, 2, 3):
         cfg = KernelConfig(**{**KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl).to_dict(), **fields})
         triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
-        for name, m in maps.items():
-            real = torch.as_tensor(m.astype(np.int32)).cuda()
-            pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
-            x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
-            torch.cuda.synchronize()
-            late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)], delay_us=500.0)
-            out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
-            torch.cuda.synchronize()
-            assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+        for name, m in hot_cold_mixed_maps(L, E).items():
+            out, landed = output_after_a_late_write(pools, (x, ids, w), (x_old, ids_old, w_old), m,
+                                                    partial(triton_experts, pools, layer, config=cfg))
+            assert landed  # the late write landed
             outs[(pdl, name)] = out
     base = outs[(0, "hot")]
     assert rel_err(base, ref.cpu()) < 2e-2  # pdl 0 waited for the writer: the real inputs

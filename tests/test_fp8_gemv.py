@@ -34,6 +34,8 @@ import torch
 
 from coldset.core import fp8
 from coldset.kernels.reference import torch_gemv
+from interpreter_helpers import run_interpreted
+from test_fp8_experts import _PRELUDE
 
 # (n, k, config fields or None): K not a multiple of 128 (a partial last group), N not a multiple of
 # a program's rows, a row loop (iters) whose last blocks run past N, K below 128 (one partial group)
@@ -219,9 +221,7 @@ def test_fp8_gemv_under_the_interpreter():
     """:func:`check_kernel` on the CPU through Triton's interpreter (float32 and fp16; skipped where
     triton is not importable): every option against float64 and the torch reference, the mutants
     caught, a fused qkv of three grids, the config rule, the refusals."""
-    from test_fp8_experts import _PRELUDE, _run_interpreted
-
-    _run_interpreted(_PRELUDE + "\nimport test_fp8_gemv as T\nT.check_kernel('cpu')\nprint('INTERPRETED OK')\n")
+    run_interpreted(_PRELUDE + "\nimport test_fp8_gemv as T\nT.check_kernel('cpu')\nprint('INTERPRETED OK')\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ pools right after a fill, bitwise.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -35,8 +37,10 @@ import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
-from test_fp8_experts import (_CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, _run_interpreted, dup_fp8_pools, make_fp8, random_row_map,
-                              rel_err, routing, signed_bias)
+from expert_helpers import hot_cold_mixed_maps, replays_over_row_maps
+from interpreter_helpers import run_interpreted
+from test_fp8_experts import (_CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, dup_fp8_pools, make_fp8, random_row_map, rel_err,
+                              routing, signed_bias)
 
 gpu = pytest.mark.gpu
 W8A16 = {"w8a16": 1}
@@ -195,7 +199,7 @@ def test_w8a16_kernel_under_the_interpreter_against_float64_bitwise_across_place
     hot/cold, all-cold and slot-cache rows (a CPU slot cache right after a fill), in-kernel and
     sorted grouping, partial blocks of H and I, 16- and 32-row tiles, half_buf; pdl 1-3 bitwise pdl
     0 with nothing prefetched; refusals by name."""
-    _run_interpreted(_INTERPRETED_W8A16)
+    run_interpreted(_INTERPRETED_W8A16)
 
 
 def test_fp8_search_space_times_w8a16_at_decode_only():
@@ -352,13 +356,8 @@ def test_w8a16_cuda_graph_replay_after_row_map_change(num_tokens, pdl, mode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_experts(pools, 1, x, ids, w, cfg)
-    hot = torch.arange(L * E, dtype=torch.int32).reshape(L, E)
-    mixed = torch.where(torch.arange(L * E).reshape(L, E) % 3 == 0, -hot - 1, hot).to(torch.int32)
-    for rm in (hot, -hot - 1, mixed):
-        pools.set_row_map(rm)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    for name in replays_over_row_maps(pools, graph):  # hot, every expert cold, mixed
+        assert torch.equal(out, ref), name
 
 
 @gpu
@@ -369,7 +368,7 @@ def test_w8a16_pdl_modes_bitwise_after_a_late_writing_kernel(num_tokens):
     reading x, the ids and the row map. The kernel before is a late writer (releases dependents at
     once, writes after 500 µs over stale inputs); every pdl mode gives pdl 0's bits on hot, cold and
     mixed maps, and pdl 0 the float64 value."""
-    from late_writer import late_copy
+    from late_writer import output_after_a_late_write
 
     from coldset.kernels import triton_experts
 
@@ -379,21 +378,14 @@ def test_w8a16_pdl_modes_bitwise_after_a_late_writing_kernel(num_tokens):
     x, ids, w = routing(num_tokens, E, K, H, torch.bfloat16, seed=32, device="cuda")
     x_old, ids_old, w_old = routing(num_tokens, E, K, H, torch.bfloat16, seed=33, device="cuda")
     layer = 1
-    idx = np.arange(L * E).reshape(L, E)
-    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
     outs = {}
     for pdl in (0, 1, 2, 3):
         cfg = _cfg(pdl=pdl)
         triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
-        for name, m in maps.items():
-            real = torch.as_tensor(m.astype(np.int32)).cuda()
-            pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
-            x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
-            torch.cuda.synchronize()
-            late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)], delay_us=500.0)
-            out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
-            torch.cuda.synchronize()
-            assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+        for name, m in hot_cold_mixed_maps(L, E).items():
+            out, landed = output_after_a_late_write(pools, (x, ids, w), (x_old, ids_old, w_old), m,
+                                                    partial(triton_experts, pools, layer, config=cfg))
+            assert landed  # the late write landed
             outs[(pdl, name)] = out
     base = outs[(0, "hot")]
     assert rel_err(base, float64_w8a16(q, layer, x.cpu(), ids.cpu(), w.cpu())) < 1e-2

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import ExpertPools, build_pools
+from expert_helpers import hot_cold_mixed_maps
 
 gpu = pytest.mark.gpu  # CUDA-only: skipped without CUDA by tests/conftest.py
 
@@ -298,8 +301,6 @@ def test_triton_refuses_unknown_pdl_mode():
 @pytest.mark.parametrize("num_tokens", [2, 40])
 @pytest.mark.parametrize("pdl,split,order", [(0, 1, 0), (1, 1, 0), (2, 1, 0), (3, 1, 1), (0, 2, 1), (2, 2, 0)])
 def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
-    from functools import partial
-
     from coldset.kernels.triton_moe import KernelConfig
     from coldset.kernels.triton_moe import triton_experts as _triton_experts
 
@@ -368,7 +369,7 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     pdl 0's bits, for hot, cold and mixed maps, in both grouping modes; a launch that read before
     waiting would see the stale inputs. Each config runs once first, so that compiling it does not
     hold its launch back past the delay."""
-    from late_writer import late_copy
+    from late_writer import output_after_a_late_write
 
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
@@ -379,24 +380,16 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=32, device="cuda")
     x_old, ids_old, w_old = make_routing(num_tokens, E, K, H, dtype, seed=33, device="cuda")
     layer = 1
-    n = L * E
-    idx = np.arange(n).reshape(L, E)
-    maps = {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
     ref = float64_experts(w13, w2, layer, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
         outs = {}
         for pdl in (0, 1, 2, 3):
             cfg = KernelConfig(16, 32, 64, 32, 64, 4, 3, slot_max, pdl)
             triton_experts(pools, layer, x, ids, w, cfg)  # compiled before the timing-sensitive calls
-            for name, m in maps.items():
-                real = torch.as_tensor(m.astype(np.int32)).cuda()
-                pools.set_row_map(np.roll(m, -1, axis=1).astype(np.int32))  # expert e -> e + 1's rows
-                x_in, ids_in, w_in = x_old.clone(), ids_old.clone(), w_old.clone()
-                torch.cuda.synchronize()
-                late_copy([(x, x_in), (ids, ids_in), (w, w_in), (real, pools.row_map)], delay_us=500.0)
-                out = triton_experts(pools, layer, x_in, ids_in, w_in, cfg)
-                torch.cuda.synchronize()
-                assert torch.equal(pools.row_map, real) and torch.equal(ids_in, ids)  # the late write landed
+            for name, m in hot_cold_mixed_maps(L, E).items():
+                out, landed = output_after_a_late_write(pools, (x, ids, w), (x_old, ids_old, w_old), m,
+                                                        partial(triton_experts, pools, layer, config=cfg))
+                assert landed  # the late write landed
                 outs[(pdl, name)] = out
         base = outs[(0, "hot")]
         assert rel_err(base, ref) < 1e-2  # pdl 0 waited for the writer: the real inputs

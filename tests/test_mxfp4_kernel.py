@@ -4,28 +4,19 @@ output within 2^-7 of |oracle| + the oracle's RMS); every placement bitwise the 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 
 # ------------------------------------------- the Triton kernel under Triton's interpreter (CPU) -------
 
-_PRELUDE = r"""
-import sys
-import numpy as np
-import torch
+_PRELUDE = ROUNDED_CASTS + r"""
 import triton
 import triton.language as tl
-from triton.runtime import interpreter
 
 # The interpreter keeps bf16 as its raw uint16 bits and its dot multiplies those integers (triton
-# 3.8): a dot's bf16 operands go in as float32 (which holds them exactly); and torch's
-# round-to-nearest-even casts stand in for its float casts (as tests/test_fp8_experts.py's prelude)
+# 3.8): a dot's bf16 operands go in as float32 (which holds them exactly)
 _orig_dot = interpreter.InterpreterBuilder.create_dot
 
 def _bf16_as_f32(h):
@@ -39,23 +30,10 @@ def _create_dot(self, a, b, d, *args):
     return _orig_dot(self, _bf16_as_f32(a), _bf16_as_f32(b), d, *args)
 
 interpreter.InterpreterBuilder.create_dot = _create_dot
-_T = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_I = {16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
-_orig_convert = interpreter._convert_float
-
-def _convert_float(data, src_ty, dst_ty, rounding_mode):
-    src, dst = _T.get(src_ty.name), _T.get(dst_ty.name)
-    if src is None or dst is None:
-        return _orig_convert(data, src_ty, dst_ty, rounding_mode)
-    t = torch.from_numpy(np.ascontiguousarray(data).copy().view(_I[src_ty.primitive_bitwidth][0])).view(src)
-    out = t.to(dst).view(_I[dst_ty.primitive_bitwidth][1]).numpy()
-    return out.view(np.dtype(f"uint{dst_ty.primitive_bitwidth}"))
-
-interpreter._convert_float = _convert_float
-sys.path.insert(0, sys.argv[1])
 """
 
-_INTERPRETED = _PRELUDE + r"""
+# pdl 2 runs its launches one after the other with the grid-dependency instructions as no-ops
+_INTERPRETED = _PRELUDE + pdl_no_ops("triton_mxfp4", "triton_moe") + r"""
 from coldset.core import mxfp4
 from coldset.kernels import triton_moe, triton_mxfp4, torch_experts
 from coldset.kernels.activation import SILU, swiglu_clamped
@@ -64,13 +42,6 @@ from coldset.kernels.triton_moe import KernelConfig
 from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
 from test_mxfp4_pools import (assert_close_to_oracle, float64_oracle, make_mxfp4, pools_of, random_row_map,
                                routing)
-
-@triton.jit
-def _no_op():
-    pass
-
-for mod in (triton_mxfp4, triton_moe):  # pdl 2: the grid-dependency instructions as no-ops
-    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
 
 # (H, I, tokens, config): in-kernel grouping (6 pairs <= 8 experts) and the sorted grouping; a k step
 # past I (96 = 64 + 32: masked groups) and past H; partial column blocks; 32-input k steps; tile order
@@ -154,18 +125,6 @@ print("INTERPRETED OK")
 """
 
 
-def _run_interpreted(script: str) -> str:
-    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (where triton is importable: the
-    test extra installs it); it prints INTERPRETED OK when every check held. Returns its stdout."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_triton_mxfp4_kernel_under_the_interpreter():
     """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its four paths (bf16 dots
     on tiles unpacked value by value or by 32-bit words, fp16 dots one per scale group, the GEMV
@@ -173,7 +132,7 @@ def test_triton_mxfp4_kernel_under_the_interpreter():
     groupings, masked k steps and column blocks, tile orders, half_buf, pdl 2 with the
     grid-dependency instructions stubbed out), every placement bitwise the all-hot path, the two
     bf16 unpackings bitwise equal, the word unpack of every code in every nibble; refusals by field."""
-    _run_interpreted(_INTERPRETED)
+    run_interpreted(_INTERPRETED, timeout=900)
 
 
 _MEASURE_TINY = _PRELUDE + r"""
@@ -195,7 +154,7 @@ def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     """The H200 measurement script (``python -m coldset.measure.kernel_mxfp4``) end to end with
     ``--tiny`` on the CPU: its correctness checks of every decode config (each path) against the
     torch path (no times without CUDA), none failed, its table and JSON."""
-    stdout = _run_interpreted(_MEASURE_TINY)
+    stdout = run_interpreted(_MEASURE_TINY, timeout=900)
     assert "tokens" in stdout and "err/tol" in stdout
 
 

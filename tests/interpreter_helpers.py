@@ -1,0 +1,70 @@
+"""Triton kernels checked on the CPU under Triton's interpreter: a child Python with
+``TRITON_INTERPRET=1`` runs a check script (this folder on its ``sys.path`` as ``sys.argv[1]``) that
+prints INTERPRETED OK when every check held; and the pieces the kernel tests' scripts start with.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# torch's round-to-nearest-even casts stand in for the interpreter's float casts (triton's
+# _convert_float drops the mantissa carry into the exponent: 124.3 -> 64 in e4m3); then this
+# folder on sys.path
+ROUNDED_CASTS = r"""
+import sys
+import numpy as np
+import torch
+from triton.runtime import interpreter
+
+_T = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_I = {8: (np.int8, torch.uint8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
+_orig_convert = interpreter._convert_float
+
+def _convert_float(data, src_ty, dst_ty, rounding_mode):
+    src, dst = _T.get(src_ty.name), _T.get(dst_ty.name)
+    if src is None or dst is None:
+        return _orig_convert(data, src_ty, dst_ty, rounding_mode)
+    t = torch.from_numpy(np.ascontiguousarray(data).copy().view(_I[src_ty.primitive_bitwidth][0])).view(src)
+    out = t.to(dst).view(_I[dst_ty.primitive_bitwidth][1]).numpy()
+    return out.view(np.dtype(f"uint{dst_ty.primitive_bitwidth}"))
+
+interpreter._convert_float = _convert_float
+sys.path.insert(0, sys.argv[1])
+"""
+
+
+def pdl_no_ops(*modules: str) -> str:
+    """Script text that makes the grid-dependency instructions (``gdc_wait``,
+    ``gdc_launch_dependents``) of the named :mod:`coldset.kernels` modules no-ops: the interpreter
+    runs launches one after the other, so pdl modes run their launches' plumbing only."""
+    names = ", ".join(modules)
+    return rf"""
+import triton
+import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the stubs below
+from coldset.kernels import {names}
+
+@triton.jit
+def _no_op():
+    pass
+
+for mod in ({names},):
+    mod.gdc_wait = mod.gdc_launch_dependents = _no_op
+"""
+
+
+def run_interpreted(script: str, timeout: int = 600) -> str:
+    """Run ``script`` in a child Python with ``TRITON_INTERPRET=1`` (skipped where triton is not
+    importable; the test extra installs it); it must exit 0 printing INTERPRETED OK. Returns its stdout."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and "INTERPRETED OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
