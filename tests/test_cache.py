@@ -424,6 +424,35 @@ def test_without_numba_the_same_source_runs_as_plain_python():
 # forecast: lru plus the per-layer prefetch of a prediction list (issue 12, item 3)
 
 
+def brute_warm_start(profile, capacity):
+    """The warm start read literally: the ``capacity`` most used instances of ``profile`` (ties: the
+    lower id) resident, least used first in recency (ticks -capacity .. -1). ``(resident, recency)``."""
+    flat = profile.reshape(-1)
+    hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
+    warm = sorted(hot, key=lambda x: (flat[x], x))
+    return set(warm), {x: float(j - capacity) for j, x in enumerate(warm)}
+
+
+def first_misses(g, gh):
+    """The group's missed instances (``gh``: each selection's hit), each once, in selection order."""
+    missed = []
+    for x, h in zip(g, gh):
+        if not h and x not in missed:
+            missed.append(x)
+    return missed
+
+
+def brute_touch(g, resident, recency, last, tick, gi):
+    """Each selection of group ``gi`` in turn takes a tick: a resident instance's recency becomes its
+    tick, its last group ``gi``. Returns the next tick."""
+    for x in g:
+        if x in resident:
+            recency[x] = float(tick)
+        tick += 1
+        last[x] = gi
+    return tick
+
+
 class BruteGate:
     """The prefetch gate read literally: running (wanted, useful, saving) sums over the lists, each
     list judged when its layer next runs."""
@@ -447,11 +476,7 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds, own_layer=
     """The forecast policy read literally: per-selection hits, per-group prefetches, useful ones.
     ``own_layer``: a prefetch is in flight until its layer's next group (else until the step ends);
     ``guard``: no victim the last ``guard`` groups used or prefetched; ``lead_unit``: the gate."""
-    flat = profile.reshape(-1)
-    hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
-    warm = sorted(hot, key=lambda x: (flat[x], x))
-    resident = set(warm)
-    recency = {x: float(j - capacity) for j, x in enumerate(warm)}
+    resident, recency = brute_warm_start(profile, capacity)
     inflight, fresh = set(), set()
     hits, prefetches, useful = [], [], 0
     tick, prev_layer = 0, None
@@ -471,11 +496,7 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds, own_layer=
             if h and x in fresh:
                 useful += 1
                 fresh.discard(x)
-        missed = []
-        for x, h in zip(g, gh):
-            if not h and x not in missed:
-                missed.append(x)
-        for x in missed:
+        for x in first_misses(g, gh):
             cands = [y for y in resident if y not in g and y not in inflight and y not in guarded]
             if not cands:
                 break
@@ -483,11 +504,7 @@ def brute_force_forecast(groups, capacity, profile, n_experts, preds, own_layer=
             resident.remove(v)
             fresh.discard(v)
             resident.add(x)
-        for x in g:
-            if x in resident:
-                recency[x] = float(tick)
-            tick += 1
-            last[x] = gi
+        tick = brute_touch(g, resident, recency, last, tick, gi)
         guarded |= set(g)
         listed = {x for x in pred if x >= 0}
         n = 0
@@ -640,11 +657,7 @@ def test_lookahead_prefetch_lands_for_a_later_layer_of_the_step():
 def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists, budget, lead_unit=1024):
     """Per-selection hits, per-group prefetch lists, useful and wasted prefetches, plain Python; no
     victim among the instances the last ``n_layers`` groups used or prefetched; the gate."""
-    flat = profile.reshape(-1)
-    hot = sorted(range(flat.size), key=lambda x: (-flat[x], x))[:capacity]
-    warm = sorted(hot, key=lambda x: (flat[x], x))
-    resident = set(warm)
-    recency = {x: float(j - capacity) for j, x in enumerate(warm)}
+    resident, recency = brute_warm_start(profile, capacity)
     predicted_of = {}  # layer -> the latest candidate set
     inflight_of = {}  # layer -> instances prefetched after its previous group
     fresh = set()
@@ -664,11 +677,7 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
             if h and x in fresh:
                 out["useful"] += 1
                 fresh.discard(x)
-        missed = []
-        for x, h in zip(g, gh):
-            if not h and x not in missed:
-                missed.append(x)
-        for x in missed:  # 2. demand
+        for x in first_misses(g, gh):  # 2. demand
             cands = [y for y in resident if y not in g and y not in inflight and y not in guarded]
             if not cands:
                 break
@@ -678,11 +687,7 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
                 out["wasted"] += 1
                 fresh.discard(v)
             resident.add(x)
-        for x in g:
-            if x in resident:
-                recency[x] = float(tick)
-            tick += 1
-            last[x] = gi
+        tick = brute_touch(g, resident, recency, last, tick, gi)
         guarded |= set(g)
         is_open = gate.judge(layer, gi, g)
         gate.listed(layer, gi, [x for x in cand if x >= 0 and x not in resident])
