@@ -50,6 +50,21 @@ def land(q, slot, new_t, qc, qx, qz, done, latest, decoder):
 
 
 @jit
+def serve_head(q, slot, rate, t_left, dt, new_t, qc, qx, qr, qz, qh, done, latest, decoder):
+    """Queue ``q``'s head copy (ring slot ``slot``, ``t_left`` from landing at ``rate`` of the link)
+    served for ``dt`` up to ``new_t``: landed (:func:`land`) and off the queue where it finishes
+    by then, else its link time left reduced; nothing where ``rate`` is 0."""
+    if rate <= 0:
+        return
+    if t_left <= dt:
+        qr[q, slot] = 0.0
+        land(q, slot, new_t, qc, qx, qz, done, latest, decoder)
+        qh[q, 0] += 1
+    else:
+        qr[q, slot] -= rate * dt
+
+
+@jit
 def serve_link(until, target, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share):
     """Advance the link from ``link_t``: up to time ``until`` (``target < 0``; the queues empty
     first: the link idles until then, or stays where it is when ``until`` is inf) or until instance
@@ -87,20 +102,8 @@ def serve_link(until, target, link_t, qc, qx, qr, qz, qh, done, latest, decoder,
         if target < 0:
             dt = min(dt, until - link_t)
         new_t = link_t + dt
-        if rd > 0:
-            if td <= dt:
-                qr[0, sd] = 0.0
-                land(0, sd, new_t, qc, qx, qz, done, latest, decoder)
-                qh[0, 0] += 1
-            else:
-                qr[0, sd] -= rd * dt
-        if rp > 0:
-            if tp <= dt:
-                qr[1, sp] = 0.0
-                land(1, sp, new_t, qc, qx, qz, done, latest, decoder)
-                qh[1, 0] += 1
-            else:
-                qr[1, sp] -= rp * dt
+        serve_head(0, sd, rd, td, dt, new_t, qc, qx, qr, qz, qh, done, latest, decoder)
+        serve_head(1, sp, rp, tp, dt, new_t, qc, qx, qr, qz, qh, done, latest, decoder)
         link_t = new_t
 
 
@@ -131,6 +134,33 @@ def grow_queues(qc, qx, qr, qz, qh, need):
         qh[q, 0] = 0
         qh[q, 1] = n
     return nc, nx, nr, nz
+
+
+@jit
+def push_copy(q, x, c, link_ms, decoded, qc, qx, qr, qz, qh, latest, done):
+    """Copy ``c`` of instance ``x`` joins queue ``q``'s tail: ``link_ms`` of the link, decoded after
+    landing where ``decoded``; the instance's latest copy, not usable until it lands."""
+    j = qh[q, 1] & (qc.shape[1] - 1)
+    qc[q, j] = c
+    qx[q, j] = x
+    qr[q, j] = link_ms
+    qz[q, j] = decoded
+    qh[q, 1] += 1
+    latest[x] = c
+    done[x] = np.inf
+
+
+@jit
+def end_step(t, stall, link_t, join_step, head_ms, qc, qx, qr, qz, qh, done, latest, decoder, mode, share):
+    """A step's end at compute time ``t``: with ``join_step`` it waits for every copy issued so far
+    and its decode (the wait is stall), then the head's ``head_ms``. Returns (t, stall, link_t)."""
+    if join_step:
+        link_t = serve_link(np.inf, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
+        end = max(link_t, decoder[1])
+        if end > t:
+            stall += end - t
+            t = end
+    return t + head_ms, stall, link_t
 
 
 @jit
@@ -169,13 +199,8 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
         layer = ids[s] // n_exp
         if g == 0 or layer <= prev_layer:  # a new step where the MoE layer index does not rise
             if g > 0:
-                if join_step:  # the previous step's end waits for every copy issued so far
-                    link_t = serve_link(np.inf, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
-                    end = max(link_t, decoder[1])
-                    if end > t:
-                        stall += end - t
-                        t = end
-                t += head_ms
+                t, stall, link_t = end_step(t, stall, link_t, join_step, head_ms, qc, qx, qr, qz, qh, done, latest,
+                                            decoder, mode, share)
             steps += 1
         prev_layer = layer
         t += pre_ms
@@ -185,34 +210,19 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
             link_t = t
         if max(qh[0, 1] - qh[0, 0], qh[1, 1] - qh[1, 0]) + (e - s) + width > qc.shape[1]:
             qc, qx, qr, qz = grow_queues(qc, qx, qr, qz, qh, (e - s) + width)
-        mask = qc.shape[1] - 1
         for i in range(s, e):  # demand copies: each distinct missed instance, first occurrence order
             x = ids[i]
             if not hit[i] and not seen[x]:
                 seen[x] = True
-                j = qh[0, 1] & mask
                 fill = compressed and admitted[i]
-                qc[0, j] = nc
-                qx[0, j] = x
-                qr[0, j] = fill_ms if fill else copy_ms
-                qz[0, j] = fill
-                qh[0, 1] += 1
-                latest[x] = nc
-                done[x] = np.inf
+                push_copy(0, x, nc, fill_ms if fill else copy_ms, fill, qc, qx, qr, qz, qh, latest, done)
                 n_decoded += fill
                 nc += 1
         for q in range(width):  # the group's prefetches, issued with its decisions
             x = issued[g, q]
             if x < 0:
                 continue
-            j = qh[pq, 1] & mask
-            qc[pq, j] = nc
-            qx[pq, j] = x
-            qr[pq, j] = fill_ms
-            qz[pq, j] = compressed
-            qh[pq, 1] += 1
-            latest[x] = nc
-            done[x] = np.inf
+            push_copy(pq, x, nc, fill_ms, compressed, qc, qx, qr, qz, qh, latest, done)
             n_decoded += compressed
             nc += 1
         ready = t
@@ -228,13 +238,8 @@ def replay_time(ids, ptr, hit, issued, n_exp, pre_ms, post_ms, head_ms, copy_ms,
         stall += ready - t
         t = ready + post_ms
     if n_groups > 0:
-        if join_step:
-            link_t = serve_link(np.inf, -1, link_t, qc, qx, qr, qz, qh, done, latest, decoder, mode, share)
-            end = max(link_t, decoder[1])
-            if end > t:
-                stall += end - t
-                t = end
-        t += head_ms
+        t, stall, link_t = end_step(t, stall, link_t, join_step, head_ms, qc, qx, qr, qz, qh, done, latest, decoder,
+                                    mode, share)
     return t, stall, steps, nc, n_decoded
 
 
