@@ -130,18 +130,25 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step, fill=Non
                     first[2] = t + 1
         t += 1
 
+    def wait_for(cs):  # the clock runs until every copy in cs is usable, a stall
+        nonlocal stall
+        while any(c[2] is None for c in cs):
+            tick()
+            stall += 1
+
+    def end_step():  # with join_step every copy issued so far is waited for, then the head
+        if join_step:
+            wait_for(copies)
+        for _ in range(head):
+            tick()
+
     prev_layer = None
     for g in range(stream.num_groups):
         sel = ids[ptr[g]:ptr[g + 1]]
         hits = res.hit[ptr[g]:ptr[g + 1]].tolist()
         layer = sel[0] // E
         if prev_layer is not None and layer <= prev_layer:  # a step ends
-            if join_step:
-                while any(c[2] is None for c in copies):
-                    tick()
-                    stall += 1
-            for _ in range(head):
-                tick()
+            end_step()
         prev_layer = layer
         for _ in range(pre):
             tick()
@@ -157,17 +164,10 @@ def brute_time(stream, res, pre, post, head, copy, priority, join_step, fill=Non
             if x >= 0:
                 latest[int(x)] = [fill, "prefetch", None, decode] if compressed else [copy, "prefetch", None, 0]
                 copies.append(latest[int(x)])
-        while any(c[2] is None for c in waiting):
-            tick()
-            stall += 1
+        wait_for(waiting)
         for _ in range(post):
             tick()
-    if join_step:
-        while any(c[2] is None for c in copies):
-            tick()
-            stall += 1
-    for _ in range(head):
-        tick()
+    end_step()
     return t, stall
 
 
