@@ -6,16 +6,44 @@ passes on the CPU (a static placement and an LRU slot cache bitwise the all-hot 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 from coldset.bench import decode as bench
 from coldset.analysis.placement import hot_mask_usage_global, row_map_from_mask
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import generate
+from coldset.engine.model import ModelLoadError
 from coldset.kernels.tiers import host_tier
 from coldset.verify import gate
 from synthetic_engines import graphed_greedy_tokens
+
+
+def checkpoints_by_variant(tmp_path_factory, build: Callable[[str, Path], Path]) -> Callable[[str], Path]:
+    """A family test's ``checkpoint`` fixture: ``variant -> folder``, each variant's folder written
+    once by ``build(variant, folder)`` in a fresh temporary folder and kept for the module."""
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = build(variant, tmp_path_factory.mktemp(variant))
+        return built[variant]
+
+    return get
+
+
+def assert_config_refused(config_cls, folder: Path, change: dict, field: str) -> None:
+    """``folder``'s config.json with ``change`` applied: ``config_cls.from_hf_config`` raises a
+    ModelLoadError naming ``field``."""
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(change)
+    with pytest.raises(ModelLoadError, match=field):
+        config_cls.from_hf_config(raw, "config.json")
 
 
 def hf_greedy(hf, prompt: list[int], routers: dict, new_tokens: int):

@@ -1,5 +1,5 @@
-"""The workflow on a tiny checkpoint of an engine family, on the CPU, as every family's workflow test
-runs it: the stages in this process on a config overlay, and the parity gate's verdict that every
+"""The workflow on a tiny model (an engine family's checkpoint or a synthetic one), on the CPU, as
+every workflow test runs it: the stages in this process on a config overlay, and the parity gate's verdict that every
 placement, static and the slot cache's, decodes bitwise the all-hot path's logits."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ STAGES = ["model", "fixtures", "routing", "stats", "placement", "autotune", "par
 PLACEMENTS = [f"{p}-{r}" for p in ("positional", "usage_global", "lru") for r in ("0.5", "1.0")]
 
 
-def run_stages(root: Path, folder: Path, name: str, dtype: str, stages=STAGES, **sections) -> dict:
-    """Run ``stages`` on ``folder`` (model ``name`` in ``dtype``) with results under ``root``: a few
-    fixtures of 6 tokens, positional / usage_global / lru at residency 0.5 and 1.0, and ``sections``
-    overlaid. Returns the config; the caller releases the engine (:func:`process_engine.release_engine`)."""
+def run_stages(root: Path, model: dict, stages=STAGES, base: Path = DEFAULT, **sections) -> dict:
+    """Run ``stages`` on the config ``base`` with the ``model`` section (a checkpoint's name, path and
+    dtype, or a synthetic model's) and results under ``root``: a few fixtures of 6 tokens, positional /
+    usage_global / lru at residency 0.5 and 1.0, and ``sections`` overlaid. Returns the config; the
+    caller releases the engine (:func:`process_engine.release_engine`)."""
     overlay = {
         "results": str(root / "results"),
-        "model": {"name": name, "path": str(folder), "dtype": dtype},
+        "model": model,
         "device": "cpu",
         "fixtures": {"per_domain": 2, "max_new_tokens": 6},
         "routing": {"batch_size": 4},
@@ -33,7 +34,7 @@ def run_stages(root: Path, folder: Path, name: str, dtype: str, stages=STAGES, *
         **sections,
     }
     (root / "tiny.yaml").write_text(yaml.safe_dump(overlay))
-    config = load_config([DEFAULT, root / "tiny.yaml"])
+    config = load_config([base, root / "tiny.yaml"])
     process_engine.release_engine()
     for stage in stages:
         pipeline.run_stage(stage, config)

@@ -19,8 +19,9 @@ from coldset.engine.generate import generate
 from coldset.engine.loading import load_model
 from coldset.engine.model import ModelLoadError
 from coldset.kernels import torch_experts
-from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_graphed_step_decodes_generate,
-                           assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise)
+from family_oracle import (assert_config_refused, assert_cuda_placements_bitwise_eager_and_compiled,
+                           assert_graphed_step_decodes_generate, assert_greedy_matches, assert_lru_cache_bitwise,
+                           assert_random_half_placement_bitwise, checkpoints_by_variant)
 from test_fp8 import TABLE
 
 transformers = pytest.importorskip("transformers")
@@ -76,14 +77,7 @@ def load(folder, dtype=torch.float32, device="cpu") -> DeepseekV3Model:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(variant):
-        if variant not in built:
-            built[variant] = build_checkpoint(variant, tmp_path_factory.mktemp(variant))
-        return built[variant]
-
-    return get
+    return checkpoints_by_variant(tmp_path_factory, build_checkpoint)
 
 
 def _routers(hf, cfg) -> dict:
@@ -180,10 +174,7 @@ def test_the_fused_decode_step_is_refused(checkpoint):
     ({"model_type": "deepseek_v2"}, "model_type"),
 ])
 def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
-    raw = json.loads((checkpoint("q_lora_yarn") / "config.json").read_text())
-    raw.update(change)
-    with pytest.raises(ModelLoadError, match=field):
-        DeepseekV3Config.from_hf_config(raw, "config.json")
+    assert_config_refused(DeepseekV3Config, checkpoint("q_lora_yarn"), change, field)
 
 
 def test_the_loader_refuses_sparse_attention_naming_file_and_field(checkpoint, tmp_path):

@@ -55,7 +55,7 @@ def run(tmp_path_factory, request):
     if request.param == "block_fp8":
         folder = write_block_fp8(folder, root / "hf-fp8")
         shutil.copy(root / "hf" / "tokenizer.json", folder / "tokenizer.json")
-    config = run_stages(root, folder, "tiny-dsv3", "float32")
+    config = run_stages(root, {"name": "tiny-dsv3", "path": str(folder), "dtype": "float32"})
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 

@@ -16,10 +16,10 @@ from coldset.engine.deepseek_v3 import DeepseekMoE
 from coldset.engine.generate import generate
 from coldset.engine.glm4_moe import Glm4MoeConfig, Glm4MoeModel
 from coldset.engine.loading import load_model, read_config
-from coldset.engine.model import ModelLoadError
 
-from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_graphed_step_decodes_generate,
-                           assert_greedy_matches, assert_random_half_placement_bitwise)
+from family_oracle import (assert_config_refused, assert_cuda_placements_bitwise_eager_and_compiled,
+                           assert_graphed_step_decodes_generate, assert_greedy_matches,
+                           assert_random_half_placement_bitwise, checkpoints_by_variant)
 from test_deepseek_v3 import NEW_TOKENS, PROMPTS, _routers
 
 transformers = pytest.importorskip("transformers")
@@ -67,14 +67,7 @@ def build_checkpoint(variant: str, out, seed: int = 0, vocab_size: int = 97, max
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(variant):
-        if variant not in built:
-            built[variant] = build_checkpoint(variant, tmp_path_factory.mktemp(variant))
-        return built[variant]
-
-    return get
+    return checkpoints_by_variant(tmp_path_factory, build_checkpoint)
 
 
 def load(folder, dtype=torch.float32) -> Glm4MoeModel:
@@ -184,10 +177,7 @@ def test_published_layout_top_level_rope_fields(checkpoint, tmp_path):
     ({"model_type": "glm4"}, "model_type"),
 ])
 def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
-    raw = json.loads((checkpoint("bias_qknorm") / "config.json").read_text())
-    raw.update(change)
-    with pytest.raises(ModelLoadError, match=field):
-        Glm4MoeConfig.from_hf_config(raw, "config.json")
+    assert_config_refused(Glm4MoeConfig, checkpoint("bias_qknorm"), change, field)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ def run(tmp_path_factory):
     tok = build_tokenizer()
     folder = build_checkpoint("bias_qknorm", root / "hf", vocab_size=tok.get_vocab_size(), max_positions=2048)
     tok.save(str(folder / "tokenizer.json"))
-    config = run_stages(root, folder, "tiny-glm4", "float32")
+    config = run_stages(root, {"name": "tiny-glm4", "path": str(folder), "dtype": "float32"})
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 

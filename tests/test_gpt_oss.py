@@ -24,8 +24,9 @@ from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssConfig, GptOssModel
 from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
 from coldset.verify import gate
-from family_oracle import (assert_cuda_placements_bitwise_eager_and_compiled, assert_greedy_matches,
-                           assert_lru_cache_bitwise, assert_random_half_placement_bitwise)
+from family_oracle import (assert_config_refused, assert_cuda_placements_bitwise_eager_and_compiled,
+                           assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise,
+                           checkpoints_by_variant)
 from hf_fixtures import build_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -95,22 +96,18 @@ def write_mxfp4(model, out):
     return out
 
 
+def build_checkpoint(variant: str, out):
+    """Save :func:`random_model` of ``variant`` in ``out``; the ``mxfp4`` variant as gpt-oss publishes it."""
+    model = random_model(variant)
+    if variant == "mxfp4":
+        return write_mxfp4(model, out)
+    model.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(variant):
-        if variant not in built:
-            out = tmp_path_factory.mktemp(variant)
-            model = random_model(variant)
-            if variant == "mxfp4":
-                built[variant] = write_mxfp4(model, out)
-            else:
-                model.save_pretrained(out)
-                built[variant] = out
-        return built[variant]
-
-    return get
+    return checkpoints_by_variant(tmp_path_factory, build_checkpoint)
 
 
 def load(folder, dtype=torch.float32, device="cpu") -> GptOssModel:
@@ -347,10 +344,7 @@ def test_gpt_oss_20b_config_reads_as_published():
     ({"model_type": "gpt_oss_v2"}, "model_type"),
 ])
 def test_unsupported_variants_are_refused_by_name(checkpoint, change, field):
-    raw = json.loads((checkpoint("gqa_yarn") / "config.json").read_text())
-    raw.update(change)
-    with pytest.raises(ModelLoadError, match=field):
-        GptOssConfig.from_hf_config(raw, "config.json")
+    assert_config_refused(GptOssConfig, checkpoint("gqa_yarn"), change, field)
 
 
 def test_the_loader_refuses_a_quantization_it_does_not_read_naming_file_and_field(checkpoint, tmp_path):

@@ -36,8 +36,8 @@ def run(tmp_path_factory):
     tok = build_tokenizer()
     folder = write_mxfp4(random_model("mxfp4", vocab_size=tok.get_vocab_size(), max_positions=2048), root / "hf")
     tok.save(str(folder / "tokenizer.json"))
-    config = run_stages(root, folder, "tiny-gptoss", "bfloat16", [*STAGES[:5], "cache", *STAGES[5:]],
-                        cache={"policies": ["static", "lru"]})
+    config = run_stages(root, {"name": "tiny-gptoss", "path": str(folder), "dtype": "bfloat16"},
+                        [*STAGES[:5], "cache", *STAGES[5:]], cache={"policies": ["static", "lru"]})
     yield {"config": config, "results": root / "results", "folder": folder}
     process_engine.release_engine()
 
