@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from coldset.core.shapes import module_not_converted
+from coldset.core.shapes import format_skip_patterns, module_not_converted, quantization_object
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -67,8 +67,7 @@ def parse_quantization_config(qcfg: Mapping[str, Any] | None, source: str = "con
     if qcfg is None:
         return None
     where = f"{source}: quantization_config"
-    if not isinstance(qcfg, Mapping):
-        raise Fp8FormatError(f"{where} must be an object, got {type(qcfg).__name__}")
+    qcfg = quantization_object(qcfg, where, Fp8FormatError)
     method = qcfg.get("quant_method")
     if method != "fp8":
         raise Fp8FormatError(f"{where}.quant_method {method!r} is not supported by the engine (only 'fp8', "
@@ -86,10 +85,7 @@ def parse_quantization_config(qcfg: Mapping[str, Any] | None, source: str = "con
     fmt = qcfg.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise Fp8FormatError(f"{where}.fmt {fmt!r} is not supported (only 'e4m3'; e5m2 weights are not read)")
-    skip = qcfg.get("modules_to_not_convert") or ()
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-        raise Fp8FormatError(f"{where}.modules_to_not_convert must be a list of module names, got {skip!r}")
-    return Fp8Format(modules_to_not_convert=tuple(skip))
+    return Fp8Format(modules_to_not_convert=format_skip_patterns(qcfg, where, Fp8FormatError))
 
 
 def quantization_config(modules_to_not_convert: list[str]) -> dict:

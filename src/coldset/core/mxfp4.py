@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 import torch
 
-from coldset.core.shapes import module_not_converted
+from coldset.core.shapes import format_skip_patterns, module_not_converted, quantization_object
 
 FORMAT_NAME = "mxfp4"  # coldset.core.shapes' name of this format
 BLOCK = 32  # elements per scale (along the reduction), the only block size supported
@@ -82,8 +82,7 @@ def parse_quantization_config(qcfg: Mapping[str, Any] | None, source: str = "con
     if qcfg is None:
         return None
     where = f"{source}: quantization_config"
-    if not isinstance(qcfg, Mapping):
-        raise Mxfp4FormatError(f"{where} must be an object, got {type(qcfg).__name__}")
+    qcfg = quantization_object(qcfg, where, Mxfp4FormatError)
     method = qcfg.get("quant_method")
     if method != FORMAT_NAME:
         raise Mxfp4FormatError(f"{where}.quant_method {method!r} is not MXFP4 (expected {FORMAT_NAME!r})")
@@ -95,10 +94,7 @@ def parse_quantization_config(qcfg: Mapping[str, Any] | None, source: str = "con
         if key in qcfg and str(qcfg[key]).lower() not in (SCALE_FORMAT, "float8_e8m0fnu", "uint8"):
             raise Mxfp4FormatError(f"{where}.{key} {qcfg[key]!r} is not supported (only {SCALE_FORMAT} scales, "
                                    "one uint8 exponent per block)")
-    skip = qcfg.get("modules_to_not_convert") or ()
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-        raise Mxfp4FormatError(f"{where}.modules_to_not_convert must be a list of module names, got {skip!r}")
-    return Mxfp4Format(modules_to_not_convert=tuple(skip))
+    return Mxfp4Format(modules_to_not_convert=format_skip_patterns(qcfg, where, Mxfp4FormatError))
 
 
 def quantization_config(modules_to_not_convert: list[str]) -> dict:

@@ -169,6 +169,25 @@ def modules_not_converted(qcfg: Mapping[str, Any], where: str) -> list[str]:
     return []
 
 
+def quantization_object(qcfg: Any, where: str, error: type[ValueError]) -> Mapping[str, Any]:
+    """``qcfg`` (a ``quantization_config`` at ``where``) checked to be an object: the engine's
+    quantized formats (:mod:`coldset.core.fp8`, :mod:`coldset.core.mxfp4`) raise their own ``error``."""
+    if not isinstance(qcfg, Mapping):
+        raise error(f"{where} must be an object, got {type(qcfg).__name__}")
+    return qcfg
+
+
+def format_skip_patterns(qcfg: Mapping[str, Any], where: str, error: type[ValueError]) -> tuple[str, ...]:
+    """The ``modules_to_not_convert`` patterns of an engine format's ``quantization_config`` (absent
+    or null: none), checked to be module names, else ``error``. Only that key: the engine loads
+    the formats it reads, while :func:`modules_not_converted` also takes other producers' aliases
+    for the byte count."""
+    skip = qcfg.get("modules_to_not_convert") or ()
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise error(f"{where}.modules_to_not_convert must be a list of module names, got {skip!r}")
+    return tuple(skip)
+
+
 _MODULE_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
 
 
@@ -581,7 +600,7 @@ def _qwen3_next(f: _Fields) -> dict[str, Any]:
     kernel = f.int("linear_conv_kernel_dim")
     key_dim, value_dim = nk * dk, nv * dv
     gated = f.bool("attn_output_gate", True)
-    q_out, kv_out = b["num_heads"] * hd, b["num_kv_heads"] * hd
+    q_out = b["num_heads"] * hd
     linears = _gqa_linears(h, b["num_heads"], b["num_kv_heads"], hd, full, q_rows=q_out * (2 if gated else 1))
     if lin:  # Gated DeltaNet: in_proj_qkvz, in_proj_ba, out_proj
         linears += (("in_proj_qkvz", 2 * key_dim + 2 * value_dim, h, lin), ("in_proj_ba", 2 * nv, h, lin),
