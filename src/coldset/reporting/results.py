@@ -128,6 +128,22 @@ def require_fields(doc: dict, fields: tuple[str, ...], where: str) -> None:
         raise ReportInputError(f"{where}: missing field(s) {', '.join(missing)}")
 
 
+def _key_fields(path: Path) -> dict[str, Any]:
+    """A placement's result file's ``path``, ``model``, ``policy`` and ``residency`` fields (from its name)."""
+    model, policy, residency = placement_key_from_path(path)
+    return {"path": path, "model": model, "policy": policy, "residency": residency}
+
+
+def _keyed_object(path: Path, required: tuple[str, ...]) -> tuple[dict, dict[str, Any]]:
+    """A placement's one-object result file (JSON object holding ``required``) and its :func:`_key_fields`."""
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    key = _key_fields(path)
+    require_fields(doc, required, str(path))
+    return doc, key
+
+
 @dataclass
 class PlacementSummary:
     """The parts of a placement JSON (``coldset.core.placement.save_placement``) the report and the
@@ -189,21 +205,14 @@ def _placement_predictions(doc: dict, path: Path) -> list[dict[str, Any]]:
 
 def load_placement_summary(path: str | os.PathLike) -> PlacementSummary:
     path = Path(path)
-    doc = read_json(path)
-    if not isinstance(doc, dict):
-        raise ReportInputError(f"{path}: expected a JSON object")
-    model, policy, residency = placement_key_from_path(path)
-    require_fields(doc, REQUIRED_PLACEMENT_FIELDS, str(path))
-    _check_key_fields(doc, path, policy, residency)
+    doc, key = _keyed_object(path, REQUIRED_PLACEMENT_FIELDS)
+    _check_key_fields(doc, path, key["policy"], key["residency"])
     num_hot, num_cold = int(doc["num_hot"]), int(doc["num_cold"])
     if num_hot < 0 or num_cold < 0 or num_hot + num_cold == 0:
         raise ReportInputError(f"{path}: num_hot={num_hot}, num_cold={num_cold} is not a placement")
     held = doc["coverage_heldout"]
     return PlacementSummary(
-        path=path,
-        model=model,
-        policy=policy,
-        residency=residency,
+        **key,
         achieved_residency=float(doc.get("achieved_residency", num_hot / (num_hot + num_cold))),
         num_hot=num_hot,
         num_cold=num_cold,
@@ -235,20 +244,13 @@ class ParityResult:
 
 def load_parity(path: str | os.PathLike) -> ParityResult:
     path = Path(path)
-    doc = read_json(path)
-    if not isinstance(doc, dict):
-        raise ReportInputError(f"{path}: expected a JSON object")
-    model, policy, residency = placement_key_from_path(path)
-    require_fields(doc, REQUIRED_PARITY_FIELDS, str(path))
+    doc, key = _keyed_object(path, REQUIRED_PARITY_FIELDS)
     mismatches = doc.get("mismatches") or []
     if not isinstance(mismatches, list):
         raise ReportInputError(f"{path}: field mismatches must be a list")
     mad = doc.get("max_abs_logit_diff")
     return ParityResult(
-        path=path,
-        model=model,
-        policy=policy,
-        residency=residency,
+        **key,
         passed=bool(doc["passed"]),
         tokens_matched=int(doc["tokens_matched"]),
         tokens_total=int(doc["tokens_total"]),
@@ -345,7 +347,7 @@ def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchR
     ``section="profile_batches"`` the profile split's beside them (``[]`` when not measured)."""
     path = Path(path)
     doc = read_json(path)
-    model, policy, residency = placement_key_from_path(path)
+    key = _key_fields(path)
     if section != "batches" and isinstance(doc, dict) and not doc.get(section):
         return []
     entries = _bench_entries(doc, path, section)
@@ -360,7 +362,7 @@ def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchR
     for entry in entries:
         where = f"{path} (batch_size={entry.get('batch_size', '?')})"
         require_fields(entry, REQUIRED_BENCH_FIELDS, where)
-        _check_key_fields(entry, path, policy, residency)
+        _check_key_fields(entry, path, key["policy"], key["residency"])
         metrics: dict[str, float | None] = {}
         for name in BENCH_METRICS:
             value = entry.get(name)
@@ -374,13 +376,11 @@ def load_bench(path: str | os.PathLike, section: str = "batches") -> list[BenchR
             except (TypeError, ValueError) as exc:
                 raise ReportInputError(f"{where}: field {name}={value!r} is not a number") from exc
         pred = entry.get("predicted_step_ms")
-        used = set(BENCH_METRICS) | {"batch_size", "device", "dtype", "predicted_step_ms", "policy", "residency", "model"}
+        used = set(BENCH_METRICS) | {"batch_size", "device", "dtype", "predicted_step_ms", "policy", "residency",
+                                     "model"}
         results.append(
             BenchResult(
-                path=path,
-                model=model,
-                policy=policy,
-                residency=residency,
+                **key,
                 batch_size=int(entry["batch_size"]),
                 device=str(entry["device"]),
                 dtype=str(entry["dtype"]),
