@@ -482,19 +482,8 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
         )
     if doc["policy"] not in POLICIES:
         raise PlacementError(f"{json_path}: field 'policy' is {doc['policy']!r}; known {POLICIES}")
-    npy_path = json_path.with_name(doc["row_map_file"])
-    if not npy_path.is_file():
-        raise PlacementError(f"{json_path}: its row map file {npy_path} is missing")
-    raw = npy_path.read_bytes()
-    if hashlib.sha256(raw).hexdigest() != doc["row_map_sha256"]:
-        raise PlacementError(
-            f"{npy_path}: sha256 differs from the one recorded in {json_path}; the pair is "
-            "mismatched (an interrupted write or an edited file): rerun the placement stage"
-        )
-    try:
-        row_map = np.load(npy_path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise PlacementError(f"{npy_path}: not a readable .npy file ({e})") from None
+    npy_path, row_map = _load_recorded_npy(json_path, doc["row_map_file"], doc["row_map_sha256"], "row map",
+                                           "row_map_sha256")
     moe_layers = tuple(int(x) for x in doc["moe_layers"])
     validate_row_map(
         row_map, int(doc["num_hot"]), int(doc["num_cold"]), len(moe_layers),
@@ -566,23 +555,30 @@ def load_placement(json_path: str | os.PathLike) -> Placement:
     )
 
 
+def _load_recorded_npy(json_path: Path, name: str, sha256: str, what: str, field: str) -> tuple[Path, np.ndarray]:
+    """The ``.npy`` file ``name`` beside ``json_path`` (its ``what``), checked against the sha256 the
+    JSON records (``field``) so that a mismatched pair is refused, loaded without pickles:
+    (path, array)."""
+    path = json_path.with_name(name)
+    if not path.is_file():
+        raise PlacementError(f"{json_path}: its {what} file {path} is missing")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        raise PlacementError(f"{path}: sha256 differs from the one recorded in {json_path} ({field}); the pair is "
+                             "mismatched (an interrupted write or an edited file): rerun the placement stage")
+    try:
+        return path, np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise PlacementError(f"{path}: not a readable .npy file ({e})") from None
+
+
 def _load_forecaster(json_path: Path, fc: Any, num_layers: int, num_experts: int) -> tuple[dict, np.ndarray]:
     """A nexttoken placement's forecaster: its fields from the JSON, its tables from the file the
     JSON names, checked against the recorded sha256 (as the row map)."""
     need = (*FORECASTER_FIELDS, "tables_file", "tables_sha256")
     if not isinstance(fc, dict) or any(f not in fc for f in need):
         raise PlacementError(f"{json_path}: field 'cache_forecaster' must hold {list(need)} for policy 'nexttoken'")
-    path = json_path.with_name(fc["tables_file"])
-    if not path.is_file():
-        raise PlacementError(f"{json_path}: its forecaster tables file {path} is missing")
-    raw = path.read_bytes()
-    if hashlib.sha256(raw).hexdigest() != fc["tables_sha256"]:
-        raise PlacementError(f"{path}: sha256 differs from the one recorded in {json_path} (cache_forecaster."
-                             "tables_sha256): rerun the placement stage")
-    try:
-        tables = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise PlacementError(f"{path}: not a readable .npy file ({e})") from None
+    path, tables = _load_recorded_npy(json_path, fc["tables_file"], fc["tables_sha256"], "forecaster tables",
+                                      "cache_forecaster.tables_sha256")
     fields = {f: fc[f] for f in FORECASTER_FIELDS}
     check_forecaster(fields, tables, num_layers, num_experts, f"{path} (for {json_path.name})")
     return fields, tables
