@@ -1,4 +1,5 @@
-"""Atomic file writes: a stage's output is complete or absent, never half-written."""
+"""Atomic file writes (a stage's output is complete or absent, never half-written) and the JSON
+readers that name the file, line and column of what they refuse."""
 
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid JSON: {exc}") from exc
+
+
+def jsonl_records(path: str | os.PathLike, error: type[Exception]) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of the JSON Lines file ``path``, parsed: ``(f"{path}:{line}", value)``;
+    a line that is not UTF-8 or not JSON raises ``error`` (the caller's own) naming the file, the
+    line and the column. Lines end at ``\\n`` only (JSON may hold other line separators in strings)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            yield where, value

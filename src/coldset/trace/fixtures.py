@@ -37,7 +37,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
-from coldset.core.files import atomic_path
+from coldset.core.files import atomic_path, jsonl_records
 from coldset.core.names import NAME_PATTERN, is_name
 
 from coldset.core.trace import SPLITS, split_of
@@ -246,25 +246,13 @@ def _read_jsonl(path: Path, *, strict: bool, heldout_fraction: float = 0.25,
         raise FixtureError(f"{path}: file not found")
     out: list[Fixture] = []
     per_domain: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise FixtureError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise FixtureError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            dom = obj.get("domain") if isinstance(obj, dict) else None
-            n = per_domain.get(dom, 0) if isinstance(dom, str) else 0
-            fx = _check_record(obj, where, strict=strict, heldout_fraction=heldout_fraction,
-                               default_max_new=default_max_new, n_in_domain=n)
-            per_domain[fx.domain] = n + 1
-            out.append(fx)
+    for where, obj in jsonl_records(path, FixtureError):
+        dom = obj.get("domain") if isinstance(obj, dict) else None
+        n = per_domain.get(dom, 0) if isinstance(dom, str) else 0
+        fx = _check_record(obj, where, strict=strict, heldout_fraction=heldout_fraction,
+                           default_max_new=default_max_new, n_in_domain=n)
+        per_domain[fx.domain] = n + 1
+        out.append(fx)
     return out
 
 

@@ -76,7 +76,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from coldset.core.files import remove_orphans, share_mode
+from coldset.core.files import jsonl_records, remove_orphans, share_mode
 from coldset.trace.published import RELEASE_KIND, is_layer_step, release_request, release_steps
 from coldset.core.trace import (SPLITS, ImportReport, RequestRows, TraceError, TraceMeta, TraceWriter,
                            check_meta_against_model, iter_trace_batches, split_of, validate_trace)
@@ -304,22 +304,16 @@ def sglang_response_request(obj: Mapping, meta: TraceMeta, where: str) -> tuple[
 def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
     """A JSON file's objects: the whole file (an object or a list of them), or one per line (always
     for ``.jsonl``, so every request is named by its line)."""
-    text = path.read_text(encoding="utf-8")
     if path.suffix != ".jsonl":
         try:
-            doc = json.loads(text)
+            doc = json.loads(path.read_text(encoding="utf-8"))
             items = doc if isinstance(doc, list) else [doc]
             for i, item in enumerate(items):
                 yield (f"{path}[{i}]" if isinstance(doc, list) else str(path)), item
             return
         except json.JSONDecodeError:
             pass
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    yield from jsonl_records(path, TraceError)
 
 
 def _container_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.ndarray, int]:
@@ -530,18 +524,13 @@ def import_exports(source: str | os.PathLike, out_path: str | os.PathLike, meta:
 # the JSONL containers (vLLM / SGLang, one request a line) and import_trace, the routing stage's import
 
 
-def _read_export_lines(export_path: Path) -> Iterator[tuple[int, dict]]:
-    with open(export_path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{export_path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{export_path}:{lineno}: expected a JSON object per line")
-            yield lineno, obj
+def _read_export_lines(export_path: Path) -> Iterator[tuple[str, dict]]:
+    """An engine export's lines (:func:`coldset.core.files.jsonl_records`), each a JSON object:
+    ``(f"{path}:{line}", object)``."""
+    for where, obj in jsonl_records(export_path, TraceError):
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object per line")
+        yield where, obj
 
 
 def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
@@ -642,13 +631,13 @@ def import_trace(source: str | os.PathLike, out_path: str | os.PathLike, *, kind
             kind = "parquet"
         else:
             kind = ""
-            for lineno, obj in _read_export_lines(source):
+            for where, obj in _read_export_lines(source):
                 if "trace_meta" in obj:
                     continue
                 value = obj.get("routed_experts")
                 kind = "vllm" if isinstance(value, list) else "sglang" if isinstance(value, str) else ""
                 if not kind:
-                    raise TraceError(f"{source}:{lineno}: field 'routed_experts' is neither nested lists (vLLM) "
+                    raise TraceError(f"{where}: field 'routed_experts' is neither nested lists (vLLM) "
                                      "nor a base64 string (SGLang)")
                 break
             if not kind:
