@@ -577,7 +577,8 @@ class NextTokenForecaster:
         terms; returns its hit counts ``[V, len(widths), 2]``."""
         hits = np.zeros((len(variants), len(widths), 2), dtype=np.int64)
         forecast_segments(np.ascontiguousarray(sel), lane, first, length, self.tables,
-                          np.array([a for a, _ in self.terms], np.int64), np.array([d for _, d in self.terms], np.int64),
+                          np.array([a for a, _ in self.terms], np.int64),
+                          np.array([d for _, d in self.terms], np.int64),
                           np.array([u for u, _ in variants], np.int64), np.array([h for _, h in variants], np.int64),
                           self.num_predictions, out, int(horizon), np.asarray(widths, np.int64), hits)
         return hits

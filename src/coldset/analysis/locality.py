@@ -104,7 +104,8 @@ def reuse_histogram(distances: np.ndarray) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     lo = 1
     for hi in REUSE_BUCKETS:
-        out[str(hi) if hi == lo else f"{lo}-{hi}"] = float(((distances >= lo) & (distances <= hi)).sum() / n) if n else None
+        share = float(((distances >= lo) & (distances <= hi)).sum() / n) if n else None
+        out[str(hi) if hi == lo else f"{lo}-{hi}"] = share
         lo = hi + 1
     out[f">{REUSE_BUCKETS[-1]}"] = float((distances > REUSE_BUCKETS[-1]).sum() / n) if n else None
     out["first"] = float((distances == 0).sum() / n) if n else None

@@ -335,7 +335,8 @@ def place(
             placement.cache_forecaster, placement.cache_forecaster_tables = _forecaster_record(
                 forecaster, num_layers, num_experts)
             if prefetch_budget is not None and int(prefetch_budget) < 0:
-                raise PlacementError(f"cache.prefetch_budget must be >= 0 copies per group or null, got {prefetch_budget}")
+                raise PlacementError(f"cache.prefetch_budget must be >= 0 copies per group or null, got "
+                                     f"{prefetch_budget}")
             placement.cache_prefetch_budget = None if prefetch_budget is None else int(prefetch_budget)
         return placement  # the speed model describes static placements only
     for bw in bandwidths:
@@ -348,7 +349,8 @@ def _forecaster_record(forecaster: Any, num_layers: int, num_experts: int) -> tu
     """A next-token forecaster as the placement keeps it: its FORECASTER_FIELDS and its tables."""
     if forecaster is None:
         raise PlacementError("policy 'nexttoken' needs a next-token forecaster fitted on the profile split "
-                             "(coldset.analysis.forecast.NextTokenForecaster; the placement stage fits it from the trace)")
+                             "(coldset.analysis.forecast.NextTokenForecaster; the placement stage fits it from the "
+                             "trace)")
     missing = [f for f in (*FORECASTER_FIELDS, "tables") if not hasattr(forecaster, f)]
     if missing:
         raise PlacementError(f"nexttoken forecaster: lacks {missing}")

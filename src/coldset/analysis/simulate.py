@@ -202,5 +202,5 @@ def simulate(stream: AccessStream, policy: str, capacity: int, profile_counts: n
                        None if prefetch_budget is None else int(prefetch_budget), victims,
                        -1 if not prefetch_gate else DEFAULT_LEAD_UNIT if lead_unit is None else int(lead_unit))
     hits = group_sums(out.hit, stream.group_ptr)
-    return CacheResult(policy, capacity, out.hit, hits, np.diff(stream.group_ptr) - hits, out.fills, stream.tokens, victims,
-                       out.prefetches, int(out.useful_prefetches), out.issued, int(out.wasted_prefetches))
+    return CacheResult(policy, capacity, out.hit, hits, np.diff(stream.group_ptr) - hits, out.fills, stream.tokens,
+                       victims, out.prefetches, int(out.useful_prefetches), out.issued, int(out.wasted_prefetches))

@@ -185,7 +185,8 @@ def oracle_rows(req: np.ndarray, li: np.ndarray, pos: np.ndarray, rank: np.ndarr
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
         raise TraceError(f"{where}: request {request_names[seqkey[i] // num_moe_layers]!r} has two rows for "
-                         f"position {int(pos[i])}, MoE layer index {int(seqkey[i] % num_moe_layers)}, rank {int(rank[i])}")
+                         f"position {int(pos[i])}, MoE layer index {int(seqkey[i] % num_moe_layers)}, "
+                         f"rank {int(rank[i])}")
     seq_idx = np.cumsum(new_seq) - 1
     step_global = np.cumsum(new_step) - 1
     step = step_global - step_global[np.flatnonzero(new_seq)][seq_idx]

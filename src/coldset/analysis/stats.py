@@ -235,7 +235,8 @@ def scan_trace(trace_path: str | os.PathLike, heldout_fraction: float = 0.25, *,
                 oracle_parts.clear()
             else:
                 dec = keep & (phase == 1)
-                buffer.append((req[dec], li[dec], batch.column("position").to_numpy(zero_copy_only=False)[dec].astype(np.int64),
+                buffer.append((req[dec], li[dec],
+                               batch.column("position").to_numpy(zero_copy_only=False)[dec].astype(np.int64),
                                batch.column("rank").to_numpy(zero_copy_only=False)[dec].astype(np.int64), expert[dec]))
                 was_open = np.flatnonzero(req_state == 1)
                 req_state[present] = 1
@@ -310,7 +311,8 @@ class _Hist:
         e = histogram["expert"].to_numpy().astype(np.int64)
         for name, arr in (("split", sp), ("phase", ph)):
             if (arr < 0).any():
-                raise ValueError(f"histogram column {name!r} holds a value outside {SPLITS if name == 'split' else PHASES}")
+                raise ValueError(f"histogram column {name!r} holds a value outside "
+                                 f"{SPLITS if name == 'split' else PHASES}")
         if ((layer < 0) | (layer >= lut.size)).any() or (lut[np.clip(layer, 0, lut.size - 1)] < 0).any():
             raise ValueError(f"histogram column 'layer' holds a layer outside the MoE layers {meta.moe_layers}")
         if ((e < 0) | (e >= E)).any():
@@ -497,8 +499,9 @@ def run_stats(trace_path: str | os.PathLike, out_dir: str | os.PathLike, *, held
     Writes ``histogram.csv`` (domain, split, phase, layer, expert, count; zeros included),
     ``skew.json`` (:func:`skew_stats` plus the trace summary), ``coverage.csv``
     (:func:`coverage_table`), ``locality.json`` (:func:`locality_stats` over every decode row, held
-    in memory: about 60 bytes a row; shuffled baseline from ``locality_seed``) and, with ``figures``, ``heatmap_{phase}.png`` (raw expert ids, one
-    panel per domain) and ``lorenz_{phase}.png``. ``expect`` (ModelConfig-like) makes a trace
+    in memory: about 60 bytes a row; shuffled baseline from ``locality_seed``) and, with
+    ``figures``, ``heatmap_{phase}.png`` (raw expert ids, one panel per domain) and
+    ``lorenz_{phase}.png``. ``expect`` (ModelConfig-like) makes a trace
     recorded for another model shape an error. Returns the paths by name.
     """
     out = Path(out_dir)

@@ -34,8 +34,9 @@ def figure_heatmaps(h, meta: TraceMeta, phase: str, path: Path, max_panels: int 
         c = h.get(phase, name).astype(np.float64)
         tot = c.sum(axis=1, keepdims=True)
         rel = np.where(tot > 0, c * E / np.where(tot > 0, tot, 1), np.nan)
+        top = max(10.0, float(np.nanmax(rel)) if np.isfinite(rel).any() else 10.0)
         im = ax.imshow(np.where(rel > 0, rel, 1e-2), aspect="auto", interpolation="nearest", cmap="magma",
-                       norm=LogNorm(vmin=1e-2, vmax=max(10.0, float(np.nanmax(rel)) if np.isfinite(rel).any() else 10.0)))
+                       norm=LogNorm(vmin=1e-2, vmax=top))
         ax.set_title(f"{name} ({int(c.sum()):,})", fontsize=9)
         ax.set_xlabel("expert id")
         ticks = np.linspace(0, L - 1, min(L, 8)).round().astype(int)

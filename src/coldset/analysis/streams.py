@@ -645,6 +645,7 @@ def tokens_from_frame(rows: pd.DataFrame | Mapping[str, Any], num_moe_layers: in
     if "domain" in rows:
         cat = pd.Categorical(np.asarray(rows["domain"]).astype(str))
         domain, domain_names = np.asarray(cat.codes)[first].astype(np.int32), np.asarray(cat.categories, dtype=str)
-    heldout = (np.asarray(rows["split"]).astype(str)[first] == "heldout") if "split" in rows else np.zeros(key.size, bool)
+    heldout = ((np.asarray(rows["split"]).astype(str)[first] == "heldout") if "split" in rows
+               else np.zeros(key.size, bool))
     return DecodeTokens(experts, (key >> 32).astype(np.int32), (key & 0xFFFFFFFF).astype(np.int32), domain,
                         heldout, names, domain_names, E)

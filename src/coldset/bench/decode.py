@@ -172,7 +172,8 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
             raise CacheSimulatorMismatch(
                 f"bench: the engine's nexttoken cache recorded forecast lists {got.shape} that differ from "
                 f"coldset.analysis.forecast.nexttoken_lists {lists.shape} on the same tokens"
-                + (f" (first at group {bad[0]}: {got[bad[0]].tolist()} against {lists[bad[0]].tolist()})" if bad else "")
+                + (f" (first at group {bad[0]}: {got[bad[0]].tolist()} against {lists[bad[0]].tolist()})"
+                   if bad else "")
                 + "; nothing is published")
         return simulate(stream, "nexttoken", cache.capacity, counts, predictions=lists,
                         prefetch_budget=cache.rules.prefetch_budget)
@@ -291,7 +292,8 @@ def pool_results(results: list[BenchResult], batches: list[list[BenchRequest]]) 
     if first.batch_size == 1:  # one domain per batch: each domain's own timing
         for d in domains:
             mine = [r for r, b in zip(results, batches) if b[0].domain == d]
-            d_mean, _, _ = pass_timing([[t for r in mine for t in r.passes_ms[rep]] for rep in range(len(first.passes_ms))])
+            d_mean, _, _ = pass_timing([[t for r in mine for t in r.passes_ms[rep]]
+                                        for rep in range(len(first.passes_ms))])
             domains[d].update(tok_s=1000.0 / d_mean, step_ms_mean=d_mean,
                               cold_share=statistics.fmean(r.cold_share for r in mine))
     out["domains"] = domains
@@ -474,7 +476,8 @@ def measure_ceilings(pinned: torch.Tensor | None = None) -> dict[str, float]:
     of 4 GiB of random bf16) and, given a tensor in pinned host memory (the cold tier), its
     in-place read over the host link (up to 1 GiB of it), both by
     :func:`coldset.kernels.bandwidth.read_bandwidth`."""
-    from coldset.kernels.bandwidth import HBM_READ_SHAPES, best_read_bandwidth, read_bandwidth  # GPU-only: imports triton
+    from coldset.kernels.bandwidth import (HBM_READ_SHAPES, best_read_bandwidth,  # GPU-only: imports triton
+                                           read_bandwidth)
 
     buf = torch.randn(2 * GIB, device="cuda", dtype=torch.bfloat16)
     # A ceiling is the best rate seen: two rounds of two tilings (the same kernel gave 3974 and
@@ -611,8 +614,9 @@ def bench_decode(model, placed_pools, placement, token_stream: list[int], batch_
             misses_per_token = cold_share * per_token
         use_graph = device.type == "cuda" and backend == "triton"
         dec = Decoder(model, batch_size, prompt_tokens, new_tokens, use_graph)
-        prefill_ms, passes, decoded = _timed_passes(dec, prompts, new_tokens, warmup, repeats, use_graph, replay, cache,
-                                                    measured, f"{placement.policy}-{placement.label} batch {batch_size}")
+        prefill_ms, passes, decoded = _timed_passes(dec, prompts, new_tokens, warmup, repeats, use_graph, replay,
+                                                    cache, measured,
+                                                    f"{placement.policy}-{placement.label} batch {batch_size}")
     finally:
         model.pools, model.experts_fn = saved
     # The timed loop (graphed on CUDA, full-length attention mask) must decode what the engine's
@@ -692,8 +696,9 @@ def derive_metrics(records: list[dict], ceilings: dict[str, float] | None = None
     ``fraction_of_bytes_bound`` (floor / measured step), and ``predicted_step_ms_calibrated``, an
     additive model: the same policy's measured residency-1.0 step plus the time the cold bytes take
     over the link instead of HBM. Its inputs come from the run it is compared with, so its agreement
-    with measured steps checks additivity; it is not a prediction made apart from the measurement. Why this shape: layers run in sequence and each waits for its experts, so
-    link time adds to the step rather than hiding under HBM time, and the all-HBM step's time
+    with measured steps checks additivity; it is not a prediction made apart from the measurement.
+    Why this shape: layers run in sequence and each waits for its experts, so link time adds to
+    the step rather than hiding under HBM time, and the all-HBM step's time
     beyond its bytes (launch latency of the small non-expert kernels) is a per-step constant
     that only a measurement gives.
 

@@ -236,7 +236,8 @@ def decode(c: Compressed) -> torch.Tensor:
     """The torch decoder: all lanes at once, one symbol a step, on the record's device."""
     check_record(c)
     if int(c.lane_words[-1]) != c.num_words:
-        raise CodecError(f"codec record: lane_words ends at {int(c.lane_words[-1])}, the streams hold {c.num_words} words")
+        raise CodecError(f"codec record: lane_words ends at {int(c.lane_words[-1])}, the streams hold "
+                         f"{c.num_words} words")
     words = c.words.to(torch.int64) & 0xFFFFFFFF
     table = c.table.to(torch.int64)
     pos = c.lane_words[:-1].to(torch.int64) * 32

@@ -117,7 +117,8 @@ def row_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     costs 4 bytes a row and 128-column group: 1/32 of the FP8 bytes (~3%)."""
     if tuple(scale_inv.shape) != scale_grid(rows, cols):
         raise Fp8FormatError(f"row_scales: weight_scale_inv grid {list(scale_inv.shape)} does not match a "
-                             f"[{rows}, {cols}] weight in {BLOCK}x{BLOCK} blocks (expected {list(scale_grid(rows, cols))})")
+                             f"[{rows}, {cols}] weight in {BLOCK}x{BLOCK} blocks (expected "
+                             f"{list(scale_grid(rows, cols))})")
     return scale_inv.float().repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
 
 

@@ -117,7 +117,8 @@ def check_tensors(blocks: torch.Tensor, scales: torch.Tensor | None, name: str =
                                f"{getattr(scales, 'dtype', type(scales).__name__)} (only {SCALE_FORMAT} scales are "
                                "supported)")
     if blocks.dim() < 3:
-        raise Mxfp4FormatError(f"{name}_blocks: shape {list(blocks.shape)}, expected [..., N, K/{BLOCK}, {BLOCK_BYTES}]")
+        raise Mxfp4FormatError(f"{name}_blocks: shape {list(blocks.shape)}, expected "
+                               f"[..., N, K/{BLOCK}, {BLOCK_BYTES}]")
     if blocks.shape[-1] != BLOCK_BYTES:
         raise Mxfp4FormatError(f"{name}_blocks: last dimension {blocks.shape[-1]} bytes is a block of "
                                f"{2 * blocks.shape[-1]} elements; only {BLOCK}-element blocks ({BLOCK_BYTES} bytes) "

@@ -112,8 +112,10 @@ class TraceMeta:
             if not isinstance(moe_layers, list) or not all(isinstance(x, int) for x in moe_layers):
                 raise ValueError("not a list of integers")
         except ValueError as e:
-            raise TraceError(f"{where}: schema metadata moe_layers={md['moe_layers']!r} is not a JSON list of ints ({e})") from None
-        extra = {k: v for k, v in md.items() if k not in META_KEYS and k != "ARROW:schema" and not k.startswith("pandas")}
+            raise TraceError(f"{where}: schema metadata moe_layers={md['moe_layers']!r} is not a JSON list of ints "
+                             f"({e})") from None
+        extra = {k: v for k, v in md.items()
+                 if k not in META_KEYS and k != "ARROW:schema" and not k.startswith("pandas")}
         meta = cls(md["model"], num_layers, num_experts, top_k, moe_layers, md["source"], extra)
         meta.check(where)
         return meta
@@ -121,7 +123,8 @@ class TraceMeta:
     def check(self, where: str) -> None:
         """Internal consistency: positive sizes, sorted distinct MoE layers inside the model."""
         if self.num_experts <= 0 or self.top_k <= 0 or self.top_k > self.num_experts:
-            raise TraceError(f"{where}: metadata num_experts={self.num_experts}, top_k={self.top_k} are not a valid pair")
+            raise TraceError(f"{where}: metadata num_experts={self.num_experts}, top_k={self.top_k} are not a "
+                             "valid pair")
         if self.num_experts > 32767:
             raise TraceError(f"{where}: metadata num_experts={self.num_experts} does not fit the int16 expert column")
         ml = list(self.moe_layers)
@@ -259,7 +262,8 @@ class TraceWriter:
                 # it is known only now, so it goes into the footer's key-value metadata.
                 if self.cached_tokens_skipped:
                     self.meta.extra["cached_prefix_tokens_skipped"] = str(self.cached_tokens_skipped)
-                    self._writer.add_key_value_metadata({"cached_prefix_tokens_skipped": str(self.cached_tokens_skipped)})
+                    self._writer.add_key_value_metadata(
+                        {"cached_prefix_tokens_skipped": str(self.cached_tokens_skipped)})
             self._writer.close()
             if exc_type is None:
                 share_mode(self._tmp)
@@ -322,7 +326,8 @@ class TraceWriter:
                 raise TraceError(f"{where}: the trace has a weight column but this request has no weights")
             w = np.asarray(req.weights, dtype=np.float32)
             if w.shape != np.asarray(req.experts).shape:
-                raise TraceError(f"{where}: weights shape {w.shape} differs from experts shape {np.asarray(req.experts).shape}")
+                raise TraceError(f"{where}: weights shape {w.shape} differs from experts shape "
+                                 f"{np.asarray(req.experts).shape}")
             w = w[keep].reshape(-1)
         pos = np.repeat(positions, L * k).astype(np.int32)
         chunk = {
@@ -450,7 +455,8 @@ def read_trace_meta(path: str | os.PathLike, expect: Any = None) -> TraceMeta:
 def _check_columns(schema: pa.Schema, where: str) -> None:
     missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
     if missing:
-        raise TraceError(f"{where}: missing column(s) {missing}; a trace needs {list(REQUIRED_COLUMNS)} (docs/design.md §2)")
+        raise TraceError(f"{where}: missing column(s) {missing}; a trace needs {list(REQUIRED_COLUMNS)} "
+                         "(docs/design.md §2)")
     for name in schema.names:
         typ = schema.field(name).type
         if pa.types.is_dictionary(typ):
@@ -489,7 +495,8 @@ def _validate_batch(batch: pa.RecordBatch, meta: TraceMeta, where: str, row_offs
                 fail("expert", _first_bad(neg), "holds -1 and the phase column was not read to check it is prefill")
             bad = pc.and_(neg, pc.not_equal(batch.column("phase").cast(pa.string()), "prefill"))
             if pc.any(bad).as_py():
-                fail("expert", _first_bad(bad), "holds -1 (cached prefix) in a decode row; only prefill rows may be cached")
+                fail("expert", _first_bad(bad),
+                     "holds -1 (cached prefix) in a decode row; only prefill rows may be cached")
     if "layer" in names:
         layer = batch.column("layer")
         ok = pc.is_in(layer, value_set=pa.array(meta.moe_layers, layer.type))

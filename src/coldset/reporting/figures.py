@@ -165,7 +165,8 @@ def coverage_figure(placements: list[PlacementSummary], device: str, batch: str,
         "coverage",
         "Coverage vs residency",
         "Fraction of decode routing selections whose expert is in HBM, on the profiling traffic (solid)"
-        + (" and on held-out traffic (dashed)" if any_heldout else "; there is no held-out coverage (the trace has no held-out split)")
+        + (" and on held-out traffic (dashed)" if any_heldout
+           else "; there is no held-out coverage (the trace has no held-out split)")
         + ", per placement policy, against the residency each placement achieved (positional offloads "
         "whole layers, so it can fall short of the requested residency).",
         device, batch, dtype, _png(fig, f"device: {device} · batch size: {batch} · dtype: {dtype}"),
@@ -205,7 +206,8 @@ def residency_figure(bench: list[BenchResult], batch_size: int, model: str,
     ax = fig.add_subplot(1, 1, 1)
     slope_texts, unpublished = [], {"cpu": [], "noisy": []}
     for pol in policies:
-        pts = sorted((b for b in rows if b.policy == pol), key=lambda b: (b.metrics["hbm_expert_gib"], float(b.residency)))
+        pts = sorted((b for b in rows if b.policy == pol),
+                     key=lambda b: (b.metrics["hbm_expert_gib"], float(b.residency)))
         xs, ys = [b.metrics["hbm_expert_gib"] for b in pts], [b.metrics["tok_s"] for b in pts]
         ax.plot(xs, ys, marker="o", color=color[pol], label=pol)
         for prev, cur in zip(pts, pts[1:]):
@@ -404,7 +406,8 @@ def _calibrated_step_time_figure(at_batch: list[BenchResult], batch_size: int, m
     ax.set_title(f"{model}: measured vs additive model\nbatch size {batch_size}", fontsize=10)
     ax.legend(fontsize=7)
     caption = (
-        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the additive model (filled markers, labelled with "
+        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the "
+        "additive model (filled markers, labelled with "
         "the residency; field predicted_step_ms_calibrated): the same policy's measured residency-1.0 "
         "step at this batch size plus the time this run's measured cold bytes take over the host link "
         "instead of HBM, at the read rates measured in the same run. Every input comes from the run it "
@@ -449,7 +452,8 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
     ax.plot(ends, ends, color="#999999", linestyle=":", label="measured = predicted")
     for pol in policies:
         sub = [b for b in rows if b.policy == pol]
-        ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_mean"] for b in sub], color=color[pol], label=pol)
+        ax.scatter([b.predicted_step_ms for b in sub], [b.metrics["step_ms_mean"] for b in sub], color=color[pol],
+                   label=pol)
         for b in sub:
             if upper(b) > b.predicted_step_ms:
                 ax.plot([b.predicted_step_ms, upper(b)], [b.metrics["step_ms_mean"]] * 2, color=color[pol], alpha=0.5)
@@ -468,7 +472,8 @@ def _speed_model_step_time_figure(at_batch: list[BenchResult], batch_size: int, 
     return FigureOut(
         f"step-time-b{batch_size}",
         f"Measured vs predicted step time (batch size {batch_size})",
-        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the placement stage's speed-model prediction "
+        "Mean decode step time (a pass's time over its steps, median over repeats) measured against the "
+        "placement stage's speed-model prediction "
         f"(bytes only, preset {presets}; an estimate: batches whose tokens share experts can run faster), "
         "one point per placement (labelled with its residency); "
         "a horizontal bar reaches the no-overlap prediction where the bench recorded it. Points "

@@ -539,7 +539,8 @@ def render_report(
     run_device = join_values(b.device for b in bench) if bench else machine_device
     # A shape-only model runs nowhere: its dtype is the one its config.json declares, not the
     # workflow's engine dtype (model.dtype, float32 by default).
-    dtype = moe_shape.dtype if moe_shape is not None else str(model_cfg.get("dtype") or join_values(b.dtype for b in bench))
+    dtype = (moe_shape.dtype if moe_shape is not None
+             else str(model_cfg.get("dtype") or join_values(b.dtype for b in bench)))
     routing_batch = str((config.get("routing") or {}).get("batch_size", "n/a"))
     routing_batch_label = f"{routing_batch} (routing capture)"
 

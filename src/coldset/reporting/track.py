@@ -181,7 +181,8 @@ def _upsert_run(client, experiment_id: str, key: str, run_name: str, params: dic
         client.delete_run(dup.info.run_id)
     run = found[0] if found else None
     if run is not None:
-        conflicts = {k: (run.data.params[k], v) for k, v in params.items() if k in run.data.params and run.data.params[k] != v}
+        conflicts = {k: (run.data.params[k], v) for k, v in params.items()
+                     if k in run.data.params and run.data.params[k] != v}
         if conflicts:
             warnings.warn(
                 f"MLflow: run {run.info.run_id} ({key}) has different params {conflicts} (old, new); "
@@ -252,7 +253,8 @@ def _log_datasets(client, run_id: str, datasets: Sequence[DatasetRef]) -> None:
         if not path.is_file():
             raise ReportInputError(f"missing dataset file {path} ({ref.name})")
         ds = MetaDataset(source=resolve_dataset_source(str(path.resolve())), name=ref.name, digest=_file_digest(path))
-        inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, ref.context)]))
+        inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(),
+                                   tags=[InputTag(MLFLOW_DATASET_CONTEXT, ref.context)]))
     if not inputs:
         return
     try:
@@ -422,5 +424,6 @@ def log_report(done_path: str | os.PathLike, html: str | os.PathLike, figures: S
         raise ReportInputError(f"{done_path}: missing field parent_run_id or tracking_uri")
     client = tracking_client(done["tracking_uri"])
     run_id = done["parent_run_id"]
-    _log_files(client, run_id, f"parent {run_id}", {"report": [Path(html)], "report/figures": [Path(f) for f in figures]})
+    _log_files(client, run_id, f"parent {run_id}",
+               {"report": [Path(html)], "report/figures": [Path(f) for f in figures]})
     return run_id

@@ -40,8 +40,9 @@ build with vLLM's rotary_embedding custom op on (eager mode, ``--enforce-eager``
 How it hooks in: vLLM 0.32 builds each fused MoE layer's routed experts as a
 ``RoutedExperts`` module (gpt-oss: its subclass ``GptOssRoutedExperts``), a ``PluggableLayer``
 whose class vLLM lets an out-of-tree plugin replace by class name (``PluggableLayer.register_oot``).
-The plugin registers a subclass of each under its name; it is vLLM's own class plus one change: its ``quant_method`` (vLLM's
-experts-computation interface: ``create_weights``, ``process_weights_after_loading``, ``apply``)
+The plugin registers a subclass of each under its name; it is vLLM's own class plus one change:
+its ``quant_method`` (vLLM's experts-computation interface: ``create_weights``,
+``process_weights_after_loading``, ``apply``)
 is a :class:`ColdsetMoEMethod` that wraps vLLM's unquantized method. vLLM's router still picks
 the experts (``select_experts``, as without the plugin); only the experts computation changes:
 

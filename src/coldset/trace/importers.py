@@ -176,7 +176,8 @@ def _npy(raw: bytes, where: str) -> np.ndarray:
     need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     have = len(raw) - buf.tell()
     if have < need:
-        raise TraceError(f"{where}: truncated .npy payload: its header says {dtype} {list(shape)} ({need} bytes of data), "
+        raise TraceError(f"{where}: truncated .npy payload: its header says {dtype} {list(shape)} ({need} bytes of "
+                         "data), "
                          f"the payload holds {have} (the saved response was cut off)")
     try:
         return np.load(io.BytesIO(raw), allow_pickle=False)
@@ -342,7 +343,8 @@ def _container_line(obj: Mapping, meta: TraceMeta, where: str) -> tuple[str, np.
     elif isinstance(value, str):
         raw = _b64(value, where, "field 'routed_experts' is ")
         if len(raw) % 4:
-            raise TraceError(f"{where}: field 'routed_experts' decodes to {len(raw)} bytes, not a multiple of 4 (int32)")
+            raise TraceError(f"{where}: field 'routed_experts' decodes to {len(raw)} bytes, not a multiple of 4 "
+                             "(int32)")
         flat = np.frombuffer(raw, dtype="<i4")
         shape = obj.get("shape")
         if shape is None:
@@ -382,7 +384,8 @@ def sglang_recorder_requests(path: Path, meta: TraceMeta, seen: set) -> Iterator
             mode = int(rec["forward_mode"])
             fp, rank = int(rec["forward_pass_id"]), int(rec.get("rank", 0))
         except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"{where}: missing or malformed field ({e}); expected a per_token recorder record") from None
+            raise TraceError(f"{where}: missing or malformed field ({e}); expected a per_token recorder "
+                             "record") from None
         key = (fp, tuple(positions), tuple(input_ids))
         if key in seen:  # the same pass recorded by another tensor-parallel rank
             continue
@@ -539,7 +542,8 @@ def _meta_from_header(obj: dict, where: str, source: str) -> TraceMeta:
         meta = TraceMeta(str(h["model"]), int(h["num_layers"]), int(h["num_experts"]), int(h["top_k"]),
                          [int(x) for x in h["moe_layers"]], source)
     except (KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"{where}: trace_meta header needs model, num_layers, num_experts, top_k, moe_layers ({e})") from None
+        raise TraceError(f"{where}: trace_meta header needs model, num_layers, num_experts, top_k, moe_layers "
+                         f"({e})") from None
     meta.check(where)
     return meta
 

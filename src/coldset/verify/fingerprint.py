@@ -9,8 +9,9 @@ nothing about the new files. Each report therefore carries a fingerprint:
   placement JSON records, so the pair is checked too);
 - ``placement``: sha256 of what in the placement JSON the decode reads beside the row map
   (:data:`DECODE_FIELDS`: the policy and ``cache_warm_counts``, the warm pool's eviction order, and
-  a lookahead's ``cache_lookahead_depth`` and ``cache_lookahead_fit``, a nexttoken's ``cache_forecaster`` (its fields and the
-  sha256 of its tables file, re-digested from the file on disk) and ``cache_prefetch_budget``,
+  a lookahead's ``cache_lookahead_depth`` and ``cache_lookahead_fit``, a nexttoken's
+  ``cache_forecaster`` (its fields and the sha256 of its tables file, re-digested from the file on
+  disk) and ``cache_prefetch_budget``,
   each hashed only where set, so other placements keep their digest): a
   rewritten warm state with the same warm set (same row map) is another placement, while a
   placement rewritten with other statistics (coverage, predicted step times, whose last float
