@@ -177,15 +177,12 @@ def test_decode_rate_on_cuda_decodes_layer_zero_bitwise_and_refuses_other_bytes(
     import torch
 
     from coldset.kernels.compressed_tier import compressed_host_tier
-    from coldset.kernels.tiers import ExpertPools
     from coldset.measure.cache_compressed import decode_rate
     from coldset.measure.harness import MeasureError
-    from test_codec_tier import L, E, bf16_pools, fp8_pools, names_of
+    from test_codec_tier import L, E, all_hot_on, bf16_pools, fp8_pools
 
     cpu = bf16_pools() if fmt == "bf16" else fp8_pools()
-    fields = {n: getattr(cpu, f"{n}_hot").reshape(L, E, *getattr(cpu, f"{n}_hot").shape[1:]).cuda()
-              for n in names_of(cpu)}
-    all_hot = ExpertPools.all_hot(fields["w13"], fields["w2"], fields.get("w13_scale"), fields.get("w2_scale"))
+    all_hot = all_hot_on(cpu, "cuda")
     tier = compressed_host_tier(all_hot, lane_symbols=64)
     got = decode_rate(tier, all_hot, experts=8, reps=2)
     assert got["experts"] == E and got["decode_gb_s"] > 0 and got["raw_mb"] * 1e6 == pytest.approx(tier.raw_nbytes / L)

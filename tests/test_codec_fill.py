@@ -12,7 +12,7 @@ from coldset.core import codec, mxfp4
 from coldset.kernels.compressed_tier import compressed_host_tier
 from coldset.kernels.tiers import ExpertPools
 from interpreter_helpers import run_interpreted
-from test_codec_tier import L, E, adversarial_pools, bf16_pools, fp8_pools, gaussian
+from test_codec_tier import L, E, adversarial_pools, all_hot_on, bf16_pools, fp8_pools, gaussian
 from test_slots import graphed_model  # noqa: F401 (pytest fixture: the synthetic model the slot tests capture)
 
 
@@ -130,9 +130,7 @@ def test_listed_fill_on_cuda_is_bitwise_the_raw_fill_and_replays_in_a_graph(make
     from test_codec_tier import bytes_of, names_of, slot_pools
 
     cpu = make()
-    fields = {n: getattr(cpu, f"{n}_hot").reshape(L, E, *getattr(cpu, f"{n}_hot").shape[1:]).cuda()
-              for n in names_of(cpu)}
-    all_hot = ExpertPools.all_hot(fields["w13"], fields["w2"], fields.get("w13_scale"), fields.get("w2_scale"))
+    all_hot = all_hot_on(cpu, "cuda")
     tier = compressed_host_tier(all_hot, lane_symbols=64)
     assert tier.pinned and tier.record_table.is_cuda
     slots, rows = torch.tensor([2, 0, 1, 0], device="cuda"), torch.tensor([5, 1, 3, 0], device="cuda")

@@ -12,6 +12,7 @@ from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.compressed_tier import CompressedTierError, compressed_host_tier
 from coldset.kernels.reference import torch_experts
 from coldset.kernels.tiers import ExpertPools, host_tier
+from expert_helpers import warm_map
 
 L, E, HOT, K, T = 2, 6, 3, 3, 2  # 3 slots a layer's worth: K * T = 6 = C
 
@@ -31,18 +32,6 @@ def fp8_pools(H=384, I=256):
     return ExpertPools.all_hot(q13, q2, s13, s2)
 
 
-def warm_map():
-    """Experts 0..HOT-1 of each layer in the slots, the rest on the host."""
-    rm, h, c = np.empty((L, E), dtype=np.int32), 0, 0
-    for layer in range(L):
-        for e in range(E):
-            if e < HOT:
-                rm[layer, e], h = h, h + 1
-            else:
-                rm[layer, e], c = -c - 1, c + 1
-    return rm
-
-
 def slot_bytes(pools):
     names = ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
     return [getattr(pools, f"{n}_hot").view(-1).view(torch.uint8).clone() for n in names]
@@ -55,12 +44,11 @@ def test_a_cache_over_the_compressed_tier_decides_fills_and_computes_bitwise_as_
     host = host_tier(all_hot)
     tier = compressed_host_tier(all_hot)
     assert all(p.coded for parts in tier.parts for p in parts if p.name in ("w13", "w2"))
-    raw = SlotCache.build(all_hot, host, warm_map(), np.arange(L * HOT, dtype=float), policy, T, K)
-    coded = SlotCache.build(all_hot, host, warm_map(), np.arange(L * HOT, dtype=float), policy, T, K,
+    raw = SlotCache.build(all_hot, host, warm_map(L, E, HOT), np.arange(L * HOT, dtype=float), policy, T, K)
+    coded = SlotCache.build(all_hot, host, warm_map(L, E, HOT), np.arange(L * HOT, dtype=float), policy, T, K,
                             compressed=tier)
     gen = torch.Generator().manual_seed(5)
     hidden = all_hot.w2_hot.shape[1]
-    filled = 0
     for step in range(4):
         x = torch.randn(T, hidden, generator=gen).to(torch.bfloat16)
         weights = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
@@ -85,7 +73,8 @@ def test_a_compressed_tier_of_other_experts_is_refused_at_build():
     all_hot = bf16_pools()
     other = compressed_host_tier(bf16_pools(H=64, I=128))
     with pytest.raises(CompressedTierError, match="part w13"):
-        SlotCache.build(all_hot, host_tier(all_hot), warm_map(), np.ones(L * HOT), "lru", T, K, compressed=other)
+        SlotCache.build(all_hot, host_tier(all_hot), warm_map(L, E, HOT), np.ones(L * HOT), "lru", T, K,
+                        compressed=other)
 
 
 @pytest.mark.gpu
@@ -96,5 +85,5 @@ def test_a_cuda_cache_refuses_a_compressed_tier_built_for_cpu_experts_by_name():
     all_hot = ExpertPools.all_hot(cpu.w13_hot.reshape(L, E, *cpu.w13_hot.shape[1:]).cuda(),
                                   cpu.w2_hot.reshape(L, E, *cpu.w2_hot.shape[1:]).cuda())
     with pytest.raises(CompressedTierError, match="built for experts on cpu"):
-        SlotCache.build(all_hot, host_tier(all_hot), warm_map(), np.ones(L * HOT), "lru", T, K,
+        SlotCache.build(all_hot, host_tier(all_hot), warm_map(L, E, HOT), np.ones(L * HOT), "lru", T, K,
                         compressed=compressed_host_tier(cpu))

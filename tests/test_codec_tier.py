@@ -58,6 +58,13 @@ def names_of(pools):
     return ("w13", "w2", "w13_scale", "w2_scale") if pools.has_scales else ("w13", "w2")
 
 
+def all_hot_on(pools, device):
+    """All-hot ``pools``' experts (weights, and scales where they have them) as all-hot pools on ``device``."""
+    fields = {n: getattr(pools, f"{n}_hot").reshape(L, E, *getattr(pools, f"{n}_hot").shape[1:]).to(device)
+              for n in names_of(pools)}
+    return ExpertPools.all_hot(fields["w13"], fields["w2"], fields.get("w13_scale"), fields.get("w2_scale"))
+
+
 def slot_pools(all_hot):
     """The raw tier's placed pools with half the experts in slots (poisoned), and the host rows each
     slot must receive, in a shuffled order."""
@@ -78,6 +85,17 @@ def raw_fill(pools, host_rows, slots):
 
 def bytes_of(pools):
     return [getattr(pools, f"{n}_hot").contiguous().view(-1).view(torch.uint8).clone() for n in names_of(pools)]
+
+
+@pytest.mark.parametrize("make", [bf16_pools, fp8_pools, mxfp4_pools], ids=["bf16", "fp8", "mxfp4"])
+def test_all_hot_on_a_device_holds_every_part_bitwise(make):
+    """:func:`all_hot_on` (the GPU tests' copy of the pools to CUDA), here to the CPU: all hot, every
+    part bitwise the pools'."""
+    pools = make()
+    moved = all_hot_on(pools, "cpu")
+    assert moved.num_cold == 0 and names_of(moved) == names_of(pools)
+    for n, a, b in zip(names_of(pools), bytes_of(moved), bytes_of(pools)):
+        assert torch.equal(a, b), n
 
 
 @pytest.mark.parametrize("make", [bf16_pools, adversarial_pools, fp8_pools, mxfp4_pools],
@@ -183,9 +201,7 @@ def test_triton_decoder_fills_from_the_tiers_records_under_the_interpreter():
                          ids=["bf16", "adversarial-bf16", "fp8", "mxfp4"])
 def test_a_compressed_fill_on_the_gpu_is_bitwise_the_raw_fill_and_replays_in_a_graph(make):
     cpu = make()
-    fields = {n: getattr(cpu, f"{n}_hot").reshape(L, E, *getattr(cpu, f"{n}_hot").shape[1:]).cuda()
-              for n in names_of(cpu)}
-    all_hot = ExpertPools.all_hot(fields["w13"], fields["w2"], fields.get("w13_scale"), fields.get("w2_scale"))
+    all_hot = all_hot_on(cpu, "cuda")
     tier = compressed_host_tier(all_hot)
     assert tier.pinned and tier.data.is_pinned()
     host_rows, slots = [5, 1, 3], [2, 0, 1]

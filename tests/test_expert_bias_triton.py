@@ -20,6 +20,7 @@ import torch
 from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.activation import swiglu_clamped
 from coldset.kernels.tiers import ExpertPools, build_pools
+from expert_helpers import warm_map
 from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu  # CUDA-only: skipped without CUDA by tests/conftest.py
@@ -118,8 +119,7 @@ def check_case(fmt, dtype, tokens, cfg, kind, bias, tol, placements=True):
     scales = dict(w13_scale=weights[2], w2_scale=weights[3]) if fmt == "fp8" else {}
     placed = build_pools(weights[0], weights[1], _row_map(tokens), "cpu", **scales, **biases, activation=act)
     assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), base), (fmt, cfg, "placed")
-    warm = np.arange(L * E).reshape(L, E) % E < 3
-    rm = np.where(warm, np.cumsum(warm).reshape(L, E) - 1, -np.cumsum(~warm).reshape(L, E)).astype(np.int32)
+    rm = warm_map(L, E, 3)
     cache = SlotCache.build(pools, host_tier(pools), rm, np.ones(3 * L), "lru", max_tokens=2, top_k=K)
     cache.admit(1, ids[:2])  # cold experts of the first two tokens filled into slots
     assert (cache.pools.row_map[1].numpy() != rm[1]).any()

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 from coldset.core import fp8
 from coldset.kernels import torch_experts
+from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
-from expert_helpers import hot_cold_mixed_maps, replays_over_row_maps
+from expert_helpers import hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing, signed_bias
 from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu
@@ -52,24 +53,6 @@ def make_fp8(num_layers, num_experts, hidden, inter, seed=0, device="cpu"):
     q13, s13 = fp8.quantize_w13(w13)
     q2, s2 = fp8.quantize_weight(w2)
     return w13, w2, (q13.to(device), q2.to(device), s13.to(device), s2.to(device))
-
-
-def routing(num_tokens, num_experts, top_k, hidden, dtype, seed=1, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=g), dim=-1)
-    w, ids = probs.topk(top_k, dim=-1)
-    return x.to(device), ids.to(device), (w / w.sum(-1, keepdim=True)).to(dtype).to(device)
-
-
-def random_row_map(num_layers, num_experts, cold_fraction, seed):
-    rng = np.random.default_rng(seed)
-    n = num_layers * num_experts
-    cold = rng.random(n) < cold_fraction
-    rows = np.empty(n, dtype=np.int32)
-    rows[~cold] = rng.permutation(int((~cold).sum()))
-    rows[cold] = -rng.permutation(int(cold.sum())) - 1
-    return rows.reshape(num_layers, num_experts)
 
 
 def float64_fp8_experts(q, layer, x, ids, weights, quantized=True, w13f=None, w2f=None):
@@ -95,15 +78,6 @@ def float64_fp8_experts(q, layer, x, ids, weights, quantized=True, w13f=None, w2
                 act = fp8.dequantize_activations(*fp8.quantize_activations(act[None])).double()[0]
             out[t] += float(weights[t, r]) * (w2 @ act)
     return out
-
-
-def rel_err(a, ref):
-    return float((a.double().cpu() - ref).norm() / ref.norm())
-
-
-def signed_bias(out, ref):
-    o, r = out.double().flatten().cpu(), ref.double().flatten().cpu()
-    return float(torch.dot(o - r, r) / torch.dot(r, r))
 
 
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72)])  # 200 x 72: partial blocks everywhere
@@ -174,7 +148,8 @@ def test_fp8_pools_refuse_missing_or_misshapen_scales():
 
 # the interpreter scripts' common start: float casts fixed, the tests' helpers and the kernels imported
 _PRELUDE = ROUNDED_CASTS + r"""
-from test_fp8_experts import make_fp8, random_row_map, routing
+from expert_helpers import random_row_map, routing, warm_map
+from test_fp8_experts import make_fp8
 from coldset.core import fp8
 from coldset.kernels import torch_experts, triton_experts
 from coldset.kernels.triton_fp8 import quantize_groups
@@ -287,17 +262,6 @@ assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal
 tiny = torch.tensor(1e-10, dtype=torch.float32) / 448
 assert s[0, 1] == tiny and s[2, 0] == tiny and not q[0, 128:].view(torch.uint8).any(), (s, tiny)
 
-def warm_map(L, E, hot):
-    # experts 0..hot-1 of each layer in the hot rows (the slots), the others cold
-    rm, h, c = np.empty((L, E), dtype=np.int32), 0, 0
-    for l in range(L):
-        for e in range(E):
-            if e < hot:
-                rm[l, e], h = h, h + 1
-            else:
-                rm[l, e], c = -c - 1, c + 1
-    return rm
-
 # (hidden, inter, tokens, the config with the separate launches where block_n1 < 128, the options)
 X1, A1, A2 = dict(quant_x=1), dict(quant_act=1), dict(quant_act=2)
 CASES = [
@@ -402,8 +366,7 @@ for hidden, inter, tokens, cfg in CASES:
     assert float((base.double() - plain.double()).norm() / plain.double().norm()) < 1e-3, cfg
     placed = build_pools(qq[0], qq[1], random_row_map(2, 8, 0.5, tokens), "cpu", w13_scale=qq[2], w2_scale=qq[3])
     assert torch.equal(triton_experts(placed, 1, x, ids, w, cfg), base), cfg
-    rm = np.where(np.arange(16).reshape(2, 8) % 8 < 3, np.arange(16).reshape(2, 8), -np.arange(16).reshape(2, 8) - 1)
-    rm = np.where(rm >= 0, np.cumsum(rm >= 0).reshape(2, 8) - 1, -np.cumsum(rm < 0).reshape(2, 8)).astype(np.int32)
+    rm = warm_map(2, 8, 3)
     cache = SlotCache.build(all_hot, host_tier(all_hot), rm, np.ones(6), "lru", max_tokens=2, top_k=3)
     cache.admit(1, ids[:2])  # the first two tokens' cold experts filled into slots (weights and scales)
     assert (cache.pools.row_map[1].numpy() != rm[1]).any() and (cache.pools.row_map[1].numpy() < 0).any()
@@ -552,6 +515,40 @@ def float64_fp8_moe(q, layer, x, ids, weights):
         y = act @ fp8.dequantize_weight(q2[layer, e], s2[layer, e]).double().T
         out.index_add_(0, tok, y * weights[tok, rank, None].double())
     return out
+
+
+def fp8_placements(q, ids, device):
+    """``(unmodified, [(name, pools)])`` of block-FP8 experts ``q``: the all-hot pools on ``device``
+    and the placements a kernel must read bitwise as all hot: a slot cache's pools right after it
+    filled layer 1's cold experts of the first two tokens of ``ids`` into its slots (warm: a random
+    half), the unmodified pools placed over the host tier (a random half cold), and built placements
+    with no, half and every expert cold (the cold rows pinned where ``device`` is CUDA)."""
+    L, E = q[0].shape[:2]
+    unmodified = ExpertPools.all_hot(*(t.to(device) for t in q))
+    host = host_tier(unmodified)
+    rm_warm = random_row_map(L, E, 0.5, 3)
+    cache = SlotCache.build(unmodified, host, rm_warm, np.ones(int((rm_warm >= 0).sum())), "lru", 2, ids.shape[1])
+    cache.admit(1, ids[:2])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    pools_list = [("slots", cache.pools), ("placed over host", unmodified.placed(random_row_map(L, E, 0.5, 5), host))]
+    for seed, frac in [(0, 0.0), (1, 0.5), (2, 1.0)]:
+        pools_list.append((f"built {frac}", build_pools(q[0], q[1], random_row_map(L, E, frac, seed), device,
+                                                        w13_scale=q[2], w2_scale=q[3])))
+    return unmodified, pools_list
+
+
+def test_fp8_placements_are_bitwise_all_hot_on_the_torch_path():
+    """:func:`fp8_placements` (the GPU tests' placements and slot cache) on the CPU: each one holds
+    cold experts where it should and the torch path reads it bitwise as all hot."""
+    _, _, q = make_fp8(2, 8, 200, 72, seed=9)
+    x, ids, w = routing(5, 8, 3, 200, torch.float32, seed=9)
+    unmodified, pools_list = fp8_placements(q, ids, "cpu")
+    ref = torch_experts(unmodified, 1, x, ids, w)
+    assert [name for name, _ in pools_list] == ["slots", "placed over host", "built 0.0", "built 0.5", "built 1.0"]
+    for name, pools in pools_list:
+        assert pools.is_fp8 and (pools.num_cold > 0) == (name != "built 0.0"), name
+        assert torch.equal(torch_experts(pools, 1, x, ids, w), ref), name
 
 
 def dup_fp8_pools(q, device="cuda"):
@@ -738,23 +735,13 @@ def test_triton_fp8_quantization_options_bitwise_the_separate_launches_across_pl
     slots; a zero group of the tokens and of the intermediate (the 1e-10 / 448 scale rule)."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.engine.cache.pool import SlotCache
 
     L, E, K = 2, 32, 4
     _, _, q = make_fp8(L, E, hidden, inter, seed=40 + num_tokens)
     x, ids, w = routing(num_tokens, E, K, hidden, torch.bfloat16, seed=41, device="cuda")
     x[0, 128:256] = 0  # token 0: a zero group of the tokens
     q[0][1, int(ids[0, 0]), inter:inter + 128] = 0  # its first expert: the intermediate's first group zero
-    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
-    host = host_tier(unmodified)
-    rm_warm = random_row_map(L, E, 0.5, 3)
-    cache = SlotCache.build(unmodified, host, rm_warm, np.ones(int((rm_warm >= 0).sum())), "lru", 2, K)
-    cache.admit(1, ids[:2])
-    torch.cuda.synchronize()
-    pools_list = [("slots", cache.pools), ("placed over host", unmodified.placed(random_row_map(L, E, 0.5, 5), host))]
-    for seed, frac in [(0, 0.0), (1, 0.5), (2, 1.0)]:
-        pools_list.append((f"built {frac}", build_pools(q[0], q[1], random_row_map(L, E, frac, seed), "cuda",
-                                                        w13_scale=q[2], w2_scale=q[3])))
+    unmodified, pools_list = fp8_placements(q, ids, "cuda")
     bases = [KernelConfig(16, 32, 128, 64, 128, 4, 4, 32, 2), KernelConfig(16, 64, 128, 128, 128, 4, 3, 32, 3),
              KernelConfig(16, 128, 128, 128, 128, 4, 3, 32), KernelConfig(64, 128, 128, 128, 128, 4, 4, 1, tile_order=1,
                                                                            half_buf=1)]

@@ -30,17 +30,15 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
-from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
-from expert_helpers import hot_cold_mixed_maps, replays_over_row_maps
+from coldset.kernels.tiers import ExpertPools, build_pools
+from expert_helpers import hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing, signed_bias
 from interpreter_helpers import run_interpreted
-from test_fp8_experts import (_CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, dup_fp8_pools, make_fp8, random_row_map, rel_err,
-                              routing, signed_bias)
+from test_fp8_experts import _CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, dup_fp8_pools, fp8_placements, make_fp8
 
 gpu = pytest.mark.gpu
 W8A16 = {"w8a16": 1}
@@ -276,22 +274,12 @@ def test_w8a16_bitwise_across_placements_and_slots(hidden, inter, num_tokens):
     unmodified pools placed over the host tier, and a slot cache's pools right after a fill."""
     from coldset.kernels import triton_experts
     from coldset.kernels.triton_moe import KernelConfig
-    from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tune import TRITON_FP8_SEARCH_SPACE
 
     L, E, K = 2, 32, 4
     _, _, q = make_fp8(L, E, hidden, inter, seed=50 + num_tokens)
     x, ids, w = routing(num_tokens, E, K, hidden, torch.bfloat16, seed=51, device="cuda")
-    unmodified = ExpertPools.all_hot(*(t.cuda() for t in q[:2]), *(t.cuda() for t in q[2:]))
-    host = host_tier(unmodified)
-    rm_warm = random_row_map(L, E, 0.5, 3)
-    cache = SlotCache.build(unmodified, host, rm_warm, np.ones(int((rm_warm >= 0).sum())), "lru", 2, K)
-    cache.admit(1, ids[:2])
-    torch.cuda.synchronize()
-    pools_list = [("slots", cache.pools), ("placed over host", unmodified.placed(random_row_map(L, E, 0.5, 5), host))]
-    for seed, frac in [(0, 0.0), (1, 0.5), (2, 1.0)]:
-        pools_list.append((f"built {frac}", build_pools(q[0], q[1], random_row_map(L, E, frac, seed), "cuda",
-                                                        w13_scale=q[2], w2_scale=q[3])))
+    unmodified, pools_list = fp8_placements(q, ids, "cuda")
     configs = {}  # the search space's w8a16 tiles, one per tile (stages and pdl change no bits: tested apart)
     for d in TRITON_FP8_SEARCH_SPACE["decode"]:
         c = KernelConfig.from_dict(d)

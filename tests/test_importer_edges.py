@@ -18,14 +18,10 @@ import pytest
 from coldset.core.shapes import shape_from_hf_config
 from coldset.core.trace import TraceError
 from coldset.trace.importers import import_trace
+from test_importers import HF_CONFIG
 
-# 3 layers, layer 0 dense, MoE layers 1 and 2, 8 experts, top-2
-HF_CONFIG = {
-    "model_type": "deepseek_v3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-    "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
-    "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16}
-SHAPE = shape_from_hf_config(HF_CONFIG)
+# test_importers' model with 3 layers: layer 0 dense, MoE layers 1 and 2, 8 experts, top-2
+SHAPE = shape_from_hf_config({**HF_CONFIG, "num_hidden_layers": 3})
 
 # vLLM 0.32 returns every layer of the model (the dense layer's rows are zeros); rows are tokens,
 # columns per layer the top-2. Three decode tokens (completion 4: the last sampled token is never

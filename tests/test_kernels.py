@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import ExpertPools, build_pools
-from expert_helpers import hot_cold_mixed_maps
+from expert_helpers import hot_cold_mixed_maps, random_row_map, rel_err, routing, signed_bias
 
 gpu = pytest.mark.gpu  # CUDA-only: skipped without CUDA by tests/conftest.py
 
@@ -22,26 +22,6 @@ def make_weights(num_layers, num_experts, hidden, inter, dtype, seed=0, device="
     w13 = (torch.randn(num_layers, num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
     w2 = (torch.randn(num_layers, num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
     return w13.to(device), w2.to(device)
-
-
-def make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed=1, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=g), dim=-1)
-    w, ids = probs.topk(top_k, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    return x.to(device), ids.to(device), w.to(device)
-
-
-def random_row_map(num_layers, num_experts, cold_fraction, seed):
-    """A random placement: each (layer, expert) hot or cold, rows shuffled within each pool."""
-    rng = np.random.default_rng(seed)
-    n = num_layers * num_experts
-    cold = rng.random(n) < cold_fraction
-    rows = np.empty(n, dtype=np.int32)
-    rows[~cold] = rng.permutation(int((~cold).sum()))
-    rows[cold] = -rng.permutation(int(cold.sum())) - 1
-    return rows.reshape(num_layers, num_experts)
 
 
 def float64_experts(w13, w2, layer, x, ids, weights):
@@ -57,16 +37,12 @@ def float64_experts(w13, w2, layer, x, ids, weights):
     return out
 
 
-def rel_err(a, ref):
-    return float((a.double().cpu() - ref).norm() / ref.norm())
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_torch_path_matches_float64_reference(dtype, tol):
     w13, w2 = make_weights(2, 8, 32, 24, dtype)
     pools = ExpertPools.all_hot(w13, w2)
     for layer in range(2):
-        x, ids, w = make_routing(7, 8, 2, 32, dtype, seed=layer)
+        x, ids, w = routing(7, 8, 2, 32, dtype, seed=layer)
         out = torch_experts(pools, layer, x, ids, w)
         assert out.dtype == dtype and out.shape == x.shape
         assert rel_err(out, float64_experts(w13, w2, layer, x, ids, w)) < tol
@@ -75,7 +51,7 @@ def test_torch_path_matches_float64_reference(dtype, tol):
 def test_torch_path_row_map_bitwise_equals_all_hot():
     w13, w2 = make_weights(3, 8, 32, 16, torch.bfloat16)
     ref_pools = ExpertPools.all_hot(w13, w2)
-    x, ids, w = make_routing(11, 8, 3, 32, torch.bfloat16)
+    x, ids, w = routing(11, 8, 3, 32, torch.bfloat16)
     outs = []
     for seed, frac in [(0, 0.0), (1, 0.3), (2, 0.7), (3, 1.0)]:
         pools = build_pools(w13, w2, random_row_map(3, 8, frac, seed), "cpu")
@@ -91,7 +67,7 @@ def test_torch_path_token_chunking_keeps_placement_independence():
     w13, w2 = make_weights(1, 8, 32, 16, torch.float32)
     ref_pools = ExpertPools.all_hot(w13, w2)
     pools = build_pools(w13, w2, random_row_map(1, 8, 0.5, 4), "cpu")
-    x, ids, w = make_routing(9, 8, 2, 32, torch.float32)
+    x, ids, w = routing(9, 8, 2, 32, torch.float32)
     full = torch_experts(ref_pools, 0, x, ids, w)
     for chunk in (1, 4, 64):
         a = torch_experts(ref_pools, 0, x, ids, w, token_chunk=chunk)
@@ -128,7 +104,7 @@ def test_triton_matches_torch_and_float64(dtype, num_tokens):
     w13, w2 = make_weights(2, E, H, I, dtype, device="cuda")
     pools = ExpertPools.all_hot(w13, w2)
     for layer in range(2):
-        x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=10 + layer, device="cuda")
+        x, ids, w = routing(num_tokens, E, K, H, dtype, seed=10 + layer, device="cuda")
         ref64 = float64_experts(w13, w2, layer, x, ids, w)
         out = triton_experts(pools, layer, x, ids, w)
         torch_out = torch_experts(pools, layer, x, ids, w)
@@ -145,7 +121,7 @@ def test_triton_bitwise_identical_across_placements_with_pinned_cold_pool(num_to
     E, H, I, K, L = 32, 256, 128, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16)
     unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
-    x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
+    x, ids, w = routing(num_tokens, E, K, H, torch.bfloat16, device="cuda")
     configs = [None, KernelConfig(16, 16, 64, 16, 64, 4, 2, 1), KernelConfig(16, 16, 64, 16, 64, 4, 2, 128),
                KernelConfig(32, 64, 32, 32, 32, 4, 3), KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 1),
                KernelConfig(16, 32, 64, 32, 64, 4, 3, 32, 2), KernelConfig(16, 32, 64, 32, 64, 4, 3, 1, 2),
@@ -212,7 +188,7 @@ def test_triton_split_k_and_tile_order(num_tokens):
     w13, w2 = make_weights(L, E, H, I, dtype, seed=21)
     unmodified = ExpertPools.all_hot(w13.cuda(), w2.cuda())
     placed = build_pools(w13, w2, random_row_map(L, E, 0.5, num_tokens), "cuda")
-    x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=22, device="cuda")
+    x, ids, w = routing(num_tokens, E, K, H, dtype, seed=22, device="cuda")
     ref = float64_experts(w13, w2, 1, x, ids, w)
     torch_out = torch_experts(unmodified, 1, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping where the pairs fit, sorted otherwise
@@ -246,7 +222,7 @@ def test_triton_half_tail():
     placed = build_pools(w13, w2, random_row_map(L, E, 0.5, 7), "cuda")
     tails = set()
     for num_tokens in (9, 100, 333, 700):
-        x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=num_tokens, device="cuda")
+        x, ids, w = routing(num_tokens, E, K, H, dtype, seed=num_tokens, device="cuda")
         ref = float64_experts(w13, w2, 1, x, ids, w)
         torch_out = torch_experts(unmodified, 1, x, ids, w).double().cpu()
         for tail in torch.bincount(ids.flatten().cpu(), minlength=E).tolist():
@@ -271,7 +247,7 @@ def test_triton_refuses_bad_split_and_order():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
     w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
-    x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
+    x, ids, w = routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
     pools = ExpertPools.all_hot(w13, w2)
     with pytest.raises(ValueError, match="tile_order must be 0 or 1"):
         triton_experts(pools, 0, x, ids, w, KernelConfig(tile_order=2))
@@ -292,7 +268,7 @@ def test_triton_refuses_unknown_pdl_mode():
     from coldset.kernels.triton_moe import KernelConfig, triton_experts
 
     w13, w2 = make_weights(1, 8, 64, 32, torch.bfloat16, device="cuda")
-    x, ids, w = make_routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
+    x, ids, w = routing(3, 8, 2, 64, torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="pdl must be 0, 1, 2 or 3"):
         triton_experts(ExpertPools.all_hot(w13, w2), 0, x, ids, w, KernelConfig(pdl=4))
 
@@ -310,7 +286,7 @@ def test_cuda_graph_replay_after_row_map_change(num_tokens, pdl, split, order):
     E, H, I, K, L = 16, 256, 128, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16, seed=5)
     pools = _dup_pools(w13, w2)
-    x, ids, w = make_routing(num_tokens, E, K, H, torch.bfloat16, seed=6, device="cuda")
+    x, ids, w = routing(num_tokens, E, K, H, torch.bfloat16, seed=6, device="cuda")
     layer = 1
     expected_hot = triton_experts(pools, layer, x, ids, w)
     stream = torch.cuda.Stream()
@@ -377,8 +353,8 @@ def test_pdl_modes_bitwise_equal_after_a_late_writing_kernel(num_tokens):
     dtype = torch.bfloat16
     w13, w2 = make_weights(L, E, H, I, dtype, seed=31)
     pools = _dup_pools(w13, w2)
-    x, ids, w = make_routing(num_tokens, E, K, H, dtype, seed=32, device="cuda")
-    x_old, ids_old, w_old = make_routing(num_tokens, E, K, H, dtype, seed=33, device="cuda")
+    x, ids, w = routing(num_tokens, E, K, H, dtype, seed=32, device="cuda")
+    x_old, ids_old, w_old = routing(num_tokens, E, K, H, dtype, seed=33, device="cuda")
     layer = 1
     ref = float64_experts(w13, w2, layer, x, ids, w)
     for slot_max in (32, 1):  # in-kernel grouping at 4 and 32 pairs; the grouping launch before w13
@@ -433,7 +409,7 @@ LAYOUTS = ["padded", "transposed", "sliced"]
 def test_pools_from_strided_views_are_contiguous_and_compute_the_same(kind):
     w13, w2 = make_weights(2, 8, 32, 24, torch.bfloat16)
     v13, v2 = strided_views(w13, w2, kind)
-    x, ids, w = make_routing(7, 8, 2, 32, torch.bfloat16)
+    x, ids, w = routing(7, 8, 2, 32, torch.bfloat16)
     ref = ExpertPools.all_hot(w13, w2)
     for pools in (ExpertPools.all_hot(v13, v2), build_pools(v13, v2, random_row_map(2, 8, 0.5, 1), "cpu")):
         for name in ("w13_hot", "w2_hot", "w13_cold", "w2_cold", "row_map"):
@@ -484,21 +460,13 @@ def float64_moe(w13, w2, layer, x, ids, weights):
     return out
 
 
-def signed_bias(out, ref):
-    """Mean signed relative error: the least-squares scale of ``out`` against ``ref``, minus 1
-    (``<out - ref, ref> / <ref, ref>``). Rounding errors average out of it; a systematic scale
-    error of s gives s, which a max-error tolerance of 1-2% lets through."""
-    o, r = out.double().flatten(), ref.double().flatten()
-    return float(torch.dot(o - r, r) / torch.dot(r, r))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_bias_statistic_sees_a_half_percent_scale_error(dtype):
     """The bias bound used on the GPU (|bias| < 1e-3) passes the torch path in bf16/fp16 and fails
     the same output scaled by 1.005, which the max-error tolerances (rel_err < 1e-2) pass."""
     w13, w2 = make_weights(1, 16, 64, 48, dtype, seed=2)
     pools = ExpertPools.all_hot(w13, w2)
-    x, ids, w = make_routing(64, 16, 4, 64, dtype, seed=3)
+    x, ids, w = routing(64, 16, 4, 64, dtype, seed=3)
     ref = float64_moe(w13, w2, 0, x, ids, w)
     out = torch_experts(pools, 0, x, ids, w)
     assert abs(signed_bias(out, ref)) < 1e-3
@@ -531,7 +499,7 @@ def test_triton_unbiased_against_float64_over_vllm_grid(dtype, tokens, E, H, I, 
     g = torch.Generator(device="cuda").manual_seed(tokens)  # real-shape weights: drawn on the GPU
     w13 = (torch.randn(1, E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(dtype)
     w2 = (torch.randn(1, E, H, I, generator=g, device="cuda") / I**0.5).to(dtype)
-    x, ids, w = make_routing(tokens, E, K, H, dtype, seed=tokens + 1, device="cuda")
+    x, ids, w = routing(tokens, E, K, H, dtype, seed=tokens + 1, device="cuda")
     ref = float64_moe(w13, w2, 0, x, ids, w)
     v13, v2 = strided_views(w13, w2, "padded")
     outs = {"all_hot": triton_experts(ExpertPools.all_hot(v13, v2), 0, x, ids, w, use_row_map=False),
@@ -554,7 +522,7 @@ def test_triton_on_strided_weights_and_activations(kind):
     E, H, I, K, L = 16, 256, 192, 4, 2
     w13, w2 = make_weights(L, E, H, I, torch.bfloat16, seed=11, device="cuda")
     v13, v2 = strided_views(w13, w2, kind)
-    x, ids, w = make_routing(9, E, K, H, torch.bfloat16, seed=12, device="cuda")
+    x, ids, w = routing(9, E, K, H, torch.bfloat16, seed=12, device="cuda")
     want = triton_experts(ExpertPools.all_hot(w13, w2), 1, x, ids, w)
     assert rel_err(want, float64_moe(w13, w2, 1, x, ids, w).cpu()) < 1e-2
     for pools in (ExpertPools.all_hot(v13, v2), build_pools(v13, v2, random_row_map(L, E, 0.5, 3), "cuda")):
