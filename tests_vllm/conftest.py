@@ -28,6 +28,16 @@ REPO = Path(__file__).resolve().parent.parent
 GATE_STAGES = ("model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate")
 #: Placements of the plugin tests: two policies at half residency and an all-cold one.
 PLUGIN_PLACEMENTS = ("usage_global-0.5", "positional-0.5", "positional-0.0")
+#: Short (domain, prompt) fixtures of the workflow tests (the default fixtures' are hundreds of the
+#: tiny tokenizers' tokens), two per domain.
+PROMPTS = [
+    ("agent", '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
+    ("agent", '{"name": "add", "arguments": {"a": 1, "b": 2}}'),
+    ("code", "def add(a, b):\n    return a + b"),
+    ("code", "for i in range(10):\n    print(i * i)"),
+    ("prose", "The quick brown fox jumps over the lazy dog."),
+    ("prose", "Mixture of experts models route every token."),
+]
 
 
 #: A token of a log line that holds a "/": a path (the model folder, a placement, the venv's files in

@@ -27,19 +27,9 @@ import pytest
 from family_checkpoints import build_family_checkpoint
 from family_workflow import run_stages
 
-from conftest import REPO, coldset_env, embedded_tokens
+from conftest import GATE_STAGES, PROMPTS, REPO, coldset_env, embedded_tokens
 
 PLACEMENT = "usage_global-0.5"
-GATE = ["model", "fixtures", "routing", "stats", "placement", "autotune", "parity", "parity_gate"]
-#: Short prompts (the default fixtures' are hundreds of this tokenizer's tokens), two per domain.
-PROMPTS = [
-    ("agent", '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
-    ("agent", '{"name": "add", "arguments": {"a": 1, "b": 2}}'),
-    ("code", "def add(a, b):\n    return a + b"),
-    ("code", "for i in range(10):\n    print(i * i)"),
-    ("prose", "The quick brown fox jumps over the lazy dog."),
-    ("prose", "Mixture of experts models route every token."),
-]
 
 
 def _gated(root, family: str) -> dict:
@@ -47,7 +37,7 @@ def _gated(root, family: str) -> dict:
     folder = build_family_checkpoint(family, root / "ckpt")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"domain": d, "prompt": p}) + "\n" for d, p in PROMPTS))
-    config = run_stages(root, folder, f"tiny-{family}", "float32", GATE,
+    config = run_stages(root, {"name": f"tiny-{family}", "path": str(folder), "dtype": "float32"}, GATE_STAGES,
                         placement={"policies": ["usage_global"], "residency": [0.5]},
                         fixtures={"domains": ["agent", "code", "prose"], "per_domain": 2, "max_new_tokens": 6,
                                   "prompts": str(prompts)})

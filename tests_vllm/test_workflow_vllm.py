@@ -6,7 +6,6 @@ engine does on the same fixture files."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,7 @@ import yaml
 
 from hf_fixtures import build_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    ("agent", '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
-    ("agent", '{"name": "add", "arguments": {"a": 1, "b": 2}}'),
-    ("code", "def add(a, b):\n    return a + b"),
-    ("code", "for i in range(10):\n    print(i * i)"),
-    ("prose", "The quick brown fox jumps over the lazy dog."),
-    ("prose", "Mixture of experts models route every token."),
-]
+from conftest import PROMPTS, coldset_env
 
 
 def _rows(path: Path) -> dict[str, np.ndarray]:
@@ -61,7 +52,7 @@ def test_routing_stage_with_vllm_backend(tmp_path):
                     "routing stage must take it")
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
+    env = coldset_env()
     for stage in ("model", "fixtures", "routing"):
         proc = subprocess.run([sys.executable, "-m", "coldset", stage, "--config", str(cfg_path)], cwd=tmp_path,
                               capture_output=True, text=True, timeout=600, env=env)
