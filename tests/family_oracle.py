@@ -92,6 +92,20 @@ def assert_greedy_matches(model, hf, prompts, new_tokens: int, routers: dict, lo
     return gen
 
 
+def assert_stepwise_greedy_matches(hf, prompts, gen, steps: int, logit_atol: float) -> None:
+    """transformers' ``hf`` on each unpadded prompt, the whole sequence again at every step (no cache),
+    greedy: each step's last logits within ``logit_atol`` of ``gen.all_logits`` and its ``steps`` tokens
+    ``gen.tokens`` (``gen``: our generate of ``prompts`` with ``return_all_logits``)."""
+    for i, prompt in enumerate(prompts):
+        seq = list(prompt)
+        with torch.no_grad():
+            for step in range(steps):
+                logits = hf(torch.tensor([seq])).logits[0, -1]
+                assert (logits - gen.all_logits[i, step]).abs().max().item() < logit_atol
+                seq.append(int(torch.argmax(logits)))
+        assert seq[len(prompt):] == gen.tokens[i]
+
+
 def assert_random_half_placement_bitwise(model, prompts, new_tokens: int):
     """Half the experts, drawn at random, in the cold tier: the parity gate finds the logits and
     tokens bitwise the all-hot path's. Returns the placed pools."""

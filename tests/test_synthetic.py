@@ -13,6 +13,7 @@ from coldset.engine.generate import encode_prompts, generate
 from coldset.engine.loading import load_model, load_tokenizer
 from coldset.engine.model import ModelConfig
 from coldset.engine.synthetic import SyntheticSpec, synthetic_model_config, write_synthetic_checkpoint
+from family_oracle import assert_stepwise_greedy_matches
 
 # Hand-written prompts (not from the generator that trained the tokenizer).
 PROMPTS = {
@@ -165,14 +166,7 @@ def test_small_spec_matches_transformers_and_is_deterministic(tmp_path):
     gen = generate(load_model(a), prompts, 12, capture_routing=True, progress=False,
                    return_all_logits=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
-    for i, prompt in enumerate(prompts):
-        seq = list(prompt)
-        with torch.no_grad():
-            for step in range(12):
-                logits = hf(torch.tensor([seq])).logits[0, -1]
-                assert (logits - gen.all_logits[i, step]).abs().max().item() < 1e-3
-                seq.append(int(torch.argmax(logits)))
-        assert seq[len(prompt):] == gen.tokens[i]
+    assert_stepwise_greedy_matches(hf, prompts, gen, 12, 1e-3)
 
 
 def dataclass_replace(spec, **changes):

@@ -16,6 +16,7 @@ from coldset.engine.loading import load_model, load_tokenizer
 from coldset.analysis.skew import gini
 from coldset.engine.synthetic import (SyntheticSpec, build_synthetic_model, sample_prompts, synthetic_model_config,
                                write_synthetic_checkpoint)
+from family_oracle import assert_stepwise_greedy_matches
 
 SMALL = SyntheticSpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=32, heads=4, kv_heads=2,
                       head_dim=32, vocab_size=800, model_vocab_size=1000, seed=3, in_memory=True)
@@ -54,14 +55,7 @@ def test_inmemory_model_matches_transformers(small_model, small_written):
     # transformers reads the written folder: its own qwen3_moe code against the in-memory model
     hf = transformers.AutoModelForCausalLM.from_pretrained(small_written, dtype=torch.float32).eval()
     assert hf.config.vocab_size == 1000
-    for i, prompt in enumerate(prompts):
-        seq = list(prompt)
-        with torch.no_grad():
-            for step in range(8):
-                logits = hf(torch.tensor([seq])).logits[0, -1]
-                assert (logits - gen.all_logits[i, step]).abs().max().item() < 1e-3
-                seq.append(int(torch.argmax(logits)))
-        assert seq[len(prompt):] == gen.tokens[i]
+    assert_stepwise_greedy_matches(hf, prompts, gen, 8, 1e-3)
 
 
 def test_written_checkpoint_loads_to_exactly_the_inmemory_model(small_model, small_written):
