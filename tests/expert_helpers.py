@@ -1,5 +1,5 @@
 """The experts kernels' tests' inputs and measures: random routing, random, warm and hot/cold/mixed
-row maps, a captured step replayed over row maps, the relative and the signed error."""
+row maps, a step captured in a CUDA graph and replayed over row maps, the relative and the signed error."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ def hot_cold_mixed_maps(num_layers: int, num_experts: int) -> dict[str, np.ndarr
     every third flat expert cold (0, 3, 6, ...), the others hot. int32 ``[L, E]``."""
     idx = np.arange(num_layers * num_experts, dtype=np.int32).reshape(num_layers, num_experts)
     return {"hot": idx, "cold": -idx - 1, "mixed": np.where(idx % 3 == 0, -idx - 1, idx)}
+
+
+def captured(step):
+    """``step()`` run once (compiled and checked outside the capture), then captured in a CUDA graph:
+    ``(graph, the output tensor its replays write)``."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
 
 
 def replays_over_row_maps(pools, graph) -> Iterator[str]:

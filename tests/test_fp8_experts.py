@@ -35,7 +35,8 @@ from coldset.core import fp8
 from coldset.kernels import torch_experts
 from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
-from expert_helpers import hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing, signed_bias
+from expert_helpers import (captured, hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing,
+                            signed_bias)
 from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu
@@ -666,11 +667,7 @@ def test_triton_fp8_cuda_graph_replay_after_row_map_change(num_tokens, pdl, fiel
     cfg = KernelConfig(**{**KernelConfig(16, 32, 128, 64, 128, 4, 3, 32, pdl).to_dict(), **fields})
     ref = triton_experts(unmodified, 1, x, ids, w, KernelConfig(**{**cfg.to_dict(), **NO_QUANT_FIELDS}),
                          use_row_map=False)
-    out = triton_experts(pools, 1, x, ids, w, cfg)  # compile and validate before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_experts(pools, 1, x, ids, w, cfg)
+    graph, out = captured(partial(triton_experts, pools, 1, x, ids, w, cfg))
     for name in replays_over_row_maps(pools, graph):  # hot, every expert cold, mixed
         assert torch.equal(out, ref), name
 

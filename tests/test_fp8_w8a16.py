@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from coldset.kernels import torch_experts
 from coldset.kernels.tiers import ExpertPools, build_pools
-from expert_helpers import hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing, signed_bias
+from expert_helpers import (captured, hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing,
+                            signed_bias)
 from interpreter_helpers import run_interpreted
 from test_fp8_experts import _CONFIG_HELPERS, _PDL_STUBS, _PRELUDE, dup_fp8_pools, fp8_placements, make_fp8
 
@@ -339,11 +340,7 @@ def test_w8a16_cuda_graph_replay_after_row_map_change(num_tokens, pdl, mode):
     x, ids, w = routing(num_tokens, E, 4, 256, torch.bfloat16, seed=9, device="cuda")
     cfg = _cfg(pdl=pdl, w8a16=mode)
     ref = triton_experts(unmodified, 1, x, ids, w, _cfg(pdl=0), use_row_map=False)  # mode 2: mode 1's bits
-    out = triton_experts(pools, 1, x, ids, w, cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_experts(pools, 1, x, ids, w, cfg)
+    graph, out = captured(partial(triton_experts, pools, 1, x, ids, w, cfg))
     for name in replays_over_row_maps(pools, graph):  # hot, every expert cold, mixed
         assert torch.equal(out, ref), name
 
