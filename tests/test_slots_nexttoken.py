@@ -446,7 +446,7 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
             routed.end_step()
             if dev == "cuda":
                 torch.cuda.synchronize()
-            assert torch.equal(ref.pools.row_map, routed.pools.row_map) and torch.equal(ref.done, routed.done)
+            assert torch.equal(ref.pools.row_map, routed.pools.row_map) and torch.equal(ref.rules.done, routed.rules.done)
     assert int(routed.fill_ticket) == 0
     assert ref.counters()["fills"] >= 3 and ref.counters() == routed.counters()
     if policy != "lru":
