@@ -450,9 +450,7 @@ where launched, in the first), µs per layer:
 
 | tokens | config | quant x | +w13 | +quant act | +w2 | +sum | w13 plain read | w2 plain read |
 |---|---|---|---|---|---|---|---|---|
-| 1 | n1=32 n2=64 w=4 s=4 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 2.0 | 14.0 | 15.5 | 22.0 | 23.5 | 7.4 | 3.7 |
 | 1 | n1=32 n2=64 w=4 s=8 pdl=2 qx=0 qa=0 to=0 w8a16=0 | 2.0 | 12.0 | 13.5 | 18.5 | 20.0 | 7.4 | 3.7 |
-| 1 | n1=128 n2=64 w=4 s=4 pdl=2 qx=1 qa=1 to=0 w8a16=0 | - | 13.0 | - | 19.6 | 21.0 | 7.4 | 3.7 |
 | 2048 | n1=128 n2=64 w=4 s=4 pdl=2 qx=1 qa=1 to=0 w8a16=0 | - | 250.0 | - | 380.0 | 400.0 | - | - |
 
 Checks: all passed."""

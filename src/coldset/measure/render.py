@@ -135,12 +135,11 @@ def _fp8_stage_table(rows: list[dict]) -> str:
     """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
     does not make; with ``fuse_w2``, the tiles of ``84e9666`` removed in ``083c6a7``, "+w13" is
     the launch that ran w13 and w2), beside a plain read of w13's and w2's bytes: the fastest
-    config per batch, or every config of ``--fp8-configs``."""
+    config per batch (the JSON keeps every config's of ``--fp8-configs``: the page only the one that ran)."""
     stages = ("quant_x", "w13", "quant_act", "w2", "sum")
     lines = []
     for r in rows:
-        by_config = r.get("fp8_candidates_stages_us") or (
-            {json.dumps(r["fp8_config"], sort_keys=True): r["fp8_stages_us"]} if "fp8_stages_us" in r else {})
+        by_config = {json.dumps(r["fp8_config"], sort_keys=True): r["fp8_stages_us"]} if "fp8_stages_us" in r else {}
         reads = r.get("fp8_stage_read_us", {})
         for key, st in by_config.items():
             lines.append([r["batch"], _config_label(json.loads(key)), *[_f(st.get(s), ".1f") for s in stages],
