@@ -23,6 +23,7 @@ from coldset.engine import gpt_oss
 from coldset.engine.gpt_oss import GPT_OSS_20B_CONFIG, GptOssConfig, GptOssModel
 from coldset.engine.loading import _TensorSource, load_model, read_config
 from coldset.engine.model import ModelLoadError
+from coldset.kernels import torch_experts
 from coldset.verify import gate
 from family_oracle import (assert_config_refused, assert_cuda_placements_bitwise_eager_and_compiled,
                            assert_greedy_matches, assert_lru_cache_bitwise, assert_random_half_placement_bitwise,
@@ -402,24 +403,71 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
 
 @pytest.mark.gpu
 def test_cuda_bf16_decode_tracks_transformers(checkpoint):
-    """On CUDA in bf16 (Triton experts with biases and the clamped SwiGLU, float32 epilogue) the
-    engine is as close to transformers' float32 logits as transformers' own bf16 run is (the
-    first two steps; later ones may follow another token), and its first token is float32's."""
+    """On CUDA in bf16, through the torch experts (the engine's default experts_fn) and through the
+    Triton experts kernel (biases and the clamped SwiGLU in its float32 epilogue, as the bench runs
+    it), the engine is as close to transformers' float32 logits as transformers' own bf16 run on
+    CUDA is (the first two steps; later ones may follow another token), and its first token is
+    float32's. Both oracles clamp at the config's swiglu_limit (:func:`clamp_as_configured`)."""
     path = checkpoint("gqa_yarn")
     model = load(path, torch.bfloat16, "cuda")
-    hf32 = hf_model(path)
-    hf16 = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    gen = generate(model, PROMPTS, 2, progress=False, return_all_logits=True)
+    hf32 = clamp_as_configured(hf_model(path), path)
+    hf16 = clamp_as_configured(transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16), path)
+    hf16 = hf16.to("cuda").eval()
+    runs = []
     for b, prompt in enumerate(PROMPTS):
-        runs = []
+        per_oracle = []
         for hf, dev in ((hf32, "cpu"), (hf16, "cuda")):
             out = hf.generate(torch.tensor([prompt], device=dev), max_new_tokens=2, do_sample=False,
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=dev),
                               output_logits=True, return_dict_in_generate=True)
-            runs.append((out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, dim=1)[0].float().cpu()))
-        (ref_tokens, ref), (_, theirs) = runs
-        assert gen.tokens[b][0] == ref_tokens[0], f"prompt {b}"
-        steps = 2 if gen.tokens[b][0] == runs[1][0][0] else 1  # the second step's input must be the same token
-        ours_err = (gen.all_logits[b][:steps].float().cpu() - ref[:steps]).abs().max().item()
-        their_err = (theirs[:steps] - ref[:steps]).abs().max().item()
-        assert ours_err <= max(2 * their_err, 0.1), (b, ours_err, their_err)
+            logits = torch.stack(out.logits, dim=1)[0].float().cpu()
+            per_oracle.append((out.sequences[0, len(prompt):].tolist(), logits))
+        runs.append(per_oracle)
+    triton_fn = gate.experts_functions(model.device)[0]
+    for name, experts_fn in (("torch experts", torch_experts), ("triton experts", triton_fn)):
+        model.experts_fn = experts_fn
+        gen = generate(model, PROMPTS, 2, progress=False, return_all_logits=True)
+        for b, ((ref_tokens, ref), (their_tokens, theirs)) in enumerate(runs):
+            assert gen.tokens[b][0] == ref_tokens[0], (name, f"prompt {b}")
+            steps = 2 if gen.tokens[b][0] == their_tokens[0] else 1  # the second step's input must be the same token
+            ours_err = (gen.all_logits[b][:steps].float().cpu() - ref[:steps]).abs().max().item()
+            their_err = (theirs[:steps] - ref[:steps]).abs().max().item()
+            assert ours_err <= max(2 * their_err, 0.1), (name, b, ours_err, their_err)
+
+
+def clamp_as_configured(hf, folder):
+    """``hf`` (transformers' GptOssForCausalLM) with every layer's experts clamping at ``folder``'s
+    config.json ``swiglu_limit`` and ``swiglu_alpha`` (transformers' defaults 7.0 and 1.702 where
+    absent), as the engine reads them. Why: transformers 5.17 (the GPU image's) hard-codes limit 7.0
+    and alpha 1.702 in GptOssExperts whatever the config says, so for gqa_yarn (limit 1.5) it
+    computes another model than the checkpoint's, in float32 already."""
+    raw = json.loads((folder / "config.json").read_text())
+    alpha, limit = raw.get("swiglu_alpha", 1.702), raw.get("swiglu_limit", 7.0)
+    for layer in hf.model.layers:
+        layer.mlp.experts.alpha, layer.mlp.experts.limit = alpha, limit
+    return hf
+
+
+def test_the_oracle_clamps_at_the_configured_swiglu_limit(checkpoint):
+    """gqa_yarn's swiglu_limit (1.5) bites: an oracle whose experts clamp at 7.0 (as transformers
+    5.17's GptOssExperts does whatever the config says) is far off the engine's float32 logits;
+    :func:`clamp_as_configured` brings such an oracle back to them within LOGIT_ATOL."""
+    path = checkpoint("gqa_yarn")
+    ours = generate(load(path), PROMPTS, 2, progress=False, return_all_logits=True).all_logits
+    hf = hf_model(path)
+    experts = [layer.mlp.experts for layer in hf.model.layers]
+
+    def worst_error():
+        errs = []
+        for b, prompt in enumerate(PROMPTS):
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
+            errs.append((torch.stack(out.logits, dim=1)[0] - ours[b]).abs().max().item())
+        return max(errs)
+
+    for e in experts:
+        e.alpha, e.limit = 1.702, 7.0
+    assert worst_error() > 0.5
+    assert clamp_as_configured(hf, path) is hf
+    assert [(e.alpha, e.limit) for e in experts] == [(1.702, 1.5)] * len(experts)
+    assert worst_error() < LOGIT_ATOL
