@@ -58,6 +58,26 @@ def plugin_lines(log: str) -> list[str]:
             if re.search(r"coldset|vllm_plugin|PluginError", PATH_TOKEN.sub("<path>", line), re.IGNORECASE)]
 
 
+def vllm_capture(root: Path, fixtures: list[tuple], checkpoints: dict[str, Path], **job) -> tuple[dict, dict, str]:
+    """One run of tests_vllm/run_vllm_capture.py (vLLM in a subprocess) over ``checkpoints`` (name ->
+    folder), each captured on ``fixtures`` ((id, domain, split, prompt, max_new_tokens) rows, written to
+    ``root``/fixtures.jsonl) into ``root``/<name>.vllm.parquet and .vllm.tokens.jsonl; ``job``: the job
+    file's other keys. Returns (each name's run as the job file holds it, the script's result, its stderr)."""
+    path = root / "fixtures.jsonl"
+    path.write_text("".join(json.dumps(dict(id=i, domain=d, split=s, prompt=p, max_new_tokens=n)) + "\n"
+                            for i, d, s, p, n in fixtures))
+    runs = {name: dict(model_dir=str(folder), fixtures=str(path), out=str(root / f"{name}.vllm.parquet"),
+                       tokens_out=str(root / f"{name}.vllm.tokens.jsonl"), method="auto")
+            for name, folder in checkpoints.items()}
+    job_path, result = root / "job.json", root / "result.json"
+    job_path.write_text(json.dumps({"runs": list(runs.values()), **job}))
+    script = REPO / "tests_vllm" / "run_vllm_capture.py"
+    proc = subprocess.run([sys.executable, str(script), str(job_path), str(result)], capture_output=True, text=True,
+                          timeout=600, env=coldset_env())
+    assert proc.returncode == 0, f"vLLM capture failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return runs, json.loads(result.read_text()), proc.stderr
+
+
 class ServerProcess:
     """A vLLM API server process in its own session (stopped by its process group id), its
     output in ``log``; ``base`` is the URL it answers on."""

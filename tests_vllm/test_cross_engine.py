@@ -12,9 +12,6 @@ embeddings). vLLM runs in a subprocess (tests_vllm/run_vllm_capture.py) with a `
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +20,8 @@ import pytest
 
 from hf_fixtures import build_tiny_checkpoint
 
-HERE = Path(__file__).resolve().parent
+from conftest import vllm_capture
+
 VARIANTS = ("qwen3_moe", "qwen3_moe_nonorm")
 KEY = ["request", "position", "layer", "rank"]
 
@@ -41,22 +39,10 @@ def engines(tmp_path_factory):
     """Checkpoints, fixtures, and the vLLM run (one subprocess for both variants)."""
     pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("cross_engine")
-    fixtures = root / "fixtures.jsonl"
-    fixtures.write_text("".join(json.dumps(dict(id=i, domain=d, split=s, prompt=p, max_new_tokens=n)) + "\n"
-                                for i, d, s, p, n in PROMPTS))
-    runs = []
-    for arch in VARIANTS:
-        ck = build_tiny_checkpoint(arch, root / arch)
-        runs.append(dict(model_dir=str(ck), fixtures=str(fixtures), out=str(root / f"{arch}.vllm.parquet"),
-                         tokens_out=str(root / f"{arch}.vllm.tokens.jsonl"), method="auto"))
-    job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": runs, "refuse_routed_experts": runs[0]["model_dir"]}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent / "src"), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(HERE / "run_vllm_capture.py"), str(job), str(result)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"vLLM capture failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return {"root": root, "fixtures": fixtures, "runs": {a: r for a, r in zip(VARIANTS, runs)},
-            "result": json.loads(result.read_text()), "stderr": proc.stderr}
+    checkpoints = {arch: build_tiny_checkpoint(arch, root / arch) for arch in VARIANTS}
+    runs, result, stderr = vllm_capture(root, PROMPTS, checkpoints,
+                                        refuse_routed_experts=str(checkpoints[VARIANTS[0]]))
+    return {"root": root, "fixtures": root / "fixtures.jsonl", "runs": runs, "result": result, "stderr": stderr}
 
 
 def _embedded_tokens(model_dir: Path) -> dict[str, list[int]]:

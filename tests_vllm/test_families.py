@@ -25,7 +25,8 @@ import pytest
 
 from family_checkpoints import build_family_checkpoint
 
-HERE = Path(__file__).resolve().parent
+from conftest import vllm_capture
+
 FAMILIES = ("glm4_moe", "gpt_oss", "deepseek_v3")
 PROMPTS = [
     ("agent-0000", "agent", "profile", '{"name": "get_weather", "arguments": {"city": "Paris"', 8),
@@ -40,26 +41,13 @@ def runs(tmp_path_factory):
     rotary_embedding op on and a gpt_oss with another swiglu_limit asked for and refused."""
     pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("families")
-    fixtures = root / "fixtures.jsonl"
-    fixtures.write_text("".join(json.dumps(dict(id=i, domain=d, split=s, prompt=p, max_new_tokens=n)) + "\n"
-                                for i, d, s, p, n in PROMPTS))
-    jobs = []
-    for family in FAMILIES:
-        ck = build_family_checkpoint(family, root / family)
-        jobs.append(dict(model_dir=str(ck), fixtures=str(fixtures), out=str(root / f"{family}.vllm.parquet"),
-                         tokens_out=str(root / f"{family}.vllm.tokens.jsonl"), method="auto"))
-    refused = {"deepseek_v3_rotary_op": {"model_dir": jobs[2]["model_dir"],
+    checkpoints = {family: build_family_checkpoint(family, root / family) for family in FAMILIES}
+    refused = {"deepseek_v3_rotary_op": {"model_dir": str(checkpoints["deepseek_v3"]),
                                          "llm_kwargs": {"compilation_config": {"custom_ops": ["all"]}}},
                "gpt_oss_limit3": {"model_dir": str(build_family_checkpoint("gpt_oss", root / "gpt_oss_limit3",
                                                                           swiglu_limit=3.0))}}
-    job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": jobs, "expect_refused": refused}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent / "src"), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(HERE / "run_vllm_capture.py"), str(job), str(result)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"vLLM capture failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return {"root": root, "fixtures": fixtures, "runs": dict(zip(FAMILIES, jobs)),
-            "result": json.loads(result.read_text())}
+    captured, result, _ = vllm_capture(root, PROMPTS, checkpoints, expect_refused=refused)
+    return {"root": root, "fixtures": root / "fixtures.jsonl", "runs": captured, "result": result}
 
 
 def _embedded_tokens(model_dir: str) -> dict[str, list[int]]:
