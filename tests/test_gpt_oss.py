@@ -117,11 +117,13 @@ def load(folder, dtype=torch.float32, device="cpu") -> GptOssModel:
     return model
 
 
-def hf_model(folder):
-    """transformers' model of ``folder``, an MXFP4 one dequantized on the CPU by transformers."""
+def hf_model(folder, dtype=torch.float32):
+    """transformers' model of ``folder``, an MXFP4 one dequantized on the CPU by transformers, its
+    experts clamping as the config says under any transformers version (:func:`clamp_as_configured`)."""
     raw = json.loads((folder / "config.json").read_text())
     extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if "quantization_config" in raw else {}
-    return transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
+    return clamp_as_configured(transformers.GptOssForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval(),
+                               folder)
 
 
 def _assert_matches_transformers(model, hf):
@@ -407,12 +409,10 @@ def test_cuda_bf16_decode_tracks_transformers(checkpoint):
     Triton experts kernel (biases and the clamped SwiGLU in its float32 epilogue, as the bench runs
     it), the engine is as close to transformers' float32 logits as transformers' own bf16 run on
     CUDA is (the first two steps; later ones may follow another token), and its first token is
-    float32's. Both oracles clamp at the config's swiglu_limit (:func:`clamp_as_configured`)."""
+    float32's. Both oracles clamp at the config's swiglu_limit (:func:`hf_model`)."""
     path = checkpoint("gqa_yarn")
     model = load(path, torch.bfloat16, "cuda")
-    hf32 = clamp_as_configured(hf_model(path), path)
-    hf16 = clamp_as_configured(transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16), path)
-    hf16 = hf16.to("cuda").eval()
+    hf32, hf16 = hf_model(path), hf_model(path, torch.bfloat16).to("cuda")
     runs = []
     for b, prompt in enumerate(PROMPTS):
         per_oracle = []
