@@ -312,8 +312,8 @@ CACHE_FP8_MD = """\
 qwen3-30b-a3b-synthetic, 32 decode steps x 2 timed passes (+1 checked), held-out fixture prompts, synthetic \
 router. Ceilings in this run: HBM read 4500 GB/s, link read 51.0 GB/s. Checks: all passed.
 
-Experts: block-FP8 (e4m3, 128 x 128 scales) in HBM, slots and the pinned host tier, 4.72 MB an expert with \
-its scales; all-HBM is the FP8 kernel with every expert hot, the reference of the bitwise checks.
+Experts: block-FP8 (e4m3, 128 x 128 scales) in every tier, 4.72 MB an expert with its scales; all-HBM (the \
+bitwise reference) runs the same kernel all hot.
 
 | batch | placement | tok/s | x usage_global | x all-HBM | hit rate | sim hit | misses/token | \
 prefetches/token | link GB/token | mean step ms (min-max of passes) | wasted prefetches/token | overlap | of \

@@ -240,9 +240,9 @@ def render_cache(res: dict) -> str:
     if "weight_format" in res:  # results since --weight-format: the experts' format and bytes, every tier alike
         fmt = res.get("weight_format")
         label = EXPERT_FORMAT_LABELS.get(fmt, "bf16")
-        out.append(f"Experts: {label} in HBM, slots and the pinned host tier, {res['expert_bytes'] / 1e6:.2f} MB an "
-                   "expert" + (f" with its scales; all-HBM is the {fmt.upper()} kernel with every expert hot, the reference "
-                               "of the bitwise checks." if fmt in ("fp8", "mxfp4") else "."))
+        out.append(f"Experts: {label} in every tier, {res['expert_bytes'] / 1e6:.2f} MB an expert"
+                   + (" with its scales; all-HBM (the bitwise reference) runs the same kernel all hot."
+                      if fmt in ("fp8", "mxfp4") else "."))
     family = res.get("model_family")
     if isinstance(family, dict) and family.get("note"):
         out.append(f"Model: {family.get('name')}, {family['note']}.")
