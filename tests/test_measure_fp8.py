@@ -403,3 +403,33 @@ def test_step_and_cache_fp8_on_the_gpu(tmp_path, capsys):
     res = json.loads((out / "cache_bench.json").read_text())
     assert res["weight_format"] == "fp8" and not res["fails"] and all(res["checks"].values())
     assert {r["placement"] for r in res["rows"]} == {"all-HBM", "usage_global-0.5", "lru-0.5", "lookahead-0.5 d1"}
+
+
+def test_step_compare_reports_the_first_step_apart_from_the_run():
+    """bench step's engine check: over the whole run, the token match and the largest logit
+    difference; over the first decode step alone, its largest difference and the reference's
+    smallest top-2 gap (a near tie that flipped shows as a first-step difference above that gap,
+    after which the sequences part), each against a brute-force computation."""
+    from types import SimpleNamespace
+
+    from coldset.measure.step import NEW_TOKENS, compare
+
+    gen = torch.Generator().manual_seed(5)
+    bsz, vocab = 2, 11
+    la = torch.randn(bsz, NEW_TOKENS - 1, vocab, generator=gen)
+    lb = la.clone()
+    lb[1, 0, 3] += 0.25  # the first step differs at one logit
+    lb[:, 4:] += torch.randn(bsz, NEW_TOKENS - 5, vocab, generator=gen)  # later steps part
+    ta = [[int(t) for t in torch.randint(vocab, (NEW_TOKENS,), generator=gen)] for _ in range(bsz)]
+    tb = [row[:5] + [(t + 1) % vocab for t in row[5:]] for row in ta]
+    s = SimpleNamespace(tokens_by_mode={"a": ta, "b": tb}, logits_by_mode={"a": la, "b": lb})
+    got = compare(s, "a", "b", bsz)
+    gaps = []
+    for b in range(bsz):
+        best = sorted(la[b, 0].tolist(), reverse=True)
+        gaps.append(best[0] - best[1])
+    assert got["token_match"] == 5 / NEW_TOKENS
+    assert got["max_abs_logit_diff"] == (la - lb).abs().max().item()
+    assert got["first_step_max_abs_logit_diff"] == pytest.approx(0.25)
+    assert got["first_step_top2_gap_min"] == pytest.approx(min(gaps))
+    assert compare(s, "a", "missing", bsz) is None

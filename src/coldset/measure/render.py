@@ -213,6 +213,8 @@ def render_step(res: dict) -> str:
     if checks:
         out.append(f"Against {res.get('checks_against', 'the first engine')}" + (" of the same format" if fp8 else "")
                    + ": " + "; ".join(f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
+                                      + (f" (first step {v['first_step_max_abs_logit_diff']:.3g}, its top-2 gap "
+                                         f"{v['first_step_top2_gap_min']:.3g})" if "first_step_top2_gap_min" in v else "")
                                       for k, v in checks.items()))
     if res.get("fp8_tune_timings_us"):
         out.append(_tune_table(res["fp8_tune_timings_us"]))

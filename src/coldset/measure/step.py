@@ -499,12 +499,20 @@ def run_engines(s: StepRun, engines: list[str]) -> None:
 
 
 def compare(s: StepRun, a: str, b: str, bsz: int) -> dict | None:
-    """Token match rate and largest logit difference of two engines' runs (None if one is missing)."""
+    """Token match rate and largest logit difference of two engines' runs (None if one is missing),
+    and their first decode step alone: its largest logit difference and the reference's smallest
+    gap between its two best logits. Why: once one greedy token differs the sequences part, so the
+    whole run's figures cannot tell a near tie that flipped (first-step difference below the gap)
+    from an engine that computes something else."""
     if a not in s.tokens_by_mode or b not in s.tokens_by_mode:
         return None
     e, c = s.tokens_by_mode[a], s.tokens_by_mode[b]
     same = sum(x_ == y_ for x, y in zip(e, c) for x_, y_ in zip(x, y)) / (bsz * NEW_TOKENS)
-    return {"token_match": same, "max_abs_logit_diff": (s.logits_by_mode[a] - s.logits_by_mode[b]).abs().max().item()}
+    la, lb = s.logits_by_mode[a], s.logits_by_mode[b]
+    top2 = la[:, 0].topk(2, dim=-1).values
+    return {"token_match": same, "max_abs_logit_diff": (la - lb).abs().max().item(),
+            "first_step_max_abs_logit_diff": (la[:, 0] - lb[:, 0]).abs().max().item(),
+            "first_step_top2_gap_min": (top2[:, 0] - top2[:, 1]).min().item()}
 
 
 def record_checks(s: StepRun, engines: list[str]) -> None:
