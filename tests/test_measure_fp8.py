@@ -433,3 +433,11 @@ def test_step_compare_reports_the_first_step_apart_from_the_run():
     assert got["first_step_max_abs_logit_diff"] == pytest.approx(0.25)
     assert got["first_step_top2_gap_min"] == pytest.approx(min(gaps))
     assert compare(s, "a", "missing", bsz) is None
+    from coldset.measure.render import _engine_check
+
+    assert _engine_check("compiled/b2", got) == (
+        f"compiled/b2 tokens {5 / NEW_TOKENS:.3f}, max logit diff {got['max_abs_logit_diff']:.3g} (first step 0.25, "
+        f"its top-2 gap {min(gaps):.3g})")
+    old_check = {k: got[k] for k in ("token_match", "max_abs_logit_diff")}  # JSON written before the first-step fields
+    want = f"b tokens {5 / NEW_TOKENS:.3f}, max logit diff {got['max_abs_logit_diff']:.3g}"
+    assert _engine_check("b", old_check) == want

@@ -135,15 +135,16 @@ def _fp8_stage_table(rows: list[dict]) -> str:
     """The FP8 call's launches timed cumulatively (µs a layer after each; "-": a launch the config
     does not make; with ``fuse_w2``, the tiles of ``84e9666`` removed in ``083c6a7``, "+w13" is
     the launch that ran w13 and w2), beside a plain read of w13's and w2's bytes: the fastest
-    config per batch (the JSON keeps every config's of ``--fp8-configs``: the page only the one that ran)."""
+    config per batch (the JSON keeps every config's of ``--fp8-configs``; the page only the one
+    that ran)."""
     stages = ("quant_x", "w13", "quant_act", "w2", "sum")
     lines = []
     for r in rows:
-        by_config = {json.dumps(r["fp8_config"], sort_keys=True): r["fp8_stages_us"]} if "fp8_stages_us" in r else {}
-        reads = r.get("fp8_stage_read_us", {})
-        for key, st in by_config.items():
-            lines.append([r["batch"], _config_label(json.loads(key)), *[_f(st.get(s), ".1f") for s in stages],
-                          _f(reads.get("w13"), ".1f"), _f(reads.get("w2"), ".1f")])
+        if "fp8_stages_us" not in r:
+            continue
+        st, reads = r["fp8_stages_us"], r.get("fp8_stage_read_us", {})
+        lines.append([r["batch"], _config_label(r["fp8_config"]), *[_f(st.get(s), ".1f") for s in stages],
+                      _f(reads.get("w13"), ".1f"), _f(reads.get("w2"), ".1f")])
     return ("FP8 launches timed cumulatively (one CUDA graph of every layer's call stopped after that launch; "
             "the grouping, where launched, in the first), µs per layer:\n\n"
             + table(["tokens", "config", "quant x", "+w13", "+quant act", "+w2", "+sum", "w13 plain read",
@@ -171,6 +172,16 @@ def _tune_table(timings: dict, title: str = "FP8 autotune in this run, µs per l
     configs = sorted(timings[batches[0]], key=timings[batches[0]].get)
     rows = [[_config_label(json.loads(c)), *[_f(timings[b].get(c), ".1f") for b in batches]] for c in configs]
     return title + "\n\n" + table(["config", *[f"b{b}" for b in batches]], rows)
+
+
+def _engine_check(key: str, check: dict) -> str:
+    """One engine comparison of ``bench step`` (:func:`coldset.measure.step.compare`) in words: the
+    run's token match and largest logit difference, and its first step's where recorded."""
+    text = f"{key} tokens {check['token_match']:.3f}, max logit diff {check['max_abs_logit_diff']:.3g}"
+    if "first_step_top2_gap_min" in check:
+        text += (f" (first step {check['first_step_max_abs_logit_diff']:.3g}, its top-2 gap "
+                 f"{check['first_step_top2_gap_min']:.3g})")
+    return text
 
 
 def render_step(res: dict) -> str:
@@ -212,16 +223,12 @@ def render_step(res: dict) -> str:
     checks = res.get("checks", {})
     if checks:
         out.append(f"Against {res.get('checks_against', 'the first engine')}" + (" of the same format" if fp8 else "")
-                   + ": " + "; ".join(f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
-                                      + (f" (first step {v['first_step_max_abs_logit_diff']:.3g}, its top-2 gap "
-                                         f"{v['first_step_top2_gap_min']:.3g})" if "first_step_top2_gap_min" in v else "")
-                                      for k, v in checks.items()))
+                   + ": " + "; ".join(_engine_check(k, v) for k, v in checks.items()))
     if res.get("fp8_tune_timings_us"):
         out.append(_tune_table(res["fp8_tune_timings_us"]))
     if res.get("fp8_vs_bf16"):
-        out.append("FP8 against bf16, the same engine (other weights: reported, not checked): " + "; ".join(
-            f"{k} tokens {v['token_match']:.3f}, max logit diff {v['max_abs_logit_diff']:.3g}"
-            for k, v in res["fp8_vs_bf16"].items()))
+        out.append("FP8 against bf16, the same engine (other weights: reported, not checked): "
+                   + "; ".join(_engine_check(k, v) for k, v in res["fp8_vs_bf16"].items()))
     if res.get("errors"):
         out.append("Engines that failed: " + "; ".join(f"{k}: {v}" for k, v in res["errors"].items()))
     if res.get("fails"):
