@@ -177,8 +177,7 @@ def _npy(raw: bytes, where: str) -> np.ndarray:
     have = len(raw) - buf.tell()
     if have < need:
         raise TraceError(f"{where}: truncated .npy payload: its header says {dtype} {list(shape)} ({need} bytes of "
-                         "data), "
-                         f"the payload holds {have} (the saved response was cut off)")
+                         f"data), the payload holds {have} (the saved response was cut off)")
     try:
         return np.load(io.BytesIO(raw), allow_pickle=False)
     except ValueError as e:
