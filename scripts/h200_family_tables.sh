@@ -12,7 +12,7 @@
 #   OUT=results/measure/families bash scripts/h200_family_tables.sh
 # Commands run most important first (the cache rows of three families in one run, then gpt-oss-120b's, then the
 # steps), each under `timeout` of at most its cap and the time left of
-# BUDGET_S (default 530 s); ONLY=cache or ONLY=step runs one kind; one with under 45 s left is skipped
+# BUDGET_S (default 530 s); RUNS="family:cache family:step ..." narrows what runs; one with under 45 s left is skipped
 # (listed in skipped.txt). Each writes its
 # JSON as it goes (<family>/decode_step.json, cache_bench.json, under W=/tmp/families), so a command cut
 # short leaves the rows it finished. After every command $OUT gets families.tar.gz (every JSON and log)
@@ -67,25 +67,26 @@ run() {  # run FAMILY CAP_S bench ARGS...: one command, its log in $W/FAMILY/, t
   collect
 }
 
-# gpt-oss-120b's all-HBM reference (61 GB of MXFP4 experts) and a placement at residency 0.4 (24 GB) do not fit
-# together on an 80 GB GPU: there its cache rows run on 18 of its 36 layers (the JSON's model_family says so).
+# On an 80 GB GPU a model's all-HBM reference and a placement of half or less of its experts do not fit
+# together for Qwen3-30B-A3B (58 GB of experts) and gpt-oss-120b (61 GB): there their cache rows run on a
+# subset of their layers (24 of 48, 18 of 36; the JSON's model_family says which).
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-big_cache_layers=()
-if [ -n "$gib" ] && [ "$gib" -lt 100000 ]; then big_cache_layers=(--moe-layers 18); fi
+qwen_cache_layers=() big_cache_layers=()
+if [ -n "$gib" ] && [ "$gib" -lt 100000 ]; then qwen_cache_layers=(--moe-layers 24) big_cache_layers=(--moe-layers 18); fi
 
-if [ "${ONLY:-}" != step ]; then
-run qwen3-30b-a3b 150 bench cache --model-family qwen3-30b-a3b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/qwen3-30b-a3b"
-run gpt-oss-20b 130 bench cache --model-family gpt-oss-20b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-20b"
-run deepseek-v3 130 bench cache --model-family deepseek-v3 --moe-layers 4 --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/deepseek-v3"
-run gpt-oss-120b 130 bench cache --model-family gpt-oss-120b "${big_cache_layers[@]}" --residencies 0.4,0.25 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-120b"
-fi
-if [ "${ONLY:-}" != cache ]; then
-run gpt-oss-120b 90 bench step --model-family gpt-oss-120b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-120b"
-run gpt-oss-20b 90 bench step --model-family gpt-oss-20b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-20b"
-run deepseek-v3 90 bench step --model-family deepseek-v3 --moe-layers 4 --engines eager,compiled --reps 20 --rounds 2 --out "$W/deepseek-v3"
-run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines eager,compiled --reps 20 --rounds 2 --out "$W/qwen3-30b-a3b"
-run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines eager,compiled --reps 20 --rounds 2 --out "$W/glm-4.5-air"
-fi
+want() {  # want FAMILY KIND: RUNS (e.g. "qwen3-30b-a3b:cache gpt-oss-20b:step") narrows what runs; unset: all
+  [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1:$2 "* ]]
+}
+
+want qwen3-30b-a3b cache && run qwen3-30b-a3b 150 bench cache --model-family qwen3-30b-a3b "${qwen_cache_layers[@]}" --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/qwen3-30b-a3b"
+want gpt-oss-20b cache && run gpt-oss-20b 130 bench cache --model-family gpt-oss-20b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-20b"
+want deepseek-v3 cache && run deepseek-v3 130 bench cache --model-family deepseek-v3 --moe-layers 4 --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/deepseek-v3"
+want gpt-oss-120b cache && run gpt-oss-120b 130 bench cache --model-family gpt-oss-120b "${big_cache_layers[@]}" --residencies 0.4,0.25 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-120b"
+want gpt-oss-120b step && run gpt-oss-120b 90 bench step --model-family gpt-oss-120b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-120b"
+want gpt-oss-20b step && run gpt-oss-20b 90 bench step --model-family gpt-oss-20b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-20b"
+want deepseek-v3 step && run deepseek-v3 90 bench step --model-family deepseek-v3 --moe-layers 4 --engines eager,compiled --reps 20 --rounds 2 --out "$W/deepseek-v3"
+want qwen3-30b-a3b step && run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines eager,compiled --reps 20 --rounds 2 --out "$W/qwen3-30b-a3b"
+want glm-4.5-air step && run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines eager,compiled --reps 20 --rounds 2 --out "$W/glm-4.5-air"
 
 collect
 cat "$OUT/summary.md"
