@@ -82,11 +82,11 @@ want qwen3-30b-a3b cache && run qwen3-30b-a3b 150 bench cache --model-family qwe
 want gpt-oss-20b cache && run gpt-oss-20b 130 bench cache --model-family gpt-oss-20b --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-20b"
 want deepseek-v3 cache && run deepseek-v3 130 bench cache --model-family deepseek-v3 --moe-layers 4 --residencies 0.5 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/deepseek-v3"
 want gpt-oss-120b cache && run gpt-oss-120b 130 bench cache --model-family gpt-oss-120b "${big_cache_layers[@]}" --residencies 0.4,0.25 --batches 1 --policies lru,lookahead --depths 1 --steps 32 --repeats 1 --out "$W/gpt-oss-120b"
-want gpt-oss-120b step && run gpt-oss-120b 90 bench step --model-family gpt-oss-120b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-120b"
-want gpt-oss-20b step && run gpt-oss-20b 90 bench step --model-family gpt-oss-20b --engines eager,compiled --reps 20 --rounds 2 --out "$W/gpt-oss-20b"
-want deepseek-v3 step && run deepseek-v3 90 bench step --model-family deepseek-v3 --moe-layers 4 --engines eager,compiled --reps 20 --rounds 2 --out "$W/deepseek-v3"
-want qwen3-30b-a3b step && run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines eager,compiled --reps 20 --rounds 2 --out "$W/qwen3-30b-a3b"
-want glm-4.5-air step && run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines eager,compiled --reps 20 --rounds 2 --out "$W/glm-4.5-air"
+want gpt-oss-120b step && run gpt-oss-120b 90 bench step --model-family gpt-oss-120b --engines eager,compiled --reps 20 --rounds 2 --float32-check --out "$W/gpt-oss-120b"
+want gpt-oss-20b step && run gpt-oss-20b 90 bench step --model-family gpt-oss-20b --engines eager,compiled --reps 20 --rounds 2 --float32-check --out "$W/gpt-oss-20b"
+want deepseek-v3 step && run deepseek-v3 90 bench step --model-family deepseek-v3 --moe-layers 4 --engines eager,compiled --reps 20 --rounds 2 --float32-check --out "$W/deepseek-v3"
+want qwen3-30b-a3b step && run qwen3-30b-a3b 70 bench step --model-family qwen3-30b-a3b --engines eager,compiled --reps 20 --rounds 2 --float32-check --out "$W/qwen3-30b-a3b"
+want glm-4.5-air step && run glm-4.5-air 70 bench step --model-family glm-4.5-air --moe-layers 12 --engines eager,compiled --reps 20 --rounds 2 --float32-check --out "$W/glm-4.5-air"
 
 collect
 cat "$OUT/summary.md"

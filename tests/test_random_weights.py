@@ -223,11 +223,14 @@ def cpu_bench(monkeypatch):
 def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, cpu_bench):
     """Every family through bench step: its published format's floor (bytes per chosen expert with
     scales and biases, the non-expert weights in bf16), the fused engine an error row (no CUDA, or
-    the family refuses it), the step without experts and its share, the table rendered."""
+    the family refuses it), the step without experts and its share, the table rendered; the float32
+    check of the engine that ran (bf16 rounding: small and nonzero)."""
     out = tmp_path / "out"
     assert main(["bench", "step", "--model-family", family, "--engines", "eager,fused", "--reps", "1",
-                 "--rounds", "1", "--out", str(out), *extra]) == 0
+                 "--rounds", "1", "--float32-check", "--out", str(out), *extra]) == 0
     res = json.loads((out / "decode_step.json").read_text())
+    assert set(res["float32_check"]) == {"eager/b1", "eager/b8"}  # the fused engine failed: nothing to check
+    assert all(0 < c["first_step_max_abs_logit_diff"] < 0.1 * c["logit_abs_max"] for c in res["float32_check"].values())
     built = res["model_family"]
     layers = int(extra[1]) if extra else RANDOM_FAMILIES[family].moe_layers
     cfg = family_config(cpu_bench(family), layers)
@@ -293,14 +296,16 @@ def test_the_h200_script_commands_parse_and_pass_their_checks(tmp_path):
     """Every command of scripts/h200_family_tables.sh is a valid bench step / bench cache command
     line for a known family (the checks each command makes before it asks for CUDA)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "h200_family_tables.sh"
-    lines = [ln for ln in script.read_text().splitlines() if ln.startswith("run ")]
-    assert len(lines) >= 9
+    lines = [ln.partition(" && ")[2] for ln in script.read_text().splitlines() if ln.startswith("want ")]
+    assert len(lines) >= 9 and all(ln.startswith("run ") for ln in lines)
     seen = set()
-    for ln in lines:
-        _, family, cap, bench, command, *rest = shlex.split(ln.replace('"$W', f'"{tmp_path}'))
+    for ln in lines:  # a subset array ("${..._layers[@]}") may be empty: parsed without it
+        words = [w for w in shlex.split(ln.replace('"$W', f'"{tmp_path}')) if not w.startswith("${")]
+        _, family, cap, bench, command, *rest = words
         args = build_parser().parse_args([command, *rest])
         (step if command == "step" else cache).check_arguments(args)
-        assert bench == "bench" and args.model_family == family in RANDOM_FAMILIES and int(cap) <= 130
+        assert bench == "bench" and args.model_family == family in RANDOM_FAMILIES and int(cap) <= 150
+        assert command == "cache" or args.float32_check
         assert args.out == f"{tmp_path}/{family}"
         seen.add((family, command))
     assert {f for f, _ in seen} == set(RANDOM_FAMILIES)
@@ -363,3 +368,52 @@ def test_random_models_decode_on_the_gpu_eager_and_compiled(family, fmt, model_c
         got.append(generate(model, PROMPTS, 4, progress=False).tokens)
     assert got[0] == got[1]
     assert [len(t) for t in got[2]] == [len(t) for t in got[0]] and all(0 <= t < 300 for seq in got[2] for t in seq)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_the_float32_check_measures_each_engine_against_the_weights_upcast(fmt):
+    """bench step --float32-check: each engine's first decode step against the same weights in
+    float32, fed the engine's own first token, against a float32 model built here apart (every
+    expert dequantized by the core format's own dequantizer into all-hot float32 pools, the torch
+    experts): the bf16 engine's difference is the brute-force one and nonzero (it rounds), an engine
+    whose first-step logits are off by 1.0 at one logit shows that, the first token's agreement and
+    the float32 top-2 gap are the brute-force ones; the model it checked is left as it was."""
+    import copy
+    from types import SimpleNamespace
+
+    from coldset.kernels.reference import torch_experts
+    from coldset.kernels.tiers import ExpertPools
+
+    model = build_random_model(tiny("gpt_oss"), "cpu", fmt, seed=2)
+    model.experts_fn = torch_experts
+    prompts = torch.randint(3, 290, (1, step.PROMPT_TOKENS), generator=torch.Generator().manual_seed(4))
+    dec = bn.Decoder(model, 1, step.PROMPT_TOKENS, step.NEW_TOKENS, False)
+    toks, logits = step.decode_tokens(None, dec, dec.prefill(prompts))
+    off = logits.clone()
+    off[0, 0, 7] += 1.0
+    s = SimpleNamespace(model=model, prompts_by_b={1: prompts}, tokens_by_mode={"eager/b1": toks.tolist(),
+                                                                                "off/b1": toks.tolist()},
+                        logits_by_mode={"eager/b1": logits, "off/b1": off})
+    pools_before = model.pools
+    got = step.float32_check(s, ["eager", "off"])
+    assert model.pools is pools_before and next(model.parameters()).dtype == torch.bfloat16
+
+    ref = copy.deepcopy(model).float()  # the independent reference: every expert float32, all hot
+    p, L = model.pools, model.pools.num_moe_layers
+    w13, w2 = (torch.stack(ws) for ws in zip(*(_dequantized_experts(p, layer) for layer in range(L))))
+    ref.pools = ExpertPools.all_hot(w13, w2, w13_bias=p.w13_bias.float(), w2_bias=p.w2_bias.float(),
+                                    activation=p.activation)
+    ref.experts_fn, ref.cache_shape = torch_experts, None
+    dec32 = bn.Decoder(ref, 1, step.PROMPT_TOKENS, step.NEW_TOKENS, False)
+    dec32.prefill(prompts)
+    dec32.set_step(toks[:, 0], 1)
+    want = dec32.step().float()
+    best = sorted(want[0].tolist(), reverse=True)
+    for name, lg in (("eager/b1", logits), ("off/b1", off)):
+        diff = (lg[:, 0] - want).abs().max().item()
+        assert got[name]["first_step_max_abs_logit_diff"] == pytest.approx(diff, rel=1e-5, abs=1e-6)
+        assert got[name]["first_token_agrees"] == bool(lg[0, 0].argmax() == want[0].argmax())
+        assert got[name]["float32_top2_gap_min"] == pytest.approx(best[0] - best[1], rel=1e-5, abs=1e-6)
+        assert got[name]["logit_abs_max"] == pytest.approx(want.abs().max().item(), rel=1e-6)
+    assert 0 < got["eager/b1"]["first_step_max_abs_logit_diff"] < 0.5  # bf16 rounds; it computes the same model
+    assert got["off/b1"]["first_step_max_abs_logit_diff"] > 1.0 - got["eager/b1"]["first_step_max_abs_logit_diff"]

@@ -229,11 +229,21 @@ def render_step(res: dict) -> str:
     if res.get("fp8_vs_bf16"):
         out.append("FP8 against bf16, the same engine (other weights: reported, not checked): "
                    + "; ".join(_engine_check(k, v) for k, v in res["fp8_vs_bf16"].items()))
+    if res.get("float32_check"):
+        out.append("First decode step against the same weights in float32, fed each engine's own first token: "
+                   + "; ".join(_float32_check(k, v) for k, v in res["float32_check"].items()))
     if res.get("errors"):
         out.append("Engines that failed: " + "; ".join(f"{k}: {v}" for k, v in res["errors"].items()))
     if res.get("fails"):
         out.append("Checks FAILED: " + "; ".join(res["fails"]))
     return "\n\n".join(out)
+
+
+def _float32_check(key: str, check: dict) -> str:
+    """One engine's first step against float32 (:func:`coldset.measure.step.float32_check`) in words."""
+    return (f"{key} max logit diff {check['first_step_max_abs_logit_diff']:.3g} of logits up to "
+            f"{check['logit_abs_max']:.3g} (float32 top-2 gap {check['float32_top2_gap_min']:.3g}, first token "
+            f"{'agrees' if check['first_token_agrees'] else 'differs'})")
 
 
 def render_cache(res: dict) -> str:
@@ -405,7 +415,7 @@ def family_summary(results: list[dict]) -> str:
             return "synthetic"
         return f"{fam['name']} ({fam['expert_format']}, {fam['moe_layers']}/{fam['published_moe_layers']} MoE layers)"
 
-    step_rows, cache_rows = [], []
+    step_rows, cache_rows, f32_rows = [], [], []
     for res in results:
         if res.get("kind") == "step":
             shares = res.get("step_shares", {})
@@ -419,6 +429,11 @@ def family_summary(results: list[dict]) -> str:
                                  f"{_f(sh.get('nonexpert_bytes_of_floor'), '.1%')} |")
             for mode, err in res.get("errors", {}).items():
                 step_rows.append(f"| {name(res)} | {mode} | - | failed: {err[:80]} | | | | |")
+            for key, c in res.get("float32_check", {}).items():
+                match = res.get("checks", {}).get(key, {}).get("token_match")
+                f32_rows.append(f"| {name(res)} | {key} | {_f(match, '.3f')} | {c['first_step_max_abs_logit_diff']:.3g} | "
+                                f"{c['logit_abs_max']:.3g} | {c['float32_top2_gap_min']:.3g} | "
+                                f"{'yes' if c['first_token_agrees'] else 'no'} |")
         elif res.get("kind") == "cache":
             full = {r["batch"]: r for r in res.get("rows", []) if r["placement"] == "all-HBM"}
             for r in res.get("rows", []):
@@ -433,6 +448,10 @@ def family_summary(results: list[dict]) -> str:
     if step_rows:
         out += ["| model | engine | batch | step ms | floor ms | of floor | step without routed experts | "
                 "non-expert bytes of floor |", "|---|---|---|---|---|---|---|---|", *step_rows, ""]
+    if f32_rows:
+        out += [f"| model | engine/batch | tokens = {results[0].get('checks_against', 'first engine')}'s | first step: "
+                "max logit diff to float32 | largest float32 logit | float32 top-2 gap | first token agrees |",
+                "|---|---|---|---|---|---|---|", *f32_rows, ""]
     if cache_rows:
         out += ["| model | batch | placement | tok/s | x all-HBM | hit rate | link GB/token | of bound | overlap |",
                 "|---|---|---|---|---|---|---|---|---|", *cache_rows]

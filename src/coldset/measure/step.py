@@ -79,6 +79,8 @@ from coldset.core.timing import eager_time_us
 from coldset.engine.loading import attach_fp8_attention
 from coldset.engine.model import fp8_attention_linears
 from coldset.engine.synthetic import SyntheticSpec, build_synthetic_model, synthetic_tokenizer
+from coldset.kernels.reference import torch_experts
+from coldset.kernels.tiers import ExpertPools
 from coldset.kernels.tune import (
     TuneResult,
     TuneShape,
@@ -115,6 +117,10 @@ def add_arguments(p) -> None:
                    help="another triton_moe.py (e.g. `git show main:src/coldset/kernels/triton_moe.py`): an engine "
                         "named NAME@base runs engine NAME with that module's triton_experts on the same tuned "
                         "configs (needs --tuned or --tune), for a before/after of the experts kernel in one process")
+    p.add_argument("--float32-check", action="store_true",
+                   help="also each engine's first decode step against the same weights in float32 (eager, torch "
+                        "experts), fed the engine's own first token: tells rounding from an engine that computes "
+                        "something else (float32_check in the JSON)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="bf16",
                    help="fp8: also every engine with the experts quantized to block FP8 (all in HBM), beside bf16 in "
                         "the same run (same model, same tokens): FP8 step against bf16 step")
@@ -536,6 +542,69 @@ def record_checks(s: StepRun, engines: list[str]) -> None:
         log("bf16 step / FP8 step", {k: round(v["bf16_over_fp8"], 3) for k, v in R["fp8_speedup"].items()})
 
 
+def float32_experts(pools, layer, x, topk_ids, topk_weights):
+    """The routed experts of ``layer`` in float32 for the float32 reference: bf16 pools' chosen
+    experts upcast (exactly) one layer at a time, so the reference never holds a float32 copy of
+    every expert; scaled pools (FP8, MXFP4) as they are, whose torch path already computes in
+    float32 from their exact dequantization (:func:`coldset.kernels.reference.torch_experts`)."""
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
+    if pools.has_scales:
+        return torch_experts(pools, layer, x, topk_ids, topk_weights)
+    chosen, local = torch.unique(topk_ids, return_inverse=True)  # sorted: torch_experts' loop order kept
+    with torch.inference_mode(False):  # the decode runs in inference mode; pools track their row map's version
+        rows = pools.row_map[layer, chosen.clone()].long()
+        bias = {}
+        if pools.has_bias:
+            bias = dict(w13_bias=pools.w13_bias[layer, chosen.clone()].float()[None],
+                        w2_bias=pools.w2_bias[layer, chosen.clone()].float()[None])
+        one = ExpertPools.all_hot(pools.w13_hot[rows].float()[None], pools.w2_hot[rows].float()[None],
+                                  activation=pools.activation, **bias)
+    return torch_experts(one, 0, x, local, topk_weights)
+
+
+def float32_check(s: StepRun, engines: list[str]) -> dict:
+    """Each engine's first decode step (every batch) against the same weights in float32: the
+    non-expert weights upcast in a copy of the model, the experts through :func:`float32_experts`,
+    eager, fed the engine's own prefill token. Why: two engines whose greedy tokens part after a
+    few steps either round differently (each near float32, at alike distances) or one computes
+    something else (it alone far off). Per engine and batch: the largest logit difference, the
+    float32 logits' smallest top-2 gap and whether the first decoded token agrees with float32's."""
+    import copy
+
+    import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
+    model = s.model
+    kept = model.pools, model._compiled_before_experts, model._fused_head
+    model.pools = model._compiled_before_experts = model._fused_head = None  # not copied: the engines are done
+    try:
+        ref = copy.deepcopy(model).float()
+    finally:
+        model.pools, model._compiled_before_experts, model._fused_head = kept
+    ref.pools, ref.experts_fn, ref.cache_shape = model.pools, float32_experts, None
+    out = {}
+    for bsz in BATCHES:
+        dec = bn.Decoder(ref, bsz, PROMPT_TOKENS, NEW_TOKENS, False)
+        for mode in engines:
+            key = f"{mode}/b{bsz}"
+            if key not in s.tokens_by_mode:
+                continue
+            dec.prefill(s.prompts_by_b[bsz])
+            dec.set_step(torch.tensor([row[0] for row in s.tokens_by_mode[key]], device=ref.device), 1)
+            want = dec.step().float()
+            got = s.logits_by_mode[key][:, 0].to(want.device)
+            top2 = want.topk(2, dim=-1).values
+            out[key] = {"first_step_max_abs_logit_diff": (got - want).abs().max().item(),
+                        "float32_top2_gap_min": (top2[:, 0] - top2[:, 1]).min().item(),
+                        "logit_abs_max": want.abs().max().item(),
+                        "first_token_agrees": bool((got.argmax(-1) == want.argmax(-1)).all())}
+        del dec
+    del ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
 def step_shares(rows: list[dict], floor: dict, primary: str = "bf16") -> dict:
     """Per engine at batch 1 (the primary format): the step without its routed experts (attention,
     routers, norms, shared experts, dense layers, LM head: :func:`no_experts`) over the full step
@@ -590,6 +659,9 @@ def run(args, argv=None) -> dict:
     R["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     record_checks(s, engines)
     R["step_shares"] = step_shares(s.rows, R["floor"], primary)
+    if args.float32_check:
+        R["float32_check"] = float32_check(s, engines)
+        log("first decode step against float32", R["float32_check"])
     s.save()
     for r in s.rows:
         if "top" in r.get("profile", {}):
