@@ -236,8 +236,8 @@ link GB/token | mean step ms (min-max of passes) | wasted prefetches/token | ove
 | 1 | nexttoken-0.5 | 74.0 | 1.48 | 0.740 | 0.9512 | 0.9512 | 2.90 | 0.20 | 0.0520 | 13.500 (13.400-13.600) | 0.08 | - | \
 0.74 | 0.967 |
 
-overlap = 1 - (step - all-HBM step) / link time a step; bound = max(all-HBM step, link time); simulated: \
-time_model.simulate_time (share, step) on the same decisions and this run's rates."""
+overlap = 1 - (step - all-HBM step) / link time; bound = max(all-HBM step, link time); simulated: \
+time_model.simulate_time."""
 
 
 @pytest.mark.parametrize("result, expected", [(KERNEL, KERNEL_MD), (STEP, STEP_MD), (CACHE, CACHE_MD),

@@ -325,8 +325,8 @@ bound | simulated / measured step |
 | 1 | lru-0.5 | 250.0 | 1.25 | 0.500 | 0.9500 | 0.9500 | 19.00 | 0.00 | 0.0850 | 4.000 (3.900-4.100) | 0.00 | \
 0.20 | 0.50 | 0.970 |
 
-overlap = 1 - (step - all-HBM step) / link time a step; bound = max(all-HBM step, link time); simulated: \
-time_model.simulate_time (share, step) on the same decisions and this run's rates."""
+overlap = 1 - (step - all-HBM step) / link time; bound = max(all-HBM step, link time); simulated: \
+time_model.simulate_time."""
 
 
 

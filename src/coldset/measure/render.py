@@ -305,9 +305,8 @@ def render_cache(res: dict) -> str:
         headers += ["with management / measured"]
     out.append(table(headers, rows))
     if timed:
-        out.append("overlap = 1 - (step - all-HBM step) / link time a step; bound = max(all-HBM step, link time); "
-                   "simulated: time_model.simulate_time (share, step) on the same decisions and this run's rates"
-                   + ("; with management: plus the policy's own work (TimeModel.manage_ms)." if managed else "."))
+        out.append("overlap = 1 - (step - all-HBM step) / link time; bound = max(all-HBM step, link time); "
+                   "simulated: time_model.simulate_time" + (" (with management: + manage_ms)." if managed else "."))
     by_length = [r for r in res["rows"] if "step_ms_by_length" in r]
     if by_length:  # since the decode-length columns: each pass's first n steps, x all-HBM's first n
         lengths = sorted({int(n) for r in by_length for n in r["step_ms_by_length"]})
