@@ -1,8 +1,10 @@
 """``python -m coldset bench cache``: the slot cache and the lookahead prefetch at real shape on
 one GPU: correctness first, then decode speed against static placement and all-HBM.
 
-Builds the config's in-memory synthetic model (decode region compiled as the pipeline does), pins
-one host copy of every expert, and renders the config's fixtures as the workflow does
+Builds the config's in-memory synthetic model (decode region compiled as the pipeline does), checks
+that its largest placement fits in the GPU's free memory beside the all-HBM reference
+(:func:`check_placement_fits`: else it exits 1 before anything is pinned or written, naming the
+``--moe-layers`` and ``--residencies`` that fit), pins one host copy of every expert, and renders the config's fixtures as the workflow does
 (:func:`coldset.trace.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
 on the unmodified path gives the profile counts (the warm set: ``usage_global``'s hot set at each
 residency); the timed prompts are cut from the held-out fixtures' token stream
