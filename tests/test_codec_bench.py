@@ -189,3 +189,48 @@ def test_decode_rate_on_cuda_decodes_layer_zero_bitwise_and_refuses_other_bytes(
     all_hot.w2_hot[1].view(torch.uint8)[0] ^= 1
     with pytest.raises(MeasureError, match="w2"):
         decode_rate(tier, all_hot, experts=8, reps=1)
+
+
+def test_tier_ratios_per_format_match_the_codec_and_store_incompressible_parts_raw(monkeypatch, capsys):
+    """``coldset.measure.codec --ratios-only`` (CPU): each format's compressed host tier over its raw
+    tier against a brute-force sum (each part's record where the codec makes it smaller, else its raw
+    bytes, per expert, plus the 16-byte alignment the tier keeps); bf16's exponent plane codes to about
+    two thirds; MXFP4's e2m1 blocks do not compress and are stored raw while their e8m0 scales are
+    coded; an unknown format is refused by name."""
+    import torch
+
+    from coldset.core import codec as core_codec
+    from coldset.measure import codec
+
+    monkeypatch.setattr(codec, "H", 2048)  # wide enough rows that the scales' records pay for their tables
+    monkeypatch.setattr(codec, "I", 256)
+    gen = torch.Generator().manual_seed(3)
+    rows = {fmt: codec.tier_ratios(fmt, 3, gen) for fmt in ("bf16", "fp8", "mxfp4")}
+    for fmt, r in rows.items():
+        pools = codec.expert_pools(3, fmt, torch.Generator().manual_seed(3 + list(rows).index(fmt)))
+        assert r["exact"] and set(r["parts"]) == set(pools.expert_parts)
+        raw = sum(getattr(pools, f"{n}_hot").numel() * getattr(pools, f"{n}_hot").element_size()
+                  for n in pools.expert_parts)
+        assert sum(r["parts"][n]["raw_mb"] * 1e6 for n in r["parts"]) == pytest.approx(raw, rel=1e-12)
+    assert 0.6 < rows["bf16"]["parts"]["w13"]["codec_ratio"] < 0.75 and rows["bf16"]["parts"]["w13"]["coded"]
+    assert rows["mxfp4"]["parts"]["w13"]["codec_ratio"] > 1.0 and not rows["mxfp4"]["parts"]["w13"]["coded"]
+    assert rows["mxfp4"]["parts"]["w13_scale"]["codec_ratio"] < 0.5 and rows["mxfp4"]["parts"]["w13_scale"]["coded"]
+    # the tier's bytes, brute force: per expert and part, the smaller of the record and the raw bytes, aligned to 16
+    gen = torch.Generator().manual_seed(9)
+    pools = codec.expert_pools(3, "mxfp4", gen)
+    got = codec.tier_ratios("mxfp4", 3, torch.Generator().manual_seed(9))["tier_ratio"]
+    total = raw = 0
+    for e in range(3):
+        size = 0
+        for n in pools.expert_parts:
+            t = getattr(pools, f"{n}_hot")[e].reshape(-1)
+            rec = core_codec.encode(t)
+            arrays = [rec.words, rec.lane_words, rec.table] + ([rec.raw] if rec.raw is not None else [])
+            sizes = [a.numel() * a.element_size() for a in arrays] if rec.nbytes < t.numel() else [t.numel()]
+            for b in sizes:
+                size = -(-size // 16) * 16 + b
+            raw += t.numel()
+        total += -(-size // 16) * 16
+    assert got == pytest.approx(total / raw, rel=1e-12)
+    with pytest.raises(SystemExit, match="unknown"):
+        codec.main(["--ratios-only", "--formats", "bf16,int3"])
