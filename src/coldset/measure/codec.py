@@ -3,7 +3,7 @@ against the host link, alone and beside a matmul stream (the step's compute).
 
 Weights are drawn as trained experts' are distributed (Gaussian, std ``1 / sqrt(fan_in)``, the
 scale of Qwen3-30B-A3B's expert weights; block-FP8 as :func:`coldset.core.fp8.quantize_weight`
-quantizes those; MXFP4 as :func:`coldset.core.mxfp4.quantize` does), at Qwen3-30B-A3B's expert shape (w13 ``[2I, H]`` + w2 ``[H, I]``, H=2048,
+quantizes those), at Qwen3-30B-A3B's expert shape (w13 ``[2I, H]`` + w2 ``[H, I]``, H=2048,
 I=768). Per format and lane length: the round trip checked bit for bit on a poisoned output first,
 then the decoder's median time (CUDA events over graph replays, :func:`coldset.core.timing.graph_time_us`)
 for 1 and 8 experts in one launch, as decoded bytes a second, over the pinned host-to-device copy
@@ -15,12 +15,6 @@ one before): the link's useful rate multiplied; and the same through the host ti
 captured decode step fills them, from lists on the device (:func:`coldset.kernels.triton_slots.fill`
 reading the raw tier in place against :func:`coldset.kernels.triton_codec_fill.fill_listed` copying
 the records into staging and decoding them). Prints the tables last; ``--out`` writes JSON.
-
-``--ratios-only`` runs on any machine (no GPU): per format (``bf16``, ``fp8``, ``mxfp4``) the
-compressed host tier of 8 such experts built as the engine builds it
-(:func:`coldset.kernels.compressed_tier.compressed_host_tier`: each part coded where that is
-smaller, else stored raw), its bytes over the raw tier's, and per part the codec's ratio and
-whether the tier coded it; every coded part decoded back bit for bit by the torch decoder.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from coldset.core import codec, fp8, mxfp4
+from coldset.core import codec, fp8
 from coldset.core.timing import graph_time_us
 from coldset.kernels.compressed_tier import compressed_host_tier, fill_slots, staging_buffer
 from coldset.kernels.tiers import ExpertPools, host_tier
@@ -238,72 +232,13 @@ def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Gen
             "decode_beside_matmul_gb_s": raw / us_busy / 1e3}
 
 
-def expert_pools(n_experts: int, fmt: str, gen: torch.Generator) -> ExpertPools:
-    """All-hot pools (one layer) of ``n_experts`` Gaussian experts in ``fmt`` on ``gen``'s device:
-    ``bf16``; ``fp8``, block-FP8 with its scales (:func:`coldset.measure.harness.fp8_expert_pools`);
-    ``mxfp4``, e2m1 blocks ``[2I, H / 2]`` / ``[H, I / 2]`` with their e8m0 scales."""
-    from coldset.measure.harness import fp8_expert_pools  # the measurement harness's quantizer, one layer
-
-    dev = gen.device
-    w13 = torch.randn(1, n_experts, 2 * I, H, generator=gen, device=dev) / math.sqrt(H)
-    w2 = torch.randn(1, n_experts, H, I, generator=gen, device=dev) / math.sqrt(I)
-    if fmt == "mxfp4":
-        (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
-        return ExpertPools.all_hot(b13.flatten(-2), b2.flatten(-2), s13, s2)
-    pools = ExpertPools.all_hot(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
-    return fp8_expert_pools(pools) if fmt == "fp8" else pools
-
-
-def tier_ratios(fmt: str, n_experts: int, gen: torch.Generator) -> dict:
-    """The compressed host tier of ``n_experts`` experts in ``fmt`` against the raw one: its ratio,
-    and per part the codec's ratio (coded or not) and whether the tier coded it; each coded part
-    of every expert decoded back by :func:`coldset.core.codec.decode` and compared bit for bit."""
-    pools = expert_pools(n_experts, fmt, gen)
-    tier = compressed_host_tier(pools)
-    parts, exact = {}, True
-    for name in pools.expert_parts:
-        hot = getattr(pools, f"{name}_hot")
-        raw = hot.numel() * hot.element_size()
-        coded = [p for layout in tier.parts for p in layout if p.name == name and p.coded]
-        recs = [codec.encode(hot[e]) for e in range(n_experts)] if hot.dtype in codec.FORMATS else []
-        for e, rec in enumerate(recs):
-            exact &= bool(torch.equal(codec.decode(rec).view(torch.uint8), hot[e].view(torch.uint8)))
-        parts[name] = {"dtype": str(hot.dtype).removeprefix("torch."), "raw_mb": raw / 1e6,
-                       "codec_ratio": sum(r.nbytes for r in recs) / raw if recs else None,
-                       "coded": len(coded) == n_experts}
-    return {"format": fmt, "experts": n_experts, "tier_ratio": tier.nbytes / tier.raw_nbytes, "exact": exact,
-            "parts": parts}
-
-
-def ratios_only(formats: list[str]) -> int:
-    """``--ratios-only``: :func:`tier_ratios` of 8 experts a format on the CPU, printed as a table."""
-    gen = torch.Generator().manual_seed(0)
-    rows = [tier_ratios(fmt, 8, gen) for fmt in formats]
-    print(f"compressed host tier over raw, 8 Gaussian experts of H={H}, I={I} a format (CPU)")
-    print("| format | tier ratio | part | dtype | MB raw | codec ratio | coded in the tier |")
-    print("|---|--:|---|---|--:|--:|---|")
-    for r in rows:
-        for name, part in r["parts"].items():
-            cr = "-" if part["codec_ratio"] is None else f"{part['codec_ratio']:.4f}"
-            print(f"| {r['format']} | {r['tier_ratio']:.4f} | {name} | {part['dtype']} | {part['raw_mb']:.2f} | {cr} | "
-                  f"{'yes' if part['coded'] else 'no (stored raw)'} |")
-    return 0 if all(r["exact"] for r in rows) else 1
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m coldset.measure.codec", description=__doc__.split("\n\n")[0])
     p.add_argument("--lanes", default="64,128,256", help="symbols per lane to try")
     p.add_argument("--formats", default="bf16,fp8")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None, help="folder for codec_bench.json")
-    p.add_argument("--ratios-only", action="store_true",
-                   help="only the compressed host tier's ratio per format and part, on the CPU (formats: bf16, fp8, mxfp4)")
     args = p.parse_args(argv)
-    if args.ratios_only:
-        unknown = set(args.formats.split(",")) - {"bf16", "fp8", "mxfp4"}
-        if unknown:
-            raise SystemExit(f"coldset.measure.codec --formats: unknown {sorted(unknown)}; bf16, fp8 or mxfp4")
-        return ratios_only(args.formats.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("coldset.measure.codec: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
