@@ -509,7 +509,8 @@ def test_a_lookahead_bench_is_checked_against_the_simulator_with_its_lists(engin
     _assert_prefetches_checked_and_counted(*run())
     real = coldset.analysis.simulate.simulate
     monkeypatch.setattr(bench, "simulate",
-                        lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None}))
+                        lambda stream, policy, *a, **kw: real(stream, "lru", *a, **{**kw, "predictions": None,
+                                                                                   "lead_unit": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's lookahead cache decided group \d+"):
         run()
 
@@ -571,7 +572,7 @@ def test_a_nexttoken_bench_is_checked_against_the_simulator_and_its_forecast(eng
             run()
     real = coldset.analysis.simulate.simulate
     monkeypatch.setattr(bench, "simulate", lambda stream, policy, *a, **kw: real(
-        stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None}))
+        stream, "lru", *a, **{**kw, "predictions": None, "prefetch_budget": None, "lead_unit": None}))
     with pytest.raises(bench.CacheSimulatorMismatch, match=r"engine's nexttoken cache decided group \d+"):
         run()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from coldset.analysis.policies.base import DEFAULT_LEAD_UNIT, prefetch_lead_unit
 from coldset.bench import decode as bn
 from coldset.cli import main
 from coldset.core import fp8, mxfp4
@@ -265,7 +266,7 @@ def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_ben
     """bench cache on a family's random model: all-HBM, static and lru / lookahead rows at each
     residency, every row's logits bitwise all-HBM's and its decisions the simulator's (the
     command's own checks), link bytes at the bytes an expert moves (biases stay resident), the
-    time columns present, the table rendered."""
+    time columns present, lookahead's prefetch gate in this run's time units, the table rendered."""
     out = tmp_path / "out"
     assert main(["bench", "cache", "--model-family", family, "--residencies", "0.25,0.5,0.75", "--batches", "1",
                  "--policies", "lru,lookahead", "--depths", "1", "--steps", "4", "--repeats", "1",
@@ -286,6 +287,14 @@ def test_cache_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, cpu_ben
             assert r["link_gb_per_token"] == pytest.approx(r["fills_per_token"] * res["expert_bytes"] / 1e9, rel=1e-9) \
                 if r["placement"].startswith("lru") else r["link_gb_per_token"] >= 0
             assert "fraction_of_bound" in r and "overlap" in r
+    # the gated policy's prefetch gate counts this run's times: its unit from the all-HBM step and the link
+    # (1 ms stand-in step, 50 GB/s), the engine deciding with it and the simulator replaying with it
+    allhbm = next(r for r in res["rows"] if r["placement"] == "all-HBM")
+    copy_ms = res["expert_bytes"] / 50.0e9 * 1e3
+    want = prefetch_lead_unit(allhbm["step_ms_mean"], 0.1, cfg.num_moe_layers, copy_ms)
+    assert want != DEFAULT_LEAD_UNIT and res["lead_unit"] == {"1": want}
+    assert [r["lead_unit"] for r in res["rows"] if r["placement"].startswith("lookahead")] == [want] * 3
+    assert not any("lead_unit" in r for r in res["rows"] if r["placement"].startswith(("lru", "usage")))
     text = render(res)
     assert "Slot cache" in text and family in text
     summary = family_summary([res])

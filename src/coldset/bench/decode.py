@@ -176,10 +176,16 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
                    if bad else "")
                 + "; nothing is published")
         return simulate(stream, "nexttoken", cache.capacity, counts, predictions=lists,
-                        prefetch_budget=cache.rules.prefetch_budget)
+                        prefetch_budget=cache.rules.prefetch_budget, lead_unit=gate_lead(cache))
     # lookahead: the prefetch lists the engine recorded, one per group (the forecast is the engine's)
     lists = cache.prefetch_lists() if cache.policy == "lookahead" else None
-    return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists)
+    return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists, lead_unit=gate_lead(cache))
+
+
+def gate_lead(cache) -> int | None:
+    """The prefetch gate unit a slot cache decides with (a gated policy's ``rules.lead_unit``, the
+    simulator's ``lead_unit``); None for the policies without a gate."""
+    return getattr(cache.rules, "lead_unit", None)
 
 
 def bench_prompts(token_stream: list[int], batch_size: int, prompt_tokens: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ residency); the timed prompts are cut from the held-out fixtures' token stream
 and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.engine.cache.pool.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
 in place), each ``--policies`` cache (``lru``, ``lru_guard``, ``lfu``; ``lookahead`` at each ``--depths``:
-decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph;
+decisions in one Triton launch a layer, prefetch copies on a side stream inside the graph, its
+prefetch gate in this run's time units: :func:`gate_lead_unit`;
 ``nexttoken``: its :class:`coldset.analysis.forecast.NextTokenForecaster` fitted on the profile
 routing with ``--nexttoken-extra`` candidates a token, at most ``--prefetch-budget`` copies a
 group), at each ``--residencies`` (at 1.0 every selection hits: the cache's work in the step;
@@ -83,7 +84,9 @@ from coldset.analysis.forecast import (
     lookahead_predictions,
 )
 from coldset.analysis.placement import expert_bytes, hot_count_for_residency
+from coldset.analysis.policies import REGISTRY
 from coldset.analysis.simulate import simulate
+from coldset.analysis.time_model import TimeModel
 from coldset.analysis.streams import AccessStream
 from coldset.bench import decode as bn
 from coldset.bench.metrics import time_columns
@@ -257,6 +260,7 @@ class BatchRun:
     inst: object  # the routing's instances in the engine's group order
     acc: object
     allhbm_ms: float = 0.0
+    lead_unit: int | None = None  # the prefetch gate's, from this batch's all-HBM step and the link (gate_lead_unit)
     replays: dict = field(default_factory=dict)
 
     @property
@@ -510,7 +514,19 @@ def all_hbm_batch(c: CacheRun, bsz: int, heldout_stream: list[int], passes: int)
     r = add_row(c, bt, "all-HBM", base, 1.0, {"hit_rate": 1.0, "misses_per_token": 0.0, "link_gb_per_token": 0.0,
                                                "host_tier": "raw"})
     bt.allhbm_ms = r["step_ms_mean"]
+    bt.lead_unit = gate_lead_unit(bt.allhbm_ms, c.per_expert, c.ceilings["link_read_gb_s"], L)
+    c.R.setdefault("lead_unit", {})[bsz] = bt.lead_unit
     return bt
+
+
+def gate_lead_unit(allhbm_ms: float, per_expert: int, link_gb_s: float, num_moe_layers: int) -> int:
+    """The gated policies' prefetch gate unit in this run: one group's compute of the measured
+    all-HBM step in parts of one expert copy's time over the measured link
+    (:meth:`coldset.analysis.time_model.TimeModel.lead_unit`, the time model the rows' time columns
+    use). Why: the gate weighs a useful prefetch's saving against a wasted one's cost in these
+    units, so it must count the run's own times; the default (one group hides one copy) overstates
+    the saving wherever a copy takes longer than a layer's compute (large experts, a slow link)."""
+    return TimeModel(allhbm_ms, per_expert, link_gb_s).lead_unit(num_moe_layers)
 
 
 def static_row(c: CacheRun, bt: BatchRun, residency: float, row_map, passes: int) -> None:
@@ -557,6 +573,7 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
                             history=c.args.steps * c.shape[0] + 8, routers=forecast,
                             depth=max(depth, 1), forecaster=c.forecaster if nt else None,
                             prefetch_budget=c.args.prefetch_budget if nt else None,
+                            lead_unit=bt.lead_unit if REGISTRY[pol].gated else None,
                             compressed=c.compressed if tier == "compressed" else None)
     cache.prefetch_blocks = c.args.prefetch_blocks
     if variant == "in-order":
@@ -598,7 +615,7 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
 
     if pol != "nexttoken":  # the victims recorded: a compressed row's copied bytes name the admitted experts
         return simulate(bt.acc, pol, capacity, c.counts, predictions=got[0].get("lists"),
-                        record_victims=cache.compressed is not None)
+                        lead_unit=bn.gate_lead(cache), record_victims=cache.compressed is not None)
     # the forecast checked too: the cache's last recorded lists against nexttoken_lists on the
     # same tokens (bench.simulate_engine_pass), every pass's lists against those below
     try:
@@ -611,7 +628,8 @@ def simulate_row(c: CacheRun, bt: BatchRun, name: str, cache, got: list[dict], p
     c.R["checks"][f"{name}/b{bt.bsz} lists == nexttoken_lists"] = True
     if cache.compressed is None:
         return sim
-    again = with_victims(bt.acc, sim, capacity, c.counts, cache.prefetch_lists(), cache.rules.prefetch_budget)
+    again = with_victims(bt.acc, sim, capacity, c.counts, cache.prefetch_lists(), cache.rules.prefetch_budget,
+                         bn.gate_lead(cache))
     c.R["checks"][f"{name}/b{bt.bsz} replay with victims == checked replay"] = again is not None
     if again is None:
         c.fails.append(f"{name}/b{bt.bsz}: nexttoken's replay with victims decides otherwise than its checked replay")
@@ -644,6 +662,7 @@ def cache_row(c: CacheRun, bt: BatchRun, variant: tuple[str, int, str], residenc
         "useful_prefetches_per_token": st.useful_prefetches / tokens,
         "wasted_prefetches_per_token": st.wasted_prefetches / tokens,
         "link_gb_per_token": st.link_gb_per_token(c.per_expert), "host_tier": tier,
+        **({"lead_unit": bn.gate_lead(cache)} if REGISTRY[pol].gated else {}),
         **(compressed_link_columns(c, bt, raw_name, sim, tokens) if tier == "compressed" else {}),
         **(compressed_model_inputs(c) if tier == "compressed" else {}),
         **({"list_recall": list_recall(got[0]["lists"], bt.routing, depth, c.shape[1])} if depth else {})})

@@ -121,12 +121,13 @@ def compressed_link_columns(c, bt, raw_name: str, sim, tokens: int) -> dict:
     return out
 
 
-def with_victims(acc, sim, capacity: int, counts, lists, budget):
+def with_victims(acc, sim, capacity: int, counts, lists, budget, lead_unit: int | None = None):
     """nexttoken's checked replay ``sim`` (no victims) replayed again on ``acc`` with its victims
     recorded (the compressed tier's time model tells fills from reads in place by them), from the
-    profile ``counts``' warm set and the engine's ``lists``; None where its decisions differ from ``sim``'s."""
+    profile ``counts``' warm set and the engine's ``lists`` (its gate's ``lead_unit``); None where
+    its decisions differ from ``sim``'s."""
     again = simulate(acc, "nexttoken", capacity, counts, predictions=lists, prefetch_budget=budget,
-                     record_victims=True)
+                     lead_unit=lead_unit, record_victims=True)
     same = all(np.array_equal(getattr(again, name), getattr(sim, name)) for name in ("hit", "fills", "prefetches"))
     return again if same else None
 
