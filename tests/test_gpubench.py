@@ -780,6 +780,24 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     assert all(c["manage_us"] == 0.0 and c["step_ms"] < r["step_ms"] for c, r in zip(cheap, rows)
                if c["policy"] == "lookahead" and not c["oracle"])
 
+    # the gate unit: the run's recorded one where its JSON has it, else the default; --gate-unit measured the
+    # replay's time model's; --expert-bytes: the same routing with other experts (no measured column)
+    from coldset.analysis.policies.base import prefetch_lead_unit
+
+    assert all(r["lead_unit"] is None for r in rows)  # this JSON records none: the policies' default
+    lists = arrays["b1_lookahead_d2_n2"]
+    default = simulate(stream, "lookahead", 9, counts, predictions=lists)
+    for unit, extra, per, result_ in ((7, {}, 10**6, {**result, "lead_unit": {"1": 7}}),
+                                      (prefetch_lead_unit(1.0, 0.1, L, 5e7 / 50e9 * 1e3), {"gate_unit": "measured",
+                                       "expert_bytes": 5 * 10**7}, 5 * 10**7, result)):
+        got = next(r for r in replay_table(result_, arrays, [0.5], {}, **extra)
+                   if (r["policy"], r["depth"], r["candidates"], r["oracle"]) == ("lookahead", 2, k, False))
+        gated = simulate(stream, "lookahead", 9, counts, predictions=lists, lead_unit=unit)
+        assert gated.stats().prefetches != default.stats().prefetches  # the unit decides here
+        want = simulate_time(stream, gated, TimeModel(1.0, per, 50.0, link="share", join="step", manage_ms=0.2))
+        assert got["lead_unit"] == unit and got["step_ms"] == pytest.approx(want.step_ms)
+        assert got["measured_x_all_hbm"] is None and got["link_gb_per_token"] == pytest.approx(want.link_gb_per_token)
+
     assert main(["bench", "replay", str(tmp_path), "--residencies", "0.5"]) == 0
     text = capsys.readouterr().out
     order = [line.split("|")[1].strip() for line in text.splitlines()

@@ -33,7 +33,12 @@ Each goes through :func:`coldset.analysis.simulate.simulate` and
 or, with ``--join use``, a wait only where a group selects a copied expert, which no engine does
 yet; ``manage_ms``), at each ``--residencies``; prints per (batch, residency) the policies by
 simulated step, fastest first, with x all-HBM, overlap and the fraction of the bound, and the
-measured x all-HBM where the run measured the same row. The lists are
+measured x all-HBM where the run measured the same row. The gated policies' prefetch gate unit
+(:func:`coldset.analysis.policies.base.prefetch_lead_unit`) is the run's where its JSON records one
+(``lead_unit``, the engine's), else the policies' default; ``--gate-unit measured`` takes the
+replay's own time model's (:meth:`coldset.analysis.time_model.TimeModel.lead_unit`), and
+``--expert-bytes`` replays the same routing with experts of another size (the link bytes, the time
+model and the gate unit follow; the measured column is then left out). The lists are
 :func:`coldset.analysis.forecast.lookahead_predictions`' (float32 logits): the engine ranks its
 own logits, so near-ties may differ from the lists it recorded. No GPU needed.
 """
@@ -48,6 +53,7 @@ import numpy as np
 
 from coldset.analysis.simulate import capacity_for_residency, simulate
 from coldset.analysis.streams import AccessStream
+from coldset.analysis.policies import REGISTRY
 from coldset.analysis.time_model import TimeModel, manage_ms_per_group, simulate_time
 from coldset.measure.harness import MeasureError
 from coldset.measure.render import _f, table
@@ -86,6 +92,12 @@ def add_arguments(p) -> None:
                         "on a per-slot tag would allow; no engine does it yet)")
     p.add_argument("--manage-us", action="append", default=[], metavar="POLICY=US",
                    help="a policy's management per group in µs (default: the run's residency-1.0 row), repeatable")
+    p.add_argument("--gate-unit", choices=("recorded", "measured"), default="recorded",
+                   help="the gated policies' prefetch gate unit: the run's (its JSON's lead_unit, else the default) "
+                        "or the replay's time model's")
+    p.add_argument("--expert-bytes", type=int, default=None,
+                   help="replay the same routing with experts of this many bytes (a what-if: link bytes, time "
+                        "model and gate unit follow; no measured column)")
 
 
 def _manage_overrides(items: list[str]) -> dict[str, float]:
@@ -103,14 +115,17 @@ def _manage_overrides(items: list[str]) -> dict[str, float]:
 
 
 def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict[str, float],
-                 join: str = "step") -> list[dict]:
+                 join: str = "step", gate_unit: str = "recorded", expert_bytes: int | None = None) -> list[dict]:
     """One row per (batch, residency, policy variant): the simulated replay and its time (module
-    doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping)."""
+    doc). ``result``: cache_bench.json; ``arrays``: cache_replays.npz's arrays (a mapping);
+    ``gate_unit`` and ``expert_bytes``: as ``--gate-unit`` and ``--expert-bytes``."""
     # the simulator loads numba: here, when a replay runs, not whenever the bench command line loads
 
     counts = np.asarray(arrays["profile_counts"], dtype=np.float64)
     L, E = counts.shape
-    per_expert = int(arrays["expert_bytes"])
+    per_expert = int(arrays["expert_bytes"]) if expert_bytes is None else int(expert_bytes)
+    if per_expert < 1:
+        raise MeasureError(f"--expert-bytes {per_expert}: at least 1")
     link = result.get("ceilings", {}).get("link_read_gb_s")
     if not link:
         raise MeasureError("cache_bench.json has no measured link read rate (ceilings.link_read_gb_s)")
@@ -144,17 +159,24 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
         variants += [("lookahead", d, 0, oracle_lists(routing, E, d), True, 0) for d in ORACLE_DEPTHS if d < L]
         variants.append(("nexttoken", 0, 0, oracle_lists(routing, E, None), True, 0))
         variants += [("nexttoken", 0, 0, oracle_lists(routing, E, None, h), True, h) for h in EVICT_HORIZONS]
+        recorded = (result.get("lead_unit") or {}).get(str(b))
         for r in residencies:
             C = capacity_for_residency(r, L, E)
             for pol, depth, n, lists, oracle, horizon in variants:
-                res = simulate(stream, pol, C, counts, predictions=lists, prefetch_budget=0 if horizon else None)
                 manage_us = 0.0 if oracle else manage.get(pol, 0.0)
-                ts = simulate_time(stream, res, TimeModel(allhbm, per_expert, link, link="share", join=join,
-                                                          manage_ms=manage_us / 1e3))
+                model = TimeModel(allhbm, per_expert, link, link="share", join=join, manage_ms=manage_us / 1e3)
+                lead = None
+                if REGISTRY[pol].gated:
+                    lead = model.lead_unit(L) if gate_unit == "measured" else recorded
+                res = simulate(stream, pol, C, counts, predictions=lists, prefetch_budget=0 if horizon else None,
+                               lead_unit=lead)
+                ts = simulate_time(stream, res, model)
                 name = f"{pol}-{r}" + (f" d{depth}" if depth else "")  # (belady, oracles: never a measured row)
                 st = res.stats()
-                same = measured.get(name) if not oracle and (pol in ("lru", "lru_guard") or n == k) else None
+                same = measured.get(name) if not oracle and (pol in ("lru", "lru_guard") or n == k) \
+                    and expert_bytes is None else None
                 rows.append({"batch": b, "residency": r, "policy": pol, "depth": depth, "candidates": n or None,
+                             "lead_unit": lead,
                              "oracle": oracle, "evict_horizon": horizon or None, "manage_us": manage_us,
                              "hit_rate": st.hit_rate,
                              "link_gb_per_token": ts.link_gb_per_token, "step_ms": ts.step_ms,
@@ -203,4 +225,5 @@ def run(args) -> list[dict]:
         raise MeasureError(f"--residencies {residencies}: each must be in (0, 1)")
     with np.load(npath) as arrays:
         return replay_table(json.loads(jpath.read_text()), dict(arrays), residencies,
-                            _manage_overrides(args.manage_us), join=args.join)
+                            _manage_overrides(args.manage_us), join=args.join, gate_unit=args.gate_unit,
+                            expert_bytes=args.expert_bytes)
