@@ -20,7 +20,7 @@ from coldset import cli
 from coldset.workflow import pipeline, process_engine
 from coldset.workflow.context import StageContext, StageError
 from coldset.kernels import torch_experts
-from coldset.analysis.placement import row_map_from_mask
+from coldset.analysis.placement import place, row_map_from_mask
 from coldset.engine.synthetic import SyntheticSpec
 from coldset.kernels.tiers import ExpertPools, HostTier, PoolAllocationError, host_tier
 
@@ -508,5 +508,43 @@ def test_a_router_knob_change_remakes_the_routers_of_the_built_engine(tmp_path, 
         assert len(built) == 3
         pd.testing.assert_frame_equal(swept, fresh)
         assert not swept["expert"].equals(base["expert"]) and not swept["expert"].equals(other_seed["expert"])
+    finally:
+        process_engine.release_engine()
+
+
+def test_a_gated_cache_decides_with_the_gate_unit_the_cache_stage_timed(run, caplog):
+    """The engine's lookahead and nexttoken caches (bench and parity stages) take the prefetch gate
+    unit of the time model the cache stage simulated them with: ``cache.time``'s all-HBM step at
+    the batch and the link, the experts' bytes in this run's format, against the unit computed here
+    by hand (1024 x a layer's compute, 0.9 of the step over the MoE layers, over one copy's time);
+    lru has no gate; a batch ``cache.time.steps`` does not list takes the default, logged."""
+    import logging
+
+    from coldset.workflow.config import validate_config
+
+    config = _config(run["root"])  # the run's model stage wrote the manifest the shape is read from
+    config["cache"]["time"] = {"steps": [{"batch": 1, "all_hbm_step_ms": 0.8}, {"batch": 4, "all_hbm_step_ms": 1.5}],
+                               "link_gb_s": 20.0}
+    ctx = StageContext.from_config(validate_config(config))
+    element = torch.empty((), dtype=getattr(torch, process_engine.experts_format(ctx))).element_size()
+    copy_ms = 3 * SYNTHETIC["hidden"] * SYNTHETIC["moe_intermediate"] * element / 20e9 * 1e3
+    for batch, step_ms in ((1, 0.8), (4, 1.5)):
+        want = round(1024 * step_ms * 0.9 / SYNTHETIC["layers"] / copy_ms)
+        assert process_engine.gate_lead_unit(ctx, "lookahead", batch) == want
+        assert process_engine.gate_lead_unit(ctx, "nexttoken", batch) == want
+    assert process_engine.gate_lead_unit(ctx, "lru", 4) is None
+    with caplog.at_level(logging.INFO):
+        assert process_engine.gate_lead_unit(ctx, "lookahead", 2) is None
+    assert "lists no all-HBM step" in caplog.text
+    engine, _ = process_engine.load_engine(ctx)
+    try:
+        cfg = engine.config
+        rows = [{"domain": "d", "split": s, "phase": "decode", "layer": layer, "expert": e, "count": e + layer + 1}
+                for s in ("profile", "heldout") for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        pl = place(pd.DataFrame(rows), cfg, "lookahead", 0.5, batch_sizes=(4,), lookahead_depth=1,
+                   lookahead_fit=False)
+        host = host_tier(engine.pools)
+        cache = process_engine.slot_cache(engine, host, pl, 4, lead_unit=process_engine.gate_lead_unit(ctx, "lookahead", 4))
+        assert cache.rules.lead_unit == round(1024 * 1.5 * 0.9 / SYNTHETIC["layers"] / copy_ms)
     finally:
         process_engine.release_engine()

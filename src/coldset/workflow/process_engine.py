@@ -20,6 +20,9 @@ from coldset.core import mxfp4
 from coldset.core.files import read_json
 from coldset.core.placement import lookahead_depth_for
 from coldset.analysis.forecast import fit_lookahead_routers
+from coldset.analysis.placement import expert_bytes
+from coldset.analysis.policies import REGISTRY
+from coldset.analysis.time_model import time_models
 from coldset.engine.cache.pool import SlotCache
 from coldset.engine.generate import encode_prompts, router_inputs
 from coldset.engine.loading import load_model, load_tokenizer
@@ -169,12 +172,33 @@ def split_fixtures(ctx: StageContext, split: str, purpose: str = "bench.prompt_s
     return fxs
 
 
-def slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None, fit=None):
+def gate_lead_unit(ctx: StageContext, policy: str, batch: int) -> int | None:
+    """The prefetch gate unit a gated policy's cache decides with at ``batch``: the one the cache
+    stage simulated it with (:meth:`coldset.analysis.time_model.TimeModel.lead_unit` of the config's
+    ``cache.time`` at that batch, the experts' bytes in this run's format), so the engine runs the
+    decisions the recommendation was timed on; None for a policy without a gate (static ones
+    included), and the policies' default unit for a batch ``cache.time.steps`` does not list (logged)."""
+    rules = REGISTRY.get(policy)  # a static placement's policy (positional, usage_global) has no cache
+    if rules is None or not rules.gated:
+        return None
+    shape = ctx.model_shape
+    models = time_models(ctx.cache["time"], expert_bytes(shape, experts_format(ctx)))
+    if batch not in models:
+        log.info("cache %s at batch %d: cache.time.steps lists no all-HBM step for it (batches %s): the prefetch "
+                 "gate takes its default unit", policy, batch, sorted(models))
+        return None
+    model = next(iter(models[batch].values()))  # the policies' models differ in manage_ms only, which the unit omits
+    return model.lead_unit(shape.num_moe_layers)
+
+
+def slot_cache(engine, host, placement, max_tokens: int, depth: int | None = None, fit=None,
+               lead_unit: int | None = None):
     """The slot cache of a dynamic placement (``lru-0.5``), fresh from its warm state, deciding for
     decode steps of up to ``max_tokens`` tokens (a lookahead's ``depth``: its depth for them unless
-    given); None for a static placement. A lookahead placement with ``cache_lookahead_fit`` forecasts
-    with the matrices fitted on the profile split's router inputs (``fit``: :func:`lookahead_fit`,
-    shared by the stage's placements); else with the later layers' routers."""
+    given; a gated policy's ``lead_unit``: :func:`gate_lead_unit`); None for a static placement. A
+    lookahead placement with ``cache_lookahead_fit`` forecasts with the matrices fitted on the profile
+    split's router inputs (``fit``: :func:`lookahead_fit`, shared by the stage's placements); else
+    with the later layers' routers."""
     if not placement.dynamic:
         return None
     routers = [engine.layers[i].mlp.gate.weight.detach() for i in engine.config.moe_layers]
@@ -186,7 +210,8 @@ def slot_cache(engine, host, placement, max_tokens: int, depth: int | None = Non
                       routers)
     return SlotCache.from_placement(engine.pools, host, placement, max_tokens, engine.config.top_k, routers=routers,
                                     forecaster=placement_forecaster(placement),
-                                    prefetch_budget=placement.cache_prefetch_budget, depth=depth)
+                                    prefetch_budget=placement.cache_prefetch_budget, depth=depth,
+                                    lead_unit=lead_unit)
 
 
 def lookahead_fit(ctx: StageContext, engine, tokenizer) -> Callable:

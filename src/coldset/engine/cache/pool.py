@@ -255,11 +255,12 @@ class SlotCache:
     def from_placement(cls, all_hot: ExpertPools, host: HostTier, placement, max_tokens: int,
                        top_k: int, routers=None, history: int = 4096, forecaster=None,
                        prefetch_budget: int | None = None, depth: int | None = None,
-                       compressed: CompressedHostTier | None = None) -> "SlotCache":
+                       compressed: CompressedHostTier | None = None, lead_unit: int | None = None) -> "SlotCache":
         """The cache of a dynamic :class:`coldset.core.placement.Placement` (``lru-0.5``): its warm row
         map and warm counts, its policy; ``lookahead``: its depth for ``max_tokens`` sequences (or
         ``depth``, one of its per-batch depths: the parity stage decodes each), and ``routers``
-        (the MoE layers' router weights ``[E, H]``, required there); ``compressed`` as :meth:`build`'s."""
+        (the MoE layers' router weights ``[E, H]``, required there); ``compressed`` and ``lead_unit``
+        (a gated policy's prefetch gate unit) as :meth:`build`'s."""
         if not placement.dynamic:
             raise ValueError(f"placement {placement.policy}-{placement.label} is static: it has no cache")
         ahead = placement.policy == "lookahead"
@@ -268,7 +269,7 @@ class SlotCache:
         return cls.build(all_hot, host, placement.row_map, placement.cache_warm_counts, placement.policy,
                          max_tokens, top_k, history=history, routers=routers if ahead else None,
                          depth=depth if ahead else 1, forecaster=forecaster, prefetch_budget=prefetch_budget,
-                         compressed=compressed)
+                         lead_unit=lead_unit, compressed=compressed)
 
     @property
     def capacity(self) -> int:

@@ -11,7 +11,8 @@ from coldset.core.placement import load_placement
 from coldset.engine.generate import encode_prompts
 from coldset.workflow.config import bench_request_count
 from coldset.workflow.context import StageContext, StageError
-from coldset.workflow.process_engine import host_tier, load_engine, lookahead_fit, slot_cache, split_fixtures, tuned
+from coldset.workflow.process_engine import (gate_lead_unit, host_tier, load_engine, lookahead_fit, slot_cache,
+                                             split_fixtures, tuned)
 from coldset.workflow.stages.verify import check_gate_passed
 
 log = logging.getLogger("coldset")
@@ -64,7 +65,8 @@ def _time_placement(ctx: StageContext, engine, host, pl, name: str, requests: di
                 cache = None
                 if pl.dynamic:  # a fresh warm cache per batch; the previous one's slots freed first
                     pools = None
-                    cache = slot_cache(engine, host, pl, batch_size, fit=fit)
+                    cache = slot_cache(engine, host, pl, batch_size, fit=fit,
+                                       lead_unit=gate_lead_unit(ctx, pl.policy, batch_size))
                     pools = cache.pools
                 replay = None
                 if bc["routing_trace"]:

@@ -13,7 +13,8 @@ from coldset.engine.generate import check_prompts_fit, encode_prompts
 from coldset.verify import gate
 from coldset.verify.fingerprint import StaleReportError, check_fingerprint, current_fingerprint
 from coldset.workflow.context import StageContext, StageError
-from coldset.workflow.process_engine import host_tier, load_engine, lookahead_fit, parity_fixtures, slot_cache, tuned
+from coldset.workflow.process_engine import (gate_lead_unit, host_tier, load_engine, lookahead_fit, parity_fixtures,
+                                             slot_cache, tuned)
 
 log = logging.getLogger("coldset")
 
@@ -51,7 +52,8 @@ def parity(ctx: StageContext, placements: list[str] | None = None, **_) -> None:
         depths = _parity_depths(pl)
         results = []
         for depth in depths:
-            cache = slot_cache(engine, host, pl, b, depth=depth, fit=fit)
+            cache = slot_cache(engine, host, pl, b, depth=depth, fit=fit,
+                               lead_unit=gate_lead_unit(ctx, pl.policy, b))
             pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
             got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=launch, cache=cache)
             if cache is not None:
