@@ -426,3 +426,25 @@ def test_the_float32_check_measures_each_engine_against_the_weights_upcast(fmt):
         assert got[name]["logit_abs_max"] == pytest.approx(want.abs().max().item(), rel=1e-6)
     assert 0 < got["eager/b1"]["first_step_max_abs_logit_diff"] < 0.5  # bf16 rounds; it computes the same model
     assert got["off/b1"]["first_step_max_abs_logit_diff"] > 1.0 - got["eager/b1"]["first_step_max_abs_logit_diff"]
+
+
+def test_cache_high_priority_rows_decide_as_the_plain_rows_and_need_lookahead(tmp_path, cpu_bench):
+    """bench cache --high-priority: each lookahead row again with its prefetch streams at a high
+    CUDA priority ('... high-priority'), checked as every row is (logits bitwise, engine = the
+    simulator) and deciding as the plain row does (the same hits, fills and prefetches); refused
+    without lookahead among the policies, before anything is built."""
+    from coldset.measure.harness import MeasureError
+
+    out = tmp_path / "out"
+    assert main(["bench", "cache", "--model-family", "deepseek-v3", "--moe-layers", "2", "--residencies", "0.5",
+                 "--batches", "1", "--policies", "lru,lookahead", "--depths", "1", "--steps", "4", "--repeats", "1",
+                 "--high-priority", "--out", str(out)]) == 0
+    res = json.loads((out / "cache_bench.json").read_text())
+    assert res["fails"] == [] and all(res["checks"].values())
+    rows = {r["placement"]: r for r in res["rows"]}
+    plain, high = rows["lookahead-0.5 d1"], rows["lookahead-0.5 d1 high-priority"]
+    for key in ("hit_rate", "fills_per_token", "prefetches_per_token", "link_gb_per_token", "lead_unit"):
+        assert high[key] == plain[key]
+    args = build_parser().parse_args(["cache", "--out", str(tmp_path), "--policies", "lru", "--high-priority"])
+    with pytest.raises(MeasureError, match="--high-priority varies lookahead"):
+        cache.check_arguments(args)

@@ -110,8 +110,8 @@ PROMPT_TOKENS = 32
 REPLAY_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # --save-replays: the lookahead depths whose lists are kept
 POLICIES = ("lru", "lru_guard", "lfu", "lookahead", "nexttoken")
 HOST_TIERS = ("raw", "compressed")
-# the rows --in-order, --other-fork and --lookahead-fit add
-LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts", "fit")
+# the rows --in-order, --other-fork, --lookahead-fit and --high-priority add
+LOOKAHEAD_VARIANTS = ("in-order", "list-after-fill", "list-after-experts", "fit", "high-priority")
 FIT_CHUNK = 512  # --lookahead-fit: the profile stream prefilled in chunks of this many tokens
 
 
@@ -149,6 +149,10 @@ def add_arguments(p) -> None:
                    help="also each lookahead variant with its prefetch fills on the compute stream (rows named "
                         "'... in-order': no fork to the side stream, no join back): at residency 1.0 nothing is "
                         "copied, so its step against the forked one's is what the per-layer stream hops cost")
+    p.add_argument("--high-priority", action="store_true",
+                   help="also each lookahead variant with its prefetch's streams (decisions and fill) at a high "
+                        "CUDA priority (rows named '... high-priority'): the fill's blocks are scheduled ahead of "
+                        "the step's queued compute instead of behind it; same decisions, other overlap")
     p.add_argument("--other-fork", action="store_true",
                    help="also each lookahead variant with its list and prefetch forked where its depth does not "
                         "fork them (Lookahead.list_after_experts): after the layer's demand fill at depth >= 2 "
@@ -196,6 +200,8 @@ def check_arguments(args) -> None:
         raise MeasureError(f"--prefetch-budget {args.prefetch_budget} is nexttoken's: add nexttoken to --policies")
     if args.in_order and "lookahead" not in args.policies.split(","):
         raise MeasureError("--in-order varies lookahead's prefetch fills: add lookahead to --policies")
+    if args.high_priority and "lookahead" not in args.policies.split(","):
+        raise MeasureError("--high-priority varies lookahead's prefetch streams: add lookahead to --policies")
     if args.lookahead_fit and "lookahead" not in args.policies.split(","):
         raise MeasureError("--lookahead-fit varies lookahead's forecast: add lookahead to --policies")
     if args.other_fork and "lookahead" not in args.policies.split(","):
@@ -556,6 +562,7 @@ def cache_variants(args, residency: float) -> list[tuple[str, int, str]]:
         depths = [1] if residency == 1.0 else [int(d) for d in args.depths.split(",")]
         variants += [("lookahead", d, v) for d in depths
                      for v in ("", *(["in-order"] if args.in_order else []),
+                               *(["high-priority"] if args.high_priority else []),
                                *([_other_fork(d)] if args.other_fork else []),
                                *(["fit"] if args.lookahead_fit else []))]
     return variants
@@ -578,6 +585,12 @@ def build_cache(c: CacheRun, bt: BatchRun, pol: str, depth: int, variant: str, r
     cache.prefetch_blocks = c.args.prefetch_blocks
     if variant == "in-order":
         cache.rules.side_stream = None  # the prefetch fill in stream order after the decisions, never forked
+    if variant == "high-priority" and cache.rules.side_stream is not None:  # CUDA (no streams on the CPU)
+        import torch  # GPU-only path: torch and the kernels load when a measurement runs
+
+        dev = cache.owner.device  # priority -1: torch maps it to the device's highest (CUDA graphs capture it)
+        cache.rules.side_stream = torch.cuda.Stream(dev, priority=-1)
+        cache.rules.decide_stream = torch.cuda.Stream(dev, priority=-1)
     if variant in ("list-after-fill", "list-after-experts"):
         cache.rules.list_after_experts = variant == "list-after-experts"
     return cache

@@ -8,7 +8,9 @@ I=768). Per format and lane length: the round trip checked bit for bit on a pois
 then the decoder's median time (CUDA events over graph replays, :func:`coldset.core.timing.graph_time_us`)
 for 1 and 8 experts in one launch, as decoded bytes a second, over the pinned host-to-device copy
 rate of the raw bytes measured in the same run (the link), and, with a bf16 matmul stream running
-on another CUDA stream, the same decode's time again; and a layer's misses (8 experts) filled into
+on another CUDA stream, the same decode's time again, from a stream of the default priority and
+from a high-priority one (its blocks scheduled ahead of the matmul's queued ones); and a layer's
+misses (8 experts) filled into
 slots raw from pinned memory against compressed (copy of the next expert beside the decode of the
 one before): the link's useful rate multiplied; and the same through the host tiers themselves
 (:func:`coldset.kernels.compressed_tier.fill_slots` against row copies from the raw tier), and as the
@@ -61,12 +63,13 @@ def link_gb_s(nbytes: int, reps: int = 20) -> float:
     return nbytes / statistics.median(times[3:]) / 1e9
 
 
-def decode_us_beside_matmul(record, out, reps: int) -> float:
-    """The decode's median time (µs, events on its own stream) while a bf16 matmul loop runs on another."""
+def decode_us_beside_matmul(record, out, reps: int, priority: int = 0) -> float:
+    """The decode's median time (µs, events on its own stream, of CUDA ``priority``: -1 is torch's
+    high one) while a bf16 matmul loop runs on another (of the default priority)."""
     from coldset.kernels.triton_codec import decode_into  # GPU only: triton
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=priority)
     times = []
     for _ in range(reps):
         for _ in range(4):
@@ -225,11 +228,13 @@ def measure(fmt: str, lane_symbols: int, experts: int, reps: int, gen: torch.Gen
     exact = bool(torch.equal(out.view(torch.uint8), weights.view(torch.uint8)))
     us = graph_time_us(lambda: decode_into(record, out), reps)
     us_busy = decode_us_beside_matmul(record, out, reps)
+    us_high = decode_us_beside_matmul(record, out, reps, priority=-1)
     raw = weights.numel() * weights.element_size()
     return {"format": fmt, "lane_symbols": lane_symbols, "experts": experts, "exact": exact,
             "raw_mb": raw / 1e6, "ratio": record.nbytes / raw, "decode_us": us,
             "decode_gb_s": raw / us / 1e3, "decode_beside_matmul_us": us_busy,
-            "decode_beside_matmul_gb_s": raw / us_busy / 1e3}
+            "decode_beside_matmul_gb_s": raw / us_busy / 1e3, "decode_beside_matmul_high_priority_us": us_high,
+            "decode_beside_matmul_high_priority_gb_s": raw / us_high / 1e3}
 
 
 def main(argv=None) -> int:
@@ -248,6 +253,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["decode_over_link"] = r["decode_gb_s"] / link
         r["beside_matmul_over_link"] = r["decode_beside_matmul_gb_s"] / link
+        r["high_priority_over_link"] = r["decode_beside_matmul_high_priority_gb_s"] / link
     fills = [fill_ms(fmt, 8, args.reps, gen) for fmt in args.formats.split(",")]
     tier_fills = [tier_fill_ms(fmt, 8, args.reps, gen) for fmt in args.formats.split(",")]
     if args.out:
@@ -255,12 +261,14 @@ def main(argv=None) -> int:
         (Path(args.out) / "codec_bench.json").write_text(json.dumps({"link_gb_s": link, "rows": rows, "fills": fills,
                                                                    "tier_fills": tier_fills}, indent=1))
     print(f"device {torch.cuda.get_device_name()}, pinned host->device link {link:.1f} GB/s (raw bytes)")
-    print("| format | lane | experts | exact | MB raw | ratio | decode µs | GB/s out | x link | beside matmul GB/s | x link |")
-    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+    print("| format | lane | experts | exact | MB raw | ratio | decode µs | GB/s out | x link | beside matmul GB/s | x link "
+          "| high priority GB/s | x link |")
+    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         print(f"| {r['format']} | {r['lane_symbols']} | {r['experts']} | {r['exact']} | {r['raw_mb']:.1f} | "
               f"{r['ratio']:.4f} | {r['decode_us']:.1f} | {r['decode_gb_s']:.0f} | {r['decode_over_link']:.1f} | "
-              f"{r['decode_beside_matmul_gb_s']:.0f} | {r['beside_matmul_over_link']:.1f} |")
+              f"{r['decode_beside_matmul_gb_s']:.0f} | {r['beside_matmul_over_link']:.1f} | "
+              f"{r['decode_beside_matmul_high_priority_gb_s']:.0f} | {r['high_priority_over_link']:.1f} |")
     print("| format | experts | exact | ratio | raw fill ms | compressed fill ms | link x |")
     print("|---|--:|---|--:|--:|--:|--:|")
     for f in fills:
