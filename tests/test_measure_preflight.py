@@ -1,4 +1,4 @@
-"""bench cache's preflight (coldset.measure.cache.check_placement_fits): a run whose largest placement
+"""bench cache's preflight (coldset.measure.cache_memory.check_placement_fits): a run whose largest placement
 cannot be built beside the all-HBM reference is refused with the numbers and what fits, against the
 bytes and hot rows computed here from the pools' shapes (brute force over layer counts and residencies)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coldset.kernels.tiers import ExpertPools
-from coldset.measure.cache import HBM_MARGIN_BYTES, HBM_MARGIN_FRACTION, check_placement_fits
+from coldset.measure.cache_memory import HBM_MARGIN_BYTES, HBM_MARGIN_FRACTION, check_placement_fits
 from coldset.measure.harness import MeasureError
 
 

@@ -3,8 +3,9 @@ one GPU: correctness first, then decode speed against static placement and all-H
 
 Builds the config's in-memory synthetic model (decode region compiled as the pipeline does), checks
 that its largest placement fits in the GPU's free memory beside the all-HBM reference
-(:func:`check_placement_fits`: else it exits 1 before anything is pinned or written, naming the
-``--moe-layers`` and ``--residencies`` that fit), pins one host copy of every expert, and renders the config's fixtures as the workflow does
+(:func:`coldset.measure.cache_memory.check_placement_fits`: else it exits 1 before anything is
+pinned or written, naming the ``--moe-layers`` and ``--residencies`` that fit), pins one host copy
+of every expert, and renders the config's fixtures as the workflow does
 (:func:`coldset.trace.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
 on the unmodified path gives the profile counts (the warm set: ``usage_global``'s hot set at each
 residency); the timed prompts are cut from the held-out fixtures' token stream
@@ -83,7 +84,7 @@ from coldset.analysis.forecast import (
     fit_lookahead_routers,
     lookahead_predictions,
 )
-from coldset.analysis.placement import expert_bytes, hot_count_for_residency
+from coldset.analysis.placement import expert_bytes
 from coldset.analysis.policies import REGISTRY
 from coldset.analysis.simulate import simulate
 from coldset.analysis.time_model import TimeModel
@@ -98,6 +99,7 @@ from coldset.kernels.tiers import host_tier
 from coldset.measure.cache_compressed import (build_compressed_tier, compressed_link_columns,
                                               compressed_time_columns, decode_gb_s_for_run, with_victims)
 from coldset.measure.cache_decisions import decisions_split
+from coldset.measure.cache_memory import preflight_placement
 from coldset.trace.fixtures import render_domain, template_texts
 from coldset.verify.gate import experts_functions
 from coldset.workflow.config import load_config
@@ -319,68 +321,6 @@ def build(args, dev, config: dict, R: dict):
         torch.cuda.empty_cache()
         log("experts and attention projections quantized to block FP8")
     return _cache_run(args, dev, R, model, expert_bytes(model.config, expert_format(args.weight_format))), tokenizer
-
-
-#: HBM a run needs beside its largest placement's hot pool (or the slot pool of the same rows): decode
-#: activations, KV cache, CUDA graph pools, the compressed tier's staging and allocator slack; a fixed
-#: part and a share of the pool.
-HBM_MARGIN_BYTES = 2 << 30
-HBM_MARGIN_FRACTION = 0.05
-
-
-def check_placement_fits(pools, residencies: list[float], free_bytes: int, held_bytes: int = 0,
-                         family: str | None = None) -> None:
-    """:class:`MeasureError` when the largest of ``residencies``' placements cannot be built beside the
-    all-HBM ``pools`` already resident: its hot rows (:func:`hot_count_for_residency`) times the bytes
-    an expert moves (:func:`coldset.bench.decode.moved_bytes_per_expert`), plus :data:`HBM_MARGIN_BYTES`,
-    :data:`HBM_MARGIN_FRACTION` of that pool and ``held_bytes`` (what the run keeps on the GPU besides),
-    above ``free_bytes``. The message says what fits: the largest ``--residencies`` at this layer
-    count and, for a ``--model-family`` run (``family``), the largest ``--moe-layers`` at the asked
-    residency (each MoE layer fewer frees its experts and biases from the reference)."""
-    L, E = pools.num_moe_layers, pools.num_experts
-    per_expert = bn.moved_bytes_per_expert(pools)
-    reference = L * E * per_expert + pools.bias_bytes
-    residency = max(residencies)
-
-    def need(res: float, layers: int) -> tuple[int, float]:  # (hot pool bytes, with margin and held bytes)
-        pool = hot_count_for_residency(res, layers * E) * per_expert
-        return pool, pool + HBM_MARGIN_BYTES + HBM_MARGIN_FRACTION * pool + held_bytes
-
-    def fits(res: float, layers: int) -> bool:
-        return need(res, layers)[1] <= free_bytes + (L - layers) * (reference // L)
-
-    if fits(residency, L):
-        return
-    pool, total = need(residency, L)
-    res_fit = next((c / 100 for c in range(round(residency * 100), 0, -1) if fits(c / 100, L)), None)
-    what = [f"--residencies up to {res_fit} at {L} MoE layers" if res_fit else f"no residency at {L} MoE layers"]
-    if family is not None:
-        layers_fit = next((n for n in range(L - 1, 0, -1) if fits(residency, n)), None)
-        what.insert(0, f"--model-family {family} --moe-layers {layers_fit} at residency {residency}" if layers_fit
-                    else f"no --moe-layers count at residency {residency}")
-    raise MeasureError(
-        f"residency {residency}'s placement needs {pool / 1e9:.1f} GB of HBM ({pool // per_expert} of {L * E} "
-        f"experts at {per_expert / 1e6:.2f} MB) + {(total - pool) / 1e9:.1f} GB for activations, logits and graphs "
-        f"beside the all-HBM reference's {reference / 1e9:.1f} GB already resident, and {free_bytes / 1e9:.1f} GB "
-        f"is free after the build. What fits: {'; '.join(what)}.")
-
-
-def preflight_placement(args, model) -> None:
-    """:func:`check_placement_fits` of the built ``model`` on the GPU's free bytes now, before the host
-    tier is pinned and anything is written; its held bytes are the all-HBM passes' and one row's
-    logits and the all-HBM router inputs at the largest ``--batches``. Pools off CUDA (the CPU dry
-    run of the tests) have no HBM to check."""
-    import torch  # GPU-only path: torch loads when a measurement runs
-
-    if model.pools.w13_hot.device.type != "cuda":
-        return
-    torch.cuda.empty_cache()  # the build's freed temporaries back to the device, so free bytes count them
-    free, _ = torch.cuda.mem_get_info(model.pools.w13_hot.device)
-    cfg, bsz, steps = model.config, max(int(b) for b in args.batches.split(",")), args.steps
-    held = (2 * (1 + args.repeats) * steps * bsz * cfg.vocab_size + steps * cfg.num_moe_layers * bsz
-            * cfg.hidden_size) * torch.empty((), dtype=model.dtype).element_size()
-    check_placement_fits(model.pools, [float(r) for r in args.residencies.split(",")], free, held,
-                         args.model_family if args.model_family != "synthetic" else None)
 
 
 def _cache_run(args, dev, R: dict, model, per_expert: int) -> CacheRun:
