@@ -386,7 +386,8 @@ def test_the_float32_check_measures_each_engine_against_the_weights_upcast(fmt):
     expert dequantized by the core format's own dequantizer into all-hot float32 pools, the torch
     experts): the bf16 engine's difference is the brute-force one and nonzero (it rounds), an engine
     whose first-step logits are off by 1.0 at one logit shows that, the first token's agreement and
-    the float32 top-2 gap are the brute-force ones; the model it checked is left as it was."""
+    the float32 top-2 gap are the brute-force ones, an engine fed another first token before them
+    changes none of theirs; the model it checked is left as it was."""
     import copy
     from types import SimpleNamespace
 
@@ -400,11 +401,13 @@ def test_the_float32_check_measures_each_engine_against_the_weights_upcast(fmt):
     toks, logits = step.decode_tokens(None, dec, dec.prefill(prompts))
     off = logits.clone()
     off[0, 0, 7] += 1.0
-    s = SimpleNamespace(model=model, prompts_by_b={1: prompts}, tokens_by_mode={"eager/b1": toks.tolist(),
-                                                                                "off/b1": toks.tolist()},
-                        logits_by_mode={"eager/b1": logits, "off/b1": off})
+    other = toks.clone()  # an engine whose prefill chose another first token, checked first
+    other[:, 0] = (other[:, 0] + 1) % 290
+    s = SimpleNamespace(model=model, prompts_by_b={1: prompts},
+                        tokens_by_mode={"other/b1": other.tolist(), "eager/b1": toks.tolist(), "off/b1": toks.tolist()},
+                        logits_by_mode={"other/b1": logits, "eager/b1": logits, "off/b1": off})
     pools_before = model.pools
-    got = step.float32_check(s, ["eager", "off"])
+    got = step.float32_check(s, ["other", "eager", "off"])
     assert model.pools is pools_before and next(model.parameters()).dtype == torch.bfloat16
 
     ref = copy.deepcopy(model).float()  # the independent reference: every expert float32, all hot
@@ -412,11 +415,20 @@ def test_the_float32_check_measures_each_engine_against_the_weights_upcast(fmt):
     w13, w2 = (torch.stack(ws) for ws in zip(*(_dequantized_experts(p, layer) for layer in range(L))))
     ref.pools = ExpertPools.all_hot(w13, w2, w13_bias=p.w13_bias.float(), w2_bias=p.w2_bias.float(),
                                     activation=p.activation)
-    ref.experts_fn, ref.cache_shape = torch_experts, None
-    dec32 = bn.Decoder(ref, 1, step.PROMPT_TOKENS, step.NEW_TOKENS, False)
-    dec32.prefill(prompts)
-    dec32.set_step(toks[:, 0], 1)
-    want = dec32.step().float()
+    ref.experts_fn = torch_experts
+
+    def first_step(token):  # a fresh prefill each: the step after the prompt, fed ``token``
+        ref.cache_shape = None
+        dec32 = bn.Decoder(ref, 1, step.PROMPT_TOKENS, step.NEW_TOKENS, False)
+        dec32.prefill(prompts)
+        dec32.set_step(token, 1)
+        return dec32.step().float()
+
+    want_other = first_step(other[:, 0])
+    assert got["other/b1"]["first_step_max_abs_logit_diff"] == pytest.approx(
+        (logits[:, 0] - want_other).abs().max().item(), rel=1e-5, abs=1e-6)
+    want = first_step(toks[:, 0])
+    assert not torch.equal(want, want_other)  # the fed token matters: a stale cache slot would show
     best = sorted(want[0].tolist(), reverse=True)
     for name, lg in (("eager/b1", logits), ("off/b1", off)):
         diff = (lg[:, 0] - want).abs().max().item()
