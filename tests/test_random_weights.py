@@ -256,8 +256,9 @@ def test_step_model_family_dry_run_on_cpu(family, fmt, extra, tmp_path, capsys, 
                                                               / res["floor"]["1"]["bytes_per_step"])
     text = render(res)
     assert "Decode step" in text and "no_experts" in text and "Engines that failed: fused" in text
-    summary = family_summary([res])
+    summary = family_summary([{"kind": "cache", "rows": [], "checks_against": "other"}, res])
     assert f"| {family} ({fmt}, {cfg.num_moe_layers}/" in summary and "| eager | 8 |" in summary
+    assert "| token match, the run's first engine |" in summary and "| eager/b1 | 1.000 |" in summary
 
 
 @pytest.mark.parametrize("family, fmt, extra", [("gpt-oss-120b", "mxfp4", []),
