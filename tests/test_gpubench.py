@@ -713,6 +713,7 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     from coldset.analysis.time_model import TimeModel, simulate_time
     from coldset.cli import main
     from coldset.measure.cache import _replay_arrays
+    from coldset.measure.harness import MeasureError
     from coldset.measure.replay import replay_table
 
     S, L, B, H, E, k = 12, 3, 1, 8, 6, 2
@@ -797,6 +798,8 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
         want = simulate_time(stream, gated, TimeModel(1.0, per, 50.0, link="share", join="step", manage_ms=0.2))
         assert got["lead_unit"] == unit and got["step_ms"] == pytest.approx(want.step_ms)
         assert got["measured_x_all_hbm"] is None and got["link_gb_per_token"] == pytest.approx(want.link_gb_per_token)
+    with pytest.raises(MeasureError, match="recorded its gate unit for its own experts"):  # another size's unit
+        replay_table({**result, "lead_unit": {"1": 7}}, arrays, [0.5], {}, expert_bytes=5 * 10**7)
 
     assert main(["bench", "replay", str(tmp_path), "--residencies", "0.5"]) == 0
     text = capsys.readouterr().out

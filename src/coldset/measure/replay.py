@@ -37,8 +37,9 @@ measured x all-HBM where the run measured the same row. The gated policies' pref
 (:func:`coldset.analysis.policies.base.prefetch_lead_unit`) is the run's where its JSON records one
 (``lead_unit``, the engine's), else the policies' default; ``--gate-unit measured`` takes the
 replay's own time model's (:meth:`coldset.analysis.time_model.TimeModel.lead_unit`), and
-``--expert-bytes`` replays the same routing with experts of another size (the link bytes, the time
-model and the gate unit follow; the measured column is then left out). The lists are
+``--expert-bytes`` replays the same routing with experts of another size (the link bytes and the
+time model follow, the gate unit with ``--gate-unit measured``, required where the run recorded
+one for its own experts; the measured column is then left out). The lists are
 :func:`coldset.analysis.forecast.lookahead_predictions`' (float32 logits): the engine ranks its
 own logits, so near-ties may differ from the lists it recorded. No GPU needed.
 """
@@ -96,8 +97,8 @@ def add_arguments(p) -> None:
                    help="the gated policies' prefetch gate unit: the run's (its JSON's lead_unit, else the default) "
                         "or the replay's time model's")
     p.add_argument("--expert-bytes", type=int, default=None,
-                   help="replay the same routing with experts of this many bytes (a what-if: link bytes, time "
-                        "model and gate unit follow; no measured column)")
+                   help="replay the same routing with experts of this many bytes (a what-if: link bytes and time "
+                        "model follow, the gate unit with --gate-unit measured; no measured column)")
 
 
 def _manage_overrides(items: list[str]) -> dict[str, float]:
@@ -126,6 +127,9 @@ def replay_table(result: dict, arrays, residencies: list[float], manage_us: dict
     per_expert = int(arrays["expert_bytes"]) if expert_bytes is None else int(expert_bytes)
     if per_expert < 1:
         raise MeasureError(f"--expert-bytes {per_expert}: at least 1")
+    if expert_bytes is not None and gate_unit == "recorded" and result.get("lead_unit"):
+        raise MeasureError(f"--expert-bytes {expert_bytes}: the run recorded its gate unit for its own experts "
+                           f"({int(arrays['expert_bytes'])} bytes); give --gate-unit measured")
     link = result.get("ceilings", {}).get("link_read_gb_s")
     if not link:
         raise MeasureError("cache_bench.json has no measured link read rate (ceilings.link_read_gb_s)")
