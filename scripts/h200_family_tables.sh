@@ -70,9 +70,9 @@ run() {  # run FAMILY CAP_S bench ARGS...: one command, its log in $W/FAMILY/, t
 # On an 80 GB GPU a model's all-HBM reference and a placement of half or less of its experts do not fit
 # together for Qwen3-30B-A3B (58 GB of experts) and gpt-oss-120b (61 GB): there their cache rows run on a
 # subset of their layers (24 of 48, 18 of 36; the JSON's model_family says which).
-gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 qwen_cache_layers=() big_cache_layers=()
-if [ -n "$gib" ] && [ "$gib" -lt 100000 ]; then qwen_cache_layers=(--moe-layers 24) big_cache_layers=(--moe-layers 18); fi
+if [ -n "$mib" ] && [ "$mib" -lt 100000 ]; then qwen_cache_layers=(--moe-layers 24) big_cache_layers=(--moe-layers 18); fi
 
 want() {  # want FAMILY KIND: RUNS (e.g. "qwen3-30b-a3b:cache gpt-oss-20b:step") narrows what runs; unset: all
   [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1:$2 "* ]]

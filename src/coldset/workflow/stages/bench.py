@@ -60,13 +60,13 @@ def _time_placement(ctx: StageContext, engine, host, pl, name: str, requests: di
     for split in splits:
         for batch_size in bc["batch_sizes"]:
             batches = bn.request_batches(requests[split][batch_size], batch_size)
+            lead_unit = gate_lead_unit(ctx, pl.policy, batch_size)  # once a batch size: every batch's cache has it
             results = []
             for batch in batches:  # distinct requests, batch_size at a time
                 cache = None
                 if pl.dynamic:  # a fresh warm cache per batch; the previous one's slots freed first
                     pools = None
-                    cache = slot_cache(engine, host, pl, batch_size, fit=fit,
-                                       lead_unit=gate_lead_unit(ctx, pl.policy, batch_size))
+                    cache = slot_cache(engine, host, pl, batch_size, fit=fit, lead_unit=lead_unit)
                     pools = cache.pools
                 replay = None
                 if bc["routing_trace"]:

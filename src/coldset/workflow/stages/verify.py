@@ -50,10 +50,10 @@ def parity(ctx: StageContext, placements: list[str] | None = None, **_) -> None:
             references[b] = gate.reference_decode(engine, prompts, pc["max_new_tokens"], b, tuned=launch)
         reference = references[b]
         depths = _parity_depths(pl)
+        lead_unit = gate_lead_unit(ctx, pl.policy, b)
         results = []
         for depth in depths:
-            cache = slot_cache(engine, host, pl, b, depth=depth, fit=fit,
-                               lead_unit=gate_lead_unit(ctx, pl.policy, b))
+            cache = slot_cache(engine, host, pl, b, depth=depth, fit=fit, lead_unit=lead_unit)
             pools = engine.pools.placed(pl.row_map, host) if cache is None else cache.pools
             got = gate.placement_decode(engine, pools, prompts, pc["max_new_tokens"], b, tuned=launch, cache=cache)
             if cache is not None:
