@@ -1,7 +1,7 @@
 """``bench cache``'s memory check: a run whose largest placement cannot be built beside its all-HBM
 reference in the GPU's free memory is refused before the host tier is pinned or anything is
-written, naming the ``--moe-layers`` and ``--residencies`` that fit (a CUDA out-of-memory error a
-minute into the run said none of that)."""
+written, naming the ``--moe-layers`` and ``--residencies`` that fit. Why: pinning and compiling
+take a minute, and a CUDA out-of-memory error after them says neither what fits nor why."""
 
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def render_cache(res: dict) -> str:
     family = res.get("model_family")
     if isinstance(family, dict) and family.get("note"):
         out.append(f"Model: {family.get('name')}, {family['note']}.")
-    if res.get("lead_unit"):  # results before the gate counted the run's own times have none
+    if res.get("lead_unit"):  # a result without it ran the policies' default unit
         out.append("Prefetch gate unit (a layer's compute in 1024ths of one copy, from this run's all-HBM step and "
                    "link): " + ", ".join(f"b{b} {u}" for b, u in res["lead_unit"].items()) + ".")
     ct = res.get("compressed_tier")
