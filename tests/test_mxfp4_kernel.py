@@ -49,7 +49,9 @@ from test_mxfp4_pools import (assert_close_to_oracle, float64_oracle, make_mxfp4
 # both groupings, k steps past H and I (128 > 64, 64 > 96 - 64), partial column blocks; the dot
 # path unpacking 32-bit words (w8a16 2), whose outputs must be the value-by-value path's bits; the
 # fp16 dots, one per scale group (w8a16 3), one and several groups a k step (k steps past H and I),
-# both groupings
+# both groupings; the GEMV planes path (w8a16 4): one pair a block with its weights loaded a k step
+# ahead (num_stages 2) and k steps past I, two pairs a block with the sorted grouping, several k
+# steps, pdl 2
 CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (64, 96, 5, KernelConfig(16, 64, 64, 64, 64, 4, 2, 32)),
          (96, 64, 7, KernelConfig(16, 32, 64, 64, 32, 4, 2, 1, tile_order=1, half_buf=1)),
@@ -59,7 +61,9 @@ CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (96, 96, 5, KernelConfig(16, 64, 64, 32, 64, 4, 2, 32, w8a16=2)),
          (64, 96, 9, KernelConfig(32, 32, 64, 64, 32, 4, 2, 1, tile_order=1, w8a16=2)),
          (96, 64, 3, KernelConfig(16, 32, 32, 64, 64, 4, 2, 32, w8a16=3)),
-         (64, 96, 7, KernelConfig(32, 16, 128, 32, 32, 4, 3, 1, w8a16=3))]
+         (64, 96, 7, KernelConfig(32, 16, 128, 32, 32, 4, 3, 1, w8a16=3)),
+         (64, 96, 3, KernelConfig(1, 16, 64, 16, 64, 4, 2, 32, w8a16=4)),
+         (96, 64, 5, KernelConfig(2, 16, 32, 8, 64, 4, 1, 1, pdl=2, w8a16=4))]
 for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
     act = (SILU, swiglu_clamped(limit=1.5))[i % 2]
     q = make_mxfp4(2, 8, hidden, inter, seed=tokens)
@@ -108,7 +112,9 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
                  (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
                  (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
-                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16")]:
+                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16"),
+                 (dict(w8a16=4), "w8a16=4 (the GEMV tile of (row, group) planes) needs block_m <= 2"),
+                 (dict(w8a16=4, block_m=1, block_n2=2), "multiples of num_warps=4")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -126,13 +132,57 @@ print("INTERPRETED OK")
 
 
 def test_triton_mxfp4_kernel_under_the_interpreter():
-    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its four paths (bf16 dots
+    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its five paths (bf16 dots
     on tiles unpacked value by value or by 32-bit words, fp16 dots one per scale group, the GEMV
-    path): against the float64 oracle (SiLU and the clamped SwiGLU, with and without biases, both
+    path and its planes path): against the float64 oracle (SiLU and the clamped SwiGLU, with and without biases, both
     groupings, masked k steps and column blocks, tile orders, half_buf, pdl 2 with the
     grid-dependency instructions stubbed out), every placement bitwise the all-hot path, the two
     bf16 unpackings bitwise equal, the word unpack of every code in every nibble; refusals by field."""
     run_interpreted(_INTERPRETED, timeout=900)
+
+
+# The GEMV planes path on inputs far from unit scale, each output row held to the oracle's tolerance
+# relative to its own row (a row of 2^-50 is checked as closely as one of 2^40): rows scaled by
+# 2^40, 2^-50, zero, a row whose elements span 2^-30..2^30, an ordinary row, one of 2^-40 that
+# spans 2^-10..2^10 more; no biases (they would hide the small rows' products); one and two pairs a
+# block; every placement bitwise the all-hot output
+_INTERPRETED_WIDE = _PRELUDE + pdl_no_ops("triton_mxfp4", "triton_moe") + r"""
+from coldset.kernels.activation import SILU
+from coldset.kernels.tiers import build_pools
+from coldset.kernels.triton_moe import KernelConfig
+from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+from test_mxfp4_pools import float64_oracle, make_mxfp4, pools_of, random_row_map, routing
+
+q = make_mxfp4(1, 8, 64, 96, seed=11, bias=False)
+x, ids, w = routing(6, 8, 1, 64, seed=11)
+g = torch.Generator().manual_seed(12)
+x = x.float()
+x[0] *= 2.0 ** 40
+x[1] *= 2.0 ** -50
+x[2] = 0.0
+x[3] *= torch.pow(2.0, torch.randint(-30, 31, (64,), generator=g).float())
+x[5] *= 2.0 ** -40 * torch.pow(2.0, torch.randint(-10, 11, (64,), generator=g).float())
+x = x.bfloat16()
+oracle = float64_oracle(q, 0, x, ids, w, SILU)
+tol = 2.0 ** -7 * (oracle.abs() + oracle.pow(2).mean(dim=1, keepdim=True).sqrt())
+tol = tol.clamp_min(torch.finfo(torch.float64).tiny)  # the zero row: its outputs must be 0 exactly
+assert oracle[1].abs().max() < 2.0 ** -80 and oracle[0].abs().max() > 2.0 ** 60 and oracle[2].abs().max() == 0
+placed = build_pools(*q[:2], random_row_map(1, 8, 0.5, 3), "cpu", w13_scale=q[2], w2_scale=q[3], activation=SILU)
+for cfg in (KernelConfig(1, 16, 64, 16, 32, 4, 1, 32, w8a16=4), KernelConfig(2, 8, 32, 16, 64, 4, 2, 1, w8a16=4)):
+    out = triton_mxfp4_experts(pools_of(q, SILU), 0, x, ids, w, cfg, use_row_map=False)
+    assert bool(torch.isfinite(out).all()), cfg
+    err = (out.double() - oracle).abs() / tol
+    assert float(err.max()) <= 1, (cfg, err.amax(dim=1))
+    assert torch.equal(triton_mxfp4_experts(placed, 0, x, ids, w, cfg), out), cfg
+print("INTERPRETED OK")
+"""
+
+
+def test_triton_mxfp4_planes_path_on_wide_ranged_inputs_under_the_interpreter():
+    """The GEMV planes path (``w8a16`` 4) under Triton's interpreter on tokens of 2^40, 2^-50, zeros
+    and rows spanning 2^60 within themselves: each output row within the float64 oracle's
+    tolerance relative to its own row, zero rows exactly zero, placements bitwise the all-hot path."""
+    run_interpreted(_INTERPRETED_WIDE, timeout=900)
 
 
 _MEASURE_TINY = _PRELUDE + r"""
@@ -156,6 +206,24 @@ def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     torch path (no times without CUDA), none failed, its table and JSON."""
     stdout = run_interpreted(_MEASURE_TINY, timeout=900)
     assert "tokens" in stdout and "err/tol" in stdout
+
+
+def test_kernel_mxfp4_variants_select_paths_and_the_default_config():
+    """``--variants gemv-planes,default`` keeps the search space's ``w8a16`` 4 decode configs and the
+    decode default (read from the config file here), in file order; prefill sizes keep the prefill default."""
+    pytest.importorskip("triton")
+    from coldset.kernels.configs import load
+    from coldset.kernels.triton_moe import KernelConfig
+    from coldset.measure.kernel_mxfp4 import configs_for, variant_of
+
+    data = load("triton_mxfp4")
+    default = KernelConfig.from_dict(data["defaults"]["decode"])
+    want = [KernelConfig.from_dict(d) for d in data["search_space"]["decode"]]
+    want = [c for c in want if c.w8a16 == 4 or c == default]
+    got = configs_for(4, ("gemv-planes", "default"))
+    assert got == want and default in got and len(got) > 1
+    assert {variant_of(c) for c in got} == {"gemv", "gemv-planes"}
+    assert configs_for(300, ("gemv-planes", "default")) == [KernelConfig.from_dict(data["defaults"]["prefill"])]
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------
