@@ -12,10 +12,11 @@ layer's weights are served from L2 by the one before.
 The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
 decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only, and ``default``
 the kernel's default config of each token count), each config one
-of five paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
+of six paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
 ``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
-per scale group), ``gemv`` (no dot: one or two pairs a block, products summed in registers) and
-``gemv-planes`` (the same sums with no tile moved between threads: ``w8a16`` 4).
+per scale group), ``gemv`` (no dot: one or two pairs a block, products summed in registers),
+``gemv-planes`` (the same sums with no tile moved between threads: ``w8a16`` 4) and ``gemv-half2``
+(that tile on fp16 pairs: ``w8a16`` 5).
 Per batch, first the correctness of every config, on
 fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
 the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
@@ -59,7 +60,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-planes")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-planes", "gemv-half2")
 ROW_RESERVE_S = 12.0  # of --budget-s, kept for each batch still to run
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
@@ -92,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.add_argument("--variants", default="all",
                    help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv, gemv-planes, "
-                        "and 'default' for the kernel's default config of each token count (default all)")
+                        "gemv-half2, and 'default' for the kernel's default config of each token count (default all)")
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="seconds after which configs not yet timed are skipped (and listed as such)")
     args = p.parse_args(argv)
@@ -162,13 +163,13 @@ def _poison(s: Setup, nbytes: int) -> None:
 def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
     sums in registers, no dot), ``gemv-planes`` (the same with w8a16 4: (row, group) planes, no tile
-    moved between threads), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16 2),
-    ``dot-f16`` (fp16 dots, one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles
-    unpacked value by value)."""
+    moved between threads), ``gemv-half2`` (those planes on fp16 pairs, w8a16 5), ``dot-words`` (bf16
+    dots on tiles unpacked by 32-bit words, w8a16 2), ``dot-f16`` (fp16 dots, one per scale group,
+    w8a16 3) or ``dot-values`` (bf16 dots on tiles unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
     if cfg.block_m <= GEMV_MAX_ROWS:
-        return "gemv-planes" if cfg.w8a16 == 4 else "gemv"
+        return {4: "gemv-planes", 5: "gemv-half2"}.get(cfg.w8a16, "gemv")
     return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
 
 
