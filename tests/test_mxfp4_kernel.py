@@ -30,32 +30,6 @@ def _create_dot(self, a, b, d, *args):
     return _orig_dot(self, _bf16_as_f32(a), _bf16_as_f32(b), d, *args)
 
 interpreter.InterpreterBuilder.create_dot = _create_dot
-
-# The two PTX instructions of the planes path on fp16 pairs (w8a16 5), by their semantics: int32 words of
-# two fp16 lanes (low half first); fma.rn.f16x2 rounds a * b + c once per lane (float64 holds the
-# product and, at the kernel's magnitudes, the sum exactly), cvt.rn.f16x2.f32 d, hi, lo rounds to nearest
-class _AsmCall:
-    def __init__(self, result):
-        self.result = result
-
-    def get_result(self, i):
-        return self.result
-
-def _lanes(h):
-    return np.ascontiguousarray(h.data).astype(np.int32).view(np.float16)
-
-def _create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
-    if asm == "fma.rn.f16x2 $0, $1, $2, $3;":
-        a, b, c = (_lanes(v).astype(np.float64) for v in values)
-        out = (a * b + c).astype(np.float16).view(np.int32)
-    elif asm == "cvt.rn.f16x2.f32 $0, $1, $2;":
-        hi, lo = (np.ascontiguousarray(v.data).astype(np.float32) for v in values)
-        out = np.stack([lo.astype(np.float16), hi.astype(np.float16)], axis=-1).view(np.int32)[..., 0]
-    else:
-        raise NotImplementedError(asm)
-    return _AsmCall(interpreter.TensorHandle(np.ascontiguousarray(out), tl.int32))
-
-interpreter.InterpreterBuilder.create_inline_asm = _create_inline_asm
 """
 
 # pdl 2 runs its launches one after the other with the grid-dependency instructions as no-ops
@@ -75,9 +49,7 @@ from test_mxfp4_pools import (assert_close_to_oracle, float64_oracle, make_mxfp4
 # both groupings, k steps past H and I (128 > 64, 64 > 96 - 64), partial column blocks; the dot
 # path unpacking 32-bit words (w8a16 2), whose outputs must be the value-by-value path's bits; the
 # fp16 dots, one per scale group (w8a16 3), one and several groups a k step (k steps past H and I),
-# both groupings; the GEMV planes path (w8a16 4): one pair a block with its weights loaded a k step
-# ahead (num_stages 2) and k steps past I, two pairs a block with the sorted grouping, several k
-# steps, pdl 2; the same on fp16 pairs (w8a16 5), two pairs a block, weights a k step ahead
+# both groupings
 CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (64, 96, 5, KernelConfig(16, 64, 64, 64, 64, 4, 2, 32)),
          (96, 64, 7, KernelConfig(16, 32, 64, 64, 32, 4, 2, 1, tile_order=1, half_buf=1)),
@@ -87,10 +59,7 @@ CASES = [(64, 96, 2, KernelConfig(16, 32, 64, 32, 64, 4, 2, 32)),
          (96, 96, 5, KernelConfig(16, 64, 64, 32, 64, 4, 2, 32, w8a16=2)),
          (64, 96, 9, KernelConfig(32, 32, 64, 64, 32, 4, 2, 1, tile_order=1, w8a16=2)),
          (96, 64, 3, KernelConfig(16, 32, 32, 64, 64, 4, 2, 32, w8a16=3)),
-         (64, 96, 7, KernelConfig(32, 16, 128, 32, 32, 4, 3, 1, w8a16=3)),
-         (64, 96, 3, KernelConfig(1, 16, 64, 16, 64, 4, 2, 32, w8a16=4)),
-         (96, 64, 5, KernelConfig(2, 16, 32, 8, 64, 4, 1, 1, pdl=2, w8a16=4)),
-         (64, 96, 4, KernelConfig(2, 16, 64, 16, 32, 4, 2, 32, w8a16=5))]
+         (64, 96, 7, KernelConfig(32, 16, 128, 32, 32, 4, 3, 1, w8a16=3))]
 for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
     act = (SILU, swiglu_clamped(limit=1.5))[i % 2]
     q = make_mxfp4(2, 8, hidden, inter, seed=tokens)
@@ -139,11 +108,7 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
                  (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
                  (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
-                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16"),
-                 (dict(w8a16=4), "w8a16=4 (the GEMV tile of (row, group) planes) needs block_m <= 2"),
-                 (dict(w8a16=4, block_m=1, block_n2=2), "multiples of num_warps=4"),
-                 (dict(w8a16=5, block_m=32), "w8a16=5 (the GEMV tile of (row, group) planes) needs block_m <= 2"),
-                 (dict(w8a16=6, block_m=1), "w8a16=6 is not implemented")]:
+                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -161,59 +126,13 @@ print("INTERPRETED OK")
 
 
 def test_triton_mxfp4_kernel_under_the_interpreter():
-    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its six paths (bf16 dots
+    """The MXFP4 kernel's launches on the CPU through Triton's interpreter, its four paths (bf16 dots
     on tiles unpacked value by value or by 32-bit words, fp16 dots one per scale group, the GEMV
-    path, its planes path in float32 and on fp16 pairs, whose two PTX instructions are emulated by
-    their semantics): against the float64 oracle (SiLU and the clamped SwiGLU, with and without biases, both
+    path): against the float64 oracle (SiLU and the clamped SwiGLU, with and without biases, both
     groupings, masked k steps and column blocks, tile orders, half_buf, pdl 2 with the
     grid-dependency instructions stubbed out), every placement bitwise the all-hot path, the two
     bf16 unpackings bitwise equal, the word unpack of every code in every nibble; refusals by field."""
     run_interpreted(_INTERPRETED, timeout=900)
-
-
-# The GEMV planes paths (float32, fp16 pairs) on inputs far from unit scale, each output row held to the
-# oracle's tolerance relative to its own row (a row of 2^-50 is checked as closely as one of 2^40): rows
-# scaled by 2^40, 2^-50, zero, a row whose elements span 2^-30..2^30, an ordinary row, one of 2^-40 that spans
-# 2^-10..2^10 more; no biases (they would hide the small rows' products); one and two pairs a block; every
-# placement bitwise the all-hot output
-_INTERPRETED_WIDE = _PRELUDE + pdl_no_ops("triton_mxfp4", "triton_moe") + r"""
-from coldset.kernels.activation import SILU
-from coldset.kernels.tiers import build_pools
-from coldset.kernels.triton_moe import KernelConfig
-from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
-from test_mxfp4_pools import float64_oracle, make_mxfp4, pools_of, random_row_map, routing
-
-q = make_mxfp4(1, 8, 64, 96, seed=11, bias=False)
-x, ids, w = routing(6, 8, 1, 64, seed=11)
-g = torch.Generator().manual_seed(12)
-x = x.float()
-x[0] *= 2.0 ** 40
-x[1] *= 2.0 ** -50
-x[2] = 0.0
-x[3] *= torch.pow(2.0, torch.randint(-30, 31, (64,), generator=g).float())
-x[5] *= 2.0 ** -40 * torch.pow(2.0, torch.randint(-10, 11, (64,), generator=g).float())
-x = x.bfloat16()
-oracle = float64_oracle(q, 0, x, ids, w, SILU)
-tol = 2.0 ** -7 * (oracle.abs() + oracle.pow(2).mean(dim=1, keepdim=True).sqrt())
-tol = tol.clamp_min(torch.finfo(torch.float64).tiny)  # the zero row: its outputs must be 0 exactly
-assert oracle[1].abs().max() < 2.0 ** -80 and oracle[0].abs().max() > 2.0 ** 60 and oracle[2].abs().max() == 0
-placed = build_pools(*q[:2], random_row_map(1, 8, 0.5, 3), "cpu", w13_scale=q[2], w2_scale=q[3], activation=SILU)
-for cfg in (KernelConfig(1, 16, 64, 16, 32, 4, 1, 32, w8a16=4), KernelConfig(2, 8, 32, 16, 64, 4, 2, 1, w8a16=4),
-            KernelConfig(1, 16, 32, 8, 64, 4, 1, 32, w8a16=5), KernelConfig(2, 8, 64, 16, 32, 4, 2, 1, w8a16=5)):
-    out = triton_mxfp4_experts(pools_of(q, SILU), 0, x, ids, w, cfg, use_row_map=False)
-    assert bool(torch.isfinite(out).all()), cfg
-    err = (out.double() - oracle).abs() / tol
-    assert float(err.max()) <= 1, (cfg, err.amax(dim=1))
-    assert torch.equal(triton_mxfp4_experts(placed, 0, x, ids, w, cfg), out), cfg
-print("INTERPRETED OK")
-"""
-
-
-def test_triton_mxfp4_planes_path_on_wide_ranged_inputs_under_the_interpreter():
-    """The GEMV planes paths (``w8a16`` 4, and 5 on fp16 pairs) under Triton's interpreter on tokens of
-    2^40, 2^-50, zeros and rows spanning 2^60 within themselves: each output row within the float64 oracle's
-    tolerance relative to its own row, zero rows exactly zero, placements bitwise the all-hot path."""
-    run_interpreted(_INTERPRETED_WIDE, timeout=900)
 
 
 _MEASURE_TINY = _PRELUDE + r"""
@@ -237,25 +156,6 @@ def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     torch path (no times without CUDA), none failed, its table and JSON."""
     stdout = run_interpreted(_MEASURE_TINY, timeout=900)
     assert "tokens" in stdout and "err/tol" in stdout
-
-
-def test_kernel_mxfp4_variants_select_paths_and_the_default_config():
-    """``--variants gemv-planes,default`` keeps the search space's ``w8a16`` 4 decode configs and the
-    decode default (read from the config file here), in file order; prefill sizes keep the prefill default."""
-    pytest.importorskip("triton")
-    from coldset.kernels.configs import load
-    from coldset.kernels.triton_moe import KernelConfig
-    from coldset.measure.kernel_mxfp4 import configs_for, variant_of
-
-    data = load("triton_mxfp4")
-    default = KernelConfig.from_dict(data["defaults"]["decode"])
-    want = [KernelConfig.from_dict(d) for d in data["search_space"]["decode"]]
-    want = [c for c in want if c.w8a16 == 4 or c == default]
-    got = configs_for(4, ("gemv-planes", "default"))
-    assert [c for c in configs_for(4, ("gemv-half2",))] == [c for c in configs_for(4) if c.w8a16 == 5] != []
-    assert got == want and default in got and len(got) > 1
-    assert {variant_of(c) for c in got} == {"gemv", "gemv-planes"}
-    assert configs_for(300, ("gemv-planes", "default")) == [KernelConfig.from_dict(data["defaults"]["prefill"])]
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------

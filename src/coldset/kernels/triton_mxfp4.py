@@ -1,14 +1,13 @@
-"""The fused MoE experts kernel for MXFP4 experts (over 900 lines: six tile paths share its launches).
+"""The fused MoE experts kernel for MXFP4 experts (gpt-oss as published), reading each expert through the row map.
 
-Experts as gpt-oss publishes them, each read through the row map, in the bf16 kernel's structure
-(:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank) pairs by expert, its block
-numbering, its one row-map load per block for the weights and one for the scales, its top-k sum
-launch), three launches a layer, with the weights read as the pools hold them
-(:mod:`coldset.kernels.tiers`): packed e2m1 bytes, uint8 ``[rows, N, K / 2]``, and their e8m0
+The bf16 kernel's structure (:mod:`coldset.kernels.triton_moe`: its grouping of (token, rank)
+pairs by expert, its block numbering, its one row-map load per block for the weights and one for
+the scales, its top-k sum launch), three launches a layer, with the weights read as the pools hold
+them (:mod:`coldset.kernels.tiers`): packed e2m1 bytes, uint8 ``[rows, N, K / 2]``, and their e8m0
 scales, uint8 ``[rows, N, K / 32]``, from the same tier at the same row. Hopper has no FP4 tensor
 cores, so each k step unpacks its codes in registers (element ``2j`` of a row is byte ``j``'s low
 nibble). Weight-only, as vLLM's Hopper path for gpt-oss: the tokens stay bf16, no activation is
-quantized, every sum is float32. The paths, the config's choice:
+quantized, every sum is float32. Two paths, the config's choice:
 
 - the dot path (``block_m`` >= 16): bf16 tiles ``e2m1 * 2^(s - 127)`` dotted with the tokens'
   tile. ``w8a16`` 0 unpacks value by value (:func:`_upcast`: each code's float32 by bits, times the
@@ -29,22 +28,6 @@ quantized, every sum is float32. The paths, the config's choice:
   ``2^14 * 2^(s - 127)`` once per group (:func:`_gemv_step`): the scale is applied per group sum,
   not per weight. Other float32 sums than the dot path's: a config's bits depend on the path, never
   on the placement.
-- the GEMV planes path (``block_m`` 1 or 2, ``w8a16`` 4; ``block_n1`` and ``block_n2`` multiples of
-  ``num_warps``): the same sums per group of 32 without moving a tile between threads
-  (:func:`_planes_rows`). Tiles ``[block_n / num_warps, num_warps, block_k / 32]``: a thread holds
-  whole (row, group) pairs, each warp loads the inputs its groups need in the weights' own layout
-  (``block_k`` 1024: one group a lane), the int32 words split into planes, each word's 8 codes
-  unpacked once and its 8 inputs widened once for all the thread's rows, one fma a code in a chain
-  of 32 per group, the group's scale on the sum; no shared memory or barrier in the k loop.
-  ``num_stages`` 2 loads each k step's weights one step ahead into registers. Its own float32
-  order, so its own bits (never the placement's); as the GEMV path, products of inputs below
-  2^-111 (times the lanes' 2^-14) lose bits to float32 subnormals. ``w8a16`` 5: the same tiles on
-  fp16 pairs (:func:`_half2_step`): each (row, group)'s inputs scaled by a power of two that puts
-  their largest magnitude in ``[2^14, 2^15)`` (fp16 then holds each input down to 2^-28 of it
-  exactly, and its product with an e2m1 lane), the codes' int32 words of two fp16 lanes multiplied
-  and added by one ``fma.rn.f16x2`` per two codes, 8 terms a lane summed in fp16 (the one rounding
-  this path adds to the products, which are exact), then float32: fewer instructions a code than
-  ``w8a16`` 4 (no widening to float32, one fma per two codes).
 
 Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
 keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
@@ -61,10 +44,9 @@ so every placement is bitwise the all-hot (``use_row_map=False``) output.
 
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
 32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the GEMV path's k loops are
-pipelined to that depth too; the planes path: 1, or 2 for weights a step ahead), ``slot_max_pairs``,
-``pdl`` (0, or 2: the w2 and sum launches start early and wait), ``tile_order``, ``half_buf``,
-``w8a16`` (0, 2, 3, 4 or 5, above). Split-K, ``half_tail``, ``swap_ab`` and the FP8 kernel's quantization
-options are refused by name.
+pipelined to that depth too), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
+early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2 or 3, above). Split-K, ``half_tail``,
+``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
 
 from __future__ import annotations
@@ -138,22 +120,16 @@ def _upcast(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_half2(q, EEM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
-    """The int32 word of two fp16 lanes of :func:`_e2m1_pair` (nibble k low, k + 4 high)."""
-    if EEM_SHIFT >= 0:
-        e = q << EEM_SHIFT
-    else:
-        e = q >> (-EEM_SHIFT)
-    return (e & 0x0E000E00) | ((q << SIGN_SHIFT) & -2147450880)  # -2147450880: the int32 0x80008000
-
-
-@triton.jit
 def _e2m1_pair(q, EEM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr, F32: tl.constexpr):
     """Nibbles k and k + 4 of each int32 word ``q`` (k = (9 - EEM_SHIFT) / 4) as ``e2m1 * 2^-14``: one
     word of two fp16 lanes built by bit operations on the whole word (the code's 3 magnitude bits as
     an fp16 exponent's low 2 bits and mantissa's top bit, its sign as the sign: exactly e2m1 times
     2^-14, code 1 an fp16 subnormal); fp16, or each lane widened exactly to float32 (``F32``)."""
-    p = _e2m1_half2(q, EEM_SHIFT, SIGN_SHIFT)
+    if EEM_SHIFT >= 0:
+        e = q << EEM_SHIFT
+    else:
+        e = q >> (-EEM_SHIFT)
+    p = (e & 0x0E000E00) | ((q << SIGN_SHIFT) & -2147450880)  # -2147450880: the int32 0x80008000
     lo = p.to(tl.int16).to(tl.float16, bitcast=True)
     hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     if F32:
@@ -275,272 +251,12 @@ def _row_ptrs(w_base, s_base, offs_n, K: tl.constexpr, BK: tl.constexpr, WORDS: 
 
 
 @triton.jit
-def _planes(t, P: tl.constexpr):
-    """The ``P`` (4 or 8) planes ``t[..., n]`` of ``t [A, B, C, P]`` (the last dim held by one thread), as a
-    tuple in index order."""
-    if P == 8:
-        e, o = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2], 2, 2, 2)))
-        e0, e2 = tl.split(e)
-        o1, o3 = tl.split(o)
-        t0, t4 = tl.split(e0)
-        t2, t6 = tl.split(e2)
-        t1, t5 = tl.split(o1)
-        t3, t7 = tl.split(o3)
-        return t0, t1, t2, t3, t4, t5, t6, t7
-    else:
-        e, o = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2], 2, 2)))
-        t0, t2 = tl.split(e)
-        t1, t3 = tl.split(o)
-        return t0, t1, t2, t3
-
-
-@triton.jit
-def _word_x(x_row, k0, w: tl.constexpr, ok, offs, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """bf16 ``x[k0 + 32 g + 8 w + n]`` ``[1, NW, G, 8]`` of one row: the 8 inputs of word ``w`` of each group
-    g of the k step from ``k0`` (zeros where ``ok`` is false or past K); ``offs`` ``[1, NW, G, 8]``
-    repeats them per warp, so that each thread loads what its weights need."""
-    if EVEN_K:
-        x = tl.load(x_row + k0 + 8 * w + offs, mask=(offs >= 0) & ok, other=0.0)
-    else:  # whole groups past K (a multiple of 32): a mask constant over each load's 8 inputs
-        x = tl.load(x_row + k0 + 8 * w + offs, mask=((k0 + offs // 32 * 32) < K) & ok, other=0.0)
-    return x
-
-
-@triton.jit
-def _step_x(x_row, k0, ok, offs, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One row's inputs of the k step from ``k0``: its 4 words' :func:`_word_x`, loaded before any math."""
-    return (_word_x(x_row, k0, 0, ok, offs, K, EVEN_K), _word_x(x_row, k0, 1, ok, offs, K, EVEN_K),
-            _word_x(x_row, k0, 2, ok, offs, K, EVEN_K), _word_x(x_row, k0, 3, ok, offs, K, EVEN_K))
-
-
-@triton.jit
-def _word_values(q):
-    """float32 ``e2m1 * 2^-14`` of the 8 codes of the int32 words ``q``, as a tuple in nibble order
-    (two codes a word operation: :func:`_e2m1_pair`)."""
-    v0, v4 = _e2m1_pair(q, 9, 12, True)
-    v1, v5 = _e2m1_pair(q, 5, 8, True)
-    v2, v6 = _e2m1_pair(q, 1, 4, True)
-    v3, v7 = _e2m1_pair(q, -3, 0, True)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _fma8(s, v, x):
-    """``s + sum over n of v[n] * x[n]``, one fma a plane, n in order."""
-    for n in tl.static_range(8):
-        s = tl.fma(v[n], x[n], s)
-    return s
-
-
-@triton.jit
-def _half2_fma(a, b, c):
-    """``a * b + c`` per fp16 lane of int32 words holding two each, rounded once (one ``fma.rn.f16x2``)."""
-    return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _half2_of(lo, hi):
-    """The int32 word of fp16 lanes ``lo`` (low half) and ``hi`` of float32 ``lo``, ``hi`` (round to nearest)."""
-    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _half2_x(xs):
-    """One row's inputs of a k step (``xs``: :func:`_step_x`) as fp16 pairs for :func:`_half2_words`: per
-    word w a tuple of 4 int32 words ``[1, NW, G]``, pair j lanes ``(x[8w + j], x[8w + j + 4]) * 2^t``, t per
-    group putting its largest magnitude in ``[2^14, 2^15)`` (every input down to 2^-28 of it exact in
-    fp16, zeros staying zeros); and ``2^(14 - t)`` ``[1, NW, G]``, which undoes it and the lanes' 2^-14."""
-    m = tl.max(tl.abs(xs[0].to(tl.float32)), axis=3)
-    for w in tl.static_range(1, 4):
-        m = tl.maximum(m, tl.max(tl.abs(xs[w].to(tl.float32)), axis=3))
-    t = tl.minimum(141 - ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF), 127)  # 127: groups of zeros
-    f = ((127 + t) << 23).to(tl.float32, bitcast=True)
-    words = ()
-    for w in tl.static_range(4):
-        x = _planes(xs[w].to(tl.float32) * f[:, :, :, None], 8)
-        words = words + ((_half2_of(x[0], x[4]), _half2_of(x[1], x[5]), _half2_of(x[2], x[6]),
-                          _half2_of(x[3], x[7])),)
-    return words, ((141 - t) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _half2_words(h, q, xw):
-    """``h`` (int32 words of fp16 pairs) plus the products of the 8 codes of the int32 words ``q`` with the
-    fp16 pairs ``xw`` (:func:`_half2_x`): four ``fma.rn.f16x2``, the codes' lanes ``e2m1 * 2^-14``
-    (:func:`_e2m1_half2`) times the inputs exact in fp16, each sum rounded to fp16."""
-    h = _half2_fma(_e2m1_half2(q, 9, 12), xw[0], h)
-    h = _half2_fma(_e2m1_half2(q, 5, 8), xw[1], h)
-    h = _half2_fma(_e2m1_half2(q, 1, 4), xw[2], h)
-    return _half2_fma(_e2m1_half2(q, -3, 0), xw[3], h)
-
-
-@triton.jit
-def _half2_sum(h):
-    """float32 sum of the two fp16 lanes of int32 words ``h``."""
-    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo + hi
-
-
-@triton.jit
-def _planes_load(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr):
-    """The int32 words ``[R, NW, G, 4]`` and the scales' ``2^(s - 127)`` ``[R, NW, G]`` of a k step from
-    ``k0`` of the rows ``w_ptrs`` / ``s_ptrs`` point at (rows past N and groups past K read as code 0)."""
-    if EVEN_K and EVEN_N:
-        q = tl.load(w_ptrs + k0 // 8)
-        sc = tl.load(s_ptrs + k0 // 32)
-    else:
-        g_ok = n_ok[:, :, None] & (((k0 // 32 + tl.arange(0, BK // 32)) < K // 32)[None, None, :])
-        q = tl.load(w_ptrs + k0 // 8, mask=g_ok[:, :, :, None], other=0)
-        sc = tl.load(s_ptrs + k0 // 32, mask=g_ok, other=127)
-    return q, _group_scale(sc)
-
-
-@triton.jit
-def _fma_step(w1, w2, xs0, xs1, R: tl.constexpr, NW: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
-              TWO: tl.constexpr):
-    """A k step's float32 group sums ``[R, NW, G]`` (matrix 1 or 2, row 0 or 1) of the weights' word planes
-    ``w1`` (and ``w2``) with the rows' inputs ``xs0`` (and ``xs1``): one fma a code, 32 a group in order,
-    times 2^14 (the lanes' 2^-14 undone; the scale comes after)."""
-    s10 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s11 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s20 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s21 = tl.zeros((R, NW, G), dtype=tl.float32)
-    for w in tl.static_range(4):
-        xa = _planes(xs0[w].to(tl.float32), 8)
-        xb = xa
-        if BM == 2:
-            xb = _planes(xs1[w].to(tl.float32), 8)
-        v = _word_values(w1[w])
-        s10 = _fma8(s10, v, xa)
-        if BM == 2:
-            s11 = _fma8(s11, v, xb)
-        if TWO:
-            v = _word_values(w2[w])
-            s20 = _fma8(s20, v, xa)
-            if BM == 2:
-                s21 = _fma8(s21, v, xb)
-    return s10 * 16384.0, s11 * 16384.0, s20 * 16384.0, s21 * 16384.0
-
-
-@triton.jit
-def _half2_step(w1, w2, xs0, xs1, R: tl.constexpr, NW: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
-                TWO: tl.constexpr):
-    """:func:`_fma_step` on fp16 pairs: each row's inputs scaled per group (:func:`_half2_x`), each
-    half group's 16 products summed by 8 ``fma.rn.f16x2`` (:func:`_half2_words`; 8 terms a lane: a
-    shorter fp16 sum, a smaller error), its two lanes added in float32, times the row's ``2^(14 - t)``."""
-    xa, b0 = _half2_x(xs0)
-    xb, b1 = xa, b0
-    if BM == 2:
-        xb, b1 = _half2_x(xs1)
-    s10 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s11 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s20 = tl.zeros((R, NW, G), dtype=tl.float32)
-    s21 = tl.zeros((R, NW, G), dtype=tl.float32)
-    for half in tl.static_range(2):
-        h10 = tl.zeros((R, NW, G), dtype=tl.int32)
-        h11 = tl.zeros((R, NW, G), dtype=tl.int32)
-        h20 = tl.zeros((R, NW, G), dtype=tl.int32)
-        h21 = tl.zeros((R, NW, G), dtype=tl.int32)
-        for w in tl.static_range(2 * half, 2 * half + 2):
-            h10 = _half2_words(h10, w1[w], xa[w])
-            if BM == 2:
-                h11 = _half2_words(h11, w1[w], xb[w])
-            if TWO:
-                h20 = _half2_words(h20, w2[w], xa[w])
-                if BM == 2:
-                    h21 = _half2_words(h21, w2[w], xb[w])
-        s10 += _half2_sum(h10)
-        if BM == 2:
-            s11 += _half2_sum(h11)
-        if TWO:
-            s20 += _half2_sum(h20)
-            if BM == 2:
-                s21 += _half2_sum(h21)
-    return s10 * b0, s11 * b1, s20 * b0, s21 * b1
-
-
-@triton.jit
-def _planes_rows(a_base, stride_a, rows, valid, w1_ptrs, s1_ptrs, w2_ptrs, s2_ptrs, n_ok, K: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 NS: tl.constexpr, NW: tl.constexpr, TWO: tl.constexpr, H2: tl.constexpr):
-    """fp32 ``[BM, BN]`` products of rows ``rows`` (``valid``; BM 1 or 2) of ``a_base`` (bf16, row stride
-    ``stride_a``) with the weight rows ``w1_ptrs`` / ``s1_ptrs`` (``[BN, BK // 32, 4]`` words, ``[BN, BK // 32]``
-    scales; and ``w2_ptrs`` / ``s2_ptrs`` with ``TWO``), without a dot. The tiles are ``[BN / NW, NW, G]``
-    (G = BK / 32; NW the warps): a thread holds whole (row, group) pairs, and each warp loads the inputs
-    its groups need in the weights' layout (:func:`_word_x`), so nothing changes threads in the k loop.
-    Word by word, each row's 8 inputs are loaded once and each word's codes unpacked once
-    (:func:`_word_values`); per group a chain of 32 fmas (:func:`_fma_step`), times its scale; with
-    ``H2`` a chain of 16 ``fma.rn.f16x2`` on fp16 pairs (:func:`_half2_step`) instead."""
-    G: tl.constexpr = BK // 32
-    R: tl.constexpr = BN // NW
-    offs = tl.arange(0, G)[:, None] * 32 + tl.arange(0, 8)[None, :] + tl.zeros((NW, 1, 1), tl.int32)
-    offs = offs[None, :, :, :]  # [1, NW, G, 8]: word 0 of each group, once per warp
-    r0, ok0 = _pair_of(rows, valid, 0, BM)
-    r1, ok1 = _pair_of(rows, valid, BM - 1, BM)
-    x0 = a_base + r0.to(tl.int64) * stride_a
-    x1 = a_base + r1.to(tl.int64) * stride_a
-    nk = tl.reshape(n_ok, (R, NW))
-    wp1 = tl.reshape(w1_ptrs, (R, NW, G, 4))
-    wp2 = tl.reshape(w2_ptrs, (R, NW, G, 4))
-    # the scale bytes of consecutive groups plus a zero the compiler cannot prove (r0 >= 0 always holds): one
-    # byte a thread, in the weights' layout, where contiguous bytes would be loaded several a thread and moved
-    # between threads through shared memory every k step
-    hidden_zero = tl.arange(0, G) * ((r0 >= 0).to(tl.int32) - 1)
-    sp1 = tl.reshape(s1_ptrs, (R, NW, G)) + hidden_zero[None, None, :]
-    sp2 = tl.reshape(s2_ptrs, (R, NW, G)) + hidden_zero[None, None, :]
-    acc10 = tl.zeros((R, NW, G), dtype=tl.float32)  # matrix 1, row 0
-    acc11 = tl.zeros((R, NW, G), dtype=tl.float32)
-    acc20 = tl.zeros((R, NW, G), dtype=tl.float32)
-    acc21 = tl.zeros((R, NW, G), dtype=tl.float32)
-    q1n, f1n = _planes_load(wp1, sp1, 0, nk, K, BK, EVEN_K, EVEN_N)  # with NS >= 2: the next k step's weights
-    q2n, f2n = q1n, f1n
-    if TWO:
-        q2n, f2n = _planes_load(wp2, sp2, 0, nk, K, BK, EVEN_K, EVEN_N)
-    for k0 in range(0, K, BK):
-        if NS >= 2:  # loaded a step ahead (past K: masked, nothing read), held in registers
-            q1, f1, q2, f2 = q1n, f1n, q2n, f2n
-            q1n, f1n = _planes_load(wp1, sp1, k0 + BK, nk, K, BK, False, EVEN_N)
-            if TWO:
-                q2n, f2n = _planes_load(wp2, sp2, k0 + BK, nk, K, BK, False, EVEN_N)
-        else:
-            q1, f1 = _planes_load(wp1, sp1, k0, nk, K, BK, EVEN_K, EVEN_N)
-            q2, f2 = q1, f1
-            if TWO:
-                q2, f2 = _planes_load(wp2, sp2, k0, nk, K, BK, EVEN_K, EVEN_N)
-        w1 = _planes(q1, 4)
-        w2 = _planes(q2, 4)
-        xs0 = _step_x(x0, k0, ok0, offs, K, EVEN_K)
-        xs1 = xs0
-        if BM == 2:
-            xs1 = _step_x(x1, k0, ok1, offs, K, EVEN_K)
-        if H2:
-            s10, s11, s20, s21 = _half2_step(w1, w2, xs0, xs1, R, NW, G, BM, TWO)
-        else:
-            s10, s11, s20, s21 = _fma_step(w1, w2, xs0, xs1, R, NW, G, BM, TWO)
-        acc10 = tl.fma(s10, f1, acc10)
-        if BM == 2:
-            acc11 = tl.fma(s11, f1, acc11)
-        if TWO:
-            acc20 = tl.fma(s20, f2, acc20)
-            if BM == 2:
-                acc21 = tl.fma(s21, f2, acc21)
-    out1 = _gemv_rows_out(tl.reshape(tl.sum(acc10, axis=2), (BN,)), tl.reshape(tl.sum(acc11, axis=2), (BN,)), BM)
-    out2 = _gemv_rows_out(tl.reshape(tl.sum(acc20, axis=2), (BN,)), tl.reshape(tl.sum(acc21, axis=2), (BN,)), BM)
-    return out1, out2
-
-
-@triton.jit
 def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n, n_ok, bg,
                   bu, num_pairs, expert, start, c, cnt, stride_xt,
                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-                  WORDS: tl.constexpr, F16: tl.constexpr, PLANES: tl.constexpr, NS: tl.constexpr,
-                  NW: tl.constexpr):
+                  WORDS: tl.constexpr, F16: tl.constexpr, NS: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs times its gate and up rows (bf16 dots, or fp16 ones
     with ``F16``: :func:`_f16_rows`), then the activation (biases first) rounded to bf16 into the
     per-pair scratch."""
@@ -548,10 +264,7 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     tok = (pair // TOPK).to(tl.int64)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    if PLANES:
-        acc_g, acc_u = _planes_rows(x_ptr, stride_xt, tok, valid, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, n_ok, H, BM, BN,
-                                    BK, EVEN_K, EVEN_N, NS, NW, True, PLANES == 2)
-    elif F16:
+    if F16:
         acc_g, acc_u = _f16_rows(x_ptr + tok[:, None] * stride_xt, valid, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, n_ok, H,
                                  BM, BN, BK, EVEN_K, EVEN_N, NS, True)
     else:
@@ -689,8 +402,7 @@ def _w13_mx_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr, PLANES: tl.constexpr, NS: tl.constexpr,
-    NW: tl.constexpr,
+    GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr, NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     if USE_GDC:
@@ -715,7 +427,7 @@ def _w13_mx_kernel(
             _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs, offs_n,
                           n_ok, bg, bu, num_pairs, expert, start, c, cnt, stride_xt,
                           TOPK, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS, ACT, ALPHA, LIMIT, WORDS, F16,
-                          PLANES, NS, NW)
+                          NS)
         c += BM
 
 
@@ -725,7 +437,7 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  NP: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr,
-                 PLANES: tl.constexpr, NS: tl.constexpr, NW: tl.constexpr):
+                 NS: tl.constexpr):
     """One chunk [c, c + BM) of the expert's pairs: the intermediate times w2's rows (bf16 dots, fp16
     ones with ``F16``, or ``GEMV`` sums in registers), plus w2's bias, times the routing weight, into
     the per-pair buffer."""
@@ -733,9 +445,6 @@ def _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs
     pair64 = pair.to(tl.int64)
     if GEMV:
         acc = _gemv_rows(act_ptr, I, pair, valid, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K, EVEN_N, NS)
-    elif PLANES:
-        acc, _ = _planes_rows(act_ptr, I, pair, valid, w_ptrs, s_ptrs, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK, EVEN_K,
-                              EVEN_N, NS, NW, False, PLANES == 2)
     elif F16:
         acc, _ = _f16_rows(act_ptr + pair64[:, None] * I, valid, w_ptrs, s_ptrs, w_ptrs, s_ptrs, n_ok, I, BM, BN, BK,
                            EVEN_K, EVEN_N, NS, False)
@@ -766,7 +475,7 @@ def _w2_mx_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
     USE_ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_GDC: tl.constexpr,
     ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, GEMV: tl.constexpr, WORDS: tl.constexpr, F16: tl.constexpr,
-    PLANES: tl.constexpr, NS: tl.constexpr, NW: tl.constexpr,
+    NS: tl.constexpr,
 ):
     slot, pid_n, _ = _block_ids(NB, ORDER)
     expert, cnt, start, c_begin, c_end = _block_expert(ids_ptr, expert_off_ptr, num_pairs, slot, E, EP, NP, BM, MODE)
@@ -783,7 +492,7 @@ def _w2_mx_kernel(
     while c < c_end:
         _w2_mx_chunk(act_ptr, ids_ptr, sorted_pairs_ptr, topk_w_ptr, buf_ptr, w_ptrs, s_ptrs, offs_n, n_ok, b2,
                      num_pairs, expert, start, c, cnt, H, I, BM, BN, BK, NP, MODE, EVEN_K, EVEN_N, HAS_BIAS,
-                     GEMV, WORDS, F16, PLANES, NS, NW)
+                     GEMV, WORDS, F16, NS)
         c += BM
 
 
@@ -797,23 +506,15 @@ def _check_config(c: KernelConfig) -> None:
     if c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
         raise ValueError(f"triton_mxfp4_experts: block_m must be 1 or 2 (the GEMV path) or a power of two >= 16 (a "
                          f"dot's rows), got {c.block_m}")
-    if c.w8a16 not in (0, 2, 3, 4, 5):
+    if c.w8a16 not in (0, 2, 3):
         raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
-                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group, 4: "
-                         "the GEMV tile of (row, group) planes, 5: the same on fp16 pairs)")
+                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group)")
     if c.w8a16 == 3 and c.block_m < 16:
         raise ValueError(f"triton_mxfp4_experts: w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16 (a "
                          f"dot's rows), got {c.block_m}")
-    if c.block_m <= GEMV_MAX_ROWS and c.w8a16 not in (2, 4, 5):
-        raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV paths, no dot) "
-                         f"unpack 32-bit words: config w8a16 must be 2, 4 or 5, got {c.w8a16}")
-    if c.w8a16 in (4, 5) and c.block_m > GEMV_MAX_ROWS:
-        raise ValueError(f"triton_mxfp4_experts: w8a16={c.w8a16} (the GEMV tile of (row, group) planes) needs "
-                         f"block_m <= {GEMV_MAX_ROWS}, got {c.block_m}")
-    if c.w8a16 in (4, 5) and (c.block_n1 % c.num_warps or c.block_n2 % c.num_warps):
-        raise ValueError(f"triton_mxfp4_experts: w8a16={c.w8a16} (the GEMV tile of (row, group) planes, rows spread "
-                         f"over the warps) needs block_n1 and block_n2 multiples of num_warps={c.num_warps}, got "
-                         f"{c.block_n1}, {c.block_n2}")
+    if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
+        raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
+                         f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
     if c.pdl not in (0, 2):
         raise ValueError(f"triton_mxfp4_experts: config pdl must be 0 or 2 (no L2 prefetch, no chained first "
                          f"launch here), got {c.pdl}")
@@ -899,10 +600,8 @@ def mxfp4_experts_launches(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
-    planes = c.w8a16 - 3 if c.w8a16 in (4, 5) else 0  # 1: float32 fmas, 2: fp16 pairs
-    gemv = c.block_m <= GEMV_MAX_ROWS and not planes
-    path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 >= 2, F16=c.w8a16 == 3, PLANES=planes, NS=c.num_stages,
-                NW=c.num_warps)
+    gemv = c.block_m <= GEMV_MAX_ROWS
+    path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 >= 2, F16=c.w8a16 == 3, NS=c.num_stages)
     _w13_mx_kernel[grid(nb1)](
         x, ids, sorted_pairs, expert_off, pools.row_map, pools.w13_hot, w13_cold, pools.w13_scale_hot, s13_cold,
         b13, act, num_pairs, layer, x.stride(0), nb1,

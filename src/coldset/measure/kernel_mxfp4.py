@@ -10,13 +10,10 @@ graph and replayed (:func:`coldset.core.timing.graph_time_us`, the median of ``-
 layer's weights are served from L2 by the one before.
 
 The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
-decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only, and ``default``
-the kernel's default config of each token count), each config one
-of six paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
+decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only), each config one
+of four paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
 ``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
-per scale group), ``gemv`` (no dot: one or two pairs a block, products summed in registers),
-``gemv-planes`` (the same sums with no tile moved between threads: ``w8a16`` 4) and ``gemv-half2``
-(that tile on fp16 pairs: ``w8a16`` 5).
+per scale group) and ``gemv`` (no dot: one or two pairs a block, products summed in registers).
 Per batch, first the correctness of every config, on
 fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
 the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
@@ -60,7 +57,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-planes", "gemv-half2")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv")
 ROW_RESERVE_S = 12.0  # of --budget-s, kept for each batch still to run
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
@@ -92,8 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny shape; on the CPU under TRITON_INTERPRET=1, no times")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.add_argument("--variants", default="all",
-                   help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv, gemv-planes, "
-                        "gemv-half2, and 'default' for the kernel's default config of each token count (default all)")
+                   help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv (default all)")
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="seconds after which configs not yet timed are skipped (and listed as such)")
     args = p.parse_args(argv)
@@ -102,8 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--batches {args.batches!r}: comma-separated token counts expected")
     args.variant_list = None if args.variants == "all" else tuple(v.strip() for v in args.variants.split(","))
-    if args.variant_list and not set(args.variant_list) <= {*VARIANTS, "default"}:
-        p.error(f"--variants {args.variants!r}: 'all' or some of {', '.join(VARIANTS)}, default")
+    if args.variant_list and not set(args.variant_list) <= set(VARIANTS):
+        p.error(f"--variants {args.variants!r}: 'all' or some of {', '.join(VARIANTS)}")
     if not args.batch_list or min(args.batch_list) < 1 or args.layers < 1 or args.reps < 1:
         p.error("--batches, --layers and --reps must be positive")
     return args
@@ -162,14 +158,13 @@ def _poison(s: Setup, nbytes: int) -> None:
 
 def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
-    sums in registers, no dot), ``gemv-planes`` (the same with w8a16 4: (row, group) planes, no tile
-    moved between threads), ``gemv-half2`` (those planes on fp16 pairs, w8a16 5), ``dot-words`` (bf16
-    dots on tiles unpacked by 32-bit words, w8a16 2), ``dot-f16`` (fp16 dots, one per scale group,
-    w8a16 3) or ``dot-values`` (bf16 dots on tiles unpacked value by value)."""
+    sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
+    2), ``dot-f16`` (fp16 dots, one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles
+    unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
     if cfg.block_m <= GEMV_MAX_ROWS:
-        return {4: "gemv-planes", 5: "gemv-half2"}.get(cfg.w8a16, "gemv")
+        return "gemv"
     return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
 
 
@@ -294,34 +289,30 @@ def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], d
 
 def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None) -> list:
     """The search space's configs for ``num_tokens`` (decode up to 64 tokens, prefill above), those
-    of ``variants`` only when given (``default``: the kernel's default config for ``num_tokens``)."""
+    of ``variants`` only when given."""
     from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
-    from coldset.kernels.triton_mxfp4 import default_config  # triton: imported when a measurement runs
 
     space = load_kernel_configs("triton_mxfp4")["search_space"]
     configs = [KernelConfig.from_dict(d) for d in space["decode" if num_tokens <= 64 else "prefill"]]
-    if variants is None:
-        return configs
-    default = default_config(num_tokens) if "default" in variants else None
-    return [c for c in configs if variant_of(c) in variants or c == default]
+    return [c for c in configs if variants is None or variant_of(c) in variants]
 
 
 def table(rows: list[dict]) -> str:
     """Per token count: the read of the selected experts' bytes, each variant's best µs (and % of
     the read), the best config overall, the bf16 kernel."""
     head = (f"{'tokens':>6} {'MB read':>8} {'read us':>8} "
-            + " ".join(f"{v + ' us (% rd)':>22}" for v in VARIANTS)
+            + " ".join(f"{v + ' us (% rd)':>20}" for v in VARIANTS)
             + f" {'bf16 us (% rd)':>16} {'x bf16':>7} {'err/tol':>7}  best config")
     lines = [head]
     for r in rows:
         if "mxfp4_read_us" not in r:
-            lines.append(f"{r['tokens']:>6} {'-':>8} {'-':>8} " + " ".join(f"{'-':>22}" for _ in VARIANTS)
+            lines.append(f"{r['tokens']:>6} {'-':>8} {'-':>8} " + " ".join(f"{'-':>20}" for _ in VARIANTS)
                          + f" {'-':>16} {'-':>7} {r['err_over_tol']:>7.3f}")
             continue
         cells = []
         for v in VARIANTS:
             b = r["variants"].get(v)
-            cells.append(f"{b['us']:>13.1f} ({b['pct_of_read']:>5.1f}%)" if b else f"{'-':>22}")
+            cells.append(f"{b['us']:>11.1f} ({b['pct_of_read']:>5.1f}%)" if b else f"{'-':>20}")
         bf = (f"{r['bf16_us']:>8.1f} ({r['bf16_pct_of_read']:>4.0f}%)" if "bf16_us" in r else f"{'-':>16}")
         speed = f"{r['mxfp4_speedup_vs_bf16']:>7.2f}" if "mxfp4_speedup_vs_bf16" in r else f"{'-':>7}"
         best = json.dumps(_short(r["mxfp4_config"])) if "mxfp4_config" in r else "-"
