@@ -34,10 +34,10 @@ def test_a_block_naming_a_missing_file_names_it(tmp_path):
 
 
 def test_the_shapes_table_is_what_its_command_prints():
-    """Section 6's rows are the command's output (coldset.core.shapes.describe of each example)."""
+    """docs/models.md's shapes rows are the command's output (coldset.core.shapes.describe of each example)."""
     from coldset.core.shapes import describe, read_shape
 
-    lines = set((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    lines = set((ROOT / "docs" / "models.md").read_text().splitlines())
     examples = sorted(p for p in (ROOT / "config" / "examples" / "shapes").iterdir() if p.is_dir())
     assert examples
     for p in examples:
