@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from coldset.kernels.tiers import ExpertPools
-from coldset.measure.cache_memory import HBM_MARGIN_BYTES, HBM_MARGIN_FRACTION, check_placement_fits
+from coldset.measure.cache_memory import check_placement_fits
 from coldset.measure.harness import MeasureError
+from coldset.measure.model_memory import HBM_MARGIN_BYTES, HBM_MARGIN_FRACTION
 
 
 def bf16_pools(L: int, E: int, I: int, H: int, device: str = "cpu") -> ExpertPools:

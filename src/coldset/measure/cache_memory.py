@@ -8,13 +8,7 @@ from __future__ import annotations
 from coldset.analysis.placement import hot_count_for_residency
 from coldset.bench import decode as bn
 from coldset.measure.harness import MeasureError
-
-
-#: HBM a run needs beside its largest placement's hot pool (or the slot pool of the same rows): decode
-#: activations, KV cache, CUDA graph pools, the compressed tier's staging and allocator slack; a fixed
-#: part and a share of the pool.
-HBM_MARGIN_BYTES = 2 << 30
-HBM_MARGIN_FRACTION = 0.05
+from coldset.measure.model_memory import HBM_MARGIN_BYTES, HBM_MARGIN_FRACTION
 
 
 def check_placement_fits(pools, residencies: list[float], free_bytes: int, held_bytes: int = 0,

@@ -26,6 +26,7 @@ from coldset.core.fp8 import FORMAT_NAME
 from coldset.core.timing import graph_time_us
 from coldset.engine import gpt_oss, random_weights
 from coldset.kernels.tiers import ExpertPools
+from coldset.measure import model_memory
 
 _T0 = time.perf_counter()
 
@@ -212,6 +213,10 @@ def random_family_model(name: str, device, moe_layers: int | None, R: dict):
     raw, layers = fam.raw(), moe_layers if moe_layers is not None else fam.moe_layers
     t = time.perf_counter()
     try:
+        if str(device).startswith("cuda"):  # checked before anything is drawn; the CPU has no HBM to check
+            refusal = model_memory.preflight_model(name, raw, fam.expert_format, layers, device)
+            if refusal:
+                raise MeasureError(refusal)
         model = random_weights.build_random_model(raw, device, fam.expert_format, layers, source=name)
     except ValueError as exc:  # ModelLoadError: a bad --moe-layers, named
         raise MeasureError(str(exc)) from None
