@@ -69,9 +69,10 @@ def model_need_bytes(model: ModelBytes, held_bytes: int = 0) -> float:
     What the margin covers for ``bench step`` (:mod:`coldset.measure.step`): one engine at a time
     (each engine's compiled region is reset and each decoder dropped before the next), its KV cache
     at batch 8 and 48 positions (tens of MB at the families' shapes; DeepSeek-V3 caches its latent),
-    its CUDA graph pool, activations and 16 steps of logits; the FP8 build's quantizer temporaries
-    (one chunk of experts in float32, a few GB, deepseek-v3) and allocator slack, in the fraction.
-    Not covered, so passed as ``held_bytes`` where the run holds them: ``--weight-format fp8``'s FP8
+    its CUDA graph pool, activations and 16 steps of logits, and allocator slack; before them, the
+    FP8 build's quantizer temporaries (one chunk of experts in float32, about 2 GB at deepseek-v3,
+    freed when the build ends). Not covered unless a caller passes them as ``held_bytes``
+    (:func:`coldset.measure.harness.random_family_model` passes none): ``--weight-format fp8``'s FP8
     pools beside the model's and its FP8 attention copies, ``--float32-check``'s float32 copy of the
     non-expert weights. ``bench cache`` checks its placement after the build
     (:func:`coldset.measure.cache_memory.check_placement_fits`)."""
@@ -101,11 +102,12 @@ def model_fit_refusal(family: str, raw: dict, expert_format: str, moe_layers: in
         + (f"--moe-layers {fit}." if fit else "no --moe-layers count (not even 1)."))
 
 
-def preflight_model(family: str, raw: dict, expert_format: str, moe_layers: int | None, device) -> str | None:
+def preflight_model(family: str, raw: dict, expert_format: str, moe_layers: int | None, device,
+                    held_bytes: int = 0) -> str | None:
     """:func:`model_fit_refusal` on the free bytes of CUDA ``device`` now, before anything is drawn
     (the allocator's cached blocks given back first, so that free bytes count them)."""
     import torch  # GPU-only path: torch loads when a measurement runs
 
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    return model_fit_refusal(family, raw, expert_format, moe_layers, free)
+    return model_fit_refusal(family, raw, expert_format, moe_layers, free, held_bytes)
