@@ -1,6 +1,7 @@
 """The simulator's loops: numba loads only when a loop first runs (vLLM's CPU engine breaks on
 llvmlite's module in the same process), and the compiled loops give the plain-Python results."""
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,31 @@ def test_a_loop_calling_another_loop_runs_through_the_rebound_dispatcher():
     assert [_outer(k) for k in range(5)] == [0, 1, 3, 6, 10]
     if compiled.numba_installed():
         assert type(globals()["_inner"]).__name__ == "CPUDispatcher"  # the module's name rebound
+
+
+@pytest.mark.skipif(not compiled.numba_installed(), reason="numba not installed")
+def test_a_cached_loop_sees_a_change_to_a_loop_of_another_file(tmp_path):
+    """A loop compiled together with a loop of another file of its package runs that loop's new
+    code once only the other file changed (numba's own cache key is the caller's file alone)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "outer.py").write_text(
+        "from coldset.analysis.compiled import jit\nfrom pkg.inner import step\n\n\n"
+        "@jit\ndef total(n):\n    t = 0\n    for i in range(n):\n        t += step(i)\n    return t\n")
+    inner = pkg / "inner.py"
+    inner.write_text("from coldset.analysis.compiled import jit\n\n\n@jit\ndef step(i):\n    return i + 1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    run = [sys.executable, "-c", "from pkg.outer import total; print(total(10))"]
+
+    def total() -> str:
+        out = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert total() == "55"
+    assert any((tmp_path / "numba").rglob("*.nbi"))  # cached on disk
+    assert total() == "55"
+    inner.write_text(inner.read_text().replace("i + 1", "2 * i"))  # outer.py unchanged
+    assert total() == "90"

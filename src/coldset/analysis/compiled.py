@@ -11,12 +11,21 @@ scans every loaded module's namespace), and the workflow's vLLM stages import th
 never replay a cache. On the first call every decorated loop is compiled together and each
 module's name for a loop is rebound to its numba dispatcher, so loops that call one another
 are compiled as one nopython program, as with eager decoration.
+
+Compiled loops are cached on disk in a folder named by a digest of every Python source of the
+packages that define loops (:func:`loop_cache_dir`). Why: numba keys a cached function on its own
+file only, and a loop compiled together with a loop of another file keeps that loop's old code
+when only the other file changes (a ``git pull`` that edits ``pool.py`` but not ``lru.py``): the
+replay would silently run the old rules.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import sys
+from pathlib import Path
 
 _LOOPS: list["Loop"] = []
 
@@ -49,16 +58,54 @@ class Loop:
         return self.dispatcher(*args, **kwargs)
 
 
+def loop_sources(loops: list[Loop]) -> list[Path]:
+    """Every Python source a cached loop may have compiled in from another file: all ``.py``
+    files under the top-level package of each loop's module (a loop of a module outside any
+    package adds none: numba's own key, its file, covers what it compiles from that file)."""
+    roots = set()
+    for loop in loops:
+        top = sys.modules.get(loop.__module__.split(".")[0])
+        roots.update(Path(p).resolve() for p in getattr(top, "__path__", None) or ())
+    return sorted({f for r in roots for f in r.rglob("*.py")})
+
+
+def loop_cache_dir(loops: list[Loop], base: Path) -> Path:
+    """``base``/the digest of :func:`loop_sources` (their paths and bytes): the cache folder of
+    this state of the source. A folder of an older state is not read again (it may be deleted)."""
+    digest = hashlib.sha256()
+    for f in loop_sources(loops):
+        digest.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+    return base / digest.hexdigest()[:20]
+
+
+def _cache_base() -> Path:
+    """Where the digest folders live: under ``NUMBA_CACHE_DIR`` where the user set it, else under
+    the top-level package's ``__pycache__`` where it is writable (numba's own default is beside the
+    sources), else under the user's cache folder."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return Path(os.environ["NUMBA_CACHE_DIR"]) / "coldset"
+    package = Path(__file__).resolve().parents[1]
+    if os.access(package, os.W_OK):
+        return package / "__pycache__" / "numba"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coldset" / "numba"
+
+
 def compile_loops() -> None:
-    """Compile every registered loop not yet compiled with numba and rebind the defining
-    modules' names for loops to their dispatchers."""
+    """Compile every registered loop not yet compiled with numba (cached in :func:`loop_cache_dir`)
+    and rebind the defining modules' names for loops to their dispatchers."""
     pending = [loop for loop in _LOOPS if loop.dispatcher is None]
     if not pending:
         return
     from numba import njit  # optional, and loaded only here (the module doc says why)
+    from numba.core import config  # numba's cache folder, read when a dispatcher enables its cache
 
-    for loop in pending:
-        loop.dispatcher = njit(cache=True, nogil=True)(loop.fn)
+    before = config.CACHE_DIR
+    config.CACHE_DIR = str(loop_cache_dir(_LOOPS, _cache_base()))
+    try:
+        for loop in pending:
+            loop.dispatcher = njit(cache=True, nogil=True)(loop.fn)
+    finally:
+        config.CACHE_DIR = before
     for loop in _LOOPS:
         namespace = loop.fn.__globals__
         for name, value in list(namespace.items()):
