@@ -610,6 +610,15 @@ def _record_list(lst, linst, lv, p, hrow, pred_hist_ptr, width, WP: tl.constexpr
 
 
 @triton.jit
+def _gate_open(a0, a1, a2, lead_unit, SHIFT: tl.constexpr):
+    """Whether the gate with running sums ``a0`` (wanted), ``a1`` (useful), ``a2`` (saving) is open:
+    the saving capped at ``lead_unit << SHIFT`` beats the waste ``a0 - a1`` by more than the margin
+    ``a0 >> (SHIFT - 1)`` (the simulator's :func:`coldset.analysis.policies.pool.gate_open`)."""
+    cap = (a2 * 0 + lead_unit) << SHIFT  # in int64 whether lead_unit comes as int32, int64 or a constant
+    return tl.minimum(a2, cap) > (a0 - a1) + (a0 >> (SHIFT - 1))
+
+
+@triton.jit
 def _gate_judge(layer, chosen, col, gate_ptr, want_ptr, want_n_ptr, want_group_ptr, group_index_ptr, lead_unit,
                 WM, E: tl.constexpr, WMP: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr):
     """The prefetch gate at a group of ``layer`` (the rules of
@@ -618,7 +627,7 @@ def _gate_judge(layer, chosen, col, gate_ptr, want_ptr, want_n_ptr, want_group_p
     (``want_ptr`` row ``layer``, ``WM`` wide) judged against the group's experts ``chosen`` (bool
     over ``col``), the running sums at ``gate_ptr`` decayed and updated where one was pending, and
     the list no longer pending. Returns the group's index (``group_index_ptr``, not advanced) and
-    whether the gate is open (``a2 >= a0 - a1``)."""
+    whether the gate is open (:func:`_gate_open`)."""
     q = tl.arange(0, WMP)
     wn = tl.load(want_n_ptr + layer)
     wg = tl.load(want_group_ptr + layer)
@@ -639,7 +648,7 @@ def _gate_judge(layer, chosen, col, gate_ptr, want_ptr, want_n_ptr, want_group_p
         tl.store(gate_ptr + 2, a2)
     tl.debug_barrier()  # every read of the pending list is done before it is overwritten
     tl.store(want_group_ptr + layer, tl.where(wg >= 0, -1, wg))
-    return gi, a2 >= a0 - a1
+    return gi, _gate_open(a0, a1, a2, lead_unit, SHIFT)
 
 
 @triton.jit
@@ -810,8 +819,8 @@ def _forecast_list(v, n_tok, target, row_map_ptr, hrow, pred_hist_ptr, width, E:
 
 @triton.jit
 def _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
-                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, gate_on,
-                    E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr):
+                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, lead_unit,
+                    gate_on, E: tl.constexpr, SCAN: tl.constexpr, MPV: tl.constexpr, SHIFT: tl.constexpr):
     """lookahead's prefetch of a group's list (``linst`` the lanes' instances, ``fp`` their first
     occurrences, ``lrow`` their row-map entries after the group's demand commit): the listed
     instances not resident, in list order, kept as the gate's pending list for layer ``target``
@@ -827,7 +836,7 @@ def _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_p
     a1 = tl.load(g_sums + 1)
     a2 = tl.load(g_sums + 2)
     _gate_keep(target, want, wrank, linst, tl.load(g_index) - 1, g_want, g_want_n, g_want_group, WM)
-    nwant = tl.where((a2 >= a0 - a1) | (gate_on == 0), nwant, 0)
+    nwant = tl.where(_gate_open(a0, a1, a2, lead_unit, SHIFT) | (gate_on == 0), nwant, 0)
     _issue_prefetches(want, wrank, nwant, linst, inflight_ptr, t0, tl.maximum(t0 - guard, 0), n, owner_ptr,
                       last_use_ptr, inflight_ptr, row_map_ptr, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow,
                       C, pf_m_ptr, pf_m_ptr, layer, E, SCAN, MPV, False)
@@ -905,7 +914,7 @@ def ahead_group(ids, sel, valid, n, layer, scalars, forecast, row_map_ptr, owner
                                                      row_map_ptr, hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
             _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
                             pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM,
-                            gate_on, E, SCAN, MPV)
+                            lead_unit, gate_on, E, SCAN, MPV, SHIFT)
         # else: the list and its prefetch decisions are ahead_list's launch (after this one)
     else:
         tl.store(pred_hist_ptr + hrow * width + tl.arange(0, WP), tl.full((WP,), -1, tl.int64),
@@ -947,9 +956,9 @@ def _ahead_kernel(ids_ptr, n, layer, row_map_ptr, owner_ptr, last_use_ptr, count
             do_not_specialize_on_alignment=PER_LAYER_VIEWS + ("pf_victims_ptr", "pf_new_ptr"))
 def _ahead_list_kernel(logits_ptr, n_tok, n, layer, target, row_map_ptr, owner_ptr, last_use_ptr, inflight_ptr,
                        tick_ptr, groups_ptr, hist_cap, pf_victims_ptr, pf_new_ptr, pf_m_ptr, pred_hist_ptr,
-                       pf_hist_ptr, width, C, guard, gate_ptr, L, WM, gate_on, E: tl.constexpr, K: tl.constexpr,
-                       KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, SCAN: tl.constexpr,
-                       MPV: tl.constexpr):
+                       pf_hist_ptr, width, C, guard, gate_ptr, L, WM, lead_unit, gate_on, E: tl.constexpr,
+                       K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr,
+                       SCAN: tl.constexpr, MPV: tl.constexpr, SHIFT: tl.constexpr):
     # The group was recorded (its history row counted, its ticks and the list's reserved: the
     # tick is t0 + n + width) and its demand committed by the router's launch before this one.
     hrow = (tl.load(groups_ptr) - 1) % hist_cap
@@ -957,8 +966,8 @@ def _ahead_list_kernel(logits_ptr, n_tok, n, layer, target, row_map_ptr, owner_p
     linst, lv, fp, lrow = _forecast_list(forecast_tile(logits_ptr, n_tok, E, TP, EP), n_tok, target, row_map_ptr,
                                          hrow, pred_hist_ptr, width, E, K, KP, TP, EP, WP)
     _ahead_prefetch(linst, fp, lrow, t0, n, layer, target, owner_ptr, last_use_ptr, inflight_ptr, row_map_ptr,
-                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, gate_on, E,
-                    SCAN, MPV)
+                    pf_victims_ptr, pf_new_ptr, pf_m_ptr, pf_hist_ptr, hrow, C, guard, gate_ptr, L, WM, lead_unit,
+                    gate_on, E, SCAN, MPV, SHIFT)
 
 
 def ahead_list(cache, layer: int, target: int, n: int) -> None:
@@ -987,9 +996,9 @@ def ahead_list(cache, layer: int, target: int, n: int) -> None:
         rules.forecast_out, n // k, n, layer, target, cache.pools.row_map, cache.owner, cache.last_use,
         rules.inflight.view(torch.uint8), cache.tick, cache.groups, cache.history.shape[0], rules.pf_victims[target],
         rules.pf_new[target], rules.pf_count[target], rules.prediction_history, rules.prefetch_history, width,
-        cache.capacity, *_ahead_gate_args(cache, n)[:4], int(rules.gate_on), E=E, K=k, KP=_next_pow2(k),
+        cache.capacity, *_ahead_gate_args(cache, n), E=E, K=k, KP=_next_pow2(k),
         TP=max(2, _next_pow2(n // k)), EP=max(2, _next_pow2(E)), WP=sizes["WP"], SCAN=sizes["SCAN"], MPV=sizes["MPV"],
-        num_warps=_decision_warps(cache.capacity))
+        SHIFT=sizes["SHIFT"], num_warps=_decision_warps(cache.capacity))
 
 
 def decide_ahead(cache, layer: int, ids: torch.Tensor, new_step: bool, logits: torch.Tensor | None,

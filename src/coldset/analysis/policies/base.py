@@ -35,6 +35,9 @@ def guard_groups(num_moe_layers: int) -> int:
 COPY_UNIT = 1024
 #: The gate's running sums decay by ``x >> GATE_SHIFT`` at each evaluation (about the last 64 lists).
 GATE_SHIFT = 6
+#: The gate's running wanted sum before the first list (the useful and saving sums start at 0): a
+#: few copies of waste that measured savings must outweigh first, so the gate starts closed.
+GATE_START_WANTED = 4 * COPY_UNIT
 #: ``lead_unit`` where no time model says better: one group's compute hides one copy.
 DEFAULT_LEAD_UNIT = COPY_UNIT
 
@@ -50,10 +53,22 @@ def prefetch_lead_unit(step_ms: float, head_share: float, num_moe_layers: int, c
     it selects, and the *lead* is the groups between the two. A useful prefetch saves at most one copy
     on the critical path, ``min(COPY_UNIT, lead * lead_unit)`` (a copy issued fewer groups ahead than
     it takes to cross saves only the part that had crossed); a wasted one costs a whole copy of link
-    time that the demand copies queue behind. Running sums of the three, decayed by
-    :data:`GATE_SHIFT`, measured on the lists whether they were issued or not (so a closed gate
-    reopens when the forecast improves): the policy issues its list (up to its budget) while the
-    saving is at least the waste, and none otherwise."""
+    time that the demand copies queue behind. Running sums of the three, W (wanted), U (useful) and
+    S (saving), in :data:`COPY_UNIT` parts, decayed by ``x >> GATE_SHIFT`` at each list judged
+    (:data:`GATE_SHIFT`), measured on the lists whether they were issued or not (so a closed gate
+    reopens when the forecast improves); W starts at :data:`GATE_START_WANTED`, U and S at 0. The
+    policy issues its list (up to its budget) while::
+
+        min(S, lead_unit << GATE_SHIFT) > (W - U) + (W >> (GATE_SHIFT - 1))
+
+    and none otherwise. The cap: the sums hold about ``2**GATE_SHIFT`` lists, over as many groups,
+    whose compute hides at most ``lead_unit << GATE_SHIFT`` of copy time; a saving beyond it is
+    none on a link the demand copies already keep busy, where a useful prefetch only replaces a
+    demand copy by a prefetch copy while every wasted one still queues ahead of the demand. The
+    margin ``W >> (GATE_SHIFT - 1)`` (a 32nd of the wanted copies, twice a decay's share): the
+    saving must beat the waste by more than the estimates' noise, so a list whose saving only
+    breaks even stays unissued; the inequality is strict and :data:`GATE_START_WANTED` makes the
+    gate start closed (it opens once the judged lists show savings)."""
     if not (step_ms > 0 and copy_ms > 0 and num_moe_layers >= 1 and 0 <= head_share < 1):
         raise CacheError(f"prefetch_lead_unit: step_ms {step_ms}, copy_ms {copy_ms}, layers {num_moe_layers}, "
                          f"head_share {head_share}: each must be > 0 (head_share in [0, 1))")

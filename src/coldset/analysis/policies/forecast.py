@@ -79,7 +79,7 @@ def prefetch_duel(time_f, time_g, shift, open_shift):
     """Whether group g may prefetch (bool ``[G]``): the prefetching replay's clock (``time_f``, the
     time each group adds: :func:`group_times`) against ``lru_guard``'s (``time_g``) over the recent
     groups (sums decayed by ``x >> shift`` a group), both tag-only replays of the same stream on the
-    same pool. Open at first (as the gate); closes where the prefetcher is slower, and opens again
+    same pool. Open at first (the gate it adds to decides alone); closes where the prefetcher is slower, and opens again
     only where it is faster by ``1 / 2**open_shift`` of its time.
 
     Why two shadows and not the policy's own replay: whether prefetching pays is a question about

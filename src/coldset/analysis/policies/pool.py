@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from coldset.analysis.compiled import jit
-from coldset.analysis.policies.base import COPY_UNIT, GATE_SHIFT
+from coldset.analysis.policies.base import COPY_UNIT, GATE_SHIFT, GATE_START_WANTED
 
 
 @jit
@@ -192,10 +192,12 @@ def count_useful(ids, s, e, hit, unused_prefetch):
 
 @jit
 def gate_state(n_layers, width, n_inst):
-    """The gate's state before the first group: running sums ``acc`` int64 ``[3]``, the pending
+    """The gate's state before the first group: running sums ``acc`` int64 ``[3]`` (wanted
+    :data:`coldset.analysis.policies.base.GATE_START_WANTED`, useful and saving 0), the pending
     list of each layer (``want [n_layers, W]``, its length ``want_n``, its group ``want_group``, -1:
     none) and the scratch ``mark`` bool ``[n_inst]`` (see :func:`gate_step`)."""
     acc = np.zeros(3, dtype=np.int64)
+    acc[0] = GATE_START_WANTED
     want = np.zeros((n_layers, max(width, 1)), dtype=np.int64)
     want_n = np.zeros(n_layers, dtype=np.int64)
     want_group = np.full(n_layers, -1, dtype=np.int64)
@@ -227,9 +229,11 @@ def gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead
 
 
 @jit
-def gate_open(acc):
-    """Whether the running saving covers the running waste (wanted - useful copies)."""
-    return acc[2] >= acc[0] - acc[1]
+def gate_open(acc, lead_unit):
+    """Whether the running saving, capped at what ``2**GATE_SHIFT`` groups' compute hides
+    (``lead_unit << GATE_SHIFT``), beats the running waste (wanted - useful copies) by more than
+    the margin ``wanted >> (GATE_SHIFT - 1)`` (:func:`coldset.analysis.policies.base.prefetch_lead_unit`)."""
+    return min(acc[2], lead_unit << GATE_SHIFT) > (acc[0] - acc[1]) + (acc[0] >> (GATE_SHIFT - 1))
 
 
 @jit
@@ -250,7 +254,7 @@ def gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, 
     this step; < 0: an empty list, nothing kept). Returns whether the gate is open."""
     gate_evaluate(acc, want, want_n, want_group, layer, g, ids, s, e, mark, lead_unit)
     if target < 0:
-        return gate_open(acc)
+        return gate_open(acc, lead_unit)
     nw = 0
     for q in range(pred.shape[1]):
         x = pred[g, q]
@@ -259,4 +263,4 @@ def gate_step(acc, want, want_n, want_group, layer, target, g, ids, s, e, mark, 
             nw += 1
     want_n[target] = nw
     want_group[target] = g
-    return gate_open(acc)
+    return gate_open(acc, lead_unit)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, guard_groups
+from coldset.analysis.policies.base import COPY_UNIT, DEFAULT_LEAD_UNIT, GATE_SHIFT, GATE_START_WANTED, guard_groups
 
 
 #: The owner of an empty slot: nexttoken's prefetch whose copy never landed leaves its slot to no
@@ -205,7 +205,18 @@ class PrefetchingPolicy(CachePolicy):
         self.want_n = self.gate_state[4:4 + L]
         self.want_group = self.gate_state[4 + L:4 + 2 * L]
         self.want = self.gate_state[4 + 2 * L:].view(L, wm)
+        self.reset_gate()
+
+    def reset_gate(self) -> None:
+        """The gate's state before the first group (the simulator's
+        :func:`coldset.analysis.policies.pool.gate_state`): the wanted sum
+        :data:`coldset.analysis.policies.base.GATE_START_WANTED`, the useful and saving sums 0, no
+        pending list, no group counted."""
+        self.gate_acc[0:1].fill_(GATE_START_WANTED)
+        self.gate_acc[1:].zero_()
+        self.want_n.zero_()
         self.want_group.fill_(-1)
+        self.group_index.zero_()
 
     def guard_ticks(self, num_moe_layers: int, n: int) -> int:
         """``lru_guard``'s bar in ticks: a group of ``n`` selections takes ``n`` ticks and its list
@@ -233,7 +244,8 @@ class PrefetchingPolicy(CachePolicy):
         acc = self.gate_acc
         acc.copy_(torch.where(self.want_group[layer] >= 0, acc - (acc >> GATE_SHIFT) + adds, acc))
         self.want_group[layer] = torch.where(self.want_group[layer] >= 0, -1, self.want_group[layer])
-        return (acc[2] >= acc[0] - acc[1]) | (not self.gate_on)
+        saving = acc[2].clamp(max=self.lead_unit << GATE_SHIFT)
+        return (saving > acc[0] - acc[1] + (acc[0] >> (GATE_SHIFT - 1))) | (not self.gate_on)
 
     def keep_wanted(self, target: int, wanted: torch.Tensor, n_wanted: torch.Tensor) -> None:
         """This group's list's wanted instances (``wanted``, the first ``n_wanted`` count) kept as
@@ -246,10 +258,7 @@ class PrefetchingPolicy(CachePolicy):
     def reset(self, cache) -> None:
         self.inflight.zero_()
         self.prev_layer = cache.pools.num_moe_layers
-        self.gate_acc.zero_()
-        self.want_n.zero_()
-        self.want_group.fill_(-1)
-        self.group_index.zero_()
+        self.reset_gate()
 
     def reset_counters(self) -> None:
         self.prediction_history.fill_(-1)
