@@ -378,11 +378,29 @@ def test_cache_stage_warms_from_the_placement_profile(tmp_path):
     pd.testing.assert_frame_equal(pd.read_csv(both_paths["recommendation"]), rec)
 
 
+# test_without_numba's stream (2 layers x 6 experts, top-3, a group's selections kept at the layer's
+# next group with probability 0.7) and own-layer lists naming that next group's experts (each entry
+# kept with probability 0.9): a forecast the prefetch gate opens for
+_PLAIN_SETUP = (
+    "rng = np.random.default_rng(2)\n"
+    "sel = rng.integers(0, 6, (100, 3))\n"
+    "for g in range(2, 100):\n"
+    "    sel[g] = np.where(rng.random(3) < 0.7, sel[g - 2], sel[g])\n"
+    "ids = ((np.arange(100) % 2)[:, None] * 6 + sel).reshape(-1); ptr = np.arange(0, 301, 3)\n"
+    "s = streams.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
+    "pred = np.where(rng.random((100, 3)) < 0.9, np.roll(ids.reshape(100, 3), -2, axis=0), -1)\n"
+    "for row in pred:\n"
+    "    row[np.setdiff1d(np.arange(3), np.unique(row, return_index=True)[1])] = -1\n"
+)
+
+
 def test_without_numba_the_same_source_runs_as_plain_python():
     """Where numba is missing (the GPU host's image), the replay loops run uncompiled: same results."""
     import subprocess
     import sys
     from pathlib import Path
+
+    from coldset.analysis import streams
 
     code = (
         "import sys; sys.modules['numba'] = None\n"
@@ -390,10 +408,7 @@ def test_without_numba_the_same_source_runs_as_plain_python():
         "from coldset.analysis import policies, simulate, streams, time_model\n"
         "from coldset.analysis.policies import lru\n"
         "assert type(lru.replay_lru).__name__ == 'function'\n"
-        "rng = np.random.default_rng(2)\n"
-        "ids = rng.integers(0, 12, 300); ptr = np.arange(0, 301, 3)\n"
-        "s = streams.AccessStream(ids, ptr, 100, 2, 6); prof = rng.random((2, 6))\n"
-        "pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)\n"
+        + _PLAIN_SETUP +
         "rs = [simulate.simulate(s, p, 5, prof, predictions=pred if p in ('forecast', 'nexttoken') else None) "
         "for p in policies.POLICIES]\n"
         "tm = time_model.TimeModel(1.0, 10**7, 20.0, 0.1, 0.4, link='share', join='step')\n"
@@ -404,12 +419,9 @@ def test_without_numba_the_same_source_runs_as_plain_python():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": src})
     assert out.returncode == 0, out.stderr[-2000:]
-    rng = np.random.default_rng(2)
-    ids = rng.integers(0, 12, 300)
-    ptr = np.arange(0, 301, 3)
-    s = AccessStream(ids, ptr, 100, 2, 6)
-    prof = rng.random((2, 6))
-    pred = np.where(rng.random((100, 3)) < 0.7, (ids[ptr[:-1]] // 6)[:, None] * 6 + rng.integers(0, 6, (100, 3)), -1)
+    scope = {"np": np, "streams": streams}
+    exec(_PLAIN_SETUP, scope)
+    s, prof, pred = scope["s"], scope["prof"], scope["pred"]
     from coldset.analysis.time_model import TimeModel, simulate_time
 
     rs = [simulate(s, p, 5, prof, predictions=pred if p in ("forecast", "nexttoken") else None) for p in POLICIES]
@@ -455,18 +467,22 @@ def brute_touch(g, resident, recency, last, tick, gi):
 
 class BruteGate:
     """The prefetch gate read literally: running (wanted, useful, saving) sums over the lists, each
-    list judged when its layer next runs."""
+    list judged when its layer next runs, each sum losing its 64th (rounded down) before the list's
+    copies (1024 parts a copy) are added; wanted starts at 4 copies. Open while the saving, capped
+    at 64 groups' compute (64 lead units), beats the waste (wanted - useful) by more than a 32nd of
+    the wanted (rounded down)."""
 
     def __init__(self, lead_unit):
-        self.lead_unit, self.acc, self.pending = lead_unit, [0, 0, 0], {}
+        self.lead_unit, self.acc, self.pending = lead_unit, [4 * 1024, 0, 0], {}
 
     def judge(self, layer, g, group):
         if layer in self.pending:
             want, g0 = self.pending.pop(layer)
             useful = sum(x in group for x in want)
             adds = (len(want) * 1024, useful * 1024, useful * min(1024, (g - g0) * self.lead_unit))
-            self.acc = [a - (a >> 6) + d for a, d in zip(self.acc, adds)]
-        return self.acc[2] >= self.acc[0] - self.acc[1]
+            self.acc = [a - a // 64 + d for a, d in zip(self.acc, adds)]
+        wanted, used, saving = self.acc
+        return min(saving, 64 * self.lead_unit) > (wanted - used) + wanted // 32
 
     def listed(self, layer, g, want):
         self.pending[layer] = (list(want), g)
@@ -541,12 +557,13 @@ def test_forecast_prefetch_lands_for_the_next_step():
     """2 layers x 4 experts, top-1, 3 warm slots (0,0) (0,1) (1,0). Step 1, layer 0 hits (0,0) and
     prefetches (0,2) into the slot of (0,1) (the least recent of layer 0 not used); layer 1 misses
     (1,3) and evicts (1,0), the least recent slot not in flight. Step 2, layer 0 hits (0,2) where
-    lru misses it; the prediction lists are checked (own layer only, required)."""
+    lru misses it; the prediction lists are checked (own layer only, required). Without the gate
+    (which starts closed: tests/test_gate_rule.py), so that the first list is issued."""
     profile = np.array([[5.0, 4.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]])  # warm: (0,0), (0,1), (1,0)
     ids = np.array([0, 7, 2, 4])  # step 1: (0,0), (1,3); step 2: (0,2), (1,0)
     stream = AccessStream(ids, np.arange(5), 2, 2, 4)
     pred = np.array([[2], [-1], [-1], [-1]])
-    res = simulate(stream, "forecast", 3, profile, predictions=pred)
+    res = simulate(stream, "forecast", 3, profile, predictions=pred, prefetch_gate=False)
     assert res.hit.tolist() == [True, False, True, False] and res.prefetches.tolist() == [1, 0, 0, 0]
     assert res.useful_prefetches == 1
     lru = simulate(stream, "lru", 3, profile)
@@ -604,44 +621,53 @@ def test_prefetching_policies_keep_lru_guards_protection_where_a_step_outnumbers
 def test_lookahead_policy_matches_brute_force():
     """The lookahead policy: forecast's replay with lists naming later layers of the same step
     (victims only in layers already done, in-flight until the step ends), lru_guard's bar and the
-    gate, against the literal brute force on random streams of whole steps."""
+    gate, against the literal brute force on random streams of whole steps. Each list names the
+    experts its target group selects, each replaced w.p. ``1 - p`` by a random one (p 0.9 in odd
+    trials: lists the gate opens for; 0.3 in even ones: lists it keeps closed), and w.p. 0.2 a
+    random entry more; the gate's unit varies (its cap binding at 128 and 1024, not at 10**6)."""
     rng = np.random.default_rng(23)
-    seen_prefetch = seen_useful = 0
+    seen_prefetch = seen_useful = opened = 0
     L, E = 3, 6
     for trial in range(30):
         k = int(rng.integers(1, 3))
-        steps = int(rng.integers(3, 25))
+        steps = int(rng.integers(10, 40))
         sel = [[int(e) for e in rng.choice(E, size=k, replace=False)] for _ in range(steps * L)]
         groups = [[(g % L) * E + e for e in sel[g]] for g in range(steps * L)]
         ids = np.array([x for g in groups for x in g])
         stream = AccessStream(ids, np.arange(0, ids.size + 1, k), steps, L, E)
         profile = rng.integers(0, 9, size=(L, E)).astype(np.float64)
         depth = 1 + trial % 2
+        p = 0.9 if trial % 2 else 0.3
         pred = np.full((len(groups), 3), -1)
         for g in range(len(groups)):
             layer = g % L
             if layer + depth < L:
-                row = np.unique(rng.integers(0, E, size=3))
-                pred[g, :row.size] = (layer + depth) * E + row
+                row = [e if rng.random() < p else int(rng.integers(E)) for e in sel[g + depth]]
+                row = list(dict.fromkeys(row + [int(rng.integers(E))] * (rng.random() < 0.2)))
+                pred[g, :len(row)] = (layer + depth) * E + np.array(row)
         cap = int(rng.integers(stream.max_group, L * E + 1))
-        res = simulate(stream, "lookahead", cap, profile, predictions=pred)
+        lead_unit = int(rng.choice([128, 1024, 10**6]))
+        res = simulate(stream, "lookahead", cap, profile, predictions=pred, lead_unit=lead_unit)
         ref_hit, ref_pf, ref_useful = brute_force_forecast(groups, cap, profile, E, pred.tolist(), guard=L,
-                                                           lead_unit=1024)
+                                                           lead_unit=lead_unit)
         np.testing.assert_array_equal(res.hit, ref_hit, err_msg=f"trial {trial} cap {cap}")
         np.testing.assert_array_equal(res.prefetches, ref_pf, err_msg=f"trial {trial} cap {cap}")
         assert res.useful_prefetches == ref_useful
         seen_prefetch += int(ref_pf.sum())
         seen_useful += ref_useful
+        opened += bool(ref_pf.sum())
     assert seen_prefetch > 30 and seen_useful > 10
+    assert 5 <= opened <= 25, opened  # the gate opened in some trials and stayed closed in others
 
 
 def test_lookahead_prefetch_lands_for_a_later_layer_of_the_step():
     """2 layers x 4 experts, top-1, 3 warm slots (0,0) (0,1) (1,0). Layer 0 hits (0,0), and its
     lookahead names (1,3): prefetched into (0,1)'s slot (layer 0 is done, (0,0) is in use), so
-    layer 1 hits (1,3) where lru misses it. Lists naming the own layer are refused."""
+    layer 1 hits (1,3) where lru misses it. Lists naming the own layer are refused. Without the gate
+    (which starts closed: tests/test_gate_rule.py), so that the first list is issued."""
     profile = np.array([[5.0, 4.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]])
     stream = AccessStream(np.array([0, 7]), np.arange(3), 1, 2, 4)
-    res = simulate(stream, "lookahead", 3, profile, predictions=np.array([[7], [-1]]))
+    res = simulate(stream, "lookahead", 3, profile, predictions=np.array([[7], [-1]]), prefetch_gate=False)
     assert res.hit.tolist() == [True, True] and res.prefetches.tolist() == [1, 0] and res.useful_prefetches == 1
     assert simulate(stream, "lru", 3, profile).hit.tolist() == [True, False]
     with pytest.raises(CacheError, match="earlier MoE layer"):
@@ -722,22 +748,30 @@ def brute_force_nexttoken(groups, capacity, profile, n_experts, n_layers, lists,
 
 
 def test_nexttoken_policy_matches_brute_force():
+    """nexttoken against the literal brute force on random streams: lists naming the layer's next
+    group (each entry kept w.p. 0.95, in half the trials: lists the gate opens for) or mostly
+    random ones (it stays closed), budgets, and gate units whose cap binds (0, 10, 1024) or not."""
     rng = np.random.default_rng(23)
-    seen = {"prefetch": 0, "useful": 0, "wasted": 0, "predicted_victim": 0}
+    seen = {"prefetch": 0, "useful": 0, "wasted": 0, "predicted_victim": 0, "opened": 0}
     for trial in range(60):
         k = int(rng.integers(1, 4))
         n_layers = int(rng.integers(1, 4))
         groups, stream, profile, n_inst = random_stream(rng, n_layers=n_layers, n_experts=6, k=k,
-                                                        dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+                                                        dup=trial % 3 == 0, n_groups=int(rng.integers(30, 120)))
         E = stream.num_experts
-        width = int(rng.integers(1, 6))
+        p = 0.95 if trial % 4 < 2 else 0.3  # the entries naming the layer's next group: a gate that opens, or not
+        width = int(rng.integers(1, k + 1 if p > 0.5 else 6))  # (entries past k are random: wasted)
         layer = np.array([g[0] // E for g in groups])
         lists = layer[:, None] * E + rng.integers(0, E, size=(len(groups), width))
-        lists = np.where(rng.random(lists.shape) < 0.2, -1, lists)
+        for g in range(len(groups) - n_layers):
+            right = groups[g + n_layers][:width]
+            take = rng.random(len(right)) < p
+            lists[g, :len(right)] = np.where(take, right, lists[g, :len(right)])
+        lists = np.where(rng.random(lists.shape) < 0.2 * (1 - p), -1, lists)
         once_per_row(lists)
         cap = int(rng.integers(stream.max_group, n_inst + 1))
         budget = None if trial % 2 else int(rng.integers(0, 3))
-        lead_unit = int(rng.choice([0, 10, 1024]))
+        lead_unit = int(rng.choice([0, 10, 1024, 10**6]))
         res = simulate(stream, "nexttoken", cap, profile, predictions=lists, prefetch_budget=budget, lead_unit=lead_unit)
         ref = brute_force_nexttoken(groups, cap, profile, E, n_layers, lists.tolist(), budget, lead_unit)
         np.testing.assert_array_equal(res.hit, ref["hit"], err_msg=f"trial {trial} cap {cap}")
@@ -748,19 +782,23 @@ def test_nexttoken_policy_matches_brute_force():
         seen["prefetch"] += sum(ref["prefetches"])
         seen["useful"] += ref["useful"]
         seen["wasted"] += ref["wasted"]
+        seen["opened"] += bool(sum(ref["prefetches"]))
     assert seen["prefetch"] > 50 and seen["useful"] > 20 and seen["wasted"] > 5  # the streams exercised it
+    assert 10 <= seen["opened"] <= 50, seen  # the gate opened in some trials and stayed closed in others
 
 
 def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
     """1 layer x 4 experts, top-1, 2 slots warm with e0 (least used) and e1. Step 0 selects e2:
     miss; e0 is predicted (the previous list), so e1 goes although it is more recent. The list
     [e3] then prefetches e3 into the only unpredicted slot not used by the group... none: e2 is used,
-    e0 is predicted by the old list? No: the new list [e3] replaces layer 0's flags, so e0 is free."""
+    e0 is predicted by the old list? No: the new list [e3] replaces layer 0's flags, so e0 is free.
+    Without the gate (which starts closed: tests/test_gate_rule.py), so that every list is issued
+    and flags its entries."""
     stream = AccessStream(np.array([2, 3, 0]), np.array([0, 1, 2, 3]), 3, 1, 4)
     profile = np.array([[1.0, 2.0, 0.0, 0.0]])  # warm e1 (count 2) and e0 (count 1, first victim)
     # group 0's predicted flags come from no earlier list: every resident unpredicted -> lru victim e0
     lists = np.array([[3], [0], [-1]])
-    res = simulate(stream, "nexttoken", 2, profile, predictions=lists, record_victims=True)
+    res = simulate(stream, "nexttoken", 2, profile, predictions=lists, record_victims=True, prefetch_gate=False)
     # g0: e2 misses, victim e0 (least recent); list [e3] prefetches into e1's slot (e2 used by the group)
     # g1: e3 hits (committed), list [e0]: victims exclude e3 (predicted? no: the new list is [e0]) -> e2 goes
     # g2: e0 hits
@@ -769,7 +807,8 @@ def test_nexttoken_evicts_unpredicted_first_and_keeps_in_flight_slots():
     assert res.issued[:, 0].tolist() == [3, 0, -1] and res.useful_prefetches == 2 and res.wasted_prefetches == 0
     # with a predicted resident the demand miss takes the unpredicted one even when it is more recent
     stream = AccessStream(np.array([1, 2]), np.array([0, 1, 2]), 2, 1, 4)
-    res = simulate(stream, "nexttoken", 2, profile, predictions=np.array([[0], [-1]]), record_victims=True)
+    res = simulate(stream, "nexttoken", 2, profile, predictions=np.array([[0], [-1]]), record_victims=True,
+                   prefetch_gate=False)
     # g0: e1 hits, list [e0] (resident: no copy) -> e0 predicted; g1: e2 misses: e0 predicted, e1 is
     # unpredicted (more recent than e0) -> e1 goes
     assert res.hit.tolist() == [True, False] and res.victims.tolist() == [-1, 1]

@@ -48,7 +48,8 @@ def test_one_miss_stalls_by_one_copy():
 def test_prefetch_a_step_ahead_is_hidden_and_a_late_one_saves_part():
     stream = one_layer([0, 2])
     lists = np.array([[2], [-1]])  # after step 0 the forecast names e2
-    res = simulate(stream, "nexttoken", 2, PROFILE, predictions=lists)
+    # (the replays timed here run without the gate, which starts closed: the prefetch is what is timed)
+    res = simulate(stream, "nexttoken", 2, PROFILE, predictions=lists, prefetch_gate=False)
     assert res.hit.tolist() == [True, True] and res.prefetches.tolist() == [1, 0]
     # issued at 0.5 ms, the decisions of step 1 at 1.5 ms: a copy of 0.8 ms lands at 1.3, hidden
     hidden = simulate_time(stream, res, model(0.8))
@@ -67,7 +68,7 @@ def test_demand_priority_passes_queued_prefetches():
     stream = one_layer([0, 1], n_experts=5)
     profile = np.array([[4.0, 0.0, 0.0, 0.0, 3.0]])  # warm e0, e4
     lists = np.array([[2, 3], [-1, -1]])
-    res = simulate(stream, "nexttoken", 2, profile, predictions=lists)
+    res = simulate(stream, "nexttoken", 2, profile, predictions=lists, prefetch_gate=False)
     # g0: e0 hits; e4 is the only victim not used: e2 prefetched into it; no slot left for e3
     assert res.hit.tolist() == [True, False] and res.issued[0].tolist() == [2, -1]
     # the prefetch (issued 0.5, copy 2.0 ms) crosses until 2.5; step 1 decides at 1.5 and misses e1
@@ -86,7 +87,7 @@ def test_demand_priority_passes_queued_prefetches():
 
 def test_join_step_waits_for_the_steps_copies():
     stream = one_layer([0, 2])
-    res = simulate(stream, "nexttoken", 2, PROFILE, predictions=np.array([[2], [-1]]))
+    res = simulate(stream, "nexttoken", 2, PROFILE, predictions=np.array([[2], [-1]]), prefetch_gate=False)
     # join at the step's end: step 0 ends at 1.0, the copy (0.8 from 0.5) lands at 1.3: 0.3 of stall
     ts = simulate_time(stream, res, model(0.8, join="step"))
     with pytest.raises(CacheError, match="link"):

@@ -128,10 +128,11 @@ def brute_force_dueled_forecast(groups, capacity, profile, n_experts, preds, gua
 def partly_right_case(rng, trial):
     """A random stream (tests/test_cache.py's ``random_stream``, 3 layers of 6 experts) with lists
     partly right (so the duel both lets lists through and closes some the gate passes), a pool and
-    a gate: (groups, stream, profile, lists, capacity, lead_unit)."""
+    a gate whose cap binds (units 0, 10, 1024) or not (10**6): (groups, stream, profile, lists,
+    capacity, lead_unit)."""
     k = int(rng.integers(1, 4))
     groups, stream, profile, n_inst = test_cache.random_stream(
-        rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0, n_groups=int(rng.integers(6, 90)))
+        rng, n_layers=3, n_experts=6, k=k, dup=trial % 3 == 0, n_groups=int(rng.integers(30, 120)))
     E = stream.num_experts
     width = int(rng.integers(1, 5))
     layer = np.array([g[0] // E for g in groups])
@@ -143,7 +144,7 @@ def partly_right_case(rng, trial):
     pred = np.where(rng.random(pred.shape) < 0.25, -1, pred)
     test_cache.once_per_row(pred)
     cap = int(rng.integers(stream.max_group, n_inst + 1))
-    return groups, stream, profile, pred, cap, int(rng.choice([0, 10, 1024]))
+    return groups, stream, profile, pred, cap, int(rng.choice([0, 10, 1024, 10**6]))
 
 
 def test_forecast_policy_matches_brute_force():
@@ -151,7 +152,7 @@ def test_forecast_policy_matches_brute_force():
     lists are partly right."""
     rng = np.random.default_rng(17)
     seen_prefetch = seen_useful = seen_closed = 0
-    for trial in range(40):
+    for trial in range(60):
         groups, stream, profile, pred, cap, lead_unit = partly_right_case(rng, trial)
         E = stream.num_experts
         _, gated_pf, _ = test_cache.brute_force_forecast(groups, cap, profile, E, pred.tolist(), own_layer=True,
