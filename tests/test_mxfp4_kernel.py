@@ -158,6 +158,32 @@ def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     assert "tokens" in stdout and "err/tol" in stdout
 
 
+def test_kernel_mxfp4_measurement_takes_a_configs_file_and_refuses_a_bad_one(tmp_path, capsys):
+    """``--configs FILE`` runs exactly the file's configs (decode list up to 64 tokens, prefill
+    above, none where a list is missing); a file that is not such an object is refused naming it."""
+    import json
+
+    from coldset.measure import kernel_mxfp4
+
+    decode = [{"block_m": 1, "block_n1": 8, "block_k1": 256, "block_n2": 8, "block_k2": 256, "w8a16": 2},
+              {"block_m": 16, "block_n1": 32, "block_k1": 64, "block_n2": 32, "block_k2": 64}]
+    good = tmp_path / "configs.json"
+    good.write_text(json.dumps({"decode": decode}))
+    args = kernel_mxfp4.parse_args(["--configs", str(good)])
+    got = kernel_mxfp4.configs_for(4, None, args.space)
+    assert [(c.block_m, c.block_n1, c.block_k1, c.w8a16) for c in got] == [(1, 8, 256, 2), (16, 32, 64, 0)]
+    assert [kernel_mxfp4.variant_of(c) for c in kernel_mxfp4.configs_for(4, ("gemv",), args.space)] == ["gemv"]
+    assert kernel_mxfp4.configs_for(256, None, args.space) == []
+    default = kernel_mxfp4.configs_for(4, None, kernel_mxfp4.parse_args([]).space)
+    assert len(default) > 2  # no file: the search space
+    for text in ("[1, 2]", '{"decode": {"block_m": 1}}', '{"dekode": []}', "{not json"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(SystemExit):
+            kernel_mxfp4.parse_args(["--configs", str(bad)])
+        assert str(bad) in capsys.readouterr().err, text
+
+
 # ------------------------------------------- the compiled kernel (CUDA) -------
 
 def _search_space():

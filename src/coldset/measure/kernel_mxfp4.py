@@ -10,7 +10,8 @@ graph and replayed (:func:`coldset.core.timing.graph_time_us`, the median of ``-
 layer's weights are served from L2 by the one before.
 
 The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
-decode list up to 64 tokens, prefill above; ``--variants`` keeps some paths only), each config one
+decode list up to 64 tokens, prefill above), or those of a file of the same shape (``--configs``, to
+try configs outside the search space); ``--variants`` keeps some paths only. Each config is one
 of four paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
 ``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
 per scale group) and ``gemv`` (no dot: one or two pairs a block, products summed in registers).
@@ -90,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.add_argument("--variants", default="all",
                    help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv (default all)")
+    p.add_argument("--configs", default=None,
+                   help="a JSON file of configs to run instead of the search space: {\"decode\": [...], \"prefill\": "
+                        "[...]} as in coldset/kernels/configs/triton_mxfp4.json's search_space (a missing list: none)")
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="seconds after which configs not yet timed are skipped (and listed as such)")
     args = p.parse_args(argv)
@@ -102,6 +106,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--variants {args.variants!r}: 'all' or some of {', '.join(VARIANTS)}")
     if not args.batch_list or min(args.batch_list) < 1 or args.layers < 1 or args.reps < 1:
         p.error("--batches, --layers and --reps must be positive")
+    args.space = None
+    if args.configs:
+        try:
+            with open(args.configs) as f:
+                args.space = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            p.error(f"--configs {args.configs}: {exc}")
+        if not isinstance(args.space, dict) or not set(args.space) <= {"decode", "prefill"} or not all(
+                isinstance(v, list) and all(isinstance(c, dict) for c in v) for v in args.space.values()):
+            p.error(f"--configs {args.configs}: an object with lists of config objects under 'decode' and/or "
+                    "'prefill' expected")
     return args
 
 
@@ -287,13 +302,14 @@ def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], d
     return row
 
 
-def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None) -> list:
-    """The search space's configs for ``num_tokens`` (decode up to 64 tokens, prefill above), those
-    of ``variants`` only when given."""
+def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None, space: dict | None = None) -> list:
+    """The configs for ``num_tokens`` (decode up to 64 tokens, prefill above) of ``space`` (default:
+    the search space), those of ``variants`` only when given."""
     from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
 
-    space = load_kernel_configs("triton_mxfp4")["search_space"]
-    configs = [KernelConfig.from_dict(d) for d in space["decode" if num_tokens <= 64 else "prefill"]]
+    if space is None:
+        space = load_kernel_configs("triton_mxfp4")["search_space"]
+    configs = [KernelConfig.from_dict(d) for d in space.get("decode" if num_tokens <= 64 else "prefill", [])]
     return [c for c in configs if variants is None or variant_of(c) in variants]
 
 
@@ -350,7 +366,7 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
     s = build(args)
     rows, wrong = [], []
     for n, num_tokens in enumerate(args.batch_list):
-        configs = configs_for(num_tokens, args.variant_list)
+        configs = configs_for(num_tokens, args.variant_list, args.space)
         # the budget's end, less a reserve for each batch after this one (their compiles and times); the
         # first batches compile the most (each grouping's kernels), so they are not held to an equal share
         deadline = t_start + args.budget_s - ROW_RESERVE_S * (len(args.batch_list) - 1 - n)
@@ -374,7 +390,7 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
                        "reps": args.reps, "rows": rows, "bf16_failure": s.bf16_failure,
                        "seconds": time.time() - t_start}, f, indent=1)
     for num_tokens, i, why in wrong:
-        print(f"WRONG: {num_tokens} tokens, config {i} ({variant_of(configs_for(num_tokens, args.variant_list)[i])}): "
+        print(f"WRONG: {num_tokens} tokens, config {i} ({variant_of(configs_for(num_tokens, args.variant_list, args.space)[i])}): "
               f"{why}")
     if s.bf16_failure:
         print(f"bf16 column empty: {s.bf16_failure}")
