@@ -90,3 +90,22 @@ def test_a_cached_loop_sees_a_change_to_a_loop_of_another_file(tmp_path):
     assert total() == "55"
     inner.write_text(inner.read_text().replace("i + 1", "2 * i"))  # outer.py unchanged
     assert total() == "90"
+    # a NUMBA_CACHE_DIR may be shared by checkouts at other states: both states' folders stay
+    assert len([d for d in (tmp_path / "numba" / "coldset").iterdir() if d.is_dir()]) == 2
+
+
+def test_a_new_source_state_deletes_the_older_states_folders_only(tmp_path):
+    """prune_other_states removes the other 20-hex-digit digest folders, nothing else."""
+    base = tmp_path / "numba"
+    old = [base / "0123456789abcdef0123", base / "fedcba9876543210fedc"]
+    current = base / "aaaaaaaaaaaaaaaaaaaa"
+    keep = [base / "notes", base / "0123456789ABCDEF0123", base / "0123456789abcdef012"]
+    for d in old + keep:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "x.nbi").write_bytes(b"x")
+    (base / "abcdefabcdefabcdefab").write_text("a file, not a folder")
+    gone = compiled.prune_other_states(base, current)
+    assert sorted(gone) == sorted(old)
+    assert not any(d.exists() for d in old)
+    assert all((d / "sub" / "x.nbi").exists() for d in keep) and (base / "abcdefabcdefabcdefab").is_file()
+    assert compiled.prune_other_states(tmp_path / "absent", current) == []

@@ -13,7 +13,9 @@ module's name for a loop is rebound to its numba dispatcher, so loops that call 
 are compiled as one nopython program, as with eager decoration.
 
 Compiled loops are cached on disk in a folder named by a digest of every Python source of the
-packages that define loops (:func:`loop_cache_dir`). Why: numba keys a cached function on its own
+packages that define loops (:func:`loop_cache_dir`); in a checkout's own cache folder a new
+state's first compile deletes the older states' folders (:func:`prune_other_states`), which
+nothing reads again. Why a digest: numba keys a cached function on its own
 file only, and a loop compiled together with a loop of another file keeps that loop's old code
 when only the other file changes (a ``git pull`` that edits ``pool.py`` but not ``lru.py``): the
 replay would silently run the old rules.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,16 +81,35 @@ def loop_cache_dir(loops: list[Loop], base: Path) -> Path:
     return base / digest.hexdigest()[:20]
 
 
+def prune_other_states(base: Path, current: Path) -> list[Path]:
+    """Delete the digest folders under ``base`` other than ``current`` (folders of older states of
+    the source, never read again); returns those deleted. Only for a checkout's own cache folder:
+    a ``NUMBA_CACHE_DIR`` may be shared by checkouts at other states, whose folders are live."""
+    gone = []
+    if not base.is_dir():
+        return gone
+    for d in base.iterdir():
+        name = d.name
+        if d != current and d.is_dir() and len(name) == 20 and all(c in "0123456789abcdef" for c in name):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 def _cache_base() -> Path:
     """Where the digest folders live: under ``NUMBA_CACHE_DIR`` where the user set it, else under
     the top-level package's ``__pycache__`` where it is writable (numba's own default is beside the
     sources), else under the user's cache folder."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"]) / "coldset"
-    package = Path(__file__).resolve().parents[1]
-    if os.access(package, os.W_OK):
-        return package / "__pycache__" / "numba"
+    if os.access(_package_cache_base().parents[1], os.W_OK):
+        return _package_cache_base()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coldset" / "numba"
+
+
+def _package_cache_base() -> Path:
+    """The checkout's own cache folder: ``__pycache__/numba`` of the top-level package."""
+    return Path(__file__).resolve().parents[1] / "__pycache__" / "numba"
 
 
 def compile_loops() -> None:
@@ -99,8 +121,12 @@ def compile_loops() -> None:
     from numba import njit  # optional, and loaded only here (the module doc says why)
     from numba.core import config  # numba's cache folder, read when a dispatcher enables its cache
 
+    base = _cache_base()
+    folder = loop_cache_dir(_LOOPS, base)
+    if not folder.exists() and base == _package_cache_base():
+        prune_other_states(base, folder)  # a new state of the source: the older states' loops are dead
     before = config.CACHE_DIR
-    config.CACHE_DIR = str(loop_cache_dir(_LOOPS, _cache_base()))
+    config.CACHE_DIR = str(folder)
     try:
         for loop in pending:
             loop.dispatcher = njit(cache=True, nogil=True)(loop.fn)
