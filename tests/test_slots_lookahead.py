@@ -57,11 +57,13 @@ def _lookahead_run(engine, residency, batch, depth, prompts, sabotage=None):
 def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch, depth):
     """The engine's lookahead decisions on CPU: per group hits, misses, fills and prefetches equal
     coldset.analysis.simulate.simulate's 'lookahead' policy fed with the prediction lists the engine recorded;
-    logits bitwise the unmodified path's; prefetches happened and were used."""
+    logits bitwise the unmodified path's; prefetches happened and were used. Residency 0.5 and 8
+    prompts: room past lru_guard's bar to prefetch, and lists enough for the gate (closed at first)
+    to open."""
     cfg = engine.config
     L, E = cfg.num_moe_layers, cfg.num_experts
-    prompts = random_prompts(cfg.vocab_size, 4, seed=5)
-    cache, counts, C, groups, result = _lookahead_run(engine, 0.25, batch, depth, prompts)
+    prompts = random_prompts(cfg.vocab_size, 8, seed=5)
+    cache, counts, C, groups, result = _lookahead_run(engine, 0.5, batch, depth, prompts)
     assert result.passed and result.tokens_matched == result.tokens_total
     cache.check(contents=True)
     n_groups = int(cache.groups)
@@ -81,8 +83,9 @@ def test_lookahead_engine_equals_the_simulator_and_passes_the_gate(engine, batch
 
 def test_a_stale_prefetch_fails_the_gate(engine, monkeypatch):
     """A prefetch whose copy never lands (its slot keeps the victim's weights, the row map names the
-    prefetched expert) must fail the gate and the contents check."""
-    prompts = random_prompts(engine.config.vocab_size, 2, seed=6)
+    prefetched expert) must fail the gate and the contents check. (Residency 0.5 and 4 prompts: the
+    prefetch gate, closed at first, opens.)"""
+    prompts = random_prompts(engine.config.vocab_size, 4, seed=6)
     real_fill = SlotCache.fill
     skipped = []
 
@@ -93,7 +96,7 @@ def test_a_stale_prefetch_fails_the_gate(engine, monkeypatch):
         real_fill(self, victims, new_inst, valid, m)
 
     monkeypatch.setattr(SlotCache, "fill", no_prefetch_copy)
-    cache, _, _, _, result = _lookahead_run(engine, 0.25, 1, 1, prompts)
+    cache, _, _, _, result = _lookahead_run(engine, 0.5, 1, 1, prompts)
     assert sum(skipped) > 0
     assert not result.passed
     with pytest.raises(ValueError, match="does not hold the weights"):
@@ -137,14 +140,16 @@ def test_lookahead_in_flight_slots_are_no_demand_victims():
     identity, so the router input names the forecast. Layer 0 hits (0,0) (0,1) and its lookahead
     [(1,4), (1,5)] takes the slots of (0,3) and (0,2) (least used first). Layer 1 misses (1,0..3):
     (1,4) (1,5) are in flight and (0,0) (0,1) were used by the last L groups (lru_guard's bar), so
-    every miss is read in place; the prefetched (1,4) (1,5) stay. The simulator agrees."""
+    every miss is read in place; the prefetched (1,4) (1,5) stay. The simulator agrees. Without the
+    gate (closed at first: tests/test_gate_rule.py), so that the first list is issued."""
     L, E, k, T = 2, 6, 2, 2
     counts = np.zeros((L, E))
     counts[0, :4] = [9, 8, 7, 6]
     row_map, _, wc = _warm(counts, 4)
     all_hot = _random_pools(L, E)
     routers = [torch.eye(E) for _ in range(L)]
-    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers)
+    cache = SlotCache.build(all_hot, host_tier(all_hot), row_map, wc, "lookahead", T, k, routers=routers,
+                            prefetch_gate=False)
     forecast = torch.tensor([[0, 0, 0, 0, 2.0, 1.0]] * T)
     cache.admit(0, torch.tensor([[0, 1], [0, 1]]), hidden=forecast)
     assert cache.prefetch_lists()[0].tolist() == [E + 4, E + 5, -1, -1]
@@ -156,7 +161,7 @@ def test_lookahead_in_flight_slots_are_no_demand_victims():
     np.testing.assert_array_equal(cache.group_history(), [[4, 0, 0], [0, 4, 4]])
     cache.check(contents=True)
     stream = AccessStream(np.array([0, 1, 0, 1, 6, 7, 8, 9]), np.array([0, 4, 8]), T, L, E)
-    sim = simulate(stream, "lookahead", 4, counts, predictions=cache.prefetch_lists())
+    sim = simulate(stream, "lookahead", 4, counts, predictions=cache.prefetch_lists(), prefetch_gate=False)
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
 
 
@@ -185,7 +190,8 @@ def test_triton_lookahead_decisions_equal_the_torch_path(depth):
         all_hot = ExpertPools.all_hot(pools.w13_hot.view(L, E, 8, 4).cuda(), pools.w2_hot.view(L, E, 4, 4).cuda())
         routers = [torch.as_tensor(rng.standard_normal((E, H)), dtype=torch.bfloat16).cuda() for _ in range(L)]
         host = host_tier(all_hot)
-        # odd trials with the gate at lead unit 0 (it closes once a wasted entry is judged), even ones without
+        # odd trials with the gate at lead unit 0 (its cap keeps it closed: the sums are compared, no
+        # list is issued), even ones without
         a, b = (SlotCache.build(all_hot, host, row_map, wc, "lookahead", T, k, routers=routers, depth=depth,
                                 prefetch_gate=bool(trial % 2), lead_unit=0) for _ in range(2))
         a.use_kernel = False
@@ -266,28 +272,38 @@ def test_cuda_lookahead_lists_equal_lookahead_predictions(depth):
     cache.check(contents=True)
 
 
+def _without_gate(cache):
+    """A ``_graphed_cache`` patch: the prefetch gate never closes (the captured prefetch is under
+    test, whatever the forecast's precision; the gate starts closed)."""
+    cache.rules.gate_on = False
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate_on", [True, False], ids=["gate", "no-gate"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(graphed_model, depth):
+def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(graphed_model, depth, gate_on):
     """lookahead in the captured step (the fused router launch computing the forecast and making
     the whole decision, ``SlotCache.route``; prefetch copies forked onto the side stream inside the
     graph, joined before layer l + depth's experts): every step's logits bitwise the unmodified
     path's, per group hits, misses, fills and prefetches equal to ``coldset.analysis.simulate.simulate``'s
-    'lookahead' on the engine's recorded lists, prefetches issued (each evicting a slot) and used."""
+    'lookahead' on the engine's recorded lists, with the gate and without; without it, prefetches
+    issued (each evicting a slot) and used."""
     model = graphed_model
     L, E, k = model.config.num_moe_layers, model.config.num_experts, model.config.top_k
     assert model._fused_head is not None, "the fused decode region (the router decides) is what this tests"
-    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, "lookahead", depth)
+    cache, logits, ref_logits, routing, counts, C = _graphed_cache(model, "lookahead", depth,
+                                                                   patch=None if gate_on else _without_gate)
     assert cache.records_in_route(routing.shape[2])
     for s, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {s + 1}: logits differ from the unmodified path's"
     bsz = routing.shape[2]
     inst = (routing + (np.arange(L) * E)[None, :, None, None]).reshape(-1)
     stream = AccessStream(inst, np.arange(0, inst.size + 1, bsz * k), bsz * len(logits), L, E)
-    sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists())
+    sim = simulate(stream, "lookahead", C, counts, predictions=cache.prefetch_lists(), prefetch_gate=gate_on)
     np.testing.assert_array_equal(cache.group_history(), np.stack([sim.hits, sim.misses, sim.fills], axis=1))
     np.testing.assert_array_equal(cache.rules.prefetch_history[:sim.hits.size].cpu().numpy(), sim.prefetches)
-    assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
+    if not gate_on:
+        assert sim.prefetches.sum() > 0 and sim.useful_prefetches > 0, "no prefetch used: the test lost its point"
     cache.check(contents=True)
 
 
@@ -296,7 +312,8 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
     """The prefetch copy is made slow (a 2 ms sleep on the side stream before it). Joined where it
     belongs (before layer l + depth's experts), the logits stay bitwise the unmodified path's; joined
     only at the end of the step (a stale join: layer l + depth reads a slot whose copy has not
-    landed), they differ, so the parity gate fails."""
+    landed), they differ, so the parity gate fails. The prefetch gate is off (``_without_gate``):
+    the copies are what is tested."""
     from coldset.kernels import triton_slots
 
     real_fill = triton_slots.fill
@@ -307,11 +324,12 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
         real_fill(pools, victims, instances, count, pdl=pdl, blocks=blocks)
 
     monkeypatch.setattr(triton_slots, "fill", slow_fill)
-    cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1)
+    cache, logits, ref, _, _, _ = _graphed_cache(graphed_model, "lookahead", 1, patch=_without_gate)
     assert int(cache.rules.prefetch_history.sum()) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits, ref)), "the join did not hold the slow copy back"
 
     def late(cache):
+        _without_gate(cache)
         ahead = cache.rules
         L = len(ahead.pending)
 
