@@ -217,7 +217,9 @@ def test_compressed_tier_rows_sit_beside_the_raw_ones(tmp_path, capsys):
     assert both.host_tier.tolist() == ["raw", "compressed"] * 3
     raw, comp = both[both.host_tier == "raw"].reset_index(drop=True), both[both.host_tier == "compressed"]
     comp = comp.reset_index(drop=True)
-    pd.testing.assert_frame_equal(raw.drop(columns="host_tier"), plain)
+    # (the values; a column of zeros reads back as int64 without the compressed rows' floats beside it:
+    # overlap, where the prefetch gate, closed at first, stays closed on this random routing)
+    pd.testing.assert_frame_equal(raw.drop(columns="host_tier"), plain, check_dtype=False)
     for col in ("policy", "capacity", "hit_rate", "misses_per_token", "prefetches_per_token"):
         assert comp[col].equals(raw[col]), col
     lru_raw, lru_comp = raw.iloc[1], comp.iloc[1]

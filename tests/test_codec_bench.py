@@ -38,7 +38,9 @@ def test_cache_compressed_rows_count_the_records_their_fills_copied():
     for g in range(lists.shape[0]):  # two experts of the next layer (none after the last)
         if g % L < L - 1:
             lists[g, :2] = (g % L + 1) * E + rng.choice(E, 2, replace=False)
-    ahead = simulate(acc, "lookahead", 8, np.ones((L, E)), record_victims=True, predictions=lists)
+    # (without the prefetch gate: the random lists would keep it closed, and the copies are counted here)
+    ahead = simulate(acc, "lookahead", 8, np.ones((L, E)), record_victims=True, predictions=lists,
+                     prefetch_gate=False)
     # in flight slots are no victims: some misses are read in place, at the raw bytes
     assert ahead.prefetches.sum() > 0 and int(ahead.fills.sum()) > int((ahead.victims >= 0).sum())
     want = int(record[ahead.issued[ahead.issued >= 0]].sum())
@@ -76,7 +78,9 @@ def test_render_cache_renders_rows_of_both_host_tiers():
 
 
 def _replays():
-    """A small routing stream and lru's and lookahead's replays of it with their victims."""
+    """A small routing stream and lru's and lookahead's replays of it with their victims (lookahead
+    without the prefetch gate: its random lists would keep it closed, and its copies are what the
+    rows count)."""
     from coldset.analysis.simulate import simulate
     from coldset.analysis.streams import AccessStream
 
@@ -91,7 +95,7 @@ def _replays():
             lists[g, :3] = (g % L + 1) * E + rng.choice(E, 3, replace=False)
     return B, S, acc, {"lru": simulate(acc, "lru", 8, np.ones((L, E)), record_victims=True),
                        "lookahead": simulate(acc, "lookahead", 8, np.ones((L, E)), record_victims=True,
-                                             predictions=lists)}
+                                             predictions=lists, prefetch_gate=False)}
 
 
 @pytest.mark.parametrize("policy", ["lru", "lookahead"])

@@ -609,7 +609,9 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     ``_fit_nexttoken`` on the profile routing), fed a held-out routing [steps, L, B, k] group by
     group; bench.simulate_engine_pass on the routing in the layout the bench passes accepts the
     recorded lists and gives the engine's per-group (hits, misses, fills, prefetches), which also
-    equal coldset.analysis.simulate.simulate on the bench's own stream; its time columns come out."""
+    equal coldset.analysis.simulate.simulate on the bench's own stream; its time columns come out.
+    Each lane mostly takes its last experts' successors (a routing the forecast learns, so the
+    prefetch gate, closed at first, opens)."""
     import numpy as np
     import torch
 
@@ -622,13 +624,17 @@ def test_cache_nexttoken_check_on_a_cpu_engine():
     from coldset.engine.cache.pool import SlotCache
     from coldset.kernels.tiers import ExpertPools, host_tier
 
-    S, L, B, k, E, C = 10, 3, 2, 2, 8, 9
+    S, L, B, k, E, C = 30, 3, 2, 2, 8, 9
     rng = np.random.default_rng(5)
     p = rng.dirichlet(np.ones(E) * 0.5, size=L)
 
     def draw(steps):
-        return np.array([[[rng.choice(E, k, replace=False, p=p[layer]) for _ in range(B)] for layer in range(L)]
-                         for _ in range(steps)])
+        out = np.array([[[rng.choice(E, k, replace=False, p=p[layer]) for _ in range(B)] for layer in range(L)]
+                        for _ in range(steps)])
+        for s in range(1, steps):  # w.p. 0.8 a lane's experts are its last ones plus one
+            succ = rng.random((L, B)) < 0.8
+            out[s][succ] = (out[s - 1][succ] + 1) % E
+        return out
 
     prof, routing = draw(16), draw(S)
     counts = np.zeros((L, E))
@@ -716,12 +722,14 @@ def test_replay_chooses_policies_by_simulated_time_from_a_saved_run(tmp_path, ca
     from coldset.measure.harness import MeasureError
     from coldset.measure.replay import replay_table
 
-    S, L, B, H, E, k = 12, 3, 1, 8, 6, 2
-    rng = np.random.default_rng(1)
-    routing = np.stack([[[rng.choice(E, k, replace=False, p=[.4, .3, .1, .1, .05, .05]) for _ in range(B)]
-                         for _ in range(L)] for _ in range(S)])
+    S, L, B, H, E, k = 24, 3, 1, 8, 6, 2
     g = torch.Generator().manual_seed(1)
-    hidden, routers = torch.randn(S, L, B, H, generator=g), [torch.randn(E, H, generator=g) for _ in range(L)]
+    # a step's router inputs alike across its layers (a residual stream), each layer routing its own:
+    # the lookahead lists (a later router on this input) mostly right, so the prefetch gate can open
+    routers = [torch.randn(E, H, generator=g) for _ in range(L)]
+    hidden = torch.randn(S, 1, B, H, generator=g) + 0.3 * torch.randn(S, L, B, H, generator=g)
+    routing = np.stack([[[torch.topk(routers[layer] @ hidden[t, layer, b], k).indices.numpy() for b in range(B)]
+                         for layer in range(L)] for t in range(S)])
     counts = np.bincount((routing[:4] + np.arange(L)[None, :, None, None] * E).reshape(-1),
                          minlength=L * E).reshape(L, E).astype(float)
     arrays = {"profile_counts": counts, "expert_bytes": np.array(10**6),

@@ -401,9 +401,11 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
     tagged prefetch copy; lookahead's also the prefetch copy on the side stream). After every group
     the slots' weights and scales equal the torch path's bit for bit, as do the decisions; the FP8
     experts kernel reading the cache's pools (slot rows, host rows) gives the all-hot result bit
-    for bit; the slots hold their owners' weights and scales at the end. ``COLDSET_TEST_DEVICE=cpu
-    TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand; there the router-recorded
-    fill and the prefetch copies run 4 blocks per weight, lookahead's demand fill the default)."""
+    for bit; the slots hold their owners' weights and scales at the end. The prefetching policies
+    run without the gate (random routing: the copies, not the forecast, are under test).
+    ``COLDSET_TEST_DEVICE=cpu TRITON_INTERPRET=1`` runs it through Triton's interpreter (by hand;
+    there the router-recorded fill and the prefetch copies run 4 blocks per weight, lookahead's
+    demand fill the default)."""
     from coldset.kernels import triton_decode as td
     from coldset.kernels import triton_experts
     from coldset.kernels import triton_slots as ts
@@ -427,8 +429,9 @@ def test_fp8_slot_fills_copy_scales_and_the_kernel_reads_them(policy, monkeypatc
     row_map, _, wc = _warm(counts, C)
     all_hot = _fp8_all_hot(L, E, hidden, inter, dev)
     host = host_tier(all_hot)
-    extra = (dict(forecaster=_forecaster(L, E, k, seed=4, extra=1, keep=100)) if policy == "nexttoken"
-             else dict(routers=gates, depth=1) if policy == "lookahead" else {})
+    extra = (dict(forecaster=_forecaster(L, E, k, seed=4, extra=1, keep=100), prefetch_gate=False)
+             if policy == "nexttoken" else dict(routers=gates, depth=1, prefetch_gate=False) if policy == "lookahead"
+             else {})
     ahead = policy == "lookahead"
     ref, routed = (SlotCache.build(all_hot, host, row_map, wc, policy, tokens, k, **extra) for _ in range(2))
     ref.use_kernel = False
