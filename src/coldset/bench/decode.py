@@ -176,10 +176,18 @@ def simulate_engine_pass(cache, decode: np.ndarray, forecaster=None):
                    if bad else "")
                 + "; nothing is published")
         return simulate(stream, "nexttoken", cache.capacity, counts, predictions=lists,
-                        prefetch_budget=cache.rules.prefetch_budget, lead_unit=gate_lead(cache))
+                        prefetch_budget=cache.rules.prefetch_budget, lead_unit=gate_lead(cache),
+                        prefetch_gate=gate_on(cache))
     # lookahead: the prefetch lists the engine recorded, one per group (the forecast is the engine's)
     lists = cache.prefetch_lists() if cache.policy == "lookahead" else None
-    return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists, lead_unit=gate_lead(cache))
+    return simulate(stream, cache.policy, cache.capacity, counts, predictions=lists, lead_unit=gate_lead(cache),
+                    prefetch_gate=gate_on(cache))
+
+
+def gate_on(cache) -> bool:
+    """Whether a slot cache's prefetch gate may close (its ``prefetch_gate``, the simulator's); True
+    for the policies without a gate."""
+    return bool(getattr(cache.rules, "gate_on", True))
 
 
 def gate_lead(cache) -> int | None:
