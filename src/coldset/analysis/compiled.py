@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 
 _LOOPS: list["Loop"] = []
+#: Hex digits of a cache folder's name (:func:`loop_cache_dir`), by which :func:`prune_other_states` knows it.
+DIGEST_CHARS = 20
 
 
 def numba_installed() -> bool:
@@ -78,19 +80,19 @@ def loop_cache_dir(loops: list[Loop], base: Path) -> Path:
     digest = hashlib.sha256()
     for f in loop_sources(loops):
         digest.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
-    return base / digest.hexdigest()[:20]
+    return base / digest.hexdigest()[:DIGEST_CHARS]
 
 
 def prune_other_states(base: Path, current: Path) -> list[Path]:
-    """Delete the digest folders under ``base`` other than ``current`` (folders of older states of
-    the source, never read again); returns those deleted. Only for a checkout's own cache folder:
+    """Delete the digest folders (:data:`DIGEST_CHARS` hex digits) under ``base`` other than
+    ``current`` (folders of older states of the source, never read again); returns those deleted. Only for a checkout's own cache folder:
     a ``NUMBA_CACHE_DIR`` may be shared by checkouts at other states, whose folders are live."""
     gone = []
     if not base.is_dir():
         return gone
     for d in base.iterdir():
         name = d.name
-        if d != current and d.is_dir() and len(name) == 20 and all(c in "0123456789abcdef" for c in name):
+        if d != current and d.is_dir() and len(name) == DIGEST_CHARS and all(c in "0123456789abcdef" for c in name):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
