@@ -85,7 +85,8 @@ def loop_cache_dir(loops: list[Loop], base: Path) -> Path:
 
 def prune_other_states(base: Path, current: Path) -> list[Path]:
     """Delete the digest folders (:data:`DIGEST_CHARS` hex digits) under ``base`` other than
-    ``current`` (folders of older states of the source, never read again); returns those deleted. Only for a checkout's own cache folder:
+    ``current`` (folders of older states of the source, never read again); returns those deleted.
+    Only for a checkout's own cache folder:
     a ``NUMBA_CACHE_DIR`` may be shared by checkouts at other states, whose folders are live."""
     gone = []
     if not base.is_dir():
