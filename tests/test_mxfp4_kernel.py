@@ -71,6 +71,10 @@ for i, (hidden, inter, tokens, cfg) in enumerate(CASES):
     assert_close_to_oracle(base, oracle, (cfg, act))
     if i == 0:
         assert_close_to_oracle(torch_experts(all_hot, 1, x, ids, w), oracle, "torch")
+    if cfg.block_m <= 2:  # the GEMV path's loads one step ahead (num_stages 2) or not: the same sums, the same bits
+        assert cfg.num_stages == triton_mxfp4.GEMV_PREFETCH, cfg
+        plain = triton_mxfp4_experts(all_hot, 1, x, ids, w, {**cfg.to_dict(), "num_stages": 1}, use_row_map=False)
+        assert torch.equal(plain, base), cfg
     if cfg.w8a16 == 2 and cfg.block_m >= 16:  # words or values: the same weights, the same bits
         values = triton_mxfp4_experts(all_hot, 1, x, ids, w, {**cfg.to_dict(), "w8a16": 0}, use_row_map=False)
         assert torch.equal(values, base), cfg
@@ -108,7 +112,8 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(pdl=1), "pdl must be 0 or 2"), (dict(w8a16=1), "w8a16=1 is not implemented"),
                  (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
                  (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
-                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16")]:
+                 (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16"),
+                 (dict(block_m=1, w8a16=2, num_stages=3), "takes num_stages 1 (loads at each k step) or 2")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -182,6 +187,20 @@ def test_kernel_mxfp4_measurement_takes_a_configs_file_and_refuses_a_bad_one(tmp
         with pytest.raises(SystemExit):
             kernel_mxfp4.parse_args(["--configs", str(bad)])
         assert str(bad) in capsys.readouterr().err, text
+
+
+def test_default_config_takes_the_prefetching_gemv_tile_up_to_two_tokens():
+    """One or two tokens a call: the GEMV tile loading one k step ahead (num_stages 2); up to 64 the
+    same tile without it; above, the prefill tiles. Each default passes the kernel's own checks."""
+    from coldset.kernels import triton_mxfp4 as mx
+
+    got = {n: mx.default_config(n) for n in (1, 2, 3, 64, 65)}
+    assert got[1] == got[2] and (got[1].block_m, got[1].num_stages) == (1, mx.GEMV_PREFETCH)
+    assert got[3] == got[64] and (got[3].block_m, got[3].num_stages) == (1, 1)
+    assert got[3].to_dict() == {**got[1].to_dict(), "num_stages": 1}  # the same tile, only the prefetch differs
+    assert got[65].block_m >= 16
+    for cfg in got.values():
+        mx._check_config(cfg)
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------

@@ -27,7 +27,10 @@ quantized, every sum is float32. Two paths, the config's choice:
   float32 ``e2m1 * 2^-14`` and sums each pair's products per group of 32 in registers, then times
   ``2^14 * 2^(s - 127)`` once per group (:func:`_gemv_step`): the scale is applied per group sum,
   not per weight. Other float32 sums than the dot path's: a config's bits depend on the path, never
-  on the placement.
+  on the placement. ``num_stages`` 1 loads a k step's codes and scales at that step; 2 loads them
+  one step ahead, into registers, so the next step's bytes are in flight while this step's sums
+  run (the same sums in the same order: the same bits). At one token the tile waits on its loads
+  with few warps resident, and the prefetch is worth its registers there (BENCHMARKS.md section 9).
 
 Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
 keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
@@ -43,8 +46,8 @@ to float32 summation order. Tiling and accumulation order never depend on where 
 so every placement is bitwise the all-hot (``use_row_map=False``) output.
 
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
-32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the GEMV path's k loops are
-pipelined to that depth too), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
+32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the dot paths' pipelining depth; the
+GEMV path's prefetch, above), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
 early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2 or 3, above). Split-K, ``half_tail``,
 ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
@@ -83,8 +86,11 @@ if TYPE_CHECKING:
 
 GROUP = mxfp4.BLOCK  # inputs per e8m0 scale
 GEMV_MAX_ROWS = 2  # block_m up to this: the GEMV path (sums in registers, no dot); a dot needs 16 rows
+GEMV_PREFETCH = tl.constexpr(2)  # the GEMV path's num_stages that loads each k step one step ahead into registers
+FEW_TOKENS = 2  # up to this many tokens a call, the default is the GEMV tile with the prefetch
 
 # The defaults when no tuned entry exists (coldset.kernels.configs: triton_mxfp4.json).
+DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["few_tokens"])
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
 DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
 
@@ -93,7 +99,11 @@ LAUNCHES = ("w13_act", "w2", "sum")
 
 
 def default_config(num_tokens: int, top_k: int = 4) -> KernelConfig:
-    """Decode tiles up to 64 tokens, prefill tiles above."""
+    """The GEMV tile with its prefetch up to :data:`FEW_TOKENS` tokens (where it was fastest), the
+    GEMV tile without it up to 64 (the prefetch's registers cost more than it saves there), prefill
+    tiles above."""
+    if num_tokens <= FEW_TOKENS:
+        return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
 
 
@@ -285,10 +295,17 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
 
 
 @triton.jit
+def _gemv_unpack(packed, sc, BN: tl.constexpr, BK: tl.constexpr):
+    """:func:`_gemv_weights` of codes and scales already loaded (:func:`_load_rows` with words)."""
+    return tl.reshape(_e2m1_words(packed, True), (BN, BK // 32, 32)), _group_scale(sc)
+
+
+@triton.jit
 def _gemv_rows(a_base, stride_a, pair, valid, w_ptrs, s_ptrs, n_ok, K: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr):
     """fp32 ``[BM, BN]``: rows ``pair`` (``valid``) of ``a_base`` (bf16, row stride ``stride_a``) times the
-    weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`); BM is 1 or 2."""
+    weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`); BM is 1 or 2.
+    ``NS`` 2: each k step's loads are issued one step ahead, into registers (:data:`GEMV_PREFETCH`)."""
     offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
     p0, ok0 = _pair_of(pair, valid, 0, BM)
     p1, ok1 = _pair_of(pair, valid, BM - 1, BM)
@@ -296,11 +313,34 @@ def _gemv_rows(a_base, stride_a, pair, valid, w_ptrs, s_ptrs, n_ok, K: tl.conste
     a1 = a_base + p1.to(tl.int64) * stride_a + offs_g
     acc0 = tl.zeros((BN, BK // 32), dtype=tl.float32)
     acc1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NS):
-        v, f = _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K, BN, BK, EVEN_K, EVEN_N)
-        acc0 = _gemv_step(acc0, _gemv_x(a0, k0, ok0, offs_g, K, EVEN_K), v, f)
+    if NS == GEMV_PREFETCH:
+        steps: tl.constexpr = (K + BK - 1) // BK
+        pw, ps = _load_rows(w_ptrs, s_ptrs, 0, n_ok, K, BK, EVEN_K, EVEN_N, True)
+        for i in range(1, steps):
+            nw, ns = _load_rows(w_ptrs, s_ptrs, i * BK, n_ok, K, BK, EVEN_K, EVEN_N, True)
+            x0 = _gemv_x(a0, (i - 1) * BK, ok0, offs_g, K, EVEN_K)
+            x1 = x0
+            if BM == 2:
+                x1 = _gemv_x(a1, (i - 1) * BK, ok1, offs_g, K, EVEN_K)
+            v, f = _gemv_unpack(pw, ps, BN, BK)
+            acc0 = _gemv_step(acc0, x0, v, f)
+            if BM == 2:
+                acc1 = _gemv_step(acc1, x1, v, f)
+            pw, ps = nw, ns
+        x0 = _gemv_x(a0, (steps - 1) * BK, ok0, offs_g, K, EVEN_K)
+        x1 = x0
         if BM == 2:
-            acc1 = _gemv_step(acc1, _gemv_x(a1, k0, ok1, offs_g, K, EVEN_K), v, f)
+            x1 = _gemv_x(a1, (steps - 1) * BK, ok1, offs_g, K, EVEN_K)
+        v, f = _gemv_unpack(pw, ps, BN, BK)
+        acc0 = _gemv_step(acc0, x0, v, f)
+        if BM == 2:
+            acc1 = _gemv_step(acc1, x1, v, f)
+    else:
+        for k0 in range(0, K, BK):
+            v, f = _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K, BN, BK, EVEN_K, EVEN_N)
+            acc0 = _gemv_step(acc0, _gemv_x(a0, k0, ok0, offs_g, K, EVEN_K), v, f)
+            if BM == 2:
+                acc1 = _gemv_step(acc1, _gemv_x(a1, k0, ok1, offs_g, K, EVEN_K), v, f)
     return _gemv_rows_out(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), BM)
 
 
@@ -323,16 +363,47 @@ def _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs,
     u0 = tl.zeros((BN, BK // 32), dtype=tl.float32)
     g1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
     u1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=NS):
-        vg, fg = _gemv_weights(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-        vu, fu = _gemv_weights(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-        x0 = _gemv_x(a0, k0, ok0, offs_g, H, EVEN_K)
+    if NS == GEMV_PREFETCH:
+        steps: tl.constexpr = (H + BK - 1) // BK
+        pg, cg = _load_rows(wg_ptrs, sg_ptrs, 0, n_ok, H, BK, EVEN_K, EVEN_N, True)
+        pu, cu = _load_rows(wu_ptrs, su_ptrs, 0, n_ok, H, BK, EVEN_K, EVEN_N, True)
+        for i in range(1, steps):
+            npg, ncg = _load_rows(wg_ptrs, sg_ptrs, i * BK, n_ok, H, BK, EVEN_K, EVEN_N, True)
+            npu, ncu = _load_rows(wu_ptrs, su_ptrs, i * BK, n_ok, H, BK, EVEN_K, EVEN_N, True)
+            x0 = _gemv_x(a0, (i - 1) * BK, ok0, offs_g, H, EVEN_K)
+            x1 = x0
+            if BM == 2:
+                x1 = _gemv_x(a1, (i - 1) * BK, ok1, offs_g, H, EVEN_K)
+            vg, fg = _gemv_unpack(pg, cg, BN, BK)
+            vu, fu = _gemv_unpack(pu, cu, BN, BK)
+            g0 = _gemv_step(g0, x0, vg, fg)
+            u0 = _gemv_step(u0, x0, vu, fu)
+            if BM == 2:
+                g1 = _gemv_step(g1, x1, vg, fg)
+                u1 = _gemv_step(u1, x1, vu, fu)
+            pg, cg, pu, cu = npg, ncg, npu, ncu
+        x0 = _gemv_x(a0, (steps - 1) * BK, ok0, offs_g, H, EVEN_K)
+        x1 = x0
+        if BM == 2:
+            x1 = _gemv_x(a1, (steps - 1) * BK, ok1, offs_g, H, EVEN_K)
+        vg, fg = _gemv_unpack(pg, cg, BN, BK)
+        vu, fu = _gemv_unpack(pu, cu, BN, BK)
         g0 = _gemv_step(g0, x0, vg, fg)
         u0 = _gemv_step(u0, x0, vu, fu)
         if BM == 2:
-            x1 = _gemv_x(a1, k0, ok1, offs_g, H, EVEN_K)
             g1 = _gemv_step(g1, x1, vg, fg)
             u1 = _gemv_step(u1, x1, vu, fu)
+    else:
+        for k0 in range(0, H, BK):
+            vg, fg = _gemv_weights(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+            vu, fu = _gemv_weights(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
+            x0 = _gemv_x(a0, k0, ok0, offs_g, H, EVEN_K)
+            g0 = _gemv_step(g0, x0, vg, fg)
+            u0 = _gemv_step(u0, x0, vu, fu)
+            if BM == 2:
+                x1 = _gemv_x(a1, k0, ok1, offs_g, H, EVEN_K)
+                g1 = _gemv_step(g1, x1, vg, fg)
+                u1 = _gemv_step(u1, x1, vu, fu)
     g = _gemv_rows_out(tl.sum(g0, axis=1), tl.sum(g1, axis=1), BM)
     u = _gemv_rows_out(tl.sum(u0, axis=1), tl.sum(u1, axis=1), BM)
     act = _gated(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
@@ -515,6 +586,9 @@ def _check_config(c: KernelConfig) -> None:
     if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
         raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
                          f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
+    if c.block_m <= GEMV_MAX_ROWS and c.num_stages not in (1, GEMV_PREFETCH):
+        raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (the GEMV path) takes num_stages 1 (loads at "
+                         f"each k step) or 2 (loads one step ahead), got {c.num_stages}")
     if c.pdl not in (0, 2):
         raise ValueError(f"triton_mxfp4_experts: config pdl must be 0 or 2 (no L2 prefetch, no chained first "
                          f"launch here), got {c.pdl}")
