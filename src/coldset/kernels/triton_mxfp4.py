@@ -201,15 +201,6 @@ def _weight_tile(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK
 
 
 @triton.jit
-def _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """For the GEMV path: float32 ``e2m1 * 2^-14`` ``[BN, BK // 32, 32]`` (unscaled: the scale is
-    applied to each group's sum) and the groups' ``2^(s - 127)`` ``[BN, BK // 32]``."""
-    packed, sc = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, True)
-    return tl.reshape(_e2m1_words(packed, True), (BN, BK // 32, 32)), _group_scale(sc)
-
-
-@triton.jit
 def _gemv_step(acc, a, v, f):
     """``acc [BN, G] += (sum over each group of 32 of a [G, 32] * v [BN, G, 32]) * 2^14 * f [BN, G]``:
     one row's float32 products summed in registers (a thread holds whole groups: the weights' load
@@ -296,8 +287,21 @@ def _w13_mx_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs, s
 
 @triton.jit
 def _gemv_unpack(packed, sc, BN: tl.constexpr, BK: tl.constexpr):
-    """:func:`_gemv_weights` of codes and scales already loaded (:func:`_load_rows` with words)."""
+    """For the GEMV path, from a k step's int32 words and scale bytes (:func:`_load_rows` with
+    ``WORDS``): float32 ``e2m1 * 2^-14`` ``[BN, BK // 32, 32]`` (unscaled: the scale is applied to
+    each group's sum) and the groups' ``2^(s - 127)`` ``[BN, BK // 32]``."""
     return tl.reshape(_e2m1_words(packed, True), (BN, BK // 32, 32)), _group_scale(sc)
+
+
+@triton.jit
+def _gemv_rows_sums(acc0, acc1, pw, ps, a0, a1, k0, ok0, ok1, offs_g, K: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One k step of :func:`_gemv_rows` on codes and scales already loaded (``pw``, ``ps``)."""
+    v, f = _gemv_unpack(pw, ps, BN, BK)
+    acc0 = _gemv_step(acc0, _gemv_x(a0, k0, ok0, offs_g, K, EVEN_K), v, f)
+    if BM == 2:
+        acc1 = _gemv_step(acc1, _gemv_x(a1, k0, ok1, offs_g, K, EVEN_K), v, f)
+    return acc0, acc1
 
 
 @triton.jit
@@ -305,7 +309,7 @@ def _gemv_rows(a_base, stride_a, pair, valid, w_ptrs, s_ptrs, n_ok, K: tl.conste
                BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NS: tl.constexpr):
     """fp32 ``[BM, BN]``: rows ``pair`` (``valid``) of ``a_base`` (bf16, row stride ``stride_a``) times the
     weight rows ``w_ptrs`` / ``s_ptrs`` point at, without a dot (:func:`_gemv_step`); BM is 1 or 2.
-    ``NS`` 2: each k step's loads are issued one step ahead, into registers (:data:`GEMV_PREFETCH`)."""
+    ``NS`` 2: each k step's codes and scales are loaded one step ahead (:data:`GEMV_PREFETCH`)."""
     offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
     p0, ok0 = _pair_of(pair, valid, 0, BM)
     p1, ok1 = _pair_of(pair, valid, BM - 1, BM)
@@ -318,30 +322,33 @@ def _gemv_rows(a_base, stride_a, pair, valid, w_ptrs, s_ptrs, n_ok, K: tl.conste
         pw, ps = _load_rows(w_ptrs, s_ptrs, 0, n_ok, K, BK, EVEN_K, EVEN_N, True)
         for i in range(1, steps):
             nw, ns = _load_rows(w_ptrs, s_ptrs, i * BK, n_ok, K, BK, EVEN_K, EVEN_N, True)
-            x0 = _gemv_x(a0, (i - 1) * BK, ok0, offs_g, K, EVEN_K)
-            x1 = x0
-            if BM == 2:
-                x1 = _gemv_x(a1, (i - 1) * BK, ok1, offs_g, K, EVEN_K)
-            v, f = _gemv_unpack(pw, ps, BN, BK)
-            acc0 = _gemv_step(acc0, x0, v, f)
-            if BM == 2:
-                acc1 = _gemv_step(acc1, x1, v, f)
+            acc0, acc1 = _gemv_rows_sums(acc0, acc1, pw, ps, a0, a1, (i - 1) * BK, ok0, ok1, offs_g, K, BM, BN, BK,
+                                         EVEN_K)
             pw, ps = nw, ns
-        x0 = _gemv_x(a0, (steps - 1) * BK, ok0, offs_g, K, EVEN_K)
-        x1 = x0
-        if BM == 2:
-            x1 = _gemv_x(a1, (steps - 1) * BK, ok1, offs_g, K, EVEN_K)
-        v, f = _gemv_unpack(pw, ps, BN, BK)
-        acc0 = _gemv_step(acc0, x0, v, f)
-        if BM == 2:
-            acc1 = _gemv_step(acc1, x1, v, f)
+        acc0, acc1 = _gemv_rows_sums(acc0, acc1, pw, ps, a0, a1, (steps - 1) * BK, ok0, ok1, offs_g, K, BM, BN, BK,
+                                     EVEN_K)
     else:
         for k0 in range(0, K, BK):
-            v, f = _gemv_weights(w_ptrs, s_ptrs, k0, n_ok, K, BN, BK, EVEN_K, EVEN_N)
-            acc0 = _gemv_step(acc0, _gemv_x(a0, k0, ok0, offs_g, K, EVEN_K), v, f)
-            if BM == 2:
-                acc1 = _gemv_step(acc1, _gemv_x(a1, k0, ok1, offs_g, K, EVEN_K), v, f)
+            pw, ps = _load_rows(w_ptrs, s_ptrs, k0, n_ok, K, BK, EVEN_K, EVEN_N, True)
+            acc0, acc1 = _gemv_rows_sums(acc0, acc1, pw, ps, a0, a1, k0, ok0, ok1, offs_g, K, BM, BN, BK, EVEN_K)
     return _gemv_rows_out(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), BM)
+
+
+@triton.jit
+def _w13_gemv_sums(g0, u0, g1, u1, pg, cg, pu, cu, a0, a1, k0, ok0, ok1, offs_g, H: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One k step of :func:`_w13_gemv_chunk` on the gate and up rows' codes and scales already
+    loaded (``pg``, ``cg``, ``pu``, ``cu``)."""
+    vg, fg = _gemv_unpack(pg, cg, BN, BK)
+    vu, fu = _gemv_unpack(pu, cu, BN, BK)
+    x0 = _gemv_x(a0, k0, ok0, offs_g, H, EVEN_K)
+    g0 = _gemv_step(g0, x0, vg, fg)
+    u0 = _gemv_step(u0, x0, vu, fu)
+    if BM == 2:
+        x1 = _gemv_x(a1, k0, ok1, offs_g, H, EVEN_K)
+        g1 = _gemv_step(g1, x1, vg, fg)
+        u1 = _gemv_step(u1, x1, vu, fu)
+    return g0, u0, g1, u1
 
 
 @triton.jit
@@ -352,7 +359,7 @@ def _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs,
                     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
                     LIMIT: tl.constexpr, NS: tl.constexpr):
     """:func:`_w13_mx_chunk` without a dot (:func:`_gemv_step`): ``BM`` (1 or 2) pairs, the gate and
-    up rows' loads of a k step issued together."""
+    up rows' loads of a k step issued together, one step ahead with ``NS`` 2 (:data:`GEMV_PREFETCH`)."""
     pair, valid = _chunk_pairs(ids_ptr, sorted_pairs_ptr, num_pairs, expert, start, c, cnt, BM, NP, MODE)
     offs_g = tl.arange(0, BK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
     t0, ok0 = _pair_of(pair // TOPK, valid, 0, BM)
@@ -370,40 +377,17 @@ def _w13_gemv_chunk(x_ptr, ids_ptr, sorted_pairs_ptr, act_ptr, wg_ptrs, wu_ptrs,
         for i in range(1, steps):
             npg, ncg = _load_rows(wg_ptrs, sg_ptrs, i * BK, n_ok, H, BK, EVEN_K, EVEN_N, True)
             npu, ncu = _load_rows(wu_ptrs, su_ptrs, i * BK, n_ok, H, BK, EVEN_K, EVEN_N, True)
-            x0 = _gemv_x(a0, (i - 1) * BK, ok0, offs_g, H, EVEN_K)
-            x1 = x0
-            if BM == 2:
-                x1 = _gemv_x(a1, (i - 1) * BK, ok1, offs_g, H, EVEN_K)
-            vg, fg = _gemv_unpack(pg, cg, BN, BK)
-            vu, fu = _gemv_unpack(pu, cu, BN, BK)
-            g0 = _gemv_step(g0, x0, vg, fg)
-            u0 = _gemv_step(u0, x0, vu, fu)
-            if BM == 2:
-                g1 = _gemv_step(g1, x1, vg, fg)
-                u1 = _gemv_step(u1, x1, vu, fu)
+            g0, u0, g1, u1 = _w13_gemv_sums(g0, u0, g1, u1, pg, cg, pu, cu, a0, a1, (i - 1) * BK, ok0, ok1, offs_g, H,
+                                            BM, BN, BK, EVEN_K)
             pg, cg, pu, cu = npg, ncg, npu, ncu
-        x0 = _gemv_x(a0, (steps - 1) * BK, ok0, offs_g, H, EVEN_K)
-        x1 = x0
-        if BM == 2:
-            x1 = _gemv_x(a1, (steps - 1) * BK, ok1, offs_g, H, EVEN_K)
-        vg, fg = _gemv_unpack(pg, cg, BN, BK)
-        vu, fu = _gemv_unpack(pu, cu, BN, BK)
-        g0 = _gemv_step(g0, x0, vg, fg)
-        u0 = _gemv_step(u0, x0, vu, fu)
-        if BM == 2:
-            g1 = _gemv_step(g1, x1, vg, fg)
-            u1 = _gemv_step(u1, x1, vu, fu)
+        g0, u0, g1, u1 = _w13_gemv_sums(g0, u0, g1, u1, pg, cg, pu, cu, a0, a1, (steps - 1) * BK, ok0, ok1, offs_g, H,
+                                        BM, BN, BK, EVEN_K)
     else:
         for k0 in range(0, H, BK):
-            vg, fg = _gemv_weights(wg_ptrs, sg_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-            vu, fu = _gemv_weights(wu_ptrs, su_ptrs, k0, n_ok, H, BN, BK, EVEN_K, EVEN_N)
-            x0 = _gemv_x(a0, k0, ok0, offs_g, H, EVEN_K)
-            g0 = _gemv_step(g0, x0, vg, fg)
-            u0 = _gemv_step(u0, x0, vu, fu)
-            if BM == 2:
-                x1 = _gemv_x(a1, k0, ok1, offs_g, H, EVEN_K)
-                g1 = _gemv_step(g1, x1, vg, fg)
-                u1 = _gemv_step(u1, x1, vu, fu)
+            pg, cg = _load_rows(wg_ptrs, sg_ptrs, k0, n_ok, H, BK, EVEN_K, EVEN_N, True)
+            pu, cu = _load_rows(wu_ptrs, su_ptrs, k0, n_ok, H, BK, EVEN_K, EVEN_N, True)
+            g0, u0, g1, u1 = _w13_gemv_sums(g0, u0, g1, u1, pg, cg, pu, cu, a0, a1, k0, ok0, ok1, offs_g, H, BM, BN,
+                                            BK, EVEN_K)
     g = _gemv_rows_out(tl.sum(g0, axis=1), tl.sum(g1, axis=1), BM)
     u = _gemv_rows_out(tl.sum(u0, axis=1), tl.sum(u1, axis=1), BM)
     act = _gated(g, u, bg, bu, HAS_BIAS, ACT, ALPHA, LIMIT)
