@@ -253,31 +253,37 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
 
 
 @pytest.mark.gpu
-def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture():
-    """A captured call replayed after the row map moves experts between the tiers (every expert in
-    both: a placement switch is a row-map write) gives the all-hot output bitwise."""
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("pdl", [0, 2])
+def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl):
+    """A captured call (the default config of 1 and of 3 tokens: the GEMV tile with and without its
+    prefetch; with pdl 2 its w2 and sum launches are programmatic dependent launches inside the
+    graph) replayed after the row map moves experts between the tiers (every expert in both: a
+    placement switch is a row-map write) gives the eager all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch
 
     from coldset.kernels.activation import SILU
     from coldset.kernels.tiers import ExpertPools
-    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+    from coldset.kernels.triton_mxfp4 import default_config, triton_mxfp4_experts
     from test_mxfp4_pools import make_mxfp4, pools_of, random_row_map, routing
 
     q = make_mxfp4(2, 16, 256, 128, seed=7)
-    x, ids, w = (t.cuda() for t in routing(3, 16, 4, 256, seed=7))
+    x, ids, w = (t.cuda() for t in routing(num_tokens, 16, 4, 256, seed=7))
     hot = pools_of(tuple(t.cuda() for t in q), SILU)
-    base = triton_mxfp4_experts(hot, 1, x, ids, w, use_row_map=False)
+    base = triton_mxfp4_experts(hot, 1, x, ids, w, {**default_config(num_tokens).to_dict(), "pdl": 0},
+                                use_row_map=False)
+    cfg = {**default_config(num_tokens).to_dict(), "pdl": pdl}
     both = ExpertPools(hot.w13_hot, hot.w2_hot, hot.w13_hot.cpu().pin_memory(), hot.w2_hot.cpu().pin_memory(),
                        hot.row_map.clone(), w13_scale_hot=hot.w13_scale_hot, w2_scale_hot=hot.w2_scale_hot,
                        w13_scale_cold=hot.w13_scale_hot.cpu().pin_memory(),
                        w2_scale_cold=hot.w2_scale_hot.cpu().pin_memory(), w13_bias=hot.w13_bias, w2_bias=hot.w2_bias)
     out = torch.empty_like(base)
-    triton_mxfp4_experts(both, 1, x, ids, w)
+    triton_mxfp4_experts(both, 1, x, ids, w, cfg)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out.copy_(triton_mxfp4_experts(both, 1, x, ids, w))
+        out.copy_(triton_mxfp4_experts(both, 1, x, ids, w, cfg))
     for seed in range(3):
         cold = random_row_map(2, 16, 0.5, seed) < 0
         flat = np.arange(32, dtype=np.int32).reshape(2, 16)
