@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from coldset.bench.decode import moved_bytes_per_expert
 from coldset.core import mxfp4
@@ -50,6 +51,27 @@ def test_cpu_autotune_times_mxfp4_pools(tmp_path):
     (a candidate computing another function would be excluded with a warning, leaving a gap)."""
     result = _tune("cpu", tmp_path)
     assert result.backend == "torch"
+
+
+def test_each_format_checks_candidates_against_its_own_torch_path_numerics():
+    """MXFP4's ``w8a16`` (2: codes unpacked by words) picks an unpack, not a numerics: its candidates
+    are checked against the one weight-only torch path, which the tuner can compute for them; only
+    block-FP8 candidates with ``w8a16`` are checked against FP8's weight-only path (unquantized
+    activations); bf16 has one. (The CUDA tune of the MXFP4 kernel ran every candidate through the
+    FP8 mode before: a ValueError before the first timing.)"""
+    from coldset.kernels import torch_experts
+    from coldset.kernels.tune import _weight_only_reference
+
+    cases = [("mxfp4", {"w8a16": 2}, False), ("mxfp4", {}, False), ("fp8_block128", {"w8a16": 1}, True), ("fp8_block128", {}, False),
+             (None, {"w8a16": 2}, False)]
+    for fmt, cand, want in cases:
+        shape = TuneShape(dtype="bfloat16", weight_format=fmt, **{**SHAPE, "hidden": 128, "intermediate": 128})
+        pools = _tuning_pools(shape, "cpu", layers=1)
+        assert _weight_only_reference(pools, cand) is want, (fmt, cand)
+        x = torch.randn(3, 128, dtype=torch.bfloat16)
+        ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+        out = torch_experts(pools, 0, x, ids, torch.full((3, 2), 0.5), w8a16=_weight_only_reference(pools, cand))
+        assert out.shape == x.shape and torch.isfinite(out.float()).all(), (fmt, cand)
 
 
 @pytest.mark.gpu

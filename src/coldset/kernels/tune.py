@@ -385,6 +385,13 @@ def _candidates(space: dict, batch_size: int) -> list[dict]:
     return cands
 
 
+def _weight_only_reference(pools, cand: dict) -> bool:
+    """Whether candidate ``cand`` is checked against the torch path's weight-only numerics: block-FP8
+    pools with ``w8a16`` set leave the activations unquantized. MXFP4 pools are always weight-only
+    (their ``w8a16`` picks how codes are unpacked, not what is computed), bf16 pools have one numerics."""
+    return bool(cand.get("w8a16", 0)) and pools.is_fp8
+
+
 def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps: int):
     backend = _backend(device)
     pools = _tuning_pools(shape, device, layers)
@@ -399,7 +406,7 @@ def _tune(shape: TuneShape, batch_sizes, device, space: dict, layers: int, reps:
         timings[bs] = {}
         for cand in _candidates(space, bs):
             label = _canonical(cand)
-            w8a16 = bool(cand.get("w8a16", 0))
+            w8a16 = _weight_only_reference(pools, cand)
             if w8a16 not in refs_by_mode:
                 refs_by_mode[w8a16] = [torch_experts(pools, l, *cases[l], w8a16=w8a16).float() for l in range(layers)]
             refs = refs_by_mode[w8a16]
