@@ -189,15 +189,16 @@ def test_kernel_mxfp4_measurement_takes_a_configs_file_and_refuses_a_bad_one(tmp
         assert str(bad) in capsys.readouterr().err, text
 
 
-def test_default_config_takes_the_prefetching_gemv_tile_up_to_two_tokens():
-    """One or two tokens a call: the GEMV tile loading one k step ahead (num_stages 2); up to 64 the
-    same tile without it; above, the prefill tiles. Each default passes the kernel's own checks."""
+def test_default_config_takes_the_prefetching_pdl_gemv_tile_up_to_two_tokens():
+    """One or two tokens a call: the GEMV tile loading one k step ahead (num_stages 2), its w2 and sum
+    launches programmatic dependent launches (pdl 2); up to 64 the same tile without either; above,
+    the prefill tiles. Each default passes the kernel's own checks."""
     from coldset.kernels import triton_mxfp4 as mx
 
     got = {n: mx.default_config(n) for n in (1, 2, 3, 64, 65)}
-    assert got[1] == got[2] and (got[1].block_m, got[1].num_stages) == (1, mx.GEMV_PREFETCH)
-    assert got[3] == got[64] and (got[3].block_m, got[3].num_stages) == (1, 1)
-    assert got[3].to_dict() == {**got[1].to_dict(), "num_stages": 1}  # the same tile, only the prefetch differs
+    assert got[1] == got[2] and (got[1].block_m, got[1].num_stages, got[1].pdl) == (1, mx.GEMV_PREFETCH, 2)
+    assert got[3] == got[64] and (got[3].block_m, got[3].num_stages, got[3].pdl) == (1, 1, 0)
+    assert got[3].to_dict() == {**got[1].to_dict(), "num_stages": 1, "pdl": 0}  # the same tile otherwise
     assert got[65].block_m >= 16
     for cfg in got.values():
         mx._check_config(cfg)
