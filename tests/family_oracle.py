@@ -157,7 +157,9 @@ def assert_cuda_placements_bitwise_eager_and_compiled(model, prompts, new_tokens
         reference = gate.reference_decode(model, prompts, new_tokens, progress=False)
         placed = gate.placement_decode(model, pools, prompts, new_tokens, progress=False)
         result = gate.compare(name, ids, reference, placed, pools, model)
-        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, (label, name)
+        assert result.backend == "triton" and result.passed and result.logits_bitwise_equal, (
+            label, name, result.tokens_matched, result.tokens_total, result.max_abs_logit_diff,
+            result.nonfinite_logits, result.mismatches[:2])
     for a, b in zip(reference.logits, eager.logits):  # the first decode step: compiled against eager
         assert (a[1] - b[1]).abs().max().item() < 0.5, label
 
