@@ -154,6 +154,7 @@ def assert_cuda_placements_bitwise_eager_and_compiled(model, prompts, new_tokens
     for name in ("eager", "compiled"):
         if name == "compiled":
             model.compile_decode()
+            assert gate.warm_compiled_decode(model, prompts, new_tokens, [8], progress=False) == 1
         reference = gate.reference_decode(model, prompts, new_tokens, progress=False)
         placed = gate.placement_decode(model, pools, prompts, new_tokens, progress=False)
         result = gate.compare(name, ids, reference, placed, pools, model)

@@ -228,3 +228,48 @@ def test_logits_are_compared_at_every_position_up_to_the_first_divergence():
             assert (r.mismatches[0].fixture, r.mismatches[0].position) == ("ab"[f], p)
             assert r.max_abs_logit_diff == pytest.approx(brute) and brute < 100.0
             assert r.tokens_matched == 8 - (4 - p)
+
+
+def test_warming_a_compiled_decode_region_makes_later_decodes_run_the_same_graphs(tmp_path):
+    """Dynamo runs the newest compiled graph whose guards a step passes: the first decode of a
+    workload compiles exact-size graphs its later steps supersede, so the reference and a placement
+    decoded after it would run other graphs at the same steps (other kernels, other bits on some
+    GPUs). ``warm_compiled_decode`` decodes each batch size once first: after it no decode of the
+    same fixtures compiles a graph, and each runs the graphs its warm-up ran, step for step. Graphs
+    are counted by a recording torch.compile backend standing in for Inductor (CPU)."""
+    from coldset.engine.model import layer_before_experts
+
+    model = synthetic_engine(SPEC, tmp_path)
+    prompts = random_prompts(model.config.vocab_size, 3, seed=4)
+    assert not model.decode_is_dynamo_compiled
+    assert gate.warm_compiled_decode(model, prompts, 4, [1, 3], progress=False) == 0  # eager: nothing to warm
+    model.compile_decode()  # on the CPU: the torch.compile region
+    assert model.decode_is_dynamo_compiled
+    compiled, ran = [], []
+
+    def backend(gm, example_inputs):
+        graph = len(compiled)
+        compiled.append(graph)
+
+        def run(*args):
+            ran.append(graph)
+            return gm.forward(*args)
+        return run
+
+    model._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True, backend=backend)
+    assert gate.warm_compiled_decode(model, prompts, 4, [3, 1, 3], progress=False) == 2
+    warmed = len(compiled)
+    runs = {}
+    for b in (3, 1, 3, 1):
+        ran.clear()
+        reference = gate.reference_decode(model, prompts, 4, b, progress=False)
+        runs.setdefault(b, []).append(list(ran))
+        pools = model.pools.placed(row_map_from_mask(np.arange(model.config.num_moe_layers * model.config.num_experts)
+                                                     .reshape(model.config.num_moe_layers, -1) % 2 == 0))
+        ran.clear()
+        placed = gate.placement_decode(model, pools, prompts, 4, b, progress=False)
+        runs[b].append(list(ran))
+        assert gate.compare("halves", [f"p{i}" for i in range(3)], reference, placed, pools, model).passed
+    assert len(compiled) == warmed  # nothing compiled after the warm-up
+    for b, seqs in runs.items():
+        assert seqs[0] and all(s == seqs[0] for s in seqs), (b, seqs)

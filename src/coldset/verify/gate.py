@@ -102,6 +102,28 @@ def reference_decode(model, prompts, max_new_tokens, batch_size=8, progress=True
         model.experts_fn = saved
 
 
+def warm_compiled_decode(model, prompts, max_new_tokens, batch_sizes, progress=True, tuned=None) -> int:
+    """Decode the fixtures once per batch size in ``batch_sizes`` and discard the result, where the
+    decode region is ``torch.compile``d (:attr:`coldset.engine.model.MoEModel.decode_is_dynamo_compiled`);
+    returns how many decodes ran (0 elsewhere).
+
+    Why: Dynamo runs the newest compiled graph whose guards a step passes, and a workload's first
+    decode compiles graphs for exact sizes that its later steps supersede with symbolic ones: a
+    second decode of the same fixtures runs other graphs than the first at its first steps (other
+    kernels, which may round otherwise: the unmodified path would not match itself). After one
+    discarded decode of each batch size in use, later decodes of them compile nothing more and run
+    the same graphs step for step: call it before the reference, then decode the placements with
+    the same fixtures and batch sizes."""
+    if not getattr(model, "decode_is_dynamo_compiled", False):
+        return 0
+    runs = 0
+    for b in sorted(set(batch_sizes)):
+        log.info("warming the compiled decode region at batch %d (its graphs are picked by what ran before)", b)
+        reference_decode(model, prompts, max_new_tokens, b, progress, tuned)
+        runs += 1
+    return runs
+
+
 def placement_decode(model, placed_pools, prompts, max_new_tokens, batch_size=8, progress=True,
                      tuned=None, cache=None) -> Decoded:
     """The row-map path over ``placed_pools`` (the placement's hot and cold pools).

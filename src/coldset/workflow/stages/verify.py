@@ -43,9 +43,14 @@ def parity(ctx: StageContext, placements: list[str] | None = None, **_) -> None:
     references: dict[int, object] = {}
     host = host_tier(ctx)
     fit = lookahead_fit(ctx, engine, tokenizer)
+    batch_of = {name: batch if not loaded[name].dynamic
+                else max(1, min(batch, int((loaded[name].row_map >= 0).sum()) // engine.config.top_k)) for name in names}
+    # a torch.compile'd decode region runs the same graphs in every later decode only once each batch size
+    # has been decoded (coldset.verify.gate.warm_compiled_decode)
+    gate.warm_compiled_decode(engine, prompts, pc["max_new_tokens"], set(batch_of.values()), tuned=launch)
     for name in names:
         pl = loaded[name]
-        b = batch if not pl.dynamic else max(1, min(batch, int((pl.row_map >= 0).sum()) // engine.config.top_k))
+        b = batch_of[name]
         if b not in references:
             references[b] = gate.reference_decode(engine, prompts, pc["max_new_tokens"], b, tuned=launch)
         reference = references[b]
