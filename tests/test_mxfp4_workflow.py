@@ -74,6 +74,17 @@ def test_each_format_checks_candidates_against_its_own_torch_path_numerics():
         assert out.shape == x.shape and torch.isfinite(out.float()).all(), (fmt, cand)
 
 
+def test_a_tune_of_mxfp4_candidates_with_w8a16_checks_and_times_each(tmp_path):
+    """The tuner's reference step end to end on the CPU: candidates carrying MXFP4's ``w8a16`` 2 (as
+    every GEMV entry of triton_mxfp4's search space does) are checked and timed, none dropped
+    (the check ran them through FP8's weight-only reference before: a ValueError)."""
+    shape = TuneShape(dtype="bfloat16", weight_format="mxfp4", **SHAPE)
+    space = {"decode_max_tokens": 2, "decode": [{"token_chunk": None, "w8a16": 2}, {"token_chunk": 1, "w8a16": 2}],
+             "prefill": [{"token_chunk": None}]}
+    result = autotune(shape, [1, 3], "cpu", tmp_path, search_space=space, layers=1, reps=1)
+    assert len(result.timings_us[1]) == 2 and len(result.timings_us[3]) == 1
+
+
 @pytest.mark.gpu
 def test_cuda_autotune_times_the_mxfp4_kernel(tmp_path):
     """On CUDA the candidates are triton_mxfp4's search space, each checked against the torch path."""
