@@ -57,13 +57,12 @@ def test_each_format_checks_candidates_against_its_own_torch_path_numerics():
     """MXFP4's ``w8a16`` (2: codes unpacked by words) picks an unpack, not a numerics: its candidates
     are checked against the one weight-only torch path, which the tuner can compute for them; only
     block-FP8 candidates with ``w8a16`` are checked against FP8's weight-only path (unquantized
-    activations); bf16 has one. (The CUDA tune of the MXFP4 kernel ran every candidate through the
-    FP8 mode before: a ValueError before the first timing.)"""
+    activations); bf16 has one."""
     from coldset.kernels import torch_experts
     from coldset.kernels.tune import _weight_only_reference
 
-    cases = [("mxfp4", {"w8a16": 2}, False), ("mxfp4", {}, False), ("fp8_block128", {"w8a16": 1}, True), ("fp8_block128", {}, False),
-             (None, {"w8a16": 2}, False)]
+    cases = [("mxfp4", {"w8a16": 2}, False), ("mxfp4", {}, False), ("fp8_block128", {"w8a16": 1}, True),
+             ("fp8_block128", {}, False), (None, {"w8a16": 2}, False)]
     for fmt, cand, want in cases:
         shape = TuneShape(dtype="bfloat16", weight_format=fmt, **{**SHAPE, "hidden": 128, "intermediate": 128})
         pools = _tuning_pools(shape, "cpu", layers=1)
@@ -76,8 +75,7 @@ def test_each_format_checks_candidates_against_its_own_torch_path_numerics():
 
 def test_a_tune_of_mxfp4_candidates_with_w8a16_checks_and_times_each(tmp_path):
     """The tuner's reference step end to end on the CPU: candidates carrying MXFP4's ``w8a16`` 2 (as
-    every GEMV entry of triton_mxfp4's search space does) are checked and timed, none dropped
-    (the check ran them through FP8's weight-only reference before: a ValueError)."""
+    every GEMV entry of triton_mxfp4's search space does) are checked and timed, none dropped."""
     shape = TuneShape(dtype="bfloat16", weight_format="mxfp4", **SHAPE)
     space = {"decode_max_tokens": 2, "decode": [{"token_chunk": None, "w8a16": 2}, {"token_chunk": 1, "w8a16": 2}],
              "prefill": [{"token_chunk": None}]}

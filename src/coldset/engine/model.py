@@ -529,7 +529,6 @@ class MoEModel(nn.Module):
         self.routing_sink: list | None = None
         self.cache_shape: tuple[int, int] | None = None  # (batch, max_seq)
         self._compiled_before_experts: Callable | None = None  # set by compile_decode()
-        self._decode_by_dynamo = False  # compile_decode() chose torch.compile (fused=False)
         self._fused_head: Callable | None = None  # the fused engine's final norm + LM head (compile_decode)
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
@@ -549,8 +548,9 @@ class MoEModel(nn.Module):
         """Whether decode steps run a ``torch.compile``d region (:meth:`compile_decode` with
         ``fused=False``). Dynamo runs the newest compiled graph whose guards a step passes, so which
         kernels a step runs depends on what ran before it: two runs that must compare bit for bit
-        are warmed first (:func:`coldset.verify.gate.warm_compiled_decode`)."""
-        return self._compiled_before_experts is not None and self._decode_by_dynamo
+        are warmed first (:func:`coldset.verify.gate.warm_compiled_decode`). The fused region always
+        comes with its fused head; the ``torch.compile`` one never does."""
+        return self._compiled_before_experts is not None and self._fused_head is None
 
     def compile_decode(self, fused: bool | None = None, pdl: bool | None = None) -> None:
         """Run decode steps (one token per sequence) through a faster region than the eager
@@ -579,7 +579,6 @@ class MoEModel(nn.Module):
                 raise ValueError(f"compile_decode(fused=True): {reason}")
             self._compiled_before_experts = functools.partial(fused_layer_before_experts, pdl=pdl)
             self._fused_head = functools.partial(fused_norm_lm_head, pdl=pdl)
-            self._decode_by_dynamo = False
             return
         self._fused_head = None
         if pdl:
@@ -594,7 +593,6 @@ class MoEModel(nn.Module):
         # dynamic=None: the first shape compiles static; a second (batch size, key length) makes
         # those sizes symbolic, so generate()'s growing mask costs one more compile, not one a step.
         self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True)
-        self._decode_by_dynamo = True
 
     def setup_cache(self, batch_size: int, max_seq: int) -> None:
         """Preallocate each layer's KV cache ``[batch_size, max_seq, kv_heads, head_dim]``."""

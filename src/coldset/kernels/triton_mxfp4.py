@@ -55,7 +55,6 @@ early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2 or 3, above). Spl
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,7 +90,9 @@ GEMV_PREFETCH = tl.constexpr(2)  # the GEMV path's num_stages that loads each k 
 FEW_TOKENS = 2  # up to this many tokens a call, the default is the GEMV tile with the prefetch and pdl 2
 
 # The defaults when no tuned entry exists (coldset.kernels.configs: triton_mxfp4.json).
-DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["few_tokens"])
+# pdl 0 where triton has no grid-dependency control: the same bits, the launches one after the other
+DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict({**load_kernel_configs("triton_mxfp4")["defaults"]["few_tokens"],
+                                                    **({} if gdc_wait is not None else {"pdl": 0})})
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
 DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
 
@@ -101,11 +102,10 @@ LAUNCHES = ("w13_act", "w2", "sum")
 
 def default_config(num_tokens: int, top_k: int = 4) -> KernelConfig:
     """The GEMV tile with its prefetch and pdl 2 up to :data:`FEW_TOKENS` tokens (where it was
-    fastest; pdl 0 where triton has no grid-dependency control: the same bits, launched one after
-    the other), the GEMV tile without the prefetch up to 64 (its registers cost more than it saves
+    fastest), the GEMV tile without the prefetch up to 64 (its registers cost more than it saves
     there), prefill tiles above."""
     if num_tokens <= FEW_TOKENS:
-        return DEFAULT_FEW_TOKENS_CONFIG if gdc_wait is not None else replace(DEFAULT_FEW_TOKENS_CONFIG, pdl=0)
+        return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
 
 

@@ -114,7 +114,7 @@ def warm_compiled_decode(model, prompts, max_new_tokens, batch_sizes, progress=T
     discarded decode of each batch size in use, later decodes of them compile nothing more and run
     the same graphs step for step: call it before the reference, then decode the placements with
     the same fixtures and batch sizes."""
-    if not getattr(model, "decode_is_dynamo_compiled", False):
+    if not model.decode_is_dynamo_compiled:
         return 0
     runs = 0
     for b in sorted(set(batch_sizes)):

@@ -43,8 +43,9 @@ def parity(ctx: StageContext, placements: list[str] | None = None, **_) -> None:
     references: dict[int, object] = {}
     host = host_tier(ctx)
     fit = lookahead_fit(ctx, engine, tokenizer)
-    batch_of = {name: batch if not loaded[name].dynamic
-                else max(1, min(batch, int((loaded[name].row_map >= 0).sum()) // engine.config.top_k)) for name in names}
+    top_k = engine.config.top_k
+    batch_of = {name: batch if not pl.dynamic else max(1, min(batch, int((pl.row_map >= 0).sum()) // top_k))
+                for name, pl in loaded.items()}
     # a torch.compile'd decode region runs the same graphs in every later decode only once each batch size
     # has been decoded (coldset.verify.gate.warm_compiled_decode)
     gate.warm_compiled_decode(engine, prompts, pc["max_new_tokens"], set(batch_of.values()), tuned=launch)
