@@ -165,11 +165,12 @@ def assert_cuda_placements_bitwise_eager_and_compiled(model, prompts, new_tokens
         assert (a[1] - b[1]).abs().max().item() < 0.5, label
 
 
-def assert_graphed_step_decodes_generate(model, prompts, new_tokens: int) -> None:
+def assert_graphed_step_decodes_generate(model, prompts, new_tokens: int, batch_size: int = 2) -> None:
     """The bench's decode loop (:class:`coldset.bench.decode.Decoder`: the compiled step captured in
-    one CUDA graph, replayed) through the Triton experts kernel gives ``generate()``'s greedy tokens."""
+    one CUDA graph, replayed) through the Triton experts kernel gives ``generate()``'s greedy tokens,
+    ``batch_size`` sequences (tokens a kernel call) a step."""
     model.experts_fn = gate.experts_functions(model.device)[0]  # the Triton experts kernel, as the bench runs
     model.compile_decode()
-    batch = bench.bench_prompts([t for p in prompts for t in p], 2, 8)
+    batch = bench.bench_prompts([t for p in prompts for t in p], batch_size, 8)
     want = generate(model, batch.tolist(), new_tokens, progress=False).tokens
     assert graphed_greedy_tokens(model, batch, new_tokens) == want

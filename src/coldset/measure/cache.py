@@ -9,7 +9,8 @@ of every expert, and renders the config's fixtures as the workflow does
 (:func:`coldset.trace.fixtures.render_domain`: profile and held-out split). The profile prompts' routing
 on the unmodified path gives the profile counts (the warm set: ``usage_global``'s hot set at each
 residency); the timed prompts are cut from the held-out fixtures' token stream
-(:func:`coldset.bench.decode.bench_prompts`). Per batch size, every step one CUDA graph
+(:func:`coldset.bench.decode.bench_prompts`). Where the decode region is ``torch.compile``d, one
+discarded decode per batch size first (:func:`warm_compiled_region`). Per batch size, every step one CUDA graph
 (:class:`coldset.bench.decode.Decoder`, its one timed loop ``timed_steps``), each variant captured once
 and decoded ``1 + --repeats`` passes from its warm state (:meth:`coldset.engine.cache.pool.SlotCache.reset`):
 all-HBM (the unmodified path, its routing recorded), ``usage_global`` (static, cold experts read
@@ -447,6 +448,19 @@ def add_row(c: CacheRun, bt: BatchRun, name: str, res: list[dict], residency: fl
     return r
 
 
+def warm_compiled_region(c: CacheRun, heldout_stream: list[int], batches: list[int]) -> int:
+    """One discarded decode at each batch size before any all-HBM reference, where the decode region
+    is ``torch.compile``d: a row's passes then run the compiled graphs its reference ran (Dynamo runs
+    the newest graph whose guards pass, and a batch size's first decode can compile graphs later
+    ones supersede: :func:`coldset.verify.gate.warm_compiled_decode`). Returns the decodes run."""
+    if not c.model.decode_is_dynamo_compiled:
+        return 0
+    for bsz in sorted(set(batches)):
+        log(f"warming the compiled decode region at batch {bsz}")
+        decode(c, c.ref_fn, c.model.pools, bsz, bn.bench_prompts(heldout_stream, bsz, PROMPT_TOKENS), 1)
+    return len(set(batches))
+
+
 def all_hbm_batch(c: CacheRun, bsz: int, heldout_stream: list[int], passes: int) -> BatchRun:
     """The batch's reference: the all-HBM passes (routing recorded) and their row."""
 
@@ -684,7 +698,9 @@ def run(args, argv=None) -> dict:
     passes = 1 + args.repeats
     L, E, k = c.shape
     replay_arrays = {"profile_counts": c.counts, "expert_bytes": np.array(c.per_expert)}  # --save-replays
-    for bsz in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    warm_compiled_region(c, heldout_stream, batches)
+    for bsz in batches:
         bt = all_hbm_batch(c, bsz, heldout_stream, passes)
         if args.save_replays:
             replay_arrays.update(_replay_arrays(bsz, bt.routing, bt.base[0]["hidden"], moe_routers(c.model), k))
