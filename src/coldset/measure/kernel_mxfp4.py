@@ -58,7 +58,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-gluon")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv")
 ROW_RESERVE_S = 12.0  # of --budget-s, kept for each batch still to run
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
@@ -173,13 +173,13 @@ def _poison(s: Setup, nbytes: int) -> None:
 
 def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
-    sums in registers, no dot; ``gemv-gluon`` with w8a16 4, :mod:`coldset.kernels.gluon_mxfp4`), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
+    sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
     2), ``dot-f16`` (fp16 dots, one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles
     unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
     if cfg.block_m <= GEMV_MAX_ROWS:
-        return "gemv-gluon" if cfg.w8a16 == 4 else "gemv"
+        return "gemv"
     return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
 
 
