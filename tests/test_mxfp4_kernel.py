@@ -189,6 +189,71 @@ def test_kernel_mxfp4_measurement_takes_a_configs_file_and_refuses_a_bad_one(tmp
         assert str(bad) in capsys.readouterr().err, text
 
 
+_PAIRS = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])
+from coldset.core import mxfp4
+from coldset.kernels import gluon_mxfp4
+
+# rows of 96 inputs (3 groups): ordinary values, an all-zero group, outliers 2^20 and 2^-30 apart,
+# values past fp16's range (kept by the group's power of two); the second row a whole group of
+# bf16 subnormals and one of huge values
+g = torch.Generator().manual_seed(3)
+a = torch.randn(2, 96, generator=g)
+a[0, 32:64] = 0.0
+a[0, 64] = 3.0e5
+a[0, 65] = 2.0 ** -25
+a[1, :32] = torch.randn(32, generator=g) * 1e-39
+a[1, 32:64] *= 1e30
+a = a.bfloat16()
+pairs, exps = gluon_mxfp4.input_pairs(a, pdl=False, dependent=False)
+assert pairs.shape == (2, 48) and exps.shape == (2, 3) and pairs.dtype == exps.dtype == torch.int32
+p = pairs.numpy().astype(np.uint32)
+lanes = [((p >> (16 * h)) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64) for h in (0, 1)]
+x = np.zeros((2, 96))
+for grp in range(3):
+    for n in range(4):
+        for w in range(4):
+            for h in (0, 1):  # word w's codes n (low lane) and n + 4 (high lane): inputs 8 w + n (+ 4)
+                x[:, 32 * grp + 8 * w + n + 4 * h] = lanes[h][:, 16 * grp + 4 * n + w]
+af = a.double().numpy()
+field = ((a.float().numpy().view(np.uint32) >> 23) & 0xFF).reshape(2, 3, 32).max(axis=2)
+assert (exps.numpy() == np.maximum(field, 14)).all(), (exps, field)
+scale = np.repeat(2.0 ** (141.0 - exps.numpy()), 32, axis=1)
+want = af * scale
+assert np.abs(want).max(axis=1).max() < 2 ** 15
+normal = np.abs(af) >= 2.0 ** -126  # bf16 subnormal inputs may be flushed to zero (under 1.2e-38)
+big = normal & (np.abs(want) >= 2.0 ** -14)  # fp16's normal range: exact there
+assert np.array_equal(x[big], want[big]), np.abs(x - want)[big].max()
+assert np.abs(x - want)[normal].max() <= 2.0 ** -25  # below it, fp16's subnormal spacing
+# the tile's identity: codes as fp16 lanes e2m1 * 2^-14, times these inputs, times 2^(e - 127) and the
+# scale's 2^(s - 127), is the dequantized matrix times the inputs (float64 sums here)
+blocks = torch.randint(0, 256, (5, 48), dtype=torch.uint8, generator=g)
+scales = torch.randint(118, 131, (5, 3), dtype=torch.uint8, generator=g)
+wd = mxfp4.dequantize(blocks.view(5, 3, 16), scales, torch.float32).double().numpy()
+codes = np.stack([(blocks.numpy() >> 4 * h) & 0xF for h in (0, 1)], axis=2).reshape(5, 96)
+lut = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]) * 2.0 ** -14
+factor = np.repeat(2.0 ** (scales.numpy() - 127.0), 32, axis=1)
+for r in range(2):
+    got = (lut[codes] * x[r] * factor * np.repeat(2.0 ** (exps.numpy()[r] - 127.0), 32)).sum(axis=1)
+    ref = wd @ af[r]
+    assert np.allclose(got, ref, rtol=1e-12, atol=1e-300 + 1e-12 * np.abs(wd) @ np.abs(af[r])), (got, ref)
+print("INTERPRETED OK")
+"""
+
+
+def test_gemv_gluon_input_pairs_under_the_interpreter():
+    """The Gluon GEMV tile's inputs (w8a16 4; the tile itself runs on CUDA only, in the GPU tests):
+    each scale group's bf16 inputs times the power of two that puts its largest in [2^14, 2^15), as
+    fp16 pairs in the words' order, exact in fp16's normal range; its exponent field; and the tile's
+    arithmetic identity (codes as ``e2m1 * 2^-14`` times these pairs times ``2^(e - 127)`` and the
+    scale's power of two) equal to the dequantized matrix times the inputs, zero and outlier groups
+    and bf16 subnormals included."""
+    run_interpreted(_PAIRS)
+
+
 def test_default_config_takes_the_prefetching_pdl_gemv_tile_up_to_two_tokens():
     """One or two tokens a call: the GEMV tile loading one k step ahead (num_stages 2), its w2 and sum
     launches programmatic dependent launches (pdl 2); up to 64 the same tile without either; above,

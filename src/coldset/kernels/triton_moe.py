@@ -298,6 +298,13 @@ def _gated(g, u, bg, bu, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.co
     if HAS_BIAS:
         g = g + bg[None, :]
         u = u + bu[None, :]
+    return _activation(g, u, ACT, ALPHA, LIMIT)
+
+
+@triton.jit
+def _activation(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """:func:`_gated` after its biases, elementwise on fp32 gate and up sums of any shape (the Gluon
+    GEMV tile's epilogue calls it on its rows)."""
     if ACT == 0:
         out = g / (1.0 + tl.exp(-g)) * u
     else:

@@ -81,6 +81,11 @@ from coldset.kernels.triton_moe import (
     prepare_call,
 )
 
+try:  # Gluon, Triton's layout-explicit dialect (triton >= 3.5): the GEMV tile of w8a16 4
+    import coldset.kernels.gluon_mxfp4 as gluon_mxfp4
+except ImportError:  # pragma: no cover - older triton: configs with w8a16 4 are refused by name
+    gluon_mxfp4 = None
+
 if TYPE_CHECKING:
     from coldset.kernels.tiers import ExpertPools
 
@@ -563,15 +568,27 @@ def _check_config(c: KernelConfig) -> None:
     if c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
         raise ValueError(f"triton_mxfp4_experts: block_m must be 1 or 2 (the GEMV path) or a power of two >= 16 (a "
                          f"dot's rows), got {c.block_m}")
-    if c.w8a16 not in (0, 2, 3):
+    if c.w8a16 not in (0, 2, 3, 4):
         raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
-                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group)")
+                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group, 4: "
+                         "the GEMV tile in Gluon)")
+    if c.w8a16 == 4:
+        if c.block_m > GEMV_MAX_ROWS:
+            raise ValueError(f"triton_mxfp4_experts: w8a16=4 (the GEMV tile in Gluon) needs block_m <= "
+                             f"{GEMV_MAX_ROWS}, got {c.block_m}")
+        if gluon_mxfp4 is None:
+            raise ValueError(f"triton_mxfp4_experts: w8a16=4 (the GEMV tile in Gluon) needs triton with Gluon "
+                             f"(triton.experimental.gluon, triton >= 3.5), this is triton {triton.__version__}")
+        if not gluon_mxfp4.layout_fits(c.block_n1, c.block_k1, c.block_n2, c.block_k2, c.num_warps):
+            raise ValueError(f"triton_mxfp4_experts: w8a16=4: block_n1={c.block_n1} / block_n2={c.block_n2} do not "
+                             f"lay out over num_warps={c.num_warps} at block_k1={c.block_k1} / block_k2={c.block_k2} "
+                             "(rows a multiple of the warps times the lanes left by min(block_k / 32, 32) groups)")
     if c.w8a16 == 3 and c.block_m < 16:
         raise ValueError(f"triton_mxfp4_experts: w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16 (a "
                          f"dot's rows), got {c.block_m}")
-    if c.block_m <= GEMV_MAX_ROWS and c.w8a16 != 2:
+    if c.block_m <= GEMV_MAX_ROWS and c.w8a16 not in (2, 4):
         raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (<= {GEMV_MAX_ROWS}: the GEMV path, no dot) "
-                         f"unpacks 32-bit words: config w8a16 must be 2, got {c.w8a16}")
+                         f"unpacks 32-bit words: config w8a16 must be 2 (Triton) or 4 (Gluon), got {c.w8a16}")
     if c.block_m <= GEMV_MAX_ROWS and c.num_stages not in (1, GEMV_PREFETCH):
         raise ValueError(f"triton_mxfp4_experts: block_m={c.block_m} (the GEMV path) takes num_stages 1 (loads at "
                          f"each k step) or 2 (loads one step ahead), got {c.num_stages}")
@@ -640,6 +657,9 @@ def mxfp4_experts_launches(
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_mxfp4_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
                            "(triton >= 3.3)")
+    if c.w8a16 == 4 and not x.is_cuda:
+        raise ValueError(f"triton_mxfp4_experts: w8a16=4 (the GEMV tile in Gluon) runs on CUDA only, x is on "
+                         f"{x.device} (Triton's interpreter runs no Gluon: w8a16 2 is the same GEMV in Triton)")
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -660,6 +680,12 @@ def mxfp4_experts_launches(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
+    if c.w8a16 == 4:
+        yield from _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf,
+                                        weights, num_pairs, mode, np_, ep, top_k, hidden, inter, use_row_map, pdl,
+                                        (w13_cold, w2_cold, s13_cold, s2_cold), b13, b2, act_kw)
+        yield from _sum_launch(buf, out, num_pairs, num_tokens, hidden, top_k, pdl)
+        return out
     gemv = c.block_m <= GEMV_MAX_ROWS
     path = dict(GEMV=gemv, WORDS=gemv or c.w8a16 >= 2, F16=c.w8a16 == 3, NS=c.num_stages)
     _w13_mx_kernel[grid(nb1)](
@@ -679,8 +705,41 @@ def mxfp4_experts_launches(
         launch_pdl=pdl,
     )
     yield "w2"
+    yield from _sum_launch(buf, out, num_pairs, num_tokens, hidden, top_k, pdl)
+    return out
+
+
+def _sum_launch(buf, out, num_pairs, num_tokens, hidden, top_k, pdl) -> Generator[str, None, None]:
+    """The third launch: each token's top-k rows of the per-pair buffer summed in rank order."""
     block = min(1024, _next_pow2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         buf, out, num_pairs, H=hidden, TOPK=top_k, BLOCK=block, USE_GDC=pdl, SPLIT=1, num_warps=4, launch_pdl=pdl)
     yield "sum"
-    return out
+
+
+def _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf, weights,
+                         num_pairs, mode, np_, ep, top_k, hidden, inter, use_row_map, pdl, colds, b13, b2,
+                         act_kw) -> Generator[str, None, None]:
+    """The launches of w8a16 4, :mod:`coldset.kernels.gluon_mxfp4`'s GEMV tile: the tokens' input pairs,
+    w13, the intermediate's pairs, w2."""
+    w13_cold, w2_cold, s13_cold, s2_cold = colds
+    num_experts = pools.num_experts
+    common = dict(E=num_experts, EP=ep, BM=c.block_m, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map, USE_GDC=pdl,
+                  ORDER=c.tile_order, NS=c.num_stages, W=c.num_warps)
+    words = lambda t: t.view(torch.int32)  # noqa: E731 - K / 2 bytes a row: whole int32 words
+    xp, xe = gluon_mxfp4.input_pairs(x, pdl, dependent=False)  # a plain launch: what came before is complete
+    gluon_mxfp4._w13_gemv_kernel[grid(nb1)](
+        xp, xe, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w13_hot), words(w13_cold),
+        pools.w13_scale_hot, s13_cold, b13, act, num_pairs, layer, nb1,
+        TOPK=top_k, H=hidden, I=inter, BN=c.block_n1, BK=c.block_k1, **act_kw, **common, num_warps=c.num_warps,
+        launch_pdl=pdl,
+    )
+    yield "w13_act"
+    ap, ae = gluon_mxfp4.input_pairs(act, pdl, dependent=pdl)
+    gluon_mxfp4._w2_gemv_kernel[grid(nb2)](
+        ap, ae, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w2_hot), words(w2_cold),
+        pools.w2_scale_hot, s2_cold, b2, weights, buf, num_pairs, layer, nb2,
+        H=hidden, I=inter, BN=c.block_n2, BK=c.block_k2, HAS_BIAS=act_kw["HAS_BIAS"], **common,
+        num_warps=c.num_warps, launch_pdl=pdl,
+    )
+    yield "w2"

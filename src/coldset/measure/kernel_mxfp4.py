@@ -58,7 +58,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-gluon")
 ROW_RESERVE_S = 12.0  # of --budget-s, kept for each batch still to run
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
@@ -173,13 +173,13 @@ def _poison(s: Setup, nbytes: int) -> None:
 
 def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
-    sums in registers, no dot), ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16
-    2), ``dot-f16`` (fp16 dots, one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles
-    unpacked value by value)."""
+    sums in registers, no dot; ``gemv-gluon`` with w8a16 4, :mod:`coldset.kernels.gluon_mxfp4`),
+    ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16 2), ``dot-f16`` (fp16 dots,
+    one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles unpacked value by value)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
     if cfg.block_m <= GEMV_MAX_ROWS:
-        return "gemv"
+        return "gemv-gluon" if cfg.w8a16 == 4 else "gemv"
     return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
 
 
@@ -302,15 +302,22 @@ def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], d
     return row
 
 
-def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None, space: dict | None = None) -> list:
+#: Variants that run on CUDA only (Gluon): left out of a run on the CPU, which says so.
+CUDA_ONLY_VARIANTS = ("gemv-gluon",)
+
+
+def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None, space: dict | None = None,
+                cuda: bool = True) -> list:
     """The configs for ``num_tokens`` (decode up to 64 tokens, prefill above) of ``space`` (default:
-    the search space), those of ``variants`` only when given."""
+    the search space), those of ``variants`` only when given, without :data:`CUDA_ONLY_VARIANTS`
+    unless ``cuda``."""
     from coldset.kernels.triton_moe import KernelConfig  # triton: imported when a measurement runs
 
     if space is None:
         space = load_kernel_configs("triton_mxfp4")["search_space"]
     configs = [KernelConfig.from_dict(d) for d in space.get("decode" if num_tokens <= 64 else "prefill", [])]
-    return [c for c in configs if variants is None or variant_of(c) in variants]
+    return [c for c in configs if (variants is None or variant_of(c) in variants)
+            and (cuda or variant_of(c) not in CUDA_ONLY_VARIANTS)]
 
 
 def table(rows: list[dict]) -> str:
@@ -366,7 +373,7 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
     s = build(args)
     rows, wrong = [], []
     for n, num_tokens in enumerate(args.batch_list):
-        configs = configs_for(num_tokens, args.variant_list, args.space)
+        configs = configs_for(num_tokens, args.variant_list, args.space, cuda=s.timed)
         # the budget's end, less a reserve for each batch after this one (their compiles and times); the
         # first batches compile the most (each grouping's kernels), so they are not held to an equal share
         deadline = t_start + args.budget_s - ROW_RESERVE_S * (len(args.batch_list) - 1 - n)
@@ -390,10 +397,12 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
                        "reps": args.reps, "rows": rows, "bf16_failure": s.bf16_failure,
                        "seconds": time.time() - t_start}, f, indent=1)
     for num_tokens, i, why in wrong:
-        print(f"WRONG: {num_tokens} tokens, config {i} ({variant_of(configs_for(num_tokens, args.variant_list, args.space)[i])}): "
-              f"{why}")
+        cfg = configs_for(num_tokens, args.variant_list, args.space, cuda=s.timed)[i]
+        print(f"WRONG: {num_tokens} tokens, config {i} ({variant_of(cfg)}): {why}")
     if s.bf16_failure:
         print(f"bf16 column empty: {s.bf16_failure}")
+    if not s.timed:
+        print(f"not run on the CPU (CUDA only): {', '.join(CUDA_ONLY_VARIANTS)}")
     print(f"MXFP4 experts kernel variants vs bf16, {device}, H={s.hidden} I={s.inter} E={s.experts} top-{s.top_k}, "
           f"{args.layers} layers a graph, median of {args.reps} replays, us per layer; % of a plain read of the "
           f"same bytes; {time.time() - t_start:.0f}s")
