@@ -7,7 +7,7 @@ them (:mod:`coldset.kernels.tiers`): packed e2m1 bytes, uint8 ``[rows, N, K / 2]
 scales, uint8 ``[rows, N, K / 32]``, from the same tier at the same row. Hopper has no FP4 tensor
 cores, so each k step unpacks its codes in registers (element ``2j`` of a row is byte ``j``'s low
 nibble). Weight-only, as vLLM's Hopper path for gpt-oss: the tokens stay bf16, no activation is
-quantized, every sum is float32. Two paths, the config's choice:
+quantized, every sum is float32 (but ``w8a16`` 4's, below). Two paths, the config's choice:
 
 - the dot path (``block_m`` >= 16): bf16 tiles ``e2m1 * 2^(s - 127)`` dotted with the tokens'
   tile. ``w8a16`` 0 unpacks value by value (:func:`_upcast`: each code's float32 by bits, times the
@@ -31,6 +31,11 @@ quantized, every sum is float32. Two paths, the config's choice:
   one step ahead, into registers, so the next step's bytes are in flight while this step's sums
   run (the same sums in the same order: the same bits). At one token the tile waits on its loads
   with few warps resident, and the prefetch is worth its registers there (BENCHMARKS.md section 9).
+- ``w8a16`` 4 (``block_m`` 1 or 2, CUDA only): the GEMV path in Gluon with fp16-pair products
+  (:mod:`coldset.kernels.gluon_mxfp4`, whose doc gives its arithmetic): the tokens and the
+  intermediate go through one more launch each, as per-group scaled fp16 pairs, and each word's 4
+  pair products are summed in fp16 (about 2^-11 of their sum each), the rest in float32. Fewer
+  instructions a weight than the Triton tile's float32 products (docs/measurements/mxfp4/f16x2).
 
 Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
 keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
@@ -48,7 +53,7 @@ so every placement is bitwise the all-hot (``use_row_map=False``) output.
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
 32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the dot paths' pipelining depth; the
 GEMV path's prefetch, above), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
-early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2 or 3, above). Split-K, ``half_tail``,
+early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2, 3 or 4, above). Split-K, ``half_tail``,
 ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
 
