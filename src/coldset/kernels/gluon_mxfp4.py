@@ -9,8 +9,10 @@ four threads (shuffles). Here the layout is written down: each thread holds ``R`
 32 inputs (four 16-byte loads), so a k step is loads, bit operations and FMAs in registers, and the
 rows' sums cross threads once, after the last step.
 
-Arithmetic: fp16 pairs, so that a weight costs about 3 instructions, not the 5 to 6 of float32
-products (the unpack's integer work is what bounds a float32 tile). A word's 8 codes become 4 int32
+Arithmetic: fp16 pairs, so that a weight costs about 3.5 instructions, not the 5 to 6 of float32
+products: the arithmetic is what bounds such a tile (alone, on one token's experts, the same loads
+with no arithmetic read at 91-92% of a plain read, float32 products at 67-69%, these at 84-88%:
+docs/measurements/mxfp4/f16x2). A word's 8 codes become 4 int32
 registers of two fp16 lanes each, ``e2m1 * 2^-14`` (:func:`coldset.kernels.triton_mxfp4._e2m1_pair`'s
 bit operations, exact for the subnormal codes too), multiplied with the inputs by ``fma.rn.f16x2``.
 The inputs come as :func:`input_pairs` writes them, once a call: each scale group of 32 times the
@@ -23,7 +25,8 @@ float32, times ``2^(e - 127)`` and the scale's ``2^(s - 127)``, and across group
 Triton path's (a config's bits depend on the path, never on the placement: the row map only moves
 the base pointers).
 
-Triton's interpreter runs no Gluon: on CPU tensors the GEMV path is the Triton one. The tile's
+Triton's interpreter runs no Gluon: on CPU tensors a ``w8a16`` 4 config is refused by name (``w8a16``
+2 is the same GEMV in Triton); :func:`input_pairs`' launch is Triton and runs there. The tile's
 shape comes from the config: ``block_k`` / 32 groups a step, spread over ``min(groups, 32)`` lanes
 (``SG`` groups a lane above 32), the remaining lanes and the warps over the ``block_n`` rows (``R``
 rows a thread); :func:`layout_fits` says which configs lay out.
