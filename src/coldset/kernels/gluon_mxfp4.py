@@ -40,7 +40,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from coldset.kernels.triton_moe import _activation, _block_ids, _expert_base, gdc_launch_dependents, gdc_wait
+from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _expert_bias, gdc_launch_dependents,
+                                       gdc_wait)
 
 
 def tile_shape(block_n: int, block_k: int, num_warps: int) -> tuple[int, int, int, int] | None:
@@ -281,17 +282,6 @@ def _gate_up(r, BN: gl.constexpr, LO: gl.constexpr):
     return gl.convert_layout(g, LO), gl.convert_layout(u, LO)
 
 
-@gluon.jit
-def _bias(b_ptr, layer, expert, offs, ok, N: gl.constexpr, E: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """fp32 values ``offs`` of the bias row of (layer, expert) in ``[L, E, N]`` biases (by expert id,
-    never through the row map); zeros without biases."""
-    if HAS_BIAS:
-        b = gl.load(b_ptr + (layer * E + expert).to(gl.int64) * N + offs, mask=ok, other=0.0).to(gl.float32)
-    else:
-        b = offs.to(gl.float32) * 0.0
-    return b
-
-
 @gluon.jit(do_not_specialize=["num_pairs", "layer", "NB"])  # one compile for every layer and batch
 def _w13_gemv_kernel(
     xp_ptr, xe_ptr, ids_ptr, sorted_pairs_ptr, expert_off_ptr, row_map_ptr, w_hot_ptr, w_cold_ptr, s_hot_ptr,
@@ -326,8 +316,8 @@ def _w13_gemv_kernel(
     LO: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     offs_n = pid_n * BN + gl.arange(0, BN, layout=LO)
     n_ok = offs_n < I
-    bg = _bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)
-    bu = _bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)
+    bg = _expert_bias(b13_ptr, layer, expert, offs_n, n_ok, 2 * I, E, HAS_BIAS)
+    bu = _expert_bias(b13_ptr, layer, expert, I + offs_n, n_ok, 2 * I, E, HAS_BIAS)
     if USE_GDC:  # launched early: the lookups above read what the call's launches do not write
         gdc_wait()
     c = c_begin
@@ -372,7 +362,7 @@ def _w2_gemv_kernel(
     offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     n_ok = offs_n < H
     w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, offs_n, I, G, L3)  # w2 rows n (of H)
-    b2 = _bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
+    b2 = _expert_bias(b2_ptr, layer, expert, offs_n, n_ok, H, E, HAS_BIAS)
     if USE_GDC:  # launched early: only the launch and the lookups above overlap the w13 launch
         gdc_launch_dependents()
         gdc_wait()

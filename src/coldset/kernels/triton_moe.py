@@ -282,11 +282,13 @@ def _group_scatter_kernel(ids_ptr, counts_ptr, scratch_ptr, sorted_pairs_ptr, ex
 @triton.jit
 def _expert_bias(b_ptr, layer, expert, offs, ok, N: tl.constexpr, E: tl.constexpr, HAS_BIAS: tl.constexpr):
     """fp32 values ``offs`` of the bias row of (layer, expert) in ``[L, E, N]`` biases (read by
-    expert id, never through the row map: module doc); zeros without biases."""
+    expert id, never through the row map: module doc); zeros without biases, in ``offs``' layout (so
+    that the Gluon kernels of :mod:`coldset.kernels.gluon_mxfp4`, whose tensors carry one, call it
+    too)."""
     if HAS_BIAS:
         b = tl.load(b_ptr + (layer * E + expert).to(tl.int64) * N + offs, mask=ok, other=0.0).to(tl.float32)
     else:
-        b = tl.zeros_like(offs).to(tl.float32)
+        b = offs.to(tl.float32) * 0.0
     return b
 
 
