@@ -113,7 +113,11 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(half_tail=1), "half_tail=1"), (dict(block_m=4), "block_m must be 1 or 2"),
                  (dict(block_m=2), "w8a16 must be 2"), (dict(swap_ab=1), "swap_ab=1"),
                  (dict(w8a16=3, block_m=2), "w8a16=3 (fp16 dots, one per scale group) needs block_m >= 16"),
-                 (dict(block_m=1, w8a16=2, num_stages=3), "takes num_stages 1 (loads at each k step) or 2")]:
+                 (dict(block_m=1, w8a16=2, num_stages=3), "takes num_stages 1 (loads at each k step) or 2"),
+                 (dict(block_m=16, w8a16=4), "w8a16=4 (the GEMV tile in Gluon) needs block_m <= 2"),
+                 (dict(block_m=1, block_n1=2, block_k1=1024, num_warps=8, w8a16=4, num_stages=1), "do not lay out"),
+                 (dict(block_m=1, block_n1=8, block_k1=1024, block_n2=16, block_k2=1024, w8a16=4, num_stages=1),
+                  "runs on CUDA only")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -210,6 +214,13 @@ a[1, 32:64] *= 1e30
 a = a.bfloat16()
 pairs, exps = gluon_mxfp4.input_pairs(a, pdl=False, dependent=False)
 assert pairs.shape == (2, 48) and exps.shape == (2, 3) and pairs.dtype == exps.dtype == torch.int32
+for bad in (a[:, :80], a.float(), a.t().contiguous().t()[:, :64]):  # K not a multiple of 32, float32, strided
+    try:
+        gluon_mxfp4.input_pairs(bad, pdl=False, dependent=False)
+    except ValueError as e:
+        assert "input_pairs" in str(e), e
+    else:
+        raise AssertionError(f"input_pairs took {bad.dtype} {tuple(bad.shape)} {bad.stride()}")
 p = pairs.numpy().astype(np.uint32)
 lanes = [((p >> (16 * h)) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64) for h in (0, 1)]
 x = np.zeros((2, 96))

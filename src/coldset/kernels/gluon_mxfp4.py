@@ -96,6 +96,9 @@ def input_pairs(a: torch.Tensor, pdl: bool, dependent: bool) -> tuple[torch.Tens
     lets the next launch start early; ``dependent`` makes it a programmatic dependent launch itself
     (it waits for the launch before it to complete before reading ``a``)."""
     rows, k = a.shape
+    if k % 32 or a.stride(1) != 1 or a.dtype != torch.bfloat16:
+        raise ValueError(f"input_pairs: bf16 rows [R, K] with K a multiple of 32 and unit stride along K expected, "
+                         f"got {a.dtype} {tuple(a.shape)} strides {a.stride()}")
     pairs = torch.empty((rows, k // 2), dtype=torch.int32, device=a.device)
     exps = torch.empty((rows, k // 32), dtype=torch.int32, device=a.device)
     if rows:
