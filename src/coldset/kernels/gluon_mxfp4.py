@@ -12,7 +12,8 @@ rows' sums cross threads once, after the last step.
 Arithmetic: fp16 pairs, so that a weight costs about 3.5 instructions, not the 5 to 6 of float32
 products: the arithmetic, not the loads, is what bounds such a tile (docs/measurements/mxfp4/f16x2
 times the tile with and without it). A word's 8 codes become 4 int32 registers of two fp16 lanes
-each, ``e2m1 * 2^-14`` (:func:`coldset.kernels.triton_mxfp4._e2m1_pair`'s bit operations, exact for the subnormal codes too), multiplied with the inputs by ``fma.rn.f16x2``.
+each, ``e2m1 * 2^-14`` (:func:`coldset.kernels.triton_mxfp4._e2m1_pair`'s bit operations, exact for
+the subnormal codes too), multiplied with the inputs by ``fma.rn.f16x2``.
 The inputs come as :func:`input_pairs` writes them, once a call: each scale group of 32 times the
 power of two ``2^(141 - e)`` that puts its largest magnitude in [2^14, 2^15) (``e``: that magnitude's
 float32 exponent field, at least 14), in fp16 (exact for a bf16 input down to 2^-28 of its group's
