@@ -408,14 +408,17 @@ def test_cuda_placements_are_bitwise_all_hot_eager_and_compiled(checkpoint):
 def test_cuda_graph_of_the_compiled_step_with_4bit_experts_decodes_what_generate_decodes(checkpoint, batch_size):
     """The bench's decode loop (the compiled step captured in one CUDA graph, replayed) with the
     experts kept MXFP4 gives generate()'s greedy tokens at 1, 2 and 3 tokens a step: up to 2 the
-    MXFP4 kernel's default is the prefetching GEMV tile whose w2 and sum launches are programmatic
-    dependent launches (pdl 2, where triton has grid-dependency control), captured in the graph;
-    at 3 the GEMV tile without them."""
+    MXFP4 kernel's default is the prefetching Triton GEMV tile, at 3 on CUDA the Gluon GEMV tile; the
+    launches after the first are programmatic dependent launches (pdl 2, where triton has
+    grid-dependency control), captured in the graph."""
     from coldset.kernels import triton_moe, triton_mxfp4
 
-    cfg = triton_mxfp4.default_config(batch_size)
-    assert (cfg.pdl, cfg.num_stages) == ((2 if triton_moe.gdc_wait is not None else 0, 2) if batch_size <= 2
-                                          else (0, 1))
+    cfg = triton_mxfp4.default_config(batch_size, cuda=True)
+    pdl = 2 if triton_moe.gdc_wait is not None else 0
+    if batch_size <= 2:
+        assert (cfg.pdl, cfg.num_stages, cfg.w8a16) == (pdl, 2, 2)
+    elif triton_mxfp4.gluon_mxfp4 is not None and pdl:
+        assert (cfg.w8a16, cfg.pdl) == (4, 2)
     model = load_mxfp4_kept(checkpoint("mxfp4"), "cuda")
     assert_graphed_step_decodes_generate(model, PROMPTS, NEW_TOKENS, batch_size)
 

@@ -278,6 +278,29 @@ def test_default_config_takes_the_prefetching_pdl_gemv_tile_up_to_two_tokens():
     assert got[65].block_m >= 16
     for cfg in got.values():
         mx._check_config(cfg)
+        assert cfg.w8a16 != 4  # the interpreter runs no Gluon
+
+
+def test_default_config_on_cuda_takes_the_gluon_gemv_tile_from_three_to_64_tokens():
+    """On CUDA, 3 to 64 tokens: the Gluon GEMV tile (w8a16 4, pdl 2), one config that lays out and is
+    in the search space (the tuner and the GPU tests see it); up to 2 and above 64 the same tiles as
+    on the CPU. Where this triton lacks Gluon or grid-dependency control, the CPU's defaults."""
+    from coldset.kernels import triton_moe
+    from coldset.kernels import triton_mxfp4 as mx
+    from coldset.kernels.configs import load
+
+    on_cuda = {n: mx.default_config(n, cuda=True) for n in (1, 2, 3, 8, 64, 65, 256)}
+    assert mx.FEW_TOKENS == 2
+    assert all(on_cuda[n] == mx.default_config(n) for n in (1, 2, 65, 256))
+    if mx.gluon_mxfp4 is None or triton_moe.gdc_wait is None:
+        assert all(on_cuda[n] == mx.default_config(n) for n in on_cuda)
+        return
+    tile = on_cuda[3]
+    assert all(on_cuda[n] == tile for n in (8, 64))
+    assert (tile.w8a16, tile.block_m, tile.pdl) == (4, 1, 2)
+    assert mx.gluon_mxfp4.layout_fits(tile.block_n1, tile.block_k1, tile.block_n2, tile.block_k2, tile.num_warps)
+    space = [triton_moe.KernelConfig.from_dict(d) for d in load("triton_mxfp4")["search_space"]["decode"]]
+    assert tile in space
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------
@@ -286,8 +309,9 @@ def _search_space():
     from coldset.kernels.configs import load
     from coldset.kernels.triton_moe import KernelConfig
 
-    space = load("triton_mxfp4")["search_space"]
-    return [KernelConfig.from_dict(d) for d in space["decode"] + space["prefill"]]
+    configs = load("triton_mxfp4")
+    space = configs["search_space"]
+    return [KernelConfig.from_dict(d) for d in space["decode"] + space["prefill"] + list(configs["defaults"].values())]
 
 
 @pytest.mark.gpu
@@ -330,13 +354,14 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("num_tokens, cuda_default", [(1, True), (3, False), (3, True)])
 @pytest.mark.parametrize("pdl", [0, 2])
-def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl):
-    """A captured call (the default config of 1 and of 3 tokens: the GEMV tile with and without its
-    prefetch; with pdl 2 its w2 and sum launches are programmatic dependent launches inside the
-    graph) replayed after the row map moves experts between the tiers (every expert in both: a
-    placement switch is a row-map write) gives the eager all-hot pdl 0 output bitwise."""
+def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
+    """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
+    without its prefetch, and at 3 on CUDA the Gluon GEMV tile; with pdl 2 the launches after the first are
+    programmatic dependent launches inside the graph) replayed after the row map moves experts
+    between the tiers (every expert in both: a placement switch is a row-map write) gives the eager
+    all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch
 
@@ -348,9 +373,9 @@ def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(
     q = make_mxfp4(2, 16, 256, 128, seed=7)
     x, ids, w = (t.cuda() for t in routing(num_tokens, 16, 4, 256, seed=7))
     hot = pools_of(tuple(t.cuda() for t in q), SILU)
-    base = triton_mxfp4_experts(hot, 1, x, ids, w, {**default_config(num_tokens).to_dict(), "pdl": 0},
-                                use_row_map=False)
-    cfg = {**default_config(num_tokens).to_dict(), "pdl": pdl}
+    default = default_config(num_tokens, cuda=cuda_default).to_dict()
+    base = triton_mxfp4_experts(hot, 1, x, ids, w, {**default, "pdl": 0}, use_row_map=False)
+    cfg = {**default, "pdl": pdl}
     both = ExpertPools(hot.w13_hot, hot.w2_hot, hot.w13_hot.cpu().pin_memory(), hot.w2_hot.cpu().pin_memory(),
                        hot.row_map.clone(), w13_scale_hot=hot.w13_scale_hot, w2_scale_hot=hot.w2_scale_hot,
                        w13_scale_cold=hot.w13_scale_hot.cpu().pin_memory(),

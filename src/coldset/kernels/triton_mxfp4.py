@@ -59,6 +59,7 @@ early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2, 3 or 4, above). 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
@@ -105,15 +106,22 @@ DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict({**load_kernel_configs("trito
                                                     **({} if gdc_wait is not None else {"pdl": 0})})
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
 DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
+# On CUDA from FEW_TOKENS to 64 tokens: the Gluon GEMV tile (w8a16 4), where Gluon and grid-dependency control exist
+DEFAULT_CUDA_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_decode"])
 
 #: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
 LAUNCHES = ("w13_act", "w2", "sum")
 
 
-def default_config(num_tokens: int, top_k: int = 4) -> KernelConfig:
-    """The GEMV tile with its prefetch and pdl 2 up to :data:`FEW_TOKENS` tokens (where it was
-    fastest), the GEMV tile without the prefetch up to 64 (its registers cost more than it saves
-    there), prefill tiles above."""
+def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> KernelConfig:
+    """The Triton GEMV tile with its prefetch and pdl 2 up to :data:`FEW_TOKENS` tokens (where it was
+    fastest: its weight loads start before the launch it depends on has ended); from there to 64
+    tokens on CUDA the Gluon GEMV tile (``w8a16`` 4: 1.22x the Triton tile's gpt-oss-120b step at 8
+    tokens on the H100, BENCHMARKS section 9) where this triton has Gluon and grid-dependency
+    control, elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile without the prefetch
+    (its registers cost more than it saves there). Prefill tiles above 64."""
+    if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
+        return DEFAULT_CUDA_DECODE_CONFIG
     if num_tokens <= FEW_TOKENS:
         return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
@@ -655,7 +663,7 @@ def mxfp4_experts_launches(
         raise ValueError(f"triton_mxfp4_experts: pools hold packed w13 {tuple(pools.w13_hot.shape[1:])} and w2 "
                          f"{tuple(pools.w2_hot.shape[1:])} ([2I, H/2], [H, I/2]), x has H = {hidden}")
     config, x, ids, weights = prepare_call("triton_mxfp4_experts", pools, x, topk_ids, topk_weights, config,
-                                           use_row_map, default_config)
+                                           use_row_map, functools.partial(default_config, cuda=x.is_cuda))
     c = config
     _check_config(c)
     pdl = c.pdl > 0

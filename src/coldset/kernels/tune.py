@@ -500,12 +500,13 @@ def untimed_candidates(result: TuneResult, search_space: dict) -> dict[int, list
     return out
 
 
-def config_for(result: TuneResult, batch_size: int) -> dict:
+def config_for(result: TuneResult, batch_size: int, cuda: bool = False) -> dict:
     """The tuned config for ``batch_size``; if none was tuned for it, the documented default, with a
     warning (the first time for this result and batch size).
 
-    Defaults: on CUDA :func:`coldset.kernels.triton_moe.default_config` (decode tiles up to 64
-    tokens, prefill tiles above); on CPU ``{"token_chunk": None}`` (one chunk).
+    Defaults: for the Triton backend the format's ``default_config`` (decode tiles up to 64 tokens,
+    prefill tiles above; ``cuda``: the call's tensors are on CUDA, where MXFP4's decode default is a
+    Gluon tile the interpreter cannot run); for the torch backend ``{"token_chunk": None}`` (one chunk).
     """
     cfg = result.configs.get(int(batch_size))
     if cfg is not None:
@@ -518,6 +519,8 @@ def config_for(result: TuneResult, batch_size: int) -> dict:
     if result.backend == "triton":
         if result.shape.weight_format == mxfp4.FORMAT_NAME:  # triton: the kernels' modules load on use
             from coldset.kernels.triton_mxfp4 import default_config
+
+            return default_config(int(batch_size), result.shape.top_k, cuda=cuda).to_dict()
         elif result.shape.weight_format is not None:  # triton: the kernels' modules load on use
             from coldset.kernels.triton_fp8 import default_config
         else:
@@ -546,7 +549,7 @@ def tuned_experts(result: TuneResult, use_row_map: bool = True) -> Callable:
     def experts(pools, layer, x, topk_ids, topk_weights):
         bs = int(x.shape[0])
         if bs not in chosen:
-            chosen[bs] = config_for(result, bs)  # warns once per result and missing batch size
+            chosen[bs] = config_for(result, bs, cuda=x.is_cuda)  # warns once per result and missing batch size
         if result.backend == "triton":
             return triton_experts(pools, layer, x, topk_ids, topk_weights, config=chosen[bs],
                                   use_row_map=use_row_map)
