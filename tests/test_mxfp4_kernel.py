@@ -354,7 +354,7 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, cuda_default", [(1, True), (3, False), (3, True)])
+@pytest.mark.parametrize("num_tokens, cuda_default", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("pdl", [0, 2])
 def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
     """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
