@@ -107,7 +107,7 @@ DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict({**load_kernel_configs("trito
                                                     **({} if gdc_wait is not None else {"pdl": 0})})
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
 DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
-# On CUDA above FEW_TOKENS, up to 64 tokens: the Gluon GEMV tile (w8a16 4), where Gluon and grid-dependency control exist
+# On CUDA above FEW_TOKENS, to 64 tokens: the Gluon GEMV tile (w8a16 4), where Gluon and grid-dependency control exist
 DEFAULT_CUDA_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_decode"])
 
 #: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
