@@ -358,10 +358,10 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
 @pytest.mark.parametrize("pdl", [0, 2])
 def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
     """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
-    without its prefetch, and at 3 on CUDA the Gluon GEMV tile; with pdl 2 the launches after the first are
-    programmatic dependent launches inside the graph) replayed after the row map moves experts
-    between the tiers (every expert in both: a placement switch is a row-map write) gives the eager
-    all-hot pdl 0 output bitwise."""
+    without its prefetch, and at 3 on CUDA the Gluon GEMV tile; with pdl 2 the launches after the
+    first are programmatic dependent launches inside the graph) replayed after the row map moves
+    experts between the tiers (every expert in both: a placement switch is a row-map write) gives the
+    eager all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch
 
