@@ -419,6 +419,8 @@ def test_cuda_graph_of_the_compiled_step_with_4bit_experts_decodes_what_generate
         assert (cfg.pdl, cfg.num_stages, cfg.w8a16) == (pdl, 2, 2)
     elif triton_mxfp4.gluon_mxfp4 is not None and pdl:
         assert (cfg.w8a16, cfg.pdl) == (4, 2)
+    else:
+        assert (cfg.pdl, cfg.num_stages) == (0, 1)
     model = load_mxfp4_kept(checkpoint("mxfp4"), "cuda")
     assert_graphed_step_decodes_generate(model, PROMPTS, NEW_TOKENS, batch_size)
 
