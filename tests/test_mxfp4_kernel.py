@@ -282,9 +282,10 @@ def test_default_config_takes_the_prefetching_pdl_gemv_tile_up_to_two_tokens():
 
 
 def test_default_config_on_cuda_takes_the_gluon_gemv_tile_from_three_to_64_tokens():
-    """On CUDA, 3 to 64 tokens: the Gluon GEMV tile (w8a16 4, pdl 2), one config that lays out and is
-    in the search space (the tuner and the GPU tests see it); up to 2 and above 64 the same tiles as
-    on the CPU. Where this triton lacks Gluon or grid-dependency control, the CPU's defaults."""
+    """On CUDA, 3 to 64 tokens: the Gluon GEMV tile (w8a16 4, pdl 2, pairs grouped by expert before the
+    launch), one config that lays out and is in the search space (the tuner and the GPU tests see
+    it); up to 2 and above 64 the same tiles as on the CPU. Where this triton lacks Gluon or
+    grid-dependency control, the CPU's defaults."""
     from coldset.kernels import triton_moe
     from coldset.kernels import triton_mxfp4 as mx
     from coldset.kernels.configs import load
@@ -298,6 +299,7 @@ def test_default_config_on_cuda_takes_the_gluon_gemv_tile_from_three_to_64_token
     tile = on_cuda[3]
     assert all(on_cuda[n] == tile for n in (8, 64))
     assert (tile.w8a16, tile.block_m, tile.pdl) == (4, 1, 2)
+    assert tile.slot_max_pairs == 1  # the sorted grouping from 3 tokens (12 pairs): faster at 4 and 8 tokens
     assert mx.gluon_mxfp4.layout_fits(tile.block_n1, tile.block_k1, tile.block_n2, tile.block_k2, tile.num_warps)
     space = [triton_moe.KernelConfig.from_dict(d) for d in load("triton_mxfp4")["search_space"]["decode"]]
     assert tile in space

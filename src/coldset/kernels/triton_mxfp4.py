@@ -117,8 +117,10 @@ LAUNCHES = ("w13_act", "w2", "sum")
 def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> KernelConfig:
     """Up to :data:`FEW_TOKENS` tokens the Triton GEMV tile with its prefetch and pdl 2 (the fastest
     there, in the decode step too); from there to 64 tokens, on CUDA, the Gluon GEMV tile (``w8a16``
-    4, the faster step there: docs/measurements/mxfp4/cuda_default) where this triton has Gluon and
-    grid-dependency control, elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
+    4, the faster step there: docs/measurements/mxfp4/cuda_default) with the pairs grouped by expert
+    before the launch (``slot_max_pairs`` 1: a block reads its expert's range, it does not scan the
+    routing; 1.04-1.09x the b8 step, docs/measurements/mxfp4/sorted_default) where this triton has
+    Gluon and grid-dependency control, elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
     without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
         return DEFAULT_CUDA_DECODE_CONFIG
