@@ -119,9 +119,10 @@ def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> Kerne
     there, in the decode step too); from there to 64 tokens, on CUDA, the Gluon GEMV tile (``w8a16``
     4, the faster step there: docs/measurements/mxfp4/cuda_default) with the pairs grouped by expert
     before the launch (``slot_max_pairs`` 1: a block reads its expert's range, it does not scan the
-    routing; 1.04-1.09x the b8 step, docs/measurements/mxfp4/sorted_default) where this triton has
-    Gluon and grid-dependency control, elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
-    without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
+    routing; the faster step at 8 tokens: docs/measurements/mxfp4/sorted_default) where this triton
+    has Gluon and grid-dependency control, elsewhere (Triton's interpreter runs no Gluon) the Triton
+    GEMV tile without the prefetch (its registers cost more than it saves there). Prefill tiles
+    above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
         return DEFAULT_CUDA_DECODE_CONFIG
     if num_tokens <= FEW_TOKENS:
