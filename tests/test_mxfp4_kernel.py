@@ -117,7 +117,17 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(block_m=16, w8a16=4), "w8a16=4 (the GEMV tile in Gluon) needs block_m <= 2"),
                  (dict(block_m=1, block_n1=2, block_k1=1024, num_warps=8, w8a16=4, num_stages=1), "do not lay out"),
                  (dict(block_m=1, block_n1=8, block_k1=1024, block_n2=16, block_k2=1024, w8a16=4, num_stages=1),
-                  "runs on CUDA only")]:
+                  "runs on CUDA only"),
+                 (dict(block_m=8, block_n1=16, block_k1=256, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
+                       num_stages=1, slot_max_pairs=1), "block_k1 and block_k2 must be 128"),
+                 (dict(block_m=4, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
+                       num_stages=1, slot_max_pairs=1), "takes block_m 8 or 16"),
+                 (dict(block_m=8, block_n1=16, block_k1=128, block_n2=48, block_k2=128, num_warps=1, w8a16=5,
+                       num_stages=1, slot_max_pairs=1), "takes block_m 8 or 16"),
+                 (dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
+                       num_stages=3, slot_max_pairs=1), "takes num_stages in (1, 2)"),
+                 (dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
+                       num_stages=1, slot_max_pairs=1), "w8a16=5 (a tile in Gluon) runs on CUDA only")]:
     try:
         triton_mxfp4_experts(pools, 0, x, ids, w, {**KernelConfig().to_dict(), **bad})
     except ValueError as e:
@@ -281,28 +291,31 @@ def test_default_config_takes_the_prefetching_pdl_gemv_tile_up_to_two_tokens():
         assert cfg.w8a16 != 4  # the interpreter runs no Gluon
 
 
-def test_default_config_on_cuda_takes_the_gluon_gemv_tile_from_three_to_64_tokens():
-    """On CUDA, 3 to 64 tokens: the Gluon GEMV tile (w8a16 4, pdl 2, pairs grouped by expert before the
-    launch), one config that lays out and is in the search space (the tuner and the GPU tests see
-    it); up to 2 and above 64 the same tiles as on the CPU. Where this triton lacks Gluon or
-    grid-dependency control, the CPU's defaults."""
+def test_default_config_on_cuda_takes_the_gluon_tiles_from_three_to_64_tokens():
+    """On CUDA, 3 to MMA_FROM tokens: the Gluon GEMV tile (w8a16 4, pdl 2, pairs grouped by expert
+    before the launch); above, to 64, the Gluon tensor-core tile (w8a16 5); each one config that
+    lays out and is in the search space (the tuner and the GPU tests see it); up to 2 and above 64
+    the same tiles as on the CPU. Where this triton lacks Gluon or grid-dependency control, the
+    CPU's defaults."""
     from coldset.kernels import triton_moe
     from coldset.kernels import triton_mxfp4 as mx
     from coldset.kernels.configs import load
 
-    on_cuda = {n: mx.default_config(n, cuda=True) for n in (1, 2, 3, 8, 64, 65, 256)}
+    on_cuda = {n: mx.default_config(n, cuda=True) for n in (1, 2, 3, 8, mx.MMA_FROM, mx.MMA_FROM + 1, 64, 65, 256)}
     assert mx.FEW_TOKENS == 2
     assert all(on_cuda[n] == mx.default_config(n) for n in (1, 2, 65, 256))
     if mx.gluon_mxfp4 is None or triton_moe.gdc_wait is None:
         assert all(on_cuda[n] == mx.default_config(n) for n in on_cuda)
         return
-    tile = on_cuda[3]
-    assert all(on_cuda[n] == tile for n in (8, 64))
+    tile, mma = on_cuda[3], on_cuda[64]
+    assert 8 < mx.MMA_FROM < 64 and on_cuda[8] == on_cuda[mx.MMA_FROM] == tile and on_cuda[mx.MMA_FROM + 1] == mma
     assert (tile.w8a16, tile.block_m, tile.pdl) == (4, 1, 2)
     assert tile.slot_max_pairs == 1  # the sorted grouping from 3 tokens (12 pairs): faster at 4 and 8 tokens
     assert mx.gluon_mxfp4.layout_fits(tile.block_n1, tile.block_k1, tile.block_n2, tile.block_k2, tile.num_warps)
+    assert (mma.w8a16, mma.pdl) == (5, 2)
+    mx._check_config(mma)
     space = [triton_moe.KernelConfig.from_dict(d) for d in load("triton_mxfp4")["search_space"]["decode"]]
-    assert tile in space
+    assert tile in space and mma in space
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------
@@ -356,15 +369,20 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
         assert torch.equal(pdl2, base), cfg
 
 
+_MMA_TILE = dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=1,
+                 slot_max_pairs=1, w8a16=5)  # the tensor-core tile (w8a16 5), as the GPU tests run it
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, cuda_default", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("num_tokens, cuda_default",
+                         [(1, False), (3, False), (3, True), (40, True), (3, "mma"), (1, "mma")])
 @pytest.mark.parametrize("pdl", [0, 2])
 def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
     """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
-    without its prefetch, and at 3 on CUDA the Gluon GEMV tile; with pdl 2 the launches after the
-    first are programmatic dependent launches inside the graph) replayed after the row map moves
-    experts between the tiers (every expert in both: a placement switch is a row-map write) gives the
-    eager all-hot pdl 0 output bitwise."""
+    without its prefetch, and at 3 on CUDA the Gluon GEMV tile; at 40 on CUDA the tensor-core tile,
+    w8a16 5, which also runs at 1 and 3; with pdl 2 the launches after the first are programmatic dependent launches inside the
+    graph) replayed after the row map moves experts between the tiers (every expert in both: a
+    placement switch is a row-map write) gives the eager all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch
 
@@ -376,7 +394,7 @@ def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(
     q = make_mxfp4(2, 16, 256, 128, seed=7)
     x, ids, w = (t.cuda() for t in routing(num_tokens, 16, 4, 256, seed=7))
     hot = pools_of(tuple(t.cuda() for t in q), SILU)
-    default = default_config(num_tokens, cuda=cuda_default).to_dict()
+    default = _MMA_TILE if cuda_default == "mma" else default_config(num_tokens, cuda=cuda_default).to_dict()
     base = triton_mxfp4_experts(hot, 1, x, ids, w, {**default, "pdl": 0}, use_row_map=False)
     cfg = {**default, "pdl": pdl}
     both = ExpertPools(hot.w13_hot, hot.w2_hot, hot.w13_hot.cpu().pin_memory(), hot.w2_hot.cpu().pin_memory(),
@@ -397,3 +415,38 @@ def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, base), seed
+
+
+@pytest.mark.gpu
+def test_mma_tile_is_exact_over_its_scale_range_and_loud_past_it():
+    """The tensor-core tile (w8a16 5) carries weights as ``w * 2^-63`` in bf16: with every scale of
+    w13 at 65, or every scale of w2 at 191 (the ends of :data:`SCALE_RANGE`; the inputs scaled to
+    keep the intermediate in range) the output is the float64 oracle's; all-zero groups at scale byte
+    0 (how quantizers write them) leave it the oracle's; one scale byte of 192 makes exactly the
+    outputs that read it non-finite."""
+    import torch
+
+    from coldset.kernels.activation import SILU
+    from coldset.kernels.gluon_mxfp4_mma import SCALE_RANGE
+    from coldset.kernels.triton_mxfp4 import triton_mxfp4_experts
+    from test_mxfp4_pools import assert_close_to_oracle, float64_oracle, make_mxfp4, pools_of, routing
+
+    assert SCALE_RANGE == (65, 191)
+    w13, w2, s13, s2, _, _ = make_mxfp4(1, 8, 256, 128, seed=3, bias=False)
+    x, ids, w = routing(5, 8, 2, 256, seed=3)
+    zeroed, s13_zeroed = w13.clone(), s13.clone()
+    zeroed[..., 5:9, 16:32], s13_zeroed[..., 5:9, 1] = 0, 0  # w13 rows 5-8, inputs 32-63: group 1
+    cases = {"w13 at 65": ((w13, w2, s13.clone().fill_(65), s2), x * 2.0 ** 62),
+             "w2 at 191": ((w13, w2, s13, s2.clone().fill_(191)), x),
+             "zero groups at 0": ((zeroed, w2, s13_zeroed, s2), x)}
+    for what, (q, xs) in cases.items():
+        q = (*q, None, None)
+        pools = pools_of(tuple(t.cuda() if t is not None else None for t in q), SILU)
+        out = triton_mxfp4_experts(pools, 0, xs.cuda(), ids.cuda(), w.cuda(), _MMA_TILE)
+        assert_close_to_oracle(out.cpu(), float64_oracle(q, 0, xs, ids, w, SILU), what)
+    past = s2.clone()
+    past[..., 7, 0] = 192  # w2 row 7 (output 7), group 0, every expert
+    pools = pools_of(tuple(t.cuda() if t is not None else None for t in (w13, w2, s13, past, None, None)), SILU)
+    out = triton_mxfp4_experts(pools, 0, x.cuda(), ids.cuda(), w.cuda(), _MMA_TILE).cpu()
+    assert not torch.isfinite(out[:, 7]).any()
+    assert torch.isfinite(out[:, :7]).all() and torch.isfinite(out[:, 8:]).all()

@@ -37,6 +37,12 @@ quantized, every sum is float32 (but ``w8a16`` 4's, below). Two paths, the confi
   pair products are summed in fp16 (about 2^-11 of their sum each), the rest in float32. Fewer
   instructions a weight than the Triton tile's float32 products (docs/measurements/mxfp4/f16x2);
   :func:`default_config`'s tile on CUDA from 3 to 64 tokens.
+- ``w8a16`` 5 (``block_m`` 8 or 16, ``block_k1`` = ``block_k2`` = 128, CUDA only): the tensor-core
+  tile in Gluon (:mod:`coldset.kernels.gluon_mxfp4_mma`, whose doc gives its arithmetic): a chunk of
+  up to ``block_m`` of an expert's pairs shares one unpacking of the codes, which go to the MMA from
+  registers; the tokens and the intermediate are read as they are. Exact products (scale bytes 65
+  to 191: :data:`coldset.kernels.gluon_mxfp4_mma.SCALE_RANGE`), float32 sums.
+  :func:`default_config`'s tile on CUDA above :data:`MMA_FROM` tokens, to 64.
 
 Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
 keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
@@ -54,12 +60,13 @@ so every placement is bitwise the all-hot (``use_row_map=False``) output.
 Config fields used: ``block_m``, ``block_n1``, ``block_k1``, ``block_n2``, ``block_k2`` (a multiple of
 32: whole scale groups per k step), ``num_warps``, ``num_stages`` (the dot paths' pipelining depth; the
 GEMV path's prefetch, above), ``slot_max_pairs``, ``pdl`` (0, or 2: the w2 and sum launches start
-early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2, 3 or 4, above). Split-K, ``half_tail``,
+early and wait), ``tile_order``, ``half_buf``, ``w8a16`` (0, 2, 3, 4 or 5, above). Split-K, ``half_tail``,
 ``swap_ab`` and the FP8 kernel's quantization options are refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Generator
 from typing import TYPE_CHECKING
@@ -88,10 +95,11 @@ from coldset.kernels.triton_moe import (
     prepare_call,
 )
 
-try:  # Gluon, Triton's layout-explicit dialect (triton >= 3.5): the GEMV tile of w8a16 4
+try:  # Gluon, Triton's layout-explicit dialect (triton >= 3.5): the GEMV tile of w8a16 4, the MMA tile of 5
     import coldset.kernels.gluon_mxfp4 as gluon_mxfp4
-except ImportError:  # pragma: no cover - older triton: configs with w8a16 4 are refused by name
-    gluon_mxfp4 = None
+    import coldset.kernels.gluon_mxfp4_mma as gluon_mxfp4_mma
+except ImportError:  # pragma: no cover - older triton: configs with w8a16 4 or 5 are refused by name
+    gluon_mxfp4 = gluon_mxfp4_mma = None
 
 if TYPE_CHECKING:
     from coldset.kernels.tiers import ExpertPools
@@ -107,8 +115,11 @@ DEFAULT_FEW_TOKENS_CONFIG = KernelConfig.from_dict({**load_kernel_configs("trito
                                                     **({} if gdc_wait is not None else {"pdl": 0})})
 DEFAULT_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["decode"])
 DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["prefill"])
-# On CUDA above FEW_TOKENS, to 64 tokens: the Gluon GEMV tile (w8a16 4), where Gluon and grid-dependency control exist
+# On CUDA above FEW_TOKENS, to 64 tokens: the Gluon GEMV tile (w8a16 4), where Gluon and grid-dependency control exist;
+# above MMA_FROM the Gluon tensor-core tile (w8a16 5)
 DEFAULT_CUDA_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_decode"])
+DEFAULT_CUDA_MMA_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_mma"])
+MMA_FROM = 32  # above this many tokens (to 64) the CUDA default is the tensor-core tile
 
 #: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
 LAUNCHES = ("w13_act", "w2", "sum")
@@ -119,12 +130,13 @@ def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> Kerne
     there, in the decode step too); from there to 64 tokens, on CUDA, the Gluon GEMV tile (``w8a16``
     4, the faster step there: docs/measurements/mxfp4/cuda_default) with the pairs grouped by expert
     before the launch (``slot_max_pairs`` 1: a block reads its expert's range, it does not scan the
-    routing; the faster step at 8 tokens: docs/measurements/mxfp4/sorted_default) where this triton
-    has Gluon and grid-dependency control, elsewhere (Triton's interpreter runs no Gluon) the Triton
-    GEMV tile without the prefetch (its registers cost more than it saves there). Prefill tiles
-    above 64."""
+    routing; the faster step at 8 tokens: docs/measurements/mxfp4/sorted_default), and above
+    :data:`MMA_FROM` tokens the Gluon tensor-core tile (``w8a16`` 5: an expert's pairs share one
+    unpacking; the faster kernel there: docs/measurements/mxfp4/mma), where this triton has Gluon
+    and grid-dependency control; elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
+    without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
-        return DEFAULT_CUDA_DECODE_CONFIG
+        return DEFAULT_CUDA_MMA_CONFIG if num_tokens > MMA_FROM else DEFAULT_CUDA_DECODE_CONFIG
     if num_tokens <= FEW_TOKENS:
         return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
@@ -581,13 +593,16 @@ def _check_config(c: KernelConfig) -> None:
         if v < GROUP or v & (v - 1):
             raise ValueError(f"triton_mxfp4_experts: config {name} must be a power of two >= {GROUP} (whole e8m0 "
                              f"scale groups per k step), got {v}")
+    if c.w8a16 not in (0, 2, 3, 4, 5):
+        raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
+                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group, 4: "
+                         "the GEMV tile in Gluon, 5: the tensor-core tile in Gluon)")
+    if c.w8a16 == 5:
+        _check_mma_config(c)
+        return
     if c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
         raise ValueError(f"triton_mxfp4_experts: block_m must be 1 or 2 (the GEMV path) or a power of two >= 16 (a "
                          f"dot's rows), got {c.block_m}")
-    if c.w8a16 not in (0, 2, 3, 4):
-        raise ValueError(f"triton_mxfp4_experts: config w8a16={c.w8a16} is not implemented for MXFP4 (0: the dot "
-                         "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group, 4: "
-                         "the GEMV tile in Gluon)")
     if c.w8a16 == 4:
         if c.block_m > GEMV_MAX_ROWS:
             raise ValueError(f"triton_mxfp4_experts: w8a16=4 (the GEMV tile in Gluon) needs block_m <= "
@@ -621,6 +636,29 @@ def _check_config(c: KernelConfig) -> None:
     if c.tile_order not in (0, 1) or c.half_buf not in (0, 1):
         raise ValueError(f"triton_mxfp4_experts: tile_order and half_buf must be 0 or 1, got {c.tile_order}, "
                          f"{c.half_buf}")
+
+
+def _check_mma_config(c: KernelConfig) -> None:
+    """Refuse, by field, what ``w8a16`` 5 (the tensor-core tile) does not implement."""
+    name = "triton_mxfp4_experts: w8a16=5 (the tensor-core tile in Gluon)"
+    if gluon_mxfp4_mma is None:
+        raise ValueError(f"{name} needs triton with Gluon (triton.experimental.gluon, triton >= 3.5), this is triton "
+                         f"{triton.__version__}")
+    step = gluon_mxfp4_mma.STEP_K
+    if (c.block_k1, c.block_k2) != (step, step):
+        raise ValueError(f"{name} reads {step} inputs a k step: block_k1 and block_k2 must be {step}, got "
+                         f"{c.block_k1}, {c.block_k2}")
+    if not (gluon_mxfp4_mma.tile_fits(2 * c.block_n1, c.block_m, c.num_warps)
+            and gluon_mxfp4_mma.tile_fits(c.block_n2, c.block_m, c.num_warps)):
+        raise ValueError(f"{name} takes block_m 8 or 16 (the MMA's N) and tiles of whole 16-row MMA blocks over the "
+                         f"warps (2 block_n1 and block_n2 multiples of 16 num_warps, powers of two): got block_m="
+                         f"{c.block_m}, block_n1={c.block_n1}, block_n2={c.block_n2}, num_warps={c.num_warps}")
+    for field, allowed in (("num_stages", (1, 2)), ("slot_max_pairs", (1,)), ("pdl", (0, 2)), ("tile_order", (0, 1)),
+                           ("half_buf", (0, 1)), ("split_k1", (1,)), ("split_k2", (1,)), ("half_tail", (0,)),
+                           ("quant_x", (0,)), ("quant_act", (0,)), ("swap_ab", (0,))):
+        if getattr(c, field) not in allowed:
+            raise ValueError(f"{name} takes {field} in {allowed} (the pairs grouped by expert, loads at each step or "
+                             f"one ahead, weight-only), got {getattr(c, field)}")
 
 
 def triton_mxfp4_experts(
@@ -673,15 +711,17 @@ def mxfp4_experts_launches(
     if pdl and gdc_wait is None:
         raise RuntimeError(f"triton_mxfp4_experts: config pdl={c.pdl} needs triton.language.extra.cuda.gdc_wait "
                            "(triton >= 3.3)")
-    if c.w8a16 == 4 and not x.is_cuda:
-        raise ValueError(f"triton_mxfp4_experts: w8a16=4 (the GEMV tile in Gluon) runs on CUDA only, x is on "
-                         f"{x.device} (Triton's interpreter runs no Gluon: w8a16 2 is the same GEMV in Triton)")
+    if c.w8a16 in (4, 5) and not x.is_cuda:
+        raise ValueError(f"triton_mxfp4_experts: w8a16={c.w8a16} (a tile in Gluon) runs on CUDA only, x is on "
+                         f"{x.device} (Triton's interpreter runs no Gluon: w8a16 2 is the GEMV in Triton)")
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * top_k
     device = x.device
-    mode, slots, np_, sorted_pairs, expert_off = pair_tiles(ids, num_pairs, num_experts, c)
+    # the tensor-core tile reads the pairs grouped by expert whatever their number
+    mode, slots, np_, sorted_pairs, expert_off = pair_tiles(
+        ids, num_pairs, num_experts, dataclasses.replace(c, slot_max_pairs=0) if c.w8a16 == 5 else c)
     w13_cold, w2_cold, s13_cold, s2_cold = cold_or_hot(pools, "w13", "w2", "w13_scale", "w2_scale")
     has_bias = pools.has_bias
     b13 = pools.w13_bias if has_bias else x  # not read without biases
@@ -696,6 +736,12 @@ def mxfp4_experts_launches(
     def grid(nb):
         return (slots, nb, 1) if c.tile_order == 0 else (slots * nb, 1, 1)
 
+    if c.w8a16 == 5:
+        yield from _gluon_mma_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf,
+                                       weights, num_pairs, ep, top_k, hidden, inter, use_row_map, pdl,
+                                       (w13_cold, w2_cold, s13_cold, s2_cold), b13, b2, act_kw)
+        yield from _sum_launch(buf, out, num_pairs, num_tokens, hidden, top_k, pdl)
+        return out
     if c.w8a16 == 4:
         yield from _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf,
                                         weights, num_pairs, mode, np_, ep, top_k, hidden, inter, use_row_map, pdl,
@@ -756,6 +802,33 @@ def _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, po
         ap, ae, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w2_hot), words(w2_cold),
         pools.w2_scale_hot, s2_cold, b2, weights, buf, num_pairs, layer, nb2,
         H=hidden, I=inter, BN=c.block_n2, BK=c.block_k2, HAS_BIAS=act_kw["HAS_BIAS"], **common,
+        num_warps=c.num_warps, launch_pdl=pdl,
+    )
+    yield "w2"
+
+
+def _gluon_mma_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf, weights,
+                        num_pairs, ep, top_k, hidden, inter, use_row_map, pdl, colds, b13, b2,
+                        act_kw) -> Generator[str, None, None]:
+    """The launches of w8a16 5, :mod:`coldset.kernels.gluon_mxfp4_mma`'s tensor-core tile: w13 (a plain
+    launch: what came before is complete), w2."""
+    w13_cold, w2_cold, s13_cold, s2_cold = colds
+    common = dict(E=pools.num_experts, EP=ep, BM=c.block_m, USE_ROW_MAP=use_row_map, USE_GDC=pdl,
+                  ORDER=c.tile_order, NS=c.num_stages, W=c.num_warps)
+    words = lambda t: t.view(torch.int32)  # noqa: E731 - K / 2 bytes a row: whole int32 words
+    lq, lx, la, lb, lc = gluon_mxfp4_mma.tile_layouts(2 * c.block_n1, c.block_m, c.num_warps)
+    gluon_mxfp4_mma._w13_mma_kernel[grid(nb1)](
+        x, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w13_hot), words(w13_cold),
+        pools.w13_scale_hot, s13_cold, b13, act, num_pairs, layer, nb1,
+        TOPK=top_k, H=hidden, I=inter, BN=2 * c.block_n1, **act_kw, **common, LQ=lq, LX=lx, LA=la, LB=lb, LC=lc,
+        num_warps=c.num_warps,
+    )
+    yield "w13_act"
+    lq, lx, la, lb, lc = gluon_mxfp4_mma.tile_layouts(c.block_n2, c.block_m, c.num_warps)
+    gluon_mxfp4_mma._w2_mma_kernel[grid(nb2)](
+        act, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w2_hot), words(w2_cold),
+        pools.w2_scale_hot, s2_cold, b2, weights, buf, num_pairs, layer, nb2,
+        H=hidden, I=inter, BN=c.block_n2, HAS_BIAS=act_kw["HAS_BIAS"], **common, LQ=lq, LX=lx, LA=la, LB=lb, LC=lc,
         num_warps=c.num_warps, launch_pdl=pdl,
     )
     yield "w2"

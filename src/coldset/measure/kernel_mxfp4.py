@@ -12,9 +12,11 @@ layer's weights are served from L2 by the one before.
 The configs are the kernel's search space (``coldset/kernels/configs/triton_mxfp4.json``: the
 decode list up to 64 tokens, prefill above), or those of a file of the same shape (``--configs``, to
 try configs outside the search space); ``--variants`` keeps some paths only. Each config is one
-of four paths (:func:`variant_of`): ``dot-values`` (bf16 dots on tiles unpacked value by value),
+of the paths :func:`variant_of` names: ``dot-values`` (bf16 dots on tiles unpacked value by value),
 ``dot-words`` (the same dots and bits, tiles unpacked by 32-bit words), ``dot-f16`` (fp16 dots, one
-per scale group) and ``gemv`` (no dot: one or two pairs a block, products summed in registers).
+per scale group), ``gemv`` (no dot: one or two pairs a block, products summed in registers; in
+Gluon, ``gemv-gluon``) and ``mma-gluon`` (a chunk of pairs a block, the MMA's operands from
+registers).
 Per batch, first the correctness of every config, on
 fresh random tokens and routing, with the memory each output lands in poisoned (NaN) first: against
 the torch path on the same pools (:func:`coldset.kernels.torch_experts`: exact dequantization,
@@ -58,7 +60,7 @@ GPT_OSS_120B = dict(hidden=2880, inter=2880, experts=128, top_k=4)
 TINY = dict(hidden=64, inter=64, experts=8, top_k=2)
 SWIGLU_LIMIT = 7.0  # gpt-oss's swiglu_limit
 #: The kernel paths (:func:`variant_of`), as the table's columns.
-VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-gluon")
+VARIANTS = ("dot-values", "dot-words", "dot-f16", "gemv", "gemv-gluon", "mma-gluon")
 ROW_RESERVE_S = 12.0  # of --budget-s, kept for each batch still to run
 SCALE_BYTES = (119, 120, 121, 122)  # e8m0 scales drawn from these: weights of magnitude about 2^-7 x e2m1
 
@@ -175,9 +177,12 @@ def variant_of(cfg) -> str:
     """The kernel path a config runs (:mod:`coldset.kernels.triton_mxfp4`): ``gemv`` (block_m 1 or 2:
     sums in registers, no dot; ``gemv-gluon`` with w8a16 4, :mod:`coldset.kernels.gluon_mxfp4`),
     ``dot-words`` (bf16 dots on tiles unpacked by 32-bit words, w8a16 2), ``dot-f16`` (fp16 dots,
-    one per scale group, w8a16 3) or ``dot-values`` (bf16 dots on tiles unpacked value by value)."""
+    one per scale group, w8a16 3), ``dot-values`` (bf16 dots on tiles unpacked value by value) or
+    ``mma-gluon`` (w8a16 5, :mod:`coldset.kernels.gluon_mxfp4_mma`)."""
     from coldset.kernels.triton_mxfp4 import GEMV_MAX_ROWS  # triton: imported when a measurement runs
 
+    if cfg.w8a16 == 5:
+        return "mma-gluon"
     if cfg.block_m <= GEMV_MAX_ROWS:
         return "gemv-gluon" if cfg.w8a16 == 4 else "gemv"
     return {2: "dot-words", 3: "dot-f16"}.get(cfg.w8a16, "dot-values")
@@ -303,7 +308,7 @@ def time_batch(s: Setup, num_tokens: int, configs: list, skip: dict[int, str], d
 
 
 #: Variants that run on CUDA only (Gluon): left out of a run on the CPU, which says so.
-CUDA_ONLY_VARIANTS = ("gemv-gluon",)
+CUDA_ONLY_VARIANTS = ("gemv-gluon", "mma-gluon")
 
 
 def configs_for(num_tokens: int, variants: tuple[str, ...] | None = None, space: dict | None = None,
