@@ -39,6 +39,47 @@ sys.path.insert(0, sys.argv[1])
 """
 
 
+# Script text (before any launch) that patches triton.language once a launch instead of at every
+# device-function call. Why: the interpreter (triton 3.8) re-patches the language modules it finds
+# in a jit function's globals (inspect.getmembers over tl, tl.core, tl.tensor, tl.math) at each call
+# of a @triton.jit helper in each program, and drops that scope, so those patches hold until the
+# launch's own scope is restored; with many small programs this was a third of a kernel test's time.
+# A device function whose modules the launch (or an earlier device function of it) already patched
+# would install the same closures again: skipped. The launches themselves patch and restore as before.
+ONE_PATCH_A_LAUNCH = r"""
+import triton.language as _tl
+from triton.runtime import interpreter as _interpreter
+
+_launch_langs = []  # the language modules patched in the launch in progress (empty between launches)
+_langs_of = {}  # jit function -> the language modules among its globals (what _patch_lang patches)
+_triton_patch_lang = _interpreter._patch_lang
+
+
+def _patch_lang_once(fn):
+    langs = _langs_of.get(fn)
+    if langs is None:
+        langs = _langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is _tl or v is _tl.core)
+    if _launch_langs and langs and langs <= _launch_langs[-1]:
+        return None  # triton discards a device function's scope
+    scope = _triton_patch_lang(fn)
+    if _launch_langs:  # a device function's patches (never restored) hold for the rest of the launch
+        _launch_langs[-1] |= langs
+    else:  # a launch: its patches hold until its scope is restored
+        _launch_langs.append(set(langs))
+        restore = scope.restore
+
+        def _restore():
+            _launch_langs.clear()
+            restore()
+
+        scope.restore = _restore
+    return scope
+
+
+_interpreter._patch_lang = _patch_lang_once
+"""
+
+
 def pdl_no_ops(*modules: str) -> str:
     """Script text that makes the grid-dependency instructions (``gdc_wait``,
     ``gdc_launch_dependents``) of the named :mod:`coldset.kernels` modules no-ops: the interpreter
