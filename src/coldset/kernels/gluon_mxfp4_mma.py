@@ -10,12 +10,14 @@ operands from registers, and the codes are unpacked in the MMA's own register la
 - The weights are the MMA's A operand (``[block_n rows, 128]`` a k step; the pairs are its N, one
   chunk of ``block_m`` = 8 or 16). In that layout (``k_width`` 8) a thread holds, for each of its
   rows, 8 k positions in each of 4 runs; the four lanes of a quad hold the rest. The reduction does
-  not care which input sits at which k position, so the tile maps k position ``kk`` to input
-  ``phys(kk)`` (:func:`_phys`) such that a thread's 32 positions of a row are one whole scale group:
-  its codes are one 16-byte load and its scale one byte, and the 32-bit registers the MMA reads pair
-  codes n and n + 4 of a word (four bit operations a pair). The inputs, the B operand, are read in
-  the same order: a thread's 32 positions of a token are again one group of 32 consecutive inputs
-  (four 16-byte loads; the reorder within them is register renaming).
+  not care which input sits at which k position, so the tile puts input ``p`` of a 128-input step
+  at k position ``kk`` with kk's bits 0, 1, 2 = p's bits 2, 0, 1, kk's 3, 4 = p's 5, 6 (the group:
+  one a lane of a quad) and kk's 5, 6 = p's 3, 4 (the word in the group). So a thread's 32
+  positions of a row are one whole scale group, its codes one 16-byte load and its scale one byte,
+  and each 32-bit register the MMA reads holds codes n and n + 4 of a word (two shifts and two
+  logic operations a pair). The inputs, the B operand, are read in the same order: a thread's 32
+  positions of a token are again one group of 32 consecutive inputs (four 16-byte loads, reordered
+  by a byte permute a register).
 - A code becomes bf16 by bits alone: its three magnitude bits into the bf16 field's bits 6-8 and its
   sign into bit 15 read as ``e2m1 * 2^-126`` (exact for the subnormal code 0.5 too); one bf16 pair
   multiply by ``2^(s - 1 - 63)`` (``s`` the group's e8m0 scale) makes it ``w * 2^-63``, exact for
@@ -56,14 +58,6 @@ def tile_fits(block_n: int, block_m: int, num_warps: int) -> bool:
     warps: 8 or 16 pairs (the MMA's N), whole 16-row MMA blocks, a power of two of them a warp."""
     blocks, rest = divmod(block_n, 16 * num_warps)
     return block_m in (8, 16) and not rest and blocks > 0 and not blocks & (blocks - 1)
-
-
-@gluon.jit
-def _phys(kk):
-    """The input (of a 128-input step) at MMA k position ``kk`` (module doc): bits 0, 1, 2 of ``kk`` are
-    the input's bits 2, 0, 1 (codes n and n + 4 of a word share a 32-bit register), bits 3, 4 its
-    group (bits 5, 6: one group a lane of a quad) and bits 5, 6 its word in the group (bits 3, 4)."""
-    return (((kk & 1) << 2) | ((kk >> 1) & 3) | (((kk >> 5) & 3) << 3) | (((kk >> 3) & 3) << 5))
 
 
 @gluon.jit
@@ -122,8 +116,8 @@ def _load_step(w_ptrs, s_ptrs, x_rows, step, K: gl.constexpr, BN: gl.constexpr, 
 @gluon.jit
 def _mma_step(acc, q, s, x, BN: gl.constexpr, BM: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
     """``acc + A @ B`` for one k step's loads: the codes unpacked to ``w * 2^-63`` bf16 in the MMA's A
-    layout (module doc), the inputs reordered to its k positions in B's (:func:`_phys`; register
-    renaming: each thread's 32 inputs are its own)."""
+    layout (module doc), the inputs reordered to its k positions in B's (within each thread: a
+    thread's 32 inputs are its own)."""
     m = gl.minimum(s.to(gl.int32) + (126 - _SHIFT), 255) << 7  # bf16 2^(s - 1 - 63); past SCALE_RANGE: inf
     m = (m | (m << 16))[:, :, None]
     p0 = _bf16x2_mul(_bf16_pair(q, 6, 12), m)
