@@ -39,14 +39,17 @@ sys.path.insert(0, sys.argv[1])
 """
 
 
-# Script text (before any launch) that patches triton.language once a launch instead of at every
-# device-function call. Why: the interpreter (triton 3.8) re-patches the language modules it finds
-# in a jit function's globals (inspect.getmembers over tl, tl.core, tl.tensor, tl.math) at each call
-# of a @triton.jit helper in each program, and drops that scope, so those patches hold until the
-# launch's own scope is restored; with many small programs this was a third of a kernel test's time.
-# A device function whose modules the launch (or an earlier device function of it) already patched
-# would install the same closures again: skipped. The launches themselves patch and restore as before.
-ONE_PATCH_A_LAUNCH = r"""
+# Script text (before any launch) that takes two repeated lookups out of the interpreter (triton 3.8),
+# which with many small programs were half of a kernel test's time; what runs and computes is the same:
+# - triton.language patched once a launch: the interpreter re-patches the language modules it finds
+#   in a jit function's globals (inspect.getmembers over tl, tl.core, tl.tensor, tl.math) at each
+#   call of a @triton.jit helper in each program, and drops that scope, so those patches hold until
+#   the launch's own scope is restored. A device function whose modules the launch (or an earlier
+#   device function of it) already patched would install the same closures again: skipped. The
+#   launches themselves patch and restore as before.
+# - a plain dtype's numpy storage type looked up once: _get_np_dtype builds its table of every dtype
+#   at each call (each tensor op); pointers, tuples and the like still go to it.
+LEAN_INTERPRETER = r"""
 import triton.language as _tl
 from triton.runtime import interpreter as _interpreter
 
@@ -77,6 +80,23 @@ def _patch_lang_once(fn):
 
 
 _interpreter._patch_lang = _patch_lang_once
+
+_triton_np_dtype = _interpreter._get_np_dtype
+_np_dtypes = {}  # a plain dtype's name -> its numpy storage type (dtypes compare by name)
+
+
+def _np_dtype_once(tt_dtype):
+    if type(tt_dtype) is _tl.block_type and type(tt_dtype.element_ty) is _tl.dtype:
+        tt_dtype = tt_dtype.element_ty  # a block is stored as its elements
+    if type(tt_dtype) is not _tl.dtype:
+        return _triton_np_dtype(tt_dtype)
+    np_dtype = _np_dtypes.get(tt_dtype.name)
+    if np_dtype is None:
+        np_dtype = _np_dtypes[tt_dtype.name] = _triton_np_dtype(tt_dtype)
+    return np_dtype
+
+
+_interpreter._get_np_dtype = _np_dtype_once
 """
 
 

@@ -37,7 +37,7 @@ from coldset.engine.cache.pool import SlotCache
 from coldset.kernels.tiers import ExpertPools, build_pools, host_tier
 from expert_helpers import (captured, hot_cold_mixed_maps, random_row_map, rel_err, replays_over_row_maps, routing,
                             signed_bias)
-from interpreter_helpers import ONE_PATCH_A_LAUNCH, ROUNDED_CASTS, pdl_no_ops, run_interpreted
+from interpreter_helpers import LEAN_INTERPRETER, ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 gpu = pytest.mark.gpu
 # KernelConfig fields of the FP8 kernel's quantization options (triton_fp8's docstring)
@@ -147,9 +147,9 @@ def test_fp8_pools_refuse_missing_or_misshapen_scales():
 
 # ------------------------------------------- the Triton FP8 kernel under Triton's interpreter (CPU) -------
 
-# the interpreter scripts' common start: float casts fixed, triton.language patched once a launch, the
-# tests' helpers and the kernels imported
-_PRELUDE = ROUNDED_CASTS + ONE_PATCH_A_LAUNCH + r"""
+# the interpreter scripts' common start: float casts fixed, the interpreter's repeated lookups taken out,
+# the tests' helpers and the kernels imported
+_PRELUDE = ROUNDED_CASTS + LEAN_INTERPRETER + r"""
 from expert_helpers import random_row_map, routing, warm_map
 from test_fp8_experts import make_fp8
 from coldset.core import fp8

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from interpreter_helpers import ONE_PATCH_A_LAUNCH
+from interpreter_helpers import LEAN_INTERPRETER
 
 _GEMV = r"""
 import numpy as np
@@ -482,14 +482,14 @@ assert _DECIDE_PDL.count("_no_grid_dependency") == 2 and "ker.pdl = True" in _DE
 def _interpret(script: str, device: str = "cpu", folder: Path | None = None) -> None:
     """``script`` in a subprocess: under Triton's interpreter (``device`` cpu), or compiled on CUDA.
     ``folder``: the script runs from a file there (Triton reads a kernel's source from its file:
-    a script that defines kernels). Interpreted scripts start with ``ONE_PATCH_A_LAUNCH``."""
+    a script that defines kernels). Interpreted scripts start with ``LEAN_INTERPRETER``."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable here")
     src = str(Path(__file__).parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p)}
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-        script = ONE_PATCH_A_LAUNCH + script
+        script = LEAN_INTERPRETER + script
     else:
         env.pop("TRITON_INTERPRET", None)
     if folder is None:
