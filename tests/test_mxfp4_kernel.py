@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from interpreter_helpers import ROUNDED_CASTS, pdl_no_ops, run_interpreted
+from interpreter_helpers import LEAN_INTERPRETER, ROUNDED_CASTS, pdl_no_ops, run_interpreted
 
 
 # ------------------------------------------- the Triton kernel under Triton's interpreter (CPU) -------
 
-_PRELUDE = ROUNDED_CASTS + r"""
+_PRELUDE = ROUNDED_CASTS + LEAN_INTERPRETER + r"""
 import triton
 import triton.language as tl
 
