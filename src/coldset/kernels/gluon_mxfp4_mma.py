@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from coldset.kernels.gluon_mxfp4 import _block_expert
+from coldset.kernels.gluon_mxfp4 import BF16_MAG, _block_expert, _pair
 from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _expert_bias, gdc_launch_dependents,
                                        gdc_wait)
 
@@ -58,21 +58,6 @@ def tile_fits(block_n: int, block_m: int, num_warps: int) -> bool:
     warps: 8 or 16 pairs (the MMA's N), whole 16-row MMA blocks, a power of two of them a warp."""
     blocks, rest = divmod(block_n, 16 * num_warps)
     return block_m in (8, 16) and not rest and blocks > 0 and not blocks & (blocks - 1)
-
-
-@gluon.jit
-def _bf16_pair(q, EEM_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr):
-    """Nibbles n and n + 4 of each word as the two bf16 lanes ``e2m1 * 2^-126`` of an int32 (magnitude
-    bits to 6-8 and 22-24, signs to 15 and 31)."""
-    if EEM_SHIFT >= 0:
-        e = q << EEM_SHIFT
-    else:
-        e = q >> (-EEM_SHIFT)
-    if SIGN_SHIFT > 0:
-        sgn = q << SIGN_SHIFT
-    else:
-        sgn = q
-    return (e & 0x01C001C0) | (sgn & -2147450880)  # -2147450880: the int32 0x80008000
 
 
 @gluon.jit
@@ -120,10 +105,10 @@ def _mma_step(acc, q, s, x, BN: gl.constexpr, BM: gl.constexpr, LA: gl.constexpr
     thread's 32 inputs are its own)."""
     m = gl.minimum(s.to(gl.int32) + (126 - _SHIFT), 255) << 7  # bf16 2^(s - 1 - 63); past SCALE_RANGE: inf
     m = (m | (m << 16))[:, :, None]
-    p0 = _bf16x2_mul(_bf16_pair(q, 6, 12), m)
-    p1 = _bf16x2_mul(_bf16_pair(q, 2, 8), m)
-    p2 = _bf16x2_mul(_bf16_pair(q, -2, 4), m)
-    p3 = _bf16x2_mul(_bf16_pair(q, -6, 0), m)
+    p0 = _bf16x2_mul(_pair(q, 6, 12, BF16_MAG), m)
+    p1 = _bf16x2_mul(_pair(q, 2, 8, BF16_MAG), m)
+    p2 = _bf16x2_mul(_pair(q, -2, 4, BF16_MAG), m)
+    p3 = _bf16x2_mul(_pair(q, -6, 0, BF16_MAG), m)
     j = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [BN, g, w, j1, j0]
     lo, hi = _halves(j)
     t = gl.join(lo, hi)  # [BN, g, w, j1, j0, h]
