@@ -207,3 +207,15 @@ def test_the_default_is_a_newcomer_run_and_the_full_grid_keeps_every_policy():
     full = load_config([repo / "config/config.yaml", repo / "config/examples/full-grid.yaml"])
     assert sorted(full["placement"]["policies"]) == sorted(every) and len(full["placement"]["residency"]) == 4
     assert full["parity"]["max_new_tokens"] == 64 and full["parity"]["fixtures_per_domain"] is None
+
+
+def test_reading_and_checking_the_default_config_imports_no_torch():
+    """Snakemake parses the workflow (and so reads and checks the config) once a run and once a job:
+    torch's import (seconds) is left to the stages that run a model, and to a config naming a
+    model folder, whose experts' format is checked against the config."""
+    code = ("import sys\n"
+            "from coldset.workflow.config import check_config, input_file_problems, load_config\n"
+            "cfg = check_config(load_config('config/config.yaml'))\n"
+            "assert not input_file_problems(cfg), input_file_problems(cfg)\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

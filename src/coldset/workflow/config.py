@@ -18,7 +18,6 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from coldset.core import mxfp4
 from coldset.core.placement import PlacementError, lookahead_depths, residency_label
 from coldset.core.shapes import ShapeError, read_shape
 from coldset.core.trace import TraceError, read_trace_meta
@@ -178,6 +177,8 @@ def experts_format_choice(stored: str, experts_format: str, dtype: str, decodes:
     ``dequantized`` for experts that are not MXFP4, and MXFP4 kept 4-bit for a decoded model whose
     ``model.dtype`` is not bfloat16 (the MXFP4 kernels' activations). One rule for the config check
     (before Snakemake schedules a job) and the stages (:func:`coldset.workflow.process_engine.experts_format`)."""
+    from coldset.core import mxfp4  # torch: imported when a model's format is checked, not to read a config
+
     if experts_format == "dequantized":
         if stored != mxfp4.FORMAT_NAME:
             return dtype, (f"model.experts_format: dequantized dequantizes MXFP4 experts, but the model stores its "
