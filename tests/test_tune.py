@@ -169,7 +169,7 @@ def test_kernel_configs_are_json_data_beside_the_kernels():
     assert {p.name for p in HERE.glob("*.json")} == {"triton_moe.json", "triton_fp8.json", "triton_mxfp4.json"}
     mx = load("triton_mxfp4")  # the MXFP4 kernel's (coldset.kernels.triton_mxfp4; not autotuned: its own search space)
     assert set(mx) == {"defaults", "search_space"}
-    assert set(mx["defaults"]) == {"cuda_decode", "few_tokens", "decode", "prefill"}
+    assert set(mx["defaults"]) == {"cuda_decode", "cuda_mma", "few_tokens", "decode", "prefill"}
     for entry in [*mx["defaults"].values(), *mx["search_space"]["decode"], *mx["search_space"]["prefill"]]:
         assert set(entry) <= fields and all(type(v) is int for v in entry.values()), ("triton_mxfp4", entry)
     for kernel, space in (("triton_moe", tune.TRITON_SEARCH_SPACE), ("triton_fp8", tune.TRITON_FP8_SEARCH_SPACE)):
