@@ -95,11 +95,14 @@ from coldset.kernels.triton_moe import (
     prepare_call,
 )
 
-try:  # Gluon, Triton's layout-explicit dialect (triton >= 3.5): the GEMV tile of w8a16 4, the MMA tile of 5
+try:  # Gluon, Triton's layout-explicit dialect (triton >= 3.5): the GEMV tile of w8a16 4
     import coldset.kernels.gluon_mxfp4 as gluon_mxfp4
+except ImportError:  # pragma: no cover - older triton: configs with w8a16 4 are refused by name
+    gluon_mxfp4 = None
+try:  # the tensor-core tile of w8a16 5 (Gluon's mma_v2)
     import coldset.kernels.gluon_mxfp4_mma as gluon_mxfp4_mma
-except ImportError:  # pragma: no cover - older triton: configs with w8a16 4 or 5 are refused by name
-    gluon_mxfp4 = gluon_mxfp4_mma = None
+except ImportError:  # pragma: no cover - older triton: configs with w8a16 5 are refused by name
+    gluon_mxfp4_mma = None
 
 if TYPE_CHECKING:
     from coldset.kernels.tiers import ExpertPools
@@ -136,7 +139,8 @@ def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> Kerne
     and grid-dependency control; elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
     without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
-        return DEFAULT_CUDA_MMA_CONFIG if num_tokens > MMA_FROM else DEFAULT_CUDA_DECODE_CONFIG
+        mma = num_tokens > MMA_FROM and gluon_mxfp4_mma is not None
+        return DEFAULT_CUDA_MMA_CONFIG if mma else DEFAULT_CUDA_DECODE_CONFIG
     if num_tokens <= FEW_TOKENS:
         return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
