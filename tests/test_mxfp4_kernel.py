@@ -380,8 +380,8 @@ _MMA_TILE = dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128
 def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
     """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
     without its prefetch, and at 3 on CUDA the Gluon GEMV tile; at 40 on CUDA the tensor-core tile,
-    w8a16 5, which also runs at 1 and 3; with pdl 2 the launches after the first are programmatic dependent launches inside the
-    graph) replayed after the row map moves experts between the tiers (every expert in both: a
+    w8a16 5, which also runs at 1 and 3; with pdl 2 the launches after the first are programmatic
+    dependent launches inside the graph) replayed after the row map moves experts between the tiers (every expert in both: a
     placement switch is a row-map write) gives the eager all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch

@@ -205,7 +205,8 @@ def _w13_mma_kernel(
     s_base = _expert_base(row_map_ptr, s_hot_ptr, s_cold_ptr, layer, expert, 2 * I * (H // 32), E, USE_ROW_MAP)
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LQ)))
     n_r = pid_n * (BN // 2) + (r // 16) * 8 + r % 8  # the output of tile row r; rows 8-15 of a 16: its up row
-    w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, gl.minimum(n_r, I - 1) + ((r // 8) % 2) * I, H, LQ)  # past I: never stored
+    # rows past I read row I - 1, never stored
+    w_ptrs, s_ptrs = _row_ptrs(w_base, s_base, gl.minimum(n_r, I - 1) + ((r // 8) % 2) * I, H, LQ)
     LGO: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [W, 1], [1, 0])
     offs_o = pid_n * (BN // 2) + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, LGO))
     o_ok = offs_o < I
@@ -238,7 +239,8 @@ def _w2_mma_kernel(
     b2_ptr, topk_w_ptr, buf_ptr, num_pairs, layer, NB,
     E: gl.constexpr, EP: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
     USE_ROW_MAP: gl.constexpr, USE_GDC: gl.constexpr, ORDER: gl.constexpr, HAS_BIAS: gl.constexpr,
-    NS: gl.constexpr, W: gl.constexpr, LQ: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LC: gl.constexpr,
+    NS: gl.constexpr, W: gl.constexpr, LQ: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+    LC: gl.constexpr,
 ):
     """w2 for a chunk of ``BM`` of the block's expert's pairs at a time: their intermediate rows times
     w2's rows n (of H), plus w2's bias, times the routing weight, into the per-pair buffer."""

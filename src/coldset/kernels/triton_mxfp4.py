@@ -602,9 +602,8 @@ def _check_config(c: KernelConfig) -> None:
                          "path unpacks value by value, 2: by 32-bit words, 3: fp16 dots, one per scale group, 4: "
                          "the GEMV tile in Gluon, 5: the tensor-core tile in Gluon)")
     if c.w8a16 == 5:
-        _check_mma_config(c)
-        return
-    if c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
+        _check_mma_config(c)  # its own block_m; the fields every path shares are checked below
+    elif c.block_m not in (1, 2) and (c.block_m < 16 or c.block_m & (c.block_m - 1)):
         raise ValueError(f"triton_mxfp4_experts: block_m must be 1 or 2 (the GEMV path) or a power of two >= 16 (a "
                          f"dot's rows), got {c.block_m}")
     if c.w8a16 == 4:
@@ -643,7 +642,8 @@ def _check_config(c: KernelConfig) -> None:
 
 
 def _check_mma_config(c: KernelConfig) -> None:
-    """Refuse, by field, what ``w8a16`` 5 (the tensor-core tile) does not implement."""
+    """Refuse, by field, what ``w8a16`` 5 (the tensor-core tile) does not implement beyond what no
+    path of this kernel does (:func:`_check_config`)."""
     name = "triton_mxfp4_experts: w8a16=5 (the tensor-core tile in Gluon)"
     if gluon_mxfp4_mma is None:
         raise ValueError(f"{name} needs triton with Gluon (triton.experimental.gluon, triton >= 3.5), this is triton "
@@ -657,12 +657,10 @@ def _check_mma_config(c: KernelConfig) -> None:
         raise ValueError(f"{name} takes block_m 8 or 16 (the MMA's N) and tiles of whole 16-row MMA blocks over the "
                          f"warps (2 block_n1 and block_n2 multiples of 16 num_warps, powers of two): got block_m="
                          f"{c.block_m}, block_n1={c.block_n1}, block_n2={c.block_n2}, num_warps={c.num_warps}")
-    for field, allowed in (("num_stages", (1, 2)), ("slot_max_pairs", (1,)), ("pdl", (0, 2)), ("tile_order", (0, 1)),
-                           ("half_buf", (0, 1)), ("split_k1", (1,)), ("split_k2", (1,)), ("half_tail", (0,)),
-                           ("quant_x", (0,)), ("quant_act", (0,)), ("swap_ab", (0,))):
+    for field, allowed in (("num_stages", (1, 2)), ("slot_max_pairs", (1,))):
         if getattr(c, field) not in allowed:
-            raise ValueError(f"{name} takes {field} in {allowed} (the pairs grouped by expert, loads at each step or "
-                             f"one ahead, weight-only), got {getattr(c, field)}")
+            raise ValueError(f"{name} takes {field} in {allowed} (loads at each step or one ahead; the pairs grouped "
+                             f"by expert), got {getattr(c, field)}")
 
 
 def triton_mxfp4_experts(
@@ -783,6 +781,12 @@ def _sum_launch(buf, out, num_pairs, num_tokens, hidden, top_k, pdl) -> Generato
     yield "sum"
 
 
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """A pool of packed codes as the Gluon tiles read it: K / 2 bytes a row are whole int32 words (so
+    that the compiler knows each group's 16 bytes aligned and loads them at once)."""
+    return packed.view(torch.int32)
+
+
 def _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, pools, layer, act, buf, weights,
                          num_pairs, mode, np_, ep, top_k, hidden, inter, use_row_map, pdl, colds, b13, b2,
                          act_kw) -> Generator[str, None, None]:
@@ -792,10 +796,9 @@ def _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, po
     num_experts = pools.num_experts
     common = dict(E=num_experts, EP=ep, BM=c.block_m, NP=np_, MODE=mode, USE_ROW_MAP=use_row_map, USE_GDC=pdl,
                   ORDER=c.tile_order, NS=c.num_stages, W=c.num_warps)
-    words = lambda t: t.view(torch.int32)  # noqa: E731 - K / 2 bytes a row: whole int32 words
     xp, xe = gluon_mxfp4.input_pairs(x, pdl, dependent=False)  # a plain launch: what came before is complete
     gluon_mxfp4._w13_gemv_kernel[grid(nb1)](
-        xp, xe, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w13_hot), words(w13_cold),
+        xp, xe, ids, sorted_pairs, expert_off, pools.row_map, _words(pools.w13_hot), _words(w13_cold),
         pools.w13_scale_hot, s13_cold, b13, act, num_pairs, layer, nb1,
         TOPK=top_k, H=hidden, I=inter, BN=c.block_n1, BK=c.block_k1, **act_kw, **common, num_warps=c.num_warps,
         launch_pdl=pdl,
@@ -803,7 +806,7 @@ def _gluon_gemv_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, po
     yield "w13_act"
     ap, ae = gluon_mxfp4.input_pairs(act, pdl, dependent=pdl)
     gluon_mxfp4._w2_gemv_kernel[grid(nb2)](
-        ap, ae, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w2_hot), words(w2_cold),
+        ap, ae, ids, sorted_pairs, expert_off, pools.row_map, _words(pools.w2_hot), _words(w2_cold),
         pools.w2_scale_hot, s2_cold, b2, weights, buf, num_pairs, layer, nb2,
         H=hidden, I=inter, BN=c.block_n2, BK=c.block_k2, HAS_BIAS=act_kw["HAS_BIAS"], **common,
         num_warps=c.num_warps, launch_pdl=pdl,
@@ -819,10 +822,9 @@ def _gluon_mma_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, poo
     w13_cold, w2_cold, s13_cold, s2_cold = colds
     common = dict(E=pools.num_experts, EP=ep, BM=c.block_m, USE_ROW_MAP=use_row_map, USE_GDC=pdl,
                   ORDER=c.tile_order, NS=c.num_stages, W=c.num_warps)
-    words = lambda t: t.view(torch.int32)  # noqa: E731 - K / 2 bytes a row: whole int32 words
     lq, lx, la, lb, lc = gluon_mxfp4_mma.tile_layouts(2 * c.block_n1, c.block_m, c.num_warps)
     gluon_mxfp4_mma._w13_mma_kernel[grid(nb1)](
-        x, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w13_hot), words(w13_cold),
+        x, ids, sorted_pairs, expert_off, pools.row_map, _words(pools.w13_hot), _words(w13_cold),
         pools.w13_scale_hot, s13_cold, b13, act, num_pairs, layer, nb1,
         TOPK=top_k, H=hidden, I=inter, BN=2 * c.block_n1, **act_kw, **common, LQ=lq, LX=lx, LA=la, LB=lb, LC=lc,
         num_warps=c.num_warps,
@@ -830,7 +832,7 @@ def _gluon_mma_launches(c, grid, nb1, nb2, x, ids, sorted_pairs, expert_off, poo
     yield "w13_act"
     lq, lx, la, lb, lc = gluon_mxfp4_mma.tile_layouts(c.block_n2, c.block_m, c.num_warps)
     gluon_mxfp4_mma._w2_mma_kernel[grid(nb2)](
-        act, ids, sorted_pairs, expert_off, pools.row_map, words(pools.w2_hot), words(w2_cold),
+        act, ids, sorted_pairs, expert_off, pools.row_map, _words(pools.w2_hot), _words(w2_cold),
         pools.w2_scale_hot, s2_cold, b2, weights, buf, num_pairs, layer, nb2,
         H=hidden, I=inter, BN=c.block_n2, HAS_BIAS=act_kw["HAS_BIAS"], **common, LQ=lq, LX=lx, LA=la, LB=lb, LC=lc,
         num_warps=c.num_warps, launch_pdl=pdl,
