@@ -156,8 +156,18 @@ def test_triton_mxfp4_kernel_under_the_interpreter():
 
 _MEASURE_TINY = _PRELUDE + r"""
 import json, runpy, tempfile
+from coldset.kernels import configs as kernel_configs
+from coldset.kernels.triton_moe import KernelConfig
+from coldset.measure import kernel_mxfp4
+first = {}
+for c in kernel_configs.load("triton_mxfp4")["search_space"]["decode"]:
+    first.setdefault(kernel_mxfp4.variant_of(KernelConfig.from_dict(c)), c)
+paths = sorted(set(first) - set(kernel_mxfp4.CUDA_ONLY_VARIANTS))
+assert paths == ["dot-f16", "dot-values", "dot-words", "gemv"], paths
+configs = tempfile.mktemp(suffix=".json")
+json.dump({"decode": [first[p] for p in paths]}, open(configs, "w"))
 out = tempfile.mktemp(suffix=".json")
-sys.argv = ["kernel_mxfp4", "--tiny", "--batches", "1,3", "--layers", "1", "--out", out]
+sys.argv = ["kernel_mxfp4", "--tiny", "--batches", "1,3", "--layers", "1", "--configs", configs, "--out", out]
 try:
     runpy.run_module("coldset.measure.kernel_mxfp4", run_name="__main__")
 except SystemExit as done:  # the command's exit status: 0 when every config was right
@@ -165,14 +175,17 @@ except SystemExit as done:  # the command's exit status: 0 when every config was
 rows = json.load(open(out))["rows"]
 assert [r["tokens"] for r in rows] == [1, 3] and all(r["err_over_tol"] <= 1 for r in rows), rows
 assert all(r["failed"] == {} for r in rows), [r["failed"] for r in rows]
+assert all(r["configs_checked"] == len(paths) for r in rows), rows
 print("INTERPRETED OK")
 """
 
 
 def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     """The H200 measurement script (``python -m coldset.measure.kernel_mxfp4``) end to end with
-    ``--tiny`` on the CPU: its correctness checks of every decode config (each path) against the
-    torch path (no times without CUDA), none failed, its table and JSON."""
+    ``--tiny`` on the CPU, on a configs file of the search space's first decode config of each path
+    the CPU runs: its correctness checks against the torch path (no times without CUDA), none
+    failed, a row per path, its table and JSON. (Every path's kernel is checked config by config in
+    :func:`test_triton_mxfp4_kernel_under_the_interpreter`; here, the script.)"""
     stdout = run_interpreted(_MEASURE_TINY, timeout=900)
     assert "tokens" in stdout and "err/tol" in stdout
 

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny shape; on the CPU under TRITON_INTERPRET=1, no times")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     p.add_argument("--variants", default="all",
-                   help="kernel paths to run, comma-separated: dot-values, dot-words, dot-f16, gemv (default all)")
+                   help=f"kernel paths to run, comma-separated: {', '.join(VARIANTS)} (default all)")
     p.add_argument("--configs", default=None,
                    help="a JSON file of configs to run instead of the search space: {\"decode\": [...], \"prefill\": "
                         "[...]} as in coldset/kernels/configs/triton_mxfp4.json's search_space (a missing list: none)")
@@ -386,7 +386,8 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], bool]:
             deadline = float("inf")
         worst, failed = check_correct(s, num_tokens, configs, deadline)
         wrong += [(num_tokens, i, why) for i, why in failed.items() if why.startswith("wrong")]
-        row = {"tokens": num_tokens, "err_over_tol": worst, "failed": {str(i): why for i, why in failed.items()}}
+        row = {"tokens": num_tokens, "configs_checked": len(configs), "err_over_tol": worst,
+               "failed": {str(i): why for i, why in failed.items()}}
         log(f"{num_tokens} tokens: {len(configs) - len(failed)} of {len(configs)} configs correct (max err "
             f"{worst:.3f} of the tolerance), {time.time() - t_start:.0f}s")
         if s.timed:
