@@ -24,7 +24,7 @@ from coldset.analysis.policies import POLICIES
 from coldset.analysis.policies.base import prefetch_lead_unit
 from coldset.analysis.simulate import CacheResult
 from coldset.analysis.streams import AccessStream, CacheError
-from coldset.core.shapes import ShapeError, get_weight_format
+from coldset.core.shapes import FP8_BLOCK128, MXFP4, ShapeError, get_weight_format
 
 
 LINK_MODES = ("fifo", "priority", "share")  # serve_link's mode numbers: the index
@@ -464,7 +464,7 @@ def time_models(time: Mapping[str, Any] | None, bytes_per_expert: int) -> dict[i
 
 #: Compressed over raw bytes of one expert per format, the codec on synthetic weights drawn as trained
 #: ones are (Gaussian, std 1/sqrt(fan_in), Qwen3-30B-A3B's expert shape; scripts/codec_ratios.py).
-DEFAULT_COMPRESSED_RATIOS = {"bfloat16": 0.6757, "fp8_block128": 0.8463, "mxfp4": 0.9574}
+DEFAULT_COMPRESSED_RATIOS = {"bfloat16": 0.6757, FP8_BLOCK128: 0.8463, MXFP4: 0.9574}
 
 
 def compressed_tier(spec: Mapping[str, Any] | None, weight_format: str) -> tuple[float, float] | None:

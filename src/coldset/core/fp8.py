@@ -28,13 +28,13 @@ from typing import Any, Mapping
 
 import torch
 
-from coldset.core.shapes import format_skip_patterns, module_not_converted, quantization_object
+from coldset.core.shapes import FP8_BLOCK128, format_skip_patterns, module_not_converted, quantization_object
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 BLOCK = 128  # the only weight block (rows and columns) and activation group supported
 ACT_EPS = 1e-10  # floor of a group's max|x|, as vLLM's per_token_group_quant_fp8 (an all-zero group)
-FORMAT_NAME = "fp8_block128"  # coldset.core.shapes' name of this format
+FORMAT_NAME = FP8_BLOCK128  # coldset.core.shapes' name of this format
 
 
 class Fp8FormatError(ValueError):

@@ -36,9 +36,9 @@ from typing import Any, Mapping
 
 import torch
 
-from coldset.core.shapes import format_skip_patterns, module_not_converted, quantization_object
+from coldset.core.shapes import MXFP4, format_skip_patterns, module_not_converted, quantization_object
 
-FORMAT_NAME = "mxfp4"  # coldset.core.shapes' name of this format
+FORMAT_NAME = MXFP4  # coldset.core.shapes' name of this format
 BLOCK = 32  # elements per scale (along the reduction), the only block size supported
 BLOCK_BYTES = BLOCK // 2  # packed bytes per block
 SCALE_BIAS = 127  # e8m0: the value of scale byte s is 2^(s - 127)

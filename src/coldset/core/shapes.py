@@ -71,18 +71,22 @@ class WeightFormat:
         return self.scale_block is not None
 
 
+#: The names of the quantized expert formats the engine and kernels run (coldset.core.fp8, coldset.core.mxfp4).
+FP8_BLOCK128 = "fp8_block128"
+MXFP4 = "mxfp4"
+
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "float32": WeightFormat("float32", 4),
     "bfloat16": WeightFormat("bfloat16", 2),
     "float16": WeightFormat("float16", 2),
     # DeepSeek-V3 style: float8_e4m3 with one float32 scale per 128 x 128 block.
-    "fp8_block128": WeightFormat("fp8_block128", 1, scale_bytes=4, scale_block=(128, 128)),
+    FP8_BLOCK128: WeightFormat(FP8_BLOCK128, 1, scale_bytes=4, scale_block=(128, 128)),
     # One float32 scale per output channel (row).
     "fp8_channel": WeightFormat("fp8_channel", 1, scale_bytes=4, scale_block=(1, None)),
     # One float32 scale per matrix.
     "fp8_tensor": WeightFormat("fp8_tensor", 1, scale_bytes=4, scale_block=(None, None)),
     # OCP MX: e2m1 elements (half a byte) and one e8m0 (1 byte) scale per 32 along the input dim.
-    "mxfp4": WeightFormat("mxfp4", 0.5, scale_bytes=1, scale_block=(1, 32)),
+    MXFP4: WeightFormat(MXFP4, 0.5, scale_bytes=1, scale_block=(1, 32)),
 }
 _FORMAT_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
 # Formats with parameters in their names: fp8_block{rows}x{cols}; awq/gptq_int{bits}_g{group|ch}.
@@ -137,7 +141,7 @@ def _quant_method_format(qcfg: Mapping[str, Any], where: str, dtype: str) -> str
     if method == "fbgemm_fp8":
         return "fp8_channel"
     if method == "mxfp4":
-        return "mxfp4"
+        return MXFP4
     if method in ("awq", "gptq"):
         bits = qcfg.get("bits", qcfg.get("w_bit"))
         group = qcfg.get("group_size", qcfg.get("q_group_size"))

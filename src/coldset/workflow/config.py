@@ -19,7 +19,7 @@ import jsonschema
 import yaml
 
 from coldset.core.placement import PlacementError, lookahead_depths, residency_label
-from coldset.core.shapes import ShapeError, read_shape
+from coldset.core.shapes import MXFP4, ShapeError, read_shape
 from coldset.core.trace import TraceError, read_trace_meta
 from coldset.reporting.track_store import default_tracking_uri
 from coldset.trace.fixtures import FixtureError, available_domains, fixtures_by_domain
@@ -177,14 +177,12 @@ def experts_format_choice(stored: str, experts_format: str, dtype: str, decodes:
     ``dequantized`` for experts that are not MXFP4, and MXFP4 kept 4-bit for a decoded model whose
     ``model.dtype`` is not bfloat16 (the MXFP4 kernels' activations). One rule for the config check
     (before Snakemake schedules a job) and the stages (:func:`coldset.workflow.process_engine.experts_format`)."""
-    from coldset.core import mxfp4  # torch: imported when a model's format is checked, not to read a config
-
     if experts_format == "dequantized":
-        if stored != mxfp4.FORMAT_NAME:
+        if stored != MXFP4:
             return dtype, (f"model.experts_format: dequantized dequantizes MXFP4 experts, but the model stores its "
                            f"routed experts as {stored}; set it to checkpoint")
         return dtype, None
-    if stored == mxfp4.FORMAT_NAME and decodes and dtype != "bfloat16":
+    if stored == MXFP4 and decodes and dtype != "bfloat16":
         return stored, (f"model.dtype {dtype}: the model stores its routed experts in MXFP4, which run kept 4-bit "
                         "(model.experts_format: checkpoint) with bfloat16 activations; set model.dtype: bfloat16, "
                         f"or model.experts_format: dequantized to run them dequantized to {dtype}")
