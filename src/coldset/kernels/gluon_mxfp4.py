@@ -62,10 +62,6 @@ def layout_fits(block_n1: int, block_k1: int, block_n2: int, block_k2: int, num_
                                                                                       num_warps) is not None
 
 
-#: :func:`_pair`'s magnitude masks: fp16 lanes (bits 9-11 of each 16) and bf16 lanes (bits 6-8).
-F16_MAG = tl.constexpr(0x0E000E00)
-BF16_MAG = tl.constexpr(0x01C001C0)
-
 #: Scale groups a program of :func:`_pairs_kernel` converts.
 PAIRS_GROUPS = 32
 
@@ -221,13 +217,9 @@ def _hfma2(a, b, c):
 
 
 @gluon.jit
-def _pair(q, EEM_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr, MAG: gl.constexpr):
-    """Nibbles n and n + 4 of each word as the two 16-bit float lanes of an int32, by bits: each
-    nibble's three magnitude bits shifted by ``EEM_SHIFT`` and kept by ``MAG``, its sign shifted by
-    ``SIGN_SHIFT`` to the lane's bit 15. With :data:`F16_MAG` (bits 9-11) the lanes are fp16 ``e2m1 *
-    2^-14`` (:func:`coldset.kernels.triton_mxfp4._e2m1_pair`'s bit operations); with
-    :data:`BF16_MAG` (bits 6-8) bf16 ``e2m1 * 2^-126`` (the tensor-core tile's); exact for the
-    subnormal code 0.5 too."""
+def _pair(q, EEM_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr):
+    """Nibbles n and n + 4 of each word as the two fp16 lanes ``e2m1 * 2^-14`` of an int32
+    (:func:`coldset.kernels.triton_mxfp4._e2m1_pair`'s bit operations)."""
     if EEM_SHIFT >= 0:
         e = q << EEM_SHIFT
     else:
@@ -236,7 +228,7 @@ def _pair(q, EEM_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr, MAG: gl.constexp
         sgn = q << SIGN_SHIFT
     else:
         sgn = q
-    return (e & MAG) | (sgn & -2147450880)  # -2147450880: the int32 0x80008000
+    return (e & 0x0E000E00) | (sgn & -2147450880)  # -2147450880: the int32 0x80008000
 
 
 @gluon.jit
@@ -245,10 +237,10 @@ def _step(acc, q, sc, x0, x1, x2, x3, fx):
     pairs of products summed in its two fp16 lanes, the lanes and the group's 4 words added in
     float32, times the two powers of two (the inputs' ``2^(141 - e)`` and the codes' ``2^-14``
     cancel)."""
-    h = _hfma2(_pair(q, 9, 12, F16_MAG), x0, gl.zeros_like(q))
-    h = _hfma2(_pair(q, 5, 8, F16_MAG), x1, h)
-    h = _hfma2(_pair(q, 1, 4, F16_MAG), x2, h)
-    h = _hfma2(_pair(q, -3, 0, F16_MAG), x3, h)
+    h = _hfma2(_pair(q, 9, 12), x0, gl.zeros_like(q))
+    h = _hfma2(_pair(q, 5, 8), x1, h)
+    h = _hfma2(_pair(q, 1, 4), x2, h)
+    h = _hfma2(_pair(q, -3, 0), x3, h)
     lanes = (h.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
              + (h >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32))
     words = gl.sum(lanes, axis=2)  # a thread's own 4 words: no shuffle

@@ -14,10 +14,10 @@ operands from registers, and the codes are unpacked in the MMA's own register la
   at k position ``kk`` with kk's bits 0, 1, 2 = p's bits 2, 0, 1, kk's 3, 4 = p's 5, 6 (the group:
   one a lane of a quad) and kk's 5, 6 = p's 3, 4 (the word in the group). So a thread's 32
   positions of a row are one whole scale group, its codes one 16-byte load and its scale one byte,
-  and each 32-bit register the MMA reads holds codes n and n + 4 of a word (two shifts and two
-  logic operations a pair). The inputs, the B operand, are read in the same order: a thread's 32
-  positions of a token are again one group of 32 consecutive inputs (four 16-byte loads, reordered
-  by a byte permute a register).
+  and each 32-bit register the MMA reads holds codes n and n + 4 of a word (a mask, a multiply
+  and a mask a pair: :func:`_pair`). The inputs, the B operand, are read in the same order: a
+  thread's 32 positions of a token are again one group of 32 consecutive inputs (four 16-byte
+  loads, reordered by a byte permute a register).
 - A code becomes bf16 by bits alone: its three magnitude bits into the bf16 field's bits 6-8 and its
   sign into bit 15 read as ``e2m1 * 2^-126`` (exact for the subnormal code 0.5 too); one bf16 pair
   multiply by ``2^(s - 1 - 63)`` (``s`` the group's e8m0 scale) makes it ``w * 2^-63``, exact for
@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from coldset.kernels.gluon_mxfp4 import BF16_MAG, _block_expert, _pair
+from coldset.kernels.gluon_mxfp4 import _block_expert
 from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _expert_bias, gdc_launch_dependents,
                                        gdc_wait)
 
@@ -65,6 +65,17 @@ def _bf16x2_mul(a, b):
     """``a * b`` on int32 registers each holding two bf16 lanes (exact here: ``b`` a power of two)."""
     return gl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, gl.full_like(a, -2147450880)],
                                      dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pair(q, NIBBLES: gl.constexpr, MAG_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr):
+    """The two codes ``NIBBLES`` keeps of each word (16 bits apart) as the two bf16 lanes ``e2m1 *
+    2^-126`` of an int32: three magnitude bits into bits 6-8, the sign into bit 15. One multiply
+    does both shifts: the codes times ``2^MAG_SHIFT + 2^SIGN_SHIFT`` are two shifted copies whose
+    other bits (the sign into bit 9, the magnitude into bits 12-14) overlap nothing, so the sum has
+    no carries and the mask keeps the lanes: three instructions a pair."""
+    t = (q & NIBBLES) * ((1 << MAG_SHIFT) + (1 << SIGN_SHIFT))
+    return t & -2118090304  # the int32 0x81C081C0: bits 6-8 and 15 of each lane
 
 
 @gluon.jit
@@ -105,10 +116,11 @@ def _mma_step(acc, q, s, x, BN: gl.constexpr, BM: gl.constexpr, LA: gl.constexpr
     thread's 32 inputs are its own)."""
     m = gl.minimum(s.to(gl.int32) + (126 - _SHIFT), 255) << 7  # bf16 2^(s - 1 - 63); past SCALE_RANGE: inf
     m = (m | (m << 16))[:, :, None]
-    p0 = _bf16x2_mul(_pair(q, 6, 12, BF16_MAG), m)
-    p1 = _bf16x2_mul(_pair(q, 2, 8, BF16_MAG), m)
-    p2 = _bf16x2_mul(_pair(q, -2, 4, BF16_MAG), m)
-    p3 = _bf16x2_mul(_pair(q, -6, 0, BF16_MAG), m)
+    r = q >> 8  # codes 2 and 6 where 0 and 4 are, 3 and 7 where 1 and 5 are
+    p0 = _bf16x2_mul(_pair(q, 0x000F000F, 6, 12), m)
+    p1 = _bf16x2_mul(_pair(q, 0x00F000F0, 2, 8), m)
+    p2 = _bf16x2_mul(_pair(r, 0x000F000F, 6, 12), m)
+    p3 = _bf16x2_mul(_pair(r, 0x00F000F0, 2, 8), m)
     j = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [BN, g, w, j1, j0]
     lo, hi = _halves(j)
     t = gl.join(lo, hi)  # [BN, g, w, j1, j0, h]
@@ -130,17 +142,20 @@ def _chunk_sums(w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: g
     acc = gl.zeros([BN, BM], gl.float32, LC)
     FULL: gl.constexpr = K // 128
     if NS == 2 and FULL > 0:
+        # Unrolled by two, so that the step loaded ahead is the loop's carried value only every
+        # second step (no register copies between steps); the last steps unrolled at compile time.
+        STEPS: gl.constexpr = FULL + (K % 128 > 0)
         q, s, x = _load_step(w_ptrs, s_ptrs, x_rows, 0, K, BN, BM, False, LQ, LX)
-        for i in range(FULL - 1):
-            qn, sn, xn = _load_step(w_ptrs, s_ptrs, x_rows, i + 1, K, BN, BM, False, LQ, LX)
+        for i in range((FULL - 1) // 2):
+            q1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_rows, 2 * i + 1, K, BN, BM, False, LQ, LX)
+            acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
+            q, s, x = _load_step(w_ptrs, s_ptrs, x_rows, 2 * i + 2, K, BN, BM, False, LQ, LX)
+            acc = _mma_step(acc, q1, s1, x1, BN, BM, LA, LB)
+        for j in gl.static_range((FULL - 1) // 2 * 2 + 1, STEPS):
+            qn, sn, xn = _load_step(w_ptrs, s_ptrs, x_rows, j, K, BN, BM, j == FULL, LQ, LX)
             acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
             q, s, x = qn, sn, xn
-        if K % 128:
-            qn, sn, xn = _load_step(w_ptrs, s_ptrs, x_rows, FULL, K, BN, BM, True, LQ, LX)
-            acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
-            acc = _mma_step(acc, qn, sn, xn, BN, BM, LA, LB)
-        else:
-            acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
+        acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
     else:
         for i in range(FULL):
             q, s, x = _load_step(w_ptrs, s_ptrs, x_rows, i, K, BN, BM, False, LQ, LX)
