@@ -122,7 +122,7 @@ DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp
 # above MMA_FROM the Gluon tensor-core tile (w8a16 5)
 DEFAULT_CUDA_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_decode"])
 DEFAULT_CUDA_MMA_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_mma"])
-MMA_FROM = 32  # above this many tokens (to 64) the CUDA default is the tensor-core tile
+MMA_FROM = 23  # above this many tokens (to 64) the CUDA default is the tensor-core tile
 
 #: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
 LAUNCHES = ("w13_act", "w2", "sum")
@@ -135,7 +135,8 @@ def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> Kerne
     before the launch (``slot_max_pairs`` 1: a block reads its expert's range, it does not scan the
     routing; the faster step at 8 tokens: docs/measurements/mxfp4/sorted_default), and above
     :data:`MMA_FROM` tokens the Gluon tensor-core tile (``w8a16`` 5: an expert's pairs share one
-    unpacking; the faster kernel there: docs/measurements/mxfp4/mma), where this triton has Gluon
+    unpacking; the faster kernel there, measured on both sides of the threshold:
+    docs/measurements/mxfp4/mma_unpack), where this triton has Gluon
     and grid-dependency control; elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
     without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
