@@ -15,7 +15,7 @@ operands from registers, and the codes are unpacked in the MMA's own register la
   one a lane of a quad) and kk's 5, 6 = p's 3, 4 (the word in the group). So a thread's 32
   positions of a row are one whole scale group, its codes one 16-byte load and its scale one byte,
   and each 32-bit register the MMA reads holds codes n and n + 4 of a word (a mask, a multiply
-  and a mask a pair: :func:`_pair`). The inputs, the B operand, are read in the same order: a
+  and a mask a pair: :func:`_bf16_pair`). The inputs, the B operand, are read in the same order: a
   thread's 32 positions of a token are again one group of 32 consecutive inputs (four 16-byte
   loads, reordered by a byte permute a register).
 - A code becomes bf16 by bits alone: its three magnitude bits into the bf16 field's bits 6-8 and its
@@ -68,7 +68,7 @@ def _bf16x2_mul(a, b):
 
 
 @gluon.jit
-def _pair(q, NIBBLES: gl.constexpr, MAG_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr):
+def _bf16_pair(q, NIBBLES: gl.constexpr, MAG_SHIFT: gl.constexpr, SIGN_SHIFT: gl.constexpr):
     """The two codes ``NIBBLES`` keeps of each word (16 bits apart) as the two bf16 lanes ``e2m1 *
     2^-126`` of an int32: three magnitude bits into bits 6-8, the sign into bit 15. One multiply
     does both shifts: the codes times ``2^MAG_SHIFT + 2^SIGN_SHIFT`` are two shifted copies whose
@@ -117,10 +117,10 @@ def _mma_step(acc, q, s, x, BN: gl.constexpr, BM: gl.constexpr, LA: gl.constexpr
     m = gl.minimum(s.to(gl.int32) + (126 - _SHIFT), 255) << 7  # bf16 2^(s - 1 - 63); past SCALE_RANGE: inf
     m = (m | (m << 16))[:, :, None]
     r = q >> 8  # codes 2 and 6 where 0 and 4 are, 3 and 7 where 1 and 5 are
-    p0 = _bf16x2_mul(_pair(q, 0x000F000F, 6, 12), m)
-    p1 = _bf16x2_mul(_pair(q, 0x00F000F0, 2, 8), m)
-    p2 = _bf16x2_mul(_pair(r, 0x000F000F, 6, 12), m)
-    p3 = _bf16x2_mul(_pair(r, 0x00F000F0, 2, 8), m)
+    p0 = _bf16x2_mul(_bf16_pair(q, 0x000F000F, 6, 12), m)
+    p1 = _bf16x2_mul(_bf16_pair(q, 0x00F000F0, 2, 8), m)
+    p2 = _bf16x2_mul(_bf16_pair(r, 0x000F000F, 6, 12), m)
+    p3 = _bf16x2_mul(_bf16_pair(r, 0x00F000F0, 2, 8), m)
     j = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [BN, g, w, j1, j0]
     lo, hi = _halves(j)
     t = gl.join(lo, hi)  # [BN, g, w, j1, j0, h]
