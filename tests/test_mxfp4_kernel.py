@@ -184,8 +184,9 @@ def test_kernel_mxfp4_measurement_runs_at_tiny_shape_under_the_interpreter():
     """The H200 measurement script (``python -m coldset.measure.kernel_mxfp4``) end to end with
     ``--tiny`` on the CPU, on a configs file of the search space's first decode config of each path
     the CPU runs: its correctness checks against the torch path (no times without CUDA), none
-    failed, a row per path, its table and JSON. (Every path's kernel is checked config by config in
-    :func:`test_triton_mxfp4_kernel_under_the_interpreter`; here, the script.)"""
+    failed, each row checking one config a path, its table and JSON. (The four paths' kernels are
+    checked under the interpreter by :func:`test_triton_mxfp4_kernel_under_the_interpreter`; here,
+    the script.)"""
     stdout = run_interpreted(_MEASURE_TINY, timeout=900)
     assert "tokens" in stdout and "err/tol" in stdout
 
