@@ -309,18 +309,23 @@ def test_graphed_lookahead_steps_equal_the_simulator_and_the_unmodified_path(gra
 
 @pytest.mark.gpu
 def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatch):
-    """The prefetch copy is made slow (a 2 ms sleep on the side stream before it). Joined where it
+    """The prefetch copy is made slow (a sleep of about 25 ms on the side stream before it). Joined where it
     belongs (before layer l + depth's experts), the logits stay bitwise the unmodified path's; joined
     only at the end of the step (a stale join: layer l + depth reads a slot whose copy has not
     landed), they differ, so the parity gate fails. The prefetch gate is off (``_without_gate``):
-    the copies are what is tested."""
+    the copies are what is tested.
+
+    The sleep counts clock cycles, not this process's time on the GPU: in the whole GPU suite under
+    ``pytest -m gpu -n 8`` (eight processes on one GPU) a sleep of 4 M cycles (about 2 ms) once ended
+    before the main stream reached the layer, and the stale join went unseen (it passed alone).
+    50 M cycles give the main stream 12.5 times that margin."""
     from coldset.kernels import triton_slots
 
     real_fill = triton_slots.fill
 
     def slow_fill(pools, victims, instances, count, pdl=False, blocks=triton_slots.FILL_BLOCKS):
         if blocks != triton_slots.FILL_BLOCKS:
-            torch.cuda._sleep(4_000_000)  # the prefetch copy (side stream, fewer blocks) lands late
+            torch.cuda._sleep(50_000_000)  # the prefetch copy (side stream, fewer blocks) lands late
         real_fill(pools, victims, instances, count, pdl=pdl, blocks=blocks)
 
     monkeypatch.setattr(triton_slots, "fill", slow_fill)
