@@ -125,7 +125,9 @@ for bad, msg in [(dict(block_k1=48), "block_k1 must be a power of two"), (dict(s
                  (dict(block_m=8, block_n1=16, block_k1=128, block_n2=48, block_k2=128, num_warps=1, w8a16=5,
                        num_stages=1, slot_max_pairs=1), "takes block_m 8 or 16"),
                  (dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
-                       num_stages=3, slot_max_pairs=1), "takes num_stages in (1, 2)"),
+                       num_stages=7, slot_max_pairs=1), "takes num_stages 1 to 6"),
+                 (dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
+                       num_stages=5, slot_max_pairs=32), "takes slot_max_pairs 1"),
                  (dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, w8a16=5,
                        num_stages=1, slot_max_pairs=1), "w8a16=5 (a tile in Gluon) runs on CUDA only")]:
     try:
@@ -340,8 +342,19 @@ def _search_space():
 
     configs = load("triton_mxfp4")
     space = configs["search_space"]
-    entries = space["decode"] + space["prefill"] + list(configs["defaults"].values())
+    entries = space["decode"] + space["prefill"] + list(configs["defaults"].values()) + _MMA_RINGS
     return list(dict.fromkeys(KernelConfig.from_dict(d) for d in entries))  # a default in the space runs once
+
+
+# the tensor-core tile through its shared-memory rings (num_stages 3 to 6), not yet in the search space:
+# the measured one (docs/measurements/mxfp4/mma_ring), 16-token chunks over 2 warps, and 8 warps over
+# 8 tokens (the tokens' copy in 8-byte pieces)
+_MMA_RINGS = [dict(block_m=8, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, num_stages=5,
+                   slot_max_pairs=1, w8a16=5, pdl=2),
+              dict(block_m=16, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=3,
+                   slot_max_pairs=1, w8a16=5),
+              dict(block_m=8, block_n1=64, block_k1=128, block_n2=128, block_k2=128, num_warps=8, num_stages=6,
+                   slot_max_pairs=1, w8a16=5, pdl=2)]
 
 
 @pytest.mark.gpu
@@ -389,14 +402,15 @@ _MMA_TILE = dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, cuda_default",
-                         [(1, False), (3, False), (3, True), (40, True), (3, "mma"), (1, "mma")])
+                         [(1, False), (3, False), (3, True), (40, True), (3, "mma"), (1, "mma"), (40, "ring")])
 @pytest.mark.parametrize("pdl", [0, 2])
 def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(num_tokens, pdl, cuda_default):
     """A captured call (the default config of 1 and of 3 tokens: the Triton GEMV tile with and
     without its prefetch, and at 3 on CUDA the Gluon GEMV tile; at 40 on CUDA the tensor-core tile,
-    w8a16 5, which also runs at 1 and 3; with pdl 2 the launches after the first are programmatic
-    dependent launches inside the graph) replayed after the row map moves experts between the tiers (every expert in both: a
-    placement switch is a row-map write) gives the eager all-hot pdl 0 output bitwise."""
+    w8a16 5, which also runs at 1 and 3, and at 40 through its shared-memory rings; with pdl 2 the
+    launches after the first are programmatic dependent launches inside the graph) replayed after the
+    row map moves experts between the tiers (every expert in both: a placement switch is a row-map
+    write) gives the eager all-hot pdl 0 output bitwise."""
     import numpy as np
     import torch
 
@@ -408,7 +422,8 @@ def test_triton_mxfp4_cuda_graph_replay_reads_the_row_map_written_after_capture(
     q = make_mxfp4(2, 16, 256, 128, seed=7)
     x, ids, w = (t.cuda() for t in routing(num_tokens, 16, 4, 256, seed=7))
     hot = pools_of(tuple(t.cuda() for t in q), SILU)
-    default = _MMA_TILE if cuda_default == "mma" else default_config(num_tokens, cuda=cuda_default).to_dict()
+    default = (_MMA_TILE if cuda_default == "mma" else _MMA_RINGS[0] if cuda_default == "ring"
+               else default_config(num_tokens, cuda=cuda_default).to_dict())
     base = triton_mxfp4_experts(hot, 1, x, ids, w, {**default, "pdl": 0}, use_row_map=False)
     cfg = {**default, "pdl": pdl}
     both = ExpertPools(hot.w13_hot, hot.w2_hot, hot.w13_hot.cpu().pin_memory(), hot.w2_hot.cpu().pin_memory(),

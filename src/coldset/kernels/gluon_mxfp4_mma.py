@@ -29,6 +29,12 @@ operands from registers, and the codes are unpacked in the MMA's own register la
 - w13's tile interleaves gate and up rows by eights (rows 16 b + i: gate, 16 b + 8 + i: up, of output
   8 b + i), so that a thread's two accumulator rows are an output's gate and up and the activation
   runs in registers. The intermediate is stored in input order, as w2 reads it.
+- ``num_stages`` says how far ahead a k step's bytes are loaded. 1: at the step; 2: one step ahead,
+  into registers. From 3 the codes and inputs of a step are copied ``num_stages - 1`` steps ahead
+  into rings in shared memory (``cp.async``: no registers held while they are in flight), and the
+  scales, a byte a row and step (no ``cp.async`` size), two steps ahead in registers: the tile waited
+  on its loads one step ahead (docs/measurements/mxfp4/profile), and at 5 it no longer does as much
+  (docs/measurements/mxfp4/mma_ring). Every path makes the same products in the same order.
 
 Other sums than the GEMV tiles' (float32 MMA sums of exact products, in the MMA's order). A config's
 bits depend on the path, never on the placement: the row map only moves the base pointers.
@@ -39,7 +45,7 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from coldset.kernels.gluon_mxfp4 import _block_expert
 from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _expert_bias, gdc_launch_dependents,
@@ -49,6 +55,8 @@ from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _
 STEP_K = 128
 #: e8m0 scale bytes the tile's unpacking is exact for (module doc): 2^-62 to 2^64.
 SCALE_RANGE = (65, 191)
+#: The deepest ``num_stages``: its rings take ``num_stages - 1`` steps of codes and inputs in shared memory.
+MAX_STAGES = 6
 #: The power of two the weights carry in bf16 (``w * 2^-63``), undone on the float32 sums.
 _SHIFT = tl.constexpr(63)
 
@@ -138,10 +146,13 @@ def _chunk_sums(w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: g
     """float32 ``[BN, BM]``: the weight rows' products with the chunk's input rows, over all of K: the
     whole steps unmasked, then the part step. ``NS`` 2 loads each step one step ahead, into
     registers, so that its bytes are in flight while the step before is unpacked and multiplied (the
-    same products in the same order: the same bits); 1 loads at the step."""
+    same products in the same order: the same bits); 1 loads at the step; from 3,
+    :func:`_ring_sums`."""
     acc = gl.zeros([BN, BM], gl.float32, LC)
     FULL: gl.constexpr = K // 128
-    if NS == 2 and FULL > 0:
+    if NS >= 3:
+        acc = _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K, BN, BM, NS, LQ, LX, LA, LB)
+    elif NS == 2 and FULL > 0:
         # Unrolled by two, so that the step loaded ahead is the loop's carried value only every
         # second step (no register copies between steps); the last steps unrolled at compile time.
         STEPS: gl.constexpr = FULL + (K % 128 > 0)
@@ -164,6 +175,61 @@ def _chunk_sums(w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: g
             q, s, x = _load_step(w_ptrs, s_ptrs, x_rows, FULL, K, BN, BM, True, LQ, LX)
             acc = _mma_step(acc, q, s, x, BN, BM, LA, LB)
     return acc * 9.223372036854775808e18  # 2^63
+
+
+@gluon.jit
+def _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+               NS: gl.constexpr, LQ: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
+    """``acc`` plus :func:`_chunk_sums`'s products for ``NS`` >= 3: each step's codes and inputs
+    copied ``NS - 1`` steps ahead into rings in shared memory, the scales two steps ahead in
+    registers (module doc). Every step is masked as the part step is (past K: code 0, scale 127,
+    input 0, each copy past K zero-filled), so the products are those of the register paths, in the
+    same order."""
+    D: gl.constexpr = NS - 1
+    W: gl.constexpr = gl.num_warps()
+    STEPS: gl.constexpr = K // 128 + (K % 128 > 0)
+    L2: gl.constexpr = gl.SliceLayout(2, LQ)
+    # a thread copies the 16 bytes of codes it reads back; the inputs' copy splits them over the
+    # block (LX holds every token in every warp): 16-byte pieces, 8-byte ones where the warps outnumber
+    # the tokens' halves
+    if 2 * W <= BM:
+        LXC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    else:
+        LXC: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+    ring = gl.allocate_shared_memory(gl.int32, [D, BN, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    xring = gl.allocate_shared_memory(gl.bfloat16, [D, BM, 128], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, LXC))
+    col = gl.arange(0, 128, layout=gl.SliceLayout(0, LXC))
+    g = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
+    every_x = gl.full([BM, 128], 1, gl.int1, LXC)
+    every_s = gl.full([BN, 4], 1, gl.int1, L2)
+    for j in gl.static_range(D):
+        async_copy.async_copy_global_to_shared(ring.index(j), w_ptrs + j * 16,
+                                               mask=(every_s & (g < K // 32 - j * 4)[None, :])[:, :, None])
+        ph = j * 128 + col
+        async_copy.async_copy_global_to_shared(xring.index(j), xr[:, None] + ph[None, :],
+                                               mask=every_x & (ph < K)[None, :])
+        async_copy.commit_group()
+    s0 = gl.load(s_ptrs, mask=every_s & (g < K // 32)[None, :], other=127)
+    s1 = gl.load(s_ptrs + 4, mask=every_s & (g < K // 32 - 4)[None, :], other=127)
+    for i in range(STEPS):
+        s2 = gl.load(s_ptrs + (i + 2) * 4, mask=every_s & (g < K // 32 - (i + 2) * 4)[None, :], other=127)
+        async_copy.wait_group(D - 1)  # step i's copies have landed
+        slot = i % D
+        q = ring.index(slot).load(LQ)
+        x = xring.index(slot).load(LX)
+        ahead = i + D  # into the slot just read
+        async_copy.async_copy_global_to_shared(ring.index(slot), w_ptrs + ahead * 16,
+                                               mask=(every_s & (g < K // 32 - ahead * 4)[None, :])[:, :, None])
+        ph = ahead * 128 + col
+        async_copy.async_copy_global_to_shared(xring.index(slot), xr[:, None] + ph[None, :],
+                                               mask=every_x & (ph < K)[None, :])
+        async_copy.commit_group()
+        acc = _mma_step(acc, q, s0, x, BN, BM, LA, LB)
+        s0 = s1
+        s1 = s2
+    async_copy.wait_group(0)  # no copy outlives the rings
+    return acc
 
 
 def tile_layouts(block_n: int, block_m: int, num_warps: int) -> tuple:

@@ -41,8 +41,9 @@ quantized, every sum is float32 (but ``w8a16`` 4's, below). Two paths, the confi
   tile in Gluon (:mod:`coldset.kernels.gluon_mxfp4_mma`, whose doc gives its arithmetic): a chunk of
   up to ``block_m`` of an expert's pairs shares one unpacking of the codes, which go to the MMA from
   registers; the tokens and the intermediate are read as they are. Exact products (scale bytes 65
-  to 191: :data:`coldset.kernels.gluon_mxfp4_mma.SCALE_RANGE`), float32 sums.
-  :func:`default_config`'s tile on CUDA above :data:`MMA_FROM` tokens, to 64.
+  to 191: :data:`coldset.kernels.gluon_mxfp4_mma.SCALE_RANGE`), float32 sums. ``num_stages`` 1
+  to 6: from 3 the codes and tokens go through rings in shared memory (the module's doc), the same
+  bits. :func:`default_config`'s tile on CUDA above :data:`MMA_FROM` tokens, to 64.
 
 Scale bytes 0 and 1 give weights below 2^-126, which the GPU may flush to zero (the torch path
 keeps them); 255 (NaN in the OCP MX spec) is refused when pools are built.
@@ -658,10 +659,12 @@ def _check_mma_config(c: KernelConfig) -> None:
         raise ValueError(f"{name} takes block_m 8 or 16 (the MMA's N) and tiles of whole 16-row MMA blocks over the "
                          f"warps (2 block_n1 and block_n2 multiples of 16 num_warps, powers of two): got block_m="
                          f"{c.block_m}, block_n1={c.block_n1}, block_n2={c.block_n2}, num_warps={c.num_warps}")
-    for field, allowed in (("num_stages", (1, 2)), ("slot_max_pairs", (1,))):
-        if getattr(c, field) not in allowed:
-            raise ValueError(f"{name} takes {field} in {allowed} (loads at each step or one ahead; the pairs grouped "
-                             f"by expert), got {getattr(c, field)}")
+    if not 1 <= c.num_stages <= gluon_mxfp4_mma.MAX_STAGES:
+        raise ValueError(f"{name} takes num_stages 1 to {gluon_mxfp4_mma.MAX_STAGES} (loads at each k step, one step "
+                         f"ahead, or from 3 through rings of num_stages - 1 steps in shared memory), got "
+                         f"{c.num_stages}")
+    if c.slot_max_pairs != 1:
+        raise ValueError(f"{name} takes slot_max_pairs 1 (the pairs grouped by expert), got {c.slot_max_pairs}")
 
 
 def triton_mxfp4_experts(
