@@ -32,9 +32,9 @@ operands from registers, and the codes are unpacked in the MMA's own register la
 - ``num_stages`` says how far ahead a k step's bytes are loaded. 1: at the step; 2: one step ahead,
   into registers. From 3 the codes and inputs of a step are copied ``num_stages - 1`` steps ahead
   into rings in shared memory (``cp.async``: no registers held while they are in flight), and the
-  scales, a byte a row and step (no ``cp.async`` size), two steps ahead in registers: the tile waited
-  on its loads one step ahead (docs/measurements/mxfp4/profile), and at 5 it no longer does as much
-  (docs/measurements/mxfp4/mma_ring). Every path makes the same products in the same order.
+  scales, a byte a row and step (no ``cp.async`` size), two steps ahead in registers, so that a step
+  rarely waits on a load issued one step before it, as the register paths' steps do
+  (docs/measurements/mxfp4/profile, mma_ring). Every path makes the same products in the same order.
 
 Other sums than the GEMV tiles' (float32 MMA sums of exact products, in the MMA's order). A config's
 bits depend on the path, never on the placement: the row map only moves the base pointers.
