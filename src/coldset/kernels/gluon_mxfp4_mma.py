@@ -178,6 +178,17 @@ def _chunk_sums(w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: g
 
 
 @gluon.jit
+def _copy_step(codes, tokens, w_ptrs, x_rows, step, K: gl.constexpr, g, col, every_s, every_x):
+    """One commit group of :func:`_ring_sums`: k step ``step``'s codes (each thread its own 16 bytes)
+    and tokens into ring slots ``codes`` and ``tokens``; past K zero-filled."""
+    async_copy.async_copy_global_to_shared(codes, w_ptrs + step * 16,
+                                           mask=(every_s & (g < K // 32 - step * 4)[None, :])[:, :, None])
+    ph = step * 128 + col
+    async_copy.async_copy_global_to_shared(tokens, x_rows[:, None] + ph[None, :], mask=every_x & (ph < K)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
                NS: gl.constexpr, LQ: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
     """``acc`` plus :func:`_chunk_sums`'s products for ``NS`` >= 3: each step's codes and inputs
@@ -204,12 +215,7 @@ def _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, B
     every_x = gl.full([BM, 128], 1, gl.int1, LXC)
     every_s = gl.full([BN, 4], 1, gl.int1, L2)
     for j in gl.static_range(D):
-        async_copy.async_copy_global_to_shared(ring.index(j), w_ptrs + j * 16,
-                                               mask=(every_s & (g < K // 32 - j * 4)[None, :])[:, :, None])
-        ph = j * 128 + col
-        async_copy.async_copy_global_to_shared(xring.index(j), xr[:, None] + ph[None, :],
-                                               mask=every_x & (ph < K)[None, :])
-        async_copy.commit_group()
+        _copy_step(ring.index(j), xring.index(j), w_ptrs, xr, j, K, g, col, every_s, every_x)
     s0 = gl.load(s_ptrs, mask=every_s & (g < K // 32)[None, :], other=127)
     s1 = gl.load(s_ptrs + 4, mask=every_s & (g < K // 32 - 4)[None, :], other=127)
     for i in range(STEPS):
@@ -218,13 +224,8 @@ def _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, B
         slot = i % D
         q = ring.index(slot).load(LQ)
         x = xring.index(slot).load(LX)
-        ahead = i + D  # into the slot just read
-        async_copy.async_copy_global_to_shared(ring.index(slot), w_ptrs + ahead * 16,
-                                               mask=(every_s & (g < K // 32 - ahead * 4)[None, :])[:, :, None])
-        ph = ahead * 128 + col
-        async_copy.async_copy_global_to_shared(xring.index(slot), xr[:, None] + ph[None, :],
-                                               mask=every_x & (ph < K)[None, :])
-        async_copy.commit_group()
+        # into the slot just read
+        _copy_step(ring.index(slot), xring.index(slot), w_ptrs, xr, i + D, K, g, col, every_s, every_x)
         acc = _mma_step(acc, q, s0, x, BN, BM, LA, LB)
         s0 = s1
         s1 = s2
