@@ -334,6 +334,24 @@ def test_default_config_on_cuda_takes_the_gluon_tiles_from_three_to_64_tokens():
     assert tile in space and mma in space
 
 
+def test_mma_rings_are_refused_by_name_where_gluon_has_no_cp_async(monkeypatch):
+    """A Gluon without ``cp.async`` keeps the tensor-core tile's register paths (``num_stages`` 1 and
+    2) and refuses its shared-memory rings (3 to 6) by name, before anything launches."""
+    from coldset.kernels import triton_mxfp4 as mx
+    from coldset.kernels.triton_moe import KernelConfig
+
+    if mx.gluon_mxfp4_mma is None:
+        pytest.skip("this triton has no Gluon mma_v2: the tile is refused as a whole")
+    tile = dict(block_m=8, block_n1=32, block_k1=128, block_n2=64, block_k2=128, num_warps=4, slot_max_pairs=1,
+                w8a16=5)
+    for stages in (2, 5):
+        mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": stages}))
+    monkeypatch.setattr(mx.gluon_mxfp4_mma, "async_copy", None)
+    mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": 2}))
+    with pytest.raises(ValueError, match=r"num_stages 5 copies through shared memory .* lacks: num_stages 1 or 2"):
+        mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": 5}))
+
+
 # ------------------------------------------- the compiled kernel (CUDA) -------
 
 def _search_space():

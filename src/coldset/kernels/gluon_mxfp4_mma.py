@@ -45,7 +45,12 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+try:  # cp.async for num_stages 3 to 6 (a Gluon without it keeps the register paths: 1 and 2)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # pragma: no cover - triton 3.6 and 3.8 have it
+    async_copy = None
 
 from coldset.kernels.gluon_mxfp4 import _block_expert
 from coldset.kernels.triton_moe import (_activation, _block_ids, _expert_base, _expert_bias, gdc_launch_dependents,

@@ -659,6 +659,9 @@ def _check_mma_config(c: KernelConfig) -> None:
         raise ValueError(f"{name} takes block_m 8 or 16 (the MMA's N) and tiles of whole 16-row MMA blocks over the "
                          f"warps (2 block_n1 and block_n2 multiples of 16 num_warps, powers of two): got block_m="
                          f"{c.block_m}, block_n1={c.block_n1}, block_n2={c.block_n2}, num_warps={c.num_warps}")
+    if c.num_stages >= 3 and gluon_mxfp4_mma.async_copy is None:
+        raise ValueError(f"{name} with num_stages {c.num_stages} copies through shared memory with Gluon's "
+                         f"cp.async, which triton {triton.__version__} lacks: num_stages 1 or 2")
     if not 1 <= c.num_stages <= gluon_mxfp4_mma.MAX_STAGES:
         raise ValueError(f"{name} takes num_stages 1 to {gluon_mxfp4_mma.MAX_STAGES} (loads at each k step, one step "
                          f"ahead, or from 3 through rings of num_stages - 1 steps in shared memory), got "
