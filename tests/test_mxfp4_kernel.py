@@ -379,8 +379,9 @@ _MMA_RINGS = [dict(block_m=8, block_n1=32, block_k1=128, block_n2=64, block_k2=1
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 320)])  # 192: partial 128-input k steps
 @pytest.mark.parametrize("num_tokens", [1, 33, 300])
 def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, num_tokens):
-    """Every config of the search space (and the defaults) on CUDA against the float64 oracle,
-    the torch path on CUDA too; placements with a pinned cold tier bitwise the all-hot output."""
+    """Every config of the search space (and the defaults, and the tensor-core tile's rings) on CUDA
+    against the float64 oracle, the torch path on CUDA too; placements with a pinned cold tier
+    bitwise the all-hot output; the rings bitwise the tile's register path."""
     import torch
 
     from coldset.kernels import torch_experts, triton_experts
@@ -412,6 +413,9 @@ def test_triton_mxfp4_on_cuda_matches_float64_and_the_torch_path(hidden, inter, 
         assert built.w13_cold.is_pinned() and torch.equal(triton_mxfp4_experts(built, 1, xc, idc, wc, cfg), base)
         pdl2 = triton_mxfp4_experts(pools, 1, xc, idc, wc, {**cfg.to_dict(), "pdl": 2}, use_row_map=False)
         assert torch.equal(pdl2, base), cfg
+        if cfg.w8a16 == 5 and cfg.num_stages >= 3:  # the rings: the register path's products in its order
+            registers = {**cfg.to_dict(), "num_stages": 2}
+            assert torch.equal(triton_mxfp4_experts(pools, 1, xc, idc, wc, registers, use_row_map=False), base), cfg
 
 
 _MMA_TILE = dict(block_m=8, block_n1=16, block_k1=128, block_n2=32, block_k2=128, num_warps=2, num_stages=1,
