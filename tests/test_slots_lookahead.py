@@ -315,10 +315,9 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
     landed), they differ, so the parity gate fails. The prefetch gate is off (``_without_gate``):
     the copies are what is tested.
 
-    The sleep counts clock cycles, not this process's time on the GPU: in the whole GPU suite under
-    ``pytest -m gpu -n 8`` (eight processes on one GPU) a sleep of 4 M cycles (about 2 ms) once ended
-    before the main stream reached the layer, and the stale join went unseen (it passed alone).
-    50 M cycles give the main stream 12.5 times that margin."""
+    The sleep counts clock cycles, not this process's time on the GPU: beside other processes on the
+    same GPU (``pytest -m gpu -n 8``) a sleep of a few milliseconds can end before the main stream
+    reaches the layer, and the stale join would go unseen; 50 M cycles leave a wide margin."""
     from coldset.kernels import triton_slots
 
     real_fill = triton_slots.fill

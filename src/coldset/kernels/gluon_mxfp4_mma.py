@@ -183,11 +183,23 @@ def _chunk_sums(w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, BM: g
 
 
 @gluon.jit
+def _groups_in_k(every_s, g, step, K: gl.constexpr):
+    """``[BN, 4]``: which of k step ``step``'s four scale groups ``g`` lie before K, for every row."""
+    return every_s & (g < K // 32 - step * 4)[None, :]
+
+
+@gluon.jit
+def _step_scales(s_ptrs, step, K: gl.constexpr, g, every_s):
+    """k step ``step``'s scale bytes ``[BN, 4]``; 127 (a factor of one) past K."""
+    return gl.load(s_ptrs + step * 4, mask=_groups_in_k(every_s, g, step, K), other=127)
+
+
+@gluon.jit
 def _copy_step(codes, tokens, w_ptrs, x_rows, step, K: gl.constexpr, g, col, every_s, every_x):
     """One commit group of :func:`_ring_sums`: k step ``step``'s codes (each thread its own 16 bytes)
     and tokens into ring slots ``codes`` and ``tokens``; past K zero-filled."""
     async_copy.async_copy_global_to_shared(codes, w_ptrs + step * 16,
-                                           mask=(every_s & (g < K // 32 - step * 4)[None, :])[:, :, None])
+                                           mask=_groups_in_k(every_s, g, step, K)[:, :, None])
     ph = step * 128 + col
     async_copy.async_copy_global_to_shared(tokens, x_rows[:, None] + ph[None, :], mask=every_x & (ph < K)[None, :])
     async_copy.commit_group()
@@ -221,10 +233,10 @@ def _ring_sums(acc, w_ptrs, s_ptrs, x_rows, K: gl.constexpr, BN: gl.constexpr, B
     every_s = gl.full([BN, 4], 1, gl.int1, L2)
     for j in gl.static_range(D):
         _copy_step(ring.index(j), xring.index(j), w_ptrs, xr, j, K, g, col, every_s, every_x)
-    s0 = gl.load(s_ptrs, mask=every_s & (g < K // 32)[None, :], other=127)
-    s1 = gl.load(s_ptrs + 4, mask=every_s & (g < K // 32 - 4)[None, :], other=127)
+    s0 = _step_scales(s_ptrs, 0, K, g, every_s)
+    s1 = _step_scales(s_ptrs, 1, K, g, every_s)
     for i in range(STEPS):
-        s2 = gl.load(s_ptrs + (i + 2) * 4, mask=every_s & (g < K // 32 - (i + 2) * 4)[None, :], other=127)
+        s2 = _step_scales(s_ptrs, i + 2, K, g, every_s)
         async_copy.wait_group(D - 1)  # step i's copies have landed
         slot = i % D
         q = ring.index(slot).load(LQ)
