@@ -336,7 +336,8 @@ def test_default_config_on_cuda_takes_the_gluon_tiles_from_three_to_64_tokens():
 
 def test_mma_rings_are_refused_by_name_where_gluon_has_no_cp_async(monkeypatch):
     """A Gluon without ``cp.async`` keeps the tensor-core tile's register paths (``num_stages`` 1 and
-    2) and refuses its shared-memory rings (3 to 6) by name, before anything launches."""
+    2) and refuses its shared-memory rings (3 to 6) by name, before anything launches; its CUDA
+    default is the same tile at ``num_stages`` 2 (the same sums, bitwise: the GPU tests)."""
     from coldset.kernels import triton_mxfp4 as mx
     from coldset.kernels.triton_moe import KernelConfig
 
@@ -346,10 +347,15 @@ def test_mma_rings_are_refused_by_name_where_gluon_has_no_cp_async(monkeypatch):
                 w8a16=5)
     for stages in (2, 5):
         mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": stages}))
+    assert mx.DEFAULT_CUDA_MMA_CONFIG.num_stages == 5
     monkeypatch.setattr(mx.gluon_mxfp4_mma, "async_copy", None)
     mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": 2}))
     with pytest.raises(ValueError, match=r"num_stages 5 copies through shared memory .* lacks: num_stages 1 or 2"):
         mx._check_mma_config(KernelConfig.from_dict({**tile, "num_stages": 5}))
+    if mx.gluon_mxfp4 is not None and mx.gdc_wait is not None:  # the CUDA default keeps the tile, without its rings
+        ring = mx.DEFAULT_CUDA_MMA_CONFIG
+        assert mx.default_config(64, cuda=True) == KernelConfig.from_dict({**ring.to_dict(), "num_stages": 2})
+        mx._check_mma_config(mx.default_config(64, cuda=True))
 
 
 # ------------------------------------------- the compiled kernel (CUDA) -------

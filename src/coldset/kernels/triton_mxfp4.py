@@ -123,7 +123,9 @@ DEFAULT_PREFILL_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp
 # above MMA_FROM the Gluon tensor-core tile (w8a16 5)
 DEFAULT_CUDA_DECODE_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_decode"])
 DEFAULT_CUDA_MMA_CONFIG = KernelConfig.from_dict(load_kernel_configs("triton_mxfp4")["defaults"]["cuda_mma"])
-MMA_FROM = 23  # above this many tokens (to 64) the CUDA default is the tensor-core tile
+# where Gluon lacks cp.async: the same tile one step ahead in registers (the same products, bitwise)
+DEFAULT_CUDA_MMA_REGISTER_CONFIG = KernelConfig.from_dict({**DEFAULT_CUDA_MMA_CONFIG.to_dict(), "num_stages": 2})
+MMA_FROM = 18  # above this many tokens (to 64) the CUDA default is the tensor-core tile
 
 #: The launches of a :func:`triton_mxfp4_experts` call, in order (the grouping goes with the first).
 LAUNCHES = ("w13_act", "w2", "sum")
@@ -136,13 +138,15 @@ def default_config(num_tokens: int, top_k: int = 4, cuda: bool = False) -> Kerne
     before the launch (``slot_max_pairs`` 1: a block reads its expert's range, it does not scan the
     routing; the faster step at 8 tokens: docs/measurements/mxfp4/sorted_default), and above
     :data:`MMA_FROM` tokens the Gluon tensor-core tile (``w8a16`` 5: an expert's pairs share one
-    unpacking; the faster kernel there, measured on both sides of the threshold:
-    docs/measurements/mxfp4/mma_unpack), where this triton has Gluon
-    and grid-dependency control; elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
+    unpacking) with its k steps copied four ahead through shared memory (``num_stages`` 5; the faster
+    kernel there, measured on both sides of the threshold: docs/measurements/mxfp4/mma_ring; one
+    step ahead in registers where Gluon lacks ``cp.async``, the same sums), where this triton has
+    Gluon and grid-dependency control; elsewhere (Triton's interpreter runs no Gluon) the Triton GEMV tile
     without the prefetch (its registers cost more than it saves there). Prefill tiles above 64."""
     if cuda and FEW_TOKENS < num_tokens <= 64 and gluon_mxfp4 is not None and gdc_wait is not None:
-        mma = num_tokens > MMA_FROM and gluon_mxfp4_mma is not None
-        return DEFAULT_CUDA_MMA_CONFIG if mma else DEFAULT_CUDA_DECODE_CONFIG
+        if num_tokens <= MMA_FROM or gluon_mxfp4_mma is None:
+            return DEFAULT_CUDA_DECODE_CONFIG
+        return DEFAULT_CUDA_MMA_CONFIG if gluon_mxfp4_mma.async_copy is not None else DEFAULT_CUDA_MMA_REGISTER_CONFIG
     if num_tokens <= FEW_TOKENS:
         return DEFAULT_FEW_TOKENS_CONFIG
     return DEFAULT_DECODE_CONFIG if num_tokens <= 64 else DEFAULT_PREFILL_CONFIG
