@@ -230,6 +230,33 @@ def test_logits_are_compared_at_every_position_up_to_the_first_divergence():
             assert r.tokens_matched == 8 - (4 - p)
 
 
+def test_the_compiled_decode_region_picks_its_reduction_configs_without_timing(tmp_path, monkeypatch):
+    """Inductor times a reduction's block size and warps on the device and keeps the fastest; those
+    set the order of its sums, so a region compiled twice (a graph a shape) could round apart from run
+    to run. ``compile_decode`` compiles in Inductor's deterministic mode, and refuses a torch without
+    that mode by name."""
+    import torch._inductor.config as inductor_config
+
+    model = synthetic_engine(SPEC, tmp_path)
+    asked = {}
+    compile_ = torch.compile
+
+    def recording(fn, **kwargs):
+        asked.update(kwargs)
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    model.compile_decode(fused=False)
+    assert asked["options"] == {"deterministic": True} and model.decode_is_dynamo_compiled
+    from coldset.engine.generate import generate
+
+    prompts = random_prompts(model.config.vocab_size, 2, seed=3)
+    assert [len(t) for t in generate(model, prompts, 3, progress=False).tokens] == [3, 3]  # the mode compiles and runs
+    monkeypatch.delattr(inductor_config, "deterministic")
+    with pytest.raises(ValueError, match=r"needs Inductor's deterministic mode \(torch >= 2.10\), torch .* lacks it"):
+        model.compile_decode(fused=False)
+
+
 def test_warming_a_compiled_decode_region_makes_later_decodes_run_the_same_graphs(tmp_path):
     """Dynamo runs the newest compiled graph whose guards a step passes: the first decode of a
     workload compiles exact-size graphs its later steps supersede, so the reference and a placement

@@ -566,7 +566,10 @@ class MoEModel(nn.Module):
         and the whole step can still be captured in one CUDA graph (:class:`coldset.bench.decode.Decoder`).
         Prefill is neither. Neither region is bitwise the eager step (other reduction orders, float32
         kept across fused ops), so every run that compares tokens (parity gate, bench) runs one
-        engine on both sides. ``fused=True`` where the kernels cannot run raises, naming why.
+        engine on both sides. The Inductor region compiles in Inductor's deterministic mode: its
+        reductions' block sizes and warps (the order of their sums) are not picked by timing, so a
+        shape compiled again, in this run or the next, rounds the same. ``fused=True`` where the
+        kernels cannot run raises, naming why.
         ``pdl`` (fused only): launch the kernels as programmatic dependent launches (Hopper, the
         same bits); None: where it measured faster (at batch 1 on Hopper or newer,
         :func:`coldset.kernels.triton_decode.pdl_default`).
@@ -590,9 +593,16 @@ class MoEModel(nn.Module):
         # Routing, gate and bench batches differ in batch size, key length and mask strides: each
         # new kind of difference recompiles once (then that size is symbolic); 8 is too few.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        import torch._inductor.config as inductor_config  # deterministic mode: the docstring
+
+        if not hasattr(inductor_config, "deterministic"):
+            raise ValueError(f"compile_decode(fused=False) needs Inductor's deterministic mode (torch >= 2.10), "
+                             f"torch {torch.__version__} lacks it: its timed reduction configs could change the "
+                             f"compiled step's sums from run to run; decode eagerly (no compile_decode) instead")
         # dynamic=None: the first shape compiles static; a second (batch size, key length) makes
         # those sizes symbolic, so generate()'s growing mask costs one more compile, not one a step.
-        self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True)
+        self._compiled_before_experts = torch.compile(layer_before_experts, fullgraph=True,
+                                                      options={"deterministic": True})
 
     def setup_cache(self, batch_size: int, max_seq: int) -> None:
         """Preallocate each layer's KV cache ``[batch_size, max_seq, kv_heads, head_dim]``."""
