@@ -316,8 +316,9 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
     the copies are what is tested.
 
     The sleep counts clock cycles, not this process's time on the GPU: beside other processes on the
-    same GPU (``pytest -m gpu -n 8``) a sleep of a few milliseconds can end before the main stream
-    reaches the layer, and the stale join would go unseen; 50 M cycles leave a wide margin."""
+    same GPU (``pytest -m gpu -n 8``) it can end before the main stream reaches the layer, and the
+    stale join goes unseen. 50 M cycles make that rarer than a few milliseconds did, not impossible:
+    alone, the test is reliable."""
     from coldset.kernels import triton_slots
 
     real_fill = triton_slots.fill
