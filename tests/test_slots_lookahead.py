@@ -317,8 +317,7 @@ def test_a_prefetch_joined_late_fails_the_gate_on_cuda(graphed_model, monkeypatc
 
     The sleep counts clock cycles, not this process's time on the GPU: beside other processes on the
     same GPU (``pytest -m gpu -n 8``) it can end before the main stream reaches the layer, and the
-    stale join goes unseen. 50 M cycles make that rarer than a few milliseconds did, not impossible:
-    alone, the test is reliable."""
+    stale join goes unseen. 50 M cycles make that rare, not impossible: alone, the test is reliable."""
     from coldset.kernels import triton_slots
 
     real_fill = triton_slots.fill
